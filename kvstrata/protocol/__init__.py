@@ -1,0 +1,17 @@
+"""Pure data shared by every layer (no torch): sampling parameters and the
+scheduler <-> runner contract. Sits below engine/ and runner/ so both may import it."""
+from kvstrata.protocol.sampling_params import SamplingParams
+from kvstrata.protocol.scheduler_output import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+__all__ = [
+    "SamplingParams",
+    "NewRequestData",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "RunnerOutput",
+]

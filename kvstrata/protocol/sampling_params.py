@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, validated once at construction.
+
+Field names follow SGLang's `sampling_params` dict (max_new_tokens, top_k, min_p, ...).
+Every out-of-range value raises ValueError naming the field, so the HTTP layer can turn it
+into a 400 that names the offending parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# top_k <= 0 (SGLang uses -1) means "no top-k cut".
+TOP_K_ALL = -1
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # None: no logprobs. n >= 0: the sampled token's logprob plus the top-n alternatives.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        check("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+              "must be an integer >= 0")
+        check("min_new_tokens", is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
+              "must be an integer >= 0")
+        check("min_new_tokens", self.min_new_tokens <= self.max_new_tokens,
+              "must be <= max_new_tokens")
+        check("temperature", is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
+              "must be in [0, 100]")
+        check("top_p", is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        check("top_k", is_int(self.top_k) and (self.top_k == TOP_K_ALL or self.top_k >= 1),
+              "must be -1 (disabled) or >= 1")
+        check("min_p", is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        check("repetition_penalty",
+              is_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+              "must be in (0, 2]")
+        check("frequency_penalty",
+              is_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+              "must be in [-2, 2]")
+        check("presence_penalty",
+              is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+              "must be in [-2, 2]")
+        check("seed", self.seed is None or is_int(self.seed), "must be an integer")
+        check("stop", all(isinstance(s, str) and s for s in self.stop),
+              "must be a non-empty string or a list of non-empty strings")
+        check("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+              "must be a list of non-negative integers")
+        check("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean")
+        check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+              "must be null or an integer in [0, 20]")

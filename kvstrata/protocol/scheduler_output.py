@@ -1,0 +1,75 @@
+"""The tensor-free contract between the scheduler (deciding) and the runner (doing).
+
+Typed msgspec structs so the runner can later sit in another process behind one codec.
+
+Per step the scheduler sends a SchedulerOutput:
+  new_requests   -- requests the runner has not seen (first schedule, or again after a
+                    retraction): their prompt/output ids (for penalties) and sampling params.
+  scheduled      -- the batch of this forward, in batch order. Each entry says which tokens
+                    to compute at which positions, and which KV slots to record in the
+                    request's req_to_token row first.
+  freed_req_ids  -- finished / aborted / retracted requests: the runner drops their state.
+The runner answers with a RunnerOutput holding one sampled token per entry whose
+`sample` flag was set (in batch order).
+
+Slots are token-level KV indices: slot = page_id * page_size + offset_in_page. Page 0 (slots
+0..page_size-1) is the padding sink and never holds real KV.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from kvstrata.protocol.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct):
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a retraction: they count for penalties and are recomputed.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Return the logprob of each prompt token (position 1..n-1) under the model (echo).
+    return_prompt_logprobs: bool = False
+
+
+class ScheduledRequest(msgspec.Struct):
+    req_id: str
+    row: int  # req_to_token row (row 0 is reserved)
+    # KV for positions [0, start_pos) is already in the pool and listed in the row.
+    start_pos: int
+    # Tokens to run now, at positions start_pos .. start_pos + len(token_ids) - 1.
+    token_ids: list[int]
+    # Record `slots` at req_to_token[row, slot_write_start : slot_write_start + len(slots)]
+    # before the forward. Covers any prefix-cache hit plus the new tokens' slots.
+    slot_write_start: int
+    slots: list[int]
+    # Sample a next token after this chunk (False for a non-final prefill chunk).
+    sample: bool
+
+
+class SchedulerOutput(msgspec.Struct):
+    step: int
+    is_prefill: bool
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]
+    freed_req_ids: list[str]
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class RunnerOutput(msgspec.Struct):
+    # One entry per ScheduledRequest with sample=True, in batch order.
+    req_ids: list[str]
+    token_ids: list[int]
+    # Filled only for requests whose sampling_params.logprobs is not None (else None).
+    logprobs: list[float | None]
+    top_logprobs: list[list[TopLogprob] | None]
+    # req_id -> logprob of prompt tokens 1..n-1 (only for return_prompt_logprobs requests,
+    # filled once the whole prompt has been prefilled; chunks accumulate inside the runner).
+    prompt_logprobs: dict[str, list[float]] = {}
+    # Asynchronous transfer jobs (HiCache, PD) that finished or failed since the last step.
+    finished_transfer_ids: list[int] = []
+    failed_transfer_ids: list[int] = []
