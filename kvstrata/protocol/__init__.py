@@ -1,11 +1,13 @@
 """Pure data shared by every layer (no torch): sampling parameters and the
 scheduler <-> runner contract. Sits below engine/ and runner/ so both may import it."""
+from kvstrata.protocol.request_output import FinishReason, RequestOutput
 from kvstrata.protocol.sampling_params import SamplingParams
 from kvstrata.protocol.scheduler_output import (
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TopLogprob,
 )
 
 __all__ = [
@@ -14,4 +16,7 @@ __all__ = [
     "ScheduledRequest",
     "SchedulerOutput",
     "RunnerOutput",
+    "FinishReason",
+    "RequestOutput",
+    "TopLogprob",
 ]

@@ -1,0 +1,173 @@
+"""Request-facing KV facade over the page allocator and the radix cache (no torch).
+
+The scheduler never touches pages directly; it asks this class to match a prefix, reserve
+pages for new tokens, hand computed pages to the tree, and release a request. The request
+object is duck-typed (cache/ must not import engine/); it carries:
+`pages`, `num_tree_pages`, `last_node`, `num_computed_tokens`, `row_stale_from`, `all_ids`.
+
+Page ownership for one request (page size P):
+
+    pages[0 : num_tree_pages]        owned by the radix tree, pinned by last_node's lock
+    pages[num_tree_pages : ]         owned by the request (freed or adopted by the tree later)
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from kvstrata.cache.page_allocator import PageAllocator
+from kvstrata.cache.radix_cache import RadixCache
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool = False,
+                 eviction_policy: str = "lru"):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.tree = RadixCache(self.allocator, page_size, disable=disable_radix_cache,
+                               eviction_policy=eviction_policy)
+        self.matched_tokens = 0
+        self.queried_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def available_tokens(self) -> int:
+        return self.allocator.available_pages() * self.page_size
+
+    def evictable_tokens(self) -> int:
+        return self.tree.evictable_pages() * self.page_size
+
+    def used_tokens(self) -> int:
+        """Tokens held by requests or pinned in the tree (not reclaimable now)."""
+        return (self.allocator.num_used() - self.tree.evictable_pages()) * self.page_size
+
+    def ensure_free_pages(self, num_pages: int) -> bool:
+        """Evict just the shortfall from the tree; True when num_pages are free afterwards."""
+        shortfall = num_pages - self.allocator.available_pages()
+        if shortfall > 0:
+            self.tree.evict(shortfall)
+        return self.allocator.available_pages() >= num_pages
+
+    # ------------------------------------------------------------------ prefix
+    def peek_prefix_len(self, token_ids: list[int]) -> int:
+        """Matched length without pinning (for lpm ordering)."""
+        return len(self.tree.match_prefix(self._matchable(token_ids)).device_pages) * self.page_size
+
+    def match_and_lock(self, req: Any) -> int:
+        """Attach the longest cached prefix to a request that holds no KV; returns its length.
+
+        The last prompt token is never matched: its logits are needed to sample, so a
+        full-prompt hit still recomputes it."""
+        assert not req.pages and req.last_node is None
+        ids = req.all_ids
+        match = self.tree.match_prefix(self._matchable(ids))
+        self.tree.lock(match.last_node)
+        req.last_node = match.last_node
+        req.pages = list(match.device_pages)
+        req.num_tree_pages = len(req.pages)
+        req.num_computed_tokens = len(req.pages) * self.page_size
+        req.row_stale_from = 0
+        self.queried_tokens += len(ids)
+        self.matched_tokens += req.num_computed_tokens
+        return req.num_computed_tokens
+
+    def _matchable(self, ids: list[int]) -> list[int]:
+        usable = (len(ids) - 1) // self.page_size * self.page_size
+        return ids[:max(usable, 0)]
+
+    # ------------------------------------------------------------------ growth
+    def pages_needed(self, req: Any, upto_tokens: int) -> int:
+        return max(-(-upto_tokens // self.page_size) - len(req.pages), 0)
+
+    def grow(self, req: Any, upto_tokens: int) -> bool:
+        """Make req.pages cover positions [0, upto_tokens). False (nothing changed) if no room."""
+        need = self.pages_needed(req, upto_tokens)
+        if need == 0:
+            return True
+        if not self.ensure_free_pages(need):
+            return False
+        new_pages = self.allocator.alloc(need)
+        if new_pages is None:
+            return False
+        req.pages.extend(new_pages)
+        return True
+
+    def slots(self, req: Any, start: int, end: int) -> list[int]:
+        P = self.page_size
+        return [req.pages[i // P] * P + i % P for i in range(start, end)]
+
+    # ------------------------------------------------------------------ hand-over
+    def cache_unfinished(self, req: Any) -> None:
+        """Between prefill chunks: give the computed whole pages to the tree so the next chunk
+        (and other requests) reuse them; the request keeps a lock on them."""
+        if self.tree.disable:
+            return
+        full = req.num_computed_tokens // self.page_size
+        if full <= req.num_tree_pages:
+            return
+        key = req.all_ids[:full * self.page_size]
+        self.tree.insert(key, req.pages[:full])
+        match = self.tree.match_prefix(key)
+        tree_pages = match.device_pages
+        assert len(tree_pages) == full, (len(tree_pages), full)
+        # Pages someone else inserted meanwhile are duplicates of ours: drop ours and point
+        # the request (and its req_to_token row) at the tree's copy.
+        duplicates = []
+        for i in range(req.num_tree_pages, full):
+            if req.pages[i] != tree_pages[i]:
+                duplicates.append(req.pages[i])
+                req.pages[i] = tree_pages[i]
+                req.row_stale_from = min(req.row_stale_from, i * self.page_size)
+        if duplicates:
+            self.allocator.free(duplicates)
+        self.tree.lock(match.last_node)
+        self.tree.unlock(req.last_node)
+        req.last_node = match.last_node
+        req.num_tree_pages = full
+
+    def release(self, req: Any, insert: bool) -> None:
+        """Drop a request's KV. With insert, its computed whole pages go to the tree first
+        (finished/aborted requests); without, everything it owns is freed (retraction)."""
+        to_free: list[int] = []
+        keep = req.num_tree_pages
+        if insert and not self.tree.disable:
+            full = req.num_computed_tokens // self.page_size
+            if full > req.num_tree_pages:
+                already = self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+                # [num_tree_pages, already): the tree had its own copy -> ours are duplicates.
+                to_free.extend(req.pages[req.num_tree_pages:max(already, req.num_tree_pages)])
+                keep = full
+        to_free.extend(req.pages[keep:])
+        if to_free:
+            self.allocator.free(to_free)
+        if req.last_node is not None:
+            self.tree.unlock(req.last_node)
+        req.pages = []
+        req.num_tree_pages = 0
+        req.last_node = None
+
+    def flush(self) -> bool:
+        return self.tree.reset()
+
+    # ------------------------------------------------------------------ checks
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def check_integrity(self, live_requests: Iterable[Any]) -> None:
+        """free + held by requests + cached in the tree == total pages."""
+        self.allocator.check_integrity()
+        self.tree.check_integrity()
+        own = 0
+        seen: set[int] = set()
+        for req in live_requests:
+            mine = req.pages[req.num_tree_pages:]
+            assert not (seen & set(mine)), f"request {req.rid} shares pages with another"
+            seen.update(mine)
+            own += len(mine)
+        free = self.allocator.available_pages()
+        cached = self.tree.cached_pages()
+        total = self.allocator.num_pages
+        assert free + own + cached == total, (
+            f"KV page leak: free {free} + in use {own} + cached {cached} != total {total}")

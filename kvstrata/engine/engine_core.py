@@ -1,0 +1,133 @@
+"""The engine core: scheduler + runner in one loop step (no torch here; the runner is
+injected). Used in-process by `kvstrata.LLM` and inside the scheduler process by the server.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvstrata.engine.request import EngineRequest, Request
+from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
+from kvstrata.engine.stop_checker import StopChecker
+from kvstrata.protocol import FinishReason, RequestOutput, TopLogprob
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, runner: Any, config: SchedulerConfig, tokenizer: Any = None):
+        """`runner` needs: execute(SchedulerOutput) -> RunnerOutput, eos_token_ids,
+        max_context_len, vocab_size."""
+        self.runner = runner
+        self.max_context_len = runner.max_context_len
+        self.vocab_size = runner.vocab_size
+        self.scheduler = Scheduler(
+            config, StopChecker(list(runner.eos_token_ids), runner.max_context_len, tokenizer))
+        self._arrivals = 0
+        self._rejected: list[Request] = []
+        self._rids: set[str] = set()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, er: EngineRequest) -> None:
+        """Never raises for bad input: the request finishes with an abort (status 400)."""
+        req = Request(er.rid, list(er.prompt_ids), er.sampling_params, self._arrivals,
+                      er.return_prompt_logprobs)
+        self._arrivals += 1
+        error = self._validate(req)
+        if error is not None:
+            req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
+            self._rejected.append(req)
+            return
+        self._rids.add(req.rid)
+        self.scheduler.add(req)
+
+    def _validate(self, req: Request) -> str | None:
+        n = len(req.prompt_ids)
+        if req.rid in self._rids:
+            return f"Duplicate request id {req.rid!r}."
+        if n == 0:
+            return "The prompt is empty."
+        if any(not (0 <= t < self.vocab_size) for t in req.prompt_ids):
+            return f"Token ids must be in [0, {self.vocab_size})."
+        if n >= self.max_context_len:
+            return (f"The input ({n} tokens) is longer than the model's context length "
+                    f"({self.max_context_len} tokens).")
+        if n + 1 > self.scheduler.kv.total_tokens:
+            return (f"The input ({n} tokens) does not fit in the KV cache "
+                    f"({self.scheduler.kv.total_tokens} tokens); raise --max-total-tokens.")
+        return None
+
+    def abort_request(self, rid: str) -> None:
+        req = self.scheduler.abort(rid, FinishReason(type="abort", message="Aborted by the client.",
+                                                     status_code=499))
+        if req is not None:
+            self.scheduler.finished_outside_step.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._rejected or self.scheduler.has_work()
+                    or self.scheduler.finished_outside_step)
+
+    # ------------------------------------------------------------------ the loop step
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(r) for r in self._drain_rejected()]
+        sched_out = self.scheduler.schedule()
+        touched: list[Request] = []
+        if sched_out is not None:
+            result = self.runner.execute(sched_out)
+            touched = self.scheduler.update(sched_out, result)
+        touched += self.scheduler.finished_outside_step
+        self.scheduler.finished_outside_step = []
+        for req in touched:
+            outputs.append(self._output(req))
+            if req.is_finished:
+                self._rids.discard(req.rid)
+        return outputs
+
+    def _drain_rejected(self) -> list[Request]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_ids[req.num_reported_tokens:]
+        req.num_reported_tokens = len(req.output_ids)
+        logprobs = top = None
+        if req.params.logprobs is not None:
+            logprobs, req.pending_logprobs = req.pending_logprobs, []
+            top = [[TopLogprob(t, lp) for t, lp in row] for row in req.pending_top_logprobs]
+            req.pending_top_logprobs = []
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        return RequestOutput(
+            rid=req.rid, new_token_ids=new_ids, finished=req.is_finished,
+            finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            new_logprobs=logprobs, new_top_logprobs=top, prompt_logprobs=prompt_logprobs,
+        )
+
+    # ------------------------------------------------------------------ admin
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        return self.scheduler.kv.flush()
+
+    def get_load(self) -> dict:
+        kv = self.scheduler.kv
+        used = kv.used_tokens()
+        return {
+            "num_running_reqs": len(self.scheduler.live_requests()),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "num_used_tokens": used,
+            "max_total_num_tokens": kv.total_tokens,
+            "token_usage": used / kv.total_tokens if kv.total_tokens else 0.0,
+            "num_cached_tokens": kv.tree.cached_pages() * kv.page_size,
+            "cache_hit_rate": kv.hit_rate(),
+            "num_retractions": self.scheduler.num_retractions,
+            "new_token_ratio": self.scheduler.ratio.value,
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()

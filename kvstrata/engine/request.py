@@ -1,0 +1,96 @@
+"""Scheduler-side request state (no torch).
+
+A request's KV lives in `pages` (device page ids, one per page_size tokens):
+
+    pages:  [ tree-owned, locked via last_node | request-owned ............ ]
+             0 ........ num_tree_pages - 1     num_tree_pages ... len - 1
+
+The tree-owned part came from a prefix-cache hit or from inserting our own computed pages
+(chunked prefill); it is pinned by `last_node`'s lock. The rest belongs to the request and is
+freed or handed to the tree when the request finishes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.protocol import FinishReason, SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """What a client submits."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    return_prompt_logprobs: bool = False
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_index: int
+    return_prompt_logprobs: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+
+    # --- KV state (see module docstring) ---
+    row: int = 0  # req_to_token row; 0 = none
+    pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    last_node: Any = None  # locked radix node, or None
+    # Tokens whose KV is in the pool (positions [0, num_computed_tokens)).
+    num_computed_tokens: int = 0
+    # req_to_token entries from this position on must be (re)written before the next forward.
+    row_stale_from: int = 0
+    known_to_runner: bool = False
+
+    # --- accounting ---
+    cached_tokens: int = 0
+    retraction_count: int = 0
+    finish_reason: FinishReason | None = None
+    num_reported_tokens: int = 0
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_own_pages(self) -> int:
+        return len(self.pages) - self.num_tree_pages
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+
+    def reset_for_retract(self) -> None:
+        """Forget all KV; keep generated tokens (they are recomputed on resume)."""
+        self.row = 0
+        self.pages = []
+        self.num_tree_pages = 0
+        self.last_node = None
+        self.num_computed_tokens = 0
+        self.row_stale_from = 0
+        self.known_to_runner = False
+        self.status = RequestStatus.WAITING
+        self.retraction_count += 1

@@ -1,0 +1,296 @@
+"""Continuous-batching scheduler (no torch): decides, per step, what the runner computes.
+
+One step is either a prefill batch (prefill has priority) or a decode step over every
+running request. Long prompts are prefilled in chunks; between chunks their computed pages
+go to the radix tree. When a decode step cannot get its pages, requests are retracted
+(fewest generated tokens first, ties: longest prompt) and later recomputed, usually from
+prefix-cache hits. See docs/architecture.md for the request lifecycle.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvstrata.cache.kv_manager import KVManager
+from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
+from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
+from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.stop_checker import StopChecker
+from kvstrata.protocol import (
+    FinishReason,
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+OOM_LAST_REQUEST_MESSAGE = (
+    "Out of memory even after retracting all other requests in the decode batch."
+)
+LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
+
+
+@dataclass
+class SchedulerConfig:
+    num_pages: int
+    page_size: int = 1
+    max_running_requests: int = 64
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None  # None or <= 0: no chunking
+    schedule_policy: str = "fcfs"  # fcfs | lpm
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, stop_checker: StopChecker):
+        if config.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"--schedule-policy must be fcfs or lpm, got {config.schedule_policy!r}")
+        self.config = config
+        self.page_size = config.page_size
+        self.kv = KVManager(config.num_pages, config.page_size, config.disable_radix_cache,
+                            config.radix_eviction_policy)
+        self.stop_checker = stop_checker
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.chunked_req: Request | None = None
+        # req_to_token rows: row 0 is the padding sink; one extra row for the chunked request.
+        self.free_rows = list(range(1, config.max_running_requests + 2))
+        self.num_rows = len(self.free_rows)
+        self.freed_for_runner: list[str] = []
+        self.finished_outside_step: list[Request] = []
+        self.step_id = 0
+        self.num_retractions = 0
+        self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def live_requests(self) -> list[Request]:
+        live = list(self.running)
+        if self.chunked_req is not None:
+            live.append(self.chunked_req)
+        return live
+
+    def abort(self, rid: str, reason: FinishReason) -> Request | None:
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish(req, reason)
+        for req in self.live_requests():
+            if req.rid == rid:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                else:
+                    self.running.remove(req)
+                return self._finish(req, reason)
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> Request:
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        if req.row or req.pages or req.last_node is not None:
+            self.kv.release(req, insert=True)
+            self._free_row(req)
+        if req.known_to_runner:
+            self.freed_for_runner.append(req.rid)
+            req.known_to_runner = False
+        return req
+
+    def _free_row(self, req: Request) -> None:
+        if req.row:
+            self.free_rows.append(req.row)
+            req.row = 0
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput | None:
+        out = self._schedule_prefill()
+        if out is None and self.running:
+            out = self._schedule_decode()
+        if out is None and self.freed_for_runner:
+            out = self._output(False, [], [])  # still tell the runner what to forget
+        return out
+
+    def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
+        new = [
+            NewRequestData(r.rid, r.prompt_ids, list(r.output_ids), r.params,
+                           r.return_prompt_logprobs and r.retraction_count == 0)
+            for r in reqs if not r.known_to_runner
+        ]
+        for r in reqs:
+            r.known_to_runner = True
+        self._in_flight = {r.rid: r for r in reqs}
+        freed, self.freed_for_runner = self.freed_for_runner, []
+        self.step_id += 1
+        return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed)
+
+    def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        write_from = min(req.row_stale_from, start)
+        entry = ScheduledRequest(
+            req_id=req.rid, row=req.row, start_pos=start,
+            token_ids=req.all_ids[start:start + num_tokens],
+            slot_write_start=write_from,
+            slots=self.kv.slots(req, write_from, start + num_tokens),
+            sample=sample,
+        )
+        # Optimistic: the runner executes this before the next schedule() call.
+        req.num_computed_tokens = start + num_tokens
+        req.row_stale_from = req.num_computed_tokens
+        return entry
+
+    def _prefill_candidates(self) -> list[Request]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE_LEN:
+            prefix = {id(r): self.kv.peek_prefix_len(r.all_ids) for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: -prefix[id(r)])  # stable: fcfs on ties
+        return list(self.waiting)
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        cfg = self.config
+        reserved = sum(self.ratio.reserved_tokens(r) for r in self.running)
+        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size and cfg.chunked_prefill_size > 0 else None
+        adder = PrefillAdder(
+            page_size=self.page_size,
+            rem_total=self.kv.available_tokens() + self.kv.evictable_tokens() - reserved,
+            rem_input=cfg.max_prefill_tokens, rem_chunk=chunk,
+            running_empty=not self.running and self.chunked_req is None,
+        )
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            item = adder.try_add(req, req.seq_len - req.num_computed_tokens)
+            if item is not None and not self.kv.grow(req, req.num_computed_tokens + item.extend_len):
+                adder.items.remove(item)
+        for req in self._prefill_candidates():
+            if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
+                break
+            if not self._admit(req, adder):
+                break
+        if not adder.items:
+            return None
+        return self._build_prefill(adder.items)
+
+    def _admit(self, req: Request, adder: PrefillAdder) -> bool:
+        protected_before = self.kv.tree.protected_pages()
+        prefix = self.kv.match_and_lock(req)
+        # Pinning the matched prefix takes it out of the evictable budget.
+        adder.rem_total -= (self.kv.tree.protected_pages() - protected_before) * self.page_size
+        item = adder.try_add(req, req.seq_len - prefix)
+        if item is None or not self.kv.grow(req, prefix + item.extend_len):
+            if item is not None:
+                adder.items.remove(item)
+            self.kv.release(req, insert=False)
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.remove(req)
+        req.row = self.free_rows.pop(0)
+        req.row_stale_from = 0
+        req.cached_tokens += prefix
+        req.status = RequestStatus.RUNNING
+        return True
+
+    def _build_prefill(self, items: list[PrefillItem]) -> SchedulerOutput:
+        scheduled = []
+        self.chunked_req = None
+        for item in items:
+            scheduled.append(self._entry(item.req, item.extend_len, sample=item.is_last_chunk))
+            if not item.is_last_chunk:
+                self.chunked_req = item.req
+        return self._output(True, [i.req for i in items], scheduled)
+
+    def _decode_pages_needed(self, reqs: list[Request]) -> int:
+        return sum(self.kv.pages_needed(r, r.seq_len) for r in reqs)
+
+    def _schedule_decode(self) -> SchedulerOutput | None:
+        if not self.kv.ensure_free_pages(self._decode_pages_needed(self.running)):
+            self._retract()
+            if not self.running:
+                return self._output(False, [], []) if self.freed_for_runner else None
+        else:
+            self.ratio.on_decode_step()
+        scheduled = []
+        for req in self.running:
+            ok = self.kv.grow(req, req.seq_len)
+            assert ok, "decode pages were checked above"
+            scheduled.append(self._entry(req, 1, sample=True))
+        return self._output(False, list(self.running), scheduled)
+
+    def _retract(self) -> None:
+        # Sorted so that pop() yields the fewest generated tokens first, ties: longest prompt.
+        remaining = sorted(self.running,
+                           key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
+        retracted: list[Request] = []
+        while len(remaining) > 1:
+            victim = remaining.pop()
+            self.kv.release(victim, insert=False)
+            self._free_row(victim)
+            if victim.known_to_runner:
+                self.freed_for_runner.append(victim.rid)
+            victim.reset_for_retract()
+            retracted.append(victim)
+            if self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
+                break
+        if not self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
+            last = remaining.pop()
+            self.finished_outside_step.append(self._finish(
+                last, FinishReason(type="abort", message=OOM_LAST_REQUEST_MESSAGE, status_code=500)))
+        # Make room for the survivors' next few steps right away.
+        need_tokens = len(remaining) * RETRACT_DECODE_STEPS
+        self.kv.ensure_free_pages(-(-need_tokens // self.page_size))
+        old = self.ratio.value
+        new = self.ratio.on_retract(remaining)
+        self.running = [r for r in self.running if r in remaining]
+        self.waiting.extend(retracted)
+        self.num_retractions += len(retracted)
+        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                       "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
+
+    # ------------------------------------------------------------------ results
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Apply sampled tokens; returns the requests that produced output this step."""
+        by_id = {rid: r for rid, r in self._in_flight.items() if not r.is_finished}
+        touched: list[Request] = []
+        for rid, logprobs in result.prompt_logprobs.items():
+            if rid in by_id:
+                by_id[rid].prompt_logprobs = logprobs
+        for i, (rid, token) in enumerate(zip(result.req_ids, result.token_ids)):
+            req = by_id.get(rid)
+            if req is None:
+                continue  # aborted while the forward ran
+            if req.params.max_new_tokens == 0:
+                self._complete(req, FinishReason(type="length"))  # prefill-only (scoring)
+                touched.append(req)
+                continue
+            req.output_ids.append(token)
+            if result.logprobs[i] is not None:
+                req.pending_logprobs.append(result.logprobs[i])
+                req.pending_top_logprobs.append(result.top_logprobs[i] or [])
+            if req.status is RequestStatus.RUNNING and req not in self.running:
+                self.running.append(req)
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self._complete(req, reason)
+            touched.append(req)
+        if self.chunked_req is not None:
+            self.kv.cache_unfinished(self.chunked_req)
+        return touched
+
+    def _complete(self, req: Request, reason: FinishReason) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, reason)
+
+    # ------------------------------------------------------------------ introspection
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.live_requests())
+        rows_in_use = sum(1 for r in self.live_requests() if r.row)
+        assert rows_in_use + len(self.free_rows) == self.num_rows, "req_to_token row leak"

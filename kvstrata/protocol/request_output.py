@@ -1,0 +1,32 @@
+"""What the engine core reports per request per step (crosses the scheduler -> detokenizer
+socket, so it is a msgspec struct)."""
+from __future__ import annotations
+
+import msgspec
+
+from kvstrata.protocol.scheduler_output import TopLogprob
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    # "stop" (EOS, stop token or stop string), "length" (max_new_tokens or context), "abort"
+    type: str
+    # The stop string or stop token id that matched (type == "stop"); None for EOS-less stops.
+    matched: str | int | None = None
+    message: str | None = None  # abort reason
+    status_code: int | None = None  # abort: the HTTP status it maps to (400, 500, 503)
+
+
+class RequestOutput(msgspec.Struct):
+    rid: str
+    # Tokens produced since the previous RequestOutput for this request.
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    # Parallel to new_token_ids, only when sampling_params.logprobs is not None.
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[TopLogprob]] | None = None
+    # Logprobs of prompt tokens 1..n-1 (echo scoring), sent once, with the first output.
+    prompt_logprobs: list[float] | None = None

@@ -1,0 +1,120 @@
+"""PageAllocator: exact page ids, all-or-nothing alloc/free, integrity checks."""
+import pytest
+
+from kvstrata.cache.page_allocator import PageAllocator
+
+
+def make(num_pages=8, page_size=1):
+    alloc = PageAllocator(num_pages, page_size)
+    alloc.check_integrity()
+    return alloc
+
+
+def test_fresh_allocator_hands_out_lowest_ids_and_never_page_zero():
+    a = make(8, page_size=4)
+    assert (a.num_pages, a.page_size) == (8, 4)
+    assert a.available_pages() == 8 and a.num_used() == 0
+    assert a.alloc(3) == [1, 2, 3]
+    assert a.alloc(5) == [4, 5, 6, 7, 8]
+    assert a.available_pages() == 0 and a.num_used() == 8
+    a.check_integrity()
+
+
+def test_alloc_zero_and_too_many():
+    a = make(4)
+    assert a.alloc(0) == []
+    assert a.alloc(2) == [1, 2]
+    # Not enough: None and nothing changes.
+    assert a.alloc(3) is None
+    assert a.available_pages() == 2 and a.num_used() == 2
+    assert a.alloc(2) == [3, 4]
+    assert a.alloc(1) is None
+    a.check_integrity()
+
+
+def test_negative_alloc_raises():
+    with pytest.raises(ValueError):
+        make(4).alloc(-1)
+
+
+def test_freed_pages_are_reused_lowest_first():
+    a = make(8)
+    assert a.alloc(5) == [1, 2, 3, 4, 5]
+    a.free([4, 2])
+    a.check_integrity()
+    assert a.available_pages() == 5
+    assert a.alloc(3) == [2, 4, 6]
+    a.free([1, 6, 5])
+    assert a.alloc(4) == [1, 5, 6, 7]
+    a.check_integrity()
+
+
+def test_free_rejects_bad_pages_and_changes_nothing():
+    a = make(4)
+    assert a.alloc(2) == [1, 2]
+    bad_calls = [
+        [0],        # padding sink
+        [5],        # out of range
+        [-1],       # out of range
+        [3],        # never allocated
+        [1, 1],     # twice in one call
+        [1, 3],     # second id bad: the first must not be freed either
+    ]
+    for pages in bad_calls:
+        with pytest.raises(ValueError):
+            a.free(pages)
+        assert a.available_pages() == 2 and a.num_used() == 2, pages
+        a.check_integrity()
+    a.free([1])
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free([1])  # double free
+    assert a.alloc(3) == [1, 3, 4]
+
+
+def test_free_empty_list_is_a_no_op():
+    a = make(2)
+    a.free([])
+    assert a.available_pages() == 2
+
+
+def test_zero_pages():
+    a = make(0)
+    assert a.available_pages() == 0
+    assert a.alloc(0) == []
+    assert a.alloc(1) is None
+    a.check_integrity()
+
+
+def test_reset_frees_everything():
+    a = make(3)
+    a.alloc(3)
+    a.reset()
+    assert a.available_pages() == 3 and a.num_used() == 0
+    assert a.alloc(1) == [1]
+    a.check_integrity()
+
+
+def test_check_integrity_detects_corruption():
+    a = make(4)
+    a.alloc(2)
+    a._used.add(3)  # page 3 now both free and used
+    with pytest.raises(AssertionError, match="both free and used"):
+        a.check_integrity()
+
+    b = make(4)
+    b.alloc(2)
+    b._used.discard(2)  # page 2 leaked: neither free nor used
+    with pytest.raises(AssertionError, match="missing: \\[2\\]"):
+        b.check_integrity()
+
+    c = make(4)
+    c._free_heap.append(1)  # heap holds page 1 twice
+    with pytest.raises(AssertionError, match="twice"):
+        c.check_integrity()
+
+
+def test_invalid_construction():
+    with pytest.raises(ValueError):
+        PageAllocator(-1, 1)
+    with pytest.raises(ValueError):
+        PageAllocator(4, 0)
