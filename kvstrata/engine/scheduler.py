@@ -58,8 +58,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.chunked_req: Request | None = None
-        # req_to_token rows: row 0 is the padding sink; one extra row for the chunked request.
-        self.free_rows = list(range(1, config.max_running_requests + 2))
+        # req_to_token rows 1..max_running_requests (row 0 is the padding sink). The chunked
+        # request counts as running, so this many rows always suffice.
+        self.free_rows = list(range(1, config.max_running_requests + 1))
         self.num_rows = len(self.free_rows)
         self.freed_for_runner: list[str] = []
         self.finished_outside_step: list[Request] = []

@@ -1,0 +1,47 @@
+"""Builds an EngineCore from ServerArgs: resolve flags, load the model runner, size the
+scheduler from the runner's pool. Shared by `kvstrata.LLM` and the scheduler process."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvstrata.config.model_source import load_tokenizer
+from kvstrata.config.resolve import log_resolutions, refuse_unimplemented, resolve
+from kvstrata.config.server_args import ServerArgs
+from kvstrata.engine.engine_core import EngineCore
+from kvstrata.engine.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
+    """Returns (engine core, HF tokenizer with chat template)."""
+    refuse_unimplemented(server_args)
+    args, resolutions = resolve(server_args)
+    log_resolutions(resolutions)
+    if args.random_seed is not None:
+        import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
+
+        torch.manual_seed(args.random_seed)
+    from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
+
+    runner = ModelRunner(
+        args.model_path, dtype=args.dtype, page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+        max_context_len=args.context_length, device=args.device,
+    )
+    tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
+    config = SchedulerConfig(
+        num_pages=runner.num_pages, page_size=runner.page_size,
+        max_running_requests=runner.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        schedule_policy=args.schedule_policy,
+        schedule_conservativeness=args.schedule_conservativeness,
+        disable_radix_cache=args.disable_radix_cache,
+        radix_eviction_policy=args.radix_eviction_policy,
+    )
+    engine = EngineCore(runner, config, tokenizer)
+    engine.server_args = args
+    engine.resolutions = resolutions
+    return engine, tokenizer
