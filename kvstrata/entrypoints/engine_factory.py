@@ -30,7 +30,9 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_context_len=args.context_length, device=args.device,
     )
-    tokenizer = load_tokenizer(runner.source, args.tokenizer_path)
+    # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
+    tokenizer = (None if args.skip_tokenizer_init
+                 else load_tokenizer(runner.source, args.tokenizer_path))
     config = SchedulerConfig(
         num_pages=runner.num_pages, page_size=runner.page_size,
         max_running_requests=runner.max_running_requests,

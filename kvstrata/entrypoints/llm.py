@@ -28,6 +28,8 @@ def finish_reason_dict(reason: FinishReason | None) -> dict | None:
 def output_text(tokenizer: Any, output_ids: list[int], reason: FinishReason | None,
                 skip_special_tokens: bool) -> str:
     """Detokenised output; a matched stop string and anything after it is cut (OpenAI)."""
+    if tokenizer is None:
+        return ""
     text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
     if reason is not None and reason.type == "stop" and isinstance(reason.matched, str):
         cut = text.find(reason.matched)
@@ -50,6 +52,9 @@ class LLM:
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompt text needs a tokenizer; pass input_ids with "
+                                 "skip_tokenizer_init=True")
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
             ids_list = [self.tokenizer(t)["input_ids"] for t in texts]

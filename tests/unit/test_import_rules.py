@@ -21,7 +21,7 @@ ALLOWED = {
     "engine": BASE | {"engine", "cache"},
     "metrics": BASE | {"metrics"},
     "frontend": BASE | {"frontend", "engine", "cache", "metrics"},
-    "bench": BASE | {"bench"},
+    "bench": None,  # clients and benchmarks sit beside entrypoints, at the top
     "entrypoints": None,  # the top: may import anything
 }
 TORCH_FREE = {"protocol", "config", "engine", "cache", "platform", "envs"}

@@ -1,0 +1,127 @@
+"""Offline throughput: kvstrata.LLM vs transformers `generate` (static batches) on the same
+prompts, same dtype, same machine, in the same run. Prints output tok/s of each and the ratio.
+
+    kvstrata bench offline --model tiny        # a random ~19M-parameter llama built on the fly
+    kvstrata bench offline --model smollm2-135m
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+TINY = "tiny"
+
+
+def build_tiny_checkpoint(path: str) -> str:
+    """A random llama of about 19M parameters (the size machine-facts.md measured peers on)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(num)]
+
+
+def run_kvstrata(model_path: str, prompts, output_len: int, **server_args) -> float:
+    from kvstrata import LLM
+
+    llm = LLM(model_path=model_path, skip_tokenizer_init=True, **server_args)
+    params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}
+    llm.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(input_ids=prompts, sampling_params=params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    llm.check_integrity()
+    llm.shutdown()
+    return tokens / elapsed
+
+
+def load_hf(model_path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvstrata.config.model_source import resolve_model_path
+
+    src = resolve_model_path(model_path)
+    if src.kind == "gguf":
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(src.gguf_path),
+                                                    gguf_file=os.path.basename(src.gguf_path),
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
+
+
+def run_transformers(model_path: str, prompts, output_len: int, batch_size: int) -> float:
+    import torch
+
+    model = load_hf(model_path)
+    pad = 0
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
+                                 max_new_tokens=output_len, min_new_tokens=output_len)
+        tokens += (out.shape[1] - width) * len(batch)
+    return tokens / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="kvstrata bench offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=TINY, help="'tiny', 'smollm2-135m', a dir or a .gguf")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-input-len", type=int, default=64)
+    ap.add_argument("--max-input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-running-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--output-json", default="benchmarks/results/offline.json")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_checkpoint(os.path.join(tmp, "tiny")) if args.model == TINY else args.model
+        vocab = 32000 if args.model == TINY else 49152
+        prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, vocab,
+                               args.seed)
+        total = args.max_input_len + args.output_len
+        ours = run_kvstrata(model, prompts, args.output_len, page_size=args.page_size,
+                            max_running_requests=args.max_running_requests,
+                            max_total_tokens=total * args.max_running_requests)
+        print(f"kvstrata:     {ours:8.1f} output tok/s")
+        result = {"model": args.model, "num_prompts": args.num_prompts,
+                  "input_len": [args.min_input_len, args.max_input_len],
+                  "output_len": args.output_len, "kvstrata_tok_s": ours}
+        if not args.skip_transformers:
+            ref = run_transformers(model, prompts, args.output_len, args.hf_batch_size)
+            print(f"transformers: {ref:8.1f} output tok/s (static batches of {args.hf_batch_size})")
+            print(f"ratio:        {ours / ref:8.2f}x")
+            result.update(transformers_tok_s=ref, ratio=ours / ref)
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
