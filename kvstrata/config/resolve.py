@@ -1,0 +1,147 @@
+"""The start-up resolution pipeline: ServerArgs + Platform + ModelInfo -> ResolvedArgs.
+
+Ordered pure steps (docs/resolution.md has the full table):
+  0. platform defaults (device, chunked prefill size)
+  1. HiCache host-memory mode (validations)
+  2. HiCache layout/IO (R1, R2, page_head)
+  3. storage/layout (Mooncake needs a page-major layout)
+  4. HiCache ratio default (non-decode servers)
+  5. decode-retraction backup + ratio
+  6. DSA gates
+Every change is a `Resolution(field, old, new, rule, reason)`; the engine logs the list once at
+start, `/server_info` returns it and `kvstrata config --explain` prints it. An invalid
+combination raises ValueError naming the flags.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping
+
+from kvstrata import envs
+from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
+                                           to_resolved)
+from kvstrata.config.rules import dsa, hicache, platform_defaults, retraction
+from kvstrata.config.server_args import ServerArgs, flag
+from kvstrata.platform import Platform, current_platform, detected_platform, simulated
+
+logger = logging.getLogger("kvstrata.config")
+
+Step = Callable[[ResolvedArgs, Platform, "ModelInfo | None", dict], "list[Resolution]"]
+
+STEPS: tuple[tuple[str, Step], ...] = (
+    ("platform defaults", platform_defaults.platform_defaults),
+    ("hicache host-memory mode", hicache.host_memory_mode),
+    ("hicache layout/io", hicache.layout_io),
+    ("hicache storage/layout", hicache.storage_layout),
+    ("hicache ratio default", hicache.ratio_default),
+    ("decode retraction backup", retraction.retraction_backup),
+    ("dsa gates", dsa.dsa_gates),
+)
+
+
+def platform_for(args: ServerArgs, platform: Platform | str | None = None) -> Platform:
+    """The platform to resolve for: an explicit argument, else --platform (simulated), else
+    the detected hardware."""
+    if isinstance(platform, Platform):
+        return platform
+    kind = platform or args.platform
+    if kind is None:
+        return current_platform()
+    return simulated(kind)
+
+
+def resolve(args: ServerArgs, platform: Platform | str | None = None,
+            model_info: ModelInfo | None = None,
+            env: Mapping[str, Any] | None = None, *,
+            record_dsa_gates: bool | None = None) -> tuple[ResolvedArgs, list[Resolution]]:
+    """Run every step in order; returns the new frozen args and the changes, in order.
+
+    `env` is the typed snapshot of KVSTRATA_* variables (default: `envs.snapshot()`), passed
+    explicitly so the steps stay pure. `model_info=None` means "unknown": a plain MHA model
+    without recurrent state is assumed. The DSA gates are always applied but listed only for
+    a DSA model unless `record_dsa_gates` says otherwise (explain lists them)."""
+    plat = platform_for(args, platform)
+    env_values = dict(envs.snapshot() if env is None else env)
+    current = to_resolved(args)
+    resolutions: list[Resolution] = []
+    for _name, step in STEPS:
+        changes = step(current, plat, model_info, env_values)
+        current = apply(current, changes)
+        if step is dsa.dsa_gates and not dsa.gates_are_recorded(model_info, record_dsa_gates):
+            continue
+        resolutions.extend(changes)
+    return current, resolutions
+
+
+def log_resolutions(resolutions: list[Resolution], log: logging.Logger = logger) -> None:
+    """One line per change; rewrites of explicit choices (R1/R2/storage) at WARNING with the
+    rule's exact message."""
+    for r in resolutions:
+        if r.warning:
+            log.warning("%s (%s: %r -> %r, rule %s)", r.reason, r.field, r.old, r.new, r.rule)
+        else:
+            log.info("resolved %s", r.line())
+
+
+# ---- flags whose feature is not built yet ---------------------------------------------------
+# serve must refuse these instead of silently ignoring them. Each entry: field -> predicate
+# on its value saying "the user asked for the unbuilt feature". Remove an entry in the commit
+# that implements the feature (tests/unit/test_resolution_unimplemented.py lists them).
+def _is_set(v: Any) -> bool:
+    return v is not None
+
+
+UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    # HiCache (L2 is the next issue; L3 after it). Every hicache_* option only has an effect
+    # with a host pool, so a non-default value would be a silent no-op today.
+    "enable_hierarchical_cache": bool,
+    "hicache_ratio": _is_set,
+    "hicache_size": lambda v: v > 0,
+    "hicache_write_policy": lambda v: v != "write_through",
+    "hicache_io_backend": lambda v: v != "kernel",
+    "hicache_mem_layout": lambda v: v != "page_first",
+    "hicache_host_memory_mode": lambda v: v != "cache",
+    "hicache_storage_backend": _is_set,
+    "hicache_storage_prefetch_policy": lambda v: v != "timeout",
+    "hicache_storage_backend_extra_config": _is_set,
+    # Prefill/decode disaggregation.
+    "disaggregation_mode": lambda v: v != "null",
+    "disaggregation_transfer_backend": lambda v: v != "tcp",
+    "disaggregation_bootstrap_port": lambda v: v != 8998,
+    "disaggregation_decode_retraction_backup": _is_set,
+    "disaggregation_decode_enable_radix_cache": bool,
+    "disaggregation_decode_enable_offload_kvcache": bool,
+    "num_reserved_decode_tokens": lambda v: v != 512,
+    # Sparse attention, parallelism, priority scheduling.
+    "enable_hisparse": bool,
+    "tp_size": lambda v: v > 1,
+    "dcp_size": lambda v: v > 1,
+    "enable_priority_scheduling": bool,
+    "disable_priority_preemption": bool,
+}
+
+
+def unimplemented_flags(args: ServerArgs) -> list[str]:
+    """CLI spellings of the flags in `args` that ask for a feature kvstrata lacks, in field
+    order, e.g. ["--enable-hierarchical-cache", "--tp-size"]."""
+    return [flag(name) for name in ServerArgs.field_names()
+            if name in UNIMPLEMENTED and UNIMPLEMENTED[name](getattr(args, name))]
+
+
+def refuse_unimplemented(args: ServerArgs) -> None:
+    """What `serve` / `LLM(...)` call before starting: NotImplementedError listing every
+    unbuilt flag, and a --platform that is not the machine's (only --explain may simulate)."""
+    missing = unimplemented_flags(args)
+    if missing:
+        raise NotImplementedError("not implemented yet: " + ", ".join(missing))
+    check_serve_platform(args)
+
+
+def check_serve_platform(args: ServerArgs, detected: Platform | None = None) -> None:
+    if args.platform is None:
+        return
+    real = detected or detected_platform()
+    if args.platform != real.kind:
+        raise ValueError(f"--platform {args.platform} does not match this machine "
+                         f"({real.kind}); --platform only simulates for `kvstrata config "
+                         f"--explain`")

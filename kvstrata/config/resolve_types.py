@@ -1,0 +1,109 @@
+"""Values shared by the resolution pipeline and its rules."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.config.server_args import ServerArgs, opt
+
+KV_POOL_KINDS = ("mha", "swa", "mla", "other")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """One change made at start-up: `field` went from `old` to `new` because of `rule`.
+
+    `warning` marks rewrites of an explicit user choice (R1/R2, storage/layout): they are
+    logged at WARNING level with `reason` as the exact message."""
+    field: str
+    old: Any
+    new: Any
+    rule: str
+    reason: str
+    warning: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"field": self.field, "old": self.old, "new": self.new, "rule": self.rule,
+                "reason": self.reason}
+
+    def line(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r} [{self.rule}] {self.reason}"
+
+
+@dataclass(frozen=True)
+class ResolvedArgs(ServerArgs):
+    """ServerArgs after resolution, plus values derived from it (not CLI flags)."""
+    # DSA gates (docs/resolution.md, step 6); only consulted by DSA models.
+    dsa_remap_pd_seed_to_local_slots: bool | None = opt(
+        None, "Remap PD-transported DSA seeds (request positions) to decode-local KV slots.",
+        cli=False, group="derived")
+    dsa_fused_topk: bool | None = opt(
+        None, "Use the fused DSA top-k for a seed that comes from draft-extend.",
+        cli=False, group="derived")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What resolution needs to know about the model and its KV pool.
+
+    kv_pool_kind: mha | swa | mla | other. full_attention_tokens_per_layer: for an SWA pool,
+    the full-attention tokens per layer once the pool is sized (None = not known yet)."""
+    kv_pool_kind: str = "mha"
+    has_recurrent_state: bool = False  # Mamba/SSM/linear-attention state per request
+    full_attention_tokens_per_layer: int | None = None
+    uses_dsa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_pool_kind not in KV_POOL_KINDS:
+            raise ValueError(f"kv_pool_kind must be one of {', '.join(KV_POOL_KINDS)}, got "
+                             f"{self.kv_pool_kind!r}")
+
+    @classmethod
+    def from_model_path(cls, path: str) -> "ModelInfo | None":
+        """Best effort from a local HF `config.json` (no weights read); None if there is none,
+        in which case resolution assumes a plain MHA model and says so."""
+        cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else None
+        if not cfg_path or not os.path.exists(cfg_path):
+            return None
+        with open(cfg_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        return cls.from_hf_config(cfg)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelInfo":
+        model_type = str(cfg.get("model_type", "")).lower()
+        recurrent = any(k in model_type for k in ("mamba", "jamba", "linear", "gdn", "rwkv")) \
+            or "layers_block_type" in cfg or "mamba_d_state" in cfg
+        if cfg.get("kv_lora_rank"):
+            kind = "mla"
+        elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False \
+                and "layer_types" in cfg:
+            kind = "swa"
+        else:
+            kind = "mha"
+        return cls(kv_pool_kind=kind, has_recurrent_state=recurrent,
+                   uses_dsa=bool(cfg.get("index_topk")))
+
+
+def to_resolved(args: ServerArgs) -> ResolvedArgs:
+    if isinstance(args, ResolvedArgs):
+        return args
+    return ResolvedArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+
+
+def apply(args: ResolvedArgs, resolutions: list[Resolution]) -> ResolvedArgs:
+    if not resolutions:
+        return args
+    return dataclasses.replace(args, **{r.field: r.new for r in resolutions})
+
+
+def change(args: ServerArgs, name: str, new: Any, rule: str, reason: str,
+           warning: bool = False) -> list[Resolution]:
+    """A one-element list if `name` would change, else [] (rules return lists)."""
+    old = getattr(args, name)
+    if old == new and type(old) is type(new):
+        return []
+    return [Resolution(name, old, new, rule, reason, warning)]

@@ -1,0 +1,294 @@
+"""ServerArgs: every start-up option, in one frozen dataclass.
+
+Flag names, choices and defaults follow SGLang (`--page-size`, `--hicache-mem-layout`, ...):
+the CLI flag is the field name with underscores turned into dashes, and the CLI is generated
+from these fields (kvstrata.config.cli_args), so each default and help text has one source.
+
+ServerArgs holds what the user *asked for*. Values that depend on the platform or the model
+(chunked prefill size, device, HiCache ratio, retraction backup, DSA gates) are filled in by
+`kvstrata.config.resolve`, which returns a new frozen `ResolvedArgs` plus the list of changes,
+instead of patching this object in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, group: str = "engine",
+        cli: bool = True) -> Any:
+    """A dataclass field carrying its CLI help/choices/group, so argparse is derived from it."""
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group,
+                                            "cli": cli})
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cuda", "npu", "xpu", "mps", "cpu")
+PLATFORMS = ("cuda", "hip", "npu", "xpu", "mps", "cpu")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+RADIX_EVICTION_POLICIES = ("lru", "lfu")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+HICACHE_IO_BACKENDS = ("direct", "kernel")
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HICACHE_HOST_MEMORY_MODES = ("cache", "buffer_only")
+HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+DISAGG_MODES = ("null", "prefill", "decode")
+DISAGG_TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
+RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # ---- model and engine -------------------------------------------------------------------
+    model_path: str = opt("smollm2-135m", "Model name, local directory, or GGUF file.")
+    tokenizer_path: str | None = opt(None, "Tokenizer path (default: the model path).")
+    skip_tokenizer_init: bool = opt(False, "Do not load a tokenizer: requests pass token ids "
+                                           "and get token ids back (no text, no stop strings).")
+    served_model_name: str | None = opt(None, "Model name reported by the API "
+                                              "(default: the model path).")
+    context_length: int | None = opt(None, "Maximum context length (default: from the model "
+                                           "config).")
+    dtype: str = opt("auto", "Weight and activation dtype; auto = the checkpoint's dtype "
+                             "(float32 on CPU).", choices=DTYPES)
+    device: str | None = opt(None, "Device to run on (default: detected from the platform).",
+                             choices=DEVICES)
+    platform: str | None = opt(None, "Platform to resolve for (default: detected). Only "
+                                     "meaningful for `kvstrata config --explain`; `serve` "
+                                     "refuses a platform other than the detected one.",
+                               choices=PLATFORMS)
+    random_seed: int | None = opt(None, "Random seed (default: none).")
+
+    # ---- HTTP server --------------------------------------------------------------------------
+    host: str = opt("127.0.0.1", "Host the HTTP server binds to.", group="server")
+    port: int = opt(30000, "Port of the HTTP server.", group="server")
+    api_key: str | None = opt(None, "If set, requests must send `Authorization: Bearer <key>`.",
+                              group="server")
+    log_level: str = opt("info", "Logging level.", choices=LOG_LEVELS, group="server")
+    stream_interval: int = opt(1, "Send a streamed chunk every N decoded tokens.",
+                               group="server")
+    enable_metrics: bool = opt(True, "Expose Prometheus metrics at /metrics.", group="server")
+
+    # ---- memory and scheduling --------------------------------------------------------------
+    page_size: int = opt(1, "Tokens per KV page.", group="memory")
+    max_total_tokens: int | None = opt(None, "KV pool capacity in tokens (default: from "
+                                             "memory).", group="memory")
+    mem_fraction_static: float | None = opt(None, "Fraction of device memory for weights + KV "
+                                                  "pool (default: platform-dependent).",
+                                            group="memory")
+    max_running_requests: int | None = opt(None, "Maximum concurrently running requests.",
+                                           group="scheduling")
+    max_prefill_tokens: int = opt(16384, "Token budget of one prefill batch.",
+                                  group="scheduling")
+    chunked_prefill_size: int | None = opt(None, "Max tokens of one prefill chunk; -1 disables "
+                                                 "chunking (default: 2048 on CPU, 8192 on "
+                                                 "accelerators).", group="scheduling")
+    schedule_policy: str = opt("fcfs", "Order of waiting requests (lpm = longest prefix match "
+                                       "first).", choices=SCHEDULE_POLICIES, group="scheduling")
+    schedule_conservativeness: float = opt(1.0, "Scales the reserve of decode tokens kept for "
+                                                "running requests (>1 admits fewer).",
+                                           group="scheduling")
+    enable_priority_scheduling: bool = opt(False, "Schedule by request priority.",
+                                           group="scheduling")
+    disable_priority_preemption: bool = opt(False, "With priority scheduling, never preempt a "
+                                                   "running request for a higher-priority one.",
+                                            group="scheduling")
+    tp_size: int = opt(1, "Tensor parallel size.", group="parallelism")
+    dcp_size: int = opt(1, "Decode context parallel size (> 1 enables DCP).",
+                        group="parallelism")
+
+    # ---- prefix cache and HiCache -------------------------------------------------------------
+    disable_radix_cache: bool = opt(False, "Disable prefix (radix) caching.", group="hicache")
+    radix_eviction_policy: str = opt("lru", "Eviction order of the radix cache.",
+                                     choices=RADIX_EVICTION_POLICIES, group="hicache")
+    enable_hierarchical_cache: bool = opt(False, "Back the device KV cache with a host pool "
+                                                 "(L2) and optionally storage (L3).",
+                                          group="hicache")
+    hicache_ratio: float | None = opt(None, "Host pool size as a multiple of the device pool "
+                                            "(default: resolved: 2.0, 1.2 in buffer_only, 0.2 "
+                                            "for a decode retraction-only pool).",
+                                      group="hicache")
+    hicache_size: float = opt(0, "Host pool size in GB per rank; overrides --hicache-ratio "
+                                 "when > 0.", group="hicache")
+    hicache_write_policy: str = opt("write_through", "When device pages are copied to host.",
+                                    choices=HICACHE_WRITE_POLICIES, group="hicache")
+    hicache_io_backend: str = opt("kernel", "Device<->host copy mechanism.",
+                                  choices=HICACHE_IO_BACKENDS, group="hicache")
+    hicache_mem_layout: str = opt("page_first", "Memory layout of the host pool.",
+                                  choices=HICACHE_MEM_LAYOUTS, group="hicache")
+    hicache_host_memory_mode: str = opt("cache", "cache: L2 is a persistent cache; buffer_only: "
+                                                 "L2 only stages transfers to storage.",
+                                        choices=HICACHE_HOST_MEMORY_MODES, group="hicache")
+    hicache_storage_backend: str | None = opt(None, "L3 storage backend (default: none).",
+                                              choices=HICACHE_STORAGE_BACKENDS, group="hicache")
+    hicache_storage_prefetch_policy: str = opt("timeout", "When a storage prefetch stops "
+                                                          "waiting.",
+                                               choices=HICACHE_PREFETCH_POLICIES,
+                                               group="hicache")
+    hicache_storage_backend_extra_config: str | None = opt(
+        None, "Extra storage backend config: a JSON object, or @path to a JSON file.",
+        group="hicache")
+
+    # ---- prefill/decode disaggregation ------------------------------------------------------
+    disaggregation_mode: str = opt("null", "Role in prefill/decode disaggregation.",
+                                   choices=DISAGG_MODES, group="disaggregation")
+    disaggregation_transfer_backend: str = opt("tcp", "KV transfer backend between prefill "
+                                                      "and decode servers.",
+                                               choices=DISAGG_TRANSFER_BACKENDS,
+                                               group="disaggregation")
+    disaggregation_bootstrap_port: int = opt(8998, "Bootstrap server port (prefill side).",
+                                             group="disaggregation")
+    disaggregation_decode_retraction_backup: str | None = opt(
+        None, "Where a retracted decode request's KV is kept (default: resolved: host_pool "
+              "where supported, else cpu_tensor).", choices=RETRACTION_BACKUPS,
+        group="disaggregation")
+    disaggregation_decode_enable_radix_cache: bool = opt(False, "Use a radix cache on the "
+                                                                "decode server.",
+                                                         group="disaggregation")
+    disaggregation_decode_enable_offload_kvcache: bool = opt(False, "Offload decode KV to the "
+                                                                    "host pool / storage.",
+                                                             group="disaggregation")
+    num_reserved_decode_tokens: int = opt(512, "Decode tokens reserved per request when "
+                                               "admitting transfers.", group="disaggregation")
+
+    # ---- sparse attention ---------------------------------------------------------------------
+    enable_hisparse: bool = opt(False, "Hierarchical sparse attention (DSA with host-resident "
+                                       "KV).", group="sparse")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def priority_preemption(self) -> bool:
+        # SGLang: preemption is on whenever priority scheduling is, unless explicitly disabled.
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
+
+    @property
+    def dcp_enabled(self) -> bool:
+        return self.dcp_size > 1
+
+    def hicache_storage_extra_config(self) -> dict:
+        """The parsed --hicache-storage-backend-extra-config ({} when unset)."""
+        return parse_extra_config(self.hicache_storage_backend_extra_config)
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_cli_args(cls, ns: Any) -> "ServerArgs":
+        from kvstrata.config.cli_args import server_args_from_namespace
+        return server_args_from_namespace(ns, cls)
+
+    @staticmethod
+    def add_cli_args(parser: Any) -> None:
+        from kvstrata.config.cli_args import add_cli_args
+        add_cli_args(parser)
+
+
+def flag(name: str) -> str:
+    """The CLI spelling of a field: page_size -> --page-size (used in every error message)."""
+    return "--" + name.replace("_", "-")
+
+
+def parse_extra_config(value: str | None) -> dict:
+    if not value:
+        return {}
+    if value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as fh:
+            text = fh.read()
+    else:
+        text = value
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag('hicache_storage_backend_extra_config')} is not valid JSON: "
+                         f"{exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag('hicache_storage_backend_extra_config')} must be a JSON object")
+    return parsed
+
+
+# Range checks: field -> (predicate, requirement text). Kept as data so the message format is
+# uniform: "--page-size must be >= 1, got 0".
+_RANGES: dict[str, tuple] = {
+    "page_size": (lambda v: v >= 1, ">= 1"),
+    "port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
+    "disaggregation_bootstrap_port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
+    "max_total_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_running_requests": (lambda v: v >= 1, ">= 1"),
+    "max_prefill_tokens": (lambda v: v >= 1, ">= 1"),
+    "chunked_prefill_size": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (disabled)"),
+    "schedule_conservativeness": (lambda v: v > 0, "> 0"),
+    "mem_fraction_static": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "context_length": (lambda v: v >= 1, ">= 1"),
+    "stream_interval": (lambda v: v >= 1, ">= 1"),
+    "tp_size": (lambda v: v >= 1, ">= 1"),
+    "dcp_size": (lambda v: v >= 1, ">= 1"),
+    "hicache_ratio": (lambda v: v > 0, "> 0"),
+    "hicache_size": (lambda v: v >= 0, ">= 0"),
+    "num_reserved_decode_tokens": (lambda v: v >= 0, ">= 0"),
+}
+
+_NUMERIC = {"int": (int,), "float": (int, float)}
+
+
+def _validate(args: ServerArgs) -> None:
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        base = str(f.type).replace(" | None", "")
+        if value is None and base != str(f.type):
+            continue  # an optional field left unset: resolution decides later
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{flag(f.name)} must be one of {', '.join(choices)}, got {value!r}")
+        if base == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{flag(f.name)} must be a bool, got {value!r}")
+        if base == "str" and not isinstance(value, str):
+            raise ValueError(f"{flag(f.name)} must be a string, got {value!r}")
+        # bool is an int subclass; True as a page size is a mistake, not 1.
+        if base in _NUMERIC and (
+                isinstance(value, bool) or not isinstance(value, _NUMERIC[base])):
+            raise ValueError(f"{flag(f.name)} must be {base}, got {value!r}")
+        if f.name in _RANGES:
+            ok, requirement = _RANGES[f.name]
+            if not ok(value):
+                raise ValueError(f"{flag(f.name)} must be {requirement}, got {value!r}")
+    if args.enable_hierarchical_cache and args.disable_radix_cache:
+        raise ValueError("--enable-hierarchical-cache and --disable-radix-cache are mutually "
+                         "exclusive (HiCache extends the radix cache)")
+    extra = args.hicache_storage_backend_extra_config
+    if extra and not extra.startswith("@"):
+        parse_extra_config(extra)  # fail at construction; @file is read when the backend starts
+
+
+# Wrap the generated __init__ so an unknown keyword (LLM(model_path=..., **kwargs) forwards
+# user kwargs here) fails with the names and a suggestion, not only Python's generic message.
+_generated_init = ServerArgs.__init__
+
+
+def _checked_init(self: ServerArgs, *args: Any, **kwargs: Any) -> None:
+    known = _FIELD_NAMES
+    unknown = [k for k in kwargs if k not in known]
+    if unknown:
+        parts = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known, n=1)
+            parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"ServerArgs got unknown argument(s): {', '.join(parts)}")
+    _generated_init(self, *args, **kwargs)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ServerArgs))
+ServerArgs.__init__ = _checked_init  # type: ignore[method-assign]

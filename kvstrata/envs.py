@@ -1,0 +1,101 @@
+"""Typed registry of KVSTRATA_* environment variables.
+
+Environment variables are for debugging and ablation switches only; anything a user should
+normally set is a ServerArgs flag. Every variable is declared here once, with its type, default
+and meaning, and read through `envs.NAME.get()` (or `envs.snapshot()` when a pure function
+needs them as an explicit input, as the resolution pipeline does). A malformed value raises
+ValueError naming the variable instead of silently becoming False.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+PREFIX = "KVSTRATA_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r} is not a boolean "
+                     f"(use one of 1/true/yes/on or 0/false/no/off)")
+
+
+def _parser_for(name: str, kind: type) -> Callable[[str], Any]:
+    if kind is bool:
+        return lambda raw: _parse_bool(name, raw)
+
+    def parse(raw: str) -> Any:
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not a valid "
+                             f"{kind.__name__}") from None
+    return parse
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    kind: type
+    default: Any
+    help: str
+
+    def get(self, environ: Mapping[str, str] | None = None) -> Any:
+        env = os.environ if environ is None else environ
+        raw = env.get(self.name)
+        if raw is None:
+            return self.default
+        return _parser_for(self.name, self.kind)(raw)
+
+    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
+        return self.name in (os.environ if environ is None else environ)
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, kind: type, default: Any, help: str) -> EnvVar:
+    assert name.startswith(PREFIX) and name not in REGISTRY, name
+    var = EnvVar(name, kind, default, help)
+    REGISTRY[name] = var
+    return var
+
+
+KVSTRATA_DSA_FUSE_TOPK = _declare(
+    "KVSTRATA_DSA_FUSE_TOPK", bool, True,
+    "Use the fused DSA top-k (indexer scores -> KV slots in one step). Input of the DSA gates "
+    "resolved at start-up (see docs/resolution.md).")
+KVSTRATA_HICACHE_FILE_STORAGE_DIR = _declare(
+    "KVSTRATA_HICACHE_FILE_STORAGE_DIR", str, "/tmp/kvstrata_hicache",
+    "Directory of the `file` HiCache storage backend.")
+KVSTRATA_CHECK_INTEGRITY = _declare(
+    "KVSTRATA_CHECK_INTEGRITY", bool, False,
+    "Run every pool's check_integrity() after each scheduler step (slow; for debugging).")
+KVSTRATA_LOG_RESOLUTIONS = _declare(
+    "KVSTRATA_LOG_RESOLUTIONS", bool, True,
+    "Log each start-up Resolution (field, old -> new, rule, reason) once at start.")
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    try:
+        return REGISTRY[name].get(environ)
+    except KeyError:
+        raise KeyError(f"{name} is not a registered kvstrata environment variable") from None
+
+
+def snapshot(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Every registered variable's current value (typed), e.g. for a pure resolution step."""
+    return {name: var.get(environ) for name, var in REGISTRY.items()}
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """KVSTRATA_* variables that are set but not registered (likely typos); worth a warning."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith(PREFIX) and k not in REGISTRY)

@@ -1,0 +1,174 @@
+"""Which hardware we run on: one `Platform` value, detected once from torch and cached.
+
+Every platform-dependent branch in kvstrata goes through `current_platform()` or the
+`is_cuda()` / `is_hip()` / ... predicates below, so such branches are grep-able and tests can
+simulate any platform with `simulate_platform(kind)` — nothing else may look at
+`torch.version.hip` or `torch.cuda.is_available()` directly.
+
+The predicates read the current platform on every call (detection itself is cached), unlike
+SGLang's `lru_cache`d helpers that tests had to patch in each importing module.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+KINDS = ("cuda", "hip", "npu", "xpu", "mps", "cpu")
+
+# The torch device type used for each platform kind. ROCm builds of torch expose the GPU as
+# "cuda" devices, so hip maps to "cuda" too.
+DEVICE_TYPES = {"cuda": "cuda", "hip": "cuda", "npu": "npu", "xpu": "xpu", "mps": "mps",
+                "cpu": "cpu"}
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str
+    device_name: str = ""
+    # Free-form facts (compute capability, torch build versions, ...) for logs and
+    # `/server_info`; decisions should use `kind`, not these.
+    capabilities: dict = field(default_factory=dict, compare=False, hash=False)
+    simulated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown platform kind {self.kind!r}; expected one of "
+                             f"{', '.join(KINDS)}")
+
+    @property
+    def device_type(self) -> str:
+        return DEVICE_TYPES[self.kind]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def is_hip(self) -> bool:
+        return self.kind == "hip"
+
+    @property
+    def is_npu(self) -> bool:
+        return self.kind == "npu"
+
+    @property
+    def is_xpu(self) -> bool:
+        return self.kind == "xpu"
+
+    @property
+    def is_mps(self) -> bool:
+        return self.kind == "mps"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+    @property
+    def is_cuda_alike(self) -> bool:
+        # CUDA and ROCm share the torch.cuda API and (in SGLang) the HiCache JIT kernels.
+        return self.kind in ("cuda", "hip")
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+    def describe(self) -> str:
+        name = f" ({self.device_name})" if self.device_name else ""
+        return f"{self.kind}{name}{' [simulated]' if self.simulated else ''}"
+
+
+def simulated(kind: str, device_name: str = "") -> Platform:
+    """A Platform value for `kind` without touching torch (tests, `config --explain`)."""
+    return Platform(kind=kind, device_name=device_name, simulated=True)
+
+
+def detect_platform() -> Platform:
+    """Ask torch which hardware is present. Uncached; use `current_platform()`."""
+    import torch
+
+    caps: dict = {"torch": torch.__version__}
+    # A ROCm build sets torch.version.hip and reports its GPUs through torch.cuda; check it
+    # before CUDA because torch.cuda.is_available() is also True there. A ROCm build without a
+    # visible GPU is a CPU box for our purposes.
+    if getattr(torch.version, "hip", None) and torch.cuda.is_available():
+        caps["hip"] = torch.version.hip
+        return Platform("hip", torch.cuda.get_device_name(0), caps)
+    if torch.cuda.is_available() and getattr(torch.version, "cuda", None):
+        caps["cuda"] = torch.version.cuda
+        caps["compute_capability"] = torch.cuda.get_device_capability(0)
+        return Platform("cuda", torch.cuda.get_device_name(0), caps)
+    npu = getattr(torch, "npu", None)  # present only once torch_npu has been imported
+    if npu is not None and npu.is_available():
+        return Platform("npu", "Ascend NPU", caps)
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return Platform("xpu", xpu.get_device_name(0), caps)
+    mps = getattr(getattr(torch, "backends", None), "mps", None)
+    if mps is not None and mps.is_available():
+        return Platform("mps", "Apple MPS", caps)
+    import platform as _stdlib_platform
+    return Platform("cpu", _stdlib_platform.processor() or _stdlib_platform.machine(), caps)
+
+
+_lock = threading.Lock()
+_detected: Platform | None = None
+_simulated_stack: list[Platform] = []
+
+
+def current_platform() -> Platform:
+    """The simulated platform if a `simulate_platform` block is active, else the detected one."""
+    if _simulated_stack:
+        return _simulated_stack[-1]
+    return detected_platform()
+
+
+def detected_platform() -> Platform:
+    """The real hardware, ignoring any simulation (serve uses it to refuse a --platform that
+    does not match the machine)."""
+    global _detected
+    if _detected is None:
+        with _lock:
+            if _detected is None:
+                _detected = detect_platform()
+    return _detected
+
+
+@contextlib.contextmanager
+def simulate_platform(kind: str | Platform) -> Iterator[Platform]:
+    """Within the block, every predicate answers as if running on `kind`. Nestable."""
+    plat = kind if isinstance(kind, Platform) else simulated(kind)
+    _simulated_stack.append(plat)
+    try:
+        yield plat
+    finally:
+        _simulated_stack.remove(plat)
+
+
+def is_cuda() -> bool:
+    return current_platform().is_cuda
+
+
+def is_hip() -> bool:
+    return current_platform().is_hip
+
+
+def is_cuda_alike() -> bool:
+    return current_platform().is_cuda_alike
+
+
+def is_npu() -> bool:
+    return current_platform().is_npu
+
+
+def is_xpu() -> bool:
+    return current_platform().is_xpu
+
+
+def is_mps() -> bool:
+    return current_platform().is_mps
+
+
+def is_cpu() -> bool:
+    return current_platform().is_cpu

@@ -1,0 +1,86 @@
+"""Flags whose feature is not built yet are refused by serve (never a silent no-op); the
+typed KVSTRATA_* environment registry."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata import envs
+from kvstrata.config import ServerArgs, check_serve_platform, refuse_unimplemented
+from kvstrata.config import unimplemented_flags
+from kvstrata.platform import simulated
+
+
+def test_defaults_are_all_implemented():
+    assert unimplemented_flags(ServerArgs()) == []
+    refuse_unimplemented(ServerArgs())
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+    ({"hicache_ratio": 2.0}, "--hicache-ratio"),
+    ({"hicache_size": 1}, "--hicache-size"),
+    ({"hicache_write_policy": "write_back"}, "--hicache-write-policy"),
+    ({"hicache_io_backend": "direct"}, "--hicache-io-backend"),
+    ({"hicache_mem_layout": "layer_first"}, "--hicache-mem-layout"),
+    ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
+    ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
+    ({"hicache_storage_prefetch_policy": "best_effort"}, "--hicache-storage-prefetch-policy"),
+    ({"hicache_storage_backend_extra_config": "{}"}, "--hicache-storage-backend-extra-config"),
+    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),
+    ({"disaggregation_transfer_backend": "mooncake"}, "--disaggregation-transfer-backend"),
+    ({"disaggregation_bootstrap_port": 9000}, "--disaggregation-bootstrap-port"),
+    ({"disaggregation_decode_retraction_backup": "cpu_tensor"},
+     "--disaggregation-decode-retraction-backup"),
+    ({"disaggregation_decode_enable_radix_cache": True},
+     "--disaggregation-decode-enable-radix-cache"),
+    ({"disaggregation_decode_enable_offload_kvcache": True},
+     "--disaggregation-decode-enable-offload-kvcache"),
+    ({"num_reserved_decode_tokens": 256}, "--num-reserved-decode-tokens"),
+    ({"enable_hisparse": True}, "--enable-hisparse"),
+    ({"tp_size": 2}, "--tp-size"),
+    ({"dcp_size": 2}, "--dcp-size"),
+    ({"enable_priority_scheduling": True}, "--enable-priority-scheduling"),
+    ({"disable_priority_preemption": True}, "--disable-priority-preemption"),
+])
+def test_unbuilt_flag_is_refused(kwargs, flag):
+    args = ServerArgs(**kwargs)
+    assert unimplemented_flags(args) == [flag]
+    with pytest.raises(NotImplementedError, match=f"^not implemented yet: {flag}$"):
+        refuse_unimplemented(args)
+
+
+def test_several_flags_listed_in_field_order():
+    args = ServerArgs(enable_hisparse=True, tp_size=4, enable_hierarchical_cache=True)
+    assert unimplemented_flags(args) == ["--tp-size", "--enable-hierarchical-cache",
+                                         "--enable-hisparse"]
+
+
+def test_serve_refuses_a_simulated_platform():
+    check_serve_platform(ServerArgs(platform="cpu"), simulated("cpu"))
+    with pytest.raises(ValueError, match="--platform cuda does not match this machine"):
+        check_serve_platform(ServerArgs(platform="cuda"), simulated("cpu"))
+
+
+# ---- KVSTRATA_* registry -------------------------------------------------------------------
+
+def test_dsa_fuse_topk_default_and_parsing():
+    var = envs.KVSTRATA_DSA_FUSE_TOPK
+    assert var.get({}) is True
+    for raw, value in [("0", False), ("false", False), ("OFF", False), ("1", True),
+                       ("True", True), ("yes", True)]:
+        assert var.get({var.name: raw}) is value
+
+
+def test_bad_bool_names_the_variable():
+    with pytest.raises(ValueError, match="KVSTRATA_DSA_FUSE_TOPK='maybe' is not a boolean"):
+        envs.KVSTRATA_DSA_FUSE_TOPK.get({"KVSTRATA_DSA_FUSE_TOPK": "maybe"})
+
+
+def test_registry_snapshot_and_unknown():
+    snap = envs.snapshot({"KVSTRATA_CHECK_INTEGRITY": "1"})
+    assert snap["KVSTRATA_CHECK_INTEGRITY"] is True and snap["KVSTRATA_DSA_FUSE_TOPK"] is True
+    assert all(name.startswith("KVSTRATA_") for name in envs.REGISTRY)
+    assert envs.unknown_variables({"KVSTRATA_DSA_FUSE_TOPKK": "1", "PATH": "x"}) == [
+        "KVSTRATA_DSA_FUSE_TOPKK"]
+    with pytest.raises(KeyError, match="not a registered"):
+        envs.get("KVSTRATA_NOPE")
