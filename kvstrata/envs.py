@@ -71,7 +71,7 @@ def _declare(name: str, kind: type, default: Any, help: str) -> EnvVar:
 KVSTRATA_DSA_FUSE_TOPK = _declare(
     "KVSTRATA_DSA_FUSE_TOPK", bool, True,
     "Use the fused DSA top-k (indexer scores -> KV slots in one step). Input of the DSA gates "
-    "resolved at start-up (see docs/resolution.md).")
+    "resolved at start-up (see docs/configuration.md).")
 KVSTRATA_HICACHE_FILE_STORAGE_DIR = _declare(
     "KVSTRATA_HICACHE_FILE_STORAGE_DIR", str, "/tmp/kvstrata_hicache",
     "Directory of the `file` HiCache storage backend.")

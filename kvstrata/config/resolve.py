@@ -1,6 +1,6 @@
 """The start-up resolution pipeline: ServerArgs + Platform + ModelInfo -> ResolvedArgs.
 
-Ordered pure steps (docs/resolution.md has the full table):
+Ordered pure steps (docs/configuration.md has the full table):
   0. platform defaults (device, chunked prefill size)
   1. HiCache host-memory mode (validations)
   2. HiCache layout/IO (R1, R2, page_head)

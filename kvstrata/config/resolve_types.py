@@ -36,7 +36,7 @@ class Resolution:
 @dataclass(frozen=True)
 class ResolvedArgs(ServerArgs):
     """ServerArgs after resolution, plus values derived from it (not CLI flags)."""
-    # DSA gates (docs/resolution.md, step 6); only consulted by DSA models.
+    # DSA gates (docs/configuration.md, step 6); only consulted by DSA models.
     dsa_remap_pd_seed_to_local_slots: bool | None = opt(
         None, "Remap PD-transported DSA seeds (request positions) to decode-local KV slots.",
         cli=False, group="derived")

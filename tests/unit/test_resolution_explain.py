@@ -122,9 +122,9 @@ def test_docs_list_every_flag_rule_and_env_var():
     from kvstrata import envs
     from kvstrata.config import flag
     root = pathlib.Path(__file__).resolve().parents[2]
-    doc = (root / "docs" / "resolution.md").read_text()
+    doc = (root / "docs" / "configuration.md").read_text()
     missing = [flag(n) for n in ServerArgs.field_names() if f"`{flag(n)}`" not in doc]
-    assert missing == [], "add these flags to docs/resolution.md"
+    assert missing == [], "add these flags to docs/configuration.md"
     assert [r for r in RULES if f"`{r}`" not in doc] == []
     assert [v for v in envs.REGISTRY if f"`{v}`" not in doc] == []
     # and the list above is every rule name the rules modules use
