@@ -14,17 +14,33 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from kvstrata.cache.hiradix_cache import HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import RadixCache
+from kvstrata.protocol import TransferOp
+
+# Host parts shorter than this many pages are recomputed: a load has a fixed cost.
+LOAD_BACK_THRESHOLD_PAGES = 1
 
 
 class KVManager:
     def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool = False,
-                 eviction_policy: str = "lru"):
+                 eviction_policy: str = "lru", num_host_pages: int = 0,
+                 hicache_write_policy: str = "write_through"):
+        """num_host_pages > 0 enables HiCache L2 (a host tier behind the radix tree)."""
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, page_size)
-        self.tree = RadixCache(self.allocator, page_size, disable=disable_radix_cache,
-                               eviction_policy=eviction_policy)
+        self.hicache = num_host_pages > 0
+        if self.hicache:
+            if disable_radix_cache:
+                raise ValueError("--enable-hierarchical-cache needs the radix cache; "
+                                 "drop --disable-radix-cache")
+            self.host_allocator = PageAllocator(num_host_pages, page_size)
+            self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
+                                                 hicache_write_policy, eviction_policy)
+        else:
+            self.tree = RadixCache(self.allocator, page_size, disable=disable_radix_cache,
+                                   eviction_policy=eviction_policy)
         self.matched_tokens = 0
         self.queried_tokens = 0
 
@@ -55,15 +71,18 @@ class KVManager:
         """Matched length without pinning (for lpm ordering)."""
         return len(self.tree.match_prefix(self._matchable(token_ids)).device_pages) * self.page_size
 
-    def match_and_lock(self, req: Any) -> int:
+    def match_and_lock(self, req: Any, use_cache: bool = True) -> int:
         """Attach the longest cached prefix to a request that holds no KV; returns its length.
 
         The last prompt token is never matched: its logits are needed to sample, so a
-        full-prompt hit still recomputes it."""
+        full-prompt hit still recomputes it. use_cache=False matches nothing (a request that
+        wants every prompt token's logprob must compute them all)."""
         assert not req.pages and req.last_node is None
         ids = req.all_ids
-        match = self.tree.match_prefix(self._matchable(ids))
+        match = self.tree.match_prefix(self._matchable(ids) if use_cache else [])
         self.tree.lock(match.last_node)
+        if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
+            match = self._load_back(ids, match)
         req.last_node = match.last_node
         req.pages = list(match.device_pages)
         req.num_tree_pages = len(req.pages)
@@ -72,6 +91,42 @@ class KVManager:
         self.queried_tokens += len(ids)
         self.matched_tokens += req.num_computed_tokens
         return req.num_computed_tokens
+
+    def _load_back(self, ids: list[int], match):
+        """Bring the host part of a match back to the device: [device part][host part] becomes
+        one device prefix. When device memory is short, load what fits (or nothing: the rest
+        is recomputed). The device part stays locked throughout."""
+        if not self.ensure_free_pages(len(match.host_pages)):
+            return match
+        # Making room may have evicted host copies (write_back): match again, still locked.
+        again = self.tree.match_prefix(self._matchable(ids))
+        if again.last_node is not match.last_node or not again.host_pages:
+            return match
+        device = self.allocator.alloc(len(again.host_pages))
+        if device is None:
+            return match
+        node = self.tree.load_back(again, device)
+        self.tree.lock(node)
+        self.tree.unlock(match.last_node)
+        again.device_pages = again.device_pages + device
+        again.last_node = node
+        return again
+
+    def drain_transfer_ops(self) -> list[TransferOp]:
+        if not self.hicache:
+            return []
+        ops, self.tree.pending_ops = self.tree.pending_ops, []
+        return ops
+
+    def has_transfers_in_flight(self) -> bool:
+        return self.hicache and bool(self.tree.pending_ops or self.tree._jobs)
+
+    def on_transfers_done(self, finished: list[int], failed: list[int]) -> None:
+        if self.hicache:
+            for job in finished:
+                self.tree.on_transfer_done(job, True)
+            for job in failed:
+                self.tree.on_transfer_done(job, False)
 
     def _matchable(self, ids: list[int]) -> list[int]:
         usable = (len(ids) - 1) // self.page_size * self.page_size

@@ -35,7 +35,7 @@ _node_ids = itertools.count()
 class TreeNode:
     __slots__ = (
         "id", "key", "device_pages", "children", "parent", "lock_ref",
-        "last_access_time", "hit_count",
+        "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -50,9 +50,15 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = last_access_time
         self.hit_count = 0
+        # Host residency (HiCache, see hiradix_cache.py): the backed-up copy, and a copy being
+        # written (job id + destination pages) that becomes host_pages when the job finishes.
+        self.host_pages: list[int] | None = None
+        self.pending_job: int | None = None
+        self.pending_host: list[int] | None = None
 
     @property
     def num_pages(self) -> int:
+        """Device pages held (0 for a host-only node)."""
         return len(self.device_pages)
 
     def __repr__(self) -> str:
@@ -225,12 +231,24 @@ class RadixCache:
         upper = TreeNode(child.key[:cut], child.device_pages[:num_pages], parent, child.last_access_time)
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
+        # Host residency is cut at the same page; a pending write now covers both halves.
+        if child.host_pages is not None:
+            upper.host_pages = child.host_pages[:num_pages]
+            child.host_pages = child.host_pages[num_pages:]
+        if child.pending_host is not None:
+            upper.pending_job = child.pending_job
+            upper.pending_host = child.pending_host[:num_pages]
+            child.pending_host = child.pending_host[num_pages:]
+            self._on_split_pending(upper, child)
         child.key = child.key[cut:]
         child.device_pages = child.device_pages[num_pages:]
         child.parent = upper
         upper.children[child.key[:self.page_size]] = child
         parent.children[upper.key[:self.page_size]] = upper  # same first page as before
         return upper
+
+    def _on_split_pending(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook for HiCache: a node with a write in flight was split."""
 
     # ------------------------------------------------------------------ locks
 

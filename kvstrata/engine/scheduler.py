@@ -43,6 +43,8 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
+    num_host_pages: int = 0  # > 0: HiCache L2 enabled
+    hicache_write_policy: str = "write_through"
 
 
 class Scheduler:
@@ -52,7 +54,8 @@ class Scheduler:
         self.config = config
         self.page_size = config.page_size
         self.kv = KVManager(config.num_pages, config.page_size, config.disable_radix_cache,
-                            config.radix_eviction_policy)
+                            config.radix_eviction_policy, config.num_host_pages,
+                            config.hicache_write_policy)
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.waiting: list[Request] = []
@@ -73,7 +76,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req
+                    or self.kv.has_transfers_in_flight())
 
     def live_requests(self) -> list[Request]:
         live = list(self.running)
@@ -116,8 +120,9 @@ class Scheduler:
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
-        if out is None and self.freed_for_runner:
-            out = self._output(False, [], [])  # still tell the runner what to forget
+        if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()):
+            # No forward, but the runner must still forget requests / move or poll pages.
+            out = self._output(False, [], [])
         return out
 
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
@@ -131,7 +136,8 @@ class Scheduler:
         self._in_flight = {r.rid: r for r in reqs}
         freed, self.freed_for_runner = self.freed_for_runner, []
         self.step_id += 1
-        return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed)
+        return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
+                               transfers=self.kv.drain_transfer_ops())
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -182,7 +188,9 @@ class Scheduler:
 
     def _admit(self, req: Request, adder: PrefillAdder) -> bool:
         protected_before = self.kv.tree.protected_pages()
-        prefix = self.kv.match_and_lock(req)
+        # Prompt logprobs (echo) need the logits of every prompt position: no prefix reuse.
+        wants_prompt_logprobs = req.return_prompt_logprobs and req.retraction_count == 0
+        prefix = self.kv.match_and_lock(req, use_cache=not wants_prompt_logprobs)
         # Pinning the matched prefix takes it out of the evictable budget.
         adder.rem_total -= (self.kv.tree.protected_pages() - protected_before) * self.page_size
         item = adder.try_add(req, req.seq_len - prefix)
@@ -247,17 +255,19 @@ class Scheduler:
         # Make room for the survivors' next few steps right away.
         need_tokens = len(remaining) * RETRACT_DECODE_STEPS
         self.kv.ensure_free_pages(-(-need_tokens // self.page_size))
-        old = self.ratio.value
-        new = self.ratio.on_retract(remaining)
         self.running = [r for r in self.running if r in remaining]
         self.waiting.extend(retracted)
         self.num_retractions += len(retracted)
-        logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
-                       "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
+        if retracted and remaining:
+            old = self.ratio.value
+            new = self.ratio.on_retract(remaining)
+            logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                           "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply sampled tokens; returns the requests that produced output this step."""
+        self.kv.on_transfers_done(result.finished_transfer_ids, result.failed_transfer_ids)
         by_id = {rid: r for rid, r in self._in_flight.items() if not r.is_finished}
         touched: list[Request] = []
         for rid, logprobs in result.prompt_logprobs.items():

@@ -8,6 +8,7 @@ from kvstrata.protocol.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
     TopLogprob,
+    TransferOp,
 )
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "FinishReason",
     "RequestOutput",
     "TopLogprob",
+    "TransferOp",
 ]

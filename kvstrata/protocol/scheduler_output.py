@@ -47,12 +47,26 @@ class ScheduledRequest(msgspec.Struct):
     sample: bool
 
 
+class TransferOp(msgspec.Struct):
+    """Move whole pages between tiers (HiCache). Ops run in list order. `sync` ops finish
+    before this step's forward (loads it reads, write-backs of pages it may overwrite); the
+    others run in the background. Every op's job_id comes back exactly once, in
+    RunnerOutput.finished_transfer_ids or failed_transfer_ids."""
+
+    job_id: int
+    kind: str  # "d2h" (device -> host) | "h2d" (host -> device)
+    device_pages: list[int]
+    host_pages: list[int]
+    sync: bool
+
+
 class SchedulerOutput(msgspec.Struct):
     step: int
     is_prefill: bool
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]
     freed_req_ids: list[str]
+    transfers: list[TransferOp] = []
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

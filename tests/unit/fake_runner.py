@@ -35,9 +35,35 @@ class FakeRunner:
         self.rows: dict[int, dict[int, int]] = {}
         self.known: dict[str, object] = {}
         self.steps: list[SchedulerOutput] = []
+        self.host: dict[int, tuple[int, int]] = {}  # host slot -> (position, token)
+        self.async_ops: list = []  # background d2h writes, completed one step later
+        self.moved_pages = {"d2h": 0, "h2d": 0}
+
+    def _copy(self, op) -> None:
+        P = self.page_size
+        src, dst = (self.kv, self.host) if op.kind == "d2h" else (self.host, self.kv)
+        src_pages, dst_pages = ((op.device_pages, op.host_pages) if op.kind == "d2h"
+                                else (op.host_pages, op.device_pages))
+        for sp, dp in zip(src_pages, dst_pages):
+            for off in range(P):
+                if sp * P + off in src:
+                    dst[dp * P + off] = src[sp * P + off]
+                else:
+                    dst.pop(dp * P + off, None)
+        self.moved_pages[op.kind] += len(src_pages)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self.steps.append(so)
+        finished = [op.job_id for op in self.async_ops]
+        for op in self.async_ops:
+            self._copy(op)
+        self.async_ops = []
+        for op in so.transfers:
+            if op.sync:
+                self._copy(op)
+                finished.append(op.job_id)
+            else:
+                self.async_ops.append(op)
         for rid in so.freed_req_ids:
             del self.known[rid]
         for nr in so.new_requests:
@@ -66,4 +92,4 @@ class FakeRunner:
             ids.append(s.req_id)
             toks.append(next_token(seq, self.vocab_size))
         n = len(ids)
-        return RunnerOutput(ids, toks, [None] * n, [None] * n)
+        return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished)
