@@ -1,0 +1,55 @@
+"""req_to_token: per running request, the KV slot of each of its token positions.
+
+An int64 tensor (num_rows + 1, max_context_len). Row 0 is reserved (padding rows of a batch
+point there) and unwritten entries read 0, the padding-sink slot, so a stray read is harmless.
+Rows are handed out by the torch-free scheduler; this class only owns the tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenTable:
+    def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str):
+        self.num_rows = num_rows
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        self.table = torch.zeros((num_rows + 1, max_context_len), dtype=torch.int64,
+                                 device=self.device)
+
+    def write(self, row: int, start: int, slots) -> None:
+        """Record `slots` (list or tensor) at positions start .. start + len(slots) - 1."""
+        n = len(slots)
+        if n == 0:
+            return
+        if not 1 <= row <= self.num_rows:
+            raise IndexError(f"row {row} out of range 1..{self.num_rows}")
+        if start < 0 or start + n > self.max_context_len:
+            raise IndexError(f"positions {start}..{start + n - 1} exceed max_context_len "
+                             f"{self.max_context_len}")
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.tensor(slots, dtype=torch.int64)
+        self.table[row, start:start + n] = slots.to(self.device)
+
+    def write_many(self, rows: list[int], starts: list[int], slots: list[list[int]]) -> None:
+        """All requests' writes of one step as a single index_put (one host->device copy)."""
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        vals: list[int] = []
+        for row, start, s in zip(rows, starts, slots):
+            if not s:
+                continue
+            if not 1 <= row <= self.num_rows or start < 0 or start + len(s) > self.max_context_len:
+                raise IndexError(f"row {row} positions {start}..{start + len(s) - 1} out of "
+                                 f"range (rows 1..{self.num_rows}, context "
+                                 f"{self.max_context_len})")
+            r_idx.extend([row] * len(s))
+            c_idx.extend(range(start, start + len(s)))
+            vals.extend(s)
+        if not vals:
+            return
+        packed = torch.tensor([r_idx, c_idx, vals], dtype=torch.int64).to(self.device)
+        self.table[packed[0], packed[1]] = packed[2]
+
+    def clear(self, row: int) -> None:
+        self.table[row].zero_()

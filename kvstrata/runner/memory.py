@@ -1,0 +1,28 @@
+"""How much memory the KV pool may take when the user gives no size."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+CPU_KV_FRACTION = 0.25      # of the RAM available now
+CPU_KV_CAP_BYTES = 4 << 30  # a CPU box rarely benefits from more, and RAM is shared
+GPU_KV_FRACTION = 0.85      # of the device memory still free after the weights are loaded
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_kv_budget_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * GPU_KV_FRACTION)
+    return int(min(available_ram_bytes() * CPU_KV_FRACTION, CPU_KV_CAP_BYTES))

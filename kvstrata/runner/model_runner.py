@@ -1,0 +1,209 @@
+"""ModelRunner: owns the model, the KV pool and req_to_token; applies SchedulerOutputs.
+
+The scheduler decides which tokens run where (rows, slots); the runner only records those
+decisions in req_to_token, runs one forward over every scheduled request, and samples.
+Per live request it keeps a SamplingState (for penalties) and, when asked, the prompt
+logprobs accumulated across prefill chunks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
+                                          resolve_model_path)
+from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
+                                                TopLogprob)
+from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.memory import default_kv_budget_bytes
+from kvstrata.runner.models.loader import load_model
+from kvstrata.runner.sampler import Sampler, SamplingState
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass
+class _ReqState:
+    sampling: SamplingState
+    want_prompt_logprobs: bool
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, dtype: str = "auto", page_size: int = 1,
+                 max_total_tokens: int | None = None, max_running_requests: int | None = None,
+                 max_context_len: int | None = None, device: str | torch.device | None = None,
+                 mem_budget_gb: float | None = None):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.source = resolve_model_path(model_path)
+        self.hf_config = load_hf_config(self.source)
+        self.model = load_model(self.source, self.hf_config, dtype, self.device)
+        self.dtype = self.model.dtype
+        dims = self.model.dims
+        self.vocab_size = dims.vocab_size
+        self.eos_token_ids = self._eos_ids()
+
+        self.page_size = page_size
+        bytes_per_token = MHATokenToKVPool.bytes_per_token(
+            dims.num_layers, dims.num_kv_heads, dims.head_dim, self.dtype)
+        if max_total_tokens is None:
+            budget = (int(mem_budget_gb * 1024 ** 3) if mem_budget_gb is not None
+                      else default_kv_budget_bytes(self.device))
+            max_total_tokens = budget // bytes_per_token
+        # Whole pages only; +1 page is the padding sink, allocated on top of the capacity.
+        self.num_pages = max_total_tokens // page_size
+        if self.num_pages < 1:
+            raise ValueError(f"KV budget of {max_total_tokens} tokens holds no page of "
+                             f"{page_size} tokens")
+        self.max_total_tokens = self.num_pages * page_size
+        model_ctx = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_context_len = int(max_context_len or model_ctx)
+        window = self._sliding_window()
+        if window is not None and self.max_context_len > window:
+            # Our attention is full-causal; capping the context at the window keeps it exact
+            # (no position can ever see a key the window would have hidden).
+            logger.warning("model uses sliding-window attention (%d); capping context length "
+                           "%d -> %d", window, self.max_context_len, window)
+            self.max_context_len = window
+        self.max_running_requests = int(max_running_requests or
+                                        min(DEFAULT_MAX_RUNNING_REQUESTS, self.num_pages))
+
+        self.kv_pool = MHATokenToKVPool(self.num_pages, page_size, dims.num_layers,
+                                        dims.num_kv_heads, dims.head_dim, self.dtype,
+                                        self.device)
+        self.req_to_token = ReqToTokenTable(self.max_running_requests, self.max_context_len,
+                                            self.device)
+        self.model.attn_backend = TorchNativeAttnBackend(
+            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self._reqs: dict[str, _ReqState] = {}
+        logger.info("model %s (%s) on %s: %d KV pages x %d tokens (%.1f MiB), %d rows x %d",
+                    self.source.display_name, self.dtype, self.device, self.num_pages,
+                    page_size, self.kv_pool.size_bytes / 2 ** 20, self.max_running_requests,
+                    self.max_context_len)
+
+    def _sliding_window(self) -> int | None:
+        c = self.hf_config
+        window = getattr(c, "sliding_window", None)
+        # qwen2/qwen3 configs carry a window but only use it when use_sliding_window is set.
+        if not window or getattr(c, "use_sliding_window", True) is False:
+            return None
+        return int(window)
+
+    def _eos_ids(self) -> list[int]:
+        ids = load_generation_eos(self.source)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        for e in ([eos] if isinstance(eos, int) else list(eos or [])):
+            if e not in ids:
+                ids.append(int(e))
+        return ids
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.freed_req_ids:
+            self._reqs.pop(rid, None)
+        for new in sched.new_requests:
+            self._register(new)
+        if not sched.scheduled:
+            return RunnerOutput([], [], [], [])
+
+        reqs = sched.scheduled
+        for r in reqs:
+            if r.start_pos + len(r.token_ids) > self.max_context_len or not r.token_ids:
+                raise ValueError(f"request {r.req_id!r}: positions {r.start_pos}.."
+                                 f"{r.start_pos + len(r.token_ids) - 1} invalid for context "
+                                 f"length {self.max_context_len}")
+        self.req_to_token.write_many([r.row for r in reqs], [r.slot_write_start for r in reqs],
+                                     [r.slots for r in reqs])
+        fb = ForwardBatch.build([r.token_ids for r in reqs], [r.row for r in reqs],
+                                [r.start_pos for r in reqs], self.device)
+        # The new tokens' slots, read back from the rows just written: one gather.
+        fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+
+        # Logits wanted: the last token of each sampled request, and every token of a
+        # prompt-logprobs request whose chunk still lies within its prompt.
+        want: list[int] = []
+        sample_pos: list[int] = []       # index into `want` of each sampled request
+        lp_spans: list[tuple[int, int, int]] = []  # (batch index, first index in want, n)
+        offset = 0
+        for i, r in enumerate(reqs):
+            n = len(r.token_ids)
+            state = self._reqs.get(r.req_id)
+            if state is None:
+                raise KeyError(f"request {r.req_id!r} scheduled but never sent as new")
+            if state.want_prompt_logprobs and not state.prompt_logprobs_sent and \
+                    r.start_pos < len(state.sampling.prompt_token_ids):
+                lp_spans.append((i, len(want), n))
+                want.extend(range(offset, offset + n))
+                if r.sample:
+                    sample_pos.append(len(want) - 1)
+            elif r.sample:
+                sample_pos.append(len(want))
+                want.append(offset + n - 1)
+            offset += n
+        fb.logits_idx = torch.tensor(want, dtype=torch.int64).to(self.device)
+        logits = self.model(fb)
+
+        out = RunnerOutput([], [], [], [])
+        for i, first, n in lp_spans:
+            self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
+        sampled = [r for r in reqs if r.sample]
+        if not sampled:
+            return out
+        states = [self._reqs[r.req_id].sampling for r in sampled]
+        rows = logits if len(sample_pos) == logits.shape[0] else logits[sample_pos]
+        result = self.sampler(rows, states)
+        for r, st, tok, lp, top in zip(sampled, states, result.token_ids, result.logprobs,
+                                       result.top_logprobs):
+            st.output_token_ids.append(tok)
+            out.req_ids.append(r.req_id)
+            out.token_ids.append(tok)
+            out.logprobs.append(lp)
+            out.top_logprobs.append(None if top is None else
+                                    [TopLogprob(t, lv) for t, lv in top])
+        return out
+
+    def _register(self, new: NewRequestData) -> None:
+        self._reqs[new.req_id] = _ReqState(
+            SamplingState(new.sampling_params, list(new.prompt_token_ids),
+                          list(new.output_token_ids)),
+            want_prompt_logprobs=new.return_prompt_logprobs)
+
+    def _accumulate_prompt_logprobs(self, r, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Logits at positions p predict token p + 1; keep those that are prompt tokens.
+        (Positions before the first computed chunk, e.g. a prefix-cache hit, are not
+        recomputed; the scheduler must not reuse cached prefixes for echo requests.)"""
+        state = self._reqs[r.req_id]
+        prompt = state.sampling.prompt_token_ids
+        lo, hi = r.start_pos, min(r.start_pos + len(r.token_ids), len(prompt) - 1)
+        if hi > lo:
+            targets = torch.tensor(prompt[lo + 1:hi + 1], dtype=torch.int64,
+                                   device=logits.device)
+            lps = torch.log_softmax(logits[:hi - lo].float(), dim=-1)
+            state.prompt_logprobs.extend(lps.gather(1, targets[:, None])[:, 0].tolist())
+        if r.start_pos + len(r.token_ids) >= len(prompt):
+            out.prompt_logprobs[r.req_id] = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+
+    # ------------------------------------------------------------------ test helpers
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Full-prompt logits [T, V] (float32) by a no-cache forward: touches no KV slot and
+        no req_to_token row, so it is safe while requests are live."""
+        fb = ForwardBatch.build([list(token_ids)], [0], [0], self.device)
+        return self.model(fb)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._reqs)

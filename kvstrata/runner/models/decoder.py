@@ -1,0 +1,218 @@
+"""Our decoder-only transformer for the llama family (llama, mistral, qwen2, qwen3).
+
+One module with per-architecture flags instead of one file per model: the families differ
+only in biases and per-head q/k norms. Projections are fused at load time (q|k|v into one
+weight, gate|up into one) so each layer runs 4 matmuls over the whole flattened batch;
+on CPU per-op overhead, not FLOPs, dominates small-batch decode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    qkv_bias: bool = False   # qwen2: bias on q/k/v only
+    qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
+    gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (checked there).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same arithmetic as HF (normalise in float32, cast back, then scale by the weight).
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: "ModelDims", spec: ArchSpec, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = _param(h, **kw)
+        self.qkv_weight = _param(qkv_out, h, **kw)
+        self.qkv_bias = _param(qkv_out, **kw) if (spec.qkv_bias or cfg.attention_bias) else None
+        self.o_weight = _param(h, cfg.num_heads * d, **kw)
+        # qwen2's fixed q/k/v bias never extends to o_proj; llama/qwen3's attention_bias does.
+        self.o_bias = _param(h, **kw) if cfg.attention_bias and not spec.qkv_bias else None
+        self.q_norm = _param(d, **kw) if spec.qk_norm else None
+        self.k_norm = _param(d, **kw) if spec.qk_norm else None
+        self.post_norm = _param(h, **kw)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, **kw)
+        self.down_weight = _param(h, cfg.intermediate_size, **kw)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, **kw) if cfg.mlp_bias else None
+        self.down_bias = _param(h, **kw) if cfg.mlp_bias else None
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, c: Any) -> "ModelDims":
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+            mlp_bias=bool(getattr(c, "mlp_bias", False)))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.dims = dims = ModelDims.from_config(config)
+        self.dtype = dtype
+        self.device = device
+        kw = dict(dtype=dtype, device=device)
+        self.embed = _param(dims.vocab_size, dims.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(dims, spec, dtype, device)
+                                    for _ in range(dims.num_layers))
+        self.final_norm = _param(dims.hidden_size, **kw)
+        # Tied (SmolLM2): the output projection IS the embedding matrix, no second copy.
+        self.lm_head = self.embed if dims.tie_word_embeddings else _param(
+            dims.vocab_size, dims.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
+        self.attn_backend = None  # set by the runner (needs the KV pool)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run all tokens of `fb`; return logits [len(fb.logits_idx), V] in float32
+        (every token when logits_idx is None)."""
+        d = self.dims
+        nq, nkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
+        q_end, k_end = nq * hd, (nq + nkv) * hd
+        t = fb.num_tokens
+        self.attn_backend.init_forward_metadata(fb)
+        cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
+        x = F.embedding(fb.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            v = qkv[:, k_end:].view(t, nkv, hd)
+            if layer.q_norm is not None:
+                q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
+                k = rms_norm(qkv[:, q_end:k_end].view(t, nkv, hd), layer.k_norm,
+                             d.rms_norm_eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            else:
+                # q and k heads sit side by side in qkv: rotate them with one set of ops.
+                qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
+                q, k = qk[:, :nq], qk[:, nq:]
+            attn = self.attn_backend.forward(i, q, k, v, fb)
+            x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        if fb.logits_idx is not None:
+            # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
+            x = x.index_select(0, fb.logits_idx)
+        x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    # ------------------------------------------------------------------ weight loading
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Copy one HF-named tensor into our (possibly fused) parameter. Returns the keys of
+        what it filled, so the loader can check that everything was loaded exactly once."""
+        d = self.dims
+        if name in ("model.embed_tokens.weight",):
+            return self._copy(self.embed, tensor, "embed")
+        if name == "model.norm.weight":
+            return self._copy(self.final_norm, tensor, "final_norm")
+        if name == "lm_head.weight":
+            if d.tie_word_embeddings:
+                return []  # some checkpoints store the tied copy too; the embedding wins
+            return self._copy(self.lm_head, tensor, "lm_head")
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            raise KeyError(name)
+        idx = int(parts[2])
+        layer = self.layers[idx]
+        sub = ".".join(parts[3:])
+        pre = f"layers.{idx}."
+        hd = d.head_dim
+        q_rows, kv_rows = d.num_heads * hd, d.num_kv_heads * hd
+        qkv_slices = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows),
+                      "v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
+        mlp_slices = {"gate_proj": (0, d.intermediate_size),
+                      "up_proj": (d.intermediate_size, 2 * d.intermediate_size)}
+        simple = {"input_layernorm.weight": "input_norm",
+                  "post_attention_layernorm.weight": "post_norm",
+                  "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+                  "self_attn.o_proj.weight": "o_weight", "self_attn.o_proj.bias": "o_bias",
+                  "mlp.down_proj.weight": "down_weight", "mlp.down_proj.bias": "down_bias"}
+        if sub in simple:
+            return self._copy(getattr(layer, simple[sub]), tensor, pre + simple[sub], name)
+        group, proj, kind = parts[3], parts[4], parts[-1]
+        if group == "self_attn" and proj in qkv_slices:
+            lo, hi = qkv_slices[proj]
+            target = layer.qkv_weight if kind == "weight" else layer.qkv_bias
+            return self._copy(target, tensor, f"{pre}{proj}.{kind}", name, lo, hi)
+        if group == "mlp" and proj in mlp_slices:
+            lo, hi = mlp_slices[proj]
+            target = layer.gate_up_weight if kind == "weight" else layer.gate_up_bias
+            return self._copy(target, tensor, f"{pre}{proj}.{kind}", name, lo, hi)
+        raise KeyError(name)
+
+    @staticmethod
+    def _copy(param: torch.Tensor | None, tensor: torch.Tensor, key: str, name: str = "",
+              lo: int | None = None, hi: int | None = None) -> list[str]:
+        if param is None:
+            raise KeyError(f"{name or key}: this architecture has no such parameter")
+        dst = param.data if lo is None else param.data[lo:hi]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return [key]
+
+    def expected_keys(self) -> set[str]:
+        keys = {"embed", "final_norm"}
+        if not self.dims.tie_word_embeddings:
+            keys.add("lm_head")
+        for i, layer in enumerate(self.layers):
+            pre = f"layers.{i}."
+            keys |= {pre + k for k in ("input_norm", "post_norm", "o_weight", "down_weight")}
+            keys |= {f"{pre}{p}.weight" for p in ("q_proj", "k_proj", "v_proj",
+                                                   "gate_proj", "up_proj")}
+            if layer.qkv_bias is not None:
+                keys |= {f"{pre}{p}.bias" for p in ("q_proj", "k_proj", "v_proj")}
+            for attr in ("o_bias", "down_bias", "q_norm", "k_norm"):
+                if getattr(layer, attr) is not None:
+                    keys.add(pre + attr)
+            if layer.gate_up_bias is not None:
+                keys |= {f"{pre}{p}.bias" for p in ("gate_proj", "up_proj")}
+        return keys

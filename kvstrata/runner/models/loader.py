@@ -1,0 +1,130 @@
+"""Weight loading: HF safetensors (single or sharded) and GGUF (dequantized).
+
+Both sources yield (HF parameter name, tensor) pairs; the model copies each into its own
+(fused) parameters, and we check every expected parameter was filled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvstrata.config.model_source import ModelSource
+from kvstrata.runner.models.decoder import DecoderForCausalLM
+from kvstrata.runner.models.registry import arch_spec
+
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+_GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+_GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (fast and exact there); on accelerators the checkpoint's half
+    dtype, or bfloat16 for float32/GGUF checkpoints (same range as float32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if ckpt in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors weights in {path}")
+    names = []
+    for file in files:
+        h = safe_open(os.path.join(path, file), framework="pt")
+        names.extend((h, k) for k in h.keys())
+    for h, k in tqdm(names, desc="Loading safetensors", unit="tensor", leave=False):
+        yield k, h.get_tensor(k)
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter reorders each head's rows from HF's "two halves" rotary layout to
+    # interleaved pairs: rows (head, half, i) -> (head, i, half). Undo it.
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    for t in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", leave=False):
+        m = _GGUF_BLOCK_RE.match(t.name)
+        if t.name in _GGUF_GLOBAL:
+            name = _GGUF_GLOBAL[t.name]
+        elif m and m.group(2) in _GGUF_BLOCK:
+            name = f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+        else:
+            if t.name == "rope_freqs.weight":
+                continue  # llama3 rope factors, recomputed from the config's rope_scaling
+            raise ValueError(f"GGUF tensor {t.name!r} has no mapping")
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        if permute_qk and m and m.group(2) in ("attn_q", "attn_k"):
+            w = _unpermute_qk(w, n_head if m.group(2) == "attn_q" else n_kv)
+        # np.array copies: dequantize may return a read-only view of the memory-mapped file.
+        yield name, torch.from_numpy(np.array(w, copy=True))
+
+
+def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
+               device: torch.device | str = "cpu") -> DecoderForCausalLM:
+    device = torch.device(device)
+    _, spec = arch_spec(config)
+    torch_dtype = resolve_dtype(dtype, config, device)
+    model = DecoderForCausalLM(config, spec, torch_dtype, device)
+    if source.kind == "gguf":
+        weights = _iter_gguf(source.gguf_path, config, spec.gguf_permute_qk)
+    else:
+        weights = _iter_safetensors(source.path)
+    loaded: list[str] = []
+    for name, tensor in weights:
+        try:
+            loaded.extend(model.load_weight(name, tensor))
+        except KeyError as e:
+            raise ValueError(f"unexpected weight {name!r} in {source.display_name}: {e}") from None
+    expected = model.expected_keys()
+    missing = expected - set(loaded)
+    if source.kind == "gguf" and missing == {"lm_head"}:
+        # llama.cpp uses token_embd as the output matrix when a GGUF has no output.weight,
+        # whatever the derived config says about tying.
+        model.lm_head = model.embed
+        missing = set()
+    if missing:
+        raise ValueError(f"{source.display_name}: missing weights {sorted(missing)[:8]}")
+    if len(loaded) != len(set(loaded)):
+        raise ValueError(f"{source.display_name}: some weights appear more than once")
+    return model.eval()

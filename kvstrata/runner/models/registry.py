@@ -1,0 +1,34 @@
+"""Architecture name (config.architectures[0]) -> how to build our decoder for it."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.runner.models.decoder import ArchSpec
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(gguf_permute_qk=True),
+    "MistralForCausalLM": ArchSpec(gguf_permute_qk=True),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+}
+
+# GGUF-derived configs carry model_type but no `architectures` list.
+_MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_name(config: Any) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    model_type = getattr(config, "model_type", None)
+    return _MODEL_TYPE_TO_ARCH.get(model_type, f"<model_type {model_type!r}>")
+
+
+def arch_spec(config: Any) -> tuple[str, ArchSpec]:
+    name = architecture_name(config)
+    spec = ARCHITECTURES.get(name)
+    if spec is None:
+        raise ValueError(f"unsupported model architecture {name!r}; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    return name, spec

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random checkpoints of each supported architecture (built once per
+session from real transformers configs), their transformers reference outputs, and SmolLM2.
+
+Tiny models use odd sizes and GQA so shape bugs cannot hide behind symmetric dimensions.
+initializer_range is large enough that logits are peaked: with the default 0.02 almost
+every greedy step would be a near-tie and the token comparison would test little.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import helpers.*`
+
+
+def pytest_configure(config):
+    # One intra-op thread unless the user chose: the test models are tiny (ops of a few
+    # microseconds), and on a small shared box OpenMP workers spinning against other
+    # processes made the suite ~10x slower in wall time than single-threaded.
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+TINY_VOCAB = 300
+TINY_MAX_POS = 512
+GREEDY_TOKENS = 32
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _tiny_config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=88,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=TINY_MAX_POS, initializer_range=0.2,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        # llama3-style rope scaling and tied embeddings (as SmolLM2) on the llama model.
+        return tf.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "qwen3":
+        # head_dim 24 != hidden / heads (16), as real Qwen3 models do.
+        return tf.Qwen3Config(**{**common, "num_hidden_layers": 2}, head_dim=24,
+                              tie_word_embeddings=False)
+    if arch == "mistral":
+        return tf.MistralConfig(**{**common, "num_attention_heads": 8}, sliding_window=None,
+                                tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def _build_checkpoint(arch: str, path: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234 + TINY_ARCHS.index(arch))
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+    if arch == "qwen2":
+        # Random-init biases are zero; make them matter so a dropped bias fails the test.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    # The mistral checkpoint is sharded, to test model.safetensors.index.json.
+    shard = "60KB" if arch == "mistral" else "5GB"
+    model.save_pretrained(path, safe_serialization=True, max_shard_size=shard)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny_ckpts")
+    return {a: _build_checkpoint(a, str(root / a)) for a in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts() -> list[list[int]]:
+    """8 prompts of different lengths (1 .. 70 tokens), crossing page boundaries of 16."""
+    rng = random.Random(7)
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(n)]
+            for n in (1, 3, 7, 16, 17, 31, 45, 70)]
+
+
+@pytest.fixture(scope="session")
+def tiny_references(tiny_checkpoints, tiny_prompts) -> dict:
+    """arch -> list of (ref tokens, ref per-step logits) from transformers greedy generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    refs = {}
+    for arch, path in tiny_checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        per_prompt = []
+        for prompt in tiny_prompts:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), do_sample=False,
+                                     max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                                     output_logits=True, return_dict_in_generate=True,
+                                     pad_token_id=0)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            per_prompt.append((tokens, [step[0] for step in out.logits]))
+        refs[arch] = per_prompt
+    return refs
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    from kvstrata.config.model_source import resolve_model_path
+
+    try:
+        return resolve_model_path("smollm2-135m").gguf_path
+    except ValueError as e:
+        pytest.skip(str(e))

@@ -1,0 +1,79 @@
+"""A minimal scheduler for driving ModelRunner directly in tests.
+
+It plays the real scheduler's role in the contract: hands out req_to_token rows and KV pages
+(in a shuffled order, so a request's pages are not contiguous), sends each request as new
+once, schedules prompt chunks then one decode token per step, and frees requests when done.
+Requests may arrive at different steps, so prefill chunks and decodes share batches.
+"""
+from __future__ import annotations
+
+import random
+
+from kvstrata.protocol import (NewRequestData, SamplingParams, ScheduledRequest,
+                               SchedulerOutput)
+
+
+class _Req:
+    def __init__(self, rid: str, prompt: list[int], max_new: int, arrival: int):
+        self.rid, self.prompt, self.max_new, self.arrival = rid, prompt, max_new, arrival
+        self.row = 0
+        self.pages: list[int] = []
+        self.computed = 0       # positions whose KV is in the pool
+        self.output: list[int] = []
+        self.sent = False
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new
+
+
+def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int | None = None,
+                    arrivals: list[int] | None = None, seed: int = 0,
+                    params: SamplingParams | None = None) -> list[list[int]]:
+    p = runner.page_size
+    free_pages = list(range(1, runner.num_pages + 1))
+    random.Random(seed).shuffle(free_pages)
+    free_rows = list(range(1, runner.max_running_requests + 1))
+    arrivals = arrivals or [0] * len(prompts)
+    params = params or SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
+    reqs = [_Req(f"r{i}", list(pr), max_new, a) for i, (pr, a) in
+            enumerate(zip(prompts, arrivals))]
+    step, freed = 0, []
+    while not all(r.done for r in reqs):
+        new, scheduled = [], []
+        for r in reqs:
+            if r.done or r.arrival > step:
+                continue
+            if not r.sent:
+                r.row = free_rows.pop(0)
+                new.append(NewRequestData(r.rid, r.prompt, [], params))
+                r.sent = True
+            if r.computed < len(r.prompt):
+                n = len(r.prompt) - r.computed if chunk is None else min(
+                    chunk, len(r.prompt) - r.computed)
+                tokens = r.prompt[r.computed:r.computed + n]
+            else:
+                tokens = [r.output[-1]]
+            start = r.computed
+            while len(r.pages) * p < start + len(tokens):
+                r.pages.append(free_pages.pop())
+            slots = [r.pages[q // p] * p + q % p for q in range(start, start + len(tokens))]
+            sample = start + len(tokens) >= len(r.prompt)
+            scheduled.append(ScheduledRequest(r.rid, r.row, start, tokens, start, slots, sample))
+        out = runner.execute(SchedulerOutput(step, False, new, scheduled, freed))
+        freed = []
+        by_id = dict(zip(out.req_ids, out.token_ids))
+        for s in scheduled:
+            r = next(x for x in reqs if x.rid == s.req_id)
+            r.computed += len(s.token_ids)
+            if s.sample:
+                r.output.append(by_id[s.req_id])
+                if r.done:
+                    freed.append(r.rid)
+                    free_rows.append(r.row)
+                    free_pages.extend(r.pages)
+                    r.pages = []
+        step += 1
+    if freed:
+        runner.execute(SchedulerOutput(step, False, [], [], freed))
+    return [r.output for r in reqs]
