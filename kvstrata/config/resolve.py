@@ -92,14 +92,7 @@ def _is_set(v: Any) -> bool:
 
 
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    # HiCache (L2 is the next issue; L3 after it). Every hicache_* option only has an effect
-    # with a host pool, so a non-default value would be a silent no-op today.
-    "enable_hierarchical_cache": bool,
-    "hicache_ratio": _is_set,
-    "hicache_size": lambda v: v > 0,
-    "hicache_write_policy": lambda v: v != "write_through",
-    "hicache_io_backend": lambda v: v != "kernel",
-    "hicache_mem_layout": lambda v: v != "page_first",
+    # HiCache L3 (storage) is not built; L2 (host pool) is. buffer_only needs storage.
     "hicache_host_memory_mode": lambda v: v != "cache",
     "hicache_storage_backend": _is_set,
     "hicache_storage_prefetch_policy": lambda v: v != "timeout",

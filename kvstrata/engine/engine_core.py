@@ -122,7 +122,29 @@ class EngineCore:
             "cache_hit_rate": kv.hit_rate(),
             "num_retractions": self.scheduler.num_retractions,
             "new_token_ratio": self.scheduler.ratio.value,
+            **self._hicache_load(),
         }
+
+    def _hicache_load(self) -> dict:
+        kv = self.scheduler.kv
+        if not kv.hicache:
+            return {}
+        st = kv.tree.stats
+        P = kv.page_size
+        out = {
+            "hicache_device_hit_tokens": kv.matched_tokens - st.host_hit_tokens,
+            "hicache_host_hit_tokens": st.host_hit_tokens,
+            "hicache_d2h_pages": st.d2h_pages,
+            "hicache_h2d_pages": st.h2d_pages,
+            "hicache_demoted_pages": st.demoted_pages,
+            "hicache_failed_jobs": st.failed_jobs,
+            "hicache_host_total_tokens": kv.host_allocator.num_pages * P,
+            "hicache_host_used_tokens": kv.host_allocator.num_used() * P,
+        }
+        stats = getattr(self.runner, "transfer_stats", None)
+        if stats is not None:
+            out.update({f"hicache_{k}": v for k, v in stats().items()})
+        return out
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -14,9 +14,24 @@ from kvstrata.engine.scheduler import SchedulerConfig
 logger = logging.getLogger(__name__)
 
 
+# Host-pool options that only mean something with --enable-hierarchical-cache.
+_L2_OPTIONS = {"hicache_ratio": None, "hicache_size": 0, "hicache_write_policy": "write_through",
+               "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
+
+
+def refuse_l2_options_without_hicache(args: ServerArgs) -> None:
+    """A HiCache option without HiCache would be a silent no-op: refuse it, naming the flag."""
+    if args.enable_hierarchical_cache:
+        return
+    for name, default in _L2_OPTIONS.items():
+        if getattr(args, name) != default:
+            raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
+
+
 def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
     """Returns (engine core, HF tokenizer with chat template)."""
     refuse_unimplemented(server_args)
+    refuse_l2_options_without_hicache(server_args)
     args, resolutions = resolve(server_args)
     log_resolutions(resolutions)
     if args.random_seed is not None:
@@ -25,10 +40,14 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
+    hicache = None
+    if args.enable_hierarchical_cache:
+        hicache = dict(layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
+                       hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size)
     runner = ModelRunner(
         args.model_path, dtype=args.dtype, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-        max_context_len=args.context_length, device=args.device,
+        max_context_len=args.context_length, device=args.device, hicache=hicache,
     )
     # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
     tokenizer = (None if args.skip_tokenizer_init
@@ -42,6 +61,8 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
         schedule_conservativeness=args.schedule_conservativeness,
         disable_radix_cache=args.disable_radix_cache,
         radix_eviction_policy=args.radix_eviction_policy,
+        num_host_pages=runner.num_host_pages,
+        hicache_write_policy=args.hicache_write_policy,
     )
     engine = EngineCore(runner, config, tokenizer)
     engine.server_args = args

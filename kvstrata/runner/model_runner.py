@@ -22,6 +22,7 @@ from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes
 from kvstrata.runner.models.loader import load_model
+from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ class ModelRunner:
     def __init__(self, model_path: str, dtype: str = "auto", page_size: int = 1,
                  max_total_tokens: int | None = None, max_running_requests: int | None = None,
                  max_context_len: int | None = None, device: str | torch.device | None = None,
-                 mem_budget_gb: float | None = None):
+                 mem_budget_gb: float | None = None, hicache: dict | None = None):
+        """hicache: None, or kwargs of HiCacheExecutor (layout, io_backend, hicache_ratio,
+        hicache_size) to back the device pool with a host pool."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if device is None:
@@ -89,6 +92,8 @@ class ModelRunner:
             self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, _ReqState] = {}
+        self.hicache = HiCacheExecutor(self.kv_pool, **hicache) if hicache else None
+        self.num_host_pages = self.hicache.num_host_pages if self.hicache else 0
         logger.info("model %s (%s) on %s: %d KV pages x %d tokens (%.1f MiB), %d rows x %d",
                     self.source.display_name, self.dtype, self.device, self.num_pages,
                     page_size, self.kv_pool.size_bytes / 2 ** 20, self.max_running_requests,
@@ -112,6 +117,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        # Tier moves first: loads this forward reads, write-backs of pages it may overwrite.
+        done, failed = self.hicache.execute(sched.transfers) if self.hicache else ([], [])
+        out = self._execute_forward(sched)
+        out.finished_transfer_ids = done
+        out.failed_transfer_ids = failed
+        return out
+
+    def transfer_stats(self) -> dict:
+        """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""
+        return self.hicache.stats() if self.hicache else {}
+
+    def shutdown(self) -> None:
+        if self.hicache is not None:
+            self.hicache.close()
+            self.hicache = None
+
+    def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_req_ids:
             self._reqs.pop(rid, None)
         for new in sched.new_requests:

@@ -16,12 +16,6 @@ def test_defaults_are_all_implemented():
 
 
 @pytest.mark.parametrize("kwargs,flag", [
-    ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
-    ({"hicache_ratio": 2.0}, "--hicache-ratio"),
-    ({"hicache_size": 1}, "--hicache-size"),
-    ({"hicache_write_policy": "write_back"}, "--hicache-write-policy"),
-    ({"hicache_io_backend": "direct"}, "--hicache-io-backend"),
-    ({"hicache_mem_layout": "layer_first"}, "--hicache-mem-layout"),
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
     ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
     ({"hicache_storage_prefetch_policy": "best_effort"}, "--hicache-storage-prefetch-policy"),
@@ -50,8 +44,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
 
 
 def test_several_flags_listed_in_field_order():
-    args = ServerArgs(enable_hisparse=True, tp_size=4, enable_hierarchical_cache=True)
-    assert unimplemented_flags(args) == ["--tp-size", "--enable-hierarchical-cache",
+    args = ServerArgs(enable_hisparse=True, tp_size=4, hicache_storage_backend="file")
+    assert unimplemented_flags(args) == ["--tp-size", "--hicache-storage-backend",
                                          "--enable-hisparse"]
 
 
