@@ -9,7 +9,7 @@ from typing import Any
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
 from kvstrata.engine.stop_checker import StopChecker
-from kvstrata.protocol import FinishReason, RequestOutput, TopLogprob
+from kvstrata.protocol import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class EngineCore:
         logprobs = top = None
         if req.params.logprobs is not None:
             logprobs, req.pending_logprobs = req.pending_logprobs, []
-            top = [[TopLogprob(t, lp) for t, lp in row] for row in req.pending_top_logprobs]
+            top = [list(row) for row in req.pending_top_logprobs]
             req.pending_top_logprobs = []
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         return RequestOutput(

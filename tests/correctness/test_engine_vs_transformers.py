@@ -80,3 +80,29 @@ def test_prompt_longer_than_context_fails_only_that_request(tiny_checkpoints):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_logprobs_through_the_engine(tiny_checkpoints, tiny_prompts):
+    import torch
+
+    llm = make_llm(tiny_checkpoints["llama"])
+    try:
+        prompt = tiny_prompts[3]
+        out = llm.generate(input_ids=prompt, return_logprob=True,
+                           sampling_params={**GREEDY, "max_new_tokens": 4, "min_new_tokens": 0,
+                                            "logprobs": 3})
+        meta = out["meta_info"]
+        assert [t for _, t in meta["output_token_logprobs"]] == out["output_ids"]
+        for (lp, tid), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+            assert len(top) == 3 and top[0][0] == tid  # greedy: the sampled token is the top one
+            assert abs(top[0][1] - lp) < 1e-6 and top[0][1] >= top[1][1] >= top[2][1]
+        # Prompt logprobs (echo): one per prompt token after the first, all <= 0.
+        assert len(meta["input_token_logprobs"]) == len(prompt) - 1
+        assert all(x <= 0 for x in meta["input_token_logprobs"])
+        logits = llm.engine.runner.forward_logits(prompt)
+        ref = torch.log_softmax(logits.float(), -1)[:-1].gather(
+            1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor(meta["input_token_logprobs"]), ref, atol=1e-4)
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
