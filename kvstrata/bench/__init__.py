@@ -1,0 +1,1 @@
+"""Benchmark clients (serve: any OpenAI-compatible server)."""

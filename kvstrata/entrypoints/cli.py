@@ -1,0 +1,103 @@
+"""`kvstrata` command line: `serve`, `bench serve` (and room for `bench offline`,
+`config --explain`).
+
+Each command registers itself in COMMANDS as (path, add_arguments, run): the parser is built
+from that table, so adding a command is one `register(...)` call in its own module, e.g.
+
+    register(("bench", "offline"), add_offline_args, run_offline, "offline throughput")
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+Command = tuple[tuple[str, ...], Callable[[argparse.ArgumentParser], None],
+                Callable[[argparse.Namespace], int], str]
+COMMANDS: list[Command] = []
+
+
+def register(path: tuple[str, ...], add_arguments, run, help_text: str) -> None:
+    COMMANDS.append((path, add_arguments, run, help_text))
+
+
+# ---- serve --------------------------------------------------------------------------------
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.config import ServerArgs
+
+    ServerArgs.add_cli_args(parser)
+
+
+def _run_serve(ns: argparse.Namespace) -> int:
+    from kvstrata.config import ServerArgs, log_resolutions, refuse_unimplemented
+
+    try:
+        args = ServerArgs.from_cli_args(ns)
+        refuse_unimplemented(args)
+    except (NotImplementedError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
+    resolutions = None
+    try:
+        from kvstrata.config import resolve
+
+        _, resolutions = resolve(args)
+        log_resolutions(resolutions)
+    except Exception as e:  # resolution is informative here; the engine re-checks its inputs
+        logging.getLogger("kvstrata").warning("could not resolve arguments: %r", e)
+    from kvstrata.entrypoints.launcher import StartupError, launch_server
+
+    try:
+        launch_server(args, resolutions)
+    except StartupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# ---- bench serve --------------------------------------------------------------------------
+def _add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.serve_client import add_args
+
+    add_args(parser)
+
+
+def _run_bench_serve(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.serve_client import main_from_args
+
+    return main_from_args(ns)
+
+
+register(("serve",), _add_serve_args, _run_serve, "run the HTTP server")
+register(("bench", "serve"), _add_bench_serve_args, _run_bench_serve,
+         "benchmark any OpenAI-compatible server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstrata")
+    subparsers = {(): parser.add_subparsers(dest="command", required=True)}
+    for path, add_arguments, run, help_text in COMMANDS:
+        for depth in range(1, len(path)):  # create intermediate groups ("bench")
+            prefix = path[:depth]
+            if prefix not in subparsers:
+                group = subparsers[prefix[:-1]].add_parser(prefix[-1])
+                subparsers[prefix] = group.add_subparsers(dest=f"command_{depth}",
+                                                          required=True)
+        sub = subparsers[path[:-1]].add_parser(path[-1], help=help_text)
+        add_arguments(sub)
+        sub.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns._run(ns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

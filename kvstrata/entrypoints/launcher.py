@@ -1,0 +1,155 @@
+"""Start the server's processes, wait until each is ready, serve, and shut down in order.
+
+    main process   : uvicorn + FastAPI + tokenizer manager
+    child 1        : scheduler (engine core + model runner)
+    child 2        : detokenizer
+
+Children are started with the "spawn" method (a fresh interpreter: no inherited ZMQ context,
+torch threads or locks) and with PDEATHSIG, so a SIGKILLed launcher leaves no orphan.
+Shutdown order on SIGINT/SIGTERM: uvicorn stops accepting and drains (bounded), the
+scheduler gets a ShutdownReq and forwards one to the detokenizer, both are joined, and any
+child that does not exit in time is terminated, then killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from kvstrata.frontend import ipc
+
+logger = logging.getLogger("kvstrata.launcher")
+
+READY_TIMEOUT_S = 900  # the first load of a big model may be slow on CPU
+JOIN_TIMEOUT_S = 10
+GRACEFUL_HTTP_SHUTDOWN_S = 5
+
+
+@dataclass
+class ServerState:
+    server_args: object
+    tm: object
+    model_names: list[str]
+    engine_info: dict
+    metrics: object
+    processes: list = field(default_factory=list)
+    resolutions: list | None = None
+
+    @property
+    def context_len(self) -> int | None:
+        return self.engine_info.get("max_context_len")
+
+    def healthy(self) -> bool:
+        return not self.tm.engine_dead and all(p.is_alive() for p in self.processes)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def _wait_ready(children: list[tuple[mp.Process, object]], timeout: float) -> dict[str, dict]:
+    """Wait for one ReadyMsg per child; fail fast if a child dies or reports an error."""
+    infos: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    pending = list(children)
+    while pending:
+        if time.monotonic() > deadline:
+            raise StartupError(f"timed out after {timeout:.0f}s waiting for "
+                               f"{[p.name for p, _ in pending]}")
+        for proc, conn in list(pending):
+            if conn.poll(0.1):
+                msg = ipc.decode(conn.recv_bytes(), "ready")
+                if not msg.ok:
+                    raise StartupError(f"{msg.process} failed to start: {msg.error}")
+                infos[msg.process] = msg.info
+                pending.remove((proc, conn))
+            elif not proc.is_alive():
+                raise StartupError(f"{proc.name} exited with code {proc.exitcode} during "
+                                   "start-up")
+    return infos
+
+
+def _stop_children(processes: list[mp.Process], grace_s: float) -> None:
+    """Join for up to grace_s (children that got a ShutdownReq exit by themselves), then
+    terminate, then kill."""
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("%s did not exit in time: terminating", proc.name)
+            proc.terminate()
+            proc.join(3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(3)
+
+
+def launch_server(server_args, resolutions: list | None = None) -> None:
+    """Run the server until SIGINT/SIGTERM (blocking)."""
+    import uvicorn
+
+    from kvstrata.entrypoints.api_server import create_app
+    from kvstrata.entrypoints.scheduler_process import run_scheduler_process
+    from kvstrata.frontend.detokenizer import run_detokenizer_process
+    from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
+    from kvstrata.frontend.tokenizer_manager import TokenizerManager
+    from kvstrata.metrics import ServerMetrics
+
+    ipc_dir = tempfile.mkdtemp(prefix="kvstrata-ipc-")
+    paths = ipc.IpcPaths.in_dir(ipc_dir)
+    ctx = mp.get_context("spawn")
+    children = []
+    # Only a scheduler that received ShutdownReq stops itself and then the detokenizer;
+    # after a failed start or a scheduler crash there is nothing to wait for.
+    shutdown_sent = False
+    try:
+        for name, target in (("detokenizer", run_detokenizer_process),
+                             ("scheduler", run_scheduler_process)):
+            recv_conn, send_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=target, args=(server_args, paths, send_conn),
+                               name=f"kvstrata-{name}", daemon=True)
+            proc.start()
+            send_conn.close()
+            children.append((proc, recv_conn))
+        # Load our own tokenizer while the children load theirs.
+        tokenizer = load_tokenizer_for(server_args)
+        infos = _wait_ready(children, READY_TIMEOUT_S)
+        processes = [p for p, _ in children]
+        scheduler_proc = processes[1]
+
+        served = getattr(server_args, "served_model_name", None) or server_args.model_path
+        model_names = [served] + ([server_args.model_path]
+                                  if server_args.model_path != served else [])
+        metrics = ServerMetrics(served)
+        tm = TokenizerManager(server_args, tokenizer, paths, infos["scheduler"], metrics,
+                              is_scheduler_alive=scheduler_proc.is_alive)
+        state = ServerState(server_args, tm, model_names, infos["scheduler"], metrics,
+                            processes, resolutions)
+        config = uvicorn.Config(
+            create_app(state), host=server_args.host, port=server_args.port,
+            log_level=str(server_args.log_level).lower(), access_log=False,
+            timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S, timeout_keep_alive=30)
+        server = uvicorn.Server(config)
+
+        async def serve() -> None:
+            nonlocal shutdown_sent
+            await tm.start()
+            try:
+                await server.serve()  # returns after SIGINT/SIGTERM and a bounded drain
+            finally:
+                if scheduler_proc.is_alive():
+                    await tm.send_sock.send(ipc.encode(ipc.ShutdownReq()))
+                    shutdown_sent = True
+                await tm.stop()
+
+        logger.info("serving %s on http://%s:%d", served, server_args.host, server_args.port)
+        asyncio.run(serve())
+    finally:
+        _stop_children([p for p, _ in children], JOIN_TIMEOUT_S if shutdown_sent else 0.0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        logger.info("server stopped")

@@ -1,0 +1,154 @@
+"""The scheduler subprocess: a loop around the engine core.
+
+Each iteration drains the inbound socket (requests, aborts, control calls) without blocking
+while there is work, then runs one engine step and ships its outputs to the detokenizer.
+When the engine is idle it blocks on the socket, so an idle server burns no CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import traceback
+
+import zmq
+
+from kvstrata.frontend import ipc
+
+logger = logging.getLogger(__name__)
+
+# KVSTRATA_ENGINE_FACTORY="module:function" swaps the engine (tests use a fake until the
+# real engine core lands, and to inject faults); default is the real factory.
+ENGINE_FACTORY_ENV = "KVSTRATA_ENGINE_FACTORY"
+DEFAULT_ENGINE_FACTORY = "kvstrata.entrypoints.engine_factory:build_engine"
+
+
+def load_engine_factory():
+    spec = os.environ.get(ENGINE_FACTORY_ENV, DEFAULT_ENGINE_FACTORY)
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr or "build_engine")
+
+
+def engine_info(engine, tokenizer) -> dict:
+    """What the api server needs to validate requests before they reach the engine."""
+    info: dict = {"pid": os.getpid()}
+    for name in ("max_context_len", "context_len", "max_model_len"):
+        value = getattr(engine, name, None)
+        if isinstance(value, int):
+            info["max_context_len"] = value
+            break
+    try:
+        info.update(engine.get_load())
+    except Exception:  # info is best effort; the engine may not support it before serving
+        pass
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        info["eos_token_id"] = eos
+    return info
+
+
+class SchedulerLoop:
+    def __init__(self, engine, tokenizer, recv_sock, send_sock):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.recv_sock = recv_sock
+        self.send_sock = send_sock
+        # A request added or aborted since the last step must see one more step, even if the
+        # engine reports no unfinished work: that step carries its error / abort output.
+        self.step_pending = False
+        self.running = True
+
+    def handle(self, msg) -> None:
+        engine = self.engine
+        if isinstance(msg, ipc.GenerateReq):
+            from kvstrata.engine.request import EngineRequest
+
+            sp = msg.sampling_params
+            self.send_sock.send(ipc.encode(ipc.RegisterDetok(
+                rid=msg.rid, stop=list(sp.stop), skip_special_tokens=sp.skip_special_tokens)))
+            engine.add_request(EngineRequest(
+                rid=msg.rid, prompt_ids=msg.prompt_ids, sampling_params=sp,
+                return_prompt_logprobs=msg.return_prompt_logprobs))
+            self.step_pending = True
+        elif isinstance(msg, ipc.AbortReq):
+            engine.abort_request(msg.rid)
+            self.step_pending = True
+        elif isinstance(msg, ipc.ControlReq):
+            self.send_sock.send(ipc.encode(self.control(msg)))
+        elif isinstance(msg, ipc.ShutdownReq):
+            self.running = False
+
+    def control(self, msg: ipc.ControlReq) -> ipc.ControlReply:
+        try:
+            if msg.op == "get_load":
+                result = dict(self.engine.get_load())
+            elif msg.op == "flush_cache":
+                result = {"flushed": bool(self.engine.flush_cache())}
+            elif msg.op == "check_integrity":
+                try:
+                    self.engine.check_integrity()
+                    result = {"ok": True}
+                except AssertionError as e:
+                    result = {"ok": False, "error": str(e)}
+                result.update(self.engine.get_load())
+            elif msg.op == "engine_info":
+                result = engine_info(self.engine, self.tokenizer)
+            else:
+                return ipc.ControlReply(msg.call_id, False, error=f"unknown op {msg.op!r}")
+            return ipc.ControlReply(msg.call_id, True, result=result)
+        except Exception as e:
+            logger.exception("control op %s failed", msg.op)
+            return ipc.ControlReply(msg.call_id, False, error=repr(e))
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv_sock, zmq.POLLIN)
+        while self.running:
+            busy = self.step_pending or self.engine.has_unfinished_requests()
+            # Block (in 1 s slices, to notice shutdown) only when there is nothing to run.
+            if busy or poller.poll(1000):
+                while True:
+                    try:
+                        data = self.recv_sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(ipc.decode(data, "scheduler"))
+            if not self.running:
+                break
+            if self.step_pending or self.engine.has_unfinished_requests():
+                self.step_pending = False
+                outputs = self.engine.step()
+                if outputs:
+                    self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
+
+
+def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
+    """Entry point of the scheduler subprocess."""
+    from kvstrata.frontend.process_utils import die_with_parent, setup_child_logging
+
+    die_with_parent()
+    setup_child_logging(server_args, "scheduler")
+    try:
+        engine, tokenizer = load_engine_factory()(server_args)
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(paths.scheduler_in)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(paths.detokenizer_in)
+        info = engine_info(engine, tokenizer)
+    except Exception as e:
+        logger.exception("scheduler failed to start")
+        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg(
+            "scheduler", False, f"{e!r}\n{traceback.format_exc()}")))
+        return
+    ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
+    loop = SchedulerLoop(engine, tokenizer, recv, send)
+    try:
+        loop.run()
+    finally:
+        engine.shutdown()
+        # Tell the detokenizer to exit after it has forwarded everything we sent.
+        send.send(ipc.encode(ipc.ShutdownReq()))
+        recv.close(linger=0)
+        send.close(linger=1000)
+        ctx.term()

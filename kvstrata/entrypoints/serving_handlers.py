@@ -1,0 +1,323 @@
+"""Turn merged engine outputs into HTTP responses: JSON, or SSE streams ending in [DONE].
+
+Disconnects: a streaming response is cancelled by Starlette when the client goes away; a
+non-streaming one is raced against request.is_disconnected(). Either way the output
+generator is closed, which aborts the engine requests and frees their KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvstrata.entrypoints import serving_openai as so
+from kvstrata.entrypoints.errors import ApiError, from_sampling_error
+from kvstrata.entrypoints.openai_protocol import error_body, usage_dict
+from kvstrata.frontend import ipc
+from kvstrata.protocol import SamplingParams
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Acc:
+    """Everything one choice produced so far."""
+
+    def __init__(self, choice: so.Choice):
+        self.choice = choice
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.top_logprobs: list = []
+        self.prompt_logprobs: list[float] | None = None
+        self.last: ipc.TextOutput | None = None
+
+    def add(self, out: ipc.TextOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs or []
+        self.top_logprobs += out.new_top_logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.last = out
+
+
+def _usage(accs: list[_Acc], n: int) -> dict:
+    firsts = [a.last for a in accs if a.choice.index % n == 0 and a.last]
+    return usage_dict(sum(o.prompt_tokens for o in firsts),
+                      sum(a.last.completion_tokens for a in accs if a.last),
+                      sum(o.cached_tokens for o in firsts))
+
+
+async def _first_or_error(gen: AsyncIterator):
+    """Wait for the first output, so that an error before any token (bad prompt length, dead
+    engine) is still a proper HTTP status rather than an error inside a 200 stream."""
+    try:
+        first = await gen.__anext__()
+    except BaseException:
+        await gen.aclose()
+        raise
+    err = so.output_error(first[1])
+    if err is not None:
+        await gen.aclose()
+        raise err
+    return first
+
+
+async def _collect(request: Request, gen: AsyncIterator, accs: dict[str, _Acc]) -> None:
+    async def run():
+        async for choice, out in gen:
+            err = so.output_error(out)
+            if err is not None:
+                raise err
+            accs[choice.req.rid].add(out)
+
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()
+
+
+def _sse_error(err: ApiError) -> bytes:
+    return so.encode_sse(error_body(err.message, type_=err.type, param=err.param,
+                                    code=err.code))
+
+
+async def chat_response(state, request: Request, body, choices: list[so.Choice]):
+    model, created, rid = state.model_names[0], so.now(), f"chatcmpl-{choices[0].req.rid}"
+    tt = so.TokenText(state.tm.tokenizer)
+    gen = so.merged_outputs(state.tm, choices)
+    accs = {c.req.rid: _Acc(c) for c in choices}
+    if not body.stream:
+        await _collect(request, gen, accs)
+        out_choices = []
+        for a in sorted(accs.values(), key=lambda a: a.choice.index):
+            out = a.last
+            logprobs = None
+            if body.logprobs:
+                merged = ipc.TextOutput(rid="", text="", new_token_ids=a.token_ids,
+                                        finished=True, new_logprobs=a.logprobs,
+                                        new_top_logprobs=a.top_logprobs or None)
+                logprobs = {"content": so.chat_logprobs(tt, merged)}
+            out_choices.append({"index": a.choice.index, "logprobs": logprobs,
+                                "message": {"role": "assistant", "content": a.text},
+                                "finish_reason": out.finish_type,
+                                "matched_stop": out.matched_stop})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    first = await _first_or_error(gen)
+
+    def chunk(index: int, delta: dict, finish=None, logprobs=None, matched=None) -> bytes:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
+               "model": model, "choices": [{"index": index, "delta": delta,
+                                            "logprobs": logprobs, "finish_reason": finish}]}
+        if finish is not None:
+            obj["choices"][0]["matched_stop"] = matched
+        if include_usage:
+            obj["usage"] = None
+        return so.encode_sse(obj)
+
+    async def stream():
+        try:
+            for c in choices:
+                yield chunk(c.index, {"role": "assistant", "content": ""})
+            pending = [first]
+            while True:
+                for choice, out in pending:
+                    err = so.output_error(out)
+                    if err is not None:
+                        yield _sse_error(err)
+                        yield _DONE
+                        return
+                    accs[choice.req.rid].add(out)
+                    lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
+                    if out.text or out.finished or (lp and lp["content"]):
+                        yield chunk(choice.index, {"content": out.text} if out.text else {},
+                                    so.finish_reason(out), lp, out.matched_stop)
+                try:
+                    pending = [await gen.__anext__()]
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                yield so.encode_sse({"id": rid, "object": "chat.completion.chunk",
+                                     "created": created, "model": model, "choices": [],
+                                     "usage": _usage(list(accs.values()), body.n)})
+            yield _DONE
+        finally:
+            await gen.aclose()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _completion_logprobs(tt, a: _Acc, out_ids, lps, tops, echo: bool) -> dict:
+    start = 0
+    if echo:
+        ids = a.choice.req.prompt_ids
+        prompt_lps = [None] + list(a.prompt_logprobs or [None] * (len(ids) - 1))
+        head = so.completion_logprobs(tt, ids, prompt_lps, None, 0)
+        body = so.completion_logprobs(tt, out_ids, lps, tops,
+                                      len(a.choice.prompt_text or ""))
+        return so.merge_logprobs(head, body)
+    return so.completion_logprobs(tt, out_ids, lps, tops, start)
+
+
+async def completion_response(state, request: Request, body, choices: list[so.Choice]):
+    model, created, rid = state.model_names[0], so.now(), f"cmpl-{choices[0].req.rid}"
+    tt = so.TokenText(state.tm.tokenizer)
+    gen = so.merged_outputs(state.tm, choices)
+    accs = {c.req.rid: _Acc(c) for c in choices}
+    want_lp = body.logprobs is not None
+    if not body.stream:
+        await _collect(request, gen, accs)
+        out_choices = []
+        for a in sorted(accs.values(), key=lambda a: a.choice.index):
+            text = (a.choice.prompt_text + a.text) if body.echo else a.text
+            lp = _completion_logprobs(tt, a, a.token_ids, a.logprobs, a.top_logprobs or None,
+                                      body.echo) if want_lp else None
+            out_choices.append({"index": a.choice.index, "text": text, "logprobs": lp,
+                                "finish_reason": a.last.finish_type,
+                                "matched_stop": a.last.matched_stop})
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    first = await _first_or_error(gen)
+
+    async def stream():
+        try:
+            pending, echoed = [first], set()
+            while True:
+                for choice, out in pending:
+                    err = so.output_error(out)
+                    if err is not None:
+                        yield _sse_error(err)
+                        yield _DONE
+                        return
+                    a = accs[choice.req.rid]
+                    a.add(out)
+                    text, lp = out.text, None
+                    echo_now = body.echo and choice.index not in echoed
+                    if echo_now:
+                        echoed.add(choice.index)
+                        text = choice.prompt_text + text
+                    if want_lp:
+                        lp = _completion_logprobs(tt, a, out.new_token_ids, out.new_logprobs or [],
+                                                  out.new_top_logprobs, echo_now)
+                    if text or out.finished or lp:
+                        obj = {"id": rid, "object": "text_completion", "created": created,
+                               "model": model, "choices": [{
+                                   "index": choice.index, "text": text, "logprobs": lp,
+                                   "finish_reason": so.finish_reason(out)}]}
+                        if include_usage:
+                            obj["usage"] = None
+                        yield so.encode_sse(obj)
+                try:
+                    pending = [await gen.__anext__()]
+                except StopAsyncIteration:
+                    break
+            if include_usage:
+                yield so.encode_sse({"id": rid, "object": "text_completion", "created": created,
+                                     "model": model, "choices": [],
+                                     "usage": _usage(list(accs.values()), body.n)})
+            yield _DONE
+        finally:
+            await gen.aclose()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
+          input_lp: bool) -> dict:
+    if out.finish_type == "length":
+        reason = {"type": "length", "length": out.completion_tokens}
+    elif out.finish_type:
+        reason = {"type": out.finish_type, "matched": out.matched_stop}
+        if out.error_message:
+            reason["message"] = out.error_message
+    else:
+        reason = None
+    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
+            "e2e_latency": time.perf_counter() - start}
+    if want_lp:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                         zip(acc.logprobs, acc.token_ids)]
+        meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in top]
+                                       for top in acc.top_logprobs] if acc.top_logprobs else None
+        if input_lp:
+            ids = acc.choice.req.prompt_ids
+            lps = [None] + list(acc.prompt_logprobs or [])
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+    return meta
+
+
+async def generate_response(state, request: Request, body):
+    tm = state.tm
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", "text")
+    ids = tm.encode_prompt(body.text) if body.text is not None else list(body.input_ids)
+    so.check_lengths(len(ids), None, state.context_len,
+                     "text" if body.text is not None else "input_ids", "max_new_tokens")
+    sp_dict = dict(body.sampling_params or {})
+    if body.return_logprob:
+        sp_dict["logprobs"] = body.top_logprobs_num
+    try:
+        sp = SamplingParams.from_dict(sp_dict)
+    except ValueError as e:
+        err = from_sampling_error(e, openai_names=False)
+        err.param = f"sampling_params.{err.param}" if err.param != "sampling_params" \
+            else err.param
+        raise err from None
+    so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, "input_ids",
+                     "sampling_params.max_new_tokens")
+    input_lp = body.return_logprob and body.logprob_start_len >= 0
+    rid = body.rid or tm.new_rid()
+    choice = so.Choice(0, ipc.GenerateReq(
+        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
+        bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
+        bootstrap_room=body.bootstrap_room))
+    start = time.perf_counter()
+    gen = so.merged_outputs(tm, [choice])
+    acc = _Acc(choice)
+    if not body.stream:
+        await _collect(request, gen, {rid: acc})
+        return {"text": acc.text, "output_ids": acc.token_ids,
+                "meta_info": _meta(acc.last, acc, rid, start, body.return_logprob, input_lp)}
+    first = await _first_or_error(gen)
+
+    async def stream():
+        try:
+            pending = first
+            while True:
+                _, out = pending
+                err = so.output_error(out)
+                if err is not None:
+                    yield _sse_error(err)
+                    break
+                acc.add(out)
+                # SGLang streams the cumulative text and ids so far in every chunk.
+                yield so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
+                                     "meta_info": _meta(out, acc, rid, start,
+                                                        body.return_logprob, input_lp)})
+                try:
+                    pending = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+            yield _DONE
+        finally:
+            await gen.aclose()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+

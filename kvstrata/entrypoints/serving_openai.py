@@ -1,0 +1,213 @@
+"""/v1/chat/completions and /v1/completions: OpenAI requests -> engine requests -> responses.
+
+A request with several prompts and/or n > 1 fans out into one engine request per choice
+(choice index = prompt_index * n + j); their output streams are merged into one.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from kvstrata.entrypoints.errors import ApiError, bad_request, from_sampling_error
+from kvstrata.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.frontend import ipc
+from kvstrata.protocol import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Choice:
+    index: int
+    req: ipc.GenerateReq
+    prompt_text: str | None = None  # for echo
+
+
+def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | None,
+                  prompt_param: str, max_param: str) -> None:
+    if prompt_len == 0:
+        raise bad_request(f"{prompt_param} is empty", prompt_param)
+    if max_tokens is not None and max_tokens < 0:
+        raise bad_request(f"{max_param} must be >= 0, got {max_tokens}", max_param)
+    if context_len is None:
+        return
+    if prompt_len >= context_len:
+        raise bad_request(f"{prompt_param} has {prompt_len} tokens; the model's context length "
+                          f"is {context_len}", prompt_param)
+    if max_tokens is not None and prompt_len + max_tokens > context_len:
+        raise bad_request(f"{max_param}={max_tokens} plus {prompt_len} prompt tokens exceeds "
+                          f"the context length {context_len}", max_param)
+
+
+def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_offset: int,
+                          max_param: str) -> SamplingParams:
+    fields = dict(
+        max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+        seed=None if body.seed is None else body.seed + seed_offset,
+        stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
+        logprobs=logprobs)
+    try:
+        return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
+    except ValueError as e:
+        lp_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise from_sampling_error(e, overrides={"max_new_tokens": max_param,
+                                                "logprobs": lp_param}) from None
+
+
+def _bootstrap(body) -> dict:
+    return dict(bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
+                bootstrap_room=body.bootstrap_room)
+
+
+def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> list[Choice]:
+    if not body.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages]
+    prompt_ids = tm.apply_chat_template(messages)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_param} must be >= 1, got {max_tokens}", max_param)
+    check_lengths(len(prompt_ids), max_tokens, context_len, "messages", max_param)
+    if max_tokens is None:  # OpenAI: unbounded, i.e. up to the context length
+        max_tokens = (context_len - len(prompt_ids)) if context_len else 4096
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    rid = body.rid or uuid.uuid4().hex
+    return [Choice(j, ipc.GenerateReq(
+        rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
+        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param),
+        **_bootstrap(body))) for j in range(body.n)]
+
+
+def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> list[Choice]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    rid = body.rid or uuid.uuid4().hex
+    choices = []
+    for i, p in enumerate(prompts):
+        ids = tm.encode_prompt(p) if isinstance(p, str) else list(p)
+        if ids and (min(ids) < 0 or max(ids) >= len(tm.tokenizer)):
+            raise bad_request("prompt token ids must be in [0, vocab size)", "prompt")
+        check_lengths(len(ids), max_tokens, context_len, "prompt", "max_tokens")
+        text = p if isinstance(p, str) else tm.tokenizer.decode(ids)
+        for j in range(body.n):
+            index = i * body.n + j
+            choices.append(Choice(index, ipc.GenerateReq(
+                rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
+                sampling_params=build_sampling_params(body, max_tokens, body.logprobs, j,
+                                                      "max_tokens"),
+                return_prompt_logprobs=body.echo and body.logprobs is not None,
+                **_bootstrap(body)), prompt_text=text))
+    return choices
+
+
+async def merged_outputs(tm, choices: list[Choice]):
+    """Run every choice's engine request; yield (choice, TextOutput) as they arrive.
+    Closing this generator (client gone) cancels the pumps, which aborts the requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+    by_rid = {c.req.rid: c for c in choices}
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for out in tm.generate(choice.req):
+                queue.put_nowait((choice, out))
+        except Exception as e:  # surface as an error output, not a hung stream
+            queue.put_nowait((choice, e))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    remaining = len(by_rid)
+    try:
+        while remaining:
+            choice, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            if out.finished:
+                remaining -= 1
+            yield choice, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def output_error(out: ipc.TextOutput) -> ApiError | None:
+    if out.finish_type != "abort":
+        return None
+    status = out.error_status or 500
+    return ApiError(status, out.error_message or "request aborted",
+                    param=None, type_="invalid_request_error" if status < 500 else None)
+
+
+class TokenText:
+    """Per-token strings for logprobs; cached because the same ids repeat a lot."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def chat_logprobs(tt: TokenText, out: ipc.TextOutput) -> list[dict]:
+    content = []
+    tops = out.new_top_logprobs or [None] * len(out.new_token_ids)
+    for tid, lp, top in zip(out.new_token_ids, out.new_logprobs or [], tops):
+        tok = tt(tid)
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                        "top_logprobs": [{"token": tt(t.token_id), "logprob": t.logprob,
+                                          "bytes": list(tt(t.token_id).encode())}
+                                         for t in (top or [])]})
+    return content
+
+
+def completion_logprobs(tt: TokenText, ids: list[int], lps: list, tops: list | None,
+                        text_start: int) -> dict:
+    tokens = [tt(t) for t in ids]
+    offsets, pos = [], text_start
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top = [None if tp is None else {tt(t.token_id): t.logprob for t in tp}
+           for tp in (tops or [None] * len(ids))]
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def merge_logprobs(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return b
+    return {k: a[k] + b[k] for k in a}
+
+
+def finish_reason(out: ipc.TextOutput) -> str | None:
+    return out.finish_type if out.finished else None
+
+
+def encode_sse(obj) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def now() -> int:
+    return int(time.time())

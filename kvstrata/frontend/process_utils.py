@@ -1,0 +1,32 @@
+"""Small helpers shared by the server's child processes."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so that even a SIGKILLed
+    launcher leaves no orphan scheduler or detokenizer. Also ignore SIGINT: a Ctrl-C hits
+    the whole process group, and the launcher wants to shut children down in order."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # not Linux: the launcher's ordered shutdown still applies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent may already be gone between fork and prctl.
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def setup_child_logging(server_args, name: str) -> None:
+    level = str(getattr(server_args, "log_level", "info") or "info").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
+    )

@@ -1,0 +1,180 @@
+"""The api server's side of the engine: tokenises, sends requests to the scheduler, and
+routes the detokenizer's text outputs back to the waiting HTTP handlers.
+
+Every request gets an asyncio.Queue of TextOutputs. One background task reads the inbound
+socket and fills the queues; another watches the scheduler process, and when it dies fails
+every waiting request with a 500 at once, so nothing hangs on a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from kvstrata.frontend import ipc
+from kvstrata.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The scheduler process is gone: every request fails with 500."""
+
+
+@dataclass
+class _ReqState:
+    queue: asyncio.Queue
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, server_args, tokenizer, paths: ipc.IpcPaths, engine_info: dict,
+                 metrics: ServerMetrics, is_scheduler_alive: Callable[[], bool] = lambda: True):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.paths = paths
+        self.engine_info = engine_info
+        self.metrics = metrics
+        self.is_scheduler_alive = is_scheduler_alive
+        self.states: dict[str, _ReqState] = {}
+        self.pending_calls: dict[int, asyncio.Future] = {}
+        self.call_ids = itertools.count(1)
+        self.engine_dead = False
+        self._tasks: list[asyncio.Task] = []
+        self.ctx: zmq.asyncio.Context | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.send_sock = self.ctx.socket(zmq.PUSH)
+        self.send_sock.connect(self.paths.scheduler_in)
+        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock.bind(self.paths.api_in)
+        self._tasks = [asyncio.create_task(self._recv_loop()),
+                       asyncio.create_task(self._watchdog())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.ctx is not None:
+            self.send_sock.close(linger=0)
+            self.recv_sock.close(linger=0)
+            self.ctx.term()
+            self.ctx = None
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = ipc.decode(await self.recv_sock.recv(), "api")
+            if isinstance(msg, ipc.TextOutputs):
+                for out in msg.outputs:
+                    state = self.states.get(out.rid)
+                    if state is not None:
+                        state.queue.put_nowait(out)
+            elif isinstance(msg, ipc.ControlReply):
+                fut = self.pending_calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    async def _watchdog(self) -> None:
+        while not self.engine_dead:
+            await asyncio.sleep(0.2)
+            if not self.is_scheduler_alive():
+                self._fail_everything("the scheduler process died")
+
+    def _fail_everything(self, why: str) -> None:
+        logger.error("%s: failing %d in-flight requests", why, len(self.states))
+        self.engine_dead = True
+        for rid, state in self.states.items():
+            state.queue.put_nowait(ipc.TextOutput(
+                rid=rid, text="", new_token_ids=[], finished=True, finish_type="abort",
+                error_message=why, error_status=500))
+        for fut in self.pending_calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(why))
+        self.pending_calls.clear()
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        # Render to text, then encode without special tokens: the template already writes
+        # any BOS/role markers it wants, and encode() must not add a second BOS.
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.encode_prompt(text)
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    async def generate(self, req: ipc.GenerateReq) -> AsyncIterator[ipc.TextOutput]:
+        """Yield the TextOutputs of one request until it finishes. If the consumer stops
+        early (client disconnect, cancellation) the request is aborted in the engine."""
+        if self.engine_dead:
+            raise EngineDeadError("the scheduler process is not running")
+        if req.rid in self.states:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        state = self.states[req.rid] = _ReqState(asyncio.Queue())
+        try:
+            await self.send_sock.send(ipc.encode(req))
+            while True:
+                out: ipc.TextOutput = await state.queue.get()
+                if state.first_token_at is None and out.new_token_ids:
+                    state.first_token_at = time.perf_counter()
+                if out.finished:
+                    state.finished = True
+                    self._record(state, out)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self.states.pop(req.rid, None)
+            if not state.finished and not self.engine_dead:
+                # Consumer went away mid-request: free its KV in the engine now.
+                self.abort(req.rid)
+
+    def _record(self, state: _ReqState, out: ipc.TextOutput) -> None:
+        now = time.perf_counter()
+        ttft = state.first_token_at - state.created if state.first_token_at else None
+        self.metrics.on_finish(
+            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens, finish_type=out.finish_type or "unknown",
+            ttft=ttft, e2e=now - state.created)
+
+    def abort(self, rid: str) -> None:
+        # Called from finally blocks (possibly during cancellation), so do not await: a
+        # PUSH socket with a connected peer queues the message without blocking.
+        try:
+            self.send_sock.send(ipc.encode(ipc.AbortReq(rid)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            logger.warning("could not send abort for %s", rid)
+
+    def abort_all(self) -> int:
+        rids = list(self.states)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    async def control(self, op: str, timeout: float = 10.0) -> dict:
+        if self.engine_dead:
+            raise EngineDeadError("the scheduler process is not running")
+        call_id = next(self.call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending_calls[call_id] = fut
+        await self.send_sock.send(ipc.encode(ipc.ControlReq(call_id, op)))
+        try:
+            reply: ipc.ControlReply = await asyncio.wait_for(fut, timeout)
+        finally:
+            self.pending_calls.pop(call_id, None)
+        if not reply.ok:
+            raise RuntimeError(reply.error or f"{op} failed")
+        return reply.result

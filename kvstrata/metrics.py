@@ -1,0 +1,70 @@
+"""Prometheus collectors of the api server.
+
+A private CollectorRegistry per server (not the process-global one), so that tests can build
+several apps in one process without "duplicated timeseries" errors. Names use the
+`kvstrata:` prefix the way SGLang uses `sglang:`, so dashboards port by renaming.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self._prompt_tokens = Counter("kvstrata:prompt_tokens", "Prompt tokens processed",
+                                      labels, registry=r)
+        self._generation_tokens = Counter("kvstrata:generation_tokens", "Tokens generated",
+                                          labels, registry=r)
+        self._cached_tokens = Counter("kvstrata:cached_tokens", "Prompt tokens served from "
+                                      "the prefix cache", labels, registry=r)
+        self._requests = Counter("kvstrata:num_requests", "Finished requests",
+                                 labels + ["finish_reason"], registry=r)
+        self._ttft = Histogram("kvstrata:time_to_first_token_seconds", "Time to first token",
+                               labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._tpot = Histogram("kvstrata:time_per_output_token_seconds",
+                               "Mean time per output token after the first, per request",
+                               labels, buckets=_TPOT_BUCKETS, registry=r)
+        self._e2e = Histogram("kvstrata:e2e_request_latency_seconds", "End-to-end latency",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._running = Gauge("kvstrata:num_running_reqs", "Requests running", labels,
+                              registry=r)
+        self._queued = Gauge("kvstrata:num_queue_reqs", "Requests waiting", labels, registry=r)
+        self._used_tokens = Gauge("kvstrata:num_used_tokens", "KV slots in use", labels,
+                                  registry=r)
+        self._token_usage = Gauge("kvstrata:token_usage", "KV pool usage (0..1)", labels,
+                                  registry=r)
+        self._hit_rate = Gauge("kvstrata:cache_hit_rate", "Prefix-cache hit rate (0..1)",
+                               labels, registry=r)
+        self.model_name = model_name
+
+    def on_finish(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                  finish_type: str, ttft: float | None, e2e: float) -> None:
+        m = self.model_name
+        self._prompt_tokens.labels(m).inc(prompt_tokens)
+        self._generation_tokens.labels(m).inc(completion_tokens)
+        self._cached_tokens.labels(m).inc(cached_tokens)
+        self._requests.labels(m, finish_type or "unknown").inc()
+        self._e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self._ttft.labels(m).observe(ttft)
+            if completion_tokens > 1:
+                self._tpot.labels(m).observe((e2e - ttft) / (completion_tokens - 1))
+
+    def set_load(self, load: dict) -> None:
+        m = self.model_name
+        self._running.labels(m).set(load.get("num_running_reqs", 0))
+        self._queued.labels(m).set(load.get("num_waiting_reqs", 0))
+        self._used_tokens.labels(m).set(load.get("num_used_tokens", 0))
+        self._token_usage.labels(m).set(load.get("token_usage", 0.0))
+        self._hit_rate.labels(m).set(load.get("cache_hit_rate", 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

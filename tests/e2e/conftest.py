@@ -1,0 +1,62 @@
+"""Fixtures: a tiny random-weight Llama checkpoint with the real SmolLM2 tokenizer (so the
+server starts in seconds), and one shared server process for the API tests."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.e2e.server_utils import ServerProcess
+
+# Bump when the checkpoint recipe changes: the cached copy is rebuilt.
+_TINY_VERSION = "v1"
+_CACHE = os.path.expanduser(os.environ.get("KVSTRATA_TEST_CACHE", "~/.cache/kvstrata-tests"))
+TINY_CONTEXT = 512
+
+
+def build_tiny_llama(path: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvstrata.config.model_source import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    path = os.path.join(_CACHE, f"tiny-llama-smollm2-tok-{_TINY_VERSION}")
+    if not os.path.isdir(path):
+        os.makedirs(_CACHE, exist_ok=True)
+        build_tiny_llama(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_path):
+    srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
+                        "--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
+                        env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 20)})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)

@@ -1,0 +1,109 @@
+"""Start a real `kvstrata serve` process on a free loopback port, and tear it down checking
+that its whole process tree is gone."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_factory_env() -> dict:
+    """Use the real engine factory when it exists, else the interim one in this folder."""
+    if importlib.util.find_spec("kvstrata.entrypoints.engine_factory") is not None:
+        return {}
+    return {"KVSTRATA_ENGINE_FACTORY": "tests.e2e.interim_engine_factory:build_engine"}
+
+
+def child_pids(pid: int) -> list[int]:
+    """All descendants of `pid` (from /proc, so no psutil needed)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    out, stack = [], [pid]
+    while stack:
+        for child in parents.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ServerProcess:
+    def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
+                 timeout: float = 180):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = f"/tmp/kvstrata-e2e-{self.port}.log"
+        cmd = [sys.executable, "-m", "kvstrata.entrypoints.cli", "serve", "--model-path",
+               model_path, "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+        full_env = {**os.environ, "PYTHONPATH": pythonpath, **engine_factory_env(),
+                    **(env or {})}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self._wait_healthy(timeout)
+        self.children = child_pids(self.proc.pid)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   + self.read_log())
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy:\n" + self.read_log())
+
+    def read_log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-6000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        # Children exit right after the launcher; give them a moment.
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in self.children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.log.close()
+        return self.proc.returncode

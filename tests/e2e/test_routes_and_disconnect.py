@@ -1,0 +1,101 @@
+"""Introspection routes, metrics, and KV accounting after client disconnects."""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+def kv_state(server) -> dict:
+    return httpx.get(server.base_url + "/debug/kv", timeout=10).json()
+
+
+def wait_idle(server, timeout: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = kv_state(server)
+        if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 \
+                and st["num_used_tokens"] == 0 or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_introspection_routes(server):
+    base = server.base_url
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/health_generate", timeout=60).status_code == 200
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(base + path).json()
+        assert info["model_path"].endswith("tiny-llama-smollm2-tok-v1") and "version" in info
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(base + path).json()
+        assert info["is_generation"] is True and info["max_context_len"] == 512
+    load = httpx.get(base + "/get_load").json()
+    assert {"num_running_reqs", "num_waiting_reqs", "token_usage"} <= set(load)
+    assert httpx.post(base + "/flush_cache").status_code == 200
+
+
+def test_metrics(server, client):
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=3,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("kvstrata:prompt_tokens_total", "kvstrata:generation_tokens_total",
+                 "kvstrata:time_to_first_token_seconds_bucket",
+                 "kvstrata:time_per_output_token_seconds_bucket",
+                 "kvstrata:e2e_request_latency_seconds_bucket", "kvstrata:num_running_reqs",
+                 "kvstrata:num_queue_reqs", "kvstrata:token_usage", "kvstrata:cache_hit_rate"):
+        assert name in text, name
+
+
+def _stream_then_drop(server, path: str, body: dict, chunks: int = 3) -> None:
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen >= chunks:
+                    break  # leaving the context closes the connection mid-stream
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    _stream_then_drop(server, "/v1/completions", body)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Talk."}], "n": 2,
+            "max_tokens": 400, "stream": True, "ignore_eos": True}
+    _stream_then_drop(server, "/v1/chat/completions", chat)
+    st = wait_idle(server)
+    assert st["ok"], st
+    assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+
+
+def test_disconnect_non_streaming_frees_kv(server):
+    body = {"model": "tiny", "prompt": "Another long story:", "max_tokens": 400,
+            "ignore_eos": True}
+    try:
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    st = wait_idle(server)
+    assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+
+
+def test_abort_request_route(server):
+    import threading
+
+    result = {}
+
+    def run():
+        result["r"] = httpx.post(server.base_url + "/generate", timeout=60, json={
+            "text": "abort me", "rid": "to-abort",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    r = httpx.post(server.base_url + "/abort_request", json={"rid": "to-abort"})
+    assert r.status_code == 200
+    t.join(30)
+    assert result["r"].json()["error"]["message"]
+    assert wait_idle(server)["num_used_tokens"] == 0
