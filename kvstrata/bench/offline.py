@@ -83,9 +83,7 @@ def run_transformers(model_path: str, prompts, output_len: int, batch_size: int)
     return tokens / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="kvstrata bench offline", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=TINY, help="'tiny', 'smollm2-135m', a dir or a .gguf")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-input-len", type=int, default=64)
@@ -97,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--output-json", default="benchmarks/results/offline.json")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_checkpoint(os.path.join(tmp, "tiny")) if args.model == TINY else args.model
@@ -121,6 +121,15 @@ def main(argv: list[str] | None = None) -> dict:
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=2)
     return result
+
+
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="kvstrata bench offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,40 @@ def _run_bench_serve(ns: argparse.Namespace) -> int:
     return main_from_args(ns)
 
 
+# ---- bench offline / config --explain --------------------------------------------------------
+def _add_bench_offline_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.offline import add_args
+
+    add_args(parser)
+
+
+def _run_bench_offline(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.offline import run
+
+    run(ns)
+    return 0
+
+
+def _run_config(ns: argparse.Namespace) -> int:
+    from kvstrata.config.resolve_explain import run_explain
+
+    if not ns.explain:
+        print("kvstrata config: nothing to do; pass --explain", file=sys.stderr)
+        return 2
+    return run_explain(ns)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.config.resolve_explain import add_explain_args
+
+    add_explain_args(parser)
+
+
 register(("serve",), _add_serve_args, _run_serve, "run the HTTP server")
+register(("bench", "offline"), _add_bench_offline_args, _run_bench_offline,
+         "offline throughput: kvstrata.LLM vs transformers generate")
+register(("config",), _add_config_args, _run_config,
+         "explain start-up resolution (--explain [--platform P] [--json] [serve flags])")
 register(("bench", "serve"), _add_bench_serve_args, _run_bench_serve,
          "benchmark any OpenAI-compatible server")
 
