@@ -23,6 +23,9 @@ class EngineCore:
         self.vocab_size = runner.vocab_size
         self.scheduler = Scheduler(
             config, StopChecker(list(runner.eos_token_ids), runner.max_context_len, tokenizer))
+        # Emit a request's tokens every `stream_interval` tokens (the first token and the
+        # finish are always emitted at once): fewer, larger messages for the server.
+        self.stream_interval = 1
         self._arrivals = 0
         self._rejected: list[Request] = []
         self._rids: set[str] = set()
@@ -78,6 +81,10 @@ class EngineCore:
         touched += self.scheduler.finished_outside_step
         self.scheduler.finished_outside_step = []
         for req in touched:
+            pending = len(req.output_ids) - req.num_reported_tokens
+            if not (req.is_finished or len(req.output_ids) == 1
+                    or pending >= self.stream_interval):
+                continue
             outputs.append(self._output(req))
             if req.is_finished:
                 self._rids.discard(req.rid)

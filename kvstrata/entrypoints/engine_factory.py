@@ -65,6 +65,7 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
         hicache_write_policy=args.hicache_write_policy,
     )
     engine = EngineCore(runner, config, tokenizer)
+    engine.stream_interval = args.stream_interval
     engine.server_args = args
     engine.resolutions = resolutions
     return engine, tokenizer

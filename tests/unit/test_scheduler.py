@@ -222,3 +222,14 @@ def test_abort_waiting_and_running_frees_pages():
     engine.check_integrity()
     assert engine.flush_cache()
     assert engine.scheduler.kv.allocator.available_pages() == 64
+
+
+def test_stream_interval_batches_deltas():
+    engine, _ = make_engine()
+    engine.stream_interval = 4
+    p = prompt(9, 5)
+    engine.add_request(EngineRequest("a", p, SamplingParams(max_new_tokens=10, temperature=0)))
+    sizes = []
+    while engine.has_unfinished_requests():
+        sizes += [len(o.new_token_ids) for o in engine.step() if o.new_token_ids]
+    assert sizes == [1, 4, 4, 1]  # first token at once, then every 4, the rest at finish
