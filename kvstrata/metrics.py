@@ -43,6 +43,10 @@ class ServerMetrics:
                                   registry=r)
         self._hit_rate = Gauge("kvstrata:cache_hit_rate", "Prefix-cache hit rate (0..1)",
                                labels, registry=r)
+        # HiCache L2 (only with --enable-hierarchical-cache): hit tokens per tier, pages and
+        # bytes moved per direction, copy GB/s, host pool usage; one gauge, one label per stat.
+        self._hicache = Gauge("kvstrata:hicache", "HiCache L2 statistics (see the stat label)",
+                              labels + ["stat"], registry=r)
         self.model_name = model_name
 
     def on_finish(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
@@ -65,6 +69,9 @@ class ServerMetrics:
         self._used_tokens.labels(m).set(load.get("num_used_tokens", 0))
         self._token_usage.labels(m).set(load.get("token_usage", 0.0))
         self._hit_rate.labels(m).set(load.get("cache_hit_rate", 0.0))
+        for key, value in load.items():
+            if key.startswith("hicache_") and isinstance(value, (int, float)):
+                self._hicache.labels(m, key.removeprefix("hicache_")).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
