@@ -7,6 +7,7 @@ from typing import Any
 
 from kvstrata.config.model_source import load_tokenizer
 from kvstrata.config.resolve import log_resolutions, refuse_unimplemented, resolve
+from kvstrata.config.resolve_types import ModelInfo
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.scheduler import SchedulerConfig
@@ -32,7 +33,10 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
     """Returns (engine core, HF tokenizer with chat template)."""
     refuse_unimplemented(server_args)
     refuse_l2_options_without_hicache(server_args)
-    args, resolutions = resolve(server_args)
+    # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
+    # which resolution treats as a plain MHA model (all kvstrata supports today).
+    args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
+        server_args.model_path))
     log_resolutions(resolutions)
     if args.random_seed is not None:
         import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling

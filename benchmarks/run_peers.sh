@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Serving peers, one at a time, measured by the same client (kvstrata bench serve):
+# 32 concurrent requests, prompt ~128, output 64. See benchmarks/peers.md.
+#   PEERS_VENV: a venv with 'transformers[serving]' and llama-cpp-python (+ sse-starlette,
+#   starlette-context, pydantic-settings); not the project's venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PEERS_VENV=${PEERS_VENV:-/tmp/peers}
+OUT=${OUT:-benchmarks/results}
+HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
+TINY_DIR=${TINY_DIR:-$HOME/.cache/kvstrata-tests/tiny-llama-smollm2-tok-v1}
+GGUF=$(.venv/bin/python -c "from kvstrata.config.model_source import resolve_model_path as r; print(r('smollm2-135m').gguf_path)")
+BENCH=(.venv/bin/kvstrata bench serve --num-prompts 64 --concurrency 32 --input-len 128
+       --output-len 64 --no-ignore-eos --temperature 0)
+mkdir -p "$OUT"
+[ -d "$HF_DIR" ] || .venv/bin/python benchmarks/export_smollm2_hf.py "$HF_DIR"
+
+wait_up() { for _ in $(seq 1 180); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+run_kvstrata() {  # name model_dir
+  .venv/bin/kvstrata serve --model-path "$2" --served-model-name "$1" --port 30100 \
+      --page-size 16 --max-total-tokens 65536 > "$OUT/serve_kvstrata_$1.log" 2>&1 &
+  local pid=$!; wait_up http://127.0.0.1:30100/health
+  "${BENCH[@]}" --base-url http://127.0.0.1:30100 --model "$1" --output-json "$OUT/serve_kvstrata_$1.json"
+  stop $pid
+}
+run_transformers() {  # name model_dir
+  "$PEERS_VENV/bin/transformers" serve --continuous-batching --host 127.0.0.1 --port 8000 \
+      "$2" > "$OUT/serve_transformers_$1.log" 2>&1 &
+  local pid=$!; wait_up http://127.0.0.1:8000/v1/models
+  "${BENCH[@]}" --base-url http://127.0.0.1:8000 --model "$2" --no-usage \
+      --output-json "$OUT/serve_transformers_$1.json" --baseline-json "$OUT/serve_kvstrata_$1.json"
+  stop $pid
+}
+run_llamacpp() {
+  "$PEERS_VENV/bin/python" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port 8001 \
+      --n_ctx 8192 --model_alias smollm2 > "$OUT/serve_llamacpp_smollm2.log" 2>&1 &
+  local pid=$!; wait_up http://127.0.0.1:8001/v1/models
+  "${BENCH[@]}" --base-url http://127.0.0.1:8001 --model smollm2 \
+      --output-json "$OUT/serve_llamacpp_smollm2.json" --baseline-json "$OUT/serve_kvstrata_smollm2.json"
+  stop $pid
+}
+
+run_kvstrata smollm2 "$HF_DIR"
+run_transformers smollm2 "$HF_DIR"
+run_llamacpp
+if [ -d "$TINY_DIR" ]; then
+  run_kvstrata tiny "$TINY_DIR"
+  run_transformers tiny "$TINY_DIR"
+fi
