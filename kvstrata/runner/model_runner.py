@@ -15,6 +15,7 @@ import torch
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                           resolve_model_path)
 from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.platform import detected_platform
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
@@ -48,7 +49,7 @@ class ModelRunner:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
@@ -89,7 +90,8 @@ class ModelRunner:
         self.req_to_token = ReqToTokenTable(self.max_running_requests, self.max_context_len,
                                             self.device)
         self.model.attn_backend = TorchNativeAttnBackend(
-            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim)
+            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
+            page_size=page_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, _ReqState] = {}
         self.hicache = HiCacheExecutor(self.kv_pool, **hicache) if hicache else None

@@ -63,6 +63,7 @@ def test_no_torch_version_hip_outside_platform_module():
     # The grep rule: platform-dependent branches go through kvstrata.platform.
     import pathlib
     root = pathlib.Path(plat.__file__).parent
+    detectors = ("torch.version.hip", "torch.cuda.is_available", "torch.npu", "torch.xpu")
     offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if p.name != "platform.py" and "torch.version.hip" in p.read_text()]
+                 if p.name != "platform.py" and any(d in p.read_text() for d in detectors)]
     assert offenders == []
