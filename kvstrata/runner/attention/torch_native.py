@@ -1,18 +1,28 @@
 """Paged attention in plain torch (CPU and CUDA alike): scaled_dot_product_attention over K/V
 gathered through req_to_token.
 
-Per step (once, not per layer) we build:
-  kv_idx  [B * S]      slot of key position j of request b (S = longest context in batch);
-  mask    [B, 1, Q, S]  key j visible to new query i of b iff j <= start_b + i (causal; this
-                        also hides the padding past b's own context); None when not needed;
-  pad_dst [T]           where each flat token goes in the padded [B * Q] query layout
-                        (None for decode, where Q = 1 and the layout is already [B]).
-Per layer: write the new K/V at their slots, gather K and V for all requests (one
-index_select each over the layer's contiguous [slots, H * D] rows -- measured ~10x faster
-on CPU than advanced indexing of the (2, slots, H, D) view), and run ONE SDPA call for the
-whole batch.
-Decode therefore costs a fixed handful of ops per layer whatever the batch size.
-GQA is handled by SDPA's enable_gqa (query head h uses KV head h // (Hq / Hkv), as in HF).
+Once per step (not per layer) `init_forward_metadata` turns the batch into a short plan of
+attention pieces; each layer then writes its new K/V at their slots and runs the plan:
+
+  fresh  a request whose keys are exactly its new tokens (prompt from position 0): SDPA with
+         is_causal straight on the fresh K/V rows -- no gather, no mask, and the CPU flash
+         kernel skips the blocks above the diagonal.
+  paged  a multi-token request with cached context (prefix hit, later prefill chunk): gather
+         its K/V, explicit causal mask offset by its start.
+  decode a group of one-token requests of similar context length: gather K/V padded to the
+         group's longest context, one SDPA call with a length mask.
+
+Why pieces rather than one padded SDPA over the whole batch: on CPU decode is memory-bound on
+the K/V gather (every layer copies each request's whole context) and on SDPA reading it back,
+and one padded call pays for B * max_len rows. Sorting decode requests by length and cutting
+them into a few groups removes most of the padding for a few extra ops per layer (see
+`_split`); prefill loses its padded [B, Q] query layout and the O(Q * S) mask.
+
+Gathers use one index_select per K and per V over the layer's contiguous [slots, H * D] rows
+(measured ~10x faster on CPU than advanced indexing of the (2, slots, H, D) view).
+GQA: prefill passes enable_gqa (query head h uses KV head h // (Hq / Hkv), as in HF); decode
+folds the Hq / Hkv query heads of each KV head into that many query rows of one head, the
+same arithmetic without SDPA's GQA path.
 """
 from __future__ import annotations
 
@@ -25,90 +35,194 @@ from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.forward_batch import ForwardBatch
 
+# Fixed cost of one more decode group, in gathered K/V rows (index_select x2, SDPA, q and out
+# copies: ~4 ops of ~15-50 us each vs ~0.3-0.5 us per padded row of a 128-384 float K+V row on
+# the 2-core dev box). A split must save more padded rows than this.
+DECODE_GROUP_COST_ROWS = 256
+MAX_DECODE_GROUPS = 8
+
+
+@dataclass
+class Piece:
+    kind: str                          # "fresh" | "paged" | "decode"
+    lo: int                            # flat token range [lo, hi) (fresh / paged)
+    hi: int
+    kv_idx: torch.Tensor | None = None  # [n * S / unit] rows of `unit` slots (paged / decode)
+    unit: int = 1                       # slots per gathered row: 1, or page_size (see _kv_index)
+    mask: torch.Tensor | None = None    # bool, broadcastable to SDPA scores; None = all visible
+    tok_idx: torch.Tensor | None = None  # [n] flat tokens of a decode group; None = lo..hi
+    n: int = 0                         # requests in a decode group
+
 
 @dataclass
 class TorchNativeMeta:
-    kv_idx: torch.Tensor | None       # [B * S] flattened; None: attend to the fresh K/V
-    mask: torch.Tensor | None         # [B, 1, Q, S] bool
-    pad_dst: torch.Tensor | None      # [T]
-    max_q: int
-    # True when the batch is one request starting at position 0: its keys are exactly the
-    # new tokens, so we attend to the fresh K/V with is_causal and skip the gather.
-    fresh_causal: bool
+    pieces: list[Piece]
+    # True when pieces cover the flat tokens exactly in order with one piece: its output is
+    # the layer's output, no assembly copy.
+    single: bool
+
+
+def _split(lens: list[int], lo: int, hi: int, depth: int, out: list[tuple[int, int]]) -> None:
+    """Cut sorted lens[lo:hi] into groups: split where it saves the most padded rows (k rows
+    that no longer pad up to the group maximum), recursively, while that beats the cost of
+    a group. Greedy bisection: O(n log groups), cheap enough to run every step."""
+    top = lens[hi - 1]
+    best, best_k = 0, 0
+    for k in range(lo + 1, hi):
+        saving = (k - lo) * (top - lens[k - 1])
+        if saving > best:
+            best, best_k = saving, k
+    if depth == 0 or best <= DECODE_GROUP_COST_ROWS:
+        out.append((lo, hi))
+        return
+    _split(lens, lo, best_k, depth - 1, out)
+    _split(lens, best_k, hi, depth - 1, out)
 
 
 class TorchNativeAttnBackend:
     def __init__(self, kv_pool: MHATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
-                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 page_size: int = 1):
         self.kv_pool = kv_pool
+        self.page_size = page_size
         self.req_to_token = req_to_token
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.gqa = num_heads != num_kv_heads
+        self.group = num_heads // num_kv_heads
 
+    # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
-        b = fb.num_reqs
-        if fb.out_slots is None or (b == 1 and fb.start_pos[0] == 0):
-            if b != 1:
-                raise ValueError("a no-cache forward takes exactly one request")
-            fb.attn_meta = TorchNativeMeta(None, None, None, fb.q_lens[0], True)
-            return
-        kv_lens = [s + n for s, n in zip(fb.start_pos, fb.q_lens)]
-        max_kv = max(kv_lens)
-        max_q = max(fb.q_lens)
-        rows = torch.tensor(fb.rows, dtype=torch.int64).to(device)
-        kv_idx = self.req_to_token.table[rows, :max_kv].reshape(-1)
-        key_pos = torch.arange(max_kv, device=device)
-        if max_q == 1:
-            pad_dst = None
-            # Decode: only the length differs between requests; no mask if all equal.
-            if min(kv_lens) == max_kv:
-                mask = None
+        if fb.out_slots is None and fb.num_reqs != 1:
+            raise ValueError("a no-cache forward takes exactly one request")
+        table = self.req_to_token.table if self.req_to_token is not None else None
+        pieces: list[Piece] = []
+        decode: list[tuple[int, int, int]] = []   # (kv_len, flat token, row)
+        off = 0
+        for row, start, n in zip(fb.rows, fb.start_pos, fb.q_lens):
+            if start == 0 or fb.out_slots is None:
+                pieces.append(Piece("fresh", off, off + n))
+            elif n == 1:
+                decode.append((start + 1, off, row))
             else:
-                lens = torch.tensor(kv_lens, dtype=torch.int64).to(device)
-                mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
-        else:
-            starts = torch.tensor(fb.start_pos, dtype=torch.int64).to(device)
-            q_pos = starts[:, None] + torch.arange(max_q, device=device)[None, :]  # [B, Q]
-            mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]         # [B,1,Q,S]
-            dst: list[int] = []
-            for i, n in enumerate(fb.q_lens):
-                dst.extend(range(i * max_q, i * max_q + n))
-            pad_dst = torch.tensor(dst, dtype=torch.int64).to(device)
-        fb.attn_meta = TorchNativeMeta(kv_idx, mask, pad_dst, max_q, False)
+                kv_len = start + n
+                rows_t = torch.tensor([row], dtype=torch.int64).to(device)
+                kv_idx, unit, s = self._kv_index(table, rows_t, kv_len, [kv_len])
+                # Query i (position start + i) sees keys 0 .. start + i (this also hides the
+                # page padding past kv_len).
+                q_pos = torch.arange(start, kv_len, device=device)
+                mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
+                pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask))
+            off += n
+        if decode:
+            pieces.extend(self._decode_pieces(decode, table, device))
+        single = len(pieces) == 1 and pieces[0].tok_idx is None
+        fb.attn_meta = TorchNativeMeta(pieces, single)
 
+    def _decode_pieces(self, decode: list[tuple[int, int, int]], table: torch.Tensor,
+                       device: torch.device) -> list[Piece]:
+        decode.sort(key=lambda e: e[0])
+        lens = [e[0] for e in decode]
+        groups: list[tuple[int, int]] = []
+        _split(lens, 0, len(lens), MAX_DECODE_GROUPS.bit_length() - 1, groups)
+        pieces = []
+        for lo, hi in groups:
+            members = decode[lo:hi]
+            s = members[-1][0]
+            toks = [e[1] for e in members]
+            g_lens = [e[0] for e in members]
+            # Host lists go to the device in one copy: rows, flat tokens, lengths.
+            packed = torch.tensor([[e[2] for e in members], toks, g_lens],
+                                  dtype=torch.int64).to(device)
+            kv_idx, unit, s_pad = self._kv_index(table, packed[0], s, g_lens, packed[2])
+            mask = None
+            if g_lens[0] != s_pad:
+                # [n, 1, 1, S]: key j of request b is real iff j < len_b (hides padding).
+                mask = (torch.arange(s_pad, device=device)[None, :] < packed[2][:, None])[:, None, None]
+            contiguous = toks == list(range(toks[0], toks[0] + len(toks)))
+            pieces.append(Piece("decode", toks[0], toks[0] + len(toks), kv_idx, mask=mask,
+                                tok_idx=None if contiguous else packed[1], n=len(members),
+                                unit=unit))
+        return pieces
+
+    def _kv_index(self, table: torch.Tensor, rows: torch.Tensor, s: int, lens: list[int],
+                  lens_t: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+        """What to gather for keys 0 .. s - 1 of `rows`: (index, unit, padded length).
+
+        The scheduler places position p of a request at slot page * P + p % P (whole pages,
+        kv_manager.slots), so a request's keys are whole pages of the pool: gathering
+        [P * H * D]-float page rows instead of [H * D] token rows moves the same bytes in P
+        times fewer, larger copies (~1.7x faster on the 2-core box). The layout is checked
+        here, once per step, against the slots actually recorded (positions < len only: the
+        rest is masked), falling back to token rows if anything does not match."""
+        tok = table[rows, :s]                                            # [n, s]
+        P = self.page_size
+        if P == 1:
+            return tok.reshape(-1), 1, s
+        s_pad = -(-s // P) * P
+        pages = table[rows, 0:s_pad:P] // P                              # [n, s_pad / P]
+        derived = (pages[:, :, None] * P + torch.arange(P, device=rows.device)).reshape(
+            rows.shape[0], s_pad)[:, :s]
+        ok = derived == tok
+        if min(lens) < s:
+            if lens_t is None:
+                lens_t = torch.tensor(lens, dtype=torch.int64).to(rows.device)
+            ok |= torch.arange(s, device=rows.device)[None, :] >= lens_t[:, None]
+        if not bool(ok.all()):
+            return tok.reshape(-1), 1, s
+        return pages.reshape(-1), P, s_pad
+
+    # ------------------------------------------------------------------ per layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq * D]."""
         meta: TorchNativeMeta = fb.attn_meta
-        t = q.shape[0]
         if fb.out_slots is not None:
             self.kv_pool.set_kv(layer, fb.out_slots, k, v)
-        if meta.fresh_causal:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=self.gqa)       # [Hq, T, D]
-            return out.transpose(0, 1).reshape(t, -1)
-
-        b, max_q = fb.num_reqs, meta.max_q
-        hkv, d = self.num_kv_heads, self.head_dim
-        k_all = self.kv_pool.k(layer).view(-1, hkv * d)
-        v_all = self.kv_pool.v(layer).view(-1, hkv * d)
-        keys = k_all.index_select(0, meta.kv_idx).view(b, -1, hkv, d).transpose(1, 2)
-        values = v_all.index_select(0, meta.kv_idx).view(b, -1, hkv, d).transpose(1, 2)
-        if meta.pad_dst is None:
-            qp = q.view(b, 1, self.num_heads, self.head_dim)
-        else:
-            qp = q.new_zeros(b * max_q, self.num_heads, self.head_dim)
-            qp.index_copy_(0, meta.pad_dst, q)
-            qp = qp.view(b, max_q, self.num_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.mask,
-            scale=self.scale, enable_gqa=self.gqa)                         # [B, Hq, Q, D]
-        out = out.transpose(1, 2).reshape(b * max_q, self.num_heads * self.head_dim)
-        if meta.pad_dst is not None:
-            out = out.index_select(0, meta.pad_dst)
+        if meta.single:
+            return self._piece(layer, meta.pieces[0], q, k, v)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for p in meta.pieces:
+            res = self._piece(layer, p, q, k, v)
+            if p.tok_idx is None:
+                out[p.lo:p.hi] = res
+            else:
+                out.index_copy_(0, p.tok_idx, res)
         return out
+
+    def _gather(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of rows `kv_idx` (each `unit` slots) as [N * unit, Hkv, D] each."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        keys = self.kv_pool.k(layer).view(-1, unit * hkv * d).index_select(0, kv_idx)
+        values = self.kv_pool.v(layer).view(-1, unit * hkv * d).index_select(0, kv_idx)
+        if keys.dtype != dtype:
+            keys, values = keys.to(dtype), values.to(dtype)
+        return keys.view(-1, hkv, d), values.view(-1, hkv, d)
+
+    def _piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if p.kind == "decode":
+            n = p.n
+            keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+            keys = keys.view(n, -1, hkv, d).transpose(1, 2)         # [n, Hkv, S, D]
+            values = values.view(n, -1, hkv, d).transpose(1, 2)
+            qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
+            # GQA fold: the `group` query heads of KV head h are `group` query rows of h.
+            qg = qg.reshape(n, hkv, self.group, d)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask,
+                                                 scale=self.scale)   # [n, Hkv, group, D]
+            return out.reshape(n, hq * d)
+        qr = q[p.lo:p.hi].transpose(0, 1)                             # [Hq, n, D]
+        if p.kind == "fresh":
+            keys, values = k[p.lo:p.hi], v[p.lo:p.hi]
+        else:
+            keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+        out = F.scaled_dot_product_attention(
+            qr, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=p.mask,
+            is_causal=p.kind == "fresh", scale=self.scale, enable_gqa=self.gqa)  # [Hq, n, D]
+        return out.transpose(0, 1).reshape(p.hi - p.lo, hq * d)

@@ -133,10 +133,12 @@ class DecoderForCausalLM(nn.Module):
                 qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
                 q, k = qk[:, :nq], qk[:, nq:]
             attn = self.attn_backend.forward(i, q, k, v, fb)
-            x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            # In place: x is this forward's own buffer (from F.embedding), never a view
+            # of a parameter, and inference mode keeps no autograd history.
+            x.add_(F.linear(attn, layer.o_weight, layer.o_bias))
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            x.add_(F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
         if fb.logits_idx is not None:
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
