@@ -13,6 +13,8 @@ import random
 import tempfile
 import time
 
+from kvstrata.bench.hf_reference import load_hf_model
+
 TINY = "tiny"
 
 
@@ -50,24 +52,10 @@ def run_kvstrata(model_path: str, prompts, output_len: int, **server_args) -> fl
     return tokens / elapsed
 
 
-def load_hf(model_path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvstrata.config.model_source import resolve_model_path
-
-    src = resolve_model_path(model_path)
-    if src.kind == "gguf":
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(src.gguf_path),
-                                                    gguf_file=os.path.basename(src.gguf_path),
-                                                    dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
-
-
 def run_transformers(model_path: str, prompts, output_len: int, batch_size: int) -> float:
     import torch
 
-    model = load_hf(model_path)
+    model = load_hf_model(model_path)
     pad = 0
     tokens = 0
     start = time.perf_counter()

@@ -18,28 +18,17 @@ N_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_gguf_path):
-    from transformers import LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from kvstrata.bench.hf_reference import load_hf_model
+    from kvstrata.config.model_source import load_tokenizer, resolve_model_path
 
-    from kvstrata.config.model_source import (load_hf_config, load_tokenizer,
-                                              resolve_model_path)
-
-    source = resolve_model_path(smollm2_gguf_path)
-    config = load_hf_config(source)
-    tok = load_tokenizer(source)
+    tok = load_tokenizer(resolve_model_path(smollm2_gguf_path))
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
                                   add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
         ids = ids["input_ids"]
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    state = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True,
-                                 model_to_load=model)["tensors"]
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them on CPU.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    model.eval()
+    # transformers' own GGUF reader (not ours) fills transformers' LlamaForCausalLM.
+    model = load_hf_model(smollm2_gguf_path)
+    config = model.config
     with torch.no_grad():
         prefill = model(torch.tensor([ids])).logits[0]
         out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=N_TOKENS,

@@ -1,0 +1,27 @@
+"""Load a checkpoint into transformers (the reference and the benchmark baseline) without our
+loader. GGUF goes through transformers' own GGUF reader (dequantise + q/k un-permute) into a
+LlamaForCausalLM; from_pretrained(gguf_file=...) would need `accelerate`."""
+from __future__ import annotations
+
+import torch
+
+
+def load_hf_model(model_path: str):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+
+    source = resolve_model_path(model_path)
+    if source.kind != "gguf":
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    config = load_hf_config(source)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = load_gguf_checkpoint(source.gguf_path, return_tensors=True,
+                                 model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    return model.float().eval()
