@@ -103,11 +103,13 @@ class EngineCore:
             top = [list(row) for row in req.pending_top_logprobs]
             req.pending_top_logprobs = []
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
+        prompt_top, req.prompt_top_logprobs = req.prompt_top_logprobs, None
         return RequestOutput(
             rid=req.rid, new_token_ids=new_ids, finished=req.is_finished,
             finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
             new_logprobs=logprobs, new_top_logprobs=top, prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top,
         )
 
     # ------------------------------------------------------------------ admin

@@ -63,6 +63,7 @@ class Request:
     pending_logprobs: list[float] = field(default_factory=list)
     pending_top_logprobs: list = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list | None = None
 
     @property
     def all_ids(self) -> list[int]:

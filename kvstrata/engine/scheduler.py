@@ -273,6 +273,7 @@ class Scheduler:
         for rid, logprobs in result.prompt_logprobs.items():
             if rid in by_id:
                 by_id[rid].prompt_logprobs = logprobs
+                by_id[rid].prompt_top_logprobs = result.prompt_top_logprobs.get(rid)
         for i, (rid, token) in enumerate(zip(result.req_ids, result.token_ids)):
             req = by_id.get(rid)
             if req is None:

@@ -32,6 +32,7 @@ class _Acc:
         self.logprobs: list = []
         self.top_logprobs: list = []
         self.prompt_logprobs: list[float] | None = None
+        self.prompt_top_logprobs: list | None = None
         self.last: ipc.TextOutput | None = None
 
     def add(self, out: ipc.TextOutput) -> None:
@@ -41,6 +42,7 @@ class _Acc:
         self.top_logprobs += out.new_top_logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_top_logprobs = out.prompt_top_logprobs
         self.last = out
 
 
@@ -166,7 +168,9 @@ def _completion_logprobs(tt, a: _Acc, out_ids, lps, tops, echo: bool) -> dict:
     if echo:
         ids = a.choice.req.prompt_ids
         prompt_lps = [None] + list(a.prompt_logprobs or [None] * (len(ids) - 1))
-        head = so.completion_logprobs(tt, ids, prompt_lps, None, 0)
+        # The first prompt token has no logprob; the others carry top-n when asked for.
+        prompt_tops = [None] + list(a.prompt_top_logprobs) if a.prompt_top_logprobs else None
+        head = so.completion_logprobs(tt, ids, prompt_lps, prompt_tops, 0)
         body = so.completion_logprobs(tt, out_ids, lps, tops,
                                       len(a.choice.prompt_text or ""))
         return so.merge_logprobs(head, body)

@@ -80,6 +80,7 @@ class TextOutput(msgspec.Struct, omit_defaults=True):
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[TopLogprob]] | None = None
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class TextOutputs(_Msg):

@@ -30,3 +30,4 @@ class RequestOutput(msgspec.Struct):
     new_top_logprobs: list[list[TopLogprob]] | None = None
     # Logprobs of prompt tokens 1..n-1 (echo scoring), sent once, with the first output.
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[TopLogprob]] | None = None

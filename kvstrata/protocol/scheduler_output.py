@@ -84,6 +84,9 @@ class RunnerOutput(msgspec.Struct):
     # req_id -> logprob of prompt tokens 1..n-1 (only for return_prompt_logprobs requests,
     # filled once the whole prompt has been prefilled; chunks accumulate inside the runner).
     prompt_logprobs: dict[str, list[float]] = {}
+    # req_id -> top-n alternatives per prompt position (n = sampling_params.logprobs; only
+    # when n > 0), same positions as prompt_logprobs: what harnesses use for is_greedy.
+    prompt_top_logprobs: dict[str, list[list[TopLogprob]]] = {}
     # Asynchronous transfer jobs (HiCache, PD) that finished or failed since the last step.
     finished_transfer_ids: list[int] = []
     failed_transfer_ids: list[int] = []

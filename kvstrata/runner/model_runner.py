@@ -36,6 +36,7 @@ class _ReqState:
     sampling: SamplingState
     want_prompt_logprobs: bool
     prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
 
 
@@ -217,8 +218,16 @@ class ModelRunner:
                                    device=logits.device)
             lps = torch.log_softmax(logits[:hi - lo].float(), dim=-1)
             state.prompt_logprobs.extend(lps.gather(1, targets[:, None])[:, 0].tolist())
+            top_n = state.sampling.params.logprobs or 0
+            if top_n > 0:
+                values, ids = lps.topk(top_n, dim=-1)
+                state.prompt_top_logprobs.extend(
+                    [TopLogprob(t, v) for t, v in zip(row_ids, row_vals)]
+                    for row_ids, row_vals in zip(ids.tolist(), values.tolist()))
         if r.start_pos + len(r.token_ids) >= len(prompt):
             out.prompt_logprobs[r.req_id] = state.prompt_logprobs
+            if state.prompt_top_logprobs:
+                out.prompt_top_logprobs[r.req_id] = state.prompt_top_logprobs
             state.prompt_logprobs_sent = True
 
     # ------------------------------------------------------------------ test helpers

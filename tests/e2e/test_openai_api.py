@@ -116,6 +116,11 @@ def test_completion_echo_logprobs(client):
     assert lp.token_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert r.choices[0].text.startswith("The capital of France is")
+    # Harnesses check is_greedy on prompt tokens through top_logprobs: present for every
+    # prompt token but the first, each holding the best alternative (>= the actual token).
+    assert lp.top_logprobs[0] is None
+    for actual, top in zip(lp.token_logprobs[1:n_prompt], lp.top_logprobs[1:n_prompt]):
+        assert len(top) == 1 and max(top.values()) >= actual - 1e-5
 
 
 def test_32_concurrent_requests(client):
