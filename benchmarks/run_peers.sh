@@ -16,7 +16,13 @@ mkdir -p "$OUT"
 [ -d "$HF_DIR" ] || .venv/bin/python benchmarks/export_smollm2_hf.py "$HF_DIR"
 
 wait_up() { for _ in $(seq 1 180); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
-stop() { kill -INT "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+# transformers serve may hang after SIGINT: give each server 20 s, then SIGKILL.
+stop() {
+  kill -INT "$1" 2>/dev/null || true
+  for _ in $(seq 1 20); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -9 "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
 
 run_kvstrata() {  # name model_dir
   .venv/bin/kvstrata serve --model-path "$2" --served-model-name "$1" --port 30100 \
@@ -35,17 +41,19 @@ run_transformers() {  # name model_dir
 }
 run_llamacpp() {
   "$PEERS_VENV/bin/python" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port 8001 \
-      --n_ctx 8192 --model_alias smollm2 > "$OUT/serve_llamacpp_smollm2.log" 2>&1 &
+      --n_ctx 8192 --model_alias smollm2 --interrupt_requests False > "$OUT/serve_llamacpp_smollm2.log" 2>&1 &
   local pid=$!; wait_up http://127.0.0.1:8001/v1/models
   "${BENCH[@]}" --base-url http://127.0.0.1:8001 --model smollm2 \
       --output-json "$OUT/serve_llamacpp_smollm2.json" --baseline-json "$OUT/serve_kvstrata_smollm2.json"
   stop $pid
 }
 
-run_kvstrata smollm2 "$HF_DIR"
-run_transformers smollm2 "$HF_DIR"
-run_llamacpp
-if [ -d "$TINY_DIR" ]; then
-  run_kvstrata tiny "$TINY_DIR"
-  run_transformers tiny "$TINY_DIR"
-fi
+# PEERS="kvstrata transformers llamacpp" by default; e.g. PEERS=llamacpp to rerun one.
+PEERS=${PEERS:-kvstrata transformers llamacpp}
+for peer in $PEERS; do
+  case $peer in
+    kvstrata) run_kvstrata smollm2 "$HF_DIR"; [ -d "$TINY_DIR" ] && run_kvstrata tiny "$TINY_DIR" ;;
+    transformers) run_transformers smollm2 "$HF_DIR"; [ -d "$TINY_DIR" ] && run_transformers tiny "$TINY_DIR" ;;
+    llamacpp) run_llamacpp ;;
+  esac
+done
