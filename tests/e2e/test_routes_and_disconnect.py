@@ -82,20 +82,26 @@ def test_disconnect_non_streaming_frees_kv(server):
 
 
 def test_abort_request_route(server):
-    import threading
+    """Abort by rid while the request streams: it ends early as an abort and frees its KV.
+    (Sent after the first chunk, so the request is surely running; a tiny model decodes 400
+    tokens in well under a second, so a fixed sleep would race with completion.)"""
+    import json
 
-    result = {}
-
-    def run():
-        result["r"] = httpx.post(server.base_url + "/generate", timeout=60, json={
-            "text": "abort me", "rid": "to-abort",
-            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})
-
-    t = threading.Thread(target=run)
-    t.start()
-    time.sleep(0.5)
-    r = httpx.post(server.base_url + "/abort_request", json={"rid": "to-abort"})
-    assert r.status_code == 200
-    t.join(30)
-    assert result["r"].json()["error"]["message"]
-    assert wait_idle(server)["num_used_tokens"] == 0
+    events = []
+    with httpx.stream("POST", server.base_url + "/generate", timeout=60, json={
+            "text": "abort me", "rid": "to-abort", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == 1:
+                r = httpx.post(server.base_url + "/abort_request", json={"rid": "to-abort"})
+                assert r.status_code == 200
+    last = events[-1]
+    finish = (last.get("meta_info") or {}).get("finish_reason") or {}
+    assert last.get("error") or finish.get("type") == "abort", last
+    completion = (last.get("meta_info") or {}).get("completion_tokens", 0)
+    assert completion < 400, last
+    st = wait_idle(server)
+    assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
