@@ -121,15 +121,16 @@ class CompletionRequest(_SamplingFields):
 
 
 class GenerateRequest(_Strict):
-    """SGLang's native /generate (one prompt per call)."""
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | None = None
+    """SGLang's native /generate: one prompt, or a batch (a list of texts / of id lists, with
+    one sampling_params dict for all or a list of them, and optionally a list of rids)."""
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    rid: str | None = None
+    rid: str | list[str] | None = None
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None

@@ -267,10 +267,42 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     return meta
 
 
+def _batch_items(body) -> list | None:
+    """The per-prompt bodies of a batched /generate, or None for a single prompt."""
+    if isinstance(body.text, list):
+        field, items = "text", body.text
+    elif body.input_ids and isinstance(body.input_ids[0], list):
+        field, items = "input_ids", body.input_ids
+    else:
+        for name in ("sampling_params", "rid"):
+            if isinstance(getattr(body, name), list):
+                raise ApiError(400, f"{name} is a list but the prompt is not a batch", name)
+        return None
+    if not items:
+        raise ApiError(400, f"{field} is an empty batch", field)
+    if body.stream:
+        raise ApiError(400, "not implemented yet: stream with a batch of prompts", "stream")
+    n = len(items)
+    sps = body.sampling_params if isinstance(body.sampling_params, list) \
+        else [body.sampling_params] * n
+    rids = body.rid if isinstance(body.rid, list) else [None] * n
+    if body.rid is not None and not isinstance(body.rid, list):
+        raise ApiError(400, "rid must be a list with a batch of prompts", "rid")
+    for name, values in (("sampling_params", sps), ("rid", rids)):
+        if len(values) != n:
+            raise ApiError(400, f"{name} has {len(values)} entries for {n} prompts", name)
+    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid})
+            for item, sp, rid in zip(items, sps, rids)]
+
+
 async def generate_response(state, request: Request, body):
     tm = state.tm
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
+    batch = _batch_items(body)
+    if batch is not None:
+        return list(await asyncio.gather(*(generate_response(state, request, one)
+                                           for one in batch)))
     ids = tm.encode_prompt(body.text) if body.text is not None else list(body.input_ids)
     so.check_lengths(len(ids), None, state.context_len,
                      "text" if body.text is not None else "input_ids", "max_new_tokens")

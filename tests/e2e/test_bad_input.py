@@ -58,6 +58,12 @@ CASES = [
     ("generate_bad_sampling_value", GEN,
      {"text": "x", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
     ("generate_too_long", GEN, {"input_ids": [1] * 600}, 400, "input_ids"),
+    ("generate_batch_stream", GEN, {"text": ["a", "b"], "stream": True}, 400, "stream"),
+    ("generate_batch_params_mismatch", GEN,
+     {"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),
+    ("generate_batch_empty", GEN, {"text": []}, 400, "text"),
+    ("generate_params_list_single_prompt", GEN,
+     {"text": "a", "sampling_params": [{}]}, 400, "sampling_params"),
 ]
 
 

@@ -105,3 +105,19 @@ def test_abort_request_route(server):
     assert completion < 400, last
     st = wait_idle(server)
     assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+
+def test_generate_batch_equals_single_calls(server):
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    texts = ["The first prompt", "A second, longer prompt than the first one"]
+    batch = httpx.post(server.base_url + "/generate", timeout=60,
+                       json={"text": texts, "sampling_params": params}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    for text, item in zip(texts, batch):
+        one = httpx.post(server.base_url + "/generate", timeout=60,
+                         json={"text": text, "sampling_params": params}).json()
+        assert item["output_ids"] == one["output_ids"] and len(item["output_ids"]) == 6
+    ids = httpx.post(server.base_url + "/generate", timeout=60, json={
+        "input_ids": [[5, 6, 7], [8, 9]], "rid": ["b-0", "b-1"],
+        "sampling_params": [params, {**params, "max_new_tokens": 2}]}).json()
+    assert [r["meta_info"]["id"] for r in ids] == ["b-0", "b-1"]
+    assert [len(r["output_ids"]) for r in ids] == [6, 2]
