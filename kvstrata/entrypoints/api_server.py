@@ -227,6 +227,9 @@ def create_app(state) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if not getattr(args, "enable_metrics", True):
+            return JSONResponse(error_body("metrics are disabled (--no-enable-metrics)",
+                                           type_="not_found_error", code=404), status_code=404)
         if state.healthy():
             try:
                 state.metrics.set_load(await tm.control("get_load", timeout=2.0))

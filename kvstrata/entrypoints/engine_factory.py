@@ -52,6 +52,7 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
         args.model_path, dtype=args.dtype, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
         max_context_len=args.context_length, device=args.device, hicache=hicache,
+        mem_fraction_static=args.mem_fraction_static,
     )
     # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
     tokenizer = (None if args.skip_tokenizer_init

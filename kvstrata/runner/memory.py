@@ -21,6 +21,20 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_budget_from_fraction(device: torch.device, fraction: float, weights_bytes: int) -> int:
+    """--mem-fraction-static: weights + KV pool may take `fraction` of the device's memory
+    (on CPU: of the RAM available before the weights were loaded)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * fraction) - (total - free)
+    else:
+        budget = int((available_ram_bytes() + weights_bytes) * fraction) - weights_bytes
+    if budget <= 0:
+        raise ValueError(f"--mem-fraction-static {fraction} leaves no memory for the KV cache "
+                         f"after {weights_bytes / 2**30:.2f} GiB of weights; raise it")
+    return budget
+
+
 def default_kv_budget_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

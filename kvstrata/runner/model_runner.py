@@ -21,7 +21,7 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
                                                 TopLogprob)
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.forward_batch import ForwardBatch
-from kvstrata.runner.memory import default_kv_budget_bytes
+from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.sampler import Sampler, SamplingState
@@ -44,7 +44,8 @@ class ModelRunner:
     def __init__(self, model_path: str, dtype: str = "auto", page_size: int = 1,
                  max_total_tokens: int | None = None, max_running_requests: int | None = None,
                  max_context_len: int | None = None, device: str | torch.device | None = None,
-                 mem_budget_gb: float | None = None, hicache: dict | None = None):
+                 mem_budget_gb: float | None = None, hicache: dict | None = None,
+                 mem_fraction_static: float | None = None):
         """hicache: None, or kwargs of HiCacheExecutor (layout, io_backend, hicache_ratio,
         hicache_size) to back the device pool with a host pool."""
         if page_size < 1:
@@ -64,8 +65,13 @@ class ModelRunner:
         bytes_per_token = MHATokenToKVPool.bytes_per_token(
             dims.num_layers, dims.num_kv_heads, dims.head_dim, self.dtype)
         if max_total_tokens is None:
-            budget = (int(mem_budget_gb * 1024 ** 3) if mem_budget_gb is not None
-                      else default_kv_budget_bytes(self.device))
+            if mem_budget_gb is not None:
+                budget = int(mem_budget_gb * 1024 ** 3)
+            elif mem_fraction_static is not None:
+                weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+                budget = kv_budget_from_fraction(self.device, mem_fraction_static, weights)
+            else:
+                budget = default_kv_budget_bytes(self.device)
             max_total_tokens = budget // bytes_per_token
         # Whole pages only; +1 page is the padding sink, allocated on top of the capacity.
         self.num_pages = max_total_tokens // page_size

@@ -106,3 +106,18 @@ def test_logprobs_through_the_engine(tiny_checkpoints, tiny_prompts):
         llm.check_integrity()
     finally:
         llm.shutdown()
+
+
+def test_mem_fraction_static_sizes_the_pool(tiny_checkpoints):
+    from kvstrata import LLM
+
+    small = LLM(model_path=tiny_checkpoints["qwen2"], skip_tokenizer_init=True,
+                mem_fraction_static=0.001)
+    large = LLM(model_path=tiny_checkpoints["qwen2"], skip_tokenizer_init=True,
+                mem_fraction_static=0.002)
+    try:
+        a, b = small.get_load()["max_total_num_tokens"], large.get_load()["max_total_num_tokens"]
+        assert 0 < a < b
+    finally:
+        small.shutdown()
+        large.shutdown()

@@ -16,7 +16,7 @@ ARGS = ("--context-length", "512", "--max-total-tokens", "8192", "--served-model
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model_path):
-    srv = ServerProcess(tiny_model_path, *ARGS, "--api-key", "sekrit")
+    srv = ServerProcess(tiny_model_path, *ARGS, "--api-key", "sekrit", "--no-enable-metrics")
     yield srv
     srv.stop()
 
@@ -31,6 +31,7 @@ def test_api_key(keyed_server):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 404  # --no-enable-metrics
     ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
     assert ok.completions.create(model="tiny", **body).usage.completion_tokens == 1
     bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
