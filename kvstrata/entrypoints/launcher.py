@@ -89,6 +89,25 @@ def _stop_children(processes: list[mp.Process], grace_s: float) -> None:
             proc.join(3)
 
 
+def _graceful_server_class():
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGINT/SIGTERM after its graceful exit, which turns a clean
+        shutdown into a KeyboardInterrupt traceback (and a cancelled lifespan). The launcher
+        stops the children itself afterwards, so only record that we should exit."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for connections
+            else:
+                self.should_exit = True
+
+    return GracefulServer
+
+
 def launch_server(server_args, resolutions: list | None = None) -> None:
     """Run the server until SIGINT/SIGTERM (blocking)."""
     import uvicorn
@@ -134,7 +153,7 @@ def launch_server(server_args, resolutions: list | None = None) -> None:
             create_app(state), host=server_args.host, port=server_args.port,
             log_level=str(server_args.log_level).lower(), access_log=False,
             timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S, timeout_keep_alive=30)
-        server = uvicorn.Server(config)
+        server = _graceful_server_class()(config)
 
         async def serve() -> None:
             nonlocal shutdown_sent
