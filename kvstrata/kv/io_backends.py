@@ -8,16 +8,14 @@ device-order views (see layouts.py), so neither has a per-layout code path:
                                               loading layer i+1 with computing layer i)
   load_all(host_pages, device_pages)         host -> device, all layers
 
-`kernel`: batched copies over row-index tensors. A "row" is the largest block contiguous on
-its side and in a device-order staging buffer (a page of one layer for the device pool,
-layer_first and page_first_direct; one token of one layer for page_first; one head-token-layer
-for page_head). Torch on CPU has no fused gather-scatter, and a gather into a temporary
-followed by a scatter is two trips through RAM (measured: under half of memcpy), so KernelIO
-picks per destination run the cheapest single-pass form and only stages what is left, in
-chunks that fit a small (cache-resident) staging buffer. On a GPU that buffer is the device
-side of SGLang's staged write-back (gather on the device, one contiguous copy across the bus,
-scatter on the host); the same code runs on CPU, CUDA and ROCm, and Triton kernels may
-replace it later behind this interface.
+`kernel`: one gather-scatter per transfer over row indices, every layer at once for
+write-back and per layer for loads. On CPU both pools are RAM and the copy is the native row
+copy (rowcopy.py: each byte read and written once, streaming stores; torch's index_copy_
+into scattered rows measured ~0.5 of memcpy here, the native copy ~1.0). With the device
+pool on a GPU the copy is staged, as SGLang stages page_first write-back: gather into a
+staging buffer on the source device, one contiguous copy across the bus, scatter on the
+other side. The same code serves every layout; Triton kernels may replace the GPU-side
+gather/scatter later behind this interface.
 
 `direct`: sorts by host page, merges pages that are adjacent on both sides into runs and
 copies each run with one strided copy_ (no index tensors). Only layouts where a page of one
@@ -30,15 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.kv import layouts
+from kvstrata.kv import layouts, rowcopy
 from kvstrata.kv.host_pool import HostKVPool
 
 SUPPORTED_LAYOUTS = {
     "kernel": (layouts.LAYER_FIRST, layouts.PAGE_FIRST, layouts.PAGE_HEAD),
     "direct": (layouts.LAYER_FIRST, layouts.PAGE_FIRST_DIRECT),
 }
-# Staging buffer per backend: small enough to stay in L2/L3 cache between the gather and the
-# scatter, large enough that per-chunk Python overhead (~10 torch calls) is a few percent.
+# Staging buffer per direction and side when the pools are on two devices: large enough that
+# per-chunk overhead (three calls and a bus round trip) is a few percent.
 DEFAULT_STAGING_BYTES = 4 << 20
 
 
@@ -118,188 +116,153 @@ class KVIOBackend:
         raise NotImplementedError
 
 
-def _is_run(pages: torch.Tensor) -> bool:
-    """True when the (sorted or not) ids are one ascending run p, p+1, ..."""
-    return pages.numel() <= 1 or bool((pages[1:] == pages[:-1] + 1).all())
+AXES = ("kv", "layer", "page", "token", "head")  # device order, the head dim D aside
+
+
+def _outer_sum(terms: dict[str, torch.Tensor], axes) -> torch.Tensor:
+    """Byte offsets of every combination of `axes` (first axis slowest)."""
+    out = torch.zeros(1, dtype=torch.long)
+    for axis in axes:
+        out = (out.view(-1, 1) + terms[axis].view(1, -1)).reshape(-1)
+    return out.contiguous()
 
 
 class _Side:
-    """One end of a copy (device pool or host pool) as seen by the kernel backend.
+    """One end of a copy (device pool, host pool) as rows of the backend's row unit.
 
-    `flat` views the tensor as rows of `unit` words, the largest block contiguous both here and
-    in a device-order staging buffer: P*H*D for the device pool, layer_first and
-    page_first_direct, H*D for page_first, D for page_head.
+    A row's byte offset is a sum of one term per axis (kv, layer, page, token, head); axes
+    the row unit covers have the single term 0. `order` lists the axes by stride, largest
+    first: this side's memory order.
     """
 
-    def __init__(self, words: torch.Tensor, view6: torch.Tensor):
-        self.view6 = view6
+    def __init__(self, words: torch.Tensor, view6: torch.Tensor, unit: int, covered: int):
+        self.words = words
         self.device = words.device
-        self.unit, covered = layouts.row_unit(view6)
-        offs, self.page_rows = layouts.unit_offsets(view6, self.unit, covered)
-        self.offs = offs.to(self.device)
-        self.flat = words.view(-1, self.unit)
-        # A run of pages of one (kv, layer) is one contiguous block: a gather can write it
-        # directly (layer_first order: the device pool and the layer_first host pool).
-        self.runs_contiguous = covered == 3 and view6.stride(2) == self.unit
+        # CPU memory is copied by the native page copy; a GPU side by torch index ops.
+        self.native = words.device.type == "cpu"
+        self.unit = unit
+        self.row_bytes = unit * words.element_size()
+        two, L, _, P, H, _ = view6.shape
+        strides = dict(zip(AXES, (s * words.element_size() for s in view6.stride()[:5])))
+        sizes = {"kv": two, "layer": L, "token": P if covered < 3 else 1,
+                 "head": H if covered < 2 else 1}
+        self.fixed = {axis: torch.arange(size) * strides[axis] for axis, size in sizes.items()}
+        # Row ids (the torch path divides byte offsets by row_bytes) need every stride a
+        # whole number of rows; row_unit guarantees it for the layouts we have.
+        if any(strides[a] % self.row_bytes for a in AXES if sizes.get(a, 2) > 1):
+            raise AssertionError(f"row unit {unit} does not tile the view (strides "
+                                 f"{view6.stride()})")
+        self.page_stride = strides["page"]
+        self.order = sorted(AXES, key=lambda axis: -strides[axis] * (sizes.get(axis, 2) > 1))
 
-    def rows(self, pages: torch.Tensor, layers: slice) -> torch.Tensor:
-        """Row ids of `pages` in device order (kv, layer, page, token, head)."""
-        pages = pages.to(self.device).view(1, 1, -1, 1, 1)
-        return (self.offs[:, layers] + pages * self.page_rows).reshape(-1)
+    def terms(self, pages: torch.Tensor, layers: slice) -> dict[str, torch.Tensor]:
+        return dict(self.fixed, layer=self.fixed["layer"][layers], page=pages * self.page_stride)
+
+    def gather(self, outer: torch.Tensor, inner: torch.Tensor, buf: torch.Tensor) -> None:
+        """Rows at `outer` + `inner` into a contiguous buffer on this side's device, in order."""
+        if self.native:
+            b_outer, b_inner = _contiguous(outer, inner, self.row_bytes)
+            rowcopy.copy_pages(buf, self.words, b_outer, outer, b_inner, inner, self.row_bytes)
+        else:
+            torch.index_select(self.flat, 0, self._row_ids(outer, inner),
+                               out=buf.view(-1, self.unit))
+
+    def scatter(self, outer: torch.Tensor, inner: torch.Tensor, buf: torch.Tensor) -> None:
+        """A contiguous buffer on this side's device into the rows at `outer` + `inner`."""
+        if self.native:
+            b_outer, b_inner = _contiguous(outer, inner, self.row_bytes)
+            rowcopy.copy_pages(self.words, buf, outer, b_outer, inner, b_inner, self.row_bytes)
+        else:
+            self.flat.index_copy_(0, self._row_ids(outer, inner), buf.view(-1, self.unit))
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.words.view(-1, self.unit)
+
+    def _row_ids(self, outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+        return ((outer.view(-1, 1) + inner.view(1, -1)).reshape(-1)
+                // self.row_bytes).to(self.device)
+
+
+def _contiguous(outer: torch.Tensor, inner: torch.Tensor, row_bytes: int):
+    """Outer/inner offsets of the same rows packed back to back (a staging buffer)."""
+    return (torch.arange(outer.numel()) * (inner.numel() * row_bytes),
+            torch.arange(inner.numel()) * row_bytes)
 
 
 class KernelIO(KVIOBackend):
-    """Batched index-tensor copies; see the module docstring.
+    """One gather-scatter per transfer over row offsets; see the module docstring.
 
-    Pairs are sorted by destination page and split into destination runs. Per run or batch of
-    short runs the cheapest single-pass form is used, else one staged chunk at a time:
+    A row is the largest trailing (P, H, D) block contiguous on both sides in device order:
+    a page of one layer (layer_first), one token of one layer (page_first), one head of one
+    token of one layer (page_head). Rows are visited in the *source's* memory order, split
+    after the page axis into an outer list and a per-page inner pattern (the native copy's
+    two-level offsets). Source order keeps reads sequential for the hardware prefetcher while
+    streaming stores do not mind scattered writes: measured 0.9-1.4 of memcpy, against
+    0.4-0.7 for other orders (benchmarks/bench_transfer.py, 256 pages of 720 KiB).
 
-      source   destination  how
-      run      run          one strided copy_ (no index tensor)
-      any      run, LF      index_select straight into each (kv, layer) block of the run
-      any      any, big     one strided copy_ per page (pages >= PER_PAGE_COPY_BYTES)
-      any      run          gather (or strided copy) into staging, strided copy_ out
-      any      scattered    gather (or strided copy) into staging, index_copy_ out
-
-    (LF: layer_first order with page-sized rows on both sides.) Measured here (1 thread,
-    720 KiB pages): index_select into a contiguous block runs at 0.6-0.9 of memcpy with
-    12 KiB rows but index_copy_ only at ~0.4 and both slow down with small rows; a strided
-    copy_ per page reaches 0.6-0.8. So the staged scatter is the last resort, kept for small
-    pages (where per-call overhead dominates) and for per-layer loads.
+    Both pools in RAM (CPU): one native copy per transfer (per layer for load_layer), each
+    byte read and written once. Pools on two devices (CUDA/ROCm): staged in chunks of pages,
+    as SGLang stages page_first write-back: gather on the source device into a staging buffer,
+    one contiguous copy across the bus, scatter on the destination; the host-side
+    gather/scatter is the native copy into pinned staging.
     """
     name = "kernel"
-    # Destination runs shorter than this are batched with their neighbours (one gather and
-    # one scatter per chunk) instead of paying a few torch calls each.
-    MIN_RUN = 4
-    # From this many bytes per page (over the layers moved), one strided copy_ per page (one
-    # pass, ~10 us of overhead) beats staging (two passes, index_copy_ at ~0.4 of memcpy):
-    # measured 0.5-0.8 vs 0.4-0.5 of memcpy for 720 KiB pages, 0.24-0.31 vs 0.17-0.19 for
-    # 45 KiB pages (SmolLM2, page size 1) on loads, about equal on write-back.
-    PER_PAGE_COPY_BYTES = 32 << 10
 
     def __init__(self, device_kv: torch.Tensor, host_pool: HostKVPool, *,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 per_page_copy_bytes: int | None = None):
+                 staging_bytes: int = DEFAULT_STAGING_BYTES):
         super().__init__(device_kv, host_pool)
-        if per_page_copy_bytes is not None:  # tests force either form
-            self.PER_PAGE_COPY_BYTES = per_page_copy_bytes
-        self.sides = {"device": _Side(self.dev_words, self.dev6),
-                      "host": _Side(self.host_words, self.host6)}
-        word = self.dev_words.dtype
+        unit, covered = layouts.row_unit(self.dev6, self.host6)
+        self.sides = {"device": _Side(self.dev_words, self.dev6, unit, covered),
+                      "host": _Side(self.host_words, self.host6, unit, covered)}
+        self.row_bytes = self.sides["device"].row_bytes
         self.page_layer_elems = 2 * self.dev6[0, 0, 0].numel()  # K and V of one page, one layer
-        elems = max(staging_bytes // self.dev_words.element_size(),
-                    self.page_layer_elems * self.num_layers)
-        # Device-order staging buffers, per direction (a write-back on the transfer worker may
-        # run while the runner loads a layer) and per device involved (one on CPU; on a GPU the
-        # host-side gather/scatter runs on CPU and a contiguous buffer crosses the bus).
-        self.staging = {}
+        self.staging_elems = max(staging_bytes // self.dev_words.element_size(),
+                                 self.page_layer_elems * self.num_layers)
+        self.staging: dict[str, dict[str, torch.Tensor]] = {}
+        self.staged = device_kv.device != host_pool.kv.device
+        if self.staged:
+            self.make_staging()
+
+    def make_staging(self) -> None:
+        """Staging buffers per direction (a write-back on the transfer worker may run while
+        the runner loads a layer), one on each side (the host one pinned when the host pool
+        is)."""
+        word = self.dev_words.dtype
+        pin = self.host_pool.kv.is_pinned()
         for direction in ("d2h", "h2d"):
-            bufs = self.staging[direction] = {}
-            for device, pin in ((device_kv.device, False),
-                                (host_pool.kv.device, host_pool.kv.is_pinned())):
-                if device not in bufs:
-                    bufs[device] = torch.empty(elems, dtype=word, device=device,
-                                               pin_memory=pin and device.type == "cpu")
-        self.staging_elems = elems
+            self.staging[direction] = {
+                name: torch.empty(self.staging_elems, dtype=word, device=side.device,
+                                  pin_memory=pin and side.device.type == "cpu")
+                for name, side in self.sides.items()}
 
     def _copy(self, direction, layer, src_ids, dst_ids):
-        src, dst = ((self.sides["device"], self.sides["host"]) if direction == "d2h"
-                    else (self.sides["host"], self.sides["device"]))
+        src_name, dst_name = ("device", "host") if direction == "d2h" else ("host", "device")
+        src, dst = self.sides[src_name], self.sides[dst_name]
         layers = slice(None) if layer is None else slice(layer, layer + 1)
+        cut = src.order.index("page") + 1
+        outer_axes, inner_axes = src.order[:cut], src.order[cut:]
+        if not self.staged:
+            s_terms, d_terms = src.terms(src_ids, layers), dst.terms(dst_ids, layers)
+            rowcopy.copy_pages(dst.words, src.words, _outer_sum(d_terms, outer_axes),
+                               _outer_sum(s_terms, outer_axes), _outer_sum(d_terms, inner_axes),
+                               _outer_sum(s_terms, inner_axes), self.row_bytes)
+            return
         num_layers = self.num_layers if layer is None else 1
         cap = max(1, self.staging_elems // (self.page_layer_elems * num_layers))
         stage = self.staging[direction]
-        order = torch.argsort(dst_ids)
-        src_ids, dst_ids = src_ids[order], dst_ids[order]
-        breaks = torch.nonzero(dst_ids[1:] != dst_ids[:-1] + 1).flatten() + 1
-        bounds = [0] + breaks.tolist() + [dst_ids.numel()]
-        batch_start = None  # start of a pending batch of short destination runs
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b - a >= self.MIN_RUN:
-                if batch_start is not None:
-                    self._scattered(src, dst, src_ids[batch_start:a], dst_ids[batch_start:a],
-                                    layers, num_layers, cap, stage)
-                    batch_start = None
-                self._dst_run(src, dst, src_ids[a:b], int(dst_ids[a]), layers, num_layers, cap,
-                              stage)
-            elif batch_start is None:
-                batch_start = a
-        if batch_start is not None:
-            self._scattered(src, dst, src_ids[batch_start:], dst_ids[batch_start:], layers,
-                            num_layers, cap, stage)
-
-    def _dst_run(self, src: _Side, dst: _Side, s: torch.Tensor, d0: int, layers: slice,
-                 num_layers: int, cap: int, stage: dict) -> None:
-        k = s.numel()
-        if _is_run(s):
-            s0 = int(s[0])
-            # Between layouts with different axis orders, copy a cache-sized block of pages at
-            # a time: one huge permuted copy_ measured 2x slower (page_head: 0.2 of memcpy).
-            step = k if (src.runs_contiguous and dst.runs_contiguous) else cap
-            for c in range(0, k, step):
-                n = min(step, k - c)
-                dst.view6[:, layers, d0 + c:d0 + c + n].copy_(
-                    src.view6[:, layers, s0 + c:s0 + c + n])
-            return
-        if (src.device == dst.device and dst.runs_contiguous and src.runs_contiguous
-                and k >= 2 * num_layers):
-            # Single pass: each (kv, layer) block of the destination run is contiguous, so one
-            # index_select per block gathers the source pages straight into it.
-            rows = src.rows(s, layers).view(2, num_layers, k)
-            first = layers.start or 0
-            for kv in range(2):
-                for j in range(num_layers):
-                    # view, not reshape: a silent copy would make `out=` write into a temporary
-                    out = dst.view6[kv, first + j, d0:d0 + k].view(k, -1)
-                    torch.index_select(src.flat, 0, rows[kv, j], out=out)
-            return
-        if self._per_page(src, dst, num_layers):
-            self._page_by_page(src, dst, s, torch.arange(d0, d0 + k), layers)
-            return
-        for c in range(0, k, cap):
-            buf = self._fill(src, dst, s[c:c + cap], layers, num_layers, stage)
-            dst.view6[:, layers, d0 + c:d0 + c + buf.shape[2]].copy_(buf)
-
-    def _scattered(self, src: _Side, dst: _Side, s: torch.Tensor, d: torch.Tensor,
-                   layers: slice, num_layers: int, cap: int, stage: dict) -> None:
-        if self._per_page(src, dst, num_layers):
-            self._page_by_page(src, dst, s, d, layers)
-            return
-        for c in range(0, s.numel(), cap):
-            buf = self._fill(src, dst, s[c:c + cap], layers, num_layers, stage)
-            dst.flat.index_copy_(0, dst.rows(d[c:c + cap], layers), buf.view(-1, dst.unit))
-
-    def _per_page(self, src: _Side, dst: _Side, num_layers: int) -> bool:
-        if src.device != dst.device:
-            return False  # across the bus one contiguous staged copy beats many small ones
-        page_bytes = self.page_layer_elems * num_layers * self.dev_words.element_size()
-        return page_bytes >= self.PER_PAGE_COPY_BYTES
-
-    @staticmethod
-    def _page_by_page(src: _Side, dst: _Side, s: torch.Tensor, d: torch.Tensor,
-                      layers: slice) -> None:
-        for sp, dp in zip(s.tolist(), d.tolist()):
-            dst.view6[:, layers, dp].copy_(src.view6[:, layers, sp])
-
-    def _fill(self, src: _Side, dst: _Side, s: torch.Tensor, layers: slice,
-              num_layers: int, stage: dict) -> torch.Tensor:
-        """Copy source pages `s` into a device-order staging buffer on the destination's
-        device, (2, layers, len(s), P, H, Dw)."""
-        shape = (2, num_layers, s.numel()) + tuple(self.dev6.shape[3:])
-        numel = self.page_layer_elems * num_layers * s.numel()
-        buf = stage[src.device][:numel].view(shape)
-        if _is_run(s):
-            s0 = int(s[0])
-            buf.copy_(src.view6[:, layers, s0:s0 + s.numel()])
-        else:
-            torch.index_select(src.flat, 0, src.rows(s, layers), out=buf.view(-1, src.unit))
-        if dst.device != src.device:
+        for c in range(0, src_ids.numel(), cap):
+            s_terms = src.terms(src_ids[c:c + cap], layers)
+            d_terms = dst.terms(dst_ids[c:c + cap], layers)
+            s_outer, d_outer = _outer_sum(s_terms, outer_axes), _outer_sum(d_terms, outer_axes)
+            s_inner, d_inner = _outer_sum(s_terms, inner_axes), _outer_sum(d_terms, inner_axes)
+            numel = s_outer.numel() * s_inner.numel() * src.unit
+            src_buf, dst_buf = stage[src_name][:numel], stage[dst_name][:numel]
+            src.gather(s_outer, s_inner, src_buf)
             # Blocking on purpose: the next chunk reuses both buffers. Overlapping chunks on a
             # GPU needs double buffering (not written: no GPU to test it on yet).
-            other = stage[dst.device][:numel].view(shape)
-            other.copy_(buf)
-            buf = other
-        return buf
+            dst_buf.copy_(src_buf)
+            dst.scatter(d_outer, d_inner, dst_buf)
 
 
 class DirectIO(KVIOBackend):

@@ -134,24 +134,3 @@ def row_unit(*views: torch.Tensor) -> tuple[int, int]:
         else:
             break
     return unit, covered
-
-
-def unit_offsets(view: torch.Tensor, unit: int, covered: int) -> tuple[torch.Tensor, int]:
-    """Row numbers (in `unit`s, counted from the start of the contiguous tensor the view was
-    made from by view/permute only) of the rows of page 0, and the page stride in rows.
-
-    The offsets have shape (2, L, 1, P or 1, H or 1): device order with a page axis of 1, so
-    `offs + pages.view(1, 1, -1, 1, 1) * page_stride` enumerates rows in device order
-    (kv, layer, page, token, head), which is the order of a contiguous device-order staging
-    buffer viewed as rows of `unit`. Axes covered by the unit travel inside a row (size 1).
-    """
-    two, L, _, P, H, _ = view.shape
-    s_kv, s_l, s_page, s_t, s_h, _ = view.stride()
-    t = torch.arange(P if covered < 3 else 1) * s_t
-    h = torch.arange(H if covered < 2 else 1) * s_h
-    offs = (torch.arange(two).view(-1, 1, 1, 1, 1) * s_kv
-            + torch.arange(L).view(1, -1, 1, 1, 1) * s_l
-            + t.view(1, 1, 1, -1, 1) + h.view(1, 1, 1, 1, -1))
-    if bool((offs % unit != 0).any()) or s_page % unit != 0:
-        raise AssertionError(f"row unit {unit} does not tile the view (strides {view.stride()})")
-    return offs // unit, s_page // unit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.kv import rowcopy
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS, DirectIO, make_io_backend
 from kvstrata.kv.layouts import LAYOUTS, KVGeometry
@@ -32,9 +33,9 @@ PATTERNS = {
 DEV_IDS, HOST_IDS, LOAD_IDS = PATTERNS["mixed"]
 
 PAIRS = [(io, layout) for io, layouts in SUPPORTED_LAYOUTS.items() for layout in layouts]
-# Kernel runs twice: staged and page-by-page forms.
-VARIANTS = [(io, layout, per_page) for io, layout in PAIRS
-            for per_page in ((False, True) if io == "kernel" else (False,))]
+# Kernel runs twice: the CPU form (one native row copy) and the two-device staged form.
+VARIANTS = [(io, layout, staged) for io, layout in PAIRS
+            for staged in ((False, True) if io == "kernel" else (False,))]
 
 
 def _random_kv(shape, dtype, seed):
@@ -46,18 +47,24 @@ def _random_kv(shape, dtype, seed):
     return torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int32).view(dtype)
 
 
-def _setup(io, layout, page_size, dtype, staging_bytes=1024, per_page=False):
+def _setup(io, layout, page_size, dtype, staging_bytes=1024, staged=False):
     geom = KVGeometry(L, H, D, page_size, dtype)
     device_kv = _random_kv((2, L, (DEVICE_PAGES + 1) * page_size, H, D), dtype, seed=1)
     host = HostKVPool(geom, HOST_PAGES, layout)
     host.kv.copy_(_random_kv(host.kv.shape, dtype, seed=2))
-    kwargs = {}
-    if io == "kernel":
-        # per_page: copy page by page wherever the destination is not one run with the
-        # source; else stage (these test pages are far below the real threshold).
-        kwargs = {"staging_bytes": staging_bytes,
-                  "per_page_copy_bytes": 0 if per_page else 1 << 40}
-    return device_kv, host, make_io_backend(io, device_kv, host, **kwargs)
+    kwargs = {"staging_bytes": staging_bytes} if io == "kernel" else {}
+    backend = make_io_backend(io, device_kv, host, **kwargs)
+    if staged:
+        _simulate_two_devices(backend)
+    return device_kv, host, backend
+
+
+def _simulate_two_devices(backend):
+    """Run KernelIO's GPU shape on CPU: stage through buffers on both sides in small chunks,
+    with torch index ops on the device side (as on a GPU) and the native copy on the host."""
+    backend.staged = True
+    backend.make_staging()
+    backend.sides["device"].native = False
 
 
 def _pages(t, page_size):  # device KV as (2, L, pages, P, H, D)
@@ -68,13 +75,18 @@ def _same_bits(a, b):
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("io,layout,per_page", VARIANTS)
-def test_round_trip_bit_exact(io, layout, per_page, page_size, dtype, pattern):
+@pytest.mark.parametrize("io,layout,staged", VARIANTS)
+def test_round_trip_bit_exact(io, layout, staged, page_size, dtype, pattern, streaming,
+                              monkeypatch):
+    # Test transfers are tiny: force the native copy's streaming stores on (where rows are
+    # 16-byte aligned) or off regardless of size.
+    monkeypatch.setattr(rowcopy, "STREAMING_MIN_BYTES", 0 if streaming else 1 << 62)
     dev_ids, host_ids, load_ids = PATTERNS[pattern]
-    device_kv, host, backend = _setup(io, layout, page_size, dtype, per_page=per_page)
+    device_kv, host, backend = _setup(io, layout, page_size, dtype, staged=staged)
     dev_before, host_before = device_kv.clone(), host.kv.clone()
     backend.write_back(dev_ids, host_ids)
 
@@ -102,9 +114,9 @@ def _layout_ref(host, natural):
     return device_order_view(host.layout, natural, host.page_size)
 
 
-@pytest.mark.parametrize("io,layout,per_page", VARIANTS)
-def test_load_layer_touches_only_that_layer(io, layout, per_page):
-    device_kv, host, backend = _setup(io, layout, 4, torch.float32, per_page=per_page)
+@pytest.mark.parametrize("io,layout,staged", VARIANTS)
+def test_load_layer_touches_only_that_layer(io, layout, staged):
+    device_kv, host, backend = _setup(io, layout, 4, torch.float32, staged=staged)
     before = device_kv.clone()
     backend.load_layer(1, [3, 4], [7, 2])
     changed = (device_kv.view(torch.int32) != before.view(torch.int32)).view(2, L, -1).any(dim=2)
@@ -155,22 +167,3 @@ def test_direct_runs_merge_adjacent_pages():
     assert DirectIO.runs(host, dev) == [(3, 20, 1), (4, 30, 1), (9, 21, 1), (10, 5, 3)]
     assert DirectIO.runs(torch.tensor([], dtype=torch.long),
                          torch.tensor([], dtype=torch.long)) == []
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("layout", SUPPORTED_LAYOUTS["kernel"])
-def test_kernel_two_device_path_simulated(layout, pattern):
-    """The GPU shape of KernelIO (gather on one device, contiguous copy across, scatter on the
-    other) run on CPU by labelling the device side "cpu:1": no per-page or direct-gather
-    shortcuts, two staging buffers per direction."""
-    dev_ids, host_ids, load_ids = PATTERNS[pattern]
-    device_kv, host, backend = _setup("kernel", layout, 4, torch.float32, per_page=True)
-    fake = torch.device("cpu", 1)
-    backend.sides["device"].device = fake
-    for bufs in backend.staging.values():
-        bufs[fake] = torch.empty_like(bufs[torch.device("cpu")])
-    dev_before = device_kv.clone()
-    backend.write_back(dev_ids, host_ids)
-    assert _same_bits(host.device_order()[:, :, host_ids], _pages(dev_before, 4)[:, :, dev_ids])
-    backend.load_all(host_ids, load_ids)
-    assert _same_bits(_pages(device_kv, 4)[:, :, load_ids], _pages(dev_before, 4)[:, :, dev_ids])
