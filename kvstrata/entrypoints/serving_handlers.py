@@ -68,6 +68,33 @@ async def _first_or_error(gen: AsyncIterator):
     return first
 
 
+async def _sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lambda: ()):
+    """The SSE loop both OpenAI streaming endpoints share: `prelude` events, then every
+    (choice, output) in arrival order through `render` (bytes, or None to skip), an error
+    event and [DONE] on the first failed output, else `tail()` events and [DONE]. The output
+    generator is closed however the stream ends (a client disconnect cancels it)."""
+    try:
+        for data in prelude:
+            yield data
+        item = first
+        while item is not None:
+            choice, out = item
+            err = so.output_error(out)
+            if err is not None:
+                yield _sse_error(err)
+                yield _DONE
+                return
+            data = render(choice, out)
+            if data is not None:
+                yield data
+            item = await anext(gen, None)
+        for data in tail():
+            yield data
+        yield _DONE
+    finally:
+        await gen.aclose()
+
+
 async def _collect(request: Request, gen: AsyncIterator, accs: dict[str, _Acc]) -> None:
     async def run():
         async for choice, out in gen:
@@ -131,36 +158,23 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
             obj["usage"] = None
         return so.encode_sse(obj)
 
-    async def stream():
-        try:
-            for c in choices:
-                yield chunk(c.index, {"role": "assistant", "content": ""})
-            pending = [first]
-            while True:
-                for choice, out in pending:
-                    err = so.output_error(out)
-                    if err is not None:
-                        yield _sse_error(err)
-                        yield _DONE
-                        return
-                    accs[choice.req.rid].add(out)
-                    lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
-                    if out.text or out.finished or (lp and lp["content"]):
-                        yield chunk(choice.index, {"content": out.text} if out.text else {},
-                                    so.finish_reason(out), lp, out.matched_stop)
-                try:
-                    pending = [await gen.__anext__()]
-                except StopAsyncIteration:
-                    break
-            if include_usage:
-                yield so.encode_sse({"id": rid, "object": "chat.completion.chunk",
-                                     "created": created, "model": model, "choices": [],
-                                     "usage": _usage(list(accs.values()), body.n)})
-            yield _DONE
-        finally:
-            await gen.aclose()
+    def render(choice, out):
+        accs[choice.req.rid].add(out)
+        lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
+        if out.text or out.finished or (lp and lp["content"]):
+            return chunk(choice.index, {"content": out.text} if out.text else {},
+                         so.finish_reason(out), lp, out.matched_stop)
+        return None
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    def tail():
+        if include_usage:
+            yield so.encode_sse({"id": rid, "object": "chat.completion.chunk",
+                                 "created": created, "model": model, "choices": [],
+                                 "usage": _usage(list(accs.values()), body.n)})
+
+    prelude = [chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+    stream = _sse_stream(gen, first, render, prelude=prelude, tail=tail)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
 def _completion_logprobs(tt, a: _Acc, out_ids, lps, tops, echo: bool) -> dict:
@@ -199,47 +213,36 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     first = await _first_or_error(gen)
 
-    async def stream():
-        try:
-            pending, echoed = [first], set()
-            while True:
-                for choice, out in pending:
-                    err = so.output_error(out)
-                    if err is not None:
-                        yield _sse_error(err)
-                        yield _DONE
-                        return
-                    a = accs[choice.req.rid]
-                    a.add(out)
-                    text, lp = out.text, None
-                    echo_now = body.echo and choice.index not in echoed
-                    if echo_now:
-                        echoed.add(choice.index)
-                        text = choice.prompt_text + text
-                    if want_lp:
-                        lp = _completion_logprobs(tt, a, out.new_token_ids, out.new_logprobs or [],
-                                                  out.new_top_logprobs, echo_now)
-                    if text or out.finished or lp:
-                        obj = {"id": rid, "object": "text_completion", "created": created,
-                               "model": model, "choices": [{
-                                   "index": choice.index, "text": text, "logprobs": lp,
-                                   "finish_reason": so.finish_reason(out)}]}
-                        if include_usage:
-                            obj["usage"] = None
-                        yield so.encode_sse(obj)
-                try:
-                    pending = [await gen.__anext__()]
-                except StopAsyncIteration:
-                    break
-            if include_usage:
-                yield so.encode_sse({"id": rid, "object": "text_completion", "created": created,
-                                     "model": model, "choices": [],
-                                     "usage": _usage(list(accs.values()), body.n)})
-            yield _DONE
-        finally:
-            await gen.aclose()
+    echoed: set[int] = set()
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    def render(choice, out):
+        a = accs[choice.req.rid]
+        a.add(out)
+        text, lp = out.text, None
+        echo_now = body.echo and choice.index not in echoed
+        if echo_now:
+            echoed.add(choice.index)
+            text = choice.prompt_text + text
+        if want_lp:
+            lp = _completion_logprobs(tt, a, out.new_token_ids, out.new_logprobs or [],
+                                      out.new_top_logprobs, echo_now)
+        if not (text or out.finished or lp):
+            return None
+        obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": choice.index, "text": text, "logprobs": lp,
+                            "finish_reason": so.finish_reason(out)}]}
+        if include_usage:
+            obj["usage"] = None
+        return so.encode_sse(obj)
+
+    def tail():
+        if include_usage:
+            yield so.encode_sse({"id": rid, "object": "text_completion", "created": created,
+                                 "model": model, "choices": [],
+                                 "usage": _usage(list(accs.values()), body.n)})
+
+    stream = _sse_stream(gen, first, render, tail=tail)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
 
 def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
@@ -333,27 +336,13 @@ async def generate_response(state, request: Request, body):
                 "meta_info": _meta(acc.last, acc, rid, start, body.return_logprob, input_lp)}
     first = await _first_or_error(gen)
 
-    async def stream():
-        try:
-            pending = first
-            while True:
-                _, out = pending
-                err = so.output_error(out)
-                if err is not None:
-                    yield _sse_error(err)
-                    break
-                acc.add(out)
-                # SGLang streams the cumulative text and ids so far in every chunk.
-                yield so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
-                                     "meta_info": _meta(out, acc, rid, start,
-                                                        body.return_logprob, input_lp)})
-                try:
-                    pending = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-            yield _DONE
-        finally:
-            await gen.aclose()
+    def render(choice, out):
+        acc.add(out)
+        # SGLang streams the cumulative text and ids so far in every chunk.
+        return so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
+                              "meta_info": _meta(out, acc, rid, start, body.return_logprob,
+                                                 input_lp)})
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    stream = _sse_stream(gen, first, render)
+    return StreamingResponse(stream, media_type="text/event-stream")
 
