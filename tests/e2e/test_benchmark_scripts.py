@@ -1,0 +1,47 @@
+"""The HiCache benchmark scripts run end to end on tiny inputs and write what issue 5 asks
+for (JSON fields, a PNG). Their figures are not checked here: performance goals live in
+benchmarks/ and docs/benchmarks.md, not in timed tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(script: str, *args: str) -> None:
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+
+
+def test_bench_transfer_rows(tmp_path):
+    out = tmp_path / "transfer.json"
+    _run("bench_transfer.py", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
+         "--page-size", "4", "--pages", "4", "16", "--reps", "1", "--threads", "1",
+         "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    pairs = {(io, layout) for io, layouts in SUPPORTED_LAYOUTS.items() for layout in layouts}
+    assert {(r["io"], r["layout"]) for r in rows} == pairs
+    assert {r["direction"] for r in rows} == {"d2h", "h2d", "h2d_layers"}
+    assert {r["pages"] for r in rows} == {4, 16}
+    for r in rows:
+        assert r["gbps"] > 0 and r["memcpy_gbps"] > 0 and r["ratio"] > 0
+    assert (tmp_path / "transfer.png").stat().st_size > 0
+
+
+def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
+    out = tmp_path / "reuse.json"
+    _run("bench_reuse.py", "--model", tiny_model_path, "--conversations", "3", "--turns", "3",
+         "--system-len", "32", "--context-len", "48", "--user-len", "8", "--answer-len", "4",
+         "--device-tokens", "128", "--page-size", "4", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["ttft_p50_ratio"] == result["ttft_p50_off"] / result["ttft_p50_on"]
+    # The working set exceeds the device pool: without HiCache nothing comes from the host,
+    # with it some prompt tokens do.
+    assert result["working_set_tokens"] > result["device_tokens"]
+    assert result["off"]["from_host"] == 0 and result["on"]["from_host"] > 0
+    assert (tmp_path / "reuse.png").stat().st_size > 0
