@@ -155,8 +155,10 @@ class _Side:
         self.page_stride = strides["page"]
         self.order = sorted(AXES, key=lambda axis: -strides[axis] * (sizes.get(axis, 2) > 1))
 
-    def terms(self, pages: torch.Tensor, layers: slice) -> dict[str, torch.Tensor]:
-        return dict(self.fixed, layer=self.fixed["layer"][layers], page=pages * self.page_stride)
+    def offsets(self, pages: torch.Tensor, layers: slice, outer_axes, inner_axes):
+        """(outer, inner) byte offsets of the rows of `pages` (see the native copy)."""
+        terms = dict(self.fixed, layer=self.fixed["layer"][layers], page=pages * self.page_stride)
+        return _outer_sum(terms, outer_axes), _outer_sum(terms, inner_axes)
 
     def gather(self, outer: torch.Tensor, inner: torch.Tensor, buf: torch.Tensor) -> None:
         """Rows at `outer` + `inner` into a contiguous buffer on this side's device, in order."""
@@ -243,19 +245,17 @@ class KernelIO(KVIOBackend):
         cut = src.order.index("page") + 1
         outer_axes, inner_axes = src.order[:cut], src.order[cut:]
         if not self.staged:
-            s_terms, d_terms = src.terms(src_ids, layers), dst.terms(dst_ids, layers)
-            rowcopy.copy_pages(dst.words, src.words, _outer_sum(d_terms, outer_axes),
-                               _outer_sum(s_terms, outer_axes), _outer_sum(d_terms, inner_axes),
-                               _outer_sum(s_terms, inner_axes), self.row_bytes)
+            s_outer, s_inner = src.offsets(src_ids, layers, outer_axes, inner_axes)
+            d_outer, d_inner = dst.offsets(dst_ids, layers, outer_axes, inner_axes)
+            rowcopy.copy_pages(dst.words, src.words, d_outer, s_outer, d_inner, s_inner,
+                               self.row_bytes)
             return
         num_layers = self.num_layers if layer is None else 1
         cap = max(1, self.staging_elems // (self.page_layer_elems * num_layers))
         stage = self.staging[direction]
         for c in range(0, src_ids.numel(), cap):
-            s_terms = src.terms(src_ids[c:c + cap], layers)
-            d_terms = dst.terms(dst_ids[c:c + cap], layers)
-            s_outer, d_outer = _outer_sum(s_terms, outer_axes), _outer_sum(d_terms, outer_axes)
-            s_inner, d_inner = _outer_sum(s_terms, inner_axes), _outer_sum(d_terms, inner_axes)
+            s_outer, s_inner = src.offsets(src_ids[c:c + cap], layers, outer_axes, inner_axes)
+            d_outer, d_inner = dst.offsets(dst_ids[c:c + cap], layers, outer_axes, inner_axes)
             numel = s_outer.numel() * s_inner.numel() * src.unit
             src_buf, dst_buf = stage[src_name][:numel], stage[dst_name][:numel]
             src.gather(s_outer, s_inner, src_buf)
