@@ -69,6 +69,7 @@ class Scheduler:
         self.finished_outside_step: list[Request] = []
         self.step_id = 0
         self.num_retractions = 0
+        self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
 
     # ------------------------------------------------------------------ queue
@@ -120,10 +121,69 @@ class Scheduler:
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
+        if out is None and self._stalled():
+            self._resolve_stall()
         if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()):
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
+
+    # ------------------------------------------------------------------ progress guarantee
+    def _stalled(self) -> bool:
+        """Work is waiting, yet this step computes nothing, ends nothing and waits for no
+        copy. With requests running, decode always runs (or retracts/aborts), so a stall
+        means nothing runs and the head of the queue (or the chunked request) cannot get
+        its pages even with every cached page evicted: it can never fit."""
+        return bool((self.waiting or self.chunked_req is not None)
+                    and not self.finished_outside_step
+                    and not self.kv.has_transfers_in_flight())
+
+    def _resolve_stall(self) -> None:
+        """Abort the request that cannot fit alone (clear error, no silent spin); anything
+        else is a scheduler bug and fails fast with the state."""
+        self.num_stalls += 1
+        logger.warning("Scheduler made no progress; aborting the request that cannot fit "
+                       "alone. State:\n%s", self.dump_state())
+        if self.running:
+            raise RuntimeError("scheduler stalled with running requests:\n" + self.dump_state())
+        if self.chunked_req is not None:
+            victim, self.chunked_req = self.chunked_req, None
+        else:
+            victim = self._prefill_candidates()[0]
+            self.waiting.remove(victim)
+        need = victim.seq_len + min(victim.remaining_new_tokens(), 1)
+        message = (f"Out of memory: the request needs about {need} KV tokens but the pool "
+                   f"holds {self.kv.total_tokens} and not enough can be freed; raise "
+                   f"--max-total-tokens or send a shorter request.")
+        # A prompt that cannot fit is the client's to change (400, as SGLang's input length
+        # check); generated tokens outgrowing the pool is the server's OOM (500).
+        status = 500 if victim.output_ids else 400
+        self.finished_outside_step.append(
+            self._finish(victim, FinishReason(type="abort", message=message, status_code=status)))
+
+    def dump_state(self) -> str:
+        """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
+        kv = self.kv
+
+        def brief(r: Request) -> str:
+            return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
+                    f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
+                    f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
+                    f"retracted={r.retraction_count})")
+        lines = [
+            f"step {self.step_id}: waiting {len(self.waiting)}, running {len(self.running)}, "
+            f"chunked {self.chunked_req.rid if self.chunked_req else None}",
+            f"pages: total {kv.allocator.num_pages}, free {kv.allocator.available_pages()}, "
+            f"tree evictable {kv.tree.evictable_pages()}, tree protected "
+            f"{kv.tree.protected_pages()}, page_size {self.page_size}; rows free "
+            f"{len(self.free_rows)}/{self.num_rows}; transfers in flight "
+            f"{kv.has_transfers_in_flight()}; new_token_ratio {self.ratio.value:.4f}",
+        ]
+        if self.chunked_req is not None:
+            lines.append("chunked: " + brief(self.chunked_req))
+        lines += ["running: " + brief(r) for r in self.running[:16]]
+        lines += ["waiting: " + brief(r) for r in self.waiting[:16]]
+        return "\n".join(lines)
 
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
@@ -174,9 +234,14 @@ class Scheduler:
         )
         if self.chunked_req is not None:
             req = self.chunked_req
-            item = adder.try_add(req, req.seq_len - req.num_computed_tokens)
+            item = adder.add_chunked(req, req.seq_len - req.num_computed_tokens)
             if item is not None and not self.kv.grow(req, req.num_computed_tokens + item.extend_len):
                 adder.items.remove(item)
+                item = None
+            if item is None:
+                # Blocked: the running requests hold the memory. Decode goes on (they finish
+                # or retraction takes this request); admitting others would starve it.
+                return None
         for req in self._prefill_candidates():
             if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
                 break
@@ -209,10 +274,13 @@ class Scheduler:
 
     def _build_prefill(self, items: list[PrefillItem]) -> SchedulerOutput:
         scheduled = []
-        self.chunked_req = None
         for item in items:
             scheduled.append(self._entry(item.req, item.extend_len, sample=item.is_last_chunk))
-            if not item.is_last_chunk:
+            if item.is_last_chunk:
+                if item.req is self.chunked_req:
+                    self.chunked_req = None
+            else:
+                assert self.chunked_req in (None, item.req), "two chunked requests"
                 self.chunked_req = item.req
         return self._output(True, [i.req for i in items], scheduled)
 
@@ -234,20 +302,23 @@ class Scheduler:
         return self._output(False, list(self.running), scheduled)
 
     def _retract(self) -> None:
+        """Free memory for the decode batch: the chunked request first (it has not reached
+        decode, and its computed pages stay in the tree as evictable cache), then running
+        requests, fewest generated tokens first, ties: longest prompt. The last running
+        request is never retracted; if it still cannot grow it is aborted (SGLang, 500)."""
+        retracted: list[Request] = []
+        if self.chunked_req is not None:
+            victim, self.chunked_req = self.chunked_req, None
+            self._retract_one(victim)
+            retracted.append(victim)
         # Sorted so that pop() yields the fewest generated tokens first, ties: longest prompt.
         remaining = sorted(self.running,
                            key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
-        retracted: list[Request] = []
-        while len(remaining) > 1:
+        while len(remaining) > 1 and not self.kv.ensure_free_pages(
+                self._decode_pages_needed(remaining)):
             victim = remaining.pop()
-            self.kv.release(victim, insert=False)
-            self._free_row(victim)
-            if victim.known_to_runner:
-                self.freed_for_runner.append(victim.rid)
-            victim.reset_for_retract()
+            self._retract_one(victim)
             retracted.append(victim)
-            if self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
-                break
         if not self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
             last = remaining.pop()
             self.finished_outside_step.append(self._finish(
@@ -263,6 +334,13 @@ class Scheduler:
             new = self.ratio.on_retract(remaining)
             logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
                            "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
+
+    def _retract_one(self, victim: Request) -> None:
+        self.kv.release(victim, insert=False)
+        self._free_row(victim)
+        if victim.known_to_runner:
+            self.freed_for_runner.append(victim.rid)
+        victim.reset_for_retract()
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:

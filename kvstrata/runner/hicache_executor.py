@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # measured 0.27-0.66 of memcpy with 768 B (SmolLM2, page size 1) against 0.8-1.2 with 12 KiB
 # (page size 16) for 256-page transfers (docs/benchmarks.md, "HiCache transfer").
 SMALL_PAGE_BYTES = 4096
+# Longest wait of an idle step for a copy: the loop then returns to read new requests.
+IDLE_WAIT_SECONDS = 0.05
 
 
 def page_size_advice(geom: KVGeometry) -> str | None:
@@ -56,8 +58,10 @@ class HiCacheExecutor:
     def num_host_pages(self) -> int:
         return self.host_pool.num_pages
 
-    def execute(self, ops: list[TransferOp]) -> tuple[list[int], list[int]]:
-        """Queue this step's ops; returns (finished, failed) scheduler job ids so far."""
+    def execute(self, ops: list[TransferOp], idle: bool = False) -> tuple[list[int], list[int]]:
+        """Queue this step's ops; returns (finished, failed) scheduler job ids so far.
+        idle: the step computes nothing, so wait (bounded) for a copy to finish rather than
+        return at once and have the engine loop spin on an empty step."""
         for op in ops:
             cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages)
             self._job_of[cid] = op.job_id
@@ -65,6 +69,8 @@ class HiCacheExecutor:
             start = time.perf_counter()
             done, failed = self.controller.drain()
             self.wait_seconds += time.perf_counter() - start
+        elif idle:
+            done, failed = self.controller.wait_any(IDLE_WAIT_SECONDS)
         else:
             done, failed = self.controller.poll_finished()
         return ([self._job_of.pop(c) for c in done], [self._job_of.pop(c) for c in failed])

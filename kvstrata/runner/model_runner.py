@@ -127,7 +127,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Tier moves first: loads this forward reads, write-backs of pages it may overwrite.
-        done, failed = self.hicache.execute(sched.transfers) if self.hicache else ([], [])
+        idle = not sched.scheduled
+        done, failed = (self.hicache.execute(sched.transfers, idle=idle) if self.hicache
+                        else ([], []))
         out = self._execute_forward(sched)
         out.finished_transfer_ids = done
         out.failed_transfer_ids = failed
