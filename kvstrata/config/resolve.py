@@ -75,11 +75,12 @@ def resolve(args: ServerArgs, platform: Platform | str | None = None,
 
 def log_resolutions(resolutions: list[Resolution], log: logging.Logger = logger) -> None:
     """One line per change; rewrites of explicit choices (R1/R2/storage) at WARNING with the
-    rule's exact message."""
+    rule's exact message. KVSTRATA_LOG_RESOLUTIONS=0 keeps only the warnings."""
+    verbose = envs.KVSTRATA_LOG_RESOLUTIONS.get()
     for r in resolutions:
         if r.warning:
             log.warning("%s (%s: %r -> %r, rule %s)", r.reason, r.field, r.old, r.new, r.rule)
-        else:
+        elif verbose:
             log.info("resolved %s", r.line())
 
 

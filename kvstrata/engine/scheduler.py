@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvstrata.cache.invariants import check_kv_state, expected_rows
 from kvstrata.cache.kv_manager import KVManager
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
@@ -381,6 +382,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.live_requests())
-        rows_in_use = sum(1 for r in self.live_requests() if r.row)
+        """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
+        live = self.live_requests()
+        check_kv_state(self.kv, live)
+        rows_in_use = sum(1 for r in live if r.row)
         assert rows_in_use + len(self.free_rows) == self.num_rows, "req_to_token row leak"
+        assert len(set(self.free_rows)) == len(self.free_rows), "a row is free twice"
+        assert not ({r.row for r in live} & set(self.free_rows)), "a live request's row is free"
+        for r in self.waiting:
+            assert not r.pages and r.last_node is None and not r.row, (
+                f"waiting request {r.rid} holds KV")
+        assert self.chunked_req not in self.running, "chunked request is also running"
+        ids = [r.rid for r in self.waiting + live]
+        assert len(ids) == len(set(ids)), "a request is in two queues"
+
+    def expected_req_to_token(self) -> dict[int, list[int]]:
+        return expected_rows(self.live_requests(), self.page_size)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 
 import kvstrata
+from kvstrata import envs
 from kvstrata.entrypoints import serving_openai as so
 from kvstrata.entrypoints.errors import ApiError, bad_request
 from kvstrata.entrypoints.openai_protocol import (AbortRequest, ChatCompletionRequest,
@@ -27,7 +27,7 @@ from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import EngineDeadError
 
 # Upper bound on a request body; larger bodies get a 413 before they are read into memory.
-MAX_BODY_BYTES = int(os.environ.get("KVSTRATA_MAX_REQUEST_BYTES", str(32 << 20)))
+MAX_BODY_BYTES = envs.KVSTRATA_MAX_REQUEST_BYTES.get()
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

@@ -40,6 +40,11 @@ def _run_serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
+    from kvstrata import envs
+
+    for name in envs.unknown_variables():
+        logging.getLogger("kvstrata").warning("%s is set but is not a kvstrata variable "
+                                              "(see docs/configuration.md)", name)
     resolutions = None
     try:
         from kvstrata.config import resolve

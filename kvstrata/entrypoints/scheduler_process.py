@@ -13,18 +13,16 @@ import traceback
 
 import zmq
 
+from kvstrata import envs
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
 
-# KVSTRATA_ENGINE_FACTORY="module:function" swaps the engine (tests use a fake until the
-# real engine core lands, and to inject faults); default is the real factory.
-ENGINE_FACTORY_ENV = "KVSTRATA_ENGINE_FACTORY"
-DEFAULT_ENGINE_FACTORY = "kvstrata.entrypoints.engine_factory:build_engine"
+# envs.KVSTRATA_ENGINE_FACTORY ("module:function") swaps the engine: tests inject fakes and faults.
 
 
 def load_engine_factory():
-    spec = os.environ.get(ENGINE_FACTORY_ENV, DEFAULT_ENGINE_FACTORY)
+    spec = envs.KVSTRATA_ENGINE_FACTORY.get()
     module_name, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module_name), attr or "build_engine")
 

@@ -248,3 +248,8 @@ class ModelRunner:
     @property
     def num_live_requests(self) -> int:
         return len(self._reqs)
+
+    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+        """Assert each live row's current entries are the slots the scheduler assigned
+        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV."""
+        self.req_to_token.check_rows(expected)
