@@ -290,6 +290,10 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         if not self.kv.ensure_free_pages(self._decode_pages_needed(self.running)):
+            if self.kv.has_transfers_in_flight():
+                # HiCache copies pin tree pages until they finish; wait for them (an idle
+                # step that blocks on the copy) before retracting or aborting anyone.
+                return None
             self._retract()
             if not self.running:
                 return self._output(False, [], []) if self.freed_for_runner else None
