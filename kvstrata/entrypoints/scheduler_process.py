@@ -13,6 +13,7 @@ import traceback
 
 import zmq
 
+from kvstrata.entrypoints.engine_factory import start_up_info
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ def engine_info(engine, tokenizer) -> dict:
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
         info["eos_token_id"] = eos
+    # Resolved args, resolutions and KV plan: start-up ran once, here, with the model's facts.
+    info.update(start_up_info(engine))
     return info
 
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.config.kv_plan import IO_BACKEND_LAYOUTS
 from kvstrata.kv import layouts, rowcopy
 from kvstrata.kv.host_pool import HostKVPool
 
-SUPPORTED_LAYOUTS = {
-    "kernel": (layouts.LAYER_FIRST, layouts.PAGE_FIRST, layouts.PAGE_HEAD),
-    "direct": (layouts.LAYER_FIRST, layouts.PAGE_FIRST_DIRECT),
-}
+# Which layouts each backend moves: one table, kept with the KV plan (config/kv_plan.py).
+SUPPORTED_LAYOUTS = IO_BACKEND_LAYOUTS
 # Staging buffer per direction and side when the pools are on two devices: large enough that
 # per-chunk overhead (three calls and a bus round trip) is a few percent.
 DEFAULT_STAGING_BYTES = 4 << 20
