@@ -128,6 +128,9 @@ def test_chunk_smaller_than_a_page_is_refused_naming_both_flags():
 def test_chunk_not_a_multiple_of_the_page_is_refused_like_sglang():
     with pytest.raises(ValueError, match="--chunked-prefill-size 24 must be a multiple"):
         resolved(page_size=16, chunked_prefill_size=24)
+    # ... except on a decode server, which never prefills in chunks (as in SGLang).
+    assert resolved(page_size=16, chunked_prefill_size=24,
+                    disaggregation_mode="decode").chunked_prefill_size == 24
 
 
 @pytest.mark.parametrize("chunk", [16, 32, -1])

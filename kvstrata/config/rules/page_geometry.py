@@ -20,7 +20,8 @@ def page_geometry(args: ResolvedArgs, platform: Platform, model_info: ModelInfo 
         raise ValueError(f"--max-total-tokens {args.max_total_tokens} is less than one page "
                          f"(--page-size {P}): the KV pool would hold no page")
     chunk = args.chunked_prefill_size
-    if chunk is not None and chunk > 0 and chunk % P:
+    # A decode server never prefills a prompt in chunks (SGLang skips the check there too).
+    if chunk is not None and chunk > 0 and chunk % P and args.disaggregation_mode != "decode":
         raise ValueError(f"--chunked-prefill-size {chunk} must be a multiple of --page-size "
                          f"{P} (chunks are cut to whole pages), or -1 to disable chunking")
     return []
