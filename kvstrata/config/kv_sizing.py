@@ -68,10 +68,11 @@ def _device_tokens(args: ResolvedArgs, bytes_per_token: int,
         raise ValueError("sizing needs --max-total-tokens or a measured memory budget")
     tokens = budget_bytes // bytes_per_token // P * P
     if tokens < P:
+        fits = budget_bytes // bytes_per_token
         raise ValueError(f"the KV memory budget ({budget_bytes / 2**20:.2f} MiB at "
-                         f"{bytes_per_token} bytes per token) holds {budget_bytes // bytes_per_token}"
-                         f" tokens, less than one page of --page-size {P}; raise "
-                         f"--mem-fraction-static or set --max-total-tokens")
+                         f"{bytes_per_token} bytes per token) holds {fits} tokens, less than "
+                         f"one page of --page-size {P}; raise --mem-fraction-static or set "
+                         f"--max-total-tokens")
     return tokens, change(args, "max_total_tokens", tokens, "kv_plan.memory_budget",
                           f"--max-total-tokens unset: {budget_bytes / 2**30:.2f} GiB KV budget "
                           f"/ {bytes_per_token} bytes per token, whole pages of {P}")
