@@ -141,8 +141,11 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         info = engine_info(engine, tokenizer)
     except Exception as e:
         logger.exception("scheduler failed to start")
-        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg(
-            "scheduler", False, f"{e!r}\n{traceback.format_exc()}")))
+        # A bad flag (ValueError / NotImplementedError naming it) is the user's to fix: the
+        # message alone; anything else is ours, with the traceback.
+        error = (str(e) if isinstance(e, (ValueError, NotImplementedError))
+                 else f"{e!r}\n{traceback.format_exc()}")
+        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", False, error)))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
     loop = SchedulerLoop(engine, tokenizer, recv, send)
