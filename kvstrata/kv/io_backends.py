@@ -21,8 +21,9 @@ gather/scatter later behind this interface.
 copies each run with one strided copy_ (no index tensors). Only layouts where a page of one
 layer is one contiguous block qualify: layer_first and page_first_direct.
 
-Which backend works with which layout is the resolver's table; a pair outside it reaching
-here is a programming error and raises ValueError. There is no fallback to another layout.
+Which backend works with which layout is one table (config/kv_plan.py, read by the resolver
+and the plan too); a pair outside it reaching here is a programming error and raises
+ValueError. There is no fallback to another layout.
 """
 from __future__ import annotations
 
