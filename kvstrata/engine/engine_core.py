@@ -20,6 +20,7 @@ class EngineCore:
         """`runner` needs: execute(SchedulerOutput) -> RunnerOutput, eos_token_ids,
         max_context_len, vocab_size."""
         self.runner = runner
+        self.kv_plan = config.plan  # the one KV geometry/capacity (shown by /server_info)
         self.max_context_len = runner.max_context_len
         self.vocab_size = runner.vocab_size
         self.scheduler = Scheduler(

@@ -6,7 +6,6 @@ unknown field, wrong type -- becomes one OpenAI-style 400 naming the field.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -16,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 import kvstrata
 from kvstrata import envs
 from kvstrata.entrypoints import serving_openai as so
+from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.errors import ApiError, bad_request
 from kvstrata.entrypoints.openai_protocol import (AbortRequest, ChatCompletionRequest,
                                                   CompletionRequest, GenerateRequest,
@@ -175,14 +175,7 @@ def create_app(state) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        info = {"version": getattr(kvstrata, "__version__", "0"),
-                **_jsonable(dataclasses.asdict(args) if dataclasses.is_dataclass(args)
-                            else vars(args)),
-                "engine_info": state.engine_info}
-        resolutions = getattr(state, "resolutions", None)
-        if resolutions:
-            info["resolutions"] = _jsonable(resolutions)
-        return info
+        return server_info_dict(args, state.engine_info)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

@@ -37,7 +37,6 @@ class ServerState:
     engine_info: dict
     metrics: object
     processes: list = field(default_factory=list)
-    resolutions: list | None = None
 
     @property
     def context_len(self) -> int | None:
@@ -108,7 +107,7 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def launch_server(server_args, resolutions: list | None = None) -> None:
+def launch_server(server_args) -> None:
     """Run the server until SIGINT/SIGTERM (blocking)."""
     import uvicorn
 
@@ -148,7 +147,7 @@ def launch_server(server_args, resolutions: list | None = None) -> None:
         tm = TokenizerManager(server_args, tokenizer, paths, infos["scheduler"], metrics,
                               is_scheduler_alive=scheduler_proc.is_alive)
         state = ServerState(server_args, tm, model_names, infos["scheduler"], metrics,
-                            processes, resolutions)
+                            processes)
         config = uvicorn.Config(
             create_app(state), host=server_args.host, port=server_args.port,
             log_level=str(server_args.log_level).lower(), access_log=False,

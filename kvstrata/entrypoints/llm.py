@@ -12,7 +12,7 @@ from typing import Any
 
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.request import EngineRequest
-from kvstrata.entrypoints.engine_factory import build_engine
+from kvstrata.entrypoints.engine_factory import build_engine, server_info_dict, start_up_info
 from kvstrata.protocol import FinishReason, SamplingParams
 
 
@@ -122,6 +122,11 @@ class LLM:
     # ------------------------------------------------------------------ admin
     def get_load(self) -> dict:
         return self.engine.get_load()
+
+    def server_info(self) -> dict:
+        """What `/server_info` returns for a server with these args: the resolved args, the
+        KV plan and every start-up resolution."""
+        return server_info_dict(self.server_args, start_up_info(self.engine))
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

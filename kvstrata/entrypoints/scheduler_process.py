@@ -14,6 +14,7 @@ import traceback
 import zmq
 
 from kvstrata import envs
+from kvstrata.entrypoints.engine_factory import start_up_info
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ def engine_info(engine, tokenizer) -> dict:
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
         info["eos_token_id"] = eos
+    # Resolved args, resolutions and KV plan: start-up ran once, here, with the model's facts.
+    info.update(start_up_info(engine))
     return info
 
 
@@ -136,8 +139,11 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         info = engine_info(engine, tokenizer)
     except Exception as e:
         logger.exception("scheduler failed to start")
-        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg(
-            "scheduler", False, f"{e!r}\n{traceback.format_exc()}")))
+        # A bad flag (ValueError / NotImplementedError naming it) is the user's to fix: the
+        # message alone; anything else is ours, with the traceback.
+        error = (str(e) if isinstance(e, (ValueError, NotImplementedError))
+                 else f"{e!r}\n{traceback.format_exc()}")
+        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", False, error)))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
     loop = SchedulerLoop(engine, tokenizer, recv, send)
