@@ -54,7 +54,7 @@ CASES = [
     ("stop_empty_string", COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("generate_text_and_ids", GEN, {"text": "x", "input_ids": [1]}, 400, "text"),
     ("generate_unknown_sampling_param", GEN,
-     {"text": "x", "sampling_params": {"regex": "a+"}}, 400, "sampling_params"),
+     {"text": "x", "sampling_params": {"regex": "a+"}}, 400, "sampling_params.regex"),
     ("generate_bad_sampling_value", GEN,
      {"text": "x", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
     ("generate_too_long", GEN, {"input_ids": [1] * 600}, 400, "input_ids"),

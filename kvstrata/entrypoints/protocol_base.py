@@ -1,0 +1,49 @@
+"""The base of every HTTP request model, and the "known but not implemented" rule.
+
+Requests are parsed with extra="forbid" in strict JSON mode: an unknown field or a wrong type
+is a 400 that names the field, never a silent accept-and-ignore. Clients and sglang-router
+serialise SGLang's and OpenAI's full request schemas, filling every field with its default;
+so every field of those schemas is declared here. A field kvstrata does not implement is
+accepted only at its "off" value (null or SGLang's default), and any other value is refused
+by name with "not implemented yet: <field>" -- the same rule as for server flags.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Integers that cross the process boundary (msgpack holds [-2**63, 2**64)).
+UInt64 = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RequestModel(StrictModel):
+    # Declared fields accepted only at their off value: null, the declared default, or one
+    # of ALSO_OFF[name].
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
+    ALSO_OFF: ClassVar[dict[str, tuple]] = {}
+
+    @classmethod
+    def first_unimplemented(cls, body: dict[str, Any]) -> str | None:
+        """The first field (in the client's order) set to something we do not implement."""
+        for name, value in body.items():
+            if name in cls.NOT_IMPLEMENTED and not is_off(
+                    value, cls.model_fields[name].default, cls.ALSO_OFF.get(name, ())):
+                return name
+        return None
+
+
+def is_off(value: Any, default: Any, also_off: tuple = ()) -> bool:
+    if value is None:
+        return True
+    # bool is an int in Python: 0 must not pass for False, nor 1 for True.
+    same_kind = isinstance(value, bool) == isinstance(default, bool)
+    if same_kind and value == default:
+        return True
+    return any(isinstance(value, bool) == isinstance(off, bool) and value == off
+               for off in also_off)
