@@ -13,9 +13,6 @@ from kvstrata.entrypoints.openai_protocol import (MEDIA_PARTS, ChatCompletionReq
 
 def _check_message(i: int, m) -> None:
     param = f"messages.{i}.content"
-    if m.content is None or m.content == []:
-        raise bad_request(f"{param} must not be empty: give a string or a list of text parts",
-                          param)
     for name in ("tool_calls", "tools"):
         if getattr(m, name) is not None:
             raise bad_request(f"not implemented yet: messages.{i}.{name}",
@@ -58,8 +55,6 @@ def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
 
 
 def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
-    if not body.messages:
-        raise bad_request("messages must not be empty", "messages")
     messages = _template_messages(body)
     if body.input_ids is not None:  # SGLang: a pre-tokenised prompt bypasses the template
         if not body.input_ids:

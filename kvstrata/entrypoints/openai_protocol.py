@@ -160,7 +160,9 @@ MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function",
                   "latest_reminder"]
-    content: str | list[ContentPart] | None = None
+    # Required, and a list has at least one part (SGLang lets an assistant message that
+    # carries tool_calls go without; tool calling is not implemented).
+    content: str | Annotated[list[ContentPart], Field(min_length=1)]
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
@@ -173,15 +175,13 @@ class ChatMessage(StrictModel):
         return value.lower() if isinstance(value, str) else value  # SGLang: case-insensitive
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

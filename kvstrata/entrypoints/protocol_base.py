@@ -22,7 +22,21 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _declare_off_values(schema: dict[str, Any], cls: type[RequestModel]) -> None:
+    """In the JSON schema, a field we do not implement admits only its off values: clients
+    and fuzzers see what is really accepted (the type SGLang gives it is in the message)."""
+    props = schema.get("properties", {})
+    for name in cls.NOT_IMPLEMENTED:
+        default = cls.model_fields[name].default
+        offs = [default, *cls.ALSO_OFF.get(name, ())]
+        if name in props:
+            props[name] = {"enum": offs, "default": default, "title": props[name].get("title"),
+                           "description": "not implemented yet: accepted only when off"}
+
+
 class RequestModel(StrictModel):
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra=_declare_off_values)
     # Declared fields accepted only at their off value: null, the declared default, or one
     # of ALSO_OFF[name].
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()

@@ -28,8 +28,9 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 def _most_specific(errors: list[dict]) -> dict:
     """A union reports one error per member; the deepest one is about what the client
-    meant (a list of parts with a bad part, not "Input should be a valid string")."""
-    return max(errors, key=lambda err: len(err["loc"]))
+    meant (a list of parts with a bad part, not "Input should be a valid string"), and
+    at equal depth, a broken constraint (an empty list) rather than a type mismatch."""
+    return max(errors, key=lambda err: (len(err["loc"]), not err["type"].endswith("_type")))
 
 
 async def parse_body(request: Request, model: type[BaseModel]):

@@ -64,7 +64,8 @@ class SchedulerLoop:
             from kvstrata.engine.request import EngineRequest
 
             sp = msg.sampling_params
-            # The detokenizer holds back and cuts stop strings; with no_stop_trim it keeps them.
+            # The detokenizer holds back and cuts the stop strings it is given: none, with
+            # no_stop_trim, so that the output keeps them.
             stop = [] if sp.no_stop_trim else list(sp.stop)
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
                 rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens)))
