@@ -224,9 +224,11 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    json_schema: str | None = None
     custom_labels: dict[str, str] | None = None
 
-    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "custom_labels"}
+    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "json_schema",
+                                                         "custom_labels"}
     ALSO_OFF = {"best_of": (1,)}  # best_of=1 is the default behaviour
 
 
