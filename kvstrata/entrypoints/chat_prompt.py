@@ -13,10 +13,9 @@ from kvstrata.entrypoints.openai_protocol import (MEDIA_PARTS, ChatCompletionReq
 
 def _check_message(i: int, m) -> None:
     param = f"messages.{i}.content"
-    for name in ("tool_calls", "tools"):
-        if getattr(m, name) is not None:
-            raise bad_request(f"not implemented yet: messages.{i}.{name}",
-                              f"messages.{i}.{name}")
+    name = m.first_unimplemented({n: getattr(m, n) for n in sorted(m.NOT_IMPLEMENTED)})
+    if name is not None:
+        raise bad_request(f"not implemented yet: messages.{i}.{name}", f"messages.{i}.{name}")
     if isinstance(m.content, str):
         return
     for j, part in enumerate(m.content):
@@ -57,10 +56,6 @@ def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
 def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
     messages = _template_messages(body)
     if body.input_ids is not None:  # SGLang: a pre-tokenised prompt bypasses the template
-        if not body.input_ids:
-            raise bad_request("input_ids must not be empty", "input_ids")
-        if min(body.input_ids) < 0 or max(body.input_ids) >= len(tm.tokenizer):
-            raise bad_request("input_ids: token ids must be in [0, vocab size)", "input_ids")
         return list(body.input_ids)
     # SGLang's continue_final_message: the last assistant message is not closed; the model
     # continues its text (the prefix is appended after the generation prompt).

@@ -6,18 +6,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import ConfigDict
+
 from kvstrata.entrypoints.errors import bad_request
-from kvstrata.entrypoints.protocol_base import Port, RequestModel, StrictModel, UInt64, is_off
+from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
+                                                TokenIds, UInt64, declare_off_values,
+                                                is_off)
 
 HiddenStates = bool | Literal["last"]
+
+
+def _generate_schema(schema: dict[str, Any], cls) -> None:
+    declare_off_values(schema, cls)
+    schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
 
 
 class GenerateRequest(RequestModel):
     """SGLang's native /generate: one prompt, or a batch (a list of texts / of id lists, with
     one sampling_params dict for all or a list of them, and optionally a list of rids)."""
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_generate_schema)
     model: str | None = None  # sglang-router sends it (null unless the client set it)
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: Text | list[Text] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool | None = None

@@ -10,7 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from kvstrata.entrypoints.protocol_base import Port, RequestModel, StrictModel, UInt64
+from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
+                                                TokenId, TokenIds, UInt64)
 
 
 class StreamOptions(StrictModel):
@@ -38,7 +39,7 @@ class _SamplingFields(RequestModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
     rid: str | list[str] | None = None  # a list (one per choice) is not implemented
@@ -157,7 +158,7 @@ ContentPart = Annotated[Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
-class ChatMessage(StrictModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function",
                   "latest_reminder"]
     # Required, and a list has at least one part (SGLang lets an assistant message that
@@ -166,8 +167,10 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # not implemented (tool calling)
-    tools: list[dict[str, Any]] | None = None  # not implemented (tool calling)
+    tool_calls: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    NOT_IMPLEMENTED = frozenset({"tool_calls", "tools"})  # tool calling
 
     @field_validator("role", mode="before")
     @classmethod
@@ -188,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
     # Implemented SGLang chat extras.
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    input_ids: list[int] | None = None  # pre-tokenised prompt: bypasses the chat template
+    input_ids: TokenIds | None = None  # pre-tokenised prompt: bypasses the chat template
     # Only act with a reasoning parser, which kvstrata does not have: no-ops, as in SGLang.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -219,7 +222,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1)]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

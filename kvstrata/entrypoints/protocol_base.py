@@ -16,13 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field
 # Integers that cross the process boundary (msgpack holds [-2**63, 2**64)).
 UInt64 = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
 Port = Annotated[int, Field(ge=0, le=65535)]
+# Prompts: what the schema can say about them (the vocabulary bound is checked later).
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _declare_off_values(schema: dict[str, Any], cls: type[RequestModel]) -> None:
+def declare_off_values(schema: dict[str, Any], cls: type[RequestModel]) -> None:
     """In the JSON schema, a field we do not implement admits only its off values: clients
     and fuzzers see what is really accepted (the type SGLang gives it is in the message)."""
     props = schema.get("properties", {})
@@ -35,8 +39,10 @@ def _declare_off_values(schema: dict[str, Any], cls: type[RequestModel]) -> None
 
 
 class RequestModel(StrictModel):
+    """A model with fields accepted only when off (the top-level request bodies, and the
+    chat messages, which carry SGLang's tool-calling fields)."""
     model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra=_declare_off_values)
+                              json_schema_extra=declare_off_values)
     # Declared fields accepted only at their off value: null, the declared default, or one
     # of ALSO_OFF[name].
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()

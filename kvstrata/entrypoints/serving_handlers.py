@@ -315,8 +315,13 @@ async def generate_response(state, request: Request, body):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
     batch = _batch_items(body)
     if batch is not None:
-        return list(await asyncio.gather(*(generate_response(state, request, one)
-                                           for one in batch)))
+        tasks = [asyncio.create_task(generate_response(state, request, one))
+                 for one in batch]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one prompt failed (or the client left): abort the others too
+            for task in tasks:
+                task.cancel()
     ids = tm.encode_prompt(body.text) if body.text is not None else list(body.input_ids)
     prompt_param = "text" if body.text is not None else "input_ids"
     so.check_token_ids(tm, ids, prompt_param)
@@ -350,7 +355,6 @@ async def generate_response(state, request: Request, body):
 
     stream = _sse_stream(gen, first, render)
     return StreamingResponse(stream, media_type="text/event-stream")
-
 
 
 def _native_sampling_params(body) -> SamplingParams:

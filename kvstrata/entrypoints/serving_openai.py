@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvstrata.entrypoints.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.chat_prompt import chat_prompt_ids
+from kvstrata.entrypoints.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
@@ -83,6 +83,8 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     prompt_ids = chat_prompt_ids(tm, body)
+    if body.input_ids is not None:
+        check_token_ids(tm, prompt_ids, "input_ids")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens

@@ -34,6 +34,15 @@ def fuzz_server(tiny_model_path):
     srv.stop()
 
 
+def _served_model_only(openapi: dict) -> dict:
+    """Valid requests name the served model (or none): otherwise nearly every generated
+    "valid" request would stop at the 404, and the engine behind it would go untested."""
+    for model in openapi["components"]["schemas"].values():
+        if "model" in model.get("properties", {}):
+            model["properties"]["model"] = {"enum": [None, "tiny"]}
+    return openapi
+
+
 def _modes(operation) -> tuple:
     # Only a route with a request body has invalid inputs to generate.
     if "requestBody" in operation.definition.raw:
@@ -43,7 +52,8 @@ def _modes(operation) -> tuple:
 
 def test_no_server_errors_on_generated_requests(fuzz_server):
     base = fuzz_server.base_url
-    schema = schemathesis.openapi.from_dict(httpx.get(base + "/openapi.json").json())
+    schema = schemathesis.openapi.from_dict(_served_model_only(
+        httpx.get(base + "/openapi.json").json()))
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions",
                                               "/generate", "/abort_request"}
