@@ -181,3 +181,19 @@ def test_duplicate_running_rid_is_a_400(server):
     assert chunks[-1] == "data: [DONE]"
     assert '"length"' in chunks[-2]
     wait_idle(server)
+
+
+def test_failed_batch_prompt_cancels_the_others(server):
+    """One bad prompt in a /generate batch is a 400, and the batch's other prompts, already
+    started, do not run on with nobody reading them (they are cancelled with the batch; the
+    disconnect poll of the finished response would also catch them, 0.25 s later)."""
+    from tests.e2e.test_sglang_router import finished_requests
+
+    before = finished_requests(server.base_url)
+    r = httpx.post(server.base_url + GEN, json={
+        "input_ids": [[1] * 5, [1] * 600],
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids", r.text
+    st = wait_idle(server, timeout=30)
+    assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert finished_requests(server.base_url) == before  # nothing ran to its end
