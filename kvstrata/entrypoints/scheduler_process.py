@@ -65,8 +65,11 @@ class SchedulerLoop:
             from kvstrata.engine.request import EngineRequest
 
             sp = msg.sampling_params
+            # The detokenizer holds back and cuts the stop strings it is given: none, with
+            # no_stop_trim, so that the output keeps them.
+            stop = [] if sp.no_stop_trim else list(sp.stop)
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
-                rid=msg.rid, stop=list(sp.stop), skip_special_tokens=sp.skip_special_tokens)))
+                rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens)))
             engine.add_request(EngineRequest(
                 rid=msg.rid, prompt_ids=msg.prompt_ids, sampling_params=sp,
                 return_prompt_logprobs=msg.return_prompt_logprobs))

@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
     """The scheduler process is gone: every request fails with 500."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id equal to one still running: the client's mistake (a 400)."""
+
+
 @dataclass
 class _ReqState:
     queue: asyncio.Queue
@@ -106,23 +110,27 @@ class TokenizerManager:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         # Render to text, then encode without special tokens: the template already writes
         # any BOS/role markers it wants, and encode() must not add a second BOS.
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True,
+                                                  **template_kwargs)
         return self.encode_prompt(text)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    async def generate(self, req: ipc.GenerateReq) -> AsyncIterator[ipc.TextOutput]:
+    async def generate(self, req: ipc.GenerateReq,
+                       log_metrics: bool = True) -> AsyncIterator[ipc.TextOutput]:
         """Yield the TextOutputs of one request until it finishes. If the consumer stops
-        early (client disconnect, cancellation) the request is aborted in the engine."""
+        early (client disconnect, cancellation) the request is aborted in the engine.
+        log_metrics=False (SGLang's flag) keeps the request out of /metrics."""
         if self.engine_dead:
             raise EngineDeadError("the scheduler process is not running")
         if req.rid in self.states:
-            raise ValueError(f"duplicate request id {req.rid!r}")
+            raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
+                                        "this id is still running")
         state = self.states[req.rid] = _ReqState(asyncio.Queue())
         try:
             await self.send_sock.send(ipc.encode(req))
@@ -132,7 +140,8 @@ class TokenizerManager:
                     state.first_token_at = time.perf_counter()
                 if out.finished:
                     state.finished = True
-                    self._record(state, out)
+                    if log_metrics:
+                        self._record(state, out)
                 yield out
                 if out.finished:
                     return
