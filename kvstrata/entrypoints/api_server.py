@@ -6,12 +6,7 @@ naming the field) and declared in /openapi.json with body_spec.
 from __future__ import annotations
 
 import asyncio
-<<<<<<< HEAD
-=======
-import dataclasses
 import logging
-import os
->>>>>>> http-schema
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -34,43 +29,7 @@ from kvstrata.frontend.tokenizer_manager import EngineDeadError
 logger = logging.getLogger(__name__)
 
 # Upper bound on a request body; larger bodies get a 413 before they are read into memory.
-<<<<<<< HEAD
 MAX_BODY_BYTES = envs.KVSTRATA_MAX_REQUEST_BYTES.get()
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _param_from_loc(loc: tuple) -> str | None:
-    """pydantic locs include union member names ("str", "list[int]"): drop those."""
-    parts = [str(p) for p in loc
-             if isinstance(p, int) or (p.isidentifier() and p.lower() not in _TYPE_NAMES
-                                       and not p[:1].isupper())]
-    return ".".join(parts) or None
-
-
-async def parse_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
-    try:
-        obj = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    name = unimplemented_field(obj)
-    if name is not None:
-        raise bad_request(f"not implemented yet: {name}", name)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = _param_from_loc(err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise bad_request(f"unknown field: {param}", param) from None
-        raise bad_request(f"{param}: {err['msg']}", param) from None
-
-
-=======
-MAX_BODY_BYTES = int(os.environ.get("KVSTRATA_MAX_REQUEST_BYTES", str(32 << 20)))
->>>>>>> http-schema
 _OPEN_PATHS = ("/health", "/metrics")
 
 
