@@ -70,8 +70,9 @@ class KVManager:
 
     # ------------------------------------------------------------------ prefix
     def peek_prefix_len(self, token_ids: list[int]) -> int:
-        """Matched length without pinning (for lpm ordering)."""
-        return len(self.tree.match_prefix(self._matchable(token_ids)).device_pages) * self.page_size
+        """Device-resident matched length, with no side effect on the tree (no split, no
+        access stamp or hit count, no stats): for lpm ordering and admission dry runs."""
+        return self.tree.peek_device_pages(self._matchable(token_ids)) * self.page_size
 
     def match_and_lock(self, req: Any, use_cache: bool = True) -> int:
         """Attach the longest cached prefix to a request that holds no KV; returns its length.
@@ -119,6 +120,12 @@ class KVManager:
             return []
         ops, self.tree.pending_ops = self.tree.pending_ops, []
         return ops
+
+    def copies_pin_pages(self) -> bool:
+        """Async host writes in flight lock their tree nodes until they finish: waiting for
+        them frees memory. (Sync ops -- loads, write-back on eviction -- finish within the
+        step that carries them and pin nothing afterwards.)"""
+        return self.hicache and bool(self.tree._jobs)
 
     def has_transfers_in_flight(self) -> bool:
         return self.hicache and bool(self.tree.pending_ops or self.tree._jobs)

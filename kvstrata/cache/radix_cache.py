@@ -165,6 +165,24 @@ class RadixCache:
         self.total_matched_tokens += pos
         return MatchResult(pages, node)
 
+    def peek_device_pages(self, token_ids: list[int]) -> int:
+        """Whole pages of `token_ids` cached on the device, read-only (see match_prefix)."""
+        if self.disable:
+            return 0
+        usable = len(token_ids) - len(token_ids) % self.page_size
+        node, pos, pages = self.root, 0, 0
+        while pos < usable:
+            child = node.children.get(self._page_key(token_ids, pos))
+            if child is None or not child.device_pages:
+                break
+            matched = self._matching_pages(child.key, token_ids, pos, usable)
+            pages += matched
+            if matched < len(child.key) // self.page_size:
+                break
+            pos += matched * self.page_size
+            node = child
+        return pages
+
     def insert(self, token_ids: list[int], pages: list[int]) -> int:
         """Cache `pages` as the KV of `token_ids`; return how many leading pages the tree had.
 

@@ -79,14 +79,14 @@ class PrefillAdder:
             extend = extend // self.page_size * self.page_size  # later chunks start page-aligned
         return self._append(req, extend, remaining_len, self._reserve(req))
 
-    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
-        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""
+    def _plan(self, req, remaining_len: int, rem_total: int) -> tuple[int, int] | None:
+        """(extend, reserve) for a waiting request against `rem_total`, or None."""
         if self.budget_exhausted():
             return None
         reserve = self._reserve(req)
         if self.running_empty and not self.items:
-            reserve = min(reserve, max(self.rem_total - remaining_len, 0))
-        if self._page_cost(remaining_len + reserve) > self.rem_total:
+            reserve = min(reserve, max(rem_total - remaining_len, 0))
+        if self._page_cost(remaining_len + reserve) > rem_total:
             return None
         extend = remaining_len
         if self.rem_chunk is not None and extend > self.rem_chunk:
@@ -96,4 +96,15 @@ class PrefillAdder:
                 return None
         if extend > self.rem_input and self.items:
             return None
-        return self._append(req, extend, remaining_len, reserve)
+        return extend, reserve
+
+    def fits(self, req, remaining_len: int, pinned_tokens: int = 0) -> bool:
+        """Dry run of try_add, with `pinned_tokens` more taken out of the budget."""
+        return self._plan(req, remaining_len, self.rem_total - pinned_tokens) is not None
+
+    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
+        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""
+        plan = self._plan(req, remaining_len, self.rem_total)
+        if plan is None:
+            return None
+        return self._append(req, plan[0], remaining_len, plan[1])

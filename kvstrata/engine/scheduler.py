@@ -290,10 +290,19 @@ class Scheduler:
         return self._build_prefill(adder.items)
 
     def _admit(self, req: Request, adder: PrefillAdder) -> bool:
-        protected_before = self.kv.tree.protected_pages()
         # Prompt logprobs (echo) need the logits of every prompt position: no prefix reuse.
         wants_prompt_logprobs = req.return_prompt_logprobs and req.retraction_count == 0
-        prefix = self.kv.match_and_lock(req, use_cache=not wants_prompt_logprobs)
+        use_cache = not wants_prompt_logprobs
+        # Dry run before matching: a HiCache match loads host pages back at once, and a
+        # load for a request that is then refused is a copy per step for nothing (it also
+        # kept decode waiting on copies forever). The device prefix, once locked, leaves the
+        # evictable budget: count all of it (conservative only when another request already
+        # pins part of it, i.e. when something runs).
+        device_prefix = self.kv.peek_prefix_len(req.all_ids) if use_cache else 0
+        if not adder.fits(req, req.seq_len - device_prefix, device_prefix):
+            return False
+        protected_before = self.kv.tree.protected_pages()
+        prefix = self.kv.match_and_lock(req, use_cache=use_cache)
         # Pinning the matched prefix takes it out of the evictable budget.
         adder.rem_total -= (self.kv.tree.protected_pages() - protected_before) * self.page_size
         item = adder.try_add(req, req.seq_len - prefix)
@@ -327,8 +336,8 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         if not self.kv.ensure_free_pages(self._decode_pages_needed(self.running)):
-            if self.kv.has_transfers_in_flight():
-                # HiCache copies pin tree pages until they finish; wait for them (an idle
+            if self.kv.copies_pin_pages():
+                # HiCache writes pin tree pages until they finish; wait for them (an idle
                 # step that blocks on the copy) before retracting or aborting anyone.
                 return None
             self._retract()

@@ -396,3 +396,26 @@ def test_random_operations_agree_with_a_prefix_map(page_size):
             assert expected_pages(held_tokens)[:len(m.device_pages)] == m.device_pages
         assert cache.cached_pages() == len(model) == alloc.num_used()
 
+
+
+
+def test_peek_device_pages_agrees_with_match_and_has_no_side_effects():
+    from kvstrata.cache.page_allocator import PageAllocator
+    from kvstrata.cache.radix_cache import RadixCache
+
+    alloc = PageAllocator(32, 2)
+    tree = RadixCache(alloc, 2)
+    tree.insert([1, 2, 3, 4, 5, 6], alloc.alloc(3))
+
+    def state():
+        return ([(n.id, n.last_access_time, n.hit_count, len(n.key)) for n in tree._nodes()],
+                tree.total_queried_tokens, tree.total_matched_tokens)
+
+    queries = {(1, 2, 3, 4, 5, 6, 7): 3, (1, 2, 3, 4, 8): 2, (1, 2, 3): 1, (1, 3): 0, (): 0}
+    before = state()
+    for ids, want in queries.items():
+        assert tree.peek_device_pages(list(ids)) == want, ids
+    assert state() == before  # no split, no stamp, no hit count, no stats
+    for ids, want in queries.items():  # the same answers as a real match
+        assert len(tree.match_prefix(list(ids)).device_pages) == want, ids
+    assert RadixCache(alloc, 2, disable=True).peek_device_pages([1, 2]) == 0
