@@ -78,6 +78,10 @@ KVSTRATA_HICACHE_FILE_STORAGE_DIR = _declare(
 KVSTRATA_CHECK_INTEGRITY = _declare(
     "KVSTRATA_CHECK_INTEGRITY", bool, False,
     "Run every pool's check_integrity() after each scheduler step (slow; for debugging).")
+KVSTRATA_DEBUG_SLOW_STEP = _declare(
+    "KVSTRATA_DEBUG_SLOW_STEP", str, "",
+    "Fault injection for tests of --watchdog-timeout: `N:SECONDS` makes the scheduler "
+    "process sleep SECONDS inside its N-th engine step (1-based), as a stuck forward would.")
 KVSTRATA_LOG_RESOLUTIONS = _declare(
     "KVSTRATA_LOG_RESOLUTIONS", bool, True,
     "Log each start-up Resolution (field, old -> new, rule, reason) once at start.")

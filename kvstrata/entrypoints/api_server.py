@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 
 import msgspec
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 import kvstrata
 from kvstrata.entrypoints import serving_openai as so
-from kvstrata.entrypoints.errors import ApiError, bad_request
+from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, bad_request
 from kvstrata.entrypoints.openai_protocol import (AbortRequest, ChatCompletionRequest,
                                                   CompletionRequest, GenerateRequest,
                                                   error_body, model_list,
@@ -25,6 +26,8 @@ from kvstrata.entrypoints.serving_handlers import (chat_response, completion_res
                                                    generate_response)
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import EngineDeadError
+
+logger = logging.getLogger(__name__)
 
 # Upper bound on a request body; larger bodies get a 413 before they are read into memory.
 MAX_BODY_BYTES = int(os.environ.get("KVSTRATA_MAX_REQUEST_BYTES", str(32 << 20)))
@@ -111,7 +114,14 @@ def create_app(state) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
-        return ApiError(500, str(exc)).response()
+        # The engine is gone and this server is exiting: a router should retry elsewhere.
+        return ApiError(503, str(exc), type_="service_unavailable").response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request, exc):
+        logger.info("client disconnected before the response: %s %s", request.method,
+                    request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):
@@ -196,7 +206,11 @@ def create_app(state) -> FastAPI:
 
     @app.get("/get_load")
     async def get_load():
-        load = await tm.control("get_load")
+        # The scheduler's load as of its latest step (it publishes one at least every 100 ms
+        # while busy and one when it goes idle): answered at once, however long a step is.
+        if not state.healthy():
+            raise EngineDeadError(f"the server is shutting down: {tm.dead_reason}")
+        load = dict(tm.load)
         load.setdefault("num_reqs", load.get("num_running_reqs", 0)
                         + load.get("num_waiting_reqs", 0))
         return load
@@ -212,12 +226,15 @@ def create_app(state) -> FastAPI:
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
         if body.abort_all:
-            return {"aborted": tm.abort_all()}
+            count = tm.abort_all()
+            state.metrics.on_abort("abort_request", count)
+            return {"aborted": count}
         if not body.rid:
             raise bad_request("rid is required unless abort_all is true", "rid")
         rids = [r for r in list(tm.states) if r == body.rid or r.startswith(body.rid + "-")]
         for rid in rids or [body.rid]:
             tm.abort(rid)
+        state.metrics.on_abort("abort_request", len(rids))
         return {"aborted": len(rids)}
 
     @app.get("/debug/kv")
@@ -230,11 +247,7 @@ def create_app(state) -> FastAPI:
         if not getattr(args, "enable_metrics", True):
             return JSONResponse(error_body("metrics are disabled (--no-enable-metrics)",
                                            type_="not_found_error", code=404), status_code=404)
-        if state.healthy():
-            try:
-                state.metrics.set_load(await tm.control("get_load", timeout=2.0))
-            except Exception:
-                pass  # counters are still worth serving
+        state.metrics.set_load(tm.load)  # the scheduler's latest report: no round trip
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return _Guard(app, MAX_BODY_BYTES, getattr(args, "api_key", None))

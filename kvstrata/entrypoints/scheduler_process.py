@@ -9,10 +9,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 import traceback
 
 import zmq
 
+from kvstrata.entrypoints.scheduler_watchdog import (StepWatchdog, engine_state_dump,
+                                                      slow_step_from_env)
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
@@ -21,6 +24,8 @@ logger = logging.getLogger(__name__)
 # real engine core lands, and to inject faults); default is the real factory.
 ENGINE_FACTORY_ENV = "KVSTRATA_ENGINE_FACTORY"
 DEFAULT_ENGINE_FACTORY = "kvstrata.entrypoints.engine_factory:build_engine"
+# How often a busy scheduler publishes its load to the API process (see report_load).
+LOAD_REPORT_INTERVAL_S = 0.1
 
 
 def load_engine_factory():
@@ -48,11 +53,15 @@ def engine_info(engine, tokenizer) -> dict:
 
 
 class SchedulerLoop:
-    def __init__(self, engine, tokenizer, recv_sock, send_sock):
+    def __init__(self, engine, tokenizer, recv_sock, send_sock,
+                 watchdog: StepWatchdog | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.recv_sock = recv_sock
         self.send_sock = send_sock
+        self.watchdog = watchdog
+        self.slow_step = slow_step_from_env()
+        self.last_load_report = 0.0
         # A request added or aborted since the last step must see one more step, even if the
         # engine reports no unfinished work: that step carries its error / abort output.
         self.step_pending = False
@@ -117,9 +126,30 @@ class SchedulerLoop:
                 break
             if self.step_pending or self.engine.has_unfinished_requests():
                 self.step_pending = False
-                outputs = self.engine.step()
+                outputs = self.timed_step()
                 if outputs:
                     self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
+                self.report_load()
+
+    def timed_step(self) -> list:
+        if self.watchdog is None:
+            return self.engine.step()
+        with self.watchdog.step() as n:
+            if self.slow_step is not None and self.slow_step[0] == n:
+                logger.warning("KVSTRATA_DEBUG_SLOW_STEP: step %d sleeps %g s", n,
+                               self.slow_step[1])
+                time.sleep(self.slow_step[1])
+            return self.engine.step()
+
+    def report_load(self) -> None:
+        """Publish get_load() after a step (at most every LOAD_REPORT_INTERVAL_S, and always
+        when the engine goes idle) so the API process answers /get_load and /metrics from
+        its copy instead of waiting behind a long step."""
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        if idle or now - self.last_load_report >= LOAD_REPORT_INTERVAL_S:
+            self.last_load_report = now
+            self.send_sock.send(ipc.encode(ipc.LoadReport(dict(self.engine.get_load()))))
 
 
 def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
@@ -136,16 +166,20 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         send = ctx.socket(zmq.PUSH)
         send.connect(paths.detokenizer_in)
         info = engine_info(engine, tokenizer)
+        watchdog = StepWatchdog(getattr(server_args, "watchdog_timeout", 300.0),
+                                lambda: engine_state_dump(engine))
+        loop = SchedulerLoop(engine, tokenizer, recv, send, watchdog)
     except Exception as e:
         logger.exception("scheduler failed to start")
         ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg(
             "scheduler", False, f"{e!r}\n{traceback.format_exc()}")))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
-    loop = SchedulerLoop(engine, tokenizer, recv, send)
+    watchdog.start()
     try:
         loop.run()
     finally:
+        watchdog.stop()
         engine.shutdown()
         # Tell the detokenizer to exit after it has forwarded everything we sent.
         send.send(ipc.encode(ipc.ShutdownReq()))
