@@ -47,6 +47,19 @@ def test_metrics(server, client):
         assert name in text, name
 
 
+def aborted(server, reason: str) -> float:
+    """The value of kvstrata:num_aborted_requests_total for one reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstrata:num_aborted_requests_total" \
+                    and sample.labels.get("reason") == reason:
+                return sample.value
+    raise AssertionError(f"no kvstrata:num_aborted_requests_total{{reason={reason}}}")
+
+
 def _stream_then_drop(server, path: str, body: dict, chunks: int = 3) -> None:
     with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -59,6 +72,7 @@ def _stream_then_drop(server, path: str, body: dict, chunks: int = 3) -> None:
 
 
 def test_disconnect_mid_stream_frees_kv(server):
+    before = aborted(server, "client_disconnect")
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     _stream_then_drop(server, "/v1/completions", body)
@@ -68,9 +82,13 @@ def test_disconnect_mid_stream_frees_kv(server):
     st = wait_idle(server)
     assert st["ok"], st
     assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert aborted(server, "client_disconnect") == before + 3  # one + a chat with n=2
 
 
-def test_disconnect_non_streaming_frees_kv(server):
+def test_disconnect_non_streaming_frees_kv_and_logs_one_line(server):
+    before = aborted(server, "client_disconnect")
+    with open(server.log_path) as f:
+        log_start = len(f.read())
     body = {"model": "tiny", "prompt": "Another long story:", "max_tokens": 400,
             "ignore_eos": True}
     try:
@@ -79,6 +97,11 @@ def test_disconnect_non_streaming_frees_kv(server):
         pass
     st = wait_idle(server)
     assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert aborted(server, "client_disconnect") == before + 1
+    with open(server.log_path) as f:
+        new_log = f.read()[log_start:]
+    assert "client disconnected before the response: POST /v1/completions" in new_log
+    assert "Traceback" not in new_log and "CancelledError" not in new_log, new_log[-3000:]
 
 
 def test_abort_request_route(server):
@@ -96,8 +119,10 @@ def test_abort_request_route(server):
                 continue
             events.append(json.loads(line[len("data: "):]))
             if len(events) == 1:
+                before = aborted(server, "abort_request")
                 r = httpx.post(server.base_url + "/abort_request", json={"rid": "to-abort"})
                 assert r.status_code == 200
+                assert aborted(server, "abort_request") == before + 1
     last = events[-1]
     finish = (last.get("meta_info") or {}).get("finish_reason") or {}
     assert last.get("error") or finish.get("type") == "abort", last
