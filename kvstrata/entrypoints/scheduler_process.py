@@ -83,7 +83,11 @@ class SchedulerLoop:
             engine.abort_request(msg.rid)
             self.step_pending = True
         elif isinstance(msg, ipc.ControlReq):
-            self.send_sock.send(ipc.encode(self.control(msg)))
+            reply = self.control(msg)
+            # Before the reply, so that the API process has it when the call returns
+            # (/get_load right after /flush_cache shows the flushed cache).
+            self.report_load(force=True)
+            self.send_sock.send(ipc.encode(reply))
         elif isinstance(msg, ipc.ShutdownReq):
             self.running = False
 
@@ -127,9 +131,11 @@ class SchedulerLoop:
             if self.step_pending or self.engine.has_unfinished_requests():
                 self.step_pending = False
                 outputs = self.timed_step()
+                # The load first: a client that got its last token and then asks /get_load
+                # sees the load after that step.
+                self.report_load()
                 if outputs:
                     self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
-                self.report_load()
 
     def timed_step(self) -> list:
         if self.watchdog is None:
@@ -141,13 +147,13 @@ class SchedulerLoop:
                 time.sleep(self.slow_step[1])
             return self.engine.step()
 
-    def report_load(self) -> None:
+    def report_load(self, force: bool = False) -> None:
         """Publish get_load() after a step (at most every LOAD_REPORT_INTERVAL_S, and always
         when the engine goes idle) so the API process answers /get_load and /metrics from
         its copy instead of waiting behind a long step."""
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
-        if idle or now - self.last_load_report >= LOAD_REPORT_INTERVAL_S:
+        if force or idle or now - self.last_load_report >= LOAD_REPORT_INTERVAL_S:
             self.last_load_report = now
             self.send_sock.send(ipc.encode(ipc.LoadReport(dict(self.engine.get_load()))))
 

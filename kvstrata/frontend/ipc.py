@@ -95,9 +95,10 @@ class ControlReply(_Msg):
 
 
 class LoadReport(_Msg):
-    """The engine's get_load() after a step, sent by a busy scheduler at most every 100 ms
-    and when it goes idle, forwarded unchanged by the detokenizer: the api server answers
-    /get_load and /metrics from its latest copy without waiting behind a long step."""
+    """The engine's get_load(), sent by the scheduler after a step (at most every 100 ms
+    while busy, and when it goes idle) ahead of that step's outputs, and ahead of every
+    ControlReply; forwarded unchanged by the detokenizer. The api server answers /get_load
+    and /metrics from its latest copy without waiting behind a long step."""
     load: dict[str, Any]
 
 

@@ -45,14 +45,14 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, server_args, tokenizer, paths: ipc.IpcPaths, engine_info: dict,
-                 metrics: ServerMetrics, children: Mapping[str, object] = {}):
+                 metrics: ServerMetrics, children: Mapping[str, object] | None = None):
         """`children`: name -> multiprocessing.Process of the scheduler and detokenizer."""
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.paths = paths
         self.engine_info = engine_info
         self.metrics = metrics
-        self.children = dict(children)
+        self.children = dict(children or {})
         self.states: dict[str, _ReqState] = {}
         self.pending_calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count(1)

@@ -146,3 +146,16 @@ def test_generate_batch_equals_single_calls(server):
         "sampling_params": [params, {**params, "max_new_tokens": 2}]}).json()
     assert [r["meta_info"]["id"] for r in ids] == ["b-0", "b-1"]
     assert [len(r["output_ids"]) for r in ids] == [6, 2]
+
+
+def test_get_load_is_current_after_a_request_and_after_a_flush(server):
+    """/get_load answers from the load the scheduler publishes; it is sent ahead of a step's
+    outputs and of control replies, so it is never older than what the client saw."""
+    base = server.base_url
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "remember this prompt " * 8, "max_tokens": 2})
+    assert r.status_code == 200
+    load = httpx.get(base + "/get_load").json()
+    assert load["num_cached_tokens"] > 0 and load["num_running_reqs"] == 0, load
+    assert httpx.post(base + "/flush_cache").status_code == 200
+    assert httpx.get(base + "/get_load").json()["num_cached_tokens"] == 0
