@@ -75,7 +75,7 @@ class ServerArgs:
     watchdog_timeout: float = opt(300.0, "Seconds one scheduler step (one forward) may take; "
                                          "past that the scheduler logs a state dump and the "
                                          "server fails its requests and exits non-zero instead "
-                                         "of hanging.", group="server")
+                                         "of hanging (kvstrata serve only).", group="server")
 
     # ---- memory and scheduling --------------------------------------------------------------
     page_size: int = opt(1, "Tokens per KV page.", group="memory")

@@ -66,8 +66,9 @@ def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
             with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
                               timeout=60) as r:
                 for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
+                    if not line:
+                        continue
+                    lines.append(line)
                     if len(lines) == 1:  # the stream is live: kill its engine under it
                         os.kill(sched_pid, signal.SIGKILL)
                         killed = time.monotonic()
