@@ -62,6 +62,7 @@ class SchedulerLoop:
         self.watchdog = watchdog
         self.slow_step = slow_step_from_env()
         self.last_load_report = 0.0
+        self.load_failed = False
         # A request added or aborted since the last step must see one more step, even if the
         # engine reports no unfinished work: that step carries its error / abort output.
         self.step_pending = False
@@ -155,7 +156,14 @@ class SchedulerLoop:
         idle = not self.engine.has_unfinished_requests()
         if force or idle or now - self.last_load_report >= LOAD_REPORT_INTERVAL_S:
             self.last_load_report = now
-            self.send_sock.send(ipc.encode(ipc.LoadReport(dict(self.engine.get_load()))))
+            try:
+                load = dict(self.engine.get_load())
+            except Exception:  # statistics must never stop serving; say so once
+                if not self.load_failed:
+                    logger.exception("get_load() failed; /get_load keeps its last value")
+                self.load_failed = True
+                return
+            self.send_sock.send(ipc.encode(ipc.LoadReport(load)))
 
 
 def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
