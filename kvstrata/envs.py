@@ -72,19 +72,25 @@ KVSTRATA_DSA_FUSE_TOPK = _declare(
     "KVSTRATA_DSA_FUSE_TOPK", bool, True,
     "Use the fused DSA top-k (indexer scores -> KV slots in one step). Input of the DSA gates "
     "resolved at start-up (see docs/configuration.md).")
-KVSTRATA_HICACHE_FILE_STORAGE_DIR = _declare(
-    "KVSTRATA_HICACHE_FILE_STORAGE_DIR", str, "/tmp/kvstrata_hicache",
-    "Directory of the `file` HiCache storage backend.")
 KVSTRATA_CHECK_INTEGRITY = _declare(
     "KVSTRATA_CHECK_INTEGRITY", bool, False,
-    "Run every pool's check_integrity() after each scheduler step (slow; for debugging).")
+    "Check every KV invariant (pages, locks, rows, req_to_token) after each scheduler step "
+    "and fail the step that breaks one (slow; the test suite runs with it on).")
 KVSTRATA_DEBUG_SLOW_STEP = _declare(
     "KVSTRATA_DEBUG_SLOW_STEP", str, "",
     "Fault injection for tests of --watchdog-timeout: `N:SECONDS` makes the scheduler "
     "process sleep SECONDS inside its N-th engine step (1-based), as a stuck forward would.")
 KVSTRATA_LOG_RESOLUTIONS = _declare(
     "KVSTRATA_LOG_RESOLUTIONS", bool, True,
-    "Log each start-up Resolution (field, old -> new, rule, reason) once at start.")
+    "Log each start-up Resolution (field, old -> new, rule, reason) once at start; rewrites "
+    "of explicit choices are logged as warnings even when this is off.")
+KVSTRATA_ENGINE_FACTORY = _declare(
+    "KVSTRATA_ENGINE_FACTORY", str, "kvstrata.entrypoints.engine_factory:build_engine",
+    "module:function that builds the scheduler process's engine (tests inject fakes and "
+    "faults through it).")
+KVSTRATA_MAX_REQUEST_BYTES = _declare(
+    "KVSTRATA_MAX_REQUEST_BYTES", int, 32 << 20,
+    "Largest HTTP request body the API server reads; larger bodies get 413.")
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:

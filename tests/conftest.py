@@ -14,6 +14,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import helpers.*`
+# Every KV invariant after every scheduler step, in-process engines and spawned servers alike
+# (a leak or stale row fails the step that caused it, not a later drain check).
+os.environ.setdefault("KVSTRATA_CHECK_INTEGRITY", "1")
 
 
 def pytest_configure(config):

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 from kvstrata.cache.hiradix_cache import HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import RadixCache
+from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import TransferOp
 
 # Host parts shorter than this many pages are recomputed: a load has a fixed cost.
@@ -24,18 +25,19 @@ LOAD_BACK_THRESHOLD_PAGES = 1
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, disable_radix_cache: bool = False,
-                 eviction_policy: str = "lru", num_host_pages: int = 0,
-                 hicache_write_policy: str = "write_through"):
-        """num_host_pages > 0 enables HiCache L2 (a host tier behind the radix tree)."""
-        self.page_size = page_size
-        self.allocator = PageAllocator(num_pages, page_size)
-        self.hicache = num_host_pages > 0
+    def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
+                 eviction_policy: str = "lru", hicache_write_policy: str = "write_through"):
+        """Page ids for `plan`'s pools; a host pool in the plan enables HiCache L2 (a host
+        tier behind the radix tree)."""
+        self.plan = plan
+        page_size = self.page_size = plan.page_size
+        self.allocator = PageAllocator(plan.num_pages, page_size)
+        self.hicache = plan.has_host_pool
         if self.hicache:
             if disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
                                  "drop --disable-radix-cache")
-            self.host_allocator = PageAllocator(num_host_pages, page_size)
+            self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
             self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
                                                  hicache_write_policy, eviction_policy)
         else:

@@ -2,12 +2,14 @@
 
 Ordered pure steps (docs/configuration.md has the full table):
   0. platform defaults (device, chunked prefill size)
+  0b. page geometry (chunk and pool sizes vs --page-size)
   1. HiCache host-memory mode (validations)
   2. HiCache layout/IO (R1, R2, page_head)
   3. storage/layout (Mooncake needs a page-major layout)
   4. HiCache ratio default (non-decode servers)
   5. decode-retraction backup + ratio
   6. DSA gates
+The KV pool itself is sized afterwards, once the model is loaded (config/kv_sizing.py).
 Every change is a `Resolution(field, old, new, rule, reason)`; the engine logs the list once at
 start, `/server_info` returns it and `kvstrata config --explain` prints it. An invalid
 combination raises ValueError naming the flags.
@@ -20,7 +22,7 @@ from typing import Any, Callable, Mapping
 from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
-from kvstrata.config.rules import dsa, hicache, platform_defaults, retraction
+from kvstrata.config.rules import dsa, hicache, page_geometry, platform_defaults, retraction
 from kvstrata.config.server_args import ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -30,6 +32,7 @@ Step = Callable[[ResolvedArgs, Platform, "ModelInfo | None", dict], "list[Resolu
 
 STEPS: tuple[tuple[str, Step], ...] = (
     ("platform defaults", platform_defaults.platform_defaults),
+    ("page geometry", page_geometry.page_geometry),
     ("hicache host-memory mode", hicache.host_memory_mode),
     ("hicache layout/io", hicache.layout_io),
     ("hicache storage/layout", hicache.storage_layout),
@@ -75,11 +78,12 @@ def resolve(args: ServerArgs, platform: Platform | str | None = None,
 
 def log_resolutions(resolutions: list[Resolution], log: logging.Logger = logger) -> None:
     """One line per change; rewrites of explicit choices (R1/R2/storage) at WARNING with the
-    rule's exact message."""
+    rule's exact message. KVSTRATA_LOG_RESOLUTIONS=0 keeps only the warnings."""
+    verbose = envs.KVSTRATA_LOG_RESOLUTIONS.get()
     for r in resolutions:
         if r.warning:
             log.warning("%s (%s: %r -> %r, rule %s)", r.reason, r.field, r.old, r.new, r.rule)
-        else:
+        elif verbose:
             log.info("resolved %s", r.line())
 
 

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.config.kv_plan import HOST_LAYOUTS, IO_BACKENDS
+
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, group: str = "engine",
         cli: bool = True) -> Any:
@@ -32,8 +34,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
-HICACHE_IO_BACKENDS = ("direct", "kernel")
-HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HICACHE_IO_BACKENDS = IO_BACKENDS  # the layout x IO table lives with the KV plan
+HICACHE_MEM_LAYOUTS = HOST_LAYOUTS
 HICACHE_HOST_MEMORY_MODES = ("cache", "buffer_only")
 HICACHE_STORAGE_BACKENDS = ("file", "mooncake")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvstrata import envs
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
 from kvstrata.engine.stop_checker import StopChecker
@@ -19,6 +20,7 @@ class EngineCore:
         """`runner` needs: execute(SchedulerOutput) -> RunnerOutput, eos_token_ids,
         max_context_len, vocab_size."""
         self.runner = runner
+        self.kv_plan = config.plan  # the one KV geometry/capacity (shown by /server_info)
         self.max_context_len = runner.max_context_len
         self.vocab_size = runner.vocab_size
         self.scheduler = Scheduler(
@@ -29,6 +31,8 @@ class EngineCore:
         self._arrivals = 0
         self._rejected: list[Request] = []
         self._rids: set[str] = set()
+        # KVSTRATA_CHECK_INTEGRITY=1: every invariant after every step (the test suite runs so).
+        self.check_every_step = envs.KVSTRATA_CHECK_INTEGRITY.get()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, er: EngineRequest) -> None:
@@ -80,6 +84,8 @@ class EngineCore:
             touched = self.scheduler.update(sched_out, result)
         touched += self.scheduler.finished_outside_step
         self.scheduler.finished_outside_step = []
+        if self.check_every_step:
+            self.check_integrity()
         for req in touched:
             pending = len(req.output_ids) - req.num_reported_tokens
             if not (req.is_finished or len(req.output_ids) == 1
@@ -156,7 +162,14 @@ class EngineCore:
         return out
 
     def check_integrity(self) -> None:
+        """Every KV invariant, including the runner's req_to_token rows when it can tell."""
         self.scheduler.check_integrity()
+        check_rows = getattr(self.runner, "check_req_to_token", None)
+        if check_rows is not None:
+            check_rows(self.scheduler.expected_req_to_token())
+
+    def dump_state(self) -> str:
+        return self.scheduler.dump_state()
 
     def shutdown(self) -> None:
         close = getattr(self.runner, "shutdown", None)

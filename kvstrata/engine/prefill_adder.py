@@ -1,12 +1,21 @@
-"""Decides which waiting requests join the next prefill batch (no torch).
+"""Decides which requests join the next prefill batch (no torch).
 
 Budgets, in tokens (SGLang's PrefillAdder):
-  rem_total  = free + evictable - sum over running requests of their reserved decode tokens;
-               a new request needs extend_len + min(max_new_tokens, 4096) of it.
+  rem_total  = free + evictable - sum over running requests of their reserved decode tokens.
+               A NEW request is admitted only if its whole uncomputed input plus
+               min(max_new_tokens, 4096), in whole pages, fits in it -- also when it will be
+               chunked, so that an admitted chunked request can finish (SGLang checks the
+               full input before truncating it to a chunk).
   rem_input  = --max-prefill-tokens for the whole batch (one oversized request may still run
                alone).
   rem_chunk  = --chunked-prefill-size; a request that does not fit is truncated to a whole
                number of pages and becomes the (single) chunked request.
+The chunked request's next chunk goes first and is cut to what rem_total allows (SGLang's
+add_chunked_req); when not even one page is left it is blocked and nobody else is admitted
+this step, so new arrivals cannot starve it.
+
+Costs are counted in whole pages (a 9-token extend with 4-token pages costs 12 tokens):
+the budget must not promise more than the allocator can give.
 """
 from __future__ import annotations
 
@@ -34,30 +43,57 @@ class PrefillAdder:
     running_empty: bool = False
     items: list[PrefillItem] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.rem_chunk is not None:
+            # A chunk is whole pages and at least one page (a smaller chunk could never move).
+            self.rem_chunk = max(self.rem_chunk // self.page_size, 1) * self.page_size
+
+    def _page_cost(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
     def budget_exhausted(self) -> bool:
         return self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
 
-    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
-        """Add `req` whose uncomputed tail is `remaining_len` tokens; None = stop adding."""
-        if self.budget_exhausted():
-            return None
-        reserve = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
-        extend = remaining_len
-        if self.rem_chunk is not None and extend > self.rem_chunk:
-            extend = self.rem_chunk // self.page_size * self.page_size
-            if extend <= 0:
-                return None
-            reserve = 0  # the request does not decode until its last chunk
-        if self.running_empty and not self.items:
-            reserve = min(reserve, max(self.rem_total - extend - 1, 0))
-        if extend + reserve >= self.rem_total:
-            return None
-        if extend > self.rem_input and self.items:
-            return None
+    def _reserve(self, req) -> int:
+        return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
+    def _append(self, req, extend: int, remaining_len: int, reserve: int) -> PrefillItem:
         item = PrefillItem(req, extend, is_last_chunk=extend == remaining_len)
         self.items.append(item)
-        self.rem_total -= extend + reserve
+        self.rem_total -= self._page_cost(extend) + (reserve if item.is_last_chunk else 0)
         self.rem_input -= extend
         if self.rem_chunk is not None:
             self.rem_chunk -= extend
         return item
+
+    def add_chunked(self, req, remaining_len: int) -> PrefillItem | None:
+        """The in-progress chunked request's next chunk, cut to the budget; None = blocked."""
+        extend = remaining_len
+        if self.rem_chunk is not None:
+            extend = min(extend, self.rem_chunk)
+        if self._page_cost(extend) > self.rem_total:
+            extend = max(self.rem_total, 0) // self.page_size * self.page_size
+        if extend <= 0:
+            return None
+        if extend < remaining_len:
+            extend = extend // self.page_size * self.page_size  # later chunks start page-aligned
+        return self._append(req, extend, remaining_len, self._reserve(req))
+
+    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
+        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""
+        if self.budget_exhausted():
+            return None
+        reserve = self._reserve(req)
+        if self.running_empty and not self.items:
+            reserve = min(reserve, max(self.rem_total - remaining_len, 0))
+        if self._page_cost(remaining_len + reserve) > self.rem_total:
+            return None
+        extend = remaining_len
+        if self.rem_chunk is not None and extend > self.rem_chunk:
+            # Cut to whole pages, so that the next chunk starts on a page boundary.
+            extend = self.rem_chunk // self.page_size * self.page_size
+            if extend <= 0:
+                return None
+        if extend > self.rem_input and self.items:
+            return None
+        return self._append(req, extend, remaining_len, reserve)

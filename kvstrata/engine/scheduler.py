@@ -9,9 +9,12 @@ prefix-cache hits. See docs/architecture.md for the request lifecycle.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
+from kvstrata.cache.invariants import check_kv_state, expected_rows
 from kvstrata.cache.kv_manager import KVManager
+from kvstrata.config.kv_plan import KVPlan
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
@@ -32,19 +35,55 @@ OOM_LAST_REQUEST_MESSAGE = (
 LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
 
 
-@dataclass
+@dataclass(init=False)
 class SchedulerConfig:
-    num_pages: int
-    page_size: int = 1
-    max_running_requests: int = 64
+    """The KV plan to schedule into, plus the scheduling policy. Policy field names are the
+    ServerArgs names, so `from_args` copies them without a hand-written mapping."""
+    plan: KVPlan
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
     schedule_policy: str = "fcfs"  # fcfs | lpm
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
-    num_host_pages: int = 0  # > 0: HiCache L2 enabled
     hicache_write_policy: str = "write_through"
+
+    def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
+                 page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
+                 **policy: Any):
+        """The server passes the plan the engine factory sized. Torch-free tests may pass
+        page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only)."""
+        if (plan is None) == (num_pages is None):
+            raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
+        self.plan = plan or KVPlan.pages_only(
+            num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
+            num_host_pages=num_host_pages)
+        for f in fields(self):
+            if f.name != "plan":
+                setattr(self, f.name, policy.pop(f.name, f.default))
+        if policy:
+            raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
+
+    @classmethod
+    def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
+        return cls(plan, **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "plan"})
+
+    # Read from the plan (one source), under the names the scheduler has always used.
+    @property
+    def page_size(self) -> int:
+        return self.plan.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.plan.num_pages
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.plan.num_rows
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.plan.num_host_pages
 
 
 class Scheduler:
@@ -53,9 +92,8 @@ class Scheduler:
             raise ValueError(f"--schedule-policy must be fcfs or lpm, got {config.schedule_policy!r}")
         self.config = config
         self.page_size = config.page_size
-        self.kv = KVManager(config.num_pages, config.page_size, config.disable_radix_cache,
-                            config.radix_eviction_policy, config.num_host_pages,
-                            config.hicache_write_policy)
+        self.kv = KVManager(config.plan, config.disable_radix_cache,
+                            config.radix_eviction_policy, config.hicache_write_policy)
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.waiting: list[Request] = []
@@ -69,6 +107,7 @@ class Scheduler:
         self.finished_outside_step: list[Request] = []
         self.step_id = 0
         self.num_retractions = 0
+        self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
 
     # ------------------------------------------------------------------ queue
@@ -120,10 +159,69 @@ class Scheduler:
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
+        if out is None and self._stalled():
+            self._resolve_stall()
         if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()):
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
+
+    # ------------------------------------------------------------------ progress guarantee
+    def _stalled(self) -> bool:
+        """Work is waiting, yet this step computes nothing, ends nothing and waits for no
+        copy. With requests running, decode always runs (or retracts/aborts), so a stall
+        means nothing runs and the head of the queue (or the chunked request) cannot get
+        its pages even with every cached page evicted: it can never fit."""
+        return bool((self.waiting or self.chunked_req is not None)
+                    and not self.finished_outside_step
+                    and not self.kv.has_transfers_in_flight())
+
+    def _resolve_stall(self) -> None:
+        """Abort the request that cannot fit alone (clear error, no silent spin); anything
+        else is a scheduler bug and fails fast with the state."""
+        self.num_stalls += 1
+        logger.warning("Scheduler made no progress; aborting the request that cannot fit "
+                       "alone. State:\n%s", self.dump_state())
+        if self.running:
+            raise RuntimeError("scheduler stalled with running requests:\n" + self.dump_state())
+        if self.chunked_req is not None:
+            victim, self.chunked_req = self.chunked_req, None
+        else:
+            victim = self._prefill_candidates()[0]
+            self.waiting.remove(victim)
+        need = victim.seq_len + min(victim.remaining_new_tokens(), 1)
+        message = (f"Out of memory: the request needs about {need} KV tokens but the pool "
+                   f"holds {self.kv.total_tokens} and not enough can be freed; raise "
+                   f"--max-total-tokens or send a shorter request.")
+        # A prompt that cannot fit is the client's to change (400, as SGLang's input length
+        # check); generated tokens outgrowing the pool is the server's OOM (500).
+        status = 500 if victim.output_ids else 400
+        self.finished_outside_step.append(
+            self._finish(victim, FinishReason(type="abort", message=message, status_code=status)))
+
+    def dump_state(self) -> str:
+        """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
+        kv = self.kv
+
+        def brief(r: Request) -> str:
+            return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
+                    f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
+                    f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
+                    f"retracted={r.retraction_count})")
+        lines = [
+            f"step {self.step_id}: waiting {len(self.waiting)}, running {len(self.running)}, "
+            f"chunked {self.chunked_req.rid if self.chunked_req else None}",
+            f"pages: total {kv.allocator.num_pages}, free {kv.allocator.available_pages()}, "
+            f"tree evictable {kv.tree.evictable_pages()}, tree protected "
+            f"{kv.tree.protected_pages()}, page_size {self.page_size}; rows free "
+            f"{len(self.free_rows)}/{self.num_rows}; transfers in flight "
+            f"{kv.has_transfers_in_flight()}; new_token_ratio {self.ratio.value:.4f}",
+        ]
+        if self.chunked_req is not None:
+            lines.append("chunked: " + brief(self.chunked_req))
+        lines += ["running: " + brief(r) for r in self.running[:16]]
+        lines += ["waiting: " + brief(r) for r in self.waiting[:16]]
+        return "\n".join(lines)
 
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
@@ -174,9 +272,14 @@ class Scheduler:
         )
         if self.chunked_req is not None:
             req = self.chunked_req
-            item = adder.try_add(req, req.seq_len - req.num_computed_tokens)
+            item = adder.add_chunked(req, req.seq_len - req.num_computed_tokens)
             if item is not None and not self.kv.grow(req, req.num_computed_tokens + item.extend_len):
                 adder.items.remove(item)
+                item = None
+            if item is None:
+                # Blocked: the running requests hold the memory. Decode goes on (they finish
+                # or retraction takes this request); admitting others would starve it.
+                return None
         for req in self._prefill_candidates():
             if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
                 break
@@ -209,10 +312,13 @@ class Scheduler:
 
     def _build_prefill(self, items: list[PrefillItem]) -> SchedulerOutput:
         scheduled = []
-        self.chunked_req = None
         for item in items:
             scheduled.append(self._entry(item.req, item.extend_len, sample=item.is_last_chunk))
-            if not item.is_last_chunk:
+            if item.is_last_chunk:
+                if item.req is self.chunked_req:
+                    self.chunked_req = None
+            else:
+                assert self.chunked_req in (None, item.req), "two chunked requests"
                 self.chunked_req = item.req
         return self._output(True, [i.req for i in items], scheduled)
 
@@ -221,6 +327,10 @@ class Scheduler:
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         if not self.kv.ensure_free_pages(self._decode_pages_needed(self.running)):
+            if self.kv.has_transfers_in_flight():
+                # HiCache copies pin tree pages until they finish; wait for them (an idle
+                # step that blocks on the copy) before retracting or aborting anyone.
+                return None
             self._retract()
             if not self.running:
                 return self._output(False, [], []) if self.freed_for_runner else None
@@ -234,20 +344,23 @@ class Scheduler:
         return self._output(False, list(self.running), scheduled)
 
     def _retract(self) -> None:
+        """Free memory for the decode batch: the chunked request first (it has not reached
+        decode, and its computed pages stay in the tree as evictable cache), then running
+        requests, fewest generated tokens first, ties: longest prompt. The last running
+        request is never retracted; if it still cannot grow it is aborted (SGLang, 500)."""
+        retracted: list[Request] = []
+        if self.chunked_req is not None:
+            victim, self.chunked_req = self.chunked_req, None
+            self._retract_one(victim)
+            retracted.append(victim)
         # Sorted so that pop() yields the fewest generated tokens first, ties: longest prompt.
         remaining = sorted(self.running,
                            key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
-        retracted: list[Request] = []
-        while len(remaining) > 1:
+        while len(remaining) > 1 and not self.kv.ensure_free_pages(
+                self._decode_pages_needed(remaining)):
             victim = remaining.pop()
-            self.kv.release(victim, insert=False)
-            self._free_row(victim)
-            if victim.known_to_runner:
-                self.freed_for_runner.append(victim.rid)
-            victim.reset_for_retract()
+            self._retract_one(victim)
             retracted.append(victim)
-            if self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
-                break
         if not self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
             last = remaining.pop()
             self.finished_outside_step.append(self._finish(
@@ -263,6 +376,13 @@ class Scheduler:
             new = self.ratio.on_retract(remaining)
             logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
                            "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
+
+    def _retract_one(self, victim: Request) -> None:
+        self.kv.release(victim, insert=False)
+        self._free_row(victim)
+        if victim.known_to_runner:
+            self.freed_for_runner.append(victim.rid)
+        victim.reset_for_retract()
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -303,6 +423,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
-        self.kv.check_integrity(self.live_requests())
-        rows_in_use = sum(1 for r in self.live_requests() if r.row)
+        """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
+        live = self.live_requests()
+        check_kv_state(self.kv, live)
+        rows_in_use = sum(1 for r in live if r.row)
         assert rows_in_use + len(self.free_rows) == self.num_rows, "req_to_token row leak"
+        assert len(set(self.free_rows)) == len(self.free_rows), "a row is free twice"
+        assert not ({r.row for r in live} & set(self.free_rows)), "a live request's row is free"
+        for r in self.waiting:
+            assert not r.pages and r.last_node is None and not r.row, (
+                f"waiting request {r.rid} holds KV")
+        assert self.chunked_req not in self.running, "chunked request is also running"
+        ids = [r.rid for r in self.waiting + live]
+        assert len(ids) == len(set(ids)), "a request is in two queues"
+
+    def expected_req_to_token(self) -> dict[int, list[int]]:
+        return expected_rows(self.live_requests(), self.page_size)

@@ -1,27 +1,26 @@
 """The FastAPI app: OpenAI routes, SGLang-native routes, introspection, errors.
 
-Requests are parsed by hand (not FastAPI body injection) so every failure -- malformed JSON,
-unknown field, wrong type -- becomes one OpenAI-style 400 naming the field.
+Request bodies are parsed by request_parsing.parse_body (every failure is one OpenAI-style 400
+naming the field) and declared in /openapi.json with body_spec.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
 
 import kvstrata
+from kvstrata import envs
 from kvstrata.entrypoints import serving_openai as so
+from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, bad_request
-from kvstrata.entrypoints.openai_protocol import (AbortRequest, ChatCompletionRequest,
-                                                  CompletionRequest, GenerateRequest,
-                                                  error_body, model_list,
-                                                  unimplemented_field)
+from kvstrata.entrypoints.native_protocol import AbortRequest, GenerateRequest
+from kvstrata.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  error_body, model_list)
+from kvstrata.entrypoints.request_parsing import add_request_schemas, body_spec, parse_body
 from kvstrata.entrypoints.serving_handlers import (chat_response, completion_response,
                                                    generate_response)
 from kvstrata.frontend import ipc
@@ -30,39 +29,7 @@ from kvstrata.frontend.tokenizer_manager import EngineDeadError
 logger = logging.getLogger(__name__)
 
 # Upper bound on a request body; larger bodies get a 413 before they are read into memory.
-MAX_BODY_BYTES = int(os.environ.get("KVSTRATA_MAX_REQUEST_BYTES", str(32 << 20)))
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _param_from_loc(loc: tuple) -> str | None:
-    """pydantic locs include union member names ("str", "list[int]"): drop those."""
-    parts = [str(p) for p in loc
-             if isinstance(p, int) or (p.isidentifier() and p.lower() not in _TYPE_NAMES
-                                       and not p[:1].isupper())]
-    return ".".join(parts) or None
-
-
-async def parse_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
-    try:
-        obj = msgspec.json.decode(raw) if raw else None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    name = unimplemented_field(obj)
-    if name is not None:
-        raise bad_request(f"not implemented yet: {name}", name)
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = _param_from_loc(err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise bad_request(f"unknown field: {param}", param) from None
-        raise bad_request(f"{param}: {err['msg']}", param) from None
-
-
+MAX_BODY_BYTES = envs.KVSTRATA_MAX_REQUEST_BYTES.get()
 _OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -86,6 +53,7 @@ class _Guard:
         if length is not None and int(length) > self.limit:
             return await self._too_large(scope, receive, send)
         seen = 0
+        started = False
 
         async def counting_receive():
             nonlocal seen
@@ -94,7 +62,21 @@ class _Guard:
             if seen > self.limit:
                 raise ApiError(413, f"request body larger than {self.limit} bytes")
             return message
-        return await self.app(scope, counting_receive, send)
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except Exception as exc:
+            # Starlette re-raises an unhandled error after sending its 500, and uvicorn then
+            # closes the connection: the client's next keep-alive request would be reset.
+            # The response is complete (or we send one): log the error and keep the socket.
+            logger.exception("error while serving %s %s", scope.get("method"), scope["path"])
+            if not started:
+                await ApiError(500, f"internal error: {exc!r}").response()(
+                    scope, receive, send)
 
     async def _too_large(self, scope, receive, send):
         await JSONResponse(error_body(f"request body larger than {self.limit} bytes",
@@ -133,14 +115,14 @@ def create_app(state) -> FastAPI:
                            f"{state.model_names[0]!r}", "model", code="model_not_found")
 
     # ---- OpenAI ------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_spec(ChatCompletionRequest))
     async def chat(request: Request):
         body = await parse_body(request, ChatCompletionRequest)
         check_model(body.model)
         choices = so.chat_choices(tm, body, state.context_len)
         return await chat_response(state, request, body, choices)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest))
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest)
         check_model(body.model)
@@ -152,24 +134,25 @@ def create_app(state) -> FastAPI:
         return model_list(state.model_names[:1], state.context_len)
 
     # ---- SGLang native -----------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=body_spec(GenerateRequest))
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
+        check_model(body.model)
         return await generate_response(state, request, body)
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.healthy() else 503)
+        return _status(200 if state.healthy() else 503)
 
     @app.get("/health_generate")
     async def health_generate():
         if not state.healthy():
-            return Response(status_code=503)
+            return _status(503)
         req = ipc.GenerateReq(rid=f"health-{tm.new_rid()}", prompt_ids=tm.encode_prompt("hi"),
                               sampling_params=so.SamplingParams(max_new_tokens=1,
                                                                 temperature=0.0))
         async def one_token() -> bool:
-            async for out in tm.generate(req):
+            async for out in tm.generate(req, log_metrics=False):
                 if out.finished:
                     return out.finish_type != "abort"
             return False
@@ -179,20 +162,13 @@ def create_app(state) -> FastAPI:
         except (asyncio.TimeoutError, EngineDeadError):
             ok = False
         if not ok:
-            return Response(status_code=503)
-        return Response(status_code=200)
+            return _status(503)
+        return _status(200)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        info = {"version": getattr(kvstrata, "__version__", "0"),
-                **_jsonable(dataclasses.asdict(args) if dataclasses.is_dataclass(args)
-                            else vars(args)),
-                "engine_info": state.engine_info}
-        resolutions = getattr(state, "resolutions", None)
-        if resolutions:
-            info["resolutions"] = _jsonable(resolutions)
-        return info
+        return server_info_dict(args, state.engine_info)
 
     @app.get("/model_info")
     @app.get("/get_model_info")
@@ -215,14 +191,15 @@ def create_app(state) -> FastAPI:
                         + load.get("num_waiting_reqs", 0))
         return load
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache():
         result = await tm.control("flush_cache")
         if result.get("flushed"):
             return PlainTextResponse("Cache flushed.\n")
         raise ApiError(400, "cache not flushed: requests are still running")
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=body_spec(AbortRequest))
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
         if body.abort_all:
@@ -250,7 +227,15 @@ def create_app(state) -> FastAPI:
         state.metrics.set_load(tm.load)  # the scheduler's latest report: no round trip
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    add_request_schemas(app, [ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                              AbortRequest])
     return _Guard(app, MAX_BODY_BYTES, getattr(args, "api_key", None))
+
+
+def _status(code: int) -> Response:
+    """Health answers: an empty body with a declared content type (a response without one
+    is malformed to strict clients and fuzzers)."""
+    return PlainTextResponse("", status_code=code)
 
 
 def _jsonable(obj):

@@ -30,7 +30,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
-    from kvstrata.config import ServerArgs, log_resolutions, refuse_unimplemented
+    from kvstrata.config import ServerArgs, refuse_unimplemented
 
     try:
         args = ServerArgs.from_cli_args(ns)
@@ -40,18 +40,17 @@ def _run_serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s [api] %(levelname)s %(name)s: %(message)s")
-    resolutions = None
-    try:
-        from kvstrata.config import resolve
+    from kvstrata import envs
 
-        _, resolutions = resolve(args)
-        log_resolutions(resolutions)
-    except Exception as e:  # resolution is informative here; the engine re-checks its inputs
-        logging.getLogger("kvstrata").warning("could not resolve arguments: %r", e)
+    for name in envs.unknown_variables():
+        logging.getLogger("kvstrata").warning("%s is set but is not a kvstrata variable "
+                                              "(see docs/configuration.md)", name)
+    # Resolution runs once, in the scheduler process, where the model's facts are known; its
+    # errors come back as a StartupError and /server_info shows its result.
     from kvstrata.entrypoints.launcher import StartupError, launch_server
 
     try:
-        return launch_server(args, resolutions)
+        return launch_server(args)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

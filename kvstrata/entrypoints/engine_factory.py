@@ -1,13 +1,20 @@
-"""Builds an EngineCore from ServerArgs: resolve flags, load the model runner, size the
-scheduler from the runner's pool. Shared by `kvstrata.LLM` and the scheduler process."""
+"""Builds an EngineCore from ServerArgs. Start-up runs each decision once, in order:
+resolve the flags (with the model's facts from config.json), load the model, size one KVPlan
+(config/kv_sizing.py) and hand it to the runner (tensors), the scheduler and the KV manager.
+Shared by `kvstrata.LLM` and the scheduler process."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+import msgspec
+
+from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_sizing import size_kv_plan
 from kvstrata.config.model_source import load_tokenizer
 from kvstrata.config.resolve import log_resolutions, refuse_unimplemented, resolve
-from kvstrata.config.resolve_types import ModelInfo
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.scheduler import SchedulerConfig
@@ -29,48 +36,77 @@ def refuse_l2_options_without_hicache(args: ServerArgs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
 
 
-def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
-    """Returns (engine core, HF tokenizer with chat template)."""
+def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
+    """Resolve once (with the model's facts), load the model, size the one KVPlan and
+    allocate the runner's KV from it. Returns (runner, resolved args, plan, resolutions):
+    the args include what sizing filled in, the resolutions list every change in order."""
     refuse_unimplemented(server_args)
     refuse_l2_options_without_hicache(server_args)
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
         server_args.model_path))
-    log_resolutions(resolutions)
     if args.random_seed is not None:
         import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
 
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
-    hicache = None
-    if args.enable_hierarchical_cache:
-        hicache = dict(layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
-                       hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size)
-    runner = ModelRunner(
-        args.model_path, dtype=args.dtype, page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
-        max_context_len=args.context_length, device=args.device, hicache=hicache,
-        mem_fraction_static=args.mem_fraction_static,
-    )
+    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device)
+    budget = (None if args.max_total_tokens is not None
+              else runner.kv_budget_bytes(args.mem_fraction_static))
+    plan, sized = size_kv_plan(args, runner.kv_facts(), budget)
+    args = apply(args, sized)
+    resolutions = resolutions + sized
+    log_resolutions(resolutions)
+    runner.allocate_kv(plan)
+    return runner, args, plan, resolutions
+
+
+def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
+    """Returns (engine core, HF tokenizer with chat template)."""
+    runner, args, plan, resolutions = build_runner(server_args)
     # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
     tokenizer = (None if args.skip_tokenizer_init
                  else load_tokenizer(runner.source, args.tokenizer_path))
-    config = SchedulerConfig(
-        num_pages=runner.num_pages, page_size=runner.page_size,
-        max_running_requests=runner.max_running_requests,
-        max_prefill_tokens=args.max_prefill_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
-        schedule_policy=args.schedule_policy,
-        schedule_conservativeness=args.schedule_conservativeness,
-        disable_radix_cache=args.disable_radix_cache,
-        radix_eviction_policy=args.radix_eviction_policy,
-        num_host_pages=runner.num_host_pages,
-        hicache_write_policy=args.hicache_write_policy,
-    )
-    engine = EngineCore(runner, config, tokenizer)
+    engine = EngineCore(runner, SchedulerConfig.from_args(args, plan), tokenizer)
     engine.stream_interval = args.stream_interval
     engine.server_args = args
     engine.resolutions = resolutions
     return engine, tokenizer
+
+
+def start_up_info(engine: Any) -> dict:
+    """What start-up decided, JSON-ready, for `/server_info` and `LLM.server_info()`: the
+    resolved args, every Resolution in order, and the KV plan (each only if the engine has
+    it: fake engines in tests may not)."""
+    info: dict = {}
+    args = getattr(engine, "server_args", None)
+    if dataclasses.is_dataclass(args):
+        info["server_args"] = dataclasses.asdict(args)
+    resolutions = getattr(engine, "resolutions", None)
+    if resolutions is not None:
+        info["resolutions"] = [r.to_json() for r in resolutions]
+    plan = getattr(engine, "kv_plan", None)
+    if plan is not None:
+        info["kv_plan"] = plan.to_json()
+    return info
+
+
+def server_info_dict(args: Any, engine_info: dict) -> dict:
+    """The `/server_info` body: version, the resolved args (as the one start-up resolution
+    left them; the args as given if the engine did not report them), the KV plan and every
+    resolution; the rest of engine_info stays nested under "engine_info"."""
+    import kvstrata  # noqa: PLC0415 - the package version, at call time
+
+    rest = dict(engine_info)
+    resolved = rest.pop("server_args", None)
+    if resolved is None:
+        resolved = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+    info = {"version": getattr(kvstrata, "__version__", "0"), **resolved}
+    for key in ("kv_plan", "resolutions"):
+        if key in rest:
+            info[key] = rest.pop(key)
+    info["engine_info"] = rest
+    # JSON-ready: unknown objects (from a fake engine, say) become their repr.
+    return msgspec.json.decode(msgspec.json.encode(info, enc_hook=repr))

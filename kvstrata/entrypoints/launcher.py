@@ -45,7 +45,6 @@ class ServerState:
     engine_info: dict
     metrics: object
     processes: list = field(default_factory=list)
-    resolutions: list | None = None
 
     @property
     def context_len(self) -> int | None:
@@ -116,7 +115,7 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def launch_server(server_args, resolutions: list | None = None) -> int:
+def launch_server(server_args) -> int:
     """Run the server until SIGINT/SIGTERM (returns 0) or until a child process dies
     (returns ENGINE_DEAD_EXIT_CODE). Blocking."""
     import uvicorn
@@ -159,7 +158,7 @@ def launch_server(server_args, resolutions: list | None = None) -> int:
                               children={"scheduler": scheduler_proc,
                                         "detokenizer": processes[0]})
         state = ServerState(server_args, tm, model_names, infos["scheduler"], metrics,
-                            processes, resolutions)
+                            processes)
         config = uvicorn.Config(
             create_app(state), host=server_args.host, port=server_args.port,
             log_level=str(server_args.log_level).lower(), access_log=False,

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.request import EngineRequest
-from kvstrata.entrypoints.engine_factory import build_engine
+from kvstrata.entrypoints.engine_factory import build_engine, server_info_dict, start_up_info
 from kvstrata.protocol import FinishReason, SamplingParams
 
 
@@ -26,11 +26,14 @@ def finish_reason_dict(reason: FinishReason | None) -> dict | None:
 
 
 def output_text(tokenizer: Any, output_ids: list[int], reason: FinishReason | None,
-                skip_special_tokens: bool) -> str:
-    """Detokenised output; a matched stop string and anything after it is cut (OpenAI)."""
+                skip_special_tokens: bool, no_stop_trim: bool = False) -> str:
+    """Detokenised output; a matched stop string and anything after it is cut (OpenAI),
+    unless no_stop_trim (SGLang) keeps them."""
     if tokenizer is None:
         return ""
     text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
+    if no_stop_trim:
+        return text
     if reason is not None and reason.type == "stop" and isinstance(reason.matched, str):
         cut = text.find(reason.matched)
         if cut >= 0:
@@ -114,7 +117,7 @@ class LLM:
             meta["input_token_logprobs"] = acc["prompt_logprobs"]
         return {
             "text": output_text(self.tokenizer, acc["ids"], final.finish_reason,
-                                sp.skip_special_tokens),
+                                sp.skip_special_tokens, sp.no_stop_trim),
             "output_ids": acc["ids"],
             "meta_info": meta,
         }
@@ -122,6 +125,11 @@ class LLM:
     # ------------------------------------------------------------------ admin
     def get_load(self) -> dict:
         return self.engine.get_load()
+
+    def server_info(self) -> dict:
+        """What `/server_info` returns for a server with these args: the resolved args, the
+        KV plan and every start-up resolution."""
+        return server_info_dict(self.server_args, start_up_info(self.engine))
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()

@@ -1,48 +1,25 @@
-"""Request/response models of the HTTP API: OpenAI-compatible and SGLang-native /generate.
-
-Requests are parsed with extra="forbid" in strict JSON mode: an unknown field or a wrong
-type is a 400 that names the field, never a silent accept-and-ignore. OpenAI fields we know
-but do not implement are accepted only at their "off" value (null), because clients and
-sglang-router serialise a fixed schema with nulls; any other value is refused by name.
+"""Request/response models of the OpenAI-compatible API (/v1/chat/completions,
+/v1/completions), with every field of SGLang's ChatCompletionRequest and CompletionRequest
+declared (see protocol_base for the rule on fields we do not implement). The native
+/generate models live in native_protocol.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Discriminator, Field, Tag, field_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-# Known OpenAI fields we do not implement: accepted only when null.
-UNIMPLEMENTED_WHEN_SET = (
-    "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "service_tier", "store", "metadata", "modalities", "audio",
-    "prediction", "reasoning_effort", "suffix", "best_of", "web_search_options",
-)
+from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
+                                                TokenId, TokenIds, UInt64)
 
 
-def unimplemented_field(body: Any) -> str | None:
-    """The first known-but-unimplemented field that is set to something other than null."""
-    if not isinstance(body, dict):
-        return None
-    for name in UNIMPLEMENTED_WHEN_SET:
-        if body.get(name) is not None:
-            if name == "best_of" and body[name] == 1:
-                continue  # best_of=1 is the default behaviour
-            return name
-    return None
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(RequestModel):
     """Fields shared by chat and completions requests."""
     model: str | None = None
     max_tokens: int | None = None
@@ -56,89 +33,207 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # SGLang/vLLM extras
+    # SGLang extras, implemented
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
-    rid: str | None = None
+    no_stop_trim: bool = False
+    rid: str | list[str] | None = None  # a list (one per choice) is not implemented
     # Prefill/decode disaggregation (sglang-router adds these); carried, no effect yet.
     bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-    # Known OpenAI fields, refused unless null (see unimplemented_field).
-    logit_bias: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    functions: list | None = None
-    function_call: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    bootstrap_port: Port | None = None
+    bootstrap_room: UInt64 | None = None
+    # Known OpenAI fields, accepted only when off.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     service_tier: str | None = None
     store: bool | None = None
-    metadata: dict | None = None
-    modalities: list | None = None
-    audio: dict | None = None
-    prediction: dict | None = None
-    reasoning_effort: str | None = None
-    web_search_options: dict | None = None
+    metadata: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Known SGLang fields, accepted only at their default.
+    regex: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    lora_path: str | list[str | None] | None = None
+    session_id: str | None = None
+    session_params: dict[str, Any] | None = None
+    custom_params: dict[str, Any] | None = None
+    custom_logit_processor: str | list[str | None] | None = None
+    return_hidden_states: bool | Literal["last"] = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_cached_tokens_details: bool = False
+    return_token_ids: bool = False
+    images_config: dict[str, Any] | None = None
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
+    ngram_corpus_id: str | list[str | None] | None = None
+    priority: int | None = None
+
+    NOT_IMPLEMENTED = frozenset({
+        "logit_bias", "response_format", "service_tier", "store", "metadata", "prediction",
+        "web_search_options", "regex", "ebnf", "stop_regex", "lora_path", "session_id",
+        "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
+        "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
+        "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
+        "data_parallel_rank", "extra_key", "cache_salt", "ngram_corpus_id", "priority"})
 
 
-class TextPart(_Strict):
+# ---- chat messages ------------------------------------------------------------------------
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+class ThinkingPart(StrictModel):
+    type: Literal["thinking", "reasoning"]
+    thinking: str | None = None
+    text: str | None = None
+
+
+class ImageURL(StrictModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = "auto"
+    max_dynamic_patch: int | None = None
+    min_dynamic_patch: int | None = None
+    content_hash: str | None = None
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+    modalities: Literal["image", "multi-images", "video"] | None = "image"
+
+
+class VideoURL(StrictModel):
+    url: str
+    max_dynamic_patch: int | None = None
+    min_dynamic_patch: int | None = None
+
+
+class VideoPart(StrictModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class AudioURL(StrictModel):
+    url: str
+
+
+class AudioPart(StrictModel):
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+class ToolReferencePart(StrictModel):
+    type: Literal["tool_reference"]
+    name: str
+
+
+_PART_TAGS = {"text": "TextPart", "thinking": "ThinkingPart", "reasoning": "ThinkingPart",
+              "image_url": "ImagePart", "video_url": "VideoPart", "audio_url": "AudioPart",
+              "tool_reference": "ToolReferencePart"}
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _PART_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# Tagged by class name (capitalised, so error locations do not repeat the part type).
+ContentPart = Annotated[Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in (
+    TextPart, ThinkingPart, ImagePart, VideoPart, AudioPart, ToolReferencePart))],
+    Discriminator(_part_tag, custom_error_type="invalid_part",
+                  custom_error_message=f"a content part's type must be one of "
+                                       f"{sorted(_PART_TAGS)}")]
+# Content part types of a text-only model's input, and what to say about the others.
+MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function",
+                  "latest_reminder"]
+    # Required, and a list has at least one part (SGLang lets an assistant message that
+    # carries tool_calls go without; tool calling is not implemented).
+    content: str | Annotated[list[ContentPart], Field(min_length=1)]
     name: str | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    NOT_IMPLEMENTED = frozenset({"tool_calls", "tools"})  # tool calling
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _lower_role(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # SGLang: case-insensitive
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Implemented SGLang chat extras.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    input_ids: TokenIds | None = None  # pre-tokenised prompt: bypasses the chat template
+    # Only act with a reasoning parser, which kvstrata does not have: no-ops, as in SGLang.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    # Known OpenAI / SGLang chat fields, accepted only when off.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | float | None = None
+    reasoning: dict[str, Any] | None = None
+    task: str | None = None
+    return_prompt_token_ids: bool = False
+    return_meta_info: bool = False
+    max_dynamic_patch: int | None = None
+    min_dynamic_patch: int | None = None
+    use_audio_in_video: bool = False
+
+    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {
+        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+        "modalities", "audio", "reasoning_effort", "reasoning", "task",
+        "return_prompt_token_ids", "return_meta_info", "max_dynamic_patch",
+        "min_dynamic_patch", "use_audio_in_video"}
+    # Without tools, "none" and "auto" both mean "answer in text"; SGLang's default is true.
+    ALSO_OFF = {"tool_choice": ("none", "auto"), "parallel_tool_calls": (True,)}
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds \
+        | Annotated[list[TokenIds], Field(min_length=1)]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    json_schema: str | None = None
+    custom_labels: dict[str, str] | None = None
 
-
-class GenerateRequest(_Strict):
-    """SGLang's native /generate: one prompt, or a batch (a list of texts / of id lists, with
-    one sampling_params dict for all or a list of them, and optionally a list of rids)."""
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    rid: str | list[str] | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
-
-
-class AbortRequest(_Strict):
-    rid: str = ""
-    abort_all: bool = False
+    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "json_schema",
+                                                         "custom_labels"}
+    ALSO_OFF = {"best_of": (1,)}  # best_of=1 is the default behaviour
 
 
 # ---- responses (plain dict builders: cheaper than models on the streaming hot path) -----

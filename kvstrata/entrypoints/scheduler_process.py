@@ -14,22 +14,22 @@ import traceback
 
 import zmq
 
+from kvstrata import envs
+from kvstrata.entrypoints.engine_factory import start_up_info
 from kvstrata.entrypoints.scheduler_watchdog import (StepWatchdog, engine_state_dump,
                                                       slow_step_from_env)
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
 
-# KVSTRATA_ENGINE_FACTORY="module:function" swaps the engine (tests use a fake until the
-# real engine core lands, and to inject faults); default is the real factory.
-ENGINE_FACTORY_ENV = "KVSTRATA_ENGINE_FACTORY"
-DEFAULT_ENGINE_FACTORY = "kvstrata.entrypoints.engine_factory:build_engine"
+# envs.KVSTRATA_ENGINE_FACTORY ("module:function") swaps the engine: tests inject fakes and faults.
+
 # How often a busy scheduler publishes its load to the API process (see report_load).
 LOAD_REPORT_INTERVAL_S = 0.1
 
 
 def load_engine_factory():
-    spec = os.environ.get(ENGINE_FACTORY_ENV, DEFAULT_ENGINE_FACTORY)
+    spec = envs.KVSTRATA_ENGINE_FACTORY.get()
     module_name, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module_name), attr or "build_engine")
 
@@ -43,12 +43,16 @@ def engine_info(engine, tokenizer) -> dict:
             info["max_context_len"] = value
             break
     try:
-        info.update(engine.get_load())
+        load = dict(engine.get_load())
+        info.update(load)
+        info["load"] = load  # the API process's /get_load until the first LoadReport
     except Exception:  # info is best effort; the engine may not support it before serving
         pass
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
         info["eos_token_id"] = eos
+    # Resolved args, resolutions and KV plan: start-up ran once, here, with the model's facts.
+    info.update(start_up_info(engine))
     return info
 
 
@@ -74,8 +78,11 @@ class SchedulerLoop:
             from kvstrata.engine.request import EngineRequest
 
             sp = msg.sampling_params
+            # The detokenizer holds back and cuts the stop strings it is given: none, with
+            # no_stop_trim, so that the output keeps them.
+            stop = [] if sp.no_stop_trim else list(sp.stop)
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
-                rid=msg.rid, stop=list(sp.stop), skip_special_tokens=sp.skip_special_tokens)))
+                rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens)))
             engine.add_request(EngineRequest(
                 rid=msg.rid, prompt_ids=msg.prompt_ids, sampling_params=sp,
                 return_prompt_logprobs=msg.return_prompt_logprobs))
@@ -185,8 +192,11 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         loop = SchedulerLoop(engine, tokenizer, recv, send, watchdog)
     except Exception as e:
         logger.exception("scheduler failed to start")
-        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg(
-            "scheduler", False, f"{e!r}\n{traceback.format_exc()}")))
+        # A bad flag (ValueError / NotImplementedError naming it) is the user's to fix: the
+        # message alone; anything else is ours, with the traceback.
+        error = (str(e) if isinstance(e, (ValueError, NotImplementedError))
+                 else f"{e!r}\n{traceback.format_exc()}")
+        ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", False, error)))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
     watchdog.start()

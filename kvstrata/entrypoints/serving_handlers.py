@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from kvstrata.entrypoints import serving_openai as so
 from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, from_sampling_error
+from kvstrata.entrypoints.native_protocol import native_sampling_dict
 from kvstrata.entrypoints.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
@@ -246,7 +247,12 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
 
 
 def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
-          input_lp: bool) -> dict:
+          input_lp: bool, tt: so.TokenText | None) -> dict:
+    """SGLang's meta_info; logprob entries are [logprob, token_id, text], the text filled
+    only with return_text_in_logprobs (`tt` given)."""
+    def text(token_id: int) -> str | None:
+        return tt(token_id) if tt is not None else None
+
     if out.finish_type == "length":
         reason = {"type": "length", "length": out.completion_tokens}
     elif out.finish_type:
@@ -259,14 +265,15 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
             "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - start}
     if want_lp:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in
                                          zip(acc.logprobs, acc.token_ids)]
-        meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in top]
-                                       for top in acc.top_logprobs] if acc.top_logprobs else None
+        meta["output_top_logprobs"] = [[[t.logprob, t.token_id, text(t.token_id)]
+                                        for t in top] for top in acc.top_logprobs] \
+            if acc.top_logprobs else None
         if input_lp:
             ids = acc.choice.req.prompt_ids
             lps = [None] + list(acc.prompt_logprobs or [])
-            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+            meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
     return meta
 
 
@@ -288,12 +295,16 @@ def _batch_items(body) -> list | None:
     n = len(items)
     sps = body.sampling_params if isinstance(body.sampling_params, list) \
         else [body.sampling_params] * n
-    rids = body.rid if isinstance(body.rid, list) else [None] * n
-    if body.rid is not None and not isinstance(body.rid, list):
-        raise ApiError(400, "rid must be a list with a batch of prompts", "rid")
+    if isinstance(body.rid, str):  # SGLang: a string rid is the prefix of the batch's ids
+        rids = [f"{body.rid}_{i}" for i in range(n)]
+    else:
+        rids = body.rid if isinstance(body.rid, list) else [None] * n
     for name, values in (("sampling_params", sps), ("rid", rids)):
         if len(values) != n:
             raise ApiError(400, f"{name} has {len(values)} entries for {n} prompts", name)
+    named = [r for r in rids if r is not None]
+    if len(set(named)) != len(named):
+        raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
     return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid})
             for item, sp, rid in zip(items, sps, rids)]
 
@@ -304,45 +315,59 @@ async def generate_response(state, request: Request, body):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
     batch = _batch_items(body)
     if batch is not None:
-        return list(await asyncio.gather(*(generate_response(state, request, one)
-                                           for one in batch)))
+        tasks = [asyncio.create_task(generate_response(state, request, one))
+                 for one in batch]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one prompt failed (or the client left): abort the others too
+            for task in tasks:
+                task.cancel()
     ids = tm.encode_prompt(body.text) if body.text is not None else list(body.input_ids)
-    so.check_lengths(len(ids), None, state.context_len,
-                     "text" if body.text is not None else "input_ids", "max_new_tokens")
-    sp_dict = dict(body.sampling_params or {})
-    if body.return_logprob:
-        sp_dict["logprobs"] = body.top_logprobs_num
-    try:
-        sp = SamplingParams.from_dict(sp_dict)
-    except ValueError as e:
-        err = from_sampling_error(e, openai_names=False)
-        err.param = f"sampling_params.{err.param}" if err.param != "sampling_params" \
-            else err.param
-        raise err from None
-    so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, "input_ids",
+    prompt_param = "text" if body.text is not None else "input_ids"
+    so.check_token_ids(tm, ids, prompt_param)
+    so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
+    sp = _native_sampling_params(body)
+    so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
                      "sampling_params.max_new_tokens")
-    input_lp = body.return_logprob and body.logprob_start_len >= 0
+    want_lp = bool(body.return_logprob)
+    input_lp = want_lp and body.logprob_start_len is not None and body.logprob_start_len >= 0
+    tt = so.TokenText(tm.tokenizer) if body.return_text_in_logprobs else None
     rid = body.rid or tm.new_rid()
     choice = so.Choice(0, ipc.GenerateReq(
         rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
         bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room))
     start = time.perf_counter()
-    gen = so.merged_outputs(tm, [choice])
+    gen = so.merged_outputs(tm, [choice], log_metrics=body.log_metrics)
     acc = _Acc(choice)
     if not body.stream:
         await _collect(request, gen, {rid: acc})
         return {"text": acc.text, "output_ids": acc.token_ids,
-                "meta_info": _meta(acc.last, acc, rid, start, body.return_logprob, input_lp)}
+                "meta_info": _meta(acc.last, acc, rid, start, want_lp, input_lp, tt)}
     first = await _first_or_error(gen)
 
     def render(choice, out):
         acc.add(out)
         # SGLang streams the cumulative text and ids so far in every chunk.
         return so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
-                              "meta_info": _meta(out, acc, rid, start, body.return_logprob,
-                                                 input_lp)})
+                              "meta_info": _meta(out, acc, rid, start, want_lp, input_lp,
+                                                 tt)})
 
     stream = _sse_stream(gen, first, render)
     return StreamingResponse(stream, media_type="text/event-stream")
 
+
+def _native_sampling_params(body) -> SamplingParams:
+    sp_dict = native_sampling_dict(body.sampling_params or {})
+    if body.return_logprob:
+        sp_dict["logprobs"] = body.top_logprobs_num or 0
+    try:
+        return SamplingParams.from_dict(sp_dict)
+    except ValueError as e:
+        err = from_sampling_error(e, openai_names=False)
+        if err.param == "logprobs" and body.return_logprob:  # the client sent it by this name
+            err.param = "top_logprobs_num"
+            err.message = err.message.replace("logprobs", "top_logprobs_num", 1)
+        elif err.param != "sampling_params":
+            err.param = f"sampling_params.{err.param}"
+        raise err from None

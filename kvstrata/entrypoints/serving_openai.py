@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvstrata.entrypoints.chat_prompt import chat_prompt_ids
 from kvstrata.entrypoints.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.frontend import ipc
+from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
 from kvstrata.protocol import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -52,7 +54,7 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         seed=None if body.seed is None else body.seed + seed_offset,
         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
-        logprobs=logprobs)
+        no_stop_trim=body.no_stop_trim, logprobs=logprobs)
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
@@ -66,14 +68,23 @@ def _bootstrap(body) -> dict:
                 bootstrap_room=body.bootstrap_room)
 
 
+def request_rid(body) -> str:
+    if isinstance(body.rid, list):
+        raise bad_request("not implemented yet: rid as a list (give one string)", "rid")
+    return body.rid or uuid.uuid4().hex
+
+
+def check_token_ids(tm, ids: list[int], param: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= len(tm.tokenizer)):
+        raise bad_request(f"{param}: token ids must be in [0, vocab size)", param)
+
+
 def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> list[Choice]:
-    if not body.messages:
-        raise bad_request("messages must not be empty", "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
-    prompt_ids = tm.apply_chat_template(messages)
+    prompt_ids = chat_prompt_ids(tm, body)
+    if body.input_ids is not None:
+        check_token_ids(tm, prompt_ids, "input_ids")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -83,7 +94,7 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     if max_tokens is None:  # OpenAI: unbounded, i.e. up to the context length
         max_tokens = (context_len - len(prompt_ids)) if context_len else 4096
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    rid = body.rid or uuid.uuid4().hex
+    rid = request_rid(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
         sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param),
@@ -101,12 +112,11 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    rid = body.rid or uuid.uuid4().hex
+    rid = request_rid(body)
     choices = []
     for i, p in enumerate(prompts):
         ids = tm.encode_prompt(p) if isinstance(p, str) else list(p)
-        if ids and (min(ids) < 0 or max(ids) >= len(tm.tokenizer)):
-            raise bad_request("prompt token ids must be in [0, vocab size)", "prompt")
+        check_token_ids(tm, ids, "prompt")
         check_lengths(len(ids), max_tokens, context_len, "prompt", "max_tokens")
         text = p if isinstance(p, str) else tm.tokenizer.decode(ids)
         for j in range(body.n):
@@ -120,7 +130,7 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
     return choices
 
 
-async def merged_outputs(tm, choices: list[Choice]):
+async def merged_outputs(tm, choices: list[Choice], log_metrics: bool = True):
     """Run every choice's engine request; yield (choice, TextOutput) as they arrive.
     Closing this generator (client gone) cancels the pumps, which aborts the requests."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -128,8 +138,10 @@ async def merged_outputs(tm, choices: list[Choice]):
 
     async def pump(choice: Choice) -> None:
         try:
-            async for out in tm.generate(choice.req):
+            async for out in tm.generate(choice.req, log_metrics=log_metrics):
                 queue.put_nowait((choice, out))
+        except DuplicateRequestError as e:  # the client's rid: its mistake, not ours
+            queue.put_nowait((choice, bad_request(str(e), "rid")))
         except Exception as e:  # surface as an error output, not a hung stream
             queue.put_nowait((choice, e))
 

@@ -87,9 +87,10 @@ class RequestDetokState:
         else:
             end = len(text)
             reason = out.finish_reason
-            if reason is not None and reason.type == "stop" and isinstance(reason.matched, str):
+            if reason is not None and reason.type == "stop" and reason.matched in self.stop:
                 # The stop string ends inside the last token; cut at its first occurrence
-                # that we have not already streamed past.
+                # that we have not already streamed past. (A request registered without
+                # its stop strings -- SGLang's no_stop_trim -- keeps it.)
                 at = text.find(reason.matched, max(0, self.sent - len(reason.matched) + 1))
                 if at >= 0:
                     end = max(at, self.sent)

@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The scheduler process is gone: every request fails with 500."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id equal to one still running: the client's mistake (a 400)."""
+
+
 @dataclass
 class _ReqState:
     queue: asyncio.Queue
@@ -60,8 +64,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._dead = asyncio.Event()
         # The scheduler's latest get_load(); engine_info carries the one taken at start.
-        self.load: dict = {k: v for k, v in engine_info.items()
-                           if k not in ("pid", "max_context_len", "eos_token_id")}
+        self.load: dict = dict(engine_info.get("load", {}))
         self.last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self.ctx: zmq.asyncio.Context | None = None
@@ -159,23 +162,27 @@ class TokenizerManager:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         # Render to text, then encode without special tokens: the template already writes
         # any BOS/role markers it wants, and encode() must not add a second BOS.
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True,
+                                                  **template_kwargs)
         return self.encode_prompt(text)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
-    async def generate(self, req: ipc.GenerateReq) -> AsyncIterator[ipc.TextOutput]:
+    async def generate(self, req: ipc.GenerateReq,
+                       log_metrics: bool = True) -> AsyncIterator[ipc.TextOutput]:
         """Yield the TextOutputs of one request until it finishes. If the consumer stops
-        early (client disconnect, cancellation) the request is aborted in the engine."""
+        early (client disconnect, cancellation) the request is aborted in the engine.
+        log_metrics=False (SGLang's flag) keeps the request out of /metrics."""
         if self.engine_dead:
             raise EngineDeadError(f"the server is shutting down: {self.dead_reason}")
         if req.rid in self.states:
-            raise ValueError(f"duplicate request id {req.rid!r}")
+            raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
+                                        "this id is still running")
         state = self.states[req.rid] = _ReqState(asyncio.Queue())
         try:
             await self.send_sock.send(ipc.encode(req))
@@ -185,7 +192,8 @@ class TokenizerManager:
                     state.first_token_at = time.perf_counter()
                 if out.finished:
                     state.finished = True
-                    self._record(state, out)
+                    if log_metrics:
+                        self._record(state, out)
                 yield out
                 if out.finished:
                     return
@@ -193,7 +201,8 @@ class TokenizerManager:
             self.states.pop(req.rid, None)
             if not state.finished and not self.engine_dead:
                 # Consumer went away mid-request (a client disconnect): free its KV now.
-                self.metrics.on_abort("client_disconnect")
+                if log_metrics:
+                    self.metrics.on_abort("client_disconnect")
                 self.abort(req.rid)
 
     def _record(self, state: _ReqState, out: ipc.TextOutput) -> None:

@@ -10,31 +10,22 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.config.kv_plan import KVPlan
+from kvstrata.kv.layouts import KVGeometry
+
 
 class MHATokenToKVPool:
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, "
-                             f"{page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+    def __init__(self, plan: KVPlan, device: torch.device | str):
+        """Allocates what `plan` (an mha plan) describes: its pages plus the padding page."""
+        self.plan = plan
+        self.geom = KVGeometry.from_plan(plan)
         self.device = torch.device(device)
-        self.num_slots = (num_pages + 1) * page_size
+        self.num_slots = (plan.num_pages + 1) * plan.page_size
+        g = self.geom
         # Zero-initialised so the padding sink and never-written slots hold finite values
         # (masked-out keys still go through the matmul; garbage NaNs would poison softmax).
-        self.kv = torch.zeros((2, num_layers, self.num_slots, num_kv_heads, head_dim),
-                              dtype=dtype, device=self.device)
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * num_kv_heads * head_dim * 2 * itemsize
+        self.kv = torch.zeros((2, g.num_layers, self.num_slots, g.num_kv_heads, g.head_dim),
+                              dtype=g.dtype, device=self.device)
 
     @property
     def size_bytes(self) -> int:
@@ -52,5 +43,5 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v of shape [N, H, D] at `slots` ([N] int64) of `layer`."""
-        self.kv[0, layer].index_copy_(0, slots, k.to(self.dtype))
-        self.kv[1, layer].index_copy_(0, slots, v.to(self.dtype))
+        self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
+        self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))

@@ -4,9 +4,10 @@ The pool only holds tensors and moves bytes addressed by page ids; which host pa
 is the cache layer's business (it reuses `cache.page_allocator.PageAllocator`). As on the
 device, page 0 is reserved as a padding sink, so usable page ids are 1..num_pages.
 
-Sizing follows SGLang: `--hicache-size` GB when > 0, else device-pool tokens x
-`--hicache-ratio`; whole pages; refused up front when it does not fit in available RAM minus
-a reserve, because an over-committed pool would be OOM-killed later, mid-serving.
+Its page count comes from the KV plan (config/kv_sizing.py: `--hicache-size` GB when > 0,
+else device-pool tokens x `--hicache-ratio`, whole pages); the allocation is refused up front
+when it does not fit in available RAM minus a reserve, because an over-committed pool would be
+OOM-killed later, mid-serving.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import os
 import torch
 
 from kvstrata import platform
+from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv import layouts
 from kvstrata.kv.layouts import KVGeometry
 
 logger = logging.getLogger(__name__)
 
-GB = 1e9  # --hicache-size is in decimal GB, as in SGLang
+GB = 1e9  # decimal GB, as --hicache-size
 GiB = 1 << 30
 # SGLang keeps 10 GiB free for the rest of the process; on a small box (this project's CPU
 # machines have 23 GiB) that would forbid any useful pool, so cap it at a quarter of RAM.
@@ -51,28 +53,6 @@ def available_ram_bytes() -> int:
 def default_reserve_bytes() -> int:
     total = _meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(MAX_HOST_MEMORY_RESERVE_BYTES, total // 4)
-
-
-def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_token: int,
-                        hicache_ratio: float | None, hicache_size: float) -> int:
-    """Usable host pages (page 0 not included). `hicache_size` (GB) wins when > 0."""
-    if hicache_size and hicache_size > 0:
-        tokens = int(hicache_size * GB // bytes_per_token)
-    elif hicache_ratio is not None and hicache_ratio > 0:
-        tokens = int(device_pool_tokens * hicache_ratio)
-    else:
-        raise ValueError("the host KV pool needs a size: set --hicache-size (GB) or "
-                         "--hicache-ratio (multiple of the device pool)")
-    num_pages = tokens // page_size
-    if num_pages < 1:
-        flag = "--hicache-size" if hicache_size and hicache_size > 0 else "--hicache-ratio"
-        raise ValueError(f"the host KV pool would hold {tokens} tokens, less than one page of "
-                         f"{page_size}; increase {flag}")
-    if num_pages * page_size <= device_pool_tokens:
-        # Allowed (SGLang's current version only warns too): a small host pool still helps.
-        logger.warning("host KV pool (%d tokens) is not larger than the device pool (%d tokens)",
-                       num_pages * page_size, device_pool_tokens)
-    return num_pages
 
 
 def check_host_memory(requested_bytes: int, flag: str, *, available_bytes: int | None = None,
@@ -118,18 +98,12 @@ class HostKVPool:
         self.kv.zero_()
 
     @classmethod
-    def from_device_pool(cls, device_pool, layout: str, *, hicache_ratio: float | None,
-                         hicache_size: float, **kwargs) -> "HostKVPool":
-        """Size the host pool from a device pool (anything with num_pages, page_size,
-        num_layers, num_kv_heads, head_dim, dtype) and the two HiCache flags."""
-        geom = KVGeometry(device_pool.num_layers, device_pool.num_kv_heads,
-                          device_pool.head_dim, device_pool.page_size, device_pool.dtype)
-        num_pages = host_pool_num_pages(
-            device_pool_tokens=device_pool.num_pages * device_pool.page_size,
-            page_size=geom.page_size, bytes_per_token=geom.bytes_per_token,
-            hicache_ratio=hicache_ratio, hicache_size=hicache_size)
-        flag = "--hicache-size" if hicache_size and hicache_size > 0 else "--hicache-ratio"
-        return cls(geom, num_pages, layout, size_flag=flag, **kwargs)
+    def from_plan(cls, plan: KVPlan, **kwargs) -> "HostKVPool":
+        """The host pool the plan sized (plan.num_host_pages in plan.host_layout)."""
+        if not plan.has_host_pool:
+            raise ValueError("the KV plan has no host pool (needs --enable-hierarchical-cache)")
+        return cls(KVGeometry.from_plan(plan), plan.num_host_pages, plan.host_layout,
+                   size_flag=plan.host_size_flag, **kwargs)
 
     @property
     def num_tokens(self) -> int:

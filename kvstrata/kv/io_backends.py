@@ -21,20 +21,20 @@ gather/scatter later behind this interface.
 copies each run with one strided copy_ (no index tensors). Only layouts where a page of one
 layer is one contiguous block qualify: layer_first and page_first_direct.
 
-Which backend works with which layout is the resolver's table; a pair outside it reaching
-here is a programming error and raises ValueError. There is no fallback to another layout.
+Which backend works with which layout is one table (config/kv_plan.py, read by the resolver
+and the plan too); a pair outside it reaching here is a programming error and raises
+ValueError. There is no fallback to another layout.
 """
 from __future__ import annotations
 
 import torch
 
+from kvstrata.config.kv_plan import IO_BACKEND_LAYOUTS
 from kvstrata.kv import layouts, rowcopy
 from kvstrata.kv.host_pool import HostKVPool
 
-SUPPORTED_LAYOUTS = {
-    "kernel": (layouts.LAYER_FIRST, layouts.PAGE_FIRST, layouts.PAGE_HEAD),
-    "direct": (layouts.LAYER_FIRST, layouts.PAGE_FIRST_DIRECT),
-}
+# Which layouts each backend moves: one table, kept with the KV plan (config/kv_plan.py).
+SUPPORTED_LAYOUTS = IO_BACKEND_LAYOUTS
 # Staging buffer per direction and side when the pools are on two devices: large enough that
 # per-chunk overhead (three calls and a bus round trip) is a few percent.
 DEFAULT_STAGING_BYTES = 4 << 20

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAYER_FIRST = "layer_first"
-PAGE_FIRST = "page_first"
-PAGE_FIRST_DIRECT = "page_first_direct"
-PAGE_HEAD = "page_head"
-LAYOUTS = (LAYER_FIRST, PAGE_FIRST, PAGE_FIRST_DIRECT, PAGE_HEAD)
+# Layout names are defined once, with the KV plan (the resolver and the CLI read them too).
+from kvstrata.config.kv_plan import (HOST_LAYOUTS as LAYOUTS, LAYER_FIRST, MHA_K, PAGE_FIRST,
+                                     PAGE_FIRST_DIRECT, PAGE_HEAD, KVPlan)
 
 # Permutation taking each layout's page-split view to device order (kv, L, page, P, H, D).
 # Page-split views: layer_first (2, L, N, P, H, D); page_first (2, N, P, L, H, D);
@@ -43,35 +41,33 @@ _TO_DEVICE_ORDER = {
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """Shape of the KV of one model replica, shared by the device and host pools."""
+    """The torch-side view of an MHA KVPlan: the dims and the torch dtype the device and host
+    pool tensors are built with. Sizes and validation belong to the plan."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: torch.dtype
 
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    @classmethod
+    def from_plan(cls, plan: KVPlan) -> "KVGeometry":
+        k = plan.component(MHA_K)  # KeyError for a pool kind without K/V (not built yet)
+        heads, head_dim = k.token_shape
+        return cls(k.num_layers, heads, head_dim, plan.page_size, getattr(torch, k.dtype))
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V of every layer for one token: L * H * D * 2 * itemsize."""
-        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.itemsize
-
-    @property
-    def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
-
-    @property
     def page_numel(self) -> int:
         """Elements in one flat page (2, L, P, H, D)."""
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one flat page tensor (equals KVPlan.bytes_per_page; a test pins it)."""
+        return self.page_numel * self.itemsize
 
 
 def check_layout(layout: str) -> None:

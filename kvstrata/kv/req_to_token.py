@@ -53,3 +53,10 @@ class ReqToTokenTable:
 
     def clear(self, row: int) -> None:
         self.table[row].zero_()
+
+    def check_rows(self, expected: dict[int, list[int]]) -> None:
+        for row, slots in expected.items():
+            got = self.table[row, :len(slots)].tolist()
+            assert got == list(slots), (
+                f"req_to_token row {row} holds {got[:16]}..., the scheduler expects "
+                f"{list(slots)[:16]}...")

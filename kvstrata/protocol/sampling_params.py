@@ -12,6 +12,10 @@ from typing import Any
 
 # top_k <= 0 (SGLang uses -1) means "no top-k cut".
 TOP_K_ALL = -1
+# Integers cross process boundaries as msgpack, which holds [-2**63, 2**64): anything wider
+# is refused here by name rather than failing later as an OverflowError.
+_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
+_TOKEN_ID_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -32,6 +36,8 @@ class SamplingParams:
     # None: no logprobs. n >= 0: the sampled token's logprob plus the top-n alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # SGLang's no_stop_trim: keep a matched stop string in the output text.
+    no_stop_trim: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,8 +73,8 @@ class SamplingParams:
         def is_num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-        check("max_new_tokens", is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
-              "must be an integer >= 0")
+        check("max_new_tokens", is_int(self.max_new_tokens)
+              and 0 <= self.max_new_tokens <= _TOKEN_ID_MAX, "must be an integer in [0, 2**63)")
         check("min_new_tokens", is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
               "must be an integer >= 0")
         check("min_new_tokens", self.min_new_tokens <= self.max_new_tokens,
@@ -76,7 +82,8 @@ class SamplingParams:
         check("temperature", is_num(self.temperature) and 0.0 <= self.temperature <= 100.0,
               "must be in [0, 100]")
         check("top_p", is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
-        check("top_k", is_int(self.top_k) and (self.top_k == TOP_K_ALL or self.top_k >= 1),
+        check("top_k", is_int(self.top_k) and (self.top_k == TOP_K_ALL
+                                              or 1 <= self.top_k <= _TOKEN_ID_MAX),
               "must be -1 (disabled) or >= 1")
         check("min_p", is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
         check("repetition_penalty",
@@ -88,11 +95,15 @@ class SamplingParams:
         check("presence_penalty",
               is_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
               "must be in [-2, 2]")
-        check("seed", self.seed is None or is_int(self.seed), "must be an integer")
+        check("seed", self.seed is None or (is_int(self.seed)
+                                            and _INT64_MIN <= self.seed <= _UINT64_MAX),
+              "must be an integer in [-2**63, 2**64)")
         check("stop", all(isinstance(s, str) and s for s in self.stop),
               "must be a non-empty string or a list of non-empty strings")
-        check("stop_token_ids", all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              "must be a list of non-negative integers")
+        check("stop_token_ids",
+              all(is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in self.stop_token_ids),
+              "must be a list of non-negative integers below 2**63")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean")
+        check("no_stop_trim", isinstance(self.no_stop_trim, bool), "must be a boolean")
         check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be null or an integer in [0, 20]")

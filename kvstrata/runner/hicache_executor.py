@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
+from kvstrata.config.kv_plan import MHA_K, KVPlan
 from kvstrata.kv.host_pool import HostKVPool
-from kvstrata.kv.layouts import KVGeometry
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.protocol import TransferOp
 from kvstrata.transfer.controller import TransferController
@@ -24,40 +24,39 @@ logger = logging.getLogger(__name__)
 # measured 0.27-0.66 of memcpy with 768 B (SmolLM2, page size 1) against 0.8-1.2 with 12 KiB
 # (page size 16) for 256-page transfers (docs/benchmarks.md, "HiCache transfer").
 SMALL_PAGE_BYTES = 4096
+# Longest wait of an idle step for a copy: the loop then returns to read new requests.
+IDLE_WAIT_SECONDS = 0.05
 
 
-def page_size_advice(geom: KVGeometry) -> str | None:
+def page_size_advice(plan: KVPlan) -> str | None:
     """A start-up warning when pages are too small for fast host copies, else None."""
-    page_bytes = geom.page_size * geom.num_kv_heads * geom.head_dim * geom.itemsize
+    page_bytes = plan.bytes_per_page_per_layer(MHA_K)  # one contiguous run per (page, layer)
     if page_bytes >= SMALL_PAGE_BYTES:
         return None
-    suggest = -(-SMALL_PAGE_BYTES // (page_bytes // geom.page_size))  # tokens for 4 KiB
+    token_bytes = plan.component(MHA_K).bytes_per_token_per_layer
+    suggest = -(-SMALL_PAGE_BYTES // token_bytes)  # tokens for 4 KiB
     suggest = 1 << (suggest - 1).bit_length()
-    return (f"HiCache with --page-size {geom.page_size}: a page of one layer is {page_bytes} "
+    return (f"HiCache with --page-size {plan.page_size}: a page of one layer is {page_bytes} "
             f"bytes, so host<->device copies move small scattered rows (about half of memcpy "
             f"speed); --page-size {max(16, suggest)} or more keeps them near memcpy")
 
 
 class HiCacheExecutor:
-    def __init__(self, device_pool, layout: str, io_backend: str,
-                 hicache_ratio: float | None, hicache_size: float):
-        self.host_pool = HostKVPool.from_device_pool(device_pool, layout,
-                                                     hicache_ratio=hicache_ratio,
-                                                     hicache_size=hicache_size)
-        self.io = make_io_backend(io_backend, device_pool.kv, self.host_pool)
-        advice = page_size_advice(self.host_pool.geom)
+    def __init__(self, device_pool, plan: KVPlan):
+        """The host pool and IO backend `plan` describes, behind `device_pool`."""
+        self.host_pool = HostKVPool.from_plan(plan)
+        self.io = make_io_backend(plan.io_backend, device_pool.kv, self.host_pool)
+        advice = page_size_advice(plan)
         if advice:
             logger.warning(advice)
         self.controller = TransferController(self.io)
         self._job_of: dict[int, int] = {}  # controller id -> scheduler job id
         self.wait_seconds = 0.0
 
-    @property
-    def num_host_pages(self) -> int:
-        return self.host_pool.num_pages
-
-    def execute(self, ops: list[TransferOp]) -> tuple[list[int], list[int]]:
-        """Queue this step's ops; returns (finished, failed) scheduler job ids so far."""
+    def execute(self, ops: list[TransferOp], idle: bool = False) -> tuple[list[int], list[int]]:
+        """Queue this step's ops; returns (finished, failed) scheduler job ids so far.
+        idle: the step computes nothing, so wait (bounded) for a copy to finish rather than
+        return at once and have the engine loop spin on an empty step."""
         for op in ops:
             cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages)
             self._job_of[cid] = op.job_id
@@ -65,6 +64,8 @@ class HiCacheExecutor:
             start = time.perf_counter()
             done, failed = self.controller.drain()
             self.wait_seconds += time.perf_counter() - start
+        elif idle:
+            done, failed = self.controller.wait_any(IDLE_WAIT_SECONDS)
         else:
             done, failed = self.controller.poll_finished()
         return ([self._job_of.pop(c) for c in done], [self._job_of.pop(c) for c in failed])

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstrata.config.kv_plan import KVPlan, mha_components
+from kvstrata.config.kv_sizing import ModelKVFacts
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                           resolve_model_path)
 from kvstrata.kv.device_pool import MHATokenToKVPool
@@ -28,8 +30,6 @@ from kvstrata.runner.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING_REQUESTS = 256
-
 
 @dataclass
 class _ReqState:
@@ -41,15 +41,12 @@ class _ReqState:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, dtype: str = "auto", page_size: int = 1,
-                 max_total_tokens: int | None = None, max_running_requests: int | None = None,
-                 max_context_len: int | None = None, device: str | torch.device | None = None,
-                 mem_budget_gb: float | None = None, hicache: dict | None = None,
-                 mem_fraction_static: float | None = None):
-        """hicache: None, or kwargs of HiCacheExecutor (layout, io_backend, hicache_ratio,
-        hicache_size) to back the device pool with a host pool."""
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+    """Two phases, so that the KV plan is computed once, outside: the constructor loads the
+    model; the engine factory reads `kv_facts()` and `kv_budget_bytes()`, sizes a KVPlan
+    (config/kv_sizing.py) and hands it to `allocate_kv`, which builds every KV tensor."""
+
+    def __init__(self, model_path: str, dtype: str = "auto",
+                 device: str | torch.device | None = None):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
@@ -57,56 +54,48 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.source)
         self.model = load_model(self.source, self.hf_config, dtype, self.device)
         self.dtype = self.model.dtype
-        dims = self.model.dims
-        self.vocab_size = dims.vocab_size
+        self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
-
-        self.page_size = page_size
-        bytes_per_token = MHATokenToKVPool.bytes_per_token(
-            dims.num_layers, dims.num_kv_heads, dims.head_dim, self.dtype)
-        if max_total_tokens is None:
-            if mem_budget_gb is not None:
-                budget = int(mem_budget_gb * 1024 ** 3)
-            elif mem_fraction_static is not None:
-                weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-                budget = kv_budget_from_fraction(self.device, mem_fraction_static, weights)
-            else:
-                budget = default_kv_budget_bytes(self.device)
-            max_total_tokens = budget // bytes_per_token
-        # Whole pages only; +1 page is the padding sink, allocated on top of the capacity.
-        self.num_pages = max_total_tokens // page_size
-        if self.num_pages < 1:
-            raise ValueError(f"KV budget of {max_total_tokens} tokens holds no page of "
-                             f"{page_size} tokens")
-        self.max_total_tokens = self.num_pages * page_size
-        model_ctx = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        self.max_context_len = int(max_context_len or model_ctx)
-        window = self._sliding_window()
-        if window is not None and self.max_context_len > window:
-            # Our attention is full-causal; capping the context at the window keeps it exact
-            # (no position can ever see a key the window would have hidden).
-            logger.warning("model uses sliding-window attention (%d); capping context length "
-                           "%d -> %d", window, self.max_context_len, window)
-            self.max_context_len = window
-        self.max_running_requests = int(max_running_requests or
-                                        min(DEFAULT_MAX_RUNNING_REQUESTS, self.num_pages))
-
-        self.kv_pool = MHATokenToKVPool(self.num_pages, page_size, dims.num_layers,
-                                        dims.num_kv_heads, dims.head_dim, self.dtype,
-                                        self.device)
-        self.req_to_token = ReqToTokenTable(self.max_running_requests, self.max_context_len,
-                                            self.device)
-        self.model.attn_backend = TorchNativeAttnBackend(
-            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-            page_size=page_size)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, _ReqState] = {}
-        self.hicache = HiCacheExecutor(self.kv_pool, **hicache) if hicache else None
-        self.num_host_pages = self.hicache.num_host_pages if self.hicache else 0
-        logger.info("model %s (%s) on %s: %d KV pages x %d tokens (%.1f MiB), %d rows x %d",
-                    self.source.display_name, self.dtype, self.device, self.num_pages,
-                    page_size, self.kv_pool.size_bytes / 2 ** 20, self.max_running_requests,
-                    self.max_context_len)
+        self.plan: KVPlan | None = None
+        self.hicache: HiCacheExecutor | None = None
+
+    # ------------------------------------------------------------------ KV sizing and allocation
+    def kv_facts(self) -> ModelKVFacts:
+        dims = self.model.dims
+        return ModelKVFacts(
+            pool_kind="mha",
+            components=mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                      str(self.dtype).removeprefix("torch.")),
+            max_position_embeddings=getattr(self.hf_config, "max_position_embeddings", None),
+            sliding_window=self._sliding_window())
+
+    def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
+        """Memory the KV pool may take, measured now that the weights are loaded."""
+        if mem_fraction_static is not None:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return kv_budget_from_fraction(self.device, mem_fraction_static, weights)
+        return default_kv_budget_bytes(self.device)
+
+    def allocate_kv(self, plan: KVPlan) -> None:
+        """Build the device pool, req_to_token and (if planned) the host pool from `plan`."""
+        if self.plan is not None:
+            raise RuntimeError("the KV cache is already allocated")
+        self.plan = plan
+        dims = self.model.dims
+        self.kv_pool = MHATokenToKVPool(plan, self.device)
+        self.req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len, self.device)
+        self.model.attn_backend = TorchNativeAttnBackend(
+            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
+            page_size=plan.page_size)
+        self.hicache = HiCacheExecutor(self.kv_pool, plan) if plan.has_host_pool else None
+        logger.info("model %s (%s) on %s; %s", self.source.display_name, self.dtype,
+                    self.device, plan.summary())
+
+    @property
+    def max_context_len(self) -> int:
+        return self.plan.context_len
 
     def _sliding_window(self) -> int | None:
         c = self.hf_config
@@ -127,7 +116,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Tier moves first: loads this forward reads, write-backs of pages it may overwrite.
-        done, failed = self.hicache.execute(sched.transfers) if self.hicache else ([], [])
+        idle = not sched.scheduled
+        done, failed = (self.hicache.execute(sched.transfers, idle=idle) if self.hicache
+                        else ([], []))
         out = self._execute_forward(sched)
         out.finished_transfer_ids = done
         out.failed_transfer_ids = failed
@@ -246,3 +237,8 @@ class ModelRunner:
     @property
     def num_live_requests(self) -> int:
         return len(self._reqs)
+
+    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+        """Assert each live row's current entries are the slots the scheduler assigned
+        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV."""
+        self.req_to_token.check_rows(expected)

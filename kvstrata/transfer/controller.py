@@ -139,6 +139,24 @@ class TransferController:
                     wait = min(wait or 1e9, max(0.0, deadline - time.monotonic()))
                 self._idle.wait(wait)
 
+    def wait_any(self, timeout: float) -> tuple[list[int], list[int]]:
+        """Block until at least one job is finished or failed, none is outstanding, or
+        `timeout` seconds pass; returns them like `poll_finished`. The engine loop calls it
+        when a step has nothing to compute but copies in flight, instead of spinning."""
+        deadline = time.monotonic() + timeout
+        while True:
+            finished, failed = self.poll_finished()
+            if finished or failed:
+                return finished, failed
+            with self._lock:
+                remaining = deadline - time.monotonic()
+                if self._outstanding == 0 or remaining <= 0:
+                    return [], []
+                if self._failed or (self._launched and self._streams is None):
+                    continue  # reported since our poll: collect before waiting
+                # GPU events are polled, not signalled; CPU completions notify the condition.
+                self._idle.wait(min(0.001, remaining) if self._launched else remaining)
+
     def close(self) -> None:
         """Stop the worker after the jobs already queued."""
         if not self._closed:

@@ -36,7 +36,7 @@ def test_runner_rejects_unknown_architecture(tmp_path):
            "vocab_size": 16}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
-        ModelRunner(str(tmp_path), max_total_tokens=16)
+        ModelRunner(str(tmp_path))
 
 
 def test_resolve_sources(tmp_path, smollm2_gguf_path):

@@ -40,10 +40,10 @@ def smollm2_reference(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def smollm2_runner(smollm2_gguf_path):
-    from kvstrata.runner.model_runner import ModelRunner
+    from helpers.runner import make_runner
 
-    return ModelRunner(smollm2_gguf_path, page_size=16, max_total_tokens=4096,
-                       max_running_requests=8, max_context_len=2048)
+    return make_runner(smollm2_gguf_path, page_size=16, max_total_tokens=4096,
+                       max_running_requests=8, context_length=2048)
 
 
 def test_smollm2_gguf_matches_transformers(smollm2_runner, smollm2_reference):

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import GREEDY_TOKENS, TINY_ARCHS
 from helpers.compare import assert_tokens_match
 from helpers.driver import greedy_generate
+from helpers.runner import make_runner
 from kvstrata.runner.model_runner import ModelRunner
 
 PREFILL_ATOL = 1e-4
@@ -22,8 +23,8 @@ _runners: dict[tuple[str, int], ModelRunner] = {}
 def _runner(path: str, arch: str, page_size: int) -> ModelRunner:
     key = (arch, page_size)
     if key not in _runners:  # a tiny runner loads in ms, but reuse keeps the suite lean
-        _runners[key] = ModelRunner(path, page_size=page_size, max_total_tokens=4096,
-                                    max_context_len=512, max_running_requests=16)
+        _runners[key] = make_runner(path, page_size=page_size, max_total_tokens=4096,
+                                    context_length=512, max_running_requests=16)
     return _runners[key]
 
 
@@ -78,7 +79,7 @@ def test_prompt_logprobs_across_chunks(tiny_checkpoints, tiny_prompts):
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     new = [NewRequestData("echo", prompt, [], params, return_prompt_logprobs=True)]
     got, pos, step = None, 0, 0
-    pages = iter(range(1, runner.num_pages + 1))
+    pages = iter(range(1, runner.plan.num_pages + 1))
     while pos < len(prompt):
         n = min(20, len(prompt) - pos)
         slots = []
@@ -124,8 +125,8 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_checkpoints, tiny_prom
     """Half precision cannot match float32 token for token; check it is close and runs
     the paged decode path."""
     path = tiny_checkpoints["qwen3"]
-    runner = ModelRunner(path, dtype=dtype, page_size=16, max_total_tokens=1024,
-                         max_context_len=512, max_running_requests=4)
+    runner = make_runner(path, dtype=dtype, page_size=16, max_total_tokens=1024,
+                         context_length=512, max_running_requests=4)
     assert runner.kv_pool.kv.dtype == getattr(torch, dtype)
     ref = _runner(path, "qwen3", 16).forward_logits(tiny_prompts[6])
     ours = runner.forward_logits(tiny_prompts[6])
@@ -155,5 +156,5 @@ def test_sliding_window_caps_context(tiny_checkpoints, tmp_path):
     cfg = json.loads((dst / "config.json").read_text())
     cfg["sliding_window"] = 128
     (dst / "config.json").write_text(json.dumps(cfg))
-    runner = ModelRunner(str(dst), max_total_tokens=256)
+    runner = make_runner(str(dst), max_total_tokens=256)
     assert runner.max_context_len == 128

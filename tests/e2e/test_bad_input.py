@@ -54,7 +54,7 @@ CASES = [
     ("stop_empty_string", COMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("generate_text_and_ids", GEN, {"text": "x", "input_ids": [1]}, 400, "text"),
     ("generate_unknown_sampling_param", GEN,
-     {"text": "x", "sampling_params": {"regex": "a+"}}, 400, "sampling_params"),
+     {"text": "x", "sampling_params": {"regex": "a+"}}, 400, "sampling_params.regex"),
     ("generate_bad_sampling_value", GEN,
      {"text": "x", "sampling_params": {"temperature": -1}}, 400, "sampling_params.temperature"),
     ("generate_too_long", GEN, {"input_ids": [1] * 600}, 400, "input_ids"),
@@ -64,6 +64,55 @@ CASES = [
     ("generate_batch_empty", GEN, {"text": []}, 400, "text"),
     ("generate_params_list_single_prompt", GEN,
      {"text": "a", "sampling_params": [{}]}, 400, "sampling_params"),
+    ("generate_unknown_model", GEN, {"text": "x", "model": "gpt-9"}, 404, "model"),
+    ("generate_unknown_to_sglang_too", GEN, {"text": "x", "colour": 1}, 400, "colour"),
+    ("generate_sampling_key_unknown_to_sglang", GEN,
+     {"text": "x", "sampling_params": {"colour": 1}}, 400, "sampling_params"),
+    # SGLang fields accepted only at their default.
+    ("sglang_field_not_default", CHAT, {"messages": MSG, "return_hidden_states": True}, 400,
+     "return_hidden_states"),
+    ("sglang_completion_field_not_default", COMP, {"prompt": "x", "regex": "a+"}, 400,
+     "regex"),
+    ("generate_sglang_field_not_default", GEN, {"text": "x", "background": True}, 400,
+     "background"),
+    ("generate_sampling_n", GEN, {"text": "x", "sampling_params": {"n": 2}}, 400,
+     "sampling_params.n"),
+    ("rid_list", CHAT, {"messages": MSG, "rid": ["a"]}, 400, "rid"),
+    ("chat_template_kwargs_reserved", CHAT,
+     {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs.tokenize"),
+    ("chat_input_ids_out_of_vocab", CHAT, {"messages": MSG, "input_ids": [10 ** 7]}, 400,
+     "input_ids"),
+    # Integers wider than 64 bits (used to be OverflowError 500s).
+    ("seed_too_wide", CHAT, {"messages": MSG, "seed": 2 ** 70}, 400, "seed"),
+    ("stop_token_ids_too_wide", COMP, {"prompt": "x", "stop_token_ids": [2 ** 70]}, 400,
+     "stop_token_ids"),
+    ("bootstrap_room_too_wide", CHAT, {"messages": MSG, "bootstrap_room": 2 ** 70}, 400,
+     "bootstrap_room"),
+    ("generate_input_ids_too_wide", GEN, {"input_ids": [2 ** 70]}, 400, "input_ids"),
+    ("generate_input_ids_out_of_vocab", GEN, {"input_ids": [1, 10 ** 7]}, 400, "input_ids"),
+    ("generate_seed_too_wide", GEN, {"text": "x", "sampling_params": {"seed": 2 ** 70}}, 400,
+     "sampling_params.seed"),
+    ("generate_top_k_too_wide", GEN, {"text": "x", "sampling_params": {"top_k": 2 ** 70}},
+     400, "sampling_params.top_k"),
+    ("deeply_nested_json", CHAT,
+     '{"messages": [], "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),
+    ("generate_batch_duplicate_rids", GEN, {"text": ["a", "b"], "rid": ["r", "r"]}, 400,
+     "rid"),
+    # The field the client sent, by its name.
+    ("top_logprobs_num_too_many", GEN,
+     {"text": "x", "return_logprob": True, "top_logprobs_num": 50}, 400, "top_logprobs_num"),
+    ("message_without_content", CHAT, {"messages": [{"role": "user"}]}, 400,
+     "messages.0.content"),
+    ("message_with_no_parts", CHAT, {"messages": [{"role": "user", "content": []}]}, 400,
+     "messages.0.content"),
+    ("image_part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400,
+     "messages.0.content.1"),
+    ("bad_part_field", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": 3}}]}]}, 400,
+     "messages.0.content.0.image_url.url"),
 ]
 
 
@@ -105,3 +154,46 @@ def test_server_survives_bad_input_without_leaks(server, client):
     assert r.usage.completion_tokens >= 1
     st = wait_idle(server)
     assert st["ok"] and st["num_used_tokens"] == 0, st
+
+
+def test_image_part_says_images_are_not_supported(server):
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}
+    r = httpx.post(server.base_url + CHAT, json=body, timeout=30)
+    assert r.status_code == 400
+    assert "image input is not supported" in r.json()["error"]["message"]
+
+
+def test_duplicate_running_rid_is_a_400(server):
+    """A rid equal to a running request's is the client's mistake: 400, and the running
+    request is unharmed."""
+    body = {"text": "hello", "rid": "dup-rid", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", GEN, json=body) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            second = httpx.post(server.base_url + GEN, json={**body, "stream": False},
+                                timeout=30)
+            assert second.status_code == 400, second.text
+            assert second.json()["error"]["param"] == "rid"
+            chunks = [line for line in lines if line.startswith("data:")]
+    assert chunks[-1] == "data: [DONE]"
+    assert '"length"' in chunks[-2]
+    wait_idle(server)
+
+
+def test_failed_batch_prompt_cancels_the_others(server):
+    """One bad prompt in a /generate batch is a 400, and the batch's other prompts, already
+    started, do not run on with nobody reading them (they are cancelled with the batch; the
+    disconnect poll of the finished response would also catch them, 0.25 s later)."""
+    from tests.e2e.test_sglang_router import finished_requests
+
+    before = finished_requests(server.base_url)
+    r = httpx.post(server.base_url + GEN, json={
+        "input_ids": [[1] * 5, [1] * 600],
+        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids", r.text
+    st = wait_idle(server, timeout=30)
+    assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert finished_requests(server.base_url) == before  # nothing ran to its end

@@ -87,3 +87,16 @@ def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
     finally:
         srv.stop()
     assert [p for p in [srv.proc.pid, *srv.children] if pid_alive(p)] == []
+
+
+def test_bad_page_geometry_fails_start_naming_the_flags(tiny_model_path):
+    """Start-up validation runs once, in the scheduler process; a bad flag comes back as one
+    clear line (no traceback) and a non-zero exit, not a server that hangs on its first
+    chunked prompt."""
+    with pytest.raises(RuntimeError) as err:
+        ServerProcess(tiny_model_path, "--page-size", "16", "--chunked-prefill-size", "8",
+                      timeout=120)
+    msg = str(err.value)
+    assert "server exited with 1" in msg
+    assert ("error: scheduler failed to start: --chunked-prefill-size 8 must be a multiple of "
+            "--page-size 16") in msg

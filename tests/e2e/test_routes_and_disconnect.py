@@ -27,6 +27,14 @@ def test_introspection_routes(server):
     for path in ("/server_info", "/get_server_info"):
         info = httpx.get(base + path).json()
         assert info["model_path"].endswith("tiny-llama-smollm2-tok-v1") and "version" in info
+    # The scheduler's one start-up resolution and sizing, not the flags as given.
+    assert info["device"] == "cpu" and info["chunked_prefill_size"] == 2048
+    plan = info["kv_plan"]
+    assert plan["max_total_tokens"] == info["max_total_tokens"] == 16384
+    assert plan["context_len"] == info["context_length"] == 512
+    assert plan["num_rows"] == info["max_running_requests"] == 256
+    assert plan["bytes_per_token"] == 2 * 2 * 16 * 2 * 4  # 2 layers x 2 kv heads x 16 x K,V x fp32
+    assert {"platform.device", "kv_plan.rows"} <= {r["rule"] for r in info["resolutions"]}
     for path in ("/model_info", "/get_model_info"):
         info = httpx.get(base + path).json()
         assert info["is_generation"] is True and info["max_context_len"] == 512

@@ -30,10 +30,10 @@ class _Req:
 def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int | None = None,
                     arrivals: list[int] | None = None, seed: int = 0,
                     params: SamplingParams | None = None) -> list[list[int]]:
-    p = runner.page_size
-    free_pages = list(range(1, runner.num_pages + 1))
+    p = runner.plan.page_size
+    free_pages = list(range(1, runner.plan.num_pages + 1))
     random.Random(seed).shuffle(free_pages)
-    free_rows = list(range(1, runner.max_running_requests + 1))
+    free_rows = list(range(1, runner.plan.num_rows + 1))
     arrivals = arrivals or [0] * len(prompts)
     params = params or SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     reqs = [_Req(f"r{i}", list(pr), max_new, a) for i, (pr, a) in

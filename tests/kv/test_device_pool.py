@@ -4,12 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv import MHATokenToKVPool, ReqToTokenTable
 
 
+def mha_plan(num_pages, page_size, num_layers, num_kv_heads, head_dim, dtype):
+    return KVPlan.mha(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      dtype=dtype, page_size=page_size, num_pages=num_pages)
+
+
 def test_pool_shape_zero_init_and_round_trip():
-    pool = MHATokenToKVPool(num_pages=5, page_size=4, num_layers=3, num_kv_heads=2,
-                            head_dim=8, dtype=torch.float32, device="cpu")
+    pool = MHATokenToKVPool(mha_plan(5, 4, 3, 2, 8, "float32"), "cpu")
     assert pool.kv.shape == (2, 3, 24, 2, 8)
     assert not pool.kv.any()
     slots = torch.tensor([4, 9, 23])  # first slot of page 1, mid page 2, last slot of page 5
@@ -22,16 +27,25 @@ def test_pool_shape_zero_init_and_round_trip():
     assert pool.kv_layer(1).shape == (2, 24, 2, 8)
 
 
-def test_bytes_per_token():
-    assert MHATokenToKVPool.bytes_per_token(30, 3, 64, torch.float32) == 30 * 3 * 64 * 2 * 4
-    assert MHATokenToKVPool.bytes_per_token(2, 4, 16, torch.bfloat16) == 2 * 4 * 16 * 2 * 2
-    pool = MHATokenToKVPool(2, 1, 2, 4, 16, torch.bfloat16, "cpu")
-    assert pool.size_bytes == 3 * MHATokenToKVPool.bytes_per_token(2, 4, 16, torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_plan_bytes_match_the_real_tensor(dtype, page_size):
+    """The plan sizes pools from bytes per token; the tensor it allocates must agree."""
+    plan = mha_plan(3, page_size, 2, 4, 16, dtype)
+    pool = MHATokenToKVPool(plan, "cpu")
+    itemsize = pool.kv.element_size()
+    assert plan.bytes_per_token == 2 * 4 * 16 * 2 * itemsize
+    assert pool.size_bytes == plan.device_pool_bytes == 4 * page_size * plan.bytes_per_token
+    one_page_one_layer_k = pool.k(0)[:page_size]
+    assert plan.bytes_per_page_per_layer("k") == \
+        one_page_one_layer_k.numel() * one_page_one_layer_k.element_size()
+    assert mha_plan(1, 16, 30, 3, 64, "float32").bytes_per_token == 30 * 3 * 64 * 2 * 4
+    assert pool.geom.bytes_per_page == plan.bytes_per_page  # the host pool's page size
 
 
-def test_pool_rejects_empty():
-    with pytest.raises(ValueError):
-        MHATokenToKVPool(0, 1, 1, 1, 1, torch.float32, "cpu")
+def test_plan_rejects_empty_pool():
+    with pytest.raises(ValueError, match="num_pages must be >= 1"):
+        mha_plan(0, 1, 1, 1, 1, "float32")
 
 
 def test_req_to_token_writes():

@@ -2,23 +2,33 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_sizing import host_pool_num_pages
 from kvstrata.kv import host_pool as hp
-from kvstrata.kv.host_pool import HostKVPool, check_host_memory, host_pool_num_pages
+from kvstrata.kv.host_pool import HostKVPool, check_host_memory
 from kvstrata.kv.layouts import LAYOUTS, KVGeometry, device_order_view, host_shape
 
 GEOM = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=12, page_size=4, dtype=torch.float32)
 
 
+def plan_with_host(dtype, num_host_pages, layout, size_flag="--hicache-ratio"):
+    """Device pool of 10 pages of 4 tokens (3 layers, 2 heads, head dim 12)."""
+    return KVPlan.mha(num_layers=3, num_kv_heads=2, head_dim=12, dtype=dtype, page_size=4,
+                      num_pages=10, num_host_pages=num_host_pages, host_layout=layout,
+                      io_backend="direct" if layout == "page_first_direct" else "kernel",
+                      host_size_flag=size_flag)
+
+
 def test_bytes_per_token_smollm2():
-    g = KVGeometry(30, 3, 64, 16, torch.float32)
+    g = KVPlan.mha(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", page_size=16,
+                   num_pages=1)
     assert g.bytes_per_token == 30 * 3 * 64 * 2 * 4 == 46080
     assert g.bytes_per_page == 16 * 46080
-    assert KVGeometry(30, 3, 64, 16, torch.bfloat16).bytes_per_token == 23040
+    assert KVPlan.mha(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16",
+                      page_size=16, num_pages=1).bytes_per_token == 23040
 
 
 def test_size_from_ratio_and_from_gb():
@@ -56,25 +66,21 @@ def test_ram_refusal_names_both_figures_and_the_flag():
 
 def test_pool_refuses_before_allocating(monkeypatch):
     monkeypatch.setattr(hp, "available_ram_bytes", lambda: 10**6)
-    device_pool = SimpleNamespace(num_pages=10, page_size=4, num_layers=3, num_kv_heads=2,
-                                  head_dim=12, dtype=torch.float32)
     with pytest.raises(ValueError, match="Reduce --hicache-ratio"):
-        HostKVPool.from_device_pool(device_pool, "page_first", hicache_ratio=100.0,
-                                    hicache_size=0, reserve_bytes=0)
+        HostKVPool.from_plan(plan_with_host("float32", 1000, "page_first"), reserve_bytes=0)
     with pytest.raises(ValueError, match="Reduce --hicache-size"):
-        HostKVPool.from_device_pool(device_pool, "page_first", hicache_ratio=None,
-                                    hicache_size=0.01, reserve_bytes=0)
+        HostKVPool.from_plan(plan_with_host("float32", 4340, "page_first", "--hicache-size"),
+                             reserve_bytes=0)
 
 
-def test_from_device_pool_logs_and_touches(caplog):
-    device_pool = SimpleNamespace(num_pages=10, page_size=4, num_layers=3, num_kv_heads=2,
-                                  head_dim=12, dtype=torch.bfloat16)
+def test_from_plan_logs_and_touches(caplog):
+    plan = plan_with_host("bfloat16", 20, "layer_first")
     with caplog.at_level(logging.INFO, logger="kvstrata.kv.host_pool"):
-        pool = HostKVPool.from_device_pool(device_pool, "layer_first", hicache_ratio=2.0,
-                                           hicache_size=0)
+        pool = HostKVPool.from_plan(plan)
     assert pool.num_pages == 20 and pool.num_tokens == 80
     assert pool.kv.shape == (2, 3, 84, 2, 12)  # 20 pages + the reserved page 0
     assert pool.size_bytes == 21 * 4 * 3 * 2 * 12 * 2 * 2 == pool.kv.numel() * 2
+    assert plan.host_pool_bytes == pool.size_bytes
     assert not pool.kv.any()  # zeroed, i.e. touched
     assert "Allocating 0.00 GB host memory" in caplog.text and "layout layer_first" in caplog.text
 

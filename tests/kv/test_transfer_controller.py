@@ -72,3 +72,31 @@ def test_submit_validates_arguments_and_close():
     ctl.close()
     with pytest.raises(RuntimeError, match="closed"):
         ctl.submit("write", [1], [1])
+
+
+def test_wait_any_blocks_on_a_copy_instead_of_spinning():
+    """An engine step with nothing to compute but a copy in flight waits in wait_any: it
+    returns when the copy finishes (not before, not much later), and at once when nothing
+    is outstanding; a copy longer than the timeout returns empty after the timeout."""
+    import time
+
+    io = _backend()
+    release = threading.Event()
+    original = io.write_back
+
+    def slow(device_pages, host_pages):
+        release.wait(10)
+        original(device_pages, host_pages)
+
+    io.write_back = slow
+    with TransferController(io) as ctl:
+        start = time.monotonic()
+        assert ctl.wait_any(timeout=0) == ([], [])  # nothing outstanding
+        job = ctl.submit("write", [1], [1])
+        assert ctl.wait_any(timeout=0.2) == ([], [])  # still copying
+        assert time.monotonic() - start >= 0.2
+        threading.Timer(0.2, release.set).start()
+        t0 = time.monotonic()
+        assert ctl.wait_any(timeout=10) == ([job], [])
+        assert 0.15 <= time.monotonic() - t0 < 5
+        assert ctl.wait_any(timeout=10) == ([], [])  # reported once; returns at once

@@ -93,3 +93,8 @@ class FakeRunner:
             toks.append(next_token(seq, self.vocab_size))
         n = len(ids)
         return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished)
+
+    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+        for row, slots in expected.items():
+            got = [self.rows.get(row, {}).get(i) for i in range(len(slots))]
+            assert got == list(slots), f"row {row}: {got} != {slots}"

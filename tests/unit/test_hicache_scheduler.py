@@ -69,3 +69,29 @@ def test_flush_frees_both_tiers():
     assert engine.flush_cache()
     kv = engine.scheduler.kv
     assert kv.allocator.available_pages() == 96 and kv.host_allocator.available_pages() == 512
+
+
+def test_decode_waits_for_a_write_through_copy_instead_of_aborting():
+    """Found by test_scheduler_fuzz: three 16-token pages; r0 (15 tokens) finishes and its
+    page is being written to the host (pinned by the copy job); r1 (32 + 2 tokens) needs a
+    third page for its decode. It used to be aborted for OOM as the last running request;
+    now decode waits for the copy, evicts r0's page and finishes."""
+    runner = FakeRunner(page_size=16, vocab_size=VOCAB)
+    engine = EngineCore(runner, SchedulerConfig(num_pages=3, page_size=16, num_host_pages=4,
+                                                hicache_write_policy="write_through"))
+    p0 = [(5 * i + 1) % VOCAB for i in range(15)]
+    p1 = [(5 * i + 1) % VOCAB for i in range(30)] + [3, 3]
+    for rid, p in (("r0", p0), ("r1", p1)):
+        engine.add_request(EngineRequest(rid, p, SamplingParams(max_new_tokens=2, temperature=0,
+                                                                ignore_eos=True)))
+    got, reasons = {"r0": [], "r1": []}, {}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            got[out.rid] += out.new_token_ids
+            if out.finished:
+                reasons[out.rid] = out.finish_reason.type
+    assert reasons == {"r0": "length", "r1": "length"}
+    assert got["r1"] == reference_tokens(p1, 2, VOCAB)
+    engine.check_integrity()

@@ -112,7 +112,10 @@ def test_cli_command_table_hooks():
 
 RULES = ["platform.device", "platform.chunked_prefill_size", "hicache.layout_io.R1",
          "hicache.layout_io.R2", "hicache.storage_layout", "hicache.ratio_default",
-         "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk"]
+         "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
+         # sizing, after the model loads (kvstrata/config/kv_sizing.py)
+         "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
+         "kv_plan.sliding_window", "kv_plan.rows"]
 
 
 def test_docs_list_every_flag_rule_and_env_var():
@@ -129,5 +132,7 @@ def test_docs_list_every_flag_rule_and_env_var():
     assert [v for v in envs.REGISTRY if f"`{v}`" not in doc] == []
     # and the list above is every rule name the rules modules use
     sources = "".join(p.read_text() for p in (root / "kvstrata/config/rules").glob("*.py"))
-    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa)\.[A-Za-z_.0-9]+)"', sources))
+    sources += (root / "kvstrata/config/kv_sizing.py").read_text()
+    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan)\.[A-Za-z_.0-9]+)"',
+                          sources))
     assert used == set(RULES)

@@ -8,7 +8,7 @@ import pytest
 
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.new_token_ratio import NewTokenRatio
-from kvstrata.engine.request import EngineRequest
+from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler import OOM_LAST_REQUEST_MESSAGE, SchedulerConfig
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, reference_tokens
@@ -233,3 +233,27 @@ def test_stream_interval_batches_deltas():
     while engine.has_unfinished_requests():
         sizes += [len(o.new_token_ids) for o in engine.step() if o.new_token_ids]
     assert sizes == [1, 4, 4, 1]  # first token at once, then every 4, the rest at finish
+
+
+def test_stall_aborts_the_request_that_cannot_fit_alone(caplog):
+    # The scheduler on its own (no EngineCore input check): a prompt larger than the pool
+    # can never be admitted. The step must not spin: it logs the state once and aborts it.
+    engine, runner = make_engine(num_pages=8, page_size=1, chunked_prefill_size=4)
+    sched = engine.scheduler
+    big = Request("big", prompt(5, 12), SamplingParams(max_new_tokens=2, temperature=0), 0)
+    small = Request("small", prompt(6, 3), SamplingParams(max_new_tokens=2, temperature=0), 1)
+    sched.add(big)
+    sched.add(small)
+    with caplog.at_level(logging.WARNING):
+        out = engine.step()
+    assert [o.rid for o in out] == ["big"] and out[0].finish_reason.status_code == 400
+    assert "needs about 13 KV tokens but the pool holds 8" in out[0].finish_reason.message
+    assert sched.num_stalls == 1 and caplog.text.count("Scheduler made no progress") == 1
+    assert "waiting: big(prompt=12" in caplog.text  # the state dump
+    res = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            res.setdefault(o.rid, []).extend(o.new_token_ids)
+    assert res["small"] == reference_tokens(small.prompt_ids, 2, VOCAB)
+    assert sched.num_stalls == 1
+    engine.check_integrity()

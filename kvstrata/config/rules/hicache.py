@@ -6,6 +6,7 @@ as is everywhere, and a test pins that on every simulated platform.
 """
 from __future__ import annotations
 
+from kvstrata.config.kv_plan import IO_BACKEND_LAYOUTS
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
 from kvstrata.platform import Platform
 
@@ -72,8 +73,9 @@ def layout_io(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
     if layout == "page_first" and io == "direct":
         return change(args, "hicache_mem_layout", "page_first_direct", "hicache.layout_io.R2",
                       R2_WARNING, warning=True)
-    if layout == "page_head" and io != "kernel":
-        raise ValueError(f"--hicache-mem-layout page_head requires --hicache-io-backend kernel, "
+    if layout not in IO_BACKEND_LAYOUTS[io]:  # after R1/R2 only page_head + direct is left
+        able = " or ".join(b for b, ok in IO_BACKEND_LAYOUTS.items() if layout in ok)
+        raise ValueError(f"--hicache-mem-layout {layout} requires --hicache-io-backend {able}, "
                          f"got {io}")
     return []
 

@@ -22,8 +22,13 @@ def platform_defaults(args: ResolvedArgs, platform: Platform,
                          f"platform (use {platform.device_type} or cpu)")
     if args.chunked_prefill_size is None:
         device = args.device or platform.device_type
-        size = CHUNKED_PREFILL_CPU if device == "cpu" else CHUNKED_PREFILL_ACCELERATOR
+        base = CHUNKED_PREFILL_CPU if device == "cpu" else CHUNKED_PREFILL_ACCELERATOR
+        # Chunks are cut to whole pages: align the default (rules/page_geometry.py refuses
+        # an explicit size that is not a multiple of the page, as SGLang does).
+        size = max(args.page_size, base // args.page_size * args.page_size)
+        aligned = f", aligned to whole pages of --page-size {args.page_size}" \
+            if size != base else ""
         out += change(args, "chunked_prefill_size", size, "platform.chunked_prefill_size",
-                      f"--chunked-prefill-size unset: {size} on "
-                      f"{'CPU' if device == 'cpu' else 'an accelerator'}")
+                      f"--chunked-prefill-size unset: {base} on "
+                      f"{'CPU' if device == 'cpu' else 'an accelerator'}{aligned}")
     return out

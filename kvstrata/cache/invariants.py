@@ -1,0 +1,80 @@
+"""One check over the whole KV bookkeeping (no torch), run by tests after draining and after
+every scheduler step when KVSTRATA_CHECK_INTEGRITY=1.
+
+What must hold at any step boundary:
+- every device page is exactly one of: free / owned by one live request / owned by the tree
+  (same for host pages: free / held by a tree node / being written for a node);
+- a request's tree-owned prefix is exactly the pages on the path to its locked node;
+- every node's lock_ref equals the number of lock holders whose path runs through it:
+  live requests (their `last_node`) and in-flight HiCache write jobs (the node they pin).
+  A lock nobody holds is a leak that makes pages unevictable forever.
+Who takes and drops locks (all through KVManager / the tree, nowhere else):
+  match_and_lock (admit)     lock(matched node)          release(...)        unlock
+  HiCache load-back          lock(loaded node), unlock(matched node)
+  cache_unfinished (chunk)   lock(new node), unlock(old node)
+  HiCache write job          lock(node) at submit, unlock when the job finishes or fails
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable
+
+
+def _path_pages(tree, node) -> list[int]:
+    pages: list[list[int]] = []
+    while node is not None and node is not tree.root:
+        pages.append(node.device_pages)
+        node = node.parent
+    return [p for chunk in reversed(pages) for p in chunk]
+
+
+def expected_locks(tree, holders: Iterable[Any]) -> Counter:
+    """node id -> number of holders whose path runs through it."""
+    expected: Counter = Counter()
+    for node in holders:
+        while node is not None and node is not tree.root:
+            expected[node.id] += 1
+            node = node.parent
+    return expected
+
+
+def check_kv_state(kv, live_requests: list[Any]) -> None:
+    """Raise AssertionError naming the first broken invariant of `kv` (a KVManager)."""
+    tree, alloc = kv.tree, kv.allocator
+    kv.check_integrity(live_requests)  # page accounting: free + own + cached == total
+    tree_pages = {p for n in tree._nodes() for p in n.device_pages}
+    holders = []
+    for req in live_requests:
+        own = req.pages[req.num_tree_pages:]
+        for p in own:
+            assert alloc.is_allocated(p), f"{req.rid}: owns page {p} which is free"
+            assert p not in tree_pages, f"{req.rid}: owns page {p} which the tree owns"
+        if req.last_node is None:
+            assert req.num_tree_pages == 0, f"{req.rid}: tree pages without a lock"
+            continue
+        assert req.last_node.parent is not None or req.last_node is tree.root, (
+            f"{req.rid}: its locked node was evicted")
+        path = _path_pages(tree, req.last_node)
+        assert path == req.pages[:req.num_tree_pages], (
+            f"{req.rid}: tree prefix {req.pages[:req.num_tree_pages]} != pages on the path "
+            f"to its locked node {path}")
+        holders.append(req.last_node)
+    holders += [locked for locked, _ in getattr(tree, "_jobs", {}).values()]
+    expected = expected_locks(tree, holders)
+    for node in tree._nodes():
+        assert node.lock_ref == expected.get(node.id, 0), (
+            f"{node!r}: lock_ref {node.lock_ref} but {expected.get(node.id, 0)} live holders "
+            f"(requests and copy jobs) pass through it")
+
+
+def expected_rows(live_requests: list[Any], page_size: int) -> dict[int, list[int]]:
+    """row -> slots of the positions whose req_to_token entries must be current now."""
+    rows: dict[int, list[int]] = {}
+    for req in live_requests:
+        if not req.row:
+            continue
+        assert req.row not in rows, f"row {req.row} given to two live requests"
+        upto = min(req.row_stale_from, req.num_computed_tokens)
+        rows[req.row] = [req.pages[i // page_size] * page_size + i % page_size
+                         for i in range(upto)]
+    return rows

@@ -1,0 +1,225 @@
+"""KVPlan: the one description of the KV cache's geometry and capacity (no torch).
+
+Computed once at start-up by `config.kv_sizing.size_kv_plan` (the engine factory calls it
+after resolution and after the model is loaded) and handed to everything that lays out or
+counts KV: the model runner (device pool, req_to_token, host pool, IO backend), the scheduler
+and the KV manager. PD transfer (per-layer page bytes to register), the decode-retraction
+backup and the MLA / DSA-indexer pools read their geometry from it too. Nothing else derives
+page counts or byte sizes; the plan checks its own consistency, once, when it is built.
+
+A pool kind is a tuple of `KVComponent`s: the per-token tensors every layer keeps.
+  mha   k (H, D) and v (H, D)                         in the KV dtype
+  mla   kv_latent (1, kv_lora_rank + qk_rope_head_dim) in the KV dtype
+  + DSA index_k (index_head_dim + 4 * index_head_dim / 128,) uint8 (fp8 keys and fp32
+        scales per 128-element block), next to either kind
+Page 0 of each pool and req_to_token row 0 are padding sinks allocated on top of the usable
+`num_pages` / `num_rows`.
+
+This module also owns the host memory layout names and which IO backend can move which
+layout (the resolver's rules, `--hicache-mem-layout` choices and the IO backends all read
+them from here).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Element sizes of the dtypes a KV component may be stored in (torch names).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "uint8": 1, "int8": 1}
+
+# ---- host memory layouts and the IO backends that can move them ----------------------------
+LAYER_FIRST = "layer_first"
+PAGE_FIRST = "page_first"
+PAGE_FIRST_DIRECT = "page_first_direct"
+PAGE_HEAD = "page_head"
+HOST_LAYOUTS = (LAYER_FIRST, PAGE_FIRST, PAGE_FIRST_DIRECT, PAGE_HEAD)
+IO_BACKENDS = ("direct", "kernel")
+# `direct` copies one contiguous block per (page, layer), so only layouts where a page of one
+# layer is contiguous qualify; `kernel` gathers rows and handles the others.
+IO_BACKEND_LAYOUTS = {
+    "kernel": (LAYER_FIRST, PAGE_FIRST, PAGE_HEAD),
+    "direct": (LAYER_FIRST, PAGE_FIRST_DIRECT),
+}
+
+# ---- pool kinds ------------------------------------------------------------------------------
+MHA_K, MHA_V = "k", "v"
+MLA_LATENT = "kv_latent"
+DSA_INDEX_K = "index_k"
+POOL_KINDS = {"mha": (MHA_K, MHA_V), "mla": (MLA_LATENT,),
+              "none": ()}  # none: page bookkeeping only (torch-free fake runners, tests)
+
+
+def check_host_layout_io(layout: str, io_backend: str) -> None:
+    """ValueError unless `io_backend` can move pages of a host pool in `layout`."""
+    if layout not in HOST_LAYOUTS:
+        raise ValueError(f"unknown host memory layout {layout!r}; expected one of "
+                         f"{', '.join(HOST_LAYOUTS)}")
+    if io_backend not in IO_BACKEND_LAYOUTS:
+        raise ValueError(f"unknown HiCache IO backend {io_backend!r}; expected one of "
+                         f"{', '.join(IO_BACKENDS)}")
+    if layout not in IO_BACKEND_LAYOUTS[io_backend]:
+        raise ValueError(f"--hicache-io-backend {io_backend} cannot move a "
+                         f"--hicache-mem-layout {layout} host pool (supported: "
+                         f"{', '.join(IO_BACKEND_LAYOUTS[io_backend])})")
+
+
+@dataclass(frozen=True)
+class KVComponent:
+    """One per-token tensor kept by `num_layers` layers: `token_shape` elements of `dtype`
+    per token and layer."""
+    name: str
+    num_layers: int
+    token_shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return math.prod(self.token_shape) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Over every layer that keeps this component."""
+        return self.bytes_per_token_per_layer * self.num_layers
+
+    def bytes_per_page_per_layer(self, page_size: int) -> int:
+        """One contiguous item of a page-major pool: what PD transfer registers per layer."""
+        return self.bytes_per_token_per_layer * page_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "num_layers": self.num_layers,
+                "token_shape": list(self.token_shape), "dtype": self.dtype,
+                "bytes_per_token_per_layer": self.bytes_per_token_per_layer}
+
+
+def mha_components(num_layers: int, num_kv_heads: int, head_dim: int,
+                   dtype: str) -> tuple[KVComponent, ...]:
+    return tuple(KVComponent(name, num_layers, (num_kv_heads, head_dim), dtype)
+                 for name in (MHA_K, MHA_V))
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """KV geometry and capacity of one model replica. Frozen; built once at start-up."""
+    page_size: int            # tokens per page, on every tier
+    num_pages: int            # usable device pages (ids 1..num_pages; page 0 is the sink)
+    num_rows: int             # req_to_token rows = max running requests (row 0 is the sink)
+    context_len: int          # positions per req_to_token row
+    pool_kind: str = "mha"    # key of POOL_KINDS
+    components: tuple[KVComponent, ...] = ()
+    num_host_pages: int = 0   # usable host pages; 0 = no host pool
+    host_layout: str | None = None
+    io_backend: str | None = None
+    host_size_flag: str = "--hicache-ratio"  # the flag that sized the host pool (errors)
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_pages", "num_rows", "context_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVPlan.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pool_kind not in POOL_KINDS:
+            raise ValueError(f"unknown KV pool kind {self.pool_kind!r}")
+        names = tuple(c.name for c in self.components)
+        required = POOL_KINDS[self.pool_kind]
+        if names[:len(required)] != required or len(set(names)) != len(names) or (
+                self.pool_kind == "none" and names):
+            raise ValueError(f"a {self.pool_kind} pool keeps {required} (then optionally "
+                             f"{DSA_INDEX_K}), got {names}")
+        for c in self.components:
+            if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
+                raise ValueError(f"invalid KV component {c}")
+        if self.num_host_pages < 0:
+            raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
+        if self.num_host_pages:
+            if self.host_layout is None or self.io_backend is None:
+                raise ValueError("a host pool needs a host layout and an IO backend")
+            check_host_layout_io(self.host_layout, self.io_backend)
+
+    # ---- built for tests and tools (the server's plan comes from kv_sizing) ---------------
+    @classmethod
+    def mha(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+            page_size: int, num_pages: int, num_rows: int = 64, context_len: int = 4096,
+            **host: Any) -> "KVPlan":
+        return cls(page_size, num_pages, num_rows, context_len, "mha",
+                   mha_components(num_layers, num_kv_heads, head_dim, dtype), **host)
+
+    @classmethod
+    def pages_only(cls, *, num_pages: int, page_size: int = 1, num_rows: int = 64,
+                   context_len: int = 1 << 20, num_host_pages: int = 0) -> "KVPlan":
+        """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
+        A host tier here only needs a (any valid) layout/IO pair to be well formed."""
+        host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST,
+                    io_backend="kernel") if num_host_pages else {}
+        return cls(page_size, num_pages, num_rows, context_len, "none", (), **host)
+
+    # ---- derived numbers -------------------------------------------------------------------
+    @property
+    def max_total_tokens(self) -> int:
+        """Usable device tokens (the padding page excluded)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def host_tokens(self) -> int:
+        return self.num_host_pages * self.page_size
+
+    @property
+    def has_host_pool(self) -> bool:
+        return self.num_host_pages > 0
+
+    @property
+    def dtype(self) -> str | None:
+        """Storage dtype of the main pool (K/V or latent); None without tensors."""
+        return self.components[0].dtype if self.components else None
+
+    @property
+    def num_layers(self) -> int:
+        return max((c.num_layers for c in self.components), default=0)
+
+    def component(self, name: str) -> KVComponent:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"the {self.pool_kind} KV pool has no {name!r} component "
+                       f"(has {[c.name for c in self.components]})")
+
+    def bytes_per_page_per_layer(self, name: str) -> int:
+        return self.component(name).bytes_per_page_per_layer(self.page_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Every component of every layer for one token (what sizes the pools)."""
+        return sum(c.bytes_per_token for c in self.components)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def device_pool_bytes(self) -> int:
+        """The device pool's tensors, padding page included."""
+        return (self.num_pages + 1) * self.bytes_per_page
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return (self.num_host_pages + 1) * self.bytes_per_page if self.num_host_pages else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "page_size": self.page_size, "num_pages": self.num_pages,
+            "max_total_tokens": self.max_total_tokens, "num_rows": self.num_rows,
+            "context_len": self.context_len, "pool_kind": self.pool_kind, "dtype": self.dtype,
+            "components": [c.to_json() for c in self.components],
+            "bytes_per_token": self.bytes_per_token,
+            "device_pool_bytes": self.device_pool_bytes,
+            "num_host_pages": self.num_host_pages, "host_layout": self.host_layout,
+            "io_backend": self.io_backend, "host_pool_bytes": self.host_pool_bytes,
+        }
+
+    def summary(self) -> str:
+        """One start-up log line."""
+        host = (f"; host {self.num_host_pages} pages ({self.host_pool_bytes / 2**20:.1f} MiB, "
+                f"{self.host_layout}/{self.io_backend})" if self.num_host_pages else "")
+        return (f"KV plan: {self.pool_kind} {self.dtype}, {self.num_pages} pages x "
+                f"{self.page_size} tokens ({self.device_pool_bytes / 2**20:.1f} MiB, "
+                f"{self.bytes_per_token} B/token), {self.num_rows} rows x "
+                f"{self.context_len}{host}")

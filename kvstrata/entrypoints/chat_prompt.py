@@ -1,0 +1,72 @@
+"""Chat messages -> prompt token ids: message checks, the chat template (with the client's
+chat_template_kwargs), SGLang's continue_final_message, and pre-tokenised input_ids."""
+from __future__ import annotations
+
+import inspect
+
+import jinja2
+
+from kvstrata.entrypoints.errors import bad_request
+from kvstrata.entrypoints.openai_protocol import (MEDIA_PARTS, ChatCompletionRequest,
+                                                  TextPart)
+
+
+def _check_message(i: int, m) -> None:
+    param = f"messages.{i}.content"
+    name = m.first_unimplemented({n: getattr(m, n) for n in sorted(m.NOT_IMPLEMENTED)})
+    if name is not None:
+        raise bad_request(f"not implemented yet: messages.{i}.{name}", f"messages.{i}.{name}")
+    if isinstance(m.content, str):
+        return
+    for j, part in enumerate(m.content):
+        if isinstance(part, TextPart):
+            continue
+        where = f"{param}.{j}"
+        if part.type in MEDIA_PARTS:
+            raise bad_request(f"{where}: {MEDIA_PARTS[part.type]} input is not supported: "
+                              "this server serves a text-only model", where)
+        raise bad_request(f"not implemented yet: {part.type} content parts ({where})", where)
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, m in enumerate(body.messages):
+        _check_message(i, m)
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
+
+
+def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs become template variables (e.g. enable_thinking); names of
+    apply_chat_template's own parameters would change how it runs, so they are refused."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = set(inspect.signature(tm.tokenizer.apply_chat_template).parameters)
+    reserved |= {"messages", "conversation", "add_generation_prompt", "tokenize"}
+    for key in kwargs:
+        if key in reserved or not key.isidentifier():
+            param = f"chat_template_kwargs.{key}"
+            raise bad_request(f"{param} cannot be set through chat_template_kwargs", param)
+    return kwargs
+
+
+def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
+    messages = _template_messages(body)
+    if body.input_ids is not None:  # SGLang: a pre-tokenised prompt bypasses the template
+        return list(body.input_ids)
+    # SGLang's continue_final_message: the last assistant message is not closed; the model
+    # continues its text (the prefix is appended after the generation prompt).
+    prefix = None
+    if body.continue_final_message and messages[-1]["role"] == "assistant" \
+            and isinstance(body.messages[-1].content, str):
+        prefix = messages.pop()["content"]
+    try:
+        ids = tm.apply_chat_template(messages, **_template_kwargs(tm, body))
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+    if prefix:
+        ids = ids + tm.encode_prompt(prefix)
+    return ids

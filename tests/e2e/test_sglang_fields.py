@@ -1,0 +1,132 @@
+"""SGLang's own request fields: the bodies sglang-router 0.3.2 sends are accepted as they are,
+and the fields kvstrata implements do what they do in SGLang."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.e2e.test_sglang_router import finished_requests
+
+CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+NO_EOS = {"ignore_eos": True}
+
+# Exactly what sglang-router 0.3.2 forwarded for a plain request (captured from the router).
+ROUTER_BODIES = [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "model": "tiny", "logprobs": False,
+            "max_completion_tokens": 4, "stream": False, "no_stop_trim": False,
+            "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+            "separate_reasoning": True, "stream_reasoning": True,
+            "return_hidden_states": False}),
+    (COMP, {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": False, "echo": False,
+            "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+            "return_hidden_states": False}),
+    (GEN, {"text": "hi", "model": None, "sampling_params": {"max_new_tokens": 4, "n": 1},
+           "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+           "return_hidden_states": False, "background": False, "no_logs": False,
+           "return_bytes": False, "return_entropy": False}),
+]
+
+
+@pytest.mark.parametrize("path,body", ROUTER_BODIES, ids=["chat", "completions", "generate"])
+def test_router_bodies_are_accepted(server, path, body):
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def _post(server, path, body) -> dict:
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_text(server, body) -> str:
+    with httpx.stream("POST", server.base_url + COMP, json={**body, "stream": True},
+                      timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+def test_no_stop_trim_keeps_the_stop_string(server):
+    base = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24,
+            "temperature": 0, **NO_EOS}
+    full = _post(server, COMP, base)["choices"][0]["text"]
+    stop = full[12:15]
+    cut = full[:full.find(stop)]
+    kept = _post(server, COMP, {**base, "stop": [stop], "no_stop_trim": True})["choices"][0]
+    assert kept["finish_reason"] == "stop"
+    # Everything up to the end of the token that completed the stop string.
+    assert kept["text"].startswith(cut + stop) and full.startswith(kept["text"])
+    assert _stream_text(server, {**base, "stop": [stop], "no_stop_trim": True}) == kept["text"]
+    trimmed = _post(server, COMP, {**base, "stop": [stop]})["choices"][0]["text"]
+    assert trimmed == cut
+
+
+def test_continue_final_message_continues_the_assistant_text(server, tokenizer):
+    user = {"role": "user", "content": "Tell me a story."}
+    prefix = "Once upon a time"
+    chat = _post(server, CHAT, {"messages": [user, {"role": "assistant", "content": prefix}],
+                                "continue_final_message": True, "max_tokens": 6,
+                                "temperature": 0, **NO_EOS})
+    ids = tokenizer.encode(tokenizer.apply_chat_template([user], tokenize=False,
+                                                         add_generation_prompt=True),
+                           add_special_tokens=False)
+    ids += tokenizer.encode(prefix, add_special_tokens=False)
+    native = _post(server, GEN, {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, **NO_EOS}})
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["choices"][0]["message"]["content"] == native["text"]
+
+
+def test_chat_input_ids_bypass_the_template(server):
+    ids = [1, 2, 3, 4, 5]
+    chat = _post(server, CHAT, {"messages": [{"role": "user", "content": "ignored"}],
+                                "input_ids": ids, "max_tokens": 5, "temperature": 0,
+                                "chat_template_kwargs": {"enable_thinking": False}, **NO_EOS})
+    native = _post(server, GEN, {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, **NO_EOS}})
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["choices"][0]["message"]["content"] == native["text"]
+
+
+def test_return_text_in_logprobs(server, tokenizer):
+    body = {"text": "Hello", "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 4, **NO_EOS}}
+    plain = _post(server, GEN, body)["meta_info"]
+    assert all(entry[2] is None for entry in plain["output_token_logprobs"])
+    meta = _post(server, GEN, {**body, "return_text_in_logprobs": True})["meta_info"]
+    for entry in meta["output_token_logprobs"] + meta["input_token_logprobs"]:
+        assert entry[2] == tokenizer.decode([entry[1]])
+    for top in meta["output_top_logprobs"]:
+        assert all(t[2] == tokenizer.decode([t[1]]) for t in top)
+
+
+def test_log_metrics_false_keeps_a_request_out_of_metrics(server):
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
+    before = finished_requests(server.base_url)
+    _post(server, GEN, {**body, "log_metrics": False})
+    assert finished_requests(server.base_url) == before
+    _post(server, GEN, body)
+    assert finished_requests(server.base_url) == before + 1
+
+
+def test_sampling_seed_is_seed(server):
+    def text(params):
+        return _post(server, GEN, {"text": "Random words:", "sampling_params": {
+            "max_new_tokens": 8, "temperature": 1.0, **NO_EOS, **params}})["text"]
+    assert text({"sampling_seed": 77}) == text({"seed": 77})
+    assert text({"sampling_seed": 77}) != text({"sampling_seed": 78})
+
+
+def test_string_rid_prefixes_a_batch(server):
+    out = _post(server, GEN, {"text": ["a", "b"], "rid": "batch",
+                              "sampling_params": {"max_new_tokens": 2}})
+    assert [o["meta_info"]["id"] for o in out] == ["batch_0", "batch_1"]

@@ -1,0 +1,165 @@
+"""Randomised stateful test of scheduler + KV manager + radix cache (+ HiCache bookkeeping)
+against the fake runner, without torch.
+
+Hypothesis draws an engine (page size, pool down to one request's need, chunk size (also
+below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm, row limit) and
+then interleaves arrivals (prompts sharing prefixes), client aborts and engine steps.
+Properties:
+- every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
+- every request ends within a step bound; a hang fails with the scheduler's state dump;
+- a request that finishes has exactly the tokens it would have alone (the fake runner reads
+  its KV back through req_to_token, so a wrong page changes them);
+- a request is aborted only by its client, or with an out-of-memory error when it cannot fit
+  alone (prompt + max_new_tokens - 1 positions, in whole pages, exceed the pool, or the
+  prompt leaves no room for one more token);
+- after draining, the pools are whole: nothing locked, every page free or cached.
+`KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak; failures are kept in hypothesis' example
+database (.hypothesis/) and replayed first on the next run.
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from kvstrata.cache.hiradix_cache import WRITE_POLICIES
+from kvstrata.engine.engine_core import EngineCore
+from kvstrata.engine.request import EngineRequest
+from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.protocol import SamplingParams
+from tests.unit.fake_runner import FakeRunner, reference_tokens
+
+VOCAB = 211
+MAX_REQUESTS = 10
+EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400"))
+# Shared prefixes: prompts start with a slice of one of these, so the radix tree gets hits,
+# splits and duplicate inserts.
+BASES = [[(b * 37 + i * 11 + 5) % VOCAB for i in range(64)] for b in range(3)]
+
+configs = st.fixed_dictionaries({
+    "page_size": st.sampled_from([1, 2, 4, 16]),
+    "pool_tokens": st.integers(16, 112),
+    "chunk": st.one_of(st.none(), st.integers(1, 24), st.integers(1, 24)),
+    "disable_radix_cache": st.booleans(),
+    "hicache_pages": st.sampled_from([0, 0, 4, 40]),
+    "write_policy": st.sampled_from(WRITE_POLICIES),
+    "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+    "max_running_requests": st.sampled_from([2, 4, 64]),
+    "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
+})
+prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
+                    st.lists(st.integers(3, VOCAB - 1), max_size=16))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 32)),
+                                            min_size=1, max_size=6))
+    def build(self, cfg, first):
+        P = cfg["page_size"]
+        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
+        self.cfg = cfg
+        self.runner = FakeRunner(page_size=P, vocab_size=VOCAB)
+        self.engine = EngineCore(self.runner, SchedulerConfig(
+            num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
+            max_running_requests=cfg["max_running_requests"],
+            chunked_prefill_size=cfg["chunk"],
+            schedule_policy=cfg["schedule_policy"],
+            schedule_conservativeness=cfg["conservativeness"],
+            disable_radix_cache=cfg["disable_radix_cache"],
+            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"]))
+        self.total_tokens = self.engine.scheduler.kv.total_tokens
+        self.requests: dict[str, tuple[list[int], int]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, object] = {}
+        self.client_aborted: set[str] = set()
+        self.steps = 0
+        self.chunked_steps = 0
+        self.arrive(first)
+
+    # ------------------------------------------------------------------ rules
+    @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
+    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 32)), min_size=2, max_size=5))
+    def arrive(self, batch):
+        for (base, keep, tail), max_new in batch[:MAX_REQUESTS - len(self.requests)]:
+            ids = BASES[base][:keep] + tail or [BASES[base][0]]
+            rid = f"r{len(self.requests)}"
+            self.requests[rid] = (ids, max_new)
+            self.outputs[rid] = []
+            self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
+                max_new_tokens=max_new, temperature=0, ignore_eos=True)))
+
+    @rule(n=st.integers(1, 8),
+          abort=st.one_of(st.none(), st.none(), st.none(), st.integers(0, MAX_REQUESTS - 1)))
+    def step(self, n, abort):
+        for _ in range(n):
+            self._one_step()
+        if abort is not None:
+            rid = f"r{abort}"  # unknown or finished: a no-op, as for a late client
+            if rid in self.requests and rid not in self.finished:
+                self.client_aborted.add(rid)
+            self.engine.abort_request(rid)
+
+    def _one_step(self):
+        self.steps += 1
+        self.chunked_steps += self.engine.scheduler.chunked_req is not None
+        for out in self.engine.step():  # KVSTRATA_CHECK_INTEGRITY=1: invariants every step
+            self.outputs[out.rid] += out.new_token_ids
+            if out.finished:
+                assert out.rid not in self.finished, f"{out.rid} finished twice"
+                self.finished[out.rid] = out.finish_reason
+
+    @invariant()
+    def kv_state_is_consistent(self):
+        if hasattr(self, "engine"):
+            self.engine.check_integrity()
+
+    # ------------------------------------------------------------------ end
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        budget = 200 + 30 * sum(len(p) + n for p, n in self.requests.values())
+        for _ in range(budget):
+            if not self.engine.has_unfinished_requests():
+                break
+            self._one_step()
+        else:
+            raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
+                                 + self.engine.dump_state())
+        assert set(self.finished) == set(self.requests), "a request never ended"
+        sched = self.engine.scheduler
+        event(f"retractions: {min(sched.num_retractions, 3)}")
+        event(f"chunked steps: {min(self.chunked_steps, 3)}")
+        event(f"aborts: {sum(r.type == 'abort' for r in self.finished.values())}")
+        for rid, (ids, max_new) in self.requests.items():
+            self._check_outcome(rid, ids, max_new, self.finished[rid])
+        kv = self.engine.scheduler.kv
+        self.engine.check_integrity()
+        assert kv.tree.protected_pages() == 0, "a lock survived the drain"
+        assert kv.allocator.available_pages() + kv.tree.cached_pages() == kv.allocator.num_pages
+        sched = self.engine.scheduler
+        assert len(sched.free_rows) == sched.num_rows and not sched.live_requests()
+
+    def _check_outcome(self, rid, ids, max_new, reason):
+        P = self.cfg["page_size"]
+        if reason.type == "length":
+            assert self.outputs[rid] == reference_tokens(ids, max_new, VOCAB), rid
+            return
+        assert reason.type == "abort", (rid, reason)
+        if rid in self.client_aborted:
+            return
+        # The pool must hold the prompt plus one token (SGLang's input length check, 400)
+        # and every position that gets KV: prompt + max_new - 1, in whole pages.
+        need = max(-(-(len(ids) + max_new - 1) // P) * P, len(ids) + 1)
+        assert need > self.total_tokens, (
+            f"{rid} (prompt {len(ids)}, max_new {max_new}, needs {need} of "
+            f"{self.total_tokens} tokens) was aborted though it fits alone: {reason.message}; "
+            f"config {self.cfg}")
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_scheduler_state_machine = SchedulerMachine.TestCase
