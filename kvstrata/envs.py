@@ -76,6 +76,10 @@ KVSTRATA_CHECK_INTEGRITY = _declare(
     "KVSTRATA_CHECK_INTEGRITY", bool, False,
     "Check every KV invariant (pages, locks, rows, req_to_token) after each scheduler step "
     "and fail the step that breaks one (slow; the test suite runs with it on).")
+KVSTRATA_DEBUG_SLOW_STEP = _declare(
+    "KVSTRATA_DEBUG_SLOW_STEP", str, "",
+    "Fault injection for tests of --watchdog-timeout: `N:SECONDS` makes the scheduler "
+    "process sleep SECONDS inside its N-th engine step (1-based), as a stuck forward would.")
 KVSTRATA_LOG_RESOLUTIONS = _declare(
     "KVSTRATA_LOG_RESOLUTIONS", bool, True,
     "Log each start-up Resolution (field, old -> new, rule, reason) once at start; rewrites "

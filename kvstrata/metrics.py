@@ -13,6 +13,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
+ABORT_REASONS = ("client_disconnect", "abort_request", "engine_dead")
+
 
 class ServerMetrics:
     def __init__(self, model_name: str):
@@ -27,6 +29,11 @@ class ServerMetrics:
                                       "the prefix cache", labels, registry=r)
         self._requests = Counter("kvstrata:num_requests", "Finished requests",
                                  labels + ["finish_reason"], registry=r)
+        # Requests that ended early, by who ended them: client_disconnect (the client went
+        # away before the end), abort_request (the /abort_request route), engine_dead (failed
+        # because the scheduler or detokenizer process exited).
+        self._aborted = Counter("kvstrata:num_aborted_requests", "Requests aborted before "
+                                "they finished, by reason", labels + ["reason"], registry=r)
         self._ttft = Histogram("kvstrata:time_to_first_token_seconds", "Time to first token",
                                labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._tpot = Histogram("kvstrata:time_per_output_token_seconds",
@@ -48,6 +55,8 @@ class ServerMetrics:
         self._hicache = Gauge("kvstrata:hicache", "HiCache L2 statistics (see the stat label)",
                               labels + ["stat"], registry=r)
         self.model_name = model_name
+        for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
+            self._aborted.labels(model_name, reason)
 
     def on_finish(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                   finish_type: str, ttft: float | None, e2e: float) -> None:
@@ -61,6 +70,9 @@ class ServerMetrics:
             self._ttft.labels(m).observe(ttft)
             if completion_tokens > 1:
                 self._tpot.labels(m).observe((e2e - ttft) / (completion_tokens - 1))
+
+    def on_abort(self, reason: str, count: int = 1) -> None:
+        self._aborted.labels(self.model_name, reason).inc(count)
 
     def set_load(self, load: dict) -> None:
         m = self.model_name

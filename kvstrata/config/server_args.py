@@ -74,6 +74,10 @@ class ServerArgs:
     stream_interval: int = opt(1, "Send a streamed chunk every N decoded tokens.",
                                group="server")
     enable_metrics: bool = opt(True, "Expose Prometheus metrics at /metrics.", group="server")
+    watchdog_timeout: float = opt(300.0, "Seconds one scheduler step (one forward) may take; "
+                                         "past that the scheduler logs a state dump and the "
+                                         "server fails its requests and exits non-zero instead "
+                                         "of hanging (kvstrata serve only).", group="server")
 
     # ---- memory and scheduling --------------------------------------------------------------
     page_size: int = opt(1, "Tokens per KV page.", group="memory")
@@ -236,6 +240,7 @@ _RANGES: dict[str, tuple] = {
     "mem_fraction_static": (lambda v: 0 < v < 1, "in (0, 1)"),
     "context_length": (lambda v: v >= 1, ">= 1"),
     "stream_interval": (lambda v: v >= 1, ">= 1"),
+    "watchdog_timeout": (lambda v: v > 0, "> 0"),
     "tp_size": (lambda v: v >= 1, ">= 1"),
     "dcp_size": (lambda v: v >= 1, ">= 1"),
     "hicache_ratio": (lambda v: v > 0, "> 0"),

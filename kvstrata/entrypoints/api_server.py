@@ -16,7 +16,7 @@ import kvstrata
 from kvstrata import envs
 from kvstrata.entrypoints import serving_openai as so
 from kvstrata.entrypoints.engine_factory import server_info_dict
-from kvstrata.entrypoints.errors import ApiError, bad_request
+from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, bad_request
 from kvstrata.entrypoints.native_protocol import AbortRequest, GenerateRequest
 from kvstrata.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
@@ -96,7 +96,14 @@ def create_app(state) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
-        return ApiError(500, str(exc)).response()
+        # The engine is gone and this server is exiting: a router should retry elsewhere.
+        return ApiError(503, str(exc), type_="service_unavailable").response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request, exc):
+        logger.info("client disconnected before the response: %s %s", request.method,
+                    request.url.path)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):
@@ -145,7 +152,7 @@ def create_app(state) -> FastAPI:
                               sampling_params=so.SamplingParams(max_new_tokens=1,
                                                                 temperature=0.0))
         async def one_token() -> bool:
-            async for out in tm.generate(req):
+            async for out in tm.generate(req, log_metrics=False):
                 if out.finished:
                     return out.finish_type != "abort"
             return False
@@ -175,7 +182,11 @@ def create_app(state) -> FastAPI:
 
     @app.get("/get_load")
     async def get_load():
-        load = await tm.control("get_load")
+        # The scheduler's load as of its latest step (it publishes one at least every 100 ms
+        # while busy and one when it goes idle): answered at once, however long a step is.
+        if not state.healthy():
+            raise EngineDeadError(f"the server is shutting down: {tm.dead_reason}")
+        load = dict(tm.load)
         load.setdefault("num_reqs", load.get("num_running_reqs", 0)
                         + load.get("num_waiting_reqs", 0))
         return load
@@ -192,12 +203,15 @@ def create_app(state) -> FastAPI:
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
         if body.abort_all:
-            return {"aborted": tm.abort_all()}
+            count = tm.abort_all()
+            state.metrics.on_abort("abort_request", count)
+            return {"aborted": count}
         if not body.rid:
             raise bad_request("rid is required unless abort_all is true", "rid")
         rids = [r for r in list(tm.states) if r == body.rid or r.startswith(body.rid + "-")]
         for rid in rids or [body.rid]:
             tm.abort(rid)
+        state.metrics.on_abort("abort_request", len(rids))
         return {"aborted": len(rids)}
 
     @app.get("/debug/kv")
@@ -210,11 +224,7 @@ def create_app(state) -> FastAPI:
         if not getattr(args, "enable_metrics", True):
             return JSONResponse(error_body("metrics are disabled (--no-enable-metrics)",
                                            type_="not_found_error", code=404), status_code=404)
-        if state.healthy():
-            try:
-                state.metrics.set_load(await tm.control("get_load", timeout=2.0))
-            except Exception:
-                pass  # counters are still worth serving
+        state.metrics.set_load(tm.load)  # the scheduler's latest report: no round trip
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     add_request_schemas(app, [ChatCompletionRequest, CompletionRequest, GenerateRequest,

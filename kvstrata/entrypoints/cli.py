@@ -50,7 +50,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from kvstrata.entrypoints.launcher import StartupError, launch_server
 
     try:
-        launch_server(args)
+        return launch_server(args)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

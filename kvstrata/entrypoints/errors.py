@@ -39,3 +39,8 @@ def from_sampling_error(e: ValueError, openai_names: bool = True,
     if openai_names:
         param = (overrides or {}).get(field) or _OPENAI_PARAM.get(field, field)
     return bad_request(message.replace(field, param, 1) if param != field else message, param)
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before a non-streaming response was ready. The app
+    logs one line for it (not a CancelledError traceback) and counts it in /metrics."""

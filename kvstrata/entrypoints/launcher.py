@@ -9,6 +9,12 @@ torch threads or locks) and with PDEATHSIG, so a SIGKILLed launcher leaves no or
 Shutdown order on SIGINT/SIGTERM: uvicorn stops accepting and drains (bounded), the
 scheduler gets a ShutdownReq and forwards one to the detokenizer, both are joined, and any
 child that does not exit in time is terminated, then killed.
+
+When a child exits on its own (crash, SIGKILL, --watchdog-timeout) the tokenizer manager fails
+every in-flight request at once and /health turns 503; the launcher then gives the handlers
+up to DEAD_DRAIN_S to send those errors, stops uvicorn the same bounded way, and
+launch_server returns ENGINE_DEAD_EXIT_CODE, so that `kvstrata serve` exits non-zero and a
+supervisor restarts it (SGLang likewise takes the whole server down when a child dies).
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ logger = logging.getLogger("kvstrata.launcher")
 READY_TIMEOUT_S = 900  # the first load of a big model may be slow on CPU
 JOIN_TIMEOUT_S = 10
 GRACEFUL_HTTP_SHUTDOWN_S = 5
+DEAD_DRAIN_S = 5
+ENGINE_DEAD_EXIT_CODE = 1
 
 
 @dataclass
@@ -107,8 +115,9 @@ def _graceful_server_class():
     return GracefulServer
 
 
-def launch_server(server_args) -> None:
-    """Run the server until SIGINT/SIGTERM (blocking)."""
+def launch_server(server_args) -> int:
+    """Run the server until SIGINT/SIGTERM (returns 0) or until a child process dies
+    (returns ENGINE_DEAD_EXIT_CODE). Blocking."""
     import uvicorn
 
     from kvstrata.entrypoints.api_server import create_app
@@ -125,6 +134,7 @@ def launch_server(server_args) -> None:
     # Only a scheduler that received ShutdownReq stops itself and then the detokenizer;
     # after a failed start or a scheduler crash there is nothing to wait for.
     shutdown_sent = False
+    exit_code = 0
     try:
         for name, target in (("detokenizer", run_detokenizer_process),
                              ("scheduler", run_scheduler_process)):
@@ -145,7 +155,8 @@ def launch_server(server_args) -> None:
                                   if server_args.model_path != served else [])
         metrics = ServerMetrics(served)
         tm = TokenizerManager(server_args, tokenizer, paths, infos["scheduler"], metrics,
-                              is_scheduler_alive=scheduler_proc.is_alive)
+                              children={"scheduler": scheduler_proc,
+                                        "detokenizer": processes[0]})
         state = ServerState(server_args, tm, model_names, infos["scheduler"], metrics,
                             processes)
         config = uvicorn.Config(
@@ -154,12 +165,23 @@ def launch_server(server_args) -> None:
             timeout_graceful_shutdown=GRACEFUL_HTTP_SHUTDOWN_S, timeout_keep_alive=30)
         server = _graceful_server_class()(config)
 
+        async def exit_when_engine_dies() -> None:
+            nonlocal exit_code
+            reason = await tm.wait_dead()
+            await tm.drain(DEAD_DRAIN_S)  # let handlers send the errors they were given
+            logger.error("%s: stopping the server (exit code %d)", reason,
+                         ENGINE_DEAD_EXIT_CODE)
+            exit_code = ENGINE_DEAD_EXIT_CODE
+            server.should_exit = True
+
         async def serve() -> None:
             nonlocal shutdown_sent
             await tm.start()
+            watcher = asyncio.create_task(exit_when_engine_dies())
             try:
                 await server.serve()  # returns after SIGINT/SIGTERM and a bounded drain
             finally:
+                watcher.cancel()
                 if scheduler_proc.is_alive():
                     await tm.send_sock.send(ipc.encode(ipc.ShutdownReq()))
                     shutdown_sent = True
@@ -171,3 +193,4 @@ def launch_server(server_args) -> None:
         _stop_children([p for p, _ in children], JOIN_TIMEOUT_S if shutdown_sent else 0.0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         logger.info("server stopped")
+    return exit_code

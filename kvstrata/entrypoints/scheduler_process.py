@@ -9,17 +9,23 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 import traceback
 
 import zmq
 
 from kvstrata import envs
 from kvstrata.entrypoints.engine_factory import start_up_info
+from kvstrata.entrypoints.scheduler_watchdog import (StepWatchdog, engine_state_dump,
+                                                      slow_step_from_env)
 from kvstrata.frontend import ipc
 
 logger = logging.getLogger(__name__)
 
 # envs.KVSTRATA_ENGINE_FACTORY ("module:function") swaps the engine: tests inject fakes and faults.
+
+# How often a busy scheduler publishes its load to the API process (see report_load).
+LOAD_REPORT_INTERVAL_S = 0.1
 
 
 def load_engine_factory():
@@ -37,7 +43,9 @@ def engine_info(engine, tokenizer) -> dict:
             info["max_context_len"] = value
             break
     try:
-        info.update(engine.get_load())
+        load = dict(engine.get_load())
+        info.update(load)
+        info["load"] = load  # the API process's /get_load until the first LoadReport
     except Exception:  # info is best effort; the engine may not support it before serving
         pass
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -49,11 +57,16 @@ def engine_info(engine, tokenizer) -> dict:
 
 
 class SchedulerLoop:
-    def __init__(self, engine, tokenizer, recv_sock, send_sock):
+    def __init__(self, engine, tokenizer, recv_sock, send_sock,
+                 watchdog: StepWatchdog | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.recv_sock = recv_sock
         self.send_sock = send_sock
+        self.watchdog = watchdog
+        self.slow_step = slow_step_from_env()
+        self.last_load_report = 0.0
+        self.load_failed = False
         # A request added or aborted since the last step must see one more step, even if the
         # engine reports no unfinished work: that step carries its error / abort output.
         self.step_pending = False
@@ -78,7 +91,11 @@ class SchedulerLoop:
             engine.abort_request(msg.rid)
             self.step_pending = True
         elif isinstance(msg, ipc.ControlReq):
-            self.send_sock.send(ipc.encode(self.control(msg)))
+            reply = self.control(msg)
+            # Before the reply, so that the API process has it when the call returns
+            # (/get_load right after /flush_cache shows the flushed cache).
+            self.report_load(force=True)
+            self.send_sock.send(ipc.encode(reply))
         elif isinstance(msg, ipc.ShutdownReq):
             self.running = False
 
@@ -121,9 +138,39 @@ class SchedulerLoop:
                 break
             if self.step_pending or self.engine.has_unfinished_requests():
                 self.step_pending = False
-                outputs = self.engine.step()
+                outputs = self.timed_step()
+                # The load first: a client that got its last token and then asks /get_load
+                # sees the load after that step.
+                self.report_load()
                 if outputs:
                     self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
+
+    def timed_step(self) -> list:
+        if self.watchdog is None:
+            return self.engine.step()
+        with self.watchdog.step() as n:
+            if self.slow_step is not None and self.slow_step[0] == n:
+                logger.warning("KVSTRATA_DEBUG_SLOW_STEP: step %d sleeps %g s", n,
+                               self.slow_step[1])
+                time.sleep(self.slow_step[1])
+            return self.engine.step()
+
+    def report_load(self, force: bool = False) -> None:
+        """Publish get_load() after a step (at most every LOAD_REPORT_INTERVAL_S, and always
+        when the engine goes idle) so the API process answers /get_load and /metrics from
+        its copy instead of waiting behind a long step."""
+        now = time.monotonic()
+        idle = not self.engine.has_unfinished_requests()
+        if force or idle or now - self.last_load_report >= LOAD_REPORT_INTERVAL_S:
+            self.last_load_report = now
+            try:
+                load = dict(self.engine.get_load())
+            except Exception:  # statistics must never stop serving; say so once
+                if not self.load_failed:
+                    logger.exception("get_load() failed; /get_load keeps its last value")
+                self.load_failed = True
+                return
+            self.send_sock.send(ipc.encode(ipc.LoadReport(load)))
 
 
 def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
@@ -140,6 +187,9 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         send = ctx.socket(zmq.PUSH)
         send.connect(paths.detokenizer_in)
         info = engine_info(engine, tokenizer)
+        watchdog = StepWatchdog(getattr(server_args, "watchdog_timeout", 300.0),
+                                lambda: engine_state_dump(engine))
+        loop = SchedulerLoop(engine, tokenizer, recv, send, watchdog)
     except Exception as e:
         logger.exception("scheduler failed to start")
         # A bad flag (ValueError / NotImplementedError naming it) is the user's to fix: the
@@ -149,10 +199,11 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", False, error)))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
-    loop = SchedulerLoop(engine, tokenizer, recv, send)
+    watchdog.start()
     try:
         loop.run()
     finally:
+        watchdog.stop()
         engine.shutdown()
         # Tell the detokenizer to exit after it has forwarded everything we sent.
         send.send(ipc.encode(ipc.ShutdownReq()))

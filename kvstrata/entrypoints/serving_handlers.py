@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from kvstrata.entrypoints import serving_openai as so
-from kvstrata.entrypoints.errors import ApiError, from_sampling_error
+from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, from_sampling_error
 from kvstrata.entrypoints.native_protocol import native_sampling_dict
 from kvstrata.entrypoints.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
@@ -111,7 +111,7 @@ async def _collect(request: Request, gen: AsyncIterator, accs: dict[str, _Acc]) 
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected()
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -94,6 +94,14 @@ class ControlReply(_Msg):
     error: str | None = None
 
 
+class LoadReport(_Msg):
+    """The engine's get_load(), sent by the scheduler after a step (at most every 100 ms
+    while busy, and when it goes idle) ahead of that step's outputs, and ahead of every
+    ControlReply; forwarded unchanged by the detokenizer. The api server answers /get_load
+    and /metrics from its latest copy without waiting behind a long step."""
+    load: dict[str, Any]
+
+
 class ReadyMsg(_Msg):
     """Sent over the start-up pipe once a child process can serve (or failed to start)."""
     process: str
@@ -103,8 +111,8 @@ class ReadyMsg(_Msg):
 
 
 ToScheduler = Union[GenerateReq, AbortReq, ControlReq, ShutdownReq]
-ToDetokenizer = Union[RegisterDetok, EngineOutputs, ControlReply, ShutdownReq]
-ToApi = Union[TextOutputs, ControlReply]
+ToDetokenizer = Union[RegisterDetok, EngineOutputs, ControlReply, LoadReport, ShutdownReq]
+ToApi = Union[TextOutputs, ControlReply, LoadReport]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

@@ -30,3 +30,22 @@ def setup_child_logging(server_args, name: str) -> None:
         level=getattr(logging, level, logging.INFO),
         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s",
     )
+
+
+# Exit status of a scheduler process ended by --watchdog-timeout (EX_SOFTWARE); the api
+# process names the cause from it in every error it sends (see describe_exit).
+WATCHDOG_EXIT_CODE = 70
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a child process ended, for error messages and logs."""
+    if exitcode == WATCHDOG_EXIT_CODE:
+        return ("was stopped by its watchdog: one engine step ran longer than "
+                "--watchdog-timeout (its log has a state dump)")
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"

@@ -2,8 +2,14 @@
 routes the detokenizer's text outputs back to the waiting HTTP handlers.
 
 Every request gets an asyncio.Queue of TextOutputs. One background task reads the inbound
-socket and fills the queues; another watches the scheduler process, and when it dies fails
-every waiting request with a 500 at once, so nothing hangs on a dead engine.
+socket and fills the queues, and keeps the latest load the scheduler published (LoadReport),
+so /get_load and /metrics never wait behind a long engine step.
+
+Failure: the event loop watches each child process's sentinel, so the moment the scheduler or
+the detokenizer exits (crash, SIGKILL, --watchdog-timeout) every waiting request is failed
+with a 500 naming the cause, /health turns 503, and `wait_dead()` returns so the launcher can
+exit non-zero. A backstop task covers a scheduler stuck where its own watchdog cannot run:
+requests in flight and nothing heard from the engine for 2 x --watchdog-timeout + 10 s.
 """
 from __future__ import annotations
 
@@ -12,13 +18,14 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 
 from kvstrata.frontend import ipc
+from kvstrata.frontend.process_utils import describe_exit
 from kvstrata.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,17 +49,23 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, server_args, tokenizer, paths: ipc.IpcPaths, engine_info: dict,
-                 metrics: ServerMetrics, is_scheduler_alive: Callable[[], bool] = lambda: True):
+                 metrics: ServerMetrics, children: Mapping[str, object] | None = None):
+        """`children`: name -> multiprocessing.Process of the scheduler and detokenizer."""
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.paths = paths
         self.engine_info = engine_info
         self.metrics = metrics
-        self.is_scheduler_alive = is_scheduler_alive
+        self.children = dict(children or {})
         self.states: dict[str, _ReqState] = {}
         self.pending_calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count(1)
         self.engine_dead = False
+        self.dead_reason: str | None = None
+        self._dead = asyncio.Event()
+        # The scheduler's latest get_load(); engine_info carries the one taken at start.
+        self.load: dict = dict(engine_info.get("load", {}))
+        self.last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self.ctx: zmq.asyncio.Context | None = None
 
@@ -64,9 +77,15 @@ class TokenizerManager:
         self.recv_sock = self.ctx.socket(zmq.PULL)
         self.recv_sock.bind(self.paths.api_in)
         self._tasks = [asyncio.create_task(self._recv_loop()),
-                       asyncio.create_task(self._watchdog())]
+                       asyncio.create_task(self._hang_backstop())]
+        loop = asyncio.get_running_loop()
+        for name, proc in self.children.items():
+            loop.add_reader(proc.sentinel, self._on_child_exit, name, proc)
 
     async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for proc in self.children.values():
+            loop.remove_reader(proc.sentinel)
         for task in self._tasks:
             task.cancel()
         if self.ctx is not None:
@@ -78,7 +97,10 @@ class TokenizerManager:
     async def _recv_loop(self) -> None:
         while True:
             msg = ipc.decode(await self.recv_sock.recv(), "api")
-            if isinstance(msg, ipc.TextOutputs):
+            self.last_heard = time.monotonic()
+            if isinstance(msg, ipc.LoadReport):
+                self.load = msg.load
+            elif isinstance(msg, ipc.TextOutputs):
                 for out in msg.outputs:
                     state = self.states.get(out.rid)
                     if state is not None:
@@ -88,15 +110,45 @@ class TokenizerManager:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
-    async def _watchdog(self) -> None:
+    def _on_child_exit(self, name: str, proc) -> None:
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        # Reap it so its exit code is known: the sentinel closes a moment before the
+        # process can be waited for, so join(0) may still see it running.
+        proc.join(1.0)
+        if not self.engine_dead:
+            self._fail_everything(f"the {name} process {describe_exit(proc.exitcode)}")
+
+    async def _hang_backstop(self) -> None:
+        limit = 2 * float(getattr(self.server_args, "watchdog_timeout", 300.0)) + 10.0
         while not self.engine_dead:
-            await asyncio.sleep(0.2)
-            if not self.is_scheduler_alive():
-                self._fail_everything("the scheduler process died")
+            await asyncio.sleep(1.0)
+            silent = time.monotonic() - self.last_heard
+            if self.states and silent > limit:
+                proc = self.children.get("scheduler")
+                logger.error("no output from the engine for %.0f s with %d requests in "
+                             "flight (the scheduler's own watchdog did not fire): killing it",
+                             silent, len(self.states))
+                self._fail_everything(f"the engine made no progress for {silent:.0f} s")
+                if proc is not None and proc.is_alive():
+                    proc.kill()
+
+    async def wait_dead(self) -> str:
+        """Return the reason once the engine is gone (a child process exited)."""
+        await self._dead.wait()
+        return self.dead_reason or "the engine stopped"
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until every in-flight request has taken its final output (bounded)."""
+        deadline = time.monotonic() + timeout
+        while self.states and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _fail_everything(self, why: str) -> None:
         logger.error("%s: failing %d in-flight requests", why, len(self.states))
         self.engine_dead = True
+        self.dead_reason = why
+        self._dead.set()
+        self.metrics.on_abort("engine_dead", len(self.states))
         for rid, state in self.states.items():
             state.queue.put_nowait(ipc.TextOutput(
                 rid=rid, text="", new_token_ids=[], finished=True, finish_type="abort",
@@ -127,7 +179,7 @@ class TokenizerManager:
         early (client disconnect, cancellation) the request is aborted in the engine.
         log_metrics=False (SGLang's flag) keeps the request out of /metrics."""
         if self.engine_dead:
-            raise EngineDeadError("the scheduler process is not running")
+            raise EngineDeadError(f"the server is shutting down: {self.dead_reason}")
         if req.rid in self.states:
             raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
                                         "this id is still running")
@@ -148,7 +200,9 @@ class TokenizerManager:
         finally:
             self.states.pop(req.rid, None)
             if not state.finished and not self.engine_dead:
-                # Consumer went away mid-request: free its KV in the engine now.
+                # Consumer went away mid-request (a client disconnect): free its KV now.
+                if log_metrics:
+                    self.metrics.on_abort("client_disconnect")
                 self.abort(req.rid)
 
     def _record(self, state: _ReqState, out: ipc.TextOutput) -> None:
@@ -175,7 +229,7 @@ class TokenizerManager:
 
     async def control(self, op: str, timeout: float = 10.0) -> dict:
         if self.engine_dead:
-            raise EngineDeadError("the scheduler process is not running")
+            raise EngineDeadError(f"the server is shutting down: {self.dead_reason}")
         call_id = next(self.call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending_calls[call_id] = fut

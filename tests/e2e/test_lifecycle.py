@@ -1,10 +1,12 @@
 """Server processes: --api-key, ordered shutdown leaving no process behind, and a dead
-scheduler turning into 503 / fast 500s instead of hangs."""
+scheduler failing in-flight requests at once and taking the server down (exit non-zero)
+instead of hanging."""
 from __future__ import annotations
 
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -48,32 +50,40 @@ def test_sigterm_leaves_no_process(keyed_server):
     assert alive == []
 
 
-def test_scheduler_death_fails_fast(tiny_model_path):
+def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
+    """SIGKILL the scheduler under a stream and a non-streaming request: /health is 503 at
+    once, both requests get errors promptly, and the server exits non-zero (like SGLang) so
+    a supervisor can restart it, leaving no process behind."""
     srv = ServerProcess(tiny_model_path, *ARGS)
     try:
         url = srv.base_url
         sched_pid = httpx.get(url + "/server_info").json()["engine_info"]["pid"]
-        lines = []
-        body = {"prompt": "x", "max_tokens": 450, "ignore_eos": True, "stream": True}
-        start = time.monotonic()
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
+        long = {"prompt": "x", "max_tokens": 450, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            plain = pool.submit(httpx.post, url + "/v1/completions", json=long, timeout=60)
+            lines, health_after_kill = [], None
+            start = time.monotonic()
+            with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if not line:
+                        continue
                     lines.append(line)
-                if len(lines) == 1:  # the stream is live: kill its engine under it
-                    os.kill(sched_pid, signal.SIGKILL)
-        assert time.monotonic() - start < 10, "in-flight stream hung after the scheduler died"
-        result = {"lines": lines}
-        assert any('"error"' in ln for ln in result["lines"])
-        assert result["lines"][-1] == "data: [DONE]"
-        deadline = time.monotonic() + 5
-        while httpx.get(url + "/health").status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        start = time.monotonic()
-        r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-        assert r.status_code == 500 and r.json()["error"]["message"]
-        assert time.monotonic() - start < 2
+                    if len(lines) == 1:  # the stream is live: kill its engine under it
+                        os.kill(sched_pid, signal.SIGKILL)
+                        killed = time.monotonic()
+                        while httpx.get(url + "/health", timeout=5).status_code != 503:
+                            assert time.monotonic() - killed < 1.0, "/health still 200"
+                        health_after_kill = time.monotonic() - killed
+            assert time.monotonic() - start < 10, "in-flight stream hung after the kill"
+            assert health_after_kill is not None
+            assert any('"error"' in ln and "scheduler" in ln for ln in lines), lines[-3:]
+            assert lines[-1] == "data: [DONE]"
+            resp = plain.result(timeout=10)
+        assert resp.status_code == 500 and "scheduler" in resp.json()["error"]["message"]
+        rc = srv.proc.wait(timeout=30)
+        assert rc != 0, "the server must exit non-zero after its engine died"
+        assert "stopping the server" in srv.read_log()
     finally:
         srv.stop()
     assert [p for p in [srv.proc.pid, *srv.children] if pid_alive(p)] == []

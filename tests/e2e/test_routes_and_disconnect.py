@@ -55,6 +55,19 @@ def test_metrics(server, client):
         assert name in text, name
 
 
+def aborted(server, reason: str) -> float:
+    """The value of kvstrata:num_aborted_requests_total for one reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvstrata:num_aborted_requests_total" \
+                    and sample.labels.get("reason") == reason:
+                return sample.value
+    raise AssertionError(f"no kvstrata:num_aborted_requests_total{{reason={reason}}}")
+
+
 def _stream_then_drop(server, path: str, body: dict, chunks: int = 3) -> None:
     with httpx.stream("POST", server.base_url + path, json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -67,6 +80,7 @@ def _stream_then_drop(server, path: str, body: dict, chunks: int = 3) -> None:
 
 
 def test_disconnect_mid_stream_frees_kv(server):
+    before = aborted(server, "client_disconnect")
     body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     _stream_then_drop(server, "/v1/completions", body)
@@ -76,9 +90,13 @@ def test_disconnect_mid_stream_frees_kv(server):
     st = wait_idle(server)
     assert st["ok"], st
     assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert aborted(server, "client_disconnect") == before + 3  # one + a chat with n=2
 
 
-def test_disconnect_non_streaming_frees_kv(server):
+def test_disconnect_non_streaming_frees_kv_and_logs_one_line(server):
+    before = aborted(server, "client_disconnect")
+    with open(server.log_path) as f:
+        log_start = len(f.read())
     body = {"model": "tiny", "prompt": "Another long story:", "max_tokens": 400,
             "ignore_eos": True}
     try:
@@ -87,6 +105,11 @@ def test_disconnect_non_streaming_frees_kv(server):
         pass
     st = wait_idle(server)
     assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
+    assert aborted(server, "client_disconnect") == before + 1
+    with open(server.log_path) as f:
+        new_log = f.read()[log_start:]
+    assert "client disconnected before the response: POST /v1/completions" in new_log
+    assert "Traceback" not in new_log and "CancelledError" not in new_log, new_log[-3000:]
 
 
 def test_abort_request_route(server):
@@ -104,8 +127,10 @@ def test_abort_request_route(server):
                 continue
             events.append(json.loads(line[len("data: "):]))
             if len(events) == 1:
+                before = aborted(server, "abort_request")
                 r = httpx.post(server.base_url + "/abort_request", json={"rid": "to-abort"})
                 assert r.status_code == 200
+                assert aborted(server, "abort_request") == before + 1
     last = events[-1]
     finish = (last.get("meta_info") or {}).get("finish_reason") or {}
     assert last.get("error") or finish.get("type") == "abort", last
@@ -129,3 +154,16 @@ def test_generate_batch_equals_single_calls(server):
         "sampling_params": [params, {**params, "max_new_tokens": 2}]}).json()
     assert [r["meta_info"]["id"] for r in ids] == ["b-0", "b-1"]
     assert [len(r["output_ids"]) for r in ids] == [6, 2]
+
+
+def test_get_load_is_current_after_a_request_and_after_a_flush(server):
+    """/get_load answers from the load the scheduler publishes; it is sent ahead of a step's
+    outputs and of control replies, so it is never older than what the client saw."""
+    base = server.base_url
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "remember this prompt " * 8, "max_tokens": 2})
+    assert r.status_code == 200
+    load = httpx.get(base + "/get_load").json()
+    assert load["num_cached_tokens"] > 0 and load["num_running_reqs"] == 0, load
+    assert httpx.post(base + "/flush_cache").status_code == 200
+    assert httpx.get(base + "/get_load").json()["num_cached_tokens"] == 0

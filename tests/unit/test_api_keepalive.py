@@ -60,11 +60,11 @@ def test_next_request_on_the_connection_after_a_500_succeeds():
     server, thread, port = _serve(create_app(state))
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            status, body = _request(sock, "/get_load")
-            assert status == 500 and b"get_load exploded" in body
+            status, body = _request(sock, "/debug/kv")
+            assert status == 500 and b"check_integrity exploded" in body
             for _ in range(3):  # the same socket keeps serving
                 assert _request(sock, "/health")[0] == 200
-                assert _request(sock, "/get_load")[0] == 500
+                assert _request(sock, "/debug/kv")[0] == 500
     finally:
         server.should_exit = True
         thread.join(10)
