@@ -4,20 +4,21 @@ One step is either a prefill batch (prefill has priority) or a decode step over 
 running request. Long prompts are prefilled in chunks; between chunks their computed pages
 go to the radix tree. When a decode step cannot get its pages, requests are retracted
 (fewest generated tokens first, ties: longest prompt) and later recomputed, usually from
-prefix-cache hits. See docs/architecture.md for the request lifecycle.
+prefix-cache hits; the chunked request is retracted first. A step that would compute nothing
+while work waits aborts the request that cannot fit alone instead of spinning (progress
+guarantee). See docs/architecture.md for the request lifecycle and what happens when memory
+runs out.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
-from typing import Any
 
 from kvstrata.cache.invariants import check_kv_state, expected_rows
 from kvstrata.cache.kv_manager import KVManager
-from kvstrata.config.kv_plan import KVPlan
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.scheduler_config import SchedulerConfig
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import (
     FinishReason,
@@ -33,57 +34,7 @@ OOM_LAST_REQUEST_MESSAGE = (
     "Out of memory even after retracting all other requests in the decode batch."
 )
 LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
-
-
-@dataclass(init=False)
-class SchedulerConfig:
-    """The KV plan to schedule into, plus the scheduling policy. Policy field names are the
-    ServerArgs names, so `from_args` copies them without a hand-written mapping."""
-    plan: KVPlan
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = None  # None or <= 0: no chunking
-    schedule_policy: str = "fcfs"  # fcfs | lpm
-    schedule_conservativeness: float = 1.0
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
-    hicache_write_policy: str = "write_through"
-
-    def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
-                 page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
-                 **policy: Any):
-        """The server passes the plan the engine factory sized. Torch-free tests may pass
-        page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only)."""
-        if (plan is None) == (num_pages is None):
-            raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
-        self.plan = plan or KVPlan.pages_only(
-            num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
-            num_host_pages=num_host_pages)
-        for f in fields(self):
-            if f.name != "plan":
-                setattr(self, f.name, policy.pop(f.name, f.default))
-        if policy:
-            raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
-
-    @classmethod
-    def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
-        return cls(plan, **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "plan"})
-
-    # Read from the plan (one source), under the names the scheduler has always used.
-    @property
-    def page_size(self) -> int:
-        return self.plan.page_size
-
-    @property
-    def num_pages(self) -> int:
-        return self.plan.num_pages
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.plan.num_rows
-
-    @property
-    def num_host_pages(self) -> int:
-        return self.plan.num_host_pages
+__all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 
 
 class Scheduler:
