@@ -59,7 +59,7 @@ class ModelRunner:
         # sized from what memory the weights leave. What ran goes to /server_info.
         self.quantization_info = {"quantization": None}
         if quantization is not None:
-            ids, smoothing = calibration_token_ids(self.source)
+            ids, smoothing = calibration_token_ids(self.source, self.model.dims.vocab_size)
             self.quantization_info = quantize_model(self.model, quantization, ids, smoothing)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size

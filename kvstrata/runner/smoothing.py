@@ -97,9 +97,9 @@ def smooth_model(model: Any, token_ids: list[int]) -> torch.Tensor:
     return s
 
 
-def calibration_token_ids(source: Any) -> tuple[list[int] | None, str]:
+def calibration_token_ids(source: Any, vocab_size: int) -> tuple[list[int] | None, str]:
     """The calibration text in the model's own tokens, or (None, why not) when the model has
-    no tokenizer (e.g. a bare test checkpoint): quantisation then runs unsmoothed."""
+    no usable tokenizer (e.g. a bare test checkpoint): quantisation then runs unsmoothed."""
     from kvstrata.config.model_source import load_tokenizer
     from kvstrata.runner.calibration_text import CALIBRATION_TEXT
 
@@ -108,4 +108,8 @@ def calibration_token_ids(source: Any) -> tuple[list[int] | None, str]:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         return None, f"none: no tokenizer to calibrate with ({type(exc).__name__})"
     ids = list(tokenizer(CALIBRATION_TEXT)["input_ids"])[:CALIBRATION_TOKENS]
+    # A tokenizer without a vocabulary (transformers builds one from a bare config) gives
+    # nothing useful; ids beyond the embedding mean it is not this model's tokenizer.
+    if len(ids) < 64 or max(ids) >= vocab_size:
+        return None, "none: the tokenizer does not fit the model"
     return ids, f"SmoothQuant alpha={ALPHA} over {len(ids)} calibration tokens"
