@@ -49,6 +49,30 @@ def calm_tiny_llama(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.parametrize("levels", [127, 63])  # 8-bit activations (VNNI) and the 7-bit fallback
+def test_int8_linear_is_per_token_and_batch_independent(levels):
+    """The fbgemm call equals int8 arithmetic done by hand (symmetric per-channel weights,
+    symmetric per-token activations), and a row's result does not change when a row with
+    100x larger values joins its batch."""
+    from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 80), torch.randn(96)
+    x = torch.randn(5, 80)
+    layer = W8A8Int8Linear(weight, bias)
+    layer.levels = levels
+    w_scale = weight.abs().amax(1, keepdim=True) / 127
+    x_scale = x.abs().amax(1, keepdim=True) / levels
+    expected = ((x / x_scale).round() * x_scale) @ ((weight / w_scale).round() * w_scale).T
+    got = quantized_linear(x, layer)
+    torch.testing.assert_close(got, expected + bias, atol=1e-4, rtol=1e-4)
+    loud = torch.cat([x, 100 * torch.randn(1, 80)])
+    torch.testing.assert_close(quantized_linear(loud, layer)[:5], got, atol=1e-5, rtol=0)
+    # Non-2-D and non-float32 inputs take the general path, same numbers.
+    torch.testing.assert_close(layer(x[None]).squeeze(0), got)
+    assert layer(x.double()).dtype == torch.float64
+
+
 def _tiny_runner(path: str, quantization: str | None):
     return make_runner(path, page_size=16, max_total_tokens=8192, context_length=512,
                        max_running_requests=16, quantization=quantization)
