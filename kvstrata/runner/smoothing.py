@@ -4,7 +4,7 @@ Per-token int8 activations lose most where a few input channels are much larger 
 (LLM activation outliers): those channels set the token's scale and crush the others. Measured
 on SmolLM2-135M (docs/benchmarks.md): plain w8a8 raised perplexity on docs/architecture.md
 by ~4.4%, almost all of it from the inputs of the qkv and output projections; smoothing brings
-it to ~1.4%. Calibrating on random token ids made it worse (~5.6%), so the ranges come from a
+it to ~1.5-1.8%. Calibrating on random token ids made it worse (~5.6%), so the ranges come from a
 fixed text (runner/calibration_text.py) tokenised by the model's own tokenizer.
 
 For each linear layer fed by an RMSNorm (qkv, gate|up, the output projection) and for down
