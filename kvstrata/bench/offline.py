@@ -3,6 +3,8 @@ prompts, same dtype, same machine, in the same run. Prints output tok/s of each 
 
     kvstrata bench offline --model tiny        # a random ~19M-parameter llama built on the fly
     kvstrata bench offline --model smollm2-135m
+    kvstrata bench offline --model smollm2-135m --quantization w8a8_int8   # int8 kvstrata
+                                                     # (transformers stays float32)
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import tempfile
 import time
 
 from kvstrata.bench.hf_reference import load_hf_model
+from kvstrata.config.server_args import QUANTIZATIONS
 
 TINY = "tiny"
 
@@ -82,11 +85,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="kvstrata's --quantization (the transformers reference stays float)")
     ap.add_argument("--output-json", default="benchmarks/results/offline.json")
 
 
 def run(args: argparse.Namespace) -> dict:
-
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs "
+          f"(other work on the box makes the figures noisy)")
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_checkpoint(os.path.join(tmp, "tiny")) if args.model == TINY else args.model
         vocab = 32000 if args.model == TINY else 49152
@@ -95,9 +102,12 @@ def run(args: argparse.Namespace) -> dict:
         total = args.max_input_len + args.output_len
         ours = run_kvstrata(model, prompts, args.output_len, page_size=args.page_size,
                             max_running_requests=args.max_running_requests,
-                            max_total_tokens=total * args.max_running_requests)
-        print(f"kvstrata:     {ours:8.1f} output tok/s")
+                            max_total_tokens=total * args.max_running_requests,
+                            quantization=args.quantization)
+        print(f"kvstrata:     {ours:8.1f} output tok/s"
+              + (f" (--quantization {args.quantization})" if args.quantization else ""))
         result = {"model": args.model, "num_prompts": args.num_prompts,
+                  "quantization": args.quantization, "loadavg": load,
                   "input_len": [args.min_input_len, args.max_input_len],
                   "output_len": args.output_len, "kvstrata_tok_s": ours}
         if not args.skip_transformers:

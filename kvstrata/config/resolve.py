@@ -23,7 +23,7 @@ from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
 from kvstrata.config.rules import dsa, hicache, page_geometry, platform_defaults, retraction
-from kvstrata.config.server_args import ServerArgs, flag
+from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
 logger = logging.getLogger("kvstrata.config")
@@ -115,13 +115,18 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "dcp_size": lambda v: v > 1,
     "enable_priority_scheduling": bool,
     "disable_priority_preemption": bool,
+    # Weight quantisation: only w8a8_int8 is built.
+    "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
 }
+# Flags whose refusal names the value too: the flag itself is built for other values.
+_REFUSAL_SHOWS_VALUE = {"quantization"}
 
 
 def unimplemented_flags(args: ServerArgs) -> list[str]:
     """CLI spellings of the flags in `args` that ask for a feature kvstrata lacks, in field
-    order, e.g. ["--enable-hierarchical-cache", "--tp-size"]."""
-    return [flag(name) for name in ServerArgs.field_names()
+    order, e.g. ["--enable-hierarchical-cache", "--tp-size", "--quantization fp8"]."""
+    return [flag(name) + (f" {getattr(args, name)}" if name in _REFUSAL_SHOWS_VALUE else "")
+            for name in ServerArgs.field_names()
             if name in UNIMPLEMENTED and UNIMPLEMENTED[name](getattr(args, name))]
 
 

@@ -42,6 +42,12 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGG_MODES = ("null", "prefill", "decode")
 DISAGG_TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
+# SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
+# "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
+QUANTIZATION_BUILT = ("w8a8_int8",)
+QUANTIZATIONS = ("awq", "fp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes",
+                 "gguf", "modelopt", "modelopt_fp4", "w8a8_int8", "w8a8_fp8", "moe_wna16",
+                 "qoq", "w4afp8", "mxfp4", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class ServerArgs:
                                            "config).")
     dtype: str = opt("auto", "Weight and activation dtype; auto = the checkpoint's dtype "
                              "(float32 on CPU).", choices=DTYPES)
+    quantization: str | None = opt(None, "Quantize the weights at load (default: none, the "
+                                         "float path). w8a8_int8: int8 per-channel weights "
+                                         "and per-token int8 activations for every linear "
+                                         "layer (CPU).", choices=QUANTIZATIONS)
     device: str | None = opt(None, "Device to run on (default: detected from the platform).",
                              choices=DEVICES)
     platform: str | None = opt(None, "Platform to resolve for (default: detected). Only "

@@ -52,7 +52,8 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
-    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device)
+    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,
+                         quantization=args.quantization)
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)
@@ -90,13 +91,16 @@ def start_up_info(engine: Any) -> dict:
     plan = getattr(engine, "kv_plan", None)
     if plan is not None:
         info["kv_plan"] = plan.to_json()
+    quant = getattr(getattr(engine, "runner", None), "quantization_info", None)
+    if quant is not None:
+        info["quantization_info"] = quant  # the resolved scheme, its kernel, weight bytes
     return info
 
 
 def server_info_dict(args: Any, engine_info: dict) -> dict:
     """The `/server_info` body: version, the resolved args (as the one start-up resolution
-    left them; the args as given if the engine did not report them), the KV plan and every
-    resolution; the rest of engine_info stays nested under "engine_info"."""
+    left them; the args as given if the engine did not report them), the KV plan, every
+    resolution and what --quantization ran; the rest of engine_info stays nested under "engine_info"."""
     import kvstrata  # noqa: PLC0415 - the package version, at call time
 
     rest = dict(engine_info)
@@ -104,7 +108,7 @@ def server_info_dict(args: Any, engine_info: dict) -> dict:
     if resolved is None:
         resolved = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
     info = {"version": getattr(kvstrata, "__version__", "0"), **resolved}
-    for key in ("kv_plan", "resolutions"):
+    for key in ("kv_plan", "resolutions", "quantization_info"):
         if key in rest:
             info[key] = rest.pop(key)
     info["engine_info"] = rest

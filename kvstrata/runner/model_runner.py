@@ -26,6 +26,8 @@ from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.hicache_executor import HiCacheExecutor
+from kvstrata.runner.quantization import quantize_model, weight_bytes
+from kvstrata.runner.smoothing import calibration_token_ids
 from kvstrata.runner.sampler import Sampler, SamplingState
 
 logger = logging.getLogger(__name__)
@@ -46,13 +48,19 @@ class ModelRunner:
     (config/kv_sizing.py) and hands it to `allocate_kv`, which builds every KV tensor."""
 
     def __init__(self, model_path: str, dtype: str = "auto",
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, quantization: str | None = None):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_model(self.source, self.hf_config, dtype, self.device)
+        # --quantization: the float weights are replaced once, here, before the KV pool is
+        # sized from what memory the weights leave. What ran goes to /server_info.
+        self.quantization_info = {"quantization": None}
+        if quantization is not None:
+            ids, smoothing = calibration_token_ids(self.source, self.model.dims.vocab_size)
+            self.quantization_info = quantize_model(self.model, quantization, ids, smoothing)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -74,8 +82,8 @@ class ModelRunner:
     def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
         """Memory the KV pool may take, measured now that the weights are loaded."""
         if mem_fraction_static is not None:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            return kv_budget_from_fraction(self.device, mem_fraction_static, weights)
+            return kv_budget_from_fraction(self.device, mem_fraction_static,
+                                           weight_bytes(self.model))
         return default_kv_budget_bytes(self.device)
 
     def allocate_kv(self, plan: KVPlan) -> None:
@@ -90,8 +98,9 @@ class ModelRunner:
             self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
             page_size=plan.page_size)
         self.hicache = HiCacheExecutor(self.kv_pool, plan) if plan.has_host_pool else None
-        logger.info("model %s (%s) on %s; %s", self.source.display_name, self.dtype,
-                    self.device, plan.summary())
+        quant = self.quantization_info["quantization"]
+        logger.info("model %s (%s%s) on %s; %s", self.source.display_name, self.dtype,
+                    f", {quant}" if quant else "", self.device, plan.summary())
 
     @property
     def max_context_len(self) -> int:

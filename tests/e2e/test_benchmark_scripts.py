@@ -45,3 +45,20 @@ def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
     assert result["working_set_tokens"] > result["device_tokens"]
     assert result["off"]["from_host"] == 0 and result["on"]["from_host"] > 0
     assert (tmp_path / "reuse.png").stat().st_size > 0
+
+
+def test_bench_int8_linear_rows(tmp_path):
+    """Every shape x kernel has a row; the int8 result stays close to float32 (the kernels'
+    speed is reported in docs/benchmarks.md, not asserted)."""
+    out = tmp_path / "int8.json"
+    _run("bench_int8_linear.py", "--rows", "1", "3", "--min-time", "0.001",
+         "--torchao-max-flops", "0", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["kernel"], r["k"], r["n"], r["rows"]) for r in rows} == {
+        (kern, k, n, m) for kern in ("kvstrata", "fbgemm_dyn", "torchao")
+        for k, n in ((576, 1536), (1536, 576), (576, 49152)) for m in (1, 3)}
+    for r in rows:
+        if r["kernel"] == "torchao":
+            assert r["skipped"]
+        else:
+            assert r["ms"] > 0 and r["ratio"] > 0 and r["error"] < 0.1

@@ -78,3 +78,14 @@ def test_registry_snapshot_and_unknown():
         "KVSTRATA_DSA_FUSE_TOPKK"]
     with pytest.raises(KeyError, match="not a registered"):
         envs.get("KVSTRATA_NOPE")
+
+
+def test_quantization_refusal_names_the_value():
+    """Only w8a8_int8 is built: SGLang's other --quantization values are refused by name;
+    a value SGLang does not know either is a plain choice error."""
+    assert unimplemented_flags(ServerArgs(quantization="w8a8_int8")) == []
+    refuse_unimplemented(ServerArgs(quantization="w8a8_int8"))
+    with pytest.raises(NotImplementedError, match="^not implemented yet: --quantization fp8$"):
+        refuse_unimplemented(ServerArgs(quantization="fp8"))
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        ServerArgs(quantization="int3")

@@ -107,6 +107,9 @@ class DecoderForCausalLM(nn.Module):
             dims.vocab_size, dims.hidden_size, **kw)
         self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
         self.attn_backend = None  # set by the runner (needs the KV pool)
+        # How a (weight, bias) pair is applied: F.linear, or after --quantization the int8
+        # layer that replaced the weight (runner/quantization.py).
+        self.linear = F.linear
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -116,12 +119,13 @@ class DecoderForCausalLM(nn.Module):
         nq, nkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
         q_end, k_end = nq * hd, (nq + nkv) * hd
         t = fb.num_tokens
+        linear = self.linear
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
         x = F.embedding(fb.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = linear(h, layer.qkv_weight, layer.qkv_bias)
             v = qkv[:, k_end:].view(t, nkv, hd)
             if layer.q_norm is not None:
                 q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
@@ -135,15 +139,15 @@ class DecoderForCausalLM(nn.Module):
             attn = self.attn_backend.forward(i, q, k, v, fb)
             # In place: x is this forward's own buffer (from F.embedding), never a view
             # of a parameter, and inference mode keeps no autograd history.
-            x.add_(F.linear(attn, layer.o_weight, layer.o_bias))
+            x.add_(linear(attn, layer.o_weight, layer.o_bias))
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            x.add_(F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
+            gate, up = linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            x.add_(linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
         if fb.logits_idx is not None:
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
         x = rms_norm(x, self.final_norm, d.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     # ------------------------------------------------------------------ weight loading
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
