@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.protocol import FinishReason, SamplingParams
+from kvstrata.protocol.disagg import BootstrapAddr
 
 
 @dataclass
@@ -26,6 +27,8 @@ class EngineRequest:
     prompt_ids: list[int]
     sampling_params: SamplingParams
     return_prompt_logprobs: bool = False
+    # PD disaggregation: where the KV comes from / goes to (None on a co-located server).
+    bootstrap: BootstrapAddr | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +44,7 @@ class Request:
     params: SamplingParams
     arrival_index: int
     return_prompt_logprobs: bool = False
+    bootstrap: BootstrapAddr | None = None  # PD only
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 

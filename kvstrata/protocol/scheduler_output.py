@@ -67,6 +67,8 @@ class SchedulerOutput(msgspec.Struct):
     scheduled: list[ScheduledRequest]
     freed_req_ids: list[str]
     transfers: list[TransferOp] = []
+    # Prefill/decode disaggregation ops, applied in order before the forward (protocol/disagg.py).
+    pd_ops: list["PDOp"] = []
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -90,3 +92,10 @@ class RunnerOutput(msgspec.Struct):
     # Asynchronous transfer jobs (HiCache, PD) that finished or failed since the last step.
     finished_transfer_ids: list[int] = []
     failed_transfer_ids: list[int] = []
+    # PD transfer state changes since the last step (protocol/disagg.py).
+    pd_events: list["PDEvent"] = []
+
+
+# At the end: disagg.py imports TopLogprob from this module (the forward references above
+# resolve when msgspec first encodes or decodes).
+from kvstrata.protocol.disagg import PDEvent, PDOp  # noqa: E402

@@ -1,0 +1,88 @@
+"""Prefill/decode disaggregation (PD): the tensor-free contract between the scheduler
+(engine/, which decides) and the runner's transfer layer (runner/ + transfer/disagg/, which
+moves bytes). Same seam as the HiCache jobs: the scheduler puts `PDOp`s in its
+SchedulerOutput, the runner applies them in order before the step's forward, polls every
+live sender/receiver, and returns the state *changes* as `PDEvent`s in RunnerOutput.
+
+One KV transfer per request, keyed by its bootstrap room (a random 63-bit id the router
+puts in both copies of the request). States (SGLang's KVPoll numbers):
+
+  prefill sender:   BOOTSTRAPPING --(decode sent its destination pages)--> WAITING_FOR_INPUT
+                    --send()--> TRANSFERRING --(every page and the metadata acknowledged)-->
+                    SUCCESS;   any state --(abort, dead peer, timeout)--> FAILED
+  decode receiver:  BOOTSTRAPPING --(prefill's bootstrap server answered)--> WAITING_FOR_INPUT
+                    --init(dst pages)--> TRANSFERRING --(pages + metadata arrived)--> SUCCESS;
+                    any state --> FAILED
+
+Ops per side, in the order a request sees them:
+  prefill: sender_create -> sender_init (once WAITING_FOR_INPUT; num_pages, metadata_index)
+           -> send (page_ids, last=False ...) -> send (last=True, metadata) -> release
+  decode:  receiver_create -> receiver_init (page_ids = reserved destination pages,
+           metadata_index) -> release (after SUCCESS, once the metadata is read)
+  either:  abort (client abort / error; idempotent) -> release
+`release` forgets the room in the runner (after SUCCESS or FAILED were reported); a room
+is never reused while the runner still knows it.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kvstrata.protocol.scheduler_output import TopLogprob
+
+# SGLang's warm-up host: a request addressed to it uses the `fake` backend (moves nothing).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+class KVPoll(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+class BootstrapAddr(msgspec.Struct, frozen=True):
+    """Where a request's KV comes from / goes to: the prefill server's bootstrap server and
+    the room id. Both servers get the same three values from the router."""
+
+    host: str
+    port: int
+    room: int
+
+
+class PDMetadata(msgspec.Struct):
+    """What travels with the last chunk, besides the KV pages: the prefill's first output
+    token (the decode server's first token comes from here; no forward there), its
+    logprob(s), and counters. `extras` carries per-request side data later (DSA seed)."""
+
+    room: int
+    first_token_id: int
+    first_logprob: float | None = None
+    first_top_logprobs: list[TopLogprob] | None = None
+    cached_tokens: int = 0  # prefix-cache hit on the prefill server
+    extras: dict[str, list[int]] = {}
+
+
+class PDOp(msgspec.Struct, omit_defaults=True):
+    room: int
+    # sender_create | sender_init | send | receiver_create | receiver_init | abort | release
+    kind: str
+    bootstrap_host: str = ""  # *_create
+    bootstrap_port: int = 0   # *_create
+    num_pages: int = 0        # sender_init: pages the whole prompt will send
+    metadata_index: int = -1  # sender_init / receiver_init: the request's metadata slot
+    page_ids: list[int] = []  # send: source pages in order; receiver_init: destination pages
+    last: bool = False        # send: the last chunk; `metadata` goes with it
+    metadata: PDMetadata | None = None
+
+
+class PDEvent(msgspec.Struct, omit_defaults=True):
+    room: int
+    state: int  # KVPoll
+    error: str | None = None  # FAILED: why (shown to the client in the HTTP 500)
+    metadata: PDMetadata | None = None  # decode SUCCESS: what the prefill server sent
+
+
+__all__ = ["FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "PDMetadata", "PDOp", "PDEvent"]
