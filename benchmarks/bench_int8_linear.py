@@ -29,6 +29,7 @@ import torch
 warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")  # torch's deprecation
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear  # noqa: E402
 
 SHAPES = ((576, 1536), (1536, 576), (576, 49152))  # in -> out: qkv-ish/up, down, lm_head
@@ -43,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--torchao-max-flops", type=float, default=2e10,
                    help="skip torchao above this many FLOPs per call (it is very slow)")
     p.add_argument("--out", default="benchmarks/results/int8_linear.json")
+    add_quiet_arg(p)
     return p.parse_args(argv)
 
 
@@ -116,9 +118,8 @@ def measure(k: int, n: int, rows: int, args) -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    load = os.getloadavg()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared box: figures are noisy)")
+    load = announce_load(args.require_quiet)
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
     rows_out = []
     for k, n in SHAPES:
         for rows in args.rows:
@@ -131,7 +132,7 @@ def main(argv=None) -> dict:
                     print(f"{shape} {r['kernel']:<11s} fp32 {r['fp32_ms']:9.3f} ms  int8 "
                           f"{r['ms']:9.3f} ms  ratio {r['ratio']:6.2f}x  error "
                           f"{r['error']:.4f}", flush=True)
-    report = {"torch": torch.__version__, "threads": args.threads, "loadavg": load,
+    report = {"torch": torch.__version__, "threads": args.threads, "box_load": load,
               "results": rows_out}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -17,6 +17,7 @@ import statistics
 import time
 
 from kvstrata import LLM, SamplingParams
+from kvstrata.bench.box_load import add_quiet_arg, announce_load
 from kvstrata.engine.request import EngineRequest
 
 
@@ -105,11 +106,13 @@ def main() -> None:
     ap.add_argument("--io", default="kernel")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/reuse.json")
+    add_quiet_arg(ap)
     args = ap.parse_args()
+    box = announce_load(args.require_quiet)
     convs = workload(args)
     working_set = args.system_len + args.conversations * (
         args.context_len + args.turns * (args.user_len + args.answer_len))
-    result = {"working_set_tokens": working_set, "device_tokens": args.device_tokens,
+    result = {"box_load": box, "working_set_tokens": working_set, "device_tokens": args.device_tokens,
               "off": run("off", args, convs), "on": run("on", args, convs)}
     result["ttft_p50_off"] = result["off"]["ttft_p50"]
     result["ttft_p50_on"] = result["on"]["ttft_p50"]

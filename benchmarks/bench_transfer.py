@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.kv.host_pool import HostKVPool  # noqa: E402
 from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS, make_io_backend  # noqa: E402
 from kvstrata.kv.layouts import KVGeometry, as_words  # noqa: E402
@@ -54,6 +55,7 @@ def parse_args():
                    help="device page ids: a random permutation (fragmented pool) or one run")
     p.add_argument("--directions", nargs="+", default=["d2h", "h2d", "h2d_layers"])
     p.add_argument("--out", default="benchmarks/results/bench_transfer.json")
+    add_quiet_arg(p)
     return p.parse_args()
 
 
@@ -78,6 +80,7 @@ def measure(fn, baseline, reps: int) -> tuple[float, float, float]:
 
 def main() -> None:
     args = parse_args()
+    box = announce_load(args.require_quiet)
     if args.threads:
         torch.set_num_threads(args.threads)
     geom = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.page_size,
@@ -93,8 +96,7 @@ def main() -> None:
     kwargs = {} if args.staging_bytes is None else {"staging_bytes": args.staging_bytes}
     print(f"page = {geom.bytes_per_page / 1024:.0f} KiB ({geom.num_layers} layers x "
           f"{geom.num_kv_heads} kv heads x {geom.head_dim} x {geom.page_size} tokens x "
-          f"K,V x {geom.itemsize} B); threads {torch.get_num_threads()}; "
-          f"load avg {os.getloadavg()[0]:.1f}")
+          f"K,V x {geom.itemsize} B); threads {torch.get_num_threads()}")
     rows = []
     for io, layouts in SUPPORTED_LAYOUTS.items():
         for layout in layouts:
@@ -142,7 +144,7 @@ def main() -> None:
                               dtype=args.dtype, page_bytes=geom.bytes_per_page),
                 threads=torch.get_num_threads(), reps=args.reps,
                 shuffle_host=args.shuffle_host, staging_bytes=args.staging_bytes,
-                load_avg=os.getloadavg(), torch=torch.__version__,
+                box_load=box, torch=torch.__version__,
                 machine=stdlib_platform.processor() or stdlib_platform.machine(),
                 command=" ".join(sys.argv))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -9,6 +9,7 @@ PEERS_VENV=${PEERS_VENV:-/tmp/peers}
 OUT=${OUT:-benchmarks/results}
 HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 TINY_DIR=${TINY_DIR:-$HOME/.cache/kvstrata-tests/tiny-llama-smollm2-tok-v1}
+.venv/bin/python -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}  # load average at start; busy box = loud warning
 GGUF=$(.venv/bin/python -c "from kvstrata.config.model_source import resolve_model_path as r; print(r('smollm2-135m').gguf_path)")
 BENCH=(.venv/bin/kvstrata bench serve --num-prompts 64 --concurrency 32 --input-len 128
        --output-len 64 --no-ignore-eos --temperature 0)

@@ -91,6 +91,10 @@ KVSTRATA_ENGINE_FACTORY = _declare(
 KVSTRATA_MAX_REQUEST_BYTES = _declare(
     "KVSTRATA_MAX_REQUEST_BYTES", int, 32 << 20,
     "Largest HTTP request body the API server reads; larger bodies get 413.")
+KVSTRATA_BENCH_MAX_LOAD = _declare(
+    "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
+    "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "
+    "warn loudly (or refuse with --require-quiet) and record it in their JSON.")
 
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:

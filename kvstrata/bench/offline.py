@@ -15,6 +15,7 @@ import random
 import tempfile
 import time
 
+from kvstrata.bench.box_load import add_quiet_arg, announce_load
 from kvstrata.bench.hf_reference import load_hf_model
 from kvstrata.config.server_args import QUANTIZATIONS
 
@@ -88,12 +89,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="kvstrata's --quantization (the transformers reference stays float)")
     ap.add_argument("--output-json", default="benchmarks/results/offline.json")
+    add_quiet_arg(ap)
 
 
 def run(args: argparse.Namespace) -> dict:
-    load = os.getloadavg()
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs "
-          f"(other work on the box makes the figures noisy)")
+    load = announce_load(args.require_quiet)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_checkpoint(os.path.join(tmp, "tiny")) if args.model == TINY else args.model
         vocab = 32000 if args.model == TINY else 49152
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"kvstrata:     {ours:8.1f} output tok/s"
               + (f" (--quantization {args.quantization})" if args.quantization else ""))
         result = {"model": args.model, "num_prompts": args.num_prompts,
-                  "quantization": args.quantization, "loadavg": load,
+                  "quantization": args.quantization, "box_load": load,
                   "input_len": [args.min_input_len, args.max_input_len],
                   "output_len": args.output_len, "kvstrata_tok_s": ours}
         if not args.skip_transformers:

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
+from kvstrata.bench.box_load import add_quiet_arg, announce_load
+
 # Short common words: each is about one token for BPE vocabularies, so a prompt of N words
 # is about N tokens. The server's usage.prompt_tokens reports the exact figure.
 _WORDS = ("the of and to in is was for on are with as at be this have from or one had by "
@@ -203,6 +205,7 @@ def print_summary(s: dict, baseline: dict | None = None) -> None:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
+    add_quiet_arg(parser)
     parser.add_argument("--model", required=True)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
@@ -230,8 +233,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    load = announce_load(args.require_quiet)
     results, duration = asyncio.run(run_benchmark(args))
     summary = summarize(results, duration, args)
+    summary["box_load"] = load
     baseline = None
     if args.baseline_json:
         with open(args.baseline_json) as f:

@@ -59,6 +59,19 @@ def _run_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_busy_box(run):
+    """A bench run with --require-quiet on a busy box: one clear line and exit 2."""
+    def wrapped(ns: argparse.Namespace) -> int:
+        from kvstrata.bench.box_load import BusyBoxError
+
+        try:
+            return run(ns)
+        except BusyBoxError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return wrapped
+
+
 # ---- bench serve --------------------------------------------------------------------------
 def _add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     from kvstrata.bench.serve_client import add_args
@@ -102,11 +115,11 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 register(("serve",), _add_serve_args, _run_serve, "run the HTTP server")
-register(("bench", "offline"), _add_bench_offline_args, _run_bench_offline,
+register(("bench", "offline"), _add_bench_offline_args, _refuse_busy_box(_run_bench_offline),
          "offline throughput: kvstrata.LLM vs transformers generate")
 register(("config",), _add_config_args, _run_config,
          "explain start-up resolution (--explain [--platform P] [--json] [serve flags])")
-register(("bench", "serve"), _add_bench_serve_args, _run_bench_serve,
+register(("bench", "serve"), _add_bench_serve_args, _refuse_busy_box(_run_bench_serve),
          "benchmark any OpenAI-compatible server")
 
 
