@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from kvstrata import envs
 
+RESOLVE_RETRY_SECONDS = 0.5
 _GET_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
@@ -216,4 +217,31 @@ def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dic
     return info.json(), rank.json()
 
 
-__all__ = ["BootstrapServer", "RouteNotReady", "fetch_prefill_route", "register_rank"]
+
+def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple,
+                             stopping=lambda: False) -> tuple[str | None, str]:
+    """The decode side's look-up: (zmq endpoint of the prefill at bootstrap `key`, "") or
+    (None, why). Retries a not-ready or unreachable bootstrap server every
+    RESOLVE_RETRY_SECONDS until `timeout`; `expect` = our (page_size, kv_cache_dtype),
+    which the prefill's must equal (equal page bytes could hide a different split)."""
+    deadline = time.monotonic() + timeout
+    error = "timed out"
+    while not stopping() and time.monotonic() < deadline:
+        try:
+            info, rank = fetch_prefill_route(*key)
+        except RouteNotReady as e:
+            error = str(e)
+            time.sleep(RESOLVE_RETRY_SECONDS)
+            continue
+        except Exception as e:
+            return None, str(e)
+        theirs = (info.get("page_size"), info.get("kv_cache_dtype"))
+        if theirs != tuple(expect):
+            return None, (f"prefill page_size/kv dtype {theirs[0]}/{theirs[1]} != decode "
+                          f"{expect[0]}/{expect[1]}")
+        return f"tcp://{rank['rank_ip']}:{rank['rank_port']}", ""
+    return None, error
+
+
+__all__ = ["BootstrapServer", "RouteNotReady", "fetch_prefill_route", "register_rank",
+           "resolve_prefill_endpoint"]
