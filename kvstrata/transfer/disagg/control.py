@@ -8,16 +8,7 @@ Threads: the runner calls create/init/send/abort/poll; those calls change a stat
 `_lock` and hand socket work to the transfer thread as a closure (`_call`), because zmq
 sockets must stay in one thread. The decode side also starts a resolver thread per prefill
 it looks up over HTTP (a look-up may retry for long while that prefill starts).
-
-Failure detection (a failed room never takes the manager down; others keep going):
-  prefill sender BOOTSTRAPPING longer than KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT;
-  decode receiver BOOTSTRAPPING as long (prefill endpoint never resolved), or not SUCCESS
-    KVSTRATA_DISAGG_WAITING_TIMEOUT after init();
-  decode pings every prefill it has live rooms with, every KVSTRATA_DISAGG_HEARTBEAT_INTERVAL;
-    after KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE unanswered pings in a row that peer's rooms
-    fail; the prefill fails the rooms of a decode peer silent for (max_failure + 1) intervals
-    (any message counts as a sign of life, so a long transfer does not look like death);
-  abort() on either side sends Abort; the peer fails the room with the reason.
+Failure detection (timeouts, heartbeat): liveness.py.
 """
 from __future__ import annotations
 
@@ -33,6 +24,7 @@ from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.base import DisaggManager, KVReceiver, KVSender
 from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer, register_rank,
                                                        resolve_prefill_endpoint)
+from kvstrata.transfer.disagg.liveness import Liveness
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
                                                Destination, Ping, Pong, check_page_buffers,
                                                geometry_mismatch, geometry_of)
@@ -42,7 +34,7 @@ logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest sleep
 
 
-class ZmqDisaggManager(DisaggManager):
+class ZmqDisaggManager(Liveness, DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str):
         if role not in ("prefill", "decode"):
@@ -166,6 +158,8 @@ class ZmqDisaggManager(DisaggManager):
                     only_from is not None and obj.state not in only_from):
                 return False
             obj.state = state
+            if is_final(state):
+                obj.final_at = time.monotonic()
             if state == KVPoll.FAILED:
                 obj.reason = reason
                 logger.warning("PD room %d (%s) failed: %s", obj.room, self.role, reason)
@@ -365,43 +359,6 @@ class ZmqDisaggManager(DisaggManager):
                 self.transition(r, KVPoll.WAITING_FOR_INPUT,
                                 only_from=(KVPoll.BOOTSTRAPPING,))
                 self._call(self.send_destination, r)  # if init() came first
-
-    # ---- timeouts and heartbeat
-    def _tick(self, now: float) -> None:
-        silent_after = self.heartbeat_interval * (self.heartbeat_max_failure + 1)
-        with self._lock:
-            rooms = [*self.senders.values(), *self.receivers.values()]
-        for obj in rooms:
-            if is_final(obj.state):
-                continue
-            why = obj.timed_out(now)
-            if why is None and isinstance(obj, Sender) and obj.peer is not None:
-                silent = now - self._heard.get(obj.peer, now)
-                if silent > silent_after:
-                    why = f"decode server {obj.peer} silent for {silent:.1f} s (dead?)"
-            if why:
-                self.fail(obj, why)
-        for room in [r for r, (_, t) in self._pending.items()
-                     if now - t > self.bootstrap_timeout]:
-            del self._pending[room]
-        if self.role == "decode" and now >= self._next_ping:
-            self._next_ping = now + self.heartbeat_interval
-            self._heartbeat([r for r in rooms if isinstance(r, Receiver)])
-
-    def _heartbeat(self, receivers: list[Receiver]) -> None:
-        live: dict[str, list[Receiver]] = {}
-        for r in receivers:
-            if r.peer is not None and not is_final(r.state):
-                live.setdefault(r.peer, []).append(r)
-        for peer, rooms in live.items():
-            if self._misses.get(peer, 0) >= self.heartbeat_max_failure:
-                for r in rooms:
-                    self.fail(r, f"prefill server {peer} did not answer "
-                                 f"{self._misses[peer]} heartbeats", tell_peer=False)
-                self._drop_peer(peer)
-                continue
-            self._send(peer, Ping(self.endpoint))
-            self._misses[peer] = self._misses.get(peer, 0) + 1
 
 
 __all__ = ["ZmqDisaggManager"]

@@ -26,6 +26,7 @@ class _Room:
         self.peer: str | None = None  # the other server's data endpoint, once known
         self.metadata_index = -1
         self.created = time.monotonic()
+        self.final_at: float | None = None  # when it reached SUCCESS or FAILED
 
     def poll(self) -> KVPoll:
         return self.state
