@@ -171,3 +171,21 @@ def test_timeouts(make_pair, monkeypatch):
     assert "could not fetch the prefill route" in nowhere.failure_reason
     assert "waiting timeout" in receiver.failure_reason
     wait_until(lambda: sender.poll() == F)  # told by the decode side
+
+
+def test_malformed_page_data_fails_only_that_room(make_pair):
+    import zmq
+
+    from kvstrata.transfer.disagg.messages import ENCODER, Chunk
+    pair = make_pair("tcp-gathered")
+    sender, receiver = start_room(pair, 1, [1], [2])
+    other_s, other_r = start_room(pair, 2, [3], [4], slot=1)
+    with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as push:
+        push.connect(pair.decode.endpoint)
+        push.send_multipart([ENCODER.encode(Chunk(1, "tcp://127.0.0.1:1", 0, 1, "gathered")),
+                             b"too short"])
+        wait_until(lambda: receiver.poll() == F)
+        push.setsockopt(zmq.LINGER, 0)
+    assert "bad page data" in receiver.failure_reason
+    other_s.send([3], last=True)
+    wait_until(lambda: other_r.poll() == S)

@@ -321,7 +321,11 @@ class ZmqDisaggManager(Liveness, DisaggManager):
             self.fail(r, f"prefill sent pages {msg.dst_offset}..{msg.dst_offset + msg.num_pages}"
                          f" beyond the {len(r.dst or [])} reserved")
             return
-        self._write_pages(r, msg, frames)
+        try:
+            self._write_pages(r, msg, frames)
+        except Exception as e:  # malformed frames: this room fails, the thread goes on
+            self.fail(r, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
+            return
         r.received += msg.num_pages
         if msg.last:
             r.metadata_value = msg.metadata
