@@ -145,6 +145,8 @@ class ModelRunner:
                       num_metadata_slots: int) -> None:
         """PD: build the transfer manager over the device pool (after allocate_kv); the
         prefill role starts its bootstrap server on host:bootstrap_port."""
+        if self.plan is None:
+            raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
         from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
         from kvstrata.transfer.disagg.registry import create_manager
         self.disagg = DisaggExecutor(create_manager(

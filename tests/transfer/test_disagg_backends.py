@@ -189,3 +189,9 @@ def test_malformed_page_data_fails_only_that_room(make_pair):
     assert "bad page data" in receiver.failure_reason
     other_s.send([3], last=True)
     wait_until(lambda: other_r.poll() == S)
+
+
+def test_a_wildcard_host_advertises_a_dialable_address():
+    from kvstrata.transfer.disagg.control import advertised_ip
+    assert advertised_ip("127.0.0.1") == "127.0.0.1"
+    assert advertised_ip("0.0.0.0") not in ("", "0.0.0.0", "::")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 
@@ -34,12 +35,27 @@ logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest sleep
 
 
+def advertised_ip(host: str) -> str:
+    """`host`, or for a wildcard (0.0.0.0, ::, empty) this machine's outbound IP (the
+    address a UDP socket would send from; nothing is sent), else 127.0.0.1."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
 class ZmqDisaggManager(Liveness, DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
-        self.role, self.host, self.page_size, self.kv_dtype = role, host, page_size, kv_dtype
+        self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
+        # What peers are told to connect to: a wildcard bind address is no address to dial.
+        self.host = advertised_ip(host)
         self.buffers = check_page_buffers(list(buffers))
         self.geometry = geometry_of(self.buffers)
         self.num_metadata_slots = num_metadata_slots
@@ -65,7 +81,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+        data_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{self.host}:{data_port}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_rx.bind(f"inproc://pd-wake-{id(self)}")
         self._wake_tx = self._ctx.socket(zmq.PUSH)
@@ -77,8 +94,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         if role == "prefill":
             self._bootstrap = BootstrapServer(host, bootstrap_port)
             self._bootstrap.start()
-            register_rank(host, bootstrap_port, {
-                "rank_ip": host, "rank_port": int(self.endpoint.rsplit(":", 1)[1]),
+            register_rank(self.host, bootstrap_port, {
+                "rank_ip": self.host, "rank_port": data_port,
                 "page_size": page_size, "kv_cache_dtype": kv_dtype,
                 "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
                 "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
