@@ -195,3 +195,19 @@ def test_a_wildcard_host_advertises_a_dialable_address():
     from kvstrata.transfer.disagg.control import advertised_ip
     assert advertised_ip("127.0.0.1") == "127.0.0.1"
     assert advertised_ip("0.0.0.0") not in ("", "0.0.0.0", "::")
+
+
+def test_a_taken_bootstrap_port_is_a_clear_error():
+    import socket
+    import threading
+
+    from kvstrata.transfer.disagg.registry import create_manager
+
+    from .conftest import random_pool
+    threads = threading.active_count()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(RuntimeError, match="could not listen"):
+            create_manager("tcp", "prefill", page_buffers_of(random_pool()),
+                           host="127.0.0.1", bootstrap_port=taken.getsockname()[1],
+                           num_metadata_slots=2, page_size=1, kv_dtype="float32")
+    assert threading.active_count() == threads

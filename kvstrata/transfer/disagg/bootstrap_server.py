@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 
@@ -165,9 +166,19 @@ class BootstrapServer:
     def start(self, timeout: float = 10.0) -> None:
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
                                 lifespan="on", access_log=False)
+        # Bound here, so a taken port is this thread's clear error (uvicorn binding it
+        # would sys.exit() inside its own thread).
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"bootstrap server could not listen on {self.host}:"
+                               f"{self.port}: {e}") from None
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="pd-bootstrap",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="pd-bootstrap", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:

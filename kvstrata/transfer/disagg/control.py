@@ -12,6 +12,7 @@ Failure detection (timeouts, heartbeat): liveness.py.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -79,6 +80,21 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         self._stopping = False
 
         self._ctx = zmq.Context()
+        self._bootstrap: BootstrapServer | None = None
+        try:
+            self._open(host, bootstrap_port)
+        except BaseException:  # a taken port, a bootstrap server that did not come up
+            if self._bootstrap is not None:
+                self._bootstrap.stop()
+            with contextlib.suppress(Exception):  # whatever part of it was set up
+                self._close_backend()
+            self._ctx.destroy(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"pd-{role}", daemon=True)
+        self._thread.start()
+
+    def _open(self, host: str, bootstrap_port: int) -> None:
+        """Sockets, the backend's registration, and (prefill) the bootstrap server."""
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         data_port = self._pull.bind_to_random_port(f"tcp://{host}")
@@ -90,18 +106,15 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         self._wake_lock = threading.Lock()
         self._setup_backend()
 
-        self._bootstrap: BootstrapServer | None = None
-        if role == "prefill":
+        if self.role == "prefill":
             self._bootstrap = BootstrapServer(host, bootstrap_port)
             self._bootstrap.start()
             register_rank(self.host, bootstrap_port, {
                 "rank_ip": self.host, "rank_port": data_port,
-                "page_size": page_size, "kv_cache_dtype": kv_dtype,
+                "page_size": self.page_size, "kv_cache_dtype": self.kv_dtype,
                 "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
                 "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
                 "system_dp_size": 1, "system_dp_rank": 0})
-        self._thread = threading.Thread(target=self._run, name=f"pd-{role}", daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------------ backend hooks
     def _setup_backend(self) -> None:
