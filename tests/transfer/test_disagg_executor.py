@@ -46,8 +46,10 @@ def test_events_are_state_changes(make_pair):
     dec.apply([PDOp(1, "receiver_create", "127.0.0.1", port),
                PDOp(2, "receiver_create", "127.0.0.1", port)])
     assert pre.poll() == [PDEvent(1, B), PDEvent(2, B)] and pre.poll() == []
-    assert drain(dec, lambda ev: len(ev) >= 2 and ev[-1].state == W)[-2:] == [
-        PDEvent(1, W), PDEvent(2, W)]
+    # both rooms wait on one look-up of the prefill; a poll may catch one already moved
+    events = drain(dec, lambda ev: {e.room: e.state for e in ev} == {1: W, 2: W})
+    for room in (1, 2):
+        assert [e.state for e in events if e.room == room] in ([B, W], [W])
     assert pre.has_live and dec.has_live
     dec.apply([PDOp(1, "receiver_init", page_ids=[5, 7], metadata_index=0),
                PDOp(2, "receiver_init", page_ids=[9], metadata_index=1)])
