@@ -130,7 +130,7 @@ def test_page_count_and_range_errors(make_pair):
 @pytest.mark.parametrize("backend", [BACKENDS[0], BACKENDS[2]])
 def test_dead_prefill_fails_its_rooms_then_a_new_prefill_works(make_pair, monkeypatch,
                                                                backend):
-    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.1")
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
     monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")
     pair = make_pair(backend)
     sender, receiver = start_room(pair, 1, [1, 2, 3, 4], [5, 6, 7, 8])
@@ -149,7 +149,7 @@ def test_dead_prefill_fails_its_rooms_then_a_new_prefill_works(make_pair, monkey
 
 
 def test_dead_decode_fails_the_prefill_room(make_pair, monkeypatch):
-    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.1")
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
     monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")
     pair = make_pair("tcp-gathered")
     sender, receiver = start_room(pair, 1, [1, 2], [5, 6])
@@ -159,7 +159,7 @@ def test_dead_decode_fails_the_prefill_room(make_pair, monkeypatch):
 
 
 def test_timeouts(make_pair, monkeypatch):
-    monkeypatch.setenv("KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", "0.3")
+    monkeypatch.setenv("KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", "1.0")  # room 3 bootstraps first
     monkeypatch.setenv("KVSTRATA_DISAGG_WAITING_TIMEOUT", "0.3")
     pair = make_pair("tcp-gathered")
     lonely = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 1)  # no decode
