@@ -119,4 +119,5 @@ def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]
 
 
 __all__ = ["Abort", "Ack", "BufferGeometry", "Chunk", "DECODER", "Destination", "ENCODER",
-           "Message", "Ping", "Pong", "check_page_buffers", "contiguous_runs", "geometry_mismatch", "geometry_of"]
+           "Message", "Ping", "Pong", "check_page_buffers", "contiguous_runs",
+           "geometry_mismatch", "geometry_of"]
