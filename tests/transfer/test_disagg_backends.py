@@ -210,4 +210,4 @@ def test_a_taken_bootstrap_port_is_a_clear_error():
             create_manager("tcp", "prefill", page_buffers_of(random_pool()),
                            host="127.0.0.1", bootstrap_port=taken.getsockname()[1],
                            num_metadata_slots=2, page_size=1, kv_dtype="float32")
-    assert threading.active_count() == threads
+    assert threading.active_count() <= threads  # (an earlier test's thread may end now)
