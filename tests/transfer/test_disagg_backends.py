@@ -168,7 +168,7 @@ def test_timeouts(make_pair, monkeypatch):
     sender, receiver = start_room(pair, 3, [1], [2])  # prefill never sends
     wait_until(lambda: F == lonely.poll() == nowhere.poll() == receiver.poll(), timeout=5)
     assert "bootstrap timeout" in lonely.failure_reason
-    assert "could not fetch the prefill route" in nowhere.failure_reason
+    assert "unusable: not ready within 1 s (bootstrap timeout)" in nowhere.failure_reason
     assert "waiting timeout" in receiver.failure_reason
     wait_until(lambda: sender.poll() == F)  # told by the decode side
 
@@ -182,11 +182,12 @@ def test_malformed_page_data_fails_only_that_room(make_pair):
     other_s, other_r = start_room(pair, 2, [3], [4], slot=1)
     with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as push:
         push.connect(pair.decode.endpoint)
-        push.send_multipart([ENCODER.encode(Chunk(1, "tcp://127.0.0.1:1", 0, 1, "gathered")),
-                             b"too short"])
+        for origin in ("tcp://127.0.0.1:1", pair.prefill.endpoint):  # a stranger is ignored
+            push.send_multipart([ENCODER.encode(Chunk(1, origin, 0, 1, "gathered")),
+                                 b"too short"])
         wait_until(lambda: receiver.poll() == F)
         push.setsockopt(zmq.LINGER, 0)
-    assert "bad page data" in receiver.failure_reason
+    assert f"bad page data from {pair.prefill.endpoint}" in receiver.failure_reason
     other_s.send([3], last=True)
     wait_until(lambda: other_r.poll() == S)
 

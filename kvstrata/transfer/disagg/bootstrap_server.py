@@ -236,7 +236,7 @@ def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple
     RESOLVE_RETRY_SECONDS until `timeout`; `expect` = our (page_size, kv_cache_dtype),
     which the prefill's must equal (equal page bytes could hide a different split)."""
     deadline = time.monotonic() + timeout
-    error = "timed out"
+    error = "stopped"
     while not stopping() and time.monotonic() < deadline:
         try:
             info, rank = fetch_prefill_route(*key)
@@ -251,7 +251,9 @@ def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple
             return None, (f"prefill page_size/kv dtype {theirs[0]}/{theirs[1]} != decode "
                           f"{expect[0]}/{expect[1]}")
         return f"tcp://{rank['rank_ip']}:{rank['rank_port']}", ""
-    return None, error
+    if stopping():
+        return None, "the decode transfer manager closed"
+    return None, f"not ready within {timeout:g} s (bootstrap timeout); last: {error}"
 
 
 __all__ = ["BootstrapServer", "RouteNotReady", "fetch_prefill_route", "register_rank",

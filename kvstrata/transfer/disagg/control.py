@@ -208,7 +208,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
     def _wake(self) -> None:
         with self._wake_lock:
             if not self._wake_tx.closed:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
+                with contextlib.suppress(zmq.Again):  # queue full: a wake-up is pending
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ the transfer thread
     def _run(self) -> None:
@@ -345,8 +346,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
 
     def _on_chunk(self, msg: Chunk, frames: list) -> None:
         r = self.receivers.get(msg.room)
-        if r is None or is_final(r.state):
-            return
+        if r is None or is_final(r.state) or msg.endpoint != r.peer:
+            return  # late, or not from the prefill this room resolved to
         if r.dst is None or msg.dst_offset + msg.num_pages > len(r.dst):
             self.fail(r, f"prefill sent pages {msg.dst_offset}..{msg.dst_offset + msg.num_pages}"
                          f" beyond the {len(r.dst or [])} reserved")
@@ -385,9 +386,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
                        if r.bootstrap == key and r.peer is None and not is_final(r.state)]
         for r in waiting:
             if endpoint is None:
-                self.transition(r, KVPoll.FAILED, f"could not fetch the prefill route "
-                                f"from {key[0]}:{key[1]} within the bootstrap timeout "
-                                f"({self.bootstrap_timeout:g} s): {error}")
+                self.transition(r, KVPoll.FAILED,
+                                f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
             else:
                 r.peer = endpoint
                 self.transition(r, KVPoll.WAITING_FOR_INPUT,
