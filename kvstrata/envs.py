@@ -96,6 +96,27 @@ KVSTRATA_BENCH_MAX_LOAD = _declare(
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "
     "warn loudly (or refuse with --require-quiet) and record it in their JSON.")
 
+# PD disaggregation (kvstrata/transfer/disagg/), SGLang's SGLANG_DISAGGREGATION_* knobs.
+KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT = _declare(
+    "KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", float, 300.0,
+    "PD: seconds a request may stay bootstrapping (prefill waiting for the decode server's "
+    "destination pages; decode resolving the prefill's endpoint) before it fails.")
+KVSTRATA_DISAGG_WAITING_TIMEOUT = _declare(
+    "KVSTRATA_DISAGG_WAITING_TIMEOUT", float, 300.0,
+    "PD: seconds a decode receiver waits for its KV after sending its destination pages "
+    "before it fails.")
+KVSTRATA_DISAGG_HEARTBEAT_INTERVAL = _declare(
+    "KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", float, 5.0,
+    "PD: seconds between the decode server's pings of each prefill server it receives from.")
+KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE = _declare(
+    "KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", int, 2,
+    "PD: unanswered pings in a row after which the peer is dead and its requests fail (the "
+    "prefill side fails a decode peer silent for as long).")
+KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL = _declare(
+    "KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", float, 120.0,
+    "PD: the bootstrap server forgets room entries (room -> prefill dp rank) older than this "
+    "many seconds, checked this often.")
+
 
 def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     try:

@@ -25,7 +25,7 @@ from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
-from kvstrata.runner.hicache_executor import HiCacheExecutor
+from kvstrata.runner.hicache_executor import IDLE_WAIT_SECONDS, HiCacheExecutor
 from kvstrata.runner.quantization import quantize_model, weight_bytes
 from kvstrata.runner.smoothing import calibration_token_ids
 from kvstrata.runner.sampler import Sampler, SamplingState
@@ -68,6 +68,7 @@ class ModelRunner:
         self._reqs: dict[str, _ReqState] = {}
         self.plan: KVPlan | None = None
         self.hicache: HiCacheExecutor | None = None
+        self.disagg = None  # DisaggExecutor once enable_disagg() ran (PD prefill/decode)
 
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
@@ -128,16 +129,39 @@ class ModelRunner:
         idle = not sched.scheduled
         done, failed = (self.hicache.execute(sched.transfers, idle=idle) if self.hicache
                         else ([], []))
+        if self.disagg is not None:
+            self.disagg.apply(sched.pd_ops)
         out = self._execute_forward(sched)
         out.finished_transfer_ids = done
         out.failed_transfer_ids = failed
+        if self.disagg is not None:
+            out.pd_events = self.disagg.poll()
+            if idle and not out.pd_events and self.disagg.has_live:
+                self.disagg.wait(IDLE_WAIT_SECONDS)  # instead of the loop spinning
+                out.pd_events = self.disagg.poll()
         return out
+
+    def enable_disagg(self, role: str, backend: str, host: str, bootstrap_port: int,
+                      num_metadata_slots: int) -> None:
+        """PD: build the transfer manager over the device pool (after allocate_kv); the
+        prefill role starts its bootstrap server on host:bootstrap_port."""
+        if self.plan is None:
+            raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
+        from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
+        from kvstrata.transfer.disagg.registry import create_manager
+        self.disagg = DisaggExecutor(create_manager(
+            backend, role, page_buffers_of(self.kv_pool), host=host,
+            bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
+            page_size=self.plan.page_size, kv_dtype=self.plan.dtype))
 
     def transfer_stats(self) -> dict:
         """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""
         return self.hicache.stats() if self.hicache else {}
 
     def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.close()
+            self.disagg = None
         if self.hicache is not None:
             self.hicache.close()
             self.hicache = None

@@ -1,4 +1,5 @@
-"""Moves KV bytes asynchronously: device <-> host jobs now; host <-> storage and disagg later."""
+"""Moves KV bytes asynchronously: device <-> host jobs (controller.py), prefill -> decode
+servers (disagg/); host <-> storage later."""
 from kvstrata.transfer.controller import TransferController, TransferJob
 
 __all__ = ["TransferController", "TransferJob"]

@@ -1,2 +1,12 @@
 """Prefill/decode disaggregation: moving a prompt's KV pages from a prefill server into the
-pages a decode server reserved (backends: tcp, mooncake, fake). See base.py."""
+pages a decode server reserved (backends: tcp, mooncake, fake). See base.py.
+
+  base.py              the interface (DisaggManager, KVSender, KVReceiver)
+  registry.py          create_manager(backend, role, buffers, ...) for the flag's value
+  bootstrap_server.py  the prefill's HTTP bootstrap server (SGLang's /route) and its clients
+  control.py           the zmq control plane both real backends share (transfer thread)
+  rooms.py             per-room sender/receiver state;  liveness.py  timeouts, heartbeat
+  messages.py          msgspec control messages, buffer geometry
+  tcp.py / mooncake.py / fake.py   how pages move (or do not)
+  rate.py              GB/s of a backend vs a raw loopback socket, same run
+"""

@@ -1,0 +1,260 @@
+"""The bootstrap server: runs on the prefill server (at --disaggregation-bootstrap-port) and
+tells decode servers where each prefill rank's transfer endpoint is (SGLang's
+CommonKVBootstrapServer, reference section 3.2).
+
+Routes:
+  PUT  /route   a prefill rank registers {rank_ip, rank_port, page_size, kv_cache_dtype,
+                attn_tp_size/rank, attn_cp_size/rank, attn_dp_size/rank, pp_size/rank,
+                system_dp_size/rank}; the first registration fixes the parallel sizes.
+  GET  /route?prefill_dp_rank&prefill_cp_rank&target_tp_rank&target_pp_rank
+                all four required (400); all -1: the prefill's parallel info once every
+                rank registered (503 "Prefill server not fully registered yet (N workers
+                registered)." before); else that rank's {rank_ip, rank_port} or 404.
+  POST /register_dp_rank {bootstrap_room, dp_rank}; POST /query_dp_ranks {bootstrap_rooms}
+                the room -> prefill dp rank table (entries older than
+                KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL are dropped)
+  GET  /health  "OK"
+kvstrata runs one rank per server (tp = cp = dp = pp = 1), but the table keeps SGLang's
+four-rank keys so a decode server may address ranks the same way.
+
+FastAPI app served by uvicorn in a daemon thread; `start()` returns once it listens,
+`stop()` (the manager's close()) shuts it down and joins the thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from kvstrata import envs
+
+RESOLVE_RETRY_SECONDS = 0.5
+_GET_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, cleanup_interval: float | None = None):
+        self.host, self.port = host, port
+        self.cleanup_interval = (envs.KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL.get()
+                                 if cleanup_interval is None else cleanup_interval)
+        # port_table[dp_group][cp_rank][tp_rank][pp_rank] = {"rank_ip", "rank_port"}
+        self.port_table: dict[int, dict[int, dict[int, dict[int, dict]]]] = {}
+        self.parallel_info: dict | None = None
+        self.registered_count = 0
+        self.room_to_dp_rank: dict[int, tuple[int, float]] = {}  # room -> (dp rank, time)
+        self._lock = threading.Lock()
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ state (also for tests)
+    def register(self, info: dict) -> None:
+        with self._lock:
+            if self.parallel_info is None:
+                system_dp = int(info.get("system_dp_size", 1))
+                self.parallel_info = {
+                    "attn_tp_size": int(info.get("attn_tp_size", 1)),
+                    "attn_cp_size": int(info.get("attn_cp_size", 1)),
+                    "dp_size": (int(info.get("attn_dp_size", 1)) if system_dp == 1
+                                else system_dp),
+                    "pp_size": int(info.get("pp_size", 1)),
+                    "page_size": info.get("page_size"),
+                    "kv_cache_dtype": info.get("kv_cache_dtype"),
+                    "follow_bootstrap_room":
+                        info.get("load_balance_method", "follow_bootstrap_room")
+                        == "follow_bootstrap_room",
+                    "prefill_http_port": info.get("prefill_http_port"),
+                }
+            dp_group = int(info.get("attn_dp_rank", 0) if int(info.get("system_dp_size", 1))
+                           == 1 else info.get("system_dp_rank", 0))
+            cp, tp, pp = (int(info.get(k, 0)) for k in ("attn_cp_rank", "attn_tp_rank",
+                                                         "pp_rank"))
+            self.port_table.setdefault(dp_group, {}).setdefault(cp, {}).setdefault(tp, {})[pp] = {
+                "rank_ip": info["rank_ip"], "rank_port": int(info["rank_port"])}
+            self.registered_count += 1
+
+    def expected_count(self) -> int:
+        p = self.parallel_info
+        return 0 if p is None else (p["dp_size"] * p["attn_cp_size"] * p["attn_tp_size"]
+                                    * p["pp_size"])
+
+    def cleanup_rooms(self, now: float | None = None) -> int:
+        """Forget room entries older than the cleanup interval; returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = [r for r, (_, t) in self.room_to_dp_rank.items()
+                   if now - t > self.cleanup_interval]
+            for r in old:
+                del self.room_to_dp_rank[r]
+        return len(old)
+
+    async def _cleanup_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cleanup_interval)
+            self.cleanup_rooms()
+
+    # ------------------------------------------------------------------ HTTP
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            task = asyncio.get_running_loop().create_task(self._cleanup_loop())
+            yield
+            task.cancel()
+
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
+
+        @app.put("/route")
+        async def put_route(request: Request):
+            info = await request.json()
+            if not isinstance(info, dict) or "rank_ip" not in info or "rank_port" not in info:
+                return PlainTextResponse("rank_ip and rank_port are required", 400)
+            self.register(info)
+            return PlainTextResponse("OK")
+
+        @app.get("/route")
+        async def get_route(request: Request):
+            q = request.query_params
+            if any(k not in q for k in _GET_PARAMS):
+                return PlainTextResponse("Missing required parameters: " + ", ".join(
+                    _GET_PARAMS), 400)
+            try:
+                dp, cp, tp, pp = (int(q[k]) for k in _GET_PARAMS)
+            except ValueError:
+                return PlainTextResponse("parameters must be integers", 400)
+            with self._lock:
+                if (dp, cp, tp, pp) == (-1, -1, -1, -1):
+                    if self.parallel_info is None or \
+                            self.registered_count < self.expected_count():
+                        return PlainTextResponse(
+                            "Prefill server not fully registered yet "
+                            f"({self.registered_count} workers registered).", 503)
+                    return JSONResponse(self.parallel_info)
+                entry = self.port_table.get(dp, {}).get(cp, {}).get(tp, {}).get(pp)
+            if entry is None:
+                return PlainTextResponse(f"no prefill rank dp={dp} cp={cp} tp={tp} pp={pp}",
+                                         404)
+            return JSONResponse(entry)
+
+        @app.post("/register_dp_rank")
+        async def register_dp_rank(request: Request):
+            body = await request.json()
+            with self._lock:
+                self.room_to_dp_rank[int(body["bootstrap_room"])] = (int(body["dp_rank"]),
+                                                                     time.monotonic())
+            return PlainTextResponse("OK")
+
+        @app.post("/query_dp_ranks")
+        async def query_dp_ranks(request: Request):
+            rooms = (await request.json()).get("bootstrap_rooms", [])
+            with self._lock:
+                return JSONResponse({str(r): self.room_to_dp_rank[int(r)][0] for r in rooms
+                                     if int(r) in self.room_to_dp_rank})
+
+        @app.get("/health")
+        async def health():
+            return PlainTextResponse("OK")
+
+        return app
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float = 10.0) -> None:
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
+                                lifespan="on", access_log=False)
+        # Bound here, so a taken port is this thread's clear error (uvicorn binding it
+        # would sys.exit() inside its own thread).
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RuntimeError(f"bootstrap server could not listen on {self.host}:"
+                               f"{self.port}: {e}") from None
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="pd-bootstrap", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"bootstrap server could not listen on "
+                                   f"{self.host}:{self.port}")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+
+# ---------------------------------------------------------------------- clients (httpx)
+class RouteNotReady(RuntimeError):
+    """The bootstrap server answered 503, or could not be reached (yet): worth a retry."""
+
+
+def register_rank(host: str, port: int, info: dict, timeout: float = 5.0) -> None:
+    """PUT /route: a prefill rank announces its transfer endpoint."""
+    import httpx  # noqa: PLC0415
+
+    httpx.put(f"http://{host}:{port}/route", json=info, timeout=timeout).raise_for_status()
+
+
+def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dict, dict]:
+    """(parallel info, rank 0's {rank_ip, rank_port}) of the prefill server whose bootstrap
+    server is host:port. RouteNotReady on 503 or a connection error; RuntimeError else."""
+    import httpx  # noqa: PLC0415
+
+    base = f"http://{host}:{port}/route"
+    try:
+        info = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, -1), timeout=timeout)
+        if info.status_code == 503:
+            raise RouteNotReady(info.text)
+        info.raise_for_status()
+        # One rank per kvstrata server: dp group = cp = tp = pp rank 0.
+        rank = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, 0), timeout=timeout)
+        rank.raise_for_status()
+    except httpx.TransportError as e:
+        raise RouteNotReady(f"{type(e).__name__}: {e}") from None
+    except httpx.HTTPStatusError as e:
+        raise RuntimeError(f"bootstrap server {host}:{port}: {e.response.status_code} "
+                           f"{e.response.text}") from None
+    return info.json(), rank.json()
+
+
+
+def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple,
+                             stopping=lambda: False) -> tuple[str | None, str]:
+    """The decode side's look-up: (zmq endpoint of the prefill at bootstrap `key`, "") or
+    (None, why). Retries a not-ready or unreachable bootstrap server every
+    RESOLVE_RETRY_SECONDS until `timeout`; `expect` = our (page_size, kv_cache_dtype),
+    which the prefill's must equal (equal page bytes could hide a different split)."""
+    deadline = time.monotonic() + timeout
+    error = "stopped"
+    while not stopping() and time.monotonic() < deadline:
+        try:
+            info, rank = fetch_prefill_route(*key)
+        except RouteNotReady as e:
+            error = str(e)
+            time.sleep(RESOLVE_RETRY_SECONDS)
+            continue
+        except Exception as e:
+            return None, str(e)
+        theirs = (info.get("page_size"), info.get("kv_cache_dtype"))
+        if theirs != tuple(expect):
+            return None, (f"prefill page_size/kv dtype {theirs[0]}/{theirs[1]} != decode "
+                          f"{expect[0]}/{expect[1]}")
+        return f"tcp://{rank['rank_ip']}:{rank['rank_port']}", ""
+    if stopping():
+        return None, "the decode transfer manager closed"
+    return None, f"not ready within {timeout:g} s (bootstrap timeout); last: {error}"
+
+
+__all__ = ["BootstrapServer", "RouteNotReady", "fetch_prefill_route", "register_rank",
+           "resolve_prefill_endpoint"]

@@ -1,0 +1,398 @@
+"""The control plane shared by the tcp and mooncake backends: one transfer thread per
+server owning every zmq socket (a PULL socket bound at the server's data endpoint, one PUSH
+socket per peer), the per-room sender/receiver state machines of protocol/disagg.py, and
+the timeouts and heartbeat. A backend only says how pages move (`_send_pages` on the
+prefill side, `_write_pages` on the decode side).
+
+Threads: the runner calls create/init/send/abort/poll; those calls change a state under
+`_lock` and hand socket work to the transfer thread as a closure (`_call`), because zmq
+sockets must stay in one thread. The decode side also starts a resolver thread per prefill
+it looks up over HTTP (a look-up may retry for long while that prefill starts).
+Failure detection (timeouts, heartbeat): liveness.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+
+import zmq
+
+from kvstrata import envs
+from kvstrata.protocol.disagg import KVPoll
+from kvstrata.transfer.disagg.base import DisaggManager, KVReceiver, KVSender
+from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer, register_rank,
+                                                       resolve_prefill_endpoint)
+from kvstrata.transfer.disagg.liveness import Liveness
+from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
+                                               Destination, Ping, Pong, check_page_buffers,
+                                               geometry_mismatch, geometry_of)
+from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
+
+logger = logging.getLogger(__name__)
+TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest sleep
+
+
+def advertised_ip(host: str) -> str:
+    """`host`, or for a wildcard (0.0.0.0, ::, empty) this machine's outbound IP (the
+    address a UDP socket would send from; nothing is sent), else 127.0.0.1."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class ZmqDisaggManager(Liveness, DisaggManager):
+    def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
+                 num_metadata_slots: int, page_size: int, kv_dtype: str):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
+        # What peers are told to connect to: a wildcard bind address is no address to dial.
+        self.host = advertised_ip(host)
+        self.buffers = check_page_buffers(list(buffers))
+        self.geometry = geometry_of(self.buffers)
+        self.num_metadata_slots = num_metadata_slots
+        self.bootstrap_timeout = envs.KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT.get()
+        self.waiting_timeout = envs.KVSTRATA_DISAGG_WAITING_TIMEOUT.get()
+        self.heartbeat_interval = envs.KVSTRATA_DISAGG_HEARTBEAT_INTERVAL.get()
+        self.heartbeat_max_failure = envs.KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE.get()
+
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.senders: dict[int, Sender] = {}
+        self.receivers: dict[int, Receiver] = {}
+        self._pending: dict[int, tuple[object, float]] = {}  # prefill: Destination/Abort early
+        self._routes: dict[tuple[str, int], str] = {}         # decode: bootstrap -> endpoint
+        self._resolving: set[tuple[str, int]] = set()
+        self._heard: dict[str, float] = {}                    # peer -> last message time
+        self._misses: dict[str, int] = {}                     # decode: unanswered pings
+        self._next_ping = 0.0
+        self._peers: dict[str, zmq.Socket] = {}
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+
+        self._ctx = zmq.Context()
+        self._bootstrap: BootstrapServer | None = None
+        try:
+            self._open(host, bootstrap_port)
+        except BaseException:  # a taken port, a bootstrap server that did not come up
+            if self._bootstrap is not None:
+                self._bootstrap.stop()
+            with contextlib.suppress(Exception):  # whatever part of it was set up
+                self._close_backend()
+            self._ctx.destroy(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"pd-{role}", daemon=True)
+        self._thread.start()
+
+    def _open(self, host: str, bootstrap_port: int) -> None:
+        """Sockets, the backend's registration, and (prefill) the bootstrap server."""
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        data_port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{self.host}:{data_port}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(f"inproc://pd-wake-{id(self)}")
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(f"inproc://pd-wake-{id(self)}")
+        self._wake_lock = threading.Lock()
+        self._setup_backend()
+
+        if self.role == "prefill":
+            self._bootstrap = BootstrapServer(host, bootstrap_port)
+            self._bootstrap.start()
+            register_rank(self.host, bootstrap_port, {
+                "rank_ip": self.host, "rank_port": data_port,
+                "page_size": self.page_size, "kv_cache_dtype": self.kv_dtype,
+                "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+                "system_dp_size": 1, "system_dp_rank": 0})
+
+    # ------------------------------------------------------------------ backend hooks
+    def _setup_backend(self) -> None:
+        """Register buffers with the data plane (mooncake)."""
+
+    def _destination_extras(self) -> dict:
+        """Extra Destination fields the prefill needs to write into our buffers."""
+        return {}
+
+    def _send_pages(self, s: Sender, src: list[int], dst: list[int], offset: int,
+                    last: bool, metadata) -> None:
+        """Transfer thread, prefill: move these pages to s.dest, then send the Chunk
+        message(s); the final one carries ack=True (and last/metadata when `last`)."""
+        raise NotImplementedError
+
+    def _write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
+        """Transfer thread, decode: place a chunk's bytes (tcp frames) into r.dst pages."""
+        if frames:
+            raise ValueError(f"unexpected {len(frames)} data frames")
+
+    # ------------------------------------------------------------------ runner-facing API
+    def create_sender(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVSender:
+        s = Sender(self, room)
+        with self._lock:
+            self.senders[room] = s
+        self._call(self._adopt_pending, s)
+        return s
+
+    def create_receiver(self, bootstrap_host: str, bootstrap_port: int,
+                        room: int) -> KVReceiver:
+        r = Receiver(self, room, (bootstrap_host, bootstrap_port))
+        with self._lock:
+            self.receivers[room] = r
+            r.peer = self._routes.get(r.bootstrap)
+            if r.peer is not None:
+                r.state = KVPoll.WAITING_FOR_INPUT
+            elif r.bootstrap not in self._resolving:
+                self._resolving.add(r.bootstrap)
+                threading.Thread(target=self._resolve, args=(r.bootstrap,), daemon=True,
+                                 name="pd-resolve").start()
+        return r
+
+    def wait_for_change(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=10)
+        if self._bootstrap is not None:
+            self._bootstrap.stop()
+        with self._lock:
+            rooms = [*self.senders.values(), *self.receivers.values()]
+        for obj in rooms:
+            self.transition(obj, KVPoll.FAILED, f"the {self.role} transfer manager closed")
+        self._close_backend()
+        self._ctx.term()
+
+    def _close_backend(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ state changes
+    def transition(self, obj, state: KVPoll, reason: str | None = None,
+                   only_from: tuple[KVPoll, ...] | None = None) -> bool:
+        """Any thread. Terminal states stick; returns whether the state changed."""
+        with self._changed:
+            if is_final(obj.state) or obj.state == state or (
+                    only_from is not None and obj.state not in only_from):
+                return False
+            obj.state = state
+            if is_final(state):
+                obj.final_at = time.monotonic()
+            if state == KVPoll.FAILED:
+                obj.reason = reason
+                logger.warning("PD room %d (%s) failed: %s", obj.room, self.role, reason)
+            self._changed.notify_all()
+            return True
+
+    def fail(self, obj, reason: str, tell_peer: bool = True) -> None:
+        """Transfer thread: fail the room and (unless the peer told us) tell the peer."""
+        if self.transition(obj, KVPoll.FAILED, reason) and tell_peer and obj.peer:
+            self._send(obj.peer, Abort(obj.room, self.endpoint, reason))
+
+    def _call(self, fn, *args) -> None:
+        self._cmds.put((fn, args))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if not self._wake_tx.closed:
+                with contextlib.suppress(zmq.Again):  # queue full: a wake-up is pending
+                    self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    # ------------------------------------------------------------------ the transfer thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self._stopping:
+                ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
+                if self._wake_rx in ready:
+                    while self._wake_rx.poll(0):
+                        self._wake_rx.recv()
+                while True:
+                    try:
+                        fn, args = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._guarded(fn, *args)
+                for _ in range(64 if self._pull in ready else 0):
+                    try:
+                        frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._guarded(self._handle, frames)
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._guarded(self._tick, now)
+                    next_tick = now + TICK_SECONDS
+        finally:
+            with self._wake_lock:
+                for sock in (self._pull, self._wake_rx, self._wake_tx, *self._peers.values()):
+                    sock.close(linger=0)
+
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # one bad message or room must not stop the thread
+            logger.exception("PD %s transfer thread: %s failed", self.role, fn.__name__)
+            for obj in args:
+                if isinstance(obj, (Sender, Receiver)):
+                    self.fail(obj, f"{type(e).__name__}: {e}")
+
+    def _send(self, endpoint: str, msg, frames=()) -> None:
+        sock = self._peers.get(endpoint)
+        if sock is None:
+            sock = self._peers[endpoint] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the thread; memory is bounded
+            sock.connect(endpoint)          # by the pages the scheduler asked to send
+        sock.send_multipart([ENCODER.encode(msg), *frames], copy=False)
+
+    def _drop_peer(self, endpoint: str) -> None:
+        sock = self._peers.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+        self._misses.pop(endpoint, None)
+        self._heard.pop(endpoint, None)
+        with self._lock:
+            for key in [k for k, ep in self._routes.items() if ep == endpoint]:
+                del self._routes[key]
+
+    def _handle(self, frames: list) -> None:
+        msg = DECODER.decode(frames[0].buffer)
+        now = time.monotonic()
+        self._heard[msg.endpoint] = now
+        self._misses[msg.endpoint] = 0
+        if isinstance(msg, Ping):
+            self._send(msg.endpoint, Pong(self.endpoint))
+        elif isinstance(msg, Destination):
+            s = self.senders.get(msg.room)
+            if s is None:
+                self._pending[msg.room] = (msg, now)
+            else:
+                self._attach(s, msg)
+        elif isinstance(msg, Chunk):
+            self._on_chunk(msg, frames[1:])
+        elif isinstance(msg, Ack):
+            s = self.senders.get(msg.room)
+            if s is not None and msg.done:
+                self.transition(s, KVPoll.SUCCESS)
+        elif isinstance(msg, Abort):
+            obj = (self.senders if self.role == "prefill" else self.receivers).get(msg.room)
+            if obj is None:
+                self._pending[msg.room] = (msg, now)
+            else:
+                self.fail(obj, f"aborted by the peer {msg.endpoint}: {msg.reason}", False)
+
+    # ---- prefill side
+    def _adopt_pending(self, s: Sender) -> None:
+        early, _ = self._pending.pop(s.room, (None, 0.0))
+        if isinstance(early, Abort):
+            self.fail(s, f"aborted by the peer {early.endpoint}: {early.reason}", False)
+        elif isinstance(early, Destination):
+            self._attach(s, early)
+
+    def _attach(self, s: Sender, dest: Destination) -> None:
+        s.peer = dest.endpoint
+        if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
+            self._send(dest.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
+            return
+        s.dest = dest
+        reason = geometry_mismatch(self.geometry, dest.geometry) or s.page_count_error()
+        if reason:
+            self.fail(s, reason)
+            return
+        self.transition(s, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
+        queued, s.queued = s.queued, []
+        for args in queued:
+            self.ship(s, *args)
+
+    def ship(self, s: Sender, page_ids: list[int], last: bool, metadata) -> None:
+        if is_final(s.state):
+            return
+        if s.dest is None:
+            s.queued.append((page_ids, last, metadata))
+            return
+        total = len(s.dest.page_ids)
+        if s.sent + len(page_ids) > total:
+            self.fail(s, f"prefill sent {s.sent + len(page_ids)} pages but the decode server "
+                         f"reserved {total}")
+            return
+        dst = s.dest.page_ids[s.sent:s.sent + len(page_ids)]
+        self._send_pages(s, page_ids, dst, s.sent, last, metadata)
+        s.sent += len(page_ids)
+
+    # ---- decode side
+    def send_destination(self, r: Receiver) -> None:
+        if is_final(r.state) or r.peer is None or r.dst is None or r.dest_sent:
+            return
+        r.dest_sent = True
+        self._send(r.peer, Destination(r.room, self.endpoint, r.dst, r.metadata_index,
+                                       self.geometry, **self._destination_extras()))
+
+    def _on_chunk(self, msg: Chunk, frames: list) -> None:
+        r = self.receivers.get(msg.room)
+        if r is None or is_final(r.state) or msg.endpoint != r.peer:
+            return  # late, or not from the prefill this room resolved to
+        if r.dst is None or msg.dst_offset + msg.num_pages > len(r.dst):
+            self.fail(r, f"prefill sent pages {msg.dst_offset}..{msg.dst_offset + msg.num_pages}"
+                         f" beyond the {len(r.dst or [])} reserved")
+            return
+        try:
+            self._write_pages(r, msg, frames)
+        except Exception as e:  # malformed frames: this room fails, the thread goes on
+            self.fail(r, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
+            return
+        r.received += msg.num_pages
+        if msg.last:
+            r.metadata_value = msg.metadata
+            if r.received != len(r.dst):
+                self.fail(r, f"prefill sent {r.received} pages, the decode server reserved "
+                             f"{len(r.dst)}")
+            elif msg.metadata is not None and msg.metadata.room != r.room:
+                self.fail(r, f"Context corruption detected: metadata of room "
+                             f"{msg.metadata.room} arrived for room {r.room}")
+            else:
+                self.transition(r, KVPoll.SUCCESS)
+        if msg.ack or msg.last:
+            self._send(r.peer, Ack(r.room, self.endpoint, r.received,
+                                   r.state == KVPoll.SUCCESS))
+
+    def _resolve(self, key: tuple[str, int]) -> None:
+        """Resolver thread, one per prefill being looked up (a prefill that is down must
+        not delay the rooms of the others): retry until the bootstrap timeout."""
+        endpoint, error = resolve_prefill_endpoint(
+            key, self.bootstrap_timeout, (self.page_size, self.kv_dtype),
+            lambda: self._stopping)
+        with self._lock:
+            self._resolving.discard(key)
+            if endpoint is not None:
+                self._routes[key] = endpoint
+            waiting = [r for r in self.receivers.values()
+                       if r.bootstrap == key and r.peer is None and not is_final(r.state)]
+        for r in waiting:
+            if endpoint is None:
+                self.transition(r, KVPoll.FAILED,
+                                f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
+            else:
+                r.peer = endpoint
+                self.transition(r, KVPoll.WAITING_FOR_INPUT,
+                                only_from=(KVPoll.BOOTSTRAPPING,))
+                self._call(self.send_destination, r)  # if init() came first
+
+
+__all__ = ["ZmqDisaggManager"]

@@ -1,0 +1,134 @@
+"""Per-room state of the tcp/mooncake backends: the KVSender (prefill) and KVReceiver
+(decode) the runner polls. Their methods run on the runner's thread: they validate, change
+the state under the manager's lock and hand socket work to the transfer thread
+(control.py); the transfer thread fills in what arrives (dest, received, metadata).
+"""
+from __future__ import annotations
+
+import time
+
+from kvstrata.protocol.disagg import KVPoll, PDMetadata
+from kvstrata.transfer.disagg.base import KVReceiver, KVSender
+from kvstrata.transfer.disagg.messages import Abort
+
+_FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
+
+
+def is_final(state: KVPoll) -> bool:
+    return state in _FINAL
+
+
+class _Room:
+    def __init__(self, mgr, room: int):
+        self.mgr, self.room = mgr, room
+        self.state = KVPoll.BOOTSTRAPPING
+        self.reason: str | None = None
+        self.peer: str | None = None  # the other server's data endpoint, once known
+        self.metadata_index = -1
+        self.created = time.monotonic()
+        self.final_at: float | None = None  # when it reached SUCCESS or FAILED
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self.reason
+
+    def abort(self, reason: str = "aborted") -> None:
+        if self.mgr.transition(self, KVPoll.FAILED, reason):
+            self.mgr._call(self._tell_peer)
+
+    def _tell_peer(self) -> None:  # transfer thread
+        if self.peer is not None:
+            self.mgr._send(self.peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
+
+    def _bad_input(self, page_ids: list[int], metadata_index: int | None) -> str | None:
+        """Why these pages / this slot are not ours to use, or None."""
+        num_pages = min(int(b.shape[1]) for b in self.mgr.buffers)
+        bad = [p for p in page_ids if not 0 < p < num_pages]
+        if bad:
+            return f"page ids {bad[:8]} outside 1..{num_pages - 1}"
+        if metadata_index is not None and not 0 <= metadata_index < self.mgr.num_metadata_slots:
+            return (f"metadata index {metadata_index} outside 0..."
+                    f"{self.mgr.num_metadata_slots - 1}")
+        return None
+
+
+class Sender(_Room, KVSender):
+    def __init__(self, mgr, room: int):
+        super().__init__(mgr, room)
+        self.dest = None                 # messages.Destination, from the decode side
+        self.num_pages: int | None = None
+        self.sent = 0                    # pages shipped so far (= next destination index)
+        self.queued: list[tuple] = []    # send() calls made before the destination arrived
+
+    def init(self, num_pages: int, metadata_index: int) -> None:
+        why = self._bad_input([], metadata_index)
+        if why:
+            self.abort(why)
+            return
+        self.num_pages, self.metadata_index = num_pages, metadata_index
+        self.mgr._call(self._check_count)
+
+    def _check_count(self) -> None:  # transfer thread
+        why = self.page_count_error()
+        if why:
+            self.mgr.fail(self, why)
+
+    def page_count_error(self) -> str | None:
+        if self.dest is not None and self.num_pages is not None and \
+                self.num_pages != len(self.dest.page_ids):
+            return (f"prefill will send {self.num_pages} pages but the decode server "
+                    f"reserved {len(self.dest.page_ids)}")
+        return None
+
+    def send(self, page_ids: list[int], last: bool, metadata: PDMetadata | None = None) -> None:
+        why = self._bad_input(page_ids, None)
+        if why:
+            self.abort(why)
+            return
+        self.mgr.transition(self, KVPoll.TRANSFERRING)
+        self.mgr._call(self.mgr.ship, self, list(page_ids), last, metadata)
+
+    def timed_out(self, now: float) -> str | None:
+        if self.state == KVPoll.BOOTSTRAPPING and now - self.created > \
+                self.mgr.bootstrap_timeout:
+            return (f"the decode server sent no destination for room {self.room} within "
+                    f"{self.mgr.bootstrap_timeout:g} s (bootstrap timeout)")
+        return None
+
+
+class Receiver(_Room, KVReceiver):
+    def __init__(self, mgr, room: int, bootstrap: tuple[str, int]):
+        super().__init__(mgr, room)
+        self.bootstrap = bootstrap       # the prefill's bootstrap server (host, port)
+        self.dst: list[int] | None = None
+        self.dest_sent = False
+        self.received = 0
+        self.metadata_value: PDMetadata | None = None
+        self.init_time: float | None = None
+
+    def init(self, dst_page_ids: list[int], metadata_index: int) -> None:
+        why = self._bad_input(dst_page_ids, metadata_index)
+        if why:
+            self.abort(why)
+            return
+        self.dst, self.metadata_index = list(dst_page_ids), metadata_index
+        self.init_time = time.monotonic()
+        self.mgr.transition(self, KVPoll.TRANSFERRING)
+        self.mgr._call(self.mgr.send_destination, self)
+
+    @property
+    def metadata(self) -> PDMetadata | None:
+        return self.metadata_value
+
+    def timed_out(self, now: float) -> str | None:
+        # (BOOTSTRAPPING is bounded by the resolver thread, which knows the last error)
+        if self.init_time is not None and now - self.init_time > self.mgr.waiting_timeout:
+            return (f"no KV from the prefill server within {self.mgr.waiting_timeout:g} s "
+                    f"of init (waiting timeout)")
+        return None
+
+
+__all__ = ["Receiver", "Sender", "is_final"]

@@ -1,0 +1,214 @@
+"""tcp and mooncake backends end to end, one process, two managers on 127.0.0.1: bytes land
+in exactly the reserved pages, metadata arrives, states follow protocol/disagg.py, and
+every failure (abort, geometry, dead peer, timeouts) fails only its own room, with a reason."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvstrata.protocol.disagg import KVPoll, PDMetadata
+from kvstrata.runner.disagg_executor import page_buffers_of
+
+from .conftest import BACKENDS, NUM_PAGES, wait_until
+
+B, W, T, S, F = (KVPoll.BOOTSTRAPPING, KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING,
+                 KVPoll.SUCCESS, KVPoll.FAILED)
+
+
+def buffer(pool) -> torch.Tensor:
+    return page_buffers_of(pool)[0]
+
+
+def start_room(pair, room: int, src: list[int], dst: list[int], slot: int = 0):
+    """Both sides up to the first send: returns (sender, receiver)."""
+    sender = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, room)
+    assert sender.poll() == B  # nothing can have arrived from the decode side yet
+    receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, room)
+    wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
+    receiver.init(dst, slot)
+    assert receiver.poll() == T
+    wait_until(lambda: sender.poll() == W, what="sender WAITING_FOR_INPUT")
+    sender.init(len(src), slot)
+    return sender, receiver
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype,page_size", [("float32", 1), ("bfloat16", 16)])
+def test_pages_land_in_the_reserved_pages(make_pair, backend, dtype, page_size):
+    pair = make_pair(backend, dtype, page_size)
+    rng = random.Random(7)
+    before = buffer(pair.decode_pool).clone()
+    # three rooms at once; destination pages random (non-contiguous), source pages with
+    # some contiguous runs (so runs get merged on the way)
+    dst_all = rng.sample(range(1, NUM_PAGES + 1), 30)
+    rooms = {}
+    for i, room in enumerate((11, 1 << 62, 5)):
+        start = rng.randrange(1, NUM_PAGES - 12)
+        src = list(range(start, start + 6)) + rng.sample(range(1, NUM_PAGES + 1), 4)
+        dst = dst_all[i * 10:(i + 1) * 10]
+        rooms[room] = (src, dst, *start_room(pair, room, src, dst, slot=i))
+    for room, (src, dst, sender, receiver) in rooms.items():  # interleaved chunks
+        sender.send(src[:3], last=False)
+        assert sender.poll() == T
+    for room, (src, dst, sender, receiver) in rooms.items():
+        sender.send(src[3:7], last=False)
+        sender.send(src[7:], last=True, metadata=PDMetadata(room, first_token_id=room % 1000,
+                                                            first_logprob=-0.5))
+    for room, (src, dst, sender, receiver) in rooms.items():
+        wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
+        assert receiver.metadata == PDMetadata(room, room % 1000, -0.5)
+        assert sender.failure_reason is None and receiver.failure_reason is None
+    got, want = buffer(pair.decode_pool), buffer(pair.prefill_pool)
+    expected = before.clone()
+    for src, dst, _, _ in rooms.values():
+        expected[:, dst] = want[:, src]
+    assert torch.equal(got, expected)  # reserved pages written, every other page untouched
+
+
+# The control plane (aborts, heartbeats, timeouts) is the same code for both backends:
+# mooncake runs where its data plane differs (pages, geometry, a peer dying mid-transfer).
+@pytest.mark.parametrize("backend", ["tcp-gathered", "tcp-slices"])
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_abort_fails_both_sides(make_pair, backend, side):
+    pair = make_pair(backend)
+    sender, receiver = start_room(pair, 3, [1, 2, 3], [4, 5, 6])
+    sender.send([1], last=False)
+    other_s, other_r = start_room(pair, 4, [7], [8], slot=1)
+    (sender if side == "prefill" else receiver).abort("client went away")
+    wait_until(lambda: sender.poll() == F and receiver.poll() == F, what="both FAILED")
+    aborted, told = (sender, receiver) if side == "prefill" else (receiver, sender)
+    assert aborted.failure_reason == "client went away"
+    assert "aborted by the peer" in told.failure_reason
+    assert "client went away" in told.failure_reason
+    other_s.send([7], last=True, metadata=PDMetadata(4, 1))  # the other room is unharmed
+    wait_until(lambda: other_r.poll() == S and other_s.poll() == S, what="other room")
+
+
+def test_abort_before_the_peer_shows_up(make_pair):
+    pair = make_pair("tcp-gathered")
+    receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, 9)
+    wait_until(lambda: receiver.poll() == W)
+    receiver.init([1, 2], 0)
+    receiver.abort("early")
+    sender = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 9)
+    wait_until(lambda: sender.poll() == F, what="sender told of the early abort")
+    assert "early" in sender.failure_reason
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometry_mismatch_fails_with_reason(make_pair, backend):
+    pair = make_pair(backend, decode_head_dim=16)
+    sender = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 1)
+    receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, 1)
+    wait_until(lambda: receiver.poll() == W)
+    receiver.init([1, 2], 0)
+    wait_until(lambda: sender.poll() == F and receiver.poll() == F, what="both FAILED")
+    assert "KV geometry mismatch" in sender.failure_reason
+    assert "KV geometry mismatch" in receiver.failure_reason
+
+
+def test_dtype_mismatch_is_found_at_bootstrap(make_pair):
+    pair = make_pair("tcp-gathered", dtype="float32", decode_dtype="bfloat16")
+    receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, 1)
+    wait_until(lambda: receiver.poll() == F)
+    assert "kv dtype" in receiver.failure_reason
+
+
+def test_page_count_and_range_errors(make_pair):
+    pair = make_pair("tcp-gathered")
+    sender, receiver = start_room(pair, 1, [1, 2, 3], [4, 5])  # prefill will send 3, not 2
+    wait_until(lambda: sender.poll() == F and receiver.poll() == F)
+    assert "will send 3 pages but the decode server reserved 2" in sender.failure_reason
+    sender, receiver = start_room(pair, 2, [1], [4])
+    sender.send([NUM_PAGES + 1], last=True)
+    assert sender.poll() == F and "outside" in sender.failure_reason
+    wait_until(lambda: receiver.poll() == F)
+
+
+@pytest.mark.parametrize("backend", [BACKENDS[0], BACKENDS[2]])
+def test_dead_prefill_fails_its_rooms_then_a_new_prefill_works(make_pair, monkeypatch,
+                                                               backend):
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")
+    pair = make_pair(backend)
+    sender, receiver = start_room(pair, 1, [1, 2, 3, 4], [5, 6, 7, 8])
+    sender.send([1, 2], last=False)
+    wait_until(lambda: receiver.received == 2, what="first chunk")  # mid-transfer
+    pair.prefill.close()
+    wait_until(lambda: receiver.poll() == F, timeout=3, what="decode notices the dead prefill")
+    assert "did not answer" in receiver.failure_reason
+    assert sender.poll() == F and "closed" in sender.failure_reason
+    pair.new_prefill(seed=5)
+    sender, receiver = start_room(pair, 2, [3, 9], [10, 11])
+    sender.send([3, 9], last=True, metadata=PDMetadata(2, 3))
+    wait_until(lambda: receiver.poll() == S, what="room on the new prefill")
+    assert torch.equal(buffer(pair.decode_pool)[:, [10, 11]],
+                       buffer(pair.prefill_pool)[:, [3, 9]])
+
+
+def test_dead_decode_fails_the_prefill_room(make_pair, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")
+    pair = make_pair("tcp-gathered")
+    sender, receiver = start_room(pair, 1, [1, 2], [5, 6])
+    pair.decode.close()
+    wait_until(lambda: sender.poll() == F, timeout=3, what="prefill notices the dead decode")
+    assert "silent" in sender.failure_reason
+
+
+def test_timeouts(make_pair, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", "1.0")  # room 3 bootstraps first
+    monkeypatch.setenv("KVSTRATA_DISAGG_WAITING_TIMEOUT", "0.3")
+    pair = make_pair("tcp-gathered")
+    lonely = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 1)  # no decode
+    from .conftest import free_port
+    nowhere = pair.decode.create_receiver("127.0.0.1", free_port(), 2)  # no prefill there
+    sender, receiver = start_room(pair, 3, [1], [2])  # prefill never sends
+    wait_until(lambda: F == lonely.poll() == nowhere.poll() == receiver.poll(), timeout=5)
+    assert "bootstrap timeout" in lonely.failure_reason
+    assert "unusable: not ready within 1 s (bootstrap timeout)" in nowhere.failure_reason
+    assert "waiting timeout" in receiver.failure_reason
+    wait_until(lambda: sender.poll() == F)  # told by the decode side
+
+
+def test_malformed_page_data_fails_only_that_room(make_pair):
+    import zmq
+
+    from kvstrata.transfer.disagg.messages import ENCODER, Chunk
+    pair = make_pair("tcp-gathered")
+    sender, receiver = start_room(pair, 1, [1], [2])
+    other_s, other_r = start_room(pair, 2, [3], [4], slot=1)
+    with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as push:
+        push.connect(pair.decode.endpoint)
+        for origin in ("tcp://127.0.0.1:1", pair.prefill.endpoint):  # a stranger is ignored
+            push.send_multipart([ENCODER.encode(Chunk(1, origin, 0, 1, "gathered")),
+                                 b"too short"])
+        wait_until(lambda: receiver.poll() == F)
+        push.setsockopt(zmq.LINGER, 0)
+    assert f"bad page data from {pair.prefill.endpoint}" in receiver.failure_reason
+    other_s.send([3], last=True)
+    wait_until(lambda: other_r.poll() == S)
+
+
+def test_a_wildcard_host_advertises_a_dialable_address():
+    from kvstrata.transfer.disagg.control import advertised_ip
+    assert advertised_ip("127.0.0.1") == "127.0.0.1"
+    assert advertised_ip("0.0.0.0") not in ("", "0.0.0.0", "::")
+
+
+def test_a_taken_bootstrap_port_is_a_clear_error():
+    import socket
+    import threading
+
+    from kvstrata.transfer.disagg.registry import create_manager
+
+    from .conftest import random_pool
+    threads = threading.active_count()
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(RuntimeError, match="could not listen"):
+            create_manager("tcp", "prefill", page_buffers_of(random_pool()),
+                           host="127.0.0.1", bootstrap_port=taken.getsockname()[1],
+                           num_metadata_slots=2, page_size=1, kv_dtype="float32")
+    assert threading.active_count() <= threads  # (an earlier test's thread may end now)
