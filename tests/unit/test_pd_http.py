@@ -1,8 +1,8 @@
 """The bootstrap fields on the HTTP side of prefill/decode disaggregation: a prefill or decode
 server refuses a request without all three (400 naming them), n > 1 and several prompts
 (one room is one request), serves a /generate batch with one room per prompt; a co-located
-server ignores the fields. The app runs in-process on a fake tokenizer manager that records
-what would reach the scheduler, and the scheduler process turns the ipc fields into
+server ignores the fields. The app runs in-process on a fake tokenizer manager
+(tests/helpers/fake_frontend.py) that records what would reach the scheduler, and the scheduler process turns the ipc fields into
 EngineRequest.bootstrap."""
 from __future__ import annotations
 
@@ -15,60 +15,18 @@ from kvstrata.entrypoints import pd_fields
 from kvstrata.entrypoints.api_server import create_app
 from kvstrata.entrypoints.scheduler_process import SchedulerLoop, bootstrap_addr
 from kvstrata.frontend import ipc
-from kvstrata.metrics import ServerMetrics
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST, BootstrapAddr
+from tests.helpers.fake_frontend import RecordingTM, app_state
 
 BOOT = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
 
 
-class _Tokenizer:
-    eos_token_id = 0
-
-    def __len__(self) -> int:
-        return 100
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def apply_chat_template(self, messages, **kwargs):
-        return [3, 4, 5]
-
-
-class _RecordingTM:
-    """Answers every request with one token and records the ipc.GenerateReq it was given."""
-
-    def __init__(self):
-        self.tokenizer = _Tokenizer()
-        self.reqs: list[ipc.GenerateReq] = []
-        self.states: dict = {}
-        self.load: dict = {}
-        self._n = 0
-
-    def new_rid(self) -> str:
-        self._n += 1
-        return f"r{self._n}"
-
-    def apply_chat_template(self, messages, **kwargs) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, **kwargs)
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return [1 + ord(c) % 50 for c in text]
-
-    async def generate(self, req: ipc.GenerateReq, log_metrics: bool = True):
-        self.reqs.append(req)
-        yield ipc.TextOutput(rid=req.rid, text="x", new_token_ids=[7], finished=True,
-                             finish_type="length", prompt_tokens=len(req.prompt_ids),
-                             completion_tokens=1)
-
-
-def _client(mode: str) -> tuple[TestClient, _RecordingTM]:
-    tm = _RecordingTM()
+def _client(mode: str) -> tuple[TestClient, RecordingTM]:
     args = SimpleNamespace(model_path="m", enable_metrics=True, disaggregation_mode=mode,
                            disaggregation_bootstrap_port=8998, api_key=None)
-    state = SimpleNamespace(tm=tm, server_args=args, model_names=["m"], context_len=64,
-                            engine_info={}, healthy=lambda: True, metrics=ServerMetrics("m"))
-    return TestClient(create_app(state)), tm
+    state = app_state(args)
+    return TestClient(create_app(state)), state.tm
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "input_ids": [3, 4, 5],
@@ -210,3 +168,20 @@ def test_scheduler_process_builds_engine_request_bootstrap():
     loop.handle(ipc.GenerateReq(rid="b", prompt_ids=[1], sampling_params=sp))
     assert added[0].bootstrap == BootstrapAddr("10.0.0.1", 8998, 12345)
     assert added[1].bootstrap is None
+
+
+def test_server_info_and_model_info_show_the_pd_role():
+    """What sglang-router 0.3.2 reads at PD registration (GET /health, /server_info,
+    /model_info): it copies disaggregation_mode, tp_size and model_path into the worker's
+    metadata; the bootstrap port comes from its own --prefill URL PORT argument."""
+    from kvstrata.config import ServerArgs
+    args = ServerArgs(model_path="m", disaggregation_mode="prefill",
+                      disaggregation_bootstrap_port=9100)
+    client = TestClient(create_app(app_state(args)))
+    info = client.get("/server_info").json()
+    assert (info["disaggregation_mode"], info["disaggregation_bootstrap_port"],
+            info["disaggregation_transfer_backend"], info["tp_size"], info["model_path"]) == (
+        "prefill", 9100, "tcp", 1, "m")
+    assert client.get("/get_server_info").json()["disaggregation_mode"] == "prefill"
+    assert client.get("/model_info").json()["model_path"] == "m"
+    assert client.get("/health").status_code == 200

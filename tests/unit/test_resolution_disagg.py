@@ -117,3 +117,10 @@ def test_every_pd_flag_is_in_serve_help(capsys):
     assert (args.disaggregation_mode, args.disaggregation_bootstrap_port,
             args.disaggregation_decode_polling_interval,
             args.disaggregation_decode_extra_slots) == ("prefill", 9100, 2, 0)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_offline_llm_refuses_pd_modes_before_loading_anything(mode):
+    from kvstrata.entrypoints.llm import LLM
+    with pytest.raises(ValueError, match=f"^--disaggregation-mode {mode} needs the server"):
+        LLM(model_path="/nonexistent", disaggregation_mode=mode)
