@@ -61,9 +61,10 @@ def _choices_what(body) -> tuple[str, str]:
     return "prompt", "several prompts"
 
 
-def split_batch(mode: str, body, n: int) -> list[dict]:
-    """A /generate batch of n prompts: the bootstrap fields of each prompt."""
-    return per_item(mode, body, n, ("text", f"a batch of {n} prompts"))
+def split_batch(mode: str, body, n: int, field: str = "text") -> list[dict]:
+    """A /generate batch of n prompts (in `field`: text or input_ids): the bootstrap fields
+    of each prompt."""
+    return per_item(mode, body, n, (field, f"a batch of {n} prompts"))
 
 
 def per_item(mode: str, body, n: int, what: tuple[str, str]) -> list[dict]:

@@ -308,7 +308,7 @@ def _batch_items(body, mode: str = "null") -> list | None:
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
-    bootstraps = pd_fields.split_batch(mode, body, n)
+    bootstraps = pd_fields.split_batch(mode, body, n, field)
     return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs})
             for item, sp, rid, bs in zip(items, sps, rids, bootstraps)]
 

@@ -132,6 +132,13 @@ def test_generate_batch_refusals_in_pd_mode(update, param, message):
     assert tm.reqs == []
 
 
+def test_generate_batch_of_input_ids_names_input_ids():
+    client, _ = _client("decode")
+    r = client.post("/generate", json={"input_ids": [[1], [2]], **BOOT,
+                                       "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
+
+
 def test_generate_lists_need_a_batch_and_colocated_batch_ignores_them():
     client, _ = _client("null")
     r = client.post("/generate", json={"text": "a", "bootstrap_room": [1]})
