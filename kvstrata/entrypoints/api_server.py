@@ -121,7 +121,7 @@ def create_app(state) -> FastAPI:
         body = await parse_body(request, ChatCompletionRequest)
         check_model(body.model)
         choices = so.chat_choices(tm, body, state.context_len)
-        pd_fields.check_choices(pd_fields.pd_mode(args), body, choices)
+        pd_fields.check_choices(args, body, choices)
         return await chat_response(state, request, body, choices)
 
     @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest))
@@ -129,7 +129,7 @@ def create_app(state) -> FastAPI:
         body = await parse_body(request, CompletionRequest)
         check_model(body.model)
         choices = so.completion_choices(tm, body, state.context_len)
-        pd_fields.check_choices(pd_fields.pd_mode(args), body, choices)
+        pd_fields.check_choices(args, body, choices)
         return await completion_response(state, request, body, choices)
 
     @app.get("/v1/models")

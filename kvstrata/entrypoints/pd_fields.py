@@ -4,7 +4,8 @@ HTTP side of prefill/decode disaggregation.
 A PD router (sglang-router --pd-disaggregation) sends the same request to a prefill and a
 decode server with these three added: where the prefill server's bootstrap server listens and
 a random room id naming this request's one KV transfer. So on a prefill or decode server:
-- a request must carry all three (else 400 naming the missing ones);
+- a request must carry a host and a room (else 400 naming the missing ones); without a port
+  it uses the server's own --disaggregation-bootstrap-port, as SGLang does;
 - one room is one engine request: n > 1, several prompts in one /v1/completions request, or
   a /generate batch are served when the room is a list with one distinct room per engine
   request (SGLang's list form; sglang-router 0.3.2 sends lists of n for chat n > 1), and
@@ -35,24 +36,34 @@ def _pd_note(mode: str) -> str:
             f"bootstrap_host, bootstrap_port and bootstrap_room")
 
 
-def check_request(mode: str, req: ipc.GenerateReq) -> None:
-    """In PD mode every engine request needs all three fields; co-located: drop them."""
+def check_request(server_args, req: ipc.GenerateReq) -> None:
+    """In PD mode every engine request needs a host and a room; a missing port is the
+    server's own --disaggregation-bootstrap-port (as in SGLang: sglang-router sends
+    `bootstrap_port: null` when its --prefill URL has no port). Co-located: drop them."""
+    mode = pd_mode(server_args)
     if mode == "null":
         req.bootstrap_host = req.bootstrap_port = req.bootstrap_room = None
         return
+    if req.bootstrap_port is None:
+        req.bootstrap_port = _default_port(server_args)
     missing = [name for name in FIELDS if getattr(req, name) is None]
     if missing:
         raise ApiError(400, f"missing {', '.join(missing)}: {_pd_note(mode)}", missing[0])
 
 
-def check_choices(mode: str, body, choices: list) -> None:
+def _default_port(server_args) -> int:
+    return getattr(server_args, "disaggregation_bootstrap_port", 8998)
+
+
+def check_choices(server_args, body, choices: list) -> None:
     """/v1/chat/completions and /v1/completions: give each engine request (choice) its
     bootstrap fields. Several choices (n > 1, several prompts) need one room each: the
     router sends lists of that length, as SGLang accepts; one room for several is refused."""
-    for choice, fields in zip(choices, per_item(mode, body, len(choices), _choices_what(body))):
+    items = per_item(pd_mode(server_args), body, len(choices), _choices_what(body))
+    for choice, fields in zip(choices, items):
         for name, value in fields.items():
             setattr(choice.req, name, value)
-        check_request(mode, choice.req)
+        check_request(server_args, choice.req)
 
 
 def _choices_what(body) -> tuple[str, str]:
@@ -61,10 +72,10 @@ def _choices_what(body) -> tuple[str, str]:
     return "prompt", "several prompts"
 
 
-def split_batch(mode: str, body, n: int, field: str = "text") -> list[dict]:
+def split_batch(server_args, body, n: int, field: str = "text") -> list[dict]:
     """A /generate batch of n prompts (in `field`: text or input_ids): the bootstrap fields
     of each prompt."""
-    return per_item(mode, body, n, (field, f"a batch of {n} prompts"))
+    return per_item(pd_mode(server_args), body, n, (field, f"a batch of {n} prompts"))
 
 
 def per_item(mode: str, body, n: int, what: tuple[str, str]) -> list[dict]:
@@ -110,6 +121,5 @@ def warmup_fields(server_args) -> dict:
     fresh random room. Empty on a co-located server."""
     if pd_mode(server_args) == "null":
         return {}
-    return {"bootstrap_host": FAKE_BOOTSTRAP_HOST,
-            "bootstrap_port": getattr(server_args, "disaggregation_bootstrap_port", 8998),
+    return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": _default_port(server_args),
             "bootstrap_room": random.getrandbits(_ROOM_BITS)}

@@ -36,7 +36,8 @@ def load_engine_factory():
 
 def bootstrap_addr(msg: ipc.GenerateReq):
     """The request's PD bootstrap address, or None (co-located: the API server dropped the
-    fields; a PD server's API server refused a request without all three)."""
+    fields; on a PD server it refused a request without host or room, and filled in a
+    missing port)."""
     if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
         return None
     from kvstrata.protocol.disagg import BootstrapAddr

@@ -278,9 +278,9 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     return meta
 
 
-def _batch_items(body, mode: str = "null") -> list | None:
-    """The per-prompt bodies of a batched /generate, or None for a single prompt. `mode` is
-    the server's --disaggregation-mode (a PD batch needs one bootstrap room per prompt)."""
+def _batch_items(body, server_args=None) -> list | None:
+    """The per-prompt bodies of a batched /generate, or None for a single prompt (on a PD
+    server, with one bootstrap room per prompt: entrypoints/pd_fields.py)."""
     if isinstance(body.text, list):
         field, items = "text", body.text
     elif body.input_ids and isinstance(body.input_ids[0], list):
@@ -308,7 +308,7 @@ def _batch_items(body, mode: str = "null") -> list | None:
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
-    bootstraps = pd_fields.split_batch(mode, body, n, field)
+    bootstraps = pd_fields.split_batch(server_args, body, n, field)
     return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs})
             for item, sp, rid, bs in zip(items, sps, rids, bootstraps)]
 
@@ -317,8 +317,7 @@ async def generate_response(state, request: Request, body):
     tm = state.tm
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
-    mode = pd_fields.pd_mode(state.server_args)
-    batch = _batch_items(body, mode)
+    batch = _batch_items(body, state.server_args)
     if batch is not None:
         tasks = [asyncio.create_task(generate_response(state, request, one))
                  for one in batch]
@@ -342,7 +341,7 @@ async def generate_response(state, request: Request, body):
         rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
         bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room))
-    pd_fields.check_request(mode, choice.req)
+    pd_fields.check_request(state.server_args, choice.req)
     start = time.perf_counter()
     gen = so.merged_outputs(tm, [choice], log_metrics=body.log_metrics)
     acc = _Acc(choice)

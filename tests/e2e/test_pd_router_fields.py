@@ -101,5 +101,22 @@ def test_a_request_that_bypasses_the_router_is_refused(pd):
     r = httpx.post(decode_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                    timeout=10)
     assert r.status_code == 400
-    assert "missing bootstrap_host, bootstrap_port, bootstrap_room" in r.json()["error"]["message"]
+    assert "missing bootstrap_host, bootstrap_room" in r.json()["error"]["message"]
     assert len(decode_tm.reqs) == before
+
+
+def test_router_without_a_bootstrap_port_uses_the_servers_own(pd):
+    """`--prefill URL` without a port: the router sends bootstrap_port null, and each server
+    uses its own --disaggregation-bootstrap-port (SGLang's fallback)."""
+    _, prefill_url, decode_url, prefill_tm, decode_tm = pd
+    router = Router([], mode_args=["--pd-disaggregation", "--prefill", prefill_url,
+                                   "--decode", decode_url], workers=2)
+    try:
+        p0, d0 = len(prefill_tm.reqs), len(decode_tm.reqs)
+        r = httpx.post(router.base_url + "/v1/completions",
+                       json={"model": "m", "prompt": "hello", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert _bootstraps(prefill_tm, p0) == _bootstraps(decode_tm, d0)
+        assert _bootstraps(decode_tm, d0)[0][:2] == ("127.0.0.1", BOOTSTRAP_PORT)
+    finally:
+        router.stop()

@@ -42,9 +42,8 @@ def test_pd_server_without_bootstrap_fields_is_400(mode, path, body):
     r = client.post(path, json=body)
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["message"].startswith("missing bootstrap_host, bootstrap_port, bootstrap_room: "
-                                     f"this server runs in PD mode (--disaggregation-mode "
-                                     f"{mode})")
+    assert err["message"].startswith("missing bootstrap_host, bootstrap_room: this server "
+                                     f"runs in PD mode (--disaggregation-mode {mode})")
     assert "PD router" in err["message"] and err["param"] == "bootstrap_host"
     assert err["type"] == "invalid_request_error" and err["code"] == 400
     # only the room missing: only the room named
@@ -66,6 +65,16 @@ def test_pd_server_carries_the_fields_to_the_scheduler(mode, path, body):
     # ... through the ipc codec, into EngineRequest.bootstrap
     decoded = ipc.decode(ipc.encode(req), "scheduler")
     assert bootstrap_addr(decoded) == BootstrapAddr("10.0.0.1", 8998, 12345)
+
+
+@pytest.mark.parametrize("path,body", ROUTES, ids=[r[0] for r in ROUTES])
+def test_missing_port_is_the_servers_own_bootstrap_port(path, body):
+    """SGLang: a request without bootstrap_port (sglang-router sends null when its --prefill
+    URL has no port) uses the server's --disaggregation-bootstrap-port."""
+    client, tm = _client("decode")
+    r = client.post(path, json={**body, **BOOT, "bootstrap_port": None})
+    assert r.status_code == 200, r.text
+    assert (tm.reqs[0].bootstrap_host, tm.reqs[0].bootstrap_port) == ("10.0.0.1", 8998)
 
 
 @pytest.mark.parametrize("path,body", ROUTES, ids=[r[0] for r in ROUTES])
@@ -120,7 +129,7 @@ def test_pd_server_serves_one_room_per_choice(path, body, param):
     ({"bootstrap_room": [5, 5]}, "bootstrap_room", "must be distinct"),
     ({"bootstrap_room": [5]}, "bootstrap_room", "has 1 entries for 2 requests"),
     ({"bootstrap_host": ["h"]}, "bootstrap_host", "has 1 entries for 2 requests"),
-    ({"bootstrap_port": None}, "bootstrap_port", "missing bootstrap_port"),
+    ({"bootstrap_host": None}, "bootstrap_host", "missing bootstrap_host"),
 ])
 def test_generate_batch_refusals_in_pd_mode(update, param, message):
     client, tm = _client("decode")
