@@ -3,6 +3,7 @@
 Ordered pure steps (docs/configuration.md has the full table):
   0. platform defaults (device, chunked prefill size)
   0b. page geometry (chunk and pool sizes vs --page-size)
+  0c. prefill/decode disaggregation (decode chunk cache, backend per role)
   1. HiCache host-memory mode (validations)
   2. HiCache layout/IO (R1, R2, page_head)
   3. storage/layout (Mooncake needs a page-major layout)
@@ -22,7 +23,8 @@ from typing import Any, Callable, Mapping
 from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
-from kvstrata.config.rules import dsa, hicache, page_geometry, platform_defaults, retraction
+from kvstrata.config.rules import (disagg, dsa, hicache, page_geometry, platform_defaults,
+                                   retraction)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -33,6 +35,7 @@ Step = Callable[[ResolvedArgs, Platform, "ModelInfo | None", dict], "list[Resolu
 STEPS: tuple[tuple[str, Step], ...] = (
     ("platform defaults", platform_defaults.platform_defaults),
     ("page geometry", page_geometry.page_geometry),
+    ("pd disaggregation", disagg.pd_disaggregation),
     ("hicache host-memory mode", hicache.host_memory_mode),
     ("hicache layout/io", hicache.layout_io),
     ("hicache storage/layout", hicache.storage_layout),
@@ -101,14 +104,11 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "hicache_storage_backend": _is_set,
     "hicache_storage_prefetch_policy": lambda v: v != "timeout",
     "hicache_storage_backend_extra_config": _is_set,
-    # Prefill/decode disaggregation.
-    "disaggregation_mode": lambda v: v != "null",
-    "disaggregation_transfer_backend": lambda v: v != "tcp",
-    "disaggregation_bootstrap_port": lambda v: v != 8998,
+    # Prefill/decode disaggregation: the roles, backends and decode admission are built;
+    # the decode radix cache, decode KV offload and the retraction backup choice are not.
     "disaggregation_decode_retraction_backup": _is_set,
     "disaggregation_decode_enable_radix_cache": bool,
     "disaggregation_decode_enable_offload_kvcache": bool,
-    "num_reserved_decode_tokens": lambda v: v != 512,
     # Sparse attention, parallelism, priority scheduling.
     "enable_hisparse": bool,
     "tp_size": lambda v: v > 1,

@@ -150,14 +150,30 @@ class ServerArgs:
         group="hicache")
 
     # ---- prefill/decode disaggregation ------------------------------------------------------
-    disaggregation_mode: str = opt("null", "Role in prefill/decode disaggregation.",
+    disaggregation_mode: str = opt("null", "Role in prefill/decode disaggregation: null (one "
+                                           "server does both), prefill (computes the prompt's "
+                                           "KV and sends it), or decode (receives it and "
+                                           "generates); requests then come through a PD router "
+                                           "(docs/disaggregation.md).",
                                    choices=DISAGG_MODES, group="disaggregation")
     disaggregation_transfer_backend: str = opt("tcp", "KV transfer backend between prefill "
-                                                      "and decode servers.",
+                                                      "and decode servers: tcp (built in), "
+                                                      "mooncake (Mooncake transfer engine), "
+                                                      "fake (moves nothing; decode-side tests "
+                                                      "and warm-up only).",
                                                choices=DISAGG_TRANSFER_BACKENDS,
                                                group="disaggregation")
-    disaggregation_bootstrap_port: int = opt(8998, "Bootstrap server port (prefill side).",
+    disaggregation_bootstrap_port: int = opt(8998, "Port of the bootstrap server a prefill "
+                                                   "server runs (decode servers reach it there; "
+                                                   "give it to the router after the prefill URL).",
                                              group="disaggregation")
+    disaggregation_decode_polling_interval: int = opt(
+        1, "Decode server: poll the pre-allocation and transfer queues every N scheduler "
+           "steps.", group="disaggregation")
+    disaggregation_decode_extra_slots: int | None = opt(
+        None, "Decode server: extra request slots for requests being pre-allocated or "
+              "transferred (default: resolved: 2 x --max-running-requests when that is <= 32, "
+              "else 0).", group="disaggregation")
     disaggregation_decode_retraction_backup: str | None = opt(
         None, "Where a retracted decode request's KV is kept (default: resolved: host_pool "
               "where supported, else cpu_tensor).", choices=RETRACTION_BACKUPS,
@@ -168,8 +184,9 @@ class ServerArgs:
     disaggregation_decode_enable_offload_kvcache: bool = opt(False, "Offload decode KV to the "
                                                                     "host pool / storage.",
                                                              group="disaggregation")
-    num_reserved_decode_tokens: int = opt(512, "Decode tokens reserved per request when "
-                                               "admitting transfers.", group="disaggregation")
+    num_reserved_decode_tokens: int = opt(512, "Decode server: KV tokens reserved per request "
+                                               "for its output when admitting transfers.",
+                                          group="disaggregation")
 
     # ---- sparse attention ---------------------------------------------------------------------
     enable_hisparse: bool = opt(False, "Hierarchical sparse attention (DSA with host-resident "
@@ -256,6 +273,8 @@ _RANGES: dict[str, tuple] = {
     "hicache_ratio": (lambda v: v > 0, "> 0"),
     "hicache_size": (lambda v: v >= 0, ">= 0"),
     "num_reserved_decode_tokens": (lambda v: v >= 0, ">= 0"),
+    "disaggregation_decode_polling_interval": (lambda v: v >= 1, ">= 1"),
+    "disaggregation_decode_extra_slots": (lambda v: v >= 0, ">= 0"),
 }
 
 _NUMERIC = {"int": (int,), "float": (int, float)}

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvstrata
 from kvstrata import envs
+from kvstrata.entrypoints import pd_fields
 from kvstrata.entrypoints import serving_openai as so
 from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, bad_request
@@ -120,6 +121,7 @@ def create_app(state) -> FastAPI:
         body = await parse_body(request, ChatCompletionRequest)
         check_model(body.model)
         choices = so.chat_choices(tm, body, state.context_len)
+        pd_fields.check_choices(args, body, choices)
         return await chat_response(state, request, body, choices)
 
     @app.post("/v1/completions", openapi_extra=body_spec(CompletionRequest))
@@ -127,6 +129,7 @@ def create_app(state) -> FastAPI:
         body = await parse_body(request, CompletionRequest)
         check_model(body.model)
         choices = so.completion_choices(tm, body, state.context_len)
+        pd_fields.check_choices(args, body, choices)
         return await completion_response(state, request, body, choices)
 
     @app.get("/v1/models")
@@ -150,7 +153,8 @@ def create_app(state) -> FastAPI:
             return _status(503)
         req = ipc.GenerateReq(rid=f"health-{tm.new_rid()}", prompt_ids=tm.encode_prompt("hi"),
                               sampling_params=so.SamplingParams(max_new_tokens=1,
-                                                                temperature=0.0))
+                                                                temperature=0.0),
+                              **pd_fields.warmup_fields(args))
         async def one_token() -> bool:
             async for out in tm.generate(req, log_metrics=False):
                 if out.finished:

@@ -41,9 +41,20 @@ def output_text(tokenizer: Any, output_ids: list[int], reason: FinishReason | No
     return text
 
 
+def refuse_pd_mode(args: ServerArgs) -> None:
+    """A prefill or decode role only makes sense as a server: its requests come from a PD
+    router with bootstrap fields, and its KV goes to / comes from another server."""
+    if args.disaggregation_mode != "null":
+        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} needs the server: "
+                         f"run `kvstrata serve --disaggregation-mode "
+                         f"{args.disaggregation_mode} ...` behind a PD router "
+                         f"(docs/disaggregation.md); the offline LLM is co-located only")
+
+
 class LLM:
     def __init__(self, model_path: str = "smollm2-135m", **server_args: Any):
         self.server_args = ServerArgs(model_path=model_path, **server_args)
+        refuse_pd_mode(self.server_args)
         self.engine, self.tokenizer = build_engine(self.server_args)
         self._ids = itertools.count()
 

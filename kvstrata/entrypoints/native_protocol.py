@@ -37,9 +37,10 @@ class GenerateRequest(RequestModel):
     return_text_in_logprobs: bool = False
     log_metrics: bool = True  # false: not counted in /metrics (SGLang: health checks)
     no_logs: bool = False  # kvstrata never logs request contents: nothing to turn off
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
-    bootstrap_room: UInt64 | None = None
+    # Prefill/decode disaggregation (a PD router adds them; a list: one per prompt of a batch).
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: UInt64 | list[UInt64] | None = None
     # Known SGLang fields, accepted only at their default.
     session_id: str | None = None
     input_embeds: list[list[float]] | list[list[list[float]]] | None = None

@@ -43,10 +43,12 @@ class _SamplingFields(RequestModel):
     skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
     rid: str | list[str] | None = None  # a list (one per choice) is not implemented
-    # Prefill/decode disaggregation (sglang-router adds these); carried, no effect yet.
-    bootstrap_host: str | None = None
-    bootstrap_port: Port | None = None
-    bootstrap_room: UInt64 | None = None
+    # Prefill/decode disaggregation (a PD router adds these): required on a prefill or
+    # decode server, ignored on a co-located one (entrypoints/pd_fields.py).
+    # (A list: one per choice, as sglang-router sends for n > 1.)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: UInt64 | list[UInt64] | None = None
     # Known OpenAI fields, accepted only when off.
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvstrata.entrypoints import pd_fields
 from kvstrata.entrypoints import serving_openai as so
 from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, from_sampling_error
 from kvstrata.entrypoints.native_protocol import native_sampling_dict
@@ -277,8 +278,9 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     return meta
 
 
-def _batch_items(body) -> list | None:
-    """The per-prompt bodies of a batched /generate, or None for a single prompt."""
+def _batch_items(body, server_args=None) -> list | None:
+    """The per-prompt bodies of a batched /generate, or None for a single prompt (on a PD
+    server, with one bootstrap room per prompt: entrypoints/pd_fields.py)."""
     if isinstance(body.text, list):
         field, items = "text", body.text
     elif body.input_ids and isinstance(body.input_ids[0], list):
@@ -287,6 +289,7 @@ def _batch_items(body) -> list | None:
         for name in ("sampling_params", "rid"):
             if isinstance(getattr(body, name), list):
                 raise ApiError(400, f"{name} is a list but the prompt is not a batch", name)
+        pd_fields.refuse_lists_outside_batch(body)
         return None
     if not items:
         raise ApiError(400, f"{field} is an empty batch", field)
@@ -305,15 +308,16 @@ def _batch_items(body) -> list | None:
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
-    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid})
-            for item, sp, rid in zip(items, sps, rids)]
+    bootstraps = pd_fields.split_batch(server_args, body, n, field)
+    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs})
+            for item, sp, rid, bs in zip(items, sps, rids, bootstraps)]
 
 
 async def generate_response(state, request: Request, body):
     tm = state.tm
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
-    batch = _batch_items(body)
+    batch = _batch_items(body, state.server_args)
     if batch is not None:
         tasks = [asyncio.create_task(generate_response(state, request, one))
                  for one in batch]
@@ -337,6 +341,7 @@ async def generate_response(state, request: Request, body):
         rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
         bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room))
+    pd_fields.check_request(state.server_args, choice.req)
     start = time.perf_counter()
     gen = so.merged_outputs(tm, [choice], log_metrics=body.log_metrics)
     acc = _Acc(choice)

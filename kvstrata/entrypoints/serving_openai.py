@@ -1,7 +1,8 @@
 """/v1/chat/completions and /v1/completions: OpenAI requests -> engine requests -> responses.
 
 A request with several prompts and/or n > 1 fans out into one engine request per choice
-(choice index = prompt_index * n + j); their output streams are merged into one.
+(choice index = prompt_index * n + j); their output streams are merged into one. The
+bootstrap fields (PD) are given to each choice by pd_fields.check_choices.
 """
 from __future__ import annotations
 
@@ -63,11 +64,6 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
                                                 "logprobs": lp_param}) from None
 
 
-def _bootstrap(body) -> dict:
-    return dict(bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
-                bootstrap_room=body.bootstrap_room)
-
-
 def request_rid(body) -> str:
     if isinstance(body.rid, list):
         raise bad_request("not implemented yet: rid as a list (give one string)", "rid")
@@ -97,8 +93,8 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     rid = request_rid(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
-        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param),
-        **_bootstrap(body))) for j in range(body.n)]
+        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param)))
+        for j in range(body.n)]
 
 
 def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> list[Choice]:
@@ -125,8 +121,8 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
                 sampling_params=build_sampling_params(body, max_tokens, body.logprobs, j,
                                                       "max_tokens"),
-                return_prompt_logprobs=body.echo and body.logprobs is not None,
-                **_bootstrap(body)), prompt_text=text))
+                return_prompt_logprobs=body.echo and body.logprobs is not None),
+                prompt_text=text))
     return choices
 
 

@@ -28,7 +28,9 @@ class GenerateReq(_Msg):
     prompt_ids: list[int]
     sampling_params: SamplingParams
     return_prompt_logprobs: bool = False
-    # Prefill/decode disaggregation routing (carried end to end; no effect in the default mode).
+    # Prefill/decode disaggregation: where the KV comes from / goes to. All three set on a
+    # prefill or decode server (the scheduler process makes them EngineRequest.bootstrap),
+    # all None on a co-located one.
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None

@@ -28,17 +28,21 @@ def finished_requests(base_url: str) -> float:
 
 
 class Router:
-    def __init__(self, worker_urls: list[str], timeout: float = 60):
+    """`mode_args` replaces the regular mode's worker list, e.g. for PD mode
+    ["--pd-disaggregation", "--prefill", URL, PORT, "--decode", URL] (then give `workers`)."""
+
+    def __init__(self, worker_urls: list[str], timeout: float = 60,
+                 mode_args: list[str] | None = None, workers: int | None = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/kvstrata-e2e-router-{self.port}.log"
+        mode = mode_args or ["--worker-urls", *worker_urls, "--policy", "round_robin"]
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-               "--port", str(self.port), "--worker-urls", *worker_urls,
-               "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+               "--port", str(self.port), *mode, "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--log-level", "warn"]
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready(len(worker_urls), timeout)
+        self._wait_ready(workers or len(worker_urls), timeout)
 
     def _wait_ready(self, workers: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -4,34 +4,16 @@ the next request on that connection was reset. Two requests on one raw socket pr
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from types import SimpleNamespace
-
-import uvicorn
 
 from kvstrata.entrypoints.api_server import create_app
 from kvstrata.metrics import ServerMetrics
+from tests.helpers.fake_frontend import serve_app
 
 
 class _BrokenTokenizerManager:
     async def control(self, op: str, timeout: float = 10.0) -> dict:
         raise RuntimeError(f"{op} exploded")
-
-
-def _serve(app) -> tuple[uvicorn.Server, threading.Thread, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    return server, thread, port
 
 
 def _request(sock: socket.socket, path: str) -> tuple[int, bytes]:
@@ -57,7 +39,7 @@ def test_next_request_on_the_connection_after_a_500_succeeds():
                             server_args=SimpleNamespace(model_path="m", enable_metrics=True),
                             model_names=["m"], context_len=64, engine_info={},
                             healthy=lambda: True, metrics=ServerMetrics("m"))
-    server, thread, port = _serve(create_app(state))
+    server, thread, port = serve_app(create_app(state))
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             status, body = _request(sock, "/debug/kv")

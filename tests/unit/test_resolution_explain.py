@@ -18,9 +18,12 @@ def run_main(argv):
 
 
 def test_table_lists_rules_and_resolved_values():
+    # (HiCache on a decode server needs the decode radix cache: rules/disagg.py)
     code, out, err = run_main(["--platform", "hip", "--disaggregation-mode", "decode",
+                               "--disaggregation-decode-enable-radix-cache",
                                "--enable-hierarchical-cache", "--hicache-io-backend", "direct"])
     assert code == 0 and err == ""
+    assert "disagg.decode_radix_cache" in out
     assert out.startswith("platform: hip [simulated]\n")
     assert "hicache.layout_io.R2" in out
     assert ("WARNING: Page first layout is not supported with direct IO backend, switching to "
@@ -113,6 +116,7 @@ def test_cli_command_table_hooks():
 RULES = ["platform.device", "platform.chunked_prefill_size", "hicache.layout_io.R1",
          "hicache.layout_io.R2", "hicache.storage_layout", "hicache.ratio_default",
          "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
+         "disagg.decode_chunk_cache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)
          "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
          "kv_plan.sliding_window", "kv_plan.rows"]
@@ -133,6 +137,6 @@ def test_docs_list_every_flag_rule_and_env_var():
     # and the list above is every rule name the rules modules use
     sources = "".join(p.read_text() for p in (root / "kvstrata/config/rules").glob("*.py"))
     sources += (root / "kvstrata/config/kv_sizing.py").read_text()
-    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan)\.[A-Za-z_.0-9]+)"',
+    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan|disagg)\.[A-Za-z_.0-9]+)"',
                           sources))
     assert used == set(RULES)

@@ -78,10 +78,12 @@ def test_conditions_that_keep_host_pool(platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_ratio_2_when_hicache_enabled(platform):
-    # a decode server with HiCache shares the host pool: standard 2.0
-    assert outcome(platform, enable_hierarchical_cache=True, **DECODE)[1] == 2.0
-    assert outcome(platform, enable_hierarchical_cache=True,
-                   disaggregation_decode_retraction_backup="host_pool", **DECODE) == (
+    # a decode server with HiCache shares the host pool: standard 2.0. (HiCache on a decode
+    # server needs its radix cache: rules/disagg.py refuses it over the chunk cache.)
+    hicache = {"enable_hierarchical_cache": True,
+               "disaggregation_decode_enable_radix_cache": True, **DECODE}
+    assert outcome(platform, **hicache)[1] == 2.0
+    assert outcome(platform, disaggregation_decode_retraction_backup="host_pool", **hicache) == (
         "host_pool", 2.0)
 
 

@@ -20,16 +20,12 @@ def test_defaults_are_all_implemented():
     ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
     ({"hicache_storage_prefetch_policy": "best_effort"}, "--hicache-storage-prefetch-policy"),
     ({"hicache_storage_backend_extra_config": "{}"}, "--hicache-storage-backend-extra-config"),
-    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),
-    ({"disaggregation_transfer_backend": "mooncake"}, "--disaggregation-transfer-backend"),
-    ({"disaggregation_bootstrap_port": 9000}, "--disaggregation-bootstrap-port"),
     ({"disaggregation_decode_retraction_backup": "cpu_tensor"},
      "--disaggregation-decode-retraction-backup"),
     ({"disaggregation_decode_enable_radix_cache": True},
      "--disaggregation-decode-enable-radix-cache"),
     ({"disaggregation_decode_enable_offload_kvcache": True},
      "--disaggregation-decode-enable-offload-kvcache"),
-    ({"num_reserved_decode_tokens": 256}, "--num-reserved-decode-tokens"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
     ({"tp_size": 2}, "--tp-size"),
     ({"dcp_size": 2}, "--dcp-size"),
@@ -41,6 +37,19 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     assert unimplemented_flags(args) == [flag]
     with pytest.raises(NotImplementedError, match=f"^not implemented yet: {flag}$"):
         refuse_unimplemented(args)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"disaggregation_mode": "prefill"}, {"disaggregation_mode": "decode"},
+    {"disaggregation_transfer_backend": "mooncake"}, {"disaggregation_transfer_backend": "fake"},
+    {"disaggregation_bootstrap_port": 9000}, {"num_reserved_decode_tokens": 256},
+    {"disaggregation_decode_polling_interval": 4}, {"disaggregation_decode_extra_slots": 8},
+])
+def test_pd_flags_are_built(kwargs):
+    """PD roles, backends, the bootstrap port and decode admission are built: serve accepts
+    them (the decode radix cache, KV offload and retraction backup stay refused above)."""
+    assert unimplemented_flags(ServerArgs(**kwargs)) == []
+    refuse_unimplemented(ServerArgs(**kwargs))
 
 
 def test_several_flags_listed_in_field_order():

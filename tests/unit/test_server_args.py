@@ -28,6 +28,7 @@ EXPECTED_DEFAULTS = {
     "disaggregation_decode_retraction_backup": None,
     "disaggregation_decode_enable_radix_cache": False,
     "disaggregation_decode_enable_offload_kvcache": False, "num_reserved_decode_tokens": 512,
+    "disaggregation_decode_polling_interval": 1, "disaggregation_decode_extra_slots": None,
     "enable_priority_scheduling": False, "disable_priority_preemption": False, "tp_size": 1,
     "dcp_size": 1, "enable_hisparse": False,
 }
@@ -122,6 +123,10 @@ def test_frozen():
     ({"hicache_ratio": 0.0}, "--hicache-ratio must be > 0"),
     ({"hicache_size": -1}, "--hicache-size must be >= 0"),
     ({"num_reserved_decode_tokens": -1}, "--num-reserved-decode-tokens must be >= 0"),
+    ({"disaggregation_decode_polling_interval": 0},
+     "--disaggregation-decode-polling-interval must be >= 1, got 0"),
+    ({"disaggregation_decode_extra_slots": -1},
+     "--disaggregation-decode-extra-slots must be >= 0, got -1"),
     ({"dtype": "fp8"}, "--dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
     ({"hicache_mem_layout": "page_first_kv_split"}, "--hicache-mem-layout must be one of"),
     ({"disaggregation_mode": "both"}, "--disaggregation-mode must be one of"),
