@@ -19,6 +19,7 @@ from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
+from kvstrata.engine.scheduler_dump import dump_state
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import (
     FinishReason,
@@ -152,27 +153,7 @@ class Scheduler:
 
     def dump_state(self) -> str:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
-        kv = self.kv
-
-        def brief(r: Request) -> str:
-            return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
-                    f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
-                    f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
-                    f"retracted={r.retraction_count})")
-        lines = [
-            f"step {self.step_id}: waiting {len(self.waiting)}, running {len(self.running)}, "
-            f"chunked {self.chunked_req.rid if self.chunked_req else None}",
-            f"pages: total {kv.allocator.num_pages}, free {kv.allocator.available_pages()}, "
-            f"tree evictable {kv.tree.evictable_pages()}, tree protected "
-            f"{kv.tree.protected_pages()}, page_size {self.page_size}; rows free "
-            f"{len(self.free_rows)}/{self.num_rows}; transfers in flight "
-            f"{kv.has_transfers_in_flight()}; new_token_ratio {self.ratio.value:.4f}",
-        ]
-        if self.chunked_req is not None:
-            lines.append("chunked: " + brief(self.chunked_req))
-        lines += ["running: " + brief(r) for r in self.running[:16]]
-        lines += ["waiting: " + brief(r) for r in self.waiting[:16]]
-        return "\n".join(lines)
+        return dump_state(self)
 
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
