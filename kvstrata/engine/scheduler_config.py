@@ -49,6 +49,9 @@ class SchedulerConfig:
                 setattr(self, f.name, policy.pop(f.name, f.default))
         if policy:
             raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
+                             f"{self.disaggregation_mode!r}")
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
