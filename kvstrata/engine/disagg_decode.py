@@ -72,6 +72,8 @@ class DecodeDisagg(DisaggSide):
         return [self.transfer, self.prebuilt]
 
     def add(self, req: Request) -> None:
+        # The prompt is never run here: its logprobs (echo) can only come from the prefill.
+        req.return_prompt_logprobs = False
         self._create(req, "receiver_create")
         self.prealloc.append(req)
 
