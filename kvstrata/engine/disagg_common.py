@@ -182,11 +182,14 @@ class DisaggSide:
         self._forget(room)
 
     def _forget(self, room: Room) -> None:
-        self.emit("release", room.req.bootstrap.room)
+        number = room.req.bootstrap.room
+        # A send not shipped yet for a room that already ended would name freed pages.
+        self.ops = [op for op in self.ops if not (op.room == number and op.kind == "send")]
+        self.emit("release", number)
         if room.slot >= 0:
             self.free_slots.append(room.slot)
             room.slot = -1
-        del self.rooms[room.req.bootstrap.room]
+        del self.rooms[number]
 
     def _fail(self, room: Room, message: str, status: int = 500) -> Request:
         """The transfer ended badly (its state is terminal): abort the request (500) and

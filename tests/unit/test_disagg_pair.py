@@ -338,3 +338,18 @@ def test_decode_abort_keeps_pages_until_the_late_copy_landed():
     pair.run()
     assert pair.finished["decode"]["x"].status_code == 499
     assert pair.outputs["decode"]["y"] == reference_tokens(prompt(2, 4), 12, VOCAB)
+
+
+def test_peer_abort_racing_the_last_chunk_drops_the_unsent_send():
+    # The decode client aborts while the prefill computes x's last chunk: the FAILED event
+    # arrives in the same step as the first token, so the queued send must not go out.
+    pair = PDPair(page_size=2, prefill_cfg={"chunked_prefill_size": 4})
+    pair.submit("x", prompt(3, 11), 5)
+    while not pair.prefill.scheduler.chunked_req:
+        pair.step()
+    pair.abort("x", "decode")
+    pair.run()
+    sends = [op for so in pair.prefill_runner.steps for op in so.pd_ops if op.kind == "send"]
+    assert not sends
+    assert pair.finished["prefill"]["x"].status_code == 500
+    assert "the decode server aborted" in pair.finished["prefill"]["x"].message
