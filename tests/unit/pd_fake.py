@@ -146,7 +146,8 @@ class FakeTransferHub:
             if half is not None and peer is None and half.state not in TERMINAL \
                     and self.tick - half.created_tick > self.peer_timeout:
                 half.state, half.error = KVPoll.FAILED, "timeout: the peer server never came"
-        if link.done_tick is not None and self.tick >= link.done_tick and s.state == KVPoll.TRANSFERRING:
+        due = link.done_tick is not None and self.tick >= link.done_tick
+        if due and s.state == KVPoll.TRANSFERRING:
             if link.aborted is not None:
                 self._copy(link.src_pages, link.dst_pages)
                 self._fail(link, f"the {link.aborted} server aborted")

@@ -130,7 +130,7 @@ class PDMachine(RuleBasedStateMachine):
             self._check_outcome(rid, ids, max_new, inject)
 
     def _check_outcome(self, rid, ids, max_new, inject):
-        pair, P = self.pair, self.cfg["page_size"]
+        pair = self.pair
         pre, dec = pair.finished["prefill"][rid], pair.finished["decode"][rid]
         expected = reference_tokens(ids, max_new, VOCAB)
         event(f"decode outcome: {dec.type} {dec.status_code}")
@@ -145,7 +145,8 @@ class PDMachine(RuleBasedStateMachine):
         self._check_abort("decode", rid, dec, pre, ids, inject, aborted_by_client)
         if dec.message.startswith("Out of memory on the decode server"):
             event("decode OOM abort")
-            assert dec.message == DECODE_OOM_MESSAGE.format(total=pair.decode.scheduler.kv.total_tokens)
+            total = pair.decode.scheduler.kv.total_tokens
+            assert dec.message == DECODE_OOM_MESSAGE.format(total=total)
             assert pair.outputs["decode"][rid] == expected[:len(pair.outputs["decode"][rid])]
 
     def _check_abort(self, side, rid, reason, peer, ids, inject, by_client):

@@ -353,3 +353,22 @@ def test_peer_abort_racing_the_last_chunk_drops_the_unsent_send():
     assert not sends
     assert pair.finished["prefill"]["x"].status_code == 500
     assert "the decode server aborted" in pair.finished["prefill"]["x"].message
+
+
+def test_scheduler_config_from_args_pd_fields_optional():
+    from types import SimpleNamespace
+
+    from kvstrata.config.kv_plan import KVPlan
+    plan = KVPlan.pages_only(num_pages=8, page_size=1, num_rows=4, num_host_pages=0)
+    base = dict(max_prefill_tokens=64, chunked_prefill_size=None, schedule_policy="fcfs",
+                schedule_conservativeness=1.0, disable_radix_cache=False,
+                radix_eviction_policy="lru", hicache_write_policy="write_through")
+    old = SchedulerConfig.from_args(SimpleNamespace(**base), plan)  # before the flags land
+    assert (old.disaggregation_mode, old.num_reserved_decode_tokens,
+            old.disaggregation_decode_polling_interval, old.decode_extra_slots) == \
+        ("null", 512, 1, 8)
+    new = SchedulerConfig.from_args(SimpleNamespace(
+        **base, disaggregation_mode="decode", num_reserved_decode_tokens=64,
+        disaggregation_decode_extra_slots=2, disaggregation_decode_polling_interval=3), plan)
+    assert (new.disaggregation_mode, new.num_reserved_decode_tokens, new.decode_extra_slots,
+            new.disaggregation_decode_polling_interval) == ("decode", 64, 2, 3)
