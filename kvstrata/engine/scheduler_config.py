@@ -52,6 +52,9 @@ class SchedulerConfig:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")
+        if self.disaggregation_mode == "decode" and self.plan.has_host_pool:
+            raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "
+                             "cannot use --enable-hierarchical-cache")
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
