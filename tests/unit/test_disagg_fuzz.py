@@ -3,7 +3,7 @@ fake transfer layer of tests/unit/pd_fake.py), without torch. Same structure as
 test_scheduler_fuzz.py.
 
 Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
-prefill radix cache on/off, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
+prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay) and interleaves arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, or a slow transfer),
 client aborts on either server, and steps of the pair. Properties:
@@ -40,6 +40,7 @@ configs = st.fixed_dictionaries({
     "decode_tokens": st.integers(16, 112),
     "chunk": st.one_of(st.none(), st.integers(1, 24)),
     "disable_radix_cache": st.booleans(),
+    "prefill_host_pages": st.sampled_from([0, 0, 4, 40]),  # HiCache L2 on the prefill server
     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
     "prefill_rows": st.sampled_from([1, 2, 64]),
     "decode_rows": st.sampled_from([1, 2, 4, 64]),
@@ -64,6 +65,8 @@ class PDMachine(RuleBasedStateMachine):
             decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
             prefill_cfg={"chunked_prefill_size": cfg["chunk"],
                          "disable_radix_cache": cfg["disable_radix_cache"],
+                         "num_host_pages": (0 if cfg["disable_radix_cache"]
+                                            else cfg["prefill_host_pages"]),
                          "schedule_policy": cfg["schedule_policy"],
                          "max_running_requests": cfg["prefill_rows"]},
             decode_cfg={"max_running_requests": cfg["decode_rows"],
