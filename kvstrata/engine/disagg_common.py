@@ -35,6 +35,7 @@ class Room:
     slot: int = -1  # metadata slot, -1 = none
     draining: bool = False  # the request ended; waiting for the transfer's terminal state
     holds_kv: bool = False  # draining with pages a transfer may still touch
+    sent_pages: int = 0  # prefill: pages already handed to `send`
 
 
 class DisaggSide:

@@ -7,11 +7,13 @@ A request's path (docs/architecture.md, "PD disaggregation"):
              slot is free: `sender_init(num_pages, metadata_index)`, then the normal waiting
              queue (FIFO over ready requests; no free slot -> stop).
   prefill    the scheduler's own path: chunked prefill, prefix cache, admission budget.
+             After each non-last chunk, the full pages computed so far and not yet sent go
+             out (`send(page_ids, last=False)`, on_chunk): the transfer overlaps the prefill.
   inflight   after the last chunk's forward (Scheduler.update -> on_token): the sampled first
              token and its logprob(s) are recorded, the prompt's full pages go to the radix
              tree (locked, so a request sharing the prefix can hit them already), the row is
-             freed and the runner forgets the request; `send(page_ids = every prompt page in
-             order, last=True, metadata)`. The pages stay locked / owned until the room ends:
+             freed and the runner forgets the request; `send(page_ids = the prompt pages not
+             sent yet, in order, last=True, metadata)`. The pages stay locked / owned until the room ends:
              SUCCESS -> finished (length), KV released into the tree, slot freed, `release`;
              FAILED -> abort 500 with the transfer's error, same release.
 Metadata slots: 2 x max_running_requests (a slot is held from sender_init to the room's end).
@@ -61,6 +63,16 @@ class PrefillDisagg(DisaggSide):
             self.bootstrap.remove(req)
             self.sched.waiting.append(req)
 
+    def on_chunk(self, req: Request) -> None:
+        """A non-last chunk was computed (and its full pages cached): send the full pages not
+        sent yet (last=False), so the transfer overlaps the rest of the prefill. Chunks end
+        on page boundaries; the pages sent stay tree-locked, so their ids never change."""
+        room = self._room(req)
+        full = req.num_computed_tokens // self.page_size
+        if full > room.sent_pages:
+            self.emit("send", req.bootstrap.room, page_ids=req.pages[room.sent_pages:full])
+            room.sent_pages = full
+
     def on_token(self, req: Request, token: int, logprob: float | None, top) -> bool:
         """The last prefill chunk sampled the first output token: send the KV."""
         sched = self.sched
@@ -74,7 +86,8 @@ class PrefillDisagg(DisaggSide):
             sched.freed_for_runner.append(req.rid)
             req.known_to_runner = False
         room = req.bootstrap.room
-        self.emit("send", room, page_ids=list(req.pages), last=True, metadata=PDMetadata(
+        sent = self.rooms[room].sent_pages
+        self.emit("send", room, page_ids=req.pages[sent:], last=True, metadata=PDMetadata(
             room=room, first_token_id=token, first_logprob=logprob,
             first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens))
         self.inflight.append(req)

@@ -379,6 +379,8 @@ class Scheduler:
             touched.append(req)
         if self.chunked_req is not None:
             self.kv.cache_unfinished(self.chunked_req)
+            if isinstance(self.pd, PrefillDisagg):
+                self.pd.on_chunk(self.chunked_req)  # stream the full pages computed so far
         if self.pd is not None:
             touched += self.pd.on_events(result.pd_events)
         return touched

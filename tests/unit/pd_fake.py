@@ -47,6 +47,7 @@ class Link:
     fail: str | None = None  # None | "bootstrap" | "transfer"
     corrupt: bool = False
     aborted: str | None = None  # side that aborted while the pages were on their way
+    sends: int = 0
     log: list[str] = field(default_factory=list)
 
 
@@ -110,13 +111,24 @@ class FakeTransferHub:
             assert op.metadata_index >= 0
             link.num_pages = op.num_pages
         elif op.kind == "send":
+            # Earlier chunks' pages (last=False), then the rest with the metadata (last=True).
+            # The bytes are read when the transfer completes, so every page sent must keep
+            # its KV until the room's end.
             assert side == "prefill" and link.num_pages is not None, link.log
-            assert op.last and op.metadata is not None and len(op.page_ids) == link.num_pages
-            assert 0 not in op.page_ids
-            if half.state not in TERMINAL:
-                link.src_pages, link.metadata = list(op.page_ids), op.metadata
-                half.state = KVPoll.TRANSFERRING
-                link.done_tick = self.tick + self._delay(op.room)
+            assert link.done_tick is None, f"send after the last send: {link.log}"
+            assert op.page_ids and 0 not in op.page_ids, op
+            sent = (link.src_pages or []) + list(op.page_ids)
+            assert len(sent) <= link.num_pages and len(set(sent)) == len(sent), (op, link)
+            link.src_pages = sent
+            link.sends += 1
+            if op.last:
+                assert op.metadata is not None and len(sent) == link.num_pages, (op, link)
+                if half.state not in TERMINAL:
+                    link.metadata = op.metadata
+                    half.state = KVPoll.TRANSFERRING
+                    link.done_tick = self.tick + self._delay(op.room)
+            else:
+                assert op.metadata is None, op
         else:
             raise AssertionError(f"unknown op {op}")
 
@@ -227,12 +239,14 @@ class PDPair:
         self.results: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
         self.steps = 0
         self._rooms = 0
+        self.rooms: dict[str, int] = {}
 
     def submit(self, rid, prompt, max_new, room=None, to=("prefill", "decode"), **params):
         if room is None:
             self._rooms += 1
             room = 1000 + self._rooms
         params.setdefault("temperature", 0)
+        self.rooms[rid] = room
         addr = BootstrapAddr("127.0.0.1", 8998, room)
         for side in to:
             self.outputs[side][rid] = []

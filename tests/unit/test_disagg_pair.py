@@ -59,6 +59,10 @@ def test_pair_matches_colocated(page_size, chunk, delay):
     assert all(so.is_prefill for so in pair.prefill_runner.steps if so.scheduled)
     if chunk is not None:
         assert any(not s.sample for so in pair.prefill_runner.steps for s in so.scheduled)
+        # Prompts longer than a chunk stream their earlier chunks' pages (last=False).
+        for rid, p in prompts.items():
+            if len(p) > max(chunk // page_size, 1) * page_size:
+                assert pair.hub.links[pair.rooms[rid]].sends >= 2, rid
 
 
 def test_shared_prefix_hits_prefill_cache_and_reaches_decode():
@@ -352,7 +356,7 @@ def test_peer_abort_racing_the_last_chunk_drops_the_unsent_send():
     pair.abort("x", "decode")
     pair.run()
     sends = [op for so in pair.prefill_runner.steps for op in so.pd_ops if op.kind == "send"]
-    assert not sends
+    assert sends and not any(op.last for op in sends)  # earlier chunks only
     assert pair.finished["prefill"]["x"].status_code == 500
     assert "the decode server aborted" in pair.finished["prefill"]["x"].message
 
