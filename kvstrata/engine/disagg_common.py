@@ -10,7 +10,10 @@ still live (client abort, error) is answered at once but its room is *draining*:
 op goes out and, if a transfer may still read or write its pages (prefill inflight, decode
 transfer), the pages stay held until the room reports a terminal state (FAILED, or SUCCESS
 if it raced); only then are they freed and `release` sent. So no page is reused while a
-transfer can touch it, and no room is forgotten before the runner reported its end.
+transfer can touch it, and no room is forgotten before the runner reported its end. (One
+exception, harmless: a prefill request aborted mid-prefill frees the pages of chunks it
+already streamed at once; a transfer reading them afterwards only fills pages of a decode
+request that fails too, and those the decode side holds until its room ends.)
 """
 from __future__ import annotations
 
