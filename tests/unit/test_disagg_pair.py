@@ -378,3 +378,37 @@ def test_scheduler_config_from_args_pd_fields_optional():
         disaggregation_decode_extra_slots=2, disaggregation_decode_polling_interval=3), plan)
     assert (new.disaggregation_mode, new.num_reserved_decode_tokens, new.decode_extra_slots,
             new.disaggregation_decode_polling_interval) == ("decode", 64, 2, 3)
+
+
+def test_integrity_counts_pd_pages_and_dump_shows_pd_queues():
+    pair = PDPair(page_size=2, delay=8)
+    pair.submit("x", prompt(1, 9), 3)
+    while _queue_of(pair, "decode", "x") != "transfer":
+        pair.step()
+    pair.decode.check_integrity()
+    dump = pair.decode.dump_state()
+    assert "pd decode: prealloc 0, transfer 1, prebuilt 0" in dump
+    assert "transfer: x(prompt=9" in dump and "pages=5" in dump
+    x = pair.decode.scheduler.pd.transfer[0]
+    stolen = x.pages.pop()  # a page nobody accounts for any more
+    with pytest.raises(AssertionError, match="KV page leak"):
+        pair.decode.check_integrity()
+    x.pages.append(stolen)
+    while _queue_of(pair, "prefill", "x") != "inflight":
+        pair.step()
+    pair.prefill.check_integrity()  # inflight: tree-locked prompt path + own last page
+    assert pair.prefill.scheduler.kv.tree.protected_pages() == 4
+    pair.run()
+
+
+def test_decode_polling_interval_spaces_admissions():
+    pair = PDPair(decode_cfg={"disaggregation_decode_polling_interval": 3})
+    pair.submit("x", prompt(1, 5), 2)
+    admitted_at = None
+    for step in range(1, 20):
+        pair.step()
+        if admitted_at is None and _queue_of(pair, "decode", "x") != "prealloc":
+            admitted_at = step
+    assert admitted_at is not None and admitted_at % 3 == 0
+    pair.run()
+    assert pair.outputs["decode"]["x"] == reference_tokens(prompt(1, 5), 2, VOCAB)
