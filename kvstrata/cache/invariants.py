@@ -8,6 +8,11 @@ What must hold at any step boundary:
 - every node's lock_ref equals the number of lock holders whose path runs through it:
   live requests (their `last_node`) and in-flight HiCache write jobs (the node they pin).
   A lock nobody holds is a leak that makes pages unevictable forever.
+"Live requests" here means every request that holds pages, which on a PD server includes
+those outside the running batch (Scheduler passes them in): prefill requests whose KV is being
+sent (inflight: tree-locked prompt path + the partial last page they own), decode requests in
+transfer or transferred and waiting for a row (own pages, no row, no lock), and aborted
+requests whose pages a live transfer may still touch (until the room reports its end).
 Who takes and drops locks (all through KVManager / the tree, nowhere else):
   match_and_lock (admit)     lock(matched node)          release(...)        unlock
   HiCache load-back          lock(loaded node), unlock(matched node)

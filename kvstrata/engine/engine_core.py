@@ -38,7 +38,7 @@ class EngineCore:
     def add_request(self, er: EngineRequest) -> None:
         """Never raises for bad input: the request finishes with an abort (status 400)."""
         req = Request(er.rid, list(er.prompt_ids), er.sampling_params, self._arrivals,
-                      er.return_prompt_logprobs)
+                      er.return_prompt_logprobs, bootstrap=er.bootstrap)
         self._arrivals += 1
         error = self._validate(req)
         if error is not None:
@@ -62,6 +62,8 @@ class EngineCore:
         if n + 1 > self.scheduler.kv.total_tokens:
             return (f"The input ({n} tokens) does not fit in the KV cache "
                     f"({self.scheduler.kv.total_tokens} tokens); raise --max-total-tokens.")
+        if self.scheduler.pd is not None:  # PD: bootstrap info present, room not in use
+            return self.scheduler.pd.validate(req)
         return None
 
     def abort_request(self, rid: str) -> None:
@@ -138,6 +140,7 @@ class EngineCore:
             "num_retractions": self.scheduler.num_retractions,
             "new_token_ratio": self.scheduler.ratio.value,
             **self._hicache_load(),
+            **(self.scheduler.pd.load() if self.scheduler.pd is not None else {}),
         }
 
     def _hicache_load(self) -> dict:

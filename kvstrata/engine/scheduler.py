@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import logging
 
-from kvstrata.cache.invariants import check_kv_state, expected_rows
+from kvstrata.cache.invariants import expected_rows
 from kvstrata.cache.kv_manager import KVManager
+from kvstrata.engine.disagg_decode import DecodeDisagg
+from kvstrata.engine.disagg_prefill import PrefillDisagg
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
+from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import (
     FinishReason,
@@ -43,7 +46,9 @@ class Scheduler:
             raise ValueError(f"--schedule-policy must be fcfs or lpm, got {config.schedule_policy!r}")
         self.config = config
         self.page_size = config.page_size
-        self.kv = KVManager(config.plan, config.disable_radix_cache,
+        # A decode server never matches prefixes (chunk-cache semantics, SGLang's default).
+        no_radix = config.disable_radix_cache or config.disaggregation_mode == "decode"
+        self.kv = KVManager(config.plan, no_radix,
                             config.radix_eviction_policy, config.hicache_write_policy)
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -60,14 +65,18 @@ class Scheduler:
         self.num_retractions = 0
         self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
+        # PD disaggregation side (engine/disagg_*.py): its queues, metadata slots and rooms.
+        side = {"prefill": PrefillDisagg, "decode": DecodeDisagg}.get(config.disaggregation_mode)
+        self.pd: PrefillDisagg | DecodeDisagg | None = side(self) if side else None
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        (self.pd.add if self.pd is not None else self.waiting.append)(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req
-                    or self.kv.has_transfers_in_flight())
+                    or self.kv.has_transfers_in_flight()
+                    or (self.pd is not None and self.pd.has_work()))
 
     def live_requests(self) -> list[Request]:
         live = list(self.running)
@@ -76,6 +85,9 @@ class Scheduler:
         return live
 
     def abort(self, rid: str, reason: FinishReason) -> Request | None:
+        found = self.pd.abort(rid, reason) if self.pd is not None else None
+        if found is not None:
+            return found
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -98,6 +110,8 @@ class Scheduler:
         if req.known_to_runner:
             self.freed_for_runner.append(req.rid)
             req.known_to_runner = False
+        if self.pd is not None:
+            self.pd.on_finish(req)  # PD: `abort` or `release` for its room
         return req
 
     def _free_row(self, req: Request) -> None:
@@ -107,12 +121,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput | None:
+        if self.pd is not None:
+            self.pd.before_schedule()  # PD queues move on (bootstrap -> waiting, admission)
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
         if out is None and self._stalled():
             self._resolve_stall()
-        if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()):
+        if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()
+                            or (self.pd is not None and self.pd.needs_poll())):
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
@@ -125,7 +142,8 @@ class Scheduler:
         its pages even with every cached page evicted: it can never fit."""
         return bool((self.waiting or self.chunked_req is not None)
                     and not self.finished_outside_step
-                    and not self.kv.has_transfers_in_flight())
+                    and not self.kv.has_transfers_in_flight()
+                    and not (self.pd is not None and self.pd.frees_memory_later()))
 
     def _resolve_stall(self) -> None:
         """Abort the request that cannot fit alone (clear error, no silent spin); anything
@@ -152,27 +170,7 @@ class Scheduler:
 
     def dump_state(self) -> str:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
-        kv = self.kv
-
-        def brief(r: Request) -> str:
-            return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
-                    f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
-                    f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
-                    f"retracted={r.retraction_count})")
-        lines = [
-            f"step {self.step_id}: waiting {len(self.waiting)}, running {len(self.running)}, "
-            f"chunked {self.chunked_req.rid if self.chunked_req else None}",
-            f"pages: total {kv.allocator.num_pages}, free {kv.allocator.available_pages()}, "
-            f"tree evictable {kv.tree.evictable_pages()}, tree protected "
-            f"{kv.tree.protected_pages()}, page_size {self.page_size}; rows free "
-            f"{len(self.free_rows)}/{self.num_rows}; transfers in flight "
-            f"{kv.has_transfers_in_flight()}; new_token_ratio {self.ratio.value:.4f}",
-        ]
-        if self.chunked_req is not None:
-            lines.append("chunked: " + brief(self.chunked_req))
-        lines += ["running: " + brief(r) for r in self.running[:16]]
-        lines += ["waiting: " + brief(r) for r in self.waiting[:16]]
-        return "\n".join(lines)
+        return dump_state(self)
 
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
@@ -186,7 +184,8 @@ class Scheduler:
         freed, self.freed_for_runner = self.freed_for_runner, []
         self.step_id += 1
         return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
-                               transfers=self.kv.drain_transfer_ops())
+                               transfers=self.kv.drain_transfer_ops(),
+                               pd_ops=self.pd.drain_ops() if self.pd is not None else [])
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -307,7 +306,10 @@ class Scheduler:
         """Free memory for the decode batch: the chunked request first (it has not reached
         decode, and its computed pages stay in the tree as evictable cache), then running
         requests, fewest generated tokens first, ties: longest prompt. The last running
-        request is never retracted; if it still cannot grow it is aborted (SGLang, 500)."""
+        request is never retracted; if it still cannot grow it is aborted (SGLang, 500).
+        A PD decode server cannot recompute: it aborts the youngest instead (disagg_decode)."""
+        if isinstance(self.pd, DecodeDisagg):
+            return self.pd.on_decode_oom()
         retracted: list[Request] = []
         if self.chunked_req is not None:
             victim, self.chunked_req = self.chunked_req, None
@@ -358,6 +360,9 @@ class Scheduler:
             req = by_id.get(rid)
             if req is None:
                 continue  # aborted while the forward ran
+            if isinstance(self.pd, PrefillDisagg):  # the prefill server sends, never decodes
+                self.pd.on_token(req, token, result.logprobs[i], result.top_logprobs[i])
+                continue
             if req.params.max_new_tokens == 0:
                 self._complete(req, FinishReason(type="length"))  # prefill-only (scoring)
                 touched.append(req)
@@ -374,6 +379,10 @@ class Scheduler:
             touched.append(req)
         if self.chunked_req is not None:
             self.kv.cache_unfinished(self.chunked_req)
+            if isinstance(self.pd, PrefillDisagg):
+                self.pd.on_chunk(self.chunked_req)  # stream the full pages computed so far
+        if self.pd is not None:
+            touched += self.pd.on_events(result.pd_events)
         return touched
 
     def _complete(self, req: Request, reason: FinishReason) -> None:
@@ -384,18 +393,7 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
-        live = self.live_requests()
-        check_kv_state(self.kv, live)
-        rows_in_use = sum(1 for r in live if r.row)
-        assert rows_in_use + len(self.free_rows) == self.num_rows, "req_to_token row leak"
-        assert len(set(self.free_rows)) == len(self.free_rows), "a row is free twice"
-        assert not ({r.row for r in live} & set(self.free_rows)), "a live request's row is free"
-        for r in self.waiting:
-            assert not r.pages and r.last_node is None and not r.row, (
-                f"waiting request {r.rid} holds KV")
-        assert self.chunked_req not in self.running, "chunked request is also running"
-        ids = [r.rid for r in self.waiting + live]
-        assert len(ids) == len(set(ids)), "a request is in two queues"
+        check_scheduler(self)
 
     def expected_req_to_token(self) -> dict[int, list[int]]:
         return expected_rows(self.live_requests(), self.page_size)

@@ -8,6 +8,10 @@ from typing import Any
 from kvstrata.config.kv_plan import KVPlan
 
 
+_PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
+              "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval")
+
+
 @dataclass(init=False)
 class SchedulerConfig:
     """The KV plan to schedule into, plus the scheduling policy. Policy field names are the
@@ -20,6 +24,15 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
     hicache_write_policy: str = "write_through"
+    # Prefill/decode disaggregation (engine/disagg_*.py). "null": co-located, unchanged.
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    # Decode admission: KV tokens reserved per request already on the decode server.
+    num_reserved_decode_tokens: int = 512
+    # Decode: requests that may hold KV (in transfer, or transferred and waiting for a batch
+    # slot) beyond max_running_requests. None: SGLang's rule, see decode_extra_slots.
+    disaggregation_decode_extra_slots: int | None = None
+    # Decode: admit new transfers every this many scheduler steps.
+    disaggregation_decode_polling_interval: int = 1
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
@@ -36,10 +49,28 @@ class SchedulerConfig:
                 setattr(self, f.name, policy.pop(f.name, f.default))
         if policy:
             raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
+                             f"{self.disaggregation_mode!r}")
+        if self.disaggregation_mode == "decode" and self.plan.has_host_pool:
+            raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "
+                             "cannot use --enable-hierarchical-cache")
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
-        return cls(plan, **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "plan"})
+        # PD fields default when ServerArgs does not have them (yet); the others must exist.
+        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in _PD_FIELDS
+                                     else getattr(args, f.name))
+                            for f in fields(cls) if f.name != "plan"})
+
+    @property
+    def decode_extra_slots(self) -> int:
+        """SGLang's default (None): 2 x max_running_requests when that is <= 32, else 0."""
+        extra = self.disaggregation_decode_extra_slots
+        if extra is None:
+            mrr = self.max_running_requests
+            return 2 * mrr if mrr <= 32 else 0
+        return extra
 
     # Read from the plan (one source), under the names the scheduler has always used.
     @property

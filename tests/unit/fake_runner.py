@@ -24,6 +24,16 @@ def reference_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
     return seq[len(prompt):]
 
 
+def copy_pages(src: dict, dst: dict, src_pages: list[int], dst_pages: list[int], P: int) -> None:
+    """Copy whole pages of a fake pool (slot -> (position, token)); empty slots stay empty."""
+    for sp, dp in zip(src_pages, dst_pages):
+        for off in range(P):
+            if sp * P + off in src:
+                dst[dp * P + off] = src[sp * P + off]
+            else:
+                dst.pop(dp * P + off, None)
+
+
 class FakeRunner:
     def __init__(self, page_size: int = 1, vocab_size: int = 1000, max_context_len: int = 4096,
                  eos_token_ids: tuple[int, ...] = ()):
@@ -44,12 +54,7 @@ class FakeRunner:
         src, dst = (self.kv, self.host) if op.kind == "d2h" else (self.host, self.kv)
         src_pages, dst_pages = ((op.device_pages, op.host_pages) if op.kind == "d2h"
                                 else (op.host_pages, op.device_pages))
-        for sp, dp in zip(src_pages, dst_pages):
-            for off in range(P):
-                if sp * P + off in src:
-                    dst[dp * P + off] = src[sp * P + off]
-                else:
-                    dst.pop(dp * P + off, None)
+        copy_pages(src, dst, src_pages, dst_pages, P)
         self.moved_pages[op.kind] += len(src_pages)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:

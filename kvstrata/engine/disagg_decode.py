@@ -1,0 +1,177 @@
+"""The decode server of PD disaggregation (SGLang's disaggregation/decode.py; no torch).
+
+The KV manager runs without prefix matching here (chunk-cache semantics): received KV is
+never shared, and a finished request's pages are simply freed. A request's path:
+  prealloc   `receiver_create`. Once its receiver reports WAITING_FOR_INPUT it is admitted,
+             FIFO (requests still bootstrapping are skipped; the first ready one that does not
+             fit stops the pass), every `--disaggregation-decode-polling-interval` steps, when
+             - fewer than max_running_requests + extra slots requests hold decode KV (running
+               + in transfer + transferred; the extra slots are SGLang's
+               --disaggregation-decode-extra-slots, default 2 x max_running_requests when
+               that is <= 32, else 0),
+             - a metadata slot is free (max_running_requests + extra slots of them),
+             - SGLang's token budget allows, in whole pages (R = --num-reserved-decode-tokens):
+                 allocatable = free tokens - max(R x #holding, need_single)
+                 need_single = max over running of min(max_new, 4096) + prompt - retractable
+                 retractable = sum of running requests' lengths
+               admit iff max(pages(prompt) + R, pages(prompt) + min(max_new, 4096) -
+               retractable) <= allocatable; then allocatable -= pages(prompt) + R. When no
+               request holds decode KV at all, the head is admitted whenever its pages are
+               free (so a large R cannot stall an idle server).
+             Its prompt's pages are allocated: `receiver_init(page_ids, metadata_index)`.
+  transfer   SUCCESS: the metadata must name the request's room ("Context corruption
+             detected" abort otherwise); the first token (+ logprobs) is appended and
+             reported this step, cached_tokens copied, the prompt counts as computed (KV
+             present: "prebuilt", no forward); slot freed, `release`. Stop conditions apply
+             to the first token. FAILED: abort 500 with the error, pages freed.
+  prebuilt   joins the running batch when a row is free (rows are taken only here: the
+             runner's req_to_token has max_running_requests rows), then the normal decode
+             loop (its first decode step writes the whole row).
+Out of memory: a decode server never computed the prompt, so it must not recompute-retract.
+Until decode retraction (KV backup) exists, the most recently admitted request is aborted
+(500) until the batch fits.
+"""
+from __future__ import annotations
+
+import itertools
+
+from kvstrata.engine.disagg_common import DisaggSide, Room
+from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
+from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.protocol import FinishReason
+from kvstrata.protocol.disagg import KVPoll, PDEvent
+
+DECODE_OOM_MESSAGE = (
+    "Out of memory on the decode server: the KV pool ({total} tokens) cannot hold the next "
+    "token of every running request. A decode server cannot recompute a prompt and decode "
+    "retraction is not available yet, so the most recently admitted request is aborted; "
+    "raise --max-total-tokens or --num-reserved-decode-tokens.")
+
+
+class DecodeDisagg(DisaggSide):
+    mode = "decode"
+    insert_on_release = False
+
+    def __init__(self, sched):
+        cfg = sched.config
+        self.max_holding = cfg.max_running_requests + cfg.decode_extra_slots
+        super().__init__(sched, self.max_holding)
+        self.reserved = cfg.num_reserved_decode_tokens
+        self.interval = max(cfg.disaggregation_decode_polling_interval, 1)
+        self.prealloc: list[Request] = []
+        self.transfer: list[Request] = []
+        self.prebuilt: list[Request] = []
+        self._polls = 0
+        self._admitted = itertools.count()
+        self._age: dict[str, int] = {}  # rid -> admission number (OOM aborts the youngest)
+
+    def queues(self) -> dict[str, list[Request]]:
+        return {"prealloc": self.prealloc, "transfer": self.transfer, "prebuilt": self.prebuilt}
+
+    def kv_queues(self) -> list[list[Request]]:
+        return [self.transfer, self.prebuilt]
+
+    def add(self, req: Request) -> None:
+        # The prompt is never run here: its logprobs (echo) can only come from the prefill.
+        req.return_prompt_logprobs = False
+        self._create(req, "receiver_create")
+        self.prealloc.append(req)
+
+    def before_schedule(self) -> None:
+        self._polls += 1
+        if self._polls % self.interval == 0:
+            self._admit()
+        self._join_running()
+
+    # ------------------------------------------------------------------ admission
+    def _holding(self) -> int:
+        return len(self.sched.running) + len(self.transfer) + len(self.prebuilt)
+
+    def _budget(self) -> tuple[int, int]:
+        running = self.sched.running
+        retractable = sum(r.seq_len for r in running)
+        need_single = max((min(r.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
+                           + len(r.prompt_ids) - retractable for r in running), default=0)
+        reserved = self.reserved * self._holding()
+        return self.kv.available_tokens() - max(reserved, need_single), retractable
+
+    def _admit(self) -> None:
+        allocatable, retractable = self._budget()
+        P = self.page_size
+        for req in list(self.prealloc):
+            room = self._room(req)
+            if room.state != KVPoll.WAITING_FOR_INPUT:
+                continue
+            if self._holding() >= self.max_holding or not self.free_slots:
+                break
+            need = self.pages_for(len(req.prompt_ids)) * P
+            clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
+            fits = max(need + self.reserved, need + clip - retractable) <= allocatable
+            idle = not self._holding() and not self.frees_memory_later()
+            if not (fits or (idle and need <= self.kv.available_tokens())):
+                break
+            if not self.kv.grow(req, len(req.prompt_ids)):
+                break
+            self._take_slot(room)
+            allocatable -= need + self.reserved
+            self._age[req.rid] = next(self._admitted)
+            self.prealloc.remove(req)
+            self.transfer.append(req)
+            self.emit("receiver_init", req.bootstrap.room, page_ids=list(req.pages),
+                      metadata_index=room.slot)
+
+    def _join_running(self) -> None:
+        sched = self.sched
+        while (self.prebuilt and sched.free_rows
+               and len(sched.running) < sched.config.max_running_requests):
+            req = self.prebuilt.pop(0)
+            req.row = sched.free_rows.pop(0)
+            req.row_stale_from = 0
+            req.status = RequestStatus.RUNNING
+            sched.running.append(req)
+
+    # ------------------------------------------------------------------ transfer done
+    def _on_success(self, room: Room, ev: PDEvent) -> Request | None:
+        req, md = room.req, ev.metadata
+        if req not in self.transfer:
+            return self._fail(room, f"KV transfer of bootstrap room {ev.room} reported "
+                                    f"success before its pages were reserved.")
+        if md is None:
+            return self._fail(room, f"KV transfer of bootstrap room {ev.room} finished "
+                                    f"without its metadata.")
+        if md.room != req.bootstrap.room:
+            return self._fail(room, f"Context corruption detected: the KV metadata is for "
+                                    f"bootstrap room {md.room}, the request has room "
+                                    f"{req.bootstrap.room}.")
+        self.transfer.remove(req)
+        req.output_ids.append(md.first_token_id)
+        if req.params.logprobs is not None and md.first_logprob is not None:
+            req.pending_logprobs.append(md.first_logprob)
+            req.pending_top_logprobs.append(list(md.first_top_logprobs or []))
+        req.cached_tokens = md.cached_tokens
+        req.num_computed_tokens = len(req.prompt_ids)
+        req.row_stale_from = 0
+        self._forget(room)
+        reason = self.sched.stop_checker.check(req)
+        if reason is not None:
+            return self.sched._finish(req, reason)
+        self.prebuilt.append(req)
+        return req
+
+    def on_finish(self, req: Request) -> None:
+        self._age.pop(req.rid, None)
+        super().on_finish(req)
+
+    # ------------------------------------------------------------------ out of memory
+    def on_decode_oom(self) -> None:
+        """The running batch cannot get its next pages: abort the most recently admitted
+        request (running or transferred) until it can."""
+        sched = self.sched
+        while sched.running or self.prebuilt:
+            if self.kv.ensure_free_pages(sched._decode_pages_needed(sched.running)):
+                return
+            victim = max(sched.running + self.prebuilt, key=lambda r: self._age.get(r.rid, -1))
+            (sched.running if victim in sched.running else self.prebuilt).remove(victim)
+            reason = FinishReason(type="abort", message=DECODE_OOM_MESSAGE.format(
+                total=self.kv.total_tokens), status_code=500)
+            sched.finished_outside_step.append(sched._finish(victim, reason))

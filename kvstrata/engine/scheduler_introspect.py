@@ -1,0 +1,56 @@
+"""Scheduler introspection (no torch): the whole-state check run after every step under
+KVSTRATA_CHECK_INTEGRITY, and the human-readable snapshot for stall and watchdog logs."""
+from __future__ import annotations
+
+from kvstrata.cache.invariants import check_kv_state
+from kvstrata.engine.request import Request
+
+
+def brief(r: Request) -> str:
+    return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
+            f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
+            f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
+            f"retracted={r.retraction_count})")
+
+
+def dump_state(sched) -> str:
+    """Queues and KV usage of `sched`."""
+    kv = sched.kv
+    lines = [
+        f"step {sched.step_id}: waiting {len(sched.waiting)}, running {len(sched.running)}, "
+        f"chunked {sched.chunked_req.rid if sched.chunked_req else None}",
+        f"pages: total {kv.allocator.num_pages}, free {kv.allocator.available_pages()}, "
+        f"tree evictable {kv.tree.evictable_pages()}, tree protected "
+        f"{kv.tree.protected_pages()}, page_size {sched.page_size}; rows free "
+        f"{len(sched.free_rows)}/{sched.num_rows}; transfers in flight "
+        f"{kv.has_transfers_in_flight()}; new_token_ratio {sched.ratio.value:.4f}",
+    ]
+    if sched.chunked_req is not None:
+        lines.append("chunked: " + brief(sched.chunked_req))
+    lines += ["running: " + brief(r) for r in sched.running[:16]]
+    lines += ["waiting: " + brief(r) for r in sched.waiting[:16]]
+    if sched.pd is not None:
+        lines += sched.pd.dump_lines(brief)
+    return "\n".join(lines)
+
+
+def check_scheduler(sched) -> None:
+    """KV invariants over every request holding pages (live ones and, on a PD server, those
+    in transfer or transferred), rows, and queue membership."""
+    live = sched.live_requests()
+    held = sched.pd.kv_holders() if sched.pd is not None else []
+    check_kv_state(sched.kv, live + held)
+    rows_in_use = sum(1 for r in live if r.row)
+    assert rows_in_use + len(sched.free_rows) == sched.num_rows, "req_to_token row leak"
+    assert len(set(sched.free_rows)) == len(sched.free_rows), "a row is free twice"
+    assert not ({r.row for r in live} & set(sched.free_rows)), "a live request's row is free"
+    for r in sched.waiting:
+        assert not r.pages and r.last_node is None and not r.row, (
+            f"waiting request {r.rid} holds KV")
+    assert sched.chunked_req not in sched.running, "chunked request is also running"
+    queued = list(sched.waiting)
+    if sched.pd is not None:
+        sched.pd.check()
+        queued += [r for q in sched.pd.queues().values() for r in q]
+    ids = [r.rid for r in queued + live]
+    assert len(ids) == len(set(ids)), "a request is in two queues"

@@ -1,0 +1,294 @@
+"""A torch-free PD pair for tests: two FakeRunners (prefill, decode) and an in-memory transfer
+layer between them that applies the scheduler's PDOps, moves the fake KV contents page by
+page from the prefill pool to the decode pool, and reports PDEvents.
+
+The copy happens when the transfer *completes* (after an optional delay), reading the prefill
+pool then: a prefill scheduler that frees or reuses a page before SUCCESS, or a decode one
+that hands out a page still being written, shows up as wrong tokens (the fake model derives
+each token from the KV it reads back). The layer also asserts the op order of
+protocol/disagg.py on each side. Failures, delays and a wrong room in the metadata can be
+injected per room.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.engine.engine_core import EngineCore
+from kvstrata.engine.request import EngineRequest
+from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.protocol import SamplingParams
+from kvstrata.protocol.disagg import BootstrapAddr, KVPoll, PDEvent, PDOp
+from tests.unit.fake_runner import FakeRunner, copy_pages
+
+TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
+PEER_TIMEOUT_TICKS = 400  # a side whose peer never shows up fails (as real backends do)
+
+
+@dataclass
+class Half:
+    state: int = KVPoll.BOOTSTRAPPING
+    error: str | None = None
+    reported: int | None = None  # last state reported to the scheduler
+    released: bool = False
+    created_tick: int = 0
+
+
+@dataclass
+class Link:
+    room: int
+    sender: Half | None = None
+    receiver: Half | None = None
+    dst_pages: list[int] | None = None
+    num_pages: int | None = None
+    src_pages: list[int] | None = None
+    metadata: object = None
+    ready_tick: int = 0  # receiver turns WAITING_FOR_INPUT at this tick
+    done_tick: int | None = None  # the send completes at this tick
+    fail: str | None = None  # None | "bootstrap" | "transfer"
+    corrupt: bool = False
+    aborted: str | None = None  # side that aborted while the pages were on their way
+    sends: int = 0
+    log: list[str] = field(default_factory=list)
+
+
+class FakeTransferHub:
+    def __init__(self, page_size: int, delay: int = 0):
+        self.page_size = page_size
+        self.delay = delay  # ticks for bootstrap and for the transfer
+        self.links: dict[int, Link] = {}
+        self.tick = 0
+        self.runners: dict[str, FakeRunner] = {}
+        self.inject: dict[int, dict] = {}  # room -> {"fail": ..., "corrupt": ..., "delay": ...}
+        self.moved_pages = 0
+        self.peer_timeout = PEER_TIMEOUT_TICKS
+
+    def _link(self, room: int) -> Link:
+        if room not in self.links:
+            opts = self.inject.get(room, {})
+            self.links[room] = Link(room, fail=opts.get("fail"), corrupt=opts.get("corrupt", False))
+        return self.links[room]
+
+    def _delay(self, room: int) -> int:
+        return self.inject.get(room, {}).get("delay", self.delay)
+
+    # ------------------------------------------------------------------ ops
+    def apply(self, side: str, op: PDOp) -> None:
+        link = self._link(op.room)
+        link.log.append(f"{side}:{op.kind}")
+        half = link.sender if side == "prefill" else link.receiver
+        if op.kind in ("sender_create", "receiver_create"):
+            assert (side == "prefill") == (op.kind == "sender_create"), op
+            assert half is None or half.released, f"room {op.room} created twice: {link.log}"
+            half = Half(created_tick=self.tick)
+            if side == "prefill":
+                link.sender = half
+            else:
+                link.receiver = half
+                link.ready_tick = self.tick + self._delay(op.room)
+            return
+        assert half is not None and not half.released, f"{op.kind} on unknown room: {link.log}"
+        if op.kind == "abort":
+            if link.done_tick is not None and half.state == KVPoll.TRANSFERRING:
+                # The pages were already sent: they still land (as posted RDMA writes do);
+                # the room reports FAILED only once they have.
+                link.aborted = side
+            elif half.state not in TERMINAL:
+                half.state, half.error = KVPoll.FAILED, "aborted"
+                peer = link.receiver if side == "prefill" else link.sender
+                if peer is not None and peer.state not in TERMINAL:
+                    peer.state, peer.error = KVPoll.FAILED, f"the {side} server aborted"
+        elif op.kind == "release":
+            assert half.reported in TERMINAL, f"release before the end was reported: {link.log}"
+            half.released = True
+        elif op.kind == "receiver_init":
+            assert side == "decode" and half.reported == KVPoll.WAITING_FOR_INPUT, link.log
+            assert op.metadata_index >= 0 and op.page_ids and 0 not in op.page_ids, op
+            link.dst_pages = list(op.page_ids)
+            half.state = KVPoll.TRANSFERRING
+        elif op.kind == "sender_init":
+            assert side == "prefill" and half.reported == KVPoll.WAITING_FOR_INPUT, link.log
+            assert op.num_pages == len(link.dst_pages), (op, link.dst_pages)
+            assert op.metadata_index >= 0
+            link.num_pages = op.num_pages
+        elif op.kind == "send":
+            # Earlier chunks' pages (last=False), then the rest with the metadata (last=True).
+            # The bytes are read when the transfer completes, so every page sent must keep
+            # its KV until the room's end.
+            assert side == "prefill" and link.num_pages is not None, link.log
+            assert link.done_tick is None, f"send after the last send: {link.log}"
+            assert op.page_ids and 0 not in op.page_ids, op
+            sent = (link.src_pages or []) + list(op.page_ids)
+            assert len(sent) <= link.num_pages and len(set(sent)) == len(sent), (op, link)
+            link.src_pages = sent
+            link.sends += 1
+            if op.last:
+                assert op.metadata is not None and len(sent) == link.num_pages, (op, link)
+                if half.state not in TERMINAL:
+                    link.metadata = op.metadata
+                    half.state = KVPoll.TRANSFERRING
+                    link.done_tick = self.tick + self._delay(op.room)
+            else:
+                assert op.metadata is None, op
+        else:
+            raise AssertionError(f"unknown op {op}")
+
+    # ------------------------------------------------------------------ progress
+    def _fail(self, link: Link, error: str) -> None:
+        for half in (link.sender, link.receiver):
+            if half is not None and half.state not in TERMINAL:
+                half.state, half.error = KVPoll.FAILED, error
+
+    def _advance(self, link: Link) -> None:
+        s, r = link.sender, link.receiver
+        # A failed side fails its peer (abort message / heartbeat / waiting timeout).
+        for a_, b_ in ((s, r), (r, s)):
+            if a_ is not None and b_ is not None and a_.state == KVPoll.FAILED \
+                    and b_.state not in TERMINAL:
+                b_.state, b_.error = KVPoll.FAILED, f"peer failed: {a_.error}"
+        if link.fail == "bootstrap" and r is not None:
+            self._fail(link, "injected bootstrap failure")
+        if r is not None and r.state == KVPoll.BOOTSTRAPPING and self.tick >= link.ready_tick:
+            r.state = KVPoll.WAITING_FOR_INPUT
+        if s is not None and s.state == KVPoll.BOOTSTRAPPING and link.dst_pages is not None:
+            s.state = KVPoll.WAITING_FOR_INPUT
+        # A side whose peer never shows up (the other server rejected the request) times out,
+        # as real backends do. (Only then: a peer that exists but is slow never times out
+        # here, so a scheduler that starves a request fails the test instead.)
+        for half, peer in ((s, r), (r, s)):
+            if half is not None and peer is None and half.state not in TERMINAL \
+                    and self.tick - half.created_tick > self.peer_timeout:
+                half.state, half.error = KVPoll.FAILED, "timeout: the peer server never came"
+        due = link.done_tick is not None and self.tick >= link.done_tick
+        if due and s.state == KVPoll.TRANSFERRING:
+            if link.aborted is not None:
+                self._copy(link.src_pages, link.dst_pages)
+                self._fail(link, f"the {link.aborted} server aborted")
+                return
+            if link.fail == "transfer":
+                self._fail(link, "injected transfer failure")
+                return
+            assert r is not None and r.state == KVPoll.TRANSFERRING, link.log
+            self._copy(link.src_pages, link.dst_pages)
+            s.state = r.state = KVPoll.SUCCESS
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        copy_pages(self.runners["prefill"].kv, self.runners["decode"].kv, src_pages, dst_pages,
+                   self.page_size)
+        self.moved_pages += len(src_pages)
+
+    def poll(self, side: str) -> list[PDEvent]:
+        self.tick += 1
+        events = []
+        for room, link in list(self.links.items()):
+            self._advance(link)
+            half = link.sender if side == "prefill" else link.receiver
+            if half is None or half.released or half.state == half.reported:
+                continue
+            half.reported = half.state
+            md = None
+            if side == "decode" and half.state == KVPoll.SUCCESS:
+                md = link.metadata
+                if link.corrupt:
+                    md = type(md)(**{**{f: getattr(md, f) for f in md.__struct_fields__},
+                                     "room": room + 1})
+            events.append(PDEvent(room=room, state=int(half.state),
+                                  error=half.error if half.state == KVPoll.FAILED else None,
+                                  metadata=md))
+        return events
+
+    def check_drained(self) -> None:
+        for link in self.links.values():
+            for half in (link.sender, link.receiver):
+                assert half is None or half.released, f"room {link.room} never released: {link.log}"
+
+
+class PDFakeRunner(FakeRunner):
+    def __init__(self, hub: FakeTransferHub, side: str, **kw):
+        super().__init__(page_size=hub.page_size, **kw)
+        self.hub, self.side = hub, side
+        hub.runners[side] = self
+
+    def execute(self, so):
+        for op in so.pd_ops:  # before the forward, in order
+            self.hub.apply(self.side, op)
+        out = super().execute(so)
+        out.pd_events = self.hub.poll(self.side)
+        return out
+
+
+class PDPair:
+    """A prefill EngineCore and a decode EngineCore joined by a FakeTransferHub."""
+
+    def __init__(self, page_size=1, prefill_pages=256, decode_pages=256, vocab=1000, delay=0,
+                 prefill_cfg=None, decode_cfg=None, eos_token_ids=()):
+        self.hub = FakeTransferHub(page_size, delay)
+        self.vocab = vocab
+        self.prefill_runner = PDFakeRunner(self.hub, "prefill", vocab_size=vocab,
+                                           eos_token_ids=eos_token_ids)
+        self.decode_runner = PDFakeRunner(self.hub, "decode", vocab_size=vocab,
+                                          eos_token_ids=eos_token_ids)
+        self.prefill = EngineCore(self.prefill_runner, SchedulerConfig(
+            num_pages=prefill_pages, page_size=page_size, disaggregation_mode="prefill",
+            **(prefill_cfg or {})))
+        decode_cfg = {"num_reserved_decode_tokens": 8, **(decode_cfg or {})}
+        self.decode = EngineCore(self.decode_runner, SchedulerConfig(
+            num_pages=decode_pages, page_size=page_size, disaggregation_mode="decode",
+            **decode_cfg))
+        self.outputs: dict[str, dict[str, list[int]]] = {"prefill": {}, "decode": {}}
+        self.finished: dict[str, dict[str, object]] = {"prefill": {}, "decode": {}}
+        self.results: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
+        self.steps = 0
+        self._rooms = 0
+        self.rooms: dict[str, int] = {}
+
+    def submit(self, rid, prompt, max_new, room=None, to=("prefill", "decode"), **params):
+        if room is None:
+            self._rooms += 1
+            room = 1000 + self._rooms
+        params.setdefault("temperature", 0)
+        self.rooms[rid] = room
+        addr = BootstrapAddr("127.0.0.1", 8998, room)
+        for side in to:
+            self.outputs[side][rid] = []
+            self.results[side][rid] = []
+            getattr(self, side).add_request(EngineRequest(
+                rid, list(prompt), SamplingParams(max_new_tokens=max_new, **params),
+                bootstrap=addr))
+        return room
+
+    def abort(self, rid, side):
+        getattr(self, side).abort_request(rid)
+
+    def step(self):
+        self.steps += 1
+        for side in ("prefill", "decode"):
+            for out in getattr(self, side).step():
+                self.outputs[side][out.rid] += out.new_token_ids
+                self.results[side][out.rid].append(out)
+                if out.finished:
+                    assert out.rid not in self.finished[side], f"{side} {out.rid} finished twice"
+                    self.finished[side][out.rid] = out.finish_reason
+
+    def busy(self) -> bool:
+        return self.prefill.has_unfinished_requests() or self.decode.has_unfinished_requests()
+
+    def run(self, max_steps=5000):
+        for _ in range(max_steps):
+            if not self.busy():
+                break
+            self.step()
+        else:
+            raise AssertionError("PD pair not drained:\n" + self.prefill.dump_state() + "\n"
+                                 + self.decode.dump_state())
+        self.check_drained()
+
+    def check_drained(self):
+        self.hub.check_drained()
+        for engine in (self.prefill, self.decode):
+            engine.check_integrity()
+            sched = engine.scheduler
+            kv = sched.kv
+            assert kv.tree.protected_pages() == 0, "a lock survived the drain"
+            assert kv.allocator.available_pages() + kv.tree.cached_pages() == kv.allocator.num_pages
+            assert len(sched.free_rows) == sched.num_rows and not sched.live_requests()
+            assert not sched.pd.rooms and len(sched.pd.free_slots) == sched.pd.num_slots

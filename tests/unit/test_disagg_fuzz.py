@@ -1,0 +1,182 @@
+"""Randomised stateful test of a PD pair (prefill EngineCore + decode EngineCore joined by the
+fake transfer layer of tests/unit/pd_fake.py), without torch. Same structure as
+test_scheduler_fuzz.py.
+
+Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
+prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
+polling interval, transfer delay) and interleaves arrivals (shared prefixes; per request an
+injected bootstrap or transfer failure, a wrong room in the metadata, or a slow transfer),
+client aborts on either server, and steps of the pair. Properties:
+- every KV invariant holds on both sides after every step (KVSTRATA_CHECK_INTEGRITY);
+- every request ends on both servers within a step bound (a hang fails with both dumps);
+- a decode request that finishes has exactly the tokens it would have co-located, and the
+  prefill server answers the first of them;
+- every abort has a cause the test can name (client, injection, a pool too small, decode
+  OOM, the peer's abort or rejection) and the message that goes with it;
+- after draining, both pools are whole, every room released on both sides, no slot held.
+`KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak.
+"""
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from kvstrata.engine.disagg_decode import DECODE_OOM_MESSAGE
+from tests.unit.fake_runner import reference_tokens
+from tests.unit.pd_fake import PDPair
+
+VOCAB = 211
+MAX_REQUESTS = 8
+EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400"))
+BASES = [[(b * 37 + i * 11 + 5) % VOCAB for i in range(64)] for b in range(3)]
+
+configs = st.fixed_dictionaries({
+    "page_size": st.sampled_from([1, 2, 4, 8]),
+    "prefill_tokens": st.integers(16, 112),
+    "decode_tokens": st.integers(16, 112),
+    "chunk": st.one_of(st.none(), st.integers(1, 24)),
+    "disable_radix_cache": st.booleans(),
+    "prefill_host_pages": st.sampled_from([0, 0, 4, 40]),  # HiCache L2 on the prefill server
+    "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+    "prefill_rows": st.sampled_from([1, 2, 64]),
+    "decode_rows": st.sampled_from([1, 2, 4, 64]),
+    "extra_slots": st.sampled_from([None, 0, 1, 3]),
+    "reserved": st.sampled_from([0, 4, 16, 512]),
+    "interval": st.sampled_from([1, 1, 2, 3]),
+    "delay": st.integers(0, 4),
+})
+prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
+                    st.lists(st.integers(3, VOCAB - 1), max_size=12))
+injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow"])
+
+
+class PDMachine(RuleBasedStateMachine):
+    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 24), injections),
+                                            min_size=1, max_size=5))
+    def build(self, cfg, first):
+        P = cfg["page_size"]
+        self.cfg = cfg
+        self.pair = PDPair(
+            page_size=P, prefill_pages=max(cfg["prefill_tokens"] // P, 1),
+            decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
+            prefill_cfg={"chunked_prefill_size": cfg["chunk"],
+                         "disable_radix_cache": cfg["disable_radix_cache"],
+                         "num_host_pages": (0 if cfg["disable_radix_cache"]
+                                            else cfg["prefill_host_pages"]),
+                         "schedule_policy": cfg["schedule_policy"],
+                         "max_running_requests": cfg["prefill_rows"]},
+            decode_cfg={"max_running_requests": cfg["decode_rows"],
+                        "disaggregation_decode_extra_slots": cfg["extra_slots"],
+                        "num_reserved_decode_tokens": cfg["reserved"],
+                        "disaggregation_decode_polling_interval": cfg["interval"]})
+        self.pair.hub.peer_timeout = 40
+        self.requests: dict[str, tuple[list[int], int, str | None]] = {}
+        self.client_aborted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        self.arrive(first)
+
+    @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
+    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 24), injections),
+                         min_size=1, max_size=4))
+    def arrive(self, batch):
+        for (base, keep, tail), max_new, inject in batch[:MAX_REQUESTS - len(self.requests)]:
+            ids = BASES[base][:keep] + tail or [BASES[base][0]]
+            rid = f"r{len(self.requests)}"
+            room = 5000 + len(self.requests)
+            if inject == "slow":
+                self.pair.hub.inject[room] = {"delay": 12}
+            elif inject == "corrupt":
+                self.pair.hub.inject[room] = {"corrupt": True}
+            elif inject is not None:
+                self.pair.hub.inject[room] = {"fail": inject}
+            self.requests[rid] = (ids, max_new, inject)
+            self.pair.submit(rid, ids, max_new, room=room, ignore_eos=True)
+
+    @rule(n=st.integers(1, 8),
+          abort=st.one_of(st.none(), st.none(), st.tuples(st.integers(0, MAX_REQUESTS - 1),
+                                                          st.sampled_from(["prefill", "decode"]))))
+    def step(self, n, abort):
+        for _ in range(n):
+            self.pair.step()
+        if abort is not None:
+            rid, side = f"r{abort[0]}", abort[1]
+            if rid in self.requests and rid not in self.pair.finished[side]:
+                self.client_aborted[side].add(rid)
+            self.pair.abort(rid, side)
+
+    @invariant()
+    def both_sides_consistent(self):
+        if hasattr(self, "pair"):
+            self.pair.prefill.check_integrity()
+            self.pair.decode.check_integrity()
+
+    # ------------------------------------------------------------------ end
+    def teardown(self):
+        if not hasattr(self, "pair"):
+            return
+        pair = self.pair
+        budget = 300 + 30 * sum(len(p) + n for p, n, _ in self.requests.values())
+        for _ in range(budget):
+            if not pair.busy():
+                break
+            pair.step()
+        else:
+            raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
+                                 + pair.prefill.dump_state() + "\n" + pair.decode.dump_state())
+        pair.check_drained()
+        for side in ("prefill", "decode"):
+            assert set(pair.finished[side]) == set(self.requests), f"{side}: a request never ended"
+        for rid, (ids, max_new, inject) in self.requests.items():
+            self._check_outcome(rid, ids, max_new, inject)
+
+    def _check_outcome(self, rid, ids, max_new, inject):
+        pair = self.pair
+        pre, dec = pair.finished["prefill"][rid], pair.finished["decode"][rid]
+        expected = reference_tokens(ids, max_new, VOCAB)
+        event(f"decode outcome: {dec.type} {dec.status_code}")
+        aborted_by_client = rid in self.client_aborted["prefill"] | self.client_aborted["decode"]
+        if pre.type == "length":
+            assert pair.outputs["prefill"][rid] == expected[:1], rid
+        else:
+            self._check_abort("prefill", rid, pre, dec, ids, inject, aborted_by_client)
+        if dec.type == "length":
+            assert pair.outputs["decode"][rid] == expected, (rid, self.cfg)
+            return
+        self._check_abort("decode", rid, dec, pre, ids, inject, aborted_by_client)
+        if dec.message.startswith("Out of memory on the decode server"):
+            event("decode OOM abort")
+            total = pair.decode.scheduler.kv.total_tokens
+            assert dec.message == DECODE_OOM_MESSAGE.format(total=total)
+            assert pair.outputs["decode"][rid] == expected[:len(pair.outputs["decode"][rid])]
+
+    def _check_abort(self, side, rid, reason, peer, ids, inject, by_client):
+        assert reason.type == "abort", (side, rid, reason)
+        msg = reason.message or ""
+        total = getattr(self.pair, side).scheduler.kv.total_tokens
+        if reason.status_code == 499:
+            assert rid in self.client_aborted[side], (side, rid)
+        elif reason.status_code == 400:
+            assert "does not fit in the KV cache" in msg or "Out of memory" in msg, msg
+            assert len(ids) + 1 > total or "Out of memory" in msg, (side, rid, msg)
+            if "Out of memory" in msg:  # the prefill progress guarantee: cannot fit alone
+                P = self.cfg["page_size"]
+                assert side == "prefill" and -(-(len(ids) + 1) // P) * P > total, (rid, msg)
+        elif msg.startswith("Context corruption detected"):
+            assert side == "decode" and inject == "corrupt", (rid, msg)
+        elif msg.startswith("Out of memory on the decode server"):
+            assert side == "decode"
+        else:
+            assert reason.status_code == 500 and msg.startswith("KV transfer failed"), msg
+            # A failed transfer has a cause: an injection, a client abort, or the peer ended
+            # the request itself (rejected it, aborted it, timed out without it).
+            assert inject in ("bootstrap", "transfer") or by_client or peer.type == "abort", (
+                side, rid, msg, peer, self.cfg)
+
+
+PDMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=10, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_pd_pair_state_machine = PDMachine.TestCase
