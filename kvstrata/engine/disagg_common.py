@@ -129,6 +129,17 @@ class DisaggSide:
                     return self.sched._finish(req, reason)
         return None
 
+    def reject(self, req: Request) -> None:
+        """A request refused before it joined a queue (a 400, `req` already finished): still
+        open its room and abort it at once, so that the peer server fails its half now
+        instead of after the bootstrap timeout (300 s by default). A missing or duplicate
+        room is not ours to abort."""
+        if req.bootstrap is None or req.bootstrap.room in self.rooms:
+            return
+        self._create(req, "sender_create" if self.mode == "prefill" else "receiver_create")
+        self.rooms[req.bootstrap.room].draining = True
+        self.emit("abort", req.bootstrap.room)
+
     def on_finish(self, req: Request) -> None:
         """Called by Scheduler._finish for every request that ends, whatever the path."""
         room = self.rooms.get(req.bootstrap.room) if req.bootstrap is not None else None

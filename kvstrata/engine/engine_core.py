@@ -44,6 +44,8 @@ class EngineCore:
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             self._rejected.append(req)
+            if self.scheduler.pd is not None:
+                self.scheduler.pd.reject(req)  # PD: the peer server fails its half now
             return
         self._rids.add(req.rid)
         self.scheduler.add(req)

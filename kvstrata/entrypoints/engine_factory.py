@@ -71,6 +71,13 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
     tokenizer = (None if args.skip_tokenizer_init
                  else load_tokenizer(runner.source, args.tokenizer_path))
     engine = EngineCore(runner, SchedulerConfig.from_args(args, plan), tokenizer)
+    pd = engine.scheduler.pd
+    if pd is not None:
+        # PD: the transfer manager over the device pool (the prefill side also starts its
+        # bootstrap server on --host:--disaggregation-bootstrap-port), with one metadata slot
+        # per slot the scheduler hands out.
+        runner.enable_disagg(args.disaggregation_mode, args.disaggregation_transfer_backend,
+                             args.host, args.disaggregation_bootstrap_port, pd.num_slots)
     engine.stream_interval = args.stream_interval
     engine.server_args = args
     engine.resolutions = resolutions

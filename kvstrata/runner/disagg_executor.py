@@ -50,7 +50,8 @@ class DisaggExecutor:
                 self._get(op).send(list(op.page_ids), op.last, op.metadata)
             elif kind == "abort":
                 if op.room in self._rooms:
-                    self._rooms[op.room].abort("aborted by the scheduler")
+                    # The request ended here (refused, aborted by its client, failed).
+                    self._rooms[op.room].abort("the request ended on this server")
             elif kind == "release":
                 self._rooms.pop(op.room, None)
                 self._reported.pop(op.room, None)

@@ -61,14 +61,14 @@ def test_events_are_state_changes(make_pair):
                PDOp(1, "send", page_ids=[4], last=True, metadata=meta),
                PDOp(2, "abort")])
     events = drain(pre, lambda ev: PDEvent(1, S) in ev)
-    assert PDEvent(2, F, error="aborted by the scheduler") in events
+    assert PDEvent(2, F, error="the request ended on this server") in events
     # TRANSFERRING is reported unless the ack came back before the first poll
     assert [e.state for e in events if e.room == 1] in ([T, S], [S])
     events = drain(dec, lambda ev: len(ev) == 2)
     assert sorted(events, key=lambda e: e.room) == [
         PDEvent(1, S, metadata=meta),
-        PDEvent(2, F, error=f"aborted by the peer {pair.prefill.endpoint}: "
-                            "aborted by the scheduler")]
+        PDEvent(2, F, error=f"aborted by the prefill server ({pair.prefill.endpoint}): "
+                            "the request ended on this server")]
     assert not dec.has_live
     pre.apply([PDOp(1, "release"), PDOp(2, "release"), PDOp(2, "release"), PDOp(7, "abort")])
     dec.apply([PDOp(1, "release"), PDOp(2, "release")])
@@ -96,7 +96,7 @@ def test_fake_manager_alone():
     ex = DisaggExecutor(FakeManager("decode"))
     ex.apply([PDOp(1, "receiver_create", "h", 1), PDOp(2, "receiver_create", "h", 1),
               PDOp(2, "abort")])
-    assert ex.poll() == [PDEvent(1, W), PDEvent(2, F, error="aborted by the scheduler")]
+    assert ex.poll() == [PDEvent(1, W), PDEvent(2, F, error="the request ended on this server")]
     ex.apply([PDOp(1, "receiver_init", page_ids=[3], metadata_index=0)])
     assert ex.poll() == [PDEvent(1, S)]  # metadata None: a fake transfer carries none
     ex.close()

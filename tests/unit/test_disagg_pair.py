@@ -167,14 +167,17 @@ def test_room_mismatch_is_context_corruption():
     assert pair.finished["prefill"]["x"].type == "length"
 
 
-def test_decode_pool_too_small_is_400_and_prefill_times_out():
+def test_decode_pool_too_small_is_400_and_prefill_fails_at_once():
     pair = PDPair(page_size=4, decode_pages=3)  # 12 tokens
     pair.submit("big", prompt(9, 12), 4)
     pair.submit("ok", prompt(10, 6), 4)
     pair.run()
     reason = pair.finished["decode"]["big"]
     assert reason.status_code == 400 and "does not fit in the KV cache" in reason.message
-    assert pair.finished["prefill"]["big"].status_code == 500  # no peer ever came
+    # The decode side opens and aborts the refused request's room, so the prefill side's
+    # half fails on that message, not after the bootstrap timeout.
+    prefill = pair.finished["prefill"]["big"]
+    assert prefill.status_code == 500 and "the decode server aborted" in prefill.message
     assert pair.outputs["decode"]["ok"] == reference_tokens(prompt(10, 6), 4, VOCAB)
 
 

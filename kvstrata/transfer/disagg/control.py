@@ -72,6 +72,8 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         self._pending: dict[int, tuple[object, float]] = {}  # prefill: Destination/Abort early
         self._routes: dict[tuple[str, int], str] = {}         # decode: bootstrap -> endpoint
         self._resolving: set[tuple[str, int]] = set()
+        # decode: aborts of rooms failed before their prefill was looked up, sent once it is
+        self._deferred_aborts: dict[tuple[str, int], list[Abort]] = {}
         self._heard: dict[str, float] = {}                    # peer -> last message time
         self._misses: dict[str, int] = {}                     # decode: unanswered pings
         self._next_ping = 0.0
@@ -296,13 +298,15 @@ class ZmqDisaggManager(Liveness, DisaggManager):
             if obj is None:
                 self._pending[msg.room] = (msg, now)
             else:
-                self.fail(obj, f"aborted by the peer {msg.endpoint}: {msg.reason}", False)
+                self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): {msg.reason}",
+                          False)
 
     # ---- prefill side
     def _adopt_pending(self, s: Sender) -> None:
         early, _ = self._pending.pop(s.room, (None, 0.0))
         if isinstance(early, Abort):
-            self.fail(s, f"aborted by the peer {early.endpoint}: {early.reason}", False)
+            self.fail(s, f"aborted by the {self.peer_role} server ({early.endpoint}): "
+                         f"{early.reason}", False)
         elif isinstance(early, Destination):
             self._attach(s, early)
 
@@ -372,6 +376,20 @@ class ZmqDisaggManager(Liveness, DisaggManager):
             self._send(r.peer, Ack(r.room, self.endpoint, r.received,
                                    r.state == KVPoll.SUCCESS))
 
+    @property
+    def peer_role(self) -> str:
+        return "decode" if self.role == "prefill" else "prefill"
+
+    def abort_when_resolved(self, r) -> None:
+        """Transfer thread: a receiver failed before its prefill's endpoint was known."""
+        abort = Abort(r.room, self.endpoint, r.reason or "aborted")
+        with self._lock:
+            endpoint = self._routes.get(r.bootstrap)
+            if endpoint is None:
+                self._deferred_aborts.setdefault(r.bootstrap, []).append(abort)
+                return
+        self._send(endpoint, abort)
+
     def _resolve(self, key: tuple[str, int]) -> None:
         """Resolver thread, one per prefill being looked up (a prefill that is down must
         not delay the rooms of the others): retry until the bootstrap timeout."""
@@ -380,8 +398,11 @@ class ZmqDisaggManager(Liveness, DisaggManager):
             lambda: self._stopping)
         with self._lock:
             self._resolving.discard(key)
+            deferred = self._deferred_aborts.pop(key, [])
             if endpoint is not None:
                 self._routes[key] = endpoint
+                for abort in deferred:
+                    self._call(self._send, endpoint, abort)
             waiting = [r for r in self.receivers.values()
                        if r.bootstrap == key and r.peer is None and not is_final(r.state)]
         for r in waiting:

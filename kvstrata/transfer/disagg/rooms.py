@@ -42,6 +42,10 @@ class _Room:
     def _tell_peer(self) -> None:  # transfer thread
         if self.peer is not None:
             self.mgr._send(self.peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
+        elif isinstance(self, Receiver):
+            # Aborted before the prefill's endpoint was known (e.g. refused at admission):
+            # the prefill still waits for this room, so tell it once the look-up ends.
+            self.mgr.abort_when_resolved(self)
 
     def _bad_input(self, page_ids: list[int], metadata_index: int | None) -> str | None:
         """Why these pages / this slot are not ours to use, or None."""

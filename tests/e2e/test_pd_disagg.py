@@ -1,0 +1,241 @@
+"""Prefill/decode disaggregation with real processes: a prefill server, a decode server and
+sglang-router 0.3.2 in PD mode on 127.0.0.1, per transfer backend (tcp, mooncake). Answers
+through the router equal one co-located server's (greedy, same tiny checkpoint); the KV of
+prompts longer than one chunk crosses intact; a shared prefix hits the prefill radix cache;
+client disconnects leak no page on either server; a dead prefill server fails the decode
+side's request within the timeout and the next one is served; a decode pool too small for a
+prompt is a 400 at admission."""
+from __future__ import annotations
+
+import importlib.util
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import TINY_CONTEXT
+from tests.e2e.server_utils import ServerProcess, free_port, pid_alive
+from tests.e2e.test_routes_and_disconnect import kv_state
+from tests.e2e.test_sglang_router import Router
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+MSG = [{"role": "user", "content": "Say something."}]
+# Short timeouts so that a dead peer fails a request within seconds, not SGLang's 300 s.
+PD_ENV = {"KVSTRATA_DISAGG_WAITING_TIMEOUT": "20", "KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT": "20",
+          "KVSTRATA_DISAGG_HEARTBEAT_INTERVAL": "1", "KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE": "2"}
+COMMON = ("--served-model-name", "tiny", "--context-length", str(TINY_CONTEXT),
+          "--page-size", "4", "--chunked-prefill-size", "64")
+
+
+def backend_available(backend: str) -> None:
+    if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        pytest.fail("mooncake-transfer-engine-non-cuda is not installed: `make test` sets it up")
+
+
+class PDServers:
+    """One prefill and one decode kvstrata server (the decode pool given by its flags)."""
+
+    def __init__(self, model: str, backend: str, *decode_args: str):
+        self.backend = backend
+        self.bootstrap_port = free_port()
+        self.model = model
+        self.prefill = self.start_prefill()
+        self.decode = ServerProcess(model, *COMMON, "--disaggregation-mode", "decode",
+                                    "--disaggregation-transfer-backend", backend,
+                                    "--max-total-tokens", "2048", *decode_args, env=PD_ENV)
+
+    def start_prefill(self) -> ServerProcess:
+        return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
+                             "--disaggregation-transfer-backend", self.backend,
+                             "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+                             "--max-total-tokens", "4096", env=PD_ENV)
+
+    def body(self, room: int | None = None) -> dict:
+        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": random.getrandbits(63) if room is None else room}
+
+    def generate(self, text_or_ids, max_new_tokens: int = 8, timeout: float = 60) -> list:
+        """What the router does: the same body to both servers at once; returns both."""
+        key = "input_ids" if isinstance(text_or_ids, list) else "text"
+        body = {key: text_or_ids, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                      "temperature": 0.0}, **self.body()}
+        out: dict = {}
+
+        def post(name, srv):
+            out[name] = httpx.post(srv.base_url + "/generate", json=body, timeout=timeout)
+        threads = [threading.Thread(target=post, args=(n, s))
+                   for n, s in (("prefill", self.prefill), ("decode", self.decode))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out["prefill"], out["decode"]]
+
+    def stop(self) -> None:
+        for srv in (self.decode, self.prefill):
+            srv.stop()
+
+
+def wait_drained(srv, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = kv_state(srv)
+        if (st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
+                and not any(st.get(k) for k in ("num_prefill_bootstrap", "num_prefill_inflight",
+                                                "num_decode_prealloc", "num_decode_transfer"))):
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def assert_no_leak(srv) -> None:
+    st = wait_drained(srv)
+    assert st["ok"], st
+    # Only the radix cache may hold pages once everything has ended.
+    assert st["num_used_tokens"] == 0, st
+
+
+@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+def pd(request, tiny_model_path):
+    backend_available(request.param)
+    servers = PDServers(tiny_model_path, request.param)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+        for srv in (servers.prefill, servers.decode):
+            assert not pid_alive(srv.proc.pid)
+
+
+@pytest.fixture(scope="module")
+def router(pd):
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
+    r = Router([], mode_args=["--pd-disaggregation", "--prefill", pd.prefill.base_url,
+                              str(pd.bootstrap_port), "--decode", pd.decode.base_url],
+               workers=2)
+    try:
+        yield r
+    finally:
+        r.stop()
+        assert not pid_alive(r.proc.pid)
+
+
+def test_generate_pair_matches_colocated(pd, server):
+    prompt = "The capital of France is"
+    want = httpx.post(server.base_url + "/generate", json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}},
+        timeout=60).json()
+    prefill, decode = pd.generate(prompt)
+    assert prefill.status_code == 200, prefill.text
+    assert decode.status_code == 200, decode.text
+    assert decode.json()["output_ids"] == want["output_ids"]
+    assert decode.json()["text"] == want["text"]
+    assert decode.json()["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+
+
+def test_long_prompt_and_shared_prefix(pd, server):
+    """A prompt of several chunks (page 4, chunk 64); then one sharing its first 160 tokens
+    hits the prefill server's radix cache and still decodes exactly."""
+    rng = random.Random(7)
+    long_ids = [rng.randrange(100, 40000) for _ in range(200)]
+    other = long_ids[:160] + [rng.randrange(100, 40000) for _ in range(30)]
+    for ids in (long_ids, other):
+        want = httpx.post(server.base_url + "/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}},
+            timeout=60).json()
+        prefill, decode = pd.generate(ids, max_new_tokens=6)
+        assert decode.status_code == 200, decode.text
+        assert decode.json()["output_ids"] == want["output_ids"]
+    assert prefill.json()["meta_info"]["cached_tokens"] >= 160
+    assert_no_leak(pd.prefill)
+    assert_no_leak(pd.decode)
+
+
+def test_openai_client_through_router(router, client):
+    import openai
+
+    via = openai.OpenAI(base_url=router.base_url + "/v1", api_key="none", max_retries=0,
+                        timeout=120)
+    direct = client.chat.completions.create(model="tiny", messages=MSG, **GREEDY)
+    chat = via.chat.completions.create(model="tiny", messages=MSG, **GREEDY)
+    assert chat.choices[0].message.content == direct.choices[0].message.content
+    assert chat.usage.completion_tokens == direct.usage.completion_tokens
+    assert chat.usage.prompt_tokens == direct.usage.prompt_tokens
+    chunks = list(via.chat.completions.create(model="tiny", messages=MSG, stream=True, **GREEDY))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == direct.choices[0].message.content
+
+    want = client.completions.create(model="tiny", prompt="The sky is", logprobs=2, **GREEDY)
+    got = via.completions.create(model="tiny", prompt="The sky is", logprobs=2, **GREEDY)
+    assert got.choices[0].text == want.choices[0].text
+    assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+        want.choices[0].logprobs.token_logprobs, abs=1e-4)
+    streamed = "".join(c.choices[0].text for c in via.completions.create(
+        model="tiny", prompt="The sky is", stream=True, **GREEDY) if c.choices)
+    assert streamed == want.choices[0].text
+
+
+def test_concurrent_requests_with_disconnects_leak_nothing(router, pd):
+    """16 concurrent streams through the router, a random half cut off by the client."""
+    rng = random.Random(3)
+
+    def one(i: int) -> None:
+        body = {"model": "tiny", "prompt": f"Story number {i}:", "max_tokens": 24,
+                "temperature": 0.0, "stream": True}
+        try:
+            with httpx.stream("POST", router.base_url + "/v1/completions", json=body,
+                              timeout=60) as r:
+                cut = rng.random() < 0.5
+                for n, _ in enumerate(r.iter_lines()):
+                    if cut and n >= 2:
+                        return  # closes the connection mid-stream
+        except httpx.HTTPError:
+            pass
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_no_leak(pd.prefill)
+    assert_no_leak(pd.decode)
+
+
+def test_dead_prefill_fails_decode_side_then_recovers(pd):
+    """Kill the prefill server while a request is in flight: the decode side answers 500
+    with the reason within the timeout, frees the pages, and serves the next request once
+    a prefill server is back on the same bootstrap port."""
+    body = {"input_ids": list(range(100, 400)),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}, **pd.body()}
+    pd.prefill.stop(sig=9)  # SIGKILL: no goodbye to the peer
+    start = time.monotonic()
+    r = httpx.post(pd.decode.base_url + "/generate", json=body, timeout=120)
+    assert r.status_code == 500, r.text
+    assert time.monotonic() - start < 60
+    assert_no_leak(pd.decode)
+    pd.prefill = pd.start_prefill()
+    prefill, decode = pd.generate("Hello there")
+    assert decode.status_code == 200, decode.text
+    assert prefill.status_code == 200, prefill.text
+
+
+def test_decode_pool_too_small_is_400(tiny_model_path):
+    servers = PDServers(tiny_model_path, "tcp", "--max-total-tokens", "64")
+    try:
+        start = time.monotonic()
+        prefill, decode = servers.generate(list(range(100, 300)), max_new_tokens=2)
+        assert decode.status_code == 400, decode.text
+        assert "does not fit in the KV cache" in decode.json()["error"]["message"]
+        # The decode server aborts the room it refused: the prefill half fails on that
+        # message, well before the bootstrap timeout (20 s here).
+        assert prefill.status_code == 500, prefill.text
+        assert "aborted by the decode server" in prefill.json()["error"]["message"], prefill.text
+        assert time.monotonic() - start < 15
+        assert_no_leak(servers.decode)
+        assert_no_leak(servers.prefill)
+    finally:
+        servers.stop()
