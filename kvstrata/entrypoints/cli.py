@@ -123,6 +123,23 @@ register(("bench", "serve"), _add_bench_serve_args, _refuse_busy_box(_run_bench_
          "benchmark any OpenAI-compatible server")
 
 
+def _add_bench_pd_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.pd import add_args
+
+    add_args(parser)
+
+
+def _run_bench_pd(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.pd import run
+
+    run(ns)
+    return 0
+
+
+register(("bench", "pd"), _add_bench_pd_args, _refuse_busy_box(_run_bench_pd),
+         "co-located vs prefill/decode disaggregation through sglang-router")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata")
     subparsers = {(): parser.add_subparsers(dest="command", required=True)}

@@ -62,3 +62,22 @@ def test_bench_int8_linear_rows(tmp_path):
             assert r["skipped"]
         else:
             assert r["ms"] > 0 and r["ratio"] > 0 and r["error"] < 0.1
+
+
+def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
+    """bench_pd.py starts a co-located server, then router + prefill + decode (tcp), runs
+    the same load through both, and measures the transfer layer beside a raw socket."""
+    out = tmp_path / "pd.json"
+    _run("bench_pd.py", "--model", tiny_model_path, "--backends", "tcp", "--num-prompts", "4",
+         "--concurrency", "2", "--input-len", "40", "--output-len", "4", "--page-size", "4",
+         "--max-total-tokens", "4096", "--transfer-page-tokens", "16",
+         "--transfer-pages", "16", "--output-json", str(out))
+    result = json.loads(out.read_text())
+    for setup in ("colocated", "tcp"):
+        assert result[setup]["completed"] == 4 and result[setup]["failed"] == 0
+        assert result[setup]["ttft_ms"]["p50"] > 0
+    assert set(result["tcp"]["vs_colocated"]) == {"ttft_p50", "ttft_p99", "tpot_p50",
+                                                  "tpot_p99", "output_tok_s"}
+    (rate,) = result["tcp"]["transfer"]
+    assert rate["page_tokens"] == 16 and rate["gbps"] > 0 and rate["loopback_socket_gbps"] > 0
+    assert "box_load" in result

@@ -1,0 +1,204 @@
+"""`kvstrata bench pd`: the same load through (a) one co-located server and (b) sglang-router
+in PD mode + a prefill and a decode server, per transfer backend; TTFT/TPOT p50/p99 and
+output tok/s of each, as ratios against (a) measured in the same run. The KV transfer rate
+of each backend is measured at the transfer layer (a prefill and a decode manager moving
+pages of the model's geometry) beside a raw loopback socket copy of the same bytes, in the
+same run (kvstrata/transfer/disagg/rate.py). benchmarks/bench_pd.py wraps this.
+
+All processes are started here on 127.0.0.1 ports picked here, and stopped by PID at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from kvstrata.bench.box_load import add_quiet_arg, announce_load
+from kvstrata.bench.serve_client import run_benchmark, summarize
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process with its log file; stopped by PID (SIGINT, then SIGKILL)."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: str):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_http(self, url: str, timeout: float = 300, ok=lambda r: r.status_code == 200) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}; log: "
+                                   f"{self.log_path}\n" + open(self.log_path).read()[-2000:])
+            try:
+                if ok(httpx.get(url, timeout=5)):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def serve_cmd(args, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "kvstrata.entrypoints.cli", "serve", "--model-path",
+            args.model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port",
+            str(port), "--max-total-tokens", str(args.max_total_tokens),
+            "--page-size", str(args.page_size), *extra]
+
+
+def load_args(args, base_url: str) -> argparse.Namespace:
+    return argparse.Namespace(
+        base_url=base_url, model="bench", api_key=None, endpoint="completions",
+        dataset="random", num_prompts=args.num_prompts, num_turns=1,
+        concurrency=args.concurrency, request_rate=float("inf"), input_len=args.input_len,
+        output_len=args.output_len, temperature=0.0, ignore_eos=True, usage=True,
+        extra_body=None, timeout=600.0, seed=args.seed)
+
+
+def run_load(args, base_url: str) -> dict:
+    ns = load_args(args, base_url)
+    # Warm-up request so that the first measured request does not pay for lazy init.
+    httpx.post(base_url + "/v1/completions", json={"model": "bench", "prompt": "warm up",
+                                                   "max_tokens": 2}, timeout=300)
+    results, duration = asyncio.run(run_benchmark(ns))
+    s = summarize(results, duration, ns)
+    s.pop("per_request", None)
+    s.pop("itl_all_ms", None)
+    return s
+
+
+def colocated(args, log_dir: str) -> dict:
+    port = free_port()
+    srv = Proc("colocated", serve_cmd(args, port), log_dir)
+    try:
+        srv.wait_http(f"http://127.0.0.1:{port}/health")
+        return run_load(args, f"http://127.0.0.1:{port}")
+    finally:
+        srv.stop()
+
+
+def disaggregated(args, backend: str, log_dir: str) -> dict:
+    p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
+    procs: list[Proc] = []
+    try:
+        procs.append(Proc(f"prefill-{backend}", serve_cmd(
+            args, p_port, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+            backend, "--disaggregation-bootstrap-port", str(boot)), log_dir))
+        procs.append(Proc(f"decode-{backend}", serve_cmd(
+            args, d_port, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+            backend), log_dir))
+        for proc, port in zip(procs, (p_port, d_port)):
+            proc.wait_http(f"http://127.0.0.1:{port}/health")
+        procs.append(Proc(f"router-{backend}", [
+            sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+            "--prefill", f"http://127.0.0.1:{p_port}", str(boot),
+            "--decode", f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1",
+            "--port", str(r_port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), "--log-level", "warn"], log_dir))
+        procs[-1].wait_http(f"http://127.0.0.1:{r_port}/health")
+        return run_load(args, f"http://127.0.0.1:{r_port}")
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def transfer_rates(args, backend: str) -> list[dict]:
+    """GB/s of the backend vs a raw loopback socket, for pages of 16 tokens and more, in
+    SmolLM2-135M's KV geometry: 30 layers x K,V = 60 sections of 3 KV heads x 64 dims x
+    fp32 = 768 B per token each."""
+    from kvstrata.transfer.disagg.rate import measure_transfer_rate  # noqa: PLC0415 - torch
+
+    rows = []
+    for tokens in args.transfer_page_tokens:
+        rate = measure_transfer_rate(backend, num_pages=args.transfer_pages, sections=60,
+                                     page_bytes=tokens * 3 * 64 * 4)
+        rows.append({"page_tokens": tokens, **rate})
+    return rows
+
+
+def ratios(pd: dict, base: dict) -> dict:
+    def r(key: str, stat: str) -> float | None:
+        a, b = pd[key][stat], base[key][stat]
+        return None if a is None or not b else a / b
+    return {"ttft_p50": r("ttft_ms", "p50"), "ttft_p99": r("ttft_ms", "p99"),
+            "tpot_p50": r("tpot_ms", "p50"), "tpot_p99": r("tpot_ms", "p99"),
+            "output_tok_s": pd["output_throughput"] / max(base["output_throughput"], 1e-9)}
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2-135m", help="a dir, a .gguf or a short name")
+    ap.add_argument("--backends", nargs="+", default=["tcp", "mooncake"],
+                    choices=["tcp", "mooncake"])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=2, help="low load by default")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-total-tokens", type=int, default=32768)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transfer-page-tokens", type=int, nargs="+", default=[16, 64],
+                    help="page sizes (tokens) of the transfer-layer rate measurement")
+    ap.add_argument("--transfer-pages", type=int, default=128)
+    ap.add_argument("--output-json", default="benchmarks/results/pd.json")
+    add_quiet_arg(ap)
+
+
+def run(args: argparse.Namespace) -> dict:
+    box = announce_load(args.require_quiet)
+    log_dir = tempfile.mkdtemp(prefix="kvstrata-bench-pd-")
+    print(f"logs: {log_dir}")
+    result: dict = {"box_load": box, "config": vars(args).copy()}
+    result["colocated"] = colocated(args, log_dir)
+    for backend in args.backends:
+        pd = disaggregated(args, backend, log_dir)
+        pd["vs_colocated"] = ratios(pd, result["colocated"])
+        pd["transfer"] = transfer_rates(args, backend)
+        result[backend] = pd
+    print_report(result, args.backends)
+    os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def print_report(result: dict, backends: list[str]) -> None:
+    rows = [("colocated", result["colocated"])] + [(b, result[b]) for b in backends]
+    print(f"\n{'setup':10s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>8s} "
+          f"{'tok/s':>7s} {'TTFT p50 x':>10s}")
+    for name, s in rows:
+        ratio = s.get("vs_colocated", {}).get("ttft_p50")
+        print(f"{name:10s} {s['ttft_ms']['p50'] or 0:9.1f} {s['ttft_ms']['p99'] or 0:8.1f} "
+              f"{s['tpot_ms']['p50'] or 0:9.1f} {s['tpot_ms']['p99'] or 0:8.1f} "
+              f"{s['output_throughput']:7.1f} {'' if ratio is None else f'{ratio:10.2f}'}")
+    print(f"\n{'transfer':10s} {'page tok':>8s} {'GB/s':>7s} {'socket':>7s} {'ratio':>6s}")
+    for name in backends:
+        for t in result[name]["transfer"]:
+            print(f"{name:10s} {t['page_tokens']:8d} {t['gbps']:7.2f} "
+                  f"{t['loopback_socket_gbps']:7.2f} {t['ratio_to_loopback']:6.2f}")
