@@ -112,6 +112,9 @@ class KVPlan:
     host_layout: str | None = None
     io_backend: str | None = None
     host_size_flag: str = "--hicache-ratio"  # the flag that sized the host pool (errors)
+    # What the host pool is for: "hicache" (L2 behind the radix tree) or "retraction" (a
+    # decode server's KV backups, --disaggregation-decode-retraction-backup host_pool).
+    host_pool_use: str = "hicache"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -130,6 +133,9 @@ class KVPlan:
                 raise ValueError(f"invalid KV component {c}")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
+        if self.host_pool_use not in ("hicache", "retraction"):
+            raise ValueError(f"KVPlan.host_pool_use must be hicache or retraction, got "
+                             f"{self.host_pool_use!r}")
         if self.num_host_pages:
             if self.host_layout is None or self.io_backend is None:
                 raise ValueError("a host pool needs a host layout and an IO backend")
@@ -213,6 +219,7 @@ class KVPlan:
             "device_pool_bytes": self.device_pool_bytes,
             "num_host_pages": self.num_host_pages, "host_layout": self.host_layout,
             "io_backend": self.io_backend, "host_pool_bytes": self.host_pool_bytes,
+            "host_pool_use": self.host_pool_use if self.num_host_pages else None,
         }
 
     def summary(self) -> str:

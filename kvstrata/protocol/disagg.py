@@ -85,4 +85,28 @@ class PDEvent(msgspec.Struct, omit_defaults=True):
     metadata: PDMetadata | None = None  # decode SUCCESS: what the prefill server sent
 
 
-__all__ = ["FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "PDMetadata", "PDOp", "PDEvent"]
+class BackupOp(msgspec.Struct, omit_defaults=True):
+    """Decode retraction with KV backup (a decode server cannot recompute a prompt it never
+    ran). Synchronous: the runner applies every BackupOp of a step first, before the PD ops
+    and the forward (a backed-up request's pages may be handed to another request in the
+    same step). `num_tokens` = the tokens whose KV is kept (seq_len - 1 at retraction);
+    `device_pages` cover them in order (the last page may be partly used).
+
+      backup   copy device_pages -> the backup (cpu_tensor: CPU tensors the runner keeps
+               under `rid`; host_pool: the host pool's `host_pages`, allocated by the
+               scheduler); the scheduler frees the device pages after emitting it.
+      restore  copy the backup -> device_pages (newly allocated, same count), then drop it
+               (cpu_tensor: forget the tensors; host_pool: the scheduler frees host_pages).
+      discard  drop a backup without restoring it (abort of a retracted request);
+               idempotent."""
+
+    kind: str  # backup | restore | discard
+    rid: str
+    backend: str  # cpu_tensor | host_pool
+    num_tokens: int = 0
+    device_pages: list[int] = []
+    host_pages: list[int] = []
+
+
+__all__ = ["FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",
+           "PDEvent"]

@@ -69,6 +69,8 @@ class SchedulerOutput(msgspec.Struct):
     transfers: list[TransferOp] = []
     # Prefill/decode disaggregation ops, applied in order before the forward (protocol/disagg.py).
     pd_ops: list["PDOp"] = []
+    # Decode retraction KV backups/restores, applied first of all (protocol/disagg.py).
+    backups: list["BackupOp"] = []
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -98,4 +100,4 @@ class RunnerOutput(msgspec.Struct):
 
 # At the end: disagg.py imports TopLogprob from this module (the forward references above
 # resolve when msgspec first encodes or decodes).
-from kvstrata.protocol.disagg import PDEvent, PDOp  # noqa: E402
+from kvstrata.protocol.disagg import BackupOp, PDEvent, PDOp  # noqa: E402
