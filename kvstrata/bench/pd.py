@@ -157,7 +157,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backends", nargs="+", default=["tcp", "mooncake"],
                     choices=["tcp", "mooncake"])
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=2, help="low load by default")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="requests in flight (default 1: low load)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--page-size", type=int, default=16)
@@ -174,7 +175,8 @@ def run(args: argparse.Namespace) -> dict:
     box = announce_load(args.require_quiet)
     log_dir = tempfile.mkdtemp(prefix="kvstrata-bench-pd-")
     print(f"logs: {log_dir}")
-    result: dict = {"box_load": box, "config": vars(args).copy()}
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
+    result: dict = {"box_load": box, "config": config}
     result["colocated"] = colocated(args, log_dir)
     for backend in args.backends:
         pd = disaggregated(args, backend, log_dir)
