@@ -21,7 +21,9 @@ from kvstrata.runner.retraction_backup import RetractionBackupExecutor
 L, H, D = 3, 2, 12
 DEVICE_PAGES, HOST_PAGES = 20, 16
 PAIRS = [(io, layout) for io, layouts in IO_BACKEND_LAYOUTS.items() for layout in layouts]
-BACKENDS = [("cpu_tensor", None, None)] + [("host_pool", io, layout) for io, layout in PAIRS]
+# ("cpu_tensor", "torch", None): the torch index path a device pool on a GPU takes, run on CPU.
+BACKENDS = [("cpu_tensor", None, None), ("cpu_tensor", "torch", None)] + [
+    ("host_pool", io, layout) for io, layout in PAIRS]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # rid -> (pages backed up, host pages, unused tokens of the last page, pages restored into).
@@ -51,7 +53,9 @@ def _setup(backend, io, layout, page_size, dtype):
     pool = MHATokenToKVPool(plan, "cpu")
     pool.kv.copy_(_random_bits(pool.kv.shape, pool.kv.dtype, seed=1))
     if backend == "cpu_tensor":
-        return pool, RetractionBackupExecutor(pool)
+        ex = RetractionBackupExecutor(pool)
+        ex._native = io != "torch"
+        return pool, ex
     check_host_layout_io(layout, io)
     host = HostKVPool(pool.geom, HOST_PAGES, layout)
     kwargs = {"staging_bytes": 1024} if io == "kernel" else {}
