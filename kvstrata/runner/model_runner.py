@@ -17,6 +17,8 @@ from kvstrata.config.kv_sizing import ModelKVFacts
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                           resolve_model_path)
 from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.host_pool import HostKVPool
+from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.platform import detected_platform
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
@@ -27,6 +29,7 @@ from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fract
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.hicache_executor import IDLE_WAIT_SECONDS, HiCacheExecutor
 from kvstrata.runner.quantization import quantize_model, weight_bytes
+from kvstrata.runner.retraction_backup import RetractionBackupExecutor
 from kvstrata.runner.smoothing import calibration_token_ids
 from kvstrata.runner.sampler import Sampler, SamplingState
 
@@ -68,6 +71,9 @@ class ModelRunner:
         self._reqs: dict[str, _ReqState] = {}
         self.plan: KVPlan | None = None
         self.hicache: HiCacheExecutor | None = None
+        # Decode retraction KV backups (BackupOps): built by allocate_kv with a retraction
+        # host pool, else on the first BackupOp (cpu_tensor only).
+        self.backup: RetractionBackupExecutor | None = None
         self.disagg = None  # DisaggExecutor once enable_disagg() ran (PD prefill/decode)
 
     # ------------------------------------------------------------------ KV sizing and allocation
@@ -98,7 +104,15 @@ class ModelRunner:
         self.model.attn_backend = TorchNativeAttnBackend(
             self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
             page_size=plan.page_size)
-        self.hicache = HiCacheExecutor(self.kv_pool, plan) if plan.has_host_pool else None
+        self.hicache = None
+        if plan.has_host_pool and plan.host_pool_use == "retraction":
+            # A decode server's host pool holds retraction backups only: no transfer thread.
+            host_pool = HostKVPool.from_plan(plan)
+            self.backup = RetractionBackupExecutor(
+                self.kv_pool, host_pool, make_io_backend(plan.io_backend, self.kv_pool.kv,
+                                                         host_pool))
+        elif plan.has_host_pool:
+            self.hicache = HiCacheExecutor(self.kv_pool, plan)
         quant = self.quantization_info["quantization"]
         logger.info("model %s (%s%s) on %s; %s", self.source.display_name, self.dtype,
                     f", {quant}" if quant else "", self.device, plan.summary())
@@ -125,7 +139,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Tier moves first: loads this forward reads, write-backs of pages it may overwrite.
+        # Retraction backups before anything else: a backed-up request's device pages may be
+        # handed to another request (a PD receive, this forward) in the same step.
+        if sched.backups:
+            if self.backup is None:
+                self.backup = RetractionBackupExecutor(self.kv_pool)
+            self.backup.apply(sched.backups)
+        # Tier moves next: loads this forward reads, write-backs of pages it may overwrite.
         idle = not sched.scheduled
         done, failed = (self.hicache.execute(sched.transfers, idle=idle) if self.hicache
                         else ([], []))
@@ -158,6 +178,11 @@ class ModelRunner:
         """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""
         return self.hicache.stats() if self.hicache else {}
 
+    def backup_stats(self) -> dict:
+        """Decode retraction backups: bytes, seconds, counts per backend and direction
+        ({} before the first BackupOp on a runner without a retraction host pool)."""
+        return self.backup.stats() if self.backup else {}
+
     def shutdown(self) -> None:
         if self.disagg is not None:
             self.disagg.close()
@@ -165,6 +190,9 @@ class ModelRunner:
         if self.hicache is not None:
             self.hicache.close()
             self.hicache = None
+        if self.backup is not None:
+            self.backup.close()
+            self.backup = None
 
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_req_ids:

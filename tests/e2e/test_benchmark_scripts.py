@@ -81,3 +81,23 @@ def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
     (rate,) = result["tcp"]["transfer"]
     assert rate["page_tokens"] == 16 and rate["gbps"] > 0 and rate["loopback_socket_gbps"] > 0
     assert "box_load" in result
+
+
+def test_bench_retraction_rows(tmp_path, tiny_model_path):
+    """bench_retraction.py times backup/restore per backend (cpu_tensor, every allowed
+    host layout x IO) and a prefill of the same length as the recompute baseline."""
+    out = tmp_path / "retraction.json"
+    _run("bench_retraction.py", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
+         "--page-size", "4", "--tokens", "30", "--reps", "1", "--threads", "1",
+         "--model", tiny_model_path, "--recompute-reps", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    pairs = {(io, layout) for io, layouts in SUPPORTED_LAYOUTS.items() for layout in layouts}
+    rows = result["rows"]
+    assert {(r["io"], r["layout"]) for r in rows if r["backend"] == "host_pool"} == pairs
+    assert [r["backend"] for r in rows].count("cpu_tensor") == 1
+    assert result["meta"]["geometry"]["pages"] == 8
+    assert result["recompute"]["recompute_s"] > 0
+    for r in rows:
+        assert r["backup_s"] > 0 and r["restore_s"] > 0 and r["recompute_over_restore"] > 0
+    assert len(result["checks"]) == 2 * len(pairs)  # vs cpu_tensor, vs recompute
+    assert "box_load" in result["meta"]
