@@ -318,8 +318,10 @@ def test_extra_slots_default_rule():
     assert SchedulerConfig(num_pages=8, disaggregation_decode_extra_slots=0).decode_extra_slots == 0
     with pytest.raises(ValueError, match="disaggregation-mode"):
         SchedulerConfig(num_pages=8, disaggregation_mode="both")
+    from kvstrata.config.kv_plan import KVPlan
+    hicache = KVPlan.pages_only(num_pages=8, num_host_pages=8)
     with pytest.raises(ValueError, match="cannot use --enable-hierarchical-cache"):
-        SchedulerConfig(num_pages=8, num_host_pages=8, disaggregation_mode="decode")
+        SchedulerConfig(hicache, disaggregation_mode="decode")
 
 
 def test_colocated_has_no_pd_state():
