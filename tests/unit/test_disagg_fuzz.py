@@ -55,7 +55,9 @@ configs = st.fixed_dictionaries({
     "backup": st.sampled_from(["cpu_tensor", "host_pool"]),
     "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
 })
-prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
+# Often short prompts: several requests then share a small decode pool (retraction).
+prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
+                                                              st.integers(0, 6)),
                     st.lists(st.integers(3, VOCAB - 1), max_size=12))
 injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow"])
 
