@@ -100,3 +100,16 @@ def test_host_pool_options_without_hicache_only_for_a_retraction_pool():
     policy = ServerArgs(disaggregation_mode="decode", hicache_write_policy="write_back")
     with pytest.raises(ValueError, match="--hicache-write-policy needs"):
         refuse_l2_options_without_hicache(policy, retraction_host_pool=True)
+
+
+def test_server_info_shows_the_resolved_backend_ratio_and_pool():
+    from types import SimpleNamespace
+
+    from kvstrata.entrypoints.engine_factory import server_info_dict, start_up_info
+    args, plan, _ = sized(**DECODE)
+    engine = SimpleNamespace(server_args=args, kv_plan=plan, resolutions=[])
+    info = server_info_dict(args, start_up_info(engine))
+    assert info["disaggregation_decode_retraction_backup"] == "host_pool"
+    assert info["hicache_ratio"] == 0.2
+    assert info["kv_plan"]["host_pool_use"] == "retraction"
+    assert info["kv_plan"]["num_host_pages"] == 20
