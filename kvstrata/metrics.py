@@ -14,6 +14,7 @@ _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
                  0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 ABORT_REASONS = ("client_disconnect", "abort_request", "engine_dead")
+RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 
 
 class ServerMetrics:
@@ -54,6 +55,25 @@ class ServerMetrics:
         # bytes moved per direction, copy GB/s, host pool usage; one gauge, one label per stat.
         self._hicache = Gauge("kvstrata:hicache", "HiCache L2 statistics (see the stat label)",
                               labels + ["stat"], registry=r)
+        # Decode retraction with KV backup (PD decode servers; engine/disagg_retract.py). The
+        # load report carries running totals; the counters advance by the difference.
+        self._decode_retracted = Gauge("kvstrata:num_decode_retracted_reqs", "Retracted "
+                                       "requests waiting to be restored (decode server)",
+                                       labels, registry=r)
+        self._decode_retractions = Counter("kvstrata:decode_retractions", "Decode requests "
+                                           "retracted with a KV backup", labels, registry=r)
+        self._decode_backups = Counter("kvstrata:decode_retraction_backups", "Retraction KV "
+                                       "backups, by backend", labels + ["backend"], registry=r)
+        self._decode_restores = Counter("kvstrata:decode_retraction_restores", "Retraction "
+                                        "KV restores, by backend", labels + ["backend"],
+                                        registry=r)
+        self._decode_backup_bytes = Counter("kvstrata:decode_retraction_backup_bytes",
+                                            "Bytes of KV backed up by decode retraction",
+                                            labels, registry=r)
+        self._decode_exhausted = Counter("kvstrata:decode_retraction_exhausted_aborts",
+                                         "Requests aborted because the retraction host KV "
+                                         "pool was exhausted", labels, registry=r)
+        self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
             self._aborted.labels(model_name, reason)
@@ -84,6 +104,24 @@ class ServerMetrics:
         for key, value in load.items():
             if key.startswith("hicache_") and isinstance(value, (int, float)):
                 self._hicache.labels(m, key.removeprefix("hicache_")).set(value)
+        if "decode_retractions_total" in load:
+            self._set_decode_retraction(load)
+
+    def _set_decode_retraction(self, load: dict) -> None:
+        m = self.model_name
+        self._decode_retracted.labels(m).set(load.get("num_decode_retracted", 0))
+        totals = [("decode_retractions_total", self._decode_retractions.labels(m)),
+                  ("decode_backup_bytes", self._decode_backup_bytes.labels(m)),
+                  ("decode_backup_exhausted_aborts", self._decode_exhausted.labels(m))]
+        for backend in RETRACTION_BACKENDS:
+            totals += [(f"decode_backups_{backend}", self._decode_backups.labels(m, backend)),
+                       (f"decode_restores_{backend}", self._decode_restores.labels(m, backend))]
+        for key, counter in totals:
+            value = load.get(key, 0)
+            delta = value - self._seen.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._seen[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,7 +3,9 @@ every scheduler step when KVSTRATA_CHECK_INTEGRITY=1.
 
 What must hold at any step boundary:
 - every device page is exactly one of: free / owned by one live request / owned by the tree
-  (same for host pages: free / held by a tree node / being written for a node);
+  (same for host pages: free / held by a tree node / being written for a node; in a decode
+  server's retraction host pool: free / held by one retracted request's backup, checked by
+  KVManager.check_backups from engine/disagg_retract.py);
 - a request's tree-owned prefix is exactly the pages on the path to its locked node;
 - every node's lock_ref equals the number of lock holders whose path runs through it:
   live requests (their `last_node`) and in-flight HiCache write jobs (the node they pin).

@@ -27,12 +27,16 @@ LOAD_BACK_THRESHOLD_PAGES = 1
 class KVManager:
     def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
                  eviction_policy: str = "lru", hicache_write_policy: str = "write_through"):
-        """Page ids for `plan`'s pools; a host pool in the plan enables HiCache L2 (a host
-        tier behind the radix tree)."""
+        """Page ids for `plan`'s pools. A host pool in the plan is either HiCache L2 (a host
+        tier behind the radix tree) or, with host_pool_use "retraction", a decode server's
+        store for retracted requests' KV backups (no tree: `alloc_backup_pages`)."""
         self.plan = plan
         page_size = self.page_size = plan.page_size
         self.allocator = PageAllocator(plan.num_pages, page_size)
-        self.hicache = plan.has_host_pool
+        self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
+        self.backup_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
+        if self.backup_pool:
+            self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
         if self.hicache:
             if disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
@@ -67,6 +71,32 @@ class KVManager:
         if shortfall > 0:
             self.tree.evict(shortfall)
         return self.allocator.available_pages() >= num_pages
+
+    # ------------------------------------------------------------------ retraction backups
+    def alloc_backup_pages(self, num_pages: int) -> list[int] | None:
+        """Host pages for one retracted request's KV backup, or None when the retraction host
+        pool cannot hold it. SGLang first reclaims evictable host pages; a retraction-only
+        pool has no radix tree behind it, so nothing there is evictable: every used host
+        page belongs to a live backup."""
+        assert self.backup_pool, "no retraction host pool in the KV plan"
+        return self.host_allocator.alloc(num_pages)
+
+    def free_backup_pages(self, pages: list[int]) -> None:
+        self.host_allocator.free(pages)
+
+    def check_backups(self, held: list[list[int]]) -> None:
+        """Retraction host pool: free + held by backups == total host pages, none twice."""
+        if not self.backup_pool:
+            assert not any(held), "host pages held by a backup without a retraction pool"
+            return
+        alloc = self.host_allocator
+        alloc.check_integrity()
+        flat = [p for pages in held for p in pages]
+        assert len(set(flat)) == len(flat), "a host page held by two backups"
+        assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
+        assert alloc.available_pages() + len(flat) == alloc.num_pages, (
+            f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
+            f"total {alloc.num_pages}")
 
     # ------------------------------------------------------------------ prefix
     def peek_prefix_len(self, token_ids: list[int]) -> int:

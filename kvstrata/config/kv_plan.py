@@ -151,11 +151,12 @@ class KVPlan:
 
     @classmethod
     def pages_only(cls, *, num_pages: int, page_size: int = 1, num_rows: int = 64,
-                   context_len: int = 1 << 20, num_host_pages: int = 0) -> "KVPlan":
+                   context_len: int = 1 << 20, num_host_pages: int = 0,
+                   host_pool_use: str = "hicache") -> "KVPlan":
         """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
         A host tier here only needs a (any valid) layout/IO pair to be well formed."""
-        host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST,
-                    io_backend="kernel") if num_host_pages else {}
+        host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST, io_backend="kernel",
+                    host_pool_use=host_pool_use) if num_host_pages else {}
         return cls(page_size, num_pages, num_rows, context_len, "none", (), **host)
 
     # ---- derived numbers -------------------------------------------------------------------

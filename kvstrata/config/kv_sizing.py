@@ -32,8 +32,11 @@ class ModelKVFacts:
 
 
 def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_token: int,
-                        hicache_ratio: float | None, hicache_size: float) -> int:
-    """Usable host pages (page 0 not included). `hicache_size` (GB) wins when > 0."""
+                        hicache_ratio: float | None, hicache_size: float,
+                        warn_small: bool = True) -> int:
+    """Usable host pages (page 0 not included). `hicache_size` (GB) wins when > 0.
+    `warn_small`: warn when not larger than the device pool (HiCache; a retraction pool is
+    meant to be small: 0.2 by default)."""
     if hicache_size and hicache_size > 0:
         tokens = int(hicache_size * GB // bytes_per_token)
     elif hicache_ratio is not None and hicache_ratio > 0:
@@ -45,7 +48,7 @@ def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_to
     if num_pages < 1:
         raise ValueError(f"the host KV pool would hold {tokens} tokens, less than one page of "
                          f"{page_size}; increase {host_size_flag(hicache_size)}")
-    if num_pages * page_size <= device_pool_tokens:
+    if warn_small and num_pages * page_size <= device_pool_tokens:
         # Allowed (SGLang's current version only warns too): a small host pool still helps.
         logger.warning("host KV pool (%d tokens) is not larger than the device pool (%d tokens)",
                        num_pages * page_size, device_pool_tokens)
@@ -54,6 +57,18 @@ def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_to
 
 def host_size_flag(hicache_size: float) -> str:
     return "--hicache-size" if hicache_size and hicache_size > 0 else "--hicache-ratio"
+
+
+def host_pool_use(args: ResolvedArgs) -> str | None:
+    """What the host pool is for: "hicache" (--enable-hierarchical-cache), "retraction" (a
+    decode server whose resolved retraction backup is host_pool: allocated even without
+    HiCache, SGLang attaches its HiCache host stack for it), or None (no host pool)."""
+    if args.enable_hierarchical_cache:
+        return "hicache"
+    if (args.disaggregation_mode == "decode"
+            and args.disaggregation_decode_retraction_backup == "host_pool"):
+        return "retraction"
+    return None
 
 
 def _device_tokens(args: ResolvedArgs, bytes_per_token: int,
@@ -111,11 +126,15 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
                           f"--max-running-requests unset: min({DEFAULT_MAX_RUNNING_REQUESTS}, "
                           f"{num_pages} device pages)")
     host: dict = {}
-    if args.enable_hierarchical_cache:
+    use = host_pool_use(args)
+    if use is not None:
+        # A retraction-only pool is sized like HiCache's: the ratio step 5 resolved (0.2 of
+        # the device pool when it exists only for backups), or --hicache-size.
         host = dict(num_host_pages=host_pool_num_pages(
             device_pool_tokens=tokens, page_size=P, bytes_per_token=bytes_per_token,
-            hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size),
+            hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
+            warn_small=use == "hicache"),
             host_layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
-            host_size_flag=host_size_flag(args.hicache_size))
+            host_size_flag=host_size_flag(args.hicache_size), host_pool_use=use)
     plan = KVPlan(P, num_pages, rows, ctx, facts.pool_kind, facts.components, **host)
     return plan, resolutions

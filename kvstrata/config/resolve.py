@@ -104,9 +104,9 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "hicache_storage_backend": _is_set,
     "hicache_storage_prefetch_policy": lambda v: v != "timeout",
     "hicache_storage_backend_extra_config": _is_set,
-    # Prefill/decode disaggregation: the roles, backends and decode admission are built;
-    # the decode radix cache, decode KV offload and the retraction backup choice are not.
-    "disaggregation_decode_retraction_backup": _is_set,
+    # Prefill/decode disaggregation: the roles, backends, decode admission and decode
+    # retraction (cpu_tensor | host_pool backup) are built; the decode radix cache and
+    # decode KV offload are not.
     "disaggregation_decode_enable_radix_cache": bool,
     "disaggregation_decode_enable_offload_kvcache": bool,
     # Sparse attention, parallelism, priority scheduling.

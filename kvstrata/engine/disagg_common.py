@@ -82,6 +82,10 @@ class DisaggSide:
         ops, self.ops = self.ops, []
         return ops
 
+    def drain_all(self) -> dict:
+        """What this side adds to a SchedulerOutput (its keyword fields)."""
+        return {"pd_ops": self.drain_ops()}
+
     def _create(self, req: Request, kind: str) -> None:
         b = req.bootstrap
         self.rooms[b.room] = Room(req)

@@ -27,25 +27,17 @@ never shared, and a finished request's pages are simply freed. A request's path:
   prebuilt   joins the running batch when a row is free (rows are taken only here: the
              runner's req_to_token has max_running_requests rows), then the normal decode
              loop (its first decode step writes the whole row).
-Out of memory: a decode server never computed the prompt, so it must not recompute-retract.
-Until decode retraction (KV backup) exists, the most recently admitted request is aborted
-(500) until the batch fits.
+Out of memory: a decode server never computed the prompt, so it cannot recompute-retract.
+It retracts in SGLang's order but backs the victims' KV up first (engine/disagg_retract.py);
+retracted requests are resumed, restored into new pages, before any new admission.
 """
 from __future__ import annotations
 
-import itertools
-
 from kvstrata.engine.disagg_common import DisaggSide, Room
+from kvstrata.engine.disagg_retract import DecodeRetraction
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
 from kvstrata.engine.request import Request, RequestStatus
-from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import KVPoll, PDEvent
-
-DECODE_OOM_MESSAGE = (
-    "Out of memory on the decode server: the KV pool ({total} tokens) cannot hold the next "
-    "token of every running request. A decode server cannot recompute a prompt and decode "
-    "retraction is not available yet, so the most recently admitted request is aborted; "
-    "raise --max-total-tokens or --num-reserved-decode-tokens.")
 
 
 class DecodeDisagg(DisaggSide):
@@ -62,11 +54,11 @@ class DecodeDisagg(DisaggSide):
         self.transfer: list[Request] = []
         self.prebuilt: list[Request] = []
         self._polls = 0
-        self._admitted = itertools.count()
-        self._age: dict[str, int] = {}  # rid -> admission number (OOM aborts the youngest)
+        self.retraction = DecodeRetraction(self, cfg.retraction_backup)
 
     def queues(self) -> dict[str, list[Request]]:
-        return {"prealloc": self.prealloc, "transfer": self.transfer, "prebuilt": self.prebuilt}
+        return {"prealloc": self.prealloc, "transfer": self.transfer, "prebuilt": self.prebuilt,
+                "retracted": self.retraction.retracted}
 
     def kv_queues(self) -> list[list[Request]]:
         return [self.transfer, self.prebuilt]
@@ -79,9 +71,20 @@ class DecodeDisagg(DisaggSide):
 
     def before_schedule(self) -> None:
         self._polls += 1
-        if self._polls % self.interval == 0:
+        # Retracted requests come back first; while any is left, nothing new is admitted.
+        self.retraction.resume()
+        if self._polls % self.interval == 0 and not self.retraction.retracted:
             self._admit()
         self._join_running()
+
+    def drain_all(self) -> dict:
+        return {**super().drain_all(), "backups": self.retraction.drain_ops()}
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.retraction.ops)
+
+    def needs_poll(self) -> bool:
+        return super().needs_poll() or bool(self.retraction.ops)
 
     # ------------------------------------------------------------------ admission
     def _holding(self) -> int:
@@ -114,7 +117,6 @@ class DecodeDisagg(DisaggSide):
                 break
             self._take_slot(room)
             allocatable -= need + self.reserved
-            self._age[req.rid] = next(self._admitted)
             self.prealloc.remove(req)
             self.transfer.append(req)
             self.emit("receiver_init", req.bootstrap.room, page_ids=list(req.pages),
@@ -159,19 +161,20 @@ class DecodeDisagg(DisaggSide):
         return req
 
     def on_finish(self, req: Request) -> None:
-        self._age.pop(req.rid, None)
+        self.retraction.discard(req)  # a retracted request that ends drops its backup
         super().on_finish(req)
 
     # ------------------------------------------------------------------ out of memory
     def on_decode_oom(self) -> None:
-        """The running batch cannot get its next pages: abort the most recently admitted
-        request (running or transferred) until it can."""
-        sched = self.sched
-        while sched.running or self.prebuilt:
-            if self.kv.ensure_free_pages(sched._decode_pages_needed(sched.running)):
-                return
-            victim = max(sched.running + self.prebuilt, key=lambda r: self._age.get(r.rid, -1))
-            (sched.running if victim in sched.running else self.prebuilt).remove(victim)
-            reason = FinishReason(type="abort", message=DECODE_OOM_MESSAGE.format(
-                total=self.kv.total_tokens), status_code=500)
-            sched.finished_outside_step.append(sched._finish(victim, reason))
+        self.retraction.on_decode_oom()
+
+    # ------------------------------------------------------------------ introspection
+    def load(self) -> dict:
+        return {**super().load(), **self.retraction.load()}
+
+    def dump_lines(self, brief) -> list[str]:
+        return super().dump_lines(brief) + [self.retraction.dump_line()]
+
+    def check(self) -> None:
+        super().check()
+        self.retraction.check()

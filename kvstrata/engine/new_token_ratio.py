@@ -5,6 +5,10 @@ over 600 decode steps, and re-estimate from the surviving batch after each retra
 """
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("kvstrata.engine.scheduler")
+
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
@@ -28,6 +32,14 @@ class NewTokenRatio:
         budget = sum(r.params.max_new_tokens for r in remaining)
         self.value = min(1.0, (generated + RETRACT_DECODE_STEPS * len(remaining)) / (budget + 1))
         return self.value
+
+    def after_retraction(self, num_retracted: int, remaining: list) -> None:
+        """Re-estimate once a retraction left `remaining` running, with SGLang's log line."""
+        if num_retracted and remaining:
+            old = self.value
+            new = self.on_retract(remaining)
+            logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
+                           "#new_token_ratio: %.4f -> %.4f", num_retracted, old, new)
 
     def reserved_tokens(self, req) -> int:
         """Future decode tokens a running request is expected to still need."""

@@ -185,7 +185,7 @@ class Scheduler:
         self.step_id += 1
         return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
                                transfers=self.kv.drain_transfer_ops(),
-                               pd_ops=self.pd.drain_ops() if self.pd is not None else [])
+                               **(self.pd.drain_all() if self.pd is not None else {}))
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -307,7 +307,7 @@ class Scheduler:
         decode, and its computed pages stay in the tree as evictable cache), then running
         requests, fewest generated tokens first, ties: longest prompt. The last running
         request is never retracted; if it still cannot grow it is aborted (SGLang, 500).
-        A PD decode server cannot recompute: it aborts the youngest instead (disagg_decode)."""
+        A PD decode server cannot recompute: it backs the KV up first (disagg_retract)."""
         if isinstance(self.pd, DecodeDisagg):
             return self.pd.on_decode_oom()
         retracted: list[Request] = []
@@ -333,11 +333,7 @@ class Scheduler:
         self.running = [r for r in self.running if r in remaining]
         self.waiting.extend(retracted)
         self.num_retractions += len(retracted)
-        if retracted and remaining:
-            old = self.ratio.value
-            new = self.ratio.on_retract(remaining)
-            logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, "
-                           "#new_token_ratio: %.4f -> %.4f", len(retracted), old, new)
+        self.ratio.after_retraction(len(retracted), remaining)
 
     def _retract_one(self, victim: Request) -> None:
         self.kv.release(victim, insert=False)

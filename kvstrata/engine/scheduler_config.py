@@ -9,7 +9,9 @@ from kvstrata.config.kv_plan import KVPlan
 
 
 _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
-              "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval")
+              "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval",
+              "disaggregation_decode_retraction_backup")
+RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 
 
 @dataclass(init=False)
@@ -33,17 +35,22 @@ class SchedulerConfig:
     disaggregation_decode_extra_slots: int | None = None
     # Decode: admit new transfers every this many scheduler steps.
     disaggregation_decode_polling_interval: int = 1
+    # Decode: where a retracted request's KV is kept (the resolved value; None: host_pool
+    # when the plan has a retraction host pool, else cpu_tensor). engine/disagg_retract.py.
+    disaggregation_decode_retraction_backup: str | None = None
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
                  **policy: Any):
         """The server passes the plan the engine factory sized. Torch-free tests may pass
-        page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only)."""
+        page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only); there a
+        decode server's host pages are its retraction host pool."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
+        use = "retraction" if policy.get("disaggregation_mode") == "decode" else "hicache"
         self.plan = plan or KVPlan.pages_only(
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
-            num_host_pages=num_host_pages)
+            num_host_pages=num_host_pages, host_pool_use=use)
         for f in fields(self):
             if f.name != "plan":
                 setattr(self, f.name, policy.pop(f.name, f.default))
@@ -52,9 +59,27 @@ class SchedulerConfig:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")
-        if self.disaggregation_mode == "decode" and self.plan.has_host_pool:
+        self._check_host_pool()
+
+    def _check_host_pool(self) -> None:
+        """A decode server's host pool can only be its retraction host pool (it runs without
+        a radix cache, so no HiCache); only a decode server has one of those."""
+        plan, decode = self.plan, self.disaggregation_mode == "decode"
+        retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
+        if decode and plan.has_host_pool and not retraction_pool:
             raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "
                              "cannot use --enable-hierarchical-cache")
+        if retraction_pool and not decode:
+            raise ValueError("a retraction host pool is for --disaggregation-mode decode only")
+        backup = self.disaggregation_decode_retraction_backup
+        if backup is not None and backup not in RETRACTION_BACKENDS:
+            raise ValueError(f"--disaggregation-decode-retraction-backup must be one of "
+                             f"{', '.join(RETRACTION_BACKENDS)}, got {backup!r}")
+        if decode and (self.retraction_backup == "host_pool") != retraction_pool:
+            raise ValueError(f"--disaggregation-decode-retraction-backup "
+                             f"{self.retraction_backup} needs "
+                             f"{'a' if retraction_pool is False else 'no'} retraction host pool "
+                             f"in the KV plan (num_host_pages {plan.num_host_pages})")
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
@@ -71,6 +96,16 @@ class SchedulerConfig:
             mrr = self.max_running_requests
             return 2 * mrr if mrr <= 32 else 0
         return extra
+
+    @property
+    def retraction_backup(self) -> str:
+        """The decode retraction backend: the resolved flag, else what the plan holds."""
+        backup = self.disaggregation_decode_retraction_backup
+        if backup is None:
+            plan = self.plan
+            return ("host_pool" if plan.has_host_pool and plan.host_pool_use == "retraction"
+                    else "cpu_tensor")
+        return backup
 
     # Read from the plan (one source), under the names the scheduler has always used.
     @property

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from kvstrata.config.kv_plan import KVPlan
-from kvstrata.config.kv_sizing import size_kv_plan
+from kvstrata.config.kv_sizing import host_pool_use, size_kv_plan
 from kvstrata.config.model_source import load_tokenizer
 from kvstrata.config.resolve import log_resolutions, refuse_unimplemented, resolve
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply
@@ -27,11 +27,21 @@ _L2_OPTIONS = {"hicache_ratio": None, "hicache_size": 0, "hicache_write_policy":
                "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
 
 
-def refuse_l2_options_without_hicache(args: ServerArgs) -> None:
-    """A HiCache option without HiCache would be a silent no-op: refuse it, naming the flag."""
+# What also sizes and lays out a decode server's retraction host pool (SGLang builds it with
+# the HiCache host stack): allowed there without --enable-hierarchical-cache.
+_RETRACTION_POOL_OPTIONS = ("hicache_ratio", "hicache_size", "hicache_io_backend",
+                            "hicache_mem_layout")
+
+
+def refuse_l2_options_without_hicache(args: ServerArgs, retraction_host_pool: bool = False) -> None:
+    """A HiCache option without HiCache would be a silent no-op: refuse it, naming the flag.
+    `retraction_host_pool`: the resolved decode retraction backup is host_pool, whose pool
+    the sizing and layout options do apply to."""
     if args.enable_hierarchical_cache:
         return
     for name, default in _L2_OPTIONS.items():
+        if retraction_host_pool and name in _RETRACTION_POOL_OPTIONS:
+            continue
         if getattr(args, name) != default:
             raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
 
@@ -41,11 +51,11 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
     allocate the runner's KV from it. Returns (runner, resolved args, plan, resolutions):
     the args include what sizing filled in, the resolutions list every change in order."""
     refuse_unimplemented(server_args)
-    refuse_l2_options_without_hicache(server_args)
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
         server_args.model_path))
+    refuse_l2_options_without_hicache(server_args, host_pool_use(args) == "retraction")
     if args.random_seed is not None:
         import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
 

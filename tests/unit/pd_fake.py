@@ -2,6 +2,11 @@
 layer between them that applies the scheduler's PDOps, moves the fake KV contents page by
 page from the prefill pool to the decode pool, and reports PDEvents.
 
+Decode retraction's BackupOps are applied first in a step by a fake backup store: cpu_tensor
+copies a request's pages into a per-rid store, host_pool into the fake host pool at the
+scheduler's host pages; the device pages are wiped at once (they are free from then on), so
+a restore into the wrong pages, or from the wrong backup, changes the tokens.
+
 The copy happens when the transfer *completes* (after an optional delay), reading the prefill
 pool then: a prefill scheduler that frees or reuses a page before SUCCESS, or a decode one
 that hands out a page still being written, shows up as wrong tokens (the fake model derives
@@ -202,13 +207,67 @@ class FakeTransferHub:
                 assert half is None or half.released, f"room {link.room} never released: {link.log}"
 
 
+class FakeBackupStore:
+    """The runner's half of decode retraction, on the fake KV pool (slot -> (pos, token))."""
+
+    def __init__(self, runner: FakeRunner):
+        self.runner = runner
+        self.cpu: dict[str, tuple[int, dict]] = {}  # rid -> (num pages, slot offset -> value)
+        self.host_held: dict[str, list[int]] = {}  # rid -> host pages (host_pool)
+        self.log: list[tuple[str, str, str]] = []  # (kind, rid, backend)
+
+    def apply(self, op) -> None:
+        r, P = self.runner, self.runner.page_size
+        self.log.append((op.kind, op.rid, op.backend))
+        assert op.backend in ("cpu_tensor", "host_pool"), op
+        if op.kind == "backup":
+            assert op.rid not in self.cpu and op.rid not in self.host_held, f"two backups {op}"
+            assert len(op.device_pages) == -(-op.num_tokens // P) and 0 not in op.device_pages
+            if op.backend == "cpu_tensor":
+                assert not op.host_pages
+                saved = {i * P + off: r.kv[p * P + off] for i, p in enumerate(op.device_pages)
+                         for off in range(P) if p * P + off in r.kv}
+                self.cpu[op.rid] = (len(op.device_pages), saved)
+            else:
+                assert len(op.host_pages) == len(op.device_pages) and 0 not in op.host_pages
+                held = {p for pages in self.host_held.values() for p in pages}
+                assert not held & set(op.host_pages), f"host pages of a live backup: {op}"
+                copy_pages(r.kv, r.host, op.device_pages, op.host_pages, P)
+                self.host_held[op.rid] = list(op.host_pages)
+            for p in op.device_pages:  # free from now on: nothing may read them back
+                for off in range(P):
+                    r.kv.pop(p * P + off, None)
+        elif op.kind == "restore":
+            if op.backend == "cpu_tensor":
+                n, saved = self.cpu.pop(op.rid)
+                assert n == len(op.device_pages), (op, n)
+                for i, p in enumerate(op.device_pages):
+                    for off in range(P):
+                        if i * P + off in saved:
+                            r.kv[p * P + off] = saved[i * P + off]
+            else:
+                assert self.host_held.pop(op.rid) == list(op.host_pages), op
+                copy_pages(r.host, r.kv, op.host_pages, op.device_pages, P)
+        elif op.kind == "discard":
+            self.cpu.pop(op.rid, None)  # idempotent
+            self.host_held.pop(op.rid, None)
+        else:
+            raise AssertionError(f"unknown backup op {op}")
+
+    def count(self, kind: str, backend: str | None = None) -> int:
+        return sum(1 for k, _, b in self.log if k == kind and backend in (None, b))
+
+
 class PDFakeRunner(FakeRunner):
     def __init__(self, hub: FakeTransferHub, side: str, **kw):
         super().__init__(page_size=hub.page_size, **kw)
         self.hub, self.side = hub, side
+        self.backups = FakeBackupStore(self)
         hub.runners[side] = self
 
     def execute(self, so):
+        for op in so.backups:  # first of all (protocol/disagg.py BackupOp)
+            self.backups.apply(op)
         for op in so.pd_ops:  # before the forward, in order
             self.hub.apply(self.side, op)
         out = super().execute(so)
@@ -292,3 +351,10 @@ class PDPair:
             assert kv.allocator.available_pages() + kv.tree.cached_pages() == kv.allocator.num_pages
             assert len(sched.free_rows) == sched.num_rows and not sched.live_requests()
             assert not sched.pd.rooms and len(sched.pd.free_slots) == sched.pd.num_slots
+        retraction = self.decode.scheduler.pd.retraction
+        assert not retraction.retracted and not retraction.backups and not retraction.ops
+        store = self.decode_runner.backups
+        assert not store.cpu and not store.host_held, "a backup outlived its request"
+        if self.decode.scheduler.kv.backup_pool:
+            alloc = self.decode.scheduler.kv.host_allocator
+            assert alloc.available_pages() == alloc.num_pages, "host pages leaked"

@@ -4,15 +4,18 @@ test_scheduler_fuzz.py.
 
 Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
 prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
-polling interval, transfer delay) and interleaves arrivals (shared prefixes; per request an
+polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
+host pool of 1..64 pages) and interleaves arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, or a slow transfer),
 client aborts on either server, and steps of the pair. Properties:
 - every KV invariant holds on both sides after every step (KVSTRATA_CHECK_INTEGRITY);
 - every request ends on both servers within a step bound (a hang fails with both dumps);
 - a decode request that finishes has exactly the tokens it would have co-located, and the
   prefill server answers the first of them;
-- every abort has a cause the test can name (client, injection, a pool too small, decode
-  OOM, the peer's abort or rejection) and the message that goes with it;
+- every abort has a cause the test can name (client, injection, a pool too small, the last
+  running request out of memory, the retraction host pool exhausted, the peer's abort or
+  rejection) and the message that goes with it;
+- decode retraction backs up and restores KV (a restored request's tokens stay exact);
 - after draining, both pools are whole, every room released on both sides, no slot held.
 `KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak.
 """
@@ -25,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from kvstrata.engine.disagg_decode import DECODE_OOM_MESSAGE
+from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
 from tests.unit.fake_runner import reference_tokens
 from tests.unit.pd_fake import PDPair
 
@@ -37,19 +40,24 @@ BASES = [[(b * 37 + i * 11 + 5) % VOCAB for i in range(64)] for b in range(3)]
 configs = st.fixed_dictionaries({
     "page_size": st.sampled_from([1, 2, 4, 8]),
     "prefill_tokens": st.integers(16, 112),
-    "decode_tokens": st.integers(16, 112),
+    # Often a small decode pool (several requests, little room): decode retraction.
+    "decode_tokens": st.one_of(st.integers(16, 112), st.integers(24, 56)),
     "chunk": st.one_of(st.none(), st.integers(1, 24)),
     "disable_radix_cache": st.booleans(),
     "prefill_host_pages": st.sampled_from([0, 0, 4, 40]),  # HiCache L2 on the prefill server
     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
     "prefill_rows": st.sampled_from([1, 2, 64]),
-    "decode_rows": st.sampled_from([1, 2, 4, 64]),
+    "decode_rows": st.sampled_from([1, 2, 4, 4, 64]),
     "extra_slots": st.sampled_from([None, 0, 1, 3]),
-    "reserved": st.sampled_from([0, 4, 16, 512]),
+    "reserved": st.sampled_from([0, 0, 4, 16, 512]),
     "interval": st.sampled_from([1, 1, 2, 3]),
     "delay": st.integers(0, 4),
+    "backup": st.sampled_from(["cpu_tensor", "host_pool"]),
+    "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
 })
-prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
+# Often short prompts: several requests then share a small decode pool (retraction).
+prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
+                                                              st.integers(0, 6)),
                     st.lists(st.integers(3, VOCAB - 1), max_size=12))
 injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow"])
 
@@ -72,7 +80,10 @@ class PDMachine(RuleBasedStateMachine):
             decode_cfg={"max_running_requests": cfg["decode_rows"],
                         "disaggregation_decode_extra_slots": cfg["extra_slots"],
                         "num_reserved_decode_tokens": cfg["reserved"],
-                        "disaggregation_decode_polling_interval": cfg["interval"]})
+                        "disaggregation_decode_polling_interval": cfg["interval"],
+                        "disaggregation_decode_retraction_backup": cfg["backup"],
+                        "num_host_pages": (cfg["decode_host_pages"]
+                                           if cfg["backup"] == "host_pool" else 0)})
         self.pair.hub.peer_timeout = 40
         self.requests: dict[str, tuple[list[int], int, str | None]] = {}
         self.client_aborted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
@@ -127,6 +138,10 @@ class PDMachine(RuleBasedStateMachine):
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + pair.prefill.dump_state() + "\n" + pair.decode.dump_state())
         pair.check_drained()
+        retraction = pair.decode.scheduler.pd.retraction
+        event(f"decode retractions ({self.cfg['backup']}): {min(retraction.num_retractions, 3)}")
+        if retraction.exhausted_aborts:
+            event("retraction host pool exhausted")
         for side in ("prefill", "decode"):
             assert set(pair.finished[side]) == set(self.requests), f"{side}: a request never ended"
         for rid, (ids, max_new, inject) in self.requests.items():
@@ -146,10 +161,8 @@ class PDMachine(RuleBasedStateMachine):
             assert pair.outputs["decode"][rid] == expected, (rid, self.cfg)
             return
         self._check_abort("decode", rid, dec, pre, ids, inject, aborted_by_client)
-        if dec.message.startswith("Out of memory on the decode server"):
-            event("decode OOM abort")
-            total = pair.decode.scheduler.kv.total_tokens
-            assert dec.message == DECODE_OOM_MESSAGE.format(total=total)
+        if dec.message in (OOM_LAST_MESSAGE, EXHAUSTED_MESSAGE):
+            event(f"decode abort: {dec.message[:30]}")
             assert pair.outputs["decode"][rid] == expected[:len(pair.outputs["decode"][rid])]
 
     def _check_abort(self, side, rid, reason, peer, ids, inject, by_client):
@@ -166,8 +179,11 @@ class PDMachine(RuleBasedStateMachine):
                 assert side == "prefill" and -(-(len(ids) + 1) // P) * P > total, (rid, msg)
         elif msg.startswith("Context corruption detected"):
             assert side == "decode" and inject == "corrupt", (rid, msg)
-        elif msg.startswith("Out of memory on the decode server"):
-            assert side == "decode"
+        elif msg == OOM_LAST_MESSAGE:
+            assert side == "decode" and reason.status_code == 500
+        elif msg == EXHAUSTED_MESSAGE:
+            assert side == "decode" and reason.status_code == 500
+            assert self.cfg["backup"] == "host_pool", (rid, self.cfg)
         else:
             assert reason.status_code == 500 and msg.startswith("KV transfer failed"), msg
             # A failed transfer has a cause: an injection, a client abort, or the peer ended

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.engine.disagg_common import BOOTSTRAP_REQUIRED
-from kvstrata.engine.disagg_decode import DECODE_OOM_MESSAGE
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
@@ -203,23 +202,19 @@ def test_duplicate_room_is_400():
     assert pair.outputs["decode"]["a"] == reference_tokens(prompt(1, 5), 3, VOCAB)
 
 
-def test_decode_oom_aborts_the_youngest_with_a_clear_message():
-    # No reservation: the decode server admits more than it can grow, then runs out.
+def test_decode_oom_retracts_with_a_backup_instead_of_aborting():
+    # No reservation: the decode server admits more than it can grow, then runs out; it
+    # backs the victims' KV up and restores it later (tests/unit/test_disagg_retract.py).
     pair = PDPair(page_size=1, decode_pages=40,
                   decode_cfg={"num_reserved_decode_tokens": 0, "max_running_requests": 8})
     prompts = {f"r{i}": prompt(i, 10) for i in range(3)}
     for rid, p in prompts.items():
         pair.submit(rid, p, 12)
     pair.run()
-    aborted = [rid for rid, r in pair.finished["decode"].items() if r.type == "abort"]
-    assert aborted and "r0" not in aborted
-    youngest = max(aborted)
-    reason = pair.finished["decode"][youngest]
-    assert reason.status_code == 500 and reason.message == DECODE_OOM_MESSAGE.format(total=40)
-    assert pair.decode.scheduler.num_retractions == 0  # never recompute-retracted
+    assert pair.decode.scheduler.pd.retraction.num_retractions > 0
     for rid, p in prompts.items():
-        if rid not in aborted:
-            assert pair.outputs["decode"][rid] == reference_tokens(p, 12, VOCAB)
+        assert pair.finished["decode"][rid].type == "length"
+        assert pair.outputs["decode"][rid] == reference_tokens(p, 12, VOCAB)
 
 
 def test_first_token_stops_on_decode_max_new_1_and_eos():
@@ -318,8 +313,10 @@ def test_extra_slots_default_rule():
     assert SchedulerConfig(num_pages=8, disaggregation_decode_extra_slots=0).decode_extra_slots == 0
     with pytest.raises(ValueError, match="disaggregation-mode"):
         SchedulerConfig(num_pages=8, disaggregation_mode="both")
+    from kvstrata.config.kv_plan import KVPlan
+    hicache = KVPlan.pages_only(num_pages=8, num_host_pages=8)
     with pytest.raises(ValueError, match="cannot use --enable-hierarchical-cache"):
-        SchedulerConfig(num_pages=8, num_host_pages=8, disaggregation_mode="decode")
+        SchedulerConfig(hicache, disaggregation_mode="decode")
 
 
 def test_colocated_has_no_pd_state():

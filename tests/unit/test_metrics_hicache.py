@@ -12,3 +12,27 @@ def test_hicache_stats_exported():
     assert 'kvstrata:hicache{model_name="tiny",stat="host_hit_tokens"} 48.0' in text
     assert 'kvstrata:hicache{model_name="tiny",stat="load_gb_per_s"} 3.5' in text
     assert 'kvstrata:num_running_reqs{model_name="tiny"} 1.0' in text
+
+
+def test_decode_retraction_counters_follow_the_load_report():
+    m = ServerMetrics("tiny")
+    load = {"num_decode_retracted": 2, "decode_retractions_total": 3,
+            "decode_backups_cpu_tensor": 0, "decode_backups_host_pool": 3,
+            "decode_restores_cpu_tensor": 0, "decode_restores_host_pool": 1,
+            "decode_backup_bytes": 4096, "decode_backup_exhausted_aborts": 1}
+    m.set_load(load)
+    m.set_load({**load, "decode_retractions_total": 5, "decode_backups_host_pool": 5,
+                "num_decode_retracted": 1})
+    text = m.render().decode()
+    assert 'kvstrata:num_decode_retracted_reqs{model_name="tiny"} 1.0' in text
+    assert 'kvstrata:decode_retractions_total{model_name="tiny"} 5.0' in text
+    assert ('kvstrata:decode_retraction_backups_total{backend="host_pool",model_name="tiny"} '
+            '5.0') in text
+    assert ('kvstrata:decode_retraction_restores_total{backend="host_pool",model_name="tiny"} '
+            '1.0') in text
+    assert 'kvstrata:decode_retraction_backup_bytes_total{model_name="tiny"} 4096.0' in text
+    assert 'kvstrata:decode_retraction_exhausted_aborts_total{model_name="tiny"} 1.0' in text
+    # A server without decode retraction exports none of them.
+    plain = ServerMetrics("tiny")
+    plain.set_load({"num_running_reqs": 1})
+    assert "decode_retraction_backups_total{" not in plain.render().decode()

@@ -20,8 +20,6 @@ def test_defaults_are_all_implemented():
     ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
     ({"hicache_storage_prefetch_policy": "best_effort"}, "--hicache-storage-prefetch-policy"),
     ({"hicache_storage_backend_extra_config": "{}"}, "--hicache-storage-backend-extra-config"),
-    ({"disaggregation_decode_retraction_backup": "cpu_tensor"},
-     "--disaggregation-decode-retraction-backup"),
     ({"disaggregation_decode_enable_radix_cache": True},
      "--disaggregation-decode-enable-radix-cache"),
     ({"disaggregation_decode_enable_offload_kvcache": True},
@@ -44,10 +42,12 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"disaggregation_transfer_backend": "mooncake"}, {"disaggregation_transfer_backend": "fake"},
     {"disaggregation_bootstrap_port": 9000}, {"num_reserved_decode_tokens": 256},
     {"disaggregation_decode_polling_interval": 4}, {"disaggregation_decode_extra_slots": 8},
+    {"disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor"},
+    {"disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "host_pool"},
 ])
 def test_pd_flags_are_built(kwargs):
-    """PD roles, backends, the bootstrap port and decode admission are built: serve accepts
-    them (the decode radix cache, KV offload and retraction backup stay refused above)."""
+    """PD roles, backends, the bootstrap port, decode admission and decode retraction are
+    built: serve accepts them (the decode radix cache and KV offload stay refused above)."""
     assert unimplemented_flags(ServerArgs(**kwargs)) == []
     refuse_unimplemented(ServerArgs(**kwargs))
 
