@@ -1,0 +1,157 @@
+"""Decode retraction with KV backup through real prefill + decode servers (tiny checkpoint,
+tcp): a decode pool that holds about a third of the batch's final KV, 12 concurrent greedy
+requests of different lengths. Every request completes with the output of a co-located
+server with a large pool (exact, or first differing at a near-tie of the reference), the
+decode server retracted and restored, and both pools are whole after drain — for
+`cpu_tensor` and `host_pool`. A host pool too small for some backups fails exactly those
+requests with SGLang's message; the resolved backend is what /server_info shows."""
+from __future__ import annotations
+
+import random
+import threading
+
+import httpx
+import pytest
+
+from tests.e2e.test_pd_disagg import PDServers, assert_no_leak, wait_drained
+
+NEAR_TIE = 2e-3
+MAX_NEW = 40
+
+
+def prompts(n: int = 12, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(20, 90))] for _ in range(n)]
+
+
+def reference(server, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0,
+                                "ignore_eos": True}}
+    return httpx.post(server.base_url + "/generate", json=body, timeout=120).json()
+
+
+def assert_same_or_near_tie(ours: list[int], ref: dict, label: str) -> None:
+    want = ref["output_ids"]
+    top = ref["meta_info"]["output_top_logprobs"]
+    for i, (a, b) in enumerate(zip(ours, want)):
+        if a != b:
+            (lp1, t1, _), (lp2, t2, _) = top[i][:2]
+            assert a in (t1, t2) and lp1 - lp2 <= NEAR_TIE, (
+                f"{label}: step {i}: {a} vs reference {b} (top-2 gap {lp1 - lp2:.3g})")
+            return
+    assert len(ours) == len(want), label
+
+
+def run_batch(pd: PDServers, batch: list[list[int]]) -> dict[int, httpx.Response]:
+    out: dict[int, httpx.Response] = {}
+
+    def one(i: int) -> None:
+        body = {"input_ids": batch[i], "sampling_params": {
+            "max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
+        responses: dict = {}
+
+        def post(name, srv):
+            responses[name] = httpx.post(srv.base_url + "/generate", json=body, timeout=180)
+        threads = [threading.Thread(target=post, args=(n, s))
+                   for n, s in (("prefill", pd.prefill), ("decode", pd.decode))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out[i] = responses["decode"]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def decode_load(pd: PDServers) -> dict:
+    load = httpx.get(pd.decode.base_url + "/get_load", timeout=30).json()
+    return load[0] if isinstance(load, list) else load
+
+
+# Pool: 12 requests x (20..90 prompt + 40 out) ~ 1300 tokens of final KV -> 448 (~1/3).
+DECODE_ARGS = ("--max-total-tokens", "448", "--num-reserved-decode-tokens", "8")
+
+
+@pytest.mark.parametrize("backend,extra", [
+    ("cpu_tensor", ()),
+    # The default ratio (0.2 of the device pool) cannot hold this many backups at once.
+    ("host_pool", ("--hicache-ratio", "2.0")),
+])
+def test_decode_pressure_retracts_and_restores_exactly(backend, extra, tiny_model_path, server):
+    batch = prompts()
+    refs = [reference(server, ids) for ids in batch]
+    pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
+                   "--disaggregation-decode-retraction-backup", backend, *extra)
+    try:
+        info = httpx.get(pd.decode.base_url + "/server_info", timeout=30).json()
+        assert info["disaggregation_decode_retraction_backup"] == backend
+        results = run_batch(pd, batch)
+        for i, r in results.items():
+            assert r.status_code == 200, r.text
+            assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
+        load = decode_load(pd)
+        assert load["decode_retractions_total"] > 0, load
+        assert load[f"decode_backups_{backend}"] > 0 and load[f"decode_restores_{backend}"] > 0
+        assert_no_leak(pd.decode)
+        assert_no_leak(pd.prefill)
+    finally:
+        pd.stop()
+
+
+def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server):
+    """A host pool of a few pages: the backups that do not fit abort their request with
+    SGLang's message (500); every other request completes with the right output."""
+    batch = prompts(seed=9)
+    refs = [reference(server, ids) for ids in batch]
+    pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
+                   "--disaggregation-decode-retraction-backup", "host_pool",
+                   "--hicache-ratio", "0.1")
+    try:
+        results = run_batch(pd, batch)
+        failed = [i for i, r in results.items() if r.status_code != 200]
+        for i in failed:
+            assert results[i].status_code == 500
+            assert "Retraction host KV pool exhausted. Aborting the request." in results[i].text
+        for i, r in results.items():
+            if i not in failed:
+                assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
+        load = decode_load(pd)
+        assert load["decode_backup_exhausted_aborts"] == len(failed) > 0, load
+        assert wait_drained(pd.decode)["ok"]
+        assert_no_leak(pd.decode)
+    finally:
+        pd.stop()
+
+
+@pytest.mark.parametrize("flags,backend,ratio,host_pool", [
+    ((), "host_pool", 0.2, True),                      # auto on a CPU decode server
+    (("--disaggregation-decode-retraction-backup", "cpu_tensor"), "cpu_tensor", None, False),
+    (("--disaggregation-decode-retraction-backup", "host_pool", "--hicache-ratio", "2.0"),
+     "host_pool", 2.0, True),
+])
+def test_server_info_shows_the_resolved_backup(flags, backend, ratio, host_pool,
+                                               tiny_model_path):
+    from tests.e2e.server_utils import ServerProcess
+
+    srv = ServerProcess(tiny_model_path, "--disaggregation-mode", "decode",
+                        "--max-total-tokens", "448", *flags)
+    try:
+        info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
+        assert info["disaggregation_decode_retraction_backup"] == backend
+        if ratio is not None:
+            assert info["hicache_ratio"] == ratio
+        plan = info["kv_plan"]
+        assert (plan["num_host_pages"] > 0) == host_pool
+        assert plan["host_pool_use"] == ("retraction" if host_pool else None)
+        if ratio is not None:  # host pages = ratio x device pages
+            assert plan["num_host_pages"] == int(plan["num_pages"] * ratio)
+        rules = {r["field"] for r in info["resolutions"]}
+        if not flags:
+            assert "disaggregation_decode_retraction_backup" in rules
+    finally:
+        srv.stop()
