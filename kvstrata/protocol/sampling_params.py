@@ -18,6 +18,9 @@ _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
 _TOKEN_ID_MAX = (1 << 63) - 1
 
 
+GREEDY_TEMPERATURE_EPS = 1e-6
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -60,7 +63,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # SGLang: a temperature below 1e-6 samples greedily (dividing logits by a tiny or
+        # subnormal temperature overflows them to inf and the softmax to NaN).
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
     def validate(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:

@@ -5,7 +5,7 @@ Pipeline per row, in this order:
      divided, negative multiplied), then frequency/presence (OpenAI: over OUTPUT ids only:
      logit -= count * frequency_penalty + presence_penalty);
   2. min_new_tokens: while len(output) < min_new_tokens, EOS ids and stop_token_ids -> -inf;
-  3. greedy rows (temperature == 0 or top_k == 1): argmax of those adjusted logits;
+  3. greedy rows (temperature < 1e-6, as SGLang, or top_k == 1): argmax of those adjusted logits;
   4. other rows: / temperature, top-k, top-p (on the top-k-renormalised distribution),
      min-p (relative to the max remaining prob), then one draw.
 Top-k and top-p are applied as value thresholds: tokens tied with the last kept one are
@@ -231,7 +231,9 @@ class Sampler:
             return Sampler._cut_threshold(logits, ks, tops, width=vocab)
         # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
         # strictly before it already does, so the first token always stays.
-        n_keep = ((cum - sp) < p_t).sum(dim=-1, keepdim=True)
+        # (clamped: with NaN masses the comparison drops every token, and index -1 crashed
+        # the scheduler process on a fuzzed request)
+        n_keep = ((cum - sp) < p_t).sum(dim=-1, keepdim=True).clamp_(min=1)
         p_thr = torch.where(has_p, vals.gather(1, n_keep - 1), neg_inf)
         return torch.maximum(k_thr, p_thr)
 

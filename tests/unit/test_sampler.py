@@ -300,3 +300,18 @@ def test_inverse_cdf_edges_never_return_zero_prob_or_out_of_range():
         assert Sampler._inverse_cdf(probs, torch.tensor([u])) == [1]
     assert Sampler._inverse_cdf(probs, torch.tensor([0.0])) == [0]
     assert Sampler._inverse_cdf(torch.tensor([[0.0, 0.3, 0.0, 0.7]]), torch.tensor([0.0])) == [1]
+
+
+def test_tiny_temperatures_are_greedy_and_nan_rows_do_not_crash():
+    """Regression (schema fuzz): temperature 5e-324 overflowed the logits to inf, the top-p
+    masses became NaN, no token was kept and index -1 crashed the scheduler process.
+    Below 1e-6 sampling is greedy (SGLang's rule); a NaN row still keeps its first token."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(50, [0])
+    states = [SamplingState(SamplingParams(temperature=t, top_p=0.9), [1, 2], [])
+              for t in (5e-324, 9e-7)]
+    assert all(s.params.is_greedy for s in states)
+    assert sampler(logits, states).token_ids == logits.argmax(dim=-1).tolist()
+    nan_row = torch.full((1, 50), float("nan"))
+    thr = Sampler._cut_threshold(nan_row, [50], [0.5])
+    assert thr.shape == (1, 1)
