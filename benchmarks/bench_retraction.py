@@ -8,6 +8,10 @@ SmolLM2-135M (30 layers, 3 KV heads x 64, fp32), page 16, a 2k-token request. De
 ids are random in a pool 4x the request (a fragmented pool); each repetition backs up into
 fresh random pages and restores into other random pages, as the scheduler would.
 
+With --serve it also runs the same load through real PD servers (tcp) with a decode pool
+too small for the batch, per backend, beside one that never retracts: output tok/s of the
+whole run (kvstrata/bench/retraction_serve.py).
+
 Targets (issue 11): a restore from the host >= 5x faster than recomputing; host_pool restore
 within 1.5x of cpu_tensor.
 
@@ -34,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.retraction_serve import add_serve_args, whole_run  # noqa: E402
 from kvstrata.config.kv_plan import IO_BACKEND_LAYOUTS, KVPlan  # noqa: E402
 from kvstrata.kv.device_pool import MHATokenToKVPool  # noqa: E402
 from kvstrata.kv.host_pool import HostKVPool  # noqa: E402
@@ -61,6 +66,7 @@ def parse_args():
     p.add_argument("--skip-recompute", action="store_true")
     p.add_argument("--out", default="benchmarks/results/bench_retraction.json")
     add_quiet_arg(p)
+    add_serve_args(p)
     return p.parse_args()
 
 
@@ -188,13 +194,15 @@ def main() -> None:
               f"{recompute['recompute_s'] * 1e3:.1f} ms", flush=True)
     for c in checks:
         print(f"{'PASS' if c['ok'] else 'FAIL'}  {c['what']}")
+    serve = whole_run(args) if args.serve else None
     meta = dict(geometry=geometry, reps=args.reps, threads=torch.get_num_threads(),
                 box_load=box, torch=torch.__version__,
                 machine=stdlib_platform.processor() or stdlib_platform.machine(),
                 command=" ".join(sys.argv))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows, "recompute": recompute, "checks": checks}, f,
+        json.dump({"meta": meta, "rows": rows, "recompute": recompute, "checks": checks,
+                   "whole_run": serve}, f,
                   indent=1)
     print(f"wrote {args.out}")
 

@@ -104,26 +104,35 @@ def colocated(args, log_dir: str) -> dict:
         srv.stop()
 
 
-def disaggregated(args, backend: str, log_dir: str) -> dict:
+def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...] = (),
+                  tag: str = "") -> dict:
+    """Router + prefill + decode on `backend`; `decode_extra`: more decode-server flags.
+    The summary carries the decode server's retraction counters after the run."""
     p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
     procs: list[Proc] = []
     try:
-        procs.append(Proc(f"prefill-{backend}", serve_cmd(
+        name = backend + tag
+        procs.append(Proc(f"prefill-{name}", serve_cmd(
             args, p_port, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
             backend, "--disaggregation-bootstrap-port", str(boot)), log_dir))
-        procs.append(Proc(f"decode-{backend}", serve_cmd(
+        procs.append(Proc(f"decode-{name}", serve_cmd(
             args, d_port, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-            backend), log_dir))
+            backend, *decode_extra), log_dir))
         for proc, port in zip(procs, (p_port, d_port)):
             proc.wait_http(f"http://127.0.0.1:{port}/health")
-        procs.append(Proc(f"router-{backend}", [
+        procs.append(Proc(f"router-{name}", [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", f"http://127.0.0.1:{p_port}", str(boot),
             "--decode", f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1",
             "--port", str(r_port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--log-level", "warn"], log_dir))
         procs[-1].wait_http(f"http://127.0.0.1:{r_port}/health")
-        return run_load(args, f"http://127.0.0.1:{r_port}")
+        summary = run_load(args, f"http://127.0.0.1:{r_port}")
+        load = httpx.get(f"http://127.0.0.1:{d_port}/get_load", timeout=30).json()
+        load = load[0] if isinstance(load, list) else load
+        summary["decode_load"] = {k: v for k, v in load.items()
+                                  if k.startswith("decode_") or k == "num_retractions"}
+        return summary
     finally:
         for proc in reversed(procs):
             proc.stop()
