@@ -21,9 +21,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-prompts", type=int, default=16)
     p.add_argument("--serve-concurrency", type=int, default=16)
     p.add_argument("--serve-input-len", type=int, default=256)
-    p.add_argument("--serve-output-len", type=int, default=64)
+    p.add_argument("--serve-output-len", type=int, default=128,
+                   help="long enough that the 16-token decode reserve underestimates")
     p.add_argument("--serve-decode-tokens", type=int, default=2048,
-                   help="the pressured decode pool (the batch's final KV is ~2.5x this)")
+                   help="the pressured decode pool (the batch's final KV is ~3x this)")
 
 
 def whole_run(args: argparse.Namespace) -> dict:
