@@ -155,3 +155,45 @@ def test_server_info_shows_the_resolved_backup(flags, backend, ratio, host_pool,
             assert "disaggregation_decode_retraction_backup" in rules
     finally:
         srv.stop()
+
+
+def test_aborting_retracted_requests_discards_their_backups(tiny_model_path):
+    """/abort_request for every request of a pressured decode server once some sit
+    retracted (their KV in the host pool): each ends, every backup is discarded, nothing
+    leaks in either tier."""
+    import time
+
+    pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
+                   "--disaggregation-decode-retraction-backup", "host_pool",
+                   "--hicache-ratio", "2.0")
+    answers: dict[str, int] = {}
+
+    def one(i: int, ids: list[int]) -> None:
+        body = {"input_ids": ids, "rid": f"r{i}", "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
+        threading.Thread(target=lambda: httpx.post(pd.prefill.base_url + "/generate",
+                                                   json=body, timeout=180)).start()
+        answers[body["rid"]] = httpx.post(pd.decode.base_url + "/generate", json=body,
+                                          timeout=180).status_code
+    try:
+        batch = prompts()
+        threads = [threading.Thread(target=one, args=(i, ids)) for i, ids in enumerate(batch)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        load = decode_load(pd)
+        while load["num_decode_retracted"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            load = decode_load(pd)
+        assert load["num_decode_retracted"] > 0, load
+        assert load["decode_backup_host_used_tokens"] > 0, load
+        for i in range(len(batch)):
+            httpx.post(pd.decode.base_url + "/abort_request", json={"rid": f"r{i}"}, timeout=30)
+        for t in threads:
+            t.join()
+        assert len(answers) == len(batch) and all(s != 500 for s in answers.values()), answers
+        assert_no_leak(pd.decode)
+        assert decode_load(pd)["decode_backup_host_used_tokens"] == 0
+        assert_no_leak(pd.prefill)
+    finally:
+        pd.stop()
