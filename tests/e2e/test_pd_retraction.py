@@ -170,7 +170,7 @@ def test_aborting_retracted_requests_discards_their_backups(tiny_model_path):
 
     def one(i: int, ids: list[int]) -> None:
         body = {"input_ids": ids, "rid": f"r{i}", "sampling_params": {
-            "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
+            "max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
         threading.Thread(target=lambda: httpx.post(pd.prefill.base_url + "/generate",
                                                    json=body, timeout=180)).start()
         answers[body["rid"]] = httpx.post(pd.decode.base_url + "/generate", json=body,
