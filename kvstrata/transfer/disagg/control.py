@@ -24,9 +24,9 @@ import zmq
 from kvstrata import envs
 from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.base import DisaggManager, KVReceiver, KVSender
-from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer, register_rank,
-                                                       resolve_prefill_endpoint)
+from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer, register_rank
 from kvstrata.transfer.disagg.liveness import Liveness
+from kvstrata.transfer.disagg.lookup import PrefillLookup
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
                                                Destination, Ping, Pong, check_page_buffers,
                                                geometry_mismatch, geometry_of)
@@ -49,7 +49,7 @@ def advertised_ip(host: str) -> str:
             return "127.0.0.1"
 
 
-class ZmqDisaggManager(Liveness, DisaggManager):
+class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str):
         if role not in ("prefill", "decode"):
@@ -375,45 +375,6 @@ class ZmqDisaggManager(Liveness, DisaggManager):
         if msg.ack or msg.last:
             self._send(r.peer, Ack(r.room, self.endpoint, r.received,
                                    r.state == KVPoll.SUCCESS))
-
-    @property
-    def peer_role(self) -> str:
-        return "decode" if self.role == "prefill" else "prefill"
-
-    def abort_when_resolved(self, r) -> None:
-        """Transfer thread: a receiver failed before its prefill's endpoint was known."""
-        abort = Abort(r.room, self.endpoint, r.reason or "aborted")
-        with self._lock:
-            endpoint = self._routes.get(r.bootstrap)
-            if endpoint is None:
-                self._deferred_aborts.setdefault(r.bootstrap, []).append(abort)
-                return
-        self._send(endpoint, abort)
-
-    def _resolve(self, key: tuple[str, int]) -> None:
-        """Resolver thread, one per prefill being looked up (a prefill that is down must
-        not delay the rooms of the others): retry until the bootstrap timeout."""
-        endpoint, error = resolve_prefill_endpoint(
-            key, self.bootstrap_timeout, (self.page_size, self.kv_dtype),
-            lambda: self._stopping)
-        with self._lock:
-            self._resolving.discard(key)
-            deferred = self._deferred_aborts.pop(key, [])
-            if endpoint is not None:
-                self._routes[key] = endpoint
-                for abort in deferred:
-                    self._call(self._send, endpoint, abort)
-            waiting = [r for r in self.receivers.values()
-                       if r.bootstrap == key and r.peer is None and not is_final(r.state)]
-        for r in waiting:
-            if endpoint is None:
-                self.transition(r, KVPoll.FAILED,
-                                f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
-            else:
-                r.peer = endpoint
-                self.transition(r, KVPoll.WAITING_FOR_INPUT,
-                                only_from=(KVPoll.BOOTSTRAPPING,))
-                self._call(self.send_destination, r)  # if init() came first
 
 
 __all__ = ["ZmqDisaggManager"]
