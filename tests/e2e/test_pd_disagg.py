@@ -56,11 +56,13 @@ class PDServers:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
                 "bootstrap_room": random.getrandbits(63) if room is None else room}
 
-    def generate(self, text_or_ids, max_new_tokens: int = 8, timeout: float = 60) -> list:
+    def generate(self, text_or_ids, max_new_tokens: int = 8, timeout: float = 60,
+                 **sampling) -> list:
         """What the router does: the same body to both servers at once; returns both."""
         key = "input_ids" if isinstance(text_or_ids, list) else "text"
         body = {key: text_or_ids, "sampling_params": {"max_new_tokens": max_new_tokens,
-                                                      "temperature": 0.0}, **self.body()}
+                                                      "temperature": 0.0, **sampling},
+                **self.body()}
         out: dict = {}
 
         def post(name, srv):

@@ -44,22 +44,11 @@ def assert_same_or_near_tie(ours: list[int], ref: dict, label: str) -> None:
 
 
 def run_batch(pd: PDServers, batch: list[list[int]]) -> dict[int, httpx.Response]:
+    """All requests at once, each sent to both servers as the router would; decode answers."""
     out: dict[int, httpx.Response] = {}
 
     def one(i: int) -> None:
-        body = {"input_ids": batch[i], "sampling_params": {
-            "max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
-        responses: dict = {}
-
-        def post(name, srv):
-            responses[name] = httpx.post(srv.base_url + "/generate", json=body, timeout=180)
-        threads = [threading.Thread(target=post, args=(n, s))
-                   for n, s in (("prefill", pd.prefill), ("decode", pd.decode))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        out[i] = responses["decode"]
+        out[i] = pd.generate(batch[i], MAX_NEW, timeout=180, ignore_eos=True)[1]
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
     for t in threads:
         t.start()
