@@ -7,6 +7,7 @@ from kvstrata.protocol.scheduler_output import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    StorageProgress,
     TopLogprob,
     TransferOp,
 )
@@ -21,4 +22,5 @@ __all__ = [
     "RequestOutput",
     "TopLogprob",
     "TransferOp",
+    "StorageProgress",
 ]

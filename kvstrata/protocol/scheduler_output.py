@@ -50,14 +50,33 @@ class ScheduledRequest(msgspec.Struct):
 class TransferOp(msgspec.Struct):
     """Move whole pages between tiers (HiCache). Ops run in list order. `sync` ops finish
     before this step's forward (loads it reads, write-backs of pages it may overwrite); the
-    others run in the background. Every op's job_id comes back exactly once, in
-    RunnerOutput.finished_transfer_ids or failed_transfer_ids."""
+    others run in the background.
+
+    Device <-> host ("d2h", "h2d"): every op's job_id comes back exactly once, in
+    RunnerOutput.finished_transfer_ids or failed_transfer_ids.
+    Host <-> storage ("h2s" backup, "s2h" prefetch; never sync, device_pages empty): `keys`
+    are the pages' storage keys (cache/page_keys.py), one per host page. These report
+    through RunnerOutput.storage_progress instead, and end with exactly one entry whose
+    `finished` is True. An "s2h" op first asks the backend how many leading keys exist,
+    then reads those pages in order; an "h2s" op skips keys already stored."""
 
     job_id: int
-    kind: str  # "d2h" (device -> host) | "h2d" (host -> device)
+    kind: str  # "d2h" | "h2d" | "h2s" | "s2h"
     device_pages: list[int]
     host_pages: list[int]
     sync: bool
+    keys: list[str] = []
+
+
+class StorageProgress(msgspec.Struct):
+    """Where a host <-> storage job stands (see TransferOp). Pages complete in key order:
+    `done_pages` n means host_pages[:n] hold (s2h) / were stored from (h2s) keys[:n]."""
+
+    job_id: int
+    hit_pages: int   # s2h: leading keys found in storage (-1 until asked); h2s: len(keys)
+    done_pages: int
+    finished: bool   # no more progress will come for this job
+    error: str = ""  # why it stopped short (a backend failure), "" otherwise
 
 
 class SchedulerOutput(msgspec.Struct):
@@ -71,6 +90,9 @@ class SchedulerOutput(msgspec.Struct):
     pd_ops: list["PDOp"] = []
     # Decode retraction KV backups/restores, applied first of all (protocol/disagg.py).
     backups: list["BackupOp"] = []
+    # Storage prefetch ("s2h") jobs to stop now: the runner stops each after the page it is
+    # reading and reports its final StorageProgress (finished=True) in this step's output.
+    storage_cancels: list[int] = []
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -96,6 +118,8 @@ class RunnerOutput(msgspec.Struct):
     failed_transfer_ids: list[int] = []
     # PD transfer state changes since the last step (protocol/disagg.py).
     pd_events: list["PDEvent"] = []
+    # Host <-> storage jobs: one entry per job that progressed since the last step.
+    storage_progress: list[StorageProgress] = []
 
 
 # At the end: disagg.py imports TopLogprob from this module (the forward references above
