@@ -15,7 +15,7 @@ setup: $(STAMP)
 # Python headers, installed from Debian's packages when missing. The PD `mooncake` backend's
 # wheel (a dev dependency) links libibverbs.so.1 even for its TCP transport: Debian's
 # libibverbs1, installed the same way.
-$(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c
+$(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c kvstrata/runner/attention/csrc/paged_decode.c
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
 	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -q && apt-get install -y -q libibverbs1)
 	$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
@@ -37,4 +37,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvstrata/kv/_rowcopy*.so
+	rm -rf $(VENV) build *.egg-info kvstrata/kv/_rowcopy*.so kvstrata/runner/attention/_paged_decode*.so

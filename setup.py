@@ -1,6 +1,10 @@
-# Metadata lives in pyproject.toml; this file only declares the one C extension (the CPU
-# row copy behind HiCache's `kernel` IO backend, see kvstrata/kv/rowcopy.py).
+# Metadata lives in pyproject.toml; this file only declares the C extensions: the CPU row copy
+# behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py) and the paged decode attention
+# of the CPU attention backend (kvstrata/runner/attention/paged_decode.py).
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.c"],
-                             extra_compile_args=["-O3"])])
+                             extra_compile_args=["-O3"]),
+                   Extension("kvstrata.runner.attention._paged_decode",
+                             ["kvstrata/runner/attention/csrc/paged_decode.c"],
+                             extra_compile_args=["-O3"], extra_link_args=["-lpthread"])])

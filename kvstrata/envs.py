@@ -91,6 +91,10 @@ KVSTRATA_ENGINE_FACTORY = _declare(
 KVSTRATA_MAX_REQUEST_BYTES = _declare(
     "KVSTRATA_MAX_REQUEST_BYTES", int, 32 << 20,
     "Largest HTTP request body the API server reads; larger bodies get 413.")
+KVSTRATA_CPU_PAGED_DECODE = _declare(
+    "KVSTRATA_CPU_PAGED_DECODE", bool, True,
+    "CPU decode attention reads the fp32 KV pool in place with the paged decode kernel "
+    "(runner/attention/paged_decode.py); 0 = gather each request's K/V, then SDPA (ablation).")
 KVSTRATA_BENCH_MAX_LOAD = _declare(
     "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "

@@ -101,3 +101,20 @@ def test_bench_retraction_rows(tmp_path, tiny_model_path):
         assert r["backup_s"] > 0 and r["restore_s"] > 0 and r["recompute_over_restore"] > 0
     assert len(result["checks"]) == 2 * len(pairs)  # vs cpu_tensor, vs recompute
     assert "box_load" in result["meta"]
+
+
+def test_bench_decode_step_rows(tmp_path, tiny_model_path):
+    """Both decode variants and the prefill are timed and profiled against the GEMM peak."""
+    out = tmp_path / "decode_step.json"
+    _run("bench_decode_step.py", "--model", tiny_model_path, "--batch", "3", "--context", "5",
+         "40", "--prefill", "24", "--steps", "1", "--rounds", "1", "--gemm-size", "128",
+         "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["gemm_peak_gflops"] > 0 and report["linear_params"] > 0
+    assert [r["context"] for r in report["decode"]] == [5, 40]
+    for row in report["decode"]:
+        for variant in ("kernel", "gather_sdpa"):
+            v = row[variant]
+            assert v["ms"] > 0 and 0 < v["of_peak"] and v["top_ops"]
+            assert 0 < v["attention_share"] < 1  # the kernel shows up as an op of its own
+    assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0

@@ -11,6 +11,9 @@ attention pieces; each layer then writes its new K/V at their slots and runs the
          its K/V, explicit causal mask offset by its start.
   decode a group of one-token requests of similar context length: gather K/V padded to the
          group's longest context, one SDPA call with a length mask.
+  kernel every one-token request at once, read in place from an fp32 pool on the CPU by the
+         paged decode kernel (paged_decode.py): no gather, no padding. Replaces `decode`
+         pieces where it applies (KVSTRATA_CPU_PAGED_DECODE=0 turns it off).
 
 Why pieces rather than one padded SDPA over the whole batch: on CPU decode is memory-bound on
 the K/V gather (every layer copies each request's whole context) and on SDPA reading it back,
@@ -31,8 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvstrata import envs
 from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.forward_batch import ForwardBatch
 
 # Fixed cost of one more decode group, in gathered K/V rows (index_select x2, SDPA, q and out
@@ -44,7 +49,7 @@ MAX_DECODE_GROUPS = 8
 
 @dataclass
 class Piece:
-    kind: str                          # "fresh" | "paged" | "decode"
+    kind: str                          # "fresh" | "paged" | "decode" | "kernel"
     lo: int                            # flat token range [lo, hi) (fresh / paged)
     hi: int
     kv_idx: torch.Tensor | None = None  # [n * S / unit] rows of `unit` slots (paged / decode)
@@ -52,6 +57,8 @@ class Piece:
     mask: torch.Tensor | None = None    # bool, broadcastable to SDPA scores; None = all visible
     tok_idx: torch.Tensor | None = None  # [n] flat tokens of a decode group; None = lo..hi
     n: int = 0                         # requests in a decode group
+    slots: torch.Tensor | None = None   # kernel: every request's slots, concatenated
+    starts: torch.Tensor | None = None  # kernel: [n + 1] offsets of each request in `slots`
 
 
 @dataclass
@@ -92,6 +99,9 @@ class TorchNativeAttnBackend:
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.gqa = num_heads != num_kv_heads
         self.group = num_heads // num_kv_heads
+        self.use_kernel = (kv_pool is not None and envs.KVSTRATA_CPU_PAGED_DECODE.get()
+                           and paged_decode.supported(kv_pool.kv.dtype, torch.float32,
+                                                      kv_pool.kv.device))
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -117,10 +127,28 @@ class TorchNativeAttnBackend:
                 mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
                 pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask))
             off += n
-        if decode:
+        if decode and self.use_kernel:
+            pieces.append(self._kernel_piece(decode, table, device))
+        elif decode:
             pieces.extend(self._decode_pieces(decode, table, device))
         single = len(pieces) == 1 and pieces[0].tok_idx is None
         fb.attn_meta = TorchNativeMeta(pieces, single)
+
+    def _kernel_piece(self, decode: list[tuple[int, int, int]], table: torch.Tensor,
+                      device: torch.device) -> Piece:
+        """All one-token requests in one kernel call: their slots 0 .. len - 1, concatenated
+        (one masked select over the rows of req_to_token), and where each starts."""
+        rows, toks, lens = zip(*((e[2], e[1], e[0]) for e in decode))
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        longest = max(lens)
+        visible = torch.arange(longest)[None, :] < lens_t[:, None]
+        slots = table[torch.tensor(rows, dtype=torch.int64), :longest][visible]
+        starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
+        torch.cumsum(lens_t, 0, out=starts[1:])
+        contiguous = list(toks) == list(range(toks[0], toks[0] + len(toks)))
+        return Piece("kernel", toks[0], toks[0] + len(toks), n=len(toks),
+                     tok_idx=None if contiguous else torch.tensor(toks, dtype=torch.int64),
+                     slots=slots.to(torch.int64).contiguous(), starts=starts)
 
     def _decode_pieces(self, decode: list[tuple[int, int, int]], table: torch.Tensor,
                        device: torch.device) -> list[Piece]:
@@ -206,6 +234,12 @@ class TorchNativeAttnBackend:
     def _piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if p.kind == "kernel":
+            qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
+            out = paged_decode.paged_decode(qg.to(torch.float32).contiguous(),
+                                            self.kv_pool.k(layer), self.kv_pool.v(layer),
+                                            p.slots, p.starts, self.scale)
+            return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":
             n = p.n
             keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)

@@ -1,0 +1,214 @@
+"""Profile of one decode step (batch B, context C) and one long prefill of SmolLM2 on the CPU,
+against the machine's fp32 GEMM peak measured in the same run (issue: a decode step close to
+the GEMM limit).
+
+For each context length it times the decode step with the paged decode kernel
+(runner/attention/paged_decode.py) and with the gather + SDPA path it replaces, interleaved,
+and reports: ms per step, achieved GFLOP/s (linear layers incl. the output head + attention
+scores and values) as a fraction of the GEMM peak, and where the time goes (torch profiler:
+the top ops by self time, and the share of the step spent outside torch ops = Python and
+dispatch overhead). KV contents are left as allocated (zeros): timings do not depend on them,
+and filling 32 x 512 positions by prefill would take minutes.
+
+  python benchmarks/bench_decode_step.py --batch 32 --context 128 512 --prefill 2048 \
+      --out benchmarks/results/decode_step.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.config.kv_plan import KVPlan  # noqa: E402
+from kvstrata.protocol.sampling_params import SamplingParams  # noqa: E402
+from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
+                                                SchedulerOutput)
+from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
+
+PAGE = 16
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill "
+                   "profile (0: skip)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--gemm-size", type=int, default=2048)
+    p.add_argument("--out", default="benchmarks/results/decode_step.json")
+    add_quiet_arg(p)
+    return p.parse_args(argv)
+
+
+def gemm_peak(n: int) -> float:
+    """GFLOP/s of an n x n x n fp32 matmul (best of 3 after a warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(3))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linear_params(model: torch.nn.Module) -> int:
+    """Weights every token multiplies: each layer's 2-D weights (qkv, o, gate/up, down) and
+    the output head (the embedding matrix when tied); the embedding lookup is not a matmul."""
+    per_layer = sum(p.numel() for layer in model.layers for name, p in
+                    layer.named_parameters() if p.dim() == 2)
+    return per_layer + model.lm_head.numel()
+
+
+class DecodeBatch:
+    """B requests whose req_to_token rows already list C positions; each step decodes one
+    token at position C (the same slot every step, so the batch stays the same)."""
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, first_row: int,
+                 first_page: int):
+        self.runner, self.batch, self.context = runner, batch, context
+        pages_per = context // PAGE + 1
+        self.last_page = first_page + batch * pages_per - 1
+        self.reqs = []
+        new = []
+        for b in range(batch):
+            rid = f"c{context}-{b}"
+            base = first_page + b * pages_per
+            slots = [(base + p // PAGE) * PAGE + p % PAGE for p in range(context + 1)]
+            self.reqs.append((rid, first_row + b, slots))
+            new.append(NewRequestData(rid, [5 + b % 50] * context, [], GREEDY))
+        self._step(new, first=True)
+
+    def _step(self, new=(), first=False):
+        sched = [ScheduledRequest(rid, row, self.context, [17], 0 if first else self.context,
+                                  slots if first else slots[-1:], True)
+                 for rid, row, slots in self.reqs]
+        return self.runner.execute(SchedulerOutput(0, False, list(new), sched, []))
+
+    def step(self):
+        return self._step()
+
+    def free(self):
+        self.runner.execute(SchedulerOutput(0, False, [], [], [r[0] for r in self.reqs]))
+
+
+ATTENTION_OPS = ("kvstrata::paged_decode", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                 "aten::index_select")
+
+
+def profile(fn, steps: int) -> tuple[list[dict], float, float]:
+    """Top ops by self CPU time, the share of wall time outside torch ops, and the share in
+    decode attention (the kernel, or the gather + SDPA it replaces)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    in_ops = sum(e.self_cpu_time_total for e in events) / 1e6
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    rows = [{"op": e.key, "share": e.self_cpu_time_total / 1e6 / wall} for e in top]
+    attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS) / 1e6
+    return rows, max(0.0, 1 - in_ops / wall), attention / wall
+
+
+def attention_flops(batch: int, context: int, dims) -> int:
+    return 4 * batch * (context + 1) * dims.num_heads * dims.head_dim * dims.num_layers
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = announce_load(args.require_quiet)
+    peak = gemm_peak(args.gemm_size)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); fp32 GEMM peak "
+          f"{peak:.1f} GFLOP/s ({args.gemm_size}^3)")
+    runner = ModelRunner(args.model, dtype="float32", device="cpu")
+    dims = runner.model.dims
+    rows_needed = args.batch * len(args.context) + 2
+    pages = sum(args.batch * (c // PAGE + 1) for c in args.context) + args.prefill // PAGE + 2
+    runner.allocate_kv(KVPlan.mha(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads,
+                                  head_dim=dims.head_dim, dtype="float32", page_size=PAGE,
+                                  num_pages=pages, num_rows=rows_needed,
+                                  context_len=max(max(args.context), args.prefill) + 1))
+    backend = runner.model.attn_backend
+    params = linear_params(runner.model)
+    report = {"box_load": load, "threads": torch.get_num_threads(), "gemm_peak_gflops": peak,
+              "linear_params": params, "decode": [], "prefill": None}
+    first_row, first_page = 1, 1
+    with torch.inference_mode():
+        for context in args.context:
+            batch = DecodeBatch(runner, args.batch, context, first_row, first_page)
+            first_row, first_page = first_row + args.batch, batch.last_page + 1
+            flops = 2 * params * args.batch + attention_flops(args.batch, context, dims)
+            times = {True: [], False: []}
+            for _ in range(args.rounds):
+                for kernel in (True, False):
+                    backend.use_kernel = kernel
+                    batch.step()  # warm-up of this variant
+                    times[kernel].append(min(_timed(batch.step) for _ in range(args.steps)))
+            row = {"batch": args.batch, "context": context, "flops_per_step": flops}
+            for kernel, name in ((True, "kernel"), (False, "gather_sdpa")):
+                backend.use_kernel = kernel
+                ms = statistics.median(times[kernel]) * 1e3
+                top, overhead, attention = profile(batch.step, args.steps)
+                row[name] = {"ms": ms, "gflops": flops / ms / 1e6,
+                             "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,
+                             "attention_share": attention, "top_ops": top}
+                print(f"decode B={args.batch} C={context:<5d} {name:<11s} {ms:8.1f} ms  "
+                      f"{flops / ms / 1e6:6.1f} GFLOP/s = {flops / ms / 1e6 / peak:5.1%} of "
+                      f"peak; attention {attention:5.1%}; outside torch ops {overhead:5.1%}; "
+                      "top: " + ", ".join(
+                          f"{t['op']} {t['share']:.0%}" for t in top[:4]), flush=True)
+            row["kernel_speedup"] = row["gather_sdpa"]["ms"] / row["kernel"]["ms"]
+            print(f"  paged decode kernel: {row['kernel_speedup']:.2f}x the gather + SDPA step")
+            report["decode"].append(row)
+            batch.free()
+        backend.use_kernel = True
+        if args.prefill:
+            prompt = [5 + i % 1000 for i in range(args.prefill)]
+            slots = [(first_page + p // PAGE) * PAGE + p % PAGE for p in range(args.prefill)]
+            new = NewRequestData("prefill", prompt, [], GREEDY)
+
+            def run_prefill():
+                runner.execute(SchedulerOutput(0, True, [new], [ScheduledRequest(
+                    "prefill", rows_needed, 0, prompt, 0, slots, True)], []))
+                runner.execute(SchedulerOutput(0, False, [], [], ["prefill"]))
+            run_prefill()
+            ms = min(_timed(run_prefill) for _ in range(2)) * 1e3
+            flops = 2 * params * args.prefill + 2 * args.prefill ** 2 * dims.num_heads * \
+                dims.head_dim * dims.num_layers  # causal: half of 4 * T^2 * H * D per layer
+            top, overhead, _ = profile(run_prefill, 1)
+            report["prefill"] = {"tokens": args.prefill, "ms": ms, "gflops": flops / ms / 1e6,
+                                 "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,
+                                 "top_ops": top}
+            print(f"prefill {args.prefill} tokens {ms:8.1f} ms  {flops / ms / 1e6:6.1f} GFLOP/s "
+                  f"= {flops / ms / 1e6 / peak:5.1%} of peak; outside torch ops {overhead:5.1%};"
+                  " top: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:4]))
+    runner.shutdown()
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
