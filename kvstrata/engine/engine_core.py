@@ -4,6 +4,7 @@ injected). Used in-process by `kvstrata.LLM` and inside the scheduler process by
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from kvstrata import envs
@@ -13,6 +14,8 @@ from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
+# A graceful shutdown waits this long for host writes and their storage backups (HiCache L3).
+BACKUP_DRAIN_SECONDS = 30.0
 
 
 class EngineCore:
@@ -176,7 +179,24 @@ class EngineCore:
     def dump_state(self) -> str:
         return self.scheduler.dump_state()
 
+    def finish_storage_backups(self, timeout: float = BACKUP_DRAIN_SECONDS) -> bool:
+        """Graceful shutdown with HiCache L3: step transfers only (no forward) until every
+        host write and its storage backup has ended, so the next server finds the pages.
+        Bounded by `timeout` (logged when hit). True when nothing is left pending."""
+        kv = self.scheduler.kv
+        deadline = time.monotonic() + timeout
+        while kv.storage_backups_pending():
+            if time.monotonic() >= deadline:
+                logger.warning("Shutdown: storage backups still pending after %.1f s; stopping "
+                               "without them", timeout)
+                return False
+            out = self.scheduler.transfer_only_output()
+            self.scheduler.update(out, self.runner.execute(out))
+        return True
+
     def shutdown(self) -> None:
+        if self.scheduler.kv.storage is not None:
+            self.finish_storage_backups()
         close = getattr(self.runner, "shutdown", None)
         if close is not None:
             close()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstrata.cache.storage_tier import PrefetchConfig
 from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.server_args import parse_extra_config
 
 
 _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
@@ -26,6 +28,11 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
     hicache_write_policy: str = "write_through"
+    # HiCache L3 (cache/storage_tier.py): on when a backend is named. The extra config's
+    # prefetch keys (PREFETCH_CONFIG_KEYS) tune the policy; the runner gets the rest.
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_backend_extra_config: str | None = None
     # Prefill/decode disaggregation (engine/disagg_*.py). "null": co-located, unchanged.
     disaggregation_mode: str = "null"  # null | prefill | decode
     # Decode admission: KV tokens reserved per request already on the decode server.
@@ -80,6 +87,15 @@ class SchedulerConfig:
                              f"{self.retraction_backup} needs "
                              f"{'a' if retraction_pool is False else 'no'} retraction host pool "
                              f"in the KV plan (num_host_pages {plan.num_host_pages})")
+
+    def prefetch_config(self) -> PrefetchConfig | None:
+        """The L3 prefetch policy, or None without a storage backend (or on a decode server,
+        which never prefetches)."""
+        if self.hicache_storage_backend is None or self.disaggregation_mode == "decode":
+            return None
+        return PrefetchConfig.from_extra(
+            self.hicache_storage_prefetch_policy,
+            parse_extra_config(self.hicache_storage_backend_extra_config))
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
