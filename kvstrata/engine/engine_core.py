@@ -3,6 +3,7 @@ injected). Used in-process by `kvstrata.LLM` and inside the scheduler process by
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -164,6 +165,9 @@ class EngineCore:
             "hicache_host_total_tokens": kv.host_allocator.num_pages * P,
             "hicache_host_used_tokens": kv.host_allocator.num_used() * P,
         }
+        if kv.storage is not None:  # L3: tokens per outcome (the runner adds bytes)
+            out.update({f"hicache_storage_{k}": v
+                        for k, v in dataclasses.asdict(kv.storage.stats).items()})
         stats = getattr(self.runner, "transfer_stats", None)
         if stats is not None:
             out.update({f"hicache_{k}": v for k, v in stats().items()})
