@@ -15,8 +15,9 @@ from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
-# A graceful shutdown waits this long for host writes and their storage backups (HiCache L3).
-BACKUP_DRAIN_SECONDS = 30.0
+# A graceful shutdown waits this long for host writes and their storage backups (HiCache L3):
+# under the launcher's 10 s join of the scheduler process (launcher.JOIN_TIMEOUT_S).
+BACKUP_DRAIN_SECONDS = 6.0
 
 
 class EngineCore:

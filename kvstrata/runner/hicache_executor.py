@@ -121,7 +121,8 @@ class HiCacheExecutor:
                       if isinstance(v, (int, float))})
         return s
 
-    def close(self, storage_timeout: float = 30.0) -> None:
+    def close(self, storage_timeout: float = 2.0) -> None:
+        # The scheduler already waited for the backups (EngineCore.finish_storage_backups).
         self.controller.drain(timeout=30)
         self.controller.close()
         if self.storage is not None:
