@@ -14,6 +14,8 @@ _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
               "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval",
               "disaggregation_decode_retraction_backup")
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
+_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
+                   "hicache_storage_backend_extra_config")
 
 
 @dataclass(init=False)
@@ -99,8 +101,10 @@ class SchedulerConfig:
 
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
-        # PD fields default when ServerArgs does not have them (yet); the others must exist.
-        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in _PD_FIELDS
+        # PD and storage fields default when the args lack them (an args-like namespace
+        # from before those flags); the others must exist.
+        optional = _PD_FIELDS + _STORAGE_FIELDS
+        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in optional
                                      else getattr(args, f.name))
                             for f in fields(cls) if f.name != "plan"})
 
