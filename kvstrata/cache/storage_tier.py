@@ -199,6 +199,11 @@ class StorageTier:
         host = self.tree._alloc_host(n)
         if host is None:
             return False
+        if self._cached_pages(token_ids[:usable * P]) < start:
+            # Making room evicted the request's own host prefix: the fetched pages would
+            # have nothing to hang under. Recompute instead.
+            self.tree.host_allocator.free(host)
+            return False
         keys = chain_page_keys(token_ids[:usable * P], P)[start:]
         job = self.tree.next_job_id()
         self.prefetches[job] = Prefetch(job, rid, list(token_ids[:usable * P]), start, host,
