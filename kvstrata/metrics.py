@@ -15,6 +15,16 @@ _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
 
 ABORT_REASONS = ("client_disconnect", "abort_request", "engine_dead")
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
+# HiCache L3 totals (load-report key hicache_storage_<name>) exported as counters.
+STORAGE_COUNTERS = {
+    "hit_tokens": "Prompt tokens prefetched from storage into the host tier",
+    "miss_tokens": "Prompt tokens asked of storage and not found",
+    "bytes_read": "Bytes read from storage", "bytes_written": "Bytes written to storage",
+    "backup_pages": "Pages backed up to storage (stored or found already stored)",
+    "backup_failed_pages": "Pages a backup failed to store",
+    "errors": "Storage jobs ended by a backend error",
+}
+PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
 
 
 class ServerMetrics:
@@ -73,6 +83,12 @@ class ServerMetrics:
         self._decode_exhausted = Counter("kvstrata:decode_retraction_exhausted_aborts",
                                          "Requests aborted because the retraction host KV "
                                          "pool was exhausted", labels, registry=r)
+        # HiCache L3 (with --hicache-storage-backend): running totals from the load report.
+        self._storage = {
+            key: Counter(f"kvstrata:hicache_storage_{key}", doc, labels, registry=r)
+            for key, doc in STORAGE_COUNTERS.items()}
+        self._prefetch = Counter("kvstrata:hicache_storage_prefetch", "Storage prefetches by "
+                                 "outcome", labels + ["outcome"], registry=r)
         self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
@@ -106,6 +122,24 @@ class ServerMetrics:
                 self._hicache.labels(m, key.removeprefix("hicache_")).set(value)
         if "decode_retractions_total" in load:
             self._set_decode_retraction(load)
+        if "hicache_storage_hit_tokens" in load:
+            self._set_storage(load)
+
+    def _advance(self, key: str, value: float, counter) -> None:
+        """Counters follow a running total: advance by what it grew since the last report."""
+        delta = value - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._seen[key] = value
+
+    def _set_storage(self, load: dict) -> None:
+        m = self.model_name
+        for key, counter in self._storage.items():
+            self._advance(f"storage_{key}", load.get(f"hicache_storage_{key}", 0),
+                          counter.labels(m))
+        for outcome in PREFETCH_OUTCOMES:
+            self._advance(f"prefetch_{outcome}", load.get(f"hicache_storage_prefetch_{outcome}", 0),
+                          self._prefetch.labels(m, outcome))
 
     def _set_decode_retraction(self, load: dict) -> None:
         m = self.model_name
@@ -117,11 +151,7 @@ class ServerMetrics:
             totals += [(f"decode_backups_{backend}", self._decode_backups.labels(m, backend)),
                        (f"decode_restores_{backend}", self._decode_restores.labels(m, backend))]
         for key, counter in totals:
-            value = load.get(key, 0)
-            delta = value - self._seen.get(key, 0)
-            if delta > 0:
-                counter.inc(delta)
-            self._seen[key] = value
+            self._advance(key, load.get(key, 0), counter)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

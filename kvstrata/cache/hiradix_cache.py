@@ -59,6 +59,10 @@ class HiRadixCache(RadixCache):
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, tuple[TreeNode, list[TreeNode]]] = {}  # id -> (locked, covered)
         self.stats = HiCacheStats()
+        self.storage = None  # StorageTier (cache/storage_tier.py) with --hicache-storage-backend
+
+    def next_job_id(self) -> int:
+        return next(self._job_ids)
 
     # ------------------------------------------------------------------ match
     def match_prefix(self, token_ids: list[int]) -> HiMatchResult:
@@ -179,6 +183,9 @@ class HiRadixCache(RadixCache):
         locked, covered = self._jobs[lower.pending_job]
         covered.append(upper)
 
+    def _on_split_host_ref(self, upper: TreeNode, lower: TreeNode) -> None:
+        self.storage.on_split(upper, lower)
+
     def on_transfer_done(self, job_id: int, ok: bool) -> None:
         """Called with every job id the runner reports (sync ones included)."""
         entry = self._jobs.pop(job_id, None)
@@ -193,6 +200,8 @@ class HiRadixCache(RadixCache):
             else:
                 self.host_allocator.free(node.pending_host)
             node.pending_job = node.pending_host = None
+            if ok and self.storage is not None:
+                self.storage.backup(node)  # L2 -> L3 once the host copy is whole
         if not ok:
             self.stats.failed_jobs += 1
         self.unlock(locked)
@@ -220,6 +229,8 @@ class HiRadixCache(RadixCache):
                                            list(host), sync=True))
                     node.host_pages = host
                     self.stats.d2h_pages += k
+                    if self.storage is not None:  # queued after the sync write it reads
+                        self.storage.backup(node)
             parent = node.parent
             self.allocator.free(node.device_pages)
             self._evictable_pages -= k
@@ -234,21 +245,25 @@ class HiRadixCache(RadixCache):
         return freed
 
     def _drop_subtree(self, node: TreeNode) -> None:
-        """Remove `node` (device pages already freed) and its host-only descendants."""
+        """Remove `node` (device pages already freed) and its host-only descendants. A host
+        copy a storage backup still reads is freed by the backup's end instead."""
         del node.parent.children[node.key[:self.page_size]]
         stack = list(node.children.values())
         while stack:
             n = stack.pop()
             assert not n.device_pages and n.pending_job is None
-            if n.host_pages:
+            if n.host_pages and n.host_ref == 0:
                 self.host_allocator.free(n.host_pages)
+            n.parent = None
             stack.extend(n.children.values())
         node.parent = None
 
     def evict_host(self, num_pages: int) -> int:
-        """Free host copies of host-only leaves (never a node being written)."""
+        """Free host copies of host-only leaves (never a node being written, nor one a storage
+        backup is reading)."""
         heap = [(self._priority(n), n.id, n) for n in self._nodes()
-                if not n.children and not n.device_pages and n.pending_job is None]
+                if not n.children and not n.device_pages and n.pending_job is None
+                and n.host_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -259,7 +274,7 @@ class HiRadixCache(RadixCache):
             del parent.children[node.key[:self.page_size]]
             node.parent = None
             if (parent is not self.root and not parent.children and not parent.device_pages
-                    and parent.pending_job is None):
+                    and parent.pending_job is None and parent.host_ref == 0):
                 heapq.heappush(heap, (self._priority(parent), parent.id, parent))
         return freed
 
@@ -271,7 +286,7 @@ class HiRadixCache(RadixCache):
         return sum(len(n.pending_host) for n in self._nodes() if n.pending_host is not None)
 
     def reset(self) -> bool:
-        if self._jobs or self._protected_pages > 0:
+        if self._jobs or self._protected_pages > 0 or (self.storage and self.storage.busy()):
             return False
         for node in self._nodes():
             if node.host_pages:
@@ -309,7 +324,14 @@ class HiRadixCache(RadixCache):
         assert (evictable, protected) == (self._evictable_pages, self._protected_pages), (
             f"device counters ({self._evictable_pages}, {self._protected_pages}) != tree "
             f"({evictable}, {protected})")
+        if self.storage is not None:
+            self.storage.check_integrity()
+            for p in self.storage.held_host_pages():
+                assert p not in host_seen, f"host page {p} owned twice (storage and tree)"
+                assert self.host_allocator.is_allocated(p), f"storage holds free host page {p}"
+                host_seen.add(p)
         assert self.host_allocator.num_used() == len(host_seen), (
-            f"host page leak: {self.host_allocator.num_used()} used, tree holds {len(host_seen)}")
+            f"host page leak: {self.host_allocator.num_used()} used, tree and storage jobs "
+            f"hold {len(host_seen)}")
         self.allocator.check_integrity()
         self.host_allocator.check_integrity()

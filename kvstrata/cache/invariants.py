@@ -3,7 +3,9 @@ every scheduler step when KVSTRATA_CHECK_INTEGRITY=1.
 
 What must hold at any step boundary:
 - every device page is exactly one of: free / owned by one live request / owned by the tree
-  (same for host pages: free / held by a tree node / being written for a node; in a decode
+  (same for host pages: free / held by a tree node / being written for a node / HiCache L3:
+  a prefetch's buffer, or the copy of a node dropped while a storage backup reads it, see
+  cache/storage_tier.py; every node's host_ref equals the backups reading it; in a decode
   server's retraction host pool: free / held by one retracted request's backup, checked by
   KVManager.check_backups from engine/disagg_retract.py);
 - a request's tree-owned prefix is exactly the pages on the path to its locked node;

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 from kvstrata.cache.hiradix_cache import HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import RadixCache
+from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import TransferOp
 
@@ -26,10 +27,12 @@ LOAD_BACK_THRESHOLD_PAGES = 1
 
 class KVManager:
     def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
-                 eviction_policy: str = "lru", hicache_write_policy: str = "write_through"):
+                 eviction_policy: str = "lru", hicache_write_policy: str = "write_through",
+                 storage: PrefetchConfig | None = None):
         """Page ids for `plan`'s pools. A host pool in the plan is either HiCache L2 (a host
         tier behind the radix tree) or, with host_pool_use "retraction", a decode server's
-        store for retracted requests' KV backups (no tree: `alloc_backup_pages`)."""
+        store for retracted requests' KV backups (no tree: `alloc_backup_pages`). `storage`:
+        HiCache L3 is on (cache/storage_tier.py), with this prefetch policy."""
         self.plan = plan
         page_size = self.page_size = plan.page_size
         self.allocator = PageAllocator(plan.num_pages, page_size)
@@ -44,11 +47,20 @@ class KVManager:
             self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
             self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
                                                  hicache_write_policy, eviction_policy)
+            if storage is not None:
+                capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
+                self.tree.storage = StorageTier(self.tree, storage, max(capacity, 0))
+        elif storage is not None:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
         else:
             self.tree = RadixCache(self.allocator, page_size, disable=disable_radix_cache,
                                    eviction_policy=eviction_policy)
         self.matched_tokens = 0
         self.queried_tokens = 0
+
+    @property
+    def storage(self) -> StorageTier | None:
+        return self.tree.storage if self.hicache else None
 
     # ------------------------------------------------------------------ capacity
     @property
@@ -158,7 +170,35 @@ class KVManager:
         return self.hicache and bool(self.tree._jobs)
 
     def has_transfers_in_flight(self) -> bool:
-        return self.hicache and bool(self.tree.pending_ops or self.tree._jobs)
+        return self.hicache and bool(self.tree.pending_ops or self.tree._jobs
+                                     or (self.storage is not None and self.storage.busy()))
+
+    # ------------------------------------------------------------------ storage (L3)
+    def start_prefetch(self, req: Any) -> bool:
+        """On arrival: fetch from storage the whole pages beyond the device+host match."""
+        if self.storage is None:
+            return False
+        return self.storage.start_prefetch(req.rid, self._matchable(req.all_ids))
+
+    def prefetch_ready(self, req: Any) -> bool:
+        """May the request be admitted now (its prefetch policy is satisfied)?"""
+        return self.storage is None or self.storage.ready(req.rid)
+
+    def abort_prefetch(self, rid: str) -> None:
+        if self.storage is not None:
+            self.storage.abort(rid)
+
+    def on_storage_progress(self, progress: list) -> None:
+        if self.storage is not None and progress:
+            self.storage.on_progress(progress)
+
+    def drain_storage_cancels(self) -> list[int]:
+        return self.storage.drain_cancels() if self.storage is not None else []
+
+    def storage_backups_pending(self) -> bool:
+        """Host writes whose L3 backup has not ended yet (what a graceful shutdown waits for)."""
+        return self.storage is not None and bool(self.tree._jobs or self.storage.backups
+                                                 or self.tree.pending_ops)
 
     def on_transfers_done(self, finished: list[int], failed: list[int]) -> None:
         if self.hicache:

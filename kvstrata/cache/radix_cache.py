@@ -36,6 +36,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "device_pages", "children", "parent", "lock_ref",
         "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
+        "host_ref", "hash_keys",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -55,6 +56,10 @@ class TreeNode:
         self.host_pages: list[int] | None = None
         self.pending_job: int | None = None
         self.pending_host: list[int] | None = None
+        # HiCache L3 (cache/storage_tier.py): backups reading the host copy (it must not be
+        # freed meanwhile), and the storage key of each page (computed when first needed).
+        self.host_ref = 0
+        self.hash_keys: list[str] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -258,6 +263,12 @@ class RadixCache:
             upper.pending_host = child.pending_host[:num_pages]
             child.pending_host = child.pending_host[num_pages:]
             self._on_split_pending(upper, child)
+        if child.hash_keys is not None:
+            upper.hash_keys = child.hash_keys[:num_pages]
+            child.hash_keys = child.hash_keys[num_pages:]
+        if child.host_ref:
+            upper.host_ref = child.host_ref  # a backup reading child's pages reads upper's too
+            self._on_split_host_ref(upper, child)
         child.key = child.key[cut:]
         child.device_pages = child.device_pages[num_pages:]
         child.parent = upper
@@ -267,6 +278,9 @@ class RadixCache:
 
     def _on_split_pending(self, upper: TreeNode, lower: TreeNode) -> None:
         """Hook for HiCache: a node with a write in flight was split."""
+
+    def _on_split_host_ref(self, upper: TreeNode, lower: TreeNode) -> None:
+        """Hook for HiCache L3: a node whose host copy is being backed up was split."""
 
     # ------------------------------------------------------------------ locks
 

@@ -94,16 +94,10 @@ def log_resolutions(resolutions: list[Resolution], log: logging.Logger = logger)
 # serve must refuse these instead of silently ignoring them. Each entry: field -> predicate
 # on its value saying "the user asked for the unbuilt feature". Remove an entry in the commit
 # that implements the feature (tests/unit/test_resolution_unimplemented.py lists them).
-def _is_set(v: Any) -> bool:
-    return v is not None
-
-
 UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    # HiCache L3 (storage) is not built; L2 (host pool) is. buffer_only needs storage.
+    # HiCache L2 (host pool) and L3 (storage, prefetch policies) are built; buffer_only
+    # (the host pool only stages pages between device and storage) is not.
     "hicache_host_memory_mode": lambda v: v != "cache",
-    "hicache_storage_backend": _is_set,
-    "hicache_storage_prefetch_policy": lambda v: v != "timeout",
-    "hicache_storage_backend_extra_config": _is_set,
     # Prefill/decode disaggregation: the roles, backends, decode admission and decode
     # retraction (cpu_tensor | host_pool backup) are built; the decode radix cache and
     # decode KV offload are not.

@@ -3,7 +3,9 @@ injected). Used in-process by `kvstrata.LLM` and inside the scheduler process by
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 from kvstrata import envs
@@ -13,6 +15,9 @@ from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import FinishReason, RequestOutput
 
 logger = logging.getLogger(__name__)
+# A graceful shutdown waits this long for host writes and their storage backups (HiCache L3):
+# under the launcher's 10 s join of the scheduler process (launcher.JOIN_TIMEOUT_S).
+BACKUP_DRAIN_SECONDS = 6.0
 
 
 class EngineCore:
@@ -161,6 +166,9 @@ class EngineCore:
             "hicache_host_total_tokens": kv.host_allocator.num_pages * P,
             "hicache_host_used_tokens": kv.host_allocator.num_used() * P,
         }
+        if kv.storage is not None:  # L3: tokens per outcome (the runner adds bytes)
+            out.update({f"hicache_storage_{k}": v
+                        for k, v in dataclasses.asdict(kv.storage.stats).items()})
         stats = getattr(self.runner, "transfer_stats", None)
         if stats is not None:
             out.update({f"hicache_{k}": v for k, v in stats().items()})
@@ -176,7 +184,24 @@ class EngineCore:
     def dump_state(self) -> str:
         return self.scheduler.dump_state()
 
+    def finish_storage_backups(self, timeout: float = BACKUP_DRAIN_SECONDS) -> bool:
+        """Graceful shutdown with HiCache L3: step transfers only (no forward) until every
+        host write and its storage backup has ended, so the next server finds the pages.
+        Bounded by `timeout` (logged when hit). True when nothing is left pending."""
+        kv = self.scheduler.kv
+        deadline = time.monotonic() + timeout
+        while kv.storage_backups_pending():
+            if time.monotonic() >= deadline:
+                logger.warning("Shutdown: storage backups still pending after %.1f s; stopping "
+                               "without them", timeout)
+                return False
+            out = self.scheduler.transfer_only_output()
+            self.scheduler.update(out, self.runner.execute(out))
+        return True
+
     def shutdown(self) -> None:
+        if self.scheduler.kv.storage is not None:
+            self.finish_storage_backups()
         close = getattr(self.runner, "shutdown", None)
         if close is not None:
             close()

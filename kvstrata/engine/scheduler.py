@@ -48,8 +48,8 @@ class Scheduler:
         self.page_size = config.page_size
         # A decode server never matches prefixes (chunk-cache semantics, SGLang's default).
         no_radix = config.disable_radix_cache or config.disaggregation_mode == "decode"
-        self.kv = KVManager(config.plan, no_radix,
-                            config.radix_eviction_policy, config.hicache_write_policy)
+        self.kv = KVManager(config.plan, no_radix, config.radix_eviction_policy,
+                            config.hicache_write_policy, storage=config.prefetch_config())
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.waiting: list[Request] = []
@@ -71,6 +71,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
+        # HiCache L3: start fetching the prompt's stored pages while the request queues
+        # (not for prompt logprobs: those requests compute every position anyway).
+        if not req.return_prompt_logprobs:
+            self.kv.start_prefetch(req)
         (self.pd.add if self.pd is not None else self.waiting.append)(req)
 
     def has_work(self) -> bool:
@@ -104,6 +108,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> Request:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
+        self.kv.abort_prefetch(req.rid)  # a prefetch still running for it is cancelled
         if req.row or req.pages or req.last_node is not None:
             self.kv.release(req, insert=True)
             self._free_row(req)
@@ -172,6 +177,11 @@ class Scheduler:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
         return dump_state(self)
 
+    def transfer_only_output(self) -> SchedulerOutput:
+        """A step that computes nothing: the runner only moves pages and reports progress
+        (a graceful shutdown draining storage backups)."""
+        return self._output(False, [], [])
+
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
             NewRequestData(r.rid, r.prompt_ids, list(r.output_ids), r.params,
@@ -185,6 +195,7 @@ class Scheduler:
         self.step_id += 1
         return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
                                transfers=self.kv.drain_transfer_ops(),
+                               storage_cancels=self.kv.drain_storage_cancels(),
                                **(self.pd.drain_all() if self.pd is not None else {}))
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
@@ -233,6 +244,8 @@ class Scheduler:
         for req in self._prefill_candidates():
             if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
                 break
+            if not self.kv.prefetch_ready(req):
+                continue  # its storage prefetch policy holds it in the queue (SGLang)
             if not self._admit(req, adder):
                 break
         if not adder.items:
@@ -346,6 +359,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply sampled tokens; returns the requests that produced output this step."""
         self.kv.on_transfers_done(result.finished_transfer_ids, result.failed_transfer_ids)
+        self.kv.on_storage_progress(result.storage_progress)
         by_id = {rid: r for rid, r in self._in_flight.items() if not r.is_finished}
         touched: list[Request] = []
         for rid, logprobs in result.prompt_logprobs.items():

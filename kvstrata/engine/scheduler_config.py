@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstrata.cache.storage_tier import PrefetchConfig
 from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.server_args import parse_extra_config
 
 
 _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
               "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval",
               "disaggregation_decode_retraction_backup")
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
+_STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
+                   "hicache_storage_backend_extra_config")
 
 
 @dataclass(init=False)
@@ -26,6 +30,11 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
     hicache_write_policy: str = "write_through"
+    # HiCache L3 (cache/storage_tier.py): on when a backend is named. The extra config's
+    # prefetch keys (PREFETCH_CONFIG_KEYS) tune the policy; the runner gets the rest.
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_backend_extra_config: str | None = None
     # Prefill/decode disaggregation (engine/disagg_*.py). "null": co-located, unchanged.
     disaggregation_mode: str = "null"  # null | prefill | decode
     # Decode admission: KV tokens reserved per request already on the decode server.
@@ -81,10 +90,21 @@ class SchedulerConfig:
                              f"{'a' if retraction_pool is False else 'no'} retraction host pool "
                              f"in the KV plan (num_host_pages {plan.num_host_pages})")
 
+    def prefetch_config(self) -> PrefetchConfig | None:
+        """The L3 prefetch policy, or None without a storage backend (or on a decode server,
+        which never prefetches)."""
+        if self.hicache_storage_backend is None or self.disaggregation_mode == "decode":
+            return None
+        return PrefetchConfig.from_extra(
+            self.hicache_storage_prefetch_policy,
+            parse_extra_config(self.hicache_storage_backend_extra_config))
+
     @classmethod
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
-        # PD fields default when ServerArgs does not have them (yet); the others must exist.
-        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in _PD_FIELDS
+        # PD and storage fields default when the args lack them (an args-like namespace
+        # from before those flags); the others must exist.
+        optional = _PD_FIELDS + _STORAGE_FIELDS
+        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in optional
                                      else getattr(args, f.name))
                             for f in fields(cls) if f.name != "plan"})
 

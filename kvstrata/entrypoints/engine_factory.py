@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import msgspec
@@ -24,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 # Host-pool options that only mean something with --enable-hierarchical-cache.
 _L2_OPTIONS = {"hicache_ratio": None, "hicache_size": 0, "hicache_write_policy": "write_through",
-               "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"}
+               "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first",
+               "hicache_storage_backend": None, "hicache_storage_prefetch_policy": "timeout",
+               "hicache_storage_backend_extra_config": None}
 
 
 # What also sizes and lays out a decode server's retraction host pool (SGLang builds it with
@@ -71,7 +74,16 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
     resolutions = resolutions + sized
     log_resolutions(resolutions)
     runner.allocate_kv(plan)
+    if args.hicache_storage_backend is not None:
+        runner.enable_storage(args.hicache_storage_backend, storage_model_name(args),
+                              args.hicache_storage_extra_config())
     return runner, args, plan, resolutions
+
+
+def storage_model_name(args: Any) -> str:
+    """The model part of the L3 storage namespace: the served model name, else the model
+    path's last component (so the same weights at another path share stored pages)."""
+    return args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
 
 
 def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:

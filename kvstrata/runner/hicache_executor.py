@@ -1,11 +1,14 @@
-"""Runner half of HiCache L2: owns the host pool, the IO backend and the transfer
+"""Runner half of HiCache L2 (and L3): owns the host pool, the IO backend and the transfer
 controller, and executes the scheduler's TransferOps (the bookkeeping half is
-cache/hiradix_cache.py; only TransferOps and job ids cross between them).
+cache/hiradix_cache.py; only TransferOps and job ids cross between them). With a storage
+backend it also owns the storage job runner (transfer/storage_jobs.py) that executes the
+"h2s"/"s2h" ops and the step's storage cancels.
 
 All ops go through the controller's single worker thread in list order, so a write-back of
 pages and a later load into the same pages cannot overtake each other, and the IO backend's
 staging buffer is never used by two threads. If any op of the step is `sync`, the step
-waits for the queue to drain before its forward.
+waits for the queue to drain before its forward. Storage ops are handed over after that
+drain, so a backup queued behind a sync write-back reads the written pages.
 """
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ import time
 from kvstrata.config.kv_plan import MHA_K, KVPlan
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
-from kvstrata.protocol import TransferOp
+from kvstrata.kv.storage import StorageConfig, StorageNamespace, create_storage_backend
+from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS
+from kvstrata.protocol import StorageProgress, TransferOp
 from kvstrata.transfer.controller import TransferController
+from kvstrata.transfer.storage_jobs import StorageJobRunner
 
 _KIND = {"d2h": "write", "h2d": "load"}
+_STORAGE_KINDS = ("h2s", "s2h")
 logger = logging.getLogger(__name__)
 # A page of one layer (K or V) smaller than this makes every copy a scatter of small rows:
 # measured 0.27-0.66 of memcpy with 768 B (SmolLM2, page size 1) against 0.8-1.2 with 12 KiB
@@ -52,12 +59,29 @@ class HiCacheExecutor:
         self.controller = TransferController(self.io)
         self._job_of: dict[int, int] = {}  # controller id -> scheduler job id
         self.wait_seconds = 0.0
+        self.plan = plan
+        self.storage: StorageJobRunner | None = None
 
-    def execute(self, ops: list[TransferOp], idle: bool = False) -> tuple[list[int], list[int]]:
-        """Queue this step's ops; returns (finished, failed) scheduler job ids so far.
-        idle: the step computes nothing, so wait (bounded) for a copy to finish rather than
-        return at once and have the engine loop spin on an empty step."""
+    def enable_storage(self, backend: str, model: str, extra: dict) -> None:
+        """HiCache L3: the backend named by --hicache-storage-backend, in the namespace of
+        this plan and model (`key_salt` of the extra config isolates tenants). The prefetch
+        keys of the extra config belong to the scheduler; the backend gets the others."""
+        namespace = StorageNamespace.from_plan(self.plan, model,
+                                               salt=str(extra.get("key_salt", "")))
+        backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
+        config = StorageConfig(namespace, self.host_pool.geom.bytes_per_page, backend_extra)
+        self.storage = StorageJobRunner(create_storage_backend(backend, config, self.host_pool))
+        logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
+
+    def execute(self, ops: list[TransferOp], idle: bool = False, cancels: list[int] = ()
+                ) -> tuple[list[int], list[int], list[StorageProgress]]:
+        """Queue this step's ops; returns (finished, failed) scheduler job ids of device<->host
+        copies so far and the storage jobs' progress. idle: the step computes nothing, so
+        wait (bounded) for a copy or progress rather than have the engine loop spin."""
+        storage_ops = [op for op in ops if op.kind in _STORAGE_KINDS]
         for op in ops:
+            if op.kind in _STORAGE_KINDS:
+                continue
             cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages)
             self._job_of[cid] = op.job_id
         if any(op.sync for op in ops):
@@ -68,7 +92,23 @@ class HiCacheExecutor:
             done, failed = self.controller.wait_any(IDLE_WAIT_SECONDS)
         else:
             done, failed = self.controller.poll_finished()
-        return ([self._job_of.pop(c) for c in done], [self._job_of.pop(c) for c in failed])
+        progress = self._storage_step(storage_ops, cancels, idle and not (done or failed))
+        return ([self._job_of.pop(c) for c in done], [self._job_of.pop(c) for c in failed],
+                progress)
+
+    def _storage_step(self, ops: list[TransferOp], cancels: list[int], wait: bool
+                      ) -> list[StorageProgress]:
+        if self.storage is None:
+            if ops or cancels:
+                raise RuntimeError("storage ops without --hicache-storage-backend")
+            return []
+        for op in ops:
+            self.storage.submit(op)
+        for job in cancels:  # after submits: a job may be cancelled by the step starting it
+            self.storage.cancel(job)
+        if wait:
+            return self.storage.wait_any(IDLE_WAIT_SECONDS)
+        return self.storage.poll()
 
     def stats(self) -> dict:
         s = dict(self.controller.stats)
@@ -76,8 +116,16 @@ class HiCacheExecutor:
             secs = s.get(f"{kind}_seconds", 0.0)
             s[f"{kind}_gb_per_s"] = s.get(f"{kind}_bytes", 0.0) / secs / 1e9 if secs else 0.0
         s["host_pool_bytes"] = self.host_pool.size_bytes
+        if self.storage is not None:
+            s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
+                      if isinstance(v, (int, float))})
         return s
 
-    def close(self) -> None:
+    def close(self, storage_timeout: float = 2.0) -> None:
+        # The scheduler already waited for the backups (EngineCore.finish_storage_backups).
         self.controller.drain(timeout=30)
         self.controller.close()
+        if self.storage is not None:
+            self.storage.drain(storage_timeout)  # logs when the timeout is hit
+            self.storage.close()
+            self.storage = None

@@ -147,13 +147,15 @@ class ModelRunner:
             self.backup.apply(sched.backups)
         # Tier moves next: loads this forward reads, write-backs of pages it may overwrite.
         idle = not sched.scheduled
-        done, failed = (self.hicache.execute(sched.transfers, idle=idle) if self.hicache
-                        else ([], []))
+        done, failed, progress = (
+            self.hicache.execute(sched.transfers, idle=idle, cancels=sched.storage_cancels)
+            if self.hicache else ([], [], []))
         if self.disagg is not None:
             self.disagg.apply(sched.pd_ops)
         out = self._execute_forward(sched)
         out.finished_transfer_ids = done
         out.failed_transfer_ids = failed
+        out.storage_progress = progress
         if self.disagg is not None:
             out.pd_events = self.disagg.poll()
             if idle and not out.pd_events and self.disagg.has_live:
@@ -173,6 +175,12 @@ class ModelRunner:
             backend, role, page_buffers_of(self.kv_pool), host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype))
+
+    def enable_storage(self, backend: str, model: str, extra: dict) -> None:
+        """HiCache L3 behind the host pool (after allocate_kv); see HiCacheExecutor."""
+        if self.hicache is None:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        self.hicache.enable_storage(backend, model, extra)
 
     def transfer_stats(self) -> dict:
         """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""

@@ -92,3 +92,51 @@ def test_host_exhaustion_degrades_to_recompute(tiny_checkpoints, reference):
 def test_l2_option_without_hicache_is_refused(tiny_checkpoints):
     with pytest.raises(ValueError, match="--hicache-write-policy needs --enable-hierarchical-cache"):
         make_llm(tiny_checkpoints["llama"], hicache_write_policy="write_back")
+
+
+def test_storage_tier_serves_prefixes_after_a_flush(tiny_checkpoints, reference):
+    """HiCache L3 (memory backend): after a first pass, the device and host tiers are
+    flushed (what a restart leaves), yet the store keeps the pages; the second pass
+    prefetches its prefixes from storage, loads them back, and the tokens are unchanged."""
+    _, expected = reference
+    llm = make_llm(tiny_checkpoints["llama"], max_total_tokens=160,
+                   enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=4.0,
+                   hicache_storage_backend="memory", hicache_storage_prefetch_policy="wait_complete",
+                   hicache_storage_backend_extra_config='{"prefetch_threshold": 8}')
+    try:
+        assert multi_turn(llm)[1] == expected
+        assert llm.engine.finish_storage_backups(timeout=30) and llm.flush_cache()
+        before = llm.get_load()
+        assert before["hicache_host_used_tokens"] == 0
+        assert multi_turn(llm)[1] == expected
+        load = llm.get_load()
+        assert load["hicache_storage_hit_tokens"] > 0, load
+        assert load["hicache_storage_bytes_read"] > 0 and load["hicache_storage_errors"] == 0
+        assert load["hicache_host_hit_tokens"] > before["hicache_host_hit_tokens"]
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_second_engine_on_a_file_store_matches_a_cold_run(tiny_checkpoints, reference,
+                                                          tmp_path):
+    """Needs the `file` backend (kvstrata/kv/storage/file_store.py, merged from the storage
+    branch). A second engine with fresh device and host pools serves the shared prefix from
+    the store the first one wrote, with the tokens of a cold run."""
+    pytest.importorskip("kvstrata.kv.storage.file_store")
+    prompts, expected = reference
+    extra = f'{{"file_path": "{tmp_path}", "prefetch_threshold": 8}}'
+    kw = dict(max_total_tokens=8192, enable_hierarchical_cache=True, hicache_size=0,
+              hicache_ratio=2.0, hicache_storage_backend="file",
+              hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_backend_extra_config=extra)
+    for round_ in range(2):
+        llm = make_llm(tiny_checkpoints["llama"], **kw)
+        try:
+            out = llm.generate(input_ids=prompts[-1], sampling_params=GREEDY)
+            assert out["output_ids"] == expected[-1], round_
+            load = llm.get_load()
+        finally:
+            llm.shutdown()  # finishes the backups
+        if round_ == 1:
+            assert load["hicache_storage_hit_tokens"] >= len(prompts[-1]) // 4 * 4 - 4, load

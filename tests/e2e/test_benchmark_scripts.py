@@ -37,13 +37,17 @@ def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
     out = tmp_path / "reuse.json"
     _run("bench_reuse.py", "--model", tiny_model_path, "--conversations", "3", "--turns", "3",
          "--system-len", "32", "--context-len", "48", "--user-len", "8", "--answer-len", "4",
-         "--device-tokens", "128", "--page-size", "4", "--out", str(out))
+         "--device-tokens", "128", "--page-size", "4", "--prefix-len", "64",
+         "--restart-prompts", "1", "--out", str(out))
     result = json.loads(out.read_text())
     assert result["ttft_p50_ratio"] == result["ttft_p50_off"] / result["ttft_p50_on"]
     # The working set exceeds the device pool: without HiCache nothing comes from the host,
     # with it some prompt tokens do.
     assert result["working_set_tokens"] > result["device_tokens"]
     assert result["off"]["from_host"] == 0 and result["on"]["from_host"] > 0
+    assert result["storage"]["from_storage"] >= 0 and result["on"]["from_storage"] == 0
+    if "restart" in result:  # with the file backend: the warm server reads the prefix back
+        assert result["restart"]["same_output"] and result["restart"]["warm"]["from_storage"] > 0
     assert (tmp_path / "reuse.png").stat().st_size > 0
 
 

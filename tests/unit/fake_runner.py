@@ -7,7 +7,7 @@ stale row entry) changes the output, so tests compare against `reference_tokens`
 """
 from __future__ import annotations
 
-from kvstrata.protocol import RunnerOutput, SchedulerOutput
+from kvstrata.protocol import RunnerOutput, SchedulerOutput, StorageProgress
 
 
 def next_token(tokens: list[int], vocab: int) -> int:
@@ -34,9 +34,34 @@ def copy_pages(src: dict, dst: dict, src_pages: list[int], dst_pages: list[int],
                 dst.pop(dp * P + off, None)
 
 
+class FakeStorage:
+    """HiCache L3 for the fake runner: key -> a page's fake KV (tuple of (position, token) or
+    None per slot). Jobs ("h2s"/"s2h") take `delay` steps; `fail_set`/`fail_get` are keys whose
+    write fails / whose stored record reads as corrupt (a miss after batch_exists said hit);
+    `error_every` > 0 makes every n-th job raise a backend error instead; `corrupt_every` > 0
+    makes every n-th page read fail its checks."""
+
+    def __init__(self, delay: int = 1, fail_set=(), fail_get=(), error_every: int = 0,
+                 corrupt_every: int = 0):
+        self.pages: dict[str, tuple] = {}
+        self.delay = delay
+        self.fail_set, self.fail_get = set(fail_set), set(fail_get)
+        self.error_every = error_every
+        self.corrupt_every = corrupt_every
+        self.reads = 0
+        self.jobs_run = 0
+        self.stats = {"pages_read": 0, "pages_written": 0}
+
+    def exists(self, keys) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+
 class FakeRunner:
     def __init__(self, page_size: int = 1, vocab_size: int = 1000, max_context_len: int = 4096,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), storage: FakeStorage | None = None):
         self.page_size = page_size
         self.vocab_size = vocab_size
         self.max_context_len = max_context_len
@@ -48,6 +73,59 @@ class FakeRunner:
         self.host: dict[int, tuple[int, int]] = {}  # host slot -> (position, token)
         self.async_ops: list = []  # background d2h writes, completed one step later
         self.moved_pages = {"d2h": 0, "h2d": 0}
+        self.storage = storage
+        self.storage_jobs: dict[int, list] = {}  # job id -> [op, steps left, hit pages]
+        self.computed_tokens = 0  # tokens the "model" ran (a prefix hit skips them)
+
+    # ---- HiCache L3 -------------------------------------------------------------------
+    def _run_storage_job(self, op, hit: int, limit: int | None = None) -> StorageProgress:
+        st, P = self.storage, self.page_size
+        st.jobs_run += 1
+        if st.error_every and st.jobs_run % st.error_every == 0:
+            return StorageProgress(op.job_id, hit, 0, True, "injected backend error")
+        done = 0
+        n = hit if limit is None else min(hit, limit)
+        for i in range(n):
+            key, page = op.keys[i], op.host_pages[i]
+            if op.kind == "h2s":
+                if key in st.fail_set:
+                    break
+                st.pages.setdefault(key, tuple(self.host.get(page * P + o) for o in range(P)))
+                st.stats["pages_written"] += 1
+            else:
+                st.reads += 1
+                if key in st.fail_get or (st.corrupt_every and st.reads % st.corrupt_every == 0):
+                    break
+                for o, entry in enumerate(st.pages[key]):
+                    if entry is None:
+                        self.host.pop(page * P + o, None)
+                    else:
+                        self.host[page * P + o] = entry
+                st.stats["pages_read"] += 1
+            done += 1
+        return StorageProgress(op.job_id, hit, done, True)
+
+    def _storage_step(self, so: SchedulerOutput) -> list[StorageProgress]:
+        progress = []
+        for job, entry in list(self.storage_jobs.items()):
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.storage_jobs[job]
+                progress.append(self._run_storage_job(entry[0], entry[2]))
+        for op in so.transfers:
+            if op.kind in ("h2s", "s2h"):
+                assert not op.sync and not op.device_pages and len(op.keys) == len(op.host_pages)
+                hit = len(op.keys) if op.kind == "h2s" else self.storage.exists(op.keys)
+                self.storage_jobs[op.job_id] = [op, self.storage.delay, hit]
+                if op.kind == "s2h":  # the hit query answers before any page is read
+                    progress.append(StorageProgress(op.job_id, hit, 0, False))
+        # Cancels after submits: a job may be cancelled in the output that starts it. A
+        # cancelled job stops at once and reports its final progress in this output.
+        for job in so.storage_cancels:
+            entry = self.storage_jobs.pop(job, None)
+            if entry is not None:
+                progress.append(self._run_storage_job(entry[0], entry[2], limit=0))
+        return progress
 
     def _copy(self, op) -> None:
         P = self.page_size
@@ -63,7 +141,10 @@ class FakeRunner:
         for op in self.async_ops:
             self._copy(op)
         self.async_ops = []
+        storage_progress = self._storage_step(so) if self.storage is not None else []
         for op in so.transfers:
+            if op.kind in ("h2s", "s2h"):
+                continue
             if op.sync:
                 self._copy(op)
                 finished.append(op.job_id)
@@ -81,6 +162,7 @@ class FakeRunner:
             row = self.rows.setdefault(s.row, {})
             for i, slot in enumerate(s.slots):
                 row[s.slot_write_start + i] = slot
+            self.computed_tokens += len(s.token_ids)
             for j, t in enumerate(s.token_ids):
                 slot = row[s.start_pos + j]
                 assert slot >= self.page_size, "page 0 is the padding sink"
@@ -97,7 +179,8 @@ class FakeRunner:
             ids.append(s.req_id)
             toks.append(next_token(seq, self.vocab_size))
         n = len(ids)
-        return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished)
+        return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished,
+                            storage_progress=storage_progress)
 
     def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
         for row, slots in expected.items():

@@ -36,3 +36,19 @@ def test_decode_retraction_counters_follow_the_load_report():
     plain = ServerMetrics("tiny")
     plain.set_load({"num_running_reqs": 1})
     assert "decode_retraction_backups_total{" not in plain.render().decode()
+
+
+def test_storage_counters_follow_the_load_report():
+    m = ServerMetrics("tiny")
+    load = {"hicache_storage_hit_tokens": 256, "hicache_storage_miss_tokens": 16,
+            "hicache_storage_bytes_read": 4096, "hicache_storage_bytes_written": 8192,
+            "hicache_storage_errors": 0, "hicache_storage_prefetch_complete": 1,
+            "hicache_storage_prefetch_revoked": 2}
+    m.set_load(load)
+    m.set_load({**load, "hicache_storage_hit_tokens": 512, "hicache_storage_errors": 1})
+    text = m.render().decode()
+    assert 'kvstrata:hicache_storage_hit_tokens_total{model_name="tiny"} 512.0' in text
+    assert 'kvstrata:hicache_storage_bytes_written_total{model_name="tiny"} 8192.0' in text
+    assert 'kvstrata:hicache_storage_errors_total{model_name="tiny"} 1.0' in text
+    assert ('kvstrata:hicache_storage_prefetch_total{model_name="tiny",outcome="revoked"} 2.0'
+            in text)

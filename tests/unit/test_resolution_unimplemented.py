@@ -17,9 +17,6 @@ def test_defaults_are_all_implemented():
 
 @pytest.mark.parametrize("kwargs,flag", [
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
-    ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
-    ({"hicache_storage_prefetch_policy": "best_effort"}, "--hicache-storage-prefetch-policy"),
-    ({"hicache_storage_backend_extra_config": "{}"}, "--hicache-storage-backend-extra-config"),
     ({"disaggregation_decode_enable_radix_cache": True},
      "--disaggregation-decode-enable-radix-cache"),
     ({"disaggregation_decode_enable_offload_kvcache": True},
@@ -38,6 +35,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
 
 
 @pytest.mark.parametrize("kwargs", [
+    {"hicache_storage_backend": "file"}, {"hicache_storage_prefetch_policy": "best_effort"},
+    {"hicache_storage_backend_extra_config": "{}"},
     {"disaggregation_mode": "prefill"}, {"disaggregation_mode": "decode"},
     {"disaggregation_transfer_backend": "mooncake"}, {"disaggregation_transfer_backend": "fake"},
     {"disaggregation_bootstrap_port": 9000}, {"num_reserved_decode_tokens": 256},
@@ -53,8 +52,8 @@ def test_pd_flags_are_built(kwargs):
 
 
 def test_several_flags_listed_in_field_order():
-    args = ServerArgs(enable_hisparse=True, tp_size=4, hicache_storage_backend="file")
-    assert unimplemented_flags(args) == ["--tp-size", "--hicache-storage-backend",
+    args = ServerArgs(enable_hisparse=True, tp_size=4, hicache_host_memory_mode="buffer_only")
+    assert unimplemented_flags(args) == ["--tp-size", "--hicache-host-memory-mode",
                                          "--enable-hisparse"]
 
 

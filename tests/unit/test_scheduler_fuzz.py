@@ -30,7 +30,7 @@ from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.protocol import SamplingParams
-from tests.unit.fake_runner import FakeRunner, reference_tokens
+from tests.unit.fake_runner import FakeRunner, FakeStorage, reference_tokens
 
 VOCAB = 211
 MAX_REQUESTS = 10
@@ -44,11 +44,17 @@ configs = st.fixed_dictionaries({
     "pool_tokens": st.integers(16, 112),
     "chunk": st.one_of(st.none(), st.integers(1, 24), st.integers(1, 24)),
     "disable_radix_cache": st.booleans(),
-    "hicache_pages": st.sampled_from([0, 0, 4, 40]),
+    "hicache_pages": st.sampled_from([0, 0, 4, 40, 120]),
     "write_policy": st.sampled_from(WRITE_POLICIES),
     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
     "max_running_requests": st.sampled_from([2, 4, 64]),
     "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
+    # HiCache L3 (with a host pool): job latency in steps, injected backend errors and
+    # corrupt reads (0 = none), prefetch policy (timeouts counted in steps).
+    "storage": st.one_of(st.none(), st.tuples(st.integers(1, 3), st.sampled_from([0, 0, 3]),
+                                              st.sampled_from([0, 0, 2]),
+                                              st.sampled_from(["best_effort", "wait_complete",
+                                                               "timeout"]))),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
@@ -61,7 +67,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         P = cfg["page_size"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
-        self.runner = FakeRunner(page_size=P, vocab_size=VOCAB)
+        storage = cfg["storage"] if hicache else None
+        store = None if storage is None else FakeStorage(delay=storage[0], error_every=storage[1],
+                                                         corrupt_every=storage[2])
+        l3 = {} if storage is None else {
+            "hicache_storage_backend": "memory", "hicache_storage_prefetch_policy": storage[3],
+            "hicache_storage_backend_extra_config":
+                '{"prefetch_threshold": 1, "prefetch_timeout_base": 2, '
+                '"prefetch_timeout_per_ki_token": 0}'}
+        self.runner = FakeRunner(page_size=P, vocab_size=VOCAB, storage=store)
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],
@@ -69,7 +83,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             schedule_policy=cfg["schedule_policy"],
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
-            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"]))
+            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3))
+        if store is not None:
+            self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
         self.requests: dict[str, tuple[list[int], int]] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -111,6 +127,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert out.rid not in self.finished, f"{out.rid} finished twice"
                 self.finished[out.rid] = out.finish_reason
 
+    @precondition(lambda self: self.engine.scheduler.kv.storage is not None)
+    @rule()
+    def evict_everything(self):
+        """Memory pressure from elsewhere: every unpinned page leaves the device and the host
+        tier, so later arrivals can only find their prefix in storage."""
+        tree = self.engine.scheduler.kv.tree
+        tree.evict(10**9)
+        tree.evict_host(10**9)
+
     @invariant()
     def kv_state_is_consistent(self):
         if hasattr(self, "engine"):
@@ -133,6 +158,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"retractions: {min(sched.num_retractions, 3)}")
         event(f"chunked steps: {min(self.chunked_steps, 3)}")
         event(f"aborts: {sum(r.type == 'abort' for r in self.finished.values())}")
+        storage = self.engine.scheduler.kv.storage
+        if storage is not None:
+            event(f"L3 hit tokens > 0: {storage.stats.hit_tokens > 0}")
+            assert not storage.busy() and storage.occupied_pages == 0
         for rid, (ids, max_new) in self.requests.items():
             self._check_outcome(rid, ids, max_new, self.finished[rid])
         kv = self.engine.scheduler.kv

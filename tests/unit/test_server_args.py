@@ -41,7 +41,7 @@ EXPECTED_CHOICES = {
     "hicache_io_backend": ["direct", "kernel"],
     "hicache_mem_layout": ["layer_first", "page_first", "page_first_direct", "page_head"],
     "hicache_host_memory_mode": ["cache", "buffer_only"],
-    "hicache_storage_backend": ["file", "mooncake"],
+    "hicache_storage_backend": ["file", "mooncake", "memory"],
     "hicache_storage_prefetch_policy": ["best_effort", "wait_complete", "timeout"],
     "disaggregation_mode": ["null", "prefill", "decode"],
     "disaggregation_transfer_backend": ["tcp", "mooncake", "fake"],

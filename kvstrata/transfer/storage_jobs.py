@@ -1,0 +1,188 @@
+"""Host <-> storage page jobs for HiCache L3 (the byte-moving half of cache/storage_tier.py).
+
+One thread runs backups ("h2s": host pages -> storage), another prefetches ("s2h": ask how
+many leading keys exist, then read them into host pages), so a long backup never delays a
+prefetch a queued request waits for. Jobs move in batches of `batch_pages`; each job reports
+StorageProgress as it goes and ends with exactly one `finished` entry. A backend exception
+ends the job with `error` set: the worker never dies. A prefetch can be cancelled: it stops
+between batches, and `cancel` returns only once its final progress is queued, so the caller
+reports it in the same step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from kvstrata.protocol import StorageProgress, TransferOp
+
+logger = logging.getLogger(__name__)
+
+STORAGE_BATCH_PAGES = 128  # SGLang's storage_batch_size
+
+
+@dataclass
+class _Job:
+    op: TransferOp
+    hit: int = -1
+    done: int = 0
+    started: bool = False
+    ended: bool = False
+    cancelled: bool = False
+
+
+class StorageJobRunner:
+    def __init__(self, backend, batch_pages: int = STORAGE_BATCH_PAGES):
+        self.backend = backend
+        self.batch_pages = batch_pages
+        self._lock = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._progress: dict[int, StorageProgress] = {}  # latest per job, since last poll
+        self._queues = {"h2s": queue.Queue(), "s2h": queue.Queue()}
+        self._threads = [threading.Thread(target=self._run, args=(kind,), daemon=True,
+                                          name=f"kvstrata-storage-{kind}")
+                         for kind in self._queues]
+        for t in self._threads:
+            t.start()
+
+    # ---- runner-facing API --------------------------------------------------------------
+    def submit(self, op: TransferOp) -> None:
+        if op.kind not in self._queues or len(op.keys) != len(op.host_pages):
+            raise ValueError(f"not a storage job: kind {op.kind!r}, {len(op.keys)} keys, "
+                             f"{len(op.host_pages)} host pages")
+        with self._lock:
+            self._jobs[op.job_id] = _Job(op)
+        self._queues[op.kind].put(op.job_id)
+
+    def cancel(self, job_id: int) -> None:
+        """Stop a prefetch after the batch it is reading; returns once its final progress is
+        queued (at once if it had not started). Unknown (already ended) ids are ignored."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return
+            job.cancelled = True
+            if not job.started:
+                self._end(job, "")
+            while not job.ended:
+                self._lock.wait()
+
+    def poll(self) -> list[StorageProgress]:
+        with self._lock:
+            out = list(self._progress.values())
+            self._progress.clear()
+        return out
+
+    def wait_any(self, timeout: float) -> list[StorageProgress]:
+        """Block until some progress is reported, nothing is running, or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self._progress and self._jobs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._lock.wait(remaining)
+        return self.poll()
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._jobs)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for every job to end (prefetches are cancelled first): True when all did."""
+        with self._lock:
+            prefetches = [j for j, job in self._jobs.items() if job.op.kind == "s2h"]
+        for job_id in prefetches:
+            self.cancel(job_id)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._jobs:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("HiCache storage: %d jobs still running after %.1f s",
+                                   len(self._jobs), timeout)
+                    return False
+                self._lock.wait(remaining)
+        return True
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        self.backend.close()
+
+    # ---- workers ------------------------------------------------------------------------
+    def _report(self, job: _Job, finished: bool = False, error: str = "") -> None:
+        """Under the lock."""
+        self._progress[job.op.job_id] = StorageProgress(job.op.job_id, job.hit, job.done,
+                                                        finished, error)
+        self._lock.notify_all()
+
+    def _end(self, job: _Job, error: str) -> None:
+        """Under the lock: the final progress; the job is forgotten."""
+        job.ended = True
+        self._jobs.pop(job.op.job_id, None)
+        self._report(job, finished=True, error=error)
+
+    def _run(self, kind: str) -> None:
+        while True:
+            job_id = self._queues[kind].get()
+            if job_id is None:
+                return
+            with self._lock:
+                job = self._jobs.get(job_id)
+                if job is None or job.ended:
+                    continue  # cancelled before it started
+                job.started = True
+            try:
+                error = self._backup(job) if kind == "h2s" else self._prefetch(job)
+            except Exception as exc:  # reported, never raised: the worker must survive
+                logger.exception("HiCache storage %s job %d failed", kind, job_id)
+                error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                self._end(job, error)
+
+    def _batches(self, n: int):
+        for start in range(0, n, self.batch_pages):
+            yield start, min(start + self.batch_pages, n)
+
+    def _backup(self, job: _Job) -> str:
+        op = job.op
+        job.hit = len(op.keys)
+        for start, end in self._batches(len(op.keys)):
+            ok = self.backend.batch_set(op.keys[start:end], op.host_pages[start:end])
+            stored = _leading(ok)
+            with self._lock:
+                job.done += stored
+                self._report(job)
+            if stored < end - start:
+                return f"{end - start - stored} pages of a batch were not stored"
+        return ""
+
+    def _prefetch(self, job: _Job) -> str:
+        op = job.op
+        hit = self.backend.batch_exists(op.keys)
+        with self._lock:
+            job.hit = hit
+            self._report(job)
+        for start, end in self._batches(hit):
+            with self._lock:
+                if job.cancelled:
+                    return ""
+            got = _leading(self.backend.batch_get(op.keys[start:end], op.host_pages[start:end]))
+            with self._lock:
+                job.done += got
+                self._report(job)
+            if got < end - start:
+                return ""  # a record failed its checks: a miss, the rest is recomputed
+        return ""
+
+
+def _leading(flags: list[bool]) -> int:
+    n = 0
+    while n < len(flags) and flags[n]:
+        n += 1
+    return n
