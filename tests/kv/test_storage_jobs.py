@@ -55,11 +55,13 @@ def test_backup_then_prefetch_round_trips_pages():
 class SlowStorage(MemoryStorage):
     """batch_get blocks until released: a prefetch stays mid-job."""
     gate = threading.Event()
+    reading = threading.Event()  # set once a batch_get is under way
 
     def batch_exists(self, keys):
         return len(keys)
 
     def batch_get(self, keys, host_pages):
+        self.reading.set()
         self.gate.wait(10)
         return [True] * len(keys)
 
@@ -70,6 +72,8 @@ def test_cancel_is_synchronous_and_stops_between_batches():
     runner.submit(TransferOp(2, "s2h", [], [7, 8], sync=False, keys=KEYS[6:8]))  # queued
     runner.cancel(2)  # never started: ends at once
     assert {p.job_id: p.finished for p in runner.poll()}.get(2) is True
+    # Cancel only once job 1 is inside its first batch (a busy box may start it late).
+    assert SlowStorage.reading.wait(10), "the prefetch never started reading"
     threading.Timer(0.2, SlowStorage.gate.set).start()
     runner.cancel(1)  # returns after the batch being read
     final = [p for p in runner.poll() if p.job_id == 1 and p.finished]
