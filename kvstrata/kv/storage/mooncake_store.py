@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import threading
 from typing import Any
 
@@ -79,6 +80,17 @@ def parse_options(extra: dict[str, Any], environ=os.environ) -> dict[str, Any]:
     return opts
 
 
+def check_master_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, naming the address, where the client would retry for ~90 s."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)),
+                                 timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"mooncake master {address!r} (extra-config master_server_address "
+                           f"or MOONCAKE_MASTER) is not reachable: {e}") from None
+
+
 class MooncakeStorage(StorageBackend):
     def __init__(self, config, host_pool):
         super().__init__(config, host_pool)
@@ -98,6 +110,7 @@ class MooncakeStorage(StorageBackend):
         self._prefix = config.namespace.name + "/"
         self.staging_pages = opts["staging_pages"] or max(1, min(
             MAX_STAGING_PAGES, STAGING_TARGET_BYTES // self.page_bytes))
+        check_master_reachable(opts["master_server_address"])
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(opts["local_hostname"], opts["metadata_server"],
                                opts["global_segment_size"], opts["local_buffer_size"],
