@@ -10,7 +10,9 @@ import torch
 
 from helpers.storage import GEOM, make_backend, make_pool, page_keys, random_flat
 from kvstrata.kv.layouts import KVGeometry
+from kvstrata.kv.layouts import LAYOUTS
 from kvstrata.kv.storage import BACKENDS, create_storage_backend
+from kvstrata.kv.storage.staging import FlatPageStaging
 
 READER_LAYOUTS = ("layer_first", "page_head", "page_first_direct", "page_first")
 
@@ -138,6 +140,25 @@ def test_clear_and_bad_batches(backend_factory):
     assert store.batch_get(keys, [3, 4]) == [False, False]
     assert store.batch_set(keys, [1, 2]) == [True, True]  # usable after clear
     assert store.batch_exists(keys) == 2
+
+
+def test_staging_gather_is_get_flat_pages_without_allocating():
+    """The writers' one-copy gather (staging.py) against the host pool's own flat order."""
+    stage = FlatPageStaging(GEOM.bytes_per_page, 6)
+    for layout in LAYOUTS:
+        pool = make_pool(layout, 12)
+        pool.set_flat_pages(list(range(1, 13)), random_flat(12, seed=8))
+        pages = [7, 2, 12, 2, 5]
+        rows = stage.gather(pool, pages)
+        assert rows.data_ptr() == stage.buffer.data_ptr() and rows.shape == (5, 2880)
+        assert torch.equal(rows.view(torch.float32), pool.get_flat_pages(pages)), layout
+    with pytest.raises(ValueError, match="7 pages do not fit a 6-page"):
+        stage.gather(pool, list(range(1, 8)))
+    with pytest.raises(ValueError, match="host page ids must be in 1..12"):
+        stage.gather(pool, [0])
+    other = make_pool("page_first", 4, KVGeometry(1, 1, 8, 2, torch.float32))
+    with pytest.raises(ValueError, match="host pages of 128 bytes"):
+        stage.gather(other, [1])
 
 
 def test_registry_names_the_flag():

@@ -14,7 +14,7 @@ from helpers.storage import (NAMESPACE, make_backend, make_pool, page_keys, rand
                              spawn_child, stop_child, wait_ready)
 from kvstrata.kv.storage import file_store
 from kvstrata.kv.storage.file_index import INDEX_FILE
-from kvstrata.kv.storage.file_records import HEADER
+from kvstrata.kv.storage.file_records import HEADER, payload_sums
 
 RECORD = HEADER.size + 64 + 2880  # header + 64-hex key + flat page of helpers.storage.GEOM
 
@@ -43,6 +43,24 @@ def assert_pages(store, pool, keys, src_ids):
     dst = list(range(21, 21 + len(keys)))
     assert store.batch_get(keys, dst) == [True] * len(keys)
     assert torch.equal(pool.get_flat_pages(dst), pool.get_flat_pages(src_ids))
+
+
+def test_payload_sums_match_python_integers_and_catch_moved_words():
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (3, 8 * 50 + 5), dtype=torch.uint8, generator=gen)
+    rows[0, :16] = 255  # words near 2**64: the sums must wrap, not saturate
+    for row, (s1, s2) in zip(rows, payload_sums(rows)):
+        raw = bytes(row.tolist()) + bytes(3)  # zero-padded to whole words
+        words = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
+        assert s1 == sum(words) % 2**64
+        assert s2 == sum((i + 1) * w for i, w in enumerate(words)) % 2**64
+    swapped = rows.clone()
+    swapped[1, 0:8], swapped[1, 8:16] = rows[1, 8:16], rows[1, 0:8]
+    flipped = rows.clone()
+    flipped[2, 200] ^= 1
+    sums, changed = payload_sums(rows), payload_sums(swapped) + payload_sums(flipped)
+    assert sums[0] == changed[0] and sums[1] != changed[1]  # same S1, different S2
+    assert sums[2] != changed[5] and sums[1][0] == changed[1][0]
 
 
 def test_restart_finds_everything_and_rebuilds_a_lost_index(pool, tmp_path):

@@ -2,13 +2,12 @@
 
 Layout: `<root>/<namespace.name>/` holds `<time_ns>-<pid>.seg` segments of records (format in
 file_records.py: header with key and checksums, then the flat page) and `index.json` (key ->
-segment, offset; file_index.py). `root` is the extra-config key `file_path`, else
-KVSTRATA_HICACHE_FILE_DIR, else `$XDG_CACHE_HOME/kvstrata/hicache` (`~/.cache/...`).
+segment, offset; file_index.py). `root` and the other extra-config keys: file_options.py.
 
 Guarantees:
-- never wrong data: every read checks the record's header checksum, key, length and payload
-  crc32; a record that fails is a miss (and leaves the index). A torn tail at restart (a
-  writer died mid-record) is ignored by the scan.
+- never wrong data: every read checks the record's header crc32, key, length and payload
+  sums (file_records.py); a record that fails is a miss (and leaves the index). A torn tail
+  at restart (a writer died mid-record) is ignored by the scan.
 - atomic per record: a record enters the index only after its bytes are written, and other
   processes only index records whose whole length is in the file.
 - restart: the index is saved (temp file + rename) every `index_flush_every` new records and
@@ -29,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import shutil
 import threading
 import time
 from typing import Any
@@ -37,67 +35,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstrata import envs
-from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS, StorageBackend
+from kvstrata.kv.storage.base import StorageBackend
 from kvstrata.kv.storage.file_index import INDEX_FILE, SegmentIndex
-from kvstrata.kv.storage.file_records import (HEADER, RecordError, check_payload, encode_key,
-                                              is_segment_name, parse_header, prefix_len,
-                                              record_header, segment_name, write_all)
+from kvstrata.kv.storage.file_options import MiB, default_root, parse_options, resolve_max_bytes
+from kvstrata.kv.storage.file_records import (HEADER, ActiveSegment, RecordError, encode_key,
+                                              is_segment_name, parse_header, payload_sums,
+                                              prefix_len, record_header, write_all)
+from kvstrata.kv.storage.staging import FlatPageStaging
 
 logger = logging.getLogger(__name__)
 
-MiB, GiB = 1 << 20, 1 << 30
-DEFAULT_SEGMENT_BYTES = 128 * MiB
-DEFAULT_MAX_BYTES = 10 * GiB
-# extra-config keys of this backend, with their types and defaults (None = computed)
-OPTIONS = {"file_path": (str, None), "segment_bytes": (int, DEFAULT_SEGMENT_BYTES),
-           "max_bytes": (int, None), "index_flush_every": (int, 1024),
-           "refresh_interval_s": (float, 1.0), "fsync": (bool, False)}
-SHARED_KEYS = set(PREFETCH_CONFIG_KEYS) | {"key_salt"}  # read by other layers
-
-
-def default_root() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return envs.KVSTRATA_HICACHE_FILE_DIR.get() or os.path.join(base, "kvstrata", "hicache")
-
-
-def parse_options(extra: dict[str, Any]) -> dict[str, Any]:
-    opts = {}
-    for name, (kind, default) in OPTIONS.items():
-        raw = extra.get(name, default)
-        if raw is not None and not isinstance(raw, kind):
-            try:
-                raw = kind(raw) if kind is not bool else str(raw).lower() in ("1", "true")
-            except (TypeError, ValueError):
-                raise ValueError(f"--hicache-storage-backend-extra-config {name}={raw!r} is "
-                                 f"not a valid {kind.__name__}") from None
-        opts[name] = raw
-    for name in ("segment_bytes", "max_bytes", "index_flush_every"):
-        if opts[name] is not None and opts[name] < 1:
-            raise ValueError(f"--hicache-storage-backend-extra-config {name} must be >= 1, "
-                             f"got {opts[name]}")
-    unknown = sorted(set(extra) - set(OPTIONS) - SHARED_KEYS)
-    if unknown:
-        logger.warning("file storage ignores unknown extra-config keys %s (it reads %s)",
-                       unknown, ", ".join(OPTIONS))
-    return opts
-
-
-class _ActiveSegment:
-    """The segment this process appends to: exclusive flock, its own write position."""
-
-    def __init__(self, directory: str):
-        self.name = segment_name(time.time_ns(), os.getpid())
-        self.fd = os.open(os.path.join(directory, self.name),
-                          os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.size = 0
-        self.broken = False  # a failed write left a torn tail: never append after it
-
-    def close(self, fsync: bool) -> None:
-        if fsync:
-            os.fdatasync(self.fd)
-        os.close(self.fd)  # releases the flock
+CHUNK_BYTES, MAX_CHUNK_PAGES = 64 * MiB, 128  # bounds the reused staging/read buffers
 
 
 class FileStorage(StorageBackend):
@@ -123,11 +71,17 @@ class FileStorage(StorageBackend):
         self._index_loaded = self._index.load(self.directory, self.page_bytes)
         self._index.reconcile(self.directory)
         self._last_refresh = time.monotonic()
-        self.max_bytes = self._resolve_max_bytes(opts["max_bytes"])
-        self._active: _ActiveSegment | None = None
+        self.max_bytes = resolve_max_bytes(opts["max_bytes"], self.directory,
+                                           self._index.total_bytes, self.segment_bytes)
+        self._active: ActiveSegment | None = None
         self._read_fds: dict[str, int] = {}
         self._retired_fds: list[int] = []
         self._reads_in_flight = 0
+        # pages per staged write / per read chunk: bounds the two reused buffers (~64 MiB)
+        self._chunk_pages = max(1, min(MAX_CHUNK_PAGES, CHUNK_BYTES // self.page_bytes))
+        self._stager: FlatPageStaging | None = None  # allocated on first write
+        self._read_buf: np.ndarray | None = None     # allocated on first read
+        self._read_buf_lock = threading.Lock()
         self._unsaved = 0
         self._stats = dict.fromkeys(
             ("pages_read", "pages_written", "bytes_read", "bytes_written", "pages_skipped",
@@ -137,17 +91,6 @@ class FileStorage(StorageBackend):
                     "scanned), cap %.2f GB", self.directory, len(self._index),
                     len(self._index.segments), "loaded" if self._index_loaded else "rebuilt",
                     self._index.scanned_segments, self.max_bytes / 1e9)
-
-    def _resolve_max_bytes(self, requested: int | None) -> int:
-        if requested is None:
-            free = shutil.disk_usage(self.directory).free
-            requested = min(DEFAULT_MAX_BYTES, (free + self._index.total_bytes) // 2)
-            requested = max(requested, 2 * self.segment_bytes)
-        if requested < self.segment_bytes:
-            raise ValueError(f"--hicache-storage-backend-extra-config max_bytes ({requested}) "
-                             f"must be at least segment_bytes ({self.segment_bytes}): "
-                             "eviction deletes whole segments")
-        return requested
 
     # ---- verbs ------------------------------------------------------------------------------
 
@@ -173,39 +116,60 @@ class FileStorage(StorageBackend):
             wanted = [(i, loc[0], loc[1], self._read_fd(loc[0])) for i, loc in wanted
                       if loc is not None]
             self._reads_in_flight += 1
-        rows = np.empty((len(wanted), self.page_bytes), dtype=np.uint8)
         ok = [False] * len(keys)
-        good_rows, bad = [], []
+        bad = []  # (key, segment) of records that failed their checks
         try:
-            for row, (i, seg, offset, fd) in enumerate(wanted):
-                if fd is not None and self._read_record(fd, offset, keys[i], rows[row]):
-                    ok[i] = True
-                    good_rows.append(row)
-                else:
-                    bad.append((keys[i], seg))
+            with self._read_buf_lock:
+                for start in range(0, len(wanted), self._chunk_pages):
+                    self._read_chunk(keys, host_pages, wanted[start:start + self._chunk_pages],
+                                     ok, bad)
         finally:
             with self._lock:
                 self._reads_in_flight -= 1
                 self._close_retired()
-        if good_rows:
-            flat = torch.from_numpy(rows).view(self._dtype)
-            if len(good_rows) < len(rows):
-                flat = flat[good_rows]
-            self.host_pool.set_flat_pages([host_pages[wanted[r][0]] for r in good_rows], flat)
         now = time.time()
         with self._lock:
             for key, seg in bad:
                 if self._index.locations.get(key) == seg:
                     self._index.drop_key(key)  # a bad record stays a miss; set may rewrite it
-            for r in good_rows:
-                self._index.touch(wanted[r][1], now)
-            self._stats["corrupt_records"] += sum(seg is not None for _, seg in bad)
-            self._stats["read_misses"] += len(keys) - len(good_rows)
-            self._stats["pages_read"] += len(good_rows)
-            self._stats["bytes_read"] += len(good_rows) * self.page_bytes
+            for _i, seg, _offset, _fd in wanted:
+                self._index.touch(seg, now)
+            hits = sum(ok)
+            self._stats["corrupt_records"] += len(bad)
+            self._stats["read_misses"] += len(keys) - hits
+            self._stats["pages_read"] += hits
+            self._stats["bytes_read"] += hits * self.page_bytes
         return ok
 
-    def _read_record(self, fd: int, offset: int, key: str, out: np.ndarray) -> bool:
+    def _read_chunk(self, keys, host_pages, wanted, ok, bad) -> None:
+        """Read records into the reused buffer (fresh memory would cost page faults on every
+        batch), check their payload sums in one vectorised pass, then one set_flat_pages for
+        the good ones."""
+        if self._read_buf is None:
+            self._read_buf = np.zeros((self._chunk_pages, self.page_bytes), dtype=np.uint8)
+        rows = self._read_buf
+        headers = [self._read_record(fd, offset, keys[i], rows[row]) if fd is not None else None
+                   for row, (i, _seg, offset, fd) in enumerate(wanted)]
+        flat = torch.from_numpy(rows[:len(wanted)])
+        sums = payload_sums(flat)
+        good = []
+        for row, (i, seg, offset, _fd) in enumerate(wanted):
+            if headers[row] is not None and headers[row].sums == sums[row]:
+                ok[i] = True
+                good.append(row)
+            else:
+                if headers[row] is not None:
+                    logger.warning("storage record %s at %s:%d: payload checksum mismatch, "
+                                   "a miss", keys[i][:16], seg, offset)
+                bad.append((keys[i], seg))
+        if good:
+            flat = flat.view(self._dtype)
+            if len(good) < len(wanted):
+                flat = flat[good]
+            self.host_pool.set_flat_pages([host_pages[wanted[r][0]] for r in good], flat)
+
+    def _read_record(self, fd: int, offset: int, key: str, out: np.ndarray):
+        """Read one record's payload into `out`; its checked header, or None (a miss)."""
         key_bytes = key.encode()
         head = bytearray(prefix_len(key_bytes))
         try:
@@ -215,12 +179,11 @@ class FileStorage(StorageBackend):
             header = parse_header(bytes(head[:HEADER.size]), bytes(head[HEADER.size:]))
             if header.key != key_bytes or header.payload_len != self.page_bytes:
                 raise RecordError("record of another key or size")
-            check_payload(header, out)
-            return True
+            return header
         except (OSError, RecordError) as e:
             logger.warning("storage record %s at offset %d unusable (%s): a miss", key[:16],
                            offset, e)
-            return False
+            return None
 
     def batch_set(self, keys: list[str], host_pages: list[int]) -> list[bool]:
         self._check_batch(keys, host_pages)
@@ -238,22 +201,27 @@ class FileStorage(StorageBackend):
         ok = [True] * len(keys)
         if not todo:
             return ok
-        key_bytes = [encode_key(keys[i]) for i in todo]
-        flat = self.host_pool.get_flat_pages([host_pages[i] for i in todo])
-        payloads = flat.view(torch.uint8).numpy()
+        key_bytes = {i: encode_key(keys[i]) for i in todo}  # bad keys fail before any write
+        done = set()
         with self._write_lock:
-            written = self._append(key_bytes, payloads, [keys[i] for i in todo])
-        for j, i in enumerate(todo):
-            ok[i] = j < written
-        done = {keys[i] for i in todo[:written]}
+            if self._stager is None:
+                self._stager = FlatPageStaging(self.page_bytes, self._chunk_pages)
+            for part in self._stager.chunks(todo):
+                rows = self._stager.gather(self.host_pool, [host_pages[i] for i in part])
+                n = self._append([key_bytes[i] for i in part], rows.numpy(),
+                                 payload_sums(rows), [keys[i] for i in part])
+                done.update(keys[i] for i in part[:n])
+                if n < len(part):
+                    break
         for i, key in enumerate(keys):
             if key in seen and key not in done:
-                ok[i] = False  # a duplicate of a page that failed to write
-        if written and self._unsaved >= self._flush_every:
+                ok[i] = False  # not written (a duplicate of it neither)
+        if done and self._unsaved >= self._flush_every:
             self.flush_index()
         return ok
 
-    def _append(self, key_bytes: list[bytes], payloads: np.ndarray, keys: list[str]) -> int:
+    def _append(self, key_bytes: list[bytes], payloads: np.ndarray,
+                sums: list[tuple[int, int]], keys: list[str]) -> int:
         """Write records in order; returns how many were written (the rest failed)."""
         pos = 0
         while pos < len(keys):
@@ -274,7 +242,7 @@ class FileStorage(StorageBackend):
                 break
             buffers, offsets, offset = [], [], seg.size
             for j in range(pos, pos + take):
-                buffers += [record_header(key_bytes[j], payloads[j]), payloads[j]]
+                buffers += [record_header(key_bytes[j], self.page_bytes, sums[j]), payloads[j]]
                 offsets.append(offset)
                 offset += prefix_len(key_bytes[j]) + self.page_bytes
             try:
@@ -298,14 +266,14 @@ class FileStorage(StorageBackend):
             pos += take
         return pos
 
-    def _writable_segment(self, record_bytes: int) -> _ActiveSegment:
+    def _writable_segment(self, record_bytes: int) -> ActiveSegment:
         seg = self._active
         if seg is not None and not seg.broken and (
                 seg.size == 0 or seg.size + record_bytes <= self.segment_bytes):
             return seg
         if seg is not None:
             seg.close(self._fsync)
-        self._active = _ActiveSegment(self.directory)
+        self._active = ActiveSegment(self.directory)
         with self._lock:
             self._index.add_segment(self._active.name, time.time())
         return self._active

@@ -5,8 +5,9 @@ each client contributes `global_segment_size` bytes of its memory to the pool).
 One object per page, keyed `<namespace.name>/<page key>`, so servers of one namespace share
 pages and others never see them. Pages move through two staging buffers registered with the
 store once (one for puts, one for gets, so the backup and prefetch threads never share one):
-`batch_put_from` / `batch_get_into` transfer straight from/to them; the host pool side is one
-`get_flat_pages` / `set_flat_pages` per chunk of `staging_pages` pages.
+`batch_put_from` / `batch_get_into` transfer straight from/to them; the host pool side is a
+staging.py gather (one copy per page, no allocation) / one `set_flat_pages` per chunk of
+`staging_pages` pages.
 
 Extra config (SGLang's names; each falls back to SGLang's environment variable):
   master_server_address  MOONCAKE_MASTER              required, "host:port"
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS, StorageBackend
+from kvstrata.kv.storage.staging import FlatPageStaging
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +123,10 @@ class MooncakeStorage(StorageBackend):
                                f"{opts['master_server_address']} and metadata server "
                                f"{opts['metadata_server']}")
         # (staging_pages, page_bytes) uint8 each; registered once, reused by every batch
-        self._put_buf = self._registered_buffer()
-        self._get_buf = self._registered_buffer()
+        self._put_stage = FlatPageStaging(self.page_bytes, self.staging_pages)
+        self._put_buf = self._register(self._put_stage.buffer)
+        self._get_buf = self._register(
+            torch.zeros((self.staging_pages, self.page_bytes), dtype=torch.uint8))
         self._put_lock, self._get_lock, self._stats_lock = (threading.Lock(),
                                                             threading.Lock(), threading.Lock())
         self._stats = dict.fromkeys(("pages_read", "pages_written", "bytes_read",
@@ -132,8 +136,7 @@ class MooncakeStorage(StorageBackend):
         logger.info("mooncake storage: master %s, %d-page staging, namespace %s",
                     opts["master_server_address"], self.staging_pages, self._prefix[:-1])
 
-    def _registered_buffer(self) -> torch.Tensor:
-        buf = torch.empty((self.staging_pages, self.page_bytes), dtype=torch.uint8)
+    def _register(self, buf: torch.Tensor) -> torch.Tensor:
         rc = self._store.register_buffer(buf.data_ptr(), buf.numel())
         if rc != 0:
             raise RuntimeError(f"Mooncake Store register_buffer failed (rc={rc})")
@@ -194,9 +197,7 @@ class MooncakeStorage(StorageBackend):
         with self._put_lock:
             for start, end in self._chunks(len(todo)):
                 part = todo[start:end]
-                rows = self._put_buf[:len(part)]
-                rows.view(self._dtype).copy_(
-                    self.host_pool.get_flat_pages([host_pages[i] for i in part]))
+                rows = self._put_stage.gather(self.host_pool, [host_pages[i] for i in part])
                 results = self._store.batch_put_from(
                     [store_keys[i] for i in part], [r.data_ptr() for r in rows],
                     [self.page_bytes] * len(part))
