@@ -79,8 +79,9 @@ class FileStorage(StorageBackend):
         self._reads_in_flight = 0
         # pages per staged write / per read chunk: bounds the two reused buffers (~64 MiB)
         self._chunk_pages = max(1, min(MAX_CHUNK_PAGES, CHUNK_BYTES // self.page_bytes))
-        self._stager: FlatPageStaging | None = None  # allocated on first write
-        self._read_buf: np.ndarray | None = None     # allocated on first read
+        # allocated (and touched) now: first-touch page faults would land on the first batch
+        self._stager = FlatPageStaging(self.page_bytes, self._chunk_pages)
+        self._read_buf = np.zeros((self._chunk_pages, self.page_bytes), dtype=np.uint8)
         self._read_buf_lock = threading.Lock()
         self._unsaved = 0
         self._stats = dict.fromkeys(
@@ -145,8 +146,6 @@ class FileStorage(StorageBackend):
         """Read records into the reused buffer (fresh memory would cost page faults on every
         batch), check their payload sums in one vectorised pass, then one set_flat_pages for
         the good ones."""
-        if self._read_buf is None:
-            self._read_buf = np.zeros((self._chunk_pages, self.page_bytes), dtype=np.uint8)
         rows = self._read_buf
         headers = [self._read_record(fd, offset, keys[i], rows[row]) if fd is not None else None
                    for row, (i, _seg, offset, fd) in enumerate(wanted)]
@@ -204,8 +203,6 @@ class FileStorage(StorageBackend):
         key_bytes = {i: encode_key(keys[i]) for i in todo}  # bad keys fail before any write
         done = set()
         with self._write_lock:
-            if self._stager is None:
-                self._stager = FlatPageStaging(self.page_bytes, self._chunk_pages)
             for part in self._stager.chunks(todo):
                 rows = self._stager.gather(self.host_pool, [host_pages[i] for i in part])
                 n = self._append([key_bytes[i] for i in part], rows.numpy(),
