@@ -122,6 +122,7 @@ def test_flipped_payload_byte_is_a_miss_and_can_be_rewritten(pool, tmp_path):
     assert store.batch_set(keys, [1, 2, 3, 4, 5, 6]) == [True] * 6  # rewrites keys[2] only
     assert store.stats()["pages_written"] == 7
     assert_pages(store, pool, keys, [1, 2, 3, 4, 5, 6])
+    store.check_integrity()
 
 
 def test_flipped_header_byte_stops_the_scan_there(pool, tmp_path):
@@ -184,6 +185,7 @@ def test_lru_eviction_deletes_whole_least_recently_used_segments(pool, tmp_path)
     assert seg_b not in segments(tmp_path) and {seg_a, seg_c} <= set(segments(tmp_path))
     assert store.batch_exists(keys[4:8]) == 0 and store.batch_exists(keys[:4]) == 4
     assert_pages(store, pool, keys[12:], list(range(13, 17)))
+    store.check_integrity()
     store.close()
     # the LRU order survives a restart with the index: B's pages stay gone, A's stay
     again = open_store(pool, tmp_path, segment_bytes=4 * RECORD, max_bytes=12 * RECORD)
@@ -213,6 +215,7 @@ def test_failed_write_is_reported_and_not_indexed(pool, tmp_path, monkeypatch):
     monkeypatch.setattr(file_store, "write_all", real)
     assert store.batch_set(keys, [1, 2, 3]) == [True] * 3  # into a fresh segment
     assert len(segments(tmp_path)) == 2
+    store.check_integrity()
     assert_pages(open_store(pool, tmp_path), pool, keys, [1, 2, 3])
 
 
@@ -300,6 +303,10 @@ class FileStoreMachine(RuleBasedStateMachine):
     def clear(self):
         self.store.clear()
         self.model.clear()
+
+    @invariant()
+    def index_is_consistent(self):
+        self.store.check_integrity()
 
     @invariant()
     def exists_is_the_model_prefix(self):

@@ -83,6 +83,15 @@ class SegmentIndex:
             del self.locations[key]
         return len(gone)
 
+    def check_integrity(self) -> None:
+        """Every located key is recorded in its segment at an offset below what the segment
+        covers; raises AssertionError naming the first inconsistency."""
+        for key, name in self.locations.items():
+            seg = self.segments.get(name)
+            assert seg is not None, f"key {key[:16]} located in unknown segment {name}"
+            assert key in seg.records, f"key {key[:16]} missing from its segment {name}"
+            assert seg.records[key] < seg.covered, f"key {key[:16]} beyond {name}'s end"
+
     def lru_order(self) -> list[str]:
         return sorted(self.segments, key=lambda n: (self.segments[n].last_access, n))
 

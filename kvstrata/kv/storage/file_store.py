@@ -371,6 +371,18 @@ class FileStorage(StorageBackend):
                 self._index = SegmentIndex()
                 self._unsaved = 0
 
+    def check_integrity(self) -> None:
+        """The index is self-consistent and the segment this process appends to is exactly
+        as long as the records it indexed there (AssertionError otherwise)."""
+        with self._lock:
+            self._index.check_integrity()
+            if self._active is not None:
+                size = os.fstat(self._active.fd).st_size
+                covered = self._index.segments[self._active.name].covered
+                assert self._active.broken or size == self._active.size == covered, \
+                    f"active segment {self._active.name}: {size} bytes on disk, " \
+                    f"{self._active.size} written, {covered} indexed"
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {**self._stats, "pages_stored": len(self._index),
