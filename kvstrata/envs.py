@@ -99,6 +99,11 @@ KVSTRATA_BENCH_MAX_LOAD = _declare(
     "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "
     "warn loudly (or refuse with --require-quiet) and record it in their JSON.")
+KVSTRATA_HICACHE_FILE_DIR = _declare(
+    "KVSTRATA_HICACHE_FILE_DIR", str, "",
+    "Root directory of the `file` HiCache storage backend when the extra config has no "
+    "`file_path` (default: $XDG_CACHE_HOME/kvstrata/hicache, else ~/.cache/kvstrata/hicache); "
+    "each storage namespace gets a folder under it.")
 
 # PD disaggregation (kvstrata/transfer/disagg/), SGLang's SGLANG_DISAGGREGATION_* knobs.
 KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT = _declare(

@@ -122,3 +122,20 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
             assert v["ms"] > 0 and 0 < v["of_peak"] and v["top_ops"]
             assert 0 < v["attention_share"] < 1  # the kernel shows up as an op of its own
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
+
+
+def test_bench_storage_rows(tmp_path):
+    """Every backend (mooncake when its client imports) x page size x put/get has a row with
+    its raw-file baseline; the script itself checks every page read back exactly."""
+    out = tmp_path / "storage.json"
+    _run("bench_storage.py", "--layers", "2", "--kv-heads", "2", "--head-dim", "16",
+         "--page-sizes", "4", "1", "--total-mib", "1", "--reps", "1", "--dir", str(tmp_path),
+         "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    backends = {r["backend"] for r in rows}
+    assert {"memory", "file"} <= backends <= {"memory", "file", "mooncake"}
+    assert {(r["backend"], r["op"], r["page_size"]) for r in rows} == {
+        (b, op, p) for b in backends for op in ("put", "get") for p in (4, 1)}
+    for r in rows:
+        assert r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
+    assert os.listdir(tmp_path) == ["storage.json"]  # its files are gone
