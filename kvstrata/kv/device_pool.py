@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_plan import DSA_INDEX_K, MLA_LATENT, KVPlan
 from kvstrata.kv.layouts import KVGeometry
 
 
@@ -45,3 +45,38 @@ class MHATokenToKVPool:
         """Write k, v of shape [N, H, D] at `slots` ([N] int64) of `layer`."""
         self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
         self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))
+
+
+class MLATokenToKVPool:
+    """L1 pool of an MLA model (DeepSeek): per layer one latent vector per token slot
+    (kv_lora_rank normalised latent + qk_rope_head_dim rotated key, shared by all heads),
+    and for a DSA model the indexer's key per slot beside it, addressed by the same slots.
+
+    Shapes: latent (L, num_slots, kv_lora_rank + qk_rope_head_dim); index_k (L, num_slots,
+    index_head_dim) or None. Same padding-page rule as the MHA pool."""
+
+    def __init__(self, plan: KVPlan, device: torch.device | str):
+        if plan.pool_kind != "mla":
+            raise ValueError(f"MLATokenToKVPool needs an mla KV plan, got {plan.pool_kind!r}")
+        self.plan = plan
+        self.device = torch.device(device)
+        self.num_slots = (plan.num_pages + 1) * plan.page_size
+        self.tensors: dict[str, torch.Tensor] = {}
+        for c in plan.components:
+            self.tensors[c.name] = torch.zeros((c.num_layers, self.num_slots, *c.token_shape),
+                                               dtype=getattr(torch, c.dtype),
+                                               device=self.device)
+        self.latent = self.tensors[MLA_LATENT].flatten(2)        # (L, slots, R + r)
+        index_k = self.tensors.get(DSA_INDEX_K)
+        self.index_k = None if index_k is None else index_k.flatten(2)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def set_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                   index_k: torch.Tensor | None = None) -> None:
+        """Write latent [N, R + r] (and the indexer keys [N, Di]) at `slots` of `layer`."""
+        self.latent[layer].index_copy_(0, slots, latent.to(self.latent.dtype))
+        if index_k is not None:
+            self.index_k[layer].index_copy_(0, slots, index_k.to(self.index_k.dtype))

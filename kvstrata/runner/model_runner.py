@@ -16,13 +16,14 @@ from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                           resolve_model_path)
-from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.platform import detected_platform
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
+from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
@@ -51,13 +52,20 @@ class ModelRunner:
     (config/kv_sizing.py) and hands it to `allocate_kv`, which builds every KV tensor."""
 
     def __init__(self, model_path: str, dtype: str = "auto",
-                 device: str | torch.device | None = None, quantization: str | None = None):
+                 device: str | torch.device | None = None, quantization: str | None = None,
+                 dsa_fused_topk: bool = True):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_model(self.source, self.hf_config, dtype, self.device)
+        # DSA models: which top-k domain the indexer feeds attention (resolved
+        # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
+        self.dsa_fused_topk = dsa_fused_topk
+        if quantization is not None and self.model.pool_kind != "mha":
+            raise ValueError(f"--quantization {quantization} supports the llama-family "
+                             f"decoder only, not {type(self.model).__name__}")
         # --quantization: the float weights are replaced once, here, before the KV pool is
         # sized from what memory the weights leave. What ran goes to /server_info.
         self.quantization_info = {"quantization": None}
@@ -79,10 +87,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
         dims = self.model.dims
+        if self.model.pool_kind == "mla":
+            components = self.model.kv_components()
+        else:
+            components = mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                        str(self.dtype).removeprefix("torch."))
         return ModelKVFacts(
-            pool_kind="mha",
-            components=mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
-                                      str(self.dtype).removeprefix("torch.")),
+            pool_kind=self.model.pool_kind, components=components,
             max_position_embeddings=getattr(self.hf_config, "max_position_embeddings", None),
             sliding_window=self._sliding_window())
 
@@ -99,11 +110,20 @@ class ModelRunner:
             raise RuntimeError("the KV cache is already allocated")
         self.plan = plan
         dims = self.model.dims
-        self.kv_pool = MHATokenToKVPool(plan, self.device)
         self.req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len, self.device)
-        self.model.attn_backend = TorchNativeAttnBackend(
-            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-            page_size=plan.page_size)
+        if plan.pool_kind == "mla":
+            if plan.has_host_pool:
+                raise ValueError(f"{type(self.model).__name__}: a host KV pool (HiCache, "
+                                 f"decode retraction backup) is not supported for the MLA pool")
+            self.kv_pool = MLATokenToKVPool(plan, self.device)
+            self.model.attn_backend = DSASparseMLABackend(
+                self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
+                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk)
+        else:
+            self.kv_pool = MHATokenToKVPool(plan, self.device)
+            self.model.attn_backend = TorchNativeAttnBackend(
+                self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
+                dims.head_dim, page_size=plan.page_size)
         self.hicache = None
         if plan.has_host_pool and plan.host_pool_use == "retraction":
             # A decode server's host pool holds retraction backups only: no transfer thread.
