@@ -204,6 +204,14 @@ class KVPlan:
         return self.component(name).bytes_per_page_per_layer(self.page_size)
 
     @property
+    def section_bytes_per_token_per_layer(self) -> int:
+        """One token of one layer in one section of the pool tensor: K (or V) for MHA; for
+        MLA every component, which the pool stores side by side in one row."""
+        if self.pool_kind == "mla":
+            return sum(c.bytes_per_token_per_layer for c in self.components)
+        return self.component(MHA_K).bytes_per_token_per_layer
+
+    @property
     def bytes_per_token(self) -> int:
         """Every component of every layer for one token (what sizes the pools)."""
         return sum(c.bytes_per_token for c in self.components)

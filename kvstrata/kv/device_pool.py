@@ -50,33 +50,35 @@ class MHATokenToKVPool:
 class MLATokenToKVPool:
     """L1 pool of an MLA model (DeepSeek): per layer one latent vector per token slot
     (kv_lora_rank normalised latent + qk_rope_head_dim rotated key, shared by all heads),
-    and for a DSA model the indexer's key per slot beside it, addressed by the same slots.
+    and for a DSA model the indexer's key beside it, in the same row of the same slot.
 
-    Shapes: latent (L, num_slots, kv_lora_rank + qk_rope_head_dim); index_k (L, num_slots,
-    index_head_dim) or None. Same padding-page rule as the MHA pool."""
+    One tensor `kv` of shape (1, L, num_slots, 1, latent + index) -- the KVGeometry of an mla
+    plan (kv/layouts.py) -- so the host pool, IO backends, retraction backup and PD page
+    buffers move MLA pages with the code they use for MHA, indexer keys included.
+    `latent` (L, slots, latent) and `index_k` (L, slots, index) are views of it."""
 
     def __init__(self, plan: KVPlan, device: torch.device | str):
         if plan.pool_kind != "mla":
             raise ValueError(f"MLATokenToKVPool needs an mla KV plan, got {plan.pool_kind!r}")
         self.plan = plan
+        self.geom = g = KVGeometry.from_plan(plan)
         self.device = torch.device(device)
         self.num_slots = (plan.num_pages + 1) * plan.page_size
-        self.tensors: dict[str, torch.Tensor] = {}
-        for c in plan.components:
-            self.tensors[c.name] = torch.zeros((c.num_layers, self.num_slots, *c.token_shape),
-                                               dtype=getattr(torch, c.dtype),
-                                               device=self.device)
-        self.latent = self.tensors[MLA_LATENT].flatten(2)        # (L, slots, R + r)
-        index_k = self.tensors.get(DSA_INDEX_K)
-        self.index_k = None if index_k is None else index_k.flatten(2)
+        self.kv = torch.zeros((1, g.num_layers, self.num_slots, 1, g.head_dim), dtype=g.dtype,
+                              device=self.device)
+        rows = self.kv[0, :, :, 0]                                   # (L, slots, width)
+        latent_dim = plan.component(MLA_LATENT).token_shape[-1]
+        self.latent = rows[..., :latent_dim]
+        has_index = any(c.name == DSA_INDEX_K for c in plan.components)
+        self.index_k = rows[..., latent_dim:] if has_index else None
 
     @property
     def size_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return self.kv.numel() * self.kv.element_size()
 
     def set_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor,
                    index_k: torch.Tensor | None = None) -> None:
         """Write latent [N, R + r] (and the indexer keys [N, Di]) at `slots` of `layer`."""
-        self.latent[layer].index_copy_(0, slots, latent.to(self.latent.dtype))
+        self.latent[layer].index_copy_(0, slots, latent.to(self.kv.dtype))
         if index_k is not None:
-            self.index_k[layer].index_copy_(0, slots, index_k.to(self.index_k.dtype))
+            self.index_k[layer].index_copy_(0, slots, index_k.to(self.kv.dtype))

@@ -112,9 +112,6 @@ class ModelRunner:
         dims = self.model.dims
         self.req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len, self.device)
         if plan.pool_kind == "mla":
-            if plan.has_host_pool:
-                raise ValueError(f"{type(self.model).__name__}: a host KV pool (HiCache, "
-                                 f"decode retraction backup) is not supported for the MLA pool")
             self.kv_pool = MLATokenToKVPool(plan, self.device)
             self.model.attn_backend = DSASparseMLABackend(
                 self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
