@@ -5,10 +5,9 @@ match transformers. page_head is refused for MLA by name."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers.compare import assert_tokens_match
-from tests.correctness.test_hicache_engine import ANSWER, make_llm, multi_turn
+from helpers.compare import assert_match_transformers
+from tests.correctness.test_hicache_engine import make_llm, multi_turn
 
 MLA_PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"),
              ("page_first_direct", "direct")]
@@ -16,21 +15,13 @@ MLA_PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"),
 
 @pytest.fixture(scope="module")
 def dsa_reference(tiny_dsa_checkpoint):
-    from transformers import AutoModelForCausalLM
-
     llm = make_llm(tiny_dsa_checkpoint, max_total_tokens=8192)
     try:
         prompts, outputs = multi_turn(llm, conversations=2, turns=4)
     finally:
         llm.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(tiny_dsa_checkpoint, dtype=torch.float32).eval()
-    for prompt, ours in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=ANSWER,
-                                 min_new_tokens=ANSWER, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        assert_tokens_match(ours, ref.sequences[0, len(prompt):].tolist(),
-                            [s[0] for s in ref.logits], label="dsa no-hicache vs transformers")
+    assert_match_transformers(tiny_dsa_checkpoint, prompts, outputs,
+                              label="dsa no-hicache vs transformers")
     return outputs
 
 
