@@ -25,6 +25,7 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
                                                 TopLogprob)
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
@@ -53,7 +54,7 @@ class ModelRunner:
 
     def __init__(self, model_path: str, dtype: str = "auto",
                  device: str | torch.device | None = None, quantization: str | None = None,
-                 dsa_fused_topk: bool = True):
+                 dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
@@ -63,6 +64,11 @@ class ModelRunner:
         # DSA models: which top-k domain the indexer feeds attention (resolved
         # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
         self.dsa_fused_topk = dsa_fused_topk
+        # PD seed of a DSA model (runner/dsa.py); the remap follows the resolved
+        # dsa_remap_pd_seed_to_local_slots gate.
+        self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
+                          if self.model.pool_kind == "mla" else None)
+        self.pd_role: str | None = None
         if quantization is not None and self.model.pool_kind != "mha":
             raise ValueError(f"--quantization {quantization} supports the llama-family "
                              f"decoder only, not {type(self.model).__name__}")
@@ -186,6 +192,7 @@ class ModelRunner:
             raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
         from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
         from kvstrata.transfer.disagg.registry import create_manager
+        self.pd_role = role
         self.disagg = DisaggExecutor(create_manager(
             backend, role, page_buffers_of(self.kv_pool), host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
@@ -214,6 +221,8 @@ class ModelRunner:
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_req_ids:
             self._reqs.pop(rid, None)
+            if self.dsa_seeds is not None:
+                self.dsa_seeds.forget(rid)
         for new in sched.new_requests:
             self._register(new)
         if not sched.scheduled:
@@ -231,6 +240,8 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if self.dsa_seeds is not None and self.dsa_seeds.pending:
+            self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
 
         # Logits wanted: the last token of each sampled request, and every token of a
         # prompt-logprobs request whose chunk still lies within its prompt.
@@ -257,6 +268,8 @@ class ModelRunner:
         logits = self.model(fb)
 
         out = RunnerOutput([], [], [], [])
+        if self.dsa_seeds is not None and self.pd_role == "prefill":
+            out.dsa_seeds = self._prefill_seeds(reqs)
         for i, first, n in lp_spans:
             self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
         sampled = [r for r in reqs if r.sample]
@@ -275,7 +288,26 @@ class ModelRunner:
                                     [TopLogprob(t, lv) for t, lv in top])
         return out
 
+    def _slot_rows(self) -> torch.Tensor:
+        """(L, slots, row) view of the MLA pool: each slot's latent + indexer key per layer."""
+        return self.kv_pool.kv[0, :, :, 0]
+
+    def _prefill_seeds(self, reqs) -> dict[str, list[int]]:
+        """The last layer's top-k of each request whose last prompt token ran, as positions."""
+        selected = self.model.attn_backend.last_selected[-1]
+        seeds, offset = {}, 0
+        for r in reqs:
+            offset += len(r.token_ids)
+            end = r.start_pos + len(r.token_ids)
+            if r.sample and end == len(self._reqs[r.req_id].sampling.prompt_token_ids):
+                row_slots = self.req_to_token.table[r.row, :end]
+                seeds[r.req_id] = self.dsa_seeds.seed_of(selected[offset - 1], row_slots,
+                                                         self._slot_rows())
+        return seeds
+
     def _register(self, new: NewRequestData) -> None:
+        if new.dsa_seed is not None and self.dsa_seeds is not None:
+            self.dsa_seeds.pending[new.req_id] = list(new.dsa_seed)
         self._reqs[new.req_id] = _ReqState(
             SamplingState(new.sampling_params, list(new.prompt_token_ids),
                           list(new.output_token_ids)),
