@@ -96,23 +96,74 @@ def tiny_prompts() -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tiny_references(tiny_checkpoints, tiny_prompts) -> dict:
     """arch -> list of (ref tokens, ref per-step logits) from transformers greedy generate."""
+    return {arch: hf_greedy_references(path, tiny_prompts)
+            for arch, path in tiny_checkpoints.items()}
+
+
+def hf_greedy_references(path: str, prompts: list[list[int]]) -> list:
+    """(ref tokens, ref per-step logits) per prompt: transformers greedy generate, float32."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    refs = {}
-    for arch, path in tiny_checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        per_prompt = []
-        for prompt in tiny_prompts:
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), do_sample=False,
-                                     max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
-                                     output_logits=True, return_dict_in_generate=True,
-                                     pad_token_id=0)
-            tokens = out.sequences[0, len(prompt):].tolist()
-            per_prompt.append((tokens, [step[0] for step in out.logits]))
-        refs[arch] = per_prompt
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), do_sample=False,
+                                 max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        refs.append((out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.logits]))
     return refs
+
+
+# Tiny DeepSeek-V3.2 (MLA + DSA indexer + MoE): odd sizes, 2 dense then 2 MoE layers, YaRN
+# rope with mscale != mscale_all_dim, and index_topk (8) below most prompt lengths so that
+# attention really is sparse. 16 indexer heads: an indexer score is exactly 0 when every
+# head's relu is 0, and with 4 heads (1 key in 16) such exact ties landed on the top-k
+# boundary, where transformers itself breaks them differently in prefill and decode.
+DSA_INDEX_TOPK = 8
+
+
+def _tiny_dsa_config():
+    import transformers as tf
+
+    return tf.DeepseekV32Config(
+        vocab_size=TINY_VOCAB, hidden_size=72, intermediate_size=88, moe_intermediate_size=40,
+        num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=3, n_shared_experts=1,
+        n_routed_experts=6, kv_lora_rank=28, q_lora_rank=36, qk_rope_head_dim=8,
+        v_head_dim=20, qk_nope_head_dim=12, n_group=2, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=2, index_topk=DSA_INDEX_TOPK, index_head_dim=24,
+        index_n_heads=16, max_position_embeddings=TINY_MAX_POS, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.8, "mscale_all_dim": 1.0})
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_checkpoint(tmp_path_factory) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(4321)
+    model = AutoModelForCausalLM.from_config(_tiny_dsa_config(), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            # Random-init leaves these at zero/one; make them matter.
+            layer.self_attn.indexer.k_norm.bias.normal_(0, 0.5)
+            layer.self_attn.indexer.k_norm.weight.normal_(1, 0.3)
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.normal_(0, 0.3)
+    path = str(tmp_path_factory.mktemp("tiny_dsa") / "deepseek_v32")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts) -> list:
+    return hf_greedy_references(tiny_dsa_checkpoint, tiny_prompts)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 prompts, same dtype, same machine, in the same run. Prints output tok/s of each and the ratio.
 
     kvstrata bench offline --model tiny        # a random ~19M-parameter llama built on the fly
+    kvstrata bench offline --model tiny-dsa    # a random DeepseekV32 (MLA + DSA + MoE)
+    kvstrata bench offline --model /path/to/deepseek_v32_dir
     kvstrata bench offline --model smollm2-135m
     kvstrata bench offline --model smollm2-135m --quantization w8a8_int8   # int8 kvstrata
                                                      # (transformers stays float32)
@@ -20,6 +22,7 @@ from kvstrata.bench.hf_reference import load_hf_model
 from kvstrata.config.server_args import QUANTIZATIONS
 
 TINY = "tiny"
+TINY_DSA = "tiny-dsa"
 
 
 def build_tiny_checkpoint(path: str) -> str:
@@ -33,6 +36,37 @@ def build_tiny_checkpoint(path: str) -> str:
                       max_position_embeddings=2048, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build_tiny_dsa_checkpoint(path: str) -> str:
+    """A random DeepseekV32 of about 21M parameters: MLA + DSA indexer (index_topk 64, far
+    below the prompts, so attention is sparse) + MoE after 2 dense layers."""
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV32Config(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, q_lora_rank=192,
+        kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+        first_k_dense_replace=2, index_topk=64, index_head_dim=64, index_n_heads=16,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    DeepseekV32ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def model_for(name: str, tmp: str) -> tuple[str, int]:
+    """(checkpoint path, vocab size) for --model: the built-in tiny ones, or a dir / name."""
+    if name == TINY:
+        return build_tiny_checkpoint(os.path.join(tmp, "tiny")), 32000
+    if name == TINY_DSA:
+        return build_tiny_dsa_checkpoint(os.path.join(tmp, "tiny-dsa")), 32000
+    config = os.path.join(name, "config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as fh:
+            return name, int(json.load(fh)["vocab_size"])
+    return name, 49152  # smollm2-135m / a GGUF file
 
 
 def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -76,7 +110,8 @@ def run_transformers(model_path: str, prompts, output_len: int, batch_size: int)
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=TINY, help="'tiny', 'smollm2-135m', a dir or a .gguf")
+    ap.add_argument("--model", default=TINY,
+                    help="'tiny', 'tiny-dsa', 'smollm2-135m', a dir or a .gguf")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-input-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=512)
@@ -95,8 +130,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     load = announce_load(args.require_quiet)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_checkpoint(os.path.join(tmp, "tiny")) if args.model == TINY else args.model
-        vocab = 32000 if args.model == TINY else 49152
+        model, vocab = model_for(args.model, tmp)
         prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, vocab,
                                args.seed)
         total = args.max_input_len + args.output_len

@@ -10,8 +10,10 @@ page counts or byte sizes; the plan checks its own consistency, once, when it is
 A pool kind is a tuple of `KVComponent`s: the per-token tensors every layer keeps.
   mha   k (H, D) and v (H, D)                         in the KV dtype
   mla   kv_latent (1, kv_lora_rank + qk_rope_head_dim) in the KV dtype
-  + DSA index_k (index_head_dim + 4 * index_head_dim / 128,) uint8 (fp8 keys and fp32
-        scales per 128-element block), next to either kind
+  + DSA index_k the indexer's key per token, next to either kind: (index_head_dim,) in
+        the KV dtype on our torch path (what the fp32 reference computes); SGLang's CUDA
+        layout is (index_head_dim + 4 * index_head_dim / 128,) uint8 (fp8 keys and fp32
+        scales per 128-element block), which a plan can describe too (docs/dsa.md)
 Page 0 of each pool and req_to_token row 0 are padding sinks allocated on top of the usable
 `num_pages` / `num_rows`.
 
@@ -97,6 +99,15 @@ def mha_components(num_layers: int, num_kv_heads: int, head_dim: int,
                    dtype: str) -> tuple[KVComponent, ...]:
     return tuple(KVComponent(name, num_layers, (num_kv_heads, head_dim), dtype)
                  for name in (MHA_K, MHA_V))
+
+
+def mla_components(num_layers: int, latent_dim: int, dtype: str,
+                   index_head_dim: int | None = None) -> tuple[KVComponent, ...]:
+    """MLA latent (kv_lora_rank + qk_rope_head_dim per token), plus the DSA indexer keys."""
+    latent = (KVComponent(MLA_LATENT, num_layers, (1, latent_dim), dtype),)
+    if index_head_dim is None:
+        return latent
+    return latent + (KVComponent(DSA_INDEX_K, num_layers, (1, index_head_dim), dtype),)
 
 
 @dataclass(frozen=True)
@@ -191,6 +202,14 @@ class KVPlan:
 
     def bytes_per_page_per_layer(self, name: str) -> int:
         return self.component(name).bytes_per_page_per_layer(self.page_size)
+
+    @property
+    def section_bytes_per_token_per_layer(self) -> int:
+        """One token of one layer in one section of the pool tensor: K (or V) for MHA; for
+        MLA every component, which the pool stores side by side in one row."""
+        if self.pool_kind == "mla":
+            return sum(c.bytes_per_token_per_layer for c in self.components)
+        return self.component(MHA_K).bytes_per_token_per_layer
 
     @property
     def bytes_per_token(self) -> int:

@@ -37,7 +37,7 @@ from kvstrata.engine.disagg_common import DisaggSide, Room
 from kvstrata.engine.disagg_retract import DecodeRetraction
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
 from kvstrata.engine.request import Request, RequestStatus
-from kvstrata.protocol.disagg import KVPoll, PDEvent
+from kvstrata.protocol.disagg import KVPoll, PDEvent, dsa_seed_from_extras
 
 
 class DecodeDisagg(DisaggSide):
@@ -151,6 +151,7 @@ class DecodeDisagg(DisaggSide):
             req.pending_logprobs.append(md.first_logprob)
             req.pending_top_logprobs.append(list(md.first_top_logprobs or []))
         req.cached_tokens = md.cached_tokens
+        req.dsa_seed_positions = dsa_seed_from_extras(md.extras)
         req.num_computed_tokens = len(req.prompt_ids)
         req.row_stale_from = 0
         self._forget(room)

@@ -25,7 +25,7 @@ import dataclasses
 from kvstrata.engine.disagg_common import DisaggSide, Room
 from kvstrata.engine.request import Request
 from kvstrata.protocol import FinishReason
-from kvstrata.protocol.disagg import KVPoll, PDEvent, PDMetadata
+from kvstrata.protocol.disagg import DSA_SEED_KEY, KVPoll, PDEvent, PDMetadata
 
 PREFILL_SLOTS_PER_ROW = 2
 
@@ -73,8 +73,10 @@ class PrefillDisagg(DisaggSide):
             self.emit("send", req.bootstrap.room, page_ids=req.pages[room.sent_pages:full])
             room.sent_pages = full
 
-    def on_token(self, req: Request, token: int, logprob: float | None, top) -> bool:
-        """The last prefill chunk sampled the first output token: send the KV."""
+    def on_token(self, req: Request, token: int, logprob: float | None, top,
+                 dsa_seed: list[int] | None = None) -> bool:
+        """The last prefill chunk sampled the first output token: send the KV (and, for a
+        DSA model, the runner's top-k seed in the metadata's extras)."""
         sched = self.sched
         req.output_ids.append(token)
         if logprob is not None:
@@ -89,7 +91,8 @@ class PrefillDisagg(DisaggSide):
         sent = self.rooms[room].sent_pages
         self.emit("send", room, page_ids=req.pages[sent:], last=True, metadata=PDMetadata(
             room=room, first_token_id=token, first_logprob=logprob,
-            first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens))
+            first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens,
+            extras={DSA_SEED_KEY: dsa_seed} if dsa_seed is not None else {}))
         self.inflight.append(req)
         return True
 

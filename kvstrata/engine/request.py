@@ -45,6 +45,9 @@ class Request:
     arrival_index: int
     return_prompt_logprobs: bool = False
     bootstrap: BootstrapAddr | None = None  # PD only
+    # PD decode, DSA model: the seed the prefill server sent (request positions), for the
+    # runner (which remaps it to local slots); None without one.
+    dsa_seed_positions: list[int] | None = None
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 

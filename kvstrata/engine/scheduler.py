@@ -185,7 +185,8 @@ class Scheduler:
     def _output(self, is_prefill: bool, reqs: list[Request], scheduled: list[ScheduledRequest]):
         new = [
             NewRequestData(r.rid, r.prompt_ids, list(r.output_ids), r.params,
-                           r.return_prompt_logprobs and r.retraction_count == 0)
+                           r.return_prompt_logprobs and r.retraction_count == 0,
+                           dsa_seed=r.dsa_seed_positions)
             for r in reqs if not r.known_to_runner
         ]
         for r in reqs:
@@ -371,7 +372,8 @@ class Scheduler:
             if req is None:
                 continue  # aborted while the forward ran
             if isinstance(self.pd, PrefillDisagg):  # the prefill server sends, never decodes
-                self.pd.on_token(req, token, result.logprobs[i], result.top_logprobs[i])
+                self.pd.on_token(req, token, result.logprobs[i], result.top_logprobs[i],
+                                 result.dsa_seeds.get(rid))
                 continue
             if req.params.max_new_tokens == 0:
                 self._complete(req, FinishReason(type="length"))  # prefill-only (scoring)

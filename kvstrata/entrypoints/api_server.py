@@ -223,6 +223,13 @@ def create_app(state) -> FastAPI:
         """KV pool accounting plus check_integrity(): tests use it to prove no page leaked."""
         return await tm.control("check_integrity")
 
+    @app.get("/debug/dsa_seeds")
+    async def debug_dsa_seeds():
+        """DSA models: the last PD top-k seeds and the latent rows they point at, per side
+        (prefill: at the seed positions; decode: at the decode-local slots). Tests compare
+        the two to prove the transfer and the remap; null records for other models."""
+        return await tm.control("dsa_seeds")
+
     @app.get("/metrics")
     async def metrics():
         if not getattr(args, "enable_metrics", True):

@@ -66,7 +66,9 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,
-                         quantization=args.quantization)
+                         quantization=args.quantization,
+                         dsa_fused_topk=args.dsa_fused_topk is not False,
+                         dsa_remap_pd_seed=bool(args.dsa_remap_pd_seed_to_local_slots))
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)

@@ -124,6 +124,9 @@ class SchedulerLoop:
                 except AssertionError as e:
                     result = {"ok": False, "error": str(e)}
                 result.update(self.engine.get_load())
+            elif msg.op == "dsa_seeds":
+                keeper = getattr(self.engine.runner, "dsa_seeds", None)
+                result = {"records": list(keeper.records) if keeper is not None else None}
             elif msg.op == "engine_info":
                 result = engine_info(self.engine, self.tokenizer)
             else:

@@ -43,7 +43,7 @@ class AbortReq(_Msg):
 class ControlReq(_Msg):
     """A request answered by one ControlReply with the same call_id."""
     call_id: int
-    # "get_load" | "flush_cache" | "check_integrity" | "engine_info"
+    # "get_load" | "flush_cache" | "check_integrity" | "engine_info" | "dsa_seeds"
     op: str
 
 

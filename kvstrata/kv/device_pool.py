@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_plan import DSA_INDEX_K, MLA_LATENT, KVPlan
 from kvstrata.kv.layouts import KVGeometry
 
 
@@ -45,3 +45,40 @@ class MHATokenToKVPool:
         """Write k, v of shape [N, H, D] at `slots` ([N] int64) of `layer`."""
         self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
         self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))
+
+
+class MLATokenToKVPool:
+    """L1 pool of an MLA model (DeepSeek): per layer one latent vector per token slot
+    (kv_lora_rank normalised latent + qk_rope_head_dim rotated key, shared by all heads),
+    and for a DSA model the indexer's key beside it, in the same row of the same slot.
+
+    One tensor `kv` of shape (1, L, num_slots, 1, latent + index) -- the KVGeometry of an mla
+    plan (kv/layouts.py) -- so the host pool, IO backends, retraction backup and PD page
+    buffers move MLA pages with the code they use for MHA, indexer keys included.
+    `latent` (L, slots, latent) and `index_k` (L, slots, index) are views of it."""
+
+    def __init__(self, plan: KVPlan, device: torch.device | str):
+        if plan.pool_kind != "mla":
+            raise ValueError(f"MLATokenToKVPool needs an mla KV plan, got {plan.pool_kind!r}")
+        self.plan = plan
+        self.geom = g = KVGeometry.from_plan(plan)
+        self.device = torch.device(device)
+        self.num_slots = (plan.num_pages + 1) * plan.page_size
+        self.kv = torch.zeros((1, g.num_layers, self.num_slots, 1, g.head_dim), dtype=g.dtype,
+                              device=self.device)
+        rows = self.kv[0, :, :, 0]                                   # (L, slots, width)
+        latent_dim = plan.component(MLA_LATENT).token_shape[-1]
+        self.latent = rows[..., :latent_dim]
+        has_index = any(c.name == DSA_INDEX_K for c in plan.components)
+        self.index_k = rows[..., latent_dim:] if has_index else None
+
+    @property
+    def size_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def set_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                   index_k: torch.Tensor | None = None) -> None:
+        """Write latent [N, R + r] (and the indexer keys [N, Di]) at `slots` of `layer`."""
+        self.latent[layer].index_copy_(0, slots, latent.to(self.kv.dtype))
+        if index_k is not None:
+            self.index_k[layer].index_copy_(0, slots, index_k.to(self.kv.dtype))

@@ -111,7 +111,7 @@ class HostKVPool:
         return self.num_pages * self.page_size
 
     def device_order(self) -> torch.Tensor:
-        """(2, L, num_pages + 1, P, H, D) view of `kv` (see layouts.py)."""
+        """(C, L, num_pages + 1, P, H, D) view of `kv` (see layouts.py)."""
         return layouts.device_order_view(self.layout, self.kv, self.page_size)
 
     def check_page_ids(self, pages: torch.Tensor) -> None:
@@ -120,15 +120,16 @@ class HostKVPool:
                              f"{int(pages.min())}..{int(pages.max())}")
 
     # ---- flat pages, for the storage tier ------------------------------------------------------
-    # A flat page is always ordered (2, L, P, H, D), whatever the host layout: storage keys are
+    # A flat page is always ordered (C, L, P, H, D), whatever the host layout: storage keys are
     # layout-independent, so the bytes behind them must be too (a page_first server can then
-    # read what a layer_first server stored).
+    # read what a layer_first server stored). For MLA, C = H = 1 and a token's row holds every
+    # component (latent, then DSA indexer key): a flat page carries both, in plan order.
 
     def get_flat_pages(self, pages) -> torch.Tensor:
         """(n, page_numel) copy of host `pages` in flat page order."""
         ids = torch.as_tensor(pages, dtype=torch.long).reshape(-1)
         self.check_page_ids(ids)
-        picked = self.device_order()[:, :, ids]  # (2, L, n, P, H, D), a gathered copy
+        picked = self.device_order()[:, :, ids]  # (C, L, n, P, H, D), a gathered copy
         return picked.permute(2, 0, 1, 3, 4, 5).reshape(ids.numel(), self.geom.page_numel)
 
     def set_flat_pages(self, pages, flat: torch.Tensor) -> None:
@@ -139,7 +140,7 @@ class HostKVPool:
         if flat.shape != (ids.numel(), g.page_numel) or flat.dtype != g.dtype:
             raise ValueError(f"expected flat pages of shape ({ids.numel()}, {g.page_numel}) and "
                              f"dtype {g.dtype}, got {tuple(flat.shape)} {flat.dtype}")
-        src = flat.view(ids.numel(), 2, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
+        src = flat.view(ids.numel(), g.num_sections, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
         self.device_order()[:, :, ids] = src.permute(1, 2, 0, 3, 4, 5)
 
     def get_flat_page(self, page: int) -> torch.Tensor:

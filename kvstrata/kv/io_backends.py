@@ -60,11 +60,11 @@ class KVIOBackend:
                 f"(supported: {', '.join(SUPPORTED_LAYOUTS.get(self.name, ()))}); the resolver "
                 f"should have rejected or rewritten this combination")
         g = host_pool.geom
-        L, H, D, P = g.num_layers, g.num_kv_heads, g.head_dim, g.page_size
-        if (device_kv.dim() != 5 or device_kv.shape[0] != 2 or device_kv.shape[1] != L
+        L, H, D, P, C = g.num_layers, g.num_kv_heads, g.head_dim, g.page_size, g.num_sections
+        if (device_kv.dim() != 5 or device_kv.shape[0] != C or device_kv.shape[1] != L
                 or tuple(device_kv.shape[3:]) != (H, D) or device_kv.shape[2] % P != 0):
             raise ValueError(f"device KV of shape {tuple(device_kv.shape)} does not match the host "
-                             f"pool geometry (2, {L}, pages*{P}, {H}, {D})")
+                             f"pool geometry ({C}, {L}, pages*{P}, {H}, {D})")
         if device_kv.dtype != g.dtype or not device_kv.is_contiguous():
             raise ValueError(f"device KV must be a contiguous {g.dtype} tensor, got "
                              f"{device_kv.dtype}, contiguous={device_kv.is_contiguous()}")
@@ -218,7 +218,8 @@ class KernelIO(KVIOBackend):
         self.sides = {"device": _Side(self.dev_words, self.dev6, unit, covered),
                       "host": _Side(self.host_words, self.host6, unit, covered)}
         self.row_bytes = self.sides["device"].row_bytes
-        self.page_layer_elems = 2 * self.dev6[0, 0, 0].numel()  # K and V of one page, one layer
+        # Every section (K and V; MLA: the one latent+indexer row) of one page, one layer.
+        self.page_layer_elems = self.dev6.shape[0] * self.dev6[0, 0, 0].numel()
         self.staging_elems = max(staging_bytes // self.dev_words.element_size(),
                                  self.page_layer_elems * self.num_layers)
         self.staging: dict[str, dict[str, torch.Tensor]] = {}

@@ -1,8 +1,10 @@
-"""Host-pool memory layouts (MHA) and the index arithmetic shared by the IO backends.
+"""Host-pool memory layouts and the index arithmetic shared by the IO backends.
 
-Every layout stores the same pages; only the order of the dimensions differs. Index 0 of the
-first dimension is K, 1 is V; L layers, H kv heads, D head dim, P page size, N pages
-(page 0 included: it is the padding sink, as on the device).
+Every layout stores the same pages; only the order of the dimensions differs. C sections
+(MHA: 2, index 0 K and 1 V; MLA: 1, each token's latent and DSA indexer key side by side),
+L layers, H kv heads (MLA: 1), D head dim (MLA: every component's elements per token),
+P page size, N pages (page 0 included: it is the padding sink, as on the device). The
+tables below write C as 2.
 
   layout              host tensor shape        contiguous run per (page, layer)
   layer_first         (2, L, N*P, H, D)        P*H*D   (same order as the device pool)
@@ -20,6 +22,7 @@ moving words keeps bf16/fp16 payloads bit-exact.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,19 +44,36 @@ _TO_DEVICE_ORDER = {
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The torch-side view of an MHA KVPlan: the dims and the torch dtype the device and host
-    pool tensors are built with. Sizes and validation belong to the plan."""
+    """The torch-side view of a KVPlan: the dims and the torch dtype the device and host pool
+    tensors are built with, (num_sections, L, slots, H, D). Sizes and validation belong to
+    the plan; this is the one description every mover (host pool, IO backends, retraction
+    backup, PD page buffers, storage flat pages) reads."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: torch.dtype
+    num_sections: int = 2  # MHA K and V; 1 for MLA (all components of a token in one row)
 
     @classmethod
     def from_plan(cls, plan: KVPlan) -> "KVGeometry":
-        k = plan.component(MHA_K)  # KeyError for a pool kind without K/V (not built yet)
+        if plan.pool_kind == "mla":
+            return cls._mla(plan)
+        k = plan.component(MHA_K)  # KeyError for a pool kind without K/V
         heads, head_dim = k.token_shape
         return cls(k.num_layers, heads, head_dim, plan.page_size, getattr(torch, k.dtype))
+
+    @classmethod
+    def _mla(cls, plan: KVPlan) -> "KVGeometry":
+        """One section, one "head" whose row is every component of the token in plan order
+        (kv_latent, then index_k): the indexer pages travel with the latent pages."""
+        comps = plan.components
+        if len({c.dtype for c in comps}) != 1 or len({c.num_layers for c in comps}) != 1:
+            raise ValueError(f"an mla pool keeps its components in one tensor: they need one "
+                             f"dtype and layer count, got {[c.to_json() for c in comps]}")
+        width = sum(math.prod(c.token_shape) for c in comps)
+        return cls(comps[0].num_layers, 1, width, plan.page_size, getattr(torch, comps[0].dtype),
+                   num_sections=1)
 
     @property
     def itemsize(self) -> int:
@@ -61,8 +81,8 @@ class KVGeometry:
 
     @property
     def page_numel(self) -> int:
-        """Elements in one flat page (2, L, P, H, D)."""
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+        """Elements in one flat page (C, L, P, H, D)."""
+        return self.num_sections * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
 
     @property
     def bytes_per_page(self) -> int:
@@ -80,12 +100,12 @@ def host_shape(layout: str, geom: KVGeometry, num_pages_total: int) -> tuple[int
     """Natural shape of the host tensor holding `num_pages_total` pages (page 0 included)."""
     check_layout(layout)
     L, H, D, P = geom.num_layers, geom.num_kv_heads, geom.head_dim, geom.page_size
-    N = num_pages_total
+    N, C = num_pages_total, geom.num_sections
     return {
-        LAYER_FIRST: (2, L, N * P, H, D),
-        PAGE_FIRST: (2, N * P, L, H, D),
-        PAGE_FIRST_DIRECT: (2, N, L, P, H, D),
-        PAGE_HEAD: (2, N, H, P, L, D),
+        LAYER_FIRST: (C, L, N * P, H, D),
+        PAGE_FIRST: (C, N * P, L, H, D),
+        PAGE_FIRST_DIRECT: (C, N, L, P, H, D),
+        PAGE_HEAD: (C, N, H, P, L, D),
     }[layout]
 
 
@@ -101,7 +121,7 @@ def _page_split(layout: str, t: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def device_order_view(layout: str, t: torch.Tensor, page_size: int) -> torch.Tensor:
-    """View of a tensor in `layout` as (2, L, N, P, H, D) without copying."""
+    """View of a tensor in `layout` as (C, L, N, P, H, D) without copying."""
     check_layout(layout)
     return _page_split(layout, t, page_size).permute(*_TO_DEVICE_ORDER[layout])
 

@@ -65,6 +65,29 @@ class PDMetadata(msgspec.Struct):
     extras: dict[str, list[int]] = {}
 
 
+# DSA seed transport (sglang-behaviour.md 5.2): the prefill server's last-position top-k as
+# request-relative POSITIONS (the two servers' allocators are independent), padded with -1;
+# a request without a seed sends all -1, which the decode side reads back as no seed.
+DSA_SEED_KEY = "dsa_topk_positions"
+
+
+def dsa_seed_extras(positions: list[int] | None, topk: int) -> dict[str, list[int]]:
+    """PDMetadata.extras entry for one request of a DSA model."""
+    if positions is None:
+        return {DSA_SEED_KEY: [-1] * topk}
+    if len(positions) != topk:
+        raise ValueError(f"a DSA seed has index_topk={topk} entries, got {len(positions)}")
+    return {DSA_SEED_KEY: [int(p) for p in positions]}
+
+
+def dsa_seed_from_extras(extras: dict[str, list[int]]) -> list[int] | None:
+    """The wire seed, or None when absent or all negative."""
+    seed = extras.get(DSA_SEED_KEY)
+    if not seed or all(p < 0 for p in seed):
+        return None
+    return list(seed)
+
+
 class PDOp(msgspec.Struct, omit_defaults=True):
     room: int
     # sender_create | sender_init | send | receiver_create | receiver_init | abort | release
@@ -108,5 +131,5 @@ class BackupOp(msgspec.Struct, omit_defaults=True):
     host_pages: list[int] = []
 
 
-__all__ = ["FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",
+__all__ = ["DSA_SEED_KEY", "dsa_seed_extras", "dsa_seed_from_extras", "FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",
            "PDEvent"]

@@ -30,6 +30,8 @@ class NewRequestData(msgspec.Struct):
     sampling_params: SamplingParams
     # Return the logprob of each prompt token (position 1..n-1) under the model (echo).
     return_prompt_logprobs: bool = False
+    # PD decode, DSA model: the prefill server's top-k seed (request positions, -1 padded).
+    dsa_seed: list[int] | None = None
 
 
 class ScheduledRequest(msgspec.Struct):
@@ -120,6 +122,9 @@ class RunnerOutput(msgspec.Struct):
     pd_events: list["PDEvent"] = []
     # Host <-> storage jobs: one entry per job that progressed since the last step.
     storage_progress: list[StorageProgress] = []
+    # PD prefill, DSA model: req_id -> last prompt position's top-k positions (-1 padded),
+    # for each request whose first token was sampled this step (the PD seed).
+    dsa_seeds: dict[str, list[int]] = {}
 
 
 # At the end: disagg.py imports TopLogprob from this module (the forward references above

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
 from kvstrata.transfer.disagg.base import DisaggManager
 
@@ -16,10 +16,12 @@ logger = logging.getLogger(__name__)
 _FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 
 
-def page_buffers_of(pool: MHATokenToKVPool) -> list[torch.Tensor]:
+def page_buffers_of(pool: MHATokenToKVPool | MLATokenToKVPool) -> list[torch.Tensor]:
     """The pool's KV as the one page buffer the transfer backends register: uint8
-    [2 * num_layers, num_pages + 1, page_size * heads * dim * itemsize], sharing the pool's
-    memory (page p of section (k/v, layer) is contiguous: kv[kv, layer, slots of p])."""
+    [sections * num_layers, num_pages + 1, page_size * heads * dim * itemsize], sharing the
+    pool's memory (page p of section (s, layer) is contiguous: kv[s, layer, slots of p]).
+    The shape is the pool's KVGeometry: MHA 2 sections (K, V); MLA 1 section whose rows hold
+    the latent and the DSA indexer key, so the indexer pages travel with the KV pages."""
     kv = pool.kv
     sections = kv.shape[0] * kv.shape[1]
     return [kv.view(torch.uint8).view(sections, pool.plan.num_pages + 1, -1)]

@@ -52,3 +52,75 @@ def seed_for_decode(seeds: torch.Tensor, req_to_token: torch.Tensor,
     if remap_enabled:
         seeds = remap_seed_positions_to_slots(seeds, req_to_token, req_pool_indices, seq_lens)
     return batch_seed(seeds)
+
+
+def slots_to_positions(slots: torch.Tensor, row_slots: torch.Tensor, topk: int) -> list[int]:
+    """A query's selected KV slots [width] (-1 padded) -> request positions through its
+    req_to_token row `row_slots` [length] (the inverse of the unfused mapping), -1 padded to
+    `topk`. All -1 if a slot is not in the row (the seed is then absent, never wrong)."""
+    match = slots[:, None] == row_slots[None, :]
+    valid = slots >= 0
+    if not bool((match.any(dim=1) | ~valid).all()):
+        return [-1] * topk
+    positions = torch.where(valid, match.to(torch.int8).argmax(dim=1), -1).tolist()
+    return positions + [-1] * (topk - len(positions))
+
+
+class DSASeedKeeper:
+    """The runner's half of the PD seed (sglang-behaviour.md 5.2/5.3).
+
+    Prefill: `seed_of` turns the last layer's selection for a request's last prompt token
+    into positions for the transfer metadata. Decode: requests arrive with wire positions;
+    on their first scheduled step (their req_to_token rows are written) the batch of them is
+    remapped or passed through per the resolved gate and kept per request (`seeds`) for the
+    consumer (IndexShare draft, a later issue); the target's attention never reads it.
+    `records` (bounded) is a debug view: the latent rows the seed points at, per side."""
+
+    MAX_RECORDS = 64
+
+    def __init__(self, topk: int, remap: bool):
+        self.topk = topk
+        self.remap = remap
+        self.pending: dict[str, list[int]] = {}        # req_id -> wire positions
+        self.seeds: dict[str, torch.Tensor | None] = {}  # req_id -> kept seed row
+        self.records: list[dict] = []
+
+    def forget(self, req_id: str) -> None:
+        self.pending.pop(req_id, None)
+        self.seeds.pop(req_id, None)
+
+    def _record(self, rec: dict) -> None:
+        self.records.append(rec)
+        del self.records[:-self.MAX_RECORDS]
+
+    # `latents`: the pool's per-slot rows of every layer, (L, slots, latent + index_k).
+    def seed_of(self, selected: torch.Tensor, row_slots: torch.Tensor,
+                latents: torch.Tensor) -> list[int]:
+        positions = slots_to_positions(selected, row_slots, self.topk)
+        valid = [p for p in positions if p >= 0]
+        self._record({"side": "prefill", "positions": positions,
+                      "latent": latents.index_select(1, row_slots[valid]).tolist()})
+        return positions
+
+    def apply_pending(self, reqs: list, table: torch.Tensor, latents: torch.Tensor) -> None:
+        """Remap (or pass through) the wire seeds of the scheduled requests that have one."""
+        batch = [r for r in reqs if r.req_id in self.pending]
+        if not batch:
+            return
+        wire = [self.pending.pop(r.req_id) for r in batch]
+        device = table.device
+        seeds = torch.tensor(wire, dtype=torch.int64, device=device)
+        rows = torch.tensor([r.row for r in batch], dtype=torch.int64, device=device)
+        lens = torch.tensor([r.start_pos + len(r.token_ids) for r in batch], device=device)
+        kept = seed_for_decode(seeds, table, rows, lens, self.remap)
+        for i, r in enumerate(batch):
+            seed = None if kept is None else kept[i]
+            self.seeds[r.req_id] = seed
+            # The decode-local slot of each wire position: the seed itself when remapped,
+            # else the slot the unfused path would map the position to.
+            pos = torch.tensor([p for p in wire[i] if p >= 0], dtype=torch.int64, device=device)
+            slots = (seed[seed >= 0] if (seed is not None and self.remap)
+                     else table[rows[i], pos])
+            self._record({"side": "decode", "positions": wire[i], "remapped": self.remap,
+                          "seed": None if seed is None else seed.tolist(),
+                          "latent": latents.index_select(1, slots).tolist()})

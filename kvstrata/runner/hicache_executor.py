@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvstrata.config.kv_plan import MHA_K, KVPlan
+from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.kv.storage import StorageConfig, StorageNamespace, create_storage_backend
@@ -37,10 +37,10 @@ IDLE_WAIT_SECONDS = 0.05
 
 def page_size_advice(plan: KVPlan) -> str | None:
     """A start-up warning when pages are too small for fast host copies, else None."""
-    page_bytes = plan.bytes_per_page_per_layer(MHA_K)  # one contiguous run per (page, layer)
+    token_bytes = plan.section_bytes_per_token_per_layer
+    page_bytes = token_bytes * plan.page_size  # one contiguous run per (page, layer)
     if page_bytes >= SMALL_PAGE_BYTES:
         return None
-    token_bytes = plan.component(MHA_K).bytes_per_token_per_layer
     suggest = -(-SMALL_PAGE_BYTES // token_bytes)  # tokens for 4 KiB
     suggest = 1 << (suggest - 1).bit_length()
     return (f"HiCache with --page-size {plan.page_size}: a page of one layer is {page_bytes} "

@@ -16,14 +16,16 @@ from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                           resolve_model_path)
-from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.platform import detected_platform
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
+from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
@@ -51,13 +53,25 @@ class ModelRunner:
     (config/kv_sizing.py) and hands it to `allocate_kv`, which builds every KV tensor."""
 
     def __init__(self, model_path: str, dtype: str = "auto",
-                 device: str | torch.device | None = None, quantization: str | None = None):
+                 device: str | torch.device | None = None, quantization: str | None = None,
+                 dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_model(self.source, self.hf_config, dtype, self.device)
+        # DSA models: which top-k domain the indexer feeds attention (resolved
+        # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
+        self.dsa_fused_topk = dsa_fused_topk
+        # PD seed of a DSA model (runner/dsa.py); the remap follows the resolved
+        # dsa_remap_pd_seed_to_local_slots gate.
+        self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
+                          if self.model.pool_kind == "mla" else None)
+        self.pd_role: str | None = None
+        if quantization is not None and self.model.pool_kind != "mha":
+            raise ValueError(f"--quantization {quantization} supports the llama-family "
+                             f"decoder only, not {type(self.model).__name__}")
         # --quantization: the float weights are replaced once, here, before the KV pool is
         # sized from what memory the weights leave. What ran goes to /server_info.
         self.quantization_info = {"quantization": None}
@@ -79,10 +93,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
         dims = self.model.dims
+        if self.model.pool_kind == "mla":
+            components = self.model.kv_components()
+        else:
+            components = mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
+                                        str(self.dtype).removeprefix("torch."))
         return ModelKVFacts(
-            pool_kind="mha",
-            components=mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
-                                      str(self.dtype).removeprefix("torch.")),
+            pool_kind=self.model.pool_kind, components=components,
             max_position_embeddings=getattr(self.hf_config, "max_position_embeddings", None),
             sliding_window=self._sliding_window())
 
@@ -99,11 +116,17 @@ class ModelRunner:
             raise RuntimeError("the KV cache is already allocated")
         self.plan = plan
         dims = self.model.dims
-        self.kv_pool = MHATokenToKVPool(plan, self.device)
         self.req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len, self.device)
-        self.model.attn_backend = TorchNativeAttnBackend(
-            self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-            page_size=plan.page_size)
+        if plan.pool_kind == "mla":
+            self.kv_pool = MLATokenToKVPool(plan, self.device)
+            self.model.attn_backend = DSASparseMLABackend(
+                self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
+                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk)
+        else:
+            self.kv_pool = MHATokenToKVPool(plan, self.device)
+            self.model.attn_backend = TorchNativeAttnBackend(
+                self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
+                dims.head_dim, page_size=plan.page_size)
         self.hicache = None
         if plan.has_host_pool and plan.host_pool_use == "retraction":
             # A decode server's host pool holds retraction backups only: no transfer thread.
@@ -171,6 +194,7 @@ class ModelRunner:
             raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
         from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
         from kvstrata.transfer.disagg.registry import create_manager
+        self.pd_role = role
         self.disagg = DisaggExecutor(create_manager(
             backend, role, page_buffers_of(self.kv_pool), host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
@@ -205,6 +229,8 @@ class ModelRunner:
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_req_ids:
             self._reqs.pop(rid, None)
+            if self.dsa_seeds is not None:
+                self.dsa_seeds.forget(rid)
         for new in sched.new_requests:
             self._register(new)
         if not sched.scheduled:
@@ -222,6 +248,8 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if self.dsa_seeds is not None and self.dsa_seeds.pending:
+            self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
 
         # Logits wanted: the last token of each sampled request, and every token of a
         # prompt-logprobs request whose chunk still lies within its prompt.
@@ -248,6 +276,8 @@ class ModelRunner:
         logits = self.model(fb)
 
         out = RunnerOutput([], [], [], [])
+        if self.dsa_seeds is not None and self.pd_role == "prefill":
+            out.dsa_seeds = self._prefill_seeds(reqs)
         for i, first, n in lp_spans:
             self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
         sampled = [r for r in reqs if r.sample]
@@ -266,7 +296,26 @@ class ModelRunner:
                                     [TopLogprob(t, lv) for t, lv in top])
         return out
 
+    def _slot_rows(self) -> torch.Tensor:
+        """(L, slots, row) view of the MLA pool: each slot's latent + indexer key per layer."""
+        return self.kv_pool.kv[0, :, :, 0]
+
+    def _prefill_seeds(self, reqs) -> dict[str, list[int]]:
+        """The last layer's top-k of each request whose last prompt token ran, as positions."""
+        selected = self.model.attn_backend.last_selected[-1]
+        seeds, offset = {}, 0
+        for r in reqs:
+            offset += len(r.token_ids)
+            end = r.start_pos + len(r.token_ids)
+            if r.sample and end == len(self._reqs[r.req_id].sampling.prompt_token_ids):
+                row_slots = self.req_to_token.table[r.row, :end]
+                seeds[r.req_id] = self.dsa_seeds.seed_of(selected[offset - 1], row_slots,
+                                                         self._slot_rows())
+        return seeds
+
     def _register(self, new: NewRequestData) -> None:
+        if new.dsa_seed is not None and self.dsa_seeds is not None:
+            self.dsa_seeds.pending[new.req_id] = list(new.dsa_seed)
         self._reqs[new.req_id] = _ReqState(
             SamplingState(new.sampling_params, list(new.prompt_token_ids),
                           list(new.output_token_ids)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.compare import assert_tokens_match
+from helpers.compare import assert_match_transformers
 
 VALID_PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"), ("page_head", "kernel"),
                ("layer_first", "direct"), ("page_first_direct", "direct")]
@@ -37,23 +37,13 @@ def make_llm(path, **kw):
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoints):
     """Large pool, no HiCache; checked against transformers once."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     path = tiny_checkpoints["llama"]
     llm = make_llm(path, max_total_tokens=8192)
     try:
         prompts, outputs = multi_turn(llm)
     finally:
         llm.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for prompt, ours in zip(prompts, outputs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=ANSWER,
-                                 min_new_tokens=ANSWER, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        assert_tokens_match(ours, ref.sequences[0, len(prompt):].tolist(),
-                            [s[0] for s in ref.logits], label="no-hicache vs transformers")
+    assert_match_transformers(path, prompts, outputs, label="no-hicache vs transformers")
     return prompts, outputs
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import GREEDY_TOKENS, TINY_ARCHS
 from helpers.compare import assert_tokens_match
-from helpers.driver import greedy_generate
+from helpers.driver import greedy_generate, greedy_in_mode
 from helpers.runner import make_runner
 from kvstrata.runner.model_runner import ModelRunner
 
@@ -57,12 +57,7 @@ def test_greedy_matches_transformers(arch, mode, tiny_checkpoints, tiny_prompts,
     page_size, batched, chunk, staggered = MODES[mode]
     runner = _runner(tiny_checkpoints[arch], arch, page_size)
     refs = tiny_references[arch]
-    if batched:
-        arrivals = [i * 3 for i in range(len(tiny_prompts))] if staggered else None
-        outs = greedy_generate(runner, tiny_prompts, GREEDY_TOKENS, chunk=chunk,
-                               arrivals=arrivals)
-    else:
-        outs = [greedy_generate(runner, [p], GREEDY_TOKENS)[0] for p in tiny_prompts]
+    outs = greedy_in_mode(runner, tiny_prompts, GREEDY_TOKENS, batched, chunk, staggered)
     for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
         assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{arch}/{mode} prompt {i}")
     assert runner.num_live_requests == 0

@@ -7,6 +7,7 @@ side's request within the timeout and the next one is served; a decode pool too 
 prompt is a 400 at admission."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import threading
@@ -100,16 +101,22 @@ def assert_no_leak(srv) -> None:
     assert st["num_used_tokens"] == 0, st
 
 
-@pytest.fixture(scope="module", params=["tcp", "mooncake"])
-def pd(request, tiny_model_path):
-    backend_available(request.param)
-    servers = PDServers(tiny_model_path, request.param)
+@contextlib.contextmanager
+def serving(servers: PDServers):
+    """Yield the servers; stop both afterwards and check that neither process survives."""
     try:
         yield servers
     finally:
         servers.stop()
         for srv in (servers.prefill, servers.decode):
             assert not pid_alive(srv.proc.pid)
+
+
+@pytest.fixture(scope="module", params=["tcp", "mooncake"])
+def pd(request, tiny_model_path):
+    backend_available(request.param)
+    with serving(PDServers(tiny_model_path, request.param)) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")

@@ -29,3 +29,20 @@ def assert_tokens_match(ours: list[int], ref_tokens: list[int],
         return
     assert len(ours) == len(ref_tokens), (
         f"{label}: lengths differ ({len(ours)} vs {len(ref_tokens)})")
+
+
+def assert_match_transformers(path: str, prompts: list[list[int]], outputs: list[list[int]],
+                              label: str = "") -> None:
+    """Each `outputs[i]` equals transformers' greedy continuation of `prompts[i]` (float32,
+    as many tokens as the output has), up to the near-tie rule."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, ours in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), do_sample=False,
+                                 max_new_tokens=len(ours), min_new_tokens=len(ours),
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        assert_tokens_match(ours, ref.sequences[0, len(prompt):].tolist(),
+                            [s[0] for s in ref.logits], label=label)

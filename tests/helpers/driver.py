@@ -77,3 +77,12 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
     if freed:
         runner.execute(SchedulerOutput(step, False, [], [], freed))
     return [r.output for r in reqs]
+
+
+def greedy_in_mode(runner, prompts: list[list[int]], max_new: int, batched: bool,
+                   chunk: int | None = None, staggered: bool = False) -> list[list[int]]:
+    """All prompts in one batch (optionally chunked, arriving 3 steps apart), or each alone."""
+    if not batched:
+        return [greedy_generate(runner, [p], max_new)[0] for p in prompts]
+    arrivals = [i * 3 for i in range(len(prompts))] if staggered else None
+    return greedy_generate(runner, prompts, max_new, chunk=chunk, arrivals=arrivals)

@@ -67,6 +67,11 @@ def layout_io(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
     if not hicache_normalisation_applies(args):
         return []
     layout, io = args.hicache_mem_layout, args.hicache_io_backend
+    if layout == "page_head" and model_info is not None and model_info.kv_pool_kind == "mla":
+        # page_head splits a page by KV head; an MLA latent has no heads (one row per token).
+        raise ValueError("--hicache-mem-layout page_head is MHA-only (it splits pages by KV "
+                         "head); an MLA model keeps one latent row per token: use layer_first, "
+                         "page_first or page_first_direct")
     if layout == "page_first_direct" and io == "kernel":
         return change(args, "hicache_io_backend", "direct", "hicache.layout_io.R1", R1_WARNING,
                       warning=True)

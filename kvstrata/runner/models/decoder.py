@@ -23,6 +23,8 @@ class ArchSpec:
     qkv_bias: bool = False   # qwen2: bias on q/k/v only
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
+    # Which model class builds it: "decoder" (this module) or "deepseek_v32" (MLA + DSA).
+    family: str = "decoder"
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -90,6 +92,8 @@ class ModelDims:
 
 
 class DecoderForCausalLM(nn.Module):
+    pool_kind = "mha"
+
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.config = config

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
+from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -101,11 +102,19 @@ def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
-               device: torch.device | str = "cpu") -> DecoderForCausalLM:
+               device: torch.device | str = "cpu"
+               ) -> DecoderForCausalLM | DeepseekV32ForCausalLM:
     device = torch.device(device)
-    _, spec = arch_spec(config)
+    name, spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, config, device)
-    model = DecoderForCausalLM(config, spec, torch_dtype, device)
+    if spec.family == "deepseek_v32":
+        if source.kind == "gguf":
+            raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
+        with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
+            raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
+        model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
+    else:
+        model = DecoderForCausalLM(config, spec, torch_dtype, device)
     if source.kind == "gguf":
         weights = _iter_gguf(source.gguf_path, config, spec.gguf_permute_qk)
     else:

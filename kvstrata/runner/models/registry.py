@@ -10,6 +10,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(gguf_permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "DeepseekV32ForCausalLM": ArchSpec(family="deepseek_v32"),
 }
 
 # GGUF-derived configs carry model_type but no `architectures` list.

@@ -1,0 +1,170 @@
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM): MLA attention with the DSA lightning indexer and
+top-k sparse attention, MoE FFN with shared experts after `first_k_dense_replace` dense
+layers. The contract is transformers' DeepseekV32 modelling run in float32 on CPU
+(docs/dsa.md lists what of SGLang's CUDA path, FP8 indexer cache and Hadamard rotation,
+is not modelled and why).
+
+Per layer, for the flattened batch (T tokens):
+  q_resid = rms(q_a_proj x);  q = q_b_proj q_resid -> per head (nope, rope)
+  latent  = (rms(kv_a[:R]), rope(kv_a[R:]))     one [R + r] vector per token, all heads
+  indexer: q_i = wq_b q_resid, k_i = layernorm(wk x), rope on their first r dims,
+           head weights = weights_proj x * Hi^-0.5
+  attention over the top-k selected slots in latent space (attention/dsa_sparse.py):
+  kv_b_proj's key half is folded into q, its value half expands the latent output.
+RoPE: MLA rotates interleaved pairs; the indexer rotates halves (as the reference does).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.config.kv_plan import KVComponent, mla_components
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models.decoder import rms_norm
+from kvstrata.runner.models.deepseek_v32_config import DeepseekDims, check_config
+from kvstrata.runner.models.deepseek_v32_weights import WeightMap
+from kvstrata.runner.models.moe import DenseMLP, MoE
+from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters, yarn_mscale
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by the loader (checked there).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek MLA rope: pairs (x0, x1), (x2, x3)... rotated; output de-interleaved
+    (evens then odds), as the reference writes it (q and k alike, so dots are unchanged)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DeepseekV32Layer(nn.Module):
+    def __init__(self, d: DeepseekDims, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        h, nh = d.hidden_size, d.num_heads
+        bias = d.attention_bias
+        self.input_norm = _param(h, **kw)
+        self.post_norm = _param(h, **kw)
+        self.q_a_proj = _param(d.q_lora_rank, h, **kw)
+        self.q_a_bias = _param(d.q_lora_rank, **kw) if bias else None
+        self.q_a_norm = _param(d.q_lora_rank, **kw)
+        self.q_b_proj = _param(nh * d.qk_head_dim, d.q_lora_rank, **kw)
+        self.kv_a_proj = _param(d.kv_lora_rank + d.qk_rope_head_dim, h, **kw)
+        self.kv_a_bias = _param(d.kv_lora_rank + d.qk_rope_head_dim, **kw) if bias else None
+        self.kv_a_norm = _param(d.kv_lora_rank, **kw)
+        self.kv_b_proj = _param(nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, **kw)
+        self.o_proj = _param(h, nh * d.v_head_dim, **kw)
+        self.o_bias = _param(h, **kw) if bias else None
+        self.index_wq_b = _param(d.index_n_heads * d.index_head_dim, d.q_lora_rank, **kw)
+        self.index_wk = _param(d.index_head_dim, h, **kw)
+        self.index_k_norm = _param(d.index_head_dim, **kw)
+        self.index_k_norm_bias = _param(d.index_head_dim, **kw)
+        # Kept in float32 whatever the model dtype (the reference's _keep_in_fp32_modules).
+        self.index_weights_proj = _param(d.index_n_heads, h, dtype=torch.float32, device=device)
+        self.mlp = (MoE(d, dtype, device) if d.mlp_layer_types[layer_idx] == "sparse"
+                    else DenseMLP(h, d.intermediate_size, dtype, device))
+
+    def absorbed(self, d: DeepseekDims) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: key half [H, nope, R], value half [H, v, R]."""
+        w = self.kv_b_proj.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+        return w[:, :d.qk_nope_head_dim], w[:, d.qk_nope_head_dim:]
+
+
+class DeepseekV32ForCausalLM(nn.Module):
+    pool_kind = "mla"
+
+    def __init__(self, config: Any, raw_config: dict | None, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        if raw_config is not None:
+            check_config(raw_config)
+        self.config = config
+        self.dims = d = DeepseekDims.from_config(config)
+        self.dtype, self.device = dtype, device
+        kw = dict(dtype=dtype, device=device)
+        self.embed = _param(d.vocab_size, d.hidden_size, **kw)
+        self.layers = nn.ModuleList(DeepseekV32Layer(d, i, dtype, device)
+                                    for i in range(d.num_layers))
+        self.final_norm = _param(d.hidden_size, **kw)
+        self.lm_head = self.embed if d.tie_word_embeddings else _param(
+            d.vocab_size, d.hidden_size, **kw)
+        params = rope_parameters(config)
+        self.rotary = RotaryEmbedding(d.qk_rope_head_dim, params, device)
+        self.scaling = d.qk_head_dim ** -0.5
+        if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+            m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+            self.scaling *= m * m
+        self.attn_backend = None  # DSASparseMLABackend, set by the runner
+        self.weights = WeightMap(self)
+
+    def kv_components(self) -> tuple[KVComponent, ...]:
+        d = self.dims
+        return mla_components(d.num_layers, d.kv_lora_rank + d.qk_rope_head_dim,
+                              str(self.dtype).removeprefix("torch."), d.index_head_dim)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits [len(fb.logits_idx), V] in float32 (every token when logits_idx is None)."""
+        d = self.dims
+        t = fb.num_tokens
+        R, r, nope = d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim
+        self.attn_backend.init_forward_metadata(fb)
+        cos, sin = self.rotary.plain_cos_sin(fb.positions)
+        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        cos_h, sin_h = cos[:, None, :], sin[:, None, :]
+        x = F.embedding(fb.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
+            q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
+                               d.rms_norm_eps)
+            q = F.linear(q_resid, layer.q_b_proj).view(t, d.num_heads, d.qk_head_dim)
+            kv = F.linear(h, layer.kv_a_proj, layer.kv_a_bias)
+            latent = torch.cat((rms_norm(kv[:, :R], layer.kv_a_norm, d.rms_norm_eps),
+                                rope_interleaved(kv[:, R:], cos, sin)), dim=-1)
+            w_uk, w_uv = layer.absorbed(d)
+            q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+            q_full = torch.cat((q_latent, rope_interleaved(q[..., nope:], cos_h, sin_h)), -1)
+            index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
+            out_latent = self.attn_backend.forward(i, q_full, latent, index_q, index_k,
+                                                   index_w, fb)
+            attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
+            x.add_(F.linear(attn, layer.o_proj, layer.o_bias))
+            x.add_(layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps)))
+        if fb.logits_idx is not None:
+            x = x.index_select(0, fb.logits_idx)
+        x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _indexer(self, layer: DeepseekV32Layer, h: torch.Tensor, q_resid: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.dims
+        t, r = h.shape[0], d.qk_rope_head_dim
+        q = F.linear(q_resid, layer.index_wq_b).view(t, d.index_n_heads, d.index_head_dim)
+        k = F.layer_norm(F.linear(h, layer.index_wk), (d.index_head_dim,), layer.index_k_norm,
+                         layer.index_k_norm_bias, 1e-6)
+        q = torch.cat((rope_halves(q[..., :r], cos[:, None, :], sin[:, None, :]), q[..., r:]), -1)
+        k = torch.cat((rope_halves(k[:, :r], cos, sin), k[:, r:]), -1)
+        weights = F.linear(h.float(), layer.index_weights_proj) * d.index_n_heads ** -0.5
+        return q, k, weights
+
+    # ------------------------------------------------------------------ weight loading
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        return self.weights.load(name, tensor)
+
+    def expected_keys(self) -> set[str]:
+        return self.weights.expected_keys()
