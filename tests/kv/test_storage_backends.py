@@ -87,6 +87,19 @@ def test_bfloat16_pages(backend_factory):
     assert torch.equal(reader.get_flat_pages([1, 2, 3, 4, 5, 6]), flat)
 
 
+def test_mla_pages(backend_factory):
+    """An MLA pool (one section: latent + indexer key per token) round-trips like MHA."""
+    geom = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=24, page_size=4,
+                      dtype=torch.float32, num_sections=1)
+    writer, reader = make_pool("page_first", 8, geom), make_pool("layer_first", 8, geom)
+    flat = random_flat(5, seed=6, geom=geom)
+    writer.set_flat_pages([4, 2, 7, 1, 8], flat)
+    keys = page_keys(5, "mla")
+    assert backend_factory(writer).batch_set(keys, [4, 2, 7, 1, 8]) == [True] * 5
+    assert backend_factory(reader).batch_get(keys, [3, 5, 1, 6, 2]) == [True] * 5
+    assert torch.equal(reader.get_flat_pages([3, 5, 1, 6, 2]), flat)
+
+
 def test_exists_counts_consecutive_hits_and_get_reports_misses(backend_factory):
     pool = make_pool("page_first", 24)
     pool.set_flat_pages(list(range(1, 9)), random_flat(8, seed=2))

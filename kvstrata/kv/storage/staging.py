@@ -4,7 +4,7 @@
 then a reshape of the permuted result) into freshly allocated memory, whose first-touch page
 faults cost as much as the copies: 0.8 GB/s for 720 KiB pages on this machine, below what a
 segment file takes (docs/benchmarks.md). Backends that write pages out (file, mooncake) gather
-instead into a buffer they keep, in the same flat order (2, L, P, H, D) that
+instead into a buffer they keep, in the same flat order (C, L, P, H, D) that
 `get_flat_pages`/`set_flat_pages` define, so any layout still reads what any other wrote (the
 cross-layout round-trip tests hold both to it). Reading back uses `set_flat_pages`, which
 already copies once without allocating.
@@ -33,10 +33,10 @@ class FlatPageStaging:
             raise ValueError(f"host pages of {g.bytes_per_page} bytes in a staging buffer of "
                              f"{self.buffer.shape[1]}-byte pages")
         host_pool.check_page_ids(torch.as_tensor(host_pages, dtype=torch.long))
-        order = host_pool.device_order()  # (2, L, pages, P, H, D) view of the host tensor
+        order = host_pool.device_order()  # (C, L, pages, P, H, D) view of the host tensor
         rows = self.buffer[:n]
-        dst = rows.view(g.dtype).view(n, 2, g.num_layers, g.page_size, g.num_kv_heads,
-                                      g.head_dim)
+        dst = rows.view(g.dtype).view(n, g.num_sections, g.num_layers, g.page_size,
+                                      g.num_kv_heads, g.head_dim)
         for row, page in enumerate(host_pages):
             dst[row].copy_(order[:, :, page])
         return rows
