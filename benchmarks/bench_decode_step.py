@@ -32,6 +32,7 @@ from kvstrata.protocol.sampling_params import SamplingParams  # noqa: E402
 from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
                                                 SchedulerOutput)
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
+from kvstrata.runner.packed_linear import LAYER_LINEARS  # noqa: E402
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
@@ -67,12 +68,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _numel(w) -> int:
+    return w.numel() if isinstance(w, torch.Tensor) else w.in_features * w.out_features
+
+
+def model_head_params(model: torch.nn.Module) -> int:
+    return _numel(model.lm_head)
+
+
 def linear_params(model: torch.nn.Module) -> int:
-    """Weights every token multiplies: each layer's 2-D weights (qkv, o, gate/up, down) and
-    the output head (the embedding matrix when tied); the embedding lookup is not a matmul."""
-    per_layer = sum(p.numel() for layer in model.layers for name, p in
-                    layer.named_parameters() if p.dim() == 2)
-    return per_layer + model.lm_head.numel()
+    """Weights every token multiplies: each layer's linear weights (qkv, o, gate/up, down) and
+    the output head (the embedding matrix when tied); the embedding lookup is not a matmul.
+    A weight may be a plain tensor or a packed layer (oneDNN, int8) with in/out features."""
+    per_layer = sum(_numel(getattr(layer, name)) for layer in model.layers
+                    for name, _ in LAYER_LINEARS)
+    return per_layer + model_head_params(model)
 
 
 class DecodeBatch:
@@ -193,8 +203,12 @@ def main(argv=None) -> dict:
                 runner.execute(SchedulerOutput(0, False, [], [], ["prefill"]))
             run_prefill()
             ms = min(_timed(run_prefill) for _ in range(2)) * 1e3
-            flops = 2 * params * args.prefill + 2 * args.prefill ** 2 * dims.num_heads * \
-                dims.head_dim * dims.num_layers  # causal: half of 4 * T^2 * H * D per layer
+            # Every layer for every token, the output head for the last position only (logits
+            # are computed only where a token is sampled); causal attention: half of
+            # 4 * T^2 * H * D per layer.
+            head = model_head_params(runner.model)
+            flops = 2 * (params - head) * args.prefill + 2 * head + 2 * args.prefill ** 2 * \
+                dims.num_heads * dims.head_dim * dims.num_layers
             top, overhead, _ = profile(run_prefill, 1)
             report["prefill"] = {"tokens": args.prefill, "ms": ms, "gflops": flops / ms / 1e6,
                                  "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,

@@ -95,6 +95,10 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "KVSTRATA_CPU_PAGED_DECODE", bool, True,
     "CPU decode attention reads the fp32 KV pool in place with the paged decode kernel "
     "(runner/attention/paged_decode.py); 0 = gather each request's K/V, then SDPA (ablation).")
+KVSTRATA_CPU_PACKED_LINEAR = _declare(
+    "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
+    "Float32 linear layers on the CPU run on weights prepacked for oneDNN "
+    "(runner/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
 KVSTRATA_BENCH_MAX_LOAD = _declare(
     "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "

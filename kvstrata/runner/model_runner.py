@@ -30,6 +30,8 @@ from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.hicache_executor import IDLE_WAIT_SECONDS, HiCacheExecutor
+from kvstrata import envs
+from kvstrata.runner import packed_linear
 from kvstrata.runner.quantization import quantize_model, weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor
 from kvstrata.runner.smoothing import calibration_token_ids
@@ -78,6 +80,9 @@ class ModelRunner:
         if quantization is not None:
             ids, smoothing = calibration_token_ids(self.source, self.model.dims.vocab_size)
             self.quantization_info = quantize_model(self.model, quantization, ids, smoothing)
+        elif (self.model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
+              and packed_linear.available(self.model)):
+            self.quantization_info = packed_linear.pack_model(self.model)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvstrata.runner.packed_linear import PackedLinear
 from kvstrata.runner.smoothing import smooth_model
 
 QUANTIZATION_METHODS = ("w8a8_int8",)
@@ -120,9 +121,11 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of all weights: float parameters plus the int8 layers' packed matrices."""
+    """Bytes of all weights: float parameters plus the packed matrices of int8 and oneDNN
+    layers (runner/packed_linear.py), which are not parameters."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.nbytes for m in model.modules() if isinstance(m, W8A8Int8Linear))
+    return params + sum(m.nbytes for m in model.modules()
+                        if isinstance(m, (W8A8Int8Linear, PackedLinear)))
 
 
 def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,

@@ -97,10 +97,12 @@ def test_tiny_greedy_tokens_match_float32(calm_tiny_llama):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts):
+def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, monkeypatch):
     """Exact in float: qwen2's q/k/v biases, qwen3's q/k norms and untied heads included."""
     from kvstrata.runner.smoothing import smooth_model
 
+    # Smoothing rewrites plain float weights (as --quantization does, before packing them).
+    monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", "0")
     runner = _tiny_runner(tiny_checkpoints[arch], None)
     before = [runner.forward_logits(p) for p in tiny_prompts]
     model = runner.model
@@ -135,10 +137,14 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
                for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
     assert isinstance(model.lm_head, W8A8Int8Linear)
     assert model.embed.dtype == torch.float32 and len(out["output_ids"]) == 4
+    from kvstrata.runner import packed_linear
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024) as llm:
         info = llm.server_info()
-        assert llm.engine.runner.model.linear is torch.nn.functional.linear
-    assert info["quantization"] is None and info["quantization_info"] == {"quantization": None}
+        # Without --quantization: float32 weights, prepacked for oneDNN (runner/packed_linear.py)
+        assert llm.engine.runner.model.linear is packed_linear.packed_linear
+    assert info["quantization"] is None
+    assert info["quantization_info"]["quantization"] is None
+    assert info["quantization_info"]["kernel"] == packed_linear.KERNEL
 
 
 def _smollm2_measure(gguf_path: str, quantization: str | None) -> dict:

@@ -10,11 +10,11 @@
  * head i / (hq / hkv) (GQA, as HF). Every address is an integer; every slot and size is checked
  * against its buffer before anything is read, so a bad index raises IndexError.
  *
- * One work item is (request, KV head): the hq / hkv query heads that share a KV head are
- * scored together, so each key and value row is read once from RAM (a gather + SDPA reads it
- * three times: gather, write the copy, SDPA reads the copy). Three passes per item: scores,
- * softmax (max, exp, sum), weighted sum of values. Items are split between `num_threads`
- * threads (the caller's and num_threads - 1 pthreads); the GIL is released throughout.
+ * One work item is a request: every query head is scored against each token's whole K row
+ * (all KV heads, contiguous), so each key and value row is read once from RAM (a gather +
+ * SDPA reads it three times: gather, write the copy, SDPA reads the copy). Three passes per
+ * item: scores, softmax (max, exp, sum), weighted sum of values. Requests are split between
+ * `num_threads` threads (the caller's and num_threads - 1 pthreads); the GIL is released.
  * AVX2+FMA paths are chosen at run time; the scalar path gives the same math.
  */
 #define PY_SSIZE_T_CLEAN
@@ -29,7 +29,13 @@
 #endif
 
 #define MAX_THREADS 64
-#define MAX_GROUP 64 /* query heads per KV head */
+#define MAX_HEADS 256 /* query heads */
+/* Rows are scattered (one slot per token): prefetch the row this many tokens ahead. */
+#define PREFETCH_TOKENS 4
+
+static inline void prefetch_row(const float *row, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
 
 typedef struct {
     const float *q, *k, *v;
@@ -42,7 +48,7 @@ typedef struct {
 
 typedef struct {
     const job *j;
-    int64_t lo, hi; /* work items [lo, hi): item = b * hkv + h */
+    int64_t lo, hi; /* requests [lo, hi) */
     int failed;     /* out of memory */
 } part;
 
@@ -122,40 +128,43 @@ AVX2 static float softmax_avx2(float *s, int64_t len) {
 }
 #endif
 
-static void run_item(const job *j, int64_t item, float *scores, float *acc) {
-    const int64_t b = item / j->hkv, h = item % j->hkv, g_n = j->hq / j->hkv, d = j->d;
+static void run_item(const job *j, int64_t b, float *scores, float *acc) {
+    const int64_t hq = j->hq, hkv = j->hkv, g_n = hq / hkv, d = j->d, stride = hkv * d;
     const int64_t *sl = j->slots + j->starts[b];
-    const int64_t len = j->starts[b + 1] - j->starts[b], stride = j->hkv * d;
-    const float *qg = j->q + (b * j->hq + h * g_n) * d;
-    float *og = j->out + (b * j->hq + h * g_n) * d;
-    if (len == 0) { memset(og, 0, (size_t)(g_n * d) * sizeof(float)); return; }
+    const int64_t len = j->starts[b + 1] - j->starts[b];
+    const float *q = j->q + b * hq * d;
+    float *o = j->out + b * hq * d;
+    if (len == 0) { memset(o, 0, (size_t)(hq * d) * sizeof(float)); return; }
     float (*dot)(const float *, const float *, int64_t) = dot_scalar;
     void (*axpy)(float *, float, const float *, int64_t) = axpy_scalar;
     float (*softmax)(float *, int64_t) = softmax_scalar;
 #if defined(__x86_64__)
     if (j->avx2) { dot = dot_avx2; axpy = axpy_avx2; softmax = softmax_avx2; }
 #endif
+    /* Token-major: a token's whole K (then V) row, every KV head, is read once and used by
+     * every query head; a head-major loop re-reads the context hkv times with a stride. */
     for (int64_t t = 0; t < len; t++) {
-        const float *kp = j->k + sl[t] * stride + h * d;
-        for (int64_t g = 0; g < g_n; g++) scores[g * len + t] = dot(qg + g * d, kp, d) * j->scale;
+        if (t + PREFETCH_TOKENS < len) prefetch_row(j->k + sl[t + PREFETCH_TOKENS] * stride, stride);
+        const float *kr = j->k + sl[t] * stride;
+        for (int64_t i = 0; i < hq; i++) scores[i * len + t] = dot(q + i * d, kr + (i / g_n) * d, d) * j->scale;
     }
-    float inv[MAX_GROUP]; /* g_n <= MAX_GROUP, checked at entry */
-    for (int64_t g = 0; g < g_n; g++) inv[g] = 1.f / softmax(scores + g * len, len);
-    memset(acc, 0, (size_t)(g_n * d) * sizeof(float));
+    float inv[MAX_HEADS]; /* hq <= MAX_HEADS, checked at entry */
+    for (int64_t i = 0; i < hq; i++) inv[i] = 1.f / softmax(scores + i * len, len);
+    memset(acc, 0, (size_t)(hq * d) * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
-        const float *vp = j->v + sl[t] * stride + h * d;
-        for (int64_t g = 0; g < g_n; g++) axpy(acc + g * d, scores[g * len + t], vp, d);
+        if (t + PREFETCH_TOKENS < len) prefetch_row(j->v + sl[t + PREFETCH_TOKENS] * stride, stride);
+        const float *vr = j->v + sl[t] * stride;
+        for (int64_t i = 0; i < hq; i++) axpy(acc + i * d, scores[i * len + t], vr + (i / g_n) * d, d);
     }
-    for (int64_t g = 0; g < g_n; g++)
-        for (int64_t i = 0; i < d; i++) og[g * d + i] = acc[g * d + i] * inv[g];
+    for (int64_t i = 0; i < hq; i++)
+        for (int64_t e = 0; e < d; e++) o[i * d + e] = acc[i * d + e] * inv[i];
 }
 
 static void *run_part(void *arg) {
     part *p = (part *)arg;
     const job *j = p->j;
-    const int64_t g_n = j->hq / j->hkv;
-    float *scores = malloc((size_t)(g_n * (j->max_len > 0 ? j->max_len : 1)) * sizeof(float));
-    float *acc = malloc((size_t)(g_n * j->d) * sizeof(float));
+    float *scores = malloc((size_t)(j->hq * (j->max_len > 0 ? j->max_len : 1)) * sizeof(float));
+    float *acc = malloc((size_t)(j->hq * j->d) * sizeof(float));
     if (!scores || !acc) { p->failed = 1; free(scores); free(acc); return NULL; }
     for (int64_t it = p->lo; it < p->hi; it++) run_item(j, it, scores, acc);
     free(scores); free(acc);
@@ -172,10 +181,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                           &pool_nbytes, &slots_addr, &n_slots, &starts_addr, &n, &hq, &hkv, &d,
                           &scale, &out_addr, &out_nbytes, &num_threads))
         return NULL;
-    if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > MAX_GROUP) {
+    if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq > MAX_HEADS) {
         PyErr_Format(PyExc_ValueError, "bad shape: n=%zd hq=%zd hkv=%zd d=%zd (hq must be a "
-                     "multiple of hkv, at most %d query heads per KV head)", n, hq, hkv, d,
-                     MAX_GROUP);
+                     "multiple of hkv, at most %d query heads)", n, hq, hkv, d,
+                     MAX_HEADS);
         return NULL;
     }
     const int64_t qn = (int64_t)n * hq * d * (int64_t)sizeof(float);
@@ -208,7 +217,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     j.avx2 = d % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
-    const int64_t items = (int64_t)n * hkv;
+    const int64_t items = (int64_t)n;
     int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
     if (threads > items) threads = items > 0 ? (int)items : 1;
     part parts[MAX_THREADS];

@@ -1,0 +1,44 @@
+"""oneDNN-prepacked float32 linear layers (runner/packed_linear.py): equal to F.linear up to
+float rounding, on by default for the float32 llama-family decoder on CPU, off with
+KVSTRATA_CPU_PACKED_LINEAR=0, and the same greedy tokens either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(97, 61, generator=g)
+    b = torch.randn(97, generator=g) if bias else None
+    x = torch.randn(rows, 61, generator=g)
+    layer = PackedLinear(w, b)
+    torch.testing.assert_close(packed_linear(x, layer), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x[:, :]), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert layer.nbytes == w.numel() * 4 + (97 * 4 if bias else 0)
+
+
+def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_prompts,
+                                                      monkeypatch):
+    from kvstrata import LLM
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    outs, kinds = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", flag)
+        with LLM(model_path=tiny_checkpoints["qwen2"], skip_tokenizer_init=True,
+                 dtype="float32", max_total_tokens=1024) as llm:
+            model = llm.engine.runner.model
+            kinds[flag] = (type(model.layers[0].qkv_weight).__name__, model.linear)
+            outs[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
+    assert kinds["1"] == ("PackedLinear", packed_linear)      # qwen2: q/k/v biases packed too
+    assert kinds["0"] == ("Parameter", F.linear)
+    for on, off in zip(outs["1"], outs["0"]):
+        assert on["output_ids"] == off["output_ids"]
+        got = [lp for lp, _ in on["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, _ in off["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
