@@ -25,11 +25,12 @@ stop() {
   wait "$1" 2>/dev/null || true
 }
 
-run_kvstrata() {  # name model_dir
-  .venv/bin/kvstrata serve --model-path "$2" --served-model-name "$1" --port 30100 \
-      --page-size 16 --max-total-tokens 65536 > "$OUT/serve_kvstrata_$1.log" 2>&1 &
+run_kvstrata() {  # name model_dir [extra serve flags...]
+  local name=$1 dir=$2; shift 2
+  .venv/bin/kvstrata serve --model-path "$dir" --served-model-name "$name" --port 30100 \
+      --page-size 16 --max-total-tokens 65536 "$@" > "$OUT/serve_kvstrata_$name.log" 2>&1 &
   local pid=$!; wait_up http://127.0.0.1:30100/health
-  "${BENCH[@]}" --base-url http://127.0.0.1:30100 --model "$1" --output-json "$OUT/serve_kvstrata_$1.json"
+  "${BENCH[@]}" --base-url http://127.0.0.1:30100 --model "$name" --output-json "$OUT/serve_kvstrata_$name.json"
   stop $pid
 }
 run_transformers() {  # name model_dir
@@ -46,14 +47,21 @@ run_llamacpp() {
   local pid=$!; wait_up http://127.0.0.1:8001/v1/models
   "${BENCH[@]}" --base-url http://127.0.0.1:8001 --model smollm2 \
       --output-json "$OUT/serve_llamacpp_smollm2.json" --baseline-json "$OUT/serve_kvstrata_smollm2.json"
+  # the w8a8 goal is against llama.cpp: print that ratio too (when kvstrata_w8a8 ran first)
+  [ -f "$OUT/serve_kvstrata_smollm2_w8a8.json" ] && .venv/bin/python -c "import json, sys; \
+r = [json.load(open(p))['output_throughput'] for p in sys.argv[1:]]; \
+print(f'kvstrata w8a8 / llama.cpp: {r[0] / r[1]:.2f}x')" \
+      "$OUT/serve_kvstrata_smollm2_w8a8.json" "$OUT/serve_llamacpp_smollm2.json"
   stop $pid
 }
 
-# PEERS="kvstrata transformers llamacpp" by default; e.g. PEERS=llamacpp to rerun one.
-PEERS=${PEERS:-kvstrata transformers llamacpp}
+# PEERS="kvstrata kvstrata_w8a8 transformers llamacpp" by default; e.g. PEERS=llamacpp to
+# rerun one.
+PEERS=${PEERS:-kvstrata kvstrata_w8a8 transformers llamacpp}
 for peer in $PEERS; do
   case $peer in
     kvstrata) run_kvstrata smollm2 "$HF_DIR"; [ -d "$TINY_DIR" ] && run_kvstrata tiny "$TINY_DIR" ;;
+    kvstrata_w8a8) run_kvstrata smollm2_w8a8 "$HF_DIR" --quantization w8a8_int8 ;;
     transformers) run_transformers smollm2 "$HF_DIR"; [ -d "$TINY_DIR" ] && run_transformers tiny "$TINY_DIR" ;;
     llamacpp) run_llamacpp ;;
   esac
