@@ -81,7 +81,9 @@ class FileStorage(StorageBackend):
         self._chunk_pages = max(1, min(MAX_CHUNK_PAGES, CHUNK_BYTES // self.page_bytes))
         # allocated (and touched) now: first-touch page faults would land on the first batch
         self._stager = FlatPageStaging(self.page_bytes, self._chunk_pages)
-        self._read_buf = np.zeros((self._chunk_pages, self.page_bytes), dtype=np.uint8)
+        # np.zeros would map lazily-zeroed memory (calloc): fill it to touch every page
+        self._read_buf = np.empty((self._chunk_pages, self.page_bytes), dtype=np.uint8)
+        self._read_buf.fill(0)
         self._read_buf_lock = threading.Lock()
         self._unsaved = 0
         self._stats = dict.fromkeys(
