@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.compare import assert_match_transformers
-from tests.correctness.test_hicache_engine import make_llm, multi_turn
+from tests.correctness.test_hicache_engine import assert_host_tier_served, make_llm, multi_turn
 
 MLA_PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"),
              ("page_first_direct", "direct")]
@@ -34,10 +34,7 @@ def test_starved_dsa_pool_with_hicache_matches(layout, io, tiny_dsa_checkpoint, 
         assert llm.engine.kv_plan.pool_kind == "mla"
         _, outputs = multi_turn(llm, conversations=2, turns=4)
         assert outputs == dsa_reference
-        load = llm.get_load()
-        assert load["hicache_host_hit_tokens"] > 0, load
-        assert load["hicache_demoted_pages"] > 0 and load["hicache_h2d_pages"] > 0, load
-        llm.check_integrity()
+        assert_host_tier_served(llm)
     finally:
         llm.shutdown()
 

@@ -14,6 +14,14 @@ ANSWER = 6
 GREEDY = {"max_new_tokens": ANSWER, "min_new_tokens": ANSWER, "temperature": 0}
 
 
+def assert_host_tier_served(llm) -> None:
+    """Pages were demoted to the host pool and loaded back, and every pool is whole."""
+    load = llm.get_load()
+    assert load["hicache_host_hit_tokens"] > 0, load
+    assert load["hicache_demoted_pages"] > 0 and load["hicache_h2d_pages"] > 0, load
+    llm.check_integrity()
+
+
 def multi_turn(llm, conversations=3, turns=5, system_len=40, user_len=9, vocab=300):
     system = [(7 * i + 3) % (vocab - 3) + 3 for i in range(system_len)]
     history = {c: list(system) for c in range(conversations)}
@@ -58,10 +66,7 @@ def test_starved_pool_with_hicache_matches(layout, io, policy, tiny_checkpoints,
     try:
         _, outputs = multi_turn(llm)
         assert outputs == expected
-        load = llm.get_load()
-        assert load["hicache_host_hit_tokens"] > 0, load
-        assert load["hicache_demoted_pages"] > 0 and load["hicache_h2d_pages"] > 0, load
-        llm.check_integrity()
+        assert_host_tier_served(llm)
     finally:
         llm.shutdown()
 

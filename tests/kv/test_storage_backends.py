@@ -11,7 +11,7 @@ import torch
 from helpers.storage import GEOM, make_backend, make_pool, page_keys, random_flat
 from kvstrata.kv.layouts import KVGeometry
 from kvstrata.kv.layouts import LAYOUTS
-from kvstrata.kv.storage import BACKENDS, create_storage_backend
+from kvstrata.kv.storage import BACKENDS, StorageConfig, StorageNamespace, create_storage_backend
 from kvstrata.kv.storage.staging import FlatPageStaging
 
 READER_LAYOUTS = ("layer_first", "page_head", "page_first_direct", "page_first")
@@ -176,3 +176,13 @@ def test_registry_names_the_flag():
     with pytest.raises(ValueError, match="--hicache-storage-backend 'nfs'.*file, memory"):
         create_storage_backend("nfs", None, None)
     assert GEOM.bytes_per_page == 2880
+
+
+@pytest.mark.parametrize("name", ["memory", "file"])
+def test_page_size_mismatch_is_refused(name, tmp_path):
+    """Every backend refuses a config whose page size is not the host pool's (base class)."""
+    pool = make_pool("page_first", 4)
+    config = StorageConfig(StorageNamespace("m", "float32", "g"), GEOM.bytes_per_page + 8,
+                           {"file_path": str(tmp_path)})
+    with pytest.raises(ValueError, match="storage page_bytes 2888 != host pool page bytes 2880"):
+        create_storage_backend(name, config, pool)

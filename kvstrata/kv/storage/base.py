@@ -74,6 +74,10 @@ class StorageBackend(ABC):
     """See the module docstring. Subclasses register under the flag's value in registry.py."""
 
     def __init__(self, config: StorageConfig, host_pool):
+        page_bytes = host_pool.geom.bytes_per_page
+        if page_bytes != config.page_bytes:
+            raise ValueError(f"storage page_bytes {config.page_bytes} != host pool page "
+                             f"bytes {page_bytes}")
         self.config = config
         self.host_pool = host_pool  # kv.host_pool.HostKVPool (flat page accessors)
 

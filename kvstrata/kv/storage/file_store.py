@@ -53,9 +53,6 @@ class FileStorage(StorageBackend):
         super().__init__(config, host_pool)
         opts = parse_options(config.extra)
         geom = host_pool.geom
-        if geom.bytes_per_page != config.page_bytes:
-            raise ValueError(f"storage page_bytes {config.page_bytes} != host pool page "
-                             f"bytes {geom.bytes_per_page}")
         self.page_bytes = config.page_bytes
         self._dtype = geom.dtype
         self.directory = os.path.join(opts["file_path"] or default_root(),

@@ -104,9 +104,6 @@ class MooncakeStorage(StorageBackend):
                 "--hicache-storage-backend mooncake needs the mooncake-transfer-engine-non-cuda "
                 f"wheel and Debian libibverbs1 (make setup): {e}") from e
         geom = host_pool.geom
-        if geom.bytes_per_page != config.page_bytes:
-            raise ValueError(f"storage page_bytes {config.page_bytes} != host pool page "
-                             f"bytes {geom.bytes_per_page}")
         self.page_bytes = config.page_bytes
         self._dtype = geom.dtype
         self._prefix = config.namespace.name + "/"
