@@ -1,7 +1,6 @@
 """kvstrata: an LLM serving engine with a tiered KV cache."""
 from kvstrata.protocol.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from kvstrata.version import __version__
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

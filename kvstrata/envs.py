@@ -114,6 +114,11 @@ KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT = _declare(
     "KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", float, 300.0,
     "PD: seconds a request may stay bootstrapping (prefill waiting for the decode server's "
     "destination pages; decode resolving the prefill's endpoint) before it fails.")
+KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT = _declare(
+    "KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT", float, 5.0,
+    "PD: seconds a decode server keeps retrying a prefill bootstrap server that refuses the "
+    "connection or cannot be reached (one still starting) before the request fails; a "
+    "bootstrap server that answers 'not ready' is retried up to the bootstrap timeout.")
 KVSTRATA_DISAGG_WAITING_TIMEOUT = _declare(
     "KVSTRATA_DISAGG_WAITING_TIMEOUT", float, 300.0,
     "PD: seconds a decode receiver waits for its KV after sending its destination pages "

@@ -23,6 +23,10 @@ STORAGE_COUNTERS = {
     "backup_pages": "Pages backed up to storage (stored or found already stored)",
     "backup_failed_pages": "Pages a backup failed to store",
     "errors": "Storage jobs ended by a backend error",
+    # The backend's own counts (file and mooncake report them; 0 where a backend has none).
+    "read_misses": "Pages asked of the storage backend and not found",
+    "corrupt_records": "Stored records that failed their checksum (read as misses)",
+    "write_failures": "Pages the storage backend failed to write",
 }
 PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
 

@@ -1,7 +1,7 @@
 """Is the box quiet enough for a benchmark? Every bench run calls `announce_load()` first.
 
 Figures taken while other jobs run are not comparable (a busy neighbour made 2-thread GEMMs
-up to 10x slower here, ../shared/reference/machine-facts.md), so a run prints the load
+up to 10x slower on the development machines), so a run prints the load
 average it started under, warns loudly when the box is busy, refuses with
 `--require-quiet`, and records both in its JSON. Busy = the 1-minute load average is
 above `KVSTRATA_BENCH_MAX_LOAD` (default 0.5) per CPU. The benchmark's own processes have

@@ -297,6 +297,7 @@ class HiRadixCache(RadixCache):
         return True
 
     def check_integrity(self) -> None:
+        self.check_tree_shape()  # the base tree's invariants, then the two tiers'
         P = self.page_size
         evictable = protected = 0
         dev_seen: set[int] = set()

@@ -367,13 +367,14 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def check_integrity(self) -> None:
-        """Raise AssertionError if the tree, its counters or the allocator disagree."""
+    def check_tree_shape(self) -> None:
+        """The structural invariants every radix tree keeps, whatever its nodes hold (the
+        HiCache tree runs this too): an empty root locked once, parent pointers, children
+        filed under their first page, keys of whole pages, a lock_ref covering the locks of
+        the children (each lock walks up to the root)."""
         page_size = self.page_size
         assert self.root.lock_ref == 1 and not self.root.key and not self.root.device_pages, \
             "root must be empty with lock_ref 1"
-        seen: dict[int, TreeNode] = {}
-        evictable = protected = 0
         for node in [self.root, *self._nodes()]:
             child_locks = 0
             for first_page, child in node.children.items():
@@ -383,8 +384,16 @@ class RadixCache:
             if node is self.root:
                 continue
             assert node.key and len(node.key) % page_size == 0, f"{node!r}: key not whole pages"
-            assert len(node.key) == node.num_pages * page_size, f"{node!r}: key/page count mismatch"
             assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum"
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the tree, its counters or the allocator disagree."""
+        self.check_tree_shape()
+        page_size = self.page_size
+        seen: dict[int, TreeNode] = {}
+        evictable = protected = 0
+        for node in self._nodes():
+            assert len(node.key) == node.num_pages * page_size, f"{node!r}: key/page count mismatch"
             for page in node.device_pages:
                 assert page not in seen, f"page {page} owned by {node!r} and {seen[page]!r}"
                 assert self.allocator.is_allocated(page), f"page {page} of {node!r} is not allocated"

@@ -70,9 +70,3 @@ def server_args_from_namespace(ns: argparse.Namespace, cls: type = ServerArgs) -
     so a CLI may add its own flags (e.g. --json) to the same parser."""
     values = {f.name: getattr(ns, f.name) for f in cli_fields(cls) if hasattr(ns, f.name)}
     return cls(**values)
-
-
-def make_parser(prog: str = "kvstrata serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog)
-    add_cli_args(parser)
-    return parser

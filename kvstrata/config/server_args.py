@@ -219,15 +219,6 @@ class ServerArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    @classmethod
-    def from_cli_args(cls, ns: Any) -> "ServerArgs":
-        from kvstrata.config.cli_args import server_args_from_namespace
-        return server_args_from_namespace(ns, cls)
-
-    @staticmethod
-    def add_cli_args(parser: Any) -> None:
-        from kvstrata.config.cli_args import add_cli_args
-        add_cli_args(parser)
 
 
 def flag(name: str) -> str:

@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-import kvstrata
 from kvstrata import envs
 from kvstrata.entrypoints import pd_fields
 from kvstrata.entrypoints import serving_openai as so
@@ -26,6 +24,7 @@ from kvstrata.entrypoints.serving_handlers import (chat_response, completion_res
                                                    generate_response)
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import EngineDeadError
+from kvstrata.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +85,7 @@ class _Guard:
 
 def create_app(state) -> FastAPI:
     """`state` is the launcher's ServerState: tm, server_args, model names, engine info."""
-    app = FastAPI(title="kvstrata", version=kvstrata.__version__ if hasattr(
-        kvstrata, "__version__") else "0")
+    app = FastAPI(title="kvstrata", version=__version__)
     tm = state.tm
     args = state.server_args
 
@@ -132,8 +130,13 @@ def create_app(state) -> FastAPI:
         pd_fields.check_choices(args, body, choices)
         return await completion_response(state, request, body, choices)
 
+    def check_alive() -> None:
+        if not state.healthy():
+            raise EngineDeadError(f"the server is shutting down: {tm.dead_reason}")
+
     @app.get("/v1/models")
     async def models():
+        check_alive()
         return model_list(state.model_names[:1], state.context_len)
 
     # ---- SGLang native -----------------------------------------------------------------
@@ -172,11 +175,26 @@ def create_app(state) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info():
-        return server_info_dict(args, state.engine_info)
+        info = server_info_dict(args, state.engine_info)
+        # SGLang's internal_states: the scheduler's live state (one entry per scheduler),
+        # asked now -- it answers between two steps from counters it keeps (no tensor, no
+        # pass over the requests), so a step is never held up; if a long step keeps it
+        # from answering within SERVER_INFO_WAIT_S, the latest load report (at most one
+        # step old) stands in, marked live=false.
+        try:
+            live, fresh = await tm.control("get_load", timeout=SERVER_INFO_WAIT_S), True
+        except (asyncio.TimeoutError, RuntimeError, EngineDeadError):
+            live, fresh = dict(tm.load), False
+        info["internal_states"] = [{**live, "live": fresh,
+                                    "kv_plan": info.get("kv_plan"),
+                                    "server_args": {k: v for k, v in info.items()
+                                                    if k not in _NOT_ARGS}}]
+        return info
 
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
+        check_alive()
         return {"model_path": args.model_path,
                 "tokenizer_path": getattr(args, "tokenizer_path", None) or args.model_path,
                 "served_model_name": state.model_names[0], "is_generation": True,
@@ -188,8 +206,7 @@ def create_app(state) -> FastAPI:
     async def get_load():
         # The scheduler's load as of its latest step (it publishes one at least every 100 ms
         # while busy and one when it goes idle): answered at once, however long a step is.
-        if not state.healthy():
-            raise EngineDeadError(f"the server is shutting down: {tm.dead_reason}")
+        check_alive()
         load = dict(tm.load)
         load.setdefault("num_reqs", load.get("num_running_reqs", 0)
                         + load.get("num_waiting_reqs", 0))
@@ -243,11 +260,14 @@ def create_app(state) -> FastAPI:
     return _Guard(app, MAX_BODY_BYTES, getattr(args, "api_key", None))
 
 
+# How long /server_info waits for the scheduler's live answer before using its last report.
+SERVER_INFO_WAIT_S = 1.0
+# Keys of server_info_dict that are not server args.
+_NOT_ARGS = frozenset({"version", "kv_plan", "resolutions", "quantization_info",
+                       "engine_info"})
+
+
 def _status(code: int) -> Response:
     """Health answers: an empty body with a declared content type (a response without one
     is malformed to strict clients and fuzzers)."""
     return PlainTextResponse("", status_code=code)
-
-
-def _jsonable(obj):
-    return msgspec.json.decode(msgspec.json.encode(obj, enc_hook=repr))

@@ -24,16 +24,17 @@ def register(path: tuple[str, ...], add_arguments, run, help_text: str) -> None:
 
 # ---- serve --------------------------------------------------------------------------------
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from kvstrata.config import ServerArgs
+    from kvstrata.config.cli_args import add_cli_args
 
-    ServerArgs.add_cli_args(parser)
+    add_cli_args(parser)
 
 
 def _run_serve(ns: argparse.Namespace) -> int:
-    from kvstrata.config import ServerArgs, refuse_unimplemented
+    from kvstrata.config import refuse_unimplemented
+    from kvstrata.config.cli_args import server_args_from_namespace
 
     try:
-        args = ServerArgs.from_cli_args(ns)
+        args = server_args_from_namespace(ns)
         refuse_unimplemented(args)
     except (NotImplementedError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, a
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +133,17 @@ def server_info_dict(args: Any, engine_info: dict) -> dict:
     """The `/server_info` body: version, the resolved args (as the one start-up resolution
     left them; the args as given if the engine did not report them), the KV plan, every
     resolution and what --quantization ran; the rest of engine_info stays nested under "engine_info"."""
-    import kvstrata  # noqa: PLC0415 - the package version, at call time
-
     rest = dict(engine_info)
     resolved = rest.pop("server_args", None)
     if resolved is None:
         resolved = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
-    info = {"version": getattr(kvstrata, "__version__", "0"), **resolved}
+    info = {"version": __version__, **resolved}
     for key in ("kv_plan", "resolutions", "quantization_info"):
         if key in rest:
             info[key] = rest.pop(key)
+    # The start-up load snapshot is not state: live counters are in internal_states.
+    for key in rest.pop("load", None) or {}:
+        rest.pop(key, None)
     info["engine_info"] = rest
     # JSON-ready: unknown objects (from a fake engine, say) become their repr.
     return msgspec.json.decode(msgspec.json.encode(info, enc_hook=repr))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict
+from pydantic import BaseModel, ConfigDict
 
 from kvstrata.entrypoints.errors import bad_request
 from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
@@ -21,6 +21,41 @@ def _generate_schema(schema: dict[str, Any], cls) -> None:
     schema["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
 
 
+class NativeSamplingParams(BaseModel):
+    """SGLang's sampling_params dict with SGLang's types, so that a wrongly typed value is a
+    400 naming `sampling_params.<key>` (and /openapi.json shows fuzzers the types). Unknown
+    keys pass through here: native_sampling_dict and SamplingParams.from_dict refuse them by
+    name; value ranges are SamplingParams' job."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    seed: int | None = None  # kvstrata's name (and vLLM's) for sampling_seed
+    logprobs: int | None = None  # kvstrata: what return_logprob/top_logprobs_num set
+
+
 class GenerateRequest(RequestModel):
     """SGLang's native /generate: one prompt, or a batch (a list of texts / of id lists, with
     one sampling_params dict for all or a list of them, and optionally a list of rids)."""
@@ -28,7 +63,7 @@ class GenerateRequest(RequestModel):
     model: str | None = None  # sglang-router sends it (null unless the client set it)
     text: Text | list[Text] | None = None
     input_ids: TokenIds | list[TokenIds] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     stream: bool = False
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
@@ -129,9 +164,12 @@ SGLANG_SAMPLING_OFF: dict[str, Any] = {
 }
 
 
-def native_sampling_dict(sampling_params: dict[str, Any]) -> dict[str, Any]:
+def native_sampling_dict(
+        sampling_params: NativeSamplingParams | dict[str, Any]) -> dict[str, Any]:
     """SGLang's sampling_params dict -> kvstrata's SamplingParams fields: SGLang-only keys
     must be off (then dropped); `sampling_seed` is SGLang's name for `seed`."""
+    if isinstance(sampling_params, NativeSamplingParams):
+        sampling_params = sampling_params.model_dump(exclude_unset=True)
     out = {}
     for key, value in sampling_params.items():
         param = f"sampling_params.{key}"

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import msgspec
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from kvstrata.entrypoints.errors import bad_request
+from kvstrata.entrypoints.errors import ClientDisconnected, bad_request
 from kvstrata.entrypoints.protocol_base import RequestModel
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -34,7 +35,11 @@ def _most_specific(errors: list[dict]) -> dict:
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        # The client left mid-body: one INFO line (the app's handler), not a traceback.
+        raise ClientDisconnected() from None
     try:
         obj = msgspec.json.decode(raw) if raw else None
     except msgspec.DecodeError as e:

@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from kvstrata.protocol import RequestOutput, SamplingParams
-from kvstrata.protocol.scheduler_output import TopLogprob
+from kvstrata.protocol.logprobs import TopLogprob
 
 
 class _Msg(msgspec.Struct, tag=True, omit_defaults=True):

@@ -29,7 +29,7 @@ import enum
 
 import msgspec
 
-from kvstrata.protocol.scheduler_output import TopLogprob
+from kvstrata.protocol.logprobs import TopLogprob
 
 # SGLang's warm-up host: a request addressed to it uses the `fake` backend (moves nothing).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"

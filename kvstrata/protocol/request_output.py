@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvstrata.protocol.scheduler_output import TopLogprob
+from kvstrata.protocol.logprobs import TopLogprob
 
 
 class FinishReason(msgspec.Struct, omit_defaults=True):

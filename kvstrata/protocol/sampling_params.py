@@ -21,6 +21,19 @@ _TOKEN_ID_MAX = (1 << 63) - 1
 GREEDY_TEMPERATURE_EPS = 1e-6
 
 
+def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list:
+    """SGLang's list-typed fields: None is empty, `wrap` (a lone str for `stop`) is one item,
+    a list or tuple is taken as is; anything else (a number, a bool, a dict) is a ValueError
+    naming the field -- never iterated into something the client did not mean."""
+    if value is None:
+        return []
+    if wrap is not None and isinstance(value, wrap):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -43,10 +56,10 @@ class SamplingParams:
     no_stop_trim: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
+                             "strings", wrap=str)
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids",
+                                       "a list of non-negative integers below 2**63")
         self.validate()
 
     @classmethod

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvstrata.protocol.disagg import BackupOp, PDEvent, PDOp
+from kvstrata.protocol.logprobs import TopLogprob
 from kvstrata.protocol.sampling_params import SamplingParams
 
 
@@ -97,11 +99,6 @@ class SchedulerOutput(msgspec.Struct):
     storage_cancels: list[int] = []
 
 
-class TopLogprob(msgspec.Struct, array_like=True):
-    token_id: int
-    logprob: float
-
-
 class RunnerOutput(msgspec.Struct):
     # One entry per ScheduledRequest with sample=True, in batch order.
     req_ids: list[str]
@@ -125,8 +122,3 @@ class RunnerOutput(msgspec.Struct):
     # PD prefill, DSA model: req_id -> last prompt position's top-k positions (-1 padded),
     # for each request whose first token was sampled this step (the PD seed).
     dsa_seeds: dict[str, list[int]] = {}
-
-
-# At the end: disagg.py imports TopLogprob from this module (the forward references above
-# resolve when msgspec first encodes or decodes).
-from kvstrata.protocol.disagg import BackupOp, PDEvent, PDOp  # noqa: E402

@@ -54,8 +54,12 @@ def test_int8_linear_is_per_token_and_batch_independent(levels):
     """The fbgemm call equals int8 arithmetic done by hand (symmetric per-channel weights,
     symmetric per-token activations), and a row's result does not change when a row with
     100x larger values joins its batch."""
-    from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear
+    from kvstrata.runner.quantization import W8A8Int8Linear, cpu_has_vnni, quantized_linear
 
+    if levels == 127 and not cpu_has_vnni():
+        # Without VNNI fbgemm's u8*s8 pairs saturate int16 at 8 bits: the layer never picks
+        # 127 there (W8A8Int8Linear.levels), so there is nothing to compare on this CPU.
+        pytest.skip("8-bit activations need AVX512-VNNI / AVX-VNNI (this CPU has neither)")
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 80), torch.randn(96)
     x = torch.randn(5, 80)

@@ -25,7 +25,12 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8}
 MSG = [{"role": "user", "content": "Say something."}]
 # Short timeouts so that a dead peer fails a request within seconds, not SGLang's 300 s.
 PD_ENV = {"KVSTRATA_DISAGG_WAITING_TIMEOUT": "20", "KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT": "20",
-          "KVSTRATA_DISAGG_HEARTBEAT_INTERVAL": "1", "KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE": "2"}
+          "KVSTRATA_DISAGG_HEARTBEAT_INTERVAL": "1", "KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE": "2",
+          "KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT": "2"}
+# A peer's death is noticed within (max_failure + 1) heartbeat intervals; a refused bootstrap
+# port within the unreachable timeout. Both bounds, plus slack for a busy 2-core box.
+HEARTBEAT_BOUND = 3.0
+FAIL_FAST_BOUND = HEARTBEAT_BOUND + 2.0 + 5.0
 COMMON = ("--served-model-name", "tiny", "--context-length", str(TINY_CONTEXT),
           "--page-size", "4", "--chunked-prefill-size", "64")
 
@@ -42,10 +47,14 @@ class PDServers:
         self.backend = backend
         self.bootstrap_port = free_port()
         self.model = model
+        self.decode_args = decode_args
         self.prefill = self.start_prefill()
-        self.decode = ServerProcess(model, *COMMON, "--disaggregation-mode", "decode",
-                                    "--disaggregation-transfer-backend", backend,
-                                    "--max-total-tokens", "2048", *decode_args, env=PD_ENV)
+        self.decode = self.start_decode()
+
+    def start_decode(self) -> ServerProcess:
+        return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "decode",
+                             "--disaggregation-transfer-backend", self.backend,
+                             "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV)
 
     def start_prefill(self) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
@@ -211,6 +220,88 @@ def test_concurrent_requests_with_disconnects_leak_nothing(router, pd):
     for t in threads:
         t.join()
     assert_no_leak(pd.prefill)
+    assert_no_leak(pd.decode)
+
+
+def test_closed_bootstrap_port_fails_at_once(pd):
+    """A decode request whose bootstrap address refuses connections fails within seconds
+    (not the bootstrap timeout) with SGLang's message, and frees what it held."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4},
+            **pd.body(), "bootstrap_port": free_port()}
+    start = time.monotonic()
+    r = httpx.post(pd.decode.base_url + "/generate", json=body, timeout=60)
+    assert r.status_code == 500, r.text
+    assert "Could not fetch prefill parallel info" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - start < FAIL_FAST_BOUND
+    assert_no_leak(pd.decode)
+
+
+def _in_flight(fn, n: int) -> tuple[list, list[threading.Thread]]:
+    """Start n calls of fn(i) in threads; (their results as they come, the threads)."""
+    results: list = []
+
+    def one(i):
+        t0 = time.monotonic()
+        try:
+            results.append((fn(i), time.monotonic() - t0))
+        except httpx.HTTPError as e:
+            results.append((e, time.monotonic() - t0))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def _wait_kv_in_use(srv, timeout: float = 30) -> None:
+    """Until the server holds KV for a request (the work is under way there)."""
+    deadline = time.monotonic() + timeout
+    while kv_state(srv)["num_used_tokens"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_dead_decode_frees_the_prefill(pd):
+    """SIGKILL the decode server with 8 requests in flight: the prefill's rooms fail within
+    the heartbeat bound (those still waiting for the decode's pages included) and its queues
+    and pages return to idle; a new decode server then works."""
+    def both(i):
+        return pd.generate(list(range(100 + i, 300 + i)), max_new_tokens=64, timeout=60,
+                           ignore_eos=True)[0]
+    results, threads = _in_flight(both, 8)
+    _wait_kv_in_use(pd.prefill)
+    pd.decode.stop(sig=9)
+    killed = time.monotonic()
+    st = wait_drained(pd.prefill, timeout=HEARTBEAT_BOUND + 10)
+    assert time.monotonic() - killed < HEARTBEAT_BOUND + 10, st
+    for t in threads:
+        t.join(60)
+    assert len(results) == 8
+    assert_no_leak(pd.prefill)
+    pd.decode = pd.start_decode()
+    prefill, decode = pd.generate("Hello there")
+    assert (prefill.status_code, decode.status_code) == (200, 200), (prefill.text, decode.text)
+
+
+def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
+    """SIGKILL the prefill with 8 requests in flight through the router: every client gets
+    an error within the heartbeat bound (the router's retries hit the dead bootstrap port,
+    which fails fast now), and the decode pool returns to idle."""
+    def chat(i):
+        return httpx.post(router.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0,
+            "messages": [{"role": "user", "content": f"Tell story {i}. " * 20}]})
+    results, threads = _in_flight(chat, 8)
+    _wait_kv_in_use(pd.decode)
+    pd.prefill.stop(sig=9)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(120)
+    waited = time.monotonic() - killed
+    statuses = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r, _ in results]
+    # Nobody hangs: a request whose KV had already crossed may still finish (200); every
+    # other one got an error answer (the router's retries included) within the bound.
+    assert len(results) == 8, statuses
+    assert all(s == 200 or isinstance(s, int) and s >= 400 for s in statuses), statuses
+    assert waited < FAIL_FAST_BOUND * 3, (waited, statuses)
     assert_no_leak(pd.decode)
 
 

@@ -112,6 +112,45 @@ def test_disconnect_non_streaming_frees_kv_and_logs_one_line(server):
     assert "Traceback" not in new_log and "CancelledError" not in new_log, new_log[-3000:]
 
 
+def test_disconnect_while_sending_the_body_logs_one_line(server):
+    """A client that announces a body and leaves half-way: one INFO line, no traceback."""
+    import socket
+    with open(server.log_path) as f:
+        log_start = len(f.read())
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                         b'{"prompt": "half a bo')
+            time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        with open(server.log_path) as f:
+            new_log = f.read()[log_start:]
+        if new_log.count("client disconnected before the response") >= 3 or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert new_log.count("client disconnected before the response") == 3, new_log[-3000:]
+    assert "Traceback" not in new_log and "ClientDisconnect" not in new_log, new_log[-3000:]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_server_info_internal_states_are_live(server, client):
+    """SGLang's internal_states: the scheduler's counters now, not at start-up."""
+    client.completions.create(model="tiny", prompt="Live state of a server:", max_tokens=4)
+    info = httpx.get(server.base_url + "/server_info", timeout=30).json()
+    (state,) = info["internal_states"]
+    assert state["live"] is True and state["num_cached_tokens"] > 0, state
+    assert {"num_running_reqs", "num_waiting_reqs", "num_retractions", "token_usage",
+            "max_total_num_tokens"} <= set(state)
+    assert state["kv_plan"] == info["kv_plan"]
+    assert state["server_args"]["max_running_requests"] == info["max_running_requests"]
+    # The start-up snapshot of those counters is gone from engine_info.
+    assert "num_cached_tokens" not in info["engine_info"]
+    assert "load" not in info["engine_info"]
+
+
 def test_abort_request_route(server):
     """Abort by rid while the request streams: it ends early as an abort and frees its KV.
     (Sent after the first chunk, so the request is surely running; a tiny model decodes 400

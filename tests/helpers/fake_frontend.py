@@ -46,6 +46,14 @@ class RecordingTM:
     def encode_prompt(self, text: str) -> list[int]:
         return [1 + ord(c) % 50 for c in text]
 
+    async def control(self, op: str, timeout: float = 10.0) -> dict:
+        """The scheduler's answer to a control op: its load counters, counted per call."""
+        self.control_calls = getattr(self, "control_calls", 0) + 1
+        if op != "get_load":
+            raise RuntimeError(f"unknown op {op!r}")
+        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_retractions": 0,
+                "control_calls": self.control_calls}
+
     async def generate(self, req: ipc.GenerateReq, log_metrics: bool = True):
         self.reqs.append(req)
         yield ipc.TextOutput(rid=req.rid, text="x", new_token_ids=[7], finished=True,

@@ -62,9 +62,9 @@ class Pair:
         self.managers.append(mgr)
         return mgr
 
-    def new_prefill(self, seed: int = 2):
+    def new_prefill(self, seed: int = 2, port: int | None = None):
         self.prefill_pool = random_pool(self.dtype, self.page_size, seed=seed)
-        self.bootstrap_port = free_port()
+        self.bootstrap_port = port or free_port()
         self.prefill = self._make("prefill", self.prefill_pool, self.bootstrap_port,
                                   self.dtype)
         return self.prefill

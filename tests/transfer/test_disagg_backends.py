@@ -4,6 +4,7 @@ every failure (abort, geometry, dead peer, timeouts) fails only its own room, wi
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -163,14 +164,75 @@ def test_timeouts(make_pair, monkeypatch):
     monkeypatch.setenv("KVSTRATA_DISAGG_WAITING_TIMEOUT", "0.3")
     pair = make_pair("tcp-gathered")
     lonely = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 1)  # no decode
-    from .conftest import free_port
-    nowhere = pair.decode.create_receiver("127.0.0.1", free_port(), 2)  # no prefill there
     sender, receiver = start_room(pair, 3, [1], [2])  # prefill never sends
-    wait_until(lambda: F == lonely.poll() == nowhere.poll() == receiver.poll(), timeout=5)
+    wait_until(lambda: F == lonely.poll() == receiver.poll(), timeout=5)
     assert "bootstrap timeout" in lonely.failure_reason
-    assert "unusable: not ready within 1 s (bootstrap timeout)" in nowhere.failure_reason
     assert "waiting timeout" in receiver.failure_reason
     wait_until(lambda: sender.poll() == F)  # told by the decode side
+
+
+def test_a_refused_bootstrap_port_fails_fast(make_pair, monkeypatch):
+    """Nothing listens at the bootstrap address: a definite answer, so the room fails after
+    the short unreachable retry (not the 300 s bootstrap timeout), with SGLang's text."""
+    from .conftest import free_port
+    monkeypatch.setenv("KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT", "0.5")
+    pair = make_pair("tcp-gathered")
+    start = time.monotonic()
+    nowhere = pair.decode.create_receiver("127.0.0.1", free_port(), 2)
+    wait_until(lambda: nowhere.poll() == F, timeout=5, what="the room fails")
+    assert time.monotonic() - start < 3
+    assert "Could not fetch prefill parallel info from bootstrap_addr 127.0.0.1:" in \
+        nowhere.failure_reason
+
+
+def test_a_starting_prefill_is_waited_for(make_pair, monkeypatch):
+    """A bootstrap server that comes up within the unreachable window is used."""
+    from .conftest import free_port
+    monkeypatch.setenv("KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT", "10")
+    pair = make_pair("tcp-gathered")
+    port = free_port()
+    receiver = pair.decode.create_receiver("127.0.0.1", port, 4)
+    time.sleep(0.8)
+    assert receiver.poll() == B
+    pair.new_prefill(port=port)
+    wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
+
+
+def test_a_not_ready_prefill_is_retried_up_to_the_bootstrap_timeout(monkeypatch):
+    """503 "not registered yet" is a prefill still starting: retried until the bootstrap
+    timeout, not cut short by the unreachable window."""
+    from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer,
+                                                           resolve_prefill_endpoint)
+
+    from .conftest import free_port
+    port = free_port()
+    server = BootstrapServer("127.0.0.1", port)
+    server.start()
+    try:
+        start = time.monotonic()
+        endpoint, why = resolve_prefill_endpoint(("127.0.0.1", port), 1.5, (1, "float32"),
+                                                 unreachable_timeout=0.1)
+    finally:
+        server.stop()
+    assert endpoint is None and "not ready within 1.5 s (bootstrap timeout)" in why
+    assert time.monotonic() - start >= 1.4
+
+
+def test_a_decode_that_dies_before_reserving_pages_frees_the_prefill_room(make_pair,
+                                                                          monkeypatch):
+    """The decode joined the room (found the prefill) but its request still waits in its
+    prealloc queue when it dies: the prefill fails the room within the heartbeat bound."""
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")
+    pair = make_pair("tcp-gathered")
+    sender = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, 1)
+    receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, 1)
+    wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
+    wait_until(lambda: sender.peer is not None, what="the prefill learns its decode peer")
+    assert sender.poll() == B
+    pair.decode.close()
+    wait_until(lambda: sender.poll() == F, timeout=3, what="prefill notices the dead decode")
+    assert "silent" in sender.failure_reason
 
 
 def test_malformed_page_data_fails_only_that_room(make_pair):

@@ -3,13 +3,15 @@ imports go down only, and engine/, cache/ and protocol/ never import torch."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "kvstrata"
-BASE = {"protocol", "config", "platform", "envs"}  # everyone may import these
+BASE = {"protocol", "config", "platform", "envs", "version"}  # everyone may import these
 ALLOWED = {
+    "version": set(),
     "protocol": {"protocol"},
     "config": BASE,
     "platform": BASE,
@@ -77,3 +79,68 @@ def test_engine_and_cache_load_without_torch():
     code = ("import sys; import kvstrata.engine.engine_core, kvstrata.cache.kv_manager; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _module_name(path: Path) -> str:
+    parts = ("kvstrata",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the kvstrata modules it imports (anywhere in the file, a function-level
+    import included: it is a dependency all the same). `from a import b` points at a.b when
+    that is a module, else at a; a package's own __init__ reached only as the parent of a
+    submodule is not an edge (Python runs it first, but it cannot import back here unless
+    it says so itself, which is then an edge of its own)."""
+    modules = {_module_name(p): p for p in SOURCES}
+    # C extensions (setup.py) are leaves: `from pkg import _ext` imports _ext, not pkg.
+    setup_py = (ROOT.parent / "setup.py").read_text()
+    extensions = set(re.findall(r'Extension\("([\w.]+)"', setup_py))
+    assert extensions, "setup.py declares the C extensions"
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}"
+                           if f"{node.module}.{a.name}" in modules.keys() | extensions
+                           else node.module for a in node.names]
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_circle_in_the_package():
+    """An import circle makes the import order matter and hides a missing layer: none."""
+    graph = import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == [], f"import circles: {circles}"

@@ -52,3 +52,13 @@ def test_storage_counters_follow_the_load_report():
     assert 'kvstrata:hicache_storage_errors_total{model_name="tiny"} 1.0' in text
     assert ('kvstrata:hicache_storage_prefetch_total{model_name="tiny",outcome="revoked"} 2.0'
             in text)
+
+
+def test_storage_backend_misses_and_corrupt_records_reach_metrics():
+    """The backend's read misses and checksum failures were in /get_load only (issue 24)."""
+    m = ServerMetrics("tiny")
+    m.set_load({"hicache_storage_hit_tokens": 0, "hicache_storage_read_misses": 3,
+                "hicache_storage_corrupt_records": 2})
+    text = m.render().decode()
+    assert 'kvstrata:hicache_storage_read_misses_total{model_name="tiny"} 3.0' in text
+    assert 'kvstrata:hicache_storage_corrupt_records_total{model_name="tiny"} 2.0' in text

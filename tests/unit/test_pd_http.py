@@ -201,3 +201,15 @@ def test_server_info_and_model_info_show_the_pd_role():
     assert client.get("/get_server_info").json()["disaggregation_mode"] == "prefill"
     assert client.get("/model_info").json()["model_path"] == "m"
     assert client.get("/health").status_code == 200
+
+
+def test_server_info_internal_states_are_asked_live():
+    """/server_info carries SGLang's internal_states from the scheduler at call time (not a
+    start-up snapshot): each call is a new round trip."""
+    from kvstrata.config import ServerArgs
+    client = TestClient(create_app(app_state(ServerArgs(model_path="m"))))
+    first = client.get("/server_info").json()["internal_states"]
+    second = client.get("/get_server_info").json()["internal_states"]
+    assert len(first) == 1 and first[0]["live"] is True
+    assert second[0]["control_calls"] == first[0]["control_calls"] + 1
+    assert first[0]["server_args"]["model_path"] == "m" and "num_retractions" in first[0]

@@ -419,3 +419,31 @@ def test_peek_device_pages_agrees_with_match_and_has_no_side_effects():
     for ids, want in queries.items():  # the same answers as a real match
         assert len(tree.match_prefix(list(ids)).device_pages) == want, ids
     assert RadixCache(alloc, 2, disable=True).peek_device_pages([1, 2]) == 0
+
+
+@pytest.mark.parametrize("hicache", [False, True])
+def test_integrity_check_catches_broken_parent_pointers_and_child_locks(hicache):
+    """The HiCache tree runs the base tree's structural checks too (it once re-implemented
+    the page checks and skipped these)."""
+    from kvstrata.cache.hiradix_cache import HiRadixCache
+
+    alloc = PageAllocator(16, 1)
+    if hicache:
+        cache = HiRadixCache(alloc, 1, PageAllocator(32, 1))
+    else:
+        cache = RadixCache(alloc, 1)
+    for tokens in ([1, 2, 3, 4], [1, 2, 9, 9]):
+        pages = alloc.alloc(len(tokens))
+        alloc.free(pages[:cache.insert(tokens, pages)])
+    cache.check_integrity()
+    parent = cache.root.children[(1,)] if (1,) in cache.root.children else \
+        next(iter(cache.root.children.values()))
+    child = next(iter(parent.children.values()))
+    child.parent = cache.root
+    with pytest.raises(AssertionError, match="wrong parent pointer"):
+        cache.check_integrity()
+    child.parent = parent
+    cache.check_integrity()
+    child.lock_ref += 1  # a lock that did not walk up to its parent
+    with pytest.raises(AssertionError, match="lock_ref below its children's sum|counters"):
+        cache.check_integrity()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.config import ModelInfo, ServerArgs, explain, resolve
-from kvstrata.config.cli_args import make_parser
+from tests.helpers.cli import make_parser, server_args_from_namespace
 from kvstrata.config.rules.disagg import (DECODE_CHUNK_CACHE_WARNING,
                                           DECODE_RADIX_CACHE_WARNING, decode_extra_slots)
 from kvstrata.platform import simulated
@@ -113,7 +113,7 @@ def test_every_pd_flag_is_in_serve_help(capsys):
                                    "--disaggregation-bootstrap-port", "9100",
                                    "--disaggregation-decode-polling-interval", "2",
                                    "--disaggregation-decode-extra-slots", "0"])
-    args = ServerArgs.from_cli_args(ns)
+    args = server_args_from_namespace(ns)
     assert (args.disaggregation_mode, args.disaggregation_bootstrap_port,
             args.disaggregation_decode_polling_interval,
             args.disaggregation_decode_extra_slots) == ("prefill", 9100, 2, 0)

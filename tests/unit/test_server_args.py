@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvstrata.config import ServerArgs
-from kvstrata.config.cli_args import make_parser
+from tests.helpers.cli import make_parser, server_args_from_namespace
 
 EXPECTED_DEFAULTS = {
     "model_path": "smollm2-135m", "tokenizer_path": None, "served_model_name": None,
@@ -61,7 +61,7 @@ def test_defaults():
 
 
 def test_cli_defaults_equal_dataclass_defaults():
-    assert ServerArgs.from_cli_args(make_parser().parse_args([])) == ServerArgs()
+    assert server_args_from_namespace(make_parser().parse_args([])) == ServerArgs()
 
 
 def test_every_field_is_a_dashed_flag_with_help():
@@ -83,7 +83,7 @@ def test_parse_flags():
         "--page-size", "16", "--enable-hierarchical-cache", "--hicache-ratio", "1.5",
         "--hicache-mem-layout", "page_head", "--disaggregation-mode", "decode",
         "--no-enable-metrics", "--chunked-prefill-size", "-1", "--tp-size", "2"])
-    args = ServerArgs.from_cli_args(ns)
+    args = server_args_from_namespace(ns)
     assert (args.page_size, args.enable_hierarchical_cache, args.hicache_ratio) == (16, True, 1.5)
     assert args.hicache_mem_layout == "page_head" and args.disaggregation_mode == "decode"
     assert args.enable_metrics is False and args.chunked_prefill_size == -1 and args.tp_size == 2
@@ -97,7 +97,7 @@ def test_cli_rejects_bad_choice():
 def test_namespace_extras_are_ignored():
     ns = make_parser().parse_args([])
     ns.json = True  # a CLI may add its own flags to the same parser
-    assert ServerArgs.from_cli_args(ns) == ServerArgs()
+    assert server_args_from_namespace(ns) == ServerArgs()
 
 
 def test_frozen():

@@ -196,7 +196,13 @@ class BootstrapServer:
 
 # ---------------------------------------------------------------------- clients (httpx)
 class RouteNotReady(RuntimeError):
-    """The bootstrap server answered 503, or could not be reached (yet): worth a retry."""
+    """The bootstrap server answered 503 (its prefill is still registering): worth a retry
+    up to the bootstrap timeout."""
+
+
+class RouteUnreachable(RouteNotReady):
+    """Nothing answered at the bootstrap address (refused, unreachable, connect timeout):
+    worth a short retry only, for a prefill whose bootstrap server is still starting."""
 
 
 def register_rank(host: str, port: int, info: dict, timeout: float = 5.0) -> None:
@@ -208,10 +214,12 @@ def register_rank(host: str, port: int, info: dict, timeout: float = 5.0) -> Non
 
 def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dict, dict]:
     """(parallel info, rank 0's {rank_ip, rank_port}) of the prefill server whose bootstrap
-    server is host:port. RouteNotReady on 503 or a connection error; RuntimeError else."""
+    server is host:port. RouteNotReady on 503, RouteUnreachable when nothing answers;
+    RuntimeError else."""
     import httpx  # noqa: PLC0415
 
     base = f"http://{host}:{port}/route"
+    timeout = httpx.Timeout(timeout, connect=min(timeout, 2.0))
     try:
         info = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, -1), timeout=timeout)
         if info.status_code == 503:
@@ -220,6 +228,8 @@ def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dic
         # One rank per kvstrata server: dp group = cp = tp = pp rank 0.
         rank = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, 0), timeout=timeout)
         rank.raise_for_status()
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        raise RouteUnreachable(f"{type(e).__name__}: {e}") from None
     except httpx.TransportError as e:
         raise RouteNotReady(f"{type(e).__name__}: {e}") from None
     except httpx.HTTPStatusError as e:
@@ -230,18 +240,36 @@ def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dic
 
 
 def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple,
-                             stopping=lambda: False) -> tuple[str | None, str]:
+                             stopping=lambda: False,
+                             unreachable_timeout: float | None = None) -> tuple[str | None, str]:
     """The decode side's look-up: (zmq endpoint of the prefill at bootstrap `key`, "") or
-    (None, why). Retries a not-ready or unreachable bootstrap server every
-    RESOLVE_RETRY_SECONDS until `timeout`; `expect` = our (page_size, kv_cache_dtype),
-    which the prefill's must equal (equal page bytes could hide a different split)."""
-    deadline = time.monotonic() + timeout
+    (None, why). Retries every RESOLVE_RETRY_SECONDS: a bootstrap server that answers "not
+    ready" until `timeout`; one that nothing answers for (refused: a definite answer) only
+    for `unreachable_timeout` in a row (KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT), then fails
+    with SGLang's "Could not fetch prefill parallel info ..." text. `expect` = our
+    (page_size, kv_cache_dtype), which the prefill's must equal (equal page bytes could hide
+    a different split)."""
+    if unreachable_timeout is None:
+        unreachable_timeout = envs.KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT.get()
+    start = time.monotonic()
+    deadline = start + timeout
     error = "stopped"
+    attempts, unreachable_since = 0, None
     while not stopping() and time.monotonic() < deadline:
+        attempts += 1
         try:
             info, rank = fetch_prefill_route(*key)
+        except RouteUnreachable as e:
+            now = time.monotonic()
+            unreachable_since = now if unreachable_since is None else unreachable_since
+            if now - unreachable_since >= unreachable_timeout:
+                return None, (f"Could not fetch prefill parallel info from bootstrap_addr "
+                              f"{key[0]}:{key[1]} after {attempts} attempts in "
+                              f"{now - start:.1f} s: {e}")
+            time.sleep(RESOLVE_RETRY_SECONDS)
+            continue
         except RouteNotReady as e:
-            error = str(e)
+            error, unreachable_since = str(e), None
             time.sleep(RESOLVE_RETRY_SECONDS)
             continue
         except Exception as e:
@@ -256,5 +284,5 @@ def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple
     return None, f"not ready within {timeout:g} s (bootstrap timeout); last: {error}"
 
 
-__all__ = ["BootstrapServer", "RouteNotReady", "fetch_prefill_route", "register_rank",
-           "resolve_prefill_endpoint"]
+__all__ = ["BootstrapServer", "RouteNotReady", "RouteUnreachable", "fetch_prefill_route",
+           "register_rank", "resolve_prefill_endpoint"]

@@ -28,8 +28,9 @@ from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer, register_
 from kvstrata.transfer.disagg.liveness import Liveness
 from kvstrata.transfer.disagg.lookup import PrefillLookup
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
-                                               Destination, Ping, Pong, check_page_buffers,
-                                               geometry_mismatch, geometry_of)
+                                               Destination, Join, Ping, Pong,
+                                               check_page_buffers, geometry_mismatch,
+                                               geometry_of)
 from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
             r.peer = self._routes.get(r.bootstrap)
             if r.peer is not None:
                 r.state = KVPoll.WAITING_FOR_INPUT
+                self._call(self.send_join, r)
             elif r.bootstrap not in self._resolving:
                 self._resolving.add(r.bootstrap)
                 threading.Thread(target=self._resolve, args=(r.bootstrap,), daemon=True,
@@ -281,6 +283,12 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
         self._misses[msg.endpoint] = 0
         if isinstance(msg, Ping):
             self._send(msg.endpoint, Pong(self.endpoint))
+        elif isinstance(msg, Join):
+            s = self.senders.get(msg.room)
+            if s is None:
+                self._pending.setdefault(msg.room, (msg, now))  # never over a Destination
+            else:
+                self._join(s, msg)
         elif isinstance(msg, Destination):
             s = self.senders.get(msg.room)
             if s is None:
@@ -309,11 +317,20 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
                          f"{early.reason}", False)
         elif isinstance(early, Destination):
             self._attach(s, early)
+        elif isinstance(early, Join):
+            self._join(s, early)
+
+    def _join(self, s: Sender, msg: Join | Destination) -> bool:
+        """The decode peer of this room is known: its silence now fails the room (liveness).
+        False if the room already failed here (the peer is told)."""
+        s.peer = msg.endpoint
+        if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
+            self._send(msg.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
+            return False
+        return True
 
     def _attach(self, s: Sender, dest: Destination) -> None:
-        s.peer = dest.endpoint
-        if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
-            self._send(dest.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
+        if not self._join(s, dest):
             return
         s.dest = dest
         reason = geometry_mismatch(self.geometry, dest.geometry) or s.page_count_error()
@@ -341,6 +358,10 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
         s.sent += len(page_ids)
 
     # ---- decode side
+    def send_join(self, r: Receiver) -> None:
+        if not is_final(r.state) and r.peer is not None and not r.dest_sent:
+            self._send(r.peer, Join(r.room, self.endpoint))
+
     def send_destination(self, r: Receiver) -> None:
         if is_final(r.state) or r.peer is None or r.dst is None or r.dest_sent:
             return

@@ -8,7 +8,11 @@ A failed room never takes the manager down (the others keep going). A room fails
   decode pings every prefill it has live rooms with, every KVSTRATA_DISAGG_HEARTBEAT_INTERVAL;
     after KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE unanswered pings in a row that peer's rooms
     fail; the prefill fails the rooms of a decode peer silent for (max_failure + 1) intervals
-    (any message counts as a sign of life, so a long transfer does not look like death);
+    (any message counts as a sign of life, so a long transfer does not look like death) --
+    from the decode's Join on, which it sends as soon as it has found the prefill, so a room
+    still waiting in the decode's prealloc queue is covered too;
+  decode resolving a prefill whose bootstrap server refuses the connection: after
+    KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT (lookup.py), not the bootstrap timeout;
   abort() on either side sends Abort; the peer fails the room with the reason.
 """
 from __future__ import annotations

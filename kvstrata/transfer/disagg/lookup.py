@@ -51,6 +51,7 @@ class PrefillLookup:
                 r.peer = endpoint
                 self.transition(r, KVPoll.WAITING_FOR_INPUT,
                                 only_from=(KVPoll.BOOTSTRAPPING,))
+                self._call(self.send_join, r)
                 self._call(self.send_destination, r)  # if init() came first
 
 

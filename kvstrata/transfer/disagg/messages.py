@@ -2,6 +2,9 @@
 mooncake backends), msgspec-encoded (never pickle), one tagged union so one decoder reads
 them all. Each message names its sender's endpoint: PULL sockets do not know who wrote.
 
+  decode  -> prefill  Join         the decode server has this room (sent as soon as it knows
+                                   the prefill's endpoint, before its pages are reserved):
+                                   from then on the prefill watches that peer's liveness
   decode  -> prefill  Destination  the room's reserved pages, metadata slot, buffer geometry
                                    (and, for mooncake, where those buffers live)
                       Ping         heartbeat (answered by Pong)
@@ -22,6 +25,11 @@ class BufferGeometry(msgspec.Struct, array_like=True, frozen=True):
     sections: int
     num_pages: int
     page_bytes: int
+
+
+class Join(msgspec.Struct, tag="join"):
+    room: int
+    endpoint: str
 
 
 class Destination(msgspec.Struct, tag="dest"):
@@ -71,7 +79,7 @@ class Pong(msgspec.Struct, tag="pong"):
     endpoint: str
 
 
-Message = Destination | Chunk | Ack | Abort | Ping | Pong
+Message = Join | Destination | Chunk | Ack | Abort | Ping | Pong
 ENCODER = msgspec.msgpack.Encoder()
 DECODER = msgspec.msgpack.Decoder(Message)
 
@@ -119,5 +127,5 @@ def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]
 
 
 __all__ = ["Abort", "Ack", "BufferGeometry", "Chunk", "DECODER", "Destination", "ENCODER",
-           "Message", "Ping", "Pong", "check_page_buffers", "contiguous_runs",
+           "Join", "Message", "Ping", "Pong", "check_page_buffers", "contiguous_runs",
            "geometry_mismatch", "geometry_of"]
