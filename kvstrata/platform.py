@@ -70,10 +70,6 @@ class Platform:
         # CUDA and ROCm share the torch.cuda API and (in SGLang) the HiCache JIT kernels.
         return self.kind in ("cuda", "hip")
 
-    @property
-    def is_accelerator(self) -> bool:
-        return self.kind != "cpu"
-
     def describe(self) -> str:
         name = f" ({self.device_name})" if self.device_name else ""
         return f"{self.kind}{name}{' [simulated]' if self.simulated else ''}"

@@ -279,12 +279,6 @@ class HiRadixCache(RadixCache):
         return freed
 
     # ------------------------------------------------------------------ admin
-    def host_cached_pages(self) -> int:
-        return sum(len(n.host_pages) for n in self._nodes() if n.host_pages is not None)
-
-    def host_pending_pages(self) -> int:
-        return sum(len(n.pending_host) for n in self._nodes() if n.pending_host is not None)
-
     def reset(self) -> bool:
         if self._jobs or self._protected_pages > 0 or (self.storage and self.storage.busy()):
             return False

@@ -345,9 +345,6 @@ class StorageTier:
     def busy(self) -> bool:
         return bool(self.backups or self.prefetches)
 
-    def backups_in_flight(self) -> bool:
-        return bool(self.backups)
-
     def held_host_pages(self) -> list[int]:
         """Host pages the storage side holds outside the tree: prefetch buffers, and the host
         copies of nodes dropped while a backup still reads them."""

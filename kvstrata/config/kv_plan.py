@@ -177,10 +177,6 @@ class KVPlan:
         return self.num_pages * self.page_size
 
     @property
-    def host_tokens(self) -> int:
-        return self.num_host_pages * self.page_size
-
-    @property
     def has_host_pool(self) -> bool:
         return self.num_host_pages > 0
 

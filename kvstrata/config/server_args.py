@@ -212,9 +212,6 @@ class ServerArgs:
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]

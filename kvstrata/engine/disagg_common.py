@@ -1,6 +1,7 @@
 """What the prefill and the decode side of PD disaggregation share (no torch).
 
-One object per server (`Scheduler.pd`, None when --disaggregation-mode is null) owns the PD
+One side per server (engine/side.py; also `Scheduler.pd`, None when --disaggregation-mode
+is null) owns the PD
 queues, the metadata slots and the room table, and talks to the runner's transfer layer only
 through `PDOp`s (queued here, shipped in the next SchedulerOutput) and `PDEvent`s (state
 changes, read in Scheduler.update). protocol/disagg.py has the states and the op order.
@@ -21,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.side import SchedulerSide
 from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
 
@@ -41,9 +43,9 @@ class Room:
     sent_pages: int = 0  # prefill: pages already handed to `send`
 
 
-class DisaggSide:
+class DisaggSide(SchedulerSide):
     """Base of PrefillDisagg / DecodeDisagg. Subclasses define `queues()` (name -> list, the
-    requests waiting on PD), `kv_queues()` (those holding pages), `add`, `before_schedule`,
+    requests waiting on PD), `kv_queues()` (those holding pages), `take`, `before_schedule`,
     `_on_success` and `_remove`."""
 
     mode = ""
@@ -78,13 +80,9 @@ class DisaggSide:
     def emit(self, kind: str, room: int, **fields) -> None:
         self.ops.append(PDOp(room=room, kind=kind, **fields))
 
-    def drain_ops(self) -> list[PDOp]:
+    def drain_ops(self) -> dict:
         ops, self.ops = self.ops, []
-        return ops
-
-    def drain_all(self) -> dict:
-        """What this side adds to a SchedulerOutput (its keyword fields)."""
-        return {"pd_ops": self.drain_ops()}
+        return {"pd_ops": ops}
 
     def _create(self, req: Request, kind: str) -> None:
         b = req.bootstrap
@@ -117,6 +115,9 @@ class DisaggSide:
         must wait for them instead of declaring a stall)."""
         return any(self.kv_queues()) or any(r.holds_kv for r in self.rooms.values())
 
+    def queued(self) -> list[Request]:
+        return [r for q in self.queues().values() for r in q]
+
     def kv_holders(self) -> list[Request]:
         """Requests outside the scheduler's live set that hold pages (for the invariants)."""
         held = [r for q in self.kv_queues() for r in q]
@@ -130,7 +131,7 @@ class DisaggSide:
                     queue.remove(req)
                     if any(queue is q for q in self.kv_queues()) and self._room_live(req):
                         return self._end_holding_kv(req, reason)
-                    return self.sched._finish(req, reason)
+                    return self.sched.finish(req, reason)
         return None
 
     def reject(self, req: Request) -> None:
@@ -145,7 +146,7 @@ class DisaggSide:
         self.emit("abort", req.bootstrap.room)
 
     def on_finish(self, req: Request) -> None:
-        """Called by Scheduler._finish for every request that ends, whatever the path."""
+        """Called by Scheduler.finish for every request that ends, whatever the path."""
         room = self.rooms.get(req.bootstrap.room) if req.bootstrap is not None else None
         if room is None or room.req is not req or room.draining:
             return
@@ -155,10 +156,10 @@ class DisaggSide:
             self.emit("abort", req.bootstrap.room)
             room.draining = True
 
-    def on_events(self, events: list[PDEvent]) -> list[Request]:
-        """Apply the runner's state changes; returns the requests that produced output."""
+    def on_runner_output(self, result) -> list[Request]:
+        """Apply the runner's PD state changes; returns the requests that produced output."""
         touched: list[Request] = []
-        for ev in events:
+        for ev in result.pd_events:
             room = self.rooms.get(ev.room)
             if room is None:
                 logger.debug("PD event for unknown room %s ignored: %s", ev.room, ev)
@@ -186,9 +187,7 @@ class DisaggSide:
         pages until the room reports its end."""
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
-        if req.known_to_runner:
-            self.sched.freed_for_runner.append(req.rid)
-            req.known_to_runner = False
+        self.sched.forget_in_runner(req)
         room = self._room(req)
         room.draining = room.holds_kv = True
         self.emit("abort", req.bootstrap.room)
@@ -212,7 +211,7 @@ class DisaggSide:
 
     def _fail(self, room: Room, message: str, status: int = 500) -> Request:
         """The transfer ended badly (its state is terminal): abort the request (500) and
-        free what it holds now; Scheduler._finish -> on_finish sends `release`."""
+        free what it holds now; Scheduler.finish -> on_finish sends `release`."""
         req = room.req
         logger.warning("PD request %s aborted: %s", req.rid, message)
         reason = FinishReason(type="abort", message=message, status_code=status)
@@ -220,7 +219,7 @@ class DisaggSide:
             return self.sched.abort(req.rid, reason)  # in the scheduler's own queues
         if not self.insert_on_release:
             self.kv.release(req, insert=False)
-        return self.sched._finish(req, reason)
+        return self.sched.finish(req, reason)
 
     def _remove(self, req: Request) -> bool:
         for queue in self.queues().values():

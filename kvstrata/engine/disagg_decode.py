@@ -36,7 +36,7 @@ from __future__ import annotations
 from kvstrata.engine.disagg_common import DisaggSide, Room
 from kvstrata.engine.disagg_retract import DecodeRetraction
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
-from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.request import Request
 from kvstrata.protocol.disagg import KVPoll, PDEvent, dsa_seed_from_extras
 
 
@@ -63,11 +63,12 @@ class DecodeDisagg(DisaggSide):
     def kv_queues(self) -> list[list[Request]]:
         return [self.transfer, self.prebuilt]
 
-    def add(self, req: Request) -> None:
+    def take(self, req: Request) -> bool:
         # The prompt is never run here: its logprobs (echo) can only come from the prefill.
         req.return_prompt_logprobs = False
         self._create(req, "receiver_create")
         self.prealloc.append(req)
+        return True
 
     def before_schedule(self) -> None:
         self._polls += 1
@@ -77,8 +78,8 @@ class DecodeDisagg(DisaggSide):
             self._admit()
         self._join_running()
 
-    def drain_all(self) -> dict:
-        return {**super().drain_all(), "backups": self.retraction.drain_ops()}
+    def drain_ops(self) -> dict:
+        return {**super().drain_ops(), "backups": self.retraction.drain_ops()}
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.retraction.ops)
@@ -123,14 +124,8 @@ class DecodeDisagg(DisaggSide):
                       metadata_index=room.slot)
 
     def _join_running(self) -> None:
-        sched = self.sched
-        while (self.prebuilt and sched.free_rows
-               and len(sched.running) < sched.config.max_running_requests):
-            req = self.prebuilt.pop(0)
-            req.row = sched.free_rows.pop(0)
-            req.row_stale_from = 0
-            req.status = RequestStatus.RUNNING
-            sched.running.append(req)
+        while self.prebuilt and self.sched.start_running(self.prebuilt[0]):
+            self.prebuilt.pop(0)
 
     # ------------------------------------------------------------------ transfer done
     def _on_success(self, room: Room, ev: PDEvent) -> Request | None:
@@ -157,7 +152,7 @@ class DecodeDisagg(DisaggSide):
         self._forget(room)
         reason = self.sched.stop_checker.check(req)
         if reason is not None:
-            return self.sched._finish(req, reason)
+            return self.sched.finish(req, reason)
         self.prebuilt.append(req)
         return req
 
@@ -166,8 +161,9 @@ class DecodeDisagg(DisaggSide):
         super().on_finish(req)
 
     # ------------------------------------------------------------------ out of memory
-    def on_decode_oom(self) -> None:
-        self.retraction.on_decode_oom()
+    def on_decode_oom(self) -> bool:
+        self.retraction.on_decode_oom()  # never recompute: back up, retract, resume later
+        return True
 
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:

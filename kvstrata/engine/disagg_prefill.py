@@ -8,7 +8,7 @@ A request's path (docs/architecture.md, "PD disaggregation"):
              queue (FIFO over ready requests; no free slot -> stop).
   prefill    the scheduler's own path: chunked prefill, prefix cache, admission budget.
              After each non-last chunk, the full pages computed so far and not yet sent go
-             out (`send(page_ids, last=False)`, on_chunk): the transfer overlaps the prefill.
+             out (`send(page_ids, last=False)`, after_chunk): the transfer overlaps the prefill.
   inflight   after the last chunk's forward (Scheduler.update -> on_token): the sampled first
              token and its logprob(s) are recorded, the prompt's full pages go to the radix
              tree (locked, so a request sharing the prefix can hit them already), the row is
@@ -45,10 +45,11 @@ class PrefillDisagg(DisaggSide):
     def kv_queues(self) -> list[list[Request]]:
         return [self.inflight]
 
-    def add(self, req: Request) -> None:
+    def take(self, req: Request) -> bool:
         req.params = dataclasses.replace(req.params, max_new_tokens=1, min_new_tokens=0)
         self._create(req, "sender_create")
         self.bootstrap.append(req)
+        return True
 
     def before_schedule(self) -> None:
         """Bootstrapped requests (decode has sent its pages) join the waiting queue."""
@@ -61,9 +62,9 @@ class PrefillDisagg(DisaggSide):
             self.emit("sender_init", req.bootstrap.room,
                       num_pages=self.pages_for(len(req.prompt_ids)), metadata_index=room.slot)
             self.bootstrap.remove(req)
-            self.sched.waiting.append(req)
+            self.sched.enqueue(req)
 
-    def on_chunk(self, req: Request) -> None:
+    def after_chunk(self, req: Request) -> None:
         """A non-last chunk was computed (and its full pages cached): send the full pages not
         sent yet (last=False), so the transfer overlaps the rest of the prefill. Chunks end
         on page boundaries; the pages sent stay tree-locked, so their ids never change."""
@@ -83,10 +84,8 @@ class PrefillDisagg(DisaggSide):
             req.pending_logprobs.append(logprob)
             req.pending_top_logprobs.append(top or [])
         self.kv.cache_unfinished(req)  # full prompt pages -> tree, locked (no-op without it)
-        sched._free_row(req)
-        if req.known_to_runner:
-            sched.freed_for_runner.append(req.rid)
-            req.known_to_runner = False
+        sched.free_row(req)
+        sched.forget_in_runner(req)
         room = req.bootstrap.room
         sent = self.rooms[room].sent_pages
         self.emit("send", room, page_ids=req.pages[sent:], last=True, metadata=PDMetadata(
@@ -102,4 +101,4 @@ class PrefillDisagg(DisaggSide):
             return self._fail(room, f"KV transfer of bootstrap room {ev.room} reported "
                                     f"success before its pages were sent.")
         self.inflight.remove(req)
-        return self.sched._finish(req, FinishReason(type="length"))
+        return self.sched.finish(req, FinishReason(type="length"))

@@ -81,12 +81,12 @@ class DecodeRetraction:
                            reverse=True)  # pop() yields the next victim
 
         def fits() -> bool:
-            return kv.ensure_free_pages(sched._decode_pages_needed(remaining))
+            return kv.ensure_free_pages(sched.decode_pages_needed(remaining))
 
         retracted: list[Request] = []
         while len(remaining) > 1 and not fits():
             victim = remaining.pop()
-            sched.running.remove(victim)
+            sched.stop_running(victim)
             if self._retract(victim):
                 retracted.append(victim)
         prebuilt = self.side.prebuilt
@@ -96,12 +96,11 @@ class DecodeRetraction:
                 retracted.append(victim)
         if remaining and not fits():
             last = remaining.pop()
-            sched.running.remove(last)
-            sched.finished_outside_step.append(sched._finish(last, FinishReason(
-                type="abort", message=OOM_LAST_MESSAGE, status_code=500)))
+            sched.stop_running(last)
+            sched.finish_outside_step(last, FinishReason(
+                type="abort", message=OOM_LAST_MESSAGE, status_code=500))
         self.num_retractions += len(retracted)
-        sched.num_retractions += len(retracted)
-        sched.ratio.after_retraction(len(retracted), remaining)
+        sched.count_retractions(len(retracted), remaining)
 
     def _retract(self, req: Request) -> bool:
         """Back up `req`'s KV, free its device pages and row, queue it. False when the host
@@ -118,8 +117,8 @@ class DecodeRetraction:
                 self.exhausted_aborts += 1
                 logger.warning("decode retraction of %s: the retraction host KV pool cannot "
                                "hold %d pages; aborting it", req.rid, num_pages)
-                self.sched.finished_outside_step.append(self.sched._finish(req, FinishReason(
-                    type="abort", message=EXHAUSTED_MESSAGE, status_code=500)))
+                self.sched.finish_outside_step(req, FinishReason(
+                    type="abort", message=EXHAUSTED_MESSAGE, status_code=500))
                 return False
         self.ops.append(BackupOp(kind="backup", rid=req.rid, backend=self.backend,
                                  num_tokens=tokens, device_pages=req.pages[:num_pages],
@@ -129,7 +128,7 @@ class DecodeRetraction:
         self.backup_bytes += tokens * self.kv.plan.bytes_per_token
         # The device pages go back only after the backup op is queued: it ships, and is
         # applied first, in the same SchedulerOutput as any op that reuses them.
-        self.sched._retract_one(req)  # release pages + row, the runner forgets it
+        self.sched.retract_one(req)  # release pages + row, the runner forgets it
         self.retracted.append(req)
         return True
 

@@ -49,8 +49,7 @@ class EngineCore:
         if error is not None:
             req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
             self._rejected.append(req)
-            if self.scheduler.pd is not None:
-                self.scheduler.pd.reject(req)  # PD: the peer server fails its half now
+            self.scheduler.reject(req)  # e.g. PD: the peer server fails its half now
             return
         self._rids.add(req.rid)
         self.scheduler.add(req)
@@ -69,9 +68,7 @@ class EngineCore:
         if n + 1 > self.scheduler.kv.total_tokens:
             return (f"The input ({n} tokens) does not fit in the KV cache "
                     f"({self.scheduler.kv.total_tokens} tokens); raise --max-total-tokens.")
-        if self.scheduler.pd is not None:  # PD: bootstrap info present, room not in use
-            return self.scheduler.pd.validate(req)
-        return None
+        return self.scheduler.validate(req)  # e.g. PD: bootstrap info, room not in use
 
     def abort_request(self, rid: str) -> None:
         req = self.scheduler.abort(rid, FinishReason(type="abort", message="Aborted by the client.",
@@ -147,7 +144,7 @@ class EngineCore:
             "num_retractions": self.scheduler.num_retractions,
             "new_token_ratio": self.scheduler.ratio.value,
             **self._hicache_load(),
-            **(self.scheduler.pd.load() if self.scheduler.pd is not None else {}),
+            **{k: v for side in self.scheduler.sides for k, v in side.load().items()},
         }
 
     def _hicache_load(self) -> dict:

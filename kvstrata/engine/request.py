@@ -84,10 +84,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def num_own_pages(self) -> int:
-        return len(self.pages) - self.num_tree_pages
-
     def remaining_new_tokens(self) -> int:
         return max(self.params.max_new_tokens - len(self.output_ids), 0)
 

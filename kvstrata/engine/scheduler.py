@@ -15,13 +15,13 @@ import logging
 
 from kvstrata.cache.invariants import expected_rows
 from kvstrata.cache.kv_manager import KVManager
-from kvstrata.engine.disagg_decode import DecodeDisagg
-from kvstrata.engine.disagg_prefill import PrefillDisagg
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
 from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
+from kvstrata.engine.side import SchedulerSide
+from kvstrata.engine.sides import build_sides
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.protocol import (
     FinishReason,
@@ -65,9 +65,11 @@ class Scheduler:
         self.num_retractions = 0
         self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
-        # PD disaggregation side (engine/disagg_*.py): its queues, metadata slots and rooms.
-        side = {"prefill": PrefillDisagg, "decode": DecodeDisagg}.get(config.disaggregation_mode)
-        self.pd: PrefillDisagg | DecodeDisagg | None = side(self) if side else None
+        # Plug-in sides (engine/side.py), called at fixed points of every step; the body of
+        # this class never asks which ones exist. `pd` names the PD side for introspection.
+        self.sides: list[SchedulerSide] = []
+        self.pd = None
+        build_sides(self)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -75,12 +77,22 @@ class Scheduler:
         # (not for prompt logprobs: those requests compute every position anyway).
         if not req.return_prompt_logprobs:
             self.kv.start_prefetch(req)
-        (self.pd.add if self.pd is not None else self.waiting.append)(req)
+        if not any(side.take(req) for side in self.sides):
+            self.waiting.append(req)
+
+    def validate(self, req: Request) -> str | None:
+        """Why a side cannot serve this request (a 400 message), or None."""
+        return next(filter(None, (side.validate(req) for side in self.sides)), None)
+
+    def reject(self, req: Request) -> None:
+        """A request refused before it was queued: the sides undo what peers wait for."""
+        for side in self.sides:
+            side.reject(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req
                     or self.kv.has_transfers_in_flight()
-                    or (self.pd is not None and self.pd.has_work()))
+                    or any(side.has_work() for side in self.sides))
 
     def live_requests(self) -> list[Request]:
         live = list(self.running)
@@ -89,52 +101,98 @@ class Scheduler:
         return live
 
     def abort(self, rid: str, reason: FinishReason) -> Request | None:
-        found = self.pd.abort(rid, reason) if self.pd is not None else None
-        if found is not None:
-            return found
+        for side in self.sides:
+            found = side.abort(rid, reason)
+            if found is not None:
+                return found
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                return self._finish(req, reason)
+                return self.finish(req, reason)
         for req in self.live_requests():
             if req.rid == rid:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 else:
                     self.running.remove(req)
-                return self._finish(req, reason)
+                return self.finish(req, reason)
         return None
 
-    def _finish(self, req: Request, reason: FinishReason) -> Request:
+    # ------------------------------------------------------------------ the sides' facade
+    # What a side may do to the scheduler (engine/side.py); nothing else of it is theirs.
+    def finish(self, req: Request, reason: FinishReason) -> Request:
+        """End `req` (out of every scheduler queue already): release its KV and row, tell
+        the runner to forget it, then every side's on_finish."""
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         self.kv.abort_prefetch(req.rid)  # a prefetch still running for it is cancelled
         if req.row or req.pages or req.last_node is not None:
             self.kv.release(req, insert=True)
-            self._free_row(req)
-        if req.known_to_runner:
-            self.freed_for_runner.append(req.rid)
-            req.known_to_runner = False
-        if self.pd is not None:
-            self.pd.on_finish(req)  # PD: `abort` or `release` for its room
+            self.free_row(req)
+        self.forget_in_runner(req)
+        for side in self.sides:
+            side.on_finish(req)
         return req
 
-    def _free_row(self, req: Request) -> None:
+    def finish_outside_step(self, req: Request, reason: FinishReason) -> None:
+        """finish() for a request that produced no token this step (reported all the same)."""
+        self.finished_outside_step.append(self.finish(req, reason))
+
+    def free_row(self, req: Request) -> None:
         if req.row:
             self.free_rows.append(req.row)
             req.row = 0
 
+    def forget_in_runner(self, req: Request) -> None:
+        """The runner drops the request's state at the next step."""
+        if req.known_to_runner:
+            self.freed_for_runner.append(req.rid)
+            req.known_to_runner = False
+
+    def enqueue(self, req: Request) -> None:
+        """A side hands a request to the waiting queue (prefill, with prefix matching)."""
+        self.waiting.append(req)
+
+    def start_running(self, req: Request) -> bool:
+        """A side's request whose KV is complete joins the decode batch, if a row is free
+        and the batch has room."""
+        if not self.free_rows or len(self.running) >= self.config.max_running_requests:
+            return False
+        req.row = self.free_rows.pop(0)
+        req.row_stale_from = 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
+
+    def stop_running(self, req: Request) -> None:
+        """A side takes a running request out of the batch (its pages stay with it)."""
+        self.running.remove(req)
+
+    def count_retractions(self, retracted: int, remaining: list[Request]) -> None:
+        self.num_retractions += retracted
+        self.ratio.after_retraction(retracted, remaining)
+
+    def decode_pages_needed(self, reqs: list[Request]) -> int:
+        return sum(self.kv.pages_needed(r, r.seq_len) for r in reqs)
+
+    def retract_one(self, victim: Request) -> None:
+        """Release a request's pages and row, and reset it to be computed again."""
+        self.kv.release(victim, insert=False)
+        self.free_row(victim)
+        self.forget_in_runner(victim)
+        victim.reset_for_retract()
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput | None:
-        if self.pd is not None:
-            self.pd.before_schedule()  # PD queues move on (bootstrap -> waiting, admission)
+        for side in self.sides:
+            side.before_schedule()  # e.g. PD queues move on (bootstrap -> waiting, admission)
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
         if out is None and self._stalled():
             self._resolve_stall()
         if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()
-                            or (self.pd is not None and self.pd.needs_poll())):
+                            or any(side.needs_poll() for side in self.sides)):
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
@@ -148,7 +206,7 @@ class Scheduler:
         return bool((self.waiting or self.chunked_req is not None)
                     and not self.finished_outside_step
                     and not self.kv.has_transfers_in_flight()
-                    and not (self.pd is not None and self.pd.frees_memory_later()))
+                    and not any(side.frees_memory_later() for side in self.sides))
 
     def _resolve_stall(self) -> None:
         """Abort the request that cannot fit alone (clear error, no silent spin); anything
@@ -170,8 +228,8 @@ class Scheduler:
         # A prompt that cannot fit is the client's to change (400, as SGLang's input length
         # check); generated tokens outgrowing the pool is the server's OOM (500).
         status = 500 if victim.output_ids else 400
-        self.finished_outside_step.append(
-            self._finish(victim, FinishReason(type="abort", message=message, status_code=status)))
+        self.finish_outside_step(victim, FinishReason(type="abort", message=message,
+                                                      status_code=status))
 
     def dump_state(self) -> str:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
@@ -194,10 +252,12 @@ class Scheduler:
         self._in_flight = {r.rid: r for r in reqs}
         freed, self.freed_for_runner = self.freed_for_runner, []
         self.step_id += 1
+        side_ops: dict = {}
+        for side in self.sides:
+            side_ops.update(side.drain_ops())
         return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
                                transfers=self.kv.drain_transfer_ops(),
-                               storage_cancels=self.kv.drain_storage_cancels(),
-                               **(self.pd.drain_all() if self.pd is not None else {}))
+                               storage_cancels=self.kv.drain_storage_cancels(), **side_ops)
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -295,11 +355,8 @@ class Scheduler:
                 self.chunked_req = item.req
         return self._output(True, [i.req for i in items], scheduled)
 
-    def _decode_pages_needed(self, reqs: list[Request]) -> int:
-        return sum(self.kv.pages_needed(r, r.seq_len) for r in reqs)
-
     def _schedule_decode(self) -> SchedulerOutput | None:
-        if not self.kv.ensure_free_pages(self._decode_pages_needed(self.running)):
+        if not self.kv.ensure_free_pages(self.decode_pages_needed(self.running)):
             if self.kv.copies_pin_pages():
                 # HiCache writes pin tree pages until they finish; wait for them (an idle
                 # step that blocks on the copy) before retracting or aborting anyone.
@@ -321,40 +378,33 @@ class Scheduler:
         decode, and its computed pages stay in the tree as evictable cache), then running
         requests, fewest generated tokens first, ties: longest prompt. The last running
         request is never retracted; if it still cannot grow it is aborted (SGLang, 500).
-        A PD decode server cannot recompute: it backs the KV up first (disagg_retract)."""
-        if isinstance(self.pd, DecodeDisagg):
-            return self.pd.on_decode_oom()
+        A side may free memory its own way first (a PD decode server cannot recompute: it
+        backs the KV up, disagg_retract)."""
+        if any(side.on_decode_oom() for side in self.sides):
+            return
         retracted: list[Request] = []
         if self.chunked_req is not None:
             victim, self.chunked_req = self.chunked_req, None
-            self._retract_one(victim)
+            self.retract_one(victim)
             retracted.append(victim)
         # Sorted so that pop() yields the fewest generated tokens first, ties: longest prompt.
         remaining = sorted(self.running,
                            key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
         while len(remaining) > 1 and not self.kv.ensure_free_pages(
-                self._decode_pages_needed(remaining)):
+                self.decode_pages_needed(remaining)):
             victim = remaining.pop()
-            self._retract_one(victim)
+            self.retract_one(victim)
             retracted.append(victim)
-        if not self.kv.ensure_free_pages(self._decode_pages_needed(remaining)):
+        if not self.kv.ensure_free_pages(self.decode_pages_needed(remaining)):
             last = remaining.pop()
-            self.finished_outside_step.append(self._finish(
-                last, FinishReason(type="abort", message=OOM_LAST_REQUEST_MESSAGE, status_code=500)))
+            self.finish_outside_step(last, FinishReason(
+                type="abort", message=OOM_LAST_REQUEST_MESSAGE, status_code=500))
         # Make room for the survivors' next few steps right away.
         need_tokens = len(remaining) * RETRACT_DECODE_STEPS
         self.kv.ensure_free_pages(-(-need_tokens // self.page_size))
         self.running = [r for r in self.running if r in remaining]
         self.waiting.extend(retracted)
-        self.num_retractions += len(retracted)
-        self.ratio.after_retraction(len(retracted), remaining)
-
-    def _retract_one(self, victim: Request) -> None:
-        self.kv.release(victim, insert=False)
-        self._free_row(victim)
-        if victim.known_to_runner:
-            self.freed_for_runner.append(victim.rid)
-        victim.reset_for_retract()
+        self.count_retractions(len(retracted), remaining)
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -371,10 +421,9 @@ class Scheduler:
             req = by_id.get(rid)
             if req is None:
                 continue  # aborted while the forward ran
-            if isinstance(self.pd, PrefillDisagg):  # the prefill server sends, never decodes
-                self.pd.on_token(req, token, result.logprobs[i], result.top_logprobs[i],
-                                 result.dsa_seeds.get(rid))
-                continue
+            if any(side.on_token(req, token, result.logprobs[i], result.top_logprobs[i],
+                                 result.dsa_seeds.get(rid)) for side in self.sides):
+                continue  # e.g. a PD prefill server sends the token, never decodes
             if req.params.max_new_tokens == 0:
                 self._complete(req, FinishReason(type="length"))  # prefill-only (scoring)
                 touched.append(req)
@@ -391,16 +440,16 @@ class Scheduler:
             touched.append(req)
         if self.chunked_req is not None:
             self.kv.cache_unfinished(self.chunked_req)
-            if isinstance(self.pd, PrefillDisagg):
-                self.pd.on_chunk(self.chunked_req)  # stream the full pages computed so far
-        if self.pd is not None:
-            touched += self.pd.on_events(result.pd_events)
+            for side in self.sides:
+                side.after_chunk(self.chunked_req)
+        for side in self.sides:
+            touched += side.on_runner_output(result)
         return touched
 
     def _complete(self, req: Request, reason: FinishReason) -> None:
         if req in self.running:
             self.running.remove(req)
-        self._finish(req, reason)
+        self.finish(req, reason)
 
     # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:

@@ -29,8 +29,8 @@ def dump_state(sched) -> str:
         lines.append("chunked: " + brief(sched.chunked_req))
     lines += ["running: " + brief(r) for r in sched.running[:16]]
     lines += ["waiting: " + brief(r) for r in sched.waiting[:16]]
-    if sched.pd is not None:
-        lines += sched.pd.dump_lines(brief)
+    for side in sched.sides:
+        lines += side.dump_lines(brief)
     return "\n".join(lines)
 
 
@@ -38,7 +38,7 @@ def check_scheduler(sched) -> None:
     """KV invariants over every request holding pages (live ones and, on a PD server, those
     in transfer or transferred), rows, and queue membership."""
     live = sched.live_requests()
-    held = sched.pd.kv_holders() if sched.pd is not None else []
+    held = [r for side in sched.sides for r in side.kv_holders()]
     check_kv_state(sched.kv, live + held)
     rows_in_use = sum(1 for r in live if r.row)
     assert rows_in_use + len(sched.free_rows) == sched.num_rows, "req_to_token row leak"
@@ -49,8 +49,8 @@ def check_scheduler(sched) -> None:
             f"waiting request {r.rid} holds KV")
     assert sched.chunked_req not in sched.running, "chunked request is also running"
     queued = list(sched.waiting)
-    if sched.pd is not None:
-        sched.pd.check()
-        queued += [r for q in sched.pd.queues().values() for r in q]
+    for side in sched.sides:
+        side.check()
+        queued += side.queued()
     ids = [r.rid for r in queued + live]
     assert len(ids) == len(set(ids)), "a request is in two queues"

@@ -153,12 +153,3 @@ class HostKVPool:
         # source (8.4 vs 4.4 GB/s, 720 KiB pages, 1 thread), which bounded storage reads.
         for row, page in enumerate(ids.tolist()):
             order[:, :, page].copy_(src[row])
-
-    def get_flat_page(self, page: int) -> torch.Tensor:
-        return self.get_flat_pages([page])[0]
-
-    def set_flat_page(self, page: int, flat: torch.Tensor) -> None:
-        self.set_flat_pages([page], flat.reshape(1, -1))
-
-    def dummy_flat_page(self) -> torch.Tensor:
-        return torch.zeros(self.geom.page_numel, dtype=self.geom.dtype)

@@ -71,9 +71,6 @@ class SamplingParams:
             raise ValueError(f"unsupported sampling parameter(s): {', '.join(unknown)}")
         return cls(**{k: v for k, v in d.items() if v is not None})
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @property
     def is_greedy(self) -> bool:
         # SGLang: a temperature below 1e-6 samples greedily (dividing logits by a tiny or

@@ -34,10 +34,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.q_lens)
-
     @classmethod
     def build(cls, token_ids: list[list[int]], rows: list[int], start_pos: list[int],
               device: torch.device, out_slots: torch.Tensor | None = None) -> "ForwardBatch":

@@ -215,11 +215,6 @@ class ModelRunner:
         """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""
         return self.hicache.stats() if self.hicache else {}
 
-    def backup_stats(self) -> dict:
-        """Decode retraction backups: bytes, seconds, counts per backend and direction
-        ({} before the first BackupOp on a runner without a retraction host pool)."""
-        return self.backup.stats() if self.backup else {}
-
     def shutdown(self) -> None:
         if self.disagg is not None:
             self.disagg.close()
@@ -351,16 +346,6 @@ class ModelRunner:
             state.prompt_logprobs_sent = True
 
     # ------------------------------------------------------------------ test helpers
-    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Full-prompt logits [T, V] (float32) by a no-cache forward: touches no KV slot and
-        no req_to_token row, so it is safe while requests are live."""
-        fb = ForwardBatch.build([list(token_ids)], [0], [0], self.device)
-        return self.model(fb)
-
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._reqs)
-
     def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
         """Assert each live row's current entries are the slots the scheduler assigned
         (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV."""

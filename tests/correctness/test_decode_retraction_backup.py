@@ -85,7 +85,7 @@ def test_backup_and_restore_into_other_pages_keeps_greedy_tokens(tiny_checkpoint
         for pos in range(n_kv + 1, n_kv + 4):
             toks += step(r, scheduled=[decode("x", 3, new_pages, pos, toks[-1])]).token_ids
         assert toks == ref
-        stats = r.backup_stats()
+        stats = r.backup.stats()
         assert stats[f"{backend}_backup_count"] == stats[f"{backend}_restore_count"] == 1
         assert stats["backup_bytes"] == 4 * r.plan.bytes_per_page
         assert stats["held_backups"] == 0

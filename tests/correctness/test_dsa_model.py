@@ -16,7 +16,7 @@ import torch
 from tests.conftest import DSA_INDEX_TOPK, GREEDY_TOKENS
 from helpers.compare import assert_tokens_match
 from helpers.driver import greedy_in_mode
-from helpers.runner import make_runner
+from helpers.runner import forward_logits, make_runner, num_live_requests
 
 PREFILL_ATOL = 1e-4
 _runners: dict = {}
@@ -42,7 +42,7 @@ def test_prefill_logits_match_transformers(tiny_dsa_checkpoint, tiny_prompts):
     for prompt in tiny_prompts:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(runner.forward_logits(prompt), ref, atol=PREFILL_ATOL,
+        torch.testing.assert_close(forward_logits(runner, prompt), ref, atol=PREFILL_ATOL,
                                    rtol=0)
 
 
@@ -53,12 +53,12 @@ def test_sparsity_changes_the_output(tiny_dsa_checkpoint, tiny_prompts):
     backend = runner.model.attn_backend
     long_prompt, short_prompt = tiny_prompts[-1], tiny_prompts[2]
     assert len(short_prompt) <= DSA_INDEX_TOPK < len(long_prompt)
-    sparse_long, sparse_short = (runner.forward_logits(long_prompt),
-                                 runner.forward_logits(short_prompt))
+    sparse_long, sparse_short = (forward_logits(runner, long_prompt),
+                                 forward_logits(runner, short_prompt))
     backend.dense = True
     try:
-        dense_long, dense_short = (runner.forward_logits(long_prompt),
-                                   runner.forward_logits(short_prompt))
+        dense_long, dense_short = (forward_logits(runner, long_prompt),
+                                   forward_logits(runner, short_prompt))
     finally:
         backend.dense = False
     assert (sparse_long - dense_long).abs().max() > 1e-2
@@ -83,7 +83,7 @@ def test_greedy_matches_transformers(mode, tiny_dsa_checkpoint, tiny_prompts,
     outs = greedy_in_mode(runner, tiny_prompts, GREEDY_TOKENS, batched, chunk, staggered)
     for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, tiny_dsa_references)):
         assert_tokens_match(ours, ref_tokens, ref_logits, label=f"dsa/{mode} prompt {i}")
-    assert runner.num_live_requests == 0
+    assert num_live_requests(runner) == 0
 
 
 def _llm(path: str, **kw):

@@ -12,7 +12,7 @@ import torch
 from tests.conftest import GREEDY_TOKENS, TINY_ARCHS
 from helpers.compare import assert_tokens_match
 from helpers.driver import greedy_generate, greedy_in_mode
-from helpers.runner import make_runner
+from helpers.runner import forward_logits, make_runner, num_live_requests
 from kvstrata.runner.model_runner import ModelRunner
 
 PREFILL_ATOL = 1e-4
@@ -37,7 +37,7 @@ def test_prefill_logits_match_transformers(arch, tiny_checkpoints, tiny_prompts)
     for prompt in tiny_prompts:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0]
-        ours = runner.forward_logits(prompt)
+        ours = forward_logits(runner, prompt)
         torch.testing.assert_close(ours, ref, atol=PREFILL_ATOL, rtol=0)
 
 
@@ -60,7 +60,7 @@ def test_greedy_matches_transformers(arch, mode, tiny_checkpoints, tiny_prompts,
     outs = greedy_in_mode(runner, tiny_prompts, GREEDY_TOKENS, batched, chunk, staggered)
     for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
         assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{arch}/{mode} prompt {i}")
-    assert runner.num_live_requests == 0
+    assert num_live_requests(runner) == 0
 
 
 def test_prompt_logprobs_across_chunks(tiny_checkpoints, tiny_prompts):
@@ -69,7 +69,7 @@ def test_prompt_logprobs_across_chunks(tiny_checkpoints, tiny_prompts):
 
     runner = _runner(tiny_checkpoints["llama"], "llama", 4)
     prompt = tiny_prompts[-1]
-    ref = torch.log_softmax(runner.forward_logits(prompt), dim=-1)
+    ref = torch.log_softmax(forward_logits(runner, prompt), dim=-1)
     expected = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     new = [NewRequestData("echo", prompt, [], params, return_prompt_logprobs=True)]
@@ -100,7 +100,7 @@ def test_sampled_logprobs_and_top_logprobs(tiny_checkpoints, tiny_prompts):
 
     runner = _runner(tiny_checkpoints["qwen2"], "qwen2", 1)
     prompt = tiny_prompts[4]
-    ref = torch.log_softmax(runner.forward_logits(prompt)[-1], dim=-1)
+    ref = torch.log_softmax(forward_logits(runner, prompt)[-1], dim=-1)
     params = SamplingParams(temperature=0.0, max_new_tokens=1, logprobs=3)
     from kvstrata.protocol import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -123,8 +123,8 @@ def test_half_precision_runs_close_to_float32(dtype, tiny_checkpoints, tiny_prom
     runner = make_runner(path, dtype=dtype, page_size=16, max_total_tokens=1024,
                          context_length=512, max_running_requests=4)
     assert runner.kv_pool.kv.dtype == getattr(torch, dtype)
-    ref = _runner(path, "qwen3", 16).forward_logits(tiny_prompts[6])
-    ours = runner.forward_logits(tiny_prompts[6])
+    ref = forward_logits(_runner(path, "qwen3", 16), tiny_prompts[6])
+    ours = forward_logits(runner, tiny_prompts[6])
     assert (ours - ref).abs().max() < 0.15 * ref.abs().max()
     outs = greedy_generate(runner, tiny_prompts[:3], 4)
     assert all(len(o) == 4 for o in outs)

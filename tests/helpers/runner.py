@@ -12,3 +12,16 @@ def make_runner(model_path: str, **server_args):
     runner, _args, _plan, _resolutions = build_runner(ServerArgs(model_path=model_path,
                                                                  **server_args))
     return runner
+
+
+def forward_logits(runner, token_ids: list[int]):
+    """Full-prompt logits [T, V] (float32) by a no-cache forward: touches no KV slot and no
+    req_to_token row, so it is safe while requests are live."""
+    from kvstrata.runner.forward_batch import ForwardBatch
+
+    fb = ForwardBatch.build([list(token_ids)], [0], [0], runner.device)
+    return runner.model(fb)
+
+
+def num_live_requests(runner) -> int:
+    return len(runner._reqs)

@@ -290,8 +290,8 @@ class FileStoreMachine(RuleBasedStateMachine):
         assert got == [k in self.model for k in keys]
         for j, key in enumerate(keys):
             if key in self.model:
-                assert torch.equal(self.pool.get_flat_page(9 + j),
-                                   self.pool.get_flat_page(self.model[key]))
+                assert torch.equal(self.pool.get_flat_pages([9 + j])[0],
+                                   self.pool.get_flat_pages([self.model[key]])[0])
 
     @rule(crash=st.booleans())
     def restart(self, crash):
