@@ -263,7 +263,7 @@ class Scheduler:
         start = req.num_computed_tokens
         write_from = min(req.row_stale_from, start)
         entry = ScheduledRequest(
-            req_id=req.rid, row=req.row, start_pos=start,
+            rid=req.rid, row=req.row, start_pos=start,
             token_ids=req.all_ids[start:start + num_tokens],
             slot_write_start=write_from,
             slots=self.kv.slots(req, write_from, start + num_tokens),
@@ -417,7 +417,7 @@ class Scheduler:
             if rid in by_id:
                 by_id[rid].prompt_logprobs = logprobs
                 by_id[rid].prompt_top_logprobs = result.prompt_top_logprobs.get(rid)
-        for i, (rid, token) in enumerate(zip(result.req_ids, result.token_ids)):
+        for i, (rid, token) in enumerate(zip(result.rids, result.token_ids)):
             req = by_id.get(rid)
             if req is None:
                 continue  # aborted while the forward ran

@@ -8,7 +8,7 @@ Per step the scheduler sends a SchedulerOutput:
   scheduled      -- the batch of this forward, in batch order. Each entry says which tokens
                     to compute at which positions, and which KV slots to record in the
                     request's req_to_token row first.
-  freed_req_ids  -- finished / aborted / retracted requests: the runner drops their state.
+  freed_rids  -- finished / aborted / retracted requests: the runner drops their state.
 The runner answers with a RunnerOutput holding one sampled token per entry whose
 `sample` flag was set (in batch order).
 
@@ -25,7 +25,7 @@ from kvstrata.protocol.sampling_params import SamplingParams
 
 
 class NewRequestData(msgspec.Struct):
-    req_id: str
+    rid: str
     prompt_token_ids: list[int]
     # Tokens generated before a retraction: they count for penalties and are recomputed.
     output_token_ids: list[int]
@@ -37,7 +37,7 @@ class NewRequestData(msgspec.Struct):
 
 
 class ScheduledRequest(msgspec.Struct):
-    req_id: str
+    rid: str
     row: int  # req_to_token row (row 0 is reserved)
     # KV for positions [0, start_pos) is already in the pool and listed in the row.
     start_pos: int
@@ -88,7 +88,7 @@ class SchedulerOutput(msgspec.Struct):
     is_prefill: bool
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]
-    freed_req_ids: list[str]
+    freed_rids: list[str]
     transfers: list[TransferOp] = []
     # Prefill/decode disaggregation ops, applied in order before the forward (protocol/disagg.py).
     pd_ops: list["PDOp"] = []
@@ -101,15 +101,15 @@ class SchedulerOutput(msgspec.Struct):
 
 class RunnerOutput(msgspec.Struct):
     # One entry per ScheduledRequest with sample=True, in batch order.
-    req_ids: list[str]
+    rids: list[str]
     token_ids: list[int]
     # Filled only for requests whose sampling_params.logprobs is not None (else None).
     logprobs: list[float | None]
     top_logprobs: list[list[TopLogprob] | None]
-    # req_id -> logprob of prompt tokens 1..n-1 (only for return_prompt_logprobs requests,
+    # rid -> logprob of prompt tokens 1..n-1 (only for return_prompt_logprobs requests,
     # filled once the whole prompt has been prefilled; chunks accumulate inside the runner).
     prompt_logprobs: dict[str, list[float]] = {}
-    # req_id -> top-n alternatives per prompt position (n = sampling_params.logprobs; only
+    # rid -> top-n alternatives per prompt position (n = sampling_params.logprobs; only
     # when n > 0), same positions as prompt_logprobs: what harnesses use for is_greedy.
     prompt_top_logprobs: dict[str, list[list[TopLogprob]]] = {}
     # Asynchronous transfer jobs (HiCache, PD) that finished or failed since the last step.
@@ -119,6 +119,6 @@ class RunnerOutput(msgspec.Struct):
     pd_events: list["PDEvent"] = []
     # Host <-> storage jobs: one entry per job that progressed since the last step.
     storage_progress: list[StorageProgress] = []
-    # PD prefill, DSA model: req_id -> last prompt position's top-k positions (-1 padded),
+    # PD prefill, DSA model: rid -> last prompt position's top-k positions (-1 padded),
     # for each request whose first token was sampled this step (the PD seed).
     dsa_seeds: dict[str, list[int]] = {}

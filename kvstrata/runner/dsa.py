@@ -81,13 +81,13 @@ class DSASeedKeeper:
     def __init__(self, topk: int, remap: bool):
         self.topk = topk
         self.remap = remap
-        self.pending: dict[str, list[int]] = {}        # req_id -> wire positions
-        self.seeds: dict[str, torch.Tensor | None] = {}  # req_id -> kept seed row
+        self.pending: dict[str, list[int]] = {}        # rid -> wire positions
+        self.seeds: dict[str, torch.Tensor | None] = {}  # rid -> kept seed row
         self.records: list[dict] = []
 
-    def forget(self, req_id: str) -> None:
-        self.pending.pop(req_id, None)
-        self.seeds.pop(req_id, None)
+    def forget(self, rid: str) -> None:
+        self.pending.pop(rid, None)
+        self.seeds.pop(rid, None)
 
     def _record(self, rec: dict) -> None:
         self.records.append(rec)
@@ -104,10 +104,10 @@ class DSASeedKeeper:
 
     def apply_pending(self, reqs: list, table: torch.Tensor, latents: torch.Tensor) -> None:
         """Remap (or pass through) the wire seeds of the scheduled requests that have one."""
-        batch = [r for r in reqs if r.req_id in self.pending]
+        batch = [r for r in reqs if r.rid in self.pending]
         if not batch:
             return
-        wire = [self.pending.pop(r.req_id) for r in batch]
+        wire = [self.pending.pop(r.rid) for r in batch]
         device = table.device
         seeds = torch.tensor(wire, dtype=torch.int64, device=device)
         rows = torch.tensor([r.row for r in batch], dtype=torch.int64, device=device)
@@ -115,7 +115,7 @@ class DSASeedKeeper:
         kept = seed_for_decode(seeds, table, rows, lens, self.remap)
         for i, r in enumerate(batch):
             seed = None if kept is None else kept[i]
-            self.seeds[r.req_id] = seed
+            self.seeds[r.rid] = seed
             # The decode-local slot of each wire position: the seed itself when remapped,
             # else the slot the unfused path would map the position to.
             pos = torch.tensor([p for p in wire[i] if p >= 0], dtype=torch.int64, device=device)

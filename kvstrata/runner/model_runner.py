@@ -227,7 +227,7 @@ class ModelRunner:
             self.backup = None
 
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
-        for rid in sched.freed_req_ids:
+        for rid in sched.freed_rids:
             self._reqs.pop(rid, None)
             if self.dsa_seeds is not None:
                 self.dsa_seeds.forget(rid)
@@ -239,7 +239,7 @@ class ModelRunner:
         reqs = sched.scheduled
         for r in reqs:
             if r.start_pos + len(r.token_ids) > self.max_context_len or not r.token_ids:
-                raise ValueError(f"request {r.req_id!r}: positions {r.start_pos}.."
+                raise ValueError(f"request {r.rid!r}: positions {r.start_pos}.."
                                  f"{r.start_pos + len(r.token_ids) - 1} invalid for context "
                                  f"length {self.max_context_len}")
         self.req_to_token.write_many([r.row for r in reqs], [r.slot_write_start for r in reqs],
@@ -259,9 +259,9 @@ class ModelRunner:
         offset = 0
         for i, r in enumerate(reqs):
             n = len(r.token_ids)
-            state = self._reqs.get(r.req_id)
+            state = self._reqs.get(r.rid)
             if state is None:
-                raise KeyError(f"request {r.req_id!r} scheduled but never sent as new")
+                raise KeyError(f"request {r.rid!r} scheduled but never sent as new")
             if state.want_prompt_logprobs and not state.prompt_logprobs_sent and \
                     r.start_pos < len(state.sampling.prompt_token_ids):
                 lp_spans.append((i, len(want), n))
@@ -283,13 +283,13 @@ class ModelRunner:
         sampled = [r for r in reqs if r.sample]
         if not sampled:
             return out
-        states = [self._reqs[r.req_id].sampling for r in sampled]
+        states = [self._reqs[r.rid].sampling for r in sampled]
         rows = logits if len(sample_pos) == logits.shape[0] else logits[sample_pos]
         result = self.sampler(rows, states)
         for r, st, tok, lp, top in zip(sampled, states, result.token_ids, result.logprobs,
                                        result.top_logprobs):
             st.output_token_ids.append(tok)
-            out.req_ids.append(r.req_id)
+            out.rids.append(r.rid)
             out.token_ids.append(tok)
             out.logprobs.append(lp)
             out.top_logprobs.append(None if top is None else
@@ -307,16 +307,16 @@ class ModelRunner:
         for r in reqs:
             offset += len(r.token_ids)
             end = r.start_pos + len(r.token_ids)
-            if r.sample and end == len(self._reqs[r.req_id].sampling.prompt_token_ids):
+            if r.sample and end == len(self._reqs[r.rid].sampling.prompt_token_ids):
                 row_slots = self.req_to_token.table[r.row, :end]
-                seeds[r.req_id] = self.dsa_seeds.seed_of(selected[offset - 1], row_slots,
+                seeds[r.rid] = self.dsa_seeds.seed_of(selected[offset - 1], row_slots,
                                                          self._slot_rows())
         return seeds
 
     def _register(self, new: NewRequestData) -> None:
         if new.dsa_seed is not None and self.dsa_seeds is not None:
-            self.dsa_seeds.pending[new.req_id] = list(new.dsa_seed)
-        self._reqs[new.req_id] = _ReqState(
+            self.dsa_seeds.pending[new.rid] = list(new.dsa_seed)
+        self._reqs[new.rid] = _ReqState(
             SamplingState(new.sampling_params, list(new.prompt_token_ids),
                           list(new.output_token_ids)),
             want_prompt_logprobs=new.return_prompt_logprobs)
@@ -325,7 +325,7 @@ class ModelRunner:
         """Logits at positions p predict token p + 1; keep those that are prompt tokens.
         (Positions before the first computed chunk, e.g. a prefix-cache hit, are not
         recomputed; the scheduler must not reuse cached prefixes for echo requests.)"""
-        state = self._reqs[r.req_id]
+        state = self._reqs[r.rid]
         prompt = state.sampling.prompt_token_ids
         lo, hi = r.start_pos, min(r.start_pos + len(r.token_ids), len(prompt) - 1)
         if hi > lo:
@@ -340,9 +340,9 @@ class ModelRunner:
                     [TopLogprob(t, v) for t, v in zip(row_ids, row_vals)]
                     for row_ids, row_vals in zip(ids.tolist(), values.tolist()))
         if r.start_pos + len(r.token_ids) >= len(prompt):
-            out.prompt_logprobs[r.req_id] = state.prompt_logprobs
+            out.prompt_logprobs[r.rid] = state.prompt_logprobs
             if state.prompt_top_logprobs:
-                out.prompt_top_logprobs[r.req_id] = state.prompt_top_logprobs
+                out.prompt_top_logprobs[r.rid] = state.prompt_top_logprobs
             state.prompt_logprobs_sent = True
 
     # ------------------------------------------------------------------ test helpers

@@ -38,10 +38,13 @@ def build_tiny_llama(path: str) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
+    from filelock import FileLock
+
     path = os.path.join(_CACHE, f"tiny-llama-smollm2-tok-{_TINY_VERSION}")
-    if not os.path.isdir(path):
-        os.makedirs(_CACHE, exist_ok=True)
-        build_tiny_llama(path)
+    os.makedirs(_CACHE, exist_ok=True)
+    with FileLock(path + ".lock"):  # parallel test workers build it once
+        if not os.path.isdir(path):
+            build_tiny_llama(path)
     return path
 
 

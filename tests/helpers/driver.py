@@ -62,12 +62,12 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
             scheduled.append(ScheduledRequest(r.rid, r.row, start, tokens, start, slots, sample))
         out = runner.execute(SchedulerOutput(step, False, new, scheduled, freed))
         freed = []
-        by_id = dict(zip(out.req_ids, out.token_ids))
+        by_id = dict(zip(out.rids, out.token_ids))
         for s in scheduled:
-            r = next(x for x in reqs if x.rid == s.req_id)
+            r = next(x for x in reqs if x.rid == s.rid)
             r.computed += len(s.token_ids)
             if s.sample:
-                r.output.append(by_id[s.req_id])
+                r.output.append(by_id[s.rid])
                 if r.done:
                     freed.append(r.rid)
                     free_rows.append(r.row)

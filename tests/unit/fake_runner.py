@@ -150,14 +150,14 @@ class FakeRunner:
                 finished.append(op.job_id)
             else:
                 self.async_ops.append(op)
-        for rid in so.freed_req_ids:
+        for rid in so.freed_rids:
             del self.known[rid]
         for nr in so.new_requests:
-            assert nr.req_id not in self.known, f"{nr.req_id} registered twice"
-            self.known[nr.req_id] = nr
+            assert nr.rid not in self.known, f"{nr.rid} registered twice"
+            self.known[nr.rid] = nr
         ids, toks = [], []
         for s in so.scheduled:
-            assert s.req_id in self.known, f"{s.req_id} scheduled but unknown to the runner"
+            assert s.rid in self.known, f"{s.rid} scheduled but unknown to the runner"
             assert s.row != 0, "row 0 is the padding sink"
             row = self.rows.setdefault(s.row, {})
             for i, slot in enumerate(s.slots):
@@ -174,9 +174,9 @@ class FakeRunner:
             seq = []
             for p in range(s.start_pos + len(s.token_ids)):
                 pos, tok = self.kv[row[p]]
-                assert pos == p, f"{s.req_id}: slot {row[p]} holds position {pos}, expected {p}"
+                assert pos == p, f"{s.rid}: slot {row[p]} holds position {pos}, expected {p}"
                 seq.append(tok)
-            ids.append(s.req_id)
+            ids.append(s.rid)
             toks.append(next_token(seq, self.vocab_size))
         n = len(ids)
         return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished,

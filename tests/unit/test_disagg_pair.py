@@ -231,7 +231,7 @@ def test_first_token_stops_on_decode_max_new_1_and_eos():
     assert pair.finished["decode"]["eos"].type == "stop"
     assert pair.outputs["decode"]["ignore"] == reference_tokens(p, 3, VOCAB)
     # A request that ended at its first token never ran a decode forward.
-    decoded = {s.req_id for so in pair.decode_runner.steps for s in so.scheduled}
+    decoded = {s.rid for so in pair.decode_runner.steps for s in so.scheduled}
     assert decoded == {"ignore"}
 
 
@@ -240,11 +240,11 @@ class LogprobRunner(PDFakeRunner):
 
     def execute(self, so):
         out = super().execute(so)
-        wants = {r.req_id for r in so.new_requests if r.sampling_params.logprobs is not None}
+        wants = {r.rid for r in so.new_requests if r.sampling_params.logprobs is not None}
         self.logprob_reqs = getattr(self, "logprob_reqs", set()) | wants
         lps = [(-t / 1000 if rid in self.logprob_reqs else None)
-               for rid, t in zip(out.req_ids, out.token_ids)]
-        return RunnerOutput(out.req_ids, out.token_ids, lps, [None] * len(lps),
+               for rid, t in zip(out.rids, out.token_ids)]
+        return RunnerOutput(out.rids, out.token_ids, lps, [None] * len(lps),
                             pd_events=out.pd_events)
 
 
