@@ -7,6 +7,7 @@ import pytest
 
 from helpers.compare import assert_tokens_match
 from tests.conftest import GREEDY_TOKENS
+from helpers.runner import forward_logits
 
 # min_new_tokens blocks EOS exactly as the reference's min_new_tokens does.
 GREEDY = {"max_new_tokens": GREEDY_TOKENS, "min_new_tokens": GREEDY_TOKENS, "temperature": 0}
@@ -99,7 +100,7 @@ def test_logprobs_through_the_engine(tiny_checkpoints, tiny_prompts):
         # Prompt logprobs (echo): one per prompt token after the first, all <= 0.
         assert len(meta["input_token_logprobs"]) == len(prompt) - 1
         assert all(x <= 0 for x in meta["input_token_logprobs"])
-        logits = llm.engine.runner.forward_logits(prompt)
+        logits = forward_logits(llm.engine.runner, prompt)
         ref = torch.log_softmax(logits.float(), -1)[:-1].gather(
             1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
         assert torch.allclose(torch.tensor(meta["input_token_logprobs"]), ref, atol=1e-4)

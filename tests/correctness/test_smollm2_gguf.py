@@ -40,7 +40,7 @@ def smollm2_reference(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def smollm2_runner(smollm2_gguf_path):
-    from helpers.runner import make_runner
+    from helpers.runner import forward_logits, make_runner
 
     return make_runner(smollm2_gguf_path, page_size=16, max_total_tokens=4096,
                        max_running_requests=8, context_length=2048)
@@ -48,7 +48,7 @@ def smollm2_runner(smollm2_gguf_path):
 
 def test_smollm2_gguf_matches_transformers(smollm2_runner, smollm2_reference):
     ids, prefill, ref_tokens, ref_logits, tok = smollm2_reference
-    torch.testing.assert_close(smollm2_runner.forward_logits(ids), prefill, atol=2e-3, rtol=0)
+    torch.testing.assert_close(forward_logits(smollm2_runner, ids), prefill, atol=2e-3, rtol=0)
     ours = greedy_generate(smollm2_runner, [ids], N_TOKENS)[0]
     assert_tokens_match(ours, ref_tokens, ref_logits, label="smollm2")
     text = tok.decode(ours, skip_special_tokens=True)

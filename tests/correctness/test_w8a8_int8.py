@@ -25,11 +25,14 @@ import torch
 
 from tests.conftest import TINY_ARCHS
 from helpers.driver import greedy_generate
-from helpers.runner import make_runner
+from helpers.runner import forward_logits, make_runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPL_TOKENS = 1100
+# 8-bit activations (VNNI): +1.8% measured. Without VNNI the kernel keeps 7 bits (fbgemm's
+# int16 saturation), measured +5.4% on an AVX2-only EPYC: a looser bound there, not a skip.
 PPL_MAX_RATIO = 1.03
+PPL_MAX_RATIO_7BIT = 1.07
 TIE_TOL = 0.05
 MIN_IDENTICAL = 12
 
@@ -94,7 +97,7 @@ def test_tiny_greedy_tokens_match_float32(calm_tiny_llama):
             identical += 1
             continue
         step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        logits = fp32.forward_logits(prompt + a[:step])[-1]
+        logits = forward_logits(fp32, prompt + a[:step])[-1]
         gap = float(logits.max() - logits[b[step]])
         assert gap <= TIE_TOL, f"diverged at step {step} with a logit gap of {gap:.3g}"
     assert identical >= MIN_IDENTICAL, f"only {identical}/16 sequences identical"
@@ -108,7 +111,7 @@ def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, 
     # Smoothing rewrites plain float weights (as --quantization does, before packing them).
     monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", "0")
     runner = _tiny_runner(tiny_checkpoints[arch], None)
-    before = [runner.forward_logits(p) for p in tiny_prompts]
+    before = [forward_logits(runner, p) for p in tiny_prompts]
     model = runner.model
     head_scale = smooth_model(model, tiny_prompts[-1])
     assert not torch.allclose(head_scale, torch.ones_like(head_scale))  # it did something
@@ -118,7 +121,7 @@ def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, 
     else:
         model.lm_head.data.mul_(head_scale)
     for prompt, ref in zip(tiny_prompts, before):
-        torch.testing.assert_close(runner.forward_logits(prompt), ref, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(forward_logits(runner, prompt), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
@@ -181,8 +184,10 @@ def test_smollm2_perplexity_and_paris(smollm2_gguf_path):
     fp32 = _smollm2_measure(smollm2_gguf_path, None)
     int8 = _smollm2_measure(smollm2_gguf_path, "w8a8_int8")
     assert fp32["n"] == int8["n"] >= 1024
+    from kvstrata.runner.quantization import cpu_has_vnni
     ratio = int8["ppl"] / fp32["ppl"]
-    assert ratio <= PPL_MAX_RATIO, (fp32["ppl"], int8["ppl"])
+    bound = PPL_MAX_RATIO if cpu_has_vnni() else PPL_MAX_RATIO_7BIT
+    assert ratio <= bound, (fp32["ppl"], int8["ppl"])
     assert "Paris" in fp32["answer"] and "Paris" in int8["answer"], int8["answer"]
     q = int8["info"]["quantization_info"]
     assert q["smoothing"].startswith("SmoothQuant")

@@ -62,14 +62,14 @@ CASES = [
     # silently accepted: a dict's keys as stop strings, 0 as "no stop").
     *[(f"generate_{name}_{kind}", GEN,
        {"text": "hi", "sampling_params": {"max_new_tokens": 4, name: value}}, 400,
-       f"sampling_params.{name}")
-      for name, kind, value in [("stop", "int", 5), ("stop", "bool", True),
-                                ("stop", "zero", 0), ("stop", "dict", {"a": 1}),
-                                ("stop", "list_of_int", [1]),
-                                ("stop_token_ids", "int", 5),
-                                ("stop_token_ids", "str", "5"),
-                                ("stop_token_ids", "dict", {"1": 2}),
-                                ("stop_token_ids", "bool_item", [True])]],
+       f"sampling_params.{name}{item}")
+      for name, kind, value, item in [("stop", "int", 5, ""), ("stop", "bool", True, ""),
+                                      ("stop", "zero", 0, ""), ("stop", "dict", {"a": 1}, ""),
+                                      ("stop", "list_of_int", [1], ".0"),
+                                      ("stop_token_ids", "int", 5, ""),
+                                      ("stop_token_ids", "str", "5", ""),
+                                      ("stop_token_ids", "dict", {"1": 2}, ""),
+                                      ("stop_token_ids", "bool_item", [True], ".0")]],
     ("generate_batch_stream", GEN, {"text": ["a", "b"], "stream": True}, 400, "stream"),
     ("generate_batch_params_mismatch", GEN,
      {"text": ["a", "b"], "sampling_params": [{}]}, 400, "sampling_params"),

@@ -264,8 +264,19 @@ def test_dead_decode_frees_the_prefill(pd):
     the heartbeat bound (those still waiting for the decode's pages included) and its queues
     and pages return to idle; a new decode server then works."""
     def both(i):
-        return pd.generate(list(range(100 + i, 300 + i)), max_new_tokens=64, timeout=60,
-                           ignore_eos=True)[0]
+        """What the router does; returns the prefill's answer (the decode's dies with it)."""
+        body = {"input_ids": list(range(100 + i, 300 + i)), **pd.body(),
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+
+        def to_decode():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(pd.decode.base_url + "/generate", json=body, timeout=60)
+        decode = threading.Thread(target=to_decode)
+        decode.start()
+        try:
+            return httpx.post(pd.prefill.base_url + "/generate", json=body, timeout=60)
+        finally:
+            decode.join()
     results, threads = _in_flight(both, 8)
     _wait_kv_in_use(pd.prefill)
     pd.decode.stop(sig=9)
@@ -274,7 +285,8 @@ def test_dead_decode_frees_the_prefill(pd):
     assert time.monotonic() - killed < HEARTBEAT_BOUND + 10, st
     for t in threads:
         t.join(60)
-    assert len(results) == 8
+    # Each prefill half answered: done before the kill, or failed by the dead peer.
+    assert len(results) == 8 and all(isinstance(r, httpx.Response) for r, _ in results), results
     assert_no_leak(pd.prefill)
     pd.decode = pd.start_decode()
     prefill, decode = pd.generate("Hello there")
@@ -301,7 +313,8 @@ def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
     # other one got an error answer (the router's retries included) within the bound.
     assert len(results) == 8, statuses
     assert all(s == 200 or isinstance(s, int) and s >= 400 for s in statuses), statuses
-    assert waited < FAIL_FAST_BOUND * 3, (waited, statuses)
+    print("dead prefill behind the router: all answered in", round(waited, 1), "s:", statuses)
+    assert waited < FAIL_FAST_BOUND, (waited, statuses)
     assert_no_leak(pd.decode)
 
 
