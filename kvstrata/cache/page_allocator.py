@@ -14,6 +14,10 @@ from __future__ import annotations
 import heapq
 
 
+# Above this many pages check_integrity skips the O(pool) free-list checks (see there).
+FULL_CHECK_PAGES = 1 << 16
+
+
 class PageAllocator:
     """Pages 1..num_pages are allocatable; page 0 is the padding sink and never handed out.
 
@@ -82,7 +86,15 @@ class PageAllocator:
         return page in self._used
 
     def check_integrity(self) -> None:
-        """Raise AssertionError (with the offending ids) if the free/used books disagree."""
+        """Raise AssertionError (with the offending ids) if the free/used books disagree.
+        Runs after every step under KVSTRATA_CHECK_INTEGRITY: a pool larger than
+        FULL_CHECK_PAGES (a default-sized pool holds millions of pages) gets the checks that
+        cost O(pages in use) -- counts, and every used page in range and not free -- which
+        still catch any leak or double ownership; the free list's own shape is checked in
+        full below that size (the allocator's unit tests use small pools)."""
+        if self.num_pages > FULL_CHECK_PAGES:
+            self._check_used_pages()
+            return
         heap_set = set(self._free_heap)
         assert len(heap_set) == len(self._free_heap), "free heap holds a page twice"
         assert heap_set == self._free_set, (
@@ -98,6 +110,15 @@ class PageAllocator:
             f"free ({len(self._free_set)}) + used ({len(self._used)}) != num_pages ({self.num_pages}); "
             f"missing: {sorted(set(range(1, self.num_pages + 1)) - everything)}"
         )
+
+    def _check_used_pages(self) -> None:
+        assert len(self._free_heap) == len(self._free_set), (
+            f"free heap ({len(self._free_heap)}) and free set ({len(self._free_set)}) differ")
+        bad = [p for p in self._used if p in self._free_set or not 1 <= p <= self.num_pages]
+        assert not bad, f"used pages that are free or out of range 1..{self.num_pages}: {bad[:16]}"
+        assert len(self._free_set) + len(self._used) == self.num_pages, (
+            f"free ({len(self._free_set)}) + used ({len(self._used)}) != num_pages "
+            f"({self.num_pages})")
 
     def __repr__(self) -> str:
         return (

@@ -118,3 +118,21 @@ def test_invalid_construction():
         PageAllocator(-1, 1)
     with pytest.raises(ValueError):
         PageAllocator(4, 0)
+
+
+def test_large_pool_check_is_cheap_and_still_catches_leaks_and_double_ownership():
+    """A default-sized pool has millions of pages and the check runs after every step: above
+    FULL_CHECK_PAGES it costs O(pages in use), and still finds a leak or a page both free
+    and used."""
+    from kvstrata.cache.page_allocator import FULL_CHECK_PAGES
+    alloc = PageAllocator(FULL_CHECK_PAGES * 4, 1)
+    pages = alloc.alloc(10)
+    alloc.check_integrity()
+    alloc._used.discard(pages[0])  # leaked: neither free nor used
+    with pytest.raises(AssertionError, match="num_pages"):
+        alloc.check_integrity()
+    alloc._used.add(pages[0])
+    alloc._free_set.add(pages[1])  # both free and used
+    alloc._free_heap.append(pages[1])
+    with pytest.raises(AssertionError, match="free or out of range"):
+        alloc.check_integrity()
