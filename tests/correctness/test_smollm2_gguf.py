@@ -11,6 +11,7 @@ import torch
 
 from helpers.compare import assert_tokens_match
 from helpers.driver import greedy_generate
+from helpers.runner import forward_logits
 
 PROMPT = "What is the capital of France?"
 N_TOKENS = 32
@@ -40,7 +41,7 @@ def smollm2_reference(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def smollm2_runner(smollm2_gguf_path):
-    from helpers.runner import forward_logits, make_runner
+    from helpers.runner import make_runner
 
     return make_runner(smollm2_gguf_path, page_size=16, max_total_tokens=4096,
                        max_running_requests=8, context_length=2048)

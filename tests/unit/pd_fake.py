@@ -12,7 +12,12 @@ pool then: a prefill scheduler that frees or reuses a page before SUCCESS, or a 
 that hands out a page still being written, shows up as wrong tokens (the fake model derives
 each token from the KV it reads back). The layer also asserts the op order of
 protocol/disagg.py on each side. Failures, delays and a wrong room in the metadata can be
-injected per room.
+injected per room, and so can the deaths of peers as the real transfer layer reports them
+(transfer/disagg/liveness.py): a bootstrap address that refuses ("refused": the decode side
+fails after a few ticks, as KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT), a peer that never answers
+("never": nobody leaves BOOTSTRAPPING until the bootstrap timeout), and a peer that dies at
+some tick of the room's life ("dies": both halves fail, as missed heartbeats do, before or
+after the decode reserved its pages).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from tests.unit.fake_runner import FakeRunner, copy_pages
 
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 PEER_TIMEOUT_TICKS = 400  # a side whose peer never shows up fails (as real backends do)
+REFUSED_TICKS = 3  # a refused bootstrap address fails the decode side this soon
 
 
 @dataclass
@@ -49,7 +55,8 @@ class Link:
     metadata: object = None
     ready_tick: int = 0  # receiver turns WAITING_FOR_INPUT at this tick
     done_tick: int | None = None  # the send completes at this tick
-    fail: str | None = None  # None | "bootstrap" | "transfer"
+    fail: str | None = None  # None | "bootstrap" | "transfer" | "refused" | "never" | "dies"
+    dies_at: int | None = None  # "dies": the tick both peers stop hearing each other
     corrupt: bool = False
     aborted: str | None = None  # side that aborted while the pages were on their way
     sends: int = 0
@@ -70,7 +77,8 @@ class FakeTransferHub:
     def _link(self, room: int) -> Link:
         if room not in self.links:
             opts = self.inject.get(room, {})
-            self.links[room] = Link(room, fail=opts.get("fail"), corrupt=opts.get("corrupt", False))
+            self.links[room] = Link(room, fail=opts.get("fail"), corrupt=opts.get("corrupt", False),
+                                    dies_at=self.tick + opts.get("dies_after", 0))
         return self.links[room]
 
     def _delay(self, room: int) -> int:
@@ -152,7 +160,9 @@ class FakeTransferHub:
                 b_.state, b_.error = KVPoll.FAILED, f"peer failed: {a_.error}"
         if link.fail == "bootstrap" and r is not None:
             self._fail(link, "injected bootstrap failure")
-        if r is not None and r.state == KVPoll.BOOTSTRAPPING and self.tick >= link.ready_tick:
+        self._peer_death(link)
+        if r is not None and r.state == KVPoll.BOOTSTRAPPING and self.tick >= link.ready_tick \
+                and link.fail not in ("refused", "never"):
             r.state = KVPoll.WAITING_FOR_INPUT
         if s is not None and s.state == KVPoll.BOOTSTRAPPING and link.dst_pages is not None:
             s.state = KVPoll.WAITING_FOR_INPUT
@@ -175,6 +185,23 @@ class FakeTransferHub:
             assert r is not None and r.state == KVPoll.TRANSFERRING, link.log
             self._copy(link.src_pages, link.dst_pages)
             s.state = r.state = KVPoll.SUCCESS
+
+    def _peer_death(self, link: Link) -> None:
+        """The injected peer deaths, with the reasons the real layer gives."""
+        s, r = link.sender, link.receiver
+        if link.fail == "refused" and r is not None and r.state not in TERMINAL \
+                and self.tick - r.created_tick >= REFUSED_TICKS:
+            r.state, r.error = KVPoll.FAILED, (
+                f"prefill at bootstrap 127.0.0.1:1 unusable: Could not fetch prefill parallel "
+                f"info from bootstrap_addr 127.0.0.1:1 after {REFUSED_TICKS} attempts")
+        elif link.fail == "never" and r is not None and r.state == KVPoll.BOOTSTRAPPING \
+                and self.tick - r.created_tick > self.peer_timeout:
+            r.state, r.error = KVPoll.FAILED, "prefill unusable: not ready (bootstrap timeout)"
+        elif link.fail == "dies" and self.tick >= link.dies_at:
+            for half, why in ((s, "decode server silent (dead?)"),
+                              (r, "prefill server did not answer 2 heartbeats")):
+                if half is not None and half.state not in TERMINAL:
+                    half.state, half.error = KVPoll.FAILED, why
 
     def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
         copy_pages(self.runners["prefill"].kv, self.runners["decode"].kv, src_pages, dst_pages,

@@ -6,7 +6,8 @@ Hypothesis draws both engines (page size, each pool down to one request's need, 
 prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages) and interleaves arrivals (shared prefixes; per request an
-injected bootstrap or transfer failure, a wrong room in the metadata, or a slow transfer),
+injected bootstrap or transfer failure, a wrong room in the metadata, a slow transfer, or a
+peer death: refused, never answering, dying mid-room),
 client aborts on either server, and steps of the pair. Properties:
 - every KV invariant holds on both sides after every step (KVSTRATA_CHECK_INTEGRITY);
 - every request ends on both servers within a step bound (a hang fails with both dumps);
@@ -59,7 +60,11 @@ configs = st.fixed_dictionaries({
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
                                                               st.integers(0, 6)),
                     st.lists(st.integers(3, VOCAB - 1), max_size=12))
-injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow"])
+# Peer deaths (pd_fake.py): a refused bootstrap address, a peer that never answers, a peer
+# that dies some ticks into the room's life (before or after the decode reserved pages).
+PEER_DEATHS = ("refused", "never", "dies")
+injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow",
+                                            *PEER_DEATHS])
 
 
 class PDMachine(RuleBasedStateMachine):
@@ -99,6 +104,8 @@ class PDMachine(RuleBasedStateMachine):
             room = 5000 + len(self.requests)
             if inject == "slow":
                 self.pair.hub.inject[room] = {"delay": 12}
+            elif inject == "dies":
+                self.pair.hub.inject[room] = {"fail": "dies", "dies_after": (room * 7) % 23}
             elif inject == "corrupt":
                 self.pair.hub.inject[room] = {"corrupt": True}
             elif inject is not None:
@@ -188,8 +195,10 @@ class PDMachine(RuleBasedStateMachine):
             assert reason.status_code == 500 and msg.startswith("KV transfer failed"), msg
             # A failed transfer has a cause: an injection, a client abort, or the peer ended
             # the request itself (rejected it, aborted it, timed out without it).
-            assert inject in ("bootstrap", "transfer") or by_client or peer.type == "abort", (
-                side, rid, msg, peer, self.cfg)
+            assert inject in ("bootstrap", "transfer", *PEER_DEATHS) or by_client \
+                or peer.type == "abort", (side, rid, msg, peer, self.cfg)
+            if inject in PEER_DEATHS:
+                event(f"peer death: {inject}")
 
 
 PDMachine.TestCase.settings = settings(
