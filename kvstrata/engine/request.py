@@ -17,18 +17,7 @@ from typing import Any
 
 from kvstrata.protocol import FinishReason, SamplingParams
 from kvstrata.protocol.disagg import BootstrapAddr
-
-
-@dataclass
-class EngineRequest:
-    """What a client submits."""
-
-    rid: str
-    prompt_ids: list[int]
-    sampling_params: SamplingParams
-    return_prompt_logprobs: bool = False
-    # PD disaggregation: where the KV comes from / goes to (None on a co-located server).
-    bootstrap: BootstrapAddr | None = None
+from kvstrata.protocol.engine_request import EngineRequest  # noqa: F401  (what clients submit)
 
 
 class RequestStatus(enum.Enum):

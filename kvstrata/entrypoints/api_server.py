@@ -157,7 +157,7 @@ def create_app(state) -> FastAPI:
         req = ipc.GenerateReq(rid=f"health-{tm.new_rid()}", prompt_ids=tm.encode_prompt("hi"),
                               sampling_params=so.SamplingParams(max_new_tokens=1,
                                                                 temperature=0.0),
-                              **pd_fields.warmup_fields(args))
+                              bootstrap=pd_fields.warmup_bootstrap(args))
         async def one_token() -> bool:
             async for out in tm.generate(req, log_metrics=False):
                 if out.finished:

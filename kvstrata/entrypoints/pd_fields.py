@@ -19,7 +19,7 @@ import random
 
 from kvstrata.entrypoints.errors import ApiError
 from kvstrata.frontend import ipc
-from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST
+from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST, BootstrapAddr
 
 FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 _ROOM_BITS = 63  # SGLang's rooms: random non-negative 63-bit ids
@@ -36,19 +36,23 @@ def _pd_note(mode: str) -> str:
             f"bootstrap_host, bootstrap_port and bootstrap_room")
 
 
-def check_request(server_args, req: ipc.GenerateReq) -> None:
-    """In PD mode every engine request needs a host and a room; a missing port is the
-    server's own --disaggregation-bootstrap-port (as in SGLang: sglang-router sends
-    `bootstrap_port: null` when its --prefill URL has no port). Co-located: drop them."""
+def attach(server_args, req: ipc.GenerateReq, fields: dict) -> None:
+    """Set `req.bootstrap` from the three fields of the HTTP request. In PD mode every engine
+    request needs a host and a room; a missing port is the server's own
+    --disaggregation-bootstrap-port (as in SGLang: sglang-router sends `bootstrap_port: null`
+    when its --prefill URL has no port). Co-located: none (the fields are ignored)."""
     mode = pd_mode(server_args)
     if mode == "null":
-        req.bootstrap_host = req.bootstrap_port = req.bootstrap_room = None
+        req.bootstrap = None
         return
-    if req.bootstrap_port is None:
-        req.bootstrap_port = _default_port(server_args)
-    missing = [name for name in FIELDS if getattr(req, name) is None]
+    fields = {name: fields.get(name) for name in FIELDS}
+    if fields["bootstrap_port"] is None:
+        fields["bootstrap_port"] = _default_port(server_args)
+    missing = [name for name in FIELDS if fields[name] is None]
     if missing:
         raise ApiError(400, f"missing {', '.join(missing)}: {_pd_note(mode)}", missing[0])
+    req.bootstrap = BootstrapAddr(fields["bootstrap_host"], fields["bootstrap_port"],
+                                  fields["bootstrap_room"])
 
 
 def _default_port(server_args) -> int:
@@ -61,9 +65,7 @@ def check_choices(server_args, body, choices: list) -> None:
     router sends lists of that length, as SGLang accepts; one room for several is refused."""
     items = per_item(pd_mode(server_args), body, len(choices), _choices_what(body))
     for choice, fields in zip(choices, items):
-        for name, value in fields.items():
-            setattr(choice.req, name, value)
-        check_request(server_args, choice.req)
+        attach(server_args, choice.req, fields)
 
 
 def _choices_what(body) -> tuple[str, str]:
@@ -115,11 +117,11 @@ def refuse_lists_outside_batch(body) -> None:
             raise ApiError(400, f"{name} is a list but the prompt is not a batch", name)
 
 
-def warmup_fields(server_args) -> dict:
-    """Bootstrap fields for a server's own requests (/health_generate) in PD mode: SGLang's
-    warm-up host, which makes both sides use the `fake` transfer (nothing moves), and a
-    fresh random room. Empty on a co-located server."""
+def warmup_bootstrap(server_args) -> BootstrapAddr | None:
+    """The bootstrap address of a server's own requests (/health_generate) in PD mode:
+    SGLang's warm-up host, which makes both sides use the `fake` transfer (nothing moves),
+    and a fresh random room. None on a co-located server."""
     if pd_mode(server_args) == "null":
-        return {}
-    return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": _default_port(server_args),
-            "bootstrap_room": random.getrandbits(_ROOM_BITS)}
+        return None
+    return BootstrapAddr(FAKE_BOOTSTRAP_HOST, _default_port(server_args),
+                         random.getrandbits(_ROOM_BITS))

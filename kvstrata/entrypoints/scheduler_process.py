@@ -34,17 +34,6 @@ def load_engine_factory():
     return getattr(importlib.import_module(module_name), attr or "build_engine")
 
 
-def bootstrap_addr(msg: ipc.GenerateReq):
-    """The request's PD bootstrap address, or None (co-located: the API server dropped the
-    fields; on a PD server it refused a request without host or room, and filled in a
-    missing port)."""
-    if msg.bootstrap_host is None or msg.bootstrap_port is None or msg.bootstrap_room is None:
-        return None
-    from kvstrata.protocol.disagg import BootstrapAddr
-
-    return BootstrapAddr(msg.bootstrap_host, msg.bootstrap_port, msg.bootstrap_room)
-
-
 def engine_info(engine, tokenizer) -> dict:
     """What the api server needs to validate requests before they reach the engine."""
     info: dict = {"pid": os.getpid()}
@@ -86,18 +75,13 @@ class SchedulerLoop:
     def handle(self, msg) -> None:
         engine = self.engine
         if isinstance(msg, ipc.GenerateReq):
-            from kvstrata.engine.request import EngineRequest
-
             sp = msg.sampling_params
             # The detokenizer holds back and cuts the stop strings it is given: none, with
             # no_stop_trim, so that the output keeps them.
             stop = [] if sp.no_stop_trim else list(sp.stop)
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
                 rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens)))
-            engine.add_request(EngineRequest(
-                rid=msg.rid, prompt_ids=msg.prompt_ids, sampling_params=sp,
-                return_prompt_logprobs=msg.return_prompt_logprobs,
-                bootstrap=bootstrap_addr(msg)))
+            engine.add_request(msg)  # the engine's own EngineRequest, as the api built it
             self.step_pending = True
         elif isinstance(msg, ipc.AbortReq):
             engine.abort_request(msg.rid)

@@ -338,10 +338,9 @@ async def generate_response(state, request: Request, body):
     tt = so.TokenText(tm.tokenizer) if body.return_text_in_logprobs else None
     rid = body.rid or tm.new_rid()
     choice = so.Choice(0, ipc.GenerateReq(
-        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
-        bootstrap_host=body.bootstrap_host, bootstrap_port=body.bootstrap_port,
-        bootstrap_room=body.bootstrap_room))
-    pd_fields.check_request(state.server_args, choice.req)
+        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp))
+    pd_fields.attach(state.server_args, choice.req,
+                     {name: getattr(body, name) for name in pd_fields.FIELDS})
     start = time.perf_counter()
     gen = so.merged_outputs(tm, [choice], log_metrics=body.log_metrics)
     acc = _Acc(choice)

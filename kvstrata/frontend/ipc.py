@@ -15,6 +15,7 @@ from typing import Any, Union
 import msgspec
 
 from kvstrata.protocol import RequestOutput, SamplingParams
+from kvstrata.protocol.engine_request import EngineRequest
 from kvstrata.protocol.logprobs import TopLogprob
 
 
@@ -23,17 +24,9 @@ class _Msg(msgspec.Struct, tag=True, omit_defaults=True):
 
 
 # ---- api server -> scheduler -------------------------------------------------------------
-class GenerateReq(_Msg):
-    rid: str
-    prompt_ids: list[int]
-    sampling_params: SamplingParams
-    return_prompt_logprobs: bool = False
-    # Prefill/decode disaggregation: where the KV comes from / goes to. All three set on a
-    # prefill or decode server (the scheduler process makes them EngineRequest.bootstrap),
-    # all None on a co-located one.
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+# A generation request crosses as the engine's own EngineRequest (protocol/engine_request.py):
+# one struct from the HTTP layer to the scheduler, its BootstrapAddr whole.
+GenerateReq = EngineRequest
 
 
 class AbortReq(_Msg):
@@ -112,7 +105,7 @@ class ReadyMsg(_Msg):
     info: dict[str, Any] = {}
 
 
-ToScheduler = Union[GenerateReq, AbortReq, ControlReq, ShutdownReq]
+ToScheduler = Union[EngineRequest, AbortReq, ControlReq, ShutdownReq]
 ToDetokenizer = Union[RegisterDetok, EngineOutputs, ControlReply, LoadReport, ShutdownReq]
 ToApi = Union[TextOutputs, ControlReply, LoadReport]
 

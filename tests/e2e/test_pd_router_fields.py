@@ -49,7 +49,8 @@ def pd():
 
 
 def _bootstraps(tm, start: int) -> list[tuple]:
-    return [(r.bootstrap_host, r.bootstrap_port, r.bootstrap_room) for r in tm.reqs[start:]]
+    return [(r.bootstrap.host, r.bootstrap.port, r.bootstrap.room) if r.bootstrap else
+            (None, None, None) for r in tm.reqs[start:]]
 
 
 def test_router_registers_kvstrata_prefill_and_decode(pd):

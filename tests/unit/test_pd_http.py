@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from kvstrata.entrypoints import pd_fields
 from kvstrata.entrypoints.api_server import create_app
-from kvstrata.entrypoints.scheduler_process import SchedulerLoop, bootstrap_addr
+from kvstrata.entrypoints.scheduler_process import SchedulerLoop
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST, BootstrapAddr
@@ -60,11 +60,10 @@ def test_pd_server_carries_the_fields_to_the_scheduler(mode, path, body):
     r = client.post(path, json={**body, **BOOT})
     assert r.status_code == 200, r.text
     (req,) = tm.reqs
-    assert (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room) == (
-        "10.0.0.1", 8998, 12345)
-    # ... through the ipc codec, into EngineRequest.bootstrap
+    assert req.bootstrap == BootstrapAddr("10.0.0.1", 8998, 12345)
+    # ... whole through the ipc codec: the scheduler gets the engine's own request
     decoded = ipc.decode(ipc.encode(req), "scheduler")
-    assert bootstrap_addr(decoded) == BootstrapAddr("10.0.0.1", 8998, 12345)
+    assert decoded == req and decoded.bootstrap == BootstrapAddr("10.0.0.1", 8998, 12345)
 
 
 @pytest.mark.parametrize("path,body", ROUTES, ids=[r[0] for r in ROUTES])
@@ -74,7 +73,7 @@ def test_missing_port_is_the_servers_own_bootstrap_port(path, body):
     client, tm = _client("decode")
     r = client.post(path, json={**body, **BOOT, "bootstrap_port": None})
     assert r.status_code == 200, r.text
-    assert (tm.reqs[0].bootstrap_host, tm.reqs[0].bootstrap_port) == ("10.0.0.1", 8998)
+    assert tm.reqs[0].bootstrap == BootstrapAddr("10.0.0.1", 8998, 12345)
 
 
 @pytest.mark.parametrize("path,body", ROUTES, ids=[r[0] for r in ROUTES])
@@ -82,9 +81,7 @@ def test_colocated_server_ignores_the_fields(path, body):
     client, tm = _client("null")
     assert client.post(path, json=body).status_code == 200
     assert client.post(path, json={**body, **BOOT}).status_code == 200
-    assert all(r.bootstrap_host is None and r.bootstrap_port is None
-               and r.bootstrap_room is None for r in tm.reqs)
-    assert all(bootstrap_addr(r) is None for r in tm.reqs)
+    assert all(r.bootstrap is None for r in tm.reqs)
 
 
 SEVERAL = [
@@ -118,7 +115,7 @@ def test_pd_server_serves_one_room_per_choice(path, body, param):
                                 "bootstrap_room": [11, 22]})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
-    got = sorted((q.rid[-1], q.bootstrap_host, q.bootstrap_port, q.bootstrap_room)
+    got = sorted((q.rid[-1], q.bootstrap.host, q.bootstrap.port, q.bootstrap.room)
                  for q in tm.reqs)
     assert got == [("0", "h", 7, 11), ("1", "h", 7, 22)]
 
@@ -157,7 +154,7 @@ def test_generate_lists_need_a_batch_and_colocated_batch_ignores_them():
                                        "bootstrap_host": ["h", "h"],
                                        "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200
-    assert [q.bootstrap_room for q in tm.reqs] == [None, None]
+    assert [q.bootstrap for q in tm.reqs] == [None, None]
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
@@ -166,12 +163,12 @@ def test_health_generate_uses_the_warmup_host_in_pd_mode(mode):
     assert client.get("/health_generate").status_code == 200
     assert client.get("/health_generate").status_code == 200
     a, b = tm.reqs
-    assert a.bootstrap_host == FAKE_BOOTSTRAP_HOST and a.bootstrap_port == 8998
-    assert a.bootstrap_room != b.bootstrap_room and 0 <= a.bootstrap_room < 1 << 63
+    assert a.bootstrap.host == FAKE_BOOTSTRAP_HOST and a.bootstrap.port == 8998
+    assert a.bootstrap.room != b.bootstrap.room and 0 <= a.bootstrap.room < 1 << 63
     client, tm = _client("null")
     assert client.get("/health_generate").status_code == 200
-    assert tm.reqs[0].bootstrap_room is None
-    assert pd_fields.warmup_fields(SimpleNamespace()) == {}
+    assert tm.reqs[0].bootstrap is None
+    assert pd_fields.warmup_bootstrap(SimpleNamespace()) is None
 
 
 def test_scheduler_process_builds_engine_request_bootstrap():
@@ -180,7 +177,8 @@ def test_scheduler_process_builds_engine_request_bootstrap():
     sent = []
     loop = SchedulerLoop(engine, None, None, SimpleNamespace(send=sent.append))
     sp = SamplingParams(max_new_tokens=1)
-    loop.handle(ipc.GenerateReq(rid="a", prompt_ids=[1], sampling_params=sp, **BOOT))
+    loop.handle(ipc.GenerateReq(rid="a", prompt_ids=[1], sampling_params=sp,
+                                bootstrap=BootstrapAddr("10.0.0.1", 8998, 12345)))
     loop.handle(ipc.GenerateReq(rid="b", prompt_ids=[1], sampling_params=sp))
     assert added[0].bootstrap == BootstrapAddr("10.0.0.1", 8998, 12345)
     assert added[1].bootstrap is None
