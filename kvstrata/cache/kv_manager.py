@@ -19,7 +19,7 @@ from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.config.kv_plan import KVPlan
-from kvstrata.protocol import TransferOp
+from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
 
 # Host parts shorter than this many pages are recomputed: a load has a fixed cost.
 LOAD_BACK_THRESHOLD_PAGES = 1
@@ -157,11 +157,26 @@ class KVManager:
         again.last_node = node
         return again
 
-    def drain_transfer_ops(self) -> list[TransferOp]:
+    def drain_ops(self) -> list:
+        """This step's tier ops for the runner: HiCache copies (TransferOp, in order) and
+        storage prefetches to stop (StorageCancel)."""
         if not self.hicache:
             return []
         ops, self.tree.pending_ops = self.tree.pending_ops, []
+        if self.storage is not None:
+            ops += [StorageCancel(job) for job in self.storage.drain_cancels()]
         return ops
+
+    def on_events(self, events: list) -> None:
+        """The runner's reports on those ops: device <-> host jobs that ended (TransferDone,
+        in order), then storage job progress (StorageProgress)."""
+        if not self.hicache:
+            return
+        for ev in of_type(events, TransferDone):
+            self.tree.on_transfer_done(ev.job_id, ev.ok)
+        progress = of_type(events, StorageProgress)
+        if self.storage is not None and progress:
+            self.storage.on_progress(progress)
 
     def copies_pin_pages(self) -> bool:
         """Async host writes in flight lock their tree nodes until they finish: waiting for
@@ -188,24 +203,10 @@ class KVManager:
         if self.storage is not None:
             self.storage.abort(rid)
 
-    def on_storage_progress(self, progress: list) -> None:
-        if self.storage is not None and progress:
-            self.storage.on_progress(progress)
-
-    def drain_storage_cancels(self) -> list[int]:
-        return self.storage.drain_cancels() if self.storage is not None else []
-
     def storage_backups_pending(self) -> bool:
         """Host writes whose L3 backup has not ended yet (what a graceful shutdown waits for)."""
         return self.storage is not None and bool(self.tree._jobs or self.storage.backups
                                                  or self.tree.pending_ops)
-
-    def on_transfers_done(self, finished: list[int], failed: list[int]) -> None:
-        if self.hicache:
-            for job in finished:
-                self.tree.on_transfer_done(job, True)
-            for job in failed:
-                self.tree.on_transfer_done(job, False)
 
     def _matchable(self, ids: list[int]) -> list[int]:
         usable = (len(ids) - 1) // self.page_size * self.page_size

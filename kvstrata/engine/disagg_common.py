@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.side import SchedulerSide
-from kvstrata.protocol import FinishReason
+from kvstrata.protocol import FinishReason, of_type
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
 
 logger = logging.getLogger(__name__)
@@ -80,9 +80,9 @@ class DisaggSide(SchedulerSide):
     def emit(self, kind: str, room: int, **fields) -> None:
         self.ops.append(PDOp(room=room, kind=kind, **fields))
 
-    def drain_ops(self) -> dict:
+    def drain_ops(self) -> list:
         ops, self.ops = self.ops, []
-        return {"pd_ops": ops}
+        return ops
 
     def _create(self, req: Request, kind: str) -> None:
         b = req.bootstrap
@@ -159,7 +159,7 @@ class DisaggSide(SchedulerSide):
     def on_runner_output(self, result) -> list[Request]:
         """Apply the runner's PD state changes; returns the requests that produced output."""
         touched: list[Request] = []
-        for ev in result.pd_events:
+        for ev in of_type(result.events, PDEvent):
             room = self.rooms.get(ev.room)
             if room is None:
                 logger.debug("PD event for unknown room %s ignored: %s", ev.room, ev)

@@ -78,8 +78,9 @@ class DecodeDisagg(DisaggSide):
             self._admit()
         self._join_running()
 
-    def drain_ops(self) -> dict:
-        return {**super().drain_ops(), "backups": self.retraction.drain_ops()}
+    def drain_ops(self) -> list:
+        # Backups first: the runner applies them before anything else in any case.
+        return self.retraction.drain_ops() + super().drain_ops()
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.retraction.ops)

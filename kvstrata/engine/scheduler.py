@@ -252,12 +252,10 @@ class Scheduler:
         self._in_flight = {r.rid: r for r in reqs}
         freed, self.freed_for_runner = self.freed_for_runner, []
         self.step_id += 1
-        side_ops: dict = {}
+        ops = self.kv.drain_ops()
         for side in self.sides:
-            side_ops.update(side.drain_ops())
-        return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed,
-                               transfers=self.kv.drain_transfer_ops(),
-                               storage_cancels=self.kv.drain_storage_cancels(), **side_ops)
+            ops += side.drain_ops()
+        return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed, ops=ops)
 
     def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -409,8 +407,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply sampled tokens; returns the requests that produced output this step."""
-        self.kv.on_transfers_done(result.finished_transfer_ids, result.failed_transfer_ids)
-        self.kv.on_storage_progress(result.storage_progress)
+        self.kv.on_events(result.events)
         by_id = {rid: r for rid, r in self._in_flight.items() if not r.is_finished}
         touched: list[Request] = []
         for rid, logprobs in result.prompt_logprobs.items():

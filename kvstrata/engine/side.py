@@ -20,8 +20,9 @@ What a side must guarantee:
     called even with nothing to compute (ops to apply, transfers to poll);
   - `frees_memory_later()` is true while pages it holds will come back without a forward
     (the progress guarantee waits instead of aborting a request);
-  - the ops it queues leave in `drain_ops()` (fields of the next SchedulerOutput), and it
-    learns of their outcome only from the RunnerOutput handed to `on_runner_output`;
+  - the ops it queues leave in `drain_ops()` (into the next SchedulerOutput's one op list),
+    and it learns of their outcome only from the events of the RunnerOutput handed to
+    `on_runner_output`;
   - `check()` raises AssertionError when its own bookkeeping is wrong.
 """
 from __future__ import annotations
@@ -71,9 +72,9 @@ class SchedulerSide:
         """The runner's events of this step; returns the requests that produced output."""
         return []
 
-    def drain_ops(self) -> dict:
-        """Keyword fields this side adds to the next SchedulerOutput (its queued ops)."""
-        return {}
+    def drain_ops(self) -> list:
+        """The ops this side queued (protocol Op types), in order, for the next step."""
+        return []
 
     # ---- endings
     def abort(self, rid: str, reason: FinishReason) -> Request | None:

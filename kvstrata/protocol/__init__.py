@@ -7,9 +7,14 @@ from kvstrata.protocol.scheduler_output import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    Event,
+    Op,
+    StorageCancel,
     StorageProgress,
     TopLogprob,
+    TransferDone,
     TransferOp,
+    of_type,
 )
 
 __all__ = [
@@ -23,4 +28,9 @@ __all__ = [
     "TopLogprob",
     "TransferOp",
     "StorageProgress",
+    "StorageCancel",
+    "TransferDone",
+    "Op",
+    "Event",
+    "of_type",
 ]

@@ -88,7 +88,7 @@ def dsa_seed_from_extras(extras: dict[str, list[int]]) -> list[int] | None:
     return list(seed)
 
 
-class PDOp(msgspec.Struct, omit_defaults=True):
+class PDOp(msgspec.Struct, omit_defaults=True, tag="pd"):
     room: int
     # sender_create | sender_init | send | receiver_create | receiver_init | abort | release
     kind: str
@@ -101,14 +101,14 @@ class PDOp(msgspec.Struct, omit_defaults=True):
     metadata: PDMetadata | None = None
 
 
-class PDEvent(msgspec.Struct, omit_defaults=True):
+class PDEvent(msgspec.Struct, omit_defaults=True, tag="pd_event"):
     room: int
     state: int  # KVPoll
     error: str | None = None  # FAILED: why (shown to the client in the HTTP 500)
     metadata: PDMetadata | None = None  # decode SUCCESS: what the prefill server sent
 
 
-class BackupOp(msgspec.Struct, omit_defaults=True):
+class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     """Decode retraction with KV backup (a decode server cannot recompute a prompt it never
     ran). Synchronous: the runner applies every BackupOp of a step first, before the PD ops
     and the forward (a backed-up request's pages may be handed to another request in the

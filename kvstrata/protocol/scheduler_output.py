@@ -9,8 +9,11 @@ Per step the scheduler sends a SchedulerOutput:
                     to compute at which positions, and which KV slots to record in the
                     request's req_to_token row first.
   freed_rids  -- finished / aborted / retracted requests: the runner drops their state.
+  ops         -- everything else, one ordered list of typed ops (Op), each handed to the
+                 executor of its type (runner/op_executor.py).
 The runner answers with a RunnerOutput holding one sampled token per entry whose
-`sample` flag was set (in batch order).
+`sample` flag was set (in batch order), and one list of typed events (Event) from the
+executors.
 
 Slots are token-level KV indices: slot = page_id * page_size + offset_in_page. Page 0 (slots
 0..page_size-1) is the padding sink and never holds real KV.
@@ -51,17 +54,16 @@ class ScheduledRequest(msgspec.Struct):
     sample: bool
 
 
-class TransferOp(msgspec.Struct):
+class TransferOp(msgspec.Struct, tag="transfer"):
     """Move whole pages between tiers (HiCache). Ops run in list order. `sync` ops finish
     before this step's forward (loads it reads, write-backs of pages it may overwrite); the
     others run in the background.
 
-    Device <-> host ("d2h", "h2d"): every op's job_id comes back exactly once, in
-    RunnerOutput.finished_transfer_ids or failed_transfer_ids.
+    Device <-> host ("d2h", "h2d"): every op's job_id comes back exactly once, as a
+    TransferDone event.
     Host <-> storage ("h2s" backup, "s2h" prefetch; never sync, device_pages empty): `keys`
     are the pages' storage keys (cache/page_keys.py), one per host page. These report
-    through RunnerOutput.storage_progress instead, and end with exactly one entry whose
-    `finished` is True. An "s2h" op first asks the backend how many leading keys exist,
+    StorageProgress events instead, and end with exactly one whose `finished` is True. An "s2h" op first asks the backend how many leading keys exist,
     then reads those pages in order; an "h2s" op skips keys already stored."""
 
     job_id: int
@@ -72,7 +74,19 @@ class TransferOp(msgspec.Struct):
     keys: list[str] = []
 
 
-class StorageProgress(msgspec.Struct):
+class StorageCancel(msgspec.Struct, tag="storage_cancel"):
+    """Stop a storage prefetch ("s2h") job now: the runner stops it after the page it is
+    reading and reports its final StorageProgress (finished=True) in this step's output."""
+    job_id: int
+
+
+class TransferDone(msgspec.Struct, tag="transfer_done"):
+    """A device <-> host TransferOp ended (once per job): `ok` False if it failed."""
+    job_id: int
+    ok: bool = True
+
+
+class StorageProgress(msgspec.Struct, tag="storage_progress"):
     """Where a host <-> storage job stands (see TransferOp). Pages complete in key order:
     `done_pages` n means host_pages[:n] hold (s2h) / were stored from (h2s) keys[:n]."""
 
@@ -83,20 +97,27 @@ class StorageProgress(msgspec.Struct):
     error: str = ""  # why it stopped short (a backend failure), "" otherwise
 
 
+# The op/event unions of the seam (tagged: one codec reads them all).
+Op = BackupOp | TransferOp | StorageCancel | PDOp
+Event = TransferDone | StorageProgress | PDEvent
+
+
+def of_type(items: list, cls: type) -> list:
+    """The ops (or events) of one type, in order."""
+    return [x for x in items if isinstance(x, cls)]
+
+
 class SchedulerOutput(msgspec.Struct):
     step: int
     is_prefill: bool
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]
     freed_rids: list[str]
-    transfers: list[TransferOp] = []
-    # Prefill/decode disaggregation ops, applied in order before the forward (protocol/disagg.py).
-    pd_ops: list["PDOp"] = []
-    # Decode retraction KV backups/restores, applied first of all (protocol/disagg.py).
-    backups: list["BackupOp"] = []
-    # Storage prefetch ("s2h") jobs to stop now: the runner stops each after the page it is
-    # reading and reports its final StorageProgress (finished=True) in this step's output.
-    storage_cancels: list[int] = []
+    # Everything besides the forward, one ordered list of typed ops (Op); the runner hands
+    # each to the executor registered for its type, in executor order: BackupOps first (a
+    # backed-up request's pages may be reused this step), then tier moves (TransferOp,
+    # StorageCancel), then PD ops, then the forward. Order within a type is kept.
+    ops: list[Op] = []
 
 
 class RunnerOutput(msgspec.Struct):
@@ -112,13 +133,10 @@ class RunnerOutput(msgspec.Struct):
     # rid -> top-n alternatives per prompt position (n = sampling_params.logprobs; only
     # when n > 0), same positions as prompt_logprobs: what harnesses use for is_greedy.
     prompt_top_logprobs: dict[str, list[list[TopLogprob]]] = {}
-    # Asynchronous transfer jobs (HiCache, PD) that finished or failed since the last step.
-    finished_transfer_ids: list[int] = []
-    failed_transfer_ids: list[int] = []
-    # PD transfer state changes since the last step (protocol/disagg.py).
-    pd_events: list["PDEvent"] = []
-    # Host <-> storage jobs: one entry per job that progressed since the last step.
-    storage_progress: list[StorageProgress] = []
+    # What the executors report since the last step, one list of typed events (Event):
+    # device <-> host jobs that ended, storage job progress, PD transfer state changes. The
+    # scheduler learns that asynchronous work moved on only from these.
+    events: list[Event] = []
     # PD prefill, DSA model: rid -> last prompt position's top-k positions (-1 padded),
     # for each request whose first token was sampled this step (the PD seed).
     dsa_seeds: dict[str, list[int]] = {}

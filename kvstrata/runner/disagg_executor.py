@@ -10,6 +10,7 @@ import torch
 
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
+from kvstrata.runner.op_executor import IDLE_WAIT_SECONDS, OpExecutor
 from kvstrata.transfer.disagg.base import DisaggManager
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,21 @@ def page_buffers_of(pool: MHATokenToKVPool | MLATokenToKVPool) -> list[torch.Ten
     return [kv.view(torch.uint8).view(sections, pool.plan.num_pages + 1, -1)]
 
 
-class DisaggExecutor:
+class DisaggExecutor(OpExecutor):
+    """PD's executor: PDOps before the forward, PDEvents (state changes) after it."""
+    op_types = (PDOp,)
+
+    def apply_ops(self, ops: list, idle: bool) -> list:
+        self.apply(ops)
+        return []
+
+    def poll_events(self, idle: bool) -> list:
+        events = self.poll()
+        if idle and not events and self.has_live:
+            self.wait(IDLE_WAIT_SECONDS)  # instead of the engine loop spinning
+            events = self.poll()
+        return events
+
     def __init__(self, manager: DisaggManager):
         self.manager = manager
         self._rooms: dict[int, object] = {}        # room -> KVSender | KVReceiver

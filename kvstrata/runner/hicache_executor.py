@@ -20,7 +20,8 @@ from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.kv.storage import StorageConfig, StorageNamespace, create_storage_backend
 from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS
-from kvstrata.protocol import StorageProgress, TransferOp
+from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, TransferOp
+from kvstrata.runner.op_executor import IDLE_WAIT_SECONDS, OpExecutor
 from kvstrata.transfer.controller import TransferController
 from kvstrata.transfer.storage_jobs import StorageJobRunner
 
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 # measured 0.27-0.66 of memcpy with 768 B (SmolLM2, page size 1) against 0.8-1.2 with 12 KiB
 # (page size 16) for 256-page transfers (docs/benchmarks.md, "HiCache transfer").
 SMALL_PAGE_BYTES = 4096
-# Longest wait of an idle step for a copy: the loop then returns to read new requests.
-IDLE_WAIT_SECONDS = 0.05
 
 
 def page_size_advice(plan: KVPlan) -> str | None:
@@ -48,7 +47,18 @@ def page_size_advice(plan: KVPlan) -> str | None:
             f"speed); --page-size {max(16, suggest)} or more keeps them near memcpy")
 
 
-class HiCacheExecutor:
+class HiCacheExecutor(OpExecutor):
+    """HiCache's executor: TransferOps (device <-> host copies, host <-> storage jobs) and
+    StorageCancels; reports TransferDone and StorageProgress events."""
+    op_types = (TransferOp, StorageCancel)
+
+    def apply_ops(self, ops: list, idle: bool) -> list:
+        transfers = [op for op in ops if isinstance(op, TransferOp)]
+        cancels = [op.job_id for op in ops if isinstance(op, StorageCancel)]
+        done, failed, progress = self.execute(transfers, idle=idle, cancels=cancels)
+        return ([TransferDone(job) for job in done]
+                + [TransferDone(job, ok=False) for job in failed] + progress)
+
     def __init__(self, device_pool, plan: KVPlan):
         """The host pool and IO backend `plan` describes, behind `device_pool`."""
         self.host_pool = HostKVPool.from_plan(plan)

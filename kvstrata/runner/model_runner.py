@@ -29,7 +29,9 @@ from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.models.loader import load_model
-from kvstrata.runner.hicache_executor import IDLE_WAIT_SECONDS, HiCacheExecutor
+from kvstrata.runner.hicache_executor import HiCacheExecutor
+from kvstrata.runner.op_executor import split_ops
+from kvstrata.protocol.disagg import BackupOp
 from kvstrata import envs
 from kvstrata.runner import packed_linear
 from kvstrata.runner.quantization import quantize_model, weight_bytes
@@ -167,28 +169,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Retraction backups before anything else: a backed-up request's device pages may be
-        # handed to another request (a PD receive, this forward) in the same step.
-        if sched.backups:
-            if self.backup is None:
-                self.backup = RetractionBackupExecutor(self.kv_pool)
-            self.backup.apply(sched.backups)
-        # Tier moves next: loads this forward reads, write-backs of pages it may overwrite.
+        """The step's ops go to their executors (runner/op_executor.py) in executor order:
+        retraction backups first (a backed-up request's device pages may be handed to
+        another request -- a PD receive, this forward -- in the same step), then tier moves
+        (loads this forward reads, write-backs of pages it may overwrite), then PD ops; then
+        the forward; then every executor reports its events."""
+        if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
+            self.backup = RetractionBackupExecutor(self.kv_pool)  # cpu_tensor on demand
+        executors = [ex for ex in (self.backup, self.hicache, self.disagg) if ex is not None]
         idle = not sched.scheduled
-        done, failed, progress = (
-            self.hicache.execute(sched.transfers, idle=idle, cancels=sched.storage_cancels)
-            if self.hicache else ([], [], []))
-        if self.disagg is not None:
-            self.disagg.apply(sched.pd_ops)
+        events: list = []
+        for ex, ops in zip(executors, split_ops(sched.ops, executors)):
+            events += ex.apply_ops(ops, idle)
         out = self._execute_forward(sched)
-        out.finished_transfer_ids = done
-        out.failed_transfer_ids = failed
-        out.storage_progress = progress
-        if self.disagg is not None:
-            out.pd_events = self.disagg.poll()
-            if idle and not out.pd_events and self.disagg.has_live:
-                self.disagg.wait(IDLE_WAIT_SECONDS)  # instead of the loop spinning
-                out.pd_events = self.disagg.poll()
+        for ex in executors:
+            events += ex.poll_events(idle)
+        out.events = events
         return out
 
     def enable_disagg(self, role: str, backend: str, host: str, bootstrap_port: int,

@@ -28,6 +28,7 @@ import torch
 from kvstrata.kv import rowcopy
 from kvstrata.kv.layouts import as_words
 from kvstrata.protocol.disagg import BackupOp
+from kvstrata.runner.op_executor import OpExecutor
 
 BACKENDS = ("cpu_tensor", "host_pool")
 KINDS = ("backup", "restore", "discard")
@@ -47,10 +48,16 @@ class _CpuBackup:
         return self.words.numel() * self.words.element_size()
 
 
-class RetractionBackupExecutor:
+class RetractionBackupExecutor(OpExecutor):
     """Applies BackupOps against `device_pool` (an MHATokenToKVPool). `host_pool` and `io`
     (a KVIOBackend over the same device tensor) are given when the plan has a retraction
     host pool; without them only cpu_tensor ops are accepted."""
+
+    op_types = (BackupOp,)
+
+    def apply_ops(self, ops: list, idle: bool) -> list:
+        self.apply(ops)  # synchronous: done before anything else of the step
+        return []
 
     def __init__(self, device_pool, host_pool=None, io=None):
         if (host_pool is None) != (io is None):

@@ -26,7 +26,7 @@ def slot(pages: list[int], pos: int) -> int:
 
 def step(r: ModelRunner, new=(), scheduled=(), freed=(), backups=()):
     return r.execute(SchedulerOutput(0, False, list(new), list(scheduled), list(freed),
-                                     backups=list(backups)))
+                                     ops=list(backups)))
 
 
 def prefill(rid: str, row: int, pages: list[int], prompt=PROMPT) -> ScheduledRequest:

@@ -1,5 +1,5 @@
 """ModelRunner with PD on: a prefill runner computes a prompt's KV, ships it through
-pd_ops / pd_events (tcp) into other pages of a decode runner, and the decode runner's next
+PDOps / PDEvents (tcp) into other pages of a decode runner, and the decode runner's next
 token from the shipped KV equals the prefill runner's own next token."""
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def slots(pages: list[int], n: int) -> list[int]:
 
 def step(r: ModelRunner, n: int, ops=(), new=(), scheduled=()):
     return r.execute(SchedulerOutput(n, bool(scheduled), list(new), list(scheduled), [],
-                                     pd_ops=list(ops)))
+                                     ops=list(ops)))
 
 
 def run_until(r: ModelRunner, state: KVPoll, ops=()) -> list:
     seen = []
     for n in range(400):  # idle steps wait up to IDLE_WAIT_SECONDS each
-        seen += step(r, n, ops if n == 0 else ()).pd_events
+        seen += step(r, n, ops if n == 0 else ()).events
         if seen and seen[-1].state == state:
             return seen
     raise AssertionError(f"never reached {state!r}: {seen}")
@@ -58,7 +58,7 @@ def test_prefill_to_decode_through_the_runners(tiny_checkpoints):
         out = step(prefill, 1, [PDOp(ROOM, "sender_create", "127.0.0.1", port)], [new],
                    [ScheduledRequest("a", 1, 0, prompt, 0, slots(src_pages, 10), True)])
         first = out.token_ids[0]
-        assert [e.state for e in out.pd_events] == [KVPoll.BOOTSTRAPPING]
+        assert [e.state for e in out.events] == [KVPoll.BOOTSTRAPPING]
         run_until(decode, KVPoll.WAITING_FOR_INPUT,
                   [PDOp(ROOM, "receiver_create", "127.0.0.1", port)])
         assert [e.state for e in run_until(decode, KVPoll.TRANSFERRING, [

@@ -7,7 +7,8 @@ stale row entry) changes the output, so tests compare against `reference_tokens`
 """
 from __future__ import annotations
 
-from kvstrata.protocol import RunnerOutput, SchedulerOutput, StorageProgress
+from kvstrata.protocol import (RunnerOutput, SchedulerOutput, StorageCancel, StorageProgress,
+                               TransferDone, TransferOp, of_type)
 
 
 def next_token(tokens: list[int], vocab: int) -> int:
@@ -112,7 +113,7 @@ class FakeRunner:
             if entry[1] <= 0:
                 del self.storage_jobs[job]
                 progress.append(self._run_storage_job(entry[0], entry[2]))
-        for op in so.transfers:
+        for op in of_type(so.ops, TransferOp):
             if op.kind in ("h2s", "s2h"):
                 assert not op.sync and not op.device_pages and len(op.keys) == len(op.host_pages)
                 hit = len(op.keys) if op.kind == "h2s" else self.storage.exists(op.keys)
@@ -121,7 +122,7 @@ class FakeRunner:
                     progress.append(StorageProgress(op.job_id, hit, 0, False))
         # Cancels after submits: a job may be cancelled in the output that starts it. A
         # cancelled job stops at once and reports its final progress in this output.
-        for job in so.storage_cancels:
+        for job in [c.job_id for c in of_type(so.ops, StorageCancel)]:
             entry = self.storage_jobs.pop(job, None)
             if entry is not None:
                 progress.append(self._run_storage_job(entry[0], entry[2], limit=0))
@@ -142,7 +143,7 @@ class FakeRunner:
             self._copy(op)
         self.async_ops = []
         storage_progress = self._storage_step(so) if self.storage is not None else []
-        for op in so.transfers:
+        for op in of_type(so.ops, TransferOp):
             if op.kind in ("h2s", "s2h"):
                 continue
             if op.sync:
@@ -179,8 +180,8 @@ class FakeRunner:
             ids.append(s.rid)
             toks.append(next_token(seq, self.vocab_size))
         n = len(ids)
-        return RunnerOutput(ids, toks, [None] * n, [None] * n, finished_transfer_ids=finished,
-                            storage_progress=storage_progress)
+        return RunnerOutput(ids, toks, [None] * n, [None] * n,
+                            events=[TransferDone(job) for job in finished] + storage_progress)
 
     def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
         for row, slots in expected.items():

@@ -27,7 +27,8 @@ from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.protocol import SamplingParams
-from kvstrata.protocol.disagg import BootstrapAddr, KVPoll, PDEvent, PDOp
+from kvstrata.protocol import of_type
+from kvstrata.protocol.disagg import BackupOp, BootstrapAddr, KVPoll, PDEvent, PDOp
 from tests.unit.fake_runner import FakeRunner, copy_pages
 
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
@@ -293,12 +294,12 @@ class PDFakeRunner(FakeRunner):
         hub.runners[side] = self
 
     def execute(self, so):
-        for op in so.backups:  # first of all (protocol/disagg.py BackupOp)
+        for op in of_type(so.ops, BackupOp):  # first of all (protocol/disagg.py BackupOp)
             self.backups.apply(op)
-        for op in so.pd_ops:  # before the forward, in order
+        for op in of_type(so.ops, PDOp):  # before the forward, in order
             self.hub.apply(self.side, op)
         out = super().execute(so)
-        out.pd_events = self.hub.poll(self.side)
+        out.events += self.hub.poll(self.side)
         return out
 
 

@@ -10,8 +10,8 @@ from kvstrata.engine.disagg_common import BOOTSTRAP_REQUIRED
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
-from kvstrata.protocol import RunnerOutput, SamplingParams
-from kvstrata.protocol.disagg import BootstrapAddr
+from kvstrata.protocol import RunnerOutput, SamplingParams, of_type
+from kvstrata.protocol.disagg import BootstrapAddr, PDOp
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 from tests.unit.pd_fake import PDFakeRunner, PDPair
 
@@ -245,7 +245,7 @@ class LogprobRunner(PDFakeRunner):
         lps = [(-t / 1000 if rid in self.logprob_reqs else None)
                for rid, t in zip(out.rids, out.token_ids)]
         return RunnerOutput(out.rids, out.token_ids, lps, [None] * len(lps),
-                            pd_events=out.pd_events)
+                            events=out.events)
 
 
 def test_first_token_logprob_travels_to_decode():
@@ -355,7 +355,7 @@ def test_peer_abort_racing_the_last_chunk_drops_the_unsent_send():
         pair.step()
     pair.abort("x", "decode")
     pair.run()
-    sends = [op for so in pair.prefill_runner.steps for op in so.pd_ops if op.kind == "send"]
+    sends = [op for so in pair.prefill_runner.steps for op in of_type(so.ops, PDOp) if op.kind == "send"]
     assert sends and not any(op.last for op in sends)  # earlier chunks only
     assert pair.finished["prefill"]["x"].status_code == 500
     assert "the decode server aborted" in pair.finished["prefill"]["x"].message

@@ -8,6 +8,8 @@ import pytest
 
 from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS
+from kvstrata.protocol import of_type
+from kvstrata.protocol.disagg import BackupOp
 from tests.unit.fake_runner import reference_tokens
 from tests.unit.pd_fake import PDPair
 
@@ -66,8 +68,7 @@ def test_outputs_equal_colocated_under_retraction(backend, page_size):
     assert load[f"decode_backups_{backend}"] == load[f"decode_restores_{backend}"] == backups
     other = "host_pool" if backend == "cpu_tensor" else "cpu_tensor"
     assert load[f"decode_backups_{other}"] == 0 and load["num_decode_retracted"] == 0
-    backed_tokens = sum(op.num_tokens for so in pair.decode_runner.steps for op in so.backups
-                        if op.kind == "backup")
+    backed_tokens = sum(op.num_tokens for so in pair.decode_runner.steps for op in of_type(so.ops, BackupOp) if op.kind == "backup")
     assert load["decode_backup_bytes"] == backed_tokens * pair.decode.kv_plan.bytes_per_token
     assert load["decode_backup_exhausted_aborts"] == 0 and load["decode_retraction_backup"] == backend
     check_restore_order(store)
