@@ -5,9 +5,8 @@ owns exactly one page per page_size tokens (`device_pages`). Matching and insert
 work in whole pages only: a partially filled trailing page is never shared, because its KV
 slots would be overwritten by whoever owns the page next.
 
-Residency: today a node's pages live on the device only. The field is named `device_pages`
-because nodes will later also carry `host_pages` (device-only, device+host, host-only); a
-split must then cut both lists at the same page offset.
+Residency: here a node's pages live on the device only; HiRadixCache (hiradix_cache.py) adds
+`host_pages`, and a split cuts both lists at the same page offset.
 
 Locks: `lock_ref` counts the locks whose path passes through the node (a lock on node X pins
 X and every ancestor). Pages of nodes with lock_ref > 0 are "protected", the others
@@ -28,6 +27,7 @@ from typing import Iterator
 
 from kvstrata.cache.eviction import get_priority_fn
 from kvstrata.cache.page_allocator import PageAllocator
+from kvstrata.cache.radix_checks import check_device_tree, check_tree_shape
 
 _node_ids = itertools.count()
 
@@ -368,44 +368,9 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def check_tree_shape(self) -> None:
-        """The structural invariants every radix tree keeps, whatever its nodes hold (the
-        HiCache tree runs this too): an empty root locked once, parent pointers, children
-        filed under their first page, keys of whole pages, a lock_ref covering the locks of
-        the children (each lock walks up to the root)."""
-        page_size = self.page_size
-        assert self.root.lock_ref == 1 and not self.root.key and not self.root.device_pages, \
-            "root must be empty with lock_ref 1"
-        for node in [self.root, *self._nodes()]:
-            child_locks = 0
-            for first_page, child in node.children.items():
-                assert child.parent is node, f"{child!r} has a wrong parent pointer"
-                assert first_page == child.key[:page_size], f"{child!r} is filed under {first_page}"
-                child_locks += child.lock_ref
-            if node is self.root:
-                continue
-            assert node.key and len(node.key) % page_size == 0, f"{node!r}: key not whole pages"
-            assert node.lock_ref >= child_locks, f"{node!r}: lock_ref below its children's sum"
+        """The structural invariants of any radix tree (radix_checks.py)."""
+        check_tree_shape(self)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the tree, its counters or the allocator disagree."""
-        self.check_tree_shape()
-        page_size = self.page_size
-        seen: dict[int, TreeNode] = {}
-        evictable = protected = 0
-        for node in self._nodes():
-            assert len(node.key) == node.num_pages * page_size, f"{node!r}: key/page count mismatch"
-            for page in node.device_pages:
-                assert page not in seen, f"page {page} owned by {node!r} and {seen[page]!r}"
-                assert self.allocator.is_allocated(page), f"page {page} of {node!r} is not allocated"
-                seen[page] = node
-            if node.lock_ref > 0:
-                protected += node.num_pages
-            else:
-                evictable += node.num_pages
-        assert (evictable, protected) == (self._evictable_pages, self._protected_pages), (
-            f"counters (evictable={self._evictable_pages}, protected={self._protected_pages}) != "
-            f"tree (evictable={evictable}, protected={protected})"
-        )
-        if self.disable:
-            assert not seen, "disabled cache holds pages"
-        self.allocator.check_integrity()
+        check_device_tree(self)

@@ -11,11 +11,11 @@ runs out.
 """
 from __future__ import annotations
 
-import logging
-
 from kvstrata.cache.invariants import expected_rows
 from kvstrata.cache.kv_manager import KVManager
-from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS, NewTokenRatio
+from kvstrata.engine.new_token_ratio import NewTokenRatio
+from kvstrata.engine.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfittable,
+                                           retract_for_decode)
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
@@ -23,19 +23,9 @@ from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.sides import build_sides
 from kvstrata.engine.stop_checker import StopChecker
-from kvstrata.protocol import (
-    FinishReason,
-    NewRequestData,
-    RunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
+                               SchedulerOutput)
 
-logger = logging.getLogger(__name__)
-
-OOM_LAST_REQUEST_MESSAGE = (
-    "Out of memory even after retracting all other requests in the decode batch."
-)
 LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
 __all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 
@@ -209,27 +199,7 @@ class Scheduler:
                     and not any(side.frees_memory_later() for side in self.sides))
 
     def _resolve_stall(self) -> None:
-        """Abort the request that cannot fit alone (clear error, no silent spin); anything
-        else is a scheduler bug and fails fast with the state."""
-        self.num_stalls += 1
-        logger.warning("Scheduler made no progress; aborting the request that cannot fit "
-                       "alone. State:\n%s", self.dump_state())
-        if self.running:
-            raise RuntimeError("scheduler stalled with running requests:\n" + self.dump_state())
-        if self.chunked_req is not None:
-            victim, self.chunked_req = self.chunked_req, None
-        else:
-            victim = self._prefill_candidates()[0]
-            self.waiting.remove(victim)
-        need = victim.seq_len + min(victim.remaining_new_tokens(), 1)
-        message = (f"Out of memory: the request needs about {need} KV tokens but the pool "
-                   f"holds {self.kv.total_tokens} and not enough can be freed; raise "
-                   f"--max-total-tokens or send a shorter request.")
-        # A prompt that cannot fit is the client's to change (400, as SGLang's input length
-        # check); generated tokens outgrowing the pool is the server's OOM (500).
-        status = 500 if victim.output_ids else 400
-        self.finish_outside_step(victim, FinishReason(type="abort", message=message,
-                                                      status_code=status))
+        abort_unfittable(self)
 
     def dump_state(self) -> str:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
@@ -372,37 +342,8 @@ class Scheduler:
         return self._output(False, list(self.running), scheduled)
 
     def _retract(self) -> None:
-        """Free memory for the decode batch: the chunked request first (it has not reached
-        decode, and its computed pages stay in the tree as evictable cache), then running
-        requests, fewest generated tokens first, ties: longest prompt. The last running
-        request is never retracted; if it still cannot grow it is aborted (SGLang, 500).
-        A side may free memory its own way first (a PD decode server cannot recompute: it
-        backs the KV up, disagg_retract)."""
-        if any(side.on_decode_oom() for side in self.sides):
-            return
-        retracted: list[Request] = []
-        if self.chunked_req is not None:
-            victim, self.chunked_req = self.chunked_req, None
-            self.retract_one(victim)
-            retracted.append(victim)
-        # Sorted so that pop() yields the fewest generated tokens first, ties: longest prompt.
-        remaining = sorted(self.running,
-                           key=lambda r: (len(r.output_ids), -len(r.prompt_ids)), reverse=True)
-        while len(remaining) > 1 and not self.kv.ensure_free_pages(
-                self.decode_pages_needed(remaining)):
-            victim = remaining.pop()
-            self.retract_one(victim)
-            retracted.append(victim)
-        if not self.kv.ensure_free_pages(self.decode_pages_needed(remaining)):
-            last = remaining.pop()
-            self.finish_outside_step(last, FinishReason(
-                type="abort", message=OOM_LAST_REQUEST_MESSAGE, status_code=500))
-        # Make room for the survivors' next few steps right away.
-        need_tokens = len(remaining) * RETRACT_DECODE_STEPS
-        self.kv.ensure_free_pages(-(-need_tokens // self.page_size))
-        self.running = [r for r in self.running if r in remaining]
-        self.waiting.extend(retracted)
-        self.count_retractions(len(retracted), remaining)
+        if not any(side.on_decode_oom() for side in self.sides):  # a side's own way first
+            retract_for_decode(self)
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:

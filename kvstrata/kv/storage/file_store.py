@@ -5,9 +5,8 @@ file_records.py: header with key and checksums, then the flat page) and `index.j
 segment, offset; file_index.py). `root` and the other extra-config keys: file_options.py.
 
 Guarantees:
-- never wrong data: every read checks the record's header crc32, key, length and payload
-  sums (file_records.py); a record that fails is a miss (and leaves the index). A torn tail
-  at restart (a writer died mid-record) is ignored by the scan.
+- never wrong data: every read checks the record's header crc32, key, length and payload sums
+  (file_records.py); a failing record is a miss (and leaves the index); so is a torn tail.
 - atomic per record: a record enters the index only after its bytes are written, and other
   processes only index records whose whole length is in the file.
 - restart: the index is saved (temp file + rename) every `index_flush_every` new records and

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import socket
 import threading
 import time
 
@@ -26,7 +25,7 @@ from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.base import DisaggManager, KVReceiver, KVSender
 from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer, register_rank
 from kvstrata.transfer.disagg.liveness import Liveness
-from kvstrata.transfer.disagg.lookup import PrefillLookup
+from kvstrata.transfer.disagg.lookup import PrefillLookup, advertised_ip
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
                                                Destination, Join, Ping, Pong,
                                                check_page_buffers, geometry_mismatch,
@@ -35,19 +34,6 @@ from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
 
 logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest sleep
-
-
-def advertised_ip(host: str) -> str:
-    """`host`, or for a wildcard (0.0.0.0, ::, empty) this machine's outbound IP (the
-    address a UDP socket would send from; nothing is sent), else 127.0.0.1."""
-    if host not in ("", "0.0.0.0", "::"):
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):

@@ -7,10 +7,25 @@ once the look-up ends, so its half fails at once instead of at the bootstrap tim
 """
 from __future__ import annotations
 
+import socket
+
 from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.bootstrap_server import resolve_prefill_endpoint
 from kvstrata.transfer.disagg.messages import Abort
 from kvstrata.transfer.disagg.rooms import is_final
+
+
+def advertised_ip(host: str) -> str:
+    """`host`, or for a wildcard (0.0.0.0, ::, empty) this machine's outbound IP (the
+    address a UDP socket would send from; nothing is sent), else 127.0.0.1."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 class PrefillLookup:
@@ -56,4 +71,4 @@ class PrefillLookup:
 
 
 
-__all__ = ["PrefillLookup"]
+__all__ = ["PrefillLookup", "advertised_ip"]
