@@ -41,15 +41,23 @@ def backend_available(backend: str) -> None:
 
 
 class PDServers:
-    """One prefill and one decode kvstrata server (the decode pool given by its flags)."""
+    """One prefill and one decode kvstrata server (the decode pool given by its flags).
+    `shared_prefill`: another PDServers whose prefill server this pair uses too (a module
+    fixture's, so that tests differing only in the decode server start one prefill)."""
 
-    def __init__(self, model: str, backend: str, *decode_args: str):
+    def __init__(self, model: str, backend: str, *decode_args: str,
+                 shared_prefill: "PDServers | None" = None, with_decode: bool = True):
         self.backend = backend
-        self.bootstrap_port = free_port()
         self.model = model
         self.decode_args = decode_args
-        self.prefill = self.start_prefill()
-        self.decode = self.start_decode()
+        self.owns_prefill = shared_prefill is None
+        if shared_prefill is None:
+            self.bootstrap_port = free_port()
+            self.prefill = self.start_prefill()
+        else:
+            self.bootstrap_port = shared_prefill.bootstrap_port
+            self.prefill = shared_prefill.prefill
+        self.decode = self.start_decode() if with_decode else None
 
     def start_decode(self) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "decode",
@@ -86,8 +94,9 @@ class PDServers:
         return [out["prefill"], out["decode"]]
 
     def stop(self) -> None:
-        for srv in (self.decode, self.prefill):
-            srv.stop()
+        for srv in (self.decode, self.prefill if self.owns_prefill else None):
+            if srv is not None:
+                srv.stop()
 
 
 def wait_drained(srv, timeout: float = 30) -> dict:
@@ -278,7 +287,16 @@ def test_dead_decode_frees_the_prefill(pd):
         finally:
             decode.join()
     results, threads = _in_flight(both, 8)
+    # Every request reached the decode (so it joined each room: a room that no decode ever
+    # joined can only end at the bootstrap timeout, on SGLang too), and work is under way.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(
+            kv_state(pd.decode).get(k, 0) for k in (
+                "num_running_reqs", "num_waiting_reqs", "num_decode_prealloc",
+                "num_decode_transfer", "num_decode_prebuilt")) + len(results) < 8:
+        time.sleep(0.02)
     _wait_kv_in_use(pd.prefill)
+    time.sleep(0.5)  # the Join messages are on their way (sent once the route is known)
     pd.decode.stop(sig=9)
     killed = time.monotonic()
     st = wait_drained(pd.prefill, timeout=HEARTBEAT_BOUND + 10)

@@ -66,16 +66,28 @@ def decode_load(pd: PDServers) -> dict:
 DECODE_ARGS = ("--max-total-tokens", "448", "--num-reserved-decode-tokens", "8")
 
 
+@pytest.fixture(scope="module")
+def prefill(tiny_model_path):
+    """One prefill server for the whole file: its pairs differ in the decode server only."""
+    servers = PDServers(tiny_model_path, "tcp", with_decode=False)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
 @pytest.mark.parametrize("backend,extra", [
     ("cpu_tensor", ()),
     # The default ratio (0.2 of the device pool) cannot hold this many backups at once.
     ("host_pool", ("--hicache-ratio", "2.0")),
 ])
-def test_decode_pressure_retracts_and_restores_exactly(backend, extra, tiny_model_path, server):
+def test_decode_pressure_retracts_and_restores_exactly(backend, extra, tiny_model_path, server,
+                                                       prefill):
     batch = prompts()
     refs = [reference(server, ids) for ids in batch]
     pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
-                   "--disaggregation-decode-retraction-backup", backend, *extra)
+                   "--disaggregation-decode-retraction-backup", backend, *extra,
+                   shared_prefill=prefill)
     try:
         info = httpx.get(pd.decode.base_url + "/server_info", timeout=30).json()
         assert info["disaggregation_decode_retraction_backup"] == backend
@@ -92,14 +104,14 @@ def test_decode_pressure_retracts_and_restores_exactly(backend, extra, tiny_mode
         pd.stop()
 
 
-def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server):
+def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server, prefill):
     """A host pool of a few pages: the backups that do not fit abort their request with
     SGLang's message (500); every other request completes with the right output."""
     batch = prompts(seed=9)
     refs = [reference(server, ids) for ids in batch]
     pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
                    "--disaggregation-decode-retraction-backup", "host_pool",
-                   "--hicache-ratio", "0.1")
+                   "--hicache-ratio", "0.1", shared_prefill=prefill)
     try:
         results = run_batch(pd, batch)
         failed = [i for i, r in results.items() if r.status_code != 200]
@@ -146,7 +158,7 @@ def test_server_info_shows_the_resolved_backup(flags, backend, ratio, host_pool,
         srv.stop()
 
 
-def test_aborting_retracted_requests_discards_their_backups(tiny_model_path):
+def test_aborting_retracted_requests_discards_their_backups(tiny_model_path, prefill):
     """/abort_request for every request of a pressured decode server once some sit
     retracted (their KV in the host pool): each ends, every backup is discarded, nothing
     leaks in either tier."""
@@ -154,7 +166,7 @@ def test_aborting_retracted_requests_discards_their_backups(tiny_model_path):
 
     pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
                    "--disaggregation-decode-retraction-backup", "host_pool",
-                   "--hicache-ratio", "2.0")
+                   "--hicache-ratio", "2.0", shared_prefill=prefill)
     answers: dict[str, int] = {}
 
     def one(i: int, ids: list[int]) -> None:
