@@ -1,6 +1,6 @@
 """What the prefill and the decode side of PD disaggregation share (no torch).
 
-One side per server (engine/side.py; also `Scheduler.pd`, None when --disaggregation-mode
+One side per server (engine/side.py; `sides.pd_side(scheduler)`, None when --disaggregation-mode
 is null) owns the PD
 queues, the metadata slots and the room table, and talks to the runner's transfer layer only
 through `PDOp`s (queued here, shipped in the next SchedulerOutput) and `PDEvent`s (state

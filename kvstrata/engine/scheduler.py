@@ -56,9 +56,8 @@ class Scheduler:
         self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
         # Plug-in sides (engine/side.py), called at fixed points of every step; the body of
-        # this class never asks which ones exist. `pd` names the PD side for introspection.
+        # this class never asks which ones exist.
         self.sides: list[SchedulerSide] = []
-        self.pd = None
         build_sides(self)
 
     # ------------------------------------------------------------------ queue

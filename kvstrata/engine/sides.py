@@ -4,6 +4,7 @@ subclass (engine/side.py), its ops/events in protocol/, its executor in the runn
 line here (docs/architecture.md, "How to add a side")."""
 from __future__ import annotations
 
+from kvstrata.engine.disagg_common import DisaggSide
 from kvstrata.engine.disagg_decode import DecodeDisagg
 from kvstrata.engine.disagg_prefill import PrefillDisagg
 
@@ -11,12 +12,16 @@ _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
 
 
 def build_sides(sched) -> None:
-    """Register the sides `sched.config` asks for, in call order, on `sched.sides`; the PD
-    side (prefill or decode, with decode retraction inside) is also `sched.pd`."""
-    pd_side = _PD_SIDES.get(sched.config.disaggregation_mode)
-    if pd_side is not None:
-        sched.pd = pd_side(sched)
-        sched.sides.append(sched.pd)
+    """Register the sides `sched.config` asks for, in call order, on `sched.sides`."""
+    side = _PD_SIDES.get(sched.config.disaggregation_mode)
+    if side is not None:
+        sched.sides.append(side(sched))
 
 
-__all__ = ["build_sides"]
+def pd_side(sched) -> DisaggSide | None:
+    """The PD side (prefill or decode, with decode retraction inside), None when co-located:
+    for the engine factory (metadata slots) and introspection."""
+    return next((s for s in sched.sides if isinstance(s, DisaggSide)), None)
+
+
+__all__ = ["build_sides", "pd_side"]

@@ -19,6 +19,7 @@ from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, a
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.sides import pd_side
 from kvstrata.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
     tokenizer = (None if args.skip_tokenizer_init
                  else load_tokenizer(runner.source, args.tokenizer_path))
     engine = EngineCore(runner, SchedulerConfig.from_args(args, plan), tokenizer)
-    pd = engine.scheduler.pd
+    pd = pd_side(engine.scheduler)
     if pd is not None:
         # PD: the transfer manager over the device pool (the prefill side also starts its
         # bootstrap server on --host:--disaggregation-bootstrap-port), with one metadata slot

@@ -30,6 +30,7 @@ from kvstrata.protocol import SamplingParams
 from kvstrata.protocol import of_type
 from kvstrata.protocol.disagg import BackupOp, BootstrapAddr, KVPoll, PDEvent, PDOp
 from tests.unit.fake_runner import FakeRunner, copy_pages
+from kvstrata.engine.sides import pd_side
 
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 PEER_TIMEOUT_TICKS = 400  # a side whose peer never shows up fails (as real backends do)
@@ -378,8 +379,8 @@ class PDPair:
             assert kv.tree.protected_pages() == 0, "a lock survived the drain"
             assert kv.allocator.available_pages() + kv.tree.cached_pages() == kv.allocator.num_pages
             assert len(sched.free_rows) == sched.num_rows and not sched.live_requests()
-            assert not sched.pd.rooms and len(sched.pd.free_slots) == sched.pd.num_slots
-        retraction = self.decode.scheduler.pd.retraction
+            assert not pd_side(sched).rooms and len(pd_side(sched).free_slots) == pd_side(sched).num_slots
+        retraction = pd_side(self.decode.scheduler).retraction
         assert not retraction.retracted and not retraction.backups and not retraction.ops
         store = self.decode_runner.backups
         assert not store.cpu and not store.host_held, "a backup outlived its request"

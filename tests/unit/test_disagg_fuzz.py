@@ -32,6 +32,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
 from tests.unit.fake_runner import reference_tokens
 from tests.unit.pd_fake import PDPair
+from kvstrata.engine.sides import pd_side
 
 VOCAB = 211
 MAX_REQUESTS = 8
@@ -145,7 +146,7 @@ class PDMachine(RuleBasedStateMachine):
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + pair.prefill.dump_state() + "\n" + pair.decode.dump_state())
         pair.check_drained()
-        retraction = pair.decode.scheduler.pd.retraction
+        retraction = pd_side(pair.decode.scheduler).retraction
         event(f"decode retractions ({self.cfg['backup']}): {min(retraction.num_retractions, 3)}")
         if retraction.exhausted_aborts:
             event("retraction host pool exhausted")

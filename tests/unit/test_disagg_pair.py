@@ -14,6 +14,7 @@ from kvstrata.protocol import RunnerOutput, SamplingParams, of_type
 from kvstrata.protocol.disagg import BootstrapAddr, PDOp
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 from tests.unit.pd_fake import PDFakeRunner, PDPair
+from kvstrata.engine.sides import pd_side
 
 VOCAB = 1000
 
@@ -84,7 +85,7 @@ def test_concurrent_shared_prefix_while_first_is_inflight():
     pair = PDPair(page_size=2, delay=6)
     shared = prompt(3, 16)
     pair.submit("a", shared + [1], 3)
-    while not pair.prefill.scheduler.pd.inflight:  # a's pages in flight (locked in the tree)
+    while not pd_side(pair.prefill.scheduler).inflight:  # a's pages in flight (locked in the tree)
         pair.step()
     pair.submit("b", shared + [2, 2], 3)
     pair.run()
@@ -94,7 +95,7 @@ def test_concurrent_shared_prefix_while_first_is_inflight():
 
 def _queue_of(pair, side, rid):
     sched = getattr(pair, side).scheduler
-    for name, queue in sched.pd.queues().items():
+    for name, queue in pd_side(sched).queues().items():
         if any(r.rid == rid for r in queue):
             return name
     if any(r.rid == rid for r in sched.waiting):
@@ -151,7 +152,7 @@ def test_transfer_failure_is_500_on_both_sides_without_leaks(stage):
         assert f"injected {stage} failure" in reason.message
         assert f"bootstrap room {room}" in reason.message
     assert pair.outputs["decode"]["good"] == reference_tokens(prompt(6, 11), 6, VOCAB)
-    assert pair.decode.scheduler.pd.num_transfer_failures == 1
+    assert pd_side(pair.decode.scheduler).num_transfer_failures == 1
 
 
 def test_room_mismatch_is_context_corruption():
@@ -211,7 +212,7 @@ def test_decode_oom_retracts_with_a_backup_instead_of_aborting():
     for rid, p in prompts.items():
         pair.submit(rid, p, 12)
     pair.run()
-    assert pair.decode.scheduler.pd.retraction.num_retractions > 0
+    assert pd_side(pair.decode.scheduler).retraction.num_retractions > 0
     for rid, p in prompts.items():
         assert pair.finished["decode"][rid].type == "length"
         assert pair.outputs["decode"][rid] == reference_tokens(p, 12, VOCAB)
@@ -290,13 +291,13 @@ def test_decode_admission_budget_and_extra_slots():
                   decode_cfg={"num_reserved_decode_tokens": 20, "max_running_requests": 2,
                               "disaggregation_decode_extra_slots": 1})
     d = pair.decode.scheduler
-    assert d.config.decode_extra_slots == 1 and d.pd.max_holding == 3
+    assert d.config.decode_extra_slots == 1 and pd_side(d).max_holding == 3
     for i in range(4):
         pair.submit(f"r{i}", prompt(i, 10), 30)
     peak = 0
     while pair.busy():
         pair.step()
-        holding = len(d.running) + len(d.pd.transfer) + len(d.pd.prebuilt)
+        holding = len(d.running) + len(pd_side(d).transfer) + len(pd_side(d).prebuilt)
         peak = max(peak, holding)
         # 80 free: the first is admitted (idle); then 70 - max(20 x 1, 30 + 10 - 11) = 41
         # >= max(10 + 20, 10 + 30 - 11) admits a second; 41 - 30 = 11 stops the third.
@@ -321,7 +322,7 @@ def test_extra_slots_default_rule():
 
 def test_colocated_has_no_pd_state():
     engine = EngineCore(FakeRunner(), SchedulerConfig(num_pages=16))
-    assert engine.scheduler.pd is None
+    assert pd_side(engine.scheduler) is None
     assert not any(k.startswith("num_prefill_") or k.startswith("num_decode_")
                    for k in engine.get_load())
     engine.add_request(EngineRequest("x", [1, 2], SamplingParams(max_new_tokens=1),
@@ -389,7 +390,7 @@ def test_integrity_counts_pd_pages_and_dump_shows_pd_queues():
     dump = pair.decode.dump_state()
     assert "pd decode: prealloc 0, transfer 1, prebuilt 0" in dump
     assert "transfer: x(prompt=9" in dump and "pages=5" in dump
-    x = pair.decode.scheduler.pd.transfer[0]
+    x = pd_side(pair.decode.scheduler).transfer[0]
     stolen = x.pages.pop()  # a page nobody accounts for any more
     with pytest.raises(AssertionError, match="KV page leak"):
         pair.decode.check_integrity()

@@ -12,6 +12,7 @@ from kvstrata.protocol import of_type
 from kvstrata.protocol.disagg import BackupOp
 from tests.unit.fake_runner import reference_tokens
 from tests.unit.pd_fake import PDPair
+from kvstrata.engine.sides import pd_side
 
 VOCAB = 1000
 
@@ -54,7 +55,7 @@ def check_restore_order(store):
 def test_outputs_equal_colocated_under_retraction(backend, page_size):
     pair, prompts, max_new = pressure_pair(backend, page_size)
     pair.run()
-    retraction = pair.decode.scheduler.pd.retraction
+    retraction = pd_side(pair.decode.scheduler).retraction
     store = pair.decode_runner.backups
     assert retraction.num_retractions > 0
     for rid, p in prompts.items():
@@ -79,7 +80,7 @@ def test_outputs_equal_colocated_under_retraction(backend, page_size):
 def test_small_host_pool_aborts_exactly_the_backups_that_do_not_fit():
     pair, prompts, max_new = pressure_pair("host_pool", host_pages=24)
     pair.run()
-    retraction = pair.decode.scheduler.pd.retraction
+    retraction = pd_side(pair.decode.scheduler).retraction
     failed = {rid for rid, r in pair.finished["decode"].items() if r.type == "abort"}
     assert failed and len(failed) == retraction.exhausted_aborts
     assert retraction.num_retractions > 0  # others were backed up and restored
@@ -99,7 +100,7 @@ def test_small_host_pool_aborts_exactly_the_backups_that_do_not_fit():
 @pytest.mark.parametrize("backend", ["cpu_tensor", "host_pool"])
 def test_abort_of_a_retracted_request_discards_its_backup(backend):
     pair, prompts, max_new = pressure_pair(backend)
-    retraction = pair.decode.scheduler.pd.retraction
+    retraction = pd_side(pair.decode.scheduler).retraction
     for _ in range(2000):
         pair.step()
         if retraction.retracted:
@@ -126,7 +127,7 @@ def test_abort_of_a_retracted_request_discards_its_backup(backend):
 
 def test_retracted_requests_resume_before_any_admission():
     pair, prompts, max_new = pressure_pair("cpu_tensor", n=16)
-    pd = pair.decode.scheduler.pd
+    pd = pd_side(pair.decode.scheduler)
     admissions = []
     original = pd._admit
 
@@ -155,10 +156,10 @@ def test_sglang_retraction_order_and_ratio():
     for rid, n in lens.items():
         pair.submit(rid, prompt(len(rid) + n, n), 12)
     sched = pair.decode.scheduler
-    while not sched.pd.retraction.retracted:
+    while not pd_side(sched).retraction.retracted:
         pair.step()
     first = pair.decode_runner.backups.log  # applied at the next step
-    retracted = [r.rid for r in sched.pd.retraction.retracted]
+    retracted = [r.rid for r in pd_side(sched).retraction.retracted]
     assert retracted == ["b"]
     remaining = sched.running
     expected = min(1.0, (sum(len(r.output_ids) for r in remaining)
@@ -177,13 +178,13 @@ def test_the_last_running_request_is_never_retracted():
     pair.run()
     reason = pair.finished["decode"]["x"]
     assert reason.status_code == 500 and reason.message == OOM_LAST_MESSAGE
-    assert pair.decode.scheduler.pd.retraction.num_retractions == 0
+    assert pd_side(pair.decode.scheduler).retraction.num_retractions == 0
     assert pair.outputs["decode"]["x"] == reference_tokens(prompt(3, 10), 3, VOCAB)
 
 
 def test_dump_state_lists_the_retracted_queue():
     pair, _, _ = pressure_pair("host_pool")
-    retraction = pair.decode.scheduler.pd.retraction
+    retraction = pd_side(pair.decode.scheduler).retraction
     while not retraction.retracted:
         pair.step()
     dump = pair.decode.dump_state()
