@@ -50,6 +50,13 @@ def test_sigterm_leaves_no_process(keyed_server):
     assert alive == []
 
 
+def _health_code(url):
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.ConnectError:
+        return None
+
+
 def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
     """SIGKILL the scheduler under a stream and a non-streaming request: /health is 503 at
     once, both requests get errors promptly, and the server exits non-zero (like SGLang) so
@@ -72,7 +79,9 @@ def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
                     if len(lines) == 1:  # the stream is live: kill its engine under it
                         os.kill(sched_pid, signal.SIGKILL)
                         killed = time.monotonic()
-                        while httpx.get(url + "/health", timeout=5).status_code != 503:
+                        # The server may already have drained and exited (refused):
+                        # that is just as unhealthy to a router as a 503.
+                        while _health_code(url) not in (503, None):
                             assert time.monotonic() - killed < 1.0, "/health still 200"
                         health_after_kill = time.monotonic() - killed
                         # Every route agrees with /health (a router must not keep it),
