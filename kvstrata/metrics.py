@@ -29,6 +29,12 @@ STORAGE_COUNTERS = {
     "write_failures": "Pages the storage backend failed to write",
 }
 PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
+# Load-report key -> help (engine/spec_side.py SpeculativeSide.load); metric kvstrata:<key>.
+SPEC_COUNTERS = {
+    "spec_verify_steps": "Speculative verify passes (one per request per decode step)",
+    "spec_drafted_tokens": "Draft tokens proposed for verification",
+    "spec_accepted_tokens": "Tokens produced by verify passes (accepted drafts + 1 each)",
+}
 
 
 class ServerMetrics:
@@ -93,6 +99,13 @@ class ServerMetrics:
             for key, doc in STORAGE_COUNTERS.items()}
         self._prefetch = Counter("kvstrata:hicache_storage_prefetch", "Storage prefetches by "
                                  "outcome", labels + ["outcome"], registry=r)
+        # Speculative decoding (from the load report): SGLang's accept length, and the
+        # counts it is made of.
+        self._spec_accept_length = Gauge("kvstrata:spec_accept_length", "Average tokens per "
+                                         "verify pass (accepted drafts + 1)", labels,
+                                         registry=r)
+        self._spec = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
+                      for key, doc in SPEC_COUNTERS.items()}
         self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
@@ -128,6 +141,10 @@ class ServerMetrics:
             self._set_decode_retraction(load)
         if "hicache_storage_hit_tokens" in load:
             self._set_storage(load)
+        if "avg_spec_accept_length" in load:
+            self._spec_accept_length.labels(m).set(load["avg_spec_accept_length"])
+            for key, counter in self._spec.items():
+                self._advance(key, load.get(key, 0), counter.labels(m))
 
     def _advance(self, key: str, value: float, counter) -> None:
         """Counters follow a running total: advance by what it grew since the last report."""

@@ -229,6 +229,14 @@ class KVManager:
         req.pages.extend(new_pages)
         return True
 
+    def trim(self, req: Any, upto_tokens: int) -> None:
+        """Free the request's pages past those covering positions [0, upto_tokens): the
+        pages of rejected draft tokens (a page partly used by committed tokens stays)."""
+        keep = max(-(-upto_tokens // self.page_size), req.num_tree_pages)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+
     def slots(self, req: Any, start: int, end: int) -> list[int]:
         P = self.page_size
         return [req.pages[i // P] * P + i % P for i in range(start, end)]

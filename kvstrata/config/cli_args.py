@@ -22,6 +22,7 @@ _GROUP_TITLES = {
     "parallelism": "parallelism",
     "hicache": "prefix cache and hierarchical cache (HiCache)",
     "disaggregation": "prefill/decode disaggregation",
+    "speculative": "speculative decoding",
     "sparse": "sparse attention",
 }
 

@@ -10,6 +10,7 @@ Ordered pure steps (docs/configuration.md has the full table):
   4. HiCache ratio default (non-decode servers)
   5. decode-retraction backup + ratio
   6. DSA gates
+  7. speculative decoding (NEXTN -> EAGLE, auto draft shape, chain draft tokens)
 The KV pool itself is sized afterwards, once the model is loaded (config/kv_sizing.py).
 Every change is a `Resolution(field, old, new, rule, reason)`; the engine logs the list once at
 start, `/server_info` returns it and `kvstrata config --explain` prints it. An invalid
@@ -24,7 +25,7 @@ from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
 from kvstrata.config.rules import (disagg, dsa, hicache, page_geometry, platform_defaults,
-                                   retraction)
+                                   retraction, speculative)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -42,6 +43,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     ("hicache ratio default", hicache.ratio_default),
     ("decode retraction backup", retraction.retraction_backup),
     ("dsa gates", dsa.dsa_gates),
+    ("speculative decoding", speculative.speculative),
 )
 
 
@@ -121,7 +123,8 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
     order, e.g. ["--enable-hierarchical-cache", "--tp-size", "--quantization fp8"]."""
     return [flag(name) + (f" {getattr(args, name)}" if name in _REFUSAL_SHOWS_VALUE else "")
             for name in ServerArgs.field_names()
-            if name in UNIMPLEMENTED and UNIMPLEMENTED[name](getattr(args, name))]
+            if name in UNIMPLEMENTED and UNIMPLEMENTED[name](getattr(args, name))
+            ] + speculative.unbuilt(args)
 
 
 def refuse_unimplemented(args: ServerArgs) -> None:

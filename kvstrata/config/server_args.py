@@ -42,6 +42,10 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGG_MODES = ("null", "prefill", "decode")
 DISAGG_TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
+# SGLang's --speculative-algorithm names (NEXTN resolves to EAGLE with the checkpoint's own
+# MTP layer); which ones are built is config/rules/speculative.py's business.
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
 # "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
 QUANTIZATION_BUILT = ("w8a8_int8",)
@@ -188,6 +192,51 @@ class ServerArgs:
                                                "for its output when admitting transfers.",
                                           group="disaggregation")
 
+    # ---- speculative decoding (SGLang's flags; docs/speculative.md) --------------------------
+    speculative_algorithm: str | None = opt(
+        None, "Speculative decoding: draft several tokens per step and verify them in one "
+              "forward (default: off). NGRAM drafts from an n-gram cache of prompts and "
+              "outputs.", choices=SPECULATIVE_ALGORITHMS, group="speculative")
+    speculative_draft_model_path: str | None = opt(None, "Draft model (STANDALONE, EAGLE).",
+                                                   group="speculative")
+    speculative_draft_model_quantization: str | None = opt(
+        None, "Quantization of the draft model (default: none; unquant = none).",
+        choices=QUANTIZATIONS + ("unquant",), group="speculative")
+    speculative_num_steps: int | None = opt(None, "Draft depth: tokens drafted per step "
+                                                  "(default: resolved per algorithm).",
+                                            group="speculative")
+    speculative_eagle_topk: int | None = opt(None, "Branching factor of the draft per step "
+                                                   "(1 = a chain; default: resolved).",
+                                             group="speculative")
+    speculative_num_draft_tokens: int | None = opt(
+        None, "Tokens verified per step, the last accepted one included (default: resolved; "
+              "with topk 1 it is num_steps + 1).", group="speculative")
+    speculative_accept_threshold_single: float = opt(1.0, "Acceptance threshold of one draft "
+                                                          "token (1.0 = exact).",
+                                                     group="speculative")
+    speculative_accept_threshold_acc: float = opt(1.0, "Accumulated acceptance threshold "
+                                                       "(1.0 = exact).", group="speculative")
+    speculative_token_map: str | None = opt(None, "FR-Spec token map of the draft head.",
+                                            group="speculative")
+    speculative_ngram_min_match_window_size: int = opt(
+        1, "NGRAM: shortest suffix of the sequence matched in the cache.", group="speculative")
+    speculative_ngram_max_match_window_size: int = opt(
+        12, "NGRAM: longest suffix of the sequence matched in the cache.", group="speculative")
+    speculative_ngram_min_bfs_breadth: int = opt(1, "NGRAM: minimum breadth of the draft "
+                                                    "tree.", group="speculative")
+    speculative_ngram_max_bfs_breadth: int | None = opt(
+        None, "NGRAM: maximum breadth of the draft tree (default: resolved; 1 = one chain).",
+        group="speculative")
+    speculative_ngram_match_type: str = opt("BFS", "NGRAM: how draft tokens are picked from "
+                                                   "the cache.", choices=NGRAM_MATCH_TYPES,
+                                            group="speculative")
+    speculative_ngram_branch_length: int = opt(18, "NGRAM: how many recent tokens are "
+                                                   "inserted into the cache per position.",
+                                               group="speculative")
+    speculative_ngram_capacity: int = opt(10_000_000, "NGRAM: cache capacity in nodes (the "
+                                                      "least recently used are pruned).",
+                                          group="speculative")
+
     # ---- sparse attention ---------------------------------------------------------------------
     enable_hisparse: bool = opt(False, "Hierarchical sparse attention (DSA with host-resident "
                                        "KV).", group="sparse")
@@ -263,6 +312,17 @@ _RANGES: dict[str, tuple] = {
     "num_reserved_decode_tokens": (lambda v: v >= 0, ">= 0"),
     "disaggregation_decode_polling_interval": (lambda v: v >= 1, ">= 1"),
     "disaggregation_decode_extra_slots": (lambda v: v >= 0, ">= 0"),
+    "speculative_num_steps": (lambda v: v >= 1, ">= 1"),
+    "speculative_eagle_topk": (lambda v: v >= 1, ">= 1"),
+    "speculative_num_draft_tokens": (lambda v: v >= 2, ">= 2"),
+    "speculative_accept_threshold_single": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "speculative_accept_threshold_acc": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "speculative_ngram_min_match_window_size": (lambda v: v >= 1, ">= 1"),
+    "speculative_ngram_max_match_window_size": (lambda v: v >= 1, ">= 1"),
+    "speculative_ngram_min_bfs_breadth": (lambda v: v >= 1, ">= 1"),
+    "speculative_ngram_max_bfs_breadth": (lambda v: v >= 1, ">= 1"),
+    "speculative_ngram_branch_length": (lambda v: v >= 1, ">= 1"),
+    "speculative_ngram_capacity": (lambda v: v >= 1, ">= 1"),
 }
 
 _NUMERIC = {"int": (int,), "float": (int, float)}

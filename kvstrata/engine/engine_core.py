@@ -12,7 +12,8 @@ from kvstrata import envs
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
 from kvstrata.engine.stop_checker import StopChecker
-from kvstrata.protocol import FinishReason, RequestOutput
+from kvstrata.engine.sides import spec_side
+from kvstrata.protocol import FinishReason, RequestOutput, SpecCounts
 
 logger = logging.getLogger(__name__)
 # A graceful shutdown waits this long for host writes and their storage backups (HiCache L3):
@@ -36,6 +37,7 @@ class EngineCore:
         self._arrivals = 0
         self._rejected: list[Request] = []
         self._rids: set[str] = set()
+        self.speculating = spec_side(self.scheduler) is not None
         # KVSTRATA_CHECK_INTEGRITY=1: every invariant after every step (the test suite runs so).
         self.check_every_step = envs.KVSTRATA_CHECK_INTEGRITY.get()
 
@@ -122,6 +124,8 @@ class EngineCore:
             completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
             new_logprobs=logprobs, new_top_logprobs=top, prompt_logprobs=prompt_logprobs,
             prompt_top_logprobs=prompt_top,
+            spec=SpecCounts(req.spec_verify_ct, req.spec_draft_tokens,
+                            req.spec_accepted_drafts) if self.speculating else None,
         )
 
     # ------------------------------------------------------------------ admin

@@ -54,6 +54,10 @@ class Request:
     # --- accounting ---
     cached_tokens: int = 0
     retraction_count: int = 0
+    # Speculative decoding: decode steps (each a verify pass), drafts proposed, accepted.
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
     finish_reason: FinishReason | None = None
     num_reported_tokens: int = 0
     pending_logprobs: list[float] = field(default_factory=list)

@@ -23,6 +23,7 @@ from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.sides import build_sides
 from kvstrata.engine.stop_checker import StopChecker
+from kvstrata.engine.verify_step import after_verified, collect_drafts, settle_verified
 from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
                                SchedulerOutput)
 
@@ -55,6 +56,8 @@ class Scheduler:
         self.num_retractions = 0
         self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
+        # Verify entries of the last decode step: rid -> (start position, number of drafts).
+        self._drafted: dict[str, tuple[int, int]] = {}
         # Plug-in sides (engine/side.py), called at fixed points of every step; the body of
         # this class never asks which ones exist.
         self.sides: list[SchedulerSide] = []
@@ -114,6 +117,8 @@ class Scheduler:
         the runner to forget it, then every side's on_finish."""
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
+        # Ended while a verify ran (abort): only committed tokens' KV may reach the tree.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.seq_len)
         self.kv.abort_prefetch(req.rid)  # a prefetch still running for it is cancelled
         if req.row or req.pages or req.last_node is not None:
             self.kv.release(req, insert=True)
@@ -161,8 +166,10 @@ class Scheduler:
         self.num_retractions += retracted
         self.ratio.after_retraction(retracted, remaining)
 
-    def decode_pages_needed(self, reqs: list[Request]) -> int:
-        return sum(self.kv.pages_needed(r, r.seq_len) for r in reqs)
+    def decode_pages_needed(self, reqs: list[Request],
+                            drafts: dict[str, list[int]] | None = None) -> int:
+        drafts = drafts or {}
+        return sum(self.kv.pages_needed(r, r.seq_len + len(drafts.get(r.rid, ()))) for r in reqs)
 
     def retract_one(self, victim: Request) -> None:
         """Release a request's pages and row, and reset it to be computed again."""
@@ -219,6 +226,8 @@ class Scheduler:
         for r in reqs:
             r.known_to_runner = True
         self._in_flight = {r.rid: r for r in reqs}
+        if not scheduled or is_prefill:
+            self._drafted = {}
         freed, self.freed_for_runner = self.freed_for_runner, []
         self.step_id += 1
         ops = self.kv.drain_ops()
@@ -226,18 +235,21 @@ class Scheduler:
             ops += side.drain_ops()
         return SchedulerOutput(self.step_id, is_prefill, new, scheduled, freed, ops=ops)
 
-    def _entry(self, req: Request, num_tokens: int, sample: bool) -> ScheduledRequest:
+    def _entry(self, req: Request, num_tokens: int, sample: bool,
+               draft: list[int] = ()) -> ScheduledRequest:
         start = req.num_computed_tokens
         write_from = min(req.row_stale_from, start)
+        end = start + num_tokens + len(draft)
         entry = ScheduledRequest(
             rid=req.rid, row=req.row, start_pos=start,
-            token_ids=req.all_ids[start:start + num_tokens],
+            token_ids=req.all_ids[start:start + num_tokens] + list(draft),
             slot_write_start=write_from,
-            slots=self.kv.slots(req, write_from, start + num_tokens),
-            sample=sample,
+            slots=self.kv.slots(req, write_from, end),
+            sample=sample, num_draft=len(draft),
         )
-        # Optimistic: the runner executes this before the next schedule() call.
-        req.num_computed_tokens = start + num_tokens
+        # Optimistic: the runner executes this before the next schedule() call (a verify
+        # entry is corrected to what was accepted in update()).
+        req.num_computed_tokens = end
         req.row_stale_from = req.num_computed_tokens
         return entry
 
@@ -323,6 +335,12 @@ class Scheduler:
         return self._output(True, [i.req for i in items], scheduled)
 
     def _schedule_decode(self) -> SchedulerOutput | None:
+        drafts = collect_drafts(self)
+        speculating = drafts is not None
+        if drafts and not self.kv.ensure_free_pages(self.decode_pages_needed(self.running,
+                                                                             drafts)):
+            drafts = {}  # speculation never costs a retraction: plain decode when short
+        drafts = drafts or {}
         if not self.kv.ensure_free_pages(self.decode_pages_needed(self.running)):
             if self.kv.copies_pin_pages():
                 # HiCache writes pin tree pages until they finish; wait for them (an idle
@@ -334,10 +352,14 @@ class Scheduler:
         else:
             self.ratio.on_decode_step()
         scheduled = []
+        self._drafted = {}
         for req in self.running:
-            ok = self.kv.grow(req, req.seq_len)
+            draft = drafts.get(req.rid, [])
+            ok = self.kv.grow(req, req.seq_len + len(draft))
             assert ok, "decode pages were checked above"
-            scheduled.append(self._entry(req, 1, sample=True))
+            if speculating:  # every decode entry is a verify pass, of 0 drafts or more
+                self._drafted[req.rid] = (req.num_computed_tokens, len(draft))
+            scheduled.append(self._entry(req, 1, sample=True, draft=draft))
         return self._output(False, list(self.running), scheduled)
 
     def _retract(self) -> None:
@@ -354,10 +376,11 @@ class Scheduler:
             if rid in by_id:
                 by_id[rid].prompt_logprobs = logprobs
                 by_id[rid].prompt_top_logprobs = result.prompt_top_logprobs.get(rid)
+        produced = settle_verified(self._drafted, by_id, result.rids)
         for i, (rid, token) in enumerate(zip(result.rids, result.token_ids)):
             req = by_id.get(rid)
-            if req is None:
-                continue  # aborted while the forward ran
+            if req is None or req.is_finished:
+                continue  # aborted while the forward ran, or stopped inside a verified run
             if any(side.on_token(req, token, result.logprobs[i], result.top_logprobs[i],
                                  result.dsa_seeds.get(rid)) for side in self.sides):
                 continue  # e.g. a PD prefill server sends the token, never decodes
@@ -374,7 +397,9 @@ class Scheduler:
             reason = self.stop_checker.check(req)
             if reason is not None:
                 self._complete(req, reason)
-            touched.append(req)
+            if not touched or touched[-1] is not req:  # a verified run: one entry
+                touched.append(req)
+        after_verified(self, self._drafted, by_id, produced)
         if self.chunked_req is not None:
             self.kv.cache_unfinished(self.chunked_req)
             for side in self.sides:
@@ -384,6 +409,8 @@ class Scheduler:
         return touched
 
     def _complete(self, req: Request, reason: FinishReason) -> None:
+        # A stop inside a verified run: every committed token's KV is computed.
+        req.num_computed_tokens = min(req.num_computed_tokens, req.seq_len)
         if req in self.running:
             self.running.remove(req)
         self.finish(req, reason)

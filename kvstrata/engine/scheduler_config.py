@@ -16,6 +16,10 @@ _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 _STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
                    "hicache_storage_backend_extra_config")
+_SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
+                "speculative_ngram_min_match_window_size",
+                "speculative_ngram_max_match_window_size", "speculative_ngram_branch_length",
+                "speculative_ngram_capacity")
 
 
 @dataclass(init=False)
@@ -47,6 +51,13 @@ class SchedulerConfig:
     # Decode: where a retracted request's KV is kept (the resolved value; None: host_pool
     # when the plan has a retraction host pool, else cpu_tensor). engine/disagg_retract.py.
     disaggregation_decode_retraction_backup: str | None = None
+    # Speculative decoding (engine/spec_side.py), the resolved values: None = off.
+    speculative_algorithm: str | None = None  # NGRAM (the others are refused at start)
+    speculative_num_draft_tokens: int = 12    # verified per step, the last token included
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10_000_000
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
@@ -65,6 +76,12 @@ class SchedulerConfig:
                 setattr(self, f.name, policy.pop(f.name, f.default))
         if policy:
             raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
+        if self.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(f"not implemented yet: --speculative-algorithm "
+                             f"{self.speculative_algorithm}")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens must be >= 2, got "
+                             f"{self.speculative_num_draft_tokens}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")
@@ -103,10 +120,13 @@ class SchedulerConfig:
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
         # PD and storage fields default when the args lack them (an args-like namespace
         # from before those flags); the others must exist.
-        optional = _PD_FIELDS + _STORAGE_FIELDS
-        return cls(plan, **{f.name: (getattr(args, f.name, f.default) if f.name in optional
-                                     else getattr(args, f.name))
-                            for f in fields(cls) if f.name != "plan"})
+        optional = _PD_FIELDS + _STORAGE_FIELDS + _SPEC_FIELDS
+        values = {f.name: (getattr(args, f.name, f.default) if f.name in optional
+                           else getattr(args, f.name))
+                  for f in fields(cls) if f.name != "plan"}
+        if values["speculative_num_draft_tokens"] is None:  # unresolved args: the default
+            values.pop("speculative_num_draft_tokens")
+        return cls(plan, **values)
 
     @property
     def decode_extra_slots(self) -> int:

@@ -1,6 +1,7 @@
 """The scheduler's plug-in point (no torch): a *side* holds requests or pages beside the plain
 prefill/decode loop -- PD prefill and PD decode (engine/disagg_*.py, with decode retraction
-and its KV backup inside the decode side) today; speculation and priority preemption next.
+and its KV backup inside the decode side) and speculative decoding (engine/spec_side.py)
+today; priority preemption next.
 
 The scheduler calls every side at fixed points of a step, in the order the sides were
 registered, and never asks which sides exist. A side reaches the scheduler only through
@@ -59,6 +60,16 @@ class SchedulerSide:
         """The decode batch cannot get its pages: True if the side freed memory its own way
         (the scheduler then does not recompute-retract)."""
         return False
+
+    def draft(self, req: Request, limit: int) -> list[int]:
+        """Draft tokens for `req`'s next decode step (at most `limit`), verified by the
+        target in the same forward; [] = a plain decode step. The first side with a draft
+        wins. The scheduler drops every draft of a step whose pages do not fit."""
+        return []
+
+    def on_verified(self, req: Request, drafted: int, produced: int) -> None:
+        """A verify pass of `drafted` drafts gave `produced` tokens (accepted drafts + 1),
+        before any stop condition cut them."""
 
     def on_token(self, req: Request, token: int, logprob, top_logprobs, dsa_seed) -> bool:
         """A sampled token for `req`: True if the side consumed it (the scheduler then does

@@ -7,15 +7,25 @@ from __future__ import annotations
 from kvstrata.engine.disagg_common import DisaggSide
 from kvstrata.engine.disagg_decode import DecodeDisagg
 from kvstrata.engine.disagg_prefill import PrefillDisagg
+from kvstrata.engine.spec_side import SpeculativeSide
 
 _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
 
 
 def build_sides(sched) -> None:
-    """Register the sides `sched.config` asks for, in call order, on `sched.sides`."""
-    side = _PD_SIDES.get(sched.config.disaggregation_mode)
+    """Register the sides `sched.config` asks for, in call order, on `sched.sides`.
+    Speculation comes first: it only watches arrivals (`take` returns False), and a PD
+    decode side takes every request it sees. A prefill server never decodes: no drafts."""
+    cfg = sched.config
+    if cfg.speculative_algorithm is not None and cfg.disaggregation_mode != "prefill":
+        sched.sides.append(SpeculativeSide(sched))
+    side = _PD_SIDES.get(cfg.disaggregation_mode)
     if side is not None:
         sched.sides.append(side(sched))
+
+
+def spec_side(sched) -> SpeculativeSide | None:
+    return next((s for s in sched.sides if isinstance(s, SpeculativeSide)), None)
 
 
 def pd_side(sched) -> DisaggSide | None:
@@ -24,4 +34,4 @@ def pd_side(sched) -> DisaggSide | None:
     return next((s for s in sched.sides if isinstance(s, DisaggSide)), None)
 
 
-__all__ = ["build_sides", "pd_side"]
+__all__ = ["build_sides", "pd_side", "spec_side"]

@@ -121,6 +121,8 @@ class LLM:
             "completion_tokens": final.completion_tokens,
             "cached_tokens": final.cached_tokens,
         }
+        if final.spec is not None:
+            meta.update(final.spec.meta_info(final.completion_tokens))
         if sp.logprobs is not None:
             meta["output_token_logprobs"] = [(lp, tid) for lp, tid, _ in acc["logprobs"]]
             meta["output_top_logprobs"] = [top for _, _, top in acc["logprobs"]]

@@ -265,6 +265,8 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     meta = {"id": rid, "finish_reason": reason, "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
             "e2e_latency": time.perf_counter() - start}
+    if out.spec is not None:
+        meta.update(out.spec.meta_info(out.completion_tokens))
     if want_lp:
         meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in
                                          zip(acc.logprobs, acc.token_ids)]

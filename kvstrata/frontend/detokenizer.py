@@ -128,7 +128,7 @@ class Detokenizer:
                 prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                 cached_tokens=out.cached_tokens, new_logprobs=out.new_logprobs,
                 new_top_logprobs=out.new_top_logprobs, prompt_logprobs=out.prompt_logprobs,
-                prompt_top_logprobs=out.prompt_top_logprobs,
+                prompt_top_logprobs=out.prompt_top_logprobs, spec=out.spec,
             ))
         return result
 

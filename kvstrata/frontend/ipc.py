@@ -14,7 +14,7 @@ from typing import Any, Union
 
 import msgspec
 
-from kvstrata.protocol import RequestOutput, SamplingParams
+from kvstrata.protocol import RequestOutput, SamplingParams, SpecCounts
 from kvstrata.protocol.engine_request import EngineRequest
 from kvstrata.protocol.logprobs import TopLogprob
 
@@ -76,6 +76,7 @@ class TextOutput(msgspec.Struct, omit_defaults=True):
     new_top_logprobs: list[list[TopLogprob]] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TopLogprob]] | None = None
+    spec: SpecCounts | None = None  # speculative decoding counters (None: not speculating)
 
 
 class TextOutputs(_Msg):

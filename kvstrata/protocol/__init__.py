@@ -1,6 +1,6 @@
 """Pure data shared by every layer (no torch): sampling parameters and the
 scheduler <-> runner contract. Sits below engine/ and runner/ so both may import it."""
-from kvstrata.protocol.request_output import FinishReason, RequestOutput
+from kvstrata.protocol.request_output import FinishReason, RequestOutput, SpecCounts
 from kvstrata.protocol.sampling_params import SamplingParams
 from kvstrata.protocol.scheduler_output import (
     NewRequestData,
@@ -25,6 +25,7 @@ __all__ = [
     "RunnerOutput",
     "FinishReason",
     "RequestOutput",
+    "SpecCounts",
     "TopLogprob",
     "TransferOp",
     "StorageProgress",

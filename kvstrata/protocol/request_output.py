@@ -16,6 +16,24 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
     status_code: int | None = None  # abort: the HTTP status it maps to (400, 500, 503)
 
 
+class SpecCounts(msgspec.Struct, array_like=True):
+    """A request's speculative decoding so far: decode steps (each one verify pass), draft
+    tokens proposed, drafts accepted."""
+    verify_ct: int
+    draft_tokens: int
+    accepted_drafts: int
+
+    def meta_info(self, completion_tokens: int) -> dict:
+        """SGLang's meta_info keys (accept length = completion tokens per verify pass)."""
+        return {"spec_verify_ct": self.verify_ct,
+                "spec_accept_length": (completion_tokens / self.verify_ct
+                                       if self.verify_ct else 0.0),
+                "spec_draft_token_num": self.draft_tokens,
+                "spec_accept_token_num": self.accepted_drafts,
+                "spec_accept_rate": (self.accepted_drafts / self.draft_tokens
+                                     if self.draft_tokens else 0.0)}
+
+
 class RequestOutput(msgspec.Struct):
     rid: str
     # Tokens produced since the previous RequestOutput for this request.
@@ -31,3 +49,5 @@ class RequestOutput(msgspec.Struct):
     # Logprobs of prompt tokens 1..n-1 (echo scoring), sent once, with the first output.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TopLogprob]] | None = None
+    # Speculative decoding counters (None when the server does not speculate).
+    spec: SpecCounts | None = None

@@ -12,8 +12,8 @@ Per step the scheduler sends a SchedulerOutput:
   ops         -- everything else, one ordered list of typed ops (Op), each handed to the
                  executor of its type (runner/op_executor.py).
 The runner answers with a RunnerOutput holding one sampled token per entry whose
-`sample` flag was set (in batch order), and one list of typed events (Event) from the
-executors.
+`sample` flag was set (in batch order; a verify entry, `num_draft` > 0, gives 1 ..
+num_draft + 1 consecutive tokens), and one list of typed events (Event) from the executors.
 
 Slots are token-level KV indices: slot = page_id * page_size + offset_in_page. Page 0 (slots
 0..page_size-1) is the padding sink and never holds real KV.
@@ -52,6 +52,10 @@ class ScheduledRequest(msgspec.Struct):
     slots: list[int]
     # Sample a next token after this chunk (False for a non-final prefill chunk).
     sample: bool
+    # Speculative verify: the last `num_draft` token_ids are draft tokens. The runner
+    # returns the longest prefix of them the target accepts plus one token of its own, as
+    # consecutive RunnerOutput entries of this rid (runner/spec_verify.py).
+    num_draft: int = 0
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):
@@ -121,7 +125,8 @@ class SchedulerOutput(msgspec.Struct):
 
 
 class RunnerOutput(msgspec.Struct):
-    # One entry per ScheduledRequest with sample=True, in batch order.
+    # One entry per ScheduledRequest with sample=True, in batch order (a verify entry:
+    # one per token it produced, consecutive).
     rids: list[str]
     token_ids: list[int]
     # Filled only for requests whose sampling_params.logprobs is not None (else None).

@@ -38,6 +38,7 @@ from kvstrata.runner.quantization import quantize_model, weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor
 from kvstrata.runner.smoothing import calibration_token_ids
 from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner import spec_verify
 
 logger = logging.getLogger(__name__)
 
@@ -252,13 +253,18 @@ class ModelRunner:
         want: list[int] = []
         sample_pos: list[int] = []       # index into `want` of each sampled request
         lp_spans: list[tuple[int, int, int]] = []  # (batch index, first index in want, n)
+        verify_spans: list[tuple[int, int]] = []   # (batch index, first index in want)
         offset = 0
         for i, r in enumerate(reqs):
             n = len(r.token_ids)
             state = self._reqs.get(r.rid)
             if state is None:
                 raise KeyError(f"request {r.rid!r} scheduled but never sent as new")
-            if state.want_prompt_logprobs and not state.prompt_logprobs_sent and \
+            if r.num_draft:
+                # Speculative verify: the last token and every draft predict a token each.
+                verify_spans.append((i, len(want)))
+                want.extend(range(offset + n - r.num_draft - 1, offset + n))
+            elif state.want_prompt_logprobs and not state.prompt_logprobs_sent and \
                     r.start_pos < len(state.sampling.prompt_token_ids):
                 lp_spans.append((i, len(want), n))
                 want.extend(range(offset, offset + n))
@@ -276,20 +282,31 @@ class ModelRunner:
             out.dsa_seeds = self._prefill_seeds(reqs)
         for i, first, n in lp_spans:
             self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
-        sampled = [r for r in reqs if r.sample]
-        if not sampled:
-            return out
-        states = [self._reqs[r.rid].sampling for r in sampled]
-        rows = logits if len(sample_pos) == logits.shape[0] else logits[sample_pos]
-        result = self.sampler(rows, states)
-        for r, st, tok, lp, top in zip(sampled, states, result.token_ids, result.logprobs,
-                                       result.top_logprobs):
-            st.output_token_ids.append(tok)
-            out.rids.append(r.rid)
-            out.token_ids.append(tok)
-            out.logprobs.append(lp)
-            out.top_logprobs.append(None if top is None else
-                                    [TopLogprob(t, lv) for t, lv in top])
+        produced: dict[str, list[tuple]] = {}
+        if verify_spans:
+            vreqs = [reqs[i] for i, _ in verify_spans]
+            results = spec_verify.verify(
+                self.sampler, [logits[first:first + reqs[i].num_draft + 1]
+                               for i, first in verify_spans],
+                [self._reqs[r.rid].sampling for r in vreqs],
+                [r.token_ids[-r.num_draft:] for r in vreqs])
+            produced = {r.rid: res for r, res in zip(vreqs, results)}
+        sampled = [r for r in reqs if r.sample and not r.num_draft]
+        if sampled:
+            states = [self._reqs[r.rid].sampling for r in sampled]
+            rows = logits if len(sample_pos) == logits.shape[0] else logits[sample_pos]
+            result = self.sampler(rows, states)
+            for r, st, tok, lp, top in zip(sampled, states, result.token_ids,
+                                           result.logprobs, result.top_logprobs):
+                st.output_token_ids.append(tok)
+                produced[r.rid] = [(tok, lp, top)]
+        for r in reqs:  # batch order; a verify entry's tokens stay consecutive
+            for tok, lp, top in produced.get(r.rid, ()):
+                out.rids.append(r.rid)
+                out.token_ids.append(tok)
+                out.logprobs.append(lp)
+                out.top_logprobs.append(None if top is None else
+                                        [TopLogprob(t, lv) for t, lv in top])
         return out
 
     def _slot_rows(self) -> torch.Tensor:

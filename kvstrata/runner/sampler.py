@@ -126,6 +126,20 @@ class Sampler:
             self._fill_logprobs(logits, want_lp, params, tokens, logprobs, top_logprobs)
         return SampleResult(tokens, logprobs, top_logprobs)
 
+    def adjusted(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """float32 logits after penalties and the min_new_tokens mask (steps 1-2), as the
+        sampler sees them; a copy when anything changes."""
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        adjust = [i for i, s in enumerate(states)
+                  if _has_penalty(s.params) or self._blocks_eos(s)]
+        if not adjust:
+            return logits.float()
+        logits = logits.to(torch.float32, copy=True)
+        for i in adjust:
+            self._adjust_row(logits[i], states[i])
+        return logits
+
     # ------------------------------------------------------------------ penalties
     def _blocks_eos(self, s: SamplingState) -> bool:
         return len(s.output_token_ids) < s.params.min_new_tokens
@@ -156,6 +170,12 @@ class Sampler:
     # ------------------------------------------------------------------ random sampling
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """Draws one token per row of non-greedy requests from float32 `logits`."""
+        return self._inverse_cdf(self._probs(logits, states), self._uniforms(states).to(
+            logits.device))
+
+    def _probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The distribution each non-greedy row draws from (temperature, top-k, top-p,
+        min-p applied; rows are not renormalised after min-p: draws scale by the total)."""
         m, vocab = logits.shape
         dev = logits.device
         ps = [s.params for s in states]
@@ -180,7 +200,7 @@ class Sampler:
             mp = torch.tensor(min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
             # The max itself always survives (p_max >= min_p * p_max), so no row empties.
             probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * mp, 0.0)
-        return self._inverse_cdf(probs, self._uniforms(states).to(dev))
+        return probs
 
     @staticmethod
     def _cut_threshold(logits: torch.Tensor, ks: list[int], tops: list[float],

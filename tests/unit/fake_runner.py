@@ -77,6 +77,7 @@ class FakeRunner:
         self.storage = storage
         self.storage_jobs: dict[int, list] = {}  # job id -> [op, steps left, hit pages]
         self.computed_tokens = 0  # tokens the "model" ran (a prefix hit skips them)
+        self.verified_drafts = 0  # speculative drafts the "model" accepted
 
     # ---- HiCache L3 -------------------------------------------------------------------
     def _run_storage_job(self, op, hit: int, limit: int | None = None) -> StorageProgress:
@@ -177,8 +178,16 @@ class FakeRunner:
                 pos, tok = self.kv[row[p]]
                 assert pos == p, f"{s.rid}: slot {row[p]} holds position {pos}, expected {p}"
                 seq.append(tok)
-            ids.append(s.rid)
-            toks.append(next_token(seq, self.vocab_size))
+            # A verify entry: the "model" predicts after every prefix that ends in the last
+            # token or a draft; drafts are accepted while they equal its prediction.
+            committed = len(seq) - s.num_draft
+            for j in range(s.num_draft + 1):
+                token = next_token(seq[:committed + j], self.vocab_size)
+                ids.append(s.rid)
+                toks.append(token)
+                self.verified_drafts += j < s.num_draft and seq[committed + j] == token
+                if j == s.num_draft or seq[committed + j] != token:
+                    break
         n = len(ids)
         return RunnerOutput(ids, toks, [None] * n, [None] * n,
                             events=[TransferDone(job) for job in finished] + storage_progress)

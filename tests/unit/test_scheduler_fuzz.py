@@ -2,8 +2,10 @@
 against the fake runner, without torch.
 
 Hypothesis draws an engine (page size, pool down to one request's need, chunk size (also
-below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm, row limit) and
-then interleaves arrivals (prompts sharing prefixes), client aborts and engine steps.
+below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm, row limit,
+speculative decoding on/off with its draft length and a seeded pattern of right and wrong
+draft tokens) and then interleaves arrivals (prompts sharing prefixes), client aborts and
+engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
 - every request ends within a step bound; a hang fails with the scheduler's state dump;
@@ -19,6 +21,7 @@ database (.hypothesis/) and replayed first on the next run.
 from __future__ import annotations
 
 import os
+import random
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -29,6 +32,7 @@ from kvstrata.cache.hiradix_cache import WRITE_POLICIES
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.sides import spec_side
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, FakeStorage, reference_tokens
 
@@ -47,6 +51,8 @@ configs = st.fixed_dictionaries({
     "hicache_pages": st.sampled_from([0, 0, 4, 40, 120]),
     "write_policy": st.sampled_from(WRITE_POLICIES),
     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+    # Speculation: (num_draft_tokens, seed of the right/wrong draft pattern), or off.
+    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
     "max_running_requests": st.sampled_from([2, 4, 64]),
     "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
     # HiCache L3 (with a host pool): job latency in steps, injected backend errors and
@@ -83,7 +89,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             schedule_policy=cfg["schedule_policy"],
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
-            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3))
+            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3,
+            **({} if cfg["spec"] is None else {"speculative_algorithm": "NGRAM",
+                                               "speculative_num_draft_tokens": cfg["spec"][0]})))
+        if cfg["spec"] is not None:
+            spec_side(self.engine.scheduler).draft = self._pattern_drafter(*cfg["spec"])
         if store is not None:
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
@@ -94,6 +104,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.steps = 0
         self.chunked_steps = 0
         self.arrive(first)
+
+    def _pattern_drafter(self, num_draft_tokens: int, seed: int):
+        """Drafts of a random length whose first `good` tokens are the true continuation
+        and the rest wrong, so every accept length (0 .. all) happens."""
+        rng = random.Random(seed)
+
+        def draft(req, limit):
+            n = min(limit, num_draft_tokens - 1, rng.randint(0, num_draft_tokens))
+            if n <= 0:
+                return []
+            done = len(req.output_ids)
+            truth = reference_tokens(req.prompt_ids, done + n, VOCAB)[done:]
+            good = rng.randint(0, n)
+            return truth[:good] + [(t + 1) % VOCAB for t in truth[good:]]
+        return draft
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
@@ -158,6 +183,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"retractions: {min(sched.num_retractions, 3)}")
         event(f"chunked steps: {min(self.chunked_steps, 3)}")
         event(f"aborts: {sum(r.type == 'abort' for r in self.finished.values())}")
+        if self.cfg["spec"] is not None:
+            event(f"accepted drafts > 0: {self.runner.verified_drafts > 0}")
         storage = self.engine.scheduler.kv.storage
         if storage is not None:
             event(f"L3 hit tokens > 0: {storage.stats.hit_tokens > 0}")

@@ -1,0 +1,112 @@
+"""Step 7: speculative decoding (`--speculative-*`, SGLang's names and defaults).
+
+What SGLang derives, with a recorded reason each:
+  - NEXTN is EAGLE with the checkpoint's own MTP layer as the draft;
+  - the draft shape (num_steps, eagle_topk, num_draft_tokens) is auto per algorithm when
+    left unset: STANDALONE and EAGLE/NEXTN 3 / 1 / 4 (SGLang's default for models other
+    than Llama/Grok); NGRAM verifies `--speculative-ngram-max-match-window-size` tokens;
+  - with topk 1 the draft is a chain, so num_draft_tokens = num_steps + 1.
+What kvstrata builds today: NGRAM with chain drafts (the n-gram cache's most frequent
+continuation). The others are refused by name at `serve` (config/resolve.py UNIMPLEMENTED);
+tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's NGRAM default breadth
+is 10 (a tree); left unset here it resolves to 1 and says why.
+"""
+from __future__ import annotations
+
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
+from kvstrata.platform import Platform
+
+# Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
+AUTO_SHAPE = {"EAGLE": (3, 1, 4), "STANDALONE": (3, 1, 4)}
+TREE_DRAFTS_REASON = "tree drafts are not built yet: one chain per step"
+
+
+def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+                env: dict) -> list[Resolution]:
+    algo = args.speculative_algorithm
+    if algo is None:
+        return []
+    out: list[Resolution] = []
+    if algo == "NEXTN":
+        out += change(args, "speculative_algorithm", "EAGLE", "spec.nextn",
+                      "NEXTN is EAGLE with the checkpoint's own MTP layer as the draft")
+        algo = "EAGLE"
+    if algo == "NGRAM":
+        out += _ngram(args)
+    else:
+        out += _draft_model_shape(args, algo)
+    args = apply(args, out)
+    steps, topk, tokens = (args.speculative_num_steps, args.speculative_eagle_topk,
+                           args.speculative_num_draft_tokens)
+    if topk == 1 and tokens != steps + 1:
+        out += change(args, "speculative_num_draft_tokens", steps + 1, "spec.chain",
+                      f"topk 1 drafts a chain: num_draft_tokens = num_steps + 1 = {steps + 1}")
+    return out
+
+
+def _ngram(args: ResolvedArgs) -> list[Resolution]:
+    lo, hi = (args.speculative_ngram_min_match_window_size,
+              args.speculative_ngram_max_match_window_size)
+    if lo > hi:
+        raise ValueError(f"--speculative-ngram-min-match-window-size {lo} must be <= "
+                         f"--speculative-ngram-max-match-window-size {hi}")
+    out: list[Resolution] = []
+    breadth = args.speculative_ngram_max_bfs_breadth
+    if breadth is None:
+        breadth = 1
+        out += change(args, "speculative_ngram_max_bfs_breadth", 1, "spec.ngram_breadth",
+                      f"SGLang's default is 10 (a tree); {TREE_DRAFTS_REASON}")
+    if args.speculative_ngram_min_bfs_breadth > breadth:
+        raise ValueError(f"--speculative-ngram-min-bfs-breadth "
+                         f"{args.speculative_ngram_min_bfs_breadth} must be <= "
+                         f"--speculative-ngram-max-bfs-breadth {breadth}")
+    tokens = args.speculative_num_draft_tokens
+    if tokens is None:
+        tokens = max(hi, 2)
+        out += change(args, "speculative_num_draft_tokens", tokens, "spec.ngram_tokens",
+                      f"NGRAM verifies --speculative-ngram-max-match-window-size ({hi}) "
+                      f"tokens per step by default")
+    if args.speculative_eagle_topk is None:
+        out += change(args, "speculative_eagle_topk", breadth, "spec.ngram_topk",
+                      "NGRAM's topk is its BFS breadth")
+    if args.speculative_num_steps is None:
+        out += change(args, "speculative_num_steps", tokens - 1, "spec.ngram_steps",
+                      "an NGRAM chain drafts num_draft_tokens - 1 tokens")
+    return out
+
+
+def _draft_model_shape(args: ResolvedArgs, algo: str) -> list[Resolution]:
+    steps, topk, tokens = AUTO_SHAPE.get(algo, AUTO_SHAPE["EAGLE"])
+    out: list[Resolution] = []
+    given = (args.speculative_num_steps, args.speculative_eagle_topk,
+             args.speculative_num_draft_tokens)
+    for name, auto, value in zip(("speculative_num_steps", "speculative_eagle_topk",
+                                  "speculative_num_draft_tokens"), (steps, topk, tokens), given):
+        if value is None:
+            out += change(args, name, auto, "spec.auto_shape",
+                          f"{algo} auto draft shape: steps {steps}, topk {topk}, "
+                          f"draft tokens {tokens}")
+    return out
+
+
+def unbuilt(args) -> list[str]:
+    """The speculative choices kvstrata cannot serve yet (resolve.py refuses them by name)."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return []
+    missing = []
+    if algo != "NGRAM":
+        missing.append(f"--speculative-algorithm {algo}")
+    if (args.speculative_eagle_topk or 1) > 1:
+        missing.append(f"--speculative-eagle-topk {args.speculative_eagle_topk} (tree drafts)")
+    if (args.speculative_ngram_max_bfs_breadth or 1) > 1:
+        missing.append(f"--speculative-ngram-max-bfs-breadth "
+                       f"{args.speculative_ngram_max_bfs_breadth} (tree drafts)")
+    if args.speculative_ngram_match_type != "BFS":
+        missing.append(f"--speculative-ngram-match-type {args.speculative_ngram_match_type}")
+    if args.speculative_accept_threshold_single < 1.0 or args.speculative_accept_threshold_acc < 1.0:
+        missing.append("--speculative-accept-threshold-single/-acc below 1.0 (lossy "
+                       "acceptance)")
+    if args.speculative_token_map is not None:
+        missing.append("--speculative-token-map")
+    return missing

@@ -1,0 +1,77 @@
+"""The NGRAM draft source: what it proposes, that incremental insertion equals inserting
+whole sequences, and that capacity pruning keeps live suffixes."""
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.engine.ngram_cache import NgramCache
+
+
+def test_drafts_the_continuation_seen_before():
+    c = NgramCache(branch_length=8, max_window=3)
+    c.extend("a", [1, 2, 3, 4, 5, 6, 7])
+    assert c.draft([9, 2, 3], 4) == [4, 5, 6, 7]
+    assert c.draft([9, 9, 9], 4) == []       # nothing matches
+    assert c.draft([1, 2, 3], 0) == []
+
+
+def test_longest_match_wins_and_frequency_breaks_ties():
+    c = NgramCache(branch_length=6, max_window=3)
+    c.extend("a", [1, 2, 3, 7, 0, 2, 3, 8, 5, 2, 3, 8])  # "2 3" -> 8 twice, 7 once
+    assert c.draft([4, 2, 3], 1) == [8]
+    assert c.draft([1, 2, 3], 1) == [7]  # the 3-token match "1 2 3" is longer
+
+
+def test_drafts_longer_than_the_branch_rematch():
+    c = NgramCache(branch_length=3, max_window=2)
+    c.extend("a", [5, 6] * 10)
+    assert c.draft([5], 7) == [6, 5, 6, 5, 6, 5, 6]
+
+
+def test_requests_share_the_cache_and_forget_only_their_suffixes():
+    c = NgramCache(branch_length=4, max_window=2)
+    c.extend("a", [1, 2, 3])
+    c.extend("b", [7, 1, 2])
+    assert c.draft([1, 2], 1) == [3]
+    c.forget("a")
+    assert c.draft([1, 2], 1) == [3]  # what a taught stays
+
+
+def _counts(cache: NgramCache) -> dict:
+    out, stack = {}, [((), cache.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            out[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40), st.integers(1, 39), st.integers(2, 6))
+def test_incremental_insertion_equals_whole_sequence(seq, cut, branch):
+    whole, parts = NgramCache(branch), NgramCache(branch)
+    whole.extend("r", seq)
+    parts.extend("r", seq[:cut])
+    parts.extend("r", seq[cut:])
+    assert _counts(whole) == _counts(parts)
+    # every substring of length <= branch is counted once per occurrence
+    want: dict = {}
+    for i in range(len(seq)):
+        for j in range(i + 1, min(i + branch, len(seq)) + 1):
+            want[tuple(seq[i:j])] = want.get(tuple(seq[i:j]), 0) + 1
+    assert _counts(whole) == want
+
+
+def test_capacity_prunes_old_nodes_and_keeps_recent_ones():
+    rng = random.Random(0)
+    c = NgramCache(branch_length=4, max_window=3, capacity=500)
+    for i in range(50):
+        c.extend(f"r{i}", [rng.randrange(1000) for _ in range(30)])
+    assert c.num_nodes <= 500
+    assert c.num_nodes == len(_counts(c))
+    c.extend("live", [1, 2, 3, 4, 1, 2, 3])
+    assert c.draft([9, 1, 2], 1) == [3]

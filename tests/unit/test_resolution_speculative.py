@@ -1,0 +1,93 @@
+"""Speculative decoding flags: SGLang's names and defaults, the derived draft shape with a
+recorded reason each, and the unbuilt combinations refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.config import ServerArgs, refuse_unimplemented, unimplemented_flags
+from kvstrata.config.resolve import resolve
+from kvstrata.config.rules.speculative import TREE_DRAFTS_REASON
+
+
+def resolved(**kw):
+    args, res = resolve(ServerArgs(**kw), "cpu")
+    return args, {r.rule: r for r in res if r.rule.startswith("spec.")}
+
+
+def test_off_by_default_changes_nothing():
+    args, rules = resolved()
+    assert args.speculative_algorithm is None and rules == {}
+    assert args.speculative_num_draft_tokens is None
+
+
+def test_ngram_defaults_follow_sglang_with_a_chain():
+    args, rules = resolved(speculative_algorithm="NGRAM")
+    assert args.speculative_num_draft_tokens == 12  # = max match window (SGLang)
+    assert args.speculative_ngram_max_bfs_breadth == 1
+    assert TREE_DRAFTS_REASON in rules["spec.ngram_breadth"].reason
+    assert args.speculative_eagle_topk == 1 and args.speculative_num_steps == 11
+    assert unimplemented_flags(args) == []
+    refuse_unimplemented(ServerArgs(speculative_algorithm="NGRAM"))
+
+
+def test_ngram_draft_tokens_follow_the_window_and_explicit_values_win():
+    args, _ = resolved(speculative_algorithm="NGRAM",
+                       speculative_ngram_max_match_window_size=5)
+    assert args.speculative_num_draft_tokens == 5
+    args, rules = resolved(speculative_algorithm="NGRAM", speculative_num_draft_tokens=7)
+    assert args.speculative_num_draft_tokens == 7 and "spec.ngram_tokens" not in rules
+
+
+def test_chain_forces_draft_tokens_to_steps_plus_one():
+    args, rules = resolved(speculative_algorithm="NGRAM", speculative_num_steps=3,
+                           speculative_num_draft_tokens=9)
+    assert args.speculative_num_draft_tokens == 4
+    assert "num_steps + 1 = 4" in rules["spec.chain"].reason
+
+
+def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
+    args, rules = resolved(speculative_algorithm="NEXTN")
+    assert args.speculative_algorithm == "EAGLE"
+    assert "MTP layer" in rules["spec.nextn"].reason
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 1, 4)
+    with pytest.raises(NotImplementedError,
+                       match="^not implemented yet: --speculative-algorithm NEXTN$"):
+        refuse_unimplemented(ServerArgs(speculative_algorithm="NEXTN"))
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
+    ({"speculative_algorithm": "STANDALONE"}, "--speculative-algorithm STANDALONE"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
+     "--speculative-ngram-max-bfs-breadth 10 (tree drafts)"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4},
+     "--speculative-eagle-topk 4 (tree drafts)"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "PROB"},
+     "--speculative-ngram-match-type PROB"),
+    ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5},
+     "--speculative-accept-threshold-single/-acc below 1.0 (lossy acceptance)"),
+])
+def test_unbuilt_speculation_is_refused_by_name(kwargs, named):
+    args = ServerArgs(**kwargs)
+    assert unimplemented_flags(args) == [named]
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        refuse_unimplemented(args)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens must be >= 2"),
+    ({"speculative_ngram_branch_length": 0}, "--speculative-ngram-branch-length must be >= 1"),
+    ({"speculative_algorithm": "MEDUSA"}, "--speculative-algorithm must be one of"),
+])
+def test_bad_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_inconsistent_ngram_windows_are_refused():
+    with pytest.raises(ValueError, match="--speculative-ngram-min-match-window-size 5 must be "
+                                         "<= --speculative-ngram-max-match-window-size 3"):
+        resolve(ServerArgs(speculative_algorithm="NGRAM",
+                           speculative_ngram_min_match_window_size=5,
+                           speculative_ngram_max_match_window_size=3), "cpu")
