@@ -12,6 +12,7 @@ Accepted `model_path` spellings:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -89,19 +90,81 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     if source.kind == "gguf":
-        return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+        return AutoConfig.from_pretrained(gguf_metadata_dir(source))
     return AutoConfig.from_pretrained(source.path)
 
 
-def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:
-    """AutoTokenizer for the model (or for `tokenizer_path`); carries the chat template."""
-    from transformers import AutoTokenizer
+def gguf_metadata_dir(source: ModelSource) -> str:
+    """An HF directory (config.json + tokenizer files) converted from a GGUF file's
+    metadata, built once per file (path, size, mtime) under the user cache.
 
+    transformers re-parses the whole GGUF (every vocabulary entry, ~6 s of Python for
+    SmolLM2's 49k tokens) for each AutoConfig / AutoTokenizer call with `gguf_file`, and a
+    server made several (config, calibration tokenizer, the api and the detokenizer
+    processes); the converted directory loads in well under a second. The conversion is
+    transformers' own (from_pretrained(gguf_file=...) then save_pretrained)."""
+    import hashlib
+
+    gguf = source.gguf_path
+    st = os.stat(gguf)
+    key = hashlib.sha256(f"{os.path.realpath(gguf)}:{st.st_size}:{st.st_mtime_ns}:{_CONVERT_V}"
+                         .encode()).hexdigest()[:20]
+    root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "kvstrata", "gguf-metadata")
+    out = os.path.join(root, f"{os.path.splitext(source.gguf_file)[0]}-{key}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from filelock import FileLock
+    from transformers import AutoConfig, AutoTokenizer
+
+    os.makedirs(root, exist_ok=True)
+    with FileLock(out + ".lock"):  # the server's processes start together
+        if not os.path.isfile(os.path.join(out, "config.json")):
+            tmp = f"{out}.tmp{os.getpid()}"
+            AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file
+                                          ).save_pretrained(tmp)
+            AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file
+                                       ).save_pretrained(tmp)  # config.json last: complete
+            os.replace(tmp, out)
+    return out
+
+
+_CONVERT_V = 1  # bump when the conversion changes: old directories are not reused
+
+
+# tokenizer_config.json classes that are transformers' generic tokenizers-library backend
+# (PreTrainedTokenizerFast is an alias of TokenizersBackend in transformers 5).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Any:
+    """AutoTokenizer for the model (or for `tokenizer_path`); carries the chat template.
+
+    A directory whose tokenizer_config.json names the generic backend class is loaded
+    through that class directly: the same object AutoTokenizer builds, without the model
+    config machinery that imports torch (~4 s of CPU in the api server and the detokenizer,
+    which never need torch)."""
     if tokenizer_path is not None:
         source = resolve_model_path(tokenizer_path)
-    if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-    return AutoTokenizer.from_pretrained(source.path)
+    path = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+    if _tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _tokenizer_class(path: str) -> str | None:
+    cfg = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(cfg) or not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    try:
+        with open(cfg, encoding="utf-8") as fh:
+            return json.load(fh).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def load_generation_eos(source: ModelSource) -> list[int]:

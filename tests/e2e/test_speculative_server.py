@@ -1,0 +1,73 @@
+"""A real server with --speculative-algorithm NGRAM, through the official openai client:
+greedy text (streamed and not, with a stop string) equals plain decoding of the same model
+in this process, and the speculative counters reach meta_info, /server_info and /metrics."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_utils import ServerProcess
+
+TEXT = "one two three four five six seven eight nine ten " * 3
+ARGS = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5",
+        "--max-total-tokens", "4096", "--context-length", "512")
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_model_path):
+    srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny", *ARGS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_path):
+    from kvstrata import LLM
+    return LLM(model_path=tiny_model_path, max_total_tokens=4096, context_length=512)
+
+
+def test_greedy_text_equals_plain_streamed_or_not(spec_server, plain):
+    client = openai.OpenAI(base_url=spec_server.base_url + "/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    want = plain.generate(TEXT, {"max_new_tokens": 48, "temperature": 0,
+                                 "ignore_eos": True})["text"]
+    for _ in range(2):  # the second time the n-gram cache knows the answer
+        got = client.completions.create(model="tiny", prompt=TEXT, max_tokens=48,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+    stream = client.completions.create(model="tiny", prompt=TEXT, max_tokens=48,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == want
+    # A stop string inside what is now an accepted run cuts the text where plain does.
+    words = want.split()
+    stop = next((w for w in words[3:] if len(w) > 2), None)
+    if stop is not None:
+        want_stop = plain.generate(TEXT, {"max_new_tokens": 48, "temperature": 0,
+                                          "ignore_eos": True, "stop": [stop]})["text"]
+        got = client.completions.create(model="tiny", prompt=TEXT, max_tokens=48,
+                                        temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want_stop
+
+
+def test_counters_reach_meta_info_server_info_and_metrics(spec_server):
+    url = spec_server.base_url
+    r = httpx.post(url + "/generate", timeout=60, json={
+        "text": TEXT, "sampling_params": {"max_new_tokens": 32, "temperature": 0,
+                                          "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["spec_verify_ct"] > 0
+    assert meta["spec_accept_length"] >= 1.0
+    assert 0 <= meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+    info = httpx.get(url + "/server_info", timeout=30).json()
+    assert info["speculative_algorithm"] == "NGRAM"
+    assert info["speculative_num_draft_tokens"] == 5
+    state = info["internal_states"][0]
+    assert state["avg_spec_accept_length"] >= 1.0 and state["spec_verify_steps"] > 0
+    httpx.get(url + "/get_load", timeout=30)  # a fresh load report feeds /metrics
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert "kvstrata:spec_accept_length{" in metrics
+    assert "kvstrata:spec_verify_steps_total{" in metrics
