@@ -218,6 +218,11 @@ class ServerArgs:
                                                        "(1.0 = exact).", group="speculative")
     speculative_token_map: str | None = opt(None, "FR-Spec token map of the draft head.",
                                             group="speculative")
+    speculative_disable_by_batch_size: int | None = opt(
+        None, "Decode steps with more running requests than this verify no drafts (vLLM's "
+              "flag). Default: measured while serving -- per batch-size range, drafts are "
+              "verified only while a verified step costs less per token than a plain one.",
+        group="speculative")
     speculative_ngram_min_match_window_size: int = opt(
         1, "NGRAM: shortest suffix of the sequence matched in the cache.", group="speculative")
     speculative_ngram_max_match_window_size: int = opt(
@@ -313,6 +318,7 @@ _RANGES: dict[str, tuple] = {
     "disaggregation_decode_polling_interval": (lambda v: v >= 1, ">= 1"),
     "disaggregation_decode_extra_slots": (lambda v: v >= 0, ">= 0"),
     "speculative_num_steps": (lambda v: v >= 1, ">= 1"),
+    "speculative_disable_by_batch_size": (lambda v: v >= 0, ">= 0"),
     "speculative_eagle_topk": (lambda v: v >= 1, ">= 1"),
     "speculative_num_draft_tokens": (lambda v: v >= 2, ">= 2"),
     "speculative_accept_threshold_single": (lambda v: 0 <= v <= 1, "in [0, 1]"),

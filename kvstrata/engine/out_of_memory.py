@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS
+from kvstrata.engine.prefill_adder import prefill_candidates
 from kvstrata.engine.request import Request
 from kvstrata.protocol import FinishReason
 
@@ -14,6 +15,17 @@ logger = logging.getLogger(__name__)
 OOM_LAST_REQUEST_MESSAGE = (
     "Out of memory even after retracting all other requests in the decode batch."
 )
+
+
+def stalled(sched) -> bool:
+    """Work is waiting, yet this step computes nothing, ends nothing and waits for no copy.
+    With requests running, decode always runs (or retracts/aborts), so a stall means
+    nothing runs and the head of the queue (or the chunked request) cannot get its pages
+    even with every cached page evicted: it can never fit (abort_unfittable)."""
+    return bool((sched.waiting or sched.chunked_req is not None)
+                and not sched.finished_outside_step
+                and not sched.kv.has_transfers_in_flight()
+                and not any(side.frees_memory_later() for side in sched.sides))
 
 
 def retract_for_decode(sched) -> None:
@@ -59,7 +71,7 @@ def abort_unfittable(sched) -> None:
     if sched.chunked_req is not None:
         victim, sched.chunked_req = sched.chunked_req, None
     else:
-        victim = sched._prefill_candidates()[0]
+        victim = prefill_candidates(sched)[0]
         sched.waiting.remove(victim)
     need = victim.seq_len + min(victim.remaining_new_tokens(), 1)
     message = (f"Out of memory: the request needs about {need} KV tokens but the pool holds "

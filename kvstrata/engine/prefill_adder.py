@@ -108,3 +108,15 @@ class PrefillAdder:
         if plan is None:
             return None
         return self._append(req, plan[0], remaining_len, plan[1])
+
+
+LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
+
+
+def prefill_candidates(sched) -> list:
+    """The waiting queue in admission order: fcfs, or lpm (longest cached prefix first,
+    fcfs on ties) while the queue is short enough for the prefix look-ups to pay."""
+    if sched.config.schedule_policy == "lpm" and len(sched.waiting) <= LPM_FALLBACK_QUEUE_LEN:
+        prefix = {id(r): sched.kv.peek_prefix_len(r.all_ids) for r in sched.waiting}
+        return sorted(sched.waiting, key=lambda r: -prefix[id(r)])
+    return list(sched.waiting)

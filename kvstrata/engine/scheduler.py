@@ -15,8 +15,8 @@ from kvstrata.cache.invariants import expected_rows
 from kvstrata.cache.kv_manager import KVManager
 from kvstrata.engine.new_token_ratio import NewTokenRatio
 from kvstrata.engine.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfittable,
-                                           retract_for_decode)
-from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem
+                                           retract_for_decode, stalled)
+from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem, prefill_candidates
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
 from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
@@ -27,7 +27,6 @@ from kvstrata.engine.verify_step import after_verified, collect_drafts, settle_v
 from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
                                SchedulerOutput)
 
-LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
 __all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 
 
@@ -110,8 +109,7 @@ class Scheduler:
                 return self.finish(req, reason)
         return None
 
-    # ------------------------------------------------------------------ the sides' facade
-    # What a side may do to the scheduler (engine/side.py); nothing else of it is theirs.
+    # ---- the sides' facade: what a side may do to the scheduler (engine/side.py) ----
     def finish(self, req: Request, reason: FinishReason) -> Request:
         """End `req` (out of every scheduler queue already): release its KV and row, tell
         the runner to forget it, then every side's on_finish."""
@@ -166,10 +164,9 @@ class Scheduler:
         self.num_retractions += retracted
         self.ratio.after_retraction(retracted, remaining)
 
-    def decode_pages_needed(self, reqs: list[Request],
-                            drafts: dict[str, list[int]] | None = None) -> int:
-        drafts = drafts or {}
-        return sum(self.kv.pages_needed(r, r.seq_len + len(drafts.get(r.rid, ()))) for r in reqs)
+    def decode_pages_needed(self, reqs: list[Request], drafts: dict | None = None) -> int:
+        return sum(self.kv.pages_needed(r, r.seq_len + len((drafts or {}).get(r.rid, ())))
+                   for r in reqs)
 
     def retract_one(self, victim: Request) -> None:
         """Release a request's pages and row, and reset it to be computed again."""
@@ -185,27 +182,13 @@ class Scheduler:
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
-        if out is None and self._stalled():
-            self._resolve_stall()
+        if out is None and stalled(self):
+            abort_unfittable(self)  # the progress guarantee (engine/out_of_memory.py)
         if out is None and (self.freed_for_runner or self.kv.has_transfers_in_flight()
                             or any(side.needs_poll() for side in self.sides)):
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
-
-    # ------------------------------------------------------------------ progress guarantee
-    def _stalled(self) -> bool:
-        """Work is waiting, yet this step computes nothing, ends nothing and waits for no
-        copy. With requests running, decode always runs (or retracts/aborts), so a stall
-        means nothing runs and the head of the queue (or the chunked request) cannot get
-        its pages even with every cached page evicted: it can never fit."""
-        return bool((self.waiting or self.chunked_req is not None)
-                    and not self.finished_outside_step
-                    and not self.kv.has_transfers_in_flight()
-                    and not any(side.frees_memory_later() for side in self.sides))
-
-    def _resolve_stall(self) -> None:
-        abort_unfittable(self)
 
     def dump_state(self) -> str:
         """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
@@ -253,12 +236,6 @@ class Scheduler:
         req.row_stale_from = req.num_computed_tokens
         return entry
 
-    def _prefill_candidates(self) -> list[Request]:
-        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_FALLBACK_QUEUE_LEN:
-            prefix = {id(r): self.kv.peek_prefix_len(r.all_ids) for r in self.waiting}
-            return sorted(self.waiting, key=lambda r: -prefix[id(r)])  # stable: fcfs on ties
-        return list(self.waiting)
-
     def _schedule_prefill(self) -> SchedulerOutput | None:
         if not self.waiting and self.chunked_req is None:
             return None
@@ -281,7 +258,7 @@ class Scheduler:
                 # Blocked: the running requests hold the memory. Decode goes on (they finish
                 # or retraction takes this request); admitting others would starve it.
                 return None
-        for req in self._prefill_candidates():
+        for req in prefill_candidates(self):
             if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
                 break
             if not self.kv.prefetch_ready(req):
@@ -415,7 +392,6 @@ class Scheduler:
             self.running.remove(req)
         self.finish(req, reason)
 
-    # ------------------------------------------------------------------ introspection
     def check_integrity(self) -> None:
         """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
         check_scheduler(self)

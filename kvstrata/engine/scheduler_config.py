@@ -17,6 +17,7 @@ RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 _STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
                    "hicache_storage_backend_extra_config")
 _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
+                "speculative_disable_by_batch_size",
                 "speculative_ngram_min_match_window_size",
                 "speculative_ngram_max_match_window_size", "speculative_ngram_branch_length",
                 "speculative_ngram_capacity")
@@ -54,6 +55,8 @@ class SchedulerConfig:
     # Speculative decoding (engine/spec_side.py), the resolved values: None = off.
     speculative_algorithm: str | None = None  # NGRAM (the others are refused at start)
     speculative_num_draft_tokens: int = 12    # verified per step, the last token included
+    # Above this many running requests no drafts; None: measured (engine/spec_gate.py).
+    speculative_disable_by_batch_size: int | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_branch_length: int = 18

@@ -61,6 +61,9 @@ class SchedulerSide:
         (the scheduler then does not recompute-retract)."""
         return False
 
+    def begin_decode(self, batch: int) -> None:
+        """A decode step of `batch` running requests is being scheduled (before `draft`)."""
+
     def draft(self, req: Request, limit: int) -> list[int]:
         """Draft tokens for `req`'s next decode step (at most `limit`), verified by the
         target in the same forward; [] = a plain decode step. The first side with a draft

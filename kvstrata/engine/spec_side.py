@@ -16,6 +16,12 @@ from __future__ import annotations
 
 from kvstrata.engine.ngram_cache import NgramCache
 from kvstrata.engine.side import SchedulerSide
+from kvstrata.engine.spec_gate import SpecGate
+
+MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it grow back
+START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
+PRIOR_RATE = 0.5   # acceptance rate assumed for a request that has not drafted yet
+RATE_ALPHA = 0.5   # weight of the newest verify step in a request's acceptance rate
 
 
 class SpeculativeSide(SchedulerSide):
@@ -28,6 +34,12 @@ class SpeculativeSide(SchedulerSide):
                                 cfg.speculative_ngram_max_match_window_size,
                                 cfg.speculative_ngram_capacity)
         self._fed: dict[str, int] = {}  # rid -> tokens of it already in the cache
+        self._budget: dict[str, int] = {}  # rid -> drafts it may propose next (see _adapt)
+        # Whether this decode step drafts: --speculative-disable-by-batch-size, or measured.
+        self.gate = SpecGate(getattr(cfg, "speculative_disable_by_batch_size", None))
+        self._need = 0.0      # acceptance rate a request needs to draft in this step
+        self._rate: dict[str, float] = {}  # rid -> recent accepted / drafted
+        self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
         self.verify_steps = 0      # decode steps of requests (each one verify pass)
         self.accepted_tokens = 0   # tokens those passes produced (accepted drafts + 1 each)
         self.drafted_tokens = 0
@@ -38,12 +50,19 @@ class SpeculativeSide(SchedulerSide):
         self._fed[req.rid] = len(req.prompt_ids)
         return False  # only watches arrivals
 
+    def begin_decode(self, batch: int) -> None:
+        self._need = self.gate.begin(batch)
+        self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
+
     def draft(self, req, limit: int) -> list[int]:
-        """Draft tokens to verify after `req`'s last token (at most `limit`)."""
-        if limit <= 0 or req.params.max_new_tokens == 0:
+        """Draft tokens to verify after `req`'s last token (at most `limit`, and at most
+        the request's current draft budget); none in a step the gate keeps plain."""
+        if (limit <= 0 or req.params.max_new_tokens == 0
+                or self._rate.get(req.rid, PRIOR_RATE) < self._need):
             return []
         self._feed(req)
-        return self.cache.draft(req.all_ids, min(limit, self.num_draft_tokens - 1))
+        budget = self._budget.get(req.rid, min(START_BUDGET, self.num_draft_tokens - 1))
+        return self.cache.draft(req.all_ids, min(limit, budget))
 
     def on_verified(self, req, drafted: int, produced: int) -> None:
         """A decode step of `req` verified `drafted` drafts (0: nothing matched, a plain
@@ -52,15 +71,45 @@ class SpeculativeSide(SchedulerSide):
         self.verify_steps += 1
         self.accepted_tokens += produced
         self.drafted_tokens += drafted
+        self._step_tokens += produced
+        self._step_drafts += drafted
+        self._step_drafts_accepted += produced - 1
+        if drafted:
+            self._adapt(req.rid, drafted, produced - 1)
         req.spec_verify_ct += 1
         req.spec_draft_tokens += drafted
         req.spec_accepted_drafts += produced - 1
+
+    def _adapt(self, rid: str, drafted: int, accepted: int) -> None:
+        """Per-request draft budget: every draft token costs a position in the verify
+        forward, so a request whose drafts keep failing drafts less (halved when none was
+        accepted, down to MIN_BUDGET) and one whose drafts all pass drafts more again
+        (doubled, up to num_draft_tokens - 1); a partial accept keeps it (copying text
+        diverges now and then, then goes on). Exactness does not depend on it."""
+        rate = self._rate.get(rid, PRIOR_RATE)
+        self._rate[rid] = rate + RATE_ALPHA * (accepted / drafted - rate)
+        top = self.num_draft_tokens - 1
+        budget = self._budget.get(rid, min(START_BUDGET, top))
+        if accepted == drafted:
+            budget = min(top, budget * 2)
+        elif accepted == 0:
+            budget = max(MIN_BUDGET, budget // 2)
+        self._budget[rid] = budget
+
+    def on_runner_output(self, result) -> list:
+        # (a no-op after a prefill step: the gate only times decode steps it began)
+        self.gate.end(self._step_tokens, self._step_tokens - self._step_drafts_accepted
+                      + self._step_drafts, self._step_drafts > 0)
+        self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
+        return []
 
     def on_finish(self, req) -> None:
         if req.rid in self._fed:
             self._feed(req)  # its output still teaches the cache
             del self._fed[req.rid]
         self.cache.forget(req.rid)
+        self._budget.pop(req.rid, None)
+        self._rate.pop(req.rid, None)
 
     def _feed(self, req) -> None:
         seen = self._fed.get(req.rid)
@@ -71,6 +120,12 @@ class SpeculativeSide(SchedulerSide):
             self.cache.extend(req.rid, ids[seen:])
         self._fed[req.rid] = len(ids)
 
+    def reset_cache(self) -> None:
+        """Forget every n-gram (benchmarks: each run starts from what its prompts teach)."""
+        self.cache = NgramCache(self.cache.branch_length, self.cache.min_window,
+                                self.cache.max_window, self.cache.capacity)
+        self._fed.clear()
+
     # ---- state
     def avg_accept_length(self) -> float:
         return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
@@ -79,7 +134,8 @@ class SpeculativeSide(SchedulerSide):
         return {"spec_verify_steps": self.verify_steps,
                 "spec_accepted_tokens": self.accepted_tokens,
                 "spec_drafted_tokens": self.drafted_tokens,
-                "avg_spec_accept_length": round(self.avg_accept_length(), 4)}
+                "avg_spec_accept_length": round(self.avg_accept_length(), 4),
+                "spec_gate": self.gate.state()}
 
     def dump_lines(self, brief) -> list[str]:
         return [f"speculative {self.algorithm}: {self.verify_steps} verify passes, avg accept "

@@ -17,6 +17,8 @@ def collect_drafts(sched) -> dict[str, list[int]] | None:
     length."""
     if not any(type(side).draft is not SchedulerSide.draft for side in sched.sides):
         return None
+    for side in sched.sides:
+        side.begin_decode(len(sched.running))
     ctx = sched.stop_checker.max_context_len
     drafts = {}
     for req in sched.running:

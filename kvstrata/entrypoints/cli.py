@@ -124,6 +124,23 @@ register(("bench", "serve"), _add_bench_serve_args, _refuse_busy_box(_run_bench_
          "benchmark any OpenAI-compatible server")
 
 
+def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.spec import add_args
+
+    add_args(parser)
+
+
+def _run_bench_spec(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.spec import run
+
+    run(ns)
+    return 0
+
+
+register(("bench", "spec"), _add_bench_spec_args, _refuse_busy_box(_run_bench_spec),
+         "speculative decoding vs plain decoding (tok/s, TPOT, accept length)")
+
+
 def _add_bench_pd_args(parser: argparse.ArgumentParser) -> None:
     from kvstrata.bench.pd import add_args
 

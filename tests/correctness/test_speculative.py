@@ -24,8 +24,9 @@ VOCAB = 300  # tests/conftest.py TINY_VOCAB
 
 
 def make_llm(path: str, spec: bool, **kw) -> LLM:
-    if spec:
-        kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5, **kw}
+    if spec:  # drafts in every step (not the measured gate): the tests count acceptances
+        kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5,
+              "speculative_disable_by_batch_size": 1 << 20, **kw}
     return LLM(model_path=path, skip_tokenizer_init=True, dtype="float32", **kw)
 
 
@@ -212,3 +213,26 @@ def test_sampling_distribution_matches_plain(tiny_checkpoints):
     stat, df = _two_sample_chi2(a, b)
     assert stat < _chi2_critical(max(df, 1)), (stat, df)
     drained(spec)
+
+
+def test_smollm2_gguf_ngram_equals_plain(smollm2_gguf_path):
+    """The real model: an answer that quotes its prompt is drafted from the prompt, accepted
+    several tokens per step, and identical to plain greedy decoding."""
+    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen "
+               "liquor jugs. How vexingly quick daft zebras jump!")
+    msgs = [{"role": "user", "content": "Repeat the following text exactly:\n\n" + passage}]
+    params = {"max_new_tokens": 40, "temperature": 0}
+    outs = []
+    for spec in (False, True):
+        kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+              "speculative_disable_by_batch_size": 64} if spec else {}
+        with LLM(model_path=smollm2_gguf_path, max_total_tokens=2048, page_size=16,
+                 **kw) as llm:
+            prompt = llm.tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                       add_generation_prompt=True)
+            outs.append(llm.generate(prompt, params))
+            drained(llm)
+    plain, spec = outs
+    assert spec["output_ids"] == plain["output_ids"]
+    assert "quick brown fox" in spec["text"], spec["text"]
+    assert spec["meta_info"]["spec_accept_length"] > 1.5, spec["meta_info"]

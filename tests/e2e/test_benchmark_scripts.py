@@ -144,3 +144,20 @@ def test_bench_storage_rows(tmp_path):
     for r in rows:
         assert r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0
     assert os.listdir(tmp_path) == ["storage.json"]  # its files are gone
+
+
+def test_bench_spec_rows(tmp_path, tiny_model_path):
+    """`kvstrata bench spec`: plain and NGRAM rows per workload and batch size, with the
+    ratios, and greedy outputs equal to plain decoding's."""
+    out = tmp_path / "spec.json"
+    subprocess.run([sys.executable, "-m", "kvstrata.entrypoints.cli", "bench", "spec",
+                    "--model", tiny_model_path, "--batch-sizes", "1", "3", "--output-len", "8",
+                    "--output-json", str(out)], check=True, cwd=ROOT, capture_output=True,
+                   timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["workload"], r["batch"], r["setup"]) for r in rows} == {
+        (w, b, s) for w in ("chat", "repeat") for b in (1, 3) for s in ("plain", "NGRAM")}
+    for r in rows:
+        assert r["tok_s"] > 0 and r["tpot_p50_ms"] > 0 and r["same_output"], r
+        if r["setup"] == "NGRAM":
+            assert r["accept_length"] >= 1.0 and r["tpot_ratio"] > 0

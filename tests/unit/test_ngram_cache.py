@@ -75,3 +75,31 @@ def test_capacity_prunes_old_nodes_and_keeps_recent_ones():
     assert c.num_nodes == len(_counts(c))
     c.extend("live", [1, 2, 3, 4, 1, 2, 3])
     assert c.draft([9, 1, 2], 1) == [3]
+
+
+def test_draft_budget_shrinks_on_misses_and_grows_on_full_accepts():
+    from types import SimpleNamespace
+
+    from kvstrata.engine.spec_side import MIN_BUDGET, SpeculativeSide
+    cfg = SimpleNamespace(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9,
+                          speculative_ngram_branch_length=18,
+                          speculative_ngram_min_match_window_size=1,
+                          speculative_ngram_max_match_window_size=12,
+                          speculative_ngram_capacity=1000)
+    side = SpeculativeSide(SimpleNamespace(config=cfg))
+    req = SimpleNamespace(rid="r", prompt_ids=[1, 2, 3, 4] * 5, output_ids=[],
+                          params=SimpleNamespace(max_new_tokens=50), spec_verify_ct=0,
+                          spec_draft_tokens=0, spec_accepted_drafts=0)
+    req.all_ids = req.prompt_ids
+    side.take(req)
+    assert len(side.draft(req, 100)) == 8             # num_draft_tokens - 1
+    side.on_verified(req, 8, 4)                        # 3 accepted: keep
+    assert len(side.draft(req, 100)) == 8
+    side.on_verified(req, 8, 1)                        # nothing accepted: halve
+    assert len(side.draft(req, 100)) == 4
+    for _ in range(3):
+        side.on_verified(req, 4, 1)
+    assert len(side.draft(req, 100)) == MIN_BUDGET
+    side.on_verified(req, 1, 2)                        # all accepted: double
+    assert len(side.draft(req, 100)) == 2
+    assert req.spec_verify_ct == 6 and req.spec_accepted_drafts == 4

@@ -45,6 +45,9 @@ from kvstrata.runner.forward_batch import ForwardBatch
 # the 2-core dev box). A split must save more padded rows than this.
 DECODE_GROUP_COST_ROWS = 256
 MAX_DECODE_GROUPS = 8
+# Multi-token pieces up to this many tokens (speculative verify entries) run as that many
+# one-token queries through the paged decode kernel instead of a gathered, masked SDPA.
+KERNEL_MAX_QUERY_TOKENS = 16
 
 
 @dataclass
@@ -117,6 +120,12 @@ class TorchNativeAttnBackend:
                 pieces.append(Piece("fresh", off, off + n))
             elif n == 1:
                 decode.append((start + 1, off, row))
+            elif self.use_kernel and n <= KERNEL_MAX_QUERY_TOKENS:
+                # A few tokens after a cached context (a speculative verify entry): token j
+                # is a one-token query over keys 0 .. start + j, so the paged decode kernel
+                # runs it in place like any decode query -- no gather, and the same
+                # arithmetic as the plain decode step it must agree with.
+                decode.extend((start + j + 1, off + j, row) for j in range(n))
             else:
                 kv_len = start + n
                 rows_t = torch.tensor([row], dtype=torch.int64).to(device)

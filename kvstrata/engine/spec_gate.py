@@ -1,0 +1,102 @@
+"""Which requests draft in a decode step (no torch). A draft token costs one position of
+the verify forward and pays only when accepted: on a CPU at batch 1 a forward of a few
+extra positions costs little more than one token, at batch 32 it is compute-bound and every
+position costs about what a token costs. So the rule is per request and per batch size:
+
+    a request drafts iff its recent acceptance rate >= rho(batch range),
+    rho = marginal cost of one more forward position / cost per token of a plain step.
+
+Measured while serving, per batch-size range (powers of two: 1, 2-3, 4-7, ...): exponential
+averages of a step's wall time and forward positions, for steps with drafts and for plain
+steps, give the marginal cost b = (t_spec - t_plain) / (positions_spec - positions_plain)
+and rho = b / (t_plain / positions_plain). A range first takes WARMUP steps where every
+request drafts and WARMUP plain ones; later every EXPLORE_EVERY-th step is one of either kind
+(alternating) so the averages, and each request's acceptance rate, stay current.
+`--speculative-disable-by-batch-size N` (vLLM's flag) replaces all this: every request may
+draft in steps of at most N requests, none above. Exactness never depends on the choice.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+WARMUP = 3
+EXPLORE_EVERY = 16
+ALPHA = 0.3          # weight of the newest sample in the averages
+RHO_UNKNOWN = 0.5    # before the marginal cost is measurable
+RHO_MIN, RHO_MAX = 0.02, 2.0
+
+
+@dataclass
+class _Avg:
+    n: int = 0
+    seconds: float = 0.0
+    positions: float = 0.0
+
+    def add(self, seconds: float, positions: int) -> None:
+        a = 1.0 if self.n == 0 else ALPHA
+        self.seconds += a * (seconds - self.seconds)
+        self.positions += a * (positions - self.positions)
+        self.n += 1
+
+
+@dataclass
+class _Range:
+    steps: int = 0
+    spec: _Avg = None  # type: ignore[assignment]
+    plain: _Avg = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        self.spec, self.plain = _Avg(), _Avg()
+
+    def rho(self) -> float:
+        s, p = self.spec, self.plain
+        if not (s.n and p.n) or s.positions <= p.positions + 0.5 or p.seconds <= 0:
+            return RHO_UNKNOWN
+        marginal = (s.seconds - p.seconds) / (s.positions - p.positions)
+        return min(max(marginal / (p.seconds / p.positions), RHO_MIN), RHO_MAX)
+
+
+class SpecGate:
+    def __init__(self, disable_by_batch_size: int | None = None, clock=time.perf_counter):
+        self.limit = disable_by_batch_size
+        self.clock = clock
+        self.ranges: dict[int, _Range] = {}
+        self._step: tuple[int, float] | None = None  # (range, start)
+
+    def begin(self, batch: int) -> float:
+        """A decode step of `batch` requests starts: the acceptance rate a request needs
+        to draft in it (0: everyone may, inf: nobody)."""
+        if self.limit is not None:
+            self._step = None
+            return 0.0 if batch <= self.limit else math.inf
+        key = batch.bit_length()
+        r = self.ranges.setdefault(key, _Range())
+        r.steps += 1
+        self._step = (key, self.clock())
+        if r.spec.n < WARMUP:
+            return 0.0
+        if r.plain.n < WARMUP:
+            return math.inf
+        if r.steps % EXPLORE_EVERY == 0:
+            return 0.0 if (r.steps // EXPLORE_EVERY) % 2 else math.inf
+        return r.rho()
+
+    def end(self, tokens: int, positions: int, drafted: bool) -> None:
+        """The step's output arrived: `tokens` produced from `positions` forward positions
+        (tokens = positions in a plain step); `drafted`: any draft was verified."""
+        if self._step is None:
+            return
+        key, start = self._step
+        self._step = None
+        if tokens > 0:
+            r = self.ranges[key]
+            (r.spec if drafted else r.plain).add(self.clock() - start, positions)
+
+    def state(self) -> dict:
+        """Per range (its lowest batch size): ms per step each way and the current rho."""
+        return {str(1 << (key - 1)): {
+            "spec_step_ms": round(1000 * r.spec.seconds, 3) if r.spec.n else None,
+            "plain_step_ms": round(1000 * r.plain.seconds, 3) if r.plain.n else None,
+            "rho": round(r.rho(), 3)} for key, r in sorted(self.ranges.items())}

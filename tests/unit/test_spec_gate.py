@@ -1,0 +1,69 @@
+"""The measured speculation gate: per batch-size range it prices one more forward position
+against a plain step's cost per token (rho), so requests draft where their acceptance pays
+for it; it keeps probing both kinds of step; --speculative-disable-by-batch-size overrides."""
+from __future__ import annotations
+
+import math
+
+from kvstrata.engine.spec_gate import EXPLORE_EVERY, RHO_UNKNOWN, WARMUP, SpecGate
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def run(gate: SpecGate, clock: Clock, batch: int, steps: int, fixed: float,
+        per_position: float, drafts_per_req: int, accept_rate: float) -> list[float]:
+    """A machine whose step costs fixed + per_position x positions, requests whose drafts
+    are accepted at `accept_rate` (their rate is known to the caller). Returns rho per step."""
+    needs = []
+    for _ in range(steps):
+        need = gate.begin(batch)
+        drafting = accept_rate >= need
+        drafts = batch * drafts_per_req if drafting else 0
+        positions = batch + drafts
+        tokens = batch + round(drafts * accept_rate)
+        clock.t += fixed + per_position * positions
+        gate.end(tokens, positions, drafts > 0)
+        needs.append(need)
+    return needs
+
+
+def test_memory_bound_small_batches_draft_compute_bound_large_ones_do_not():
+    clock = Clock()
+    gate = SpecGate(None, clock)
+    # batch 1: a forward is mostly a fixed cost (weights read once): positions are cheap
+    run(gate, clock, 1, 40, fixed=50.0, per_position=2.0, drafts_per_req=4, accept_rate=0.3)
+    # batch 32: the cost is per position
+    run(gate, clock, 32, 40, fixed=20.0, per_position=5.0, drafts_per_req=2, accept_rate=0.3)
+    state = gate.state()
+    assert state["1"]["rho"] < 0.1          # 2 / (52 / 1): drafts at 30% acceptance pay
+    assert 0.8 < state["32"]["rho"] <= 1.0  # 5 / (180 / 32): they do not
+
+
+def test_warmup_explores_both_kinds_then_alternates_probes():
+    clock = Clock()
+    gate = SpecGate(None, clock)
+    needs = run(gate, clock, 4, 4 * EXPLORE_EVERY, 10.0, 1.0, 2, 0.0)
+    assert needs[:WARMUP] == [0.0] * WARMUP                 # everyone drafts
+    assert needs[WARMUP:2 * WARMUP] == [math.inf] * WARMUP  # nobody does
+    probes = [needs[i - 1] for i in range(EXPLORE_EVERY, len(needs) + 1, EXPLORE_EVERY)]
+    assert set(probes) == {0.0, math.inf}
+
+
+def test_unknown_marginal_cost_uses_the_prior():
+    gate = SpecGate(None, Clock())
+    assert gate.ranges == {} and gate.state() == {}
+    gate.begin(2)
+    assert gate.ranges[2].rho() == RHO_UNKNOWN
+
+
+def test_explicit_limit_wins_and_measures_nothing():
+    gate = SpecGate(8, Clock())
+    assert gate.begin(8) == 0.0 and gate.begin(9) == math.inf
+    gate.end(5, 9, True)
+    assert gate.state() == {}
