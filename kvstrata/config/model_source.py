@@ -104,11 +104,13 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     processes); the converted directory loads in well under a second. The conversion is
     transformers' own (from_pretrained(gguf_file=...) then save_pretrained)."""
     import hashlib
+    from importlib.metadata import version
 
     gguf = source.gguf_path
     st = os.stat(gguf)
-    key = hashlib.sha256(f"{os.path.realpath(gguf)}:{st.st_size}:{st.st_mtime_ns}:{_CONVERT_V}"
-                         .encode()).hexdigest()[:20]
+    # The converter's version is part of the key: another transformers converts anew.
+    key = hashlib.sha256(f"{os.path.realpath(gguf)}:{st.st_size}:{st.st_mtime_ns}:{_CONVERT_V}:"
+                         f"{version('transformers')}".encode()).hexdigest()[:20]
     root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                         "kvstrata", "gguf-metadata")
     out = os.path.join(root, f"{os.path.splitext(source.gguf_file)[0]}-{key}")
