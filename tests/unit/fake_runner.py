@@ -25,6 +25,25 @@ def reference_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
     return seq[len(prompt):]
 
 
+def pattern_drafter(num_draft_tokens: int, seed: int, vocab: int):
+    """A SpeculativeSide.draft stand-in: drafts of a random length whose first `good`
+    tokens are the true continuation (reference_tokens) and the rest wrong, so every accept
+    length (0 .. all) happens against a fake runner."""
+    import random
+
+    rng = random.Random(seed)
+
+    def draft(req, limit):
+        n = min(limit, num_draft_tokens - 1, rng.randint(0, num_draft_tokens))
+        if n <= 0:
+            return []
+        done = len(req.output_ids)
+        truth = reference_tokens(req.prompt_ids, done + n, vocab)[done:]
+        good = rng.randint(0, n)
+        return truth[:good] + [(t + 1) % vocab for t in truth[good:]]
+    return draft
+
+
 def copy_pages(src: dict, dst: dict, src_pages: list[int], dst_pages: list[int], P: int) -> None:
     """Copy whole pages of a fake pool (slot -> (position, token)); empty slots stay empty."""
     for sp, dp in zip(src_pages, dst_pages):

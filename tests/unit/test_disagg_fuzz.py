@@ -5,7 +5,8 @@ test_scheduler_fuzz.py.
 Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
 prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
-host pool of 1..64 pages) and interleaves arrivals (shared prefixes; per request an
+host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
+and wrong draft tokens) and interleaves arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, a slow transfer, or a
 peer death: refused, never answering, dying mid-room),
 client aborts on either server, and steps of the pair. Properties:
@@ -30,7 +31,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
-from tests.unit.fake_runner import reference_tokens
+from kvstrata.engine.sides import spec_side
+from tests.unit.fake_runner import pattern_drafter, reference_tokens
 from tests.unit.pd_fake import PDPair
 from kvstrata.engine.sides import pd_side
 
@@ -56,6 +58,8 @@ configs = st.fixed_dictionaries({
     "delay": st.integers(0, 4),
     "backup": st.sampled_from(["cpu_tensor", "host_pool"]),
     "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
+    # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern) or off.
+    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
@@ -89,7 +93,12 @@ class PDMachine(RuleBasedStateMachine):
                         "disaggregation_decode_polling_interval": cfg["interval"],
                         "disaggregation_decode_retraction_backup": cfg["backup"],
                         "num_host_pages": (cfg["decode_host_pages"]
-                                           if cfg["backup"] == "host_pool" else 0)})
+                                           if cfg["backup"] == "host_pool" else 0),
+                        **({} if cfg["spec"] is None else {
+                            "speculative_algorithm": "NGRAM",
+                            "speculative_num_draft_tokens": cfg["spec"][0]})})
+        if cfg["spec"] is not None:
+            spec_side(self.pair.decode.scheduler).draft = pattern_drafter(*cfg["spec"], VOCAB)
         self.pair.hub.peer_timeout = 40
         self.requests: dict[str, tuple[list[int], int, str | None]] = {}
         self.client_aborted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
@@ -150,6 +159,8 @@ class PDMachine(RuleBasedStateMachine):
         event(f"decode retractions ({self.cfg['backup']}): {min(retraction.num_retractions, 3)}")
         if retraction.exhausted_aborts:
             event("retraction host pool exhausted")
+        if self.cfg["spec"] is not None:
+            event(f"decode accepted drafts > 0: {self.pair.decode_runner.verified_drafts > 0}")
         for side in ("prefill", "decode"):
             assert set(pair.finished[side]) == set(self.requests), f"{side}: a request never ended"
         for rid, (ids, max_new, inject) in self.requests.items():

@@ -21,7 +21,6 @@ database (.hypothesis/) and replayed first on the next run.
 from __future__ import annotations
 
 import os
-import random
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -34,7 +33,8 @@ from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.engine.sides import spec_side
 from kvstrata.protocol import SamplingParams
-from tests.unit.fake_runner import FakeRunner, FakeStorage, reference_tokens
+from tests.unit.fake_runner import (FakeRunner, FakeStorage, pattern_drafter,
+                                   reference_tokens)
 
 VOCAB = 211
 MAX_REQUESTS = 10
@@ -93,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             **({} if cfg["spec"] is None else {"speculative_algorithm": "NGRAM",
                                                "speculative_num_draft_tokens": cfg["spec"][0]})))
         if cfg["spec"] is not None:
-            spec_side(self.engine.scheduler).draft = self._pattern_drafter(*cfg["spec"])
+            spec_side(self.engine.scheduler).draft = pattern_drafter(*cfg["spec"], VOCAB)
         if store is not None:
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
@@ -104,21 +104,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.steps = 0
         self.chunked_steps = 0
         self.arrive(first)
-
-    def _pattern_drafter(self, num_draft_tokens: int, seed: int):
-        """Drafts of a random length whose first `good` tokens are the true continuation
-        and the rest wrong, so every accept length (0 .. all) happens."""
-        rng = random.Random(seed)
-
-        def draft(req, limit):
-            n = min(limit, num_draft_tokens - 1, rng.randint(0, num_draft_tokens))
-            if n <= 0:
-                return []
-            done = len(req.output_ids)
-            truth = reference_tokens(req.prompt_ids, done + n, VOCAB)[done:]
-            good = rng.randint(0, n)
-            return truth[:good] + [(t + 1) % VOCAB for t in truth[good:]]
-        return draft
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
