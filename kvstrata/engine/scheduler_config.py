@@ -82,9 +82,6 @@ class SchedulerConfig:
         if self.speculative_algorithm not in (None, "NGRAM"):
             raise ValueError(f"not implemented yet: --speculative-algorithm "
                              f"{self.speculative_algorithm}")
-        if self.speculative_num_draft_tokens < 2:
-            raise ValueError("--speculative-num-draft-tokens must be >= 2, got "
-                             f"{self.speculative_num_draft_tokens}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")

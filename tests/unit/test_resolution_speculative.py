@@ -91,3 +91,16 @@ def test_inconsistent_ngram_windows_are_refused():
         resolve(ServerArgs(speculative_algorithm="NGRAM",
                            speculative_ngram_min_match_window_size=5,
                            speculative_ngram_max_match_window_size=3), "cpu")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_num_draft_tokens": 5},
+     "--speculative-num-draft-tokens needs --speculative-algorithm"),
+    ({"speculative_ngram_capacity": 100, "speculative_eagle_topk": 1},
+     "--speculative-eagle-topk, --speculative-ngram-capacity needs --speculative-algorithm"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/m"},
+     "--speculative-draft-model-path: NGRAM has no draft model"),
+])
+def test_flags_that_would_be_ignored_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(ServerArgs(**kwargs), "cpu")

@@ -13,7 +13,10 @@ is 10 (a tree); left unset here it resolves to 1 and says why.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
+from kvstrata.config.server_args import ServerArgs, flag
 from kvstrata.platform import Platform
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
@@ -25,7 +28,18 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
                 env: dict) -> list[Resolution]:
     algo = args.speculative_algorithm
     if algo is None:
+        stray = [flag(f.name) for f in dataclasses.fields(ServerArgs)
+                 if f.name.startswith("speculative_") and getattr(args, f.name) != f.default]
+        if stray:  # accepted but ignored would hide a typo'd or forgotten algorithm
+            raise ValueError(f"{', '.join(stray)} needs --speculative-algorithm")
         return []
+    if algo == "NGRAM":
+        model_flags = [flag(n) for n in ("speculative_draft_model_path",
+                                         "speculative_draft_model_quantization")
+                       if getattr(args, n) is not None]
+        if model_flags:
+            raise ValueError(f"{', '.join(model_flags)}: NGRAM has no draft model (it drafts "
+                             f"from its n-gram cache)")
     out: list[Resolution] = []
     if algo == "NEXTN":
         out += change(args, "speculative_algorithm", "EAGLE", "spec.nextn",
