@@ -35,6 +35,13 @@ SPEC_COUNTERS = {
     "spec_drafted_tokens": "Draft tokens proposed for verification",
     "spec_accepted_tokens": "Tokens produced by verify passes (accepted drafts + 1 each)",
 }
+# Load-report key -> help (engine/priority.py PrioritySide.load); counter kvstrata:<key>.
+PRIORITY_COUNTERS = {
+    "num_preempted_reqs": "Running requests preempted for a higher-priority one",
+    "num_queue_full_refused_reqs": "Requests refused because the waiting queue was full",
+    "num_queue_full_evicted_reqs": "Waiting requests evicted from a full queue by a "
+                                   "higher-priority one",
+}
 
 
 class ServerMetrics:
@@ -106,6 +113,8 @@ class ServerMetrics:
                                          registry=r)
         self._spec = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
                       for key, doc in SPEC_COUNTERS.items()}
+        self._priority = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
+                          for key, doc in PRIORITY_COUNTERS.items()}
         self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
@@ -145,6 +154,9 @@ class ServerMetrics:
             self._spec_accept_length.labels(m).set(load["avg_spec_accept_length"])
             for key, counter in self._spec.items():
                 self._advance(key, load.get(key, 0), counter.labels(m))
+        for key, counter in self._priority.items():
+            if key in load:
+                self._advance(key, load[key], counter.labels(m))
 
     def _advance(self, key: str, value: float, counter) -> None:
         """Counters follow a running total: advance by what it grew since the last report."""

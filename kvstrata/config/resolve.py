@@ -105,12 +105,10 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # decode KV offload are not.
     "disaggregation_decode_enable_radix_cache": bool,
     "disaggregation_decode_enable_offload_kvcache": bool,
-    # Sparse attention, parallelism, priority scheduling.
+    # Sparse attention, parallelism.
     "enable_hisparse": bool,
     "tp_size": lambda v: v > 1,
     "dcp_size": lambda v: v > 1,
-    "enable_priority_scheduling": bool,
-    "disable_priority_preemption": bool,
     # Weight quantisation: only w8a8_int8 is built.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
 }

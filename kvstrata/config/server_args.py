@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.config.arg_checks import flag, parse_extra_config, validate
 from kvstrata.config.kv_plan import HOST_LAYOUTS, IO_BACKENDS
 
 
@@ -31,7 +31,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cuda", "npu", "xpu", "mps", "cpu")
 PLATFORMS = ("cuda", "hip", "npu", "xpu", "mps", "cpu")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof")
 RADIX_EVICTION_POLICIES = ("lru", "lfu")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 HICACHE_IO_BACKENDS = IO_BACKENDS  # the layout x IO table lives with the KV plan
@@ -108,7 +108,7 @@ class ServerArgs:
                                                  "chunking (default: 2048 on CPU, 8192 on "
                                                  "accelerators).", group="scheduling")
     schedule_policy: str = opt("fcfs", "Order of waiting requests (lpm = longest prefix match "
-                                       "first).", choices=SCHEDULE_POLICIES, group="scheduling")
+                                       "first, lof = longest output first).", choices=SCHEDULE_POLICIES, group="scheduling")
     schedule_conservativeness: float = opt(1.0, "Scales the reserve of decode tokens kept for "
                                                 "running requests (>1 admits fewer).",
                                            group="scheduling")
@@ -117,6 +117,22 @@ class ServerArgs:
     disable_priority_preemption: bool = opt(False, "With priority scheduling, never preempt a "
                                                    "running request for a higher-priority one.",
                                             group="scheduling")
+    default_priority_value: int | None = opt(None, "Priority of a request that gives none "
+                                                   "(default: the least preferred).",
+                                             group="scheduling")
+    abort_on_priority_when_disabled: bool = opt(False, "Without priority scheduling, refuse "
+                                                       "(503) a request that gives a priority.",
+                                                group="scheduling")
+    schedule_low_priority_values_first: bool = opt(False, "With priority scheduling, lower "
+                                                          "values go first (default: higher).",
+                                                   group="scheduling")
+    priority_scheduling_preemption_threshold: int = opt(
+        10, "A waiting request preempts a running one only if their priorities differ by more "
+            "than this.", group="scheduling")
+    max_queued_requests: int | None = opt(None, "Bound of the waiting queue: a full queue "
+                                                "refuses (503) or, with priority scheduling, "
+                                                "evicts its least preferred request.",
+                                          group="scheduling")
     tp_size: int = opt(1, "Tensor parallel size.", group="parallelism")
     dcp_size: int = opt(1, "Decode context parallel size (> 1 enables DCP).",
                         group="parallelism")
@@ -247,7 +263,7 @@ class ServerArgs:
                                        "KV).", group="sparse")
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -270,97 +286,6 @@ class ServerArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-
-
-def flag(name: str) -> str:
-    """The CLI spelling of a field: page_size -> --page-size (used in every error message)."""
-    return "--" + name.replace("_", "-")
-
-
-def parse_extra_config(value: str | None) -> dict:
-    if not value:
-        return {}
-    if value.startswith("@"):
-        with open(value[1:], encoding="utf-8") as fh:
-            text = fh.read()
-    else:
-        text = value
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag('hicache_storage_backend_extra_config')} is not valid JSON: "
-                         f"{exc}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"{flag('hicache_storage_backend_extra_config')} must be a JSON object")
-    return parsed
-
-
-# Range checks: field -> (predicate, requirement text). Kept as data so the message format is
-# uniform: "--page-size must be >= 1, got 0".
-_RANGES: dict[str, tuple] = {
-    "page_size": (lambda v: v >= 1, ">= 1"),
-    "port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
-    "disaggregation_bootstrap_port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
-    "max_total_tokens": (lambda v: v >= 1, ">= 1"),
-    "max_running_requests": (lambda v: v >= 1, ">= 1"),
-    "max_prefill_tokens": (lambda v: v >= 1, ">= 1"),
-    "chunked_prefill_size": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (disabled)"),
-    "schedule_conservativeness": (lambda v: v > 0, "> 0"),
-    "mem_fraction_static": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "context_length": (lambda v: v >= 1, ">= 1"),
-    "stream_interval": (lambda v: v >= 1, ">= 1"),
-    "watchdog_timeout": (lambda v: v > 0, "> 0"),
-    "tp_size": (lambda v: v >= 1, ">= 1"),
-    "dcp_size": (lambda v: v >= 1, ">= 1"),
-    "hicache_ratio": (lambda v: v > 0, "> 0"),
-    "hicache_size": (lambda v: v >= 0, ">= 0"),
-    "num_reserved_decode_tokens": (lambda v: v >= 0, ">= 0"),
-    "disaggregation_decode_polling_interval": (lambda v: v >= 1, ">= 1"),
-    "disaggregation_decode_extra_slots": (lambda v: v >= 0, ">= 0"),
-    "speculative_num_steps": (lambda v: v >= 1, ">= 1"),
-    "speculative_disable_by_batch_size": (lambda v: v >= 0, ">= 0"),
-    "speculative_eagle_topk": (lambda v: v >= 1, ">= 1"),
-    "speculative_num_draft_tokens": (lambda v: v >= 2, ">= 2"),
-    "speculative_accept_threshold_single": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "speculative_accept_threshold_acc": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "speculative_ngram_min_match_window_size": (lambda v: v >= 1, ">= 1"),
-    "speculative_ngram_max_match_window_size": (lambda v: v >= 1, ">= 1"),
-    "speculative_ngram_min_bfs_breadth": (lambda v: v >= 1, ">= 1"),
-    "speculative_ngram_max_bfs_breadth": (lambda v: v >= 1, ">= 1"),
-    "speculative_ngram_branch_length": (lambda v: v >= 1, ">= 1"),
-    "speculative_ngram_capacity": (lambda v: v >= 1, ">= 1"),
-}
-
-_NUMERIC = {"int": (int,), "float": (int, float)}
-
-
-def _validate(args: ServerArgs) -> None:
-    for f in dataclasses.fields(args):
-        value = getattr(args, f.name)
-        base = str(f.type).replace(" | None", "")
-        if value is None and base != str(f.type):
-            continue  # an optional field left unset: resolution decides later
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise ValueError(f"{flag(f.name)} must be one of {', '.join(choices)}, got {value!r}")
-        if base == "bool" and not isinstance(value, bool):
-            raise ValueError(f"{flag(f.name)} must be a bool, got {value!r}")
-        if base == "str" and not isinstance(value, str):
-            raise ValueError(f"{flag(f.name)} must be a string, got {value!r}")
-        # bool is an int subclass; True as a page size is a mistake, not 1.
-        if base in _NUMERIC and (
-                isinstance(value, bool) or not isinstance(value, _NUMERIC[base])):
-            raise ValueError(f"{flag(f.name)} must be {base}, got {value!r}")
-        if f.name in _RANGES:
-            ok, requirement = _RANGES[f.name]
-            if not ok(value):
-                raise ValueError(f"{flag(f.name)} must be {requirement}, got {value!r}")
-    if args.enable_hierarchical_cache and args.disable_radix_cache:
-        raise ValueError("--enable-hierarchical-cache and --disable-radix-cache are mutually "
-                         "exclusive (HiCache extends the radix cache)")
-    extra = args.hicache_storage_backend_extra_config
-    if extra and not extra.startswith("@"):
-        parse_extra_config(extra)  # fail at construction; @file is read when the backend starts
 
 
 # Wrap the generated __init__ so an unknown keyword (LLM(model_path=..., **kwargs) forwards

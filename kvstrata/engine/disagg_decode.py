@@ -3,7 +3,7 @@
 The KV manager runs without prefix matching here (chunk-cache semantics): received KV is
 never shared, and a finished request's pages are simply freed. A request's path:
   prealloc   `receiver_create`. Once its receiver reports WAITING_FOR_INPUT it is admitted,
-             FIFO (requests still bootstrapping are skipped; the first ready one that does not
+             FIFO, or by priority under priority scheduling (requests still bootstrapping are skipped; the first ready one that does not
              fit stops the pass), every `--disaggregation-decode-polling-interval` steps, when
              - fewer than max_running_requests + extra slots requests hold decode KV (running
                + in transfer + transferred; the extra slots are SGLang's
@@ -36,6 +36,7 @@ from __future__ import annotations
 from kvstrata.engine.disagg_common import DisaggSide, Room
 from kvstrata.engine.disagg_retract import DecodeRetraction
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
+from kvstrata.engine.priority import priority_order
 from kvstrata.engine.request import Request
 from kvstrata.protocol.disagg import KVPoll, PDEvent, dsa_seed_from_extras
 
@@ -103,7 +104,7 @@ class DecodeDisagg(DisaggSide):
     def _admit(self) -> None:
         allocatable, retractable = self._budget()
         P = self.page_size
-        for req in list(self.prealloc):
+        for req in priority_order(self.sched.config, self.prealloc):
             room = self._room(req)
             if room.state != KVPoll.WAITING_FOR_INPUT:
                 continue
@@ -125,8 +126,10 @@ class DecodeDisagg(DisaggSide):
                       metadata_index=room.slot)
 
     def _join_running(self) -> None:
-        while self.prebuilt and self.sched.start_running(self.prebuilt[0]):
-            self.prebuilt.pop(0)
+        for req in priority_order(self.sched.config, self.prebuilt):
+            if not self.sched.start_running(req):
+                break
+            self.prebuilt.remove(req)
 
     # ------------------------------------------------------------------ transfer done
     def _on_success(self, room: Room, ev: PDEvent) -> Request | None:

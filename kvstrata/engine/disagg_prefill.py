@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvstrata.engine.disagg_common import DisaggSide, Room
+from kvstrata.engine.priority import priority_order
 from kvstrata.engine.request import Request
 from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import DSA_SEED_KEY, KVPoll, PDEvent, PDMetadata
@@ -52,8 +53,9 @@ class PrefillDisagg(DisaggSide):
         return True
 
     def before_schedule(self) -> None:
-        """Bootstrapped requests (decode has sent its pages) join the waiting queue."""
-        for req in list(self.bootstrap):
+        """Bootstrapped requests (decode has sent its pages) join the waiting queue, in
+        priority order under priority scheduling."""
+        for req in priority_order(self.sched.config, self.bootstrap):
             room = self._room(req)
             if room.state != KVPoll.WAITING_FOR_INPUT:
                 continue

@@ -9,7 +9,9 @@ import time
 from typing import Any
 
 from kvstrata import envs
+from kvstrata.cache.invariants import expected_rows
 from kvstrata.engine.request import EngineRequest, Request
+from kvstrata.engine.priority import resolve_priority
 from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.engine.sides import spec_side
@@ -47,9 +49,11 @@ class EngineCore:
         req = Request(er.rid, list(er.prompt_ids), er.sampling_params, self._arrivals,
                       er.return_prompt_logprobs, bootstrap=er.bootstrap)
         self._arrivals += 1
-        error = self._validate(req)
+        req.priority, refused = resolve_priority(self.scheduler.config, er.priority)
+        error = refused or self._validate(req)
         if error is not None:
-            req.finish_reason = FinishReason(type="abort", message=error, status_code=400)
+            req.finish_reason = FinishReason(type="abort", message=error,
+                                             status_code=503 if refused else 400)
             self._rejected.append(req)
             self.scheduler.reject(req)  # e.g. PD: the peer server fails its half now
             return
@@ -180,7 +184,7 @@ class EngineCore:
         self.scheduler.check_integrity()
         check_rows = getattr(self.runner, "check_req_to_token", None)
         if check_rows is not None:
-            check_rows(self.scheduler.expected_req_to_token())
+            check_rows(expected_rows(self.scheduler.live_requests(), self.scheduler.page_size))
 
     def dump_state(self) -> str:
         return self.scheduler.dump_state()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
+from kvstrata.engine.priority import priority_order
 
 
 @dataclass
@@ -114,9 +115,16 @@ LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more 
 
 
 def prefill_candidates(sched) -> list:
-    """The waiting queue in admission order: fcfs, or lpm (longest cached prefix first,
-    fcfs on ties) while the queue is short enough for the prefix look-ups to pay."""
-    if sched.config.schedule_policy == "lpm" and len(sched.waiting) <= LPM_FALLBACK_QUEUE_LEN:
+    """The waiting queue in admission order: by priority under priority scheduling
+    (engine/priority.py), else fcfs, lof (longest max_new_tokens first, fcfs on ties), or
+    lpm (longest cached prefix first, fcfs on ties) while the queue is short enough for the
+    prefix look-ups to pay."""
+    cfg = sched.config
+    if cfg.enable_priority_scheduling:
+        return priority_order(cfg, sched.waiting)
+    if cfg.schedule_policy == "lof":
+        return sorted(sched.waiting, key=lambda r: -r.params.max_new_tokens)
+    if cfg.schedule_policy == "lpm" and len(sched.waiting) <= LPM_FALLBACK_QUEUE_LEN:
         prefix = {id(r): sched.kv.peek_prefix_len(r.all_ids) for r in sched.waiting}
         return sorted(sched.waiting, key=lambda r: -prefix[id(r)])
     return list(sched.waiting)

@@ -34,6 +34,8 @@ class Request:
     arrival_index: int
     return_prompt_logprobs: bool = False
     bootstrap: BootstrapAddr | None = None  # PD only
+    # Resolved on arrival (engine/priority.py); None only without priority scheduling.
+    priority: int | None = None
     # PD decode, DSA model: the seed the prefill server sent (request positions), for the
     # runner (which remaps it to local slots); None without one.
     dsa_seed_positions: list[int] | None = None

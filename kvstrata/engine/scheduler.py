@@ -1,17 +1,14 @@
 """Continuous-batching scheduler (no torch): decides, per step, what the runner computes.
 
-One step is either a prefill batch (prefill has priority) or a decode step over every
-running request. Long prompts are prefilled in chunks; between chunks their computed pages
-go to the radix tree. When a decode step cannot get its pages, requests are retracted
-(fewest generated tokens first, ties: longest prompt) and later recomputed, usually from
-prefix-cache hits; the chunked request is retracted first. A step that would compute nothing
-while work waits aborts the request that cannot fit alone instead of spinning (progress
-guarantee). See docs/architecture.md for the request lifecycle and what happens when memory
-runs out.
+One step is either a prefill batch (prefill goes first) or a decode step over every running
+request. Long prompts are prefilled in chunks; between chunks their computed pages go to the
+radix tree. When a decode step cannot get its pages, requests are retracted (the chunked one
+first, then fewest generated tokens, ties: longest prompt) and later recomputed, usually from
+prefix-cache hits. A step that would compute nothing while work waits aborts the request that
+cannot fit alone (progress guarantee). docs/architecture.md: the request lifecycle.
 """
 from __future__ import annotations
 
-from kvstrata.cache.invariants import expected_rows
 from kvstrata.cache.kv_manager import KVManager
 from kvstrata.engine.new_token_ratio import NewTokenRatio
 from kvstrata.engine.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfittable,
@@ -32,8 +29,9 @@ __all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, stop_checker: StopChecker):
-        if config.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"--schedule-policy must be fcfs or lpm, got {config.schedule_policy!r}")
+        if config.schedule_policy not in ("fcfs", "lpm", "lof"):
+            raise ValueError(f"--schedule-policy must be fcfs, lpm or lof, got "
+                             f"{config.schedule_policy!r}")
         self.config = config
         self.page_size = config.page_size
         # A decode server never matches prefixes (chunk-cache semantics, SGLang's default).
@@ -144,6 +142,11 @@ class Scheduler:
     def enqueue(self, req: Request) -> None:
         """A side hands a request to the waiting queue (prefill, with prefix matching)."""
         self.waiting.append(req)
+
+    def drop_waiting(self, req: Request, reason: FinishReason) -> None:
+        """End a request of the waiting queue (e.g. evicted from a full queue)."""
+        self.waiting.remove(req)
+        self.finish_outside_step(req, reason)
 
     def start_running(self, req: Request) -> bool:
         """A side's request whose KV is complete joins the decode batch, if a row is free
@@ -259,8 +262,10 @@ class Scheduler:
                 # or retraction takes this request); admitting others would starve it.
                 return None
         for req in prefill_candidates(self):
-            if len(self.running) + len(adder.items) >= cfg.max_running_requests or not self.free_rows:
-                break
+            full = len(self.running) + len(adder.items) >= cfg.max_running_requests
+            if (full or not self.free_rows) and not any(side.make_room(req, adder)
+                                                        for side in self.sides):
+                break  # a side may make room: priority preemption (engine/priority.py)
             if not self.kv.prefetch_ready(req):
                 continue  # its storage prefetch policy holds it in the queue (SGLang)
             if not self._admit(req, adder):
@@ -323,7 +328,8 @@ class Scheduler:
                 # HiCache writes pin tree pages until they finish; wait for them (an idle
                 # step that blocks on the copy) before retracting or aborting anyone.
                 return None
-            self._retract()
+            if not any(side.on_decode_oom() for side in self.sides):  # a side's own way
+                retract_for_decode(self)  # first, else recompute-retraction
             if not self.running:
                 return self._output(False, [], []) if self.freed_for_runner else None
         else:
@@ -338,10 +344,6 @@ class Scheduler:
                 self._drafted[req.rid] = (req.num_computed_tokens, len(draft))
             scheduled.append(self._entry(req, 1, sample=True, draft=draft))
         return self._output(False, list(self.running), scheduled)
-
-    def _retract(self) -> None:
-        if not any(side.on_decode_oom() for side in self.sides):  # a side's own way first
-            retract_for_decode(self)
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -396,5 +398,3 @@ class Scheduler:
         """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
         check_scheduler(self)
 
-    def expected_req_to_token(self) -> dict[int, list[int]]:
-        return expected_rows(self.live_requests(), self.page_size)

@@ -16,6 +16,10 @@ _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 _STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
                    "hicache_storage_backend_extra_config")
+_PRIORITY_FIELDS = ("enable_priority_scheduling", "disable_priority_preemption",
+                    "default_priority_value", "abort_on_priority_when_disabled",
+                    "schedule_low_priority_values_first",
+                    "priority_scheduling_preemption_threshold", "max_queued_requests")
 _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
                 "speculative_disable_by_batch_size",
                 "speculative_ngram_min_match_window_size",
@@ -30,7 +34,7 @@ class SchedulerConfig:
     plan: KVPlan
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int | None = None  # None or <= 0: no chunking
-    schedule_policy: str = "fcfs"  # fcfs | lpm
+    schedule_policy: str = "fcfs"  # fcfs | lpm | lof
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
@@ -52,6 +56,14 @@ class SchedulerConfig:
     # Decode: where a retracted request's KV is kept (the resolved value; None: host_pool
     # when the plan has a retraction host pool, else cpu_tensor). engine/disagg_retract.py.
     disaggregation_decode_retraction_backup: str | None = None
+    # Priority scheduling and the bounded waiting queue (engine/priority.py), SGLang's flags.
+    enable_priority_scheduling: bool = False
+    disable_priority_preemption: bool = False
+    default_priority_value: int | None = None
+    abort_on_priority_when_disabled: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    max_queued_requests: int | None = None
     # Speculative decoding (engine/spec_side.py), the resolved values: None = off.
     speculative_algorithm: str | None = None  # NGRAM (the others are refused at start)
     speculative_num_draft_tokens: int = 12    # verified per step, the last token included
@@ -120,13 +132,23 @@ class SchedulerConfig:
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
         # PD and storage fields default when the args lack them (an args-like namespace
         # from before those flags); the others must exist.
-        optional = _PD_FIELDS + _STORAGE_FIELDS + _SPEC_FIELDS
+        optional = _PD_FIELDS + _STORAGE_FIELDS + _SPEC_FIELDS + _PRIORITY_FIELDS
         values = {f.name: (getattr(args, f.name, f.default) if f.name in optional
                            else getattr(args, f.name))
                   for f in fields(cls) if f.name != "plan"}
         if values["speculative_num_draft_tokens"] is None:  # unresolved args: the default
             values.pop("speculative_num_draft_tokens")
         return cls(plan, **values)
+
+    @property
+    def priority_preemption(self) -> bool:
+        return self.enable_priority_scheduling and not self.disable_priority_preemption
+
+    @property
+    def priority_sign(self) -> int:
+        """+1 when low priority values go first, else -1: `priority * sign` sorts ascending
+        from the most preferred request."""
+        return 1 if self.schedule_low_priority_values_first else -1
 
     @property
     def decode_extra_slots(self) -> int:

@@ -1,7 +1,7 @@
 """The scheduler's plug-in point (no torch): a *side* holds requests or pages beside the plain
 prefill/decode loop -- PD prefill and PD decode (engine/disagg_*.py, with decode retraction
 and its KV backup inside the decode side) and speculative decoding (engine/spec_side.py)
-today; priority preemption next.
+and priority scheduling with its bounded queue (engine/priority.py).
 
 The scheduler calls every side at fixed points of a step, in the order the sides were
 registered, and never asks which sides exist. A side reaches the scheduler only through
@@ -55,6 +55,12 @@ class SchedulerSide:
     # ---- a step
     def before_schedule(self) -> None:
         """Before the scheduler picks a batch: move own queues on (admission, resume)."""
+
+    def make_room(self, req: Request, adder) -> bool:
+        """The prefill round is full by request count (or out of rows) and `req` is next in
+        line: True if the side made room for it (e.g. preempted running requests back to
+        the waiting queue and added what they held to `adder.rem_total`)."""
+        return False
 
     def on_decode_oom(self) -> bool:
         """The decode batch cannot get its pages: True if the side freed memory its own way

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvstrata.engine.disagg_common import DisaggSide
 from kvstrata.engine.disagg_decode import DecodeDisagg
 from kvstrata.engine.disagg_prefill import PrefillDisagg
+from kvstrata.engine.priority import PrioritySide
 from kvstrata.engine.spec_side import SpeculativeSide
 
 _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
@@ -14,11 +15,13 @@ _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
 
 def build_sides(sched) -> None:
     """Register the sides `sched.config` asks for, in call order, on `sched.sides`.
-    Speculation comes first: it only watches arrivals (`take` returns False), and a PD
-    decode side takes every request it sees. A prefill server never decodes: no drafts."""
+    Speculation comes first: it only watches arrivals (`take` returns False); priority
+    next (it refuses arrivals to a full queue), and a PD side takes every request it sees. A prefill server never decodes: no drafts."""
     cfg = sched.config
     if cfg.speculative_algorithm is not None and cfg.disaggregation_mode != "prefill":
         sched.sides.append(SpeculativeSide(sched))
+    if cfg.enable_priority_scheduling or cfg.max_queued_requests is not None:
+        sched.sides.append(PrioritySide(sched))  # before PD: a refused newcomer is never taken
     side = _PD_SIDES.get(cfg.disaggregation_mode)
     if side is not None:
         sched.sides.append(side(sched))

@@ -340,7 +340,8 @@ async def generate_response(state, request: Request, body):
     tt = so.TokenText(tm.tokenizer) if body.return_text_in_logprobs else None
     rid = body.rid or tm.new_rid()
     choice = so.Choice(0, ipc.GenerateReq(
-        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp))
+        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
+        priority=body.priority))
     pd_fields.attach(state.server_args, choice.req,
                      {name: getattr(body, name) for name in pd_fields.FIELDS})
     start = time.perf_counter()

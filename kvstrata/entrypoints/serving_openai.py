@@ -93,8 +93,8 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     rid = request_rid(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
-        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param)))
-        for j in range(body.n)]
+        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param),
+        priority=body.priority)) for j in range(body.n)]
 
 
 def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> list[Choice]:
@@ -121,7 +121,8 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
                 sampling_params=build_sampling_params(body, max_tokens, body.logprobs, j,
                                                       "max_tokens"),
-                return_prompt_logprobs=body.echo and body.logprobs is not None),
+                return_prompt_logprobs=body.echo and body.logprobs is not None,
+                priority=body.priority),
                 prompt_text=text))
     return choices
 

@@ -19,6 +19,8 @@ class EngineRequest(msgspec.Struct, tag="GenerateReq", omit_defaults=True):
     # whole: the api server refuses a request in PD mode without host and room, and fills
     # in a missing port.
     bootstrap: BootstrapAddr | None = None
+    # SGLang's request priority (engine/priority.py); None: --default-priority-value.
+    priority: int | None = None
 
 
 __all__ = ["EngineRequest"]

@@ -329,7 +329,8 @@ class PDPair:
         self._rooms = 0
         self.rooms: dict[str, int] = {}
 
-    def submit(self, rid, prompt, max_new, room=None, to=("prefill", "decode"), **params):
+    def submit(self, rid, prompt, max_new, room=None, to=("prefill", "decode"), priority=None,
+               **params):
         if room is None:
             self._rooms += 1
             room = 1000 + self._rooms
@@ -341,7 +342,7 @@ class PDPair:
             self.results[side][rid] = []
             getattr(self, side).add_request(EngineRequest(
                 rid, list(prompt), SamplingParams(max_new_tokens=max_new, **params),
-                bootstrap=addr))
+                bootstrap=addr, priority=priority))
         return room
 
     def abort(self, rid, side):

@@ -60,6 +60,8 @@ configs = st.fixed_dictionaries({
     "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
     # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern) or off.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
+    # Priority scheduling on both servers (their queues admit by priority), or off.
+    "priority": st.booleans(),
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
@@ -68,16 +70,21 @@ prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40)
 # Peer deaths (pd_fake.py): a refused bootstrap address, a peer that never answers, a peer
 # that dies some ticks into the room's life (before or after the decode reserved pages).
 PEER_DEATHS = ("refused", "never", "dies")
+priorities = st.sampled_from([None, -12, 0, 2, 15])
 injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow",
                                             *PEER_DEATHS])
 
 
 class PDMachine(RuleBasedStateMachine):
-    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 24), injections),
+    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 24), injections,
+                                                      priorities),
                                             min_size=1, max_size=5))
     def build(self, cfg, first):
         P = cfg["page_size"]
         self.cfg = cfg
+        priority = {"enable_priority_scheduling": True,
+                    "disable_priority_preemption": cfg["backup"] == "host_pool"} \
+            if cfg["priority"] else {}
         self.pair = PDPair(
             page_size=P, prefill_pages=max(cfg["prefill_tokens"] // P, 1),
             decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
@@ -85,12 +92,14 @@ class PDMachine(RuleBasedStateMachine):
                          "disable_radix_cache": cfg["disable_radix_cache"],
                          "num_host_pages": (0 if cfg["disable_radix_cache"]
                                             else cfg["prefill_host_pages"]),
-                         "schedule_policy": cfg["schedule_policy"],
+                         "schedule_policy": ("fcfs" if cfg["priority"]
+                                             else cfg["schedule_policy"]),
+                         **priority,
                          "max_running_requests": cfg["prefill_rows"]},
             decode_cfg={"max_running_requests": cfg["decode_rows"],
                         "disaggregation_decode_extra_slots": cfg["extra_slots"],
                         "num_reserved_decode_tokens": cfg["reserved"],
-                        "disaggregation_decode_polling_interval": cfg["interval"],
+                        "disaggregation_decode_polling_interval": cfg["interval"], **priority,
                         "disaggregation_decode_retraction_backup": cfg["backup"],
                         "num_host_pages": (cfg["decode_host_pages"]
                                            if cfg["backup"] == "host_pool" else 0),
@@ -105,10 +114,10 @@ class PDMachine(RuleBasedStateMachine):
         self.arrive(first)
 
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
-    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 24), injections),
+    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 24), injections, priorities),
                          min_size=1, max_size=4))
     def arrive(self, batch):
-        for (base, keep, tail), max_new, inject in batch[:MAX_REQUESTS - len(self.requests)]:
+        for (base, keep, tail), max_new, inject, prio in batch[:MAX_REQUESTS - len(self.requests)]:
             ids = BASES[base][:keep] + tail or [BASES[base][0]]
             rid = f"r{len(self.requests)}"
             room = 5000 + len(self.requests)
@@ -121,7 +130,7 @@ class PDMachine(RuleBasedStateMachine):
             elif inject is not None:
                 self.pair.hub.inject[room] = {"fail": inject}
             self.requests[rid] = (ids, max_new, inject)
-            self.pair.submit(rid, ids, max_new, room=room, ignore_eos=True)
+            self.pair.submit(rid, ids, max_new, room=room, ignore_eos=True, priority=prio)
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.tuples(st.integers(0, MAX_REQUESTS - 1),

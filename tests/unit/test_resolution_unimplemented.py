@@ -24,8 +24,6 @@ def test_defaults_are_all_implemented():
     ({"enable_hisparse": True}, "--enable-hisparse"),
     ({"tp_size": 2}, "--tp-size"),
     ({"dcp_size": 2}, "--dcp-size"),
-    ({"enable_priority_scheduling": True}, "--enable-priority-scheduling"),
-    ({"disable_priority_preemption": True}, "--disable-priority-preemption"),
 ])
 def test_unbuilt_flag_is_refused(kwargs, flag):
     args = ServerArgs(**kwargs)
@@ -43,6 +41,9 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"disaggregation_decode_polling_interval": 4}, {"disaggregation_decode_extra_slots": 8},
     {"disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "cpu_tensor"},
     {"disaggregation_mode": "decode", "disaggregation_decode_retraction_backup": "host_pool"},
+    {"enable_priority_scheduling": True}, {"disable_priority_preemption": True},
+    {"enable_priority_scheduling": True, "schedule_policy": "lof"},
+    {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
 ])
 def test_pd_flags_are_built(kwargs):
     """PD roles, backends, the bootstrap port, decode admission and decode retraction are

@@ -8,6 +8,7 @@ import pytest
 
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.new_token_ratio import NewTokenRatio
+from kvstrata.engine.out_of_memory import retract_for_decode
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler import OOM_LAST_REQUEST_MESSAGE, SchedulerConfig
 from kvstrata.protocol import SamplingParams
@@ -146,7 +147,7 @@ def test_retraction_order_and_ratio():
     free = sched.kv.allocator.available_pages()
     # Fill the pool so the next decode cannot get pages.
     hog = sched.kv.allocator.alloc(free)
-    sched._retract()
+    retract_for_decode(sched)
     assert [r.rid for r in sched.waiting][0] == "long"  # all tied on outputs: longest prompt first
     # Fewest generated tokens first (ties: longest prompt); the last one is never retracted.
     order = sorted(by.values(), key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))

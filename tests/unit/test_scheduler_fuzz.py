@@ -2,16 +2,17 @@
 against the fake runner, without torch.
 
 Hypothesis draws an engine (page size, pool down to one request's need, chunk size (also
-below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm, row limit,
+below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm/lof, row limit,
 speculative decoding on/off with its draft length and a seeded pattern of right and wrong
-draft tokens) and then interleaves arrivals (prompts sharing prefixes), client aborts and
-engine steps.
+draft tokens, priority scheduling with preemption on/off, its threshold and direction, a
+bounded queue) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
+client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
 - every request ends within a step bound; a hang fails with the scheduler's state dump;
 - a request that finishes has exactly the tokens it would have alone (the fake runner reads
   its KV back through req_to_token, so a wrong page changes them);
-- a request is aborted only by its client, or with an out-of-memory error when it cannot fit
+- a request is aborted only by its client, by a full queue (503), or with an out-of-memory error when it cannot fit
   alone (prompt + max_new_tokens - 1 positions, in whole pages, exceed the pool, or the
   prompt leaves no room for one more token);
 - after draining, the pools are whole: nothing locked, every page free or cached.
@@ -29,6 +30,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvstrata.cache.hiradix_cache import WRITE_POLICIES
 from kvstrata.engine.engine_core import EngineCore
+from kvstrata.engine.priority import EVICTED_MESSAGE, QUEUE_FULL_MESSAGE
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.engine.sides import spec_side
@@ -50,10 +52,15 @@ configs = st.fixed_dictionaries({
     "disable_radix_cache": st.booleans(),
     "hicache_pages": st.sampled_from([0, 0, 4, 40, 120]),
     "write_policy": st.sampled_from(WRITE_POLICIES),
-    "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
+    "schedule_policy": st.sampled_from(["fcfs", "lpm", "lof"]),
+    # Priority scheduling: (preemption on, threshold, low values first), or off; a bounded
+    # waiting queue (--max-queued-requests) or none.
+    "priority": st.one_of(st.none(), st.tuples(st.booleans(), st.sampled_from([0, 1, 3, 10]),
+                                               st.booleans())),
+    "max_queued": st.sampled_from([None, None, None, 1, 3]),
     # Speculation: (num_draft_tokens, seed of the right/wrong draft pattern), or off.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
-    "max_running_requests": st.sampled_from([2, 4, 64]),
+    "max_running_requests": st.sampled_from([1, 2, 4, 64]),
     "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
     # HiCache L3 (with a host pool): job latency in steps, injected backend errors and
     # corrupt reads (0 = none), prefetch policy (timeouts counted in steps).
@@ -64,10 +71,11 @@ configs = st.fixed_dictionaries({
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
+priorities = st.sampled_from([None, -12, 0, 2, 15])  # spread: differences beat thresholds
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 32)),
+    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 32), priorities),
                                             min_size=1, max_size=6))
     def build(self, cfg, first):
         P = cfg["page_size"]
@@ -81,12 +89,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             "hicache_storage_backend_extra_config":
                 '{"prefetch_threshold": 1, "prefetch_timeout_base": 2, '
                 '"prefetch_timeout_per_ki_token": 0}'}
+        priority = {} if cfg["priority"] is None else {
+            "enable_priority_scheduling": True, "disable_priority_preemption": not cfg["priority"][0],
+            "priority_scheduling_preemption_threshold": cfg["priority"][1],
+            "schedule_low_priority_values_first": cfg["priority"][2]}
         self.runner = FakeRunner(page_size=P, vocab_size=VOCAB, storage=store)
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],
             chunked_prefill_size=cfg["chunk"],
-            schedule_policy=cfg["schedule_policy"],
+            schedule_policy=(cfg["schedule_policy"] if cfg["priority"] is None
+                             else {"lpm": "fcfs"}.get(cfg["schedule_policy"],
+                                                      cfg["schedule_policy"])),
+            max_queued_requests=cfg["max_queued"], **priority,
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
             num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3,
@@ -107,15 +122,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
-    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 32)), min_size=2, max_size=5))
+    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 32), priorities), min_size=2,
+                         max_size=5))
     def arrive(self, batch):
-        for (base, keep, tail), max_new in batch[:MAX_REQUESTS - len(self.requests)]:
+        for (base, keep, tail), max_new, priority in batch[:MAX_REQUESTS - len(self.requests)]:
             ids = BASES[base][:keep] + tail or [BASES[base][0]]
             rid = f"r{len(self.requests)}"
             self.requests[rid] = (ids, max_new)
             self.outputs[rid] = []
             self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
-                max_new_tokens=max_new, temperature=0, ignore_eos=True)))
+                max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority))
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.none(), st.integers(0, MAX_REQUESTS - 1)))
@@ -168,6 +184,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"retractions: {min(sched.num_retractions, 3)}")
         event(f"chunked steps: {min(self.chunked_steps, 3)}")
         event(f"aborts: {sum(r.type == 'abort' for r in self.finished.values())}")
+        if self.cfg["priority"] is not None:
+            event(f"preempted: {min(self.engine.get_load()['num_preempted_reqs'], 2)}")
         if self.cfg["spec"] is not None:
             event(f"accepted drafts > 0: {self.runner.verified_drafts > 0}")
         storage = self.engine.scheduler.kv.storage
@@ -190,6 +208,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert reason.type == "abort", (rid, reason)
         if rid in self.client_aborted:
+            return
+        if reason.message in (QUEUE_FULL_MESSAGE, EVICTED_MESSAGE):
+            assert self.cfg["max_queued"] is not None and reason.status_code == 503, reason
             return
         # The pool must hold the prompt plus one token (SGLang's input length check, 400)
         # and every position that gets KV: prompt + max_new - 1, in whole pages.

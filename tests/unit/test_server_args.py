@@ -29,13 +29,16 @@ EXPECTED_DEFAULTS = {
     "disaggregation_decode_enable_radix_cache": False,
     "disaggregation_decode_enable_offload_kvcache": False, "num_reserved_decode_tokens": 512,
     "disaggregation_decode_polling_interval": 1, "disaggregation_decode_extra_slots": None,
-    "enable_priority_scheduling": False, "disable_priority_preemption": False, "tp_size": 1,
+    "enable_priority_scheduling": False, "disable_priority_preemption": False,
+    "default_priority_value": None, "abort_on_priority_when_disabled": False,
+    "schedule_low_priority_values_first": False, "priority_scheduling_preemption_threshold": 10,
+    "max_queued_requests": None, "tp_size": 1,
     "dcp_size": 1, "enable_hisparse": False,
 }
 
 EXPECTED_CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "schedule_policy": ["fcfs", "lpm"],
+    "schedule_policy": ["fcfs", "lpm", "lof"],
     "radix_eviction_policy": ["lru", "lfu"],
     "hicache_write_policy": ["write_back", "write_through", "write_through_selective"],
     "hicache_io_backend": ["direct", "kernel"],

@@ -1,0 +1,118 @@
+"""Priority scheduling on a real server (one running request at a time), through the official
+openai client: a long low-priority request is preempted by a high-priority one, which finishes
+first; with --disable-priority-preemption the high one waits; both outputs equal what each
+gives alone; a full queue answers 503 with SGLang's message; the counters reach /metrics."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_utils import ServerProcess
+
+COMMON = ("--served-model-name", "tiny", "--max-total-tokens", "4096", "--context-length",
+          "512", "--max-running-requests", "1", "--enable-priority-scheduling")
+LONG, SHORT = "Once upon a time in a land far away", "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def preempting(tiny_model_path):
+    srv = ServerProcess(tiny_model_path, *COMMON, "--max-queued-requests", "2")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def waiting(tiny_model_path):
+    srv = ServerProcess(tiny_model_path, *COMMON, "--disable-priority-preemption")
+    yield srv
+    srv.stop()
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0,
+                         timeout=120)
+
+
+def _complete(srv, prompt, max_tokens, priority):
+    return _client(srv).completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True, "priority": priority}).choices[0].text
+
+
+def _load(srv) -> dict:
+    load = httpx.get(srv.base_url + "/get_load", timeout=30).json()
+    return load[0] if isinstance(load, list) else load
+
+
+def _race(srv):
+    """Start the long low-priority request, and once it streams, the short high-priority
+    one; returns (finish order, long text, short text)."""
+    order, texts = [], {}
+    started = threading.Event()
+
+    def long_request():
+        stream = _client(srv).completions.create(
+            model="tiny", prompt=LONG, max_tokens=96, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "priority": 0})
+        parts = []
+        for chunk in stream:
+            started.set()
+            parts.append(chunk.choices[0].text)
+        texts["long"] = "".join(parts)
+        order.append("long")
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(60)
+    texts["short"] = _complete(srv, SHORT, 8, 100)
+    order.append("short")
+    thread.join(120)
+    return order, texts["long"], texts["short"]
+
+
+def test_high_priority_preempts_the_running_request(preempting):
+    order, long_text, short_text = _race(preempting)
+    assert order == ["short", "long"]
+    # Alone (nothing to preempt it), each gives the same text: the preempted request was
+    # recomputed from its committed tokens.
+    assert long_text == _complete(preempting, LONG, 96, 0)
+    assert short_text == _complete(preempting, SHORT, 8, 100)
+    metrics = httpx.get(preempting.base_url + "/metrics", timeout=30).text
+    line = next(ln for ln in metrics.splitlines()
+                if ln.startswith("kvstrata:num_preempted_reqs_total"))
+    assert float(line.split()[-1]) >= 1
+
+
+def test_without_preemption_the_high_priority_request_waits(waiting):
+    order, long_text, short_text = _race(waiting)
+    assert order == ["long", "short"]
+    assert short_text == _complete(waiting, SHORT, 8, 100)
+
+
+def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
+    """One request runs, two wait (--max-queued-requests 2): a fourth of the same priority
+    is refused; the queue drains and the server serves again."""
+    def blocker(i):
+        try:
+            _complete(preempting, f"{LONG} {i}", 200, 0)
+        except openai.APIStatusError:
+            pass
+
+    threads = [threading.Thread(target=blocker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while _load(preempting)["num_waiting_reqs"] < 2:  # one runs, two wait: the queue is full
+        assert time.monotonic() < deadline, _load(preempting)
+        time.sleep(0.02)
+    with pytest.raises(openai.InternalServerError) as err:
+        _complete(preempting, SHORT, 4, 0)
+    assert err.value.status_code == 503
+    assert "The request queue is full." in str(err.value)
+    for t in threads:
+        t.join(120)
+    assert _complete(preempting, SHORT, 4, 0)
