@@ -40,6 +40,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     start: float = 0.0
     error: str = ""
+    priority_class: str = ""  # --priority-mix: "high" or "low"
 
 
 def random_prompt(rng: random.Random, n_words: int) -> str:
@@ -57,9 +58,11 @@ def make_conversations(args, rng: random.Random) -> list[list[str]]:
             for _ in range(n_conv)]
 
 
-def _payload(args, messages: list[dict]) -> tuple[str, dict]:
+def _payload(args, messages: list[dict], priority: int | None = None) -> tuple[str, dict]:
     body: dict = {"model": args.model, "max_tokens": args.output_len, "stream": True,
                   "temperature": args.temperature}
+    if priority is not None:
+        body["priority"] = priority
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.usage:
@@ -72,9 +75,13 @@ def _payload(args, messages: list[dict]) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-async def send_one(client: httpx.AsyncClient, args, messages: list[dict]) -> tuple[RequestResult, str]:
-    path, body = _payload(args, messages)
-    res, text = RequestResult(ok=False, start=time.perf_counter()), []
+async def send_one(client: httpx.AsyncClient, args, messages: list[dict],
+                   priority_class: str = "") -> tuple[RequestResult, str]:
+    priority = {"high": getattr(args, "high_priority", None),
+                "low": getattr(args, "low_priority", None)}.get(priority_class)
+    path, body = _payload(args, messages, priority)
+    res, text = RequestResult(ok=False, start=time.perf_counter(),
+                              priority_class=priority_class), []
     last = res.start
     chunks = 0
     try:
@@ -129,12 +136,14 @@ async def run_benchmark(args) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=args.concurrency or 1000, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
                                  timeout=timeout, limits=limits) as client:
-        async def conversation(turns: list[str]) -> None:
+        mix = getattr(args, "priority_mix", None)
+
+        async def conversation(turns: list[str], cls: str) -> None:
             messages: list[dict] = []
             for turn in turns:
                 messages.append({"role": "user", "content": turn})
                 async with limit:
-                    res, answer = await send_one(client, args, messages)
+                    res, answer = await send_one(client, args, messages, cls)
                 results.append(res)
                 bar.update(1)
                 if not res.ok:
@@ -144,7 +153,8 @@ async def run_benchmark(args) -> tuple[list[RequestResult], float]:
         start = time.perf_counter()
         tasks = []
         for turns in conversations:
-            tasks.append(asyncio.create_task(conversation(turns)))
+            cls = "" if mix is None else ("high" if rng.random() < mix else "low")
+            tasks.append(asyncio.create_task(conversation(turns, cls)))
             if args.request_rate != float("inf"):  # Poisson arrivals
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
@@ -180,6 +190,11 @@ def summarize(results: list[RequestResult], duration: float, args) -> dict:
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpot),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2e_latency_ms": _stats([r.e2e for r in ok]),
+        "per_class": {cls: {"completed": sum(r.priority_class == cls for r in ok),
+                            "ttft_ms": _stats([r.ttft for r in ok if r.priority_class == cls]),
+                            "e2e_latency_ms": _stats([r.e2e for r in ok
+                                                      if r.priority_class == cls])}
+                      for cls in sorted({r.priority_class for r in ok} - {""})},
         "per_request": [asdict(r) | {"itl": None} for r in results],
         "itl_all_ms": [x * 1000 for r in ok for x in r.itl],
     }
@@ -196,6 +211,10 @@ def print_summary(s: dict, baseline: dict | None = None) -> None:
             continue
         print(f"{key:16s} mean {st['mean']:9.2f}  p50 {st['p50']:9.2f}  "
               f"p90 {st['p90']:9.2f}  p99 {st['p99']:9.2f}")
+    for cls, st in s.get("per_class", {}).items():
+        t = st["ttft_ms"]
+        print(f"ttft_ms {cls:>4s} ({st['completed']:3d} req)  p50 {t['p50']:9.2f}  "
+              f"p99 {t['p99']:9.2f}")
     if baseline:
         ratio = s["output_throughput"] / max(baseline["output_throughput"], 1e-9)
         print(f"output tok/s vs baseline {baseline['base_url']}: {ratio:.2f}x")
@@ -225,6 +244,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--usage", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for stream_options.include_usage (exact token counts)")
     parser.add_argument("--extra-body", default=None, help="JSON merged into every request")
+    parser.add_argument("--priority-mix", type=float, default=None,
+                        help="send the `priority` field: this fraction of the conversations "
+                             "high, the rest low; TTFT is reported per class")
+    parser.add_argument("--high-priority", type=int, default=100)
+    parser.add_argument("--low-priority", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)

@@ -158,6 +158,24 @@ register(("bench", "pd"), _add_bench_pd_args, _refuse_busy_box(_run_bench_pd),
          "co-located vs prefill/decode disaggregation through sglang-router")
 
 
+def _add_bench_priority_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.priority import add_args
+
+    add_args(parser)
+
+
+def _run_bench_priority(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.priority import run
+
+    run(ns)
+    return 0
+
+
+register(("bench", "priority"), _add_bench_priority_args,
+         _refuse_busy_box(_run_bench_priority),
+         "mixed-priority traffic: TTFT per class with and without preemption")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata")
     subparsers = {(): parser.add_subparsers(dest="command", required=True)}

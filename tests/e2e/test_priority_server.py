@@ -116,3 +116,37 @@ def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
     for t in threads:
         t.join(120)
     assert _complete(preempting, SHORT, 4, 0)
+
+
+def test_bench_serve_reports_ttft_per_priority_class(preempting, tmp_path):
+    """`kvstrata bench serve --priority-mix` sends the field and splits TTFT by class (the
+    `bench priority` driver runs this load against three server setups)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, "-m", "kvstrata.entrypoints.cli", "bench", "serve",
+                    "--base-url", preempting.base_url, "--model", "tiny", "--endpoint",
+                    "completions", "--num-prompts", "8", "--concurrency", "2", "--input-len",
+                    "8", "--output-len", "4", "--priority-mix", "0.5", "--output-json",
+                    str(out), "--output-png", str(tmp_path / "serve.png")],
+                   check=True, timeout=300, capture_output=True)
+    summary = json.loads(out.read_text())
+    assert summary["completed"] == 8
+    per_class = summary["per_class"]
+    assert set(per_class) == {"high", "low"}
+    assert sum(c["completed"] for c in per_class.values()) == 8
+    assert all(c["ttft_ms"]["p50"] > 0 for c in per_class.values())
+
+
+def test_bench_priority_ratios():
+    from kvstrata.bench.priority import ratios
+
+    def setup(tok_s, high, low):
+        return {"output_throughput": tok_s, "per_class": {
+            "high": {"ttft_ms": {"p50": high}}, "low": {"ttft_ms": {"p50": low}}}}
+    got = ratios({"off": setup(100.0, 50.0, 50.0), "preempt": setup(90.0, 10.0, 100.0)})
+    assert got == pytest.approx({"off_high_vs_low_ttft_p50": 1.0,
+                                 "preempt_high_vs_low_ttft_p50": 0.1,
+                                 "preempt_tok_s_vs_off": 0.9})
