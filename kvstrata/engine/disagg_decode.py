@@ -126,10 +126,19 @@ class DecodeDisagg(DisaggSide):
                       metadata_index=room.slot)
 
     def _join_running(self) -> None:
-        for req in priority_order(self.sched.config, self.prebuilt):
-            if not self.sched.start_running(req):
+        sched = self.sched
+        for req in priority_order(sched.config, self.prebuilt):
+            # A full batch: priority preemption may back a worse running request up.
+            if not (sched.start_running(req) or (sched.make_room(req)
+                                                 and sched.start_running(req))):
                 break
             self.prebuilt.remove(req)
+
+    def retract(self, req: Request) -> bool:
+        """A running request preempted for a better one: backed up like a decode retraction
+        (a decode server cannot recompute its prompt) and restored later."""
+        self.retraction.preempt(req)
+        return True
 
     # ------------------------------------------------------------------ transfer done
     def _on_success(self, room: Room, ev: PDEvent) -> Request | None:

@@ -60,6 +60,7 @@ class DecodeRetraction:
         self.backups: dict[str, Backup] = {}
         self.ops: list[BackupOp] = []
         self.num_retractions = 0
+        self.num_preempted = 0  # of which priority preemptions (not counted as retractions)
         self.num_backups = dict.fromkeys(BACKENDS, 0)
         self.num_restores = dict.fromkeys(BACKENDS, 0)
         self.backup_bytes = 0
@@ -101,6 +102,12 @@ class DecodeRetraction:
                 type="abort", message=OOM_LAST_MESSAGE, status_code=500))
         self.num_retractions += len(retracted)
         sched.count_retractions(len(retracted), remaining)
+
+    def preempt(self, req: Request) -> None:
+        """Priority preemption of a running request (out of the batch already): backed up
+        and queued for resume as a retracted request (aborted if the host pool is full)."""
+        if self._retract(req):
+            self.num_preempted += 1
 
     def _retract(self, req: Request) -> bool:
         """Back up `req`'s KV, free its device pages and row, queue it. False when the host
@@ -189,7 +196,8 @@ class DecodeRetraction:
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
         out = {"decode_retraction_backup": self.backend,
-               "decode_retractions_total": self.num_retractions}
+               "decode_retractions_total": self.num_retractions,
+               "decode_priority_preemptions": self.num_preempted}
         for backend in BACKENDS:
             out[f"decode_backups_{backend}"] = self.num_backups[backend]
             out[f"decode_restores_{backend}"] = self.num_restores[backend]

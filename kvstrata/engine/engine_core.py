@@ -13,6 +13,7 @@ from kvstrata.cache.invariants import expected_rows
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.priority import resolve_priority
 from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
+from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.engine.sides import spec_side
 from kvstrata.protocol import FinishReason, RequestOutput, SpecCounts
@@ -181,13 +182,13 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         """Every KV invariant, including the runner's req_to_token rows when it can tell."""
-        self.scheduler.check_integrity()
+        check_scheduler(self.scheduler)
         check_rows = getattr(self.runner, "check_req_to_token", None)
         if check_rows is not None:
             check_rows(expected_rows(self.scheduler.live_requests(), self.scheduler.page_size))
 
     def dump_state(self) -> str:
-        return self.scheduler.dump_state()
+        return dump_state(self.scheduler)
 
     def finish_storage_backups(self, timeout: float = BACKUP_DRAIN_SECONDS) -> bool:
         """Graceful shutdown with HiCache L3: step transfers only (no forward) until every

@@ -8,6 +8,7 @@ import logging
 from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS
 from kvstrata.engine.prefill_adder import prefill_candidates
 from kvstrata.engine.request import Request
+from kvstrata.engine.scheduler_introspect import dump_state
 from kvstrata.protocol import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,9 @@ def abort_unfittable(sched) -> None:
     scheduler bug and fails fast with the state."""
     sched.num_stalls += 1
     logger.warning("Scheduler made no progress; aborting the request that cannot fit "
-                   "alone. State:\n%s", sched.dump_state())
+                   "alone. State:\n%s", dump_state(sched))
     if sched.running:
-        raise RuntimeError("scheduler stalled with running requests:\n" + sched.dump_state())
+        raise RuntimeError("scheduler stalled with running requests:\n" + dump_state(sched))
     if sched.chunked_req is not None:
         victim, sched.chunked_req = sched.chunked_req, None
     else:

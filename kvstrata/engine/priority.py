@@ -19,6 +19,9 @@ A request's priority is an int (the `priority` field of /generate and the OpenAI
     needed (`uncached input + min(max_new_tokens, 4096) - remaining budget`), until enough is
     freed; nothing qualifies, or not enough: nobody is preempted. Victims are retracted (their
     committed tokens are kept and recomputed, as after a decode retraction) and wait again.
+    A PD decode server preempts when a transferred request (its KV already in place) finds
+    the batch full: one victim, backed up like a decode retraction (its prompt cannot be
+    recomputed there) and restored later.
   - `--max-queued-requests` (co-located servers, as SGLang): a full waiting queue refuses the
     newcomer (503 "The request queue is full."), or with priority scheduling evicts its least
     preferred request (newest on a tie) when the newcomer is strictly better.
@@ -114,9 +117,11 @@ class PrioritySide(SchedulerSide):
         if not self.preemption:
             return False
         sched, kv, sign = self.sched, self.sched.kv, self.config.priority_sign
-        need = (req.seq_len - kv.peek_prefix_len(req.all_ids)
-                + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
-                - adder.rem_total)
+        # A request that holds its KV (adder None: PD decode) only needs a running slot.
+        need = 0 if adder is None else (
+            req.seq_len - kv.peek_prefix_len(req.all_ids)
+            + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+            - adder.rem_total)
         victims: list[Request] = []
         for running in sorted((r for r in sched.running if not r.is_finished),
                               key=_least_preferred_first(self.config)):
@@ -131,10 +136,9 @@ class PrioritySide(SchedulerSide):
         before = kv.available_tokens() + kv.evictable_tokens()
         reserved = sum(sched.ratio.reserved_tokens(v) for v in victims)
         for victim in victims:
-            sched.stop_running(victim)
-            sched.retract_one(victim)
-            sched.enqueue(victim)
-        adder.rem_total += kv.available_tokens() + kv.evictable_tokens() - before + reserved
+            sched.preempt(victim)  # retracted (decode server: backed up) and queued again
+        if adder is not None:
+            adder.rem_total += kv.available_tokens() + kv.evictable_tokens() - before + reserved
         self.num_preempted += len(victims)
         return True
 

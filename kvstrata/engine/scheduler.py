@@ -16,7 +16,6 @@ from kvstrata.engine.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfit
 from kvstrata.engine.prefill_adder import PrefillAdder, PrefillItem, prefill_candidates
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.scheduler_config import SchedulerConfig
-from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.sides import build_sides
 from kvstrata.engine.stop_checker import StopChecker
@@ -171,6 +170,17 @@ class Scheduler:
         return sum(self.kv.pages_needed(r, r.seq_len + len((drafts or {}).get(r.rid, ())))
                    for r in reqs)
 
+    def make_room(self, req: Request, adder=None) -> bool:
+        """Ask the sides to make room for `req` in a full batch (priority preemption)."""
+        return any(side.make_room(req, adder) for side in self.sides)
+
+    def preempt(self, victim: Request) -> None:
+        """Out of the batch for a better one: a side's way (decode: KV backup), else recompute."""
+        self.stop_running(victim)
+        if not any(side.retract(victim) for side in self.sides):
+            self.retract_one(victim)
+            self.enqueue(victim)
+
     def retract_one(self, victim: Request) -> None:
         """Release a request's pages and row, and reset it to be computed again."""
         self.kv.release(victim, insert=False)
@@ -192,10 +202,6 @@ class Scheduler:
             # No forward, but the runner must still forget requests / move or poll pages.
             out = self._output(False, [], [])
         return out
-
-    def dump_state(self) -> str:
-        """A human-readable snapshot of queues and KV usage, for stall and watchdog logs."""
-        return dump_state(self)
 
     def transfer_only_output(self) -> SchedulerOutput:
         """A step that computes nothing: the runner only moves pages and reports progress
@@ -233,8 +239,7 @@ class Scheduler:
             slots=self.kv.slots(req, write_from, end),
             sample=sample, num_draft=len(draft),
         )
-        # Optimistic: the runner executes this before the next schedule() call (a verify
-        # entry is corrected to what was accepted in update()).
+        # Optimistic: run before the next schedule() (a verify entry is corrected in update).
         req.num_computed_tokens = end
         req.row_stale_from = req.num_computed_tokens
         return entry
@@ -263,8 +268,7 @@ class Scheduler:
                 return None
         for req in prefill_candidates(self):
             full = len(self.running) + len(adder.items) >= cfg.max_running_requests
-            if (full or not self.free_rows) and not any(side.make_room(req, adder)
-                                                        for side in self.sides):
+            if (full or not self.free_rows) and not self.make_room(req, adder):
                 break  # a side may make room: priority preemption (engine/priority.py)
             if not self.kv.prefetch_ready(req):
                 continue  # its storage prefetch policy holds it in the queue (SGLang)
@@ -393,8 +397,4 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.finish(req, reason)
-
-    def check_integrity(self) -> None:
-        """The whole-state invariants (cache/invariants.py) plus queue and row bookkeeping."""
-        check_scheduler(self)
 

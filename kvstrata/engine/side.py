@@ -57,9 +57,16 @@ class SchedulerSide:
         """Before the scheduler picks a batch: move own queues on (admission, resume)."""
 
     def make_room(self, req: Request, adder) -> bool:
-        """The prefill round is full by request count (or out of rows) and `req` is next in
-        line: True if the side made room for it (e.g. preempted running requests back to
-        the waiting queue and added what they held to `adder.rem_total`)."""
+        """The batch is full by request count (or out of rows) and `req` is next in line:
+        True if the side made room for it (priority preemption through `facade.preempt`,
+        adding what the victims held to `adder.rem_total`). `adder` is None when `req`
+        already holds its KV (a decode server's transferred request: only a row is needed)."""
+        return False
+
+    def retract(self, req: Request) -> bool:
+        """`req` was taken out of the running batch (priority preemption): True if the side
+        keeps it its own way (a decode server backs its KV up: it cannot recompute the
+        prompt); else the scheduler releases its KV and queues it for recompute."""
         return False
 
     def on_decode_oom(self) -> bool:

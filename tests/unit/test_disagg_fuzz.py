@@ -61,7 +61,7 @@ configs = st.fixed_dictionaries({
     # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern) or off.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
     # Priority scheduling on both servers (their queues admit by priority), or off.
-    "priority": st.booleans(),
+    "priority": st.one_of(st.none(), st.sampled_from([0, 10])),  # preemption threshold
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
@@ -70,7 +70,7 @@ prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40)
 # Peer deaths (pd_fake.py): a refused bootstrap address, a peer that never answers, a peer
 # that dies some ticks into the room's life (before or after the decode reserved pages).
 PEER_DEATHS = ("refused", "never", "dies")
-priorities = st.sampled_from([None, -12, 0, 2, 15])
+priorities = st.sampled_from([15, -12, 0, 2, None])
 injections = st.sampled_from([None] * 6 + ["bootstrap", "transfer", "corrupt", "slow",
                                             *PEER_DEATHS])
 
@@ -83,8 +83,9 @@ class PDMachine(RuleBasedStateMachine):
         P = cfg["page_size"]
         self.cfg = cfg
         priority = {"enable_priority_scheduling": True,
+                    "priority_scheduling_preemption_threshold": cfg["priority"],
                     "disable_priority_preemption": cfg["backup"] == "host_pool"} \
-            if cfg["priority"] else {}
+            if cfg["priority"] is not None else {}
         self.pair = PDPair(
             page_size=P, prefill_pages=max(cfg["prefill_tokens"] // P, 1),
             decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
@@ -92,7 +93,7 @@ class PDMachine(RuleBasedStateMachine):
                          "disable_radix_cache": cfg["disable_radix_cache"],
                          "num_host_pages": (0 if cfg["disable_radix_cache"]
                                             else cfg["prefill_host_pages"]),
-                         "schedule_policy": ("fcfs" if cfg["priority"]
+                         "schedule_policy": ("fcfs" if cfg["priority"] is not None
                                              else cfg["schedule_policy"]),
                          **priority,
                          "max_running_requests": cfg["prefill_rows"]},
@@ -166,6 +167,8 @@ class PDMachine(RuleBasedStateMachine):
         pair.check_drained()
         retraction = pd_side(pair.decode.scheduler).retraction
         event(f"decode retractions ({self.cfg['backup']}): {min(retraction.num_retractions, 3)}")
+        if self.cfg["priority"] is not None:
+            event(f"decode priority preemptions: {min(retraction.num_preempted, 2)}")
         if retraction.exhausted_aborts:
             event("retraction host pool exhausted")
         if self.cfg["spec"] is not None:

@@ -328,3 +328,64 @@ def test_pd_servers_admit_in_priority_order(low_first):
     order = [rid for rid in pair.finished["decode"] if rid != "first"]
     assert order == (["c", "a", "b"] if low_first else ["b", "a", "c"])
     assert all(r.type == "length" for r in pair.finished["decode"].values())
+
+
+def test_pd_decode_preempts_by_backing_up_and_restores_exactly():
+    """One decode row: a transferred high-priority request takes the row of a long low one,
+    which is backed up (a decode server cannot recompute its prompt), restored later and
+    still produces exactly its reference tokens."""
+    from kvstrata.engine.sides import pd_side
+    from tests.unit.pd_fake import PDPair
+
+    pair = PDPair(prefill_cfg=PRIO, decode_cfg={**PRIO, "max_running_requests": 1,
+                                                "disaggregation_decode_extra_slots": 2})
+    pair.submit("low", prompt(1), 30, priority=0)
+    for _ in range(6):
+        pair.step()
+    pair.submit("high", prompt(2), 4, priority=50)
+    pair.run()
+    assert list(pair.finished["decode"]) == ["high", "low"]
+    for rid, seed, n in [("low", 1, 30), ("high", 2, 4)]:
+        assert pair.outputs["decode"][rid] == reference_tokens(prompt(seed), n, VOCAB), rid
+    retraction = pd_side(pair.decode.scheduler).retraction
+    assert retraction.num_preempted == 1 and retraction.num_backups["cpu_tensor"] == 1
+    assert retraction.num_restores["cpu_tensor"] == 1
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(arrivals=arrivals, threshold=st.sampled_from([0, 2, 10]), low_first=st.booleans(),
+       rows=st.sampled_from([1, 2]), extra=st.sampled_from([1, 3]),
+       decode_pool=st.integers(40, 200), backup=st.sampled_from(["cpu_tensor", "host_pool"]))
+def test_pd_random_arrivals_with_decode_preemption(arrivals, threshold, low_first, rows, extra,
+                                                   decode_pool, backup):
+    """The same over a PD pair: a decode server with few rows preempts by backing requests
+    up (and may also retract them for memory); every request ends with its reference tokens
+    unless it cannot fit, and both servers drain whole."""
+    from kvstrata.engine.sides import pd_side
+    from tests.unit.pd_fake import PDPair
+
+    prio = {**PRIO, "priority_scheduling_preemption_threshold": threshold,
+            "schedule_low_priority_values_first": low_first}
+    pair = PDPair(prefill_cfg=prio, decode_pages=decode_pool, decode_cfg={
+        **prio, "max_running_requests": rows, "disaggregation_decode_extra_slots": extra,
+        "disaggregation_decode_retraction_backup": backup,
+        "num_host_pages": 64 if backup == "host_pool" else 0})
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    wanted, step = {}, 0
+    bound = 300 + 6 * sum(n + m for _, _, n, m in arrivals)
+    while pending or pair.busy():
+        while pending and pending[0][1][0] <= step:
+            i, (_, p, n, max_new) = pending.pop(0)
+            wanted[f"r{i}"] = (prompt(i, n), max_new)
+            pair.submit(f"r{i}", prompt(i, n), max_new, priority=p, ignore_eos=True)
+        pair.step()
+        step += 1
+        assert step < bound, pair.decode.dump_state()
+    pair.check_drained()
+    event(f"decode preemptions > 0: {pd_side(pair.decode.scheduler).retraction.num_preempted > 0}")
+    for rid, (ids, max_new) in wanted.items():
+        reason = pair.finished["decode"][rid]
+        if reason.type == "length":
+            assert pair.outputs["decode"][rid] == reference_tokens(ids, max_new, VOCAB), rid
+        else:
+            assert reason.status_code in (400, 500), (rid, reason)  # cannot fit / pool full
