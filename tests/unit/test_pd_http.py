@@ -211,3 +211,18 @@ def test_server_info_internal_states_are_asked_live():
     assert len(first) == 1 and first[0]["live"] is True
     assert second[0]["control_calls"] == first[0]["control_calls"] + 1
     assert first[0]["server_args"]["model_path"] == "m" and "num_retractions" in first[0]
+
+
+@pytest.mark.parametrize("path,body", ROUTES, ids=[r[0] for r in ROUTES])
+def test_priority_field_reaches_the_engine_request(path, body):
+    """SGLang's `priority` (what sglang-router forwards) is carried to the scheduler on every
+    route; absent, it stays None (the engine applies --default-priority-value); not an int,
+    a 400 naming it."""
+    client, tm = _client("null")
+    assert client.post(path, json={**body, "priority": 7}).status_code == 200
+    assert client.post(path, json=body).status_code == 200
+    assert [r.priority for r in tm.reqs] == [7, None]
+    decoded = ipc.decode(ipc.encode(tm.reqs[0]), "scheduler")
+    assert decoded.priority == 7
+    r = client.post(path, json={**body, "priority": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
