@@ -7,15 +7,16 @@ import torch
 
 
 def load_hf_model(model_path: str):
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
 
     source = resolve_model_path(model_path)
     if source.kind != "gguf":
         return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
-    config = load_hf_config(source)
+    # transformers' own config class (the reference must not depend on our reader).
+    config = AutoConfig.from_pretrained(gguf_metadata_dir(source))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = load_gguf_checkpoint(source.gguf_path, return_tensors=True,

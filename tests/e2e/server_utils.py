@@ -59,7 +59,9 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
-                 timeout: float = 180):
+                 timeout: float = 180, wait: bool = True):
+        """Starts the server; waits until /health answers 200 unless `wait` is False (then
+        call wait_healthy(): several servers start faster side by side)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/kvstrata-e2e-{self.port}.log"
@@ -71,6 +73,11 @@ class ServerProcess:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
+        self.children: list[int] = []
+        if wait:
+            self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float = 180) -> None:
         self._wait_healthy(timeout)
         self.children = child_pids(self.proc.pid)
 
@@ -93,9 +100,17 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()[-6000:]
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+    def send(self, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` without waiting (stop_all: several servers shut down side by side)."""
+        self.children = self.children or child_pids(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            self.signalled = True
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if not getattr(self, "signalled", False) or sig != signal.SIGTERM:
+            self.send(sig)
+        if self.proc.returncode is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -107,3 +122,12 @@ class ServerProcess:
             time.sleep(0.1)
         self.log.close()
         return self.proc.returncode
+
+
+def stop_all(servers) -> None:
+    """Stop several servers at once: signal them all, then wait for each."""
+    servers = [s for s in servers if s is not None]
+    for srv in servers:
+        srv.send()
+    for srv in servers:
+        srv.stop()

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import TINY_CONTEXT
-from tests.e2e.server_utils import ServerProcess, free_port, pid_alive
+from tests.e2e.server_utils import ServerProcess, free_port, pid_alive, stop_all
 from tests.e2e.test_routes_and_disconnect import kv_state
 from tests.e2e.test_sglang_router import Router
 
@@ -51,24 +51,33 @@ class PDServers:
         self.model = model
         self.decode_args = decode_args
         self.owns_prefill = shared_prefill is None
+        # Both servers start side by side (each spends most of its start importing).
         if shared_prefill is None:
             self.bootstrap_port = free_port()
-            self.prefill = self.start_prefill()
+            self.prefill = self.start_prefill(wait=False)
         else:
             self.bootstrap_port = shared_prefill.bootstrap_port
             self.prefill = shared_prefill.prefill
-        self.decode = self.start_decode() if with_decode else None
+        self.decode = self.start_decode(wait=False) if with_decode else None
+        try:
+            for srv in (self.prefill if self.owns_prefill else None, self.decode):
+                if srv is not None:
+                    srv.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
 
-    def start_decode(self) -> ServerProcess:
+    def start_decode(self, wait: bool = True) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "decode",
                              "--disaggregation-transfer-backend", self.backend,
-                             "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV)
+                             "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV,
+                             wait=wait)
 
-    def start_prefill(self) -> ServerProcess:
+    def start_prefill(self, wait: bool = True) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
                              "--disaggregation-transfer-backend", self.backend,
                              "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-                             "--max-total-tokens", "4096", env=PD_ENV)
+                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait)
 
     def body(self, room: int | None = None) -> dict:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
@@ -94,9 +103,7 @@ class PDServers:
         return [out["prefill"], out["decode"]]
 
     def stop(self) -> None:
-        for srv in (self.decode, self.prefill if self.owns_prefill else None):
-            if srv is not None:
-                srv.stop()
+        stop_all([self.decode, self.prefill if self.owns_prefill else None])
 
 
 def wait_drained(srv, timeout: float = 30) -> dict:

@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 
+from tests.e2e.server_utils import stop_all
 from tests.e2e.test_pd_disagg import PDServers, assert_no_leak, wait_drained
 
 NEAR_TIE = 2e-3
@@ -76,32 +77,44 @@ def prefill(tiny_model_path):
         servers.stop()
 
 
+@pytest.fixture(scope="module")
+def decode_pair(tiny_model_path, prefill):
+    """decode_pair(backend, *flags): a decode server on the shared prefill, started once per
+    configuration for the whole file (tests that need the same one share it)."""
+    pairs: dict[tuple, PDServers] = {}
+
+    def get(backend: str, *extra: str) -> PDServers:
+        key = (backend, *extra)
+        if key not in pairs:
+            pairs[key] = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
+                                   "--disaggregation-decode-retraction-backup", backend,
+                                   *extra, shared_prefill=prefill)
+        return pairs[key]
+    try:
+        yield get
+    finally:
+        stop_all([pd.decode for pd in pairs.values()])
+
+
 @pytest.mark.parametrize("backend,extra", [
     ("cpu_tensor", ()),
     # The default ratio (0.2 of the device pool) cannot hold this many backups at once.
     ("host_pool", ("--hicache-ratio", "2.0")),
 ])
-def test_decode_pressure_retracts_and_restores_exactly(backend, extra, tiny_model_path, server,
-                                                       prefill):
+def test_decode_pressure_retracts_and_restores_exactly(backend, extra, server, decode_pair):
     batch = prompts()
     refs = [reference(server, ids) for ids in batch]
-    pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
-                   "--disaggregation-decode-retraction-backup", backend, *extra,
-                   shared_prefill=prefill)
-    try:
-        info = httpx.get(pd.decode.base_url + "/server_info", timeout=30).json()
-        assert info["disaggregation_decode_retraction_backup"] == backend
-        results = run_batch(pd, batch)
-        for i, r in results.items():
-            assert r.status_code == 200, r.text
-            assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
-        load = decode_load(pd)
-        assert load["decode_retractions_total"] > 0, load
-        assert load[f"decode_backups_{backend}"] > 0 and load[f"decode_restores_{backend}"] > 0
-        assert_no_leak(pd.decode)
-        assert_no_leak(pd.prefill)
-    finally:
-        pd.stop()
+    pd = decode_pair(backend, *extra)
+    check_server_info(pd.decode, backend, 2.0 if extra else None, backend == "host_pool")
+    results = run_batch(pd, batch)
+    for i, r in results.items():
+        assert r.status_code == 200, r.text
+        assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
+    load = decode_load(pd)
+    assert load["decode_retractions_total"] > 0, load
+    assert load[f"decode_backups_{backend}"] > 0 and load[f"decode_restores_{backend}"] > 0
+    assert_no_leak(pd.decode)
+    assert_no_leak(pd.prefill)
 
 
 def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server, prefill):
@@ -129,44 +142,44 @@ def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server, prefil
         pd.stop()
 
 
-@pytest.mark.parametrize("flags,backend,ratio,host_pool", [
-    ((), "host_pool", 0.2, True),                      # auto on a CPU decode server
-    (("--disaggregation-decode-retraction-backup", "cpu_tensor"), "cpu_tensor", None, False),
-    (("--disaggregation-decode-retraction-backup", "host_pool", "--hicache-ratio", "2.0"),
-     "host_pool", 2.0, True),
-])
-def test_server_info_shows_the_resolved_backup(flags, backend, ratio, host_pool,
-                                               tiny_model_path):
+def check_server_info(srv, backend: str, ratio: float | None, host_pool: bool,
+                      resolved: bool = False) -> None:
+    """/server_info shows the resolved backup backend, the ratio and the KV plan's
+    retraction host pool (ratio x device pages)."""
+    info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
+    assert info["disaggregation_decode_retraction_backup"] == backend
+    if ratio is not None:
+        assert info["hicache_ratio"] == ratio
+    plan = info["kv_plan"]
+    assert (plan["num_host_pages"] > 0) == host_pool
+    assert plan["host_pool_use"] == ("retraction" if host_pool else None)
+    if ratio is not None:  # host pages = ratio x device pages
+        assert plan["num_host_pages"] == int(plan["num_pages"] * ratio)
+    if resolved:
+        assert "disaggregation_decode_retraction_backup" in {
+            r["field"] for r in info["resolutions"]}
+
+
+def test_server_info_shows_the_auto_backup(tiny_model_path):
+    """Unset on a CPU decode server: host_pool, ratio 0.2, and the rule says why (the
+    explicit cpu_tensor / host_pool + ratio servers of the pressure test check theirs)."""
     from tests.e2e.server_utils import ServerProcess
 
     srv = ServerProcess(tiny_model_path, "--disaggregation-mode", "decode",
-                        "--max-total-tokens", "448", *flags)
+                        "--max-total-tokens", "448")
     try:
-        info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
-        assert info["disaggregation_decode_retraction_backup"] == backend
-        if ratio is not None:
-            assert info["hicache_ratio"] == ratio
-        plan = info["kv_plan"]
-        assert (plan["num_host_pages"] > 0) == host_pool
-        assert plan["host_pool_use"] == ("retraction" if host_pool else None)
-        if ratio is not None:  # host pages = ratio x device pages
-            assert plan["num_host_pages"] == int(plan["num_pages"] * ratio)
-        rules = {r["field"] for r in info["resolutions"]}
-        if not flags:
-            assert "disaggregation_decode_retraction_backup" in rules
+        check_server_info(srv, "host_pool", 0.2, True, resolved=True)
     finally:
         srv.stop()
 
 
-def test_aborting_retracted_requests_discards_their_backups(tiny_model_path, prefill):
+def test_aborting_retracted_requests_discards_their_backups(decode_pair):
     """/abort_request for every request of a pressured decode server once some sit
     retracted (their KV in the host pool): each ends, every backup is discarded, nothing
     leaks in either tier."""
     import time
 
-    pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
-                   "--disaggregation-decode-retraction-backup", "host_pool",
-                   "--hicache-ratio", "2.0", shared_prefill=prefill)
+    pd = decode_pair("host_pool", "--hicache-ratio", "2.0")  # the pressure test's server
     answers: dict[str, int] = {}
 
     def one(i: int, ids: list[int]) -> None:
@@ -176,25 +189,22 @@ def test_aborting_retracted_requests_discards_their_backups(tiny_model_path, pre
                                                    json=body, timeout=180)).start()
         answers[body["rid"]] = httpx.post(pd.decode.base_url + "/generate", json=body,
                                           timeout=180).status_code
-    try:
-        batch = prompts()
-        threads = [threading.Thread(target=one, args=(i, ids)) for i, ids in enumerate(batch)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
+    batch = prompts()
+    threads = [threading.Thread(target=one, args=(i, ids)) for i, ids in enumerate(batch)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    load = decode_load(pd)
+    while load["num_decode_retracted"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
         load = decode_load(pd)
-        while load["num_decode_retracted"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-            load = decode_load(pd)
-        assert load["num_decode_retracted"] > 0, load
-        assert load["decode_backup_host_used_tokens"] > 0, load
-        for i in range(len(batch)):
-            httpx.post(pd.decode.base_url + "/abort_request", json={"rid": f"r{i}"}, timeout=30)
-        for t in threads:
-            t.join()
-        assert len(answers) == len(batch) and all(s != 500 for s in answers.values()), answers
-        assert_no_leak(pd.decode)
-        assert decode_load(pd)["decode_backup_host_used_tokens"] == 0
-        assert_no_leak(pd.prefill)
-    finally:
-        pd.stop()
+    assert load["num_decode_retracted"] > 0, load
+    assert load["decode_backup_host_used_tokens"] > 0, load
+    for i in range(len(batch)):
+        httpx.post(pd.decode.base_url + "/abort_request", json={"rid": f"r{i}"}, timeout=30)
+    for t in threads:
+        t.join()
+    assert len(answers) == len(batch) and all(s != 500 for s in answers.values()), answers
+    assert_no_leak(pd.decode)
+    assert decode_load(pd)["decode_backup_host_used_tokens"] == 0
+    assert_no_leak(pd.prefill)

@@ -1,0 +1,110 @@
+"""A checkpoint's config.json as attributes, without transformers' config classes (no torch).
+
+Why: importing any transformers config class (transformers 5) pulls torch.distributed.tensor
+and sympy -- about 3 s of imports in every scheduler process, a quarter of a small server's
+start on 2 cores. For the decoder families our runner builds (llama, mistral, qwen2, qwen3)
+this reads config.json, fills in the fields a transformers class would default (the table
+below, checked against transformers' classes by tests/unit/test_hf_config.py) and derives
+what their __init__ derives (kv heads, head_dim, rope parameters, qwen sliding window).
+Anything else (DeepSeek-V3.2, unknown model types) goes through AutoConfig as before.
+
+Only the fields the runner reads are guaranteed to match AutoConfig (tests compare them on
+real and tiny checkpoints); the rest of config.json is passed through as written.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# Class defaults of the fields the runner reads (transformers 5: LlamaConfig() etc.), for
+# fields a config.json may leave out.
+_COMMON = {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_scaling": None,
+           "rope_parameters": None, "dtype": None, "architectures": None,
+           "hidden_act": "silu"}
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "intermediate_size": 11008, "max_position_embeddings": 2048,
+              "attention_bias": False, "mlp_bias": False, "bos_token_id": 1,
+              "eos_token_id": 2},
+    "mistral": {**_COMMON, "intermediate_size": 14336, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "sliding_window": 4096, "bos_token_id": 1,
+                "eos_token_id": 2},
+    "qwen2": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "sliding_window": 4096,
+              "use_sliding_window": False, "max_window_layers": 28, "bos_token_id": None,
+              "eos_token_id": None},
+    "qwen3": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016,
+              "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "head_dim": 128, "attention_bias": False,
+              "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28,
+              "bos_token_id": None, "eos_token_id": None},
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+class HFConfig:
+    """config.json as attributes (see the module doc); `to_dict()` gives the fields back."""
+
+    def __init__(self, raw: dict[str, Any]):
+        model_type = raw.get("model_type")
+        if model_type not in CLASS_DEFAULTS:
+            raise ValueError(f"no built-in config reader for model_type {model_type!r}")
+        values = {**CLASS_DEFAULTS[model_type], **raw}
+        values.pop("torch_dtype", None)
+        if "torch_dtype" in raw and raw.get("dtype") is None:
+            values["dtype"] = raw["torch_dtype"]  # transformers 4's name for it
+        if values["num_key_value_heads"] is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        if values.get("head_dim") is None:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        values["rope_parameters"] = _rope_parameters(values)
+        values["rope_scaling"] = values["rope_parameters"]  # transformers 5 mirrors them
+        values.pop("rope_theta", None)
+        if model_type in ("qwen2", "qwen3") and not values.get("use_sliding_window"):
+            values["sliding_window"] = None  # qwen: a window only with use_sliding_window
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self.__dict__.get('model_type')!r})"
+
+
+def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's standardisation: one dict with rope_type and rope_theta, from
+    `rope_parameters`, or from the older `rope_theta` + `rope_scaling` (whose "type" key is
+    the older spelling of "rope_type")."""
+    params = dict(values.get("rope_parameters") or {})
+    scaling = values.get("rope_scaling")
+    if not params and scaling:
+        params = dict(scaling)
+    params.setdefault("rope_type", params.get("type") or "default")
+    params.setdefault("rope_theta", values.get("rope_theta", _DEFAULT_ROPE_THETA))
+    return params
+
+
+def read_hf_config(path: str) -> HFConfig | None:
+    """The directory's config.json through HFConfig, or None when this reader does not
+    cover it (the caller then uses AutoConfig)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+        raw = json.load(fh)
+    if raw.get("model_type") not in CLASS_DEFAULTS or "text_config" in raw:
+        return None
+    return HFConfig(raw)
+
+
+def read_generation_eos(path: str) -> Any:
+    """eos_token_id of generation_config.json (int, list or None), as GenerationConfig reads
+    it; None when the file is missing or unreadable."""
+    try:
+        with open(os.path.join(path, "generation_config.json"), encoding="utf-8") as fh:
+            return json.load(fh).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+
+
+__all__ = ["CLASS_DEFAULTS", "HFConfig", "read_generation_eos", "read_hf_config"]

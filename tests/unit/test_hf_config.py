@@ -1,0 +1,113 @@
+"""config/hf_config.py reads config.json without transformers: what the runner takes from a
+config must equal what transformers' AutoConfig gives, on the tiny checkpoints of every
+decoder family, the SmolLM2 GGUF's converted config, and config.json files written the older
+way (transformers 4: rope_theta + rope_scaling with "type", torch_dtype, omitted fields)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvstrata.config.hf_config import CLASS_DEFAULTS, HFConfig, read_hf_config
+from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
+from kvstrata.runner.models.decoder import ModelDims
+from kvstrata.runner.models.registry import architecture_name
+from kvstrata.runner.models.rope import rope_parameters
+
+MISSING = "<missing>"
+
+
+def what_the_runner_reads(config) -> dict:
+    """Everything the runner derives from a config (decoder dims, rope, window, eos, dtype,
+    context, architecture)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        window = None
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return {"dims": ModelDims.from_config(config), "rope": rope_parameters(config),
+            "window": window, "eos": getattr(config, "eos_token_id", None),
+            "bos": getattr(config, "bos_token_id", None),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            "max_pos": getattr(config, "max_position_embeddings", None),
+            "arch": architecture_name(config), "rms": config.rms_norm_eps,
+            "act": getattr(config, "hidden_act", None)}
+
+
+def auto_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tiny_checkpoints_read_as_transformers_does(arch, tiny_checkpoints):
+    path = tiny_checkpoints[arch]
+    assert what_the_runner_reads(read_hf_config(path)) == what_the_runner_reads(auto_config(path))
+
+
+def test_smollm2_gguf_config_reads_as_transformers_does():
+    path = gguf_metadata_dir(resolve_model_path("smollm2-135m"))
+    assert what_the_runner_reads(read_hf_config(path)) == what_the_runner_reads(auto_config(path))
+
+
+OLD_STYLE = [
+    {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+     "num_attention_heads": 8, "intermediate_size": 96, "rope_theta": 50000.0,
+     "rope_scaling": {"type": "linear", "factor": 2.0}, "torch_dtype": "bfloat16"},
+    {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64}},
+    {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+     "num_attention_heads": 4, "sliding_window": 131072, "use_sliding_window": False,
+     "rope_theta": 1000000.0, "eos_token_id": [7, 8]},
+    {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+     "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 0},
+    {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4},  # head_dim 128
+    {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4},  # window 4096
+    {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
+     "sliding_window": None, "head_dim": 32, "tie_word_embeddings": True},
+]
+
+
+@pytest.mark.parametrize("raw", OLD_STYLE, ids=lambda r: r["model_type"])
+def test_older_and_sparse_config_files_read_as_transformers_does(raw, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours, theirs = read_hf_config(str(tmp_path)), auto_config(str(tmp_path))
+    assert what_the_runner_reads(ours) == what_the_runner_reads(theirs)
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASS_DEFAULTS))
+def test_class_defaults_are_transformers_defaults(model_type):
+    import transformers as tf
+
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
+           "qwen3": tf.Qwen3Config}[model_type]
+    theirs = cls()
+    for field, value in CLASS_DEFAULTS[model_type].items():
+        if value is None and field in ("num_key_value_heads", "head_dim") or field in (
+                "rope_scaling", "rope_parameters", "sliding_window"):
+            continue  # derived in __init__ (compared through what_the_runner_reads above)
+        assert getattr(theirs, field, MISSING) == value, field
+
+
+def test_other_model_types_fall_back_to_autoconfig(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    assert read_hf_config(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        HFConfig({"model_type": "gpt2"})
+
+
+def test_no_transformers_import(tiny_checkpoints):
+    """The point of the reader: a fresh interpreter reads a config without importing
+    transformers (or torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvstrata.config.model_source import load_hf_config, "
+            "resolve_model_path; load_hf_config(resolve_model_path(sys.argv[1])); "
+            "print('transformers' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, tiny_checkpoints["qwen3"]],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.split() == ["False", "False"]
