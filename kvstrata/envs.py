@@ -86,8 +86,8 @@ KVSTRATA_LOG_RESOLUTIONS = _declare(
     "of explicit choices are logged as warnings even when this is off.")
 KVSTRATA_ENGINE_FACTORY = _declare(
     "KVSTRATA_ENGINE_FACTORY", str, "kvstrata.entrypoints.engine_factory:build_engine",
-    "module:function that builds the scheduler process's engine (tests inject fakes and "
-    "faults through it).")
+    "module:function that builds the scheduler process's engine, called as f(server_args, "
+    "defer_tokenizer=True) -> (engine, tokenizer) (tests inject fakes and faults through it).")
 KVSTRATA_MAX_REQUEST_BYTES = _declare(
     "KVSTRATA_MAX_REQUEST_BYTES", int, 32 << 20,
     "Largest HTTP request body the API server reads; larger bodies get 413.")

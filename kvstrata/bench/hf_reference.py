@@ -3,10 +3,9 @@ loader. GGUF goes through transformers' own GGUF reader (dequantise + q/k un-per
 LlamaForCausalLM; from_pretrained(gguf_file=...) would need `accelerate`."""
 from __future__ import annotations
 
-import torch
-
 
 def load_hf_model(model_path: str):
+    import torch  # here, not at import: `kvstrata serve` builds this command's parser too
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

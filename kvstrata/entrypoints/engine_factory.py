@@ -5,6 +5,7 @@ Shared by `kvstrata.LLM` and the scheduler process."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
@@ -20,6 +21,7 @@ from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.engine.sides import pd_side
+from kvstrata.frontend.tokenizer_loader import DeferredTokenizer
 from kvstrata.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -90,12 +92,17 @@ def storage_model_name(args: Any) -> str:
     return args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
 
 
-def build_engine(server_args: ServerArgs) -> tuple[EngineCore, Any]:
-    """Returns (engine core, HF tokenizer with chat template)."""
+def build_engine(server_args: ServerArgs, defer_tokenizer: bool = False
+                 ) -> tuple[EngineCore, Any]:
+    """Returns (engine core, HF tokenizer with chat template). `defer_tokenizer`: a
+    DeferredTokenizer the caller starts loading when it likes (the scheduler process: after
+    reporting ready)."""
     runner, args, plan, resolutions = build_runner(server_args)
     # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
-    tokenizer = (None if args.skip_tokenizer_init
-                 else load_tokenizer(runner.source, args.tokenizer_path))
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        load = functools.partial(load_tokenizer, runner.source, args.tokenizer_path)
+        tokenizer = DeferredTokenizer(load) if defer_tokenizer else load()
     engine = EngineCore(runner, SchedulerConfig.from_args(args, plan), tokenizer)
     pd = pd_side(engine.scheduler)
     if pd is not None:

@@ -118,14 +118,8 @@ def _graceful_server_class():
 def launch_server(server_args) -> int:
     """Run the server until SIGINT/SIGTERM (returns 0) or until a child process dies
     (returns ENGINE_DEAD_EXIT_CODE). Blocking."""
-    import uvicorn
-
-    from kvstrata.entrypoints.api_server import create_app
     from kvstrata.entrypoints.scheduler_process import run_scheduler_process
     from kvstrata.frontend.detokenizer import run_detokenizer_process
-    from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
-    from kvstrata.frontend.tokenizer_manager import TokenizerManager
-    from kvstrata.metrics import ServerMetrics
 
     ipc_dir = tempfile.mkdtemp(prefix="kvstrata-ipc-")
     paths = ipc.IpcPaths.in_dir(ipc_dir)
@@ -141,10 +135,20 @@ def launch_server(server_args) -> int:
             recv_conn, send_conn = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=target, args=(server_args, paths, send_conn),
                                name=f"kvstrata-{name}", daemon=True)
+            children.append((proc, recv_conn, send_conn))
+        # The scheduler (the longest start: torch, the model) first, and both before this
+        # process imports the HTTP stack and loads its own tokenizer meanwhile.
+        for proc, _, send_conn in reversed(children):
             proc.start()
             send_conn.close()
-            children.append((proc, recv_conn))
-        # Load our own tokenizer while the children load theirs.
+        children = [(proc, recv_conn) for proc, recv_conn, _ in children]
+        import uvicorn
+
+        from kvstrata.entrypoints.api_server import create_app
+        from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
+        from kvstrata.frontend.tokenizer_manager import TokenizerManager
+        from kvstrata.metrics import ServerMetrics
+
         tokenizer = load_tokenizer_for(server_args)
         infos = _wait_ready(children, READY_TIMEOUT_S)
         processes = [p for p, _ in children]
@@ -190,7 +194,8 @@ def launch_server(server_args) -> int:
         logger.info("serving %s on http://%s:%d", served, server_args.host, server_args.port)
         asyncio.run(serve())
     finally:
-        _stop_children([p for p, _ in children], JOIN_TIMEOUT_S if shutdown_sent else 0.0)
+        _stop_children([c[0] for c in children if c[0].pid is not None],  # started ones
+                       JOIN_TIMEOUT_S if shutdown_sent else 0.0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         logger.info("server stopped")
     return exit_code

@@ -48,9 +48,6 @@ def engine_info(engine, tokenizer) -> dict:
         info["load"] = load  # the API process's /get_load until the first LoadReport
     except Exception:  # info is best effort; the engine may not support it before serving
         pass
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        info["eos_token_id"] = eos
     # Resolved args, resolutions and KV plan: start-up ran once, here, with the model's facts.
     info.update(start_up_info(engine))
     return info
@@ -179,7 +176,8 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     die_with_parent()
     setup_child_logging(server_args, "scheduler")
     try:
-        engine, tokenizer = load_engine_factory()(server_args)
+        # The tokenizer (stop strings only) loads after the ready message, off the start.
+        engine, tokenizer = load_engine_factory()(server_args, defer_tokenizer=True)
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(paths.scheduler_in)
@@ -198,6 +196,9 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", False, error)))
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
+    start_loading = getattr(tokenizer, "start_loading", None)
+    if start_loading is not None:
+        start_loading()
     watchdog.start()
     try:
         loop.run()
