@@ -3,7 +3,7 @@ in PD mode + a prefill and a decode server, per transfer backend; TTFT/TPOT p50/
 output tok/s of each, as ratios against (a) measured in the same run. The KV transfer rate
 of each backend is measured at the transfer layer (a prefill and a decode manager moving
 pages of the model's geometry) beside a raw loopback socket copy of the same bytes, in the
-same run (kvstrata/transfer/disagg/rate.py). benchmarks/bench_pd.py wraps this.
+same run (kvstrata/bench/transfer_rate.py). benchmarks/bench_pd.py wraps this.
 
 All processes are started here on 127.0.0.1 ports picked here, and stopped by PID at the end.
 """
@@ -142,7 +142,7 @@ def transfer_rates(args, backend: str) -> list[dict]:
     """GB/s of the backend vs a raw loopback socket, for pages of 16 tokens and more, in
     SmolLM2-135M's KV geometry: 30 layers x K,V = 60 sections of 3 KV heads x 64 dims x
     fp32 = 768 B per token each."""
-    from kvstrata.transfer.disagg.rate import measure_transfer_rate  # noqa: PLC0415 - torch
+    from kvstrata.bench.transfer_rate import measure_transfer_rate  # noqa: PLC0415 - torch
 
     rows = []
     for tokens in args.transfer_page_tokens:

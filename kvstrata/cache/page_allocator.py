@@ -32,8 +32,6 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free_heap: list[int] = []

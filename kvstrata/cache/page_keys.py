@@ -32,8 +32,6 @@ def page_key(page_token_ids, prior_key: str | None = None) -> str:
 def chain_page_keys(token_ids, page_size: int, prior_key: str | None = None) -> list[str]:
     """Keys of every full page of `token_ids` (a trailing partial page has none), chained
     after `prior_key` (the key of the page just before `token_ids[0]`, None at position 0)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
     keys: list[str] = []
     prior = prior_key
     full = len(token_ids) - len(token_ids) % page_size

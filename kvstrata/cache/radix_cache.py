@@ -95,8 +95,6 @@ class RadixCache:
 
     def __init__(self, allocator: PageAllocator, page_size: int, disable: bool = False,
                  eviction_policy: str = "lru"):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
         if allocator.page_size != page_size:
             raise ValueError(f"allocator page_size {allocator.page_size} != cache page_size {page_size}")
         self.allocator = allocator

@@ -144,7 +144,7 @@ def launch_server(server_args) -> int:
         children = [(proc, recv_conn) for proc, recv_conn, _ in children]
         import uvicorn
 
-        from kvstrata.entrypoints.api_server import create_app
+        from kvstrata.entrypoints.api.api_server import create_app
         from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
         from kvstrata.frontend.tokenizer_manager import TokenizerManager
         from kvstrata.metrics import ServerMetrics

@@ -50,8 +50,11 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_path):
+    # --abort-on-priority-when-disabled: a request that gives a priority is refused here
+    # (test_priority_server.py checks the 503); no other test sends one.
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
                         "--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
+                        "--abort-on-priority-when-disabled",
                         env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 20)})
     yield srv
     srv.stop()

@@ -25,12 +25,12 @@ class DSAPDServers(PDServers):
         self.tokenizer_args = ("--skip-tokenizer-init", "--tokenizer-path", tokenizer)
         super().__init__(model, "tcp", *self.tokenizer_args)
 
-    def start_prefill(self) -> ServerProcess:
+    def start_prefill(self, wait: bool = True) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, *self.tokenizer_args,
                              "--disaggregation-mode", "prefill",
                              "--disaggregation-transfer-backend", "tcp",
                              "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-                             "--max-total-tokens", "4096", env=PD_ENV)
+                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait)
 
 
 def seed_records(srv) -> list:

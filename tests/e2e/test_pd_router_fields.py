@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvstrata.config import ServerArgs
-from kvstrata.entrypoints.api_server import create_app
+from kvstrata.entrypoints.api.api_server import create_app
 from tests.e2e.test_sglang_router import Router
 from tests.helpers.fake_frontend import app_state, serve_app
 

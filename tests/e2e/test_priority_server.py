@@ -98,7 +98,7 @@ def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
     is refused; the queue drains and the server serves again."""
     def blocker(i):
         try:
-            _complete(preempting, f"{LONG} {i}", 200, 0)
+            _complete(preempting, f"{LONG} {i}", 80, 0)
         except openai.APIStatusError:
             pass
 
@@ -138,6 +138,18 @@ def test_bench_serve_reports_ttft_per_priority_class(preempting, tmp_path):
     assert set(per_class) == {"high", "low"}
     assert sum(c["completed"] for c in per_class.values()) == 8
     assert all(c["ttft_ms"]["p50"] > 0 for c in per_class.values())
+
+
+def test_priority_without_priority_scheduling_is_a_503(client):
+    """The shared server runs without priority scheduling but with
+    --abort-on-priority-when-disabled: a request that gives a priority gets SGLang's 503;
+    one that gives none is served."""
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="tiny", prompt=SHORT, max_tokens=2,
+                                  extra_body={"priority": 1})
+    assert err.value.status_code == 503
+    assert "Using priority is disabled for this server" in str(err.value)
+    assert client.completions.create(model="tiny", prompt=SHORT, max_tokens=2).choices
 
 
 def test_bench_priority_ratios():

@@ -103,7 +103,7 @@ def test_fake_manager_alone():
 
 
 def test_rate_helper_runs():
-    from kvstrata.transfer.disagg.rate import measure_transfer_rate
+    from kvstrata.bench.transfer_rate import measure_transfer_rate
     r = measure_transfer_rate("tcp", num_pages=8, sections=2, page_bytes=256,
                               pages_per_send=3, repeats=1)
     assert r["bytes"] == 8 * 2 * 256 and r["gbps"] > 0 and r["loopback_socket_gbps"] > 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from types import SimpleNamespace
 
-from kvstrata.entrypoints.api_server import create_app
+from kvstrata.entrypoints.api.api_server import create_app
 from kvstrata.metrics import ServerMetrics
 from tests.helpers.fake_frontend import serve_app
 

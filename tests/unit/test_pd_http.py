@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from kvstrata.entrypoints import pd_fields
-from kvstrata.entrypoints.api_server import create_app
+from kvstrata.entrypoints.api import pd_fields
+from kvstrata.entrypoints.api.api_server import create_app
 from kvstrata.entrypoints.scheduler_process import SchedulerLoop
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from kvstrata.entrypoints.native_protocol import (SGLANG_SAMPLING_OFF, GenerateRequest,
+from kvstrata.entrypoints.api.native_protocol import (SGLANG_SAMPLING_OFF, GenerateRequest,
                                                   native_sampling_dict)
-from kvstrata.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from kvstrata.entrypoints.protocol_base import is_off
+from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.entrypoints.api.protocol_base import is_off
 from kvstrata.protocol import SamplingParams
 
 _SHARED = """model frequency_penalty logit_bias logprobs max_tokens n presence_penalty

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvstrata.entrypoints.chat_prompt import chat_prompt_ids
-from kvstrata.entrypoints.errors import ApiError, bad_request, from_sampling_error
-from kvstrata.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.entrypoints.api.chat_prompt import chat_prompt_ids
+from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling_error
+from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
 from kvstrata.protocol import SamplingParams

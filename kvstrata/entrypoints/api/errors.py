@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from kvstrata.entrypoints.openai_protocol import error_body
+from kvstrata.entrypoints.api.openai_protocol import error_body
 
 # SamplingParams names fields the SGLang way; clients sent the OpenAI names.
 _OPENAI_PARAM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

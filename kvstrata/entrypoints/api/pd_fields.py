@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from kvstrata.entrypoints.errors import ApiError
+from kvstrata.entrypoints.api.errors import ApiError
 from kvstrata.frontend import ipc
 from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST, BootstrapAddr
 

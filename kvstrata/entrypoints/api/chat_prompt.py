@@ -6,8 +6,8 @@ import inspect
 
 import jinja2
 
-from kvstrata.entrypoints.errors import bad_request
-from kvstrata.entrypoints.openai_protocol import (MEDIA_PARTS, ChatCompletionRequest,
+from kvstrata.entrypoints.api.errors import bad_request
+from kvstrata.entrypoints.api.openai_protocol import (MEDIA_PARTS, ChatCompletionRequest,
                                                   TextPart)
 
 

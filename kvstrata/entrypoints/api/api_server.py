@@ -12,15 +12,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvstrata import envs
-from kvstrata.entrypoints import pd_fields
-from kvstrata.entrypoints import serving_openai as so
+from kvstrata.entrypoints.api import pd_fields
+from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.engine_factory import server_info_dict
-from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, bad_request
-from kvstrata.entrypoints.native_protocol import AbortRequest, GenerateRequest
-from kvstrata.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, bad_request
+from kvstrata.entrypoints.api.native_protocol import AbortRequest, GenerateRequest
+from kvstrata.entrypoints.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
-from kvstrata.entrypoints.request_parsing import add_request_schemas, body_spec, parse_body
-from kvstrata.entrypoints.serving_handlers import (chat_response, completion_response,
+from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_spec, parse_body
+from kvstrata.entrypoints.api.serving_handlers import (chat_response, completion_response,
                                                    generate_response)
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_manager import EngineDeadError

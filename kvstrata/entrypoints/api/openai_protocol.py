@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
+from kvstrata.entrypoints.api.protocol_base import (Port, RequestModel, StrictModel, Text,
                                                 TokenId, TokenIds, UInt64)
 
 
@@ -44,7 +44,7 @@ class _SamplingFields(RequestModel):
     no_stop_trim: bool = False
     rid: str | list[str] | None = None  # a list (one per choice) is not implemented
     # Prefill/decode disaggregation (a PD router adds these): required on a prefill or
-    # decode server, ignored on a co-located one (entrypoints/pd_fields.py).
+    # decode server, ignored on a co-located one (entrypoints/api/pd_fields.py).
     # (A list: one per choice, as sglang-router sends for n > 1.)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: Port | list[Port | None] | None = None

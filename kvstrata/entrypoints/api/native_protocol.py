@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from kvstrata.entrypoints.errors import bad_request
-from kvstrata.entrypoints.protocol_base import (Port, RequestModel, StrictModel, Text,
+from kvstrata.entrypoints.api.errors import bad_request
+from kvstrata.entrypoints.api.protocol_base import (Port, RequestModel, StrictModel, Text,
                                                 TokenIds, UInt64, declare_off_values,
                                                 is_off)
 

@@ -2,7 +2,7 @@
 bytes, in the same run (the ratio is what to compare across machines; this box is shared,
 see machine-facts.md). For benchmarks/ and by hand:
 
-    python -m kvstrata.transfer.disagg.rate --backend tcp --pages 128
+    python -m kvstrata.bench.transfer_rate --backend tcp --pages 128
 
 Default geometry: SmolLM2-135M's KV (30 layers -> 60 sections, 3 KV heads x 64 dims, fp32)
 with 16-token pages: 12 KiB per (page, section). Destination pages are shuffled, as a

@@ -11,8 +11,8 @@ from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from kvstrata.entrypoints.errors import ClientDisconnected, bad_request
-from kvstrata.entrypoints.protocol_base import RequestModel
+from kvstrata.entrypoints.api.errors import ClientDisconnected, bad_request
+from kvstrata.entrypoints.api.protocol_base import RequestModel
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 _SCHEMA_REF = "#/components/schemas/{model}"

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvstrata.entrypoints import pd_fields
-from kvstrata.entrypoints import serving_openai as so
-from kvstrata.entrypoints.errors import ApiError, ClientDisconnected, from_sampling_error
-from kvstrata.entrypoints.native_protocol import native_sampling_dict
-from kvstrata.entrypoints.openai_protocol import error_body, usage_dict
+from kvstrata.entrypoints.api import pd_fields
+from kvstrata.entrypoints.api import serving_openai as so
+from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, from_sampling_error
+from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
+from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
 
@@ -282,7 +282,7 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
 
 def _batch_items(body, server_args=None) -> list | None:
     """The per-prompt bodies of a batched /generate, or None for a single prompt (on a PD
-    server, with one bootstrap room per prompt: entrypoints/pd_fields.py)."""
+    server, with one bootstrap room per prompt: entrypoints/api/pd_fields.py)."""
     if isinstance(body.text, list):
         field, items = "text", body.text
     elif body.input_ids and isinstance(body.input_ids[0], list):
