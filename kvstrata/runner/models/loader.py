@@ -81,10 +81,12 @@ def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
                ) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
+    from kvstrata.runner.models.gguf_index import read_gguf_tensors
+
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    for t in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor", leave=False):
+    for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
+                  leave=False):
         m = _GGUF_BLOCK_RE.match(t.name)
         if t.name in _GGUF_GLOBAL:
             name = _GGUF_GLOBAL[t.name]

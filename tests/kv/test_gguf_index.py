@@ -1,0 +1,64 @@
+"""runner/models/gguf_index.py reads a GGUF file's tensors as gguf.GGUFReader does (names,
+types, shapes, the same bytes) without parsing the metadata values: on a file written by
+gguf.GGUFWriter with every kind of metadata value (a long string array among them) and
+plain and quantised tensors, and on the SmolLM2 GGUF's tensor table."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstrata.runner.models.gguf_index import read_gguf_tensors
+
+gguf = pytest.importorskip("gguf")
+
+
+def _write(path, alignment=None):
+    w = gguf.GGUFWriter(str(path), "llama")
+    if alignment:
+        w.add_custom_alignment(alignment)
+    w.add_string("general.name", "tiny")
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.rope.freq_base", 10000.0)
+    w.add_bool("some.flag", True)
+    w.add_array("tokenizer.ggml.tokens", [f"tok{i}" * (i % 5 + 1) for i in range(3000)])
+    w.add_array("tokenizer.ggml.scores", [float(i) for i in range(3000)])
+    w.add_array("nested.ints", [1, 2, 3])
+    rng = np.random.default_rng(0)
+    plain = rng.standard_normal((6, 64)).astype(np.float32)
+    w.add_tensor("token_embd.weight", plain)
+    w.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32),
+                             gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape,
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _same_as_reader(path):
+    ours = read_gguf_tensors(str(path))
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert a.tensor_type == int(b.tensor_type)
+        assert a.shape == tuple(int(d) for d in b.shape)
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data, b.data)
+        np.testing.assert_array_equal(gguf.quants.dequantize(a.data, b.tensor_type),
+                                      gguf.quants.dequantize(b.data, b.tensor_type))
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_written_file_reads_as_gguf_reader_reads_it(tmp_path, alignment):
+    path = tmp_path / "tiny.gguf"
+    _write(path, alignment)
+    _same_as_reader(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_tensors(str(path))
