@@ -80,12 +80,13 @@ class PrefillAdder:
             extend = extend // self.page_size * self.page_size  # later chunks start page-aligned
         return self._append(req, extend, remaining_len, self._reserve(req))
 
-    def _plan(self, req, remaining_len: int, rem_total: int) -> tuple[int, int] | None:
+    def _plan(self, req, remaining_len: int, rem_total: int,
+              running_empty: bool | None = None) -> tuple[int, int] | None:
         """(extend, reserve) for a waiting request against `rem_total`, or None."""
         if self.budget_exhausted():
             return None
         reserve = self._reserve(req)
-        if self.running_empty and not self.items:
+        if (self.running_empty if running_empty is None else running_empty) and not self.items:
             reserve = min(reserve, max(rem_total - remaining_len, 0))
         if self._page_cost(remaining_len + reserve) > rem_total:
             return None
@@ -99,9 +100,13 @@ class PrefillAdder:
             return None
         return extend, reserve
 
-    def fits(self, req, remaining_len: int, pinned_tokens: int = 0) -> bool:
-        """Dry run of try_add, with `pinned_tokens` more taken out of the budget."""
-        return self._plan(req, remaining_len, self.rem_total - pinned_tokens) is not None
+    def fits(self, req, remaining_len: int, pinned_tokens: int = 0, freed_tokens: int = 0,
+             running_empty: bool | None = None) -> bool:
+        """Dry run of try_add, with `pinned_tokens` more taken out of the budget and
+        `freed_tokens` given back (what a preemption would free; `running_empty`: whether
+        nothing would run after it)."""
+        return self._plan(req, remaining_len, self.rem_total - pinned_tokens + freed_tokens,
+                          running_empty) is not None
 
     def try_add(self, req, remaining_len: int) -> PrefillItem | None:
         """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""

@@ -133,12 +133,24 @@ class PrioritySide(SchedulerSide):
                 break
         if not victims or need > 0:
             return False
-        before = kv.available_tokens() + kv.evictable_tokens()
         reserved = sum(sched.ratio.reserved_tokens(v) for v in victims)
+        empty_after = (adder is not None and len(victims) == len(sched.running)
+                       and sched.chunked_req is None and not adder.items)
+        if adder is not None:
+            # SGLang's arithmetic above may promise more than admission will grant (our
+            # budget counts whole pages and a full decode reserve): preempt only if the
+            # newcomer is then admitted, counting only the victims' own pages (tree pages
+            # may stay pinned) -- a preemption that admits nobody would stall the round.
+            prefix = kv.peek_prefix_len(req.all_ids)
+            own = sum(len(v.pages) - v.num_tree_pages for v in victims) * kv.page_size
+            if not adder.fits(req, req.seq_len - prefix, prefix, own + reserved, empty_after):
+                return False
+        before = kv.available_tokens() + kv.evictable_tokens()
         for victim in victims:
             sched.preempt(victim)  # retracted (decode server: backed up) and queued again
         if adder is not None:
             adder.rem_total += kv.available_tokens() + kv.evictable_tokens() - before + reserved
+            adder.running_empty = adder.running_empty or empty_after
         self.num_preempted += len(victims)
         return True
 

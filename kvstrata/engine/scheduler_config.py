@@ -2,12 +2,12 @@
 policy (no torch)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvstrata.cache.storage_tier import PrefetchConfig
 from kvstrata.config.kv_plan import KVPlan
-from kvstrata.config.server_args import parse_extra_config
+from kvstrata.config.server_args import ServerArgs, parse_extra_config
 
 
 _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
@@ -27,52 +27,64 @@ _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
                 "speculative_ngram_capacity")
 
 
+def _arg(name: str) -> Any:
+    """A field whose default is ServerArgs' (one home for each default)."""
+    return field(default=_SERVER_DEFAULTS[name])
+
+
+_SERVER_DEFAULTS = {f.name: f.default for f in fields(ServerArgs)}
+
+
 @dataclass(init=False)
 class SchedulerConfig:
     """The KV plan to schedule into, plus the scheduling policy. Policy field names are the
-    ServerArgs names, so `from_args` copies them without a hand-written mapping."""
+    ServerArgs names and their defaults are ServerArgs' (`_arg`), so `from_args` copies them
+    without a hand-written mapping and no default is restated here."""
     plan: KVPlan
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = None  # None or <= 0: no chunking
-    schedule_policy: str = "fcfs"  # fcfs | lpm | lof
-    schedule_conservativeness: float = 1.0
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
-    hicache_write_policy: str = "write_through"
+    max_prefill_tokens: int = _arg("max_prefill_tokens")
+    chunked_prefill_size: int | None = _arg("chunked_prefill_size")  # None or <= 0: no chunking
+    schedule_policy: str = _arg("schedule_policy")  # fcfs | lpm | lof
+    schedule_conservativeness: float = _arg("schedule_conservativeness")
+    disable_radix_cache: bool = _arg("disable_radix_cache")
+    radix_eviction_policy: str = _arg("radix_eviction_policy")
+    hicache_write_policy: str = _arg("hicache_write_policy")
     # HiCache L3 (cache/storage_tier.py): on when a backend is named. The extra config's
     # prefetch keys (PREFETCH_CONFIG_KEYS) tune the policy; the runner gets the rest.
-    hicache_storage_backend: str | None = None
-    hicache_storage_prefetch_policy: str = "timeout"
-    hicache_storage_backend_extra_config: str | None = None
+    hicache_storage_backend: str | None = _arg("hicache_storage_backend")
+    hicache_storage_prefetch_policy: str = _arg("hicache_storage_prefetch_policy")
+    hicache_storage_backend_extra_config: str | None = _arg("hicache_storage_backend_extra_config")
     # Prefill/decode disaggregation (engine/disagg_*.py). "null": co-located, unchanged.
-    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_mode: str = _arg("disaggregation_mode")  # null | prefill | decode
     # Decode admission: KV tokens reserved per request already on the decode server.
-    num_reserved_decode_tokens: int = 512
+    num_reserved_decode_tokens: int = _arg("num_reserved_decode_tokens")
     # Decode: requests that may hold KV (in transfer, or transferred and waiting for a batch
     # slot) beyond max_running_requests. None: SGLang's rule, see decode_extra_slots.
-    disaggregation_decode_extra_slots: int | None = None
+    disaggregation_decode_extra_slots: int | None = _arg("disaggregation_decode_extra_slots")
     # Decode: admit new transfers every this many scheduler steps.
-    disaggregation_decode_polling_interval: int = 1
+    disaggregation_decode_polling_interval: int = _arg("disaggregation_decode_polling_interval")
     # Decode: where a retracted request's KV is kept (the resolved value; None: host_pool
     # when the plan has a retraction host pool, else cpu_tensor). engine/disagg_retract.py.
-    disaggregation_decode_retraction_backup: str | None = None
+    disaggregation_decode_retraction_backup: str | None = _arg(
+        "disaggregation_decode_retraction_backup")
     # Priority scheduling and the bounded waiting queue (engine/priority.py), SGLang's flags.
-    enable_priority_scheduling: bool = False
-    disable_priority_preemption: bool = False
-    default_priority_value: int | None = None
-    abort_on_priority_when_disabled: bool = False
-    schedule_low_priority_values_first: bool = False
-    priority_scheduling_preemption_threshold: int = 10
-    max_queued_requests: int | None = None
+    enable_priority_scheduling: bool = _arg("enable_priority_scheduling")
+    disable_priority_preemption: bool = _arg("disable_priority_preemption")
+    default_priority_value: int | None = _arg("default_priority_value")
+    abort_on_priority_when_disabled: bool = _arg("abort_on_priority_when_disabled")
+    schedule_low_priority_values_first: bool = _arg("schedule_low_priority_values_first")
+    priority_scheduling_preemption_threshold: int = _arg("priority_scheduling_preemption_threshold")
+    max_queued_requests: int | None = _arg("max_queued_requests")
     # Speculative decoding (engine/spec_side.py), the resolved values: None = off.
-    speculative_algorithm: str | None = None  # NGRAM (the others are refused at start)
-    speculative_num_draft_tokens: int = 12    # verified per step, the last token included
+    speculative_algorithm: str | None = _arg("speculative_algorithm")  # NGRAM only (start-up)
+    # ServerArgs leaves it to resolution; NGRAM's resolved default is the max match window
+    # (rules/speculative.py spec.ngram_tokens).
+    speculative_num_draft_tokens: int = _arg("speculative_ngram_max_match_window_size")
     # Above this many running requests no drafts; None: measured (engine/spec_gate.py).
-    speculative_disable_by_batch_size: int | None = None
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
-    speculative_ngram_branch_length: int = 18
-    speculative_ngram_capacity: int = 10_000_000
+    speculative_disable_by_batch_size: int | None = _arg("speculative_disable_by_batch_size")
+    speculative_ngram_min_match_window_size: int = _arg("speculative_ngram_min_match_window_size")
+    speculative_ngram_max_match_window_size: int = _arg("speculative_ngram_max_match_window_size")
+    speculative_ngram_branch_length: int = _arg("speculative_ngram_branch_length")
+    speculative_ngram_capacity: int = _arg("speculative_ngram_capacity")
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,

@@ -389,3 +389,23 @@ def test_pd_random_arrivals_with_decode_preemption(arrivals, threshold, low_firs
             assert pair.outputs["decode"][rid] == reference_tokens(ids, max_new, VOCAB), rid
         else:
             assert reason.status_code in (400, 500), (rid, reason)  # cannot fit / pool full
+
+
+def test_preemption_never_empties_the_batch_without_admitting_the_newcomer():
+    """The scheduler fuzz's case: a 16-token pool, one row; a request that needs the whole
+    pool (1 prompt token + 16 new) arrives while a low-priority one runs. SGLang's arithmetic
+    alone preempted the runner and then could not admit the newcomer (the decode reserve of
+    a full pool), and the stalled round aborted it. Now it is admitted and both finish."""
+    engine, runner = make_engine(num_pages=16, **PRIO,
+                                 priority_scheduling_preemption_threshold=0)
+    engine.add_request(EngineRequest("low", prompt(1, 1), SamplingParams(
+        max_new_tokens=2, temperature=0, ignore_eos=True), priority=-12))
+    run = Run(engine, runner)
+    run.step()
+    engine.add_request(EngineRequest("big", prompt(2, 1), SamplingParams(
+        max_new_tokens=16, temperature=0, ignore_eos=True), priority=15))
+    run.drain()
+    assert {rid: o.finish_reason.type for rid, o in run.finished.items()} == {
+        "low": "length", "big": "length"}
+    assert run.tokens["big"] == reference_tokens(prompt(2, 1), 16, VOCAB)
+    assert run.tokens["low"] == reference_tokens(prompt(1, 1), 2, VOCAB)

@@ -258,3 +258,19 @@ def test_stall_aborts_the_request_that_cannot_fit_alone(caplog):
     assert res["small"] == reference_tokens(small.prompt_ids, 2, VOCAB)
     assert sched.num_stalls == 1
     engine.check_integrity()
+
+
+def test_scheduler_config_defaults_are_server_args_defaults():
+    """Every policy default has one home: ServerArgs (speculative_num_draft_tokens, which
+    ServerArgs leaves to resolution, takes NGRAM's resolved default, the max match window)."""
+    import dataclasses
+
+    from kvstrata.config.server_args import ServerArgs
+
+    server = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    for f in dataclasses.fields(SchedulerConfig):
+        if f.name == "plan":
+            continue
+        want = server["speculative_ngram_max_match_window_size"] \
+            if f.name == "speculative_num_draft_tokens" else server[f.name]
+        assert f.default == want, f.name
