@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.priority import (EVICTED_MESSAGE, PRIORITY_DISABLED_MESSAGE,
-                                      QUEUE_FULL_MESSAGE, resolve_priority)
+                                      QUEUE_FULL_MESSAGE, PrioritySide, resolve_priority)
 from kvstrata.engine.request import EngineRequest
 from kvstrata.engine.scheduler import SchedulerConfig
 from kvstrata.protocol import SamplingParams
@@ -255,7 +255,7 @@ def test_full_queue_evicts_the_least_preferred_newest_for_a_better_newcomer():
 
 
 def test_queue_limit_is_not_applied_on_pd_servers():
-    side = pytest.importorskip("kvstrata.engine.priority").PrioritySide(SimpleNamespace(
+    side = PrioritySide(SimpleNamespace(
         config=cfg(max_queued_requests=1, disaggregation_mode="prefill")))
     assert side.limit is None
 
