@@ -3,6 +3,8 @@ loader. GGUF goes through transformers' own GGUF reader (dequantise + q/k un-per
 LlamaForCausalLM; from_pretrained(gguf_file=...) would need `accelerate`."""
 from __future__ import annotations
 
+import functools
+
 
 def load_hf_model(model_path: str):
     import torch  # here, not at import: `kvstrata serve` builds this command's parser too
@@ -18,8 +20,18 @@ def load_hf_model(model_path: str):
     config = AutoConfig.from_pretrained(gguf_metadata_dir(source))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = load_gguf_checkpoint(source.gguf_path, return_tensors=True,
-                                 model_to_load=model)["tensors"]
+    # transformers asks gguf for the same (arch, layers) name map once per module of the
+    # model (~400 times, ~12 s of CPU for SmolLM2); the map is a pure function of its
+    # arguments, so a cache changes nothing but the time.
+    import gguf
+
+    uncached = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(uncached)
+    try:
+        state = load_gguf_checkpoint(source.gguf_path, return_tensors=True,
+                                     model_to_load=model)["tensors"]
+    finally:
+        gguf.get_tensor_name_map = uncached
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild them.

@@ -2,6 +2,7 @@
 
     kvstrata bench spec                               # SmolLM2, batch 1, 4, 32
     kvstrata bench spec --batch-sizes 1 --output-len 64 --workloads repeat
+    kvstrata bench spec --algorithms NGRAM STANDALONE  # STANDALONE: the model's w8a8 self
 
 Two workloads of chat prompts (SmolLM2's chat template):
   chat    varied questions (answers rarely quote anything);
@@ -96,7 +97,13 @@ def _run_batch(llm, prompts: list[list[int]], output_len: int) -> dict:
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM"])
-    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM")
+    ap.add_argument("--draft-model", default=None,
+                    help="STANDALONE draft checkpoint (default: --model itself)")
+    ap.add_argument("--draft-quantization", default="w8a8_int8",
+                    help="STANDALONE draft quantization (unquant: none)")
+    ap.add_argument("--draft-steps", type=int, default=3,
+                    help="STANDALONE --speculative-num-steps (draft tokens = steps + 1)")
     ap.add_argument("--workloads", nargs="+", default=["chat", "repeat"],
                     choices=["chat", "repeat"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 32])
@@ -113,9 +120,14 @@ def run(args: argparse.Namespace) -> dict:
     load = announce_load(args.require_quiet)
     engines = {"plain": LLM(model_path=args.model, page_size=16, max_total_tokens=65536)}
     for algo in args.algorithms:
+        if algo == "STANDALONE":
+            shape = {"speculative_draft_model_path": args.draft_model or args.model,
+                     "speculative_draft_model_quantization": args.draft_quantization,
+                     "speculative_num_steps": args.draft_steps}
+        else:
+            shape = {"speculative_num_draft_tokens": args.num_draft_tokens}
         engines[algo] = LLM(model_path=args.model, page_size=16, max_total_tokens=65536,
-                            speculative_algorithm=algo,
-                            speculative_num_draft_tokens=args.num_draft_tokens)
+                            speculative_algorithm=algo, **shape)
     tok = engines["plain"].tokenizer
     rows = []
     for wl in args.workloads:
@@ -154,7 +166,10 @@ def run(args: argparse.Namespace) -> dict:
     gates = {name: spec_side(llm.engine.scheduler).gate.state()
              for name, llm in engines.items() if spec_side(llm.engine.scheduler)}
     result = {"model": args.model, "output_len": args.output_len, "box_load": load,
-              "num_draft_tokens": args.num_draft_tokens, "rows": rows, "gates": gates}
+              "num_draft_tokens": args.num_draft_tokens,
+              "draft": {"model": args.draft_model or args.model,
+                        "quantization": args.draft_quantization, "steps": args.draft_steps},
+              "rows": rows, "gates": gates}
     print("speculation gate (per batch-size range):", json.dumps(gates))
     os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
     with open(args.output_json, "w") as f:

@@ -126,6 +126,9 @@ class KVPlan:
     # What the host pool is for: "hicache" (L2 behind the radix tree) or "retraction" (a
     # decode server's KV backups, --disaggregation-decode-retraction-backup host_pool).
     host_pool_use: str = "hicache"
+    # STANDALONE speculative decoding: the draft model's own K/V per token (an mha pool
+    # over the same slots, runner/draft_model.py); device only, never on the host tier.
+    draft_components: tuple[KVComponent, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -142,6 +145,10 @@ class KVPlan:
         for c in self.components:
             if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
                 raise ValueError(f"invalid KV component {c}")
+        if self.draft_components and tuple(c.name for c in self.draft_components) != \
+                POOL_KINDS["mha"]:
+            raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']}, got "
+                             f"{self.draft_components}")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -213,6 +220,17 @@ class KVPlan:
         return sum(c.bytes_per_token for c in self.components)
 
     @property
+    def draft_bytes_per_token(self) -> int:
+        return sum(c.bytes_per_token for c in self.draft_components)
+
+    def draft_plan(self) -> "KVPlan":
+        """The draft model's pool: same pages, rows and context, the draft's components."""
+        if not self.draft_components:
+            raise ValueError("this KV plan has no draft pool")
+        return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, "mha",
+                      self.draft_components)
+
+    @property
     def bytes_per_page(self) -> int:
         return self.bytes_per_token * self.page_size
 
@@ -236,13 +254,17 @@ class KVPlan:
             "num_host_pages": self.num_host_pages, "host_layout": self.host_layout,
             "io_backend": self.io_backend, "host_pool_bytes": self.host_pool_bytes,
             "host_pool_use": self.host_pool_use if self.num_host_pages else None,
+            "draft_components": [c.to_json() for c in self.draft_components],
+            "draft_bytes_per_token": self.draft_bytes_per_token,
         }
 
     def summary(self) -> str:
         """One start-up log line."""
         host = (f"; host {self.num_host_pages} pages ({self.host_pool_bytes / 2**20:.1f} MiB, "
                 f"{self.host_layout}/{self.io_backend})" if self.num_host_pages else "")
+        draft = (f"; draft pool {self.draft_bytes_per_token} B/token"
+                 if self.draft_components else "")
         return (f"KV plan: {self.pool_kind} {self.dtype}, {self.num_pages} pages x "
                 f"{self.page_size} tokens ({self.device_pool_bytes / 2**20:.1f} MiB, "
                 f"{self.bytes_per_token} B/token), {self.num_rows} rows x "
-                f"{self.context_len}{host}")
+                f"{self.context_len}{host}{draft}")

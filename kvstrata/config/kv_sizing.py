@@ -29,6 +29,8 @@ class ModelKVFacts:
     components: tuple[KVComponent, ...]
     max_position_embeddings: int | None = None
     sliding_window: int | None = None
+    # A STANDALONE draft model's K/V per token: sized into the same device budget.
+    draft_components: tuple[KVComponent, ...] = ()
 
 
 def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_token: int,
@@ -116,8 +118,10 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
     """The plan and the Resolutions that produced its numbers. `budget_bytes`: device memory
     the KV pool may take (only read when --max-total-tokens is unset)."""
     bytes_per_token = sum(c.bytes_per_token for c in facts.components)
+    draft_bytes = sum(c.bytes_per_token for c in facts.draft_components)
     P = args.page_size
-    tokens, resolutions = _device_tokens(args, bytes_per_token, budget_bytes)
+    # The draft pool has a slot for every target slot: a token costs both.
+    tokens, resolutions = _device_tokens(args, bytes_per_token + draft_bytes, budget_bytes)
     num_pages = tokens // P
     ctx, ctx_res = _context_len(args, facts)
     resolutions += ctx_res
@@ -136,5 +140,6 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
             warn_small=use == "hicache"),
             host_layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
             host_size_flag=host_size_flag(args.hicache_size), host_pool_use=use)
-    plan = KVPlan(P, num_pages, rows, ctx, facts.pool_kind, facts.components, **host)
+    plan = KVPlan(P, num_pages, rows, ctx, facts.pool_kind, facts.components, **host,
+                  draft_components=facts.draft_components)
     return plan, resolutions

@@ -9,14 +9,17 @@ or rejection sampling that keeps the output distribution, runner/spec_verify.py)
 scheduler appends those tokens one by one (stop conditions cut them exactly) and frees the
 pages left past the committed tokens. Then `on_verified` counts the step.
 
-NGRAM drafts come from an n-gram cache of every prompt and output (engine/ngram_cache.py);
-other algorithms (a draft model) are refused at start-up until built.
+NGRAM drafts come from an n-gram cache of every prompt and output (engine/ngram_cache.py).
+STANDALONE drafts come from a draft model in the runner: this side only decides how many
+draft positions a request gets (RUNNER_DRAFT placeholders; the runner fills in the tokens,
+runner/draft_model.py). EAGLE-family drafts are refused at start-up until built.
 """
 from __future__ import annotations
 
 from kvstrata.engine.ngram_cache import NgramCache
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.spec_gate import SpecGate
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
 
 MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it grow back
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
@@ -46,8 +49,9 @@ class SpeculativeSide(SchedulerSide):
 
     # ---- hooks
     def take(self, req) -> bool:
-        self.cache.extend(req.rid, req.prompt_ids)
-        self._fed[req.rid] = len(req.prompt_ids)
+        if self.algorithm == "NGRAM":
+            self.cache.extend(req.rid, req.prompt_ids)
+            self._fed[req.rid] = len(req.prompt_ids)
         return False  # only watches arrivals
 
     def begin_decode(self, batch: int) -> None:
@@ -60,8 +64,10 @@ class SpeculativeSide(SchedulerSide):
         if (limit <= 0 or req.params.max_new_tokens == 0
                 or self._rate.get(req.rid, PRIOR_RATE) < self._need):
             return []
-        self._feed(req)
         budget = self._budget.get(req.rid, min(START_BUDGET, self.num_draft_tokens - 1))
+        if self.algorithm != "NGRAM":  # a draft model in the runner proposes the tokens
+            return [RUNNER_DRAFT] * min(limit, budget)
+        self._feed(req)
         return self.cache.draft(req.all_ids, min(limit, budget))
 
     def on_verified(self, req, drafted: int, produced: int) -> None:

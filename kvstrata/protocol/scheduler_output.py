@@ -27,6 +27,11 @@ from kvstrata.protocol.logprobs import TopLogprob
 from kvstrata.protocol.sampling_params import SamplingParams
 
 
+# A draft token a verify entry leaves to the runner's draft model (STANDALONE): the scheduler
+# reserves its position and slot, the runner fills in the token before the forward.
+RUNNER_DRAFT = -1
+
+
 class NewRequestData(msgspec.Struct):
     rid: str
     prompt_token_ids: list[int]
@@ -54,7 +59,8 @@ class ScheduledRequest(msgspec.Struct):
     sample: bool
     # Speculative verify: the last `num_draft` token_ids are draft tokens. The runner
     # returns the longest prefix of them the target accepts plus one token of its own, as
-    # consecutive RunnerOutput entries of this rid (runner/spec_verify.py).
+    # consecutive RunnerOutput entries of this rid (runner/spec_verify.py). Drafts given
+    # as RUNNER_DRAFT are proposed by the runner's draft model (runner/draft_model.py).
     num_draft: int = 0
 
 

@@ -14,8 +14,7 @@ import torch
 
 from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
-from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
-                                          resolve_model_path)
+from kvstrata.config.model_source import load_generation_eos
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
@@ -25,18 +24,16 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
                                                 TopLogprob)
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.draft_model import DraftModel, copied_in_pages
 from kvstrata.runner.dsa import DSASeedKeeper
+from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
-from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.op_executor import split_ops
 from kvstrata.protocol.disagg import BackupOp
-from kvstrata import envs
-from kvstrata.runner import packed_linear
-from kvstrata.runner.quantization import quantize_model, weight_bytes
+from kvstrata.runner.quantization import weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor
-from kvstrata.runner.smoothing import calibration_token_ids
 from kvstrata.runner.sampler import Sampler, SamplingState
 from kvstrata.runner import spec_verify
 
@@ -59,13 +56,13 @@ class ModelRunner:
 
     def __init__(self, model_path: str, dtype: str = "auto",
                  device: str | torch.device | None = None, quantization: str | None = None,
-                 dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False):
+                 dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
+                 draft_model_path: str | None = None, draft_quantization: str | None = None):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
-        self.source = resolve_model_path(model_path)
-        self.hf_config = load_hf_config(self.source)
-        self.model = load_model(self.source, self.hf_config, dtype, self.device)
+        self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
+            model_path, dtype, self.device, quantization)
         # DSA models: which top-k domain the indexer feeds attention (resolved
         # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
         self.dsa_fused_topk = dsa_fused_topk
@@ -74,18 +71,10 @@ class ModelRunner:
         self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
                           if self.model.pool_kind == "mla" else None)
         self.pd_role: str | None = None
-        if quantization is not None and self.model.pool_kind != "mha":
-            raise ValueError(f"--quantization {quantization} supports the llama-family "
-                             f"decoder only, not {type(self.model).__name__}")
-        # --quantization: the float weights are replaced once, here, before the KV pool is
-        # sized from what memory the weights leave. What ran goes to /server_info.
-        self.quantization_info = {"quantization": None}
-        if quantization is not None:
-            ids, smoothing = calibration_token_ids(self.source, self.model.dims.vocab_size)
-            self.quantization_info = quantize_model(self.model, quantization, ids, smoothing)
-        elif (self.model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
-              and packed_linear.available(self.model)):
-            self.quantization_info = packed_linear.pack_model(self.model)
+        # STANDALONE speculative decoding: the draft model fills verify entries' drafts.
+        self.draft = (DraftModel(draft_model_path, dtype, self.device, draft_quantization,
+                                 self.model.dims.vocab_size)
+                      if draft_model_path is not None else None)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -106,16 +95,23 @@ class ModelRunner:
         else:
             components = mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
                                         str(self.dtype).removeprefix("torch."))
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None)
+        draft: tuple = ()
+        if self.draft is not None:
+            draft = self.draft.kv_components()
+            if self.draft.max_position_embeddings and max_pos:  # the draft reads every position
+                max_pos = min(max_pos, self.draft.max_position_embeddings)
         return ModelKVFacts(
             pool_kind=self.model.pool_kind, components=components,
-            max_position_embeddings=getattr(self.hf_config, "max_position_embeddings", None),
-            sliding_window=self._sliding_window())
+            max_position_embeddings=max_pos, sliding_window=self._sliding_window(),
+            draft_components=draft)
 
     def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
         """Memory the KV pool may take, measured now that the weights are loaded."""
         if mem_fraction_static is not None:
-            return kv_budget_from_fraction(self.device, mem_fraction_static,
-                                           weight_bytes(self.model))
+            weights = weight_bytes(self.model) + (weight_bytes(self.draft.model)
+                                                  if self.draft is not None else 0)
+            return kv_budget_from_fraction(self.device, mem_fraction_static, weights)
         return default_kv_budget_bytes(self.device)
 
     def allocate_kv(self, plan: KVPlan) -> None:
@@ -135,6 +131,8 @@ class ModelRunner:
             self.model.attn_backend = TorchNativeAttnBackend(
                 self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
                 dims.head_dim, page_size=plan.page_size)
+        if self.draft is not None:
+            self.draft.allocate(plan, self.req_to_token)
         self.hicache = None
         if plan.has_host_pool and plan.host_pool_use == "retraction":
             # A decode server's host pool holds retraction backups only: no transfer thread.
@@ -178,6 +176,8 @@ class ModelRunner:
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
             self.backup = RetractionBackupExecutor(self.kv_pool)  # cpu_tensor on demand
         executors = [ex for ex in (self.backup, self.hicache, self.disagg) if ex is not None]
+        if self.draft is not None:
+            self.draft.invalidate_pages(copied_in_pages(sched.ops))
         idle = not sched.scheduled
         events: list = []
         for ex, ops in zip(executors, split_ops(sched.ops, executors)):
@@ -228,6 +228,8 @@ class ModelRunner:
             self._reqs.pop(rid, None)
             if self.dsa_seeds is not None:
                 self.dsa_seeds.forget(rid)
+            if self.draft is not None:
+                self.draft.forget(rid)
         for new in sched.new_requests:
             self._register(new)
         if not sched.scheduled:
@@ -241,10 +243,15 @@ class ModelRunner:
                                  f"length {self.max_context_len}")
         self.req_to_token.write_many([r.row for r in reqs], [r.slot_write_start for r in reqs],
                                      [r.slots for r in reqs])
-        fb = ForwardBatch.build([r.token_ids for r in reqs], [r.row for r in reqs],
+        token_ids = [r.token_ids for r in reqs]
+        fb = ForwardBatch.build(token_ids, [r.row for r in reqs],
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if self.draft is not None:  # STANDALONE: the draft model's part of the step first
+            token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots, sched.is_prefill)
+            fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
+                                        dtype=torch.int64).to(self.device)
         if self.dsa_seeds is not None and self.dsa_seeds.pending:
             self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
 
@@ -289,8 +296,12 @@ class ModelRunner:
                 self.sampler, [logits[first:first + reqs[i].num_draft + 1]
                                for i, first in verify_spans],
                 [self._reqs[r.rid].sampling for r in vreqs],
-                [r.token_ids[-r.num_draft:] for r in vreqs])
+                [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans])
             produced = {r.rid: res for r, res in zip(vreqs, results)}
+            if self.draft is not None:
+                for r, res in zip(vreqs, results):
+                    self.draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft,
+                                            len(res) - 1)
         sampled = [r for r in reqs if r.sample and not r.num_draft]
         if sampled:
             states = [self._reqs[r.rid].sampling for r in sampled]
@@ -308,6 +319,10 @@ class ModelRunner:
                 out.top_logprobs.append(None if top is None else
                                         [TopLogprob(t, lv) for t, lv in top])
         return out
+
+    def _all_ids(self, rid: str) -> list[int]:
+        st = self._reqs[rid].sampling
+        return st.prompt_token_ids + st.output_token_ids
 
     def _slot_rows(self) -> torch.Tensor:
         """(L, slots, row) view of the MLA pool: each slot's latent + indexer key per layer."""

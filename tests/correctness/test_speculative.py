@@ -133,10 +133,20 @@ def test_stops_inside_an_accepted_run(tiny_checkpoints, plain_refs):
     # The n-gram cache is shared: after one full run, the same prompt's drafts are that
     # run's tokens, so every draft is accepted and stops land inside accepted runs.
     assert llm.generate(input_ids=[prompt], sampling_params=greedy(40))[0]["output_ids"] == full
+    cases = stop_cases(full)
+    assert_stops_cut_exactly(llm, prompt, cases, plain_refs("llama", [prompt] * len(cases),
+                                                            cases))
+
+
+def stop_cases(full: list[int]) -> list[dict]:
+    """max_new_tokens 1..8, stop tokens from the plain output's first tokens, EOS on."""
     cases = [greedy(n) for n in range(1, 9)]
     cases += [greedy(40, stop_token_ids=[t]) for t in sorted(set(full[1:12]))[:6]]
-    cases += [{**greedy(40, stop_token_ids=[full[5]]), "ignore_eos": False}]
-    ref = plain_refs("llama", [prompt] * len(cases), cases)
+    return cases + [{**greedy(40, stop_token_ids=[full[5]]), "ignore_eos": False}]
+
+
+def assert_stops_cut_exactly(llm: LLM, prompt: list[int], cases: list[dict],
+                             ref: list[dict]) -> None:
     out = llm.generate(input_ids=[prompt] * len(cases), sampling_params=cases)
     assert_same(ref, out)
     assert all(o["meta_info"]["spec_accept_token_num"] > 0 for o in out
@@ -146,21 +156,24 @@ def test_stops_inside_an_accepted_run(tiny_checkpoints, plain_refs):
 
 def test_abort_mid_run_leaves_pools_whole(tiny_checkpoints):
     llm = make_llm(tiny_checkpoints["llama"], True, page_size=4, max_total_tokens=1024)
-    engine = llm.engine
+    abort_while_running(llm)
+
+
+def abort_while_running(llm: LLM) -> None:
+    """Requests aborted every third step while verify steps run; the pools end whole."""
     from kvstrata.engine.request import EngineRequest
     from kvstrata.protocol import SamplingParams
-    prompts = repeating_prompts(2)
-    for i, p in enumerate(prompts):
+    engine = llm.engine
+    for i, p in enumerate(repeating_prompts(2)):
         engine.add_request(EngineRequest(f"a{i}", p, SamplingParams(
             max_new_tokens=64, temperature=0, ignore_eos=True)))
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-        if steps % 3 == 0:
-            live = engine.scheduler.live_requests()
-            if live:
-                engine.abort_request(live[0].rid)
+        live = engine.scheduler.live_requests()
+        if steps % 3 == 0 and live:
+            engine.abort_request(live[0].rid)
         assert steps < 2000
     drained(llm)
 
@@ -194,45 +207,63 @@ def test_sampling_distribution_matches_plain(tiny_checkpoints):
     base = [17, 42, 99, 5, 61]
     prompt = base * 4  # the n-gram cache drafts base's continuation
     n = 600
-    params = [{"max_new_tokens": 3, "temperature": 0.8, "top_k": 3, "top_p": 0.95,
-               "ignore_eos": True, "seed": 1000 + i} for i in range(n)]
-    plain = make_llm(path, False, max_total_tokens=8192)
     spec = make_llm(path, True, max_total_tokens=8192)
-    a = Counter(tuple(o["output_ids"]) for o in plain.generate(
-        input_ids=[prompt] * n, sampling_params=params))
-    b_out = spec.generate(input_ids=[prompt] * n, sampling_params=[
-        {**p, "seed": p["seed"] + 7919} for p in params])
-    b = Counter(tuple(o["output_ids"]) for o in b_out)
+    a, b_out = sample_both(make_llm(path, False, max_total_tokens=8192), spec, prompt, n, 1000)
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in b_out) > 0
     assert sum(o["meta_info"]["spec_draft_token_num"] for o in b_out) > n // 2
-    for pos in (1, 2):  # each verified position on its own, then the joint
-        ma = Counter(k[pos] for k in a.elements())
-        mb = Counter(k[pos] for k in b.elements())
-        stat, df = _two_sample_chi2(ma, mb)
-        assert stat < _chi2_critical(max(df, 1)), (pos, stat, df)
-    stat, df = _two_sample_chi2(a, b)
-    assert stat < _chi2_critical(max(df, 1)), (stat, df)
+    assert_same_distribution(a, b_out)
     drained(spec)
 
 
-def test_smollm2_gguf_ngram_equals_plain(smollm2_gguf_path):
-    """The real model: an answer that quotes its prompt is drafted from the prompt, accepted
-    several tokens per step, and identical to plain greedy decoding."""
+def sample_both(plain: LLM, spec: LLM, prompt: list[int], n: int, seed: int
+                ) -> tuple[Counter, list[dict]]:
+    """n seeded samples of 3 tokens (temperature 0.8, top-k 3, top-p 0.95) from each engine
+    (other seeds for the speculative one): the plain outputs counted, the speculative ones."""
+    params = [{"max_new_tokens": 3, "temperature": 0.8, "top_k": 3, "top_p": 0.95,
+               "ignore_eos": True, "seed": seed + i} for i in range(n)]
+    a = Counter(tuple(o["output_ids"]) for o in plain.generate(
+        input_ids=[prompt] * n, sampling_params=params))
+    return a, spec.generate(input_ids=[prompt] * n, sampling_params=[
+        {**p, "seed": p["seed"] + 7919} for p in params])
+
+
+def assert_same_distribution(plain: Counter, spec_outs: list[dict]) -> None:
+    """The speculative outputs' first tokens are distributed as the plain ones: each
+    verified position on its own, then the joint (chi-square)."""
+    b = Counter(tuple(o["output_ids"]) for o in spec_outs)
+    for pos in (1, 2):
+        stat, df = _two_sample_chi2(Counter(k[pos] for k in plain.elements()),
+                                    Counter(k[pos] for k in b.elements()))
+        assert stat < _chi2_critical(max(df, 1)), (pos, stat, df)
+    stat, df = _two_sample_chi2(plain, b)
+    assert stat < _chi2_critical(max(df, 1)), (stat, df)
+
+
+def test_smollm2_gguf_ngram_and_int8_self_draft_equal_plain(smollm2_gguf_path):
+    """The real model: an answer that quotes its prompt is drafted from the prompt (NGRAM)
+    or by SmolLM2 itself at w8a8 (STANDALONE), accepted several tokens per step, and
+    identical to plain greedy decoding."""
     passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen "
                "liquor jugs. How vexingly quick daft zebras jump!")
     msgs = [{"role": "user", "content": "Repeat the following text exactly:\n\n" + passage}]
     params = {"max_new_tokens": 40, "temperature": 0}
-    outs = []
-    for spec in (False, True):
-        kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
-              "speculative_disable_by_batch_size": 64} if spec else {}
+    setups = {"plain": {},
+              "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+                        "speculative_disable_by_batch_size": 64},
+              "STANDALONE": {"speculative_algorithm": "STANDALONE",
+                             "speculative_draft_model_path": smollm2_gguf_path,
+                             "speculative_draft_model_quantization": "w8a8_int8",
+                             "speculative_disable_by_batch_size": 64}}
+    outs = {}
+    for name, kw in setups.items():
         with LLM(model_path=smollm2_gguf_path, max_total_tokens=2048, page_size=16,
                  **kw) as llm:
             prompt = llm.tokenizer.apply_chat_template(msgs, tokenize=False,
                                                        add_generation_prompt=True)
-            outs.append(llm.generate(prompt, params))
+            outs[name] = llm.generate(prompt, params)
             drained(llm)
-    plain, spec = outs
-    assert spec["output_ids"] == plain["output_ids"]
-    assert "quick brown fox" in spec["text"], spec["text"]
-    assert spec["meta_info"]["spec_accept_length"] > 1.5, spec["meta_info"]
+    plain = outs["plain"]
+    for name in ("NGRAM", "STANDALONE"):
+        assert outs[name]["output_ids"] == plain["output_ids"], name
+        assert outs[name]["meta_info"]["spec_accept_length"] > 1.5, (name, outs[name])
+    assert "quick brown fox" in plain["text"], plain["text"]

@@ -7,6 +7,9 @@ stale row entry) changes the output, so tests compare against `reference_tokens`
 """
 from __future__ import annotations
 
+import random
+
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
 from kvstrata.protocol import (RunnerOutput, SchedulerOutput, StorageCancel, StorageProgress,
                                TransferDone, TransferOp, of_type)
 
@@ -84,6 +87,7 @@ class FakeRunner:
                  eos_token_ids: tuple[int, ...] = (), storage: FakeStorage | None = None):
         self.page_size = page_size
         self.vocab_size = vocab_size
+        self.draft_rng = random.Random(0)  # STANDALONE stand-in's accept pattern
         self.max_context_len = max_context_len
         self.eos_token_ids = list(eos_token_ids)
         self.kv: dict[int, tuple[int, int]] = {}
@@ -183,6 +187,8 @@ class FakeRunner:
             row = self.rows.setdefault(s.row, {})
             for i, slot in enumerate(s.slots):
                 row[s.slot_write_start + i] = slot
+            if s.num_draft and RUNNER_DRAFT in s.token_ids:
+                s.token_ids = self._fill_runner_drafts(s, row)
             self.computed_tokens += len(s.token_ids)
             for j, t in enumerate(s.token_ids):
                 slot = row[s.start_pos + j]
@@ -210,6 +216,18 @@ class FakeRunner:
         n = len(ids)
         return RunnerOutput(ids, toks, [None] * n, [None] * n,
                             events=[TransferDone(job) for job in finished] + storage_progress)
+
+    def _fill_runner_drafts(self, s, row: dict) -> list[int]:
+        """A STANDALONE draft model stand-in: the entry's RUNNER_DRAFT tokens become the
+        true continuation for a random number of them, then wrong tokens."""
+        assert s.token_ids[1:] == [RUNNER_DRAFT] * s.num_draft, s.token_ids
+        seq = [self.kv[row[p]][1] for p in range(s.start_pos)] + [s.token_ids[0]]
+        truth = []
+        for _ in range(s.num_draft):
+            truth.append(next_token(seq + truth, self.vocab_size))
+        good = self.draft_rng.randint(0, s.num_draft)
+        return [s.token_ids[0]] + truth[:good] + [(t + 1) % self.vocab_size
+                                                   for t in truth[good:]]
 
     def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
         for row, slots in expected.items():

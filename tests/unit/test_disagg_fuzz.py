@@ -58,8 +58,10 @@ configs = st.fixed_dictionaries({
     "delay": st.integers(0, 4),
     "backup": st.sampled_from(["cpu_tensor", "host_pool"]),
     "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
-    # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern) or off.
-    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
+    # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern,
+    # NGRAM | STANDALONE -- the fake runner fills STANDALONE's placeholders) or off.
+    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16),
+                                           st.sampled_from(["NGRAM", "STANDALONE"]))),
     # Priority scheduling on both servers (their queues admit by priority), or off.
     "priority": st.one_of(st.none(), st.sampled_from([0, 10])),  # preemption threshold
 })
@@ -105,10 +107,12 @@ class PDMachine(RuleBasedStateMachine):
                         "num_host_pages": (cfg["decode_host_pages"]
                                            if cfg["backup"] == "host_pool" else 0),
                         **({} if cfg["spec"] is None else {
-                            "speculative_algorithm": "NGRAM",
+                            "speculative_algorithm": cfg["spec"][2],
                             "speculative_num_draft_tokens": cfg["spec"][0]})})
-        if cfg["spec"] is not None:
-            spec_side(self.pair.decode.scheduler).draft = pattern_drafter(*cfg["spec"], VOCAB)
+        if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
+            spec_side(self.pair.decode.scheduler).draft = pattern_drafter(*cfg["spec"][:2], VOCAB)
+        elif cfg["spec"] is not None:
+            self.pair.decode_runner.draft_rng.seed(cfg["spec"][1])
         self.pair.hub.peer_timeout = 40
         self.requests: dict[str, tuple[list[int], int, str | None]] = {}
         self.client_aborted: dict[str, set[str]] = {"prefill": set(), "decode": set()}

@@ -117,6 +117,23 @@ def test_host_pool_sized_from_ratio():
     assert plan.to_json()["num_host_pages"] == 250
 
 
+def test_a_draft_pool_is_sized_beside_the_target_in_one_budget():
+    """STANDALONE: every slot holds target and draft KV, so a token costs both; the host
+    tier holds target pages only."""
+    draft = mha_components(2, 1, 64, "float32")  # 1024 B/token
+    facts = dataclasses.replace(SMOL, draft_components=draft)
+    plan, _ = size_kv_plan(resolved(page_size=4, enable_hierarchical_cache=True,
+                                    hicache_ratio=2.0), facts, budget_bytes=47104 * 1000)
+    assert plan.max_total_tokens == 1000 and plan.draft_bytes_per_token == 1024
+    assert plan.host_pool_bytes == (plan.num_host_pages + 1) * 4 * 46080
+    sub = plan.draft_plan()
+    assert (sub.num_pages, sub.page_size, sub.components, sub.num_host_pages) == \
+        (plan.num_pages, 4, draft, 0)
+    assert plan.to_json()["draft_bytes_per_token"] == 1024 and "draft pool" in plan.summary()
+    with pytest.raises(ValueError, match="has no draft pool"):
+        size_kv_plan(resolved(max_total_tokens=64), SMOL)[0].draft_plan()
+
+
 # ---- start-up validation of chunk and pool sizes vs the page (rules/page_geometry.py) ------
 def test_chunk_smaller_than_a_page_is_refused_naming_both_flags():
     # Accepted before, then the prefill hung: a chunk is cut to whole pages, i.e. to nothing.

@@ -58,7 +58,11 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
 
 @pytest.mark.parametrize("kwargs,named", [
     ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
-    ({"speculative_algorithm": "STANDALONE"}, "--speculative-algorithm STANDALONE"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d"},
+     "--speculative-algorithm EAGLE"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
+      "speculative_draft_model_quantization": "fp8"},
+     "--speculative-draft-model-quantization fp8"),
     ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
      "--speculative-ngram-max-bfs-breadth 10 (tree drafts)"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4},
@@ -100,7 +104,22 @@ def test_inconsistent_ngram_windows_are_refused():
      "--speculative-eagle-topk, --speculative-ngram-capacity needs --speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/m"},
      "--speculative-draft-model-path: NGRAM has no draft model"),
+    ({"speculative_algorithm": "STANDALONE"},
+     "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"),
 ])
 def test_flags_that_would_be_ignored_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         resolve(ServerArgs(**kwargs), "cpu")
+
+
+def test_standalone_gets_sglangs_auto_shape_and_is_built():
+    args, rules = resolved(speculative_algorithm="STANDALONE",
+                           speculative_draft_model_path="/d",
+                           speculative_draft_model_quantization="w8a8_int8")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 1, 4)
+    assert "STANDALONE auto draft shape" in rules["spec.auto_shape"].reason
+    assert unimplemented_flags(args) == []
+    args, rules = resolved(speculative_algorithm="STANDALONE",
+                           speculative_draft_model_path="/d", speculative_num_steps=5)
+    assert args.speculative_num_draft_tokens == 6  # a chain: steps + 1

@@ -58,8 +58,11 @@ configs = st.fixed_dictionaries({
     "priority": st.one_of(st.none(), st.tuples(st.booleans(), st.sampled_from([0, 1, 3, 10]),
                                                st.booleans())),
     "max_queued": st.sampled_from([None, None, None, 1, 3]),
-    # Speculation: (num_draft_tokens, seed of the right/wrong draft pattern), or off.
-    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16))),
+    # Speculation: (num_draft_tokens, seed of the right/wrong draft pattern, algorithm), or
+    # off. NGRAM: the side's drafts replaced by the pattern; STANDALONE: the side leaves
+    # RUNNER_DRAFT placeholders that the fake runner fills with the pattern.
+    "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16),
+                                           st.sampled_from(["NGRAM", "STANDALONE"]))),
     "max_running_requests": st.sampled_from([1, 2, 4, 64]),
     "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
     # HiCache L3 (with a host pool): job latency in steps, injected backend errors and
@@ -105,10 +108,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
             num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3,
-            **({} if cfg["spec"] is None else {"speculative_algorithm": "NGRAM",
+            **({} if cfg["spec"] is None else {"speculative_algorithm": cfg["spec"][2],
                                                "speculative_num_draft_tokens": cfg["spec"][0]})))
-        if cfg["spec"] is not None:
-            spec_side(self.engine.scheduler).draft = pattern_drafter(*cfg["spec"], VOCAB)
+        if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
+            spec_side(self.engine.scheduler).draft = pattern_drafter(*cfg["spec"][:2], VOCAB)
+        elif cfg["spec"] is not None:
+            self.runner.draft_rng.seed(cfg["spec"][1])
         if store is not None:
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens

@@ -1,0 +1,223 @@
+"""STANDALONE speculative decoding's draft: a second checkpoint with the target's vocabulary
+(a smaller model, or the target itself quantized) that proposes each verify entry's draft
+tokens inside the runner, greedily, one forward per draft position.
+
+Its KV lives in a pool of its own over the *same slots* as the target's (the KVPlan's
+draft components; one req_to_token table for both), so a slot the scheduler hands out holds
+a token's target KV and its draft KV. Which slots hold valid draft KV is tracked per slot:
+  - set where the draft computed KV (its catch-up extends, its draft positions);
+  - cleared for draft positions the target rejected, and for pages another writer filled
+    without the draft: HiCache load-backs (h2d), PD receives, retraction restores.
+Before drafting (and beside every prefill chunk) a request's draft "catches up": it runs an
+extend from its first position without valid draft KV (usually only the last token; the
+whole prompt on a PD decode server or after a host load-back). So prefix-cache hits share
+draft KV like target KV, and draft KV is rebuilt by draft-extend wherever it is missing.
+Exactness never depends on any of this: the target verifies every draft token, so stale
+draft KV could only lower the acceptance rate.
+
+Drafts are the draft model's argmax (a deterministic draft: for sampled requests the
+runner's one-token acceptance rule keeps the target's distribution, runner/spec_verify.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.config.kv_plan import KVComponent, KVPlan, mha_components
+from kvstrata.kv.device_pool import MHATokenToKVPool
+from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.protocol.disagg import BackupOp, PDOp
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TransferOp
+from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.model_setup import load_serving_model
+
+def copied_in_pages(ops: list) -> list[int]:
+    """Device pages this step's ops fill by copying (HiCache load-back, a retraction
+    restore, a PD receive's destination): their draft KV is not the tokens' now."""
+    pages: list[int] = []
+    for op in ops:
+        if isinstance(op, TransferOp) and op.kind == "h2d":
+            pages += op.device_pages
+        elif isinstance(op, BackupOp) and op.kind == "restore":
+            pages += op.device_pages
+        elif isinstance(op, PDOp) and op.kind == "receiver_init":
+            pages += op.page_ids
+    return pages
+
+
+@dataclass
+class CatchUp:
+    """One request's draft extend: tokens at positions [start, start + len(tokens))."""
+    rid: str
+    row: int
+    start: int
+    tokens: list[int]
+
+
+class DraftModel:
+    def __init__(self, model_path: str, dtype: str, device: torch.device,
+                 quantization: str | None, target_vocab_size: int):
+        self.device = device
+        self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
+            model_path, dtype, device, quantization, "--speculative-draft-model-quantization")
+        if self.model.pool_kind != "mha":
+            raise ValueError(f"--speculative-draft-model-path {model_path}: a STANDALONE "
+                             f"draft must be a llama-family decoder, not "
+                             f"{type(self.model).__name__}")
+        if self.model.dims.vocab_size != target_vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {model_path}: its vocabulary "
+                             f"({self.model.dims.vocab_size} tokens) differs from the target's "
+                             f"({target_vocab_size}); a draft must share the target's "
+                             f"tokenizer")
+        self.pool: MHATokenToKVPool | None = None
+        self.valid: torch.Tensor | None = None  # [num_slots] bool: slot holds draft KV
+        self._known: dict[str, int] = {}  # rid -> leading positions known to hold draft KV
+
+    def kv_components(self) -> tuple[KVComponent, ...]:
+        d = self.model.dims
+        return mha_components(d.num_layers, d.num_kv_heads, d.head_dim,
+                              str(self.model.dtype).removeprefix("torch."))
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        return getattr(self.hf_config, "max_position_embeddings", None)
+
+    def allocate(self, plan: KVPlan, req_to_token: ReqToTokenTable) -> None:
+        self.pool = MHATokenToKVPool(plan.draft_plan(), self.device)
+        d = self.model.dims
+        self.model.attn_backend = TorchNativeAttnBackend(
+            self.pool, req_to_token, d.num_heads, d.num_kv_heads, d.head_dim,
+            page_size=plan.page_size)
+        self.req_to_token = req_to_token
+        self.page_size = plan.page_size
+        self.valid = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=self.device)
+
+    # ---- validity
+    def forget(self, rid: str) -> None:
+        self._known.pop(rid, None)
+
+    def invalidate_pages(self, pages: list[int]) -> None:
+        """Pages whose target KV was written by a copy, not a forward (load-back, PD
+        receive, restore): whatever draft KV they held belongs to another token."""
+        if pages:
+            P = self.page_size
+            idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            slots = (idx[:, None] * P + torch.arange(P, device=self.device)).reshape(-1)
+            self.valid[slots] = False
+
+    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int) -> None:
+        """A verify entry at `start` (the last token) with `num_draft` drafts kept
+        `accepted`: draft KV at start + 1 + accepted .. start + num_draft - 1 was computed
+        from rejected tokens."""
+        lo, hi = start + 1 + accepted, start + num_draft
+        if hi > lo:
+            self.valid[self.req_to_token.table[row, lo:hi]] = False
+        self._known[rid] = start + 1 + min(accepted, num_draft - 1)
+
+    def _first_missing(self, rid: str, row: int, upto: int) -> int:
+        """The first position < upto without valid draft KV (upto if none)."""
+        known = min(self._known.get(rid, 0), upto)
+        if known < upto:
+            ok = self.valid[self.req_to_token.table[row, known:upto]]
+            bad = (~ok).nonzero()
+            known = upto if bad.numel() == 0 else known + int(bad[0])
+        self._known[rid] = known
+        return known
+
+    def catch_up_plan(self, rid: str, row: int, all_ids: list[int], end: int) -> CatchUp | None:
+        """The extend that gives positions [0, end) draft KV (None: nothing to do)."""
+        start = self._first_missing(rid, row, end)
+        if start >= end:
+            return None
+        return CatchUp(rid, row, start, list(all_ids[start:end]))
+
+    # ---- one step
+    def run_step(self, reqs: list, all_ids_of, out_slots: torch.Tensor,
+                 is_prefill: bool) -> list[list[int]]:
+        """Before the target's forward over `reqs` (ScheduledRequests whose slots are in
+        req_to_token; `out_slots` the slots that forward writes): the draft's part of the
+        step. Returns every entry's token ids, drafts filled in.
+          - every slot the target writes now loses its draft KV (a reused slot may hold
+            another token's), before the draft writes its own;
+          - prefill step: each entry's draft KV is brought up to the chunk's end (so the
+            first decode step usually extends one token);
+          - verify entries holding RUNNER_DRAFT tokens get the draft's tokens.
+        `all_ids_of(rid)`: the request's tokens so far (prompt + output)."""
+        self.valid[out_slots] = False
+        token_ids = [list(r.token_ids) for r in reqs]
+        if is_prefill:
+            plans = [self.catch_up_plan(r.rid, r.row, self._ids(r, all_ids_of),
+                                        r.start_pos + len(r.token_ids)) for r in reqs]
+            self.catch_up([p for p in plans if p is not None])
+            return token_ids
+        drafting = [i for i, r in enumerate(reqs) if r.num_draft and RUNNER_DRAFT in
+                    r.token_ids[-r.num_draft:]]
+        if not drafting:
+            return token_ids
+        plans = []
+        for i in drafting:
+            r = reqs[i]
+            ids = self._ids(r, all_ids_of)[:r.start_pos] + [r.token_ids[0]]
+            self._known[r.rid] = min(self._known.get(r.rid, 0), r.start_pos)
+            plans.append(self.catch_up_plan(r.rid, r.row, ids, r.start_pos + 1))
+        drafts = self.propose(plans, [reqs[i].num_draft for i in drafting])
+        for i, d in zip(drafting, drafts):
+            token_ids[i][-len(d):] = d
+        return token_ids
+
+    @staticmethod
+    def _ids(r, all_ids_of) -> list[int]:
+        """The request's tokens up to the end of this entry (this entry's own from it)."""
+        ids = all_ids_of(r.rid)[:r.start_pos]
+        if len(ids) < r.start_pos:
+            raise RuntimeError(f"request {r.rid!r}: the runner knows {len(ids)} tokens, the "
+                               f"entry starts at position {r.start_pos}")
+        return ids + [t for t in r.token_ids if t != RUNNER_DRAFT]
+
+    # ---- forwards
+    def _forward(self, token_ids: list[list[int]], rows: list[int], starts: list[int],
+                 want_last: bool) -> torch.Tensor | None:
+        fb = ForwardBatch.build(token_ids, rows, starts, self.device)
+        fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if want_last:
+            ends = torch.tensor([len(t) for t in token_ids], dtype=torch.int64).cumsum(0) - 1
+            fb.logits_idx = ends.to(self.device)
+        else:
+            fb.logits_idx = torch.zeros(0, dtype=torch.int64, device=self.device)
+        logits = self.model(fb)
+        self.valid[fb.out_slots] = True
+        return logits if want_last else None
+
+    @torch.inference_mode()
+    def catch_up(self, plans: list[CatchUp]) -> None:
+        """Extends that only write draft KV (beside a prefill step)."""
+        if plans:
+            self._forward([p.tokens for p in plans], [p.row for p in plans],
+                          [p.start for p in plans], want_last=False)
+            for p in plans:
+                self._known[p.rid] = max(self._known.get(p.rid, 0), p.start + len(p.tokens))
+
+    @torch.inference_mode()
+    def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:
+        """Per verify entry: `plans[i]` ends with its last token (position start_i); returns
+        num_drafts[i] greedy draft tokens for positions start_i + 1 ... The first round
+        extends each request's catch-up; round j > 1 feeds draft j - 1 at its position
+        (slots the scheduler already assigned to the entry)."""
+        logits = self._forward([p.tokens for p in plans], [p.row for p in plans],
+                               [p.start for p in plans], want_last=True)
+        drafts = [[t] for t in logits.argmax(dim=-1).tolist()]
+        last_pos = [p.start + len(p.tokens) - 1 for p in plans]
+        for j in range(1, max(num_drafts, default=0)):
+            live = [i for i, k in enumerate(num_drafts) if k > j]
+            if not live:
+                break
+            logits = self._forward([[drafts[i][-1]] for i in live], [plans[i].row for i in live],
+                                   [last_pos[i] + j for i in live], want_last=True)
+            for i, tok in zip(live, logits.argmax(dim=-1).tolist()):
+                drafts[i].append(tok)
+        return [d[:k] for d, k in zip(drafts, num_drafts)]
+
+
+__all__ = ["CatchUp", "DraftModel", "RUNNER_DRAFT", "copied_in_pages"]

@@ -1,0 +1,36 @@
+"""Loading a checkpoint for serving: weights, then --quantization (or, for float32 on a CPU
+with oneDNN, the packed linear layers). Shared by the target model (runner/model_runner.py)
+and a STANDALONE draft model (runner/draft_model.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstrata import envs
+from kvstrata.config.model_source import load_hf_config, resolve_model_path
+from kvstrata.runner import packed_linear
+from kvstrata.runner.models.loader import load_model
+from kvstrata.runner.quantization import quantize_model
+from kvstrata.runner.smoothing import calibration_token_ids
+
+
+def load_serving_model(model_path: str, dtype: str, device: torch.device,
+                       quantization: str | None, quantization_flag: str = "--quantization"
+                       ) -> tuple[Any, Any, Any, dict]:
+    """(model, model source, HF config, what quantization ran). The float weights are
+    replaced once, here, before the KV pool is sized from what memory the weights leave."""
+    source = resolve_model_path(model_path)
+    hf_config = load_hf_config(source)
+    model = load_model(source, hf_config, dtype, device)
+    if quantization is not None and model.pool_kind != "mha":
+        raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
+                         f"decoder only, not {type(model).__name__}")
+    info: dict = {"quantization": None}
+    if quantization is not None:
+        ids, smoothing = calibration_token_ids(source, model.dims.vocab_size)
+        info = quantize_model(model, quantization, ids, smoothing)
+    elif (model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
+          and packed_linear.available(model)):
+        info = packed_linear.pack_model(model)
+    return model, source, hf_config, info
