@@ -102,6 +102,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="STANDALONE draft checkpoint (default: --model itself)")
     ap.add_argument("--draft-quantization", default="w8a8_int8",
                     help="STANDALONE draft quantization (unquant: none)")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="--speculative-disable-by-batch-size (default: the measured gate)")
     ap.add_argument("--draft-steps", type=int, default=3,
                     help="STANDALONE --speculative-num-steps (draft tokens = steps + 1)")
     ap.add_argument("--workloads", nargs="+", default=["chat", "repeat"],
@@ -126,6 +128,8 @@ def run(args: argparse.Namespace) -> dict:
                      "speculative_num_steps": args.draft_steps}
         else:
             shape = {"speculative_num_draft_tokens": args.num_draft_tokens}
+        if args.disable_by_batch_size is not None:
+            shape["speculative_disable_by_batch_size"] = args.disable_by_batch_size
         engines[algo] = LLM(model_path=args.model, page_size=16, max_total_tokens=65536,
                             speculative_algorithm=algo, **shape)
     tok = engines["plain"].tokenizer

@@ -11,7 +11,10 @@ averages of a step's wall time and forward positions, for steps with drafts and 
 steps, give the marginal cost b = (t_spec - t_plain) / (positions_spec - positions_plain)
 and rho = b / (t_plain / positions_plain). A range first takes WARMUP steps where every
 request drafts and WARMUP plain ones; later every EXPLORE_EVERY-th step is one of either kind
-(alternating) so the averages, and each request's acceptance rate, stay current.
+(alternating) so the averages, and each request's acceptance rate, stay current. Those
+drafting steps are probes (`probing`): the side lets only a few requests draft one token
+each in them, so measuring stays cheap where drafting does not pay (a draft model's
+forward, or a compute-bound batch of 32).
 `--speculative-disable-by-batch-size N` (vLLM's flag) replaces all this: every request may
 draft in steps of at most N requests, none above. Exactness never depends on the choice.
 """
@@ -46,12 +49,15 @@ class _Range:
     steps: int = 0
     spec: _Avg = None  # type: ignore[assignment]
     plain: _Avg = None  # type: ignore[assignment]
+    spec_seen: int = 0  # drafting steps, timed or not (the warm-up counts these)
 
     def __post_init__(self):
         self.spec, self.plain = _Avg(), _Avg()
 
     def rho(self) -> float:
         s, p = self.spec, self.plain
+        if self.spec_seen >= WARMUP and not s.n:
+            return RHO_MAX  # every drafting step here rebuilt draft KV: assume it never pays
         if not (s.n and p.n) or s.positions <= p.positions + 0.5 or p.seconds <= 0:
             return RHO_UNKNOWN
         marginal = (s.seconds - p.seconds) / (s.positions - p.positions)
@@ -64,10 +70,12 @@ class SpecGate:
         self.clock = clock
         self.ranges: dict[int, _Range] = {}
         self._step: tuple[int, float] | None = None  # (range, start)
+        self.probing = False  # this step drafts only to measure (warm-up or exploration)
 
     def begin(self, batch: int) -> float:
         """A decode step of `batch` requests starts: the acceptance rate a request needs
         to draft in it (0: everyone may, inf: nobody)."""
+        self.probing = False
         if self.limit is not None:
             self._step = None
             return 0.0 if batch <= self.limit else math.inf
@@ -75,24 +83,30 @@ class SpecGate:
         r = self.ranges.setdefault(key, _Range())
         r.steps += 1
         self._step = (key, self.clock())
-        if r.spec.n < WARMUP:
+        if r.spec_seen < WARMUP:
+            self.probing = True
             return 0.0
         if r.plain.n < WARMUP:
             return math.inf
         if r.steps % EXPLORE_EVERY == 0:
-            return 0.0 if (r.steps // EXPLORE_EVERY) % 2 else math.inf
+            self.probing = bool((r.steps // EXPLORE_EVERY) % 2)
+            return 0.0 if self.probing else math.inf
         return r.rho()
 
-    def end(self, tokens: int, positions: int, drafted: bool) -> None:
+    def end(self, tokens: int, positions: int, drafted: bool, timed: bool = True) -> None:
         """The step's output arrived: `tokens` produced from `positions` forward positions
-        (tokens = positions in a plain step); `drafted`: any draft was verified."""
+        (tokens = positions in a plain step); `drafted`: any draft was verified; `timed`
+        False: an unusual step (a draft model rebuilt KV) left out of the averages; a range
+        whose drafting steps were all such assumes drafting never pays there (RHO_MAX)."""
         if self._step is None:
             return
         key, start = self._step
         self._step = None
         if tokens > 0:
             r = self.ranges[key]
-            (r.spec if drafted else r.plain).add(self.clock() - start, positions)
+            r.spec_seen += drafted
+            if timed:
+                (r.spec if drafted else r.plain).add(self.clock() - start, positions)
 
     def state(self) -> dict:
         """Per range (its lowest batch size): ms per step each way and the current rho."""

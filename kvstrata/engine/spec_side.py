@@ -25,6 +25,11 @@ MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
 PRIOR_RATE = 0.5   # acceptance rate assumed for a request that has not drafted yet
 RATE_ALPHA = 0.5   # weight of the newest verify step in a request's acceptance rate
+# Requests that draft (one token each) in a gate's probe step: NGRAM drafts cost only verify
+# positions; a draft model's probe also rebuilds the prober's draft KV (its prompt, or what
+# it decoded plainly since), so one request probes.
+PROBE_REQUESTS = {"NGRAM": 4}
+PROBE_REQUESTS_DRAFT_MODEL = 1
 
 
 class SpeculativeSide(SchedulerSide):
@@ -41,8 +46,12 @@ class SpeculativeSide(SchedulerSide):
         # Whether this decode step drafts: --speculative-disable-by-batch-size, or measured.
         self.gate = SpecGate(getattr(cfg, "speculative_disable_by_batch_size", None))
         self._need = 0.0      # acceptance rate a request needs to draft in this step
+        self._probe_stride = 0  # >0 in a probe step: every stride-th request drafts
+        self._probe_turn = 0    # rotates which requests a probe step lets draft
+        self._asked = 0         # draft() calls in this step
         self._rate: dict[str, float] = {}  # rid -> recent accepted / drafted
         self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
+        self._step_drafting = 0  # requests that verified drafts in this step
         self.verify_steps = 0      # decode steps of requests (each one verify pass)
         self.accepted_tokens = 0   # tokens those passes produced (accepted drafts + 1 each)
         self.drafted_tokens = 0
@@ -56,15 +65,25 @@ class SpeculativeSide(SchedulerSide):
 
     def begin_decode(self, batch: int) -> None:
         self._need = self.gate.begin(batch)
+        self._asked = 0
+        self._step_drafting = 0
+        probers = PROBE_REQUESTS.get(self.algorithm, PROBE_REQUESTS_DRAFT_MODEL)
+        self._probe_stride = -(-batch // probers) if self.gate.probing else 0
+        self._probe_turn += bool(self._probe_stride)
         self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
 
     def draft(self, req, limit: int) -> list[int]:
         """Draft tokens to verify after `req`'s last token (at most `limit`, and at most
         the request's current draft budget); none in a step the gate keeps plain."""
+        self._asked += 1
         if (limit <= 0 or req.params.max_new_tokens == 0
                 or self._rate.get(req.rid, PRIOR_RATE) < self._need):
             return []
         budget = self._budget.get(req.rid, min(START_BUDGET, self.num_draft_tokens - 1))
+        if self._probe_stride:  # a measuring step: a few requests, one draft token each
+            if (self._asked + self._probe_turn) % self._probe_stride:
+                return []
+            budget = 1
         if self.algorithm != "NGRAM":  # a draft model in the runner proposes the tokens
             return [RUNNER_DRAFT] * min(limit, budget)
         self._feed(req)
@@ -79,6 +98,7 @@ class SpeculativeSide(SchedulerSide):
         self.drafted_tokens += drafted
         self._step_tokens += produced
         self._step_drafts += drafted
+        self._step_drafting += drafted > 0
         self._step_drafts_accepted += produced - 1
         if drafted:
             self._adapt(req.rid, drafted, produced - 1)
@@ -103,10 +123,14 @@ class SpeculativeSide(SchedulerSide):
         self._budget[rid] = budget
 
     def on_runner_output(self, result) -> list:
-        # (a no-op after a prefill step: the gate only times decode steps it began)
+        # (a no-op after a prefill step: the gate only times decode steps it began). A step
+        # whose draft model rebuilt draft KV (more than 2 tokens a request) is not timed.
+        catch_up = getattr(result, "draft_catch_up_tokens", 0)
         self.gate.end(self._step_tokens, self._step_tokens - self._step_drafts_accepted
-                      + self._step_drafts, self._step_drafts > 0)
+                      + self._step_drafts, self._step_drafts > 0,
+                      timed=catch_up <= 2 * self._step_drafting)
         self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
+        self._step_drafting = 0
         return []
 
     def on_finish(self, req) -> None:

@@ -151,3 +151,7 @@ class RunnerOutput(msgspec.Struct):
     # PD prefill, DSA model: rid -> last prompt position's top-k positions (-1 padded),
     # for each request whose first token was sampled this step (the PD seed).
     dsa_seeds: dict[str, list[int]] = {}
+    # STANDALONE: tokens the draft model extended this step beyond one per drafting request
+    # (draft KV rebuilt: a first prompt, a host load-back). The speculation gate leaves such
+    # steps out of its cost averages: they are not what a drafting step usually costs.
+    draft_catch_up_tokens: int = 0

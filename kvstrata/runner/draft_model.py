@@ -8,10 +8,11 @@ a token's target KV and its draft KV. Which slots hold valid draft KV is tracked
   - set where the draft computed KV (its catch-up extends, its draft positions);
   - cleared for draft positions the target rejected, and for pages another writer filled
     without the draft: HiCache load-backs (h2d), PD receives, retraction restores.
-Before drafting (and beside every prefill chunk) a request's draft "catches up": it runs an
-extend from its first position without valid draft KV (usually only the last token; the
-whole prompt on a PD decode server or after a host load-back). So prefix-cache hits share
-draft KV like target KV, and draft KV is rebuilt by draft-extend wherever it is missing.
+Before drafting, a request's draft "catches up": it runs an extend from its first position
+without valid draft KV (usually only the last token or two; the whole prompt the first time:
+the draft never runs beside prefill, so a request the gate keeps plain -- a busy batch --
+never pays for the draft). So prefix-cache hits share draft KV like target KV, and draft KV
+is rebuilt by draft-extend wherever it is missing.
 Exactness never depends on any of this: the target verifies every draft token, so stale
 draft KV could only lower the acceptance rate.
 
@@ -74,6 +75,7 @@ class DraftModel:
         self.pool: MHATokenToKVPool | None = None
         self.valid: torch.Tensor | None = None  # [num_slots] bool: slot holds draft KV
         self._known: dict[str, int] = {}  # rid -> leading positions known to hold draft KV
+        self.catch_up_tokens = 0  # this step's draft extend beyond each request's last token
 
     def kv_components(self) -> tuple[KVComponent, ...]:
         d = self.model.dims
@@ -134,24 +136,18 @@ class DraftModel:
         return CatchUp(rid, row, start, list(all_ids[start:end]))
 
     # ---- one step
-    def run_step(self, reqs: list, all_ids_of, out_slots: torch.Tensor,
-                 is_prefill: bool) -> list[list[int]]:
+    def run_step(self, reqs: list, all_ids_of, out_slots: torch.Tensor) -> list[list[int]]:
         """Before the target's forward over `reqs` (ScheduledRequests whose slots are in
         req_to_token; `out_slots` the slots that forward writes): the draft's part of the
         step. Returns every entry's token ids, drafts filled in.
           - every slot the target writes now loses its draft KV (a reused slot may hold
             another token's), before the draft writes its own;
-          - prefill step: each entry's draft KV is brought up to the chunk's end (so the
-            first decode step usually extends one token);
-          - verify entries holding RUNNER_DRAFT tokens get the draft's tokens.
+          - verify entries holding RUNNER_DRAFT tokens get the draft's tokens, after the
+            draft's catch-up extend (the first one of a request covers its whole prompt).
         `all_ids_of(rid)`: the request's tokens so far (prompt + output)."""
         self.valid[out_slots] = False
+        self.catch_up_tokens = 0
         token_ids = [list(r.token_ids) for r in reqs]
-        if is_prefill:
-            plans = [self.catch_up_plan(r.rid, r.row, self._ids(r, all_ids_of),
-                                        r.start_pos + len(r.token_ids)) for r in reqs]
-            self.catch_up([p for p in plans if p is not None])
-            return token_ids
         drafting = [i for i, r in enumerate(reqs) if r.num_draft and RUNNER_DRAFT in
                     r.token_ids[-r.num_draft:]]
         if not drafting:
@@ -162,6 +158,7 @@ class DraftModel:
             ids = self._ids(r, all_ids_of)[:r.start_pos] + [r.token_ids[0]]
             self._known[r.rid] = min(self._known.get(r.rid, 0), r.start_pos)
             plans.append(self.catch_up_plan(r.rid, r.row, ids, r.start_pos + 1))
+        self.catch_up_tokens = sum(len(p.tokens) - 1 for p in plans)
         drafts = self.propose(plans, [reqs[i].num_draft for i in drafting])
         for i, d in zip(drafting, drafts):
             token_ids[i][-len(d):] = d
@@ -189,15 +186,6 @@ class DraftModel:
         logits = self.model(fb)
         self.valid[fb.out_slots] = True
         return logits if want_last else None
-
-    @torch.inference_mode()
-    def catch_up(self, plans: list[CatchUp]) -> None:
-        """Extends that only write draft KV (beside a prefill step)."""
-        if plans:
-            self._forward([p.tokens for p in plans], [p.row for p in plans],
-                          [p.start for p in plans], want_last=False)
-            for p in plans:
-                self._known[p.rid] = max(self._known.get(p.rid, 0), p.start + len(p.tokens))
 
     @torch.inference_mode()
     def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:

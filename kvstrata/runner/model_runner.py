@@ -249,7 +249,7 @@ class ModelRunner:
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
         if self.draft is not None:  # STANDALONE: the draft model's part of the step first
-            token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots, sched.is_prefill)
+            token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots)
             fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
                                         dtype=torch.int64).to(self.device)
         if self.dsa_seeds is not None and self.dsa_seeds.pending:
@@ -285,6 +285,8 @@ class ModelRunner:
         logits = self.model(fb)
 
         out = RunnerOutput([], [], [], [])
+        if self.draft is not None:
+            out.draft_catch_up_tokens = self.draft.catch_up_tokens
         if self.dsa_seeds is not None and self.pd_role == "prefill":
             out.dsa_seeds = self._prefill_seeds(reqs)
         for i, first, n in lp_spans:

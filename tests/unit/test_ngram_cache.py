@@ -77,16 +77,21 @@ def test_capacity_prunes_old_nodes_and_keeps_recent_ones():
     assert c.draft([9, 1, 2], 1) == [3]
 
 
+def spec_config(algorithm: str, num_draft_tokens: int, **extra):
+    from types import SimpleNamespace
+    return SimpleNamespace(speculative_algorithm=algorithm,
+                           speculative_num_draft_tokens=num_draft_tokens,
+                           speculative_ngram_branch_length=18,
+                           speculative_ngram_min_match_window_size=1,
+                           speculative_ngram_max_match_window_size=12,
+                           speculative_ngram_capacity=1000, **extra)
+
+
 def test_draft_budget_shrinks_on_misses_and_grows_on_full_accepts():
     from types import SimpleNamespace
 
     from kvstrata.engine.spec_side import MIN_BUDGET, SpeculativeSide
-    cfg = SimpleNamespace(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9,
-                          speculative_ngram_branch_length=18,
-                          speculative_ngram_min_match_window_size=1,
-                          speculative_ngram_max_match_window_size=12,
-                          speculative_ngram_capacity=1000)
-    side = SpeculativeSide(SimpleNamespace(config=cfg))
+    side = SpeculativeSide(SimpleNamespace(config=spec_config("NGRAM", 9)))
     req = SimpleNamespace(rid="r", prompt_ids=[1, 2, 3, 4] * 5, output_ids=[],
                           params=SimpleNamespace(max_new_tokens=50), spec_verify_ct=0,
                           spec_draft_tokens=0, spec_accepted_drafts=0)
@@ -103,3 +108,32 @@ def test_draft_budget_shrinks_on_misses_and_grows_on_full_accepts():
     side.on_verified(req, 1, 2)                        # all accepted: double
     assert len(side.draft(req, 100)) == 2
     assert req.spec_verify_ct == 6 and req.spec_accepted_drafts == 4
+
+
+def test_gate_probe_steps_let_a_few_requests_draft_one_token_each():
+    """In the measured gate's warm-up / exploration drafting steps only a few requests
+    draft, one token each (STANDALONE: one request, one placeholder), rotating through the
+    batch; a step the gate lets draft for real gives full budgets."""
+    from types import SimpleNamespace
+
+    from kvstrata.engine.spec_side import PROBE_REQUESTS_DRAFT_MODEL, SpeculativeSide
+    from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
+    cfg = spec_config("STANDALONE", 4)
+    side = SpeculativeSide(SimpleNamespace(config=cfg))
+    reqs = [SimpleNamespace(rid=f"r{i}", prompt_ids=[5], all_ids=[5],
+                            params=SimpleNamespace(max_new_tokens=50)) for i in range(16)]
+    drafted_by_step = []
+    for _ in range(2):  # warm-up steps of batch 16: probes
+        side.begin_decode(len(reqs))
+        assert side.gate.probing
+        drafts = {r.rid: side.draft(r, 100) for r in reqs}
+        drafted = {rid for rid, d in drafts.items() if d}
+        assert len(drafted) == PROBE_REQUESTS_DRAFT_MODEL
+        assert all(d == [RUNNER_DRAFT] for d in drafts.values() if d)
+        drafted_by_step.append(drafted)
+    assert drafted_by_step[0] != drafted_by_step[1]  # rotates
+    fixed = SpeculativeSide(SimpleNamespace(config=spec_config(
+        "STANDALONE", 4, speculative_disable_by_batch_size=64)))
+    fixed.begin_decode(len(reqs))
+    assert not fixed.gate.probing
+    assert all(fixed.draft(r, 100) == [RUNNER_DRAFT] * 3 for r in reqs)

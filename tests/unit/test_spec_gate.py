@@ -67,3 +67,32 @@ def test_explicit_limit_wins_and_measures_nothing():
     assert gate.begin(8) == 0.0 and gate.begin(9) == math.inf
     gate.end(5, 9, True)
     assert gate.state() == {}
+
+
+def test_untimed_drafting_steps_count_for_the_warm_up_but_not_the_averages():
+    """A drafting step whose draft model rebuilt draft KV (STANDALONE's catch-up) is left
+    out of the averages; a range where every drafting step was such assumes drafting never
+    pays (nobody drafts outside probes), instead of guessing."""
+    from kvstrata.engine.spec_gate import RHO_MAX
+    clock = Clock()
+    gate = SpecGate(clock=clock)
+    for _ in range(WARMUP):
+        assert gate.begin(32) == 0.0 and gate.probing
+        clock.t += 1.0
+        gate.end(40, 36, drafted=True, timed=False)
+    for _ in range(WARMUP):
+        assert gate.begin(32) == math.inf and not gate.probing
+        clock.t += 0.2
+        gate.end(32, 32, drafted=False)
+    assert gate.begin(32) == RHO_MAX
+    clock.t += 0.2
+    gate.end(32, 32, drafted=False)
+    # One timed drafting step and the measured price is back.
+    gate.ranges[6].steps = EXPLORE_EVERY - 1  # the next step is an exploration
+    while not gate.probing:
+        clock.t += 0.2
+        gate.end(32, 32, drafted=False)
+        gate.begin(32)
+    clock.t += 0.21  # 4 more positions for 10 ms: rho = 2.5 ms / (200 ms / 32) = 0.4
+    gate.end(36, 36, drafted=True)
+    assert gate.ranges[6].rho() < RHO_MAX
