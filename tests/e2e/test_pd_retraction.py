@@ -58,6 +58,22 @@ def run_batch(pd: PDServers, batch: list[list[int]]) -> dict[int, httpx.Response
     return out
 
 
+@pytest.fixture(scope="module")
+def batch_refs(server) -> tuple[list[list[int]], list[dict]]:
+    """The file's one batch and its co-located references, computed once, concurrently."""
+    batch = prompts()
+    refs: list = [None] * len(batch)
+
+    def one(i: int) -> None:
+        refs[i] = reference(server, batch[i])
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return batch, refs
+
+
 def decode_load(pd: PDServers) -> dict:
     load = httpx.get(pd.decode.base_url + "/get_load", timeout=30).json()
     return load[0] if isinstance(load, list) else load
@@ -101,9 +117,8 @@ def decode_pair(tiny_model_path, prefill):
     # The default ratio (0.2 of the device pool) cannot hold this many backups at once.
     ("host_pool", ("--hicache-ratio", "2.0")),
 ])
-def test_decode_pressure_retracts_and_restores_exactly(backend, extra, server, decode_pair):
-    batch = prompts()
-    refs = [reference(server, ids) for ids in batch]
+def test_decode_pressure_retracts_and_restores_exactly(backend, extra, batch_refs, decode_pair):
+    batch, refs = batch_refs
     pd = decode_pair(backend, *extra)
     check_server_info(pd.decode, backend, 2.0 if extra else None, backend == "host_pool")
     results = run_batch(pd, batch)
@@ -117,11 +132,10 @@ def test_decode_pressure_retracts_and_restores_exactly(backend, extra, server, d
     assert_no_leak(pd.prefill)
 
 
-def test_host_pool_too_small_fails_exactly_those(tiny_model_path, server, prefill):
+def test_host_pool_too_small_fails_exactly_those(tiny_model_path, batch_refs, prefill):
     """A host pool of a few pages: the backups that do not fit abort their request with
     SGLang's message (500); every other request completes with the right output."""
-    batch = prompts(seed=9)
-    refs = [reference(server, ids) for ids in batch]
+    batch, refs = batch_refs
     pd = PDServers(tiny_model_path, "tcp", *DECODE_ARGS,
                    "--disaggregation-decode-retraction-backup", "host_pool",
                    "--hicache-ratio", "0.1", shared_prefill=prefill)
