@@ -2,7 +2,7 @@
 ones and invalid ones, for every route; none may get a 5xx, every 4xx carries the OpenAI error
 body, and afterwards the server is healthy with its KV pool whole.
 
-Bounded for `make test`: KVSTRATA_FUZZ_EXAMPLES (default 25) examples per route and mode,
+Bounded for `make test`: KVSTRATA_FUZZ_EXAMPLES (default 15) examples per route and mode,
 a few hundred requests in all, against a server whose 64-token context keeps any generation
 short. Raise it for a soak: KVSTRATA_FUZZ_EXAMPLES=500 pytest tests/e2e/test_schema_fuzz.py
 """
@@ -22,7 +22,7 @@ import requests  # noqa: E402  (a schemathesis dependency)
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "15"))
 
 
 @pytest.fixture(scope="module")
