@@ -25,9 +25,9 @@ MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
 PRIOR_RATE = 0.5   # acceptance rate assumed for a request that has not drafted yet
 RATE_ALPHA = 0.5   # weight of the newest verify step in a request's acceptance rate
-# Requests that draft (one token each) in a gate's probe step: NGRAM drafts cost only verify
-# positions; a draft model's probe also rebuilds the prober's draft KV (its prompt, or what
-# it decoded plainly since), so one request probes.
+# Requests that draft in a gate's probe step: NGRAM drafts cost only verify positions (4
+# requests, their usual drafts); a draft model's probe also runs the draft model and rebuilds
+# the prober's draft KV (its prompt, or what it decoded plainly since): 1 request, 1 token.
 PROBE_REQUESTS = {"NGRAM": 4}
 PROBE_REQUESTS_DRAFT_MODEL = 1
 
@@ -80,10 +80,11 @@ class SpeculativeSide(SchedulerSide):
                 or self._rate.get(req.rid, PRIOR_RATE) < self._need):
             return []
         budget = self._budget.get(req.rid, min(START_BUDGET, self.num_draft_tokens - 1))
-        if self._probe_stride:  # a measuring step: a few requests, one draft token each
+        if self._probe_stride:  # a measuring step: a few requests (a draft model: one token)
             if (self._asked + self._probe_turn) % self._probe_stride:
                 return []
-            budget = 1
+            if self.algorithm != "NGRAM":
+                budget = 1
         if self.algorithm != "NGRAM":  # a draft model in the runner proposes the tokens
             return [RUNNER_DRAFT] * min(limit, budget)
         self._feed(req)
