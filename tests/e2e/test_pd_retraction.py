@@ -222,3 +222,23 @@ def test_aborting_retracted_requests_discards_their_backups(decode_pair):
     assert_no_leak(pd.decode)
     assert decode_load(pd)["decode_backup_host_used_tokens"] == 0
     assert_no_leak(pd.prefill)
+
+
+def test_standalone_speculation_on_a_pressured_decode_server(tiny_model_path, batch_refs,
+                                                             decode_pair):
+    """A PD decode server speculating with a STANDALONE draft (the target drafting for
+    itself) under the same pressure: the draft rebuilds the transferred prompts' draft KV
+    (and a restored request's) with its catch-up extend, so drafts still pass; outputs equal
+    the co-located references; nothing leaks."""
+    batch, refs = batch_refs
+    pd = decode_pair("cpu_tensor", "--speculative-algorithm", "STANDALONE",
+                     "--speculative-draft-model-path", tiny_model_path,
+                     "--speculative-num-steps", "4", "--speculative-disable-by-batch-size", "64")
+    results = run_batch(pd, batch)
+    for i, r in results.items():
+        assert r.status_code == 200, r.text
+        assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
+    load = decode_load(pd)
+    assert load["decode_retractions_total"] > 0, load
+    assert load["avg_spec_accept_length"] > 2.5, load
+    assert_no_leak(pd.decode)
