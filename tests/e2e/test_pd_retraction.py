@@ -74,6 +74,18 @@ def batch_refs(server) -> tuple[list[list[int]], list[dict]]:
     return batch, refs
 
 
+def run_pressured(pd: PDServers, batch: list[list[int]], refs: list[dict]) -> dict:
+    """The batch at once through a pressured pair: every answer 200 and equal to its
+    reference (or a near-tie), the decode server retracted; returns its load."""
+    results = run_batch(pd, batch)
+    for i, r in results.items():
+        assert r.status_code == 200, r.text
+        assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
+    load = decode_load(pd)
+    assert load["decode_retractions_total"] > 0, load
+    return load
+
+
 def decode_load(pd: PDServers) -> dict:
     load = httpx.get(pd.decode.base_url + "/get_load", timeout=30).json()
     return load[0] if isinstance(load, list) else load
@@ -121,12 +133,7 @@ def test_decode_pressure_retracts_and_restores_exactly(backend, extra, batch_ref
     batch, refs = batch_refs
     pd = decode_pair(backend, *extra)
     check_server_info(pd.decode, backend, 2.0 if extra else None, backend == "host_pool")
-    results = run_batch(pd, batch)
-    for i, r in results.items():
-        assert r.status_code == 200, r.text
-        assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
-    load = decode_load(pd)
-    assert load["decode_retractions_total"] > 0, load
+    load = run_pressured(pd, batch, refs)
     assert load[f"decode_backups_{backend}"] > 0 and load[f"decode_restores_{backend}"] > 0
     assert_no_leak(pd.decode)
     assert_no_leak(pd.prefill)
@@ -234,11 +241,6 @@ def test_standalone_speculation_on_a_pressured_decode_server(tiny_model_path, ba
     pd = decode_pair("cpu_tensor", "--speculative-algorithm", "STANDALONE",
                      "--speculative-draft-model-path", tiny_model_path,
                      "--speculative-num-steps", "4", "--speculative-disable-by-batch-size", "64")
-    results = run_batch(pd, batch)
-    for i, r in results.items():
-        assert r.status_code == 200, r.text
-        assert_same_or_near_tie(r.json()["output_ids"], refs[i], f"request {i}")
-    load = decode_load(pd)
-    assert load["decode_retractions_total"] > 0, load
+    load = run_pressured(pd, batch, refs)
     assert load["avg_spec_accept_length"] > 2.5, load
     assert_no_leak(pd.decode)
