@@ -62,3 +62,29 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_tensors(str(path))
+
+
+def test_q4_1_and_q8_0_dequantization_equal_ggufs():
+    """Our whole-tensor Q4_1 and Q8_0 paths give gguf's values bit for bit (random blocks, finite
+    fp16 scales and minimums), and other types go through gguf itself."""
+    import gguf
+    import numpy as np
+
+    from kvstrata.runner.models.loader import Q4_1_BLOCK_BYTES, dequantize
+    rng = np.random.default_rng(0)
+    rows, blocks = 6, 5
+    raw = rng.integers(0, 256, size=(rows * blocks, Q4_1_BLOCK_BYTES), dtype=np.uint8)
+    raw[:, 0:2] = rng.normal(0, 0.1, rows * blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw[:, 2:4] = rng.normal(0, 0.5, rows * blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    data = raw.reshape(rows, blocks * Q4_1_BLOCK_BYTES)
+    ours = dequantize(data, gguf.GGMLQuantizationType.Q4_1)
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_1)
+    assert ours.shape == theirs.shape == (rows, blocks * 32)
+    np.testing.assert_array_equal(ours, theirs)
+    q8 = rng.integers(0, 256, size=(rows * blocks, 34), dtype=np.uint8)
+    q8[:, 0:2] = rng.normal(0, 0.1, rows * blocks).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    q8 = q8.reshape(rows, blocks * 34)
+    np.testing.assert_array_equal(dequantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                                  gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0))
+    f32 = rng.normal(size=(3, 8)).astype(np.float32)
+    np.testing.assert_array_equal(dequantize(f32, gguf.GGMLQuantizationType.F32), f32)

@@ -77,10 +77,46 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
+    """gguf's dequantisation, with Q4_1 and Q8_0 (SmolLM2's file: all its quantized tensors)
+    done over the whole tensor at once: gguf's generic path walks row groups in Python
+    (~2 s of a SmolLM2 load); tests/kv/test_gguf_index.py checks both equal gguf's."""
     import gguf
 
+    if tensor_type == gguf.GGMLQuantizationType.Q4_1 and data.dtype == np.uint8:
+        return _dequantize_q4_1(data)
+    if tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.dtype == np.uint8:
+        return _dequantize_q8_0(data)
+    return gguf.quants.dequantize(data, tensor_type)
+
+
+def _dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """ggml's block_q8_0: fp16 scale d, 32 int8 values q: x = q * d."""
+    rows = data.shape[:-1]
+    blocks = np.ascontiguousarray(data).reshape(-1, 2 + Q4_1_BLOCK)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    values = blocks[:, 2:].view(np.int8).astype(np.float32) * d
+    return values.reshape(*rows, data.shape[-1] // (2 + Q4_1_BLOCK) * Q4_1_BLOCK)
+
+
+Q4_1_BLOCK = 32  # values per block: fp16 scale d, fp16 minimum m, 16 bytes of nibbles
+Q4_1_BLOCK_BYTES = 2 + 2 + Q4_1_BLOCK // 2
+
+
+def _dequantize_q4_1(data: np.ndarray) -> np.ndarray:
+    """ggml's block_q4_1: x[j] = (qs[j] & 15) * d + m, x[j + 16] = (qs[j] >> 4) * d + m."""
+    rows = data.shape[:-1]
+    blocks = np.ascontiguousarray(data).reshape(-1, Q4_1_BLOCK_BYTES)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+    values = q * d + m
+    return values.reshape(*rows, data.shape[-1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK)
+
+
+def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
+               ) -> Iterator[tuple[str, torch.Tensor]]:
     from kvstrata.runner.models.gguf_index import read_gguf_tensors
 
     n_head = config.num_attention_heads
@@ -96,7 +132,7 @@ def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
             if t.name == "rope_freqs.weight":
                 continue  # llama3 rope factors, recomputed from the config's rope_scaling
             raise ValueError(f"GGUF tensor {t.name!r} has no mapping")
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = dequantize(t.data, t.tensor_type)
         if permute_qk and m and m.group(2) in ("attn_q", "attn_k"):
             w = _unpermute_qk(w, n_head if m.group(2) == "attn_q" else n_kv)
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
