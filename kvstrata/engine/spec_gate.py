@@ -12,9 +12,9 @@ steps, give the marginal cost b = (t_spec - t_plain) / (positions_spec - positio
 and rho = b / (t_plain / positions_plain). A range first takes WARMUP steps where every
 request drafts and WARMUP plain ones; later every EXPLORE_EVERY-th step is one of either kind
 (alternating) so the averages, and each request's acceptance rate, stay current. Those
-drafting steps are probes (`probing`): the side lets only a few requests draft in them
-(a draft model's: one token), so measuring stays cheap where drafting does not pay (a draft model's
-forward, or a compute-bound batch of 32).
+drafting steps are probes (`probing`): the side lets only a few requests draft in them (with
+a draft model, one token), so measuring stays cheap where drafting does not pay (a draft
+model's forwards, or a compute-bound batch of 32).
 `--speculative-disable-by-batch-size N` (vLLM's flag) replaces all this: every request may
 draft in steps of at most N requests, none above. Exactness never depends on the choice.
 """

@@ -12,9 +12,9 @@ import pytest
 
 from kvstrata import LLM
 from kvstrata.engine.sides import spec_side
-from tests.correctness.test_speculative import (abort_while_running, assert_same, assert_same_distribution,
-                                                assert_stops_cut_exactly, drained, greedy,
-                                                repeating_prompts, sample_both, stop_cases)
+from tests.correctness.test_speculative import (
+    abort_while_running, assert_same, assert_same_distribution, assert_stops_cut_exactly,
+    drained, greedy, repeating_prompts, sample_both, stop_cases)
 
 STEPS = 4  # drafts per verify step: num_draft_tokens = 5
 

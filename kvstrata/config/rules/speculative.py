@@ -10,8 +10,8 @@ What kvstrata builds today: chain drafts of NGRAM (the n-gram cache's most frequ
 continuation) and STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
 w8a8_int8`). EAGLE/EAGLE3/NEXTN are refused by name at `serve` (config/resolve.py
-UNIMPLEMENTED); tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's NGRAM default breadth
-is 10 (a tree); left unset here it resolves to 1 and says why.
+UNIMPLEMENTED); tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's
+NGRAM default breadth is 10 (a tree); left unset here it resolves to 1 and says why.
 """
 from __future__ import annotations
 
