@@ -71,3 +71,16 @@ def test_counters_reach_meta_info_server_info_and_metrics(spec_server):
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert "kvstrata:spec_accept_length{" in metrics
     assert "kvstrata:spec_verify_steps_total{" in metrics
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_the_flag(tiny_model_path,
+                                                                    tiny_checkpoints):
+    """STANDALONE's draft must share the target's tokenizer: a 49152-token draft for a
+    300-token target is refused at start, naming the flag (no server comes up half-built)."""
+    from kvstrata import LLM
+
+    with pytest.raises(ValueError, match=r"--speculative-draft-model-path .*vocabulary "
+                                         r"\(49152 tokens\) differs from the target's \(300\)"):
+        LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
+            max_total_tokens=1024, speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=tiny_model_path)
