@@ -11,8 +11,8 @@ a token's target KV and its draft KV. Which slots hold valid draft KV is tracked
 Before drafting, a request's draft "catches up": it runs an extend from its first position
 without valid draft KV (usually only the last token or two; the whole prompt the first time:
 the draft never runs beside prefill, so a request the gate keeps plain -- a busy batch --
-never pays for the draft). So prefix-cache hits share draft KV like target KV, and draft KV
-is rebuilt by draft-extend wherever it is missing.
+never pays for the draft), in chunks of CATCH_UP_CHUNK tokens. So prefix-cache hits share
+draft KV like target KV, and draft KV is rebuilt by draft-extend wherever it is missing.
 Exactness never depends on any of this: the target verifies every draft token, so stale
 draft KV could only lower the acceptance rate.
 
@@ -46,6 +46,11 @@ def copied_in_pages(ops: list) -> list[int]:
         elif isinstance(op, PDOp) and op.kind == "receiver_init":
             pages += op.page_ids
     return pages
+
+
+# Draft KV rebuilt per forward at most (a first prompt, a long load-back): bounds the catch-up
+# extend's activations the way --chunked-prefill-size bounds the target's.
+CATCH_UP_CHUNK = 1024
 
 
 @dataclass
@@ -192,6 +197,17 @@ class DraftModel:
         num_drafts[i] greedy draft tokens for positions start_i + 1 ... The first round
         extends each request's catch-up; round j > 1 feeds draft j - 1 at its position
         (slots the scheduler already assigned to the entry)."""
+        plans = list(plans)
+        while True:  # long catch-ups first, CATCH_UP_CHUNK tokens a forward
+            long = [i for i, p in enumerate(plans) if len(p.tokens) > CATCH_UP_CHUNK]
+            if not long:
+                break
+            self._forward([plans[i].tokens[:CATCH_UP_CHUNK] for i in long],
+                          [plans[i].row for i in long], [plans[i].start for i in long])
+            for i in long:
+                p = plans[i]
+                plans[i] = CatchUp(p.rid, p.row, p.start + CATCH_UP_CHUNK,
+                                   p.tokens[CATCH_UP_CHUNK:])
         logits = self._forward([p.tokens for p in plans], [p.row for p in plans],
                                [p.start for p in plans])
         drafts = [[t] for t in logits.argmax(dim=-1).tolist()]

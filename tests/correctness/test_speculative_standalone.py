@@ -116,3 +116,18 @@ def test_sampling_distribution_matches_plain(tiny_checkpoints):
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in b_out) > n // 2
     assert_same_distribution(a, b_out)
     drained(spec)
+
+
+def test_long_catch_up_runs_in_chunks(tiny_checkpoints, plain, monkeypatch):
+    """The draft rebuilds a first prompt CATCH_UP_CHUNK tokens a forward (5 here): the
+    drafts still pass and the output is plain greedy's."""
+    from kvstrata.runner import draft_model
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 5)
+    prompts = repeating_prompts()
+    params = greedy(24)
+    target = tiny_checkpoints["llama"]
+    llm = make_llm(target, target, page_size=4, max_total_tokens=4096)
+    out = llm.generate(input_ids=prompts, sampling_params=params)
+    assert_same(plain(prompts, params), out)
+    assert accept_length(out) > STEPS - 1
+    drained(llm)
