@@ -126,7 +126,7 @@ class SpeculativeSide(SchedulerSide):
     def on_runner_output(self, result) -> list:
         # (a no-op after a prefill step: the gate only times decode steps it began). A step
         # whose draft model rebuilt draft KV (more than 2 tokens a request) is not timed.
-        catch_up = getattr(result, "draft_catch_up_tokens", 0)
+        catch_up = result.draft_catch_up_tokens
         self.gate.end(self._step_tokens, self._step_tokens - self._step_drafts_accepted
                       + self._step_drafts, self._step_drafts > 0,
                       timed=catch_up <= 2 * self._step_drafting)
