@@ -57,6 +57,21 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+# Unless a test sizes the KV pool itself, its server gets this many tokens: a default-sized
+# CPU pool is several GB (~3 s of CPU per start to zero it, and memory the parallel test
+# worker's servers then lack). Tests of the default sizing pass --mem-fraction-static or
+# --max-total-tokens themselves.
+TEST_KV_TOKENS = "32768"
+KV_SIZE_FLAGS = ("--max-total-tokens", "--mem-fraction-static")
+
+
+def with_test_kv_size(args) -> list[str]:
+    args = list(args)
+    if not any(a.split("=")[0] in KV_SIZE_FLAGS for a in args):
+        args += ["--max-total-tokens", TEST_KV_TOKENS]
+    return args
+
+
 class ServerProcess:
     def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
                  timeout: float = 180, wait: bool = True):
@@ -66,7 +81,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/kvstrata-e2e-{self.port}.log"
         cmd = [sys.executable, "-m", "kvstrata.entrypoints.cli", "serve", "--model-path",
-               model_path, "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+               model_path, "--host", "127.0.0.1", "--port", str(self.port),
+               *with_test_kv_size(extra_args)]
         pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
         full_env = {**os.environ, "PYTHONPATH": pythonpath, **engine_factory_env(),
                     **(env or {})}

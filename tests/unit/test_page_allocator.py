@@ -108,9 +108,47 @@ def test_check_integrity_detects_corruption():
         b.check_integrity()
 
     c = make(4)
+    c.free(c.alloc(2)[:1])
     c._free_heap.append(1)  # heap holds page 1 twice
     with pytest.raises(AssertionError, match="twice"):
         c.check_integrity()
+
+    d = make(4)
+    d.alloc(1)
+    d._free_heap.append(3)  # page 3 was never handed out: it is free already
+    d._free_set.add(3)
+    with pytest.raises(AssertionError, match="free twice"):
+        d.check_integrity()
+
+
+def test_pages_given_back_come_before_never_used_ones():
+    a = make(8)
+    first = a.alloc(5)
+    assert first == [1, 2, 3, 4, 5]
+    a.free([4, 2])
+    assert a.available_pages() == 5
+    assert a.alloc(4) == [2, 4, 6, 7]
+    a.check_integrity()
+    assert a.alloc(2) is None and a.available_pages() == 1
+    assert a.alloc(1) == [8]
+    a.free([1, 8, 6])
+    assert a.alloc(3) == [1, 6, 8]
+    a.check_integrity()
+
+
+def test_a_huge_pool_starts_at_once():
+    """A default-sized CPU pool has millions of pages: building them as a list cost over a
+    second of every server start."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        a = make(1 << 26)
+        assert a.available_pages() == 1 << 26
+        assert a.alloc(3) == [1, 2, 3]
+        a.check_integrity()
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20  # no per-page container
+    finally:
+        tracemalloc.stop()
 
 
 def test_invalid_construction():
@@ -120,11 +158,12 @@ def test_invalid_construction():
 
 
 def test_large_pool_check_is_cheap_and_still_catches_leaks_and_double_ownership():
-    """A default-sized pool has millions of pages and the check runs after every step: above
-    FULL_CHECK_PAGES it costs O(pages in use), and still finds a leak or a page both free
-    and used."""
+    """A default-sized pool has millions of pages and the check runs after every step: once
+    more than FULL_CHECK_PAGES were handed out it costs O(pages in use), and still finds a
+    leak or a page both free and used."""
     from kvstrata.cache.page_allocator import FULL_CHECK_PAGES
     alloc = PageAllocator(FULL_CHECK_PAGES * 4, 1)
+    alloc.free(alloc.alloc(FULL_CHECK_PAGES + 20)[10:])
     pages = alloc.alloc(10)
     alloc.check_integrity()
     alloc._used.discard(pages[0])  # leaked: neither free nor used
