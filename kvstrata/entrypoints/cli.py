@@ -50,14 +50,17 @@ def _run_serve(ns: argparse.Namespace) -> int:
     # errors come back as a StartupError and /server_info shows its result.
     from kvstrata.entrypoints.launcher import StartupError, launch_server
 
+    from kvstrata.frontend.process_utils import exit_now
+
     try:
-        return launch_server(args)
+        code = launch_server(args)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        pass
-    return 0
+        code = 0
+    # The children are stopped and the IPC folder removed: skip the interpreter's teardown.
+    exit_now(code)
 
 
 def _refuse_busy_box(run):

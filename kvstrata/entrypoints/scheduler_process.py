@@ -171,7 +171,7 @@ class SchedulerLoop:
 
 def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     """Entry point of the scheduler subprocess."""
-    from kvstrata.frontend.process_utils import die_with_parent, setup_child_logging
+    from kvstrata.frontend.process_utils import die_with_parent, exit_now, setup_child_logging
 
     die_with_parent()
     setup_child_logging(server_args, "scheduler")
@@ -210,3 +210,5 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         recv.close(linger=0)
         send.close(linger=1000)
         ctx.term()
+    # A clean stop: everything above is closed; skip the interpreter's slow teardown.
+    exit_now(0)

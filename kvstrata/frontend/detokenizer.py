@@ -135,7 +135,7 @@ class Detokenizer:
 
 def run_detokenizer_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     """Entry point of the detokenizer subprocess."""
-    from kvstrata.frontend.process_utils import die_with_parent, setup_child_logging
+    from kvstrata.frontend.process_utils import die_with_parent, exit_now, setup_child_logging
     from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
 
     die_with_parent()
@@ -165,3 +165,4 @@ def run_detokenizer_process(server_args, paths: ipc.IpcPaths, ready_conn) -> Non
     recv.close(linger=0)
     send.close(linger=0)
     ctx.term()
+    exit_now(0)  # a clean stop: nothing left to finalise (see exit_now)

@@ -24,6 +24,22 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def exit_now(code: int) -> None:
+    """End a server process whose resources were all closed explicitly: flush logs and
+    streams, then os._exit. The interpreter's own teardown (module and GC finalisation of
+    torch, transformers and the HTTP stack) took 1.2-1.5 s of CPU per process on 2 cores,
+    after the work was done -- the larger part of a server's stop time."""
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def setup_child_logging(server_args, name: str) -> None:
     level = str(getattr(server_args, "log_level", "info") or "info").upper()
     logging.basicConfig(

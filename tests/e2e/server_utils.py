@@ -84,8 +84,11 @@ class ServerProcess:
                model_path, "--host", "127.0.0.1", "--port", str(self.port),
                *with_test_kv_size(extra_args)]
         pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+        # One intra-op thread unless the caller chose (as tests/conftest.py does in-process):
+        # the parallel test workers already keep both cores busy, and OpenMP workers spinning
+        # against them cost CPU time for ops of a few microseconds.
         full_env = {**os.environ, "PYTHONPATH": pythonpath, **engine_factory_env(),
-                    **(env or {})}
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
