@@ -5,10 +5,14 @@ the timeouts and heartbeat. A backend only says how pages move (`_send_pages` on
 prefill side, `_write_pages` on the decode side).
 
 Threads: the runner calls create/init/send/abort/poll; those calls change a state under
-`_lock` and hand socket work to the transfer thread as a closure (`_call`), because zmq
+`lock` and hand socket work to the transfer thread as a closure (`call_soon`), because zmq
 sockets must stay in one thread. The decode side also starts a resolver thread per prefill
 it looks up over HTTP (a look-up may retry for long while that prefill starts).
-Failure detection (timeouts, heartbeat): liveness.py.
+
+The manager is made of parts, each with its own state, that reach it only through its
+public calls (call_soon, send_to, transition, fail, drop_peer, lock): the rooms
+(rooms.py), failure detection -- timeouts, heartbeat (liveness.py), and the decode side's
+look-up of prefill endpoints (lookup.py).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ logger = logging.getLogger(__name__)
 TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest sleep
 
 
-class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
+class ZmqDisaggManager(DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str):
         if role not in ("prefill", "decode"):
@@ -52,21 +56,17 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
         self.heartbeat_interval = envs.KVSTRATA_DISAGG_HEARTBEAT_INTERVAL.get()
         self.heartbeat_max_failure = envs.KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE.get()
 
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
+        # Guards the room tables and the look-up's routes (any thread).
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
         self.senders: dict[int, Sender] = {}
         self.receivers: dict[int, Receiver] = {}
         self._pending: dict[int, tuple[object, float]] = {}  # prefill: Destination/Abort early
-        self._routes: dict[tuple[str, int], str] = {}         # decode: bootstrap -> endpoint
-        self._resolving: set[tuple[str, int]] = set()
-        # decode: aborts of rooms failed before their prefill was looked up, sent once it is
-        self._deferred_aborts: dict[tuple[str, int], list[Abort]] = {}
-        self._heard: dict[str, float] = {}                    # peer -> last message time
-        self._misses: dict[str, int] = {}                     # decode: unanswered pings
-        self._next_ping = 0.0
+        self.liveness = Liveness(self)
+        self.lookup = PrefillLookup(self)  # decode side
         self._peers: dict[str, zmq.Socket] = {}
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopping = False
+        self.stopping = False
 
         self._ctx = zmq.Context()
         self._bootstrap: BootstrapServer | None = None
@@ -127,24 +127,17 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
     # ------------------------------------------------------------------ runner-facing API
     def create_sender(self, bootstrap_host: str, bootstrap_port: int, room: int) -> KVSender:
         s = Sender(self, room)
-        with self._lock:
+        with self.lock:
             self.senders[room] = s
-        self._call(self._adopt_pending, s)
+        self.call_soon(self._adopt_pending, s)
         return s
 
     def create_receiver(self, bootstrap_host: str, bootstrap_port: int,
                         room: int) -> KVReceiver:
         r = Receiver(self, room, (bootstrap_host, bootstrap_port))
-        with self._lock:
+        with self.lock:
             self.receivers[room] = r
-            r.peer = self._routes.get(r.bootstrap)
-            if r.peer is not None:
-                r.state = KVPoll.WAITING_FOR_INPUT
-                self._call(self.send_join, r)
-            elif r.bootstrap not in self._resolving:
-                self._resolving.add(r.bootstrap)
-                threading.Thread(target=self._resolve, args=(r.bootstrap,), daemon=True,
-                                 name="pd-resolve").start()
+            self.lookup.attach(r)
         return r
 
     def wait_for_change(self, timeout: float) -> None:
@@ -152,14 +145,14 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
             self._changed.wait(timeout)
 
     def close(self) -> None:
-        if self._stopping:
+        if self.stopping:
             return
-        self._stopping = True
+        self.stopping = True
         self._wake()
         self._thread.join(timeout=10)
         if self._bootstrap is not None:
             self._bootstrap.stop()
-        with self._lock:
+        with self.lock:
             rooms = [*self.senders.values(), *self.receivers.values()]
         for obj in rooms:
             self.transition(obj, KVPoll.FAILED, f"the {self.role} transfer manager closed")
@@ -169,7 +162,11 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
     def _close_backend(self) -> None:
         pass
 
-    # ------------------------------------------------------------------ state changes
+    @property
+    def peer_role(self) -> str:
+        return "decode" if self.role == "prefill" else "prefill"
+
+    # ------------------------------------------------------------------ the parts' calls
     def transition(self, obj, state: KVPoll, reason: str | None = None,
                    only_from: tuple[KVPoll, ...] | None = None) -> bool:
         """Any thread. Terminal states stick; returns whether the state changed."""
@@ -189,9 +186,10 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
     def fail(self, obj, reason: str, tell_peer: bool = True) -> None:
         """Transfer thread: fail the room and (unless the peer told us) tell the peer."""
         if self.transition(obj, KVPoll.FAILED, reason) and tell_peer and obj.peer:
-            self._send(obj.peer, Abort(obj.room, self.endpoint, reason))
+            self.send_to(obj.peer, Abort(obj.room, self.endpoint, reason))
 
-    def _call(self, fn, *args) -> None:
+    def call_soon(self, fn, *args) -> None:
+        """Any thread: run fn(*args) on the transfer thread (which owns the sockets)."""
         self._cmds.put((fn, args))
         self._wake()
 
@@ -208,7 +206,7 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
         poller.register(self._wake_rx, zmq.POLLIN)
         next_tick = 0.0
         try:
-            while not self._stopping:
+            while not self.stopping:
                 ready = dict(poller.poll(int(TICK_SECONDS * 1000)))
                 if self._wake_rx in ready:
                     while self._wake_rx.poll(0):
@@ -243,7 +241,23 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
                 if isinstance(obj, (Sender, Receiver)):
                     self.fail(obj, f"{type(e).__name__}: {e}")
 
-    def _send(self, endpoint: str, msg, frames=()) -> None:
+    def _tick(self, now: float) -> None:
+        """Finished rooms stay a while so a late Destination/Chunk still finds them (and
+        learns of a failure); then the manager forgets them (the executor may not). Early
+        messages for rooms never created expire the same way. Then the liveness checks."""
+        with self.lock:
+            for table in (self.senders, self.receivers):
+                for room in [r for r, o in table.items() if o.final_at is not None
+                             and now - o.final_at > self.bootstrap_timeout]:
+                    del table[room]
+            rooms = [*self.senders.values(), *self.receivers.values()]
+        for room in [r for r, (_, t) in self._pending.items()
+                     if now - t > self.bootstrap_timeout]:
+            del self._pending[room]
+        self.liveness.check(rooms, now)
+
+    def send_to(self, endpoint: str, msg, frames=()) -> None:
+        """Transfer thread: send one message (and its data frames) to a peer."""
         sock = self._peers.get(endpoint)
         if sock is None:
             sock = self._peers[endpoint] = self._ctx.socket(zmq.PUSH)
@@ -252,23 +266,21 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
             sock.connect(endpoint)          # by the pages the scheduler asked to send
         sock.send_multipart([ENCODER.encode(msg), *frames], copy=False)
 
-    def _drop_peer(self, endpoint: str) -> None:
+    def drop_peer(self, endpoint: str) -> None:
+        """Transfer thread: a dead peer: close its socket (and the frames queued for it),
+        forget its health and its route."""
         sock = self._peers.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
-        self._misses.pop(endpoint, None)
-        self._heard.pop(endpoint, None)
-        with self._lock:
-            for key in [k for k, ep in self._routes.items() if ep == endpoint]:
-                del self._routes[key]
+        self.liveness.forget(endpoint)
+        self.lookup.forget(endpoint)
 
     def _handle(self, frames: list) -> None:
         msg = DECODER.decode(frames[0].buffer)
         now = time.monotonic()
-        self._heard[msg.endpoint] = now
-        self._misses[msg.endpoint] = 0
+        self.liveness.heard_from(msg.endpoint, now)
         if isinstance(msg, Ping):
-            self._send(msg.endpoint, Pong(self.endpoint))
+            self.send_to(msg.endpoint, Pong(self.endpoint))
         elif isinstance(msg, Join):
             s = self.senders.get(msg.room)
             if s is None:
@@ -311,7 +323,7 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
         False if the room already failed here (the peer is told)."""
         s.peer = msg.endpoint
         if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
-            self._send(msg.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
+            self.send_to(msg.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
             return False
         return True
 
@@ -346,13 +358,13 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
     # ---- decode side
     def send_join(self, r: Receiver) -> None:
         if not is_final(r.state) and r.peer is not None and not r.dest_sent:
-            self._send(r.peer, Join(r.room, self.endpoint))
+            self.send_to(r.peer, Join(r.room, self.endpoint))
 
     def send_destination(self, r: Receiver) -> None:
         if is_final(r.state) or r.peer is None or r.dst is None or r.dest_sent:
             return
         r.dest_sent = True
-        self._send(r.peer, Destination(r.room, self.endpoint, r.dst, r.metadata_index,
+        self.send_to(r.peer, Destination(r.room, self.endpoint, r.dst, r.metadata_index,
                                        self.geometry, **self._destination_extras()))
 
     def _on_chunk(self, msg: Chunk, frames: list) -> None:
@@ -380,7 +392,7 @@ class ZmqDisaggManager(Liveness, PrefillLookup, DisaggManager):
             else:
                 self.transition(r, KVPoll.SUCCESS)
         if msg.ack or msg.last:
-            self._send(r.peer, Ack(r.room, self.endpoint, r.received,
+            self.send_to(r.peer, Ack(r.room, self.endpoint, r.received,
                                    r.state == KVPoll.SUCCESS))
 
 

@@ -1,5 +1,5 @@
-"""How a dead or stuck peer is noticed: mixed into control.ZmqDisaggManager, whose
-transfer thread calls `_tick` every TICK_SECONDS.
+"""How a dead or stuck peer is noticed: a part of control.ZmqDisaggManager, whose transfer
+thread calls `Liveness.check` every TICK_SECONDS with the rooms still open.
 
 A failed room never takes the manager down (the others keep going). A room fails when:
   prefill sender BOOTSTRAPPING longer than KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT;
@@ -22,53 +22,61 @@ from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
 
 
 class Liveness:
-    """Uses the manager's senders, receivers, _lock, _pending, _heard, _misses, _next_ping,
-    role, timeouts, fail(), _send() and _drop_peer()."""
+    """What the manager knows of its peers' health: when each was last heard from and
+    (decode) how many pings in a row went unanswered. Runs on the transfer thread only;
+    reaches the manager through its public calls (fail, drop_peer, send_to)."""
 
-    def _tick(self, now: float) -> None:
-        silent_after = self.heartbeat_interval * (self.heartbeat_max_failure + 1)
-        with self._lock:
-            # Finished rooms stay a while so a late Destination/Chunk still finds them (and
-            # learns of a failure); then the manager forgets them (the executor may not).
-            for table in (self.senders, self.receivers):
-                for room in [r for r, o in table.items() if o.final_at is not None
-                             and now - o.final_at > self.bootstrap_timeout]:
-                    del table[room]
-            rooms = [*self.senders.values(), *self.receivers.values()]
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.heard: dict[str, float] = {}   # peer -> last message time
+        self.misses: dict[str, int] = {}    # decode: unanswered pings in a row
+        self.next_ping = 0.0
+
+    def heard_from(self, endpoint: str, now: float) -> None:
+        """Any message is a sign of life (a long transfer does not look like death)."""
+        self.heard[endpoint] = now
+        self.misses[endpoint] = 0
+
+    def forget(self, endpoint: str) -> None:
+        self.misses.pop(endpoint, None)
+        self.heard.pop(endpoint, None)
+
+    def check(self, rooms: list, now: float) -> None:
+        """Fail the rooms that timed out or whose peer went silent; decode: ping."""
+        mgr = self.mgr
+        silent_after = mgr.heartbeat_interval * (mgr.heartbeat_max_failure + 1)
         dead: set[str] = set()
         for obj in rooms:
             if is_final(obj.state):
                 continue
             why = obj.timed_out(now)
             if why is None and isinstance(obj, Sender) and obj.peer is not None and (
-                    obj.peer in dead or now - self._heard.get(obj.peer, now) > silent_after):
+                    obj.peer in dead or now - self.heard.get(obj.peer, now) > silent_after):
                 dead.add(obj.peer)
                 why = f"decode server {obj.peer} silent for over {silent_after:g} s (dead?)"
             if why:
-                self.fail(obj, why)
+                mgr.fail(obj, why)
         for peer in dead:
-            self._drop_peer(peer)  # and the frames queued for it
-        for room in [r for r, (_, t) in self._pending.items()
-                     if now - t > self.bootstrap_timeout]:
-            del self._pending[room]
-        if self.role == "decode" and now >= self._next_ping:
-            self._next_ping = now + self.heartbeat_interval
+            mgr.drop_peer(peer)  # and the frames queued for it
+        if mgr.role == "decode" and now >= self.next_ping:
+            self.next_ping = now + mgr.heartbeat_interval
             self._heartbeat([r for r in rooms if isinstance(r, Receiver)])
 
     def _heartbeat(self, receivers: list[Receiver]) -> None:
+        mgr = self.mgr
         live: dict[str, list[Receiver]] = {}
         for r in receivers:
             if r.peer is not None and not is_final(r.state):
                 live.setdefault(r.peer, []).append(r)
         for peer, rooms in live.items():
-            if self._misses.get(peer, 0) >= self.heartbeat_max_failure:
+            if self.misses.get(peer, 0) >= mgr.heartbeat_max_failure:
                 for r in rooms:
-                    self.fail(r, f"prefill server {peer} did not answer "
-                                 f"{self._misses[peer]} heartbeats", tell_peer=False)
-                self._drop_peer(peer)
+                    mgr.fail(r, f"prefill server {peer} did not answer "
+                                f"{self.misses[peer]} heartbeats", tell_peer=False)
+                mgr.drop_peer(peer)
                 continue
-            self._send(peer, Ping(self.endpoint))
-            self._misses[peer] = self._misses.get(peer, 0) + 1
+            mgr.send_to(peer, Ping(mgr.endpoint))
+            self.misses[peer] = self.misses.get(peer, 0) + 1
 
 
 __all__ = ["Liveness"]

@@ -1,4 +1,4 @@
-"""How a decode manager finds a prefill server's data endpoint: mixed into
+"""How a decode manager finds a prefill server's data endpoint: a part of
 control.ZmqDisaggManager. One resolver thread per prefill being looked up (through its
 bootstrap server, retried until the bootstrap timeout), so a prefill that is down never
 delays the rooms of the others; routes are cached per (bootstrap host, port). A room
@@ -8,6 +8,7 @@ once the look-up ends, so its half fails at once instead of at the bootstrap tim
 from __future__ import annotations
 
 import socket
+import threading
 
 from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.bootstrap_server import resolve_prefill_endpoint
@@ -29,46 +30,68 @@ def advertised_ip(host: str) -> str:
 
 
 class PrefillLookup:
-    @property
-    def peer_role(self) -> str:
-        return "decode" if self.role == "prefill" else "prefill"
+    """The decode side's routes (bootstrap address -> the prefill's data endpoint), the
+    look-ups under way, and the aborts waiting for one. Its tables are guarded by the
+    manager's `lock` (create_receiver attaches a receiver and its route atomically)."""
+
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.routes: dict[tuple[str, int], str] = {}
+        self.resolving: set[tuple[str, int]] = set()
+        self.deferred_aborts: dict[tuple[str, int], list[Abort]] = {}
+
+    def attach(self, r) -> None:
+        """Under mgr.lock: route a new receiver to its prefill if known, else look it up."""
+        r.peer = self.routes.get(r.bootstrap)
+        if r.peer is not None:
+            r.state = KVPoll.WAITING_FOR_INPUT
+            self.mgr.call_soon(self.mgr.send_join, r)
+        elif r.bootstrap not in self.resolving:
+            self.resolving.add(r.bootstrap)
+            threading.Thread(target=self._resolve, args=(r.bootstrap,), daemon=True,
+                             name="pd-resolve").start()
+
+    def forget(self, endpoint: str) -> None:
+        """A dead peer: the next room looks it up again."""
+        with self.mgr.lock:
+            for key in [k for k, ep in self.routes.items() if ep == endpoint]:
+                del self.routes[key]
 
     def abort_when_resolved(self, r) -> None:
         """Transfer thread: a receiver failed before its prefill's endpoint was known."""
-        abort = Abort(r.room, self.endpoint, r.reason or "aborted")
-        with self._lock:
-            endpoint = self._routes.get(r.bootstrap)
+        mgr = self.mgr
+        abort = Abort(r.room, mgr.endpoint, r.reason or "aborted")
+        with mgr.lock:
+            endpoint = self.routes.get(r.bootstrap)
             if endpoint is None:
-                self._deferred_aborts.setdefault(r.bootstrap, []).append(abort)
+                self.deferred_aborts.setdefault(r.bootstrap, []).append(abort)
                 return
-        self._send(endpoint, abort)
+        mgr.send_to(endpoint, abort)
 
     def _resolve(self, key: tuple[str, int]) -> None:
         """Resolver thread, one per prefill being looked up (a prefill that is down must
         not delay the rooms of the others): retry until the bootstrap timeout."""
+        mgr = self.mgr
         endpoint, error = resolve_prefill_endpoint(
-            key, self.bootstrap_timeout, (self.page_size, self.kv_dtype),
-            lambda: self._stopping)
-        with self._lock:
-            self._resolving.discard(key)
-            deferred = self._deferred_aborts.pop(key, [])
+            key, mgr.bootstrap_timeout, (mgr.page_size, mgr.kv_dtype), lambda: mgr.stopping)
+        with mgr.lock:
+            self.resolving.discard(key)
+            deferred = self.deferred_aborts.pop(key, [])
             if endpoint is not None:
-                self._routes[key] = endpoint
+                self.routes[key] = endpoint
                 for abort in deferred:
-                    self._call(self._send, endpoint, abort)
-            waiting = [r for r in self.receivers.values()
+                    mgr.call_soon(mgr.send_to, endpoint, abort)
+            waiting = [r for r in mgr.receivers.values()
                        if r.bootstrap == key and r.peer is None and not is_final(r.state)]
         for r in waiting:
             if endpoint is None:
-                self.transition(r, KVPoll.FAILED,
-                                f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
+                mgr.transition(r, KVPoll.FAILED,
+                               f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
             else:
                 r.peer = endpoint
-                self.transition(r, KVPoll.WAITING_FOR_INPUT,
-                                only_from=(KVPoll.BOOTSTRAPPING,))
-                self._call(self.send_join, r)
-                self._call(self.send_destination, r)  # if init() came first
-
+                mgr.transition(r, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
+                mgr.call_soon(mgr.send_join, r)
+                mgr.call_soon(mgr.send_destination, r)  # if init() came first
 
 
 __all__ = ["PrefillLookup", "advertised_ip"]

@@ -83,7 +83,7 @@ class MooncakeManager(ZmqDisaggManager):
             if rc != 0:
                 self.fail(s, f"Mooncake write to {dest.mooncake_session} failed (rc {rc})")
                 return
-        self._send(dest.endpoint, Chunk(s.room, self.endpoint, offset, len(src), ack=True,
+        self.send_to(dest.endpoint, Chunk(s.room, self.endpoint, offset, len(src), ack=True,
                                         last=last, metadata=metadata if last else None))
 
 

@@ -37,15 +37,15 @@ class _Room:
 
     def abort(self, reason: str = "aborted") -> None:
         if self.mgr.transition(self, KVPoll.FAILED, reason):
-            self.mgr._call(self._tell_peer)
+            self.mgr.call_soon(self._tell_peer)
 
     def _tell_peer(self) -> None:  # transfer thread
         if self.peer is not None:
-            self.mgr._send(self.peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
+            self.mgr.send_to(self.peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
         elif isinstance(self, Receiver):
             # Aborted before the prefill's endpoint was known (e.g. refused at admission):
             # the prefill still waits for this room, so tell it once the look-up ends.
-            self.mgr.abort_when_resolved(self)
+            self.mgr.lookup.abort_when_resolved(self)
 
     def _bad_input(self, page_ids: list[int], metadata_index: int | None) -> str | None:
         """Why these pages / this slot are not ours to use, or None."""
@@ -73,7 +73,7 @@ class Sender(_Room, KVSender):
             self.abort(why)
             return
         self.num_pages, self.metadata_index = num_pages, metadata_index
-        self.mgr._call(self._check_count)
+        self.mgr.call_soon(self._check_count)
 
     def _check_count(self) -> None:  # transfer thread
         why = self.page_count_error()
@@ -93,7 +93,7 @@ class Sender(_Room, KVSender):
             self.abort(why)
             return
         self.mgr.transition(self, KVPoll.TRANSFERRING)
-        self.mgr._call(self.mgr.ship, self, list(page_ids), last, metadata)
+        self.mgr.call_soon(self.mgr.ship, self, list(page_ids), last, metadata)
 
     def timed_out(self, now: float) -> str | None:
         if self.state == KVPoll.BOOTSTRAPPING and now - self.created > \
@@ -121,7 +121,7 @@ class Receiver(_Room, KVReceiver):
         self.dst, self.metadata_index = list(dst_page_ids), metadata_index
         self.init_time = time.monotonic()
         self.mgr.transition(self, KVPoll.TRANSFERRING)
-        self.mgr._call(self.mgr.send_destination, self)
+        self.mgr.call_soon(self.mgr.send_destination, self)
 
     @property
     def metadata(self) -> PDMetadata | None:

@@ -46,7 +46,7 @@ class TcpManager(ZmqDisaggManager):
             final = start == starts[-1]
             sub_src, sub_dst = src[start:start + step], dst[start:start + step]
             layout, runs, frames = self._pack(sub_src, sub_dst)
-            self._send(s.dest.endpoint, Chunk(
+            self.send_to(s.dest.endpoint, Chunk(
                 s.room, self.endpoint, offset + start, len(sub_src), layout, runs,
                 ack=final, last=last and final, metadata=metadata if last and final else None),
                 frames)
