@@ -95,6 +95,12 @@ class KVComponent:
                 "bytes_per_token_per_layer": self.bytes_per_token_per_layer}
 
 
+def page_bytes(components, page_size: int) -> int:
+    """Bytes of one page holding `components`: the one formula (KVPlan and the torch-side
+    KVGeometry both use it)."""
+    return page_size * sum(c.bytes_per_token for c in components)
+
+
 def mha_components(num_layers: int, num_kv_heads: int, head_dim: int,
                    dtype: str) -> tuple[KVComponent, ...]:
     return tuple(KVComponent(name, num_layers, (num_kv_heads, head_dim), dtype)
@@ -232,7 +238,7 @@ class KVPlan:
 
     @property
     def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
+        return page_bytes(self.components, self.page_size)
 
     @property
     def device_pool_bytes(self) -> int:

@@ -29,7 +29,8 @@ import torch
 
 # Layout names are defined once, with the KV plan (the resolver and the CLI read them too).
 from kvstrata.config.kv_plan import (HOST_LAYOUTS as LAYOUTS, LAYER_FIRST, MHA_K, PAGE_FIRST,
-                                     PAGE_FIRST_DIRECT, PAGE_HEAD, KVPlan)
+                                     PAGE_FIRST_DIRECT, PAGE_HEAD, KVComponent, KVPlan,
+                                     mha_components, page_bytes)
 
 # Permutation taking each layout's page-split view to device order (kv, L, page, P, H, D).
 # Page-split views: layer_first (2, L, N, P, H, D); page_first (2, N, P, L, H, D);
@@ -85,9 +86,18 @@ class KVGeometry:
         return self.num_sections * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
 
     @property
+    def components(self) -> tuple[KVComponent, ...]:
+        """The plan's components this geometry stores (MLA: one row per token holding
+        every component, so one component of that width)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.num_sections == 2:
+            return mha_components(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+        return (KVComponent("row", self.num_layers, (self.num_kv_heads, self.head_dim), dtype),)
+
+    @property
     def bytes_per_page(self) -> int:
-        """Bytes of one flat page tensor (equals KVPlan.bytes_per_page; a test pins it)."""
-        return self.page_numel * self.itemsize
+        """Bytes of one flat page tensor: the plan's formula (config/kv_plan.page_bytes)."""
+        return page_bytes(self.components, self.page_size)
 
 
 def check_layout(layout: str) -> None:
