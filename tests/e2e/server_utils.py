@@ -74,10 +74,11 @@ def with_test_kv_size(args) -> list[str]:
 
 class ServerProcess:
     def __init__(self, model_path: str, *extra_args: str, env: dict | None = None,
-                 timeout: float = 180, wait: bool = True):
+                 timeout: float = 180, wait: bool = True, port: int | None = None):
         """Starts the server; waits until /health answers 200 unless `wait` is False (then
-        call wait_healthy(): several servers start faster side by side)."""
-        self.port = free_port()
+        call wait_healthy(): several servers start faster side by side). `port`: a restart
+        where its predecessor listened (a router still points there)."""
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/kvstrata-e2e-{self.port}.log"
         cmd = [sys.executable, "-m", "kvstrata.entrypoints.cli", "serve", "--model-path",

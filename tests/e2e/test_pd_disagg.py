@@ -68,17 +68,17 @@ class PDServers:
             self.stop()
             raise
 
-    def start_decode(self, wait: bool = True) -> ServerProcess:
+    def start_decode(self, wait: bool = True, port: int | None = None) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "decode",
                              "--disaggregation-transfer-backend", self.backend,
                              "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV,
-                             wait=wait)
+                             wait=wait, port=port)
 
-    def start_prefill(self, wait: bool = True) -> ServerProcess:
+    def start_prefill(self, wait: bool = True, port: int | None = None) -> ServerProcess:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
                              "--disaggregation-transfer-backend", self.backend,
                              "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait)
+                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait, port=port)
 
     def body(self, room: int | None = None) -> dict:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
@@ -272,7 +272,8 @@ def _in_flight(fn, n: int) -> tuple[list, list[threading.Thread]]:
 def _wait_kv_in_use(srv, timeout: float = 30) -> None:
     """Until the server holds KV for a request (the work is under way there)."""
     deadline = time.monotonic() + timeout
-    while kv_state(srv)["num_used_tokens"] == 0 and time.monotonic() < deadline:
+    while kv_state(srv)["num_used_tokens"] == 0:
+        assert time.monotonic() < deadline, f"no KV in use on {srv.base_url} after {timeout} s"
         time.sleep(0.02)
 
 
@@ -317,7 +318,8 @@ def test_dead_decode_frees_the_prefill(pd):
     # Each prefill half answered: done before the kill, or failed by the dead peer.
     assert len(results) == 8 and all(isinstance(r, httpx.Response) for r, _ in results), results
     assert_no_leak(pd.prefill)
-    pd.decode = pd.start_decode()
+    # On the same port: the module's router still sends its decode halves there.
+    pd.decode = pd.start_decode(port=pd.decode.port)
     prefill, decode = pd.generate("Hello there")
     assert (prefill.status_code, decode.status_code) == (200, 200), (prefill.text, decode.text)
 
@@ -362,7 +364,7 @@ def test_dead_prefill_fails_decode_side_then_recovers(pd):
     assert r.status_code == 500, r.text
     assert time.monotonic() - start < 60
     assert_no_leak(pd.decode)
-    pd.prefill = pd.start_prefill()
+    pd.prefill = pd.start_prefill(port=pd.prefill.port)  # where the router sends it
     prefill, decode = pd.generate("Hello there")
     assert decode.status_code == 200, decode.text
     assert prefill.status_code == 200, prefill.text
