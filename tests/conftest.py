@@ -19,30 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import helpers.*`
 os.environ.setdefault("KVSTRATA_CHECK_INTEGRITY", "1")
 
 
-# Soak tests (`@pytest.mark.soak`): variants whose ground is covered elsewhere in `make test`
-# at a fraction of the time (a second transfer backend of an end-to-end death test, a
-# benchmark script's whole run). They run with KVSTRATA_SOAK=1 (docs/testing.md).
-SOAK = os.environ.get("KVSTRATA_SOAK", "0") == "1"
-
-
-def soak_only(why: str) -> None:
-    """Skip the calling test unless KVSTRATA_SOAK=1 (for parametrized variants)."""
-    if not SOAK:
-        pytest.skip(f"soak (KVSTRATA_SOAK=1): {why}")
-
-
-def pytest_collection_modifyitems(config, items):
-    if SOAK:
-        return
-    for item in items:
-        marker = item.get_closest_marker("soak")
-        if marker is not None:
-            why = marker.args[0] if marker.args else "long variant"
-            item.add_marker(pytest.mark.skip(reason=f"soak (KVSTRATA_SOAK=1): {why}"))
-
-
 def pytest_configure(config):
-    config.addinivalue_line("markers", "soak(why): runs only with KVSTRATA_SOAK=1")
     # One intra-op thread unless the user chose: the test models are tiny (ops of a few
     # microseconds), and on a small shared box OpenMP workers spinning against other
     # processes made the suite ~10x slower in wall time than single-threaded.

@@ -3,8 +3,6 @@ for (JSON fields, a PNG). Their figures are not checked here: performance goals 
 benchmarks/ and docs/benchmarks.md, not in timed tests."""
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import subprocess
@@ -75,8 +73,6 @@ def test_bench_int8_linear_rows(tmp_path):
             assert r["error"] < 0.1, r
 
 
-@pytest.mark.soak("four servers and a router in turn (~70 s on 2 cores); the PD path "
-                  "itself is tests/e2e/test_pd_disagg.py's")
 def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
     """bench_pd.py starts a co-located server, then router + prefill + decode (tcp), runs
     the same load through both, and measures the transfer layer beside a raw socket."""

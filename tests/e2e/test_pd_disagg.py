@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import TINY_CONTEXT
-from tests.conftest import soak_only
 from tests.e2e.server_utils import ServerProcess, free_port, pid_alive, stop_all
 from tests.e2e.test_routes_and_disconnect import kv_state
 from tests.e2e.test_sglang_router import Router
@@ -269,21 +268,23 @@ def _in_flight(fn, n: int) -> tuple[list, list[threading.Thread]]:
     return results, threads
 
 
+def _wait_for(srv, ready, what: str, timeout: float = 30) -> None:
+    """Until ready(kv_state(srv)); fails after `timeout` s saying `what` was not seen."""
+    deadline = time.monotonic() + timeout
+    while not ready(st := kv_state(srv)):
+        assert time.monotonic() < deadline, f"{what} on {srv.base_url} after {timeout} s: {st}"
+        time.sleep(0.02)
+
+
 def _wait_kv_in_use(srv, timeout: float = 30) -> None:
     """Until the server holds KV for a request (the work is under way there)."""
-    deadline = time.monotonic() + timeout
-    while kv_state(srv)["num_used_tokens"] == 0:
-        assert time.monotonic() < deadline, f"no KV in use on {srv.base_url} after {timeout} s"
-        time.sleep(0.02)
+    _wait_for(srv, lambda st: st["num_used_tokens"], "no KV in use", timeout)
 
 
 def test_dead_decode_frees_the_prefill(pd):
     """SIGKILL the decode server with 8 requests in flight: the prefill's rooms fail within
     the heartbeat bound (those still waiting for the decode's pages included) and its queues
     and pages return to idle; a new decode server then works."""
-    if pd.backend == "mooncake":  # tcp here; mooncake's rooms on a dead peer: tests/transfer
-        soak_only("the mooncake variant of an end-to-end peer death")
-
     def both(i):
         """What the router does; returns the prefill's answer (the decode's dies with it)."""
         body = {"input_ids": list(range(100 + i, 300 + i)), **pd.body(),
@@ -307,7 +308,10 @@ def test_dead_decode_frees_the_prefill(pd):
                 "num_running_reqs", "num_waiting_reqs", "num_decode_prealloc",
                 "num_decode_transfer", "num_decode_prebuilt")) + len(results) < 8:
         time.sleep(0.02)
-    _wait_kv_in_use(pd.prefill)
+    # The prefill has rooms open: KV in use or sent, or rooms waiting for the decode's
+    # pages (with mooncake the admitted ones may all have crossed already).
+    _wait_for(pd.prefill, lambda st: st["num_used_tokens"] or st.get("num_prefill_bootstrap")
+              or st.get("num_prefill_inflight"), "no prefill room open")
     time.sleep(0.5)  # the Join messages are on their way (sent once the route is known)
     pd.decode.stop(sig=9)
     killed = time.monotonic()
@@ -328,9 +332,6 @@ def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
     """SIGKILL the prefill with 8 requests in flight through the router: every client gets
     an error within the heartbeat bound (the router's retries hit the dead bootstrap port,
     which fails fast now), and the decode pool returns to idle."""
-    if pd.backend == "mooncake":  # the router's side is the backend's: tcp covers it
-        soak_only("the mooncake variant of an end-to-end peer death")
-
     def chat(i):
         return httpx.post(router.base_url + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0,
