@@ -97,6 +97,9 @@ class PDOp(msgspec.Struct, omit_defaults=True, tag="pd"):
     num_pages: int = 0        # sender_init: pages the whole prompt will send
     metadata_index: int = -1  # sender_init / receiver_init: the request's metadata slot
     page_ids: list[int] = []  # send: source pages in order; receiver_init: destination pages
+    # receiver_init: the prompt's first pages the decode server already holds (its radix
+    # cache); page_ids are the pages after them and the prefill sends only those.
+    prefix_pages: int = 0
     last: bool = False        # send: the last chunk; `metadata` goes with it
     metadata: PDMetadata | None = None
 

@@ -62,7 +62,7 @@ class DisaggExecutor(OpExecutor):
             elif kind == "sender_init":
                 self._get(op).init(op.num_pages, op.metadata_index)
             elif kind == "receiver_init":
-                self._get(op).init(list(op.page_ids), op.metadata_index)
+                self._get(op).init(list(op.page_ids), op.metadata_index, op.prefix_pages)
             elif kind == "send":
                 self._get(op).send(list(op.page_ids), op.last, op.metadata)
             elif kind == "abort":

@@ -22,13 +22,14 @@ def buffer(pool) -> torch.Tensor:
     return page_buffers_of(pool)[0]
 
 
-def start_room(pair, room: int, src: list[int], dst: list[int], slot: int = 0):
+def start_room(pair, room: int, src: list[int], dst: list[int], slot: int = 0,
+               prefix_pages: int = 0):
     """Both sides up to the first send: returns (sender, receiver)."""
     sender = pair.prefill.create_sender("127.0.0.1", pair.bootstrap_port, room)
     assert sender.poll() == B  # nothing can have arrived from the decode side yet
     receiver = pair.decode.create_receiver("127.0.0.1", pair.bootstrap_port, room)
     wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
-    receiver.init(dst, slot)
+    receiver.init(dst, slot, prefix_pages)
     assert receiver.poll() == T
     wait_until(lambda: sender.poll() == W, what="sender WAITING_FOR_INPUT")
     sender.init(len(src), slot)
@@ -66,6 +67,43 @@ def test_pages_land_in_the_reserved_pages(make_pair, backend, dtype, page_size):
     for src, dst, _, _ in rooms.values():
         expected[:, dst] = want[:, src]
     assert torch.equal(got, expected)  # reserved pages written, every other page untouched
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pages_the_decode_holds_are_not_sent(make_pair, backend):
+    """A decode radix cache hit: the receiver holds the prompt's first pages and reserves
+    pages for the rest only; the prefill sends every page in prompt order as always, the
+    backend ships only the delta (into the reserved pages, nothing else touched), and a
+    whole-prompt hit moves nothing but the metadata."""
+    pair = make_pair(backend)
+    rng = random.Random(3)
+    before = buffer(pair.decode_pool).clone()
+    src = rng.sample(range(1, NUM_PAGES + 1), 10)
+    dst = rng.sample(range(1, NUM_PAGES + 1), 6)  # for src[4:]
+    sender, receiver = start_room(pair, 21, src, dst, prefix_pages=4)
+    sender.send(src[:3], last=False)   # all held by the decode: nothing goes
+    sender.send(src[3:7], last=False)  # one held, three shipped
+    sender.send(src[7:], last=True, metadata=PDMetadata(21, first_token_id=9))
+    wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
+    assert receiver.metadata == PDMetadata(21, first_token_id=9)
+    expected = before.clone()
+    expected[:, dst] = buffer(pair.prefill_pool)[:, src[4:]]
+    assert torch.equal(buffer(pair.decode_pool), expected)
+    assert (pair.prefill.pages_sent, pair.decode.pages_received) == (6, 6)
+
+    # the whole prompt held: only the metadata crosses
+    sender, receiver = start_room(pair, 22, src[:5], [], slot=1, prefix_pages=5)
+    sender.send(src[:2], last=False)
+    sender.send(src[2:5], last=True, metadata=PDMetadata(22, first_token_id=4))
+    wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
+    assert receiver.metadata == PDMetadata(22, first_token_id=4)
+    assert (pair.prefill.pages_sent, pair.decode.pages_received) == (6, 6)
+
+    # the counts must add up: held + reserved == what the prefill will send
+    sender, receiver = start_room(pair, 23, src, dst, slot=2, prefix_pages=3)
+    wait_until(lambda: sender.poll() == F and receiver.poll() == F)
+    assert ("will send 10 pages but the decode server holds 3 and reserved 6"
+            in sender.failure_reason)
 
 
 # The control plane (aborts, heartbeats, timeouts) is the same code for both backends:

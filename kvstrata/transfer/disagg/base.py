@@ -35,7 +35,9 @@ class KVSender(abc.ABC):
     def send(self, page_ids: list[int], last: bool, metadata: PDMetadata | None = None) -> None:
         """Queue these source pages (the next ones in prompt order; non-blocking). With
         `last`, `metadata` goes too, after every page. Then poll() reports TRANSFERRING, and
-        SUCCESS once the decode side has acknowledged everything."""
+        SUCCESS once the decode side has acknowledged everything. Pages the decode side
+        said it holds already (its `prefix_pages`) are passed here like the others and
+        skipped by the backend: the prefill's scheduler needs no case for them."""
 
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...
@@ -53,9 +55,13 @@ class KVReceiver(abc.ABC):
     """Decode side, one per request (room)."""
 
     @abc.abstractmethod
-    def init(self, dst_page_ids: list[int], metadata_index: int) -> None:
+    def init(self, dst_page_ids: list[int], metadata_index: int,
+             prefix_pages: int = 0) -> None:
         """Send the reserved destination pages (prompt order) to the prefill side; the
-        bytes will be written straight into them."""
+        bytes will be written straight into them. `prefix_pages`: the prompt's first pages
+        this side already holds (a decode radix cache hit); the destination pages are for
+        the pages after them, and the prefill sends only those (a whole-prompt hit moves
+        nothing but the metadata)."""
 
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...

@@ -2,7 +2,7 @@
 server owning every zmq socket (a PULL socket bound at the server's data endpoint, one PUSH
 socket per peer), the per-room sender/receiver state machines of protocol/disagg.py, and
 the timeouts and heartbeat. A backend only says how pages move (`_send_pages` on the
-prefill side, `_write_pages` on the decode side).
+prefill side, `write_pages` on the decode side).
 
 Threads: the runner calls create/init/send/abort/poll; those calls change a state under
 `lock` and hand socket work to the transfer thread as a closure (`call_soon`), because zmq
@@ -67,6 +67,9 @@ class ZmqDisaggManager(DisaggManager):
         self._peers: dict[str, zmq.Socket] = {}
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
+        # KV pages moved (prefill: shipped; decode: written here), of page_bytes each.
+        self.pages_sent = 0
+        self.pages_received = 0
 
         self._ctx = zmq.Context()
         self._bootstrap: BootstrapServer | None = None
@@ -109,7 +112,7 @@ class ZmqDisaggManager(DisaggManager):
     def _setup_backend(self) -> None:
         """Register buffers with the data plane (mooncake)."""
 
-    def _destination_extras(self) -> dict:
+    def destination_extras(self) -> dict:
         """Extra Destination fields the prefill needs to write into our buffers."""
         return {}
 
@@ -119,7 +122,7 @@ class ZmqDisaggManager(DisaggManager):
         message(s); the final one carries ack=True (and last/metadata when `last`)."""
         raise NotImplementedError
 
-    def _write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
+    def write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
         """Transfer thread, decode: place a chunk's bytes (tcp frames) into r.dst pages."""
         if frames:
             raise ValueError(f"unexpected {len(frames)} data frames")
@@ -161,6 +164,11 @@ class ZmqDisaggManager(DisaggManager):
 
     def _close_backend(self) -> None:
         pass
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one KV page takes over every registered buffer (pages_sent/received)."""
+        return sum(g.sections * g.page_bytes for g in self.geometry)
 
     @property
     def peer_role(self) -> str:
@@ -294,7 +302,9 @@ class ZmqDisaggManager(DisaggManager):
             else:
                 self._attach(s, msg)
         elif isinstance(msg, Chunk):
-            self._on_chunk(msg, frames[1:])
+            r = self.receivers.get(msg.room)
+            if r is not None:
+                r.on_chunk(msg, frames[1:])
         elif isinstance(msg, Ack):
             s = self.senders.get(msg.room)
             if s is not None and msg.done:
@@ -346,6 +356,13 @@ class ZmqDisaggManager(DisaggManager):
         if s.dest is None:
             s.queued.append((page_ids, last, metadata))
             return
+        # The prompt's first pages the decode holds already are not shipped.
+        skip = min(s.dest.prefix_pages - s.skipped, len(page_ids))
+        if skip > 0:
+            page_ids = page_ids[skip:]
+            s.skipped += skip
+            if not page_ids and not last:
+                return
         total = len(s.dest.page_ids)
         if s.sent + len(page_ids) > total:
             self.fail(s, f"prefill sent {s.sent + len(page_ids)} pages but the decode server "
@@ -354,46 +371,7 @@ class ZmqDisaggManager(DisaggManager):
         dst = s.dest.page_ids[s.sent:s.sent + len(page_ids)]
         self._send_pages(s, page_ids, dst, s.sent, last, metadata)
         s.sent += len(page_ids)
-
-    # ---- decode side
-    def send_join(self, r: Receiver) -> None:
-        if not is_final(r.state) and r.peer is not None and not r.dest_sent:
-            self.send_to(r.peer, Join(r.room, self.endpoint))
-
-    def send_destination(self, r: Receiver) -> None:
-        if is_final(r.state) or r.peer is None or r.dst is None or r.dest_sent:
-            return
-        r.dest_sent = True
-        self.send_to(r.peer, Destination(r.room, self.endpoint, r.dst, r.metadata_index,
-                                       self.geometry, **self._destination_extras()))
-
-    def _on_chunk(self, msg: Chunk, frames: list) -> None:
-        r = self.receivers.get(msg.room)
-        if r is None or is_final(r.state) or msg.endpoint != r.peer:
-            return  # late, or not from the prefill this room resolved to
-        if r.dst is None or msg.dst_offset + msg.num_pages > len(r.dst):
-            self.fail(r, f"prefill sent pages {msg.dst_offset}..{msg.dst_offset + msg.num_pages}"
-                         f" beyond the {len(r.dst or [])} reserved")
-            return
-        try:
-            self._write_pages(r, msg, frames)
-        except Exception as e:  # malformed frames: this room fails, the thread goes on
-            self.fail(r, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
-            return
-        r.received += msg.num_pages
-        if msg.last:
-            r.metadata_value = msg.metadata
-            if r.received != len(r.dst):
-                self.fail(r, f"prefill sent {r.received} pages, the decode server reserved "
-                             f"{len(r.dst)}")
-            elif msg.metadata is not None and msg.metadata.room != r.room:
-                self.fail(r, f"Context corruption detected: metadata of room "
-                             f"{msg.metadata.room} arrived for room {r.room}")
-            else:
-                self.transition(r, KVPoll.SUCCESS)
-        if msg.ack or msg.last:
-            self.send_to(r.peer, Ack(r.room, self.endpoint, r.received,
-                                   r.state == KVPoll.SUCCESS))
+        self.pages_sent += len(page_ids)
 
 
 __all__ = ["ZmqDisaggManager"]

@@ -45,7 +45,7 @@ class PrefillLookup:
         r.peer = self.routes.get(r.bootstrap)
         if r.peer is not None:
             r.state = KVPoll.WAITING_FOR_INPUT
-            self.mgr.call_soon(self.mgr.send_join, r)
+            self.mgr.call_soon(r.send_join)
         elif r.bootstrap not in self.resolving:
             self.resolving.add(r.bootstrap)
             threading.Thread(target=self._resolve, args=(r.bootstrap,), daemon=True,
@@ -90,8 +90,8 @@ class PrefillLookup:
             else:
                 r.peer = endpoint
                 mgr.transition(r, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
-                mgr.call_soon(mgr.send_join, r)
-                mgr.call_soon(mgr.send_destination, r)  # if init() came first
+                mgr.call_soon(r.send_join)
+                mgr.call_soon(r.send_destination)  # if init() came first
 
 
 __all__ = ["PrefillLookup", "advertised_ip"]

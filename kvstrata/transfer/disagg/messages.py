@@ -40,6 +40,7 @@ class Destination(msgspec.Struct, tag="dest"):
     geometry: list[BufferGeometry]
     mooncake_session: str = ""        # "host:rpc_port" of the decode's transfer engine
     buffer_ptrs: list[int] = []       # base address of each registered buffer
+    prefix_pages: int = 0             # the prompt's first pages the decode holds already
 
 
 class Chunk(msgspec.Struct, tag="chunk"):

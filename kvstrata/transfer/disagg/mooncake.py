@@ -55,7 +55,7 @@ class MooncakeManager(ZmqDisaggManager):
         # the whole process for about 1 s once it has connected to a peer (0.3.13.post1).
         del self.engine
 
-    def _destination_extras(self) -> dict:
+    def destination_extras(self) -> dict:
         return {"mooncake_session": self.session,
                 "buffer_ptrs": [b.data_ptr() for b in self.buffers]}
 

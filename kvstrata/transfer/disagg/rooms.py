@@ -1,7 +1,8 @@
 """Per-room state of the tcp/mooncake backends: the KVSender (prefill) and KVReceiver
 (decode) the runner polls. Their methods run on the runner's thread: they validate, change
 the state under the manager's lock and hand socket work to the transfer thread
-(control.py); the transfer thread fills in what arrives (dest, received, metadata).
+(control.py); the transfer thread fills in what arrives (dest, received, metadata) -- the
+receiver's handshake and chunk handling (send_join, send_destination, on_chunk) are its.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
 from kvstrata.transfer.disagg.base import KVReceiver, KVSender
-from kvstrata.transfer.disagg.messages import Abort
+from kvstrata.transfer.disagg.messages import Abort, Ack, Chunk, Destination, Join
 
 _FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 
@@ -65,6 +66,7 @@ class Sender(_Room, KVSender):
         self.dest = None                 # messages.Destination, from the decode side
         self.num_pages: int | None = None
         self.sent = 0                    # pages shipped so far (= next destination index)
+        self.skipped = 0                 # pages not shipped: the decode holds them already
         self.queued: list[tuple] = []    # send() calls made before the destination arrived
 
     def init(self, num_pages: int, metadata_index: int) -> None:
@@ -82,9 +84,11 @@ class Sender(_Room, KVSender):
 
     def page_count_error(self) -> str | None:
         if self.dest is not None and self.num_pages is not None and \
-                self.num_pages != len(self.dest.page_ids):
+                self.num_pages != self.dest.prefix_pages + len(self.dest.page_ids):
+            held = (f"holds {self.dest.prefix_pages} and "
+                    if self.dest.prefix_pages else "")
             return (f"prefill will send {self.num_pages} pages but the decode server "
-                    f"reserved {len(self.dest.page_ids)}")
+                    f"{held}reserved {len(self.dest.page_ids)}")
         return None
 
     def send(self, page_ids: list[int], last: bool, metadata: PDMetadata | None = None) -> None:
@@ -108,24 +112,73 @@ class Receiver(_Room, KVReceiver):
         super().__init__(mgr, room)
         self.bootstrap = bootstrap       # the prefill's bootstrap server (host, port)
         self.dst: list[int] | None = None
+        self.prefix_pages = 0            # the prompt's first pages held here already
         self.dest_sent = False
         self.received = 0
         self.metadata_value: PDMetadata | None = None
         self.init_time: float | None = None
 
-    def init(self, dst_page_ids: list[int], metadata_index: int) -> None:
-        why = self._bad_input(dst_page_ids, metadata_index)
+    def init(self, dst_page_ids: list[int], metadata_index: int,
+             prefix_pages: int = 0) -> None:
+        why = self._bad_input(dst_page_ids, metadata_index) or (
+            f"prefix_pages {prefix_pages} < 0" if prefix_pages < 0 else None)
         if why:
             self.abort(why)
             return
         self.dst, self.metadata_index = list(dst_page_ids), metadata_index
+        self.prefix_pages = prefix_pages
         self.init_time = time.monotonic()
         self.mgr.transition(self, KVPoll.TRANSFERRING)
-        self.mgr.call_soon(self.mgr.send_destination, self)
+        self.mgr.call_soon(self.send_destination)
 
     @property
     def metadata(self) -> PDMetadata | None:
         return self.metadata_value
+
+    # ---- transfer thread
+    def send_join(self) -> None:
+        if not is_final(self.state) and self.peer is not None and not self.dest_sent:
+            self.mgr.send_to(self.peer, Join(self.room, self.mgr.endpoint))
+
+    def send_destination(self) -> None:
+        mgr = self.mgr
+        if is_final(self.state) or self.peer is None or self.dst is None or self.dest_sent:
+            return
+        self.dest_sent = True
+        mgr.send_to(self.peer, Destination(self.room, mgr.endpoint, self.dst,
+                                           self.metadata_index, mgr.geometry,
+                                           **mgr.destination_extras(),
+                                           prefix_pages=self.prefix_pages))
+
+    def on_chunk(self, msg: Chunk, frames: list) -> None:
+        mgr = self.mgr
+        if is_final(self.state) or msg.endpoint != self.peer:
+            return  # late, or not from the prefill this room resolved to
+        if self.dst is None or msg.dst_offset + msg.num_pages > len(self.dst):
+            mgr.fail(self, f"prefill sent pages {msg.dst_offset}.."
+                           f"{msg.dst_offset + msg.num_pages} beyond the "
+                           f"{len(self.dst or [])} reserved")
+            return
+        try:
+            mgr.write_pages(self, msg, frames)
+        except Exception as e:  # malformed frames: this room fails, the thread goes on
+            mgr.fail(self, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
+            return
+        self.received += msg.num_pages
+        mgr.pages_received += msg.num_pages
+        if msg.last:
+            self.metadata_value = msg.metadata
+            if self.received != len(self.dst):
+                mgr.fail(self, f"prefill sent {self.received} pages, the decode server "
+                               f"reserved {len(self.dst)}")
+            elif msg.metadata is not None and msg.metadata.room != self.room:
+                mgr.fail(self, f"Context corruption detected: metadata of room "
+                               f"{msg.metadata.room} arrived for room {self.room}")
+            else:
+                mgr.transition(self, KVPoll.SUCCESS)
+        if msg.ack or msg.last:
+            mgr.send_to(self.peer, Ack(self.room, mgr.endpoint, self.received,
+                                       self.state == KVPoll.SUCCESS))
 
     def timed_out(self, now: float) -> str | None:
         # (BOOTSTRAPPING is bounded by the resolver thread, which knows the last error)

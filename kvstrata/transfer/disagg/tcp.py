@@ -35,12 +35,11 @@ class TcpManager(ZmqDisaggManager):
     def _setup_backend(self) -> None:
         self._arrays = [b.numpy() for b in self.buffers]  # [S, P, B] uint8, shared memory
         self._wide = [_wide(a) for a in self._arrays]
-        self._page_bytes_all = sum(g.sections * g.page_bytes for g in self.geometry)
 
     # ---- prefill
     def _send_pages(self, s: Sender, src: list[int], dst: list[int], offset: int,
                     last: bool, metadata) -> None:
-        step = max(1, MESSAGE_BYTES // max(1, self._page_bytes_all))
+        step = max(1, MESSAGE_BYTES // max(1, self.page_bytes))
         starts = list(range(0, len(src), step)) or [0]  # an empty last send still reports
         for start in starts:
             final = start == starts[-1]
@@ -56,7 +55,7 @@ class TcpManager(ZmqDisaggManager):
             return "none", [], []
         runs = contiguous_runs(src, dst)
         sections = sum(g.sections for g in self.geometry)
-        if len(src) * self._page_bytes_all >= SLICE_MIN_BYTES * len(runs) * sections:
+        if len(src) * self.page_bytes >= SLICE_MIN_BYTES * len(runs) * sections:
             frames = [a[sec, s0:s0 + n] for a in self._arrays for s0, _, n in runs
                       for sec in range(a.shape[0])]
             # runs as (position in this message, length): the receiver maps positions to
@@ -70,7 +69,7 @@ class TcpManager(ZmqDisaggManager):
         return "gathered", [], [np.take(w, idx, axis=1) for w in self._wide]
 
     # ---- decode
-    def _write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
+    def write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
         dst = r.dst[msg.dst_offset:msg.dst_offset + msg.num_pages]
         if msg.layout == "gathered":
             if len(frames) != len(self._wide):
