@@ -73,6 +73,10 @@ class KVManager:
     def evictable_tokens(self) -> int:
         return self.tree.evictable_pages() * self.page_size
 
+    def allocatable_tokens(self) -> int:
+        """Free now plus what evicting unlocked cached pages would free."""
+        return self.available_tokens() + self.evictable_tokens()
+
     def used_tokens(self) -> int:
         """Tokens held by requests or pinned in the tree (not reclaimable now)."""
         return (self.allocator.num_used() - self.tree.evictable_pages()) * self.page_size
@@ -116,15 +120,23 @@ class KVManager:
         access stamp or hit count, no stats): for lpm ordering and admission dry runs."""
         return self.tree.peek_device_pages(self._matchable(token_ids)) * self.page_size
 
-    def match_and_lock(self, req: Any, use_cache: bool = True) -> int:
+    def match_and_lock(self, req: Any, use_cache: bool = True,
+                       whole_prompt: bool = False) -> int:
         """Attach the longest cached prefix to a request that holds no KV; returns its length.
 
         The last prompt token is never matched: its logits are needed to sample, so a
-        full-prompt hit still recomputes it. use_cache=False matches nothing (a request that
-        wants every prompt token's logprob must compute them all)."""
+        full-prompt hit still recomputes it -- unless `whole_prompt` (a PD decode server,
+        which receives the first token instead of sampling it). use_cache=False matches
+        nothing (a request that wants every prompt token's logprob must compute them all)."""
         assert not req.pages and req.last_node is None
         ids = req.all_ids
-        match = self.tree.match_prefix(self._matchable(ids) if use_cache else [])
+        if not use_cache:
+            key = []
+        elif whole_prompt:
+            key = ids[:len(ids) // self.page_size * self.page_size]
+        else:
+            key = self._matchable(ids)
+        match = self.tree.match_prefix(key)
         self.tree.lock(match.last_node)
         if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
             match = self._load_back(ids, match)

@@ -100,10 +100,9 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # HiCache L2 (host pool) and L3 (storage, prefetch policies) are built; buffer_only
     # (the host pool only stages pages between device and storage) is not.
     "hicache_host_memory_mode": lambda v: v != "cache",
-    # Prefill/decode disaggregation: the roles, backends, decode admission and decode
-    # retraction (cpu_tensor | host_pool backup) are built; the decode radix cache and
-    # decode KV offload are not.
-    "disaggregation_decode_enable_radix_cache": bool,
+    # Prefill/decode disaggregation: the roles, backends, decode admission, decode
+    # retraction (cpu_tensor | host_pool backup) and the decode radix cache are built;
+    # decode KV offload is not.
     "disaggregation_decode_enable_offload_kvcache": bool,
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
@@ -122,7 +121,16 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
     return [flag(name) + (f" {getattr(args, name)}" if name in _REFUSAL_SHOWS_VALUE else "")
             for name in ServerArgs.field_names()
             if name in UNIMPLEMENTED and UNIMPLEMENTED[name](getattr(args, name))
-            ] + speculative.unbuilt(args)
+            ] + speculative.unbuilt(args) + _unbuilt_combinations(args)
+
+
+def _unbuilt_combinations(args: ServerArgs) -> list[str]:
+    """Flags built alone but not together."""
+    if args.disaggregation_mode == "decode" and args.enable_hierarchical_cache:
+        # The decode radix cache is built; a host tier behind it (HiCache on a decode
+        # server, SGLang's --disaggregation-decode-enable-hicache) is not yet.
+        return ["--enable-hierarchical-cache with --disaggregation-mode decode"]
+    return []
 
 
 def refuse_unimplemented(args: ServerArgs) -> None:

@@ -1,7 +1,13 @@
 """The decode server of PD disaggregation (SGLang's disaggregation/decode.py; no torch).
 
-The KV manager runs without prefix matching here (chunk-cache semantics): received KV is
-never shared, and a finished request's pages are simply freed. A request's path:
+The KV manager runs without prefix matching here (chunk-cache semantics: received KV is
+never shared, and a finished request's pages are simply freed) unless
+--disaggregation-decode-enable-radix-cache: then a finished request's KV goes to the radix
+tree, and at admission the prompt's cached whole pages are matched (the last token too: the
+first output token comes from the prefill) and locked for the request's lifetime; only the
+pages after them are reserved and transferred (`receiver_init(prefix_pages=...)`: the
+prefill sends every page as usual, its transfer backend skips the held ones). Cached pages
+are evicted under memory pressure as on a co-located server. A request's path:
   prealloc   `receiver_create`. Once its receiver reports WAITING_FOR_INPUT it is admitted,
              FIFO, or by priority under priority scheduling (requests still bootstrapping are skipped; the first ready one that does not
              fit stops the pass), every `--disaggregation-decode-polling-interval` steps, when
@@ -11,14 +17,15 @@ never shared, and a finished request's pages are simply freed. A request's path:
                that is <= 32, else 0),
              - a metadata slot is free (max_running_requests + extra slots of them),
              - SGLang's token budget allows, in whole pages (R = --num-reserved-decode-tokens):
-                 allocatable = free tokens - max(R x #holding, need_single)
+                 allocatable = free (+ evictable) tokens - max(R x #holding, need_single)
                  need_single = max over running of min(max_new, 4096) + prompt - retractable
                  retractable = sum of running requests' lengths
                admit iff max(pages(prompt) + R, pages(prompt) + min(max_new, 4096) -
                retractable) <= allocatable; then allocatable -= pages(prompt) + R. When no
                request holds decode KV at all, the head is admitted whenever its pages are
                free (so a large R cannot stall an idle server).
-             Its prompt's pages are allocated: `receiver_init(page_ids, metadata_index)`.
+             Its prompt's pages are allocated (after the cached prefix, if any):
+             `receiver_init(page_ids, metadata_index, prefix_pages)`.
   transfer   SUCCESS: the metadata must name the request's room ("Context corruption
              detected" abort otherwise); the first token (+ logprobs) is appended and
              reported this step, cached_tokens copied, the prompt counts as computed (KV
@@ -56,6 +63,9 @@ class DecodeDisagg(DisaggSide):
         self.prebuilt: list[Request] = []
         self._polls = 0
         self.retraction = DecodeRetraction(self, cfg.retraction_backup)
+        # --disaggregation-decode-enable-radix-cache: prompts' cached prefixes stay here.
+        self.radix = cfg.radix_cache
+        self.prefix_hit_tokens = 0
 
     def queues(self) -> dict[str, list[Request]]:
         return {"prealloc": self.prealloc, "transfer": self.transfer, "prebuilt": self.prebuilt,
@@ -99,7 +109,7 @@ class DecodeDisagg(DisaggSide):
         need_single = max((min(r.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
                            + len(r.prompt_ids) - retractable for r in running), default=0)
         reserved = self.reserved * self._holding()
-        return self.kv.available_tokens() - max(reserved, need_single), retractable
+        return self.kv.allocatable_tokens() - max(reserved, need_single), retractable
 
     def _admit(self) -> None:
         allocatable, retractable = self._budget()
@@ -110,20 +120,25 @@ class DecodeDisagg(DisaggSide):
                 continue
             if self._holding() >= self.max_holding or not self.free_slots:
                 break
-            need = self.pages_for(len(req.prompt_ids)) * P
+            # Decode radix cache: the cached whole pages of the prompt are locked for the
+            # request and not transferred again; only the rest is reserved.
+            held = self.kv.match_and_lock(req, whole_prompt=True) if self.radix else 0
+            need = self.pages_for(len(req.prompt_ids)) * P - held
             clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
             fits = max(need + self.reserved, need + clip - retractable) <= allocatable
             idle = not self._holding() and not self.frees_memory_later()
-            if not (fits or (idle and need <= self.kv.available_tokens())):
-                break
-            if not self.kv.grow(req, len(req.prompt_ids)):
+            if not (fits or (idle and need <= self.kv.allocatable_tokens())) or \
+                    not self.kv.grow(req, len(req.prompt_ids)):
+                self.kv.release(req, insert=False)  # the match's lock (nothing else held)
                 break
             self._take_slot(room)
             allocatable -= need + self.reserved
+            self.prefix_hit_tokens += held
             self.prealloc.remove(req)
             self.transfer.append(req)
-            self.emit("receiver_init", req.bootstrap.room, page_ids=list(req.pages),
-                      metadata_index=room.slot)
+            self.emit("receiver_init", req.bootstrap.room,
+                      page_ids=list(req.pages[req.num_tree_pages:]), metadata_index=room.slot,
+                      prefix_pages=req.num_tree_pages)
 
     def _join_running(self) -> None:
         sched = self.sched
@@ -180,7 +195,10 @@ class DecodeDisagg(DisaggSide):
 
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
-        return {**super().load(), **self.retraction.load()}
+        out = {**super().load(), **self.retraction.load()}
+        if self.radix:
+            out["decode_prefix_hit_tokens"] = self.prefix_hit_tokens
+        return out
 
     def dump_lines(self, brief) -> list[str]:
         return super().dump_lines(brief) + [self.retraction.dump_line()]

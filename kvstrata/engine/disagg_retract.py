@@ -154,7 +154,7 @@ class DecodeRetraction:
             need = backup.num_pages * P
             idle = not side._holding() and not side.frees_memory_later()
             fits = need + side.reserved <= allocatable
-            if not (fits or (idle and need <= self.kv.available_tokens())):
+            if not (fits or (idle and need <= self.kv.allocatable_tokens())):
                 break
             if not self.kv.grow(req, backup.num_tokens):
                 break

@@ -145,11 +145,11 @@ class PrioritySide(SchedulerSide):
             own = sum(len(v.pages) - v.num_tree_pages for v in victims) * kv.page_size
             if not adder.fits(req, req.seq_len - prefix, prefix, own + reserved, empty_after):
                 return False
-        before = kv.available_tokens() + kv.evictable_tokens()
+        before = kv.allocatable_tokens()
         for victim in victims:
             sched.preempt(victim)  # retracted (decode server: backed up) and queued again
         if adder is not None:
-            adder.rem_total += kv.available_tokens() + kv.evictable_tokens() - before + reserved
+            adder.rem_total += kv.allocatable_tokens() - before + reserved
             adder.running_empty = adder.running_empty or empty_after
         self.num_preempted += len(victims)
         return True

@@ -33,9 +33,7 @@ class Scheduler:
                              f"{config.schedule_policy!r}")
         self.config = config
         self.page_size = config.page_size
-        # A decode server never matches prefixes (chunk-cache semantics, SGLang's default).
-        no_radix = config.disable_radix_cache or config.disaggregation_mode == "decode"
-        self.kv = KVManager(config.plan, no_radix, config.radix_eviction_policy,
+        self.kv = KVManager(config.plan, not config.radix_cache, config.radix_eviction_policy,
                             config.hicache_write_policy, storage=config.prefetch_config())
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -252,7 +250,7 @@ class Scheduler:
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size and cfg.chunked_prefill_size > 0 else None
         adder = PrefillAdder(
             page_size=self.page_size,
-            rem_total=self.kv.available_tokens() + self.kv.evictable_tokens() - reserved,
+            rem_total=self.kv.allocatable_tokens() - reserved,
             rem_input=cfg.max_prefill_tokens, rem_chunk=chunk,
             running_empty=not self.running and self.chunked_req is None,
         )

@@ -12,7 +12,8 @@ from kvstrata.config.server_args import ServerArgs, parse_extra_config
 
 _PD_FIELDS = ("disaggregation_mode", "num_reserved_decode_tokens",
               "disaggregation_decode_extra_slots", "disaggregation_decode_polling_interval",
-              "disaggregation_decode_retraction_backup")
+              "disaggregation_decode_retraction_backup",
+              "disaggregation_decode_enable_radix_cache")
 RETRACTION_BACKENDS = ("cpu_tensor", "host_pool")
 _STORAGE_FIELDS = ("hicache_storage_backend", "hicache_storage_prefetch_policy",
                    "hicache_storage_backend_extra_config")
@@ -66,6 +67,10 @@ class SchedulerConfig:
     # when the plan has a retraction host pool, else cpu_tensor). engine/disagg_retract.py.
     disaggregation_decode_retraction_backup: str | None = _arg(
         "disaggregation_decode_retraction_backup")
+    # Decode: keep finished requests' KV in a radix tree; a new request's cached prefix is
+    # not transferred again (engine/disagg_decode.py).
+    disaggregation_decode_enable_radix_cache: bool = _arg(
+        "disaggregation_decode_enable_radix_cache")
     # Priority scheduling and the bounded waiting queue (engine/priority.py), SGLang's flags.
     enable_priority_scheduling: bool = _arg("enable_priority_scheduling")
     disable_priority_preemption: bool = _arg("disable_priority_preemption")
@@ -110,6 +115,13 @@ class SchedulerConfig:
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")
         self._check_host_pool()
+
+    @property
+    def radix_cache(self) -> bool:
+        """A decode server matches prefixes only with its radix cache on (else chunk-cache
+        semantics, SGLang's default)."""
+        return not self.disable_radix_cache and (
+            self.disaggregation_mode != "decode" or self.disaggregation_decode_enable_radix_cache)
 
     def _check_host_pool(self) -> None:
         """A decode server's host pool can only be its retraction host pool (it runs without

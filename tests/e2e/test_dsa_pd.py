@@ -12,7 +12,7 @@ import pytest
 
 from helpers.compare import assert_tokens_match
 from tests.e2e.server_utils import ServerProcess
-from tests.e2e.test_pd_disagg import COMMON, PD_ENV, PDServers, assert_no_leak, serving
+from tests.e2e.pd_servers import COMMON, PD_ENV, PDServers, assert_no_leak, serving
 
 NEW_TOKENS = 8
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.server_utils import stop_all
-from tests.e2e.test_pd_disagg import PDServers, assert_no_leak, wait_drained
+from tests.e2e.pd_servers import PDServers, assert_no_leak, wait_drained
 
 NEAR_TIE = 2e-3
 MAX_NEW = 40

@@ -52,6 +52,7 @@ class Link:
     sender: Half | None = None
     receiver: Half | None = None
     dst_pages: list[int] | None = None
+    prefix_pages: int = 0  # the prompt's first pages the decode holds (its radix cache)
     num_pages: int | None = None
     src_pages: list[int] | None = None
     metadata: object = None
@@ -117,12 +118,14 @@ class FakeTransferHub:
             half.released = True
         elif op.kind == "receiver_init":
             assert side == "decode" and half.reported == KVPoll.WAITING_FOR_INPUT, link.log
-            assert op.metadata_index >= 0 and op.page_ids and 0 not in op.page_ids, op
+            assert op.metadata_index >= 0 and 0 not in op.page_ids, op
+            assert op.page_ids or op.prefix_pages, op
             link.dst_pages = list(op.page_ids)
+            link.prefix_pages = op.prefix_pages
             half.state = KVPoll.TRANSFERRING
         elif op.kind == "sender_init":
             assert side == "prefill" and half.reported == KVPoll.WAITING_FOR_INPUT, link.log
-            assert op.num_pages == len(link.dst_pages), (op, link.dst_pages)
+            assert op.num_pages == link.prefix_pages + len(link.dst_pages), (op, link)
             assert op.metadata_index >= 0
             link.num_pages = op.num_pages
         elif op.kind == "send":
@@ -206,6 +209,8 @@ class FakeTransferHub:
                     half.state, half.error = KVPoll.FAILED, why
 
     def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
+        """What the real backends do: the pages the decode holds already are not sent."""
+        src_pages = src_pages[len(src_pages) - len(dst_pages):]
         copy_pages(self.runners["prefill"].kv, self.runners["decode"].kv, src_pages, dst_pages,
                    self.page_size)
         self.moved_pages += len(src_pages)
@@ -244,6 +249,9 @@ class FakeBackupStore:
         self.cpu: dict[str, tuple[int, dict]] = {}  # rid -> (num pages, slot offset -> value)
         self.host_held: dict[str, list[int]] = {}  # rid -> host pages (host_pool)
         self.log: list[tuple[str, str, str]] = []  # (kind, rid, backend)
+        # Pages the decode radix tree still caches: a retraction unlocks a request's cached
+        # prefix but does not free it, so those pages keep their KV.
+        self.cached_pages = lambda: set()
 
     def apply(self, op) -> None:
         r, P = self.runner, self.runner.page_size
@@ -263,7 +271,10 @@ class FakeBackupStore:
                 assert not held & set(op.host_pages), f"host pages of a live backup: {op}"
                 copy_pages(r.kv, r.host, op.device_pages, op.host_pages, P)
                 self.host_held[op.rid] = list(op.host_pages)
+            cached = self.cached_pages()
             for p in op.device_pages:  # free from now on: nothing may read them back
+                if p in cached:
+                    continue
                 for off in range(P):
                     r.kv.pop(p * P + off, None)
         elif op.kind == "restore":
@@ -322,6 +333,9 @@ class PDPair:
         self.decode = EngineCore(self.decode_runner, SchedulerConfig(
             num_pages=decode_pages, page_size=page_size, disaggregation_mode="decode",
             **decode_cfg))
+        tree = self.decode.scheduler.kv.tree
+        self.decode_runner.backups.cached_pages = lambda: {
+            p for node in tree._nodes() for p in (node.device_pages or [])}
         self.outputs: dict[str, dict[str, list[int]]] = {"prefill": {}, "decode": {}}
         self.finished: dict[str, dict[str, object]] = {"prefill": {}, "decode": {}}
         self.results: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}

@@ -3,7 +3,7 @@ fake transfer layer of tests/unit/pd_fake.py), without torch. Same structure as
 test_scheduler_fuzz.py.
 
 Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
-prefill radix cache on/off and HiCache host pool, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
+prefill radix cache on/off and HiCache host pool, the decode radix cache on/off, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
 and wrong draft tokens) and interleaves arrivals (shared prefixes; per request an
@@ -48,6 +48,8 @@ configs = st.fixed_dictionaries({
     "decode_tokens": st.one_of(st.integers(16, 112), st.integers(24, 56)),
     "chunk": st.one_of(st.none(), st.integers(1, 24)),
     "disable_radix_cache": st.booleans(),
+    # The decode server's radix cache (only the pages past its cached prefix cross).
+    "decode_radix": st.booleans(),
     "prefill_host_pages": st.sampled_from([0, 0, 4, 40]),  # HiCache L2 on the prefill server
     "schedule_policy": st.sampled_from(["fcfs", "lpm"]),
     "prefill_rows": st.sampled_from([1, 2, 64]),
@@ -103,6 +105,7 @@ class PDMachine(RuleBasedStateMachine):
                         "disaggregation_decode_extra_slots": cfg["extra_slots"],
                         "num_reserved_decode_tokens": cfg["reserved"],
                         "disaggregation_decode_polling_interval": cfg["interval"], **priority,
+                        "disaggregation_decode_enable_radix_cache": cfg["decode_radix"],
                         "disaggregation_decode_retraction_backup": cfg["backup"],
                         "num_host_pages": (cfg["decode_host_pages"]
                                            if cfg["backup"] == "host_pool" else 0),

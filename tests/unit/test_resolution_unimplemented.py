@@ -17,8 +17,9 @@ def test_defaults_are_all_implemented():
 
 @pytest.mark.parametrize("kwargs,flag", [
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
-    ({"disaggregation_decode_enable_radix_cache": True},
-     "--disaggregation-decode-enable-radix-cache"),
+    ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+      "enable_hierarchical_cache": True},
+     "--enable-hierarchical-cache with --disaggregation-mode decode"),
     ({"disaggregation_decode_enable_offload_kvcache": True},
      "--disaggregation-decode-enable-offload-kvcache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),

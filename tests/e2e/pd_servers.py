@@ -1,0 +1,130 @@
+"""A PD pair of real kvstrata servers for the e2e tests (tests/e2e/test_pd_*.py): start,
+generate through both halves as the router does, check that a server drained and leaked
+nothing."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import TINY_CONTEXT
+from tests.e2e.server_utils import ServerProcess, free_port, pid_alive, stop_all
+from tests.e2e.test_routes_and_disconnect import kv_state
+
+# Short timeouts so that a dead peer fails a request within seconds, not SGLang's 300 s.
+PD_ENV = {"KVSTRATA_DISAGG_WAITING_TIMEOUT": "20", "KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT": "20",
+          "KVSTRATA_DISAGG_HEARTBEAT_INTERVAL": "1", "KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE": "2",
+          "KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT": "2"}
+# A peer's death is noticed within (max_failure + 1) heartbeat intervals; a refused bootstrap
+# port within the unreachable timeout. Both bounds, plus slack for a busy 2-core box.
+HEARTBEAT_BOUND = 3.0
+FAIL_FAST_BOUND = HEARTBEAT_BOUND + 2.0 + 5.0
+COMMON = ("--served-model-name", "tiny", "--context-length", str(TINY_CONTEXT),
+          "--page-size", "4", "--chunked-prefill-size", "64")
+
+
+def backend_available(backend: str) -> None:
+    if backend == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        pytest.fail("mooncake-transfer-engine-non-cuda is not installed: `make test` sets it up")
+
+
+class PDServers:
+    """One prefill and one decode kvstrata server (the decode pool given by its flags).
+    `shared_prefill`: another PDServers whose prefill server this pair uses too (a module
+    fixture's, so that tests differing only in the decode server start one prefill)."""
+
+    def __init__(self, model: str, backend: str, *decode_args: str,
+                 shared_prefill: "PDServers | None" = None, with_decode: bool = True):
+        self.backend = backend
+        self.model = model
+        self.decode_args = decode_args
+        self.owns_prefill = shared_prefill is None
+        # Both servers start side by side (each spends most of its start importing).
+        if shared_prefill is None:
+            self.bootstrap_port = free_port()
+            self.prefill = self.start_prefill(wait=False)
+        else:
+            self.bootstrap_port = shared_prefill.bootstrap_port
+            self.prefill = shared_prefill.prefill
+        self.decode = self.start_decode(wait=False) if with_decode else None
+        try:
+            for srv in (self.prefill if self.owns_prefill else None, self.decode):
+                if srv is not None:
+                    srv.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_decode(self, wait: bool = True, port: int | None = None) -> ServerProcess:
+        return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "decode",
+                             "--disaggregation-transfer-backend", self.backend,
+                             "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV,
+                             wait=wait, port=port)
+
+    def start_prefill(self, wait: bool = True, port: int | None = None) -> ServerProcess:
+        return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
+                             "--disaggregation-transfer-backend", self.backend,
+                             "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait, port=port)
+
+    def body(self, room: int | None = None) -> dict:
+        return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": random.getrandbits(63) if room is None else room}
+
+    def generate(self, text_or_ids, max_new_tokens: int = 8, timeout: float = 60,
+                 **sampling) -> list:
+        """What the router does: the same body to both servers at once; returns both."""
+        key = "input_ids" if isinstance(text_or_ids, list) else "text"
+        body = {key: text_or_ids, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                      "temperature": 0.0, **sampling},
+                **self.body()}
+        out: dict = {}
+
+        def post(name, srv):
+            out[name] = httpx.post(srv.base_url + "/generate", json=body, timeout=timeout)
+        threads = [threading.Thread(target=post, args=(n, s))
+                   for n, s in (("prefill", self.prefill), ("decode", self.decode))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out["prefill"], out["decode"]]
+
+    def stop(self) -> None:
+        stop_all([self.decode, self.prefill if self.owns_prefill else None])
+
+
+def wait_drained(srv, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = kv_state(srv)
+        if (st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
+                and not any(st.get(k) for k in ("num_prefill_bootstrap", "num_prefill_inflight",
+                                                "num_decode_prealloc", "num_decode_transfer"))):
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.1)
+
+
+def assert_no_leak(srv) -> None:
+    st = wait_drained(srv)
+    assert st["ok"], st
+    # Only the radix cache may hold pages once everything has ended.
+    assert st["num_used_tokens"] == 0, st
+
+
+@contextlib.contextmanager
+def serving(servers: PDServers):
+    """Yield the servers; stop both afterwards and check that neither process survives."""
+    try:
+        yield servers
+    finally:
+        servers.stop()
+        for srv in (servers.prefill, servers.decode):
+            assert not pid_alive(srv.proc.pid)
