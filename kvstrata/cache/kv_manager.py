@@ -115,10 +115,11 @@ class KVManager:
             f"total {alloc.num_pages}")
 
     # ------------------------------------------------------------------ prefix
-    def peek_prefix_len(self, token_ids: list[int]) -> int:
+    def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False) -> int:
         """Device-resident matched length, with no side effect on the tree (no split, no
         access stamp or hit count, no stats): for lpm ordering and admission dry runs."""
-        return self.tree.peek_device_pages(self._matchable(token_ids)) * self.page_size
+        return self.tree.peek_device_pages(self._matchable(token_ids, whole_prompt)) \
+            * self.page_size
 
     def match_and_lock(self, req: Any, use_cache: bool = True,
                        whole_prompt: bool = False) -> int:
@@ -130,13 +131,7 @@ class KVManager:
         nothing (a request that wants every prompt token's logprob must compute them all)."""
         assert not req.pages and req.last_node is None
         ids = req.all_ids
-        if not use_cache:
-            key = []
-        elif whole_prompt:
-            key = ids[:len(ids) // self.page_size * self.page_size]
-        else:
-            key = self._matchable(ids)
-        match = self.tree.match_prefix(key)
+        match = self.tree.match_prefix(self._matchable(ids, whole_prompt) if use_cache else [])
         self.tree.lock(match.last_node)
         if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
             match = self._load_back(ids, match)
@@ -220,8 +215,9 @@ class KVManager:
         return self.storage is not None and bool(self.tree._jobs or self.storage.backups
                                                  or self.tree.pending_ops)
 
-    def _matchable(self, ids: list[int]) -> list[int]:
-        usable = (len(ids) - 1) // self.page_size * self.page_size
+    def _matchable(self, ids: list[int], whole_prompt: bool = False) -> list[int]:
+        """The whole pages a match may cover: all but the last token, or every token."""
+        usable = (len(ids) - (0 if whole_prompt else 1)) // self.page_size * self.page_size
         return ids[:max(usable, 0)]
 
     # ------------------------------------------------------------------ growth

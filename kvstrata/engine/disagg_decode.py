@@ -120,15 +120,20 @@ class DecodeDisagg(DisaggSide):
                 continue
             if self._holding() >= self.max_holding or not self.free_slots:
                 break
-            # Decode radix cache: the cached whole pages of the prompt are locked for the
-            # request and not transferred again; only the rest is reserved.
-            held = self.kv.match_and_lock(req, whole_prompt=True) if self.radix else 0
+            # Decode radix cache: the cached whole pages of the prompt are not transferred
+            # again; only the rest is reserved (a dry run first: a head that does not fit
+            # is retried every poll and must not touch the tree's stamps or statistics).
+            held = self.kv.peek_prefix_len(req.prompt_ids, whole_prompt=True) \
+                if self.radix else 0
             need = self.pages_for(len(req.prompt_ids)) * P - held
             clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
             fits = max(need + self.reserved, need + clip - retractable) <= allocatable
             idle = not self._holding() and not self.frees_memory_later()
-            if not (fits or (idle and need <= self.kv.allocatable_tokens())) or \
-                    not self.kv.grow(req, len(req.prompt_ids)):
+            if not (fits or (idle and need <= self.kv.allocatable_tokens())):
+                break
+            if self.radix:  # lock the prefix for the request's lifetime
+                self.kv.match_and_lock(req, whole_prompt=True)
+            if not self.kv.grow(req, len(req.prompt_ids)):
                 self.kv.release(req, insert=False)  # the match's lock (nothing else held)
                 break
             self._take_slot(room)

@@ -67,9 +67,6 @@ class ZmqDisaggManager(DisaggManager):
         self._peers: dict[str, zmq.Socket] = {}
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self.stopping = False
-        # KV pages moved (prefill: shipped; decode: written here), of page_bytes each.
-        self.pages_sent = 0
-        self.pages_received = 0
 
         self._ctx = zmq.Context()
         self._bootstrap: BootstrapServer | None = None
@@ -167,7 +164,7 @@ class ZmqDisaggManager(DisaggManager):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes one KV page takes over every registered buffer (pages_sent/received)."""
+        """Bytes one KV page takes over every registered buffer."""
         return sum(g.sections * g.page_bytes for g in self.geometry)
 
     @property
@@ -371,7 +368,6 @@ class ZmqDisaggManager(DisaggManager):
         dst = s.dest.page_ids[s.sent:s.sent + len(page_ids)]
         self._send_pages(s, page_ids, dst, s.sent, last, metadata)
         s.sent += len(page_ids)
-        self.pages_sent += len(page_ids)
 
 
 __all__ = ["ZmqDisaggManager"]

@@ -165,7 +165,6 @@ class Receiver(_Room, KVReceiver):
             mgr.fail(self, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
             return
         self.received += msg.num_pages
-        mgr.pages_received += msg.num_pages
         if msg.last:
             self.metadata_value = msg.metadata
             if self.received != len(self.dst):
