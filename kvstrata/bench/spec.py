@@ -100,12 +100,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM")
     ap.add_argument("--draft-model", default=None,
                     help="STANDALONE draft checkpoint (default: --model itself)")
+    ap.add_argument("--eagle-head", default=None,
+                    help="EAGLE: the LlamaForCausalLMEagle head checkpoint for --model")
     ap.add_argument("--draft-quantization", default="w8a8_int8",
                     help="STANDALONE draft quantization (unquant: none)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="--speculative-disable-by-batch-size (default: the measured gate)")
     ap.add_argument("--draft-steps", type=int, default=3,
-                    help="STANDALONE --speculative-num-steps (draft tokens = steps + 1)")
+                    help="STANDALONE / EAGLE --speculative-num-steps (draft tokens = "
+                         "steps + 1)")
     ap.add_argument("--workloads", nargs="+", default=["chat", "repeat"],
                     choices=["chat", "repeat"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 32])
@@ -125,6 +128,12 @@ def run(args: argparse.Namespace) -> dict:
         if algo == "STANDALONE":
             shape = {"speculative_draft_model_path": args.draft_model or args.model,
                      "speculative_draft_model_quantization": args.draft_quantization,
+                     "speculative_num_steps": args.draft_steps}
+        elif algo == "EAGLE":
+            if args.eagle_head is None:
+                raise SystemExit("--algorithms EAGLE needs --eagle-head (an EAGLE-2 head "
+                                 "checkpoint trained for --model)")
+            shape = {"speculative_draft_model_path": args.eagle_head,
                      "speculative_num_steps": args.draft_steps}
         else:
             shape = {"speculative_num_draft_tokens": args.num_draft_tokens}

@@ -49,6 +49,9 @@ IO_BACKEND_LAYOUTS = {
 MHA_K, MHA_V = "k", "v"
 MLA_LATENT = "kv_latent"
 DSA_INDEX_K = "index_k"
+# An EAGLE draft head's feature per token: the target's final hidden state at that position
+# (runner/eagle_draft.py), kept beside the head's own K/V in the draft components.
+EAGLE_HIDDEN = "eagle_hidden"
 POOL_KINDS = {"mha": (MHA_K, MHA_V), "mla": (MLA_LATENT,),
               "none": ()}  # none: page bookkeeping only (torch-free fake runners, tests)
 
@@ -132,8 +135,9 @@ class KVPlan:
     # What the host pool is for: "hicache" (L2 behind the radix tree) or "retraction" (a
     # decode server's KV backups, --disaggregation-decode-retraction-backup host_pool).
     host_pool_use: str = "hicache"
-    # STANDALONE speculative decoding: the draft model's own K/V per token (an mha pool
-    # over the same slots, runner/draft_model.py); device only, never on the host tier.
+    # STANDALONE / EAGLE speculative decoding: the draft's own K/V per token (an mha pool
+    # over the same slots, runner/draft_model.py; an EAGLE head also keeps EAGLE_HIDDEN);
+    # device only, never on the host tier.
     draft_components: tuple[KVComponent, ...] = ()
 
     def __post_init__(self) -> None:
@@ -151,10 +155,11 @@ class KVPlan:
         for c in self.components:
             if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
                 raise ValueError(f"invalid KV component {c}")
-        if self.draft_components and tuple(c.name for c in self.draft_components) != \
-                POOL_KINDS["mha"]:
-            raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']}, got "
-                             f"{self.draft_components}")
+        draft_names = tuple(c.name for c in self.draft_components)
+        if draft_names and draft_names not in (POOL_KINDS["mha"],
+                                               POOL_KINDS["mha"] + (EAGLE_HIDDEN,)):
+            raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']} (an EAGLE head also "
+                             f"{EAGLE_HIDDEN}), got {self.draft_components}")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -234,7 +239,7 @@ class KVPlan:
         if not self.draft_components:
             raise ValueError("this KV plan has no draft pool")
         return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, "mha",
-                      self.draft_components)
+                      tuple(c for c in self.draft_components if c.name != EAGLE_HIDDEN))
 
     @property
     def bytes_per_page(self) -> int:

@@ -10,9 +10,10 @@ scheduler appends those tokens one by one (stop conditions cut them exactly) and
 pages left past the committed tokens. Then `on_verified` counts the step.
 
 NGRAM drafts come from an n-gram cache of every prompt and output (engine/ngram_cache.py).
-STANDALONE drafts come from a draft model in the runner: this side only decides how many
-draft positions a request gets (RUNNER_DRAFT placeholders; the runner fills in the tokens,
-runner/draft_model.py). EAGLE-family drafts are refused at start-up until built.
+STANDALONE and EAGLE drafts come from the runner (a draft model; an EAGLE head reading the
+target's hidden states): this side only decides how many draft positions a request gets
+(RUNNER_DRAFT placeholders; the runner fills in the tokens, runner/draft_model.py,
+runner/eagle_draft.py). EAGLE3 and NEXTN are refused at start-up until built.
 """
 from __future__ import annotations
 

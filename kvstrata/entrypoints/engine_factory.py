@@ -69,8 +69,9 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
-    # STANDALONE: the draft model (a PD prefill server never decodes: no draft there).
-    drafts = (args.speculative_algorithm == "STANDALONE"
+    # STANDALONE / EAGLE: the draft in the runner (a PD prefill server never decodes: no
+    # draft there).
+    drafts = (args.speculative_algorithm in ("STANDALONE", "EAGLE")
               and args.disaggregation_mode != "prefill")
     draft_quant = args.speculative_draft_model_quantization
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,
@@ -78,7 +79,8 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                          dsa_fused_topk=args.dsa_fused_topk is not False,
                          dsa_remap_pd_seed=bool(args.dsa_remap_pd_seed_to_local_slots),
                          draft_model_path=args.speculative_draft_model_path if drafts else None,
-                         draft_quantization=None if draft_quant == "unquant" else draft_quant)
+                         draft_quantization=None if draft_quant == "unquant" else draft_quant,
+                         draft_algorithm=args.speculative_algorithm)
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)

@@ -77,10 +77,13 @@ class DraftModel:
                              f"({self.model.dims.vocab_size} tokens) differs from the target's "
                              f"({target_vocab_size}); a draft must share the target's "
                              f"tokenizer")
+        self._init_state()
+
+    def _init_state(self) -> None:
         self.pool: MHATokenToKVPool | None = None
         self.valid: torch.Tensor | None = None  # [num_slots] bool: slot holds draft KV
         self._known: dict[str, int] = {}  # rid -> leading positions known to hold draft KV
-        self.catch_up_tokens = 0  # this step's draft extend beyond each request's last token
+        self.catch_up_tokens = 0  # this step's draft extend beyond each request's usual
 
     def kv_components(self) -> tuple[KVComponent, ...]:
         d = self.model.dims
@@ -163,11 +166,19 @@ class DraftModel:
             ids = self._ids(r, all_ids_of)[:r.start_pos] + [r.token_ids[0]]
             self._known[r.rid] = min(self._known.get(r.rid, 0), r.start_pos)
             plans.append(self.catch_up_plan(r.rid, r.row, ids, r.start_pos + 1))
-        self.catch_up_tokens = sum(len(p.tokens) - 1 for p in plans)
+            self.catch_up_tokens += max(0, len(plans[-1].tokens) - self._usual_extend(r))
         drafts = self.propose(plans, [reqs[i].num_draft for i in drafting])
         for i, d in zip(drafting, drafts):
             token_ids[i][-len(d):] = d
         return token_ids
+
+    def _usual_extend(self, r) -> int:
+        """Tokens a drafting request's extend takes in a steady step: its last token (the
+        draft computed everything before it in its previous step)."""
+        return 1
+
+    def after_target_forward(self, out_slots: torch.Tensor, target) -> None:
+        """After the target's forward of the step (an EAGLE draft keeps its features)."""
 
     @staticmethod
     def _ids(r, all_ids_of) -> list[int]:
@@ -179,24 +190,30 @@ class DraftModel:
         return ids + [t for t in r.token_ids if t != RUNNER_DRAFT]
 
     # ---- forwards
-    def _forward(self, token_ids: list[list[int]], rows: list[int],
-                 starts: list[int]) -> torch.Tensor:
+    def _forward(self, token_ids: list[list[int]], rows: list[int], starts: list[int],
+                 carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft over each request's tokens at its positions (slots from req_to_token);
-        the logits of each request's last token."""
+        the logits of each request's last token, and what a next draft step carries over
+        (None here: a draft model needs only its tokens)."""
+        fb = self._batch(token_ids, rows, starts)
+        logits = self.model(fb)
+        self.valid[fb.out_slots] = True
+        return logits, None
+
+    def _batch(self, token_ids: list[list[int]], rows: list[int],
+               starts: list[int]) -> ForwardBatch:
         fb = ForwardBatch.build(token_ids, rows, starts, self.device)
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
         ends = torch.tensor([len(t) for t in token_ids], dtype=torch.int64).cumsum(0) - 1
         fb.logits_idx = ends.to(self.device)
-        logits = self.model(fb)
-        self.valid[fb.out_slots] = True
-        return logits
+        return fb
 
     @torch.inference_mode()
     def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:
-        """Per verify entry: `plans[i]` ends with its last token (position start_i); returns
-        num_drafts[i] greedy draft tokens for positions start_i + 1 ... The first round
-        extends each request's catch-up; round j > 1 feeds draft j - 1 at its position
-        (slots the scheduler already assigned to the entry)."""
+        """Per verify entry: `plans[i]`'s extend ends just before the draft positions;
+        returns num_drafts[i] greedy draft tokens for the entry. The first round extends
+        each request's catch-up; round j > 1 feeds draft j - 1 at the next position (slots
+        the scheduler already assigned to the entry)."""
         plans = list(plans)
         while True:  # long catch-ups first, CATCH_UP_CHUNK tokens a forward
             long = [i for i, p in enumerate(plans) if len(p.tokens) > CATCH_UP_CHUNK]
@@ -208,16 +225,21 @@ class DraftModel:
                 p = plans[i]
                 plans[i] = CatchUp(p.rid, p.row, p.start + CATCH_UP_CHUNK,
                                    p.tokens[CATCH_UP_CHUNK:])
-        logits = self._forward([p.tokens for p in plans], [p.row for p in plans],
-                               [p.start for p in plans])
+        logits, carry = self._forward([p.tokens for p in plans], [p.row for p in plans],
+                                      [p.start for p in plans])
         drafts = [[t] for t in logits.argmax(dim=-1).tolist()]
         last_pos = [p.start + len(p.tokens) - 1 for p in plans]
+        prev = list(range(len(plans)))  # the requests whose rows `carry` holds
         for j in range(1, max(num_drafts, default=0)):
             live = [i for i, k in enumerate(num_drafts) if k > j]
             if not live:
                 break
-            logits = self._forward([[drafts[i][-1]] for i in live], [plans[i].row for i in live],
-                                   [last_pos[i] + j for i in live])
+            if carry is not None and len(live) < len(prev):
+                carry = carry[[prev.index(i) for i in live]]
+            prev = live
+            logits, carry = self._forward([[drafts[i][-1]] for i in live],
+                                          [plans[i].row for i in live],
+                                          [last_pos[i] + j for i in live], carry)
             for i, tok in zip(live, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(tok)
         return [d[:k] for d, k in zip(drafts, num_drafts)]

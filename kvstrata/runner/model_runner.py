@@ -26,6 +26,7 @@ from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.draft_model import DraftModel, copied_in_pages
 from kvstrata.runner.dsa import DSASeedKeeper
+from kvstrata.runner.eagle_draft import EagleDraft
 from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
@@ -57,7 +58,8 @@ class ModelRunner:
     def __init__(self, model_path: str, dtype: str = "auto",
                  device: str | torch.device | None = None, quantization: str | None = None,
                  dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
-                 draft_model_path: str | None = None, draft_quantization: str | None = None):
+                 draft_model_path: str | None = None, draft_quantization: str | None = None,
+                 draft_algorithm: str = "STANDALONE"):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
@@ -71,10 +73,13 @@ class ModelRunner:
         self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
                           if self.model.pool_kind == "mla" else None)
         self.pd_role: str | None = None
-        # STANDALONE speculative decoding: the draft model fills verify entries' drafts.
-        self.draft = (DraftModel(draft_model_path, dtype, self.device, draft_quantization,
-                                 self.model.dims.vocab_size)
-                      if draft_model_path is not None else None)
+        # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
+        self.draft: DraftModel | None = None
+        if draft_model_path is not None and draft_algorithm == "EAGLE":
+            self.draft = EagleDraft(draft_model_path, self.model, self.device)
+        elif draft_model_path is not None:
+            self.draft = DraftModel(draft_model_path, dtype, self.device, draft_quantization,
+                                    self.model.dims.vocab_size)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -248,7 +253,7 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
-        if self.draft is not None:  # STANDALONE: the draft model's part of the step first
+        if self.draft is not None:  # a draft in the runner: its part of the step first
             token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots)
             fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
                                         dtype=torch.int64).to(self.device)
@@ -286,6 +291,7 @@ class ModelRunner:
 
         out = RunnerOutput([], [], [], [])
         if self.draft is not None:
+            self.draft.after_target_forward(fb.out_slots, self.model)
             out.draft_catch_up_tokens = self.draft.catch_up_tokens
         if self.dsa_seeds is not None and self.pd_role == "prefill":
             out.dsa_seeds = self._prefill_seeds(reqs)

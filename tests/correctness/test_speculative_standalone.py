@@ -55,6 +55,16 @@ def test_greedy_equals_plain(tiny_checkpoints, plain, draft, page_size, chunk):
     ref = plain(prompts, params)
     llm = make_llm(tiny_checkpoints["llama"], tiny_checkpoints[draft], page_size=page_size,
                    max_total_tokens=8192, chunked_prefill_size=chunk or -1)
+    first, again = twice_equal_plain(llm, prompts, params, ref)
+    if draft == "llama":  # its own draft: every draft passes, with or without a radix hit
+        assert accept_length(first) > STEPS - 0.5 and accept_length(again) > STEPS - 0.5
+    plan = llm.engine.kv_plan
+    assert plan.draft_components and plan.draft_bytes_per_token > 0
+
+
+def twice_equal_plain(llm: LLM, prompts, params, ref) -> tuple[list, list]:
+    """Both runs' outputs (the second one on radix hits) equal plain; drafts were verified;
+    the pools drain whole."""
     first = llm.generate(input_ids=prompts, sampling_params=params)
     assert_same(ref, first)
     again = llm.generate(input_ids=prompts, sampling_params=params)  # radix hits
@@ -63,31 +73,36 @@ def test_greedy_equals_plain(tiny_checkpoints, plain, draft, page_size, chunk):
     drained(llm)
     side = spec_side(llm.engine.scheduler)
     assert side.verify_steps > 0 and side.drafted_tokens > 0, side.load()
-    if draft == "llama":  # its own draft: every draft passes, with or without a radix hit
-        assert accept_length(first) > STEPS - 0.5 and accept_length(again) > STEPS - 0.5
-    plan = llm.engine.kv_plan
-    assert plan.draft_components and plan.draft_bytes_per_token > 0
+    return first, again
 
 
 def test_retraction_starved_hicache_and_aborts(tiny_checkpoints, plain):
     """Draft KV lost with a retraction or never on the host tier is rebuilt by the draft's
     catch-up extend: a self-draft still passes nearly every draft."""
     target = tiny_checkpoints["llama"]
+    check_retraction_starved_hicache_and_aborts(
+        lambda **kw: make_llm(target, target, **kw), plain, STEPS - 1)
+
+
+def check_retraction_starved_hicache_and_aborts(make, plain, min_accept: float) -> None:
+    """`make(**engine_kw)` builds the speculative engine, `plain(prompts, params)` the
+    plain references: output equal under retraction and a starved HiCache, drafts still
+    accepted (accept length > min_accept), then aborts while verify steps run."""
     prompts = repeating_prompts(1)
     params = greedy(48)
     ref = plain(prompts, params)
-    tight = make_llm(target, target, page_size=4, max_total_tokens=192, chunked_prefill_size=16)
+    tight = make(page_size=4, max_total_tokens=192, chunked_prefill_size=16)
     out = tight.generate(input_ids=prompts, sampling_params=params)
     assert_same(ref, out)
     assert tight.engine.scheduler.num_retractions > 0
-    assert accept_length(out) > STEPS - 1
+    assert accept_length(out) > min_accept
     drained(tight)
-    hi = make_llm(target, target, page_size=4, max_total_tokens=256,
-                  enable_hierarchical_cache=True, hicache_ratio=4.0, chunked_prefill_size=16)
+    hi = make(page_size=4, max_total_tokens=256, enable_hierarchical_cache=True,
+              hicache_ratio=4.0, chunked_prefill_size=16)
     for _ in range(2):
         out = hi.generate(input_ids=prompts, sampling_params=params)
         assert_same(ref, out)
-        assert accept_length(out) > STEPS - 1
+        assert accept_length(out) > min_accept
     assert hi.get_load()["hicache_h2d_pages"] > 0  # draft KV rebuilt after load-backs
     drained(hi)
     abort_while_running(hi)  # aborts while verify steps run

@@ -63,7 +63,7 @@ configs = st.fixed_dictionaries({
     # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern,
     # NGRAM | STANDALONE -- the fake runner fills STANDALONE's placeholders) or off.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16),
-                                           st.sampled_from(["NGRAM", "STANDALONE"]))),
+                                           st.sampled_from(["NGRAM", "STANDALONE", "EAGLE"]))),
     # Priority scheduling on both servers (their queues admit by priority), or off.
     "priority": st.one_of(st.none(), st.sampled_from([0, 10])),  # preemption threshold
 })

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from kvstrata.config import ServerArgs, resolve
-from kvstrata.config.kv_plan import (DSA_INDEX_K, IO_BACKEND_LAYOUTS, MLA_LATENT, KVComponent,
-                                     KVPlan, mha_components)
+from kvstrata.config.kv_plan import (DSA_INDEX_K, EAGLE_HIDDEN, IO_BACKEND_LAYOUTS,
+                                     MLA_LATENT, KVComponent, KVPlan, mha_components)
 from kvstrata.config.kv_sizing import ModelKVFacts, size_kv_plan
 from kvstrata.engine.scheduler import SchedulerConfig
 
@@ -132,6 +132,19 @@ def test_a_draft_pool_is_sized_beside_the_target_in_one_budget():
     assert plan.to_json()["draft_bytes_per_token"] == 1024 and "draft pool" in plan.summary()
     with pytest.raises(ValueError, match="has no draft pool"):
         size_kv_plan(resolved(max_total_tokens=64), SMOL)[0].draft_plan()
+
+
+def test_an_eagle_head_keeps_a_feature_per_token_beside_its_kv():
+    """EAGLE: the head's K/V plus the target's hidden state per slot, in the same budget;
+    the head's pool is built from its K/V only."""
+    kv = mha_components(1, 1, 64, "float32")  # 512 B/token
+    draft = kv + (KVComponent(EAGLE_HIDDEN, 1, (576,), "float32"),)  # + 2304 B/token
+    facts = dataclasses.replace(SMOL, draft_components=draft)
+    plan, _ = size_kv_plan(resolved(page_size=4), facts, budget_bytes=(46080 + 2816) * 1000)
+    assert plan.max_total_tokens == 1000 and plan.draft_bytes_per_token == 2816
+    assert plan.draft_plan().components == kv
+    with pytest.raises(ValueError, match="a draft pool keeps"):
+        dataclasses.replace(plan, draft_components=draft[::-1])
 
 
 # ---- start-up validation of chunk and pool sizes vs the page (rules/page_geometry.py) ------

@@ -58,8 +58,12 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
 
 @pytest.mark.parametrize("kwargs,named", [
     ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
-    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d"},
-     "--speculative-algorithm EAGLE"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
+      "speculative_draft_model_quantization": "w8a8_int8"},
+     "--speculative-draft-model-quantization w8a8_int8 with EAGLE (the head is one layer; "
+     "it runs in the target's dtype)"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
+      "speculative_eagle_topk": 4}, "--speculative-eagle-topk 4 (tree drafts)"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "fp8"},
      "--speculative-draft-model-quantization fp8"),
@@ -106,6 +110,8 @@ def test_inconsistent_ngram_windows_are_refused():
      "--speculative-draft-model-path: NGRAM has no draft model"),
     ({"speculative_algorithm": "STANDALONE"},
      "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"),
+    ({"speculative_algorithm": "EAGLE"},
+     "--speculative-algorithm EAGLE needs --speculative-draft-model-path \\(the EAGLE head"),
 ])
 def test_flags_that_would_be_ignored_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -123,3 +129,11 @@ def test_standalone_gets_sglangs_auto_shape_and_is_built():
     args, rules = resolved(speculative_algorithm="STANDALONE",
                            speculative_draft_model_path="/d", speculative_num_steps=5)
     assert args.speculative_num_draft_tokens == 6  # a chain: steps + 1
+
+
+def test_eagle_gets_the_auto_shape_and_is_built():
+    args, rules = resolved(speculative_algorithm="EAGLE", speculative_draft_model_path="/d")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 1, 4)
+    assert "EAGLE auto draft shape" in rules["spec.auto_shape"].reason
+    assert unimplemented_flags(args) == []

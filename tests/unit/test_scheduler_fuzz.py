@@ -62,7 +62,7 @@ configs = st.fixed_dictionaries({
     # off. NGRAM: the side's drafts replaced by the pattern; STANDALONE: the side leaves
     # RUNNER_DRAFT placeholders that the fake runner fills with the pattern.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16),
-                                           st.sampled_from(["NGRAM", "STANDALONE"]))),
+                                           st.sampled_from(["NGRAM", "STANDALONE", "EAGLE"]))),
     "max_running_requests": st.sampled_from([1, 2, 4, 64]),
     "conservativeness": st.sampled_from([0.05, 0.05, 0.3, 1.0]),
     # HiCache L3 (with a host pool): job latency in steps, injected backend errors and

@@ -7,10 +7,10 @@ What SGLang derives, with a recorded reason each:
     than Llama/Grok); NGRAM verifies `--speculative-ngram-max-match-window-size` tokens;
   - with topk 1 the draft is a chain, so num_draft_tokens = num_steps + 1.
 What kvstrata builds today: chain drafts of NGRAM (the n-gram cache's most frequent
-continuation) and STANDALONE (a draft checkpoint with the target's vocabulary,
+continuation), STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
-w8a8_int8`). EAGLE/EAGLE3/NEXTN are refused by name at `serve` (config/resolve.py
-UNIMPLEMENTED); tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's
+w8a8_int8`) and EAGLE (an EAGLE-2 head, `--speculative-draft-model-path`). EAGLE3 and NEXTN
+are refused by name at `serve` (config/resolve.py UNIMPLEMENTED); tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's
 NGRAM default breadth is 10 (a tree); left unset here it resolves to 1 and says why.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvstrata.platform import Platform
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
 AUTO_SHAPE = {"EAGLE": (3, 1, 4), "STANDALONE": (3, 1, 4)}
 TREE_DRAFTS_REASON = "tree drafts are not built yet: one chain per step"
-BUILT_ALGORITHMS = ("NGRAM", "STANDALONE")
+BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
 # What a draft model may be quantized to: the built --quantization methods.
 DRAFT_QUANTIZATIONS = QUANTIZATION_BUILT
 
@@ -45,9 +45,10 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         if model_flags:
             raise ValueError(f"{', '.join(model_flags)}: NGRAM has no draft model (it drafts "
                              f"from its n-gram cache)")
-    if algo == "STANDALONE" and args.speculative_draft_model_path is None:
-        raise ValueError("--speculative-algorithm STANDALONE needs "
-                         "--speculative-draft-model-path (the draft checkpoint)")
+    if algo in ("STANDALONE", "EAGLE") and args.speculative_draft_model_path is None:
+        what = "the draft checkpoint" if algo == "STANDALONE" else "the EAGLE head checkpoint"
+        raise ValueError(f"--speculative-algorithm {algo} needs "
+                         f"--speculative-draft-model-path ({what})")
     out: list[Resolution] = []
     if algo == "NEXTN":
         out += change(args, "speculative_algorithm", "EAGLE", "spec.nextn",
@@ -122,6 +123,9 @@ def unbuilt(args) -> list[str]:
     quant = args.speculative_draft_model_quantization
     if quant not in (None, "unquant") + DRAFT_QUANTIZATIONS:
         missing.append(f"--speculative-draft-model-quantization {quant}")
+    elif quant not in (None, "unquant") and algo == "EAGLE":
+        missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
+                       f"head is one layer; it runs in the target's dtype)")
     if (args.speculative_eagle_topk or 1) > 1:
         missing.append(f"--speculative-eagle-topk {args.speculative_eagle_topk} (tree drafts)")
     if (args.speculative_ngram_max_bfs_breadth or 1) > 1:

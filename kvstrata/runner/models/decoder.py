@@ -114,44 +114,61 @@ class DecoderForCausalLM(nn.Module):
         # How a (weight, bias) pair is applied: F.linear, or after --quantization the int8
         # layer that replaced the weight (runner/quantization.py).
         self.linear = F.linear
+        self.capture_hidden = False  # keep last_hidden (an EAGLE draft's features)
+        self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run all tokens of `fb`; return logits [len(fb.logits_idx), V] in float32
-        (every token when logits_idx is None)."""
+        (every token when logits_idx is None). With `capture_hidden` set (an EAGLE draft
+        reads them), `last_hidden` keeps every token's final-normed hidden state."""
         d = self.dims
-        nq, nkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
-        q_end, k_end = nq * hd, (nq + nkv) * hd
-        t = fb.num_tokens
-        linear = self.linear
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
         x = F.embedding(fb.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
-            qkv = linear(h, layer.qkv_weight, layer.qkv_bias)
-            v = qkv[:, k_end:].view(t, nkv, hd)
-            if layer.q_norm is not None:
-                q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
-                k = rms_norm(qkv[:, q_end:k_end].view(t, nkv, hd), layer.k_norm,
-                             d.rms_norm_eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            else:
-                # q and k heads sit side by side in qkv: rotate them with one set of ops.
-                qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
-                q, k = qk[:, :nq], qk[:, nq:]
-            attn = self.attn_backend.forward(i, q, k, v, fb)
-            # In place: x is this forward's own buffer (from F.embedding), never a view
-            # of a parameter, and inference mode keeps no autograd history.
-            x.add_(linear(attn, layer.o_weight, layer.o_bias))
-            h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            x.add_(linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
+            x = self.layer_forward(i, layer, x, cos, sin, fb)
+        if self.capture_hidden:
+            x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+            self.last_hidden = x
+            if fb.logits_idx is not None:
+                x = x.index_select(0, fb.logits_idx)
+            return self.linear(x, self.lm_head).float()
         if fb.logits_idx is not None:
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
         x = rms_norm(x, self.final_norm, d.rms_norm_eps)
-        return linear(x, self.lm_head).float()
+        return self.linear(x, self.lm_head).float()
+
+    def layer_forward(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, fb: ForwardBatch, input_norm: bool = True
+                      ) -> torch.Tensor:
+        """One decoder layer over the residual stream `x` (updated in place and returned).
+        `input_norm=False`: the layer reads x unnormalised (an EAGLE head's first layer)."""
+        d = self.dims
+        nq, nkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
+        q_end, k_end = nq * hd, (nq + nkv) * hd
+        t = x.shape[0]
+        linear = self.linear
+        h = rms_norm(x, layer.input_norm, d.rms_norm_eps) if input_norm else x
+        qkv = linear(h, layer.qkv_weight, layer.qkv_bias)
+        v = qkv[:, k_end:].view(t, nkv, hd)
+        if layer.q_norm is not None:
+            q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
+            k = rms_norm(qkv[:, q_end:k_end].view(t, nkv, hd), layer.k_norm, d.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            # q and k heads sit side by side in qkv: rotate them with one set of ops.
+            qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
+            q, k = qk[:, :nq], qk[:, nq:]
+        attn = self.attn_backend.forward(i, q, k, v, fb)
+        # In place: x is this forward's own buffer (from F.embedding or a linear), never a
+        # view of a parameter, and inference mode keeps no autograd history.
+        x.add_(linear(attn, layer.o_weight, layer.o_bias))
+        h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
+        gate, up = linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+        x.add_(linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
+        return x
 
     # ------------------------------------------------------------------ weight loading
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:

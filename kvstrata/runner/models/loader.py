@@ -70,6 +70,20 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield k, h.get_tensor(k)
 
 
+def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight: GGUF, safetensors, or (EAGLE heads are often
+    published so) a single pytorch_model.bin, read with weights_only."""
+    if source.kind == "gguf":
+        return _iter_gguf(source.gguf_path, config, permute_qk)
+    bin_path = os.path.join(source.path, "pytorch_model.bin")
+    if os.path.isfile(bin_path) and not any(f.endswith(".safetensors")
+                                            for f in os.listdir(source.path)):
+        return iter(torch.load(bin_path, map_location="cpu", weights_only=True,
+                               mmap=True).items())
+    return _iter_safetensors(source.path)
+
+
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter reorders each head's rows from HF's "two halves" rotary layout to
     # interleaved pairs: rows (head, half, i) -> (head, i, half). Undo it.
@@ -153,10 +167,7 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
-    if source.kind == "gguf":
-        weights = _iter_gguf(source.gguf_path, config, spec.gguf_permute_qk)
-    else:
-        weights = _iter_safetensors(source.path)
+    weights = iter_checkpoint(source, config, spec.gguf_permute_qk)
     loaded: list[str] = []
     for name, tensor in weights:
         try:

@@ -1,0 +1,130 @@
+"""EAGLE speculative decoding's draft: an EAGLE-2 head (runner/models/eagle.py) that reads
+the target's hidden states, in the runner, with the same step shape as a STANDALONE draft
+model (runner/draft_model.py: catch-up extend, then one forward per further draft token,
+draft KV in its own pool over the target's slots, validity per slot).
+
+What differs, and why:
+  - **Features.** Every target forward keeps each token's final-normed hidden state in a
+    per-slot store (`features`, sized in the KVPlan as the EAGLE_HIDDEN draft component).
+    The head's position i reads (x_{i+1}, h_i), so a request's extend covers positions up to
+    s - 1 (s: its verify entry's last token) and its last logits give the first draft; the
+    following draft steps feed the head's own output hidden state instead of h (the target
+    has not computed those positions yet) -- SGLang's draft steps do the same.
+  - **Validity.** A slot's head KV depends on the next token too, so a slot is valid only
+    when the draft computed it from true features *and* with the token that now follows
+    it (`next_tok`); draft-step positions (self-fed features) are never valid: the next
+    extend recomputes accepted ones with the target's features (SGLang's draft-extend after
+    verify).
+  - **Missing features.** Pages filled by a copy (HiCache load-back, retraction restore, PD
+    receive) bring target KV but no hidden states: the head extends those positions with a
+    zero feature. Only the acceptance rate can suffer; the target verifies every draft.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mha_components
+from kvstrata.config.model_source import load_hf_config, resolve_model_path
+from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.runner.draft_model import CatchUp, DraftModel
+from kvstrata.runner.models.eagle import load_eagle_head
+
+
+class EagleDraft(DraftModel):
+    def __init__(self, model_path: str, target, device: torch.device):
+        if getattr(target, "pool_kind", None) != "mha":
+            raise ValueError(f"--speculative-algorithm EAGLE: the target must be a "
+                             f"llama-family decoder, not {type(target).__name__} (NEXTN / MTP "
+                             f"heads are not built yet)")
+        self.device = device
+        self.source = resolve_model_path(model_path)
+        self.hf_config = load_hf_config(self.source)
+        self.model = load_eagle_head(self.source, self.hf_config, target)
+        self.quantization_info = {"quantization": None}
+        target.capture_hidden = True
+        self._init_state()
+        self.features: torch.Tensor | None = None   # [num_slots, H]: h of the slot's token
+        self.feature_ok: torch.Tensor | None = None  # [num_slots] bool: set by a target forward
+        self.next_tok: torch.Tensor | None = None   # [num_slots]: token the head KV assumed next
+        # rid -> (position, drafts) of its last verify entry with drafts
+        self._verified_at: dict[str, tuple[int, int]] = {}
+
+    def kv_components(self) -> tuple[KVComponent, ...]:
+        d = self.model.dims
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return mha_components(d.num_layers, d.num_kv_heads, d.head_dim, dtype) + (
+            KVComponent(EAGLE_HIDDEN, 1, (d.hidden_size,), dtype),)
+
+    def allocate(self, plan: KVPlan, req_to_token: ReqToTokenTable) -> None:
+        super().allocate(plan, req_to_token)
+        n, h = self.pool.num_slots, self.model.dims.hidden_size
+        self.features = torch.zeros(n, h, dtype=self.model.dtype, device=self.device)
+        self.feature_ok = torch.zeros(n, dtype=torch.bool, device=self.device)
+        self.next_tok = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+
+    # ---- validity
+    def forget(self, rid: str) -> None:
+        super().forget(rid)
+        self._verified_at.pop(rid, None)
+
+    def invalidate_pages(self, pages: list[int]) -> None:
+        super().invalidate_pages(pages)
+        if pages:
+            P = self.page_size
+            idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            self.feature_ok[(idx[:, None] * P + torch.arange(P, device=self.device))
+                            .reshape(-1)] = False
+
+    def after_target_forward(self, out_slots: torch.Tensor, target) -> None:
+        self.features[out_slots] = target.last_hidden.to(self.features.dtype)
+        self.feature_ok[out_slots] = True
+        target.last_hidden = None
+
+    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int) -> None:
+        # Positions before `start` got head KV from true features in this step's extend;
+        # from `start` on the draft steps fed their own hidden states (never valid).
+        self._known[rid] = start
+        self._verified_at[rid] = (start, num_draft)
+
+    def catch_up_plan(self, rid: str, row: int, all_ids: list[int], end: int) -> CatchUp | None:
+        """`all_ids` ends with the entry's last token x_s (s = end - 1): the extend covers
+        positions [first without valid head KV, s - 1] reading x_{i+1}, at least s - 1 (its
+        logits are the first draft)."""
+        s = end - 1
+        known = min(self._known.get(rid, 0), s)
+        if known < s:
+            slots = self.req_to_token.table[row, known:s]
+            following = torch.tensor(all_ids[known + 1:s + 1], dtype=torch.int64,
+                                     device=self.device)
+            ok = self.valid[slots] & (self.next_tok[slots] == following)
+            bad = (~ok).nonzero()
+            known = s if bad.numel() == 0 else known + int(bad[0])
+        start = min(known, s - 1)
+        self._known[rid] = s  # once this step's extend ran
+        return CatchUp(rid, row, start, list(all_ids[start + 1:s + 1]))
+
+    def _usual_extend(self, r) -> int:
+        # Steady state: the positions the previous verify step committed (SGLang's
+        # draft-extend after verify): from its entry to just before this one, at most its
+        # drafts + 1 (more: plain steps since, or a rebuild).
+        if r.rid not in self._verified_at:
+            return 1
+        start, num_draft = self._verified_at[r.rid]
+        return max(1, min(r.start_pos - start, num_draft + 1))
+
+    def _forward(self, token_ids: list[list[int]], rows: list[int], starts: list[int],
+                 carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An extend (carry None: the target's features at the same slots, zero where a copy
+        brought the KV) or a draft step (carry: the head's previous hidden per request)."""
+        fb = self._batch(token_ids, rows, starts)
+        if carry is None:
+            slots = fb.out_slots
+            feats = torch.where(self.feature_ok[slots, None], self.features[slots], 0)
+            logits, hidden = self.model(fb, feats)
+            self.valid[slots] = True
+            self.next_tok[slots] = fb.input_ids
+            return logits, hidden
+        return self.model(fb, carry)
+
+
+__all__ = ["EagleDraft"]

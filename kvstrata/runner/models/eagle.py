@@ -1,0 +1,131 @@
+"""An EAGLE-2 draft head: HF checkpoints of `LlamaForCausalLMEagle` form (SGLang's
+`--speculative-algorithm EAGLE`).
+
+Per position i the head reads the target's final-normed hidden state h_i and the embedding
+of the *next* token x_{i+1}: fc(cat(embed(x_{i+1}), h_i)) -> its decoder layer(s) -> the
+residual stream without a final norm -> the target's output head, which predicts x_{i+2}.
+As in SGLang (and the EAGLE reference code) the first layer reads its input unnormalised
+(no input_layernorm), and the embedding and output head are the target's own: a
+checkpoint's `embed_tokens` / `lm_head` / `norm` tensors are not used. Rotary positions are
+the target's (position i), so the head's KV sits in the target's slots, one table for both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models.decoder import (ArchSpec, DecoderForCausalLM, DecoderLayer,
+                                            ModelDims, _param)
+from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters
+
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle",)
+# Checkpoint tensors an EAGLE head may carry that the target's own replace (SGLang shares
+# the target's embedding and head with the draft; classic EAGLE heads have no final norm).
+_SHARED_OR_UNUSED = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
+                     "layers.0.input_layernorm.weight")
+
+
+@dataclass
+class SharedWithTarget:
+    """What the head borrows from the target (not registered as the head's parameters, so
+    memory accounting counts them once)."""
+    embed: torch.Tensor
+    lm_head: Any
+    linear: Any  # how the target applies its (possibly packed or quantized) output head
+
+
+class EagleHead(DecoderForCausalLM):
+    def __init__(self, config: Any, target: DecoderForCausalLM, dtype: torch.dtype,
+                 device: torch.device):
+        nn.Module.__init__(self)
+        arch = (getattr(config, "architectures", None) or ["?"])[0]
+        if arch not in EAGLE_ARCHITECTURES:
+            raise ValueError(f"--speculative-draft-model-path: an EAGLE head is a "
+                             f"{' or '.join(EAGLE_ARCHITECTURES)} checkpoint, this one is "
+                             f"{arch}")
+        self.config = config
+        self.spec = ArchSpec()
+        self.dims = dims = ModelDims.from_config(config)
+        t = target.dims
+        if dims.hidden_size != t.hidden_size or dims.vocab_size != t.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path: the EAGLE head's hidden size "
+                             f"{dims.hidden_size} / vocabulary {dims.vocab_size} differ from "
+                             f"the target's ({t.hidden_size} / {t.vocab_size}): it was "
+                             f"trained for another model")
+        self.dtype, self.device = dtype, device
+        kw = dict(dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(dims, self.spec, dtype, device)
+                                    for _ in range(dims.num_layers))
+        self.fc_weight = _param(dims.hidden_size, 2 * dims.hidden_size, **kw)
+        self.fc_bias: nn.Parameter | None = _param(dims.hidden_size, **kw)
+        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
+        self.attn_backend = None
+        self.linear = F.linear
+        self.capture_hidden = False
+        self.shared = SharedWithTarget(target.embed, target.lm_head, target.linear)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, features: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fb.input_ids[j]` is x_{i+1} and `features[j]` h_i for the token at position i.
+        Returns (float32 logits, head hidden states) at fb.logits_idx."""
+        self.attn_backend.init_forward_metadata(fb)
+        cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
+        x = F.embedding(fb.input_ids, self.shared.embed)
+        x = self.linear(torch.cat([x, features.to(x.dtype)], dim=-1), self.fc_weight,
+                        self.fc_bias)
+        for i, layer in enumerate(self.layers):
+            x = self.layer_forward(i, layer, x, cos, sin, fb, input_norm=i > 0)
+        if fb.logits_idx is not None:
+            x = x.index_select(0, fb.logits_idx)
+        return self.shared.linear(x, self.shared.lm_head).float(), x
+
+    # ------------------------------------------------------------------ weight loading
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        name = name.removeprefix("model.")
+        if name in _SHARED_OR_UNUSED:
+            return []
+        if name == "fc.weight":
+            return self._copy(self.fc_weight, tensor, "fc.weight", name)
+        if name == "fc.bias":
+            return self._copy(self.fc_bias, tensor, "fc.bias", name)
+        return super().load_weight("model." + name, tensor)
+
+    def expected_keys(self) -> set[str]:
+        keys = super().expected_keys() - {"embed", "final_norm", "lm_head",
+                                          "layers.0.input_norm"}
+        return keys | {"fc.weight"}
+
+    def finish_load(self, loaded: list[str]) -> None:
+        """fc's bias is optional (SGLang's nn.Linear default has one; most heads store it)."""
+        if "fc.bias" not in loaded:
+            self.fc_bias = None
+        with torch.no_grad():  # never read (input_norm=False), but keep it finite
+            self.layers[0].input_norm.fill_(1.0)
+
+
+def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM) -> EagleHead:
+    from kvstrata.runner.models.loader import iter_checkpoint
+
+    head = EagleHead(config, target, target.dtype, target.device)
+    loaded: list[str] = []
+    for name, tensor in iter_checkpoint(source, config):
+        try:
+            loaded.extend(head.load_weight(name, tensor))
+        except KeyError as e:
+            raise ValueError(f"unexpected weight {name!r} in EAGLE head "
+                             f"{source.display_name}: {e}") from None
+    missing = head.expected_keys() - set(loaded)
+    if missing:
+        raise ValueError(f"EAGLE head {source.display_name}: missing weights "
+                         f"{sorted(missing)[:8]}")
+    if len(loaded) != len(set(loaded)):
+        raise ValueError(f"EAGLE head {source.display_name}: some weights appear more "
+                         f"than once")
+    head.finish_load(loaded)
+    return head.eval()

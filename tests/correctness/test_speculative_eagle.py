@@ -1,0 +1,154 @@
+"""EAGLE speculative decoding (an EAGLE-2 head reading the target's hidden states).
+
+The head's arithmetic is checked against transformers (its decoder layer without the input
+norm, fed fc(cat(embed(x_{i+1}), h_i)) with h the HF target's final hidden states), through
+the runner's own feature store and draft steps. Greedy: output tokens equal plain greedy
+with a random head (most drafts fail) and with a head that copies its target (nearly every
+draft passes: tests/helpers/eagle_heads.py), through page sizes, chunked prefill, radix
+hits, retraction, a starved HiCache and aborts. Sampling keeps the target's distribution.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata import LLM
+from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVPlan
+from tests.correctness.test_speculative import (
+    assert_same_distribution, assert_stops_cut_exactly, drained, greedy,
+    repeating_prompts, sample_both, stop_cases)
+from tests.correctness.test_speculative_standalone import (
+    accept_length, check_retraction_starved_hicache_and_aborts, twice_equal_plain)
+from tests.helpers.eagle_heads import copy_head, copyable_target, random_head
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def eagle(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    llama = tiny_checkpoints["llama"]
+    head, hf_layer_model, fc = random_head(llama, str(root / "random_head"))
+    target = copyable_target(llama, str(root / "copy_target"))
+    return {"llama": llama, "random_head": head, "hf": (hf_layer_model, fc),
+            "copy_target": target, "copy_head": copy_head(target, str(root / "copy_head"))}
+
+
+def make_llm(target: str, head: str | None, **kw) -> LLM:
+    if head is not None:  # drafts in every step (not the measured gate)
+        kw = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": head,
+              "speculative_num_steps": STEPS, "speculative_disable_by_batch_size": 1 << 20,
+              **kw}
+    return LLM(model_path=target, skip_tokenizer_init=True, dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(eagle):
+    """Plain greedy references per target (page size 1, a large pool)."""
+    cache: dict = {}
+
+    def get(target: str, prompts, params):
+        key = (target, str(prompts), str(params))
+        if key not in cache:
+            llm = cache.get(target) or make_llm(eagle[target], None, max_total_tokens=8192)
+            cache[target] = llm
+            cache[key] = llm.generate(input_ids=prompts, sampling_params=params)
+        return cache[key]
+    return get
+
+
+def test_head_matches_transformers(eagle):
+    """Extend logits over a prompt, then two self-fed draft steps, equal an HF reference."""
+    import transformers as tf
+    from kvstrata.runner.forward_batch import ForwardBatch
+    from kvstrata.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(eagle["llama"], dtype="float32", device="cpu",
+                         draft_model_path=eagle["random_head"], draft_algorithm="EAGLE")
+    facts = runner.kv_facts()
+    assert [c.name for c in facts.draft_components][-1] == EAGLE_HIDDEN
+    runner.allocate_kv(KVPlan(page_size=1, num_pages=64, num_rows=2, context_len=64,
+                              components=facts.components,
+                              draft_components=facts.draft_components))
+    prompt = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120]
+    n = len(prompt)
+    runner.req_to_token.write_many([1], [0], [list(range(1, n + 3))])
+    fb = ForwardBatch.build([prompt], [1], [0], runner.device)
+    fb.out_slots = runner.req_to_token.table[fb.token_rows, fb.positions]
+    runner.model(fb)
+    runner.draft.after_target_forward(fb.out_slots, runner.model)
+    draft = runner.draft
+    with torch.inference_mode():  # our head: extend over positions 0..n-2, then 2 steps
+        logits, hidden = draft._forward([prompt[1:]], [1], [0])
+        d1 = int(logits.argmax())
+        logits2, hidden2 = draft._forward([[d1]], [1], [n - 1], hidden)
+        d2 = int(logits2.argmax())
+        logits3, _ = draft._forward([[d2]], [1], [n], hidden2)
+
+    target = tf.AutoModelForCausalLM.from_pretrained(eagle["llama"], dtype=torch.float32)
+    layer_model, fc = eagle["hf"]
+    layer_model.layers[0].input_layernorm = torch.nn.Identity()
+    layer_model.norm = torch.nn.Identity()
+    embed = target.model.embed_tokens.weight
+    with torch.no_grad():
+        h = target.model(torch.tensor([prompt])).last_hidden_state[0]  # final-normed
+        toks = prompt[1:]
+        # Sequence 1: positions 0..n-2, features h_0..h_{n-2}.
+        x = fc(torch.cat([embed[torch.tensor(toks)], h[:-1]], -1))
+        out1 = layer_model(inputs_embeds=x[None], position_ids=torch.arange(n - 1)[None]
+                           ).last_hidden_state[0]
+        # Steps: position n-1 reads (d1, the head's own output at n-2), n reads (d2, ...).
+        x2 = torch.cat([x, fc(torch.cat([embed[d1], out1[-1]], -1))[None]], 0)
+        out2 = layer_model(inputs_embeds=x2[None], position_ids=torch.arange(n)[None]
+                           ).last_hidden_state[0]
+        x3 = torch.cat([x2, fc(torch.cat([embed[d2], out2[-1]], -1))[None]], 0)
+        out3 = layer_model(inputs_embeds=x3[None], position_ids=torch.arange(n + 1)[None]
+                           ).last_hidden_state[0]
+    torch.testing.assert_close(logits[0], (out1 @ embed.T)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits2[0], (out2 @ embed.T)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits3[0], (out3 @ embed.T)[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target,head,page_size,chunk", [
+    ("llama", "random_head", 1, 8), ("copy_target", "copy_head", 16, None),
+    ("copy_target", "copy_head", 1, 8)])
+def test_greedy_equals_plain(eagle, plain, target, head, page_size, chunk):
+    prompts = repeating_prompts()
+    params = greedy(40)
+    ref = plain(target, prompts, params)
+    llm = make_llm(eagle[target], eagle[head], page_size=page_size, max_total_tokens=8192,
+                   chunked_prefill_size=chunk or -1)
+    first, again = twice_equal_plain(llm, prompts, params, ref)
+    if head == "copy_head":  # head KV shared through radix hits (next-token checked)
+        assert accept_length(first) > STEPS - 1 and accept_length(again) > STEPS - 1
+    plan = llm.engine.kv_plan
+    assert plan.draft_components[-1].name == EAGLE_HIDDEN
+
+
+def test_retraction_starved_hicache_and_aborts(eagle, plain):
+    """Retraction and HiCache load-backs bring target KV without hidden states: the head
+    extends those positions from a zero feature; output unchanged, drafts still pass."""
+    target, head = eagle["copy_target"], eagle["copy_head"]
+    check_retraction_starved_hicache_and_aborts(
+        lambda **kw: make_llm(target, head, **kw),
+        lambda prompts, params: plain("copy_target", prompts, params), STEPS - 1.5)
+
+
+def test_stops_inside_an_accepted_run(eagle, plain):
+    prompt = repeating_prompts()[1]
+    full = plain("copy_target", [prompt], greedy(40))[0]["output_ids"]
+    cases = stop_cases(full)
+    llm = make_llm(eagle["copy_target"], eagle["copy_head"], max_total_tokens=4096)
+    assert_stops_cut_exactly(llm, prompt, cases, plain("copy_target", [prompt] * len(cases),
+                                                       cases))
+
+
+def test_sampling_distribution_matches_plain(eagle):
+    target = eagle["copy_target"]
+    prompt = [17, 42, 99, 5, 61, 8, 250]
+    n = 500
+    spec = make_llm(target, eagle["copy_head"], max_total_tokens=8192)
+    a, b_out = sample_both(make_llm(target, None, max_total_tokens=8192), spec, prompt, n, 2000)
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in b_out) > n // 2
+    assert_same_distribution(a, b_out)
+    drained(spec)
