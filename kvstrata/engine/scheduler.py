@@ -236,6 +236,7 @@ class Scheduler:
             slot_write_start=write_from,
             slots=self.kv.slots(req, write_from, end),
             sample=sample, num_draft=len(draft),
+            draft_parents=getattr(draft, "parents", None),
         )
         # Optimistic: run before the next schedule() (a verify entry is corrected in update).
         req.num_computed_tokens = end

@@ -25,7 +25,8 @@ _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
                 "speculative_disable_by_batch_size",
                 "speculative_ngram_min_match_window_size",
                 "speculative_ngram_max_match_window_size", "speculative_ngram_branch_length",
-                "speculative_ngram_capacity")
+                "speculative_ngram_capacity", "speculative_ngram_min_bfs_breadth",
+                "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type")
 
 
 def _arg(name: str) -> Any:
@@ -90,6 +91,10 @@ class SchedulerConfig:
     speculative_ngram_max_match_window_size: int = _arg("speculative_ngram_max_match_window_size")
     speculative_ngram_branch_length: int = _arg("speculative_ngram_branch_length")
     speculative_ngram_capacity: int = _arg("speculative_ngram_capacity")
+    # NGRAM trees: a breadth above 1 or PROB matching (None: resolution's chain default).
+    speculative_ngram_min_bfs_breadth: int = _arg("speculative_ngram_min_bfs_breadth")
+    speculative_ngram_max_bfs_breadth: int | None = _arg("speculative_ngram_max_bfs_breadth")
+    speculative_ngram_match_type: str = _arg("speculative_ngram_match_type")
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,

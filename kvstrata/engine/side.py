@@ -77,8 +77,9 @@ class SchedulerSide:
     def begin_decode(self, batch: int) -> None:
         """A decode step of `batch` running requests is being scheduled (before `draft`)."""
 
-    def draft(self, req: Request, limit: int) -> list[int]:
-        """Draft tokens for `req`'s next decode step (at most `limit`), verified by the
+    def draft(self, req: Request, limit: int, max_nodes: int | None = None) -> list[int]:
+        """Draft tokens for `req`'s next decode step (a chain of at most `limit`; a
+        TreeDraft at most `limit` deep and of at most `max_nodes` tokens), verified by the
         target in the same forward; [] = a plain decode step. The first side with a draft
         wins. The scheduler drops every draft of a step whose pages do not fit."""
         return []

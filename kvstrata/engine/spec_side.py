@@ -42,6 +42,12 @@ class SpeculativeSide(SchedulerSide):
                                 cfg.speculative_ngram_min_match_window_size,
                                 cfg.speculative_ngram_max_match_window_size,
                                 cfg.speculative_ngram_capacity)
+        # NGRAM trees (SGLang's BFS / PROB drafts) when a node may have several children.
+        self.min_breadth = cfg.speculative_ngram_min_bfs_breadth
+        self.max_breadth = cfg.speculative_ngram_max_bfs_breadth or 1
+        self.match_type = cfg.speculative_ngram_match_type
+        self.tree = self.match_type == "PROB" or self.max_breadth > 1
+        self._depth: dict[str, int] = {}  # rid -> depth of its last draft (trees)
         self._fed: dict[str, int] = {}  # rid -> tokens of it already in the cache
         self._budget: dict[str, int] = {}  # rid -> drafts it may propose next (see _adapt)
         # Whether this decode step drafts: --speculative-disable-by-batch-size, or measured.
@@ -73,7 +79,7 @@ class SpeculativeSide(SchedulerSide):
         self._probe_turn += bool(self._probe_stride)
         self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
 
-    def draft(self, req, limit: int) -> list[int]:
+    def draft(self, req, limit: int, max_nodes: int | None = None) -> list[int]:
         """Draft tokens to verify after `req`'s last token (at most `limit`, and at most
         the request's current draft budget); none in a step the gate keeps plain."""
         self._asked += 1
@@ -89,7 +95,13 @@ class SpeculativeSide(SchedulerSide):
         if self.algorithm != "NGRAM":  # a draft model in the runner proposes the tokens
             return [RUNNER_DRAFT] * min(limit, budget)
         self._feed(req)
-        return self.cache.draft(req.all_ids, min(limit, budget))
+        if not self.tree:
+            return self.cache.draft(req.all_ids, min(limit, budget))
+        nodes = budget if max_nodes is None else min(budget, max_nodes)
+        draft = self.cache.draft_tree(req.all_ids, nodes, self.min_breadth, self.max_breadth,
+                                      self.match_type, max_depth=limit)
+        self._depth[req.rid] = draft.depth()
+        return draft
 
     def on_verified(self, req, drafted: int, produced: int) -> None:
         """A decode step of `req` verified `drafted` drafts (0: nothing matched, a plain
@@ -118,7 +130,7 @@ class SpeculativeSide(SchedulerSide):
         self._rate[rid] = rate + RATE_ALPHA * (accepted / drafted - rate)
         top = self.num_draft_tokens - 1
         budget = self._budget.get(rid, min(START_BUDGET, top))
-        if accepted == drafted:
+        if accepted >= self._depth.pop(rid, drafted):  # the whole chain, a tree's deepest
             budget = min(top, budget * 2)
         elif accepted == 0:
             budget = max(MIN_BUDGET, budget // 2)
@@ -142,6 +154,7 @@ class SpeculativeSide(SchedulerSide):
         self.cache.forget(req.rid)
         self._budget.pop(req.rid, None)
         self._rate.pop(req.rid, None)
+        self._depth.pop(req.rid, None)
 
     def _feed(self, req) -> None:
         seen = self._fed.get(req.rid)

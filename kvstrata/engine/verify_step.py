@@ -22,10 +22,13 @@ def collect_drafts(sched) -> dict[str, list[int]] | None:
     ctx = sched.stop_checker.max_context_len
     drafts = {}
     for req in sched.running:
-        limit = min(req.remaining_new_tokens(), ctx - req.seq_len) - 1
-        d = next(filter(None, (side.draft(req, limit) for side in sched.sides)), None)
+        # Every draft token takes a position of the row (a tree's nodes too); accepted
+        # ones (a tree: as many as it is deep) must not pass max_new_tokens either.
+        slots = ctx - req.seq_len - 1
+        limit = min(req.remaining_new_tokens() - 1, slots)
+        d = next(filter(None, (side.draft(req, limit, slots) for side in sched.sides)), None)
         if d:
-            drafts[req.rid] = d[:max(limit, 0)]
+            drafts[req.rid] = d[:max(slots if hasattr(d, "parents") else limit, 0)]
     return drafts
 
 

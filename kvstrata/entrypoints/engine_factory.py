@@ -81,6 +81,12 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                          draft_model_path=args.speculative_draft_model_path if drafts else None,
                          draft_quantization=None if draft_quant == "unquant" else draft_quant,
                          draft_algorithm=args.speculative_algorithm)
+    if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
+            (args.speculative_ngram_max_bfs_breadth or 1) > 1
+            or args.speculative_ngram_match_type == "PROB"):
+        raise NotImplementedError("not implemented yet: NGRAM tree drafts "
+                                  "(--speculative-ngram-max-bfs-breadth > 1 or match type "
+                                  "PROB) on an MLA / DSA model")
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)

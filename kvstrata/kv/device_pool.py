@@ -46,6 +46,10 @@ class MHATokenToKVPool:
         self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
         self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K and V of slots `src` into slots `dst` (sources read first)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
 
 class MLATokenToKVPool:
     """L1 pool of an MLA model (DeepSeek): per layer one latent vector per token slot

@@ -32,6 +32,34 @@ from kvstrata.protocol.sampling_params import SamplingParams
 RUNNER_DRAFT = -1
 
 
+class TreeDraft(list):
+    """Draft tokens of a tree (scheduler side): the tokens in breadth-first order and, per
+    token, its parent in the verify entry -- 0 is the entry's last token, j the j-th draft
+    token (1-based), always an earlier one. A plain list of drafts is a chain (the parent of
+    draft j is j - 1). A prefix of a BFS-ordered tree is a tree, so truncating keeps it one."""
+
+    def __init__(self, tokens=(), parents=()):
+        super().__init__(tokens)
+        self.parents = list(parents)
+        if len(self.parents) != len(self) or any(
+                not 0 <= p <= j for j, p in enumerate(self.parents)):
+            raise ValueError(f"invalid draft tree parents {self.parents} for {len(self)} "
+                             f"tokens")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            if i.start not in (None, 0) or i.step not in (None, 1):
+                raise IndexError("a draft tree is only cut to a prefix")
+            return TreeDraft(list.__getitem__(self, i), self.parents[i])
+        return list.__getitem__(self, i)
+
+    def depth(self) -> int:
+        depths = [0]
+        for p in self.parents:
+            depths.append(depths[p] + 1)
+        return max(depths)
+
+
 class NewRequestData(msgspec.Struct):
     rid: str
     prompt_token_ids: list[int]
@@ -62,6 +90,11 @@ class ScheduledRequest(msgspec.Struct):
     # consecutive RunnerOutput entries of this rid (runner/spec_verify.py). Drafts given
     # as RUNNER_DRAFT are proposed by the runner's draft model (runner/draft_model.py).
     num_draft: int = 0
+    # A tree of drafts (TreeDraft.parents): each draft token's parent in the entry (0: the
+    # last token). None: a chain. The runner attends each draft to its ancestors only, at
+    # position start_pos + its depth, and moves the accepted path's KV to the positions
+    # after start_pos before it answers.
+    draft_parents: list[int] | None = None
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):

@@ -25,6 +25,10 @@ class ForwardBatch:
     # Flat token indices whose logits are wanted (e.g. last token of each sampled request).
     logits_idx: torch.Tensor | None = None
     attn_meta: Any = field(default=None, repr=False)
+    # Speculative draft trees: batch index -> parent of each of the entry's tokens (-1 for
+    # its first token, then entry indices). Each token attends to the request's context
+    # before the entry and its own ancestors; `positions` hold start + depth.
+    trees: dict[int, list[int]] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -50,3 +54,34 @@ class ForwardBatch:
                    out_slots=out_slots,
                    rows=list(rows), start_pos=list(start_pos),
                    q_lens=[len(t) for t in token_ids])
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each entry token (0 for the first) from its parent list."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_ancestors(parents: list[int]) -> list[list[int]]:
+    """Per entry token: its ancestors and itself, as entry indices in increasing order."""
+    out: list[list[int]] = []
+    for j, p in enumerate(parents):
+        out.append((out[p] if p >= 0 else []) + [j])
+    return out
+
+
+def apply_trees(fb: ForwardBatch, trees: dict[int, list[int]]) -> None:
+    """Rotary positions of tree entries: start + depth (slots stay start + index)."""
+    if not trees:
+        return
+    offsets = [0]
+    for n in fb.q_lens:
+        offsets.append(offsets[-1] + n)
+    pos = fb.positions.clone()
+    for i, parents in trees.items():
+        depths = torch.tensor(tree_depths(parents), dtype=torch.int64)
+        pos[offsets[i]:offsets[i + 1]] = fb.start_pos[i] + depths.to(pos.device)
+    fb.positions = pos
+    fb.trees = trees

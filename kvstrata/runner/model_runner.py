@@ -28,7 +28,7 @@ from kvstrata.runner.draft_model import DraftModel, copied_in_pages
 from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.eagle_draft import EagleDraft
 from kvstrata.runner.model_setup import load_serving_model
-from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.op_executor import split_ops
@@ -253,6 +253,8 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        apply_trees(fb, {i: [-1] + r.draft_parents for i, r in enumerate(reqs)
+                         if r.draft_parents is not None})
         if self.draft is not None:  # a draft in the runner: its part of the step first
             token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots)
             fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
@@ -300,12 +302,17 @@ class ModelRunner:
         produced: dict[str, list[tuple]] = {}
         if verify_spans:
             vreqs = [reqs[i] for i, _ in verify_spans]
-            results = spec_verify.verify(
+            results, paths = spec_verify.verify(
                 self.sampler, [logits[first:first + reqs[i].num_draft + 1]
                                for i, first in verify_spans],
                 [self._reqs[r.rid].sampling for r in vreqs],
-                [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans])
+                [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans],
+                [r.draft_parents for r in vreqs])
             produced = {r.rid: res for r, res in zip(vreqs, results)}
+            for r, path in zip(vreqs, paths):
+                if r.draft_parents is not None:
+                    spec_verify.move_accepted_kv([self.kv_pool], self.req_to_token.table,
+                                                 r.row, r.start_pos, path)
             if self.draft is not None:
                 for r, res in zip(vreqs, results):
                     self.draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft,

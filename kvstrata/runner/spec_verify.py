@@ -10,7 +10,9 @@ the tokens accepted so far), and the walk stops at the first token that is not t
     draw from p with d removed (renormalised). P(out = d) = p(d) and P(out = x) =
     (1 - p(d)) p(x) / (1 - p(d)) = p(x): the output distribution is the plain one's (the
     speculative-sampling rule of Leviathan et al. / Chen et al. for a one-hot draft).
-  - the row after the last draft (all accepted) is a plain draw: the bonus token.
+  - the row after the last draft (all accepted) is a plain draw: the bonus token;
+  - trees: a node's children are tried in turn (below), and the accepted drafts' KV is
+    moved to the committed positions (`move_accepted_kv`).
 Draws use the sampler's uniforms (a seeded request's k-th token from (seed, k)); the accept
 test has its own stream (seed ^ ACCEPT_SALT), so seeded requests stay reproducible.
 """
@@ -21,28 +23,46 @@ import torch
 from kvstrata.runner.sampler import Sampler, SamplingState, mix_seed
 
 ACCEPT_SALT = 0x5BEC_A11C_E97A_0D15
+SIBLING_SALT = 0x9E37_79B9_7F4A_7C15  # tree drafts: one more stream per further sibling
 
 
-def _accept_uniforms(states: list[SamplingState]) -> list[float]:
-    out = []
-    for s in states:
-        if s.params.seed is None:
-            out.append(float(torch.rand(())))
-        else:
-            out.append((mix_seed(s.params.seed ^ ACCEPT_SALT, len(s.output_token_ids)) >> 40)
-                       / float(1 << 24))
-    return out
+def _accept_uniform(s: SamplingState, sibling: int = 0) -> float:
+    """The accept test's uniform for the next token's `sibling`-th draft candidate."""
+    if s.params.seed is None:
+        return float(torch.rand(()))
+    salt = ACCEPT_SALT ^ (sibling * SIBLING_SALT)
+    return (mix_seed(s.params.seed ^ salt, len(s.output_token_ids)) >> 40) / float(1 << 24)
+
+
+def _children(parents: list[int] | None, drafts: list[int]) -> dict[int, list[tuple]]:
+    """Entry node -> [(child node, draft token)], in draft order (node 0 is the last token,
+    node j draft j; a chain when parents is None)."""
+    kids: dict[int, list[tuple]] = {}
+    for j, d in enumerate(drafts):
+        parent = j if parents is None else parents[j]
+        kids.setdefault(parent, []).append((j + 1, d))
+    return kids
 
 
 def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingState],
-           drafts: list[list[int]]) -> list[list[tuple[int, float | None, list | None]]]:
-    """Per request: the tokens it produced, each (token, logprob, top logprobs). `logits[i]`
-    is [len(drafts[i]) + 1, vocab]. Appends every produced token to its state."""
+           drafts: list[list[int]], parents: list[list[int] | None] | None = None
+           ) -> tuple[list[list[tuple[int, float | None, list | None]]], list[list[int]]]:
+    """Per request: the tokens it produced, each (token, logprob, top logprobs), and the
+    accepted path (the draft nodes 1..k whose tokens were kept, in order). `logits[i]` is
+    [len(drafts[i]) + 1, vocab], row j the target after entry node j. A tree node's
+    children are tried in draft order: greedy moves to the child holding the argmax;
+    sampling accepts child c with probability p(c) under the current residual, else
+    removes c from it (renormalised) and tries the next -- P(out = c) = p(c) for every
+    child and P(out = x) = p(x) otherwise, so the distribution is the plain one's.
+    Appends every produced token to its state."""
+    kids = [_children(None if parents is None else parents[i], drafts[i])
+            for i in range(len(states))]
     results: list[list[tuple]] = [[] for _ in states]
+    paths: list[list[int]] = [[] for _ in states]
+    node = [0] * len(states)
     alive = list(range(len(states)))
-    j = 0
     while alive:
-        rows = torch.stack([logits[i][j] for i in alive])
+        rows = torch.stack([logits[i][node[i]] for i in alive])
         st = [states[i] for i in alive]
         adj = sampler.adjusted(rows, st)
         tokens = adj.argmax(dim=-1).tolist()
@@ -51,21 +71,10 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
             sub = [st[r] for r in sample_rows]
             probs = sampler._probs(adj[sample_rows], sub)
             draws = Sampler._uniforms(sub)
-            accept_u = _accept_uniforms(sub)
             for k, r in enumerate(sample_rows):
                 i = alive[r]
-                p = probs[k]
-                if j < len(drafts[i]):
-                    d = drafts[i][j]
-                    total = float(p.sum())
-                    p_d = float(p[d]) / total if d < p.shape[0] and total > 0 else 0.0
-                    if accept_u[k] < p_d:
-                        tokens[r] = d
-                        continue
-                    if d < p.shape[0]:
-                        p = p.clone()
-                        p[d] = 0.0
-                tokens[r] = Sampler._inverse_cdf(p[None], draws[k:k + 1])[0]
+                tokens[r] = _sample_children(probs[k], kids[i].get(node[i], ()), sub[k],
+                                             draws[k:k + 1])
         want_lp = [r for r, s in enumerate(st) if s.params.logprobs is not None]
         lps: list = [None] * len(st)
         tops: list = [None] * len(st)
@@ -75,8 +84,37 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
         for r, i in enumerate(alive):
             states[i].output_token_ids.append(tokens[r])
             results[i].append((tokens[r], lps[r], tops[r]))
-            if j < len(drafts[i]) and tokens[r] == drafts[i][j]:
+            nxt = next((c for c, d in kids[i].get(node[i], ()) if d == tokens[r]), None)
+            if nxt is not None:
+                node[i] = nxt
+                paths[i].append(nxt)
                 still.append(i)
         alive = still
-        j += 1
-    return results
+    return results, paths
+
+
+def _sample_children(p: torch.Tensor, children, state: SamplingState,
+                     draw: list[float]) -> int:
+    """One sampled row at a node whose children (drafts, one-hot) are tried in order."""
+    for m, (_, d) in enumerate(children):
+        total = float(p.sum())
+        p_d = float(p[d]) / total if d < p.shape[0] and total > 0 else 0.0
+        if _accept_uniform(state, m) < p_d:
+            return d
+        if d < p.shape[0]:
+            p = p.clone()
+            p[d] = 0.0
+    return Sampler._inverse_cdf(p[None], draw)[0]
+
+
+def move_accepted_kv(pools, table: torch.Tensor, row: int, start: int,
+                     path: list[int]) -> None:
+    """A tree entry's accepted drafts hold their KV at their nodes' slots (start + node);
+    the committed positions are start + 1 .. start + len(path): copy it there, in every
+    pool that keeps per-slot state (node_j >= j, so no source is overwritten first)."""
+    if path == list(range(1, len(path) + 1)):
+        return
+    src = table[row, start + torch.tensor(path)]
+    dst = table[row, start + 1:start + 1 + len(path)]
+    for pool in pools:
+        pool.copy_slots(src, dst)

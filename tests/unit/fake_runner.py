@@ -8,8 +8,9 @@ stale row entry) changes the output, so tests compare against `reference_tokens`
 from __future__ import annotations
 
 import random
+from collections import deque
 
-from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
 from kvstrata.protocol import (RunnerOutput, SchedulerOutput, StorageCancel, StorageProgress,
                                TransferDone, TransferOp, of_type)
 
@@ -36,15 +37,40 @@ def pattern_drafter(num_draft_tokens: int, seed: int, vocab: int):
 
     rng = random.Random(seed)
 
-    def draft(req, limit):
+    def draft(req, limit, max_nodes=None):
         n = min(limit, num_draft_tokens - 1, rng.randint(0, num_draft_tokens))
         if n <= 0:
             return []
         done = len(req.output_ids)
         truth = reference_tokens(req.prompt_ids, done + n, vocab)[done:]
         good = rng.randint(0, n)
+        if rng.random() < 0.3:  # a tree (NGRAM's BFS / PROB form): up to twice the nodes
+            nodes = min(2 * n, num_draft_tokens - 1 if max_nodes is None else max_nodes)
+            return tree_draft(truth, good, max(nodes, 1), rng, vocab)
         return truth[:good] + [(t + 1) % vocab for t in truth[good:]]
     return draft
+
+
+def tree_draft(truth: list[int], good: int, n: int, rng, vocab: int) -> TreeDraft:
+    """A random tree of at most n nodes, breadth-first, at most len(truth) deep: the
+    first `good` levels of one path hold the true continuation, every other node a wrong
+    token (siblings distinct), so the accepted path goes through random branches."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    queue = deque([(0, 0, True)])  # (entry index, depth, on the true path)
+    while queue and len(tokens) < n:
+        idx, depth, true = queue.popleft()
+        if depth >= len(truth):
+            continue
+        k = rng.randint(1, 3)
+        right = rng.randrange(k) if true and depth < good else -1
+        for c in range(k):
+            if len(tokens) >= n:
+                break
+            tokens.append(truth[depth] if c == right else (truth[depth] + 1 + c) % vocab)
+            parents.append(idx)
+            queue.append((len(tokens), depth + 1, c == right))
+    return TreeDraft(tokens, parents)
 
 
 def copy_pages(src: dict, dst: dict, src_pages: list[int], dst_pages: list[int], P: int) -> None:
@@ -198,6 +224,9 @@ class FakeRunner:
             if not s.sample:
                 continue
             row = self.rows[s.row]
+            if s.draft_parents is not None:
+                self._verify_tree(s, row, ids, toks)
+                continue
             seq = []
             for p in range(s.start_pos + len(s.token_ids)):
                 pos, tok = self.kv[row[p]]
@@ -216,6 +245,33 @@ class FakeRunner:
         n = len(ids)
         return RunnerOutput(ids, toks, [None] * n, [None] * n,
                             events=[TransferDone(job) for job in finished] + storage_progress)
+
+    def _verify_tree(self, s, row: dict, ids: list, toks: list) -> None:
+        """A tree verify entry: walk from the last token through the child holding the
+        "model's" next token, then move the accepted nodes' KV to the committed positions
+        (as the runner does, runner/spec_verify.py)."""
+        seq = []
+        for p in range(s.start_pos + 1):
+            pos, tok = self.kv[row[p]]
+            assert pos == p, f"{s.rid}: slot {row[p]} holds position {pos}, expected {p}"
+            seq.append(tok)
+        kids: dict[int, list[int]] = {}
+        for j, parent in enumerate(s.draft_parents):
+            kids.setdefault(parent, []).append(j + 1)
+        node, path = 0, []
+        while True:
+            token = next_token(seq, self.vocab_size)
+            ids.append(s.rid)
+            toks.append(token)
+            nxt = next((c for c in kids.get(node, ()) if s.token_ids[c] == token), None)
+            if nxt is None:
+                break
+            self.verified_drafts += 1
+            seq.append(token)
+            path.append(nxt)
+            node = nxt
+        for j, n in enumerate(path, 1):
+            self.kv[row[s.start_pos + j]] = (s.start_pos + j, s.token_ids[n])
 
     def _fill_runner_drafts(self, s, row: dict) -> list[int]:
         """A STANDALONE draft model stand-in: the entry's RUNNER_DRAFT tokens become the

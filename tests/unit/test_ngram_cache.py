@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.engine.ngram_cache import NgramCache
+from kvstrata.protocol.scheduler_output import TreeDraft
 
 
 def test_drafts_the_continuation_seen_before():
@@ -38,6 +41,39 @@ def test_requests_share_the_cache_and_forget_only_their_suffixes():
     assert c.draft([1, 2], 1) == [3]
     c.forget("a")
     assert c.draft([1, 2], 1) == [3]  # what a taught stays
+
+
+def test_bfs_tree_follows_sglangs_breadth_and_recency():
+    """Matches "2 3" (window 2) and "3": breadth (3 - 2) * 1.0 + 1 = 2 at the root, one
+    less per level; the most recently seen child first."""
+    c = NgramCache(branch_length=8, min_window=1, max_window=3)
+    c.extend("a", [1, 2, 3, 4, 5])
+    c.extend("b", [1, 2, 3, 7, 8])  # more recent: 7 before 4
+    t = c.draft_tree([9, 2, 3], 6, min_breadth=1, max_breadth=4)
+    assert (list(t), t.parents, t.depth()) == ([7, 4, 8, 5], [0, 0, 1, 2], 2)
+    t = c.draft_tree([9, 2, 3], 6, 1, 4, max_depth=1)
+    assert (list(t), t.parents) == ([7, 4], [0, 0])
+    t = c.draft_tree([9, 2, 3], 3, 1, 4)  # full after three nodes, still breadth-first
+    assert (list(t), t.parents) == ([7, 4, 8], [0, 0, 1])
+    assert list(c.draft_tree([9, 9], 4, 1, 4)) == []
+
+
+def test_prob_tree_is_best_first_by_path_frequency():
+    c = NgramCache(branch_length=8, min_window=1, max_window=2)
+    c.extend("a", [1, 2, 3, 4, 5, 0, 2, 3, 4, 6])  # "2 3" -> 4 twice, then 5 / 6
+    c.extend("b", [2, 3, 7])                       # "2 3" -> 7 once
+    # 4 (2/3); then 7, 6, 5 (1/3 each): ties in push order, children by (count, recency)
+    t = c.draft_tree([2, 3], 3, 1, 2, "PROB")
+    assert (list(t), t.parents) == ([4, 7, 6], [0, 0, 1])
+
+
+def test_a_tree_draft_cuts_to_a_prefix_and_checks_its_parents():
+    t = TreeDraft([5, 6, 7], [0, 0, 1])
+    cut = t[:2]
+    assert isinstance(cut, TreeDraft) and (list(cut), cut.parents) == ([5, 6], [0, 0])
+    assert t[2] == 7 and t.depth() == 2
+    with pytest.raises(ValueError, match="invalid draft tree parents"):
+        TreeDraft([5, 6], [0, 2])
 
 
 def _counts(cache: NgramCache) -> dict:
@@ -84,7 +120,10 @@ def spec_config(algorithm: str, num_draft_tokens: int, **extra):
                            speculative_ngram_branch_length=18,
                            speculative_ngram_min_match_window_size=1,
                            speculative_ngram_max_match_window_size=12,
-                           speculative_ngram_capacity=1000, **extra)
+                           speculative_ngram_capacity=1000,
+                           speculative_ngram_min_bfs_breadth=1,
+                           speculative_ngram_max_bfs_breadth=1,
+                           speculative_ngram_match_type="BFS", **extra)
 
 
 def test_draft_budget_shrinks_on_misses_and_grows_on_full_accepts():

@@ -63,16 +63,11 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
      "--speculative-draft-model-quantization w8a8_int8 with EAGLE (the head is one layer; "
      "it runs in the target's dtype)"),
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
-      "speculative_eagle_topk": 4}, "--speculative-eagle-topk 4 (tree drafts)"),
+      "speculative_eagle_topk": 4},
+     "--speculative-eagle-topk 4 (tree drafts of a draft model)"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "fp8"},
      "--speculative-draft-model-quantization fp8"),
-    ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
-     "--speculative-ngram-max-bfs-breadth 10 (tree drafts)"),
-    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4},
-     "--speculative-eagle-topk 4 (tree drafts)"),
-    ({"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "PROB"},
-     "--speculative-ngram-match-type PROB"),
     ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5},
      "--speculative-accept-threshold-single/-acc below 1.0 (lossy acceptance)"),
 ])
@@ -137,3 +132,13 @@ def test_eagle_gets_the_auto_shape_and_is_built():
             args.speculative_num_draft_tokens) == (3, 1, 4)
     assert "EAGLE auto draft shape" in rules["spec.auto_shape"].reason
     assert unimplemented_flags(args) == []
+
+
+@pytest.mark.parametrize("kwargs", [{"speculative_ngram_max_bfs_breadth": 10},
+                                    {"speculative_ngram_match_type": "PROB"},
+                                    {"speculative_ngram_max_bfs_breadth": 4,
+                                     "speculative_ngram_min_bfs_breadth": 2}])
+def test_ngram_trees_are_built(kwargs):
+    args, rules = resolved(speculative_algorithm="NGRAM", **kwargs)
+    assert unimplemented_flags(args) == []
+    assert args.speculative_eagle_topk == args.speculative_ngram_max_bfs_breadth

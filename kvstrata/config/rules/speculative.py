@@ -10,8 +10,9 @@ What kvstrata builds today: chain drafts of NGRAM (the n-gram cache's most frequ
 continuation), STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
 w8a8_int8`) and EAGLE (an EAGLE-2 head, `--speculative-draft-model-path`). EAGLE3 and NEXTN
-are refused by name at `serve` (config/resolve.py UNIMPLEMENTED); tree drafts (topk > 1, or an NGRAM BFS breadth > 1) likewise. SGLang's
-NGRAM default breadth is 10 (a tree); left unset here it resolves to 1 and says why.
+are refused by name at `serve` (config/resolve.py UNIMPLEMENTED); so are tree drafts of a draft model (EAGLE / STANDALONE topk > 1). NGRAM
+builds SGLang's BFS and PROB trees; its breadth left unset resolves to 1 (a chain; SGLang's
+default is 10) and says why.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from kvstrata.platform import Platform
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
 AUTO_SHAPE = {"EAGLE": (3, 1, 4), "STANDALONE": (3, 1, 4)}
-TREE_DRAFTS_REASON = "tree drafts are not built yet: one chain per step"
+TREE_DRAFTS_REASON = ("kvstrata's default is a chain (one candidate per position); a "
+                      "breadth above 1 drafts SGLang's BFS tree")
 BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
 # What a draft model may be quantized to: the built --quantization methods.
 DRAFT_QUANTIZATIONS = QUANTIZATION_BUILT
@@ -126,13 +128,9 @@ def unbuilt(args) -> list[str]:
     elif quant not in (None, "unquant") and algo == "EAGLE":
         missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
                        f"head is one layer; it runs in the target's dtype)")
-    if (args.speculative_eagle_topk or 1) > 1:
-        missing.append(f"--speculative-eagle-topk {args.speculative_eagle_topk} (tree drafts)")
-    if (args.speculative_ngram_max_bfs_breadth or 1) > 1:
-        missing.append(f"--speculative-ngram-max-bfs-breadth "
-                       f"{args.speculative_ngram_max_bfs_breadth} (tree drafts)")
-    if args.speculative_ngram_match_type != "BFS":
-        missing.append(f"--speculative-ngram-match-type {args.speculative_ngram_match_type}")
+    if algo != "NGRAM" and (args.speculative_eagle_topk or 1) > 1:
+        missing.append(f"--speculative-eagle-topk {args.speculative_eagle_topk} (tree drafts "
+                       f"of a draft model)")
     if args.speculative_accept_threshold_single < 1.0 or args.speculative_accept_threshold_acc < 1.0:
         missing.append("--speculative-accept-threshold-single/-acc below 1.0 (lossy "
                        "acceptance)")

@@ -38,7 +38,7 @@ from kvstrata import envs
 from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.attention import paged_decode
-from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.forward_batch import ForwardBatch, tree_ancestors
 
 # Fixed cost of one more decode group, in gathered K/V rows (index_select x2, SDPA, q and out
 # copies: ~4 ops of ~15-50 us each vs ~0.3-0.5 us per padded row of a 128-384 float K+V row on
@@ -113,10 +113,13 @@ class TorchNativeAttnBackend:
             raise ValueError("a no-cache forward takes exactly one request")
         table = self.req_to_token.table if self.req_to_token is not None else None
         pieces: list[Piece] = []
-        decode: list[tuple[int, int, int]] = []   # (kv_len, flat token, row)
+        decode: list[tuple] = []   # (kv_len, flat token, row[, explicit key slots])
         off = 0
-        for row, start, n in zip(fb.rows, fb.start_pos, fb.q_lens):
-            if start == 0 or fb.out_slots is None:
+        trees = fb.trees or {}
+        for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
+            if i in trees:  # a draft tree: each token sees the context and its ancestors
+                pieces += self._tree(trees[i], table, row, start, off, decode, device)
+            elif start == 0 or fb.out_slots is None:
                 pieces.append(Piece("fresh", off, off + n))
             elif n == 1:
                 decode.append((start + 1, off, row))
@@ -143,15 +146,41 @@ class TorchNativeAttnBackend:
         single = len(pieces) == 1 and pieces[0].tok_idx is None
         fb.attn_meta = TorchNativeMeta(pieces, single)
 
-    def _kernel_piece(self, decode: list[tuple[int, int, int]], table: torch.Tensor,
+    def _tree(self, parents: list[int], table: torch.Tensor, row: int, start: int, off: int,
+              decode: list[tuple], device: torch.device) -> list[Piece]:
+        """A verify entry holding a draft tree (entry token j at slot row[start + j]): its
+        tokens become one-token kernel queries over explicit key slots, or one paged piece
+        whose mask shows each token the context and its ancestors."""
+        anc = tree_ancestors(parents)
+        n = len(parents)
+        if self.use_kernel and n <= KERNEL_MAX_QUERY_TOKENS:
+            entry = table[row, :start + n]
+            for j, a in enumerate(anc):
+                keys = torch.cat([entry[:start], entry[start + torch.tensor(a)]])
+                decode.append((start + len(a), off + j, row, keys))
+            return []
+        kv_len = start + n
+        rows_t = torch.tensor([row], dtype=torch.int64).to(device)
+        kv_idx, unit, s = self._kv_index(table, rows_t, kv_len, [kv_len])
+        mask = torch.zeros(n, s, dtype=torch.bool)
+        mask[:, :start] = True
+        for j, a in enumerate(anc):
+            mask[j, start + torch.tensor(a)] = True
+        return [Piece("paged", off, off + n, kv_idx, unit, mask.to(device))]
+
+    def _kernel_piece(self, decode: list[tuple], table: torch.Tensor,
                       device: torch.device) -> Piece:
         """All one-token requests in one kernel call: their slots 0 .. len - 1, concatenated
-        (one masked select over the rows of req_to_token), and where each starts."""
+        (one masked select over the rows of req_to_token), and where each starts. Tree
+        tokens bring their own key slots (context + ancestors)."""
         rows, toks, lens = zip(*((e[2], e[1], e[0]) for e in decode))
         lens_t = torch.tensor(lens, dtype=torch.int64)
-        longest = max(lens)
-        visible = torch.arange(longest)[None, :] < lens_t[:, None]
-        slots = table[torch.tensor(rows, dtype=torch.int64), :longest][visible]
+        if any(len(e) > 3 for e in decode):
+            slots = torch.cat([e[3] if len(e) > 3 else table[e[2], :e[0]] for e in decode])
+        else:
+            longest = max(lens)
+            visible = torch.arange(longest)[None, :] < lens_t[:, None]
+            slots = table[torch.tensor(rows, dtype=torch.int64), :longest][visible]
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         torch.cumsum(lens_t, 0, out=starts[1:])
         contiguous = list(toks) == list(range(toks[0], toks[0] + len(toks)))
