@@ -103,20 +103,22 @@ def test_greedy_equals_plain(tiny_checkpoints, plain_refs, arch, page_size, chun
     assert 0 <= meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
 
 
-def test_retraction_and_starved_hicache(tiny_checkpoints, plain_refs):
+@pytest.mark.parametrize("tree", [{}, {"speculative_ngram_max_bfs_breadth": 4}])
+def test_retraction_and_starved_hicache(tiny_checkpoints, plain_refs, tree):
     prompts = repeating_prompts(1)
     params = greedy(48)
     ref = plain_refs("llama", prompts, params)
     # A pool too small for every request at once: decode retracts and recomputes.
     tight = make_llm(tiny_checkpoints["llama"], True, page_size=4, max_total_tokens=192,
-                     chunked_prefill_size=16)
+                     chunked_prefill_size=16, **tree)
     assert_same(ref, tight.generate(input_ids=prompts, sampling_params=params))
     assert tight.engine.scheduler.num_retractions > 0
     drained(tight)
     # HiCache with a device pool that cannot hold the working set: pages go to the host
     # tier and come back as prefix hits.
     hi = make_llm(tiny_checkpoints["llama"], True, page_size=4, max_total_tokens=256,
-                  enable_hierarchical_cache=True, hicache_ratio=4.0, chunked_prefill_size=16)
+                  enable_hierarchical_cache=True, hicache_ratio=4.0, chunked_prefill_size=16,
+                  **tree)
     for _ in range(2):
         assert_same(ref, hi.generate(input_ids=prompts, sampling_params=params))
     drained(hi)
