@@ -98,6 +98,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM"])
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM")
+    ap.add_argument("--ngram-breadth", type=int, default=None,
+                    help="NGRAM --speculative-ngram-max-bfs-breadth (default: a chain)")
+    ap.add_argument("--ngram-match-type", default="BFS", choices=["BFS", "PROB"])
     ap.add_argument("--draft-model", default=None,
                     help="STANDALONE draft checkpoint (default: --model itself)")
     ap.add_argument("--eagle-head", default=None,
@@ -136,7 +139,9 @@ def run(args: argparse.Namespace) -> dict:
             shape = {"speculative_draft_model_path": args.eagle_head,
                      "speculative_num_steps": args.draft_steps}
         else:
-            shape = {"speculative_num_draft_tokens": args.num_draft_tokens}
+            shape = {"speculative_num_draft_tokens": args.num_draft_tokens,
+                     "speculative_ngram_max_bfs_breadth": args.ngram_breadth,
+                     "speculative_ngram_match_type": args.ngram_match_type}
         if args.disable_by_batch_size is not None:
             shape["speculative_disable_by_batch_size"] = args.disable_by_batch_size
         engines[algo] = LLM(model_path=args.model, page_size=16, max_total_tokens=65536,

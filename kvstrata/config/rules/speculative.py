@@ -24,8 +24,9 @@ from kvstrata.platform import Platform
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
 AUTO_SHAPE = {"EAGLE": (3, 1, 4), "STANDALONE": (3, 1, 4)}
-TREE_DRAFTS_REASON = ("kvstrata's default is a chain (one candidate per position); a "
-                      "breadth above 1 drafts SGLang's BFS tree")
+TREE_DRAFTS_REASON = ("kvstrata's default is a chain: a full tree per request in its first "
+                      "steps cost ~7% throughput at batch 32 on CPU (docs/benchmarks.md); "
+                      "a breadth above 1 drafts SGLang's BFS tree")
 BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
 # What a draft model may be quantized to: the built --quantization methods.
 DRAFT_QUANTIZATIONS = QUANTIZATION_BUILT
