@@ -22,6 +22,7 @@ from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.engine.verify_step import after_verified, collect_drafts, settle_verified
 from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
                                SchedulerOutput)
+from kvstrata.protocol.scheduler_output import TreeDraft
 
 __all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 
@@ -237,6 +238,7 @@ class Scheduler:
             slots=self.kv.slots(req, write_from, end),
             sample=sample, num_draft=len(draft),
             draft_parents=getattr(draft, "parents", None),
+            runner_tree=isinstance(draft, TreeDraft) and draft.parents is None,
         )
         # Optimistic: run before the next schedule() (a verify entry is corrected in update).
         req.num_computed_tokens = end

@@ -26,7 +26,8 @@ _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
                 "speculative_ngram_min_match_window_size",
                 "speculative_ngram_max_match_window_size", "speculative_ngram_branch_length",
                 "speculative_ngram_capacity", "speculative_ngram_min_bfs_breadth",
-                "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type")
+                "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type",
+                "speculative_eagle_topk", "speculative_num_steps")
 
 
 def _arg(name: str) -> Any:
@@ -95,6 +96,9 @@ class SchedulerConfig:
     speculative_ngram_min_bfs_breadth: int = _arg("speculative_ngram_min_bfs_breadth")
     speculative_ngram_max_bfs_breadth: int | None = _arg("speculative_ngram_max_bfs_breadth")
     speculative_ngram_match_type: str = _arg("speculative_ngram_match_type")
+    # A draft model's tree (topk > 1): the runner expands topk per node for num_steps.
+    speculative_eagle_topk: int | None = _arg("speculative_eagle_topk")
+    speculative_num_steps: int | None = _arg("speculative_num_steps")
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,

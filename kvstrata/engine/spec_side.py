@@ -20,7 +20,7 @@ from __future__ import annotations
 from kvstrata.engine.ngram_cache import NgramCache
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.spec_gate import SpecGate
-from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
 
 MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it grow back
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
@@ -47,6 +47,10 @@ class SpeculativeSide(SchedulerSide):
         self.max_breadth = cfg.speculative_ngram_max_bfs_breadth or 1
         self.match_type = cfg.speculative_ngram_match_type
         self.tree = self.match_type == "PROB" or self.max_breadth > 1
+        # A draft model's tree: the runner expands the top-k per node, num_steps deep.
+        self.runner_tree = (self.algorithm != "NGRAM"
+                            and (getattr(cfg, "speculative_eagle_topk", None) or 1) > 1)
+        self.num_steps = getattr(cfg, "speculative_num_steps", None) or 1
         self._depth: dict[str, int] = {}  # rid -> depth of its last draft (trees)
         self._fed: dict[str, int] = {}  # rid -> tokens of it already in the cache
         self._budget: dict[str, int] = {}  # rid -> drafts it may propose next (see _adapt)
@@ -93,6 +97,10 @@ class SpeculativeSide(SchedulerSide):
             if self.algorithm != "NGRAM":
                 budget = 1
         if self.algorithm != "NGRAM":  # a draft model in the runner proposes the tokens
+            if self.runner_tree and budget > 1 and limit >= self.num_steps:
+                self._depth[req.rid] = self.num_steps
+                nodes = budget if max_nodes is None else min(budget, max_nodes)
+                return TreeDraft([RUNNER_DRAFT] * nodes, None)
             return [RUNNER_DRAFT] * min(limit, budget)
         self._feed(req)
         if not self.tree:

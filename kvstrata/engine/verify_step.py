@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstrata.engine.side import SchedulerSide
+from kvstrata.protocol.scheduler_output import TreeDraft
 
 if TYPE_CHECKING:
     from kvstrata.engine.request import Request
@@ -28,7 +29,7 @@ def collect_drafts(sched) -> dict[str, list[int]] | None:
         limit = min(req.remaining_new_tokens() - 1, slots)
         d = next(filter(None, (side.draft(req, limit, slots) for side in sched.sides)), None)
         if d:
-            drafts[req.rid] = d[:max(slots if hasattr(d, "parents") else limit, 0)]
+            drafts[req.rid] = d[:max(slots if isinstance(d, TreeDraft) else limit, 0)]
     return drafts
 
 

@@ -80,7 +80,9 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                          dsa_remap_pd_seed=bool(args.dsa_remap_pd_seed_to_local_slots),
                          draft_model_path=args.speculative_draft_model_path if drafts else None,
                          draft_quantization=None if draft_quant == "unquant" else draft_quant,
-                         draft_algorithm=args.speculative_algorithm)
+                         draft_algorithm=args.speculative_algorithm,
+                         draft_tree=(args.speculative_eagle_topk or 1,
+                                     args.speculative_num_steps or 1))
     if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
             (args.speculative_ngram_max_bfs_breadth or 1) > 1
             or args.speculative_ngram_match_type == "PROB"):

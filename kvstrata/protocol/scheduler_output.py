@@ -36,13 +36,14 @@ class TreeDraft(list):
     """Draft tokens of a tree (scheduler side): the tokens in breadth-first order and, per
     token, its parent in the verify entry -- 0 is the entry's last token, j the j-th draft
     token (1-based), always an earlier one. A plain list of drafts is a chain (the parent of
-    draft j is j - 1). A prefix of a BFS-ordered tree is a tree, so truncating keeps it one."""
+    draft j is j - 1). A prefix of a BFS-ordered tree is a tree, so truncating keeps it one.
+    parents None: RUNNER_DRAFT placeholders for a tree the runner's draft model shapes."""
 
     def __init__(self, tokens=(), parents=()):
         super().__init__(tokens)
-        self.parents = list(parents)
-        if len(self.parents) != len(self) or any(
-                not 0 <= p <= j for j, p in enumerate(self.parents)):
+        self.parents = None if parents is None else list(parents)
+        if self.parents is not None and (len(self.parents) != len(self) or any(
+                not 0 <= p <= j for j, p in enumerate(self.parents))):
             raise ValueError(f"invalid draft tree parents {self.parents} for {len(self)} "
                              f"tokens")
 
@@ -50,7 +51,8 @@ class TreeDraft(list):
         if isinstance(i, slice):
             if i.start not in (None, 0) or i.step not in (None, 1):
                 raise IndexError("a draft tree is only cut to a prefix")
-            return TreeDraft(list.__getitem__(self, i), self.parents[i])
+            cut = list.__getitem__(self, i)
+            return TreeDraft(cut, None if self.parents is None else self.parents[i])
         return list.__getitem__(self, i)
 
     def depth(self) -> int:
@@ -95,6 +97,9 @@ class ScheduledRequest(msgspec.Struct):
     # position start_pos + its depth, and moves the accepted path's KV to the positions
     # after start_pos before it answers.
     draft_parents: list[int] | None = None
+    # The RUNNER_DRAFT placeholders are a tree the runner's draft model shapes (top-k
+    # expansion, --speculative-eagle-topk > 1); the runner sets draft_parents itself.
+    runner_tree: bool = False
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):

@@ -21,6 +21,7 @@ runner's one-token acceptance rule keeps the target's distribution, runner/spec_
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.protocol.disagg import BackupOp, PDOp
 from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TransferOp
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.draft_tree import build_trees, scratch_per_request
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.model_setup import load_serving_model
 
@@ -64,7 +66,8 @@ class CatchUp:
 
 class DraftModel:
     def __init__(self, model_path: str, dtype: str, device: torch.device,
-                 quantization: str | None, target_vocab_size: int):
+                 quantization: str | None, target_vocab_size: int,
+                 tree: tuple[int, int] = (1, 1)):
         self.device = device
         self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
             model_path, dtype, device, quantization, "--speculative-draft-model-quantization")
@@ -77,9 +80,12 @@ class DraftModel:
                              f"({self.model.dims.vocab_size} tokens) differs from the target's "
                              f"({target_vocab_size}); a draft must share the target's "
                              f"tokenizer")
-        self._init_state()
+        self._init_state(tree)
 
-    def _init_state(self) -> None:
+    def _init_state(self, tree: tuple[int, int] = (1, 1)) -> None:
+        # (topk, num_steps): topk > 1 shapes runner_tree entries (runner/draft_tree.py)
+        self.topk, self.num_steps = tree
+        self.scratch_base = 0  # first scratch slot of the tree steps (past the pool's pages)
         self.pool: MHATokenToKVPool | None = None
         self.valid: torch.Tensor | None = None  # [num_slots] bool: slot holds draft KV
         self._known: dict[str, int] = {}  # rid -> leading positions known to hold draft KV
@@ -95,7 +101,13 @@ class DraftModel:
         return getattr(self.hf_config, "max_position_embeddings", None)
 
     def allocate(self, plan: KVPlan, req_to_token: ReqToTokenTable) -> None:
-        self.pool = MHATokenToKVPool(plan.draft_plan(), self.device)
+        sub = plan.draft_plan()
+        if self.topk > 1:  # tree steps' scratch slots, past the pages the scheduler hands out
+            scratch = plan.num_rows * scratch_per_request(self.topk, self.num_steps)
+            self.scratch_base = (plan.num_pages + 1) * plan.page_size
+            sub = dataclasses.replace(sub, num_pages=plan.num_pages + -(-scratch //
+                                                                        plan.page_size))
+        self.pool = MHATokenToKVPool(sub, self.device)
         d = self.model.dims
         self.model.attn_backend = TorchNativeAttnBackend(
             self.pool, req_to_token, d.num_heads, d.num_kv_heads, d.head_dim,
@@ -117,10 +129,15 @@ class DraftModel:
             slots = (idx[:, None] * P + torch.arange(P, device=self.device)).reshape(-1)
             self.valid[slots] = False
 
-    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int) -> None:
+    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int,
+                     tree: bool = False) -> None:
         """A verify entry at `start` (the last token) with `num_draft` drafts kept
         `accepted`: draft KV at start + 1 + accepted .. start + num_draft - 1 was computed
-        from rejected tokens."""
+        from rejected tokens. A tree's drafts never had draft KV in the entry's slots (its
+        steps ran in scratch slots): only the last token's."""
+        if tree:
+            self._known[rid] = min(self._known.get(rid, start + 1), start + 1)
+            return
         lo, hi = start + 1 + accepted, start + num_draft
         if hi > lo:
             self.valid[self.req_to_token.table[row, lo:hi]] = False
@@ -167,10 +184,31 @@ class DraftModel:
             self._known[r.rid] = min(self._known.get(r.rid, 0), r.start_pos)
             plans.append(self.catch_up_plan(r.rid, r.row, ids, r.start_pos + 1))
             self.catch_up_tokens += max(0, len(plans[-1].tokens) - self._usual_extend(r))
-        drafts = self.propose(plans, [reqs[i].num_draft for i in drafting])
-        for i, d in zip(drafting, drafts):
-            token_ids[i][-len(d):] = d
+        chains = [k for k, i in enumerate(drafting) if not reqs[i].runner_tree]
+        trees = [k for k, i in enumerate(drafting) if reqs[i].runner_tree]
+        if chains:
+            drafts = self.propose([plans[k] for k in chains],
+                                  [reqs[drafting[k]].num_draft for k in chains])
+            for k, d in zip(chains, drafts):
+                token_ids[drafting[k]][-len(d):] = d
+        if trees:
+            built = build_trees(self, [plans[k] for k in trees],
+                                [reqs[drafting[k]].num_draft for k in trees], self.topk,
+                                self.num_steps, self.scratch_base)
+            for k, (tokens, parents) in zip(trees, built):
+                r = reqs[drafting[k]]
+                token_ids[drafting[k]][-len(tokens):] = tokens
+                r.draft_parents = parents
         return token_ids
+
+    def tree_forward(self, fb: ForwardBatch, carry: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A tree step over scratch slots (never valid draft KV): every token's logits."""
+        return self.model(fb), None
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A tree's accepted drafts moved (runner/spec_verify.py move_accepted_kv): a draft
+        model keeps nothing per slot that the move must carry (its KV there is invalid)."""
 
     def _usual_extend(self, r) -> int:
         """Tokens a drafting request's extend takes in a steady step: its last token (the
@@ -208,14 +246,11 @@ class DraftModel:
         fb.logits_idx = ends.to(self.device)
         return fb
 
-    @torch.inference_mode()
-    def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:
-        """Per verify entry: `plans[i]`'s extend ends just before the draft positions;
-        returns num_drafts[i] greedy draft tokens for the entry. The first round extends
-        each request's catch-up; round j > 1 feeds draft j - 1 at the next position (slots
-        the scheduler already assigned to the entry)."""
+    def extend(self, plans: list[CatchUp]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every plan's catch-up extend (long ones CATCH_UP_CHUNK tokens a forward first):
+        the logits of each plan's last token and the carry of its draft steps."""
         plans = list(plans)
-        while True:  # long catch-ups first, CATCH_UP_CHUNK tokens a forward
+        while True:
             long = [i for i, p in enumerate(plans) if len(p.tokens) > CATCH_UP_CHUNK]
             if not long:
                 break
@@ -225,8 +260,16 @@ class DraftModel:
                 p = plans[i]
                 plans[i] = CatchUp(p.rid, p.row, p.start + CATCH_UP_CHUNK,
                                    p.tokens[CATCH_UP_CHUNK:])
-        logits, carry = self._forward([p.tokens for p in plans], [p.row for p in plans],
-                                      [p.start for p in plans])
+        return self._forward([p.tokens for p in plans], [p.row for p in plans],
+                             [p.start for p in plans])
+
+    @torch.inference_mode()
+    def propose(self, plans: list[CatchUp], num_drafts: list[int]) -> list[list[int]]:
+        """Per verify entry: `plans[i]`'s extend ends just before the draft positions;
+        returns num_drafts[i] greedy draft tokens for the entry. The first round extends
+        each request's catch-up; round j > 1 feeds draft j - 1 at the next position (slots
+        the scheduler already assigned to the entry)."""
+        logits, carry = self.extend(plans)
         drafts = [[t] for t in logits.argmax(dim=-1).tolist()]
         last_pos = [p.start + len(p.tokens) - 1 for p in plans]
         prev = list(range(len(plans)))  # the requests whose rows `carry` holds

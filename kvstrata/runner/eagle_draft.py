@@ -31,7 +31,8 @@ from kvstrata.runner.models.eagle import load_eagle_head
 
 
 class EagleDraft(DraftModel):
-    def __init__(self, model_path: str, target, device: torch.device):
+    def __init__(self, model_path: str, target, device: torch.device,
+                 tree: tuple[int, int] = (1, 1)):
         if getattr(target, "pool_kind", None) != "mha":
             raise ValueError(f"--speculative-algorithm EAGLE: the target must be a "
                              f"llama-family decoder, not {type(target).__name__} (NEXTN / MTP "
@@ -42,7 +43,7 @@ class EagleDraft(DraftModel):
         self.model = load_eagle_head(self.source, self.hf_config, target)
         self.quantization_info = {"quantization": None}
         target.capture_hidden = True
-        self._init_state()
+        self._init_state(tree)
         self.features: torch.Tensor | None = None   # [num_slots, H]: h of the slot's token
         self.feature_ok: torch.Tensor | None = None  # [num_slots] bool: set by a target forward
         self.next_tok: torch.Tensor | None = None   # [num_slots]: token the head KV assumed next
@@ -80,11 +81,21 @@ class EagleDraft(DraftModel):
         self.feature_ok[out_slots] = True
         target.last_hidden = None
 
-    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int) -> None:
+    def after_verify(self, rid: str, row: int, start: int, num_draft: int, accepted: int,
+                     tree: bool = False) -> None:
         # Positions before `start` got head KV from true features in this step's extend;
         # from `start` on the draft steps fed their own hidden states (never valid).
         self._known[rid] = start
         self._verified_at[rid] = (start, num_draft)
+
+    def tree_forward(self, fb, carry: torch.Tensor | None):
+        return self.model(fb, carry)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """A tree's accepted drafts moved to the committed positions: their features (the
+        target's hidden states there) move with them."""
+        self.features[dst] = self.features[src]
+        self.feature_ok[dst] = self.feature_ok[src]
 
     def catch_up_plan(self, rid: str, row: int, all_ids: list[int], end: int) -> CatchUp | None:
         """`all_ids` ends with the entry's last token x_s (s = end - 1): the extend covers

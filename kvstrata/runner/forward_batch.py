@@ -29,6 +29,9 @@ class ForwardBatch:
     # its first token, then entry indices). Each token attends to the request's context
     # before the entry and its own ancestors; `positions` hold start + depth.
     trees: dict[int, list[int]] | None = None
+    # Every token a one-token query over its own key slots (a draft model's tree step:
+    # the context and the node's ancestors); out_slots are then scratch slots.
+    query_keys: list[torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -59,7 +59,7 @@ class ModelRunner:
                  device: str | torch.device | None = None, quantization: str | None = None,
                  dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
                  draft_model_path: str | None = None, draft_quantization: str | None = None,
-                 draft_algorithm: str = "STANDALONE"):
+                 draft_algorithm: str = "STANDALONE", draft_tree: tuple[int, int] = (1, 1)):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
@@ -76,10 +76,10 @@ class ModelRunner:
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
         self.draft: DraftModel | None = None
         if draft_model_path is not None and draft_algorithm == "EAGLE":
-            self.draft = EagleDraft(draft_model_path, self.model, self.device)
+            self.draft = EagleDraft(draft_model_path, self.model, self.device, draft_tree)
         elif draft_model_path is not None:
             self.draft = DraftModel(draft_model_path, dtype, self.device, draft_quantization,
-                                    self.model.dims.vocab_size)
+                                    self.model.dims.vocab_size, draft_tree)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -253,12 +253,12 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
-        apply_trees(fb, {i: [-1] + r.draft_parents for i, r in enumerate(reqs)
-                         if r.draft_parents is not None})
         if self.draft is not None:  # a draft in the runner: its part of the step first
             token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots)
             fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
                                         dtype=torch.int64).to(self.device)
+        apply_trees(fb, {i: [-1] + r.draft_parents for i, r in enumerate(reqs)
+                         if r.draft_parents is not None})
         if self.dsa_seeds is not None and self.dsa_seeds.pending:
             self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
 
@@ -309,14 +309,15 @@ class ModelRunner:
                 [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans],
                 [r.draft_parents for r in vreqs])
             produced = {r.rid: res for r, res in zip(vreqs, results)}
+            pools = [self.kv_pool] + ([self.draft] if self.draft is not None else [])
             for r, path in zip(vreqs, paths):
                 if r.draft_parents is not None:
-                    spec_verify.move_accepted_kv([self.kv_pool], self.req_to_token.table,
-                                                 r.row, r.start_pos, path)
+                    spec_verify.move_accepted_kv(pools, self.req_to_token.table, r.row,
+                                                 r.start_pos, path)
             if self.draft is not None:
                 for r, res in zip(vreqs, results):
                     self.draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft,
-                                            len(res) - 1)
+                                            len(res) - 1, tree=r.draft_parents is not None)
         sampled = [r for r in reqs if r.sample and not r.num_draft]
         if sampled:
             states = [self._reqs[r.rid].sampling for r in sampled]

@@ -152,3 +152,101 @@ def test_sampling_distribution_matches_plain(eagle):
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in b_out) > n // 2
     assert_same_distribution(a, b_out)
     drained(spec)
+
+
+TREE = {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 8}
+
+
+@pytest.mark.parametrize("target,head,page_size,chunk,kernel", [
+    ("copy_target", "copy_head", 16, None, "1"), ("copy_target", "copy_head", 1, 8, "0"),
+    ("llama", "random_head", 4, None, "1")])
+def test_tree_drafts_equal_plain(eagle, plain, monkeypatch, target, head, page_size, chunk,
+                                 kernel):
+    """topk 3 over 3 steps, 7 drafts a tree: the head's tree steps attend through explicit
+    key slots (the paged decode kernel, or the padded SDPA path), accepted paths leave the
+    first branch (their KV and features move), output equals plain greedy."""
+    from kvstrata.runner import spec_verify
+    monkeypatch.setenv("KVSTRATA_CPU_PAGED_DECODE", kernel)
+    moved = []
+    real = spec_verify.move_accepted_kv
+    monkeypatch.setattr(spec_verify, "move_accepted_kv", lambda pools, table, row, start, path: (
+        moved.append(path != list(range(1, len(path) + 1))),
+        real(pools, table, row, start, path)))
+    prompts = repeating_prompts()
+    params = greedy(40)
+    ref = plain(target, prompts, params)
+    llm = make_llm(eagle[target], eagle[head], page_size=page_size, max_total_tokens=8192,
+                   chunked_prefill_size=chunk or -1, speculative_num_steps=3, **TREE)
+    first, again = twice_equal_plain(llm, prompts, params, ref)
+    assert moved, "no tree was verified"
+    if head == "copy_head":
+        assert any(moved), "no accepted path left the first branch"
+        assert accept_length(first) > 2.5 and accept_length(again) > 2.5
+
+
+def test_tree_sampling_distribution_matches_plain(eagle):
+    target = eagle["copy_target"]
+    prompt = [17, 42, 99, 5, 61, 8, 250]
+    n = 500
+    spec = make_llm(target, eagle["copy_head"], max_total_tokens=8192, speculative_num_steps=3,
+                    **TREE)
+    a, b_out = sample_both(make_llm(target, None, max_total_tokens=8192), spec, prompt, n, 4000)
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in b_out) > n // 2
+    assert_same_distribution(a, b_out)
+    drained(spec)
+
+
+def test_a_tree_holds_the_chain(eagle):
+    """The head's tree steps (scratch slots, each node attending to the context and its
+    ancestors, fed its parent's hidden state) agree with its chain steps: with every
+    candidate kept, the chain's drafts are a path of the tree, and every fed node's best
+    continuation recomputed as a chain through its branch is among its children. Two
+    requests are built in one step, so a node fed another request's state shows."""
+    from kvstrata.runner.draft_tree import build_trees
+    from kvstrata.runner.forward_batch import ForwardBatch
+    from kvstrata.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(eagle["llama"], dtype="float32", device="cpu",
+                         draft_model_path=eagle["random_head"], draft_algorithm="EAGLE",
+                         draft_tree=(3, 3))
+    facts = runner.kv_facts()
+    runner.allocate_kv(KVPlan(page_size=1, num_pages=64, num_rows=3, context_len=32,
+                              components=facts.components,
+                              draft_components=facts.draft_components))
+    prompts = [[5, 17, 42, 99, 7, 250, 31, 64, 8, 120], [77, 3, 190, 45, 12, 9, 260]]
+    for row, prompt in enumerate(prompts, 1):
+        base = 1 + 20 * (row - 1)
+        runner.req_to_token.write_many([row], [0], [list(range(base, base + 20))])
+        fb = ForwardBatch.build([prompt], [row], [0], runner.device)
+        fb.out_slots = runner.req_to_token.table[fb.token_rows, fb.positions]
+        runner.model(fb)
+        runner.draft.after_target_forward(fb.out_slots, runner.model)
+    draft = runner.draft
+
+    def plans():
+        for row in (1, 2):
+            draft.forget(f"r{row}")
+        return [draft.catch_up_plan(f"r{row}", row, p, len(p))
+                for row, p in enumerate(prompts, 1)]
+    chains = draft.propose(plans(), [3, 3])
+    everything = 3 + 2 * 9
+    trees = build_trees(draft, plans(), [everything] * 2, 3, 3, draft.scratch_base)
+    with torch.inference_mode():
+        _, g0 = draft.extend(plans())
+    for i, ((tokens, parents), chain) in enumerate(zip(trees, chains)):
+        row, n = i + 1, len(prompts[i])
+        assert len(tokens) == everything
+        kids: dict[int, list[int]] = {}
+        for j, p in enumerate(parents):
+            kids.setdefault(p, []).append(j + 1)
+        tok = dict(enumerate(tokens, 1))
+        node = 0
+        for d in chain:
+            node = next(c for c in kids[node] if tok[c] == d)
+        with torch.inference_mode():
+            for c1 in kids[0]:
+                l1, h1 = draft._forward([[tok[c1]]], [row], [n - 1], g0[i:i + 1])
+                assert int(l1.argmax()) in {tok[c] for c in kids[c1]}
+                for c2 in (c for c in kids[c1] if c in kids):
+                    l2, _ = draft._forward([[tok[c2]]], [row], [n], h1)
+                    assert int(l2.argmax()) in {tok[c] for c in kids[c2]}

@@ -146,3 +146,20 @@ def test_long_catch_up_runs_in_chunks(tiny_checkpoints, plain, monkeypatch):
     assert_same(plain(prompts, params), out)
     assert accept_length(out) > STEPS - 1
     drained(llm)
+
+
+def test_tree_drafts_equal_plain_through_retraction_and_hicache(tiny_checkpoints, plain):
+    """topk 3 over 3 steps, 7 drafts a tree: a self-draft's best path is the target's
+    greedy one (accept length ~3: the third level rarely makes the 7 best candidates), and
+    the output equals plain greedy through radix hits, retraction and a starved HiCache."""
+    target = tiny_checkpoints["llama"]
+    tree = {"speculative_eagle_topk": 3, "speculative_num_draft_tokens": 8,
+            "speculative_num_steps": 3}
+    prompts = repeating_prompts()
+    params = greedy(40)
+    first, again = twice_equal_plain(
+        make_llm(target, target, max_total_tokens=8192, page_size=16, **tree), prompts,
+        params, plain(prompts, params))
+    assert accept_length(first) > 2.5 and accept_length(again) > 2.5
+    check_retraction_starved_hicache_and_aborts(
+        lambda **kw: make_llm(target, target, **{**kw, **tree}), plain, 2.0)

@@ -175,8 +175,11 @@ def test_dead_decode_frees_the_prefill(pd):
     the heartbeat bound (those still waiting for the decode's pages included) and its queues
     and pages return to idle; a new decode server then works."""
     def both(i):
-        """What the router does; returns the prefill's answer (the decode's dies with it)."""
-        body = {"input_ids": list(range(100 + i, 300 + i)), **pd.body(),
+        """What the router does; returns the prefill's answer (the decode's dies with it).
+        400-token prompts: the decode pool (2048 tokens) admits about half of them, so the
+        other rooms are still waiting for its pages when it dies (with short prompts every
+        transfer could finish before the test looked, and it saw no room open)."""
+        body = {"input_ids": list(range(100 + i, 500 + i)), **pd.body(),
                 "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
 
         def to_decode():

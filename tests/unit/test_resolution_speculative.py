@@ -62,9 +62,6 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
       "speculative_draft_model_quantization": "w8a8_int8"},
      "--speculative-draft-model-quantization w8a8_int8 with EAGLE (the head is one layer; "
      "it runs in the target's dtype)"),
-    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
-      "speculative_eagle_topk": 4},
-     "--speculative-eagle-topk 4 (tree drafts of a draft model)"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "fp8"},
      "--speculative-draft-model-quantization fp8"),
@@ -142,3 +139,15 @@ def test_ngram_trees_are_built(kwargs):
     args, rules = resolved(speculative_algorithm="NGRAM", **kwargs)
     assert unimplemented_flags(args) == []
     assert args.speculative_eagle_topk == args.speculative_ngram_max_bfs_breadth
+
+
+def test_draft_model_trees_are_built_and_need_enough_candidates():
+    args, _ = resolved(speculative_algorithm="EAGLE", speculative_draft_model_path="/d",
+                       speculative_eagle_topk=4, speculative_num_steps=3,
+                       speculative_num_draft_tokens=16)
+    assert unimplemented_flags(args) == [] and args.speculative_num_draft_tokens == 16
+    with pytest.raises(ValueError, match="--speculative-num-draft-tokens 8: a tree of topk 2 "
+                                         "over 1 steps has only 2 candidates"):
+        resolved(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d",
+                 speculative_eagle_topk=2, speculative_num_steps=1,
+                 speculative_num_draft_tokens=8)

@@ -64,6 +64,10 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
     args = apply(args, out)
     steps, topk, tokens = (args.speculative_num_steps, args.speculative_eagle_topk,
                            args.speculative_num_draft_tokens)
+    if algo != "NGRAM" and topk > 1 and tokens - 1 > topk + (steps - 1) * topk * topk:
+        raise ValueError(f"--speculative-num-draft-tokens {tokens}: a tree of topk {topk} "
+                         f"over {steps} steps has only {topk + (steps - 1) * topk * topk} "
+                         f"candidates for its {tokens - 1} drafts")
     if topk == 1 and tokens != steps + 1:
         out += change(args, "speculative_num_draft_tokens", steps + 1, "spec.chain",
                       f"topk 1 drafts a chain: num_draft_tokens = num_steps + 1 = {steps + 1}")
@@ -129,9 +133,6 @@ def unbuilt(args) -> list[str]:
     elif quant not in (None, "unquant") and algo == "EAGLE":
         missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
                        f"head is one layer; it runs in the target's dtype)")
-    if algo != "NGRAM" and (args.speculative_eagle_topk or 1) > 1:
-        missing.append(f"--speculative-eagle-topk {args.speculative_eagle_topk} (tree drafts "
-                       f"of a draft model)")
     if args.speculative_accept_threshold_single < 1.0 or args.speculative_accept_threshold_acc < 1.0:
         missing.append("--speculative-accept-threshold-single/-acc below 1.0 (lossy "
                        "acceptance)")

@@ -116,6 +116,14 @@ class TorchNativeAttnBackend:
         decode: list[tuple] = []   # (kv_len, flat token, row[, explicit key slots])
         off = 0
         trees = fb.trees or {}
+        if fb.query_keys is not None:  # explicit keys per token (a draft tree step)
+            decode = [(len(k), j, 0, k) for j, k in enumerate(fb.query_keys)]
+            if self.use_kernel:
+                fb.attn_meta = TorchNativeMeta([self._kernel_piece(decode, table, device)],
+                                               False)
+            else:
+                fb.attn_meta = TorchNativeMeta([self._explicit_piece(decode, device)], False)
+            return
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
             if i in trees:  # a draft tree: each token sees the context and its ancestors
                 pieces += self._tree(trees[i], table, row, start, off, decode, device)
@@ -167,6 +175,18 @@ class TorchNativeAttnBackend:
         for j, a in enumerate(anc):
             mask[j, start + torch.tensor(a)] = True
         return [Piece("paged", off, off + n, kv_idx, unit, mask.to(device))]
+
+    def _explicit_piece(self, decode: list[tuple], device: torch.device) -> Piece:
+        """One-token queries over explicit key slots, padded to the longest in one SDPA
+        call (the path without the paged decode kernel)."""
+        longest = max(e[0] for e in decode)
+        idx = torch.zeros(len(decode), longest, dtype=torch.int64)
+        for b, e in enumerate(decode):
+            idx[b, :e[0]] = e[3]
+        lens = torch.tensor([e[0] for e in decode], dtype=torch.int64)
+        mask = (torch.arange(longest)[None, :] < lens[:, None])[:, None, None]
+        return Piece("decode", 0, len(decode), idx.reshape(-1).to(device),
+                     mask=mask.to(device), n=len(decode))
 
     def _kernel_piece(self, decode: list[tuple], table: torch.Tensor,
                       device: torch.device) -> Piece:
