@@ -21,8 +21,7 @@ from kvstrata.engine.sides import build_sides
 from kvstrata.engine.stop_checker import StopChecker
 from kvstrata.engine.verify_step import after_verified, collect_drafts, settle_verified
 from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
-                               SchedulerOutput)
-from kvstrata.protocol.scheduler_output import TreeDraft
+                               SchedulerOutput, TreeDraft)
 
 __all__ = ["OOM_LAST_REQUEST_MESSAGE", "Scheduler", "SchedulerConfig"]
 

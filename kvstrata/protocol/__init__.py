@@ -14,6 +14,7 @@ from kvstrata.protocol.scheduler_output import (
     TopLogprob,
     TransferDone,
     TransferOp,
+    TreeDraft,
     of_type,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "SpecCounts",
     "TopLogprob",
     "TransferOp",
+    "TreeDraft",
     "StorageProgress",
     "StorageCancel",
     "TransferDone",
