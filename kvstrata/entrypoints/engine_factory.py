@@ -89,6 +89,8 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
         raise NotImplementedError("not implemented yet: NGRAM tree drafts "
                                   "(--speculative-ngram-max-bfs-breadth > 1 or match type "
                                   "PROB) on an MLA / DSA model")
+    runner.spec_accept_thresholds = (args.speculative_accept_threshold_single,
+                                     args.speculative_accept_threshold_acc)
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)

@@ -91,6 +91,8 @@ class ModelRunner:
         # host pool, else on the first BackupOp (cpu_tensor only).
         self.backup: RetractionBackupExecutor | None = None
         self.disagg = None  # DisaggExecutor once enable_disagg() ran (PD prefill/decode)
+        # --speculative-accept-threshold-single / -acc (sampled verify rows only)
+        self.spec_accept_thresholds = (1.0, 1.0)
 
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
@@ -307,7 +309,7 @@ class ModelRunner:
                                for i, first in verify_spans],
                 [self._reqs[r.rid].sampling for r in vreqs],
                 [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans],
-                [r.draft_parents for r in vreqs])
+                [r.draft_parents for r in vreqs], self.spec_accept_thresholds)
             produced = {r.rid: res for r, res in zip(vreqs, results)}
             pools = [self.kv_pool] + ([self.draft] if self.draft is not None else [])
             for r, path in zip(vreqs, paths):

@@ -23,15 +23,13 @@ import torch
 from kvstrata.runner.sampler import Sampler, SamplingState, mix_seed
 
 ACCEPT_SALT = 0x5BEC_A11C_E97A_0D15
-SIBLING_SALT = 0x9E37_79B9_7F4A_7C15  # tree drafts: one more stream per further sibling
 
 
-def _accept_uniform(s: SamplingState, sibling: int = 0) -> float:
-    """The accept test's uniform for the next token's `sibling`-th draft candidate."""
+def _accept_uniform(s: SamplingState) -> float:
+    """The accept test's uniform for the next token."""
     if s.params.seed is None:
         return float(torch.rand(()))
-    salt = ACCEPT_SALT ^ (sibling * SIBLING_SALT)
-    return (mix_seed(s.params.seed ^ salt, len(s.output_token_ids)) >> 40) / float(1 << 24)
+    return (mix_seed(s.params.seed ^ ACCEPT_SALT, len(s.output_token_ids)) >> 40) / float(1 << 24)
 
 
 def _children(parents: list[int] | None, drafts: list[int]) -> dict[int, list[tuple]]:
@@ -45,15 +43,15 @@ def _children(parents: list[int] | None, drafts: list[int]) -> dict[int, list[tu
 
 
 def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingState],
-           drafts: list[list[int]], parents: list[list[int] | None] | None = None
+           drafts: list[list[int]], parents: list[list[int] | None] | None = None,
+           thresholds: tuple[float, float] = (1.0, 1.0)
            ) -> tuple[list[list[tuple[int, float | None, list | None]]], list[list[int]]]:
     """Per request: the tokens it produced, each (token, logprob, top logprobs), and the
     accepted path (the draft nodes 1..k whose tokens were kept, in order). `logits[i]` is
     [len(drafts[i]) + 1, vocab], row j the target after entry node j. A tree node's
     children are tried in draft order: greedy moves to the child holding the argmax;
-    sampling accepts child c with probability p(c) under the current residual, else
-    removes c from it (renormalised) and tries the next -- P(out = c) = p(c) for every
-    child and P(out = x) = p(x) otherwise, so the distribution is the plain one's.
+    sampling follows `_sample_children` (SGLang's rule; `thresholds` = (single, acc),
+    --speculative-accept-threshold-*), which keeps the plain distribution at 1.0.
     Appends every produced token to its state."""
     kids = [_children(None if parents is None else parents[i], drafts[i])
             for i in range(len(states))]
@@ -74,7 +72,7 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
             for k, r in enumerate(sample_rows):
                 i = alive[r]
                 tokens[r] = _sample_children(probs[k], kids[i].get(node[i], ()), sub[k],
-                                             draws[k:k + 1])
+                                             draws[k:k + 1], thresholds)
         want_lp = [r for r, s in enumerate(st) if s.params.logprobs is not None]
         lps: list = [None] * len(st)
         tops: list = [None] * len(st)
@@ -93,13 +91,22 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
     return results, paths
 
 
-def _sample_children(p: torch.Tensor, children, state: SamplingState,
-                     draw: list[float]) -> int:
-    """One sampled row at a node whose children (drafts, one-hot) are tried in order."""
-    for m, (_, d) in enumerate(children):
-        total = float(p.sum())
+def _sample_children(p: torch.Tensor, children, state: SamplingState, draw: list[float],
+                     thresholds: tuple[float, float] = (1.0, 1.0)) -> int:
+    """One sampled row at a node whose children (drafts, one-hot) are tried in order, with
+    SGLang's rule: one uniform u for the node, acc = the target probabilities of the
+    children tried so far; child c is accepted iff u < acc / threshold_acc or p(c) >=
+    threshold_single; else it leaves the residual. No child: a draw from the residual.
+    With both thresholds 1.0, P(c) = p(c) for every child and p(x) for every other token
+    (exact); below 1.0 drafts pass more often (lossy, as the flags say)."""
+    single, acc_threshold = thresholds
+    total = float(p.sum())
+    u = _accept_uniform(state)
+    acc = 0.0
+    for _, d in children:
         p_d = float(p[d]) / total if d < p.shape[0] and total > 0 else 0.0
-        if _accept_uniform(state, m) < p_d:
+        acc += p_d
+        if u < acc / max(acc_threshold, 1e-9) or p_d >= single:
             return d
         if d < p.shape[0]:
             p = p.clone()

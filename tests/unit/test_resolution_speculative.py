@@ -65,8 +65,6 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "fp8"},
      "--speculative-draft-model-quantization fp8"),
-    ({"speculative_algorithm": "NGRAM", "speculative_accept_threshold_single": 0.5},
-     "--speculative-accept-threshold-single/-acc below 1.0 (lossy acceptance)"),
 ])
 def test_unbuilt_speculation_is_refused_by_name(kwargs, named):
     args = ServerArgs(**kwargs)
@@ -151,3 +149,11 @@ def test_draft_model_trees_are_built_and_need_enough_candidates():
         resolved(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d",
                  speculative_eagle_topk=2, speculative_num_steps=1,
                  speculative_num_draft_tokens=8)
+
+
+def test_lossy_accept_thresholds_are_built():
+    args, _ = resolved(speculative_algorithm="NGRAM", speculative_accept_threshold_single=0.5,
+                       speculative_accept_threshold_acc=0.7)
+    assert unimplemented_flags(args) == []
+    with pytest.raises(ValueError, match="--speculative-accept-threshold-acc"):
+        ServerArgs(speculative_algorithm="NGRAM", speculative_accept_threshold_acc=1.5)

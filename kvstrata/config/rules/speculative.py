@@ -133,9 +133,6 @@ def unbuilt(args) -> list[str]:
     elif quant not in (None, "unquant") and algo == "EAGLE":
         missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
                        f"head is one layer; it runs in the target's dtype)")
-    if args.speculative_accept_threshold_single < 1.0 or args.speculative_accept_threshold_acc < 1.0:
-        missing.append("--speculative-accept-threshold-single/-acc below 1.0 (lossy "
-                       "acceptance)")
     if args.speculative_token_map is not None:
         missing.append("--speculative-token-map")
     return missing

@@ -1,0 +1,40 @@
+"""The sampled acceptance rule at a draft node (runner/spec_verify.py, SGLang's rule): with
+thresholds 1.0 the output token is distributed as the target's p whatever the children;
+below 1.0 drafts pass more often, as --speculative-accept-threshold-single / -acc say."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from kvstrata.protocol import SamplingParams
+from kvstrata.runner.sampler import SamplingState
+from kvstrata.runner.spec_verify import _sample_children
+
+P = torch.tensor([0.1, 0.2, 0.3, 0.4])  # unnormalised on purpose: x2 below
+N = 3000  # 4 sigma of a 0.4 frequency: 0.036
+
+
+def draws(children, thresholds=(1.0, 1.0), p=P) -> Counter:
+    torch.manual_seed(0)
+    out = Counter()
+    for k in range(N):
+        state = SamplingState(SamplingParams(temperature=1.0, seed=k), [1], [])
+        u = torch.tensor([(k * 0.6180339887) % 1.0])
+        out[_sample_children(p * 2, [(j + 1, d) for j, d in enumerate(children)], state, u,
+                             thresholds)] += 1
+    return out
+
+
+def test_children_keep_the_target_distribution():
+    for children in ([], [3], [2, 0], [1, 3, 2], [0, 1, 2, 3]):
+        got = draws(children)
+        for tok in range(4):
+            assert abs(got[tok] / N - float(P[tok])) < 0.036, (children, tok, got)
+
+
+def test_thresholds_below_one_accept_more():
+    exact = draws([1])[1] / N                   # p(1) = 0.2
+    single = draws([2], (0.3, 1.0))[2] / N      # p(2) = 0.3 >= 0.3: always
+    acc = draws([1], (1.0, 0.5))[1] / N         # u < 0.2 / 0.5
+    assert abs(exact - 0.2) < 0.036 and single == 1.0 and abs(acc - 0.4) < 0.036
