@@ -82,7 +82,8 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                          draft_quantization=None if draft_quant == "unquant" else draft_quant,
                          draft_algorithm=args.speculative_algorithm,
                          draft_tree=(args.speculative_eagle_topk or 1,
-                                     args.speculative_num_steps or 1))
+                                     args.speculative_num_steps or 1),
+                         draft_token_map=args.speculative_token_map)
     if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
             (args.speculative_ngram_max_bfs_breadth or 1) > 1
             or args.speculative_ngram_match_type == "PROB"):

@@ -32,7 +32,8 @@ from kvstrata.runner.models.eagle import load_eagle_head
 
 class EagleDraft(DraftModel):
     def __init__(self, model_path: str, target, device: torch.device,
-                 tree: tuple[int, int] = (1, 1)):
+                 tree: tuple[int, int] = (1, 1), token_map: str | None = None,
+                 target_source=None):
         if getattr(target, "pool_kind", None) != "mha":
             raise ValueError(f"--speculative-algorithm EAGLE: the target must be a "
                              f"llama-family decoder, not {type(target).__name__} (NEXTN / MTP "
@@ -41,6 +42,9 @@ class EagleDraft(DraftModel):
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_eagle_head(self.source, self.hf_config, target)
+        if token_map is not None:
+            self.model.use_token_map(load_token_map(token_map),
+                                     float_output_head(target, target_source))
         self.quantization_info = {"quantization": None}
         target.capture_hidden = True
         self._init_state(tree)
@@ -138,4 +142,32 @@ class EagleDraft(DraftModel):
         return self.model(fb, carry)
 
 
-__all__ = ["EagleDraft"]
+def load_token_map(path: str) -> torch.Tensor:
+    """SGLang's FR-Spec file: a torch-saved 1-D tensor (or list) of the hot token ids."""
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--speculative-token-map {path}: no such file (a torch-saved list "
+                         f"of token ids, e.g. FR-Spec's freq_32768.pt)")
+    ids = torch.load(path, map_location="cpu", weights_only=True)
+    return torch.as_tensor(ids, dtype=torch.int64)
+
+
+def float_output_head(target, source) -> torch.Tensor:
+    """The target's output matrix in float: the embedding when tied, the parameter when
+    plain, else (packed or quantized for the target's own use) read again from the
+    checkpoint."""
+    if target.dims.tie_word_embeddings or target.lm_head is target.embed:
+        return target.embed
+    if isinstance(target.lm_head, torch.Tensor):
+        return target.lm_head
+    from kvstrata.runner.models.loader import iter_checkpoint
+
+    for name, tensor in iter_checkpoint(source, target.config,
+                                        target.spec.gguf_permute_qk):
+        if name == "lm_head.weight":
+            return tensor.to(target.dtype)
+    return target.embed  # a GGUF without output.weight: llama.cpp's tied fallback
+
+
+__all__ = ["EagleDraft", "load_token_map"]

@@ -59,7 +59,8 @@ class ModelRunner:
                  device: str | torch.device | None = None, quantization: str | None = None,
                  dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
                  draft_model_path: str | None = None, draft_quantization: str | None = None,
-                 draft_algorithm: str = "STANDALONE", draft_tree: tuple[int, int] = (1, 1)):
+                 draft_algorithm: str = "STANDALONE", draft_tree: tuple[int, int] = (1, 1),
+                 draft_token_map: str | None = None):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
@@ -76,7 +77,8 @@ class ModelRunner:
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
         self.draft: DraftModel | None = None
         if draft_model_path is not None and draft_algorithm == "EAGLE":
-            self.draft = EagleDraft(draft_model_path, self.model, self.device, draft_tree)
+            self.draft = EagleDraft(draft_model_path, self.model, self.device, draft_tree,
+                                    draft_token_map, self.source)
         elif draft_model_path is not None:
             self.draft = DraftModel(draft_model_path, dtype, self.device, draft_quantization,
                                     self.model.dims.vocab_size, draft_tree)

@@ -250,3 +250,27 @@ def test_a_tree_holds_the_chain(eagle):
                 for c2 in (c for c in kids[c1] if c in kids):
                     l2, _ = draft._forward([[tok[c2]]], [row], [n], h1)
                     assert int(l2.argmax()) in {tok[c] for c in kids[c2]}
+
+
+def test_token_map_limits_drafts_to_hot_tokens(eagle, plain, monkeypatch, tmp_path):
+    """FR-Spec (--speculative-token-map): the head scores only the mapped tokens. With the
+    tokens of the answers mapped, the copy head still passes its drafts; every draft is a
+    mapped token; output equals plain greedy."""
+    from kvstrata.runner import spec_verify
+    prompts = repeating_prompts()
+    params = greedy(40)
+    ref = plain("copy_target", prompts, params)
+    hot = sorted({t for r in ref for t in r["output_ids"]})
+    torch.save(torch.tensor(hot), tmp_path / "freq.pt")
+    seen: set = set()
+    real = spec_verify.verify
+    monkeypatch.setattr(spec_verify, "verify", lambda sampler, logits, states, drafts, *a: (
+        seen.update(t for d in drafts for t in d), real(sampler, logits, states, drafts, *a))[1])
+    llm = make_llm(eagle["copy_target"], eagle["copy_head"], max_total_tokens=8192,
+                   speculative_token_map=str(tmp_path / "freq.pt"))
+    first, _ = twice_equal_plain(llm, prompts, params, ref)
+    assert seen and seen <= set(hot)
+    assert accept_length(first) > STEPS - 1
+    with pytest.raises(ValueError, match="--speculative-token-map .*: no such file"):
+        make_llm(eagle["copy_target"], eagle["copy_head"], max_total_tokens=1024,
+                 speculative_token_map=str(tmp_path / "missing.pt"))

@@ -157,3 +157,12 @@ def test_lossy_accept_thresholds_are_built():
     assert unimplemented_flags(args) == []
     with pytest.raises(ValueError, match="--speculative-accept-threshold-acc"):
         ServerArgs(speculative_algorithm="NGRAM", speculative_accept_threshold_acc=1.5)
+
+
+def test_a_token_map_is_for_eagle_heads():
+    args, _ = resolved(speculative_algorithm="EAGLE", speculative_draft_model_path="/d",
+                       speculative_token_map="/m.pt")
+    assert unimplemented_flags(args) == []
+    assert unimplemented_flags(ServerArgs(speculative_algorithm="NGRAM",
+                                          speculative_token_map="/m.pt")) == [
+        "--speculative-token-map with NGRAM (FR-Spec is for EAGLE heads)"]

@@ -133,6 +133,6 @@ def unbuilt(args) -> list[str]:
     elif quant not in (None, "unquant") and algo == "EAGLE":
         missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
                        f"head is one layer; it runs in the target's dtype)")
-    if args.speculative_token_map is not None:
-        missing.append("--speculative-token-map")
+    if args.speculative_token_map is not None and algo not in ("EAGLE", "NEXTN"):
+        missing.append(f"--speculative-token-map with {algo} (FR-Spec is for EAGLE heads)")
     return missing

@@ -68,6 +68,21 @@ class EagleHead(DecoderForCausalLM):
         self.linear = F.linear
         self.capture_hidden = False
         self.shared = SharedWithTarget(target.embed, target.lm_head, target.linear)
+        self.hot_ids: torch.Tensor | None = None  # FR-Spec token map (use_token_map)
+
+    def use_token_map(self, hot_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
+        """FR-Spec (--speculative-token-map): the head scores only `hot_ids`, through
+        those rows of the target's output matrix; other tokens get -inf, so drafts (argmax,
+        top-k) are always hot tokens while the logits keep the target's vocabulary."""
+        vocab = self.dims.vocab_size
+        if hot_ids.ndim != 1 or not len(hot_ids) or int(hot_ids.min()) < 0 or \
+                int(hot_ids.max()) >= vocab:
+            raise ValueError(f"--speculative-token-map: expected a 1-D list of token ids in "
+                             f"[0, {vocab}), got shape {tuple(hot_ids.shape)}")
+        self.hot_ids = hot_ids.to(torch.int64).to(self.device)
+        self.shared = SharedWithTarget(self.shared.embed,
+                                       head_weight[self.hot_ids].to(self.dtype).contiguous(),
+                                       F.linear)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, features: torch.Tensor
@@ -83,7 +98,12 @@ class EagleHead(DecoderForCausalLM):
             x = self.layer_forward(i, layer, x, cos, sin, fb, input_norm=i > 0)
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
-        return self.shared.linear(x, self.shared.lm_head).float(), x
+        logits = self.shared.linear(x, self.shared.lm_head).float()
+        if self.hot_ids is not None:
+            full = logits.new_full((logits.shape[0], self.dims.vocab_size), float("-inf"))
+            full[:, self.hot_ids] = logits
+            logits = full
+        return logits, x
 
     # ------------------------------------------------------------------ weight loading
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
