@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
             shape = {"speculative_draft_model_path": args.draft_model or args.model,
                      "speculative_draft_model_quantization": args.draft_quantization,
                      "speculative_num_steps": args.draft_steps}
-        elif algo == "EAGLE":
+        elif algo in ("EAGLE", "EAGLE3"):
             if args.eagle_head is None:
                 raise SystemExit("--algorithms EAGLE needs --eagle-head (an EAGLE-2 head "
                                  "checkpoint trained for --model)")

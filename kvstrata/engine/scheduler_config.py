@@ -117,7 +117,7 @@ class SchedulerConfig:
                 setattr(self, f.name, policy.pop(f.name, f.default))
         if policy:
             raise TypeError(f"unknown SchedulerConfig field(s): {', '.join(sorted(policy))}")
-        if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE", "EAGLE"):
+        if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE", "EAGLE", "EAGLE3"):
             raise ValueError(f"not implemented yet: --speculative-algorithm "
                              f"{self.speculative_algorithm}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):

@@ -71,7 +71,7 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
 
     # STANDALONE / EAGLE: the draft in the runner (a PD prefill server never decodes: no
     # draft there).
-    drafts = (args.speculative_algorithm in ("STANDALONE", "EAGLE")
+    drafts = (args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3")
               and args.disaggregation_mode != "prefill")
     draft_quant = args.speculative_draft_model_quantization
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,

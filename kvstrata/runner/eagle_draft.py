@@ -28,12 +28,13 @@ from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.draft_model import CatchUp, DraftModel
 from kvstrata.runner.models.eagle import load_eagle_head
+from kvstrata.runner.models.eagle3 import aux_layers
 
 
 class EagleDraft(DraftModel):
     def __init__(self, model_path: str, target, device: torch.device,
                  tree: tuple[int, int] = (1, 1), token_map: str | None = None,
-                 target_source=None):
+                 target_source=None, algorithm: str = "EAGLE"):
         if getattr(target, "pool_kind", None) != "mha":
             raise ValueError(f"--speculative-algorithm EAGLE: the target must be a "
                              f"llama-family decoder, not {type(target).__name__} (NEXTN / MTP "
@@ -41,7 +42,9 @@ class EagleDraft(DraftModel):
         self.device = device
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
-        self.model = load_eagle_head(self.source, self.hf_config, target)
+        self.model = load_eagle_head(self.source, self.hf_config, target, algorithm)
+        if algorithm == "EAGLE3":  # its features: three of the target's residual streams
+            target.capture_layers = tuple(aux_layers(self.hf_config, target.dims.num_layers))
         if token_map is not None:
             self.model.use_token_map(load_token_map(token_map),
                                      float_output_head(target, target_source))
@@ -58,11 +61,11 @@ class EagleDraft(DraftModel):
         d = self.model.dims
         dtype = str(self.model.dtype).removeprefix("torch.")
         return mha_components(d.num_layers, d.num_kv_heads, d.head_dim, dtype) + (
-            KVComponent(EAGLE_HIDDEN, 1, (d.hidden_size,), dtype),)
+            KVComponent(EAGLE_HIDDEN, 1, (self.model.feature_size,), dtype),)
 
     def allocate(self, plan: KVPlan, req_to_token: ReqToTokenTable) -> None:
         super().allocate(plan, req_to_token)
-        n, h = self.pool.num_slots, self.model.dims.hidden_size
+        n, h = self.pool.num_slots, self.model.feature_size
         self.features = torch.zeros(n, h, dtype=self.model.dtype, device=self.device)
         self.feature_ok = torch.zeros(n, dtype=torch.bool, device=self.device)
         self.next_tok = torch.full((n,), -1, dtype=torch.int64, device=self.device)

@@ -76,9 +76,9 @@ class ModelRunner:
         self.pd_role: str | None = None
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
         self.draft: DraftModel | None = None
-        if draft_model_path is not None and draft_algorithm == "EAGLE":
+        if draft_model_path is not None and draft_algorithm in ("EAGLE", "EAGLE3"):
             self.draft = EagleDraft(draft_model_path, self.model, self.device, draft_tree,
-                                    draft_token_map, self.source)
+                                    draft_token_map, self.source, draft_algorithm)
         elif draft_model_path is not None:
             self.draft = DraftModel(draft_model_path, dtype, self.device, draft_quantization,
                                     self.model.dims.vocab_size, draft_tree)

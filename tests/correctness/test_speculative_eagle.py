@@ -19,7 +19,8 @@ from tests.correctness.test_speculative import (
     repeating_prompts, sample_both, stop_cases)
 from tests.correctness.test_speculative_standalone import (
     accept_length, check_retraction_starved_hicache_and_aborts, twice_equal_plain)
-from tests.helpers.eagle_heads import copy_head, copyable_target, random_head
+from tests.helpers.eagle_heads import (copy_head, copyable_target, random_head,
+                                       runner_after_prompt)
 
 STEPS = 4
 
@@ -60,23 +61,11 @@ def plain(eagle):
 def test_head_matches_transformers(eagle):
     """Extend logits over a prompt, then two self-fed draft steps, equal an HF reference."""
     import transformers as tf
-    from kvstrata.runner.forward_batch import ForwardBatch
-    from kvstrata.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(eagle["llama"], dtype="float32", device="cpu",
-                         draft_model_path=eagle["random_head"], draft_algorithm="EAGLE")
-    facts = runner.kv_facts()
-    assert [c.name for c in facts.draft_components][-1] == EAGLE_HIDDEN
-    runner.allocate_kv(KVPlan(page_size=1, num_pages=64, num_rows=2, context_len=64,
-                              components=facts.components,
-                              draft_components=facts.draft_components))
     prompt = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120]
     n = len(prompt)
-    runner.req_to_token.write_many([1], [0], [list(range(1, n + 3))])
-    fb = ForwardBatch.build([prompt], [1], [0], runner.device)
-    fb.out_slots = runner.req_to_token.table[fb.token_rows, fb.positions]
-    runner.model(fb)
-    runner.draft.after_target_forward(fb.out_slots, runner.model)
+    runner, _ = runner_after_prompt(eagle["llama"], eagle["random_head"], "EAGLE", prompt)
+    assert runner.plan.draft_components[-1].name == EAGLE_HIDDEN
     draft = runner.draft
     with torch.inference_mode():  # our head: extend over positions 0..n-2, then 2 steps
         logits, hidden = draft._forward([prompt[1:]], [1], [0])

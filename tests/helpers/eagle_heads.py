@@ -87,3 +87,60 @@ def copy_head(target_path: str, path: str) -> str:
     fc_weight = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
     return save_head(path, cfg, model.model.layers[0].state_dict(), fc_weight,
                      torch.zeros(h), model.model.embed_tokens.weight)
+
+
+def random_eagle3_head(target_path: str, path: str, draft_vocab: int = 200, seed: int = 9):
+    """A random EAGLE-3 head (SGLang's checkpoint names: midlayer.*, fc, norm, lm_head over
+    a draft vocabulary, d2t / t2d) for a target; returns (path, its tensors)."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    target_cfg = tf.AutoConfig.from_pretrained(target_path)
+    cfg = _eagle_config(target_cfg, draft_vocab_size=draft_vocab)
+    cfg.architectures = ["LlamaForCausalLMEagle3"]
+    g = torch.Generator().manual_seed(seed)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    hd = h // cfg.num_attention_heads
+    nq, nkv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+
+    def rnd(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+    hot = torch.randperm(v, generator=g)[:draft_vocab].sort().values
+    t = {"midlayer.input_layernorm.weight": 1 + rnd(h), "midlayer.hidden_norm.weight": 1 + rnd(h),
+         "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
+         "midlayer.self_attn.q_proj.weight": rnd(nq * hd, 2 * h),
+         "midlayer.self_attn.k_proj.weight": rnd(nkv * hd, 2 * h),
+         "midlayer.self_attn.v_proj.weight": rnd(nkv * hd, 2 * h),
+         "midlayer.self_attn.o_proj.weight": rnd(h, nq * hd),
+         "midlayer.mlp.gate_proj.weight": rnd(inter, h), "midlayer.mlp.up_proj.weight": rnd(inter, h),
+         "midlayer.mlp.down_proj.weight": rnd(h, inter), "fc.weight": rnd(h, 3 * h, scale=0.1),
+         "norm.weight": 1 + rnd(h), "lm_head.weight": rnd(draft_vocab, h),
+         "d2t": hot - torch.arange(draft_vocab), "t2d": torch.zeros(v, dtype=torch.bool),
+         "embed_tokens.weight": rnd(v, h)}
+    t["t2d"][hot] = True
+    os.makedirs(path, exist_ok=True)
+    save_file({k: x.contiguous() for k, x in t.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f)
+    return path, t, hot
+
+
+def runner_after_prompt(target: str, head: str, algorithm: str, prompt: list[int]):
+    """A ModelRunner with the head as its draft (a small page-1 pool), after one target
+    forward over `prompt` in row 1 (slots 1..): its features are stored. (runner, fb)."""
+    from kvstrata.config.kv_plan import KVPlan
+    from kvstrata.runner.forward_batch import ForwardBatch
+    from kvstrata.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(target, dtype="float32", device="cpu", draft_model_path=head,
+                         draft_algorithm=algorithm)
+    facts = runner.kv_facts()
+    runner.allocate_kv(KVPlan(page_size=1, num_pages=64, num_rows=2, context_len=64,
+                              components=facts.components,
+                              draft_components=facts.draft_components))
+    runner.req_to_token.write_many([1], [0], [list(range(1, len(prompt) + 3))])
+    fb = ForwardBatch.build([prompt], [1], [0], runner.device)
+    fb.out_slots = runner.req_to_token.table[fb.token_rows, fb.positions]
+    runner.model(fb)
+    runner.draft.after_target_forward(fb.out_slots, runner.model)
+    return runner, fb

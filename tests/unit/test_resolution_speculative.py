@@ -57,8 +57,10 @@ def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
 
 
 @pytest.mark.parametrize("kwargs,named", [
-    ({"speculative_algorithm": "EAGLE3"}, "--speculative-algorithm EAGLE3"),
-    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d",
+      "speculative_draft_model_quantization": "w8a8_int8"},
+     "--speculative-draft-model-quantization w8a8_int8 with EAGLE3 (the head is one layer; "
+     "it runs in the target's dtype)"),    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "w8a8_int8"},
      "--speculative-draft-model-quantization w8a8_int8 with EAGLE (the head is one layer; "
      "it runs in the target's dtype)"),
@@ -166,3 +168,10 @@ def test_a_token_map_is_for_eagle_heads():
     assert unimplemented_flags(ServerArgs(speculative_algorithm="NGRAM",
                                           speculative_token_map="/m.pt")) == [
         "--speculative-token-map with NGRAM (FR-Spec is for EAGLE heads)"]
+
+
+def test_eagle3_is_built_and_needs_its_head():
+    args, _ = resolved(speculative_algorithm="EAGLE3", speculative_draft_model_path="/d")
+    assert unimplemented_flags(args) == [] and args.speculative_num_draft_tokens == 4
+    with pytest.raises(ValueError, match="EAGLE3 needs --speculative-draft-model-path"):
+        resolved(speculative_algorithm="EAGLE3")

@@ -9,8 +9,9 @@ What SGLang derives, with a recorded reason each:
 What kvstrata builds today: chain drafts of NGRAM (the n-gram cache's most frequent
 continuation), STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
-w8a8_int8`) and EAGLE (an EAGLE-2 head, `--speculative-draft-model-path`). EAGLE3 and NEXTN
-are refused by name at `serve` (config/resolve.py UNIMPLEMENTED); so are tree drafts of a draft model (EAGLE / STANDALONE topk > 1). NGRAM
+w8a8_int8`), EAGLE and EAGLE3 (an EAGLE-2 / EAGLE-3 head, `--speculative-draft-model-path`),
+chains and trees (topk > 1). NEXTN is refused by name at `serve` (config/resolve.py
+UNIMPLEMENTED) until the MTP layer is built (the PD + MTP issue). NGRAM
 builds SGLang's BFS and PROB trees; its breadth left unset resolves to 1 (a chain; SGLang's
 default is 10) and says why.
 """
@@ -23,11 +24,11 @@ from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
-AUTO_SHAPE = {"EAGLE": (3, 1, 4), "STANDALONE": (3, 1, 4)}
+AUTO_SHAPE = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 1, 4), "STANDALONE": (3, 1, 4)}
 TREE_DRAFTS_REASON = ("kvstrata's default is a chain: a full tree per request in its first "
                       "steps cost ~7% throughput at batch 32 on CPU (docs/benchmarks.md); "
                       "a breadth above 1 drafts SGLang's BFS tree")
-BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 # What a draft model may be quantized to: the built --quantization methods.
 DRAFT_QUANTIZATIONS = QUANTIZATION_BUILT
 
@@ -48,7 +49,7 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         if model_flags:
             raise ValueError(f"{', '.join(model_flags)}: NGRAM has no draft model (it drafts "
                              f"from its n-gram cache)")
-    if algo in ("STANDALONE", "EAGLE") and args.speculative_draft_model_path is None:
+    if algo in ("STANDALONE", "EAGLE", "EAGLE3") and args.speculative_draft_model_path is None:
         what = "the draft checkpoint" if algo == "STANDALONE" else "the EAGLE head checkpoint"
         raise ValueError(f"--speculative-algorithm {algo} needs "
                          f"--speculative-draft-model-path ({what})")
@@ -130,8 +131,8 @@ def unbuilt(args) -> list[str]:
     quant = args.speculative_draft_model_quantization
     if quant not in (None, "unquant") + DRAFT_QUANTIZATIONS:
         missing.append(f"--speculative-draft-model-quantization {quant}")
-    elif quant not in (None, "unquant") and algo == "EAGLE":
-        missing.append(f"--speculative-draft-model-quantization {quant} with EAGLE (the "
+    elif quant not in (None, "unquant") and algo in ("EAGLE", "EAGLE3"):
+        missing.append(f"--speculative-draft-model-quantization {quant} with {algo} (the "
                        f"head is one layer; it runs in the target's dtype)")
     if args.speculative_token_map is not None and algo not in ("EAGLE", "NEXTN"):
         missing.append(f"--speculative-token-map with {algo} (FR-Spec is for EAGLE heads)")

@@ -115,6 +115,7 @@ class DecoderForCausalLM(nn.Module):
         # layer that replaced the weight (runner/quantization.py).
         self.linear = F.linear
         self.capture_hidden = False  # keep last_hidden (an EAGLE draft's features)
+        self.capture_layers: tuple[int, ...] = ()  # EAGLE3: the streams entering these
         self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
@@ -126,9 +127,14 @@ class DecoderForCausalLM(nn.Module):
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
         x = F.embedding(fb.input_ids, self.embed)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:  # an EAGLE3 head's features: the stream entering i
+                aux.append(x.clone())
             x = self.layer_forward(i, layer, x, cos, sin, fb)
-        if self.capture_hidden:
+        if aux:
+            self.last_hidden = torch.cat(aux, dim=-1)
+        elif self.capture_hidden:
             x = rms_norm(x, self.final_norm, d.rms_norm_eps)
             self.last_hidden = x
             if fb.logits_idx is not None:

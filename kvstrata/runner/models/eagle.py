@@ -69,6 +69,7 @@ class EagleHead(DecoderForCausalLM):
         self.capture_hidden = False
         self.shared = SharedWithTarget(target.embed, target.lm_head, target.linear)
         self.hot_ids: torch.Tensor | None = None  # FR-Spec token map (use_token_map)
+        self.feature_size = dims.hidden_size  # the target's final hidden state
 
     def use_token_map(self, hot_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
         """FR-Spec (--speculative-token-map): the head scores only `hot_ids`, through
@@ -129,10 +130,20 @@ class EagleHead(DecoderForCausalLM):
             self.layers[0].input_norm.fill_(1.0)
 
 
-def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM) -> EagleHead:
+def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM, algorithm: str):
+    """The EAGLE (EagleHead) or EAGLE3 (Eagle3Head) head of `source`, checked against the
+    algorithm asked for."""
+    from kvstrata.runner.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head
     from kvstrata.runner.models.loader import iter_checkpoint
 
-    head = EagleHead(config, target, target.dtype, target.device)
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    want = EAGLE3_ARCHITECTURES if algorithm == "EAGLE3" else EAGLE_ARCHITECTURES
+    if arch not in want:
+        raise ValueError(f"--speculative-draft-model-path: --speculative-algorithm "
+                         f"{algorithm} needs a {' or '.join(want)} checkpoint, this one is "
+                         f"{arch}")
+    cls = Eagle3Head if algorithm == "EAGLE3" else EagleHead
+    head = cls(config, target, target.dtype, target.device)
     loaded: list[str] = []
     for name, tensor in iter_checkpoint(source, config):
         try:
@@ -149,3 +160,6 @@ def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM) -> Eag
                          f"than once")
     head.finish_load(loaded)
     return head.eval()
+
+
+__all__ = ["EagleHead", "load_eagle_head"]
