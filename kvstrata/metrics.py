@@ -43,6 +43,15 @@ PRIORITY_COUNTERS = {
                                    "higher-priority one",
 }
 
+# PD disaggregation (engine/disagg_common.py, disagg_decode.py): running totals in the load
+# report, named as the counters are.
+DISAGG_COUNTERS = {
+    "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped to decode servers",
+    "disagg_kv_bytes_received_total": "KV bytes this decode server received",
+    "disagg_decode_prefix_hit_tokens_total": "Prompt tokens a decode server's radix cache "
+                                             "already held (not transferred)",
+}
+
 
 class ServerMetrics:
     def __init__(self, model_name: str):
@@ -115,6 +124,8 @@ class ServerMetrics:
                       for key, doc in SPEC_COUNTERS.items()}
         self._priority = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
                           for key, doc in PRIORITY_COUNTERS.items()}
+        self._disagg = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
+                        for key, doc in DISAGG_COUNTERS.items()}
         self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
@@ -154,7 +165,7 @@ class ServerMetrics:
             self._spec_accept_length.labels(m).set(load["avg_spec_accept_length"])
             for key, counter in self._spec.items():
                 self._advance(key, load.get(key, 0), counter.labels(m))
-        for key, counter in self._priority.items():
+        for key, counter in (*self._priority.items(), *self._disagg.items()):
             if key in load:
                 self._advance(key, load[key], counter.labels(m))
 

@@ -62,6 +62,7 @@ class DisaggSide(SchedulerSide):
         self.free_slots = list(range(num_slots))
         self.ops: list[PDOp] = []
         self.num_transfer_failures = 0
+        self.kv_bytes_moved = 0  # KV bytes shipped (prefill) or received (decode), totals
 
     # ------------------------------------------------------------------ small helpers
     def queues(self) -> dict[str, list[Request]]:
@@ -165,6 +166,8 @@ class DisaggSide(SchedulerSide):
                 logger.debug("PD event for unknown room %s ignored: %s", ev.room, ev)
                 continue
             room.state = ev.state
+            if ev.state == KVPoll.SUCCESS:  # what crossed, aborted requests' rooms included
+                self.kv_bytes_moved += ev.pages * self.sched.config.plan.bytes_per_page
             if room.draining:
                 if ev.state in TERMINAL:
                     self._end_drain(room)
@@ -233,7 +236,10 @@ class DisaggSide(SchedulerSide):
 
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
-        return {f"num_{self.mode}_{name}": len(q) for name, q in self.queues().items()}
+        moved = ("disagg_kv_bytes_sent_total" if self.mode == "prefill"
+                 else "disagg_kv_bytes_received_total")
+        return {**{f"num_{self.mode}_{name}": len(q) for name, q in self.queues().items()},
+                moved: self.kv_bytes_moved}
 
     def dump_lines(self, brief) -> list[str]:
         lines = [f"pd {self.mode}: " + ", ".join(f"{n} {len(q)}" for n, q in self.queues().items())

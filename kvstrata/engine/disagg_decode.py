@@ -200,7 +200,8 @@ class DecodeDisagg(DisaggSide):
 
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
-        out = {**super().load(), **self.retraction.load()}
+        out = {**super().load(), **self.retraction.load(),
+               "disagg_decode_prefix_hit_tokens_total": self.prefix_hit_tokens}
         if self.radix:
             out["decode_prefix_hit_tokens"] = self.prefix_hit_tokens
         return out

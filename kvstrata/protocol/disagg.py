@@ -109,6 +109,7 @@ class PDEvent(msgspec.Struct, omit_defaults=True, tag="pd_event"):
     state: int  # KVPoll
     error: str | None = None  # FAILED: why (shown to the client in the HTTP 500)
     metadata: PDMetadata | None = None  # decode SUCCESS: what the prefill server sent
+    pages: int = 0  # SUCCESS: KV pages this side shipped (prefill) or received (decode)
 
 
 class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):

@@ -87,8 +87,10 @@ class DisaggExecutor(OpExecutor):
             event = PDEvent(room, int(state))
             if state == KVPoll.FAILED:
                 event.error = obj.failure_reason or "PD transfer failed"
-            elif state == KVPoll.SUCCESS and hasattr(obj, "metadata"):
-                event.metadata = obj.metadata
+            elif state == KVPoll.SUCCESS:
+                event.pages = obj.pages_moved
+                if hasattr(obj, "metadata"):
+                    event.metadata = obj.metadata
             events.append(event)
         return events
 

@@ -291,7 +291,8 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
     try:
         rng = random.Random(11)
         ids = [rng.randrange(100, 40000) for _ in range(37)]
-        hits, held_before = [], 0
+        hits, held_before, received = [], 0, []
+        sent_before = kv_state(pd.prefill)["disagg_kv_bytes_sent_total"]
         for turn in range(3):
             want = httpx.post(server.base_url + "/generate", json={
                 "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}},
@@ -299,13 +300,24 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
             prefill, decode = radix.generate(ids)
             assert (prefill.status_code, decode.status_code) == (200, 200), decode.text
             assert decode.json()["output_ids"] == want["output_ids"], turn
-            hits.append(kv_state(radix.decode)["decode_prefix_hit_tokens"] - sum(hits))
+            st = kv_state(radix.decode)
+            hits.append(st["decode_prefix_hit_tokens"] - sum(hits))
             assert hits[-1] >= held_before, (turn, hits)
+            assert st["disagg_decode_prefix_hit_tokens_total"] == sum(hits)
+            received.append(st["disagg_kv_bytes_received_total"] - sum(received))
             # The tree now holds this turn's whole pages: prompt + all outputs but the last.
             held_before = (len(ids) + 8 - 1) // 4 * 4
             ids = ids + decode.json()["output_ids"] + [rng.randrange(100, 40000)
                                                        for _ in range(9)]
         assert hits[0] == 0 and min(hits[1:]) > 0, hits
+        # Bytes follow pages: turn 1 sent the whole prompt (10 pages of 4 tokens), later
+        # turns only the pages after what the decode held -- the prefill counted the same.
+        page = received[0] // 10
+        assert received[0] == 10 * page > 0 and all(0 < b < received[0] for b in received[1:])
+        assert kv_state(pd.prefill)["disagg_kv_bytes_sent_total"] - sent_before == sum(received)
+        metrics = httpx.get(radix.decode.base_url + "/metrics", timeout=30).text
+        assert "kvstrata:disagg_kv_bytes_received_total" in metrics
+        assert "kvstrata:disagg_decode_prefix_hit_tokens_total" in metrics
         # The retraction rule's gate is live: with the decode radix cache on, the auto
         # backup is cpu_tensor (its reason names the blocker).
         info = httpx.get(radix.decode.base_url + "/server_info", timeout=30).json()

@@ -90,6 +90,7 @@ def test_pages_the_decode_holds_are_not_sent(make_pair, backend):
     expected[:, dst] = buffer(pair.prefill_pool)[:, src[4:]]
     assert torch.equal(buffer(pair.decode_pool), expected)
     assert sender.sent == receiver.received == 6  # the held pages were not shipped
+    assert sender.pages_moved == receiver.pages_moved == 6  # what the PDEvents report
 
     # the whole prompt held: only the metadata crosses (a page sent would be "beyond the
     # 0 reserved" and fail the room)
@@ -99,6 +100,7 @@ def test_pages_the_decode_holds_are_not_sent(make_pair, backend):
     wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
     assert receiver.metadata == PDMetadata(22, first_token_id=4)
     assert sender.sent == receiver.received == 0
+    assert sender.pages_moved == receiver.pages_moved == 0
 
     # the counts must add up: held + reserved == what the prefill will send
     sender, receiver = start_room(pair, 23, src, dst, slot=2, prefix_pages=3)

@@ -60,13 +60,13 @@ def test_events_are_state_changes(make_pair):
                PDOp(1, "send", page_ids=[3], last=False),
                PDOp(1, "send", page_ids=[4], last=True, metadata=meta),
                PDOp(2, "abort")])
-    events = drain(pre, lambda ev: PDEvent(1, S) in ev)
+    events = drain(pre, lambda ev: PDEvent(1, S, pages=2) in ev)  # SUCCESS: 2 pages sent
     assert PDEvent(2, F, error="the request ended on this server") in events
     # TRANSFERRING is reported unless the ack came back before the first poll
     assert [e.state for e in events if e.room == 1] in ([T, S], [S])
     events = drain(dec, lambda ev: len(ev) == 2)
     assert sorted(events, key=lambda e: e.room) == [
-        PDEvent(1, S, metadata=meta),
+        PDEvent(1, S, metadata=meta, pages=2),
         PDEvent(2, F, error=f"aborted by the prefill server ({pair.prefill.endpoint}): "
                             "the request ended on this server")]
     assert not dec.has_live

@@ -42,6 +42,11 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...
 
+    @property
+    def pages_moved(self) -> int:
+        """Pages this side has shipped (its prompt's pages the decode held are not)."""
+        return 0
+
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None:
         """Idempotent; tells the peer when it can, so its side fails too."""
@@ -70,6 +75,11 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def metadata(self) -> PDMetadata | None:
         """What the prefill side sent with its last chunk (set when poll() == SUCCESS)."""
+
+    @property
+    def pages_moved(self) -> int:
+        """Pages written into this side's reserved pages."""
+        return 0
 
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None: ...

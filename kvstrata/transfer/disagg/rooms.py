@@ -61,6 +61,10 @@ class _Room:
 
 
 class Sender(_Room, KVSender):
+    @property
+    def pages_moved(self) -> int:
+        return self.sent
+
     def __init__(self, mgr, room: int):
         super().__init__(mgr, room)
         self.dest = None                 # messages.Destination, from the decode side
@@ -108,6 +112,10 @@ class Sender(_Room, KVSender):
 
 
 class Receiver(_Room, KVReceiver):
+    @property
+    def pages_moved(self) -> int:
+        return self.received
+
     def __init__(self, mgr, room: int, bootstrap: tuple[str, int]):
         super().__init__(mgr, room)
         self.bootstrap = bootstrap       # the prefill's bootstrap server (host, port)
