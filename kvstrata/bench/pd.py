@@ -105,9 +105,10 @@ def colocated(args, log_dir: str) -> dict:
 
 
 def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...] = (),
-                  tag: str = "") -> dict:
+                  tag: str = "", work=None) -> dict:
     """Router + prefill + decode on `backend`; `decode_extra`: more decode-server flags.
-    The summary carries the decode server's retraction counters after the run."""
+    The summary carries the decode server's retraction counters after the run. `work`:
+    instead of the load, work(router_url, decode_url) -> summary (bench/pd_multiturn.py)."""
     p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
     procs: list[Proc] = []
     try:
@@ -127,6 +128,8 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
             "--port", str(r_port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--log-level", "warn"], log_dir))
         procs[-1].wait_http(f"http://127.0.0.1:{r_port}/health")
+        if work is not None:
+            return work(f"http://127.0.0.1:{r_port}", f"http://127.0.0.1:{d_port}")
         summary = run_load(args, f"http://127.0.0.1:{r_port}")
         load = httpx.get(f"http://127.0.0.1:{d_port}/get_load", timeout=30).json()
         load = load[0] if isinstance(load, list) else load
@@ -176,6 +179,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--transfer-page-tokens", type=int, nargs="+", default=[16, 64],
                     help="page sizes (tokens) of the transfer-layer rate measurement")
     ap.add_argument("--transfer-pages", type=int, default=128)
+    ap.add_argument("--dataset", choices=["random", "multiturn"], default="random",
+                    help="multiturn: chats of --num-turns turns, PD with and without the "
+                         "decode radix cache (KV bytes and TTFT per turn)")
+    ap.add_argument("--num-turns", type=int, default=3, help="multiturn: turns per chat")
     ap.add_argument("--output-json", default="benchmarks/results/pd.json")
     add_quiet_arg(ap)
 
@@ -186,6 +193,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"logs: {log_dir}")
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
     result: dict = {"box_load": box, "config": config}
+    if args.dataset == "multiturn":
+        from kvstrata.bench.pd_multiturn import run_multiturn  # noqa: PLC0415
+        result.update(run_multiturn(args, log_dir))
+        return _write(args, result)
     result["colocated"] = colocated(args, log_dir)
     for backend in args.backends:
         pd = disaggregated(args, backend, log_dir)
@@ -193,6 +204,10 @@ def run(args: argparse.Namespace) -> dict:
         pd["transfer"] = transfer_rates(args, backend)
         result[backend] = pd
     print_report(result, args.backends)
+    return _write(args, result)
+
+
+def _write(args, result: dict) -> dict:
     os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
     with open(args.output_json, "w") as f:
         json.dump(result, f, indent=1)
