@@ -114,13 +114,18 @@ def test_greedy_equals_plain(eagle, plain, target, head, page_size, chunk):
     assert plan.draft_components[-1].name == EAGLE_HIDDEN
 
 
-def test_retraction_starved_hicache_and_aborts(eagle, plain):
+@pytest.mark.parametrize("tree", [{}, {"speculative_eagle_topk": 3,
+                                       "speculative_num_draft_tokens": 8,
+                                       "speculative_num_steps": 3}])
+def test_retraction_starved_hicache_and_aborts(eagle, plain, tree):
     """Retraction and HiCache load-backs bring target KV without hidden states: the head
-    extends those positions from a zero feature; output unchanged, drafts still pass."""
+    extends those positions from a zero feature; output unchanged, drafts still pass (a
+    tree's accepted paths move their features too)."""
     target, head = eagle["copy_target"], eagle["copy_head"]
     check_retraction_starved_hicache_and_aborts(
-        lambda **kw: make_llm(target, head, **kw),
-        lambda prompts, params: plain("copy_target", prompts, params), STEPS - 1.5)
+        lambda **kw: make_llm(target, head, **{**kw, **tree}),
+        lambda prompts, params: plain("copy_target", prompts, params),
+        2.0 if tree else STEPS - 1.5)
 
 
 def test_stops_inside_an_accepted_run(eagle, plain):
