@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"box_load": box, "config": config}
     if args.dataset == "multiturn":
         from kvstrata.bench.pd_multiturn import run_multiturn  # noqa: PLC0415
-        result.update(run_multiturn(args, log_dir))
+        result.update(run_multiturn(args, log_dir, disaggregated))
         return _write(args, result)
     result["colocated"] = colocated(args, log_dir)
     for backend in args.backends:

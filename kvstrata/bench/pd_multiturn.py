@@ -15,7 +15,6 @@ import time
 import httpx
 import numpy as np
 
-from kvstrata.bench.pd import disaggregated
 from kvstrata.bench.serve_client import make_conversations
 
 RADIX_FLAG = "--disaggregation-decode-enable-radix-cache"
@@ -92,7 +91,9 @@ def radix_ratios(off: dict[int, dict], on: dict[int, dict]) -> dict[int, dict]:
     return out
 
 
-def run_multiturn(args, log_dir: str) -> dict:
+def run_multiturn(args, log_dir: str, disaggregated) -> dict:
+    """`disaggregated`: bench/pd.py's, which starts router + prefill + decode and runs
+    `work` on them (passed in: pd.py imports this module, not the other way round)."""
     result: dict = {}
     for backend in args.backends:
         setups = {}
