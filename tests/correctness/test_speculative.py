@@ -249,22 +249,26 @@ def test_smollm2_gguf_ngram_and_int8_self_draft_equal_plain(smollm2_gguf_path):
                "liquor jugs. How vexingly quick daft zebras jump!")
     msgs = [{"role": "user", "content": "Repeat the following text exactly:\n\n" + passage}]
     params = {"max_new_tokens": 40, "temperature": 0}
-    setups = {"plain": {},
-              "NGRAM": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
-                        "speculative_disable_by_batch_size": 64},
+    # Drafts only in steps of one request (--speculative-disable-by-batch-size 1): the same
+    # prompt twice in one batch decodes plainly, the plain reference without a third engine.
+    setups = {"NGRAM": {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6,
+                        "speculative_disable_by_batch_size": 1},
               "STANDALONE": {"speculative_algorithm": "STANDALONE",
                              "speculative_draft_model_path": smollm2_gguf_path,
                              "speculative_draft_model_quantization": "w8a8_int8",
-                             "speculative_disable_by_batch_size": 64}}
+                             "speculative_disable_by_batch_size": 1}}
     outs = {}
     for name, kw in setups.items():
         with LLM(model_path=smollm2_gguf_path, max_total_tokens=2048, page_size=16,
                  **kw) as llm:
             prompt = llm.tokenizer.apply_chat_template(msgs, tokenize=False,
                                                        add_generation_prompt=True)
+            if name == "STANDALONE":
+                outs["plain"] = llm.generate([prompt, prompt], params)[0]
             outs[name] = llm.generate(prompt, params)
             drained(llm)
     plain = outs["plain"]
+    assert plain["meta_info"]["spec_draft_token_num"] == 0  # decoded plainly
     for name in ("NGRAM", "STANDALONE"):
         assert outs[name]["output_ids"] == plain["output_ids"], name
         assert outs[name]["meta_info"]["spec_accept_length"] > 1.5, (name, outs[name])
