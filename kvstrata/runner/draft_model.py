@@ -135,8 +135,8 @@ class DraftModel:
         `accepted`: draft KV at start + 1 + accepted .. start + num_draft - 1 was computed
         from rejected tokens. A tree's drafts never had draft KV in the entry's slots (its
         steps ran in scratch slots): only the last token's."""
-        if tree:
-            self._known[rid] = min(self._known.get(rid, start + 1), start + 1)
+        if tree:  # this step's extend gave positions up to `start` draft KV
+            self._known[rid] = start + 1
             return
         lo, hi = start + 1 + accepted, start + num_draft
         if hi > lo:
