@@ -282,12 +282,15 @@ def test_decode_pool_too_small_is_400(tiny_model_path):
 
 
 def test_decode_radix_cache_sends_only_new_pages(pd, server):
-    """--disaggregation-decode-enable-radix-cache: a 3-turn conversation (greedy) answers
-    exactly as one co-located server; from turn 2 on the decode server holds the conversation
+    """--disaggregation-decode-enable-radix-cache (with NGRAM speculation on the decode
+    server): a 3-turn conversation (greedy) answers exactly as one co-located server; from turn 2 on the decode server holds the conversation
     so far in its radix tree, so only the pages after it cross (the hit counter grows by at
     least the previous turn's whole pages); afterwards nothing leaks on either side."""
+    # With speculation on the decode server too (drafting in every step): SGLang refuses
+    # the decode radix cache with speculation; here the two work together.
     radix = PDServers(pd.model, pd.backend, "--disaggregation-decode-enable-radix-cache",
-                      shared_prefill=pd)
+                      "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                      "4", "--speculative-disable-by-batch-size", "64", shared_prefill=pd)
     try:
         rng = random.Random(11)
         ids = [rng.randrange(100, 40000) for _ in range(37)]
@@ -310,6 +313,7 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
             ids = ids + decode.json()["output_ids"] + [rng.randrange(100, 40000)
                                                        for _ in range(9)]
         assert hits[0] == 0 and min(hits[1:]) > 0, hits
+        assert kv_state(radix.decode)["spec_drafted_tokens"] > 0  # the decode speculated
         # Bytes follow pages: turn 1 sent the whole prompt (10 pages of 4 tokens), later
         # turns only the pages after what the decode held -- the prefill counted the same.
         page = received[0] // 10
