@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Iterator
 
 from kvstrata.protocol.scheduler_output import TreeDraft
 
@@ -159,10 +160,9 @@ class NgramCache:
                 if pos is not None:
                     push(pos, sub, -neg)
 
-    def _matches(self, tokens: list[int]) -> list[tuple[_Node, int]]:
+    def _matches(self, tokens: list[int]) -> Iterator[tuple[_Node, int]]:
         """(trie node, window) of every suffix of `tokens` within the windows that is a
-        path of the trie, longest first."""
-        out = []
+        path of the trie, longest first (lazily: a chain draft stops at the first)."""
         for w in range(min(self.max_window, len(tokens)), self.min_window - 1, -1):
             node = self.root
             for t in tokens[-w:]:
@@ -170,20 +170,11 @@ class NgramCache:
                 if node is None:
                     break
             if node is not None:
-                out.append((node, w))
-        return out
+                yield node, w
 
     def _longest_match(self, tokens: list[int], drafted: list[int]) -> _Node | None:
         seq = tokens[-self.max_window:] + drafted if drafted else tokens[-self.max_window:]
-        for w in range(min(self.max_window, len(seq)), self.min_window - 1, -1):
-            node = self.root
-            for t in seq[-w:]:
-                node = node.children.get(t)
-                if node is None:
-                    break
-            if node is not None and node.children:
-                return node
-        return None
+        return next((node for node, _ in self._matches(seq) if node.children), None)
 
     # ------------------------------------------------------------------ capacity
     def _prune(self) -> None:
