@@ -41,6 +41,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="model and KV dtype; the GEMM peak is measured at the same dtype")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, nargs="+", default=[128, 512])
     p.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill "
@@ -54,9 +56,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def gemm_peak(n: int) -> float:
-    """GFLOP/s of an n x n x n fp32 matmul (best of 3 after a warm-up)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_peak(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """GFLOP/s of an n x n x n matmul at `dtype` (best of 3 after a warm-up)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(3))
     return 2 * n ** 3 / best / 1e9
@@ -147,20 +149,22 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     load = announce_load(args.require_quiet)
-    peak = gemm_peak(args.gemm_size)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); fp32 GEMM peak "
-          f"{peak:.1f} GFLOP/s ({args.gemm_size}^3)")
-    runner = ModelRunner(args.model, dtype="float32", device="cpu")
+    peak = gemm_peak(args.gemm_size, getattr(torch, args.dtype))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.dtype} GEMM "
+          f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3)")
+    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
     dims = runner.model.dims
     rows_needed = args.batch * len(args.context) + 2
     pages = sum(args.batch * (c // PAGE + 1) for c in args.context) + args.prefill // PAGE + 2
     runner.allocate_kv(KVPlan.mha(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads,
-                                  head_dim=dims.head_dim, dtype="float32", page_size=PAGE,
+                                  head_dim=dims.head_dim, dtype=args.dtype, page_size=PAGE,
                                   num_pages=pages, num_rows=rows_needed,
                                   context_len=max(max(args.context), args.prefill) + 1))
     backend = runner.model.attn_backend
+    # The paged kernel variant runs only where the backend would use it (its dtypes).
+    variants = (True, False) if backend.use_kernel else (False,)
     params = linear_params(runner.model)
-    report = {"box_load": load, "threads": torch.get_num_threads(), "gemm_peak_gflops": peak,
+    report = {"box_load": load, "dtype": args.dtype, "threads": torch.get_num_threads(), "gemm_peak_gflops": peak,
               "linear_params": params, "decode": [], "prefill": None}
     first_row, first_page = 1, 1
     with torch.inference_mode():
@@ -170,12 +174,14 @@ def main(argv=None) -> dict:
             flops = 2 * params * args.batch + attention_flops(args.batch, context, dims)
             times = {True: [], False: []}
             for _ in range(args.rounds):
-                for kernel in (True, False):
+                for kernel in variants:
                     backend.use_kernel = kernel
                     batch.step()  # warm-up of this variant
                     times[kernel].append(min(_timed(batch.step) for _ in range(args.steps)))
             row = {"batch": args.batch, "context": context, "flops_per_step": flops}
             for kernel, name in ((True, "kernel"), (False, "gather_sdpa")):
+                if kernel not in variants:
+                    continue
                 backend.use_kernel = kernel
                 ms = statistics.median(times[kernel]) * 1e3
                 top, overhead, attention = profile(batch.step, args.steps)
@@ -187,11 +193,13 @@ def main(argv=None) -> dict:
                       f"peak; attention {attention:5.1%}; outside torch ops {overhead:5.1%}; "
                       "top: " + ", ".join(
                           f"{t['op']} {t['share']:.0%}" for t in top[:4]), flush=True)
-            row["kernel_speedup"] = row["gather_sdpa"]["ms"] / row["kernel"]["ms"]
-            print(f"  paged decode kernel: {row['kernel_speedup']:.2f}x the gather + SDPA step")
+            if "kernel" in row:
+                row["kernel_speedup"] = row["gather_sdpa"]["ms"] / row["kernel"]["ms"]
+                print(f"  paged decode kernel: {row['kernel_speedup']:.2f}x the gather + SDPA "
+                      "step")
             report["decode"].append(row)
             batch.free()
-        backend.use_kernel = True
+        backend.use_kernel = variants[0]
         if args.prefill:
             prompt = [5 + i % 1000 for i in range(args.prefill)]
             slots = [(first_page + p // PAGE) * PAGE + p % PAGE for p in range(args.prefill)]

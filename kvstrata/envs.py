@@ -93,8 +93,14 @@ KVSTRATA_MAX_REQUEST_BYTES = _declare(
     "Largest HTTP request body the API server reads; larger bodies get 413.")
 KVSTRATA_CPU_PAGED_DECODE = _declare(
     "KVSTRATA_CPU_PAGED_DECODE", bool, True,
-    "CPU decode attention reads the fp32 KV pool in place with the paged decode kernel "
-    "(runner/attention/paged_decode.py); 0 = gather each request's K/V, then SDPA (ablation).")
+    "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
+    "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
+    "SDPA (ablation).")
+KVSTRATA_CPU_ISA = _declare(
+    "KVSTRATA_CPU_ISA", str, "auto",
+    "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "
+    "has, read at run time), avx512, avx2 or scalar. For tests and ablations; a cap above "
+    "what the CPU has still runs what it has.")
 KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 linear layers on the CPU run on weights prepacked for oneDNN "

@@ -11,8 +11,8 @@ attention pieces; each layer then writes its new K/V at their slots and runs the
          its K/V, explicit causal mask offset by its start.
   decode a group of one-token requests of similar context length: gather K/V padded to the
          group's longest context, one SDPA call with a length mask.
-  kernel every one-token request at once, read in place from an fp32 pool on the CPU by the
-         paged decode kernel (paged_decode.py): no gather, no padding. Replaces `decode`
+  kernel every one-token request at once, read in place from an fp32, bf16 or fp16 pool on
+         the CPU by the paged decode kernel (paged_decode.py): no gather, no padding. Replaces `decode`
          pieces where it applies (KVSTRATA_CPU_PAGED_DECODE=0 turns it off).
 
 Why pieces rather than one padded SDPA over the whole batch: on CPU decode is memory-bound on

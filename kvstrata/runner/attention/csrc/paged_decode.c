@@ -1,174 +1,109 @@
-/* Decode attention straight over the paged fp32 KV pool, without gathering it first
+/* Decode attention straight over the paged KV pool, without gathering it first
  * (kvstrata/runner/attention/paged_decode.py wraps it; see that file for the why).
  *
- *   decode(q, q_nbytes, k, v, pool_nbytes, slots, n_slots, starts, n, hq, hkv, d, scale,
- *          out, out_nbytes, num_threads)
+ *   decode(q, q_nbytes, k, v, pool_nbytes, kv_dtype, slots, n_slots, starts, n, hq, hkv, d,
+ *          scale, out, out_nbytes, num_threads, isa_cap) -> name of the instruction set used
  *
- * Request b (0 <= b < n) has one query token q[b] of hq heads x d floats and attends to the
- * keys at slots[starts[b] .. starts[b+1]) of the pool, whose row `slot` holds hkv heads x d
- * floats (the layout of one layer of the device pool: [slots, hkv, d]). Query head i reads KV
- * head i / (hq / hkv) (GQA, as HF). Every address is an integer; every slot and size is checked
- * against its buffer before anything is read, so a bad index raises IndexError.
+ * Request b (0 <= b < n) has one query token q[b] of hq heads x d fp32 values and attends to
+ * the keys at slots[starts[b] .. starts[b+1]) of the pool, whose row `slot` holds hkv heads x
+ * d values of `kv_dtype` (0 fp32, 1 bf16, 2 fp16: the layout of one layer of the device pool,
+ * [slots, hkv, d]). Query head i reads KV head i / (hq / hkv) (GQA, as HF). The output is
+ * fp32. Every address is an integer; every slot and size is checked against its buffer
+ * before anything is read, so a bad index raises IndexError.
  *
- * One work item is a request: every query head is scored against each token's whole K row
- * (all KV heads, contiguous), so each key and value row is read once from RAM (a gather +
- * SDPA reads it three times: gather, write the copy, SDPA reads the copy). Three passes per
- * item: scores, softmax (max, exp, sum), weighted sum of values. Requests are split between
- * `num_threads` threads (the caller's and num_threads - 1 pthreads); the GIL is released.
- * AVX2+FMA paths are chosen at run time; the scalar path gives the same math.
+ * A work item is a request (or, when there are few requests for the threads, one KV head of
+ * a request): each of its K rows is read once from RAM, converted to fp32 in L1 and scored
+ * by every query head that shares it (a gather + SDPA reads each row three times: gather,
+ * write the copy, SDPA reads the copy). Three passes per item: scores, softmax (max, exp,
+ * sum), weighted sum of values. The vector code is chosen at run time (paged_decode_isa.h).
+ *
+ * Threads: OpenMP, when built with it. The extension links libgomp.so.1, which resolves to
+ * the copy torch already loaded (same soname): our parallel region runs on torch's own
+ * OpenMP team, so it neither fights torch's spinning workers for the cores (our pthreads
+ * did: measured 3x slower) nor leaves a core idle. The GIL is released meanwhile.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
-#define MAX_THREADS 64
+#include "paged_decode_isa.h"
+
+#define MAX_THREADS 256
 #define MAX_HEADS 256 /* query heads */
 /* Rows are scattered (one slot per token): prefetch the row this many tokens ahead. */
 #define PREFETCH_TOKENS 4
 
-static inline void prefetch_row(const float *row, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 3);
+static inline void prefetch_bytes(const char *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v;
     const int64_t *slots, *starts;
     float *out;
-    int64_t n, hq, hkv, d, max_len;
+    int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req;
     float scale;
-    int avx2;
+    kernels kn;
 } job;
 
-typedef struct {
-    const job *j;
-    int64_t lo, hi; /* requests [lo, hi) */
-    int failed;     /* out of memory */
-} part;
-
-/* ---- scalar kernels --------------------------------------------------------------------- */
-static float dot_scalar(const float *a, const float *b, int64_t d) {
-    float s = 0.f;
-    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
-    return s;
-}
-static void axpy_scalar(float *acc, float p, const float *x, int64_t d) {
-    for (int64_t i = 0; i < d; i++) acc[i] += p * x[i];
-}
-static float softmax_scalar(float *s, int64_t len) { /* s <- exp(s - max); returns the sum */
-    float m = s[0], sum = 0.f;
-    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-    for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-    return sum;
-}
-
-/* ---- AVX2 + FMA kernels (d % 8 == 0) ---------------------------------------------------- */
-#if defined(__x86_64__)
-#define AVX2 __attribute__((target("avx2,fma")))
-AVX2 static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-AVX2 static float dot_avx2(const float *a, const float *b, int64_t d) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    return hsum256(_mm256_add_ps(s0, s1));
-}
-AVX2 static void axpy_avx2(float *acc, float p, const float *x, int64_t d) {
-    __m256 pv = _mm256_set1_ps(p);
-    for (int64_t i = 0; i < d; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i),
-                                                 _mm256_loadu_ps(acc + i)));
-}
-/* exp(x) for x <= 0 (softmax arguments): 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2], e^r by
- * its degree-6 Taylor polynomial (truncation error < 2e-7 relative, about 1-2 ulp). Inputs
- * below -87 are clamped: e^-87 is ~1e-38, nothing next to the max term's 1. */
-AVX2 static inline __m256 exp_nonpos_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-AVX2 static float softmax_avx2(float *s, int64_t len) {
-    float m = s[0];
-    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-    __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-        __m256 e = exp_nonpos_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-        _mm256_storeu_ps(s + t, e);
-        sum = _mm256_add_ps(sum, e);
-    }
-    float total = hsum256(sum);
-    for (; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
-    return total;
-}
-#endif
-
-static void run_item(const job *j, int64_t b, float *scores, float *acc) {
-    const int64_t hq = j->hq, hkv = j->hkv, g_n = hq / hkv, d = j->d, stride = hkv * d;
+/* Query heads of KV heads [h0, h1) of request b. scores: [(h1 - h0) * g, len]; acc: the same
+ * heads x d; row: (h1 - h0) * d floats (one converted K or V row). */
+static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *scores,
+                     float *acc, float *row) {
+    const int64_t g_n = j->hq / j->hkv, d = j->d, esz = j->esz;
+    const int64_t row_bytes = j->hkv * d * esz, off = h0 * d * esz, width = (h1 - h0) * d;
+    const int64_t qh0 = h0 * g_n, nh = (h1 - h0) * g_n;
     const int64_t *sl = j->slots + j->starts[b];
     const int64_t len = j->starts[b + 1] - j->starts[b];
-    const float *q = j->q + b * hq * d;
-    float *o = j->out + b * hq * d;
-    if (len == 0) { memset(o, 0, (size_t)(hq * d) * sizeof(float)); return; }
-    float (*dot)(const float *, const float *, int64_t) = dot_scalar;
-    void (*axpy)(float *, float, const float *, int64_t) = axpy_scalar;
-    float (*softmax)(float *, int64_t) = softmax_scalar;
-#if defined(__x86_64__)
-    if (j->avx2) { dot = dot_avx2; axpy = axpy_avx2; softmax = softmax_avx2; }
-#endif
-    /* Token-major: a token's whole K (then V) row, every KV head, is read once and used by
-     * every query head; a head-major loop re-reads the context hkv times with a stride. */
+    const float *q = j->q + (b * j->hq + qh0) * d;
+    float *o = j->out + (b * j->hq + qh0) * d;
+    const kernels kn = j->kn;
+    const int f32 = esz == 4;
+    if (len == 0) { memset(o, 0, (size_t)(nh * d) * sizeof(float)); return; }
     for (int64_t t = 0; t < len; t++) {
-        if (t + PREFETCH_TOKENS < len) prefetch_row(j->k + sl[t + PREFETCH_TOKENS] * stride, stride);
-        const float *kr = j->k + sl[t] * stride;
-        for (int64_t i = 0; i < hq; i++) scores[i * len + t] = dot(q + i * d, kr + (i / g_n) * d, d) * j->scale;
+        if (t + PREFETCH_TOKENS < len)
+            prefetch_bytes(j->k + sl[t + PREFETCH_TOKENS] * row_bytes + off, width * esz);
+        const char *src = j->k + sl[t] * row_bytes + off;
+        const float *kr = f32 ? (const float *)src : row;
+        if (!f32) kn.load(row, src, width);
+        for (int64_t i = 0; i < nh; i++)
+            scores[i * len + t] = kn.dot(q + i * d, kr + (i / g_n) * d, d) * j->scale;
     }
     float inv[MAX_HEADS]; /* hq <= MAX_HEADS, checked at entry */
-    for (int64_t i = 0; i < hq; i++) inv[i] = 1.f / softmax(scores + i * len, len);
-    memset(acc, 0, (size_t)(hq * d) * sizeof(float));
+    for (int64_t i = 0; i < nh; i++) inv[i] = 1.f / kn.softmax(scores + i * len, len);
+    memset(acc, 0, (size_t)(nh * d) * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
-        if (t + PREFETCH_TOKENS < len) prefetch_row(j->v + sl[t + PREFETCH_TOKENS] * stride, stride);
-        const float *vr = j->v + sl[t] * stride;
-        for (int64_t i = 0; i < hq; i++) axpy(acc + i * d, scores[i * len + t], vr + (i / g_n) * d, d);
+        if (t + PREFETCH_TOKENS < len)
+            prefetch_bytes(j->v + sl[t + PREFETCH_TOKENS] * row_bytes + off, width * esz);
+        const char *src = j->v + sl[t] * row_bytes + off;
+        const float *vr = f32 ? (const float *)src : row;
+        if (!f32) kn.load(row, src, width);
+        for (int64_t i = 0; i < nh; i++) kn.axpy(acc + i * d, scores[i * len + t], vr + (i / g_n) * d, d);
     }
-    for (int64_t i = 0; i < hq; i++)
+    for (int64_t i = 0; i < nh; i++)
         for (int64_t e = 0; e < d; e++) o[i * d + e] = acc[i * d + e] * inv[i];
 }
 
-static void *run_part(void *arg) {
-    part *p = (part *)arg;
-    const job *j = p->j;
-    float *scores = malloc((size_t)(j->hq * (j->max_len > 0 ? j->max_len : 1)) * sizeof(float));
-    float *acc = malloc((size_t)(j->hq * j->d) * sizeof(float));
-    if (!scores || !acc) { p->failed = 1; free(scores); free(acc); return NULL; }
-    for (int64_t it = p->lo; it < p->hi; it++) run_item(j, it, scores, acc);
-    free(scores); free(acc);
-    return NULL;
+typedef struct { float *scores, *acc, *row; } scratch;
+
+static int scratch_alloc(scratch *s, const job *j) { /* 0, or -1 when out of memory */
+    const int64_t nh = j->heads_per_item * (j->hq / j->hkv);
+    s->scores = malloc((size_t)(nh * (j->max_len > 0 ? j->max_len : 1)) * sizeof(float));
+    s->acc = malloc((size_t)(nh * j->d) * sizeof(float));
+    s->row = malloc((size_t)(j->heads_per_item * j->d) * sizeof(float));
+    return s->scores && s->acc && s->row ? 0 : -1;
+}
+static void scratch_free(scratch *s) { free(s->scores); free(s->acc); free(s->row); }
+
+static void run_one(const job *j, int64_t it, scratch *s) {
+    const int64_t b = it / j->items_per_req, h0 = (it % j->items_per_req) * j->heads_per_item;
+    run_item(j, b, h0, h0 + j->heads_per_item, s->scores, s->acc, s->row);
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
@@ -176,15 +111,20 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     long long q_nbytes, pool_nbytes, out_nbytes;
     Py_ssize_t n_slots, n, hq, hkv, d;
     double scale;
-    int num_threads;
-    if (!PyArg_ParseTuple(args, "KLKKLKnKnnnndKLi", &q_addr, &q_nbytes, &k_addr, &v_addr,
-                          &pool_nbytes, &slots_addr, &n_slots, &starts_addr, &n, &hq, &hkv, &d,
-                          &scale, &out_addr, &out_nbytes, &num_threads))
+    int kv_dtype, num_threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KLKKLiKnKnnnndKLii", &q_addr, &q_nbytes, &k_addr, &v_addr,
+                          &pool_nbytes, &kv_dtype, &slots_addr, &n_slots, &starts_addr, &n, &hq,
+                          &hkv, &d, &scale, &out_addr, &out_nbytes, &num_threads, &isa_cap))
         return NULL;
     if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq > MAX_HEADS) {
         PyErr_Format(PyExc_ValueError, "bad shape: n=%zd hq=%zd hkv=%zd d=%zd (hq must be a "
                      "multiple of hkv, at most %d query heads)", n, hq, hkv, d,
                      MAX_HEADS);
+        return NULL;
+    }
+    if (kv_dtype != KV_F32 && kv_dtype != KV_BF16 && kv_dtype != KV_F16) {
+        PyErr_Format(PyExc_ValueError, "kv_dtype %d is not 0 (fp32), 1 (bf16) or 2 (fp16)",
+                     kv_dtype);
         return NULL;
     }
     const int64_t qn = (int64_t)n * hq * d * (int64_t)sizeof(float);
@@ -193,7 +133,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                      out_nbytes, (long long)qn);
         return NULL;
     }
-    const int64_t row_bytes = (int64_t)hkv * d * (int64_t)sizeof(float);
+    const int64_t esz = kv_dtype == KV_F32 ? 4 : 2;
+    const int64_t row_bytes = (int64_t)hkv * d * esz;
     const int64_t pool_rows = pool_nbytes / row_bytes;
     const int64_t *starts = (const int64_t *)starts_addr, *slots = (const int64_t *)slots_addr;
     int64_t max_len = 0;
@@ -212,35 +153,60 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                          (long long)slots[i], (long long)pool_rows);
             return NULL;
         }
-    job j = {(const float *)q_addr, (const float *)k_addr, (const float *)v_addr, slots, starts,
-             (float *)out_addr, n, hq, hkv, d, max_len, (float)scale, 0};
-#if defined(__x86_64__)
-    j.avx2 = d % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-    const int64_t items = (int64_t)n;
     int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    /* Few requests for the threads: one item per (request, KV head) so every thread works. */
+    const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
+    job j = {(const float *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
+             (float *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, (float)scale,
+             pick_kernels(d, kv_dtype, isa_cap)};
+    const int64_t items = (int64_t)n * split;
     if (threads > items) threads = items > 0 ? (int)items : 1;
-    part parts[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0}, failed = 0;
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (int t = 0; t < threads; t++)
-        parts[t] = (part){&j, items * t / threads, items * (t + 1) / threads, 0};
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tids[t], NULL, run_part, &parts[t]) == 0;
-    run_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else run_part(&parts[t]); /* no thread: do its share here */
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        scratch s;
+        int bad = scratch_alloc(&s, &j);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++)
+            if (!bad) run_one(&j, it, &s);
+        scratch_free(&s);
+        failed |= bad != 0;
     }
-    for (int t = 0; t < threads; t++) failed |= parts[t].failed;
+#else
+    scratch s;
+    failed = scratch_alloc(&s, &j) != 0;
+    for (int64_t it = 0; !failed && it < items; it++) run_one(&j, it, &s);
+    scratch_free(&s);
+#endif
     Py_END_ALLOW_THREADS
     if (failed) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return PyUnicode_FromString(ISA_NAMES[j.kn.isa]);
+}
+
+static PyObject *isa(PyObject *self, PyObject *args) {
+    Py_ssize_t d;
+    int kv_dtype, isa_cap;
+    if (!PyArg_ParseTuple(args, "nii", &d, &kv_dtype, &isa_cap)) return NULL;
+    return PyUnicode_FromString(ISA_NAMES[pick_kernels(d, kv_dtype, isa_cap).isa]);
+}
+
+static PyObject *openmp(PyObject *self, PyObject *args) {
+#ifdef _OPENMP
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 static PyMethodDef methods[] = {
-    {"decode", decode, METH_VARARGS, "Paged decode attention over an fp32 KV pool (see source)."},
+    {"decode", decode, METH_VARARGS, "Paged decode attention over a KV pool (see source)."},
+    {"isa", isa, METH_VARARGS, "The instruction set decode uses for (head_dim, kv_dtype, cap)."},
+    {"openmp", openmp, METH_NOARGS, "Whether the kernel was built with OpenMP threads."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_decode",

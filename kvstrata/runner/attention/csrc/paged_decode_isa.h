@@ -1,0 +1,222 @@
+/* Vector pieces of the paged decode kernel (paged_decode.c), one set per instruction set:
+ *
+ *   load(dst, src, n)    n elements of a K/V row (fp32, bf16 or fp16) -> fp32
+ *   dot(a, b, d)         sum a[i] * b[i] over fp32 vectors
+ *   axpy(acc, p, x, d)   acc += p * x
+ *   softmax(s, len)      s <- exp(s - max s); returns the sum
+ *
+ * The kernel converts each K/V row once into an fp32 scratch row (L1-resident) and runs the
+ * fp32 dot/axpy over it, so the storage dtype and the arithmetic stay independent: a bf16 or
+ * fp16 pool halves the bytes read from RAM (what bounds decode attention) while scores,
+ * softmax and the weighted sum keep fp32 precision. Which set runs is decided per call at run
+ * time from the CPU's flags (never at compile time: the same wheel runs on AVX2-only and
+ * AVX-512 machines). Every set computes the same math; only the summation order differs. */
+#ifndef KVSTRATA_PAGED_DECODE_ISA_H
+#define KVSTRATA_PAGED_DECODE_ISA_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+typedef void (*load_fn)(float *, const void *, int64_t);
+typedef float (*dot_fn)(const float *, const float *, int64_t);
+typedef void (*axpy_fn)(float *, float, const float *, int64_t);
+typedef float (*softmax_fn)(float *, int64_t);
+
+/* ---- scalar ----------------------------------------------------------------------------- */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float f16_to_f32(uint16_t h) { /* IEEE half: subnormals, inf and nan kept */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static void load_f32_scalar(float *dst, const void *src, int64_t n) { memcpy(dst, src, (size_t)n * 4); }
+static void load_bf16_scalar(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+static void load_f16_scalar(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(s[i]);
+}
+static float dot_scalar(const float *a, const float *b, int64_t d) {
+    float s = 0.f;
+    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+static void axpy_scalar(float *acc, float p, const float *x, int64_t d) {
+    for (int64_t i = 0; i < d; i++) acc[i] += p * x[i];
+}
+static float softmax_scalar(float *s, int64_t len) {
+    float m = s[0], sum = 0.f;
+    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+    return sum;
+}
+
+#if defined(__x86_64__)
+/* ---- AVX2 + FMA (+ F16C for fp16 rows); dot/axpy need d % 8 == 0 ------------------------- */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+AVX2 static void load_bf16_avx2(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+AVX2 static void load_f16_avx2(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+    for (; i < n; i++) dst[i] = f16_to_f32(s[i]);
+}
+AVX2 static float dot_avx2(const float *a, const float *b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    for (; i < d; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return hsum256(_mm256_add_ps(s0, s1));
+}
+AVX2 static void axpy_avx2(float *acc, float p, const float *x, int64_t d) {
+    __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i),
+                                                 _mm256_loadu_ps(acc + i)));
+}
+/* exp(x) for x <= 0 (softmax arguments): 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2], e^r by
+ * its degree-6 Taylor polynomial (truncation error < 2e-7 relative, about 1-2 ulp). Inputs
+ * below -87 are clamped: e^-87 is ~1e-38, nothing next to the max term's 1. */
+AVX2 static inline __m256 exp_nonpos_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+AVX2 static float softmax_avx2(float *s, int64_t len) {
+    float m = s[0];
+    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+    __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+        __m256 e = exp_nonpos_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum256(sum);
+    for (; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
+    return total;
+}
+
+/* ---- AVX-512 F (16 floats a vector); dot/axpy need d % 16 == 0 --------------------------- */
+#define AVX512 __attribute__((target("avx512f")))
+AVX512 static void load_bf16_avx512(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+AVX512 static void load_f16_avx512(float *dst, const void *src, int64_t n) {
+    const uint16_t *s = (const uint16_t *)src;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+    for (; i < n; i++) dst[i] = f16_to_f32(s[i]);
+}
+AVX512 static float dot_avx512(const float *a, const float *b, int64_t d) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    }
+    for (; i < d; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+AVX512 static void axpy_avx512(float *acc, float p, const float *x, int64_t d) {
+    __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 16)
+        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i),
+                                                 _mm512_loadu_ps(acc + i)));
+}
+#endif
+
+typedef struct {
+    load_fn load;
+    dot_fn dot;
+    axpy_fn axpy;
+    softmax_fn softmax;
+    int isa;
+} kernels;
+
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+/* The widest set this CPU runs for head size d and row dtype, at most `cap`. */
+static kernels pick_kernels(int64_t d, int dtype, int cap) {
+    kernels k = {load_f32_scalar, dot_scalar, axpy_scalar, softmax_scalar, ISA_SCALAR};
+    if (dtype == KV_BF16) k.load = load_bf16_scalar;
+    if (dtype == KV_F16) k.load = load_f16_scalar;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (cap >= ISA_AVX512 && d % 16 == 0 && avx2 && __builtin_cpu_supports("avx512f")) {
+        k.dot = dot_avx512; k.axpy = axpy_avx512; k.softmax = softmax_avx2;
+        if (dtype == KV_BF16) k.load = load_bf16_avx512;
+        if (dtype == KV_F16) k.load = load_f16_avx512;
+        k.isa = ISA_AVX512;
+    } else if (cap >= ISA_AVX2 && d % 8 == 0 && avx2) {
+        k.dot = dot_avx2; k.axpy = axpy_avx2; k.softmax = softmax_avx2;
+        if (dtype == KV_BF16) k.load = load_bf16_avx2;
+        if (dtype == KV_F16) k.load = load_f16_avx2;
+        k.isa = ISA_AVX2;
+    }
+#else
+    (void)d; (void)cap;
+#endif
+    return k;
+}
+#endif
