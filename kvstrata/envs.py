@@ -96,6 +96,12 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
     "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
     "SDPA (ablation).")
+KVSTRATA_CPU_AUTO_DTYPE = _declare(
+    "KVSTRATA_CPU_AUTO_DTYPE", str, "",
+    "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "
+    "(bfloat16 with avx512_bf16 / amx_bf16, else float32; config/rules/platform_defaults.py), "
+    "or float32 / bfloat16 / float16. The test suite sets float32 so its fp32 references hold "
+    "on every machine.")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

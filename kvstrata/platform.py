@@ -31,6 +31,10 @@ class Platform:
     # `/server_info`; decisions should use `kind`, not these.
     capabilities: dict = field(default_factory=dict, compare=False, hash=False)
     simulated: bool = False
+    # The host CPU's feature flags (/proc/cpuinfo: avx2, avx512_bf16, amx_bf16, ...): the CPU
+    # dtype rule (config/rules/platform_defaults.py) reads them. Empty when simulated unless
+    # given, so resolution tests do not depend on the machine they run on.
+    cpu_flags: frozenset = field(default_factory=frozenset, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -75,9 +79,23 @@ class Platform:
         return f"{self.kind}{name}{' [simulated]' if self.simulated else ''}"
 
 
-def simulated(kind: str, device_name: str = "") -> Platform:
+def simulated(kind: str, device_name: str = "", cpu_flags=()) -> Platform:
     """A Platform value for `kind` without touching torch (tests, `config --explain`)."""
-    return Platform(kind=kind, device_name=device_name, simulated=True)
+    return Platform(kind=kind, device_name=device_name, simulated=True,
+                    cpu_flags=frozenset(cpu_flags))
+
+
+def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
+    """The first CPU's feature flags (x86 `flags`, Arm `Features`); empty if unreadable."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def detect_platform() -> Platform:
@@ -85,27 +103,28 @@ def detect_platform() -> Platform:
     import torch
 
     caps: dict = {"torch": torch.__version__}
+    flags = read_cpu_flags()
     # A ROCm build sets torch.version.hip and reports its GPUs through torch.cuda; check it
     # before CUDA because torch.cuda.is_available() is also True there. A ROCm build without a
     # visible GPU is a CPU box for our purposes.
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():
         caps["hip"] = torch.version.hip
-        return Platform("hip", torch.cuda.get_device_name(0), caps)
+        return Platform("hip", torch.cuda.get_device_name(0), caps, cpu_flags=flags)
     if torch.cuda.is_available() and getattr(torch.version, "cuda", None):
         caps["cuda"] = torch.version.cuda
         caps["compute_capability"] = torch.cuda.get_device_capability(0)
-        return Platform("cuda", torch.cuda.get_device_name(0), caps)
+        return Platform("cuda", torch.cuda.get_device_name(0), caps, cpu_flags=flags)
     npu = getattr(torch, "npu", None)  # present only once torch_npu has been imported
     if npu is not None and npu.is_available():
-        return Platform("npu", "Ascend NPU", caps)
+        return Platform("npu", "Ascend NPU", caps, cpu_flags=flags)
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
-        return Platform("xpu", xpu.get_device_name(0), caps)
+        return Platform("xpu", xpu.get_device_name(0), caps, cpu_flags=flags)
     mps = getattr(getattr(torch, "backends", None), "mps", None)
     if mps is not None and mps.is_available():
-        return Platform("mps", "Apple MPS", caps)
+        return Platform("mps", "Apple MPS", caps, cpu_flags=flags)
     import platform as _stdlib_platform
-    return Platform("cpu", _stdlib_platform.processor() or _stdlib_platform.machine(), caps)
+    return Platform("cpu", _stdlib_platform.processor() or _stdlib_platform.machine(), caps, cpu_flags=flags)
 
 
 _lock = threading.Lock()

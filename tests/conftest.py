@@ -17,6 +17,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import helpers.*`
 # Every KV invariant after every scheduler step, in-process engines and spawned servers alike
 # (a leak or stale row fails the step that caused it, not a later drain check).
 os.environ.setdefault("KVSTRATA_CHECK_INTEGRITY", "1")
+# --dtype auto means float32 on a CPU here, whatever the CPU: the suite's references are fp32
+# (transformers, our own runs compared across batch shapes) and must hold on AVX2 and on
+# bf16-capable machines alike. Tests of the auto rule pass their own env; the bf16 path has
+# its own tests (tests/correctness/test_bf16_quality.py, test_paged_decode_kernel.py).
+os.environ.setdefault("KVSTRATA_CPU_AUTO_DTYPE", "float32")
 
 
 def pytest_configure(config):

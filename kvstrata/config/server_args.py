@@ -65,8 +65,10 @@ class ServerArgs:
                                               "(default: the model path).")
     context_length: int | None = opt(None, "Maximum context length (default: from the model "
                                            "config).")
-    dtype: str = opt("auto", "Weight and activation dtype; auto = the checkpoint's dtype "
-                             "(float32 on CPU).", choices=DTYPES)
+    dtype: str = opt("auto", "Weight and activation dtype; auto = the checkpoint's half "
+                             "dtype on accelerators; on CPU bfloat16 where the CPU has bf16 "
+                             "instructions (avx512_bf16, amx_bf16), else float32.",
+                     choices=DTYPES)
     quantization: str | None = opt(None, "Quantize the weights at load (default: none, the "
                                          "float path). w8a8_int8: int8 per-channel weights "
                                          "and per-token int8 activations for every linear "

@@ -75,6 +75,25 @@ def test_kernel_every_dtype_and_isa(monkeypatch, dtype, isa, hq, hkv, d, n):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,ctx", [(16, 512), (1, 4096)])
+def test_kernel_threads_on_large_batches(dtype, n, ctx):
+    """Calls above the kernel's 1 MiB parallel threshold run on OpenMP threads (n=1: split
+    by KV head); the result equals one thread's and SDPA's."""
+    g = torch.Generator().manual_seed(n)
+    hq, hkv, d = 9, 3, 64
+    k_cache = torch.randn(n * ctx + 8, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(n * ctx + 8, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(n * ctx + 8, generator=g)[:n * ctx]
+    starts = torch.arange(0, n * ctx + 1, ctx)
+    q = torch.randn(n, hq, d, generator=g)
+    one = paged_decode(q, k_cache, v_cache, slots, starts, 0.125, num_threads=1)
+    two = paged_decode(q, k_cache, v_cache, slots, starts, 0.125, num_threads=2)
+    torch.testing.assert_close(two, one, rtol=0, atol=0)  # same items, same order per item
+    ref = _reference(q, k_cache, v_cache, slots, starts, 0.125)
+    torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_isa_follows_the_cpu():
     """auto picks AVX-512 exactly when the CPU has it (and the head is 16-wide)."""
     flags = open("/proc/cpuinfo").read().split()

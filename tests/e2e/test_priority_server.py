@@ -98,7 +98,9 @@ def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
     is refused; the queue drains and the server serves again."""
     def blocker(i):
         try:
-            _complete(preempting, f"{LONG} {i}", 80, 0)
+            # Long enough that the running one cannot finish between the poll below seeing
+            # a full queue and the fourth request arriving (80 tokens raced on a fast box).
+            _complete(preempting, f"{LONG} {i}", 400, 0)
         except openai.APIStatusError:
             pass
 

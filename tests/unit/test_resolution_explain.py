@@ -113,7 +113,8 @@ def test_cli_command_table_hooks():
     assert json.loads(out.getvalue())["resolved"]["device"] == "xpu"
 
 
-RULES = ["platform.device", "platform.chunked_prefill_size", "hicache.layout_io.R1",
+RULES = ["platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype",
+         "hicache.layout_io.R1",
          "hicache.layout_io.R2", "hicache.storage_layout", "hicache.ratio_default",
          "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
          "disagg.decode_chunk_cache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",

@@ -1,4 +1,5 @@
-"""Step 0: values whose default depends on the platform."""
+"""Step 0: values whose default depends on the platform: device, chunked prefill size, and
+--dtype auto on a CPU (chosen from the CPU's instruction sets by the measurements below)."""
 from __future__ import annotations
 
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
@@ -8,6 +9,39 @@ from kvstrata.platform import Platform
 # bounded; accelerators amortise launch cost over bigger chunks (SGLang's GPU default 8192).
 CHUNKED_PREFILL_CPU = 2048
 CHUNKED_PREFILL_ACCELERATOR = 8192
+
+# --dtype auto on a CPU: the first row whose flag the CPU has, else float32. Each row is backed
+# by a serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128,
+# out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU dtype").
+CPU_DTYPE_BY_FLAG = (
+    ("amx_bf16", "bfloat16", "AMX bf16 tiles: serving measured bf16 1.76x fp32 (2026-12-02)"),
+    ("avx512_bf16", "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, serving measured "
+     "bf16 1.31x fp32 even before the bf16 decode kernel (2026-12-01)"),
+)
+CPU_DTYPE_FALLBACK = ("float32", "no bf16 instructions (avx512_bf16 / amx_bf16): bf16 GEMMs "
+                      "are emulated and measured slower than fp32 (29 vs 18 tok/s at batch 1 "
+                      "on an AVX2 machine)")
+
+
+def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+              env: dict) -> tuple[str, str]:
+    """(dtype, reason) for --dtype auto on a CPU."""
+    forced = (env.get("KVSTRATA_CPU_AUTO_DTYPE") or "").strip()
+    if forced:
+        if forced not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"KVSTRATA_CPU_AUTO_DTYPE={forced!r} is not float32, bfloat16 "
+                             "or float16 (or empty: chosen from the CPU)")
+        return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}"
+    if args.quantization is not None:
+        return "float32", (f"--quantization {args.quantization}: its int8 kernels take "
+                           "float32 activations")
+    if model_info is not None and model_info.kv_pool_kind != "mha":
+        return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
+                           "decoder is measured in bf16 on CPU")
+    for flag, dtype, why in CPU_DTYPE_BY_FLAG:
+        if flag in platform.cpu_flags:
+            return dtype, f"the CPU has {flag}: {why}"
+    return CPU_DTYPE_FALLBACK
 
 
 def platform_defaults(args: ResolvedArgs, platform: Platform,
@@ -31,4 +65,7 @@ def platform_defaults(args: ResolvedArgs, platform: Platform,
         out += change(args, "chunked_prefill_size", size, "platform.chunked_prefill_size",
                       f"--chunked-prefill-size unset: {base} on "
                       f"{'CPU' if device == 'cpu' else 'an accelerator'}{aligned}")
+    if args.dtype == "auto" and (args.device or platform.device_type) == "cpu":
+        dtype, why = cpu_dtype(args, platform, model_info, env)
+        out += change(args, "dtype", dtype, "platform.cpu_dtype", f"--dtype auto on CPU: {why}")
     return out

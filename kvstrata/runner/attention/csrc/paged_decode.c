@@ -35,6 +35,10 @@
 
 #define MAX_THREADS 256
 #define MAX_HEADS 256 /* query heads */
+/* Below this many K+V bytes a call runs on one thread, as torch keeps small ops serial: a
+ * fork/join per layer costs microseconds on an idle box, and far more when other processes
+ * hold the cores (a team thread that is not scheduled stalls the whole region). */
+#define PARALLEL_MIN_BYTES (1 << 20)
 /* Rows are scattered (one slot per token): prefetch the row this many tokens ahead. */
 #define PREFETCH_TOKENS 4
 
@@ -157,6 +161,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 #ifndef _OPENMP
     threads = 1;
 #endif
+    if ((int64_t)n_slots * row_bytes * 2 < PARALLEL_MIN_BYTES) threads = 1;
     /* Few requests for the threads: one item per (request, KV head) so every thread works. */
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
     job j = {(const float *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,

