@@ -7,7 +7,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              extra_compile_args=["-O3"]),
                    Extension("kvstrata.runner.attention._paged_decode",
                              ["kvstrata/runner/attention/csrc/paged_decode.c"],
-                             depends=["kvstrata/runner/attention/csrc/paged_decode_isa.h"],
+                             depends=["kvstrata/runner/attention/csrc/paged_decode_isa.h",
+                                      "kvstrata/runner/attention/csrc/paged_decode_head64.h"],
                              # OpenMP: at run time libgomp.so.1 resolves to torch's copy
                              # (already loaded, same soname), so the kernel shares its team.
                              extra_compile_args=["-O3", "-fopenmp"],

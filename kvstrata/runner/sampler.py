@@ -72,6 +72,12 @@ def _has_penalty(p: SamplingParams) -> bool:
             or p.presence_penalty != 0.0)
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """argmax per row, the first index on ties (as torch.argmax). Through max(dim): on CPU
+    torch's argmax over [32, 49152] fp32 measured 1.0 ms against 0.43 ms for max (2 threads)."""
+    return logits.max(dim=-1).indices.tolist()
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = int(vocab_size)
@@ -97,7 +103,7 @@ class Sampler:
         # Hot path (every decode step of a plain greedy batch): a single argmax on the raw
         # logits; argmax of bf16/fp16 equals argmax of their exact float32 upcast.
         if not adjust and not want_lp and all(greedy):
-            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n)
+            return SampleResult(greedy_ids(logits), [None] * n, [None] * n)
 
         if adjust:
             # Copy: the caller's tensor must not be mutated by per-row penalties.
@@ -111,7 +117,7 @@ class Sampler:
         greedy_rows = [i for i in range(n) if greedy[i]]
         if greedy_rows:
             g = logits if len(greedy_rows) == n else logits[greedy_rows]
-            for i, t in zip(greedy_rows, g.argmax(dim=-1).tolist()):
+            for i, t in zip(greedy_rows, greedy_ids(g)):
                 tokens[i] = t
         sample_rows = [i for i in range(n) if not greedy[i]]
         if sample_rows:

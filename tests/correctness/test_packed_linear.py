@@ -1,6 +1,7 @@
-"""oneDNN-prepacked float32 linear layers (runner/packed_linear.py): equal to F.linear up to
-float rounding, on by default for the float32 llama-family decoder on CPU, off with
-KVSTRATA_CPU_PACKED_LINEAR=0, and the same greedy tokens either way."""
+"""oneDNN-prepacked float32 / bf16 linear layers (runner/packed_linear.py): equal to F.linear
+up to float rounding, on by default for the float32 (and, where oneDNN has bf16 kernels, bf16)
+llama-family decoder on CPU, off with KVSTRATA_CPU_PACKED_LINEAR=0, and the same greedy tokens
+either way."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,34 @@ def test_packed_equals_f_linear(rows, bias):
     torch.testing.assert_close(packed_linear(x, layer), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x[:, :]), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     assert layer.nbytes == w.numel() * 4 + (97 * 4 if bias else 0)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_packed_bf16_equals_f_linear(rows):
+    """Measured bit-identical on an AMX box; bf16 rounding of the output is the bound."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 kernels on this CPU (the runner keeps F.linear)")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(97, 64, generator=g).bfloat16()
+    b = torch.randn(97, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    layer = PackedLinear(w, b)
+    out = packed_linear(x, layer)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
+    assert layer.nbytes == (w.numel() + 97) * 2
+
+
+def test_runner_packs_bf16_where_onednn_has_bf16(tiny_checkpoints):
+    from kvstrata import LLM
+    from kvstrata.runner import packed_linear as module
+    with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
+             dtype="bfloat16", max_total_tokens=1024) as llm:
+        model = llm.engine.runner.model
+        packed = model.linear is module.packed_linear
+        assert packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert llm.server_info()["quantization_info"].get("kernel") == (
+            module.KERNEL if packed else None)
 
 
 def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_prompts,

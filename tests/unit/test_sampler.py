@@ -69,6 +69,18 @@ def test_greedy_batch_is_argmax_and_bf16_ok():
     assert s(lb, states).token_ids == lb.float().argmax(-1).tolist()
 
 
+def test_greedy_ties_take_the_first_index_as_argmax():
+    """The greedy path reads max(dim).indices (faster on CPU): ties must still go to the
+    first index, as torch.argmax, on wide rows (vectorised reductions) and in bf16."""
+    from kvstrata.runner.sampler import greedy_ids
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randint(0, 4, (32, 49152), generator=g).to(dtype)  # ties everywhere
+        logits[:, 40000:] = 3.0
+        assert greedy_ids(logits) == logits.argmax(-1).tolist()
+        assert greedy_ids(logits) == logits.float().argmax(-1).tolist()
+
+
 def test_greedy_rows_in_mixed_batch_are_argmax():
     torch.manual_seed(1)
     logits = torch.randn(6, 100)

@@ -42,6 +42,8 @@
 /* Rows are scattered (one slot per token): prefetch the row this many tokens ahead. */
 #define PREFETCH_TOKENS 4
 
+#include "paged_decode_head64.h"
+
 static inline void prefetch_bytes(const char *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
@@ -54,6 +56,7 @@ typedef struct {
     int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req;
     float scale;
     kernels kn;
+    head64_fn head64; /* AVX-512 fast path for 64-wide heads, or NULL */
 } job;
 
 /* Query heads of KV heads [h0, h1) of request b. scores: [(h1 - h0) * g, len]; acc: the same
@@ -70,6 +73,13 @@ static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *sco
     const kernels kn = j->kn;
     const int f32 = esz == 4;
     if (len == 0) { memset(o, 0, (size_t)(nh * d) * sizeof(float)); return; }
+    if (j->head64) { /* one KV head at a time, its query heads in registers */
+        for (int64_t h = h0; h < h1; h++)
+            j->head64(q + (h - h0) * g_n * d, j->k + off + (h - h0) * d * esz,
+                      j->v + off + (h - h0) * d * esz, row_bytes, sl, len, j->scale,
+                      scores + (h - h0) * g_n * len, o + (h - h0) * g_n * d, kn.softmax);
+        return;
+    }
     for (int64_t t = 0; t < len; t++) {
         if (t + PREFETCH_TOKENS < len)
             prefetch_bytes(j->k + sl[t + PREFETCH_TOKENS] * row_bytes + off, width * esz);
@@ -166,7 +176,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
     job j = {(const float *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
              (float *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, (float)scale,
-             pick_kernels(d, kv_dtype, isa_cap)};
+             pick_kernels(d, kv_dtype, isa_cap), NULL};
+    j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype);
     const int64_t items = (int64_t)n * split;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     int failed = 0;
