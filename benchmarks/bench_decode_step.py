@@ -64,6 +64,24 @@ def gemm_peak(n: int, dtype: torch.dtype = torch.float32) -> float:
     return 2 * n ** 3 / best / 1e9
 
 
+def copy_bandwidth(nbytes: int = 512 << 20) -> float:
+    """GB/s of one large copy (read + write counted once each, as a step's reads are): the
+    machine's streaming rate from RAM, larger than any L3, measured in the same run."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
+    return 2 * nbytes / best / 1e9
+
+
+def step_bytes(elem: int, params: int, batch: int, context: int, dims) -> int:
+    """Bytes a decode step must read from RAM at least (`elem` bytes a weight and a KV value):
+    every linear weight once (together they outsize any cache) and every request's K and V
+    rows in every layer."""
+    kv = 2 * batch * (context + 1) * dims.num_kv_heads * dims.head_dim * dims.num_layers
+    return (params + kv) * elem
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -150,8 +168,9 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     load = announce_load(args.require_quiet)
     peak = gemm_peak(args.gemm_size, getattr(torch, args.dtype))
+    bandwidth = copy_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.dtype} GEMM "
-          f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3)")
+          f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3); copy {bandwidth:.1f} GB/s")
     runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
     dims = runner.model.dims
     rows_needed = args.batch * len(args.context) + 2
@@ -164,8 +183,9 @@ def main(argv=None) -> dict:
     # The paged kernel variant runs only where the backend would use it (its dtypes).
     variants = (True, False) if backend.use_kernel else (False,)
     params = linear_params(runner.model)
-    report = {"box_load": load, "dtype": args.dtype, "threads": torch.get_num_threads(), "gemm_peak_gflops": peak,
-              "linear_params": params, "decode": [], "prefill": None}
+    report = {"box_load": load, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "gemm_peak_gflops": peak, "copy_gb_s": bandwidth, "linear_params": params,
+              "decode": [], "prefill": None}
     first_row, first_page = 1, 1
     with torch.inference_mode():
         for context in args.context:
@@ -178,7 +198,13 @@ def main(argv=None) -> dict:
                     backend.use_kernel = kernel
                     batch.step()  # warm-up of this variant
                     times[kernel].append(min(_timed(batch.step) for _ in range(args.steps)))
-            row = {"batch": args.batch, "context": context, "flops_per_step": flops}
+            elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+            nbytes = step_bytes(elem, params, args.batch, context, dims)
+            # The step cannot beat the slower of its arithmetic at the GEMM peak and its
+            # reads at the copy rate (a roofline from two baselines of this run).
+            roofline_ms = max(flops / peak / 1e6, nbytes / bandwidth / 1e6)
+            row = {"batch": args.batch, "context": context, "flops_per_step": flops,
+                   "bytes_per_step": nbytes, "roofline_ms": roofline_ms}
             for kernel, name in ((True, "kernel"), (False, "gather_sdpa")):
                 if kernel not in variants:
                     continue
@@ -186,11 +212,12 @@ def main(argv=None) -> dict:
                 ms = statistics.median(times[kernel]) * 1e3
                 top, overhead, attention = profile(batch.step, args.steps)
                 row[name] = {"ms": ms, "gflops": flops / ms / 1e6,
-                             "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,
+                             "of_peak": flops / ms / 1e6 / peak,
+                             "of_roofline": roofline_ms / ms, "outside_ops": overhead,
                              "attention_share": attention, "top_ops": top}
                 print(f"decode B={args.batch} C={context:<5d} {name:<11s} {ms:8.1f} ms  "
                       f"{flops / ms / 1e6:6.1f} GFLOP/s = {flops / ms / 1e6 / peak:5.1%} of "
-                      f"peak; attention {attention:5.1%}; outside torch ops {overhead:5.1%}; "
+                      f"peak, {roofline_ms / ms:5.1%} of the roofline; attention {attention:5.1%}; outside torch ops {overhead:5.1%}; "
                       "top: " + ", ".join(
                           f"{t['op']} {t['share']:.0%}" for t in top[:4]), flush=True)
             if "kernel" in row:

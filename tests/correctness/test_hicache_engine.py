@@ -135,3 +135,32 @@ def test_second_engine_on_a_file_store_matches_a_cold_run(tiny_checkpoints, refe
             llm.shutdown()  # finishes the backups
         if round_ == 1:
             assert load["hicache_storage_hit_tokens"] >= len(prompts[-1]) // 4 * 4 - 4, load
+
+
+def test_bf16_kv_round_trips_through_host_and_storage(tiny_checkpoints):
+    """bf16 (what --dtype auto picks on a CPU with bf16 instructions): a starved bf16 device
+    pool whose pages go to the host tier and the memory store and come back (the paged decode
+    kernel reading them in place) gives the tokens of a large bf16 pool."""
+    path = tiny_checkpoints["llama"]
+    ref = make_llm(path, dtype="bfloat16", max_total_tokens=8192)
+    try:
+        expected = multi_turn(ref)[1]
+    finally:
+        ref.shutdown()
+    llm = make_llm(path, dtype="bfloat16", max_total_tokens=160,
+                   enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=8.0,
+                   hicache_storage_backend="memory",
+                   hicache_storage_prefetch_policy="wait_complete",
+                   hicache_storage_backend_extra_config='{"prefetch_threshold": 8}')
+    try:
+        assert str(llm.engine.runner.dtype) == "torch.bfloat16"
+        assert llm.engine.runner.plan.dtype == "bfloat16"
+        assert multi_turn(llm)[1] == expected
+        assert_host_tier_served(llm)
+        assert llm.engine.finish_storage_backups(timeout=30) and llm.flush_cache()
+        assert multi_turn(llm)[1] == expected
+        load = llm.get_load()
+        assert load["hicache_storage_hit_tokens"] > 0 and load["hicache_storage_errors"] == 0
+        llm.check_integrity()
+    finally:
+        llm.shutdown()

@@ -14,7 +14,7 @@ CHUNKED_PREFILL_ACCELERATOR = 8192
 # by a serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128,
 # out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU dtype").
 CPU_DTYPE_BY_FLAG = (
-    ("amx_bf16", "bfloat16", "AMX bf16 tiles: serving measured bf16 1.76x fp32 (2026-12-02)"),
+    ("amx_bf16", "bfloat16", "AMX bf16 tiles: serving measured bf16 2.42x fp32 (2026-12-02)"),
     ("avx512_bf16", "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, serving measured "
      "bf16 1.31x fp32 even before the bf16 decode kernel (2026-12-01)"),
 )
