@@ -12,4 +12,7 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              # OpenMP: at run time libgomp.so.1 resolves to torch's copy
                              # (already loaded, same soname), so the kernel shares its team.
                              extra_compile_args=["-O3", "-fopenmp"],
+                             extra_link_args=["-fopenmp"]),
+                   Extension("kvstrata.runner._cpu_ops", ["kvstrata/runner/csrc/cpu_ops.c"],
+                             extra_compile_args=["-O3", "-fopenmp"],
                              extra_link_args=["-fopenmp"])])

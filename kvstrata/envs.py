@@ -102,6 +102,10 @@ KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "(bfloat16 with avx512_bf16 / amx_bf16, else float32; config/rules/platform_defaults.py), "
     "or float32 / bfloat16 / float16. The test suite sets float32 so its fp32 references hold "
     "on every machine.")
+KVSTRATA_CPU_FUSED_OPS = _declare(
+    "KVSTRATA_CPU_FUSED_OPS", bool, True,
+    "The llama-family decoder on CPU runs bf16 RMSNorm and silu(gate) * up as one fused pass "
+    "each (runner/cpu_ops.py); 0 = torch's op sequences (ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

@@ -176,11 +176,12 @@ def test_dead_decode_frees_the_prefill(pd):
     and pages return to idle; a new decode server then works."""
     def both(i):
         """What the router does; returns the prefill's answer (the decode's dies with it).
-        400-token prompts: the decode pool (2048 tokens) admits about half of them, so the
-        other rooms are still waiting for its pages when it dies (with short prompts every
-        transfer could finish before the test looked, and it saw no room open)."""
-        body = {"input_ids": list(range(100 + i, 500 + i)), **pd.body(),
-                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+        300-token prompts answered with 200 tokens: the decode pool (2048 tokens) admits
+        about half of them and holds their pages for 200 steps, so the other rooms are still
+        waiting for its pages when it dies (with short prompts, or 64-token answers on a
+        fast box, every transfer could finish before the test looked: no room open)."""
+        body = {"input_ids": list(range(100 + i, 400 + i)), **pd.body(),
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
 
         def to_decode():
             with contextlib.suppress(httpx.HTTPError):

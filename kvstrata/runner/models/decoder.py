@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.runner import cpu_ops
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
@@ -36,6 +37,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as HF (normalise in float32, cast back, then scale by the weight).
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    fused = cpu_ops.rms_norm(x, weight, eps)  # bf16 on CPU: the same roundings in one pass
+    if fused is not None:
+        return fused
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -172,8 +176,12 @@ class DecoderForCausalLM(nn.Module):
         # view of a parameter, and inference mode keeps no autograd history.
         x.add_(linear(attn, layer.o_weight, layer.o_bias))
         h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-        gate, up = linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-        x.add_(linear(F.silu(gate) * up, layer.down_weight, layer.down_bias))
+        gate_up = linear(h, layer.gate_up_weight, layer.gate_up_bias)
+        act = cpu_ops.silu_mul(gate_up)  # one pass on CPU; None elsewhere
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        x.add_(linear(act, layer.down_weight, layer.down_bias))
         return x
 
     # ------------------------------------------------------------------ weight loading

@@ -1,0 +1,73 @@
+"""Fused element-wise ops for the llama-family decoder on the CPU (the C extension
+`_cpu_ops`, csrc/cpu_ops.c): RMSNorm in bf16 and silu(gate) * up.
+
+Why: after the linear layers were prepacked and decode attention read the pool in place, a
+bf16 batched prefill (12 prompts x 160 tokens of SmolLM2) still spent ~20% in element-wise ops
+that each read and write the whole activation: HF's bf16 RMSNorm is seven ops (upcast, square,
+mean, rsqrt, scale, downcast, weight), the MLP's activation two (silu, then the product). One
+pass each here. The arithmetic and roundings are HF's (fp32 inside, bf16 where torch's
+unfused ops round), so results equal the op sequences up to fp32 summation order.
+
+`rms_norm` / `silu_mul` return None when a tensor does not fit (not on the CPU, rows not
+contiguous inside, other dtypes, KVSTRATA_CPU_FUSED_OPS=0): the caller keeps torch's ops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvstrata import envs
+from kvstrata.runner import _cpu_ops
+from kvstrata.runner.attention.paged_decode import isa_cap
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """(rows, row stride) of a CPU tensor whose last dim is contiguous and whose leading dims
+    flatten to evenly strided rows; None otherwise."""
+    if x.device.type != "cpu" or x.dim() < 1 or x.stride(-1) != 1:
+        return None
+    if x.dim() == 1:
+        return 1, x.shape[0]
+    lead = x.shape[:-1]
+    stride = x.stride(-2)
+    expect = stride
+    for size, st in zip(reversed(lead), reversed(x.stride()[:-1])):
+        if size != 1 and st != expect:
+            return None
+        expect *= size
+    return math.prod(lead), stride
+
+
+def enabled() -> bool:
+    return envs.KVSTRATA_CPU_FUSED_OPS.get()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """HF's bf16 RMSNorm in one pass, or None (caller falls back)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not enabled():
+        return None
+    rows = _rows(x)
+    h = x.shape[-1]
+    if rows is None or weight.numel() != h or not weight.is_contiguous():
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _cpu_ops.rms_norm_bf16(x.data_ptr(), rows[1], rows[0], h, weight.data_ptr(),
+                           out.data_ptr(), float(eps), torch.get_num_threads(), isa_cap())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up = [..., gate | up], or None (caller falls back)."""
+    if gate_up.dtype not in DTYPES or not enabled() or gate_up.shape[-1] % 2:
+        return None
+    rows = _rows(gate_up)
+    if rows is None:
+        return None
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    _cpu_ops.silu_mul(gate_up.data_ptr(), rows[1], rows[0], n, out.data_ptr(),
+                      DTYPES[gate_up.dtype], torch.get_num_threads(), isa_cap())
+    return out

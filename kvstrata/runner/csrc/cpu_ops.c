@@ -1,0 +1,215 @@
+/* Fused element-wise ops of the llama-family decoder on the CPU (kvstrata/runner/cpu_ops.py
+ * wraps them; see there for when they run and what they replace).
+ *
+ *   rms_norm_bf16(x, x_row_stride, rows, h, w, out, eps, threads, isa_cap)
+ *       out[r] = bf16(w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)))   (HF's two roundings)
+ *   silu_mul(x, x_row_stride, rows, inter, out, dtype, threads, isa_cap)
+ *       out[r] = silu(x[r, :inter]) * x[r, inter:2*inter]; bf16: bf16(bf16(silu(g)) * u)
+ *
+ * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
+ * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
+ * even), so the result equals the op sequence it replaces up to fp32 summation order and the
+ * exp approximation (< 2e-7 relative). Vector code (AVX-512F) is chosen at run time; the
+ * scalar path computes the same. Rows are split across OpenMP threads (torch's own team, as
+ * in attention/csrc/paged_decode.c) above a size where the fork pays.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define PARALLEL_MIN_BYTES (256 << 10)
+enum { F32 = 0, BF16 = 1 };
+
+static inline float bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f2bf(float f) { /* round to nearest even (inputs are finite) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
+
+/* ---- scalar rows ------------------------------------------------------------------------ */
+static void rms_row_scalar(const uint16_t *x, const uint16_t *w, uint16_t *o, int64_t h,
+                           float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; i++) { float v = bf2f(x[i]); ss += v * v; }
+    const float r = 1.f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(x[i]) * r)));
+}
+static void silu_row_scalar(const void *x, void *o, int64_t n, int dtype) {
+    if (dtype == F32) {
+        const float *g = (const float *)x, *u = g + n;
+        float *out = (float *)o;
+        for (int64_t i = 0; i < n; i++) out[i] = silu_f(g[i]) * u[i];
+    } else {
+        const uint16_t *g = (const uint16_t *)x, *u = g + n;
+        uint16_t *out = (uint16_t *)o;
+        for (int64_t i = 0; i < n; i++) out[i] = f2bf(bf2f(f2bf(silu_f(bf2f(g[i])))) * bf2f(u[i]));
+    }
+}
+
+/* ---- AVX-512F rows (h % 16 == 0 / n % 16 == 0) ------------------------------------------ */
+#if defined(__x86_64__)
+#define AVX512 __attribute__((target("avx512f")))
+AVX512 static inline __m512 ld_bf(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+AVX512 static inline __m256i to_bf(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+AVX512 static inline __m512 round_bf(__m512 f) { /* fp32 -> bf16 -> fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf(f)), 16));
+}
+/* exp(x) for x <= 0: 2^n e^r, r in [-ln2/2, ln2/2], degree-6 Taylor (< 2e-7 relative). */
+AVX512 static inline __m512 exp_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| only */
+    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e), den);
+    return _mm512_mul_ps(g, sig);
+}
+AVX512 static void rms_row_avx512(const uint16_t *x, const uint16_t *w, uint16_t *o,
+                                  int64_t h, float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) { __m512 v = ld_bf(x + i); ss = _mm512_fmadd_ps(v, v, ss); }
+    const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16) {
+        __m512 n = round_bf(_mm512_mul_ps(ld_bf(x + i), r));
+        _mm256_storeu_si256((__m256i *)(o + i), to_bf(_mm512_mul_ps(ld_bf(w + i), n)));
+    }
+}
+AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype) {
+    if (dtype == F32) {
+        const float *g = (const float *)x, *u = g + n;
+        float *out = (float *)o;
+        for (int64_t i = 0; i < n; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(silu_v(_mm512_loadu_ps(g + i)),
+                                                    _mm512_loadu_ps(u + i)));
+    } else {
+        const uint16_t *g = (const uint16_t *)x, *u = g + n;
+        uint16_t *out = (uint16_t *)o;
+        for (int64_t i = 0; i < n; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + i),
+                                to_bf(_mm512_mul_ps(round_bf(silu_v(ld_bf(g + i))), ld_bf(u + i))));
+    }
+}
+#endif
+
+static int use_avx512(int64_t width, int isa_cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return isa_cap >= 2 && width % 16 == 0 && __builtin_cpu_supports("avx512f");
+#else
+    (void)width; (void)isa_cap;
+    return 0;
+#endif
+}
+
+static int thread_count(int threads, int64_t rows, int64_t bytes) {
+#ifdef _OPENMP
+    if (bytes < PARALLEL_MIN_BYTES || threads < 1) return 1;
+    return rows < threads ? (int)(rows > 0 ? rows : 1) : threads;
+#else
+    (void)threads; (void)rows; (void)bytes;
+    return 1;
+#endif
+}
+
+static PyObject *rms_norm_bf16(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, o_addr;
+    Py_ssize_t stride, rows, h;
+    double eps;
+    int threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnKKdii", &x_addr, &stride, &rows, &h, &w_addr, &o_addr,
+                          &eps, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || h < 1 || stride < h) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd h=%zd stride=%zd", rows, h, stride);
+        return NULL;
+    }
+    const uint16_t *x = (const uint16_t *)x_addr, *w = (const uint16_t *)w_addr;
+    uint16_t *o = (uint16_t *)o_addr;
+    const int vec = use_avx512(h, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * h * 2);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (vec) { rms_row_avx512(x + r * stride, w, o + r * h, h, (float)eps); continue; }
+#endif
+        rms_row_scalar(x + r * stride, w, o + r * h, h, (float)eps);
+    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, o_addr;
+    Py_ssize_t stride, rows, n;
+    int dtype, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnKiii", &x_addr, &stride, &rows, &n, &o_addr, &dtype,
+                          &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || n < 1 || stride < 2 * n || (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd n=%zd stride=%zd dtype=%d",
+                     rows, n, stride, dtype);
+        return NULL;
+    }
+    const int64_t esz = dtype == F32 ? 4 : 2;
+    const char *x = (const char *)x_addr;
+    char *o = (char *)o_addr;
+    const int vec = use_avx512(n, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * n * 3 * esz);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (vec) { silu_row_avx512(x + r * stride * esz, o + r * n * esz, n, dtype); continue; }
+#endif
+        silu_row_scalar(x + r * stride * esz, o + r * n * esz, n, dtype);
+    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm_bf16", rms_norm_bf16, METH_VARARGS, "HF-exact bf16 RMSNorm over rows."},
+    {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up over the rows of a [gate | up] tensor."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",
+                                    "Fused element-wise CPU ops.", -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_ops(void) { return PyModule_Create(&module); }

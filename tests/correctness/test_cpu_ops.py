@@ -1,0 +1,90 @@
+"""Fused CPU element-wise ops (runner/cpu_ops.py) against the torch op sequences they replace:
+HF's bf16 RMSNorm (upcast, normalise, downcast, times the weight) and silu(gate) * up, on
+every instruction set this CPU has, strided rows included; the decoder with them on vs off."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.runner import cpu_ops
+
+
+def hf_rms_norm(x, w, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def bf16_ulps(a, b):
+    """Distance in bf16 units in the last place (both bf16)."""
+    ia = a.view(torch.int16).int()
+    ib = b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("rows,h", [(1, 576), (37, 64), (300, 576), (3, 40)])
+def test_rms_norm_bf16_matches_hf(monkeypatch, isa, rows, h):
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(rows + h)
+    base = (torch.randn(rows, h + 8, generator=g) * 3).bfloat16()
+    x = base[:, 4:4 + h]                      # strided rows (a view)
+    w = (torch.randn(h, generator=g) * 0.5 + 1).bfloat16()
+    got = cpu_ops.rms_norm(x, w, 1e-5)
+    want = hf_rms_norm(x, w, 1e-5)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == want.shape
+    # Same roundings; only the fp32 sum order differs, which may move the normalised value
+    # across a bf16 rounding boundary (1 ulp), then the weight product's rounding (2): rare.
+    ulps = bf16_ulps(got, want)
+    assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 1536), (33, 64), (400, 1536), (5, 24)])
+def test_silu_mul_matches_torch(monkeypatch, isa, dtype, rows, n):
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(rows * n)
+    gate_up = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu_ops.silu_mul(gate_up)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    else:
+        ulps = bf16_ulps(got, want)
+        assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01
+
+
+def test_unsupported_inputs_fall_back(monkeypatch):
+    x = torch.randn(4, 8)
+    assert cpu_ops.rms_norm(x, torch.ones(8), 1e-5) is None            # fp32: F.rms_norm
+    assert cpu_ops.silu_mul(torch.randn(4, 8).t()) is None               # columns strided
+    assert cpu_ops.silu_mul(torch.randn(4, 7)) is None                   # odd width
+    assert cpu_ops.silu_mul(torch.randn(4, 8).half()) is None            # fp16
+    monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
+    assert cpu_ops.silu_mul(torch.randn(4, 8)) is None
+
+
+def test_decoder_with_and_without_fused_ops(tiny_checkpoints, tiny_prompts, monkeypatch):
+    """bf16 decoder: fused on vs off gives logprobs within bf16 rounding; fp32 (silu_mul
+    only) the same greedy tokens."""
+    from kvstrata import LLM
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.15)):
+        outs = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", flag)
+            with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
+                     dtype=dtype, max_total_tokens=1024) as llm:
+                outs[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
+        for on, off in zip(outs["1"], outs["0"]):
+            same = next((i for i, (a, b) in enumerate(zip(on["output_ids"], off["output_ids"]))
+                         if a != b), len(on["output_ids"]))
+            if dtype == "float32":
+                assert same == len(on["output_ids"])
+            got = [lp for lp, _ in on["meta_info"]["output_token_logprobs"][:same]]
+            want = [lp for lp, _ in off["meta_info"]["output_token_logprobs"][:same]]
+            assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) < tol
