@@ -1,6 +1,7 @@
-"""A real server with --speculative-algorithm NGRAM, through the official openai client:
-greedy text (streamed and not, with a stop string) equals plain decoding of the same model
-in this process, and the speculative counters reach meta_info, /server_info and /metrics."""
+"""Real servers with --speculative-algorithm NGRAM and EAGLE (a tree draft: topk 2), through
+the official openai client: greedy text (streamed and not, with a stop string) equals plain
+decoding of the same model in this process, and the speculative counters reach meta_info,
+/server_info and /metrics."""
 from __future__ import annotations
 
 import httpx
@@ -84,3 +85,53 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_the_flag(tiny_model_p
         LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
             max_total_tokens=1024, speculative_algorithm="STANDALONE",
             speculative_draft_model_path=tiny_model_path)
+
+
+EAGLE_ARGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+              "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+              "--max-total-tokens", "4096", "--context-length", "512")
+
+
+@pytest.fixture(scope="module")
+def eagle_server(tiny_model_path, tmp_path_factory):
+    from helpers.eagle_heads import random_head
+
+    head, _, _ = random_head(tiny_model_path, str(tmp_path_factory.mktemp("eagle") / "head"))
+    srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
+                        "--speculative-draft-model-path", head, *EAGLE_ARGS)
+    yield srv
+    srv.stop()
+
+
+def test_eagle_tree_server_equals_plain(eagle_server, plain):
+    """EAGLE over HTTP (chat and completions, streamed and not): a random head's tree drafts
+    are mostly rejected, yet every text equals plain greedy decoding, and the verify
+    counters say drafting ran."""
+    client = openai.OpenAI(base_url=eagle_server.base_url + "/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    want = plain.generate(TEXT, {"max_new_tokens": 40, "temperature": 0,
+                                 "ignore_eos": True})["text"]
+    got = client.completions.create(model="tiny", prompt=TEXT, max_tokens=40, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want
+    stream = client.completions.create(model="tiny", prompt=TEXT, max_tokens=40,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == want
+    messages = [{"role": "user", "content": "Count with me: one two three"}]
+    ids = plain.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    want_chat = plain.generate(input_ids=ids, sampling_params={
+        "max_new_tokens": 24, "temperature": 0, "ignore_eos": True})["text"]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == want_chat
+    r = httpx.post(eagle_server.base_url + "/generate", timeout=60, json={
+        "text": TEXT, "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                          "ignore_eos": True}})
+    meta = r.json()["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and meta["spec_draft_token_num"] > 0
+    info = httpx.get(eagle_server.base_url + "/server_info", timeout=30).json()
+    assert info["speculative_algorithm"] == "EAGLE"
+    assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (2, 6)
