@@ -39,10 +39,12 @@ class PDServers:
     fixture's, so that tests differing only in the decode server start one prefill)."""
 
     def __init__(self, model: str, backend: str, *decode_args: str,
-                 shared_prefill: "PDServers | None" = None, with_decode: bool = True):
+                 shared_prefill: "PDServers | None" = None, with_decode: bool = True,
+                 prefill_args: tuple = ()):
         self.backend = backend
         self.model = model
         self.decode_args = decode_args
+        self.prefill_args = prefill_args
         self.owns_prefill = shared_prefill is None
         # Both servers start side by side (each spends most of its start importing).
         if shared_prefill is None:
@@ -70,7 +72,8 @@ class PDServers:
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
                              "--disaggregation-transfer-backend", self.backend,
                              "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait, port=port)
+                             "--max-total-tokens", "4096", *self.prefill_args, env=PD_ENV,
+                             wait=wait, port=port)
 
     def body(self, room: int | None = None) -> dict:
         return {"bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap_port,

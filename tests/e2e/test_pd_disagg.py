@@ -334,3 +334,24 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
         assert_no_leak(pd.prefill)
     finally:
         radix.stop()  # the decode server only: the prefill is the module's
+
+
+def test_bf16_kv_crosses_and_decodes_like_colocated(tiny_model_path):
+    """bf16 on both servers (what --dtype auto picks on a CPU with bf16 instructions): the
+    prefill's bf16 KV pages cross over tcp and the decode server, reading them in place with
+    the paged decode kernel, answers exactly as a colocated bf16 engine."""
+    from kvstrata import LLM
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    with LLM(model_path=tiny_model_path, dtype="bfloat16", max_total_tokens=4096) as llm:
+        want = llm.generate(prompt, {"max_new_tokens": 16, "temperature": 0,
+                                     "ignore_eos": True})["output_ids"]
+    bf16 = ("--dtype", "bfloat16")
+    with serving(PDServers(tiny_model_path, "tcp", *bf16, prefill_args=bf16)) as pair:
+        prefill, decode = pair.generate(prompt, max_new_tokens=16, ignore_eos=True)
+        assert (prefill.status_code, decode.status_code) == (200, 200), decode.text
+        assert decode.json()["output_ids"] == want
+        for srv in (pair.prefill, pair.decode):
+            assert httpx.get(srv.base_url + "/server_info", timeout=30).json()["dtype"] == \
+                "bfloat16"
+        assert_no_leak(pair.decode)
