@@ -8,11 +8,13 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                    Extension("kvstrata.runner.attention._paged_decode",
                              ["kvstrata/runner/attention/csrc/paged_decode.c"],
                              depends=["kvstrata/runner/attention/csrc/paged_decode_isa.h",
-                                      "kvstrata/runner/attention/csrc/paged_decode_head64.h"],
+                                      "kvstrata/runner/attention/csrc/paged_decode_head64.h",
+                                      "kvstrata/runner/csrc/cpu_vec.h"],
                              # OpenMP: at run time libgomp.so.1 resolves to torch's copy
                              # (already loaded, same soname), so the kernel shares its team.
                              extra_compile_args=["-O3", "-fopenmp"],
                              extra_link_args=["-fopenmp"]),
                    Extension("kvstrata.runner._cpu_ops", ["kvstrata/runner/csrc/cpu_ops.c"],
+                             depends=["kvstrata/runner/csrc/cpu_vec.h"],
                              extra_compile_args=["-O3", "-fopenmp"],
                              extra_link_args=["-fopenmp"])])

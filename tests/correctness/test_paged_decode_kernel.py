@@ -97,6 +97,12 @@ def test_kernel_threads_on_large_batches(dtype, n, ctx):
     torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_kernel_is_built_with_openmp():
+    """setup.py compiles it with -fopenmp; without it every call would silently run on one
+    thread (the large-batch test above would still pass)."""
+    assert _paged_decode.openmp() is True
+
+
 def test_kernel_isa_follows_the_cpu():
     """auto picks AVX-512 exactly when the CPU has it (and the head is 16-wide)."""
     flags = open("/proc/cpuinfo").read().split()

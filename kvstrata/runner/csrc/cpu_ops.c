@@ -15,37 +15,20 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 #define PARALLEL_MIN_BYTES (256 << 10)
 enum { F32 = 0, BF16 = 1 };
 
-static inline float bf2f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t f2bf(float f) { /* round to nearest even (inputs are finite) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
 /* ---- scalar rows ------------------------------------------------------------------------ */
 static void rms_row_scalar(const uint16_t *x, const uint16_t *w, uint16_t *o, int64_t h,
                            float eps) {
     float ss = 0.f;
-    for (int64_t i = 0; i < h; i++) { float v = bf2f(x[i]); ss += v * v; }
+    for (int64_t i = 0; i < h; i++) { float v = bf16_to_f32(x[i]); ss += v * v; }
     const float r = 1.f / sqrtf(ss / (float)h + eps);
-    for (int64_t i = 0; i < h; i++) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(x[i]) * r)));
+    for (int64_t i = 0; i < h; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r)));
 }
 static void silu_row_scalar(const void *x, void *o, int64_t n, int dtype) {
     if (dtype == F32) {
@@ -55,44 +38,14 @@ static void silu_row_scalar(const void *x, void *o, int64_t n, int dtype) {
     } else {
         const uint16_t *g = (const uint16_t *)x, *u = g + n;
         uint16_t *out = (uint16_t *)o;
-        for (int64_t i = 0; i < n; i++) out[i] = f2bf(bf2f(f2bf(silu_f(bf2f(g[i])))) * bf2f(u[i]));
+        for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu_f(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
     }
 }
 
 /* ---- AVX-512F rows (h % 16 == 0 / n % 16 == 0) ------------------------------------------ */
 #if defined(__x86_64__)
-#define AVX512 __attribute__((target("avx512f")))
-AVX512 static inline __m512 ld_bf(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-AVX512 static inline __m256i to_bf(__m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-AVX512 static inline __m512 round_bf(__m512 f) { /* fp32 -> bf16 -> fp32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf(f)), 16));
-}
-/* exp(x) for x <= 0: 2^n e^r, r in [-ln2/2, ln2/2], degree-6 Taylor (< 2e-7 relative). */
-AVX512 static inline __m512 exp_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| only */
-    __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 e = exp_nonpos_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
     __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e), den);
@@ -101,11 +54,11 @@ AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| on
 AVX512 static void rms_row_avx512(const uint16_t *x, const uint16_t *w, uint16_t *o,
                                   int64_t h, float eps) {
     __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < h; i += 16) { __m512 v = ld_bf(x + i); ss = _mm512_fmadd_ps(v, v, ss); }
+    for (int64_t i = 0; i < h; i += 16) { __m512 v = bf16x16_load(x + i); ss = _mm512_fmadd_ps(v, v, ss); }
     const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
     for (int64_t i = 0; i < h; i += 16) {
-        __m512 n = round_bf(_mm512_mul_ps(ld_bf(x + i), r));
-        _mm256_storeu_si256((__m256i *)(o + i), to_bf(_mm512_mul_ps(ld_bf(w + i), n)));
+        __m512 n = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + i), r));
+        _mm256_storeu_si256((__m256i *)(o + i), bf16x16_from(_mm512_mul_ps(bf16x16_load(w + i), n)));
     }
 }
 AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype) {
@@ -120,7 +73,7 @@ AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype)
         uint16_t *out = (uint16_t *)o;
         for (int64_t i = 0; i < n; i += 16)
             _mm256_storeu_si256((__m256i *)(out + i),
-                                to_bf(_mm512_mul_ps(round_bf(silu_v(ld_bf(g + i))), ld_bf(u + i))));
+                                bf16x16_from(_mm512_mul_ps(bf16x16_round(silu_v(bf16x16_load(g + i))), bf16x16_load(u + i))));
     }
 }
 #endif

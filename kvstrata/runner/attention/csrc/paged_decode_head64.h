@@ -19,9 +19,15 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
 
 #if defined(__x86_64__)
 #define LD_F32(p) _mm512_loadu_ps((const float *)(p))
-#define LD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
-    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LD_BF16(p) bf16x16_load(p)
 #define LD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+
+/* The head row PREFETCH_TOKENS tokens ahead (64 values of ESZ bytes: 2 or 4 lines). */
+#define PREFETCH_HEAD(BASE, ESZ)                                                            \
+    if (t + PREFETCH_TOKENS < len) {                                                        \
+        const char *nx = BASE + sl[t + PREFETCH_TOKENS] * row_bytes;                        \
+        for (int b = 0; b < 64 * ESZ; b += 64) __builtin_prefetch(nx + b, 0, 3);            \
+    }
 
 #define HEAD64(NAME, LOAD, ESZ, G)                                                          \
     AVX512 static void NAME(const float *q, const char *k, const char *v, int64_t row_bytes, \
@@ -31,10 +37,7 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
         for (int i = 0; i < G; i++)                                                         \
             for (int c = 0; c < 4; c++) qv[i][c] = _mm512_loadu_ps(q + i * 64 + c * 16);    \
         for (int64_t t = 0; t < len; t++) {                                                 \
-            if (t + PREFETCH_TOKENS < len) {                                                \
-                const char *nx = k + sl[t + PREFETCH_TOKENS] * row_bytes;                   \
-                for (int b = 0; b < 64 * ESZ; b += 64) __builtin_prefetch(nx + b, 0, 3);    \
-            }                                                                               \
+            PREFETCH_HEAD(k, ESZ)                                                           \
             const char *kr = k + sl[t] * row_bytes;                                         \
             __m512 k0 = LOAD(kr), k1 = LOAD(kr + 16 * ESZ), k2 = LOAD(kr + 32 * ESZ),       \
                    k3 = LOAD(kr + 48 * ESZ);                                                \
@@ -51,10 +54,7 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
         for (int i = 0; i < G; i++)                                                         \
             for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                    \
         for (int64_t t = 0; t < len; t++) {                                                 \
-            if (t + PREFETCH_TOKENS < len) {                                                \
-                const char *nx = v + sl[t + PREFETCH_TOKENS] * row_bytes;                   \
-                for (int b = 0; b < 64 * ESZ; b += 64) __builtin_prefetch(nx + b, 0, 3);    \
-            }                                                                               \
+            PREFETCH_HEAD(v, ESZ)                                                           \
             const char *vr = v + sl[t] * row_bytes;                                         \
             __m512 v0 = LOAD(vr), v1 = LOAD(vr + 16 * ESZ), v2 = LOAD(vr + 32 * ESZ),       \
                    v3 = LOAD(vr + 48 * ESZ);                                                \

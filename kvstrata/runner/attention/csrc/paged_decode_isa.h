@@ -13,12 +13,7 @@
  * AVX-512 machines). Every set computes the same math; only the summation order differs. */
 #ifndef KVSTRATA_PAGED_DECODE_ISA_H
 #define KVSTRATA_PAGED_DECODE_ISA_H
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "../../csrc/cpu_vec.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -29,26 +24,6 @@ typedef void (*axpy_fn)(float *, float, const float *, int64_t);
 typedef float (*softmax_fn)(float *, int64_t);
 
 /* ---- scalar ----------------------------------------------------------------------------- */
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline float f16_to_f32(uint16_t h) { /* IEEE half: subnormals, inf and nan kept */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
-    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
-    else if (!man) u = sign;
-    else { /* subnormal: normalise */
-        exp = 113;
-        while (!(man & 0x400)) { man <<= 1; exp--; }
-        u = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 static void load_f32_scalar(float *dst, const void *src, int64_t n) { memcpy(dst, src, (size_t)n * 4); }
 static void load_bf16_scalar(float *dst, const void *src, int64_t n) {
     const uint16_t *s = (const uint16_t *)src;
@@ -75,7 +50,6 @@ static float softmax_scalar(float *s, int64_t len) {
 
 #if defined(__x86_64__)
 /* ---- AVX2 + FMA (+ F16C for fp16 rows); dot/axpy need d % 8 == 0 ------------------------- */
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
 AVX2 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -114,25 +88,6 @@ AVX2 static void axpy_avx2(float *acc, float p, const float *x, int64_t d) {
         _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i),
                                                  _mm256_loadu_ps(acc + i)));
 }
-/* exp(x) for x <= 0 (softmax arguments): 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2], e^r by
- * its degree-6 Taylor polynomial (truncation error < 2e-7 relative, about 1-2 ulp). Inputs
- * below -87 are clamped: e^-87 is ~1e-38, nothing next to the max term's 1. */
-AVX2 static inline __m256 exp_nonpos_avx2(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 AVX2 static float softmax_avx2(float *s, int64_t len) {
     float m = s[0];
     for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
@@ -149,14 +104,10 @@ AVX2 static float softmax_avx2(float *s, int64_t len) {
 }
 
 /* ---- AVX-512 F (16 floats a vector); dot/axpy need d % 16 == 0 --------------------------- */
-#define AVX512 __attribute__((target("avx512f")))
 AVX512 static void load_bf16_avx512(float *dst, const void *src, int64_t n) {
     const uint16_t *s = (const uint16_t *)src;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i)));
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(s + i));
     for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
 }
 AVX512 static void load_f16_avx512(float *dst, const void *src, int64_t n) {
