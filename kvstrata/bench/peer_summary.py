@@ -10,24 +10,22 @@ import json
 import os
 import sys
 
+from kvstrata.platform import read_cpu_flags
+
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
              "amx_int8")
 
 
 def cpu_isa(path: str = "/proc/cpuinfo") -> dict:
     """Model name and which of ISA_FLAGS the first CPU lists."""
-    model, flags = "unknown", set()
+    model = "unknown"
     try:
         with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
+            model = next((line.partition(":")[2].strip() for line in fh
+                          if line.partition(":")[0].strip() == "model name"), model)
     except OSError:
         pass
+    flags = read_cpu_flags(path)
     return {"model": model, "flags": [f for f in ISA_FLAGS if f in flags]}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvstrata.platform import read_cpu_flags
 from kvstrata.runner.packed_linear import PackedLinear
 from kvstrata.runner.smoothing import smooth_model
 
@@ -36,11 +37,7 @@ def cpu_has_vnni() -> bool:
     """AVX512-VNNI / AVX-VNNI accumulate u8*s8 products in int32. Without them fbgemm uses
     vpmaddubsw, whose int16 pair sums can saturate with full 8-bit inputs: then activations
     keep 7 bits (fbgemm's own `reduce_range` remedy)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            flags = fh.read()
-    except OSError:
-        return False
+    flags = read_cpu_flags()
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
