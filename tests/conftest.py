@@ -130,12 +130,12 @@ def hf_greedy_references(path: str, prompts: list[list[int]]) -> list:
 DSA_INDEX_TOPK = 8
 
 
-def _tiny_dsa_config():
+def _tiny_dsa_config(num_hidden_layers: int = 4):
     import transformers as tf
 
     return tf.DeepseekV32Config(
         vocab_size=TINY_VOCAB, hidden_size=72, intermediate_size=88, moe_intermediate_size=40,
-        num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=3, n_shared_experts=1,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=3, num_key_value_heads=3, n_shared_experts=1,
         n_routed_experts=6, kv_lora_rank=28, q_lora_rank=36, qk_rope_head_dim=8,
         v_head_dim=20, qk_nope_head_dim=12, n_group=2, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=2, index_topk=DSA_INDEX_TOPK, index_head_dim=24,
@@ -164,6 +164,52 @@ def tiny_dsa_checkpoint(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("tiny_dsa") / "deepseek_v32")
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def add_mtp_layer(src: str, dst: str, index_share: bool = True) -> str:
+    """A copy of the tiny DSA checkpoint `src` with one MTP layer (random weights) stored the
+    way DeepSeek's releases store it: layer `num_hidden_layers` with enorm / hnorm / eh_proj /
+    shared_head.{norm,head} / embed_tokens beside an ordinary decoder layer (MoE here)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    n = _tiny_dsa_config().num_hidden_layers
+    cfg = _tiny_dsa_config(n + 1)
+    torch.manual_seed(8765)
+    donor = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    donor.save_pretrained(f"{dst}.donor", safe_serialization=True)  # checkpoint names
+    donated = load_file(f"{dst}.donor/model.safetensors")
+    shutil.rmtree(f"{dst}.donor")
+    tensors = load_file(f"{dst}/model.safetensors")
+    pre = f"model.layers.{n}."
+    tensors.update({k: v for k, v in donated.items() if k.startswith(pre)})
+    h = cfg.hidden_size
+    tensors[pre + "enorm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
+    tensors[pre + "hnorm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
+    tensors[pre + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.1
+    tensors[pre + "shared_head.norm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
+    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{dst}/model.safetensors",
+              metadata={"format": "pt"})
+    with open(f"{dst}/config.json") as f:
+        raw = json.load(f)
+    raw.update(num_nextn_predict_layers=1, index_share_for_mtp_iteration=index_share)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(raw, f, indent=1)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_dsa_mtp_checkpoint(tiny_dsa_checkpoint, tmp_path_factory) -> str:
+    """The tiny DSA checkpoint plus an MTP layer, IndexShare on (NEXTN tests)."""
+    return add_mtp_layer(tiny_dsa_checkpoint,
+                         str(tmp_path_factory.mktemp("tiny_dsa_mtp") / "deepseek_v32"))
 
 
 @pytest.fixture(scope="session")

@@ -156,10 +156,12 @@ class KVPlan:
             if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
                 raise ValueError(f"invalid KV component {c}")
         draft_names = tuple(c.name for c in self.draft_components)
+        mtp = POOL_KINDS["mla"] + (DSA_INDEX_K, EAGLE_HIDDEN)  # NEXTN: an MLA + DSA layer
         if draft_names and draft_names not in (POOL_KINDS["mha"],
-                                               POOL_KINDS["mha"] + (EAGLE_HIDDEN,)):
+                                               POOL_KINDS["mha"] + (EAGLE_HIDDEN,), mtp):
             raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']} (an EAGLE head also "
-                             f"{EAGLE_HIDDEN}), got {self.draft_components}")
+                             f"{EAGLE_HIDDEN}; an MTP layer {mtp}), got "
+                             f"{self.draft_components}")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -238,8 +240,10 @@ class KVPlan:
         """The draft model's pool: same pages, rows and context, the draft's components."""
         if not self.draft_components:
             raise ValueError("this KV plan has no draft pool")
-        return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, "mha",
-                      tuple(c for c in self.draft_components if c.name != EAGLE_HIDDEN))
+        comps = tuple(c for c in self.draft_components if c.name != EAGLE_HIDDEN)
+        kind = "mla" if any(c.name == MLA_LATENT for c in comps) else "mha"  # MTP: MLA
+        return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, kind,
+                      comps)
 
     @property
     def bytes_per_page(self) -> int:

@@ -136,13 +136,18 @@ class EagleDraft(DraftModel):
         brought the KV) or a draft step (carry: the head's previous hidden per request)."""
         fb = self._batch(token_ids, rows, starts)
         if carry is None:
-            slots = fb.out_slots
-            feats = torch.where(self.feature_ok[slots, None], self.features[slots], 0)
-            logits, hidden = self.model(fb, feats)
-            self.valid[slots] = True
-            self.next_tok[slots] = fb.input_ids
-            return logits, hidden
+            return self._extend_forward(fb)
         return self.model(fb, carry)
+
+    def _extend_forward(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over positions whose features the target stored (zero where a copy
+        brought the KV); their head KV becomes valid for the tokens that follow them."""
+        slots = fb.out_slots
+        feats = torch.where(self.feature_ok[slots, None], self.features[slots], 0)
+        logits, hidden = self.model(fb, feats)
+        self.valid[slots] = True
+        self.next_tok[slots] = fb.input_ids
+        return logits, hidden
 
 
 def load_token_map(path: str) -> torch.Tensor:

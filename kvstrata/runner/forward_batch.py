@@ -32,6 +32,9 @@ class ForwardBatch:
     # Every token a one-token query over its own key slots (a draft model's tree step:
     # the context and the node's ancestors); out_slots are then scratch slots.
     query_keys: list[torch.Tensor] | None = None
+    # DSA: the KV slots [T, width] each token attends to, decided before the forward (an MTP
+    # draft's IndexShare, or the PD seed); the indexer does not run for such a forward.
+    dsa_forced_slots: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -26,7 +26,7 @@ from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.draft_model import DraftModel, copied_in_pages
 from kvstrata.runner.dsa import DSASeedKeeper
-from kvstrata.runner.eagle_draft import EagleDraft
+from kvstrata.runner.drafts import build_draft
 from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
@@ -75,13 +75,9 @@ class ModelRunner:
                           if self.model.pool_kind == "mla" else None)
         self.pd_role: str | None = None
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
-        self.draft: DraftModel | None = None
-        if draft_model_path is not None and draft_algorithm in ("EAGLE", "EAGLE3"):
-            self.draft = EagleDraft(draft_model_path, self.model, self.device, draft_tree,
-                                    draft_token_map, self.source, draft_algorithm)
-        elif draft_model_path is not None:
-            self.draft = DraftModel(draft_model_path, dtype, self.device, draft_quantization,
-                                    self.model.dims.vocab_size, draft_tree)
+        self.draft: DraftModel | None = build_draft(
+            self.model, self.device, dtype, draft_model_path, draft_algorithm,
+            draft_quantization, draft_tree, draft_token_map, self.source, dsa_fused_topk)
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()

@@ -136,7 +136,7 @@ def runner_after_prompt(target: str, head: str, algorithm: str, prompt: list[int
                          draft_algorithm=algorithm)
     facts = runner.kv_facts()
     runner.allocate_kv(KVPlan(page_size=1, num_pages=64, num_rows=2, context_len=64,
-                              components=facts.components,
+                              pool_kind=facts.pool_kind, components=facts.components,
                               draft_components=facts.draft_components))
     runner.req_to_token.write_many([1], [0], [list(range(1, len(prompt) + 3))])
     fb = ForwardBatch.build([prompt], [1], [0], runner.device)

@@ -45,15 +45,21 @@ def test_chain_forces_draft_tokens_to_steps_plus_one():
     assert "num_steps + 1 = 4" in rules["spec.chain"].reason
 
 
-def test_nextn_becomes_eagle_with_the_auto_shape_and_is_refused_until_built():
+def test_nextn_becomes_eagle_with_its_own_mtp_layer_and_the_auto_shape():
     args, rules = resolved(speculative_algorithm="NEXTN")
     assert args.speculative_algorithm == "EAGLE"
     assert "MTP layer" in rules["spec.nextn"].reason
+    assert args.speculative_draft_model_path == args.model_path
+    assert "own checkpoint" in rules["spec.nextn_draft"].reason
     assert (args.speculative_num_steps, args.speculative_eagle_topk,
             args.speculative_num_draft_tokens) == (3, 1, 4)
-    with pytest.raises(NotImplementedError,
-                       match="^not implemented yet: --speculative-algorithm NEXTN$"):
-        refuse_unimplemented(ServerArgs(speculative_algorithm="NEXTN"))
+    assert "NEXTN" in rules["spec.auto_shape"].reason
+    assert unimplemented_flags(ServerArgs(speculative_algorithm="NEXTN")) == []
+    args, rules = resolved(speculative_algorithm="NEXTN", speculative_draft_model_path="/mtp")
+    assert args.speculative_draft_model_path == "/mtp" and "spec.nextn_draft" not in rules
+    assert unimplemented_flags(ServerArgs(speculative_algorithm="NEXTN",
+                                          speculative_token_map="/m.pt")) == [
+        "--speculative-token-map with NEXTN (FR-Spec is built for EAGLE heads)"]
 
 
 @pytest.mark.parametrize("kwargs,named", [
@@ -167,7 +173,7 @@ def test_a_token_map_is_for_eagle_heads():
     assert unimplemented_flags(args) == []
     assert unimplemented_flags(ServerArgs(speculative_algorithm="NGRAM",
                                           speculative_token_map="/m.pt")) == [
-        "--speculative-token-map with NGRAM (FR-Spec is for EAGLE heads)"]
+        "--speculative-token-map with NGRAM (FR-Spec is built for EAGLE heads)"]
 
 
 def test_eagle3_is_built_and_needs_its_head():

@@ -10,8 +10,8 @@ What kvstrata builds today: chain drafts of NGRAM (the n-gram cache's most frequ
 continuation), STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
 w8a8_int8`), EAGLE and EAGLE3 (an EAGLE-2 / EAGLE-3 head, `--speculative-draft-model-path`),
-chains and trees (topk > 1). NEXTN is refused by name at `serve` (config/resolve.py
-UNIMPLEMENTED) until the MTP layer is built (the PD + MTP issue). NGRAM
+chains and trees (topk > 1), and NEXTN (EAGLE with the checkpoint's own MTP layer, DeepSeek
+models, chains; the draft path defaults to the model's). NGRAM
 builds SGLang's BFS and PROB trees; its breadth left unset resolves to 1 (a chain; SGLang's
 default is 10) and says why.
 """
@@ -24,11 +24,12 @@ from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
-AUTO_SHAPE = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 1, 4), "STANDALONE": (3, 1, 4)}
+AUTO_SHAPE = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 1, 4), "STANDALONE": (3, 1, 4),
+              "NEXTN": (3, 1, 4)}  # NEXTN: SGLang's DeepSeek MTP default
 TREE_DRAFTS_REASON = ("kvstrata's default is a chain: a full tree per request in its first "
                       "steps cost ~7% throughput at batch 32 on CPU (docs/benchmarks.md); "
                       "a breadth above 1 drafts SGLang's BFS tree")
-BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+BUILT_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 # What a draft model may be quantized to: the built --quantization methods.
 DRAFT_QUANTIZATIONS = QUANTIZATION_BUILT
 
@@ -54,14 +55,19 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         raise ValueError(f"--speculative-algorithm {algo} needs "
                          f"--speculative-draft-model-path ({what})")
     out: list[Resolution] = []
+    shape_of = algo
     if algo == "NEXTN":
         out += change(args, "speculative_algorithm", "EAGLE", "spec.nextn",
                       "NEXTN is EAGLE with the checkpoint's own MTP layer as the draft")
+        if args.speculative_draft_model_path is None:
+            out += change(args, "speculative_draft_model_path", args.model_path,
+                          "spec.nextn_draft", "NEXTN reads the MTP layer from the model's "
+                          "own checkpoint")
         algo = "EAGLE"
     if algo == "NGRAM":
         out += _ngram(args)
     else:
-        out += _draft_model_shape(args, algo)
+        out += _draft_model_shape(args, shape_of)
     args = apply(args, out)
     steps, topk, tokens = (args.speculative_num_steps, args.speculative_eagle_topk,
                            args.speculative_num_draft_tokens)
@@ -134,6 +140,7 @@ def unbuilt(args) -> list[str]:
     elif quant not in (None, "unquant") and algo in ("EAGLE", "EAGLE3"):
         missing.append(f"--speculative-draft-model-quantization {quant} with {algo} (the "
                        f"head is one layer; it runs in the target's dtype)")
-    if args.speculative_token_map is not None and algo not in ("EAGLE", "NEXTN"):
-        missing.append(f"--speculative-token-map with {algo} (FR-Spec is for EAGLE heads)")
+    if args.speculative_token_map is not None and algo != "EAGLE":
+        missing.append(f"--speculative-token-map with {algo} (FR-Spec is built for EAGLE "
+                       f"heads)")
     return missing

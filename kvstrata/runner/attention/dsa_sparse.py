@@ -114,7 +114,9 @@ class DSASparseMLABackend:
         else:
             self.kv_pool.set_latent(layer, fb.out_slots, latent, index_k)
             latents, index_keys = self.kv_pool.latent[layer], self.kv_pool.index_k[layer]
-        slots = self.select(meta, index_q, index_keys, index_weights)
+        slots = fb.dsa_forced_slots
+        if slots is None:
+            slots = self.select(meta, index_q, index_keys, index_weights)
         self.last_selected.append(slots)
         return self.attend(q, latents, slots)
 

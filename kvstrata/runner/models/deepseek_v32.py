@@ -109,6 +109,8 @@ class DeepseekV32ForCausalLM(nn.Module):
             m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
             self.scaling *= m * m
         self.attn_backend = None  # DSASparseMLABackend, set by the runner
+        self.capture_hidden = False  # keep last_hidden (an MTP draft's features)
+        self.last_hidden: torch.Tensor | None = None
         self.weights = WeightMap(self)
 
     def kv_components(self) -> tuple[KVComponent, ...]:
@@ -118,36 +120,54 @@ class DeepseekV32ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits [len(fb.logits_idx), V] in float32 (every token when logits_idx is None)."""
+        """Logits [len(fb.logits_idx), V] in float32 (every token when logits_idx is None).
+        With `capture_hidden` set (an MTP draft reads them), `last_hidden` keeps every
+        token's final-normed hidden state."""
         d = self.dims
-        t = fb.num_tokens
-        R, r, nope = d.kv_lora_rank, d.qk_rope_head_dim, d.qk_nope_head_dim
         self.attn_backend.init_forward_metadata(fb)
-        cos, sin = self.rotary.plain_cos_sin(fb.positions)
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        cos_h, sin_h = cos[:, None, :], sin[:, None, :]
+        cos, sin = self.rope_cos_sin(fb)
         x = F.embedding(fb.input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
-            q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
-                               d.rms_norm_eps)
-            q = F.linear(q_resid, layer.q_b_proj).view(t, d.num_heads, d.qk_head_dim)
-            kv = F.linear(h, layer.kv_a_proj, layer.kv_a_bias)
-            latent = torch.cat((rms_norm(kv[:, :R], layer.kv_a_norm, d.rms_norm_eps),
-                                rope_interleaved(kv[:, R:], cos, sin)), dim=-1)
-            w_uk, w_uv = layer.absorbed(d)
-            q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
-            q_full = torch.cat((q_latent, rope_interleaved(q[..., nope:], cos_h, sin_h)), -1)
-            index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
-            out_latent = self.attn_backend.forward(i, q_full, latent, index_q, index_k,
-                                                   index_w, fb)
-            attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
-            x.add_(F.linear(attn, layer.o_proj, layer.o_bias))
-            x.add_(layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps)))
-        if fb.logits_idx is not None:
-            x = x.index_select(0, fb.logits_idx)
-        x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+            x = self.layer_forward(layer, i, x, cos, sin, fb, self.attn_backend)
+        if self.capture_hidden:
+            x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+            self.last_hidden = x
+            if fb.logits_idx is not None:
+                x = x.index_select(0, fb.logits_idx)
+        else:
+            if fb.logits_idx is not None:
+                x = x.index_select(0, fb.logits_idx)
+            x = rms_norm(x, self.final_norm, d.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
+
+    def rope_cos_sin(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary.plain_cos_sin(fb.positions)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def layer_forward(self, layer: "DeepseekV32Layer", pool_layer: int, x: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                      backend) -> torch.Tensor:
+        """One decoder layer over the flattened batch; its KV in `backend`'s pool at layer
+        `pool_layer` (an MTP draft runs the same layer over its own pool)."""
+        d = self.dims
+        t = x.shape[0]
+        R, nope = d.kv_lora_rank, d.qk_nope_head_dim
+        cos_h, sin_h = cos[:, None, :], sin[:, None, :]
+        h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
+        q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
+                           d.rms_norm_eps)
+        q = F.linear(q_resid, layer.q_b_proj).view(t, d.num_heads, d.qk_head_dim)
+        kv = F.linear(h, layer.kv_a_proj, layer.kv_a_bias)
+        latent = torch.cat((rms_norm(kv[:, :R], layer.kv_a_norm, d.rms_norm_eps),
+                            rope_interleaved(kv[:, R:], cos, sin)), dim=-1)
+        w_uk, w_uv = layer.absorbed(d)
+        q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+        q_full = torch.cat((q_latent, rope_interleaved(q[..., nope:], cos_h, sin_h)), -1)
+        index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
+        out_latent = backend.forward(pool_layer, q_full, latent, index_q, index_k, index_w, fb)
+        attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
+        x = x + F.linear(attn, layer.o_proj, layer.o_bias)
+        return x + layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps))
 
     def _indexer(self, layer: DeepseekV32Layer, h: torch.Tensor, q_resid: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor

@@ -33,12 +33,14 @@ _FIXED = {
     "index_k_norm_type": ("layer", "the indexer's key norm is a LayerNorm"),
 }
 # Multi-token-prediction layers (checkpoint layers past num_hidden_layers) are not run by the
-# reference either; their weights are skipped by the loader.
-_MTP = "num_nextn_predict_layers"
+# reference either: the causal LM's loader skips them; `--speculative-algorithm NEXTN` loads
+# them as the draft (runner/models/deepseek_mtp.py), and IndexShare
+# (index_share_for_mtp_iteration) is how that draft reuses its top-k.
+_MTP = {"num_nextn_predict_layers", "index_share_for_mtp_iteration"}
 
 
 def check_config(raw: dict) -> None:
-    unknown = sorted(k for k in raw if k not in _KNOWN and k not in _FIXED and k != _MTP)
+    unknown = sorted(k for k in raw if k not in _KNOWN and k not in _FIXED and k not in _MTP)
     if unknown:
         raise ValueError(f"DeepseekV32ForCausalLM: config fields not implemented by kvstrata: "
                          f"{unknown} (refusing rather than ignoring them)")

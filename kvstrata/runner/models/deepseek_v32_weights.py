@@ -32,6 +32,26 @@ def _swiglu(prefix: str, mlp: Any, expert: int | None = None) -> dict:
             f"{prefix}.down_proj.weight": (down, None, None)}
 
 
+def layer_targets(pre: str, layer: Any) -> dict[str, tuple[torch.Tensor, int | None, int | None]]:
+    """Checkpoint name -> (parameter, row range) of one decoder layer (an MTP layer too)."""
+    targets: dict[str, tuple[torch.Tensor, int | None, int | None]] = {
+        pre + "input_layernorm.weight": (layer.input_norm, None, None),
+        pre + "post_attention_layernorm.weight": (layer.post_norm, None, None)}
+    for name, attr in _ATTN.items():
+        if getattr(layer, attr) is not None:
+            targets[pre + "self_attn." + name] = (getattr(layer, attr), None, None)
+    mlp = layer.mlp
+    if hasattr(mlp, "router"):
+        targets[pre + "mlp.gate.weight"] = (mlp.router, None, None)
+        targets[pre + "mlp.gate.e_score_correction_bias"] = (mlp.score_bias, None, None)
+        for e in range(mlp.gate_up.shape[0]):
+            targets.update(_swiglu(f"{pre}mlp.experts.{e}", mlp, e))
+        targets.update(_swiglu(pre + "mlp.shared_experts", mlp.shared))
+    else:
+        targets.update(_swiglu(pre + "mlp", mlp))
+    return targets
+
+
 class WeightMap:
     def __init__(self, model: Any):
         targets: dict[str, tuple[torch.Tensor, int | None, int | None]] = {
@@ -40,21 +60,7 @@ class WeightMap:
         if not model.dims.tie_word_embeddings:
             targets["lm_head.weight"] = (model.lm_head, None, None)
         for idx, layer in enumerate(model.layers):
-            pre = f"model.layers.{idx}."
-            targets[pre + "input_layernorm.weight"] = (layer.input_norm, None, None)
-            targets[pre + "post_attention_layernorm.weight"] = (layer.post_norm, None, None)
-            for name, attr in _ATTN.items():
-                if getattr(layer, attr) is not None:
-                    targets[pre + "self_attn." + name] = (getattr(layer, attr), None, None)
-            mlp = layer.mlp
-            if hasattr(mlp, "router"):
-                targets[pre + "mlp.gate.weight"] = (mlp.router, None, None)
-                targets[pre + "mlp.gate.e_score_correction_bias"] = (mlp.score_bias, None, None)
-                for e in range(mlp.gate_up.shape[0]):
-                    targets.update(_swiglu(f"{pre}mlp.experts.{e}", mlp, e))
-                targets.update(_swiglu(pre + "mlp.shared_experts", mlp.shared))
-            else:
-                targets.update(_swiglu(pre + "mlp", mlp))
+            targets.update(layer_targets(f"model.layers.{idx}.", layer))
         self._targets = targets
         self._num_layers = model.dims.num_layers
         self._skip_mtp = bool(getattr(model.config, "num_nextn_predict_layers", 0))
