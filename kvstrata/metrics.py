@@ -29,6 +29,9 @@ STORAGE_COUNTERS = {
     "write_failures": "Pages the storage backend failed to write",
 }
 PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
+# PD decode + NEXTN with IndexShare: what fed each first draft round's sparse attention
+# (load keys spec_dsa_seed_<outcome>; counter kvstrata:spec_dsa_seed_total{outcome}).
+DSA_SEED_OUTCOMES = ("used", "recomputed", "failed_closed")
 # Load-report key -> help (engine/spec_side.py SpeculativeSide.load); metric kvstrata:<key>.
 SPEC_COUNTERS = {
     "spec_verify_steps": "Speculative verify passes (one per request per decode step)",
@@ -122,6 +125,10 @@ class ServerMetrics:
                                          registry=r)
         self._spec = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
                       for key, doc in SPEC_COUNTERS.items()}
+        self._dsa_seed = Counter("kvstrata:spec_dsa_seed", "First draft rounds of PD "
+                                 "requests (NEXTN + IndexShare) by what fed their sparse "
+                                 "attention: the prefill's top-k seed, or the indexer",
+                                 labels + ["outcome"], registry=r)
         self._priority = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
                           for key, doc in PRIORITY_COUNTERS.items()}
         self._disagg = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
@@ -165,6 +172,10 @@ class ServerMetrics:
             self._spec_accept_length.labels(m).set(load["avg_spec_accept_length"])
             for key, counter in self._spec.items():
                 self._advance(key, load.get(key, 0), counter.labels(m))
+            for outcome in DSA_SEED_OUTCOMES:
+                self._advance(f"spec_dsa_seed_{outcome}",
+                              load.get(f"spec_dsa_seed_{outcome}", 0),
+                              self._dsa_seed.labels(m, outcome))
         for key, counter in (*self._priority.items(), *self._disagg.items()):
             if key in load:
                 self._advance(key, load[key], counter.labels(m))

@@ -180,6 +180,7 @@ class DecodeDisagg(DisaggSide):
             req.pending_top_logprobs.append(list(md.first_top_logprobs or []))
         req.cached_tokens = md.cached_tokens
         req.dsa_seed_positions = dsa_seed_from_extras(md.extras)
+        req.spec_handoff = md.spec
         req.num_computed_tokens = len(req.prompt_ids)
         req.row_stale_from = 0
         self._forget(room)

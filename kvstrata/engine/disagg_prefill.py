@@ -27,6 +27,7 @@ from kvstrata.engine.priority import priority_order
 from kvstrata.engine.request import Request
 from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import DSA_SEED_KEY, KVPoll, PDEvent, PDMetadata
+from kvstrata.protocol.scheduler_output import RunnerOutput
 
 PREFILL_SLOTS_PER_ROW = 2
 
@@ -77,9 +78,11 @@ class PrefillDisagg(DisaggSide):
             room.sent_pages = full
 
     def on_token(self, req: Request, token: int, logprob: float | None, top,
-                 dsa_seed: list[int] | None = None) -> bool:
+                 result: RunnerOutput) -> bool:
         """The last prefill chunk sampled the first output token: send the KV (and, for a
-        DSA model, the runner's top-k seed in the metadata's extras)."""
+        DSA model, the runner's top-k seed in the metadata's extras; for an EAGLE-family
+        draft, its state after the draft-extend)."""
+        dsa_seed = result.dsa_seeds.get(req.rid)
         sched = self.sched
         req.output_ids.append(token)
         if logprob is not None:
@@ -93,7 +96,8 @@ class PrefillDisagg(DisaggSide):
         self.emit("send", room, page_ids=req.pages[sent:], last=True, metadata=PDMetadata(
             room=room, first_token_id=token, first_logprob=logprob,
             first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens,
-            extras={DSA_SEED_KEY: dsa_seed} if dsa_seed is not None else {}))
+            extras={DSA_SEED_KEY: dsa_seed} if dsa_seed is not None else {},
+            spec=result.spec_handoffs.get(req.rid)))
         self.inflight.append(req)
         return True
 

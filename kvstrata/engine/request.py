@@ -39,6 +39,8 @@ class Request:
     # PD decode, DSA model: the seed the prefill server sent (request positions), for the
     # runner (which remaps it to local slots); None without one.
     dsa_seed_positions: list[int] | None = None
+    # PD decode, EAGLE-family draft: the prefill's draft state for the first draft round.
+    spec_handoff: Any = None
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 

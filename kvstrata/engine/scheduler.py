@@ -210,10 +210,12 @@ class Scheduler:
         new = [
             NewRequestData(r.rid, r.prompt_ids, list(r.output_ids), r.params,
                            r.return_prompt_logprobs and r.retraction_count == 0,
-                           dsa_seed=r.dsa_seed_positions)
+                           dsa_seed=r.dsa_seed_positions, spec_handoff=r.spec_handoff)
             for r in reqs if not r.known_to_runner
         ]
         for r in reqs:
+            if not r.known_to_runner:  # the PD seed / draft state feed one first step only:
+                r.dsa_seed_positions = r.spec_handoff = None  # a restore never resends them
             r.known_to_runner = True
         self._in_flight = {r.rid: r for r in reqs}
         if not scheduled or is_prefill:
@@ -365,7 +367,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted while the forward ran, or stopped inside a verified run
             if any(side.on_token(req, token, result.logprobs[i], result.top_logprobs[i],
-                                 result.dsa_seeds.get(rid)) for side in self.sides):
+                                 result) for side in self.sides):
                 continue  # e.g. a PD prefill server sends the token, never decodes
             if req.params.max_new_tokens == 0:
                 self._complete(req, FinishReason(type="length"))  # prefill-only (scoring)

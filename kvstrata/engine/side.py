@@ -88,9 +88,11 @@ class SchedulerSide:
         """A verify pass of `drafted` drafts gave `produced` tokens (accepted drafts + 1),
         before any stop condition cut them."""
 
-    def on_token(self, req: Request, token: int, logprob, top_logprobs, dsa_seed) -> bool:
-        """A sampled token for `req`: True if the side consumed it (the scheduler then does
-        not append it or check stop conditions)."""
+    def on_token(self, req: Request, token: int, logprob, top_logprobs,
+                 result: RunnerOutput) -> bool:
+        """A sampled token for `req` (of the step's `result`, which may carry per-request
+        side data: the PD seed, a draft's state): True if the side consumed it (the scheduler
+        then does not append it or check stop conditions)."""
         return False
 
     def after_chunk(self, req: Request) -> None:

@@ -37,6 +37,8 @@ class SpeculativeSide(SchedulerSide):
     def __init__(self, sched):
         cfg = sched.config
         self.algorithm = cfg.speculative_algorithm
+        # PD decode + NEXTN: first draft rounds by seed outcome (runner/spec_handoff.py)
+        self.dsa_seed: dict[str, int] = {}
         self.num_draft_tokens = cfg.speculative_num_draft_tokens
         self.cache = NgramCache(cfg.speculative_ngram_branch_length,
                                 cfg.speculative_ngram_min_match_window_size,
@@ -147,6 +149,8 @@ class SpeculativeSide(SchedulerSide):
     def on_runner_output(self, result) -> list:
         # (a no-op after a prefill step: the gate only times decode steps it began). A step
         # whose draft model rebuilt draft KV (more than 2 tokens a request) is not timed.
+        for outcome, n in result.dsa_seed_outcomes.items():
+            self.dsa_seed[outcome] = self.dsa_seed.get(outcome, 0) + n
         catch_up = result.draft_catch_up_tokens
         self.gate.end(self._step_tokens, self._step_tokens - self._step_drafts_accepted
                       + self._step_drafts, self._step_drafts > 0,
@@ -188,7 +192,8 @@ class SpeculativeSide(SchedulerSide):
                 "spec_accepted_tokens": self.accepted_tokens,
                 "spec_drafted_tokens": self.drafted_tokens,
                 "avg_spec_accept_length": round(self.avg_accept_length(), 4),
-                "spec_gate": self.gate.state()}
+                "spec_gate": self.gate.state(),
+                **{f"spec_dsa_seed_{k}": v for k, v in sorted(self.dsa_seed.items())}}
 
     def dump_lines(self, brief) -> list[str]:
         return [f"speculative {self.algorithm}: {self.verify_steps} verify passes, avg accept "

@@ -69,10 +69,11 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
-    # STANDALONE / EAGLE: the draft in the runner (a PD prefill server never decodes: no
-    # draft there).
-    drafts = (args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3")
-              and args.disaggregation_mode != "prefill")
+    # STANDALONE / EAGLE: the draft in the runner. A PD prefill server never decodes: it
+    # runs an EAGLE-family draft's extend only (its KV and state cross to the decode
+    # server, runner/spec_handoff.py); a STANDALONE draft is rebuilt on the decode server.
+    drafts = (args.speculative_algorithm in ("EAGLE", "EAGLE3") or (
+        args.speculative_algorithm == "STANDALONE" and args.disaggregation_mode != "prefill"))
     draft_quant = args.speculative_draft_model_quantization
     runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,
                          quantization=args.quantization,

@@ -52,10 +52,26 @@ class BootstrapAddr(msgspec.Struct, frozen=True):
     room: int
 
 
+# EAGLE's top-k travels with at most this many entries (SGLang's metadata buffers).
+SPEC_TOPK_LIMIT = 16
+
+
+class SpecHandoff(msgspec.Struct, array_like=True):
+    """An EAGLE-family draft's state after the prefill server's draft-extend (SGLang's
+    output_topk_p / output_topk_index / output_hidden_states): the first draft step's
+    top-k (probabilities and token ids, best first) and the draft's hidden state at the
+    last prompt position, raw bytes in the model dtype (the carry of the next draft step)."""
+
+    topk_p: list[float]
+    topk_index: list[int]
+    hidden: bytes
+    hidden_dtype: str
+
+
 class PDMetadata(msgspec.Struct):
     """What travels with the last chunk, besides the KV pages: the prefill's first output
     token (the decode server's first token comes from here; no forward there), its
-    logprob(s), and counters. `extras` carries per-request side data later (DSA seed)."""
+    logprob(s), counters, the DSA seed (`extras`) and an EAGLE-family draft's state."""
 
     room: int
     first_token_id: int
@@ -63,6 +79,7 @@ class PDMetadata(msgspec.Struct):
     first_top_logprobs: list[TopLogprob] | None = None
     cached_tokens: int = 0  # prefix-cache hit on the prefill server
     extras: dict[str, list[int]] = {}
+    spec: SpecHandoff | None = None
 
 
 # DSA seed transport (sglang-behaviour.md 5.2): the prefill server's last-position top-k as
@@ -135,5 +152,5 @@ class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     host_pages: list[int] = []
 
 
-__all__ = ["DSA_SEED_KEY", "dsa_seed_extras", "dsa_seed_from_extras", "FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",
+__all__ = ["SPEC_TOPK_LIMIT", "SpecHandoff", "DSA_SEED_KEY", "dsa_seed_extras", "dsa_seed_from_extras", "FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",
            "PDEvent"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvstrata.protocol.disagg import BackupOp, PDEvent, PDOp
+from kvstrata.protocol.disagg import BackupOp, PDEvent, PDOp, SpecHandoff
 from kvstrata.protocol.logprobs import TopLogprob
 from kvstrata.protocol.sampling_params import SamplingParams
 
@@ -72,6 +72,8 @@ class NewRequestData(msgspec.Struct):
     return_prompt_logprobs: bool = False
     # PD decode, DSA model: the prefill server's top-k seed (request positions, -1 padded).
     dsa_seed: list[int] | None = None
+    # PD decode, EAGLE-family draft: the prefill's draft state (the first draft round).
+    spec_handoff: SpecHandoff | None = None
 
 
 class ScheduledRequest(msgspec.Struct):
@@ -189,6 +191,11 @@ class RunnerOutput(msgspec.Struct):
     # PD prefill, DSA model: rid -> last prompt position's top-k positions (-1 padded),
     # for each request whose first token was sampled this step (the PD seed).
     dsa_seeds: dict[str, list[int]] = {}
+    # PD prefill, EAGLE-family draft: rid -> the draft's state after its extend (same rids).
+    spec_handoffs: dict[str, SpecHandoff] = {}
+    # PD decode, NEXTN with IndexShare: first draft rounds by what fed their sparse
+    # attention this step ("used" | "recomputed" | "failed_closed" -> count).
+    dsa_seed_outcomes: dict[str, int] = {}
     # STANDALONE: tokens the draft model extended this step beyond one per drafting request
     # (draft KV rebuilt: a first prompt, a host load-back). The speculation gate leaves such
     # steps out of its cost averages: they are not what a drafting step usually costs.

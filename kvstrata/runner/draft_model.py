@@ -172,6 +172,7 @@ class DraftModel:
         `all_ids_of(rid)`: the request's tokens so far (prompt + output)."""
         self.valid[out_slots] = False
         self.catch_up_tokens = 0
+        self.before_step(reqs, all_ids_of)
         token_ids = [list(r.token_ids) for r in reqs]
         drafting = [i for i, r in enumerate(reqs) if r.num_draft and RUNNER_DRAFT in
                     r.token_ids[-r.num_draft:]]
@@ -200,6 +201,14 @@ class DraftModel:
                 token_ids[drafting[k]][-len(tokens):] = tokens
                 r.draft_parents = parents
         return token_ids
+
+    def before_step(self, reqs: list, all_ids_of) -> None:
+        """Before drafting (an EAGLE-family draft takes a PD prefill's state here)."""
+
+    def page_buffers(self) -> list[torch.Tensor]:
+        """Draft KV that PD moves with the target's pages: none for a draft model (the decode
+        server rebuilds its draft KV with one extend, runner/draft_model.py)."""
+        return []
 
     def tree_forward(self, fb: ForwardBatch, carry: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:

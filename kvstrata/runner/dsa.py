@@ -44,14 +44,25 @@ def batch_seed(seeds: torch.Tensor | None) -> torch.Tensor | None:
     return seeds
 
 
+def checked_seeds(seeds: torch.Tensor, req_to_token: torch.Tensor,
+                  req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                  remap_enabled: bool) -> torch.Tensor:
+    """Apply the resolved gate (`dsa_remap_pd_seed_to_local_slots`): slots when on,
+    positions when off; either way a row with an invalid entry fails closed to all -1 (the
+    positions path maps through req_to_token later: it must not read a stranger's slot)."""
+    slots = remap_seed_positions_to_slots(seeds, req_to_token, req_pool_indices, seq_lens)
+    if remap_enabled:
+        return slots
+    failed = (slots < 0).all(dim=1, keepdim=True) & (seeds >= 0).any(dim=1, keepdim=True)
+    return torch.where(failed, torch.full_like(seeds, -1), seeds.to(torch.long))
+
+
 def seed_for_decode(seeds: torch.Tensor, req_to_token: torch.Tensor,
                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                     remap_enabled: bool) -> torch.Tensor | None:
-    """Apply the resolved gate (`dsa_remap_pd_seed_to_local_slots`): remap when on, pass the
-    positions through unchanged when off; then the batch-level rule."""
-    if remap_enabled:
-        seeds = remap_seed_positions_to_slots(seeds, req_to_token, req_pool_indices, seq_lens)
-    return batch_seed(seeds)
+    """checked_seeds, then the batch-level rule."""
+    return batch_seed(checked_seeds(seeds, req_to_token, req_pool_indices, seq_lens,
+                                    remap_enabled))
 
 
 def slots_to_positions(slots: torch.Tensor, row_slots: torch.Tensor, topk: int) -> list[int]:
@@ -83,11 +94,27 @@ class DSASeedKeeper:
         self.remap = remap
         self.pending: dict[str, list[int]] = {}        # rid -> wire positions
         self.seeds: dict[str, torch.Tensor | None] = {}  # rid -> kept seed row
+        # rid -> "used" (kept) | "failed_closed" (an invalid entry) | "recomputed" (no seed,
+        # or the batch rule turned it off): what its first draft round's attention starts from
+        self.outcomes: dict[str, str] = {}
         self.records: list[dict] = []
 
     def forget(self, rid: str) -> None:
         self.pending.pop(rid, None)
         self.seeds.pop(rid, None)
+        self.outcomes.pop(rid, None)
+
+    def take(self, rid: str, row_slots: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+        """The consumer (an MTP draft's first round): the request's seed as KV slots (the
+        remapped row, or its positions mapped through `row_slots`, its req_to_token row)
+        and the outcome; the seed is gone afterwards (it feeds one draft round)."""
+        seed = self.seeds.pop(rid, None)
+        outcome = self.outcomes.pop(rid, "recomputed")
+        if seed is None:
+            return None, outcome
+        if not self.remap:
+            seed = torch.where(seed >= 0, row_slots[seed.clamp(min=0)].to(torch.long), -1)
+        return seed, outcome
 
     def _record(self, rec: dict) -> None:
         self.records.append(rec)
@@ -102,6 +129,18 @@ class DSASeedKeeper:
                       "latent": latents.index_select(1, row_slots[valid]).tolist()})
         return positions
 
+    def prefill_seeds(self, reqs, selected: torch.Tensor, prompt_len_of, table: torch.Tensor,
+                      latents: torch.Tensor) -> dict[str, list[int]]:
+        """The last layer's top-k (`selected`, the forward's [T, width] slots) of each request
+        whose last prompt token ran, as positions."""
+        seeds, offset = {}, 0
+        for r in reqs:
+            offset += len(r.token_ids)
+            end = r.start_pos + len(r.token_ids)
+            if r.sample and end == prompt_len_of(r.rid):
+                seeds[r.rid] = self.seed_of(selected[offset - 1], table[r.row, :end], latents)
+        return seeds
+
     def apply_pending(self, reqs: list, table: torch.Tensor, latents: torch.Tensor) -> None:
         """Remap (or pass through) the wire seeds of the scheduled requests that have one."""
         batch = [r for r in reqs if r.rid in self.pending]
@@ -111,14 +150,20 @@ class DSASeedKeeper:
         device = table.device
         seeds = torch.tensor(wire, dtype=torch.int64, device=device)
         rows = torch.tensor([r.row for r in batch], dtype=torch.int64, device=device)
-        lens = torch.tensor([r.start_pos + len(r.token_ids) for r in batch], device=device)
-        kept = seed_for_decode(seeds, table, rows, lens, self.remap)
+        # The committed context: the entry's first token (a verify entry's drafts follow it).
+        lens = torch.tensor([r.start_pos + 1 for r in batch], device=device)
+        checked = checked_seeds(seeds, table, rows, lens, self.remap)
+        kept = batch_seed(checked)
         for i, r in enumerate(batch):
             seed = None if kept is None else kept[i]
             self.seeds[r.rid] = seed
+            failed = bool((checked[i] < 0).all()) and bool((seeds[i] >= 0).any())
+            self.outcomes[r.rid] = ("used" if seed is not None else
+                                    "failed_closed" if failed else "recomputed")
             # The decode-local slot of each wire position: the seed itself when remapped,
             # else the slot the unfused path would map the position to.
-            pos = torch.tensor([p for p in wire[i] if p >= 0], dtype=torch.int64, device=device)
+            pos = torch.tensor([p for p in wire[i] if 0 <= p < int(lens[i])], dtype=torch.int64,
+                               device=device)
             slots = (seed[seed >= 0] if (seed is not None and self.remap)
                      else table[rows[i], pos])
             self._record({"side": "decode", "positions": wire[i], "remapped": self.remap,

@@ -29,6 +29,8 @@ from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.draft_model import CatchUp, DraftModel
 from kvstrata.runner.models.eagle import load_eagle_head
 from kvstrata.runner.models.eagle3 import aux_layers
+from kvstrata.protocol.disagg import SpecHandoff
+from kvstrata.runner.spec_handoff import hidden_from_bytes, start_logits
 
 
 class EagleDraft(DraftModel):
@@ -56,6 +58,14 @@ class EagleDraft(DraftModel):
         self.next_tok: torch.Tensor | None = None   # [num_slots]: token the head KV assumed next
         # rid -> (position, drafts) of its last verify entry with drafts
         self._verified_at: dict[str, tuple[int, int]] = {}
+        self._init_handoff()
+
+    def _init_handoff(self) -> None:
+        # PD decode (runner/spec_handoff.py): rid -> (the prefill's state, prompt length)
+        # until the request's first step; rid -> (start logits, carry) for its first draft.
+        self.handoffs: dict[str, tuple[SpecHandoff, int]] = {}
+        self._start: dict[str, tuple[torch.Tensor, object]] = {}
+        self.handoffs_used = 0  # first rounds that started from a prefill's state
 
     def kv_components(self) -> tuple[KVComponent, ...]:
         d = self.model.dims
@@ -70,10 +80,69 @@ class EagleDraft(DraftModel):
         self.feature_ok = torch.zeros(n, dtype=torch.bool, device=self.device)
         self.next_tok = torch.full((n,), -1, dtype=torch.int64, device=self.device)
 
+    # ---- PD handoff (runner/spec_handoff.py)
+    def page_buffers(self) -> list[torch.Tensor]:
+        """The head's KV travels with the target's pages (the decode server has no features
+        to rebuild it from); a tree's scratch pages make the pool larger: no transfer then."""
+        from kvstrata.runner.disagg_executor import page_buffers_of
+
+        return page_buffers_of(self.pool) if self.topk == 1 else []
+
+    def handoff_rows(self, carry, i: int, plan) -> tuple[torch.Tensor, list[int] | None]:
+        """Prefill: the hidden state to ship for plan i (and a DSA seed: none here)."""
+        return carry[i], None
+
+    def before_step(self, reqs: list, all_ids_of) -> None:
+        """A request's first step on a PD decode server: its transferred prompt slots hold
+        the prefill's draft KV; a first step that drafts starts from the shipped state."""
+        if not self.handoffs:
+            return
+        for r in reqs:
+            if r.rid not in self.handoffs:
+                continue
+            handoff, n = self.handoffs.pop(r.rid)
+            ids = all_ids_of(r.rid)
+            if self.topk != 1 or r.start_pos != n or len(ids) < n + 1:
+                continue  # stale (a plain step ran first) or a tree: the extend rebuilds
+            slots = self.req_to_token.table[r.row, :n]
+            self.valid[slots] = True
+            self.next_tok[slots] = torch.tensor(ids[1:n + 1], dtype=torch.int64,
+                                                device=self.device)
+            self._known[r.rid] = n
+            start = self._start_state(r, handoff)
+            if start is not None and r.num_draft:
+                self._start[r.rid] = start
+                self.handoffs_used += 1
+
+    def _start_state(self, r, handoff: SpecHandoff):
+        hidden = hidden_from_bytes(handoff, self.model.feature_size, self.model.dtype,
+                                   self.device)
+        if hidden is None:
+            return None
+        return start_logits(handoff, self.model.dims.vocab_size, self.device), hidden
+
+    def _cat_carries(self, carries: list):
+        return torch.cat(carries)
+
+    def extend(self, plans):
+        """Plans of requests with a start state skip their extend (the prefill ran it)."""
+        starts = [self._start.pop(p.rid, None) for p in plans]
+        if all(st is None for st in starts):
+            return super().extend(plans)
+        todo = [i for i, st in enumerate(starts) if st is None]
+        if todo:
+            logits, carry = super().extend([plans[i] for i in todo])
+            for k, i in enumerate(todo):
+                starts[i] = (logits[k:k + 1], carry[k:k + 1])
+        return (torch.cat([st[0] for st in starts]),
+                self._cat_carries([st[1] for st in starts]))
+
     # ---- validity
     def forget(self, rid: str) -> None:
         super().forget(rid)
         self._verified_at.pop(rid, None)
+        self.handoffs.pop(rid, None)
+        self._start.pop(rid, None)
 
     def invalidate_pages(self, pages: list[int]) -> None:
         super().invalidate_pages(pages)

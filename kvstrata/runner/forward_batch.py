@@ -35,6 +35,7 @@ class ForwardBatch:
     # DSA: the KV slots [T, width] each token attends to, decided before the forward (an MTP
     # draft's IndexShare, or the PD seed); the indexer does not run for such a forward.
     dsa_forced_slots: torch.Tensor | None = None
+    dsa_forced_rows: torch.Tensor | None = None  # [T] bool: which tokens (None: all)
 
     @property
     def num_reqs(self) -> int:

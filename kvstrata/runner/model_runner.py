@@ -36,6 +36,7 @@ from kvstrata.protocol.disagg import BackupOp
 from kvstrata.runner.quantization import weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor
 from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner.spec_handoff import prefill_draft_extend
 from kvstrata.runner import spec_verify
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class ModelRunner:
         self.draft: DraftModel | None = build_draft(
             self.model, self.device, dtype, draft_model_path, draft_algorithm,
             draft_quantization, draft_tree, draft_token_map, self.source, dsa_fused_topk)
+        if hasattr(self.draft, "seed_keeper"):  # NEXTN: the PD seed feeds its first round
+            self.draft.seed_keeper = self.dsa_seeds
         self.dtype = self.model.dtype
         self.vocab_size = self.model.dims.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -202,8 +205,10 @@ class ModelRunner:
         from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
         from kvstrata.transfer.disagg.registry import create_manager
         self.pd_role = role
+        buffers = page_buffers_of(self.kv_pool) + (self.draft.page_buffers()
+                                                   if self.draft is not None else [])
         self.disagg = DisaggExecutor(create_manager(
-            backend, role, page_buffers_of(self.kv_pool), host=host,
+            backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype))
 
@@ -253,14 +258,14 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if self.dsa_seeds is not None and self.dsa_seeds.pending:  # before an MTP drafts
+            self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
         if self.draft is not None:  # a draft in the runner: its part of the step first
             token_ids = self.draft.run_step(reqs, self._all_ids, fb.out_slots)
             fb.input_ids = torch.tensor([t for ids in token_ids for t in ids],
                                         dtype=torch.int64).to(self.device)
         apply_trees(fb, {i: [-1] + r.draft_parents for i, r in enumerate(reqs)
                          if r.draft_parents is not None})
-        if self.dsa_seeds is not None and self.dsa_seeds.pending:
-            self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
 
         # Logits wanted: the last token of each sampled request, and every token of a
         # prompt-logprobs request whose chunk still lies within its prompt.
@@ -296,28 +301,17 @@ class ModelRunner:
             self.draft.after_target_forward(fb.out_slots, self.model)
             out.draft_catch_up_tokens = self.draft.catch_up_tokens
         if self.dsa_seeds is not None and self.pd_role == "prefill":
-            out.dsa_seeds = self._prefill_seeds(reqs)
+            out.dsa_seeds = self.dsa_seeds.prefill_seeds(
+                reqs, self.model.attn_backend.last_selected[-1],
+                lambda rid: len(self._reqs[rid].sampling.prompt_token_ids),
+                self.req_to_token.table, self._slot_rows())
         for i, first, n in lp_spans:
             self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
         produced: dict[str, list[tuple]] = {}
         if verify_spans:
-            vreqs = [reqs[i] for i, _ in verify_spans]
-            results, paths = spec_verify.verify(
-                self.sampler, [logits[first:first + reqs[i].num_draft + 1]
-                               for i, first in verify_spans],
-                [self._reqs[r.rid].sampling for r in vreqs],
-                [token_ids[i][-reqs[i].num_draft:] for i, _ in verify_spans],
-                [r.draft_parents for r in vreqs], self.spec_accept_thresholds)
-            produced = {r.rid: res for r, res in zip(vreqs, results)}
-            pools = [self.kv_pool] + ([self.draft] if self.draft is not None else [])
-            for r, path in zip(vreqs, paths):
-                if r.draft_parents is not None:
-                    spec_verify.move_accepted_kv(pools, self.req_to_token.table, r.row,
-                                                 r.start_pos, path)
-            if self.draft is not None:
-                for r, res in zip(vreqs, results):
-                    self.draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft,
-                                            len(res) - 1, tree=r.draft_parents is not None)
+            produced = spec_verify.verify_entries(
+                self, reqs, token_ids, logits, verify_spans,
+                [self._reqs[reqs[i].rid].sampling for i, _ in verify_spans])
         sampled = [r for r in reqs if r.sample and not r.num_draft]
         if sampled:
             states = [self._reqs[r.rid].sampling for r in sampled]
@@ -327,6 +321,8 @@ class ModelRunner:
                                            result.logprobs, result.top_logprobs):
                 st.output_token_ids.append(tok)
                 produced[r.rid] = [(tok, lp, top)]
+        if self.draft is not None:
+            self._draft_handoffs(reqs, produced, out)
         for r in reqs:  # batch order; a verify entry's tokens stay consecutive
             for tok, lp, top in produced.get(r.rid, ()):
                 out.rids.append(r.rid)
@@ -336,6 +332,20 @@ class ModelRunner:
                                         [TopLogprob(t, lv) for t, lv in top])
         return out
 
+    def _draft_handoffs(self, reqs, produced: dict, out: RunnerOutput) -> None:
+        """PD prefill: the draft extends the prompt positions this step completed (its KV
+        and, after the last chunk, its state cross to the decode server). PD decode: how
+        the first draft rounds' seeds went."""
+        if self.pd_role == "prefill":
+            out.spec_handoffs, seeds = prefill_draft_extend(
+                self.draft, reqs, lambda rid: self._reqs[rid].sampling.prompt_token_ids,
+                {rid: toks[0][0] for rid, toks in produced.items()}, self.draft.topk)
+            out.dsa_seeds.update(seeds)
+        outcomes = getattr(self.draft, "seed_outcomes", None)
+        if outcomes:
+            out.dsa_seed_outcomes = dict(outcomes)
+            outcomes.clear()
+
     def _all_ids(self, rid: str) -> list[int]:
         st = self._reqs[rid].sampling
         return st.prompt_token_ids + st.output_token_ids
@@ -344,22 +354,11 @@ class ModelRunner:
         """(L, slots, row) view of the MLA pool: each slot's latent + indexer key per layer."""
         return self.kv_pool.kv[0, :, :, 0]
 
-    def _prefill_seeds(self, reqs) -> dict[str, list[int]]:
-        """The last layer's top-k of each request whose last prompt token ran, as positions."""
-        selected = self.model.attn_backend.last_selected[-1]
-        seeds, offset = {}, 0
-        for r in reqs:
-            offset += len(r.token_ids)
-            end = r.start_pos + len(r.token_ids)
-            if r.sample and end == len(self._reqs[r.rid].sampling.prompt_token_ids):
-                row_slots = self.req_to_token.table[r.row, :end]
-                seeds[r.rid] = self.dsa_seeds.seed_of(selected[offset - 1], row_slots,
-                                                         self._slot_rows())
-        return seeds
-
     def _register(self, new: NewRequestData) -> None:
         if new.dsa_seed is not None and self.dsa_seeds is not None:
             self.dsa_seeds.pending[new.rid] = list(new.dsa_seed)
+        if new.spec_handoff is not None and hasattr(self.draft, "handoffs"):
+            self.draft.handoffs[new.rid] = (new.spec_handoff, len(new.prompt_token_ids))
         self._reqs[new.rid] = _ReqState(
             SamplingState(new.sampling_params, list(new.prompt_token_ids),
                           list(new.output_token_ids)),

@@ -16,12 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mla_components
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.device_pool import MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
+from kvstrata.runner.dsa import slots_to_positions
 from kvstrata.runner.eagle_draft import EagleDraft
 from kvstrata.runner.models.deepseek_mtp import load_mtp_head
 
@@ -29,21 +31,31 @@ from kvstrata.runner.models.deepseek_mtp import load_mtp_head
 @dataclass
 class MTPCarry:
     """What a draft step hands the next, per request row: the MTP's normed hidden state and
-    (IndexShare) the KV slots its extend selected, -1 padded."""
+    (IndexShare) the KV slots to attend to, -1 padded; `shared[b]` False where row b has
+    none yet (a PD first round without a usable seed: its first step runs the indexer and
+    the later ones reuse that step's choice). None = every row shared."""
     hidden: torch.Tensor
     share: torch.Tensor | None
+    shared: torch.Tensor | None = None
 
     def __getitem__(self, rows) -> "MTPCarry":
-        return MTPCarry(self.hidden[rows], None if self.share is None else self.share[rows])
+        return MTPCarry(self.hidden[rows], None if self.share is None else self.share[rows],
+                        None if self.shared is None else self.shared[rows])
 
     @staticmethod
     def cat(carries: list["MTPCarry"]) -> "MTPCarry":
-        share = None
-        if all(c.share is not None for c in carries):
-            width = max(c.share.shape[1] for c in carries)
-            share = torch.cat([torch.nn.functional.pad(c.share, (0, width - c.share.shape[1]),
-                                                       value=-1) for c in carries])
-        return MTPCarry(torch.cat([c.hidden for c in carries]), share)
+        if any(c.share is None for c in carries):
+            return MTPCarry(torch.cat([c.hidden for c in carries]), None)
+        share = _cat_padded([c.share for c in carries])
+        shared = torch.cat([torch.ones(len(c.hidden), dtype=torch.bool, device=c.hidden.device)
+                            if c.shared is None else c.shared for c in carries])
+        return MTPCarry(torch.cat([c.hidden for c in carries]), share,
+                        None if bool(shared.all()) else shared)
+
+
+def _cat_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    width = max(r.shape[1] for r in rows)
+    return torch.cat([F.pad(r, (0, width - r.shape[1]), value=-1) for r in rows])
 
 
 class MTPDraft(EagleDraft):
@@ -68,6 +80,9 @@ class MTPDraft(EagleDraft):
         self.feature_ok: torch.Tensor | None = None
         self.next_tok: torch.Tensor | None = None
         self._verified_at: dict[str, tuple[int, int]] = {}
+        self._init_handoff()
+        self.seed_keeper = None  # the runner's DSASeedKeeper (PD decode seeds)
+        self.seed_outcomes: dict[str, int] = {}  # this step's first rounds, by outcome
 
     @property
     def index_share(self) -> bool:
@@ -112,9 +127,42 @@ class MTPDraft(EagleDraft):
             share = (backend.last_selected[0].index_select(0, fb.logits_idx)
                      if self.index_share else None)
             return logits, MTPCarry(hidden, share)
-        fb.dsa_forced_slots = carry.share
+        fb.dsa_forced_slots, fb.dsa_forced_rows = carry.share, carry.shared
         logits, hidden = self.model(fb, carry.hidden)
-        return logits, MTPCarry(hidden, carry.share)
+        share = carry.share
+        if carry.shared is not None:  # rows without a share keep this step's selection
+            chosen = backend.last_selected[0]
+            share, chosen = _cat_padded([share, chosen]).split(len(share))
+            share = torch.where(carry.shared[:, None], share, chosen)
+        return logits, MTPCarry(hidden, share)
+
+    # ---- PD handoff (runner/spec_handoff.py)
+    def handoff_rows(self, carry: MTPCarry, i: int, plan) -> tuple[torch.Tensor, list | None]:
+        """Prefill: the hidden state, and with IndexShare the extend's top-k of the last
+        prompt position as request positions (the seed)."""
+        if carry.share is None:
+            return carry.hidden[i], None
+        end = plan.start + len(plan.tokens)
+        row_slots = self.req_to_token.table[plan.row, :end]
+        return carry.hidden[i], slots_to_positions(carry.share[i], row_slots,
+                                                   self.model.dims.index_topk)
+
+    def _start_state(self, r, handoff):
+        start = super()._start_state(r, handoff)
+        if start is None or not self.index_share:
+            return None if start is None else (start[0], MTPCarry(start[1], None))
+        row_slots = self.req_to_token.table[r.row]
+        seed, outcome = self.seed_keeper.take(r.rid, row_slots)
+        self.seed_outcomes[outcome] = self.seed_outcomes.get(outcome, 0) + 1
+        if seed is None:  # the first draft step recomputes the indexer
+            width = self.model.dims.index_topk
+            return start[0], MTPCarry(start[1], torch.full((1, width), -1, dtype=torch.long,
+                                                           device=self.device),
+                                      torch.zeros(1, dtype=torch.bool, device=self.device))
+        return start[0], MTPCarry(start[1], seed.view(1, -1))
+
+    def _cat_carries(self, carries: list) -> MTPCarry:
+        return MTPCarry.cat(carries)
 
 
 __all__ = ["MTPCarry", "MTPDraft"]

@@ -125,3 +125,25 @@ def move_accepted_kv(pools, table: torch.Tensor, row: int, start: int,
     dst = table[row, start + 1:start + 1 + len(path)]
     for pool in pools:
         pool.copy_slots(src, dst)
+
+
+def verify_entries(runner, reqs: list, token_ids: list[list[int]], logits: torch.Tensor,
+                   spans: list[tuple[int, int]], states: list[SamplingState]) -> dict:
+    """The runner's verify entries of one step (batch index, first logits row): accept,
+    move a tree's accepted KV to the committed positions, tell the draft. rid -> the
+    entry's (token, logprob, top) per produced token."""
+    vreqs = [reqs[i] for i, _ in spans]
+    results, paths = verify(
+        runner.sampler, [logits[first:first + reqs[i].num_draft + 1] for i, first in spans],
+        states, [token_ids[i][-reqs[i].num_draft:] for i, _ in spans],
+        [r.draft_parents for r in vreqs], runner.spec_accept_thresholds)
+    draft = runner.draft
+    pools = [runner.kv_pool] + ([draft] if draft is not None else [])
+    for r, path in zip(vreqs, paths):
+        if r.draft_parents is not None:
+            move_accepted_kv(pools, runner.req_to_token.table, r.row, r.start_pos, path)
+    if draft is not None:
+        for r, res in zip(vreqs, results):
+            draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft, len(res) - 1,
+                               tree=r.draft_parents is not None)
+    return {r.rid: res for r, res in zip(vreqs, results)}

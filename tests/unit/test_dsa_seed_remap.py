@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.runner.dsa import batch_seed, remap_seed_positions_to_slots, seed_for_decode
+from kvstrata.runner.dsa import (batch_seed, checked_seeds, remap_seed_positions_to_slots,
+                                 seed_for_decode)
 
 
 def table():
@@ -59,3 +60,13 @@ def test_gate_off_passes_positions_through():
     bad = seed_for_decode(torch.tensor([[0, 9], [1, 2]]), table(), torch.tensor([1, 3]),
                           torch.tensor([5, 8]), True)
     assert bad is None  # row 0 failed closed -> no seed for the batch
+
+
+def test_positions_fail_closed_too_when_the_gate_is_off():
+    """Passed-through positions are mapped through req_to_token later: a row with an invalid
+    entry must not reach that mapping (a position past the request, or below -1)."""
+    seeds = torch.tensor([[0, 9], [1, -2], [2, -1]])
+    out = checked_seeds(seeds, table(), torch.tensor([1, 3, 1]), torch.tensor([5, 8, 5]), False)
+    assert out.tolist() == [[-1, -1], [-1, -1], [2, -1]]
+    assert seed_for_decode(seeds, table(), torch.tensor([1, 3, 1]), torch.tensor([5, 8, 5]),
+                           False) is None  # the batch rule

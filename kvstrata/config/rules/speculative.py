@@ -22,6 +22,7 @@ import dataclasses
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform
+from kvstrata.protocol.disagg import SPEC_TOPK_LIMIT
 
 # Auto draft shape (num_steps, topk, num_draft_tokens) per algorithm (SGLang's docs).
 AUTO_SHAPE = {"EAGLE": (3, 1, 4), "EAGLE3": (3, 1, 4), "STANDALONE": (3, 1, 4),
@@ -75,6 +76,11 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         raise ValueError(f"--speculative-num-draft-tokens {tokens}: a tree of topk {topk} "
                          f"over {steps} steps has only {topk + (steps - 1) * topk * topk} "
                          f"candidates for its {tokens - 1} drafts")
+    if (algo in ("EAGLE", "EAGLE3") and args.disaggregation_mode != "null"
+            and topk > SPEC_TOPK_LIMIT):
+        raise ValueError(f"--speculative-eagle-topk {topk}: under PD the draft's top-k travels "
+                         f"in the transfer metadata, at most {SPEC_TOPK_LIMIT} entries "
+                         f"(SGLang's limit)")
     if topk == 1 and tokens != steps + 1:
         out += change(args, "speculative_num_draft_tokens", steps + 1, "spec.chain",
                       f"topk 1 drafts a chain: num_draft_tokens = num_steps + 1 = {steps + 1}")

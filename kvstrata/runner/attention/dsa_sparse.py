@@ -115,8 +115,17 @@ class DSASparseMLABackend:
             self.kv_pool.set_latent(layer, fb.out_slots, latent, index_k)
             latents, index_keys = self.kv_pool.latent[layer], self.kv_pool.index_k[layer]
         slots = fb.dsa_forced_slots
-        if slots is None:
-            slots = self.select(meta, index_q, index_keys, index_weights)
+        if slots is None or fb.dsa_forced_rows is not None:
+            chosen = self.select(meta, index_q, index_keys, index_weights)
+            if slots is not None:  # forced rows keep their slots, the others the indexer's
+                w = max(slots.shape[1], chosen.shape[1])
+                slots = torch.where(fb.dsa_forced_rows[:, None],
+                                    torch.nn.functional.pad(slots, (0, w - slots.shape[1]),
+                                                            value=-1),
+                                    torch.nn.functional.pad(chosen, (0, w - chosen.shape[1]),
+                                                            value=-1))
+            else:
+                slots = chosen
         self.last_selected.append(slots)
         return self.attend(q, latents, slots)
 

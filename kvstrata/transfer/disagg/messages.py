@@ -112,8 +112,13 @@ def geometry_mismatch(mine: list[BufferGeometry], theirs: list[BufferGeometry]) 
     peer = [(g.sections, g.page_bytes) for g in theirs]
     if ours == peer:
         return None
+    why = "same model, dtype and page size needed on both servers"
+    if len(ours) != len(peer):  # runner/spec_handoff.py: an EAGLE draft's KV is a buffer
+        why += ("; an EAGLE / NEXTN draft's KV travels as a second buffer, so both servers "
+                "need the same --speculative-algorithm and draft (chains, --speculative-"
+                "eagle-topk 1)")
     return (f"KV geometry mismatch: prefill buffers (sections, page_bytes) {ours} vs decode "
-            f"{peer} (same model, dtype and page size needed on both servers)")
+            f"{peer} ({why})")
 
 
 def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

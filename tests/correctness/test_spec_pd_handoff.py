@@ -1,0 +1,119 @@
+"""PD + NEXTN in-process (two runners, the transfer done by copying every registered page
+buffer): the prefill's draft-extend ships the MTP layer's KV, its first top-k, its hidden
+state and its DSA seed; the decode server's first draft round starts from them.
+
+On each simulated platform the seed is remapped to decode-local slots (cuda, hip) or passed
+through as positions (npu, cpu) per the resolved gate, and the seeded draft step attends to
+exactly the slots whose MTP latent equals the prefill's at the seed positions. Output never
+changes: a fail-closed seed and an all -1 seed make the first draft step run the indexer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.runner import make_runner
+from kvstrata.protocol import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
+from kvstrata.runner.disagg_executor import page_buffers_of
+from tests.conftest import DSA_INDEX_TOPK
+from tests.correctness.test_dsa_pd_seed import P, _gate, _slots
+
+STEPS = 3
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def _buffers(runner):
+    return page_buffers_of(runner.kv_pool) + runner.draft.page_buffers()
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_dsa_mtp_checkpoint):
+    kw = dict(page_size=P, max_total_tokens=256, context_length=256, max_running_requests=4,
+              speculative_algorithm="NEXTN", speculative_num_steps=STEPS)
+    prefill = make_runner(tiny_dsa_mtp_checkpoint, **kw)
+    decode = make_runner(tiny_dsa_mtp_checkpoint, **kw)
+    prefill.pd_role = "prefill"
+    return prefill, decode
+
+
+SRC = [9, 3, 12, 5, 30, 7, 21, 2, 17, 11, 26, 14]
+DST = [40, 33, 2, 51, 8, 19, 44, 6, 60, 27, 13, 38, 22]
+
+
+def _prefill(prefill, prompt, rid: str, chunk: int = 16):
+    """The prompt in chunks of `chunk` (each page sent right after its chunk, as the
+    scheduler does); returns the last step's output."""
+    n = len(prompt)
+    new = [NewRequestData(rid, prompt, [], PARAMS)]
+    for step, lo in enumerate(range(0, n, chunk)):
+        hi = min(lo + chunk, n)
+        out = prefill.execute(SchedulerOutput(step, True, new, [ScheduledRequest(
+            rid, 1, lo, prompt[lo:hi], lo, _slots(SRC, hi)[lo:], hi == n)], []))
+        new = []
+    prefill.execute(SchedulerOutput(99, False, [], [], [rid]))
+    return out
+
+
+def _decode_first_step(decode, rid: str, prompt, first: int, seed, handoff):
+    n = len(prompt)
+    out = decode.execute(SchedulerOutput(0, False, [NewRequestData(
+        rid, prompt, [first], PARAMS, dsa_seed=seed, spec_handoff=handoff)], [ScheduledRequest(
+            rid, 2, n, [first] + [RUNNER_DRAFT] * STEPS, 0, _slots(DST, n + 1 + STEPS), True,
+            num_draft=STEPS)], []))
+    decode.execute(SchedulerOutput(1, False, [], [], [rid]))
+    return out
+
+
+@pytest.mark.parametrize("platform", ["cuda", "hip", "npu", "cpu"])
+def test_first_draft_round_reads_the_prefills_topk(platform, runners, tiny_prompts,
+                                                   tiny_dsa_references):
+    prefill, decode = runners
+    remap = _gate(platform)
+    decode.dsa_seeds.remap = remap
+    prompt = tiny_prompts[6]                       # 45 tokens > index_topk: really sparse
+    n = len(prompt)
+    out = _prefill(prefill, prompt, "a")
+    first = out.token_ids[0]
+    handoff, wire = out.spec_handoffs["a"], out.dsa_seeds["a"]
+    assert len(handoff.topk_index) == 1 and 0 < handoff.topk_p[0] <= 1
+    assert len(wire) == DSA_INDEX_TOPK and all(0 <= p < n for p in wire)
+    pages = -(-n // P)
+    for src, dst in zip(_buffers(prefill), _buffers(decode)):
+        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    assert len(_buffers(decode)) == 2             # the MTP layer's KV is a buffer too
+
+    used = decode.draft.handoffs_used
+    out = _decode_first_step(decode, "b", prompt, first, wire, handoff)
+    ref = tiny_dsa_references[6][0]
+    assert out.token_ids == ref[1:1 + len(out.token_ids)]  # exact: greedy = plain
+    assert decode.draft.handoffs_used == used + 1
+    assert out.dsa_seed_outcomes == {"used": 1}
+    # The seeded draft step attended to exactly the decode slots of the prefill's top-k,
+    # whose MTP latent (and indexer key) is the prefill's at the seed positions.
+    attended = decode.draft.model.attn_backend.last_selected[0][0]
+    local = torch.tensor(_slots(DST, n))[torch.tensor(wire)]
+    assert attended.tolist() == local.tolist()
+    sent = prefill.draft.pool.kv[0, 0, torch.tensor(_slots(SRC, n))[torch.tensor(wire)]]
+    assert torch.equal(decode.draft.pool.kv[0, 0, attended], sent)
+
+
+@pytest.mark.parametrize("seed_kind", ["out_of_range", "all_minus_one"])
+def test_unusable_seeds_recompute_the_indexer(seed_kind, runners, tiny_prompts,
+                                              tiny_dsa_references):
+    prefill, decode = runners
+    decode.dsa_seeds.remap = True
+    prompt = tiny_prompts[5]                       # 31 tokens
+    n = len(prompt)
+    out = _prefill(prefill, prompt, "c")
+    first, handoff, wire = out.token_ids[0], out.spec_handoffs["c"], out.dsa_seeds["c"]
+    pages = -(-n // P)
+    for src, dst in zip(_buffers(prefill), _buffers(decode)):
+        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    seed = [n + 40] + wire[1:] if seed_kind == "out_of_range" else [-1] * len(wire)
+    out = _decode_first_step(decode, "d", prompt, first, seed, handoff)
+    assert out.token_ids == tiny_dsa_references[5][0][1:1 + len(out.token_ids)]
+    expected = "failed_closed" if seed_kind == "out_of_range" else "recomputed"
+    assert out.dsa_seed_outcomes == {expected: 1}
+    # The first draft step ran the indexer: its selection is not forced to -1 padding.
+    assert int((decode.draft.model.attn_backend.last_selected[0] >= 0).sum()) > 0

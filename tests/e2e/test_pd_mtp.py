@@ -1,0 +1,121 @@
+"""PD + NEXTN with real processes: the tiny DSA model with an MTP layer, both servers run
+`--speculative-algorithm NEXTN`; the prefill's draft KV, first top-k, hidden state and DSA
+seed cross (tcp at page size 16, mooncake at page size 1), the decode server's first draft
+round starts from them, and its greedy tokens equal transformers' (prompts longer than a
+prefill chunk, and prefix hits on the prefill server, included). Through sglang-router too.
+The counters say the seed was used (this box is a CPU: positions pass through)."""
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import httpx
+import pytest
+
+from helpers.compare import assert_tokens_match
+from tests.e2e.pd_servers import COMMON, PD_ENV, PDServers, assert_no_leak, backend_available, \
+    serving
+from tests.e2e.server_utils import ServerProcess, pid_alive
+from tests.e2e.test_sglang_router import Router
+
+NEW_TOKENS = 12
+SPEC = ("--speculative-algorithm", "NEXTN", "--speculative-disable-by-batch-size", "64")
+
+
+class MTPPDServers(PDServers):
+    def __init__(self, model: str, tokenizer: str, backend: str, page_size: int,
+                 *decode_only: str):
+        self.extra = ("--skip-tokenizer-init", "--tokenizer-path", tokenizer, "--page-size",
+                      str(page_size), *SPEC)
+        super().__init__(model, backend, *self.extra, *decode_only)
+
+    def start_prefill(self, wait: bool = True, port: int | None = None) -> ServerProcess:
+        return ServerProcess(self.model, *COMMON, *self.extra,
+                             "--disaggregation-mode", "prefill",
+                             "--disaggregation-transfer-backend", self.backend,
+                             "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+                             "--max-total-tokens", "4096", env=PD_ENV, wait=wait, port=port)
+
+
+@pytest.fixture(scope="module", params=[("tcp", 16), ("mooncake", 1)],
+                ids=["tcp-page16", "mooncake-page1"])
+def mtp_pd(request, tiny_dsa_mtp_checkpoint, tiny_model_path):
+    backend, page = request.param
+    backend_available(backend)
+    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, backend,
+                              page)) as servers:
+        yield servers
+
+
+def _load(srv) -> dict:
+    return httpx.get(srv.base_url + "/get_load", timeout=10).json()
+
+
+def test_pd_nextn_equals_transformers(mtp_pd, tiny_prompts, tiny_dsa_references):
+    before = _load(mtp_pd.decode)
+    for i in (7, 6, 3, 7):  # 70 tokens (two prefill chunks), 45, 16, then 70 again: a hit
+        prefill, decode = mtp_pd.generate(tiny_prompts[i], max_new_tokens=NEW_TOKENS,
+                                          ignore_eos=True)
+        assert prefill.status_code == 200, prefill.text
+        assert decode.status_code == 200, decode.text
+        ref_tokens, ref_logits = tiny_dsa_references[i]
+        out = decode.json()
+        assert_tokens_match(out["output_ids"], ref_tokens[:NEW_TOKENS], ref_logits,
+                            label=f"pd nextn prompt {i}")
+        assert out["meta_info"]["spec_verify_ct"] >= 1
+    assert prefill.json()["meta_info"]["cached_tokens"] > 0  # the prefill's prefix hit
+    load = _load(mtp_pd.decode)
+    assert load["spec_dsa_seed_used"] - before.get("spec_dsa_seed_used", 0) == 4, load
+    metrics = httpx.get(mtp_pd.decode.base_url + "/metrics", timeout=10).text
+    assert 'kvstrata:spec_dsa_seed_total{model_name="tiny",outcome="used"}' in metrics
+    for srv in (mtp_pd.prefill, mtp_pd.decode):
+        assert_no_leak(srv)
+
+
+def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_references):
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
+    router = Router([], mode_args=["--pd-disaggregation", "--prefill",
+                                   mtp_pd.prefill.base_url, str(mtp_pd.bootstrap_port),
+                                   "--decode", mtp_pd.decode.base_url], workers=2)
+    try:
+        r = httpx.post(router.base_url + "/generate", json={
+            "input_ids": tiny_prompts[6], "sampling_params": {
+                "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        ref_tokens, ref_logits = tiny_dsa_references[6]
+        assert_tokens_match(r.json()["output_ids"], ref_tokens[:NEW_TOKENS], ref_logits,
+                            label="router")
+    finally:
+        router.stop()
+        assert not pid_alive(router.proc.pid)
+
+
+def test_pd_nextn_under_decode_retraction(tiny_dsa_mtp_checkpoint, tiny_model_path,
+                                         tiny_prompts, tiny_dsa_references):
+    """A decode pool far smaller than the batch's KV: requests are retracted with a KV
+    backup and restored (their draft state is not resent: they extend again); every answer
+    equals transformers; both pools drain whole."""
+    new = 30
+    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, "tcp", 4,
+                              "--max-total-tokens", "160", "--num-reserved-decode-tokens",
+                              "4")) as pd:
+        out: dict = {}
+
+        def one(i: int) -> None:
+            out[i] = pd.generate(tiny_prompts[i], max_new_tokens=new, timeout=180,
+                                 ignore_eos=True)[1]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2, 8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, r in out.items():
+            assert r.status_code == 200, r.text
+            ref_tokens, ref_logits = tiny_dsa_references[i]
+            assert_tokens_match(r.json()["output_ids"], ref_tokens[:new], ref_logits,
+                                label=f"retracted pd nextn prompt {i}")
+        assert _load(pd.decode)["decode_retractions_total"] > 0
+        for srv in (pd.prefill, pd.decode):
+            assert_no_leak(srv)
