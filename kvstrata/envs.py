@@ -72,6 +72,11 @@ KVSTRATA_DSA_FUSE_TOPK = _declare(
     "KVSTRATA_DSA_FUSE_TOPK", bool, True,
     "Use the fused DSA top-k (indexer scores -> KV slots in one step). Input of the DSA gates "
     "resolved at start-up (see docs/configuration.md).")
+KVSTRATA_PD_DSA_SEED = _declare(
+    "KVSTRATA_PD_DSA_SEED", bool, True,
+    "A PD decode server's NEXTN draft starts its first round from the prefill's DSA top-k "
+    "seed; 0 = ignore shipped seeds (the first draft step runs the indexer: the benchmark's "
+    "forced-recompute arm).")
 KVSTRATA_CHECK_INTEGRITY = _declare(
     "KVSTRATA_CHECK_INTEGRITY", bool, False,
     "Check every KV invariant (pages, locks, rows, req_to_token) after each scheduler step "

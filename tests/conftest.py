@@ -131,78 +131,25 @@ DSA_INDEX_TOPK = 8
 
 
 def _tiny_dsa_config(num_hidden_layers: int = 4):
-    import transformers as tf
+    from kvstrata.bench.tiny_dsa import tiny_dsa_config
 
-    return tf.DeepseekV32Config(
-        vocab_size=TINY_VOCAB, hidden_size=72, intermediate_size=88, moe_intermediate_size=40,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=3, num_key_value_heads=3, n_shared_experts=1,
-        n_routed_experts=6, kv_lora_rank=28, q_lora_rank=36, qk_rope_head_dim=8,
-        v_head_dim=20, qk_nope_head_dim=12, n_group=2, topk_group=1, num_experts_per_tok=2,
-        first_k_dense_replace=2, index_topk=DSA_INDEX_TOPK, index_head_dim=24,
-        index_n_heads=16, max_position_embeddings=TINY_MAX_POS, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-            "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
-            "mscale": 0.8, "mscale_all_dim": 1.0})
+    return tiny_dsa_config(TINY_VOCAB, DSA_INDEX_TOPK, TINY_MAX_POS, num_hidden_layers)
 
 
 @pytest.fixture(scope="session")
 def tiny_dsa_checkpoint(tmp_path_factory) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from kvstrata.bench.tiny_dsa import save_tiny_dsa
 
-    torch.manual_seed(4321)
-    model = AutoModelForCausalLM.from_config(_tiny_dsa_config(), dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            # Random-init leaves these at zero/one; make them matter.
-            layer.self_attn.indexer.k_norm.bias.normal_(0, 0.5)
-            layer.self_attn.indexer.k_norm.weight.normal_(1, 0.3)
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.e_score_correction_bias.normal_(0, 0.3)
-    path = str(tmp_path_factory.mktemp("tiny_dsa") / "deepseek_v32")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_dsa(_tiny_dsa_config(),
+                         str(tmp_path_factory.mktemp("tiny_dsa") / "deepseek_v32"))
 
 
 def add_mtp_layer(src: str, dst: str, index_share: bool = True) -> str:
-    """A copy of the tiny DSA checkpoint `src` with one MTP layer (random weights) stored the
-    way DeepSeek's releases store it: layer `num_hidden_layers` with enorm / hnorm / eh_proj /
-    shared_head.{norm,head} / embed_tokens beside an ordinary decoder layer (MoE here)."""
-    import json
-    import shutil
+    """A copy of the tiny DSA checkpoint `src` with one MTP layer (kvstrata/bench/tiny_dsa.py)."""
+    from kvstrata.bench import tiny_dsa
 
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    shutil.copytree(src, dst)
-    n = _tiny_dsa_config().num_hidden_layers
-    cfg = _tiny_dsa_config(n + 1)
-    torch.manual_seed(8765)
-    donor = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    donor.save_pretrained(f"{dst}.donor", safe_serialization=True)  # checkpoint names
-    donated = load_file(f"{dst}.donor/model.safetensors")
-    shutil.rmtree(f"{dst}.donor")
-    tensors = load_file(f"{dst}/model.safetensors")
-    pre = f"model.layers.{n}."
-    tensors.update({k: v for k, v in donated.items() if k.startswith(pre)})
-    h = cfg.hidden_size
-    tensors[pre + "enorm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
-    tensors[pre + "hnorm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
-    tensors[pre + "eh_proj.weight"] = torch.randn(h, 2 * h) * 0.1
-    tensors[pre + "shared_head.norm.weight"] = torch.randn(h).mul_(0.2).add_(1.0)
-    tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{dst}/model.safetensors",
-              metadata={"format": "pt"})
-    with open(f"{dst}/config.json") as f:
-        raw = json.load(f)
-    raw.update(num_nextn_predict_layers=1, index_share_for_mtp_iteration=index_share)
-    with open(f"{dst}/config.json", "w") as f:
-        json.dump(raw, f, indent=1)
-    return dst
+    return tiny_dsa.add_mtp_layer(src, dst, _tiny_dsa_config(_tiny_dsa_config().num_hidden_layers
+                                                             + 1), index_share)
 
 
 @pytest.fixture(scope="session")

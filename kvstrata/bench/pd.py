@@ -35,11 +35,12 @@ def free_port() -> int:
 class Proc:
     """A child process with its log file; stopped by PID (SIGINT, then SIGKILL)."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: str):
+    def __init__(self, name: str, cmd: list[str], log_dir: str, env: dict | None = None):
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None)
 
     def wait_http(self, url: str, timeout: float = 300, ok=lambda r: r.status_code == 200) -> None:
         deadline = time.monotonic() + timeout
@@ -105,8 +106,10 @@ def colocated(args, log_dir: str) -> dict:
 
 
 def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...] = (),
-                  tag: str = "", work=None) -> dict:
-    """Router + prefill + decode on `backend`; `decode_extra`: more decode-server flags.
+                  tag: str = "", work=None, both_extra: tuple[str, ...] = (),
+                  decode_env: dict | None = None) -> dict:
+    """Router + prefill + decode on `backend`; `decode_extra`: more decode-server flags,
+    `both_extra`: flags of both servers, `decode_env`: the decode server's extra environment.
     The summary carries the decode server's retraction counters after the run. `work`:
     instead of the load, work(router_url, decode_url) -> summary (bench/pd_multiturn.py)."""
     p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
@@ -115,10 +118,10 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
         name = backend + tag
         procs.append(Proc(f"prefill-{name}", serve_cmd(
             args, p_port, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-            backend, "--disaggregation-bootstrap-port", str(boot)), log_dir))
+            backend, "--disaggregation-bootstrap-port", str(boot), *both_extra), log_dir))
         procs.append(Proc(f"decode-{name}", serve_cmd(
             args, d_port, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-            backend, *decode_extra), log_dir))
+            backend, *both_extra, *decode_extra), log_dir, decode_env))
         for proc, port in zip(procs, (p_port, d_port)):
             proc.wait_http(f"http://127.0.0.1:{port}/health")
         procs.append(Proc(f"router-{name}", [
@@ -134,7 +137,8 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
         load = httpx.get(f"http://127.0.0.1:{d_port}/get_load", timeout=30).json()
         load = load[0] if isinstance(load, list) else load
         summary["decode_load"] = {k: v for k, v in load.items()
-                                  if k.startswith("decode_") or k == "num_retractions"}
+                                  if k.startswith(("decode_", "spec_", "disagg_metadata"))
+                                  or k in ("num_retractions", "avg_spec_accept_length")}
         return summary
     finally:
         for proc in reversed(procs):
@@ -183,6 +187,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="multiturn: chats of --num-turns turns, PD with and without the "
                          "decode radix cache (KV bytes and TTFT per turn)")
     ap.add_argument("--num-turns", type=int, default=3, help="multiturn: turns per chat")
+    ap.add_argument("--speculative-algorithm", choices=["NEXTN"], default=None,
+                    help="NEXTN: both servers draft with the model's MTP layer; the decode "
+                         "server with the prefill's DSA seed and with it ignored "
+                         "(KVSTRATA_PD_DSA_SEED=0), same run (--model tiny-dsa-mtp builds "
+                         "the tiny DSA model with an MTP layer)")
     ap.add_argument("--output-json", default="benchmarks/results/pd.json")
     add_quiet_arg(ap)
 
@@ -193,6 +202,10 @@ def run(args: argparse.Namespace) -> dict:
     print(f"logs: {log_dir}")
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
     result: dict = {"box_load": box, "config": config}
+    if args.speculative_algorithm == "NEXTN":
+        from kvstrata.bench.pd_nextn import run_nextn  # noqa: PLC0415
+        result.update(run_nextn(args, log_dir, disaggregated))
+        return _write(args, result)
     if args.dataset == "multiturn":
         from kvstrata.bench.pd_multiturn import run_multiturn  # noqa: PLC0415
         result.update(run_multiturn(args, log_dir, disaggregated))

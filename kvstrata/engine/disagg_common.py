@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvstrata.config.kv_plan import EAGLE_HIDDEN, page_bytes
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.protocol import FinishReason, of_type
@@ -43,6 +44,16 @@ class Room:
     sent_pages: int = 0  # prefill: pages already handed to `send`
 
 
+def transferred_page_bytes(cfg) -> int:
+    """Bytes one page moves: the target's KV, plus an EAGLE-family chain draft's KV (a second
+    page buffer, runner/spec_handoff.py; trees keep theirs: scratch pages)."""
+    plan = cfg.plan
+    draft = [c for c in plan.draft_components if c.name != EAGLE_HIDDEN]
+    if cfg.speculative_algorithm in ("EAGLE", "EAGLE3") and (cfg.speculative_eagle_topk or 1) == 1:
+        return plan.bytes_per_page + page_bytes(draft, plan.page_size)
+    return plan.bytes_per_page
+
+
 class DisaggSide(SchedulerSide):
     """Base of PrefillDisagg / DecodeDisagg. Subclasses define `queues()` (name -> list, the
     requests waiting on PD), `kv_queues()` (those holding pages), `take`, `before_schedule`,
@@ -63,6 +74,7 @@ class DisaggSide(SchedulerSide):
         self.ops: list[PDOp] = []
         self.num_transfer_failures = 0
         self.kv_bytes_moved = 0  # KV bytes shipped (prefill) or received (decode), totals
+        self.page_bytes_moved = transferred_page_bytes(sched.config)
 
     # ------------------------------------------------------------------ small helpers
     def queues(self) -> dict[str, list[Request]]:
@@ -167,7 +179,7 @@ class DisaggSide(SchedulerSide):
                 continue
             room.state = ev.state
             if ev.state == KVPoll.SUCCESS:  # what crossed, aborted requests' rooms included
-                self.kv_bytes_moved += ev.pages * self.sched.config.plan.bytes_per_page
+                self.kv_bytes_moved += ev.pages * self.page_bytes_moved
             if room.draining:
                 if ev.state in TERMINAL:
                     self._end_drain(room)

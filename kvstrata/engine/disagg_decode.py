@@ -40,6 +40,8 @@ retracted requests are resumed, restored into new pages, before any new admissio
 """
 from __future__ import annotations
 
+import msgspec
+
 from kvstrata.engine.disagg_common import DisaggSide, Room
 from kvstrata.engine.disagg_retract import DecodeRetraction
 from kvstrata.engine.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -66,6 +68,7 @@ class DecodeDisagg(DisaggSide):
         # --disaggregation-decode-enable-radix-cache: prompts' cached prefixes stay here.
         self.radix = cfg.radix_cache
         self.prefix_hit_tokens = 0
+        self.metadata_bytes = 0  # encoded PDMetadata received (seed, draft state included)
 
     def queues(self) -> dict[str, list[Request]]:
         return {"prealloc": self.prealloc, "transfer": self.transfer, "prebuilt": self.prebuilt,
@@ -181,6 +184,7 @@ class DecodeDisagg(DisaggSide):
         req.cached_tokens = md.cached_tokens
         req.dsa_seed_positions = dsa_seed_from_extras(md.extras)
         req.spec_handoff = md.spec
+        self.metadata_bytes += len(msgspec.msgpack.encode(md))
         req.num_computed_tokens = len(req.prompt_ids)
         req.row_stale_from = 0
         self._forget(room)
@@ -202,7 +206,8 @@ class DecodeDisagg(DisaggSide):
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
         out = {**super().load(), **self.retraction.load(),
-               "disagg_decode_prefix_hit_tokens_total": self.prefix_hit_tokens}
+               "disagg_decode_prefix_hit_tokens_total": self.prefix_hit_tokens,
+               "disagg_metadata_bytes_received_total": self.metadata_bytes}
         if self.radix:
             out["decode_prefix_hit_tokens"] = self.prefix_hit_tokens
         return out

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvstrata import envs
+
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mla_components
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.device_pool import MLATokenToKVPool
@@ -83,6 +85,7 @@ class MTPDraft(EagleDraft):
         self._init_handoff()
         self.seed_keeper = None  # the runner's DSASeedKeeper (PD decode seeds)
         self.seed_outcomes: dict[str, int] = {}  # this step's first rounds, by outcome
+        self.use_pd_seed = envs.KVSTRATA_PD_DSA_SEED.get()
 
     @property
     def index_share(self) -> bool:
@@ -153,6 +156,8 @@ class MTPDraft(EagleDraft):
             return None if start is None else (start[0], MTPCarry(start[1], None))
         row_slots = self.req_to_token.table[r.row]
         seed, outcome = self.seed_keeper.take(r.rid, row_slots)
+        if not self.use_pd_seed:  # KVSTRATA_PD_DSA_SEED=0: the benchmark's recompute arm
+            seed, outcome = None, "recomputed"
         self.seed_outcomes[outcome] = self.seed_outcomes.get(outcome, 0) + 1
         if seed is None:  # the first draft step recomputes the indexer
             width = self.model.dims.index_topk

@@ -119,3 +119,34 @@ def test_pd_nextn_under_decode_retraction(tiny_dsa_mtp_checkpoint, tiny_model_pa
         assert _load(pd.decode)["decode_retractions_total"] > 0
         for srv in (pd.prefill, pd.decode):
             assert_no_leak(srv)
+        _abort_on_both_sides(pd, tiny_prompts)
+
+
+def _abort_on_both_sides(pd, prompts) -> None:
+    """Long requests aborted while they decode (on the decode server) and while they prefill
+    or wait to send (on the prefill server): every answer ends, both pools drain whole."""
+    import time
+
+    statuses: dict[str, int] = {}
+
+    def one(i: int) -> None:
+        body = {"input_ids": prompts[i], "rid": f"m{i}", "sampling_params": {
+            "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}, **pd.body()}
+        threading.Thread(target=lambda: httpx.post(pd.prefill.base_url + "/generate",
+                                                   json=body, timeout=120)).start()
+        statuses[body["rid"]] = httpx.post(pd.decode.base_url + "/generate", json=body,
+                                           timeout=120).status_code
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2, 8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for i in (6, 7):  # prefill side, likely before their transfer ended
+        httpx.post(pd.prefill.base_url + "/abort_request", json={"rid": f"m{i}"}, timeout=30)
+    time.sleep(1.0)
+    for i in range(2, 8):
+        httpx.post(pd.decode.base_url + "/abort_request", json={"rid": f"m{i}"}, timeout=30)
+    for t in threads:
+        t.join()
+    assert len(statuses) == 6, statuses
+    for srv in (pd.prefill, pd.decode):
+        assert_no_leak(srv)
