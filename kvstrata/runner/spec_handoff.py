@@ -59,6 +59,8 @@ def prefill_draft_extend(draft, reqs, prompt_of, first_tokens: dict[str, int], t
             continue
         prompt = prompt_of(r.rid)
         end = r.start_pos + len(r.token_ids)
+        if end > len(prompt):
+            continue  # a decode step (a prefill server never runs one; tests may)
         if end < len(prompt):
             ids = prompt[:end + 1]
         elif r.rid in first_tokens:

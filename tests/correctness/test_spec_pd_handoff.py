@@ -117,3 +117,54 @@ def test_unusable_seeds_recompute_the_indexer(seed_kind, runners, tiny_prompts,
     assert out.dsa_seed_outcomes == {expected: 1}
     # The first draft step ran the indexer: its selection is not forced to -1 padding.
     assert int((decode.draft.model.attn_backend.last_selected[0] >= 0).sum()) > 0
+
+
+@pytest.fixture(scope="module")
+def eagle_runners(tiny_checkpoints, tmp_path_factory):
+    """A PD pair of an EAGLE head that copies its target (tests/helpers/eagle_heads.py):
+    nearly every draft passes when the head's KV of the prompt is right."""
+    from tests.helpers.eagle_heads import copy_head, copyable_target
+
+    root = tmp_path_factory.mktemp("eagle_pd")
+    target = copyable_target(tiny_checkpoints["llama"], str(root / "target"))
+    head = copy_head(target, str(root / "head"))
+    kw = dict(page_size=P, max_total_tokens=256, context_length=256, max_running_requests=4,
+              speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+              speculative_num_steps=STEPS)
+    prefill, decode = make_runner(target, **kw), make_runner(target, **kw)
+    prefill.pd_role = "prefill"
+    return prefill, decode
+
+
+def test_eagle_head_kv_and_state_cross(eagle_runners):
+    """Any EAGLE-family draft (no DSA here): the decode's first round runs no extend (no
+    catch-up over the prompt: the head's KV came with the pages, the state with the
+    metadata) and its drafts pass; a decode that gets the pages but not the state extends
+    from zero features over the last position only. Output equals plain decoding."""
+    prefill, decode = eagle_runners
+    prompt = [5 + (7 * i) % 250 for i in range(37)]
+    n = len(prompt)
+    out = _prefill(prefill, prompt, "e")
+    first, handoff = out.token_ids[0], out.spec_handoffs["e"]
+    assert "e" not in out.dsa_seeds and len(handoff.hidden) == 4 * 64  # fp32 hidden
+    pages = -(-n // P)
+    assert len(_buffers(decode)) == 2
+    for src, dst in zip(_buffers(prefill), _buffers(decode)):
+        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    plain = [first]
+    for k in range(STEPS + 1):  # the co-located continuation (plain steps on the prefill)
+        step = prefill.execute(SchedulerOutput(10 + k, False, [NewRequestData(
+            "p", prompt, plain[:1], PARAMS)] if k == 0 else [], [ScheduledRequest(
+                "p", 1, n + k, [plain[-1]], n + k, _slots(SRC, n + k + 1)[n + k:], True)], []))
+        plain.append(step.token_ids[0])
+    prefill.execute(SchedulerOutput(20, False, [], [], ["p"]))
+
+    used = decode.draft.handoffs_used
+    got = _decode_first_step(decode, "f", prompt, first, None, handoff)
+    assert decode.draft.handoffs_used == used + 1
+    assert got.draft_catch_up_tokens == 0
+    assert got.token_ids == plain[1:1 + len(got.token_ids)]
+    assert len(got.token_ids) == STEPS + 1  # every draft passed
+    again = _decode_first_step(decode, "g", prompt, first, None, None)  # pages, no state
+    assert again.token_ids == plain[1:1 + len(again.token_ids)]
+    assert decode.draft.handoffs_used == used + 1
