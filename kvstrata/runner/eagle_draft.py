@@ -26,7 +26,7 @@ import torch
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mha_components
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.req_to_token import ReqToTokenTable
-from kvstrata.runner.draft_model import CatchUp, DraftModel
+from kvstrata.runner.draft_model import RUNNER_DRAFT, CatchUp, DraftModel
 from kvstrata.runner.models.eagle import load_eagle_head
 from kvstrata.runner.models.eagle3 import aux_layers
 from kvstrata.protocol.disagg import SpecHandoff
@@ -109,8 +109,10 @@ class EagleDraft(DraftModel):
             self.next_tok[slots] = torch.tensor(ids[1:n + 1], dtype=torch.int64,
                                                 device=self.device)
             self._known[r.rid] = n
+            if not (r.num_draft and RUNNER_DRAFT in r.token_ids[-r.num_draft:]):
+                continue  # a plain first step (the gate): the next one extends as usual
             start = self._start_state(r, handoff)
-            if start is not None and r.num_draft:
+            if start is not None:
                 self._start[r.rid] = start
                 self.handoffs_used += 1
 

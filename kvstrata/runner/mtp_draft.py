@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata import envs
-
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mla_components
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.device_pool import MLATokenToKVPool
