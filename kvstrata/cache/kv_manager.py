@@ -134,7 +134,7 @@ class KVManager:
         match = self.tree.match_prefix(self._matchable(ids, whole_prompt) if use_cache else [])
         self.tree.lock(match.last_node)
         if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
-            match = self._load_back(ids, match)
+            match = self._load_back(ids, match, whole_prompt)
         req.last_node = match.last_node
         req.pages = list(match.device_pages)
         req.num_tree_pages = len(req.pages)
@@ -144,14 +144,14 @@ class KVManager:
         self.matched_tokens += req.num_computed_tokens
         return req.num_computed_tokens
 
-    def _load_back(self, ids: list[int], match):
+    def _load_back(self, ids: list[int], match, whole_prompt: bool = False):
         """Bring the host part of a match back to the device: [device part][host part] becomes
         one device prefix. When device memory is short, load what fits (or nothing: the rest
         is recomputed). The device part stays locked throughout."""
         if not self.ensure_free_pages(len(match.host_pages)):
             return match
         # Making room may have evicted host copies (write_back): match again, still locked.
-        again = self.tree.match_prefix(self._matchable(ids))
+        again = self.tree.match_prefix(self._matchable(ids, whole_prompt))
         if again.last_node is not match.last_node or not again.host_pages:
             return match
         device = self.allocator.alloc(len(again.host_pages))

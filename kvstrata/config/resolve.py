@@ -126,10 +126,16 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
-    if args.disaggregation_mode == "decode" and args.enable_hierarchical_cache:
-        # The decode radix cache is built; a host tier behind it (HiCache on a decode
-        # server, SGLang's --disaggregation-decode-enable-hicache) is not yet.
-        return ["--enable-hierarchical-cache with --disaggregation-mode decode"]
+    decode_hicache = args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
+    if (args.disaggregation_mode == "decode" and decode_hicache
+            and args.disaggregation_decode_retraction_backup == "host_pool"):
+        # A decode HiCache owns the host pool; retraction backups beside it are not built.
+        return ["--disaggregation-decode-retraction-backup host_pool with a decode "
+                "--enable-hierarchical-cache"]
+    if args.disaggregation_mode == "decode" and args.hicache_storage_backend is not None:
+        # L3 behind the decode tree (and decode KV offload) are not built: a decode server
+        # would neither write nor read the store.
+        return ["--hicache-storage-backend with --disaggregation-mode decode"]
     return []
 
 

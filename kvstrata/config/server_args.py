@@ -203,6 +203,9 @@ class ServerArgs:
     disaggregation_decode_enable_radix_cache: bool = opt(False, "Use a radix cache on the "
                                                                 "decode server.",
                                                          group="disaggregation")
+    disaggregation_decode_enable_hicache: bool = opt(
+        False, "SGLang's spelling of --enable-hierarchical-cache on a decode server (a host "
+               "tier behind the decode radix cache).", group="disaggregation")
     disaggregation_decode_enable_offload_kvcache: bool = opt(False, "Offload decode KV to the "
                                                                     "host pool / storage.",
                                                              group="disaggregation")

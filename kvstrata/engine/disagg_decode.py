@@ -134,8 +134,9 @@ class DecodeDisagg(DisaggSide):
             idle = not self._holding() and not self.frees_memory_later()
             if not (fits or (idle and need <= self.kv.allocatable_tokens())):
                 break
-            if self.radix:  # lock the prefix for the request's lifetime
-                self.kv.match_and_lock(req, whole_prompt=True)
+            if self.radix:  # lock the prefix for the request's lifetime (with a decode
+                # HiCache, host-resident pages of it are loaded back first: not re-sent)
+                held = self.kv.match_and_lock(req, whole_prompt=True)
             if not self.kv.grow(req, len(req.prompt_ids)):
                 self.kv.release(req, insert=False)  # the match's lock (nothing else held)
                 break

@@ -108,7 +108,12 @@ class SchedulerConfig:
         decode server's host pages are its retraction host pool."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
-        use = "retraction" if policy.get("disaggregation_mode") == "decode" else "hicache"
+        # A decode server's host pages hold retraction backups, unless its radix cache has a
+        # host tier (HiCache) and its backups are cpu_tensor.
+        decode = policy.get("disaggregation_mode") == "decode"
+        decode_hicache = decode and policy.get("disaggregation_decode_enable_radix_cache") \
+            and policy.get("disaggregation_decode_retraction_backup") == "cpu_tensor"
+        use = "retraction" if decode and not decode_hicache else "hicache"
         self.plan = plan or KVPlan.pages_only(
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
             num_host_pages=num_host_pages, host_pool_use=use)
@@ -133,13 +138,15 @@ class SchedulerConfig:
             self.disaggregation_mode != "decode" or self.disaggregation_decode_enable_radix_cache)
 
     def _check_host_pool(self) -> None:
-        """A decode server's host pool can only be its retraction host pool (it runs without
-        a radix cache, so no HiCache); only a decode server has one of those."""
+        """A decode server's host pool is its retraction host pool, or with the decode radix
+        cache HiCache's host tier behind that tree (retraction backups are then cpu_tensor);
+        only a decode server has a retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
-        if decode and plan.has_host_pool and not retraction_pool:
+        if decode and plan.has_host_pool and not retraction_pool and not self.radix_cache:
             raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "
-                             "cannot use --enable-hierarchical-cache")
+                             "cannot use --enable-hierarchical-cache (add "
+                             "--disaggregation-decode-enable-radix-cache)")
         if retraction_pool and not decode:
             raise ValueError("a retraction host pool is for --disaggregation-mode decode only")
         backup = self.disaggregation_decode_retraction_backup

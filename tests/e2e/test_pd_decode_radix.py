@@ -35,12 +35,10 @@ def _turn(pd: PDServers, server, ids: list[int], label: str) -> tuple[list[int],
     return out, kv_state(pd.decode)["disagg_decode_prefix_hit_tokens_total"] - before
 
 
-def test_evicted_prefixes_are_resent_exactly(tiny_model_path, server):
-    """A decode pool of 256 tokens: four 3-turn conversations of ~100 tokens each cannot all
-    stay cached. The first conversation's 4th turn, after the others, finds (part of) its
-    prefix evicted: fewer hit tokens than it held, the rest re-sent, the answer exact."""
-    pd = PDServers(tiny_model_path, "tcp", RADIX, "--max-total-tokens", "256")
-    try:
+def _four_chats(pd: PDServers, server) -> tuple[int, int]:
+    """Four 3-turn conversations of ~100 tokens each through a 256-token decode pool, then
+    the first one's 4th turn: (its prefix-hit tokens, the whole pages it held before)."""
+    if True:
         rng = random.Random(3)
         chats = [[rng.randrange(100, 40000) for _ in range(30)] for _ in range(4)]
         held = {}
@@ -55,9 +53,40 @@ def test_evicted_prefixes_are_resent_exactly(tiny_model_path, server):
         assert st["ok"], st
         assert st["num_cached_tokens"] <= 256
         _, hit = _turn(pd, server, chats[0], "chat 0 turn 4")
-        assert hit < held[0], (hit, held[0])  # evicted by the later chats, re-sent
         assert_no_leak(pd.decode)
         assert_no_leak(pd.prefill)
+        return hit, held[0]
+
+
+def test_evicted_prefixes_are_resent_exactly(tiny_model_path, server):
+    """The first conversation's 4th turn finds (part of) its prefix evicted: fewer hit tokens
+    than it held, the rest re-sent, the answer exact."""
+    pd = PDServers(tiny_model_path, "tcp", RADIX, "--max-total-tokens", "256")
+    try:
+        hit, held = _four_chats(pd, server)
+        assert hit < held, (hit, held)  # evicted by the later chats, re-sent
+    finally:
+        pd.stop()
+
+
+def test_decode_host_tier_keeps_evicted_prefixes(tiny_model_path, server):
+    """The same chats with a host tier behind the decode tree (SGLang's spelling of the
+    switch): pages evicted from the device stay on the host and are loaded back at the
+    4th turn's admission, so it hits everything it held; answers exact; retraction backups
+    are cpu_tensor (the host pool is HiCache's)."""
+    pd = PDServers(tiny_model_path, "tcp", RADIX, "--disaggregation-decode-enable-hicache",
+                   "--hicache-ratio", "4", "--max-total-tokens", "256")
+    try:
+        info = httpx.get(pd.decode.base_url + "/server_info", timeout=30).json()
+        assert info["enable_hierarchical_cache"] is True
+        assert info["kv_plan"]["host_pool_use"] == "hicache"
+        assert info["disaggregation_decode_retraction_backup"] == "cpu_tensor"
+        hit, held = _four_chats(pd, server)
+        assert hit >= held, (hit, held)
+        load = httpx.get(pd.decode.base_url + "/get_load", timeout=30).json()
+        load = load[0] if isinstance(load, list) else load
+        assert load["hicache_host_hit_tokens"] > 0 and load["hicache_h2d_pages"] > 0, load
+        assert load["hicache_d2h_pages"] > 0, load  # finished requests written through
     finally:
         pd.stop()
 

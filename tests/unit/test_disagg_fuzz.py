@@ -3,7 +3,8 @@ fake transfer layer of tests/unit/pd_fake.py), without torch. Same structure as
 test_scheduler_fuzz.py.
 
 Hypothesis draws both engines (page size, each pool down to one request's need, chunk size,
-prefill radix cache on/off and HiCache host pool, the decode radix cache on/off, fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
+prefill radix cache on/off and HiCache host pool, the decode radix cache on/off (with a
+HiCache host tier behind it or not), fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
 and wrong draft tokens) and interleaves arrivals (shared prefixes; per request an
@@ -60,6 +61,8 @@ configs = st.fixed_dictionaries({
     "delay": st.integers(0, 4),
     "backup": st.sampled_from(["cpu_tensor", "host_pool"]),
     "decode_host_pages": st.sampled_from([1, 4, 16, 64]),
+    # With the decode radix cache and cpu_tensor backups: a host tier behind the decode tree.
+    "decode_hicache": st.booleans(),
     # Speculation on the decode server: (num_draft_tokens, seed of the draft pattern,
     # NGRAM | STANDALONE -- the fake runner fills STANDALONE's placeholders) or off.
     "spec": st.one_of(st.none(), st.tuples(st.integers(2, 6), st.integers(0, 2**16),
@@ -108,7 +111,9 @@ class PDMachine(RuleBasedStateMachine):
                         "disaggregation_decode_enable_radix_cache": cfg["decode_radix"],
                         "disaggregation_decode_retraction_backup": cfg["backup"],
                         "num_host_pages": (cfg["decode_host_pages"]
-                                           if cfg["backup"] == "host_pool" else 0),
+                                           if cfg["backup"] == "host_pool" or (
+                                               cfg["decode_radix"] and cfg["decode_hicache"])
+                                           else 0),
                         **({} if cfg["spec"] is None else {
                             "speculative_algorithm": cfg["spec"][2],
                             "speculative_num_draft_tokens": cfg["spec"][0]})})

@@ -18,8 +18,16 @@ def test_defaults_are_all_implemented():
 @pytest.mark.parametrize("kwargs,flag", [
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
-      "enable_hierarchical_cache": True},
-     "--enable-hierarchical-cache with --disaggregation-mode decode"),
+      "enable_hierarchical_cache": True, "disaggregation_decode_retraction_backup": "host_pool"},
+     "--disaggregation-decode-retraction-backup host_pool with a decode "
+     "--enable-hierarchical-cache"),
+    ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+      "disaggregation_decode_enable_hicache": True,
+      "disaggregation_decode_retraction_backup": "host_pool"},
+     "--disaggregation-decode-retraction-backup host_pool with a decode "
+     "--enable-hierarchical-cache"),
+    ({"disaggregation_mode": "decode", "hicache_storage_backend": "file"},
+     "--hicache-storage-backend with --disaggregation-mode decode"),
     ({"disaggregation_decode_enable_offload_kvcache": True},
      "--disaggregation-decode-enable-offload-kvcache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
@@ -45,6 +53,10 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"enable_priority_scheduling": True}, {"disable_priority_preemption": True},
     {"enable_priority_scheduling": True, "schedule_policy": "lof"},
     {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
+    {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+     "enable_hierarchical_cache": True},
+    {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+     "disaggregation_decode_enable_hicache": True},
 ])
 def test_pd_flags_are_built(kwargs):
     """PD roles, backends, the bootstrap port, decode admission and decode retraction are

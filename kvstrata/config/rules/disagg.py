@@ -6,14 +6,15 @@ Runs before the HiCache steps because it decides the decode server's prefix cach
   the (experimental) decode radix cache — then the radix cache stays on;
 - a prefill server cannot use the `fake` transfer backend (it moves no KV; a request is sent
   through `fake` only when the router addresses it to the warm-up host);
-- HiCache extends the radix tree, so `--enable-hierarchical-cache` on a decode server only
-  means something with the decode radix cache; without it the combination is an error
-  (a decode host pool for retraction is `--disaggregation-decode-retraction-backup`).
+- HiCache extends the radix tree, so `--enable-hierarchical-cache` on a decode server (or
+  SGLang's spelling, `--disaggregation-decode-enable-hicache`) needs the decode radix cache:
+  a host tier behind the decode tree; without it the combination is an error (a decode host
+  pool for retraction is `--disaggregation-decode-retraction-backup`).
 The decode-only options are refused on other servers (they would be silent no-ops).
 """
 from __future__ import annotations
 
-from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
 from kvstrata.platform import Platform
 
 # SGLang's own log lines (pd_disaggregation_hook), so operators grep the same text.
@@ -24,7 +25,8 @@ DECODE_RADIX_CACHE_WARNING = "EXPERIMENTAL: Radix cache is enabled for decode se
 # server default to 2 x max_running_requests when that is small, else 0.
 EXTRA_SLOTS_SMALL_BATCH = 32
 
-_DECODE_ONLY = ("disaggregation_decode_enable_radix_cache", "disaggregation_decode_extra_slots")
+_DECODE_ONLY = ("disaggregation_decode_enable_radix_cache", "disaggregation_decode_extra_slots",
+                "disaggregation_decode_enable_hicache")
 
 
 def decode_extra_slots(explicit: int | None, max_running_requests: int | None) -> int | None:
@@ -57,6 +59,11 @@ def pd_disaggregation(args: ResolvedArgs, platform: Platform, model_info: ModelI
         return []
     # decode
     out: list[Resolution] = []
+    if args.disaggregation_decode_enable_hicache and not args.enable_hierarchical_cache:
+        out += change(args, "enable_hierarchical_cache", True, "disagg.decode_hicache",
+                      "--disaggregation-decode-enable-hicache is SGLang's spelling of "
+                      "--enable-hierarchical-cache on a decode server")
+        args = apply(args, out)
     if args.disaggregation_decode_enable_radix_cache:
         if args.disaggregation_transfer_backend == "fake":
             raise ValueError("--disaggregation-decode-enable-radix-cache is not supported with "
