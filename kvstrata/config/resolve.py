@@ -101,9 +101,8 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # (the host pool only stages pages between device and storage) is not.
     "hicache_host_memory_mode": lambda v: v != "cache",
     # Prefill/decode disaggregation: the roles, backends, decode admission, decode
-    # retraction (cpu_tensor | host_pool backup) and the decode radix cache are built;
-    # decode KV offload is not.
-    "disaggregation_decode_enable_offload_kvcache": bool,
+    # retraction (cpu_tensor | host_pool backup), the decode radix cache, its host tier and
+    # decode KV offload (through that tier to L3) are all built.
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
     "tp_size": lambda v: v > 1,
@@ -132,10 +131,6 @@ def _unbuilt_combinations(args: ServerArgs) -> list[str]:
         # A decode HiCache owns the host pool; retraction backups beside it are not built.
         return ["--disaggregation-decode-retraction-backup host_pool with a decode "
                 "--enable-hierarchical-cache"]
-    if args.disaggregation_mode == "decode" and args.hicache_storage_backend is not None:
-        # L3 behind the decode tree (and decode KV offload) are not built: a decode server
-        # would neither write nor read the store.
-        return ["--hicache-storage-backend with --disaggregation-mode decode"]
     return []
 
 

@@ -40,8 +40,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.chunked_req: Request | None = None
-        # req_to_token rows 1..max_running_requests (row 0 is the padding sink). The chunked
-        # request counts as running, so this many rows always suffice.
+        # req_to_token rows 1..max_running_requests (row 0: the sink); enough for all.
         self.free_rows = list(range(1, config.max_running_requests + 1))
         self.num_rows = len(self.free_rows)
         self.freed_for_runner: list[str] = []
@@ -52,16 +51,15 @@ class Scheduler:
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
         # Verify entries of the last decode step: rid -> (start position, number of drafts).
         self._drafted: dict[str, tuple[int, int]] = {}
-        # Plug-in sides (engine/side.py), called at fixed points of every step; the body of
-        # this class never asks which ones exist.
+        # Plug-in sides (engine/side.py), called at fixed points; never asked which exist.
         self.sides: list[SchedulerSide] = []
         build_sides(self)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
-        # HiCache L3: start fetching the prompt's stored pages while the request queues
-        # (not for prompt logprobs: those requests compute every position anyway).
-        if not req.return_prompt_logprobs:
+        # HiCache L3: fetch the prompt's stored pages while it queues (not for prompt
+        # logprobs, computed anyway; not on a decode server: its KV comes from the prefill).
+        if not req.return_prompt_logprobs and self.config.disaggregation_mode != "decode":
             self.kv.start_prefetch(req)
         if not any(side.take(req) for side in self.sides):
             self.waiting.append(req)

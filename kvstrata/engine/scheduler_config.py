@@ -160,9 +160,10 @@ class SchedulerConfig:
                              f"in the KV plan (num_host_pages {plan.num_host_pages})")
 
     def prefetch_config(self) -> PrefetchConfig | None:
-        """The L3 prefetch policy, or None without a storage backend (or on a decode server,
-        which never prefetches)."""
-        if self.hicache_storage_backend is None or self.disaggregation_mode == "decode":
+        """The L3 prefetch policy, or None without a storage backend. A decode server's store
+        is its KV offload (backups of its tree's host pages); it never prefetches
+        (Scheduler.add)."""
+        if self.hicache_storage_backend is None:
             return None
         return PrefetchConfig.from_extra(
             self.hicache_storage_prefetch_policy,

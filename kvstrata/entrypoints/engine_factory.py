@@ -44,7 +44,8 @@ def refuse_l2_options_without_hicache(args: ServerArgs, retraction_host_pool: bo
     """A HiCache option without HiCache would be a silent no-op: refuse it, naming the flag.
     `retraction_host_pool`: the resolved decode retraction backup is host_pool, whose pool
     the sizing and layout options do apply to."""
-    if args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache:
+    if (args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
+            or args.disaggregation_decode_enable_offload_kvcache):  # (both turn HiCache on)
         return
     for name, default in _L2_OPTIONS.items():
         if retraction_host_pool and name in _RETRACTION_POOL_OPTIONS:

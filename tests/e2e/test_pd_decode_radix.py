@@ -5,6 +5,7 @@ mid-turn and a prefill killed mid-turn leave the decode tree and pool whole, and
 turn hits the tree again."""
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -128,6 +129,55 @@ def test_abort_and_killed_prefill_mid_turn_keep_the_tree_whole(tiny_model_path, 
         pd.prefill = pd.start_prefill(port=pd.prefill.port)
         _, hit = _turn(pd, server, ids, "turn 2 after the restart")
         assert hit >= (41 + NEW - 1) // 4 * 4, hit  # turn 1's pages, still in the tree
+        assert_no_leak(pd.decode)
+        assert_no_leak(pd.prefill)
+    finally:
+        pd.stop()
+
+
+def _load(srv) -> dict:
+    load = httpx.get(srv.base_url + "/get_load", timeout=30).json()
+    return load[0] if isinstance(load, list) else load
+
+
+def test_decode_offload_feeds_a_restarted_prefill(tiny_model_path, server, tmp_path):
+    """--disaggregation-decode-enable-offload-kvcache: the decode server writes each finished
+    request's pages (prompt and output) to the L3 store through its tree's host tier. A
+    prefill server restarted on the same store (empty device and host tiers) then reads the
+    whole previous turn from storage -- more than the prompt it computed itself."""
+    store = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 16})
+    prefill_args = ("--enable-hierarchical-cache", "--hicache-ratio", "2",
+                    "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy",
+                    "wait_complete", "--hicache-storage-backend-extra-config", store)
+    pd = PDServers(tiny_model_path, "tcp", "--disaggregation-decode-enable-offload-kvcache",
+                   "--hicache-storage-backend", "file",
+                   "--hicache-storage-backend-extra-config", store, prefill_args=prefill_args)
+    try:
+        info = httpx.get(pd.decode.base_url + "/server_info", timeout=30).json()
+        assert info["disaggregation_decode_enable_radix_cache"] is True  # turned on for it
+        assert info["disaggregation_decode_retraction_backup"] == "cpu_tensor"
+        rng = random.Random(9)
+        ids = [rng.randrange(100, 40000) for _ in range(41)]
+        out, _ = _turn(pd, server, ids, "turn 1")
+        whole = (len(ids) + NEW - 1) // 4 * 4  # the pages the decode server finished with
+        deadline = time.monotonic() + 30
+        while _load(pd.decode).get("hicache_storage_backup_pages", 0) * 4 < whole:
+            assert time.monotonic() < deadline, _load(pd.decode)
+            time.sleep(0.2)
+        pd.prefill.stop()
+        # The decode server learns that the prefill is gone from a request that fails (as
+        # in test_pd_disagg.py's restart test); then a fresh prefill on the same ports.
+        r = httpx.post(pd.decode.base_url + "/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 2}, **pd.body()},
+            timeout=120)
+        assert r.status_code == 500, r.text
+        pd.prefill = pd.start_prefill(port=pd.prefill.port)
+        ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
+        prefill, decode = pd.generate(ids, max_new_tokens=NEW)
+        assert (prefill.status_code, decode.status_code) == (200, 200), decode.text
+        assert decode.json()["output_ids"] == _colocated(server, ids)
+        read = _load(pd.prefill)["hicache_storage_hit_tokens"]
+        assert read >= whole > len(ids[:41]) // 4 * 4, (read, whole)
         assert_no_leak(pd.decode)
         assert_no_leak(pd.prefill)
     finally:

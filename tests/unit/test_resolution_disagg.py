@@ -75,6 +75,32 @@ def test_decode_with_fake_backend_and_hicache_with_radix_are_allowed():
     assert resolved.enable_hierarchical_cache and not resolved.disable_radix_cache
 
 
+def test_decode_host_tier_and_offload_turn_on_what_they_need():
+    """SGLang's spelling turns HiCache on; the offload turns on the decode radix cache and its
+    host tier (it writes through them), each with its rule; retraction backups are then
+    cpu_tensor (the host pool is HiCache's); a store on a decode server needs the offload."""
+    resolved, res = run(disaggregation_mode="decode", disaggregation_decode_enable_hicache=True,
+                        disaggregation_decode_enable_radix_cache=True)
+    assert resolved.enable_hierarchical_cache
+    assert res["enable_hierarchical_cache"].rule == "disagg.decode_hicache"
+    resolved, res = run(disaggregation_mode="decode", hicache_storage_backend="file",
+                        disaggregation_decode_enable_offload_kvcache=True)
+    assert resolved.enable_hierarchical_cache and not resolved.disable_radix_cache
+    assert resolved.disaggregation_decode_enable_radix_cache
+    assert res["enable_hierarchical_cache"].rule == "disagg.decode_offload"
+    assert resolved.disaggregation_decode_retraction_backup == "cpu_tensor"
+    assert "--disaggregation-decode-enable-offload-kvcache" in \
+        res["disaggregation_decode_retraction_backup"].reason
+    with pytest.raises(ValueError, match="is its KV offload"):
+        run(disaggregation_mode="decode", hicache_storage_backend="file",
+            enable_hierarchical_cache=True, disaggregation_decode_enable_radix_cache=True)
+    with pytest.raises(ValueError, match="offload-kvcache requires --hicache-storage-backend"):
+        run(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True)
+    with pytest.raises(ValueError, match="requires --disaggregation-mode decode"):
+        run(disaggregation_mode="prefill", disaggregation_decode_enable_offload_kvcache=True,
+            hicache_storage_backend="file")
+
+
 @pytest.mark.parametrize("max_running,expected", [(8, 16), (32, 64), (33, 0), (256, 0)])
 def test_extra_slots_follow_max_running_requests(max_running, expected):
     resolved, res = run(disaggregation_mode="decode", max_running_requests=max_running)

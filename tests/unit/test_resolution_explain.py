@@ -117,7 +117,7 @@ RULES = ["platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype
          "hicache.layout_io.R1",
          "hicache.layout_io.R2", "hicache.storage_layout", "hicache.ratio_default",
          "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
-         "disagg.decode_chunk_cache", "disagg.decode_hicache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",
+         "disagg.decode_chunk_cache", "disagg.decode_offload", "disagg.decode_hicache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",
          "spec.nextn", "spec.nextn_draft", "spec.auto_shape", "spec.ngram_breadth", "spec.ngram_tokens",
          "spec.ngram_topk", "spec.ngram_steps", "spec.chain",
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)

@@ -26,10 +26,6 @@ def test_defaults_are_all_implemented():
       "disaggregation_decode_retraction_backup": "host_pool"},
      "--disaggregation-decode-retraction-backup host_pool with a decode "
      "--enable-hierarchical-cache"),
-    ({"disaggregation_mode": "decode", "hicache_storage_backend": "file"},
-     "--hicache-storage-backend with --disaggregation-mode decode"),
-    ({"disaggregation_decode_enable_offload_kvcache": True},
-     "--disaggregation-decode-enable-offload-kvcache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
     ({"tp_size": 2}, "--tp-size"),
     ({"dcp_size": 2}, "--dcp-size"),
@@ -57,6 +53,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
      "enable_hierarchical_cache": True},
     {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
      "disaggregation_decode_enable_hicache": True},
+    {"disaggregation_mode": "decode", "disaggregation_decode_enable_offload_kvcache": True,
+     "hicache_storage_backend": "file"},
 ])
 def test_pd_flags_are_built(kwargs):
     """PD roles, backends, the bootstrap port, decode admission and decode retraction are

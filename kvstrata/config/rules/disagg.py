@@ -26,7 +26,10 @@ DECODE_RADIX_CACHE_WARNING = "EXPERIMENTAL: Radix cache is enabled for decode se
 EXTRA_SLOTS_SMALL_BATCH = 32
 
 _DECODE_ONLY = ("disaggregation_decode_enable_radix_cache", "disaggregation_decode_extra_slots",
-                "disaggregation_decode_enable_hicache")
+                "disaggregation_decode_enable_hicache",
+                "disaggregation_decode_enable_offload_kvcache")
+OFFLOAD_REASON = ("--disaggregation-decode-enable-offload-kvcache writes finished requests' KV "
+                  "to L3 through the decode tree's host tier (kvstrata's design)")
 
 
 def decode_extra_slots(explicit: int | None, max_running_requests: int | None) -> int | None:
@@ -59,6 +62,12 @@ def pd_disaggregation(args: ResolvedArgs, platform: Platform, model_info: ModelI
         return []
     # decode
     out: list[Resolution] = []
+    if args.disaggregation_decode_enable_offload_kvcache:
+        # (its --hicache-storage-backend is required by step 1, rules/hicache.py)
+        for name in ("disaggregation_decode_enable_radix_cache", "enable_hierarchical_cache"):
+            if not getattr(args, name):
+                out += change(args, name, True, "disagg.decode_offload", OFFLOAD_REASON)
+        args = apply(args, out)
     if args.disaggregation_decode_enable_hicache and not args.enable_hierarchical_cache:
         out += change(args, "enable_hierarchical_cache", True, "disagg.decode_hicache",
                       "--disaggregation-decode-enable-hicache is SGLang's spelling of "

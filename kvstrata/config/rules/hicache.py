@@ -57,6 +57,10 @@ def host_memory_mode(args: ResolvedArgs, platform: Platform, model_info: ModelIn
         if args.hicache_storage_backend is None:
             raise ValueError("--disaggregation-decode-enable-offload-kvcache requires "
                              "--hicache-storage-backend")
+    elif args.disaggregation_mode == "decode" and args.hicache_storage_backend is not None:
+        raise ValueError("--hicache-storage-backend on a decode server is its KV offload: add "
+                         "--disaggregation-decode-enable-offload-kvcache (a decode server "
+                         "never reads L3: its prompts' KV comes from the prefill server)")
     return []
 
 
