@@ -187,3 +187,36 @@ def test_decode_offload_feeds_a_restarted_prefill(offload, server):
     assert read >= whole > len(ids[:41]) // 4 * 4, (read, whole)
     assert_no_leak(pd.decode)
     assert_no_leak(pd.prefill)
+
+
+def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
+    """sglang-router in PD mode in front of the radix pair: a 3-turn conversation answers as
+    the co-located server, and turns 2 and 3 hit the decode tree (only new pages cross)."""
+    import importlib.util
+
+    from tests.e2e.server_utils import pid_alive
+    from tests.e2e.test_sglang_router import Router
+
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
+    router = Router([], mode_args=["--pd-disaggregation", "--prefill", radix.prefill.base_url,
+                                   str(radix.bootstrap_port), "--decode", radix.decode.base_url],
+                    workers=2)
+    try:
+        rng = random.Random(13)
+        ids = [rng.randrange(100, 40000) for _ in range(33)]
+        for turn in range(3):
+            before = kv_state(radix.decode)["disagg_decode_prefix_hit_tokens_total"]
+            r = httpx.post(router.base_url + "/generate", json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": NEW,
+                                                      "temperature": 0.0}}, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()["output_ids"]
+            assert out == _colocated(server, ids), turn
+            hit = kv_state(radix.decode)["disagg_decode_prefix_hit_tokens_total"] - before
+            assert (hit > 0) == (turn > 0), (turn, hit)
+            ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
+        assert_no_leak(radix.decode)
+    finally:
+        router.stop()
+        assert not pid_alive(router.proc.pid)
