@@ -123,6 +123,24 @@ def assert_no_leak(srv) -> None:
 
 
 @contextlib.contextmanager
+def pd_router(pd: PDServers):
+    """sglang-router in PD mode in front of the pair (skips without sglang-router); stopped
+    by PID afterwards."""
+    if importlib.util.find_spec("sglang_router") is None:
+        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
+    from tests.e2e.test_sglang_router import Router  # noqa: PLC0415 - its own fixtures
+
+    router = Router([], mode_args=["--pd-disaggregation", "--prefill", pd.prefill.base_url,
+                                   str(pd.bootstrap_port), "--decode", pd.decode.base_url],
+                    workers=2)
+    try:
+        yield router
+    finally:
+        router.stop()
+        assert not pid_alive(router.proc.pid)
+
+
+@contextlib.contextmanager
 def serving(servers: PDServers):
     """Yield the servers; stop both afterwards and check that neither process survives."""
     try:

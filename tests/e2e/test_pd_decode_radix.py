@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.pd_servers import PDServers, assert_no_leak, serving
+from tests.e2e.pd_servers import PDServers, assert_no_leak, pd_router, serving
 from tests.e2e.test_routes_and_disconnect import kv_state
 
 RADIX = "--disaggregation-decode-enable-radix-cache"
@@ -192,17 +192,7 @@ def test_decode_offload_feeds_a_restarted_prefill(offload, server):
 def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
     """sglang-router in PD mode in front of the radix pair: a 3-turn conversation answers as
     the co-located server, and turns 2 and 3 hit the decode tree (only new pages cross)."""
-    import importlib.util
-
-    from tests.e2e.server_utils import pid_alive
-    from tests.e2e.test_sglang_router import Router
-
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
-    router = Router([], mode_args=["--pd-disaggregation", "--prefill", radix.prefill.base_url,
-                                   str(radix.bootstrap_port), "--decode", radix.decode.base_url],
-                    workers=2)
-    try:
+    with pd_router(radix) as router:
         rng = random.Random(13)
         ids = [rng.randrange(100, 40000) for _ in range(33)]
         for turn in range(3):
@@ -217,6 +207,3 @@ def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
             assert (hit > 0) == (turn > 0), (turn, hit)
             ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
         assert_no_leak(radix.decode)
-    finally:
-        router.stop()
-        assert not pid_alive(router.proc.pid)

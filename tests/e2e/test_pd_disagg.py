@@ -8,7 +8,6 @@ prompt is a 400 at admission."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import random
 import threading
 import time
@@ -17,10 +16,9 @@ import httpx
 import pytest
 
 from tests.e2e.pd_servers import (FAIL_FAST_BOUND, HEARTBEAT_BOUND, PDServers, assert_no_leak,
-                                  backend_available, serving, wait_drained)
-from tests.e2e.server_utils import free_port, pid_alive
+                                  backend_available, pd_router, serving, wait_drained)
+from tests.e2e.server_utils import free_port
 from tests.e2e.test_routes_and_disconnect import kv_state
-from tests.e2e.test_sglang_router import Router
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 MSG = [{"role": "user", "content": "Say something."}]
@@ -35,16 +33,8 @@ def pd(request, tiny_model_path):
 
 @pytest.fixture(scope="module")
 def router(pd):
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
-    r = Router([], mode_args=["--pd-disaggregation", "--prefill", pd.prefill.base_url,
-                              str(pd.bootstrap_port), "--decode", pd.decode.base_url],
-               workers=2)
-    try:
+    with pd_router(pd) as r:
         yield r
-    finally:
-        r.stop()
-        assert not pid_alive(r.proc.pid)
 
 
 def test_generate_pair_matches_colocated(pd, server):

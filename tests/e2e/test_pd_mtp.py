@@ -6,17 +6,15 @@ prefill chunk, and prefix hits on the prefill server, included). Through sglang-
 The counters say the seed was used (this box is a CPU: positions pass through)."""
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 import httpx
 import pytest
 
 from helpers.compare import assert_tokens_match
-from tests.e2e.pd_servers import COMMON, PD_ENV, PDServers, assert_no_leak, backend_available, \
-    serving
-from tests.e2e.server_utils import ServerProcess, pid_alive
-from tests.e2e.test_sglang_router import Router
+from tests.e2e.pd_servers import (COMMON, PD_ENV, PDServers, assert_no_leak,
+                                   backend_available, pd_router, serving)
+from tests.e2e.server_utils import ServerProcess
 
 NEW_TOKENS = 12
 SPEC = ("--speculative-algorithm", "NEXTN", "--speculative-disable-by-batch-size", "64")
@@ -73,12 +71,7 @@ def test_pd_nextn_equals_transformers(mtp_pd, tiny_prompts, tiny_dsa_references)
 
 
 def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_references):
-    if importlib.util.find_spec("sglang_router") is None:
-        pytest.skip("sglang-router is not installed (pip install -e '.[dev]')")
-    router = Router([], mode_args=["--pd-disaggregation", "--prefill",
-                                   mtp_pd.prefill.base_url, str(mtp_pd.bootstrap_port),
-                                   "--decode", mtp_pd.decode.base_url], workers=2)
-    try:
+    with pd_router(mtp_pd) as router:
         r = httpx.post(router.base_url + "/generate", json={
             "input_ids": tiny_prompts[6], "sampling_params": {
                 "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}},
@@ -87,9 +80,6 @@ def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_reference
         ref_tokens, ref_logits = tiny_dsa_references[6]
         assert_tokens_match(r.json()["output_ids"], ref_tokens[:NEW_TOKENS], ref_logits,
                             label="router")
-    finally:
-        router.stop()
-        assert not pid_alive(router.proc.pid)
 
 
 def test_pd_nextn_under_decode_retraction(tiny_dsa_mtp_checkpoint, tiny_model_path,
