@@ -120,6 +120,10 @@ class DraftModel:
     def forget(self, rid: str) -> None:
         self._known.pop(rid, None)
 
+    def on_copies(self, ops: list) -> None:
+        """The step's ops that fill device pages by copying (before its forward)."""
+        self.invalidate_pages(copied_in_pages(ops))
+
     def invalidate_pages(self, pages: list[int]) -> None:
         """Pages whose target KV was written by a copy, not a forward (load-back, PD
         receive, restore): whatever draft KV they held belongs to another token."""

@@ -66,6 +66,9 @@ class EagleDraft(DraftModel):
         self.handoffs: dict[str, tuple[SpecHandoff, int]] = {}
         self._start: dict[str, tuple[torch.Tensor, object]] = {}
         self.handoffs_used = 0  # first rounds that started from a prefill's state
+        # Pages a PD receive filled (the prefill's draft KV with the target's) and nothing
+        # has overwritten since: the only slots a handoff may mark valid.
+        self._received: set[int] = set()
 
     def kv_components(self) -> tuple[KVComponent, ...]:
         d = self.model.dims
@@ -94,7 +97,12 @@ class EagleDraft(DraftModel):
 
     def before_step(self, reqs: list, all_ids_of) -> None:
         """A request's first step on a PD decode server: its transferred prompt slots hold
-        the prefill's draft KV; a first step that drafts starts from the shipped state."""
+        the prefill's draft KV; a first step that drafts starts from the shipped state
+        (when every prompt position then holds valid draft KV; else the extend rebuilds)."""
+        if self._received:  # pages this step's forward writes are no longer the received ones
+            written = {s // self.page_size for r in reqs if r.rid not in self.handoffs
+                       for s in r.slots}
+            self._received.difference_update(written)
         if not self.handoffs:
             return
         for r in reqs:
@@ -105,12 +113,18 @@ class EagleDraft(DraftModel):
             if self.topk != 1 or r.start_pos != n or len(ids) < n + 1:
                 continue  # stale (a plain step ran first) or a tree: the extend rebuilds
             slots = self.req_to_token.table[r.row, :n]
-            self.valid[slots] = True
-            self.next_tok[slots] = torch.tensor(ids[1:n + 1], dtype=torch.int64,
-                                                device=self.device)
-            self._known[r.rid] = n
+            pages = slots // self.page_size
+            got = torch.tensor([int(p) in self._received for p in pages.tolist()],
+                               dtype=torch.bool, device=self.device)
+            self._received.difference_update(pages[got].tolist())
+            nxt = torch.tensor(ids[1:n + 1], dtype=torch.int64, device=self.device)
+            self.valid[slots[got]] = True  # a decode-tree prefix keeps its own validity
+            self.next_tok[slots[got]] = nxt[got]
+            self._known[r.rid] = 0  # the catch-up finds the first invalid position
             if not (r.num_draft and RUNNER_DRAFT in r.token_ids[-r.num_draft:]):
                 continue  # a plain first step (the gate): the next one extends as usual
+            if not bool(self.valid[slots].all()):
+                continue  # e.g. a decode-tree prefix without draft KV: extend from there
             start = self._start_state(r, handoff)
             if start is not None:
                 self._start[r.rid] = start
@@ -138,6 +152,20 @@ class EagleDraft(DraftModel):
                 starts[i] = (logits[k:k + 1], carry[k:k + 1])
         return (torch.cat([st[0] for st in starts]),
                 self._cat_carries([st[1] for st in starts]))
+
+    def on_copies(self, ops: list) -> None:
+        """PD receives bring the prefill's draft KV (a page buffer of ours); other copies
+        (load-backs, restores) bring target KV only."""
+        from kvstrata.protocol.disagg import PDOp  # noqa: PLC0415
+
+        super().on_copies(ops)
+        if self.topk != 1:
+            return
+        for op in ops:
+            if isinstance(op, PDOp) and op.kind == "receiver_init":
+                self._received.update(op.page_ids)
+            elif getattr(op, "kind", None) in ("h2d", "restore"):
+                self._received.difference_update(op.device_pages)
 
     # ---- validity
     def forget(self, rid: str) -> None:

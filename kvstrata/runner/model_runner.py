@@ -24,7 +24,7 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
                                                 TopLogprob)
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.draft_model import DraftModel, copied_in_pages
+from kvstrata.runner.draft_model import DraftModel
 from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.drafts import build_draft
 from kvstrata.runner.model_setup import load_serving_model
@@ -185,7 +185,7 @@ class ModelRunner:
             self.backup = RetractionBackupExecutor(self.kv_pool)  # cpu_tensor on demand
         executors = [ex for ex in (self.backup, self.hicache, self.disagg) if ex is not None]
         if self.draft is not None:
-            self.draft.invalidate_pages(copied_in_pages(sched.ops))
+            self.draft.on_copies(sched.ops)
         idle = not sched.scheduled
         events: list = []
         for ex, ops in zip(executors, split_ops(sched.ops, executors)):

@@ -14,6 +14,7 @@ import torch
 
 from helpers.runner import make_runner
 from kvstrata.protocol import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+from kvstrata.protocol.disagg import PDOp
 from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
 from kvstrata.runner.disagg_executor import page_buffers_of
 from tests.conftest import DSA_INDEX_TOPK
@@ -25,6 +26,15 @@ PARAMS = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 def _buffers(runner):
     return page_buffers_of(runner.kv_pool) + runner.draft.page_buffers()
+
+
+def _transfer(prefill, decode, pages: int) -> None:
+    """What a PD transfer does: every registered buffer's pages, source -> destination, and
+    the decode runner's receiver_init op (here handed to the draft directly: these runners
+    have no transfer manager)."""
+    for src, dst in zip(_buffers(prefill), _buffers(decode)):
+        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    decode.draft.on_copies([PDOp(room=1, kind="receiver_init", page_ids=DST[:pages])])
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +89,7 @@ def test_first_draft_round_reads_the_prefills_topk(platform, runners, tiny_promp
     assert len(handoff.topk_index) == 1 and 0 < handoff.topk_p[0] <= 1
     assert len(wire) == DSA_INDEX_TOPK and all(0 <= p < n for p in wire)
     pages = -(-n // P)
-    for src, dst in zip(_buffers(prefill), _buffers(decode)):
-        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    _transfer(prefill, decode, pages)
     assert len(_buffers(decode)) == 2             # the MTP layer's KV is a buffer too
 
     used = decode.draft.handoffs_used
@@ -108,8 +117,7 @@ def test_unusable_seeds_recompute_the_indexer(seed_kind, runners, tiny_prompts,
     out = _prefill(prefill, prompt, "c")
     first, handoff, wire = out.token_ids[0], out.spec_handoffs["c"], out.dsa_seeds["c"]
     pages = -(-n // P)
-    for src, dst in zip(_buffers(prefill), _buffers(decode)):
-        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    _transfer(prefill, decode, pages)
     seed = [n + 40] + wire[1:] if seed_kind == "out_of_range" else [-1] * len(wire)
     out = _decode_first_step(decode, "d", prompt, first, seed, handoff)
     assert out.token_ids == tiny_dsa_references[5][0][1:1 + len(out.token_ids)]
@@ -149,8 +157,7 @@ def test_eagle_head_kv_and_state_cross(eagle_runners):
     assert "e" not in out.dsa_seeds and len(handoff.hidden) == 4 * 64  # fp32 hidden
     pages = -(-n // P)
     assert len(_buffers(decode)) == 2
-    for src, dst in zip(_buffers(prefill), _buffers(decode)):
-        dst[:, DST[:pages]] = src[:, SRC[:pages]]
+    _transfer(prefill, decode, pages)
     plain = [first]
     for k in range(STEPS + 1):  # the co-located continuation (plain steps on the prefill)
         step = prefill.execute(SchedulerOutput(10 + k, False, [NewRequestData(
