@@ -98,11 +98,14 @@ class ModelDims:
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
 
-    def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
+                 dims: ModelDims | None = None):
+        """`dims`: this replica's shapes when they are not the config's (a tensor-parallel
+        rank's share of heads, MLP width and vocabulary: runner/parallel/)."""
         super().__init__()
         self.config = config
         self.spec = spec
-        self.dims = dims = ModelDims.from_config(config)
+        self.dims = dims = dims or ModelDims.from_config(config)
         self.dtype = dtype
         self.device = device
         kw = dict(dtype=dtype, device=device)
@@ -130,7 +133,7 @@ class DecoderForCausalLM(nn.Module):
         d = self.dims
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
-        x = F.embedding(fb.input_ids, self.embed)
+        x = self.embed_tokens(fb.input_ids)
         aux = []
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:  # an EAGLE3 head's features: the stream entering i
@@ -143,12 +146,23 @@ class DecoderForCausalLM(nn.Module):
             self.last_hidden = x
             if fb.logits_idx is not None:
                 x = x.index_select(0, fb.logits_idx)
-            return self.linear(x, self.lm_head).float()
+            return self.output_logits(x)
         if fb.logits_idx is not None:
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
-        x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+        return self.output_logits(rms_norm(x, self.final_norm, d.rms_norm_eps))
+
+    # A tensor-parallel rank (runner/parallel/) overrides these three: its embedding and
+    # head hold a slice of the vocabulary, its o/down projections a slice of their inputs.
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.lm_head).float()
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over ranks (identity on one rank)."""
+        return partial
 
     def layer_forward(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, fb: ForwardBatch, input_norm: bool = True
@@ -174,14 +188,14 @@ class DecoderForCausalLM(nn.Module):
         attn = self.attn_backend.forward(i, q, k, v, fb)
         # In place: x is this forward's own buffer (from F.embedding or a linear), never a
         # view of a parameter, and inference mode keeps no autograd history.
-        x.add_(linear(attn, layer.o_weight, layer.o_bias))
+        x.add_(self.reduce(linear(attn, layer.o_weight, layer.o_bias)))
         h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
         gate_up = linear(h, layer.gate_up_weight, layer.gate_up_bias)
         act = cpu_ops.silu_mul(gate_up)  # one pass on CPU; None elsewhere
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        x.add_(linear(act, layer.down_weight, layer.down_bias))
+        x.add_(self.reduce(linear(act, layer.down_weight, layer.down_bias)))
         return x
 
     # ------------------------------------------------------------------ weight loading

@@ -167,6 +167,12 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
+    return fill_weights(model, source, config, spec)
+
+
+def fill_weights(model, source: ModelSource, config: Any, spec: Any):
+    """Every checkpoint tensor into `model` (its load_weight maps, fuses or slices), then the
+    "every expected weight exactly once" check."""
     weights = iter_checkpoint(source, config, spec.gguf_permute_qk)
     loaded: list[str] = []
     for name, tensor in weights:

@@ -1,0 +1,167 @@
+"""Tensor parallelism for the llama-family decoder over torch.distributed (issue 23, part 1:
+the model-parallel layers; `--tp-size > 1` on the server is still refused).
+
+Megatron's split, as SGLang and vLLM do it, one process per rank:
+  - q/k/v (merged) and gate/up are column-parallel: a rank holds its heads' rows of
+    q_proj, k_proj, v_proj and its slice of the MLP width; attention runs on its own heads;
+  - o_proj and down_proj are row-parallel: a rank holds the matching input columns, the
+    partial outputs are summed over ranks (all-reduce) before the residual add; a bias is
+    added once (rank 0 holds it, the others zeros);
+  - KV heads split across ranks; when tp_size > num_key_value_heads each KV head is
+    replicated on the tp_size / num_kv_heads ranks whose query heads read it (SGLang's rule);
+  - the embedding and the LM head are vocab-parallel: a rank holds ceil(V / tp) rows (the
+    last padded with zeros); a lookup of a token outside the rank's rows gives zeros, and the
+    all-reduce sums the one rank that has it; logits are all-gathered along the vocabulary
+    where sampling runs (every rank, so every rank samples the same token).
+Norms and rotary tables are replicated. The all-reduce sums partial matmuls, so logits equal
+the one-rank model's up to float summation order (tests/correctness/test_tensor_parallel.py).
+On CPU the group is gloo; the same calls take NCCL/RCCL on a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, ModelDims
+
+
+class TPGroup:
+    """This process's rank in a torch.distributed group (initialised by the caller)."""
+
+    def __init__(self, rank: int, size: int, group: Any = None):
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] from every rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which slice of each dimension rank `rank` of `size` holds ([lo, hi) ranges)."""
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    mlp: tuple[int, int]
+    vocab: tuple[int, int]   # real rows; the local table has vocab_rows rows
+    vocab_rows: int
+
+    @classmethod
+    def plan(cls, d: ModelDims, rank: int, size: int) -> "TPShard":
+        nq, nkv = d.num_heads, d.num_kv_heads
+        if nq % size:
+            raise ValueError(f"--tp-size {size} must divide num_attention_heads {nq}")
+        if d.intermediate_size % size:
+            raise ValueError(f"--tp-size {size} must divide intermediate_size "
+                             f"{d.intermediate_size}")
+        q = nq // size
+        if nkv >= size:
+            if nkv % size:
+                raise ValueError(f"--tp-size {size} must divide num_key_value_heads {nkv}")
+            kv = (rank * nkv // size, (rank + 1) * nkv // size)
+        else:  # replicated: the one KV head this rank's query heads read
+            if size % nkv:
+                raise ValueError(f"num_key_value_heads {nkv} must divide --tp-size {size}")
+            head = rank * nkv // size
+            kv = (head, head + 1)
+        rows = -(-d.vocab_size // size)
+        vocab = (min(rank * rows, d.vocab_size), min((rank + 1) * rows, d.vocab_size))
+        m = d.intermediate_size // size
+        return cls(rank, size, (rank * q, (rank + 1) * q), kv, (rank * m, (rank + 1) * m),
+                   vocab, rows)
+
+    def local_dims(self, d: ModelDims) -> ModelDims:
+        return dataclasses.replace(
+            d, num_heads=self.q_heads[1] - self.q_heads[0],
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            intermediate_size=self.mlp[1] - self.mlp[0], vocab_size=self.vocab_rows)
+
+
+class TPDecoderForCausalLM(DecoderForCausalLM):
+    """One rank's share of a llama-family decoder (load it with the usual loader: every
+    checkpoint tensor is sliced to this rank's share in load_weight)."""
+
+    def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
+                 group: TPGroup):
+        full = ModelDims.from_config(config)
+        shard = TPShard.plan(full, group.rank, group.size)
+        super().__init__(config, spec, dtype, device, dims=shard.local_dims(full))
+        self.full_dims, self.shard, self.group = full, shard, group
+
+    # ---- forward: the vocab-parallel ends and the row-parallel sums
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.shard.vocab
+        mine = (ids >= lo) & (ids < hi)
+        x = F.embedding(torch.where(mine, ids - lo, 0), self.embed)
+        return self.group.all_reduce(x * mine[:, None].to(x.dtype))
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.linear(x, self.lm_head).float()
+        return self.group.all_gather_last(local)[:, :self.full_dims.vocab_size]
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(partial)
+
+    # ---- loading: slice each tensor to this rank
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        return super().load_weight(name, self._slice(name, tensor))
+
+    def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        s, hd = self.shard, self.full_dims.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = t[s.vocab[0]:s.vocab[1]]
+            pad = s.vocab_rows - rows.shape[0]
+            return F.pad(rows, (0, 0, 0, pad)) if pad else rows
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            return t
+        proj, kind = parts[4], parts[-1]
+        heads = {"q_proj": s.q_heads, "k_proj": s.kv_heads, "v_proj": s.kv_heads}
+        if proj in heads:  # column-parallel: this rank's heads' rows (weight and bias)
+            lo, hi = heads[proj]
+            return t[lo * hd:hi * hd]
+        if proj in ("gate_proj", "up_proj"):
+            return t[s.mlp[0]:s.mlp[1]]
+        if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; bias once
+            if kind == "bias":
+                return t if s.rank == 0 else torch.zeros_like(t)
+            lo, hi = ((s.q_heads[0] * hd, s.q_heads[1] * hd) if proj == "o_proj" else s.mlp)
+            return t[:, lo:hi]
+        return t  # norms (q_norm / k_norm are per head_dim: replicated)
+
+
+def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
+                  device: str = "cpu") -> TPDecoderForCausalLM:
+    """Rank `group.rank`'s share of a llama-family checkpoint, read through the usual
+    loader (every tensor is read and sliced: a real deployment reads only its shard)."""
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path  # noqa
+    from kvstrata.runner.models import loader
+
+    source = resolve_model_path(model_path)
+    config = load_hf_config(source)
+    _, spec = loader.arch_spec(config)
+    if spec.family == "deepseek_v32":
+        raise NotImplementedError("not implemented yet: tensor parallelism for "
+                                  "DeepseekV32ForCausalLM (MLA)")
+    dev = torch.device(device)
+    model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
+                                 group)
+    return loader.fill_weights(model, source, config, spec)
+
+
+__all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "load_tp_model"]

@@ -1,0 +1,106 @@
+"""Tensor-parallel layers (runner/parallel/tensor_parallel.py) against the one-rank model:
+2 and 4 real processes over gloo on 127.0.0.1, llama (tied head, GQA 4:2 -- at tp 4 each KV
+head is replicated on two ranks) and qwen2 (q/k/v bias, untied head). Every rank's logits
+equal the one-rank model's up to float summation order, and greedy decoding (a no-cache
+forward per token) gives the same tokens on every rank as on one."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+import pytest
+import torch
+
+STEPS = 6
+PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120, 3]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _greedy(model, heads: int, kv_heads: int, head_dim: int):
+    """(first-step logits, STEPS greedy tokens) by no-cache forwards."""
+    from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+    from kvstrata.runner.forward_batch import ForwardBatch
+
+    model.attn_backend = TorchNativeAttnBackend(None, None, heads, kv_heads, head_dim)
+    ids, first = list(PROMPT), None
+    for _ in range(STEPS):
+        fb = ForwardBatch.build([ids], [0], [0], torch.device("cpu"))
+        fb.logits_idx = torch.tensor([len(ids) - 1])
+        logits = model(fb)
+        first = logits if first is None else first
+        ids.append(int(logits.argmax(-1)))
+    return first, ids[len(PROMPT):]
+
+
+def _rank(rank: int, size: int, port: int, path: str, out) -> None:
+    import torch.distributed as dist
+
+    from kvstrata.runner.parallel.tensor_parallel import TPGroup, load_tp_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    try:
+        model = load_tp_model(path, TPGroup(rank, size))
+        d = model.dims
+        logits, tokens = _greedy(model, d.num_heads, d.num_kv_heads, d.head_dim)
+        out.put((rank, logits, tokens, model.shard.kv_heads))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(path: str, size: int) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, size, port, path, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in range(size))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return results
+
+
+@pytest.mark.parametrize("arch,size", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_tp_ranks_equal_one_rank(tiny_checkpoints, arch, size):
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    path = tiny_checkpoints[arch]
+    source = resolve_model_path(path)
+    ref = load_model(source, load_hf_config(source), "float32")
+    d = ref.dims
+    ref_logits, ref_tokens = _greedy(ref, d.num_heads, d.num_kv_heads, d.head_dim)
+    results = run_ranks(path, size)
+    kv_heads = [kv for *_, kv in results]
+    if size > d.num_kv_heads:  # replicated: two ranks per KV head
+        assert kv_heads == [(r * d.num_kv_heads // size,) * 1 + (r * d.num_kv_heads // size
+                                                                  + 1,) for r in range(size)]
+    for rank, logits, tokens, _ in results:
+        assert logits.shape == ref_logits.shape
+        torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+        assert tokens == ref_tokens, rank
+
+
+def test_tp_sizes_that_do_not_divide_are_refused_by_name():
+    from kvstrata.runner.models.decoder import ModelDims
+    from kvstrata.runner.parallel.tensor_parallel import TPShard
+
+    d = ModelDims(hidden_size=64, intermediate_size=88, num_layers=1, num_heads=4,
+                  num_kv_heads=2, head_dim=16, vocab_size=301, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, attention_bias=False, mlp_bias=False)
+    with pytest.raises(ValueError, match="--tp-size 3 must divide num_attention_heads 4"):
+        TPShard.plan(d, 0, 3)
+    s = TPShard.plan(d, 3, 4)  # vocab 301 over 4 ranks: 76 rows each, the last has 73
+    assert s.vocab == (228, 301) and s.vocab_rows == 76 and s.kv_heads == (1, 2)
