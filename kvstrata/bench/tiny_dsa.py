@@ -15,12 +15,13 @@ import shutil
 
 
 def tiny_dsa_config(vocab_size: int, index_topk: int, max_position_embeddings: int,
-                    num_hidden_layers: int = 4, bos: int = 1, eos: int = 2):
+                    num_hidden_layers: int = 4, bos: int = 1, eos: int = 2, heads: int = 3):
     import transformers as tf  # noqa: PLC0415 - heavy; bench tooling only
 
     return tf.DeepseekV32Config(
         vocab_size=vocab_size, hidden_size=72, intermediate_size=88, moe_intermediate_size=40,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=3, num_key_value_heads=3,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=heads,
         n_shared_experts=1, n_routed_experts=6, kv_lora_rank=28, q_lora_rank=36,
         qk_rope_head_dim=8, v_head_dim=20, qk_nope_head_dim=12, n_group=2, topk_group=1,
         num_experts_per_tok=2, first_k_dense_replace=2, index_topk=index_topk,

@@ -21,12 +21,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _greedy(model, heads: int, kv_heads: int, head_dim: int):
+def _greedy(model):
     """(first-step logits, STEPS greedy tokens) by no-cache forwards."""
+    from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
     from kvstrata.runner.forward_batch import ForwardBatch
 
-    model.attn_backend = TorchNativeAttnBackend(None, None, heads, kv_heads, head_dim)
+    d = model.dims
+    model.attn_backend = (
+        DSASparseMLABackend(None, None, d.kv_lora_rank, d.index_topk, d.index_head_dim,
+                            model.scaling) if model.pool_kind == "mla" else
+        TorchNativeAttnBackend(None, None, d.num_heads, d.num_kv_heads, d.head_dim))
     ids, first = list(PROMPT), None
     for _ in range(STEPS):
         fb = ForwardBatch.build([ids], [0], [0], torch.device("cpu"))
@@ -40,16 +45,17 @@ def _greedy(model, heads: int, kv_heads: int, head_dim: int):
 def _rank(rank: int, size: int, port: int, path: str, out) -> None:
     import torch.distributed as dist
 
-    from kvstrata.runner.parallel.tensor_parallel import TPGroup, load_tp_model
+    from kvstrata.runner.parallel.tensor_parallel import TPGroup
+    from kvstrata.runner.parallel.tp_load import load_tp_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
     try:
         model = load_tp_model(path, TPGroup(rank, size))
-        d = model.dims
-        logits, tokens = _greedy(model, d.num_heads, d.num_kv_heads, d.head_dim)
-        out.put((rank, logits, tokens, model.shard.kv_heads))
+        logits, tokens = _greedy(model)
+        kv = model.shard.kv_heads if model.pool_kind == "mha" else model.experts
+        out.put((rank, logits, tokens, kv))
     finally:
         dist.destroy_process_group()
 
@@ -81,7 +87,7 @@ def test_tp_ranks_equal_one_rank(tiny_checkpoints, arch, size):
     source = resolve_model_path(path)
     ref = load_model(source, load_hf_config(source), "float32")
     d = ref.dims
-    ref_logits, ref_tokens = _greedy(ref, d.num_heads, d.num_kv_heads, d.head_dim)
+    ref_logits, ref_tokens = _greedy(ref)
     results = run_ranks(path, size)
     kv_heads = [kv for *_, kv in results]
     if size > d.num_kv_heads:  # replicated: two ranks per KV head
@@ -89,6 +95,32 @@ def test_tp_ranks_equal_one_rank(tiny_checkpoints, arch, size):
                                                                   + 1,) for r in range(size)]
     for rank, logits, tokens, _ in results:
         assert logits.shape == ref_logits.shape
+        torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+        assert tokens == ref_tokens, rank
+
+
+@pytest.fixture(scope="module")
+def tiny_dsa_4_heads(tmp_path_factory) -> str:
+    """The tiny DeepseekV32 with 4 attention heads (the usual one has 3: no even split)."""
+    from kvstrata.bench.tiny_dsa import save_tiny_dsa, tiny_dsa_config
+    from tests.conftest import DSA_INDEX_TOPK, TINY_MAX_POS, TINY_VOCAB
+
+    return save_tiny_dsa(tiny_dsa_config(TINY_VOCAB, DSA_INDEX_TOPK, TINY_MAX_POS, heads=4),
+                         str(tmp_path_factory.mktemp("tp_dsa") / "deepseek_v32"))
+
+
+def test_tp_deepseek_v32_ranks_equal_one_rank(tiny_dsa_4_heads):
+    """MLA heads split (latent replicated), the DSA indexer replicated (same top-k on every
+    rank), routed experts split by index (3 per rank), shared experts and the dense MLPs
+    split by width: logits and greedy tokens equal the one-rank model's."""
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    source = resolve_model_path(tiny_dsa_4_heads)
+    ref_logits, ref_tokens = _greedy(load_model(source, load_hf_config(source), "float32"))
+    results = run_ranks(tiny_dsa_4_heads, 2)
+    assert [experts for *_, experts in results] == [(0, 3), (3, 6)]
+    for rank, logits, tokens, _ in results:
         torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
         assert tokens == ref_tokens, rank
 

@@ -52,7 +52,7 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 class DeepseekV32Layer(nn.Module):
     def __init__(self, d: DeepseekDims, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, **moe_kw):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         h, nh = d.hidden_size, d.num_heads
@@ -75,7 +75,7 @@ class DeepseekV32Layer(nn.Module):
         self.index_k_norm_bias = _param(d.index_head_dim, **kw)
         # Kept in float32 whatever the model dtype (the reference's _keep_in_fp32_modules).
         self.index_weights_proj = _param(d.index_n_heads, h, dtype=torch.float32, device=device)
-        self.mlp = (MoE(d, dtype, device) if d.mlp_layer_types[layer_idx] == "sparse"
+        self.mlp = (MoE(d, dtype, device, **moe_kw) if d.mlp_layer_types[layer_idx] == "sparse"
                     else DenseMLP(h, d.intermediate_size, dtype, device))
 
     def absorbed(self, d: DeepseekDims) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,16 +88,17 @@ class DeepseekV32ForCausalLM(nn.Module):
     pool_kind = "mla"
 
     def __init__(self, config: Any, raw_config: dict | None, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, dims: DeepseekDims | None = None, **moe_kw):
+        """`dims` / `moe_kw`: a tensor-parallel rank's shapes (runner/parallel/)."""
         super().__init__()
         if raw_config is not None:
             check_config(raw_config)
         self.config = config
-        self.dims = d = DeepseekDims.from_config(config)
+        self.dims = d = dims or DeepseekDims.from_config(config)
         self.dtype, self.device = dtype, device
         kw = dict(dtype=dtype, device=device)
         self.embed = _param(d.vocab_size, d.hidden_size, **kw)
-        self.layers = nn.ModuleList(DeepseekV32Layer(d, i, dtype, device)
+        self.layers = nn.ModuleList(DeepseekV32Layer(d, i, dtype, device, **moe_kw)
                                     for i in range(d.num_layers))
         self.final_norm = _param(d.hidden_size, **kw)
         self.lm_head = self.embed if d.tie_word_embeddings else _param(
@@ -126,7 +127,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         d = self.dims
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rope_cos_sin(fb)
-        x = F.embedding(fb.input_ids, self.embed)
+        x = self.embed_tokens(fb.input_ids)
         for i, layer in enumerate(self.layers):
             x = self.layer_forward(layer, i, x, cos, sin, fb, self.attn_backend)
         if self.capture_hidden:
@@ -138,7 +139,17 @@ class DeepseekV32ForCausalLM(nn.Module):
             if fb.logits_idx is not None:
                 x = x.index_select(0, fb.logits_idx)
             x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+        return self.output_logits(x)
+
+    # A tensor-parallel rank (runner/parallel/) overrides these, as on the llama decoder.
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.lm_head).float()
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
 
     def rope_cos_sin(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary.plain_cos_sin(fb.positions)
@@ -166,8 +177,8 @@ class DeepseekV32ForCausalLM(nn.Module):
         index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
         out_latent = backend.forward(pool_layer, q_full, latent, index_q, index_k, index_w, fb)
         attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
-        x = x + F.linear(attn, layer.o_proj, layer.o_bias)
-        return x + layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps))
+        x = x + self.reduce(F.linear(attn, layer.o_proj, layer.o_bias))
+        return x + self.reduce(layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps)))
 
     def _indexer(self, layer: DeepseekV32Layer, h: torch.Tensor, q_resid: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor

@@ -44,8 +44,9 @@ def layer_targets(pre: str, layer: Any) -> dict[str, tuple[torch.Tensor, int | N
     if hasattr(mlp, "router"):
         targets[pre + "mlp.gate.weight"] = (mlp.router, None, None)
         targets[pre + "mlp.gate.e_score_correction_bias"] = (mlp.score_bias, None, None)
-        for e in range(mlp.gate_up.shape[0]):
-            targets.update(_swiglu(f"{pre}mlp.experts.{e}", mlp, e))
+        lo, hi = mlp.experts  # checkpoint names use global expert ids
+        for e in range(lo, hi):
+            targets.update(_swiglu(f"{pre}mlp.experts.{e}", mlp, e - lo))
         targets.update(_swiglu(pre + "mlp.shared_experts", mlp.shared))
     else:
         targets.update(_swiglu(pre + "mlp", mlp))

@@ -37,16 +37,22 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, d: Any, dtype: torch.dtype, device: torch.device):
+    def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
+                 experts: tuple[int, int] | None = None, shared_parts: int = 1):
+        """`experts`: the routed experts this module holds ([lo, hi), all by default: a
+        tensor-parallel rank holds a slice and routes over all of them); `shared_parts`: the
+        shared experts' width is split that many ways (a rank's share)."""
         super().__init__()
         self.d = d
         e, h, i = d.n_routed_experts, d.hidden_size, d.moe_intermediate_size
+        self.experts = experts or (0, e)
+        local = self.experts[1] - self.experts[0]
         # Router weights and bias stay float32 (the reference keeps them so).
         self.router = _param(e, h, dtype=torch.float32, device=device)
         self.score_bias = _param(e, dtype=torch.float32, device=device)
-        self.gate_up = _param(e, 2 * i, h, dtype=dtype, device=device)
-        self.down = _param(e, h, i, dtype=dtype, device=device)
-        self.shared = DenseMLP(h, i * d.n_shared_experts, dtype, device)
+        self.gate_up = _param(local, 2 * i, h, dtype=dtype, device=device)
+        self.down = _param(local, h, i, dtype=dtype, device=device)
+        self.shared = DenseMLP(h, i * d.n_shared_experts // shared_parts, dtype, device)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k] float32)."""
@@ -75,15 +81,17 @@ class MoE(nn.Module):
         # as the reference's per-expert accumulation, whichever order).
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.d.n_routed_experts).tolist()
         xs = x.index_select(0, order // k)
-        ys = torch.empty_like(xs)
+        ys = torch.zeros_like(xs) if self.experts[1] - self.experts[0] < len(counts) \
+            else torch.empty_like(xs)  # another rank's experts contribute zeros here
         start = 0
+        lo, hi = self.experts
         for e, n in enumerate(counts):
-            if n:
-                gate, up = F.linear(xs[start:start + n], self.gate_up[e]).chunk(2, dim=-1)
-                ys[start:start + n] = F.linear(F.silu(gate) * up, self.down[e])
-                start += n
+            if n and lo <= e < hi:
+                gate, up = F.linear(xs[start:start + n], self.gate_up[e - lo]).chunk(2, dim=-1)
+                ys[start:start + n] = F.linear(F.silu(gate) * up, self.down[e - lo])
+            start += n
         ys = ys * weights.reshape(-1)[order, None]
         per_pair = torch.empty_like(ys).index_copy_(0, order, ys.to(x.dtype))
         return per_pair.view(t, k, -1).sum(dim=1) + self.shared(x)

@@ -50,6 +50,28 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
+def vocab_rows(vocab_size: int, rank: int, size: int) -> tuple[tuple[int, int], int]:
+    """The [lo, hi) vocabulary rows a rank holds, and its table's row count (ceil(V / tp))."""
+    rows = -(-vocab_size // size)
+    return (min(rank * rows, vocab_size), min((rank + 1) * rows, vocab_size)), rows
+
+
+def vocab_parallel_embed(group: TPGroup, ids: torch.Tensor, table: torch.Tensor,
+                         lo: int, hi: int) -> torch.Tensor:
+    """Rows lo..hi-1 of the embedding are `table`'s: other ids look up zeros here, and the
+    all-reduce adds the one rank that holds each row."""
+    mine = (ids >= lo) & (ids < hi)
+    x = F.embedding(torch.where(mine, ids - lo, 0), table)
+    return group.all_reduce(x * mine[:, None].to(x.dtype))
+
+
+def vocab_rows_slice(t: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tensor:
+    """A checkpoint's [V, H] embedding / head: this rank's rows, zero-padded to `rows`."""
+    mine = t[lo:hi]
+    pad = rows - mine.shape[0]
+    return F.pad(mine, (0, 0, 0, pad)) if pad else mine
+
+
 @dataclass(frozen=True)
 class TPShard:
     """Which slice of each dimension rank `rank` of `size` holds ([lo, hi) ranges)."""
@@ -79,8 +101,7 @@ class TPShard:
                 raise ValueError(f"num_key_value_heads {nkv} must divide --tp-size {size}")
             head = rank * nkv // size
             kv = (head, head + 1)
-        rows = -(-d.vocab_size // size)
-        vocab = (min(rank * rows, d.vocab_size), min((rank + 1) * rows, d.vocab_size))
+        vocab, rows = vocab_rows(d.vocab_size, rank, size)
         m = d.intermediate_size // size
         return cls(rank, size, (rank * q, (rank + 1) * q), kv, (rank * m, (rank + 1) * m),
                    vocab, rows)
@@ -105,10 +126,7 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
 
     # ---- forward: the vocab-parallel ends and the row-parallel sums
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        lo, hi = self.shard.vocab
-        mine = (ids >= lo) & (ids < hi)
-        x = F.embedding(torch.where(mine, ids - lo, 0), self.embed)
-        return self.group.all_reduce(x * mine[:, None].to(x.dtype))
+        return vocab_parallel_embed(self.group, ids, self.embed, *self.shard.vocab)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         local = self.linear(x, self.lm_head).float()
@@ -124,9 +142,7 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
     def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
         s, hd = self.shard, self.full_dims.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            rows = t[s.vocab[0]:s.vocab[1]]
-            pad = s.vocab_rows - rows.shape[0]
-            return F.pad(rows, (0, 0, 0, pad)) if pad else rows
+            return vocab_rows_slice(t, *s.vocab, s.vocab_rows)
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"]:
             return t
@@ -145,23 +161,5 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
         return t  # norms (q_norm / k_norm are per head_dim: replicated)
 
 
-def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
-                  device: str = "cpu") -> TPDecoderForCausalLM:
-    """Rank `group.rank`'s share of a llama-family checkpoint, read through the usual
-    loader (every tensor is read and sliced: a real deployment reads only its shard)."""
-    from kvstrata.config.model_source import load_hf_config, resolve_model_path  # noqa
-    from kvstrata.runner.models import loader
-
-    source = resolve_model_path(model_path)
-    config = load_hf_config(source)
-    _, spec = loader.arch_spec(config)
-    if spec.family == "deepseek_v32":
-        raise NotImplementedError("not implemented yet: tensor parallelism for "
-                                  "DeepseekV32ForCausalLM (MLA)")
-    dev = torch.device(device)
-    model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
-                                 group)
-    return loader.fill_weights(model, source, config, spec)
-
-
-__all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "load_tp_model"]
+__all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "vocab_parallel_embed",
+           "vocab_rows", "vocab_rows_slice"]

@@ -1,0 +1,31 @@
+"""One rank's share of a checkpoint (runner/parallel/tensor_parallel.py: the llama family;
+tp_deepseek.py: DeepseekV32)."""
+from __future__ import annotations
+
+import torch
+
+from kvstrata.config.model_source import load_hf_config, resolve_model_path
+from kvstrata.runner.models import loader
+from kvstrata.runner.parallel.tensor_parallel import TPDecoderForCausalLM, TPGroup
+from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
+
+
+def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
+                  device: str = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
+    """Rank `group.rank`'s share of a checkpoint, read through the usual loader (every
+    tensor is read, then sliced: reading only the rank's shard is still to do)."""
+
+    source = resolve_model_path(model_path)
+    config = load_hf_config(source)
+    _, spec = loader.arch_spec(config)
+    dev = torch.device(device)
+    if spec.family == "deepseek_v32":
+        model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
+                                    dev, group)
+        return loader.fill_weights(model, source, config, spec)
+    model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
+                                 group)
+    return loader.fill_weights(model, source, config, spec)
+
+
+__all__ = ["load_tp_model"]
