@@ -55,7 +55,9 @@ def _rank(rank: int, size: int, port: int, path: str, out) -> None:
         model = load_tp_model(path, TPGroup(rank, size))
         logits, tokens = _greedy(model)
         kv = model.shard.kv_heads if model.pool_kind == "mha" else model.experts
-        out.put((rank, logits, tokens, kv))
+        # Plain lists: a torch tensor in a Queue is shared through a file descriptor that
+        # dies with this process, which may exit before the parent reads it.
+        out.put((rank, logits.tolist(), tokens, kv))
     finally:
         dist.destroy_process_group()
 
@@ -69,6 +71,7 @@ def run_ranks(path: str, size: int) -> list:
         p.start()
     try:
         results = sorted(out.get(timeout=120) for _ in range(size))
+        results = [(r, torch.tensor(logits), tokens, kv) for r, logits, tokens, kv in results]
     finally:
         for p in procs:
             p.join(30)
@@ -136,3 +139,28 @@ def test_tp_sizes_that_do_not_divide_are_refused_by_name():
         TPShard.plan(d, 0, 3)
     s = TPShard.plan(d, 3, 4)  # vocab 301 over 4 ranks: 76 rows each, the last has 73
     assert s.vocab == (228, 301) and s.vocab_rows == 76 and s.kv_heads == (1, 2)
+
+
+def test_a_rank_reads_only_its_share(tiny_dsa_4_heads):
+    """The loader asks the rank what to read (`read_spec`): another rank's experts are never
+    read, column- and row-parallel tensors come out of the file already sliced."""
+    import torch as _torch
+
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import iter_checkpoint
+    from kvstrata.runner.parallel.tensor_parallel import TPGroup
+    from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
+
+    source = resolve_model_path(tiny_dsa_4_heads)
+    config = load_hf_config(source)
+    model = TPDeepseekV32.build(source, config, _torch.float32, _torch.device("cpu"),
+                                TPGroup(1, 2))  # no collective runs: construction only
+    read = dict(iter_checkpoint(source, config, read_spec=model.read_spec))
+    full = dict(iter_checkpoint(source, config))
+    experts = {int(n.split(".")[5]) for n in read if ".mlp.experts." in n}
+    assert experts == {3, 4, 5}
+    q_b = "model.layers.0.self_attn.q_b_proj.weight"
+    assert read[q_b].shape[0] * 2 == full[q_b].shape[0]
+    assert _torch.equal(read[q_b], full[q_b][full[q_b].shape[0] // 2:])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert _torch.equal(read[o], full[o][:, full[o].shape[1] // 2:])

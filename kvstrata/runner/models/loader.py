@@ -49,7 +49,29 @@ def resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -
     return torch.bfloat16
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+# What a model reads of one tensor (`read_spec(name)`, tensor-parallel ranks): None = skip it,
+# "all", or ("rows" | "cols", lo, hi) = a slice of its first or second dimension.
+ReadSpec = Any
+
+
+def apply_read_spec(t: torch.Tensor, spec: ReadSpec) -> torch.Tensor:
+    """The same slice taken of a tensor already in memory (GGUF, .bin)."""
+    if spec == "all":
+        return t
+    kind, lo, hi = spec
+    return t[lo:hi] if kind == "rows" else t[:, lo:hi]
+
+
+def _read(h, key: str, spec: ReadSpec) -> torch.Tensor:
+    """Read only the slice from the safetensors file (lazy: the rest is never touched)."""
+    if spec == "all":
+        return h.get_tensor(key)
+    kind, lo, hi = spec
+    sl = h.get_slice(key)
+    return sl[lo:hi] if kind == "rows" else sl[:, lo:hi]
+
+
+def _iter_safetensors(path: str, read_spec=None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -67,21 +89,28 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         h = safe_open(os.path.join(path, file), framework="pt")
         names.extend((h, k) for k in h.keys())
     for h, k in tqdm(names, desc="Loading safetensors", unit="tensor", leave=False):
-        yield k, h.get_tensor(k)
+        spec = "all" if read_spec is None else read_spec(k)
+        if spec is not None:
+            yield k, _read(h, k, spec)
 
 
-def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
+                    read_spec=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight: GGUF, safetensors, or (EAGLE heads are often
-    published so) a single pytorch_model.bin, read with weights_only."""
+    published so) a single pytorch_model.bin, read with weights_only. `read_spec(name)`: only
+    that part of each tensor (safetensors reads nothing else; the others slice in memory)."""
     if source.kind == "gguf":
-        return _iter_gguf(source.gguf_path, config, permute_qk)
-    bin_path = os.path.join(source.path, "pytorch_model.bin")
-    if os.path.isfile(bin_path) and not any(f.endswith(".safetensors")
-                                            for f in os.listdir(source.path)):
-        return iter(torch.load(bin_path, map_location="cpu", weights_only=True,
-                               mmap=True).items())
-    return _iter_safetensors(source.path)
+        it = _iter_gguf(source.gguf_path, config, permute_qk)
+    else:
+        bin_path = os.path.join(source.path, "pytorch_model.bin")
+        if not (os.path.isfile(bin_path) and not any(f.endswith(".safetensors")
+                                                      for f in os.listdir(source.path))):
+            return _iter_safetensors(source.path, read_spec)
+        it = iter(torch.load(bin_path, map_location="cpu", weights_only=True,
+                             mmap=True).items())
+    if read_spec is None:
+        return it
+    return ((k, apply_read_spec(t, read_spec(k))) for k, t in it if read_spec(k) is not None)
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -173,7 +202,8 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
 def fill_weights(model, source: ModelSource, config: Any, spec: Any):
     """Every checkpoint tensor into `model` (its load_weight maps, fuses or slices), then the
     "every expected weight exactly once" check."""
-    weights = iter_checkpoint(source, config, spec.gguf_permute_qk)
+    weights = iter_checkpoint(source, config, spec.gguf_permute_qk,
+                              getattr(model, "read_spec", None))
     loaded: list[str] = []
     for name, tensor in weights:
         try:

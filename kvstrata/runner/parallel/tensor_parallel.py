@@ -65,11 +65,11 @@ def vocab_parallel_embed(group: TPGroup, ids: torch.Tensor, table: torch.Tensor,
     return group.all_reduce(x * mine[:, None].to(x.dtype))
 
 
-def vocab_rows_slice(t: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tensor:
-    """A checkpoint's [V, H] embedding / head: this rank's rows, zero-padded to `rows`."""
-    mine = t[lo:hi]
-    pad = rows - mine.shape[0]
-    return F.pad(mine, (0, 0, 0, pad)) if pad else mine
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """This rank's rows of an embedding / head, zero-padded to the table's `rows` (the last
+    rank's share of a vocabulary that tp does not divide)."""
+    pad = rows - t.shape[0]
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 @dataclass(frozen=True)
@@ -135,31 +135,32 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(partial)
 
-    # ---- loading: slice each tensor to this rank
-    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
-        return super().load_weight(name, self._slice(name, tensor))
-
-    def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    # ---- loading: read only this rank's part of each tensor (runner/models/loader.py)
+    def read_spec(self, name: str):
         s, hd = self.shard, self.full_dims.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return vocab_rows_slice(t, *s.vocab, s.vocab_rows)
+            return ("rows", *s.vocab)
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"]:
-            return t
+            return "all"
         proj, kind = parts[4], parts[-1]
         heads = {"q_proj": s.q_heads, "k_proj": s.kv_heads, "v_proj": s.kv_heads}
         if proj in heads:  # column-parallel: this rank's heads' rows (weight and bias)
-            lo, hi = heads[proj]
-            return t[lo * hd:hi * hd]
+            return ("rows", heads[proj][0] * hd, heads[proj][1] * hd)
         if proj in ("gate_proj", "up_proj"):
-            return t[s.mlp[0]:s.mlp[1]]
-        if proj in ("o_proj", "down_proj"):  # row-parallel: input columns; bias once
-            if kind == "bias":
-                return t if s.rank == 0 else torch.zeros_like(t)
-            lo, hi = ((s.q_heads[0] * hd, s.q_heads[1] * hd) if proj == "o_proj" else s.mlp)
-            return t[:, lo:hi]
-        return t  # norms (q_norm / k_norm are per head_dim: replicated)
+            return ("rows", *s.mlp)
+        if proj in ("o_proj", "down_proj") and kind == "weight":  # row-parallel: columns
+            return ("cols", *((s.q_heads[0] * hd, s.q_heads[1] * hd) if proj == "o_proj"
+                              else s.mlp))
+        return "all"  # norms (q_norm / k_norm are per head_dim), row-parallel biases
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = pad_rows(tensor, self.shard.vocab_rows)
+        elif name.endswith(("o_proj.bias", "down_proj.bias")) and self.shard.rank:
+            tensor = torch.zeros_like(tensor)  # a row-parallel bias is added once
+        return super().load_weight(name, tensor)
 
 
 __all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "vocab_parallel_embed",
-           "vocab_rows", "vocab_rows_slice"]
+           "vocab_rows", "pad_rows"]

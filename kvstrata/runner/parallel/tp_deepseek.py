@@ -24,8 +24,8 @@ import torch
 
 from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
 from kvstrata.runner.models.deepseek_v32_config import DeepseekDims
-from kvstrata.runner.parallel.tensor_parallel import (TPGroup, vocab_parallel_embed,
-                                                      vocab_rows, vocab_rows_slice)
+from kvstrata.runner.parallel.tensor_parallel import (TPGroup, pad_rows, vocab_parallel_embed,
+                                                      vocab_rows)
 
 
 def _split(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -70,38 +70,38 @@ class TPDeepseekV32(DeepseekV32ForCausalLM):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(partial)
 
-    # ---- loading
-    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
-        parts = name.split(".")
-        if len(parts) > 5 and parts[3:5] == ["mlp", "experts"] and parts[5].isdigit():
-            if not self.experts[0] <= int(parts[5]) < self.experts[1]:
-                return []  # another rank's expert
-        return super().load_weight(name, self._slice(name, tensor))
-
-    def _slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    # ---- loading: read only this rank's part of each tensor (runner/models/loader.py)
+    def read_spec(self, name: str):
         d = self.full_dims
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return vocab_rows_slice(t, *self.vocab, self.vocab_rows)
-        lo, hi = self.heads
-        per_head = {"q_b_proj": d.qk_head_dim, "kv_b_proj": d.qk_nope_head_dim + d.v_head_dim}
+            return ("rows", *self.vocab)
         parts = name.split(".")
         if len(parts) < 6 or parts[:2] != ["model", "layers"] or \
                 int(parts[2]) >= d.num_layers:
-            return t
+            return "all"  # norms, and MTP layers (not the causal LM's)
+        if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit():
+            return "all" if self.experts[0] <= int(parts[5]) < self.experts[1] else None
+        lo, hi = self.heads
+        per_head = {"q_b_proj": d.qk_head_dim, "kv_b_proj": d.qk_nope_head_dim + d.v_head_dim}
         proj, kind = parts[-2], parts[-1]
         if parts[3] == "self_attn" and proj in per_head:  # column-parallel: heads' rows
-            return t[lo * per_head[proj]:hi * per_head[proj]]
-        if parts[3] == "self_attn" and proj == "o_proj":  # row-parallel: heads' columns
-            if kind == "bias":
-                return t if self.group.rank == 0 else torch.zeros_like(t)
-            return t[:, lo * d.v_head_dim:hi * d.v_head_dim]
+            return ("rows", lo * per_head[proj], hi * per_head[proj])
+        if parts[3] == "self_attn" and proj == "o_proj" and kind == "weight":
+            return ("cols", lo * d.v_head_dim, hi * d.v_head_dim)
         if parts[3] == "mlp" and (len(parts) == 6 or parts[4] == "shared_experts"):
             cols = self.shared_cols if parts[4] == "shared_experts" else self.mlp_cols
             if proj in ("gate_proj", "up_proj"):
-                return t[cols[0]:cols[1]]
+                return ("rows", *cols)
             if proj == "down_proj":
-                return t[:, cols[0]:cols[1]]
-        return t  # latent projections, norms, indexer, router, local experts: as stored
+                return ("cols", *cols)
+        return "all"  # latent projections, norms, indexer, router, o_proj bias
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            tensor = pad_rows(tensor, self.vocab_rows)
+        elif name.endswith("o_proj.bias") and self.group.rank:
+            tensor = torch.zeros_like(tensor)  # a row-parallel bias is added once
+        return super().load_weight(name, tensor)
 
 
 __all__ = ["TPDeepseekV32"]
