@@ -42,7 +42,7 @@ def _greedy(model):
     return first, ids[len(PROMPT):]
 
 
-def _rank(rank: int, size: int, port: int, path: str, out) -> None:
+def _rank(rank: int, size: int, port: int, paths: list[str], out) -> None:
     import torch.distributed as dist
 
     from kvstrata.runner.parallel.tensor_parallel import TPGroup
@@ -52,54 +52,35 @@ def _rank(rank: int, size: int, port: int, path: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
     try:
-        model = load_tp_model(path, TPGroup(rank, size))
-        logits, tokens = _greedy(model)
-        kv = model.shard.kv_heads if model.pool_kind == "mha" else model.experts
-        # Plain lists: a torch tensor in a Queue is shared through a file descriptor that
-        # dies with this process, which may exit before the parent reads it.
-        out.put((rank, logits.tolist(), tokens, kv))
+        for path in paths:  # one group for every model: a process start is the slow part
+            model = load_tp_model(path, TPGroup(rank, size))
+            logits, tokens = _greedy(model)
+            kv = model.shard.kv_heads if model.pool_kind == "mha" else model.experts
+            # Plain lists: a torch tensor in a Queue is shared through a file descriptor
+            # that dies with this process, which may exit before the parent reads it.
+            out.put((path, rank, logits.tolist(), tokens, kv))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(path: str, size: int) -> list:
+def run_ranks(paths: list[str], size: int) -> dict[str, list]:
+    """path -> [(rank, logits, tokens, KV heads or experts held)] from `size` processes."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, path, out)) for r in range(size)]
+    procs = [ctx.Process(target=_rank, args=(r, size, port, paths, out)) for r in range(size)]
     for p in procs:
         p.start()
     try:
-        results = sorted(out.get(timeout=120) for _ in range(size))
-        results = [(r, torch.tensor(logits), tokens, kv) for r, logits, tokens, kv in results]
+        got = [out.get(timeout=180) for _ in range(size * len(paths))]
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return results
-
-
-@pytest.mark.parametrize("arch,size", [("llama", 2), ("llama", 4), ("qwen2", 2)])
-def test_tp_ranks_equal_one_rank(tiny_checkpoints, arch, size):
-    from kvstrata.config.model_source import load_hf_config, resolve_model_path
-    from kvstrata.runner.models.loader import load_model
-
-    path = tiny_checkpoints[arch]
-    source = resolve_model_path(path)
-    ref = load_model(source, load_hf_config(source), "float32")
-    d = ref.dims
-    ref_logits, ref_tokens = _greedy(ref)
-    results = run_ranks(path, size)
-    kv_heads = [kv for *_, kv in results]
-    if size > d.num_kv_heads:  # replicated: two ranks per KV head
-        assert kv_heads == [(r * d.num_kv_heads // size,) * 1 + (r * d.num_kv_heads // size
-                                                                  + 1,) for r in range(size)]
-    for rank, logits, tokens, _ in results:
-        assert logits.shape == ref_logits.shape
-        torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
-        assert tokens == ref_tokens, rank
+    return {path: sorted((r, torch.tensor(lg), tok, kv) for q, r, lg, tok, kv in got
+                         if q == path) for path in paths}
 
 
 @pytest.fixture(scope="module")
@@ -112,16 +93,47 @@ def tiny_dsa_4_heads(tmp_path_factory) -> str:
                          str(tmp_path_factory.mktemp("tp_dsa") / "deepseek_v32"))
 
 
-def test_tp_deepseek_v32_ranks_equal_one_rank(tiny_dsa_4_heads):
-    """MLA heads split (latent replicated), the DSA indexer replicated (same top-k on every
-    rank), routed experts split by index (3 per rank), shared experts and the dense MLPs
-    split by width: logits and greedy tokens equal the one-rank model's."""
+@pytest.fixture(scope="module")
+def ranked(tiny_checkpoints, tiny_dsa_4_heads) -> dict:
+    """(model, tp size) -> every rank's results: one 2-process group for llama, qwen2 and
+    DeepseekV32, one 4-process group for llama."""
+    two = [tiny_checkpoints["llama"], tiny_checkpoints["qwen2"], tiny_dsa_4_heads]
+    out = {(p, 2): r for p, r in run_ranks(two, 2).items()}
+    out[(tiny_checkpoints["llama"], 4)] = run_ranks([tiny_checkpoints["llama"]], 4)[
+        tiny_checkpoints["llama"]]
+    return out
+
+
+def _one_rank(path: str):
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
     from kvstrata.runner.models.loader import load_model
 
-    source = resolve_model_path(tiny_dsa_4_heads)
-    ref_logits, ref_tokens = _greedy(load_model(source, load_hf_config(source), "float32"))
-    results = run_ranks(tiny_dsa_4_heads, 2)
+    source = resolve_model_path(path)
+    model = load_model(source, load_hf_config(source), "float32")
+    return model, *_greedy(model)
+
+
+@pytest.mark.parametrize("arch,size", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_tp_ranks_equal_one_rank(tiny_checkpoints, ranked, arch, size):
+    path = tiny_checkpoints[arch]
+    ref, ref_logits, ref_tokens = _one_rank(path)
+    d = ref.dims
+    results = ranked[(path, size)]
+    if size > d.num_kv_heads:  # replicated: two ranks per KV head
+        assert [kv for *_, kv in results] == [
+            (r * d.num_kv_heads // size, r * d.num_kv_heads // size + 1) for r in range(size)]
+    for rank, logits, tokens, _ in results:
+        assert logits.shape == ref_logits.shape
+        torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+        assert tokens == ref_tokens, rank
+
+
+def test_tp_deepseek_v32_ranks_equal_one_rank(tiny_dsa_4_heads, ranked):
+    """MLA heads split (latent replicated), the DSA indexer replicated (same top-k on every
+    rank), routed experts split by index (3 per rank), shared experts and the dense MLPs
+    split by width: logits and greedy tokens equal the one-rank model's."""
+    _, ref_logits, ref_tokens = _one_rank(tiny_dsa_4_heads)
+    results = ranked[(tiny_dsa_4_heads, 2)]
     assert [experts for *_, experts in results] == [(0, 3), (3, 6)]
     for rank, logits, tokens, _ in results:
         torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
