@@ -35,13 +35,10 @@ class MTPPDServers(PDServers):
                              "--max-total-tokens", "4096", env=PD_ENV, wait=wait, port=port)
 
 
-@pytest.fixture(scope="module", params=[("tcp", 16), ("mooncake", 1)],
-                ids=["tcp-page16", "mooncake-page1"])
-def mtp_pd(request, tiny_dsa_mtp_checkpoint, tiny_model_path):
-    backend, page = request.param
-    backend_available(backend)
-    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, backend,
-                              page)) as servers:
+@pytest.fixture(scope="module")
+def mtp_pd(tiny_dsa_mtp_checkpoint, tiny_model_path):
+    """tcp at page size 16 (mooncake at page size 1: the pressured pair below)."""
+    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, "tcp", 16)) as servers:
         yield servers
 
 
@@ -84,11 +81,13 @@ def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_reference
 
 def test_pd_nextn_under_decode_retraction(tiny_dsa_mtp_checkpoint, tiny_model_path,
                                          tiny_prompts, tiny_dsa_references):
-    """A decode pool far smaller than the batch's KV: requests are retracted with a KV
-    backup and restored (their draft state is not resent: they extend again); every answer
-    equals transformers; both pools drain whole."""
+    """A decode pool far smaller than the batch's KV, over mooncake at page size 1: requests
+    are retracted with a KV backup and restored (their draft state is not resent: they
+    extend again); every answer equals transformers; both pools drain whole; then aborts on
+    both sides."""
+    backend_available("mooncake")
     new = 30
-    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, "tcp", 4,
+    with serving(MTPPDServers(tiny_dsa_mtp_checkpoint, tiny_model_path, "mooncake", 1,
                               "--max-total-tokens", "160", "--num-reserved-decode-tokens",
                               "4")) as pd:
         out: dict = {}
