@@ -111,24 +111,13 @@ class DeepseekMTPHead(nn.Module):
 
 def load_mtp_head(source: Any, config: Any, target: DeepseekV32ForCausalLM) -> DeepseekMTPHead:
     """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
-    from kvstrata.runner.models.loader import iter_checkpoint
+    from kvstrata.runner.models.loader import fill_weights
 
     if getattr(config, "architectures", None) != getattr(target.config, "architectures", None):
         raise ValueError(f"--speculative-algorithm NEXTN: the draft checkpoint "
                          f"{source.display_name} is not a {type(target).__name__}")
     head = DeepseekMTPHead(target, config)
-    loaded: list[str] = []
-    for name, tensor in iter_checkpoint(source, config):
-        try:
-            loaded.extend(head.load_weight(name, tensor))
-        except KeyError:
-            raise ValueError(f"unexpected weight {name!r} in the MTP layer of "
-                             f"{source.display_name}") from None
-    missing = head.expected_keys() - set(loaded)
-    if missing:
-        raise ValueError(f"MTP layer of {source.display_name}: missing weights "
-                         f"{sorted(missing)[:8]}")
-    return head.eval()
-
+    # (load_weight returns [] for the target's own tensors: they are not the draft's)
+    return fill_weights(head, source, config, what="MTP layer of ")
 
 __all__ = ["DeepseekMTPHead", "load_mtp_head", "mtp_layer_type"]

@@ -134,7 +134,7 @@ def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM, algori
     """The EAGLE (EagleHead) or EAGLE3 (Eagle3Head) head of `source`, checked against the
     algorithm asked for."""
     from kvstrata.runner.models.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Head
-    from kvstrata.runner.models.loader import iter_checkpoint
+    from kvstrata.runner.models.loader import fill_weights
 
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     want = EAGLE3_ARCHITECTURES if algorithm == "EAGLE3" else EAGLE_ARCHITECTURES
@@ -144,22 +144,6 @@ def load_eagle_head(source: Any, config: Any, target: DecoderForCausalLM, algori
                          f"{arch}")
     cls = Eagle3Head if algorithm == "EAGLE3" else EagleHead
     head = cls(config, target, target.dtype, target.device)
-    loaded: list[str] = []
-    for name, tensor in iter_checkpoint(source, config):
-        try:
-            loaded.extend(head.load_weight(name, tensor))
-        except KeyError as e:
-            raise ValueError(f"unexpected weight {name!r} in EAGLE head "
-                             f"{source.display_name}: {e}") from None
-    missing = head.expected_keys() - set(loaded)
-    if missing:
-        raise ValueError(f"EAGLE head {source.display_name}: missing weights "
-                         f"{sorted(missing)[:8]}")
-    if len(loaded) != len(set(loaded)):
-        raise ValueError(f"EAGLE head {source.display_name}: some weights appear more "
-                         f"than once")
-    head.finish_load(loaded)
-    return head.eval()
-
+    return fill_weights(head, source, config, what="EAGLE head ")
 
 __all__ = ["EagleHead", "load_eagle_head"]

@@ -196,20 +196,23 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
-    return fill_weights(model, source, config, spec)
+    return fill_weights(model, source, config, spec.gguf_permute_qk)
 
 
-def fill_weights(model, source: ModelSource, config: Any, spec: Any):
-    """Every checkpoint tensor into `model` (its load_weight maps, fuses or slices), then the
-    "every expected weight exactly once" check."""
-    weights = iter_checkpoint(source, config, spec.gguf_permute_qk,
-                              getattr(model, "read_spec", None))
+def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = False,
+                 what: str = ""):
+    """Every checkpoint tensor into `model` (its load_weight maps, fuses, slices, or returns []
+    for what is not its own: a draft head's share of a checkpoint), then the "every expected
+    weight exactly once" check, then the model's `finish_load(loaded)` if it has one.
+    `what` names the model in errors ("EAGLE head ", "MTP layer of ")."""
+    weights = iter_checkpoint(source, config, permute_qk, getattr(model, "read_spec", None))
+    where = f"{what}{source.display_name}"
     loaded: list[str] = []
     for name, tensor in weights:
         try:
             loaded.extend(model.load_weight(name, tensor))
         except KeyError as e:
-            raise ValueError(f"unexpected weight {name!r} in {source.display_name}: {e}") from None
+            raise ValueError(f"unexpected weight {name!r} in {where}: {e}") from None
     expected = model.expected_keys()
     missing = expected - set(loaded)
     if source.kind == "gguf" and missing == {"lm_head"}:
@@ -218,7 +221,9 @@ def fill_weights(model, source: ModelSource, config: Any, spec: Any):
         model.lm_head = model.embed
         missing = set()
     if missing:
-        raise ValueError(f"{source.display_name}: missing weights {sorted(missing)[:8]}")
+        raise ValueError(f"{where}: missing weights {sorted(missing)[:8]}")
     if len(loaded) != len(set(loaded)):
-        raise ValueError(f"{source.display_name}: some weights appear more than once")
+        raise ValueError(f"{where}: some weights appear more than once")
+    if hasattr(model, "finish_load"):
+        model.finish_load(loaded)
     return model.eval()

@@ -22,10 +22,10 @@ def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
     if spec.family == "deepseek_v32":
         model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
                                     dev, group)
-        return loader.fill_weights(model, source, config, spec)
+        return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
     model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
                                  group)
-    return loader.fill_weights(model, source, config, spec)
+    return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
 
 
 __all__ = ["load_tp_model"]
