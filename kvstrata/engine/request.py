@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.protocol import FinishReason, SamplingParams
-from kvstrata.protocol.disagg import BootstrapAddr
+from kvstrata.protocol.disagg import BootstrapAddr, SpecHandoff
 from kvstrata.protocol.engine_request import EngineRequest  # noqa: F401  (what clients submit)
 
 
@@ -40,7 +40,7 @@ class Request:
     # runner (which remaps it to local slots); None without one.
     dsa_seed_positions: list[int] | None = None
     # PD decode, EAGLE-family draft: the prefill's draft state for the first draft round.
-    spec_handoff: Any = None
+    spec_handoff: SpecHandoff | None = None
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
 
