@@ -116,6 +116,10 @@ KVSTRATA_CPU_ISA = _declare(
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "
     "has, read at run time), avx512, avx2 or scalar. For tests and ablations; a cap above "
     "what the CPU has still runs what it has.")
+KVSTRATA_TP_HEARTBEAT_TIMEOUT = _declare(
+    "KVSTRATA_TP_HEARTBEAT_TIMEOUT", float, 20.0,
+    "Seconds a tensor-parallel rank may go without a heartbeat from its peers before it "
+    "counts them lost (rank 0: the server exits non-zero; another rank: it exits).")
 KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 linear layers on the CPU run on weights prepacked for oneDNN "

@@ -160,6 +160,16 @@ def tiny_dsa_mtp_checkpoint(tiny_dsa_checkpoint, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_dsa_4_heads(tmp_path_factory) -> str:
+    """The tiny DeepseekV32 with 4 attention heads (the usual one has 3: no even split over
+    tensor-parallel ranks)."""
+    from kvstrata.bench.tiny_dsa import save_tiny_dsa, tiny_dsa_config
+
+    return save_tiny_dsa(tiny_dsa_config(TINY_VOCAB, DSA_INDEX_TOPK, TINY_MAX_POS, heads=4),
+                         str(tmp_path_factory.mktemp("tp_dsa") / "deepseek_v32"))
+
+
+@pytest.fixture(scope="session")
 def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts) -> list:
     return hf_greedy_references(tiny_dsa_checkpoint, tiny_prompts)
 

@@ -35,6 +35,8 @@ def parse_extra_config(value: str | None) -> dict:
 # uniform: "--page-size must be >= 1, got 0".
 _RANGES: dict[str, tuple] = {
     "page_size": (lambda v: v >= 1, ">= 1"),
+    "nnodes": (lambda v: v >= 1, ">= 1"),
+    "node_rank": (lambda v: v >= 0, ">= 0"),
     "port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
     "disaggregation_bootstrap_port": (lambda v: 1 <= v <= 65535, "in 1..65535"),
     "max_total_tokens": (lambda v: v >= 1, ">= 1"),
@@ -103,9 +105,24 @@ def validate(args) -> None:
     if args.enable_priority_scheduling and args.schedule_policy not in PRIORITY_POLICIES:
         raise ValueError(f"--enable-priority-scheduling works with --schedule-policy "
                          f"{' or '.join(PRIORITY_POLICIES)}, got {args.schedule_policy!r}")
+    _check_nodes(args)
     extra = args.hicache_storage_backend_extra_config
     if extra and not extra.startswith("@"):
         parse_extra_config(extra)  # fail at construction; @file is read when the backend starts
+
+
+def _check_nodes(args) -> None:
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"--node-rank must be < --nnodes {args.nnodes}, got {args.node_rank}")
+    if args.tp_size % args.nnodes:
+        raise ValueError(f"--nnodes {args.nnodes} must divide --tp-size {args.tp_size}")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+    if args.dist_init_addr is not None:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--dist-init-addr must be host:port, got "
+                             f"{args.dist_init_addr!r}")
 
 
 __all__ = ["flag", "parse_extra_config", "validate"]

@@ -105,7 +105,6 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # decode KV offload (through that tier to L3) are all built.
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
-    "tp_size": lambda v: v > 1,
     "dcp_size": lambda v: v > 1,
     # Weight quantisation: only w8a8_int8 is built.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
@@ -125,6 +124,14 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
+    if args.tp_size > 1:  # the serving path under TP is built for the plain engine only
+        with_tp = [name for name, on in (
+            ("--enable-hierarchical-cache", args.enable_hierarchical_cache),
+            ("--disaggregation-mode", args.disaggregation_mode != "null"),
+            ("--speculative-algorithm", args.speculative_algorithm is not None))
+            if on]
+        if with_tp:
+            return [f"{name} with --tp-size > 1" for name in with_tp]
     decode_hicache = args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
     if (args.disaggregation_mode == "decode" and decode_hicache
             and args.disaggregation_decode_retraction_backup == "host_pool"):

@@ -135,7 +135,16 @@ class ServerArgs:
                                                 "refuses (503) or, with priority scheduling, "
                                                 "evicts its least preferred request.",
                                           group="scheduling")
-    tp_size: int = opt(1, "Tensor parallel size.", group="parallelism")
+    tp_size: int = opt(1, "Tensor parallel size: one process per rank, the model's heads, "
+                          "MLP width and vocabulary split across them.", group="parallelism")
+    nnodes: int = opt(1, "Launchers the --tp-size ranks are spread over (one per machine); "
+                         "each runs `serve` with its --node-rank.", group="parallelism")
+    node_rank: int = opt(0, "This launcher's index among --nnodes (0 runs the HTTP server "
+                            "and the scheduler).", group="parallelism")
+    dist_init_addr: str | None = opt(None, "host:port where the ranks meet "
+                                           "(torch.distributed's store, served by node 0); "
+                                           "needed with --nnodes > 1 (default: a free "
+                                           "127.0.0.1 port).", group="parallelism")
     dcp_size: int = opt(1, "Decode context parallel size (> 1 enables DCP).",
                         group="parallelism")
 

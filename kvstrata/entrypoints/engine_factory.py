@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from kvstrata import envs
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.kv_sizing import host_pool_use, size_kv_plan
 from kvstrata.config.model_source import load_tokenizer
@@ -54,19 +55,33 @@ def refuse_l2_options_without_hicache(args: ServerArgs, retraction_host_pool: bo
             raise ValueError(f"--{name.replace('_', '-')} needs --enable-hierarchical-cache")
 
 
-def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
+def build_runner(server_args: ServerArgs, tp: Any = None
+                 ) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
     """Resolve once (with the model's facts), load the model, size the one KVPlan and
     allocate the runner's KV from it. Returns (runner, resolved args, plan, resolutions):
-    the args include what sizing filled in, the resolutions list every change in order."""
+    the args include what sizing filled in, the resolutions list every change in order.
+    `tp` (a TPPlacement): this process is that tensor-parallel rank; every rank runs this
+    same start-up in step (entrypoints/tp_ranks.py) and the runner's `tp_rank` holds the
+    group and the links to the other ranks."""
     refuse_unimplemented(server_args)
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
         server_args.model_path))
     refuse_l2_options_without_hicache(server_args, host_pool_use(args) == "retraction")
-    if args.random_seed is not None:
-        import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
+    import torch  # noqa: PLC0415 - entrypoints may; seeds sampling, picks the rank's device
 
+    from kvstrata.platform import detected_platform  # noqa: PLC0415
+    device = args.device
+    joined = None
+    if tp is not None:
+        from kvstrata.entrypoints import tp_ranks  # noqa: PLC0415
+        device = torch.device(args.device or detected_platform().device_type)
+        if device.type == "cuda":  # one GPU per local rank
+            device = torch.device("cuda", tp.local_index)
+            torch.cuda.set_device(device)
+        joined = tp_ranks.join(args, tp, device)
+    elif args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 
@@ -76,7 +91,7 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
     drafts = (args.speculative_algorithm in ("EAGLE", "EAGLE3") or (
         args.speculative_algorithm == "STANDALONE" and args.disaggregation_mode != "prefill"))
     draft_quant = args.speculative_draft_model_quantization
-    runner = ModelRunner(args.model_path, dtype=args.dtype, device=args.device,
+    runner = ModelRunner(args.model_path, dtype=args.dtype, device=device,
                          quantization=args.quantization,
                          dsa_fused_topk=args.dsa_fused_topk is not False,
                          dsa_remap_pd_seed=bool(args.dsa_remap_pd_seed_to_local_slots),
@@ -85,7 +100,9 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                          draft_algorithm=args.speculative_algorithm,
                          draft_tree=(args.speculative_eagle_topk or 1,
                                      args.speculative_num_steps or 1),
-                         draft_token_map=args.speculative_token_map)
+                         draft_token_map=args.speculative_token_map,
+                         tp_group=None if joined is None else joined.group)
+    runner.tp_rank = joined
     if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
             (args.speculative_ngram_max_bfs_breadth or 1) > 1
             or args.speculative_ngram_match_type == "PROB"):
@@ -96,15 +113,51 @@ def build_runner(server_args: ServerArgs) -> tuple[Any, ResolvedArgs, KVPlan, li
                                      args.speculative_accept_threshold_acc)
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
+    if joined is not None and budget is not None:
+        from kvstrata.runner.parallel.tp_comm import agree_min  # noqa: PLC0415
+        # Ranks on one CPU share its RAM; every rank takes the smallest rank's budget.
+        budget = agree_min(budget // (tp.per_node if runner.device.type == "cpu" else 1))
     plan, sized = size_kv_plan(args, runner.kv_facts(), budget)
     args = apply(args, sized)
     resolutions = resolutions + sized
-    log_resolutions(resolutions)
+    if joined is not None:
+        tp_ranks.check_same_plan(plan.to_json())
+    if tp is None or tp.rank == 0:
+        log_resolutions(resolutions)
     runner.allocate_kv(plan)
     if args.hicache_storage_backend is not None:
         runner.enable_storage(args.hicache_storage_backend, storage_model_name(args),
                               args.hicache_storage_extra_config())
     return runner, args, plan, resolutions
+
+
+def build_runner_or_ranks(server_args: ServerArgs
+                          ) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
+    """build_runner, or under --tp-size > 1 rank 0 of it: this node's other ranks start
+    first (they meet rank 0 in the group), and the runner the engine core sees is a
+    TPDriver that sends every step to them (runner/parallel/tp_runner.py)."""
+    if server_args.tp_size == 1:
+        return build_runner(server_args)
+    from kvstrata.entrypoints import tp_ranks  # noqa: PLC0415
+    from kvstrata.runner.parallel.tp_runner import TPDriver  # noqa: PLC0415
+
+    if server_args.node_rank != 0:
+        raise ValueError("--node-rank > 0 runs ranks only: start it with `kvstrata serve`")
+    init_addr = server_args.dist_init_addr or tp_ranks.free_init_addr()
+    p = tp_ranks.placement(server_args, 0, init_addr)
+    procs = tp_ranks.spawn_ranks(server_args, init_addr, p.local_ranks()[1:])
+    try:
+        runner, args, plan, resolutions = build_runner(server_args, p)
+    except BaseException:
+        for q in procs:
+            q.kill()
+            q.wait()
+        raise
+    joined = runner.tp_rank
+    driver = TPDriver(runner, joined.links, procs, joined.restore)
+    joined.links.beats.processes = dict(zip(p.local_ranks()[1:], procs))
+    joined.links.beats.start(envs.KVSTRATA_TP_HEARTBEAT_TIMEOUT.get(), driver.on_rank_lost)
+    return driver, args, plan, resolutions
 
 
 def storage_model_name(args: Any) -> str:
@@ -118,7 +171,7 @@ def build_engine(server_args: ServerArgs, defer_tokenizer: bool = False
     """Returns (engine core, HF tokenizer with chat template). `defer_tokenizer`: a
     DeferredTokenizer the caller starts loading when it likes (the scheduler process: after
     reporting ready)."""
-    runner, args, plan, resolutions = build_runner(server_args)
+    runner, args, plan, resolutions = build_runner_or_ranks(server_args)
     # --skip-tokenizer-init: token ids in and out only (no text, no stop strings).
     tokenizer = None
     if not args.skip_tokenizer_init:

@@ -178,6 +178,8 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     try:
         # The tokenizer (stop strings only) loads after the ready message, off the start.
         engine, tokenizer = load_engine_factory()(server_args, defer_tokenizer=True)
+        if hasattr(getattr(engine, "runner", None), "exit_on_rank_loss"):
+            engine.runner.exit_on_rank_loss = True  # TP: a lost rank ends the server now
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(paths.scheduler_in)

@@ -53,11 +53,18 @@ def setup_child_logging(server_args, name: str) -> None:
 WATCHDOG_EXIT_CODE = 70
 
 
+# Exit status of a process that lost a tensor-parallel rank (runner/parallel/tp_runner.py).
+TP_RANK_LOST_EXIT_CODE = 71
+
+
 def describe_exit(exitcode: int | None) -> str:
     """How a child process ended, for error messages and logs."""
     if exitcode == WATCHDOG_EXIT_CODE:
         return ("was stopped by its watchdog: one engine step ran longer than "
                 "--watchdog-timeout (its log has a state dump)")
+    if exitcode == TP_RANK_LOST_EXIT_CODE:
+        return ("lost a tensor-parallel rank (a rank process died or stopped answering; "
+                "the log names it)")
     if exitcode is not None and exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

@@ -61,12 +61,13 @@ class ModelRunner:
                  dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
                  draft_model_path: str | None = None, draft_quantization: str | None = None,
                  draft_algorithm: str = "STANDALONE", draft_tree: tuple[int, int] = (1, 1),
-                 draft_token_map: str | None = None):
+                 draft_token_map: str | None = None, tp_group=None):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
+        # tp_group: this rank's share of the model (runner/parallel/); None = the whole
         self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
-            model_path, dtype, self.device, quantization)
+            model_path, dtype, self.device, quantization, tp_group=tp_group)
         # DSA models: which top-k domain the indexer feeds attention (resolved
         # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
         self.dsa_fused_topk = dsa_fused_topk
@@ -82,7 +83,8 @@ class ModelRunner:
         if hasattr(self.draft, "seed_keeper"):  # NEXTN: the PD seed feeds its first round
             self.draft.seed_keeper = self.dsa_seeds
         self.dtype = self.model.dtype
-        self.vocab_size = self.model.dims.vocab_size
+        # The whole vocabulary (a tensor-parallel rank holds a slice of the table)
+        self.vocab_size = getattr(self.model, "full_dims", self.model.dims).vocab_size
         self.eos_token_ids = self._eos_ids()
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, _ReqState] = {}

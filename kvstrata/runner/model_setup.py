@@ -16,19 +16,26 @@ from kvstrata.runner.smoothing import calibration_token_ids
 
 
 def load_serving_model(model_path: str, dtype: str, device: torch.device,
-                       quantization: str | None, quantization_flag: str = "--quantization"
-                       ) -> tuple[Any, Any, Any, dict]:
+                       quantization: str | None, quantization_flag: str = "--quantization",
+                       tp_group: Any = None) -> tuple[Any, Any, Any, dict]:
     """(model, model source, HF config, what quantization ran). The float weights are
-    replaced once, here, before the KV pool is sized from what memory the weights leave."""
+    replaced once, here, before the KV pool is sized from what memory the weights leave.
+    `tp_group` (a TPGroup of size > 1): this rank's share of the model (every rank runs
+    this, and the calibration forward of --quantization, in step)."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
-    model = load_model(source, hf_config, dtype, device)
+    if tp_group is not None and tp_group.size > 1:
+        from kvstrata.runner.parallel.tp_load import load_tp_shard  # noqa: PLC0415
+        model = load_tp_shard(source, hf_config, tp_group, dtype, device)
+    else:
+        model = load_model(source, hf_config, dtype, device)
     if quantization is not None and model.pool_kind != "mha":
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
                          f"decoder only, not {type(model).__name__}")
     info: dict = {"quantization": None}
     if quantization is not None:
-        ids, smoothing = calibration_token_ids(source, model.dims.vocab_size)
+        ids, smoothing = calibration_token_ids(
+            source, getattr(model, "full_dims", model.dims).vocab_size)
         info = quantize_model(model, quantization, ids, smoothing)
     elif (model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
           and packed_linear.available(model)):

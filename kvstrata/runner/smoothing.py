@@ -70,8 +70,14 @@ def activation_ranges(model: Any, token_ids: list[int]) -> dict[int, torch.Tenso
     return ranges
 
 
-def _factors(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    w_max = weight.detach().abs().amax(dim=0).float().clamp(min=1e-5)
+def _factors(act_max: torch.Tensor, weight: torch.Tensor,
+             over_ranks: Any = None) -> torch.Tensor:
+    """`over_ranks`: a tensor-parallel model's max over ranks, for a weight whose rows are
+    split (column-parallel): every rank then folds the one-rank model's factors."""
+    w_max = weight.detach().abs().amax(dim=0).float()
+    if over_ranks is not None:
+        w_max = over_ranks(w_max)
+    w_max = w_max.clamp(min=1e-5)
     s = act_max.clamp(min=1e-5).pow(ALPHA) / w_max.pow(1 - ALPHA)
     return s.clamp(min=1e-4, max=1e4).to(weight.dtype)
 
@@ -82,10 +88,11 @@ def smooth_model(model: Any, token_ids: list[int]) -> torch.Tensor:
     the output projection: the caller scales the (int8 copy of the) lm_head by them, since
     a tied embedding must stay as it is for the lookup."""
     ranges = activation_ranges(model, token_ids)
+    rows_split = getattr(model, "max_over_ranks", None)  # tensor parallel: rows per rank
     for layer in model.layers:
         for weight, norm in ((layer.qkv_weight, layer.input_norm),
                              (layer.gate_up_weight, layer.post_norm)):
-            s = _factors(ranges[id(weight)], weight)
+            s = _factors(ranges[id(weight)], weight, rows_split)
             norm.data.div_(s)
             weight.data.mul_(s)
         s = _factors(ranges[id(layer.down_weight)], layer.down_weight)
@@ -94,7 +101,7 @@ def smooth_model(model: Any, token_ids: list[int]) -> torch.Tensor:
         if layer.gate_up_bias is not None:
             layer.gate_up_bias.data[inter:].div_(s)
         layer.down_weight.data.mul_(s)
-    s = _factors(ranges[id(model.lm_head)], model.lm_head)
+    s = _factors(ranges[id(model.lm_head)], model.lm_head, rows_split)
     model.final_norm.data.div_(s)
     return s
 

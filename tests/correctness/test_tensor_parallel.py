@@ -84,16 +84,6 @@ def run_ranks(paths: list[str], size: int) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def tiny_dsa_4_heads(tmp_path_factory) -> str:
-    """The tiny DeepseekV32 with 4 attention heads (the usual one has 3: no even split)."""
-    from kvstrata.bench.tiny_dsa import save_tiny_dsa, tiny_dsa_config
-    from tests.conftest import DSA_INDEX_TOPK, TINY_MAX_POS, TINY_VOCAB
-
-    return save_tiny_dsa(tiny_dsa_config(TINY_VOCAB, DSA_INDEX_TOPK, TINY_MAX_POS, heads=4),
-                         str(tmp_path_factory.mktemp("tp_dsa") / "deepseek_v32"))
-
-
-@pytest.fixture(scope="module")
 def ranked(tiny_checkpoints, tiny_dsa_4_heads) -> dict:
     """(model, tp size) -> every rank's results: one 2-process group for llama, qwen2 and
     DeepseekV32, one 4-process group for llama."""

@@ -27,7 +27,9 @@ def test_defaults_are_all_implemented():
      "--disaggregation-decode-retraction-backup host_pool with a decode "
      "--enable-hierarchical-cache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
-    ({"tp_size": 2}, "--tp-size"),
+    ({"tp_size": 2, "enable_hierarchical_cache": True},
+     "--enable-hierarchical-cache with --tp-size > 1"),
+    ({"tp_size": 2, "speculative_algorithm": "NGRAM"}, "--speculative-algorithm with --tp-size > 1"),
     ({"dcp_size": 2}, "--dcp-size"),
 ])
 def test_unbuilt_flag_is_refused(kwargs, flag):
@@ -49,6 +51,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"enable_priority_scheduling": True}, {"disable_priority_preemption": True},
     {"enable_priority_scheduling": True, "schedule_policy": "lof"},
     {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
+    {"tp_size": 2}, {"tp_size": 4, "nnodes": 2, "node_rank": 1,
+                     "dist_init_addr": "127.0.0.1:5000"},
     {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
      "enable_hierarchical_cache": True},
     {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
@@ -64,8 +68,8 @@ def test_pd_flags_are_built(kwargs):
 
 
 def test_several_flags_listed_in_field_order():
-    args = ServerArgs(enable_hisparse=True, tp_size=4, hicache_host_memory_mode="buffer_only")
-    assert unimplemented_flags(args) == ["--tp-size", "--hicache-host-memory-mode",
+    args = ServerArgs(enable_hisparse=True, dcp_size=4, hicache_host_memory_mode="buffer_only")
+    assert unimplemented_flags(args) == ["--dcp-size", "--hicache-host-memory-mode",
                                          "--enable-hisparse"]
 
 
@@ -109,3 +113,16 @@ def test_quantization_refusal_names_the_value():
         refuse_unimplemented(ServerArgs(quantization="fp8"))
     with pytest.raises(ValueError, match="--quantization must be one of"):
         ServerArgs(quantization="int3")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tp_size": 2, "nnodes": 2}, "--nnodes > 1 needs --dist-init-addr"),
+    ({"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"}, "--nnodes 2 must divide --tp-size 3"),
+    ({"nnodes": 2, "tp_size": 2, "node_rank": 2, "dist_init_addr": "h:1"},
+     "--node-rank must be < --nnodes 2"),
+    ({"dist_init_addr": "no-port"}, "--dist-init-addr must be host:port"),
+    ({"nnodes": 0}, "--nnodes must be >= 1"),
+])
+def test_node_flags_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)

@@ -41,6 +41,11 @@ class TPGroup:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
         """[..., n] from every rank -> [..., size * n], rank order."""
         if self.size == 1:
@@ -134,6 +139,11 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(partial)
+
+    def max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Quantisation's smoothing: a column-parallel weight's per-input-channel maximum
+        over all ranks' rows (runner/smoothing.py)."""
+        return self.group.all_reduce_max(t)
 
     # ---- loading: read only this rank's part of each tensor (runner/models/loader.py)
     def read_spec(self, name: str):

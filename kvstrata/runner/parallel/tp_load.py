@@ -12,11 +12,15 @@ from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
 
 def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
                   device: str = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
-    """Rank `group.rank`'s share of a checkpoint, read through the usual loader (every
-    tensor is read, then sliced: reading only the rank's shard is still to do)."""
-
+    """Rank `group.rank`'s share of the checkpoint at `model_path`."""
     source = resolve_model_path(model_path)
-    config = load_hf_config(source)
+    return load_tp_shard(source, load_hf_config(source), group, dtype, device)
+
+
+def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
+                  device: str | torch.device = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
+    """Rank `group.rank`'s share, read through the usual loader: the model's read_spec
+    says which rows / columns of each tensor it holds, and only those are read."""
     _, spec = loader.arch_spec(config)
     dev = torch.device(device)
     if spec.family == "deepseek_v32":
@@ -28,4 +32,4 @@ def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
     return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
 
 
-__all__ = ["load_tp_model"]
+__all__ = ["load_tp_model", "load_tp_shard"]

@@ -1,0 +1,215 @@
+"""How tensor-parallel ranks find and watch each other (issue 23, the serving path).
+
+Two channels per rank, both from existing libraries:
+  - torch.distributed (gloo on CPU, NCCL/RCCL on a GPU) carries the model's collectives and
+    the few start-up agreements (the KV budget's minimum, the sampling seed, the plan check);
+  - ZMQ carries rank 0's step messages down (one PUSH per rank: queued, never lost to a slow
+    joiner) and replies up, plus a heartbeat each way on its own sockets and thread.
+Step messages do not ride the gloo group because a gloo wait has one timeout for every op:
+an idle server would trip it. Heartbeats make a dead or stopped rank visible within
+KVSTRATA_TP_HEARTBEAT_TIMEOUT even while the server is idle (a collective of a step in flight
+ends sooner: gloo fails it when the peer's socket closes, or at --watchdog-timeout).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kvstrata.runner.parallel.tensor_parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class TPPlacement:
+    """Where one rank runs: ranks are spread evenly over --nnodes launchers, node k holding
+    ranks k * per_node .. (k + 1) * per_node - 1; rank 0 (node 0) runs the scheduler."""
+    rank: int
+    size: int
+    init_addr: str            # host:port of torch.distributed's TCP store (rank 0 serves it)
+    nnodes: int = 1
+    node_rank: int = 0
+    timeout_s: float = 300.0  # a collective waits this long (--watchdog-timeout)
+
+    @property
+    def per_node(self) -> int:
+        return self.size // self.nnodes
+
+    @property
+    def local_index(self) -> int:
+        return self.rank - self.node_rank * self.per_node
+
+    def local_ranks(self) -> range:
+        return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
+
+
+def advertise_host(init_addr: str) -> str:
+    """The address other ranks reach this one at: loopback when the store is local, else
+    the interface that routes to the store's host."""
+    host = init_addr.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
+        return s.getsockname()[0]
+
+
+def pin_rank(local_index: int, local_count: int) -> Callable[[], None]:
+    """Give each local rank disjoint cores (an even split; round-robin single cores when
+    there are fewer cores than ranks) and a torch thread count to match. Returns a function
+    that restores the previous affinity and thread count (the offline LLM's rank 0 is the
+    caller's own process)."""
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    cores = sorted(before)
+    n = len(cores)
+    mine = (cores[local_index * n // local_count:(local_index + 1) * n // local_count]
+            if n >= local_count else [cores[local_index % n]])
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+
+    def restore() -> None:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    return restore
+
+
+def init_group(p: TPPlacement, device: torch.device) -> TPGroup:
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm
+    dist.init_process_group(backend, init_method=f"tcp://{p.init_addr}", rank=p.rank,
+                            world_size=p.size,
+                            timeout=datetime.timedelta(seconds=p.timeout_s))
+    return TPGroup(p.rank, p.size)
+
+
+def agree_min(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every rank (a picklable start-up fact: the seed, the plan)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ranks(value) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+class RankLinks:
+    """Rank 0 <-> every other rank over ZMQ: `send_all` / `recv` carry step messages down,
+    `reply` / `gather` carry answers up; a Heartbeat thread watches the peers."""
+
+    def __init__(self, rank: int, size: int, host: str):
+        self.rank, self.size = rank, size
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        inbox_port = self.inbox.bind_to_random_port(f"tcp://{host}")
+        beat_in = self.ctx.socket(zmq.PULL)
+        beat_port = beat_in.bind_to_random_port(f"tcp://{host}")
+        addrs = all_ranks((f"tcp://{host}:{inbox_port}", f"tcp://{host}:{beat_port}"))
+        peers = range(1, size) if rank == 0 else [0]
+        self.outs = {r: self._push(addrs[r][0]) for r in peers}
+        self.beats = Heartbeat(rank, beat_in, {r: self._push(addrs[r][1]) for r in peers})
+
+    def _push(self, addr: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        return s
+
+    def send_all(self, data: bytes) -> None:
+        for s in self.outs.values():
+            s.send(data, copy=False)
+
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
+        if timeout_s is not None and not self.inbox.poll(int(timeout_s * 1000)):
+            return None
+        return self.inbox.recv()
+
+    def reply(self, data: bytes) -> None:
+        self.outs[0].send(data)
+
+    def close(self) -> None:
+        self.beats.stop()
+        for s in self.outs.values():
+            s.close(linger=0)
+        self.inbox.close(linger=0)
+        self.ctx.term()
+
+
+class Heartbeat:
+    """Every HEARTBEAT_INTERVAL_S: a beat to each peer, the peers' beats read, and each
+    peer checked -- a peer silent for `timeout_s`, or a locally started rank process that
+    exited, calls `on_lost(reason)` once."""
+
+    def __init__(self, rank: int, inbox: zmq.Socket, peers: dict[int, zmq.Socket]):
+        self.rank, self.inbox, self.peers = rank, inbox, peers
+        self.timeout_s = 20.0
+        self.processes: dict[int, object] = {}  # rank -> Popen of a rank this process started
+        self.on_lost: Callable[[str], object] = lambda reason: None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-tp-heartbeat",
+                                        daemon=True)
+
+    def start(self, timeout_s: float, on_lost: Callable[[str], object]) -> None:
+        self.timeout_s, self.on_lost = timeout_s, on_lost
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for s in (self.inbox, *self.peers.values()):
+            s.close(linger=0)
+
+    def _run(self) -> None:
+        beat = str(self.rank).encode()
+        last = {r: time.monotonic() for r in self.peers}
+        while not self._stop.is_set():
+            for s in self.peers.values():
+                try:
+                    s.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # a full queue: the peer is not reading, which the check below sees
+            deadline = time.monotonic() + HEARTBEAT_INTERVAL_S
+            while (wait := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                if self.inbox.poll(int(wait * 1000) + 1):
+                    last[int(self.inbox.recv())] = time.monotonic()
+            if self._stop.is_set():
+                return
+            reason = self._lost(last)
+            if reason is not None:
+                logger.error("tensor parallelism: %s", reason)
+                self.on_lost(reason)
+                return
+
+    def _lost(self, last: dict[int, float]) -> str | None:
+        for r, proc in self.processes.items():
+            code = proc.poll()
+            if code is not None:
+                return f"rank {r} (pid {proc.pid}) exited with code {code}"
+        now = time.monotonic()
+        for r, t in last.items():
+            if now - t > self.timeout_s:
+                return f"rank {r} sent no heartbeat for {now - t:.1f} s"
+        return None
+
+
+__all__ = ["TPPlacement", "RankLinks", "Heartbeat", "advertise_host", "pin_rank",
+           "init_group", "agree_min", "from_rank0", "all_ranks"]

@@ -1,0 +1,185 @@
+"""Serving under tensor parallelism: one scheduler (on rank 0) and N runners.
+
+Rank 0's engine core talks to a TPDriver in place of its ModelRunner: each SchedulerOutput
+(tensor-free, msgspec) goes to every other rank first, then rank 0 runs its own share; the
+forwards meet in the model's collectives. The other ranks (serve_rank) only apply what they
+receive -- they never decide anything, so every rank's KV rows, pages and requests are the
+same by construction. Every rank samples from the same all-gathered logits with the same
+seeded generator, so they draw the same tokens; only rank 0's go back to the scheduler.
+Each side keeps a running digest of the step messages it applied and the tokens it
+sampled: `TPDriver.digests()` asks every rank for theirs (the tests compare them).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import time
+from typing import Any
+
+import msgspec
+
+from kvstrata.protocol.scheduler_output import RunnerOutput, SchedulerOutput
+from kvstrata.runner.parallel.tp_comm import RankLinks
+
+logger = logging.getLogger(__name__)
+# Exit status of a process that lost a tensor-parallel peer; frontend/process_utils.py
+# (which the runner may not import) names it in the API's errors: the test checks they agree.
+TP_RANK_LOST_EXIT_CODE = 71
+REPLY_TIMEOUT_S = 60.0
+
+
+class StepMsg(msgspec.Struct, tag="step"):
+    sched: SchedulerOutput
+
+
+class CallMsg(msgspec.Struct, tag="call"):
+    op: str                      # "digests" | "check_rows" | "shutdown"
+    arg: Any = None
+
+
+class ReplyMsg(msgspec.Struct, tag="reply"):
+    rank: int
+    ok: bool
+    result: Any = None
+
+
+_DOWN = msgspec.msgpack.Decoder(StepMsg | CallMsg)
+_UP = msgspec.msgpack.Decoder(ReplyMsg)
+_encode = msgspec.msgpack.encode
+
+
+class _Digests:
+    def __init__(self):
+        self.steps, self.tokens, self.count = hashlib.blake2b(), hashlib.blake2b(), 0
+
+    def add(self, sched_bytes: bytes, out: RunnerOutput) -> None:
+        self.steps.update(sched_bytes)
+        self.tokens.update(_encode((out.rids, out.token_ids)))
+        self.count += 1
+
+    def result(self) -> dict:
+        return {"steps": self.count, "schedule": self.steps.hexdigest(),
+                "tokens": self.tokens.hexdigest()}
+
+
+class TPDriver:
+    """Rank 0's runner as the engine core sees it: `execute` broadcasts, then runs rank 0's
+    share; anything else is rank 0's ModelRunner (facts, stats, integrity checks)."""
+
+    def __init__(self, runner: Any, links: RankLinks, processes: list[subprocess.Popen],
+                 restore: Any = None):
+        self.runner, self.links, self.processes = runner, links, processes
+        self._restore = restore
+        self._digests = _Digests()
+        self.lost: str | None = None
+        self.exit_on_rank_loss = False  # the server's scheduler process: exit, do not wait
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["runner"], name)
+
+    def on_rank_lost(self, reason: str) -> None:
+        self.lost = reason
+        if self.exit_on_rank_loss:
+            os._exit(TP_RANK_LOST_EXIT_CODE)
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise RuntimeError(f"tensor parallelism: {self.lost}")
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._check()
+        data = _encode(StepMsg(sched))
+        self.links.send_all(data)
+        out = self.runner.execute(sched)
+        self._digests.add(data, out)
+        return out
+
+    def call(self, op: str, arg: Any = None) -> list[ReplyMsg]:
+        """Ask every other rank; their replies in rank order."""
+        self._check()
+        self.links.send_all(_encode(CallMsg(op, arg)))
+        replies: dict[int, ReplyMsg] = {}
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while len(replies) < self.links.size - 1:
+            data = self.links.recv(max(0.0, deadline - time.monotonic()))
+            if data is None:
+                raise RuntimeError(f"tensor parallelism: no reply to {op!r} from ranks "
+                                   f"{sorted(set(range(1, self.links.size)) - set(replies))}")
+            reply = _UP.decode(data)
+            replies[reply.rank] = reply
+        return [replies[r] for r in sorted(replies)]
+
+    def digests(self) -> list[dict]:
+        """Every rank's digests of the steps it applied and the tokens it sampled."""
+        return [self._digests.result()] + [r.result for r in self.call("digests")]
+
+    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+        """Every rank's req_to_token rows are the scheduler's (KVSTRATA_CHECK_INTEGRITY)."""
+        self.runner.check_req_to_token(expected)
+        for reply in self.call("check_rows", {str(k): v for k, v in expected.items()}):
+            if not reply.ok:
+                raise AssertionError(f"rank {reply.rank}: {reply.result}")
+
+    def shutdown(self) -> None:
+        if self.lost is None:
+            try:
+                self.links.send_all(_encode(CallMsg("shutdown")))
+            except Exception:  # a closed peer: the processes are ended below anyway
+                pass
+        for p in self.processes:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank process %d did not stop; killing it", p.pid)
+                p.kill()
+                p.wait()
+        self.links.close()
+        self.runner.shutdown()
+        destroy_group()
+        if self._restore is not None:
+            self._restore()
+
+
+def destroy_group() -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def serve_rank(runner: Any, links: RankLinks) -> None:
+    """A rank other than 0: apply rank 0's messages until it says shutdown. A lost rank 0
+    (its heartbeat) ends this process from the heartbeat thread; an error here ends it
+    with the traceback (rank 0's collective then fails, and its server exits)."""
+    digests = _Digests()
+    while True:
+        data = links.recv()
+        msg = _DOWN.decode(data)
+        if isinstance(msg, StepMsg):
+            digests.add(data, runner.execute(msg.sched))
+            continue
+        if msg.op == "shutdown":
+            return
+        if msg.op == "digests":
+            reply = ReplyMsg(links.rank, True, digests.result())
+        elif msg.op == "check_rows":
+            try:
+                runner.check_req_to_token({int(k): v for k, v in msg.arg.items()})
+                reply = ReplyMsg(links.rank, True)
+            except AssertionError as e:
+                reply = ReplyMsg(links.rank, False, str(e))
+        else:
+            reply = ReplyMsg(links.rank, False, f"unknown op {msg.op!r}")
+        links.reply(_encode(reply))
+
+
+def exit_rank_lost(reason: str) -> None:
+    """A rank > 0's heartbeat lost rank 0: nothing is left to serve."""
+    logger.error("tensor parallelism: %s; exiting", reason)
+    os._exit(TP_RANK_LOST_EXIT_CODE)
+
+
+__all__ = ["TPDriver", "serve_rank", "TP_RANK_LOST_EXIT_CODE", "exit_rank_lost",
+           "destroy_group"]

@@ -1,0 +1,88 @@
+"""`LLM(tp_size=N)`: the whole engine under tensor parallelism (issue 23) -- one scheduler on
+rank 0, every other rank a real process applying its SchedulerOutputs -- against the same
+engine on one rank and against transformers. Each (model, tp) case runs one engine through
+three prompts twice (chunked prefill; the second time from the radix cache) and then the
+whole batch in a pool too small for it (retraction), with logprobs; every rank's digests of the steps it applied and the
+tokens it sampled must equal rank 0's, and KVSTRATA_CHECK_INTEGRITY (on in the test suite)
+checks every rank's req_to_token rows after every step."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.compare import assert_tokens_match
+from tests.conftest import GREEDY_TOKENS
+
+GREEDY = {"max_new_tokens": GREEDY_TOKENS, "min_new_tokens": GREEDY_TOKENS, "temperature": 0,
+          "logprobs": 2}
+# A pool the 8-prompt batch outgrows (retraction), chunks of 16 (the 45- and 70-token prompts
+# take several), pages of 4.
+ENGINE = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=224,
+              schedule_conservativeness=0.1, skip_tokenizer_init=True)
+
+
+def run_case(path: str, tp: int, prompts: list[list[int]]) -> dict:
+    from kvstrata import LLM
+
+    with LLM(model_path=path, tp_size=tp, **ENGINE) as llm:
+        first = llm.generate(input_ids=prompts[3:6], sampling_params=GREEDY)
+        again = llm.generate(input_ids=prompts[3:6], sampling_params=GREEDY)
+        batch = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        retractions = llm.get_load()["num_retractions"]
+        llm.check_integrity()
+        digests = llm.engine.runner.digests() if tp > 1 else None
+        plan = llm.server_info()["kv_plan"]
+    return {"first": first, "again": again, "batch": batch, "retractions": retractions,
+            "digests": digests, "plan": plan}
+
+
+RUNS = {"first": slice(3, 6), "again": slice(3, 6), "batch": slice(0, 8)}
+
+
+def logprobs(outs) -> list[float]:
+    return [lp for o in outs for lp, _ in o["meta_info"]["output_token_logprobs"]]
+
+
+def check_case(got: dict, one: dict, refs: list, prompts: list, label: str) -> None:
+    assert got["retractions"] > 0, label
+    assert sum(o["meta_info"]["cached_tokens"] for o in got["again"]) > 0, label
+    for run, which in RUNS.items():
+        for i, out in enumerate(got[run]):
+            ref_tokens, ref_logits = refs[which][i]
+            assert_tokens_match(out["output_ids"], ref_tokens, ref_logits,
+                                label=f"{label} {run} prompt {i}")
+            assert out["output_ids"] == one[run][i]["output_ids"], (label, run, i)
+        assert logprobs(got[run]) == pytest.approx(logprobs(one[run]), abs=1e-4), label
+    ranks = got["digests"]
+    assert all(d == ranks[0] for d in ranks), ranks
+    assert ranks[0]["steps"] > 0
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_checkpoints, tiny_prompts):
+    return {arch: run_case(tiny_checkpoints[arch], 1, tiny_prompts) for arch in ("llama",
+                                                                                  "qwen2")}
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("qwen2", 2), ("llama", 4)])
+def test_tp_engine_equals_one_rank(arch, tp, tiny_checkpoints, tiny_prompts, tiny_references,
+                                   one_rank):
+    """llama: 4 query heads, 2 KV heads, tied head -- at tp 4 each KV head lives on two
+    ranks; qwen2: q/k/v biases and an untied head. A rank's KV pool holds its KV heads."""
+    got = run_case(tiny_checkpoints[arch], tp, tiny_prompts)
+    check_case(got, one_rank[arch], tiny_references[arch], tiny_prompts, f"{arch} tp{tp}")
+    # KV heads per pool: 2 on one rank, 1 per rank at tp 2 and (replicated) at tp 4
+    assert one_rank[arch]["plan"]["components"][0]["token_shape"][0] == 2
+    assert got["plan"]["components"][0]["token_shape"][0] == 1
+
+
+def test_tp_deepseek_v32_engine(tiny_dsa_4_heads, tiny_prompts):
+    """MLA under tp 2: heads split, the latent KV (and the indexer's keys) replicated --
+    every rank's pool is the one-rank pool, and every rank's DSA picks the same top-k."""
+    one = run_case(tiny_dsa_4_heads, 1, tiny_prompts)
+    got = run_case(tiny_dsa_4_heads, 2, tiny_prompts)
+    assert got["plan"] == one["plan"]
+    for run in RUNS:
+        assert [o["output_ids"] for o in got[run]] == [o["output_ids"] for o in one[run]]
+        assert logprobs(got[run]) == pytest.approx(logprobs(one[run]), abs=1e-4)
+    assert got["retractions"] > 0
+    assert len({str(d) for d in got["digests"]}) == 1
