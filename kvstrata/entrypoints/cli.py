@@ -49,11 +49,13 @@ def _run_serve(ns: argparse.Namespace) -> int:
     # Resolution runs once, in the scheduler process, where the model's facts are known; its
     # errors come back as a StartupError and /server_info shows its result.
     from kvstrata.entrypoints.launcher import StartupError, launch_server
+    from kvstrata.entrypoints.tp_ranks import serve_node
 
     from kvstrata.frontend.process_utils import exit_now
 
     try:
-        code = launch_server(args)
+        # --node-rank k > 0: this launcher only runs its node's tensor-parallel ranks
+        code = serve_node(args) if args.node_rank > 0 else launch_server(args)
     except StartupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -64,24 +64,18 @@ def build_runner(server_args: ServerArgs, tp: Any = None
     same start-up in step (entrypoints/tp_ranks.py) and the runner's `tp_rank` holds the
     group and the links to the other ranks."""
     refuse_unimplemented(server_args)
+    import torch  # noqa: PLC0415 - entrypoints may; seeds sampling, picks the rank's device
+
+    device, joined = server_args.device, None
+    if tp is not None:  # join first: every rank then starts from rank 0's flags
+        from kvstrata.entrypoints import tp_ranks  # noqa: PLC0415
+        server_args, device, joined = tp_ranks.join(server_args, tp)
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
         server_args.model_path))
     refuse_l2_options_without_hicache(server_args, host_pool_use(args) == "retraction")
-    import torch  # noqa: PLC0415 - entrypoints may; seeds sampling, picks the rank's device
-
-    from kvstrata.platform import detected_platform  # noqa: PLC0415
-    device = args.device
-    joined = None
-    if tp is not None:
-        from kvstrata.entrypoints import tp_ranks  # noqa: PLC0415
-        device = torch.device(args.device or detected_platform().device_type)
-        if device.type == "cuda":  # one GPU per local rank
-            device = torch.device("cuda", tp.local_index)
-            torch.cuda.set_device(device)
-        joined = tp_ranks.join(args, tp, device)
-    elif args.random_seed is not None:
+    if tp is None and args.random_seed is not None:
         torch.manual_seed(args.random_seed)
     from kvstrata.runner.model_runner import ModelRunner  # noqa: PLC0415 - heavy import
 

@@ -55,19 +55,37 @@ def spawn_ranks(args: ServerArgs, init_addr: str, ranks: range) -> list[subproce
                               init_addr, payload]) for r in ranks]
 
 
-def join(args: ServerArgs, p, device) -> JoinedRank:
-    """Pin this rank's cores, join the group, agree on one sampling seed (every rank then
-    draws the same tokens from the same logits) and connect the step links."""
+# Flags that may differ between launchers: where each one's own HTTP server would listen.
+_PER_NODE = ("node_rank", "host", "port")
+
+
+def join(args: ServerArgs, p) -> tuple[ServerArgs, Any, JoinedRank]:
+    """Pin this rank's cores, join the group, take rank 0's flags (another launcher's
+    differing ones are named in a warning: every rank must make the same start-up calls),
+    agree on one sampling seed (every rank then draws the same tokens from the same
+    logits) and connect the step links. Returns (flags, device, the joined rank)."""
     import torch  # noqa: PLC0415
 
+    from kvstrata.platform import detected_platform  # noqa: PLC0415
     from kvstrata.runner.parallel import tp_comm  # noqa: PLC0415
 
+    device = torch.device(args.device or detected_platform().device_type)
+    if device.type == "cuda":  # one GPU per local rank
+        device = torch.device("cuda", p.local_index)
+        torch.cuda.set_device(device)
     restore = tp_comm.pin_rank(p.local_index, p.per_node)
     group = tp_comm.init_group(p, device)
+    mine = dataclasses.asdict(args)
+    theirs = tp_comm.from_rank0(mine)
+    differ = [k for k in theirs if k not in _PER_NODE and theirs[k] != mine.get(k)]
+    if differ:
+        logger.warning("rank %d: using rank 0's flags; this launcher's differ in %s", p.rank,
+                       ", ".join("--" + k.replace("_", "-") for k in differ))
+    args = dataclasses.replace(args, **{k: v for k, v in theirs.items() if k not in _PER_NODE})
     seed = args.random_seed if args.random_seed is not None else random.randrange(2**31)
     torch.manual_seed(tp_comm.from_rank0(seed))
     links = tp_comm.RankLinks(p.rank, p.size, tp_comm.advertise_host(p.init_addr))
-    return JoinedRank(p, group, links, restore)
+    return args, device, JoinedRank(p, group, links, restore)
 
 
 def check_same_plan(plan_json: dict) -> None:

@@ -1,0 +1,120 @@
+"""`kvstrata serve --tp-size N` through the real server (issue 23): the SmolLM2 GGUF on 3
+ranks (9 query heads, 3 KV heads: one each) gives the one-rank engine's greedy tokens and
+logprobs; a killed rank turns /health 503, fails the requests in flight and ends the server
+non-zero with no process left; two launchers (`--nnodes 2 --node-rank 0|1`) serve one model
+together and the second ends when the first does."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.server_utils import (REPO, ServerProcess, child_pids, free_port, pid_alive)
+
+MAX_NEW = 12
+FAST_LOSS = {"KVSTRATA_TP_HEARTBEAT_TIMEOUT": "3"}
+
+
+def prompts(n: int = 3) -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(8, 60))] for _ in range(n)]
+
+
+def one_rank(path: str, ids: list[list[int]]) -> list[dict]:
+    from kvstrata import LLM
+
+    with LLM(model_path=path, skip_tokenizer_init=True, max_total_tokens=4096) as llm:
+        return llm.generate(input_ids=ids, sampling_params={
+            "max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, "logprobs": 1},
+            return_logprob=True)
+
+
+def served(url: str, ids: list[list[int]]) -> list[dict]:
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 1,
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0.0,
+                                "ignore_eos": True}}
+    resp = httpx.post(url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        lps = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"]]
+        assert lps == pytest.approx([lp for lp, _ in w["meta_info"]["output_token_logprobs"]],
+                                    abs=1e-4)
+
+
+def rank_pids(server_pid: int) -> list[int]:
+    out = []
+    for pid in child_pids(server_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"kvstrata.entrypoints.tp_worker" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_smollm2_tp3_equals_one_rank_and_a_killed_rank_ends_it(smollm2_gguf_path):
+    ids = prompts()
+    want = one_rank("smollm2-135m", ids)
+    srv = ServerProcess("smollm2-135m", "--tp-size", "3", "--chunked-prefill-size", "32",
+                        env=FAST_LOSS)
+    try:
+        assert_same(served(srv.base_url, ids), want)
+        ranks = rank_pids(srv.proc.pid)
+        assert len(ranks) == 2, ranks  # ranks 1 and 2; rank 0 is the scheduler process
+        long = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            inflight = pool.submit(httpx.post, srv.base_url + "/v1/completions", json=long,
+                                   timeout=60)
+            time.sleep(1.0)
+            os.kill(ranks[-1], signal.SIGKILL)
+            resp = inflight.result(timeout=30)
+        assert resp.status_code >= 500, resp.text
+        assert srv.proc.wait(timeout=30) != 0, "the server must exit non-zero"
+        assert "rank" in srv.read_log()
+    finally:
+        srv.stop()
+    assert [p for p in [srv.proc.pid, *srv.children] if pid_alive(p)] == []
+
+
+def test_two_launchers_serve_one_model(tiny_model_path):
+    """Node 0 (HTTP server, scheduler, rank 0) and node 1 (rank 1) meet at --dist-init-addr;
+    SIGTERM on node 0 stops both."""
+    ids = prompts(2)
+    want = one_rank(tiny_model_path, ids)
+    init = f"127.0.0.1:{free_port()}"
+    nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", init]
+    log = open(f"/tmp/kvstrata-e2e-node1-{init.rsplit(':', 1)[1]}.log", "w")
+    env = {**os.environ, "PYTHONPATH": REPO, **FAST_LOSS}
+    node1 = subprocess.Popen([sys.executable, "-m", "kvstrata.entrypoints.cli", "serve",
+                              "--model-path", tiny_model_path, *nodes, "--node-rank", "1"],
+                             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    node1_children: list[int] = []
+    srv = None
+    try:
+        srv = ServerProcess(tiny_model_path, *nodes, "--node-rank", "0", env=FAST_LOSS)
+        node1_children = child_pids(node1.pid)
+        assert len(node1_children) >= 1
+        assert_same(served(srv.base_url, ids), want)
+        srv.stop()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if srv is not None:
+            srv.stop()
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+        log.close()
+    assert [p for p in [node1.pid, *node1_children] if pid_alive(p)] == []
