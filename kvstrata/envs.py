@@ -120,6 +120,10 @@ KVSTRATA_TP_HEARTBEAT_TIMEOUT = _declare(
     "KVSTRATA_TP_HEARTBEAT_TIMEOUT", float, 20.0,
     "Seconds a tensor-parallel rank may go without a heartbeat from its peers before it "
     "counts them lost (rank 0: the server exits non-zero; another rank: it exits).")
+KVSTRATA_TP_SHM_ALLREDUCE = _declare(
+    "KVSTRATA_TP_SHM_ALLREDUCE", bool, True,
+    "Tensor-parallel ranks on one x86 CPU all-reduce through shared memory "
+    "(runner/parallel/shm_allreduce.py); 0 = gloo for every collective (ablation).")
 KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 linear layers on the CPU run on weights prepacked for oneDNN "

@@ -7,6 +7,8 @@ prompts, same dtype, same machine, in the same run. Prints output tok/s of each 
     kvstrata bench offline --model smollm2-135m
     kvstrata bench offline --model smollm2-135m --quantization w8a8_int8   # int8 kvstrata
                                                      # (transformers stays float32)
+    kvstrata bench offline --model tiny --tp-size 1,2   # tensor parallel: each size's tok/s,
+                                  # its ratio to tp 1 and the share of time in collectives
 """
 from __future__ import annotations
 
@@ -75,16 +77,24 @@ def make_prompts(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
             for _ in range(num)]
 
 
-def run_kvstrata(model_path: str, prompts, output_len: int, **server_args) -> float:
+def run_kvstrata(model_path: str, prompts, output_len: int, stats: dict | None = None,
+                 **server_args) -> float:
+    """Output tok/s. `stats`: filled with the share of the timed run rank 0 spent in the
+    model's collectives (tensor parallelism: all-reduce and the logits' all-gather)."""
     from kvstrata import LLM
 
     llm = LLM(model_path=model_path, skip_tokenizer_init=True, **server_args)
     params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}
     llm.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    joined = getattr(llm.engine.runner, "tp_rank", None)
+    group = joined.group if joined is not None else None
+    comm0 = group.comm_seconds if group is not None else 0.0
     start = time.perf_counter()
     outs = llm.generate(input_ids=prompts, sampling_params=params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o["output_ids"]) for o in outs)
+    if stats is not None and group is not None:
+        stats["collective_share"] = (group.comm_seconds - comm0) / elapsed
     llm.check_integrity()
     llm.shutdown()
     return tokens / elapsed
@@ -123,6 +133,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                     help="kvstrata's --quantization (the transformers reference stays float)")
+    ap.add_argument("--tp-size", default="1",
+                    help="tensor parallel sizes to run, e.g. 1,2 (ratios against the first)")
     ap.add_argument("--output-json", default="benchmarks/results/offline.json")
     add_quiet_arg(ap)
 
@@ -134,16 +146,28 @@ def run(args: argparse.Namespace) -> dict:
         prompts = make_prompts(args.num_prompts, args.min_input_len, args.max_input_len, vocab,
                                args.seed)
         total = args.max_input_len + args.output_len
-        ours = run_kvstrata(model, prompts, args.output_len, page_size=args.page_size,
-                            max_running_requests=args.max_running_requests,
-                            max_total_tokens=total * args.max_running_requests,
-                            quantization=args.quantization)
-        print(f"kvstrata:     {ours:8.1f} output tok/s"
-              + (f" (--quantization {args.quantization})" if args.quantization else ""))
+        sizes = [int(x) for x in str(args.tp_size).split(",")]
+        per_tp: dict[int, dict] = {}
+        for tp in sizes:
+            stats: dict = {}
+            tok_s = run_kvstrata(model, prompts, args.output_len, stats,
+                                 page_size=args.page_size, tp_size=tp,
+                                 max_running_requests=args.max_running_requests,
+                                 max_total_tokens=total * args.max_running_requests,
+                                 quantization=args.quantization)
+            per_tp[tp] = {"tok_s": tok_s, "ratio_vs_first": tok_s / per_tp.get(
+                sizes[0], {"tok_s": tok_s})["tok_s"], **stats}
+            print(f"kvstrata tp {tp}: {tok_s:8.1f} output tok/s"
+                  + (f" (--quantization {args.quantization})" if args.quantization else "")
+                  + (f", {per_tp[tp]['ratio_vs_first']:.2f}x tp {sizes[0]}, "
+                     f"{stats['collective_share']:.0%} of the run in collectives"
+                     if "collective_share" in stats else ""))
+        ours = per_tp[sizes[0]]["tok_s"]
         result = {"model": args.model, "num_prompts": args.num_prompts,
                   "quantization": args.quantization, "box_load": load,
                   "input_len": [args.min_input_len, args.max_input_len],
-                  "output_len": args.output_len, "kvstrata_tok_s": ours}
+                  "output_len": args.output_len, "kvstrata_tok_s": ours,
+                  "tp": {str(k): v for k, v in per_tp.items()}}
         if not args.skip_transformers:
             ref = run_transformers(model, prompts, args.output_len, args.hf_batch_size)
             print(f"transformers: {ref:8.1f} output tok/s (static batches of {args.hf_batch_size})")

@@ -129,6 +129,23 @@ register(("bench", "serve"), _add_bench_serve_args, _refuse_busy_box(_run_bench_
          "benchmark any OpenAI-compatible server")
 
 
+def _add_bench_allreduce_args(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.allreduce import add_args
+
+    add_args(parser)
+
+
+def _run_bench_allreduce(ns: argparse.Namespace) -> int:
+    from kvstrata.bench.allreduce import run
+
+    run(ns.size, ns.hidden, ns.layers, ns.iters)
+    return 0
+
+
+register(("bench", "allreduce"), _add_bench_allreduce_args, _run_bench_allreduce,
+         "tensor parallelism: gloo all-reduce of hidden-size vectors vs memcpy")
+
+
 def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     from kvstrata.bench.spec import add_args
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from kvstrata import envs
 from kvstrata.config.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def join(args: ServerArgs, p) -> tuple[ServerArgs, Any, JoinedRank]:
         device = torch.device("cuda", p.local_index)
         torch.cuda.set_device(device)
     restore = tp_comm.pin_rank(p.local_index, p.per_node)
-    group = tp_comm.init_group(p, device)
+    group = tp_comm.init_group(p, device, envs.KVSTRATA_TP_SHM_ALLREDUCE.get())
     mine = dataclasses.asdict(args)
     theirs = tp_comm.from_rank0(mine)
     differ = [k for k in theirs if k not in _PER_NODE and theirs[k] != mine.get(k)]

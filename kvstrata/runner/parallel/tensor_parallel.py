@@ -20,6 +20,7 @@ On CPU the group is gloo; the same calls take NCCL/RCCL on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +32,26 @@ from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, ModelDi
 
 
 class TPGroup:
-    """This process's rank in a torch.distributed group (initialised by the caller)."""
+    """This process's rank in a torch.distributed group (initialised by the caller). Counts
+    the seconds spent in the model's collectives (waits for slower ranks included): the
+    benchmark reports them as a share of the step."""
 
     def __init__(self, rank: int, size: int, group: Any = None):
         self.rank, self.size, self.group = rank, size, group
+        self.comm_seconds, self.comm_calls = 0.0, 0
+        # Ranks on one x86 CPU: a shared-memory all-reduce (runner/parallel/shm_allreduce.py)
+        # for tensors that fit its slots; torch.distributed for the rest.
+        self.shm: Any = None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(t, group=self.group)
+            start = time.perf_counter()
+            if self.shm is not None and self.shm.fits(t):
+                self.shm.all_reduce(t)
+            else:
+                dist.all_reduce(t, group=self.group)
+            self.comm_seconds += time.perf_counter() - start
+            self.comm_calls += 1
         return t
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
@@ -50,9 +63,16 @@ class TPGroup:
         """[..., n] from every rank -> [..., size * n], rank order."""
         if self.size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        start = time.perf_counter()
+        if self.shm is not None and self.shm.fits(t):
+            out = self.shm.all_gather_last(t)
+        else:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
+            out = torch.cat(parts, dim=-1)
+        self.comm_seconds += time.perf_counter() - start
+        self.comm_calls += 1
+        return out
 
 
 def vocab_rows(vocab_size: int, rank: int, size: int) -> tuple[tuple[int, int], int]:

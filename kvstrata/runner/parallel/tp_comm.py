@@ -84,12 +84,62 @@ def pin_rank(local_index: int, local_count: int) -> Callable[[], None]:
     return restore
 
 
-def init_group(p: TPPlacement, device: torch.device) -> TPGroup:
-    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm
-    dist.init_process_group(backend, init_method=f"tcp://{p.init_addr}", rank=p.rank,
+SHM_SLOT_BYTES = 4 << 20  # per rank and buffer: a 1800-token prefill chunk of width 576
+
+
+def collectives_backend(device_type: str, nnodes: int, machine: str, shm_free_bytes: int,
+                        size: int, allow_shm: bool = True) -> str:
+    """Which collectives the model's all-reduce / all-gather use (the rule, tested):
+    NCCL on a GPU (RCCL on ROCm); on a CPU, the shared-memory one when every rank is on
+    this machine, the CPU is x86 (its store order is what the shared-memory barrier
+    relies on) and /dev/shm has room for its buffers twice over; else gloo."""
+    if device_type == "cuda":
+        return "nccl"
+    if device_type != "cpu":
+        return "gloo"
+    needed = 64 * size + 2 * size * SHM_SLOT_BYTES
+    if (allow_shm and nnodes == 1 and machine in ("x86_64", "AMD64", "i686")
+            and shm_free_bytes >= 2 * needed):
+        return "shm"
+    return "gloo"
+
+
+def shm_free_bytes() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> TPGroup:
+    import platform  # noqa: PLC0415
+
+    from kvstrata.runner.parallel.shm_allreduce import ShmCollectives  # noqa: PLC0415
+
+    backend = collectives_backend(device.type, p.nnodes, platform.machine(),
+                                  shm_free_bytes(), p.size, allow_shm)
+    dist.init_process_group("nccl" if backend == "nccl" else "gloo",
+                            init_method=f"tcp://{p.init_addr}", rank=p.rank,
                             world_size=p.size,
                             timeout=datetime.timedelta(seconds=p.timeout_s))
-    return TPGroup(p.rank, p.size)
+    group = TPGroup(p.rank, p.size)
+    # Every rank judged the same rule on the same machine, but /dev/shm's free space may
+    # have moved between them: rank 0's verdict counts.
+    if from_rank0(backend) == "shm":
+        path = from_rank0(ShmCollectives.new_path() if p.rank == 0 else None)
+        if p.rank == 0:  # creates the file
+            group.shm = ShmCollectives(0, p.size, path, SHM_SLOT_BYTES, create=True)
+        dist.barrier()
+        if p.rank != 0:
+            group.shm = ShmCollectives(p.rank, p.size, path, SHM_SLOT_BYTES, create=False)
+        group.shm.timeout_s = p.timeout_s
+        dist.barrier()  # every rank has it mapped: the name can go
+        if p.rank == 0:
+            os.unlink(path)
+    logger.info("tensor parallelism: rank %d of %d, collectives: %s", p.rank, p.size,
+                "shared memory (+ gloo for large tensors)" if group.shm else backend)
+    return group
 
 
 def agree_min(value: int) -> int:

@@ -81,6 +81,9 @@ class TPDriver:
 
     def on_rank_lost(self, reason: str) -> None:
         self.lost = reason
+        shm = self.runner.tp_rank.group.shm
+        if shm is not None:  # a forward waiting in shared memory stops waiting
+            shm.abort_reason = reason
         if self.exit_on_rank_loss:
             os._exit(TP_RANK_LOST_EXIT_CODE)
 
