@@ -90,3 +90,13 @@ def test_collectives_backend_rule(args, want):
     assert collectives_backend(*args) == want
     if want == "shm":
         assert collectives_backend(*args, allow_shm=False) == "gloo"
+
+
+def test_allreduce_benchmark_reports_both_paths_against_memcpy():
+    from kvstrata.bench.allreduce import BATCHES, DTYPES, run
+
+    result = run(size=2, hidden=64, layers=2, iters=5)
+    assert len(result["rows"]) == len(BATCHES) * len(DTYPES)
+    for row in result["rows"]:
+        assert row["gloo_us"] > 0 and row["shm_us"] > 0 and row["memcpy_us"] > 0
+        assert row["per_step_ms_shm"] == pytest.approx(row["shm_us"] * 5 / 1e3)
