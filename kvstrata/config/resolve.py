@@ -124,9 +124,8 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
-    if args.tp_size > 1:  # the serving path under TP is built for the plain engine only
+    if args.tp_size > 1:  # PD and speculative decoding are not built under TP yet
         with_tp = [name for name, on in (
-            ("--enable-hierarchical-cache", args.enable_hierarchical_cache),
             ("--disaggregation-mode", args.disaggregation_mode != "null"),
             ("--speculative-algorithm", args.speculative_algorithm is not None))
             if on]

@@ -121,7 +121,8 @@ def build_runner(server_args: ServerArgs, tp: Any = None
     runner.allocate_kv(plan)
     if args.hicache_storage_backend is not None:
         runner.enable_storage(args.hicache_storage_backend, storage_model_name(args),
-                              args.hicache_storage_extra_config())
+                              args.hicache_storage_extra_config(),
+                              *((tp.rank, tp.size) if tp is not None else ()))
     return runner, args, plan, resolutions
 
 
@@ -149,6 +150,7 @@ def build_runner_or_ranks(server_args: ServerArgs
         raise
     joined = runner.tp_rank
     driver = TPDriver(runner, joined.links, procs, joined.restore)
+    driver.reply_timeout_s = p.timeout_s
     joined.links.beats.processes = dict(zip(p.local_ranks()[1:], procs))
     joined.links.beats.start(envs.KVSTRATA_TP_HEARTBEAT_TIMEOUT.get(), driver.on_rank_lost)
     return driver, args, plan, resolutions

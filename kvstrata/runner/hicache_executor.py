@@ -71,16 +71,24 @@ class HiCacheExecutor(OpExecutor):
         self.wait_seconds = 0.0
         self.plan = plan
         self.storage: StorageJobRunner | None = None
+        self.skip_backups = False  # an MLA rank > 0 under TP with a shared store
 
-    def enable_storage(self, backend: str, model: str, extra: dict) -> None:
+    def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
+                       tp_size: int = 1) -> None:
         """HiCache L3: the backend named by --hicache-storage-backend, in the namespace of
         this plan and model (`key_salt` of the extra config isolates tenants). The prefetch
-        keys of the extra config belong to the scheduler; the backend gets the others."""
-        namespace = StorageNamespace.from_plan(self.plan, model,
+        keys of the extra config belong to the scheduler; the backend gets the others.
+        Tensor parallelism: an MHA rank stores its KV heads under its own rank's keys; MLA
+        KV is the same on every rank, so with a store shared between processes only rank 0
+        writes it and every rank reads it."""
+        namespace = StorageNamespace.from_plan(self.plan, model, tp_rank=tp_rank,
+                                               tp_size=tp_size,
                                                salt=str(extra.get("key_salt", "")))
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
         config = StorageConfig(namespace, self.host_pool.geom.bytes_per_page, backend_extra)
-        self.storage = StorageJobRunner(create_storage_backend(backend, config, self.host_pool))
+        store = create_storage_backend(backend, config, self.host_pool)
+        self.skip_backups = namespace.is_mla and tp_rank > 0 and store.shared_across_processes
+        self.storage = StorageJobRunner(store)
         logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
 
     def execute(self, ops: list[TransferOp], idle: bool = False, cancels: list[int] = ()
@@ -112,10 +120,17 @@ class HiCacheExecutor(OpExecutor):
             if ops or cancels:
                 raise RuntimeError("storage ops without --hicache-storage-backend")
             return []
+        skipped = []
         for op in ops:
+            if op.kind == "h2s" and self.skip_backups:  # rank 0 stores this MLA page
+                n = len(op.keys)
+                skipped.append(StorageProgress(op.job_id, n, n, True))
+                continue
             self.storage.submit(op)
         for job in cancels:  # after submits: a job may be cancelled by the step starting it
             self.storage.cancel(job)
+        if skipped:
+            return skipped + self.storage.poll()
         if wait:
             return self.storage.wait_any(IDLE_WAIT_SECONDS)
         return self.storage.poll()

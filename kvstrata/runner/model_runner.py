@@ -214,11 +214,12 @@ class ModelRunner:
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype))
 
-    def enable_storage(self, backend: str, model: str, extra: dict) -> None:
+    def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
+                       tp_size: int = 1) -> None:
         """HiCache L3 behind the host pool (after allocate_kv); see HiCacheExecutor."""
         if self.hicache is None:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        self.hicache.enable_storage(backend, model, extra)
+        self.hicache.enable_storage(backend, model, extra, tp_rank, tp_size)
 
     def transfer_stats(self) -> dict:
         """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""

@@ -117,3 +117,55 @@ def test_w8a8_under_tp_is_as_close_as_one_rank(smollm2_gguf_path):
     one = (got[(1, "w8a8_int8")] - ref).abs().mean()
     three = (got[(3, "w8a8_int8")] - ref).abs().mean()
     assert 0 < three < 1.5 * one, (float(three), float(one))
+
+
+def _hicache_rounds(path: str, tp: int, store: str, conversations: dict) -> list[dict]:
+    """Round 0: the multi-turn conversations through a device pool far smaller than them
+    (pages go to the host pool and come back), a file store behind; round 1: a new engine
+    (empty device and host pools) on the same store serves the last prompt's prefix from
+    it. Returns each round's outputs and load."""
+    from kvstrata import LLM
+    from tests.correctness.test_hicache_engine import GREEDY as ANSWER, multi_turn
+
+    extra = f'{{"file_path": "{store}", "prefetch_threshold": 8}}'
+    kw = dict(skip_tokenizer_init=True, page_size=4, max_total_tokens=160,
+              enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=8.0,
+              hicache_storage_backend="file", hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_backend_extra_config=extra)
+    rounds = []
+    with LLM(model_path=path, tp_size=tp, **kw) as llm:
+        prompts, outputs = multi_turn(llm, **conversations)
+        rounds.append({"prompts": prompts, "outputs": outputs, "load": llm.get_load()})
+        llm.check_integrity()
+    with LLM(model_path=path, tp_size=tp, **kw) as llm:
+        out = llm.generate(input_ids=prompts[-1], sampling_params=ANSWER)
+        rounds.append({"outputs": [out["output_ids"]], "load": llm.get_load()})
+        if tp > 1:
+            ranks = llm.engine.runner.digests()
+            assert all(d == ranks[0] for d in ranks), ranks
+    return rounds
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek_v32"])
+def test_tp_hicache_host_tier_and_file_store(model, tiny_checkpoints, tiny_dsa_4_heads,
+                                             tmp_path):
+    """HiCache under tp 2: per-rank host pools, every device<->host job ends for the
+    scheduler only once it ended on both ranks, storage keys per rank (llama) or one copy
+    written by rank 0 and read by both (MLA), storage hits agreed as the minimum over ranks.
+    Outputs equal the one-rank engine's with the same tiers."""
+    path = tiny_checkpoints["llama"] if model == "llama" else tiny_dsa_4_heads
+    talk: dict = {}  # 3 conversations x 5 turns: far more than the 160-token pool
+    one = _hicache_rounds(path, 1, str(tmp_path / "one"), talk)
+    two = _hicache_rounds(path, 2, str(tmp_path / "two"), talk)
+    for r in range(2):
+        assert two[r]["outputs"] == one[r]["outputs"], (model, r)
+    first, second = two[0]["load"], two[1]["load"]
+    assert first["hicache_host_hit_tokens"] > 0 and first["hicache_h2d_pages"] > 0, first
+    assert second["hicache_storage_hit_tokens"] > 0, second
+    assert second["hicache_storage_hit_tokens"] == one[1]["load"]["hicache_storage_hit_tokens"]
+    if model == "deepseek_v32":  # one copy of the latent KV: rank 1 wrote nothing
+        assert _bytes_under(tmp_path / "two") == _bytes_under(tmp_path / "one")
+
+
+def _bytes_under(folder) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())

@@ -72,6 +72,10 @@ class StorageConfig:
 
 class StorageBackend(ABC):
     """See the module docstring. Subclasses register under the flag's value in registry.py."""
+    # Every process that names the same namespace reads the same pages (files, Mooncake);
+    # False for a store inside one process. Tensor parallelism on an MLA model: with a
+    # shared store only rank 0 writes (every rank's latent KV is the same).
+    shared_across_processes = True
 
     def __init__(self, config: StorageConfig, host_pool):
         page_bytes = host_pool.geom.bytes_per_page

@@ -21,6 +21,8 @@ _SHARED_LOCK = threading.Lock()
 
 
 class MemoryStorage(StorageBackend):
+    shared_across_processes = False  # memory_store_id shares within one process only
+
     def __init__(self, config, host_pool):
         super().__init__(config, host_pool)
         store_id = config.extra.get("memory_store_id")

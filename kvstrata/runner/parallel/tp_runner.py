@@ -20,14 +20,14 @@ from typing import Any
 
 import msgspec
 
-from kvstrata.protocol.scheduler_output import RunnerOutput, SchedulerOutput
+from kvstrata.protocol.scheduler_output import Event, RunnerOutput, SchedulerOutput
 from kvstrata.runner.parallel.tp_comm import RankLinks
+from kvstrata.runner.parallel.tp_events import EventMerger
 
 logger = logging.getLogger(__name__)
 # Exit status of a process that lost a tensor-parallel peer; frontend/process_utils.py
 # (which the runner may not import) names it in the API's errors: the test checks they agree.
 TP_RANK_LOST_EXIT_CODE = 71
-REPLY_TIMEOUT_S = 60.0
 
 
 class StepMsg(msgspec.Struct, tag="step"):
@@ -45,9 +45,22 @@ class ReplyMsg(msgspec.Struct, tag="reply"):
     result: Any = None
 
 
+class EventsMsg(msgspec.Struct, tag="events"):
+    """A rank's executor events of one step (sent when the runner has executors)."""
+    rank: int
+    events: list[Event]
+
+
 _DOWN = msgspec.msgpack.Decoder(StepMsg | CallMsg)
-_UP = msgspec.msgpack.Decoder(ReplyMsg)
+_UP = msgspec.msgpack.Decoder(ReplyMsg | EventsMsg)
 _encode = msgspec.msgpack.encode
+
+
+def reports_events(runner: Any) -> bool:
+    """The runner has op executors (HiCache, PD, retraction backups): its events go to
+    rank 0 after every step. The same answer on every rank (same flags, same ops)."""
+    return any(getattr(runner, name, None) is not None for name in ("hicache", "disagg",
+                                                                    "backup"))
 
 
 class _Digests:
@@ -73,8 +86,10 @@ class TPDriver:
         self.runner, self.links, self.processes = runner, links, processes
         self._restore = restore
         self._digests = _Digests()
+        self._merger = EventMerger(links.size)
         self.lost: str | None = None
         self.exit_on_rank_loss = False  # the server's scheduler process: exit, do not wait
+        self.reply_timeout_s = 300.0      # --watchdog-timeout (set by the engine factory)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["runner"], name)
@@ -97,21 +112,32 @@ class TPDriver:
         self.links.send_all(data)
         out = self.runner.execute(sched)
         self._digests.add(data, out)
+        if reports_events(self.runner):  # every rank's executors: a job ends on all of them
+            per_rank = [out.events] + [m.events for m in self._replies("step")]
+            out.events = self._merger.merge(per_rank)
         return out
 
     def call(self, op: str, arg: Any = None) -> list[ReplyMsg]:
         """Ask every other rank; their replies in rank order."""
         self._check()
         self.links.send_all(_encode(CallMsg(op, arg)))
-        replies: dict[int, ReplyMsg] = {}
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        return self._replies(op)
+
+    def _replies(self, op: str) -> list:
+        """One message from every other rank (a ReplyMsg, or an EventsMsg after a step),
+        in rank order."""
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + self.reply_timeout_s
         while len(replies) < self.links.size - 1:
-            data = self.links.recv(max(0.0, deadline - time.monotonic()))
-            if data is None:
+            data = self.links.recv(1.0)  # in slices: a lost rank (heartbeat) ends the wait
+            if data is not None:
+                reply = _UP.decode(data)
+                replies[reply.rank] = reply
+                continue
+            self._check()
+            if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor parallelism: no reply to {op!r} from ranks "
                                    f"{sorted(set(range(1, self.links.size)) - set(replies))}")
-            reply = _UP.decode(data)
-            replies[reply.rank] = reply
         return [replies[r] for r in sorted(replies)]
 
     def digests(self) -> list[dict]:
@@ -161,7 +187,10 @@ def serve_rank(runner: Any, links: RankLinks) -> None:
         data = links.recv()
         msg = _DOWN.decode(data)
         if isinstance(msg, StepMsg):
-            digests.add(data, runner.execute(msg.sched))
+            out = runner.execute(msg.sched)
+            digests.add(data, out)
+            if reports_events(runner):
+                links.reply(_encode(EventsMsg(links.rank, out.events)))
             continue
         if msg.op == "shutdown":
             return

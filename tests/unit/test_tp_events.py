@@ -1,0 +1,78 @@
+"""EventMerger (runner/parallel/tp_events.py): under tensor parallelism a device<->host job
+ends for the scheduler once it ended on every rank, and a storage job's progress is the
+minimum over ranks. Randomised: each rank reports the same jobs at its own pace."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from kvstrata.protocol.scheduler_output import StorageProgress, TransferDone
+from kvstrata.runner.parallel.tp_events import EventMerger
+
+
+@st.composite
+def schedules(draw):
+    """(size, per-step per-rank events): every rank reports every job once (TransferDone)
+    or as a non-decreasing progress run ending finished (StorageProgress)."""
+    size = draw(st.integers(2, 4))
+    jobs = draw(st.integers(1, 5))
+    kinds = [draw(st.sampled_from(["done", "storage"])) for _ in range(jobs)]
+    per_rank: list[list[tuple[int, object]]] = []  # (step, event)
+    for rank in range(size):
+        timeline = []
+        for job, kind in enumerate(kinds):
+            if kind == "done":
+                timeline.append((draw(st.integers(0, 6)),
+                                 TransferDone(job, ok=draw(st.booleans()) or rank != 1)))
+                continue
+            total = draw(st.integers(1, 5))
+            steps = sorted(draw(st.lists(st.integers(0, 6), min_size=1, max_size=3)))
+            done = sorted(draw(st.integers(0, total)) for _ in steps)
+            done[-1] = draw(st.integers(0, total))
+            done = sorted(done)
+            hits = draw(st.integers(0, total))
+            for i, (step, d) in enumerate(zip(steps, done)):
+                last = i == len(steps) - 1
+                timeline.append((step, StorageProgress(job, hits, min(d, hits), last)))
+        per_rank.append(timeline)
+    return size, kinds, per_rank
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules())
+def test_merged_events(case):
+    size, kinds, per_rank = case
+    merger = EventMerger(size)
+    seen_done: dict[int, bool] = {}
+    last_progress: dict[int, StorageProgress] = {}
+    finished: set[int] = set()
+    for step in range(7):
+        events = [[e for s, e in timeline if s == step] for timeline in per_rank]
+        reported_by_all = {job for job in range(len(kinds))
+                           if all(any(s <= step and e.job_id == job for s, e in tl)
+                                  for tl in per_rank)}
+        for e in merger.merge(events):
+            if isinstance(e, TransferDone):
+                assert e.job_id not in seen_done, "a job ends once"
+                assert e.job_id in reported_by_all, "only after every rank reported it"
+                oks = [ev.ok for tl in per_rank for s, ev in tl if ev.job_id == e.job_id]
+                assert e.ok == all(oks)
+                seen_done[e.job_id] = e.ok
+            else:
+                assert e.job_id not in finished, "nothing after the finished one"
+                prev = last_progress.get(e.job_id)
+                if prev is not None:
+                    assert e.done_pages >= prev.done_pages
+                # never ahead of any rank: each rank's newest state so far bounds it
+                for tl in per_rank:
+                    mine = [ev for s, ev in tl if s <= step and ev.job_id == e.job_id]
+                    assert mine and e.done_pages <= mine[-1].done_pages
+                    assert e.hit_pages <= mine[-1].hit_pages
+                last_progress[e.job_id] = e
+                if e.finished:
+                    finished.add(e.job_id)
+    for job, kind in enumerate(kinds):
+        if kind == "done":
+            assert job in seen_done
+        else:
+            assert job in finished, "every storage job finishes once all ranks finished"
+    assert merger.pending() == 0
