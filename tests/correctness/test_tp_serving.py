@@ -169,3 +169,25 @@ def test_tp_hicache_host_tier_and_file_store(model, tiny_checkpoints, tiny_dsa_4
 
 def _bytes_under(folder) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_ngram_speculation_under_tp(tiny_checkpoints):
+    """NGRAM drafts come from the scheduler's n-gram cache, so they cross to every rank in
+    the SchedulerOutput like any token: verify steps at tp 2 accept drafts and give the
+    plain one-rank engine's tokens and logprobs."""
+    from kvstrata import LLM
+    from tests.correctness.test_speculative import assert_same, greedy, repeating_prompts
+
+    prompts = repeating_prompts()
+    base = dict(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
+                max_total_tokens=2048)
+    with LLM(**base) as llm:
+        plain = llm.generate(input_ids=prompts, sampling_params=greedy(24))
+    with LLM(**base, tp_size=2, speculative_algorithm="NGRAM",
+             speculative_num_draft_tokens=5,
+             speculative_disable_by_batch_size=1 << 20) as llm:
+        spec = llm.generate(input_ids=prompts, sampling_params=greedy(24))
+        ranks = llm.engine.runner.digests()
+    assert_same(plain, spec)
+    assert sum(o["meta_info"]["spec_accept_token_num"] for o in spec) > 0
+    assert all(d == ranks[0] for d in ranks)

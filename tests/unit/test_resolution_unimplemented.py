@@ -29,7 +29,8 @@ def test_defaults_are_all_implemented():
     ({"enable_hisparse": True}, "--enable-hisparse"),
     ({"tp_size": 2, "disaggregation_mode": "prefill"},
      "--disaggregation-mode with --tp-size > 1"),
-    ({"tp_size": 2, "speculative_algorithm": "NGRAM"}, "--speculative-algorithm with --tp-size > 1"),
+    ({"tp_size": 2, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"},
+     "--speculative-algorithm STANDALONE with --tp-size > 1"),
     ({"dcp_size": 2}, "--dcp-size"),
 ])
 def test_unbuilt_flag_is_refused(kwargs, flag):
@@ -51,7 +52,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"enable_priority_scheduling": True}, {"disable_priority_preemption": True},
     {"enable_priority_scheduling": True, "schedule_policy": "lof"},
     {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
-    {"tp_size": 2}, {"tp_size": 2, "enable_hierarchical_cache": True,
+    {"tp_size": 2}, {"tp_size": 2, "speculative_algorithm": "NGRAM"},
+    {"tp_size": 2, "enable_hierarchical_cache": True,
                      "hicache_storage_backend": "file"}, {"tp_size": 4, "nnodes": 2, "node_rank": 1,
                      "dist_init_addr": "127.0.0.1:5000"},
     {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
