@@ -124,11 +124,10 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
-    if args.tp_size > 1:  # PD and draft models are not built under TP yet (NGRAM's drafts
-        with_tp = [name for name, on in (  # come from the scheduler: it is)
-            ("--disaggregation-mode", args.disaggregation_mode != "null"),
+    if args.tp_size > 1:  # draft models are not built under TP yet (NGRAM's drafts come
+        with_tp = [name for name, on in (  # from the scheduler: it is)
             (f"--speculative-algorithm {args.speculative_algorithm}",
-             args.speculative_algorithm not in (None, "NGRAM")))
+             args.speculative_algorithm not in (None, "NGRAM")),)
             if on]
         if with_tp:
             return [f"{name} with --tp-size > 1" for name in with_tp]

@@ -181,6 +181,7 @@ def build_engine(server_args: ServerArgs, defer_tokenizer: bool = False
         # per slot the scheduler hands out.
         runner.enable_disagg(args.disaggregation_mode, args.disaggregation_transfer_backend,
                              args.host, args.disaggregation_bootstrap_port, pd.num_slots)
+        # (under TP, TPDriver.enable_disagg sets every rank's up with its tp rank)
     engine.stream_interval = args.stream_interval
     engine.server_args = args
     engine.resolutions = resolutions

@@ -199,9 +199,9 @@ class ModelRunner:
         return out
 
     def enable_disagg(self, role: str, backend: str, host: str, bootstrap_port: int,
-                      num_metadata_slots: int) -> None:
+                      num_metadata_slots: int, tp: tuple[int, int] = (0, 1)) -> None:
         """PD: build the transfer manager over the device pool (after allocate_kv); the
-        prefill role starts its bootstrap server on host:bootstrap_port."""
+        prefill role starts its bootstrap server on host:bootstrap_port (tp rank 0)."""
         if self.plan is None:
             raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
         from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
@@ -212,7 +212,8 @@ class ModelRunner:
         self.disagg = DisaggExecutor(create_manager(
             backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
-            page_size=self.plan.page_size, kv_dtype=self.plan.dtype))
+            page_size=self.plan.page_size, kv_dtype=self.plan.dtype, tp_rank=tp[0],
+            tp_size=tp[1]))
 
     def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
                        tp_size: int = 1) -> None:

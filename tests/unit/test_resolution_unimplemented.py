@@ -27,8 +27,6 @@ def test_defaults_are_all_implemented():
      "--disaggregation-decode-retraction-backup host_pool with a decode "
      "--enable-hierarchical-cache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
-    ({"tp_size": 2, "disaggregation_mode": "prefill"},
-     "--disaggregation-mode with --tp-size > 1"),
     ({"tp_size": 2, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"},
      "--speculative-algorithm STANDALONE with --tp-size > 1"),
     ({"dcp_size": 2}, "--dcp-size"),
@@ -53,6 +51,7 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"enable_priority_scheduling": True, "schedule_policy": "lof"},
     {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
     {"tp_size": 2}, {"tp_size": 2, "speculative_algorithm": "NGRAM"},
+    {"tp_size": 2, "disaggregation_mode": "decode"},
     {"tp_size": 2, "enable_hierarchical_cache": True,
                      "hicache_storage_backend": "file"}, {"tp_size": 4, "nnodes": 2, "node_rank": 1,
                      "dist_init_addr": "127.0.0.1:5000"},

@@ -76,3 +76,54 @@ def test_merged_events(case):
         else:
             assert job in finished, "every storage job finishes once all ranks finished"
     assert merger.pending() == 0
+
+
+@st.composite
+def room_runs(draw):
+    """Per rank, a room's state changes as its executor reports them: forward through
+    BOOTSTRAPPING .. SUCCESS, or cut short by FAILED, each at some step."""
+    size = draw(st.integers(2, 4))
+    runs = []
+    for _ in range(size):
+        states = draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=4,
+                               unique=True))
+        states.sort()
+        if draw(st.booleans()) and states[-1] != 4:
+            states.append(0)  # FAILED
+        steps = sorted(draw(st.lists(st.integers(0, 6), min_size=len(states),
+                                     max_size=len(states))))
+        runs.append(list(zip(steps, states)))
+    return size, runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(room_runs())
+def test_pd_room_state_is_the_minimum_over_ranks(case):
+    from kvstrata.protocol.disagg import PDEvent
+
+    size, runs = case
+    merger = EventMerger(size)
+    emitted = []
+    latest: dict[int, int] = {}
+    for step in range(7):
+        events = []
+        for rank, run in enumerate(runs):
+            mine = [PDEvent(7, s, error="boom" if s == 0 else None, pages=rank)
+                    for t, s in run if t == step]
+            for e in mine:
+                latest[rank] = e.state
+            events.append(mine)
+        for e in merger.merge(events):
+            assert len(latest) == size, "nothing before every rank reported"
+            assert e.state == min(latest.values())
+            if e.state == 4:
+                assert e.pages == 0  # rank 0's event
+            emitted.append(e.state)
+    assert all(a < b for a, b in zip(emitted, emitted[1:]) if b != 0), emitted
+    finals = [s for s in emitted if s in (0, 4)]
+    assert len(finals) <= 1
+    last = [run[-1][1] for run in runs]
+    if 0 in last or all(s == 4 for s in last):
+        assert finals == [min(last)]
+    merger.release([7])
+    assert merger.pending() == 0

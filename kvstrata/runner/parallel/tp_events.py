@@ -7,11 +7,17 @@ for the scheduler only when every rank reported it:
   - TransferDone: once all ranks reported the job; ok only if every rank's was ok;
   - StorageProgress: the minimum over ranks (hit pages: -1 while any rank has not asked its
     backend yet; done pages), finished once every rank finished, the first error kept. A
-    storage prefetch thus loads what every rank found: the ranks never diverge.
-Other events (PD) are not merged: PD under tensor parallelism is refused at start-up.
+    storage prefetch thus loads what every rank found: the ranks never diverge;
+  - PDEvent: a room's state is the minimum over ranks (KVPoll: FAILED 0 < BOOTSTRAPPING <
+    WAITING_FOR_INPUT < TRANSFERRING < SUCCESS 4), as SGLang all-reduces MIN over its TP
+    group: SUCCESS once every rank's transfer succeeded (rank 0's metadata and page count),
+    FAILED as soon as one rank failed (its reason). Nothing is said of a room before every
+    rank reported it once, so the merged state only moves forward; a room is forgotten when
+    its `release` op passes (`release`).
 """
 from __future__ import annotations
 
+from kvstrata.protocol.disagg import KVPoll, PDEvent
 from kvstrata.protocol.scheduler_output import StorageProgress, TransferDone
 
 
@@ -21,12 +27,15 @@ class EventMerger:
         self._done: dict[int, dict[int, bool]] = {}
         self._progress: dict[int, dict[int, StorageProgress]] = {}
         self._sent: dict[int, StorageProgress] = {}
+        self._rooms: dict[int, dict[int, PDEvent]] = {}
+        self._room_sent: dict[int, int] = {}  # room -> merged state last emitted
 
     def merge(self, per_rank: list[list]) -> list:
         """Rank-ordered event lists of one step -> the scheduler's events."""
         out: list = []
         done_order: list[int] = []
         progress_order: list[int] = []
+        room_order: list[int] = []
         for rank, events in enumerate(per_rank):
             for e in events:
                 if isinstance(e, TransferDone):
@@ -35,6 +44,9 @@ class EventMerger:
                 elif isinstance(e, StorageProgress):
                     self._progress.setdefault(e.job_id, {})[rank] = e
                     progress_order.append(e.job_id)
+                elif isinstance(e, PDEvent):
+                    self._rooms.setdefault(e.room, {})[rank] = e
+                    room_order.append(e.room)
                 elif rank == 0:
                     out.append(e)
         for job in dict.fromkeys(done_order):
@@ -49,7 +61,30 @@ class EventMerger:
                 self._sent[job] = merged
                 if merged.finished:
                     del self._progress[job], self._sent[job]
+        for room in dict.fromkeys(room_order):
+            merged = self._room_state(room)
+            if merged is not None:
+                out.append(merged)
         return out
+
+    def _room_state(self, room: int) -> PDEvent | None:
+        states = self._rooms[room]
+        if len(states) < self.size or self._room_sent.get(room) in (KVPoll.FAILED,
+                                                                     KVPoll.SUCCESS):
+            return None
+        worst = min(states.values(), key=lambda e: e.state)
+        if worst.state == self._room_sent.get(room):
+            return None
+        self._room_sent[room] = worst.state
+        if worst.state == KVPoll.SUCCESS:
+            return states[0]  # rank 0's: the metadata and the page count
+        return PDEvent(room, worst.state, error=worst.error)
+
+    def release(self, rooms) -> None:
+        """The scheduler released these rooms: no rank reports them any more."""
+        for room in rooms:
+            self._rooms.pop(room, None)
+            self._room_sent.pop(room, None)
 
     def _combined(self, job: int) -> StorageProgress | None:
         states = self._progress[job]
@@ -63,7 +98,7 @@ class EventMerger:
 
     def pending(self) -> int:
         """Jobs some rank reported and some other has not (a state dump's figure)."""
-        return len(self._done) + len(self._progress)
+        return len(self._done) + len(self._progress) + len(self._rooms)
 
 
 __all__ = ["EventMerger"]

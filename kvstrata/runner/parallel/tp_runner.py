@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvstrata.protocol.disagg import PDOp
 from kvstrata.protocol.scheduler_output import Event, RunnerOutput, SchedulerOutput
 from kvstrata.runner.parallel.tp_comm import RankLinks
 from kvstrata.runner.parallel.tp_events import EventMerger
@@ -115,6 +116,8 @@ class TPDriver:
         if reports_events(self.runner):  # every rank's executors: a job ends on all of them
             per_rank = [out.events] + [m.events for m in self._replies("step")]
             out.events = self._merger.merge(per_rank)
+            self._merger.release(op.room for op in sched.ops
+                                 if isinstance(op, PDOp) and op.kind == "release")
         return out
 
     def call(self, op: str, arg: Any = None) -> list[ReplyMsg]:
@@ -139,6 +142,16 @@ class TPDriver:
                 raise RuntimeError(f"tensor parallelism: no reply to {op!r} from ranks "
                                    f"{sorted(set(range(1, self.links.size)) - set(replies))}")
         return [replies[r] for r in sorted(replies)]
+
+    def enable_disagg(self, *args) -> None:
+        """PD on every rank: the others first (a prefill rank > 0 registers with rank 0's
+        bootstrap server, retrying while it starts), then rank 0, then their answers."""
+        self._check()
+        self.links.send_all(_encode(CallMsg("enable_disagg", list(args))))
+        self.runner.enable_disagg(*args, tp=(0, self.links.size))
+        for reply in self._replies("enable_disagg"):
+            if not reply.ok:
+                raise RuntimeError(f"rank {reply.rank}: {reply.result}")
 
     def digests(self) -> list[dict]:
         """Every rank's digests of the steps it applied and the tokens it sampled."""
@@ -196,6 +209,12 @@ def serve_rank(runner: Any, links: RankLinks) -> None:
             return
         if msg.op == "digests":
             reply = ReplyMsg(links.rank, True, digests.result())
+        elif msg.op == "enable_disagg":
+            try:
+                runner.enable_disagg(*msg.arg, tp=(links.rank, links.size))
+                reply = ReplyMsg(links.rank, True)
+            except Exception as e:  # e.g. a bootstrap server that never came up
+                reply = ReplyMsg(links.rank, False, repr(e))
         elif msg.op == "check_rows":
             try:
                 runner.check_req_to_token({int(k): v for k, v in msg.arg.items()})

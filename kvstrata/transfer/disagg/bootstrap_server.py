@@ -14,8 +14,8 @@ Routes:
                 the room -> prefill dp rank table (entries older than
                 KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL are dropped)
   GET  /health  "OK"
-kvstrata runs one rank per server (tp = cp = dp = pp = 1), but the table keeps SGLang's
-four-rank keys so a decode server may address ranks the same way.
+kvstrata fills the tp axis (--tp-size: every prefill rank registers; cp = dp = pp = 1), and
+keeps SGLang's four-rank keys so a decode server addresses ranks the same way.
 
 FastAPI app served by uvicorn in a daemon thread; `start()` returns once it listens,
 `stop()` (the manager's close()) shuts it down and joins the thread.
@@ -205,17 +205,30 @@ class RouteUnreachable(RouteNotReady):
     worth a short retry only, for a prefill whose bootstrap server is still starting."""
 
 
-def register_rank(host: str, port: int, info: dict, timeout: float = 5.0) -> None:
-    """PUT /route: a prefill rank announces its transfer endpoint."""
+def register_rank(host: str, port: int, info: dict, timeout: float = 5.0,
+                  wait_s: float = 0.0) -> None:
+    """PUT /route: a prefill rank announces its transfer endpoint. `wait_s`: retry a
+    bootstrap server that does not answer yet (tensor-parallel ranks > 0 register with
+    rank 0's, which may still be starting)."""
     import httpx  # noqa: PLC0415
 
-    httpx.put(f"http://{host}:{port}/route", json=info, timeout=timeout).raise_for_status()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            httpx.put(f"http://{host}:{port}/route", json=info,
+                      timeout=timeout).raise_for_status()
+            return
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(RESOLVE_RETRY_SECONDS)
 
 
-def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dict, dict]:
-    """(parallel info, rank 0's {rank_ip, rank_port}) of the prefill server whose bootstrap
-    server is host:port. RouteNotReady on 503, RouteUnreachable when nothing answers;
-    RuntimeError else."""
+def fetch_prefill_route(host: str, port: int, timeout: float = 5.0,
+                        tp_rank: int = 0) -> tuple[dict, dict]:
+    """(parallel info, tp rank `tp_rank`'s {rank_ip, rank_port}) of the prefill server whose
+    bootstrap server is host:port. RouteNotReady on 503, RouteUnreachable when nothing
+    answers; RuntimeError else."""
     import httpx  # noqa: PLC0415
 
     base = f"http://{host}:{port}/route"
@@ -225,8 +238,9 @@ def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dic
         if info.status_code == 503:
             raise RouteNotReady(info.text)
         info.raise_for_status()
-        # One rank per kvstrata server: dp group = cp = tp = pp rank 0.
-        rank = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, 0), timeout=timeout)
+        # kvstrata's ranks are tp ranks: dp group = cp = pp rank 0.
+        rank = httpx.get(base, params={**dict.fromkeys(_GET_PARAMS, 0),
+                                       "target_tp_rank": tp_rank}, timeout=timeout)
         rank.raise_for_status()
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise RouteUnreachable(f"{type(e).__name__}: {e}") from None
@@ -240,15 +254,19 @@ def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> tuple[dic
 
 
 def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple,
-                             stopping=lambda: False,
-                             unreachable_timeout: float | None = None) -> tuple[str | None, str]:
+                             stopping=lambda: False, unreachable_timeout: float | None = None,
+                             tp: tuple[int, int] = (0, 1),
+                             on_refused=lambda endpoint: None) -> tuple[str | None, str]:
     """The decode side's look-up: (zmq endpoint of the prefill at bootstrap `key`, "") or
     (None, why). Retries every RESOLVE_RETRY_SECONDS: a bootstrap server that answers "not
     ready" until `timeout`; one that nothing answers for (refused: a definite answer) only
     for `unreachable_timeout` in a row (KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT), then fails
     with SGLang's "Could not fetch prefill parallel info ..." text. `expect` = our
     (page_size, kv_cache_dtype), which the prefill's must equal (equal page bytes could hide
-    a different split)."""
+    a different split). `tp`: this decode rank and the decode server's --tp-size; under
+    tensor parallelism decode rank r pulls from prefill rank r, so the sizes must match.
+    `on_refused(endpoint)`: called when the prefill answered but does not fit, so that the
+    caller can fail the prefill's half of its rooms at once (not at its timeout)."""
     if unreachable_timeout is None:
         unreachable_timeout = envs.KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT.get()
     start = time.monotonic()
@@ -258,7 +276,7 @@ def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple
     while not stopping() and time.monotonic() < deadline:
         attempts += 1
         try:
-            info, rank = fetch_prefill_route(*key)
+            info, rank = fetch_prefill_route(*key, tp_rank=tp[0])
         except RouteUnreachable as e:
             now = time.monotonic()
             unreachable_since = now if unreachable_since is None else unreachable_since
@@ -275,10 +293,17 @@ def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple
         except Exception as e:
             return None, str(e)
         theirs = (info.get("page_size"), info.get("kv_cache_dtype"))
+        endpoint = f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
+        if int(info.get("attn_tp_size", 1)) != tp[1]:
+            on_refused(endpoint)
+            return None, (f"prefill --tp-size {info.get('attn_tp_size', 1)} != decode "
+                          f"--tp-size {tp[1]}: not implemented yet: PD between different "
+                          f"tensor-parallel sizes")
         if theirs != tuple(expect):
+            on_refused(endpoint)
             return None, (f"prefill page_size/kv dtype {theirs[0]}/{theirs[1]} != decode "
                           f"{expect[0]}/{expect[1]}")
-        return f"tcp://{rank['rank_ip']}:{rank['rank_port']}", ""
+        return endpoint, ""
     if stopping():
         return None, "the decode transfer manager closed"
     return None, f"not ready within {timeout:g} s (bootstrap timeout); last: {error}"

@@ -42,10 +42,14 @@ TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest
 
 class ZmqDisaggManager(DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
-                 num_metadata_slots: int, page_size: int, kv_dtype: str):
+                 num_metadata_slots: int, page_size: int, kv_dtype: str, tp_rank: int = 0,
+                 tp_size: int = 1):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
+        # Tensor parallelism: this rank's share of the KV; prefill rank r registers as tp
+        # rank r (rank 0 serves the bootstrap server), decode rank r pulls from it.
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         # What peers are told to connect to: a wildcard bind address is no address to dial.
         self.host = advertised_ip(host)
         self.buffers = check_page_buffers(list(buffers))
@@ -96,14 +100,17 @@ class ZmqDisaggManager(DisaggManager):
         self._setup_backend()
 
         if self.role == "prefill":
-            self._bootstrap = BootstrapServer(host, bootstrap_port)
-            self._bootstrap.start()
+            if self.tp_rank == 0:
+                self._bootstrap = BootstrapServer(host, bootstrap_port)
+                self._bootstrap.start()
             register_rank(self.host, bootstrap_port, {
                 "rank_ip": self.host, "rank_port": data_port,
                 "page_size": self.page_size, "kv_cache_dtype": self.kv_dtype,
-                "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                "attn_tp_size": self.tp_size, "attn_tp_rank": self.tp_rank,
+                "attn_cp_size": 1, "attn_cp_rank": 0,
                 "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
-                "system_dp_size": 1, "system_dp_rank": 0})
+                "system_dp_size": 1, "system_dp_rank": 0},
+                wait_s=self.bootstrap_timeout if self.tp_rank else 0.0)
 
     # ------------------------------------------------------------------ backend hooks
     def _setup_backend(self) -> None:

@@ -72,21 +72,26 @@ class PrefillLookup:
         """Resolver thread, one per prefill being looked up (a prefill that is down must
         not delay the rooms of the others): retry until the bootstrap timeout."""
         mgr = self.mgr
+        refused: list[str] = []  # a prefill that answered but does not fit this decode
         endpoint, error = resolve_prefill_endpoint(
-            key, mgr.bootstrap_timeout, (mgr.page_size, mgr.kv_dtype), lambda: mgr.stopping)
+            key, mgr.bootstrap_timeout, (mgr.page_size, mgr.kv_dtype), lambda: mgr.stopping,
+            tp=(mgr.tp_rank, mgr.tp_size), on_refused=refused.append)
         with mgr.lock:
             self.resolving.discard(key)
             deferred = self.deferred_aborts.pop(key, [])
-            if endpoint is not None:
-                self.routes[key] = endpoint
+            if endpoint is not None or refused:
+                if endpoint is not None:
+                    self.routes[key] = endpoint
                 for abort in deferred:
-                    mgr.call_soon(mgr.send_to, endpoint, abort)
+                    mgr.call_soon(mgr.send_to, endpoint or refused[0], abort)
             waiting = [r for r in mgr.receivers.values()
                        if r.bootstrap == key and r.peer is None and not is_final(r.state)]
         for r in waiting:
             if endpoint is None:
-                mgr.transition(r, KVPoll.FAILED,
-                               f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}")
+                reason = f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}"
+                if refused:  # its half of the room fails now too
+                    mgr.call_soon(mgr.send_to, refused[0], Abort(r.room, mgr.endpoint, reason))
+                mgr.transition(r, KVPoll.FAILED, reason)
             else:
                 r.peer = endpoint
                 mgr.transition(r, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
