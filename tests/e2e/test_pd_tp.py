@@ -63,3 +63,21 @@ def test_a_decode_server_of_another_tp_size_is_refused_by_name(tp_pair, tiny_mod
         assert_no_leak(one.decode)
     finally:
         one.stop()
+
+
+def test_tp2_decode_retraction_backs_up_every_rank(tp_pair, tiny_model_path, server):
+    """A tp 2 decode server whose pool holds about a third of the batch: requests are
+    retracted with their KV backed up (cpu_tensor) on every rank and restored; every
+    answer is the co-located one (or first differs at a near-tie), both pools whole."""
+    from tests.e2e.test_pd_retraction import DECODE_ARGS, prompts, reference, run_pressured
+
+    batch = prompts(8)
+    refs = [reference(server, ids) for ids in batch]
+    pressured = PDServers(tiny_model_path, "tcp", *DECODE_ARGS, *TP2,
+                          "--disaggregation-decode-retraction-backup", "cpu_tensor",
+                          shared_prefill=tp_pair)
+    try:
+        run_pressured(pressured, batch, refs)
+        assert_no_leak(pressured.decode)
+    finally:
+        pressured.stop()
