@@ -2,7 +2,8 @@
 --tp-size 2 each (tcp), behind sglang-router. Every prefill rank registers in the bootstrap
 server's port table (SGLang's prefill_port_table[dp][cp][tp][pp]); decode rank r pulls its
 KV heads from prefill rank r; a room's state is the minimum over ranks. Outputs equal the
-co-located server's. A decode server of another --tp-size is refused by name."""
+co-located server's. The decode pool holds about a third of a batch: its ranks retract with
+KV backups and restore. (A decode of another --tp-size: tests/transfer/test_disagg_tp.py.)"""
 from __future__ import annotations
 
 import random
@@ -25,7 +26,11 @@ def _colocated(server, ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp_pair(tiny_model_path):
-    with serving(PDServers(tiny_model_path, "tcp", *TP2, prefill_args=TP2)) as pd:
+    from tests.e2e.test_pd_retraction import DECODE_ARGS
+
+    with serving(PDServers(tiny_model_path, "tcp", *TP2, *DECODE_ARGS,
+                           "--disaggregation-decode-retraction-backup", "cpu_tensor",
+                           prefill_args=TP2)) as pd:
         yield pd
 
 
@@ -52,32 +57,14 @@ def test_tp2_prefill_and_tp2_decode_through_the_router(tp_pair, server):
     assert_no_leak(tp_pair.prefill)
 
 
-def test_a_decode_server_of_another_tp_size_is_refused_by_name(tp_pair, tiny_model_path):
-    one = PDServers(tiny_model_path, "tcp", shared_prefill=tp_pair)
-    try:
-        prefill, decode = one.generate([101, 102, 103, 104, 105], max_new_tokens=2)
-        assert decode.status_code == 500, decode.text
-        assert "different tensor-parallel sizes" in decode.text
-        # the prefill's half is failed by the decode at once, not at its timeout
-        assert prefill.status_code == 500 and "tensor-parallel" in prefill.text, prefill.text
-        assert_no_leak(one.decode)
-    finally:
-        one.stop()
-
-
-def test_tp2_decode_retraction_backs_up_every_rank(tp_pair, tiny_model_path, server):
-    """A tp 2 decode server whose pool holds about a third of the batch: requests are
-    retracted with their KV backed up (cpu_tensor) on every rank and restored; every
-    answer is the co-located one (or first differs at a near-tie), both pools whole."""
-    from tests.e2e.test_pd_retraction import DECODE_ARGS, prompts, reference, run_pressured
+def test_tp2_decode_retraction_backs_up_every_rank(tp_pair, server):
+    """A batch of 8 at once into the tp 2 decode pool that holds about a third of it:
+    requests are retracted with their KV backed up (cpu_tensor) on every rank and restored;
+    every answer is the co-located one (or first differs at a near-tie), both pools whole."""
+    from tests.e2e.test_pd_retraction import prompts, reference, run_pressured
 
     batch = prompts(8)
     refs = [reference(server, ids) for ids in batch]
-    pressured = PDServers(tiny_model_path, "tcp", *DECODE_ARGS, *TP2,
-                          "--disaggregation-decode-retraction-backup", "cpu_tensor",
-                          shared_prefill=tp_pair)
-    try:
-        run_pressured(pressured, batch, refs)
-        assert_no_leak(pressured.decode)
-    finally:
-        pressured.stop()
+    run_pressured(tp_pair, batch, refs)
+    assert_no_leak(tp_pair.decode)
+    assert_no_leak(tp_pair.prefill)
