@@ -54,6 +54,9 @@ class HiRadixCache(RadixCache):
                              f"got {write_policy!r}")
         super().__init__(allocator, page_size, disable=False, eviction_policy=eviction_policy)
         self.host_allocator = host_allocator
+        # Host pages the pool lends outside the tree (a decode server's retraction backups
+        # sharing this pool: cache/kv_manager.py); counted as used by check_integrity.
+        self.held_elsewhere = lambda: ()
         self.write_policy = write_policy
         self.pending_ops: list[TransferOp] = []
         self._job_ids = itertools.count(1)
@@ -319,6 +322,10 @@ class HiRadixCache(RadixCache):
         assert (evictable, protected) == (self._evictable_pages, self._protected_pages), (
             f"device counters ({self._evictable_pages}, {self._protected_pages}) != tree "
             f"({evictable}, {protected})")
+        for p in self.held_elsewhere():  # a decode server's retraction backups
+            assert p not in host_seen, f"host page {p} owned twice (a backup and the tree)"
+            assert self.host_allocator.is_allocated(p), f"a backup holds free host page {p}"
+            host_seen.add(p)
         if self.storage is not None:
             self.storage.check_integrity()
             for p in self.storage.held_host_pages():
@@ -326,7 +333,7 @@ class HiRadixCache(RadixCache):
                 assert self.host_allocator.is_allocated(p), f"storage holds free host page {p}"
                 host_seen.add(p)
         assert self.host_allocator.num_used() == len(host_seen), (
-            f"host page leak: {self.host_allocator.num_used()} used, tree and storage jobs "
-            f"hold {len(host_seen)}")
+            f"host page leak: {self.host_allocator.num_used()} used, tree, storage jobs and "
+            f"backups hold {len(host_seen)}")
         self.allocator.check_integrity()
         self.host_allocator.check_integrity()

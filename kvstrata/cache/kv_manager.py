@@ -28,17 +28,23 @@ LOAD_BACK_THRESHOLD_PAGES = 1
 class KVManager:
     def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
                  eviction_policy: str = "lru", hicache_write_policy: str = "write_through",
-                 storage: PrefetchConfig | None = None):
+                 storage: PrefetchConfig | None = None, backups_share_host: bool = False):
         """Page ids for `plan`'s pools. A host pool in the plan is either HiCache L2 (a host
         tier behind the radix tree) or, with host_pool_use "retraction", a decode server's
         store for retracted requests' KV backups (no tree: `alloc_backup_pages`). `storage`:
-        HiCache L3 is on (cache/storage_tier.py), with this prefetch policy."""
+        HiCache L3 is on (cache/storage_tier.py), with this prefetch policy.
+        `backups_share_host`: a decode server with HiCache and host_pool retraction backups:
+        one host pool, sized by the HiCache flags, holds both; a backup takes free host pages
+        first, then evicts host-only cached pages (SGLang reclaims evictable host pages
+        first), and the tree's integrity check counts the backups' pages as used."""
         self.plan = plan
         page_size = self.page_size = plan.page_size
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
-        self.backup_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
-        if self.backup_pool:
+        self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"
+                                                   or backups_share_host)
+        self._backup_pages: set[int] = set()  # host pages held by retraction backups
+        if self.backup_pool and not self.hicache:
             self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
         if self.hicache:
             if disable_radix_cache:
@@ -47,6 +53,7 @@ class KVManager:
             self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
             self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
                                                  hicache_write_policy, eviction_policy)
+            self.tree.held_elsewhere = lambda: self._backup_pages
             if storage is not None:
                 capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
                 self.tree.storage = StorageTier(self.tree, storage, max(capacity, 0))
@@ -90,14 +97,21 @@ class KVManager:
 
     # ------------------------------------------------------------------ retraction backups
     def alloc_backup_pages(self, num_pages: int) -> list[int] | None:
-        """Host pages for one retracted request's KV backup, or None when the retraction host
-        pool cannot hold it. SGLang first reclaims evictable host pages; a retraction-only
-        pool has no radix tree behind it, so nothing there is evictable: every used host
-        page belongs to a live backup."""
+        """Host pages for one retracted request's KV backup, or None when the host pool
+        cannot hold it. SGLang first reclaims evictable host pages: with a shared HiCache
+        pool, host-only cached pages are evicted for it; a retraction-only pool has no radix
+        tree behind it, so every used host page there belongs to a live backup."""
         assert self.backup_pool, "no retraction host pool in the KV plan"
-        return self.host_allocator.alloc(num_pages)
+        if self.hicache:
+            pages = self.tree._alloc_host(num_pages)
+        else:
+            pages = self.host_allocator.alloc(num_pages)
+        if pages is not None:
+            self._backup_pages.update(pages)
+        return pages
 
     def free_backup_pages(self, pages: list[int]) -> None:
+        self._backup_pages.difference_update(pages)
         self.host_allocator.free(pages)
 
     def check_backups(self, held: list[list[int]]) -> None:
@@ -109,7 +123,12 @@ class KVManager:
         alloc.check_integrity()
         flat = [p for pages in held for p in pages]
         assert len(set(flat)) == len(flat), "a host page held by two backups"
+        assert set(flat) == self._backup_pages, (
+            f"backups hold host pages {sorted(flat)}, the KV manager counts "
+            f"{sorted(self._backup_pages)}")
         assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
+        if self.hicache:
+            return  # shared with the tree: its check counts both (HiRadixCache)
         assert alloc.available_pages() + len(flat) == alloc.num_pages, (
             f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
             f"total {alloc.num_pages}")

@@ -124,19 +124,9 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
-    if args.tp_size > 1:  # draft models are not built under TP yet (NGRAM's drafts come
-        with_tp = [name for name, on in (  # from the scheduler: it is)
-            (f"--speculative-algorithm {args.speculative_algorithm}",
-             args.speculative_algorithm not in (None, "NGRAM")),)
-            if on]
-        if with_tp:
-            return [f"{name} with --tp-size > 1" for name in with_tp]
-    decode_hicache = args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
-    if (args.disaggregation_mode == "decode" and decode_hicache
-            and args.disaggregation_decode_retraction_backup == "host_pool"):
-        # A decode HiCache owns the host pool; retraction backups beside it are not built.
-        return ["--disaggregation-decode-retraction-backup host_pool with a decode "
-                "--enable-hierarchical-cache"]
+    # Draft models are not built under TP yet (NGRAM's drafts come from the scheduler: it is).
+    if args.tp_size > 1 and args.speculative_algorithm not in (None, "NGRAM"):
+        return [f"--speculative-algorithm {args.speculative_algorithm} with --tp-size > 1"]
     return []
 
 

@@ -33,8 +33,9 @@ class Scheduler:
                              f"{config.schedule_policy!r}")
         self.config = config
         self.page_size = config.page_size
-        self.kv = KVManager(config.plan, not config.radix_cache, config.radix_eviction_policy,
-                            config.hicache_write_policy, storage=config.prefetch_config())
+        self.kv = KVManager(
+            config.plan, not config.radix_cache, config.radix_eviction_policy,
+            config.hicache_write_policy, config.prefetch_config(), config.backups_share_host)
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.waiting: list[Request] = []
@@ -45,8 +46,7 @@ class Scheduler:
         self.num_rows = len(self.free_rows)
         self.freed_for_runner: list[str] = []
         self.finished_outside_step: list[Request] = []
-        self.step_id = 0
-        self.num_retractions = 0
+        self.step_id = self.num_retractions = 0
         self.num_stalls = 0  # steps that had to abort a request that can never fit
         self._in_flight: dict[str, Request] = {}  # requests of the last SchedulerOutput
         # Verify entries of the last decode step: rid -> (start position, number of drafts).

@@ -102,10 +102,11 @@ class SchedulerConfig:
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
-                 **policy: Any):
+                 host_pool_use: str | None = None, **policy: Any):
         """The server passes the plan the engine factory sized. Torch-free tests may pass
         page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only); there a
-        decode server's host pages are its retraction host pool."""
+        decode server's host pages are its retraction host pool unless `host_pool_use`
+        says "hicache"."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
         # A decode server's host pages hold retraction backups, unless its radix cache has a
@@ -113,7 +114,7 @@ class SchedulerConfig:
         decode = policy.get("disaggregation_mode") == "decode"
         decode_hicache = decode and policy.get("disaggregation_decode_enable_radix_cache") \
             and policy.get("disaggregation_decode_retraction_backup") == "cpu_tensor"
-        use = "retraction" if decode and not decode_hicache else "hicache"
+        use = host_pool_use or ("retraction" if decode and not decode_hicache else "hicache")
         self.plan = plan or KVPlan.pages_only(
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
             num_host_pages=num_host_pages, host_pool_use=use)
@@ -137,10 +138,18 @@ class SchedulerConfig:
         return not self.disable_radix_cache and (
             self.disaggregation_mode != "decode" or self.disaggregation_decode_enable_radix_cache)
 
+    @property
+    def backups_share_host(self) -> bool:
+        """A decode server with HiCache and host_pool retraction backups: one host pool,
+        sized by the HiCache flags, holds the tree's host pages and the backups."""
+        return (self.disaggregation_mode == "decode" and self.plan.has_host_pool
+                and self.plan.host_pool_use == "hicache" and self.retraction_backup == "host_pool")
+
     def _check_host_pool(self) -> None:
         """A decode server's host pool is its retraction host pool, or with the decode radix
-        cache HiCache's host tier behind that tree (retraction backups are then cpu_tensor);
-        only a decode server has a retraction pool."""
+        cache HiCache's host tier behind that tree (retraction backups are then cpu_tensor,
+        or host_pool in the same pool: backups_share_host); only a decode server has a
+        retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
         if decode and plan.has_host_pool and not retraction_pool and not self.radix_cache:
@@ -153,7 +162,9 @@ class SchedulerConfig:
         if backup is not None and backup not in RETRACTION_BACKENDS:
             raise ValueError(f"--disaggregation-decode-retraction-backup must be one of "
                              f"{', '.join(RETRACTION_BACKENDS)}, got {backup!r}")
-        if decode and (self.retraction_backup == "host_pool") != retraction_pool:
+        host_pool_backup = decode and self.retraction_backup == "host_pool"
+        if (host_pool_backup and not plan.has_host_pool) or (retraction_pool
+                                                             and not host_pool_backup):
             raise ValueError(f"--disaggregation-decode-retraction-backup "
                              f"{self.retraction_backup} needs "
                              f"{'a' if retraction_pool is False else 'no'} retraction host pool "

@@ -34,7 +34,7 @@ from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.op_executor import split_ops
 from kvstrata.protocol.disagg import BackupOp
 from kvstrata.runner.quantization import weight_bytes
-from kvstrata.runner.retraction_backup import RetractionBackupExecutor
+from kvstrata.runner.retraction_backup import RetractionBackupExecutor, on_demand_backup
 from kvstrata.runner.sampler import Sampler, SamplingState
 from kvstrata.runner.spec_handoff import prefill_draft_extend
 from kvstrata.runner import spec_verify
@@ -184,7 +184,7 @@ class ModelRunner:
         (loads this forward reads, write-backs of pages it may overwrite), then PD ops; then
         the forward; then every executor reports its events."""
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
-            self.backup = RetractionBackupExecutor(self.kv_pool)  # cpu_tensor on demand
+            self.backup = on_demand_backup(self.kv_pool, self.hicache)
         executors = [ex for ex in (self.backup, self.hicache, self.disagg) if ex is not None]
         if self.draft is not None:
             self.draft.on_copies(sched.ops)

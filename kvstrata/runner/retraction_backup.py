@@ -224,3 +224,18 @@ class RetractionBackupExecutor(OpExecutor):
         for metric, value in (("bytes", nbytes), ("seconds", seconds), ("count", 1)):
             key = f"{backend}_{kind}_{metric}"
             self._stats[key] = self._stats.get(key, 0.0) + value
+
+
+def on_demand_backup(device_pool, hicache=None) -> RetractionBackupExecutor:
+    """The executor built at the first BackupOp of a plan without a retraction host pool:
+    cpu_tensor backups, and with HiCache on a decode server also host_pool backups into
+    HiCache's host pool (one pool, shared: cache/kv_manager.py), through an IO backend of
+    their own (HiCache's transfer thread keeps its own staging)."""
+    if hicache is None:
+        return RetractionBackupExecutor(device_pool)
+    from kvstrata.kv.io_backends import make_io_backend  # noqa: PLC0415
+
+    host = hicache.host_pool
+    return RetractionBackupExecutor(device_pool, host, make_io_backend(
+        hicache.plan.io_backend, device_pool.kv, host))
+

@@ -17,7 +17,10 @@ PROMPT = [5, 9, 14, 3, 27, 8, 11, 40, 2, 19]  # 10 tokens
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16)
 HOST = {"cpu_tensor": {},
         "host_pool": dict(num_host_pages=8, host_layout="page_first", io_backend="kernel",
-                          host_pool_use="retraction")}
+                          host_pool_use="retraction"),
+        # a decode server with HiCache: host_pool backups go into HiCache's host pool
+        "shared": dict(num_host_pages=8, host_layout="page_first", io_backend="kernel",
+                       host_pool_use="hicache")}
 
 
 def slot(pages: list[int], pos: int) -> int:
@@ -49,15 +52,16 @@ def generate(r: ModelRunner, rid: str, row: int, pages: list[int], n: int) -> li
     return toks
 
 
-@pytest.mark.parametrize("backend", ["cpu_tensor", "host_pool"])
-def test_backup_and_restore_into_other_pages_keeps_greedy_tokens(tiny_checkpoints, backend):
+@pytest.mark.parametrize("pool", ["cpu_tensor", "host_pool", "shared"])
+def test_backup_and_restore_into_other_pages_keeps_greedy_tokens(tiny_checkpoints, pool):
+    backend = "cpu_tensor" if pool == "cpu_tensor" else "host_pool"
     r = ModelRunner(tiny_checkpoints["llama"], dtype="float32", device="cpu")
     d = r.model.dims
     r.allocate_kv(KVPlan.mha(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads,
                              head_dim=d.head_dim, dtype="float32", page_size=PAGE,
-                             num_pages=24, num_rows=4, context_len=64, **HOST[backend]))
-    assert r.hicache is None  # a retraction host pool is not HiCache's
-    assert (r.backup is not None) == (backend == "host_pool")
+                             num_pages=24, num_rows=4, context_len=64, **HOST[pool]))
+    assert (r.hicache is not None) == (pool == "shared")  # a retraction pool is not HiCache's
+    assert (r.backup is not None) == (pool == "host_pool")  # else built at the first op
     try:
         ref = generate(r, "ref", 1, [2, 3, 9, 5, 6], 8)
         step(r, freed=["ref"])
@@ -74,6 +78,8 @@ def test_backup_and_restore_into_other_pages_keeps_greedy_tokens(tiny_checkpoint
         step(r, [NewRequestData("y", prompt_y, [], GREEDY)], [prefill("y", 1, other, prompt_y)],
              freed=["x"], backups=[backup])
         assert r.backup.has_backup("x")
+        if pool == "shared":
+            assert r.backup.host_pool is r.hicache.host_pool
         step(r, freed=["y"])
 
         new_pages = [13, 5, 20, 17, 15]

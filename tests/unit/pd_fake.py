@@ -399,6 +399,9 @@ class PDPair:
         assert not retraction.retracted and not retraction.backups and not retraction.ops
         store = self.decode_runner.backups
         assert not store.cpu and not store.host_held, "a backup outlived its request"
-        if self.decode.scheduler.kv.backup_pool:
-            alloc = self.decode.scheduler.kv.host_allocator
-            assert alloc.available_pages() == alloc.num_pages, "host pages leaked"
+        kv = self.decode.scheduler.kv
+        if kv.backup_pool:
+            assert not kv._backup_pages, "host pages of ended backups still counted"
+            if not kv.hicache:  # a shared HiCache pool keeps the tree's host pages
+                alloc = kv.host_allocator
+                assert alloc.available_pages() == alloc.num_pages, "host pages leaked"

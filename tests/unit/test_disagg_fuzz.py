@@ -114,6 +114,9 @@ class PDMachine(RuleBasedStateMachine):
                                            if cfg["backup"] == "host_pool" or (
                                                cfg["decode_radix"] and cfg["decode_hicache"])
                                            else 0),
+                        # a decode host tier: HiCache's pool (host_pool backups share it)
+                        "host_pool_use": ("hicache" if cfg["decode_radix"]
+                                          and cfg["decode_hicache"] else None),
                         **({} if cfg["spec"] is None else {
                             "speculative_algorithm": cfg["spec"][2],
                             "speculative_num_draft_tokens": cfg["spec"][0]})})

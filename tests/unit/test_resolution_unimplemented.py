@@ -17,15 +17,6 @@ def test_defaults_are_all_implemented():
 
 @pytest.mark.parametrize("kwargs,flag", [
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
-    ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
-      "enable_hierarchical_cache": True, "disaggregation_decode_retraction_backup": "host_pool"},
-     "--disaggregation-decode-retraction-backup host_pool with a decode "
-     "--enable-hierarchical-cache"),
-    ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
-      "disaggregation_decode_enable_hicache": True,
-      "disaggregation_decode_retraction_backup": "host_pool"},
-     "--disaggregation-decode-retraction-backup host_pool with a decode "
-     "--enable-hierarchical-cache"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
     ({"tp_size": 2, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"},
      "--speculative-algorithm STANDALONE with --tp-size > 1"),
@@ -50,6 +41,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"enable_priority_scheduling": True}, {"disable_priority_preemption": True},
     {"enable_priority_scheduling": True, "schedule_policy": "lof"},
     {"max_queued_requests": 4}, {"abort_on_priority_when_disabled": True},
+    {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
+     "enable_hierarchical_cache": True, "disaggregation_decode_retraction_backup": "host_pool"},
     {"tp_size": 2}, {"tp_size": 2, "speculative_algorithm": "NGRAM"},
     {"tp_size": 2, "disaggregation_mode": "decode"},
     {"tp_size": 2, "enable_hierarchical_cache": True,

@@ -86,6 +86,13 @@ def test_scheduler_config_host_pool_rules():
     with pytest.raises(ValueError, match="cpu_tensor needs no retraction host pool"):
         SchedulerConfig(num_pages=8, num_host_pages=4, disaggregation_mode="decode",
                         disaggregation_decode_retraction_backup="cpu_tensor")
+    shared = SchedulerConfig(num_pages=8, num_host_pages=8, host_pool_use="hicache",
+                             disaggregation_mode="decode",
+                             disaggregation_decode_enable_radix_cache=True,
+                             disaggregation_decode_retraction_backup="host_pool")
+    assert shared.backups_share_host and shared.retraction_backup == "host_pool"
+    assert not SchedulerConfig(num_pages=8, num_host_pages=4,
+                               disaggregation_mode="decode").backups_share_host
     with pytest.raises(ValueError, match="must be one of cpu_tensor, host_pool"):
         SchedulerConfig(num_pages=8, disaggregation_mode="decode",
                         disaggregation_decode_retraction_backup="disk")
