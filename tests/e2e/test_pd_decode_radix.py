@@ -1,13 +1,13 @@
 """The PD decode radix cache (--disaggregation-decode-enable-radix-cache) under pressure and
-faults, its host tier and the decode KV offload, real servers over tcp, two pairs for the
-file (each test leaves its pair drained):
-  - `radix`: the decode radix cache in a 256-token pool. Conversations whose cached prefixes
+faults, its host tier and the decode KV offload, real servers, two pairs for the file (each
+test leaves its pair drained):
+  - `radix` (tcp): the decode radix cache in a 256-token pool. Conversations whose cached prefixes
     the decode server must evict are answered exactly as a co-located server, the evicted
     pages re-sent; an abort mid-turn and a prefill killed mid-turn leave the decode tree and
     pool whole, and the next turn hits the tree again.
-  - `offload`: the same pool with a host tier behind the tree and the KV offload to a file
-    store the prefill server reads too: evicted prefixes come back from the host; a restarted
-    prefill reads the whole previous turn the decode server stored."""
+  - `offload` (mooncake): the same pool with a host tier behind the tree and the KV offload
+    to a file store the prefill server reads too: evicted prefixes come back from the host;
+    a restarted prefill reads the whole previous turn the decode server stored."""
 from __future__ import annotations
 
 import json
@@ -56,7 +56,7 @@ def offload(tiny_model_path, tmp_path_factory):
                     "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy",
                     "wait_complete", "--hicache-storage-backend-extra-config", store)
     # SGLang's spelling of the host tier switch, beside the offload (which implies it).
-    with serving(PDServers(tiny_model_path, "tcp", "--disaggregation-decode-enable-hicache",
+    with serving(PDServers(tiny_model_path, "mooncake", "--disaggregation-decode-enable-hicache",
                            "--disaggregation-decode-enable-offload-kvcache",
                            "--hicache-storage-backend", "file",
                            "--hicache-storage-backend-extra-config", store,
@@ -143,8 +143,8 @@ def test_abort_and_killed_prefill_mid_turn_keep_the_tree_whole(radix, server):
 def test_decode_host_tier_keeps_evicted_prefixes(offload, server):
     """The same chats with a host tier behind the decode tree: pages evicted from the
     device stay on the host and are loaded back at the 4th turn's admission, so it hits
-    everything it held; answers exact; retraction backups are cpu_tensor (the host pool is
-    HiCache's)."""
+    everything it held; answers exact; retraction backups are cpu_tensor (the rule: an
+    explicit host_pool backup and the offload are mutually exclusive, as in SGLang)."""
     info = httpx.get(offload.decode.base_url + "/server_info", timeout=30).json()
     assert info["enable_hierarchical_cache"] is True
     assert info["disaggregation_decode_enable_radix_cache"] is True  # the offload's rule

@@ -128,11 +128,16 @@ def decode_pair(tiny_model_path, prefill):
     ("cpu_tensor", ()),
     # The default ratio (0.2 of the device pool) cannot hold this many backups at once.
     ("host_pool", ("--hicache-ratio", "2.0")),
+    # A decode host tier: the backups share HiCache's host pool (its ratio resolves to 2.0).
+    ("host_pool", ("--disaggregation-decode-enable-radix-cache",
+                   "--enable-hierarchical-cache")),
 ])
 def test_decode_pressure_retracts_and_restores_exactly(backend, extra, batch_refs, decode_pair):
     batch, refs = batch_refs
     pd = decode_pair(backend, *extra)
-    check_server_info(pd.decode, backend, 2.0 if extra else None, backend == "host_pool")
+    shared = "--enable-hierarchical-cache" in extra
+    check_server_info(pd.decode, backend, 2.0 if extra else None,
+                      backend == "host_pool", use="hicache" if shared else "retraction")
     load = run_pressured(pd, batch, refs)
     assert load[f"decode_backups_{backend}"] > 0 and load[f"decode_restores_{backend}"] > 0
     assert_no_leak(pd.decode)
@@ -164,7 +169,7 @@ def test_host_pool_too_small_fails_exactly_those(tiny_model_path, batch_refs, pr
 
 
 def check_server_info(srv, backend: str, ratio: float | None, host_pool: bool,
-                      resolved: bool = False) -> None:
+                      resolved: bool = False, use: str = "retraction") -> None:
     """/server_info shows the resolved backup backend, the ratio and the KV plan's
     retraction host pool (ratio x device pages)."""
     info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
@@ -173,7 +178,7 @@ def check_server_info(srv, backend: str, ratio: float | None, host_pool: bool,
         assert info["hicache_ratio"] == ratio
     plan = info["kv_plan"]
     assert (plan["num_host_pages"] > 0) == host_pool
-    assert plan["host_pool_use"] == ("retraction" if host_pool else None)
+    assert plan["host_pool_use"] == (use if host_pool else None)
     if ratio is not None:  # host pages = ratio x device pages
         assert plan["num_host_pages"] == int(plan["num_pages"] * ratio)
     if resolved:
