@@ -207,3 +207,23 @@ def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
             assert (hit > 0) == (turn > 0), (turn, hit)
             ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
         assert_no_leak(radix.decode)
+
+
+def test_turns_through_sglang_router_over_mooncake(offload, server):
+    """The router in front of the mooncake pair: a 2-turn chat answers as the co-located
+    server and turn 2 hits the decode tree (its host tier behind it)."""
+    with pd_router(offload) as router:
+        rng = random.Random(17)
+        ids = [rng.randrange(100, 40000) for _ in range(29)]
+        for turn in range(2):
+            before = kv_state(offload.decode)["disagg_decode_prefix_hit_tokens_total"]
+            r = httpx.post(router.base_url + "/generate", json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": NEW,
+                                                      "temperature": 0.0}}, timeout=60)
+            assert r.status_code == 200, r.text
+            out = r.json()["output_ids"]
+            assert out == _colocated(server, ids), turn
+            hit = kv_state(offload.decode)["disagg_decode_prefix_hit_tokens_total"] - before
+            assert (hit > 0) == (turn > 0), (turn, hit)
+            ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
+        assert_no_leak(offload.decode)
