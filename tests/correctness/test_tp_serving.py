@@ -7,6 +7,8 @@ tokens it sampled must equal rank 0's, and KVSTRATA_CHECK_INTEGRITY (on in the t
 checks every rank's req_to_token rows after every step."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from helpers.compare import assert_tokens_match
@@ -161,3 +163,21 @@ def test_ngram_speculation_under_tp(tiny_checkpoints):
     assert_same(plain, spec)
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in spec) > 0
     assert all(d == ranks[0] for d in ranks)
+
+
+def test_smollm2_gguf_tp3_equals_one_rank(smollm2_gguf_path):
+    """The real model on 3 ranks (9 query heads, 3 KV heads: one each; ranks round-robin
+    on the cores when there are fewer): greedy tokens and logprobs of one rank."""
+    from kvstrata import LLM
+
+    rng = random.Random(11)
+    ids = [[rng.randrange(100, 40000) for _ in range(rng.randrange(8, 60))] for _ in range(3)]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    got = {}
+    for tp in (1, 3):
+        with LLM("smollm2-135m", tp_size=tp, skip_tokenizer_init=True, chunked_prefill_size=32,
+                 max_total_tokens=4096) as llm:
+            got[tp] = llm.generate(input_ids=ids, sampling_params=params)
+    for one, three in zip(got[1], got[3]):
+        assert three["output_ids"] == one["output_ids"]
+    assert logprobs(got[3]) == pytest.approx(logprobs(got[1]), abs=1e-4)
