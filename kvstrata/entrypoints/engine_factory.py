@@ -64,12 +64,22 @@ def build_runner(server_args: ServerArgs, tp: Any = None
     same start-up in step (entrypoints/tp_ranks.py) and the runner's `tp_rank` holds the
     group and the links to the other ranks."""
     refuse_unimplemented(server_args)
-    import torch  # noqa: PLC0415 - entrypoints may; seeds sampling, picks the rank's device
-
     device, joined = server_args.device, None
     if tp is not None:  # join first: every rank then starts from rank 0's flags
         from kvstrata.entrypoints import tp_ranks  # noqa: PLC0415
         server_args, device, joined = tp_ranks.join(server_args, tp)
+    try:
+        return _build_runner(server_args, tp, device, joined)
+    except BaseException:
+        if joined is not None:  # leave the group: a later LLM(tp_size=N) can join again
+            tp_ranks.leave(joined)
+        raise
+
+
+def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
+                  ) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
+    import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
+
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
@@ -115,7 +125,8 @@ def build_runner(server_args: ServerArgs, tp: Any = None
     args = apply(args, sized)
     resolutions = resolutions + sized
     if joined is not None:
-        tp_ranks.check_same_plan(plan.to_json())
+        from kvstrata.entrypoints.tp_ranks import check_same_plan  # noqa: PLC0415
+        check_same_plan(plan.to_json())
     if tp is None or tp.rank == 0:
         log_resolutions(resolutions)
     runner.allocate_kv(plan)

@@ -89,6 +89,16 @@ def join(args: ServerArgs, p) -> tuple[ServerArgs, Any, JoinedRank]:
     return args, device, JoinedRank(p, group, links, restore)
 
 
+def leave(joined: JoinedRank) -> None:
+    """Undo `join` after a failed start-up: close the links, leave the group, give the
+    process its cores back."""
+    from kvstrata.runner.parallel.tp_runner import destroy_group  # noqa: PLC0415
+
+    joined.links.close()
+    destroy_group()
+    joined.restore()
+
+
 def check_same_plan(plan_json: dict) -> None:
     from kvstrata.runner.parallel.tp_comm import all_ranks  # noqa: PLC0415
 

@@ -181,3 +181,20 @@ def test_smollm2_gguf_tp3_equals_one_rank(smollm2_gguf_path):
     for one, three in zip(got[1], got[3]):
         assert three["output_ids"] == one["output_ids"]
     assert logprobs(got[3]) == pytest.approx(logprobs(got[1]), abs=1e-4)
+
+
+def test_a_size_the_heads_do_not_split_into_is_a_clear_error(tiny_checkpoints):
+    """tp 3 on 4 attention heads: a ValueError naming the flag; the caller's process leaves
+    the group and gets its cores back (a later LLM(tp_size=N) can start)."""
+    import os
+
+    import torch.distributed as dist
+
+    from kvstrata import LLM
+
+    cores = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match="--tp-size 3 must divide num_attention_heads 4"):
+        LLM(model_path=tiny_checkpoints["llama"], tp_size=3, skip_tokenizer_init=True,
+            max_total_tokens=256)
+    assert not dist.is_initialized()
+    assert os.sched_getaffinity(0) == cores
