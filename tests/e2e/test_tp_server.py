@@ -65,14 +65,11 @@ def rank_pids(server_pid: int) -> list[int]:
 
 
 def test_a_killed_rank_ends_the_server(tiny_model_path):
-    """`serve --tp-size 2`: equal to one rank through the HTTP server; then rank 1 is
+    """`serve --tp-size 2` (its answers equal one rank's: the two-launcher test): rank 1 is
     SIGKILLed under a request: the request gets an error, the server exits non-zero (the
     heartbeat sees its rank process exit) and leaves no process behind."""
-    ids = prompts(2)
-    want = one_rank(tiny_model_path, ids)
     srv = ServerProcess(tiny_model_path, "--tp-size", "2", env=FAST_LOSS)
     try:
-        assert_same(served(srv.base_url, ids), want)
         ranks = rank_pids(srv.proc.pid)
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the scheduler process
         long = {"prompt": "x", "max_tokens": 400, "ignore_eos": True}
