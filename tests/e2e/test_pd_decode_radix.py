@@ -189,41 +189,34 @@ def test_decode_offload_feeds_a_restarted_prefill(offload, server):
     assert_no_leak(pd.prefill)
 
 
-def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
-    """sglang-router in PD mode in front of the radix pair: a 3-turn conversation answers as
-    the co-located server, and turns 2 and 3 hit the decode tree (only new pages cross)."""
-    with pd_router(radix) as router:
-        rng = random.Random(13)
-        ids = [rng.randrange(100, 40000) for _ in range(33)]
-        for turn in range(3):
-            before = kv_state(radix.decode)["disagg_decode_prefix_hit_tokens_total"]
+def _router_chat(pd: PDServers, server, seed: int, first_len: int, turns: int) -> None:
+    """A conversation through sglang-router in front of `pd`: every turn answers as the
+    co-located server, and every turn after the first hits the decode tree."""
+    with pd_router(pd) as router:
+        rng = random.Random(seed)
+        ids = [rng.randrange(100, 40000) for _ in range(first_len)]
+        for turn in range(turns):
+            before = kv_state(pd.decode)["disagg_decode_prefix_hit_tokens_total"]
             r = httpx.post(router.base_url + "/generate", json={
                 "input_ids": ids, "sampling_params": {"max_new_tokens": NEW,
                                                       "temperature": 0.0}}, timeout=60)
             assert r.status_code == 200, r.text
             out = r.json()["output_ids"]
             assert out == _colocated(server, ids), turn
-            hit = kv_state(radix.decode)["disagg_decode_prefix_hit_tokens_total"] - before
+            hit = kv_state(pd.decode)["disagg_decode_prefix_hit_tokens_total"] - before
             assert (hit > 0) == (turn > 0), (turn, hit)
             ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
-        assert_no_leak(radix.decode)
+        assert_no_leak(pd.decode)
+
+
+def test_turns_through_sglang_router_hit_the_decode_tree(radix, server):
+    """sglang-router in PD mode in front of the radix pair (tcp): a 3-turn conversation
+    answers as the co-located server, and turns 2 and 3 hit the decode tree (only new pages
+    cross)."""
+    _router_chat(radix, server, seed=13, first_len=33, turns=3)
 
 
 def test_turns_through_sglang_router_over_mooncake(offload, server):
     """The router in front of the mooncake pair: a 2-turn chat answers as the co-located
     server and turn 2 hits the decode tree (its host tier behind it)."""
-    with pd_router(offload) as router:
-        rng = random.Random(17)
-        ids = [rng.randrange(100, 40000) for _ in range(29)]
-        for turn in range(2):
-            before = kv_state(offload.decode)["disagg_decode_prefix_hit_tokens_total"]
-            r = httpx.post(router.base_url + "/generate", json={
-                "input_ids": ids, "sampling_params": {"max_new_tokens": NEW,
-                                                      "temperature": 0.0}}, timeout=60)
-            assert r.status_code == 200, r.text
-            out = r.json()["output_ids"]
-            assert out == _colocated(server, ids), turn
-            hit = kv_state(offload.decode)["disagg_decode_prefix_hit_tokens_total"] - before
-            assert (hit > 0) == (turn > 0), (turn, hit)
-            ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
-        assert_no_leak(offload.decode)
+    _router_chat(offload, server, seed=17, first_len=29, turns=2)
