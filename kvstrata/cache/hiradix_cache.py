@@ -161,7 +161,10 @@ class HiRadixCache(RadixCache):
     def _queue(self, op: TransferOp) -> None:
         self.pending_ops.append(op)
 
-    def _alloc_host(self, n: int) -> list[int] | None:
+    def alloc_host(self, n: int) -> list[int] | None:
+        """`n` host pages, evicting host-only cached pages first if the pool is short (tree
+        write-backs, storage prefetches, a decode server's retraction backups); None if
+        even that does not free enough."""
         short = n - self.host_allocator.available_pages()
         if short > 0:
             self.evict_host(short)
@@ -172,7 +175,7 @@ class HiRadixCache(RadixCache):
         No host room -> no backup (the node is simply dropped on device eviction)."""
         if node.host_pages is not None or node.pending_job is not None or not node.device_pages:
             return
-        host = self._alloc_host(node.num_pages)
+        host = self.alloc_host(node.num_pages)
         if host is None:
             return
         job = next(self._job_ids)
@@ -226,7 +229,7 @@ class HiRadixCache(RadixCache):
             _, _, node = heapq.heappop(heap)
             k = node.num_pages
             if node.host_pages is None and self.write_policy == "write_back":
-                host = self._alloc_host(k)
+                host = self.alloc_host(k)
                 if host is not None:
                     self._queue(TransferOp(next(self._job_ids), "d2h", list(node.device_pages),
                                            list(host), sync=True))

@@ -103,7 +103,7 @@ class KVManager:
         tree behind it, so every used host page there belongs to a live backup."""
         assert self.backup_pool, "no retraction host pool in the KV plan"
         if self.hicache:
-            pages = self.tree._alloc_host(num_pages)
+            pages = self.tree.alloc_host(num_pages)
         else:
             pages = self.host_allocator.alloc(num_pages)
         if pages is not None:

@@ -196,7 +196,7 @@ class StorageTier:
             return False
         if self.occupied_pages and self.occupied_pages + n > self.capacity_pages:
             return False  # rate limit; an idle limiter still lets one request through
-        host = self.tree._alloc_host(n)
+        host = self.tree.alloc_host(n)
         if host is None:
             return False
         if self._cached_pages(token_ids[:usable * P]) < start:
