@@ -127,3 +127,13 @@ def test_pd_room_state_is_the_minimum_over_ranks(case):
         assert finals == [min(last)]
     merger.release([7])
     assert merger.pending() == 0
+
+
+def test_the_lost_rank_exit_status_is_named_by_the_api_process():
+    """The runner may not import the frontend: both modules spell the status, and the API
+    process's message for it names the lost rank."""
+    from kvstrata.frontend.process_utils import TP_RANK_LOST_EXIT_CODE, describe_exit
+    from kvstrata.runner.parallel import tp_runner
+
+    assert tp_runner.TP_RANK_LOST_EXIT_CODE == TP_RANK_LOST_EXIT_CODE
+    assert "lost a tensor-parallel rank" in describe_exit(TP_RANK_LOST_EXIT_CODE)

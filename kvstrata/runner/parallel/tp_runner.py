@@ -36,7 +36,7 @@ class StepMsg(msgspec.Struct, tag="step"):
 
 
 class CallMsg(msgspec.Struct, tag="call"):
-    op: str                      # "digests" | "check_rows" | "shutdown"
+    op: str                      # "digests" | "check_rows" | "enable_disagg" | "shutdown"
     arg: Any = None
 
 
