@@ -43,16 +43,9 @@ def _rank(rank: int, size: int, port: int, hidden: int, iters: int, out) -> None
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size)
-    from kvstrata.runner.parallel.shm_allreduce import ShmCollectives
-    from kvstrata.runner.parallel.tp_comm import SHM_SLOT_BYTES, from_rank0
+    from kvstrata.runner.parallel.tp_comm import open_shm
 
-    path = from_rank0(ShmCollectives.new_path() if rank == 0 else None)
-    shm = ShmCollectives(rank, size, path, SHM_SLOT_BYTES, create=True) if rank == 0 else None
-    dist.barrier()
-    shm = shm or ShmCollectives(rank, size, path, SHM_SLOT_BYTES, create=False)
-    dist.barrier()
-    if rank == 0:
-        os.unlink(path)
+    shm = open_shm(rank, size)
     try:
         for dtype in DTYPES:
             for batch in BATCHES:

@@ -112,10 +112,24 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def open_shm(rank: int, size: int):
+    """The group's shared-memory collectives (a joined torch.distributed group): rank 0
+    creates the /dev/shm file, every rank maps it, and the name is unlinked once all have,
+    so nothing is left behind even if a rank is killed later."""
+    from kvstrata.runner.parallel.shm_allreduce import ShmCollectives  # noqa: PLC0415
+
+    path = from_rank0(ShmCollectives.new_path() if rank == 0 else None)
+    shm = ShmCollectives(0, size, path, SHM_SLOT_BYTES, create=True) if rank == 0 else None
+    dist.barrier()
+    shm = shm or ShmCollectives(rank, size, path, SHM_SLOT_BYTES, create=False)
+    dist.barrier()
+    if rank == 0:
+        os.unlink(path)
+    return shm
+
+
 def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> TPGroup:
     import platform  # noqa: PLC0415
-
-    from kvstrata.runner.parallel.shm_allreduce import ShmCollectives  # noqa: PLC0415
 
     backend = collectives_backend(device.type, p.nnodes, platform.machine(),
                                   shm_free_bytes(), p.size, allow_shm)
@@ -127,16 +141,8 @@ def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> 
     # Every rank judged the same rule on the same machine, but /dev/shm's free space may
     # have moved between them: rank 0's verdict counts.
     if from_rank0(backend) == "shm":
-        path = from_rank0(ShmCollectives.new_path() if p.rank == 0 else None)
-        if p.rank == 0:  # creates the file
-            group.shm = ShmCollectives(0, p.size, path, SHM_SLOT_BYTES, create=True)
-        dist.barrier()
-        if p.rank != 0:
-            group.shm = ShmCollectives(p.rank, p.size, path, SHM_SLOT_BYTES, create=False)
+        group.shm = open_shm(p.rank, p.size)
         group.shm.timeout_s = p.timeout_s
-        dist.barrier()  # every rank has it mapped: the name can go
-        if p.rank == 0:
-            os.unlink(path)
     logger.info("tensor parallelism: rank %d of %d, collectives: %s", p.rank, p.size,
                 "shared memory (+ gloo for large tensors)" if group.shm else backend)
     return group
@@ -262,4 +268,4 @@ class Heartbeat:
 
 
 __all__ = ["TPPlacement", "RankLinks", "Heartbeat", "advertise_host", "pin_rank",
-           "init_group", "agree_min", "from_rank0", "all_ranks"]
+           "init_group", "open_shm", "agree_min", "from_rank0", "all_ranks"]
