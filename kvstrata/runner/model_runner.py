@@ -213,7 +213,7 @@ class ModelRunner:
             backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype, tp_rank=tp[0],
-            tp_size=tp[1]))
+            tp_size=tp[1], kv_replicated=self.plan.pool_kind == "mla"))
 
     def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
                        tp_size: int = 1) -> None:

@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
-from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer, RouteNotReady,
-                                                       fetch_prefill_route, register_rank)
+from kvstrata.transfer.disagg.bootstrap_client import (RouteNotReady, fetch_prefill_info,
+                                                       fetch_prefill_rank, register_rank)
+from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer
 
 ALL = dict(prefill_dp_rank=-1, prefill_cp_rank=-1, target_tp_rank=-1, target_pp_rank=-1)
 RANK0 = dict(prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0)
@@ -50,7 +51,7 @@ def test_routes(server):
     assert (r.status_code, r.text) == (
         503, "Prefill server not fully registered yet (0 workers registered).")
     with pytest.raises(RouteNotReady):
-        fetch_prefill_route("127.0.0.1", srv.port)
+        fetch_prefill_info("127.0.0.1", srv.port)
     # a two-rank (tp=2) prefill: ready only once both registered
     register_rank("127.0.0.1", srv.port, rank_info(0, 2))
     r = httpx.get(f"{url}/route", params=ALL)
@@ -65,7 +66,8 @@ def test_routes(server):
     assert httpx.get(f"{url}/route", params={**RANK0, "target_tp_rank": 1}).json()[
         "rank_port"] == 5001
     assert httpx.get(f"{url}/route", params={**RANK0, "target_pp_rank": 3}).status_code == 404
-    assert fetch_prefill_route("127.0.0.1", srv.port)[1]["rank_port"] == 5000
+    assert fetch_prefill_info("127.0.0.1", srv.port)["attn_tp_size"] == 2
+    assert fetch_prefill_rank("127.0.0.1", srv.port, 1) == "tcp://127.0.0.1:5001"
     assert httpx.put(f"{url}/route", json={"page_size": 1}).status_code == 400
 
 

@@ -242,8 +242,8 @@ def test_a_starting_prefill_is_waited_for(make_pair, monkeypatch):
 def test_a_not_ready_prefill_is_retried_up_to_the_bootstrap_timeout(monkeypatch):
     """503 "not registered yet" is a prefill still starting: retried until the bootstrap
     timeout, not cut short by the unreachable window."""
-    from kvstrata.transfer.disagg.bootstrap_server import (BootstrapServer,
-                                                           resolve_prefill_endpoint)
+    from kvstrata.transfer.disagg.bootstrap_client import resolve_prefill_route
+    from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer
 
     from .conftest import free_port
     port = free_port()
@@ -251,8 +251,8 @@ def test_a_not_ready_prefill_is_retried_up_to_the_bootstrap_timeout(monkeypatch)
     server.start()
     try:
         start = time.monotonic()
-        endpoint, why = resolve_prefill_endpoint(("127.0.0.1", port), 1.5, (1, "float32"),
-                                                 unreachable_timeout=0.1)
+        endpoint, why = resolve_prefill_route(("127.0.0.1", port), 1.5, (1, "float32"),
+                                              unreachable_timeout=0.1)
     finally:
         server.stop()
     assert endpoint is None and "not ready within 1.5 s (bootstrap timeout)" in why

@@ -66,3 +66,101 @@ def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypa
     finally:
         for m in reversed(managers):
             m.close()
+
+
+def test_rank_routes_by_the_tp_ratio():
+    """SGLang's mapping by the attention-TP ratio; different sizes only for a KV every rank
+    holds whole (MLA)."""
+    import pytest
+
+    from kvstrata.transfer.disagg.rank_map import RankRoute, rank_route
+
+    assert rank_route(1, 2, 2, False) == RankRoute(1, 1)
+    assert [rank_route(d, 2, 4, True) for d in range(2)] == [RankRoute(0, 1, (2,)),
+                                                             RankRoute(1, 1, (3,))]
+    assert rank_route(0, 1, 3, True) == RankRoute(0, 1, (1, 2))
+    assert [rank_route(d, 4, 2, True) for d in range(4)] == [
+        RankRoute(0, 2), RankRoute(1, 2), RankRoute(0, 2), RankRoute(1, 2)]
+    assert [rank_route(d, 3, 2, True).fanout for d in range(3)] == [2, 1, 2]
+    # every prefill rank hears from exactly its fanout's decode ranks, or from one that
+    # silences it
+    for p_size, d_size in ((2, 1), (4, 2), (3, 2), (1, 3), (2, 5)):
+        routes = [rank_route(d, d_size, p_size, True) for d in range(d_size)]
+        for p in range(p_size):
+            sources = [r for r in routes if r.source == p]
+            silencers = [r for r in routes if p in r.silent]
+            assert (len(sources) == sources[0].fanout if sources else len(silencers) == 1), \
+                (p_size, d_size, p)
+    with pytest.raises(ValueError, match="splits its KV heads"):
+        rank_route(0, 1, 2, False)
+
+
+def _mla_manager(role: str, pool, port: int, rank: int, size: int):
+    return create_manager("tcp", role, page_buffers_of(pool), host="127.0.0.1",
+                          bootstrap_port=port, num_metadata_slots=4, page_size=1,
+                          kv_dtype="float32", tp_rank=rank, tp_size=size, kv_replicated=True)
+
+
+def _serve_room(senders, receivers, room: int, src: list[int], dst: list[int]) -> None:
+    """Drive one room as the schedulers do: every rank inits and sends the same pages."""
+    for receiver in receivers:
+        wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
+        receiver.init(dst, 0)
+    for sender in senders:
+        wait_until(lambda: sender.poll() == W, what="sender WAITING_FOR_INPUT")
+        sender.init(len(src), 0)
+        sender.send(src[:1], last=False)
+        sender.send(src[1:], last=True, metadata=PDMetadata(room, first_token_id=42))
+
+
+def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch):
+    """MLA: tp 2 prefill -> tp 1 decode (prefill rank 1 is told it sends nothing; its half
+    still ends) and tp 1 prefill -> tp 2 decode (prefill rank 0 sends every page to both
+    decode ranks and succeeds only when both acknowledged)."""
+    monkeypatch.setenv("KVSTRATA_DISAGG_WAITING_TIMEOUT", "60")
+    src, dst = [3, 4, 9, 10], [7, 1, 2, 5]
+    managers = []
+    try:
+        port2, port1 = free_port(), free_port()
+        pre2 = [random_pool(seed=40)] * 2   # one KV on every rank
+        managers += [_mla_manager("prefill", pre2[r], port2, r, 2) for r in range(2)]
+        pre1 = random_pool(seed=41)
+        managers.append(_mla_manager("prefill", pre1, port1, 0, 1))
+        dec1 = random_pool(seed=42)
+        dec2 = [random_pool(seed=43 + r) for r in range(2)]
+        decode1 = _mla_manager("decode", dec1, 0, 0, 1)
+        decode2 = [_mla_manager("decode", dec2[r], 0, r, 2) for r in range(2)]
+        managers += [decode1, *decode2]
+
+        senders = [managers[r].create_sender("127.0.0.1", port2, 8) for r in range(2)]
+        receiver = decode1.create_receiver("127.0.0.1", port2, 8)
+        _serve_room(senders, [receiver], 8, src, dst)
+        wait_until(lambda: all(s.poll() == S for s in senders) and receiver.poll() == S,
+                   what="tp 2 -> tp 1 SUCCESS")
+        assert receiver.metadata.first_token_id == 42
+        assert (senders[0].pages_moved, senders[1].pages_moved) == (len(src), 0)
+        assert torch.equal(page_buffers_of(dec1)[0][:, dst], page_buffers_of(pre2[0])[0][:, src])
+
+        sender = managers[2].create_sender("127.0.0.1", port1, 9)
+        receivers = [decode2[r].create_receiver("127.0.0.1", port1, 9) for r in range(2)]
+        wait_until(lambda: sender.peer is not None, what="the prefill learns a decode rank")
+        assert sender.poll() == KVPoll.BOOTSTRAPPING
+        _serve_room([sender], receivers, 9, src, dst)
+        wait_until(lambda: sender.poll() == S and all(r.poll() == S for r in receivers),
+                   what="tp 1 -> tp 2 SUCCESS")
+        assert sorted(sender.acked) == sorted(m.endpoint for m in decode2)
+        for r in range(2):
+            assert torch.equal(page_buffers_of(dec2[r])[0][:, dst],
+                               page_buffers_of(pre1)[0][:, src]), r
+
+        # A decode rank's abort reaches the silent prefill rank too.
+        senders = [managers[r].create_sender("127.0.0.1", port2, 10) for r in range(2)]
+        receiver = decode1.create_receiver("127.0.0.1", port2, 10)
+        wait_until(lambda: all(s.peer is not None for s in senders), what="both ranks joined")
+        receiver.abort("client went away")
+        wait_until(lambda: all(s.poll() == F for s in senders), timeout=5,
+                   what="both prefill ranks fail the room")
+        assert all("client went away" in s.failure_reason for s in senders)
+    finally:
+        for m in reversed(managers):
+            m.close()

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kvstrata import envs
 
 RESOLVE_RETRY_SECONDS = 0.5
-_GET_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
 class BootstrapServer:
@@ -120,11 +120,11 @@ class BootstrapServer:
         @app.get("/route")
         async def get_route(request: Request):
             q = request.query_params
-            if any(k not in q for k in _GET_PARAMS):
+            if any(k not in q for k in ROUTE_PARAMS):
                 return PlainTextResponse("Missing required parameters: " + ", ".join(
-                    _GET_PARAMS), 400)
+                    ROUTE_PARAMS), 400)
             try:
-                dp, cp, tp, pp = (int(q[k]) for k in _GET_PARAMS)
+                dp, cp, tp, pp = (int(q[k]) for k in ROUTE_PARAMS)
             except ValueError:
                 return PlainTextResponse("parameters must be integers", 400)
             with self._lock:
@@ -194,120 +194,4 @@ class BootstrapServer:
             self._server = None
 
 
-# ---------------------------------------------------------------------- clients (httpx)
-class RouteNotReady(RuntimeError):
-    """The bootstrap server answered 503 (its prefill is still registering): worth a retry
-    up to the bootstrap timeout."""
-
-
-class RouteUnreachable(RouteNotReady):
-    """Nothing answered at the bootstrap address (refused, unreachable, connect timeout):
-    worth a short retry only, for a prefill whose bootstrap server is still starting."""
-
-
-def register_rank(host: str, port: int, info: dict, timeout: float = 5.0,
-                  wait_s: float = 0.0) -> None:
-    """PUT /route: a prefill rank announces its transfer endpoint. `wait_s`: retry a
-    bootstrap server that does not answer yet (tensor-parallel ranks > 0 register with
-    rank 0's, which may still be starting)."""
-    import httpx  # noqa: PLC0415
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            httpx.put(f"http://{host}:{port}/route", json=info,
-                      timeout=timeout).raise_for_status()
-            return
-        except (httpx.ConnectError, httpx.ConnectTimeout):
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(RESOLVE_RETRY_SECONDS)
-
-
-def fetch_prefill_route(host: str, port: int, timeout: float = 5.0,
-                        tp_rank: int = 0) -> tuple[dict, dict]:
-    """(parallel info, tp rank `tp_rank`'s {rank_ip, rank_port}) of the prefill server whose
-    bootstrap server is host:port. RouteNotReady on 503, RouteUnreachable when nothing
-    answers; RuntimeError else."""
-    import httpx  # noqa: PLC0415
-
-    base = f"http://{host}:{port}/route"
-    timeout = httpx.Timeout(timeout, connect=min(timeout, 2.0))
-    try:
-        info = httpx.get(base, params=dict.fromkeys(_GET_PARAMS, -1), timeout=timeout)
-        if info.status_code == 503:
-            raise RouteNotReady(info.text)
-        info.raise_for_status()
-        # kvstrata's ranks are tp ranks: dp group = cp = pp rank 0.
-        rank = httpx.get(base, params={**dict.fromkeys(_GET_PARAMS, 0),
-                                       "target_tp_rank": tp_rank}, timeout=timeout)
-        rank.raise_for_status()
-    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-        raise RouteUnreachable(f"{type(e).__name__}: {e}") from None
-    except httpx.TransportError as e:
-        raise RouteNotReady(f"{type(e).__name__}: {e}") from None
-    except httpx.HTTPStatusError as e:
-        raise RuntimeError(f"bootstrap server {host}:{port}: {e.response.status_code} "
-                           f"{e.response.text}") from None
-    return info.json(), rank.json()
-
-
-
-def resolve_prefill_endpoint(key: tuple[str, int], timeout: float, expect: tuple,
-                             stopping=lambda: False, unreachable_timeout: float | None = None,
-                             tp: tuple[int, int] = (0, 1),
-                             on_refused=lambda endpoint: None) -> tuple[str | None, str]:
-    """The decode side's look-up: (zmq endpoint of the prefill at bootstrap `key`, "") or
-    (None, why). Retries every RESOLVE_RETRY_SECONDS: a bootstrap server that answers "not
-    ready" until `timeout`; one that nothing answers for (refused: a definite answer) only
-    for `unreachable_timeout` in a row (KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT), then fails
-    with SGLang's "Could not fetch prefill parallel info ..." text. `expect` = our
-    (page_size, kv_cache_dtype), which the prefill's must equal (equal page bytes could hide
-    a different split). `tp`: this decode rank and the decode server's --tp-size; under
-    tensor parallelism decode rank r pulls from prefill rank r, so the sizes must match.
-    `on_refused(endpoint)`: called when the prefill answered but does not fit, so that the
-    caller can fail the prefill's half of its rooms at once (not at its timeout)."""
-    if unreachable_timeout is None:
-        unreachable_timeout = envs.KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT.get()
-    start = time.monotonic()
-    deadline = start + timeout
-    error = "stopped"
-    attempts, unreachable_since = 0, None
-    while not stopping() and time.monotonic() < deadline:
-        attempts += 1
-        try:
-            info, rank = fetch_prefill_route(*key, tp_rank=tp[0])
-        except RouteUnreachable as e:
-            now = time.monotonic()
-            unreachable_since = now if unreachable_since is None else unreachable_since
-            if now - unreachable_since >= unreachable_timeout:
-                return None, (f"Could not fetch prefill parallel info from bootstrap_addr "
-                              f"{key[0]}:{key[1]} after {attempts} attempts in "
-                              f"{now - start:.1f} s: {e}")
-            time.sleep(RESOLVE_RETRY_SECONDS)
-            continue
-        except RouteNotReady as e:
-            error, unreachable_since = str(e), None
-            time.sleep(RESOLVE_RETRY_SECONDS)
-            continue
-        except Exception as e:
-            return None, str(e)
-        theirs = (info.get("page_size"), info.get("kv_cache_dtype"))
-        endpoint = f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
-        if int(info.get("attn_tp_size", 1)) != tp[1]:
-            on_refused(endpoint)
-            return None, (f"prefill --tp-size {info.get('attn_tp_size', 1)} != decode "
-                          f"--tp-size {tp[1]}: not implemented yet: PD between different "
-                          f"tensor-parallel sizes")
-        if theirs != tuple(expect):
-            on_refused(endpoint)
-            return None, (f"prefill page_size/kv dtype {theirs[0]}/{theirs[1]} != decode "
-                          f"{expect[0]}/{expect[1]}")
-        return endpoint, ""
-    if stopping():
-        return None, "the decode transfer manager closed"
-    return None, f"not ready within {timeout:g} s (bootstrap timeout); last: {error}"
-
-
-__all__ = ["BootstrapServer", "RouteNotReady", "RouteUnreachable", "fetch_prefill_route",
-           "register_rank", "resolve_prefill_endpoint"]
+__all__ = ["BootstrapServer"]

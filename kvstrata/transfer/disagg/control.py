@@ -27,7 +27,8 @@ import zmq
 from kvstrata import envs
 from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.base import DisaggManager, KVReceiver, KVSender
-from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer, register_rank
+from kvstrata.transfer.disagg.bootstrap_client import register_rank
+from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer
 from kvstrata.transfer.disagg.liveness import Liveness
 from kvstrata.transfer.disagg.lookup import PrefillLookup, advertised_ip
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
@@ -43,13 +44,15 @@ TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest
 class ZmqDisaggManager(DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, kv_replicated: bool = False):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
         # Tensor parallelism: this rank's share of the KV; prefill rank r registers as tp
-        # rank r (rank 0 serves the bootstrap server), decode rank r pulls from it.
+        # rank r (rank 0 serves the bootstrap server); which prefill rank a decode rank
+        # pulls from: rank_map.py (`kv_replicated`: every rank holds the whole KV, MLA).
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.kv_replicated = kv_replicated
         # What peers are told to connect to: a wildcard bind address is no address to dial.
         self.host = advertised_ip(host)
         self.buffers = check_page_buffers(list(buffers))
@@ -65,7 +68,9 @@ class ZmqDisaggManager(DisaggManager):
         self._changed = threading.Condition(self.lock)
         self.senders: dict[int, Sender] = {}
         self.receivers: dict[int, Receiver] = {}
-        self._pending: dict[int, tuple[object, float]] = {}  # prefill: Destination/Abort early
+        # Messages for rooms not created yet (prefill: Join/Destination/Abort; a prefill
+        # rank may serve several decode ranks), with when the first arrived.
+        self._pending: dict[int, tuple[list, float]] = {}
         self.liveness = Liveness(self)
         self.lookup = PrefillLookup(self)  # decode side
         self._peers: dict[str, zmq.Socket] = {}
@@ -120,10 +125,11 @@ class ZmqDisaggManager(DisaggManager):
         """Extra Destination fields the prefill needs to write into our buffers."""
         return {}
 
-    def _send_pages(self, s: Sender, src: list[int], dst: list[int], offset: int,
-                    last: bool, metadata) -> None:
-        """Transfer thread, prefill: move these pages to s.dest, then send the Chunk
-        message(s); the final one carries ack=True (and last/metadata when `last`)."""
+    def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
+                    offset: int, last: bool, metadata) -> None:
+        """Transfer thread, prefill: move these pages to `dest` (one of the room's decode
+        ranks), then send the Chunk message(s); the final one carries ack=True (and
+        last/metadata when `last`)."""
         raise NotImplementedError
 
     def write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
@@ -196,9 +202,10 @@ class ZmqDisaggManager(DisaggManager):
             return True
 
     def fail(self, obj, reason: str, tell_peer: bool = True) -> None:
-        """Transfer thread: fail the room and (unless the peer told us) tell the peer."""
-        if self.transition(obj, KVPoll.FAILED, reason) and tell_peer and obj.peer:
-            self.send_to(obj.peer, Abort(obj.room, self.endpoint, reason))
+        """Transfer thread: fail the room and (unless the peer told us) tell the peers."""
+        if self.transition(obj, KVPoll.FAILED, reason) and tell_peer:
+            for peer in obj.peers():
+                self.send_to(peer, Abort(obj.room, self.endpoint, reason))
 
     def call_soon(self, fn, *args) -> None:
         """Any thread: run fn(*args) on the transfer thread (which owns the sockets)."""
@@ -293,16 +300,12 @@ class ZmqDisaggManager(DisaggManager):
         self.liveness.heard_from(msg.endpoint, now)
         if isinstance(msg, Ping):
             self.send_to(msg.endpoint, Pong(self.endpoint))
-        elif isinstance(msg, Join):
+        elif isinstance(msg, (Join, Destination)):
             s = self.senders.get(msg.room)
             if s is None:
-                self._pending.setdefault(msg.room, (msg, now))  # never over a Destination
-            else:
+                self._pending.setdefault(msg.room, ([], now))[0].append(msg)
+            elif isinstance(msg, Join):
                 self._join(s, msg)
-        elif isinstance(msg, Destination):
-            s = self.senders.get(msg.room)
-            if s is None:
-                self._pending[msg.room] = (msg, now)
             else:
                 self._attach(s, msg)
         elif isinstance(msg, Chunk):
@@ -312,30 +315,35 @@ class ZmqDisaggManager(DisaggManager):
         elif isinstance(msg, Ack):
             s = self.senders.get(msg.room)
             if s is not None and msg.done:
-                self.transition(s, KVPoll.SUCCESS)
+                s.acked.add(msg.endpoint)
+                if s.all_acked():
+                    self.transition(s, KVPoll.SUCCESS)
         elif isinstance(msg, Abort):
             obj = (self.senders if self.role == "prefill" else self.receivers).get(msg.room)
             if obj is None:
-                self._pending[msg.room] = (msg, now)
+                self._pending.setdefault(msg.room, ([], now))[0].append(msg)
             else:
                 self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): {msg.reason}",
                           False)
 
     # ---- prefill side
     def _adopt_pending(self, s: Sender) -> None:
-        early, _ = self._pending.pop(s.room, (None, 0.0))
-        if isinstance(early, Abort):
-            self.fail(s, f"aborted by the {self.peer_role} server ({early.endpoint}): "
-                         f"{early.reason}", False)
-        elif isinstance(early, Destination):
-            self._attach(s, early)
-        elif isinstance(early, Join):
-            self._join(s, early)
+        early, _ = self._pending.pop(s.room, ([], 0.0))
+        for msg in early:
+            if isinstance(msg, Abort):
+                self.fail(s, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
+                             f"{msg.reason}", False)
+            elif isinstance(msg, Destination):
+                self._attach(s, msg)
+            else:
+                self._join(s, msg)
 
     def _join(self, s: Sender, msg: Join | Destination) -> bool:
-        """The decode peer of this room is known: its silence now fails the room (liveness).
+        """A decode peer of this room is known: its silence now fails the room (liveness).
         False if the room already failed here (the peer is told)."""
-        s.peer = msg.endpoint
+        if msg.endpoint not in s.joined:
+            s.joined.append(msg.endpoint)
+        s.fanout = max(s.fanout, msg.fanout)
         if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
             self.send_to(msg.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
             return False
@@ -344,10 +352,12 @@ class ZmqDisaggManager(DisaggManager):
     def _attach(self, s: Sender, dest: Destination) -> None:
         if not self._join(s, dest):
             return
-        s.dest = dest
+        s.dests[dest.endpoint] = dest
         reason = geometry_mismatch(self.geometry, dest.geometry) or s.page_count_error()
         if reason:
             self.fail(s, reason)
+            return
+        if not s.ready:  # more decode ranks to come (rank_map.py)
             return
         self.transition(s, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
         queued, s.queued = s.queued, []
@@ -357,8 +367,12 @@ class ZmqDisaggManager(DisaggManager):
     def ship(self, s: Sender, page_ids: list[int], last: bool, metadata) -> None:
         if is_final(s.state):
             return
-        if s.dest is None:
+        if not s.ready:
             s.queued.append((page_ids, last, metadata))
+            return
+        if s.dest is None:  # silent: this rank's decode peer pulls from another rank
+            if last:
+                self.transition(s, KVPoll.SUCCESS)
             return
         # The prompt's first pages the decode holds already are not shipped.
         skip = min(s.dest.prefix_pages - s.skipped, len(page_ids))
@@ -373,7 +387,10 @@ class ZmqDisaggManager(DisaggManager):
                          f"reserved {total}")
             return
         dst = s.dest.page_ids[s.sent:s.sent + len(page_ids)]
-        self._send_pages(s, page_ids, dst, s.sent, last, metadata)
+        for dest in s.receivers:
+            self._send_pages(s, dest, page_ids, dst, s.sent, last, metadata)
+            if is_final(s.state):  # a failed write
+                return
         s.sent += len(page_ids)
 
 

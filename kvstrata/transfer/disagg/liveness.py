@@ -50,10 +50,11 @@ class Liveness:
             if is_final(obj.state):
                 continue
             why = obj.timed_out(now)
-            if why is None and isinstance(obj, Sender) and obj.peer is not None and (
-                    obj.peer in dead or now - self.heard.get(obj.peer, now) > silent_after):
-                dead.add(obj.peer)
-                why = f"decode server {obj.peer} silent for over {silent_after:g} s (dead?)"
+            for peer in obj.peers() if why is None and isinstance(obj, Sender) else ():
+                if peer in dead or now - self.heard.get(peer, now) > silent_after:
+                    dead.add(peer)
+                    why = f"decode server {peer} silent for over {silent_after:g} s (dead?)"
+                    break
             if why:
                 mgr.fail(obj, why)
         for peer in dead:
@@ -65,9 +66,9 @@ class Liveness:
     def _heartbeat(self, receivers: list[Receiver]) -> None:
         mgr = self.mgr
         live: dict[str, list[Receiver]] = {}
-        for r in receivers:
-            if r.peer is not None and not is_final(r.state):
-                live.setdefault(r.peer, []).append(r)
+        for r in receivers:  # the silent prefill ranks too: they watch this server's life
+            for peer in () if is_final(r.state) else r.peers():
+                live.setdefault(peer, []).append(r)
         for peer, rooms in live.items():
             if self.misses.get(peer, 0) >= mgr.heartbeat_max_failure:
                 for r in rooms:

@@ -11,7 +11,7 @@ import socket
 import threading
 
 from kvstrata.protocol.disagg import KVPoll
-from kvstrata.transfer.disagg.bootstrap_server import resolve_prefill_endpoint
+from kvstrata.transfer.disagg.bootstrap_client import PrefillRoute, resolve_prefill_route
 from kvstrata.transfer.disagg.messages import Abort
 from kvstrata.transfer.disagg.rooms import is_final
 
@@ -36,14 +36,15 @@ class PrefillLookup:
 
     def __init__(self, mgr):
         self.mgr = mgr
-        self.routes: dict[tuple[str, int], str] = {}
+        self.routes: dict[tuple[str, int], PrefillRoute] = {}
         self.resolving: set[tuple[str, int]] = set()
         self.deferred_aborts: dict[tuple[str, int], list[Abort]] = {}
 
     def attach(self, r) -> None:
         """Under mgr.lock: route a new receiver to its prefill if known, else look it up."""
-        r.peer = self.routes.get(r.bootstrap)
-        if r.peer is not None:
+        route = self.routes.get(r.bootstrap)
+        if route is not None:
+            r.set_route(route)
             r.state = KVPoll.WAITING_FOR_INPUT
             self.mgr.call_soon(r.send_join)
         elif r.bootstrap not in self.resolving:
@@ -54,7 +55,7 @@ class PrefillLookup:
     def forget(self, endpoint: str) -> None:
         """A dead peer: the next room looks it up again."""
         with self.mgr.lock:
-            for key in [k for k, ep in self.routes.items() if ep == endpoint]:
+            for key in [k for k, route in self.routes.items() if endpoint in route.endpoints]:
                 del self.routes[key]
 
     def abort_when_resolved(self, r) -> None:
@@ -62,38 +63,41 @@ class PrefillLookup:
         mgr = self.mgr
         abort = Abort(r.room, mgr.endpoint, r.reason or "aborted")
         with mgr.lock:
-            endpoint = self.routes.get(r.bootstrap)
-            if endpoint is None:
+            route = self.routes.get(r.bootstrap)
+            if route is None:
                 self.deferred_aborts.setdefault(r.bootstrap, []).append(abort)
                 return
-        mgr.send_to(endpoint, abort)
+        for endpoint in route.endpoints:
+            mgr.send_to(endpoint, abort)
 
     def _resolve(self, key: tuple[str, int]) -> None:
         """Resolver thread, one per prefill being looked up (a prefill that is down must
         not delay the rooms of the others): retry until the bootstrap timeout."""
         mgr = self.mgr
         refused: list[str] = []  # a prefill that answered but does not fit this decode
-        endpoint, error = resolve_prefill_endpoint(
+        route, error = resolve_prefill_route(
             key, mgr.bootstrap_timeout, (mgr.page_size, mgr.kv_dtype), lambda: mgr.stopping,
-            tp=(mgr.tp_rank, mgr.tp_size), on_refused=refused.append)
+            tp=(mgr.tp_rank, mgr.tp_size), kv_replicated=mgr.kv_replicated,
+            on_refused=refused.append)
         with mgr.lock:
             self.resolving.discard(key)
             deferred = self.deferred_aborts.pop(key, [])
-            if endpoint is not None or refused:
-                if endpoint is not None:
-                    self.routes[key] = endpoint
-                for abort in deferred:
-                    mgr.call_soon(mgr.send_to, endpoint or refused[0], abort)
+            if route is not None:
+                self.routes[key] = route
+            for abort in deferred:
+                for endpoint in route.endpoints if route is not None else refused[:1]:
+                    mgr.call_soon(mgr.send_to, endpoint, abort)
             waiting = [r for r in mgr.receivers.values()
                        if r.bootstrap == key and r.peer is None and not is_final(r.state)]
         for r in waiting:
-            if endpoint is None:
+            if route is None:
                 reason = f"prefill at bootstrap {key[0]}:{key[1]} unusable: {error}"
                 if refused:  # its half of the room fails now too
                     mgr.call_soon(mgr.send_to, refused[0], Abort(r.room, mgr.endpoint, reason))
                 mgr.transition(r, KVPoll.FAILED, reason)
             else:
-                r.peer = endpoint
+                with mgr.lock:
+                    r.set_route(route)
                 mgr.transition(r, KVPoll.WAITING_FOR_INPUT, only_from=(KVPoll.BOOTSTRAPPING,))
                 mgr.call_soon(r.send_join)
                 mgr.call_soon(r.send_destination)  # if init() came first

@@ -6,7 +6,8 @@ them all. Each message names its sender's endpoint: PULL sockets do not know who
                                    the prefill's endpoint, before its pages are reserved):
                                    from then on the prefill watches that peer's liveness
   decode  -> prefill  Destination  the room's reserved pages, metadata slot, buffer geometry
-                                   (and, for mooncake, where those buffers live)
+                                   (and, for mooncake, where those buffers live); `silent`:
+                                   nothing is wanted from this prefill rank (rank_map.py)
                       Ping         heartbeat (answered by Pong)
   prefill -> decode   Chunk        the next `num_pages` pages of the room; tcp: their bytes
                                    follow as extra frames; mooncake: already written
@@ -30,6 +31,7 @@ class BufferGeometry(msgspec.Struct, array_like=True, frozen=True):
 class Join(msgspec.Struct, tag="join"):
     room: int
     endpoint: str
+    fanout: int = 1                   # decode ranks this prefill rank serves (rank_map.py)
 
 
 class Destination(msgspec.Struct, tag="dest"):
@@ -41,6 +43,8 @@ class Destination(msgspec.Struct, tag="dest"):
     mooncake_session: str = ""        # "host:rpc_port" of the decode's transfer engine
     buffer_ptrs: list[int] = []       # base address of each registered buffer
     prefix_pages: int = 0             # the prompt's first pages the decode holds already
+    fanout: int = 1                   # decode ranks this prefill rank serves (rank_map.py)
+    silent: bool = False              # no pages wanted from this prefill rank
 
 
 class Chunk(msgspec.Struct, tag="chunk"):

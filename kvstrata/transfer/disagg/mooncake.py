@@ -15,7 +15,7 @@ raised; machine-facts.md). A failed write fails the room (and tells the decode s
 from __future__ import annotations
 
 from kvstrata.transfer.disagg.control import ZmqDisaggManager
-from kvstrata.transfer.disagg.messages import Chunk, contiguous_runs
+from kvstrata.transfer.disagg.messages import Chunk, Destination, contiguous_runs
 from kvstrata.transfer.disagg.rooms import Sender
 
 MAX_BATCH_ENTRIES = 512
@@ -59,9 +59,8 @@ class MooncakeManager(ZmqDisaggManager):
         return {"mooncake_session": self.session,
                 "buffer_ptrs": [b.data_ptr() for b in self.buffers]}
 
-    def _send_pages(self, s: Sender, src: list[int], dst: list[int], offset: int,
-                    last: bool, metadata) -> None:
-        dest = s.dest
+    def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
+                    offset: int, last: bool, metadata) -> None:
         if not dest.mooncake_session or len(dest.buffer_ptrs) != len(self.buffers):
             self.fail(s, "the decode server does not use the mooncake backend (no transfer "
                          "engine session in its destination)")

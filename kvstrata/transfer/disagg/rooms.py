@@ -24,10 +24,13 @@ class _Room:
         self.mgr, self.room = mgr, room
         self.state = KVPoll.BOOTSTRAPPING
         self.reason: str | None = None
-        self.peer: str | None = None  # the other server's data endpoint, once known
         self.metadata_index = -1
         self.created = time.monotonic()
         self.final_at: float | None = None  # when it reached SUCCESS or FAILED
+
+    def peers(self) -> list[str]:
+        """The other server's data endpoints this room talks to, once known."""
+        raise NotImplementedError
 
     def poll(self) -> KVPoll:
         return self.state
@@ -41,9 +44,9 @@ class _Room:
             self.mgr.call_soon(self._tell_peer)
 
     def _tell_peer(self) -> None:  # transfer thread
-        if self.peer is not None:
-            self.mgr.send_to(self.peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
-        elif isinstance(self, Receiver):
+        for peer in self.peers():
+            self.mgr.send_to(peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
+        if not self.peers() and isinstance(self, Receiver):
             # Aborted before the prefill's endpoint was known (e.g. refused at admission):
             # the prefill still waits for this room, so tell it once the look-up ends.
             self.mgr.lookup.abort_when_resolved(self)
@@ -61,17 +64,48 @@ class _Room:
 
 
 class Sender(_Room, KVSender):
+    """Under tensor parallelism at different sizes (rank_map.py) one prefill rank may send
+    the room to `fanout` decode ranks (each its own Destination, the same page ids), or be
+    told by a decode rank that nothing is wanted from it (a `silent` Destination)."""
+
     @property
     def pages_moved(self) -> int:
         return self.sent
 
     def __init__(self, mgr, room: int):
         super().__init__(mgr, room)
-        self.dest = None                 # messages.Destination, from the decode side
+        self.joined: list[str] = []      # decode endpoints of this room, in order of arrival
+        self.fanout = 1                  # how many Destinations to wait for
+        self.dests: dict[str, Destination] = {}  # by decode endpoint, silent ones included
+        self.acked: set[str] = set()     # decode endpoints that acknowledged everything
         self.num_pages: int | None = None
         self.sent = 0                    # pages shipped so far (= next destination index)
         self.skipped = 0                 # pages not shipped: the decode holds them already
-        self.queued: list[tuple] = []    # send() calls made before the destination arrived
+        self.queued: list[tuple] = []    # send() calls made before the destinations arrived
+
+    def peers(self) -> list[str]:
+        return list(self.joined)
+
+    @property
+    def peer(self) -> str | None:
+        return self.joined[0] if self.joined else None
+
+    @property
+    def receivers(self) -> list[Destination]:
+        """The Destinations that want pages (all with the same page ids)."""
+        return [d for d in self.dests.values() if not d.silent]
+
+    @property
+    def dest(self) -> Destination | None:
+        wanted = self.receivers
+        return wanted[0] if wanted else None
+
+    @property
+    def ready(self) -> bool:
+        return len(self.dests) >= self.fanout
+
+    def all_acked(self) -> bool:
+        return self.ready and all(d.endpoint in self.acked for d in self.receivers)
 
     def init(self, num_pages: int, metadata_index: int) -> None:
         why = self._bad_input([], metadata_index)
@@ -87,6 +121,12 @@ class Sender(_Room, KVSender):
             self.mgr.fail(self, why)
 
     def page_count_error(self) -> str | None:
+        first = self.dest
+        for other in self.receivers[1:]:
+            if (other.page_ids, other.prefix_pages) != (first.page_ids, first.prefix_pages):
+                return (f"decode ranks reserved different pages for room {self.room} "
+                        f"({first.endpoint}: {len(first.page_ids)} from {first.prefix_pages}, "
+                        f"{other.endpoint}: {len(other.page_ids)} from {other.prefix_pages})")
         if self.dest is not None and self.num_pages is not None and \
                 self.num_pages != self.dest.prefix_pages + len(self.dest.page_ids):
             held = (f"holds {self.dest.prefix_pages} and "
@@ -106,8 +146,10 @@ class Sender(_Room, KVSender):
     def timed_out(self, now: float) -> str | None:
         if self.state == KVPoll.BOOTSTRAPPING and now - self.created > \
                 self.mgr.bootstrap_timeout:
+            got = f" ({len(self.dests)} of {self.fanout} decode ranks did)" \
+                if self.fanout > 1 else ""
             return (f"the decode server sent no destination for room {self.room} within "
-                    f"{self.mgr.bootstrap_timeout:g} s (bootstrap timeout)")
+                    f"{self.mgr.bootstrap_timeout:g} s (bootstrap timeout){got}")
         return None
 
 
@@ -119,6 +161,9 @@ class Receiver(_Room, KVReceiver):
     def __init__(self, mgr, room: int, bootstrap: tuple[str, int]):
         super().__init__(mgr, room)
         self.bootstrap = bootstrap       # the prefill's bootstrap server (host, port)
+        self.peer: str | None = None     # the prefill rank that sends the pages, once known
+        self.fanout = 1                  # how many decode ranks that rank sends to
+        self.silent: tuple[str, ...] = ()  # prefill ranks told that nothing is wanted
         self.dst: list[int] | None = None
         self.prefix_pages = 0            # the prompt's first pages held here already
         self.dest_sent = False
@@ -143,10 +188,19 @@ class Receiver(_Room, KVReceiver):
     def metadata(self) -> PDMetadata | None:
         return self.metadata_value
 
+    def peers(self) -> list[str]:
+        return [self.peer, *self.silent] if self.peer is not None else []
+
+    def set_route(self, route) -> None:
+        """Under mgr.lock: the look-up's bootstrap_client.PrefillRoute for this room."""
+        self.peer, self.fanout, self.silent = route.endpoint, route.fanout, route.silent
+
     # ---- transfer thread
     def send_join(self) -> None:
         if not is_final(self.state) and self.peer is not None and not self.dest_sent:
-            self.mgr.send_to(self.peer, Join(self.room, self.mgr.endpoint))
+            self.mgr.send_to(self.peer, Join(self.room, self.mgr.endpoint, self.fanout))
+            for peer in self.silent:
+                self.mgr.send_to(peer, Join(self.room, self.mgr.endpoint))
 
     def send_destination(self) -> None:
         mgr = self.mgr
@@ -156,7 +210,11 @@ class Receiver(_Room, KVReceiver):
         mgr.send_to(self.peer, Destination(self.room, mgr.endpoint, self.dst,
                                            self.metadata_index, mgr.geometry,
                                            **mgr.destination_extras(),
-                                           prefix_pages=self.prefix_pages))
+                                           prefix_pages=self.prefix_pages,
+                                           fanout=self.fanout))
+        for peer in self.silent:
+            mgr.send_to(peer, Destination(self.room, mgr.endpoint, [], self.metadata_index,
+                                          mgr.geometry, silent=True))
 
     def on_chunk(self, msg: Chunk, frames: list) -> None:
         mgr = self.mgr

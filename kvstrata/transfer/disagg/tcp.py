@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvstrata.transfer.disagg.control import ZmqDisaggManager
-from kvstrata.transfer.disagg.messages import Chunk, contiguous_runs
+from kvstrata.transfer.disagg.messages import Chunk, Destination, contiguous_runs
 from kvstrata.transfer.disagg.rooms import Receiver, Sender
 
 MESSAGE_BYTES = 4 << 20     # page bytes per zmq message
@@ -37,15 +37,15 @@ class TcpManager(ZmqDisaggManager):
         self._wide = [_wide(a) for a in self._arrays]
 
     # ---- prefill
-    def _send_pages(self, s: Sender, src: list[int], dst: list[int], offset: int,
-                    last: bool, metadata) -> None:
+    def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
+                    offset: int, last: bool, metadata) -> None:
         step = max(1, MESSAGE_BYTES // max(1, self.page_bytes))
         starts = list(range(0, len(src), step)) or [0]  # an empty last send still reports
         for start in starts:
             final = start == starts[-1]
             sub_src, sub_dst = src[start:start + step], dst[start:start + step]
             layout, runs, frames = self._pack(sub_src, sub_dst)
-            self.send_to(s.dest.endpoint, Chunk(
+            self.send_to(dest.endpoint, Chunk(
                 s.room, self.endpoint, offset + start, len(sub_src), layout, runs,
                 ack=final, last=last and final, metadata=metadata if last and final else None),
                 frames)
