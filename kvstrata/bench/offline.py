@@ -3,6 +3,8 @@ prompts, same dtype, same machine, in the same run. Prints output tok/s of each 
 
     kvstrata bench offline --model tiny        # a random ~19M-parameter llama built on the fly
     kvstrata bench offline --model tiny-dsa    # a random DeepseekV32 (MLA + DSA + MoE)
+    kvstrata bench offline --model random-qwen2.5-0.5b   # Qwen2.5-0.5B's shapes, random bf16
+                                  # weights (14 heads, 2 KV heads: splits over 2 ranks)
     kvstrata bench offline --model /path/to/deepseek_v32_dir
     kvstrata bench offline --model smollm2-135m
     kvstrata bench offline --model smollm2-135m --quantization w8a8_int8   # int8 kvstrata
@@ -25,6 +27,7 @@ from kvstrata.config.server_args import QUANTIZATIONS
 
 TINY = "tiny"
 TINY_DSA = "tiny-dsa"
+RANDOM_QWEN = "random-qwen2.5-0.5b"
 
 
 def build_tiny_checkpoint(path: str) -> str:
@@ -58,12 +61,30 @@ def build_tiny_dsa_checkpoint(path: str) -> str:
     return path
 
 
+def build_random_qwen_checkpoint(path: str) -> str:
+    """Qwen2.5-0.5B-Instruct's published config (494M parameters) with random bf16 weights:
+    a model of a size people serve on a CPU whose heads split over 2 tensor-parallel ranks
+    (SmolLM2's 9 heads / 3 KV heads do not); ~1 GB on disk, ~20 s to build."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def model_for(name: str, tmp: str) -> tuple[str, int]:
     """(checkpoint path, vocab size) for --model: the built-in tiny ones, or a dir / name."""
     if name == TINY:
         return build_tiny_checkpoint(os.path.join(tmp, "tiny")), 32000
     if name == TINY_DSA:
         return build_tiny_dsa_checkpoint(os.path.join(tmp, "tiny-dsa")), 32000
+    if name == RANDOM_QWEN:
+        return build_random_qwen_checkpoint(os.path.join(tmp, RANDOM_QWEN)), 151936
     config = os.path.join(name, "config.json")
     if os.path.isfile(config):
         with open(config, encoding="utf-8") as fh:
@@ -121,7 +142,8 @@ def run_transformers(model_path: str, prompts, output_len: int, batch_size: int)
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=TINY,
-                    help="'tiny', 'tiny-dsa', 'smollm2-135m', a dir or a .gguf")
+                    help=f"'{TINY}', '{TINY_DSA}', '{RANDOM_QWEN}', 'smollm2-135m', a dir or "
+                         f"a .gguf")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--min-input-len", type=int, default=64)
     ap.add_argument("--max-input-len", type=int, default=512)

@@ -1,6 +1,8 @@
 """Tensor-parallel layers (runner/parallel/tensor_parallel.py) against the one-rank model:
-2 and 4 real processes over gloo on 127.0.0.1, llama (tied head, GQA 4:2 -- at tp 4 each KV
-head is replicated on two ranks) and qwen2 (q/k/v bias, untied head). Every rank's logits
+2 real processes over gloo on 127.0.0.1, llama (tied head, GQA 4:2), qwen2 (q/k/v bias,
+untied head), qwen3 (per-head q/k norms, head_dim 24 != hidden / heads), mistral (8 query
+heads on 2 KV heads) and DeepseekV32 (tp 4 with each KV head replicated on two ranks runs
+through the whole engine in test_tp_serving.py). Every rank's logits
 equal the one-rank model's up to float summation order, and greedy decoding (a no-cache
 forward per token) gives the same tokens on every rank as on one."""
 from __future__ import annotations
@@ -85,10 +87,9 @@ def run_ranks(paths: list[str], size: int) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def ranked(tiny_checkpoints, tiny_dsa_4_heads) -> dict:
-    """(model, tp size) -> every rank's results: one 2-process group for llama, qwen2 and
-    DeepseekV32. (tp 4 with each KV head on two ranks runs through the whole engine in
-    tests/correctness/test_tp_serving.py.)"""
-    two = [tiny_checkpoints["llama"], tiny_checkpoints["qwen2"], tiny_dsa_4_heads]
+    """(model, tp size) -> every rank's results: one 2-process group for every family."""
+    two = [*(tiny_checkpoints[a] for a in ("llama", "qwen2", "qwen3", "mistral")),
+           tiny_dsa_4_heads]
     return {(p, 2): r for p, r in run_ranks(two, 2).items()}
 
 
@@ -101,7 +102,8 @@ def _one_rank(path: str):
     return model, *_greedy(model)
 
 
-@pytest.mark.parametrize("arch,size", [("llama", 2), ("qwen2", 2)])
+@pytest.mark.parametrize("arch,size", [("llama", 2), ("qwen2", 2), ("qwen3", 2),
+                                       ("mistral", 2)])
 def test_tp_ranks_equal_one_rank(tiny_checkpoints, ranked, arch, size):
     path = tiny_checkpoints[arch]
     ref, ref_logits, ref_tokens = _one_rank(path)
