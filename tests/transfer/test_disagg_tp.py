@@ -4,7 +4,10 @@ that rank's pages; a decode of another tensor-parallel size is refused naming it
 prefill's half of the room fails at once (not at its timeout)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
+import pytest
 import torch
 
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
@@ -71,8 +74,6 @@ def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypa
 def test_rank_routes_by_the_tp_ratio():
     """SGLang's mapping by the attention-TP ratio; different sizes only for a KV every rank
     holds whole (MLA)."""
-    import pytest
-
     from kvstrata.transfer.disagg.rank_map import RankRoute, rank_route
 
     assert rank_route(1, 2, 2, False) == RankRoute(1, 1)
@@ -95,8 +96,8 @@ def test_rank_routes_by_the_tp_ratio():
         rank_route(0, 1, 2, False)
 
 
-def _mla_manager(role: str, pool, port: int, rank: int, size: int):
-    return create_manager("tcp", role, page_buffers_of(pool), host="127.0.0.1",
+def _mla_manager(role: str, pool, port: int, rank: int, size: int, backend: str = "tcp"):
+    return create_manager(backend, role, page_buffers_of(pool), host="127.0.0.1",
                           bootstrap_port=port, num_metadata_slots=4, page_size=1,
                           kv_dtype="float32", tp_rank=rank, tp_size=size, kv_replicated=True)
 
@@ -113,7 +114,8 @@ def _serve_room(senders, receivers, room: int, src: list[int], dst: list[int]) -
         sender.send(src[1:], last=True, metadata=PDMetadata(room, first_token_id=42))
 
 
-def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch):
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch, backend):
     """MLA: tp 2 prefill -> tp 1 decode (prefill rank 1 is told it sends nothing; its half
     still ends) and tp 1 prefill -> tp 2 decode (prefill rank 0 sends every page to both
     decode ranks and succeeds only when both acknowledged)."""
@@ -123,13 +125,13 @@ def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch):
     try:
         port2, port1 = free_port(), free_port()
         pre2 = [random_pool(seed=40)] * 2   # one KV on every rank
-        managers += [_mla_manager("prefill", pre2[r], port2, r, 2) for r in range(2)]
+        managers += [_mla_manager("prefill", pre2[r], port2, r, 2, backend) for r in range(2)]
         pre1 = random_pool(seed=41)
-        managers.append(_mla_manager("prefill", pre1, port1, 0, 1))
+        managers.append(_mla_manager("prefill", pre1, port1, 0, 1, backend))
         dec1 = random_pool(seed=42)
         dec2 = [random_pool(seed=43 + r) for r in range(2)]
-        decode1 = _mla_manager("decode", dec1, 0, 0, 1)
-        decode2 = [_mla_manager("decode", dec2[r], 0, r, 2) for r in range(2)]
+        decode1 = _mla_manager("decode", dec1, 0, 0, 1, backend)
+        decode2 = [_mla_manager("decode", dec2[r], 0, r, 2, backend) for r in range(2)]
         managers += [decode1, *decode2]
 
         senders = [managers[r].create_sender("127.0.0.1", port2, 8) for r in range(2)]
@@ -161,6 +163,6 @@ def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch):
         wait_until(lambda: all(s.poll() == F for s in senders), timeout=5,
                    what="both prefill ranks fail the room")
         assert all("client went away" in s.failure_reason for s in senders)
-    finally:
-        for m in reversed(managers):
-            m.close()
+    finally:  # in parallel: a connected mooncake engine takes ~1 s to close
+        with ThreadPoolExecutor(len(managers) or 1) as pool:
+            list(pool.map(lambda m: m.close(), managers))
