@@ -163,6 +163,14 @@ def test_a_replicated_kv_crosses_between_different_tp_sizes(monkeypatch, backend
         wait_until(lambda: all(s.poll() == F for s in senders), timeout=5,
                    what="both prefill ranks fail the room")
         assert all("client went away" in s.failure_reason for s in senders)
+        # A silent prefill rank's abort fails the decode's room, which tells the source rank.
+        senders = [managers[r].create_sender("127.0.0.1", port2, 11) for r in range(2)]
+        receiver = decode1.create_receiver("127.0.0.1", port2, 11)
+        wait_until(lambda: all(s.peer is not None for s in senders), what="both ranks joined")
+        senders[1].abort("rank 1 ran out of pages")
+        wait_until(lambda: receiver.poll() == F and senders[0].poll() == F, timeout=5,
+                   what="the decode and the source rank fail the room")
+        assert "rank 1 ran out of pages" in senders[0].failure_reason
     finally:  # in parallel: a connected mooncake engine takes ~1 s to close
         with ThreadPoolExecutor(len(managers) or 1) as pool:
             list(pool.map(lambda m: m.close(), managers))

@@ -201,11 +201,13 @@ class ZmqDisaggManager(DisaggManager):
             self._changed.notify_all()
             return True
 
-    def fail(self, obj, reason: str, tell_peer: bool = True) -> None:
-        """Transfer thread: fail the room and (unless the peer told us) tell the peers."""
-        if self.transition(obj, KVPoll.FAILED, reason) and tell_peer:
+    def fail(self, obj, reason: str, quiet: str | None = None) -> None:
+        """Transfer thread: fail the room and tell its peers but `quiet` (the one that told
+        us, or one found dead)."""
+        if self.transition(obj, KVPoll.FAILED, reason):
             for peer in obj.peers():
-                self.send_to(peer, Abort(obj.room, self.endpoint, reason))
+                if peer != quiet:
+                    self.send_to(peer, Abort(obj.room, self.endpoint, reason))
 
     def call_soon(self, fn, *args) -> None:
         """Any thread: run fn(*args) on the transfer thread (which owns the sockets)."""
@@ -323,8 +325,8 @@ class ZmqDisaggManager(DisaggManager):
             if obj is None:
                 self._pending.setdefault(msg.room, ([], now))[0].append(msg)
             else:
-                self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): {msg.reason}",
-                          False)
+                self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
+                               f"{msg.reason}", quiet=msg.endpoint)
 
     # ---- prefill side
     def _adopt_pending(self, s: Sender) -> None:
@@ -332,7 +334,7 @@ class ZmqDisaggManager(DisaggManager):
         for msg in early:
             if isinstance(msg, Abort):
                 self.fail(s, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
-                             f"{msg.reason}", False)
+                             f"{msg.reason}", quiet=msg.endpoint)
             elif isinstance(msg, Destination):
                 self._attach(s, msg)
             else:

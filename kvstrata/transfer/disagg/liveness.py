@@ -73,7 +73,7 @@ class Liveness:
             if self.misses.get(peer, 0) >= mgr.heartbeat_max_failure:
                 for r in rooms:
                     mgr.fail(r, f"prefill server {peer} did not answer "
-                                f"{self.misses[peer]} heartbeats", tell_peer=False)
+                                f"{self.misses[peer]} heartbeats", quiet=peer)
                 mgr.drop_peer(peer)
                 continue
             mgr.send_to(peer, Ping(mgr.endpoint))
