@@ -39,11 +39,13 @@ serve: $(STAMP)
 	$(VENV)/bin/kvstrata serve --model-path smollm2-135m --host 127.0.0.1
 
 # Test files run on TEST_WORKERS processes (pytest-xdist; one file stays on one worker, so
-# its shared servers are started once). TEST_WORKERS=0 runs everything in this process.
+# its shared servers are started once), the longest files first (tests/conftest.py orders
+# them; xdist's own reorder, by test count, would leave the slow files for the end).
+# TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py

@@ -172,12 +172,8 @@ def test_decode_offload_feeds_a_restarted_prefill(offload, server):
         assert time.monotonic() < deadline, _load(pd.decode)
         time.sleep(0.2)
     pd.prefill.stop()
-    # The decode server learns that the prefill is gone from a request that fails (as in
-    # test_pd_disagg.py's restart test); then a fresh prefill on the same ports.
-    r = httpx.post(pd.decode.base_url + "/generate", json={
-        "input_ids": ids, "sampling_params": {"max_new_tokens": 2}, **pd.body()},
-        timeout=120)
-    assert r.status_code == 500, r.text
+    # A fresh prefill on the same ports: the decode server, whose route to the old one
+    # went quiet, looks it up again, so the first request after the restart succeeds.
     pd.prefill = pd.start_prefill(port=pd.prefill.port)
     ids = ids + out + [rng.randrange(100, 40000) for _ in range(5)]
     prefill, decode = pd.generate(ids, max_new_tokens=NEW)

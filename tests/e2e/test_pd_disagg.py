@@ -254,8 +254,11 @@ def test_dead_prefill_fails_decode_side_then_recovers(pd):
     assert prefill.status_code == 200, prefill.text
 
 
-def test_decode_pool_too_small_is_400(tiny_model_path):
-    servers = PDServers(tiny_model_path, "tcp", "--max-total-tokens", "64")
+@pytest.mark.parametrize("pd", ["tcp"], indirect=True)
+def test_decode_pool_too_small_is_400(pd):
+    """A decode server whose pool is smaller than the prompt (beside the module's prefill,
+    whose rooms must still end at once)."""
+    servers = PDServers(pd.model, "tcp", "--max-total-tokens", "64", shared_prefill=pd)
     try:
         start = time.monotonic()
         prefill, decode = servers.generate(list(range(100, 300)), max_new_tokens=2)

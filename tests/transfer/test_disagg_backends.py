@@ -190,6 +190,26 @@ def test_dead_prefill_fails_its_rooms_then_a_new_prefill_works(make_pair, monkey
                        buffer(pair.prefill_pool)[:, [3, 9]])
 
 
+def test_a_prefill_restarted_while_idle_is_looked_up_again(make_pair, monkeypatch):
+    """The decode had no room with the prefill when it restarted on the same bootstrap
+    port (so no heartbeat noticed): the next room looks the route up again -- the prefill
+    went quiet -- and reaches the new data endpoint on the first try."""
+    monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.1")
+    pair = make_pair("tcp-gathered")
+    sender, receiver = start_room(pair, 1, [1, 2], [5, 6])
+    sender.send([1, 2], last=True, metadata=PDMetadata(1, 3))
+    wait_until(lambda: receiver.poll() == S, what="a room on the first prefill")
+    old = pair.prefill.endpoint
+    pair.prefill.close()
+    time.sleep(0.3)  # quiet for over two heartbeat intervals
+    pair.new_prefill(seed=5, port=pair.bootstrap_port)
+    assert pair.prefill.endpoint != old
+    sender, receiver = start_room(pair, 2, [3, 9], [10, 11])
+    assert receiver.peer == pair.prefill.endpoint
+    sender.send([3, 9], last=True, metadata=PDMetadata(2, 3))
+    wait_until(lambda: receiver.poll() == S, what="a room on the restarted prefill")
+
+
 def test_dead_decode_fails_the_prefill_room(make_pair, monkeypatch):
     monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_INTERVAL", "0.25")
     monkeypatch.setenv("KVSTRATA_DISAGG_HEARTBEAT_MAX_FAILURE", "2")

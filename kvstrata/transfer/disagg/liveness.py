@@ -37,6 +37,13 @@ class Liveness:
         self.heard[endpoint] = now
         self.misses[endpoint] = 0
 
+    def quiet_for(self, endpoints, now: float) -> float:
+        """Seconds since the most silent of these peers was last heard from (0 for one
+        never heard from: its route is new). Any thread (a read of the transfer thread's
+        table)."""
+        heard = [self.heard.get(e) for e in endpoints]
+        return max((now - t for t in heard if t is not None), default=0.0)
+
     def forget(self, endpoint: str) -> None:
         self.misses.pop(endpoint, None)
         self.heard.pop(endpoint, None)

@@ -1,7 +1,8 @@
 """How a decode manager finds a prefill server's data endpoint: a part of
 control.ZmqDisaggManager. One resolver thread per prefill being looked up (through its
 bootstrap server, retried until the bootstrap timeout), so a prefill that is down never
-delays the rooms of the others; routes are cached per (bootstrap host, port). A room
+delays the rooms of the others; routes are cached per (bootstrap host, port) while the
+prefill keeps talking (a quiet one is looked up again: it may have restarted). A room
 aborted before its prefill was found (e.g. refused at admission) is told to that prefill
 once the look-up ends, so its half fails at once instead of at the bootstrap timeout.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from kvstrata.protocol.disagg import KVPoll
 from kvstrata.transfer.disagg.bootstrap_client import PrefillRoute, resolve_prefill_route
@@ -41,8 +43,15 @@ class PrefillLookup:
         self.deferred_aborts: dict[tuple[str, int], list[Abort]] = {}
 
     def attach(self, r) -> None:
-        """Under mgr.lock: route a new receiver to its prefill if known, else look it up."""
+        """Under mgr.lock: route a new receiver to its prefill if known, else look it up.
+        A route whose prefill went quiet (no room with it for over two heartbeat intervals)
+        is looked up again: a prefill restarted on the same bootstrap port has new data
+        ports, and a request sent to the old ones would fail only at the heartbeat bound."""
         route = self.routes.get(r.bootstrap)
+        if route is not None and self.mgr.liveness.quiet_for(route.endpoints, time.monotonic()) \
+                > 2 * self.mgr.heartbeat_interval:
+            del self.routes[r.bootstrap]
+            route = None
         if route is not None:
             r.set_route(route)
             r.state = KVPoll.WAITING_FOR_INPUT
