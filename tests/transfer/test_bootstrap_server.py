@@ -67,6 +67,16 @@ def test_routes(server):
         "rank_port"] == 5001
     assert httpx.get(f"{url}/route", params={**RANK0, "target_pp_rank": 3}).status_code == 404
     assert fetch_prefill_info("127.0.0.1", srv.port)["attn_tp_size"] == 2
+    # SGLang's earlier form: engine_rank (the tp rank) and target_dp_group
+    legacy = httpx.get(f"{url}/route", params={"engine_rank": -1, "target_dp_group": -1}).json()
+    assert (legacy["prefill_tp_size"], legacy["prefill_dp_size"], legacy["prefill_pp_size"],
+            legacy["page_size"]) == (2, 1, 1, 16)
+    assert httpx.get(f"{url}/route", params={"engine_rank": 1, "target_dp_group": 0}).json()[
+        "rank_port"] == 5001
+    assert httpx.get(f"{url}/route", params={"engine_rank": 1, "target_dp_group": 0,
+                                             "target_pp_rank": 0}).json()["rank_port"] == 5001
+    r = httpx.get(f"{url}/route", params={"engine_rank": 0})
+    assert (r.status_code, r.text) == (400, "Missing inputs for bootstrap server.")
     assert fetch_prefill_rank("127.0.0.1", srv.port, 1) == "tcp://127.0.0.1:5001"
     assert httpx.put(f"{url}/route", json={"page_size": 1}).status_code == 400
 

@@ -10,6 +10,9 @@ Routes:
                 all four required (400); all -1: the prefill's parallel info once every
                 rank registered (503 "Prefill server not fully registered yet (N workers
                 registered)." before); else that rank's {rank_ip, rank_port} or 404.
+  GET  /route?engine_rank&target_dp_group[&target_pp_rank]   SGLang's earlier form, the
+                same answers (engine_rank = tp rank; all -1: the info, with its
+                prefill_tp_size / prefill_dp_size / prefill_pp_size names too)
   POST /register_dp_rank {bootstrap_room, dp_rank}; POST /query_dp_ranks {bootstrap_rooms}
                 the room -> prefill dp rank table (entries older than
                 KVSTRATA_DISAGG_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL are dropped)
@@ -35,6 +38,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from kvstrata import envs
 
 RESOLVE_RETRY_SECONDS = 0.5
+LEGACY_ROUTE_PARAMS = ("engine_rank", "target_dp_group")
+
+
+def _legacy_query(q) -> tuple[int, int, int, int]:
+    """SGLang's earlier GET /route: `engine_rank` (the tp rank), `target_dp_group` and
+    optionally `target_pp_rank`; all -1 asks for the parallel info, answered with the
+    `prefill_tp_size` / `prefill_dp_size` / `prefill_pp_size` names besides ours."""
+    tp, dp = int(q["engine_rank"]), int(q["target_dp_group"])
+    pp = int(q.get("target_pp_rank", -1 if (tp, dp) == (-1, -1) else 0))
+    return (dp, -1, tp, pp) if (tp, dp, pp) == (-1, -1, -1) else (dp, 0, tp, pp)
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
@@ -120,11 +133,15 @@ class BootstrapServer:
         @app.get("/route")
         async def get_route(request: Request):
             q = request.query_params
-            if any(k not in q for k in ROUTE_PARAMS):
-                return PlainTextResponse("Missing required parameters: " + ", ".join(
-                    ROUTE_PARAMS), 400)
+            legacy = "engine_rank" in q  # SGLang's earlier form (see _legacy_query)
+            names = LEGACY_ROUTE_PARAMS if legacy else ROUTE_PARAMS
+            if any(k not in q for k in names):
+                return PlainTextResponse(("Missing inputs for bootstrap server." if legacy else
+                                          "Missing required parameters: ")
+                                         + ("" if legacy else ", ".join(names)), 400)
             try:
-                dp, cp, tp, pp = (int(q[k]) for k in ROUTE_PARAMS)
+                dp, cp, tp, pp = (_legacy_query(q) if legacy else
+                                  tuple(int(q[k]) for k in ROUTE_PARAMS))
             except ValueError:
                 return PlainTextResponse("parameters must be integers", 400)
             with self._lock:
@@ -134,7 +151,13 @@ class BootstrapServer:
                         return PlainTextResponse(
                             "Prefill server not fully registered yet "
                             f"({self.registered_count} workers registered).", 503)
-                    return JSONResponse(self.parallel_info)
+                    info = dict(self.parallel_info)
+                    if legacy:  # the names SGLang's earlier decode servers read
+                        info.update(prefill_tp_size=info["attn_tp_size"],
+                                    prefill_attn_tp_size=info["attn_tp_size"],
+                                    prefill_dp_size=info["dp_size"],
+                                    prefill_pp_size=info["pp_size"])
+                    return JSONResponse(info)
                 entry = self.port_table.get(dp, {}).get(cp, {}).get(tp, {}).get(pp)
             if entry is None:
                 return PlainTextResponse(f"no prefill rank dp={dp} cp={cp} tp={tp} pp={pp}",
