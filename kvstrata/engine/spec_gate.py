@@ -14,7 +14,12 @@ request drafts and WARMUP plain ones; later every EXPLORE_EVERY-th step is one o
 (alternating) so the averages, and each request's acceptance rate, stay current. Those
 drafting steps are probes (`probing`): the side lets only a few requests draft in them (with
 a draft model, one token), so measuring stays cheap where drafting does not pay (a draft
-model's forwards, or a compute-bound batch of 32).
+model's forwards, or a compute-bound batch of 32). Where drafting cannot pay (rho >= 1: no
+acceptance rate reaches it) every step is plain and measured anyway, so explorations are
+probes only, each twice as far from the last (up to EXPLORE_MAX steps), back to
+EXPLORE_EVERY once rho drops below 1. And a position costs relatively more as the batch
+grows (a step turns from memory- to compute-bound), so a new range above a settled one
+where drafting does not pay starts as not paying: no drafting warm-up, only the probes.
 `--speculative-disable-by-batch-size N` (vLLM's flag) replaces all this: every request may
 draft in steps of at most N requests, none above. Exactness never depends on the choice.
 """
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 WARMUP = 3
 EXPLORE_EVERY = 16
+EXPLORE_MAX = 16 * EXPLORE_EVERY
 ALPHA = 0.3          # weight of the newest sample in the averages
 RHO_UNKNOWN = 0.5    # before the marginal cost is measurable
 RHO_MIN, RHO_MAX = 0.02, 2.0
@@ -50,9 +56,15 @@ class _Range:
     spec: _Avg = None  # type: ignore[assignment]
     plain: _Avg = None  # type: ignore[assignment]
     spec_seen: int = 0  # drafting steps, timed or not (the warm-up counts these)
+    interval: int = EXPLORE_EVERY      # steps between explorations
+    next_explore: int = EXPLORE_EVERY  # the step (count) of the next one
+    explores: int = 0
 
     def __post_init__(self):
         self.spec, self.plain = _Avg(), _Avg()
+
+    def settled(self) -> bool:
+        return self.spec_seen >= WARMUP and self.plain.n >= WARMUP
 
     def rho(self) -> float:
         s, p = self.spec, self.plain
@@ -80,7 +92,12 @@ class SpecGate:
             self._step = None
             return 0.0 if batch <= self.limit else math.inf
         key = batch.bit_length()
-        r = self.ranges.setdefault(key, _Range())
+        r = self.ranges.get(key)
+        if r is None:
+            r = self.ranges[key] = _Range()
+            if any(k < key and low.settled() and low.rho() >= 1.0
+                   for k, low in self.ranges.items()):
+                r.spec_seen = WARMUP  # drafting does not pay below: nor here (rho RHO_MAX)
         r.steps += 1
         self._step = (key, self.clock())
         if r.spec_seen < WARMUP:
@@ -88,8 +105,14 @@ class SpecGate:
             return 0.0
         if r.plain.n < WARMUP:
             return math.inf
-        if r.steps % EXPLORE_EVERY == 0:
-            self.probing = bool((r.steps // EXPLORE_EVERY) % 2)
+        if r.steps >= r.next_explore:
+            r.explores += 1
+            pays = r.rho() < 1.0
+            r.interval = EXPLORE_EVERY if pays else min(2 * r.interval, EXPLORE_MAX)
+            r.next_explore = r.steps + r.interval
+            # Paying: alternate the kinds (plain steps are then rare); not paying: every
+            # step is plain already, so the exploration is a probe.
+            self.probing = bool(r.explores % 2) or not pays
             return 0.0 if self.probing else math.inf
         return r.rho()
 

@@ -17,9 +17,11 @@ class Clock:
 
 
 def run(gate: SpecGate, clock: Clock, batch: int, steps: int, fixed: float,
-        per_position: float, drafts_per_req: int, accept_rate: float) -> list[float]:
-    """A machine whose step costs fixed + per_position x positions, requests whose drafts
-    are accepted at `accept_rate` (their rate is known to the caller). Returns rho per step."""
+        per_position: float, drafts_per_req: int, accept_rate: float,
+        draft_cost: float = 0.0) -> list[float]:
+    """A machine whose step costs fixed + per_position x positions (+ draft_cost when
+    anything drafts: a draft model's forward), requests whose drafts are accepted at
+    `accept_rate` (their rate is known to the caller). Returns rho per step."""
     needs = []
     for _ in range(steps):
         need = gate.begin(batch)
@@ -27,7 +29,7 @@ def run(gate: SpecGate, clock: Clock, batch: int, steps: int, fixed: float,
         drafts = batch * drafts_per_req if drafting else 0
         positions = batch + drafts
         tokens = batch + round(drafts * accept_rate)
-        clock.t += fixed + per_position * positions
+        clock.t += fixed + per_position * positions + (draft_cost if drafts else 0.0)
         gate.end(tokens, positions, drafts > 0)
         needs.append(need)
     return needs
@@ -96,3 +98,42 @@ def test_untimed_drafting_steps_count_for_the_warm_up_but_not_the_averages():
     clock.t += 0.21  # 4 more positions for 10 ms: rho = 2.5 ms / (200 ms / 32) = 0.4
     gate.end(36, 36, drafted=True)
     assert gate.ranges[6].rho() < RHO_MAX
+
+
+def test_where_drafting_cannot_pay_probes_back_off():
+    """rho >= 1 (a compute-bound batch): every step is plain and measured anyway, so the
+    explorations are probes only, each twice as far from the last, up to EXPLORE_MAX."""
+    from kvstrata.engine.spec_gate import EXPLORE_MAX
+    clock = Clock()
+    gate = SpecGate(None, clock)
+    needs = run(gate, clock, 32, 2000, fixed=20.0, per_position=5.0, drafts_per_req=4,
+                accept_rate=0.3, draft_cost=400.0)
+    assert gate.ranges[6].rho() >= 1.0
+    probes = [i for i, need in enumerate(needs) if need == 0.0][WARMUP:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY,
+                        16 * EXPLORE_EVERY] and set(gaps[4:]) == {EXPLORE_MAX}, gaps
+    assert len(probes) < 2000 // (2 * EXPLORE_EVERY) // 4  # vs one every 2 x 16 steps
+
+
+def test_a_larger_batch_range_inherits_a_settled_verdict_that_drafting_does_not_pay():
+    """A position costs relatively more as the batch grows: above a settled range where
+    drafting does not pay, a new range skips the drafting warm-up (nobody drafts but its
+    probes); above a paying range, a new range warms up as usual."""
+    from kvstrata.engine.spec_gate import RHO_MAX
+    clock = Clock()
+    gate = SpecGate(None, clock)
+    run(gate, clock, 8, 40, fixed=10.0, per_position=5.0, drafts_per_req=4, accept_rate=0.3,
+        draft_cost=100.0)
+    assert gate.ranges[4].rho() >= 1.0
+    for _ in range(WARMUP):  # plain steps only, no drafting warm-up
+        assert gate.begin(32) == math.inf and not gate.probing
+        clock.t += 100.0
+        gate.end(32, 32, drafted=False)
+    assert gate.begin(32) == RHO_MAX and not gate.probing
+
+    clock = Clock()
+    gate = SpecGate(None, clock)
+    run(gate, clock, 1, 40, fixed=50.0, per_position=2.0, drafts_per_req=4, accept_rate=0.3)
+    assert gate.ranges[1].rho() < 1.0
+    assert gate.begin(32) == 0.0 and gate.probing  # its own warm-up
