@@ -88,3 +88,37 @@ def test_decoder_with_and_without_fused_ops(tiny_checkpoints, tiny_prompts, monk
             got = [lp for lp, _ in on["meta_info"]["output_token_logprobs"][:same]]
             want = [lp for lp, _ in off["meta_info"]["output_token_logprobs"][:same]]
             assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) < tol
+
+
+def test_a_forward_reads_the_cpu_settings_once(monkeypatch):
+    """KVSTRATA_CPU_FUSED_OPS / KVSTRATA_CPU_ISA are read once per model forward (the decoder
+    wraps its forward in cpu_ops.fixed_settings), not by each fused op or attention call;
+    outside a forward every call reads them again."""
+    from kvstrata import envs
+    from kvstrata.runner.attention import paged_decode
+
+    reads = []
+
+    class Counted:
+        def __init__(self, var):
+            self.var = var
+
+        def get(self, *args, **kwargs):
+            reads.append(self.var.name)
+            return self.var.get(*args, **kwargs)
+
+    for name in ("KVSTRATA_CPU_FUSED_OPS", "KVSTRATA_CPU_ISA"):
+        monkeypatch.setattr(envs, name, Counted(getattr(envs, name)))
+
+    @cpu_ops.fixed_settings
+    def forward():
+        x = torch.randn(4, 64, dtype=torch.bfloat16)
+        for _ in range(5):
+            x = cpu_ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
+            cpu_ops.silu_mul(torch.randn(4, 128))
+        return paged_decode.isa_cap(), cpu_ops.enabled()
+
+    assert forward() == (2, True) and len(reads) == 2
+    assert paged_decode.pinned_isa_cap is None and cpu_ops._pinned_enabled is None
+    monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
+    assert cpu_ops.silu_mul(torch.randn(4, 8)) is None and len(reads) == 3

@@ -33,7 +33,14 @@ def supported(kv_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device)
     return kv_dtype in KV_DTYPES and q_dtype in KV_DTYPES and device.type == "cpu"
 
 
+# KVSTRATA_CPU_ISA as read once for the forward under way (runner/cpu_ops.py
+# `fixed_settings`); None outside one: then every call reads it (tests switch it per call).
+pinned_isa_cap: int | None = None
+
+
 def isa_cap() -> int:
+    if pinned_isa_cap is not None:
+        return pinned_isa_cap
     name = envs.KVSTRATA_CPU_ISA.get().strip().lower()
     if name not in ISA_CAPS:
         raise ValueError(f"KVSTRATA_CPU_ISA={name!r} is not one of {sorted(ISA_CAPS)}")
@@ -72,12 +79,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = torch.empty(q.shape, dtype=torch.float32)
     threads = torch.get_num_threads() if num_threads is None else num_threads
     pool_bytes = k_cache.numel() * k_cache.element_size()
-    with torch.profiler.record_function("kvstrata::paged_decode"):  # visible in profiles
-        _paged_decode.decode(
-            _addr("q", q, (torch.float32,)), q.numel() * 4,
+    args = (_addr("q", q, (torch.float32,)), q.numel() * 4,
             _addr("k_cache", k_cache, KV_DTYPES), _addr("v_cache", v_cache, KV_DTYPES),
             pool_bytes, KV_DTYPES[k_cache.dtype], _addr("slots", slots, (torch.int64,)),
             slots.numel(), _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d,
             float(scale), _addr("out", out, (torch.float32,)), out.numel() * 4, threads,
             isa_cap())
+    if torch.autograd._profiler_enabled():  # a named op in profiles (costs ~30 us a call)
+        with torch.profiler.record_function("kvstrata::paged_decode"):
+            _paged_decode.decode(*args)
+    else:
+        _paged_decode.decode(*args)
     return out

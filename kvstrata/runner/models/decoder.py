@@ -126,6 +126,7 @@ class DecoderForCausalLM(nn.Module):
         self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
+    @cpu_ops.fixed_settings
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Run all tokens of `fb`; return logits [len(fb.logits_idx), V] in float32
         (every token when logits_idx is None). With `capture_hidden` set (an EAGLE draft
