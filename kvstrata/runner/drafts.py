@@ -17,6 +17,10 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
     if algorithm in ("EAGLE", "EAGLE3") and target.pool_kind == "mla":
         from kvstrata.runner.mtp_draft import MTPDraft
 
+        if hasattr(target, "full_dims"):
+            raise NotImplementedError("not implemented yet: NEXTN (the MTP layer as an EAGLE "
+                                      "draft) with --tp-size > 1")
+
         if algorithm == "EAGLE3" or token_map is not None:
             raise NotImplementedError(f"not implemented yet: --speculative-algorithm "
                                       f"{algorithm}{' with a token map' if token_map else ''} "
@@ -27,7 +31,10 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
         from kvstrata.runner.eagle_draft import EagleDraft
 
         return EagleDraft(path, target, device, tree, token_map, target_source, algorithm)
-    return DraftModel(path, dtype, device, quantization, target.dims.vocab_size, tree)
+    # A tensor-parallel target's dims are its rank's share (a vocabulary slice): the draft,
+    # whole on every rank, must match the whole vocabulary.
+    vocab = getattr(target, "full_dims", target.dims).vocab_size
+    return DraftModel(path, dtype, device, quantization, vocab, tree)
 
 
 __all__ = ["build_draft"]

@@ -18,8 +18,10 @@ def test_defaults_are_all_implemented():
 @pytest.mark.parametrize("kwargs,flag", [
     ({"hicache_host_memory_mode": "buffer_only"}, "--hicache-host-memory-mode"),
     ({"enable_hisparse": True}, "--enable-hisparse"),
-    ({"tp_size": 2, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"},
-     "--speculative-algorithm STANDALONE with --tp-size > 1"),
+    ({"tp_size": 2, "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "d"},
+     "--speculative-algorithm EAGLE3 with --tp-size > 1"),
+    ({"tp_size": 2, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d",
+      "speculative_token_map": "m"}, "--speculative-token-map with --tp-size > 1"),
     ({"dcp_size": 2}, "--dcp-size"),
 ])
 def test_unbuilt_flag_is_refused(kwargs, flag):
@@ -44,6 +46,8 @@ def test_unbuilt_flag_is_refused(kwargs, flag):
     {"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True,
      "enable_hierarchical_cache": True, "disaggregation_decode_retraction_backup": "host_pool"},
     {"tp_size": 2}, {"tp_size": 2, "speculative_algorithm": "NGRAM"},
+    {"tp_size": 2, "speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "d"},
+    {"tp_size": 2, "speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d"},
     {"tp_size": 2, "disaggregation_mode": "decode"},
     {"tp_size": 2, "enable_hierarchical_cache": True,
                      "hicache_storage_backend": "file"}, {"tp_size": 4, "nnodes": 2, "node_rank": 1,

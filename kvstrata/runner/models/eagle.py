@@ -51,7 +51,7 @@ class EagleHead(DecoderForCausalLM):
         self.config = config
         self.spec = ArchSpec()
         self.dims = dims = ModelDims.from_config(config)
-        t = target.dims
+        t = getattr(target, "full_dims", target.dims)  # a tensor-parallel rank's: the whole
         if dims.hidden_size != t.hidden_size or dims.vocab_size != t.vocab_size:
             raise ValueError(f"--speculative-draft-model-path: the EAGLE head's hidden size "
                              f"{dims.hidden_size} / vocabulary {dims.vocab_size} differ from "
@@ -68,6 +68,9 @@ class EagleHead(DecoderForCausalLM):
         self.linear = F.linear
         self.capture_hidden = False
         self.shared = SharedWithTarget(target.embed, target.lm_head, target.linear)
+        # The target's own embedding and output head calls: a tensor-parallel rank's hold a
+        # vocabulary slice and gather the rest (every rank runs the head in step).
+        self.target_embed, self.target_logits = target.embed_tokens, target.output_logits
         self.hot_ids: torch.Tensor | None = None  # FR-Spec token map (use_token_map)
         self.feature_size = dims.hidden_size  # the target's final hidden state
 
@@ -92,19 +95,19 @@ class EagleHead(DecoderForCausalLM):
         Returns (float32 logits, head hidden states) at fb.logits_idx."""
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
-        x = F.embedding(fb.input_ids, self.shared.embed)
+        x = self.target_embed(fb.input_ids)
         x = self.linear(torch.cat([x, features.to(x.dtype)], dim=-1), self.fc_weight,
                         self.fc_bias)
         for i, layer in enumerate(self.layers):
             x = self.layer_forward(i, layer, x, cos, sin, fb, input_norm=i > 0)
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
+        if self.hot_ids is None:
+            return self.target_logits(x), x
         logits = self.shared.linear(x, self.shared.lm_head).float()
-        if self.hot_ids is not None:
-            full = logits.new_full((logits.shape[0], self.dims.vocab_size), float("-inf"))
-            full[:, self.hot_ids] = logits
-            logits = full
-        return logits, x
+        full = logits.new_full((logits.shape[0], self.dims.vocab_size), float("-inf"))
+        full[:, self.hot_ids] = logits
+        return full, x
 
     # ------------------------------------------------------------------ weight loading
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
