@@ -71,10 +71,10 @@ def join(args: ServerArgs, p) -> tuple[ServerArgs, Any, JoinedRank]:
     from kvstrata.runner.parallel import tp_comm  # noqa: PLC0415
 
     device = torch.device(args.device or detected_platform().device_type)
-    if device.type == "cuda":  # one GPU per local rank
-        device = torch.device("cuda", p.local_index)
+    if device.type == "cuda":  # one GPU per rank of this machine
+        device = torch.device("cuda", p.machine_index)
         torch.cuda.set_device(device)
-    restore = tp_comm.pin_rank(p.local_index, p.per_node)
+    restore = tp_comm.pin_rank(p.machine_index, p.machine_count)
     group = tp_comm.init_group(p, device, envs.KVSTRATA_TP_SHM_ALLREDUCE.get())
     mine = dataclasses.asdict(args)
     theirs = tp_comm.from_rank0(mine)

@@ -143,47 +143,28 @@ def _bytes_under(folder) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def test_ngram_speculation_under_tp(tiny_checkpoints):
-    """NGRAM drafts come from the scheduler's n-gram cache, so they cross to every rank in
-    the SchedulerOutput like any token: verify steps at tp 2 accept drafts and give the
-    plain one-rank engine's tokens and logprobs."""
-    from kvstrata import LLM
-    from tests.correctness.test_speculative import assert_same, greedy, repeating_prompts
-
-    prompts = repeating_prompts()
-    base = dict(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
-                max_total_tokens=2048)
-    with LLM(**base) as llm:
-        plain = llm.generate(input_ids=prompts, sampling_params=greedy(24))
-    with LLM(**base, tp_size=2, speculative_algorithm="NGRAM",
-             speculative_num_draft_tokens=5,
-             speculative_disable_by_batch_size=1 << 20) as llm:
-        spec = llm.generate(input_ids=prompts, sampling_params=greedy(24))
-        ranks = llm.engine.runner.digests()
-    assert_same(plain, spec)
-    assert sum(o["meta_info"]["spec_accept_token_num"] for o in spec) > 0
-    assert all(d == ranks[0] for d in ranks)
-
-
-def test_draft_models_under_tp(tiny_checkpoints, tmp_path):
-    """STANDALONE (the target drafting for itself) and EAGLE (a head that copies its
-    target, through the rank's vocabulary-parallel embedding and output head) run whole on
-    every rank: tp 2 verify steps accept drafts and give the plain one-rank tokens and
-    logprobs, every rank applying the same steps."""
+def test_speculation_under_tp(tiny_checkpoints, tmp_path):
+    """NGRAM (drafts from the scheduler's n-gram cache cross to every rank in the
+    SchedulerOutput like any token), STANDALONE (the target drafting for itself) and EAGLE
+    (a head that copies its target, through the rank's vocabulary-parallel embedding and
+    output head; draft models run whole on every rank): tp 2 verify steps accept drafts and
+    give the plain one-rank tokens and logprobs, every rank applying the same steps."""
     from kvstrata import LLM
     from tests.correctness.test_speculative import assert_same, greedy, repeating_prompts
     from tests.helpers.eagle_heads import copy_head, copyable_target
 
     prompts = repeating_prompts()[:3]
     target = copyable_target(tiny_checkpoints["llama"], str(tmp_path / "target"))
-    drafts = {"STANDALONE": target, "EAGLE": copy_head(target, str(tmp_path / "head"))}
+    drafts = {"NGRAM": None, "STANDALONE": target,
+              "EAGLE": copy_head(target, str(tmp_path / "head"))}
     base = dict(model_path=target, skip_tokenizer_init=True, max_total_tokens=2048,
                 dtype="float32")
     with LLM(**base) as llm:
         plain = llm.generate(input_ids=prompts, sampling_params=greedy(16))
     for algorithm, draft in drafts.items():
-        with LLM(**base, tp_size=2, speculative_algorithm=algorithm,
-                 speculative_draft_model_path=draft, speculative_num_steps=3,
+        shape = ({"speculative_num_draft_tokens": 5} if draft is None else
+                 {"speculative_draft_model_path": draft, "speculative_num_steps": 3})
+        with LLM(**base, tp_size=2, speculative_algorithm=algorithm, **shape,
                  speculative_disable_by_batch_size=1 << 20) as llm:
             spec = llm.generate(input_ids=prompts, sampling_params=greedy(16))
             ranks = llm.engine.runner.digests()

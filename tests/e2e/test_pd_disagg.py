@@ -118,6 +118,7 @@ def test_concurrent_requests_with_disconnects_leak_nothing(router, pd):
     assert_no_leak(pd.decode)
 
 
+@pytest.mark.parametrize("pd", ["tcp"], indirect=True)  # the look-up is the backends' own
 def test_closed_bootstrap_port_fails_at_once(pd):
     """A decode request whose bootstrap address refuses connections fails within seconds
     (not the bootstrap timeout) with SGLang's message, and frees what it held."""

@@ -89,7 +89,7 @@ def test_a_killed_rank_ends_the_server(tiny_model_path):
 
 def test_two_launchers_serve_one_model(tiny_model_path):
     """Node 0 (HTTP server, scheduler, rank 0) and node 1 (rank 1) meet at --dist-init-addr;
-    SIGTERM on node 0 stops both."""
+    on one machine they split its cores; SIGTERM on node 0 stops both."""
     ids = prompts(2)
     want = one_rank(tiny_model_path, ids)
     init = f"127.0.0.1:{free_port()}"
@@ -105,6 +105,13 @@ def test_two_launchers_serve_one_model(tiny_model_path):
         srv = ServerProcess(tiny_model_path, *nodes, "--node-rank", "0", env=FAST_LOSS)
         node1_children = child_pids(node1.pid)
         assert len(node1_children) >= 1
+        # Both launchers on this machine: rank 1 takes the second half of its cores, not
+        # core 0 again (TPPlacement.machine_index).
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:
+            assert any(os.sched_getaffinity(pid) == set(cores[len(cores) // 2:])
+                       for pid in node1_children), [os.sched_getaffinity(p)
+                                                     for p in node1_children]
         assert_same(served(srv.base_url, ids), want)
         srv.stop()
         assert node1.wait(timeout=30) == 0

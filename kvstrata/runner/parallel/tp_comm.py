@@ -53,12 +53,31 @@ class TPPlacement:
     def local_ranks(self) -> range:
         return range(self.node_rank * self.per_node, (self.node_rank + 1) * self.per_node)
 
+    @property
+    def on_one_machine(self) -> bool:
+        """Several launchers, all on this machine (the store's address is loopback): their
+        ranks then share its cores and devices by global rank, not each from core 0."""
+        return self.nnodes > 1 and _is_loopback(self.init_addr)
+
+    @property
+    def machine_index(self) -> int:
+        """This rank's index among the ranks on its machine."""
+        return self.rank if self.on_one_machine else self.local_index
+
+    @property
+    def machine_count(self) -> int:
+        return self.size if self.on_one_machine else self.per_node
+
+
+def _is_loopback(init_addr: str) -> bool:
+    return init_addr.rsplit(":", 1)[0].strip("[]") in ("127.0.0.1", "localhost", "::1")
+
 
 def advertise_host(init_addr: str) -> str:
     """The address other ranks reach this one at: loopback when the store is local, else
     the interface that routes to the store's host."""
     host = init_addr.rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1"):
+    if _is_loopback(init_addr):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks the route
