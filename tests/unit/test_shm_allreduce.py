@@ -100,3 +100,19 @@ def test_allreduce_benchmark_reports_both_paths_against_memcpy():
     for row in result["rows"]:
         assert row["gloo_us"] > 0 and row["shm_us"] > 0 and row["memcpy_us"] > 0
         assert row["per_step_ms_shm"] == pytest.approx(row["shm_us"] * 5 / 1e3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_path_gives_the_python_paths_bits(monkeypatch, dtype):
+    """A contiguous fp32 / bf16 tensor takes the C all-reduce (runner/csrc/cpu_ops.c), any
+    other the torch one: the same protocol and the same rank-order fp32 sum, so the same
+    bits -- on every instruction set (AVX-512 body, scalar tail)."""
+    group = ranks(3)
+    inputs = [torch.randn(5, 37).to(dtype) for _ in range(3)]
+    by_python = run_all(group, lambda shm, r: shm.all_reduce(
+        inputs[r].t().clone().t()).contiguous())          # strided: the torch path
+    for isa in ("avx512", "scalar"):
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+        by_c = run_all(group, lambda shm, r: shm.all_reduce(inputs[r].clone()))
+        for c, py in zip(by_c, by_python):
+            assert torch.equal(c, py), isa

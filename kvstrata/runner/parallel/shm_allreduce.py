@@ -24,8 +24,13 @@ import uuid
 import numpy as np
 import torch
 
+from kvstrata.runner import _cpu_ops
+from kvstrata.runner.attention.paged_decode import isa_cap
+
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SPINS_BEFORE_YIELD = 200
+C_SPINS = 20000  # spins per C call before the abort reason and timeout are checked
+_C_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class ShmCollectives:
@@ -77,12 +82,28 @@ class ShmCollectives:
                                f"{seq} within {self.timeout_s:.0f} s")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype in _C_DTYPES and t.is_contiguous() and t.device.type == "cpu":
+            return self._all_reduce_c(t)
         buffer = self._publish_and_wait(t)
         acc = self._slot(buffer, 0, t).to(torch.float32 if t.dtype != torch.float32
                                           else t.dtype, copy=True)
         for r in range(1, self.size):
             acc += self._slot(buffer, r, t)
         t.copy_(acc)
+        return t
+
+    def _all_reduce_c(self, t: torch.Tensor) -> torch.Tensor:
+        """The same protocol and sum in C (runner/csrc/cpu_ops.c): one call instead of ~15
+        torch and numpy calls (~30-50 us of Python a collective, 61 a SmolLM2 step). It
+        returns every C_SPINS spins still waiting, so the abort reason and timeout are
+        checked as in _publish_and_wait."""
+        self.seq += 1
+        seq, published, since = self.seq, 0, None
+        args = (self.buf.data_ptr(), self.header, self.slot_bytes, self.rank, self.size, seq,
+                t.data_ptr(), t.numel(), _C_DTYPES[t.dtype])
+        while not _cpu_ops.shm_all_reduce(*args, published, C_SPINS, isa_cap()):
+            published = 1
+            self._check_waiting(seq, since := since or time.monotonic())
         return t
 
     def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
