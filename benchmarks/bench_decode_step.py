@@ -105,6 +105,27 @@ def linear_params(model: torch.nn.Module) -> int:
     return per_layer + model_head_params(model)
 
 
+def linears_alone_ms(model: torch.nn.Module, batch: int, dtype: torch.dtype,
+                     reps: int = 3) -> float:
+    """ms of one step's matmuls alone: every layer's linear weights and the output head
+    applied through the model's own linear call (packed / quantised as served) to a random
+    [batch, in] input -- what the step would cost with nothing but its GEMMs, at its own
+    shapes (best of `reps`)."""
+    weights = [getattr(layer, name) for layer in model.layers for name, _ in LAYER_LINEARS]
+    weights.append(model.lm_head)
+    inputs = {}
+    for w in weights:
+        k = w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
+        inputs.setdefault(k, torch.randn(batch, k).to(dtype))
+
+    def run():
+        for w in weights:
+            k = w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
+            model.linear(inputs[k], w)
+    run()
+    return min(_timed(run) for _ in range(reps)) * 1e3
+
+
 class DecodeBatch:
     """B requests whose req_to_token rows already list C positions; each step decodes one
     token at position C (the same slot every step, so the batch stays the same)."""
@@ -203,8 +224,14 @@ def main(argv=None) -> dict:
             # The step cannot beat the slower of its arithmetic at the GEMM peak and its
             # reads at the copy rate (a roofline from two baselines of this run).
             roofline_ms = max(flops / peak / 1e6, nbytes / bandwidth / 1e6)
+            linears_ms = linears_alone_ms(runner.model, args.batch, getattr(torch, args.dtype))
             row = {"batch": args.batch, "context": context, "flops_per_step": flops,
-                   "bytes_per_step": nbytes, "roofline_ms": roofline_ms}
+                   "bytes_per_step": nbytes, "roofline_ms": roofline_ms,
+                   "linears_alone_ms": linears_ms}
+            print(f"decode B={args.batch}: its linears alone (the model's own calls at these "
+                  f"shapes) {linears_ms:.1f} ms = {2 * params * args.batch / linears_ms / 1e6:.1f}"
+                  f" GFLOP/s = {2 * params * args.batch / linears_ms / 1e6 / peak:.1%} of peak",
+                  flush=True)
             for kernel, name in ((True, "kernel"), (False, "gather_sdpa")):
                 if kernel not in variants:
                     continue
@@ -213,6 +240,7 @@ def main(argv=None) -> dict:
                 top, overhead, attention = profile(batch.step, args.steps)
                 row[name] = {"ms": ms, "gflops": flops / ms / 1e6,
                              "of_peak": flops / ms / 1e6 / peak,
+                             "linears_alone_share": linears_ms / ms,
                              "of_roofline": roofline_ms / ms, "outside_ops": overhead,
                              "attention_share": attention, "top_ops": top}
                 print(f"decode B={args.batch} C={context:<5d} {name:<11s} {ms:8.1f} ms  "

@@ -126,6 +126,8 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
             v = row[variant]
             assert v["ms"] > 0 and 0 < v["of_peak"] and v["top_ops"]
             assert 0 < v["attention_share"] < 1  # the kernel shows up as an op of its own
+            assert 0 < v["linears_alone_share"]
+        assert row["linears_alone_ms"] > 0
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
 
 
