@@ -87,8 +87,12 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_the_flag(tiny_model_p
             speculative_draft_model_path=tiny_model_path)
 
 
+# Drafts in every step (--speculative-disable-by-batch-size): the measured gate would stop a
+# random head from drafting once it has timed it (rho >= 1 here), as it should, and this test
+# is about exactness with tree drafts over HTTP.
 EAGLE_ARGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
               "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+              "--speculative-disable-by-batch-size", "64",
               "--max-total-tokens", "4096", "--context-length", "512")
 
 
