@@ -11,7 +11,6 @@ the target's (position i), so the head's KV sits in the target's slots, one tabl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,14 +28,6 @@ EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle",)
 _SHARED_OR_UNUSED = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                      "layers.0.input_layernorm.weight")
 
-
-@dataclass
-class SharedWithTarget:
-    """What the head borrows from the target (not registered as the head's parameters, so
-    memory accounting counts them once)."""
-    embed: torch.Tensor
-    lm_head: Any
-    linear: Any  # how the target applies its (possibly packed or quantized) output head
 
 
 class EagleHead(DecoderForCausalLM):
@@ -67,10 +58,12 @@ class EagleHead(DecoderForCausalLM):
         self.attn_backend = None
         self.linear = F.linear
         self.capture_hidden = False
-        self.shared = SharedWithTarget(target.embed, target.lm_head, target.linear)
-        # The target's own embedding and output head calls: a tensor-parallel rank's hold a
-        # vocabulary slice and gather the rest (every rank runs the head in step).
+        # The head borrows the target's embedding and output head through the target's own
+        # calls (not registered as the head's parameters, so memory accounting counts them
+        # once; a tensor-parallel rank's hold a vocabulary slice and gather the rest, every
+        # rank running the head in step).
         self.target_embed, self.target_logits = target.embed_tokens, target.output_logits
+        self.hot_head: torch.Tensor | None = None  # FR-Spec: the hot rows of the head
         self.hot_ids: torch.Tensor | None = None  # FR-Spec token map (use_token_map)
         self.feature_size = dims.hidden_size  # the target's final hidden state
 
@@ -84,9 +77,7 @@ class EagleHead(DecoderForCausalLM):
             raise ValueError(f"--speculative-token-map: expected a 1-D list of token ids in "
                              f"[0, {vocab}), got shape {tuple(hot_ids.shape)}")
         self.hot_ids = hot_ids.to(torch.int64).to(self.device)
-        self.shared = SharedWithTarget(self.shared.embed,
-                                       head_weight[self.hot_ids].to(self.dtype).contiguous(),
-                                       F.linear)
+        self.hot_head = head_weight[self.hot_ids].to(self.dtype).contiguous()
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, features: torch.Tensor
@@ -104,7 +95,7 @@ class EagleHead(DecoderForCausalLM):
             x = x.index_select(0, fb.logits_idx)
         if self.hot_ids is None:
             return self.target_logits(x), x
-        logits = self.shared.linear(x, self.shared.lm_head).float()
+        logits = F.linear(x, self.hot_head).float()
         full = logits.new_full((logits.shape[0], self.dims.vocab_size), float("-inf"))
         full[:, self.hot_ids] = logits
         return full, x
