@@ -23,11 +23,20 @@ def test_watchdog_fails_requests_and_exits(tiny_model_path):
         url = srv.base_url
         body = {"prompt": "hang", "max_tokens": 300, "ignore_eos": True}
         start = time.monotonic()
+        # The stream goes first and the plain request only once the stream's first chunk is
+        # out: a stream still waiting for its first chunk when the step hangs is answered by a
+        # plain JSON 500 instead (no stream has begun), which is a different case.
+        lines, plain = [], None
         with ThreadPoolExecutor(1) as pool:
-            plain = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
                               timeout=60) as r:
-                lines = [ln for ln in r.iter_lines() if ln]
+                assert r.status_code == 200, r.read()
+                for ln in r.iter_lines():
+                    if ln and plain is None:
+                        plain = pool.submit(httpx.post, url + "/v1/completions", json=body,
+                                            timeout=60)
+                    if ln:
+                        lines.append(ln)
             resp = plain.result(timeout=30)
         assert time.monotonic() - start < STUCK_S / 2
         assert any('"error"' in ln and "watchdog" in ln for ln in lines), lines[-3:]
