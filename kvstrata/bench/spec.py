@@ -96,6 +96,8 @@ def _run_batch(llm, prompts: list[list[int]], output_len: int) -> dict:
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto",
+                    help="target (and draft) compute dtype, as serve's --dtype")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM"])
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM")
     ap.add_argument("--ngram-breadth", type=int, default=None,
@@ -117,6 +119,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 32])
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--reps", type=int, default=1, help="batches per setting (interleaved)")
+    ap.add_argument("--warmup-reps", type=int, default=1,
+                    help="unmeasured batches per setting first (each engine's one-time costs: "
+                         "the speculation gate's warm-up probes, first-call allocations)")
     ap.add_argument("--output-json", default="benchmarks/results/spec.json")
     add_quiet_arg(ap)
 
@@ -126,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
     from kvstrata.engine.sides import spec_side
 
     load = announce_load(args.require_quiet)
-    engines = {"plain": LLM(model_path=args.model, page_size=16, max_total_tokens=65536)}
+    common = {"page_size": 16, "max_total_tokens": 65536, "dtype": args.dtype}
+    engines = {"plain": LLM(model_path=args.model, **common)}
     for algo in args.algorithms:
         if algo == "STANDALONE":
             shape = {"speculative_draft_model_path": args.draft_model or args.model,
@@ -144,8 +150,8 @@ def run(args: argparse.Namespace) -> dict:
                      "speculative_ngram_match_type": args.ngram_match_type}
         if args.disable_by_batch_size is not None:
             shape["speculative_disable_by_batch_size"] = args.disable_by_batch_size
-        engines[algo] = LLM(model_path=args.model, page_size=16, max_total_tokens=65536,
-                            speculative_algorithm=algo, **shape)
+        engines[algo] = LLM(model_path=args.model, speculative_algorithm=algo, **common,
+                            **shape)
     tok = engines["plain"].tokenizer
     rows = []
     for wl in args.workloads:
@@ -154,13 +160,15 @@ def run(args: argparse.Namespace) -> dict:
                        for m in workload(wl, bs)]
             prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
             got: dict[str, list[dict]] = {name: [] for name in engines}
-            for _ in range(args.reps):
+            for rep in range(args.warmup_reps + args.reps):
                 for name, llm in engines.items():  # interleaved: drift hits all alike
                     llm.engine.scheduler.kv.flush()
                     side = spec_side(llm.engine.scheduler)
                     if side is not None:  # no answer is known from an earlier repetition
                         side.reset_cache()
-                    got[name].append(_run_batch(llm, prompts, args.output_len))
+                    res = _run_batch(llm, prompts, args.output_len)
+                    if rep >= args.warmup_reps:
+                        got[name].append(res)
             base = got["plain"]
             for name, res in got.items():
                 row = {"workload": wl, "batch": bs, "setup": name,
@@ -183,7 +191,8 @@ def run(args: argparse.Namespace) -> dict:
                          if name != "plain" else ""), flush=True)
     gates = {name: spec_side(llm.engine.scheduler).gate.state()
              for name, llm in engines.items() if spec_side(llm.engine.scheduler)}
-    result = {"model": args.model, "output_len": args.output_len, "box_load": load,
+    result = {"model": args.model, "dtype": args.dtype, "output_len": args.output_len,
+              "reps": args.reps, "warmup_reps": args.warmup_reps, "box_load": load,
               "num_draft_tokens": args.num_draft_tokens,
               "draft": {"model": args.draft_model or args.model,
                         "quantization": args.draft_quantization, "steps": args.draft_steps},

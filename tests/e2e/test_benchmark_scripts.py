@@ -156,7 +156,9 @@ def test_bench_spec_rows(tmp_path, tiny_model_path):
                     "--model", tiny_model_path, "--batch-sizes", "1", "3", "--output-len", "8",
                     "--output-json", str(out)], check=True, cwd=ROOT, capture_output=True,
                    timeout=300)
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert result["warmup_reps"] == 1 and result["reps"] == 1
+    rows = result["rows"]
     assert {(r["workload"], r["batch"], r["setup"]) for r in rows} == {
         (w, b, s) for w in ("chat", "repeat") for b in (1, 3) for s in ("plain", "NGRAM")}
     for r in rows:
