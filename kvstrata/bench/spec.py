@@ -107,6 +107,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="STANDALONE draft checkpoint (default: --model itself)")
     ap.add_argument("--eagle-head", default=None,
                     help="EAGLE: the LlamaForCausalLMEagle head checkpoint for --model")
+    ap.add_argument("--token-map", default=None,
+                    help="EAGLE: --speculative-token-map (FR-Spec hot tokens), a second "
+                         "EAGLE setup beside the full-vocabulary one")
     ap.add_argument("--draft-quantization", default="w8a8_int8",
                     help="STANDALONE draft quantization (unquant: none)")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
@@ -133,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
     load = announce_load(args.require_quiet)
     common = {"page_size": 16, "max_total_tokens": 65536, "dtype": args.dtype}
     engines = {"plain": LLM(model_path=args.model, **common)}
+    setups: list[tuple[str, str, dict]] = []  # (row name, algorithm, its flags)
     for algo in args.algorithms:
         if algo == "STANDALONE":
             shape = {"speculative_draft_model_path": args.draft_model or args.model,
@@ -150,7 +154,12 @@ def run(args: argparse.Namespace) -> dict:
                      "speculative_ngram_match_type": args.ngram_match_type}
         if args.disable_by_batch_size is not None:
             shape["speculative_disable_by_batch_size"] = args.disable_by_batch_size
-        engines[algo] = LLM(model_path=args.model, speculative_algorithm=algo, **common,
+        setups.append((algo, algo, shape))
+        if algo in ("EAGLE", "EAGLE3") and args.token_map:
+            setups.append((f"{algo}+map", algo,
+                           {**shape, "speculative_token_map": args.token_map}))
+    for name, algo, shape in setups:
+        engines[name] = LLM(model_path=args.model, speculative_algorithm=algo, **common,
                             **shape)
     tok = engines["plain"].tokenizer
     rows = []

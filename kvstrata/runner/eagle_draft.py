@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata import envs
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mha_components
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.draft_model import RUNNER_DRAFT, CatchUp, DraftModel
+from kvstrata.runner import packed_linear
 from kvstrata.runner.models.eagle import load_eagle_head
 from kvstrata.runner.models.eagle3 import aux_layers
 from kvstrata.protocol.disagg import SpecHandoff
@@ -45,6 +47,8 @@ class EagleDraft(DraftModel):
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_eagle_head(self.source, self.hf_config, target, algorithm)
+        if envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(self.model):
+            packed_linear.pack_draft_head(self.model)
         if algorithm == "EAGLE3":  # its features: three of the target's residual streams
             target.capture_layers = tuple(aux_layers(self.hf_config, target.dims.num_layers))
         if token_map is not None:

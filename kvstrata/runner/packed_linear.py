@@ -98,3 +98,18 @@ def pack_model(model: Any) -> dict:
         _replace(model, "lm_head", None)
     model.linear = packed_linear
     return {"quantization": None, "kernel": KERNEL, "tied_output_projection_copy": tied}
+
+
+def pack_draft_head(head: Any) -> dict:
+    """Pack an EAGLE / EAGLE3 head's decoder layer(s) and fc in place (the head borrows the
+    target's embedding and output head, which the target packed already). Its forwards are
+    one-row-per-request GEMMs like a decode step's, where F.linear is slowest."""
+    for layer in head.layers:
+        for weight_name, bias_name in LAYER_LINEARS:
+            _replace(layer, weight_name, bias_name)
+    _replace(head, "fc_weight", "fc_bias")
+    if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
+        _replace(head, "lm_head", None)
+    head.linear = packed_linear
+    return {"quantization": None, "kernel": KERNEL}
+

@@ -165,3 +165,33 @@ def test_bench_spec_rows(tmp_path, tiny_model_path):
         assert r["tok_s"] > 0 and r["tpot_p50_ms"] > 0 and r["same_output"], r
         if r["setup"] == "NGRAM":
             assert r["accept_length"] >= 1.0 and r["tpot_ratio"] > 0
+
+
+def test_train_eagle_head_saves_a_head_the_engine_serves(tmp_path, tiny_model_path):
+    """benchmarks/train_eagle_head.py on the tiny target: the checkpoint it writes is an
+    EAGLE head kvstrata loads (every tensor it expects, none missing) and drafts with, and
+    greedy output stays the target's own."""
+    from kvstrata import LLM
+
+    out = tmp_path / "head"
+    _run("train_eagle_head.py", "--model", tiny_model_path, "--out", str(out), "--prompts",
+         "6", "--output-len", "12", "--epochs", "2")
+    info = json.loads((out / "training.json").read_text())
+    assert info["sequences"] == 6 and len(info["epochs"]) == 2
+    assert all(e["smooth_l1"] >= 0 and e["ce"] > 0 for e in info["epochs"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    ids = [[5, 9, 13, 2, 7, 11, 3], [4, 4, 8, 15, 16, 23, 42, 1]]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    plain = LLM(model_path=tiny_model_path, page_size=4, max_total_tokens=2048)
+    eagle = LLM(model_path=tiny_model_path, page_size=4, max_total_tokens=2048,
+                speculative_algorithm="EAGLE", speculative_draft_model_path=str(out),
+                speculative_num_steps=2, speculative_disable_by_batch_size=8)
+    try:
+        want = [o["output_ids"] for o in plain.generate(input_ids=ids, sampling_params=params)]
+        got = eagle.generate(input_ids=ids, sampling_params=params)
+        assert [o["output_ids"] for o in got] == want
+        assert all(o["meta_info"]["spec_draft_token_num"] > 0 for o in got)
+    finally:
+        plain.shutdown()
+        eagle.shutdown()

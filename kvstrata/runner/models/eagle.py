@@ -78,6 +78,9 @@ class EagleHead(DecoderForCausalLM):
                              f"[0, {vocab}), got shape {tuple(hot_ids.shape)}")
         self.hot_ids = hot_ids.to(torch.int64).to(self.device)
         self.hot_head = head_weight[self.hot_ids].to(self.dtype).contiguous()
+        if self.linear is not F.linear:  # packed (runner/packed_linear.py): the hot rows too
+            from kvstrata.runner.packed_linear import PackedLinear  # noqa: PLC0415
+            self.hot_head = PackedLinear(self.hot_head)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, features: torch.Tensor
@@ -95,7 +98,7 @@ class EagleHead(DecoderForCausalLM):
             x = x.index_select(0, fb.logits_idx)
         if self.hot_ids is None:
             return self.target_logits(x), x
-        logits = F.linear(x, self.hot_head).float()
+        logits = self.linear(x, self.hot_head).float()
         full = logits.new_full((logits.shape[0], self.dims.vocab_size), float("-inf"))
         full[:, self.hot_ids] = logits
         return full, x
