@@ -24,8 +24,14 @@ from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
 
 MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it grow back
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
-PRIOR_RATE = 0.5   # acceptance rate assumed for a request that has not drafted yet
+PRIOR_RATE = 0.5   # the population's acceptance rate before any verify
 RATE_ALPHA = 0.5   # weight of the newest verify step in a request's acceptance rate
+POP_ALPHA = 0.05   # ... and in the population's (every request's verifies)
+# A request's own rate is evidence about its recent text; the longer it has not drafted, the
+# less it says (text that diverged from the draft may converge again: a quote, a list, code),
+# so its estimate decays toward the population's by this factor per step without a draft.
+# A new request starts at the population's rate.
+IDLE_DECAY = 0.85
 # Requests that draft in a gate's probe step: NGRAM drafts cost only verify positions (4
 # requests, their usual drafts); a draft model's probe also runs the draft model and rebuilds
 # the prober's draft KV (its prompt, or what it decoded plainly since): 1 request, 1 token.
@@ -63,6 +69,9 @@ class SpeculativeSide(SchedulerSide):
         self._probe_turn = 0    # rotates which requests a probe step lets draft
         self._asked = 0         # draft() calls in this step
         self._rate: dict[str, float] = {}  # rid -> recent accepted / drafted
+        self._pop_rate = PRIOR_RATE  # every request's recent accepted / drafted
+        self._drafted_at: dict[str, int] = {}  # rid -> decode step of its last draft
+        self._decode_steps = 0
         self._step_tokens = self._step_drafts = self._step_drafts_accepted = 0
         self._step_drafting = 0  # requests that verified drafts in this step
         self.verify_steps = 0      # decode steps of requests (each one verify pass)
@@ -78,6 +87,7 @@ class SpeculativeSide(SchedulerSide):
 
     def begin_decode(self, batch: int) -> None:
         self._need = self.gate.begin(batch)
+        self._decode_steps += 1
         self._asked = 0
         self._step_drafting = 0
         probers = PROBE_REQUESTS.get(self.algorithm, PROBE_REQUESTS_DRAFT_MODEL)
@@ -90,7 +100,7 @@ class SpeculativeSide(SchedulerSide):
         the request's current draft budget); none in a step the gate keeps plain."""
         self._asked += 1
         if (limit <= 0 or req.params.max_new_tokens == 0
-                or self._rate.get(req.rid, PRIOR_RATE) < self._need):
+                or self.expected_rate(req.rid) < self._need):
             return []
         budget = self._budget.get(req.rid, min(START_BUDGET, self.num_draft_tokens - 1))
         if self._probe_stride:  # a measuring step: a few requests (a draft model: one token)
@@ -112,6 +122,15 @@ class SpeculativeSide(SchedulerSide):
                                       self.match_type, max_depth=limit)
         self._depth[req.rid] = draft.depth()
         return draft
+
+    def expected_rate(self, rid: str) -> float:
+        """The acceptance rate `rid`'s next draft is expected to have: its own recent rate,
+        pulled toward the population's the longer it has not drafted (IDLE_DECAY)."""
+        own = self._rate.get(rid)
+        if own is None:
+            return self._pop_rate
+        idle = max(0, self._decode_steps - self._drafted_at.get(rid, self._decode_steps) - 1)
+        return self._pop_rate + (own - self._pop_rate) * IDLE_DECAY ** idle
 
     def on_verified(self, req, drafted: int, produced: int) -> None:
         """A decode step of `req` verified `drafted` drafts (0: nothing matched, a plain
@@ -136,8 +155,10 @@ class SpeculativeSide(SchedulerSide):
         accepted, down to MIN_BUDGET) and one whose drafts all pass drafts more again
         (doubled, up to num_draft_tokens - 1); a partial accept keeps it (copying text
         diverges now and then, then goes on). Exactness does not depend on it."""
-        rate = self._rate.get(rid, PRIOR_RATE)
+        rate = self._rate.get(rid, self._pop_rate)
         self._rate[rid] = rate + RATE_ALPHA * (accepted / drafted - rate)
+        self._pop_rate += POP_ALPHA * (accepted / drafted - self._pop_rate)
+        self._drafted_at[rid] = self._decode_steps
         top = self.num_draft_tokens - 1
         budget = self._budget.get(rid, min(START_BUDGET, top))
         if accepted >= self._depth.pop(rid, drafted):  # the whole chain, a tree's deepest
@@ -166,6 +187,7 @@ class SpeculativeSide(SchedulerSide):
         self.cache.forget(req.rid)
         self._budget.pop(req.rid, None)
         self._rate.pop(req.rid, None)
+        self._drafted_at.pop(req.rid, None)
         self._depth.pop(req.rid, None)
 
     def _feed(self, req) -> None:

@@ -176,3 +176,40 @@ def test_gate_probe_steps_let_a_few_requests_draft_one_token_each():
     fixed.begin_decode(len(reqs))
     assert not fixed.gate.probing
     assert all(fixed.draft(r, 100) == [RUNNER_DRAFT] * 3 for r in reqs)
+
+
+def test_a_request_rate_estimate_decays_toward_the_population_while_it_does_not_draft():
+    """A request that stopped drafting after misses is not stuck plain: its own rate counts
+    less each step it does not draft (IDLE_DECAY), pulled toward every request's recent rate,
+    so once the population accepts above the gate's bar it drafts again; a new request starts
+    at the population's rate."""
+    from types import SimpleNamespace
+
+    from kvstrata.engine.spec_side import IDLE_DECAY, PRIOR_RATE, SpeculativeSide
+    side = SpeculativeSide(SimpleNamespace(config=spec_config("STANDALONE", 4)))
+    assert side.expected_rate("new") == PRIOR_RATE
+
+    def req(rid):
+        return SimpleNamespace(rid=rid, prompt_ids=[5], all_ids=[5], spec_verify_ct=0,
+                               spec_draft_tokens=0, spec_accepted_drafts=0,
+                               params=SimpleNamespace(max_new_tokens=50))
+    good, bad = req("good"), req("bad")
+    for _ in range(40):  # the population accepts nearly everything ...
+        side.begin_decode(2)
+        side.on_verified(good, 3, 4)
+    for _ in range(3):  # ... one request just missed everything
+        side.on_verified(bad, 3, 1)
+    pop = side.expected_rate("another new one")
+    assert pop > 0.8 and side.expected_rate("good") > 0.9
+    low = side.expected_rate("bad")
+    assert low < 0.2
+    side._need = 0.6  # a bar between the two: "bad" stays plain for a while, then retries
+    idle = 0
+    while side.expected_rate("bad") < side._need:
+        side._decode_steps += 1
+        idle += 1
+        assert side.draft(bad, 10) == [] and idle < 50
+    assert side.draft(bad, 10) != []
+    # the decay is geometric in the steps without a draft (the first one is free)
+    expect = pop + (low - pop) * IDLE_DECAY ** (idle - 1)
+    assert abs(side.expected_rate("bad") - expect) < 1e-9
