@@ -82,13 +82,17 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None) -> None:
         setattr(owner, bias_name, None)
 
 
+def _pack_layers(model: Any) -> None:
+    for layer in model.layers:
+        for weight_name, bias_name in LAYER_LINEARS:
+            _replace(layer, weight_name, bias_name)
+
+
 def pack_model(model: Any) -> dict:
     """Pack every linear layer of a loaded float32 / bf16 DecoderForCausalLM in place; returns what
     ran (for /server_info). A tied output head gets a packed copy (the lookup keeps the
     plain embedding matrix)."""
-    for layer in model.layers:
-        for weight_name, bias_name in LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name)
+    _pack_layers(model)
     tied = model.lm_head is model.embed
     if tied:
         head = PackedLinear(model.embed)
@@ -104,9 +108,7 @@ def pack_draft_head(head: Any) -> dict:
     """Pack an EAGLE / EAGLE3 head's decoder layer(s) and fc in place (the head borrows the
     target's embedding and output head, which the target packed already). Its forwards are
     one-row-per-request GEMMs like a decode step's, where F.linear is slowest."""
-    for layer in head.layers:
-        for weight_name, bias_name in LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name)
+    _pack_layers(head)
     _replace(head, "fc_weight", "fc_bias")
     if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
         _replace(head, "lm_head", None)
