@@ -90,6 +90,7 @@ def _run_batch(llm, prompts: list[list[int]], output_len: int) -> dict:
     accepted = sum(m.accepted_drafts for m in specs)
     return {"tok_s": sum(len(t) for t in outs.values()) / elapsed,
             "tpot_p50_ms": 1000 * statistics.median(tpots) if tpots else None,
+            "ttft_p50_ms": 1000 * (statistics.median(first.values()) - start),
             "accept_length": (verify + accepted) / verify if verify else None,
             "outputs": list(outs.values())}
 

@@ -1,5 +1,6 @@
 """Fused element-wise ops for the llama-family decoder on the CPU (the C extension
-`_cpu_ops`, csrc/cpu_ops.c): RMSNorm in bf16 and silu(gate) * up.
+`_cpu_ops`, csrc/cpu_ops.c): RMSNorm in bf16 (alone, or after the residual add), silu(gate)
+* up, and the rotary embedding of q and k in place inside the fused qkv projection.
 
 Why: after the linear layers were prepacked and decode attention read the pool in place, a
 bf16 batched prefill (12 prompts x 160 tokens of SmolLM2) still spent ~20% in element-wise ops
@@ -8,7 +9,14 @@ mean, rsqrt, scale, downcast, weight), the MLP's activation two (silu, then the 
 pass each here. The arithmetic and roundings are HF's (fp32 inside, bf16 where torch's
 unfused ops round), so results equal the op sequences up to fp32 summation order.
 
-`rms_norm` / `silu_mul` return None when a tensor does not fit (not on the CPU, rows not
+Later, in a bf16 decode step at batch 32 (SmolLM2), the rotary embedding was 3 torch ops a
+layer (cat, mul, addcmul, each a new tensor), the residual add one more, and the paged
+attention kernel's fp32 query and output two conversions: fusing them took the step 5-8%
+faster in bf16, 2-5% in fp32 (A/B in one process, docs/benchmarks.md). The fused rotation is
+bit-exact with transformers' (each product rounded, then the sum; the torch ops it replaces
+rounded once, inside addcmul).
+
+`rms_norm` / `silu_mul` / `add_rms_norm` return None (`rope_` False) when a tensor does not fit (not on the CPU, rows not
 contiguous inside, other dtypes, KVSTRATA_CPU_FUSED_OPS=0): the caller keeps torch's ops.
 """
 from __future__ import annotations
@@ -98,3 +106,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     _cpu_ops.silu_mul(gate_up.data_ptr(), rows[1], rows[0], n, out.data_ptr(),
                       DTYPES[gate_up.dtype], torch.get_num_threads(), isa_cap())
     return out
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """x += y in place (bf16), then HF's bf16 RMSNorm of the new x, in one pass; or None
+    (nothing done: the caller adds and norms with its own ops)."""
+    if (x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or not enabled() or x.device.type != "cpu" or y.device.type != "cpu"
+            or not x.is_contiguous() or not y.is_contiguous() or x.shape != y.shape
+            or weight.numel() != x.shape[-1] or not weight.is_contiguous()):
+        return None
+    h = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _cpu_ops.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), x.numel() // max(1, h), h,
+                               weight.data_ptr(), out.data_ptr(), float(eps),
+                               torch.get_num_threads(), isa_cap())
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first `heads` head_dim-wide heads of each row of x [T, >= heads * D] in
+    place (cos / signed sin [T, 1, D] as rope.py cos_sin returns them, x's dtype), with
+    HF's roundings. False (nothing done) when the tensors do not fit: the caller rotates."""
+    if x.dtype not in DTYPES or not enabled() or x.dim() != 2:
+        return False
+    d = cos.shape[-1]
+    rows = _rows(x)
+    if (rows is None or cos.dtype != x.dtype or sin.dtype != x.dtype or d % 2
+            or x.shape[1] < heads * d or cos.numel() != x.shape[0] * d
+            or sin.numel() != cos.numel() or not cos.is_contiguous()
+            or not sin.is_contiguous()):
+        return False
+    _cpu_ops.rope(x.data_ptr(), rows[1], rows[0], heads, d, cos.data_ptr(), sin.data_ptr(),
+                  DTYPES[x.dtype], torch.get_num_threads(), isa_cap())
+    return True

@@ -1,6 +1,7 @@
 """Fused CPU element-wise ops (runner/cpu_ops.py) against the torch op sequences they replace:
-HF's bf16 RMSNorm (upcast, normalise, downcast, times the weight) and silu(gate) * up, on
-every instruction set this CPU has, strided rows included; the decoder with them on vs off."""
+HF's bf16 RMSNorm (upcast, normalise, downcast, times the weight), the residual add fused
+with it, silu(gate) * up and HF's rotary embedding, on every instruction set this CPU has,
+strided rows included; the decoder with them on vs off."""
 from __future__ import annotations
 
 import pytest
@@ -58,19 +59,78 @@ def test_silu_mul_matches_torch(monkeypatch, isa, dtype, rows, n):
         assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01
 
 
+def hf_rope(x, cos, sin):
+    """transformers' apply_rotary_pos_emb for one of q / k: x [T, H, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,nq,nkv,d", [(1, 9, 3, 64), (37, 9, 3, 64), (300, 4, 2, 128),
+                                        (5, 2, 1, 24)])
+def test_rope_in_place_equals_hf_bit_for_bit(monkeypatch, isa, dtype, t, nq, nkv, d):
+    """The q and k heads of a fused qkv row rotated in place, v untouched: the same bits as
+    transformers' q * cos + rotate_half(q) * sin (each product rounded, then the sum)."""
+    from kvstrata.runner.models.rope import RotaryEmbedding
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(t * d + nq)
+    qkv = (torch.randn(t, (nq + 2 * nkv) * d, generator=g) * 2).to(dtype)
+    rotary = RotaryEmbedding(d, {"rope_type": "default", "rope_theta": 10000.0},
+                             torch.device("cpu"))
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    cos, sin = rotary.plain_cos_sin(positions)
+    want = hf_rope(qkv[:, :(nq + nkv) * d].view(t, nq + nkv, d), cos.to(dtype), sin.to(dtype))
+    got = qkv.clone()
+    assert cpu_ops.rope_(got, nq + nkv, *rotary.cos_sin(positions, dtype))
+    assert torch.equal(got[:, :(nq + nkv) * d].view(t, nq + nkv, d), want)
+    assert torch.equal(got[:, (nq + nkv) * d:], qkv[:, (nq + nkv) * d:])
+    strided = torch.zeros(t, qkv.shape[1] + 8, dtype=dtype)  # rows of a wider buffer
+    strided[:, 4:4 + qkv.shape[1]] = qkv
+    assert cpu_ops.rope_(strided[:, 4:4 + qkv.shape[1]], nq + nkv,
+                         *rotary.cos_sin(positions, dtype))
+    assert torch.equal(strided[:, 4:4 + qkv.shape[1]], got)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("rows,h", [(1, 576), (37, 64), (300, 576), (3, 40)])
+def test_add_rms_norm_bf16(monkeypatch, isa, rows, h):
+    """The residual add (x += y, rounded to bf16 as torch's add_) and HF's RMSNorm of the
+    new x, in one pass."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(rows + 7 * h)
+    x = (torch.randn(rows, h, generator=g) * 3).bfloat16()
+    y = (torch.randn(rows, h, generator=g) * 3).bfloat16()
+    w = (torch.randn(h, generator=g) * 0.5 + 1).bfloat16()
+    summed = x + y
+    got = cpu_ops.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(x, summed)
+    ulps = bf16_ulps(got, hf_rms_norm(summed, w, 1e-5))
+    assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
+
+
 def test_unsupported_inputs_fall_back(monkeypatch):
     x = torch.randn(4, 8)
     assert cpu_ops.rms_norm(x, torch.ones(8), 1e-5) is None            # fp32: F.rms_norm
     assert cpu_ops.silu_mul(torch.randn(4, 8).t()) is None               # columns strided
     assert cpu_ops.silu_mul(torch.randn(4, 7)) is None                   # odd width
     assert cpu_ops.silu_mul(torch.randn(4, 8).half()) is None            # fp16
+    x = torch.randn(4, 8)
+    assert cpu_ops.add_rms_norm(x, torch.randn(4, 8), torch.ones(8), 1e-5) is None  # fp32
+    assert torch.equal(x, x.clone())
+    cos = torch.ones(4, 1, 8)
+    assert not cpu_ops.rope_(torch.randn(4, 16).half(), 2, cos.half(), cos.half())  # fp16
+    assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos.bfloat16(), cos.bfloat16())  # dtypes
+    assert not cpu_ops.rope_(torch.randn(4, 8), 2, cos, cos)             # too few columns
     monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
     assert cpu_ops.silu_mul(torch.randn(4, 8)) is None
+    assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos, cos)
 
 
 def test_decoder_with_and_without_fused_ops(tiny_checkpoints, tiny_prompts, monkeypatch):
-    """bf16 decoder: fused on vs off gives logprobs within bf16 rounding; fp32 (silu_mul
-    only) the same greedy tokens."""
+    """bf16 decoder: fused on vs off gives logprobs within bf16 rounding; fp32 (silu_mul and
+    the rotary embedding) the same greedy tokens."""
     from kvstrata import LLM
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.15)):

@@ -41,6 +41,26 @@ def test_kernel_matches_sdpa(hq, hkv, d, threads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 20)])
+def test_bf16_query_from_a_strided_view(monkeypatch, isa, hq, hkv, d):
+    """A bf16 model's query comes straight from its fused qkv projection (rows strided, bf16)
+    and the output is bf16: equal to converting q to fp32, running the fp32-query kernel and
+    rounding the result to bf16 (what the attention backend did before, in two torch ops)."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    q, k_cache, v_cache, slots, starts = _case(hq, hkv, d, torch.bfloat16)
+    n = q.shape[0]
+    qkv = torch.randn(n, (hq + 2 * hkv) * d).bfloat16()
+    qkv[:, :hq * d] = q.reshape(n, -1).bfloat16()
+    view = qkv[:, :hq * d].view(n, hq, d)
+    assert not view.is_contiguous()
+    got = paged_decode(view, k_cache, v_cache, slots, starts, d ** -0.5)
+    want = paged_decode(view.float().contiguous(), k_cache, v_cache, slots, starts, d ** -0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    one = paged_decode(view[:1], k_cache, v_cache, slots[:1], starts[:2], d ** -0.5)
+    assert torch.equal(one, got[:1])
+
+
 def _case(hq, hkv, d, dtype, n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_slots = 600
@@ -122,8 +142,13 @@ def test_kernel_refuses_bad_input(monkeypatch):
         paged_decode(q, k, k, torch.tensor([1, 2]), torch.tensor([0, 3]), 1.0)
     with pytest.raises(ValueError, match="multiple of hkv"):
         paged_decode(torch.zeros(1, 3, 8), k, k, torch.tensor([1, 2]), starts, 1.0)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="fp32 or bf16"):
         paged_decode(q.half(), k, k, torch.tensor([1, 2]), starts, 1.0)
+    with pytest.raises(ValueError, match="contiguous values"):
+        paged_decode(q.transpose(1, 2).contiguous().transpose(1, 2), k, k,
+                     torch.tensor([1, 2]), starts, 1.0)
+    with pytest.raises(ValueError, match="out must have"):
+        paged_decode(q, k, k, torch.tensor([1, 2]), starts, 1.0, out=q.bfloat16())
     with pytest.raises(ValueError, match="differ in dtype"):
         paged_decode(q, k, k.bfloat16(), torch.tensor([1, 2]), starts, 1.0)
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "sse9")

@@ -131,6 +131,29 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
 
 
+def test_ab_fused_ops_runs_both_variants(tiny_model_path):
+    """The fused-ops A/B times both variants (bf16, so every fused path is taken) and the
+    "torch ops" variant really declines every fused call."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ab_fused_ops.py"),
+                          "--model", tiny_model_path, "--batch", "3", "--context", "20",
+                          "--rounds", "1", "--steps", "1"],
+                         check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "torch ops" in res.stdout and "x" in res.stdout.split("->")[-1]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ab_fused_ops
+        import torch
+        from kvstrata.runner import cpu_ops
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        cos = torch.ones(2, 1, 32, dtype=torch.bfloat16)
+        ab_fused_ops.use_fused(False)
+        assert not cpu_ops.rope_(x, 2, cos, cos) and cpu_ops.add_rms_norm(x, x, x[0], 1e-6) is None
+        ab_fused_ops.use_fused(True)
+        assert cpu_ops.rope_(x, 2, cos, cos)
+    finally:
+        sys.path.pop(0)
+
+
 def test_bench_storage_rows(tmp_path):
     """Every backend (mooncake when its client imports) x page size x put/get has a row with
     its raw-file baseline; the script itself checks every page read back exactly."""

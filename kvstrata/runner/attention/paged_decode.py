@@ -25,6 +25,7 @@ from kvstrata import envs
 from kvstrata.runner.attention import _paged_decode
 
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the query's and the output's
 ISA_CAPS = {"scalar": 0, "avx2": 1, "avx512": 2, "auto": 2}
 
 
@@ -63,10 +64,11 @@ def _addr(name: str, t: torch.Tensor, dtypes) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, starts: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
-    """q [n, Hq, D] fp32; k_cache / v_cache [num_slots, Hkv, D] (one layer of the pool: fp32,
-    bf16 or fp16, both the same); request b attends to the keys at
-    slots[starts[b]:starts[b + 1]] (int64; starts has n + 1 entries). Returns out [n, Hq, D]
-    fp32. num_threads: default torch's thread count."""
+    """q [n, Hq, D] fp32 or bf16 (its rows may be strided, as a view of a fused qkv
+    projection; each row's Hq x D values contiguous); k_cache / v_cache [num_slots, Hkv, D]
+    (one layer of the pool: fp32, bf16 or fp16, both the same); request b attends to the
+    keys at slots[starts[b]:starts[b + 1]] (int64; starts has n + 1 entries). Returns out
+    [n, Hq, D] in q's dtype (fp32 inside). num_threads: default torch's thread count."""
     n, hq, d = q.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != d:
         raise ValueError(f"k/v caches must both be [slots, Hkv, {d}], got "
@@ -75,16 +77,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"k/v caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
     if starts.numel() != n + 1:
         raise ValueError(f"starts must have {n + 1} entries, got {starts.numel()}")
+    if q.dtype not in Q_DTYPES or q.device.type != "cpu" or q.stride(2) != 1 or (
+            hq > 1 and q.stride(1) != d):
+        raise ValueError(f"q must be an fp32 or bf16 CPU tensor whose rows hold Hq x D "
+                         f"contiguous values, got {q.dtype} on {q.device}, strides "
+                         f"{tuple(q.stride())}")
     if out is None:
-        out = torch.empty(q.shape, dtype=torch.float32)
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.dtype != q.dtype:
+        raise ValueError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
     threads = torch.get_num_threads() if num_threads is None else num_threads
     pool_bytes = k_cache.numel() * k_cache.element_size()
-    args = (_addr("q", q, (torch.float32,)), q.numel() * 4,
+    q_bytes = q.untyped_storage().nbytes() - q.storage_offset() * q.element_size()
+    args = (q.data_ptr(), q_bytes, q.stride(0) if n > 1 else hq * d, Q_DTYPES[q.dtype],
             _addr("k_cache", k_cache, KV_DTYPES), _addr("v_cache", v_cache, KV_DTYPES),
             pool_bytes, KV_DTYPES[k_cache.dtype], _addr("slots", slots, (torch.int64,)),
             slots.numel(), _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d,
-            float(scale), _addr("out", out, (torch.float32,)), out.numel() * 4, threads,
-            isa_cap())
+            float(scale), _addr("out", out, (q.dtype,)), out.numel() * out.element_size(),
+            threads, isa_cap())
     if torch.autograd._profiler_enabled():  # a named op in profiles (costs ~30 us a call)
         with torch.profiler.record_function("kvstrata::paged_decode"):
             _paged_decode.decode(*args)

@@ -294,8 +294,9 @@ class TorchNativeAttnBackend:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if p.kind == "kernel":
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
-            out = paged_decode.paged_decode(qg.to(torch.float32).contiguous(),
-                                            self.kv_pool.k(layer), self.kv_pool.v(layer),
+            if qg.dtype not in paged_decode.Q_DTYPES or qg.stride(-1) != 1 or qg.stride(-2) != d:
+                qg = qg.to(torch.float32).contiguous()  # fp16: the kernel reads fp32 or bf16
+            out = paged_decode.paged_decode(qg, self.kv_pool.k(layer), self.kv_pool.v(layer),
                                             p.slots, p.starts, self.scale)
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":

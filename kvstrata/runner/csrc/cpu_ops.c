@@ -5,6 +5,14 @@
  *       out[r] = bf16(w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps)))   (HF's two roundings)
  *   silu_mul(x, x_row_stride, rows, inter, out, dtype, threads, isa_cap)
  *       out[r] = silu(x[r, :inter]) * x[r, inter:2*inter]; bf16: bf16(bf16(silu(g)) * u)
+ *   add_rms_norm_bf16(x, y, rows, h, w, out, eps, threads, isa_cap)
+ *       x[r] = bf16(x[r] + y[r]) in place, then out[r] = rms_norm(x[r]) as above (x, y, out
+ *       contiguous [rows, h]): a residual add and the next norm in one pass
+ *   rope(x, x_row_stride, rows, heads, d, cos, sin, dtype, threads, isa_cap)
+ *       each of the first `heads` d-wide heads of row r rotated in place:
+ *       x[i] = x[i] * cos[r, i] + x[(i + d/2) % d] * sin[r, i]   (sin's first half negated:
+ *       rope.py cos_sin), HF's roundings (bf16: each product rounded, then the sum; fp32: two
+ *       products and a sum, never fused into an FMA: built with -ffp-contract=off)
  *   shm_all_reduce(...)   one rank's step of the shared-memory all-reduce (see below)
  *
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
@@ -16,7 +24,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <sched.h>
 #include "cpu_vec.h"
 
 #define PARALLEL_MIN_BYTES (256 << 10)
@@ -76,6 +83,91 @@ AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype)
         for (int64_t i = 0; i < n; i += 16)
             _mm256_storeu_si256((__m256i *)(out + i),
                                 bf16x16_from(_mm512_mul_ps(bf16x16_round(silu_v(bf16x16_load(g + i))), bf16x16_load(u + i))));
+    }
+}
+#endif
+
+/* ---- rope rows (one row of `heads` heads; cos/sin rows of d) ---------------------------- */
+static void rope_row_scalar(void *x, const void *c, const void *s, int64_t heads, int64_t d,
+                            int dtype) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        if (dtype == F32) {
+            float *v = (float *)x + h * d;
+            const float *cf = (const float *)c, *sf = (const float *)s;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                const float ac = a * cf[i], bs = b * sf[i], bc = b * cf[i + half],
+                            as = a * sf[i + half];
+                v[i] = ac + bs;
+                v[i + half] = bc + as;
+            }
+        } else {
+            uint16_t *v = (uint16_t *)x + h * d;
+            const uint16_t *cb = (const uint16_t *)c, *sb = (const uint16_t *)s;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                const float ac = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(cb[i])));
+                const float bs = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(sb[i])));
+                const float bc = bf16_to_f32(f32_to_bf16(b * bf16_to_f32(cb[i + half])));
+                const float as = bf16_to_f32(f32_to_bf16(a * bf16_to_f32(sb[i + half])));
+                v[i] = f32_to_bf16(ac + bs);
+                v[i + half] = f32_to_bf16(bc + as);
+            }
+        }
+    }
+}
+static void add_rms_row_scalar(uint16_t *x, const uint16_t *y, const uint16_t *w, uint16_t *o,
+                               int64_t h, float eps) {
+    for (int64_t i = 0; i < h; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    rms_row_scalar(x, w, o, h, eps);
+}
+#if defined(__x86_64__)
+/* half % 16 == 0 */
+AVX512 static void rope_row_avx512(void *x, const void *c, const void *s, int64_t heads,
+                                   int64_t d, int dtype) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < half; i += 16) {
+            __m512 a, b, c0, c1, s0, s1;
+            if (dtype == F32) {
+                float *v = (float *)x + h * d;
+                a = _mm512_loadu_ps(v + i); b = _mm512_loadu_ps(v + i + half);
+                c0 = _mm512_loadu_ps((const float *)c + i);
+                c1 = _mm512_loadu_ps((const float *)c + i + half);
+                s0 = _mm512_loadu_ps((const float *)s + i);
+                s1 = _mm512_loadu_ps((const float *)s + i + half);
+                _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_mul_ps(a, c0), _mm512_mul_ps(b, s0)));
+                _mm512_storeu_ps(v + i + half, _mm512_add_ps(_mm512_mul_ps(b, c1), _mm512_mul_ps(a, s1)));
+            } else {
+                uint16_t *v = (uint16_t *)x + h * d;
+                a = bf16x16_load(v + i); b = bf16x16_load(v + i + half);
+                c0 = bf16x16_load((const uint16_t *)c + i);
+                c1 = bf16x16_load((const uint16_t *)c + i + half);
+                s0 = bf16x16_load((const uint16_t *)s + i);
+                s1 = bf16x16_load((const uint16_t *)s + i + half);
+                __m512 lo = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(a, c0)),
+                                          bf16x16_round(_mm512_mul_ps(b, s0)));
+                __m512 hi = _mm512_add_ps(bf16x16_round(_mm512_mul_ps(b, c1)),
+                                          bf16x16_round(_mm512_mul_ps(a, s1)));
+                _mm256_storeu_si256((__m256i *)(v + i), bf16x16_from(lo));
+                _mm256_storeu_si256((__m256i *)(v + i + half), bf16x16_from(hi));
+            }
+        }
+}
+AVX512 static void add_rms_row_avx512(uint16_t *x, const uint16_t *y, const uint16_t *w,
+                                      uint16_t *o, int64_t h, float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < h; i += 16) {
+        __m256i sum = bf16x16_from(_mm512_add_ps(bf16x16_load(x + i), bf16x16_load(y + i)));
+        _mm256_storeu_si256((__m256i *)(x + i), sum);
+        __m512 v = bf16x16_load(x + i);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 r = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 16) {
+        __m512 n = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + i), r));
+        _mm256_storeu_si256((__m256i *)(o + i), bf16x16_from(_mm512_mul_ps(bf16x16_load(w + i), n)));
     }
 }
 #endif
@@ -159,100 +251,77 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* ---- shared-memory all-reduce (kvstrata/runner/parallel/shm_allreduce.py) ---------------
- *   shm_all_reduce(base, header, slot_bytes, rank, size, seq, t, numel, dtype, published,
- *                  max_spins) -> 1 done | 0 still waiting
- * The layout and protocol are the module's: a flag per rank every 64 bytes from `base`, then
- * two buffers of `size` slots. Unless `published`, copies t into this rank's slot of buffer
- * seq % 2 and stores the flag (release); then spins (pause, then sched_yield) up to
- * `max_spins` times until every flag reached seq (acquire loads) and, when they have, sums
- * the slots in rank order in fp32 into t (bf16: rounded once at the end, as torch's
- * fp32 accumulator copied back) -- the same bits on every rank. Returning 0 lets the caller
- * check its abort reason and timeout, then call again with published=1. */
+static PyObject *add_rms_norm_bf16(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, y_addr, w_addr, o_addr;
+    Py_ssize_t rows, h;
+    double eps;
+    int threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KKnnKKdii", &x_addr, &y_addr, &rows, &h, &w_addr, &o_addr,
+                          &eps, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || h < 1) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd h=%zd", rows, h);
+        return NULL;
+    }
+    uint16_t *x = (uint16_t *)x_addr, *o = (uint16_t *)o_addr;
+    const uint16_t *y = (const uint16_t *)y_addr, *w = (const uint16_t *)w_addr;
+    const int vec = use_avx512(h, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * h * 6);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
 #if defined(__x86_64__)
-AVX512 static void sum_slots_avx512(char *const *src, int64_t size, void *t, int64_t numel,
-                                    int dtype) {
-    for (int64_t i = 0; i < numel; i += 16) {
-        __m512 acc = dtype == F32 ? _mm512_loadu_ps((const float *)src[0] + i)
-                                  : bf16x16_load((const uint16_t *)src[0] + i);
-        for (int64_t r = 1; r < size; r++)
-            acc = _mm512_add_ps(acc, dtype == F32 ? _mm512_loadu_ps((const float *)src[r] + i)
-                                                  : bf16x16_load((const uint16_t *)src[r] + i));
-        if (dtype == F32) _mm512_storeu_ps((float *)t + i, acc);
-        else _mm256_storeu_si256((__m256i *)((uint16_t *)t + i), bf16x16_from(acc));
-    }
-}
+        if (vec) { add_rms_row_avx512(x + r * h, y + r * h, w, o + r * h, h, (float)eps); continue; }
 #endif
-static void sum_slots(char *const *src, int64_t size, void *t, int64_t numel, int dtype,
-                      int isa_cap) {
-    int64_t head = 0;
-#if defined(__x86_64__)
-    if (use_avx512(16, isa_cap)) {
-        head = numel - numel % 16;
-        sum_slots_avx512(src, size, t, head, dtype);
+        add_rms_row_scalar(x + r * h, y + r * h, w, o + r * h, h, (float)eps);
     }
-#else
-    (void)isa_cap;
-#endif
-    for (int64_t i = head; i < numel; i++) {
-        float acc = dtype == F32 ? ((const float *)src[0])[i]
-                                 : bf16_to_f32(((const uint16_t *)src[0])[i]);
-        for (int64_t r = 1; r < size; r++)
-            acc += dtype == F32 ? ((const float *)src[r])[i]
-                                : bf16_to_f32(((const uint16_t *)src[r])[i]);
-        if (dtype == F32) ((float *)t)[i] = acc;
-        else ((uint16_t *)t)[i] = f32_to_bf16(acc);
-    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
 }
 
-#define SHM_MAX_RANKS 64
-#define SHM_SPINS_BEFORE_YIELD 200
-static PyObject *shm_all_reduce(PyObject *self, PyObject *args) {
-    unsigned long long base_addr, t_addr;
-    Py_ssize_t header, slot_bytes, rank, size, numel;
-    long long seq;
-    int dtype, published, max_spins, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnnnnLKniiii", &base_addr, &header, &slot_bytes, &rank, &size,
-                          &seq, &t_addr, &numel, &dtype, &published, &max_spins, &isa_cap))
+static PyObject *rope(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, c_addr, s_addr;
+    Py_ssize_t stride, rows, heads, d;
+    int dtype, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnnKKiii", &x_addr, &stride, &rows, &heads, &d, &c_addr,
+                          &s_addr, &dtype, &threads, &isa_cap))
         return NULL;
+    if (rows < 0 || heads < 1 || d < 2 || d % 2 || stride < heads * d ||
+        (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd heads=%zd d=%zd "
+                     "stride=%zd dtype=%d", rows, heads, d, stride, dtype);
+        return NULL;
+    }
     const int64_t esz = dtype == F32 ? 4 : 2;
-    if ((dtype != F32 && dtype != BF16) || size < 1 || size > SHM_MAX_RANKS || rank < 0 ||
-        rank >= size || numel < 0 || numel * esz > slot_bytes || header < 64 * size) {
-        PyErr_Format(PyExc_ValueError, "shm_all_reduce: bad arguments (rank %zd of %zd, %zd "
-                     "elements of dtype %d, slot %zd bytes)", rank, size, numel, dtype,
-                     slot_bytes);
-        return NULL;
-    }
-    char *base = (char *)base_addr;
-    char *src[SHM_MAX_RANKS];
-    for (int64_t r = 0; r < size; r++)
-        src[r] = base + header + ((seq % 2) * size + r) * slot_bytes;
-    int done = 0;
+    char *x = (char *)x_addr;
+    const char *c = (const char *)c_addr, *s = (const char *)s_addr;
+    const int vec = use_avx512(d / 2, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * heads * d * esz * 2);
     Py_BEGIN_ALLOW_THREADS
-    if (!published) {
-        memcpy(src[rank], (const void *)t_addr, (size_t)(numel * esz));
-        __atomic_store_n((int64_t *)(base + 64 * rank), (int64_t)seq, __ATOMIC_RELEASE);
-    }
-    for (int spin = 0; spin < max_spins && !done; spin++) {
-        done = 1;
-        for (int64_t r = 0; r < size && done; r++)
-            done = __atomic_load_n((int64_t *)(base + 64 * r), __ATOMIC_ACQUIRE) >= seq;
-        if (!done) {
-            if (spin >= SHM_SPINS_BEFORE_YIELD) sched_yield();
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
 #if defined(__x86_64__)
-            else __builtin_ia32_pause();
-#endif
+        if (vec) {
+            rope_row_avx512(x + r * stride * esz, c + r * d * esz, s + r * d * esz, heads, d, dtype);
+            continue;
         }
+#endif
+        rope_row_scalar(x + r * stride * esz, c + r * d * esz, s + r * d * esz, heads, d, dtype);
     }
-    if (done) sum_slots(src, size, (void *)t_addr, numel, dtype, isa_cap);
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(done);
+    (void)vec;
+    Py_RETURN_NONE;
 }
+
+#include "shm_allreduce.h"
 
 static PyMethodDef methods[] = {
     {"shm_all_reduce", shm_all_reduce, METH_VARARGS, "One rank's step of the shared-memory all-reduce."},
     {"rms_norm_bf16", rms_norm_bf16, METH_VARARGS, "HF-exact bf16 RMSNorm over rows."},
     {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up over the rows of a [gate | up] tensor."},
+    {"add_rms_norm_bf16", add_rms_norm_bf16, METH_VARARGS, "x += y (bf16), then HF's RMSNorm of x."},
+    {"rope", rope, METH_VARARGS, "Rotary embedding of the first heads of each row, in place."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",

@@ -181,7 +181,13 @@ class DecoderForCausalLM(nn.Module):
         if layer.q_norm is not None:
             q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
             k = rms_norm(qkv[:, q_end:k_end].view(t, nkv, hd), layer.k_norm, d.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if not cpu_ops.rope_(q.view(t, -1), nq, cos, sin):  # in place: q is the norm's
+                q = apply_rope(q, cos, sin)
+            if not cpu_ops.rope_(k.view(t, -1), nkv, cos, sin):
+                k = apply_rope(k, cos, sin)
+        elif cpu_ops.rope_(qkv, nq + nkv, cos, sin):
+            # Rotated in place (qkv is this layer's own buffer): q and k stay views of it.
+            q, k = qkv[:, :q_end].view(t, nq, hd), qkv[:, q_end:k_end].view(t, nkv, hd)
         else:
             # q and k heads sit side by side in qkv: rotate them with one set of ops.
             qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
@@ -189,8 +195,11 @@ class DecoderForCausalLM(nn.Module):
         attn = self.attn_backend.forward(i, q, k, v, fb)
         # In place: x is this forward's own buffer (from F.embedding or a linear), never a
         # view of a parameter, and inference mode keeps no autograd history.
-        x.add_(self.reduce(linear(attn, layer.o_weight, layer.o_bias)))
-        h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
+        o = self.reduce(linear(attn, layer.o_weight, layer.o_bias))
+        h = cpu_ops.add_rms_norm(x, o, layer.post_norm, d.rms_norm_eps)  # bf16: one pass
+        if h is None:
+            x.add_(o)
+            h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
         gate_up = linear(h, layer.gate_up_weight, layer.gate_up_bias)
         act = cpu_ops.silu_mul(gate_up)  # one pass on CPU; None elsewhere
         if act is None:

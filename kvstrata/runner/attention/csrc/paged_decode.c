@@ -1,14 +1,19 @@
 /* Decode attention straight over the paged KV pool, without gathering it first
  * (kvstrata/runner/attention/paged_decode.py wraps it; see that file for the why).
  *
- *   decode(q, q_nbytes, k, v, pool_nbytes, kv_dtype, slots, n_slots, starts, n, hq, hkv, d,
- *          scale, out, out_nbytes, num_threads, isa_cap) -> name of the instruction set used
+ *   decode(q, q_nbytes, q_stride, qo_dtype, k, v, pool_nbytes, kv_dtype, slots, n_slots,
+ *          starts, n, hq, hkv, d, scale, out, out_nbytes, num_threads, isa_cap)
+ *       -> name of the instruction set used
  *
- * Request b (0 <= b < n) has one query token q[b] of hq heads x d fp32 values and attends to
+ * Request b (0 <= b < n) has one query token q[b] of hq heads x d values (fp32 or bf16:
+ * qo_dtype 0 / 1; token b's row starts q_stride elements after token b - 1's, so q may be
+ * a view of the fused qkv projection) and attends to
  * the keys at slots[starts[b] .. starts[b+1]) of the pool, whose row `slot` holds hkv heads x
  * d values of `kv_dtype` (0 fp32, 1 bf16, 2 fp16: the layout of one layer of the device pool,
- * [slots, hkv, d]). Query head i reads KV head i / (hq / hkv) (GQA, as HF). The output is
- * fp32. Every address is an integer; every slot and size is checked against its buffer
+ * [slots, hkv, d]). Query head i reads KV head i / (hq / hkv) (GQA, as HF). The output
+ * [n, hq, d] has q's dtype: a bf16 query is widened in L1 and the fp32 result rounded once
+ * (to nearest even, as torch's .to(bfloat16)), which saves a bf16 model two conversions
+ * (two torch ops, each a pass over q or out) per layer. Every address is an integer; every slot and size is checked against its buffer
  * before anything is read, so a bad index raises IndexError.
  *
  * A work item is a request (or, when there are few requests for the threads, one KV head of
@@ -49,30 +54,23 @@ static inline void prefetch_bytes(const char *p, int64_t n) {
 }
 
 typedef struct {
-    const float *q;
+    const char *q;
     const char *k, *v;
     const int64_t *slots, *starts;
-    float *out;
-    int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req;
+    char *out;
+    int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req, q_stride;
+    int qo_bf16; /* q and out are bf16 (else fp32) */
     float scale;
     kernels kn;
     head64_fn head64; /* AVX-512 fast path for 64-wide heads, or NULL */
 } job;
 
-/* Query heads of KV heads [h0, h1) of request b. scores: [(h1 - h0) * g, len]; acc: the same
- * heads x d; row: (h1 - h0) * d floats (one converted K or V row). */
-static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *scores,
-                     float *acc, float *row) {
-    const int64_t g_n = j->hq / j->hkv, d = j->d, esz = j->esz;
-    const int64_t row_bytes = j->hkv * d * esz, off = h0 * d * esz, width = (h1 - h0) * d;
-    const int64_t qh0 = h0 * g_n, nh = (h1 - h0) * g_n;
-    const int64_t *sl = j->slots + j->starts[b];
-    const int64_t len = j->starts[b + 1] - j->starts[b];
-    const float *q = j->q + (b * j->hq + qh0) * d;
-    float *o = j->out + (b * j->hq + qh0) * d;
-    const kernels kn = j->kn;
-    const int f32 = esz == 4;
-    if (len == 0) { memset(o, 0, (size_t)(nh * d) * sizeof(float)); return; }
+/* The attention of one work item over its len > 0 keys, fp32 q in, fp32 o out. */
+static void attend(const job *j, const kernels kn, const int64_t *sl, int64_t len, int64_t off,
+                   int64_t row_bytes, int64_t width, int64_t h0, int64_t h1, int64_t g_n,
+                   int64_t nh, const float *q, float *o, float *scores, float *acc, float *row,
+                   int f32) {
+    const int64_t d = j->d, esz = j->esz;
     if (j->head64) { /* one KV head at a time, its query heads in registers */
         for (int64_t h = h0; h < h1; h++)
             j->head64(q + (h - h0) * g_n * d, j->k + off + (h - h0) * d * esz,
@@ -104,31 +102,62 @@ static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *sco
         for (int64_t e = 0; e < d; e++) o[i * d + e] = acc[i * d + e] * inv[i];
 }
 
-typedef struct { float *scores, *acc, *row; } scratch;
+/* Query heads of KV heads [h0, h1) of request b. scores: [(h1 - h0) * g, len]; acc: the same
+ * heads x d; row: (h1 - h0) * d floats (one converted K or V row); qo: 2 x heads x d floats
+ * (a bf16 query widened, and the result before it is rounded to bf16). */
+static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *scores,
+                     float *acc, float *row, float *qo) {
+    const int64_t g_n = j->hq / j->hkv, d = j->d, esz = j->esz;
+    const int64_t row_bytes = j->hkv * d * esz, off = h0 * d * esz, width = (h1 - h0) * d;
+    const int64_t qh0 = h0 * g_n, nh = (h1 - h0) * g_n;
+    const int64_t *sl = j->slots + j->starts[b];
+    const int64_t len = j->starts[b + 1] - j->starts[b];
+    const int64_t q_off = b * j->q_stride + qh0 * d, o_off = (b * j->hq + qh0) * d;
+    const float *q = (const float *)j->q + q_off;
+    float *o = (float *)j->out + o_off;
+    if (j->qo_bf16) {
+        const uint16_t *qb = (const uint16_t *)j->q + q_off;
+        for (int64_t i = 0; i < nh * d; i++) qo[i] = bf16_to_f32(qb[i]);
+        q = qo;
+        o = qo + nh * d;
+    }
+    const kernels kn = j->kn;
+    const int f32 = esz == 4;
+    if (len == 0) memset(o, 0, (size_t)(nh * d) * sizeof(float));
+    else attend(j, kn, sl, len, off, row_bytes, width, h0, h1, g_n, nh, q, o, scores, acc, row, f32);
+    if (j->qo_bf16) {
+        uint16_t *ob = (uint16_t *)j->out + o_off;
+        for (int64_t i = 0; i < nh * d; i++) ob[i] = f32_to_bf16(o[i]);
+    }
+}
+
+typedef struct { float *scores, *acc, *row, *qo; } scratch;
 
 static int scratch_alloc(scratch *s, const job *j) { /* 0, or -1 when out of memory */
     const int64_t nh = j->heads_per_item * (j->hq / j->hkv);
     s->scores = malloc((size_t)(nh * (j->max_len > 0 ? j->max_len : 1)) * sizeof(float));
     s->acc = malloc((size_t)(nh * j->d) * sizeof(float));
     s->row = malloc((size_t)(j->heads_per_item * j->d) * sizeof(float));
-    return s->scores && s->acc && s->row ? 0 : -1;
+    s->qo = malloc((size_t)(2 * nh * j->d) * sizeof(float));
+    return s->scores && s->acc && s->row && s->qo ? 0 : -1;
 }
-static void scratch_free(scratch *s) { free(s->scores); free(s->acc); free(s->row); }
+static void scratch_free(scratch *s) { free(s->scores); free(s->acc); free(s->row); free(s->qo); }
 
 static void run_one(const job *j, int64_t it, scratch *s) {
     const int64_t b = it / j->items_per_req, h0 = (it % j->items_per_req) * j->heads_per_item;
-    run_item(j, b, h0, h0 + j->heads_per_item, s->scores, s->acc, s->row);
+    run_item(j, b, h0, h0 + j->heads_per_item, s->scores, s->acc, s->row, s->qo);
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, slots_addr, starts_addr, out_addr;
     long long q_nbytes, pool_nbytes, out_nbytes;
-    Py_ssize_t n_slots, n, hq, hkv, d;
+    Py_ssize_t q_stride, n_slots, n, hq, hkv, d;
     double scale;
-    int kv_dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KLKKLiKnKnnnndKLii", &q_addr, &q_nbytes, &k_addr, &v_addr,
-                          &pool_nbytes, &kv_dtype, &slots_addr, &n_slots, &starts_addr, &n, &hq,
-                          &hkv, &d, &scale, &out_addr, &out_nbytes, &num_threads, &isa_cap))
+    int qo_dtype, kv_dtype, num_threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii", &q_addr, &q_nbytes, &q_stride,
+                          &qo_dtype, &k_addr, &v_addr, &pool_nbytes, &kv_dtype, &slots_addr,
+                          &n_slots, &starts_addr, &n, &hq, &hkv, &d, &scale, &out_addr,
+                          &out_nbytes, &num_threads, &isa_cap))
         return NULL;
     if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq > MAX_HEADS) {
         PyErr_Format(PyExc_ValueError, "bad shape: n=%zd hq=%zd hkv=%zd d=%zd (hq must be a "
@@ -141,10 +170,20 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                      kv_dtype);
         return NULL;
     }
-    const int64_t qn = (int64_t)n * hq * d * (int64_t)sizeof(float);
-    if (qn > q_nbytes || qn > out_nbytes) {
-        PyErr_Format(PyExc_IndexError, "q/out hold %lld/%lld bytes, need %lld", q_nbytes,
-                     out_nbytes, (long long)qn);
+    if (qo_dtype != KV_F32 && qo_dtype != KV_BF16) {
+        PyErr_Format(PyExc_ValueError, "q dtype %d is not 0 (fp32) or 1 (bf16)", qo_dtype);
+        return NULL;
+    }
+    if (q_stride < hq * d) {
+        PyErr_Format(PyExc_ValueError, "q_stride %zd < hq * d = %zd", q_stride, hq * d);
+        return NULL;
+    }
+    const int64_t qo_esz = qo_dtype == KV_F32 ? 4 : 2;
+    const int64_t qn = n ? ((int64_t)(n - 1) * q_stride + hq * d) * qo_esz : 0;
+    const int64_t on = (int64_t)n * hq * d * qo_esz;
+    if (qn > q_nbytes || on > out_nbytes) {
+        PyErr_Format(PyExc_IndexError, "q/out hold %lld/%lld bytes, need %lld/%lld", q_nbytes,
+                     out_nbytes, (long long)qn, (long long)on);
         return NULL;
     }
     const int64_t esz = kv_dtype == KV_F32 ? 4 : 2;
@@ -174,9 +213,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if ((int64_t)n_slots * row_bytes * 2 < PARALLEL_MIN_BYTES) threads = 1;
     /* Few requests for the threads: one item per (request, KV head) so every thread works. */
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
-    job j = {(const float *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
-             (float *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, (float)scale,
-             pick_kernels(d, kv_dtype, isa_cap), NULL};
+    job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
+             (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
+             qo_dtype == KV_BF16, (float)scale, pick_kernels(d, kv_dtype, isa_cap), NULL};
     j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype);
     const int64_t items = (int64_t)n * split;
     if (threads > items) threads = items > 0 ? (int)items : 1;

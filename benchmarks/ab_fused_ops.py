@@ -1,0 +1,81 @@
+"""A/B of the decode step's fused CPU paths in one process: the rotary embedding in place
+(cpu_ops.rope_), the residual add fused into the next norm (cpu_ops.add_rms_norm) and the
+paged kernel reading a bf16 query (no fp32 copy in, no bf16 copy out), against the torch ops
+they replaced. Both variants run interleaved, round after round, on the same DecodeBatch
+(benchmarks/bench_decode_step.py), so a noisy box hits both alike; the report is the ratio.
+
+  python benchmarks/ab_fused_ops.py --dtype bfloat16 --batch 32 --context 128
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import bench_decode_step as step_bench  # noqa: E402
+from kvstrata.config.kv_plan import KVPlan  # noqa: E402
+from kvstrata.runner import cpu_ops  # noqa: E402
+from kvstrata.runner.attention import paged_decode  # noqa: E402
+from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
+
+FUSED = (cpu_ops.rope_, cpu_ops.add_rms_norm, paged_decode.Q_DTYPES)
+
+
+def use_fused(on: bool) -> None:
+    """Off: the three fused calls decline, so the decoder and the attention backend take
+    their torch-op fallbacks (the code paths before the fusion)."""
+    if on:
+        cpu_ops.rope_, cpu_ops.add_rms_norm, paged_decode.Q_DTYPES = FUSED
+    else:
+        cpu_ops.rope_ = lambda *args, **kwargs: False
+        cpu_ops.add_rms_norm = lambda *args, **kwargs: None
+        paged_decode.Q_DTYPES = {torch.float32: 0}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
+    args = p.parse_args(argv)
+    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
+    d = runner.model.dims
+    pages = args.batch * (args.context // step_bench.PAGE + 1) + 2
+    runner.allocate_kv(KVPlan.mha(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads,
+                                  head_dim=d.head_dim, dtype=args.dtype,
+                                  page_size=step_bench.PAGE, num_pages=pages,
+                                  num_rows=args.batch + 1, context_len=args.context + 1))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with torch.inference_mode():
+            batch = step_bench.DecodeBatch(runner, args.batch, args.context, 1, 1)
+            for _ in range(args.rounds):
+                for on in (False, True):
+                    use_fused(on)
+                    batch.step()  # warm-up of this variant
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        batch.step()
+                    times[on].append((time.perf_counter() - start) / args.steps * 1e3)
+    finally:
+        use_fused(True)
+        runner.shutdown()
+    old, new = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{args.dtype} B={args.batch} C={args.context}: torch ops {old:.2f} ms, fused "
+          f"{new:.2f} ms per step -> {old / new:.3f}x", flush=True)
+    return {"dtype": args.dtype, "batch": args.batch, "context": args.context,
+            "torch_ops_ms": old, "fused_ms": new, "speedup": old / new}
+
+
+if __name__ == "__main__":
+    main()
