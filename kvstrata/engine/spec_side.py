@@ -17,6 +17,8 @@ runner/eagle_draft.py). EAGLE3 and NEXTN are refused at start-up until built.
 """
 from __future__ import annotations
 
+import math
+
 from kvstrata.engine.ngram_cache import NgramCache
 from kvstrata.engine.side import SchedulerSide
 from kvstrata.engine.spec_gate import SpecGate
@@ -32,6 +34,7 @@ POP_ALPHA = 0.05   # ... and in the population's (every request's verifies)
 # so its estimate decays toward the population's by this factor per step without a draft.
 # A new request starts at the population's rate.
 IDLE_DECAY = 0.85
+MAX_RATE = 0.95  # a rate estimate of 1.0 would make every draft length look free
 # Requests that draft in a gate's probe step: NGRAM drafts cost only verify positions (4
 # requests, their usual drafts); a draft model's probe also runs the draft model and rebuilds
 # the prober's draft KV (its prompt, or what it decoded plainly since): 1 request, 1 token.
@@ -162,10 +165,30 @@ class SpeculativeSide(SchedulerSide):
         top = self.num_draft_tokens - 1
         budget = self._budget.get(rid, min(START_BUDGET, top))
         if accepted >= self._depth.pop(rid, drafted):  # the whole chain, a tree's deepest
-            budget = min(top, budget * 2)
+            budget = max(min(top, budget * 2), self._paying_budget(self._rate[rid], top))
         elif accepted == 0:
             budget = max(MIN_BUDGET, budget // 2)
         self._budget[rid] = budget
+
+    def _paying_budget(self, rate: float, top: int) -> int:
+        """After a fully accepted draft: the draft length that pays best at the measured
+        cost of a position (rho, this step's), if each further draft token is right with
+        `rate`: argmax over k of (1 + rate + ... + rate^k) / (1 + k * rho), tokens per unit
+        of plain-step cost. Where positions are cheap (batch 1: rho ~0.07) and the request
+        keeps being right, it drafts in full at once instead of doubling back up from one
+        token (1, 2, 4, 7: three short steps in each copied run); where they are dear (batch
+        32) the doubling stays. 1 when rho is not measured (a fixed gate, a probe)."""
+        rho = self._need
+        if not 0.0 < rho < math.inf:
+            return 1
+        best_k, best, gain, term = 1, 0.0, 1.0, 1.0
+        for k in range(1, top + 1):
+            term *= min(rate, MAX_RATE)
+            gain += term
+            value = gain / (1.0 + k * rho)
+            if value > best:
+                best_k, best = k, value
+        return best_k
 
     def on_runner_output(self, result) -> list:
         # (a no-op after a prefill step: the gate only times decode steps it began). A step

@@ -213,3 +213,42 @@ def test_a_request_rate_estimate_decays_toward_the_population_while_it_does_not_
     # the decay is geometric in the steps without a draft (the first one is free)
     expect = pop + (low - pop) * IDLE_DECAY ** (idle - 1)
     assert abs(side.expected_rate("bad") - expect) < 1e-9
+
+
+def test_a_fully_accepted_draft_grows_to_the_length_that_pays_at_the_measured_rho():
+    """After a fully accepted draft the budget doubles (as before) or, where the gate has
+    measured that a position is cheap (rho ~0.02-0.07 at batch 1), jumps at once to the
+    draft length that pays best for the request's acceptance rate; where a position is dear
+    it keeps doubling; with no measured rho (a fixed gate) it doubles."""
+    from types import SimpleNamespace
+
+    from kvstrata.engine.spec_side import SpeculativeSide
+
+    def run(rho, history):
+        side = SpeculativeSide(SimpleNamespace(config=spec_config("NGRAM", 9)))
+        if rho is not None:
+            side.gate.begin = lambda batch: rho
+        req = SimpleNamespace(rid="r", prompt_ids=[1, 2, 3, 4] * 5, output_ids=[],
+                              params=SimpleNamespace(max_new_tokens=50), spec_verify_ct=0,
+                              spec_draft_tokens=0, spec_accepted_drafts=0)
+        req.all_ids = req.prompt_ids
+        side.take(req)
+        for drafted, accepted in history:
+            side.begin_decode(1)
+            assert len(side.draft(req, 100)) == drafted
+            side.on_verified(req, drafted, accepted + 1)
+        side.begin_decode(1)
+        return len(side.draft(req, 100))
+
+    # 8 right, then 8 wrong (halve to 4), 4 wrong (2), 2 wrong (1), then 1 right:
+    misses = [(8, 8), (8, 0), (4, 0), (2, 0), (1, 1)]
+    assert run(None, misses) == 2          # fixed gate: doubles
+    assert run(0.02, misses) >= 4          # cheap positions: straight to a long draft
+    assert run(0.02, [(8, 8)] * 3) == 8    # and never above num_draft_tokens - 1
+    side = SpeculativeSide(SimpleNamespace(config=spec_config("NGRAM", 9)))
+    side._need = 0.6                       # a position costs most of a token: 1 (doubling)
+    assert side._paying_budget(0.7, 8) == 1
+    side._need = 0.02
+    assert side._paying_budget(0.7, 8) >= 4 and side._paying_budget(0.99, 8) == 8
+    side._need = float("inf")              # a step that does not draft
+    assert side._paying_budget(0.99, 8) == 1
