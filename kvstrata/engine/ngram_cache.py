@@ -18,24 +18,25 @@ trees, see there.
 
 Capacity: past `capacity` nodes the least recently touched half is pruned (a live request's
 suffix nodes are the most recent, so they survive).
+
+Storage: no object per node. A node is an index into flat int64 arrays (token, count, tick,
+first child, next sibling) and the edges are one dict of int keys (parent << 24 |
+token) -> child. Neither is tracked by Python's cycle collector: with a node object and a
+children dict per node (the first version) a full collection walked the whole trie -- ~1 s
+at 800k nodes, a stall of the scheduler loop, and inserting fresh prompts cost 10-50 us a
+token, most of it in collections the allocations triggered; it is ~5 us now.
 """
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Iterator
 
 from kvstrata.protocol.scheduler_output import TreeDraft
 
-
-class _Node:
-    __slots__ = ("children", "count", "tick", "depth")
-
-    def __init__(self, depth: int):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.tick = 0
-        self.depth = depth
+TOKEN_BITS = 24  # an edge key is parent << TOKEN_BITS | token: token ids below 2^24
+ROOT = 0
 
 
 class NgramCache:
@@ -47,30 +48,70 @@ class NgramCache:
         self.min_window = min_window
         self.max_window = max_window
         self.capacity = capacity
-        self.root = _Node(0)
-        self.num_nodes = 0
+        self._clear()
         self._tick = 0
-        self._suffixes: dict[str, list[_Node]] = {}  # rid -> its current suffix nodes
+        self._suffixes: dict[str, list[int]] = {}  # rid -> its current suffix nodes
+
+    def _clear(self) -> None:
+        self._edge: dict[int, int] = {}
+        self._token, self._count, self._last = array("q", [0]), array("q", [0]), array("q", [0])
+        self._first, self._next = array("q", [-1]), array("q", [-1])
+        self.num_nodes = 0  # besides the root
+
+    def _children(self, node: int) -> Iterator[int]:
+        child, nxt = self._first[node], self._next
+        while child >= 0:
+            yield child
+            child = nxt[child]
+
+    def counts(self) -> dict[tuple[int, ...], int]:
+        """Every stored n-gram (a path from the root) and how often it occurred."""
+        out, stack = {}, [((), ROOT)]
+        while stack:
+            path, node = stack.pop()
+            for child in self._children(node):
+                key = path + (self._token[child],)
+                out[key] = self._count[child]
+                stack.append((key, child))
+        return out
 
     # ------------------------------------------------------------------ insertion
     def extend(self, rid: str, tokens: list[int]) -> None:
         """Append `tokens` to request `rid`'s sequence (its prompt first, then outputs)."""
+        # (ROOT, *frontier) holds one node per depth 0 .. len(frontier), so the child made
+        # from the j-th has depth j + 1: the first branch_length - 1 children are the next
+        # frontier (a node at the branch length takes no children).
         frontier = self._suffixes.get(rid, [])
-        limit = self.branch_length
+        keep = self.branch_length - 1
+        edge, count, last, first, nxt_sib = (self._edge, self._count, self._last,
+                                             self._first, self._next)
+        new_token, new_count, new_last = (self._token.append, count.append, last.append)
+        new_first, new_next = first.append, nxt_sib.append
+        tick, n = self._tick, len(self._token)
         for t in tokens:
-            self._tick += 1
+            if not 0 <= t < 1 << TOKEN_BITS:
+                raise ValueError(f"token id {t} outside [0, 2^{TOKEN_BITS})")
+            tick += 1
             nxt = []
-            for node in (self.root, *frontier):
-                if node.depth >= limit:
-                    continue
-                child = node.children.get(t)
+            for node in (ROOT, *frontier):
+                key = node << TOKEN_BITS | t
+                child = edge.get(key)
                 if child is None:
-                    child = node.children[t] = _Node(node.depth + 1)
-                    self.num_nodes += 1
-                child.count += 1
-                child.tick = self._tick
+                    child = edge[key] = n
+                    n += 1
+                    new_token(t)
+                    new_count(1)
+                    new_last(tick)
+                    new_first(-1)
+                    new_next(first[node])
+                    first[node] = child
+                else:
+                    count[child] += 1
+                    last[child] = tick
                 nxt.append(child)
-            frontier = nxt
+            frontier = nxt[:keep] if len(nxt) > keep else nxt
+        self.num_nodes = n - 1
+        self._tick = tick
         self._suffixes[rid] = frontier
         if self.num_nodes > self.capacity:
             self._prune()
@@ -82,14 +123,14 @@ class NgramCache:
     def draft(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` likely next tokens after `tokens` ([] when nothing matches)."""
         out: list[int] = []
+        count, last, first = self._count, self._last, self._first
         while len(out) < max_tokens:
             node = self._longest_match(tokens, out)
             if node is None:
                 break
-            while node.children and len(out) < max_tokens:
-                token, node = max(node.children.items(),
-                                  key=lambda kv: (kv[1].count, kv[1].tick))
-                out.append(token)
+            while first[node] >= 0 and len(out) < max_tokens:
+                node = max(self._children(node), key=lambda c: (count[c], last[c]))
+                out.append(self._token[node])
         return out
 
     def draft_tree(self, tokens: list[int], max_tokens: int, min_breadth: int,
@@ -130,27 +171,28 @@ class NgramCache:
                 queue = deque([(0, (self.max_window - w) * step + min_breadth, node)])
                 while queue and len(tree) <= max_tokens:
                     parent, breadth, trie = queue.popleft()
-                    kids = heapq.nlargest(max(1, int(breadth)), trie.children.items(),
-                                          key=lambda kv: kv[1].tick)
-                    for token, sub in kids:
-                        pos = child(parent, token)
+                    kids = heapq.nlargest(max(1, int(breadth)), self._children(trie),
+                                          key=self._last.__getitem__)
+                    for sub in kids:
+                        pos = child(parent, self._token[sub])
                         if pos is not None:
                             queue.append((pos, breadth - step, sub))
         return _breadth_first(tree, tokens_of)
 
-    @staticmethod
-    def _grow_prob(matches, child, full, top_k: int) -> None:
+    def _grow_prob(self, matches, child, full, top_k: int) -> None:
         heap: list = []
         seq = 0
+        count, last = self._count, self._last
 
-        def push(parent: int, trie: _Node, prob: float) -> None:
+        def push(parent: int, trie: int, prob: float) -> None:
             nonlocal seq
-            kids = heapq.nlargest(top_k, trie.children.items(),
-                                  key=lambda kv: (kv[1].count, kv[1].tick))
-            total = sum(c.count for _, c in kids) or 1
-            for token, sub in kids:
+            kids = heapq.nlargest(top_k, self._children(trie),
+                                  key=lambda c: (count[c], last[c]))
+            total = sum(count[c] for c in kids) or 1
+            for sub in kids:
                 seq += 1
-                heapq.heappush(heap, (-sub.count / total * prob, seq, parent, token, sub))
+                heapq.heappush(heap, (-count[sub] / total * prob, seq, parent,
+                                      self._token[sub], sub))
 
         for node, _ in matches:
             push(0, node, 1.0)
@@ -160,53 +202,59 @@ class NgramCache:
                 if pos is not None:
                     push(pos, sub, -neg)
 
-    def _matches(self, tokens: list[int]) -> Iterator[tuple[_Node, int]]:
+    def _matches(self, tokens: list[int]) -> Iterator[tuple[int, int]]:
         """(trie node, window) of every suffix of `tokens` within the windows that is a
         path of the trie, longest first (lazily: a chain draft stops at the first)."""
+        edge = self._edge
         for w in range(min(self.max_window, len(tokens)), self.min_window - 1, -1):
-            node = self.root
+            node: int | None = ROOT
             for t in tokens[-w:]:
-                node = node.children.get(t)
+                node = edge.get(node << TOKEN_BITS | t)
                 if node is None:
                     break
             if node is not None:
                 yield node, w
 
-    def _longest_match(self, tokens: list[int], drafted: list[int]) -> _Node | None:
+    def _longest_match(self, tokens: list[int], drafted: list[int]) -> int | None:
         seq = tokens[-self.max_window:] + drafted if drafted else tokens[-self.max_window:]
-        return next((node for node, _ in self._matches(seq) if node.children), None)
+        first = self._first
+        return next((node for node, _ in self._matches(seq) if first[node] >= 0), None)
 
     # ------------------------------------------------------------------ capacity
     def _prune(self) -> None:
-        ticks = sorted(self._iter_ticks())
-        cutoff = ticks[len(ticks) // 2]
-        removed = 0
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            for t, child in list(node.children.items()):
-                if child.tick < cutoff:
-                    removed += self._size(child)
-                    del node.children[t]
-                else:
-                    stack.append(child)
-        self.num_nodes -= removed
-
-    def _iter_ticks(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node.tick
-            stack.extend(node.children.values())
+        """Drop every subtree whose root was touched before the median tick; the rest is
+        copied into fresh arrays (ids change: live suffixes are mapped, pruned ones dropped)."""
+        last = self._last
+        cutoff = sorted(last[1:])[self.num_nodes // 2]
+        old = (self._token, self._count, self._last)
+        old_first, old_next = self._first, self._next
+        self._clear()
+        new_id = {ROOT: ROOT}
+        queue = deque([ROOT])
+        while queue:
+            node = queue.popleft()
+            for child in self._children_in(old_first, old_next, node):
+                if last[child] < cutoff:
+                    continue
+                parent, token = new_id[node], old[0][child]
+                cid = new_id[child] = len(self._token)
+                self._edge[parent << TOKEN_BITS | token] = cid
+                for arr, src in zip((self._token, self._count, self._last), old):
+                    arr.append(src[child])
+                self._first.append(-1)
+                self._next.append(self._first[parent])
+                self._first[parent] = cid
+                queue.append(child)
+        self.num_nodes = len(self._token) - 1
+        self._suffixes = {rid: [new_id[n] for n in nodes if n in new_id]
+                          for rid, nodes in self._suffixes.items()}
 
     @staticmethod
-    def _size(node: _Node) -> int:
-        n, stack = 0, [node]
-        while stack:
-            cur = stack.pop()
-            n += 1
-            stack.extend(cur.children.values())
-        return n
+    def _children_in(first: array, nxt: array, node: int) -> Iterator[int]:
+        child = first[node]
+        while child >= 0:
+            yield child
+            child = nxt[child]
 
 
 def _breadth_first(tree: list[dict[int, int]], tokens_of: list[int]) -> TreeDraft:

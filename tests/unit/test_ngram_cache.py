@@ -77,13 +77,7 @@ def test_a_tree_draft_cuts_to_a_prefix_and_checks_its_parents():
 
 
 def _counts(cache: NgramCache) -> dict:
-    out, stack = {}, [((), cache.root)]
-    while stack:
-        path, node = stack.pop()
-        for t, child in node.children.items():
-            out[path + (t,)] = child.count
-            stack.append((path + (t,), child))
-    return out
+    return cache.counts()
 
 
 @settings(max_examples=60, deadline=None)
@@ -111,6 +105,43 @@ def test_capacity_prunes_old_nodes_and_keeps_recent_ones():
     assert c.num_nodes == len(_counts(c))
     c.extend("live", [1, 2, 3, 4, 1, 2, 3])
     assert c.draft([9, 1, 2], 1) == [3]
+
+
+def test_the_trie_holds_no_objects_the_cycle_collector_walks():
+    """Nodes are indices into flat arrays and the edges one dict of ints, so a big trie adds
+    nothing to Python's garbage collections (a node object + children dict each made a full
+    collection walk the whole trie: ~1 s at 800k nodes, a stall of the scheduler loop)."""
+    import gc
+    rng = random.Random(1)
+    c = NgramCache()
+    c.extend("warm", [1, 2, 3])
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(20):
+        c.extend(f"r{i}", [rng.randrange(50_000) for _ in range(200)])
+    assert c.num_nodes > 50_000
+    assert len(gc.get_objects()) - before < 200  # the per-request suffix lists only
+    assert not gc.is_tracked(c._edge)
+    with pytest.raises(ValueError, match="token id"):
+        c.extend("bad", [1 << 24])
+
+
+def test_pruning_keeps_live_suffixes_usable():
+    """After a prune the node ids change: a live request's suffixes are mapped to the new
+    ids (or dropped with their pruned nodes), so its next tokens extend nodes of the trie,
+    never a stale id: every stored n-gram's prefix is stored, the node count is exact."""
+    c = NgramCache(branch_length=3, max_window=2, capacity=60)
+    c.extend("live", [7, 8])
+    rng = random.Random(2)
+    for i in range(10):
+        c.extend(f"r{i}", [rng.randrange(100, 10_000) for _ in range(20)])  # forces prunes
+        c.extend("live", [7, 8])                                             # stays recent
+        counts = c.counts()
+        assert c.num_nodes <= 60 and c.num_nodes == len(counts)
+        assert all(path[:-1] in counts for path in counts if len(path) > 1)
+    c.extend("live", [7, 8])
+    assert c.draft([5, 8], 2) == [7, 8]
+    assert c.counts()[(8, 7, 8)] >= 1  # the live request's suffix "8" was extended
 
 
 def spec_config(algorithm: str, num_draft_tokens: int, **extra):
