@@ -187,6 +187,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                     help="multiturn: chats of --num-turns turns, PD with and without the "
                          "decode radix cache (KV bytes and TTFT per turn)")
     ap.add_argument("--num-turns", type=int, default=3, help="multiturn: turns per chat")
+    ap.add_argument("--followup-len", type=int, default=None,
+                    help="multiturn: words of each message after the first (default "
+                         "--input-len / 4); the decode radix cache's saving per turn is the "
+                         "conversation over what is new, so it grows with this ratio")
     ap.add_argument("--speculative-algorithm", choices=["NEXTN"], default=None,
                     help="NEXTN: both servers draft with the model's MTP layer; the decode "
                          "server with the prefill's DSA seed and with it ignored "

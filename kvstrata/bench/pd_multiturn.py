@@ -52,7 +52,8 @@ def chat_turn(client: httpx.Client, messages: list[dict], output_len: int
 def run_chats(args, router_url: str, decode_url: str) -> list[dict]:
     """Per turn of every chat: {turn, bytes, ttft_ms}."""
     ns = argparse.Namespace(dataset="multiturn", num_prompts=args.num_prompts,
-                            num_turns=args.num_turns, input_len=args.input_len)
+                            num_turns=args.num_turns, input_len=args.input_len,
+                            followup_len=getattr(args, "followup_len", None))
     rows = []
     with httpx.Client(base_url=router_url, timeout=600) as client:
         chat_turn(client, [{"role": "user", "content": "warm up"}], 2)

@@ -49,12 +49,14 @@ def random_prompt(rng: random.Random, n_words: int) -> str:
 
 def make_conversations(args, rng: random.Random) -> list[list[str]]:
     """random: one single-turn conversation per prompt. multiturn: conversations of
-    --num-turns user messages, so later turns share a growing prefix with earlier ones."""
+    --num-turns user messages (the first --input-len words, the others --followup-len,
+    default a quarter of it), so later turns share a growing prefix with earlier ones."""
     if args.dataset == "random":
         return [[random_prompt(rng, args.input_len)] for _ in range(args.num_prompts)]
     n_conv = max(1, args.num_prompts // args.num_turns)
+    followup = getattr(args, "followup_len", None) or max(1, args.input_len // 4)
     return [[random_prompt(rng, args.input_len)]
-            + [random_prompt(rng, max(1, args.input_len // 4)) for _ in range(args.num_turns - 1)]
+            + [random_prompt(rng, followup) for _ in range(args.num_turns - 1)]
             for _ in range(n_conv)]
 
 
@@ -231,6 +233,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", choices=("random", "multiturn"), default="random")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--num-turns", type=int, default=3, help="multiturn: turns per chat")
+    parser.add_argument("--followup-len", type=int, default=None,
+                        help="multiturn: words of each message after the first "
+                             "(default --input-len / 4)")
     load = parser.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     load.add_argument("--request-rate", type=float, default=float("inf"),

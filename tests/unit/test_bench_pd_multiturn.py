@@ -22,3 +22,18 @@ def test_per_turn_means_and_radix_ratios():
     assert math.isclose(r[2]["ttft_p50_with_over_without"], 0.5)
     assert radix_ratios(off, per_turn([{"turn": 2, "bytes": 0, "ttft_ms": 1.0}]))[2][
         "bytes_without_over_with"] == float("inf")  # a whole-prompt hit moves nothing
+
+
+def test_multiturn_followup_length_is_its_own_knob():
+    """--followup-len sets the words of every message after the first (default a quarter
+    of --input-len), so a long-context chat with short follow-ups can be benchmarked."""
+    import argparse
+    import random
+
+    from kvstrata.bench.serve_client import make_conversations
+    ns = argparse.Namespace(dataset="multiturn", num_prompts=6, num_turns=3, input_len=100)
+    convs = make_conversations(ns, random.Random(0))
+    assert len(convs) == 2 and all(len(c) == 3 for c in convs)
+    assert [len(m.split()) for m in convs[0]] == [100, 25, 25]
+    ns.followup_len = 7
+    assert [len(m.split()) for m in make_conversations(ns, random.Random(0))[1]] == [100, 7, 7]
