@@ -101,6 +101,12 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
     "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
     "SDPA (ablation).")
+KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
+    "KVSTRATA_CPU_PREFILL_ATTENTION", bool, True,
+    "CPU attention of a prompt over its own tokens (no cached prefix) runs the prefill kernel "
+    "(runner/attention/paged_decode.py prefill_attention) where it is faster than torch's "
+    "flash attention (AVX-512, head_dim % 64 == 0, 8+ tokens; bf16 only without AMX); "
+    "0 = SDPA always (ablation).")
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "

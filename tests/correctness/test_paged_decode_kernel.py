@@ -194,3 +194,60 @@ def test_backend_kernel_on_off_same_tokens(tiny_checkpoints, tiny_prompts, monke
         assert max((abs(a - b) for a, b in zip(got, want)), default=0.0) < tol
         compared += same
     assert compared >= 2 * len(tiny_prompts)  # decode steps were compared, not just prefill
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (6, 2, 16)])
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 200])
+def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n):
+    """Causal attention of a prompt over its own tokens, read in place from a fused qkv
+    projection (rows strided), against torch's SDPA on the same inputs: block edges (64
+    keys, 32 queries), GQA groups of 1, 3 and 7 heads (the vector code takes 4 at a time),
+    the scalar reference and the AVX-512 path, 1 and 3 threads."""
+    from kvstrata.runner.attention.paged_decode import prefill_attention
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(n * 31 + hq * d)
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d + 8, generator=g) * 2).to(dtype)
+    q = qkv[:, :hq * d].view(n, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(n, hkv, d)
+    want = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+        scale=d ** -0.5)[0].transpose(0, 1)
+    for threads in (1, 3):
+        got = prefill_attention(q, k, v, d ** -0.5, num_threads=threads)
+        assert got.dtype == dtype and got.shape == q.shape
+        if dtype == torch.float32:  # another summation order than SDPA's (exp, blocks)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
+        else:  # fp32 inside, one rounding to bf16 at the end
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
+def test_prefill_kernel_dispatch_rule(monkeypatch):
+    """Where the backend runs the prefill kernel instead of SDPA: AVX-512 and head_dim % 64
+    (the vector code), fp32 always, bf16 only without AMX-BF16 (flash attention on the
+    tiles is not beaten by fp32 FMAs); KVSTRATA_CPU_PREFILL_ATTENTION=0 turns it off."""
+    from kvstrata.runner.attention import paged_decode as pd
+    from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+    cpu = torch.device("cpu")
+    avx512 = pd.kernel_isa(64, torch.float32) == "avx512"
+    monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f"}))
+    assert pd.prefill_supported(torch.float32, 64, cpu) == avx512
+    assert pd.prefill_supported(torch.bfloat16, 128, cpu) == avx512
+    assert not pd.prefill_supported(torch.float32, 80, cpu)
+    assert not pd.prefill_supported(torch.float16, 64, cpu)
+    monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    assert not pd.prefill_supported(torch.bfloat16, 64, cpu)
+    assert pd.prefill_supported(torch.float32, 64, cpu) == avx512
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    assert not pd.prefill_supported(torch.float32, 64, cpu)
+    monkeypatch.delenv("KVSTRATA_CPU_ISA")
+
+    class Pool:
+        kv = torch.zeros(1, dtype=torch.float32)
+    on = TorchNativeAttnBackend(Pool(), None, 9, 3, 64)
+    assert on.use_prefill_kernel == avx512
+    monkeypatch.setenv("KVSTRATA_CPU_PREFILL_ATTENTION", "0")
+    assert not TorchNativeAttnBackend(Pool(), None, 9, 3, 64).use_prefill_kernel

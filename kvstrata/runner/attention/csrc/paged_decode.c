@@ -48,6 +48,7 @@
 #define PREFETCH_TOKENS 4
 
 #include "paged_decode_head64.h"
+#include "prefill_attention.h"
 
 static inline void prefetch_bytes(const char *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
@@ -243,6 +244,65 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(ISA_NAMES[j.kn.isa]);
 }
 
+static PyObject *prefill(PyObject *self, PyObject *args) {
+    unsigned long long q_addr, k_addr, v_addr, out_addr;
+    Py_ssize_t q_stride, k_stride, v_stride, n, hq, hkv, d;
+    double scale;
+    int dtype, num_threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnKnKnnnnnidKii", &q_addr, &q_stride, &k_addr, &k_stride,
+                          &v_addr, &v_stride, &n, &hq, &hkv, &d, &dtype, &scale, &out_addr,
+                          &num_threads, &isa_cap))
+        return NULL;
+    if (n < 0 || hq < 1 || hkv < 1 || d < 1 || d > PF_MAX_D || hq % hkv ||
+        (dtype != KV_F32 && dtype != KV_BF16) || q_stride < hq * d || k_stride < hkv * d ||
+        v_stride < hkv * d) {
+        PyErr_Format(PyExc_ValueError, "prefill: bad shape or dtype (n=%zd hq=%zd hkv=%zd "
+                     "d=%zd dtype=%d)", n, hq, hkv, d, dtype);
+        return NULL;
+    }
+    pf_job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr,
+                (char *)out_addr, n, hq, hkv, d, q_stride, k_stride, v_stride,
+                dtype == KV_BF16, 0, (float)scale};
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    j.vec = isa_cap >= ISA_AVX512 && d % 64 == 0 && __builtin_cpu_supports("avx512f");
+#endif
+    const int64_t blocks = (n + PF_BQ - 1) / PF_BQ, items = blocks * hkv;
+    int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    if (threads > items) threads = items > 0 ? (int)items : 1;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        pf_scratch s;
+        int bad = pf_scratch_alloc(&s, &j);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            /* the longest (last) query blocks first: the causal tail balances the team */
+            const int64_t b = blocks - 1 - it / hkv, h = it % hkv;
+            if (!bad) pf_item(&j, &s, h, b * PF_BQ, n - b * PF_BQ < PF_BQ ? n - b * PF_BQ : PF_BQ);
+        }
+        pf_scratch_free(&s);
+        failed |= bad != 0;
+    }
+#else
+    pf_scratch s;
+    failed = pf_scratch_alloc(&s, &j) != 0;
+    for (int64_t it = 0; !failed && it < items; it++) {
+        const int64_t b = it / hkv, h = it % hkv;
+        pf_item(&j, &s, h, b * PF_BQ, n - b * PF_BQ < PF_BQ ? n - b * PF_BQ : PF_BQ);
+    }
+    pf_scratch_free(&s);
+#endif
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    return PyUnicode_FromString(j.vec ? "avx512" : "scalar");
+}
+
 static PyObject *isa(PyObject *self, PyObject *args) {
     Py_ssize_t d;
     int kv_dtype, isa_cap;
@@ -260,6 +320,7 @@ static PyObject *openmp(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Paged decode attention over a KV pool (see source)."},
+    {"prefill", prefill, METH_VARARGS, "Causal prefill attention over a chunk's own keys."},
     {"isa", isa, METH_VARARGS, "The instruction set decode uses for (head_dim, kv_dtype, cap)."},
     {"openmp", openmp, METH_NOARGS, "Whether the kernel was built with OpenMP threads."},
     {NULL, NULL, 0, NULL}};
