@@ -251,3 +251,29 @@ def test_prefill_kernel_dispatch_rule(monkeypatch):
     assert on.use_prefill_kernel == avx512
     monkeypatch.setenv("KVSTRATA_CPU_PREFILL_ATTENTION", "0")
     assert not TorchNativeAttnBackend(Pool(), None, 9, 3, 64).use_prefill_kernel
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+def test_prefill_kernel_serves_many_prompts_in_one_call(monkeypatch, isa):
+    """A batched prefill's prompts in one call (seqs: their row ranges): each attends over
+    its own rows only, rows between them (other requests' tokens) are left alone."""
+    from kvstrata.runner.attention.paged_decode import prefill_attention
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    hq, hkv, d, t = 9, 3, 64, 150
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    seqs = [(0, 40), (50, 130), (140, 150), (145, 145)]
+    out = torch.full((t, hq, d), 7.0, dtype=torch.bfloat16)
+    assert prefill_attention(q, k, v, 0.125, seqs=seqs, out=out) is out
+    for lo, hi in seqs[:3]:
+        want = F.scaled_dot_product_attention(
+            q[lo:hi].float().transpose(0, 1)[None], k[lo:hi].float().transpose(0, 1)[None],
+            v[lo:hi].float().transpose(0, 1)[None], is_causal=True, enable_gqa=True,
+            scale=0.125)[0].transpose(0, 1)
+        torch.testing.assert_close(out[lo:hi].float(), want, rtol=8e-3, atol=8e-3)
+    assert bool((out[40:50] == 7).all()) and bool((out[130:140] == 7).all())
+    with pytest.raises(ValueError, match="outside"):
+        prefill_attention(q, k, v, 0.125, seqs=[(0, t + 1)])

@@ -134,22 +134,33 @@ def _cpu_flags() -> frozenset:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      num_threads: int | None = None) -> torch.Tensor | None:
-    """Causal attention of n new tokens over themselves (no cached prefix): q [n, Hq, D],
-    k / v [n, Hkv, D] (views of a fused qkv projection are read in place), fp32 or bf16.
-    Returns out [n, Hq, D] in q's dtype, or None when the tensors do not fit the kernel
-    (the caller runs SDPA)."""
+                      num_threads: int | None = None,
+                      seqs: list[tuple[int, int]] | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Causal attention of prompts over their own tokens (no cached prefix): q [T, Hq, D],
+    k / v [T, Hkv, D] (views of a fused qkv projection are read in place), fp32 or bf16;
+    `seqs`: the (lo, hi) token rows of each prompt (default: all T rows are one). Writes
+    those rows of `out` [T, Hq, D] (q's dtype; new if None) and returns it, or None when the
+    tensors do not fit the kernel (the caller runs SDPA)."""
     n, hq, d = q.shape
     strides = [_row_stride(t) for t in (q, k, v)]
     if (None in strides or k.shape != v.shape or k.shape[0] != n or k.shape[2] != d
             or hq % k.shape[1] or not (q.dtype == k.dtype == v.dtype) or q.dtype not in Q_DTYPES
             or any(t.device.type != "cpu" for t in (q, k, v))):
         return None
-    out = torch.empty(q.shape, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape "
+                         f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    ranges = [(0, n)] if seqs is None else seqs
+    if any(not 0 <= lo <= hi <= n for lo, hi in ranges):
+        raise ValueError(f"sequence rows {ranges} outside [0, {n}]")
+    flat = torch.tensor(ranges, dtype=torch.int64).reshape(-1)
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    args = (q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2], n,
-            hq, k.shape[1], d, Q_DTYPES[q.dtype], float(scale), out.data_ptr(), threads,
-            isa_cap())
+    args = (q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
+            flat.data_ptr(), len(ranges), hq, k.shape[1], d, Q_DTYPES[q.dtype], float(scale),
+            out.data_ptr(), threads, isa_cap())
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("kvstrata::prefill_attention"):
             _paged_decode.prefill(*args)

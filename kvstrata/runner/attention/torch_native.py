@@ -276,16 +276,40 @@ class TorchNativeAttnBackend:
         meta: TorchNativeMeta = fb.attn_meta
         if fb.out_slots is not None:
             self.kv_pool.set_kv(layer, fb.out_slots, k, v)
+        out, done = self._fresh_by_kernel(meta, q, k, v)
         if meta.single:
-            return self._piece(layer, meta.pieces[0], q, k, v)
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+            return out if done else self._piece(layer, meta.pieces[0], q, k, v)
+        if out is None:
+            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        skip = {id(p) for p in done}
         for p in meta.pieces:
+            if id(p) in skip:
+                continue
             res = self._piece(layer, p, q, k, v)
             if p.tok_idx is None:
                 out[p.lo:p.hi] = res
             else:
                 out.index_copy_(0, p.tok_idx, res)
         return out
+
+    def _fresh_by_kernel(self, meta: "TorchNativeMeta", q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> tuple[torch.Tensor | None, list]:
+        """Every prompt of the step that attends over its own tokens only, through the prefill
+        kernel in one call (one parallel region a layer, not one per request): (the layer's
+        output buffer with their rows written, those pieces), or (None, []) when there are
+        none or the kernel does not fit (they take SDPA in _piece)."""
+        if not self.use_prefill_kernel:
+            return None, []
+        fresh = [p for p in meta.pieces if p.kind == "fresh" and p.mask is None
+                 and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS]
+        if not fresh:
+            return None, []
+        t, hd = q.shape[0], self.num_heads * self.head_dim
+        out = q.new_empty(t, hd)
+        if paged_decode.prefill_attention(q, k, v, self.scale, seqs=[(p.lo, p.hi) for p in fresh],
+                                          out=out.view(q.shape)) is None:
+            return None, []
+        return out, fresh
 
     def _gather(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,12 +342,6 @@ class TorchNativeAttnBackend:
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=p.mask,
                                                  scale=self.scale)   # [n, Hkv, group, D]
             return out.reshape(n, hq * d)
-        if (p.kind == "fresh" and self.use_prefill_kernel and p.mask is None
-                and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS):
-            out = paged_decode.prefill_attention(q[p.lo:p.hi], k[p.lo:p.hi], v[p.lo:p.hi],
-                                                 self.scale)
-            if out is not None:
-                return out.reshape(p.hi - p.lo, hq * d)
         qr = q[p.lo:p.hi].transpose(0, 1)                             # [Hq, n, D]
         if p.kind == "fresh":
             keys, values = k[p.lo:p.hi], v[p.lo:p.hi]

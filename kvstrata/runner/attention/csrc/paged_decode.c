@@ -244,30 +244,54 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(ISA_NAMES[j.kn.isa]);
 }
 
+typedef struct { int64_t base, q0, nq, cost; } pf_block;
+
+static int pf_block_cmp(const void *a, const void *b) { /* costliest (most keys) first */
+    const int64_t ca = ((const pf_block *)a)->cost, cb = ((const pf_block *)b)->cost;
+    return ca < cb ? 1 : (ca > cb ? -1 : 0);
+}
+
 static PyObject *prefill(PyObject *self, PyObject *args) {
-    unsigned long long q_addr, k_addr, v_addr, out_addr;
-    Py_ssize_t q_stride, k_stride, v_stride, n, hq, hkv, d;
+    unsigned long long q_addr, k_addr, v_addr, seqs_addr, out_addr;
+    Py_ssize_t q_stride, k_stride, v_stride, n_seqs, hq, hkv, d;
     double scale;
     int dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnKnKnnnnnidKii", &q_addr, &q_stride, &k_addr, &k_stride,
-                          &v_addr, &v_stride, &n, &hq, &hkv, &d, &dtype, &scale, &out_addr,
-                          &num_threads, &isa_cap))
+    if (!PyArg_ParseTuple(args, "KnKnKnKnnnnidKii", &q_addr, &q_stride, &k_addr, &k_stride,
+                          &v_addr, &v_stride, &seqs_addr, &n_seqs, &hq, &hkv, &d, &dtype,
+                          &scale, &out_addr, &num_threads, &isa_cap))
         return NULL;
-    if (n < 0 || hq < 1 || hkv < 1 || d < 1 || d > PF_MAX_D || hq % hkv ||
+    if (n_seqs < 0 || hq < 1 || hkv < 1 || d < 1 || d > PF_MAX_D || hq % hkv ||
         (dtype != KV_F32 && dtype != KV_BF16) || q_stride < hq * d || k_stride < hkv * d ||
         v_stride < hkv * d) {
-        PyErr_Format(PyExc_ValueError, "prefill: bad shape or dtype (n=%zd hq=%zd hkv=%zd "
-                     "d=%zd dtype=%d)", n, hq, hkv, d, dtype);
+        PyErr_Format(PyExc_ValueError, "prefill: bad shape or dtype (hq=%zd hkv=%zd d=%zd "
+                     "dtype=%d)", hq, hkv, d, dtype);
         return NULL;
     }
+    const int64_t *seqs = (const int64_t *)seqs_addr;
+    int64_t nblocks = 0;
+    for (Py_ssize_t s = 0; s < n_seqs; s++) {
+        if (seqs[2 * s] < 0 || seqs[2 * s + 1] < seqs[2 * s]) {
+            PyErr_SetString(PyExc_ValueError, "prefill: a sequence range is not 0 <= lo <= hi");
+            return NULL;
+        }
+        nblocks += (seqs[2 * s + 1] - seqs[2 * s] + PF_BQ - 1) / PF_BQ;
+    }
+    pf_block *blk = malloc((size_t)(nblocks > 0 ? nblocks : 1) * sizeof(pf_block));
+    if (!blk) return PyErr_NoMemory();
+    for (Py_ssize_t s = 0, i = 0; s < n_seqs; s++)
+        for (int64_t q0 = 0; q0 < seqs[2 * s + 1] - seqs[2 * s]; q0 += PF_BQ, i++) {
+            const int64_t left = seqs[2 * s + 1] - seqs[2 * s] - q0;
+            blk[i] = (pf_block){seqs[2 * s], q0, left < PF_BQ ? left : PF_BQ, q0 + PF_BQ};
+        }
+    qsort(blk, (size_t)nblocks, sizeof(pf_block), pf_block_cmp);
     pf_job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr,
-                (char *)out_addr, n, hq, hkv, d, q_stride, k_stride, v_stride,
+                (char *)out_addr, hq, hkv, d, q_stride, k_stride, v_stride,
                 dtype == KV_BF16, 0, (float)scale};
 #if defined(__x86_64__)
     __builtin_cpu_init();
     j.vec = isa_cap >= ISA_AVX512 && d % 64 == 0 && __builtin_cpu_supports("avx512f");
 #endif
-    const int64_t blocks = (n + PF_BQ - 1) / PF_BQ, items = blocks * hkv;
+    const int64_t items = nblocks * hkv;
     int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
 #ifndef _OPENMP
     threads = 1;
@@ -275,30 +299,20 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     if (threads > items) threads = items > 0 ? (int)items : 1;
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
     {
-        pf_scratch s;
-        int bad = pf_scratch_alloc(&s, &j);
+        pf_scratch sc;
+        int bad = pf_scratch_alloc(&sc, &j);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            /* the longest (last) query blocks first: the causal tail balances the team */
-            const int64_t b = blocks - 1 - it / hkv, h = it % hkv;
-            if (!bad) pf_item(&j, &s, h, b * PF_BQ, n - b * PF_BQ < PF_BQ ? n - b * PF_BQ : PF_BQ);
+            const pf_block *b = blk + it / hkv;
+            if (!bad) pf_item(&j, &sc, b->base, it % hkv, b->q0, b->nq);
         }
-        pf_scratch_free(&s);
+        pf_scratch_free(&sc);
         failed |= bad != 0;
     }
-#else
-    pf_scratch s;
-    failed = pf_scratch_alloc(&s, &j) != 0;
-    for (int64_t it = 0; !failed && it < items; it++) {
-        const int64_t b = it / hkv, h = it % hkv;
-        pf_item(&j, &s, h, b * PF_BQ, n - b * PF_BQ < PF_BQ ? n - b * PF_BQ : PF_BQ);
-    }
-    pf_scratch_free(&s);
-#endif
     Py_END_ALLOW_THREADS
+    free(blk);
     if (failed) return PyErr_NoMemory();
     return PyUnicode_FromString(j.vec ? "avx512" : "scalar");
 }

@@ -1,13 +1,16 @@
 /* Causal prefill attention of a chunk over its own keys (no cached prefix), included by
  * paged_decode.c:
  *
- *   prefill(q, q_stride, k, k_stride, v, v_stride, n, hq, hkv, d, dtype, scale, out,
- *           num_threads, isa_cap) -> name of the instruction set used
+ *   prefill(q, q_stride, k, k_stride, v, v_stride, seqs, n_seqs, hq, hkv, d, dtype, scale,
+ *           out, num_threads, isa_cap) -> name of the instruction set used
  *
- * Token t's query heads are q[t * q_stride ...] ([hq][d], contiguous), its key and value
+ * Token row t's query heads are q[t * q_stride ...] ([hq][d], contiguous), its key and value
  * heads k[t * k_stride ...] and v[t * v_stride ...] ([hkv][d]): views of the fused qkv
- * projection, read in place. Query t attends to keys 0..t; query head i reads KV head
- * i / (hq / hkv). out is [n][hq][d], contiguous, of the inputs' dtype (fp32 or bf16).
+ * projection of a whole batch, read in place. seqs holds n_seqs (lo, hi) row ranges (int64),
+ * each a prompt over its own tokens: row lo + t attends to rows lo .. lo + t; query head i
+ * reads KV head i / (hq / hkv). out is [rows][hq][d], contiguous, of the inputs' dtype (fp32
+ * or bf16); only the sequences' rows are written. One call serves every such prompt of a
+ * batched prefill: one parallel region a layer, not one per request.
  *
  * Why: torch's CPU flash attention reached 50-120 GFLOP/s at head_dim 64 on an AVX-512 box
  * whose fp32 GEMMs run at ~170 (a causal 9-head layer of 512 tokens: 5.4 ms), so attention
@@ -34,7 +37,7 @@
 typedef struct {
     const char *q, *k, *v;
     char *out;
-    int64_t n, hq, hkv, d, q_stride, k_stride, v_stride;
+    int64_t hq, hkv, d, q_stride, k_stride, v_stride;
     int bf16, vec;
     float scale;
 } pf_job;
@@ -161,13 +164,15 @@ static void pf_accumulate_scalar(float *o, float corr, const float *p, const flo
     }
 }
 
-/* KV head h, query positions [q0, q0 + nq). */
-static void pf_item(const pf_job *j, pf_scratch *sc, int64_t h, int64_t q0, int64_t nq) {
+/* KV head h, query positions [q0, q0 + nq) of the sequence whose position 0 is token row
+ * `base` of q, k, v and out. */
+static void pf_item(const pf_job *j, pf_scratch *sc, int64_t base, int64_t h, int64_t q0,
+                    int64_t nq) {
     const int64_t g = j->hq / j->hkv, d = j->d, rows = nq * g;
     for (int64_t t = 0; t < nq; t++)
         for (int64_t i = 0; i < g; i++) {
             float *qr = sc->qf + (t * g + i) * d;
-            pf_load(j, qr, j->q, (q0 + t) * j->q_stride + (h * g + i) * d, d);
+            pf_load(j, qr, j->q, (base + q0 + t) * j->q_stride + (h * g + i) * d, d);
             for (int64_t e = 0; e < d; e++) qr[e] *= j->scale;
         }
     memset(sc->o, 0, (size_t)(rows * d) * sizeof(float));
@@ -177,11 +182,11 @@ static void pf_item(const pf_job *j, pf_scratch *sc, int64_t h, int64_t q0, int6
     for (int64_t k0 = 0; k0 < end; k0 += PF_BK) {
         const int64_t nk = end - k0 < PF_BK ? end - k0 : PF_BK;
         for (int64_t c = 0; c < PF_BK; c++) {
-            if (c < nk) pf_load(j, row, j->k, (k0 + c) * j->k_stride + h * d, d);
+            if (c < nk) pf_load(j, row, j->k, (base + k0 + c) * j->k_stride + h * d, d);
             for (int64_t e = 0; e < d; e++) sc->kt[e * PF_BK + c] = c < nk ? row[e] : 0.f;
         }
         for (int64_t c = 0; c < nk; c++)
-            pf_load(j, sc->vf + c * d, j->v, (k0 + c) * j->v_stride + h * d, d);
+            pf_load(j, sc->vf + c * d, j->v, (base + k0 + c) * j->v_stride + h * d, d);
         for (int64_t t = 0; t < nq; t++) {
             const int64_t valid = q0 + t - k0 + 1 < nk ? q0 + t - k0 + 1 : nk; /* causal */
             if (valid <= 0) continue;
@@ -213,7 +218,7 @@ static void pf_item(const pf_job *j, pf_scratch *sc, int64_t h, int64_t q0, int6
         for (int64_t i = 0; i < g; i++) {
             const float *o = sc->o + (t * g + i) * d;
             const float inv = 1.f / sc->l[t * g + i];
-            const int64_t off = ((q0 + t) * j->hq + h * g + i) * d;
+            const int64_t off = ((base + q0 + t) * j->hq + h * g + i) * d;
             if (j->bf16) {
                 uint16_t *dst = (uint16_t *)j->out + off;
                 for (int64_t e = 0; e < d; e++) dst[e] = f32_to_bf16(o[e] * inv);
