@@ -196,28 +196,50 @@ def test_backend_kernel_on_off_same_tokens(tiny_checkpoints, tiny_prompts, monke
     assert compared >= 2 * len(tiny_prompts)  # decode steps were compared, not just prefill
 
 
+def _pooled(k, v, rows, g):
+    """k, v [n, Hkv, D] written at random rows of a pool of `rows` slots: (k_cache, v_cache,
+    their slots)."""
+    n = k.shape[0]
+    slots = torch.randperm(rows, generator=g)[:n]
+    k_cache = torch.zeros(rows, *k.shape[1:], dtype=k.dtype)
+    v_cache = torch.zeros(rows, *v.shape[1:], dtype=v.dtype)
+    k_cache[slots], v_cache[slots] = k, v
+    return k_cache, v_cache, slots
+
+
+def _causal_sdpa(q, k, v, prefix, scale):
+    """q [n, Hq, D] at positions prefix .. over k/v [prefix + n, Hkv, D], in fp32."""
+    n = q.shape[0]
+    mask = torch.arange(prefix + n)[None, :] <= torch.arange(prefix, prefix + n)[:, None]
+    return F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+        v.float().transpose(0, 1)[None], attn_mask=mask, enable_gqa=True,
+        scale=scale)[0].transpose(0, 1)
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (6, 2, 16)])
-@pytest.mark.parametrize("n", [1, 7, 64, 65, 200])
-def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n):
-    """Causal attention of a prompt over its own tokens, read in place from a fused qkv
-    projection (rows strided), against torch's SDPA on the same inputs: block edges (64
-    keys, 32 queries), GQA groups of 1, 3 and 7 heads (the vector code takes 4 at a time),
-    the scalar reference and the AVX-512 path, 1 and 3 threads."""
+@pytest.mark.parametrize("n,prefix", [(1, 0), (7, 0), (64, 0), (65, 0), (200, 0), (40, 37),
+                                      (9, 100)])
+def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, prefix):
+    """Causal attention of a prompt (or a chunk after `prefix` cached tokens): queries read
+    in place from a fused qkv projection (rows strided), keys and values from scattered
+    rows of a pool, against torch's SDPA on the same values: block edges (64 keys, 32
+    queries), GQA groups of 1, 3 and 7 heads (the vector code takes 4 at a time), the
+    scalar reference and the AVX-512 path, 1 and 3 threads."""
     from kvstrata.runner.attention.paged_decode import prefill_attention
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
-    g = torch.Generator().manual_seed(n * 31 + hq * d)
-    qkv = (torch.randn(n, (hq + 2 * hkv) * d + 8, generator=g) * 2).to(dtype)
+    g = torch.Generator().manual_seed(n * 31 + hq * d + prefix)
+    qkv = (torch.randn(n, hq * d + 8, generator=g) * 2).to(dtype)
     q = qkv[:, :hq * d].view(n, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(n, hkv, d)
-    v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].view(n, hkv, d)
-    want = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
-        v.float().transpose(0, 1)[None], is_causal=True, enable_gqa=True,
-        scale=d ** -0.5)[0].transpose(0, 1)
+    k = (torch.randn(prefix + n, hkv, d, generator=g) * 2).to(dtype)
+    v = torch.randn(prefix + n, hkv, d, generator=g).to(dtype)
+    k_cache, v_cache, slots = _pooled(k, v, 600, g)
+    want = _causal_sdpa(q, k, v, prefix, d ** -0.5)
     for threads in (1, 3):
-        got = prefill_attention(q, k, v, d ** -0.5, num_threads=threads)
+        got = prefill_attention(q, k_cache, v_cache, slots, [(0, n, 0, prefix)], d ** -0.5,
+                                num_threads=threads)
         assert got.dtype == dtype and got.shape == q.shape
         if dtype == torch.float32:  # another summation order than SDPA's (exp, blocks)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
@@ -255,25 +277,31 @@ def test_prefill_kernel_dispatch_rule(monkeypatch):
 
 @pytest.mark.parametrize("isa", ["scalar", "avx512"])
 def test_prefill_kernel_serves_many_prompts_in_one_call(monkeypatch, isa):
-    """A batched prefill's prompts in one call (seqs: their row ranges): each attends over
-    its own rows only, rows between them (other requests' tokens) are left alone."""
+    """A batched prefill's prompts in one call: each attends over its own prefix and
+    tokens only, through its own slots; rows between them (other requests' tokens) are
+    left alone; slots and rows out of range are refused."""
     from kvstrata.runner.attention.paged_decode import prefill_attention
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     hq, hkv, d, t = 9, 3, 64, 150
     g = torch.Generator().manual_seed(7)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).bfloat16()
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-    seqs = [(0, 40), (50, 130), (140, 150), (145, 145)]
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    spans = [(0, 40, 0), (50, 130, 20), (140, 150, 0), (145, 145, 3)]  # (lo, hi, prefix)
+    ks = [torch.randn(p + hi - lo, hkv, d, generator=g).bfloat16() for lo, hi, p in spans]
+    vs = [torch.randn(p + hi - lo, hkv, d, generator=g).bfloat16() for lo, hi, p in spans]
+    k_cache, v_cache, slots = _pooled(torch.cat(ks), torch.cat(vs), 900, g)
+    seqs, off = [], 0
+    for (lo, hi, prefix), kk in zip(spans, ks):
+        seqs.append((lo, hi, off, prefix))
+        off += len(kk)
     out = torch.full((t, hq, d), 7.0, dtype=torch.bfloat16)
-    assert prefill_attention(q, k, v, 0.125, seqs=seqs, out=out) is out
-    for lo, hi in seqs[:3]:
-        want = F.scaled_dot_product_attention(
-            q[lo:hi].float().transpose(0, 1)[None], k[lo:hi].float().transpose(0, 1)[None],
-            v[lo:hi].float().transpose(0, 1)[None], is_causal=True, enable_gqa=True,
-            scale=0.125)[0].transpose(0, 1)
+    assert prefill_attention(q, k_cache, v_cache, slots, seqs, 0.125, out=out) is out
+    for (lo, hi, prefix), kk, vv in list(zip(spans, ks, vs))[:3]:
+        want = _causal_sdpa(q[lo:hi], kk, vv, prefix, 0.125)
         torch.testing.assert_close(out[lo:hi].float(), want, rtol=8e-3, atol=8e-3)
     assert bool((out[40:50] == 7).all()) and bool((out[130:140] == 7).all())
     with pytest.raises(ValueError, match="outside"):
-        prefill_attention(q, k, v, 0.125, seqs=[(0, t + 1)])
+        prefill_attention(q, k_cache, v_cache, slots, [(0, t + 1, 0, 0)], 0.125)
+    with pytest.raises(IndexError, match="out of range"):
+        prefill_attention(q, k_cache, v_cache, slots[:10], [(0, 20, 0, 0)], 0.125)
+    with pytest.raises(IndexError, match="outside the pool"):
+        prefill_attention(q, k_cache, v_cache, slots + 900, [(0, 20, 0, 0)], 0.125)

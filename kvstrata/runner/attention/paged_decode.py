@@ -133,34 +133,38 @@ def _cpu_flags() -> frozenset:
     return read_cpu_flags()
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      num_threads: int | None = None,
-                      seqs: list[tuple[int, int]] | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Causal attention of prompts over their own tokens (no cached prefix): q [T, Hq, D],
-    k / v [T, Hkv, D] (views of a fused qkv projection are read in place), fp32 or bf16;
-    `seqs`: the (lo, hi) token rows of each prompt (default: all T rows are one). Writes
-    those rows of `out` [T, Hq, D] (q's dtype; new if None) and returns it, or None when the
-    tensors do not fit the kernel (the caller runs SDPA)."""
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slots: torch.Tensor, seqs: list[tuple[int, int, int, int]], scale: float,
+                      out: torch.Tensor | None = None,
+                      num_threads: int | None = None) -> torch.Tensor | None:
+    """Causal attention of a batch's prompts (or prompt chunks after a cached prefix): q
+    [T, Hq, D] (a view of the fused qkv projection is read in place), keys and values from
+    one layer of the pool, k_cache / v_cache [rows, Hkv, D], where the step's tokens are
+    already written. seqs: (q_lo, q_hi, slot_off, prefix) per prompt: query rows [q_lo, q_hi)
+    are positions prefix .. and attend to positions 0 .. their own, position c at pool row
+    slots[slot_off + c] (int64). Writes those rows of `out` [T, Hq, D] (q's dtype; new if
+    None) and returns it, or None when the tensors do not fit the kernel (callers use SDPA)."""
     n, hq, d = q.shape
-    strides = [_row_stride(t) for t in (q, k, v)]
-    if (None in strides or k.shape != v.shape or k.shape[0] != n or k.shape[2] != d
-            or hq % k.shape[1] or not (q.dtype == k.dtype == v.dtype) or q.dtype not in Q_DTYPES
-            or any(t.device.type != "cpu" for t in (q, k, v))):
+    stride = _row_stride(q)
+    if (stride is None or k_cache.shape != v_cache.shape or k_cache.dim() != 3
+            or k_cache.shape[2] != d or hq % k_cache.shape[1] or q.dtype not in Q_DTYPES
+            or not (q.dtype == k_cache.dtype == v_cache.dtype)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or any(t.device.type != "cpu" for t in (q, k_cache, v_cache))):
         return None
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape "
                          f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
-    ranges = [(0, n)] if seqs is None else seqs
-    if any(not 0 <= lo <= hi <= n for lo, hi in ranges):
-        raise ValueError(f"sequence rows {ranges} outside [0, {n}]")
-    flat = torch.tensor(ranges, dtype=torch.int64).reshape(-1)
+    if any(not 0 <= lo <= hi <= n for lo, hi, _, _ in seqs):
+        raise ValueError(f"query rows of {seqs} outside [0, {n}]")
+    slots = slots.to(torch.int64).contiguous()
+    flat = torch.tensor(seqs, dtype=torch.int64).reshape(-1)
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    args = (q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2],
-            flat.data_ptr(), len(ranges), hq, k.shape[1], d, Q_DTYPES[q.dtype], float(scale),
-            out.data_ptr(), threads, isa_cap())
+    args = (q.data_ptr(), stride, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            slots.data_ptr(), slots.numel(), flat.data_ptr(), len(seqs), hq, k_cache.shape[1],
+            d, Q_DTYPES[q.dtype], float(scale), out.data_ptr(), threads, isa_cap())
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("kvstrata::prefill_attention"):
             _paged_decode.prefill(*args)

@@ -64,6 +64,8 @@ class Piece:
     n: int = 0                         # requests in a decode group
     slots: torch.Tensor | None = None   # kernel: every request's slots, concatenated
     starts: torch.Tensor | None = None  # kernel: [n + 1] offsets of each request in `slots`
+    row: int = -1                       # fresh / causal paged: the request's req_to_token row
+    prefix: int = -1                    # ... and its cached tokens (0: fresh); -1: a tree
 
 
 @dataclass
@@ -72,6 +74,9 @@ class TorchNativeMeta:
     # True when pieces cover the flat tokens exactly in order with one piece: its output is
     # the layer's output, no assembly copy.
     single: bool
+    # The prompts the prefill kernel runs in one call a layer: (their pieces, their key
+    # slots concatenated, (q_lo, q_hi, slot offset, prefix) each); None: SDPA for all.
+    prefill: tuple | None = None
 
 
 def _split(lens: list[int], lo: int, hi: int, depth: int, out: list[tuple[int, int]]) -> None:
@@ -136,7 +141,7 @@ class TorchNativeAttnBackend:
             if i in trees:  # a draft tree: each token sees the context and its ancestors
                 pieces += self._tree(trees[i], table, row, start, off, decode, device)
             elif start == 0 or fb.out_slots is None:
-                pieces.append(Piece("fresh", off, off + n))
+                pieces.append(Piece("fresh", off, off + n, row=row, prefix=0))
             elif n == 1:
                 decode.append((start + 1, off, row))
             elif self.use_kernel and n <= KERNEL_MAX_QUERY_TOKENS:
@@ -153,14 +158,35 @@ class TorchNativeAttnBackend:
                 # page padding past kv_len).
                 q_pos = torch.arange(start, kv_len, device=device)
                 mask = torch.arange(s, device=device)[None, :] <= q_pos[:, None]
-                pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask))
+                pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask, row=row,
+                                    prefix=start))
             off += n
         if decode and self.use_kernel:
             pieces.append(self._kernel_piece(decode, table, device))
         elif decode:
             pieces.extend(self._decode_pieces(decode, table, device))
         single = len(pieces) == 1 and pieces[0].tok_idx is None
-        fb.attn_meta = TorchNativeMeta(pieces, single)
+        fb.attn_meta = TorchNativeMeta(pieces, single,
+                                       self._prefill_plan(pieces, table, fb.out_slots))
+
+    def _prefill_plan(self, pieces: list[Piece], table: torch.Tensor | None,
+                      out_slots: torch.Tensor | None) -> tuple | None:
+        """The prompts (fresh or after a cached prefix, 8+ tokens, causal) the prefill kernel
+        serves this forward, with their key slots: it reads keys from the pool, so only in a
+        forward that writes the pool."""
+        if not self.use_prefill_kernel or out_slots is None or table is None:
+            return None
+        chosen = [p for p in pieces if p.prefix >= 0
+                  and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS]
+        if not chosen:
+            return None
+        seqs, slots, off = [], [], 0
+        for p in chosen:
+            length = p.prefix + p.hi - p.lo
+            slots.append(table[p.row, :length])
+            seqs.append((p.lo, p.hi, off, p.prefix))
+            off += length
+        return chosen, torch.cat(slots), seqs
 
     def _tree(self, parents: list[int], table: torch.Tensor, row: int, start: int, off: int,
               decode: list[tuple], device: torch.device) -> list[Piece]:
@@ -276,7 +302,7 @@ class TorchNativeAttnBackend:
         meta: TorchNativeMeta = fb.attn_meta
         if fb.out_slots is not None:
             self.kv_pool.set_kv(layer, fb.out_slots, k, v)
-        out, done = self._fresh_by_kernel(meta, q, k, v)
+        out, done = self._prefill_by_kernel(layer, meta, q)
         if meta.single:
             return out if done else self._piece(layer, meta.pieces[0], q, k, v)
         if out is None:
@@ -292,24 +318,20 @@ class TorchNativeAttnBackend:
                 out.index_copy_(0, p.tok_idx, res)
         return out
 
-    def _fresh_by_kernel(self, meta: "TorchNativeMeta", q: torch.Tensor, k: torch.Tensor,
-                         v: torch.Tensor) -> tuple[torch.Tensor | None, list]:
-        """Every prompt of the step that attends over its own tokens only, through the prefill
-        kernel in one call (one parallel region a layer, not one per request): (the layer's
-        output buffer with their rows written, those pieces), or (None, []) when there are
-        none or the kernel does not fit (they take SDPA in _piece)."""
-        if not self.use_prefill_kernel:
+    def _prefill_by_kernel(self, layer: int, meta: "TorchNativeMeta", q: torch.Tensor
+                           ) -> tuple[torch.Tensor | None, list]:
+        """The step's prompts in meta.prefill through the prefill kernel, one call: (the
+        layer's output buffer with their rows written, their pieces), or (None, []) when
+        there are none or the tensors do not fit (they take SDPA in _piece)."""
+        if meta.prefill is None:
             return None, []
-        fresh = [p for p in meta.pieces if p.kind == "fresh" and p.mask is None
-                 and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS]
-        if not fresh:
-            return None, []
-        t, hd = q.shape[0], self.num_heads * self.head_dim
-        out = q.new_empty(t, hd)
-        if paged_decode.prefill_attention(q, k, v, self.scale, seqs=[(p.lo, p.hi) for p in fresh],
+        chosen, slots, seqs = meta.prefill
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if paged_decode.prefill_attention(q, self.kv_pool.k(layer), self.kv_pool.v(layer),
+                                          slots, seqs, self.scale,
                                           out=out.view(q.shape)) is None:
             return None, []
-        return out, fresh
+        return out, chosen
 
     def _gather(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -244,48 +244,55 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(ISA_NAMES[j.kn.isa]);
 }
 
-typedef struct { int64_t base, q0, nq, cost; } pf_block;
-
 static int pf_block_cmp(const void *a, const void *b) { /* costliest (most keys) first */
     const int64_t ca = ((const pf_block *)a)->cost, cb = ((const pf_block *)b)->cost;
     return ca < cb ? 1 : (ca > cb ? -1 : 0);
 }
 
 static PyObject *prefill(PyObject *self, PyObject *args) {
-    unsigned long long q_addr, k_addr, v_addr, seqs_addr, out_addr;
-    Py_ssize_t q_stride, k_stride, v_stride, n_seqs, hq, hkv, d;
+    unsigned long long q_addr, k_addr, v_addr, slots_addr, seqs_addr, out_addr;
+    Py_ssize_t q_stride, pool_rows, n_slots, n_seqs, hq, hkv, d;
     double scale;
     int dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnKnKnKnnnnidKii", &q_addr, &q_stride, &k_addr, &k_stride,
-                          &v_addr, &v_stride, &seqs_addr, &n_seqs, &hq, &hkv, &d, &dtype,
-                          &scale, &out_addr, &num_threads, &isa_cap))
+    if (!PyArg_ParseTuple(args, "KnKKnKnKnnnnidKii", &q_addr, &q_stride, &k_addr, &v_addr,
+                          &pool_rows, &slots_addr, &n_slots, &seqs_addr, &n_seqs, &hq, &hkv,
+                          &d, &dtype, &scale, &out_addr, &num_threads, &isa_cap))
         return NULL;
     if (n_seqs < 0 || hq < 1 || hkv < 1 || d < 1 || d > PF_MAX_D || hq % hkv ||
-        (dtype != KV_F32 && dtype != KV_BF16) || q_stride < hq * d || k_stride < hkv * d ||
-        v_stride < hkv * d) {
+        (dtype != KV_F32 && dtype != KV_BF16) || q_stride < hq * d) {
         PyErr_Format(PyExc_ValueError, "prefill: bad shape or dtype (hq=%zd hkv=%zd d=%zd "
                      "dtype=%d)", hq, hkv, d, dtype);
         return NULL;
     }
-    const int64_t *seqs = (const int64_t *)seqs_addr;
-    int64_t nblocks = 0;
-    for (Py_ssize_t s = 0; s < n_seqs; s++) {
-        if (seqs[2 * s] < 0 || seqs[2 * s + 1] < seqs[2 * s]) {
-            PyErr_SetString(PyExc_ValueError, "prefill: a sequence range is not 0 <= lo <= hi");
+    const int64_t *slots = (const int64_t *)slots_addr, *seqs = (const int64_t *)seqs_addr;
+    for (Py_ssize_t i = 0; i < n_slots; i++)
+        if (slots[i] < 0 || slots[i] >= pool_rows) {
+            PyErr_Format(PyExc_IndexError, "slot %lld outside the pool (%zd rows)",
+                         (long long)slots[i], pool_rows);
             return NULL;
         }
-        nblocks += (seqs[2 * s + 1] - seqs[2 * s] + PF_BQ - 1) / PF_BQ;
+    int64_t nblocks = 0;
+    for (Py_ssize_t s = 0; s < n_seqs; s++) {
+        const int64_t *e = seqs + 4 * s;
+        if (e[0] < 0 || e[1] < e[0] || e[2] < 0 || e[3] < 0 || e[2] + e[3] + e[1] - e[0] > n_slots) {
+            PyErr_SetString(PyExc_IndexError, "prefill: a prompt's rows or slots are out of range");
+            return NULL;
+        }
+        nblocks += (e[1] - e[0] + PF_BQ - 1) / PF_BQ;
     }
     pf_block *blk = malloc((size_t)(nblocks > 0 ? nblocks : 1) * sizeof(pf_block));
     if (!blk) return PyErr_NoMemory();
-    for (Py_ssize_t s = 0, i = 0; s < n_seqs; s++)
-        for (int64_t q0 = 0; q0 < seqs[2 * s + 1] - seqs[2 * s]; q0 += PF_BQ, i++) {
-            const int64_t left = seqs[2 * s + 1] - seqs[2 * s] - q0;
-            blk[i] = (pf_block){seqs[2 * s], q0, left < PF_BQ ? left : PF_BQ, q0 + PF_BQ};
+    for (Py_ssize_t s = 0, i = 0; s < n_seqs; s++) {
+        const int64_t *e = seqs + 4 * s;
+        for (int64_t q0 = 0; q0 < e[1] - e[0]; q0 += PF_BQ, i++) {
+            const int64_t left = e[1] - e[0] - q0;
+            blk[i] = (pf_block){e[0], q0, left < PF_BQ ? left : PF_BQ, e[2], e[3],
+                                e[3] + q0 + PF_BQ};
         }
+    }
     qsort(blk, (size_t)nblocks, sizeof(pf_block), pf_block_cmp);
     pf_job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr,
-                (char *)out_addr, hq, hkv, d, q_stride, k_stride, v_stride,
+                (char *)out_addr, slots, hq, hkv, d, q_stride, hkv * d, hkv * d,
                 dtype == KV_BF16, 0, (float)scale};
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -304,10 +311,8 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
         pf_scratch sc;
         int bad = pf_scratch_alloc(&sc, &j);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            const pf_block *b = blk + it / hkv;
-            if (!bad) pf_item(&j, &sc, b->base, it % hkv, b->q0, b->nq);
-        }
+        for (int64_t it = 0; it < items; it++)
+            if (!bad) pf_item(&j, &sc, blk + it / hkv, it % hkv);
         pf_scratch_free(&sc);
         failed |= bad != 0;
     }

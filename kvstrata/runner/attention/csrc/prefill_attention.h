@@ -1,16 +1,19 @@
 /* Causal prefill attention of a chunk over its own keys (no cached prefix), included by
  * paged_decode.c:
  *
- *   prefill(q, q_stride, k, k_stride, v, v_stride, seqs, n_seqs, hq, hkv, d, dtype, scale,
- *           out, num_threads, isa_cap) -> name of the instruction set used
+ *   prefill(q, q_stride, k_cache, v_cache, pool_rows, slots, n_slots, seqs, n_seqs, hq, hkv,
+ *           d, dtype, scale, out, num_threads, isa_cap) -> name of the instruction set used
  *
- * Token row t's query heads are q[t * q_stride ...] ([hq][d], contiguous), its key and value
- * heads k[t * k_stride ...] and v[t * v_stride ...] ([hkv][d]): views of the fused qkv
- * projection of a whole batch, read in place. seqs holds n_seqs (lo, hi) row ranges (int64),
- * each a prompt over its own tokens: row lo + t attends to rows lo .. lo + t; query head i
- * reads KV head i / (hq / hkv). out is [rows][hq][d], contiguous, of the inputs' dtype (fp32
- * or bf16); only the sequences' rows are written. One call serves every such prompt of a
- * batched prefill: one parallel region a layer, not one per request.
+ * Token row t's query heads are q[t * q_stride ...] ([hq][d], contiguous: a view of the
+ * fused qkv projection of a whole batch, read in place). Keys and values are read from one
+ * layer of the paged pool ([pool_rows][hkv][d]), where the step's new tokens were already
+ * written. seqs holds n_seqs (q_lo, q_hi, slot_off, prefix) int64 quadruples, each a prompt
+ * (or a chunk of one) after `prefix` cached tokens: query row q_lo + t is position
+ * prefix + t and attends to positions 0 .. prefix + t, position c at pool row
+ * slots[slot_off + c]. Query head i reads KV head i / (hq / hkv). out is [rows][hq][d],
+ * contiguous, of q's dtype (fp32 or bf16; the pool the same); only the prompts' rows are
+ * written. One call serves every prompt of a batched prefill, with or without a prefix-cache
+ * hit: one parallel region a layer, not one per request, and nothing gathered.
  *
  * Why: torch's CPU flash attention reached 50-120 GFLOP/s at head_dim 64 on an AVX-512 box
  * whose fp32 GEMMs run at ~170 (a causal 9-head layer of 512 tokens: 5.4 ms), so attention
@@ -37,10 +40,15 @@
 typedef struct {
     const char *q, *k, *v;
     char *out;
+    const int64_t *slots;
     int64_t hq, hkv, d, q_stride, k_stride, v_stride;
     int bf16, vec;
     float scale;
 } pf_job;
+
+/* PF_BQ query positions of one prompt: query rows q_lo + q0 .. + nq at positions prefix + q0
+ * .., key position c at pool row slots[slot_off + c]; cost orders the work (keys to read). */
+typedef struct { int64_t q_lo, q0, nq, slot_off, prefix, cost; } pf_block;
 
 typedef struct { float *qf, *o, *m, *l, *kt, *vf, *p; } pf_scratch;
 
@@ -166,8 +174,9 @@ static void pf_accumulate_scalar(float *o, float corr, const float *p, const flo
 
 /* KV head h, query positions [q0, q0 + nq) of the sequence whose position 0 is token row
  * `base` of q, k, v and out. */
-static void pf_item(const pf_job *j, pf_scratch *sc, int64_t base, int64_t h, int64_t q0,
-                    int64_t nq) {
+static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t h) {
+    const int64_t base = b->q_lo, q0 = b->q0, nq = b->nq, prefix = b->prefix;
+    const int64_t *sl = j->slots + b->slot_off; /* key position -> pool row */
     const int64_t g = j->hq / j->hkv, d = j->d, rows = nq * g;
     for (int64_t t = 0; t < nq; t++)
         for (int64_t i = 0; i < g; i++) {
@@ -178,17 +187,18 @@ static void pf_item(const pf_job *j, pf_scratch *sc, int64_t base, int64_t h, in
     memset(sc->o, 0, (size_t)(rows * d) * sizeof(float));
     for (int64_t r = 0; r < rows; r++) { sc->m[r] = -INFINITY; sc->l[r] = 0.f; }
     float row[PF_MAX_D], s[PF_BK], p[PF_BK];
-    const int64_t end = q0 + nq; /* keys [0, end) */
+    const int64_t end = prefix + q0 + nq; /* key positions [0, end) */
     for (int64_t k0 = 0; k0 < end; k0 += PF_BK) {
         const int64_t nk = end - k0 < PF_BK ? end - k0 : PF_BK;
         for (int64_t c = 0; c < PF_BK; c++) {
-            if (c < nk) pf_load(j, row, j->k, (base + k0 + c) * j->k_stride + h * d, d);
+            if (c < nk) pf_load(j, row, j->k, sl[k0 + c] * j->k_stride + h * d, d);
             for (int64_t e = 0; e < d; e++) sc->kt[e * PF_BK + c] = c < nk ? row[e] : 0.f;
         }
         for (int64_t c = 0; c < nk; c++)
-            pf_load(j, sc->vf + c * d, j->v, (base + k0 + c) * j->v_stride + h * d, d);
+            pf_load(j, sc->vf + c * d, j->v, sl[k0 + c] * j->v_stride + h * d, d);
         for (int64_t t = 0; t < nq; t++) {
-            const int64_t valid = q0 + t - k0 + 1 < nk ? q0 + t - k0 + 1 : nk; /* causal */
+            const int64_t seen = prefix + q0 + t - k0 + 1; /* causal: keys <= its position */
+            const int64_t valid = seen < nk ? seen : nk;
             if (valid <= 0) continue;
 #if defined(__x86_64__)
             if (j->vec) { /* the g heads of position t, four at a time */
