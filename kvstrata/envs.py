@@ -103,10 +103,10 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "SDPA (ablation).")
 KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
     "KVSTRATA_CPU_PREFILL_ATTENTION", bool, True,
-    "CPU attention of a prompt over its own tokens (no cached prefix) runs the prefill kernel "
-    "(runner/attention/paged_decode.py prefill_attention) where it is faster than torch's "
-    "flash attention (AVX-512, head_dim % 64 == 0, 8+ tokens; bf16 only without AMX); "
-    "0 = SDPA always (ablation).")
+    "CPU prefill attention (a prompt, or a chunk after a cached prefix, 8+ tokens) runs the "
+    "prefill kernel (runner/attention/paged_decode.py prefill_attention, keys read from the "
+    "pool) where it is faster than torch's SDPA (AVX-512, head_dim % 64 == 0; bf16 only "
+    "without AMX); 0 = SDPA always (ablation).")
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "
