@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.runner.attention import _paged_decode
-from kvstrata.runner.attention.paged_decode import KV_DTYPES, kernel_isa, paged_decode
+from kvstrata.runner.attention.paged_decode import (KV_DTYPES, kernel_isa, paged_decode,
+                                                   prefill_seqs)
 
 
 def _reference(q, k_cache, v_cache, slots, starts, scale):
@@ -238,7 +239,8 @@ def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, pre
     k_cache, v_cache, slots = _pooled(k, v, 600, g)
     want = _causal_sdpa(q, k, v, prefix, d ** -0.5)
     for threads in (1, 3):
-        got = prefill_attention(q, k_cache, v_cache, slots, [(0, n, 0, prefix)], d ** -0.5,
+        got = prefill_attention(q, k_cache, v_cache, slots, prefill_seqs([(0, n, 0, prefix)]),
+                                d ** -0.5,
                                 num_threads=threads)
         assert got.dtype == dtype and got.shape == q.shape
         if dtype == torch.float32:  # another summation order than SDPA's (exp, blocks)
@@ -294,14 +296,17 @@ def test_prefill_kernel_serves_many_prompts_in_one_call(monkeypatch, isa):
         seqs.append((lo, hi, off, prefix))
         off += len(kk)
     out = torch.full((t, hq, d), 7.0, dtype=torch.bfloat16)
-    assert prefill_attention(q, k_cache, v_cache, slots, seqs, 0.125, out=out) is out
+    assert prefill_attention(q, k_cache, v_cache, slots, prefill_seqs(seqs), 0.125,
+                             out=out) is out
     for (lo, hi, prefix), kk, vv in list(zip(spans, ks, vs))[:3]:
         want = _causal_sdpa(q[lo:hi], kk, vv, prefix, 0.125)
         torch.testing.assert_close(out[lo:hi].float(), want, rtol=8e-3, atol=8e-3)
     assert bool((out[40:50] == 7).all()) and bool((out[130:140] == 7).all())
-    with pytest.raises(ValueError, match="outside"):
-        prefill_attention(q, k_cache, v_cache, slots, [(0, t + 1, 0, 0)], 0.125)
-    with pytest.raises(IndexError, match="out of range"):
-        prefill_attention(q, k_cache, v_cache, slots[:10], [(0, 20, 0, 0)], 0.125)
+    with pytest.raises(IndexError, match="out of range"):  # query rows past q
+        prefill_attention(q, k_cache, v_cache, slots, prefill_seqs([(0, t + 1, 0, 0)]), 0.125)
+    with pytest.raises(IndexError, match="out of range"):  # keys past the slots
+        prefill_attention(q, k_cache, v_cache, slots[:10], prefill_seqs([(0, 20, 0, 0)]), 0.125)
     with pytest.raises(IndexError, match="outside the pool"):
-        prefill_attention(q, k_cache, v_cache, slots + 900, [(0, 20, 0, 0)], 0.125)
+        prefill_attention(q, k_cache, v_cache, slots + 900, prefill_seqs([(0, 20, 0, 0)]), 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        prefill_attention(q, k_cache, v_cache, slots.int(), prefill_seqs([(0, 20, 0, 0)]), 0.125)

@@ -77,8 +77,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"k/v caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
     if starts.numel() != n + 1:
         raise ValueError(f"starts must have {n + 1} entries, got {starts.numel()}")
-    if q.dtype not in Q_DTYPES or q.device.type != "cpu" or q.stride(2) != 1 or (
-            hq > 1 and q.stride(1) != d):
+    q_stride = row_stride(q)
+    if q.dtype not in Q_DTYPES or q.device.type != "cpu" or q_stride is None:
         raise ValueError(f"q must be an fp32 or bf16 CPU tensor whose rows hold Hq x D "
                          f"contiguous values, got {q.dtype} on {q.device}, strides "
                          f"{tuple(q.stride())}")
@@ -89,7 +89,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     threads = torch.get_num_threads() if num_threads is None else num_threads
     pool_bytes = k_cache.numel() * k_cache.element_size()
     q_bytes = q.untyped_storage().nbytes() - q.storage_offset() * q.element_size()
-    args = (q.data_ptr(), q_bytes, q.stride(0) if n > 1 else hq * d, Q_DTYPES[q.dtype],
+    args = (q.data_ptr(), q_bytes, q_stride, Q_DTYPES[q.dtype],
             _addr("k_cache", k_cache, KV_DTYPES), _addr("v_cache", v_cache, KV_DTYPES),
             pool_bytes, KV_DTYPES[k_cache.dtype], _addr("slots", slots, (torch.int64,)),
             slots.numel(), _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d,
@@ -103,7 +103,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def _row_stride(t: torch.Tensor) -> int | None:
+def row_stride(t: torch.Tensor) -> int | None:
     """Elements between consecutive tokens of a [n, H, D] tensor whose heads of one token
     are contiguous; None when they are not."""
     n, h, d = t.shape
@@ -133,19 +133,25 @@ def _cpu_flags() -> frozenset:
     return read_cpu_flags()
 
 
+def prefill_seqs(seqs: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """prefill_attention's prompt table: (q_lo, q_hi, slot_off, prefix) rows as int64 (built
+    once per forward, used by every layer)."""
+    return torch.tensor(seqs, dtype=torch.int64).reshape(-1, 4)
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, seqs: list[tuple[int, int, int, int]], scale: float,
+                      slots: torch.Tensor, seqs: torch.Tensor, scale: float,
                       out: torch.Tensor | None = None,
                       num_threads: int | None = None) -> torch.Tensor | None:
     """Causal attention of a batch's prompts (or prompt chunks after a cached prefix): q
     [T, Hq, D] (a view of the fused qkv projection is read in place), keys and values from
     one layer of the pool, k_cache / v_cache [rows, Hkv, D], where the step's tokens are
-    already written. seqs: (q_lo, q_hi, slot_off, prefix) per prompt: query rows [q_lo, q_hi)
-    are positions prefix .. and attend to positions 0 .. their own, position c at pool row
-    slots[slot_off + c] (int64). Writes those rows of `out` [T, Hq, D] (q's dtype; new if
+    already written. seqs (prefill_seqs): (q_lo, q_hi, slot_off, prefix) per prompt: query
+    rows [q_lo, q_hi) are positions prefix .. and attend to positions 0 .. their own,
+    position c at pool row slots[slot_off + c] (int64; the kernel checks every bound). Writes those rows of `out` [T, Hq, D] (q's dtype; new if
     None) and returns it, or None when the tensors do not fit the kernel (callers use SDPA)."""
     n, hq, d = q.shape
-    stride = _row_stride(q)
+    stride = row_stride(q)
     if (stride is None or k_cache.shape != v_cache.shape or k_cache.dim() != 3
             or k_cache.shape[2] != d or hq % k_cache.shape[1] or q.dtype not in Q_DTYPES
             or not (q.dtype == k_cache.dtype == v_cache.dtype)
@@ -157,14 +163,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape "
                          f"{tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
-    if any(not 0 <= lo <= hi <= n for lo, hi, _, _ in seqs):
-        raise ValueError(f"query rows of {seqs} outside [0, {n}]")
-    slots = slots.to(torch.int64).contiguous()
-    flat = torch.tensor(seqs, dtype=torch.int64).reshape(-1)
+    for name, t in (("slots", slots), ("seqs", seqs)):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
+    if seqs.dim() != 2 or seqs.shape[1] != 4:
+        raise ValueError(f"seqs must be [n, 4] (prefill_seqs), got {tuple(seqs.shape)}")
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    args = (q.data_ptr(), stride, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-            slots.data_ptr(), slots.numel(), flat.data_ptr(), len(seqs), hq, k_cache.shape[1],
-            d, Q_DTYPES[q.dtype], float(scale), out.data_ptr(), threads, isa_cap())
+    args = (q.data_ptr(), stride, n, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            slots.data_ptr(), slots.numel(), seqs.data_ptr(), seqs.shape[0], hq,
+            k_cache.shape[1], d, Q_DTYPES[q.dtype], float(scale), out.data_ptr(), threads,
+            isa_cap())
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function("kvstrata::prefill_attention"):
             _paged_decode.prefill(*args)

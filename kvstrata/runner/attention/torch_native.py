@@ -188,7 +188,7 @@ class TorchNativeAttnBackend:
             slots.append(table[p.row, :length])
             seqs.append((p.lo, p.hi, off, p.prefix))
             off += length
-        return chosen, torch.cat(slots), seqs
+        return chosen, torch.cat(slots), paged_decode.prefill_seqs(seqs)
 
     def _tree(self, parents: list[int], table: torch.Tensor, row: int, start: int, off: int,
               decode: list[tuple], device: torch.device) -> list[Piece]:
@@ -350,7 +350,7 @@ class TorchNativeAttnBackend:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if p.kind == "kernel":
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
-            if qg.dtype not in paged_decode.Q_DTYPES or qg.stride(-1) != 1 or qg.stride(-2) != d:
+            if qg.dtype not in paged_decode.Q_DTYPES or paged_decode.row_stride(qg) is None:
                 qg = qg.to(torch.float32).contiguous()  # fp16: the kernel reads fp32 or bf16
             out = paged_decode.paged_decode(qg, self.kv_pool.k(layer), self.kv_pool.v(layer),
                                             p.slots, p.starts, self.scale)

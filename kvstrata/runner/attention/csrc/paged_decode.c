@@ -251,12 +251,12 @@ static int pf_block_cmp(const void *a, const void *b) { /* costliest (most keys)
 
 static PyObject *prefill(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, slots_addr, seqs_addr, out_addr;
-    Py_ssize_t q_stride, pool_rows, n_slots, n_seqs, hq, hkv, d;
+    Py_ssize_t q_stride, q_rows, pool_rows, n_slots, n_seqs, hq, hkv, d;
     double scale;
     int dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnKKnKnKnnnnidKii", &q_addr, &q_stride, &k_addr, &v_addr,
-                          &pool_rows, &slots_addr, &n_slots, &seqs_addr, &n_seqs, &hq, &hkv,
-                          &d, &dtype, &scale, &out_addr, &num_threads, &isa_cap))
+    if (!PyArg_ParseTuple(args, "KnnKKnKnKnnnnidKii", &q_addr, &q_stride, &q_rows, &k_addr,
+                          &v_addr, &pool_rows, &slots_addr, &n_slots, &seqs_addr, &n_seqs, &hq,
+                          &hkv, &d, &dtype, &scale, &out_addr, &num_threads, &isa_cap))
         return NULL;
     if (n_seqs < 0 || hq < 1 || hkv < 1 || d < 1 || d > PF_MAX_D || hq % hkv ||
         (dtype != KV_F32 && dtype != KV_BF16) || q_stride < hq * d) {
@@ -274,7 +274,8 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     int64_t nblocks = 0;
     for (Py_ssize_t s = 0; s < n_seqs; s++) {
         const int64_t *e = seqs + 4 * s;
-        if (e[0] < 0 || e[1] < e[0] || e[2] < 0 || e[3] < 0 || e[2] + e[3] + e[1] - e[0] > n_slots) {
+        if (e[0] < 0 || e[1] < e[0] || e[1] > q_rows || e[2] < 0 || e[3] < 0 ||
+            e[2] + e[3] + e[1] - e[0] > n_slots) {
             PyErr_SetString(PyExc_IndexError, "prefill: a prompt's rows or slots are out of range");
             return NULL;
         }

@@ -1,8 +1,8 @@
 /* Causal prefill attention of a chunk over its own keys (no cached prefix), included by
  * paged_decode.c:
  *
- *   prefill(q, q_stride, k_cache, v_cache, pool_rows, slots, n_slots, seqs, n_seqs, hq, hkv,
- *           d, dtype, scale, out, num_threads, isa_cap) -> name of the instruction set used
+ *   prefill(q, q_stride, q_rows, k_cache, v_cache, pool_rows, slots, n_slots, seqs, n_seqs,
+ *           hq, hkv, d, dtype, scale, out, num_threads, isa_cap) -> name of the ISA used
  *
  * Token row t's query heads are q[t * q_stride ...] ([hq][d], contiguous: a view of the
  * fused qkv projection of a whole batch, read in place). Keys and values are read from one
