@@ -2,8 +2,11 @@
 
 Candidates (each timed interleaved with float32 on the same input; the machine is shared, so
 a float32 time from another minute is not comparable):
-  kvstrata    runner/quantization.W8A8Int8Linear: fbgemm, per-token activation scales
-              (what --quantization w8a8_int8 runs)
+  kvstrata    what --quantization w8a8_int8 runs on this CPU (quantization.int8_kernel): with
+              VNNI runner/int8_linear.Int8MatmulLinear (oneDNN's prepacked int8 linear,
+              per-token scales), else the fbgemm layer below
+  kvstrata_fbgemm  runner/quantization.W8A8Int8Linear: fbgemm, per-token activation scales
+              (the layer without VNNI, or with KVSTRATA_CPU_INT8_MM=0)
   fbgemm_dyn  torch.ops.quantized.linear_dynamic: fbgemm, ONE activation scale per call
               (torch.ao quantize_dynamic's op; its result depends on the other rows)
   torchao     torchao.quantization Int8DynamicActivationInt8WeightConfig (if torchao is
@@ -30,7 +33,8 @@ warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")  # torch's
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
-from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear  # noqa: E402
+from kvstrata.runner.quantization import (W8A8Int8Linear, int8_kernel,  # noqa: E402
+                                          quantized_linear)
 
 SHAPES = ((576, 1536), (1536, 576), (576, 49152))  # in -> out: qkv-ish/up, down, lm_head
 ROWS = (1, 32, 2048)
@@ -76,8 +80,9 @@ def candidates(weight: torch.Tensor, rows: int, args) -> dict:
         torch.quantize_per_channel(weight, weight.abs().amax(1).double() / 127,
                                    torch.zeros(weight.shape[0], dtype=torch.int64), 0,
                                    torch.qint8), None)
-    ours = W8A8Int8Linear(weight)
+    ours, fbgemm_rows = int8_kernel()[0](weight), W8A8Int8Linear(weight)
     out = {"kvstrata": lambda x: quantized_linear(x, ours),  # as the decoder calls it
+           "kvstrata_fbgemm": lambda x: quantized_linear(x, fbgemm_rows),
            "fbgemm_dyn": lambda x: torch.ops.quantized.linear_dynamic(x, packed, False)}
     flops = 2 * rows * weight.shape[0] * weight.shape[1]
     if flops > args.torchao_max_flops:

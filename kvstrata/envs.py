@@ -134,6 +134,11 @@ KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 linear layers on the CPU run on weights prepacked for oneDNN "
     "(runner/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
+KVSTRATA_CPU_INT8_MM = _declare(
+    "KVSTRATA_CPU_INT8_MM", bool, True,
+    "--quantization w8a8_int8 on a CPU with VNNI runs oneDNN's prepacked int8 linear between "
+    "fused per-token quantise / dequantise rows, in the model's dtype "
+    "(runner/int8_linear.py); 0 = the fbgemm layer with float32 activations (ablation).")
 KVSTRATA_BENCH_MAX_LOAD = _declare(
     "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "

@@ -5,8 +5,10 @@ int8 activations with one scale per token, computed on the fly. Every linear lay
 replaced, the output projection included; a tied embedding stays float for the lookup (the
 output projection then gets its own int8 copy).
 
-Kernel: fbgemm through `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM,
-int32 accumulation, float32 out). Measured in benchmarks/bench_int8_linear.py against
+Kernel with VNNI: oneDNN's prepacked int8 linear in the model's dtype (runner/int8_linear.py,
+chosen by `int8_kernel`). Without VNNI (or KVSTRATA_CPU_INT8_MM=0): fbgemm through
+`quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM, int32 accumulation,
+float32 out). Measured in benchmarks/bench_int8_linear.py against
 float32 `nn.Linear`, fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's
 CPU int8 path goes through `torch._int_mm` / an int32 matmul and ran at 0.15-1.4x float32's
 speed (fbgemm: 1.6-12x), so torchao is not used. fbgemm quantises its input with ONE scale per call; per-token
@@ -25,6 +27,8 @@ import torch
 from torch import nn
 
 from kvstrata.platform import read_cpu_flags
+from kvstrata.runner import int8_linear
+from kvstrata.runner.int8_linear import Int8MatmulLinear, cpu_weight_shape
 from kvstrata.runner.packed_linear import PackedLinear
 from kvstrata.runner.smoothing import smooth_model
 
@@ -60,10 +64,7 @@ class W8A8Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if weight.device.type != "cpu":
-            raise ValueError("--quantization w8a8_int8 is built for CPU only "
-                             f"(the model is on {weight.device.type})")
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = cpu_weight_shape(weight)
         self.packed, self.nbytes = _quantize_weight(weight)
         self.bias = None if bias is None else bias.detach().float().clone()
         if self.bias is not None:
@@ -90,14 +91,22 @@ class W8A8Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
 
-def quantized_linear(x: torch.Tensor, layer: W8A8Int8Linear,
+def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear",
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Drop-in for F.linear(x, weight, bias) where `weight` has become a W8A8Int8Linear (its
-    bias, if any, was folded in, so `bias` is None). The decoder's activations are 2-D
-    float32, so this skips nn.Module.__call__ and the reshapes."""
-    if x.dim() == 2 and x.dtype == torch.float32:
+    """Drop-in for F.linear(x, weight, bias) where `weight` has become an int8 layer (its
+    bias, if any, was folded in, so `bias` is None). Skips nn.Module.__call__ (and, for the
+    fbgemm layer's 2-D float32 input, the reshapes)."""
+    if type(layer) is W8A8Int8Linear and x.dim() == 2 and x.dtype == torch.float32:
         return layer.linear_2d(x)
-    return layer(x)
+    return layer.forward(x)
+
+
+def int8_kernel() -> tuple[type, str]:
+    """The int8 layer this CPU runs and its kernel's name: torch._int_mm with VNNI
+    (runner/int8_linear.py), else fbgemm (7-bit activations without VNNI)."""
+    if int8_linear.available(cpu_has_vnni()):
+        return Int8MatmulLinear, int8_linear.KERNEL
+    return W8A8Int8Linear, KERNEL
 
 
 # The decoder's float weights that are linear layers: (weight attribute, bias attribute).
@@ -105,10 +114,11 @@ _LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                   ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
 
 
-def _replace(owner: nn.Module, weight_name: str, bias_name: str | None) -> None:
+def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
+             layer_cls: type) -> None:
     weight = getattr(owner, weight_name)
     bias = getattr(owner, bias_name) if bias_name else None
-    q = W8A8Int8Linear(weight, bias)
+    q = layer_cls(weight, bias)
     # Drop the float registrations first: a Module cannot be assigned over a Parameter.
     delattr(owner, weight_name)
     setattr(owner, weight_name, q)
@@ -122,7 +132,7 @@ def weight_bytes(model: nn.Module) -> int:
     layers (runner/packed_linear.py), which are not parameters."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(m.nbytes for m in model.modules()
-                        if isinstance(m, (W8A8Int8Linear, PackedLinear)))
+                        if isinstance(m, (W8A8Int8Linear, Int8MatmulLinear, PackedLinear)))
 
 
 def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,
@@ -137,23 +147,24 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"--quantization {method} is built for CPU only")
     before = weight_bytes(model)
+    layer_cls, kernel = int8_kernel()
     head_scale = smooth_model(model, calibration_ids) if calibration_ids else None
     for layer in model.layers:
         for weight_name, bias_name in _LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name)
+            _replace(layer, weight_name, bias_name, layer_cls)
     tied = model.lm_head is model.embed
     if tied:
         # The lookup keeps the float matrix; the projection gets an int8 copy of it.
         head = model.embed if head_scale is None else model.embed * head_scale
-        q = W8A8Int8Linear(head)
+        q = layer_cls(head)
         delattr(model, "lm_head")
         model.lm_head = q
     else:
         if head_scale is not None:
             model.lm_head.data.mul_(head_scale)
-        _replace(model, "lm_head", None)
+        _replace(model, "lm_head", None, layer_cls)
     model.linear = quantized_linear
-    return {"quantization": method, "kernel": KERNEL,
+    return {"quantization": method, "kernel": kernel,
             "activation_bits": 8 if cpu_has_vnni() else 7, "smoothing": smoothing,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}

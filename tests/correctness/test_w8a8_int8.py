@@ -129,7 +129,9 @@ def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, 
 
 def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     from kvstrata import LLM
-    from kvstrata.runner.quantization import KERNEL, W8A8Int8Linear
+    from kvstrata.runner.quantization import int8_kernel
+
+    layer_cls, kernel = int8_kernel()  # oneDNN's int8 linear with VNNI, else fbgemm
 
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024,
              quantization="w8a8_int8") as llm:
@@ -139,13 +141,13 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
                                                                  "temperature": 0})
     assert info["quantization"] == "w8a8_int8"
     q = info["quantization_info"]
-    assert q["kernel"] == KERNEL and q["activation_bits"] in (7, 8)
+    assert q["kernel"] == kernel and q["activation_bits"] in (7, 8)
     assert q["smoothing"].startswith("none")  # a bare checkpoint has no tokenizer
     assert q["weight_bytes"] < q["weight_bytes_float"]
     # Every linear layer is int8, the output projection included; the lookup stays float.
-    assert all(isinstance(getattr(layer, name), W8A8Int8Linear) for layer in model.layers
+    assert all(isinstance(getattr(layer, name), layer_cls) for layer in model.layers
                for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
-    assert isinstance(model.lm_head, W8A8Int8Linear)
+    assert isinstance(model.lm_head, layer_cls)
     assert model.embed.dtype == torch.float32 and len(out["output_ids"]) == 4
     from kvstrata.runner import packed_linear
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024) as llm:

@@ -39,9 +39,20 @@ def test_explicit_dtype_is_kept():
         assert dtype_of(AVX2, dtype=dtype) == (dtype, None)
 
 
-def test_quantized_and_non_mha_models_stay_fp32():
+def test_quantized_models_follow_the_int8_kernel():
+    """w8a8_int8 with VNNI quantises the model's own activations (runner/int8_linear.py):
+    the bf16 rows apply. Without VNNI, or with that layer ablated, fbgemm takes fp32."""
     dtype, rule = dtype_of(AMX, quantization="w8a8_int8")
-    assert dtype == "float32" and "float32 activations" in rule.reason
+    assert dtype == "bfloat16" and "the CPU has amx_bf16" in rule.reason
+    assert dtype_of(AVX512_BF16, quantization="w8a8_int8")[0] == "bfloat16"
+    for flags, env in ((AVX2, {}), (AVX2 + ("avx_vnni",), {}),
+                       (AMX, {"KVSTRATA_CPU_INT8_MM": False})):
+        dtype, rule = dtype_of(flags, env=env, quantization="w8a8_int8")
+        assert dtype == "float32", (flags, env)
+        assert "float32 activations" in rule.reason or "no bf16 instructions" in rule.reason
+
+
+def test_non_mha_models_stay_fp32():
     dtype, rule = dtype_of(AMX, model_info=ModelInfo(kv_pool_kind="mla", uses_dsa=True))
     assert dtype == "float32" and "mla model" in rule.reason
 

@@ -23,6 +23,13 @@ CPU_DTYPE_FALLBACK = ("float32", "no bf16 instructions (avx512_bf16 / amx_bf16):
                       "on an AVX2 machine)")
 
 
+def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
+    """--quantization w8a8_int8 runs its VNNI layer (runner/int8_linear.py), which quantises
+    bf16 or fp32 activations alike: the dtype rows below apply to it as to a float model."""
+    enabled = env.get("KVSTRATA_CPU_INT8_MM", True)  # envs.snapshot(): parsed values
+    return enabled is True and bool({"avx512_vnni", "avx_vnni"} & set(platform.cpu_flags))
+
+
 def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
               env: dict) -> tuple[str, str]:
     """(dtype, reason) for --dtype auto on a CPU."""
@@ -32,9 +39,9 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
             raise ValueError(f"KVSTRATA_CPU_AUTO_DTYPE={forced!r} is not float32, bfloat16 "
                              "or float16 (or empty: chosen from the CPU)")
         return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}"
-    if args.quantization is not None:
-        return "float32", (f"--quantization {args.quantization}: its int8 kernels take "
-                           "float32 activations")
+    if args.quantization is not None and not int8_takes_model_dtype(platform, env):
+        return "float32", (f"--quantization {args.quantization}: without VNNI (or with "
+                           "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 activations")
     if model_info is not None and model_info.kv_pool_kind != "mha":
         return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
                            "decoder is measured in bf16 on CPU")

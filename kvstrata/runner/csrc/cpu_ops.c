@@ -24,9 +24,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "cpu_rows.h"
 #include "cpu_vec.h"
 
-#define PARALLEL_MIN_BYTES (256 << 10)
 enum { F32 = 0, BF16 = 1 };
 
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
@@ -171,26 +171,6 @@ AVX512 static void add_rms_row_avx512(uint16_t *x, const uint16_t *y, const uint
     }
 }
 #endif
-
-static int use_avx512(int64_t width, int isa_cap) {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    return isa_cap >= 2 && width % 16 == 0 && __builtin_cpu_supports("avx512f");
-#else
-    (void)width; (void)isa_cap;
-    return 0;
-#endif
-}
-
-static int thread_count(int threads, int64_t rows, int64_t bytes) {
-#ifdef _OPENMP
-    if (bytes < PARALLEL_MIN_BYTES || threads < 1) return 1;
-    return rows < threads ? (int)(rows > 0 ? rows : 1) : threads;
-#else
-    (void)threads; (void)rows; (void)bytes;
-    return 1;
-#endif
-}
 
 static PyObject *rms_norm_bf16(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, o_addr;

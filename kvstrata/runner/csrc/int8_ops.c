@@ -1,0 +1,155 @@
+/* The element-wise halves of `--quantization w8a8_int8` on a VNNI CPU
+ * (kvstrata/runner/int8_linear.py wraps them; the int8 GEMM between them is oneDNN's).
+ *
+ *   quant_rows(x, x_row_stride, rows, k, dtype, q, scales, threads, isa_cap)
+ *       per token (row) r: a = max |x[r]|, scales[r] = a / 127 (a == 0: 1e-12 / 127),
+ *       q[r, i] = 128 + round_half_even(x[r, i] * 127 / a), in [1, 255] (uint8 with zero
+ *       point 128, contiguous): the symmetric int8 code, as the u8 the GEMM takes
+ *   dequant_rows(y, rows, n, x_scales, bias, out, dtype, threads, isa_cap)
+ *       out[r, j] = y[r, j] * x_scales[r] (+ bias[j]), fp32 or bf16 (round to nearest
+ *       even); y fp32 [rows, n] contiguous (the GEMM's acc * w_scale); bias 0 for none
+ *
+ * x is fp32 or bf16 (dtype 0 / 1), its rows may be strided, elements contiguous. The scalar
+ * path computes the same values as the AVX-512 one (the same fp32 operations in the same
+ * order; the products are never fused: built with -ffp-contract=off), so a token's result
+ * does not depend on the ISA, on the batch it is in or on the thread count.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "cpu_rows.h"
+#include "cpu_vec.h"
+
+#define LEVELS 127.f
+#define MIN_AMAX 1e-12f
+enum { F32 = 0, BF16 = 1 };
+
+static inline float load_f(const void *x, int64_t i, int dtype) {
+    return dtype == F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+}
+
+/* ---- one row, scalar -------------------------------------------------------------------- */
+static void quant_row_scalar(const void *x, int64_t k, int dtype, uint8_t *q, float *scale) {
+    float amax = 0.f;
+    for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(load_f(x, i, dtype)));
+    amax = fmaxf(amax, MIN_AMAX);
+    const float inv = LEVELS / amax;
+    for (int64_t i = 0; i < k; i++) {
+        float v = nearbyintf(load_f(x, i, dtype) * inv); /* default mode: half to even */
+        q[i] = (uint8_t)(128 + (int)fminf(fmaxf(v, -LEVELS), LEVELS));
+    }
+    *scale = amax / LEVELS;
+}
+static void dequant_row_scalar(const float *y, int64_t n, float xs, const float *bias,
+                               void *out, int dtype) {
+    for (int64_t j = 0; j < n; j++) {
+        float v = y[j] * xs;
+        if (bias) v += bias[j];
+        if (dtype == F32) ((float *)out)[j] = v;
+        else ((uint16_t *)out)[j] = f32_to_bf16(v);
+    }
+}
+
+/* ---- one row, AVX-512F (k % 16 == 0 / n % 16 == 0) -------------------------------------- */
+#if defined(__x86_64__)
+AVX512 static inline __m512 load16(const void *x, int64_t i, int dtype) {
+    return dtype == F32 ? _mm512_loadu_ps((const float *)x + i)
+                        : bf16x16_load((const uint16_t *)x + i);
+}
+AVX512 static void quant_row_avx512(const void *x, int64_t k, int dtype, uint8_t *q,
+                                    float *scale) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x, i, dtype)));
+    const float amax = fmaxf(_mm512_reduce_max_ps(m), MIN_AMAX);
+    const __m512 inv = _mm512_set1_ps(LEVELS / amax);
+    for (int64_t i = 0; i < k; i += 16) {
+        /* cvtps rounds half to even (MXCSR default); |v| <= 127 after the scale, and the
+         * saturating narrow keeps any rounding excess inside int8. */
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, i, dtype), inv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(128))));
+    }
+    *scale = amax / LEVELS;
+}
+AVX512 static void dequant_row_avx512(const float *y, int64_t n, float xs, const float *bias,
+                                      void *out, int dtype) {
+    const __m512 s = _mm512_set1_ps(xs);
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(y + j), s);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+        if (dtype == F32) _mm512_storeu_ps((float *)out + j, v);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)out + j), bf16x16_from(v));
+    }
+}
+#endif
+
+static PyObject *quant_rows(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, q_addr, s_addr;
+    Py_ssize_t stride, rows, k;
+    int dtype, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnniKKii", &x_addr, &stride, &rows, &k, &dtype, &q_addr,
+                          &s_addr, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || k < 1 || stride < k || (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd k=%zd stride=%zd dtype=%d",
+                     rows, k, stride, dtype);
+        return NULL;
+    }
+    const int64_t esz = dtype == F32 ? 4 : 2;
+    const char *x = (const char *)x_addr;
+    uint8_t *q = (uint8_t *)q_addr;
+    float *scales = (float *)s_addr;
+    const int vec = use_avx512(k, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * k * (esz + 1));
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (vec) { quant_row_avx512(x + r * stride * esz, k, dtype, q + r * k, scales + r); continue; }
+#endif
+        quant_row_scalar(x + r * stride * esz, k, dtype, q + r * k, scales + r);
+    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dequant_rows(PyObject *self, PyObject *args) {
+    unsigned long long y_addr, xs_addr, b_addr, o_addr;
+    Py_ssize_t rows, n;
+    int dtype, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnKKKiii", &y_addr, &rows, &n, &xs_addr, &b_addr, &o_addr,
+                          &dtype, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || n < 1 || (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd n=%zd dtype=%d", rows, n,
+                     dtype);
+        return NULL;
+    }
+    const int64_t esz = dtype == F32 ? 4 : 2;
+    const float *y = (const float *)y_addr, *xs = (const float *)xs_addr;
+    const float *bias = (const float *)b_addr;
+    char *out = (char *)o_addr;
+    const int vec = use_avx512(n, isa_cap);
+    const int nt = thread_count(threads, rows, (int64_t)rows * n * (4 + esz));
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (vec) { dequant_row_avx512(y + r * n, n, xs[r], bias, out + r * n * esz, dtype); continue; }
+#endif
+        dequant_row_scalar(y + r * n, n, xs[r], bias, out + r * n * esz, dtype);
+    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
+    {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_ops",
+                                    "Quantise / dequantise rows around an int8 GEMM.", -1, methods};
+
+PyMODINIT_FUNC PyInit__int8_ops(void) { return PyModule_Create(&module); }

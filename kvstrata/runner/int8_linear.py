@@ -1,0 +1,105 @@
+"""`--quantization w8a8_int8` on a CPU with VNNI: oneDNN's prepacked int8 linear between two
+fused row ops, in the model's dtype.
+
+Why: the fbgemm layer (runner/quantization.py W8A8Int8Linear) takes float32 activations, so a
+bf16 model paid two conversions a linear, and its per-token scaling is four torch ops around
+the GEMM; served SmolLM2 at w8a8 was slower than bf16 (259 vs 372 tok/s, AVX-512 BF16 EPYC).
+Measured on that box (2 threads, SmolLM2's shapes, every layer's own weights so that they
+stream from RAM as in a real step): the 120 layer GEMMs of a decode step at M = 32 rows took
+9.2 ms with oneDNN's int8 linear on weights prepacked once (`onednn::qlinear_prepack` /
+`qlinear_pointwise`, u8 x s8 -> s32 on VNNI) against 11.8 ms with `torch._int_mm` (which
+reorders the plain weight on every call) and ~13 ms with the prepacked bf16 linear; at
+prefill shapes (M = 2048) both int8 GEMMs run ~1.9x the bf16 one.
+
+Scheme: SGLang's w8a8_int8, as the fbgemm layer computes it: int8 weights with one symmetric
+scale per output channel (amax / 127), activations quantised per token on the fly (amax /
+127, codes in [-127, 127], given to the GEMM as u8 with zero point 128), int32 accumulation,
+y = acc * w_scale (oneDNN) * x_scale (+ bias) (ours) in the activations' dtype. A token's
+result never depends on the other rows of its batch. The row ops are C
+(runner/csrc/int8_ops.c, AVX-512 chosen at run time).
+
+Used when the CPU has AVX512-VNNI or AVX-VNNI (without them oneDNN's u8*s8 pairs can saturate
+int16: the fbgemm layer keeps 7-bit activations there instead), torch has oneDNN, and
+KVSTRATA_CPU_INT8_MM is on.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvstrata import envs
+from kvstrata.runner import _int8_ops
+from kvstrata.runner.attention.paged_decode import isa_cap
+from kvstrata.runner.cpu_ops import _rows
+
+KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-token rows"
+PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
+LEVELS = 127
+ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available(has_vnni: bool) -> bool:
+    """This layer runs on this CPU (VNNI, torch's oneDNN int8 linear) unless ablated."""
+    return (has_vnni and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.onednn, "qlinear_pointwise") and envs.KVSTRATA_CPU_INT8_MM.get())
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float32 scales [N]): symmetric, one scale per output channel."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / LEVELS).clamp_(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def cpu_weight_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """(out, in) features of a weight an int8 layer may take: CPU only."""
+    if weight.device.type != "cpu":
+        raise ValueError("--quantization w8a8_int8 is built for CPU only "
+                         f"(the model is on {weight.device.type})")
+    return tuple(weight.shape)
+
+
+class Int8MatmulLinear(nn.Module):
+    """y = x @ W.T + b with W in int8 (per-channel scales) and x quantised per token."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = cpu_weight_shape(weight)
+        qweight, self.w_scale = quantize_weight(weight)
+        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [PACK_ROWS_HINT, self.in_features])
+        self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None))
+        self.levels = LEVELS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        x2 = x.reshape(-1, k)
+        if x2.dtype not in _DTYPES:
+            x2 = x2.float()
+        rows = _rows(x2)
+        if rows is None:
+            x2 = x2.contiguous()
+            rows = (x2.shape[0], k)
+        m = rows[0]
+        out = torch.empty(m, n, dtype=x2.dtype)
+        if m:
+            threads, cap = torch.get_num_threads(), isa_cap()
+            q = torch.empty(m, k, dtype=torch.uint8)
+            scales = torch.empty(m, dtype=torch.float32)
+            _int8_ops.quant_rows(x2.data_ptr(), rows[1], m, k, _DTYPES[x2.dtype], q.data_ptr(),
+                                 scales.data_ptr(), threads, cap)
+            # acc * w_scale in float32 (one rounding); the token scales and bias follow.
+            y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.w_scale,
+                                                   self.w_zero, None, 1.0, 0, torch.float32,
+                                                   "none", [], "")
+            _int8_ops.dequant_rows(y.data_ptr(), m, n, scales.data_ptr(),
+                                   0 if self.bias is None else self.bias.data_ptr(),
+                                   out.data_ptr(), _DTYPES[x2.dtype], threads, cap)
+        out = out.reshape(*x.shape[:-1], n)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

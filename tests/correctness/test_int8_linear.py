@@ -1,0 +1,90 @@
+"""The VNNI int8 layer of --quantization w8a8_int8 (runner/int8_linear.py) against int8
+arithmetic done by hand in torch: per-channel weight codes, per-token activation codes,
+y = (codes_x @ codes_w.T) * w_scale * x_scale + bias, in the input's dtype.
+
+The GEMM is oneDNN's, exact in int32; what the layer adds is the two C row passes, so the
+results must equal the hand computation up to one float rounding of the scales' products, and
+the scalar and AVX-512 rows must agree bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.runner import int8_linear
+from kvstrata.runner.int8_linear import Int8MatmulLinear
+from kvstrata.runner.quantization import cpu_has_vnni, int8_kernel
+
+pytestmark = pytest.mark.skipif(
+    not int8_linear.available(cpu_has_vnni()),
+    reason="the oneDNN int8 layer runs only with AVX512-VNNI / AVX-VNNI (fbgemm elsewhere)")
+
+
+def by_hand(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    x = x.float()
+    w_scale = (weight.abs().amax(1) / 127).clamp(min=1e-12)
+    amax = x.abs().amax(1).clamp(min=1e-12)
+    x_scale = amax / 127
+    wq = torch.round(weight / w_scale[:, None]).clamp(-127, 127)
+    # As the C row computes it: 127 / amax divided (python's 127 / t is reciprocal(t) * 127,
+    # a different float at exact .5 ties of bf16 inputs), then x times that, half to even.
+    inv = torch.div(torch.full_like(amax, 127.0), amax)
+    xq = torch.round(x * inv[:, None]).clamp(-127, 127)
+    acc = (xq.double() @ wq.double().T)  # exact: integers well inside float64's mantissa
+    y = (acc * w_scale.double()[None]).float() * x_scale[:, None]
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n,bias", [(80, 96, True), (576, 960, False), (1536, 40, True),
+                                      (17, 5, False)])
+def test_equals_int8_arithmetic_by_hand(dtype, k, n, bias):
+    torch.manual_seed(k + n)
+    weight = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(7, k).to(dtype)
+    layer = Int8MatmulLinear(weight, b)
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (7, n)
+    want = by_hand(x, weight, b)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    else:  # the same float32 value, rounded once to bf16 (half an ulp; 1 where ties differ)
+        ulp = 2.0 ** (torch.frexp(want).exponent.float() - 8)
+        assert ((got.float() - want).abs() <= ulp + 1e-6).all()
+
+
+def test_rows_are_independent_of_the_batch_and_of_the_isa(monkeypatch):
+    torch.manual_seed(0)
+    layer = Int8MatmulLinear(torch.randn(3072, 576), torch.randn(3072))
+    x = torch.randn(33, 576).bfloat16()
+    got = layer(x)
+    loud = torch.cat([x, 100 * torch.randn(1, 576).bfloat16()])
+    assert torch.equal(layer(loud)[:33], got)  # a louder token changes nobody's scale
+    assert torch.equal(layer(x[:1]), got[:1])  # M = 1 takes oneDNN's other kernels
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    assert torch.equal(layer(x), got)  # the scalar rows compute what AVX-512's do
+
+
+def test_shapes_views_and_extremes():
+    torch.manual_seed(1)
+    layer = Int8MatmulLinear(torch.randn(64, 1536))
+    wide = torch.randn(5, 2000)
+    view = wide[:, 100:1636]  # rows strided, elements contiguous: read in place
+    torch.testing.assert_close(layer(view), layer(view.contiguous()), atol=0, rtol=0)
+    assert layer(torch.randn(2, 3, 1536)).shape == (2, 3, 64)
+    assert layer(torch.randn(0, 1536)).shape == (0, 64)
+    assert torch.equal(layer(torch.zeros(2, 1536)), torch.zeros(2, 64))
+    # Every code at +-127 over K = 1536: the int32 sums reach 127 * 127 * 1536 = 24.8M,
+    # which VNNI accumulates without saturating (u8 * s8 pairs summed in int32).
+    ext = Int8MatmulLinear(torch.full((3, 1536), -1.0))
+    x = torch.ones(1, 1536)
+    torch.testing.assert_close(ext(x), torch.full((1, 3), -1536.0), atol=0, rtol=1e-6)
+    assert ext(x.double()).dtype == torch.float64  # other dtypes go through float32
+
+
+def test_the_env_switches_back_to_fbgemm(monkeypatch):
+    from kvstrata.runner.quantization import W8A8Int8Linear
+
+    assert int8_kernel()[0] is Int8MatmulLinear
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_MM", "0")
+    assert int8_kernel()[0] is W8A8Int8Linear
