@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and KV dtype; the GEMM peak is measured at the same dtype")
+    p.add_argument("--quantization", default=None, choices=[None, "w8a8_int8"],
+                   help="int8 linear layers (the GEMM peak stays the float dtype's)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, nargs="+", default=[128, 512])
     p.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill "
@@ -74,12 +76,13 @@ def copy_bandwidth(nbytes: int = 512 << 20) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def step_bytes(elem: int, params: int, batch: int, context: int, dims) -> int:
-    """Bytes a decode step must read from RAM at least (`elem` bytes a weight and a KV value):
-    every linear weight once (together they outsize any cache) and every request's K and V
-    rows in every layer."""
+def step_bytes(elem: int, params: int, batch: int, context: int, dims,
+               weight_elem: int | None = None) -> int:
+    """Bytes a decode step must read from RAM at least (`elem` bytes a KV value, `weight_elem`
+    a weight, default the same): every linear weight once (together they outsize any cache)
+    and every request's K and V rows in every layer."""
     kv = 2 * batch * (context + 1) * dims.num_kv_heads * dims.head_dim * dims.num_layers
-    return (params + kv) * elem
+    return params * (elem if weight_elem is None else weight_elem) + kv * elem
 
 
 def _timed(fn) -> float:
@@ -192,7 +195,8 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.dtype} GEMM "
           f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3); copy {bandwidth:.1f} GB/s")
-    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
+    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu",
+                         quantization=args.quantization)
     dims = runner.model.dims
     rows_needed = args.batch * len(args.context) + 2
     pages = sum(args.batch * (c // PAGE + 1) for c in args.context) + args.prefill // PAGE + 2
@@ -204,7 +208,8 @@ def main(argv=None) -> dict:
     # The paged kernel variant runs only where the backend would use it (its dtypes).
     variants = (True, False) if backend.use_kernel else (False,)
     params = linear_params(runner.model)
-    report = {"box_load": load, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    report = {"box_load": load, "dtype": args.dtype, "quantization": args.quantization,
+              "threads": torch.get_num_threads(),
               "gemm_peak_gflops": peak, "copy_gb_s": bandwidth, "linear_params": params,
               "decode": [], "prefill": None}
     first_row, first_page = 1, 1
@@ -220,7 +225,8 @@ def main(argv=None) -> dict:
                     batch.step()  # warm-up of this variant
                     times[kernel].append(min(_timed(batch.step) for _ in range(args.steps)))
             elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-            nbytes = step_bytes(elem, params, args.batch, context, dims)
+            nbytes = step_bytes(elem, params, args.batch, context, dims,
+                                1 if args.quantization else None)
             # The step cannot beat the slower of its arithmetic at the GEMM peak and its
             # reads at the copy rate (a roofline from two baselines of this run).
             roofline_ms = max(flops / peak / 1e6, nbytes / bandwidth / 1e6)

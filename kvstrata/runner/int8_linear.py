@@ -71,35 +71,42 @@ class Int8MatmulLinear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, [PACK_ROWS_HINT, self.in_features])
         self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._bias_addr = 0 if self.bias is None else self.bias.data_ptr()
         self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None))
         self.levels = LEVELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        x2 = x.reshape(-1, k)
+        if x.dim() == 2 and x.dtype in _DTYPES and x.is_contiguous():
+            return self._linear_rows(x, x.shape[0], self.in_features)  # the decoder's calls
+        x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in _DTYPES:
             x2 = x2.float()
         rows = _rows(x2)
         if rows is None:
             x2 = x2.contiguous()
-            rows = (x2.shape[0], k)
-        m = rows[0]
-        out = torch.empty(m, n, dtype=x2.dtype)
-        if m:
-            threads, cap = torch.get_num_threads(), isa_cap()
-            q = torch.empty(m, k, dtype=torch.uint8)
-            scales = torch.empty(m, dtype=torch.float32)
-            _int8_ops.quant_rows(x2.data_ptr(), rows[1], m, k, _DTYPES[x2.dtype], q.data_ptr(),
-                                 scales.data_ptr(), threads, cap)
-            # acc * w_scale in float32 (one rounding); the token scales and bias follow.
-            y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.w_scale,
-                                                   self.w_zero, None, 1.0, 0, torch.float32,
-                                                   "none", [], "")
-            _int8_ops.dequant_rows(y.data_ptr(), m, n, scales.data_ptr(),
-                                   0 if self.bias is None else self.bias.data_ptr(),
-                                   out.data_ptr(), _DTYPES[x2.dtype], threads, cap)
-        out = out.reshape(*x.shape[:-1], n)
+            rows = (x2.shape[0], self.in_features)
+        out = self._linear_rows(x2, *rows).reshape(*x.shape[:-1], self.out_features)
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _linear_rows(self, x: torch.Tensor, m: int, stride: int) -> torch.Tensor:
+        """[m, in] rows `stride` elements apart (fp32 / bf16) -> [m, out] in x's dtype. Few
+        Python steps on purpose: a decode step makes 121 of these calls."""
+        k, n, code = self.in_features, self.out_features, _DTYPES[x.dtype]
+        if not m:
+            return torch.empty(0, n, dtype=x.dtype)
+        threads, cap = torch.get_num_threads(), isa_cap()
+        q = torch.empty(m, k, dtype=torch.uint8)
+        scales = torch.empty(m, dtype=torch.float32)
+        _int8_ops.quant_rows(x.data_ptr(), stride, m, k, code, q.data_ptr(), scales.data_ptr(),
+                             threads, cap)
+        # acc * w_scale in float32 (one rounding); the token scales and bias follow.
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, self.packed, self.w_scale,
+                                               self.w_zero, None, 1.0, 0, torch.float32,
+                                               "none", [], "")
+        out = y if code == 0 else torch.empty(m, n, dtype=x.dtype)  # fp32: in place
+        _int8_ops.dequant_rows(y.data_ptr(), m, n, scales.data_ptr(), self._bias_addr,
+                               out.data_ptr(), code, threads, cap)
+        return out
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

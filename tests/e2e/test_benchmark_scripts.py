@@ -113,12 +113,14 @@ def test_bench_retraction_rows(tmp_path, tiny_model_path):
 
 
 def test_bench_decode_step_rows(tmp_path, tiny_model_path):
-    """Both decode variants and the prefill are timed and profiled against the GEMM peak."""
+    """Both decode variants and the prefill are timed and profiled against the GEMM peak
+    (here with int8 linear layers: their weights count one byte each in the roofline)."""
     out = tmp_path / "decode_step.json"
     _run("bench_decode_step.py", "--model", tiny_model_path, "--batch", "3", "--context", "5",
          "40", "--prefill", "24", "--steps", "1", "--rounds", "1", "--gemm-size", "128",
-         "--out", str(out))
+         "--quantization", "w8a8_int8", "--out", str(out))
     report = json.loads(out.read_text())
+    assert report["quantization"] == "w8a8_int8"
     assert report["gemm_peak_gflops"] > 0 and report["linear_params"] > 0
     assert [r["context"] for r in report["decode"]] == [5, 40]
     for row in report["decode"]:
