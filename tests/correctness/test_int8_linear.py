@@ -88,3 +88,24 @@ def test_the_env_switches_back_to_fbgemm(monkeypatch):
     assert int8_kernel()[0] is Int8MatmulLinear
     monkeypatch.setenv("KVSTRATA_CPU_INT8_MM", "0")
     assert int8_kernel()[0] is W8A8Int8Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter,bias", [(1536, False), (40, True), (13, False)])
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+def test_fused_silu_mul_equals_the_two_steps(dtype, inter, bias, isa, monkeypatch):
+    """linear_silu_mul = this layer, then cpu_ops.silu_mul: bit for bit, on every ISA path
+    (widths that are and are not multiples of 16), with a gate|up bias or without."""
+    from kvstrata.runner import cpu_ops
+
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    torch.manual_seed(inter)
+    layer = Int8MatmulLinear(torch.randn(2 * inter, 96), torch.randn(2 * inter) if bias else None)
+    x = torch.randn(9, 96).to(dtype)
+    want = cpu_ops.silu_mul(layer(x))
+    got = layer.linear_silu_mul(x)
+    assert want is not None and got.dtype == dtype and torch.equal(got, want)
+    assert layer.linear_silu_mul(x[:0]).shape == (0, inter)
+    assert layer.linear_silu_mul(x[:, None]) is None  # not 2-D rows: the caller's two steps
+    monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
+    assert layer.linear_silu_mul(x) is None

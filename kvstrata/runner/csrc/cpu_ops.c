@@ -29,7 +29,6 @@
 
 enum { F32 = 0, BF16 = 1 };
 
-static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
 /* ---- scalar rows ------------------------------------------------------------------------ */
 static void rms_row_scalar(const uint16_t *x, const uint16_t *w, uint16_t *o, int64_t h,
@@ -53,13 +52,6 @@ static void silu_row_scalar(const void *x, void *o, int64_t n, int dtype) {
 
 /* ---- AVX-512F rows (h % 16 == 0 / n % 16 == 0) ------------------------------------------ */
 #if defined(__x86_64__)
-AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| only */
-    __m512 e = exp_nonpos_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e), den);
-    return _mm512_mul_ps(g, sig);
-}
 AVX512 static void rms_row_avx512(const uint16_t *x, const uint16_t *w, uint16_t *o,
                                   int64_t h, float eps) {
     __m512 ss = _mm512_setzero_ps();

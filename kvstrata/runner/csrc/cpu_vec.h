@@ -39,6 +39,10 @@ static inline float f16_to_f32(uint16_t h) { /* IEEE half: subnormals, inf and n
     return f;
 }
 
+/* silu(g) = g * sigmoid(g): the scalar form, and below the AVX-512 one (exp of -|g| only);
+ * every fused op that applies silu uses these two, so fused and unfused paths agree. */
+static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
+
 #if defined(__x86_64__)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f")))
@@ -90,6 +94,13 @@ AVX512 static inline __m256i bf16x16_from(__m512 f) {
 }
 AVX512 static inline __m512 bf16x16_round(__m512 f) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_from(f)), 16));
+}
+AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| only */
+    __m512 e = exp_nonpos_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, _mm512_set1_ps(1.f), e), den);
+    return _mm512_mul_ps(g, sig);
 }
 #endif
 #endif

@@ -8,6 +8,11 @@
  *   dequant_rows(y, rows, n, x_scales, bias, out, dtype, threads, isa_cap)
  *       out[r, j] = y[r, j] * x_scales[r] (+ bias[j]), fp32 or bf16 (round to nearest
  *       even); y fp32 [rows, n] contiguous (the GEMM's acc * w_scale); bias 0 for none
+ *   dequant_silu_mul(y, rows, n, x_scales, bias, out, dtype, threads, isa_cap)
+ *       y [rows, 2n] of a fused gate|up projection: g and u dequantised as above (rounded to
+ *       dtype), then out[r, j] = silu(g) * u as runner/csrc/cpu_ops.c silu_mul computes it
+ *       (bf16: bf16(bf16(silu(g)) * u)): dequant_rows then silu_mul in one pass, the same
+ *       values, without writing and reading back the [rows, 2n] activation
  *
  * x is fp32 or bf16 (dtype 0 / 1), its rows may be strided, elements contiguous. The scalar
  * path computes the same values as the AVX-512 one (the same fp32 operations in the same
@@ -49,6 +54,21 @@ static void dequant_row_scalar(const float *y, int64_t n, float xs, const float 
     }
 }
 
+static inline float round_to(float v, int dtype) {
+    return dtype == F32 ? v : bf16_to_f32(f32_to_bf16(v));
+}
+static void dequant_silu_row_scalar(const float *y, int64_t n, float xs, const float *bias,
+                                    void *out, int dtype) {
+    for (int64_t j = 0; j < n; j++) {
+        float g = y[j] * xs, u = y[n + j] * xs;
+        if (bias) { g += bias[j]; u += bias[n + j]; }
+        g = round_to(g, dtype);
+        u = round_to(u, dtype);
+        if (dtype == F32) ((float *)out)[j] = silu_f(g) * u;
+        else ((uint16_t *)out)[j] = f32_to_bf16(round_to(silu_f(g), dtype) * u);
+    }
+}
+
 /* ---- one row, AVX-512F (k % 16 == 0 / n % 16 == 0) -------------------------------------- */
 #if defined(__x86_64__)
 AVX512 static inline __m512 load16(const void *x, int64_t i, int dtype) {
@@ -78,6 +98,25 @@ AVX512 static void dequant_row_avx512(const float *y, int64_t n, float xs, const
         if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
         if (dtype == F32) _mm512_storeu_ps((float *)out + j, v);
         else _mm256_storeu_si256((__m256i *)((uint16_t *)out + j), bf16x16_from(v));
+    }
+}
+AVX512 static void dequant_silu_row_avx512(const float *y, int64_t n, float xs,
+                                           const float *bias, void *out, int dtype) {
+    const __m512 s = _mm512_set1_ps(xs);
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512 g = _mm512_mul_ps(_mm512_loadu_ps(y + j), s);
+        __m512 u = _mm512_mul_ps(_mm512_loadu_ps(y + n + j), s);
+        if (bias) {
+            g = _mm512_add_ps(g, _mm512_loadu_ps(bias + j));
+            u = _mm512_add_ps(u, _mm512_loadu_ps(bias + n + j));
+        }
+        if (dtype == F32) {
+            _mm512_storeu_ps((float *)out + j, _mm512_mul_ps(silu_v(g), u));
+        } else {
+            __m512 a = bf16x16_round(silu_v(bf16x16_round(g)));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + j),
+                                bf16x16_from(_mm512_mul_ps(a, bf16x16_round(u))));
+        }
     }
 }
 #endif
@@ -144,9 +183,41 @@ static PyObject *dequant_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
+    unsigned long long y_addr, xs_addr, b_addr, o_addr;
+    Py_ssize_t rows, n;
+    int dtype, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnKKKiii", &y_addr, &rows, &n, &xs_addr, &b_addr, &o_addr,
+                          &dtype, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || n < 1 || (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd n=%zd dtype=%d", rows, n,
+                     dtype);
+        return NULL;
+    }
+    const int64_t esz = dtype == F32 ? 4 : 2;
+    const float *y = (const float *)y_addr, *xs = (const float *)xs_addr;
+    const float *bias = (const float *)b_addr;
+    char *out = (char *)o_addr;
+    const int vec = use_avx512(n, isa_cap); /* as silu_mul decides for the same width */
+    const int nt = thread_count(threads, rows, (int64_t)rows * n * (8 + esz));
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (Py_ssize_t r = 0; r < rows; r++) {
+#if defined(__x86_64__)
+        if (vec) { dequant_silu_row_avx512(y + r * 2 * n, n, xs[r], bias, out + r * n * esz, dtype); continue; }
+#endif
+        dequant_silu_row_scalar(y + r * 2 * n, n, xs[r], bias, out + r * n * esz, dtype);
+    }
+    Py_END_ALLOW_THREADS
+    (void)vec;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
     {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
+    {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_ops",

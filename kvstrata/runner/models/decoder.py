@@ -200,8 +200,12 @@ class DecoderForCausalLM(nn.Module):
         if h is None:
             x.add_(o)
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-        gate_up = linear(h, layer.gate_up_weight, layer.gate_up_bias)
-        act = cpu_ops.silu_mul(gate_up)  # one pass on CPU; None elsewhere
+        # An int8 layer dequantises inside the activation's pass (runner/int8_linear.py).
+        fused = getattr(layer.gate_up_weight, "linear_silu_mul", None)
+        act = fused(h) if fused is not None else None
+        if act is None:
+            gate_up = linear(h, layer.gate_up_weight, layer.gate_up_bias)
+            act = cpu_ops.silu_mul(gate_up)  # one pass on CPU; None elsewhere
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
