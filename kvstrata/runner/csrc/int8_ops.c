@@ -152,7 +152,8 @@ static PyObject *quant_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *dequant_rows(PyObject *self, PyObject *args) {
+/* dequant_rows (silu = 0: y [rows, n]) and dequant_silu_mul (silu = 1: y [rows, 2n]). */
+static PyObject *dequant_entry(PyObject *args, int silu) {
     unsigned long long y_addr, xs_addr, b_addr, o_addr;
     Py_ssize_t rows, n;
     int dtype, threads, isa_cap;
@@ -164,54 +165,34 @@ static PyObject *dequant_rows(PyObject *self, PyObject *args) {
                      dtype);
         return NULL;
     }
-    const int64_t esz = dtype == F32 ? 4 : 2;
+    const int64_t esz = dtype == F32 ? 4 : 2, y_row = silu ? 2 * n : n;
     const float *y = (const float *)y_addr, *xs = (const float *)xs_addr;
     const float *bias = (const float *)b_addr;
     char *out = (char *)o_addr;
-    const int vec = use_avx512(n, isa_cap);
-    const int nt = thread_count(threads, rows, (int64_t)rows * n * (4 + esz));
+    const int vec = use_avx512(n, isa_cap); /* silu: as cpu_ops.c silu_mul decides for n */
+    const int nt = thread_count(threads, rows, (int64_t)rows * (y_row * 4 + n * esz));
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *yr = y + r * y_row;
+        void *o = out + r * n * esz;
 #if defined(__x86_64__)
-        if (vec) { dequant_row_avx512(y + r * n, n, xs[r], bias, out + r * n * esz, dtype); continue; }
+        if (vec) {
+            if (silu) dequant_silu_row_avx512(yr, n, xs[r], bias, o, dtype);
+            else dequant_row_avx512(yr, n, xs[r], bias, o, dtype);
+            continue;
+        }
 #endif
-        dequant_row_scalar(y + r * n, n, xs[r], bias, out + r * n * esz, dtype);
+        if (silu) dequant_silu_row_scalar(yr, n, xs[r], bias, o, dtype);
+        else dequant_row_scalar(yr, n, xs[r], bias, o, dtype);
     }
     Py_END_ALLOW_THREADS
     (void)vec;
     Py_RETURN_NONE;
 }
-
+static PyObject *dequant_rows(PyObject *self, PyObject *args) { return dequant_entry(args, 0); }
 static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
-    unsigned long long y_addr, xs_addr, b_addr, o_addr;
-    Py_ssize_t rows, n;
-    int dtype, threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnnKKKiii", &y_addr, &rows, &n, &xs_addr, &b_addr, &o_addr,
-                          &dtype, &threads, &isa_cap))
-        return NULL;
-    if (rows < 0 || n < 1 || (dtype != F32 && dtype != BF16)) {
-        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd n=%zd dtype=%d", rows, n,
-                     dtype);
-        return NULL;
-    }
-    const int64_t esz = dtype == F32 ? 4 : 2;
-    const float *y = (const float *)y_addr, *xs = (const float *)xs_addr;
-    const float *bias = (const float *)b_addr;
-    char *out = (char *)o_addr;
-    const int vec = use_avx512(n, isa_cap); /* as silu_mul decides for the same width */
-    const int nt = thread_count(threads, rows, (int64_t)rows * n * (8 + esz));
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (Py_ssize_t r = 0; r < rows; r++) {
-#if defined(__x86_64__)
-        if (vec) { dequant_silu_row_avx512(y + r * 2 * n, n, xs[r], bias, out + r * n * esz, dtype); continue; }
-#endif
-        dequant_silu_row_scalar(y + r * 2 * n, n, xs[r], bias, out + r * n * esz, dtype);
-    }
-    Py_END_ALLOW_THREADS
-    (void)vec;
-    Py_RETURN_NONE;
+    return dequant_entry(args, 1);
 }
 
 static PyMethodDef methods[] = {
