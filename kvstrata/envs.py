@@ -139,6 +139,10 @@ KVSTRATA_CPU_INT8_MM = _declare(
     "--quantization w8a8_int8 on a CPU with VNNI runs oneDNN's prepacked int8 linear between "
     "fused per-token quantise / dequantise rows, in the model's dtype "
     "(runner/int8_linear.py); 0 = the fbgemm layer with float32 activations (ablation).")
+KVSTRATA_CPU_HUGE_PAGES = _declare(
+    "KVSTRATA_CPU_HUGE_PAGES", bool, True,
+    "The CPU KV pool asks for transparent huge pages (madvise) before it is first written "
+    "(kv/huge_pages.py: fewer TLB misses in decode attention); 0 = 4 KiB pages (ablation).")
 KVSTRATA_BENCH_MAX_LOAD = _declare(
     "KVSTRATA_BENCH_MAX_LOAD", float, 0.5,
     "Benchmarks call the box busy when the 1-minute load average exceeds this per CPU: they "

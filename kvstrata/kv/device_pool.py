@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.config.kv_plan import DSA_INDEX_K, MLA_LATENT, KVPlan
+from kvstrata.kv.huge_pages import empty_cpu_pool
 from kvstrata.kv.layouts import KVGeometry
 
 
@@ -24,8 +25,10 @@ class MHATokenToKVPool:
         g = self.geom
         # Zero-initialised so the padding sink and never-written slots hold finite values
         # (masked-out keys still go through the matmul; garbage NaNs would poison softmax).
-        self.kv = torch.zeros((2, g.num_layers, self.num_slots, g.num_kv_heads, g.head_dim),
-                              dtype=g.dtype, device=self.device)
+        shape = (2, g.num_layers, self.num_slots, g.num_kv_heads, g.head_dim)
+        # On CPU in 2 MiB pages where the kernel allows (kv/huge_pages.py: TLB misses).
+        self.kv = (empty_cpu_pool(shape, g.dtype) if self.device.type == "cpu"
+                   else torch.zeros(shape, dtype=g.dtype, device=self.device))
 
     @property
     def size_bytes(self) -> int:
@@ -68,8 +71,9 @@ class MLATokenToKVPool:
         self.geom = g = KVGeometry.from_plan(plan)
         self.device = torch.device(device)
         self.num_slots = (plan.num_pages + 1) * plan.page_size
-        self.kv = torch.zeros((1, g.num_layers, self.num_slots, 1, g.head_dim), dtype=g.dtype,
-                              device=self.device)
+        shape = (1, g.num_layers, self.num_slots, 1, g.head_dim)
+        self.kv = (empty_cpu_pool(shape, g.dtype) if self.device.type == "cpu"
+                   else torch.zeros(shape, dtype=g.dtype, device=self.device))
         rows = self.kv[0, :, :, 0]                                   # (L, slots, width)
         latent_dim = plan.component(MLA_LATENT).token_shape[-1]
         self.latent = rows[..., :latent_dim]
