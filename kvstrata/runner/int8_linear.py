@@ -71,7 +71,6 @@ class Int8MatmulLinear(nn.Module):
         self.packed = torch.ops.onednn.qlinear_prepack(qweight, [PACK_ROWS_HINT, self.in_features])
         self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self._bias_addr = 0 if self.bias is None else self.bias.data_ptr()
         self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None))
         self.levels = LEVELS
 
@@ -97,7 +96,7 @@ class Int8MatmulLinear(nn.Module):
         y, scales, threads, cap = self._gemm(x, m, stride, code)
         out = y if code == 0 else torch.empty(m, self.out_features, dtype=x.dtype)  # in place
         _int8_ops.dequant_rows(y.data_ptr(), m, self.out_features, scales.data_ptr(),
-                               self._bias_addr, out.data_ptr(), code, threads, cap)
+                               self._bias_ptr(), out.data_ptr(), code, threads, cap)
         return out
 
     def linear_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -114,9 +113,12 @@ class Int8MatmulLinear(nn.Module):
         out = torch.empty(m, n, dtype=x.dtype)
         if m:
             y, scales, threads, cap = self._gemm(x, m, self.in_features, code)
-            _int8_ops.dequant_silu_mul(y.data_ptr(), m, n, scales.data_ptr(), self._bias_addr,
+            _int8_ops.dequant_silu_mul(y.data_ptr(), m, n, scales.data_ptr(), self._bias_ptr(),
                                        out.data_ptr(), code, threads, cap)
         return out
+
+    def _bias_ptr(self) -> int:
+        return 0 if self.bias is None else self.bias.data_ptr()  # read per call: never stale
 
     def _gemm(self, x: torch.Tensor, m: int, stride: int, code: int):
         """Quantise the rows, run the int8 GEMM: (acc * w_scale [m, out] fp32, the rows'
