@@ -8,8 +8,9 @@ output projection then gets its own int8 copy).
 Kernel with VNNI: oneDNN's prepacked int8 linear in the model's dtype (runner/int8_linear.py,
 chosen by `int8_kernel`). Without VNNI (or KVSTRATA_CPU_INT8_MM=0): fbgemm through
 `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM, int32 accumulation,
-float32 out). Measured in benchmarks/bench_int8_linear.py against float32 `nn.Linear`, fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's
-CPU int8 path goes through `torch._int_mm` / an int32 matmul and ran at 0.15-1.4x float32's
+float32 out). Measured in benchmarks/bench_int8_linear.py against float32 `nn.Linear`,
+fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's CPU int8 path
+goes through `torch._int_mm` / an int32 matmul and ran at 0.15-1.4x float32's
 speed (fbgemm: 1.6-12x), so torchao is not used. fbgemm quantises its input with ONE scale
 per call; per-token scales are obtained by dividing each row by its absolute maximum first
 (every row then spans [-1, 1], quantised with the fixed scale 1/127) and multiplying the
