@@ -1,6 +1,8 @@
 """Introspection routes, metrics, and KV accounting after client disconnects."""
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import httpx
@@ -93,16 +95,31 @@ def test_disconnect_mid_stream_frees_kv(server):
     assert aborted(server, "client_disconnect") == before + 3  # one + a chat with n=2
 
 
+def _post_then_drop_while_running(server, path: str, body: dict) -> None:
+    """POST over a raw socket and close it once the server runs the request: a client
+    timeout instead raced the generation (400 tiny-model tokens can finish within 0.5 s)."""
+    payload = json.dumps(body).encode()
+    host, port = server.base_url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+                     .encode() + payload)
+        deadline = time.monotonic() + 10
+        while kv_state(server)["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.005)
+    finally:
+        sock.close()
+
+
 def test_disconnect_non_streaming_frees_kv_and_logs_one_line(server):
     before = aborted(server, "client_disconnect")
     with open(server.log_path) as f:
         log_start = len(f.read())
     body = {"model": "tiny", "prompt": "Another long story:", "max_tokens": 400,
             "ignore_eos": True}
-    try:
-        httpx.post(server.base_url + "/v1/completions", json=body, timeout=0.5)
-    except httpx.TimeoutException:
-        pass
+    _post_then_drop_while_running(server, "/v1/completions", body)
     st = wait_idle(server)
     assert st["ok"] and st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
     assert aborted(server, "client_disconnect") == before + 1
