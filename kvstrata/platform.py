@@ -85,6 +85,11 @@ def simulated(kind: str, device_name: str = "", cpu_flags=()) -> Platform:
                     cpu_flags=frozenset(cpu_flags))
 
 
+# Either lets int8 GEMMs accumulate u8*s8 products in int32 (no int16 saturation): the
+# --quantization w8a8_int8 layer and the --dtype auto rule for it both ask (runner/, config/).
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
+
+
 def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
     """The first CPU's feature flags (x86 `flags`, Arm `Features`); empty if unreadable."""
     try:

@@ -36,7 +36,7 @@ KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-t
 PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
 LEVELS = 127
 ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = cpu_ops.DTYPES  # the C ops' dtype codes (fp32 0, bf16 1)
 
 
 def available(has_vnni: bool) -> bool:
@@ -72,7 +72,6 @@ class Int8MatmulLinear(nn.Module):
         self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None))
-        self.levels = LEVELS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype in _DTYPES and x.is_contiguous():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvstrata.platform import read_cpu_flags
+from kvstrata.platform import VNNI_FLAGS, read_cpu_flags
 from kvstrata.runner import int8_linear
 from kvstrata.runner.int8_linear import Int8MatmulLinear, cpu_weight_shape
 from kvstrata.runner.packed_linear import PackedLinear
@@ -42,8 +42,7 @@ def cpu_has_vnni() -> bool:
     """AVX512-VNNI / AVX-VNNI accumulate u8*s8 products in int32. Without them fbgemm uses
     vpmaddubsw, whose int16 pair sums can saturate with full 8-bit inputs: then activations
     keep 7 bits (fbgemm's own `reduce_range` remedy)."""
-    flags = read_cpu_flags()
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    return bool(VNNI_FLAGS & read_cpu_flags())
 
 
 def _quantize_weight(weight: torch.Tensor) -> tuple[Any, int]:
@@ -103,8 +102,8 @@ def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear"
 
 
 def int8_kernel() -> tuple[type, str]:
-    """The int8 layer this CPU runs and its kernel's name: torch._int_mm with VNNI
-    (runner/int8_linear.py), else fbgemm (7-bit activations without VNNI)."""
+    """The int8 layer this CPU runs and its kernel's name: oneDNN's prepacked int8 linear with
+    VNNI (runner/int8_linear.py), else fbgemm (7-bit activations without VNNI)."""
     if int8_linear.available(cpu_has_vnni()):
         return Int8MatmulLinear, int8_linear.KERNEL
     return W8A8Int8Linear, KERNEL

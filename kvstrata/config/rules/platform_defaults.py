@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
-from kvstrata.platform import Platform
+from kvstrata.platform import VNNI_FLAGS, Platform
 
 # A CPU prefill is slow per token, so smaller chunks keep decode latency of running requests
 # bounded; accelerators amortise launch cost over bigger chunks (SGLang's GPU default 8192).
@@ -27,7 +27,7 @@ def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
     """--quantization w8a8_int8 runs its VNNI layer (runner/int8_linear.py), which quantises
     bf16 or fp32 activations alike: the dtype rows below apply to it as to a float model."""
     enabled = env.get("KVSTRATA_CPU_INT8_MM", True)  # envs.snapshot(): parsed values
-    return enabled is True and bool({"avx512_vnni", "avx_vnni"} & set(platform.cpu_flags))
+    return enabled is True and bool(VNNI_FLAGS & set(platform.cpu_flags))
 
 
 def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
