@@ -24,7 +24,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              extra_link_args=["-fopenmp"]),
                    Extension("kvstrata.runner._int8_ops", ["kvstrata/runner/csrc/int8_ops.c"],
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
-                                      "kvstrata/runner/csrc/cpu_rows.h"],
+                                      "kvstrata/runner/csrc/cpu_rows.h",
+                                      "kvstrata/runner/csrc/int8_gemm.h"],
                              # one rounding per product: the scalar and AVX-512 rows agree
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"])])

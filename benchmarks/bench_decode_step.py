@@ -16,7 +16,6 @@ and filling 32 x 512 positions by prefill would take minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.config.kv_plan import KVPlan  # noqa: E402
 from kvstrata.protocol.sampling_params import SamplingParams  # noqa: E402
 from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
@@ -294,9 +294,7 @@ def main(argv=None) -> dict:
                   " top: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:4]))
     runner.shutdown()
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+        write_json(args.out, report)
     return report
 
 

@@ -19,7 +19,6 @@ ratios; `error` = max |candidate - float32| / max |float32| on that input.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,7 @@ warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")  # torch's
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.runner.quantization import (W8A8Int8Linear, int8_kernel,  # noqa: E402
                                           quantized_linear)
 
@@ -140,9 +140,7 @@ def main(argv=None) -> dict:
     report = {"torch": torch.__version__, "threads": args.threads, "box_load": load,
               "results": rows_out}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=1)
+        write_json(args.out, report)
     return report
 
 

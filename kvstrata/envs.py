@@ -139,6 +139,12 @@ KVSTRATA_CPU_INT8_MM = _declare(
     "--quantization w8a8_int8 on a CPU with VNNI runs oneDNN's prepacked int8 linear between "
     "fused per-token quantise / dequantise rows, in the model's dtype "
     "(runner/int8_linear.py); 0 = the fbgemm layer with float32 activations (ablation).")
+KVSTRATA_CPU_INT8_GEMM = _declare(
+    "KVSTRATA_CPU_INT8_GEMM", str, "auto",
+    "The int8 GEMM of that layer: auto = kvstrata's own (runner/csrc/int8_gemm.h: rows "
+    "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI and the "
+    "shape fits (in % 4, out % 16), else oneDNN's; onednn = always oneDNN's (ablation). Read "
+    "when the weights are packed.")
 KVSTRATA_CPU_HUGE_PAGES = _declare(
     "KVSTRATA_CPU_HUGE_PAGES", bool, True,
     "The CPU KV pool asks for transparent huge pages (madvise) before it is first written "

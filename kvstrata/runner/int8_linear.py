@@ -21,6 +21,13 @@ result never depends on the other rows of its batch. The row ops are C
 Used when the CPU has AVX512-VNNI or AVX-VNNI (without them oneDNN's u8*s8 pairs can saturate
 int16: the fbgemm layer keeps 7-bit activations there instead), torch has oneDNN, and
 KVSTRATA_CPU_INT8_MM is on.
+
+With AVX512-VNNI the GEMM is kvstrata's own (runner/csrc/int8_gemm.h; KVSTRATA_CPU_INT8_GEMM=
+onednn keeps oneDNN's): one C call quantises the rows, multiplies on VNNI-packed weights and
+writes the model's dtype, the same values bit for bit. Measured (2 threads, AVX-512 EPYC,
+SmolLM2's four layer shapes x 30 weights streaming from RAM, benchmarks/bench_int8_gemm.py): at M = 1 / 8 / 32 rows 2.0x / 1.9x / 1.8x the three oneDNN-path calls, 1.1-1.25x at
+64-128, 0.91-0.93x at 512-2048 (prefill: oneDNN's larger tiles win there; holding both
+weight layouts would double the int8 weights' memory, so one kernel serves all sizes).
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.cpu_ops import _rows
 
 KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-token rows"
+OWN_KERNEL = "kvstrata int8 GEMM (AVX512-VNNI, runner/csrc/int8_gemm.h), rows fused in"
+GEMM_CHOICES = ("auto", "onednn")
 PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
 LEVELS = 127
 ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
@@ -43,6 +52,30 @@ def available(has_vnni: bool) -> bool:
     """This layer runs on this CPU (VNNI, torch's oneDNN int8 linear) unless ablated."""
     return (has_vnni and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.onednn, "qlinear_pointwise") and envs.KVSTRATA_CPU_INT8_MM.get())
+
+
+def own_gemm_fits(in_features: int, out_features: int) -> bool:
+    """kvstrata's own GEMM takes this weight: AVX512-VNNI here, its layout's shape rules, and
+    KVSTRATA_CPU_INT8_GEMM=auto."""
+    choice = envs.KVSTRATA_CPU_INT8_GEMM.get().strip().lower()
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"KVSTRATA_CPU_INT8_GEMM={choice!r} is not one of {GEMM_CHOICES}")
+    return (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
+            and in_features >= 4 and _int8_ops.has_vnni512(2))
+
+
+def kernel_name() -> str:
+    """What the layer runs on this CPU for SmolLM2-like shapes (for /server_info)."""
+    return OWN_KERNEL if own_gemm_fits(64, 64) else KERNEL
+
+
+def pack_vnni(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [n, k] -> int8_gemm.h's layout ([n / 16][k / 4][16][4]) and each column's
+    zero-point term 128 * sum_k w (int32)."""
+    n, k = qweight.shape
+    packed = qweight.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    comp = (qweight.sum(1, dtype=torch.int32) * ZERO_POINT).to(torch.int32).contiguous()
+    return packed, comp
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +101,15 @@ class Int8MatmulLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = cpu_weight_shape(weight)
         qweight, self.w_scale = quantize_weight(weight)
-        self.packed = torch.ops.onednn.qlinear_prepack(qweight, [PACK_ROWS_HINT, self.in_features])
-        self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
+        self.own = own_gemm_fits(self.in_features, self.out_features)
+        if self.own:  # one layout only: kvstrata's GEMM serves every row count
+            self.vnni, self.comp = pack_vnni(qweight)
+        else:
+            self.packed = torch.ops.onednn.qlinear_prepack(qweight,
+                                                           [PACK_ROWS_HINT, self.in_features])
+            self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None))
+        self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None) + self.own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype in _DTYPES and x.is_contiguous():
@@ -89,8 +127,8 @@ class Int8MatmulLinear(nn.Module):
     def _linear_rows(self, x: torch.Tensor, m: int, stride: int) -> torch.Tensor:
         """[m, in] rows `stride` elements apart (fp32 / bf16) -> [m, out] in x's dtype. Few
         Python steps on purpose: a decode step makes 121 of these calls."""
-        if not m:
-            return torch.empty(0, self.out_features, dtype=x.dtype)
+        if self.own or not m:
+            return self._own_rows(x, m, stride, False)
         code = _DTYPES[x.dtype]
         y, scales, threads, cap = self._gemm(x, m, stride, code)
         out = y if code == 0 else torch.empty(m, self.out_features, dtype=x.dtype)  # in place
@@ -108,12 +146,28 @@ class Int8MatmulLinear(nn.Module):
         if (x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous()
                 or self.out_features % 2 or not cpu_ops.enabled()):
             return None
+        if self.own:  # one call; a width its tiles do not pair takes the two steps
+            if self.out_features % 32:
+                return cpu_ops.silu_mul(self._own_rows(x, x.shape[0], self.in_features, False))
+            return self._own_rows(x, x.shape[0], self.in_features, True)
         m, n, code = x.shape[0], self.out_features // 2, _DTYPES[x.dtype]
         out = torch.empty(m, n, dtype=x.dtype)
         if m:
             y, scales, threads, cap = self._gemm(x, m, self.in_features, code)
             _int8_ops.dequant_silu_mul(y.data_ptr(), m, n, scales.data_ptr(), self._bias_ptr(),
                                        out.data_ptr(), code, threads, cap)
+        return out
+
+    def _own_rows(self, x: torch.Tensor, m: int, stride: int, silu: bool) -> torch.Tensor:
+        """int8_ops.c linear: [m, in] rows -> [m, out] (silu: silu(gate) * up, [m, out / 2])
+        in x's dtype, in one C call."""
+        n = self.out_features
+        out = torch.empty(m, n // 2 if silu else n, dtype=x.dtype)
+        if m:
+            _int8_ops.linear(x.data_ptr(), stride, m, self.in_features, _DTYPES[x.dtype],
+                             self.vnni.data_ptr(), n, self.comp.data_ptr(),
+                             self.w_scale.data_ptr(), self._bias_ptr(), out.data_ptr(),
+                             int(silu), torch.get_num_threads(), isa_cap())
         return out
 
     def _bias_ptr(self) -> int:

@@ -105,7 +105,7 @@ def int8_kernel() -> tuple[type, str]:
     """The int8 layer this CPU runs and its kernel's name: oneDNN's prepacked int8 linear with
     VNNI (runner/int8_linear.py), else fbgemm (7-bit activations without VNNI)."""
     if int8_linear.available(cpu_has_vnni()):
-        return Int8MatmulLinear, int8_linear.KERNEL
+        return Int8MatmulLinear, int8_linear.kernel_name()
     return W8A8Int8Linear, KERNEL
 
 

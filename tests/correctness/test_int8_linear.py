@@ -109,3 +109,71 @@ def test_fused_silu_mul_equals_the_two_steps(dtype, inter, bias, isa, monkeypatc
     assert layer.linear_silu_mul(x[:, None]) is None  # not 2-D rows: the caller's two steps
     monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
     assert layer.linear_silu_mul(x) is None
+
+
+def _layer(weight, bias, gemm, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", gemm)  # read when the weight is packed
+    return Int8MatmulLinear(weight, bias)
+
+
+own_gemm = pytest.mark.skipif(not int8_linear.own_gemm_fits(64, 64),
+                              reason="kvstrata's int8 GEMM needs AVX512-VNNI")
+
+
+@own_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, True), (1536, 576, False), (8, 16, True),
+                                      (100, 48, False), (576, 80, True)])
+@pytest.mark.parametrize("isa", ["auto", "scalar"])
+def test_own_gemm_equals_onednn_bit_for_bit(dtype, k, n, bias, isa, monkeypatch):
+    """kvstrata's GEMM (int8_gemm.h) against oneDNN's path: the same int32 sums and the same
+    float steps after them, so equal values for any row count (tiles of 4 rows padded, panels
+    of 4 blocks cut short at n = 16, 48, 80), dtype and ISA path (the scalar tile)."""
+    torch.manual_seed(k * n)
+    weight, b = torch.randn(n, k), torch.randn(n) if bias else None
+    ours, theirs = _layer(weight, b, "auto", monkeypatch), _layer(weight, b, "onednn", monkeypatch)
+    assert ours.own and not theirs.own
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    for m in (1, 3, 4, 5, 32, 33):
+        x = torch.randn(m, k).to(dtype)
+        assert torch.equal(ours(x), theirs(x)), m
+    assert torch.equal(ours(x[:, None]), theirs(x[:, None]))  # [m, 1, k] through reshape
+
+
+@own_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter,bias", [(1536, True), (48, False), (16, True), (40, False)])
+def test_own_gemm_fused_silu_mul_equals_onednn(dtype, inter, bias, monkeypatch):
+    """The gate|up tiles pair gate block j with up block j (an odd number of gate blocks cuts
+    the last panel short: inter 48, 16); inter 40 is not a whole number of pairs of blocks and
+    takes the GEMM then silu_mul. Either way: oneDNN's values, bit for bit."""
+    torch.manual_seed(inter)
+    weight, b = torch.randn(2 * inter, 64), torch.randn(2 * inter) if bias else None
+    ours, theirs = _layer(weight, b, "auto", monkeypatch), _layer(weight, b, "onednn", monkeypatch)
+    for m in (1, 6, 32):
+        x = torch.randn(m, 64).to(dtype)
+        assert torch.equal(ours.linear_silu_mul(x), theirs.linear_silu_mul(x)), m
+
+
+@own_gemm
+def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
+    # Every code at +-127 over k = 1536 with u8 codes 255: the sums and the zero-point term
+    # (128 * colsum) stay inside int32 and cancel exactly.
+    ext = _layer(torch.full((16, 1536), -1.0), None, "auto", monkeypatch)
+    assert ext.own
+    torch.testing.assert_close(ext(torch.ones(2, 1536)), torch.full((2, 16), -1536.0),
+                               atol=0, rtol=1e-6)
+    assert torch.equal(ext(-torch.ones(1, 1536)), torch.full((1, 16), 1536.0))
+    layer = _layer(torch.randn(32, 256), torch.randn(32), "auto", monkeypatch)
+    wide = torch.randn(6, 400)
+    assert torch.equal(layer(wide[:, 7:263]), layer(wide[:, 7:263].contiguous()))
+    assert layer(torch.zeros(0, 256)).shape == (0, 32)
+    assert layer.linear_silu_mul(torch.zeros(0, 256)).shape == (0, 16)
+    assert not _layer(torch.randn(20, 64), None, "auto", monkeypatch).own  # 20 % 16: oneDNN
+    assert not _layer(torch.randn(16, 30), None, "auto", monkeypatch).own  # 30 % 4: oneDNN
+    from kvstrata.runner import _int8_ops
+    with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given
+        _int8_ops.linear(0, 6, 1, 6, 0, 0, 16, 0, 0, 0, 0, 0, 1, 2)
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KVSTRATA_CPU_INT8_GEMM"):
+        Int8MatmulLinear(torch.randn(16, 64))

@@ -73,6 +73,21 @@ def test_bench_int8_linear_rows(tmp_path):
             assert r["error"] < 0.1, r
 
 
+def test_bench_int8_gemm_rows(tmp_path):
+    """Both int8 GEMMs per row count, the same values (the script asserts it), or a clear
+    line on a CPU without AVX512-VNNI."""
+    from kvstrata.runner.int8_linear import own_gemm_fits
+    out = tmp_path / "gemm.json"
+    _run("bench_int8_gemm.py", "--rows", "1", "5", "--copies", "1", "--rounds", "1",
+         "--out", str(out))
+    if not own_gemm_fits(576, 960):
+        assert not out.exists()
+        return
+    rows = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in rows] == [1, 5] and all(r["calls"] == 4 for r in rows)
+    assert all(r["kvstrata_ms"] > 0 and r["onednn_ms"] > 0 and r["ratio"] > 0 for r in rows)
+
+
 def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
     """bench_pd.py starts a co-located server, then router + prefill + decode (tcp), runs
     the same load through both, and measures the transfer layer beside a raw socket."""

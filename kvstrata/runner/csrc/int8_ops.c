@@ -195,9 +195,71 @@ static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
     return dequant_entry(args, 1);
 }
 
+#include "int8_gemm.h"
+
+/* linear(x, x_row_stride, rows, k, dtype, w, n, comp, w_scales, bias, out, silu, threads,
+ *        isa_cap): quant_rows, the int8 GEMM of int8_gemm.h and dequant_rows (silu = 0: out
+ * [rows, n]) or dequant_silu_mul (silu = 1: out [rows, n / 2]) in one call; the same values
+ * as those steps around oneDNN's GEMM. k % 4 == 0, n % 16 (silu: 32) == 0. */
+static PyObject *linear(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, c_addr, ws_addr, b_addr, o_addr;
+    Py_ssize_t stride, rows, k, n;
+    int dtype, silu, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnniKnKKKKiii", &x_addr, &stride, &rows, &k, &dtype, &w_addr,
+                          &n, &c_addr, &ws_addr, &b_addr, &o_addr, &silu, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || k < 4 || k % 4 || stride < k || n < BLOCK || n % (silu ? 2 * BLOCK : BLOCK)
+        || (dtype != F32 && dtype != BF16)) {
+        PyErr_Format(PyExc_ValueError, "bad shape or dtype: rows=%zd k=%zd n=%zd stride=%zd "
+                     "dtype=%d silu=%d", rows, k, n, stride, dtype, silu);
+        return NULL;
+    }
+    const int64_t mp = (rows + MR - 1) / MR * MR, esz = dtype == F32 ? 4 : 2;
+    uint8_t *qa = aligned_alloc(64, (size_t)((mp * k + 63) / 64 * 64 + 64));
+    float *xs = malloc(sizeof(float) * (size_t)(mp + 1));
+    if (!qa || !xs) {
+        free(qa);
+        free(xs);
+        return PyErr_NoMemory();
+    }
+    gemm_args g = {qa, xs, (const int8_t *)w_addr, (const int32_t *)c_addr,
+                   (const float *)ws_addr, (const float *)b_addr, (char *)o_addr, rows, k, n,
+                   dtype, silu != 0};
+    const char *x = (const char *)x_addr;
+    const int qvec = use_avx512(k, isa_cap), vec = use_avx512(BLOCK, isa_cap);
+    const int vnni = use_vnni512(isa_cap);
+    const int nt = thread_count(threads, panel_count(&g) * (mp / MR), (int64_t)n * k);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < mp; r++) {
+            if (r >= rows) { memset(qa + r * k, 128, (size_t)k); xs[r] = 0.f; continue; }
+#if defined(__x86_64__)
+            if (qvec) { quant_row_avx512(x + r * stride * esz, k, dtype, qa + r * k, xs + r); continue; }
+#endif
+            quant_row_scalar(x + r * stride * esz, k, dtype, qa + r * k, xs + r);
+        }
+        gemm_tiles(&g, mp, vnni, vec);
+    }
+    Py_END_ALLOW_THREADS
+    (void)qvec;
+    free(qa);
+    free(xs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *has_vnni512(PyObject *self, PyObject *args) {
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
+    return PyBool_FromLong(use_vnni512(isa_cap));
+}
+
 static PyMethodDef methods[] = {
     {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
     {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
+    {"linear", linear, METH_VARARGS, "Quantise rows, int8 GEMM (VNNI), dequantise: one call."},
+    {"has_vnni512", has_vnni512, METH_VARARGS, "Whether linear multiplies with AVX512-VNNI."},
     {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
     {NULL, NULL, 0, NULL}};
 

@@ -1,0 +1,195 @@
+/* kvstrata's own int8 linear for `--quantization w8a8_int8` on an AVX512-VNNI CPU, included
+ * by int8_ops.c (which provides the row quantisers and the float epilogue's helpers).
+ *
+ * Why: a decode step makes ~121 int8 linears of 1-64 rows; through oneDNN each was three
+ * calls (quantise, `onednn::qlinear_pointwise`, dequantise), ~40 us of fixed cost apiece,
+ * with the GEMM itself at ~40% of the VNNI peak at 32 rows. Here one call quantises the rows,
+ * multiplies and writes the model's dtype (and, for a fused gate|up projection, silu(g) * u).
+ *
+ * Weight layout (int8_linear.py pack_vnni): the [n, k] int8 codes as n / 16 blocks of 16
+ * output columns, each [k / 4][16][4]: for 4 consecutive k, the 16 columns' 4 codes side by
+ * side -- one 64-byte load is what vpdpbusd multiplies with a broadcast u8 quadruple of a row.
+ * Activations are the u8 codes quant_rows writes (zero point 128), so each column's sum is
+ * acc - 128 * colsum(w) (comp[j] = 128 * colsum, precomputed).
+ *
+ * Tiles: MR rows x NR blocks (4 x 64 columns, 16 zmm accumulators). Rows are padded to a
+ * multiple of MR (the padding rows are code 128, results dropped); a panel past the last block
+ * repeats a valid block (results dropped). Work items are (panel, row block), panel-major, split
+ * statically across torch's OpenMP team, so a thread reuses a panel's weights across its rows.
+ * The scalar tile computes the same int32 sums; the epilogue's float operations are the same
+ * on both paths (int8_ops.c's dequant rows), so results do not depend on the ISA.
+ */
+#ifndef KVSTRATA_INT8_GEMM_H
+#define KVSTRATA_INT8_GEMM_H
+
+#define MR 4
+#define NR 4
+#define BLOCK 16 /* output columns per block (one zmm of int32) */
+
+typedef struct {
+    const uint8_t *a;    /* [mp, k] u8 codes */
+    const float *xs;     /* [mp] token scales */
+    const int8_t *w;     /* packed blocks */
+    const int32_t *comp; /* [n] 128 * colsum */
+    const float *ws;     /* [n] weight scales */
+    const float *bias;   /* [n] or NULL */
+    char *out;           /* [m, n] or [m, n / 2] (silu) in dtype */
+    int64_t m, k, n;
+    int dtype, silu;
+} gemm_args;
+
+/* The NR block indices of panel p and how many of them (plain) or of the gates (silu) are
+ * real: plain panels are NR consecutive blocks; silu panels pair NR / 2 gate blocks with the
+ * up blocks of the same columns (the up half starts at block nb / 2). */
+static int panel_blocks(const gemm_args *g, int64_t p, int64_t blk[NR]) {
+    const int64_t nb = g->n / BLOCK;
+    if (!g->silu) {
+        for (int j = 0; j < NR; j++) blk[j] = p * NR + j < nb ? p * NR + j : nb - 1;
+        return (int)(nb - p * NR < NR ? nb - p * NR : NR);
+    }
+    const int64_t half = nb / 2, per = NR / 2;
+    for (int j = 0; j < per; j++) {
+        blk[j] = p * per + j < half ? p * per + j : half - 1;
+        blk[per + j] = half + blk[j];
+    }
+    return (int)(half - p * per < per ? half - p * per : per);
+}
+
+static int64_t panel_count(const gemm_args *g) {
+    const int64_t nb = g->n / BLOCK, per = g->silu ? NR / 2 : NR;
+    return g->silu ? (nb / 2 + per - 1) / per : (nb + per - 1) / per;
+}
+
+static void tile_scalar(const uint8_t *a, int64_t lda, const int8_t *const w[NR], int64_t k,
+                        int32_t acc[MR][NR * BLOCK]) {
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            for (int c = 0; c < BLOCK; c++) {
+                int32_t s = 0;
+                for (int64_t q = 0; q < k; q++)
+                    s += (int32_t)a[i * lda + q] * (int32_t)w[j][(q / 4) * 64 + c * 4 + q % 4];
+                acc[i][j * BLOCK + c] = s;
+            }
+}
+
+#if defined(__x86_64__)
+#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+VNNI512 static void tile_vnni(const uint8_t *a, int64_t lda, const int8_t *const w[NR],
+                              int64_t k, int32_t acc[MR][NR * BLOCK]) {
+    __m512i c[MR][NR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; j++) c[i][j] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < k; q += 4) {
+        __m512i b[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; j++) b[j] = _mm512_loadu_si512((const void *)(w[j] + q * 16));
+#pragma GCC unroll 4
+        for (int i = 0; i < MR; i++) {
+            int32_t quad;
+            memcpy(&quad, a + i * lda + q, 4);
+            const __m512i av = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+            for (int j = 0; j < NR; j++) c[i][j] = _mm512_dpbusd_epi32(c[i][j], av, b[j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; j++) _mm512_storeu_si512((void *)&acc[i][j * BLOCK], c[i][j]);
+}
+#endif
+
+/* float(acc - comp) * w_scale for the 16 columns of block `blk` (what oneDNN's int8 linear
+ * returned to dequant_rows: one rounding of the exact int32 sum, one of the product). */
+#if defined(__x86_64__)
+AVX512 static void block_to_float_avx512(const int32_t *acc, const int32_t *comp,
+                                         const float *ws, float y[BLOCK]) {
+    __m512i v = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc),
+                                 _mm512_loadu_si512((const void *)comp));
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(ws)));
+}
+#endif
+static void block_to_float(const gemm_args *g, const int32_t *acc, int64_t blk, float y[BLOCK],
+                           int vec) {
+    const int64_t c0 = blk * BLOCK;
+#if defined(__x86_64__)
+    if (vec) { block_to_float_avx512(acc, g->comp + c0, g->ws + c0, y); return; }
+#endif
+    for (int c = 0; c < BLOCK; c++) y[c] = (float)(acc[c] - g->comp[c0 + c]) * g->ws[c0 + c];
+}
+
+static void tile_epilogue(const gemm_args *g, int32_t acc[MR][NR * BLOCK], int64_t r0,
+                          const int64_t blk[NR], int valid, int vec) {
+    const int64_t esz = g->dtype == F32 ? 4 : 2;
+    for (int i = 0; i < MR && r0 + i < g->m; i++) {
+        const int64_t r = r0 + i;
+        const float xs = g->xs[r];
+        if (!g->silu) {
+            for (int j = 0; j < valid; j++) {
+                float y[BLOCK];
+                const int64_t c0 = blk[j] * BLOCK;
+                block_to_float(g, acc[i] + j * BLOCK, blk[j], y, vec);
+                void *o = g->out + (r * g->n + c0) * esz;
+                const float *b = g->bias ? g->bias + c0 : NULL;
+#if defined(__x86_64__)
+                if (vec) { dequant_row_avx512(y, BLOCK, xs, b, o, g->dtype); continue; }
+#endif
+                dequant_row_scalar(y, BLOCK, xs, b, o, g->dtype);
+            }
+            continue;
+        }
+        const int64_t half_n = g->n / 2;
+        for (int j = 0; j < valid; j++) {
+            /* gate block j and its up block NR/2 + j, laid out as dequant_silu's [g | u] row */
+            float y[2 * BLOCK], b[2 * BLOCK];
+            const int64_t c0 = blk[j] * BLOCK;
+            block_to_float(g, acc[i] + j * BLOCK, blk[j], y, vec);
+            block_to_float(g, acc[i] + (NR / 2 + j) * BLOCK, blk[NR / 2 + j], y + BLOCK, vec);
+            if (g->bias) {
+                memcpy(b, g->bias + c0, sizeof(float) * BLOCK);
+                memcpy(b + BLOCK, g->bias + half_n + c0, sizeof(float) * BLOCK);
+            }
+            void *o = g->out + (r * half_n + c0) * esz;
+#if defined(__x86_64__)
+            if (vec) { dequant_silu_row_avx512(y, BLOCK, xs, g->bias ? b : NULL, o, g->dtype); continue; }
+#endif
+            dequant_silu_row_scalar(y, BLOCK, xs, g->bias ? b : NULL, o, g->dtype);
+        }
+    }
+}
+
+static int use_vnni512(int isa_cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return isa_cap >= 2 && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bw");
+#else
+    (void)isa_cap;
+    return 0;
+#endif
+}
+
+/* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
+static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni, int vec) {
+    const int64_t nrb = mp / MR, items = panel_count(g) * nrb;
+    const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t p = it / nrb, r0 = (it % nrb) * MR;
+        int64_t blk[NR];
+        const int valid = panel_blocks(g, p, blk);
+        const int8_t *w[NR];
+        for (int j = 0; j < NR; j++) w[j] = g->w + blk[j] * nb_bytes;
+        int32_t acc[MR][NR * BLOCK];
+#if defined(__x86_64__)
+        if (vnni) tile_vnni(g->a + r0 * g->k, g->k, w, g->k, acc);
+        else
+#endif
+            tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
+        tile_epilogue(g, acc, r0, blk, valid, vec);
+    }
+    (void)vnni;
+}
+#endif
