@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from kvstrata import envs
+from kvstrata.platform import read_cpu_flags
 from kvstrata.runner import _int8_ops, cpu_ops
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.cpu_ops import _rows
@@ -56,12 +57,14 @@ def available(has_vnni: bool) -> bool:
 
 def own_gemm_fits(in_features: int, out_features: int) -> bool:
     """kvstrata's own GEMM takes this weight: AVX512-VNNI here, its layout's shape rules, and
-    KVSTRATA_CPU_INT8_GEMM=auto."""
+    KVSTRATA_CPU_INT8_GEMM=auto. Not with AMX-INT8: oneDNN multiplies int8 tiles on AMX
+    there, which VNNI vectors do not match at prefill sizes (no AMX box measured it yet)."""
     choice = envs.KVSTRATA_CPU_INT8_GEMM.get().strip().lower()
     if choice not in GEMM_CHOICES:
         raise ValueError(f"KVSTRATA_CPU_INT8_GEMM={choice!r} is not one of {GEMM_CHOICES}")
     return (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
-            and in_features >= 4 and _int8_ops.has_vnni512(2))
+            and in_features >= 4 and _int8_ops.has_vnni512(2)
+            and "amx_int8" not in read_cpu_flags())
 
 
 def kernel_name() -> str:

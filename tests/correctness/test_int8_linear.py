@@ -174,6 +174,16 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     from kvstrata.runner import _int8_ops
     with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given
         _int8_ops.linear(0, 6, 1, 6, 0, 0, 16, 0, 0, 0, 0, 0, 1, 2)
+    # An AMX-INT8 CPU keeps oneDNN's (its int8 tiles), as does KVSTRATA_CPU_INT8_GEMM=onednn.
+    flags = int8_linear.read_cpu_flags()
+    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"amx_int8"})
+    assert not int8_linear.own_gemm_fits(576, 960)
+    assert int8_linear.kernel_name() == int8_linear.KERNEL
+    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags)
+    assert int8_linear.kernel_name() == int8_linear.OWN_KERNEL
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_MM", "1")
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "onednn")
+    assert not int8_linear.own_gemm_fits(576, 960)
     monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "mkl")
     with pytest.raises(ValueError, match="KVSTRATA_CPU_INT8_GEMM"):
         Int8MatmulLinear(torch.randn(16, 64))
