@@ -74,13 +74,34 @@ static void tile_scalar(const uint8_t *a, int64_t lda, const int8_t *const w[NR]
 
 #if defined(__x86_64__)
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-VNNI512 static void tile_vnni(const uint8_t *a, int64_t lda, const int8_t *const w[NR],
-                              int64_t k, int32_t acc[MR][NR * BLOCK]) {
+#endif
+
+#if defined(__x86_64__)
+/* The AVX-512 epilogue straight from a tile's registers: per block the operations of
+ * block_to_float_avx512 then dequant_row_avx512 (plain) or dequant_silu_row_avx512 (silu), in
+ * the same order, so the values equal the generic path's; without the round trip through the
+ * int32 tile in memory and 16 calls per tile. Measured (bench_int8_gemm.py, one box): 2048
+ * rows 1.00x -> 1.25x oneDNN's time; 32 rows within the noise (7.6-9.0 vs 7.8 ms). */
+VNNI512 static inline __m512 dequant16(__m512i acc, const gemm_args *g, int64_t c0, __m512 xs,
+                                       int64_t bias_off) {
+    __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                                 acc, _mm512_loadu_si512((const void *)(g->comp + c0)))),
+                             _mm512_loadu_ps(g->ws + c0));
+    __m512 v = _mm512_mul_ps(y, xs);
+    return g->bias ? _mm512_add_ps(v, _mm512_loadu_ps(g->bias + bias_off)) : v;
+}
+VNNI512 static inline void store16(void *o, __m512 v, int dtype) {
+    if (dtype == F32) _mm512_storeu_ps(o, v);
+    else _mm256_storeu_si256((__m256i *)o, bf16x16_from(v));
+}
+VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const int8_t *const w[NR],
+                                  int64_t r0, const int64_t blk[NR], int valid) {
     __m512i c[MR][NR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < NR; j++) c[i][j] = _mm512_setzero_si512();
+    const int64_t k = g->k;
     for (int64_t q = 0; q < k; q += 4) {
         __m512i b[NR];
 #pragma GCC unroll 4
@@ -88,16 +109,44 @@ VNNI512 static void tile_vnni(const uint8_t *a, int64_t lda, const int8_t *const
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
             int32_t quad;
-            memcpy(&quad, a + i * lda + q, 4);
+            memcpy(&quad, a + i * k + q, 4);
             const __m512i av = _mm512_set1_epi32(quad);
 #pragma GCC unroll 4
             for (int j = 0; j < NR; j++) c[i][j] = _mm512_dpbusd_epi32(c[i][j], av, b[j]);
         }
     }
+    const int64_t esz = g->dtype == F32 ? 4 : 2, half_n = g->n / 2;
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; i++)
+    for (int i = 0; i < MR; i++) {
+        const int64_t r = r0 + i;
+        if (r >= g->m) break;
+        const __m512 xs = _mm512_set1_ps(g->xs[r]);
+        if (!g->silu) {
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) _mm512_storeu_si512((void *)&acc[i][j * BLOCK], c[i][j]);
+            for (int j = 0; j < NR; j++) {
+                if (j >= valid) break;
+                const int64_t c0 = blk[j] * BLOCK;
+                store16(g->out + (r * g->n + c0) * esz, dequant16(c[i][j], g, c0, xs, c0),
+                        g->dtype);
+            }
+            continue;
+        }
+#pragma GCC unroll 2
+        for (int j = 0; j < NR / 2; j++) {
+            if (j >= valid) break;
+            const int64_t c0 = blk[j] * BLOCK, u0 = blk[NR / 2 + j] * BLOCK;
+            __m512 gv = dequant16(c[i][j], g, c0, xs, c0);
+            __m512 uv = dequant16(c[i][NR / 2 + j], g, u0, xs, half_n + c0);
+            void *o = g->out + (r * half_n + c0) * esz;
+            if (g->dtype == F32) {
+                _mm512_storeu_ps(o, _mm512_mul_ps(silu_v(gv), uv));
+            } else {
+                __m512 act = bf16x16_round(silu_v(bf16x16_round(gv)));
+                _mm256_storeu_si256((__m256i *)o,
+                                    bf16x16_from(_mm512_mul_ps(act, bf16x16_round(uv))));
+            }
+        }
+    }
 }
 #endif
 
@@ -173,6 +222,7 @@ static int use_vnni512(int isa_cap) {
 
 /* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
 static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni, int vec) {
+    /* vnni implies AVX-512F under the same ISA cap: its tiles write their own output */
     const int64_t nrb = mp / MR, items = panel_count(g) * nrb;
     const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
 #pragma omp for schedule(static)
@@ -182,12 +232,11 @@ static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni, int vec) {
         const int valid = panel_blocks(g, p, blk);
         const int8_t *w[NR];
         for (int j = 0; j < NR; j++) w[j] = g->w + blk[j] * nb_bytes;
-        int32_t acc[MR][NR * BLOCK];
 #if defined(__x86_64__)
-        if (vnni) tile_vnni(g->a + r0 * g->k, g->k, w, g->k, acc);
-        else
+        if (vnni) { tile_vnni_out(g, g->a + r0 * g->k, w, r0, blk, valid); continue; }
 #endif
-            tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
+        int32_t acc[MR][NR * BLOCK];
+        tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
         tile_epilogue(g, acc, r0, blk, valid, vec);
     }
     (void)vnni;
