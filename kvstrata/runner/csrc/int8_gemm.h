@@ -201,10 +201,11 @@ static void tile_epilogue(const gemm_args *g, int32_t acc[MR][NR * BLOCK], int64
                 memcpy(b + BLOCK, g->bias + half_n + c0, sizeof(float) * BLOCK);
             }
             void *o = g->out + (r * half_n + c0) * esz;
+            const float *bias = g->bias ? b : NULL;
 #if defined(__x86_64__)
-            if (vec) { dequant_silu_row_avx512(y, BLOCK, xs, g->bias ? b : NULL, o, g->dtype); continue; }
+            if (vec) { dequant_silu_row_avx512(y, BLOCK, xs, bias, o, g->dtype); continue; }
 #endif
-            dequant_silu_row_scalar(y, BLOCK, xs, g->bias ? b : NULL, o, g->dtype);
+            dequant_silu_row_scalar(y, BLOCK, xs, bias, o, g->dtype);
         }
     }
 }

@@ -235,10 +235,11 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < mp; r++) {
             if (r >= rows) { memset(qa + r * k, 128, (size_t)k); xs[r] = 0.f; continue; }
+            const char *xr = x + r * stride * esz;
 #if defined(__x86_64__)
-            if (qvec) { quant_row_avx512(x + r * stride * esz, k, dtype, qa + r * k, xs + r); continue; }
+            if (qvec) { quant_row_avx512(xr, k, dtype, qa + r * k, xs + r); continue; }
 #endif
-            quant_row_scalar(x + r * stride * esz, k, dtype, qa + r * k, xs + r);
+            quant_row_scalar(xr, k, dtype, qa + r * k, xs + r);
         }
         gemm_tiles(&g, mp, vnni, vec);
     }
