@@ -16,8 +16,9 @@
  * multiple of MR (the padding rows are code 128, results dropped); a panel past the last block
  * repeats a valid block (results dropped). Work items are (panel, row block), panel-major, split
  * statically across torch's OpenMP team, so a thread reuses a panel's weights across its rows.
- * The scalar tile computes the same int32 sums; the epilogue's float operations are the same
- * on both paths (int8_ops.c's dequant rows), so results do not depend on the ISA.
+ * The scalar tile computes the same int32 sums; its epilogue is int8_ops.c's dequant rows and
+ * the VNNI tile's register epilogue performs their float operations in the same order, so
+ * results do not depend on the ISA.
  */
 #ifndef KVSTRATA_INT8_GEMM_H
 #define KVSTRATA_INT8_GEMM_H
@@ -74,9 +75,6 @@ static void tile_scalar(const uint8_t *a, int64_t lda, const int8_t *const w[NR]
 
 #if defined(__x86_64__)
 #define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
-#endif
-
-#if defined(__x86_64__)
 /* The AVX-512 epilogue straight from a tile's registers: per block the operations of
  * block_to_float_avx512 then dequant_row_avx512 (plain) or dequant_silu_row_avx512 (silu), in
  * the same order, so the values equal the generic path's; without the round trip through the
@@ -152,60 +150,37 @@ VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const in
 
 /* float(acc - comp) * w_scale for the 16 columns of block `blk` (what oneDNN's int8 linear
  * returned to dequant_rows: one rounding of the exact int32 sum, one of the product). */
-#if defined(__x86_64__)
-AVX512 static void block_to_float_avx512(const int32_t *acc, const int32_t *comp,
-                                         const float *ws, float y[BLOCK]) {
-    __m512i v = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc),
-                                 _mm512_loadu_si512((const void *)comp));
-    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(ws)));
-}
-#endif
-static void block_to_float(const gemm_args *g, const int32_t *acc, int64_t blk, float y[BLOCK],
-                           int vec) {
+static void block_to_float(const gemm_args *g, const int32_t *acc, int64_t blk, float y[BLOCK]) {
     const int64_t c0 = blk * BLOCK;
-#if defined(__x86_64__)
-    if (vec) { block_to_float_avx512(acc, g->comp + c0, g->ws + c0, y); return; }
-#endif
     for (int c = 0; c < BLOCK; c++) y[c] = (float)(acc[c] - g->comp[c0 + c]) * g->ws[c0 + c];
 }
 
+/* The scalar tile's epilogue: int8_ops.c's scalar dequant rows over each 16-column block. */
 static void tile_epilogue(const gemm_args *g, int32_t acc[MR][NR * BLOCK], int64_t r0,
-                          const int64_t blk[NR], int valid, int vec) {
-    const int64_t esz = g->dtype == F32 ? 4 : 2;
+                          const int64_t blk[NR], int valid) {
+    const int64_t esz = g->dtype == F32 ? 4 : 2, half_n = g->n / 2;
     for (int i = 0; i < MR && r0 + i < g->m; i++) {
         const int64_t r = r0 + i;
         const float xs = g->xs[r];
-        if (!g->silu) {
-            for (int j = 0; j < valid; j++) {
-                float y[BLOCK];
-                const int64_t c0 = blk[j] * BLOCK;
-                block_to_float(g, acc[i] + j * BLOCK, blk[j], y, vec);
-                void *o = g->out + (r * g->n + c0) * esz;
-                const float *b = g->bias ? g->bias + c0 : NULL;
-#if defined(__x86_64__)
-                if (vec) { dequant_row_avx512(y, BLOCK, xs, b, o, g->dtype); continue; }
-#endif
-                dequant_row_scalar(y, BLOCK, xs, b, o, g->dtype);
-            }
-            continue;
-        }
-        const int64_t half_n = g->n / 2;
         for (int j = 0; j < valid; j++) {
+            const int64_t c0 = blk[j] * BLOCK;
+            if (!g->silu) {
+                float y[BLOCK];
+                block_to_float(g, acc[i] + j * BLOCK, blk[j], y);
+                dequant_row_scalar(y, BLOCK, xs, g->bias ? g->bias + c0 : NULL,
+                                   g->out + (r * g->n + c0) * esz, g->dtype);
+                continue;
+            }
             /* gate block j and its up block NR/2 + j, laid out as dequant_silu's [g | u] row */
             float y[2 * BLOCK], b[2 * BLOCK];
-            const int64_t c0 = blk[j] * BLOCK;
-            block_to_float(g, acc[i] + j * BLOCK, blk[j], y, vec);
-            block_to_float(g, acc[i] + (NR / 2 + j) * BLOCK, blk[NR / 2 + j], y + BLOCK, vec);
+            block_to_float(g, acc[i] + j * BLOCK, blk[j], y);
+            block_to_float(g, acc[i] + (NR / 2 + j) * BLOCK, blk[NR / 2 + j], y + BLOCK);
             if (g->bias) {
                 memcpy(b, g->bias + c0, sizeof(float) * BLOCK);
                 memcpy(b + BLOCK, g->bias + half_n + c0, sizeof(float) * BLOCK);
             }
-            void *o = g->out + (r * half_n + c0) * esz;
-            const float *bias = g->bias ? b : NULL;
-#if defined(__x86_64__)
-            if (vec) { dequant_silu_row_avx512(y, BLOCK, xs, bias, o, g->dtype); continue; }
-#endif
-            dequant_silu_row_scalar(y, BLOCK, xs, bias, o, g->dtype);
+            dequant_silu_row_scalar(y, BLOCK, xs, g->bias ? b : NULL,
+                                    g->out + (r * half_n + c0) * esz, g->dtype);
         }
     }
 }
@@ -222,8 +197,7 @@ static int use_vnni512(int isa_cap) {
 }
 
 /* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
-static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni, int vec) {
-    /* vnni implies AVX-512F under the same ISA cap: its tiles write their own output */
+static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
     const int64_t nrb = mp / MR, items = panel_count(g) * nrb;
     const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
 #pragma omp for schedule(static)
@@ -238,7 +212,7 @@ static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni, int vec) {
 #endif
         int32_t acc[MR][NR * BLOCK];
         tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
-        tile_epilogue(g, acc, r0, blk, valid, vec);
+        tile_epilogue(g, acc, r0, blk, valid);
     }
     (void)vnni;
 }

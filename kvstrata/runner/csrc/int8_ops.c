@@ -226,7 +226,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                    (const float *)ws_addr, (const float *)b_addr, (char *)o_addr, rows, k, n,
                    dtype, silu != 0};
     const char *x = (const char *)x_addr;
-    const int qvec = use_avx512(k, isa_cap), vec = use_avx512(BLOCK, isa_cap);
+    const int qvec = use_avx512(k, isa_cap);
     const int vnni = use_vnni512(isa_cap);
     const int nt = thread_count(threads, panel_count(&g) * (mp / MR), (int64_t)n * k);
     Py_BEGIN_ALLOW_THREADS
@@ -241,7 +241,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 #endif
             quant_row_scalar(xr, k, dtype, qa + r * k, xs + r);
         }
-        gemm_tiles(&g, mp, vnni, vec);
+        gemm_tiles(&g, mp, vnni);
     }
     Py_END_ALLOW_THREADS
     (void)qvec;
