@@ -1,5 +1,6 @@
-"""`--quantization w8a8_int8` on a CPU with VNNI: oneDNN's prepacked int8 linear between two
-fused row ops, in the model's dtype.
+"""`--quantization w8a8_int8` on a CPU with VNNI, in the model's dtype: kvstrata's own int8
+GEMM with the row ops fused in (AVX512-VNNI), or oneDNN's prepacked int8 linear between two
+fused row ops (AVX-VNNI only, AMX-INT8, shapes outside the own GEMM's layout).
 
 Why: the fbgemm layer (runner/quantization.py W8A8Int8Linear) takes float32 activations, so a
 bf16 model paid two conversions a linear, and its per-token scaling is four torch ops around

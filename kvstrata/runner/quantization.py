@@ -5,8 +5,9 @@ int8 activations with one scale per token, computed on the fly. Every linear lay
 replaced, the output projection included; a tied embedding stays float for the lookup (the
 output projection then gets its own int8 copy).
 
-Kernel with VNNI: oneDNN's prepacked int8 linear in the model's dtype (runner/int8_linear.py,
-chosen by `int8_kernel`). Without VNNI (or KVSTRATA_CPU_INT8_MM=0): fbgemm through
+Kernel with VNNI: runner/int8_linear.py in the model's dtype (chosen by `int8_kernel`):
+kvstrata's own int8 GEMM on AVX512-VNNI (runner/csrc/int8_gemm.h), oneDNN's prepacked int8
+linear otherwise. Without VNNI (or KVSTRATA_CPU_INT8_MM=0): fbgemm through
 `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM, int32 accumulation,
 float32 out). Measured in benchmarks/bench_int8_linear.py against float32 `nn.Linear`,
 fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's CPU int8 path
@@ -102,8 +103,9 @@ def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear"
 
 
 def int8_kernel() -> tuple[type, str]:
-    """The int8 layer this CPU runs and its kernel's name: oneDNN's prepacked int8 linear with
-    VNNI (runner/int8_linear.py), else fbgemm (7-bit activations without VNNI)."""
+    """The int8 layer this CPU runs and its kernel's name: with VNNI runner/int8_linear.py
+    (kvstrata's own GEMM on AVX512-VNNI, else oneDNN's prepacked int8 linear), else fbgemm
+    (7-bit activations without VNNI)."""
     if int8_linear.available(cpu_has_vnni()):
         return Int8MatmulLinear, int8_linear.kernel_name()
     return W8A8Int8Linear, KERNEL
