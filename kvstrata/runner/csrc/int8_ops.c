@@ -121,6 +121,18 @@ AVX512 static void dequant_silu_row_avx512(const float *y, int64_t n, float xs,
 }
 #endif
 
+/* Row r of x (rows `stride` elements apart) into q[r * k ..] and scales[r], on the path
+ * `vec` (use_avx512(k, cap)) picks: quant_rows and linear both call it. */
+static void quant_row(const char *x, int64_t stride, int64_t r, int64_t k, int dtype, int vec,
+                      uint8_t *q, float *scales) {
+    const char *xr = x + r * stride * (dtype == F32 ? 4 : 2);
+#if defined(__x86_64__)
+    if (vec) { quant_row_avx512(xr, k, dtype, q + r * k, scales + r); return; }
+#endif
+    (void)vec;
+    quant_row_scalar(xr, k, dtype, q + r * k, scales + r);
+}
+
 static PyObject *quant_rows(PyObject *self, PyObject *args) {
     unsigned long long x_addr, q_addr, s_addr;
     Py_ssize_t stride, rows, k;
@@ -141,14 +153,8 @@ static PyObject *quant_rows(PyObject *self, PyObject *args) {
     const int nt = thread_count(threads, rows, (int64_t)rows * k * (esz + 1));
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (Py_ssize_t r = 0; r < rows; r++) {
-#if defined(__x86_64__)
-        if (vec) { quant_row_avx512(x + r * stride * esz, k, dtype, q + r * k, scales + r); continue; }
-#endif
-        quant_row_scalar(x + r * stride * esz, k, dtype, q + r * k, scales + r);
-    }
+    for (Py_ssize_t r = 0; r < rows; r++) quant_row(x, stride, r, k, dtype, vec, q, scales);
     Py_END_ALLOW_THREADS
-    (void)vec;
     Py_RETURN_NONE;
 }
 
@@ -214,7 +220,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                      "dtype=%d silu=%d", rows, k, n, stride, dtype, silu);
         return NULL;
     }
-    const int64_t mp = (rows + MR - 1) / MR * MR, esz = dtype == F32 ? 4 : 2;
+    const int64_t mp = (rows + MR - 1) / MR * MR;
     uint8_t *qa = aligned_alloc(64, (size_t)((mp * k + 63) / 64 * 64 + 64));
     float *xs = malloc(sizeof(float) * (size_t)(mp + 1));
     if (!qa || !xs) {
@@ -235,16 +241,11 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < mp; r++) {
             if (r >= rows) { memset(qa + r * k, 128, (size_t)k); xs[r] = 0.f; continue; }
-            const char *xr = x + r * stride * esz;
-#if defined(__x86_64__)
-            if (qvec) { quant_row_avx512(xr, k, dtype, qa + r * k, xs + r); continue; }
-#endif
-            quant_row_scalar(xr, k, dtype, qa + r * k, xs + r);
+            quant_row(x, stride, r, k, dtype, qvec, qa, xs);
         }
         gemm_tiles(&g, mp, vnni);
     }
     Py_END_ALLOW_THREADS
-    (void)qvec;
     free(qa);
     free(xs);
     Py_RETURN_NONE;
