@@ -1,6 +1,7 @@
 # Metadata lives in pyproject.toml; this file only declares the C extensions: the CPU row copy
 # behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py) and the paged decode attention
-# of the CPU attention backend (kvstrata/runner/attention/paged_decode.py).
+# of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the CPU row ops
+# and GEMMs of kvstrata/runner/csrc/.
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.c"],
@@ -27,5 +28,10 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/int8_gemm.h"],
                              # one rounding per product: the scalar and AVX-512 rows agree
+                             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
+                             extra_link_args=["-fopenmp"]),
+                   Extension("kvstrata.runner._bf16_ops", ["kvstrata/runner/csrc/bf16_gemm.c"],
+                             depends=["kvstrata/runner/csrc/cpu_vec.h",
+                                      "kvstrata/runner/csrc/cpu_rows.h"],
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"])])

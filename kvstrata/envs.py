@@ -145,6 +145,12 @@ KVSTRATA_CPU_INT8_GEMM = _declare(
     "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI and the "
     "shape fits (in % 4, out % 16), else oneDNN's; onednn = always oneDNN's (ablation). Read "
     "when the weights are packed.")
+KVSTRATA_CPU_BF16_GEMM = _declare(
+    "KVSTRATA_CPU_BF16_GEMM", str, "auto",
+    "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
+    "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16 without AMX and the shape fits "
+    "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation). "
+    "Read when the weights are packed.")
 KVSTRATA_CPU_HUGE_PAGES = _declare(
     "KVSTRATA_CPU_HUGE_PAGES", bool, True,
     "The CPU KV pool asks for transparent huge pages (madvise) before it is first written "

@@ -26,7 +26,7 @@ KVSTRATA_CPU_INT8_MM is on.
 With AVX512-VNNI the GEMM is kvstrata's own (runner/csrc/int8_gemm.h; KVSTRATA_CPU_INT8_GEMM=
 onednn keeps oneDNN's): one C call quantises the rows, multiplies on VNNI-packed weights and
 writes the model's dtype, the same values bit for bit. Measured (2 threads, AVX-512 EPYC,
-SmolLM2's four layer shapes x 30 weights streaming from RAM, benchmarks/bench_int8_gemm.py):
+SmolLM2's four layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py):
 at M = 1 / 8 / 32 rows 1.8-2.0x / 1.9x / 1.4-1.8x faster than the three oneDNN-path calls,
 at 2048 rows 1.25x; so one weight layout and one kernel serve every row count.
 """

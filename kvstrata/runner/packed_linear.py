@@ -13,6 +13,15 @@ The ops (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`) are the
 torch.compile's CPU backend emits for the same purpose. Applied once after load to the
 llama-family decoder in float32 or bf16 on the CPU, when torch has oneDNN; KVSTRATA_CPU_PACKED_LINEAR=0
 keeps F.linear (ablation). `--quantization w8a8_int8` replaces these layers instead.
+
+bf16 on a CPU with AVX512-BF16 and without AMX runs kvstrata's own GEMM instead
+(runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the int8 GEMM's
+tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights prefetched
+while the rows multiply the current one, and the gate|up projection's silu(gate) * up
+written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
+layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py): at 32 rows 1.3-1.5x
+oneDNN's, at 1 and 8 rows 1.2-1.3x, at 2048 rows 0.9-1.05x. Same fp32 accumulation as
+oneDNN's bf16 kernels; results differ from them by accumulation order only.
 """
 from __future__ import annotations
 
@@ -20,8 +29,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+from kvstrata import envs
+from kvstrata.platform import read_cpu_flags
+from kvstrata.runner import _bf16_ops, cpu_ops
+from kvstrata.runner.attention.paged_decode import isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
+OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/csrc/bf16_gemm.c)"
+GEMM_CHOICES = ("auto", "onednn")
 # The decoder's linear weights: (weight attribute, bias attribute), as in quantization.py.
 LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                  ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
@@ -44,20 +61,82 @@ def available(model: Any) -> bool:
     return weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def own_bf16_fits(weight: torch.Tensor) -> bool:
+    """kvstrata's bf16 GEMM takes this weight: bf16 on a CPU with AVX512-BF16 (and
+    KVSTRATA_CPU_ISA allowing AVX-512), its layout's shape rules (in % 2, out % 16) and
+    KVSTRATA_CPU_BF16_GEMM=auto. Not with AMX-BF16: oneDNN multiplies bf16 tiles on AMX there,
+    which vdpbf16ps does not match at prefill sizes."""
+    choice = envs.KVSTRATA_CPU_BF16_GEMM.get().strip().lower()
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"KVSTRATA_CPU_BF16_GEMM={choice!r} is not one of {GEMM_CHOICES}")
+    out_features, in_features = weight.shape
+    return (choice == "auto" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
+            and out_features % 16 == 0 and _bf16_ops.has_bf16_512(isa_cap())
+            and "amx_bf16" not in read_cpu_flags())
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [n, k] -> bf16_gemm.c's layout ([n / 16][k / 2][16][2])."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """pack_bf16's inverse: the plain [n, k] weight (a copy)."""
+    nb, half_k = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(nb * 16, half_k * 2)
+
+
 class PackedLinear(nn.Module):
-    """A weight (and bias) in oneDNN's layout; call through `packed_linear`."""
+    """A weight (and bias) in oneDNN's layout, or in kvstrata's bf16 GEMM's (`own`); call
+    through `packed_linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                              PACK_ROWS_HINT)
+        self.own = own_bf16_fits(weight)
+        if self.own:  # one layout: the own GEMM serves every row count
+            self.packed = pack_bf16(weight)
+            self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().contiguous(), PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach().clone()
         size = weight.element_size()
         self.nbytes = weight.numel() * size + (0 if bias is None else bias.numel() * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self)
+
+    def own_rows(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """bf16_gemm.c linear over x's rows ([..., in] -> [..., out], or silu(gate) * up:
+        [..., out / 2]) in one C call; x in another dtype is converted, the result is bf16."""
+        n = self.out_features
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
+            x2 = x2.to(torch.bfloat16).contiguous()
+        m = x2.shape[0]
+        out = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
+        cap = isa_cap()
+        if m and not _bf16_ops.has_bf16_512(cap):  # ISA pinned below AVX-512 after packing
+            y = F.linear(x2, unpack_bf16(self.packed), self.bias)
+            out.copy_(cpu_ops.silu_mul(y) if silu else y)
+        elif m:
+            bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
+            _bf16_ops.linear(x2.data_ptr(), x2.stride(0), m, self.in_features,
+                             self.packed.data_ptr(), n, bias, out.data_ptr(), int(silu),
+                             torch.get_num_threads(), cap)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def linear_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this fused gate|up projection of x from the GEMM's registers
+        (the same values as this layer then cpu_ops.silu_mul), or None where that is not
+        this layer's to do (oneDNN's layout, fused ops off, a width its tiles do not pair):
+        the caller runs both steps."""
+        if (not self.own or x.dim() != 2 or x.dtype != torch.bfloat16
+                or self.out_features % 32 or not cpu_ops.enabled()):
+            return None
+        return self.own_rows(x, silu=True)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -67,6 +146,8 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Drop-in for F.linear(x, weight, bias) once `weight` became a PackedLinear (which holds
     its bias, so `bias` is None)."""
+    if layer.own:
+        return layer.own_rows(x)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none",
                                               [], "")
 
@@ -101,7 +182,12 @@ def pack_model(model: Any) -> dict:
     else:
         _replace(model, "lm_head", None)
     model.linear = packed_linear
-    return {"quantization": None, "kernel": KERNEL, "tied_output_projection_copy": tied}
+    return {"quantization": None, "kernel": kernel_name(model.lm_head),
+            "tied_output_projection_copy": tied}
+
+
+def kernel_name(layer: PackedLinear) -> str:
+    return OWN_BF16_KERNEL if layer.own else KERNEL
 
 
 def pack_draft_head(head: Any) -> dict:
@@ -113,5 +199,5 @@ def pack_draft_head(head: Any) -> dict:
     if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
         _replace(head, "lm_head", None)
     head.linear = packed_linear
-    return {"quantization": None, "kernel": KERNEL}
+    return {"quantization": None, "kernel": kernel_name(head.fc_weight)}
 

@@ -48,8 +48,9 @@ def test_runner_packs_bf16_where_onednn_has_bf16(tiny_checkpoints):
         model = llm.engine.runner.model
         packed = model.linear is module.packed_linear
         assert packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        assert llm.server_info()["quantization_info"].get("kernel") == (
-            module.KERNEL if packed else None)
+        want = (module.OWN_BF16_KERNEL if module.own_bf16_fits(model.embed) else
+                module.KERNEL) if packed else None
+        assert llm.server_info()["quantization_info"].get("kernel") == want
 
 
 def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_prompts,

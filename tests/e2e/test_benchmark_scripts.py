@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,17 +76,23 @@ def test_bench_int8_linear_rows(tmp_path):
             assert r["error"] < 0.1, r
 
 
-def test_bench_int8_gemm_rows(tmp_path):
-    """Both int8 GEMMs per row count, the same values (the script asserts it), or a clear
-    line on a CPU without AVX512-VNNI."""
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_bench_gemm_rows(tmp_path, kind):
+    """Both GEMMs of a kind per row count, the same values (the script checks it), or a clear
+    line on a CPU without the instructions ours needs."""
     from kvstrata.runner.int8_linear import own_gemm_fits
+    from kvstrata.runner.packed_linear import own_bf16_fits
     out = tmp_path / "gemm.json"
-    _run("bench_int8_gemm.py", "--rows", "1", "5", "--copies", "1", "--rounds", "1",
+    _run("bench_gemm.py", "--kind", kind, "--rows", "1", "5", "--copies", "1", "--rounds", "1",
          "--out", str(out))
-    if not own_gemm_fits(576, 960):
+    fits = (own_gemm_fits(576, 960) if kind == "int8" else
+            own_bf16_fits(torch.empty(960, 576, dtype=torch.bfloat16)))
+    if not fits:
         assert not out.exists()
         return
-    rows = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert report["kind"] == kind
     assert [r["rows"] for r in rows] == [1, 5] and all(r["calls"] == 4 for r in rows)
     assert all(r["kvstrata_ms"] > 0 and r["onednn_ms"] > 0 and r["ratio"] > 0 for r in rows)
 

@@ -8,7 +8,7 @@
 
 #define PARALLEL_MIN_BYTES (256 << 10)
 
-static int use_avx512(int64_t width, int isa_cap) {
+static inline int use_avx512(int64_t width, int isa_cap) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     return isa_cap >= 2 && width % 16 == 0 && __builtin_cpu_supports("avx512f");
@@ -18,7 +18,7 @@ static int use_avx512(int64_t width, int isa_cap) {
 #endif
 }
 
-static int thread_count(int threads, int64_t rows, int64_t bytes) {
+static inline int thread_count(int threads, int64_t rows, int64_t bytes) {
 #ifdef _OPENMP
     if (bytes < PARALLEL_MIN_BYTES || threads < 1) return 1;
     return rows < threads ? (int)(rows > 0 ? rows : 1) : threads;

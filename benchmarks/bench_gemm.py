@@ -1,0 +1,126 @@
+"""The GEMMs of a SmolLM2 decode step: kvstrata's own kernels against oneDNN's, in one run.
+
+  --kind int8: the two `--quantization w8a8_int8` paths of runner/int8_linear.py (our VNNI
+               GEMM with the row ops fused in, oneDNN's int8 linear between two row passes);
+               the same values bit for bit (checked here on the first weight of each shape)
+  --kind bf16: a bf16 model's linears (runner/packed_linear.py: our AVX512-BF16 GEMM, oneDNN's
+               prepacked bf16 linear); the same up to accumulation order (checked to bf16's
+               rounding)
+
+Each round builds nothing new: 30 weights of each of SmolLM2's four layer shapes (qkv
+576->960, o 576->576, gate|up 576->3072, down 1536->576) per kernel, so that every call reads
+its weights from RAM as in a real step, and times one pass over all of them per kernel,
+interleaved; the ratio is oneDNN's time / ours (> 1: ours is faster), median of the rounds.
+
+  python benchmarks/bench_gemm.py --kind bf16 --rows 1 8 32 64 128 512 2048
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
+from kvstrata.runner.int8_linear import Int8MatmulLinear, own_gemm_fits  # noqa: E402
+from kvstrata.runner.packed_linear import PackedLinear, own_bf16_fits  # noqa: E402
+
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # in -> out
+
+
+# kind -> (the env that picks the kernel, the layer, the weights' dtype)
+KINDS = {"int8": ("KVSTRATA_CPU_INT8_GEMM", Int8MatmulLinear, torch.float32),
+         "bf16": ("KVSTRATA_CPU_BF16_GEMM", PackedLinear, torch.bfloat16)}
+
+
+def build(kind: str, kernel: str, copies: int) -> list:
+    env, layer, dtype = KINDS[kind]
+    saved = os.environ.get(env)
+    os.environ[env] = kernel  # read when a layer packs its weight
+    try:
+        torch.manual_seed(0)
+        return [layer((torch.randn(n, k) / k ** 0.5).to(dtype), torch.randn(n).to(dtype))
+                for k, n in SHAPES for _ in range(copies)]
+    finally:
+        if saved is None:
+            os.environ.pop(env)
+        else:
+            os.environ[env] = saved
+
+
+def fits(kind: str) -> bool:
+    if kind == "int8":
+        return own_gemm_fits(576, 960)
+    return own_bf16_fits(torch.empty(960, 576, dtype=torch.bfloat16))
+
+
+def check_same(kind: str, a, b, x: torch.Tensor, m: int) -> None:
+    ya, yb = a(x), b(x)
+    if kind == "int8":
+        assert torch.equal(ya, yb), m
+    else:  # accumulation order differs: one bf16 rounding apart
+        torch.testing.assert_close(ya.float(), yb.float(), rtol=1.6e-2, atol=2e-2)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kind", choices=sorted(KINDS), default="int8")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
+    p.add_argument("--copies", type=int, default=30, help="weights per shape (30: a step)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="activations' dtype (int8; bf16 is always bf16)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/<kind>_gemm.json")
+    add_quiet_arg(p)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = announce_load(args.require_quiet)
+    out = args.out or f"benchmarks/results/{args.kind}_gemm.json"
+    if not fits(args.kind):
+        isa = "AVX512-VNNI" if args.kind == "int8" else "AVX512-BF16 without AMX"
+        print(f"this CPU has no {isa} (or {KINDS[args.kind][0]}=onednn): nothing to compare")
+        return {}
+    ours, onednn = build(args.kind, "auto", args.copies), build(args.kind, "onednn", args.copies)
+    dtype = torch.bfloat16 if args.kind == "bf16" else getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.kind}, "
+          f"{dtype}")
+    rows_out = []
+    with torch.inference_mode():
+        for m in args.rows:
+            x = {k: torch.randn(m, k).to(dtype) for k, _ in SHAPES}
+            for i in range(0, len(ours), args.copies):  # same values, both kernels
+                check_same(args.kind, ours[i], onednn[i], x[ours[i].in_features], m)
+            times = {"kvstrata": [], "onednn": []}
+            for _ in range(args.rounds):
+                for name, layers in (("kvstrata", ours), ("onednn", onednn)):
+                    t = time.perf_counter()
+                    for layer in layers:
+                        layer(x[layer.in_features])
+                    times[name].append(time.perf_counter() - t)
+            ratio = statistics.median(o / k for o, k in zip(times["onednn"], times["kvstrata"]))
+            ops = sum(2 * m * layer.in_features * layer.out_features for layer in ours)
+            best = min(times["kvstrata"])
+            row = {"rows": m, "calls": len(ours), "kvstrata_ms": best * 1e3,
+                   "onednn_ms": min(times["onednn"]) * 1e3, "ratio": ratio,
+                   "kvstrata_gops": ops / best / 1e9}
+            rows_out.append(row)
+            print(f"M={m:<5d} {len(ours)} calls  kvstrata {row['kvstrata_ms']:8.2f} ms  oneDNN "
+                  f"{row['onednn_ms']:8.2f} ms  ratio {ratio:5.2f}x  "
+                  f"({row['kvstrata_gops']:.0f} GOP/s)", flush=True)
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "kind": args.kind,
+              "dtype": str(dtype).removeprefix("torch."), "box_load": load, "results": rows_out}
+    if out:
+        write_json(out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+/* kvstrata's own bf16 linear for a bf16 model on an AVX512-BF16 CPU without AMX
+ * (kvstrata/runner/packed_linear.py wraps it).
+ *
+ *   linear(x, x_row_stride, rows, k, w, n, bias, out, silu, threads, isa_cap)
+ *       out[r, j] = bf16(sum_q x[r, q] * W[j, q] (+ bias[j])), fp32 accumulation, one rounding;
+ *       silu = 1 (a fused gate|up projection, n % 32 == 0): out [rows, n / 2] =
+ *       bf16(bf16(silu(g)) * u) with g, u the two halves rounded to bf16 first, as
+ *       cpu_ops.c silu_mul computes it from the projection's bf16 output.
+ *       x bf16 rows `x_row_stride` elements apart; w packed by pack_bf16 (below); bias fp32
+ *       [n] or 0; k % 2 == 0, n % 16 == 0.
+ *   has_bf16_512(isa_cap): whether this CPU runs linear (AVX512-BF16, KVSTRATA_CPU_ISA allows).
+ *
+ * Why: a decode step makes ~121 linears of 1-64 rows. oneDNN's prepacked bf16 linear ran them
+ * at ~59% of its own 2048^3 GEMM peak (bench_decode_step.py, 2 threads) with ~16-19 us of
+ * fixed cost per call; int8_gemm.h's tiles, which replaced oneDNN's int8 linear, port to bf16
+ * as they are: vdpbf16ps takes a pair of bf16 per 32-bit lane where vpdpbusd takes a quadruple
+ * of bytes.
+ *
+ * Weight layout: the [n, k] bf16 matrix as n / 16 blocks of 16 output columns, each
+ * [k / 2][16][2]: for 2 consecutive k the 16 columns' pairs side by side, one 64-byte load per
+ * pair step. Tiles: up to MR rows x NR blocks (4 x 64 columns, 16 zmm accumulators); the last
+ * row block and the last panel take narrower tiles (specialised at compile time), so no
+ * column or row is computed twice. Work items are (panel, row block), panel-major, split
+ * statically across torch's OpenMP team: a thread reuses one panel's weights across its rows.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include "cpu_rows.h"
+#include "cpu_vec.h"
+
+#define MR 4
+#define NR 4
+#define BLOCK 16 /* output columns per block (one zmm of fp32) */
+
+typedef struct {
+    const uint16_t *x; /* [m] rows, stride elements apart */
+    int64_t stride;
+    const uint16_t *w; /* packed blocks */
+    const float *bias; /* [n] or NULL */
+    uint16_t *out;     /* [m, n] or [m, n / 2] (silu) */
+    int64_t m, k, n;
+    int silu;
+} gemm_args;
+
+/* The block indices of panel p and how many there are: plain panels are up to NR consecutive
+ * blocks; silu panels pair up to NR / 2 gate blocks with the up blocks of the same columns
+ * (the up half starts at block nb / 2), gates first. */
+static int panel_blocks(const gemm_args *g, int64_t p, int64_t blk[NR]) {
+    const int64_t nb = g->n / BLOCK;
+    if (!g->silu) {
+        const int nr = (int)(nb - p * NR < NR ? nb - p * NR : NR);
+        for (int j = 0; j < nr; j++) blk[j] = p * NR + j;
+        return nr;
+    }
+    const int64_t half = nb / 2, per = NR / 2;
+    const int ng = (int)(half - p * per < per ? half - p * per : per);
+    for (int j = 0; j < ng; j++) {
+        blk[j] = p * per + j;
+        blk[ng + j] = half + blk[j];
+    }
+    return 2 * ng;
+}
+
+static int64_t panel_count(const gemm_args *g) {
+    const int64_t nb = g->n / BLOCK, per = g->silu ? NR / 2 : NR;
+    return ((g->silu ? nb / 2 : nb) + per - 1) / per;
+}
+
+#if defined(__x86_64__)
+#define BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+BF16_512 static ALWAYS_INLINE __m512 add_bias(__m512 v, const float *bias, int64_t c0) {
+    return bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + c0)) : v;
+}
+
+/* What a tile prefetches of the panel its thread multiplies next: row block rb of nrb takes
+ * every nrb-th of the panel's 64-byte lines, one per pair step, so the panel streams in from
+ * RAM while this one's rows are multiplied from cache instead of stalling its first row block
+ * (the 120 GEMMs of a decode step at 32 rows: 16.1-16.7 -> 12.1-12.6 ms; without it the
+ * first row block of each panel waited on RAM while the cores idled, and the rest ran from
+ * cache while RAM idled). */
+typedef struct {
+    const uint16_t *w[NR];
+    int nr;
+    int64_t first, every;
+} prefetch_plan;
+
+/* One tile of mr rows x nr blocks (both compile-time constants at each call site). */
+BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const int64_t blk[NR],
+                                        const prefetch_plan *pf, const int mr, const int nr) {
+    __m512 c[MR][NR];
+    const uint16_t *w[NR];
+    const uint16_t *a[MR];
+    const int64_t k = g->k;
+#pragma GCC unroll 4
+    for (int j = 0; j < nr; j++) w[j] = g->w + blk[j] * k * BLOCK;
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++) a[i] = g->x + (r0 + i) * g->stride;
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++) c[i][j] = _mm512_setzero_ps();
+    int64_t next_line = pf->nr ? pf->first : k; /* the pair step whose line is prefetched */
+    for (int64_t q = 0; q < k; q += 2) {
+        if (q / 2 == next_line) {
+            for (int j = 0; j < pf->nr; j++)
+                _mm_prefetch((const char *)(pf->w[j] + q * BLOCK), _MM_HINT_T1);
+            next_line += pf->every;
+        }
+        __m512bh b[NR];
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++)
+            b[j] = (__m512bh)_mm512_loadu_si512((const void *)(w[j] + q * BLOCK));
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            int32_t pair;
+            memcpy(&pair, a[i] + q, 4);
+            const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int j = 0; j < nr; j++) c[i][j] = _mm512_dpbf16_ps(c[i][j], av, b[j]);
+        }
+    }
+    const int64_t half_n = g->n / 2;
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++) {
+        const int64_t r = r0 + i;
+        if (!g->silu) {
+#pragma GCC unroll 4
+            for (int j = 0; j < nr; j++) {
+                const int64_t c0 = blk[j] * BLOCK;
+                _mm256_storeu_si256((__m256i *)(g->out + r * g->n + c0),
+                                    bf16x16_from(add_bias(c[i][j], g->bias, c0)));
+            }
+            continue;
+        }
+#pragma GCC unroll 2
+        for (int j = 0; j < nr / 2; j++) {
+            const int64_t c0 = blk[j] * BLOCK;
+            __m512 gv = bf16x16_round(add_bias(c[i][j], g->bias, c0));
+            __m512 uv = bf16x16_round(add_bias(c[i][nr / 2 + j], g->bias, half_n + c0));
+            __m512 act = bf16x16_round(silu_v(gv));
+            _mm256_storeu_si256((__m256i *)(g->out + r * half_n + c0),
+                                bf16x16_from(_mm512_mul_ps(act, uv)));
+        }
+    }
+}
+
+#define TILE_ROWS(MRV)                                  \
+    switch (nr) {                                       \
+    case 4: tile(g, r0, blk, pf, MRV, 4); return;       \
+    case 3: tile(g, r0, blk, pf, MRV, 3); return;       \
+    case 2: tile(g, r0, blk, pf, MRV, 2); return;       \
+    default: tile(g, r0, blk, pf, MRV, 1); return;      \
+    }
+BF16_512 static void tile_any(const gemm_args *g, int64_t r0, const int64_t blk[NR],
+                              const prefetch_plan *pf, int mr, int nr) {
+    switch (mr) {
+    case 4: TILE_ROWS(4)
+    case 3: TILE_ROWS(3)
+    case 2: TILE_ROWS(2)
+    default: TILE_ROWS(1)
+    }
+}
+#endif
+
+static int use_bf16_512(int isa_cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return isa_cap >= 2 && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512bw");
+#else
+    (void)isa_cap;
+    return 0;
+#endif
+}
+
+static PyObject *linear(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, b_addr, o_addr;
+    Py_ssize_t stride, rows, k, n;
+    int silu, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnKnKKiii", &x_addr, &stride, &rows, &k, &w_addr, &n,
+                          &b_addr, &o_addr, &silu, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || k < 2 || k % 2 || stride < k || n < BLOCK ||
+        n % (silu ? 2 * BLOCK : BLOCK)) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd k=%zd n=%zd stride=%zd silu=%d",
+                     rows, k, n, stride, silu);
+        return NULL;
+    }
+    if (!use_bf16_512(isa_cap)) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU (or KVSTRATA_CPU_ISA) has no AVX512-BF16");
+        return NULL;
+    }
+#if defined(__x86_64__)
+    gemm_args g = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
+                   (const float *)b_addr, (uint16_t *)o_addr, rows, k, n, silu != 0};
+    const int64_t nrb = (rows + MR - 1) / MR, items = panel_count(&g) * nrb;
+    const int nt = thread_count(threads, items, (int64_t)n * k * 2);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t p = it / nrb, r0 = (it % nrb) * MR;
+        int64_t blk[NR];
+        const int nr = panel_blocks(&g, p, blk);
+        const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
+        prefetch_plan pf = {{NULL}, 0, it % nrb, nrb};
+        if (p + 1 < panel_count(&g)) {
+            int64_t nblk[NR];
+            pf.nr = panel_blocks(&g, p + 1, nblk);
+            for (int j = 0; j < pf.nr; j++) pf.w[j] = g.w + nblk[j] * k * BLOCK;
+        }
+        tile_any(&g, r0, blk, &pf, mr, nr);
+    }
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *has_bf16_512(PyObject *self, PyObject *args) {
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
+    return PyBool_FromLong(use_bf16_512(isa_cap));
+}
+
+static PyMethodDef methods[] = {
+    {"linear", linear, METH_VARARGS, "bf16 rows x packed bf16 weight (AVX512-BF16), bf16 out."},
+    {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on this CPU."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16_ops",
+                                    "kvstrata's bf16 GEMM for small-batch linears.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__bf16_ops(void) { return PyModule_Create(&module); }
