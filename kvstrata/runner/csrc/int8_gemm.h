@@ -13,8 +13,9 @@
  * acc - 128 * colsum(w) (comp[j] = 128 * colsum, precomputed).
  *
  * Tiles: MR rows x NR blocks (4 x 64 columns, 16 zmm accumulators). Rows are padded to a
- * multiple of MR (the padding rows are code 128, results dropped); a panel past the last block
- * repeats a valid block (results dropped). Work items are (panel, row block), panel-major, split
+ * multiple of MR (the padding rows are code 128, results dropped); the last panel's VNNI tile is
+ * as narrow as its blocks (the scalar tile repeats a valid block instead, results dropped), and
+ * each VNNI tile prefetches a share of its thread's next panel. Work items are (panel, row block), panel-major, split
  * statically across torch's OpenMP team, so a thread reuses a panel's weights across its rows.
  * The scalar tile computes the same int32 sums; its epilogue is int8_ops.c's dequant rows and
  * the VNNI tile's register epilogue performs their float operations in the same order, so
@@ -92,25 +93,49 @@ VNNI512 static inline void store16(void *o, __m512 v, int dtype) {
     if (dtype == F32) _mm512_storeu_ps(o, v);
     else _mm256_storeu_si256((__m256i *)o, bf16x16_from(v));
 }
-VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const int8_t *const w[NR],
-                                  int64_t r0, const int64_t blk[NR], int valid) {
+/* What a tile prefetches of the panel its thread multiplies next (as bf16_gemm.c does): row
+ * block rb of nrb takes every nrb-th 64-byte line of the panel's blocks, one per k step, so
+ * that panel streams in from RAM while this one's rows multiply from cache. Measured: the 120
+ * GEMMs of a decode step at 32 rows 7.6-7.9 -> 6.3-6.9 ms (with the narrower tail tiles
+ * below; o and down have 9 blocks of 16 columns, so their last panel computed 4 for 1). */
+typedef struct {
+    const int8_t *w[NR];
+    int nr;
+    int64_t first, every;
+} prefetch_plan;
+
+/* A tile of MR rows x nr blocks (nr a compile-time constant at each call site): blk holds
+ * the nr blocks, for silu the gates then their up blocks, so a short last panel computes
+ * only its own columns. */
+VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
+    const gemm_args *g, const uint8_t *a, int64_t r0, const int64_t blk[NR],
+    const prefetch_plan *pf, const int nr) {
     __m512i c[MR][NR];
+    const int8_t *w[NR];
+    const int64_t k = g->k;
+#pragma GCC unroll 4
+    for (int j = 0; j < nr; j++) w[j] = g->w + blk[j] * k * BLOCK;
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) c[i][j] = _mm512_setzero_si512();
-    const int64_t k = g->k;
+        for (int j = 0; j < nr; j++) c[i][j] = _mm512_setzero_si512();
+    int64_t next_line = pf->nr ? pf->first : k; /* the k step whose line is prefetched */
     for (int64_t q = 0; q < k; q += 4) {
+        if (q / 4 == next_line) {
+            for (int j = 0; j < pf->nr; j++)
+                _mm_prefetch((const char *)(pf->w[j] + q * BLOCK), _MM_HINT_T1);
+            next_line += pf->every;
+        }
         __m512i b[NR];
 #pragma GCC unroll 4
-        for (int j = 0; j < NR; j++) b[j] = _mm512_loadu_si512((const void *)(w[j] + q * 16));
+        for (int j = 0; j < nr; j++) b[j] = _mm512_loadu_si512((const void *)(w[j] + q * 16));
 #pragma GCC unroll 4
         for (int i = 0; i < MR; i++) {
             int32_t quad;
             memcpy(&quad, a + i * k + q, 4);
             const __m512i av = _mm512_set1_epi32(quad);
 #pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) c[i][j] = _mm512_dpbusd_epi32(c[i][j], av, b[j]);
+            for (int j = 0; j < nr; j++) c[i][j] = _mm512_dpbusd_epi32(c[i][j], av, b[j]);
         }
     }
     const int64_t esz = g->dtype == F32 ? 4 : 2, half_n = g->n / 2;
@@ -121,8 +146,7 @@ VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const in
         const __m512 xs = _mm512_set1_ps(g->xs[r]);
         if (!g->silu) {
 #pragma GCC unroll 4
-            for (int j = 0; j < NR; j++) {
-                if (j >= valid) break;
+            for (int j = 0; j < nr; j++) {
                 const int64_t c0 = blk[j] * BLOCK;
                 store16(g->out + (r * g->n + c0) * esz, dequant16(c[i][j], g, c0, xs, c0),
                         g->dtype);
@@ -130,11 +154,10 @@ VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const in
             continue;
         }
 #pragma GCC unroll 2
-        for (int j = 0; j < NR / 2; j++) {
-            if (j >= valid) break;
-            const int64_t c0 = blk[j] * BLOCK, u0 = blk[NR / 2 + j] * BLOCK;
+        for (int j = 0; j < nr / 2; j++) {
+            const int64_t c0 = blk[j] * BLOCK, u0 = blk[nr / 2 + j] * BLOCK;
             __m512 gv = dequant16(c[i][j], g, c0, xs, c0);
-            __m512 uv = dequant16(c[i][NR / 2 + j], g, u0, xs, half_n + c0);
+            __m512 uv = dequant16(c[i][nr / 2 + j], g, u0, xs, half_n + c0);
             void *o = g->out + (r * half_n + c0) * esz;
             if (g->dtype == F32) {
                 _mm512_storeu_ps(o, _mm512_mul_ps(silu_v(gv), uv));
@@ -144,6 +167,33 @@ VNNI512 static void tile_vnni_out(const gemm_args *g, const uint8_t *a, const in
                                     bf16x16_from(_mm512_mul_ps(act, bf16x16_round(uv))));
             }
         }
+    }
+}
+
+/* The valid blocks of a panel as tile_vnni_out takes them: how many, gates before ups. */
+static int compact_blocks(const gemm_args *g, const int64_t blk[NR], int valid, int64_t out[NR]) {
+    for (int j = 0; j < valid; j++) {
+        out[j] = blk[j];
+        if (g->silu) out[valid + j] = blk[NR / 2 + j];
+    }
+    return g->silu ? 2 * valid : valid;
+}
+
+VNNI512 static void tile_vnni(const gemm_args *g, int64_t p, int64_t nrb, int64_t r0) {
+    int64_t blk[NR], own[NR];
+    const int nr = compact_blocks(g, blk, panel_blocks(g, p, blk), own);
+    prefetch_plan pf = {{NULL}, 0, r0 / MR, nrb};
+    if (p + 1 < panel_count(g)) {
+        int64_t nblk[NR], next[NR];
+        pf.nr = compact_blocks(g, nblk, panel_blocks(g, p + 1, nblk), next);
+        for (int j = 0; j < pf.nr; j++) pf.w[j] = g->w + next[j] * g->k * BLOCK;
+    }
+    const uint8_t *a = g->a + r0 * g->k;
+    switch (nr) {
+    case 4: tile_vnni_out(g, a, r0, own, &pf, 4); return;
+    case 3: tile_vnni_out(g, a, r0, own, &pf, 3); return;
+    case 2: tile_vnni_out(g, a, r0, own, &pf, 2); return;
+    default: tile_vnni_out(g, a, r0, own, &pf, 1); return;
     }
 }
 #endif
@@ -203,13 +253,13 @@ static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it / nrb, r0 = (it % nrb) * MR;
+#if defined(__x86_64__)
+        if (vnni) { tile_vnni(g, p, nrb, r0); continue; }
+#endif
         int64_t blk[NR];
         const int valid = panel_blocks(g, p, blk);
         const int8_t *w[NR];
         for (int j = 0; j < NR; j++) w[j] = g->w + blk[j] * nb_bytes;
-#if defined(__x86_64__)
-        if (vnni) { tile_vnni_out(g, g->a + r0 * g->k, w, r0, blk, valid); continue; }
-#endif
         int32_t acc[MR][NR * BLOCK];
         tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
         tile_epilogue(g, acc, r0, blk, valid);
