@@ -19,7 +19,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                    Extension("kvstrata.runner._cpu_ops", ["kvstrata/runner/csrc/cpu_ops.c"],
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/shm_allreduce.h"],
+                                      "kvstrata/runner/csrc/shm_allreduce.h",
+                                      "kvstrata/runner/csrc/argmax_rows.h"],
                              # no implicit FMA: rope's products and sum round as torch's do
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"]),

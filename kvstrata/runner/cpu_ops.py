@@ -108,6 +108,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """The first index of each row's maximum of 2-D fp32 logits (a row with NaN: its first
+    NaN), as torch.max(dim=-1).indices; or None (caller falls back)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not enabled():
+        return None
+    rows = _rows(logits)
+    if rows is None or not logits.shape[1]:
+        return None
+    out = torch.empty(rows[0], dtype=torch.int64)
+    _cpu_ops.argmax_rows(logits.data_ptr(), rows[1], rows[0], logits.shape[1], out.data_ptr(),
+                         torch.get_num_threads(), isa_cap())
+    return out.tolist()
+
+
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
     """x += y in place (bf16), then HF's bf16 RMSNorm of the new x, in one pass; or None

@@ -108,15 +108,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
 
-    def own_rows(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+    def own_rows(self, x: torch.Tensor, silu: bool = False, f32: bool = False) -> torch.Tensor:
         """bf16_gemm.c linear over x's rows ([..., in] -> [..., out], or silu(gate) * up:
-        [..., out / 2]) in one C call; x in another dtype is converted, the result is bf16."""
+        [..., out / 2]) in one C call; x in another dtype is converted, the result is bf16
+        (f32: the same bf16 values widened to fp32)."""
         n = self.out_features
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
             x2 = x2.to(torch.bfloat16).contiguous()
         m = x2.shape[0]
-        out = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
+        out = torch.empty(m, n // 2 if silu else n, dtype=torch.float32 if f32 else torch.bfloat16)
         cap = isa_cap()
         if m and not _bf16_ops.has_bf16_512(cap):  # ISA pinned below AVX-512 after packing
             y = F.linear(x2, unpack_bf16(self.packed), self.bias)
@@ -125,8 +126,13 @@ class PackedLinear(nn.Module):
             bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
             _bf16_ops.linear(x2.data_ptr(), x2.stride(0), m, self.in_features,
                              self.packed.data_ptr(), n, bias, out.data_ptr(), int(silu),
-                             torch.get_num_threads(), cap)
+                             int(f32), torch.get_num_threads(), cap)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor | None:
+        """F.linear(x, W, b).float() in one pass (an output head's logits: the bf16 values,
+        widened as the GEMM stores them), or None for oneDNN's layout."""
+        return self.own_rows(x, f32=True) if self.own else None
 
     def linear_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this fused gate|up projection of x from the GEMM's registers

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.protocol.sampling_params import SamplingParams
+from kvstrata.runner import cpu_ops
 
 _MASK64 = (1 << 64) - 1
 # Width of the top-k prefix first tried for top-p-only rows (see Sampler._cut_threshold).
@@ -73,8 +74,13 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:
-    """argmax per row, the first index on ties (as torch.argmax). Through max(dim): on CPU
-    torch's argmax over [32, 49152] fp32 measured 1.0 ms against 0.43 ms for max (2 threads)."""
+    """argmax per row, the first index on ties (as torch.argmax). On CPU one C pass
+    (cpu_ops.argmax_rows: [32, 49152] fp32 0.47-0.69 -> 0.12-0.13 ms, 2 threads); else through
+    max(dim): torch's argmax over the same measured 1.0 ms against 0.43 ms for max."""
+    if logits.device.type == "cpu":
+        ids = cpu_ops.argmax_rows(logits)
+        if ids is not None:
+            return ids
     return logits.max(dim=-1).indices.tolist()
 
 

@@ -61,6 +61,9 @@ def test_own_gemm_matches_onednn_and_views(monkeypatch):
     x = wide[:, 7:263]  # rows 400 elements apart
     assert torch.equal(ours(x), ours(x.contiguous()))
     torch.testing.assert_close(ours(x), theirs(x.contiguous()), rtol=1.6e-2, atol=2e-2)
+    # An output head's fp32 logits: the bf16 values widened, as F.linear(...).float().
+    assert torch.equal(ours.linear_float(x), ours(x).float())
+    assert ours.linear_float(x).dtype == torch.float32 and theirs.linear_float(x) is None
     # Other dtypes are converted (the model's calls are bf16); zero rows are fine.
     assert torch.equal(ours(x.float()), ours(x))
     assert ours(torch.zeros(0, 256, dtype=torch.bfloat16)).shape == (0, 96)
@@ -102,8 +105,11 @@ def test_choice_rules_and_fallbacks(monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
     assert torch.equal(layer(x), F.linear(x, weight, b))
     assert torch.equal(layer.linear_silu_mul(x), cpu_ops.silu_mul(F.linear(x, weight, b)))
+    assert torch.equal(layer.linear_float(x), F.linear(x, weight, b).float())
     monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "mkl")
     with pytest.raises(ValueError, match="KVSTRATA_CPU_BF16_GEMM"):
         PackedLinear(weight)
     with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given
-        _bf16_ops.linear(0, 6, 1, 6, 0, 24, 0, 0, 0, 1, 2)
+        _bf16_ops.linear(0, 6, 1, 6, 0, 24, 0, 0, 0, 0, 1, 2)
+    with pytest.raises(ValueError, match="bad shape"):  # silu's output is bf16 only
+        _bf16_ops.linear(0, 64, 1, 64, 0, 32, 0, 0, 1, 1, 1, 2)

@@ -110,6 +110,27 @@ def test_add_rms_norm_bf16(monkeypatch, isa, rows, h):
     assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("rows,n", [(32, 49152), (5, 17), (3, 1), (7, 100)])
+def test_argmax_rows_equals_torch_max(monkeypatch, isa, rows, n):
+    """First index of the maximum, as torch.max(dim).indices: ties (across lanes and within
+    one), a row of -inf, a max in the masked last block, NaN (its first one), strided rows."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(rows * n)
+    wide = torch.randint(0, 4, (rows, n + 9), generator=g).float()  # ties everywhere
+    x = wide[:, 3:3 + n]  # rows n + 9 apart
+    x[0] = float("-inf")
+    if rows > 2:
+        x[1, -1] = 7.0  # in the last (masked) block
+    if rows > 4 and n > 2:
+        x[2, n // 2] = float("nan")
+        x[2, n - 1] = float("nan")
+        x[3, 1:] = 5.0  # equal maxima in every lane: the lowest index
+    want = x.max(dim=-1).indices.tolist()
+    assert cpu_ops.argmax_rows(x) == want
+    assert cpu_ops.argmax_rows(x.contiguous()) == want
+
+
 def test_unsupported_inputs_fall_back(monkeypatch):
     x = torch.randn(4, 8)
     assert cpu_ops.rms_norm(x, torch.ones(8), 1e-5) is None            # fp32: F.rms_norm
@@ -123,7 +144,11 @@ def test_unsupported_inputs_fall_back(monkeypatch):
     assert not cpu_ops.rope_(torch.randn(4, 16).half(), 2, cos.half(), cos.half())  # fp16
     assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos.bfloat16(), cos.bfloat16())  # dtypes
     assert not cpu_ops.rope_(torch.randn(4, 8), 2, cos, cos)             # too few columns
+    assert cpu_ops.argmax_rows(torch.randn(4, 8).bfloat16()) is None      # fp32 only
+    assert cpu_ops.argmax_rows(torch.randn(4, 8).t()) is None            # columns strided
+    assert cpu_ops.argmax_rows(torch.randn(8)) is None                   # 2-D only
     monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
+    assert cpu_ops.argmax_rows(torch.randn(4, 8)) is None
     assert cpu_ops.silu_mul(torch.randn(4, 8)) is None
     assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos, cos)
 

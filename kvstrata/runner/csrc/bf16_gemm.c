@@ -1,8 +1,10 @@
 /* kvstrata's own bf16 linear for a bf16 model on an AVX512-BF16 CPU without AMX
  * (kvstrata/runner/packed_linear.py wraps it).
  *
- *   linear(x, x_row_stride, rows, k, w, n, bias, out, silu, threads, isa_cap)
+ *   linear(x, x_row_stride, rows, k, w, n, bias, out, silu, out_f32, threads, isa_cap)
  *       out[r, j] = bf16(sum_q x[r, q] * W[j, q] (+ bias[j])), fp32 accumulation, one rounding;
+ *       out_f32 = 1: that bf16 value widened to fp32 (an output head's logits: what
+ *       F.linear(...).float() returns, without the second pass over [rows, vocab]);
  *       silu = 1 (a fused gate|up projection, n % 32 == 0): out [rows, n / 2] =
  *       bf16(bf16(silu(g)) * u) with g, u the two halves rounded to bf16 first, as
  *       cpu_ops.c silu_mul computes it from the projection's bf16 output.
@@ -37,9 +39,9 @@ typedef struct {
     int64_t stride;
     const uint16_t *w; /* packed blocks */
     const float *bias; /* [n] or NULL */
-    uint16_t *out;     /* [m, n] or [m, n / 2] (silu) */
+    char *out;         /* [m, n] or [m, n / 2] (silu), bf16 or (f32_out) fp32 */
     int64_t m, k, n;
-    int silu;
+    int silu, f32_out;
 } gemm_args;
 
 /* The block indices of panel p and how many there are: plain panels are up to NR consecutive
@@ -129,8 +131,12 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
 #pragma GCC unroll 4
             for (int j = 0; j < nr; j++) {
                 const int64_t c0 = blk[j] * BLOCK;
-                _mm256_storeu_si256((__m256i *)(g->out + r * g->n + c0),
-                                    bf16x16_from(add_bias(c[i][j], g->bias, c0)));
+                const __m512 v = add_bias(c[i][j], g->bias, c0);
+                if (g->f32_out)
+                    _mm512_storeu_ps((float *)g->out + r * g->n + c0, bf16x16_round(v));
+                else
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)g->out + r * g->n + c0),
+                                        bf16x16_from(v));
             }
             continue;
         }
@@ -140,7 +146,7 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
             __m512 gv = bf16x16_round(add_bias(c[i][j], g->bias, c0));
             __m512 uv = bf16x16_round(add_bias(c[i][nr / 2 + j], g->bias, half_n + c0));
             __m512 act = bf16x16_round(silu_v(gv));
-            _mm256_storeu_si256((__m256i *)(g->out + r * half_n + c0),
+            _mm256_storeu_si256((__m256i *)((uint16_t *)g->out + r * half_n + c0),
                                 bf16x16_from(_mm512_mul_ps(act, uv)));
         }
     }
@@ -178,14 +184,14 @@ static int use_bf16_512(int isa_cap) {
 static PyObject *linear(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
-    int silu, threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KnnnKnKKiii", &x_addr, &stride, &rows, &k, &w_addr, &n,
-                          &b_addr, &o_addr, &silu, &threads, &isa_cap))
+    int silu, f32_out, threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnKnKKiiii", &x_addr, &stride, &rows, &k, &w_addr, &n,
+                          &b_addr, &o_addr, &silu, &f32_out, &threads, &isa_cap))
         return NULL;
     if (rows < 0 || k < 2 || k % 2 || stride < k || n < BLOCK ||
-        n % (silu ? 2 * BLOCK : BLOCK)) {
-        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd k=%zd n=%zd stride=%zd silu=%d",
-                     rows, k, n, stride, silu);
+        n % (silu ? 2 * BLOCK : BLOCK) || (silu && f32_out)) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd k=%zd n=%zd stride=%zd silu=%d "
+                     "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
     if (!use_bf16_512(isa_cap)) {
@@ -194,7 +200,8 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     }
 #if defined(__x86_64__)
     gemm_args g = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
-                   (const float *)b_addr, (uint16_t *)o_addr, rows, k, n, silu != 0};
+                   (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
+                   f32_out != 0};
     const int64_t nrb = (rows + MR - 1) / MR, items = panel_count(&g) * nrb;
     const int nt = thread_count(threads, items, (int64_t)n * k * 2);
     Py_BEGIN_ALLOW_THREADS

@@ -14,6 +14,7 @@
  *       rope.py cos_sin), HF's roundings (bf16: each product rounded, then the sum; fp32: two
  *       products and a sum, never fused into an FMA: built with -ffp-contract=off)
  *   shm_all_reduce(...)   one rank's step of the shared-memory all-reduce (see below)
+ *   argmax_rows(...)      the greedy token of each row of fp32 logits (argmax_rows.h)
  *
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
@@ -287,6 +288,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
 }
 
 #include "shm_allreduce.h"
+#include "argmax_rows.h"
 
 static PyMethodDef methods[] = {
     {"shm_all_reduce", shm_all_reduce, METH_VARARGS, "One rank's step of the shared-memory all-reduce."},
@@ -294,6 +296,7 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "silu(gate) * up over the rows of a [gate | up] tensor."},
     {"add_rms_norm_bf16", add_rms_norm_bf16, METH_VARARGS, "x += y (bf16), then HF's RMSNorm of x."},
     {"rope", rope, METH_VARARGS, "Rotary embedding of the first heads of each row, in place."},
+    {"argmax_rows", argmax_rows, METH_VARARGS, "First index of each fp32 row's maximum (NaN first)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",

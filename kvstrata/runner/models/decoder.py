@@ -159,7 +159,10 @@ class DecoderForCausalLM(nn.Module):
         return F.embedding(ids, self.embed)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.lm_head).float()
+        # kvstrata's bf16 GEMM writes the fp32 logits itself (runner/packed_linear.py).
+        as_float = getattr(self.lm_head, "linear_float", None)
+        logits = as_float(x) if as_float is not None else None
+        return logits if logits is not None else self.linear(x, self.lm_head).float()
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output summed over ranks (identity on one rank)."""
