@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.config.kv_plan import DSA_INDEX_K, MLA_LATENT, KVPlan
+from kvstrata.kv import _rowcopy
 from kvstrata.kv.huge_pages import empty_cpu_pool
 from kvstrata.kv.layouts import KVGeometry
 
@@ -46,8 +47,26 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v of shape [N, H, D] at `slots` ([N] int64) of `layer`."""
+        if self._scatter_fits(slots, k) and self._scatter_fits(slots, v):
+            kp, vp = self.kv[0, layer], self.kv[1, layer]
+            row = kp[0].numel() * kp.element_size()
+            _rowcopy.scatter_kv(kp.data_ptr(), vp.data_ptr(), kp.shape[0], row,
+                                slots.data_ptr(), slots.numel(), k.data_ptr(),
+                                k.stride(0) * k.element_size(), v.data_ptr(),
+                                v.stride(0) * v.element_size())
+            return
         self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
         self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))
+
+    def _scatter_fits(self, slots: torch.Tensor, x: torch.Tensor) -> bool:
+        """One C call can write x's rows (kv/csrc/rowcopy.c scatter_kv): a CPU pool, x of
+        the pool's dtype and [N, H, D] shape with each token's H x D values contiguous."""
+        pool = self.kv
+        return (pool.device.type == "cpu" and x.device.type == "cpu" and x.dtype == pool.dtype
+                and slots.dtype == torch.int64 and slots.device.type == "cpu"
+                and slots.is_contiguous() and x.dim() == 3 and x.shape[1:] == pool.shape[3:]
+                and x.shape[0] == slots.numel() and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2])
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K and V of slots `src` into slots `dst` (sources read first)."""

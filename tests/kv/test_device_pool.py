@@ -27,6 +27,30 @@ def test_pool_shape_zero_init_and_round_trip():
     assert pool.kv_layer(1).shape == (2, 24, 2, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_set_kv_one_call_equals_index_copy(dtype):
+    """k and v as the decoder passes them (views of a fused qkv row, rows strided) go through
+    one C scatter; other inputs (a dtype to convert, a slot past the pool) keep torch's
+    index_copy_ and its checks. Either way the same pool bytes."""
+    pools = [MHATokenToKVPool(mha_plan(6, 4, 2, 3, 8, str(dtype)[6:]), "cpu") for _ in range(2)]
+    qkv = torch.randn(5, 9 * 8 + 2 * 24).to(dtype)
+    k, v = qkv[:, 72:96].view(5, 3, 8), qkv[:, 96:].view(5, 3, 8)
+    slots = torch.tensor([4, 23, 9, 10, 5])
+    assert pools[0]._scatter_fits(slots, k) and pools[0]._scatter_fits(slots, v)
+    pools[0].set_kv(1, slots, k, v)
+    pools[1].kv[0, 1].index_copy_(0, slots, k)
+    pools[1].kv[1, 1].index_copy_(0, slots, v)
+    assert torch.equal(pools[0].kv, pools[1].kv)
+    assert not pools[0]._scatter_fits(slots, k.float() if dtype != torch.float32 else k.half())
+    assert not pools[0]._scatter_fits(slots, k.transpose(1, 2))     # D not contiguous
+    assert not pools[0]._scatter_fits(slots[:4], k)                  # counts differ
+    with pytest.raises(IndexError, match="outside the pool"):       # checked before writing
+        pools[0].set_kv(0, torch.tensor([0, 1, 2, 3, pools[0].kv.shape[2]]), k, v)
+    assert not pools[0].kv[:, 0].any()
+    pools[0].set_kv(0, slots, k.double(), v.double())               # converted: index_copy_
+    assert torch.equal(pools[0].kv[:, 0], pools[0].kv[:, 1])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_plan_bytes_match_the_real_tensor(dtype, page_size):

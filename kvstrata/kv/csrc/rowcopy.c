@@ -3,6 +3,7 @@
  *
  *   copy_pages(dst, dst_nbytes, src, src_nbytes, dst_pages, src_pages, n_pages,
  *              dst_rows, src_rows, rows_per_page, row_bytes, streaming)
+ *   scatter_kv(...)   a forward's new K and V rows into one layer of the device pool (below)
  *
  * Page i moves rows_per_page rows of row_bytes each:
  *   dst + dst_pages[i] + dst_rows[r]  <-  src + src_pages[i] + src_rows[r]
@@ -161,7 +162,43 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     return PyBool_FromLong(stream);
 }
 
+/* scatter_kv(k_plane, v_plane, plane_rows, row_bytes, slots, n, k, k_stride, v, v_stride):
+ * token i's K row (row_bytes at k + i * k_stride) to k_plane + slots[i] * row_bytes, and its V
+ * row likewise: one layer's new keys and values written into the device pool in one call (a
+ * decode step wrote them with two index_copy_ calls per layer, ~12-17 us each at batch 32,
+ * ~0.8 ms of a SmolLM2 step). Every slot is checked against plane_rows first. */
+static PyObject *scatter_kv(PyObject *self, PyObject *args) {
+    unsigned long long kp, vp, slots_addr, k_addr, v_addr;
+    long long plane_rows, row, k_stride, v_stride;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKLLKnKLKL", &kp, &vp, &plane_rows, &row, &slots_addr, &n,
+                          &k_addr, &k_stride, &v_addr, &v_stride))
+        return NULL;
+    if (n < 0 || row <= 0 || k_stride < row || v_stride < row) {
+        PyErr_Format(PyExc_ValueError, "need n >= 0, row_bytes > 0 and strides >= row_bytes, "
+                     "got %zd, %lld, %lld, %lld", n, row, k_stride, v_stride);
+        return NULL;
+    }
+    const int64_t *slots = (const int64_t *)(uintptr_t)slots_addr;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slots[i] < 0 || slots[i] >= plane_rows) {
+            PyErr_Format(PyExc_IndexError, "slot %lld outside the pool (%lld slots)",
+                         (long long)slots[i], plane_rows);
+            return NULL;
+        }
+    char *kd = (char *)(uintptr_t)kp, *vd = (char *)(uintptr_t)vp;
+    const char *ks = (const char *)(uintptr_t)k_addr, *vs = (const char *)(uintptr_t)v_addr;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(kd + slots[i] * row, ks + i * k_stride, (size_t)row);
+        memcpy(vd + slots[i] * row, vs + i * v_stride, (size_t)row);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"scatter_kv", scatter_kv, METH_VARARGS,
+     "scatter_kv(k_plane, v_plane, plane_rows, row_bytes, slots, n, k, k_stride, v, v_stride)"},
     {"copy_pages", copy_pages, METH_VARARGS,
      "copy_pages(dst, dst_nbytes, src, src_nbytes, dst_pages, src_pages, n_pages, dst_rows, "
      "src_rows, rows_per_page, row_bytes, streaming) -> whether streaming stores were used"},
