@@ -51,6 +51,7 @@
 #define PREFETCH_TOKENS 32
 
 #include "paged_decode_head64.h"
+#include "paged_decode_head64_bf16.h"
 #include "prefill_attention.h"
 
 static inline void prefetch_bytes(const char *p, int64_t n) {
@@ -220,7 +221,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
              (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
              qo_dtype == KV_BF16, (float)scale, pick_kernels(d, kv_dtype, isa_cap), NULL};
-    j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype);
+    j.head64 = pick_head64_bf16(pick_head64(&j.kn, d, hq / hkv, kv_dtype), hq / hkv,
+                                qo_dtype == KV_BF16, kv_dtype);
     const int64_t items = (int64_t)n * split;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     int failed = 0;

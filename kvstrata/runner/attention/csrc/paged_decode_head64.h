@@ -29,48 +29,59 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
         for (int b = 0; b < 64 * ESZ; b += 64) __builtin_prefetch(nx + b, 0, 3);            \
     }
 
-#define HEAD64(NAME, LOAD, ESZ, G)                                                          \
-    AVX512 static void NAME(const float *q, const char *k, const char *v, int64_t row_bytes, \
-                            const int64_t *sl, int64_t len, float scale, float *scores,     \
-                            float *o, softmax_fn softmax) {                                 \
-        __m512 qv[G][4], acc[G][4];                                                         \
-        for (int i = 0; i < G; i++)                                                         \
-            for (int c = 0; c < 4; c++) qv[i][c] = _mm512_loadu_ps(q + i * 64 + c * 16);    \
-        for (int64_t t = 0; t < len; t++) {                                                 \
-            PREFETCH_HEAD(k, ESZ)                                                           \
-            const char *kr = k + sl[t] * row_bytes;                                         \
-            __m512 k0 = LOAD(kr), k1 = LOAD(kr + 16 * ESZ), k2 = LOAD(kr + 32 * ESZ),       \
-                   k3 = LOAD(kr + 48 * ESZ);                                                \
-            for (int i = 0; i < G; i++) {                                                   \
-                __m512 s = _mm512_mul_ps(qv[i][0], k0);                                     \
-                s = _mm512_fmadd_ps(qv[i][1], k1, s);                                       \
-                s = _mm512_fmadd_ps(qv[i][2], k2, s);                                       \
-                s = _mm512_fmadd_ps(qv[i][3], k3, s);                                       \
-                scores[i * len + t] = _mm512_reduce_add_ps(s) * scale;                      \
-            }                                                                               \
-        }                                                                                   \
-        float inv[G];                                                                       \
-        for (int i = 0; i < G; i++) inv[i] = 1.f / softmax(scores + i * len, len);          \
-        for (int i = 0; i < G; i++)                                                         \
-            for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                    \
-        for (int64_t t = 0; t < len; t++) {                                                 \
-            PREFETCH_HEAD(v, ESZ)                                                           \
-            const char *vr = v + sl[t] * row_bytes;                                         \
-            __m512 v0 = LOAD(vr), v1 = LOAD(vr + 16 * ESZ), v2 = LOAD(vr + 32 * ESZ),       \
-                   v3 = LOAD(vr + 48 * ESZ);                                                \
-            for (int i = 0; i < G; i++) {                                                   \
-                __m512 p = _mm512_set1_ps(scores[i * len + t]);                             \
-                acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);                              \
-                acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);                              \
-                acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);                              \
-                acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);                              \
-            }                                                                               \
-        }                                                                                   \
+#define HEAD64_SIGNATURE                                                                    \
+    (const float *q, const char *k, const char *v, int64_t row_bytes, const int64_t *sl,     \
+     int64_t len, float scale, float *scores, float *o, softmax_fn softmax)
+
+/* Scores of G query heads (fp32 in registers) against each token's K head row. */
+#define HEAD64_SCORES(LOAD, ESZ, G)                                                         \
+    __m512 qv[G][4];                                                                        \
+    for (int i = 0; i < G; i++)                                                             \
+        for (int c = 0; c < 4; c++) qv[i][c] = _mm512_loadu_ps(q + i * 64 + c * 16);        \
+    for (int64_t t = 0; t < len; t++) {                                                     \
+        PREFETCH_HEAD(k, ESZ)                                                               \
+        const char *kr = k + sl[t] * row_bytes;                                             \
+        __m512 k0 = LOAD(kr), k1 = LOAD(kr + 16 * ESZ), k2 = LOAD(kr + 32 * ESZ),           \
+               k3 = LOAD(kr + 48 * ESZ);                                                    \
         for (int i = 0; i < G; i++) {                                                       \
-            __m512 s = _mm512_set1_ps(inv[i]);                                              \
-            for (int c = 0; c < 4; c++)                                                     \
-                _mm512_storeu_ps(o + i * 64 + c * 16, _mm512_mul_ps(acc[i][c], s));         \
+            __m512 s = _mm512_mul_ps(qv[i][0], k0);                                         \
+            s = _mm512_fmadd_ps(qv[i][1], k1, s);                                           \
+            s = _mm512_fmadd_ps(qv[i][2], k2, s);                                           \
+            s = _mm512_fmadd_ps(qv[i][3], k3, s);                                           \
+            scores[i * len + t] = _mm512_reduce_add_ps(s) * scale;                          \
         }                                                                                   \
+    }
+
+/* The shared softmax over the scores, then each query head's sum of V rows, normalised. */
+#define HEAD64_VALUES(LOAD, ESZ, G)                                                         \
+    float inv[G];                                                                           \
+    for (int i = 0; i < G; i++) inv[i] = 1.f / softmax(scores + i * len, len);              \
+    __m512 acc[G][4];                                                                       \
+    for (int i = 0; i < G; i++)                                                             \
+        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                        \
+    for (int64_t t = 0; t < len; t++) {                                                     \
+        PREFETCH_HEAD(v, ESZ)                                                               \
+        const char *vr = v + sl[t] * row_bytes;                                             \
+        __m512 v0 = LOAD(vr), v1 = LOAD(vr + 16 * ESZ), v2 = LOAD(vr + 32 * ESZ),           \
+               v3 = LOAD(vr + 48 * ESZ);                                                    \
+        for (int i = 0; i < G; i++) {                                                       \
+            __m512 p = _mm512_set1_ps(scores[i * len + t]);                                 \
+            acc[i][0] = _mm512_fmadd_ps(p, v0, acc[i][0]);                                  \
+            acc[i][1] = _mm512_fmadd_ps(p, v1, acc[i][1]);                                  \
+            acc[i][2] = _mm512_fmadd_ps(p, v2, acc[i][2]);                                  \
+            acc[i][3] = _mm512_fmadd_ps(p, v3, acc[i][3]);                                  \
+        }                                                                                   \
+    }                                                                                       \
+    for (int i = 0; i < G; i++) {                                                           \
+        __m512 s = _mm512_set1_ps(inv[i]);                                                  \
+        for (int c = 0; c < 4; c++)                                                         \
+            _mm512_storeu_ps(o + i * 64 + c * 16, _mm512_mul_ps(acc[i][c], s));             \
+    }
+
+#define HEAD64(NAME, LOAD, ESZ, G)                                                          \
+    AVX512 static void NAME HEAD64_SIGNATURE {                                              \
+        HEAD64_SCORES(LOAD, ESZ, G)                                                         \
+        HEAD64_VALUES(LOAD, ESZ, G)                                                         \
     }
 
 #define HEAD64_ALL(TAG, LOAD, ESZ)                                                          \
