@@ -48,6 +48,7 @@ PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 
 LEVELS = 127
 ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
 _DTYPES = cpu_ops.DTYPES  # the C ops' dtype codes (fp32 0, bf16 1)
+ROW_DTYPES = tuple(_DTYPES)  # what own_rows takes
 
 
 def available(has_vnni: bool) -> bool:
@@ -132,7 +133,7 @@ class Int8MatmulLinear(nn.Module):
         """[m, in] rows `stride` elements apart (fp32 / bf16) -> [m, out] in x's dtype. Few
         Python steps on purpose: a decode step makes 121 of these calls."""
         if self.own or not m:
-            return self._own_rows(x, m, stride, False)
+            return self.own_rows(x, m, stride, False)
         code = _DTYPES[x.dtype]
         y, scales, threads, cap = self._gemm(x, m, stride, code)
         out = y if code == 0 else torch.empty(m, self.out_features, dtype=x.dtype)  # in place
@@ -152,8 +153,8 @@ class Int8MatmulLinear(nn.Module):
             return None
         if self.own:  # one call; a width its tiles do not pair takes the two steps
             if self.out_features % 32:
-                return cpu_ops.silu_mul(self._own_rows(x, x.shape[0], self.in_features, False))
-            return self._own_rows(x, x.shape[0], self.in_features, True)
+                return cpu_ops.silu_mul(self.own_rows(x, x.shape[0], self.in_features, False))
+            return self.own_rows(x, x.shape[0], self.in_features, True)
         m, n, code = x.shape[0], self.out_features // 2, _DTYPES[x.dtype]
         out = torch.empty(m, n, dtype=x.dtype)
         if m:
@@ -162,7 +163,7 @@ class Int8MatmulLinear(nn.Module):
                                        out.data_ptr(), code, threads, cap)
         return out
 
-    def _own_rows(self, x: torch.Tensor, m: int, stride: int, silu: bool) -> torch.Tensor:
+    def own_rows(self, x: torch.Tensor, m: int, stride: int, silu: bool) -> torch.Tensor:
         """int8_ops.c linear: [m, in] rows -> [m, out] (silu: silu(gate) * up, [m, out / 2])
         in x's dtype, in one C call."""
         n = self.out_features
