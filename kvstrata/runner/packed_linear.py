@@ -19,9 +19,10 @@ bf16 on a CPU with AVX512-BF16 and without AMX runs kvstrata's own GEMM instead
 tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights prefetched
 while the rows multiply the current one, and the gate|up projection's silu(gate) * up
 written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
-layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py): at 32 rows 1.3-1.5x
-oneDNN's, at 1 and 8 rows 1.2-1.3x, at 2048 rows 0.9-1.05x. Same fp32 accumulation as
-oneDNN's bf16 kernels; results differ from them by accumulation order only.
+layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py --kind bf16): at 32
+rows 1.16-1.45x oneDNN's speed, at 8 rows 1.28x, at 1 row 1.02-1.3x, at 2048 rows 0.96-1.05x.
+Same fp32 accumulation as oneDNN's bf16 kernels; results differ from them by accumulation
+order only.
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         size = weight.element_size()
         self.nbytes = weight.numel() * size + (0 if bias is None else bias.numel() * size)
+        if self.own and bias is not None:
+            self.nbytes += 4 * bias.numel()  # the fp32 copy the GEMM's epilogue adds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
