@@ -4,9 +4,10 @@
  *
  * Why: every greedy decode step takes the argmax of [batch, vocab] fp32 logits. torch's
  * max(dim=-1) over SmolLM2's [32, 49152] measured 0.43-0.9 ms a step on 2 threads, ~4% of a
- * w8a8 step, for 6 MB that stream in ~0.2 ms; this pass 0.12-0.13 ms. Per lane the best value and its
- * first index (strictly greater replaces), then the lowest index among the lanes holding the
- * row's maximum; NaN seen anywhere sends the row to the scalar path, which finds it first. */
+ * w8a8 step, for 6 MB that stream in ~0.2 ms; this pass 0.12-0.13 ms. Per lane the best value
+ * and its first index (strictly greater replaces), then the lowest index among the lanes
+ * holding the row's maximum; NaN seen anywhere sends the row to the scalar path, which finds
+ * it first. */
 #ifndef KVSTRATA_ARGMAX_ROWS_H
 #define KVSTRATA_ARGMAX_ROWS_H
 

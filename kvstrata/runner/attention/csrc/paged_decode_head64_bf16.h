@@ -31,8 +31,8 @@ AVX512_BF16 static inline __m128 sum4_of_16(__m512 a, __m512 b, __m512 c, __m512
                              _mm512_shuffle_f32x4(ab, cd, 0xDD));
     u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
     u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
-    return _mm512_castps512_ps128(
-        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+    const __m512i lane0s = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0s, u));
 }
 
 /* One token's 16-lane partial dot products of G query heads with its K head row. */
