@@ -28,12 +28,14 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                    Extension("kvstrata.runner._int8_ops", ["kvstrata/runner/csrc/int8_ops.c"],
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/int8_gemm.h"],
+                                      "kvstrata/runner/csrc/int8_gemm.h",
+                                      "kvstrata/runner/csrc/gemm_panels.h"],
                              # one rounding per product: the scalar and AVX-512 rows agree
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"]),
                    Extension("kvstrata.runner._bf16_ops", ["kvstrata/runner/csrc/bf16_gemm.c"],
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
-                                      "kvstrata/runner/csrc/cpu_rows.h"],
+                                      "kvstrata/runner/csrc/cpu_rows.h",
+                                      "kvstrata/runner/csrc/gemm_panels.h"],
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"])])

@@ -29,10 +29,7 @@
 #include <Python.h>
 #include "cpu_rows.h"
 #include "cpu_vec.h"
-
-#define MR 4
-#define NR 4
-#define BLOCK 16 /* output columns per block (one zmm of fp32) */
+#include "gemm_panels.h"
 
 typedef struct {
     const uint16_t *x; /* [m] rows, stride elements apart */
@@ -44,30 +41,6 @@ typedef struct {
     int silu, f32_out;
 } gemm_args;
 
-/* The block indices of panel p and how many there are: plain panels are up to NR consecutive
- * blocks; silu panels pair up to NR / 2 gate blocks with the up blocks of the same columns
- * (the up half starts at block nb / 2), gates first. */
-static int panel_blocks(const gemm_args *g, int64_t p, int64_t blk[NR]) {
-    const int64_t nb = g->n / BLOCK;
-    if (!g->silu) {
-        const int nr = (int)(nb - p * NR < NR ? nb - p * NR : NR);
-        for (int j = 0; j < nr; j++) blk[j] = p * NR + j;
-        return nr;
-    }
-    const int64_t half = nb / 2, per = NR / 2;
-    const int ng = (int)(half - p * per < per ? half - p * per : per);
-    for (int j = 0; j < ng; j++) {
-        blk[j] = p * per + j;
-        blk[ng + j] = half + blk[j];
-    }
-    return 2 * ng;
-}
-
-static int64_t panel_count(const gemm_args *g) {
-    const int64_t nb = g->n / BLOCK, per = g->silu ? NR / 2 : NR;
-    return ((g->silu ? nb / 2 : nb) + per - 1) / per;
-}
-
 #if defined(__x86_64__)
 #define BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define ALWAYS_INLINE inline __attribute__((always_inline))
@@ -76,21 +49,9 @@ BF16_512 static ALWAYS_INLINE __m512 add_bias(__m512 v, const float *bias, int64
     return bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias + c0)) : v;
 }
 
-/* What a tile prefetches of the panel its thread multiplies next: row block rb of nrb takes
- * every nrb-th of the panel's 64-byte lines, one per pair step, so the panel streams in from
- * RAM while this one's rows are multiplied from cache instead of stalling its first row block
- * (the 120 GEMMs of a decode step at 32 rows: 16.1-16.7 -> 12.1-12.6 ms; without it the
- * first row block of each panel waited on RAM while the cores idled, and the rest ran from
- * cache while RAM idled). */
-typedef struct {
-    const uint16_t *w[NR];
-    int nr;
-    int64_t first, every;
-} prefetch_plan;
-
 /* One tile of mr rows x nr blocks (both compile-time constants at each call site). */
 BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const int64_t blk[NR],
-                                        const prefetch_plan *pf, const int mr, const int nr) {
+                                        prefetch_plan *pf, const int mr, const int nr) {
     __m512 c[MR][NR];
     const uint16_t *w[NR];
     const uint16_t *a[MR];
@@ -103,13 +64,8 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < nr; j++) c[i][j] = _mm512_setzero_ps();
-    int64_t next_line = pf->nr ? pf->first : k; /* the pair step whose line is prefetched */
     for (int64_t q = 0; q < k; q += 2) {
-        if (q / 2 == next_line) {
-            for (int j = 0; j < pf->nr; j++)
-                _mm_prefetch((const char *)(pf->w[j] + q * BLOCK), _MM_HINT_T1);
-            next_line += pf->every;
-        }
+        prefetch_due(pf, q / 2);
         __m512bh b[NR];
 #pragma GCC unroll 4
         for (int j = 0; j < nr; j++)
@@ -160,7 +116,7 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
     default: tile(g, r0, blk, pf, MRV, 1); return;      \
     }
 BF16_512 static void tile_any(const gemm_args *g, int64_t r0, const int64_t blk[NR],
-                              const prefetch_plan *pf, int mr, int nr) {
+                              prefetch_plan *pf, int mr, int nr) {
     switch (mr) {
     case 4: TILE_ROWS(4)
     case 3: TILE_ROWS(3)
@@ -202,21 +158,17 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     gemm_args g = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
                    (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
                    f32_out != 0};
-    const int64_t nrb = (rows + MR - 1) / MR, items = panel_count(&g) * nrb;
+    const int64_t nrb = (rows + MR - 1) / MR, items = panel_count(n, g.silu) * nrb;
     const int nt = thread_count(threads, items, (int64_t)n * k * 2);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it / nrb, r0 = (it % nrb) * MR;
         int64_t blk[NR];
-        const int nr = panel_blocks(&g, p, blk);
+        const int nr = panel_blocks(n, g.silu, p, blk);
         const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        prefetch_plan pf = {{NULL}, 0, it % nrb, nrb};
-        if (p + 1 < panel_count(&g)) {
-            int64_t nblk[NR];
-            pf.nr = panel_blocks(&g, p + 1, nblk);
-            for (int j = 0; j < pf.nr; j++) pf.w[j] = g.w + nblk[j] * k * BLOCK;
-        }
+        prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
+                                           it % nrb, nrb);
         tile_any(&g, r0, blk, &pf, mr, nr);
     }
     Py_END_ALLOW_THREADS

@@ -15,18 +15,16 @@
  * Tiles: MR rows x NR blocks (4 x 64 columns, 16 zmm accumulators). Rows are padded to a
  * multiple of MR (the padding rows are code 128, results dropped); the last panel's VNNI tile is
  * as narrow as its blocks (the scalar tile repeats a valid block instead, results dropped), and
- * each VNNI tile prefetches a share of its thread's next panel. Work items are (panel, row block), panel-major, split
- * statically across torch's OpenMP team, so a thread reuses a panel's weights across its rows.
+ * each VNNI tile prefetches a share of its thread's next panel (gemm_panels.h). Work items are
+ * (panel, row block), panel-major, split statically across torch's OpenMP team, so a thread
+ * reuses a panel's weights across its rows.
  * The scalar tile computes the same int32 sums; its epilogue is int8_ops.c's dequant rows and
  * the VNNI tile's register epilogue performs their float operations in the same order, so
  * results do not depend on the ISA.
  */
 #ifndef KVSTRATA_INT8_GEMM_H
 #define KVSTRATA_INT8_GEMM_H
-
-#define MR 4
-#define NR 4
-#define BLOCK 16 /* output columns per block (one zmm of int32) */
+#include "gemm_panels.h"
 
 typedef struct {
     const uint8_t *a;    /* [mp, k] u8 codes */
@@ -40,26 +38,22 @@ typedef struct {
     int dtype, silu;
 } gemm_args;
 
-/* The NR block indices of panel p and how many of them (plain) or of the gates (silu) are
- * real: plain panels are NR consecutive blocks; silu panels pair NR / 2 gate blocks with the
- * up blocks of the same columns (the up half starts at block nb / 2). */
-static int panel_blocks(const gemm_args *g, int64_t p, int64_t blk[NR]) {
-    const int64_t nb = g->n / BLOCK;
+/* The scalar tile's view of panel p: all NR block slots filled, a short panel repeating its
+ * last block (results dropped), and how many blocks (plain) or gates (silu) are real. */
+static int padded_blocks(const gemm_args *g, int64_t p, int64_t blk[NR]) {
+    int64_t c[NR] = {0};
+    const int nr = panel_blocks(g->n, g->silu, p, c); /* >= 1 (2 for silu): p is a panel */
     if (!g->silu) {
-        for (int j = 0; j < NR; j++) blk[j] = p * NR + j < nb ? p * NR + j : nb - 1;
-        return (int)(nb - p * NR < NR ? nb - p * NR : NR);
+        const int last = nr > 0 ? nr - 1 : 0;
+        for (int j = 0; j < NR; j++) blk[j] = c[j < nr ? j : last];
+        return nr;
     }
-    const int64_t half = nb / 2, per = NR / 2;
-    for (int j = 0; j < per; j++) {
-        blk[j] = p * per + j < half ? p * per + j : half - 1;
-        blk[per + j] = half + blk[j];
+    const int ng = nr / 2, last = ng > 0 ? ng - 1 : 0;
+    for (int j = 0; j < NR / 2; j++) {
+        blk[j] = c[j < ng ? j : last];
+        blk[NR / 2 + j] = c[ng + (j < ng ? j : last)];
     }
-    return (int)(half - p * per < per ? half - p * per : per);
-}
-
-static int64_t panel_count(const gemm_args *g) {
-    const int64_t nb = g->n / BLOCK, per = g->silu ? NR / 2 : NR;
-    return g->silu ? (nb / 2 + per - 1) / per : (nb + per - 1) / per;
+    return ng;
 }
 
 static void tile_scalar(const uint8_t *a, int64_t lda, const int8_t *const w[NR], int64_t k,
@@ -93,23 +87,12 @@ VNNI512 static inline void store16(void *o, __m512 v, int dtype) {
     if (dtype == F32) _mm512_storeu_ps(o, v);
     else _mm256_storeu_si256((__m256i *)o, bf16x16_from(v));
 }
-/* What a tile prefetches of the panel its thread multiplies next (as bf16_gemm.c does): row
- * block rb of nrb takes every nrb-th 64-byte line of the panel's blocks, one per k step, so
- * that panel streams in from RAM while this one's rows multiply from cache. Measured: the 120
- * GEMMs of a decode step at 32 rows 7.6-7.9 -> 6.3-6.9 ms (with the narrower tail tiles
- * below; o and down have 9 blocks of 16 columns, so their last panel computed 4 for 1). */
-typedef struct {
-    const int8_t *w[NR];
-    int nr;
-    int64_t first, every;
-} prefetch_plan;
-
 /* A tile of MR rows x nr blocks (nr a compile-time constant at each call site): blk holds
  * the nr blocks, for silu the gates then their up blocks, so a short last panel computes
  * only its own columns. */
 VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
     const gemm_args *g, const uint8_t *a, int64_t r0, const int64_t blk[NR],
-    const prefetch_plan *pf, const int nr) {
+    prefetch_plan *pf, const int nr) {
     __m512i c[MR][NR];
     const int8_t *w[NR];
     const int64_t k = g->k;
@@ -119,13 +102,8 @@ VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < nr; j++) c[i][j] = _mm512_setzero_si512();
-    int64_t next_line = pf->nr ? pf->first : k; /* the k step whose line is prefetched */
     for (int64_t q = 0; q < k; q += 4) {
-        if (q / 4 == next_line) {
-            for (int j = 0; j < pf->nr; j++)
-                _mm_prefetch((const char *)(pf->w[j] + q * BLOCK), _MM_HINT_T1);
-            next_line += pf->every;
-        }
+        prefetch_due(pf, q / 4);
         __m512i b[NR];
 #pragma GCC unroll 4
         for (int j = 0; j < nr; j++) b[j] = _mm512_loadu_si512((const void *)(w[j] + q * 16));
@@ -170,24 +148,13 @@ VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
     }
 }
 
-/* The valid blocks of a panel as tile_vnni_out takes them: how many, gates before ups. */
-static int compact_blocks(const gemm_args *g, const int64_t blk[NR], int valid, int64_t out[NR]) {
-    for (int j = 0; j < valid; j++) {
-        out[j] = blk[j];
-        if (g->silu) out[valid + j] = blk[NR / 2 + j];
-    }
-    return g->silu ? 2 * valid : valid;
-}
-
+/* A VNNI tile takes only its panel's blocks (gates before ups), so a short last panel
+ * computes only its own columns (o and down projections: 9 blocks, the last of 3 panels one). */
 VNNI512 static void tile_vnni(const gemm_args *g, int64_t p, int64_t nrb, int64_t r0) {
-    int64_t blk[NR], own[NR];
-    const int nr = compact_blocks(g, blk, panel_blocks(g, p, blk), own);
-    prefetch_plan pf = {{NULL}, 0, r0 / MR, nrb};
-    if (p + 1 < panel_count(g)) {
-        int64_t nblk[NR], next[NR];
-        pf.nr = compact_blocks(g, nblk, panel_blocks(g, p + 1, nblk), next);
-        for (int j = 0; j < pf.nr; j++) pf.w[j] = g->w + next[j] * g->k * BLOCK;
-    }
+    int64_t own[NR];
+    const int nr = panel_blocks(g->n, g->silu, p, own);
+    prefetch_plan pf = plan_next_panel((const char *)g->w, g->k * BLOCK, g->n, g->silu, p,
+                                       r0 / MR, nrb);
     const uint8_t *a = g->a + r0 * g->k;
     switch (nr) {
     case 4: tile_vnni_out(g, a, r0, own, &pf, 4); return;
@@ -248,7 +215,7 @@ static int use_vnni512(int isa_cap) {
 
 /* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
 static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
-    const int64_t nrb = mp / MR, items = panel_count(g) * nrb;
+    const int64_t nrb = mp / MR, items = panel_count(g->n, g->silu) * nrb;
     const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
@@ -257,7 +224,7 @@ static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
         if (vnni) { tile_vnni(g, p, nrb, r0); continue; }
 #endif
         int64_t blk[NR];
-        const int valid = panel_blocks(g, p, blk);
+        const int valid = padded_blocks(g, p, blk);
         const int8_t *w[NR];
         for (int j = 0; j < NR; j++) w[j] = g->w + blk[j] * nb_bytes;
         int32_t acc[MR][NR * BLOCK];

@@ -234,7 +234,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     const char *x = (const char *)x_addr;
     const int qvec = use_avx512(k, isa_cap);
     const int vnni = use_vnni512(isa_cap);
-    const int nt = thread_count(threads, panel_count(&g) * (mp / MR), (int64_t)n * k);
+    const int nt = thread_count(threads, panel_count(g.n, g.silu) * (mp / MR), (int64_t)n * k);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
