@@ -3,9 +3,13 @@
   --kind int8: the two `--quantization w8a8_int8` paths of runner/int8_linear.py (our VNNI
                GEMM with the row ops fused in, oneDNN's int8 linear between two row passes);
                the same values bit for bit (checked here on the first weight of each shape)
-  --kind bf16: a bf16 model's linears (runner/packed_linear.py: our AVX512-BF16 GEMM, oneDNN's
-               prepacked bf16 linear); the same up to accumulation order (checked to bf16's
-               rounding)
+  --kind bf16: a bf16 model's linears (runner/packed_linear.py: our GEMM -- its AVX512-BF16
+               body, or on an AVX2-only CPU its AVX2 body -- against oneDNN's prepacked bf16
+               linear, or torch's F.linear where oneDNN has no bf16 kernels: the "onednn"
+               column then times F.linear, named in the output); the same up to accumulation
+               order (checked to bf16's rounding). Also timed: the same weights in fp32
+               through oneDNN's prepacked fp32 linear (`vs_fp32` = its time / ours), the
+               float path a bf16 model competes with
 
 Each round builds nothing new: 30 weights of each of SmolLM2's four layer shapes (qkv
 576->960, o 576->576, gate|up 576->3072, down 1536->576) per kernel, so that every call reads
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.runner.int8_linear import Int8MatmulLinear, own_gemm_fits  # noqa: E402
-from kvstrata.runner.packed_linear import PackedLinear, own_bf16_fits  # noqa: E402
+from kvstrata.runner.packed_linear import PackedLinear, kernel_name, own_bf16_fits  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # in -> out
 
@@ -39,8 +43,9 @@ KINDS = {"int8": ("KVSTRATA_CPU_INT8_GEMM", Int8MatmulLinear, torch.float32),
          "bf16": ("KVSTRATA_CPU_BF16_GEMM", PackedLinear, torch.bfloat16)}
 
 
-def build(kind: str, kernel: str, copies: int) -> list:
-    env, layer, dtype = KINDS[kind]
+def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None) -> list:
+    env, layer, kind_dtype = KINDS[kind]
+    dtype = dtype or kind_dtype
     saved = os.environ.get(env)
     os.environ[env] = kernel  # read when a layer packs its weight
     try:
@@ -85,11 +90,17 @@ def main(argv=None) -> dict:
     load = announce_load(args.require_quiet)
     out = args.out or f"benchmarks/results/{args.kind}_gemm.json"
     if not fits(args.kind):
-        isa = "AVX512-VNNI" if args.kind == "int8" else "AVX512-BF16 without AMX"
+        isa = ("AVX512-VNNI" if args.kind == "int8" else
+               "AVX512-BF16 without AMX, nor AVX2 without oneDNN's bf16")
         print(f"this CPU has no {isa} (or {KINDS[args.kind][0]}=onednn): nothing to compare")
         return {}
     ours, onednn = build(args.kind, "auto", args.copies), build(args.kind, "onednn", args.copies)
     dtype = torch.bfloat16 if args.kind == "bf16" else getattr(torch, args.dtype)
+    kernels = {"kvstrata": ours, "onednn": onednn}
+    if args.kind == "bf16":  # the same weights (same seed) in fp32, oneDNN's prepacked linear
+        kernels["fp32"] = build(args.kind, "onednn", args.copies, torch.float32)
+        baseline = kernel_name(onednn[0])
+        print(f"kvstrata: {kernel_name(ours[0])}; \"onednn\": {baseline}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.kind}, "
           f"{dtype}")
     rows_out = []
@@ -98,12 +109,13 @@ def main(argv=None) -> dict:
             x = {k: torch.randn(m, k).to(dtype) for k, _ in SHAPES}
             for i in range(0, len(ours), args.copies):  # same values, both kernels
                 check_same(args.kind, ours[i], onednn[i], x[ours[i].in_features], m)
-            times = {"kvstrata": [], "onednn": []}
+            times = {name: [] for name in kernels}
             for _ in range(args.rounds):
-                for name, layers in (("kvstrata", ours), ("onednn", onednn)):
+                for name, layers in kernels.items():
+                    xs = x if name != "fp32" else {k: v.float() for k, v in x.items()}
                     t = time.perf_counter()
                     for layer in layers:
-                        layer(x[layer.in_features])
+                        layer(xs[layer.in_features])
                     times[name].append(time.perf_counter() - t)
             ratio = statistics.median(o / k for o, k in zip(times["onednn"], times["kvstrata"]))
             ops = sum(2 * m * layer.in_features * layer.out_features for layer in ours)
@@ -111,12 +123,21 @@ def main(argv=None) -> dict:
             row = {"rows": m, "calls": len(ours), "kvstrata_ms": best * 1e3,
                    "onednn_ms": min(times["onednn"]) * 1e3, "ratio": ratio,
                    "kvstrata_gops": ops / best / 1e9}
+            extra = ""
+            if "fp32" in times:
+                row["fp32_ms"] = min(times["fp32"]) * 1e3
+                row["vs_fp32"] = statistics.median(
+                    f / k for f, k in zip(times["fp32"], times["kvstrata"]))
+                extra = f"  fp32 {row['fp32_ms']:8.2f} ms  vs fp32 {row['vs_fp32']:5.2f}x"
             rows_out.append(row)
             print(f"M={m:<5d} {len(ours)} calls  kvstrata {row['kvstrata_ms']:8.2f} ms  oneDNN "
                   f"{row['onednn_ms']:8.2f} ms  ratio {ratio:5.2f}x  "
-                  f"({row['kvstrata_gops']:.0f} GOP/s)", flush=True)
+                  f"({row['kvstrata_gops']:.0f} GOP/s){extra}", flush=True)
     report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "kind": args.kind,
-              "dtype": str(dtype).removeprefix("torch."), "box_load": load, "results": rows_out}
+              "dtype": str(dtype).removeprefix("torch."), "box_load": load,
+              "kernel": kernel_name(ours[0]) if args.kind == "bf16" else "kvstrata int8 GEMM",
+              "baseline": kernel_name(onednn[0]) if args.kind == "bf16" else "oneDNN int8",
+              "results": rows_out}
     if out:
         write_json(out, report)
     return report

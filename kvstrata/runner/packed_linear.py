@@ -23,6 +23,14 @@ layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py --kind bf
 rows 1.16-1.45x oneDNN's speed, at 8 rows 1.28x, at 1 row 1.02-1.3x, at 2048 rows 0.96-1.05x.
 Same fp32 accumulation as oneDNN's bf16 kernels; results differ from them by accumulation
 order only.
+
+bf16 on a CPU where oneDNN has no bf16 kernels (AVX2 without AVX-512, where torch's bf16
+F.linear ran 17-18 GFLOP/s against fp32's 90-135) runs the same GEMM's AVX2 + FMA body
+(runner/csrc/bf16_gemm_avx2.h: each packed pair of bf16 weights widened to fp32 by a shift and
+a mask, fp32 FMAs). Measured on a 2-vCPU AVX2 EPYC (benchmarks/bench_gemm.py --kind bf16):
+4.3-5.8x torch's bf16 F.linear at 8-256 rows; against fp32's prepacked oneDNN linear (half the
+weight bytes, the same FMAs) 2.0x at 1 row, 1.4x at 8, 1.06x at 32, 0.76x at 256. A layer
+neither GEMM takes there keeps F.linear.
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ from kvstrata.runner.attention.paged_decode import isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
 OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/csrc/bf16_gemm.c)"
+OWN_BF16_AVX2_KERNEL = "kvstrata bf16 GEMM (AVX2 + FMA, runner/csrc/bf16_gemm_avx2.h)"
+PLAIN_KERNEL = "torch F.linear (no bf16 GEMM of oneDNN's or kvstrata's on this CPU)"
 GEMM_CHOICES = ("auto", "onednn")
 # The decoder's linear weights: (weight attribute, bias attribute), as in quantization.py.
 LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
@@ -58,22 +68,32 @@ def available(model: Any) -> bool:
     if not (torch.backends.mkldnn.is_available() and isinstance(weight, torch.Tensor)
             and weight.dtype in DTYPES and weight.device.type == "cpu"):
         return False
-    # oneDNN's bf16 kernels need AVX-512 (BW/VL) at least; elsewhere bf16 stays on F.linear.
-    return weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # oneDNN's bf16 kernels need AVX-512 (BW/VL) at least; on AVX2 kvstrata's own GEMM takes
+    # bf16 (a layer it does not fit keeps F.linear).
+    return (weight.dtype == torch.float32 or _onednn_bf16()
+            or _bf16_ops.kernel_isa(isa_cap()) > 0)
+
+
+def _onednn_bf16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def own_bf16_fits(weight: torch.Tensor) -> bool:
     """kvstrata's bf16 GEMM takes this weight: bf16 on a CPU with AVX512-BF16 (and
-    KVSTRATA_CPU_ISA allowing AVX-512), its layout's shape rules (in % 2, out % 16) and
-    KVSTRATA_CPU_BF16_GEMM=auto. Not with AMX-BF16: oneDNN multiplies bf16 tiles on AMX there,
-    which vdpbf16ps does not match at prefill sizes."""
+    KVSTRATA_CPU_ISA allowing AVX-512), or with AVX2 + FMA where oneDNN has no bf16 kernels;
+    its layout's shape rules (in % 2, out % 16) and KVSTRATA_CPU_BF16_GEMM=auto. Not with
+    AMX-BF16: oneDNN multiplies bf16 tiles on AMX there, which vdpbf16ps does not match at
+    prefill sizes."""
     choice = envs.KVSTRATA_CPU_BF16_GEMM.get().strip().lower()
     if choice not in GEMM_CHOICES:
         raise ValueError(f"KVSTRATA_CPU_BF16_GEMM={choice!r} is not one of {GEMM_CHOICES}")
     out_features, in_features = weight.shape
-    return (choice == "auto" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
-            and out_features % 16 == 0 and _bf16_ops.has_bf16_512(isa_cap())
-            and "amx_bf16" not in read_cpu_flags())
+    if not (choice == "auto" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
+            and out_features % 16 == 0):
+        return False
+    if _bf16_ops.has_bf16_512(isa_cap()):
+        return "amx_bf16" not in read_cpu_flags()
+    return _bf16_ops.kernel_isa(isa_cap()) == 1 and not _onednn_bf16()
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -89,16 +109,19 @@ def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A weight (and bias) in oneDNN's layout, or in kvstrata's bf16 GEMM's (`own`); call
-    through `packed_linear`."""
+    """A weight (and bias) in oneDNN's layout, in kvstrata's bf16 GEMM's (`own`), or as it is
+    (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.own = own_bf16_fits(weight)
+        self.plain = not self.own and weight.dtype == torch.bfloat16 and not _onednn_bf16()
         if self.own:  # one layout: the own GEMM serves every row count
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        elif self.plain:
+            self.packed = weight.detach().contiguous()
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach().contiguous(), PACK_ROWS_HINT)
@@ -122,7 +145,7 @@ class PackedLinear(nn.Module):
         m = x2.shape[0]
         out = torch.empty(m, n // 2 if silu else n, dtype=torch.float32 if f32 else torch.bfloat16)
         cap = isa_cap()
-        if m and not _bf16_ops.has_bf16_512(cap):  # ISA pinned below AVX-512 after packing
+        if m and not _bf16_ops.kernel_isa(cap):  # ISA pinned to scalar after packing
             y = F.linear(x2, unpack_bf16(self.packed), self.bias)
             out.copy_(cpu_ops.silu_mul(y) if silu else y)
         elif m:
@@ -157,6 +180,8 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
     its bias, so `bias` is None)."""
     if layer.own:
         return layer.own_rows(x)
+    if layer.plain:
+        return F.linear(x, layer.packed, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none",
                                               [], "")
 
@@ -196,7 +221,9 @@ def pack_model(model: Any) -> dict:
 
 
 def kernel_name(layer: PackedLinear) -> str:
-    return OWN_BF16_KERNEL if layer.own else KERNEL
+    if layer.own:
+        return OWN_BF16_KERNEL if _bf16_ops.kernel_isa(isa_cap()) == 2 else OWN_BF16_AVX2_KERNEL
+    return PLAIN_KERNEL if layer.plain else KERNEL
 
 
 def pack_draft_head(head: Any) -> dict:

@@ -1,5 +1,8 @@
 """kvstrata's bf16 GEMM (runner/csrc/bf16_gemm.c, through runner/packed_linear.py) against
-float64 arithmetic on the same bf16 values and against oneDNN's prepacked bf16 linear.
+float64 arithmetic on the same bf16 values and against oneDNN's prepacked bf16 linear (F.linear
+on a CPU where oneDNN has no bf16 kernels). Its AVX512-BF16 body runs where the CPU has it, the
+AVX2 + FMA body (bf16_gemm_avx2.h) on AVX2-only CPUs; the AVX2 body is also tested on an
+AVX-512 CPU by capping the ISA (test_avx2_body_*).
 
 Every output is an fp32 sum of exact bf16 products rounded once to bf16, so it must sit within
 one bf16 step (2^-7 relative) of the float64 result, plus the fp32 accumulation error; the
@@ -13,9 +16,10 @@ import torch.nn.functional as F
 from kvstrata.runner import _bf16_ops, cpu_ops, packed_linear
 from kvstrata.runner.packed_linear import PackedLinear
 
-pytestmark = pytest.mark.skipif(
-    not (_bf16_ops.has_bf16_512(2) and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="kvstrata's bf16 GEMM needs AVX512-BF16")
+BF16_512 = _bf16_ops.has_bf16_512(2) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+AVX2_OWN = _bf16_ops.kernel_isa(2) == 1 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+own_gemm = pytest.mark.skipif(not (BF16_512 or AVX2_OWN), reason="kvstrata's bf16 GEMM takes "
+                              "bf16 layers with AVX512-BF16, or with AVX2 where oneDNN has none")
 
 
 def _layer(weight, bias, gemm, monkeypatch) -> PackedLinear:
@@ -34,6 +38,7 @@ def assert_near_exact(out, x, weight, bias):
     assert bool(((out.double() - exact).abs() <= bound).all()), (out.double() - exact).abs().max()
 
 
+@own_gemm
 @pytest.mark.parametrize("k,n,bias", [(576, 960, True), (1536, 576, False), (2, 16, True),
                                       (130, 48, False), (64, 80, True), (576, 3072, False)])
 def test_own_gemm_is_one_rounding_from_exact(k, n, bias, monkeypatch):
@@ -52,6 +57,7 @@ def test_own_gemm_is_one_rounding_from_exact(k, n, bias, monkeypatch):
     assert torch.equal(layer(x[:, None])[:, 0], layer(x))
 
 
+@own_gemm
 def test_own_gemm_matches_onednn_and_views(monkeypatch):
     torch.manual_seed(1)
     weight, b = torch.randn(96, 256).bfloat16(), torch.randn(96).bfloat16()
@@ -71,6 +77,7 @@ def test_own_gemm_matches_onednn_and_views(monkeypatch):
     assert ours.nbytes == theirs.nbytes + 96 * 4  # and the bias in fp32 for the epilogue
 
 
+@own_gemm
 @pytest.mark.parametrize("inter,bias", [(1536, True), (48, False), (16, True), (40, False)])
 def test_fused_silu_mul_equals_the_two_steps(inter, bias, monkeypatch):
     """Gate block j pairs with up block j (odd gate-block counts cut the last panel short:
@@ -89,6 +96,7 @@ def test_fused_silu_mul_equals_the_two_steps(inter, bias, monkeypatch):
     assert _layer(weight, b, "onednn", monkeypatch).linear_silu_mul(x) is None
 
 
+@own_gemm
 def test_choice_rules_and_fallbacks(monkeypatch):
     torch.manual_seed(2)
     weight, b = torch.randn(32, 64).bfloat16(), torch.randn(32).bfloat16()
@@ -96,14 +104,19 @@ def test_choice_rules_and_fallbacks(monkeypatch):
     assert not _layer(torch.randn(16, 31).bfloat16(), None, "auto", monkeypatch).own  # 31 % 2
     assert not _layer(weight.float(), None, "auto", monkeypatch).own  # fp32: oneDNN's
     flags = packed_linear.read_cpu_flags()
-    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags | {"amx_bf16"})
-    assert not packed_linear.own_bf16_fits(weight)  # AMX: oneDNN's tiles
+    if BF16_512:
+        monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags | {"amx_bf16"})
+        assert not packed_linear.own_bf16_fits(weight)  # AMX: oneDNN's tiles
     layer = _layer(weight, b, "auto", monkeypatch)
-    assert packed_linear.kernel_name(layer) == packed_linear.OWN_BF16_KERNEL
+    assert packed_linear.kernel_name(layer) == (packed_linear.OWN_BF16_KERNEL if BF16_512
+                                                else packed_linear.OWN_BF16_AVX2_KERNEL)
     assert torch.equal(packed_linear.unpack_bf16(layer.packed), weight)
-    # KVSTRATA_CPU_ISA pinned below AVX-512 after packing: F.linear on the unpacked weight.
     x = torch.randn(5, 64).bfloat16()
+    # KVSTRATA_CPU_ISA pinned to AVX2 after packing: the AVX2 body; to scalar: F.linear on
+    # the unpacked weight.
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    assert_near_exact(layer(x), x.float(), weight.float(), b.float())
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert torch.equal(layer(x), F.linear(x, weight, b))
     assert torch.equal(layer.linear_silu_mul(x), cpu_ops.silu_mul(F.linear(x, weight, b)))
     assert torch.equal(layer.linear_float(x), F.linear(x, weight, b).float())
@@ -114,3 +127,68 @@ def test_choice_rules_and_fallbacks(monkeypatch):
         _bf16_ops.linear(0, 6, 1, 6, 0, 24, 0, 0, 0, 0, 1, 2)
     with pytest.raises(ValueError, match="bad shape"):  # silu's output is bf16 only
         _bf16_ops.linear(0, 64, 1, 64, 0, 32, 0, 0, 1, 1, 1, 2)
+
+
+avx2_body = pytest.mark.skipif(_bf16_ops.kernel_isa(1) != 1, reason="needs AVX2 + FMA")
+
+
+def _raw(x, packed, n, bias=None, silu=0, f32=0, cap=1):
+    """_bf16_ops.linear on x's rows with the ISA capped (1: the AVX2 body on any AVX2 CPU)."""
+    m, k = x.shape
+    out = torch.empty(m, n // 2 if silu else n, dtype=torch.float32 if f32 else torch.bfloat16)
+    _bf16_ops.linear(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+                     0 if bias is None else bias.data_ptr(), out.data_ptr(), silu, f32,
+                     torch.get_num_threads(), cap)
+    return out
+
+
+@avx2_body
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (2, 16), (130, 48), (64, 96)])
+def test_avx2_body_is_one_rounding_from_exact(k, n):
+    """Tiles of up to 6 rows (rows 1-7, 12, 13, 33 leave every tail) x one block, the panel's
+    blocks one after the other; bias added before the one rounding; strided rows."""
+    torch.manual_seed(k + n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n)
+    packed = packed_linear.pack_bf16(weight)
+    for m in (1, 2, 3, 4, 5, 6, 7, 12, 13, 33):
+        wide = torch.randn(m, k + 10).bfloat16()
+        x = wide[:, 3:3 + k]
+        assert_near_exact(_raw(x, packed, n, bias), x.float(), weight.float(),
+                          bias.double().float())
+        assert torch.equal(_raw(x, packed, n, bias, f32=1), _raw(x, packed, n, bias).float())
+    assert _raw(torch.zeros(0, k, dtype=torch.bfloat16), packed, n).shape == (0, n)
+
+
+@avx2_body
+@pytest.mark.parametrize("inter", [16, 48, 1536])
+def test_avx2_body_silu_equals_cpu_ops_two_steps(inter, monkeypatch):
+    """The fused gate|up epilogue and cpu_ops.silu_mul's AVX2 rows share silu_v8: equal bit for
+    bit (both capped to AVX2, as a model's calls are on an AVX2-only CPU)."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    torch.manual_seed(inter)
+    weight = (torch.randn(2 * inter, 64) / 8).bfloat16()
+    bias = torch.randn(2 * inter).bfloat16().float()
+    packed = packed_linear.pack_bf16(weight)
+    for m in (1, 6, 7, 32):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(_raw(x, packed, 2 * inter, bias, silu=1),
+                           cpu_ops.silu_mul(_raw(x, packed, 2 * inter, bias)))
+
+
+@avx2_body
+def test_avx2_silu_mul_rows_match_torch(monkeypatch):
+    """cpu_ops.silu_mul's AVX2 rows (fp32 and bf16) against torch's silu(gate) * up."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = (torch.randn(5, 2 * 72) * 4).to(dtype)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        if dtype == torch.bfloat16:  # torch's unfused bf16 ops round silu's output first
+            want = (F.silu(gate_up[:, :72]).float() * up).bfloat16()
+        # fp32: the exp polynomial's error (< 2e-7 relative); bf16: one rounding step apart
+        # where torch's silu lands on the other side of a bf16 midpoint.
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7,
+                                                                            atol=1e-6)
+        torch.testing.assert_close(cpu_ops.silu_mul(gate_up), want.to(dtype), **tol)

@@ -6,6 +6,10 @@ guards against the same SmolLM2 weights in float32 (issue: CPU speed per ISA, it
 - Greedy answers to the smoke prompts (32 tokens, chat template) equal float32's, except where
   float32 itself is at a near-tie: at the first differing token, bf16's choice must be
   float32's runner-up within NEAR_TIE nats of its top.
+- The fact behind the first smoke prompt survives: after "The capital of France is" both
+  dtypes continue with Paris. (The free answer is not that check: float32's first token there
+  is a 0.082-nat tie between two openings, which kernels of equal accuracy -- perplexity
+  within 0.3% -- break either way.)
 
 Runs on every machine: without bf16 instructions torch emulates the bf16 GEMMs (slower, the
 same rounding), so the guard holds wherever a user may force --dtype bfloat16.
@@ -21,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PPL_TOKENS = 1100
 PPL_MAX_RATIO = 1.01
 NEAR_TIE = 0.5  # nats between float32's top two tokens
+FACT_PREFIX = "The capital of France is"
 SMOKE = ["What is the capital of France?", "Name three primary colors.",
          "Write a haiku about the sea.", "What is 12 times 7?",
          "Explain in one sentence what a CPU does."]
@@ -45,7 +50,10 @@ def _measure(gguf_path: str, dtype: str) -> dict:
             prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
         answers = llm.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": 32, "temperature": 0, "logprobs": 2})
-    return {"ppl": math.exp(-sum(lps) / len(lps)), "n": len(lps), "answers": answers}
+        fact = llm.generate(input_ids=prompts[0] + llm.tokenizer(FACT_PREFIX)["input_ids"],
+                            sampling_params={"max_new_tokens": 3, "temperature": 0})
+    return {"ppl": math.exp(-sum(lps) / len(lps)), "n": len(lps), "answers": answers,
+            "fact": fact["text"]}
 
 
 @pytest.mark.slow
@@ -67,5 +75,7 @@ def test_bf16_smollm2_perplexity_and_smoke_answers(smollm2_gguf_path):
         gap = max(top.values()) - top.get(got["output_ids"][i], -math.inf)
         print(f"{q!r}: differs at token {i}, float32's gap {gap:.3f}")
         assert gap < NEAR_TIE, (q, ref["text"], got["text"])
-    assert "Paris" in bf16["answers"][0]["text"]
-    assert identical >= len(SMOKE) - 2
+    assert "Paris" in fp32["fact"] and "Paris" in bf16["fact"], (fp32["fact"], bf16["fact"])
+    # Three of the five float32 answers hold a near-tie within 32 tokens (gaps of 0.007-0.135
+    # nats measured); every difference above was checked to sit at one.
+    assert identical >= len(SMOKE) - 3

@@ -40,16 +40,25 @@ def test_packed_bf16_equals_f_linear(rows):
     assert layer.nbytes == (w.numel() + 97) * 2
 
 
-def test_runner_packs_bf16_where_onednn_has_bf16(tiny_checkpoints):
+def test_runner_packs_bf16_where_a_bf16_gemm_runs(tiny_checkpoints):
+    """bf16 layers are packed where oneDNN has bf16 kernels or kvstrata's GEMM runs (its
+    AVX2 body on an AVX2-only CPU); the output head's kernel is reported."""
     from kvstrata import LLM
+    from kvstrata.runner import _bf16_ops
     from kvstrata.runner import packed_linear as module
+    onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
              dtype="bfloat16", max_total_tokens=1024) as llm:
         model = llm.engine.runner.model
         packed = model.linear is module.packed_linear
-        assert packed == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        want = (module.OWN_BF16_KERNEL if module.own_bf16_fits(model.embed) else
-                module.KERNEL) if packed else None
+        assert packed == (onednn or _bf16_ops.kernel_isa(2) > 0)
+        if not packed:
+            want = None
+        elif module.own_bf16_fits(model.embed):
+            want = (module.OWN_BF16_KERNEL if _bf16_ops.has_bf16_512(2) else
+                    module.OWN_BF16_AVX2_KERNEL)
+        else:
+            want = module.KERNEL if onednn else module.PLAIN_KERNEL
         assert llm.server_info()["quantization_info"].get("kernel") == want
 
 

@@ -107,7 +107,8 @@ def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
          "--transfer-pages", "16", "--output-json", str(out))
     result = json.loads(out.read_text())
     for setup in ("colocated", "tcp"):
-        assert result[setup]["completed"] == 4 and result[setup]["failed"] == 0
+        assert result[setup]["completed"] == 4 and result[setup]["failed"] == 0, \
+            (setup, result[setup]["errors"])
         assert result[setup]["ttft_ms"]["p50"] > 0
     assert set(result["tcp"]["vs_colocated"]) == {"ttft_p50", "ttft_p99", "tpot_p50",
                                                   "tpot_p99", "output_tok_s"}

@@ -1,5 +1,5 @@
-/* kvstrata's own bf16 linear for a bf16 model on an AVX512-BF16 CPU without AMX
- * (kvstrata/runner/packed_linear.py wraps it).
+/* kvstrata's own bf16 linear for a bf16 model on an AVX512-BF16 CPU without AMX, and on an
+ * AVX2 + FMA CPU (bf16_gemm_avx2.h) (kvstrata/runner/packed_linear.py wraps it).
  *
  *   linear(x, x_row_stride, rows, k, w, n, bias, out, silu, out_f32, threads, isa_cap)
  *       out[r, j] = bf16(sum_q x[r, q] * W[j, q] (+ bias[j])), fp32 accumulation, one rounding;
@@ -10,7 +10,8 @@
  *       cpu_ops.c silu_mul computes it from the projection's bf16 output.
  *       x bf16 rows `x_row_stride` elements apart; w packed by pack_bf16 (below); bias fp32
  *       [n] or 0; k % 2 == 0, n % 16 == 0.
- *   has_bf16_512(isa_cap): whether this CPU runs linear (AVX512-BF16, KVSTRATA_CPU_ISA allows).
+ *   has_bf16_512(isa_cap): whether this CPU runs linear on AVX512-BF16 (KVSTRATA_CPU_ISA allows);
+ *   kernel_isa(isa_cap): the body linear runs: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
  *
  * Why: a decode step makes ~121 linears of 1-64 rows. oneDNN's prepacked bf16 linear ran them
  * at ~59% of its own 2048^3 GEMM peak (bench_decode_step.py, 2 threads) with ~16-19 us of
@@ -108,6 +109,8 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
     }
 }
 
+#include "bf16_gemm_avx2.h"
+
 #define TILE_ROWS(MRV)                                  \
     switch (nr) {                                       \
     case 4: tile(g, r0, blk, pf, MRV, 4); return;       \
@@ -137,6 +140,16 @@ static int use_bf16_512(int isa_cap) {
 #endif
 }
 
+/* Which body linear runs: 2 AVX512-BF16, 1 AVX2 + FMA (bf16_gemm_avx2.h), 0 none. */
+static int body_isa(int isa_cap) {
+    if (use_bf16_512(isa_cap)) return 2;
+#if defined(__x86_64__)
+    if (isa_cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return 1;
+#endif
+    return 0;
+}
+
 static PyObject *linear(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
@@ -150,28 +163,44 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                      "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
-    if (!use_bf16_512(isa_cap)) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU (or KVSTRATA_CPU_ISA) has no AVX512-BF16");
+    const int body = body_isa(isa_cap);
+    if (!body) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this CPU (or KVSTRATA_CPU_ISA) has neither AVX512-BF16 nor AVX2 + FMA");
         return NULL;
     }
 #if defined(__x86_64__)
     gemm_args g = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
                    (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
                    f32_out != 0};
-    const int64_t nrb = (rows + MR - 1) / MR, items = panel_count(n, g.silu) * nrb;
+    const int64_t mr_max = body == 1 ? MR_AVX2 : MR; /* rows per tile */
+    const int64_t nrb = (rows + mr_max - 1) / mr_max, items = panel_count(n, g.silu) * nrb;
     const int nt = thread_count(threads, items, (int64_t)n * k * 2);
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t p = it / nrb, r0 = (it % nrb) * MR;
-        int64_t blk[NR];
-        const int nr = panel_blocks(n, g.silu, p, blk);
-        const int mr = (int)(rows - r0 < MR ? rows - r0 : MR);
-        prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
-                                           it % nrb, nrb);
-        tile_any(&g, r0, blk, &pf, mr, nr);
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
+    {
+        /* AVX2: this thread's rows widened to fp32 (bf16_gemm_avx2.h) */
+        float *xf = body == 1 ? malloc(sizeof(float) * MR_AVX2 * k) : NULL;
+        failed = body == 1 && xf == NULL;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; it++) {
+            if (failed) continue;
+            const int64_t p = it / nrb, r0 = (it % nrb) * mr_max;
+            int64_t blk[NR];
+            const int nr = panel_blocks(n, g.silu, p, blk);
+            const int mr = (int)(rows - r0 < mr_max ? rows - r0 : mr_max);
+            prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
+                                               it % nrb, nrb);
+            if (body == 1)
+                tile_avx2(&g, r0, blk, &pf, mr, nr, xf);
+            else
+                tile_any(&g, r0, blk, &pf, mr, nr);
+        }
+        free(xf);
     }
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
 #endif
     Py_RETURN_NONE;
 }
@@ -182,9 +211,17 @@ static PyObject *has_bf16_512(PyObject *self, PyObject *args) {
     return PyBool_FromLong(use_bf16_512(isa_cap));
 }
 
+static PyObject *kernel_isa(PyObject *self, PyObject *args) {
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
+    return PyLong_FromLong(body_isa(isa_cap));
+}
+
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS, "bf16 rows x packed bf16 weight (AVX512-BF16), bf16 out."},
-    {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on this CPU."},
+    {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on AVX512-BF16 here."},
+    {"kernel_isa", kernel_isa, METH_VARARGS,
+     "linear's body here: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16_ops",

@@ -19,8 +19,9 @@
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
  * even), so the result equals the op sequence it replaces up to fp32 summation order and the
- * exp approximation (< 2e-7 relative). Vector code (AVX-512F) is chosen at run time; the
- * scalar path computes the same. Rows are split across OpenMP threads (torch's own team, as
+ * exp approximation (< 2e-7 relative). Vector code (AVX-512F; silu_mul also AVX2 + FMA, the
+ * body bf16_gemm.c's AVX2 epilogue shares) is chosen at run time; the scalar path computes
+ * the same. Rows are split across OpenMP threads (torch's own team, as
  * in attention/csrc/paged_decode.c) above a size where the fork pays.
  */
 #define PY_SSIZE_T_CLEAN
@@ -76,6 +77,26 @@ AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype)
         for (int64_t i = 0; i < n; i += 16)
             _mm256_storeu_si256((__m256i *)(out + i),
                                 bf16x16_from(_mm512_mul_ps(bf16x16_round(silu_v(bf16x16_load(g + i))), bf16x16_load(u + i))));
+    }
+}
+#endif
+
+/* ---- AVX2 + FMA silu rows (n % 8 == 0): silu_v8, the AVX-512 rows' arithmetic ---------- */
+#if defined(__x86_64__)
+AVX2 static void silu_row_avx2(const void *x, void *o, int64_t n, int dtype) {
+    if (dtype == F32) {
+        const float *g = (const float *)x, *u = g + n;
+        float *out = (float *)o;
+        for (int64_t i = 0; i < n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_mul_ps(silu_v8(_mm256_loadu_ps(g + i)),
+                                                    _mm256_loadu_ps(u + i)));
+    } else {
+        const uint16_t *g = (const uint16_t *)x, *u = g + n;
+        uint16_t *out = (uint16_t *)o;
+        for (int64_t i = 0; i < n; i += 8)
+            _mm_storeu_si128((__m128i *)(out + i),
+                             bf16x8_from(_mm256_mul_ps(bf16x8_round(silu_v8(bf16x8_load(g + i))),
+                                                       bf16x8_load(u + i))));
     }
 }
 #endif
@@ -209,18 +230,20 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     const int64_t esz = dtype == F32 ? 4 : 2;
     const char *x = (const char *)x_addr;
     char *o = (char *)o_addr;
-    const int vec = use_avx512(n, isa_cap);
+    const int vec = use_avx512(n, isa_cap), vec8 = !vec && use_avx2(n, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * n * 3 * esz);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (Py_ssize_t r = 0; r < rows; r++) {
 #if defined(__x86_64__)
         if (vec) { silu_row_avx512(x + r * stride * esz, o + r * n * esz, n, dtype); continue; }
+        if (vec8) { silu_row_avx2(x + r * stride * esz, o + r * n * esz, n, dtype); continue; }
 #endif
         silu_row_scalar(x + r * stride * esz, o + r * n * esz, n, dtype);
     }
     Py_END_ALLOW_THREADS
     (void)vec;
+    (void)vec8;
     Py_RETURN_NONE;
 }
 

@@ -18,6 +18,19 @@ static inline int use_avx512(int64_t width, int isa_cap) {
 #endif
 }
 
+/* The AVX2 + FMA + F16C body instead (width % 8 == 0), on a CPU without AVX-512F or with
+ * KVSTRATA_CPU_ISA=avx2. */
+static inline int use_avx2(int64_t width, int isa_cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return isa_cap >= 1 && width % 8 == 0 && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    (void)width; (void)isa_cap;
+    return 0;
+#endif
+}
+
 static inline int thread_count(int threads, int64_t rows, int64_t bytes) {
 #ifdef _OPENMP
     if (bytes < PARALLEL_MIN_BYTES || threads < 1) return 1;

@@ -95,6 +95,32 @@ AVX512 static inline __m256i bf16x16_from(__m512 f) {
 AVX512 static inline __m512 bf16x16_round(__m512 f) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_from(f)), 16));
 }
+/* The same three at AVX2 width (8 values); bf16x8_bits keeps the rounded bf16 in the high
+ * half of each lane (an fp32 holding exactly that bf16 value). */
+AVX2 static inline __m256 bf16x8_load(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+AVX2 static inline __m256i bf16x8_bits(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u));
+}
+AVX2 static inline __m256 bf16x8_round(__m256 f) { return _mm256_castsi256_ps(bf16x8_bits(f)); }
+AVX2 static inline __m128i bf16x8_from(__m256 f) {
+    __m256i v = _mm256_srli_epi32(bf16x8_bits(f), 16); /* <= 0xffff: packus keeps it exactly */
+    return _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+AVX2 static inline __m256 silu_v8(__m256 g) { /* silu_v below, 8 lanes: the same arithmetic */
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.f), g);
+    __m256 e = exp_nonpos_avx2(_mm256_sub_ps(zero, abs));
+    __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), e);
+    __m256 neg = _mm256_cmp_ps(g, zero, _CMP_LT_OQ);
+    __m256 sig = _mm256_div_ps(_mm256_blendv_ps(_mm256_set1_ps(1.f), e, neg), den);
+    return _mm256_mul_ps(g, sig);
+}
 AVX512 static inline __m512 silu_v(__m512 g) { /* g * sigmoid(g), exp of -|g| only */
     __m512 e = exp_nonpos_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
     __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), e);

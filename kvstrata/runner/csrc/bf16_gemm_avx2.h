@@ -1,0 +1,124 @@
+/* bf16_gemm.c's body for a CPU whose bf16 has no instructions of its own: AVX2 + FMA (the
+ * AVX2-only machines; also any CPU with KVSTRATA_CPU_ISA=avx2).
+ *
+ * Why: torch's bf16 F.linear has no vector kernel there (oneDNN's bf16 needs AVX-512): at
+ * SmolLM2's shapes on a 2-vCPU AVX2 EPYC it ran 17-18 GFLOP/s where fp32 ran 98-143, so a
+ * bf16 model (--dtype bfloat16, or the suite's bf16 tests) ran ~6x slower than fp32.
+ *
+ * How: the same packed weights and work items as the AVX512-BF16 tiles. Each 32-bit lane of a
+ * packed block holds one column's pair of bf16 weights (k even in the low half), so one shift
+ * widens the even k to fp32 and one mask the odd k; the item's rows are widened once into a
+ * per-thread buffer and broadcast from it. The products of two bf16 values are exact in fp32
+ * and summed in fp32, as vdpbf16ps does (in another order). A tile is up to MR_AVX2 rows x
+ * one block of 16 columns (12 ymm accumulators); the panel's blocks run one after the other, its
+ * gate|up pairs (silu) one pair at a time, and the epilogue rounds as the AVX-512 one does
+ * (silu through silu_v8, which cpu_ops.c's AVX2 silu_mul shares: the fused and the two-step
+ * results are equal). Included by bf16_gemm.c after gemm_args and ALWAYS_INLINE. */
+#ifndef KVSTRATA_BF16_GEMM_AVX2_H
+#define KVSTRATA_BF16_GEMM_AVX2_H
+#if defined(__x86_64__)
+#include <stdlib.h>
+
+/* Rows per tile: 6 x 2 ymm = 12 accumulators, each taking two dependent FMAs per pair of k
+ * (24 FMAs = 12 cycles at two a cycle, while one chain's two take 8): at 4 rows the chains'
+ * latency, not the FMA ports, set the pace (74-78 GFLOP/s at 32-256 rows). */
+#define MR_AVX2 6
+
+/* mr rows x one block: acc[i][0] gets columns 0-7 of row i, acc[i][1] columns 8-15. The sums
+ * live in locals until the end (through `acc` the compiler stored them at every k: xf might
+ * alias it). */
+AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint16_t *w,
+                                          prefetch_plan *pf, __m256 acc[MR_AVX2][2],
+                                          const int mr) {
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 c[MR_AVX2][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
+    for (int64_t q = 0; q < k; q += 2) {
+        prefetch_due(pf, q / 2);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK + 16));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_broadcast_ss(xf + i * k + q);
+            c[i][0] = _mm256_fmadd_ps(a, e0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, e1, c[i][1]);
+        }
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, odd_mask));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, odd_mask));
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_broadcast_ss(xf + i * k + q + 1);
+            c[i][0] = _mm256_fmadd_ps(a, o0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, o1, c[i][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        acc[i][0] = c[i][0];
+        acc[i][1] = c[i][1];
+    }
+}
+
+AVX2 static void block_any_avx2(const float *xf, int64_t k, const uint16_t *w,
+                                prefetch_plan *pf, __m256 acc[MR_AVX2][2], int mr) {
+    switch (mr) {
+    case 6: block_avx2(xf, k, w, pf, acc, 6); return;
+    case 5: block_avx2(xf, k, w, pf, acc, 5); return;
+    case 4: block_avx2(xf, k, w, pf, acc, 4); return;
+    case 3: block_avx2(xf, k, w, pf, acc, 3); return;
+    case 2: block_avx2(xf, k, w, pf, acc, 2); return;
+    default: block_avx2(xf, k, w, pf, acc, 1); return;
+    }
+}
+
+/* acc + bias, rounded to bf16 (as fp32 values). */
+AVX2 static inline __m256 rounded8(__m256 v, const float *bias, int64_t c0) {
+    return bf16x8_round(bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + c0)) : v);
+}
+
+/* One work item: rows r0 .. r0 + mr of the panel whose blocks are blk[0 .. nr); xf: this
+ * thread's buffer of MR_AVX2 * k floats. */
+AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR],
+                           prefetch_plan *pf, int mr, int nr, float *xf) {
+    const int64_t k = g->k, half_n = g->n / 2;
+    for (int i = 0; i < mr; i++) {
+        const uint16_t *a = g->x + (r0 + i) * g->stride;
+        for (int64_t q = 0; q < k; q += 8) { /* k % 2 == 0: the last step may widen 2-6 */
+            if (k - q >= 8) { _mm256_storeu_ps(xf + i * k + q, bf16x8_load(a + q)); continue; }
+            for (int64_t t = q; t < k; t++) xf[i * k + t] = bf16_to_f32(a[t]);
+        }
+    }
+    __m256 acc[MR_AVX2][2], up[MR_AVX2][2];
+    const int blocks = g->silu ? nr / 2 : nr;
+    for (int j = 0; j < blocks; j++) {
+        const int64_t c0 = blk[j] * BLOCK;
+        block_any_avx2(xf, k, g->w + blk[j] * k * BLOCK, pf, acc, mr);
+        if (g->silu) {
+            block_any_avx2(xf, k, g->w + blk[blocks + j] * k * BLOCK, pf, up, mr);
+            for (int i = 0; i < mr; i++)
+                for (int h = 0; h < 2; h++) {
+                    const __m256 gv = rounded8(acc[i][h], g->bias, c0 + 8 * h);
+                    const __m256 uv = rounded8(up[i][h], g->bias, half_n + c0 + 8 * h);
+                    const __m256 act = bf16x8_round(silu_v8(gv));
+                    _mm_storeu_si128((__m128i *)((uint16_t *)g->out + (r0 + i) * half_n + c0 +
+                                                 8 * h),
+                                     bf16x8_from(_mm256_mul_ps(act, uv)));
+                }
+            continue;
+        }
+        for (int i = 0; i < mr; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 v = rounded8(acc[i][h], g->bias, c0 + 8 * h);
+                const int64_t at = (r0 + i) * g->n + c0 + 8 * h;
+                if (g->f32_out)
+                    _mm256_storeu_ps((float *)g->out + at, v);
+                else /* v is a bf16 value already: rounding it again keeps it */
+                    _mm_storeu_si128((__m128i *)((uint16_t *)g->out + at), bf16x8_from(v));
+            }
+    }
+}
+#endif
+#endif
