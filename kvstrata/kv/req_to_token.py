@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kv import _rowcopy
+
 
 class ReqToTokenTable:
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device | str):
@@ -50,6 +52,24 @@ class ReqToTokenTable:
             return
         packed = torch.tensor([r_idx, c_idx, vals], dtype=torch.int64).to(self.device)
         self.table[packed[0], packed[1]] = packed[2]
+
+    def slots_of(self, rows, lens) -> torch.Tensor:
+        """Positions 0 .. lens[i] - 1 of each of `rows`, concatenated (int64, on the table's
+        device): the key slots of a batch of decode queries. One C pass on the CPU
+        (kv/csrc/rowcopy.c row_prefixes; torch's masked select took ~0.85 ms of a 32-request
+        decode step), a masked select elsewhere."""
+        if self.device.type != "cpu":
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
+            longest = int(max(lens, default=0))
+            visible = torch.arange(longest, device=self.device)[None, :] < lens_t[:, None]
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            return self.table[rows_t, :longest][visible]
+        rows_lens = torch.tensor([list(rows), list(lens)], dtype=torch.int64).reshape(2, -1)
+        out = torch.empty(int(rows_lens[1].sum()) if len(rows) else 0, dtype=torch.int64)
+        _rowcopy.row_prefixes(self.table.data_ptr(), self.table.shape[0], self.table.shape[1],
+                              rows_lens[0].data_ptr(), rows_lens[1].data_ptr(), len(rows),
+                              out.data_ptr(), out.numel())
+        return out
 
     def clear(self, row: int) -> None:
         self.table[row].zero_()

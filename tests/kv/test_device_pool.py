@@ -86,3 +86,25 @@ def test_req_to_token_writes():
         t.write_many([1], [9], [[1, 2]])
     t.clear(2)
     assert not t.table[2].any()
+
+
+def test_slots_of_concatenates_row_prefixes_and_checks_bounds():
+    """The decode batch's key slots (kv/csrc/rowcopy.c row_prefixes) equal slicing each row,
+    for random rows and lengths, empty ones included; bad rows or lengths raise before any
+    write."""
+    import random
+
+    t = ReqToTokenTable(num_rows=6, max_context_len=40, device="cpu")
+    t.table.random_(0, 1 << 40)
+    rng = random.Random(0)
+    for _ in range(100):
+        n = rng.randint(0, 6)
+        rows = [rng.randint(0, 6) for _ in range(n)]
+        lens = [rng.randint(0, 40) for _ in range(n)]
+        want = (torch.cat([t.table[r, :ln] for r, ln in zip(rows, lens)]) if n
+                else torch.empty(0, dtype=torch.int64))
+        assert torch.equal(t.slots_of(rows, lens), want)
+    with pytest.raises(IndexError, match="outside the table"):
+        t.slots_of([7], [3])
+    with pytest.raises(IndexError, match="outside the table"):
+        t.slots_of([1, 2], [3, 41])

@@ -4,6 +4,7 @@
  *   copy_pages(dst, dst_nbytes, src, src_nbytes, dst_pages, src_pages, n_pages,
  *              dst_rows, src_rows, rows_per_page, row_bytes, streaming)
  *   scatter_kv(...)   a forward's new K and V rows into one layer of the device pool (below)
+ *   row_prefixes(...) the first lens[i] entries of rows[i] of req_to_token, concatenated
  *
  * Page i moves rows_per_page rows of row_bytes each:
  *   dst + dst_pages[i] + dst_rows[r]  <-  src + src_pages[i] + src_rows[r]
@@ -196,7 +197,47 @@ static PyObject *scatter_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* out = table[rows[0], :lens[0]] ++ table[rows[1], :lens[1]] ++ ... for an int64 table of
+ * n_rows x row_len: a decode batch's key slots for the paged attention kernel. torch's
+ * table[rows, :longest][mask] measured ~0.85 ms at 32 rows x 191 (the boolean select alone
+ * ~0.7 ms), this ~0.01 ms. Every row and length is checked before anything is written. */
+static PyObject *row_prefixes(PyObject *self, PyObject *args) {
+    unsigned long long table_addr, rows_addr, lens_addr, out_addr;
+    long long n_rows, row_len, out_len;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLLKKnKL", &table_addr, &n_rows, &row_len, &rows_addr,
+                          &lens_addr, &n, &out_addr, &out_len))
+        return NULL;
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
+    const int64_t *lens = (const int64_t *)(uintptr_t)lens_addr;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= n_rows || lens[i] < 0 || lens[i] > row_len) {
+            PyErr_Format(PyExc_IndexError, "row %lld / length %lld outside the table (%lld "
+                         "rows of %lld)", (long long)rows[i], (long long)lens[i], n_rows,
+                         row_len);
+            return NULL;
+        }
+        total += lens[i];
+    }
+    if (n < 0 || total != out_len) {
+        PyErr_Format(PyExc_ValueError, "out holds %lld entries, the rows' lengths sum to %lld",
+                     out_len, total);
+        return NULL;
+    }
+    const int64_t *table = (const int64_t *)(uintptr_t)table_addr;
+    int64_t *out = (int64_t *)(uintptr_t)out_addr;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(out, table + rows[i] * row_len, (size_t)lens[i] * sizeof(int64_t));
+        out += lens[i];
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"row_prefixes", row_prefixes, METH_VARARGS,
+     "row_prefixes(table, n_rows, row_len, rows, lens, n, out, out_len)"},
     {"scatter_kv", scatter_kv, METH_VARARGS,
      "scatter_kv(k_plane, v_plane, plane_rows, row_bytes, slots, n, k, k_stride, v, v_stride)"},
     {"copy_pages", copy_pages, METH_VARARGS,

@@ -227,16 +227,14 @@ class TorchNativeAttnBackend:
     def _kernel_piece(self, decode: list[tuple], table: torch.Tensor,
                       device: torch.device) -> Piece:
         """All one-token requests in one kernel call: their slots 0 .. len - 1, concatenated
-        (one masked select over the rows of req_to_token), and where each starts. Tree
-        tokens bring their own key slots (context + ancestors)."""
+        (req_to_token.slots_of: one C pass), and where each starts. Tree tokens bring their
+        own key slots (context + ancestors)."""
         rows, toks, lens = zip(*((e[2], e[1], e[0]) for e in decode))
         lens_t = torch.tensor(lens, dtype=torch.int64)
         if any(len(e) > 3 for e in decode):
             slots = torch.cat([e[3] if len(e) > 3 else table[e[2], :e[0]] for e in decode])
         else:
-            longest = max(lens)
-            visible = torch.arange(longest)[None, :] < lens_t[:, None]
-            slots = table[torch.tensor(rows, dtype=torch.int64), :longest][visible]
+            slots = self.req_to_token.slots_of(rows, lens)
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         torch.cumsum(lens_t, 0, out=starts[1:])
         contiguous = list(toks) == list(range(toks[0], toks[0] + len(toks)))
