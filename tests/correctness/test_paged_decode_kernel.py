@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.runner.attention import _paged_decode
-from kvstrata.runner.attention.paged_decode import (KV_DTYPES, kernel_isa, paged_decode,
-                                                   prefill_seqs)
+from kvstrata.runner.attention.paged_decode import (KV_DTYPES, DecodeCall, kernel_isa,
+                                                   paged_decode, prefill_seqs)
 
 
 def _reference(q, k_cache, v_cache, slots, starts, scale):
@@ -205,9 +205,9 @@ def test_backend_kernel_on_off_same_tokens(tiny_checkpoints, tiny_prompts, monke
     from kvstrata import LLM
     from kvstrata.runner.attention import paged_decode as module
     calls = []
-    real = module.paged_decode
-    monkeypatch.setattr(module, "paged_decode",
-                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    real = module.DecodeCall.__call__  # the backend's per-forward kernel call
+    monkeypatch.setattr(module.DecodeCall, "__call__",
+                        lambda self, q, *a: calls.append(q.shape[0]) or real(self, q, *a))
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     results, used = {}, {}
     for flag in ("1", "0"):
@@ -347,3 +347,26 @@ def test_prefill_kernel_serves_many_prompts_in_one_call(monkeypatch, isa):
         prefill_attention(q, k_cache, v_cache, slots + 900, prefill_seqs([(0, 20, 0, 0)]), 0.125)
     with pytest.raises(ValueError, match="int64"):
         prefill_attention(q, k_cache, v_cache, slots.int(), prefill_seqs([(0, 20, 0, 0)]), 0.125)
+
+
+def test_decode_call_equals_paged_decode_layer_after_layer():
+    """DecodeCall (one forward's layers: checked once, then addresses swapped) returns what
+    paged_decode returns for each layer's own q, caches and strided q views; a call whose
+    shapes or dtypes differ is checked again (and refused when bad) instead of reusing the
+    kept arguments."""
+    q, k_cache, v_cache, slots, starts = _case(9, 3, 64, torch.bfloat16, n=7)
+    call = DecodeCall(slots, starts, 0.125)
+    g = torch.Generator().manual_seed(5)
+    for layer in range(4):
+        qkv = torch.randn(7, 15 * 64, generator=g).bfloat16()  # q | k | v of one token a row
+        ql = qkv[:, :9 * 64].view(7, 9, 64)
+        kl, vl = k_cache + layer, v_cache - layer
+        assert torch.equal(call(ql, kl, vl), paged_decode(ql, kl, vl, slots, starts, 0.125))
+    assert torch.equal(call(q.bfloat16(), k_cache, v_cache),  # contiguous q: checked again
+                       paged_decode(q.bfloat16(), k_cache, v_cache, slots, starts, 0.125))
+    assert torch.equal(call(q, k_cache.float(), v_cache.float()),  # fp32: checked again
+                       paged_decode(q, k_cache.float(), v_cache.float(), slots, starts, 0.125))
+    with pytest.raises(ValueError, match="differ in dtype"):
+        call(q, k_cache.float(), v_cache)
+    with pytest.raises(IndexError, match="outside the pool"):  # a smaller pool: re-checked
+        call(q, k_cache[:100].float(), v_cache[:100].float())

@@ -34,6 +34,7 @@ same arithmetic without SDPA's GQA path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,7 @@ class Piece:
     starts: torch.Tensor | None = None  # kernel: [n + 1] offsets of each request in `slots`
     row: int = -1                       # fresh / causal paged: the request's req_to_token row
     prefix: int = -1                    # ... and its cached tokens (0: fresh); -1: a tree
+    decode_call: Any = None             # kernel: paged_decode.DecodeCall, made at layer 0
 
 
 @dataclass
@@ -350,8 +352,9 @@ class TorchNativeAttnBackend:
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
             if qg.dtype not in paged_decode.Q_DTYPES or paged_decode.row_stride(qg) is None:
                 qg = qg.to(torch.float32).contiguous()  # fp16: the kernel reads fp32 or bf16
-            out = paged_decode.paged_decode(qg, self.kv_pool.k(layer), self.kv_pool.v(layer),
-                                            p.slots, p.starts, self.scale)
+            if p.decode_call is None:  # the checks once a forward, not once a layer
+                p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale)
+            out = p.decode_call(qg, self.kv_pool.k(layer), self.kv_pool.v(layer))
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":
             n = p.n
