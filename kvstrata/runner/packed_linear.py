@@ -28,9 +28,9 @@ bf16 on a CPU where oneDNN has no bf16 kernels (AVX2 without AVX-512, where torc
 F.linear ran 17-18 GFLOP/s against fp32's 90-135) runs the same GEMM's AVX2 + FMA body
 (runner/csrc/bf16_gemm_avx2.h: each packed pair of bf16 weights widened to fp32 by a shift and
 a mask, fp32 FMAs). Measured on a 2-vCPU AVX2 EPYC (benchmarks/bench_gemm.py --kind bf16):
-4.3-5.8x torch's bf16 F.linear at 8-256 rows; against fp32's prepacked oneDNN linear (half the
-weight bytes, the same FMAs) 2.0x at 1 row, 1.4x at 8, 1.06x at 32, 0.76x at 256. A layer
-neither GEMM takes there keeps F.linear.
+3.9-6.0x torch's bf16 F.linear at 8-512 rows; against fp32's prepacked oneDNN linear (half the
+weight bytes, the same FMAs) 1.4x at 1-8 rows, 0.97x at 32, 0.89x at 128, 0.77x at 512. A
+layer neither GEMM takes there keeps F.linear.
 """
 from __future__ import annotations
 
