@@ -218,7 +218,8 @@ static PyObject *kernel_isa(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"linear", linear, METH_VARARGS, "bf16 rows x packed bf16 weight (AVX512-BF16), bf16 out."},
+    {"linear", linear, METH_VARARGS,
+     "bf16 rows x packed bf16 weight (AVX512-BF16 or AVX2 + FMA), bf16 out."},
     {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on AVX512-BF16 here."},
     {"kernel_isa", kernel_isa, METH_VARARGS,
      "linear's body here: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},
