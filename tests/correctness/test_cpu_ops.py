@@ -41,9 +41,9 @@ def test_rms_norm_bf16_matches_hf(monkeypatch, isa, rows, h):
     assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])  # avx2: its own rows (n % 8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,n", [(1, 1536), (33, 64), (400, 1536), (5, 24)])
+@pytest.mark.parametrize("rows,n", [(1, 1536), (33, 64), (400, 1536), (5, 24), (3, 20)])
 def test_silu_mul_matches_torch(monkeypatch, isa, dtype, rows, n):
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     g = torch.Generator().manual_seed(rows * n)
