@@ -24,7 +24,7 @@ def bf16_ulps(a, b):
     return (ia - ib).abs()
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("rows,h", [(1, 576), (37, 64), (300, 576), (3, 40)])
 def test_rms_norm_bf16_matches_hf(monkeypatch, isa, rows, h):
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
@@ -93,7 +93,7 @@ def test_rope_in_place_equals_hf_bit_for_bit(monkeypatch, isa, dtype, t, nq, nkv
     assert torch.equal(strided[:, 4:4 + qkv.shape[1]], got)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("rows,h", [(1, 576), (37, 64), (300, 576), (3, 40)])
 def test_add_rms_norm_bf16(monkeypatch, isa, rows, h):
     """The residual add (x += y, rounded to bf16 as torch's add_) and HF's RMSNorm of the

@@ -19,9 +19,9 @@
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
  * even), so the result equals the op sequence it replaces up to fp32 summation order and the
- * exp approximation (< 2e-7 relative). Vector code (AVX-512F; silu_mul also AVX2 + FMA, the
- * body bf16_gemm.c's AVX2 epilogue shares) is chosen at run time; the scalar path computes
- * the same. Rows are split across OpenMP threads (torch's own team, as
+ * exp approximation (< 2e-7 relative). Vector code (AVX-512F; the norms and silu_mul also
+ * AVX2 + FMA, whose silu bf16_gemm.c's AVX2 epilogue shares) is chosen at run time; the
+ * scalar path computes the same. Rows are split across OpenMP threads (torch's own team, as
  * in attention/csrc/paged_decode.c) above a size where the fork pays.
  */
 #define PY_SSIZE_T_CLEAN
@@ -81,8 +81,38 @@ AVX512 static void silu_row_avx512(const void *x, void *o, int64_t n, int dtype)
 }
 #endif
 
-/* ---- AVX2 + FMA silu rows (n % 8 == 0): silu_v8, the AVX-512 rows' arithmetic ---------- */
+/* ---- AVX2 + FMA rows (widths % 8 == 0): the AVX-512 rows' arithmetic, 8 lanes ---------- */
 #if defined(__x86_64__)
+AVX2 static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* The normalised row from its sum of squares (rms_row_avx2 and add_rms_row_avx2). */
+AVX2 static void rms_scale_avx2(const uint16_t *x, const uint16_t *w, uint16_t *o, int64_t h,
+                                float ss, float eps) {
+    const __m256 r = _mm256_set1_ps(1.f / sqrtf(ss / (float)h + eps));
+    for (int64_t i = 0; i < h; i += 8) {
+        __m256 n = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + i), r));
+        _mm_storeu_si128((__m128i *)(o + i), bf16x8_from(_mm256_mul_ps(bf16x8_load(w + i), n)));
+    }
+}
+AVX2 static void rms_row_avx2(const uint16_t *x, const uint16_t *w, uint16_t *o, int64_t h,
+                              float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < h; i += 8) { __m256 v = bf16x8_load(x + i); ss = _mm256_fmadd_ps(v, v, ss); }
+    rms_scale_avx2(x, w, o, h, hsum8(ss), eps);
+}
+AVX2 static void add_rms_row_avx2(uint16_t *x, const uint16_t *y, const uint16_t *w,
+                                  uint16_t *o, int64_t h, float eps) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < h; i += 8) {
+        __m256 v = bf16x8_round(_mm256_add_ps(bf16x8_load(x + i), bf16x8_load(y + i)));
+        _mm_storeu_si128((__m128i *)(x + i), bf16x8_from(v));
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    rms_scale_avx2(x, w, o, h, hsum8(ss), eps);
+}
 AVX2 static void silu_row_avx2(const void *x, void *o, int64_t n, int dtype) {
     if (dtype == F32) {
         const float *g = (const float *)x, *u = g + n;
@@ -200,18 +230,20 @@ static PyObject *rms_norm_bf16(PyObject *self, PyObject *args) {
     }
     const uint16_t *x = (const uint16_t *)x_addr, *w = (const uint16_t *)w_addr;
     uint16_t *o = (uint16_t *)o_addr;
-    const int vec = use_avx512(h, isa_cap);
+    const int vec = use_avx512(h, isa_cap), vec8 = !vec && use_avx2(h, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * h * 2);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (Py_ssize_t r = 0; r < rows; r++) {
 #if defined(__x86_64__)
         if (vec) { rms_row_avx512(x + r * stride, w, o + r * h, h, (float)eps); continue; }
+        if (vec8) { rms_row_avx2(x + r * stride, w, o + r * h, h, (float)eps); continue; }
 #endif
         rms_row_scalar(x + r * stride, w, o + r * h, h, (float)eps);
     }
     Py_END_ALLOW_THREADS
     (void)vec;
+    (void)vec8;
     Py_RETURN_NONE;
 }
 
@@ -261,18 +293,20 @@ static PyObject *add_rms_norm_bf16(PyObject *self, PyObject *args) {
     }
     uint16_t *x = (uint16_t *)x_addr, *o = (uint16_t *)o_addr;
     const uint16_t *y = (const uint16_t *)y_addr, *w = (const uint16_t *)w_addr;
-    const int vec = use_avx512(h, isa_cap);
+    const int vec = use_avx512(h, isa_cap), vec8 = !vec && use_avx2(h, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * h * 6);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (Py_ssize_t r = 0; r < rows; r++) {
 #if defined(__x86_64__)
         if (vec) { add_rms_row_avx512(x + r * h, y + r * h, w, o + r * h, h, (float)eps); continue; }
+        if (vec8) { add_rms_row_avx2(x + r * h, y + r * h, w, o + r * h, h, (float)eps); continue; }
 #endif
         add_rms_row_scalar(x + r * h, y + r * h, w, o + r * h, h, (float)eps);
     }
     Py_END_ALLOW_THREADS
     (void)vec;
+    (void)vec8;
     Py_RETURN_NONE;
 }
 
