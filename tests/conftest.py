@@ -22,6 +22,14 @@ os.environ.setdefault("KVSTRATA_CHECK_INTEGRITY", "1")
 # bf16-capable machines alike. Tests of the auto rule pass their own env; the bf16 path has
 # its own tests (tests/correctness/test_bf16_quality.py, test_paged_decode_kernel.py).
 os.environ.setdefault("KVSTRATA_CPU_AUTO_DTYPE", "float32")
+# Start-up CPU, which the two test workers' ~60 server starts share (none of it is under test
+# here): a spawned scheduler loads its tokenizer only for a request with stop strings (~1.6 s
+# of CPU a start otherwise; tests/e2e/conftest.py's shared server keeps the eager default),
+# and KV pools take 4 KiB pages: asking for huge pages made the kernel compact memory at the
+# first touch, 2-5 s of system time per 1.4 GB SmolLM2 pool on a busy box (the advice itself
+# is tested in tests/unit/test_huge_pages.py; its speed-up is a benchmark's).
+os.environ.setdefault("KVSTRATA_SCHEDULER_EAGER_TOKENIZER", "0")
+os.environ.setdefault("KVSTRATA_CPU_HUGE_PAGES", "0")
 
 
 def pytest_configure(config):

@@ -176,7 +176,8 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     die_with_parent()
     setup_child_logging(server_args, "scheduler")
     try:
-        # The tokenizer (stop strings only) loads after the ready message, off the start.
+        # The tokenizer (stop strings only) loads after the ready message, off the start
+        # (or at its first use: KVSTRATA_SCHEDULER_EAGER_TOKENIZER=0).
         engine, tokenizer = load_engine_factory()(server_args, defer_tokenizer=True)
         if hasattr(getattr(engine, "runner", None), "exit_on_rank_loss"):
             engine.runner.exit_on_rank_loss = True  # TP: a lost rank ends the server now
@@ -199,7 +200,7 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         return
     ready_conn.send_bytes(ipc.encode(ipc.ReadyMsg("scheduler", True, info=info)))
     start_loading = getattr(tokenizer, "start_loading", None)
-    if start_loading is not None:
+    if start_loading is not None and envs.KVSTRATA_SCHEDULER_EAGER_TOKENIZER.get():
         start_loading()
     watchdog.start()
     try:

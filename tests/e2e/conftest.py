@@ -55,7 +55,9 @@ def server(tiny_model_path):
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
                         "--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
                         "--abort-on-priority-when-disabled",
-                        env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 20)})
+                        env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 20),
+                             # the default (tests/conftest.py turns it off elsewhere)
+                             "KVSTRATA_SCHEDULER_EAGER_TOKENIZER": "1"})
     yield srv
     srv.stop()
 

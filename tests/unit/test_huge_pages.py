@@ -21,6 +21,7 @@ def _thp_mode() -> str:
 
 
 def test_pool_is_zeroed_and_advised(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CPU_HUGE_PAGES", "1")  # the default (tests/conftest.py: 0)
     calls = []
     real = huge_pages.advise_huge_pages
     monkeypatch.setattr(huge_pages, "advise_huge_pages", lambda t: calls.append(t) or real(t))
@@ -50,6 +51,7 @@ def test_advice_covers_only_whole_aligned_huge_pages(monkeypatch):
             seen.update(start=start.value, length=length.value, advice=advice)
             return 0
 
+    monkeypatch.setenv("KVSTRATA_CPU_HUGE_PAGES", "1")
     monkeypatch.setattr(huge_pages.ctypes, "CDLL", lambda *a, **k: FakeLibc())
     t = torch.empty(7 << 20, dtype=torch.uint8)
     assert huge_pages.advise_huge_pages(t)
