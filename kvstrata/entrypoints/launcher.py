@@ -130,29 +130,31 @@ def launch_server(server_args) -> int:
     shutdown_sent = False
     exit_code = 0
     try:
-        for name, target in (("detokenizer", run_detokenizer_process),
-                             ("scheduler", run_scheduler_process)):
+        def start(name: str, target, *extra) -> None:
             recv_conn, send_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=target, args=(server_args, paths, send_conn),
+            proc = ctx.Process(target=target, args=(server_args, paths, send_conn, *extra),
                                name=f"kvstrata-{name}", daemon=True)
-            children.append((proc, recv_conn, send_conn))
-        # The scheduler (the longest start: torch, the model) first, and both before this
-        # process imports the HTTP stack and loads its own tokenizer meanwhile.
-        for proc, _, send_conn in reversed(children):
+            children.append((proc, recv_conn))
             proc.start()
             send_conn.close()
-        children = [(proc, recv_conn) for proc, recv_conn, _ in children]
+
+        # The scheduler (the longest start: torch, the model) first; this process loads its
+        # tokenizer meanwhile and hands the detokenizer a copy of its decoder (when decoding
+        # with it is exact), which spares that process importing transformers.
+        from kvstrata.frontend.tokenizer_loader import decoder_spec, load_tokenizer_for
+
+        start("scheduler", run_scheduler_process)
+        tokenizer = load_tokenizer_for(server_args)
+        start("detokenizer", run_detokenizer_process, decoder_spec(tokenizer))
         import uvicorn
 
         from kvstrata.entrypoints.api.api_server import create_app
-        from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
         from kvstrata.frontend.tokenizer_manager import TokenizerManager
         from kvstrata.metrics import ServerMetrics
 
-        tokenizer = load_tokenizer_for(server_args)
         infos = _wait_ready(children, READY_TIMEOUT_S)
         processes = [p for p, _ in children]
-        scheduler_proc = processes[1]
+        scheduler_proc, detokenizer_proc = processes
 
         served = getattr(server_args, "served_model_name", None) or server_args.model_path
         model_names = [served] + ([server_args.model_path]
@@ -160,7 +162,7 @@ def launch_server(server_args) -> int:
         metrics = ServerMetrics(served)
         tm = TokenizerManager(server_args, tokenizer, paths, infos["scheduler"], metrics,
                               children={"scheduler": scheduler_proc,
-                                        "detokenizer": processes[0]})
+                                        "detokenizer": detokenizer_proc})
         state = ServerState(server_args, tm, model_names, infos["scheduler"], metrics,
                             processes)
         config = uvicorn.Config(

@@ -133,15 +133,18 @@ class Detokenizer:
         return result
 
 
-def run_detokenizer_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
-    """Entry point of the detokenizer subprocess."""
+def run_detokenizer_process(server_args, paths: ipc.IpcPaths, ready_conn,
+                            decoder_spec: str | None = None) -> None:
+    """Entry point of the detokenizer subprocess. `decoder_spec`: the launcher's tokenizer's
+    decoder (tokenizer_loader.decoder_spec), else the tokenizer is loaded here."""
     from kvstrata.frontend.process_utils import die_with_parent, exit_now, setup_child_logging
-    from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
+    from kvstrata.frontend.tokenizer_loader import DecodeOnlyTokenizer, load_tokenizer_for
 
     die_with_parent()
     setup_child_logging(server_args, "detokenizer")
     try:
-        detok = Detokenizer(load_tokenizer_for(server_args))
+        detok = Detokenizer(DecodeOnlyTokenizer(decoder_spec) if decoder_spec is not None
+                            else load_tokenizer_for(server_args))
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(paths.detokenizer_in)
