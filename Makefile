@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# The C extensions' sources: an edited one rebuilds them (setup.py builds them all).
+CSRC := $(wildcard kvstrata/*/csrc/*.[ch] kvstrata/*/*/csrc/*.[ch])
 
 .PHONY: setup serve test bench clean
 
@@ -21,7 +23,7 @@ setup: $(STAMP)
 # client and `mooncake_master` (the HiCache `mooncake` storage tests start one) also link
 # libnuma.so.1 and libcurl.so.4: Debian's libibverbs1, libnuma1 and libcurl4, installed the
 # same way when missing.
-$(STAMP): pyproject.toml setup.py kvstrata/kv/csrc/rowcopy.c kvstrata/runner/attention/csrc/paged_decode.c kvstrata/runner/attention/csrc/paged_decode_isa.h kvstrata/runner/attention/csrc/paged_decode_head64.h kvstrata/runner/attention/csrc/prefill_attention.h kvstrata/runner/csrc/cpu_ops.c kvstrata/runner/csrc/int8_ops.c kvstrata/runner/csrc/cpu_rows.h kvstrata/runner/csrc/cpu_vec.h kvstrata/runner/csrc/shm_allreduce.h
+$(STAMP): pyproject.toml setup.py $(CSRC)
 	command -v cc >/dev/null || (apt-get update -q && apt-get install -y -q gcc)
 	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -q && apt-get install -y -q libibverbs1)
 	ldconfig -p | grep -q 'libnuma\.so\.1 ' || (apt-get update -q && apt-get install -y -q libnuma1)

@@ -19,8 +19,8 @@
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
  * even), so the result equals the op sequence it replaces up to fp32 summation order and the
- * exp approximation (< 2e-7 relative). Vector code (AVX-512F; the norms and silu_mul also
- * AVX2 + FMA, whose silu bf16_gemm.c's AVX2 epilogue shares) is chosen at run time; the
+ * exp approximation (< 2e-7 relative). Vector code (AVX-512F; the norms, silu_mul and argmax
+ * also AVX2 + FMA, silu shared with bf16_gemm.c's AVX2 epilogue) is chosen at run time; the
  * scalar path computes the same. Rows are split across OpenMP threads (torch's own team, as
  * in attention/csrc/paged_decode.c) above a size where the fork pays.
  */
