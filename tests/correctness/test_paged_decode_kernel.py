@@ -114,10 +114,12 @@ def _case(hq, hkv, d, dtype, n=7, seed=0):
 
 @pytest.mark.parametrize("dtype", list(KV_DTYPES))
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-# 64-wide heads with 1-4 query heads per KV head take the AVX-512 register path
-# (csrc/paged_decode_head64.h); 5 per KV head and other widths the generic one.
+# 64-wide heads with 1-4 query heads per KV head take the register paths
+# (csrc/paged_decode_head64.h on AVX-512, paged_decode_head64_avx2.h on AVX2); 5 per KV
+# head and other widths the generic one.
 @pytest.mark.parametrize("hq,hkv,d,n", [(9, 3, 64, 7), (8, 2, 32, 1), (6, 3, 48, 12),
-                                        (4, 4, 64, 7), (8, 2, 64, 5), (10, 2, 64, 3)])
+                                        (4, 4, 64, 7), (6, 3, 64, 4), (8, 2, 64, 5),
+                                        (10, 2, 64, 3)])
 def test_kernel_every_dtype_and_isa(monkeypatch, dtype, isa, hq, hkv, d, n):
     """16-bit pools are widened to fp32 in the kernel: the result equals SDPA over the widened
     rows to fp32 rounding, on each instruction set the CPU has (a cap above what it has runs

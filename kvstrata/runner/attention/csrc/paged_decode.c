@@ -52,6 +52,7 @@
 
 #include "paged_decode_head64.h"
 #include "paged_decode_head64_bf16.h"
+#include "paged_decode_head64_avx2.h"
 #include "prefill_attention.h"
 
 static inline void prefetch_bytes(const char *p, int64_t n) {
@@ -67,7 +68,7 @@ typedef struct {
     int qo_bf16; /* q and out are bf16 (else fp32) */
     float scale;
     kernels kn;
-    head64_fn head64; /* AVX-512 fast path for 64-wide heads, or NULL */
+    head64_fn head64; /* AVX-512 or AVX2 fast path for 64-wide heads, or NULL */
 } job;
 
 /* The attention of one work item over its len > 0 keys, fp32 q in, fp32 o out. */
@@ -221,8 +222,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
              (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
              qo_dtype == KV_BF16, (float)scale, pick_kernels(d, kv_dtype, isa_cap), NULL};
-    j.head64 = pick_head64_bf16(pick_head64(&j.kn, d, hq / hkv, kv_dtype), hq / hkv,
-                                qo_dtype == KV_BF16, kv_dtype);
+    j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype); /* AVX-512, or NULL */
+    if (j.head64)
+        j.head64 = pick_head64_bf16(j.head64, hq / hkv, qo_dtype == KV_BF16, kv_dtype);
+    j.head64 = pick_head64_avx2(j.head64, &j.kn, d, hq / hkv, kv_dtype);
     const int64_t items = (int64_t)n * split;
     if (threads > items) threads = items > 0 ? (int)items : 1;
     int failed = 0;
