@@ -36,6 +36,27 @@ def test_bench_transfer_rows(tmp_path):
     assert (tmp_path / "transfer.png").stat().st_size > 0
 
 
+def test_bench_paged_decode_rows(tmp_path, monkeypatch):
+    """In-process (no server, no model): every dtype x ISA cap row, which ISA ran, the copy
+    baseline; the user's KVSTRATA_CPU_ISA is restored afterwards."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_paged_decode
+
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx512")
+    out = tmp_path / "paged_decode.json"
+    result = bench_paged_decode.main(["--batch", "3", "--context", "20", "--pool-pages", "9",
+                                      "--rounds", "2", "--dtypes", "float32", "float16",
+                                      "--out", str(out)])
+    assert os.environ["KVSTRATA_CPU_ISA"] == "avx512"
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == result["rows"] and len(rows) == 6
+    assert {r["ran"] for r in rows if r["cap"] == "scalar"} == {"scalar"}
+    for r in rows:
+        assert r["us"] > 0 and r["copy_us"] > 0 and r["vs_copy"] > 0
+    with pytest.raises(ValueError, match="--pool-pages"):
+        bench_paged_decode.main(["--batch", "3", "--context", "20", "--pool-pages", "5"])
+
+
 def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
     out = tmp_path / "reuse.json"
     _run("bench_reuse.py", "--model", tiny_model_path, "--conversations", "3", "--turns", "3",
