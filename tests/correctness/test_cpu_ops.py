@@ -66,10 +66,10 @@ def hf_rope(x, cos, sin):
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,nq,nkv,d", [(1, 9, 3, 64), (37, 9, 3, 64), (300, 4, 2, 128),
-                                        (5, 2, 1, 24)])
+                                        (5, 2, 1, 24), (6, 3, 1, 16)])  # 16: AVX2 width only
 def test_rope_in_place_equals_hf_bit_for_bit(monkeypatch, isa, dtype, t, nq, nkv, d):
     """The q and k heads of a fused qkv row rotated in place, v untouched: the same bits as
     transformers' q * cos + rotate_half(q) * sin (each product rounded, then the sum)."""

@@ -19,8 +19,8 @@
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
  * even), so the result equals the op sequence it replaces up to fp32 summation order and the
- * exp approximation (< 2e-7 relative). Vector code (AVX-512F; the norms, silu_mul and argmax
- * also AVX2 + FMA, silu shared with bf16_gemm.c's AVX2 epilogue) is chosen at run time; the
+ * exp approximation (< 2e-7 relative). Vector code (AVX-512F; the norms, silu_mul, rope and
+ * argmax also AVX2 + FMA, silu shared with bf16_gemm.c's AVX2 epilogue) is chosen at run time; the
  * scalar path computes the same. Rows are split across OpenMP threads (torch's own team, as
  * in attention/csrc/paged_decode.c) above a size where the fork pays.
  */
@@ -199,6 +199,35 @@ AVX512 static void rope_row_avx512(void *x, const void *c, const void *s, int64_
             }
         }
 }
+/* The same at AVX2 width (half % 8 == 0), the same roundings. */
+AVX2 static void rope_row_avx2(void *x, const void *c, const void *s, int64_t heads, int64_t d,
+                               int dtype) {
+    const int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t i = 0; i < half; i += 8) {
+            if (dtype == F32) {
+                float *v = (float *)x + h * d;
+                const float *cf = (const float *)c, *sf = (const float *)s;
+                const __m256 a = _mm256_loadu_ps(v + i), b = _mm256_loadu_ps(v + i + half);
+                _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(cf + i)),
+                                                      _mm256_mul_ps(b, _mm256_loadu_ps(sf + i))));
+                _mm256_storeu_ps(v + i + half,
+                                 _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(cf + i + half)),
+                                               _mm256_mul_ps(a, _mm256_loadu_ps(sf + i + half))));
+            } else {
+                uint16_t *v = (uint16_t *)x + h * d;
+                const uint16_t *cb = (const uint16_t *)c, *sb = (const uint16_t *)s;
+                const __m256 a = bf16x8_load(v + i), b = bf16x8_load(v + i + half);
+                const __m256 lo = _mm256_add_ps(bf16x8_round(_mm256_mul_ps(a, bf16x8_load(cb + i))),
+                                                bf16x8_round(_mm256_mul_ps(b, bf16x8_load(sb + i))));
+                const __m256 hi = _mm256_add_ps(
+                    bf16x8_round(_mm256_mul_ps(b, bf16x8_load(cb + i + half))),
+                    bf16x8_round(_mm256_mul_ps(a, bf16x8_load(sb + i + half))));
+                _mm_storeu_si128((__m128i *)(v + i), bf16x8_from(lo));
+                _mm_storeu_si128((__m128i *)(v + i + half), bf16x8_from(hi));
+            }
+        }
+}
 AVX512 static void add_rms_row_avx512(uint16_t *x, const uint16_t *y, const uint16_t *w,
                                       uint16_t *o, int64_t h, float eps) {
     __m512 ss = _mm512_setzero_ps();
@@ -327,6 +356,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
     char *x = (char *)x_addr;
     const char *c = (const char *)c_addr, *s = (const char *)s_addr;
     const int vec = use_avx512(d / 2, isa_cap);
+    const int vec2 = !vec && use_avx2(d / 2, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * heads * d * esz * 2);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
@@ -336,11 +366,15 @@ static PyObject *rope(PyObject *self, PyObject *args) {
             rope_row_avx512(x + r * stride * esz, c + r * d * esz, s + r * d * esz, heads, d, dtype);
             continue;
         }
+        if (vec2) {
+            rope_row_avx2(x + r * stride * esz, c + r * d * esz, s + r * d * esz, heads, d, dtype);
+            continue;
+        }
 #endif
         rope_row_scalar(x + r * stride * esz, c + r * d * esz, s + r * d * esz, heads, d, dtype);
     }
     Py_END_ALLOW_THREADS
-    (void)vec;
+    (void)vec; (void)vec2;
     Py_RETURN_NONE;
 }
 
