@@ -8,19 +8,14 @@ forward per token) gives the same tokens on every rank as on one."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
+from tests.helpers.ports import free_port as _free_port
+
 STEPS = 6
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120, 3]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _greedy(model):

@@ -4,7 +4,6 @@ api_server.create_app expects. For HTTP-side tests (request routing, PD bootstra
 that need no model."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -73,9 +72,9 @@ def serve_app(app):
     (server, thread, port). Stop it with `server.should_exit = True; thread.join()`."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.helpers.ports import free_port
+
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -3,7 +3,6 @@ MHA device pool filled with random bytes (the real page-buffer geometry of page_
 from __future__ import annotations
 
 import platform
-import socket
 import sys
 import time
 
@@ -15,14 +14,9 @@ from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.runner.disagg_executor import page_buffers_of
 from kvstrata.transfer.disagg import tcp
 from kvstrata.transfer.disagg.registry import create_manager
+from tests.helpers.ports import free_port  # noqa: F401 (the transfer tests import it from here)
 
 NUM_PAGES = 48
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -2,7 +2,6 @@
 section 3.2), spoken to over real HTTP with httpx."""
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
@@ -11,15 +10,10 @@ import pytest
 from kvstrata.transfer.disagg.bootstrap_client import (RouteNotReady, fetch_prefill_info,
                                                        fetch_prefill_rank, register_rank)
 from kvstrata.transfer.disagg.bootstrap_server import BootstrapServer
+from tests.helpers.ports import free_port
 
 ALL = dict(prefill_dp_rank=-1, prefill_cp_rank=-1, target_tp_rank=-1, target_pp_rank=-1)
 RANK0 = dict(prefill_dp_rank=0, prefill_cp_rank=0, target_tp_rank=0, target_pp_rank=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_info(tp_rank: int = 0, tp_size: int = 1, port: int = 5000) -> dict:
