@@ -149,8 +149,14 @@ def build_runner_or_ranks(server_args: ServerArgs
 
     if server_args.node_rank != 0:
         raise ValueError("--node-rank > 0 runs ranks only: start it with `kvstrata serve`")
-    init_addr = server_args.dist_init_addr or tp_ranks.free_init_addr()
-    p = tp_ranks.placement(server_args, 0, init_addr)
+    store = None
+    if server_args.dist_init_addr:
+        init_addr = server_args.dist_init_addr
+    else:  # one node: rank 0's store listens before the other ranks are told its port
+        from kvstrata.runner.parallel.tp_comm import listen_store  # noqa: PLC0415
+
+        store, init_addr = listen_store(server_args.tp_size, float(server_args.watchdog_timeout))
+    p = tp_ranks.placement(server_args, 0, init_addr, store)
     procs = tp_ranks.spawn_ranks(server_args, init_addr, p.local_ranks()[1:])
     try:
         runner, args, plan, resolutions = build_runner(server_args, p)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,16 +36,12 @@ class JoinedRank:
     restore: Any
 
 
-def placement(args: ServerArgs, rank: int, init_addr: str):
+def placement(args: ServerArgs, rank: int, init_addr: str, store: Any = None):
+    """`store`: rank 0's, already listening at init_addr (rank 0 of one node, tp_comm
+    listen_store), else None."""
     from kvstrata.runner.parallel.tp_comm import TPPlacement  # noqa: PLC0415
     return TPPlacement(rank, args.tp_size, init_addr, args.nnodes, args.node_rank,
-                       float(args.watchdog_timeout))
-
-
-def free_init_addr() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+                       float(args.watchdog_timeout), store)
 
 
 def spawn_ranks(args: ServerArgs, init_addr: str, ranks: range) -> list[subprocess.Popen]:

@@ -19,7 +19,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ class TPPlacement:
     nnodes: int = 1
     node_rank: int = 0
     timeout_s: float = 300.0  # a collective waits this long (--watchdog-timeout)
+    # Rank 0's store when it is already listening (listen_store), else None: init_group
+    # then opens it at init_addr (rank 0 as its server, the others as clients).
+    store: Any = field(default=None, compare=False, repr=False)
 
     @property
     def per_node(self) -> int:
@@ -147,14 +151,32 @@ def open_shm(rank: int, size: int):
     return shm
 
 
+def listen_store(size: int, timeout_s: float, host: str = "127.0.0.1"
+                 ) -> tuple[dist.TCPStore, str]:
+    """Rank 0's store on a loopback port the kernel picks as the store binds it, and its
+    host:port for the other ranks. (Taking a free port first and binding it later left a
+    window in which another process's bind or connection could take it.)"""
+    store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
+def _open_store(p: TPPlacement) -> dist.TCPStore:
+    if p.store is not None:
+        return p.store
+    host, _, port = p.init_addr.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), p.size, p.rank == 0,
+                         timeout=datetime.timedelta(seconds=p.timeout_s),
+                         wait_for_workers=False)
+
+
 def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> TPGroup:
     import platform  # noqa: PLC0415
 
     backend = collectives_backend(device.type, p.nnodes, platform.machine(),
                                   shm_free_bytes(), p.size, allow_shm)
-    dist.init_process_group("nccl" if backend == "nccl" else "gloo",
-                            init_method=f"tcp://{p.init_addr}", rank=p.rank,
-                            world_size=p.size,
+    dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_open_store(p),
+                            rank=p.rank, world_size=p.size,
                             timeout=datetime.timedelta(seconds=p.timeout_s))
     group = TPGroup(p.rank, p.size)
     # Every rank judged the same rule on the same machine, but /dev/shm's free space may
