@@ -112,7 +112,7 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
     `both_extra`: flags of both servers, `decode_env`: the decode server's extra environment.
     The summary carries the decode server's retraction counters after the run. `work`:
     instead of the load, work(router_url, decode_url) -> summary (bench/pd_multiturn.py)."""
-    p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
+    p_port, d_port, boot = free_port(), free_port(), free_port()
     procs: list[Proc] = []
     try:
         name = backend + tag
@@ -124,6 +124,9 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
             backend, *both_extra, *decode_extra), log_dir, decode_env))
         for proc, port in zip(procs, (p_port, d_port)):
             proc.wait_http(f"http://127.0.0.1:{port}/health")
+        # The router's ports are taken only now: a port from free_port() is free until some
+        # other process binds it, and the servers' start took seconds.
+        r_port = free_port()
         procs.append(Proc(f"router-{name}", [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
             "--prefill", f"http://127.0.0.1:{p_port}", str(boot),
