@@ -92,4 +92,6 @@ class DecodeOnlyTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        elif not isinstance(token_ids, list):  # the detokenizer's are lists: no copy per call
+            token_ids = list(token_ids)
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
