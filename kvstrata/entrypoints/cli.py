@@ -198,7 +198,24 @@ register(("bench", "priority"), _add_bench_priority_args,
          "mixed-priority traffic: TTFT per class with and without preemption")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str]) -> tuple[str, ...] | None:
+    """The registered command that argv's leading words name, if any."""
+    words = []
+    for arg in argv:
+        if arg.startswith("-"):
+            break
+        words.append(arg)
+    for path, *_ in COMMANDS:
+        if tuple(words[:len(path)]) == path:
+            return path
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command tree; only the command argv names gets its arguments (with argv
+    None, every command does). Adding a command's arguments imports its module: the bench
+    clients' (aiohttp, numpy, ...) cost `kvstrata serve` ~0.5 s of CPU at every start."""
+    chosen = None if argv is None else _chosen_command(argv)
     parser = argparse.ArgumentParser(prog="kvstrata")
     subparsers = {(): parser.add_subparsers(dest="command", required=True)}
     for path, add_arguments, run, help_text in COMMANDS:
@@ -209,13 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
                 subparsers[prefix] = group.add_subparsers(dest=f"command_{depth}",
                                                           required=True)
         sub = subparsers[path[:-1]].add_parser(path[-1], help=help_text)
-        add_arguments(sub)
+        if argv is None or path == chosen:
+            add_arguments(sub)
         sub.set_defaults(_run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser(argv).parse_args(argv)
     return ns._run(ns)
 
 
