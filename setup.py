@@ -2,6 +2,8 @@
 # behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py) and the paged decode attention
 # of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the CPU row ops
 # and GEMMs of kvstrata/runner/csrc/.
+import os
+
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.c"],
@@ -40,4 +42,6 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/gemm_panels.h"],
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-                             extra_link_args=["-fopenmp"])])
+                             extra_link_args=["-fopenmp"])],
+      # the extensions compile side by side (~13 -> ~7 s of a fresh set-up on 2 cores)
+      options={"build_ext": {"parallel": os.cpu_count() or 1}})
