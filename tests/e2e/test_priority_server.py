@@ -20,7 +20,10 @@ LONG, SHORT = "Once upon a time in a land far away", "The capital of France is"
 
 @pytest.fixture(scope="module")
 def preempting(tiny_model_path):
-    srv = ServerProcess(tiny_model_path, *COMMON, "--max-queued-requests", "2")
+    # A longer context than COMMON's (the last --context-length wins): room for the
+    # full-queue test's long blockers.
+    srv = ServerProcess(tiny_model_path, *COMMON, "--max-queued-requests", "2",
+                        "--context-length", "2048")
     yield srv
     srv.stop()
 
@@ -30,6 +33,9 @@ def waiting(tiny_model_path):
     srv = ServerProcess(tiny_model_path, *COMMON, "--disable-priority-preemption")
     yield srv
     srv.stop()
+
+
+BLOCKER_TOKENS = 1900  # with the preempting server's --context-length 2048
 
 
 def _client(srv):
@@ -98,25 +104,31 @@ def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
     is refused; the queue drains and the server serves again."""
     def blocker(i):
         try:
-            # Long enough that the running one cannot finish between the poll below seeing
-            # a full queue and the fourth request arriving (80 tokens raced on a fast box).
-            _complete(preempting, f"{LONG} {i}", 400, 0)
-        except openai.APIStatusError:
+            # Long enough that the queue stays full whatever the order and the spacing of
+            # the three arrivals on a loaded box (with 400 tokens the first one finished
+            # before the third arrived there, and the queue never held two); aborted below.
+            _complete(preempting, f"{LONG} {i}", BLOCKER_TOKENS, 0)
+        except openai.APIError:
             pass
 
     threads = [threading.Thread(target=blocker, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while _load(preempting)["num_waiting_reqs"] < 2:  # one runs, two wait: the queue is full
-        assert time.monotonic() < deadline, _load(preempting)
-        time.sleep(0.02)
-    with pytest.raises(openai.InternalServerError) as err:
-        _complete(preempting, SHORT, 4, 0)
-    assert err.value.status_code == 503
-    assert "The request queue is full." in str(err.value)
-    for t in threads:
-        t.join(120)
+    try:
+        deadline = time.monotonic() + 60
+        while _load(preempting)["num_waiting_reqs"] < 2:  # one runs, two wait: queue full
+            assert time.monotonic() < deadline, _load(preempting)
+            time.sleep(0.02)
+        with pytest.raises(openai.InternalServerError) as err:
+            _complete(preempting, SHORT, 4, 0)
+        assert err.value.status_code == 503
+        assert "The request queue is full." in str(err.value)
+    finally:
+        httpx.post(preempting.base_url + "/abort_request", json={"abort_all": True},
+                   timeout=30)
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
     assert _complete(preempting, SHORT, 4, 0)
 
 
