@@ -122,6 +122,16 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def shared_tmp_dir(tmp_path_factory) -> str:
+    """A folder the test workers of one run share (pytest-xdist gives each worker its own
+    basetemp under one per-run folder): for results measured once per run."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts() -> list[list[int]]:
     """8 prompts of different lengths (1 .. 70 tokens), crossing page boundaries of 16."""
     rng = random.Random(7)

@@ -17,63 +17,31 @@ up to summation order, so the guard holds wherever a user may force --dtype bflo
 """
 from __future__ import annotations
 
-import math
-import os
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PPL_TOKENS = 1100
+from helpers.smollm2_quality import (FACT_PREFIX, SMOKE, first_difference,
+                                     float32_reference, measure)
+
 PPL_MAX_RATIO = 1.01
 NEAR_TIE = 0.5  # nats between float32's top two tokens
-FACT_PREFIX = "The capital of France is"
-SMOKE = ["What is the capital of France?", "Name three primary colors.",
-         "Write a haiku about the sea.", "What is 12 times 7?",
-         "Explain in one sentence what a CPU does."]
-
-
-def _measure(gguf_path: str, dtype: str) -> dict:
-    from kvstrata import LLM
-
-    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as fh:
-        text = fh.read()
-    with LLM(model_path=gguf_path, dtype=dtype, context_length=2048, max_total_tokens=8192,
-             page_size=16) as llm:
-        assert llm.server_info()["dtype"] == dtype
-        passage = llm.tokenizer(text)["input_ids"][:PPL_TOKENS]
-        out = llm.generate(input_ids=passage, return_logprob=True,
-                           sampling_params={"max_new_tokens": 1, "temperature": 0})
-        lps = out["meta_info"]["input_token_logprobs"]
-        prompts = []
-        for q in SMOKE:
-            ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                    add_generation_prompt=True, tokenize=True)
-            prompts.append(ids if isinstance(ids, list) else ids["input_ids"])
-        answers = llm.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 32, "temperature": 0, "logprobs": 2})
-        fact = llm.generate(input_ids=prompts[0] + llm.tokenizer(FACT_PREFIX)["input_ids"],
-                            sampling_params={"max_new_tokens": 3, "temperature": 0})
-    return {"ppl": math.exp(-sum(lps) / len(lps)), "n": len(lps), "answers": answers,
-            "fact": fact["text"]}
 
 
 @pytest.mark.slow
-def test_bf16_smollm2_perplexity_and_smoke_answers(smollm2_gguf_path):
-    fp32 = _measure(smollm2_gguf_path, "float32")
-    bf16 = _measure(smollm2_gguf_path, "bfloat16")
+def test_bf16_smollm2_perplexity_and_smoke_answers(smollm2_gguf_path, shared_tmp_dir):
+    fp32 = float32_reference(smollm2_gguf_path, shared_tmp_dir)
+    bf16 = measure(smollm2_gguf_path, dtype="bfloat16")
+    assert bf16["info"]["dtype"] == "bfloat16" and fp32["info"]["dtype"] == "float32"
     assert fp32["n"] == bf16["n"] >= 1024
     ratio = bf16["ppl"] / fp32["ppl"]
     print(f"perplexity fp32 {fp32['ppl']:.3f} bf16 {bf16['ppl']:.3f} ratio {ratio:.4f}")
     assert ratio < PPL_MAX_RATIO
     identical = 0
     for q, ref, got in zip(SMOKE, fp32["answers"], bf16["answers"]):
-        if got["output_ids"] == ref["output_ids"]:
+        diff = first_difference(got, ref, top_n=2)  # bf16's token: float32's runner-up
+        if diff is None:
             identical += 1
             continue
-        i = next(i for i, (a, b) in enumerate(zip(got["output_ids"], ref["output_ids"]))
-                 if a != b)
-        top = dict(ref["meta_info"]["output_top_logprobs"][i])
-        gap = max(top.values()) - top.get(got["output_ids"][i], -math.inf)
+        i, gap = diff
         print(f"{q!r}: differs at token {i}, float32's gap {gap:.3f}")
         assert gap < NEAR_TIE, (q, ref["text"], got["text"])
     assert "Paris" in fp32["fact"] and "Paris" in bf16["fact"], (fp32["fact"], bf16["fact"])

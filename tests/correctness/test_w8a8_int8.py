@@ -19,7 +19,6 @@ Rules, and what was measured when they were set (torch 2.13, fbgemm, AVX512-VNNI
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -29,8 +28,6 @@ from tests.conftest import TINY_ARCHS
 from helpers.driver import greedy_generate
 from helpers.runner import forward_logits, make_runner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PPL_TOKENS = 1100
 # 8-bit activations (VNNI): +1.8% measured. Without VNNI the kernel keeps 7 bits (fbgemm's
 # int16 saturation), measured +5.4% on an AVX2-only EPYC: a looser bound there, not a skip.
 PPL_MAX_RATIO = 1.03
@@ -159,55 +156,29 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     assert info["quantization_info"]["kernel"] == packed_linear.KERNEL
 
 
-def _smollm2_measure(gguf_path: str, quantization: str | None) -> dict:
-    from kvstrata import LLM
-
-    with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as fh:
-        passage_text = fh.read()
-    with LLM(model_path=gguf_path, quantization=quantization, context_length=2048,
-             max_total_tokens=4096, page_size=16) as llm:
-        passage = llm.tokenizer(passage_text)["input_ids"][:PPL_TOKENS]
-        assert len(passage) == PPL_TOKENS
-        out = llm.generate(input_ids=passage, return_logprob=True,
-                           sampling_params={"max_new_tokens": 1, "temperature": 0})
-        logprobs = out["meta_info"]["input_token_logprobs"]
-        ids = llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        answer = llm.generate(input_ids=ids, sampling_params={"max_new_tokens": 32,
-                                                              "temperature": 0, "logprobs": 5})
-        info = llm.server_info()
-    nll = -sum(logprobs) / len(logprobs)
-    return {"ppl": float(torch.tensor(nll).exp()), "n": len(logprobs),
-            "answer": answer["text"], "out": answer, "info": info}
-
-
 @pytest.mark.slow
-def test_smollm2_perplexity_and_paris(smollm2_gguf_path):
-    fp32 = _smollm2_measure(smollm2_gguf_path, None)
-    int8 = _smollm2_measure(smollm2_gguf_path, "w8a8_int8")
+def test_smollm2_perplexity_and_paris(smollm2_gguf_path, shared_tmp_dir):
+    from helpers.smollm2_quality import first_difference, float32_reference, measure
+
+    fp32 = float32_reference(smollm2_gguf_path, shared_tmp_dir)
+    int8 = measure(smollm2_gguf_path, answers=1, quantization="w8a8_int8")
     assert fp32["n"] == int8["n"] >= 1024
     from kvstrata.runner.quantization import cpu_has_vnni
     ratio = int8["ppl"] / fp32["ppl"]
     bound = PPL_MAX_RATIO if cpu_has_vnni() else PPL_MAX_RATIO_7BIT
     assert ratio <= bound, (fp32["ppl"], int8["ppl"])
-    assert "Paris" in fp32["answer"], fp32["answer"]
+    ref, got = fp32["answers"][0], int8["answers"][0]  # "What is the capital of France?"
+    assert "Paris" in ref["text"], ref["text"]
     # The answer's first token is a near-tie in float32 itself (top three within 0.38 nats:
     # "The" -1.88, -1.96, "La" -2.27), so int8 -- or any change of float summation order,
     # e.g. the attention kernel's ISA -- may open the answer differently ("La femme de
     # France ..." on an AMX Xeon, "L'Alcazebula ..." with 7-bit activations on an AVX2
     # EPYC). Asserted: int8 answers like float32, or its first different token is within
     # ANSWER_TIE nats of float32's top there.
-    ref, got = fp32["out"], int8["out"]
-    diff = next((i for i, (a, b) in enumerate(zip(got["output_ids"], ref["output_ids"]))
-                 if a != b), None)
+    diff = first_difference(got, ref)
     if diff is not None:
-        top = dict(ref["meta_info"]["output_top_logprobs"][diff])
-        gap = max(top.values()) - top.get(got["output_ids"][diff], -float("inf"))
-        print(f"w8a8 answer {int8['answer']!r} differs at token {diff}, fp32 gap {gap:.3f}")
-        assert gap < ANSWER_TIE, (fp32["answer"], int8["answer"], gap)
+        print(f"w8a8 answer {got['text']!r} differs at token {diff[0]}, fp32 gap {diff[1]:.3f}")
+        assert diff[1] < ANSWER_TIE, (ref["text"], got["text"], diff[1])
     q = int8["info"]["quantization_info"]
     assert q["smoothing"].startswith("SmoothQuant")
     assert q["weight_bytes"] < 0.75 * q["weight_bytes_float"]
