@@ -24,7 +24,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/shm_allreduce.h",
-                                      "kvstrata/runner/csrc/argmax_rows.h"],
+                                      "kvstrata/runner/csrc/argmax_rows.h",
+                                      "kvstrata/runner/csrc/rms_f32_rows.h"],
                              # no implicit FMA: rope's products and sum round as torch's do
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"]),

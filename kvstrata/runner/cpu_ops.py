@@ -1,6 +1,6 @@
 """Fused element-wise ops for the llama-family decoder on the CPU (the C extension
-`_cpu_ops`, csrc/cpu_ops.c): RMSNorm in bf16 (alone, or after the residual add), silu(gate)
-* up, and the rotary embedding of q and k in place inside the fused qkv projection.
+`_cpu_ops`, csrc/cpu_ops.c): RMSNorm in bf16 and fp32 (alone, or after the residual add),
+silu(gate) * up, and the rotary embedding of q and k in place inside the fused qkv projection.
 
 Why: after the linear layers were prepacked and decode attention read the pool in place, a
 bf16 batched prefill (12 prompts x 160 tokens of SmolLM2) still spent ~20% in element-wise ops
@@ -15,6 +15,10 @@ attention kernel's fp32 query and output two conversions: fusing them took the s
 faster in bf16, 2-5% in fp32 (A/B in one process, docs/benchmarks.md). The fused rotation is
 bit-exact with transformers' (each product rounded, then the sum; the torch ops it replaces
 rounded once, inside addcmul).
+
+In fp32 (what --dtype auto serves on an AVX2-only CPU) torch's rms_norm cost ~50 us a call
+inside a SmolLM2 decode step, most of it waking torch's thread team for a few KB: the fp32
+norms (csrc/rms_f32_rows.h) stay on the caller's thread for small batches.
 
 `rms_norm` / `silu_mul` / `add_rms_norm` return None (`rope_` False) when a tensor does not fit (not on the CPU, rows not
 contiguous inside, other dtypes, KVSTRATA_CPU_FUSED_OPS=0): the caller keeps torch's ops.
@@ -81,16 +85,20 @@ def enabled() -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """HF's bf16 RMSNorm in one pass, or None (caller falls back)."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not enabled():
+    """HF's RMSNorm (bf16: its two roundings; fp32) in one pass, or None (caller falls
+    back)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype \
+            or not enabled():
         return None
     rows = _rows(x)
     h = x.shape[-1]
-    if rows is None or weight.numel() != h or not weight.is_contiguous():
+    if rows is None or weight.numel() != h or not weight.is_contiguous() \
+            or weight.device.type != "cpu":
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
-    _cpu_ops.rms_norm_bf16(x.data_ptr(), rows[1], rows[0], h, weight.data_ptr(),
-                           out.data_ptr(), float(eps), torch.get_num_threads(), isa_cap())
+    op = _cpu_ops.rms_norm_bf16 if x.dtype == torch.bfloat16 else _cpu_ops.rms_norm_f32
+    op(x.data_ptr(), rows[1], rows[0], h, weight.data_ptr(), out.data_ptr(), float(eps),
+       torch.get_num_threads(), isa_cap())
     return out
 
 
@@ -124,18 +132,19 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | None:
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:
-    """x += y in place (bf16), then HF's bf16 RMSNorm of the new x, in one pass; or None
+    """x += y in place (bf16 or fp32), then HF's RMSNorm of the new x, in one pass; or None
     (nothing done: the caller adds and norms with its own ops)."""
-    if (x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or not enabled() or x.device.type != "cpu" or y.device.type != "cpu"
+    if (x.dtype not in (torch.bfloat16, torch.float32) or y.dtype != x.dtype
+            or weight.dtype != x.dtype or not enabled() or x.device.type != "cpu"
+            or y.device.type != "cpu" or weight.device.type != "cpu"
             or not x.is_contiguous() or not y.is_contiguous() or x.shape != y.shape
             or weight.numel() != x.shape[-1] or not weight.is_contiguous()):
         return None
     h = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype)
-    _cpu_ops.add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), x.numel() // max(1, h), h,
-                               weight.data_ptr(), out.data_ptr(), float(eps),
-                               torch.get_num_threads(), isa_cap())
+    op = _cpu_ops.add_rms_norm_bf16 if x.dtype == torch.bfloat16 else _cpu_ops.add_rms_norm_f32
+    op(x.data_ptr(), y.data_ptr(), x.numel() // max(1, h), h, weight.data_ptr(),
+       out.data_ptr(), float(eps), torch.get_num_threads(), isa_cap())
     return out
 
 

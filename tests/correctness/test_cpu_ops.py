@@ -111,6 +111,29 @@ def test_add_rms_norm_bf16(monkeypatch, isa, rows, h):
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("rows,h", [(1, 576), (37, 64), (300, 576), (3, 40)])
+def test_rms_norm_f32_matches_hf(monkeypatch, isa, rows, h):
+    """fp32 RMSNorm (strided rows) and the residual add fused with it, against HF's op
+    sequence and torch's rms_norm: the same products; the sum of squares in another order
+    (a few fp32 ulps at most)."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    g = torch.Generator().manual_seed(rows + 3 * h)
+    x = (torch.randn(rows, h + 8, generator=g) * 3)[:, 4:4 + h]  # strided rows (a view)
+    y = torch.randn(rows, h, generator=g) * 3
+    w = torch.randn(h, generator=g) * 0.5 + 1
+    got = cpu_ops.rms_norm(x, w, 1e-5)
+    want = hf_rms_norm(x, w, 1e-5)
+    assert got is not None and got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (h,), w, 1e-5), rtol=2e-6, atol=1e-6)
+    x = x.contiguous()
+    summed = x + y
+    got = cpu_ops.add_rms_norm(x, y, w, 1e-5)
+    assert torch.equal(x, summed)  # the add is torch's add_, exactly
+    torch.testing.assert_close(got, hf_rms_norm(summed, w, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("rows,n", [(32, 49152), (5, 17), (3, 1), (7, 100), (6, 8)])
 def test_argmax_rows_equals_torch_max(monkeypatch, isa, rows, n):
     """First index of the maximum, as torch.max(dim).indices: ties (across lanes and within
@@ -135,13 +158,17 @@ def test_argmax_rows_equals_torch_max(monkeypatch, isa, rows, n):
 
 def test_unsupported_inputs_fall_back(monkeypatch):
     x = torch.randn(4, 8)
-    assert cpu_ops.rms_norm(x, torch.ones(8), 1e-5) is None            # fp32: F.rms_norm
+    assert cpu_ops.rms_norm(x.half(), torch.ones(8).half(), 1e-5) is None  # fp16
+    assert cpu_ops.rms_norm(x, torch.ones(8).bfloat16(), 1e-5) is None     # mixed dtypes
+    assert cpu_ops.rms_norm(x.t(), torch.ones(4), 1e-5) is None        # columns strided
     assert cpu_ops.silu_mul(torch.randn(4, 8).t()) is None               # columns strided
     assert cpu_ops.silu_mul(torch.randn(4, 7)) is None                   # odd width
     assert cpu_ops.silu_mul(torch.randn(4, 8).half()) is None            # fp16
     x = torch.randn(4, 8)
-    assert cpu_ops.add_rms_norm(x, torch.randn(4, 8), torch.ones(8), 1e-5) is None  # fp32
-    assert torch.equal(x, x.clone())
+    before = x.clone()
+    assert cpu_ops.add_rms_norm(x, torch.randn(8, 8)[::2], torch.ones(8), 1e-5) is None
+    assert cpu_ops.add_rms_norm(x, torch.randn(4, 8), torch.ones(8).half(), 1e-5) is None
+    assert torch.equal(x, before)                                        # nothing added
     cos = torch.ones(4, 1, 8)
     assert not cpu_ops.rope_(torch.randn(4, 16).half(), 2, cos.half(), cos.half())  # fp16
     assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos.bfloat16(), cos.bfloat16())  # dtypes
@@ -152,12 +179,13 @@ def test_unsupported_inputs_fall_back(monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
     assert cpu_ops.argmax_rows(torch.randn(4, 8)) is None
     assert cpu_ops.silu_mul(torch.randn(4, 8)) is None
+    assert cpu_ops.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5) is None
     assert not cpu_ops.rope_(torch.randn(4, 16), 2, cos, cos)
 
 
 def test_decoder_with_and_without_fused_ops(tiny_checkpoints, tiny_prompts, monkeypatch):
-    """bf16 decoder: fused on vs off gives logprobs within bf16 rounding; fp32 (silu_mul and
-    the rotary embedding) the same greedy tokens."""
+    """bf16 decoder: fused on vs off gives logprobs within bf16 rounding; fp32 (silu_mul,
+    the rotary embedding, the norms) the same greedy tokens."""
     from kvstrata import LLM
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.15)):

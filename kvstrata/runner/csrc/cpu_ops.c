@@ -15,6 +15,7 @@
  *       products and a sum, never fused into an FMA: built with -ffp-contract=off)
  *   shm_all_reduce(...)   one rank's step of the shared-memory all-reduce (see below)
  *   argmax_rows(...)      the greedy token of each row of fp32 logits (argmax_rows.h)
+ *   rms_norm_f32, add_rms_norm_f32(...)   the norms above for fp32 (rms_f32_rows.h)
  *
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
@@ -380,6 +381,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
 
 #include "shm_allreduce.h"
 #include "argmax_rows.h"
+#include "rms_f32_rows.h"
 
 static PyMethodDef methods[] = {
     {"shm_all_reduce", shm_all_reduce, METH_VARARGS, "One rank's step of the shared-memory all-reduce."},
@@ -388,6 +390,8 @@ static PyMethodDef methods[] = {
     {"add_rms_norm_bf16", add_rms_norm_bf16, METH_VARARGS, "x += y (bf16), then HF's RMSNorm of x."},
     {"rope", rope, METH_VARARGS, "Rotary embedding of the first heads of each row, in place."},
     {"argmax_rows", argmax_rows, METH_VARARGS, "First index of each fp32 row's maximum (NaN first)."},
+    {"rms_norm_f32", rms_norm_f32, METH_VARARGS, "fp32 RMSNorm over rows."},
+    {"add_rms_norm_f32", add_rms_norm_f32, METH_VARARGS, "x += y (fp32), then RMSNorm of x."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",

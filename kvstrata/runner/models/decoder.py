@@ -35,11 +35,11 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same arithmetic as HF (normalise in float32, cast back, then scale by the weight).
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    fused = cpu_ops.rms_norm(x, weight, eps)  # bf16 on CPU: the same roundings in one pass
+    fused = cpu_ops.rms_norm(x, weight, eps)  # bf16 / fp32 on CPU: one pass, same roundings
     if fused is not None:
         return fused
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -199,7 +199,7 @@ class DecoderForCausalLM(nn.Module):
         # In place: x is this forward's own buffer (from F.embedding or a linear), never a
         # view of a parameter, and inference mode keeps no autograd history.
         o = self.reduce(linear(attn, layer.o_weight, layer.o_bias))
-        h = cpu_ops.add_rms_norm(x, o, layer.post_norm, d.rms_norm_eps)  # bf16: one pass
+        h = cpu_ops.add_rms_norm(x, o, layer.post_norm, d.rms_norm_eps)  # CPU: one pass
         if h is None:
             x.add_(o)
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
