@@ -29,9 +29,12 @@ from helpers.driver import greedy_generate
 from helpers.runner import forward_logits, make_runner
 
 # 8-bit activations (VNNI): +1.8% measured. Without VNNI the kernel keeps 7 bits (fbgemm's
-# int16 saturation), measured +5.4% on an AVX2-only EPYC: a looser bound there, not a skip.
+# int16 saturation): a looser bound there, not a skip. On an AVX2-only EPYC the 7-bit result
+# moves with float summation order alone: +4.8% to +7.2% for the same weights with two
+# equally exact fp32 RMSNorm kernels, one in the calibration forward and the other serving,
+# or both (2026-12-03); without smoothing it is +22%, which the bound must still catch.
 PPL_MAX_RATIO = 1.03
-PPL_MAX_RATIO_7BIT = 1.07
+PPL_MAX_RATIO_7BIT = 1.09
 TIE_TOL = 0.05
 ANSWER_TIE = 0.5  # nats; SmolLM2's answer opens at a measured 0.38-nat three-way tie
 MIN_IDENTICAL = 12
