@@ -1,10 +1,12 @@
 """A/B of the decode step's fused CPU paths in one process: the rotary embedding in place
 (cpu_ops.rope_), the residual add fused into the next norm (cpu_ops.add_rms_norm) and the
 paged kernel reading a bf16 query (no fp32 copy in, no bf16 copy out), against the torch ops
-they replaced. Both variants run interleaved, round after round, on the same DecodeBatch
+they replaced; `--paths` picks which (`norm`: cpu_ops.rms_norm too, e.g. the fp32 rows).
+Both variants run interleaved, round after round, on the same DecodeBatch
 (benchmarks/bench_decode_step.py), so a noisy box hits both alike; the report is the ratio.
 
   python benchmarks/ab_fused_ops.py --dtype bfloat16 --batch 32 --context 128
+  python benchmarks/ab_fused_ops.py --dtype float32 --paths norm add_norm --batch 1 --context 192
 """
 from __future__ import annotations
 
@@ -25,18 +27,20 @@ from kvstrata.runner import cpu_ops  # noqa: E402
 from kvstrata.runner.attention import paged_decode  # noqa: E402
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
 
-FUSED = (cpu_ops.rope_, cpu_ops.add_rms_norm, paged_decode.Q_DTYPES)
+FUSED = {"rope": cpu_ops.rope_, "add_norm": cpu_ops.add_rms_norm, "norm": cpu_ops.rms_norm,
+         "bf16_query": paged_decode.Q_DTYPES}
+DEFAULT_PATHS = ("rope", "add_norm", "bf16_query")
+DECLINED = {"rope": lambda *args, **kwargs: False, "add_norm": lambda *args, **kwargs: None,
+            "norm": lambda *args, **kwargs: None, "bf16_query": {torch.float32: 0}}
 
 
-def use_fused(on: bool) -> None:
-    """Off: the three fused calls decline, so the decoder and the attention backend take
+def use_fused(on: bool, paths=DEFAULT_PATHS) -> None:
+    """Off: the fused calls of `paths` decline, so the decoder and the attention backend take
     their torch-op fallbacks (the code paths before the fusion)."""
-    if on:
-        cpu_ops.rope_, cpu_ops.add_rms_norm, paged_decode.Q_DTYPES = FUSED
-    else:
-        cpu_ops.rope_ = lambda *args, **kwargs: False
-        cpu_ops.add_rms_norm = lambda *args, **kwargs: None
-        paged_decode.Q_DTYPES = {torch.float32: 0}
+    chosen = {name: FUSED[name] if on or name not in paths else DECLINED[name]
+              for name in FUSED}
+    cpu_ops.rope_, cpu_ops.add_rms_norm = chosen["rope"], chosen["add_norm"]
+    cpu_ops.rms_norm, paged_decode.Q_DTYPES = chosen["norm"], chosen["bf16_query"]
 
 
 def main(argv=None) -> dict:
@@ -47,6 +51,8 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
+    p.add_argument("--paths", nargs="+", choices=sorted(FUSED), default=list(DEFAULT_PATHS),
+                   help="the fused paths the 'torch ops' variant turns off")
     args = p.parse_args(argv)
     runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
     d = runner.model.dims
@@ -61,7 +67,7 @@ def main(argv=None) -> dict:
             batch = step_bench.DecodeBatch(runner, args.batch, args.context, 1, 1)
             for _ in range(args.rounds):
                 for on in (False, True):
-                    use_fused(on)
+                    use_fused(on, args.paths)
                     batch.step()  # warm-up of this variant
                     start = time.perf_counter()
                     for _ in range(args.steps):
@@ -71,9 +77,11 @@ def main(argv=None) -> dict:
         use_fused(True)
         runner.shutdown()
     old, new = statistics.median(times[False]), statistics.median(times[True])
-    print(f"{args.dtype} B={args.batch} C={args.context}: torch ops {old:.2f} ms, fused "
+    print(f"{args.dtype} B={args.batch} C={args.context} {'+'.join(args.paths)}: torch ops "
+          f"{old:.2f} ms, fused "
           f"{new:.2f} ms per step -> {old / new:.3f}x", flush=True)
     return {"dtype": args.dtype, "batch": args.batch, "context": args.context,
+            "paths": list(args.paths),
             "torch_ops_ms": old, "fused_ms": new, "speedup": old / new}
 
 

@@ -120,7 +120,8 @@ KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "on every machine.")
 KVSTRATA_CPU_FUSED_OPS = _declare(
     "KVSTRATA_CPU_FUSED_OPS", bool, True,
-    "The llama-family decoder on CPU runs bf16 RMSNorm and silu(gate) * up as one fused pass "
+    "The llama-family decoder on CPU runs RMSNorm (bf16 and fp32, alone or after the "
+    "residual add), silu(gate) * up, the rotary embedding and the greedy argmax as one pass "
     "each (runner/cpu_ops.py); 0 = torch's op sequences (ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",

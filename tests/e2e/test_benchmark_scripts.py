@@ -196,8 +196,13 @@ def test_ab_fused_ops_runs_both_variants(tiny_model_path):
         cos = torch.ones(2, 1, 32, dtype=torch.bfloat16)
         ab_fused_ops.use_fused(False)
         assert not cpu_ops.rope_(x, 2, cos, cos) and cpu_ops.add_rms_norm(x, x, x[0], 1e-6) is None
+        assert cpu_ops.rms_norm(x, x[0], 1e-6) is not None  # not among the default paths
+        ab_fused_ops.use_fused(False, ["norm"])
+        assert cpu_ops.rms_norm(x.float(), x[0].float(), 1e-6) is None
+        assert cpu_ops.rope_(x, 2, cos, cos)
         ab_fused_ops.use_fused(True)
         assert cpu_ops.rope_(x, 2, cos, cos)
+        assert cpu_ops.rms_norm(x.float(), x[0].float(), 1e-6) is not None
     finally:
         sys.path.pop(0)
 
