@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    p.add_argument("--shapes", nargs="+", default=[f"{k}:{n}" for k, n in SHAPES],
+                   help="in:out features of the weights (default: SmolLM2's)")
     p.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     p.add_argument("--torchao-max-flops", type=float, default=2e10,
                    help="skip torchao above this many FLOPs per call (it is very slow)")
@@ -126,7 +128,7 @@ def main(argv=None) -> dict:
     load = announce_load(args.require_quiet)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     rows_out = []
-    for k, n in SHAPES:
+    for k, n in (tuple(int(v) for v in shape.split(":")) for shape in args.shapes):
         for rows in args.rows:
             for r in measure(k, n, rows, args):
                 rows_out.append(r)

@@ -79,12 +79,14 @@ def test_bench_int8_linear_rows(tmp_path):
     """Every shape x kernel has a row; the int8 result stays close to float32 (the kernels'
     speed is reported in docs/benchmarks.md, not asserted)."""
     out = tmp_path / "int8.json"
+    # Two of SmolLM2's three shapes (its 576 -> 49152 head takes most of the time to quantise
+    # for every kernel; the script treats every shape alike).
     _run("bench_int8_linear.py", "--rows", "1", "3", "--min-time", "0.001",
-         "--torchao-max-flops", "0", "--out", str(out))
+         "--shapes", "576:1536", "1536:576", "--torchao-max-flops", "0", "--out", str(out))
     rows = json.loads(out.read_text())["results"]
     assert {(r["kernel"], r["k"], r["n"], r["rows"]) for r in rows} == {
         (kern, k, n, m) for kern in ("kvstrata", "kvstrata_fbgemm", "fbgemm_dyn", "torchao")
-        for k, n in ((576, 1536), (1536, 576), (576, 49152)) for m in (1, 3)}
+        for k, n in ((576, 1536), (1536, 576)) for m in (1, 3)}
     from kvstrata.runner.quantization import cpu_has_vnni
     for r in rows:
         if r["kernel"] == "torchao":
