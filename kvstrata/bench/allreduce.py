@@ -14,9 +14,10 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
+
+from kvstrata.bench.ports import free_port
 
 BATCHES = (1, 32)
 DTYPES = ("float32", "bfloat16")
@@ -63,9 +64,7 @@ def _rank(rank: int, size: int, port: int, hidden: int, iters: int, out) -> None
 
 
 def run(size: int = 2, hidden: int = 576, layers: int = 30, iters: int = 300) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, size, port, hidden, iters, out))

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,8 @@ import time
 import httpx
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load
+from kvstrata.bench.ports import free_port
 from kvstrata.bench.serve_client import run_benchmark, summarize
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

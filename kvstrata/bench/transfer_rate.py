@@ -18,14 +18,9 @@ import time
 
 import torch
 
+from kvstrata.bench.ports import free_port
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
 from kvstrata.transfer.disagg.registry import create_manager
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _loopback_seconds(payload: memoryview) -> float:
@@ -66,7 +61,7 @@ def measure_transfer_rate(backend: str = "tcp", num_pages: int = 128, sections: 
     src = torch.randint(0, 256, (sections, num_pages + 1, page_bytes), dtype=torch.uint8,
                         generator=gen)
     dst = torch.zeros_like(src)
-    port = _free_port()
+    port = free_port()
     common = dict(host="127.0.0.1", num_metadata_slots=4, page_size=16, kv_dtype="float32")
     prefill = create_manager(backend, "prefill", [src], bootstrap_port=port, **common)
     decode = create_manager(backend, "decode", [dst], bootstrap_port=0, **common)
