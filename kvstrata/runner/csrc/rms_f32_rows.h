@@ -14,21 +14,16 @@
 #ifndef KVSTRATA_RMS_F32_ROWS_H
 #define KVSTRATA_RMS_F32_ROWS_H
 
-static void rms_scale_f32_scalar(const float *x, const float *w, float *o, int64_t h, float ss,
-                                 float eps) {
+/* `y` NULL: no residual add (as the vector rows below) */
+static void rms_row_f32_scalar(float *x, const float *y, const float *w, float *o, int64_t h,
+                               float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < h; i++) {
+        if (y) x[i] += y[i];
+        ss += x[i] * x[i];
+    }
     const float r = 1.f / sqrtf(ss / (float)h + eps);
     for (int64_t i = 0; i < h; i++) o[i] = w[i] * (x[i] * r);
-}
-static void rms_row_f32_scalar(const float *x, const float *w, float *o, int64_t h, float eps) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
-    rms_scale_f32_scalar(x, w, o, h, ss, eps);
-}
-static void add_rms_row_f32_scalar(float *x, const float *y, const float *w, float *o,
-                                   int64_t h, float eps) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < h; i++) { x[i] += y[i]; ss += x[i] * x[i]; }
-    rms_scale_f32_scalar(x, w, o, h, ss, eps);
 }
 
 #if defined(__x86_64__)
@@ -91,8 +86,7 @@ static PyObject *rms_rows_f32(PyObject *args, int add) {
         if (vec) { rms_row_f32_avx512(xr, yr, w, orow, h, (float)eps); continue; }
         if (vec8) { rms_row_f32_avx2(xr, yr, w, orow, h, (float)eps); continue; }
 #endif
-        if (add) add_rms_row_f32_scalar(xr, yr, w, orow, h, (float)eps);
-        else rms_row_f32_scalar(xr, w, orow, h, (float)eps);
+        rms_row_f32_scalar(xr, yr, w, orow, h, (float)eps);
     }
     Py_END_ALLOW_THREADS
     (void)vec;
