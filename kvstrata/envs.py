@@ -110,8 +110,8 @@ KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
     "KVSTRATA_CPU_PREFILL_ATTENTION", bool, True,
     "CPU prefill attention (a prompt, or a chunk after a cached prefix, 8+ tokens) runs the "
     "prefill kernel (runner/attention/paged_decode.py prefill_attention, keys read from the "
-    "pool) where it is faster than torch's SDPA (AVX-512, head_dim % 64 == 0; bf16 only "
-    "without AMX); 0 = SDPA always (ablation).")
+    "pool) where it is faster than torch's SDPA (AVX-512 with head_dim % 64 == 0, or AVX2 + "
+    "FMA with head_dim % 32 == 0; bf16 only without AMX); 0 = SDPA always (ablation).")
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "

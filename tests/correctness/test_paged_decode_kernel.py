@@ -42,6 +42,15 @@ def test_kernel_matches_sdpa(hq, hkv, d, threads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _flags() -> frozenset:
+    from kvstrata.platform import read_cpu_flags
+    return frozenset(read_cpu_flags())
+
+
+_HAS_AVX2 = {"avx2", "fma"} <= _flags()
+_HAS_AVX512 = _HAS_AVX2 and "avx512f" in _flags()
+
+
 def _bf16_dot_path() -> bool:
     from kvstrata.platform import read_cpu_flags
     return "avx512_bf16" in read_cpu_flags()
@@ -257,18 +266,21 @@ def _causal_sdpa(q, k, v, prefix, scale):
         scale=scale)[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (6, 2, 16)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (14, 2, 64), (6, 2, 16),
+                                      (8, 2, 96)])
 @pytest.mark.parametrize("n,prefix", [(1, 0), (7, 0), (64, 0), (65, 0), (200, 0), (40, 37),
                                       (9, 100)])
 def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, prefix):
     """Causal attention of a prompt (or a chunk after `prefix` cached tokens): queries read
     in place from a fused qkv projection (rows strided), keys and values from scattered
     rows of a pool, against torch's SDPA on the same values: block edges (64 keys, 32
-    queries), GQA groups of 1, 3 and 7 heads (the vector code takes 4 at a time), the
-    scalar reference and the AVX-512 path, 1 and 3 threads."""
-    from kvstrata.runner.attention.paged_decode import prefill_attention
+    queries), GQA groups of 1, 3, 4 and 7 heads (the AVX-512 code takes 4 at a time, the
+    AVX2 code 3), the scalar reference, the AVX2 path (head_dim % 32 == 0: a head of 96
+    runs it under the AVX-512 cap too) and the AVX-512 path (where the CPU has them; a
+    capped or missing ISA runs the next one down), 1 and 3 threads."""
+    from kvstrata.runner.attention.paged_decode import prefill_attention, prefill_kernel_isa
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     g = torch.Generator().manual_seed(n * 31 + hq * d + prefix)
     qkv = (torch.randn(n, hq * d + 8, generator=g) * 2).to(dtype)
@@ -277,6 +289,11 @@ def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, pre
     v = torch.randn(prefix + n, hkv, d, generator=g).to(dtype)
     k_cache, v_cache, slots = _pooled(k, v, 600, g)
     want = _causal_sdpa(q, k, v, prefix, d ** -0.5)
+    ran = prefill_kernel_isa(d)
+    want_isa = {"scalar": 0, "avx2": 1, "avx512": 2}
+    assert want_isa[ran] <= want_isa[isa]
+    if isa != "scalar" and d % 32 == 0 and _HAS_AVX2:
+        assert ran == ("avx512" if isa == "avx512" and d % 64 == 0 and _HAS_AVX512 else "avx2")
     for threads in (1, 3):
         got = prefill_attention(q, k_cache, v_cache, slots, prefill_seqs([(0, n, 0, prefix)]),
                                 d ** -0.5,
@@ -289,34 +306,44 @@ def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, pre
 
 
 def test_prefill_kernel_dispatch_rule(monkeypatch):
-    """Where the backend runs the prefill kernel instead of SDPA: AVX-512 and head_dim % 64
-    (the vector code), fp32 always, bf16 only without AMX-BF16 (flash attention on the
-    tiles is not beaten by fp32 FMAs); KVSTRATA_CPU_PREFILL_ATTENTION=0 turns it off."""
+    """Where the backend runs the prefill kernel instead of SDPA: where its vector code runs
+    (AVX-512 with head_dim % 64 == 0, or AVX2 + FMA with head_dim % 32 == 0), fp32 always,
+    bf16 only without AMX-BF16 (flash attention on the tiles is not beaten by fp32 FMAs);
+    never on the scalar code; KVSTRATA_CPU_PREFILL_ATTENTION=0 turns it off."""
     from kvstrata.runner.attention import paged_decode as pd
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
     cpu = torch.device("cpu")
-    avx512 = pd.kernel_isa(64, torch.float32) == "avx512"
+    assert pd.prefill_kernel_isa(64) == ("avx512" if _HAS_AVX512 else
+                                         "avx2" if _HAS_AVX2 else "scalar")
+    assert pd.prefill_kernel_isa(96) == ("avx2" if _HAS_AVX2 else "scalar")
+    assert pd.prefill_kernel_isa(80) == "scalar"
+    vec = _HAS_AVX2
     monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f"}))
-    assert pd.prefill_supported(torch.float32, 64, cpu) == avx512
-    assert pd.prefill_supported(torch.bfloat16, 128, cpu) == avx512
+    assert pd.prefill_supported(torch.float32, 64, cpu) == vec
+    assert pd.prefill_supported(torch.bfloat16, 128, cpu) == vec
+    assert pd.prefill_supported(torch.float32, 96, cpu) == vec
     assert not pd.prefill_supported(torch.float32, 80, cpu)
     assert not pd.prefill_supported(torch.float16, 64, cpu)
     monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
     assert not pd.prefill_supported(torch.bfloat16, 64, cpu)
-    assert pd.prefill_supported(torch.float32, 64, cpu) == avx512
+    assert pd.prefill_supported(torch.float32, 64, cpu) == vec
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    assert pd.prefill_kernel_isa(64) == ("avx2" if vec else "scalar")
+    assert pd.prefill_supported(torch.float32, 64, cpu) == vec
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    assert pd.prefill_kernel_isa(64) == "scalar"
     assert not pd.prefill_supported(torch.float32, 64, cpu)
     monkeypatch.delenv("KVSTRATA_CPU_ISA")
 
     class Pool:
         kv = torch.zeros(1, dtype=torch.float32)
     on = TorchNativeAttnBackend(Pool(), None, 9, 3, 64)
-    assert on.use_prefill_kernel == avx512
+    assert on.use_prefill_kernel == vec
     monkeypatch.setenv("KVSTRATA_CPU_PREFILL_ATTENTION", "0")
     assert not TorchNativeAttnBackend(Pool(), None, 9, 3, 64).use_prefill_kernel
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_prefill_kernel_serves_many_prompts_in_one_call(monkeypatch, isa):
     """A batched prefill's prompts in one call: each attends over its own prefix and
     tokens only, through its own slots; rows between them (other requests' tokens) are

@@ -57,6 +57,40 @@ def test_bench_paged_decode_rows(tmp_path, monkeypatch):
         bench_paged_decode.main(["--batch", "3", "--context", "20", "--pool-pages", "5"])
 
 
+def test_bench_prefill_attention_rows(tmp_path, monkeypatch):
+    """In-process: a row per dtype x length x ISA cap with SDPA measured beside it, which ISA
+    ran, the kernel's difference from SDPA (small: a wrong kernel shows here), JSON out; the
+    user's KVSTRATA_CPU_ISA is restored afterwards."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_prefill_attention
+
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx512")
+    out = tmp_path / "prefill.json"
+    result = bench_prefill_attention.main(["--lengths", "9", "70", "--rounds", "1", "--isas",
+                                           "scalar", "avx512", "--out", str(out)])
+    assert os.environ["KVSTRATA_CPU_ISA"] == "avx512"
+    rows = json.loads(out.read_text())["rows"]
+    assert rows == result["rows"] and len(rows) == 8
+    assert {r["ran"] for r in rows if r["cap"] == "scalar"} == {"scalar"}
+    for r in rows:
+        assert r["ms"] > 0 and r["sdpa_ms"] > 0 and r["vs_sdpa"] > 0
+        assert r["max_abs_err"] < (1e-5 if r["dtype"] == "float32" else 5e-2), r
+
+
+def test_bench_prefill_attention_whole_prefills(tiny_model_path):
+    """--model: the two engines (kernel, SDPA) time each wave; a malformed wave is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_prefill_attention
+
+    result = bench_prefill_attention.main(["--lengths", "--model", tiny_model_path, "--prompts",
+                                           "2x24", "1x40", "--rounds", "1"])
+    assert result["rows"] == []
+    assert [w["wave"] for w in result["prefills"]] == ["2x24", "1x40"]
+    assert all(w["kernel_s"] > 0 and w["sdpa_s"] > 0 for w in result["prefills"])
+    with pytest.raises(ValueError, match="COUNTxLEN"):
+        bench_prefill_attention.main(["--lengths", "--model", tiny_model_path, "--prompts", "40"])
+
+
 def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
     out = tmp_path / "reuse.json"
     _run("bench_reuse.py", "--model", tiny_model_path, "--conversations", "3", "--turns", "3",

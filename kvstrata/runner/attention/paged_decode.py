@@ -160,16 +160,24 @@ PREFILL_MIN_TOKENS = 8  # below, SDPA's fixed cost is lower (1 token: 12 vs 26 u
 
 
 def prefill_supported(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether prefill_attention beats torch's flash attention here, by the rule measured on
-    an AVX-512 box without AMX (SmolLM2's 9/3 heads of 64, 2 threads; kernel vs SDPA, same
-    run: 2.4-2.9x at 128-512 tokens, 1.8-1.9x at 2048, fp32 and bf16): its vector code needs
-    AVX-512F and head_dim % 64 == 0 (<= 256). On a CPU with AMX-BF16 torch's flash attention
+    """Whether prefill_attention beats torch's flash attention here, by the rule measured with
+    SmolLM2's 9/3 heads of 64 on 2 threads (kernel vs SDPA, same run): on an AVX-512 box
+    without AMX 2.4-2.9x at 128-512 tokens and 1.8-1.9x at 2048 (fp32 and bf16); on an
+    AVX2-only EPYC ~1.9x at 128 tokens, 1.7-2.0x at 512 and 1.05-1.2x at 2048. Its vector
+    code needs AVX2 + FMA and head_dim % 32 == 0 (the AVX-512 code head_dim % 64 == 0, else
+    it runs the AVX2 code), head_dim <= 256. On a CPU with AMX-BF16 torch's flash attention
     multiplies bf16 blocks on the tiles, which fp32 FMAs do not beat: bf16 stays on SDPA
-    there (not measured here: no AMX machine in this session)."""
-    if (device.type != "cpu" or dtype not in Q_DTYPES or head_dim % 64 or head_dim > 256
-            or kernel_isa(head_dim, torch.float32) != "avx512"):
+    there (not measured: no AMX machine so far)."""
+    if (device.type != "cpu" or dtype not in Q_DTYPES
+            or prefill_kernel_isa(head_dim) == "scalar"):
         return False
     return dtype != torch.bfloat16 or "amx_bf16" not in _cpu_flags()
+
+
+def prefill_kernel_isa(head_dim: int) -> str:
+    """The instruction set prefill_attention runs for this head size on this CPU (scalar:
+    no vector code fits; the kernel still answers, slowly)."""
+    return _paged_decode.prefill_isa(head_dim, isa_cap())
 
 
 def _cpu_flags() -> frozenset:

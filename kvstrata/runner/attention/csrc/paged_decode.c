@@ -257,6 +257,20 @@ static int pf_block_cmp(const void *a, const void *b) { /* costliest (most keys)
     return ca < cb ? 1 : (ca > cb ? -1 : 0);
 }
 
+/* The prefill kernel's vector code for head size d on this CPU, at most `cap`. */
+static int pf_pick_isa(int64_t d, int cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (cap >= ISA_AVX512 && d % 64 == 0 && avx2 && __builtin_cpu_supports("avx512f"))
+        return ISA_AVX512;
+    if (cap >= ISA_AVX2 && d % 32 == 0 && avx2) return ISA_AVX2;
+#else
+    (void)d; (void)cap;
+#endif
+    return ISA_SCALAR;
+}
+
 static PyObject *prefill(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, slots_addr, seqs_addr, out_addr;
     Py_ssize_t q_stride, q_rows, pool_rows, n_slots, n_seqs, hq, hkv, d;
@@ -303,10 +317,7 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     pf_job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr,
                 (char *)out_addr, slots, hq, hkv, d, q_stride, hkv * d, hkv * d,
                 dtype == KV_BF16, 0, (float)scale};
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    j.vec = isa_cap >= ISA_AVX512 && d % 64 == 0 && __builtin_cpu_supports("avx512f");
-#endif
+    j.vec = pf_pick_isa(d, isa_cap);
     const int64_t items = nblocks * hkv;
     int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
 #ifndef _OPENMP
@@ -328,7 +339,14 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     free(blk);
     if (failed) return PyErr_NoMemory();
-    return PyUnicode_FromString(j.vec ? "avx512" : "scalar");
+    return PyUnicode_FromString(ISA_NAMES[j.vec]);
+}
+
+static PyObject *prefill_isa(PyObject *self, PyObject *args) {
+    Py_ssize_t d;
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "ni", &d, &isa_cap)) return NULL;
+    return PyUnicode_FromString(ISA_NAMES[d >= 1 && d <= PF_MAX_D ? pf_pick_isa(d, isa_cap) : 0]);
 }
 
 static PyObject *isa(PyObject *self, PyObject *args) {
@@ -349,6 +367,8 @@ static PyObject *openmp(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Paged decode attention over a KV pool (see source)."},
     {"prefill", prefill, METH_VARARGS, "Causal prefill attention over a chunk's own keys."},
+    {"prefill_isa", prefill_isa, METH_VARARGS,
+     "The instruction set prefill uses for (head_dim, cap)."},
     {"isa", isa, METH_VARARGS, "The instruction set decode uses for (head_dim, kv_dtype, cap)."},
     {"openmp", openmp, METH_NOARGS, "Whether the kernel was built with OpenMP threads."},
     {NULL, NULL, 0, NULL}};

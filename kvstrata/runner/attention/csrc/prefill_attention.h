@@ -25,8 +25,9 @@
  * d broadcast-FMAs over two 16-wide vectors, no horizontal sums), then an online softmax
  * (running max and sum per row, fp32) and the weighted sum of the block's values. Items run
  * on torch's OpenMP team (see paged_decode.c), dynamically scheduled (causal blocks differ
- * in cost). AVX-512F only (d % 16 == 0, d <= PF_MAX_D); the caller uses torch's SDPA
- * elsewhere, and the scalar code here is the reference the tests hold the vector code to.
+ * in cost). AVX-512F (d % 64 == 0) or AVX2 + FMA (d % 32 == 0, prefill_attention_avx2.h),
+ * picked at run time; d <= PF_MAX_D. The scalar code here is the reference the tests hold
+ * the vector code to.
  */
 #ifndef KVSTRATA_PREFILL_ATTENTION_H
 #define KVSTRATA_PREFILL_ATTENTION_H
@@ -163,6 +164,7 @@ typedef void (*pf_group_fn)(const float *, const float *, const float *, int64_t
                             float *, float *, float *, int64_t);
 static const pf_group_fn PF_GROUPS[5] = {NULL, pf_group1, pf_group2, pf_group3, pf_group4};
 #endif
+#include "prefill_attention_avx2.h"
 static void pf_accumulate_scalar(float *o, float corr, const float *p, const float *vf,
                                  int64_t nv, int64_t d) {
     for (int64_t e = 0; e < d; e++) {
@@ -190,6 +192,11 @@ static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t 
     const int64_t end = prefix + q0 + nq; /* key positions [0, end) */
     for (int64_t k0 = 0; k0 < end; k0 += PF_BK) {
         const int64_t nk = end - k0 < PF_BK ? end - k0 : PF_BK;
+#if defined(__x86_64__)
+        if (j->vec)  /* d % 32 == 0 on both vector paths */
+            pf2_fill_kt(j->k, j->bf16, j->k_stride, sl + k0, nk, h, d, sc->kt);
+        else
+#endif
         for (int64_t c = 0; c < PF_BK; c++) {
             if (c < nk) pf_load(j, row, j->k, sl[k0 + c] * j->k_stride + h * d, d);
             for (int64_t e = 0; e < d; e++) sc->kt[e * PF_BK + c] = c < nk ? row[e] : 0.f;
@@ -201,11 +208,13 @@ static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t 
             const int64_t valid = seen < nk ? seen : nk;
             if (valid <= 0) continue;
 #if defined(__x86_64__)
-            if (j->vec) { /* the g heads of position t, four at a time */
-                for (int64_t i = 0; i < g; i += 4) {
-                    const int64_t r = t * g + i, nr = g - i < 4 ? g - i : 4;
-                    PF_GROUPS[nr](sc->qf + r * d, sc->kt, sc->vf, valid, sc->m + r,
-                                  sc->l + r, sc->o + r * d, sc->p, d);
+            if (j->vec) { /* the g heads of position t, up to 4 (AVX2: 3) at a time */
+                const int64_t most = j->vec == ISA_AVX512 ? 4 : PF2_MAX_NR;
+                const pf_group_fn *fns = j->vec == ISA_AVX512 ? PF_GROUPS : PF2_GROUPS;
+                for (int64_t i = 0; i < g; i += most) {
+                    const int64_t r = t * g + i, nr = g - i < most ? g - i : most;
+                    fns[nr](sc->qf + r * d, sc->kt, sc->vf, valid, sc->m + r, sc->l + r,
+                            sc->o + r * d, sc->p, d);
                 }
                 continue;
             }
