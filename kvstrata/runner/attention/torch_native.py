@@ -7,10 +7,10 @@ attention pieces; each layer then writes its new K/V at their slots and runs the
   fresh  a request whose keys are exactly its new tokens (prompt from position 0): SDPA with
          is_causal straight on the fresh K/V rows -- no gather, no mask, and the CPU flash
          kernel skips the blocks above the diagonal. Where paged_decode.prefill_supported
-         says so (AVX-512, head_dim % 64 == 0), fresh and causal paged pieces of 8+ tokens
-         instead go through kvstrata's prefill kernel, all of a step's in one call a layer,
-         keys read from the pool through their slots (1.8-2.9x torch's flash attention at
-         SmolLM2's shape; meta.prefill).
+         says so (its vector code runs: AVX-512 or AVX2 + FMA), fresh and causal paged
+         pieces of 8+ tokens instead go through kvstrata's prefill kernel, all of a step's in
+         one call a layer, keys read from the pool through their slots (1.8-2.9x torch's flash
+         attention at SmolLM2's shape on AVX-512, 1.0-2.4x on AVX2; meta.prefill).
   paged  a multi-token request with cached context (prefix hit, later prefill chunk): gather
          its K/V, explicit causal mask offset by its start.
   decode a group of one-token requests of similar context length: gather K/V padded to the
