@@ -25,7 +25,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/shm_allreduce.h",
                                       "kvstrata/runner/csrc/argmax_rows.h",
-                                      "kvstrata/runner/csrc/rms_f32_rows.h"],
+                                      "kvstrata/runner/csrc/rms_f32_rows.h",
+                                      "kvstrata/runner/csrc/f32_gemv.h"],
                              # no implicit FMA: rope's products and sum round as torch's do
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"]),

@@ -17,7 +17,6 @@ random token prompts, one token generated, no prefix cache) alternated between t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kvstrata.bench.engine_ab import engines_by_setting  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.runner.attention.paged_decode import (prefill_attention,  # noqa: E402
                                                      prefill_kernel_isa, prefill_seqs)
 
@@ -103,30 +104,24 @@ def main(argv=None) -> dict:
     if args.model:
         result["prefills"] = whole_prefills(args)
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=1)
+        write_json(args.out, result)
     return result
 
 
 def whole_prefills(args) -> list[dict]:
-    from kvstrata import LLM
-
     waves = []
     for spec in args.prompts:
         count, _, length = spec.partition("x")
         if not (count.isdigit() and length.isdigit()):
             raise ValueError(f"--prompts {spec!r}: expected COUNTxLEN, e.g. 32x128")
         waves.append((spec, int(count), int(length)))
-    need = max(c * n for _, c, n in waves) + 64
-    engines = {}
-    try:
-        for variant, env in (("kernel", "1"), ("sdpa", "0")):
-            with mock.patch.dict(os.environ, {"KVSTRATA_CPU_PREFILL_ATTENTION": env}):
-                engines[variant] = LLM(model_path=args.model, dtype=args.model_dtype,
-                                       max_total_tokens=need, disable_radix_cache=True)
-        g = torch.Generator().manual_seed(1)
-        greedy = {"max_new_tokens": 1, "temperature": 0.0}
-        out = []
+    g = torch.Generator().manual_seed(1)
+    greedy = {"max_new_tokens": 1, "temperature": 0.0}
+    out = []
+    with engines_by_setting("KVSTRATA_CPU_PREFILL_ATTENTION", {"kernel": "1", "sdpa": "0"},
+                            model_path=args.model, dtype=args.model_dtype,
+                            max_total_tokens=max(c * n for _, c, n in waves) + 64,
+                            disable_radix_cache=True) as engines:
         for spec, count, length in waves:
             ids = torch.randint(100, 20000, (count, length), generator=g).tolist()
             best = {v: float("inf") for v in engines}
@@ -139,10 +134,7 @@ def whole_prefills(args) -> list[dict]:
                         "speedup": best["sdpa"] / best["kernel"]})
             print(f"prefill {spec:>8s} ({args.model_dtype}): kernel {best['kernel']:.3f} s, "
                   f"SDPA {best['sdpa']:.3f} s: {best['sdpa'] / best['kernel']:.2f}x")
-        return out
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
+    return out
 
 
 if __name__ == "__main__":

@@ -157,6 +157,13 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16 without AMX and the shape fits "
     "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation). "
     "Read when the weights are packed.")
+KVSTRATA_CPU_F32_GEMV = _declare(
+    "KVSTRATA_CPU_F32_GEMV", str, "auto",
+    "fp32 linear layers of 1-4 rows (decode at batch 1-4) on the CPU: auto = kvstrata's GEMV "
+    "(runner/csrc/f32_gemv.h) over a second copy of the layers' weights, where the CPU has "
+    "AVX2 + FMA and the copies take at most 1/8 of RAM (they count as weights in the KV "
+    "sizing); off = oneDNN's prepacked layer for every row count (no copies). Read when the "
+    "weights are packed.")
 KVSTRATA_CPU_HUGE_PAGES = _declare(
     "KVSTRATA_CPU_HUGE_PAGES", bool, True,
     "The CPU KV pool asks for transparent huge pages (madvise) before it is first written "

@@ -31,6 +31,11 @@ a mask, fp32 FMAs). Measured on a 2-vCPU AVX2 EPYC (benchmarks/bench_gemm.py --k
 3.9-6.0x torch's bf16 F.linear at 8-512 rows; against fp32's prepacked oneDNN linear (half the
 weight bytes, the same FMAs) 1.4x at 1-8 rows, 0.97x at 32, 0.89x at 128, 0.77x at 512. A
 layer neither GEMM takes there keeps F.linear.
+
+fp32 layers at 1-4 rows (a decode step at batch 1-4: bound by the weights' bandwidth, where
+oneDNN's layout streamed 13-21 GB/s against a 26-36 GB/s read on the AVX2 EPYC) run
+kvstrata's GEMV over a second, panel-packed copy of the weight where f32_gemv.worth_copies
+allows it (runner/f32_gemv.py): SmolLM2's fp32 decode step 1.26-1.32x faster at batch 1-4.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from torch.nn import functional as F
 
 from kvstrata import envs
 from kvstrata.platform import read_cpu_flags
-from kvstrata.runner import _bf16_ops, cpu_ops
+from kvstrata.runner import _bf16_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention.paged_decode import isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
@@ -112,7 +117,8 @@ class PackedLinear(nn.Module):
     """A weight (and bias) in oneDNN's layout, in kvstrata's bf16 GEMM's (`own`), or as it is
     (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 gemv: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.own = own_bf16_fits(weight)
@@ -130,6 +136,12 @@ class PackedLinear(nn.Module):
         self.nbytes = weight.numel() * size + (0 if bias is None else bias.numel() * size)
         if self.own and bias is not None:
             self.nbytes += 4 * bias.numel()  # the fp32 copy the GEMM's epilogue adds
+        # fp32 only: a second copy of the weight in f32_gemv.h's panels for 1-4 rows (see
+        # f32_gemv.py; pack_model decides whether the copies are worth their memory).
+        self.gemv = (f32_gemv.pack(weight) if gemv and f32_gemv.fits(weight)
+                     and not (self.own or self.plain) else None)
+        if self.gemv is not None:
+            self.nbytes += self.gemv.numel() * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
@@ -180,16 +192,21 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
     its bias, so `bias` is None)."""
     if layer.own:
         return layer.own_rows(x)
+    if layer.gemv is not None:
+        out = f32_gemv.linear(x, layer.gemv, layer.bias)
+        if out is not None:
+            return out
     if layer.plain:
         return F.linear(x, layer.packed, layer.bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none",
                                               [], "")
 
 
-def _replace(owner: nn.Module, weight_name: str, bias_name: str | None) -> None:
+def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
+             gemv: bool = False) -> None:
     weight = getattr(owner, weight_name)
     bias = getattr(owner, bias_name) if bias_name else None
-    packed = PackedLinear(weight, bias)
+    packed = PackedLinear(weight, bias, gemv)
     delattr(owner, weight_name)  # a Module cannot be assigned over a Parameter
     setattr(owner, weight_name, packed)
     if bias_name and bias is not None:
@@ -197,17 +214,21 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None) -> None:
         setattr(owner, bias_name, None)
 
 
-def _pack_layers(model: Any) -> None:
+def _pack_layers(model: Any) -> bool:
+    """Returns whether the layers' fp32 weights also got f32_gemv's copies."""
+    gemv = f32_gemv.worth_copies([getattr(layer, name) for layer in model.layers
+                                  for name, _ in LAYER_LINEARS])
     for layer in model.layers:
         for weight_name, bias_name in LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name)
+            _replace(layer, weight_name, bias_name, gemv)
+    return gemv
 
 
 def pack_model(model: Any) -> dict:
     """Pack every linear layer of a loaded float32 / bf16 DecoderForCausalLM in place; returns what
     ran (for /server_info). A tied output head gets a packed copy (the lookup keeps the
     plain embedding matrix)."""
-    _pack_layers(model)
+    gemv = _pack_layers(model)
     tied = model.lm_head is model.embed
     if tied:
         head = PackedLinear(model.embed)
@@ -217,7 +238,8 @@ def pack_model(model: Any) -> dict:
         _replace(model, "lm_head", None)
     model.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(model.lm_head),
-            "tied_output_projection_copy": tied}
+            "tied_output_projection_copy": tied,
+            "small_batch_kernel": f32_gemv.KERNEL if gemv else None}
 
 
 def kernel_name(layer: PackedLinear) -> str:
@@ -230,8 +252,8 @@ def pack_draft_head(head: Any) -> dict:
     """Pack an EAGLE / EAGLE3 head's decoder layer(s) and fc in place (the head borrows the
     target's embedding and output head, which the target packed already). Its forwards are
     one-row-per-request GEMMs like a decode step's, where F.linear is slowest."""
-    _pack_layers(head)
-    _replace(head, "fc_weight", "fc_bias")
+    gemv = _pack_layers(head)
+    _replace(head, "fc_weight", "fc_bias", gemv)
     if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
         _replace(head, "lm_head", None)
     head.linear = packed_linear

@@ -91,6 +91,27 @@ def test_bench_prefill_attention_whole_prefills(tiny_model_path):
         bench_prefill_attention.main(["--lengths", "--model", tiny_model_path, "--prompts", "40"])
 
 
+def test_bench_gemv_rows_and_decode_steps(tmp_path, tiny_model_path):
+    """In-process: GEMV vs oneDNN vs a read per shape and row count (the GEMV's difference
+    from F.linear is small: a wrong kernel shows here), and --model's decode steps with and
+    without the copies; JSON out; rows beyond the GEMV's are refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_gemv
+
+    out = tmp_path / "gemv.json"
+    result = bench_gemv.main(["--shapes", "o", "down", "--rows", "1", "4", "--layers", "2",
+                              "--rounds", "1", "--model", tiny_model_path, "--batches", "1",
+                              "--tokens", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"] and len(result["rows"]) == 4
+    for r in result["rows"]:
+        assert r["gemv_gb_s"] > 0 and r["onednn_gb_s"] > 0 and r["read_gb_s"] > 0
+        assert r["max_abs_err"] < 1e-3, r
+    assert [d["batch"] for d in saved["decode"]] == [1]
+    with pytest.raises(ValueError, match="--rows"):
+        bench_gemv.main(["--rows", "5"])
+
+
 def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
     out = tmp_path / "reuse.json"
     _run("bench_reuse.py", "--model", tiny_model_path, "--conversations", "3", "--turns", "3",

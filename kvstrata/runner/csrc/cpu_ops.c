@@ -16,6 +16,7 @@
  *   shm_all_reduce(...)   one rank's step of the shared-memory all-reduce (see below)
  *   argmax_rows(...)      the greedy token of each row of fp32 logits (argmax_rows.h)
  *   rms_norm_f32, add_rms_norm_f32(...)   the norms above for fp32 (rms_f32_rows.h)
+ *   gemv_f32(...)         fp32 linear of 1-4 rows over panel-packed weights (f32_gemv.h)
  *
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
@@ -272,8 +273,7 @@ static PyObject *rms_norm_bf16(PyObject *self, PyObject *args) {
         rms_row_scalar(x + r * stride, w, o + r * h, h, (float)eps);
     }
     Py_END_ALLOW_THREADS
-    (void)vec;
-    (void)vec8;
+    (void)vec, (void)vec8;
     Py_RETURN_NONE;
 }
 
@@ -304,8 +304,7 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
         silu_row_scalar(x + r * stride * esz, o + r * n * esz, n, dtype);
     }
     Py_END_ALLOW_THREADS
-    (void)vec;
-    (void)vec8;
+    (void)vec, (void)vec8;
     Py_RETURN_NONE;
 }
 
@@ -335,8 +334,7 @@ static PyObject *add_rms_norm_bf16(PyObject *self, PyObject *args) {
         add_rms_row_scalar(x + r * h, y + r * h, w, o + r * h, h, (float)eps);
     }
     Py_END_ALLOW_THREADS
-    (void)vec;
-    (void)vec8;
+    (void)vec, (void)vec8;
     Py_RETURN_NONE;
 }
 
@@ -382,6 +380,7 @@ static PyObject *rope(PyObject *self, PyObject *args) {
 #include "shm_allreduce.h"
 #include "argmax_rows.h"
 #include "rms_f32_rows.h"
+#include "f32_gemv.h"
 
 static PyMethodDef methods[] = {
     {"shm_all_reduce", shm_all_reduce, METH_VARARGS, "One rank's step of the shared-memory all-reduce."},
@@ -392,6 +391,7 @@ static PyMethodDef methods[] = {
     {"argmax_rows", argmax_rows, METH_VARARGS, "First index of each fp32 row's maximum (NaN first)."},
     {"rms_norm_f32", rms_norm_f32, METH_VARARGS, "fp32 RMSNorm over rows."},
     {"add_rms_norm_f32", add_rms_norm_f32, METH_VARARGS, "x += y (fp32), then RMSNorm of x."},
+    {"gemv_f32", gemv_f32, METH_VARARGS, "fp32 linear of up to 4 rows over panel-packed weights."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",

@@ -1,0 +1,116 @@
+"""kvstrata's fp32 GEMV (runner/f32_gemv.py) against oneDNN's prepacked fp32 linear, with a
+plain read of the same bytes as the baseline, all in the same run: SmolLM2's four layer shapes
+at 1, 2 and 4 rows, each over --layers distinct weights so that they stream from RAM as in a
+decode step. Interleaved rounds, best of each.
+
+With --model, whole decode steps too: two engines of that model (fp32) in this process, one
+with the GEMV copies (KVSTRATA_CPU_F32_GEMV=auto) and one without (off), each generating
+--tokens greedy tokens for 1-4 prompts at once, alternated; a step's time is the run's time
+less a one-token run's (the prefill), divided by the tokens after the first.
+
+  python benchmarks/bench_gemv.py
+  python benchmarks/bench_gemv.py --shapes --model smollm2-135m --batches 1 2 4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvstrata.bench.engine_ab import engines_by_setting  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
+from kvstrata.runner import f32_gemv  # noqa: E402
+from kvstrata.runner.packed_linear import PackedLinear, packed_linear  # noqa: E402
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def _time(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def layer_rows(args) -> list[dict]:
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        weights = [torch.randn(n, k) * 0.02 for _ in range(args.layers)]
+        onednn = [PackedLinear(w) for w in weights]
+        panels = [f32_gemv.pack(w) for w in weights]
+        flat = torch.randn(n * k * args.layers)
+        nbytes = flat.numel() * 4
+        for m in args.rows:
+            x = torch.randn(m, k)
+            want = torch.nn.functional.linear(x, weights[0])
+            err = (f32_gemv.linear(x, panels[0], None, cap=2) - want).abs().max().item()
+            variants = {
+                "gemv": lambda: [f32_gemv.linear(x, p, None, cap=2) for p in panels],
+                "onednn": lambda: [packed_linear(x, p) for p in onednn],
+                "read": lambda: flat.sum()}
+            best = {v: float("inf") for v in variants}
+            for _ in range(args.rounds):
+                for v, fn in variants.items():
+                    best[v] = min(best[v], _time(fn))
+            row = {"shape": name, "n": n, "k": k, "rows": m, "max_abs_err": err,
+                   **{f"{v}_gb_s": nbytes / t / 1e9 for v, t in best.items()},
+                   "vs_onednn": best["onednn"] / best["gemv"]}
+            rows.append(row)
+            print(f"{name:8s} {n:5d} x {k:4d} rows {m}: GEMV {row['gemv_gb_s']:5.1f} GB/s, "
+                  f"oneDNN {row['onednn_gb_s']:5.1f}, read {row['read_gb_s']:5.1f}: "
+                  f"{row['vs_onednn']:.2f}x oneDNN")
+    return rows
+
+
+def decode_steps(args) -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+    out = []
+    with engines_by_setting("KVSTRATA_CPU_F32_GEMV", {"gemv": "auto", "onednn": "off"},
+                            model_path=args.model, dtype="float32", max_total_tokens=8192,
+                            disable_radix_cache=True) as engines:
+        for b in args.batches:
+            ids = torch.randint(100, 20000, (b, 32), generator=g).tolist()
+            runs = {v: {1: float("inf"), args.tokens: float("inf")} for v in engines}
+            for _ in range(args.rounds):
+                for v, llm in engines.items():
+                    for tokens in runs[v]:
+                        p = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+                        runs[v][tokens] = min(runs[v][tokens], _time(
+                            lambda: llm.generate(input_ids=ids, sampling_params=p)))
+            step = {v: (r[args.tokens] - r[1]) / (args.tokens - 1) for v, r in runs.items()}
+            out.append({"batch": b, "gemv_step_ms": step["gemv"] * 1e3,
+                        "onednn_step_ms": step["onednn"] * 1e3,
+                        "speedup": step["onednn"] / step["gemv"]})
+            print(f"decode step batch {b}: GEMV {step['gemv'] * 1e3:6.1f} ms, oneDNN "
+                  f"{step['onednn'] * 1e3:6.1f} ms: {step['onednn'] / step['gemv']:.2f}x")
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--model", default=None, help="also time whole decode steps of this model")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--tokens", type=int, default=33)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if any(not 1 <= m <= f32_gemv.MAX_ROWS for m in args.rows):
+        raise ValueError(f"--rows must be within 1..{f32_gemv.MAX_ROWS}")
+    result = {"args": vars(args), "threads": torch.get_num_threads(), "rows": layer_rows(args)}
+    if args.model:
+        result["decode"] = decode_steps(args)
+    if args.out:
+        write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

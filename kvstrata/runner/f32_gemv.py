@@ -1,0 +1,107 @@
+"""fp32 linear layers for 1-4 rows (a decode step at batch 1-4) on the CPU: kvstrata's GEMV
+(csrc/f32_gemv.h, in the `_cpu_ops` extension) over a second copy of each weight, packed in
+panels of 16 output columns.
+
+Why: at batch 1 a decode step streams every weight once (2 flops per 4 bytes), so its speed
+is the weights' bandwidth. oneDNN's prepacked fp32 linear (packed_linear.py, the layout that
+runs prefill and large batches at the GEMM peak) streamed SmolLM2's layer weights at 13-21
+GB/s on a 2-vCPU AVX2 EPYC, and slower per byte at 2-4 rows than at 1, where a plain read of
+the same bytes ran 26-36 GB/s; this GEMV reads them at 21-36 GB/s: 1.2-2.4x oneDNN's speed
+per layer at 1-4 rows (benchmarks/bench_gemv.py). Rows beyond 4 keep oneDNN's layout.
+
+The cost is memory: the layers' fp32 weights are held twice (SmolLM2: +424 MB). So `auto`
+(KVSTRATA_CPU_F32_GEMV) keeps the copies only on a CPU with AVX2 + FMA and when they take at
+most COPY_RAM_FRACTION of the machine's RAM; the bytes count as weights (the KV pool sizing
+sees them); `off` never makes them. The output head keeps oneDNN's layout (its 113 MB
+stream ran ~28 GB/s there already). Results differ from F.linear's by summation order only.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvstrata import envs
+from kvstrata.platform import read_cpu_flags
+from kvstrata.runner import _cpu_ops
+from kvstrata.runner.attention.paged_decode import isa_cap
+
+KERNEL = "kvstrata fp32 GEMV at 1-4 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
+MAX_ROWS = 4
+PANEL = 16
+CHOICES = ("auto", "off")
+COPY_RAM_FRACTION = 1 / 8
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= read_cpu_flags()
+
+
+def _vector_isa() -> bool:
+    """The C code's AVX2 test (cpu_rows.h use_avx2) under KVSTRATA_CPU_ISA."""
+    return isa_cap() >= 1 and _cpu_has_avx2()
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """The GEMV takes this weight's shape and dtype: fp32 [out, in] on the CPU, in even,
+    out a multiple of 16."""
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0 and weight.shape[0] % PANEL == 0
+            and weight.shape[0] >= PANEL)
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def worth_copies(weights: list[torch.Tensor], ram_bytes: int | None = None) -> bool:
+    """Whether to hold f32_gemv copies of these (a model's layer) weights: KVSTRATA_CPU_F32_GEMV
+    is auto, the CPU runs the vector code, every weight fits, and the copies take at most
+    COPY_RAM_FRACTION of RAM."""
+    choice = envs.KVSTRATA_CPU_F32_GEMV.get().strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(f"KVSTRATA_CPU_F32_GEMV={choice!r} is not one of {CHOICES}")
+    if choice == "off" or not weights or not all(fits(w) for w in weights) or not _vector_isa():
+        return False
+    extra = sum(w.numel() * 4 for w in weights)
+    return extra <= (ram_bytes if ram_bytes is not None else _ram_bytes()) * COPY_RAM_FRACTION
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [n, k] -> f32_gemv.h's panels [n / 16][k][16] (a copy)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def unpack(panels: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: the plain [n, k] weight (a copy)."""
+    np_, k, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(np_ * PANEL, k)
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+           cap: int | None = None) -> torch.Tensor | None:
+    """F.linear(x, W, bias) for x of 1-4 fp32 rows (any leading shape) through the GEMV, or
+    None where it does not apply (more rows, another dtype, rows not contiguous inside, no
+    vector code: the caller runs oneDNN's layer). cap: the ISA cap (tests: 0 runs the
+    scalar reference)."""
+    np_, k, _ = panels.shape
+    n = np_ * PANEL
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
+        return None
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > MAX_ROWS or (cap is None and not _vector_isa()):
+        return None
+    if x2.stride(-1) != 1 or (m > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                             or bias.numel() != n):
+        return None
+    out = torch.empty(m, n, dtype=torch.float32)
+    _cpu_ops.gemv_f32(x2.data_ptr(), x2.stride(0) if m > 1 else k, m, k, panels.data_ptr(), n,
+                      0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                      torch.get_num_threads(), isa_cap() if cap is None else cap)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,116 @@
+"""kvstrata's fp32 GEMV (runner/f32_gemv.py, csrc/f32_gemv.h) against torch's F.linear on the
+same values: 0-4 rows, strided rows, with and without a bias, the scalar reference and the
+AVX2 code; the layouts, the rule that decides whether a model keeps the copies, and the
+dispatch inside packed_linear (1-4 rows take the GEMV, more rows oneDNN's layer)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.platform import read_cpu_flags
+from kvstrata.runner import _cpu_ops, f32_gemv
+from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+
+HAS_AVX2 = {"avx2", "fma", "f16c"} <= read_cpu_flags()
+
+
+def _close(got, want):
+    # fp32 sums of up to 1536 products in another order than MKL's
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 30), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_equals_f_linear(cap, n, k, m):
+    g = torch.Generator().manual_seed(n * 7 + k + m)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    # rows of a wider tensor (a strided view, as a slice of a fused projection would be)
+    wide = torch.randn(m, k + 6, generator=g)
+    x = wide[:, 3:3 + k]
+    panels = f32_gemv.pack(w)
+    for bias in (b, None):
+        got = f32_gemv.linear(x, panels, bias, cap=cap)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        _close(got, F.linear(x, w, bias))
+    # leading dims are kept: [1, m, k] -> [1, m, n]
+    _close(f32_gemv.linear(x[None], panels, b, cap=cap), F.linear(x, w, b)[None])
+
+
+def test_gemv_threads_and_layout():
+    """Any thread count gives the same values (panels split across threads); pack and
+    unpack are inverses; zero rows is an empty result."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3072, 576, generator=g)
+    panels = f32_gemv.pack(w)
+    assert panels.shape == (192, 576, 16) and torch.equal(f32_gemv.unpack(panels), w)
+    assert torch.equal(panels[1, 5], w[16:32, 5])
+    x = torch.randn(2, 576, generator=g)
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(2, 3072)
+        _cpu_ops.gemv_f32(x.data_ptr(), 576, 2, 576, panels.data_ptr(), 3072, 0, out.data_ptr(),
+                          threads, 2)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert f32_gemv.linear(torch.empty(0, 576), panels, None, cap=2).shape == (0, 3072)
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    w = torch.randn(32, 8)
+    panels = f32_gemv.pack(w)
+    assert f32_gemv.linear(torch.randn(5, 8), panels, None) is None  # more rows: oneDNN
+    assert f32_gemv.linear(torch.randn(1, 8).bfloat16(), panels, None) is None
+    assert f32_gemv.linear(torch.randn(1, 8), panels, torch.randn(32).bfloat16()) is None
+    assert not f32_gemv.fits(torch.randn(30, 8))  # out % 16
+    assert not f32_gemv.fits(torch.randn(32, 7))  # in odd
+    assert not f32_gemv.fits(w.bfloat16())
+    out = torch.empty(5, 32)
+    with pytest.raises(ValueError, match="bad shape"):
+        _cpu_ops.gemv_f32(0, 8, 5, 8, panels.data_ptr(), 32, 0, out.data_ptr(), 1, 2)
+    with pytest.raises(ValueError, match="bad shape"):
+        _cpu_ops.gemv_f32(0, 7, 1, 7, panels.data_ptr(), 32, 0, out.data_ptr(), 1, 2)
+
+
+def test_copies_are_kept_by_the_rule(monkeypatch):
+    """auto: every weight fits, the CPU has AVX2 + FMA, and the copies take <= 1/8 of RAM;
+    off: never; anything else is a clear error naming the variable."""
+    ws = [torch.randn(64, 32), torch.randn(32, 64)]
+    need = sum(w.numel() * 4 for w in ws)
+    monkeypatch.delenv("KVSTRATA_CPU_F32_GEMV", raising=False)
+    assert f32_gemv.worth_copies(ws, ram_bytes=need * 8) == HAS_AVX2
+    assert not f32_gemv.worth_copies(ws, ram_bytes=need * 8 - 8)
+    assert not f32_gemv.worth_copies(ws + [torch.randn(30, 32)], ram_bytes=1 << 40)
+    assert not f32_gemv.worth_copies([w.bfloat16() for w in ws], ram_bytes=1 << 40)
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    assert not f32_gemv.worth_copies(ws, ram_bytes=1 << 40)
+    monkeypatch.delenv("KVSTRATA_CPU_ISA")
+    monkeypatch.setenv("KVSTRATA_CPU_F32_GEMV", "off")
+    assert not f32_gemv.worth_copies(ws, ram_bytes=1 << 40)
+    monkeypatch.setenv("KVSTRATA_CPU_F32_GEMV", "yes")
+    with pytest.raises(ValueError, match="KVSTRATA_CPU_F32_GEMV"):
+        f32_gemv.worth_copies(ws)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the GEMV copies need AVX2 + FMA")
+def test_packed_linear_takes_the_gemv_for_few_rows(monkeypatch):
+    """A PackedLinear with the copy: 1-4 rows through the GEMV, 5+ through oneDNN's layer,
+    both equal to F.linear; its bytes count the copy. KVSTRATA_CPU_ISA=scalar after packing
+    sends every row count to oneDNN (no vector GEMV)."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    layer = PackedLinear(w, b, gemv=True)
+    plain = PackedLinear(w, b)
+    assert layer.gemv is not None and plain.gemv is None
+    assert layer.nbytes == plain.nbytes + w.numel() * 4
+    calls = []
+    real = f32_gemv.linear
+    monkeypatch.setattr(f32_gemv, "linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    for m in (1, 4, 5, 32):
+        x = torch.randn(m, 64, generator=g)
+        _close(packed_linear(x, layer), F.linear(x, w, b))
+    assert [s[0] for s in calls] == [1, 4, 5, 32]  # asked each time; 5 and 32 declined
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    assert real(torch.randn(1, 64), layer.gemv, layer.bias) is None
