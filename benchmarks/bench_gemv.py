@@ -1,11 +1,11 @@
 """kvstrata's fp32 GEMV (runner/f32_gemv.py) against oneDNN's prepacked fp32 linear, with a
 plain read of the same bytes as the baseline, all in the same run: SmolLM2's four layer shapes
-at 1, 2 and 4 rows, each over --layers distinct weights so that they stream from RAM as in a
+at 1, 2, 4 and 8 rows, each over --layers distinct weights so that they stream from RAM as in a
 decode step. Interleaved rounds, best of each.
 
 With --model, whole decode steps too: two engines of that model (fp32) in this process, one
 with the GEMV copies (KVSTRATA_CPU_F32_GEMV=auto) and one without (off), each generating
---tokens greedy tokens for 1-4 prompts at once, alternated; a step's time is the run's time
+--tokens greedy tokens for 1-8 prompts at once, alternated; a step's time is the run's time
 less a one-token run's (the prefill), divided by the tokens after the first.
 
   python benchmarks/bench_gemv.py
@@ -94,11 +94,11 @@ def decode_steps(args) -> list[dict]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", default=None, help="also time whole decode steps of this model")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--tokens", type=int, default=33)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""fp32 linear layers for 1-4 rows (a decode step at batch 1-4) on the CPU: kvstrata's GEMV
+"""fp32 linear layers for 1-8 rows (a decode step at batch 1-8) on the CPU: kvstrata's GEMV
 (csrc/f32_gemv.h, in the `_cpu_ops` extension) over a second copy of each weight, packed in
 panels of 16 output columns.
 
@@ -7,7 +7,8 @@ is the weights' bandwidth. oneDNN's prepacked fp32 linear (packed_linear.py, the
 runs prefill and large batches at the GEMM peak) streamed SmolLM2's layer weights at 13-21
 GB/s on a 2-vCPU AVX2 EPYC, and slower per byte at 2-4 rows than at 1, where a plain read of
 the same bytes ran 26-36 GB/s; this GEMV reads them at 21-36 GB/s: 1.2-2.4x oneDNN's speed
-per layer at 1-4 rows (benchmarks/bench_gemv.py). Rows beyond 4 keep oneDNN's layout.
+per layer at 1-4 rows, 1.1-1.5x at 6-8 (benchmarks/bench_gemv.py). Rows beyond 8 keep
+oneDNN's layout (from about there the GEMMs are no longer bound by the weights' bytes).
 
 The cost is memory: the layers' fp32 weights are held twice (SmolLM2: +424 MB). So `auto`
 (KVSTRATA_CPU_F32_GEMV) keeps the copies only on a CPU with AVX2 + FMA and when they take at
@@ -27,8 +28,8 @@ from kvstrata.platform import read_cpu_flags
 from kvstrata.runner import _cpu_ops
 from kvstrata.runner.attention.paged_decode import isa_cap
 
-KERNEL = "kvstrata fp32 GEMV at 1-4 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
-MAX_ROWS = 4
+KERNEL = "kvstrata fp32 GEMV at 1-8 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
+MAX_ROWS = 8
 PANEL = 16
 CHOICES = ("auto", "off")
 COPY_RAM_FRACTION = 1 / 8
@@ -83,7 +84,7 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
            cap: int | None = None) -> torch.Tensor | None:
-    """F.linear(x, W, bias) for x of 1-4 fp32 rows (any leading shape) through the GEMV, or
+    """F.linear(x, W, bias) for x of 1-8 fp32 rows (any leading shape) through the GEMV, or
     None where it does not apply (more rows, another dtype, rows not contiguous inside, no
     vector code: the caller runs oneDNN's layer). cap: the ISA cap (tests: 0 runs the
     scalar reference)."""

@@ -1,11 +1,12 @@
-/* fp32 linear layers for a few rows (a decode step at batch 1-4), included by cpu_ops.c:
+/* fp32 linear layers for a few rows (a decode step at batch 1-8), included by cpu_ops.c:
  *
  *   gemv_f32(x, x_row_stride, m, k, w, n, bias, out, threads, isa_cap)
  *       out[r][j] = bias[j] + sum_e x[r][e] * W[j][e]  for r < m <= GEMV_MAX_ROWS, out [m][n]
  *
  * w is W ([n][k] fp32) repacked by gemv_pack_f32 into panels of 16 output columns,
  * [n / 16][k][16]: for each e, the 16 columns' weights are one 64-byte line, so a panel is one
- * contiguous stream and each step is two loads and 2m FMAs with m broadcast inputs.
+ * contiguous stream and each step is two loads and 2m FMAs with m broadcast inputs. Rows go
+ * through a panel four at a time (registers); a second group reads the panel from L2.
  *
  * Why: a decode step at batch 1 reads every weight once and does 2 flops per 4 bytes: it is
  * bound by memory bandwidth. oneDNN's prepacked fp32 linear streamed SmolLM2's layer weights at
@@ -19,7 +20,8 @@
 #ifndef KVSTRATA_F32_GEMV_H
 #define KVSTRATA_F32_GEMV_H
 
-#define GEMV_MAX_ROWS 4
+#define GEMV_MAX_ROWS 8
+#define GEMV_GROUP 4 /* rows a panel pass takes (registers) */
 #define GEMV_PANEL 16
 
 static void gemv_panel_scalar(const float *x, int64_t xs, int m, int64_t k, const float *w,
@@ -65,7 +67,7 @@ GEMV_PANEL_AVX2(2, 2)
 GEMV_PANEL_AVX2(3, 1)
 GEMV_PANEL_AVX2(4, 1)
 typedef void (*gemv_panel_fn)(const float *, int64_t, int64_t, const float *, float *);
-static const gemv_panel_fn GEMV_PANELS[GEMV_MAX_ROWS + 1] = {
+static const gemv_panel_fn GEMV_PANELS[GEMV_GROUP + 1] = {
     NULL, gemv_panel1_avx2, gemv_panel2_avx2, gemv_panel3_avx2, gemv_panel4_avx2};
 #endif
 
@@ -92,18 +94,22 @@ static PyObject *gemv_f32(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t p = 0; p < panels; p++) {
-        float acc[GEMV_MAX_ROWS * GEMV_PANEL];
+        float acc[GEMV_GROUP * GEMV_PANEL];
         const float *wp = w + p * k * GEMV_PANEL;
+        for (int64_t r0 = 0; r0 < m; r0 += GEMV_GROUP) { /* later groups: the panel from L2 */
+            const int g = m - r0 < GEMV_GROUP ? (int)(m - r0) : GEMV_GROUP;
+            const float *xg = x + r0 * xs;
 #if defined(__x86_64__)
-        if (vec) GEMV_PANELS[m](x, xs, k, wp, acc);
-        else
+            if (vec) GEMV_PANELS[g](xg, xs, k, wp, acc);
+            else
 #endif
-            gemv_panel_scalar(x, xs, (int)m, k, wp, acc);
-        for (int r = 0; r < m; r++)
-            for (int c = 0; c < GEMV_PANEL; c++) {
-                const int64_t j = p * GEMV_PANEL + c;
-                out[r * n + j] = acc[r * GEMV_PANEL + c] + (bias ? bias[j] : 0.f);
-            }
+                gemv_panel_scalar(xg, xs, g, k, wp, acc);
+            for (int r = 0; r < g; r++)
+                for (int c = 0; c < GEMV_PANEL; c++) {
+                    const int64_t j = p * GEMV_PANEL + c;
+                    out[(r0 + r) * n + j] = acc[r * GEMV_PANEL + c] + (bias ? bias[j] : 0.f);
+                }
+        }
     }
     Py_END_ALLOW_THREADS
     (void)vec;
