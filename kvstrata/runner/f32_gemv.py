@@ -88,21 +88,23 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     None where it does not apply (more rows, another dtype, rows not contiguous inside, no
     vector code: the caller runs oneDNN's layer). cap: the ISA cap (tests: 0 runs the
     scalar reference)."""
+    # Called for each layer of a decode step (120 calls in SmolLM2's): cheap checks first.
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        return None
     np_, k, _ = panels.shape
-    n = np_ * PANEL
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != k:
-        return None
-    x2 = x.reshape(-1, k)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, k)
     m = x2.shape[0]
-    if m > MAX_ROWS or (cap is None and not _vector_isa()):
+    if m > MAX_ROWS or x2.shape[1] != k or (cap is None and not _vector_isa()):
         return None
-    if x2.stride(-1) != 1 or (m > 1 and x2.stride(0) < k):
+    n = np_ * PANEL
+    if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
-                             or bias.numel() != n):
+    if bias is not None and (bias.dtype is not torch.float32 or bias.numel() != n
+                             or not bias.is_contiguous()):
         return None
     out = torch.empty(m, n, dtype=torch.float32)
     _cpu_ops.gemv_f32(x2.data_ptr(), x2.stride(0) if m > 1 else k, m, k, panels.data_ptr(), n,
                       0 if bias is None else bias.data_ptr(), out.data_ptr(),
                       torch.get_num_threads(), isa_cap() if cap is None else cap)
-    return out.view(*x.shape[:-1], n)
+    return out if flat else out.view(*x.shape[:-1], n)
