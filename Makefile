@@ -35,7 +35,6 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 	$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
 		|| (apt-get update -q && apt-get install -y -q python3-dev)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q uv
 	if ls $(LOCAL_WHEELS)/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
 		$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
