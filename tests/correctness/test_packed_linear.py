@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvstrata.runner import f32_gemv
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear
 
 
@@ -66,17 +67,24 @@ def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_pro
                                                       monkeypatch):
     from kvstrata import LLM
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-    outs, kinds = {}, {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", flag)
+    outs, kinds, small = {}, {}, {}
+    # "1": packed, with the fp32 GEMV's copies where the CPU runs it (decode at 1-8 rows);
+    # "nogemv": packed, oneDNN for every row count; "0": F.linear.
+    for flag, gemv in (("1", "auto"), ("nogemv", "off"), ("0", "auto")):
+        monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", "0" if flag == "0" else "1")
+        monkeypatch.setenv("KVSTRATA_CPU_F32_GEMV", gemv)
         with LLM(model_path=tiny_checkpoints["qwen2"], skip_tokenizer_init=True,
                  dtype="float32", max_total_tokens=1024) as llm:
             model = llm.engine.runner.model
             kinds[flag] = (type(model.layers[0].qkv_weight).__name__, model.linear)
+            small[flag] = llm.server_info()["quantization_info"].get("small_batch_kernel")
             outs[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
-    assert kinds["1"] == ("PackedLinear", packed_linear)      # qwen2: q/k/v biases packed too
+    assert kinds["1"] == kinds["nogemv"] == ("PackedLinear", packed_linear)  # q/k/v biases too
     assert kinds["0"] == ("Parameter", F.linear)
-    for on, off in zip(outs["1"], outs["0"]):
+    assert small["1"] == (f32_gemv.KERNEL if f32_gemv._vector_isa() else None)
+    assert small["nogemv"] is None
+    for on, nogemv, off in zip(outs["1"], outs["nogemv"], outs["0"]):
+        assert nogemv["output_ids"] == off["output_ids"]
         assert on["output_ids"] == off["output_ids"]
         got = [lp for lp, _ in on["meta_info"]["output_token_logprobs"]]
         want = [lp for lp, _ in off["meta_info"]["output_token_logprobs"]]
