@@ -50,9 +50,12 @@ def available_ram_bytes() -> int:
     return avail
 
 
+def total_ram_bytes() -> int:
+    return _meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def default_reserve_bytes() -> int:
-    total = _meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(MAX_HOST_MEMORY_RESERVE_BYTES, total // 4)
+    return min(MAX_HOST_MEMORY_RESERVE_BYTES, total_ram_bytes() // 4)
 
 
 def check_host_memory(requested_bytes: int, flag: str, *, available_bytes: int | None = None,

@@ -19,13 +19,13 @@ stream ran ~28 GB/s there already). Results differ from F.linear's by summation 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from kvstrata import envs
-from kvstrata.platform import read_cpu_flags
+from kvstrata.kv.host_pool import total_ram_bytes
 from kvstrata.runner import _cpu_ops
+from kvstrata.runner.attention import _paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 
 KERNEL = "kvstrata fp32 GEMV at 1-8 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
@@ -37,11 +37,12 @@ COPY_RAM_FRACTION = 1 / 8
 
 @functools.lru_cache(maxsize=1)
 def _cpu_has_avx2() -> bool:
-    return {"avx2", "fma", "f16c"} <= read_cpu_flags()
+    """The kernels' own CPU test (AVX2 + FMA + F16C, read by the C code at run time)."""
+    return _paged_decode.isa(8, 0, 1) == "avx2"
 
 
 def _vector_isa() -> bool:
-    """The C code's AVX2 test (cpu_rows.h use_avx2) under KVSTRATA_CPU_ISA."""
+    """The GEMV runs its AVX2 code: the CPU has it and KVSTRATA_CPU_ISA allows it."""
     return isa_cap() >= 1 and _cpu_has_avx2()
 
 
@@ -51,10 +52,6 @@ def fits(weight: torch.Tensor) -> bool:
     return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu"
             and weight.shape[1] % 2 == 0 and weight.shape[0] % PANEL == 0
             and weight.shape[0] >= PANEL)
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def worth_copies(weights: list[torch.Tensor], ram_bytes: int | None = None) -> bool:
@@ -67,7 +64,8 @@ def worth_copies(weights: list[torch.Tensor], ram_bytes: int | None = None) -> b
     if choice == "off" or not weights or not all(fits(w) for w in weights) or not _vector_isa():
         return False
     extra = sum(w.numel() * 4 for w in weights)
-    return extra <= (ram_bytes if ram_bytes is not None else _ram_bytes()) * COPY_RAM_FRACTION
+    ram = ram_bytes if ram_bytes is not None else total_ram_bytes()
+    return extra <= ram * COPY_RAM_FRACTION
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
