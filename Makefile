@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml setup.py $(CSRC)
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvstrata serve --model-path smollm2-135m --host 127.0.0.1
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/kvstrata serve --model-path smollm2-135m --host 127.0.0.1
 
 # Test files run on TEST_WORKERS processes (pytest-xdist; one file stays on one worker, so
 # its shared servers are started once), the longest files first (tests/conftest.py orders
@@ -53,8 +53,12 @@ serve: $(STAMP)
 # TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 
+# Python may write bytecode here even where PYTHONDONTWRITEBYTECODE is set (as on these
+# machines): kvstrata's ~190 modules were otherwise compiled from source by every process
+# of every server the suite starts (~0.4 s of CPU a server start) and pytest re-rewrote every
+# test module's asserts in each worker (collection ~12 s -> ~4 s). __pycache__ is ignored.
 test: $(STAMP)
-	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
