@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -16,9 +16,25 @@ from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(script: str, *args: str) -> None:
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
-                   check=True, cwd=ROOT, capture_output=True, timeout=300)
+def _run(script: str, *args: str, module: str | None = None) -> None:
+    """Run benchmarks/<script> as `python <script> args` does (or `python -m <module> args`;
+    runpy, as __main__), but in this process: a subprocess paid ~3 s of CPU to import torch
+    and kvstrata again for each script. What a script may change for the rest of this
+    worker (the intra-op thread count, the environment, sys.path, sys.argv) is put back."""
+    threads, env, path, argv = torch.get_num_threads(), dict(os.environ), list(sys.path), sys.argv
+    sys.argv = [module or os.path.join(ROOT, "benchmarks", script), *args]
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (None, 0), f"{script} exited with {e.code}"
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:], sys.argv = path, argv
 
 
 def test_bench_transfer_rows(tmp_path):
@@ -236,14 +252,13 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
 
 
-def test_ab_fused_ops_runs_both_variants(tiny_model_path):
+def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
     """The fused-ops A/B times both variants (bf16, so every fused path is taken) and the
     "torch ops" variant really declines every fused call."""
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "ab_fused_ops.py"),
-                          "--model", tiny_model_path, "--batch", "3", "--context", "20",
-                          "--rounds", "1", "--steps", "1"],
-                         check=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert "torch ops" in res.stdout and "x" in res.stdout.split("->")[-1]
+    _run("ab_fused_ops.py", "--model", tiny_model_path, "--batch", "3", "--context", "20",
+         "--rounds", "1", "--steps", "1")
+    stdout = capsys.readouterr().out
+    assert "torch ops" in stdout and "x" in stdout.split("->")[-1]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import ab_fused_ops
@@ -285,10 +300,8 @@ def test_bench_spec_rows(tmp_path, tiny_model_path):
     """`kvstrata bench spec`: plain and NGRAM rows per workload and batch size, with the
     ratios, and greedy outputs equal to plain decoding's."""
     out = tmp_path / "spec.json"
-    subprocess.run([sys.executable, "-m", "kvstrata.entrypoints.cli", "bench", "spec",
-                    "--model", tiny_model_path, "--batch-sizes", "1", "3", "--output-len", "8",
-                    "--output-json", str(out)], check=True, cwd=ROOT, capture_output=True,
-                   timeout=300)
+    _run("", "bench", "spec", "--model", tiny_model_path, "--batch-sizes", "1", "3",
+         "--output-len", "8", "--output-json", str(out), module="kvstrata.entrypoints.cli")
     result = json.loads(out.read_text())
     assert result["warmup_reps"] == 1 and result["reps"] == 1
     rows = result["rows"]
