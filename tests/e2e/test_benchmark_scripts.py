@@ -3,6 +3,7 @@ for (JSON fields, a PNG). Their figures are not checked here: performance goals 
 benchmarks/ and docs/benchmarks.md, not in timed tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -16,25 +17,30 @@ from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(script: str, *args: str, module: str | None = None) -> None:
-    """Run benchmarks/<script> as `python <script> args` does (or `python -m <module> args`;
-    runpy, as __main__), but in this process: a subprocess paid ~3 s of CPU to import torch
-    and kvstrata again for each script. What a script may change for the rest of this
-    worker (the intra-op thread count, the environment, sys.path, sys.argv) is put back."""
+@contextlib.contextmanager
+def _worker_state_kept():
+    """What a script run in this process may change for the rest of this test worker (the
+    intra-op thread count, the environment, sys.path, sys.argv) is put back afterwards."""
     threads, env, path, argv = torch.get_num_threads(), dict(os.environ), list(sys.path), sys.argv
-    sys.argv = [module or os.path.join(ROOT, "benchmarks", script), *args]
     try:
-        if module:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        assert e.code in (None, 0), f"{script} exited with {e.code}"
+        yield
     finally:
         torch.set_num_threads(threads)
         os.environ.clear()
         os.environ.update(env)
         sys.path[:], sys.argv = path, argv
+
+
+def _run(script: str, *args: str) -> None:
+    """Run benchmarks/<script> as `python <script> args` does (runpy, as __main__), but in
+    this process: a subprocess paid ~3 s of CPU to import torch and kvstrata again for each
+    script."""
+    with _worker_state_kept():
+        sys.argv = [os.path.join(ROOT, "benchmarks", script), *args]
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as e:
+            assert e.code in (None, 0), f"{script} exited with {e.code}"
 
 
 def test_bench_transfer_rows(tmp_path):
@@ -300,8 +306,11 @@ def test_bench_spec_rows(tmp_path, tiny_model_path):
     """`kvstrata bench spec`: plain and NGRAM rows per workload and batch size, with the
     ratios, and greedy outputs equal to plain decoding's."""
     out = tmp_path / "spec.json"
-    _run("", "bench", "spec", "--model", tiny_model_path, "--batch-sizes", "1", "3",
-         "--output-len", "8", "--output-json", str(out), module="kvstrata.entrypoints.cli")
+    from kvstrata.entrypoints import cli
+
+    with _worker_state_kept():
+        assert cli.main(["bench", "spec", "--model", tiny_model_path, "--batch-sizes", "1", "3",
+                         "--output-len", "8", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["warmup_reps"] == 1 and result["reps"] == 1
     rows = result["rows"]
