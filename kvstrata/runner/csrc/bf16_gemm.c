@@ -192,6 +192,8 @@ static PyObject *linear(PyObject *self, PyObject *args) {
             const int mr = (int)(rows - r0 < mr_max ? rows - r0 : mr_max);
             prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
                                                it % nrb, nrb);
+            if (body == 1 && nrb <= STREAM_MAX_ROW_BLOCKS) /* bf16_gemm_avx2.h */
+                pf = (prefetch_plan){{NULL}, 0, INT64_MAX, 1, STREAM_AHEAD};
             if (body == 1)
                 tile_avx2(&g, r0, blk, &pf, mr, nr, xf);
             else

@@ -24,6 +24,17 @@
  * latency, not the FMA ports, set the pace (74-78 GFLOP/s at 32-256 rows). */
 #define MR_AVX2 6
 
+/* Up to two row blocks (12 rows: a decode step at a small batch), each panel is read once or
+ * twice and the weights' stream sets the pace. There the plan of the next panel (a burst of
+ * its lines while this panel's first block multiplies) left the tile waiting on its own
+ * loads (~10 GB/s of weights at one row); each block prefetching its own stream
+ * STREAM_AHEAD k pairs (1 KiB) on instead took SmolLM2's 120 layer linears at 1 row 13.3-16.8
+ * -> 10.3-14.6 ms, 2-4 rows 1.2-1.6x, 8-12 rows 1.0-1.3x (benchmarks/bench_gemm.py --kind
+ * bf16, 2 threads, builds alternated; bit-equal results). From three row blocks on the plan
+ * stays (at 32 rows it took the same GEMMs 16.1 -> 12.1 ms when it came). */
+#define STREAM_MAX_ROW_BLOCKS 2
+#define STREAM_AHEAD 16
+
 /* mr rows x one block: acc[i][0] gets columns 0-7 of row i, acc[i][1] columns 8-15. The sums
  * live in locals until the end (through `acc` the compiler stored them at every k: xf might
  * alias it). */
@@ -32,10 +43,13 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint
                                           const int mr) {
     const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 c[MR_AVX2][2];
+    const int64_t ahead = pf->ahead * BLOCK * 2; /* in uint16_t */
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
     for (int64_t q = 0; q < k; q += 2) {
         prefetch_due(pf, q / 2);
+        if (ahead) /* past the block's end too: a prefetch never faults */
+            __builtin_prefetch(w + q * BLOCK + ahead, 0, 0);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK + 16));
         const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));

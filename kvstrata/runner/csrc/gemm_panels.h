@@ -47,6 +47,7 @@ typedef struct {
     const char *w[NR];
     int nr;
     int64_t next, every; /* the next k step whose line is due, then every this many */
+    int64_t ahead; /* AVX2 bf16, few rows: instead, the current block this many k steps on */
 } prefetch_plan;
 
 /* The plan of the tile at row block rb of nrb in panel p (blocks of block_bytes from w). */
