@@ -15,6 +15,9 @@ import torch
 from kvstrata.kv.io_backends import SUPPORTED_LAYOUTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The bound each script had as a subprocess (timeout=300): a hung script fails here, not at
+# the suite's global 600 s.
+pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
