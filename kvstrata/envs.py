@@ -123,6 +123,12 @@ KVSTRATA_CPU_FUSED_OPS = _declare(
     "The llama-family decoder on CPU runs RMSNorm (bf16 and fp32, alone or after the "
     "residual add), silu(gate) * up, the rotary embedding and the greedy argmax as one pass "
     "each (runner/cpu_ops.py); 0 = torch's op sequences (ablation).")
+KVSTRATA_CPU_DECODE_PLAN = _declare(
+    "KVSTRATA_CPU_DECODE_PLAN", bool, True,
+    "A CPU decode step of a llama-family model whose every layer op is one of kvstrata's "
+    "kernels runs each layer as C calls bound once a forward (runner/models/decode_plan.py; "
+    "bit-identical logits, ~5 ms less Python a SmolLM2 step); 0 = the per-op layer loop "
+    "(ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

@@ -53,19 +53,34 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v of shape [N, H, D] at `slots` ([N] int64) of `layer`."""
-        if (self._scatter_cpu and 0 <= layer < self.geom.num_layers
-                and slots.dtype is torch.int64 and slots.is_cpu and slots.is_contiguous()
-                and self._scatter_fits(slots, k) and self._scatter_fits(slots, v)):
-            base = self.kv.data_ptr()  # [2][L][slots][H][D], contiguous
-            size = k.element_size()
-            _rowcopy.scatter_kv(base + layer * self._layer_bytes,
-                                base + (self.geom.num_layers + layer) * self._layer_bytes,
-                                self.num_slots, self._row_bytes, slots.data_ptr(),
-                                slots.numel(), k.data_ptr(), k.stride(0) * size, v.data_ptr(),
-                                v.stride(0) * size)
+        args = self.scatter_args(layer, slots, k, v)
+        if args is not None:
+            _rowcopy.scatter_kv(*args)
             return
         self.kv[0, layer].index_copy_(0, slots, k.to(self.kv.dtype))
         self.kv[1, layer].index_copy_(0, slots, v.to(self.kv.dtype))
+
+    def scatter_args(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple | None:
+        """The arguments of the one C call (`kv/rowcopy.py` scatter_kv) that writes k, v at
+        `slots` of `layer`, or None where it does not apply (set_kv then copies with torch).
+        Layer l's arguments are layer 0's with the first two (the K and V bases) moved by
+        l * layer_bytes (runner/models/decode_plan.py relies on it)."""
+        if not (self._scatter_cpu and 0 <= layer < self.geom.num_layers
+                and slots.dtype is torch.int64 and slots.is_cpu and slots.is_contiguous()
+                and self._scatter_fits(slots, k) and self._scatter_fits(slots, v)):
+            return None
+        base = self.kv.data_ptr()  # [2][L][slots][H][D], contiguous
+        size = k.element_size()
+        return (base + layer * self._layer_bytes,
+                base + (self.geom.num_layers + layer) * self._layer_bytes,
+                self.num_slots, self._row_bytes, slots.data_ptr(), slots.numel(),
+                k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K (or V) in `kv`."""
+        return self._layer_bytes
 
     def _scatter_fits(self, slots: torch.Tensor, x: torch.Tensor) -> bool:
         """One C call can write x's rows (kv/csrc/rowcopy.c scatter_kv; the pool and the

@@ -216,9 +216,8 @@ def test_backend_kernel_on_off_same_tokens(tiny_checkpoints, tiny_prompts, monke
     from kvstrata import LLM
     from kvstrata.runner.attention import paged_decode as module
     calls = []
-    real = module.DecodeCall.__call__  # the backend's per-forward kernel call
-    monkeypatch.setattr(module.DecodeCall, "__call__",
-                        lambda self, q, *a: calls.append(q.shape[0]) or real(self, q, *a))
+    real = module.run_decode  # every kernel call (DecodeCall's, the decode plan's): its rows
+    monkeypatch.setattr(module, "run_decode", lambda args: calls.append(args[11]) or real(args))
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}
     results, used = {}, {}
     for flag in ("1", "0"):

@@ -77,6 +77,18 @@ def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              out: torch.Tensor | None = None, num_threads: int | None = None
              ) -> tuple[torch.Tensor, list]:
     """paged_decode, also returning the kernel's arguments (DecodeCall keeps them)."""
+    out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads)
+    run_decode(args)
+    return out, args
+
+
+def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slots: torch.Tensor, starts: torch.Tensor, scale: float,
+                out: torch.Tensor | None = None, num_threads: int | None = None
+                ) -> tuple[torch.Tensor, list]:
+    """paged_decode's checks and the kernel's arguments for these tensors, nothing run: (out,
+    args) for `run_decode(args)`. Pointers sit at args[0] (q), [4] / [5] (k / v caches) and
+    [16] (out): a caller with other tensors of the same shapes may swap them in."""
     n, hq, d = q.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != d:
         raise ValueError(f"k/v caches must both be [slots, Hkv, {d}], got "
@@ -101,7 +113,6 @@ def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _addr("slots", slots, (torch.int64,)), slots.numel(),
             _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d, float(scale),
             _addr("out", out, (q.dtype,)), out.numel() * out.element_size(), threads, isa_cap()]
-    _decode(args)
     return out, args
 
 
@@ -110,7 +121,8 @@ def _bytes_from(q: torch.Tensor) -> int:
     return q.untyped_storage().nbytes() - q.storage_offset() * q.element_size()
 
 
-def _decode(args: list) -> None:
+def run_decode(args: list | tuple) -> None:
+    """The kernel over decode_args' arguments (named in torch's profiler when it runs)."""
     if torch.autograd._profiler_enabled():  # a named op in profiles (costs ~30 us a call)
         with torch.profiler.record_function("kvstrata::paged_decode"):
             _paged_decode.decode(*args)
@@ -143,7 +155,7 @@ class DecodeCall:
         args = self.args.copy()
         args[0], args[4], args[5], args[16] = (q.data_ptr(), k_cache.data_ptr(),
                                                v_cache.data_ptr(), out.data_ptr())
-        _decode(args)
+        run_decode(args)
         return out
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from kvstrata.runner import cpu_ops
 from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models import decode_plan
 from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
 
@@ -136,7 +137,11 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
         x = self.embed_tokens(fb.input_ids)
         aux = []
-        for i, layer in enumerate(self.layers):
+        # A CPU decode step: every layer as C calls bound once (decode_plan.py); else the loop.
+        plan = decode_plan.build(self, fb, x, cos, sin) if self._plain_layers() else None
+        if plan is not None:
+            x = plan.run()
+        for i, layer in enumerate(self.layers if plan is None else ()):
             if i in self.capture_layers:  # an EAGLE3 head's features: the stream entering i
                 aux.append(x.clone())
             x = self.layer_forward(i, layer, x, cos, sin, fb)
@@ -152,6 +157,13 @@ class DecoderForCausalLM(nn.Module):
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(rms_norm(x, self.final_norm, d.rms_norm_eps))
+
+    def _plain_layers(self) -> bool:
+        """This model's layers are layer_forward's with an identity reduce (decode_plan.py
+        replays exactly those): not a tensor-parallel rank's."""
+        cls = type(self)
+        return (cls.layer_forward is DecoderForCausalLM.layer_forward
+                and cls.reduce is DecoderForCausalLM.reduce)
 
     # A tensor-parallel rank (runner/parallel/) overrides these three: its embedding and
     # head hold a slice of the vocabulary, its o/down projections a slice of their inputs.

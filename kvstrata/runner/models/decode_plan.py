@@ -1,0 +1,175 @@
+"""A decode step's decoder layers as C calls bound once per forward (CPU).
+
+Why: once the linears, norms, rotary, KV write and decode attention each became one C call,
+a SmolLM2 decode step at batch 1 still spent ~5 ms of ~22 (fp32, 2-vCPU AVX2 EPYC) between
+those calls: each Python wrapper re-checked its tensors' dtypes, shapes and strides, asked
+torch for a new output tensor (~240 torch.empty a step) and read module attributes, 30
+layers x ~10 calls. Here the checks run once a forward, the intermediates live in seven
+buffers made once a forward, and each layer is a fixed list of (C function, arguments)
+tuples whose pointers were computed up front: the same kernels with the same arguments in
+the same order, so the logits are bit-identical to `layer_forward`'s (tests compare them).
+
+It applies where every call of `layer_forward` would have been one of kvstrata's kernels: a
+CPU llama-family model without per-head q/k norms, linears packed as kvstrata's fp32 GEMV
+(1-8 rows) or kvstrata's bf16 GEMM, the fused ops on, one tensor-parallel rank, no EAGLE3
+capture, and a forward that is one decode piece of the paged decode kernel (plain decode
+rows, or a verify step's one-token queries) over a pool of the model's dtype. Anything else
+(w8a8, oneDNN's fp32 layout above 8 rows, prefill, draft trees, TP) returns None from
+`build` and takes `layer_forward`. KVSTRATA_CPU_DECODE_PLAN=0 turns it off (ablation).
+
+The residual add that ends layer l runs as the first half of layer l + 1's add + RMSNorm
+(one pass, as the post-attention norm already did); the last layer's add is a torch add_.
+Both round exactly as x.add_(down) followed by the norm.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kvstrata import envs
+from kvstrata.kv import _rowcopy
+from kvstrata.runner import _bf16_ops, _cpu_ops, cpu_ops, f32_gemv
+from kvstrata.runner.attention import paged_decode
+from kvstrata.runner.attention.paged_decode import isa_cap
+from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+
+Call = tuple[Callable, tuple]
+
+
+def enabled() -> bool:
+    return envs.KVSTRATA_CPU_DECODE_PLAN.get()
+
+
+class DecodePlan:
+    """The calls of every layer of one forward over the residual stream `x` ([T, H],
+    contiguous, the forward's own tensor): `run()` updates x in place, as the layer loop."""
+
+    def __init__(self, layers: list[list[Call]], x: torch.Tensor, last_add: torch.Tensor,
+                 buffers: list[torch.Tensor]):
+        self.layers = layers
+        self.x = x
+        self.last_add = last_add
+        self._buffers = buffers  # the calls hold their addresses: keep them alive
+
+    def run(self) -> torch.Tensor:
+        for calls in self.layers:
+            for fn, args in calls:
+                fn(*args)
+        return self.x.add_(self.last_add)
+
+
+def _linear_call(lin: Any, inp: torch.Tensor, out: torch.Tensor, threads: int, cap: int,
+                 silu: bool = False) -> Call | None:
+    """packed_linear's C call for inp [T, in] -> out (both contiguous), or None where it would
+    take another path (oneDNN, F.linear, scalar ISA)."""
+    if not isinstance(lin, PackedLinear):
+        return None
+    m, k = inp.shape
+    n = lin.out_features
+    if lin.own:
+        if not _bf16_ops.kernel_isa(cap):
+            return None
+        bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
+        return _bf16_ops.linear, (inp.data_ptr(), k, m, k, lin.packed.data_ptr(), n, bias,
+                                  out.data_ptr(), int(silu), 0, threads, cap)
+    if (silu or lin.gemv is None or m > f32_gemv.MAX_ROWS or not f32_gemv._vector_isa()
+            or inp.dtype is not torch.float32):
+        return None
+    bias = lin.bias
+    if bias is not None and (bias.dtype is not torch.float32 or bias.numel() != n
+                             or not bias.is_contiguous()):
+        return None
+    return _cpu_ops.gemv_f32, (inp.data_ptr(), k, m, k, lin.gemv.data_ptr(), n,
+                               0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                               threads, cap)
+
+
+def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    meta = getattr(fb, "attn_meta", None)
+    backend = model.attn_backend
+    if not (isinstance(backend, TorchNativeAttnBackend) and meta is not None and meta.single
+            and meta.prefill is None and fb.out_slots is not None):
+        return False
+    p = meta.pieces[0]
+    kv = backend.kv_pool.kv
+    t = x.shape[0]
+    d = model.dims
+    return (p.kind == "kernel" and p.tok_idx is None and p.lo == 0 and p.hi == t
+            and not model.capture_layers and model.linear is packed_linear
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.is_contiguous() and x.dim() == 2 and kv.dtype == x.dtype
+            and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
+            and sin.is_contiguous() and cos.numel() == sin.numel() == t * d.head_dim
+            and d.head_dim % 2 == 0 and cpu_ops.enabled()
+            and all(layer.q_norm is None for layer in model.layers))
+
+
+def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+          ) -> DecodePlan | None:
+    """The plan of this forward's layers, or None where `layer_forward` must run them. The
+    caller checks that `model` runs DecoderForCausalLM's own layer_forward and reduce (a
+    tensor-parallel rank's model overrides them)."""
+    if not enabled() or not _fits(model, fb, x, cos, sin):
+        return None
+    d = model.dims
+    nq, nkv, hd, hidden = d.num_heads, d.num_kv_heads, d.head_dim, d.hidden_size
+    t, dtype, eps = x.shape[0], x.dtype, float(d.rms_norm_eps)
+    q_end, k_end = nq * hd, (nq + nkv) * hd
+    inter = d.intermediate_size
+    threads, cap = torch.get_num_threads(), isa_cap()
+    code = cpu_ops.DTYPES[dtype]
+
+    def buf(width: int) -> torch.Tensor:
+        return torch.empty(t, width, dtype=dtype)
+    h, qkv, attn, o, act, down = (buf(hidden), buf(k_end + nkv * hd), buf(nq * hd),
+                                  buf(hidden), buf(inter), buf(hidden))
+    gate_up: torch.Tensor | None = None  # made when a layer's silu is a pass of its own
+    backend = model.attn_backend
+    pool = backend.kv_pool
+    p = fb.attn_meta.pieces[0]
+    scatter0 = pool.scatter_args(0, fb.out_slots, qkv[:, q_end:k_end].view(t, nkv, hd),
+                                 qkv[:, k_end:].view(t, nkv, hd))
+    _, decode0 = paged_decode.decode_args(qkv[:, :q_end].view(t, nq, hd), pool.k(0),
+                                          pool.v(0), p.slots, p.starts, backend.scale,
+                                          out=attn.view(t, nq, hd), num_threads=threads)
+    if scatter0 is None:
+        return None
+    rope = (_cpu_ops.rope, (qkv.data_ptr(), qkv.shape[1], t, nq + nkv, hd, cos.data_ptr(),
+                            sin.data_ptr(), code, threads, cap))
+    norm = _cpu_ops.rms_norm_bf16 if dtype == torch.bfloat16 else _cpu_ops.rms_norm_f32
+    add_norm = (_cpu_ops.add_rms_norm_bf16 if dtype == torch.bfloat16
+                else _cpu_ops.add_rms_norm_f32)
+    layers = []
+    for i, layer in enumerate(model.layers):
+        fused_silu = (isinstance(layer.gate_up_weight, PackedLinear) and layer.gate_up_weight.own
+                      and layer.gate_up_weight.out_features % 32 == 0)
+        qkv_call = _linear_call(layer.qkv_weight, h, qkv, threads, cap)
+        o_call = _linear_call(layer.o_weight, attn, o, threads, cap)
+        if not fused_silu and gate_up is None:
+            gate_up = buf(2 * inter)
+        up_call = _linear_call(layer.gate_up_weight, h, act if fused_silu else gate_up,
+                               threads, cap, silu=fused_silu)
+        down_call = _linear_call(layer.down_weight, act, down, threads, cap)
+        if None in (qkv_call, o_call, up_call, down_call):
+            return None
+        first = ((norm, (x.data_ptr(), hidden, t, hidden, layer.input_norm.data_ptr(),
+                         h.data_ptr(), eps, threads, cap)) if i == 0 else
+                 (add_norm, (x.data_ptr(), down.data_ptr(), t, hidden,
+                             layer.input_norm.data_ptr(), h.data_ptr(), eps, threads, cap)))
+        shift = i * pool.layer_bytes
+        scatter = (scatter0[0] + shift, scatter0[1] + shift) + scatter0[2:]
+        decode = list(decode0)
+        decode[4], decode[5] = pool.k(i).data_ptr(), pool.v(i).data_ptr()
+        calls = [first, qkv_call, rope, (_rowcopy.scatter_kv, scatter),
+                 (paged_decode.run_decode, (decode,)), o_call,
+                 (add_norm, (x.data_ptr(), o.data_ptr(), t, hidden, layer.post_norm.data_ptr(),
+                             h.data_ptr(), eps, threads, cap)), up_call]
+        if not fused_silu:
+            calls.append((_cpu_ops.silu_mul, (gate_up.data_ptr(), 2 * inter, t, inter,
+                                              act.data_ptr(), code, threads, cap)))
+        calls.append(down_call)
+        layers.append(calls)
+    return DecodePlan(layers, x, down, [h, qkv, attn, o, act, gate_up, cos, sin, p.slots,
+                                        p.starts, fb.out_slots])

@@ -1,0 +1,86 @@
+"""The decode plan (runner/models/decode_plan.py) runs the same kernels with the same arguments
+as the per-op layer loop: every forward's logits are bit-identical with it on and off (tiny
+random checkpoints, fp32 and bf16, GQA, q/k/v biases, an MLP width whose silu is a pass of
+its own), it runs wherever its kernels do, and it stays out of what it does not cover."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.runner import f32_gemv
+from kvstrata.runner.models import decode_plan
+from kvstrata.runner.packed_linear import PackedLinear
+
+PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def _plan_expected(model) -> bool:
+    """Whether this machine runs the plan's kernels for the model's layers (the bf16 GEMM
+    or the fp32 GEMV), so that a decode step of up to 8 rows must take it."""
+    lin = model.layers[0].qkv_weight
+    if not isinstance(lin, PackedLinear) or model.layers[0].q_norm is not None:
+        return False
+    return lin.own or (lin.gemv is not None and f32_gemv._vector_isa())
+
+
+def _record(model, forward, build, logits: list, plans: list):
+
+    def recording_forward(fb):
+        out = forward(fb)
+        logits.append(out.clone())
+        return out
+
+    def counting_build(*args, **kwargs):
+        plan = build(*args, **kwargs)
+        plans.append(plan is not None)
+        return plan
+    model.forward = recording_forward
+    return counting_build
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"),
+                                        ("qwen2", "float32"), ("mistral", "bfloat16"),
+                                        ("qwen3", "float32")])
+def test_plan_logits_are_bit_identical_to_the_layer_loop(tiny_checkpoints, tiny_prompts,
+                                                         monkeypatch, arch, dtype):
+    from kvstrata import LLM
+    with LLM(model_path=tiny_checkpoints[arch], skip_tokenizer_init=True, dtype=dtype,
+             max_total_tokens=2048, disable_radix_cache=True) as llm:
+        model = llm.engine.runner.model
+        forward, build = model.forward, decode_plan.build
+        runs = {}
+        for flag in ("1", "0"):
+            logits, plans = [], []
+            monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
+            monkeypatch.setattr(decode_plan, "build", _record(model, forward, build, logits,
+                                                              plans))
+            outs = llm.generate(input_ids=tiny_prompts, sampling_params=PARAMS)
+            runs[flag] = ([o["output_ids"] for o in outs], logits, plans)
+    (ids_on, logits_on, plans_on), (ids_off, logits_off, plans_off) = runs["1"], runs["0"]
+    assert ids_on == ids_off
+    assert len(logits_on) == len(logits_off) >= PARAMS["max_new_tokens"]
+    for got, want in zip(logits_on, logits_off):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert not any(plans_off)
+    # every decode step took the plan where its kernels run here (qwen3's per-head q/k
+    # norms: never); the prefills never do
+    if _plan_expected(model):
+        assert PARAMS["max_new_tokens"] - 1 <= sum(plans_on) < len(plans_on)
+    else:
+        assert not any(plans_on)
+
+def test_plan_leaves_what_it_does_not_cover(monkeypatch):
+    """More than 8 fp32 rows (oneDNN's layout), a layer that is not a PackedLinear (w8a8's
+    int8 layers, F.linear), and a scalar ISA pin: no call, so `build` gives None."""
+    w = torch.randn(64, 32)
+    lin = PackedLinear(w, None, gemv=True)
+    out = torch.empty(9, 64)
+    if lin.gemv is not None and f32_gemv._vector_isa():
+        assert decode_plan._linear_call(lin, torch.randn(8, 32), out[:8], 1, 1) is not None
+    assert decode_plan._linear_call(lin, torch.randn(9, 32), out, 1, 1) is None
+    assert decode_plan._linear_call(w, torch.randn(1, 32), out[:1], 1, 1) is None
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    assert decode_plan._linear_call(lin, torch.randn(1, 32), out[:1], 1, 0) is None
+    bf16 = PackedLinear(w.bfloat16(), None)
+    assert decode_plan._linear_call(bf16, torch.randn(1, 32).bfloat16(), out[:1].bfloat16(),
+                                    1, 0) is None
