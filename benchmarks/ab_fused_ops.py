@@ -2,6 +2,9 @@
 (cpu_ops.rope_), the residual add fused into the next norm (cpu_ops.add_rms_norm) and the
 paged kernel reading a bf16 query (no fp32 copy in, no bf16 copy out), against the torch ops
 they replaced; `--paths` picks which (`norm`: cpu_ops.rms_norm too, e.g. the fp32 rows).
+The decode plan (runner/models/decode_plan.py) replays those calls without their wrappers, so
+it is off in both variants unless `--paths plan`: then the A/B is of the plan alone (the
+fused ops on in both, the plan on in one), e.g. `--paths plan --dtype float32 --batch 1`.
 Both variants run interleaved, round after round, on the same DecodeBatch
 (benchmarks/bench_decode_step.py), so a noisy box hits both alike; the report is the ratio.
 
@@ -26,12 +29,14 @@ from kvstrata.config.kv_plan import KVPlan  # noqa: E402
 from kvstrata.runner import cpu_ops  # noqa: E402
 from kvstrata.runner.attention import paged_decode  # noqa: E402
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
+from kvstrata.runner.models import decode_plan  # noqa: E402
 
 FUSED = {"rope": cpu_ops.rope_, "add_norm": cpu_ops.add_rms_norm, "norm": cpu_ops.rms_norm,
-         "bf16_query": paged_decode.Q_DTYPES}
+         "bf16_query": paged_decode.Q_DTYPES, "plan": decode_plan.enabled}
 DEFAULT_PATHS = ("rope", "add_norm", "bf16_query")
 DECLINED = {"rope": lambda *args, **kwargs: False, "add_norm": lambda *args, **kwargs: None,
-            "norm": lambda *args, **kwargs: None, "bf16_query": {torch.float32: 0}}
+            "norm": lambda *args, **kwargs: None, "bf16_query": {torch.float32: 0},
+            "plan": lambda: False}
 
 
 def use_fused(on: bool, paths=DEFAULT_PATHS) -> None:
@@ -41,6 +46,13 @@ def use_fused(on: bool, paths=DEFAULT_PATHS) -> None:
               for name in FUSED}
     cpu_ops.rope_, cpu_ops.add_rms_norm = chosen["rope"], chosen["add_norm"]
     cpu_ops.rms_norm, paged_decode.Q_DTYPES = chosen["norm"], chosen["bf16_query"]
+    # the plan bypasses the wrappers above: on only in the "on" variant of its own A/B
+    decode_plan.enabled = FUSED["plan"] if on and "plan" in paths else DECLINED["plan"]
+
+
+def restore() -> None:
+    """Every path as it was before the A/B (the plan on)."""
+    use_fused(True, list(FUSED))
 
 
 def main(argv=None) -> dict:
@@ -74,12 +86,13 @@ def main(argv=None) -> dict:
                         batch.step()
                     times[on].append((time.perf_counter() - start) / args.steps * 1e3)
     finally:
-        use_fused(True)
+        restore()
         runner.shutdown()
     old, new = statistics.median(times[False]), statistics.median(times[True])
-    print(f"{args.dtype} B={args.batch} C={args.context} {'+'.join(args.paths)}: torch ops "
-          f"{old:.2f} ms, fused "
-          f"{new:.2f} ms per step -> {old / new:.3f}x", flush=True)
+    off_name, on_name = ("layer loop", "plan") if args.paths == ["plan"] else ("torch ops",
+                                                                               "fused")
+    print(f"{args.dtype} B={args.batch} C={args.context} {'+'.join(args.paths)}: {off_name} "
+          f"{old:.2f} ms, {on_name} {new:.2f} ms per step -> {old / new:.3f}x", flush=True)
     return {"dtype": args.dtype, "batch": args.batch, "context": args.context,
             "paths": list(args.paths),
             "torch_ops_ms": old, "fused_ms": new, "speedup": old / new}

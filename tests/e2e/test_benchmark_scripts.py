@@ -273,6 +273,7 @@ def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
         import ab_fused_ops
         import torch
         from kvstrata.runner import cpu_ops
+        from kvstrata.runner.models import decode_plan
         x = torch.randn(2, 64, dtype=torch.bfloat16)
         cos = torch.ones(2, 1, 32, dtype=torch.bfloat16)
         ab_fused_ops.use_fused(False)
@@ -284,7 +285,14 @@ def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
         ab_fused_ops.use_fused(True)
         assert cpu_ops.rope_(x, 2, cos, cos)
         assert cpu_ops.rms_norm(x.float(), x[0].float(), 1e-6) is not None
+        assert not decode_plan.enabled()  # the plan replays fused calls: off unless its A/B
+        ab_fused_ops.use_fused(True, ["plan"])
+        assert decode_plan.enabled()
+        ab_fused_ops.use_fused(False, ["plan"])
+        assert not decode_plan.enabled() and cpu_ops.rope_(x, 2, cos, cos)
     finally:
+        ab_fused_ops.restore()
+        assert decode_plan.enabled()  # the worker's later tests run the plan again
         sys.path.pop(0)
 
 

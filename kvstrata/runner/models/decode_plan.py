@@ -99,6 +99,7 @@ def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return (p.kind == "kernel" and p.tok_idx is None and p.lo == 0 and p.hi == t
             and not model.capture_layers and model.linear is packed_linear
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype in paged_decode.Q_DTYPES
             and x.is_contiguous() and x.dim() == 2 and kv.dtype == x.dtype
             and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
             and sin.is_contiguous() and cos.numel() == sin.numel() == t * d.head_dim
