@@ -165,7 +165,8 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "Read when the weights are packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",
-    "fp32 linear layers of 1-8 rows (decode at batch 1-8) on the CPU: auto = kvstrata's GEMV "
+    "fp32 linear layers of 1-16 rows (decode at batch 1-16; 1-8 on an AVX-512 CPU) on the CPU: "
+    "auto = kvstrata's GEMV "
     "(runner/csrc/f32_gemv.h) over a second copy of the layers' weights, where the CPU has "
     "AVX2 + FMA and the copies take at most 1/8 of RAM (they count as weights in the KV "
     "sizing); off = oneDNN's prepacked layer for every row count (no copies). Read when the "

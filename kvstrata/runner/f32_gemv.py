@@ -1,4 +1,4 @@
-"""fp32 linear layers for 1-8 rows (a decode step at batch 1-8) on the CPU: kvstrata's GEMV
+"""fp32 linear layers for 1-16 rows (a decode step at batch 1-16) on the CPU: kvstrata's GEMV
 (csrc/f32_gemv.h, in the `_cpu_ops` extension) over a second copy of each weight, packed in
 panels of 16 output columns.
 
@@ -7,7 +7,8 @@ is the weights' bandwidth. oneDNN's prepacked fp32 linear (packed_linear.py, the
 runs prefill and large batches at the GEMM peak) streamed SmolLM2's layer weights at 13-21
 GB/s on a 2-vCPU AVX2 EPYC, and slower per byte at 2-4 rows than at 1, where a plain read of
 the same bytes ran 26-36 GB/s; this GEMV reads them at 21-36 GB/s: 1.2-2.4x oneDNN's speed
-per layer at 1-4 rows, 1.1-1.5x at 6-8 (benchmarks/bench_gemv.py). Rows beyond 8 keep
+per layer at 1-4 rows, 1.1-1.5x at 6-8 (benchmarks/bench_gemv.py), 1.13-1.29x at 10-16 (on
+an AVX2-only CPU the GEMV takes up to 16 rows: max_rows()). More rows keep
 oneDNN's layout (from about there the GEMMs are no longer bound by the weights' bytes).
 
 The cost is memory: the layers' fp32 weights are held twice (SmolLM2: +424 MB). So `auto`
@@ -28,8 +29,13 @@ from kvstrata.runner import _cpu_ops
 from kvstrata.runner.attention import _paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 
-KERNEL = "kvstrata fp32 GEMV at 1-8 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
-MAX_ROWS = 8
+KERNEL = "kvstrata fp32 GEMV at 1-16 rows (AVX2 + FMA, runner/csrc/f32_gemv.h)"
+MAX_ROWS = 16  # the kernel's limit; max_rows() is the dispatch's
+# Measured on the 2-vCPU AVX2 EPYC (benchmarks/bench_gemv.py, SmolLM2's 120 layer linears,
+# 2 threads): the GEMV ran 1.27-1.29x oneDNN's prepacked layer at 10 rows, 1.15-1.19x at
+# 12, 1.13x at 16, 1.02-1.04x at 20-24 and 0.87x at 32. oneDNN's fp32 on an AVX-512 CPU has
+# twice the vector width there and was only measured against the GEMV up to 8 rows.
+AVX512_MAX_ROWS = 8
 PANEL = 16
 CHOICES = ("auto", "off")
 COPY_RAM_FRACTION = 1 / 8
@@ -44,6 +50,14 @@ def _cpu_has_avx2() -> bool:
 def _vector_isa() -> bool:
     """The GEMV runs its AVX2 code: the CPU has it and KVSTRATA_CPU_ISA allows it."""
     return isa_cap() >= 1 and _cpu_has_avx2()
+
+
+@functools.lru_cache(maxsize=1)
+def max_rows() -> int:
+    """Rows up to which a linear takes the GEMV rather than oneDNN's layer: 16 on an AVX2-only
+    CPU (measured), 8 where oneDNN has AVX-512 (not measured beyond)."""
+    from kvstrata.platform import read_cpu_flags
+    return AVX512_MAX_ROWS if "avx512f" in read_cpu_flags() else MAX_ROWS
 
 
 def fits(weight: torch.Tensor) -> bool:
@@ -82,8 +96,8 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
            cap: int | None = None) -> torch.Tensor | None:
-    """F.linear(x, W, bias) for x of 1-8 fp32 rows (any leading shape) through the GEMV, or
-    None where it does not apply (more rows, another dtype, rows not contiguous inside, no
+    """F.linear(x, W, bias) for x of 1-max_rows() fp32 rows (any leading shape) through the
+    GEMV, or None where it does not apply (more rows, another dtype, rows not contiguous inside, no
     vector code: the caller runs oneDNN's layer). cap: the ISA cap (tests: 0 runs the
     scalar reference)."""
     # Called for each layer of a decode step (120 calls in SmolLM2's): cheap checks first.
@@ -93,7 +107,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)
     m = x2.shape[0]
-    if m > MAX_ROWS or x2.shape[1] != k or (cap is None and not _vector_isa()):
+    if m > max_rows() or x2.shape[1] != k or (cap is None and not _vector_isa()):
         return None
     n = np_ * PANEL
     if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):

@@ -36,7 +36,7 @@ fp32 layers at 1-8 rows (a decode step at batch 1-8: bound by the weights' bandw
 oneDNN's layout streamed 13-21 GB/s against a 26-36 GB/s read on the AVX2 EPYC) run
 kvstrata's GEMV over a second, panel-packed copy of the weight where f32_gemv.worth_copies
 allows it (runner/f32_gemv.py): SmolLM2's fp32 decode step 1.14-1.32x faster at batch 1-4,
-1.07x at 8.
+1.07x at 8; on an AVX2-only CPU up to 16 rows (the layers' GEMMs 1.13-1.29x at 10-16).
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ class PackedLinear(nn.Module):
         self.nbytes = weight.numel() * size + (0 if bias is None else bias.numel() * size)
         if self.own and bias is not None:
             self.nbytes += 4 * bias.numel()  # the fp32 copy the GEMM's epilogue adds
-        # fp32 only: a second copy of the weight in f32_gemv.h's panels for 1-8 rows (see
+        # fp32 only: a second copy of the weight in f32_gemv.h's panels for 1-16 rows (see
         # f32_gemv.py; pack_model decides whether the copies are worth their memory).
         self.gemv = (f32_gemv.pack(weight) if gemv and f32_gemv.fits(weight)
                      and not (self.own or self.plain) else None)

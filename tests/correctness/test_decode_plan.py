@@ -16,7 +16,7 @@ PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 def _plan_expected(model) -> bool:
     """Whether this machine runs the plan's kernels for the model's layers (the bf16 GEMM
-    or the fp32 GEMV), so that a decode step of up to 8 rows must take it."""
+    or the fp32 GEMV), so that a decode step of up to 8 rows (any CPU) must take it."""
     lin = model.layers[0].qkv_weight
     if not isinstance(lin, PackedLinear) or model.layers[0].q_norm is not None:
         return False
@@ -70,14 +70,15 @@ def test_plan_logits_are_bit_identical_to_the_layer_loop(tiny_checkpoints, tiny_
         assert not any(plans_on)
 
 def test_plan_leaves_what_it_does_not_cover(monkeypatch):
-    """More than 8 fp32 rows (oneDNN's layout), a layer that is not a PackedLinear (w8a8's
+    """More fp32 rows than the GEMV takes (oneDNN's layout), a layer that is not a PackedLinear (w8a8's
     int8 layers, F.linear), and a scalar ISA pin: no call, so `build` gives None."""
     w = torch.randn(64, 32)
     lin = PackedLinear(w, None, gemv=True)
-    out = torch.empty(9, 64)
+    top = f32_gemv.max_rows()
+    out = torch.empty(top + 1, 64)
     if lin.gemv is not None and f32_gemv._vector_isa():
-        assert decode_plan._linear_call(lin, torch.randn(8, 32), out[:8], 1, 1) is not None
-    assert decode_plan._linear_call(lin, torch.randn(9, 32), out, 1, 1) is None
+        assert decode_plan._linear_call(lin, torch.randn(top, 32), out[:top], 1, 1) is not None
+    assert decode_plan._linear_call(lin, torch.randn(top + 1, 32), out, 1, 1) is None
     assert decode_plan._linear_call(w, torch.randn(1, 32), out[:1], 1, 1) is None
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert decode_plan._linear_call(lin, torch.randn(1, 32), out[:1], 1, 0) is None

@@ -1,7 +1,8 @@
 """kvstrata's fp32 GEMV (runner/f32_gemv.py, csrc/f32_gemv.h) against torch's F.linear on the
 same values: 0-8 rows (a panel pass takes 4), strided rows, with and without a bias, the scalar reference and the
 AVX2 code; the layouts, the rule that decides whether a model keeps the copies, and the
-dispatch inside packed_linear (1-8 rows take the GEMV, more rows oneDNN's layer)."""
+dispatch inside packed_linear (1-16 rows take the GEMV on an AVX2-only CPU, 1-8 with AVX-512,
+more rows oneDNN's layer)."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def _close(got, want):
 
 @pytest.mark.parametrize("cap", [0, 1, 2])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 30), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
 def test_gemv_equals_f_linear(cap, n, k, m):
     g = torch.Generator().manual_seed(n * 7 + k + m)
     w = torch.randn(n, k, generator=g)
@@ -61,15 +62,15 @@ def test_gemv_threads_and_layout():
 def test_gemv_refuses_what_it_does_not_take():
     w = torch.randn(32, 8)
     panels = f32_gemv.pack(w)
-    assert f32_gemv.linear(torch.randn(9, 8), panels, None) is None  # more rows: oneDNN
+    assert f32_gemv.linear(torch.randn(17, 8), panels, None) is None  # more rows: oneDNN
     assert f32_gemv.linear(torch.randn(1, 8).bfloat16(), panels, None) is None
     assert f32_gemv.linear(torch.randn(1, 8), panels, torch.randn(32).bfloat16()) is None
     assert not f32_gemv.fits(torch.randn(30, 8))  # out % 16
     assert not f32_gemv.fits(torch.randn(32, 7))  # in odd
     assert not f32_gemv.fits(w.bfloat16())
-    out = torch.empty(9, 32)
+    out = torch.empty(17, 32)
     with pytest.raises(ValueError, match="bad shape"):
-        _cpu_ops.gemv_f32(0, 8, 9, 8, panels.data_ptr(), 32, 0, out.data_ptr(), 1, 2)
+        _cpu_ops.gemv_f32(0, 8, 17, 8, panels.data_ptr(), 32, 0, out.data_ptr(), 1, 2)
     with pytest.raises(ValueError, match="bad shape"):
         _cpu_ops.gemv_f32(0, 7, 1, 7, panels.data_ptr(), 32, 0, out.data_ptr(), 1, 2)
 
@@ -96,7 +97,8 @@ def test_copies_are_kept_by_the_rule(monkeypatch):
 
 @pytest.mark.skipif(not HAS_AVX2, reason="the GEMV copies need AVX2 + FMA")
 def test_packed_linear_takes_the_gemv_for_few_rows(monkeypatch):
-    """A PackedLinear with the copy: 1-8 rows through the GEMV, 9+ through oneDNN's layer,
+    """A PackedLinear with the copy: up to max_rows() rows (16 on an AVX2-only CPU, 8 with
+    AVX-512) through the GEMV, more through oneDNN's layer,
     both equal to F.linear; its bytes count the copy. KVSTRATA_CPU_ISA=scalar after packing
     sends every row count to oneDNN (no vector GEMV)."""
     g = torch.Generator().manual_seed(5)
@@ -108,9 +110,16 @@ def test_packed_linear_takes_the_gemv_for_few_rows(monkeypatch):
     calls = []
     real = f32_gemv.linear
     monkeypatch.setattr(f32_gemv, "linear", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    for m in (1, 4, 5, 8, 9, 32):
+    took = []
+    for m in (1, 4, 5, 8, 9, 16, 17, 32):
         x = torch.randn(m, 64, generator=g)
+        before = len(calls)
+        real_out = real(x, layer.gemv, layer.bias)
+        took.append(real_out is not None)
         _close(packed_linear(x, layer), F.linear(x, w, b))
-    assert [s[0] for s in calls] == [1, 4, 5, 8, 9, 32]  # asked each time; 9 and 32 declined
+        assert len(calls) == before + 1  # asked each time
+    limit = 8 if "avx512f" in read_cpu_flags() else 16
+    assert f32_gemv.max_rows() == limit
+    assert took == [m <= limit for m in (1, 4, 5, 8, 9, 16, 17, 32)]
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert real(torch.randn(1, 64), layer.gemv, layer.bias) is None

@@ -134,7 +134,7 @@ def test_bench_gemv_rows_and_decode_steps(tmp_path, tiny_model_path):
         assert r["max_abs_err"] < 1e-3, r
     assert [d["batch"] for d in saved["decode"]] == [1]
     with pytest.raises(ValueError, match="--rows"):
-        bench_gemv.main(["--rows", "9"])
+        bench_gemv.main(["--rows", "17"])
 
 
 def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):

@@ -16,7 +16,7 @@
  *   shm_all_reduce(...)   one rank's step of the shared-memory all-reduce (see below)
  *   argmax_rows(...)      the greedy token of each row of fp32 logits (argmax_rows.h)
  *   rms_norm_f32, add_rms_norm_f32(...)   the norms above for fp32 (rms_f32_rows.h)
- *   gemv_f32(...)         fp32 linear of 1-8 rows over panel-packed weights (f32_gemv.h)
+ *   gemv_f32(...)         fp32 linear of 1-16 rows over panel-packed weights (f32_gemv.h)
  *
  * x rows may be strided (a view), their elements contiguous; out is contiguous. Every
  * intermediate is fp32, rounded to bf16 where torch's unfused ops round (round to nearest
@@ -391,7 +391,7 @@ static PyMethodDef methods[] = {
     {"argmax_rows", argmax_rows, METH_VARARGS, "First index of each fp32 row's maximum (NaN first)."},
     {"rms_norm_f32", rms_norm_f32, METH_VARARGS, "fp32 RMSNorm over rows."},
     {"add_rms_norm_f32", add_rms_norm_f32, METH_VARARGS, "x += y (fp32), then RMSNorm of x."},
-    {"gemv_f32", gemv_f32, METH_VARARGS, "fp32 linear of up to 8 rows over panel-packed weights."},
+    {"gemv_f32", gemv_f32, METH_VARARGS, "fp32 linear of up to 16 rows over panel-packed weights."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_ops",

@@ -1,4 +1,4 @@
-/* fp32 linear layers for a few rows (a decode step at batch 1-8), included by cpu_ops.c:
+/* fp32 linear layers for a few rows (a decode step at batch 1-16), included by cpu_ops.c:
  *
  *   gemv_f32(x, x_row_stride, m, k, w, n, bias, out, threads, isa_cap)
  *       out[r][j] = bias[j] + sum_e x[r][e] * W[j][e]  for r < m <= GEMV_MAX_ROWS, out [m][n]
@@ -20,7 +20,7 @@
 #ifndef KVSTRATA_F32_GEMV_H
 #define KVSTRATA_F32_GEMV_H
 
-#define GEMV_MAX_ROWS 8
+#define GEMV_MAX_ROWS 16 /* f32_gemv.py max_rows() picks 8 or 16 */
 #define GEMV_GROUP 4 /* rows a panel pass takes (registers) */
 #define GEMV_PANEL 16
 

@@ -11,7 +11,7 @@ the same order, so the logits are bit-identical to `layer_forward`'s (tests comp
 
 It applies where every call of `layer_forward` would have been one of kvstrata's kernels: a
 CPU llama-family model without per-head q/k norms, linears packed as kvstrata's fp32 GEMV
-(1-8 rows) or kvstrata's bf16 GEMM, the fused ops on, one tensor-parallel rank, no EAGLE3
+(1-16 rows) or kvstrata's bf16 GEMM, the fused ops on, one tensor-parallel rank, no EAGLE3
 capture, and a forward that is one decode piece of the paged decode kernel (plain decode
 rows, or a verify step's one-token queries) over a pool of the model's dtype. Anything else
 (w8a8, oneDNN's fp32 layout above 8 rows, prefill, draft trees, TP) returns None from
@@ -74,7 +74,7 @@ def _linear_call(lin: Any, inp: torch.Tensor, out: torch.Tensor, threads: int, c
         bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
         return _bf16_ops.linear, (inp.data_ptr(), k, m, k, lin.packed.data_ptr(), n, bias,
                                   out.data_ptr(), int(silu), 0, threads, cap)
-    if (silu or lin.gemv is None or m > f32_gemv.MAX_ROWS or not f32_gemv._vector_isa()
+    if (silu or lin.gemv is None or m > f32_gemv.max_rows() or not f32_gemv._vector_isa()
             or inp.dtype is not torch.float32):
         return None
     bias = lin.bias
