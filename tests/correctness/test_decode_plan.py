@@ -69,9 +69,48 @@ def test_plan_logits_are_bit_identical_to_the_layer_loop(tiny_checkpoints, tiny_
     else:
         assert not any(plans_on)
 
+
+def test_plans_are_kept_per_batch_size_and_grow_with_the_contexts(tiny_checkpoints,
+                                                                  tiny_prompts, monkeypatch):
+    """A plan is made once per decode batch size and reused while the contexts fit its room;
+    a forward whose contexts outgrow it gets a new one, still bit-identical to the loop."""
+    from kvstrata import LLM
+    if not f32_gemv._vector_isa():
+        pytest.skip("the fp32 GEMV's vector code does not run here")
+    made = []
+    real_make, spare_room = decode_plan._make, decode_plan.slot_room
+    monkeypatch.setattr(decode_plan, "_make",
+                        lambda model, key, room: made.append((key[0], room))
+                        or real_make(model, key, room))
+    with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True, dtype="float32",
+             max_total_tokens=2048, disable_radix_cache=True) as llm:
+        model = llm.engine.runner.model
+        forward, build = model.forward, decode_plan.build
+        logits = {}
+        for run, flag, room in (("spare", "1", spare_room), ("exact", "1", lambda n: n),
+                                ("loop", "0", spare_room)):
+            monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
+            monkeypatch.setattr(decode_plan, "slot_room", room)
+            monkeypatch.setattr(decode_plan, "build",
+                                _record(model, forward, build, logits.setdefault(run, []), []))
+            model.__dict__.pop("_decode_plans", None)
+            made.clear()
+            llm.generate(input_ids=tiny_prompts, sampling_params=PARAMS)
+            if run == "spare":  # one batch size, room to spare: one plan for every step
+                assert made == [(len(tiny_prompts), 4096)]
+            elif run == "exact":  # no room to grow: every step outgrows the last plan
+                assert len(made) == PARAMS["max_new_tokens"] - 1
+                assert len(model.__dict__["_decode_plans"]) == 1  # replaced, one batch size
+    for run in ("spare", "exact"):
+        assert len(logits[run]) == len(logits["loop"])
+        for got, want in zip(logits[run], logits["loop"]):
+            assert torch.equal(got, want)
+
+
 def test_plan_leaves_what_it_does_not_cover(monkeypatch):
-    """More fp32 rows than the GEMV takes (oneDNN's layout), a layer that is not a PackedLinear (w8a8's
-    int8 layers, F.linear), and a scalar ISA pin: no call, so `build` gives None."""
+    """More fp32 rows than the GEMV takes (oneDNN's layout), a layer that is not a
+    PackedLinear (w8a8's int8 layers, F.linear), and a scalar ISA pin: no call, so `build`
+    gives None."""
     w = torch.randn(64, 32)
     lin = PackedLinear(w, None, gemv=True)
     top = f32_gemv.max_rows()

@@ -1,20 +1,22 @@
-"""A decode step's decoder layers as C calls bound once per forward (CPU).
+"""A decode step's decoder layers as C calls bound once per batch size (CPU).
 
 Why: once the linears, norms, rotary, KV write and decode attention each became one C call,
 a SmolLM2 decode step at batch 1 still spent ~5 ms of ~22 (fp32, 2-vCPU AVX2 EPYC) between
 those calls: each Python wrapper re-checked its tensors' dtypes, shapes and strides, asked
 torch for a new output tensor (~240 torch.empty a step) and read module attributes, 30
-layers x ~10 calls. Here the checks run once a forward, the intermediates live in seven
-buffers made once a forward, and each layer is a fixed list of (C function, arguments)
-tuples whose pointers were computed up front: the same kernels with the same arguments in
-the same order, so the logits are bit-identical to `layer_forward`'s (tests compare them).
+layers x ~10 calls. Here a plan per decode batch size (kept per model) holds buffers for
+the intermediates and each layer as a fixed list of (C function, arguments) tuples whose
+pointers were computed once; a forward copies its inputs into the plan's buffers (six small
+copies) and replays the calls: the same kernels with the same arguments in the same order,
+so the logits are bit-identical to `layer_forward`'s (tests compare them). Making a plan
+costs ~1.3 ms (SmolLM2), so it is not made again for every step.
 
 It applies where every call of `layer_forward` would have been one of kvstrata's kernels: a
 CPU llama-family model without per-head q/k norms, linears packed as kvstrata's fp32 GEMV
 (1-16 rows) or kvstrata's bf16 GEMM, the fused ops on, one tensor-parallel rank, no EAGLE3
 capture, and a forward that is one decode piece of the paged decode kernel (plain decode
 rows, or a verify step's one-token queries) over a pool of the model's dtype. Anything else
-(w8a8, oneDNN's fp32 layout above 8 rows, prefill, draft trees, TP) returns None from
+(w8a8, oneDNN's fp32 layout above the GEMV's rows, prefill, draft trees, TP) returns None from
 `build` and takes `layer_forward`. KVSTRATA_CPU_DECODE_PLAN=0 turns it off (ablation).
 
 The residual add that ends layer l runs as the first half of layer l + 1's add + RMSNorm
@@ -23,6 +25,7 @@ Both round exactly as x.add_(down) followed by the norm.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -43,21 +46,43 @@ def enabled() -> bool:
 
 
 class DecodePlan:
-    """The calls of every layer of one forward over the residual stream `x` ([T, H],
-    contiguous, the forward's own tensor): `run()` updates x in place, as the layer loop."""
+    """Every layer's calls for decode forwards of `t` rows, over buffers of its own: `bind`
+    copies a forward's inputs in (the embedded tokens, cos / sin, the KV slots it writes and
+    reads), `run()` updates the residual stream as the layer loop does and returns it (the
+    plan's buffer: read it before the next forward)."""
 
-    def __init__(self, layers: list[list[Call]], x: torch.Tensor, last_add: torch.Tensor,
-                 buffers: list[torch.Tensor]):
-        self.layers = layers
-        self.x = x
-        self.last_add = last_add
-        self._buffers = buffers  # the calls hold their addresses: keep them alive
+    def __init__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out_slots: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                 scratch: list[torch.Tensor]):
+        self.x, self.cos, self.sin = x, cos, sin
+        self.out_slots, self.slots, self.starts = out_slots, slots, starts
+        self.scratch = scratch  # the calls hold their addresses: keep them alive
+        self.layers: list[list[Call]] = []
+        self.decode_args: list[list] = []  # each layer's kernel arguments (slot count set)
+
+    def bind(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> bool:
+        """This forward's inputs into the buffers; False when its key slots outnumber the
+        plan's room (build makes a larger plan)."""
+        p = fb.attn_meta.pieces[0]
+        n = p.slots.numel()
+        if n > self.slots.numel() or p.starts.numel() != self.starts.numel():
+            return False
+        self.x.copy_(x)
+        self.cos.copy_(cos.view(-1))
+        self.sin.copy_(sin.view(-1))
+        self.out_slots.copy_(fb.out_slots)
+        self.slots[:n].copy_(p.slots)
+        self.starts.copy_(p.starts)
+        for args in self.decode_args:
+            args[9] = n
+        return True
 
     def run(self) -> torch.Tensor:
         for calls in self.layers:
             for fn, args in calls:
                 fn(*args)
-        return self.x.add_(self.last_add)
+        down = self.scratch[-1]
+        return self.x.add_(down)
 
 
 def _linear_call(lin: Any, inp: torch.Tensor, out: torch.Tensor, threads: int, cap: int,
@@ -103,57 +128,90 @@ def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             and x.is_contiguous() and x.dim() == 2 and kv.dtype == x.dtype
             and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
             and sin.is_contiguous() and cos.numel() == sin.numel() == t * d.head_dim
-            and d.head_dim % 2 == 0 and cpu_ops.enabled()
-            and all(layer.q_norm is None for layer in model.layers))
+            and d.head_dim % 2 == 0 and cpu_ops.enabled())
+
+
+MAX_PLANS = 16  # per model: decode batch sizes come and go; each plan holds a few MB at most
+
+
+def slot_room(n: int) -> int:
+    """Key slots a new plan has room for when a forward reads n: contexts grow every step."""
+    return max(4096, 2 * n)
 
 
 def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
           ) -> DecodePlan | None:
-    """The plan of this forward's layers, or None where `layer_forward` must run them. The
-    caller checks that `model` runs DecoderForCausalLM's own layer_forward and reduce (a
-    tensor-parallel rank's model overrides them)."""
+    """This forward's plan, bound to its inputs, or None where `layer_forward` must run the
+    layers. Plans are kept per model by rows, dtype, threads, ISA cap, KV pool and scale (the
+    weights never move after loading). The caller checks that `model` runs
+    DecoderForCausalLM's own layer_forward and reduce (a tensor-parallel rank's overrides
+    them)."""
     if not enabled() or not _fits(model, fb, x, cos, sin):
         return None
+    backend = model.attn_backend
+    key = (x.shape[0], x.dtype, torch.get_num_threads(), isa_cap(),
+           backend.kv_pool.kv.data_ptr(), backend.scale)
+    plans = model.__dict__.setdefault("_decode_plans", OrderedDict())
+    if key in plans:  # None: this model's layers do not fit (found once)
+        plans.move_to_end(key)
+        plan = plans[key]
+        if plan is None or plan.bind(x, cos, sin, fb):
+            return plan
+    plan = _make(model, key, slot_room(fb.attn_meta.pieces[0].slots.numel()))
+    plans[key] = plan
+    if len(plans) > MAX_PLANS:
+        plans.popitem(last=False)
+    return plan if plan is not None and plan.bind(x, cos, sin, fb) else None
+
+
+def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
+    """A plan of `key`'s rows with room for `capacity` key slots, or None where a layer is not
+    the plan's: per-head q/k norms, or a linear that is not one of its kernels."""
+    if any(layer.q_norm is not None for layer in model.layers):
+        return None
+    t, dtype, threads, cap = key[:4]
     d = model.dims
     nq, nkv, hd, hidden = d.num_heads, d.num_kv_heads, d.head_dim, d.hidden_size
-    t, dtype, eps = x.shape[0], x.dtype, float(d.rms_norm_eps)
+    eps = float(d.rms_norm_eps)
     q_end, k_end = nq * hd, (nq + nkv) * hd
     inter = d.intermediate_size
-    threads, cap = torch.get_num_threads(), isa_cap()
     code = cpu_ops.DTYPES[dtype]
 
     def buf(width: int) -> torch.Tensor:
         return torch.empty(t, width, dtype=dtype)
-    h, qkv, attn, o, act, down = (buf(hidden), buf(k_end + nkv * hd), buf(nq * hd),
-                                  buf(hidden), buf(inter), buf(hidden))
+    x, h, qkv, attn, o, act, down = (buf(hidden), buf(hidden), buf(k_end + nkv * hd),
+                                     buf(nq * hd), buf(hidden), buf(inter), buf(hidden))
     gate_up: torch.Tensor | None = None  # made when a layer's silu is a pass of its own
     backend = model.attn_backend
     pool = backend.kv_pool
-    p = fb.attn_meta.pieces[0]
-    scatter0 = pool.scatter_args(0, fb.out_slots, qkv[:, q_end:k_end].view(t, nkv, hd),
+    index = dict(dtype=torch.int64)
+    plan = DecodePlan(x, torch.empty(t * hd, dtype=dtype), torch.empty(t * hd, dtype=dtype),
+                      torch.empty(t, **index), torch.empty(capacity, **index),
+                      torch.empty(t + 1, **index), [])
+    scatter0 = pool.scatter_args(0, plan.out_slots, qkv[:, q_end:k_end].view(t, nkv, hd),
                                  qkv[:, k_end:].view(t, nkv, hd))
     _, decode0 = paged_decode.decode_args(qkv[:, :q_end].view(t, nq, hd), pool.k(0),
-                                          pool.v(0), p.slots, p.starts, backend.scale,
+                                          pool.v(0), plan.slots, plan.starts, backend.scale,
                                           out=attn.view(t, nq, hd), num_threads=threads)
     if scatter0 is None:
         return None
-    rope = (_cpu_ops.rope, (qkv.data_ptr(), qkv.shape[1], t, nq + nkv, hd, cos.data_ptr(),
-                            sin.data_ptr(), code, threads, cap))
+    rope = (_cpu_ops.rope, (qkv.data_ptr(), qkv.shape[1], t, nq + nkv, hd,
+                            plan.cos.data_ptr(), plan.sin.data_ptr(), code, threads, cap))
     norm = _cpu_ops.rms_norm_bf16 if dtype == torch.bfloat16 else _cpu_ops.rms_norm_f32
     add_norm = (_cpu_ops.add_rms_norm_bf16 if dtype == torch.bfloat16
                 else _cpu_ops.add_rms_norm_f32)
-    layers = []
     for i, layer in enumerate(model.layers):
-        fused_silu = (isinstance(layer.gate_up_weight, PackedLinear) and layer.gate_up_weight.own
-                      and layer.gate_up_weight.out_features % 32 == 0)
-        qkv_call = _linear_call(layer.qkv_weight, h, qkv, threads, cap)
-        o_call = _linear_call(layer.o_weight, attn, o, threads, cap)
+        up_lin = layer.gate_up_weight
+        fused_silu = (isinstance(up_lin, PackedLinear) and up_lin.own
+                      and up_lin.out_features % 32 == 0)
         if not fused_silu and gate_up is None:
             gate_up = buf(2 * inter)
-        up_call = _linear_call(layer.gate_up_weight, h, act if fused_silu else gate_up,
-                               threads, cap, silu=fused_silu)
-        down_call = _linear_call(layer.down_weight, act, down, threads, cap)
-        if None in (qkv_call, o_call, up_call, down_call):
+        linears = (_linear_call(layer.qkv_weight, h, qkv, threads, cap),
+                   _linear_call(layer.o_weight, attn, o, threads, cap),
+                   _linear_call(up_lin, h, act if fused_silu else gate_up, threads, cap,
+                                silu=fused_silu),
+                   _linear_call(layer.down_weight, act, down, threads, cap))
+        if None in linears:
             return None
         first = ((norm, (x.data_ptr(), hidden, t, hidden, layer.input_norm.data_ptr(),
                          h.data_ptr(), eps, threads, cap)) if i == 0 else
@@ -163,14 +221,15 @@ def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         scatter = (scatter0[0] + shift, scatter0[1] + shift) + scatter0[2:]
         decode = list(decode0)
         decode[4], decode[5] = pool.k(i).data_ptr(), pool.v(i).data_ptr()
-        calls = [first, qkv_call, rope, (_rowcopy.scatter_kv, scatter),
-                 (paged_decode.run_decode, (decode,)), o_call,
+        plan.decode_args.append(decode)
+        calls = [first, linears[0], rope, (_rowcopy.scatter_kv, scatter),
+                 (paged_decode.run_decode, (decode,)), linears[1],
                  (add_norm, (x.data_ptr(), o.data_ptr(), t, hidden, layer.post_norm.data_ptr(),
-                             h.data_ptr(), eps, threads, cap)), up_call]
+                             h.data_ptr(), eps, threads, cap)), linears[2]]
         if not fused_silu:
             calls.append((_cpu_ops.silu_mul, (gate_up.data_ptr(), 2 * inter, t, inter,
                                               act.data_ptr(), code, threads, cap)))
-        calls.append(down_call)
-        layers.append(calls)
-    return DecodePlan(layers, x, down, [h, qkv, attn, o, act, gate_up, cos, sin, p.slots,
-                                        p.starts, fb.out_slots])
+        calls.append(linears[3])
+        plan.layers.append(calls)
+    plan.scratch = [h, qkv, attn, o, act, gate_up, down]  # down last: run() adds it
+    return plan
