@@ -65,7 +65,8 @@ class DecodePlan:
         plan's room (build makes a larger plan)."""
         p = fb.attn_meta.pieces[0]
         n = p.slots.numel()
-        if n > self.slots.numel() or p.starts.numel() != self.starts.numel():
+        if (n > self.slots.numel() or p.starts.numel() != self.starts.numel()
+                or fb.out_slots.numel() != self.out_slots.numel()):
             return False
         self.x.copy_(x)
         self.cos.copy_(cos.view(-1))
@@ -149,8 +150,9 @@ def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if not enabled() or not _fits(model, fb, x, cos, sin):
         return None
     backend = model.attn_backend
-    key = (x.shape[0], x.dtype, torch.get_num_threads(), isa_cap(),
-           backend.kv_pool.kv.data_ptr(), backend.scale)
+    kv = backend.kv_pool.kv  # a pool made again may reuse the address: its shape too
+    key = (x.shape[0], x.dtype, torch.get_num_threads(), isa_cap(), kv.data_ptr(),
+           tuple(kv.shape), backend.scale)
     plans = model.__dict__.setdefault("_decode_plans", OrderedDict())
     if key in plans:  # None: this model's layers do not fit (found once)
         plans.move_to_end(key)
