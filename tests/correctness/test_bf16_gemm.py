@@ -175,3 +175,22 @@ def test_avx2_body_silu_equals_cpu_ops_two_steps(inter, monkeypatch):
         assert torch.equal(_raw(x, packed, 2 * inter, bias, silu=1),
                            cpu_ops.silu_mul(_raw(x, packed, 2 * inter, bias)))
 
+
+
+@avx2_body
+@pytest.mark.parametrize("k,n,silu", [(576, 960, 0), (1536, 576, 0), (64, 96, 1), (130, 64, 1)])
+def test_avx2_body_widened_panels_equal_the_streamed_rows(k, n, silu):
+    """From 5 row blocks of 6 rows on (bf16_gemm_avx2.h WIDEN_MIN_ROW_BLOCKS), each thread
+    widens a panel's weights to fp32 once and its tiles read the floats: the same FMAs in the
+    same order as a tile that widens them itself, so each row equals the same row computed in
+    a call of 6 rows (one row block, streamed) bit for bit, bias and silu epilogue included."""
+    torch.manual_seed(k * 3 + n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n)
+    packed = packed_linear.pack_bf16(weight)
+    for m in (29, 30, 31, 100):
+        x = torch.randn(m, k).bfloat16()
+        full = _raw(x, packed, n, bias, silu=silu)
+        parts = torch.cat([_raw(x[i:i + 6], packed, n, bias, silu=silu)
+                           for i in range(0, m, 6)])
+        assert torch.equal(full, parts)

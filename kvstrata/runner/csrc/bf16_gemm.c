@@ -182,7 +182,10 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     {
         /* AVX2: this thread's rows widened to fp32 (bf16_gemm_avx2.h) */
         float *xf = body == 1 ? malloc(sizeof(float) * MR_AVX2 * k) : NULL;
-        failed = body == 1 && xf == NULL;
+        const int widen = body == 1 && nrb >= WIDEN_MIN_ROW_BLOCKS;
+        float *wf = widen ? malloc(sizeof(float) * NR * BLOCK * k) : NULL;
+        int64_t widened = -1; /* the panel wf holds */
+        failed = (body == 1 && xf == NULL) || (widen && wf == NULL);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             if (failed) continue;
@@ -194,12 +197,17 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                                                it % nrb, nrb);
             if (body == 1 && nrb <= STREAM_MAX_ROW_BLOCKS) /* bf16_gemm_avx2.h */
                 pf = (prefetch_plan){{NULL}, 0, INT64_MAX, 1, STREAM_AHEAD};
+            if (wf && widened != p) {
+                widen_panel_avx2(g.w, k, blk, nr, wf);
+                widened = p;
+            }
             if (body == 1)
-                tile_avx2(&g, r0, blk, &pf, mr, nr, xf);
+                tile_avx2(&g, r0, blk, &pf, mr, nr, xf, wf);
             else
                 tile_any(&g, r0, blk, &pf, mr, nr);
         }
         free(xf);
+        free(wf);
     }
     Py_END_ALLOW_THREADS
     if (failed) return PyErr_NoMemory();

@@ -8,7 +8,8 @@
  * How: the same packed weights and work items as the AVX512-BF16 tiles. Each 32-bit lane of a
  * packed block holds one column's pair of bf16 weights (k even in the low half), so one shift
  * widens the even k to fp32 and one mask the odd k; the item's rows are widened once into a
- * per-thread buffer and broadcast from it. The products of two bf16 values are exact in fp32
+ * per-thread buffer and broadcast from it (with many row blocks the panel's weights too:
+ * WIDEN_MIN_ROW_BLOCKS). The products of two bf16 values are exact in fp32
  * and summed in fp32, as vdpbf16ps does (in another order). A tile is up to MR_AVX2 rows x
  * one block of 16 columns (12 ymm accumulators); the panel's blocks run one after the other, its
  * gate|up pairs (silu) one pair at a time, and the epilogue rounds as the AVX-512 one does
@@ -35,12 +36,25 @@
 #define STREAM_MAX_ROW_BLOCKS 2
 #define STREAM_AHEAD 16
 
+/* From this many row blocks on (25+ rows), a thread widens each panel it takes to fp32 once
+ * (widen_panel_avx2, a buffer of NR x k x 16 floats: 384 KiB at k = 1536) and its tiles read
+ * the floats: the shift and mask per k pair run once a panel, not once a row block, and the
+ * results are the same bit for bit. benchmarks/bench_gemm.py --kind bf16 (SmolLM2's layer
+ * shapes, 2 threads), builds alternated: 2048 rows 944-1358 -> 660-943 ms (1.43x), 512 rows
+ * 1.05-1.45x, 128 rows 1.2-1.4x, 32 rows 1.15-1.2x; at 3 row blocks no change, at 4 mixed. */
+#ifndef WIDEN_MIN_ROW_BLOCKS
+#define WIDEN_MIN_ROW_BLOCKS 5
+#endif
+
 /* mr rows x one block: acc[i][0] gets columns 0-7 of row i, acc[i][1] columns 8-15. The sums
  * live in locals until the end (through `acc` the compiler stored them at every k: xf might
  * alias it). */
 AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint16_t *w,
-                                          prefetch_plan *pf, __m256 acc[MR_AVX2][2],
-                                          const int mr) {
+                                          const float *wf, prefetch_plan *pf,
+                                          __m256 acc[MR_AVX2][2], const int mr) {
+    /* wf (a literal NULL or not in each caller, so the branches fold away): the block's
+     * weights widened beforehand (widen_panel_avx2), each k step's 16 floats; else w's
+     * packed pairs, widened here. The FMAs are the same, in the same order. */
     const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 c[MR_AVX2][2];
     const int64_t ahead = pf->ahead * BLOCK * 2; /* in uint16_t */
@@ -48,20 +62,32 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint
     for (int i = 0; i < mr; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
     for (int64_t q = 0; q < k; q += 2) {
         prefetch_due(pf, q / 2);
-        if (ahead) /* past the block's end too: a prefetch never faults */
-            __builtin_prefetch(w + q * BLOCK + ahead, 0, 0);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK + 16));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        __m256i w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
+        __m256 e0, e1, o0, o1;
+        if (wf) {
+            e0 = _mm256_loadu_ps(wf + q * BLOCK);
+            e1 = _mm256_loadu_ps(wf + q * BLOCK + 8);
+        } else {
+            if (ahead) /* past the block's end too: a prefetch never faults */
+                __builtin_prefetch(w + q * BLOCK + ahead, 0, 0);
+            w0 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK));
+            w1 = _mm256_loadu_si256((const __m256i *)(w + q * BLOCK + 16));
+            e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+            e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+        }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             const __m256 a = _mm256_broadcast_ss(xf + i * k + q);
             c[i][0] = _mm256_fmadd_ps(a, e0, c[i][0]);
             c[i][1] = _mm256_fmadd_ps(a, e1, c[i][1]);
         }
-        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, odd_mask));
-        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, odd_mask));
+        if (wf) {
+            o0 = _mm256_loadu_ps(wf + (q + 1) * BLOCK);
+            o1 = _mm256_loadu_ps(wf + (q + 1) * BLOCK + 8);
+        } else {
+            o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, odd_mask));
+            o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, odd_mask));
+        }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             const __m256 a = _mm256_broadcast_ss(xf + i * k + q + 1);
@@ -76,16 +102,43 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint
     }
 }
 
-AVX2 static void block_any_avx2(const float *xf, int64_t k, const uint16_t *w,
-                                prefetch_plan *pf, __m256 acc[MR_AVX2][2], int mr) {
-    switch (mr) {
-    case 6: block_avx2(xf, k, w, pf, acc, 6); return;
-    case 5: block_avx2(xf, k, w, pf, acc, 5); return;
-    case 4: block_avx2(xf, k, w, pf, acc, 4); return;
-    case 3: block_avx2(xf, k, w, pf, acc, 3); return;
-    case 2: block_avx2(xf, k, w, pf, acc, 2); return;
-    default: block_avx2(xf, k, w, pf, acc, 1); return;
+/* The nr blocks blk[] of a panel widened to fp32 into wf ([nr][k][16]): each k step's 16
+ * weights as floats, so the tiles of the panel's many row blocks skip the shift and mask. */
+AVX2 static void widen_panel_avx2(const uint16_t *w, int64_t k, const int64_t blk[NR], int nr,
+                                  float *wf) {
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
+    for (int j = 0; j < nr; j++) {
+        const uint16_t *b = w + blk[j] * k * BLOCK;
+        float *o = wf + j * k * BLOCK;
+        for (int64_t q = 0; q < k; q += 2)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(b + q * BLOCK + 16 * h));
+                _mm256_storeu_ps(o + q * BLOCK + 8 * h,
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+                _mm256_storeu_ps(o + (q + 1) * BLOCK + 8 * h,
+                                 _mm256_castsi256_ps(_mm256_and_si256(v, odd_mask)));
+            }
     }
+}
+
+/* One block for mr rows: from wf (the widened panel's block) when given, else from w. */
+AVX2 static void block_any_avx2(const float *xf, int64_t k, const uint16_t *w, const float *wf,
+                                prefetch_plan *pf, __m256 acc[MR_AVX2][2], int mr) {
+#define BLOCK_ROWS(M)                                                                     \
+    do {                                                                                  \
+        if (wf) block_avx2(xf, k, NULL, wf, pf, acc, M);                                  \
+        else block_avx2(xf, k, w, NULL, pf, acc, M);                                      \
+        return;                                                                           \
+    } while (0)
+    switch (mr) {
+    case 6: BLOCK_ROWS(6);
+    case 5: BLOCK_ROWS(5);
+    case 4: BLOCK_ROWS(4);
+    case 3: BLOCK_ROWS(3);
+    case 2: BLOCK_ROWS(2);
+    default: BLOCK_ROWS(1);
+    }
+#undef BLOCK_ROWS
 }
 
 /* acc + bias, rounded to bf16 (as fp32 values). */
@@ -94,9 +147,9 @@ AVX2 static inline __m256 rounded8(__m256 v, const float *bias, int64_t c0) {
 }
 
 /* One work item: rows r0 .. r0 + mr of the panel whose blocks are blk[0 .. nr); xf: this
- * thread's buffer of MR_AVX2 * k floats. */
+ * thread's buffer of MR_AVX2 * k floats; wf: the panel widened (widen_panel_avx2), or NULL. */
 AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR],
-                           prefetch_plan *pf, int mr, int nr, float *xf) {
+                           prefetch_plan *pf, int mr, int nr, float *xf, const float *wf) {
     const int64_t k = g->k, half_n = g->n / 2;
     for (int i = 0; i < mr; i++) {
         const uint16_t *a = g->x + (r0 + i) * g->stride;
@@ -109,9 +162,11 @@ AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR]
     const int blocks = g->silu ? nr / 2 : nr;
     for (int j = 0; j < blocks; j++) {
         const int64_t c0 = blk[j] * BLOCK;
-        block_any_avx2(xf, k, g->w + blk[j] * k * BLOCK, pf, acc, mr);
+        block_any_avx2(xf, k, g->w + blk[j] * k * BLOCK, wf ? wf + j * k * BLOCK : NULL, pf,
+                       acc, mr);
         if (g->silu) {
-            block_any_avx2(xf, k, g->w + blk[blocks + j] * k * BLOCK, pf, up, mr);
+            block_any_avx2(xf, k, g->w + blk[blocks + j] * k * BLOCK,
+                           wf ? wf + (blocks + j) * k * BLOCK : NULL, pf, up, mr);
             for (int i = 0; i < mr; i++)
                 for (int h = 0; h < 2; h++) {
                     const __m256 gv = rounded8(acc[i][h], g->bias, c0 + 8 * h);
