@@ -29,7 +29,9 @@ F.linear ran 17-18 GFLOP/s against fp32's 90-135) runs the same GEMM's AVX2 + FM
 (runner/csrc/bf16_gemm_avx2.h: each packed pair of bf16 weights widened to fp32 by a shift and
 a mask, fp32 FMAs). Measured on a 2-vCPU AVX2 EPYC (benchmarks/bench_gemm.py --kind bf16):
 3.9-6.0x torch's bf16 F.linear at 8-512 rows; against fp32's prepacked oneDNN linear (half the
-weight bytes, the same FMAs) 1.4x at 1-8 rows, 0.97x at 32, 0.89x at 128, 0.77x at 512. A
+weight bytes, the same FMAs) 1.4x at 1-8 rows, 0.97x at 32, 0.89x at 128, 0.77x at 512;
+since its panels are widened once per thread from 25 rows on (bf16_gemm_avx2.h), about fp32's
+speed from 32 rows on (0.9-1.2x at 32-2048 rows, a noisy 2-vCPU box). A
 layer neither GEMM takes there keeps F.linear.
 
 fp32 layers at 1-8 rows (a decode step at batch 1-8: bound by the weights' bandwidth, where

@@ -10,17 +10,26 @@ from kvstrata.platform import VNNI_FLAGS, Platform
 CHUNKED_PREFILL_CPU = 2048
 CHUNKED_PREFILL_ACCELERATOR = 8192
 
-# --dtype auto on a CPU: the first row whose flag the CPU has, else float32. Each row is backed
-# by a serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128,
-# out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU dtype").
-CPU_DTYPE_BY_FLAG = (
-    ("amx_bf16", "bfloat16", "AMX bf16 tiles: serving measured bf16 2.42x fp32 (2026-12-02)"),
-    ("avx512_bf16", "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, serving measured "
-     "bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)"),
+# --dtype auto on a CPU: the first row whose flags the CPU has (all of `needs`, none of
+# `lacks`; with --quantization only rows measured with it), else float32. Each row is backed
+# by a serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in
+# 128, out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+CPU_DTYPE_RULES = (
+    (("amx_bf16",), (), True, "bfloat16", "AMX bf16 tiles: serving measured bf16 2.42x fp32 "
+     "(2026-12-02)"),
+    (("avx512_bf16",), (), True, "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, "
+     "serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)"),
+    # AVX2 + FMA without AVX-512: kvstrata's own bf16 kernels (the GEMM's AVX2 body, decode
+    # and prefill attention, norms) run; with AVX-512 but no bf16 instructions oneDNN takes
+    # bf16 linears, not measured against fp32 there (the fallback keeps fp32).
+    # (w8a8 with bf16 activations there, on AVX-VNNI: not measured)
+    (("avx2", "fma", "f16c"), ("avx512f",), False, "bfloat16", "AVX2 + FMA: kvstrata's bf16 "
+     "GEMM widens the packed weights once a panel and a decode step replays pre-bound "
+     "kernel calls; serving measured bf16 1.01-1.60x fp32 (median 1.35x, four rounds) on "
+     "an AVX2 EPYC (2026-12-04)"),
 )
-CPU_DTYPE_FALLBACK = ("float32", "no bf16 instructions (avx512_bf16 / amx_bf16): bf16 GEMMs "
-                      "widen to fp32 FMAs (kvstrata's AVX2 body); serving measured bf16 0.83x "
-                      "fp32 on an AVX2 EPYC (92.3 vs 111.0 tok/s, 2026-12-03)")
+CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
+                      "avx512_bf16 / amx_bf16, and AVX-512 without them, or no AVX2 + FMA)")
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
@@ -45,9 +54,13 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
     if model_info is not None and model_info.kv_pool_kind != "mha":
         return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
                            "decoder is measured in bf16 on CPU")
-    for flag, dtype, why in CPU_DTYPE_BY_FLAG:
-        if flag in platform.cpu_flags:
-            return dtype, f"the CPU has {flag}: {why}"
+    flags = set(platform.cpu_flags)
+    for needs, lacks, quantized_too, dtype, why in CPU_DTYPE_RULES:
+        if set(needs) <= flags and not set(lacks) & flags:
+            if args.quantization is not None and not quantized_too:
+                return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
+                                   f"({' + '.join(needs)}) is measured unquantized only")
+            return dtype, f"the CPU has {' + '.join(needs)}: {why}"
     return CPU_DTYPE_FALLBACK
 
 
