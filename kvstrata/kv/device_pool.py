@@ -62,7 +62,7 @@ class MHATokenToKVPool:
 
     def scatter_args(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                      ) -> tuple | None:
-        """The arguments of the one C call (`kv/rowcopy.py` scatter_kv) that writes k, v at
+        """The arguments of the one C call (kv/csrc/rowcopy.c scatter_kv) that writes k, v at
         `slots` of `layer`, or None where it does not apply (set_kv then copies with torch).
         Layer l's arguments are layer 0's with the first two (the K and V bases) moved by
         l * layer_bytes (runner/models/decode_plan.py relies on it)."""
