@@ -25,8 +25,8 @@ CPU_DTYPE_RULES = (
     # (w8a8 with bf16 activations there, on AVX-VNNI: not measured)
     (("avx2", "fma", "f16c"), ("avx512f",), False, "bfloat16", "AVX2 + FMA: kvstrata's bf16 "
      "GEMM widens the packed weights once a panel and a decode step replays pre-bound "
-     "kernel calls; serving measured bf16 1.01-1.60x fp32 (median 1.35x, four rounds) on "
-     "an AVX2 EPYC (2026-12-04)"),
+     "kernel calls; serving measured bf16 1.00-1.60x fp32 (median 1.24x, seven rounds; "
+     "auto as bf16 1.09-1.28x in three more) on an AVX2 EPYC (2026-12-04)"),
 )
 CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
                       "avx512_bf16 / amx_bf16, and AVX-512 without them, or no AVX2 + FMA)")
