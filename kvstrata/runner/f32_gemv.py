@@ -106,17 +106,35 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
     np_, k, _ = panels.shape
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)
-    m = x2.shape[0]
-    if m > max_rows() or x2.shape[1] != k or (cap is None and not _vector_isa()):
+    if x2.shape[0] > max_rows() or x2.shape[1] != k:
         return None
-    n = np_ * PANEL
-    if x2.stride(1) != 1 or (m > 1 and x2.stride(0) < k):
+    if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], np_ * PANEL, dtype=torch.float32)
+    call = gemv_call(x2, panels, bias, out, cap=cap)
+    if call is None:
+        return None
+    call[0](*call[1])
+    return out if flat else out.view(*x.shape[:-1], out.shape[1])
+
+
+def gemv_call(x2: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor, threads: int | None = None, cap: int | None = None
+              ) -> tuple | None:
+    """(C function, arguments) of the GEMV of fp32 rows x2 [m, k] (each row contiguous) into
+    out [m, n] (contiguous), not run: `linear` makes this call, the decode plan
+    (runner/models/decode_plan.py) keeps it. None where the GEMV does not take it (more
+    rows than max_rows(), a bias it cannot add, no vector code unless `cap` is given)."""
+    m, k = x2.shape
+    n = panels.shape[0] * PANEL
+    if (m > max_rows() or x2.dtype is not torch.float32 or panels.shape[1] != k
+            or (cap is None and not _vector_isa())):
+        return None
     if bias is not None and (bias.dtype is not torch.float32 or bias.numel() != n
                              or not bias.is_contiguous()):
         return None
-    out = torch.empty(m, n, dtype=torch.float32)
-    _cpu_ops.gemv_f32(x2.data_ptr(), x2.stride(0) if m > 1 else k, m, k, panels.data_ptr(), n,
-                      0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                      torch.get_num_threads(), isa_cap() if cap is None else cap)
-    return out if flat else out.view(*x.shape[:-1], n)
+    return _cpu_ops.gemv_f32, (x2.data_ptr(), x2.stride(0) if m > 1 else k, m, k,
+                               panels.data_ptr(), n, 0 if bias is None else bias.data_ptr(),
+                               out.data_ptr(),
+                               torch.get_num_threads() if threads is None else threads,
+                               isa_cap() if cap is None else cap)

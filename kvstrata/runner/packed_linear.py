@@ -159,16 +159,30 @@ class PackedLinear(nn.Module):
             x2 = x2.to(torch.bfloat16).contiguous()
         m = x2.shape[0]
         out = torch.empty(m, n // 2 if silu else n, dtype=torch.float32 if f32 else torch.bfloat16)
-        cap = isa_cap()
-        if m and not _bf16_ops.kernel_isa(cap):  # ISA pinned to scalar after packing
+        call = self.own_call(x2, out, silu, f32)
+        if m and call is None:  # ISA pinned to scalar after packing
             y = F.linear(x2, unpack_bf16(self.packed), self.bias)
             out.copy_(cpu_ops.silu_mul(y) if silu else y)
         elif m:
-            bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
-            _bf16_ops.linear(x2.data_ptr(), x2.stride(0), m, self.in_features,
-                             self.packed.data_ptr(), n, bias, out.data_ptr(), int(silu),
-                             int(f32), torch.get_num_threads(), cap)
+            call[0](*call[1])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def own_call(self, x2: torch.Tensor, out: torch.Tensor, silu: bool = False,
+                 f32: bool = False, threads: int | None = None,
+                 cap: int | None = None) -> tuple | None:
+        """(C function, arguments) of kvstrata's bf16 GEMM over bf16 rows x2 [m, in] (each
+        row contiguous) into out, not run: own_rows makes this call, the decode plan
+        (runner/models/decode_plan.py) keeps it. None where the GEMM does not run (not an
+        `own` layer, or the ISA pinned to scalar)."""
+        cap = isa_cap() if cap is None else cap
+        if not self.own or not _bf16_ops.kernel_isa(cap):
+            return None
+        bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
+        return _bf16_ops.linear, (x2.data_ptr(), x2.stride(0), x2.shape[0], self.in_features,
+                                  self.packed.data_ptr(), self.out_features, bias,
+                                  out.data_ptr(), int(silu), int(f32),
+                                  torch.get_num_threads() if threads is None else threads,
+                                  cap)
 
     def linear_float(self, x: torch.Tensor) -> torch.Tensor | None:
         """F.linear(x, W, b).float() in one pass (an output head's logits: the bf16 values,

@@ -32,7 +32,7 @@ import torch
 
 from kvstrata import envs
 from kvstrata.kv import _rowcopy
-from kvstrata.runner import _bf16_ops, _cpu_ops, cpu_ops, f32_gemv
+from kvstrata.runner import _cpu_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -92,24 +92,12 @@ def _linear_call(lin: Any, inp: torch.Tensor, out: torch.Tensor, threads: int, c
     take another path (oneDNN, F.linear, scalar ISA)."""
     if not isinstance(lin, PackedLinear):
         return None
-    m, k = inp.shape
-    n = lin.out_features
     if lin.own:
-        if not _bf16_ops.kernel_isa(cap):
-            return None
-        bias = 0 if lin.bias_f32 is None else lin.bias_f32.data_ptr()
-        return _bf16_ops.linear, (inp.data_ptr(), k, m, k, lin.packed.data_ptr(), n, bias,
-                                  out.data_ptr(), int(silu), 0, threads, cap)
-    if (silu or lin.gemv is None or m > f32_gemv.max_rows() or not f32_gemv._vector_isa()
-            or inp.dtype is not torch.float32):
+        return lin.own_call(inp, out, silu, threads=threads, cap=cap)
+    if silu or lin.gemv is None:
         return None
-    bias = lin.bias
-    if bias is not None and (bias.dtype is not torch.float32 or bias.numel() != n
-                             or not bias.is_contiguous()):
-        return None
-    return _cpu_ops.gemv_f32, (inp.data_ptr(), k, m, k, lin.gemv.data_ptr(), n,
-                               0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                               threads, cap)
+    # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
+    return f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads)
 
 
 def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -124,7 +112,7 @@ def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     d = model.dims
     return (p.kind == "kernel" and p.tok_idx is None and p.lo == 0 and p.hi == t
             and not model.capture_layers and model.linear is packed_linear
-            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES
             and x.dtype in paged_decode.Q_DTYPES
             and x.is_contiguous() and x.dim() == 2 and kv.dtype == x.dtype
             and cos.dtype == sin.dtype == x.dtype and cos.is_contiguous()
