@@ -59,6 +59,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=[None, "w8a8_int8"],
+                   help="int8 linear layers (the plan runs them as the model's own call)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
@@ -66,7 +68,8 @@ def main(argv=None) -> dict:
     p.add_argument("--paths", nargs="+", choices=sorted(FUSED), default=list(DEFAULT_PATHS),
                    help="the fused paths the 'torch ops' variant turns off")
     args = p.parse_args(argv)
-    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu")
+    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu",
+                         quantization=args.quantization)
     d = runner.model.dims
     pages = args.batch * (args.context // step_bench.PAGE + 1) + 2
     runner.allocate_kv(KVPlan.mha(num_layers=d.num_layers, num_kv_heads=d.num_kv_heads,
@@ -91,10 +94,11 @@ def main(argv=None) -> dict:
     old, new = statistics.median(times[False]), statistics.median(times[True])
     off_name, on_name = ("layer loop", "plan") if args.paths == ["plan"] else ("torch ops",
                                                                                "fused")
-    print(f"{args.dtype} B={args.batch} C={args.context} {'+'.join(args.paths)}: {off_name} "
+    quant = f" {args.quantization}" if args.quantization else ""
+    print(f"{args.dtype}{quant} B={args.batch} C={args.context} {'+'.join(args.paths)}: {off_name} "
           f"{old:.2f} ms, {on_name} {new:.2f} ms per step -> {old / new:.3f}x", flush=True)
-    return {"dtype": args.dtype, "batch": args.batch, "context": args.context,
-            "paths": list(args.paths),
+    return {"dtype": args.dtype, "quantization": args.quantization, "batch": args.batch,
+            "context": args.context, "paths": list(args.paths),
             "torch_ops_ms": old, "fused_ms": new, "speedup": old / new}
 
 

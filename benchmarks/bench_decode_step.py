@@ -32,7 +32,8 @@ from kvstrata.protocol.sampling_params import SamplingParams  # noqa: E402
 from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
                                                 SchedulerOutput)
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
-from kvstrata.runner.packed_linear import LAYER_LINEARS  # noqa: E402
+from kvstrata.runner.packed_linear import (LAYER_LINEARS, PackedLinear,  # noqa: E402
+                                           own_bf16_fits)
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
@@ -58,19 +59,55 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def gemm_peak(n: int, dtype: torch.dtype = torch.float32, probes: int = 3) -> float:
-    """GFLOP/s of an n x n x n matmul at `dtype`: the best of `probes` rounds of 3 timed
-    matmuls each, 0.3 s apart. A peak is what the machine can do, so the best round counts:
-    one round on this shared 2-vCPU box read 385 or 785 GFLOP/s minutes apart (bf16), which
-    made "% of peak" figures swing 2x with the probe rather than with the step."""
+def _torch_matmul(n: int, dtype: torch.dtype):
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for i in range(probes):
-        if i:
-            time.sleep(0.3)
-        best = min(best, min(_timed(lambda: a @ b) for _ in range(3)))
-    return 2 * n ** 3 / best / 1e9
+    return lambda: a @ b
+
+
+def _own_gemm(n: int, dtype: torch.dtype):
+    """kvstrata's bf16 GEMM as the engine calls it (a PackedLinear over an n x n weight), or
+    None where it does not take bf16 on this CPU (the engine then uses oneDNN's, which the
+    torch matmul probe measures)."""
+    if dtype != torch.bfloat16 or not own_bf16_fits(torch.empty(n, n, dtype=dtype)):
+        return None
+    layer = PackedLinear(torch.randn(n, n).to(dtype))
+    x = torch.randn(n, n).to(dtype)
+    return lambda: layer(x)
+
+
+GEMMS = {"torch.matmul": _torch_matmul, "kvstrata bf16 GEMM": _own_gemm}
+
+
+def gemm_peak(n: int, dtype: torch.dtype = torch.float32, probes: int = 3,
+              floor: float = 0.25) -> tuple[float, str]:
+    """(GFLOP/s, kernel) of the fastest n x n x n GEMM this process has at `dtype`: torch's
+    matmul and, for bf16 where it runs, kvstrata's own GEMM; each the best of `probes` rounds
+    of 3 timed calls, 0.3 s apart. A peak is what the machine can do, so the best round
+    counts: one round on this shared 2-vCPU box read 385 or 785 GFLOP/s minutes apart (bf16),
+    which made "% of peak" figures swing 2x with the probe rather than with the step.
+    A GEMM under `floor` of the best at n / 8 is not probed at n: torch's bf16 matmul without
+    AVX-512 runs at ~0.3 GFLOP/s (its 2048^3 probes took 15 minutes, session 24)."""
+    names = [name for name, make in GEMMS.items() if make(16, dtype) is not None]
+    if len(names) > 1:
+        small = max(16, n // 128 * 16)
+        rates = {}
+        for name in names:
+            fn = GEMMS[name](small, dtype)
+            fn()
+            rates[name] = 1 / min(_timed(fn) for _ in range(3))
+        names = [name for name in names if rates[name] >= floor * max(rates.values())]
+    results = {}
+    for name in names:
+        fn = GEMMS[name](n, dtype)
+        fn()
+        best = float("inf")
+        for i in range(probes):
+            if i:
+                time.sleep(0.3)
+            best = min(best, min(_timed(fn) for _ in range(3)))
+        results[name] = 2 * n ** 3 / best / 1e9
+    name = max(results, key=results.get)
+    return results[name], name
 
 
 def copy_bandwidth(nbytes: int = 512 << 20) -> float:
@@ -198,10 +235,11 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     load = announce_load(args.require_quiet)
-    peak = gemm_peak(args.gemm_size, getattr(torch, args.dtype))
+    peak, peak_kernel = gemm_peak(args.gemm_size, getattr(torch, args.dtype))
     bandwidth = copy_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.dtype} GEMM "
-          f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3); copy {bandwidth:.1f} GB/s")
+          f"peak {peak:.1f} GFLOP/s ({args.gemm_size}^3, {peak_kernel}); copy "
+          f"{bandwidth:.1f} GB/s")
     runner = ModelRunner(args.model, dtype=args.dtype, device="cpu",
                          quantization=args.quantization)
     dims = runner.model.dims
@@ -217,7 +255,8 @@ def main(argv=None) -> dict:
     params = linear_params(runner.model)
     report = {"box_load": load, "dtype": args.dtype, "quantization": args.quantization,
               "threads": torch.get_num_threads(),
-              "gemm_peak_gflops": peak, "copy_gb_s": bandwidth, "linear_params": params,
+              "gemm_peak_gflops": peak, "gemm_peak_kernel": peak_kernel,
+              "copy_gb_s": bandwidth, "linear_params": params,
               "decode": [], "prefill": None}
     first_row, first_page = 1, 1
     with torch.inference_mode():
@@ -234,11 +273,13 @@ def main(argv=None) -> dict:
             # Probed again after the timed steps: the peak is the best of both probes, so a
             # probe taken in a slow minute cannot inflate "% of peak" (one run of session 17
             # read 722 GFLOP/s at the start against 816-819 in the runs around it).
-            again = gemm_peak(args.gemm_size, getattr(torch, args.dtype), probes=2)
+            again, again_kernel = gemm_peak(args.gemm_size, getattr(torch, args.dtype),
+                                            probes=2)
             if again > peak:
                 print(f"GEMM peak probed again after the steps: {again:.1f} GFLOP/s (was "
                       f"{peak:.1f}); the figures below use it", flush=True)
                 peak = report["gemm_peak_gflops"] = again
+                report["gemm_peak_kernel"] = again_kernel
             elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
             nbytes = step_bytes(elem, params, args.batch, context, dims,
                                 1 if args.quantization else None)

@@ -126,10 +126,11 @@ KVSTRATA_CPU_FUSED_OPS = _declare(
     "each (runner/cpu_ops.py); 0 = torch's op sequences (ablation).")
 KVSTRATA_CPU_DECODE_PLAN = _declare(
     "KVSTRATA_CPU_DECODE_PLAN", bool, True,
-    "A CPU decode step of a llama-family model whose every layer op is one of kvstrata's "
-    "kernels runs each layer as C calls bound once a forward (runner/models/decode_plan.py; "
-    "bit-identical logits, ~4 ms less Python a SmolLM2 step); 0 = the per-op layer loop "
-    "(ablation).")
+    "A CPU decode step of a llama-family model without per-head q/k norms runs each layer "
+    "as calls bound once a forward: kvstrata's kernels as C calls, any other linear "
+    "(oneDNN above the fp32 GEMV's rows, w8a8 int8 layers) as the model's own call copied "
+    "into the plan's buffer (runner/models/decode_plan.py; bit-identical logits, ~4 ms "
+    "less Python a SmolLM2 step); 0 = the per-op layer loop (ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

@@ -1,8 +1,12 @@
 """The decode plan (runner/models/decode_plan.py) runs the same kernels with the same arguments
 as the per-op layer loop: every forward's logits are bit-identical with it on and off (tiny
 random checkpoints, fp32 and bf16, GQA, q/k/v biases, an MLP width whose silu is a pass of
-its own), it runs wherever its kernels do, and it stays out of what it does not cover."""
+its own, w8a8 int8 layers, more fp32 rows than the GEMV takes), it runs for every decode
+step of a model without per-head q/k norms, and a linear it cannot bind as a C call runs
+the model's own linear into the plan's buffer."""
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
@@ -15,12 +19,9 @@ PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 def _plan_expected(model) -> bool:
-    """Whether this machine runs the plan's kernels for the model's layers (the bf16 GEMM
-    or the fp32 GEMV), so that a decode step of up to 8 rows (any CPU) must take it."""
-    lin = model.layers[0].qkv_weight
-    if not isinstance(lin, PackedLinear) or model.layers[0].q_norm is not None:
-        return False
-    return lin.own or (lin.gemv is not None and f32_gemv._vector_isa())
+    """Whether decode steps take the plan: every model without per-head q/k norms (its
+    linears are C calls or the model's own linear into its buffers)."""
+    return model.layers[0].q_norm is None
 
 
 def _record(model, forward, build, logits: list, plans: list):
@@ -38,14 +39,19 @@ def _record(model, forward, build, logits: list, plans: list):
     return counting_build
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "float32"), ("llama", "bfloat16"),
-                                        ("qwen2", "float32"), ("mistral", "bfloat16"),
-                                        ("qwen3", "float32")])
+@pytest.mark.parametrize("arch,dtype,quant,copies", [
+    ("llama", "float32", None, 1), ("llama", "bfloat16", None, 1), ("qwen2", "float32", None, 1),
+    ("mistral", "bfloat16", None, 1), ("qwen3", "float32", None, 1),
+    ("llama", "float32", "w8a8_int8", 1), ("qwen2", "bfloat16", "w8a8_int8", 1),
+    # 24 rows a step: more than the fp32 GEMV takes, so oneDNN's layer runs inside the plan
+    ("llama", "float32", None, 3)])
 def test_plan_logits_are_bit_identical_to_the_layer_loop(tiny_checkpoints, tiny_prompts,
-                                                         monkeypatch, arch, dtype):
+                                                         monkeypatch, arch, dtype, quant,
+                                                         copies):
     from kvstrata import LLM
+    tiny_prompts = tiny_prompts * copies
     with LLM(model_path=tiny_checkpoints[arch], skip_tokenizer_init=True, dtype=dtype,
-             max_total_tokens=2048, disable_radix_cache=True) as llm:
+             quantization=quant, max_total_tokens=4096, disable_radix_cache=True) as llm:
         model = llm.engine.runner.model
         forward, build = model.forward, decode_plan.build
         runs = {}
@@ -107,20 +113,41 @@ def test_plans_are_kept_per_batch_size_and_grow_with_the_contexts(tiny_checkpoin
             assert torch.equal(got, want)
 
 
-def test_plan_leaves_what_it_does_not_cover(monkeypatch):
-    """More fp32 rows than the GEMV takes (oneDNN's layout), a layer that is not a
-    PackedLinear (w8a8's int8 layers, F.linear), and a scalar ISA pin: no call, so `build`
-    gives None."""
+def _model(linear):
+    return type("Model", (), {"linear": staticmethod(linear)})()
+
+
+def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypatch):
+    """More fp32 rows than the GEMV takes (oneDNN's layout), a plain weight (F.linear), an
+    int8 layer and a scalar ISA pin: the plan's call is the model's own linear, its result
+    copied into the plan's buffer (the same values); the GEMV and the bf16 GEMM are C calls
+    with bound pointers."""
+    import torch.nn.functional as F
+
+    from kvstrata.runner.packed_linear import packed_linear
+    from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear
     w = torch.randn(64, 32)
     lin = PackedLinear(w, None, gemv=True)
+    model = _model(packed_linear)
     top = f32_gemv.max_rows()
-    out = torch.empty(top + 1, 64)
+
+    def check(model, layer, x, c_call: bool, silu: bool = False):
+        want = layer.linear_silu_mul(x) if silu else model.linear(x, layer, None)
+        out = torch.full_like(want, float("nan"))
+        fn, args = decode_plan._linear_call(model, layer, None, x, out, 1, 1, silu=silu)
+        assert isinstance(fn, types.BuiltinFunctionType) == c_call, fn
+        fn(*args)
+        assert torch.equal(out, want)
     if lin.gemv is not None and f32_gemv._vector_isa():
-        assert decode_plan._linear_call(lin, torch.randn(top, 32), out[:top], 1, 1) is not None
-    assert decode_plan._linear_call(lin, torch.randn(top + 1, 32), out, 1, 1) is None
-    assert decode_plan._linear_call(w, torch.randn(1, 32), out[:1], 1, 1) is None
+        check(model, lin, torch.randn(top, 32), c_call=True)
+    check(model, lin, torch.randn(top + 1, 32), c_call=False)
+    check(_model(F.linear), w, torch.randn(3, 32), c_call=False)
+    int8 = W8A8Int8Linear(w)
+    check(_model(quantized_linear), int8, torch.randn(5, 32), c_call=False)
+    bf16 = PackedLinear(torch.randn(64, 32).bfloat16(), None)
+    xb = torch.randn(2, 32).bfloat16()
+    if bf16.own:
+        check(model, bf16, xb, c_call=True)
+        check(model, bf16, xb, c_call=True, silu=True)
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
-    assert decode_plan._linear_call(lin, torch.randn(1, 32), out[:1], 1, 0) is None
-    bf16 = PackedLinear(w.bfloat16(), None)
-    assert decode_plan._linear_call(bf16, torch.randn(1, 32).bfloat16(), out[:1].bfloat16(),
-                                    1, 0) is None
+    check(model, lin, torch.randn(1, 32), c_call=False)

@@ -61,6 +61,36 @@ def test_bench_transfer_rows(tmp_path):
     assert (tmp_path / "transfer.png").stat().st_size > 0
 
 
+def test_gemm_peak_skips_a_gemm_far_below_the_best(monkeypatch):
+    """bench_decode_step's peak is the fastest GEMM of the process at the dtype; one under a
+    quarter of the best at n / 8 is not probed at n (torch's bf16 matmul on AVX2 took 15
+    minutes there), and one that does not run here (None) is left out."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import time
+
+    import bench_decode_step
+
+    built = []
+
+    def gemm(name, seconds):
+        def make(n, dtype):
+            built.append((name, n))
+            return lambda: time.sleep(seconds * n / 16)
+        return make
+
+    monkeypatch.setattr(bench_decode_step, "GEMMS", {
+        "fast": gemm("fast", 0.002), "slow": gemm("slow", 0.02),
+        "absent": lambda n, dtype: None})
+    peak, name = bench_decode_step.gemm_peak(128, torch.bfloat16, probes=1)
+    assert name == "fast" and peak > 0
+    assert ("slow", 128) not in built and ("slow", 16) in built and ("fast", 128) in built
+    # Within the floor both are probed at full size and the faster one is named.
+    built.clear()
+    monkeypatch.setitem(bench_decode_step.GEMMS, "slow", gemm("slow", 0.003))
+    assert bench_decode_step.gemm_peak(128, torch.bfloat16, probes=1)[1] == "fast"
+    assert ("slow", 128) in built
+
+
 def test_bench_paged_decode_rows(tmp_path, monkeypatch):
     """In-process (no server, no model): every dtype x ISA cap row, which ISA ran, the copy
     baseline; the user's KVSTRATA_CPU_ISA is restored afterwards."""
@@ -250,6 +280,7 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
     report = json.loads(out.read_text())
     assert report["quantization"] == "w8a8_int8"
     assert report["gemm_peak_gflops"] > 0 and report["linear_params"] > 0
+    assert report["gemm_peak_kernel"] in ("torch.matmul", "kvstrata bf16 GEMM")
     assert [r["context"] for r in report["decode"]] == [5, 40]
     for row in report["decode"]:
         for variant in ("kernel", "gather_sdpa"):
@@ -268,6 +299,11 @@ def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
          "--rounds", "1", "--steps", "1")
     stdout = capsys.readouterr().out
     assert "torch ops" in stdout and "x" in stdout.split("->")[-1]
+    # the plan's A/B with int8 layers (the plan runs them as the model's own linear call)
+    _run("ab_fused_ops.py", "--model", tiny_model_path, "--batch", "2", "--context", "20",
+         "--rounds", "1", "--steps", "1", "--dtype", "float32", "--paths", "plan",
+         "--quantization", "w8a8_int8")
+    assert "float32 w8a8_int8 B=2 C=20 plan: layer loop" in capsys.readouterr().out
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import ab_fused_ops

@@ -11,13 +11,16 @@ copies) and replays the calls: the same kernels with the same arguments in the s
 so the logits are bit-identical to `layer_forward`'s (tests compare them). Making a plan
 costs ~1.3 ms (SmolLM2), so it is not made again for every step.
 
-It applies where every call of `layer_forward` would have been one of kvstrata's kernels: a
-CPU llama-family model without per-head q/k norms, linears packed as kvstrata's fp32 GEMV
-(1-16 rows) or kvstrata's bf16 GEMM, the fused ops on, one tensor-parallel rank, no EAGLE3
-capture, and a forward that is one decode piece of the paged decode kernel (plain decode
-rows, or a verify step's one-token queries) over a pool of the model's dtype. Anything else
-(w8a8, oneDNN's fp32 layout above the GEMV's rows, prefill, draft trees, TP) returns None from
-`build` and takes `layer_forward`. KVSTRATA_CPU_DECODE_PLAN=0 turns it off (ablation).
+It applies to a CPU llama-family model without per-head q/k norms, with the fused ops on,
+one tensor-parallel rank, no EAGLE3 capture, and a forward that is one decode piece of the
+paged decode kernel (plain decode rows, or a verify step's one-token queries) over a pool of
+the model's dtype. Linears that are kvstrata's fp32 GEMV (1-16 rows) or bf16 GEMM are C calls
+with bound pointers; any other (oneDNN's fp32 layout above the GEMV's rows, w8a8's int8
+layers, F.linear) is the model's own linear call with its result copied into the plan's
+buffer: the same op on the same values (SmolLM2 steps, plan on / off in one process, AVX2:
+fp32 at 24 rows 1.14x, w8a8 fp32 at 1 / 8 / 32 rows 1.34 / 1.16 / 1.11x). Anything else
+(prefill, draft trees, TP, q/k norms) returns None from `build` and takes `layer_forward`.
+KVSTRATA_CPU_DECODE_PLAN=0 turns it off (ablation).
 
 The residual add that ends layer l runs as the first half of layer l + 1's add + RMSNorm
 (one pass, as the post-attention norm already did); the last layer's add is a torch add_.
@@ -36,6 +39,7 @@ from kvstrata.runner import _cpu_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+from kvstrata.runner.int8_linear import Int8MatmulLinear
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear
 
 Call = tuple[Callable, tuple]
@@ -86,18 +90,38 @@ class DecodePlan:
         return self.x.add_(down)
 
 
-def _linear_call(lin: Any, inp: torch.Tensor, out: torch.Tensor, threads: int, cap: int,
-                 silu: bool = False) -> Call | None:
-    """packed_linear's C call for inp [T, in] -> out (both contiguous), or None where it would
-    take another path (oneDNN, F.linear, scalar ISA)."""
-    if not isinstance(lin, PackedLinear):
-        return None
-    if lin.own:
-        return lin.own_call(inp, out, silu, threads=threads, cap=cap)
-    if silu or lin.gemv is None:
-        return None
-    # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
-    return f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads)
+def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.Tensor,
+                 threads: int, cap: int, silu: bool = False) -> Call:
+    """The C call packed_linear makes for inp [T, in] -> out (both contiguous): kvstrata's bf16
+    GEMM or fp32 GEMV with pointers bound once; else (oneDNN's fp32 layout above the GEMV's
+    rows, an int8 layer, F.linear, a scalar ISA) the model's own linear call (`silu`: the
+    layer's linear_silu_mul) with its result copied into out: the same op on the same
+    values, so the same bits, for one extra copy."""
+    call = None
+    if isinstance(lin, PackedLinear) and model.linear is packed_linear:
+        if lin.own:
+            call = lin.own_call(inp, out, silu, threads=threads, cap=cap)
+        elif not silu and lin.gemv is not None:
+            # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
+            call = f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads)
+    if call is not None:
+        return call
+    if silu:
+        def copy_out() -> None:
+            out.copy_(lin.linear_silu_mul(inp))
+    else:
+        def copy_out() -> None:
+            out.copy_(model.linear(inp, lin, bias))
+    return copy_out, ()
+
+
+def _fused_silu(lin: Any) -> bool:
+    """layer_forward takes silu(gate) * up from the gate|up layer itself (linear_silu_mul)
+    for these layers on the plan's inputs (2-D contiguous fp32 / bf16 rows, fused ops on):
+    kvstrata's bf16 GEMM at widths its tiles pair, and the VNNI int8 layer."""
+    if isinstance(lin, PackedLinear):
+        return lin.own and lin.out_features % 32 == 0
+    return type(lin) is Int8MatmulLinear and lin.out_features % 2 == 0
 
 
 def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -111,7 +135,7 @@ def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     t = x.shape[0]
     d = model.dims
     return (p.kind == "kernel" and p.tok_idx is None and p.lo == 0 and p.hi == t
-            and not model.capture_layers and model.linear is packed_linear
+            and not model.capture_layers
             and x.device.type == "cpu" and x.dtype in cpu_ops.DTYPES
             and x.dtype in paged_decode.Q_DTYPES
             and x.is_contiguous() and x.dim() == 2 and kv.dtype == x.dtype
@@ -192,17 +216,15 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
                 else _cpu_ops.add_rms_norm_f32)
     for i, layer in enumerate(model.layers):
         up_lin = layer.gate_up_weight
-        fused_silu = (isinstance(up_lin, PackedLinear) and up_lin.own
-                      and up_lin.out_features % 32 == 0)
+        fused_silu = _fused_silu(up_lin)
         if not fused_silu and gate_up is None:
             gate_up = buf(2 * inter)
-        linears = (_linear_call(layer.qkv_weight, h, qkv, threads, cap),
-                   _linear_call(layer.o_weight, attn, o, threads, cap),
-                   _linear_call(up_lin, h, act if fused_silu else gate_up, threads, cap,
-                                silu=fused_silu),
-                   _linear_call(layer.down_weight, act, down, threads, cap))
-        if None in linears:
-            return None
+        linears = (
+            _linear_call(model, layer.qkv_weight, layer.qkv_bias, h, qkv, threads, cap),
+            _linear_call(model, layer.o_weight, layer.o_bias, attn, o, threads, cap),
+            _linear_call(model, up_lin, layer.gate_up_bias, h,
+                         act if fused_silu else gate_up, threads, cap, silu=fused_silu),
+            _linear_call(model, layer.down_weight, layer.down_bias, act, down, threads, cap))
         first = ((norm, (x.data_ptr(), hidden, t, hidden, layer.input_norm.data_ptr(),
                          h.data_ptr(), eps, threads, cap)) if i == 0 else
                  (add_norm, (x.data_ptr(), down.data_ptr(), t, hidden,
