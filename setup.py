@@ -34,6 +34,7 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              depends=["kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/int8_gemm.h",
+                                      "kvstrata/runner/csrc/int8_gemm_avx2.h",
                                       "kvstrata/runner/csrc/gemm_panels.h"],
                              # one rounding per product: the scalar and AVX-512 rows agree
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],

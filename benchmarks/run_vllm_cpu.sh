@@ -8,6 +8,9 @@
 #   benchmarks/run_vllm_cpu.sh                      # everything below, then the summary
 #   RUNS="kvstrata_bf16 vllm_bf16" benchmarks/run_vllm_cpu.sh
 #   ROUNDS=3 RUNS="kvstrata_w8a8 vllm_bf16" benchmarks/run_vllm_cpu.sh   # the list, 3 times
+#   CONCURRENCY=1 NUM_PROMPTS=8 RUNS="kvstrata_w8a8 kvstrata_w8a8_onednn" ...  # one at a time
+# (kvstrata_w8a8_onednn: w8a8 on the int8 kernel kvstrata's own GEMM replaces -- oneDNN's
+# with VNNI, fbgemm's without)
 #
 # A shared 2-vCPU box moves a serving figure by 10-20% between minutes: with ROUNDS > 1 each
 # round runs the whole list, the ratios are taken within each round, and the summary gives
@@ -23,7 +26,8 @@ HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 RUNS=${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_auto kvstrata_w8a8 vllm_bf16 vllm_fp32}
 PORT=${PORT:-30100}
 ROUNDS=${ROUNDS:-1}
-BENCH=(.venv/bin/kvstrata bench serve --num-prompts 64 --concurrency 32 --input-len 128
+BENCH=(.venv/bin/kvstrata bench serve --num-prompts "${NUM_PROMPTS:-64}"
+       --concurrency "${CONCURRENCY:-32}" --input-len 128
        --output-len 64 --no-ignore-eos --temperature 0)
 mkdir -p "$OUT"
 .venv/bin/python -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
@@ -84,6 +88,9 @@ for round in $(seq 1 "$ROUNDS"); do
       kvstrata_bf16) run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_auto) run_kvstrata "$run" --dtype auto ;;
       kvstrata_w8a8) run_kvstrata "$run" --quantization w8a8_int8 ;;
+      # the int8 kernel kvstrata's own GEMM replaces: oneDNN's (VNNI) or fbgemm's (no VNNI)
+      kvstrata_w8a8_onednn) KVSTRATA_CPU_INT8_GEMM=onednn run_kvstrata "$run" \
+          --quantization w8a8_int8 ;;
       vllm_bf16) run_vllm "$run" bfloat16 ;;
       vllm_fp32) run_vllm "$run" float32 ;;
       *) echo "unknown run $run"; exit 2 ;;

@@ -150,14 +150,15 @@ KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "(runner/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
 KVSTRATA_CPU_INT8_MM = _declare(
     "KVSTRATA_CPU_INT8_MM", bool, True,
-    "--quantization w8a8_int8 on a CPU with VNNI runs oneDNN's prepacked int8 linear between "
-    "fused per-token quantise / dequantise rows, in the model's dtype "
-    "(runner/int8_linear.py); 0 = the fbgemm layer with float32 activations (ablation).")
+    "--quantization w8a8_int8 on a CPU with VNNI (or AVX2 + FMA + F16C without it) runs "
+    "runner/int8_linear.py's layer in the model's dtype: an int8 GEMM between fused per-token "
+    "quantise / dequantise rows; 0 = the fbgemm layer with float32 activations (ablation).")
 KVSTRATA_CPU_INT8_GEMM = _declare(
     "KVSTRATA_CPU_INT8_GEMM", str, "auto",
     "The int8 GEMM of that layer: auto = kvstrata's own (runner/csrc/int8_gemm.h: rows "
-    "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI and the "
-    "shape fits (in % 4, out % 16), else oneDNN's; onednn = always oneDNN's (ablation). Read "
+    "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI, or "
+    "AVX2 + FMA + F16C and no VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), "
+    "else oneDNN's (fbgemm's layer without VNNI); onednn = never kvstrata's (ablation). Read "
     "when the weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",

@@ -36,13 +36,15 @@ import torch
 from torch import nn
 
 from kvstrata import envs
-from kvstrata.platform import read_cpu_flags
+from kvstrata.platform import VNNI_FLAGS, read_cpu_flags
 from kvstrata.runner import _int8_ops, cpu_ops
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.cpu_ops import _rows
 
 KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-token rows"
 OWN_KERNEL = "kvstrata int8 GEMM (AVX512-VNNI, runner/csrc/int8_gemm.h), rows fused in"
+OWN_AVX2_KERNEL = ("kvstrata int8 GEMM (AVX2 vpmaddubsw, runner/csrc/int8_gemm_avx2.h), "
+                   "rows fused in")
 GEMM_CHOICES = ("auto", "onednn")
 PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
 LEVELS = 127
@@ -57,21 +59,43 @@ def available(has_vnni: bool) -> bool:
             and hasattr(torch.ops.onednn, "qlinear_pointwise") and envs.KVSTRATA_CPU_INT8_MM.get())
 
 
-def own_gemm_fits(in_features: int, out_features: int) -> bool:
-    """kvstrata's own GEMM takes this weight: AVX512-VNNI here, its layout's shape rules, and
-    KVSTRATA_CPU_INT8_GEMM=auto. Not with AMX-INT8: oneDNN multiplies int8 tiles on AMX
-    there, which VNNI vectors do not match at prefill sizes (no AMX box measured it yet)."""
+def _gemm_choice() -> str:
     choice = envs.KVSTRATA_CPU_INT8_GEMM.get().strip().lower()
     if choice not in GEMM_CHOICES:
         raise ValueError(f"KVSTRATA_CPU_INT8_GEMM={choice!r} is not one of {GEMM_CHOICES}")
-    return (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
-            and in_features >= 4 and _int8_ops.has_vnni512(2)
-            and "amx_int8" not in read_cpu_flags())
+    return choice
+
+
+def avx2_gemm_available() -> bool:
+    """kvstrata's GEMM runs its AVX2 tile here: a CPU with AVX2 + FMA + F16C and no VNNI
+    (oneDNN's u8 x s8 pairs saturate there, so without this tile the layer is fbgemm's with
+    7-bit activations), KVSTRATA_CPU_INT8_MM on and KVSTRATA_CPU_INT8_GEMM=auto. Measured on
+    an AVX2 EPYC (2 threads, SmolLM2's 120 layer weights streaming from RAM): 2.3x fbgemm's
+    layer at 1 row, 1.6x at 8, 1.06x at 32, 0.8x at 256 (vpmaddubsw needs a vpsignb and a
+    vpmaddwd beside it per 32 products)."""
+    return (envs.KVSTRATA_CPU_INT8_MM.get() and _gemm_choice() == "auto"
+            and not (VNNI_FLAGS & read_cpu_flags()) and _int8_ops.kernel_isa(1) == 1)
+
+
+def own_gemm_fits(in_features: int, out_features: int) -> bool:
+    """kvstrata's own GEMM takes this weight: its layout's shape rules, KVSTRATA_CPU_INT8_GEMM
+    =auto, and AVX512-VNNI here, or AVX2 without any VNNI (avx2_gemm_available). Not with
+    AMX-INT8: oneDNN multiplies int8 tiles on AMX there, which VNNI vectors do not match at
+    prefill sizes (no AMX box measured it yet)."""
+    choice = _gemm_choice()
+    if not (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
+            and in_features >= 4):
+        return False
+    if _int8_ops.has_vnni512(2):
+        return "amx_int8" not in read_cpu_flags()
+    return avx2_gemm_available()
 
 
 def kernel_name() -> str:
     """What the layer runs on this CPU for SmolLM2-like shapes (for /server_info)."""
-    return OWN_KERNEL if own_gemm_fits(64, 64) else KERNEL
+    if not own_gemm_fits(64, 64):
+        return KERNEL
+    return OWN_KERNEL if _int8_ops.has_vnni512(2) else OWN_AVX2_KERNEL
 
 
 def pack_vnni(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,11 +193,21 @@ class Int8MatmulLinear(nn.Module):
         n = self.out_features
         out = torch.empty(m, n // 2 if silu else n, dtype=x.dtype)
         if m:
-            _int8_ops.linear(x.data_ptr(), stride, m, self.in_features, _DTYPES[x.dtype],
-                             self.vnni.data_ptr(), n, self.comp.data_ptr(),
-                             self.w_scale.data_ptr(), self._bias_ptr(), out.data_ptr(),
-                             int(silu), torch.get_num_threads(), isa_cap())
+            fn, args = self.own_call(x, m, stride, out, silu)
+            fn(*args)
         return out
+
+    def own_call(self, x: torch.Tensor, m: int, stride: int, out: torch.Tensor, silu: bool,
+                 threads: int | None = None, cap: int | None = None) -> tuple:
+        """(C function, arguments) of own_rows' call into `out`, not run: the decode plan
+        (runner/models/decode_plan.py) keeps it. The bias is read now: a plan is made again
+        for weights that change (never after loading)."""
+        return _int8_ops.linear, (x.data_ptr(), stride, m, self.in_features, _DTYPES[x.dtype],
+                                  self.vnni.data_ptr(), self.out_features,
+                                  self.comp.data_ptr(), self.w_scale.data_ptr(),
+                                  self._bias_ptr(), out.data_ptr(), int(silu),
+                                  torch.get_num_threads() if threads is None else threads,
+                                  isa_cap() if cap is None else cap)
 
     def _bias_ptr(self) -> int:
         return 0 if self.bias is None else self.bias.data_ptr()  # read per call: never stale

@@ -7,7 +7,9 @@ output projection then gets its own int8 copy).
 
 Kernel with VNNI: runner/int8_linear.py in the model's dtype (chosen by `int8_kernel`):
 kvstrata's own int8 GEMM on AVX512-VNNI (runner/csrc/int8_gemm.h), oneDNN's prepacked int8
-linear otherwise. Without VNNI (or KVSTRATA_CPU_INT8_MM=0): fbgemm through
+linear otherwise. Without VNNI on AVX2 + FMA + F16C: kvstrata's own GEMM on its AVX2 tile
+(runner/csrc/int8_gemm_avx2.h; 8-bit activations, the same values as the VNNI tile). Else
+(or KVSTRATA_CPU_INT8_MM=0, KVSTRATA_CPU_INT8_GEMM=onednn without VNNI): fbgemm through
 `quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM, int32 accumulation,
 float32 out). Measured in benchmarks/bench_int8_linear.py against float32 `nn.Linear`,
 fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's CPU int8 path
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -107,13 +109,27 @@ def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear"
     return layer.forward(x)
 
 
-def int8_kernel() -> tuple[type, str]:
-    """The int8 layer this CPU runs and its kernel's name: with VNNI runner/int8_linear.py
-    (kvstrata's own GEMM on AVX512-VNNI, else oneDNN's prepacked int8 linear), else fbgemm
-    (7-bit activations without VNNI)."""
+def int8_kernel() -> tuple[Callable[..., nn.Module], str]:
+    """The int8 layer this CPU runs (its class, or a per-weight choice) and its kernel's
+    name: with VNNI runner/int8_linear.py (kvstrata's own GEMM on AVX512-VNNI, else oneDNN's
+    prepacked int8 linear); without, kvstrata's GEMM on its AVX2 tile where a weight fits,
+    else (or with KVSTRATA_CPU_INT8_MM=0 / KVSTRATA_CPU_INT8_GEMM=onednn) fbgemm (7-bit
+    activations)."""
     if int8_linear.available(cpu_has_vnni()):
         return Int8MatmulLinear, int8_linear.kernel_name()
+    if int8_linear.avx2_gemm_available():
+        return avx2_or_fbgemm, int8_linear.OWN_AVX2_KERNEL
     return W8A8Int8Linear, KERNEL
+
+
+def avx2_or_fbgemm(weight: torch.Tensor, bias: torch.Tensor | None = None
+                   ) -> "Int8MatmulLinear | W8A8Int8Linear":
+    """Without VNNI: kvstrata's GEMM (AVX2 tile, 8-bit activations) where its layout takes
+    the weight, else fbgemm's layer (7-bit activations: oneDNN's would saturate)."""
+    out_features, in_features = cpu_weight_shape(weight)
+    if int8_linear.own_gemm_fits(in_features, out_features):
+        return Int8MatmulLinear(weight, bias)
+    return W8A8Int8Linear(weight, bias)
 
 
 # The decoder's float weights that are linear layers: (weight attribute, bias attribute).
@@ -172,6 +188,7 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
         _replace(model, "lm_head", None, layer_cls)
     model.linear = quantized_linear
     return {"quantization": method, "kernel": kernel,
-            "activation_bits": 8 if cpu_has_vnni() else 7, "smoothing": smoothing,
+            "activation_bits": 8 if cpu_has_vnni() or layer_cls is not W8A8Int8Linear else 7,
+            "smoothing": smoothing,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}

@@ -119,12 +119,13 @@ def _model(linear):
 
 def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypatch):
     """More fp32 rows than the GEMV takes (oneDNN's layout), a plain weight (F.linear), an
-    int8 layer and a scalar ISA pin: the plan's call is the model's own linear, its result
-    copied into the plan's buffer (the same values); the GEMV and the bf16 GEMM are C calls
-    with bound pointers."""
+    fbgemm int8 layer and a scalar ISA pin: the plan's call is the model's own linear, its
+    result copied into the plan's buffer (the same values); the GEMV, the bf16 GEMM and
+    kvstrata's int8 GEMM are C calls with bound pointers."""
     import torch.nn.functional as F
 
     from kvstrata.runner.packed_linear import packed_linear
+    from kvstrata.runner.int8_linear import Int8MatmulLinear
     from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear
     w = torch.randn(64, 32)
     lin = PackedLinear(w, None, gemv=True)
@@ -144,6 +145,11 @@ def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypa
     check(_model(F.linear), w, torch.randn(3, 32), c_call=False)
     int8 = W8A8Int8Linear(w)
     check(_model(quantized_linear), int8, torch.randn(5, 32), c_call=False)
+    own8 = Int8MatmulLinear(torch.randn(64, 32), torch.randn(64))
+    if own8.own:  # kvstrata's int8 GEMM (AVX512-VNNI, or AVX2 without VNNI): its C call
+        for x8 in (torch.randn(3, 32), torch.randn(2, 32).bfloat16()):
+            check(_model(quantized_linear), own8, x8, c_call=True)
+            check(_model(quantized_linear), own8, x8, c_call=True, silu=True)
     bf16 = PackedLinear(torch.randn(64, 32).bfloat16(), None)
     xb = torch.randn(2, 32).bfloat16()
     if bf16.own:

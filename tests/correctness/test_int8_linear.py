@@ -2,9 +2,10 @@
 arithmetic done by hand in torch: per-channel weight codes, per-token activation codes,
 y = (codes_x @ codes_w.T) * w_scale * x_scale + bias, in the input's dtype.
 
-The GEMM is oneDNN's, exact in int32; what the layer adds is the two C row passes, so the
-results must equal the hand computation up to one float rounding of the scales' products, and
-the scalar and AVX-512 rows must agree bit for bit."""
+The GEMM (oneDNN's, or kvstrata's on AVX512-VNNI or, without VNNI, on its AVX2 tile) is exact
+in int32; what the layer adds is the C row passes, so the results must equal the hand
+computation up to one float rounding of the scales' products, and the scalar, AVX2 and
+AVX-512 paths must agree bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,17 @@ from kvstrata.runner.int8_linear import Int8MatmulLinear
 from kvstrata.runner.quantization import cpu_has_vnni, int8_kernel
 
 pytestmark = pytest.mark.skipif(
-    not int8_linear.available(cpu_has_vnni()),
-    reason="the oneDNN int8 layer runs only with AVX512-VNNI / AVX-VNNI (fbgemm elsewhere)")
+    not (int8_linear.available(cpu_has_vnni()) or int8_linear.avx2_gemm_available()),
+    reason="the layer runs with VNNI or, without, on AVX2 + FMA + F16C (fbgemm elsewhere)")
+# oneDNN's int8 linear is exact only with VNNI (its u8 x s8 pairs saturate on AVX2): shapes
+# kvstrata's GEMM does not take, and the comparisons against oneDNN, need it.
+ONEDNN = int8_linear.available(cpu_has_vnni())
+onednn = pytest.mark.skipif(not ONEDNN, reason="oneDNN's int8 linear needs VNNI")
+
+
+def _needs_onednn(layer: Int8MatmulLinear) -> None:
+    if not layer.own and not ONEDNN:
+        pytest.skip("a shape kvstrata's GEMM does not take: oneDNN's, which needs VNNI")
 
 
 def by_hand(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -43,6 +53,7 @@ def test_equals_int8_arithmetic_by_hand(dtype, k, n, bias):
     b = torch.randn(n) if bias else None
     x = torch.randn(7, k).to(dtype)
     layer = Int8MatmulLinear(weight, b)
+    _needs_onednn(layer)
     got = layer(x)
     assert got.dtype == dtype and got.shape == (7, n)
     want = by_hand(x, weight, b)
@@ -76,16 +87,23 @@ def test_shapes_views_and_extremes():
     assert torch.equal(layer(torch.zeros(2, 1536)), torch.zeros(2, 64))
     # Every code at +-127 over K = 1536: the int32 sums reach 127 * 127 * 1536 = 24.8M,
     # which VNNI accumulates without saturating (u8 * s8 pairs summed in int32).
-    ext = Int8MatmulLinear(torch.full((3, 1536), -1.0))
+    # (And the AVX2 tile: |s| * (w with s's sign) keeps each vpmaddubsw pair <= 2 * 127^2.)
+    ext = Int8MatmulLinear(torch.full((16, 1536), -1.0))
     x = torch.ones(1, 1536)
-    torch.testing.assert_close(ext(x), torch.full((1, 3), -1536.0), atol=0, rtol=1e-6)
+    torch.testing.assert_close(ext(x), torch.full((1, 16), -1536.0), atol=0, rtol=1e-6)
     assert ext(x.double()).dtype == torch.float64  # other dtypes go through float32
 
 
 def test_the_env_switches_back_to_fbgemm(monkeypatch):
-    from kvstrata.runner.quantization import W8A8Int8Linear
+    from kvstrata.runner.quantization import W8A8Int8Linear, avx2_or_fbgemm
 
-    assert int8_kernel()[0] is Int8MatmulLinear
+    assert int8_kernel()[0] is (Int8MatmulLinear if ONEDNN else avx2_or_fbgemm)
+    if not ONEDNN:  # without VNNI a shape the AVX2 tile does not take stays fbgemm's
+        assert type(avx2_or_fbgemm(torch.randn(20, 64))) is W8A8Int8Linear
+        assert type(avx2_or_fbgemm(torch.randn(32, 64))) is Int8MatmulLinear
+        monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "onednn")
+        assert int8_kernel()[0] is W8A8Int8Linear
+        monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "auto")
     monkeypatch.setenv("KVSTRATA_CPU_INT8_MM", "0")
     assert int8_kernel()[0] is W8A8Int8Linear
 
@@ -101,6 +119,7 @@ def test_fused_silu_mul_equals_the_two_steps(dtype, inter, bias, isa, monkeypatc
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     torch.manual_seed(inter)
     layer = Int8MatmulLinear(torch.randn(2 * inter, 96), torch.randn(2 * inter) if bias else None)
+    _needs_onednn(layer)
     x = torch.randn(9, 96).to(dtype)
     want = cpu_ops.silu_mul(layer(x))
     got = layer.linear_silu_mul(x)
@@ -117,13 +136,39 @@ def _layer(weight, bias, gemm, monkeypatch):
 
 
 own_gemm = pytest.mark.skipif(not int8_linear.own_gemm_fits(64, 64),
-                              reason="kvstrata's int8 GEMM needs AVX512-VNNI")
+                              reason="kvstrata's int8 GEMM needs AVX512-VNNI or AVX2")
+GEMM_SHAPES = [(576, 960, True), (1536, 576, False), (8, 16, True), (100, 48, False),
+               (576, 80, True)]
 
 
 @own_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n,bias", [(576, 960, True), (1536, 576, False), (8, 16, True),
-                                      (100, 48, False), (576, 80, True)])
+@pytest.mark.parametrize("k,n,bias", GEMM_SHAPES + [(36, 32, True)])
+def test_own_gemm_vector_tiles_equal_the_scalar_tile(dtype, k, n, bias, monkeypatch):
+    """The VNNI or AVX2 tile against the scalar one (and its row quantiser): the same int32
+    sums and float steps, so equal values for any row count (1-3 rows unpadded on AVX2, tiles
+    of 4, panels cut short; k = 36 quantised by the scalar rows), and silu(gate) * up within
+    the vector silu's ulps of the scalar expf's."""
+    torch.manual_seed(k * n)
+    weight, b = torch.randn(n, k), torch.randn(n) if bias else None
+    layer = _layer(weight, b, "auto", monkeypatch)
+    assert layer.own
+    for m in (1, 2, 3, 4, 5, 32, 33):
+        x = torch.randn(m, k).to(dtype)
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", "auto")
+        vec = layer(x), layer.linear_silu_mul(x)
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+        scalar = layer(x), layer.linear_silu_mul(x)
+        assert torch.equal(vec[0], scalar[0]), m
+        if n % 32 == 0:
+            torch.testing.assert_close(vec[1], scalar[1], atol=1e-6, rtol=1e-5 if
+                                       dtype == torch.float32 else 8e-3)
+
+
+@own_gemm
+@onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n,bias", GEMM_SHAPES)
 @pytest.mark.parametrize("isa", ["auto", "scalar"])
 def test_own_gemm_equals_onednn_bit_for_bit(dtype, k, n, bias, isa, monkeypatch):
     """kvstrata's GEMM (int8_gemm.h) against oneDNN's path: the same int32 sums and the same
@@ -141,6 +186,7 @@ def test_own_gemm_equals_onednn_bit_for_bit(dtype, k, n, bias, isa, monkeypatch)
 
 
 @own_gemm
+@onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inter,bias", [(1536, True), (48, False), (16, True), (40, False)])
 def test_own_gemm_fused_silu_mul_equals_onednn(dtype, inter, bias, monkeypatch):
@@ -174,13 +220,20 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     from kvstrata.runner import _int8_ops
     with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given
         _int8_ops.linear(0, 6, 1, 6, 0, 0, 16, 0, 0, 0, 0, 0, 1, 2)
-    # An AMX-INT8 CPU keeps oneDNN's (its int8 tiles), as does KVSTRATA_CPU_INT8_GEMM=onednn.
+    # An AMX-INT8 CPU keeps oneDNN's (its int8 tiles), as does KVSTRATA_CPU_INT8_GEMM=onednn;
+    # without VNNI the AVX2 tile runs, and a VNNI flag (AVX-VNNI) hands it to oneDNN's.
     flags = int8_linear.read_cpu_flags()
-    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"amx_int8"})
-    assert not int8_linear.own_gemm_fits(576, 960)
-    assert int8_linear.kernel_name() == int8_linear.KERNEL
-    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags)
-    assert int8_linear.kernel_name() == int8_linear.OWN_KERNEL
+    if ONEDNN and _int8_ops.has_vnni512(2):
+        monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"amx_int8"})
+        assert not int8_linear.own_gemm_fits(576, 960)
+        assert int8_linear.kernel_name() == int8_linear.KERNEL
+        monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags)
+        assert int8_linear.kernel_name() == int8_linear.OWN_KERNEL
+    if not ONEDNN:
+        assert int8_linear.kernel_name() == int8_linear.OWN_AVX2_KERNEL
+        monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"avx_vnni"})
+        assert not int8_linear.own_gemm_fits(576, 960)
+        monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags)
     monkeypatch.setenv("KVSTRATA_CPU_INT8_MM", "1")
     monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "onednn")
     assert not int8_linear.own_gemm_fits(576, 960)

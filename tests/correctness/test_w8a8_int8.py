@@ -28,12 +28,16 @@ from tests.conftest import TINY_ARCHS
 from helpers.driver import greedy_generate
 from helpers.runner import forward_logits, make_runner
 
-# 8-bit activations (VNNI): +1.8% measured. Without VNNI the kernel keeps 7 bits (fbgemm's
+# 8-bit activations (VNNI): +1.8% measured. Without VNNI kvstrata's AVX2 tile keeps 8 bits
+# with fp32 activations (w8a8 + fp32 activations measured +2.1% on the VNNI box too): +3.0%
+# on an AVX2-only EPYC (fp32 101.8 -> 104.8, 2026-12-04; fbgemm's 7 bits +3.9% there the same
+# hour). fbgemm's layer (no AVX2, or KVSTRATA_CPU_INT8_GEMM=onednn) keeps 7 bits (its
 # int16 saturation): a looser bound there, not a skip. On an AVX2-only EPYC the 7-bit result
 # moves with float summation order alone: +4.8% to +7.2% for the same weights with two
 # equally exact fp32 RMSNorm kernels, one in the calibration forward and the other serving,
 # or both (2026-12-03); without smoothing it is +22%, which the bound must still catch.
 PPL_MAX_RATIO = 1.03
+PPL_MAX_RATIO_AVX2 = 1.05
 PPL_MAX_RATIO_7BIT = 1.09
 TIE_TOL = 0.05
 ANSWER_TIE = 0.5  # nats; SmolLM2's answer opens at a measured 0.38-nat three-way tie
@@ -131,7 +135,12 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     from kvstrata import LLM
     from kvstrata.runner.quantization import int8_kernel
 
-    layer_cls, kernel = int8_kernel()  # oneDNN's int8 linear with VNNI, else fbgemm
+    # oneDNN's int8 linear or kvstrata's GEMM with VNNI; without, kvstrata's AVX2 tile where a
+    # weight fits it (a per-weight choice, fbgemm's layer for the rest); else fbgemm
+    layer_cls, kernel = int8_kernel()
+    if not isinstance(layer_cls, type):
+        from kvstrata.runner.quantization import Int8MatmulLinear, W8A8Int8Linear
+        layer_cls = (Int8MatmulLinear, W8A8Int8Linear)
 
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024,
              quantization="w8a8_int8") as llm:
@@ -168,7 +177,9 @@ def test_smollm2_perplexity_and_paris(smollm2_gguf_path, shared_tmp_dir):
     assert fp32["n"] == int8["n"] >= 1024
     from kvstrata.runner.quantization import cpu_has_vnni
     ratio = int8["ppl"] / fp32["ppl"]
-    bound = PPL_MAX_RATIO if cpu_has_vnni() else PPL_MAX_RATIO_7BIT
+    bits = int8["info"]["quantization_info"]["activation_bits"]
+    bound = (PPL_MAX_RATIO if cpu_has_vnni() else PPL_MAX_RATIO_AVX2 if bits == 8
+             else PPL_MAX_RATIO_7BIT)
     assert ratio <= bound, (fp32["ppl"], int8["ppl"])
     ref, got = fp32["answers"][0], int8["answers"][0]  # "What is the capital of France?"
     assert "Paris" in ref["text"], ref["text"]

@@ -33,10 +33,15 @@ CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
-    """--quantization w8a8_int8 runs its VNNI layer (runner/int8_linear.py), which quantises
-    bf16 or fp32 activations alike: the dtype rows below apply to it as to a float model."""
+    """--quantization w8a8_int8 runs runner/int8_linear.py's layer (with VNNI, or kvstrata's
+    GEMM on its AVX2 tile without VNNI), which quantises bf16 or fp32 activations alike: the
+    dtype rows below apply to it as to a float model."""
     enabled = env.get("KVSTRATA_CPU_INT8_MM", True)  # envs.snapshot(): parsed values
-    return enabled is True and bool(VNNI_FLAGS & set(platform.cpu_flags))
+    flags = set(platform.cpu_flags)
+    if VNNI_FLAGS & flags:
+        return enabled is True
+    gemm = str(env.get("KVSTRATA_CPU_INT8_GEMM", "auto")).strip().lower()
+    return enabled is True and gemm == "auto" and {"avx2", "fma", "f16c"} <= flags
 
 
 def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,

@@ -213,15 +213,25 @@ static int use_vnni512(int isa_cap) {
 #endif
 }
 
+#include "int8_gemm_avx2.h"
+
+/* What multiplies: 2 = the VNNI tile (AVX512-VNNI), 1 = the AVX2 tile (AVX2 + FMA + F16C),
+ * 0 = the scalar tile; KVSTRATA_CPU_ISA's cap applies. */
+static int gemm_isa(int isa_cap) {
+    if (use_vnni512(isa_cap)) return 2;
+    return use_avx2(16, isa_cap) ? 1 : 0;
+}
+
 /* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
-static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
+static void gemm_tiles(const gemm_args *g, int64_t mp, int isa) {
     const int64_t nrb = mp / MR, items = panel_count(g->n, g->silu) * nrb;
     const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it / nrb, r0 = (it % nrb) * MR;
 #if defined(__x86_64__)
-        if (vnni) { tile_vnni(g, p, nrb, r0); continue; }
+        if (isa == 2) { tile_vnni(g, p, nrb, r0); continue; }
+        if (isa == 1) { tile_avx2(g, p, nrb, r0); continue; }
 #endif
         int64_t blk[NR];
         const int valid = padded_blocks(g, p, blk);
@@ -231,6 +241,6 @@ static void gemm_tiles(const gemm_args *g, int64_t mp, int vnni) {
         tile_scalar(g->a + r0 * g->k, g->k, w, g->k, acc);
         tile_epilogue(g, acc, r0, blk, valid);
     }
-    (void)vnni;
+    (void)isa;
 }
 #endif

@@ -15,7 +15,7 @@
  *       values, without writing and reading back the [rows, 2n] activation
  *
  * x is fp32 or bf16 (dtype 0 / 1), its rows may be strided, elements contiguous. The scalar
- * path computes the same values as the AVX-512 one (the same fp32 operations in the same
+ * path computes the same values as the AVX-512 and AVX2 ones (the same fp32 operations in the same
  * order; the products are never fused: built with -ffp-contract=off), so a token's result
  * does not depend on the ISA, on the batch it is in or on the thread count.
  */
@@ -121,13 +121,49 @@ AVX512 static void dequant_silu_row_avx512(const float *y, int64_t n, float xs,
 }
 #endif
 
+/* ---- one row, AVX2 (k % 8 == 0): quant_row_scalar's values (max is exact; cvtps rounds
+ * half to even as nearbyintf does; |v| <= 127 after the scale) ---------------------------- */
+#if defined(__x86_64__)
+AVX2 static inline __m256 load8(const void *x, int64_t i, int dtype) {
+    return dtype == F32 ? _mm256_loadu_ps((const float *)x + i)
+                        : bf16x8_load((const uint16_t *)x + i);
+}
+AVX2 static void quant_row_avx2(const void *x, int64_t k, int dtype, uint8_t *q, float *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8)
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(x, i, dtype)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float amax = MIN_AMAX;
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+    const __m256 inv = _mm256_set1_ps(LEVELS / amax);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    for (int64_t i = 0; i < k; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, i, dtype), inv));
+        v = _mm256_add_epi32(_mm256_max_epi32(_mm256_min_epi32(v, hi), lo),
+                             _mm256_set1_epi32(128));
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v),
+                                          _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packus_epi16(w, w)); /* [1, 255]: exact */
+    }
+    *scale = amax / LEVELS;
+}
+#endif
+
+/* The row quantiser for rows of k: 2 = AVX-512F, 1 = AVX2, 0 = scalar (the same values). */
+static int quant_isa(int64_t k, int isa_cap) {
+    return use_avx512(k, isa_cap) ? 2 : use_avx2(k, isa_cap);
+}
+
 /* Row r of x (rows `stride` elements apart) into q[r * k ..] and scales[r], on the path
- * `vec` (use_avx512(k, cap)) picks: quant_rows and linear both call it. */
+ * `vec` (quant_isa) picks: quant_rows and linear both call it. */
 static void quant_row(const char *x, int64_t stride, int64_t r, int64_t k, int dtype, int vec,
                       uint8_t *q, float *scales) {
     const char *xr = x + r * stride * (dtype == F32 ? 4 : 2);
 #if defined(__x86_64__)
-    if (vec) { quant_row_avx512(xr, k, dtype, q + r * k, scales + r); return; }
+    if (vec == 2) { quant_row_avx512(xr, k, dtype, q + r * k, scales + r); return; }
+    if (vec == 1) { quant_row_avx2(xr, k, dtype, q + r * k, scales + r); return; }
 #endif
     (void)vec;
     quant_row_scalar(xr, k, dtype, q + r * k, scales + r);
@@ -149,7 +185,7 @@ static PyObject *quant_rows(PyObject *self, PyObject *args) {
     const char *x = (const char *)x_addr;
     uint8_t *q = (uint8_t *)q_addr;
     float *scales = (float *)s_addr;
-    const int vec = use_avx512(k, isa_cap);
+    const int vec = quant_isa(k, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * k * (esz + 1));
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
@@ -232,8 +268,8 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                    (const float *)ws_addr, (const float *)b_addr, (char *)o_addr, rows, k, n,
                    dtype, silu != 0};
     const char *x = (const char *)x_addr;
-    const int qvec = use_avx512(k, isa_cap);
-    const int vnni = use_vnni512(isa_cap);
+    const int qvec = quant_isa(k, isa_cap);
+    const int isa = gemm_isa(isa_cap);
     const int nt = thread_count(threads, panel_count(g.n, g.silu) * (mp / MR), (int64_t)n * k);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -243,7 +279,7 @@ static PyObject *linear(PyObject *self, PyObject *args) {
             if (r >= rows) { memset(qa + r * k, 128, (size_t)k); xs[r] = 0.f; continue; }
             quant_row(x, stride, r, k, dtype, qvec, qa, xs);
         }
-        gemm_tiles(&g, mp, vnni);
+        gemm_tiles(&g, mp, isa);
     }
     Py_END_ALLOW_THREADS
     free(qa);
@@ -256,12 +292,18 @@ static PyObject *has_vnni512(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
     return PyBool_FromLong(use_vnni512(isa_cap));
 }
+static PyObject *kernel_isa(PyObject *self, PyObject *args) {
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
+    return PyLong_FromLong(gemm_isa(isa_cap));
+}
 
 static PyMethodDef methods[] = {
     {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
     {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
     {"linear", linear, METH_VARARGS, "Quantise rows, int8 GEMM (VNNI), dequantise: one call."},
     {"has_vnni512", has_vnni512, METH_VARARGS, "Whether linear multiplies with AVX512-VNNI."},
+    {"kernel_isa", kernel_isa, METH_VARARGS, "What linear multiplies with: 2 VNNI, 1 AVX2, 0 scalar."},
     {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
     {NULL, NULL, 0, NULL}};
 

@@ -14,11 +14,12 @@ costs ~1.3 ms (SmolLM2), so it is not made again for every step.
 It applies to a CPU llama-family model without per-head q/k norms, with the fused ops on,
 one tensor-parallel rank, no EAGLE3 capture, and a forward that is one decode piece of the
 paged decode kernel (plain decode rows, or a verify step's one-token queries) over a pool of
-the model's dtype. Linears that are kvstrata's fp32 GEMV (1-16 rows) or bf16 GEMM are C calls
-with bound pointers; any other (oneDNN's fp32 layout above the GEMV's rows, w8a8's int8
-layers, F.linear) is the model's own linear call with its result copied into the plan's
-buffer: the same op on the same values (SmolLM2 steps, plan on / off in one process, AVX2:
-fp32 at 24 rows 1.14x, w8a8 fp32 at 1 / 8 / 32 rows 1.34 / 1.16 / 1.11x). Anything else
+the model's dtype. Linears that are kvstrata's fp32 GEMV (1-16 rows), bf16 GEMM or int8 GEMM
+are C calls with bound pointers; any other (oneDNN's fp32 layout above the GEMV's rows,
+oneDNN's or fbgemm's int8 layer, F.linear) is the model's own linear call with its result
+copied into the plan's buffer: the same op on the same values (SmolLM2 steps, plan on / off
+in one process, AVX2: fp32 at 24 rows 1.14x; w8a8 fp32 on fbgemm at 1 / 8 / 32 rows 1.34 /
+1.16 / 1.11x, on kvstrata's AVX2 int8 tile at 1 / 8 rows 1.54 / 1.23x). Anything else
 (prefill, draft trees, TP, q/k norms) returns None from `build` and takes `layer_forward`.
 KVSTRATA_CPU_DECODE_PLAN=0 turns it off (ablation).
 
@@ -39,8 +40,9 @@ from kvstrata.runner import _cpu_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.int8_linear import Int8MatmulLinear
+from kvstrata.runner.int8_linear import ROW_DTYPES, Int8MatmulLinear
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+from kvstrata.runner.quantization import quantized_linear
 
 Call = tuple[Callable, tuple]
 
@@ -92,11 +94,11 @@ class DecodePlan:
 
 def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.Tensor,
                  threads: int, cap: int, silu: bool = False) -> Call:
-    """The C call packed_linear makes for inp [T, in] -> out (both contiguous): kvstrata's bf16
-    GEMM or fp32 GEMV with pointers bound once; else (oneDNN's fp32 layout above the GEMV's
-    rows, an int8 layer, F.linear, a scalar ISA) the model's own linear call (`silu`: the
-    layer's linear_silu_mul) with its result copied into out: the same op on the same
-    values, so the same bits, for one extra copy."""
+    """The C call the model's linear makes for inp [T, in] -> out (both contiguous):
+    kvstrata's bf16 GEMM, fp32 GEMV or int8 GEMM with pointers bound once; else (oneDNN's
+    fp32 layout above the GEMV's rows, oneDNN's or fbgemm's int8 layer, F.linear, a scalar
+    ISA) the model's own linear call (`silu`: the layer's linear_silu_mul) with its result
+    copied into out: the same op on the same values, so the same bits, for one extra copy."""
     call = None
     if isinstance(lin, PackedLinear) and model.linear is packed_linear:
         if lin.own:
@@ -104,6 +106,10 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
         elif not silu and lin.gemv is not None:
             # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
             call = f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads)
+    elif (type(lin) is Int8MatmulLinear and lin.own and model.linear is quantized_linear
+          and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):
+        # quantized_linear's (and linear_silu_mul's) one C call over the plan's rows
+        call = lin.own_call(inp, inp.shape[0], lin.in_features, out, silu, threads, cap)
     if call is not None:
         return call
     if silu:
