@@ -171,8 +171,7 @@ def main(argv=None) -> dict:
 def decode_steps(args, dtype: torch.dtype) -> list[dict]:
     """Per batch size: ms per decode step ((time of --tokens tokens - time of 1) / the rest)
     and of the prefill + first token (batch x 32-token prompts), two engines alternated."""
-    from kvstrata.bench.engine_ab import engines_by_setting
-    g = torch.Generator().manual_seed(2)
+    from kvstrata.bench.engine_ab import engines_by_setting, generate_times
     out = []
     quant = "w8a8_int8" if args.kind == "int8" else None
     with engines_by_setting(KINDS[args.kind][0], {"kvstrata": "auto", "onednn": "onednn"},
@@ -180,15 +179,7 @@ def decode_steps(args, dtype: torch.dtype) -> list[dict]:
                             quantization=quant, max_total_tokens=8192,
                             disable_radix_cache=True) as engines:
         for b in args.batches:
-            ids = torch.randint(100, 20000, (b, 32), generator=g).tolist()
-            runs = {v: {1: float("inf"), args.tokens: float("inf")} for v in engines}
-            for _ in range(args.rounds):
-                for v, llm in engines.items():
-                    for tokens in runs[v]:
-                        p = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-                        t = time.perf_counter()
-                        llm.generate(input_ids=ids, sampling_params=p)
-                        runs[v][tokens] = min(runs[v][tokens], time.perf_counter() - t)
+            runs = generate_times(engines, b, args.tokens, args.rounds)
             step = {v: (r[args.tokens] - r[1]) / (args.tokens - 1) for v, r in runs.items()}
             row = {"batch": b, "step_ms": step["kvstrata"] * 1e3,
                    "baseline_step_ms": step["onednn"] * 1e3,
@@ -197,8 +188,9 @@ def decode_steps(args, dtype: torch.dtype) -> list[dict]:
                    "baseline_first_ms": runs["onednn"][1] * 1e3,
                    "first_speedup": runs["onednn"][1] / runs["kvstrata"][1]}
             out.append(row)
-            print(f"batch {b:3d}: decode step {row['step_ms']:6.1f} vs {row['baseline_step_ms']:6.1f}"
-                  f" ms ({row['step_speedup']:.2f}x); prefill + first token "
+            print(f"batch {b:3d}: decode step {row['step_ms']:6.1f} vs "
+                  f"{row['baseline_step_ms']:6.1f} ms ({row['step_speedup']:.2f}x); "
+                  "prefill + first token "
                   f"{row['first_ms']:7.1f} vs {row['baseline_first_ms']:7.1f} ms "
                   f"({row['first_speedup']:.2f}x)", flush=True)
     return out

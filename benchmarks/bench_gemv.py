@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvstrata.bench.engine_ab import engines_by_setting  # noqa: E402
+from kvstrata.bench.engine_ab import engines_by_setting, generate_times  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.runner import f32_gemv  # noqa: E402
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear  # noqa: E402
@@ -68,20 +68,12 @@ def layer_rows(args) -> list[dict]:
 
 
 def decode_steps(args) -> list[dict]:
-    g = torch.Generator().manual_seed(2)
     out = []
     with engines_by_setting("KVSTRATA_CPU_F32_GEMV", {"gemv": "auto", "onednn": "off"},
                             model_path=args.model, dtype="float32", max_total_tokens=8192,
                             disable_radix_cache=True) as engines:
         for b in args.batches:
-            ids = torch.randint(100, 20000, (b, 32), generator=g).tolist()
-            runs = {v: {1: float("inf"), args.tokens: float("inf")} for v in engines}
-            for _ in range(args.rounds):
-                for v, llm in engines.items():
-                    for tokens in runs[v]:
-                        p = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-                        runs[v][tokens] = min(runs[v][tokens], _time(
-                            lambda: llm.generate(input_ids=ids, sampling_params=p)))
+            runs = generate_times(engines, b, args.tokens, args.rounds)
             step = {v: (r[args.tokens] - r[1]) / (args.tokens - 1) for v, r in runs.items()}
             out.append({"batch": b, "gemv_step_ms": step["gemv"] * 1e3,
                         "onednn_step_ms": step["onednn"] * 1e3,

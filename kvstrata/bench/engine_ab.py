@@ -25,3 +25,25 @@ def engines_by_setting(env_name: str, variants: dict[str, str],
     finally:
         for llm in engines.values():
             llm.shutdown()
+
+
+def generate_times(engines: dict, batch: int, tokens: int, rounds: int,
+                   seed: int = 2) -> dict[str, dict[int, float]]:
+    """{variant: {1: s, tokens: s}}: the best of `rounds` times each engine (alternated)
+    generates 1 and `tokens` greedy tokens for `batch` random 32-token prompts; a decode step
+    is (t[tokens] - t[1]) / (tokens - 1), t[1] the prefill and first token."""
+    import time
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed + batch)
+    ids = torch.randint(100, 20000, (batch, 32), generator=g).tolist()
+    runs = {v: {1: float("inf"), tokens: float("inf")} for v in engines}
+    for _ in range(rounds):
+        for v, llm in engines.items():
+            for n in runs[v]:
+                p = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+                start = time.perf_counter()
+                llm.generate(input_ids=ids, sampling_params=p)
+                runs[v][n] = min(runs[v][n], time.perf_counter() - start)
+    return runs

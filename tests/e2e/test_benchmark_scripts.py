@@ -210,14 +210,15 @@ def test_bench_int8_linear_rows(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-def test_bench_gemm_rows(tmp_path, kind):
+def test_bench_gemm_rows(tmp_path, kind, tiny_model_path):
     """Both GEMMs of a kind per row count, the same values (the script checks it), or a clear
-    line on a CPU without the instructions ours needs."""
+    line on a CPU without the instructions ours needs; --model: whole decode steps and
+    prefills of two engines."""
     from kvstrata.runner.int8_linear import own_gemm_fits
     from kvstrata.runner.packed_linear import own_bf16_fits
     out = tmp_path / "gemm.json"
     _run("bench_gemm.py", "--kind", kind, "--rows", "1", "5", "--copies", "1", "--rounds", "1",
-         "--out", str(out))
+         "--out", str(out), "--model", tiny_model_path, "--batches", "1", "3", "--tokens", "3")
     fits = (own_gemm_fits(576, 960) if kind == "int8" else
             own_bf16_fits(torch.empty(960, 576, dtype=torch.bfloat16)))
     if not fits:
@@ -228,6 +229,8 @@ def test_bench_gemm_rows(tmp_path, kind):
     assert report["kind"] == kind
     assert [r["rows"] for r in rows] == [1, 5] and all(r["calls"] == 4 for r in rows)
     assert all(r["kvstrata_ms"] > 0 and r["onednn_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert [r["batch"] for r in report["decode"]] == [1, 3]
+    assert all(r["first_ms"] > 0 and r["baseline_first_ms"] > 0 for r in report["decode"])
 
 
 def test_bench_pd_runs_both_setups(tmp_path, tiny_model_path):
