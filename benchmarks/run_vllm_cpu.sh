@@ -88,6 +88,7 @@ for round in $(seq 1 "$ROUNDS"); do
       kvstrata_bf16) run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_auto) run_kvstrata "$run" --dtype auto ;;
       kvstrata_w8a8) run_kvstrata "$run" --quantization w8a8_int8 ;;
+      kvstrata_w8a8_bf16) run_kvstrata "$run" --quantization w8a8_int8 --dtype bfloat16 ;;
       # the int8 kernel kvstrata's own GEMM replaces: oneDNN's (VNNI) or fbgemm's (no VNNI)
       kvstrata_w8a8_onednn) KVSTRATA_CPU_INT8_GEMM=onednn run_kvstrata "$run" \
           --quantization w8a8_int8 ;;
