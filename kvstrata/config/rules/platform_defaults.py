@@ -19,17 +19,16 @@ CPU_DTYPE_RULES = (
      "(2026-12-02)"),
     (("avx512_bf16",), (), True, "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, "
      "serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)"),
-    # AVX2 + FMA without AVX-512: kvstrata's own bf16 kernels (the GEMM's AVX2 body, decode
-    # and prefill attention, norms) run; with AVX-512 but no bf16 instructions oneDNN takes
-    # bf16 linears, not measured against fp32 there (the fallback keeps fp32).
-    # (w8a8 with bf16 activations there, on AVX-VNNI: not measured)
-    (("avx2", "fma", "f16c"), ("avx512f",), False, "bfloat16", "AVX2 + FMA: kvstrata's bf16 "
-     "GEMM widens the packed weights once a panel and a decode step replays pre-bound "
-     "kernel calls; serving measured bf16 1.00-1.60x fp32 (median 1.24x, seven rounds; "
-     "auto as bf16 1.09-1.28x in three more) on an AVX2 EPYC (2026-12-04)"),
+    # AVX2 + FMA without AVX-512 keeps fp32 (the fallback): kvstrata's own bf16 kernels run
+    # there and served 1.00-1.60x fp32 over ten rounds (2026-12-04, session 23), but once the
+    # fp32 decode plan took batches above 16 rows (session 24) bf16 served 0.92-0.94x fp32 in
+    # three rounds at 32 concurrent (1.52-1.55x at one request at a time): not never slower.
+    # With AVX-512 but no bf16 instructions oneDNN takes bf16 linears, not measured against
+    # fp32 there (the fallback keeps fp32).
 )
 CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
-                      "avx512_bf16 / amx_bf16, and AVX-512 without them, or no AVX2 + FMA)")
+                      "avx512_bf16 / amx_bf16; AVX2 + FMA: bf16 served 0.92-0.94x fp32 at 32 "
+                      "concurrent requests, 2026-12-04; AVX-512 without them: not measured)")
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
