@@ -124,7 +124,7 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
 def _fused_silu(lin: Any) -> bool:
     """layer_forward takes silu(gate) * up from the gate|up layer itself (linear_silu_mul)
     for these layers on the plan's inputs (2-D contiguous fp32 / bf16 rows, fused ops on):
-    kvstrata's bf16 GEMM at widths its tiles pair, and the VNNI int8 layer."""
+    kvstrata's bf16 GEMM at widths its tiles pair, and runner/int8_linear.py's int8 layer."""
     if isinstance(lin, PackedLinear):
         return lin.own and lin.out_features % 32 == 0
     return type(lin) is Int8MatmulLinear and lin.out_features % 2 == 0
