@@ -188,7 +188,10 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
         _replace(model, "lm_head", None, layer_cls)
     model.linear = quantized_linear
     return {"quantization": method, "kernel": kernel,
-            "activation_bits": 8 if cpu_has_vnni() or layer_cls is not W8A8Int8Linear else 7,
+            # 7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2
+            # tile does not take beside the ones it does
+            "activation_bits": 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
+                                        for m in model.modules()) else 8,
             "smoothing": smoothing,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}
