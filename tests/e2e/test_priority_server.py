@@ -99,26 +99,43 @@ def test_without_preemption_the_high_priority_request_waits(waiting):
     assert short_text == _complete(waiting, SHORT, 8, 100)
 
 
-def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
-    """One request runs, two wait (--max-queued-requests 2): a fourth of the same priority
-    is refused; the queue drains and the server serves again."""
-    def blocker(i):
+def _fill_queue(srv, attempts: int = 3) -> list[threading.Thread]:
+    """Three blockers of the same priority at once (one runs, two wait: the queue is full);
+    returns their threads once /get_load shows two waiting. On a loaded box the first may
+    finish its tokens before the third arrives (the queue never held two): then all three
+    are sent again, up to `attempts` times."""
+    def blocker(i, go):
+        go.wait(30)
         try:
-            # Long enough that the queue stays full whatever the order and the spacing of
-            # the three arrivals on a loaded box (with 400 tokens the first one finished
-            # before the third arrived there, and the queue never held two); aborted below.
-            _complete(preempting, f"{LONG} {i}", BLOCKER_TOKENS, 0)
+            # Long enough that the queue stays full whatever the order of the arrivals (with
+            # 400 tokens the first one finished before the third arrived); aborted after.
+            _complete(srv, f"{LONG} {i}", BLOCKER_TOKENS, 0)
         except openai.APIError:
             pass
 
-    threads = [threading.Thread(target=blocker, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    try:
+    for _ in range(attempts):
+        go = threading.Event()
+        threads = [threading.Thread(target=blocker, args=(i, go)) for i in range(3)]
+        for t in threads:
+            t.start()
+        go.set()
         deadline = time.monotonic() + 60
-        while _load(preempting)["num_waiting_reqs"] < 2:  # one runs, two wait: queue full
-            assert time.monotonic() < deadline, _load(preempting)
+        while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+            if _load(srv)["num_waiting_reqs"] >= 2:
+                return threads
             time.sleep(0.02)
+        httpx.post(srv.base_url + "/abort_request", json={"abort_all": True}, timeout=30)
+        for t in threads:
+            t.join(120)
+    raise AssertionError(f"the queue never held two waiting requests: {_load(srv)}")
+
+
+def test_a_full_queue_is_a_503_for_the_openai_client(preempting):
+    """One request runs, two wait (--max-queued-requests 2): a fourth of the same priority
+    is refused; the queue drains and the server serves again."""
+    threads = []
+    try:
+        threads = _fill_queue(preempting)
         with pytest.raises(openai.InternalServerError) as err:
             _complete(preempting, SHORT, 4, 0)
         assert err.value.status_code == 503
