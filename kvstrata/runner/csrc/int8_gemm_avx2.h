@@ -13,8 +13,9 @@
  * scalar dequant's float operations in the same order (silu: cpu_ops.c silu_mul's 8-lane
  * silu), so the plain outputs equal the scalar tile's bit for bit.
  *
- * A tile is MR rows x one 16-column block at a time (4 rows x 2 ymm = 8 accumulators; a whole panel of
- * 4 blocks would need 32 of the 16 registers); the panel's blocks follow one another, each
+ * A tile is MR rows x one 16-column block at a time (4 rows x 2 ymm = 8 accumulators; a
+ * whole panel of 4 blocks would need 32 of the 16 registers); the panel's blocks follow one
+ * another, each
  * block's k * 16 bytes read from L1 / L2 for every row block. The first block's pass
  * prefetches the thread's next panel as the VNNI tile does.
  */
