@@ -59,6 +59,12 @@ def available(has_vnni: bool) -> bool:
             and hasattr(torch.ops.onednn, "qlinear_pointwise") and envs.KVSTRATA_CPU_INT8_MM.get())
 
 
+def _has_vnni512() -> bool:
+    """The int8 GEMM multiplies with AVX512-VNNI here (cap 2: the layout is chosen at load,
+    whatever a later KVSTRATA_CPU_ISA pin)."""
+    return _int8_ops.kernel_isa(2) == 2
+
+
 def _gemm_choice() -> str:
     choice = envs.KVSTRATA_CPU_INT8_GEMM.get().strip().lower()
     if choice not in GEMM_CHOICES:
@@ -86,7 +92,7 @@ def own_gemm_fits(in_features: int, out_features: int) -> bool:
     if not (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
             and in_features >= 4):
         return False
-    if _int8_ops.has_vnni512(2):
+    if _has_vnni512():
         return "amx_int8" not in read_cpu_flags()
     return avx2_gemm_available()
 
@@ -95,7 +101,7 @@ def kernel_name() -> str:
     """What the layer runs on this CPU for SmolLM2-like shapes (for /server_info)."""
     if not own_gemm_fits(64, 64):
         return KERNEL
-    return OWN_KERNEL if _int8_ops.has_vnni512(2) else OWN_AVX2_KERNEL
+    return OWN_KERNEL if _has_vnni512() else OWN_AVX2_KERNEL
 
 
 def pack_vnni(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -223,7 +223,7 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     # An AMX-INT8 CPU keeps oneDNN's (its int8 tiles), as does KVSTRATA_CPU_INT8_GEMM=onednn;
     # without VNNI the AVX2 tile runs, and a VNNI flag (AVX-VNNI) hands it to oneDNN's.
     flags = int8_linear.read_cpu_flags()
-    if ONEDNN and _int8_ops.has_vnni512(2):
+    if ONEDNN and _int8_ops.kernel_isa(2) == 2:
         monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"amx_int8"})
         assert not int8_linear.own_gemm_fits(576, 960)
         assert int8_linear.kernel_name() == int8_linear.KERNEL

@@ -15,8 +15,8 @@
  *       values, without writing and reading back the [rows, 2n] activation
  *
  * x is fp32 or bf16 (dtype 0 / 1), its rows may be strided, elements contiguous. The scalar
- * path computes the same values as the AVX-512 and AVX2 ones (the same fp32 operations in the same
- * order; the products are never fused: built with -ffp-contract=off), so a token's result
+ * path computes the same values as the AVX-512 and AVX2 ones (the same fp32 operations in
+ * the same order; the products are never fused: built with -ffp-contract=off), so a token's result
  * does not depend on the ISA, on the batch it is in or on the thread count.
  */
 #define PY_SSIZE_T_CLEAN
@@ -287,11 +287,6 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *has_vnni512(PyObject *self, PyObject *args) {
-    int isa_cap;
-    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
-    return PyBool_FromLong(use_vnni512(isa_cap));
-}
 static PyObject *kernel_isa(PyObject *self, PyObject *args) {
     int isa_cap;
     if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
@@ -301,8 +296,7 @@ static PyObject *kernel_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
     {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
-    {"linear", linear, METH_VARARGS, "Quantise rows, int8 GEMM (VNNI), dequantise: one call."},
-    {"has_vnni512", has_vnni512, METH_VARARGS, "Whether linear multiplies with AVX512-VNNI."},
+    {"linear", linear, METH_VARARGS, "Quantise rows, int8 GEMM (VNNI / AVX2 / scalar), dequantise: one call."},
     {"kernel_isa", kernel_isa, METH_VARARGS, "What linear multiplies with: 2 VNNI, 1 AVX2, 0 scalar."},
     {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
     {NULL, NULL, 0, NULL}};
