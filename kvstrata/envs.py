@@ -168,12 +168,14 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "Read when the weights are packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",
-    "fp32 linear layers of 1-16 rows (decode at batch 1-16; 1-8 on an AVX-512 CPU) on the CPU: "
-    "auto = kvstrata's GEMV "
-    "(runner/csrc/f32_gemv.h) over a second copy of the layers' weights, where the CPU has "
-    "AVX2 + FMA and the copies take at most 1/8 of RAM (they count as weights in the KV "
-    "sizing); off = oneDNN's prepacked layer for every row count (no copies). Read when the "
-    "weights are packed.")
+    "fp32 linear layers on the CPU: auto = kvstrata's GEMV (runner/csrc/f32_gemv.h) at 1-16 "
+    "rows (decode at batch 1-16; 1-8 on an AVX-512 CPU) over a second copy of the layers' "
+    "weights, where the CPU has AVX2 + FMA and the copies take at most 1/8 of RAM (they count "
+    "as weights in the KV sizing), and on a CPU without AVX-512 kvstrata's fp32 GEMM over the "
+    "same copy at 17-64 rows (bf16_gemm.c linear_f32; more rows stay oneDNN's); gemv = the "
+    "GEMV only (oneDNN's prepacked layer above its rows); off = oneDNN's layer for every row "
+    "count (no copies). "
+    "Read when the weights are packed.")
 KVSTRATA_CPU_HUGE_PAGES = _declare(
     "KVSTRATA_CPU_HUGE_PAGES", bool, True,
     "The CPU KV pool asks for transparent huge pages (madvise) before it is first written "

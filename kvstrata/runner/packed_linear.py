@@ -145,6 +145,8 @@ class PackedLinear(nn.Module):
                      and not (self.own or self.plain) else None)
         if self.gemv is not None:
             self.nbytes += self.gemv.numel() * 4
+        # more rows than the GEMV's through kvstrata's fp32 GEMM over the same copy (there)
+        self.gemm_f32 = self.gemv is not None and f32_gemv.gemm_above()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
@@ -210,7 +212,7 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
     if layer.own:
         return layer.own_rows(x)
     if layer.gemv is not None:
-        out = f32_gemv.linear(x, layer.gemv, layer.bias)
+        out = f32_gemv.linear(x, layer.gemv, layer.bias, gemm=layer.gemm_f32)
         if out is not None:
             return out
     if layer.plain:

@@ -118,7 +118,8 @@ def _model(linear):
 
 
 def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypatch):
-    """More fp32 rows than the GEMV takes (oneDNN's layout), a plain weight (F.linear), an
+    """More fp32 rows than the GEMV takes (oneDNN's layout where the fp32 GEMM does not take
+    them: KVSTRATA_CPU_F32_GEMV=gemv, or AVX-512), a plain weight (F.linear), an
     fbgemm int8 layer and a scalar ISA pin: the plan's call is the model's own linear, its
     result copied into the plan's buffer (the same values); the GEMV, the bf16 GEMM and
     kvstrata's int8 GEMM are C calls with bound pointers."""
@@ -141,7 +142,14 @@ def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypa
         assert torch.equal(out, want)
     if lin.gemv is not None and f32_gemv._vector_isa():
         check(model, lin, torch.randn(top, 32), c_call=True)
-    check(model, lin, torch.randn(top + 1, 32), c_call=False)
+    # more rows: kvstrata's fp32 GEMM over the same panels where the layer takes it (no
+    # AVX-512), else oneDNN's layout through the model's call
+    check(model, lin, torch.randn(top + 1, 32), c_call=lin.gemm_f32 and f32_gemv._vector_isa())
+    monkeypatch.setenv("KVSTRATA_CPU_F32_GEMV", "gemv")
+    gemv_only = PackedLinear(w, None, gemv=True)
+    assert not gemv_only.gemm_f32
+    check(model, gemv_only, torch.randn(top + 1, 32), c_call=False)
+    monkeypatch.delenv("KVSTRATA_CPU_F32_GEMV")
     check(_model(F.linear), w, torch.randn(3, 32), c_call=False)
     int8 = W8A8Int8Linear(w)
     check(_model(quantized_linear), int8, torch.randn(5, 32), c_call=False)

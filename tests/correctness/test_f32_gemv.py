@@ -2,7 +2,8 @@
 same values: 0-8 rows (a panel pass takes 4), strided rows, with and without a bias, the scalar reference and the
 AVX2 code; the layouts, the rule that decides whether a model keeps the copies, and the
 dispatch inside packed_linear (1-16 rows take the GEMV on an AVX2-only CPU, 1-8 with AVX-512,
-more rows oneDNN's layer)."""
+more rows kvstrata's fp32 GEMM over the same panels without AVX-512, oneDNN's layer with it or
+with KVSTRATA_CPU_F32_GEMV=gemv)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.platform import read_cpu_flags
-from kvstrata.runner import _cpu_ops, f32_gemv
+from kvstrata.runner import _bf16_ops, _cpu_ops, f32_gemv
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear
 
 HAS_AVX2 = {"avx2", "fma", "f16c"} <= read_cpu_flags()
@@ -130,3 +131,68 @@ def test_packed_linear_takes_the_gemv_for_few_rows(monkeypatch):
     assert took == [m <= limit for m in (1, 4, 5, 8, 9, 16, 17, 32)]
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert real(torch.randn(1, 64), layer.gemv, layer.bias) is None
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the fp32 GEMM is AVX2 code")
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 30), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [17, 18, 23, 24, 31, 64, 128, 131])
+def test_gemm_above_the_gemv_equals_f_linear(n, k, m):
+    """kvstrata's fp32 GEMM over the GEMV's panels (rows above max_rows()): every tile height
+    (row blocks of 5-6 rows, 1-4 where fewer), strided rows, with and without a bias; 1-3
+    threads give the same values; the scalar ISA cap has no GEMM (None: oneDNN's layer);
+    above GEMM_MAX_ROWS the layer keeps oneDNN's, the kernel still computes them."""
+    g = torch.Generator().manual_seed(n + 3 * k + m)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(m, k + 6, generator=g)[:, 3:3 + k]
+    panels = f32_gemv.pack(w)
+    if m > f32_gemv.GEMM_MAX_ROWS:
+        assert f32_gemv.linear(x, panels, b, cap=1, gemm=True) is None
+        got = torch.empty(m, n)
+        _bf16_ops.linear_f32(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n,
+                             b.data_ptr(), got.data_ptr(), 2, 1)
+        _close(got, F.linear(x, w, b))
+        return
+    for bias in (b, None):
+        got = f32_gemv.linear(x, panels, bias, cap=1, gemm=True)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        _close(got, F.linear(x, w, bias))
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.empty(m, n)
+        fn, args = f32_gemv.gemv_call(x, panels, b, out, threads=threads, cap=1, gemm=True)
+        assert fn is _bf16_ops.linear_f32 or m <= f32_gemv.max_rows()
+        fn(*args)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert f32_gemv.linear(x, panels, b, cap=0, gemm=True) is None or m <= f32_gemv.max_rows()
+
+
+def test_gemm_refuses_bad_shapes():
+    out = torch.empty(17, 32)
+    panels = f32_gemv.pack(torch.randn(32, 8))
+    for k, n in ((7, 32), (8, 24)):  # odd in, out not a multiple of 16
+        with pytest.raises(ValueError, match="bad shape"):
+            _bf16_ops.linear_f32(0, k, 17, k, panels.data_ptr(), n, 0, out.data_ptr(), 1, 1)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the GEMV copies need AVX2 + FMA")
+def test_layers_take_the_gemm_above_the_gemv_by_the_rule(monkeypatch):
+    """KVSTRATA_CPU_F32_GEMV=auto on a CPU without AVX-512: a layer with the copy takes the
+    fp32 GEMM for more rows than the GEMV's (packed_linear, equal to F.linear); gemv: oneDNN's
+    layer there, as before the GEMM; with AVX-512 auto keeps oneDNN's there too."""
+    g = torch.Generator().manual_seed(9)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    monkeypatch.delenv("KVSTRATA_CPU_F32_GEMV", raising=False)
+    layer = PackedLinear(w, b, gemv=True)
+    assert layer.gemm_f32 == ("avx512f" not in read_cpu_flags())
+    monkeypatch.setenv("KVSTRATA_CPU_F32_GEMV", "gemv")
+    assert f32_gemv.worth_copies([w], ram_bytes=1 << 40)
+    gemv_only = PackedLinear(w, b, gemv=True)
+    assert gemv_only.gemv is not None and not gemv_only.gemm_f32
+    calls = []
+    real = _bf16_ops.linear_f32
+    monkeypatch.setattr(_bf16_ops, "linear_f32", lambda *a: calls.append(a[2]) or real(*a))
+    x = torch.randn(40, 64, generator=g)
+    _close(packed_linear(x, layer), F.linear(x, w, b))
+    _close(packed_linear(x, gemv_only), F.linear(x, w, b))
+    assert calls == ([40] if layer.gemm_f32 else [])

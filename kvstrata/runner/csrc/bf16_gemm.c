@@ -10,6 +10,10 @@
  *       cpu_ops.c silu_mul computes it from the projection's bf16 output.
  *       x bf16 rows `x_row_stride` elements apart; w packed by pack_bf16 (below); bias fp32
  *       [n] or 0; k % 2 == 0, n % 16 == 0.
+ *   linear_f32(x, x_row_stride, rows, k, w, n, bias, out, threads, isa_cap)
+ *       an fp32 model's linear on the AVX2 tile: out[r, j] = sum_q x[r, q] * W[j, q] + bias[j]
+ *       in fp32, w in f32_gemv.h's panels ([n / 16][k][16]: what the tile reads from a bf16
+ *       panel once widened), out fp32 [rows, n]; k % 2 == 0, n % 16 == 0 (f32_gemv.py).
  *   has_bf16_512(isa_cap): whether this CPU runs linear on AVX512-BF16 (KVSTRATA_CPU_ISA allows);
  *   kernel_isa(isa_cap): the body linear runs: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
  *
@@ -41,6 +45,15 @@ typedef struct {
     int64_t m, k, n;
     int silu, f32_out;
 } gemm_args;
+
+typedef struct { /* linear_f32: an fp32 model's rows x its weights in f32_gemv.h's panels */
+    const float *x; /* [m] rows, stride elements apart */
+    int64_t stride;
+    const float *w; /* [n / 16][k][16] */
+    const float *bias; /* [n] or NULL */
+    float *out;        /* [m, n] */
+    int64_t m, k, n;
+} f32_gemm_args;
 
 #if defined(__x86_64__)
 #define BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -215,6 +228,47 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *linear_f32(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, b_addr, o_addr;
+    Py_ssize_t stride, rows, k, n;
+    int threads, isa_cap;
+    if (!PyArg_ParseTuple(args, "KnnnKnKKii", &x_addr, &stride, &rows, &k, &w_addr, &n,
+                          &b_addr, &o_addr, &threads, &isa_cap))
+        return NULL;
+    if (rows < 0 || k < 2 || k % 2 || stride < k || n < BLOCK || n % BLOCK) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%zd k=%zd n=%zd stride=%zd", rows, k,
+                     n, stride);
+        return NULL;
+    }
+    if (body_isa(isa_cap) < 1) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA");
+        return NULL;
+    }
+#if defined(__x86_64__)
+    const f32_gemm_args g = {(const float *)x_addr, stride, (const float *)w_addr,
+                             (const float *)b_addr, (float *)o_addr, rows, k, n};
+    /* Row blocks as even as MR_AVX2 allows (20 rows: 4 x 5, not 3 x 6 + 2): a 1-2 row tile
+     * has 2-4 accumulator chains, which the FMA latency, not the ports, paces. */
+    const int64_t nrb = (rows + MR_AVX2 - 1) / MR_AVX2, items = panel_count(n, 0) * nrb;
+    const int64_t base = nrb ? rows / nrb : 0, extra = nrb ? rows % nrb : 0;
+    const int nt = thread_count(threads, items, (int64_t)n * k * 4);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t it = 0; it < items; it++) { /* panel-major, as linear's */
+        const int64_t p = it / nrb, rb = it % nrb;
+        const int64_t r0 = rb * base + (rb < extra ? rb : extra);
+        int64_t blk[NR];
+        const int nr = panel_blocks(n, 0, p, blk);
+        const int mr = (int)(base + (rb < extra));
+        prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 4, n, 0, p,
+                                           it % nrb, nrb);
+        tile_f32_avx2(&g, r0, blk, &pf, mr, nr);
+    }
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyObject *has_bf16_512(PyObject *self, PyObject *args) {
     int isa_cap;
     if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
@@ -230,6 +284,8 @@ static PyObject *kernel_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
      "bf16 rows x packed bf16 weight (AVX512-BF16 or AVX2 + FMA), bf16 out."},
+    {"linear_f32", linear_f32, METH_VARARGS,
+     "fp32 rows x fp32 weights in f32_gemv.h's panels on the AVX2 tile, fp32 out."},
     {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on AVX512-BF16 here."},
     {"kernel_isa", kernel_isa, METH_VARARGS,
      "linear's body here: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},

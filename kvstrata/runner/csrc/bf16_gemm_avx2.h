@@ -49,19 +49,27 @@
 /* mr rows x one block: acc[i][0] gets columns 0-7 of row i, acc[i][1] columns 8-15. The sums
  * live in locals until the end (through `acc` the compiler stored them at every k: xf might
  * alias it). */
-AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint16_t *w,
-                                          const float *wf, prefetch_plan *pf,
-                                          __m256 acc[MR_AVX2][2], const int mr) {
+AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t xs, int64_t k,
+                                          const uint16_t *w, const float *wf,
+                                          prefetch_plan *pf, __m256 acc[MR_AVX2][2],
+                                          const int mr, const int f32w) {
     /* wf (a literal NULL or not in each caller, so the branches fold away): the block's
      * weights widened beforehand (widen_panel_avx2), each k step's 16 floats; else w's
-     * packed pairs, widened here. The FMAs are the same, in the same order. */
+     * packed pairs, widened here. The FMAs are the same, in the same order. xs: the rows'
+     * stride. f32w (a literal): wf is an fp32 model's own weights (f32_gemm_avx2), which the
+     * plan prefetches too, a 64-byte line per k step where packed bf16 has one per pair. */
     const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 c[MR_AVX2][2];
     const int64_t ahead = pf->ahead * BLOCK * 2; /* in uint16_t */
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
     for (int64_t q = 0; q < k; q += 2) {
-        prefetch_due(pf, q / 2);
+        if (f32w) {
+            prefetch_due(pf, q);
+            prefetch_due(pf, q + 1);
+        } else {
+            prefetch_due(pf, q / 2);
+        }
         __m256i w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
         __m256 e0, e1, o0, o1;
         if (wf) {
@@ -77,7 +85,7 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint
         }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            const __m256 a = _mm256_broadcast_ss(xf + i * k + q);
+            const __m256 a = _mm256_broadcast_ss(xf + i * xs + q);
             c[i][0] = _mm256_fmadd_ps(a, e0, c[i][0]);
             c[i][1] = _mm256_fmadd_ps(a, e1, c[i][1]);
         }
@@ -90,7 +98,7 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t k, const uint
         }
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            const __m256 a = _mm256_broadcast_ss(xf + i * k + q + 1);
+            const __m256 a = _mm256_broadcast_ss(xf + i * xs + q + 1);
             c[i][0] = _mm256_fmadd_ps(a, o0, c[i][0]);
             c[i][1] = _mm256_fmadd_ps(a, o1, c[i][1]);
         }
@@ -122,12 +130,14 @@ AVX2 static void widen_panel_avx2(const uint16_t *w, int64_t k, const int64_t bl
 }
 
 /* One block for mr rows: from wf (the widened panel's block) when given, else from w. */
-AVX2 static void block_any_avx2(const float *xf, int64_t k, const uint16_t *w, const float *wf,
-                                prefetch_plan *pf, __m256 acc[MR_AVX2][2], int mr) {
+AVX2 static void block_any_avx2(const float *xf, int64_t xs, int64_t k, const uint16_t *w,
+                                const float *wf, prefetch_plan *pf, __m256 acc[MR_AVX2][2],
+                                int mr, int f32w) {
 #define BLOCK_ROWS(M)                                                                     \
     do {                                                                                  \
-        if (wf) block_avx2(xf, k, NULL, wf, pf, acc, M);                                  \
-        else block_avx2(xf, k, w, NULL, pf, acc, M);                                      \
+        if (f32w) block_avx2(xf, xs, k, NULL, wf, pf, acc, M, 1);                         \
+        else if (wf) block_avx2(xf, xs, k, NULL, wf, pf, acc, M, 0);                      \
+        else block_avx2(xf, xs, k, w, NULL, pf, acc, M, 0);                               \
         return;                                                                           \
     } while (0)
     switch (mr) {
@@ -162,11 +172,11 @@ AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR]
     const int blocks = g->silu ? nr / 2 : nr;
     for (int j = 0; j < blocks; j++) {
         const int64_t c0 = blk[j] * BLOCK;
-        block_any_avx2(xf, k, g->w + blk[j] * k * BLOCK, wf ? wf + j * k * BLOCK : NULL, pf,
-                       acc, mr);
+        block_any_avx2(xf, k, k, g->w + blk[j] * k * BLOCK, wf ? wf + j * k * BLOCK : NULL,
+                       pf, acc, mr, 0);
         if (g->silu) {
-            block_any_avx2(xf, k, g->w + blk[blocks + j] * k * BLOCK,
-                           wf ? wf + (blocks + j) * k * BLOCK : NULL, pf, up, mr);
+            block_any_avx2(xf, k, k, g->w + blk[blocks + j] * k * BLOCK,
+                           wf ? wf + (blocks + j) * k * BLOCK : NULL, pf, up, mr, 0);
             for (int i = 0; i < mr; i++)
                 for (int h = 0; h < 2; h++) {
                     const __m256 gv = rounded8(acc[i][h], g->bias, c0 + 8 * h);
@@ -186,6 +196,26 @@ AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR]
                     _mm256_storeu_ps((float *)g->out + at, v);
                 else /* v is a bf16 value already: rounding it again keeps it */
                     _mm_storeu_si128((__m128i *)((uint16_t *)g->out + at), bf16x8_from(v));
+            }
+    }
+}
+
+/* An fp32 model's linear (f32_gemm_avx2 in bf16_gemm.c): mr rows of x (fp32, read in place)
+ * x the nr blocks of the weights in f32_gemv.h's panels ([n / 16][k][16]: each block is what
+ * widen_panel_avx2 makes of a bf16 one), out = the fp32 sums + bias, not rounded. */
+AVX2 static void tile_f32_avx2(const f32_gemm_args *g, int64_t r0, const int64_t blk[NR],
+                               prefetch_plan *pf, int mr, int nr) {
+    __m256 acc[MR_AVX2][2];
+    for (int j = 0; j < nr; j++) {
+        const int64_t c0 = blk[j] * BLOCK;
+        block_any_avx2(g->x + r0 * g->stride, g->stride, g->k, NULL, g->w + c0 * g->k, pf,
+                       acc, mr, 1);
+        for (int i = 0; i < mr; i++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 v = acc[i][h];
+                _mm256_storeu_ps(g->out + (r0 + i) * g->n + c0 + 8 * h,
+                                 g->bias ? _mm256_add_ps(v, _mm256_loadu_ps(g->bias + c0 + 8 * h))
+                                         : v);
             }
     }
 }
