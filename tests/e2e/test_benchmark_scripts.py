@@ -147,24 +147,32 @@ def test_bench_prefill_attention_whole_prefills(tiny_model_path):
 
 
 def test_bench_gemv_rows_and_decode_steps(tmp_path, tiny_model_path):
-    """In-process: GEMV vs oneDNN vs a read per shape and row count (the GEMV's difference
-    from F.linear is small: a wrong kernel shows here), and --model's decode steps with and
-    without the copies; JSON out; rows beyond the GEMV's are refused."""
+    """In-process: GEMV (GEMM above its rows) vs oneDNN vs a read per shape and row count
+    (their difference from F.linear is small: a wrong kernel shows here), and --model's decode
+    steps with and without the copies, and (--gemm-ab, where the CPU takes the fp32 GEMM)
+    with the GEMM on and off in one engine; JSON out; a row count below 1 is refused."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_gemv
+    from kvstrata.platform import read_cpu_flags
 
     out = tmp_path / "gemv.json"
-    result = bench_gemv.main(["--shapes", "o", "down", "--rows", "1", "4", "--layers", "2",
+    result = bench_gemv.main(["--shapes", "o", "down", "--rows", "1", "4", "20", "--layers", "2",
                               "--rounds", "1", "--model", tiny_model_path, "--batches", "1",
                               "--tokens", "3", "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["rows"] == result["rows"] and len(result["rows"]) == 4
+    assert saved["rows"] == result["rows"] and len(result["rows"]) == 6
     for r in result["rows"]:
         assert r["gemv_gb_s"] > 0 and r["onednn_gb_s"] > 0 and r["read_gb_s"] > 0
         assert r["max_abs_err"] < 1e-3, r
     assert [d["batch"] for d in saved["decode"]] == [1]
+    flags = read_cpu_flags()
+    if {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags:
+        ab = bench_gemv.main(["--shapes", "--model", tiny_model_path, "--batches", "20",
+                              "--tokens", "3", "--rounds", "1", "--gemm-ab"])
+        assert [d["batch"] for d in ab["decode"]] == [20]
+        assert ab["decode"][0]["gemm_step_ms"] > 0 and ab["decode"][0]["onednn_step_ms"] > 0
     with pytest.raises(ValueError, match="--rows"):
-        bench_gemv.main(["--rows", "17"])
+        bench_gemv.main(["--rows", "0"])
 
 
 def test_bench_reuse_on_vs_off(tmp_path, tiny_model_path):
