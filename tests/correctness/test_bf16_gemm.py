@@ -145,7 +145,8 @@ def _raw(x, packed, n, bias=None, silu=0, f32=0, cap=1):
 @avx2_body
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (2, 16), (130, 48), (64, 96)])
 def test_avx2_body_is_one_rounding_from_exact(k, n):
-    """Tiles of up to 6 rows (rows 1-7, 12, 13, 33 leave every tail) x one block, the panel's
+    """Tiles of up to 6 rows (row blocks as even as that allows: rows 1-7, 12, 13, 33 give
+    every height) x one block, the panel's
     blocks one after the other; bias added before the one rounding; strided rows."""
     torch.manual_seed(k + n)
     weight = (torch.randn(n, k) / k ** 0.5).bfloat16()

@@ -188,6 +188,10 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                    f32_out != 0};
     const int64_t mr_max = body == 1 ? MR_AVX2 : MR; /* rows per tile */
     const int64_t nrb = (rows + mr_max - 1) / mr_max, items = panel_count(n, g.silu) * nrb;
+    /* AVX2: row blocks as even as MR_AVX2 allows (linear_f32 says why); AVX-512: MR each, the
+     * last one what is left */
+    const int64_t base = body == 1 && nrb ? rows / nrb : mr_max;
+    const int64_t extra = body == 1 && nrb ? rows % nrb : 0;
     const int nt = thread_count(threads, items, (int64_t)n * k * 2);
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -202,10 +206,12 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             if (failed) continue;
-            const int64_t p = it / nrb, r0 = (it % nrb) * mr_max;
+            const int64_t p = it / nrb, rb = it % nrb;
+            const int64_t r0 = rb * base + (rb < extra ? rb : extra);
             int64_t blk[NR];
             const int nr = panel_blocks(n, g.silu, p, blk);
-            const int mr = (int)(rows - r0 < mr_max ? rows - r0 : mr_max);
+            const int mr = (int)(rows - r0 < base + (rb < extra) ? rows - r0
+                                                                 : base + (rb < extra));
             prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
                                                it % nrb, nrb);
             if (body == 1 && nrb <= STREAM_MAX_ROW_BLOCKS) /* bf16_gemm_avx2.h */
