@@ -48,8 +48,8 @@ CHOICES = ("auto", "gemv", "off")
 # 32 1.22 / 1.16x, 48 1.25x, 64 1.10 / 0.97x, 128 0.96x; a served run's prefill (1000-2048-row
 # steps) 0.97x.
 GEMM_MAX_ROWS = 64
-GEMM_KERNEL = ("kvstrata fp32 GEMM above the GEMV's rows (AVX2 tile of runner/csrc/"
-               "bf16_gemm_avx2.h over the same panels)")
+GEMM_KERNEL = ("kvstrata fp32 GEMM at 17-64 rows (the AVX2 tile of runner/csrc/"
+               "bf16_gemm_avx2.h over the GEMV's panels)")
 COPY_RAM_FRACTION = 1 / 8
 
 
@@ -145,7 +145,7 @@ def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _takes(m: int, gemm: bool) -> bool:
-    """m rows run here: the GEMV's 1-max_rows(), or (gemm) the fp32 GEMM's up to GEMM_MAX_ROWS."""
+    """m rows run here: the GEMV's 1-max_rows(), or (gemm) the fp32 GEMM's to GEMM_MAX_ROWS."""
     return m <= max_rows() or (gemm and m <= GEMM_MAX_ROWS)
 
 

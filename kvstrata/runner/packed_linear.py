@@ -258,7 +258,9 @@ def pack_model(model: Any) -> dict:
     model.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(model.lm_head),
             "tied_output_projection_copy": tied,
-            "small_batch_kernel": f32_gemv.KERNEL if gemv else None}
+            "small_batch_kernel": f32_gemv.KERNEL if gemv else None,
+            "decode_batch_kernel": (f32_gemv.GEMM_KERNEL if gemv and f32_gemv.gemm_above()
+                                    else None)}
 
 
 def kernel_name(layer: PackedLinear) -> str:

@@ -67,7 +67,7 @@ def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_pro
                                                       monkeypatch):
     from kvstrata import LLM
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-    outs, kinds, small = {}, {}, {}
+    outs, kinds, small, decode = {}, {}, {}, {}
     # "1": packed, with the fp32 GEMV's copies where the CPU runs it (decode at 1-8 rows);
     # "nogemv": packed, oneDNN for every row count; "0": F.linear.
     for flag, gemv in (("1", "auto"), ("nogemv", "off"), ("0", "auto")):
@@ -77,12 +77,18 @@ def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_pro
                  dtype="float32", max_total_tokens=1024) as llm:
             model = llm.engine.runner.model
             kinds[flag] = (type(model.layers[0].qkv_weight).__name__, model.linear)
-            small[flag] = llm.server_info()["quantization_info"].get("small_batch_kernel")
+            info = llm.server_info()["quantization_info"]
+            small[flag] = info.get("small_batch_kernel")
+            decode[flag] = (info.get("decode_batch_kernel"), f32_gemv.gemm_above())
             outs[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
     assert kinds["1"] == kinds["nogemv"] == ("PackedLinear", packed_linear)  # q/k/v biases too
     assert kinds["0"] == ("Parameter", F.linear)
     assert small["1"] == (f32_gemv.KERNEL if f32_gemv._vector_isa() else None)
     assert small["nogemv"] is None
+    # and the fp32 GEMM above the GEMV's rows where the rule takes it (no AVX-512)
+    gemm_kernel, rule = decode["1"]
+    assert gemm_kernel == (f32_gemv.GEMM_KERNEL if small["1"] and rule else None)
+    assert decode["nogemv"][0] is None
     for on, nogemv, off in zip(outs["1"], outs["nogemv"], outs["0"]):
         assert nogemv["output_ids"] == off["output_ids"]
         assert on["output_ids"] == off["output_ids"]

@@ -56,7 +56,7 @@ AVX2 static ALWAYS_INLINE void block_avx2(const float *xf, int64_t xs, int64_t k
     /* wf (a literal NULL or not in each caller, so the branches fold away): the block's
      * weights widened beforehand (widen_panel_avx2), each k step's 16 floats; else w's
      * packed pairs, widened here. The FMAs are the same, in the same order. xs: the rows'
-     * stride. f32w (a literal): wf is an fp32 model's own weights (f32_gemm_avx2), which the
+     * stride. f32w (a literal): wf is an fp32 model's own weights (tile_f32_avx2), which the
      * plan prefetches too, a 64-byte line per k step where packed bf16 has one per pair. */
     const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 c[MR_AVX2][2];
@@ -200,7 +200,7 @@ AVX2 static void tile_avx2(const gemm_args *g, int64_t r0, const int64_t blk[NR]
     }
 }
 
-/* An fp32 model's linear (f32_gemm_avx2 in bf16_gemm.c): mr rows of x (fp32, read in place)
+/* An fp32 model's linear (linear_f32 in bf16_gemm.c): mr rows of x (fp32, read in place)
  * x the nr blocks of the weights in f32_gemv.h's panels ([n / 16][k][16]: each block is what
  * widen_panel_avx2 makes of a bf16 one), out = the fp32 sums + bias, not rounded. */
 AVX2 static void tile_f32_avx2(const f32_gemm_args *g, int64_t r0, const int64_t blk[NR],
