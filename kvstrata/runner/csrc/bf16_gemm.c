@@ -163,6 +163,21 @@ static int body_isa(int isa_cap) {
     return 0;
 }
 
+/* Row block rb of nrb over `rows`: its first row (*r0) and height. even (the AVX2 tile): the
+ * blocks as even as mr_max allows (20 rows: 4 x 5, not 3 x 6 + 2), since a 1-2 row tile has
+ * 2-4 accumulator chains, which the FMA latency, not the ports, paces; else mr_max rows each
+ * and the last what is left. */
+static inline int row_block(int64_t rows, int64_t nrb, int64_t rb, int64_t mr_max, int even,
+                            int64_t *r0) {
+    if (!even) {
+        *r0 = rb * mr_max;
+        return (int)(rows - *r0 < mr_max ? rows - *r0 : mr_max);
+    }
+    const int64_t base = rows / nrb, extra = rows % nrb;
+    *r0 = rb * base + (rb < extra ? rb : extra);
+    return (int)(base + (rb < extra));
+}
+
 static PyObject *linear(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
@@ -188,10 +203,6 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                    f32_out != 0};
     const int64_t mr_max = body == 1 ? MR_AVX2 : MR; /* rows per tile */
     const int64_t nrb = (rows + mr_max - 1) / mr_max, items = panel_count(n, g.silu) * nrb;
-    /* AVX2: row blocks as even as MR_AVX2 allows (linear_f32 says why); AVX-512: MR each, the
-     * last one what is left */
-    const int64_t base = body == 1 && nrb ? rows / nrb : mr_max;
-    const int64_t extra = body == 1 && nrb ? rows % nrb : 0;
     const int nt = thread_count(threads, items, (int64_t)n * k * 2);
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -206,12 +217,10 @@ static PyObject *linear(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             if (failed) continue;
-            const int64_t p = it / nrb, rb = it % nrb;
-            const int64_t r0 = rb * base + (rb < extra ? rb : extra);
-            int64_t blk[NR];
+            const int64_t p = it / nrb;
+            int64_t r0, blk[NR];
+            const int mr = row_block(rows, nrb, it % nrb, mr_max, body == 1, &r0);
             const int nr = panel_blocks(n, g.silu, p, blk);
-            const int mr = (int)(rows - r0 < base + (rb < extra) ? rows - r0
-                                                                 : base + (rb < extra));
             prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 2, n, g.silu, p,
                                                it % nrb, nrb);
             if (body == 1 && nrb <= STREAM_MAX_ROW_BLOCKS) /* bf16_gemm_avx2.h */
@@ -253,19 +262,15 @@ static PyObject *linear_f32(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     const f32_gemm_args g = {(const float *)x_addr, stride, (const float *)w_addr,
                              (const float *)b_addr, (float *)o_addr, rows, k, n};
-    /* Row blocks as even as MR_AVX2 allows (20 rows: 4 x 5, not 3 x 6 + 2): a 1-2 row tile
-     * has 2-4 accumulator chains, which the FMA latency, not the ports, paces. */
     const int64_t nrb = (rows + MR_AVX2 - 1) / MR_AVX2, items = panel_count(n, 0) * nrb;
-    const int64_t base = nrb ? rows / nrb : 0, extra = nrb ? rows % nrb : 0;
     const int nt = thread_count(threads, items, (int64_t)n * k * 4);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t it = 0; it < items; it++) { /* panel-major, as linear's */
-        const int64_t p = it / nrb, rb = it % nrb;
-        const int64_t r0 = rb * base + (rb < extra ? rb : extra);
-        int64_t blk[NR];
+        const int64_t p = it / nrb;
+        int64_t r0, blk[NR];
+        const int mr = row_block(rows, nrb, it % nrb, MR_AVX2, 1, &r0);
         const int nr = panel_blocks(n, 0, p, blk);
-        const int mr = (int)(base + (rb < extra));
         prefetch_plan pf = plan_next_panel((const char *)g.w, k * BLOCK * 4, n, 0, p,
                                            it % nrb, nrb);
         tile_f32_avx2(&g, r0, blk, &pf, mr, nr);
