@@ -19,6 +19,11 @@
 # Writes $OUT/serve_<run>.r<round>.json (bench serve's report; serve_<run>.json: the last
 # round) and $OUT/vllm_cpu_summary.json (tok/s per run, the ratios the CPU-speed issue asks
 # for per round and their median, and the CPU's ISA flags).
+# PY / KVSTRATA / MODEL: another interpreter, CLI or model (a machine without the .venv, or an
+# HF dir of SmolLM2's shapes where the GGUF cannot travel; EOS_FLAG=--ignore-eos for random
+# weights), e.g.
+#   PY=python3 KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
+#       RUNS="kvstrata_fp32 kvstrata_bf16" benchmarks/run_vllm_cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VENV=${VLLM_VENV:-/tmp/vllm-cpu}
@@ -26,13 +31,16 @@ OUT=${OUT:-benchmarks/results}
 HF_DIR=${HF_DIR:-/tmp/smollm2-hf}
 RUNS=${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_auto kvstrata_w8a8 vllm_bf16 vllm_fp32}
 PORT=${PORT:-30100}
+PY=${PY:-.venv/bin/python}
+read -r -a KVSTRATA <<< "${KVSTRATA:-.venv/bin/kvstrata}"
+MODEL=${MODEL:-smollm2-135m}
 ROUNDS=${ROUNDS:-1}
-BENCH=(.venv/bin/kvstrata bench serve --num-prompts "${NUM_PROMPTS:-64}"
+BENCH=("${KVSTRATA[@]}" bench serve --num-prompts "${NUM_PROMPTS:-64}"
        --concurrency "${CONCURRENCY:-32}" --input-len 128
-       --output-len 64 --no-ignore-eos --temperature 0)
+       --output-len 64 "${EOS_FLAG:---no-ignore-eos}" --temperature 0)
 mkdir -p "$OUT"
-.venv/bin/python -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
-[ -d "$HF_DIR" ] || .venv/bin/python benchmarks/export_smollm2_hf.py "$HF_DIR"
+"$PY" -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
+[ -d "$HF_DIR" ] || "$PY" benchmarks/export_smollm2_hf.py "$HF_DIR"
 
 setup_vllm() {
   [ -x "$VLLM_VENV/bin/vllm" ] && return 0
@@ -60,7 +68,7 @@ stop() {
 
 run_kvstrata() {  # run name, then serve flags
   local name=$1; shift
-  .venv/bin/kvstrata serve --model-path smollm2-135m --served-model-name smollm2 --port "$PORT" \
+  "${KVSTRATA[@]}" serve --model-path "$MODEL" --served-model-name smollm2 --port "$PORT" \
       --page-size 16 --max-total-tokens 65536 "$@" > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
   wait_up "http://127.0.0.1:$PORT/health" || { stop $pid; echo "$name did not start"; return 1; }
@@ -101,4 +109,4 @@ for round in $(seq 1 "$ROUNDS"); do
     cp "$OUT/serve_$run.json" "$OUT/serve_$run.r$round.json"
   done
 done
-.venv/bin/python -m kvstrata.bench.peer_summary "$OUT" $RUNS
+"$PY" -m kvstrata.bench.peer_summary "$OUT" $RUNS

@@ -130,6 +130,34 @@ def test_fused_silu_mul_equals_the_two_steps(dtype, inter, bias, isa, monkeypatc
     assert layer.linear_silu_mul(x) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,bias", [(40, True), (40, False), (48, True), (8, False), (13, True),
+                                    (64, False)])
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
+def test_dequant_silu_mul_takes_the_silu_path_cpu_ops_takes(dtype, n, bias, isa, monkeypatch):
+    """The fused dequantisation + silu (the epilogue around oneDNN's GEMM: AMX, AVX-VNNI-only
+    CPUs) against dequant_rows then cpu_ops.silu_mul, on any CPU: a width of 8 but not 16
+    lanes runs cpu_ops' 8-lane silu, and the fused pass must too (an AMX box found its scalar
+    silu off by ulps at inter = 40)."""
+    from kvstrata.runner import _int8_ops, cpu_ops
+    from kvstrata.runner.attention.paged_decode import isa_cap
+
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+    torch.manual_seed(n)
+    m, cap, code = 7, isa_cap(), cpu_ops.DTYPES[dtype]
+    y, scales = torch.randn(m, 2 * n) * 50, torch.rand(m) + 0.01
+    b = torch.randn(2 * n) if bias else None
+    b_ptr = 0 if b is None else b.data_ptr()
+    gate_up = torch.empty(m, 2 * n, dtype=dtype)
+    _int8_ops.dequant_rows(y.data_ptr(), m, 2 * n, scales.data_ptr(), b_ptr,
+                           gate_up.data_ptr(), code, 1, cap)
+    want = cpu_ops.silu_mul(gate_up)
+    got = torch.empty(m, n, dtype=dtype)
+    _int8_ops.dequant_silu_mul(y.data_ptr(), m, n, scales.data_ptr(), b_ptr, got.data_ptr(),
+                               code, 2, cap)
+    assert want is not None and torch.equal(got, want)
+
+
 def _layer(weight, bias, gemm, monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", gemm)  # read when the weight is packed
     return Int8MatmulLinear(weight, bias)

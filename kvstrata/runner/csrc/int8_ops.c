@@ -149,6 +149,28 @@ AVX2 static void quant_row_avx2(const void *x, int64_t k, int dtype, uint8_t *q,
     }
     *scale = amax / LEVELS;
 }
+/* dequant_silu_row_scalar's dequantisation, then cpu_ops.c silu_row_avx2's silu (silu_v8):
+ * where n % 16 != 0 but n % 8 == 0, cpu_ops.c silu_mul runs that 8-lane silu, not expf, so the
+ * fused call must too to give its values (an AMX box found the scalar tail off by ulps). */
+AVX2 static void dequant_silu_row_avx2(const float *y, int64_t n, float xs, const float *bias,
+                                       void *out, int dtype) {
+    const __m256 s = _mm256_set1_ps(xs);
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256 g = _mm256_mul_ps(_mm256_loadu_ps(y + j), s);
+        __m256 u = _mm256_mul_ps(_mm256_loadu_ps(y + n + j), s);
+        if (bias) {
+            g = _mm256_add_ps(g, _mm256_loadu_ps(bias + j));
+            u = _mm256_add_ps(u, _mm256_loadu_ps(bias + n + j));
+        }
+        if (dtype == F32) {
+            _mm256_storeu_ps((float *)out + j, _mm256_mul_ps(silu_v8(g), u));
+        } else {
+            __m256 a = bf16x8_round(silu_v8(bf16x8_round(g)));
+            _mm_storeu_si128((__m128i *)((uint16_t *)out + j),
+                             bf16x8_from(_mm256_mul_ps(a, bf16x8_round(u))));
+        }
+    }
+}
 #endif
 
 /* The row quantiser for rows of k: 2 = AVX-512F, 1 = AVX2, 0 = scalar (the same values). */
@@ -211,7 +233,8 @@ static PyObject *dequant_entry(PyObject *args, int silu) {
     const float *y = (const float *)y_addr, *xs = (const float *)xs_addr;
     const float *bias = (const float *)b_addr;
     char *out = (char *)o_addr;
-    const int vec = use_avx512(n, isa_cap); /* silu: as cpu_ops.c silu_mul decides for n */
+    /* silu: the path cpu_ops.c silu_mul takes for n (AVX-512, AVX2 or scalar) */
+    const int vec = use_avx512(n, isa_cap), vec8 = silu && !vec && use_avx2(n, isa_cap);
     const int nt = thread_count(threads, rows, (int64_t)rows * (y_row * 4 + n * esz));
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
@@ -224,12 +247,13 @@ static PyObject *dequant_entry(PyObject *args, int silu) {
             else dequant_row_avx512(yr, n, xs[r], bias, o, dtype);
             continue;
         }
+        if (vec8) { dequant_silu_row_avx2(yr, n, xs[r], bias, o, dtype); continue; }
 #endif
         if (silu) dequant_silu_row_scalar(yr, n, xs[r], bias, o, dtype);
         else dequant_row_scalar(yr, n, xs[r], bias, o, dtype);
     }
     Py_END_ALLOW_THREADS
-    (void)vec;
+    (void)vec, (void)vec8;
     Py_RETURN_NONE;
 }
 static PyObject *dequant_rows(PyObject *self, PyObject *args) { return dequant_entry(args, 0); }
