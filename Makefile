@@ -8,7 +8,7 @@ LOCAL_WHEELS ?= /opt/wheels
 # The C extensions' sources: an edited one rebuilds them (setup.py builds them all).
 CSRC := $(wildcard kvstrata/*/csrc/*.[ch] kvstrata/*/*/csrc/*.[ch])
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test test-cuda bench clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ TEST_WORKERS ?= 2
 # test module's asserts in each worker (collection ~12 s -> ~4 s). __pycache__ is ignored.
 test: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+
+# The CUDA tests (tests/cuda) on a machine with an NVIDIA GPU; `make test` hides GPUs.
+test-cuda: $(STAMP)
+	KVSTRATA_TEST_CUDA=1 $(PY) -m pytest -q -rs tests/cuda
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
