@@ -35,6 +35,9 @@ class Platform:
     # dtype rule (config/rules/platform_defaults.py) reads them. Empty when simulated unless
     # given, so resolution tests do not depend on the machine they run on.
     cpu_flags: frozenset = field(default_factory=frozenset, compare=False, hash=False)
+    # The intra-op threads torch runs CPU work on here (torch.get_num_threads(); 0: unknown,
+    # as when simulated unless given): the same dtype rule bounds a row by it.
+    cpu_threads: int = field(default=0, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,10 +82,10 @@ class Platform:
         return f"{self.kind}{name}{' [simulated]' if self.simulated else ''}"
 
 
-def simulated(kind: str, device_name: str = "", cpu_flags=()) -> Platform:
+def simulated(kind: str, device_name: str = "", cpu_flags=(), cpu_threads: int = 0) -> Platform:
     """A Platform value for `kind` without touching torch (tests, `config --explain`)."""
     return Platform(kind=kind, device_name=device_name, simulated=True,
-                    cpu_flags=frozenset(cpu_flags))
+                    cpu_flags=frozenset(cpu_flags), cpu_threads=cpu_threads)
 
 
 # Either lets int8 GEMMs accumulate u8*s8 products in int32 (no int16 saturation): the
@@ -109,27 +112,28 @@ def detect_platform() -> Platform:
 
     caps: dict = {"torch": torch.__version__}
     flags = read_cpu_flags()
+    host = {"cpu_flags": flags, "cpu_threads": torch.get_num_threads()}
     # A ROCm build sets torch.version.hip and reports its GPUs through torch.cuda; check it
     # before CUDA because torch.cuda.is_available() is also True there. A ROCm build without a
     # visible GPU is a CPU box for our purposes.
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():
         caps["hip"] = torch.version.hip
-        return Platform("hip", torch.cuda.get_device_name(0), caps, cpu_flags=flags)
+        return Platform("hip", torch.cuda.get_device_name(0), caps, **host)
     if torch.cuda.is_available() and getattr(torch.version, "cuda", None):
         caps["cuda"] = torch.version.cuda
         caps["compute_capability"] = torch.cuda.get_device_capability(0)
-        return Platform("cuda", torch.cuda.get_device_name(0), caps, cpu_flags=flags)
+        return Platform("cuda", torch.cuda.get_device_name(0), caps, **host)
     npu = getattr(torch, "npu", None)  # present only once torch_npu has been imported
     if npu is not None and npu.is_available():
-        return Platform("npu", "Ascend NPU", caps, cpu_flags=flags)
+        return Platform("npu", "Ascend NPU", caps, **host)
     xpu = getattr(torch, "xpu", None)
     if xpu is not None and xpu.is_available():
-        return Platform("xpu", xpu.get_device_name(0), caps, cpu_flags=flags)
+        return Platform("xpu", xpu.get_device_name(0), caps, **host)
     mps = getattr(getattr(torch, "backends", None), "mps", None)
     if mps is not None and mps.is_available():
-        return Platform("mps", "Apple MPS", caps, cpu_flags=flags)
+        return Platform("mps", "Apple MPS", caps, **host)
     import platform as _stdlib_platform
-    return Platform("cpu", _stdlib_platform.processor() or _stdlib_platform.machine(), caps, cpu_flags=flags)
+    return Platform("cpu", _stdlib_platform.processor() or _stdlib_platform.machine(), caps, **host)
 
 
 _lock = threading.Lock()

@@ -1,5 +1,5 @@
 """--dtype auto on a CPU (config/rules/platform_defaults.py): bf16 where the CPU has bf16
-instructions, fp32 elsewhere (AVX2 + FMA too: its bf16 kernels served slower than fp32 at 32
+instructions (AMX up to 8 threads), fp32 elsewhere (AVX2 + FMA too: its bf16 kernels served slower than fp32 at 32
 concurrent requests) and for what is only measured in fp32; explicit dtypes and
 accelerators untouched. Flags come from the (simulated) platform, never from this machine."""
 from __future__ import annotations
@@ -15,8 +15,9 @@ AMX = AVX512_BF16 + ("amx_tile", "amx_bf16", "amx_int8")
 AVX512_NO_BF16 = AVX2 + ("avx512f", "avx512bw", "avx512_vnni")  # oneDNN's bf16: not measured
 
 
-def dtype_of(flags, model_info=ModelInfo(), platform="cpu", env=None, **kwargs):
-    resolved, res = resolve(ServerArgs(**kwargs), simulated(platform, cpu_flags=flags),
+def dtype_of(flags, model_info=ModelInfo(), platform="cpu", env=None, threads=0, **kwargs):
+    resolved, res = resolve(ServerArgs(**kwargs),
+                            simulated(platform, cpu_flags=flags, cpu_threads=threads),
                             model_info, env=env or {})
     rule = next((r for r in res if r.field == "dtype"), None)
     return resolved.dtype, rule
@@ -36,6 +37,28 @@ def test_auto_follows_the_cpu_flags(flags, want, flag):
         assert f"the CPU has {flag}" in rule.reason and "measured" in rule.reason
     else:
         assert "no bf16 path measured faster" in rule.reason
+
+
+@pytest.mark.parametrize("threads,want", [(0, "bfloat16"), (1, "bfloat16"), (2, "bfloat16"),
+                                          (8, "bfloat16"), (9, "float32"), (16, "float32"),
+                                          (64, "float32")])
+def test_amx_bf16_holds_up_to_its_measured_threads(threads, want):
+    """AMX served bf16 2.35-2.42x fp32 at 2 threads but 0.80x at 16 (an H200 host's Xeon):
+    above AMX_BF16_MAX_THREADS the CPU keeps fp32, quantized or not, and says why; the
+    AVX-512 BF16 row (no AMX) has no such bound; an unknown count (0) takes the row."""
+    from kvstrata.config.rules.platform_defaults import AMX_BF16_MAX_THREADS
+
+    assert AMX_BF16_MAX_THREADS == 8
+    for quantization in (None, "w8a8_int8"):
+        dtype, rule = dtype_of(AMX, threads=threads, quantization=quantization)
+        assert dtype == want, (threads, quantization)
+        if want == "float32":
+            assert (f"amx_bf16 but runs {threads} threads" in rule.reason
+                    and "0.80x fp32 at 16 threads" in rule.reason), rule.reason
+        else:
+            assert "the CPU has amx_bf16: " in rule.reason
+    assert dtype_of(AVX512_BF16, threads=threads)[0] == "bfloat16"
+    assert dtype_of(AMX, threads=threads, dtype="bfloat16")[0] == "bfloat16"  # explicit: kept
 
 
 def test_explicit_dtype_is_kept():

@@ -19,6 +19,11 @@ def test_detects_cpu_on_this_machine():
     assert p.device_type == "cpu"
     assert plat.is_cpu() and not plat.is_cuda() and not plat.is_hip()
     assert not plat.is_npu() and not plat.is_xpu() and not plat.is_cuda_alike()
+    # the host facts the CPU dtype rule reads (a fresh detection: torch's threads now)
+    fresh = plat.detect_platform()
+    assert fresh.cpu_threads == torch.get_num_threads() >= 1
+    assert fresh.cpu_flags == plat.read_cpu_flags()
+    assert plat.simulated("cpu").cpu_threads == 0
 
 
 def test_detection_is_cached():

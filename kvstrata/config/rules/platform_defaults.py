@@ -11,14 +11,23 @@ CHUNKED_PREFILL_CPU = 2048
 CHUNKED_PREFILL_ACCELERATOR = 8192
 
 # --dtype auto on a CPU: the first row whose flags the CPU has (all of `needs`, none of
-# `lacks`; with --quantization only rows measured with it), else float32. Each row is backed
-# by a serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in
-# 128, out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+# `lacks`; with --quantization only rows measured with it) decides, else float32. A row
+# holds up to `max_threads` torch threads (None: any; an unknown count, 0, takes the row);
+# above them the CPU keeps float32 for the reason `beyond`. Each row is backed by a serving
+# measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128, out 64;
+# benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+AMX_BF16_MAX_THREADS = 8
 CPU_DTYPE_RULES = (
-    (("amx_bf16",), (), True, "bfloat16", "AMX bf16 tiles: serving measured bf16 2.42x fp32 "
-     "(2026-12-02)"),
-    (("avx512_bf16",), (), True, "bfloat16", "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, "
-     "serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)"),
+    # AMX: 2.35-2.42x on a 2-vCPU Xeon VM (2026-12-02) but 0.80x on 16 cores of an H200
+    # host's Xeon (2026-12-04, torch 2.11, SmolLM2's shapes): there fp32 decode steps scaled
+    # with the cores (B=32 30 ms) and bf16's AMX linears did not (40 ms; prefill stayed
+    # faster in bf16). 3-15 threads are not measured: the bound sits between, at 8.
+    (("amx_bf16",), (), True, "bfloat16", AMX_BF16_MAX_THREADS,
+     "AMX bf16 tiles: serving measured bf16 2.35-2.42x fp32 at 2 threads (2026-12-02)",
+     "serving measured bf16 0.80x fp32 at 16 threads (2026-12-04; 2.35-2.42x at 2)"),
+    (("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, "
+     "serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)",
+     ""),
     # AVX2 + FMA without AVX-512 keeps fp32 (the fallback): kvstrata's own bf16 kernels run
     # there and served 1.00-1.60x fp32 over ten rounds (2026-12-04, session 23), but once the
     # fp32 decode plan took batches above 16 rows (session 24) bf16 served 0.92-0.94x fp32 in
@@ -58,12 +67,15 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
     if model_info is not None and model_info.kv_pool_kind != "mha":
         return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
                            "decoder is measured in bf16 on CPU")
-    flags = set(platform.cpu_flags)
-    for needs, lacks, quantized_too, dtype, why in CPU_DTYPE_RULES:
+    flags, threads = set(platform.cpu_flags), platform.cpu_threads
+    for needs, lacks, quantized_too, dtype, max_threads, why, beyond in CPU_DTYPE_RULES:
         if set(needs) <= flags and not set(lacks) & flags:
             if args.quantization is not None and not quantized_too:
                 return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
                                    f"({' + '.join(needs)}) is measured unquantized only")
+            if max_threads is not None and threads > max_threads:
+                return "float32", (f"the CPU has {' + '.join(needs)} but runs {threads} "
+                                   f"threads (bf16 holds up to {max_threads}): {beyond}")
             return dtype, f"the CPU has {' + '.join(needs)}: {why}"
     return CPU_DTYPE_FALLBACK
 
