@@ -2,6 +2,8 @@
 simulated platform, with the exact warning texts."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvstrata.config import ModelInfo, Resolution, ServerArgs, resolve
@@ -48,6 +50,9 @@ def test_explicit_platform_values_kept(platform):
 def test_device_must_exist_on_platform(platform, device):
     with pytest.raises(ValueError, match=f"--device {device} is not available on the "
                                          f"{platform} platform"):
+        run(platform, device=device)
+    usable = "(use cpu)" if platform == "cpu" else "or cpu)"
+    with pytest.raises(ValueError, match=re.escape(usable)):
         run(platform, device=device)
 
 

@@ -88,8 +88,9 @@ def platform_defaults(args: ResolvedArgs, platform: Platform,
                       f"--device unset: the {platform.kind} platform runs on "
                       f"'{platform.device_type}' devices")
     elif args.device not in ("cpu", platform.device_type):
+        usable = " or ".join(dict.fromkeys((platform.device_type, "cpu")))
         raise ValueError(f"--device {args.device} is not available on the {platform.kind} "
-                         f"platform (use {platform.device_type} or cpu)")
+                         f"platform (use {usable})")
     if args.chunked_prefill_size is None:
         device = args.device or platform.device_type
         base = CHUNKED_PREFILL_CPU if device == "cpu" else CHUNKED_PREFILL_ACCELERATOR
