@@ -164,7 +164,8 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
     "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16 without AMX and the shape fits "
-    "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation). "
+    "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation); "
+    "own = kvstrata's wherever its AVX512-BF16 or AVX2 body runs, AMX CPUs too (A/B). "
     "Read when the weights are packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",

@@ -57,7 +57,7 @@ KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
 OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/csrc/bf16_gemm.c)"
 OWN_BF16_AVX2_KERNEL = "kvstrata bf16 GEMM (AVX2 + FMA, runner/csrc/bf16_gemm_avx2.h)"
 PLAIN_KERNEL = "torch F.linear (no bf16 GEMM of oneDNN's or kvstrata's on this CPU)"
-GEMM_CHOICES = ("auto", "onednn")
+GEMM_CHOICES = ("auto", "onednn", "own")
 # The decoder's linear weights: (weight attribute, bias attribute), as in quantization.py.
 LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                  ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
@@ -91,17 +91,19 @@ def own_bf16_fits(weight: torch.Tensor) -> bool:
     KVSTRATA_CPU_ISA allowing AVX-512), or with AVX2 + FMA where oneDNN has no bf16 kernels;
     its layout's shape rules (in % 2, out % 16) and KVSTRATA_CPU_BF16_GEMM=auto. Not with
     AMX-BF16: oneDNN multiplies bf16 tiles on AMX there, which vdpbf16ps does not match at
-    prefill sizes."""
+    prefill sizes. KVSTRATA_CPU_BF16_GEMM=own takes it wherever one of its bodies runs (the
+    A/B for decode rows on AMX, where 16 cores ran oneDNN's bf16 linears slower than fp32)."""
     choice = envs.KVSTRATA_CPU_BF16_GEMM.get().strip().lower()
     if choice not in GEMM_CHOICES:
         raise ValueError(f"KVSTRATA_CPU_BF16_GEMM={choice!r} is not one of {GEMM_CHOICES}")
     out_features, in_features = weight.shape
-    if not (choice == "auto" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
+    if not (choice != "onednn" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
             and out_features % 16 == 0):
         return False
+    forced = choice == "own"
     if _bf16_ops.has_bf16_512(isa_cap()):
-        return "amx_bf16" not in read_cpu_flags()
-    return _bf16_ops.kernel_isa(isa_cap()) == 1 and not _onednn_bf16()
+        return forced or "amx_bf16" not in read_cpu_flags()
+    return _bf16_ops.kernel_isa(isa_cap()) == 1 and (forced or not _onednn_bf16())
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -129,6 +129,27 @@ def test_choice_rules_and_fallbacks(monkeypatch):
         _bf16_ops.linear(0, 64, 1, 64, 0, 32, 0, 0, 1, 1, 1, 2)
 
 
+@pytest.mark.skipif(_bf16_ops.kernel_isa(2) == 0, reason="needs AVX512-BF16 or AVX2 + FMA")
+def test_own_choice_takes_the_gemm_where_auto_steps_aside(monkeypatch):
+    """KVSTRATA_CPU_BF16_GEMM=own: kvstrata's GEMM also where auto leaves bf16 layers to
+    oneDNN (an AMX-BF16 CPU; an AVX2 CPU whose oneDNN has bf16 kernels), for the A/B there;
+    its values are its body's, one rounding from exact. onednn never takes it."""
+    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: True)
+    torch.manual_seed(3)
+    weight, b = (torch.randn(48, 64) / 8).bfloat16(), torch.randn(48).bfloat16()
+    want = {"auto": False, "own": True, "onednn": False}
+    for choice, fits in want.items():
+        monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", choice)
+        assert packed_linear.own_bf16_fits(weight) is fits, choice
+    monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "own")
+    layer = PackedLinear(weight, b)
+    assert layer.own
+    x = torch.randn(5, 64).bfloat16()
+    assert_near_exact(layer(x), x.float(), weight.float(), b.float())
+    assert not packed_linear.own_bf16_fits(weight.float())  # bf16 weights only
+
+
 avx2_body = pytest.mark.skipif(_bf16_ops.kernel_isa(1) != 1, reason="needs AVX2 + FMA")
 
 
