@@ -168,7 +168,7 @@ def test_bench_gemv_rows_and_decode_steps(tmp_path, tiny_model_path):
     flags = read_cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags and "avx512f" not in flags:
         ab = bench_gemv.main(["--shapes", "--model", tiny_model_path, "--batches", "20",
-                              "--tokens", "3", "--rounds", "1", "--gemm-ab"])
+                              "--tokens", "8", "--rounds", "2", "--gemm-ab"])
         assert [d["batch"] for d in ab["decode"]] == [20]
         assert ab["decode"][0]["gemm_step_ms"] > 0 and ab["decode"][0]["onednn_step_ms"] > 0
     with pytest.raises(ValueError, match="--rows"):
@@ -408,3 +408,26 @@ def test_train_eagle_head_saves_a_head_the_engine_serves(tmp_path, tiny_model_pa
     finally:
         plain.shutdown()
         eagle.shutdown()
+
+
+def test_random_smollm2_writes_an_hf_checkpoint_of_the_config(tmp_path, tiny_model_path):
+    """benchmarks/random_smollm2.py (the device machine's stand-in for the GGUF): the config's
+    shapes under HF's names (transformers loads it with nothing missing or unexpected), the
+    tokenizer copied, the same seed the same weights, another seed others."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import random_smollm2
+
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    random_smollm2.main([a, "--from", tiny_model_path])
+    random_smollm2.main([b, "--from", tiny_model_path])
+    random_smollm2.main([c, "--from", tiny_model_path, "--seed", "1"])
+    _model, info = AutoModelForCausalLM.from_pretrained(a, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert os.path.exists(os.path.join(a, "tokenizer.json"))
+    wa, wb, wc = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b, c))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(wa[key], wc[key])

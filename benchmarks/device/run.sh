@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# On the lent device machine (after benchmarks/device/prepare.sh here; carry .whl and
+# .devrun): one budgeted run of the checks a CPU-speed or CUDA session needs there, each stage
+# under its own time limit so the whole fits BUDGET seconds (default 480; give run() a
+# timeout_s ~30 s above it). Stages (STAGES picks and orders them):
+#   kernel   the C kernels' tests on this CPU's ISA (AVX-512 / AMX there), GPU hidden
+#   cuda     tests/cuda with the GPU visible (make test-cuda)
+#   step     bench_decode_step.py B=32 C=128: fp32, bf16, bf16 on kvstrata's own GEMM
+#   served   run_vllm_cpu.sh: fp32, bf16, bf16 own GEMM, auto (SmolLM2's shapes, random weights)
+#   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
+# CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
+# Results: $OUT/device_results.tgz (every log and JSON) and a summary on stdout. A dry run
+# here: PATH=<dir with a python3 that runs .venv's> SKIP_PIP=1 STAGES=step bash ... .
+cd "$(dirname "$0")/../.."
+T0=$(date +%s); DEADLINE=$((T0 + ${BUDGET:-480}))
+STAGES=${STAGES:-kernel cuda step served}
+R=/tmp/device_results; rm -rf $R; mkdir -p $R
+stage() {  # name, seconds, command...: runs it under what is left of the budget
+  local name=$1 lim=$2 s; shift 2
+  local left=$((DEADLINE - $(date +%s))); [ "$lim" -gt "$left" ] && lim=$left
+  [ "$lim" -lt 10 ] && { echo "== $name: no time left"; return 1; }
+  s=$(date +%s); echo "== $name (up to ${lim}s)"
+  timeout -k 5 "$lim" "$@" > "$R/$name.log" 2>&1; local rc=$?
+  echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
+  tail -n "${TAILN:-4}" "$R/$name.log" | cut -c1-250; return $rc
+}
+finish() { tar czf "${OUT:-/tmp}/device_results.tgz" -C $R .; echo "total $(( $(date +%s) - T0 ))s"; }
+{ lscpu; nvidia-smi -L; python3 -V
+  python3 -c "import torch; print('torch', torch.__version__, torch.get_num_threads())"
+} > $R/machine.txt 2>&1
+grep -E "^Model name|^CPU\(s\)" $R/machine.txt; tr ' ' '\n' < $R/machine.txt | \
+  grep -E "^(avx512_bf16|avx512_vnni|amx_bf16|amx_int8|avx2)$" | tr '\n' ' '; echo
+tail -2 $R/machine.txt
+[ -n "${SKIP_PIP:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > $R/pip.log 2>&1 || { tail $R/pip.log; finish; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+TAILN=1 stage build 90 python3 setup.py build_ext --inplace || { finish; exit 1; }
+TAILN=1 stage model 60 python3 benchmarks/random_smollm2.py /tmp/smol --from .devrun/smol \
+  || { finish; exit 1; }
+CPU_ONLY=(env CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES=)
+for st in $STAGES; do case $st in
+  kernel) TAILN=2 stage kernel 120 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 8 \
+      -p no:cacheprovider -rfE tests/correctness/test_bf16_gemm.py \
+      tests/correctness/test_decode_plan.py tests/correctness/test_f32_gemv.py \
+      tests/correctness/test_int8_linear.py tests/correctness/test_packed_linear.py \
+      tests/correctness/test_paged_decode_kernel.py tests/correctness/test_w8a8_int8.py \
+      tests/correctness/test_cpu_ops.py tests/kv/test_rowcopy.py tests/unit/test_cpu_dtype_rule.py
+    grep -E "^(FAILED|ERROR)" $R/kernel.log | cut -c1-200 | head -12 ;;
+  cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
+      tests/cuda ;;
+  step) for v in float32 bfloat16 bfloat16_own; do
+      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" \
+        KVSTRATA_CPU_BF16_GEMM=$([ $v = bfloat16_own ] && echo own || echo auto) \
+        python3 benchmarks/bench_decode_step.py --model /tmp/smol --dtype "${v%_own}" \
+        --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
+      grep -E "GEMM peak|alone|C=128   kernel" "$R/step_$v.log" | cut -c1-200
+    done ;;
+  served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
+      KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
+      EOS_FLAG=--ignore-eos ROUNDS=${ROUNDS:-1} \
+      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_auto}" \
+      bash benchmarks/run_vllm_cpu.sh
+    grep -h "resolved dtype" $R/served/serve_kvstrata_auto.log 2>/dev/null | cut -c1-250 ;;
+  suite) TAILN=20 stage suite 600 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 14 \
+      -m "not slow" -p no:cacheprovider --timeout 120 --maxfail=40 -rfE tests ;;
+  *) echo "unknown stage $st" ;;
+esac; done
+finish
