@@ -31,7 +31,8 @@ CPU_DTYPE_RULES = (
     # AVX2 + FMA without AVX-512 keeps fp32 (the fallback): kvstrata's own bf16 kernels run
     # there and served 1.00-1.60x fp32 over ten rounds (2026-12-04, session 23), but once the
     # fp32 decode plan took batches above 16 rows (session 24) bf16 served 0.92-0.94x fp32 in
-    # three rounds at 32 concurrent (1.52-1.55x at one request at a time): not never slower.
+    # three rounds at 32 concurrent (1.52-1.55x at one request at a time): not never slower;
+    # after fp32's own GEMM at 17-64 rows (session 25) 0.91-1.14x over four (median 1.01x).
     # With AVX-512 but no bf16 instructions oneDNN takes bf16 linears, not measured against
     # fp32 there (the fallback keeps fp32).
 )
