@@ -7,6 +7,8 @@
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
 #   step     bench_decode_step.py B=32 C=128: fp32, bf16, bf16 on kvstrata's own GEMM
 #   served   run_vllm_cpu.sh: fp32, bf16, bf16 own GEMM, auto (SmolLM2's shapes, random weights)
+#   threads  fp32 vs bf16 on THREADS_LIST cores (default "4 8"; taskset + OMP_NUM_THREADS):
+#            decode steps, then served: where the AMX bf16 row's thread bound belongs
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
 # CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
 # Results: $OUT/device_results.tgz (every log and JSON) and a summary on stdout. A dry run
@@ -61,6 +63,18 @@ for st in $STAGES; do case $st in
       RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_auto}" \
       bash benchmarks/run_vllm_cpu.sh
     grep -h "resolved dtype" $R/served/serve_kvstrata_auto.log 2>/dev/null | cut -c1-250 ;;
+  threads) for t in ${THREADS_LIST:-4 8}; do
+      pin=(taskset -c "0-$((t - 1))" env OMP_NUM_THREADS="$t")
+      for v in float32 bfloat16; do
+        TAILN=0 stage "step_${v}_t$t" 60 "${CPU_ONLY[@]}" "${pin[@]}" python3 \
+          benchmarks/bench_decode_step.py --model /tmp/smol --dtype $v --batch 32 --context 128 \
+          --prefill 0 --rounds 2 --out "$R/step_${v}_t$t.json"
+        grep -E "C=128   kernel" "$R/step_${v}_t$t.log" | cut -c1-120
+      done
+      TAILN=3 stage "served_t$t" 150 "${CPU_ONLY[@]}" "${pin[@]}" OUT="$R/served_t$t" PY=python3 \
+        KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
+        EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16" bash benchmarks/run_vllm_cpu.sh
+    done ;;
   suite) TAILN=20 stage suite 600 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 14 \
       -m "not slow" -p no:cacheprovider --timeout 120 --maxfail=40 -rfE tests ;;
   *) echo "unknown stage $st" ;;
