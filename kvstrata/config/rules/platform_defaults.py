@@ -37,8 +37,9 @@ CPU_DTYPE_RULES = (
     # fp32 there (the fallback keeps fp32).
 )
 CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
-                      "avx512_bf16 / amx_bf16; AVX2 + FMA: bf16 served 0.92-0.94x fp32 at 32 "
-                      "concurrent requests, 2026-12-04; AVX-512 without them: not measured)")
+                      "avx512_bf16 / amx_bf16; AVX2 + FMA: bf16 served 0.91-1.14x fp32, median "
+                      "1.01x over four rounds at 32 concurrent requests, 2026-12-04; AVX-512 "
+                      "without them: not measured)")
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
