@@ -431,3 +431,24 @@ def test_random_smollm2_writes_an_hf_checkpoint_of_the_config(tmp_path, tiny_mod
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     key = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(wa[key], wc[key])
+
+
+def test_device_scripts_parse_and_name_their_stages():
+    """benchmarks/device/*.sh run only on the lent device machine, where a slip costs its
+    15 minutes: both parse, every stage the header lists has its case arm (and none more), and
+    prepare.sh downloads what run.sh installs into (.whl) and the config it reads (.devrun)."""
+    import re
+    import subprocess
+
+    run_sh = os.path.join(ROOT, "benchmarks", "device", "run.sh")
+    prep_sh = os.path.join(ROOT, "benchmarks", "device", "prepare.sh")
+    for path in (run_sh, prep_sh):
+        subprocess.run(["bash", "-n", path], check=True)
+    text = open(run_sh).read()
+    listed = set(re.findall(r"^#   (\w+) ", text, re.M))
+    arms = set(re.findall(r"^  (\w+)\) ", text, re.M))
+    assert listed == arms == {"kernel", "cuda", "step", "served", "threads", "suite"}, (listed,
+                                                                                         arms)
+    assert ".whl/*.whl" in text and ".devrun/smol" in text
+    prep = open(prep_sh).read()
+    assert "-d .whl" in prep and ".devrun/smol" in prep
