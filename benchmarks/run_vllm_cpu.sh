@@ -59,7 +59,14 @@ ensure_vllm_metadata() {  # vLLM reads its version from the distribution named `
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0.dist-info/METADATA"
 }
 
-wait_up() { for _ in $(seq 1 300); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+wait_up() {  # url, server pid, its log: up to 300 s, less if the server exits first
+  for _ in $(seq 1 300); do
+    curl -sf "$1" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || { echo "the server exited:"; tail -5 "$3"; return 1; }
+    sleep 1
+  done
+  return 1
+}
 stop() {
   kill -INT "$1" 2>/dev/null || true
   for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
@@ -72,7 +79,8 @@ run_kvstrata() {  # run name, then serve flags
   "${KVSTRATA[@]}" serve --model-path "$MODEL" --served-model-name smollm2 --port "$PORT" \
       --page-size 16 --max-total-tokens 65536 "$@" > "$OUT/serve_$name.log" 2>&1 &
   local pid=$!
-  wait_up "http://127.0.0.1:$PORT/health" || { stop $pid; echo "$name did not start"; return 1; }
+  wait_up "http://127.0.0.1:$PORT/health" $pid "$OUT/serve_$name.log" \
+      || { stop $pid; echo "$name did not start"; return 1; }
   "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --model smollm2 \
       --output-json "$OUT/serve_$name.json"
   stop $pid
@@ -84,7 +92,8 @@ run_vllm() {  # run name, dtype
       "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --served-model-name smollm2 --host 127.0.0.1 \
       --port "$PORT" --max-model-len 2048 --dtype "$2" > "$OUT/serve_$1.log" 2>&1 &
   local pid=$!
-  wait_up "http://127.0.0.1:$PORT/v1/models" || { stop $pid; echo "$1 did not start"; return 1; }
+  wait_up "http://127.0.0.1:$PORT/v1/models" $pid "$OUT/serve_$1.log" \
+      || { stop $pid; echo "$1 did not start"; return 1; }
   "${BENCH[@]}" --base-url "http://127.0.0.1:$PORT" --model smollm2 \
       --output-json "$OUT/serve_$1.json"
   stop $pid
