@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import helpers.*`
 # (a leak or stale row fails the step that caused it, not a later drain check).
 os.environ.setdefault("KVSTRATA_CHECK_INTEGRITY", "1")
 # The suite tests the CPU paths (C kernels, decode plans, packing and dtype rules) wherever it
-# runs: on an H200 box a visible GPU made the platform resolve to cuda and turned them off (20
-# of 683 kernel tests failed there, all pass with the GPU hidden). KVSTRATA_TEST_CUDA=1 keeps
+# runs: on an H200 box a visible GPU made the platform resolve to cuda and turned them off (19
+# of 683 kernel tests failed so; with the GPU hidden all pass). KVSTRATA_TEST_CUDA=1 keeps
 # GPUs visible for tests/cuda (`make test-cuda`), which skip without one.
 if os.environ.get("KVSTRATA_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
