@@ -158,8 +158,9 @@ KVSTRATA_CPU_INT8_GEMM = _declare(
     "The int8 GEMM of that layer: auto = kvstrata's own (runner/csrc/int8_gemm.h: rows "
     "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI, or "
     "AVX2 + FMA + F16C and no VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), "
-    "else oneDNN's (fbgemm's layer without VNNI); onednn = never kvstrata's (ablation). Read "
-    "when the weights are packed.")
+    "else oneDNN's (fbgemm's layer without VNNI); onednn = never kvstrata's (ablation); own = "
+    "kvstrata's wherever one of its tiles runs, AMX-INT8 CPUs too (A/B). Read when the "
+    "weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "

@@ -45,7 +45,7 @@ KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-t
 OWN_KERNEL = "kvstrata int8 GEMM (AVX512-VNNI, runner/csrc/int8_gemm.h), rows fused in"
 OWN_AVX2_KERNEL = ("kvstrata int8 GEMM (AVX2 vpmaddubsw, runner/csrc/int8_gemm_avx2.h), "
                    "rows fused in")
-GEMM_CHOICES = ("auto", "onednn")
+GEMM_CHOICES = ("auto", "onednn", "own")
 PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
 LEVELS = 127
 ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
@@ -78,22 +78,26 @@ def avx2_gemm_available() -> bool:
     7-bit activations), KVSTRATA_CPU_INT8_MM on and KVSTRATA_CPU_INT8_GEMM=auto. Measured on
     an AVX2 EPYC (2 threads, SmolLM2's 120 layer weights streaming from RAM): 2.3x fbgemm's
     layer at 1 row, 1.6x at 8, 1.06x at 32, 0.8x at 256 (vpmaddubsw needs a vpsignb and a
-    vpmaddwd beside it per 32 products)."""
-    return (envs.KVSTRATA_CPU_INT8_MM.get() and _gemm_choice() == "auto"
-            and not (VNNI_FLAGS & read_cpu_flags()) and _int8_ops.kernel_isa(1) == 1)
+    vpmaddwd beside it per 32 products). KVSTRATA_CPU_INT8_GEMM=own takes the tile with VNNI
+    too (an A/B against oneDNN's)."""
+    choice = _gemm_choice()
+    return (envs.KVSTRATA_CPU_INT8_MM.get() and choice != "onednn"
+            and (choice == "own" or not VNNI_FLAGS & read_cpu_flags())
+            and _int8_ops.kernel_isa(1) == 1)
 
 
 def own_gemm_fits(in_features: int, out_features: int) -> bool:
     """kvstrata's own GEMM takes this weight: its layout's shape rules, KVSTRATA_CPU_INT8_GEMM
     =auto, and AVX512-VNNI here, or AVX2 without any VNNI (avx2_gemm_available). Not with
     AMX-INT8: oneDNN multiplies int8 tiles on AMX there, which VNNI vectors do not match at
-    prefill sizes (no AMX box measured it yet)."""
+    prefill sizes (no AMX box measured it yet). KVSTRATA_CPU_INT8_GEMM=own takes it wherever
+    one of its tiles runs, AMX CPUs too (the A/B for such a box)."""
     choice = _gemm_choice()
-    if not (choice == "auto" and in_features % 4 == 0 and out_features % 16 == 0
+    if not (choice != "onednn" and in_features % 4 == 0 and out_features % 16 == 0
             and in_features >= 4):
         return False
     if _has_vnni512():
-        return "amx_int8" not in read_cpu_flags()
+        return choice == "own" or "amx_int8" not in read_cpu_flags()
     return avx2_gemm_available()
 
 

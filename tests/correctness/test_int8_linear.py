@@ -158,6 +158,32 @@ def test_dequant_silu_mul_takes_the_silu_path_cpu_ops_takes(dtype, n, bias, isa,
     assert want is not None and torch.equal(got, want)
 
 
+@pytest.mark.skipif(not int8_linear._int8_ops.kernel_isa(1), reason="needs AVX2 + FMA + F16C")
+def test_own_choice_takes_the_gemm_where_auto_steps_aside(monkeypatch):
+    """KVSTRATA_CPU_INT8_GEMM=own: kvstrata's GEMM also where auto leaves the layer to
+    oneDNN -- an AMX-INT8 CPU (its VNNI tile; the choice only, simulated) and a CPU with a
+    VNNI flag but no AVX512-VNNI (its AVX2 tile, run here) -- for the A/B on such boxes;
+    onednn never takes it."""
+    flags = int8_linear.read_cpu_flags()
+    with monkeypatch.context() as m:
+        m.setattr(int8_linear, "_has_vnni512", lambda: True)
+        m.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"avx512_vnni", "amx_int8"})
+        for choice, fits in (("auto", False), ("own", True), ("onednn", False)):
+            m.setenv("KVSTRATA_CPU_INT8_GEMM", choice)
+            assert int8_linear.own_gemm_fits(576, 960) is fits, choice
+    if int8_linear._has_vnni512():
+        return  # the AVX2 branch below is another CPU's
+    torch.manual_seed(5)
+    weight, b, x = torch.randn(48, 64), torch.randn(48), torch.randn(5, 64)
+    plain = _layer(weight, b, "auto", monkeypatch)  # no VNNI flag here: the AVX2 tile
+    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"avx_vnni"})
+    assert not int8_linear.own_gemm_fits(64, 48)  # auto: oneDNN's with a VNNI flag
+    forced = _layer(weight, b, "own", monkeypatch)
+    assert plain.own and forced.own and torch.equal(forced(x), plain(x))
+    monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "onednn")
+    assert not int8_linear.own_gemm_fits(64, 48)
+
+
 def _layer(weight, bias, gemm, monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", gemm)  # read when the weight is packed
     return Int8MatmulLinear(weight, bias)

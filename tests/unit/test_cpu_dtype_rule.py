@@ -81,6 +81,15 @@ def test_quantized_models_follow_the_int8_kernel():
                 or "no bf16 path measured faster" in rule.reason), rule.reason
 
 
+def test_int8_own_gemm_choice_counts_as_kvstratas_layer():
+    """KVSTRATA_CPU_INT8_GEMM=own (kvstrata's int8 GEMM forced) quantises the model's own
+    activations as auto's does: without VNNI the reason is the CPU's, not fbgemm's fp32."""
+    for gemm, fbgemm in (("own", False), ("auto", False), ("onednn", True)):
+        dtype, rule = dtype_of(AVX2, env={"KVSTRATA_CPU_INT8_GEMM": gemm},
+                               quantization="w8a8_int8")
+        assert dtype == "float32" and ("float32 activations" in rule.reason) is fbgemm, gemm
+
+
 def test_non_mha_models_stay_fp32():
     dtype, rule = dtype_of(AMX, model_info=ModelInfo(kv_pool_kind="mla", uses_dsa=True))
     assert dtype == "float32" and "mla model" in rule.reason

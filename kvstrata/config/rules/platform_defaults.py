@@ -51,7 +51,7 @@ def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
     if VNNI_FLAGS & flags:
         return enabled is True
     gemm = str(env.get("KVSTRATA_CPU_INT8_GEMM", "auto")).strip().lower()
-    return enabled is True and gemm == "auto" and {"avx2", "fma", "f16c"} <= flags
+    return enabled is True and gemm in ("auto", "own") and {"avx2", "fma", "f16c"} <= flags
 
 
 def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
