@@ -5,8 +5,10 @@
 # timeout_s ~30 s above it). Stages (STAGES picks and orders them):
 #   kernel   the C kernels' tests on this CPU's ISA (AVX-512 / AMX there), GPU hidden
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
-#   step     bench_decode_step.py B=32 C=128: fp32, bf16, bf16 on kvstrata's own GEMM
-#   served   run_vllm_cpu.sh: fp32, bf16, bf16 own GEMM, auto (SmolLM2's shapes, random weights)
+#   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on kvstrata's
+#            own GEMM where auto leaves them to oneDNN (AMX)
+#   served   run_vllm_cpu.sh: fp32, bf16, auto, w8a8, bf16 and w8a8 on the own GEMMs
+#            (SmolLM2's shapes, random weights)
 #   threads  fp32 vs bf16 on THREADS_LIST cores (default "4 8"; taskset + OMP_NUM_THREADS):
 #            decode steps, then served: where the AMX bf16 row's thread bound belongs
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
@@ -50,17 +52,22 @@ for st in $STAGES; do case $st in
     grep -E "^(FAILED|ERROR)" $R/kernel.log | cut -c1-200 | head -12 ;;
   cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/cuda ;;
-  step) for v in float32 bfloat16 bfloat16_own; do
-      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" \
-        KVSTRATA_CPU_BF16_GEMM=$([ $v = bfloat16_own ] && echo own || echo auto) \
-        python3 benchmarks/bench_decode_step.py --model /tmp/smol --dtype "${v%_own}" \
-        --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
+  step) for v in float32 bfloat16 bfloat16_own w8a8 w8a8_own; do
+      case $v in  # the variant's flags, and its kernel choice (own: kvstrata's GEMM forced)
+        w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;
+        *) flags=(--dtype "${v%_own}") ;;
+      esac
+      own=$([ "${v%_own}" != "$v" ] && echo own || echo auto)
+      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$own \
+        KVSTRATA_CPU_INT8_GEMM=$own python3 benchmarks/bench_decode_step.py --model /tmp/smol \
+        "${flags[@]}" --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
       grep -E "GEMM peak|alone|C=128   kernel" "$R/step_$v.log" | cut -c1-200
     done ;;
   served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
       KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
       EOS_FLAG=--ignore-eos ROUNDS=${ROUNDS:-1} \
-      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_auto}" \
+      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_auto kvstrata_w8a8
+            kvstrata_w8a8_own}" \
       bash benchmarks/run_vllm_cpu.sh
     grep -h "resolved dtype" $R/served/serve_kvstrata_auto.log 2>/dev/null | cut -c1-250 ;;
   threads) for t in ${THREADS_LIST:-4 8}; do
