@@ -3,8 +3,8 @@ the GGUF cannot go (the device machine takes 64 MiB; the GGUF is 98 MB). Speed d
 shapes, not the values; greedy output of random weights is meaningless (serve it with
 --ignore-eos).
 
-    .venv/bin/python benchmarks/random_smollm2.py --meta-only .device/smol    # config + tokenizer
-    python3 benchmarks/random_smollm2.py /tmp/smol --from .device/smol      # + random weights
+    .venv/bin/python benchmarks/random_smollm2.py --meta-only .devrun/smol    # config + tokenizer
+    python3 benchmarks/random_smollm2.py /tmp/smol --from .devrun/smol      # + random weights
 """
 from __future__ import annotations
 

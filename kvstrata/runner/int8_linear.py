@@ -80,9 +80,10 @@ def avx2_gemm_available() -> bool:
     layer at 1 row, 1.6x at 8, 1.06x at 32, 0.8x at 256 (vpmaddubsw needs a vpsignb and a
     vpmaddwd beside it per 32 products). KVSTRATA_CPU_INT8_GEMM=own takes the tile with VNNI
     too (an A/B against oneDNN's)."""
+    if not envs.KVSTRATA_CPU_INT8_MM.get():
+        return False  # the layer is off: the GEMM choice is not read (as before `own`)
     choice = _gemm_choice()
-    return (envs.KVSTRATA_CPU_INT8_MM.get() and choice != "onednn"
-            and (choice == "own" or not VNNI_FLAGS & read_cpu_flags())
+    return (choice != "onednn" and (choice == "own" or not VNNI_FLAGS & read_cpu_flags())
             and _int8_ops.kernel_isa(1) == 1)
 
 
