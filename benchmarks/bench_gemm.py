@@ -22,6 +22,7 @@ paired rounds (the times printed are each kernel's best round, and the ratio of 
 printed in brackets beside the median: on a noisy box the two can differ).
 
   python benchmarks/bench_gemm.py --kind bf16 --rows 1 8 32 64 128 512 2048
+  KVSTRATA_CPU_BF16_GEMM=own python benchmarks/bench_gemm.py --kind bf16   # AMX: ours anyway
 """
 from __future__ import annotations
 
@@ -74,6 +75,12 @@ def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None)
             os.environ[env] = saved
 
 
+def ours_choice(kind: str) -> str:
+    """`own` where the environment forces kvstrata's GEMM (AMX CPUs, where auto leaves the
+    layers to oneDNN), else `auto`."""
+    return "own" if os.environ.get(KINDS[kind][0], "").strip().lower() == "own" else "auto"
+
+
 def fits(kind: str) -> bool:
     if kind == "int8":
         return own_gemm_fits(576, 960)
@@ -116,7 +123,8 @@ def main(argv=None) -> dict:
                "AVX512-BF16 without AMX, nor AVX2 without oneDNN's bf16")
         print(f"this CPU has no {isa} (or {KINDS[args.kind][0]}=onednn): nothing to compare")
         return {}
-    ours, onednn = build(args.kind, "auto", args.copies), build(args.kind, "onednn", args.copies)
+    ours = build(args.kind, ours_choice(args.kind), args.copies)
+    onednn = build(args.kind, "onednn", args.copies)
     dtype = torch.bfloat16 if args.kind == "bf16" else getattr(torch, args.dtype)
     kernels = {"kvstrata": ours, "onednn": onednn}
     if args.kind == "bf16":  # the same weights (same seed) in fp32, oneDNN's prepacked linear

@@ -166,8 +166,10 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
     "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16 without AMX and the shape fits "
     "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation); "
-    "own = kvstrata's wherever its AVX512-BF16 or AVX2 body runs, AMX CPUs too (A/B). "
-    "Read when the weights are packed.")
+    "own = kvstrata's wherever its AVX512-BF16 or AVX2 body runs, AMX CPUs too (A/B); "
+    "own_decode = kvstrata's up to 64 rows (decode batches) and oneDNN's above (prefill), "
+    "both layouts kept (twice the weights' memory; A/B on AMX). Read when the weights are "
+    "packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",
     "fp32 linear layers on the CPU: auto = kvstrata's GEMV (runner/csrc/f32_gemv.h) at 1-16 "

@@ -5,19 +5,24 @@
 # timeout_s ~30 s above it). Stages (STAGES picks and orders them):
 #   kernel   the C kernels' tests on this CPU's ISA (AVX-512 / AMX there), GPU hidden
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
+#   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
+#            1-512 rows on every core: where each wins on this CPU
 #   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on kvstrata's
 #            own GEMM where auto leaves them to oneDNN (AMX)
-#   served   run_vllm_cpu.sh: fp32, bf16, auto, w8a8, bf16 and w8a8 on the own GEMMs
-#            (SmolLM2's shapes, random weights)
-#   threads  fp32 vs bf16 on THREADS_LIST cores (default "4 8"; taskset + OMP_NUM_THREADS):
-#            decode steps, then served: where the AMX bf16 row's thread bound belongs
+#   served   run_vllm_cpu.sh: fp32, bf16, w8a8, bf16 and w8a8 on the own GEMMs, bf16 on
+#            own_decode (own GEMM up to 64 rows, oneDNN above) (SmolLM2's shapes, random
+#            weights)
+#   threads  fp32 vs bf16 (oneDNN's, own) on THREADS_LIST cores (default "4 8"; taskset +
+#            OMP_NUM_THREADS): decode steps, then served fp32 / bf16 / own_decode: where
+#            the AMX bf16 row's thread bound belongs
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
 # CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
 # Results: $OUT/device_results.tgz (every log and JSON) and a summary on stdout. A dry run
 # here: PATH=<dir with a python3 that runs .venv's> SKIP_PIP=1 STAGES=step bash ... .
+# KERNEL_TESTS: the kernel stage's test files (default: the C kernels' ten).
 cd "$(dirname "$0")/../.."
 T0=$(date +%s); DEADLINE=$((T0 + ${BUDGET:-480}))
-STAGES=${STAGES:-kernel cuda step served}
+STAGES=${STAGES:-kernel cuda gemm step served}
 R=/tmp/device_results; rm -rf $R; mkdir -p $R
 stage() {  # name, seconds, command...: runs it under what is left of the budget
   local name=$1 lim=$2 s; shift 2
@@ -43,15 +48,21 @@ TAILN=1 stage model 60 python3 benchmarks/random_smollm2.py /tmp/smol --from .de
   || { finish; exit 1; }
 CPU_ONLY=(env CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES=)
 for st in $STAGES; do case $st in
-  kernel) TAILN=2 stage kernel 120 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 8 \
-      -p no:cacheprovider -rfE tests/correctness/test_bf16_gemm.py \
-      tests/correctness/test_decode_plan.py tests/correctness/test_f32_gemv.py \
-      tests/correctness/test_int8_linear.py tests/correctness/test_packed_linear.py \
-      tests/correctness/test_paged_decode_kernel.py tests/correctness/test_w8a8_int8.py \
-      tests/correctness/test_cpu_ops.py tests/kv/test_rowcopy.py tests/unit/test_cpu_dtype_rule.py
+  kernel) c=tests/correctness
+    tests=${KERNEL_TESTS:-$c/test_bf16_gemm.py $c/test_decode_plan.py $c/test_f32_gemv.py
+      $c/test_int8_linear.py $c/test_packed_linear.py $c/test_paged_decode_kernel.py
+      $c/test_w8a8_int8.py $c/test_cpu_ops.py tests/kv/test_rowcopy.py
+      tests/unit/test_cpu_dtype_rule.py}
+    TAILN=2 stage kernel 120 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 8 \
+      -p no:cacheprovider -rfE $tests
     grep -E "^(FAILED|ERROR)" $R/kernel.log | cut -c1-200 | head -12 ;;
   cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/cuda ;;
+  gemm) for k in bf16 int8; do
+      TAILN=8 stage "gemm_$k" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=own \
+        KVSTRATA_CPU_INT8_GEMM=own python3 benchmarks/bench_gemm.py --kind $k \
+        --rows 1 8 32 64 128 512 --rounds 3 --out "$R/gemm_$k.json"
+    done ;;
   step) for v in float32 bfloat16 bfloat16_own w8a8 w8a8_own; do
       case $v in  # the variant's flags, and its kernel choice (own: kvstrata's GEMM forced)
         w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;
@@ -66,21 +77,23 @@ for st in $STAGES; do case $st in
   served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
       KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
       EOS_FLAG=--ignore-eos ROUNDS=${ROUNDS:-1} \
-      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_auto kvstrata_w8a8
-            kvstrata_w8a8_own}" \
-      bash benchmarks/run_vllm_cpu.sh
-    grep -h "resolved dtype" $R/served/serve_kvstrata_auto.log 2>/dev/null | cut -c1-250 ;;
+      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_bf16_own_decode
+            kvstrata_w8a8 kvstrata_w8a8_own}" \
+      bash benchmarks/run_vllm_cpu.sh ;;
   threads) for t in ${THREADS_LIST:-4 8}; do
       pin=(taskset -c "0-$((t - 1))" env OMP_NUM_THREADS="$t")
-      for v in float32 bfloat16; do
-        TAILN=0 stage "step_${v}_t$t" 60 "${CPU_ONLY[@]}" "${pin[@]}" python3 \
-          benchmarks/bench_decode_step.py --model /tmp/smol --dtype $v --batch 32 --context 128 \
-          --prefill 0 --rounds 2 --out "$R/step_${v}_t$t.json"
+      for v in float32 bfloat16 bfloat16_own; do
+        own=$([ "${v%_own}" != "$v" ] && echo own || echo auto)
+        TAILN=0 stage "step_${v}_t$t" 60 "${CPU_ONLY[@]}" "${pin[@]}" \
+          KVSTRATA_CPU_BF16_GEMM=$own python3 benchmarks/bench_decode_step.py --model /tmp/smol \
+          --dtype "${v%_own}" --batch 32 --context 128 --prefill 0 --rounds 2 \
+          --out "$R/step_${v}_t$t.json"
         grep -E "C=128   kernel" "$R/step_${v}_t$t.log" | cut -c1-120
       done
       TAILN=3 stage "served_t$t" 150 "${CPU_ONLY[@]}" "${pin[@]}" OUT="$R/served_t$t" PY=python3 \
         KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
-        EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16" bash benchmarks/run_vllm_cpu.sh
+        EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own_decode" \
+        bash benchmarks/run_vllm_cpu.sh
     done ;;
   suite) TAILN=20 stage suite 600 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 14 \
       -m "not slow" -p no:cacheprovider --timeout 120 --maxfail=40 -rfE tests ;;

@@ -57,7 +57,9 @@ KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
 OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/csrc/bf16_gemm.c)"
 OWN_BF16_AVX2_KERNEL = "kvstrata bf16 GEMM (AVX2 + FMA, runner/csrc/bf16_gemm_avx2.h)"
 PLAIN_KERNEL = "torch F.linear (no bf16 GEMM of oneDNN's or kvstrata's on this CPU)"
-GEMM_CHOICES = ("auto", "onednn", "own")
+GEMM_CHOICES = ("auto", "onednn", "own", "own_decode")
+# own_decode: kvstrata's GEMM up to this many rows (decode batches), oneDNN's above (prefill)
+OWN_DECODE_MAX_ROWS = 64
 # The decoder's linear weights: (weight attribute, bias attribute), as in quantization.py.
 LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                  ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
@@ -92,18 +94,24 @@ def own_bf16_fits(weight: torch.Tensor) -> bool:
     its layout's shape rules (in % 2, out % 16) and KVSTRATA_CPU_BF16_GEMM=auto. Not with
     AMX-BF16: oneDNN multiplies bf16 tiles on AMX there, which vdpbf16ps does not match at
     prefill sizes. KVSTRATA_CPU_BF16_GEMM=own takes it wherever one of its bodies runs (the
-    A/B for decode rows on AMX, where 16 cores ran oneDNN's bf16 linears slower than fp32)."""
-    choice = envs.KVSTRATA_CPU_BF16_GEMM.get().strip().lower()
-    if choice not in GEMM_CHOICES:
-        raise ValueError(f"KVSTRATA_CPU_BF16_GEMM={choice!r} is not one of {GEMM_CHOICES}")
+    A/B for decode rows on AMX, where 16 cores ran oneDNN's bf16 linears slower than fp32);
+    own_decode too, for rows up to OWN_DECODE_MAX_ROWS (see PackedLinear)."""
+    choice = _gemm_choice()
     out_features, in_features = weight.shape
     if not (choice != "onednn" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
             and out_features % 16 == 0):
         return False
-    forced = choice == "own"
+    forced = choice in ("own", "own_decode")
     if _bf16_ops.has_bf16_512(isa_cap()):
         return forced or "amx_bf16" not in read_cpu_flags()
     return _bf16_ops.kernel_isa(isa_cap()) == 1 and (forced or not _onednn_bf16())
+
+
+def _gemm_choice() -> str:
+    choice = envs.KVSTRATA_CPU_BF16_GEMM.get().strip().lower()
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"KVSTRATA_CPU_BF16_GEMM={choice!r} is not one of {GEMM_CHOICES}")
+    return choice
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -120,7 +128,10 @@ def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
 
 class PackedLinear(nn.Module):
     """A weight (and bias) in oneDNN's layout, in kvstrata's bf16 GEMM's (`own`), or as it is
-    (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`."""
+    (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`.
+    With KVSTRATA_CPU_BF16_GEMM=own_decode an `own` layer also keeps oneDNN's layout
+    (`onednn`, twice the weight memory) for more than OWN_DECODE_MAX_ROWS rows: oneDNN's AMX
+    tiles for prefill, kvstrata's GEMM for decode batches (the A/B on AMX CPUs)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gemv: bool = False):
@@ -128,19 +139,23 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.own = own_bf16_fits(weight)
         self.plain = not self.own and weight.dtype == torch.bfloat16 and not _onednn_bf16()
-        if self.own:  # one layout: the own GEMM serves every row count
+        self.onednn = None  # oneDNN's layout beside the own one (own_decode)
+        if self.own:  # the own GEMM's layout serves every row count (own_decode: up to 64)
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+            if _gemm_choice() == "own_decode" and _onednn_bf16():
+                self.onednn = _onednn_pack(weight)
         elif self.plain:
             self.packed = weight.detach().contiguous()
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(
-                weight.detach().contiguous(), PACK_ROWS_HINT)
+            self.packed = _onednn_pack(weight)
         self.bias = None if bias is None else bias.detach().clone()
         size = weight.element_size()
         self.nbytes = weight.numel() * size + (0 if bias is None else bias.numel() * size)
         if self.own and bias is not None:
             self.nbytes += 4 * bias.numel()  # the fp32 copy the GEMM's epilogue adds
+        if self.onednn is not None:
+            self.nbytes += weight.numel() * size
         # fp32 only: a second copy of the weight in f32_gemv.h's panels for 1-16 rows (see
         # f32_gemv.py; pack_model decides whether the copies are worth their memory).
         self.gemv = (f32_gemv.pack(weight) if gemv and f32_gemv.fits(weight)
@@ -152,6 +167,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
+
+    def own_takes(self, x: torch.Tensor) -> bool:
+        """kvstrata's GEMM runs these rows (an own layer; own_decode: up to 64 rows)."""
+        return self.own and (self.onednn is None
+                             or x.numel() <= OWN_DECODE_MAX_ROWS * self.in_features)
 
     def own_rows(self, x: torch.Tensor, silu: bool = False, f32: bool = False) -> torch.Tensor:
         """bf16_gemm.c linear over x's rows ([..., in] -> [..., out], or silu(gate) * up:
@@ -191,14 +211,14 @@ class PackedLinear(nn.Module):
     def linear_float(self, x: torch.Tensor) -> torch.Tensor | None:
         """F.linear(x, W, b).float() in one pass (an output head's logits: the bf16 values,
         widened as the GEMM stores them), or None for oneDNN's layout."""
-        return self.own_rows(x, f32=True) if self.own else None
+        return self.own_rows(x, f32=True) if self.own_takes(x) else None
 
     def linear_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this fused gate|up projection of x from the GEMM's registers
         (the same values as this layer then cpu_ops.silu_mul), or None where that is not
         this layer's to do (oneDNN's layout, fused ops off, a width its tiles do not pair):
         the caller runs both steps."""
-        if (not self.own or x.dim() != 2 or x.dtype != torch.bfloat16
+        if (not self.own_takes(x) or x.dim() != 2 or x.dtype != torch.bfloat16
                 or self.out_features % 32 or not cpu_ops.enabled()):
             return None
         return self.own_rows(x, silu=True)
@@ -211,16 +231,26 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Drop-in for F.linear(x, weight, bias) once `weight` became a PackedLinear (which holds
     its bias, so `bias` is None)."""
-    if layer.own:
+    if layer.own_takes(x):
         return layer.own_rows(x)
+    if layer.onednn is not None:
+        return _onednn_linear(x, layer.onednn, layer.bias)
     if layer.gemv is not None:
         out = f32_gemv.linear(x, layer.gemv, layer.bias, gemm=layer.gemm_f32)
         if out is not None:
             return out
     if layer.plain:
         return F.linear(x, layer.packed, layer.bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none",
-                                              [], "")
+    return _onednn_linear(x, layer.packed, layer.bias)
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,

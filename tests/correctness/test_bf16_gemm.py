@@ -216,3 +216,39 @@ def test_avx2_body_widened_panels_equal_the_streamed_rows(k, n, silu):
         parts = torch.cat([_raw(x[i:i + 6], packed, n, bias, silu=silu)
                            for i in range(0, m, 6)])
         assert torch.equal(full, parts)
+
+
+@pytest.mark.skipif(_bf16_ops.kernel_isa(2) == 0, reason="needs AVX512-BF16 or AVX2 + FMA")
+def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
+    """KVSTRATA_CPU_BF16_GEMM=own_decode: kvstrata's GEMM up to OWN_DECODE_MAX_ROWS rows (its
+    fused silu and fp32 head too), oneDNN's layout above (the caller's two steps), on a
+    simulated AMX CPU. Where oneDNN has no bf16 kernels (AVX2) its two ops are stood in for
+    by F.linear over the plain weight; on an AVX-512 CPU they are oneDNN's own."""
+    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: True)
+        monkeypatch.setattr(packed_linear, "_onednn_pack", lambda w: w.detach().clone())
+        monkeypatch.setattr(packed_linear, "_onednn_linear", F.linear)
+    monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "own_decode")
+    torch.manual_seed(4)
+    weight, b = (torch.randn(64, 96) / 10).bfloat16(), torch.randn(64).bfloat16()
+    layer = PackedLinear(weight, b)
+    assert layer.own and layer.onednn is not None
+    assert layer.nbytes == 2 * weight.numel() * 2 + b.numel() * (2 + 4)
+    onednn = packed_linear._onednn_linear
+    top = packed_linear.OWN_DECODE_MAX_ROWS
+    for m in (1, 32, top, top + 1, 200):
+        x = torch.randn(m, 96).bfloat16()
+        own = m <= top
+        out = layer(x)
+        if own:
+            assert torch.equal(out, layer.own_rows(x))
+            assert_near_exact(out, x.float(), weight.float(), b.float())
+            assert torch.equal(layer.linear_silu_mul(x), cpu_ops.silu_mul(out))
+            assert torch.equal(layer.linear_float(x), out.float())
+        else:
+            assert torch.equal(out, onednn(x, layer.onednn, layer.bias))
+            assert layer.linear_silu_mul(x) is None and layer.linear_float(x) is None
+        assert layer.own_takes(x) is own
+    monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "own")
+    assert PackedLinear(weight).onednn is None  # own: one layout
