@@ -156,20 +156,21 @@ KVSTRATA_CPU_INT8_MM = _declare(
 KVSTRATA_CPU_INT8_GEMM = _declare(
     "KVSTRATA_CPU_INT8_GEMM", str, "auto",
     "The int8 GEMM of that layer: auto = kvstrata's own (runner/csrc/int8_gemm.h: rows "
-    "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI, or "
-    "AVX2 + FMA + F16C and no VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), "
-    "else oneDNN's (fbgemm's layer without VNNI); onednn = never kvstrata's (ablation); own = "
-    "kvstrata's wherever one of its tiles runs, AMX-INT8 CPUs too (A/B). Read when the "
-    "weights are packed.")
+    "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI "
+    "(AMX-INT8 CPUs too: served 1.3-1.5x oneDNN's AMX path), or AVX2 + FMA + F16C and no "
+    "VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), else oneDNN's (fbgemm's "
+    "layer without VNNI); onednn = never kvstrata's (ablation); own = kvstrata's wherever one "
+    "of its tiles runs, AVX-VNNI CPUs too (A/B). Read when the weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
-    "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16 without AMX and the shape fits "
-    "(in % 2, out % 16), else oneDNN's prepacked one; onednn = always oneDNN's (ablation); "
-    "own = kvstrata's wherever its AVX512-BF16 or AVX2 body runs, AMX CPUs too (A/B); "
-    "own_decode = kvstrata's up to 64 rows (decode batches) and oneDNN's above (prefill), "
-    "both layouts kept (twice the weights' memory; A/B on AMX). Read when the weights are "
-    "packed.")
+    "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
+    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 for up to 64 "
+    "rows (decode batches) only, oneDNN's AMX tiles above (prefill), both layouts kept "
+    "(twice the bf16 weights' memory) -- else oneDNN's prepacked one; onednn = always "
+    "oneDNN's (ablation); own = kvstrata's for every row count wherever its AVX512-BF16 or "
+    "AVX2 body runs (A/B); own_decode = the AMX split on any CPU with oneDNN bf16 (A/B). "
+    "Read when the weights are packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",
     "fp32 linear layers on the CPU: auto = kvstrata's GEMV (runner/csrc/f32_gemv.h) at 1-16 "

@@ -1,6 +1,6 @@
 """`--quantization w8a8_int8` on a CPU with VNNI, in the model's dtype: kvstrata's own int8
 GEMM with the row ops fused in (AVX512-VNNI), or oneDNN's prepacked int8 linear between two
-fused row ops (AVX-VNNI only, AMX-INT8, shapes outside the own GEMM's layout).
+fused row ops (AVX-VNNI only, shapes outside the own GEMM's layout).
 
 Why: the fbgemm layer (runner/quantization.py W8A8Int8Linear) takes float32 activations, so a
 bf16 model paid two conversions a linear, and its per-token scaling is four torch ops around
@@ -89,16 +89,18 @@ def avx2_gemm_available() -> bool:
 
 def own_gemm_fits(in_features: int, out_features: int) -> bool:
     """kvstrata's own GEMM takes this weight: its layout's shape rules, KVSTRATA_CPU_INT8_GEMM
-    =auto, and AVX512-VNNI here, or AVX2 without any VNNI (avx2_gemm_available). Not with
-    AMX-INT8: oneDNN multiplies int8 tiles on AMX there, which VNNI vectors do not match at
-    prefill sizes (no AMX box measured it yet). KVSTRATA_CPU_INT8_GEMM=own takes it wherever
-    one of its tiles runs, AMX CPUs too (the A/B for such a box)."""
+    not onednn, and AVX512-VNNI here (AMX-INT8 CPUs too), or AVX2 without any VNNI
+    (avx2_gemm_available; KVSTRATA_CPU_INT8_GEMM=own: with AVX-VNNI too). On AMX-INT8 (16
+    cores of an H200 host's Xeon, 2026-12-04, benchmarks/bench_gemm.py) it ran SmolLM2's
+    layers 2.1-2.3x oneDNN's AMX int8 path at 1-32 rows, 1.8x at 64, 1.4x at 128, 0.75x at
+    512; served w8a8 (32 concurrent) 1371 / 1237 / 1400 tok/s against oneDNN's 931 / 917 /
+    1097: one layout serves every row count there too."""
     choice = _gemm_choice()
     if not (choice != "onednn" and in_features % 4 == 0 and out_features % 16 == 0
             and in_features >= 4):
         return False
     if _has_vnni512():
-        return choice == "own" or "amx_int8" not in read_cpu_flags()
+        return True
     return avx2_gemm_available()
 
 

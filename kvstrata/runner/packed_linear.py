@@ -11,11 +11,13 @@ float rounding only (accumulation order).
 
 The ops (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`) are the ones
 torch.compile's CPU backend emits for the same purpose. Applied once after load to the
-llama-family decoder in float32 or bf16 on the CPU, when torch has oneDNN; KVSTRATA_CPU_PACKED_LINEAR=0
-keeps F.linear (ablation). `--quantization w8a8_int8` replaces these layers instead.
+llama-family decoder in float32 or bf16 on the CPU, when torch has oneDNN;
+KVSTRATA_CPU_PACKED_LINEAR=0 keeps F.linear (ablation). `--quantization w8a8_int8` replaces
+these layers instead.
 
-bf16 on a CPU with AVX512-BF16 and without AMX runs kvstrata's own GEMM instead
-(runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the int8 GEMM's
+bf16 on a CPU with AVX512-BF16 runs kvstrata's own GEMM instead (with AMX-BF16 for decode
+rows only, oneDNN's AMX tiles above 64 rows: split_layouts;
+runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the int8 GEMM's
 tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights prefetched
 while the rows multiply the current one, and the gate|up projection's silu(gate) * up
 written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
@@ -90,21 +92,32 @@ def _onednn_bf16() -> bool:
 
 def own_bf16_fits(weight: torch.Tensor) -> bool:
     """kvstrata's bf16 GEMM takes this weight: bf16 on a CPU with AVX512-BF16 (and
-    KVSTRATA_CPU_ISA allowing AVX-512), or with AVX2 + FMA where oneDNN has no bf16 kernels;
-    its layout's shape rules (in % 2, out % 16) and KVSTRATA_CPU_BF16_GEMM=auto. Not with
-    AMX-BF16: oneDNN multiplies bf16 tiles on AMX there, which vdpbf16ps does not match at
-    prefill sizes. KVSTRATA_CPU_BF16_GEMM=own takes it wherever one of its bodies runs (the
-    A/B for decode rows on AMX, where 16 cores ran oneDNN's bf16 linears slower than fp32);
-    own_decode too, for rows up to OWN_DECODE_MAX_ROWS (see PackedLinear)."""
+    KVSTRATA_CPU_ISA allowing AVX-512; with AMX-BF16 too, for decode rows: see split_layouts),
+    or with AVX2 + FMA where oneDNN has no bf16 kernels; its layout's shape rules (in % 2, out
+    % 16) and KVSTRATA_CPU_BF16_GEMM not onednn. KVSTRATA_CPU_BF16_GEMM=own takes it wherever
+    one of its bodies runs (AVX2 CPUs whose oneDNN has bf16 kernels too)."""
     choice = _gemm_choice()
     out_features, in_features = weight.shape
     if not (choice != "onednn" and weight.dtype == torch.bfloat16 and in_features % 2 == 0
             and out_features % 16 == 0):
         return False
-    forced = choice in ("own", "own_decode")
     if _bf16_ops.has_bf16_512(isa_cap()):
-        return forced or "amx_bf16" not in read_cpu_flags()
-    return _bf16_ops.kernel_isa(isa_cap()) == 1 and (forced or not _onednn_bf16())
+        return True
+    return _bf16_ops.kernel_isa(isa_cap()) == 1 and (choice != "auto" or not _onednn_bf16())
+
+
+def split_layouts() -> bool:
+    """An own bf16 layer also keeps oneDNN's layout for more than OWN_DECODE_MAX_ROWS rows:
+    KVSTRATA_CPU_BF16_GEMM=own_decode, or auto on an AMX-BF16 CPU. There oneDNN multiplies
+    prefill rows on AMX tiles (at 512 rows 6x the own GEMM's speed on 16 cores of an H200
+    host's Xeon, 2026-12-04) while its decode rows scaled badly with the cores: at batch 32
+    oneDNN's bf16 step took 54.8 ms against 23.0 on the own GEMM and fp32's 31.0 (16
+    threads). Served (SmolLM2's shapes, 32 concurrent), 16 threads: bf16 on both layouts 661 /
+    627 / 790 tok/s, fp32 499 / 554 / 595, bf16 on oneDNN alone 393, on the own GEMM alone 547
+    / 468 / 546; 8 threads: both 469 / 634, oneDNN alone 412 / 464, fp32 514 / 440. The two
+    bf16 layouts take the memory of one fp32 copy (layer nbytes count both)."""
+    choice = _gemm_choice()
+    return choice == "own_decode" or (choice == "auto" and "amx_bf16" in read_cpu_flags())
 
 
 def _gemm_choice() -> str:
@@ -129,9 +142,9 @@ def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """A weight (and bias) in oneDNN's layout, in kvstrata's bf16 GEMM's (`own`), or as it is
     (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`.
-    With KVSTRATA_CPU_BF16_GEMM=own_decode an `own` layer also keeps oneDNN's layout
-    (`onednn`, twice the weight memory) for more than OWN_DECODE_MAX_ROWS rows: oneDNN's AMX
-    tiles for prefill, kvstrata's GEMM for decode batches (the A/B on AMX CPUs)."""
+    Where split_layouts() (AMX-BF16; KVSTRATA_CPU_BF16_GEMM=own_decode) an `own` layer also
+    keeps oneDNN's layout (`onednn`, twice the bf16 weight memory) for more than
+    OWN_DECODE_MAX_ROWS rows: oneDNN's AMX tiles for prefill, kvstrata's GEMM for decode."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  gemv: bool = False):
@@ -143,7 +156,7 @@ class PackedLinear(nn.Module):
         if self.own:  # the own GEMM's layout serves every row count (own_decode: up to 64)
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
-            if _gemm_choice() == "own_decode" and _onednn_bf16():
+            if split_layouts() and _onednn_bf16():
                 self.onednn = _onednn_pack(weight)
         elif self.plain:
             self.packed = weight.detach().contiguous()
@@ -297,7 +310,10 @@ def pack_model(model: Any) -> dict:
 
 def kernel_name(layer: PackedLinear) -> str:
     if layer.own:
-        return OWN_BF16_KERNEL if _bf16_ops.kernel_isa(isa_cap()) == 2 else OWN_BF16_AVX2_KERNEL
+        own = OWN_BF16_KERNEL if _bf16_ops.kernel_isa(isa_cap()) == 2 else OWN_BF16_AVX2_KERNEL
+        if layer.onednn is not None:
+            return f"{own} up to {OWN_DECODE_MAX_ROWS} rows, above them {KERNEL}"
+        return own
     return PLAIN_KERNEL if layer.plain else KERNEL
 
 

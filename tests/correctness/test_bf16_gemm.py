@@ -106,7 +106,10 @@ def test_choice_rules_and_fallbacks(monkeypatch):
     flags = packed_linear.read_cpu_flags()
     if BF16_512:
         monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags | {"amx_bf16"})
-        assert not packed_linear.own_bf16_fits(weight)  # AMX: oneDNN's tiles
+        # AMX: ours for decode rows, oneDNN's tiles above OWN_DECODE_MAX_ROWS
+        assert packed_linear.own_bf16_fits(weight) and packed_linear.split_layouts()
+        monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags)
+    assert not packed_linear.split_layouts()  # without AMX: ours for every row count
     layer = _layer(weight, b, "auto", monkeypatch)
     assert packed_linear.kernel_name(layer) == (packed_linear.OWN_BF16_KERNEL if BF16_512
                                                 else packed_linear.OWN_BF16_AVX2_KERNEL)
@@ -132,13 +135,14 @@ def test_choice_rules_and_fallbacks(monkeypatch):
 @pytest.mark.skipif(_bf16_ops.kernel_isa(2) == 0, reason="needs AVX512-BF16 or AVX2 + FMA")
 def test_own_choice_takes_the_gemm_where_auto_steps_aside(monkeypatch):
     """KVSTRATA_CPU_BF16_GEMM=own: kvstrata's GEMM also where auto leaves bf16 layers to
-    oneDNN (an AMX-BF16 CPU; an AVX2 CPU whose oneDNN has bf16 kernels), for the A/B there;
-    its values are its body's, one rounding from exact. onednn never takes it."""
+    oneDNN (an AVX2 CPU whose oneDNN has bf16 kernels), for the A/B there; its values are
+    its body's, one rounding from exact. onednn never takes it. With AVX512-BF16 auto takes
+    it on AMX too (for decode rows: split_layouts)."""
     monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
     monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: True)
     torch.manual_seed(3)
     weight, b = (torch.randn(48, 64) / 8).bfloat16(), torch.randn(48).bfloat16()
-    want = {"auto": False, "own": True, "onednn": False}
+    want = {"auto": _bf16_ops.has_bf16_512(2), "own": True, "onednn": False}
     for choice, fits in want.items():
         monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", choice)
         assert packed_linear.own_bf16_fits(weight) is fits, choice
@@ -234,6 +238,7 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
     weight, b = (torch.randn(64, 96) / 10).bfloat16(), torch.randn(64).bfloat16()
     layer = PackedLinear(weight, b)
     assert layer.own and layer.onednn is not None
+    assert f"up to {packed_linear.OWN_DECODE_MAX_ROWS} rows" in packed_linear.kernel_name(layer)
     assert layer.nbytes == 2 * weight.numel() * 2 + b.numel() * (2 + 4)
     onednn = packed_linear._onednn_linear
     top = packed_linear.OWN_DECODE_MAX_ROWS
@@ -252,3 +257,6 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
         assert layer.own_takes(x) is own
     monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "own")
     assert PackedLinear(weight).onednn is None  # own: one layout
+    monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "auto")  # AMX: both where AVX512-BF16 runs
+    auto = PackedLinear(weight)
+    assert auto.own == (auto.onednn is not None) == _bf16_ops.has_bf16_512(2)

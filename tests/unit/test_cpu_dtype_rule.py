@@ -1,7 +1,8 @@
 """--dtype auto on a CPU (config/rules/platform_defaults.py): bf16 where the CPU has bf16
-instructions (AMX up to 8 threads), fp32 elsewhere (AVX2 + FMA too: its bf16 kernels served slower than fp32 at 32
-concurrent requests) and for what is only measured in fp32; explicit dtypes and
-accelerators untouched. Flags come from the (simulated) platform, never from this machine."""
+instructions (AMX on one bf16 GEMM alone up to 8 threads), fp32 elsewhere (AVX2 + FMA too:
+its bf16 kernels served slower than fp32 at 32 concurrent requests) and for what is only
+measured in fp32; explicit dtypes and accelerators untouched. Flags come from the
+(simulated) platform, never from this machine."""
 from __future__ import annotations
 
 import pytest
@@ -39,26 +40,43 @@ def test_auto_follows_the_cpu_flags(flags, want, flag):
         assert "no bf16 path measured faster" in rule.reason
 
 
+@pytest.mark.parametrize("gemm", ["onednn", "own"])
 @pytest.mark.parametrize("threads,want", [(0, "bfloat16"), (1, "bfloat16"), (2, "bfloat16"),
                                           (8, "bfloat16"), (9, "float32"), (16, "float32"),
                                           (64, "float32")])
-def test_amx_bf16_holds_up_to_its_measured_threads(threads, want):
-    """AMX served bf16 2.35-2.42x fp32 at 2 threads but 0.80x at 16 (an H200 host's Xeon):
-    above AMX_BF16_MAX_THREADS the CPU keeps fp32, quantized or not, and says why; the
-    AVX-512 BF16 row (no AMX) has no such bound; an unknown count (0) takes the row."""
+def test_amx_bf16_on_one_gemm_holds_up_to_its_measured_threads(threads, want, gemm):
+    """AMX on oneDNN's bf16 linears alone served bf16 2.35-2.42x fp32 at 2 threads but 0.80x
+    at 16 (an H200 host's Xeon); on kvstrata's GEMM alone 0.92-1.10x at 16: with either
+    choice, above AMX_BF16_MAX_THREADS the CPU keeps fp32, quantized or not, and says why;
+    the AVX-512 BF16 row (no AMX) has no such bound; an unknown count (0) takes the row."""
     from kvstrata.config.rules.platform_defaults import AMX_BF16_MAX_THREADS
 
     assert AMX_BF16_MAX_THREADS == 8
+    env = {"KVSTRATA_CPU_BF16_GEMM": gemm}
     for quantization in (None, "w8a8_int8"):
-        dtype, rule = dtype_of(AMX, threads=threads, quantization=quantization)
+        dtype, rule = dtype_of(AMX, threads=threads, quantization=quantization, env=env)
         assert dtype == want, (threads, quantization)
         if want == "float32":
             assert (f"amx_bf16 but runs {threads} threads" in rule.reason
+                    and f"KVSTRATA_CPU_BF16_GEMM={gemm}" in rule.reason
                     and "0.80x fp32 at 16 threads" in rule.reason), rule.reason
         else:
-            assert "the CPU has amx_bf16: " in rule.reason
-    assert dtype_of(AVX512_BF16, threads=threads)[0] == "bfloat16"
-    assert dtype_of(AMX, threads=threads, dtype="bfloat16")[0] == "bfloat16"  # explicit: kept
+            assert "amx_bf16: AMX bf16 tiles: serving measured bf16 2.35" in rule.reason
+    assert dtype_of(AVX512_BF16, threads=threads, env=env)[0] == "bfloat16"
+    assert dtype_of(AMX, threads=threads, dtype="bfloat16", env=env)[0] == "bfloat16"
+
+
+@pytest.mark.parametrize("gemm", [None, "auto", "own_decode", " Own_Decode "])
+@pytest.mark.parametrize("threads", [0, 2, 8, 9, 16, 64])
+def test_amx_bf16_on_both_gemms_holds_at_any_thread_count(threads, gemm):
+    """With both bf16 layouts (the default on AMX: kvstrata's GEMM for decode rows, oneDNN's
+    AMX tiles for prefill) bf16 served 1.13-1.33x fp32 at 16 threads: the row has no bound."""
+    env = {} if gemm is None else {"KVSTRATA_CPU_BF16_GEMM": gemm}
+    for quantization in (None, "w8a8_int8"):
+        dtype, rule = dtype_of(AMX, threads=threads, quantization=quantization, env=env)
+        assert dtype == "bfloat16", (threads, quantization)
+        assert ("the CPU has amx_bf16: AMX bf16 tiles for prefill and kvstrata's bf16 GEMM"
+                in rule.reason and "1.13-1.33x fp32 at 16 threads" in rule.reason)
 
 
 def test_explicit_dtype_is_kept():

@@ -2,6 +2,8 @@
 --dtype auto on a CPU (chosen from the CPU's instruction sets by the measurements below)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
 from kvstrata.platform import VNNI_FLAGS, Platform
 
@@ -12,22 +14,44 @@ CHUNKED_PREFILL_ACCELERATOR = 8192
 
 # --dtype auto on a CPU: the first row whose flags the CPU has (all of `needs`, none of
 # `lacks`; with --quantization only rows measured with it) decides, else float32. A row
-# holds up to `max_threads` torch threads (None: any; an unknown count, 0, takes the row);
-# above them the CPU keeps float32 for the reason `beyond`. Each row is backed by a serving
-# measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128, out 64;
-# benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+# holds up to `max_threads` torch threads (None: any; an unknown count, 0, takes the row),
+# or any count while KVSTRATA_CPU_BF16_GEMM is one of `any_threads_with` (`why_any` says
+# why); above them the CPU keeps float32 for the reason `beyond`. Each row is backed by a
+# serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128,
+# out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+class DtypeRow(NamedTuple):
+    needs: tuple[str, ...]
+    lacks: tuple[str, ...]
+    quantized_too: bool
+    dtype: str
+    max_threads: int | None
+    why: str
+    beyond: str = ""
+    any_threads_with: tuple[str, ...] = ()
+    why_any: str = ""
+
+
 AMX_BF16_MAX_THREADS = 8
 CPU_DTYPE_RULES = (
-    # AMX: 2.35-2.42x on a 2-vCPU Xeon VM (2026-12-02) but 0.80x on 16 cores of an H200
-    # host's Xeon (2026-12-04, torch 2.11, SmolLM2's shapes): there fp32 decode steps scaled
-    # with the cores (B=32 30 ms) and bf16's AMX linears did not (40 ms; prefill stayed
-    # faster in bf16). 3-15 threads are not measured: the bound sits between, at 8.
-    (("amx_bf16",), (), True, "bfloat16", AMX_BF16_MAX_THREADS,
-     "AMX bf16 tiles: serving measured bf16 2.35-2.42x fp32 at 2 threads (2026-12-02)",
-     "serving measured bf16 0.80x fp32 at 16 threads (2026-12-04; 2.35-2.42x at 2)"),
-    (("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x fp32, "
-     "serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC (2026-12-03)",
-     ""),
+    # AMX: 2.35-2.42x on a 2-vCPU Xeon VM (2026-12-02) with oneDNN's bf16 linears, but 0.80x
+    # on 16 cores of an H200 host's Xeon (2026-12-04, torch 2.11, SmolLM2's shapes): there
+    # oneDNN's AMX linears at decode rows did not scale with the cores (B=32 step 40-55 ms,
+    # fp32 30 ms). With kvstrata's bf16 GEMM for decode rows beside oneDNN's AMX tiles for
+    # prefill (runner/packed_linear.py split_layouts, the default there) bf16 served
+    # 1.13-1.33x fp32 at 16 threads (three rounds) and 0.91x / 1.44x at 8 (two, noisy).
+    # With oneDNN's alone (KVSTRATA_CPU_BF16_GEMM=onednn) or the own GEMM alone (own: 0.92-1.10x
+    # at 16) the 8-thread bound stands: 3-15 threads are not measured, it sits between.
+    DtypeRow(("amx_bf16",), (), True, "bfloat16", AMX_BF16_MAX_THREADS,
+             "AMX bf16 tiles: serving measured bf16 2.35-2.42x fp32 at 2 threads (2026-12-02)",
+             "serving measured bf16 on oneDNN's linears alone 0.80x fp32 at 16 threads "
+             "(2026-12-04; 2.35-2.42x at 2)",
+             ("auto", "own_decode"),
+             "AMX bf16 tiles for prefill and kvstrata's bf16 GEMM for decode rows: serving "
+             "measured bf16 1.13-1.33x fp32 at 16 threads (three rounds, 2026-12-04), "
+             "2.35-2.42x at 2 on oneDNN's alone (2026-12-02)"),
+    DtypeRow(("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x "
+             "fp32, serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC "
+             "(2026-12-03)"),
     # AVX2 + FMA without AVX-512 keeps fp32 (the fallback): kvstrata's own bf16 kernels run
     # there and served 1.00-1.60x fp32 over ten rounds (2026-12-04, session 23), but once the
     # fp32 decode plan took batches above 16 rows (session 24) bf16 served 0.92-0.94x fp32 in
@@ -70,15 +94,20 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
         return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
                            "decoder is measured in bf16 on CPU")
     flags, threads = set(platform.cpu_flags), platform.cpu_threads
-    for needs, lacks, quantized_too, dtype, max_threads, why, beyond in CPU_DTYPE_RULES:
-        if set(needs) <= flags and not set(lacks) & flags:
-            if args.quantization is not None and not quantized_too:
+    gemm = str(env.get("KVSTRATA_CPU_BF16_GEMM", "auto")).strip().lower()
+    for row in CPU_DTYPE_RULES:
+        if set(row.needs) <= flags and not set(row.lacks) & flags:
+            has = " + ".join(row.needs)
+            if args.quantization is not None and not row.quantized_too:
                 return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
-                                   f"({' + '.join(needs)}) is measured unquantized only")
-            if max_threads is not None and threads > max_threads:
-                return "float32", (f"the CPU has {' + '.join(needs)} but runs {threads} "
-                                   f"threads (bf16 holds up to {max_threads}): {beyond}")
-            return dtype, f"the CPU has {' + '.join(needs)}: {why}"
+                                   f"({has}) is measured unquantized only")
+            if gemm in row.any_threads_with:
+                return row.dtype, f"the CPU has {has}: {row.why_any}"
+            if row.max_threads is not None and threads > row.max_threads:
+                return "float32", (f"the CPU has {has} but runs {threads} threads (bf16 holds "
+                                   f"up to {row.max_threads} with KVSTRATA_CPU_BF16_GEMM="
+                                   f"{gemm}): {row.beyond}")
+            return row.dtype, f"the CPU has {has}: {row.why}"
     return CPU_DTYPE_FALLBACK
 
 
