@@ -12,9 +12,9 @@
 # (kvstrata_w8a8_onednn: w8a8 on the int8 kernel kvstrata's own GEMM replaces -- oneDNN's
 # with VNNI, fbgemm's without; kvstrata_fp32_gemv: fp32 with oneDNN's layer above the GEMV's
 # rows, where kvstrata's fp32 GEMM runs them on a CPU without AVX-512; kvstrata_bf16_own: bf16
-# on kvstrata's own GEMM where auto leaves it to oneDNN, as on AMX; kvstrata_bf16_own_decode:
-# that GEMM for decode batches (up to 64 rows), oneDNN's above; kvstrata_w8a8_own: the same
-# for the int8 GEMM)
+# on kvstrata's own GEMM for every row count (on AMX auto takes it for decode rows only);
+# kvstrata_bf16_onednn: oneDNN's alone; kvstrata_bf16_own_decode: the AMX split anywhere;
+# kvstrata_w8a8_own and kvstrata_w8a8_own_decode (128 rows): the same for the int8 GEMM)
 #
 # A shared 2-vCPU box moves a serving figure by 10-20% between minutes: with ROUNDS > 1 each
 # round runs the whole list, the ratios are taken within each round, and the summary gives
@@ -115,9 +115,12 @@ for round in $(seq 1 "$ROUNDS"); do
           --quantization w8a8_int8 ;;
       kvstrata_fp32_gemv) KVSTRATA_CPU_F32_GEMV=gemv run_kvstrata "$run" --dtype float32 ;;
       kvstrata_bf16_own) KVSTRATA_CPU_BF16_GEMM=own run_kvstrata "$run" --dtype bfloat16 ;;
+      kvstrata_bf16_onednn) KVSTRATA_CPU_BF16_GEMM=onednn run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_bf16_own_decode) KVSTRATA_CPU_BF16_GEMM=own_decode run_kvstrata "$run" \
           --dtype bfloat16 ;;
       kvstrata_w8a8_own) KVSTRATA_CPU_INT8_GEMM=own run_kvstrata "$run" --quantization w8a8_int8 ;;
+      kvstrata_w8a8_own_decode) KVSTRATA_CPU_INT8_GEMM=own_decode run_kvstrata "$run" \
+          --quantization w8a8_int8 ;;
       vllm_bf16) run_vllm "$run" bfloat16 ;;
       vllm_fp32) run_vllm "$run" float32 ;;
       *) echo "unknown run $run"; exit 2 ;;

@@ -160,7 +160,9 @@ KVSTRATA_CPU_INT8_GEMM = _declare(
     "(AMX-INT8 CPUs too: served 1.3-1.5x oneDNN's AMX path), or AVX2 + FMA + F16C and no "
     "VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), else oneDNN's (fbgemm's "
     "layer without VNNI); onednn = never kvstrata's (ablation); own = kvstrata's wherever one "
-    "of its tiles runs, AVX-VNNI CPUs too (A/B). Read when the weights are packed.")
+    "of its tiles runs, AVX-VNNI CPUs too (A/B); own_decode = kvstrata's up to 128 rows and "
+    "oneDNN's above on a CPU with VNNI, both layouts kept (A/B for AMX prefill). Read when "
+    "the weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "

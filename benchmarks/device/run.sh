@@ -7,14 +7,14 @@
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
 #   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
 #            1-512 rows on every core: where each wins on this CPU
-#   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on kvstrata's
-#            own GEMM where auto leaves them to oneDNN (AMX)
-#   served   run_vllm_cpu.sh: fp32, bf16, w8a8, bf16 and w8a8 on the own GEMMs, bf16 on
-#            own_decode (own GEMM up to 64 rows, oneDNN above) (SmolLM2's shapes, random
-#            weights)
-#   threads  fp32 vs bf16 (oneDNN's, own) on THREADS_LIST cores (default "4 8"; taskset +
-#            OMP_NUM_THREADS): decode steps, then served fp32 / bf16 / own_decode: where
-#            the AMX bf16 row's thread bound belongs
+#   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on oneDNN's
+#            GEMMs alone (where auto runs kvstrata's for decode rows, as on AMX)
+#   served   run_vllm_cpu.sh: fp32, bf16 and w8a8 (on AMX: the own GEMMs for decode rows),
+#            both on oneDNN's GEMMs alone, w8a8 on own_decode (own up to 128 rows, oneDNN's
+#            above) (SmolLM2's shapes, random weights)
+#   threads  fp32 vs bf16 (auto, oneDNN's alone) on THREADS_LIST cores (default "4 8";
+#            taskset + OMP_NUM_THREADS): decode steps, then served: whether the AMX bf16 row
+#            holds at few cores
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
 # CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
 # Results: $OUT/device_results.tgz (every log and JSON) and a summary on stdout. A dry run
@@ -63,36 +63,36 @@ for st in $STAGES; do case $st in
         KVSTRATA_CPU_INT8_GEMM=own python3 benchmarks/bench_gemm.py --kind $k \
         --rows 1 8 32 64 128 512 --rounds 3 --out "$R/gemm_$k.json"
     done ;;
-  step) for v in float32 bfloat16 bfloat16_own w8a8 w8a8_own; do
-      case $v in  # the variant's flags, and its kernel choice (own: kvstrata's GEMM forced)
+  step) for v in float32 bfloat16 bfloat16_onednn w8a8 w8a8_onednn; do
+      case $v in  # the variant's flags, and its kernel choice (onednn: oneDNN's GEMM alone)
         w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;
-        *) flags=(--dtype "${v%_own}") ;;
+        *) flags=(--dtype "${v%_onednn}") ;;
       esac
-      own=$([ "${v%_own}" != "$v" ] && echo own || echo auto)
-      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$own \
-        KVSTRATA_CPU_INT8_GEMM=$own python3 benchmarks/bench_decode_step.py --model /tmp/smol \
+      gemm=$([ "${v%_onednn}" != "$v" ] && echo onednn || echo auto)
+      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$gemm \
+        KVSTRATA_CPU_INT8_GEMM=$gemm python3 benchmarks/bench_decode_step.py --model /tmp/smol \
         "${flags[@]}" --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
       grep -E "GEMM peak|alone|C=128   kernel" "$R/step_$v.log" | cut -c1-200
     done ;;
   served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
       KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
       EOS_FLAG=--ignore-eos ROUNDS=${ROUNDS:-1} \
-      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own kvstrata_bf16_own_decode
-            kvstrata_w8a8 kvstrata_w8a8_own}" \
+      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_onednn kvstrata_w8a8
+            kvstrata_w8a8_onednn kvstrata_w8a8_own_decode}" \
       bash benchmarks/run_vllm_cpu.sh ;;
   threads) for t in ${THREADS_LIST:-4 8}; do
       pin=(taskset -c "0-$((t - 1))" env OMP_NUM_THREADS="$t")
-      for v in float32 bfloat16 bfloat16_own; do
-        own=$([ "${v%_own}" != "$v" ] && echo own || echo auto)
+      for v in float32 bfloat16 bfloat16_onednn; do
+        gemm=$([ "${v%_onednn}" != "$v" ] && echo onednn || echo auto)
         TAILN=0 stage "step_${v}_t$t" 60 "${CPU_ONLY[@]}" "${pin[@]}" \
-          KVSTRATA_CPU_BF16_GEMM=$own python3 benchmarks/bench_decode_step.py --model /tmp/smol \
-          --dtype "${v%_own}" --batch 32 --context 128 --prefill 0 --rounds 2 \
-          --out "$R/step_${v}_t$t.json"
+          KVSTRATA_CPU_BF16_GEMM=$gemm python3 benchmarks/bench_decode_step.py \
+          --model /tmp/smol --dtype "${v%_onednn}" --batch 32 --context 128 --prefill 0 \
+          --rounds 2 --out "$R/step_${v}_t$t.json"
         grep -E "C=128   kernel" "$R/step_${v}_t$t.log" | cut -c1-120
       done
       TAILN=3 stage "served_t$t" 150 "${CPU_ONLY[@]}" "${pin[@]}" OUT="$R/served_t$t" PY=python3 \
         KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
-        EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_own_decode" \
+        EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_onednn" \
         bash benchmarks/run_vllm_cpu.sh
     done ;;
   suite) TAILN=20 stage suite 600 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 14 \

@@ -45,7 +45,10 @@ KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-t
 OWN_KERNEL = "kvstrata int8 GEMM (AVX512-VNNI, runner/csrc/int8_gemm.h), rows fused in"
 OWN_AVX2_KERNEL = ("kvstrata int8 GEMM (AVX2 vpmaddubsw, runner/csrc/int8_gemm_avx2.h), "
                    "rows fused in")
-GEMM_CHOICES = ("auto", "onednn", "own")
+GEMM_CHOICES = ("auto", "onednn", "own", "own_decode")
+# own_decode: kvstrata's GEMM up to this many rows, oneDNN's int8 linear above (its AMX tiles
+# won from ~512 rows on an H200 host's Xeon: 0.75x ours there, ours 1.43x theirs at 128)
+OWN_DECODE_MAX_ROWS = 128
 PACK_ROWS_HINT = 32  # as packed_linear.py: measured indifferent between 32 and 2048 rows
 LEVELS = 127
 ZERO_POINT = 128  # the u8 code of 0 (int8_ops.c quant_rows)
@@ -83,7 +86,8 @@ def avx2_gemm_available() -> bool:
     if not envs.KVSTRATA_CPU_INT8_MM.get():
         return False  # the layer is off: the GEMM choice is not read (as before `own`)
     choice = _gemm_choice()
-    return (choice != "onednn" and (choice == "own" or not VNNI_FLAGS & read_cpu_flags())
+    return (choice != "onednn" and (choice in ("own", "own_decode")
+                                    or not VNNI_FLAGS & read_cpu_flags())
             and _int8_ops.kernel_isa(1) == 1)
 
 
@@ -104,11 +108,21 @@ def own_gemm_fits(in_features: int, out_features: int) -> bool:
     return avx2_gemm_available()
 
 
+def split_layouts() -> bool:
+    """KVSTRATA_CPU_INT8_GEMM=own_decode on a CPU with VNNI: an own layer also keeps oneDNN's
+    prepacked weight for more than OWN_DECODE_MAX_ROWS rows (the same values bit for bit; the
+    int8 weight twice). The A/B for prefill rows on AMX-INT8, not a default: served
+    unmeasured there."""
+    return _gemm_choice() == "own_decode" and bool(VNNI_FLAGS & read_cpu_flags())
+
+
 def kernel_name() -> str:
     """What the layer runs on this CPU for SmolLM2-like shapes (for /server_info)."""
     if not own_gemm_fits(64, 64):
         return KERNEL
-    return OWN_KERNEL if _has_vnni512() else OWN_AVX2_KERNEL
+    own = OWN_KERNEL if _has_vnni512() else OWN_AVX2_KERNEL
+    return f"{own} up to {OWN_DECODE_MAX_ROWS} rows, above them {KERNEL}" if split_layouts() \
+        else own
 
 
 def pack_vnni(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +158,20 @@ class Int8MatmulLinear(nn.Module):
         self.out_features, self.in_features = cpu_weight_shape(weight)
         qweight, self.w_scale = quantize_weight(weight)
         self.own = own_gemm_fits(self.in_features, self.out_features)
-        if self.own:  # one layout only: kvstrata's GEMM serves every row count
+        # the most rows kvstrata's GEMM takes (all where it is the one layout; split_layouts:
+        # OWN_DECODE_MAX_ROWS, oneDNN's above)
+        self.own_max_rows = 0
+        self.packed = None
+        if self.own:
             self.vnni, self.comp = pack_vnni(qweight)
-        else:
+            self.own_max_rows = OWN_DECODE_MAX_ROWS if split_layouts() else 1 << 62
+        if not self.own or self.own_max_rows == OWN_DECODE_MAX_ROWS:
             self.packed = torch.ops.onednn.qlinear_prepack(qweight,
                                                            [PACK_ROWS_HINT, self.in_features])
             self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.nbytes = qweight.numel() + 4 * self.out_features * (1 + (bias is not None) + self.own)
+        self.nbytes = (qweight.numel() * (1 + (self.own and self.packed is not None))
+                       + 4 * self.out_features * (1 + (bias is not None) + self.own))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype in _DTYPES and x.is_contiguous():
@@ -169,7 +189,7 @@ class Int8MatmulLinear(nn.Module):
     def _linear_rows(self, x: torch.Tensor, m: int, stride: int) -> torch.Tensor:
         """[m, in] rows `stride` elements apart (fp32 / bf16) -> [m, out] in x's dtype. Few
         Python steps on purpose: a decode step makes 121 of these calls."""
-        if self.own or not m:
+        if m <= self.own_max_rows:  # (m == 0 too: an empty result)
             return self.own_rows(x, m, stride, False)
         code = _DTYPES[x.dtype]
         y, scales, threads, cap = self._gemm(x, m, stride, code)
@@ -188,7 +208,7 @@ class Int8MatmulLinear(nn.Module):
         if (x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous()
                 or self.out_features % 2 or not cpu_ops.enabled()):
             return None
-        if self.own:  # one call; a width its tiles do not pair takes the two steps
+        if x.shape[0] <= self.own_max_rows:  # one call; widths its tiles do not pair: two
             if self.out_features % 32:
                 return cpu_ops.silu_mul(self.own_rows(x, x.shape[0], self.in_features, False))
             return self.own_rows(x, x.shape[0], self.in_features, True)

@@ -101,7 +101,7 @@ def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear"
     fbgemm layer's 2-D float32 input, the reshapes); the decoder's own calls (2-D contiguous
     rows, kvstrata's GEMM) go straight to the C call: 121 calls a decode step, ~0.3-0.5 ms
     of Python frames saved a step (SmolLM2, A/B in one process)."""
-    if (type(layer) is Int8MatmulLinear and layer.own and x.dim() == 2
+    if (type(layer) is Int8MatmulLinear and x.dim() == 2 and x.shape[0] <= layer.own_max_rows
             and x.dtype in int8_linear.ROW_DTYPES and x.is_contiguous()):
         return layer.own_rows(x, x.shape[0], layer.in_features, False)
     if type(layer) is W8A8Int8Linear and x.dim() == 2 and x.dtype == torch.float32:

@@ -295,3 +295,40 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "mkl")
     with pytest.raises(ValueError, match="KVSTRATA_CPU_INT8_GEMM"):
         Int8MatmulLinear(torch.randn(16, 64))
+
+
+@own_gemm
+def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
+    """KVSTRATA_CPU_INT8_GEMM=own_decode on a CPU with a VNNI flag (simulated here where it
+    has none): kvstrata's GEMM up to OWN_DECODE_MAX_ROWS rows, oneDNN's int8 linear above, in
+    every entry (forward, the decoder's quantized_linear, fused silu, the decode plan's call);
+    each side equals a layer of that one kernel bit for bit. Without a VNNI flag, or with
+    auto / own, one layout."""
+    from kvstrata.runner.models import decode_plan
+    from kvstrata.runner.quantization import quantized_linear
+    flags = int8_linear.read_cpu_flags()
+    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"avx512_vnni"})
+    torch.manual_seed(6)
+    weight, b = torch.randn(64, 96), torch.randn(64)
+    split = _layer(weight, b, "own_decode", monkeypatch)
+    assert int8_linear.split_layouts()
+    assert f"up to {int8_linear.OWN_DECODE_MAX_ROWS} rows" in int8_linear.kernel_name()
+    own, onednn = _layer(weight, b, "own", monkeypatch), _layer(weight, b, "onednn", monkeypatch)
+    assert split.own and split.packed is not None and own.packed is None and not onednn.own
+    assert split.nbytes == own.nbytes + weight.numel()  # the int8 weight twice
+    top = int8_linear.OWN_DECODE_MAX_ROWS
+    for m in (0, 1, top, top + 1, 300):
+        x = torch.randn(m, 96).bfloat16()
+        want = own if m <= top else onednn
+        assert torch.equal(split(x), want(x)), m
+        assert torch.equal(quantized_linear(x, split), want(x)), m
+        assert torch.equal(split.linear_silu_mul(x), want.linear_silu_mul(x)), m
+        out = torch.empty(m, 64, dtype=torch.bfloat16)
+        model = type("Model", (), {"linear": staticmethod(quantized_linear)})()
+        fn, args = decode_plan._linear_call(model, split, None, x, out, 1, 2)
+        fn(*args)
+        assert torch.equal(out, want(x)), m
+    monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags - {"avx512_vnni",
+                                                                         "avx_vnni"})
+    if not int8_linear._has_vnni512():  # no VNNI flag: its AVX2 tile, one layout
+        assert _layer(weight, b, "own_decode", monkeypatch).packed is None

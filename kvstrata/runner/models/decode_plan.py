@@ -107,7 +107,8 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
             # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
             call = f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads,
                                       gemm=lin.gemm_f32)
-    elif (type(lin) is Int8MatmulLinear and lin.own and model.linear is quantized_linear
+    elif (type(lin) is Int8MatmulLinear and inp.shape[0] <= lin.own_max_rows
+          and model.linear is quantized_linear
           and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):
         # quantized_linear's (and linear_silu_mul's) one C call over the plan's rows
         call = lin.own_call(inp, inp.shape[0], lin.in_features, out, silu, threads, cap)
