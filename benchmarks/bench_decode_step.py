@@ -153,24 +153,28 @@ def linear_params(model: torch.nn.Module) -> int:
 
 
 def linears_alone_ms(model: torch.nn.Module, batch: int, dtype: torch.dtype,
-                     reps: int = 3) -> float:
+                     reps: int = 3) -> tuple[float, float]:
     """ms of one step's matmuls alone: every layer's linear weights and the output head
     applied through the model's own linear call (packed / quantised as served) to a random
     [batch, in] input -- what the step would cost with nothing but its GEMMs, at its own
-    shapes (best of `reps`)."""
+    shapes (best of `reps`) -- and of the output head alone: on 16 AMX cores oneDNN's bf16
+    linears took 24.0 ms here while bench_gemm.py timed the layers' shapes at 10.6 ms, so the
+    one wide GEMM is worth seeing apart."""
     weights = [getattr(layer, name) for layer in model.layers for name, _ in LAYER_LINEARS]
     weights.append(model.lm_head)
+
+    def width(w) -> int:  # a plain weight [out, in] or a packed / quantised layer
+        return w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
     inputs = {}
     for w in weights:
-        k = w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
-        inputs.setdefault(k, torch.randn(batch, k).to(dtype))
+        inputs.setdefault(width(w), torch.randn(batch, width(w)).to(dtype))
 
-    def run():
-        for w in weights:
-            k = w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
-            model.linear(inputs[k], w)
+    def run(ws=weights):
+        for w in ws:
+            model.linear(inputs[width(w)], w)
     run()
-    return min(_timed(run) for _ in range(reps)) * 1e3
+    return (min(_timed(run) for _ in range(reps)) * 1e3,
+            min(_timed(lambda: run(weights[-1:])) for _ in range(reps)) * 1e3)
 
 
 class DecodeBatch:
@@ -286,14 +290,15 @@ def main(argv=None) -> dict:
             # The step cannot beat the slower of its arithmetic at the GEMM peak and its
             # reads at the copy rate (a roofline from two baselines of this run).
             roofline_ms = max(flops / peak / 1e6, nbytes / bandwidth / 1e6)
-            linears_ms = linears_alone_ms(runner.model, args.batch, getattr(torch, args.dtype))
+            linears_ms, head_ms = linears_alone_ms(runner.model, args.batch,
+                                                   getattr(torch, args.dtype))
             row = {"batch": args.batch, "context": context, "flops_per_step": flops,
                    "bytes_per_step": nbytes, "roofline_ms": roofline_ms,
-                   "linears_alone_ms": linears_ms}
+                   "linears_alone_ms": linears_ms, "head_alone_ms": head_ms}
             print(f"decode B={args.batch}: its linears alone (the model's own calls at these "
                   f"shapes) {linears_ms:.1f} ms = {2 * params * args.batch / linears_ms / 1e6:.1f}"
-                  f" GFLOP/s = {2 * params * args.batch / linears_ms / 1e6 / peak:.1%} of peak",
-                  flush=True)
+                  f" GFLOP/s = {2 * params * args.batch / linears_ms / 1e6 / peak:.1%} of peak"
+                  f" (the output head {head_ms:.1f} ms of it)", flush=True)
             for kernel, name in ((True, "kernel"), (False, "gather_sdpa")):
                 if kernel not in variants:
                     continue

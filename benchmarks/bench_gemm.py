@@ -56,7 +56,11 @@ def fbgemm_baseline(kind: str) -> bool:
     return kind == "int8" and not int8_linear.available(cpu_has_vnni())
 
 
-def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None) -> list:
+HEAD = (576, 49152)  # SmolLM2's output head (tied to the embedding): one wide GEMM a step
+
+
+def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None,
+          shapes=SHAPES) -> list:
     env, layer, kind_dtype = KINDS[kind]
     if kernel == "onednn" and fbgemm_baseline(kind):
         from kvstrata.runner.quantization import W8A8Int8Linear
@@ -67,7 +71,7 @@ def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None)
     try:
         torch.manual_seed(0)
         return [layer((torch.randn(n, k) / k ** 0.5).to(dtype), torch.randn(n).to(dtype))
-                for k, n in SHAPES for _ in range(copies)]
+                for k, n in shapes for _ in range(copies)]
     finally:
         if saved is None:
             os.environ.pop(env)
@@ -103,6 +107,8 @@ def main(argv=None) -> dict:
     p.add_argument("--kind", choices=sorted(KINDS), default="int8")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
     p.add_argument("--copies", type=int, default=30, help="weights per shape (30: a step)")
+    p.add_argument("--head", action="store_true", help="also time the output head's shape "
+                   "(576 -> 49152, one weight) per kernel and row count")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -174,11 +180,38 @@ def main(argv=None) -> dict:
               "baseline": (kernel_name(onednn[0]) if args.kind == "bf16" else
                            "fbgemm int8 (7-bit)" if fbgemm_baseline(args.kind) else "oneDNN int8"),
               "results": rows_out}
+    if args.head:
+        report["head"] = head_rows(args, dtype)
     if args.model:
         report["decode"] = decode_steps(args, dtype)
     if out:
         write_json(out, report)
     return report
+
+
+def head_rows(args, dtype: torch.dtype) -> list[dict]:
+    """The output head's one GEMM per kernel (ms, best of the rounds) at each row count."""
+    layers = {"kvstrata": build(args.kind, ours_choice(args.kind), 1, shapes=(HEAD,))[0],
+              "onednn": build(args.kind, "onednn", 1, shapes=(HEAD,))[0]}
+    out = []
+    with torch.inference_mode():
+        for m in args.rows:
+            x = torch.randn(m, HEAD[0]).to(dtype)
+            best = {}
+            for name, layer in layers.items():
+                layer(x)
+                best[name] = min(_time(layer, x) for _ in range(args.rounds)) * 1e3
+            out.append({"rows": m, "kvstrata_ms": best["kvstrata"], "onednn_ms": best["onednn"]})
+            print(f"head M={m:<5d} kvstrata {best['kvstrata']:8.2f} ms  oneDNN "
+                  f"{best['onednn']:8.2f} ms  ratio {best['onednn'] / best['kvstrata']:5.2f}x",
+                  flush=True)
+    return out
+
+
+def _time(layer, x) -> float:
+    t = time.perf_counter()
+    layer(x)
+    return time.perf_counter() - t
 
 
 def decode_steps(args, dtype: torch.dtype) -> list[dict]:

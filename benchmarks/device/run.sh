@@ -6,7 +6,8 @@
 #   kernel   the C kernels' tests on this CPU's ISA (AVX-512 / AMX there), GPU hidden
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
 #   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
-#            1-512 rows on every core: where each wins on this CPU
+#            1-512 rows on every core, the layers' shapes and the output head's apart: where
+#            each wins on this CPU
 #   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on oneDNN's
 #            GEMMs alone (where auto runs kvstrata's for decode rows, as on AMX)
 #   served   run_vllm_cpu.sh: fp32, bf16 and w8a8 (on AMX: the own GEMMs for decode rows),
@@ -59,9 +60,9 @@ for st in $STAGES; do case $st in
   cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/cuda ;;
   gemm) for k in bf16 int8; do
-      TAILN=8 stage "gemm_$k" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=own \
+      TAILN=14 stage "gemm_$k" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=own \
         KVSTRATA_CPU_INT8_GEMM=own python3 benchmarks/bench_gemm.py --kind $k \
-        --rows 1 8 32 64 128 512 --rounds 3 --out "$R/gemm_$k.json"
+        --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
     done ;;
   step) for v in float32 bfloat16 bfloat16_onednn w8a8 w8a8_onednn; do
       case $v in  # the variant's flags, and its kernel choice (onednn: oneDNN's GEMM alone)

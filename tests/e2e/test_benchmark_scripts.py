@@ -220,13 +220,14 @@ def test_bench_int8_linear_rows(tmp_path):
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_bench_gemm_rows(tmp_path, kind, tiny_model_path):
     """Both GEMMs of a kind per row count, the same values (the script checks it), or a clear
-    line on a CPU without the instructions ours needs; --model: whole decode steps and
-    prefills of two engines."""
+    line on a CPU without the instructions ours needs; --head: the output head's shape;
+    --model: whole decode steps and prefills of two engines."""
     from kvstrata.runner.int8_linear import own_gemm_fits
     from kvstrata.runner.packed_linear import own_bf16_fits
     out = tmp_path / "gemm.json"
     _run("bench_gemm.py", "--kind", kind, "--rows", "1", "5", "--copies", "1", "--rounds", "1",
-         "--out", str(out), "--model", tiny_model_path, "--batches", "1", "3", "--tokens", "3")
+         "--out", str(out), "--model", tiny_model_path, "--batches", "1", "3", "--tokens", "3",
+         "--head")
     fits = (own_gemm_fits(576, 960) if kind == "int8" else
             own_bf16_fits(torch.empty(960, 576, dtype=torch.bfloat16)))
     if not fits:
@@ -238,6 +239,8 @@ def test_bench_gemm_rows(tmp_path, kind, tiny_model_path):
     assert [r["rows"] for r in rows] == [1, 5] and all(r["calls"] == 4 for r in rows)
     assert all(r["kvstrata_ms"] > 0 and r["onednn_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert [r["batch"] for r in report["decode"]] == [1, 3]
+    assert [r["rows"] for r in report["head"]] == [1, 5]  # the output head's shape apart
+    assert all(r["kvstrata_ms"] > 0 and r["onednn_ms"] > 0 for r in report["head"])
     assert all(r["first_ms"] > 0 and r["baseline_first_ms"] > 0 for r in report["decode"])
 
 
@@ -299,7 +302,7 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
             assert v["ms"] > 0 and 0 < v["of_peak"] and v["top_ops"]
             assert 0 < v["attention_share"] < 1  # the kernel shows up as an op of its own
             assert 0 < v["linears_alone_share"]
-        assert row["linears_alone_ms"] > 0
+        assert row["linears_alone_ms"] > 0 and row["head_alone_ms"] > 0
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
 
 
