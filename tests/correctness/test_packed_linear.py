@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.runner import f32_gemv
+from kvstrata.runner import _bf16_ops, f32_gemv
 from kvstrata.runner.packed_linear import PackedLinear, packed_linear
 
 
@@ -95,3 +95,50 @@ def test_runner_packs_by_default_and_env_turns_it_off(tiny_checkpoints, tiny_pro
         got = [lp for lp, _ in on["meta_info"]["output_token_logprobs"]]
         want = [lp for lp, _ in off["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+@pytest.mark.skipif(not _bf16_ops.kernel_isa(2), reason="needs AVX512-BF16 or AVX2 + FMA")
+def test_split_layouts_serve_prefill_on_onednn_and_decode_on_ours(tiny_checkpoints,
+                                                                 tiny_prompts, monkeypatch):
+    """The AMX split (KVSTRATA_CPU_BF16_GEMM=own_decode here; auto on an AMX-BF16 CPU) in a
+    whole engine: a batched prefill's rows (190 > 64) go to oneDNN's layout, decode rows to
+    kvstrata's GEMM; greedy tokens and logprobs as with kvstrata's GEMM alone, up to the
+    bf16 rounding of another accumulation order. Where oneDNN has no bf16 kernels (AVX2) its
+    two ops are stood in for by F.linear over the plain weight."""
+    from kvstrata import LLM
+    from kvstrata.runner import packed_linear as module
+    onednn_rows = []
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        monkeypatch.setattr(module, "_onednn_bf16", lambda: True)
+        monkeypatch.setattr(module, "_onednn_pack", lambda w: w.detach().clone())
+        inner = F.linear
+    else:
+        inner = module._onednn_linear
+
+    def spy(x, packed, bias):
+        onednn_rows.append((x.numel() // x.shape[-1], packed.data_ptr()))
+        return inner(x, packed, bias)
+    monkeypatch.setattr(module, "_onednn_linear", spy)
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    outs = {}
+    for gemm in ("own_decode", "own"):
+        monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", gemm)
+        with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
+                 dtype="bfloat16", max_total_tokens=1024) as llm:
+            model = llm.engine.runner.model
+            split = {lin.onednn.data_ptr() for layer in model.layers
+                     for lin in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                                 layer.down_weight) if lin.onednn is not None}
+            assert bool(split) == (gemm == "own_decode")  # (the tiny head: out % 16 != 0)
+            onednn_rows.clear()
+            outs[gemm] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
+            llm.check_integrity()
+        rows = [m for m, ptr in onednn_rows if ptr in split]
+        # own_decode: each layer's 4 linears see the prefill's 190 rows on oneDNN's layout,
+        # never a decode batch's 8
+        assert rows == ([190] * 4 * len(model.layers) if gemm == "own_decode" else []), rows
+    for split, own in zip(outs["own_decode"], outs["own"]):
+        got = [lp for lp, _ in split["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, _ in own["meta_info"]["output_token_logprobs"]]
+        assert split["output_ids"] == own["output_ids"]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 0.05
