@@ -15,10 +15,11 @@ CHUNKED_PREFILL_ACCELERATOR = 8192
 # --dtype auto on a CPU: the first row whose flags the CPU has (all of `needs`, none of
 # `lacks`; with --quantization only rows measured with it) decides, else float32. A row
 # holds up to `max_threads` torch threads (None: any; an unknown count, 0, takes the row),
-# or any count while KVSTRATA_CPU_BF16_GEMM is one of `any_threads_with` (`why_any` says
-# why); above them the CPU keeps float32 for the reason `beyond`. Each row is backed by a
-# serving measurement (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128,
-# out 64; benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
+# or any count while KVSTRATA_CPU_BF16_GEMM is one of `any_threads_with` and the model is
+# not quantized (`why_any` says why; w8a8 in bf16 was not measured there); above them the
+# CPU keeps float32 for the reason `beyond`. Each row is backed by a serving measurement
+# (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128, out 64;
+# benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
 class DtypeRow(NamedTuple):
     needs: tuple[str, ...]
     lacks: tuple[str, ...]
@@ -101,12 +102,14 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
             if args.quantization is not None and not row.quantized_too:
                 return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
                                    f"({has}) is measured unquantized only")
-            if gemm in row.any_threads_with:
+            if gemm in row.any_threads_with and args.quantization is None:
                 return row.dtype, f"the CPU has {has}: {row.why_any}"
             if row.max_threads is not None and threads > row.max_threads:
+                why = (f"--quantization {args.quantization} is not measured in bf16 above "
+                       f"{row.max_threads} threads" if gemm in row.any_threads_with
+                       else f"with KVSTRATA_CPU_BF16_GEMM={gemm} {row.beyond}")
                 return "float32", (f"the CPU has {has} but runs {threads} threads (bf16 holds "
-                                   f"up to {row.max_threads} with KVSTRATA_CPU_BF16_GEMM="
-                                   f"{gemm}): {row.beyond}")
+                                   f"up to {row.max_threads}): {why}")
             return row.dtype, f"the CPU has {has}: {row.why}"
     return CPU_DTYPE_FALLBACK
 
