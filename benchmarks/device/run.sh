@@ -8,6 +8,8 @@
 #   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
 #            1-512 rows on every core, the layers' shapes and the output head's apart: where
 #            each wins on this CPU
+#   attn     bench_prefill_attention.py: the prefill attention kernel against torch's SDPA,
+#            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
 #   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on oneDNN's
 #            GEMMs alone (where auto runs kvstrata's for decode rows, as on AMX)
 #   served   run_vllm_cpu.sh: fp32, bf16 and w8a8 (on AMX: the own GEMMs for decode rows),
@@ -64,6 +66,8 @@ for st in $STAGES; do case $st in
         KVSTRATA_CPU_INT8_GEMM=own python3 benchmarks/bench_gemm.py --kind $k \
         --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
     done ;;
+  attn) TAILN=8 stage attn 90 "${CPU_ONLY[@]}" python3 benchmarks/bench_prefill_attention.py \
+      --lengths 128 512 2048 --dtypes float32 bfloat16 --isas avx512 --rounds 3 ;;
   step) for v in float32 bfloat16 bfloat16_onednn w8a8 w8a8_onednn; do
       case $v in  # the variant's flags, and its kernel choice (onednn: oneDNN's GEMM alone)
         w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;

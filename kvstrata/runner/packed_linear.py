@@ -152,7 +152,7 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.own = own_bf16_fits(weight)
         self.plain = not self.own and weight.dtype == torch.bfloat16 and not _onednn_bf16()
-        self.onednn = None  # oneDNN's layout beside the own one (own_decode)
+        self.onednn = None  # oneDNN's layout beside the own one (split_layouts)
         if self.own:  # the own GEMM's layout serves every row count (own_decode: up to 64)
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
