@@ -162,10 +162,11 @@ class Int8MatmulLinear(nn.Module):
         # OWN_DECODE_MAX_ROWS, oneDNN's above)
         self.own_max_rows = 0
         self.packed = None
+        split = self.own and split_layouts()
         if self.own:
             self.vnni, self.comp = pack_vnni(qweight)
-            self.own_max_rows = OWN_DECODE_MAX_ROWS if split_layouts() else 1 << 62
-        if not self.own or self.own_max_rows == OWN_DECODE_MAX_ROWS:
+            self.own_max_rows = OWN_DECODE_MAX_ROWS if split else 1 << 62
+        if not self.own or split:
             self.packed = torch.ops.onednn.qlinear_prepack(qweight,
                                                            [PACK_ROWS_HINT, self.in_features])
             self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)

@@ -153,11 +153,16 @@ class PackedLinear(nn.Module):
         self.own = own_bf16_fits(weight)
         self.plain = not self.own and weight.dtype == torch.bfloat16 and not _onednn_bf16()
         self.onednn = None  # oneDNN's layout beside the own one (split_layouts)
-        if self.own:  # the own GEMM's layout serves every row count (own_decode: up to 64)
+        # the most rows kvstrata's GEMM takes: every count where its layout is the only one,
+        # OWN_DECODE_MAX_ROWS beside oneDNN's, none in a layer it does not take
+        self.own_max_rows = 0
+        if self.own:
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+            self.own_max_rows = 1 << 62
             if split_layouts() and _onednn_bf16():
                 self.onednn = _onednn_pack(weight)
+                self.own_max_rows = OWN_DECODE_MAX_ROWS
         elif self.plain:
             self.packed = weight.detach().contiguous()
         else:
@@ -182,9 +187,8 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self)
 
     def own_takes(self, x: torch.Tensor) -> bool:
-        """kvstrata's GEMM runs these rows (an own layer; own_decode: up to 64 rows)."""
-        return self.own and (self.onednn is None
-                             or x.numel() <= OWN_DECODE_MAX_ROWS * self.in_features)
+        """kvstrata's GEMM runs x's rows (up to own_max_rows of them)."""
+        return self.own and x.numel() <= self.own_max_rows * self.in_features
 
     def own_rows(self, x: torch.Tensor, silu: bool = False, f32: bool = False) -> torch.Tensor:
         """bf16_gemm.c linear over x's rows ([..., in] -> [..., out], or silu(gate) * up:

@@ -238,6 +238,7 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
     weight, b = (torch.randn(64, 96) / 10).bfloat16(), torch.randn(64).bfloat16()
     layer = PackedLinear(weight, b)
     assert layer.own and layer.onednn is not None
+    assert layer.own_max_rows == packed_linear.OWN_DECODE_MAX_ROWS
     assert f"up to {packed_linear.OWN_DECODE_MAX_ROWS} rows" in packed_linear.kernel_name(layer)
     assert layer.nbytes == 2 * weight.numel() * 2 + b.numel() * (2 + 4)
     onednn = packed_linear._onednn_linear

@@ -167,8 +167,8 @@ def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypa
         # own_decode: the C call up to 64 rows (fused silu too), oneDNN's layout above
         monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", "own_decode")
         split = PackedLinear(torch.randn(64, 32).bfloat16(), None)
-        top = decode_plan.OWN_DECODE_MAX_ROWS
-        assert split.onednn is not None
+        top = split.own_max_rows
+        assert split.onednn is not None and top == 64
         assert decode_plan._fused_silu(split, top) and not decode_plan._fused_silu(split, top + 1)
         check(model, split, torch.randn(top, 32).bfloat16(), c_call=True)
         check(model, split, torch.randn(top, 32).bfloat16(), c_call=True, silu=True)

@@ -41,7 +41,7 @@ from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.int8_linear import ROW_DTYPES, Int8MatmulLinear
-from kvstrata.runner.packed_linear import OWN_DECODE_MAX_ROWS, PackedLinear, packed_linear
+from kvstrata.runner.packed_linear import PackedLinear, packed_linear
 from kvstrata.runner.quantization import quantized_linear
 
 Call = tuple[Callable, tuple]
@@ -101,7 +101,7 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
     copied into out: the same op on the same values, so the same bits, for one extra copy."""
     call = None
     if isinstance(lin, PackedLinear) and model.linear is packed_linear:
-        if lin.own_takes(inp):  # (own_decode: oneDNN's layout above 64 rows)
+        if lin.own_takes(inp):  # (split layouts: oneDNN's above own_max_rows)
             call = lin.own_call(inp, out, silu, threads=threads, cap=cap)
         elif not silu and lin.gemv is not None:
             # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
@@ -128,8 +128,7 @@ def _fused_silu(lin: Any, rows: int) -> bool:
     for these layers on the plan's inputs (2-D contiguous fp32 / bf16 rows, fused ops on):
     kvstrata's bf16 GEMM at widths its tiles pair, and runner/int8_linear.py's int8 layer."""
     if isinstance(lin, PackedLinear):
-        return (lin.own and lin.out_features % 32 == 0
-                and (lin.onednn is None or rows <= OWN_DECODE_MAX_ROWS))
+        return lin.own and lin.out_features % 32 == 0 and rows <= lin.own_max_rows
     return type(lin) is Int8MatmulLinear and lin.out_features % 2 == 0
 
 
