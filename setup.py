@@ -41,6 +41,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                              extra_link_args=["-fopenmp"]),
                    Extension("kvstrata.runner._bf16_ops", ["kvstrata/runner/csrc/bf16_gemm.c"],
                              depends=["kvstrata/runner/csrc/bf16_gemm_avx2.h",
+                                      "kvstrata/runner/csrc/bf16_gemm_amx.h",
+                                      "kvstrata/runner/csrc/bf16_gemm_amx_item.h",
                                       "kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
                                       "kvstrata/runner/csrc/gemm_panels.h"],

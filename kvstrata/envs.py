@@ -134,8 +134,9 @@ KVSTRATA_CPU_DECODE_PLAN = _declare(
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "
-    "has, read at run time), avx512, avx2 or scalar. For tests and ablations; a cap above "
-    "what the CPU has still runs what it has.")
+    "has, read at run time), amx (the bf16 GEMM's AMX-BF16 tiles; the same as auto), "
+    "avx512 (no AMX), avx2 or scalar. For tests and ablations; a cap above what the CPU has "
+    "still runs what it has.")
 KVSTRATA_TP_HEARTBEAT_TIMEOUT = _declare(
     "KVSTRATA_TP_HEARTBEAT_TIMEOUT", float, 20.0,
     "Seconds a tensor-parallel rank may go without a heartbeat from its peers before it "

@@ -7,14 +7,14 @@
 #   cuda     tests/cuda with the GPU visible (make test-cuda)
 #   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
 #            1-512 rows on every core, the layers' shapes and the output head's apart: where
-#            each wins on this CPU
+#            each wins on this CPU; bf16_avx512: kvstrata's kernels capped at AVX-512 (on AMX
+#            the bf16 GEMM's AVX512-BF16 tiles, not its AMX ones). GEMM_KINDS picks.
 #   attn     bench_prefill_attention.py: the prefill attention kernel against torch's SDPA,
 #            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
-#   step     bench_decode_step.py B=32 C=128: fp32, bf16, w8a8, the last two also on oneDNN's
-#            GEMMs alone (where auto runs kvstrata's for decode rows, as on AMX)
-#   served   run_vllm_cpu.sh: fp32, bf16 and w8a8 (on AMX: the own GEMMs for decode rows),
-#            both on oneDNN's GEMMs alone, w8a8 on own_decode (own up to 128 rows, oneDNN's
-#            above) (SmolLM2's shapes, random weights)
+#   step     bench_decode_step.py B=32 C=128 (STEP_VARIANTS): fp32, bf16, bf16 capped at
+#            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8
+#   served   run_vllm_cpu.sh (RUNS): fp32, bf16 (auto), bf16 capped at AVX-512, bf16 on
+#            kvstrata's GEMM for every row count, w8a8 (SmolLM2's shapes, random weights)
 #   threads  fp32 vs bf16 (auto, oneDNN's alone) on THREADS_LIST cores (default "4 8";
 #            taskset + OMP_NUM_THREADS): decode steps, then served: whether the AMX bf16 row
 #            holds at few cores
@@ -47,6 +47,11 @@ tail -2 $R/machine.txt
   --target /tmp/site .whl/*.whl > $R/pip.log 2>&1 || { tail $R/pip.log; finish; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 TAILN=1 stage build 90 python3 setup.py build_ext --inplace || { finish; exit 1; }
+# which body the bf16 GEMM runs here (3: AMX tiles, 2: AVX512-BF16), and the OpenMP
+# runtime(s) loaded once torch and the kernels are (one: they share torch's team)
+python3 -c "import torch; from kvstrata.runner import _bf16_ops, _cpu_ops; \
+print('bf16 GEMM body', _bf16_ops.kernel_isa(3), 'omp', sorted({l.split()[-1] for l in \
+open('/proc/self/maps') if 'omp' in l}))" 2>&1 | tail -1 | tee -a $R/machine.txt
 TAILN=1 stage model 60 python3 benchmarks/random_smollm2.py /tmp/smol --from .devrun/smol \
   || { finish; exit 1; }
 CPU_ONLY=(env CUDA_VISIBLE_DEVICES= HIP_VISIBLE_DEVICES=)
@@ -61,29 +66,33 @@ for st in $STAGES; do case $st in
     grep -E "^(FAILED|ERROR)" $R/kernel.log | cut -c1-200 | head -12 ;;
   cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/cuda ;;
-  gemm) for k in bf16 int8; do
+  gemm) for k in ${GEMM_KINDS:-bf16 bf16_avx512 int8}; do  # _avx512: the ISA capped there
+      isa=$([ "${k%_avx512}" != "$k" ] && echo avx512 || echo auto)
       TAILN=14 stage "gemm_$k" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=own \
-        KVSTRATA_CPU_INT8_GEMM=own python3 benchmarks/bench_gemm.py --kind $k \
-        --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
+        KVSTRATA_CPU_INT8_GEMM=own KVSTRATA_CPU_ISA=$isa python3 benchmarks/bench_gemm.py \
+        --kind "${k%_avx512}" --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
     done ;;
   attn) TAILN=8 stage attn 90 "${CPU_ONLY[@]}" python3 benchmarks/bench_prefill_attention.py \
       --lengths 128 512 2048 --dtypes float32 bfloat16 --isas avx512 --rounds 3 ;;
-  step) for v in float32 bfloat16 bfloat16_onednn w8a8 w8a8_onednn; do
-      case $v in  # the variant's flags, and its kernel choice (onednn: oneDNN's GEMM alone)
+  step) for v in ${STEP_VARIANTS:-float32 bfloat16 bfloat16_avx512 bfloat16_onednn w8a8}; do
+      case $v in  # the variant's flags, and its kernel choice (onednn: oneDNN's GEMM alone;
+        # avx512: kvstrata's kernels capped there, on AMX the bf16 GEMM's AVX512-BF16 tiles)
         w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;
-        *) flags=(--dtype "${v%_onednn}") ;;
+        *) flags=(--dtype "${v%_*}") ;;
       esac
       gemm=$([ "${v%_onednn}" != "$v" ] && echo onednn || echo auto)
+      isa=$([ "${v%_avx512}" != "$v" ] && echo avx512 || echo auto)
       TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$gemm \
-        KVSTRATA_CPU_INT8_GEMM=$gemm python3 benchmarks/bench_decode_step.py --model /tmp/smol \
+        KVSTRATA_CPU_INT8_GEMM=$gemm KVSTRATA_CPU_ISA=$isa python3 \
+        benchmarks/bench_decode_step.py --model /tmp/smol \
         "${flags[@]}" --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
       grep -E "GEMM peak|alone|C=128   kernel" "$R/step_$v.log" | cut -c1-200
     done ;;
   served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
       KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
       EOS_FLAG=--ignore-eos ROUNDS=${ROUNDS:-1} \
-      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_onednn kvstrata_w8a8
-            kvstrata_w8a8_onednn kvstrata_w8a8_own_decode}" \
+      RUNS="${RUNS:-kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_avx512 kvstrata_bf16_own
+            kvstrata_w8a8}" \
       bash benchmarks/run_vllm_cpu.sh ;;
   threads) for t in ${THREADS_LIST:-4 8}; do
       pin=(taskset -c "0-$((t - 1))" env OMP_NUM_THREADS="$t")

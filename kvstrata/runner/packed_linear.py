@@ -58,6 +58,7 @@ from kvstrata.runner.attention.paged_decode import isa_cap
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
 OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/csrc/bf16_gemm.c)"
 OWN_BF16_AVX2_KERNEL = "kvstrata bf16 GEMM (AVX2 + FMA, runner/csrc/bf16_gemm_avx2.h)"
+OWN_BF16_AMX_KERNEL = "kvstrata bf16 GEMM (AMX-BF16, runner/csrc/bf16_gemm_amx.h)"
 PLAIN_KERNEL = "torch F.linear (no bf16 GEMM of oneDNN's or kvstrata's on this CPU)"
 GEMM_CHOICES = ("auto", "onednn", "own", "own_decode")
 # own_decode: kvstrata's GEMM up to this many rows (decode batches), oneDNN's above (prefill)
@@ -314,7 +315,8 @@ def pack_model(model: Any) -> dict:
 
 def kernel_name(layer: PackedLinear) -> str:
     if layer.own:
-        own = OWN_BF16_KERNEL if _bf16_ops.kernel_isa(isa_cap()) == 2 else OWN_BF16_AVX2_KERNEL
+        own = {3: OWN_BF16_AMX_KERNEL, 2: OWN_BF16_KERNEL}.get(_bf16_ops.kernel_isa(isa_cap()),
+                                                              OWN_BF16_AVX2_KERNEL)
         if layer.onednn is not None:
             return f"{own} up to {OWN_DECODE_MAX_ROWS} rows, above them {KERNEL}"
         return own

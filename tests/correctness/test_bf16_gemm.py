@@ -111,8 +111,9 @@ def test_choice_rules_and_fallbacks(monkeypatch):
         monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags)
     assert not packed_linear.split_layouts()  # without AMX: ours for every row count
     layer = _layer(weight, b, "auto", monkeypatch)
-    assert packed_linear.kernel_name(layer) == (packed_linear.OWN_BF16_KERNEL if BF16_512
-                                                else packed_linear.OWN_BF16_AVX2_KERNEL)
+    assert packed_linear.kernel_name(layer) == {
+        3: packed_linear.OWN_BF16_AMX_KERNEL, 2: packed_linear.OWN_BF16_KERNEL}.get(
+            _bf16_ops.kernel_isa(3), packed_linear.OWN_BF16_AVX2_KERNEL)
     assert torch.equal(packed_linear.unpack_bf16(layer.packed), weight)
     x = torch.randn(5, 64).bfloat16()
     # KVSTRATA_CPU_ISA pinned to AVX2 after packing: the AVX2 body; to scalar: F.linear on
@@ -157,14 +158,81 @@ def test_own_choice_takes_the_gemm_where_auto_steps_aside(monkeypatch):
 avx2_body = pytest.mark.skipif(_bf16_ops.kernel_isa(1) != 1, reason="needs AVX2 + FMA")
 
 
-def _raw(x, packed, n, bias=None, silu=0, f32=0, cap=1):
-    """_bf16_ops.linear on x's rows with the ISA capped (1: the AVX2 body on any AVX2 CPU)."""
+def _raw(x, packed, n, bias=None, silu=0, f32=0, cap=1, fn=_bf16_ops.linear):
+    """_bf16_ops.linear on x's rows with the ISA capped (1: the AVX2 body on any AVX2 CPU);
+    fn=_bf16_ops.linear_amx_emulated: the AMX body's items on emulated tiles."""
     m, k = x.shape
     out = torch.empty(m, n // 2 if silu else n, dtype=torch.float32 if f32 else torch.bfloat16)
-    _bf16_ops.linear(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
-                     0 if bias is None else bias.data_ptr(), out.data_ptr(), silu, f32,
-                     torch.get_num_threads(), cap)
+    fn(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n,
+       0 if bias is None else bias.data_ptr(), out.data_ptr(), silu, f32,
+       torch.get_num_threads(), cap)
     return out
+
+
+AMX_ROWS = (1, 5, 15, 16, 17, 31, 32, 33, 48, 50)  # the padded copy alone, x in place, both
+
+
+@avx2_body
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 80), (32, 16)])
+def test_amx_body_emulated_is_one_rounding_from_exact(k, n):
+    """bf16_gemm_amx.h's items on tiles emulated in memory (the addressing its AMX run uses):
+    one and two A tiles, the last 1-15 rows from the zero-padded copy, panels of two blocks
+    and a last one-block panel (n = 80, 16), rows `stride` apart, fp32 out; k % 32 only."""
+    torch.manual_seed(k + n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n)
+    packed = packed_linear.pack_bf16(weight)
+    emu = _bf16_ops.linear_amx_emulated
+    for m in AMX_ROWS:
+        x = torch.randn(m, k + 10).bfloat16()[:, 3:3 + k]
+        out = _raw(x, packed, n, bias, fn=emu)
+        assert_near_exact(out, x.float(), weight.float(), bias.double().float())
+        assert torch.equal(_raw(x, packed, n, bias, f32=1, fn=emu), out.float())
+    assert _raw(torch.zeros(0, k, dtype=torch.bfloat16), packed, n, fn=emu).shape == (0, n)
+    with pytest.raises(ValueError, match="k % 32"):
+        _raw(torch.zeros(1, 34, dtype=torch.bfloat16), packed_linear.pack_bf16(
+            torch.zeros(16, 34).bfloat16()), 16, fn=emu)
+
+
+@avx2_body
+@pytest.mark.parametrize("inter", [16, 48, 1536])
+def test_amx_body_emulated_silu_equals_the_two_steps(inter, monkeypatch):
+    """Gate block p with its up block as one panel; the epilogue's silu is cpu_ops.silu_mul's
+    (AVX2 rows here), so the fused rows equal the two steps bit for bit."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    torch.manual_seed(inter)
+    weight = (torch.randn(2 * inter, 64) / 8).bfloat16()
+    bias = torch.randn(2 * inter).bfloat16().float()
+    packed = packed_linear.pack_bf16(weight)
+    emu = _bf16_ops.linear_amx_emulated
+    for m in (1, 17, 33):
+        x = torch.randn(m, 64).bfloat16()
+        assert torch.equal(_raw(x, packed, 2 * inter, bias, silu=1, fn=emu),
+                           cpu_ops.silu_mul(_raw(x, packed, 2 * inter, bias, fn=emu)))
+
+
+@pytest.mark.skipif(_bf16_ops.kernel_isa(3) != 3, reason="needs AMX-BF16 (and Linux's leave)")
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 80), (96, 3072)])
+def test_amx_body_on_the_tiles(k, n):
+    """The AMX body itself: one rounding from exact, its fp32 out the same values, its silu
+    rows equal to the two steps (both on AVX-512 there), k % 32 != 0 on the AVX512-BF16
+    tiles."""
+    torch.manual_seed(k * n)
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n)
+    packed = packed_linear.pack_bf16(weight)
+    for m in AMX_ROWS + (64, 200):
+        x = torch.randn(m, k + 10).bfloat16()[:, 3:3 + k]
+        out = _raw(x, packed, n, bias, cap=3)
+        assert_near_exact(out, x.float(), weight.float(), bias.double().float())
+        assert torch.equal(_raw(x, packed, n, bias, f32=1, cap=3), out.float())
+        if n % 32 == 0:
+            assert torch.equal(_raw(x, packed, n, bias, silu=1, cap=3),
+                               cpu_ops.silu_mul(out))
+    odd = (torch.randn(48, 34) / 6).bfloat16()
+    x = torch.randn(20, 34).bfloat16()
+    assert_near_exact(_raw(x, packed_linear.pack_bf16(odd), 48, cap=3), x.float(),
+                      odd.float(), None)
 
 
 @avx2_body

@@ -56,8 +56,11 @@ def test_runner_packs_bf16_where_a_bf16_gemm_runs(tiny_checkpoints):
         if not packed:
             want = None
         elif module.own_bf16_fits(model.embed):
-            want = (module.OWN_BF16_KERNEL if _bf16_ops.has_bf16_512(2) else
-                    module.OWN_BF16_AVX2_KERNEL)
+            want = {3: module.OWN_BF16_AMX_KERNEL, 2: module.OWN_BF16_KERNEL}.get(
+                _bf16_ops.kernel_isa(3), module.OWN_BF16_AVX2_KERNEL)
+            if module.split_layouts() and onednn:  # AMX: oneDNN's tiles above decode rows
+                want += (f" up to {module.OWN_DECODE_MAX_ROWS} rows, above them "
+                         f"{module.KERNEL}")
         else:
             want = module.KERNEL if onednn else module.PLAIN_KERNEL
         assert llm.server_info()["quantization_info"].get("kernel") == want

@@ -26,7 +26,9 @@ from kvstrata.runner.attention import _paged_decode
 
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the query's and the output's
-ISA_CAPS = {"scalar": 0, "avx2": 1, "avx512": 2, "auto": 2}
+# amx: kvstrata's bf16 GEMM on AMX-BF16 tiles (runner/csrc/bf16_gemm_amx.h); the other
+# kernels read it as avx512
+ISA_CAPS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "auto": 3}
 
 
 def supported(kv_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device) -> bool:

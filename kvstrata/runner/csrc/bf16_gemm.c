@@ -1,5 +1,5 @@
-/* kvstrata's own bf16 linear for a bf16 model on an AVX512-BF16 CPU without AMX, and on an
- * AVX2 + FMA CPU (bf16_gemm_avx2.h) (kvstrata/runner/packed_linear.py wraps it).
+/* kvstrata's own bf16 linear for a bf16 model on an AMX-BF16 CPU (bf16_gemm_amx.h), an
+ * AVX512-BF16 one, and an AVX2 + FMA one (bf16_gemm_avx2.h) (runner/packed_linear.py wraps it).
  *
  *   linear(x, x_row_stride, rows, k, w, n, bias, out, silu, out_f32, threads, isa_cap)
  *       out[r, j] = bf16(sum_q x[r, q] * W[j, q] (+ bias[j])), fp32 accumulation, one rounding;
@@ -15,7 +15,10 @@
  *       in fp32, w in f32_gemv.h's panels ([n / 16][k][16]: what the tile reads from a bf16
  *       panel once widened), out fp32 [rows, n]; k % 2 == 0, n % 16 == 0 (f32_gemv.py).
  *   has_bf16_512(isa_cap): whether this CPU runs linear on AVX512-BF16 (KVSTRATA_CPU_ISA allows);
- *   kernel_isa(isa_cap): the body linear runs: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
+ *   kernel_isa(isa_cap): the body linear runs: 3 AMX-BF16 (bf16_gemm_amx.h, k % 32 == 0;
+ *       AVX512-BF16 otherwise), 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
+ *   linear_amx_emulated(...): linear's arguments on the AMX body's tiles emulated in memory
+ *       (tests, on any AVX2 CPU).
  *
  * Why: a decode step makes ~121 linears of 1-64 rows. oneDNN's prepacked bf16 linear ran them
  * at ~59% of its own 2048^3 GEMM peak (bench_decode_step.py, 2 threads) with ~16-19 us of
@@ -123,6 +126,7 @@ BF16_512 static ALWAYS_INLINE void tile(const gemm_args *g, int64_t r0, const in
 }
 
 #include "bf16_gemm_avx2.h"
+#include "bf16_gemm_amx.h"
 
 #define TILE_ROWS(MRV)                                  \
     switch (nr) {                                       \
@@ -153,8 +157,12 @@ static int use_bf16_512(int isa_cap) {
 #endif
 }
 
-/* Which body linear runs: 2 AVX512-BF16, 1 AVX2 + FMA (bf16_gemm_avx2.h), 0 none. */
+/* Which body linear runs: 3 AMX-BF16 (bf16_gemm_amx.h; with AVX512-BF16 for its epilogue
+ * and for k % 32 != 0), 2 AVX512-BF16, 1 AVX2 + FMA (bf16_gemm_avx2.h), 0 none. */
 static int body_isa(int isa_cap) {
+#ifdef KVSTRATA_AMX
+    if (isa_cap >= 3 && use_bf16_512(isa_cap) && amx_ready()) return 3;
+#endif
     if (use_bf16_512(isa_cap)) return 2;
 #if defined(__x86_64__)
     if (isa_cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
@@ -178,7 +186,8 @@ static inline int row_block(int64_t rows, int64_t nrb, int64_t rb, int64_t mr_ma
     return (int)(base + (rb < extra));
 }
 
-static PyObject *linear(PyObject *self, PyObject *args) {
+/* linear, or (emulate_amx) linear on bf16_gemm_amx.h's emulated tiles: a test's. */
+static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
     int silu, f32_out, threads, isa_cap;
@@ -191,7 +200,26 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                      "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
-    const int body = body_isa(isa_cap);
+    int body = body_isa(isa_cap);
+#ifdef KVSTRATA_AMX
+    if (emulate_amx || (body == 3 && k % AMX_K == 0)) {
+        gemm_args a = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
+                       (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
+                       f32_out != 0};
+        if (emulate_amx && (k % AMX_K || body_isa(1) != 1)) {
+            PyErr_SetString(PyExc_ValueError, "the emulated AMX tiles need k % 32 == 0, AVX2");
+            return NULL;
+        }
+        if (rows && amx_linear(&a, threads, emulate_amx)) return PyErr_NoMemory();
+        Py_RETURN_NONE;
+    }
+    if (body == 3) body = 2; /* k % 32 != 0: the AVX512-BF16 tiles */
+#else
+    if (emulate_amx) {
+        PyErr_SetString(PyExc_RuntimeError, "built without the AMX body (x86-64 Linux only)");
+        return NULL;
+    }
+#endif
     if (!body) {
         PyErr_SetString(PyExc_RuntimeError,
                         "this CPU (or KVSTRATA_CPU_ISA) has neither AVX512-BF16 nor AVX2 + FMA");
@@ -241,6 +269,11 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     if (failed) return PyErr_NoMemory();
 #endif
     Py_RETURN_NONE;
+}
+
+static PyObject *linear(PyObject *self, PyObject *args) { return linear_impl(args, 0); }
+static PyObject *linear_amx_emulated(PyObject *self, PyObject *args) {
+    return linear_impl(args, 1);
 }
 
 static PyObject *linear_f32(PyObject *self, PyObject *args) {
@@ -295,11 +328,13 @@ static PyObject *kernel_isa(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", linear, METH_VARARGS,
      "bf16 rows x packed bf16 weight (AVX512-BF16 or AVX2 + FMA), bf16 out."},
+    {"linear_amx_emulated", linear_amx_emulated, METH_VARARGS,
+     "linear's arguments, run on the AMX body's tiles emulated in memory (tests)."},
     {"linear_f32", linear_f32, METH_VARARGS,
      "fp32 rows x fp32 weights in f32_gemv.h's panels on the AVX2 tile, fp32 out."},
     {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on AVX512-BF16 here."},
     {"kernel_isa", kernel_isa, METH_VARARGS,
-     "linear's body here: 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},
+     "linear's body here: 3 AMX-BF16, 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bf16_ops",
