@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, nargs="+", default=[128, 512])
     p.add_argument("--prefill", type=int, default=2048, help="prompt length of the prefill "
                    "profile (0: skip)")
+    p.add_argument("--prefill-prompts", type=int, default=1, help="the prefill's tokens as "
+                   "this many prompts of equal length in one batch (served load: a 2048-token "
+                   "chunk of ~13 prompts of ~158)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -247,8 +250,10 @@ def main(argv=None) -> dict:
     runner = ModelRunner(args.model, dtype=args.dtype, device="cpu",
                          quantization=args.quantization)
     dims = runner.model.dims
-    rows_needed = args.batch * len(args.context) + 2
-    pages = sum(args.batch * (c // PAGE + 1) for c in args.context) + args.prefill // PAGE + 2
+    prompts = max(1, args.prefill_prompts)
+    rows_needed = args.batch * len(args.context) + 1 + prompts
+    pages = (sum(args.batch * (c // PAGE + 1) for c in args.context) + args.prefill // PAGE +
+             2 * prompts)
     runner.allocate_kv(KVPlan.mha(num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads,
                                   head_dim=dims.head_dim, dtype=args.dtype, page_size=PAGE,
                                   num_pages=pages, num_rows=rows_needed,
@@ -323,27 +328,32 @@ def main(argv=None) -> dict:
             batch.free()
         backend.use_kernel = variants[0]
         if args.prefill:
-            prompt = [5 + i % 1000 for i in range(args.prefill)]
-            slots = [(first_page + p // PAGE) * PAGE + p % PAGE for p in range(args.prefill)]
-            new = NewRequestData("prefill", prompt, [], GREEDY)
+            length = args.prefill // prompts
+            new, sched = [], []
+            for i in range(prompts):  # each prompt on its own row and pages
+                prompt = [5 + (i + t) % 1000 for t in range(length)]
+                page0 = first_page + i * (length // PAGE + 1)
+                slots = [(page0 + p // PAGE) * PAGE + p % PAGE for p in range(length)]
+                new.append(NewRequestData(f"prefill{i}", prompt, [], GREEDY))
+                sched.append(ScheduledRequest(f"prefill{i}", first_row + i, 0, prompt, 0, slots,
+                                              True))
 
             def run_prefill():
-                runner.execute(SchedulerOutput(0, True, [new], [ScheduledRequest(
-                    "prefill", rows_needed, 0, prompt, 0, slots, True)], []))
-                runner.execute(SchedulerOutput(0, False, [], [], ["prefill"]))
+                runner.execute(SchedulerOutput(0, True, new, sched, []))
+                runner.execute(SchedulerOutput(0, False, [], [], [r.rid for r in new]))
             run_prefill()
             ms = min(_timed(run_prefill) for _ in range(2)) * 1e3
-            # Every layer for every token, the output head for the last position only (logits
-            # are computed only where a token is sampled); causal attention: half of
-            # 4 * T^2 * H * D per layer.
+            # Every layer for every token, the output head for each prompt's last position
+            # (logits are computed only where a token is sampled); causal attention: half of
+            # 4 * T^2 * H * D per layer and prompt.
             head = model_head_params(runner.model)
-            flops = 2 * (params - head) * args.prefill + 2 * head + 2 * args.prefill ** 2 * \
-                dims.num_heads * dims.head_dim * dims.num_layers
+            flops = 2 * (params - head) * length * prompts + 2 * head * prompts + \
+                2 * length ** 2 * prompts * dims.num_heads * dims.head_dim * dims.num_layers
             top, overhead, _ = profile(run_prefill, 1)
-            report["prefill"] = {"tokens": args.prefill, "ms": ms, "gflops": flops / ms / 1e6,
+            report["prefill"] = {"tokens": length * prompts, "prompts": prompts, "ms": ms, "gflops": flops / ms / 1e6,
                                  "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,
                                  "top_ops": top}
-            print(f"prefill {args.prefill} tokens {ms:8.1f} ms  {flops / ms / 1e6:6.1f} GFLOP/s "
+            print(f"prefill {prompts} x {length} tokens {ms:8.1f} ms  {flops / ms / 1e6:6.1f} GFLOP/s "
                   f"= {flops / ms / 1e6 / peak:5.1%} of peak; outside torch ops {overhead:5.1%};"
                   " top: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:4]))
     runner.shutdown()

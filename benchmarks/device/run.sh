@@ -12,7 +12,9 @@
 #   attn     bench_prefill_attention.py: the prefill attention kernel against torch's SDPA,
 #            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
 #   step     bench_decode_step.py B=32 C=128 (STEP_VARIANTS): fp32, bf16, bf16 capped at
-#            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8
+#            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8 (a
+#            suffix _own: kvstrata's GEMM for every row count); PREFILL tokens as
+#            PREFILL_PROMPTS prompts: a prefill's profile too
 #   served   run_vllm_cpu.sh (RUNS): fp32, bf16 (auto), bf16 capped at AVX-512, bf16 on
 #            kvstrata's GEMM for every row count, w8a8 (SmolLM2's shapes, random weights)
 #   threads  fp32 vs bf16 (auto, oneDNN's alone) on THREADS_LIST cores (default "4 8";
@@ -80,13 +82,14 @@ for st in $STAGES; do case $st in
         w8a8*) flags=(--quantization w8a8_int8 --dtype float32) ;;
         *) flags=(--dtype "${v%_*}") ;;
       esac
-      gemm=$([ "${v%_onednn}" != "$v" ] && echo onednn || echo auto)
+      case $v in *_onednn) gemm=onednn ;; *_own) gemm=own ;; *) gemm=auto ;; esac
       isa=$([ "${v%_avx512}" != "$v" ] && echo avx512 || echo auto)
       TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$gemm \
         KVSTRATA_CPU_INT8_GEMM=$gemm KVSTRATA_CPU_ISA=$isa python3 \
         benchmarks/bench_decode_step.py --model /tmp/smol \
-        "${flags[@]}" --batch 32 --context 128 --prefill 0 --rounds 2 --out "$R/step_$v.json"
-      grep -E "GEMM peak|alone|C=128   kernel" "$R/step_$v.log" | cut -c1-200
+        "${flags[@]}" --batch 32 --context 128 --prefill "${PREFILL:-0}" \
+        --prefill-prompts "${PREFILL_PROMPTS:-1}" --rounds 2 --out "$R/step_$v.json"
+      grep -E "GEMM peak|alone|C=128   kernel|^prefill" "$R/step_$v.log" | cut -c1-200
     done ;;
   served) TAILN=10 stage served 300 "${CPU_ONLY[@]}" OUT=$R/served PY=python3 \
       KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
