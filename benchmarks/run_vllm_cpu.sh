@@ -16,7 +16,8 @@
 # kvstrata_bf16_onednn: oneDNN's alone; kvstrata_bf16_own_decode: the AMX split anywhere;
 # kvstrata_w8a8_own and kvstrata_w8a8_own_decode (128 rows): the same for the int8 GEMM;
 # kvstrata_bf16_avx512 and kvstrata_bf16_own_avx512: bf16 and bf16_own with kvstrata's kernels
-# capped at AVX-512, on AMX the bf16 GEMM's AVX512-BF16 tiles instead of its AMX ones)
+# capped at AVX-512, on AMX the bf16 GEMM's AVX512-BF16 tiles instead of its AMX ones;
+# kvstrata_bf16_sdpa: bf16 with prefill attention on torch's SDPA, not kvstrata's kernel)
 #
 # A shared 2-vCPU box moves a serving figure by 10-20% between minutes: with ROUNDS > 1 each
 # round runs the whole list, the ratios are taken within each round, and the summary gives
@@ -120,6 +121,7 @@ for round in $(seq 1 "$ROUNDS"); do
       kvstrata_bf16_onednn) KVSTRATA_CPU_BF16_GEMM=onednn run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_bf16_own_decode) KVSTRATA_CPU_BF16_GEMM=own_decode run_kvstrata "$run" \
           --dtype bfloat16 ;;
+      kvstrata_bf16_sdpa) KVSTRATA_CPU_PREFILL_ATTENTION=0 run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_bf16_avx512) KVSTRATA_CPU_ISA=avx512 run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_bf16_own_avx512) KVSTRATA_CPU_ISA=avx512 KVSTRATA_CPU_BF16_GEMM=own \
           run_kvstrata "$run" --dtype bfloat16 ;;

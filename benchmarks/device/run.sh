@@ -13,7 +13,8 @@
 #            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
 #   step     bench_decode_step.py B=32 C=128 (STEP_VARIANTS): fp32, bf16, bf16 capped at
 #            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8 (a
-#            suffix _own: kvstrata's GEMM for every row count); PREFILL tokens as
+#            suffix _own: kvstrata's GEMM for every row count; _sdpa: prefill attention on
+#            torch's SDPA, not kvstrata's kernel); PREFILL tokens as
 #            PREFILL_PROMPTS prompts: a prefill's profile too
 #   served   run_vllm_cpu.sh (RUNS): fp32, bf16 (auto), bf16 capped at AVX-512, bf16 on
 #            kvstrata's GEMM for every row count, w8a8 (SmolLM2's shapes, random weights)
@@ -84,7 +85,9 @@ for st in $STAGES; do case $st in
       esac
       case $v in *_onednn) gemm=onednn ;; *_own) gemm=own ;; *) gemm=auto ;; esac
       isa=$([ "${v%_avx512}" != "$v" ] && echo avx512 || echo auto)
-      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=$gemm \
+      pa=$([ "${v%_sdpa}" != "$v" ] && echo 0 || echo 1)  # _sdpa: prefill attention on SDPA
+      TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_PREFILL_ATTENTION=$pa \
+        KVSTRATA_CPU_BF16_GEMM=$gemm \
         KVSTRATA_CPU_INT8_GEMM=$gemm KVSTRATA_CPU_ISA=$isa python3 \
         benchmarks/bench_decode_step.py --model /tmp/smol \
         "${flags[@]}" --batch 32 --context 128 --prefill "${PREFILL:-0}" \

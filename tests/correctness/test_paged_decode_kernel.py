@@ -307,8 +307,8 @@ def test_prefill_kernel_matches_sdpa(monkeypatch, isa, dtype, hq, hkv, d, n, pre
 def test_prefill_kernel_dispatch_rule(monkeypatch):
     """Where the backend runs the prefill kernel instead of SDPA: where its vector code runs
     (AVX-512 with head_dim % 64 == 0, or AVX2 + FMA with head_dim % 32 == 0), fp32 always,
-    bf16 only without AMX-BF16 (flash attention on the tiles is not beaten by fp32 FMAs);
-    never on the scalar code; KVSTRATA_CPU_PREFILL_ATTENTION=0 turns it off."""
+    bf16 with AMX-BF16 up to AMX_BF16_PREFILL_MAX_TOKENS (flash attention on the tiles wins
+    on long prompts); never on the scalar code; KVSTRATA_CPU_PREFILL_ATTENTION=0 turns it off."""
     from kvstrata.runner.attention import paged_decode as pd
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
     cpu = torch.device("cpu")
@@ -323,8 +323,11 @@ def test_prefill_kernel_dispatch_rule(monkeypatch):
     assert pd.prefill_supported(torch.float32, 96, cpu) == vec
     assert not pd.prefill_supported(torch.float32, 80, cpu)
     assert not pd.prefill_supported(torch.float16, 64, cpu)
+    assert pd.prefill_max_tokens(torch.bfloat16) is None
     monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
-    assert not pd.prefill_supported(torch.bfloat16, 64, cpu)
+    assert pd.prefill_supported(torch.bfloat16, 64, cpu) == vec
+    assert pd.prefill_max_tokens(torch.bfloat16) == pd.AMX_BF16_PREFILL_MAX_TOKENS
+    assert pd.prefill_max_tokens(torch.float32) is None
     assert pd.prefill_supported(torch.float32, 64, cpu) == vec
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
     assert pd.prefill_kernel_isa(64) == ("avx2" if vec else "scalar")
@@ -340,6 +343,28 @@ def test_prefill_kernel_dispatch_rule(monkeypatch):
     assert on.use_prefill_kernel == vec
     monkeypatch.setenv("KVSTRATA_CPU_PREFILL_ATTENTION", "0")
     assert not TorchNativeAttnBackend(Pool(), None, 9, 3, 64).use_prefill_kernel
+
+
+@pytest.mark.skipif(not _HAS_AVX2, reason="the prefill kernel's vector code needs AVX2 + FMA")
+def test_amx_bf16_prefill_plan_leaves_long_prompts_to_sdpa(monkeypatch):
+    """bf16 on an AMX-BF16 CPU: a step's prompts of up to AMX_BF16_PREFILL_MAX_TOKENS (cached
+    prefix included) go to the kernel, longer ones to SDPA; fp32 takes every length."""
+    from kvstrata.runner.attention import paged_decode as pd
+    from kvstrata.runner.attention.torch_native import Piece, TorchNativeAttnBackend
+    monkeypatch.setattr(pd, "_cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    top = pd.AMX_BF16_PREFILL_MAX_TOKENS
+    table = torch.arange(4 * 2 * top).view(4, 2 * top)
+    pieces = [Piece("fresh", 0, 150, row=0, prefix=0),
+              Piece("fresh", 150, 151 + top, row=1, prefix=0),       # top + 1 tokens
+              Piece("paged", 151 + top, 201 + top, row=2, prefix=top - 50),  # top in all
+              Piece("paged", 201 + top, 251 + top, row=3, prefix=top - 49)]
+    for dtype, rows in ((torch.bfloat16, [0, 2]), (torch.float32, [0, 1, 2, 3])):
+        class Pool:
+            kv = torch.zeros(1, dtype=dtype)
+        backend = TorchNativeAttnBackend(Pool(), None, 9, 3, 64)
+        chosen, slots, _ = backend._prefill_plan(pieces, table, torch.zeros(1))
+        assert [p.row for p in chosen] == rows, dtype
+        assert len(slots) == sum(p.prefix + p.hi - p.lo for p in chosen)
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])

@@ -179,13 +179,27 @@ def prefill_supported(dtype: torch.dtype, head_dim: int, device: torch.device) -
     without AMX 2.4-2.9x at 128-512 tokens and 1.8-1.9x at 2048 (fp32 and bf16); on an
     AVX2-only EPYC ~1.9x at 128 tokens, 1.7-2.0x at 512 and 1.05-1.2x at 2048. Its vector
     code needs AVX2 + FMA and head_dim % 32 == 0 (the AVX-512 code head_dim % 64 == 0, else
-    it runs the AVX2 code), head_dim <= 256. On a CPU with AMX-BF16 torch's flash attention
-    multiplies bf16 blocks on the tiles, which fp32 FMAs do not beat: bf16 stays on SDPA
-    there (not measured: no AMX machine so far)."""
-    if (device.type != "cpu" or dtype not in Q_DTYPES
-            or prefill_kernel_isa(head_dim) == "scalar"):
-        return False
-    return dtype != torch.bfloat16 or "amx_bf16" not in _cpu_flags()
+    it runs the AVX2 code), head_dim <= 256. With AMX-BF16, bf16 prompts up to
+    prefill_max_tokens only."""
+    return (device.type == "cpu" and dtype in Q_DTYPES
+            and prefill_kernel_isa(head_dim) != "scalar")
+
+
+# On a CPU with AMX-BF16 torch's flash attention multiplies bf16 blocks on the tiles. On 16
+# cores of an H200 host's Emerald Rapids (2026-12-04, bench_prefill_attention.py, one prompt,
+# SmolLM2's 9/3 heads of 64) the kernel ran 0.95x SDPA at 128 tokens, 1.10x at 512 and 0.67x
+# at 2048, while in a served-like prefill (13 prompts of 157 tokens, bench_decode_step.py) SDPA
+# and the copies around its per-prompt calls took ~40% of the bf16 forward: the kernel takes
+# one call a layer for all of them. Longer prompts stay on SDPA.
+AMX_BF16_PREFILL_MAX_TOKENS = 1024
+
+
+def prefill_max_tokens(dtype: torch.dtype) -> int | None:
+    """The longest prompt (cached prefix + new tokens) the prefill kernel takes at this dtype
+    on this CPU; None: any."""
+    if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags():
+        return AMX_BF16_PREFILL_MAX_TOKENS
+    return None
 
 
 def prefill_kernel_isa(head_dim: int) -> str:

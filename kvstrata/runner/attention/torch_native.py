@@ -8,7 +8,8 @@ attention pieces; each layer then writes its new K/V at their slots and runs the
          is_causal straight on the fresh K/V rows -- no gather, no mask, and the CPU flash
          kernel skips the blocks above the diagonal. Where paged_decode.prefill_supported
          says so (its vector code runs: AVX-512 or AVX2 + FMA), fresh and causal paged
-         pieces of 8+ tokens instead go through kvstrata's prefill kernel, all of a step's in
+         pieces of 8+ tokens (bf16 with AMX: up to paged_decode.prefill_max_tokens, longer
+         ones on SDPA) instead go through kvstrata's prefill kernel, all of a step's in
          one call a layer, keys read from the pool through their slots (1.8-2.9x torch's flash
          attention at SmolLM2's shape on AVX-512, 1.0-2.4x on AVX2; meta.prefill).
   paged  a multi-token request with cached context (prefix hit, later prefill chunk): gather
@@ -122,6 +123,8 @@ class TorchNativeAttnBackend:
                                    and envs.KVSTRATA_CPU_PREFILL_ATTENTION.get()
                                    and paged_decode.prefill_supported(dtype, head_dim,
                                                                       kv_pool.kv.device))
+        self.prefill_max_tokens = (paged_decode.prefill_max_tokens(dtype)
+                                   if self.use_prefill_kernel else None)
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -180,8 +183,10 @@ class TorchNativeAttnBackend:
         forward that writes the pool."""
         if not self.use_prefill_kernel or out_slots is None or table is None:
             return None
+        top = self.prefill_max_tokens
         chosen = [p for p in pieces if p.prefix >= 0
-                  and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS]
+                  and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS
+                  and (top is None or p.prefix + p.hi - p.lo <= top)]
         if not chosen:
             return None
         seqs, slots, off = [], [], 0
