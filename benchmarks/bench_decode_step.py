@@ -350,10 +350,12 @@ def main(argv=None) -> dict:
             flops = 2 * (params - head) * length * prompts + 2 * head * prompts + \
                 2 * length ** 2 * prompts * dims.num_heads * dims.head_dim * dims.num_layers
             top, overhead, _ = profile(run_prefill, 1)
-            report["prefill"] = {"tokens": length * prompts, "prompts": prompts, "ms": ms, "gflops": flops / ms / 1e6,
+            report["prefill"] = {"tokens": length * prompts, "prompts": prompts, "ms": ms,
+                                 "gflops": flops / ms / 1e6,
                                  "of_peak": flops / ms / 1e6 / peak, "outside_ops": overhead,
                                  "top_ops": top}
-            print(f"prefill {prompts} x {length} tokens {ms:8.1f} ms  {flops / ms / 1e6:6.1f} GFLOP/s "
+            print(f"prefill {prompts} x {length} tokens {ms:8.1f} ms  "
+                  f"{flops / ms / 1e6:6.1f} GFLOP/s "
                   f"= {flops / ms / 1e6 / peak:5.1%} of peak; outside torch ops {overhead:5.1%};"
                   " top: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:4]))
     runner.shutdown()
