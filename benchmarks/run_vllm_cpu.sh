@@ -17,7 +17,8 @@
 # kvstrata_w8a8_own and kvstrata_w8a8_own_decode (128 rows): the same for the int8 GEMM;
 # kvstrata_bf16_avx512 and kvstrata_bf16_own_avx512: bf16 and bf16_own with kvstrata's kernels
 # capped at AVX-512, on AMX the bf16 GEMM's AVX512-BF16 tiles instead of its AMX ones;
-# kvstrata_bf16_sdpa: bf16 with prefill attention on torch's SDPA, not kvstrata's kernel)
+# kvstrata_bf16_sdpa: bf16 with prefill attention on torch's SDPA, not kvstrata's kernel;
+# kvstrata_w8a8_amx: w8a8 with the int8 GEMM on AMX-INT8 tiles, KVSTRATA_CPU_INT8_GEMM=amx)
 #
 # A shared 2-vCPU box moves a serving figure by 10-20% between minutes: with ROUNDS > 1 each
 # round runs the whole list, the ratios are taken within each round, and the summary gives
@@ -125,6 +126,7 @@ for round in $(seq 1 "$ROUNDS"); do
       kvstrata_bf16_avx512) KVSTRATA_CPU_ISA=avx512 run_kvstrata "$run" --dtype bfloat16 ;;
       kvstrata_bf16_own_avx512) KVSTRATA_CPU_ISA=avx512 KVSTRATA_CPU_BF16_GEMM=own \
           run_kvstrata "$run" --dtype bfloat16 ;;
+      kvstrata_w8a8_amx) KVSTRATA_CPU_INT8_GEMM=amx run_kvstrata "$run" --quantization w8a8_int8 ;;
       kvstrata_w8a8_own) KVSTRATA_CPU_INT8_GEMM=own run_kvstrata "$run" --quantization w8a8_int8 ;;
       kvstrata_w8a8_own_decode) KVSTRATA_CPU_INT8_GEMM=own_decode run_kvstrata "$run" \
           --quantization w8a8_int8 ;;

@@ -111,7 +111,8 @@ KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
     "CPU prefill attention (a prompt, or a chunk after a cached prefix, 8+ tokens) runs the "
     "prefill kernel (runner/attention/paged_decode.py prefill_attention, keys read from the "
     "pool) where it is faster than torch's SDPA (AVX-512 with head_dim % 64 == 0, or AVX2 + "
-    "FMA with head_dim % 32 == 0; bf16 only without AMX); 0 = SDPA always (ablation).")
+    "FMA with head_dim % 32 == 0; bf16 with AMX-BF16 for prompts up to 1024 tokens, SDPA's "
+    "AMX tiles above); 0 = SDPA always (ablation).")
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "
@@ -162,15 +163,18 @@ KVSTRATA_CPU_INT8_GEMM = _declare(
     "VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), else oneDNN's (fbgemm's "
     "layer without VNNI); onednn = never kvstrata's (ablation); own = kvstrata's wherever one "
     "of its tiles runs, AVX-VNNI CPUs too (A/B); own_decode = kvstrata's up to 128 rows and "
-    "oneDNN's above on a CPU with VNNI, both layouts kept (A/B for AMX prefill). Read when "
+    "oneDNN's above on a CPU with VNNI, both layouts kept (A/B for AMX prefill); amx = auto "
+    "with the GEMM on AMX-INT8 tiles above 4 rows where the CPU has them "
+    "(runner/csrc/int8_gemm_amx.h; A/B, not measured on an AMX machine yet). Read when "
     "the weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
     "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
-    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 for up to 64 "
-    "rows (decode batches) only, oneDNN's AMX tiles above (prefill), both layouts kept "
-    "(twice the bf16 weights' memory) -- else oneDNN's prepacked one; onednn = always "
+    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 on its AMX tiles "
+    "(runner/csrc/bf16_gemm_amx.h) for up to 64 rows (decode batches), oneDNN's AMX tiles "
+    "above (prefill), both layouts kept (twice the bf16 weights' memory) -- else oneDNN's "
+    "prepacked one; onednn = always "
     "oneDNN's (ablation); own = kvstrata's for every row count wherever its AVX512-BF16 or "
     "AVX2 body runs (A/B); own_decode = the AMX split on any CPU with oneDNN bf16 (A/B). "
     "Read when the weights are packed.")

@@ -8,12 +8,14 @@
 #   gemm     bench_gemm.py bf16 and int8: kvstrata's own GEMMs (forced) against oneDNN's at
 #            1-512 rows on every core, the layers' shapes and the output head's apart: where
 #            each wins on this CPU; bf16_avx512: kvstrata's kernels capped at AVX-512 (on AMX
-#            the bf16 GEMM's AVX512-BF16 tiles, not its AMX ones). GEMM_KINDS picks.
+#            the bf16 GEMM's AVX512-BF16 tiles, not its AMX ones); int8_amx: the int8 GEMM
+#            with KVSTRATA_CPU_INT8_GEMM=amx (AMX-INT8 tiles). GEMM_KINDS picks.
 #   attn     bench_prefill_attention.py: the prefill attention kernel against torch's SDPA,
 #            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
 #   step     bench_decode_step.py B=32 C=128 (STEP_VARIANTS): fp32, bf16, bf16 capped at
 #            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8 (a
-#            suffix _own: kvstrata's GEMM for every row count; _sdpa: prefill attention on
+#            suffix _own: kvstrata's GEMM for every row count; w8a8_amx: the int8 GEMM on
+#            AMX-INT8 tiles; _sdpa: prefill attention on
 #            torch's SDPA, not kvstrata's kernel); PREFILL tokens as
 #            PREFILL_PROMPTS prompts: a prefill's profile too
 #   served   run_vllm_cpu.sh (RUNS): fp32, bf16 (auto), bf16 capped at AVX-512, bf16 on
@@ -69,11 +71,12 @@ for st in $STAGES; do case $st in
     grep -E "^(FAILED|ERROR)" $R/kernel.log | cut -c1-200 | head -12 ;;
   cuda) TAILN=6 stage cuda 120 env KVSTRATA_TEST_CUDA=1 python3 -m pytest -q -rs -p no:cacheprovider \
       tests/cuda ;;
-  gemm) for k in ${GEMM_KINDS:-bf16 bf16_avx512 int8}; do  # _avx512: the ISA capped there
-      isa=$([ "${k%_avx512}" != "$k" ] && echo avx512 || echo auto)
+  gemm) for k in ${GEMM_KINDS:-bf16 bf16_avx512 int8 int8_amx}; do
+      isa=$([ "${k%_avx512}" != "$k" ] && echo avx512 || echo auto)  # the ISA capped there
+      igemm=$([ "${k%_amx}" != "$k" ] && echo amx || echo own)  # int8 on AMX-INT8 tiles
       TAILN=14 stage "gemm_$k" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_BF16_GEMM=own \
-        KVSTRATA_CPU_INT8_GEMM=own KVSTRATA_CPU_ISA=$isa python3 benchmarks/bench_gemm.py \
-        --kind "${k%_avx512}" --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
+        KVSTRATA_CPU_INT8_GEMM=$igemm KVSTRATA_CPU_ISA=$isa python3 benchmarks/bench_gemm.py \
+        --kind "${k%_*}" --rows 1 8 32 64 128 512 --rounds 3 --head --out "$R/gemm_$k.json"
     done ;;
   attn) TAILN=8 stage attn 90 "${CPU_ONLY[@]}" python3 benchmarks/bench_prefill_attention.py \
       --lengths 128 512 2048 --dtypes float32 bfloat16 --isas avx512 --rounds 3 ;;
@@ -84,11 +87,12 @@ for st in $STAGES; do case $st in
         *) flags=(--dtype "${v%_*}") ;;
       esac
       case $v in *_onednn) gemm=onednn ;; *_own) gemm=own ;; *) gemm=auto ;; esac
+      igemm=$([ "${v%_amx}" != "$v" ] && echo amx || echo $gemm)  # w8a8_amx: AMX-INT8 tiles
       isa=$([ "${v%_avx512}" != "$v" ] && echo avx512 || echo auto)
       pa=$([ "${v%_sdpa}" != "$v" ] && echo 0 || echo 1)  # _sdpa: prefill attention on SDPA
       TAILN=0 stage "step_$v" 60 "${CPU_ONLY[@]}" KVSTRATA_CPU_PREFILL_ATTENTION=$pa \
         KVSTRATA_CPU_BF16_GEMM=$gemm \
-        KVSTRATA_CPU_INT8_GEMM=$gemm KVSTRATA_CPU_ISA=$isa python3 \
+        KVSTRATA_CPU_INT8_GEMM=$igemm KVSTRATA_CPU_ISA=$isa python3 \
         benchmarks/bench_decode_step.py --model /tmp/smol \
         "${flags[@]}" --batch 32 --context 128 --prefill "${PREFILL:-0}" \
         --prefill-prompts "${PREFILL_PROMPTS:-1}" --rounds 2 --out "$R/step_$v.json"

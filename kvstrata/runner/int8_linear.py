@@ -45,7 +45,8 @@ KERNEL = "oneDNN prepacked int8 linear (onednn::qlinear_pointwise, VNNI) + per-t
 OWN_KERNEL = "kvstrata int8 GEMM (AVX512-VNNI, runner/csrc/int8_gemm.h), rows fused in"
 OWN_AVX2_KERNEL = ("kvstrata int8 GEMM (AVX2 vpmaddubsw, runner/csrc/int8_gemm_avx2.h), "
                    "rows fused in")
-GEMM_CHOICES = ("auto", "onednn", "own", "own_decode")
+OWN_AMX_KERNEL = "kvstrata int8 GEMM (AMX-INT8, runner/csrc/int8_gemm_amx.h), rows fused in"
+GEMM_CHOICES = ("auto", "onednn", "own", "own_decode", "amx")
 # own_decode: kvstrata's GEMM up to this many rows, oneDNN's int8 linear above (its AMX tiles
 # won from ~512 rows on an H200 host's Xeon: 0.75x ours there, ours 1.43x theirs at 128)
 OWN_DECODE_MAX_ROWS = 128
@@ -121,6 +122,8 @@ def kernel_name() -> str:
     if not own_gemm_fits(64, 64):
         return KERNEL
     own = OWN_KERNEL if _has_vnni512() else OWN_AVX2_KERNEL
+    if _gemm_choice() == "amx" and _int8_ops.kernel_isa(3) == 3:
+        own = f"{OWN_AMX_KERNEL} above 4 rows, {OWN_KERNEL} below"
     return f"{own} up to {OWN_DECODE_MAX_ROWS} rows, above them {KERNEL}" if split_layouts() \
         else own
 
@@ -158,6 +161,8 @@ class Int8MatmulLinear(nn.Module):
         self.out_features, self.in_features = cpu_weight_shape(weight)
         qweight, self.w_scale = quantize_weight(weight)
         self.own = own_gemm_fits(self.in_features, self.out_features)
+        # KVSTRATA_CPU_INT8_GEMM=amx: the GEMM may take AMX-INT8 tiles (cap 3 to its calls)
+        self.amx = self.own and _gemm_choice() == "amx"
         # the most rows kvstrata's GEMM takes (all where it is the one layout; split_layouts:
         # OWN_DECODE_MAX_ROWS, oneDNN's above)
         self.own_max_rows = 0
@@ -235,13 +240,16 @@ class Int8MatmulLinear(nn.Module):
                  threads: int | None = None, cap: int | None = None) -> tuple:
         """(C function, arguments) of own_rows' call into `out`, not run: the decode plan
         (runner/models/decode_plan.py) keeps it. The bias is read now: a plan is made again
-        for weights that change (never after loading)."""
+        for weights that change (never after loading). The ISA cap stops below AMX (3)
+        unless KVSTRATA_CPU_INT8_GEMM=amx chose the tiles."""
+        cap = isa_cap() if cap is None else cap
+        cap = cap if self.amx else min(cap, 2)
         return _int8_ops.linear, (x.data_ptr(), stride, m, self.in_features, _DTYPES[x.dtype],
                                   self.vnni.data_ptr(), self.out_features,
                                   self.comp.data_ptr(), self.w_scale.data_ptr(),
                                   self._bias_ptr(), out.data_ptr(), int(silu),
                                   torch.get_num_threads() if threads is None else threads,
-                                  isa_cap() if cap is None else cap)
+                                  cap)
 
     def _bias_ptr(self) -> int:
         return 0 if self.bias is None else self.bias.data_ptr()  # read per call: never stale

@@ -15,9 +15,10 @@ llama-family decoder in float32 or bf16 on the CPU, when torch has oneDNN;
 KVSTRATA_CPU_PACKED_LINEAR=0 keeps F.linear (ablation). `--quantization w8a8_int8` replaces
 these layers instead.
 
-bf16 on a CPU with AVX512-BF16 runs kvstrata's own GEMM instead (with AMX-BF16 for decode
-rows only, oneDNN's AMX tiles above 64 rows: split_layouts;
-runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the int8 GEMM's
+bf16 on a CPU with AVX512-BF16 runs kvstrata's own GEMM instead (with AMX-BF16 on its AMX
+tiles, runner/csrc/bf16_gemm_amx.h, for decode rows only, oneDNN's AMX tiles above 64 rows:
+split_layouts; runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the
+int8 GEMM's
 tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights prefetched
 while the rows multiply the current one, and the gate|up projection's silu(gate) * up
 written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
@@ -115,8 +116,11 @@ def split_layouts() -> bool:
     oneDNN's bf16 step took 54.8 ms against 23.0 on the own GEMM and fp32's 31.0 (16
     threads). Served (SmolLM2's shapes, 32 concurrent), 16 threads: bf16 on both layouts 661 /
     627 / 790 tok/s, fp32 499 / 554 / 595, bf16 on oneDNN alone 393, on the own GEMM alone 547
-    / 468 / 546; 8 threads: both 469 / 634, oneDNN alone 412 / 464, fp32 514 / 440. The two
-    bf16 layouts take the memory of one fp32 copy (layer nbytes count both)."""
+    / 468 / 546; 8 threads: both 469 / 634, oneDNN alone 412 / 464, fp32 514 / 440. With
+    the own GEMM on AMX tiles (session 28) it ran 1.03x oneDNN's at 512 rows and 1.2-2.2x at
+    1-128, yet served the split still led: 880 vs 812 tok/s (one round), 1025 / 623 vs 787 /
+    742 (two), so auto keeps it. The two bf16 layouts take the memory of one fp32 copy
+    (layer nbytes count both)."""
     choice = _gemm_choice()
     return choice == "own_decode" or (choice == "auto" and "amx_bf16" in read_cpu_flags())
 

@@ -332,3 +332,59 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
                                                                          "avx_vnni"})
     if not int8_linear._has_vnni512():  # no VNNI flag: its AVX2 tile, one layout
         assert _layer(weight, b, "own_decode", monkeypatch).packed is None
+
+
+@own_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, True), (1536, 576, False), (64, 80, True),
+                                      (128, 64, False)])
+def test_amx_int8_tiles_emulated_equal_the_scalar_tile(dtype, k, n, bias, monkeypatch):
+    """int8_gemm_amx.h's items on tiles emulated in memory (the addressing its AMX-INT8 run
+    uses): rows padded to 16 with code 128, one and two A tiles, panels of two blocks and a
+    last one-block panel (n = 80), the scalar epilogue per 4 rows; tdpbusd's int32 sums are
+    vpdpbusd's, so every row, silu(gate) * up included, equals the scalar tile's."""
+    from kvstrata.runner import _int8_ops
+    torch.manual_seed(k + n)
+    weight, b = torch.randn(n, k), torch.randn(n) if bias else None
+    layer = _layer(weight, b, "auto", monkeypatch)
+    assert layer.own and not layer.amx
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    for m in (1, 5, 15, 16, 17, 31, 32, 33, 50):
+        x = torch.randn(m, k + 8).to(dtype)[:, 4:4 + k]
+        for silu in (False, True) if n % 32 == 0 else (False,):
+            want = layer.own_rows(x, m, x.stride(0), silu)  # the scalar tile (cap)
+            got = torch.empty_like(want)
+            fn, args = layer.own_call(x, m, x.stride(0), got, silu)
+            assert fn is _int8_ops.linear
+            _int8_ops.linear_amx_emulated(*args)
+            assert torch.equal(got, want), (m, silu)
+    with pytest.raises(ValueError, match="k % 64"):
+        odd = _layer(torch.randn(16, 36), None, "auto", monkeypatch)
+        x = torch.randn(2, 36)
+        _int8_ops.linear_amx_emulated(*odd.own_call(x, 2, 36, torch.empty(2, 16), False)[1])
+
+
+@own_gemm
+def test_amx_choice_passes_the_tiles_cap(monkeypatch):
+    """KVSTRATA_CPU_INT8_GEMM=amx: the layer's calls carry ISA cap 3 (the tiles where the CPU
+    has AMX-INT8, the VNNI or AVX2 tile elsewhere); any other choice caps them at 2. Its
+    values are the tiles' or the VNNI tile's: equal either way."""
+    torch.manual_seed(5)
+    weight = torch.randn(64, 128)
+    x = torch.randn(9, 128)
+    auto = _layer(weight, None, "auto", monkeypatch)
+    amx = _layer(weight, None, "amx", monkeypatch)
+    assert amx.amx and not auto.amx
+    out = torch.empty(9, 64)
+    assert auto.own_call(x, 9, 128, out, False, cap=3)[1][-1] == 2
+    assert amx.own_call(x, 9, 128, out, False, cap=3)[1][-1] == 3
+    assert amx.own_call(x, 9, 128, out, False, cap=1)[1][-1] == 1
+    assert torch.equal(amx(x), auto(x))
+    want = (f"{int8_linear.OWN_AMX_KERNEL} above 4 rows" if _int8_ops_isa(3) == 3
+            else int8_linear.OWN_KERNEL if _int8_ops_isa(2) == 2 else int8_linear.OWN_AVX2_KERNEL)
+    assert int8_linear.kernel_name().startswith(want)
+
+
+def _int8_ops_isa(cap: int) -> int:
+    from kvstrata.runner import _int8_ops
+    return _int8_ops.kernel_isa(cap)

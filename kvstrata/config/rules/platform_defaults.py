@@ -39,7 +39,9 @@ CPU_DTYPE_RULES = (
     # oneDNN's AMX linears at decode rows did not scale with the cores (B=32 step 40-55 ms,
     # fp32 30 ms). With kvstrata's bf16 GEMM for decode rows beside oneDNN's AMX tiles for
     # prefill (runner/packed_linear.py split_layouts, the default there) bf16 served
-    # 1.13-1.33x fp32 at 16 threads (three rounds) and 0.91x / 1.44x at 8 (two, noisy).
+    # 1.13-1.33x fp32 at 16 threads (three rounds) and 0.91x / 1.44x at 8 (two, noisy); with
+    # that GEMM on the AMX tiles (runner/csrc/bf16_gemm_amx.h) and bf16 prefill attention on
+    # kvstrata's kernel, 1.83-2.15x at 16 (three rounds, median 1.90x; 8 not measured).
     # With oneDNN's alone (KVSTRATA_CPU_BF16_GEMM=onednn) or the own GEMM alone (own: 0.92-1.10x
     # at 16) the 8-thread bound stands: 3-15 threads are not measured, it sits between.
     DtypeRow(("amx_bf16",), (), True, "bfloat16", AMX_BF16_MAX_THREADS,
@@ -48,8 +50,8 @@ CPU_DTYPE_RULES = (
              "(2026-12-04; 2.35-2.42x at 2)",
              ("auto", "own_decode"),
              "AMX bf16 tiles for prefill and kvstrata's bf16 GEMM for decode rows: serving "
-             "measured bf16 1.13-1.33x fp32 at 16 threads (three rounds, 2026-12-04), "
-             "2.35-2.42x at 2 on oneDNN's alone (2026-12-02)"),
+             "measured bf16 1.83-2.15x fp32 at 16 threads (three rounds, median 1.90x, "
+             "2026-12-04), 2.35-2.42x at 2 on oneDNN's alone (2026-12-02)"),
     DtypeRow(("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x "
              "fp32, serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC "
              "(2026-12-03)"),

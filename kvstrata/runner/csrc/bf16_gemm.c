@@ -15,8 +15,8 @@
  *       in fp32, w in f32_gemv.h's panels ([n / 16][k][16]: what the tile reads from a bf16
  *       panel once widened), out fp32 [rows, n]; k % 2 == 0, n % 16 == 0 (f32_gemv.py).
  *   has_bf16_512(isa_cap): whether this CPU runs linear on AVX512-BF16 (KVSTRATA_CPU_ISA allows);
- *   kernel_isa(isa_cap): the body linear runs: 3 AMX-BF16 (bf16_gemm_amx.h, k % 32 == 0;
- *       AVX512-BF16 otherwise), 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
+ *   kernel_isa(isa_cap): the body linear runs: 3 AMX-BF16 (bf16_gemm_amx.h, k % 32 == 0 and
+ *       more than MR rows; AVX512-BF16 otherwise), 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
  *   linear_amx_emulated(...): linear's arguments on the AMX body's tiles emulated in memory
  *       (tests, on any AVX2 CPU).
  *
@@ -161,7 +161,7 @@ static int use_bf16_512(int isa_cap) {
  * and for k % 32 != 0), 2 AVX512-BF16, 1 AVX2 + FMA (bf16_gemm_avx2.h), 0 none. */
 static int body_isa(int isa_cap) {
 #ifdef KVSTRATA_AMX
-    if (isa_cap >= 3 && use_bf16_512(isa_cap) && amx_ready()) return 3;
+    if (isa_cap >= 3 && use_bf16_512(isa_cap) && amx_ready(AMX_BF16_BIT)) return 3;
 #endif
     if (use_bf16_512(isa_cap)) return 2;
 #if defined(__x86_64__)
@@ -202,7 +202,11 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     }
     int body = body_isa(isa_cap);
 #ifdef KVSTRATA_AMX
-    if (emulate_amx || (body == 3 && k % AMX_K == 0)) {
+    /* Up to MR rows (one row block of the AVX512-BF16 tile, which streams the weights once
+     * as the tiles do, without their padded rows and configuration) the AVX512-BF16 body:
+     * at one row it took a decode step's 120 GEMMs in 6.16 ms against the tiles' 6.99 (16
+     * cores of an H200 host's Xeon, 2026-12-04), at 8 rows 7.87 against 7.75. */
+    if (emulate_amx || (body == 3 && k % AMX_K == 0 && rows > MR)) {
         gemm_args a = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
                        (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
                        f32_out != 0};
@@ -213,7 +217,7 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
         if (rows && amx_linear(&a, threads, emulate_amx)) return PyErr_NoMemory();
         Py_RETURN_NONE;
     }
-    if (body == 3) body = 2; /* k % 32 != 0: the AVX512-BF16 tiles */
+    if (body == 3) body = 2; /* k % 32 != 0, or few rows: the AVX512-BF16 tiles */
 #else
     if (emulate_amx) {
         PyErr_SetString(PyExc_RuntimeError, "built without the AMX body (x86-64 Linux only)");

@@ -11,11 +11,11 @@
  * Rows: A tiles read x in place, 16 rows at a time; the last 1-15 rows (m % 16) are copied
  * once per call into a zeroed 16-row buffer, so no tile reads past x and every tile keeps
  * the one configuration (the padding rows' sums are never stored). k % 32 == 0 (SmolLM2's
- * 576 and 1536; bf16_gemm.c sends other k to the AVX512-BF16 tiles). Panels of two blocks
- * (silu: gate block p and its up block), work items (panel, 32-row block) panel-major over
- * torch's OpenMP team as the other bodies'; each thread loads the configuration on entry
- * and releases the tiles on exit. Linux grants a process the tile data only on request
- * (arch_prctl ARCH_REQ_XCOMP_PERM), asked once; refused, the AVX512-BF16 tiles run.
+ * 576 and 1536; bf16_gemm.c sends other k, and calls of up to 4 rows, to the AVX512-BF16
+ * tiles). Panels of two blocks (silu: gate block p and its up block), work items (panel,
+ * 32-row block) panel-major over torch's OpenMP team as the other bodies' (the tiles' setup,
+ * the item and its emulation: amx_tiles.h, amx_item.h). Where Linux refuses the tiles, the
+ * AVX512-BF16 tiles run.
  *
  * Numbers: products of bf16 pairs are exact in fp32 and summed in fp32, as vdpbf16ps does
  * (in another order), then the AVX-512 epilogue rounds once, so results sit within the same
@@ -23,66 +23,13 @@
  * tiles (amx_item_emu, an AVX2 epilogue) are for those tests on CPUs without AMX. */
 #ifndef KVSTRATA_BF16_GEMM_AMX_H
 #define KVSTRATA_BF16_GEMM_AMX_H
-#if defined(__x86_64__) && defined(__linux__)
-#include <cpuid.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVSTRATA_AMX 1
-#define AMX_ROWS 16 /* rows of an A tile */
-#define AMX_K 32    /* k per tile step */
-#define AMX_ITEM_ROWS (2 * AMX_ROWS)
+#include "amx_tiles.h"
+#ifdef KVSTRATA_AMX
+#define AMX_K 32 /* k per tile step: 32 bf16 (16 pairs) of a row */
 
-/* Whether this CPU has AMX-BF16 and Linux let this process use the tiles (asked once). */
-static int amx_ready(void) {
-    static int state = -1;
-    if (state >= 0) return state;
-    unsigned a, b, c, d;
-    state = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)))
-        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                        18 /* XFEATURE_XTILEDATA */) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-AMX_TARGET static void amx_configure(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = AMX_ROWS;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-AMX_TARGET static void amx_release(void) { _tile_release(); }
-
-#define AMX_ATTR AMX_TARGET
-#define AMX_BODY amx_body_hw
-#define AMX_ITEM amx_item_hw
-#define TZERO(t) _tile_zero(t)
-#define TLOAD(t, p, s) _tile_loadd(t, p, s)
-#define TSTORE(t, p, s) _tile_stored(t, p, s)
-#define TDP(c, a, b) _tile_dpbf16ps(c, a, b)
-#include "bf16_gemm_amx_item.h" /* (it undefines these) */
-
-/* The emulation: a thread's eight tiles in memory, each 16 rows x 64 bytes, tdpbf16ps as its
- * definition reads (per row and column, each k pair's two exact products added in turn). */
-static __thread uint8_t emu_tmm[8][AMX_ROWS][64];
-static void emu_load(int t, const void *p, int64_t stride) {
-    for (int r = 0; r < AMX_ROWS; r++) memcpy(emu_tmm[t][r], (const char *)p + r * stride, 64);
-}
-static void emu_store(int t, void *p, int64_t stride) {
-    for (int r = 0; r < AMX_ROWS; r++) memcpy((char *)p + r * stride, emu_tmm[t][r], 64);
-}
-static void emu_dp(int c, int a, int b) {
+/* tdpbf16ps as its definition reads: per row and column, each k pair's two exact products
+ * added in turn. */
+static void emu_dp_bf16(int c, int a, int b) {
     for (int m = 0; m < AMX_ROWS; m++)
         for (int n = 0; n < 16; n++) {
             float acc, x0, x1, w0, w1;
@@ -99,27 +46,13 @@ static void emu_dp(int c, int a, int b) {
             memcpy(&emu_tmm[c][m][4 * n], &acc, 4);
         }
 }
-#define AMX_ATTR
-#define AMX_BODY amx_body_emu
-#define AMX_ITEM amx_item_emu
-#define TZERO(t) memset(emu_tmm[t], 0, sizeof emu_tmm[t])
-#define TLOAD(t, p, s) emu_load(t, p, s)
-#define TSTORE(t, p, s) emu_store(t, p, s)
-#define TDP(c, a, b) emu_dp(c, a, b)
-#include "bf16_gemm_amx_item.h" /* (it undefines these) */
 
-/* Panels of two blocks: plain, blocks 2p and 2p + 1 (a last one may have one); silu, gate
- * block p and its up block nb / 2 + p. */
-static inline int64_t amx_panel_count(int64_t n, int silu) {
-    const int64_t nb = n / BLOCK;
-    return silu ? nb / 2 : (nb + 1) / 2;
-}
-static inline int amx_panel(int64_t n, int silu, int64_t p, int64_t blk[2]) {
-    const int64_t nb = n / BLOCK;
-    blk[0] = silu ? p : 2 * p;
-    blk[1] = silu ? nb / 2 + p : 2 * p + 1;
-    return silu || 2 * p + 1 < nb ? 2 : 1;
-}
+#define AMX_A_T uint16_t
+#define AMX_W_T uint16_t
+#define AMX_ACC_T float
+#define TDP_HW(c, a, b) _tile_dpbf16ps(c, a, b)
+#define TDP_EMU(c, a, b) emu_dp_bf16(c, a, b)
+#include "amx_item.h"
 
 /* The item's sums (acc) + bias, rounded once, stored as tile() stores its registers. */
 BF16_512 static void amx_store_512(const gemm_args *g, int64_t r0, int rows,
@@ -212,10 +145,10 @@ static int amx_linear(const gemm_args *g, int threads, int emulate) {
             }
             const int valid = (int)(rows < AMX_ITEM_ROWS ? rows : AMX_ITEM_ROWS);
             if (emulate) {
-                amx_item_emu(g, a0, s0, a1, s1, blk, nb, acc);
+                amx_item_emu(a0, s0, a1, s1, g->w, blk, nb, k, acc);
                 amx_store_avx2(g, r0, valid, blk, nb, acc);
             } else {
-                amx_item_hw(g, a0, s0, a1, s1, blk, nb, acc);
+                amx_item_hw(a0, s0, a1, s1, g->w, blk, nb, k, acc);
                 amx_store_512(g, r0, valid, blk, nb, acc);
             }
         }

@@ -87,6 +87,36 @@ VNNI512 static inline void store16(void *o, __m512 v, int dtype) {
     if (dtype == F32) _mm512_storeu_ps(o, v);
     else _mm256_storeu_si256((__m256i *)o, bf16x16_from(v));
 }
+/* Row r's outputs from its sums c[j] over the nr blocks blk (for silu the gates, then their
+ * up blocks): the epilogue of a VNNI tile's row, and of an AMX item's (int8_gemm_amx.h). */
+VNNI512 static inline __attribute__((always_inline)) void row_out_vnni(
+    const gemm_args *g, int64_t r, const int64_t blk[NR], const __m512i *c, const int nr) {
+    const int64_t esz = g->dtype == F32 ? 4 : 2, half_n = g->n / 2;
+    const __m512 xs = _mm512_set1_ps(g->xs[r]);
+    if (!g->silu) {
+#pragma GCC unroll 4
+        for (int j = 0; j < nr; j++) {
+            const int64_t c0 = blk[j] * BLOCK;
+            store16(g->out + (r * g->n + c0) * esz, dequant16(c[j], g, c0, xs, c0), g->dtype);
+        }
+        return;
+    }
+#pragma GCC unroll 2
+    for (int j = 0; j < nr / 2; j++) {
+        const int64_t c0 = blk[j] * BLOCK, u0 = blk[nr / 2 + j] * BLOCK;
+        __m512 gv = dequant16(c[j], g, c0, xs, c0);
+        __m512 uv = dequant16(c[nr / 2 + j], g, u0, xs, half_n + c0);
+        void *o = g->out + (r * half_n + c0) * esz;
+        if (g->dtype == F32) {
+            _mm512_storeu_ps(o, _mm512_mul_ps(silu_v(gv), uv));
+        } else {
+            __m512 act = bf16x16_round(silu_v(bf16x16_round(gv)));
+            _mm256_storeu_si256((__m256i *)o,
+                                bf16x16_from(_mm512_mul_ps(act, bf16x16_round(uv))));
+        }
+    }
+}
+
 /* A tile of MR rows x nr blocks (nr a compile-time constant at each call site): blk holds
  * the nr blocks, for silu the gates then their up blocks, so a short last panel computes
  * only its own columns. */
@@ -116,35 +146,10 @@ VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
             for (int j = 0; j < nr; j++) c[i][j] = _mm512_dpbusd_epi32(c[i][j], av, b[j]);
         }
     }
-    const int64_t esz = g->dtype == F32 ? 4 : 2, half_n = g->n / 2;
 #pragma GCC unroll 4
     for (int i = 0; i < MR; i++) {
-        const int64_t r = r0 + i;
-        if (r >= g->m) break;
-        const __m512 xs = _mm512_set1_ps(g->xs[r]);
-        if (!g->silu) {
-#pragma GCC unroll 4
-            for (int j = 0; j < nr; j++) {
-                const int64_t c0 = blk[j] * BLOCK;
-                store16(g->out + (r * g->n + c0) * esz, dequant16(c[i][j], g, c0, xs, c0),
-                        g->dtype);
-            }
-            continue;
-        }
-#pragma GCC unroll 2
-        for (int j = 0; j < nr / 2; j++) {
-            const int64_t c0 = blk[j] * BLOCK, u0 = blk[nr / 2 + j] * BLOCK;
-            __m512 gv = dequant16(c[i][j], g, c0, xs, c0);
-            __m512 uv = dequant16(c[i][nr / 2 + j], g, u0, xs, half_n + c0);
-            void *o = g->out + (r * half_n + c0) * esz;
-            if (g->dtype == F32) {
-                _mm512_storeu_ps(o, _mm512_mul_ps(silu_v(gv), uv));
-            } else {
-                __m512 act = bf16x16_round(silu_v(bf16x16_round(gv)));
-                _mm256_storeu_si256((__m256i *)o,
-                                    bf16x16_from(_mm512_mul_ps(act, bf16x16_round(uv))));
-            }
-        }
+        if (r0 + i >= g->m) break;
+        row_out_vnni(g, r0 + i, blk, c[i], nr);
     }
 }
 
@@ -215,9 +220,16 @@ static int use_vnni512(int isa_cap) {
 
 #include "int8_gemm_avx2.h"
 
-/* What multiplies: 2 = the VNNI tile (AVX512-VNNI), 1 = the AVX2 tile (AVX2 + FMA + F16C),
- * 0 = the scalar tile; KVSTRATA_CPU_ISA's cap applies. */
+#include "int8_gemm_amx.h"
+
+/* What multiplies: 3 = AMX-INT8 tiles (int8_gemm_amx.h: only with cap 3, which
+ * int8_linear.py passes for KVSTRATA_CPU_INT8_GEMM=amx), 2 = the VNNI tile (AVX512-VNNI),
+ * 1 = the AVX2 tile (AVX2 + FMA + F16C), 0 = the scalar tile; KVSTRATA_CPU_ISA's cap
+ * applies. */
 static int gemm_isa(int isa_cap) {
+#ifdef KVSTRATA_AMX
+    if (isa_cap >= 3 && use_vnni512(isa_cap) && amx_ready(AMX_INT8_BIT)) return 3;
+#endif
     if (use_vnni512(isa_cap)) return 2;
     return use_avx2(16, isa_cap) ? 1 : 0;
 }

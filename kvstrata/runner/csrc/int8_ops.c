@@ -267,7 +267,7 @@ static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
  *        isa_cap): quant_rows, the int8 GEMM of int8_gemm.h and dequant_rows (silu = 0: out
  * [rows, n]) or dequant_silu_mul (silu = 1: out [rows, n / 2]) in one call; the same values
  * as those steps around oneDNN's GEMM. k % 4 == 0, n % 16 (silu: 32) == 0. */
-static PyObject *linear(PyObject *self, PyObject *args) {
+static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     unsigned long long x_addr, w_addr, c_addr, ws_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
     int dtype, silu, threads, isa_cap;
@@ -280,7 +280,24 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                      "dtype=%d silu=%d", rows, k, n, stride, dtype, silu);
         return NULL;
     }
-    const int64_t mp = (rows + MR - 1) / MR * MR;
+    int isa = gemm_isa(isa_cap);
+    /* AMX tiles (or their emulation: tests) above MR rows, k % 64 == 0; else the VNNI tile */
+    int amx = 0;
+#ifdef KVSTRATA_AMX
+    if (emulate_amx && k % AMX_K) {
+        PyErr_SetString(PyExc_ValueError, "the emulated AMX tiles need k % 64 == 0");
+        return NULL;
+    }
+    amx = emulate_amx || (isa == 3 && k % AMX_K == 0 && rows > MR);
+#else
+    if (emulate_amx) {
+        PyErr_SetString(PyExc_RuntimeError, "built without the AMX body (x86-64 Linux only)");
+        return NULL;
+    }
+#endif
+    if (isa == 3) isa = 2;
+    const int64_t pad = amx ? 16 : MR; /* rows padded to a multiple of this (code 128) */
+    const int64_t mp = (rows + pad - 1) / pad * pad;
     uint8_t *qa = aligned_alloc(64, (size_t)((mp * k + 63) / 64 * 64 + 64));
     float *xs = malloc(sizeof(float) * (size_t)(mp + 1));
     if (!qa || !xs) {
@@ -293,8 +310,11 @@ static PyObject *linear(PyObject *self, PyObject *args) {
                    dtype, silu != 0};
     const char *x = (const char *)x_addr;
     const int qvec = quant_isa(k, isa_cap);
-    const int isa = gemm_isa(isa_cap);
-    const int nt = thread_count(threads, panel_count(g.n, g.silu) * (mp / MR), (int64_t)n * k);
+    int64_t items = panel_count(g.n, g.silu) * (mp / MR);
+#ifdef KVSTRATA_AMX
+    if (amx) items = amx_panel_count(g.n, g.silu) * ((rows + AMX_ITEM_ROWS - 1) / AMX_ITEM_ROWS);
+#endif
+    const int nt = thread_count(threads, items, (int64_t)n * k);
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -303,12 +323,21 @@ static PyObject *linear(PyObject *self, PyObject *args) {
             if (r >= rows) { memset(qa + r * k, 128, (size_t)k); xs[r] = 0.f; continue; }
             quant_row(x, stride, r, k, dtype, qvec, qa, xs);
         }
-        gemm_tiles(&g, mp, isa);
+#ifdef KVSTRATA_AMX
+        if (amx) amx_gemm_tiles(&g, emulate_amx);
+        else
+#endif
+            gemm_tiles(&g, mp, isa);
     }
     Py_END_ALLOW_THREADS
     free(qa);
     free(xs);
     Py_RETURN_NONE;
+}
+
+static PyObject *linear(PyObject *self, PyObject *args) { return linear_impl(args, 0); }
+static PyObject *linear_amx_emulated(PyObject *self, PyObject *args) {
+    return linear_impl(args, 1);
 }
 
 static PyObject *kernel_isa(PyObject *self, PyObject *args) {
@@ -321,7 +350,10 @@ static PyMethodDef methods[] = {
     {"quant_rows", quant_rows, METH_VARARGS, "Per-token symmetric int8 quantisation of rows."},
     {"dequant_rows", dequant_rows, METH_VARARGS, "GEMM rows (acc * w_scale) times token scales, plus bias."},
     {"linear", linear, METH_VARARGS, "Quantise rows, int8 GEMM (VNNI / AVX2 / scalar), dequantise: one call."},
-    {"kernel_isa", kernel_isa, METH_VARARGS, "What linear multiplies with: 2 VNNI, 1 AVX2, 0 scalar."},
+    {"linear_amx_emulated", linear_amx_emulated, METH_VARARGS,
+     "linear's arguments, the GEMM on int8_gemm_amx.h's tiles emulated in memory (tests)."},
+    {"kernel_isa", kernel_isa, METH_VARARGS,
+     "What linear multiplies with: 3 AMX-INT8 (cap 3), 2 VNNI, 1 AVX2, 0 scalar."},
     {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
     {NULL, NULL, 0, NULL}};
 

@@ -1,0 +1,84 @@
+/* What kvstrata's two AMX GEMM bodies share (bf16_gemm_amx.h on tdpbf16ps, int8_gemm_amx.h on
+ * tdpbusd): whether the tiles may run, their one configuration (every tile 16 rows x 64 bytes),
+ * the work items' panels, and an emulation of the tiles in memory, so that tests check the
+ * items' addressing on CPUs without AMX (amx_item.h is compiled once on each).
+ *
+ * Linux grants a process the tile data only on request (arch_prctl ARCH_REQ_XCOMP_PERM),
+ * asked once per process; refused, the bodies are not used. Each thread of the OpenMP team
+ * loads the configuration on entry to a call's region and releases the tiles on exit. */
+#ifndef KVSTRATA_AMX_TILES_H
+#define KVSTRATA_AMX_TILES_H
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "gemm_panels.h"
+#define KVSTRATA_AMX 1
+#define AMX_ROWS 16 /* rows of an A tile */
+#define AMX_ITEM_ROWS (2 * AMX_ROWS)
+#define AMX_BF16_BIT 22 /* CPUID.(7, 0).EDX: AMX-BF16, AMX-TILE 24, AMX-INT8 25 */
+#define AMX_INT8_BIT 25
+
+/* Whether this CPU has AMX-TILE and the feature at CPUID.(7, 0).EDX bit `bit`, and Linux let
+ * this process use the tiles (asked once; called with the GIL held). */
+static int amx_ready(int bit) {
+    static int granted = -1;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << bit)))
+        return 0;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                          18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
+AMX_TARGET static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+
+/* The emulation: a thread's eight tiles in memory, each 16 rows x 64 bytes. */
+static __thread uint8_t emu_tmm[8][AMX_ROWS][64];
+static void emu_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < AMX_ROWS; r++) memcpy(emu_tmm[t][r], (const char *)p + r * stride, 64);
+}
+static void emu_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < AMX_ROWS; r++) memcpy((char *)p + r * stride, emu_tmm[t][r], 64);
+}
+/* The tile ops of amx_item.h's two compilations: on the registers, and emulated. */
+#define TZERO_HW(t) _tile_zero(t)
+#define TLOAD_HW(t, p, s) _tile_loadd(t, p, s)
+#define TSTORE_HW(t, p, s) _tile_stored(t, p, s)
+#define TZERO_EMU(t) memset(emu_tmm[t], 0, sizeof emu_tmm[t])
+#define TLOAD_EMU(t, p, s) emu_load(t, p, s)
+#define TSTORE_EMU(t, p, s) emu_store(t, p, s)
+
+/* Panels of two blocks: plain, blocks 2p and 2p + 1 (a last one may have one); silu, gate
+ * block p and its up block nb / 2 + p. */
+static inline int64_t amx_panel_count(int64_t n, int silu) {
+    const int64_t nb = n / BLOCK;
+    return silu ? nb / 2 : (nb + 1) / 2;
+}
+static inline int amx_panel(int64_t n, int silu, int64_t p, int64_t blk[2]) {
+    const int64_t nb = n / BLOCK;
+    blk[0] = silu ? p : 2 * p;
+    blk[1] = silu ? nb / 2 + p : 2 * p + 1;
+    return silu || 2 * p + 1 < nb ? 2 : 1;
+}
+#endif
+#endif
