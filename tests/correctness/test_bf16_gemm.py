@@ -215,8 +215,8 @@ def test_amx_body_emulated_silu_equals_the_two_steps(inter, monkeypatch):
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 80), (96, 3072)])
 def test_amx_body_on_the_tiles(k, n):
     """The AMX body itself: one rounding from exact, its fp32 out the same values, its silu
-    rows equal to the two steps (both on AVX-512 there), k % 32 != 0 on the AVX512-BF16
-    tiles."""
+    rows equal to the two steps (both on AVX-512 there); k % 32 != 0 and calls of up to 4
+    rows on the AVX512-BF16 tiles."""
     torch.manual_seed(k * n)
     weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
     bias = torch.randn(n)
