@@ -189,6 +189,12 @@ def _layer(weight, bias, gemm, monkeypatch):
     return Int8MatmulLinear(weight, bias)
 
 
+def _int8_ops_isa_now(cap: int) -> int:
+    """What the int8 GEMM multiplies with under this ISA cap (3: AMX-INT8 where present)."""
+    from kvstrata.runner import _int8_ops
+    return _int8_ops.kernel_isa(cap)
+
+
 own_gemm = pytest.mark.skipif(not int8_linear.own_gemm_fits(64, 64),
                               reason="kvstrata's int8 GEMM needs AVX512-VNNI or AVX2")
 GEMM_SHAPES = [(576, 960, True), (1536, 576, False), (8, 16, True), (100, 48, False),
@@ -380,11 +386,25 @@ def test_amx_choice_passes_the_tiles_cap(monkeypatch):
     assert amx.own_call(x, 9, 128, out, False, cap=3)[1][-1] == 3
     assert amx.own_call(x, 9, 128, out, False, cap=1)[1][-1] == 1
     assert torch.equal(amx(x), auto(x))
-    want = (f"{int8_linear.OWN_AMX_KERNEL} above 4 rows" if _int8_ops_isa(3) == 3
-            else int8_linear.OWN_KERNEL if _int8_ops_isa(2) == 2 else int8_linear.OWN_AVX2_KERNEL)
+    want = (f"{int8_linear.OWN_AMX_KERNEL} above 4 rows" if _int8_ops_isa_now(3) == 3
+            else int8_linear.OWN_KERNEL if _int8_ops_isa_now(2) == 2
+            else int8_linear.OWN_AVX2_KERNEL)
     assert int8_linear.kernel_name().startswith(want)
 
 
-def _int8_ops_isa(cap: int) -> int:
-    from kvstrata.runner import _int8_ops
-    return _int8_ops.kernel_isa(cap)
+@pytest.mark.skipif(_int8_ops_isa_now(3) != 3, reason="needs AMX-INT8 (and Linux's leave)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_int8_tiles_equal_the_vnni_tile(dtype, monkeypatch):
+    """On an AMX-INT8 CPU: KVSTRATA_CPU_INT8_GEMM=amx's layer (the tiles above 4 rows, k %
+    64 == 0) equals auto's (the VNNI tile) bit for bit at every row count, silu included."""
+    torch.manual_seed(7)
+    for k, n in ((576, 960), (1536, 576), (128, 80), (100, 48)):
+        weight, b = torch.randn(n, k), torch.randn(n)
+        auto = _layer(weight, b, "auto", monkeypatch)
+        amx = _layer(weight, b, "amx", monkeypatch)
+        for m in (1, 4, 5, 16, 17, 32, 33, 64, 200):
+            x = torch.randn(m, k).to(dtype)
+            assert torch.equal(amx(x), auto(x)), (k, n, m)
+            if n % 32 == 0:
+                assert torch.equal(amx.linear_silu_mul(x), auto.linear_silu_mul(x)), (k, n, m)
+
