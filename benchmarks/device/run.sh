@@ -11,7 +11,7 @@
 #            the bf16 GEMM's AVX512-BF16 tiles, not its AMX ones); int8_amx: the int8 GEMM
 #            with KVSTRATA_CPU_INT8_GEMM=amx (AMX-INT8 tiles). GEMM_KINDS picks.
 #   attn     bench_prefill_attention.py: the prefill attention kernel against torch's SDPA,
-#            fp32 and bf16 (on AMX bf16 prefill stays on SDPA: prefill_supported, unmeasured)
+#            fp32 and bf16 (on AMX bf16 prompts over 1024 tokens stay on SDPA: prefill_max_tokens)
 #   step     bench_decode_step.py B=32 C=128 (STEP_VARIANTS): fp32, bf16, bf16 capped at
 #            AVX-512 (no AMX in kvstrata's GEMM), bf16 on oneDNN's GEMMs alone, w8a8 (a
 #            suffix _own: kvstrata's GEMM for every row count; w8a8_amx: the int8 GEMM on
