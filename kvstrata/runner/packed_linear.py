@@ -18,10 +18,9 @@ these layers instead.
 bf16 on a CPU with AVX512-BF16 runs kvstrata's own GEMM instead (with AMX-BF16 on its AMX
 tiles, runner/csrc/bf16_gemm_amx.h, for decode rows only, oneDNN's AMX tiles above 64 rows:
 split_layouts; runner/csrc/bf16_gemm.c; KVSTRATA_CPU_BF16_GEMM=onednn keeps oneDNN's): the
-int8 GEMM's
-tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights prefetched
-while the rows multiply the current one, and the gate|up projection's silu(gate) * up
-written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
+int8 GEMM's tiles on vdpbf16ps, weights packed once in pairs of k, the next panel's weights
+prefetched while the rows multiply the current one, and the gate|up projection's silu(gate) *
+up written from its registers. Measured on an AVX-512 BF16 EPYC (2 threads, SmolLM2's four
 layer shapes x 30 weights streaming from RAM, benchmarks/bench_gemm.py --kind bf16): at 32
 rows 1.16-1.45x oneDNN's speed, at 8 rows 1.28x, at 1 row 1.02-1.3x, at 2048 rows 0.96-1.05x.
 Same fp32 accumulation as oneDNN's bf16 kernels; results differ from them by accumulation
