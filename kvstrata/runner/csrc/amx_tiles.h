@@ -21,16 +21,21 @@
 #define AMX_INT8_BIT 25
 
 /* Whether this CPU has AMX-TILE and the feature at CPUID.(7, 0).EDX bit `bit`, and Linux let
- * this process use the tiles (asked once; called with the GIL held). */
+ * this process use the tiles. Both are read once (called with the GIL held, on every GEMM
+ * call: a cpuid in a VM guest exits to the hypervisor). */
 static int amx_ready(int bit) {
     static int granted = -1;
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << bit)))
-        return 0;
-    if (granted < 0)
-        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                          18 /* XFEATURE_XTILEDATA */) == 0;
-    return granted;
+    static unsigned edx;
+    if (granted < 0) {
+        unsigned a, b, c, d = 0;
+        granted = 0;
+        if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24))) {
+            edx = d;
+            granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                              18 /* XFEATURE_XTILEDATA */) == 0;
+        }
+    }
+    return granted && (edx & (1u << bit));
 }
 
 typedef struct {
@@ -79,6 +84,15 @@ static inline int amx_panel(int64_t n, int silu, int64_t p, int64_t blk[2]) {
     blk[0] = silu ? p : 2 * p;
     blk[1] = silu ? nb / 2 + p : 2 * p + 1;
     return silu || 2 * p + 1 < nb ? 2 : 1;
+}
+
+/* Work item `it` of a call over m rows (items panel-major, nrb blocks of 32 rows): its first
+ * row (*r0), its panel's blocks (blk, *nb) and its row count (1-32, returned). */
+static inline int amx_item_at(int64_t it, int64_t nrb, int64_t m, int64_t n, int silu,
+                              int64_t *r0, int64_t blk[2], int *nb) {
+    *r0 = it % nrb * AMX_ITEM_ROWS;
+    *nb = amx_panel(n, silu, it / nrb, blk);
+    return (int)(m - *r0 < AMX_ITEM_ROWS ? m - *r0 : AMX_ITEM_ROWS);
 }
 #endif
 #endif

@@ -131,19 +131,18 @@ static int amx_linear(const gemm_args *g, int threads, int emulate) {
         if (!emulate) amx_configure();
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t r0 = it % nrb * AMX_ITEM_ROWS, rows = m - r0;
-            int64_t blk[2];
-            const int nb = amx_panel(g->n, g->silu, it / nrb, blk);
+            int64_t r0, blk[2];
+            int nb;
+            const int valid = amx_item_at(it, nrb, m, g->n, g->silu, &r0, blk, &nb);
             /* a tile's rows: in place when all 16 are x's, else the padded copy */
             const uint16_t *a0 = r0 < full ? g->x + r0 * g->stride : pad;
             const int64_t s0 = (r0 < full ? g->stride : k) * 2;
             const uint16_t *a1 = NULL;
             int64_t s1 = 0;
-            if (rows > AMX_ROWS) {
+            if (valid > AMX_ROWS) {
                 a1 = r0 + AMX_ROWS < full ? g->x + (r0 + AMX_ROWS) * g->stride : pad;
                 s1 = (r0 + AMX_ROWS < full ? g->stride : k) * 2;
             }
-            const int valid = (int)(rows < AMX_ITEM_ROWS ? rows : AMX_ITEM_ROWS);
             if (emulate) {
                 amx_item_emu(a0, s0, a1, s1, g->w, blk, nb, k, acc);
                 amx_store_avx2(g, r0, valid, blk, nb, acc);

@@ -88,11 +88,10 @@ static void amx_gemm_tiles(const gemm_args *g, int emulate) {
     if (!emulate) amx_configure();
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
-        const int64_t r0 = it % nrb * AMX_ITEM_ROWS, rows = g->m - r0;
-        int64_t blk[2];
-        const int nb = amx_panel(g->n, g->silu, it / nrb, blk);
-        const uint8_t *a0 = g->a + r0 * k, *a1 = rows > AMX_ROWS ? a0 + AMX_ROWS * k : NULL;
-        const int valid = (int)(rows < AMX_ITEM_ROWS ? rows : AMX_ITEM_ROWS);
+        int64_t r0, blk[2];
+        int nb;
+        const int valid = amx_item_at(it, nrb, g->m, g->n, g->silu, &r0, blk, &nb);
+        const uint8_t *a0 = g->a + r0 * k, *a1 = valid > AMX_ROWS ? a0 + AMX_ROWS * k : NULL;
         if (emulate) {
             amx_item_emu(a0, k, a1, k, g->w, blk, nb, k, acc);
             amx_rows_out_scalar(g, r0, valid, blk, nb, acc);
