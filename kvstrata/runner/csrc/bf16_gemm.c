@@ -59,7 +59,7 @@ typedef struct { /* linear_f32: an fp32 model's rows x its weights in f32_gemv.h
 } f32_gemm_args;
 
 #if defined(__x86_64__)
-#define BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define BF16_512 KVS_TARGET("avx512f,avx512bw,avx512bf16")
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 BF16_512 static ALWAYS_INLINE __m512 add_bias(__m512 v, const float *bias, int64_t c0) {

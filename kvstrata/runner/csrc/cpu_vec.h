@@ -7,8 +7,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__)
+#if defined(KVSTRATA_EMULATE_AVX512) /* the tests' build of the AVX-512 bodies on AVX2 */
+#include "isa_emulation.h"
+#define KVS_TARGET(sets)
+#elif defined(__x86_64__)
 #include <immintrin.h>
+#define KVS_TARGET(sets) __attribute__((target(sets)))
 #endif
 
 /* ---- scalar ----------------------------------------------------------------------------- */
@@ -44,8 +48,8 @@ static inline float f16_to_f32(uint16_t h) { /* IEEE half: subnormals, inf and n
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
 #if defined(__x86_64__)
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX2 KVS_TARGET("avx2,fma,f16c")
+#define AVX512 KVS_TARGET("avx512f")
 /* exp(x) for x <= 0: 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2], e^r by its degree-6 Taylor
  * polynomial (truncation error < 2e-7 relative, about 1-2 ulp). Inputs below -87 are
  * clamped: e^-87 is ~1e-38, nothing next to a softmax's max term of 1. One body, two

@@ -69,7 +69,7 @@ static void tile_scalar(const uint8_t *a, int64_t lda, const int8_t *const w[NR]
 }
 
 #if defined(__x86_64__)
-#define VNNI512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define VNNI512 KVS_TARGET("avx512f,avx512bw,avx512vnni")
 /* The AVX-512 epilogue straight from a tile's registers: per block the operations of
  * block_to_float_avx512 then dequant_row_avx512 (plain) or dequant_silu_row_avx512 (silu), in
  * the same order, so the values equal the generic path's; without the round trip through the

@@ -17,7 +17,7 @@
 #include "paged_decode_head64.h"
 
 #if defined(__x86_64__)
-#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+#define AVX512_BF16 KVS_TARGET("avx512f,avx512bw,avx512dq,avx512bf16")
 
 /* [sum(a), sum(b), sum(c), sum(d)] of four 16-lane vectors. */
 AVX512_BF16 static inline __m128 sum4_of_16(__m512 a, __m512 b, __m512 c, __m512 d) {

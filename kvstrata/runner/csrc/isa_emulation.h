@@ -1,0 +1,121 @@
+/* The AVX-512 instruction sets the kernels use (F, BW, DQ, VL, VNNI, BF16), emulated for the
+ * tests on CPUs without them. Only a build with KVSTRATA_EMULATE_AVX512 defined includes this
+ * file (tests/helpers/emulated_isa.py compiles the kernel extensions so, with -mavx2 -mfma
+ * -mf16c): SIMDe's headers (PyPI simde-py) then stand in for <immintrin.h>'s AVX-512 half, the
+ * kernels' target attributes are dropped (kvs_target below), and __builtin_cpu_supports
+ * answers yes for those sets, so the AVX-512 bodies run on any AVX2 machine, slowly, against
+ * the same torch references as the real ones. AMX stays off (amx_tiles.h asks cpuid itself).
+ *
+ * Where SIMDe 0.8.2 lacks an intrinsic the kernels use, or sums in another order than the
+ * hardware, it is written here: the sums in the order GCC's headers and Intel's pseudo-code
+ * give, so results match the real instructions bit for bit. */
+#ifndef KVSTRATA_ISA_EMULATION_H
+#define KVSTRATA_ISA_EMULATION_H
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+/* ---- the CPU's answer ------------------------------------------------------------------- */
+static inline int kvs_emulated_cpu_supports(const char *feature) {
+    static const char *const sets[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                       "avx512dq", "avx512vl", "avx512vnni", "avx512bf16"};
+    for (size_t i = 0; i < sizeof sets / sizeof sets[0]; i++)
+        if (!strcmp(feature, sets[i])) return 1;
+    return 0;
+}
+#define __builtin_cpu_init() ((void)0)
+#define __builtin_cpu_supports(feature) kvs_emulated_cpu_supports(feature)
+
+/* ---- intrinsics SIMDe lacks -------------------------------------------------------------- */
+static inline float kvs_emu_reduce_add_ps(__m512 a) { /* GCC's tree: halves, quarters, pairs */
+    float v[16], t[8], u[4];
+    _mm512_storeu_ps(v, a);
+    for (int i = 0; i < 8; i++) t[i] = v[8 + i] + v[i];
+    for (int i = 0; i < 4; i++) u[i] = t[4 + i] + t[i];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+#define _mm512_reduce_add_ps(a) kvs_emu_reduce_add_ps(a)
+
+static inline int kvs_emu_mask_reduce_min_epi32(__mmask16 k, __m512i a) {
+    int32_t v[16];
+    int best = INT_MAX;
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1 && v[i] < best) best = v[i];
+    return best;
+}
+#define _mm512_mask_reduce_min_epi32(k, a) kvs_emu_mask_reduce_min_epi32(k, a)
+
+static inline __m256i kvs_emu_cvtepi32_epi16(__m512i a) { /* truncating */
+    int32_t v[16];
+    int16_t r[16];
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; i++) r[i] = (int16_t)v[i];
+    return _mm256_loadu_si256((const __m256i *)r);
+}
+#define _mm512_cvtepi32_epi16(a) kvs_emu_cvtepi32_epi16(a)
+
+static inline __m128i kvs_emu_cvtepi32_epi8(__m512i a) { /* truncating */
+    int32_t v[16];
+    int8_t r[16];
+    _mm512_storeu_si512(v, a);
+    for (int i = 0; i < 16; i++) r[i] = (int8_t)v[i];
+    return _mm_loadu_si128((const __m128i *)r);
+}
+#define _mm512_cvtepi32_epi8(a) kvs_emu_cvtepi32_epi8(a)
+
+static inline __m512 kvs_emu_permute_ps(__m512 a, int imm) { /* within each 128-bit lane */
+    float v[16], r[16];
+    _mm512_storeu_ps(v, a);
+    for (int i = 0; i < 16; i++) r[i] = v[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)];
+    return _mm512_loadu_ps(r);
+}
+#define _mm512_permute_ps(a, imm) kvs_emu_permute_ps(a, imm)
+
+static inline uint16_t kvs_emu_bf16_rne(float f) { /* vcvtne2ps2bf16: nearest even, NaN quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline __m512bh kvs_emu_cvtne2ps_pbh(__m512 hi, __m512 lo) { /* lo -> lanes 0-15 */
+    float h[16], l[16];
+    uint16_t r[32];
+    __m512bh out;
+    _mm512_storeu_ps(h, hi);
+    _mm512_storeu_ps(l, lo);
+    for (int i = 0; i < 16; i++) {
+        r[i] = kvs_emu_bf16_rne(l[i]);
+        r[16 + i] = kvs_emu_bf16_rne(h[i]);
+    }
+    memcpy(&out, r, sizeof out);
+    return out;
+}
+#define _mm512_cvtne2ps_pbh(hi, lo) kvs_emu_cvtne2ps_pbh(hi, lo)
+
+/* vdpbf16ps adds a lane's odd pair first, then its even pair (Intel's pseudo-code); SIMDe
+ * adds the even one first. The products of two bf16 are exact in fp32. */
+static inline __m512 kvs_emu_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
+    float s[16];
+    uint16_t x[32], y[32];
+    _mm512_storeu_ps(s, src);
+    memcpy(x, &a, sizeof x);
+    memcpy(y, &b, sizeof y);
+    for (int i = 0; i < 16; i++) {
+        for (int half = 1; half >= 0; half--) {
+            uint32_t ux = (uint32_t)x[2 * i + half] << 16, uy = (uint32_t)y[2 * i + half] << 16;
+            float fx, fy;
+            memcpy(&fx, &ux, 4);
+            memcpy(&fy, &uy, 4);
+            s[i] += fx * fy;
+        }
+    }
+    return _mm512_loadu_ps(s);
+}
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps(src, a, b) kvs_emu_dpbf16_ps(src, a, b)
+
+#endif

@@ -1,0 +1,123 @@
+"""kvstrata's CPU kernels built with AVX-512 emulated (F, BW, DQ, VL, VNNI, BF16), for the
+tests on machines without those instructions.
+
+Our machines alternate between AVX2-only and AVX-512 BF16 CPUs, and the kernels pick their
+body at run time, so an AVX2 day's suite never ran the AVX-512 bodies (an edit to a shared
+epilogue could break them unseen). `build()` compiles the four kernel extensions again with
+KVSTRATA_EMULATE_AVX512 defined (runner/csrc/isa_emulation.h: SIMDe's portable AVX-512 on top
+of AVX2, `__builtin_cpu_supports` answering yes for those sets), and `install()` puts them in
+`sys.modules` before kvstrata imports its own; the kernel tests then run unchanged, their
+`KVSTRATA_CPU_ISA=avx512` cases on the emulated bodies. As a pytest plugin (`-p
+helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a build) it installs them before
+any test module is imported. AMX stays off: it is its own tests' (emulated tiles)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# module -> its one C file; each file includes its headers from kvstrata/*/csrc/
+EXTENSIONS = {
+    "kvstrata.runner._cpu_ops": "kvstrata/runner/csrc/cpu_ops.c",
+    "kvstrata.runner._int8_ops": "kvstrata/runner/csrc/int8_ops.c",
+    "kvstrata.runner._bf16_ops": "kvstrata/runner/csrc/bf16_gemm.c",
+    "kvstrata.runner.attention._paged_decode": "kvstrata/runner/attention/csrc/paged_decode.c",
+}
+# The extensions' own flags (setup.py) but -O1 (each file compiles in 1-4 s, not 10-40 s at
+# -O3) and AVX2 for the whole file: SIMDe then runs each 512-bit op as two 256-bit ones.
+FLAGS = ["-shared", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma",
+         "-mf16c", "-Wno-psabi", "-DKVSTRATA_EMULATE_AVX512"]
+EMULATED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+                            "avx512_bf16"})
+
+
+def simde_include() -> str | None:
+    """SIMDe's headers (the dev dependency simde-py), or None when it is not installed."""
+    try:
+        import simde_py
+    except ImportError:
+        return None
+    return simde_py.get_include()
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for path in sorted(ROOT.glob("kvstrata/**/csrc/*.[ch]")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build(cache: Path) -> Path:
+    """The four emulated extensions under cache/<digest of the sources>/ (built once per
+    version of the sources: a finished build is marked by its `done` file)."""
+    include = simde_include()
+    if include is None:
+        raise RuntimeError("simde-py is not installed (a dev dependency: make setup)")
+    out = cache / _sources_digest()
+    if (out / "done").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    python_include = sysconfig.get_paths()["include"]
+
+    def compile_one(item: tuple[str, str]) -> None:
+        name, source = item
+        target = out / (name.rsplit(".", 1)[1] + suffix)
+        partial = target.with_name(f"{target.name}.{os.getpid()}")  # concurrent suites
+        cmd = ["cc", *FLAGS, f"-I{python_include}", f"-I{include}", str(ROOT / source),
+               "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(partial, target)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, EXTENSIONS.items()))
+    (out / "done").write_text("ok\n")
+    return out
+
+
+def install(build_dir: Path) -> None:
+    """Load the emulated extensions as kvstrata's own (before anything imports those)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for name in EXTENSIONS:
+        if name in sys.modules:
+            raise RuntimeError(f"{name} was imported before the emulated build was installed")
+        path = Path(build_dir) / (name.rsplit(".", 1)[1] + suffix)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    for name, module in [(n, sys.modules[n]) for n in EXTENSIONS]:
+        parent, _, child = name.rpartition(".")
+        setattr(importlib.import_module(parent), child, module)
+    # Python's side of the dispatch (and the tests' expectations) read /proc/cpuinfo: it
+    # names the emulated sets too, before any module binds read_cpu_flags by name.
+    from kvstrata import platform
+
+    real = platform.read_cpu_flags
+
+    def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
+        flags = real(path)
+        return flags | EMULATED_FLAGS if path == "/proc/cpuinfo" else flags
+
+    platform.read_cpu_flags = read_cpu_flags
+
+
+def native_avx512() -> bool:
+    """The CPU runs the AVX-512 bodies itself (their tests need no emulation there)."""
+    from kvstrata.platform import read_cpu_flags
+
+    return EMULATED_FLAGS <= read_cpu_flags()
+
+
+def pytest_configure(config) -> None:  # the plugin's entry (-p helpers.emulated_isa)
+    build_dir = os.environ.get("KVSTRATA_EMULATED_ISA_DIR")
+    if build_dir:
+        install(Path(build_dir))
