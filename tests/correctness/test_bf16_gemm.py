@@ -170,11 +170,16 @@ def _raw(x, packed, n, bias=None, silu=0, f32=0, cap=1, fn=_bf16_ops.linear):
 
 
 AMX_ROWS = (1, 5, 15, 16, 17, 31, 32, 33, 48, 50)  # the padded copy alone, x in place, both
+# The emulated tiles' epilogue: the AVX2 one (cap 1), and the tiles' own AVX-512 one (cap 2)
+# where the CPU has AVX512-BF16 or the tests emulate it (test_emulated_avx512.py).
+AMX_EPILOGUES = [1, pytest.param(2, marks=pytest.mark.skipif(
+    not _bf16_ops.has_bf16_512(2), reason="the AVX-512 epilogue needs AVX512-BF16"))]
 
 
 @avx2_body
+@pytest.mark.parametrize("cap", AMX_EPILOGUES)
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 80), (32, 16)])
-def test_amx_body_emulated_is_one_rounding_from_exact(k, n):
+def test_amx_body_emulated_is_one_rounding_from_exact(k, n, cap):
     """bf16_gemm_amx.h's items on tiles emulated in memory (the addressing its AMX run uses):
     one and two A tiles, the last 1-15 rows from the zero-padded copy, panels of two blocks
     and a last one-block panel (n = 80, 16), rows `stride` apart, fp32 out; k % 32 only."""
@@ -185,9 +190,9 @@ def test_amx_body_emulated_is_one_rounding_from_exact(k, n):
     emu = _bf16_ops.linear_amx_emulated
     for m in AMX_ROWS:
         x = torch.randn(m, k + 10).bfloat16()[:, 3:3 + k]
-        out = _raw(x, packed, n, bias, fn=emu)
+        out = _raw(x, packed, n, bias, cap=cap, fn=emu)
         assert_near_exact(out, x.float(), weight.float(), bias.double().float())
-        assert torch.equal(_raw(x, packed, n, bias, f32=1, fn=emu), out.float())
+        assert torch.equal(_raw(x, packed, n, bias, f32=1, cap=cap, fn=emu), out.float())
     assert _raw(torch.zeros(0, k, dtype=torch.bfloat16), packed, n, fn=emu).shape == (0, n)
     with pytest.raises(ValueError, match="k % 32"):
         _raw(torch.zeros(1, 34, dtype=torch.bfloat16), packed_linear.pack_bf16(
@@ -195,11 +200,12 @@ def test_amx_body_emulated_is_one_rounding_from_exact(k, n):
 
 
 @avx2_body
+@pytest.mark.parametrize("cap", AMX_EPILOGUES)
 @pytest.mark.parametrize("inter", [16, 48, 1536])
-def test_amx_body_emulated_silu_equals_the_two_steps(inter, monkeypatch):
+def test_amx_body_emulated_silu_equals_the_two_steps(inter, cap, monkeypatch):
     """Gate block p with its up block as one panel; the epilogue's silu is cpu_ops.silu_mul's
-    (AVX2 rows here), so the fused rows equal the two steps bit for bit."""
-    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+    (its rows at the same width), so the fused rows equal the two steps bit for bit."""
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2" if cap == 1 else "avx512")
     torch.manual_seed(inter)
     weight = (torch.randn(2 * inter, 64) / 8).bfloat16()
     bias = torch.randn(2 * inter).bfloat16().float()
@@ -207,8 +213,8 @@ def test_amx_body_emulated_silu_equals_the_two_steps(inter, monkeypatch):
     emu = _bf16_ops.linear_amx_emulated
     for m in (1, 17, 33):
         x = torch.randn(m, 64).bfloat16()
-        assert torch.equal(_raw(x, packed, 2 * inter, bias, silu=1, fn=emu),
-                           cpu_ops.silu_mul(_raw(x, packed, 2 * inter, bias, fn=emu)))
+        assert torch.equal(_raw(x, packed, 2 * inter, bias, silu=1, cap=cap, fn=emu),
+                           cpu_ops.silu_mul(_raw(x, packed, 2 * inter, bias, cap=cap, fn=emu)))
 
 
 @pytest.mark.skipif(_bf16_ops.kernel_isa(3) != 3, reason="needs AMX-BF16 (and Linux's leave)")

@@ -351,23 +351,25 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
 def test_amx_int8_tiles_emulated_equal_the_scalar_tile(dtype, k, n, bias, monkeypatch):
     """int8_gemm_amx.h's items on tiles emulated in memory (the addressing its AMX-INT8 run
     uses): rows padded to 16 with code 128, one and two A tiles, panels of two blocks and a
-    last one-block panel (n = 80), the scalar epilogue per 4 rows; tdpbusd's int32 sums are
-    vpdpbusd's, so every row, silu(gate) * up included, equals the scalar tile's."""
+    last one-block panel (n = 80); the scalar epilogue per 4 rows, and where the VNNI tile
+    runs (or is emulated: test_emulated_avx512.py) the tiles' own, row_out_vnni. tdpbusd's
+    int32 sums are vpdpbusd's, so every row, silu(gate) * up included, equals that tile's."""
     from kvstrata.runner import _int8_ops
     torch.manual_seed(k + n)
     weight, b = torch.randn(n, k), torch.randn(n) if bias else None
     layer = _layer(weight, b, "auto", monkeypatch)
     assert layer.own and not layer.amx
-    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
-    for m in (1, 5, 15, 16, 17, 31, 32, 33, 50):
-        x = torch.randn(m, k + 8).to(dtype)[:, 4:4 + k]
-        for silu in (False, True) if n % 32 == 0 else (False,):
-            want = layer.own_rows(x, m, x.stride(0), silu)  # the scalar tile (cap)
-            got = torch.empty_like(want)
-            fn, args = layer.own_call(x, m, x.stride(0), got, silu)
-            assert fn is _int8_ops.linear
-            _int8_ops.linear_amx_emulated(*args)
-            assert torch.equal(got, want), (m, silu)
+    for isa in ("scalar", "auto") if _int8_ops.kernel_isa(2) == 2 else ("scalar",):
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
+        for m in (1, 5, 15, 16, 17, 31, 32, 33, 50):
+            x = torch.randn(m, k + 8).to(dtype)[:, 4:4 + k]
+            for silu in (False, True) if n % 32 == 0 else (False,):
+                want = layer.own_rows(x, m, x.stride(0), silu)  # that tile (cap)
+                got = torch.empty_like(want)
+                fn, args = layer.own_call(x, m, x.stride(0), got, silu)
+                assert fn is _int8_ops.linear
+                _int8_ops.linear_amx_emulated(*args)
+                assert torch.equal(got, want), (isa, m, silu)
     with pytest.raises(ValueError, match="k % 64"):
         odd = _layer(torch.randn(16, 36), None, "auto", monkeypatch)
         x = torch.randn(2, 36)

@@ -57,7 +57,11 @@ AMX_TARGET static void amx_configure(void) {
 }
 AMX_TARGET static void amx_release(void) { _tile_release(); }
 
-/* The emulation: a thread's eight tiles in memory, each 16 rows x 64 bytes. */
+/* The emulation: a thread's eight tiles in memory, each 16 rows x 64 bytes. A body runs on
+ * the registers (AMX_HW) or emulated, with the epilogue of its AVX2 or scalar fallback
+ * (AMX_EMU) or, where the CPU has AVX-512 (or tests emulate it: isa_emulation.h), its own
+ * AVX-512 one (AMX_EMU_512): then only the tile instructions are not the hardware run's. */
+enum { AMX_HW = 0, AMX_EMU = 1, AMX_EMU_512 = 2 };
 static __thread uint8_t emu_tmm[8][AMX_ROWS][64];
 static void emu_load(int t, const void *p, int64_t stride) {
     for (int r = 0; r < AMX_ROWS; r++) memcpy(emu_tmm[t][r], (const char *)p + r * stride, 64);

@@ -214,7 +214,8 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
             PyErr_SetString(PyExc_ValueError, "the emulated AMX tiles need k % 32 == 0, AVX2");
             return NULL;
         }
-        if (rows && amx_linear(&a, threads, emulate_amx)) return PyErr_NoMemory();
+        const int mode = !emulate_amx ? AMX_HW : body >= 2 ? AMX_EMU_512 : AMX_EMU;
+        if (rows && amx_linear(&a, threads, mode)) return PyErr_NoMemory();
         Py_RETURN_NONE;
     }
     if (body == 3) body = 2; /* k % 32 != 0, or few rows: the AVX512-BF16 tiles */

@@ -20,7 +20,8 @@
  * Numbers: products of bf16 pairs are exact in fp32 and summed in fp32, as vdpbf16ps does
  * (in another order), then the AVX-512 epilogue rounds once, so results sit within the same
  * bound of exact as the other bodies' (tests/correctness/test_bf16_gemm.py). The emulated
- * tiles (amx_item_emu, an AVX2 epilogue) are for those tests on CPUs without AMX. */
+ * tiles (amx_item_emu, with the AVX2 epilogue or, on AVX512-BF16, this one) are for those
+ * tests on CPUs without AMX. */
 #ifndef KVSTRATA_BF16_GEMM_AMX_H
 #define KVSTRATA_BF16_GEMM_AMX_H
 #include "amx_tiles.h"
@@ -111,8 +112,11 @@ AVX2 static void amx_store_avx2(const gemm_args *g, int64_t r0, int rows, const 
         }
 }
 
-/* The whole linear on the tiles (emulate: in memory). Returns -1 when out of memory. */
-static int amx_linear(const gemm_args *g, int threads, int emulate) {
+/* The whole linear on the tiles (mode: amx_tiles.h's AMX_HW, or emulated in memory with
+ * the AVX2 epilogue, AMX_EMU, or the tiles' own AVX-512 one, AMX_EMU_512). Returns -1 when
+ * out of memory. */
+static int amx_linear(const gemm_args *g, int threads, int mode) {
+    const int emulate = mode != AMX_HW;
     const int64_t m = g->m, k = g->k, full = m / AMX_ROWS * AMX_ROWS;
     uint16_t *pad = NULL; /* rows full .. m, zero below them */
     if (full < m) {
@@ -145,7 +149,8 @@ static int amx_linear(const gemm_args *g, int threads, int emulate) {
             }
             if (emulate) {
                 amx_item_emu(a0, s0, a1, s1, g->w, blk, nb, k, acc);
-                amx_store_avx2(g, r0, valid, blk, nb, acc);
+                if (mode == AMX_EMU_512) amx_store_512(g, r0, valid, blk, nb, acc);
+                else amx_store_avx2(g, r0, valid, blk, nb, acc);
             } else {
                 amx_item_hw(a0, s0, a1, s1, g->w, blk, nb, k, acc);
                 amx_store_512(g, r0, valid, blk, nb, acc);

@@ -13,7 +13,8 @@
  * k % 64 == 0. Items of up to 32 rows x two blocks (amx_item.h), the int32 sums stored to
  * the item's buffer, then row_out_vnni (int8_gemm.h) per row: tdpbusd sums exactly as
  * vpdpbusd does, so the outputs equal the VNNI tile's bit for bit. The emulated tiles
- * (tests, any CPU) run the scalar tile's epilogue, equal too. Calls of up to 4 rows stay
+ * (tests, any CPU) run row_out_vnni where the VNNI tile runs, else the scalar tile's
+ * epilogue: equal too. Calls of up to 4 rows stay
  * on the VNNI tile (one row block: the weights stream once either way). */
 #ifndef KVSTRATA_INT8_GEMM_AMX_H
 #define KVSTRATA_INT8_GEMM_AMX_H
@@ -42,9 +43,10 @@ static void emu_dp_int8(int c, int a, int b) {
 #define TDP_EMU(c, a, b) emu_dp_int8(c, a, b)
 #include "amx_item.h"
 
-/* The item's rows out of its sums (acc: rows 32 values apart): on the tiles, row_out_vnni;
- * emulated, the scalar tile's epilogue over each 4 rows, its sums laid out as that tile's
- * (silu: the gate block in slot 0, its up block in slot NR / 2). */
+/* The item's rows out of its sums (acc: rows 32 values apart): on the tiles, row_out_vnni
+ * (emulated too where the VNNI tile runs: AMX_EMU_512); else the scalar tile's epilogue over
+ * each 4 rows, its sums laid out as that tile's (silu: the gate block in slot 0, its up block
+ * in slot NR / 2). */
 VNNI512 static void amx_rows_out_512(const gemm_args *g, int64_t r0, int rows,
                                      const int64_t blk[2], int nb, const int32_t *acc) {
     int64_t b4[NR] = {blk[0], blk[nb - 1], blk[0], blk[nb - 1]};
@@ -80,8 +82,9 @@ static void amx_rows_out_scalar(const gemm_args *g, int64_t r0, int rows,
 }
 
 /* The tiles of one thread's share, inside linear's OpenMP region after quantisation: g->a
- * holds ceil(m / 16) * 16 rows. */
-static void amx_gemm_tiles(const gemm_args *g, int emulate) {
+ * holds ceil(m / 16) * 16 rows. mode: amx_tiles.h's AMX_HW, AMX_EMU or AMX_EMU_512. */
+static void amx_gemm_tiles(const gemm_args *g, int mode) {
+    const int emulate = mode != AMX_HW;
     const int64_t nrb = (g->m + AMX_ITEM_ROWS - 1) / AMX_ITEM_ROWS, k = g->k;
     const int64_t items = amx_panel_count(g->n, g->silu) * nrb;
     int32_t acc[AMX_ITEM_ROWS * 2 * BLOCK] __attribute__((aligned(64)));
@@ -94,7 +97,8 @@ static void amx_gemm_tiles(const gemm_args *g, int emulate) {
         const uint8_t *a0 = g->a + r0 * k, *a1 = valid > AMX_ROWS ? a0 + AMX_ROWS * k : NULL;
         if (emulate) {
             amx_item_emu(a0, k, a1, k, g->w, blk, nb, k, acc);
-            amx_rows_out_scalar(g, r0, valid, blk, nb, acc);
+            if (mode == AMX_EMU_512) amx_rows_out_512(g, r0, valid, blk, nb, acc);
+            else amx_rows_out_scalar(g, r0, valid, blk, nb, acc);
         } else {
             amx_item_hw(a0, k, a1, k, g->w, blk, nb, k, acc);
             amx_rows_out_512(g, r0, valid, blk, nb, acc);

@@ -324,7 +324,8 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
             quant_row(x, stride, r, k, dtype, qvec, qa, xs);
         }
 #ifdef KVSTRATA_AMX
-        if (amx) amx_gemm_tiles(&g, emulate_amx);
+        /* emulated: the VNNI epilogue where that tile runs (the tiles' own), else scalar */
+        if (amx) amx_gemm_tiles(&g, emulate_amx ? (isa == 2 ? AMX_EMU_512 : AMX_EMU) : AMX_HW);
         else
 #endif
             gemm_tiles(&g, mp, isa);
