@@ -4,8 +4,10 @@ guards against the same SmolLM2 weights in float32 (issue: CPU speed per ISA, it
 - Perplexity of the first 1100 tokens of docs/architecture.md (the engine's prompt logprobs)
   within 1% of float32's.
 - Greedy answers to the smoke prompts (32 tokens, chat template) equal float32's, except where
-  float32 itself is at a near-tie: at the first differing token, bf16's choice must be
-  float32's runner-up within NEAR_TIE nats of its top.
+  float32 itself is at a near-tie: at the first differing token, bf16's choice must be one of
+  float32's top tokens within NEAR_TIE nats of its top (not only the runner-up: on the
+  AVX512-BF16 body the haiku's second token is float32's third, 0.142 nats below its top,
+  the top three within bf16 logits' 1/8-nat steps of each other there).
 - The fact behind the first smoke prompt survives: after "The capital of France is" both
   dtypes continue with Paris. (The free answer is not that check: float32's first token there
   is a 0.082-nat tie between two openings, which kernels of equal accuracy -- perplexity
@@ -37,7 +39,7 @@ def test_bf16_smollm2_perplexity_and_smoke_answers(smollm2_gguf_path, shared_tmp
     assert ratio < PPL_MAX_RATIO
     identical = 0
     for q, ref, got in zip(SMOKE, fp32["answers"], bf16["answers"]):
-        diff = first_difference(got, ref, top_n=2)  # bf16's token: float32's runner-up
+        diff = first_difference(got, ref)  # bf16's token among float32's top 5
         if diff is None:
             identical += 1
             continue

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -38,7 +36,7 @@ pytestmark = [
 def test_emulated_isa_build_reports_the_avx512_bodies():
     """The emulated extensions load and choose their AVX-512 bodies (so the run below tests
     those, not the AVX2 ones again); AMX stays the real CPU's answer."""
-    build_dir = emulated_isa.build(Path(tempfile.gettempdir()) / "kvstrata-emulated-isa")
+    build_dir = emulated_isa.build()
     code = ("import sys; sys.path.insert(0, 'tests'); from helpers import emulated_isa; "
             f"emulated_isa.install({str(build_dir)!r}); "
             "from kvstrata.runner import _bf16_ops, _int8_ops; "
@@ -52,7 +50,7 @@ def test_emulated_isa_build_reports_the_avx512_bodies():
 
 
 def test_kernel_tests_pass_on_emulated_avx512():
-    build_dir = emulated_isa.build(Path(tempfile.gettempdir()) / "kvstrata-emulated-isa")
+    build_dir = emulated_isa.build()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a worker
     env["KVSTRATA_EMULATED_ISA_DIR"] = str(build_dir)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.helpers.emulated_isa",

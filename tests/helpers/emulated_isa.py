@@ -7,9 +7,16 @@ epilogue could break them unseen). `build()` compiles the four kernel extensions
 KVSTRATA_EMULATE_AVX512 defined (runner/csrc/isa_emulation.h: SIMDe's portable AVX-512 on top
 of AVX2, `__builtin_cpu_supports` answering yes for those sets), and `install()` puts them in
 `sys.modules` before kvstrata imports its own; the kernel tests then run unchanged, their
-`KVSTRATA_CPU_ISA=avx512` cases on the emulated bodies. As a pytest plugin (`-p
-helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a build) it installs them before
-any test module is imported. AMX stays off: it is its own tests' (emulated tiles)."""
+`KVSTRATA_CPU_ISA=avx512` cases on the emulated bodies (and /proc/cpuinfo's flags, as
+kvstrata.platform reads them, name those sets). As a pytest plugin (`-p
+tests.helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a build) it installs them
+before any test module is imported. AMX stays off: it is its own tests' (emulated tiles).
+
+Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies (~2 min):
+    KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
+        .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
+        tests/correctness/test_bf16_quality.py
+"""
 from __future__ import annotations
 
 import hashlib
@@ -18,6 +25,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +41,7 @@ EXTENSIONS = {
 # -O3) and AVX2 for the whole file: SIMDe then runs each 512-bit op as two 256-bit ones.
 FLAGS = ["-shared", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma",
          "-mf16c", "-Wno-psabi", "-DKVSTRATA_EMULATE_AVX512"]
+CACHE = Path(tempfile.gettempdir()) / "kvstrata-emulated-isa"  # builds by sources' digest
 EMULATED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
                             "avx512_bf16"})
 
@@ -53,7 +62,7 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def build(cache: Path) -> Path:
+def build(cache: Path = CACHE) -> Path:
     """The four emulated extensions under cache/<digest of the sources>/ (built once per
     version of the sources: a finished build is marked by its `done` file)."""
     include = simde_include()
@@ -117,7 +126,11 @@ def native_avx512() -> bool:
     return EMULATED_FLAGS <= read_cpu_flags()
 
 
-def pytest_configure(config) -> None:  # the plugin's entry (-p helpers.emulated_isa)
+def pytest_configure(config) -> None:  # the plugin's entry (-p tests.helpers.emulated_isa)
     build_dir = os.environ.get("KVSTRATA_EMULATED_ISA_DIR")
     if build_dir:
         install(Path(build_dir))
+
+
+if __name__ == "__main__":  # prints a build's folder: KVSTRATA_EMULATED_ISA_DIR=$(python ...)
+    print(build())

@@ -97,23 +97,20 @@ static inline __m512bh kvs_emu_cvtne2ps_pbh(__m512 hi, __m512 lo) { /* lo -> lan
 #define _mm512_cvtne2ps_pbh(hi, lo) kvs_emu_cvtne2ps_pbh(hi, lo)
 
 /* vdpbf16ps adds a lane's odd pair first, then its even pair (Intel's pseudo-code); SIMDe
- * adds the even one first. The products of two bf16 are exact in fp32. */
+ * adds the even one first (and one lane at a time). A pair's halves as fp32: the odd bf16 is
+ * the dword's top half already, the even one shifted up; their products are exact in fp32,
+ * so each add rounds once, as the instruction's. */
 static inline __m512 kvs_emu_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
-    float s[16];
-    uint16_t x[32], y[32];
-    _mm512_storeu_ps(s, src);
-    memcpy(x, &a, sizeof x);
-    memcpy(y, &b, sizeof y);
-    for (int i = 0; i < 16; i++) {
-        for (int half = 1; half >= 0; half--) {
-            uint32_t ux = (uint32_t)x[2 * i + half] << 16, uy = (uint32_t)y[2 * i + half] << 16;
-            float fx, fy;
-            memcpy(&fx, &ux, 4);
-            memcpy(&fy, &uy, 4);
-            s[i] += fx * fy;
-        }
-    }
-    return _mm512_loadu_ps(s);
+    __m512i x, y;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, top));
+    const __m512 y_odd = _mm512_castsi512_ps(_mm512_and_si512(y, top));
+    const __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    const __m512 y_even = _mm512_castsi512_ps(_mm512_slli_epi32(y, 16));
+    src = _mm512_add_ps(src, _mm512_mul_ps(x_odd, y_odd));
+    return _mm512_add_ps(src, _mm512_mul_ps(x_even, y_even));
 }
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) kvs_emu_dpbf16_ps(src, a, b)
