@@ -16,6 +16,11 @@ Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies 
     KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
         .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
         tests/correctness/test_bf16_quality.py
+Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
+linears) is the real CPU's code, so a flow that the emulated VNNI flag routes through them
+(a w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate)
+does not hold there (test_int8_linear.py's oneDNN comparisons skip; in test_w8a8_int8.py the
+8-bit fbgemm case and the tiny model's greedy tokens, intermediate size 88, fail so).
 """
 from __future__ import annotations
 
