@@ -61,10 +61,10 @@ LONG_FILES_FIRST = (
     "e2e/test_priority_server.py", "transfer/test_disagg_backends.py",
     "e2e/test_hicache_storage_server.py", "e2e/test_pd_tp.py", "e2e/test_schema_fuzz.py",
     "correctness/test_smollm2_gguf.py", "correctness/test_bf16_quality.py",
-    "correctness/test_w8a8_int8.py", "e2e/test_dsa_pd.py", "e2e/test_lifecycle.py",
-    "unit/test_disagg_fuzz.py", "e2e/test_sglang_router.py", "e2e/test_speculative_server.py",
-    "e2e/test_smollm2_smoke.py", "correctness/test_emulated_avx512.py",
-    "e2e/test_control_routes_under_load.py",
+    "correctness/test_w8a8_int8.py", "correctness/test_emulated_avx512.py", "e2e/test_dsa_pd.py",
+    "e2e/test_lifecycle.py", "unit/test_disagg_fuzz.py", "e2e/test_sglang_router.py",
+    "e2e/test_speculative_server.py",
+    "e2e/test_smollm2_smoke.py", "e2e/test_control_routes_under_load.py",
     "e2e/test_bad_input.py", "unit/test_scheduler_fuzz.py")
 
 

@@ -16,7 +16,8 @@ Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies 
     KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
         .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
         tests/correctness/test_bf16_quality.py
-Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
+(`emulated_isa.py amx`: an AMX Xeon's configuration, the AMX bodies on tiles in memory; that
+run of the guard takes ~4 min.) Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
 linears) is the real CPU's code, so a flow that the emulated VNNI flag routes through them
 (a w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate)
 does not hold there (test_int8_linear.py's oneDNN comparisons skip; in test_w8a8_int8.py the
@@ -49,6 +50,9 @@ FLAGS = ["-shared", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx2", "
 CACHE = Path(tempfile.gettempdir()) / "kvstrata-emulated-isa"  # builds by sources' digest
 EMULATED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
                             "avx512_bf16"})
+# With amx=True (KVSTRATA_EMULATE_AMX): an AMX Xeon's configuration, the AMX bodies' items on
+# amx_tiles.h's tiles in memory wherever they would run on the registers.
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
 
 
 def simde_include() -> str | None:
@@ -60,21 +64,26 @@ def simde_include() -> str | None:
     return simde_py.get_include()
 
 
-def _sources_digest() -> str:
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+def _flags(amx: bool) -> list[str]:
+    return FLAGS + ["-DKVSTRATA_EMULATE_AMX"] if amx else FLAGS
+
+
+def _sources_digest(amx: bool) -> str:
+    digest = hashlib.sha256(" ".join(_flags(amx)).encode())
     for path in sorted(ROOT.glob("kvstrata/**/csrc/*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def build(cache: Path = CACHE) -> Path:
-    """The four emulated extensions under cache/<digest of the sources>/ (built once per
-    version of the sources: a finished build is marked by its `done` file)."""
+def build(cache: Path = CACHE, amx: bool = False) -> Path:
+    """The four emulated extensions under cache/<digest of the sources and flags>/ (built
+    once per version of the sources: a finished build is marked by its `flags` file, the
+    CPU flags it emulates)."""
     include = simde_include()
     if include is None:
         raise RuntimeError("simde-py is not installed (a dev dependency: make setup)")
-    out = cache / _sources_digest()
-    if (out / "done").exists():
+    out = cache / _sources_digest(amx)
+    if (out / "flags").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
@@ -84,7 +93,7 @@ def build(cache: Path = CACHE) -> Path:
         name, source = item
         target = out / (name.rsplit(".", 1)[1] + suffix)
         partial = target.with_name(f"{target.name}.{os.getpid()}")  # concurrent suites
-        cmd = ["cc", *FLAGS, f"-I{python_include}", f"-I{include}", str(ROOT / source),
+        cmd = ["cc", *_flags(amx), f"-I{python_include}", f"-I{include}", str(ROOT / source),
                "-o", str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -93,12 +102,13 @@ def build(cache: Path = CACHE) -> Path:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, EXTENSIONS.items()))
-    (out / "done").write_text("ok\n")
+    (out / "flags").write_text(" ".join(sorted(EMULATED_FLAGS | (AMX_FLAGS if amx else set()))))
     return out
 
 
 def install(build_dir: Path) -> None:
     """Load the emulated extensions as kvstrata's own (before anything imports those)."""
+    build_dir = Path(build_dir)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     for name in EXTENSIONS:
         if name in sys.modules:
@@ -115,11 +125,11 @@ def install(build_dir: Path) -> None:
     # names the emulated sets too, before any module binds read_cpu_flags by name.
     from kvstrata import platform
 
-    real = platform.read_cpu_flags
+    real, emulated = platform.read_cpu_flags, frozenset((build_dir / "flags").read_text().split())
 
     def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
         flags = real(path)
-        return flags | EMULATED_FLAGS if path == "/proc/cpuinfo" else flags
+        return flags | emulated if path == "/proc/cpuinfo" else flags
 
     platform.read_cpu_flags = read_cpu_flags
 
@@ -137,5 +147,5 @@ def pytest_configure(config) -> None:  # the plugin's entry (-p tests.helpers.em
         install(Path(build_dir))
 
 
-if __name__ == "__main__":  # prints a build's folder: KVSTRATA_EMULATED_ISA_DIR=$(python ...)
-    print(build())
+if __name__ == "__main__":  # a build's folder: KVSTRATA_EMULATED_ISA_DIR=$(python ... [amx])
+    print(build(amx=sys.argv[1:] == ["amx"]))

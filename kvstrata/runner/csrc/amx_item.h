@@ -6,10 +6,17 @@
 #define AMX_ATTR AMX_TARGET
 #define AMX_BODY amx_body_hw
 #define AMX_ITEM amx_item_hw
+#ifdef KVSTRATA_EMULATE_AMX /* the tests' build: the registers' item on the emulated tiles */
+#define TZERO TZERO_EMU
+#define TLOAD TLOAD_EMU
+#define TSTORE TSTORE_EMU
+#define TDP TDP_EMU
+#else
 #define TZERO TZERO_HW
 #define TLOAD TLOAD_HW
 #define TSTORE TSTORE_HW
 #define TDP TDP_HW
+#endif
 #include "amx_item_body.h"
 #define AMX_ATTR
 #define AMX_BODY amx_body_emu

@@ -23,6 +23,9 @@
 /* Whether this CPU has AMX-TILE and the feature at CPUID.(7, 0).EDX bit `bit`, and Linux let
  * this process use the tiles. Both are read once (called with the GIL held, on every GEMM
  * call: a cpuid in a VM guest exits to the hypervisor). */
+#ifdef KVSTRATA_EMULATE_AMX /* the tests' build (isa_emulation.h): tiles in memory */
+static int amx_ready(int bit) { return bit == AMX_BF16_BIT || bit == AMX_INT8_BIT; }
+#else
 static int amx_ready(int bit) {
     static int granted = -1;
     static unsigned edx;
@@ -37,6 +40,7 @@ static int amx_ready(int bit) {
     }
     return granted && (edx & (1u << bit));
 }
+#endif
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -45,6 +49,10 @@ typedef struct {
 } amx_config;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
+#ifdef KVSTRATA_EMULATE_AMX
+static void amx_configure(void) {}
+static void amx_release(void) {}
+#else
 AMX_TARGET static void amx_configure(void) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -56,6 +64,7 @@ AMX_TARGET static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 AMX_TARGET static void amx_release(void) { _tile_release(); }
+#endif
 
 /* The emulation: a thread's eight tiles in memory, each 16 rows x 64 bytes. A body runs on
  * the registers (AMX_HW) or emulated, with the epilogue of its AVX2 or scalar fallback

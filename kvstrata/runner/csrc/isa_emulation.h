@@ -4,7 +4,9 @@
  * -mf16c): SIMDe's headers (PyPI simde-py) then stand in for <immintrin.h>'s AVX-512 half, the
  * kernels' target attributes are dropped (kvs_target below), and __builtin_cpu_supports
  * answers yes for those sets, so the AVX-512 bodies run on any AVX2 machine, slowly, against
- * the same torch references as the real ones. AMX stays off (amx_tiles.h asks cpuid itself).
+ * the same torch references as the real ones. AMX stays off (amx_tiles.h asks cpuid itself)
+ * unless KVSTRATA_EMULATE_AMX is defined too: then amx_tiles.h grants AMX-BF16 / AMX-INT8 and
+ * the bodies' items run on its tiles emulated in memory.
  *
  * Where SIMDe 0.8.2 lacks an intrinsic the kernels use, or sums in another order than the
  * hardware, it is written here: the sums in the order GCC's headers and Intel's pseudo-code
