@@ -64,7 +64,7 @@ for st in $STAGES; do case $st in
   kernel) c=tests/correctness
     tests=${KERNEL_TESTS:-$c/test_bf16_gemm.py $c/test_decode_plan.py $c/test_f32_gemv.py
       $c/test_int8_linear.py $c/test_int8_gemm_amx.py $c/test_packed_linear.py
-      $c/test_paged_decode_kernel.py
+      $c/test_paged_decode_kernel.py $c/test_prefill_attention_kernel.py
       $c/test_w8a8_int8.py $c/test_cpu_ops.py tests/kv/test_rowcopy.py
       tests/unit/test_cpu_dtype_rule.py}
     TAILN=2 stage kernel 120 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 8 \

@@ -24,11 +24,11 @@ KERNEL_TEST_FILES = (
     "tests/correctness/test_bf16_gemm.py", "tests/correctness/test_int8_linear.py",
     "tests/correctness/test_f32_gemv.py", "tests/correctness/test_decode_plan.py",
     "tests/correctness/test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
-    "tests/correctness/test_int8_gemm_amx.py")
+    "tests/correctness/test_int8_gemm_amx.py", "tests/correctness/test_prefill_attention_kernel.py")
 # With AMX emulated too (an AMX Xeon's dispatch: the AMX bodies, bf16 prefill attention up to
 # its token limit), the files whose paths AMX changes.
 AMX_TEST_FILES = (
-    "tests/correctness/test_paged_decode_kernel.py", "tests/correctness/test_bf16_gemm.py",
+    "tests/correctness/test_prefill_attention_kernel.py", "tests/correctness/test_bf16_gemm.py",
     "tests/correctness/test_int8_linear.py", "tests/correctness/test_decode_plan.py",
     "tests/correctness/test_packed_linear.py", "tests/correctness/test_int8_gemm_amx.py")
 
