@@ -14,8 +14,8 @@
  * the item's buffer, then row_out_vnni (int8_gemm.h) per row: tdpbusd sums exactly as
  * vpdpbusd does, so the outputs equal the VNNI tile's bit for bit. The emulated tiles
  * (tests, any CPU) run row_out_vnni where the VNNI tile runs, else the scalar tile's
- * epilogue: equal too. Calls of up to 4 rows stay
- * on the VNNI tile (one row block: the weights stream once either way). */
+ * epilogue: equal too. Calls of up to 4 rows stay on the VNNI tile (one row block: the
+ * weights stream once either way). */
 #ifndef KVSTRATA_INT8_GEMM_AMX_H
 #define KVSTRATA_INT8_GEMM_AMX_H
 #include "amx_tiles.h"
