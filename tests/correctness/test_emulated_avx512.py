@@ -4,9 +4,11 @@ The kernel tests pick each body by `KVSTRATA_CPU_ISA` and the CPU's flags, so on
 machine their AVX-512 cases ran the AVX2 bodies and an edit to shared code (an epilogue, a
 panel layout) could break the AVX-512 ones unseen until an AVX-512 day. Here the same test
 files run again in a child pytest on the kernels built with those instructions emulated
-(tests/helpers/emulated_isa.py, runner/csrc/isa_emulation.h), and once more with AMX
-emulated as well (an AMX Xeon's dispatch, the AMX bodies' items on tiles in memory). On CPUs
-with AVX-512 F / VNNI / BF16 the ordinary run covers those bodies and this test skips.
+(tests/helpers/emulated_isa.py, runner/csrc/isa_emulation.h), once for each CPU generation
+whose dispatch differs: AVX-512 with BF16 and VNNI (all of them), with AMX too (the AMX
+bodies' items on tiles in memory), with VNNI but no BF16 and with neither (the files those
+change). On CPUs with AVX-512 F / VNNI / BF16 the ordinary run covers those bodies and this
+test skips.
 """
 from __future__ import annotations
 
@@ -19,18 +21,29 @@ import pytest
 from helpers import emulated_isa
 from kvstrata.platform import read_cpu_flags
 
+C = "tests/correctness/"
 KERNEL_TEST_FILES = (
-    "tests/correctness/test_cpu_ops.py", "tests/correctness/test_paged_decode_kernel.py",
-    "tests/correctness/test_bf16_gemm.py", "tests/correctness/test_int8_linear.py",
-    "tests/correctness/test_f32_gemv.py", "tests/correctness/test_decode_plan.py",
-    "tests/correctness/test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
-    "tests/correctness/test_int8_gemm_amx.py", "tests/correctness/test_prefill_attention_kernel.py")
-# With AMX emulated too (an AMX Xeon's dispatch: the AMX bodies, bf16 prefill attention up to
-# its token limit), the files whose paths AMX changes.
+    C + "test_cpu_ops.py", C + "test_paged_decode_kernel.py", C + "test_bf16_gemm.py",
+    C + "test_int8_linear.py", C + "test_f32_gemv.py", C + "test_decode_plan.py",
+    C + "test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
+    C + "test_int8_gemm_amx.py", C + "test_prefill_attention_kernel.py")
+# The files whose paths AMX changes (its bodies, bf16 prefill attention up to its token limit)
 AMX_TEST_FILES = (
-    "tests/correctness/test_prefill_attention_kernel.py", "tests/correctness/test_bf16_gemm.py",
-    "tests/correctness/test_int8_linear.py", "tests/correctness/test_decode_plan.py",
-    "tests/correctness/test_packed_linear.py", "tests/correctness/test_int8_gemm_amx.py")
+    C + "test_prefill_attention_kernel.py", C + "test_bf16_gemm.py", C + "test_int8_linear.py",
+    C + "test_decode_plan.py", C + "test_packed_linear.py", C + "test_int8_gemm_amx.py")
+# ... and those a CPU with AVX-512 F but without BF16 or VNNI changes (the bf16 GEMM's and
+# the int8 GEMM's AVX2 bodies beside AVX-512 rows, attention, norms)
+PARTIAL_AVX512_FILES = (
+    C + "test_bf16_gemm.py", C + "test_packed_linear.py", C + "test_decode_plan.py",
+    C + "test_int8_linear.py", C + "test_int8_gemm_amx.py", C + "test_paged_decode_kernel.py")
+# emulated CPU -> (the files it runs, what it multiplies with: has_bf16_512, the bf16 and the
+# int8 GEMM's bodies: 3 AMX, 2 AVX-512, 1 AVX2)
+RUNS = {
+    "avx512_bf16": (KERNEL_TEST_FILES, ["True", "2", "2"]),
+    "sapphirerapids": (AMX_TEST_FILES, ["True", "3", "3"]),
+    "cascadelake": (PARTIAL_AVX512_FILES, ["False", "1", "2"]),
+    "skylake": (PARTIAL_AVX512_FILES, ["False", "1", "1"]),
+}
 
 pytestmark = [
     pytest.mark.skipif(emulated_isa.native_avx512(),
@@ -41,34 +54,36 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_emulated_isa_build_reports_the_avx512_bodies(amx):
-    """The emulated extensions load and choose their AVX-512 bodies (so the run below tests
-    those, not the AVX2 ones again), or with amx their AMX bodies, on tiles in memory."""
-    build_dir = emulated_isa.build(amx=amx)
-    code = ("import sys; sys.path.insert(0, 'tests'); from helpers import emulated_isa; "
-            f"emulated_isa.install({str(build_dir)!r}); "
+def _env(cpu: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a worker
+    env["KVSTRATA_EMULATED_ISA_DIR"] = str(emulated_isa.build())
+    env["KVSTRATA_EMULATED_CPU_FLAGS"] = emulated_isa.CPUS[cpu]
+    return env
+
+
+@pytest.mark.parametrize("cpu", list(RUNS))
+def test_emulated_cpu_takes_its_bodies(cpu):
+    """The emulated extensions load and choose that CPU's bodies (so the run below tests
+    those, not the AVX2 ones again)."""
+    code = ("import os, sys; sys.path.insert(0, 'tests'); from helpers import emulated_isa; "
+            "emulated_isa.install(os.environ['KVSTRATA_EMULATED_ISA_DIR']); "
             "from kvstrata.runner import _bf16_ops, _int8_ops; "
             "from kvstrata.runner.attention import paged_decode; "
             "print(_bf16_ops.has_bf16_512(2), _bf16_ops.kernel_isa(3), _int8_ops.kernel_isa(3), "
-            "paged_decode._paged_decode.__file__.startswith(sys.argv[1]))")
-    done = subprocess.run([sys.executable, "-c", code, str(build_dir)], capture_output=True,
-                          text=True, cwd=emulated_isa.ROOT, timeout=120)
+            "paged_decode._paged_decode.__file__.startswith(os.environ["
+            "'KVSTRATA_EMULATED_ISA_DIR']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=emulated_isa.ROOT, env=_env(cpu), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    body = "3" if amx else "2"
-    assert done.stdout.split() == ["True", body, body, "True"]
+    assert done.stdout.split() == RUNS[cpu][1] + ["True"]
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_kernel_tests_pass_on_emulated_avx512(amx):
-    build_dir = emulated_isa.build(amx=amx)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a worker
-    env["KVSTRATA_EMULATED_ISA_DIR"] = str(build_dir)
+@pytest.mark.parametrize("cpu", list(RUNS))
+def test_kernel_tests_pass_on_the_emulated_cpu(cpu):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.helpers.emulated_isa",
-           "-p", "no:cacheprovider", "-p", "no:xdist",
-           *(AMX_TEST_FILES if amx else KERNEL_TEST_FILES)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=emulated_isa.ROOT, env=env,
-                          timeout=400)
+           "-p", "no:cacheprovider", "-p", "no:xdist", *RUNS[cpu][0]]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=emulated_isa.ROOT,
+                          env=_env(cpu), timeout=400)
     tail = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in tail and "error" not in tail.splitlines()[-1], tail

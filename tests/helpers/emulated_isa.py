@@ -1,27 +1,27 @@
-"""kvstrata's CPU kernels built with AVX-512 emulated (F, BW, DQ, VL, VNNI, BF16), for the
-tests on machines without those instructions.
+"""kvstrata's CPU kernels built with the instruction sets beyond AVX2 emulated (AVX-512 F, BW,
+DQ, VL, VNNI, BF16; AMX-BF16 / AMX-INT8), for the tests on machines without them.
 
 Our machines alternate between AVX2-only and AVX-512 BF16 CPUs, and the kernels pick their
-body at run time, so an AVX2 day's suite never ran the AVX-512 bodies (an edit to a shared
-epilogue could break them unseen). `build()` compiles the four kernel extensions again with
-KVSTRATA_EMULATE_AVX512 defined (runner/csrc/isa_emulation.h: SIMDe's portable AVX-512 on top
-of AVX2, `__builtin_cpu_supports` answering yes for those sets), and `install()` puts them in
-`sys.modules` before kvstrata imports its own; the kernel tests then run unchanged, their
-`KVSTRATA_CPU_ISA=avx512` cases on the emulated bodies (and /proc/cpuinfo's flags, as
-kvstrata.platform reads them, name those sets). As a pytest plugin (`-p
-tests.helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a build) it installs them
-before any test module is imported. AMX stays off: it is its own tests' (emulated tiles).
+body at run time, so an AVX2 day's suite never ran the AVX-512 or AMX bodies (an edit to a
+shared epilogue could break them unseen). `build()` compiles the four kernel extensions again
+with KVSTRATA_EMULATE_AVX512 defined (runner/csrc/isa_emulation.h: SIMDe's portable AVX-512 on
+top of AVX2, `__builtin_cpu_supports` answering for the CPU that KVSTRATA_EMULATED_CPU_FLAGS
+names, one of CPUS below; AMX's tiles in memory), and `install()` puts them in `sys.modules`
+before kvstrata imports its own, and makes kvstrata.platform's /proc/cpuinfo flags name the
+same sets; the kernel tests then run unchanged on that CPU's bodies and dispatch. As a pytest
+plugin (`-p tests.helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a build) it
+installs them before any test module is imported.
 
-Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies (~2 min):
+Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies (~2 min; with
+KVSTRATA_EMULATED_CPU_FLAGS="$CPUS['sapphirerapids']" on AMX's, ~4 min):
     KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
         .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
         tests/correctness/test_bf16_quality.py
-(`emulated_isa.py amx`: an AMX Xeon's configuration, the AMX bodies on tiles in memory; that
-run of the guard takes ~4 min.) Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
-linears) is the real CPU's code, so a flow that the emulated VNNI flag routes through them
-(a w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate)
-does not hold there (test_int8_linear.py's oneDNN comparisons skip; in test_w8a8_int8.py the
-8-bit fbgemm case and the tiny model's greedy tokens, intermediate size 88, fail so).
+Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
+linears) is the real CPU's code, so a flow that an emulated VNNI flag routes through them (a
+w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate) does
+not hold there (test_int8_linear.py's oneDNN comparisons skip; in test_w8a8_int8.py the 8-bit
+fbgemm case and the tiny model's greedy tokens, intermediate size 88, fail so).
 """
 from __future__ import annotations
 
@@ -48,11 +48,17 @@ EXTENSIONS = {
 FLAGS = ["-shared", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma",
          "-mf16c", "-Wno-psabi", "-DKVSTRATA_EMULATE_AVX512"]
 CACHE = Path(tempfile.gettempdir()) / "kvstrata-emulated-isa"  # builds by sources' digest
-EMULATED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
-                            "avx512_bf16"})
-# With amx=True (KVSTRATA_EMULATE_AMX): an AMX Xeon's configuration, the AMX bodies' items on
-# amx_tiles.h's tiles in memory wherever they would run on the registers.
-AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8"})
+# The emulated CPU: its /proc/cpuinfo flags beyond AVX2, in KVSTRATA_EMULATED_CPU_FLAGS (read
+# by the C side, isa_emulation.h, and by install() for Python's); unset, every AVX-512 set.
+CPUS = {
+    "skylake": "avx512f avx512bw avx512dq avx512vl",  # AVX-512 without VNNI or BF16
+    "cascadelake": "avx512f avx512bw avx512dq avx512vl avx512_vnni",  # VNNI, no BF16
+    "avx512_bf16": "avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16",  # Zen 4
+    "sapphirerapids": "avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16 amx_tile "
+                      "amx_bf16 amx_int8",  # AMX: the bodies' items on tiles in memory
+}
+DEFAULT_CPU = "avx512_bf16"
+EMULATED_FLAGS = frozenset(CPUS[DEFAULT_CPU].split())  # what the real CPU must have to skip
 
 
 def simde_include() -> str | None:
@@ -64,26 +70,21 @@ def simde_include() -> str | None:
     return simde_py.get_include()
 
 
-def _flags(amx: bool) -> list[str]:
-    return FLAGS + ["-DKVSTRATA_EMULATE_AMX"] if amx else FLAGS
-
-
-def _sources_digest(amx: bool) -> str:
-    digest = hashlib.sha256(" ".join(_flags(amx)).encode())
+def _sources_digest() -> str:
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
     for path in sorted(ROOT.glob("kvstrata/**/csrc/*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def build(cache: Path = CACHE, amx: bool = False) -> Path:
-    """The four emulated extensions under cache/<digest of the sources and flags>/ (built
-    once per version of the sources: a finished build is marked by its `flags` file, the
-    CPU flags it emulates)."""
+def build(cache: Path = CACHE) -> Path:
+    """The four emulated extensions under cache/<digest of the sources>/ (built once per
+    version of the sources: a finished build is marked by its `done` file)."""
     include = simde_include()
     if include is None:
         raise RuntimeError("simde-py is not installed (a dev dependency: make setup)")
-    out = cache / _sources_digest(amx)
-    if (out / "flags").exists():
+    out = cache / _sources_digest()
+    if (out / "done").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
@@ -93,7 +94,7 @@ def build(cache: Path = CACHE, amx: bool = False) -> Path:
         name, source = item
         target = out / (name.rsplit(".", 1)[1] + suffix)
         partial = target.with_name(f"{target.name}.{os.getpid()}")  # concurrent suites
-        cmd = ["cc", *_flags(amx), f"-I{python_include}", f"-I{include}", str(ROOT / source),
+        cmd = ["cc", *FLAGS, f"-I{python_include}", f"-I{include}", str(ROOT / source),
                "-o", str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -102,7 +103,7 @@ def build(cache: Path = CACHE, amx: bool = False) -> Path:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, EXTENSIONS.items()))
-    (out / "flags").write_text(" ".join(sorted(EMULATED_FLAGS | (AMX_FLAGS if amx else set()))))
+    (out / "done").write_text("ok\n")
     return out
 
 
@@ -125,7 +126,8 @@ def install(build_dir: Path) -> None:
     # names the emulated sets too, before any module binds read_cpu_flags by name.
     from kvstrata import platform
 
-    real, emulated = platform.read_cpu_flags, frozenset((build_dir / "flags").read_text().split())
+    real = platform.read_cpu_flags
+    emulated = frozenset(os.environ.get("KVSTRATA_EMULATED_CPU_FLAGS", CPUS[DEFAULT_CPU]).split())
 
     def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
         flags = real(path)
@@ -165,5 +167,5 @@ def pytest_collection_modifyitems(config, items) -> None:
         items[:] = keep
 
 
-if __name__ == "__main__":  # a build's folder: KVSTRATA_EMULATED_ISA_DIR=$(python ... [amx])
-    print(build(amx=sys.argv[1:] == ["amx"]))
+if __name__ == "__main__":  # a build's folder: KVSTRATA_EMULATED_ISA_DIR=$(python ...)
+    print(build())

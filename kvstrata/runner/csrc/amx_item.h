@@ -6,7 +6,7 @@
 #define AMX_ATTR AMX_TARGET
 #define AMX_BODY amx_body_hw
 #define AMX_ITEM amx_item_hw
-#ifdef KVSTRATA_EMULATE_AMX /* the tests' build: the registers' item on the emulated tiles */
+#ifdef KVSTRATA_EMULATE_AVX512 /* the tests' build: the registers' item on emulated tiles */
 #define TZERO TZERO_EMU
 #define TLOAD TLOAD_EMU
 #define TSTORE TSTORE_EMU

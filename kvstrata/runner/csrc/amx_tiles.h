@@ -23,8 +23,10 @@
 /* Whether this CPU has AMX-TILE and the feature at CPUID.(7, 0).EDX bit `bit`, and Linux let
  * this process use the tiles. Both are read once (called with the GIL held, on every GEMM
  * call: a cpuid in a VM guest exits to the hypervisor). */
-#ifdef KVSTRATA_EMULATE_AMX /* the tests' build (isa_emulation.h): tiles in memory */
-static int amx_ready(int bit) { return bit == AMX_BF16_BIT || bit == AMX_INT8_BIT; }
+#ifdef KVSTRATA_EMULATE_AVX512 /* the tests' build (isa_emulation.h): tiles in memory */
+static int amx_ready(int bit) {
+    return kvs_emulated_cpu_supports(bit == AMX_BF16_BIT ? "amx_bf16" : "amx_int8");
+}
 #else
 static int amx_ready(int bit) {
     static int granted = -1;
@@ -49,7 +51,7 @@ typedef struct {
 } amx_config;
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8")))
-#ifdef KVSTRATA_EMULATE_AMX
+#ifdef KVSTRATA_EMULATE_AVX512
 static void amx_configure(void) {}
 static void amx_release(void) {}
 #else

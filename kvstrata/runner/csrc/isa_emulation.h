@@ -1,12 +1,14 @@
-/* The AVX-512 instruction sets the kernels use (F, BW, DQ, VL, VNNI, BF16), emulated for the
- * tests on CPUs without them. Only a build with KVSTRATA_EMULATE_AVX512 defined includes this
- * file (tests/helpers/emulated_isa.py compiles the kernel extensions so, with -mavx2 -mfma
- * -mf16c): SIMDe's headers (PyPI simde-py) then stand in for <immintrin.h>'s AVX-512 half, the
- * kernels' target attributes are dropped (kvs_target below), and __builtin_cpu_supports
- * answers yes for those sets, so the AVX-512 bodies run on any AVX2 machine, slowly, against
- * the same torch references as the real ones. AMX stays off (amx_tiles.h asks cpuid itself)
- * unless KVSTRATA_EMULATE_AMX is defined too: then amx_tiles.h grants AMX-BF16 / AMX-INT8 and
- * the bodies' items run on its tiles emulated in memory.
+/* The x86 instruction sets the kernels use beyond AVX2 (AVX-512 F, BW, DQ, VL, VNNI, BF16;
+ * AMX-BF16 / AMX-INT8), emulated for the tests on CPUs without them. Only a build with
+ * KVSTRATA_EMULATE_AVX512 defined includes this file (tests/helpers/emulated_isa.py compiles
+ * the kernel extensions so, with -mavx2 -mfma -mf16c): SIMDe's headers (PyPI simde-py) stand in
+ * for <immintrin.h>'s AVX-512 half, the kernels' target attributes are dropped (KVS_TARGET),
+ * and __builtin_cpu_supports answers for the CPU that KVSTRATA_EMULATED_CPU_FLAGS names (its
+ * /proc/cpuinfo flags, e.g. "avx512f avx512bw avx512_vnni": a Cascade Lake; unset, every
+ * AVX-512 set above), so one build runs the bodies and the dispatch of each CPU generation on
+ * any AVX2 machine, slowly, against the same torch references as the real ones. With
+ * amx_bf16 / amx_int8 named, amx_tiles.h grants those and the AMX bodies' items run on its
+ * tiles emulated in memory.
  *
  * Where SIMDe 0.8.2 lacks an intrinsic the kernels use, or sums in another order than the
  * hardware, it is written here: the sums in the order GCC's headers and Intel's pseudo-code
@@ -15,19 +17,37 @@
 #define KVSTRATA_ISA_EMULATION_H
 #include <limits.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
 /* ---- the CPU's answer ------------------------------------------------------------------- */
+#define KVS_EMULATED_DEFAULT "avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16"
+/* Whether the emulated CPU has `feature` (GCC's spelling, "avx512vnni", or the flags' own,
+ * "avx512_vnni": underscores are skipped on both sides). AVX2, FMA and F16C: always (the
+ * build's own). */
 static inline int kvs_emulated_cpu_supports(const char *feature) {
-    static const char *const sets[] = {"avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                       "avx512dq", "avx512vl", "avx512vnni", "avx512bf16"};
-    for (size_t i = 0; i < sizeof sets / sizeof sets[0]; i++)
-        if (!strcmp(feature, sets[i])) return 1;
+    if (!strcmp(feature, "avx2") || !strcmp(feature, "fma") || !strcmp(feature, "f16c"))
+        return 1;
+    const char *flags = getenv("KVSTRATA_EMULATED_CPU_FLAGS");
+    if (!flags) flags = KVS_EMULATED_DEFAULT;
+    for (const char *p = flags; *p;) {
+        while (*p == ' ') p++;
+        const char *f = feature;
+        for (;;) {
+            while (*p == '_') p++;
+            while (*f == '_') f++;
+            if (!*p || *p == ' ' || *p != *f) break;
+            p++, f++;
+        }
+        if ((!*p || *p == ' ') && !*f) return 1;
+        while (*p && *p != ' ') p++;
+    }
     return 0;
 }
+
 #define __builtin_cpu_init() ((void)0)
 #define __builtin_cpu_supports(feature) kvs_emulated_cpu_supports(feature)
 
