@@ -1,4 +1,4 @@
-"""The kernels' AVX-512 bodies (F, VNNI, BF16) tested on CPUs without AVX-512.
+"""The kernels' AVX-512 bodies (F, VNNI, BF16) and AMX bodies tested on CPUs without them.
 
 The kernel tests pick each body by `KVSTRATA_CPU_ISA` and the CPU's flags, so on an AVX2-only
 machine their AVX-512 cases ran the AVX2 bodies and an edit to shared code (an epilogue, a
