@@ -13,7 +13,7 @@ plugin (`-p tests.helpers.emulated_isa` with KVSTRATA_EMULATED_ISA_DIR set to a 
 installs them before any test module is imported.
 
 Any test file can run so, e.g. the bf16 quality guard on the AVX512-BF16 bodies (~2 min; with
-KVSTRATA_EMULATED_CPU_FLAGS="$CPUS['sapphirerapids']" on AMX's, ~4 min):
+KVSTRATA_EMULATED_CPU_FLAGS set to CPUS["sapphirerapids"] below, on AMX's, ~4 min):
     KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
         .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
         tests/correctness/test_bf16_quality.py
@@ -49,7 +49,8 @@ FLAGS = ["-shared", "-fPIC", "-O1", "-fopenmp", "-ffp-contract=off", "-mavx2", "
          "-mf16c", "-Wno-psabi", "-DKVSTRATA_EMULATE_AVX512"]
 CACHE = Path(tempfile.gettempdir()) / "kvstrata-emulated-isa"  # builds by sources' digest
 # The emulated CPU: its /proc/cpuinfo flags beyond AVX2, in KVSTRATA_EMULATED_CPU_FLAGS (read
-# by the C side, isa_emulation.h, and by install() for Python's); unset, every AVX-512 set.
+# by the C side, isa_emulation.h, and by install() for Python's); unset, install() sets it
+# to DEFAULT_CPU's.
 CPUS = {
     "skylake": "avx512f avx512bw avx512dq avx512vl",  # AVX-512 without VNNI or BF16
     "cascadelake": "avx512f avx512bw avx512dq avx512vl avx512_vnni",  # VNNI, no BF16
@@ -108,13 +109,17 @@ def build(cache: Path = CACHE) -> Path:
 
 
 def install(build_dir: Path) -> None:
-    """Load the emulated extensions as kvstrata's own (before anything imports those)."""
+    """Load the emulated extensions as kvstrata's own (before anything imports those), as
+    the CPU KVSTRATA_EMULATED_CPU_FLAGS names (set here to DEFAULT_CPU's when unset: the C
+    side reads it too)."""
     build_dir = Path(build_dir)
+    emulated = frozenset(os.environ.setdefault("KVSTRATA_EMULATED_CPU_FLAGS",
+                                               CPUS[DEFAULT_CPU]).split())
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     for name in EXTENSIONS:
         if name in sys.modules:
             raise RuntimeError(f"{name} was imported before the emulated build was installed")
-        path = Path(build_dir) / (name.rsplit(".", 1)[1] + suffix)
+        path = build_dir / (name.rsplit(".", 1)[1] + suffix)
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -127,7 +132,6 @@ def install(build_dir: Path) -> None:
     from kvstrata import platform
 
     real = platform.read_cpu_flags
-    emulated = frozenset(os.environ.get("KVSTRATA_EMULATED_CPU_FLAGS", CPUS[DEFAULT_CPU]).split())
 
     def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
         flags = real(path)

@@ -147,14 +147,10 @@ static int amx_linear(const gemm_args *g, int threads, int mode) {
                 a1 = r0 + AMX_ROWS < full ? g->x + (r0 + AMX_ROWS) * g->stride : pad;
                 s1 = (r0 + AMX_ROWS < full ? g->stride : k) * 2;
             }
-            if (emulate) {
-                amx_item_emu(a0, s0, a1, s1, g->w, blk, nb, k, acc);
-                if (mode == AMX_EMU_512) amx_store_512(g, r0, valid, blk, nb, acc);
-                else amx_store_avx2(g, r0, valid, blk, nb, acc);
-            } else {
-                amx_item_hw(a0, s0, a1, s1, g->w, blk, nb, k, acc);
-                amx_store_512(g, r0, valid, blk, nb, acc);
-            }
+            if (emulate) amx_item_emu(a0, s0, a1, s1, g->w, blk, nb, k, acc);
+            else amx_item_hw(a0, s0, a1, s1, g->w, blk, nb, k, acc);
+            if (mode == AMX_EMU) amx_store_avx2(g, r0, valid, blk, nb, acc);
+            else amx_store_512(g, r0, valid, blk, nb, acc);
         }
         if (!emulate) amx_release();
     }

@@ -95,14 +95,10 @@ static void amx_gemm_tiles(const gemm_args *g, int mode) {
         int nb;
         const int valid = amx_item_at(it, nrb, g->m, g->n, g->silu, &r0, blk, &nb);
         const uint8_t *a0 = g->a + r0 * k, *a1 = valid > AMX_ROWS ? a0 + AMX_ROWS * k : NULL;
-        if (emulate) {
-            amx_item_emu(a0, k, a1, k, g->w, blk, nb, k, acc);
-            if (mode == AMX_EMU_512) amx_rows_out_512(g, r0, valid, blk, nb, acc);
-            else amx_rows_out_scalar(g, r0, valid, blk, nb, acc);
-        } else {
-            amx_item_hw(a0, k, a1, k, g->w, blk, nb, k, acc);
-            amx_rows_out_512(g, r0, valid, blk, nb, acc);
-        }
+        if (emulate) amx_item_emu(a0, k, a1, k, g->w, blk, nb, k, acc);
+        else amx_item_hw(a0, k, a1, k, g->w, blk, nb, k, acc);
+        if (mode == AMX_EMU) amx_rows_out_scalar(g, r0, valid, blk, nb, acc);
+        else amx_rows_out_512(g, r0, valid, blk, nb, acc);
     }
     if (!emulate) amx_release();
 }

@@ -4,11 +4,11 @@
  * the kernel extensions so, with -mavx2 -mfma -mf16c): SIMDe's headers (PyPI simde-py) stand in
  * for <immintrin.h>'s AVX-512 half, the kernels' target attributes are dropped (KVS_TARGET),
  * and __builtin_cpu_supports answers for the CPU that KVSTRATA_EMULATED_CPU_FLAGS names (its
- * /proc/cpuinfo flags, e.g. "avx512f avx512bw avx512_vnni": a Cascade Lake; unset, every
- * AVX-512 set above), so one build runs the bodies and the dispatch of each CPU generation on
- * any AVX2 machine, slowly, against the same torch references as the real ones. With
- * amx_bf16 / amx_int8 named, amx_tiles.h grants those and the AMX bodies' items run on its
- * tiles emulated in memory.
+ * /proc/cpuinfo flags, e.g. "avx512f avx512bw avx512_vnni": a Cascade Lake; emulated_isa.py's
+ * install() sets the default, AVX-512 with VNNI and BF16, when it is unset), so one build
+ * runs the bodies and the dispatch of each CPU generation on any AVX2 machine, slowly,
+ * against the same torch references as the real ones. With amx_bf16 / amx_int8 named,
+ * amx_tiles.h grants those and the AMX bodies' items run on its tiles emulated in memory.
  *
  * Where SIMDe 0.8.2 lacks an intrinsic the kernels use, or sums in another order than the
  * hardware, it is written here: the sums in the order GCC's headers and Intel's pseudo-code
@@ -24,7 +24,6 @@
 #include <simde/x86/avx512.h>
 
 /* ---- the CPU's answer ------------------------------------------------------------------- */
-#define KVS_EMULATED_DEFAULT "avx512f avx512bw avx512dq avx512vl avx512_vnni avx512_bf16"
 /* Whether the emulated CPU has `feature` (GCC's spelling, "avx512vnni", or the flags' own,
  * "avx512_vnni": underscores are skipped on both sides). AVX2, FMA and F16C: always (the
  * build's own). */
@@ -32,7 +31,7 @@ static inline int kvs_emulated_cpu_supports(const char *feature) {
     if (!strcmp(feature, "avx2") || !strcmp(feature, "fma") || !strcmp(feature, "f16c"))
         return 1;
     const char *flags = getenv("KVSTRATA_EMULATED_CPU_FLAGS");
-    if (!flags) flags = KVS_EMULATED_DEFAULT;
+    if (!flags) return 0; /* nothing named: AVX2 alone */
     for (const char *p = flags; *p;) {
         while (*p == ' ') p++;
         const char *f = feature;
