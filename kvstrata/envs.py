@@ -116,7 +116,8 @@ KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "
-    "(bfloat16 with avx512_bf16 / amx_bf16, else float32; "
+    "(bfloat16 with avx512_bf16 / amx_bf16, or AVX2 + FMA + F16C without AVX-512 up to 2 "
+    "threads, else float32; "
     "config/rules/platform_defaults.py), "
     "or float32 / bfloat16 / float16. The test suite sets float32 so its fp32 references hold "
     "on every machine.")

@@ -67,7 +67,9 @@ class ServerArgs:
                                            "config).")
     dtype: str = opt("auto", "Weight and activation dtype; auto = the checkpoint's half "
                              "dtype on accelerators; on CPU bfloat16 where the CPU has bf16 "
-                             "instructions (avx512_bf16, amx_bf16), else float32.",
+                             "instructions (avx512_bf16, amx_bf16) or AVX2 without AVX-512 "
+                             "(up to 2 threads), else float32 (measured: "
+                             "docs/configuration.md, rule platform.cpu_dtype).",
                      choices=DTYPES)
     quantization: str | None = opt(None, "Quantize the weights at load (default: none, the "
                                          "float path). w8a8_int8: int8 per-channel weights "

@@ -31,8 +31,9 @@ from helpers.runner import forward_logits, make_runner
 # 8-bit activations (VNNI): +1.8% measured. Without VNNI kvstrata's AVX2 tile keeps 8 bits
 # with fp32 activations (w8a8 + fp32 activations measured +2.1% on the VNNI box too): +3.0%
 # on an AVX2-only EPYC (fp32 101.8 -> 104.8, 2026-12-04; fbgemm's 7 bits +3.9% there the same
-# hour). fbgemm's layer (no AVX2, or KVSTRATA_CPU_INT8_GEMM=onednn) keeps 7 bits (its
-# int16 saturation): a looser bound there, not a skip. On an AVX2-only EPYC the 7-bit result
+# hour); the guard measures the dtype auto picks there, bf16 since session 30 (+1.1%).
+# fbgemm's layer (no AVX2, or KVSTRATA_CPU_INT8_GEMM=onednn) keeps 7 bits (its int16
+# saturation): a looser bound there, not a skip. On an AVX2-only EPYC the 7-bit result
 # moves with float summation order alone: +4.8% to +7.2% for the same weights with two
 # equally exact fp32 RMSNorm kernels, one in the calibration forward and the other serving,
 # or both (2026-12-03); without smoothing it is +22%, which the bound must still catch.
@@ -177,12 +178,28 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     assert info["quantization_info"]["kernel"] == packed_linear.KERNEL
 
 
+def _auto_dtype_here(**server_args) -> str:
+    """What `--dtype auto` picks on this CPU (the suite pins auto to float32 for its fp32
+    references; the w8a8 guard measures what a user of this machine gets: bf16 activations
+    on AVX512-BF16 / AMX and on AVX2 without AVX-512 up to 2 threads, where w8a8 in bf16
+    measured +1.1% on an AVX2-only EPYC, 2026-12-04)."""
+    from kvstrata import envs
+    from kvstrata.config import ServerArgs, resolve
+    from kvstrata.platform import detect_platform
+
+    env = {**envs.snapshot(), "KVSTRATA_CPU_AUTO_DTYPE": ""}
+    return resolve(ServerArgs(device="cpu", **server_args), detect_platform(), env=env)[0].dtype
+
+
 @pytest.mark.slow
 def test_smollm2_perplexity_and_paris(smollm2_gguf_path, shared_tmp_dir):
     from helpers.smollm2_quality import first_difference, float32_reference, measure
 
     fp32 = float32_reference(smollm2_gguf_path, shared_tmp_dir)
-    int8 = measure(smollm2_gguf_path, answers=1, quantization="w8a8_int8")
+    dtype = _auto_dtype_here(quantization="w8a8_int8")
+    int8 = measure(smollm2_gguf_path, answers=1, quantization="w8a8_int8", dtype=dtype)
+    print(f"w8a8 in {dtype} (auto's choice here): perplexity {int8['ppl']:.2f} against "
+          f"float32's {fp32['ppl']:.2f}")
     assert fp32["n"] == int8["n"] >= 1024
     from kvstrata.runner.quantization import cpu_has_vnni
     ratio = int8["ppl"] / fp32["ppl"]

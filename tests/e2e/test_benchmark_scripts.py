@@ -306,6 +306,23 @@ def test_bench_decode_step_rows(tmp_path, tiny_model_path):
     assert report["prefill"]["tokens"] == 24 and report["prefill"]["ms"] > 0
 
 
+def test_ab_dtype_times_both_dtypes_interleaved(tmp_path, tiny_model_path):
+    """ab_dtype.py (what --dtype auto on a CPU is chosen by) times decode steps and prefills of
+    both dtypes, a ratio per round; here fp32 against bf16 with int8 layers too."""
+    out = tmp_path / "ab_dtype.json"
+    _run("ab_dtype.py", "--model", tiny_model_path, "--batch", "1", "3", "--context", "12",
+         "--prefill", "2x16", "--rounds", "2", "--steps", "1", "--quantization", "w8a8_int8",
+         "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["dtypes"] == ["float32", "bfloat16"]
+    assert report["quantization"] == "w8a8_int8"
+    assert sorted(report["decode"]) == ["1", "3"] and list(report["prefill"]) == ["2x16"]
+    for row in [*report["decode"].values(), *report["prefill"].values()]:
+        assert len(row["ratios"]) == 2 and row["median_ratio"] > 0
+        for dtype in report["dtypes"]:
+            assert len(row["ms"][dtype]) == 2 and min(row["ms"][dtype]) > 0
+
+
 def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
     """The fused-ops A/B times both variants (bf16, so every fused path is taken) and the
     "torch ops" variant really declines every fused call."""

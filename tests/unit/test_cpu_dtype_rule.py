@@ -1,7 +1,7 @@
 """--dtype auto on a CPU (config/rules/platform_defaults.py): bf16 where the CPU has bf16
-instructions (AMX on one bf16 GEMM alone up to 8 threads), fp32 elsewhere (AVX2 + FMA too:
-its bf16 kernels served slower than fp32 at 32 concurrent requests) and for what is only
-measured in fp32; explicit dtypes and accelerators untouched. Flags come from the
+instructions (AMX on one bf16 GEMM alone up to 8 threads) or AVX2 + FMA + F16C without
+AVX-512 (kvstrata's own bf16 kernels, measured at 1-2 threads), fp32 elsewhere and for what
+is only measured in fp32; explicit dtypes and accelerators untouched. Flags come from the
 (simulated) platform, never from this machine."""
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ AVX2 = ("sse4_2", "avx", "avx2", "fma", "f16c")
 AVX512_BF16 = AVX2 + ("avx512f", "avx512bw", "avx512_vnni", "avx512_bf16")
 AMX = AVX512_BF16 + ("amx_tile", "amx_bf16", "amx_int8")
 AVX512_NO_BF16 = AVX2 + ("avx512f", "avx512bw", "avx512_vnni")  # oneDNN's bf16: not measured
+AVX2_NE_CONVERT = AVX2 + ("avx_vnni", "avx_ne_convert")  # oneDNN may take bf16: not measured
+AVX2_ROW = "avx2 + fma + f16c"
 
 
 def dtype_of(flags, model_info=ModelInfo(), platform="cpu", env=None, threads=0, **kwargs):
@@ -26,8 +28,11 @@ def dtype_of(flags, model_info=ModelInfo(), platform="cpu", env=None, threads=0,
 
 @pytest.mark.parametrize("flags,want,flag", [(AMX, "bfloat16", "amx_bf16"),
                                              (AVX512_BF16, "bfloat16", "avx512_bf16"),
-                                             (AVX2, "float32", None),
+                                             (AVX2, "bfloat16", AVX2_ROW),
+                                             (AVX2 + ("avx_vnni",), "bfloat16", AVX2_ROW),
                                              (AVX512_NO_BF16, "float32", None),
+                                             (AVX2_NE_CONVERT, "float32", None),
+                                             (("avx", "avx2", "fma"), "float32", None),
                                              (("sse4_2", "avx", "avx2"), "float32", None),
                                              ((), "float32", None)])
 def test_auto_follows_the_cpu_flags(flags, want, flag):
@@ -95,20 +100,51 @@ def test_quantized_models_follow_the_int8_kernel():
     dtype, rule = dtype_of(AMX, quantization="w8a8_int8")
     assert dtype == "bfloat16" and "the CPU has amx_bf16" in rule.reason
     assert dtype_of(AVX512_BF16, quantization="w8a8_int8")[0] == "bfloat16"
-    for flags, env in ((AVX2, {}), (AVX2 + ("avx_vnni",), {}),
-                       (AMX, {"KVSTRATA_CPU_INT8_MM": False})):
-        dtype, rule = dtype_of(flags, env=env, quantization="w8a8_int8")
-        assert dtype == "float32", (flags, env)
-        assert ("float32 activations" in rule.reason
-                or "no bf16 path measured faster" in rule.reason), rule.reason
+    dtype, rule = dtype_of(AMX, env={"KVSTRATA_CPU_INT8_MM": False}, quantization="w8a8_int8")
+    assert dtype == "float32" and "float32 activations" in rule.reason
+
+
+def test_avx2_w8a8_in_bf16_only_on_the_measured_int8_tile():
+    """Without VNNI, kvstrata's AVX2 int8 tile quantises bf16 activations: w8a8 in bf16 was
+    measured there (1.02-1.04x its fp32). With AVX-VNNI the layer is oneDNN's, not measured in
+    bf16: fp32, saying so; fbgemm's layer (KVSTRATA_CPU_INT8_GEMM=onednn) takes fp32."""
+    dtype, rule = dtype_of(AVX2, quantization="w8a8_int8")
+    assert dtype == "bfloat16" and f"the CPU has {AVX2_ROW}" in rule.reason
+    dtype, rule = dtype_of(AVX2 + ("avx_vnni",), quantization="w8a8_int8")
+    assert dtype == "float32" and "measured unquantized only" in rule.reason, rule.reason
+    dtype, rule = dtype_of(AVX2, quantization="w8a8_int8", env={"KVSTRATA_CPU_INT8_GEMM":
+                                                                "onednn"})
+    assert dtype == "float32" and "float32 activations" in rule.reason
+
+
+@pytest.mark.parametrize("threads,want", [(0, "bfloat16"), (1, "bfloat16"), (2, "bfloat16"),
+                                          (3, "float32"), (16, "float32")])
+def test_avx2_bf16_holds_up_to_its_measured_threads(threads, want):
+    """The AVX2 row is measured on 2 vCPUs: more threads keep fp32 and say why (no
+    KVSTRATA_CPU_BF16_GEMM choice lifts that bound); an unknown count takes the row."""
+    from kvstrata.config.rules.platform_defaults import AVX2_BF16_MAX_THREADS
+
+    assert AVX2_BF16_MAX_THREADS == 2
+    for quantization in (None, "w8a8_int8"):
+        dtype, rule = dtype_of(AVX2, threads=threads, quantization=quantization)
+        assert dtype == want, (threads, quantization)
+        if want == "float32":
+            assert rule.reason.endswith(f"the CPU has {AVX2_ROW} but runs {threads} threads "
+                                        "(bf16 holds up to 2): bf16 is measured at 1-2 "
+                                        "threads only (--dtype bfloat16 takes it)"), rule.reason
+            assert "KVSTRATA_CPU_BF16_GEMM" not in rule.reason
 
 
 def test_int8_own_gemm_choice_counts_as_kvstratas_layer():
     """KVSTRATA_CPU_INT8_GEMM=own (kvstrata's int8 GEMM forced) quantises the model's own
-    activations as auto's does: without VNNI the reason is the CPU's, not fbgemm's fp32."""
+    activations as auto's does: without VNNI the AVX2 row applies (bf16), where fbgemm's
+    layer (onednn) takes fp32 activations; over the row's threads the reason is the CPU's."""
     for gemm, fbgemm in (("own", False), ("auto", False), ("onednn", True)):
-        dtype, rule = dtype_of(AVX2, env={"KVSTRATA_CPU_INT8_GEMM": gemm},
-                               quantization="w8a8_int8")
+        env = {"KVSTRATA_CPU_INT8_GEMM": gemm}
+        dtype, rule = dtype_of(AVX2, env=env, quantization="w8a8_int8")
+        assert dtype == ("float32" if fbgemm else "bfloat16"), gemm
+        assert ("float32 activations" in rule.reason) is fbgemm, gemm
+        dtype, rule = dtype_of(AVX2, env=env, quantization="w8a8_int8", threads=8)
         assert dtype == "float32" and ("float32 activations" in rule.reason) is fbgemm, gemm
 
 

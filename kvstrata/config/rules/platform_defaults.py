@@ -33,6 +33,11 @@ class DtypeRow(NamedTuple):
 
 
 AMX_BF16_MAX_THREADS = 8
+AVX2_BF16_MAX_THREADS = 2
+AVX2_BF16_WHY = ("kvstrata's AVX2 bf16 kernels: serving measured bf16 1.00-1.21x fp32 at 32 "
+                 "concurrent requests (eight rounds, median 1.07x), 1.30x at 8 and 1.49x at 1, "
+                 "at 2 threads (2026-12-04)",
+                 "bf16 is measured at 1-2 threads only (--dtype bfloat16 takes it)")
 CPU_DTYPE_RULES = (
     # AMX: 2.35-2.42x on a 2-vCPU Xeon VM (2026-12-02) with oneDNN's bf16 linears, but 0.80x
     # on 16 cores of an H200 host's Xeon (2026-12-04, torch 2.11, SmolLM2's shapes): there
@@ -55,18 +60,28 @@ CPU_DTYPE_RULES = (
     DtypeRow(("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x "
              "fp32, serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC "
              "(2026-12-03)"),
-    # AVX2 + FMA without AVX-512 keeps fp32 (the fallback): kvstrata's own bf16 kernels run
-    # there and served 1.00-1.60x fp32 over ten rounds (2026-12-04, session 23), but once the
-    # fp32 decode plan took batches above 16 rows (session 24) bf16 served 0.92-0.94x fp32 in
-    # three rounds at 32 concurrent (1.52-1.55x at one request at a time): not never slower;
-    # after fp32's own GEMM at 17-64 rows (session 25) 0.91-1.14x over four (median 1.01x).
-    # With AVX-512 but no bf16 instructions oneDNN takes bf16 linears, not measured against
-    # fp32 there (the fallback keeps fp32).
+    # AVX2 + FMA + F16C without AVX-512 (and without AVX-NE-CONVERT, with which oneDNN may
+    # take bf16 linears): kvstrata's own bf16 kernels run there. Its serving rounds moved
+    # with the box: 0.83x fp32 (session 18), 1.00-1.60x (session 23, bf16 picked for a day),
+    # 0.92-0.94x after fp32's decode plan took batches above 16 rows (session 24), 0.91-1.14x
+    # after fp32's own GEMM (session 25), all from separate servers run one after the other.
+    # Session 30 measured both dtypes in one process, interleaved (benchmarks/ab_dtype.py):
+    # bf16 faster at every shape, decode steps 1.85x (batch 1), 1.5x (8), 1.16x (32), 1.15x
+    # (64), prefill 1.07x (16 x 158 tokens) and 1.15x (2048), the same ratios at 1 thread;
+    # served, eight rounds at 32 concurrent 1.00-1.21x (median 1.07x), 1.30x at 8 and 1.49x
+    # at 1 (two rounds each); w8a8 in bf16 1.02-1.04x its fp32 (two rounds). Measured on 2
+    # vCPUs only: kvstrata's bf16 GEMM splits its work differently from oneDNN's fp32 layer
+    # that prefill rows take in fp32, so more threads keep fp32 until measured.
+    # With AVX-VNNI a w8a8 layer runs oneDNN's int8 path, not the AVX2 int8 tile measured
+    # here in bf16: that CPU takes the second row, unquantized only.
+    DtypeRow(("avx2", "fma", "f16c"), ("avx512f", "avx_ne_convert", "avx_vnni"), True,
+             "bfloat16", AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY),
+    DtypeRow(("avx2", "fma", "f16c"), ("avx512f", "avx_ne_convert"), False, "bfloat16",
+             AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY),
 )
 CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
-                      "avx512_bf16 / amx_bf16; AVX2 + FMA: bf16 served 0.91-1.14x fp32, median "
-                      "1.01x over four rounds at 32 concurrent requests, 2026-12-04; AVX-512 "
-                      "without them: not measured)")
+                      "avx512_bf16 / amx_bf16, nor AVX2 + FMA + F16C without AVX-512 or "
+                      "AVX-NE-CONVERT; AVX-512 without bf16 instructions: not measured)")
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
@@ -107,9 +122,13 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
             if gemm in row.any_threads_with and args.quantization is None:
                 return row.dtype, f"the CPU has {has}: {row.why_any}"
             if row.max_threads is not None and threads > row.max_threads:
-                why = (f"--quantization {args.quantization} is not measured in bf16 above "
-                       f"{row.max_threads} threads" if gemm in row.any_threads_with
-                       else f"with KVSTRATA_CPU_BF16_GEMM={gemm} {row.beyond}")
+                if gemm in row.any_threads_with:
+                    why = (f"--quantization {args.quantization} is not measured in bf16 "
+                           f"above {row.max_threads} threads")
+                elif row.any_threads_with:  # the bound depends on the GEMM choice
+                    why = f"with KVSTRATA_CPU_BF16_GEMM={gemm} {row.beyond}"
+                else:
+                    why = row.beyond
                 return "float32", (f"the CPU has {has} but runs {threads} threads (bf16 holds "
                                    f"up to {row.max_threads}): {why}")
             return row.dtype, f"the CPU has {has}: {row.why}"
