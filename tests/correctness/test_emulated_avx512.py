@@ -87,3 +87,34 @@ def test_kernel_tests_pass_on_the_emulated_cpu(cpu):
     tail = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in tail and "error" not in tail.splitlines()[-1], tail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cpu", ["avx512_bf16", "sapphirerapids"])
+def test_served_smollm2_on_the_emulated_cpu(cpu):
+    """A whole server on the emulated bodies: its processes load the build through the
+    sitecustomize in its folder (PYTHONPATH), `--dtype auto` reads the emulated flags (bf16),
+    /server_info names the AVX512-BF16 / AMX GEMM, and SmolLM2 still answers Paris."""
+    import httpx
+    import openai
+
+    from tests.e2e.server_utils import REPO, ServerProcess
+
+    env = _env(cpu)
+    build = env["KVSTRATA_EMULATED_ISA_DIR"]
+    srv = ServerProcess("smollm2-135m", "--max-total-tokens", "4096", timeout=300, env={
+        "PYTHONPATH": os.pathsep.join([build, REPO]), "KVSTRATA_EMULATED_ISA_DIR": build,
+        "KVSTRATA_EMULATED_CPU_FLAGS": env["KVSTRATA_EMULATED_CPU_FLAGS"],
+        "KVSTRATA_CPU_AUTO_DTYPE": ""})
+    try:
+        info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
+        assert info["dtype"] == "bfloat16"
+        body = "AMX" if cpu == "sapphirerapids" else "AVX512-BF16"
+        assert f"kvstrata bf16 GEMM ({body}" in info["quantization_info"]["kernel"], info
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(
+            model="smollm2-135m", temperature=0, max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    finally:
+        srv.stop()

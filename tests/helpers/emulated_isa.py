@@ -17,6 +17,13 @@ KVSTRATA_EMULATED_CPU_FLAGS set to CPUS["sapphirerapids"] below, on AMX's, ~4 mi
     KVSTRATA_EMULATED_ISA_DIR=$(.venv/bin/python tests/helpers/emulated_isa.py) \
         .venv/bin/python -m pytest -p tests.helpers.emulated_isa \
         tests/correctness/test_bf16_quality.py
+Tests that start servers need the build in those processes too: with the build's folder on
+PYTHONPATH its sitecustomize.py installs it in every Python process started (a server's
+scheduler and detokenizer too), e.g. a served bf16 run on AMX's bodies:
+    D=$(.venv/bin/python tests/helpers/emulated_isa.py); KVSTRATA_EMULATED_ISA_DIR=$D \
+        PYTHONPATH=$D KVSTRATA_EMULATED_CPU_FLAGS="avx512f avx512bw avx512dq avx512vl \
+        avx512_vnni avx512_bf16 amx_tile amx_bf16 amx_int8" KVSTRATA_CPU_AUTO_DTYPE=bfloat16 \
+        .venv/bin/python -m pytest -p tests.helpers.emulated_isa tests/e2e/test_openai_api.py
 Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
 linears) is the real CPU's code, so a flow that an emulated VNNI flag routes through them (a
 w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate) does
@@ -62,6 +69,24 @@ DEFAULT_CPU = "avx512_bf16"
 EMULATED_FLAGS = frozenset(CPUS[DEFAULT_CPU].split())  # what the real CPU must have to skip
 
 
+# Written into each build's folder: with that folder on PYTHONPATH every Python process
+# started from the run (a test's server, its spawned scheduler and detokenizer) installs
+# the build at start-up, as the pytest plugin does in the test process (it shadows the
+# system's sitecustomize, Debian's apport hook, in those processes only).
+SITECUSTOMIZE = '''"""Written by tests/helpers/emulated_isa.py (see there)."""
+import importlib.util
+import os
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_wanted = os.environ.get("KVSTRATA_EMULATED_ISA_DIR")
+if _wanted and os.path.realpath(_wanted) == os.path.realpath(_here):
+    _spec = importlib.util.spec_from_file_location("kvstrata_emulated_isa", {helper!r})
+    _helper = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_helper)
+    _helper.install(_here)
+'''
+
+
 def simde_include() -> str | None:
     """SIMDe's headers (the dev dependency simde-py), or None when it is not installed."""
     try:
@@ -72,7 +97,9 @@ def simde_include() -> str | None:
 
 
 def _sources_digest() -> str:
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    # the sitecustomize names this checkout's helper: another checkout builds its own
+    digest = hashlib.sha256(" ".join(FLAGS).encode() + SITECUSTOMIZE.encode()
+                            + str(Path(__file__).resolve()).encode())
     for path in sorted(ROOT.glob("kvstrata/**/csrc/*.[ch]")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -104,6 +131,7 @@ def build(cache: Path = CACHE) -> Path:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, EXTENSIONS.items()))
+    (out / "sitecustomize.py").write_text(SITECUSTOMIZE.format(helper=str(Path(__file__))))
     (out / "done").write_text("ok\n")
     return out
 
@@ -116,6 +144,8 @@ def install(build_dir: Path) -> None:
     emulated = frozenset(os.environ.setdefault("KVSTRATA_EMULATED_CPU_FLAGS",
                                                CPUS[DEFAULT_CPU]).split())
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    if _installed(build_dir):
+        return  # this process's sitecustomize did (PYTHONPATH=<the build>)
     for name in EXTENSIONS:
         if name in sys.modules:
             raise RuntimeError(f"{name} was imported before the emulated build was installed")
@@ -138,6 +168,16 @@ def install(build_dir: Path) -> None:
         return flags | emulated if path == "/proc/cpuinfo" else flags
 
     platform.read_cpu_flags = read_cpu_flags
+
+
+def _installed(build_dir: Path) -> bool:
+    """Every emulated extension of `build_dir` is the loaded one."""
+    for name in EXTENSIONS:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path is None or Path(path).resolve().parent != build_dir.resolve():
+            return False
+    return True
 
 
 def native_avx512() -> bool:
