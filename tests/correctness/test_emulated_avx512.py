@@ -96,9 +96,8 @@ def test_served_smollm2_on_the_emulated_cpu(cpu):
     sitecustomize in its folder (PYTHONPATH), `--dtype auto` reads the emulated flags (bf16),
     /server_info names the AVX512-BF16 / AMX GEMM, and SmolLM2 still answers Paris."""
     import httpx
-    import openai
 
-    from tests.e2e.server_utils import REPO, ServerProcess
+    from tests.e2e.server_utils import REPO, ServerProcess, ask_capital_of_france
 
     env = _env(cpu)
     build = env["KVSTRATA_EMULATED_ISA_DIR"]
@@ -111,10 +110,7 @@ def test_served_smollm2_on_the_emulated_cpu(cpu):
         assert info["dtype"] == "bfloat16"
         body = "AMX" if cpu == "sapphirerapids" else "AVX512-BF16"
         assert f"kvstrata bf16 GEMM ({body}" in info["quantization_info"]["kernel"], info
-        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(
-            model="smollm2-135m", temperature=0, max_tokens=12,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+        answer = ask_capital_of_france(srv, max_tokens=12)
+        assert "Paris" in answer, answer
     finally:
         srv.stop()

@@ -146,3 +146,16 @@ def stop_all(servers) -> None:
         srv.send()
     for srv in servers:
         srv.stop()
+
+
+def ask_capital_of_france(srv: ServerProcess, max_tokens: int = 24,
+                          model: str = "smollm2-135m") -> str:
+    """SmolLM2's smoke question through the official client, greedy: the answer's text
+    (float32 and bf16 alike answer "The capital of France is Paris.")."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=max_tokens,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    return r.choices[0].message.content

@@ -3,19 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.server_utils import ServerProcess
+from tests.e2e.server_utils import ServerProcess, ask_capital_of_france
 
 
 @pytest.mark.slow
 def test_capital_of_france():
-    import openai
-
     srv = ServerProcess("smollm2-135m", "--max-total-tokens", "8192", timeout=300)
     try:
-        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(
-            model="smollm2-135m", temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+        answer = ask_capital_of_france(srv)
+        assert "Paris" in answer, answer
     finally:
         srv.stop()
