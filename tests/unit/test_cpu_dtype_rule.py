@@ -88,6 +88,18 @@ def test_amx_bf16_on_both_gemms_holds_at_any_thread_count(threads, gemm):
         (threads > 8), rule.reason
 
 
+@pytest.mark.parametrize("gemm,want", [("auto", "bfloat16"), (" Own ", "bfloat16"),
+                                       ("onednn", "float32"), ("own_decode", "float32")])
+def test_avx2_bf16_only_on_kvstratas_gemm(gemm, want):
+    """On AVX2 bf16 is measured on kvstrata's own GEMM; a choice that puts bf16 linears on
+    torch's bf16 F.linear there (onednn; own_decode above 64 rows) keeps fp32, saying so."""
+    for quantization in (None, "w8a8_int8"):
+        dtype, rule = dtype_of(AVX2, env={"KVSTRATA_CPU_BF16_GEMM": gemm},
+                               quantization=quantization)
+        assert dtype == want, (gemm, quantization)
+        assert ("takes bf16 linears off kvstrata's GEMM" in rule.reason) == (want == "float32")
+
+
 def test_explicit_dtype_is_kept():
     for dtype in ("float32", "bfloat16", "float16"):
         assert dtype_of(AMX, dtype=dtype) == (dtype, None)

@@ -17,7 +17,8 @@ CHUNKED_PREFILL_ACCELERATOR = 8192
 # holds up to `max_threads` torch threads (None: any; an unknown count, 0, takes the row),
 # or any count while KVSTRATA_CPU_BF16_GEMM is one of `any_threads_with` and the model is
 # not quantized (`why_any` says why; w8a8 in bf16 was not measured there); above them the
-# CPU keeps float32 for the reason `beyond`. Each row is backed by a serving measurement
+# CPU keeps float32 for the reason `beyond`; with a KVSTRATA_CPU_BF16_GEMM choice outside
+# `gemms` too. Each row is backed by a serving measurement
 # (kvstrata bench serve, SmolLM2, 64 prompts, 32 concurrent, in 128, out 64;
 # benchmarks/run_vllm_cpu.sh, docs/benchmarks.md "CPU speed per ISA").
 class DtypeRow(NamedTuple):
@@ -30,10 +31,12 @@ class DtypeRow(NamedTuple):
     beyond: str = ""
     any_threads_with: tuple[str, ...] = ()
     why_any: str = ""
+    gemms: tuple[str, ...] = ()  # the KVSTRATA_CPU_BF16_GEMM choices measured (empty: any)
 
 
 AMX_BF16_MAX_THREADS = 8
 AVX2_BF16_MAX_THREADS = 2
+AVX2_BF16_GEMMS = ("auto", "own")
 AVX2_BF16_WHY = ("kvstrata's AVX2 bf16 kernels: serving measured bf16 1.00-1.21x fp32 at 32 "
                  "concurrent requests (eight rounds, median 1.07x), 1.30x at 8 and 1.49x at 1, "
                  "at 2 threads (2026-12-04)",
@@ -74,10 +77,12 @@ CPU_DTYPE_RULES = (
     # that prefill rows take in fp32, so more threads keep fp32 until measured.
     # With AVX-VNNI a w8a8 layer runs oneDNN's int8 path, not the AVX2 int8 tile measured
     # here in bf16: that CPU takes the second row, unquantized only.
+    # KVSTRATA_CPU_BF16_GEMM=onednn / own_decode put bf16 linears (all, or prefill rows) on
+    # torch's bf16 F.linear there, ~50x slower: fp32.
     DtypeRow(("avx2", "fma", "f16c"), ("avx512f", "avx_ne_convert", "avx_vnni"), True,
-             "bfloat16", AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY),
+             "bfloat16", AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY, gemms=AVX2_BF16_GEMMS),
     DtypeRow(("avx2", "fma", "f16c"), ("avx512f", "avx_ne_convert"), False, "bfloat16",
-             AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY),
+             AVX2_BF16_MAX_THREADS, *AVX2_BF16_WHY, gemms=AVX2_BF16_GEMMS),
 )
 CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this CPU (no "
                       "avx512_bf16 / amx_bf16, nor AVX2 + FMA + F16C without AVX-512 or "
@@ -116,6 +121,9 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
     for row in CPU_DTYPE_RULES:
         if set(row.needs) <= flags and not set(row.lacks) & flags:
             has = " + ".join(row.needs)
+            if row.gemms and gemm not in row.gemms:
+                return "float32", (f"the CPU has {has}, but KVSTRATA_CPU_BF16_GEMM={gemm} "
+                                   "takes bf16 linears off kvstrata's GEMM measured there")
             if args.quantization is not None and not row.quantized_too:
                 return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
                                    f"({has}) is measured unquantized only")
