@@ -92,6 +92,8 @@ class MoE(nn.Module):
                 gate, up = F.linear(xs[start:start + n], self.gate_up[e - lo]).chunk(2, dim=-1)
                 ys[start:start + n] = F.linear(F.silu(gate) * up, self.down[e - lo])
             start += n
+        # The routing weights are float32: a bf16 model's expert outputs are weighted and
+        # summed over its k experts in float32 and rounded once, as transformers does.
         ys = ys * weights.reshape(-1)[order, None]
-        per_pair = torch.empty_like(ys).index_copy_(0, order, ys.to(x.dtype))
-        return per_pair.view(t, k, -1).sum(dim=1) + self.shared(x)
+        per_pair = torch.empty_like(ys).index_copy_(0, order, ys)
+        return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype) + self.shared(x)
