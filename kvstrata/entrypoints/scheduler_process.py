@@ -203,15 +203,22 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
     if start_loading is not None and envs.KVSTRATA_SCHEDULER_EAGER_TOKENIZER.get():
         start_loading()
     watchdog.start()
+    failed = False
     try:
         loop.run()
+    except Exception as e:
+        # The cause goes to the api server first (through the detokenizer, which keeps
+        # running): it fails the requests in flight naming it, then stops the server.
+        failed = True
+        logger.exception("the engine loop failed: the server stops")
+        send.send(ipc.encode(ipc.EngineFailure(f"{type(e).__name__}: {e}")))
     finally:
         watchdog.stop()
         engine.shutdown()
-        # Tell the detokenizer to exit after it has forwarded everything we sent.
-        send.send(ipc.encode(ipc.ShutdownReq()))
+        if not failed:  # tell the detokenizer to exit after forwarding everything we sent
+            send.send(ipc.encode(ipc.ShutdownReq()))
         recv.close(linger=0)
         send.close(linger=1000)
         ctx.term()
-    # A clean stop: everything above is closed; skip the interpreter's slow teardown.
-    exit_now(0)
+    # Everything above is closed; skip the interpreter's slow teardown.
+    exit_now(1 if failed else 0)

@@ -161,7 +161,7 @@ def run_detokenizer_process(server_args, paths: ipc.IpcPaths, ready_conn,
             send.send(ipc.encode(ipc.TextOutputs(detok.process(msg.outputs))))
         elif isinstance(msg, ipc.RegisterDetok):
             detok.register(msg)
-        elif isinstance(msg, (ipc.ControlReply, ipc.LoadReport)):
+        elif isinstance(msg, (ipc.ControlReply, ipc.LoadReport, ipc.EngineFailure)):
             send.send(ipc.encode(msg))
         elif isinstance(msg, ipc.ShutdownReq):
             break

@@ -90,6 +90,13 @@ class ControlReply(_Msg):
     error: str | None = None
 
 
+class EngineFailure(_Msg):
+    """The scheduler's engine loop raised (a bug, an unexpected input): sent ahead of its
+    teardown and forwarded unchanged by the detokenizer, so the api server fails requests
+    naming the cause rather than whichever process happened to exit first."""
+    reason: str
+
+
 class LoadReport(_Msg):
     """The engine's get_load(), sent by the scheduler after a step (at most every 100 ms
     while busy, and when it goes idle) ahead of that step's outputs, and ahead of every
@@ -107,8 +114,9 @@ class ReadyMsg(_Msg):
 
 
 ToScheduler = Union[EngineRequest, AbortReq, ControlReq, ShutdownReq]
-ToDetokenizer = Union[RegisterDetok, EngineOutputs, ControlReply, LoadReport, ShutdownReq]
-ToApi = Union[TextOutputs, ControlReply, LoadReport]
+ToDetokenizer = Union[RegisterDetok, EngineOutputs, ControlReply, LoadReport, EngineFailure,
+                      ShutdownReq]
+ToApi = Union[TextOutputs, ControlReply, LoadReport, EngineFailure]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

@@ -109,6 +109,8 @@ class TokenizerManager:
                 fut = self.pending_calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+            elif isinstance(msg, ipc.EngineFailure) and not self.engine_dead:
+                self._fail_everything(f"the scheduler process failed: {msg.reason}")
 
     def _on_child_exit(self, name: str, proc) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)

@@ -1,6 +1,6 @@
 """Server processes: --api-key, ordered shutdown leaving no process behind, and a dead
-scheduler failing in-flight requests at once and taking the server down (exit non-zero)
-instead of hanging."""
+scheduler (killed, or its engine loop raising) failing in-flight requests at once, naming the
+cause, and taking the server down (exit non-zero) instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -104,6 +104,37 @@ def test_scheduler_death_fails_requests_then_exits(tiny_model_path):
         rc = srv.proc.wait(timeout=30)
         assert rc != 0, "the server must exit non-zero after its engine died"
         assert "stopping the server" in srv.read_log()
+    finally:
+        srv.stop()
+    assert [p for p in [srv.proc.pid, *srv.children] if pid_alive(p)] == []
+
+
+def test_engine_exception_names_the_scheduler_and_its_cause(tiny_model_path):
+    """An exception in the scheduler's engine loop (a bug) used to tell the detokenizer to
+    stop cleanly first, so requests failed with "the detokenizer process exited with code
+    0". The cause now reaches the api server ahead of any exit: requests in flight fail
+    with it, an ordinary one beside them too, and the server exits 1, leaving no process."""
+    from tests.e2e import failing_engine
+
+    srv = ServerProcess(tiny_model_path, *ARGS, env={
+        "KVSTRATA_ENGINE_FACTORY": "tests.e2e.failing_engine:build_engine"})
+    try:
+        url = srv.base_url
+        ok = httpx.post(url + "/v1/completions", timeout=60,
+                        json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        assert ok.status_code == 200, ok.text  # the wrapper changes nothing else
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(httpx.post, url + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 400, "ignore_eos": True})
+            time.sleep(0.3)
+            doomed = httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": "y", "max_tokens": failing_engine.FAILING_MAX_TOKENS})
+            for resp in (doomed, long.result(timeout=60)):
+                assert resp.status_code == 500, resp.text
+                assert resp.json()["error"]["message"] == (
+                    f"the scheduler process failed: RuntimeError: {failing_engine.MESSAGE}")
+        assert srv.proc.wait(timeout=30) == 1
+        assert "the engine loop failed" in srv.read_log()
     finally:
         srv.stop()
     assert [p for p in [srv.proc.pid, *srv.children] if pid_alive(p)] == []
