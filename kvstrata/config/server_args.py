@@ -60,7 +60,8 @@ class ServerArgs:
     model_path: str = opt("smollm2-135m", "Model name, local directory, or GGUF file.")
     tokenizer_path: str | None = opt(None, "Tokenizer path (default: the model path).")
     skip_tokenizer_init: bool = opt(False, "Do not load a tokenizer: requests pass token ids "
-                                           "and get token ids back (no text, no stop strings).")
+                                           "and get token ids back (no text; text prompts, "
+                                           "chat messages and stop strings are refused).")
     served_model_name: str | None = opt(None, "Model name reported by the API "
                                               "(default: the model path).")
     context_length: int | None = opt(None, "Maximum context length (default: from the model "

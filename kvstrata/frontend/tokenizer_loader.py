@@ -6,10 +6,47 @@ import threading
 
 
 def load_tokenizer_for(server_args):
-    from kvstrata.config.model_source import load_tokenizer, resolve_model_path
+    """The model's tokenizer; under --skip-tokenizer-init a NoTokenizer (nothing loaded: the
+    model needs no tokenizer files)."""
+    from kvstrata.config.model_source import load_hf_config, load_tokenizer, resolve_model_path
 
-    return load_tokenizer(resolve_model_path(server_args.model_path),
-                          tokenizer_path=getattr(server_args, "tokenizer_path", None))
+    source = resolve_model_path(server_args.model_path)
+    if getattr(server_args, "skip_tokenizer_init", False):
+        return NoTokenizer(int(load_hf_config(source).vocab_size))
+    return load_tokenizer(source, tokenizer_path=getattr(server_args, "tokenizer_path", None))
+
+
+class TokenizerSkipped(ValueError):
+    """A request needs text on a server started with --skip-tokenizer-init (a 400)."""
+
+
+class NoTokenizer:
+    """The api server's and detokenizer's tokenizer under --skip-tokenizer-init, as SGLang's
+    token-in-token-out mode: requests send token ids (/generate input_ids, token-id prompts)
+    and get token ids back (`output_ids`) with empty text. It knows the vocabulary size (the
+    token id check); text prompts and chat messages raise TokenizerSkipped."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        raise TokenizerSkipped(skipped_message("a text prompt"))
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise TokenizerSkipped(skipped_message("chat messages (the chat template)"))
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""  # no text out: the ids are the output
+
+
+def skipped_message(what: str) -> str:
+    """The 400's message for a request that needs text under --skip-tokenizer-init."""
+    return (f"the server was started with --skip-tokenizer-init: {what} needs a tokenizer; "
+            "send token ids (input_ids on /generate, or a token-id prompt on "
+            "/v1/completions)")
 
 
 class DeferredTokenizer:

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from kvstrata.frontend import ipc
 from kvstrata.frontend.process_utils import describe_exit
+from kvstrata.frontend.tokenizer_loader import NoTokenizer, TokenizerSkipped, skipped_message
 from kvstrata.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -164,6 +165,15 @@ class TokenizerManager:
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """False under --skip-tokenizer-init (token ids in and out, no text)."""
+        return not isinstance(self.tokenizer, NoTokenizer)
+
+    def health_prompt_ids(self) -> list[int]:
+        """/health_generate's one-token prompt ("hi"; token 0 under --skip-tokenizer-init)."""
+        return self.encode_prompt("hi") if self.has_tokenizer else [0]
+
     def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
         # Render to text, then encode without special tokens: the template already writes
         # any BOS/role markers it wants, and encode() must not add a second BOS.
@@ -182,6 +192,8 @@ class TokenizerManager:
         log_metrics=False (SGLang's flag) keeps the request out of /metrics."""
         if self.engine_dead:
             raise EngineDeadError(f"the server is shutting down: {self.dead_reason}")
+        if getattr(req.sampling_params, "stop", None) and not self.has_tokenizer:
+            raise TokenizerSkipped(skipped_message("a stop string"))
         if req.rid in self.states:
             raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
                                         "this id is still running")

@@ -45,6 +45,9 @@ class RecordingTM:
     def encode_prompt(self, text: str) -> list[int]:
         return [1 + ord(c) % 50 for c in text]
 
+    def health_prompt_ids(self) -> list[int]:
+        return self.encode_prompt("hi")
+
     async def control(self, op: str, timeout: float = 10.0) -> dict:
         """The scheduler's answer to a control op: its load counters, counted per call."""
         self.control_calls = getattr(self, "control_calls", 0) + 1

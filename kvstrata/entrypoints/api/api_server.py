@@ -23,6 +23,7 @@ from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_s
 from kvstrata.entrypoints.api.serving_handlers import (chat_response, completion_response,
                                                    generate_response)
 from kvstrata.frontend import ipc
+from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import EngineDeadError
 from kvstrata.version import __version__
 
@@ -93,6 +94,10 @@ def create_app(state) -> FastAPI:
     async def _api_error(request, exc: ApiError):
         return exc.response()
 
+    @app.exception_handler(TokenizerSkipped)
+    async def _no_tokenizer(request, exc: TokenizerSkipped):
+        return ApiError(400, str(exc)).response()
+
     @app.exception_handler(EngineDeadError)
     async def _dead(request, exc):
         # The engine is gone and this server is exiting: a router should retry elsewhere.
@@ -154,7 +159,7 @@ def create_app(state) -> FastAPI:
     async def health_generate():
         if not state.healthy():
             return _status(503)
-        req = ipc.GenerateReq(rid=f"health-{tm.new_rid()}", prompt_ids=tm.encode_prompt("hi"),
+        req = ipc.GenerateReq(rid=f"health-{tm.new_rid()}", prompt_ids=tm.health_prompt_ids(),
                               sampling_params=so.SamplingParams(max_new_tokens=1,
                                                                 temperature=0.0),
                               bootstrap=pd_fields.warmup_bootstrap(args))

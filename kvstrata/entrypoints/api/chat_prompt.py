@@ -9,6 +9,7 @@ import jinja2
 from kvstrata.entrypoints.api.errors import bad_request
 from kvstrata.entrypoints.api.openai_protocol import (MEDIA_PARTS, ChatCompletionRequest,
                                                   TextPart)
+from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 
 
 def _check_message(i: int, m) -> None:
@@ -65,6 +66,8 @@ def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
         prefix = messages.pop()["content"]
     try:
         ids = tm.apply_chat_template(messages, **_template_kwargs(tm, body))
+    except TokenizerSkipped:
+        raise  # --skip-tokenizer-init: its own 400 (the template is not at fault)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
     if prefix:

@@ -17,6 +17,7 @@ from kvstrata.entrypoints.api.chat_prompt import chat_prompt_ids
 from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.frontend import ipc
+from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
 from kvstrata.protocol import SamplingParams
 
@@ -139,6 +140,8 @@ async def merged_outputs(tm, choices: list[Choice], log_metrics: bool = True):
                 queue.put_nowait((choice, out))
         except DuplicateRequestError as e:  # the client's rid: its mistake, not ours
             queue.put_nowait((choice, bad_request(str(e), "rid")))
+        except TokenizerSkipped as e:  # a stop string under --skip-tokenizer-init
+            queue.put_nowait((choice, bad_request(str(e), "stop")))
         except Exception as e:  # surface as an error output, not a hung stream
             queue.put_nowait((choice, e))
 
