@@ -27,8 +27,8 @@ scheduler and detokenizer too), e.g. a served bf16 run on AMX's bodies:
 Only kvstrata's own code is emulated: what torch's libraries run (oneDNN's and fbgemm's int8
 linears) is the real CPU's code, so a flow that an emulated VNNI flag routes through them (a
 w8a8 layer of a shape kvstrata's int8 GEMM does not take: AVX2's u8 x s8 pairs saturate) does
-not hold there (test_int8_linear.py's oneDNN comparisons skip; in test_w8a8_int8.py the 8-bit
-fbgemm case and the tiny model's greedy tokens, intermediate size 88, fail so).
+not hold there (test_int8_linear.py's oneDNN comparisons skip, and so do test_w8a8_int8.py's
+8-bit fbgemm case and its tiny model's greedy tokens, intermediate size 88).
 """
 from __future__ import annotations
 
