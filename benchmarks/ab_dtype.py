@@ -25,8 +25,6 @@ import bench_decode_step as step_bench  # noqa: E402
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.config.kv_plan import KVPlan  # noqa: E402
-from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
-                                                SchedulerOutput)
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
 
 PAGE = step_bench.PAGE
@@ -58,23 +56,6 @@ def runner_for(args, dtype: str, pages: int, rows: int, context: int) -> ModelRu
                                   head_dim=d.head_dim, dtype=dtype, page_size=PAGE,
                                   num_pages=pages, num_rows=rows, context_len=context + 1))
     return runner
-
-
-def prefill_fn(runner: ModelRunner, prompts: int, length: int, first_row: int,
-               first_page: int):
-    """One batched prefill of `prompts` prompts of `length` tokens, freed after it."""
-    new, sched = [], []
-    for i in range(prompts):
-        prompt = [5 + (7 * i + t) % 1000 for t in range(length)]
-        page0 = first_page + i * (length // PAGE + 1)
-        slots = [(page0 + p // PAGE) * PAGE + p % PAGE for p in range(length)]
-        new.append(NewRequestData(f"ab{i}", prompt, [], step_bench.GREEDY))
-        sched.append(ScheduledRequest(f"ab{i}", first_row + i, 0, prompt, 0, slots, True))
-
-    def run():
-        runner.execute(SchedulerOutput(0, True, new, sched, []))
-        runner.execute(SchedulerOutput(0, False, [], [], [r.rid for r in new]))
-    return run
 
 
 def interleaved(fns: dict, rounds: int, timed) -> dict:
@@ -130,7 +111,8 @@ def main(argv=None) -> dict:
                 for b in batches.values():
                     b.free()
             for prompts, length in prefills:
-                fns = {d: prefill_fn(r, prompts, length, row, page) for d, r in runners.items()}
+                fns = {d: step_bench.prefill_fn(r, prompts, length, row, page)
+                       for d, r in runners.items()}
                 times = interleaved(fns, args.rounds, step_bench._timed)
                 report["prefill"][f"{prompts}x{length}"] = summarise(
                     f"prefill {prompts} x {length}", times, args.dtypes)

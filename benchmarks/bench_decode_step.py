@@ -212,6 +212,24 @@ class DecodeBatch:
         self.runner.execute(SchedulerOutput(0, False, [], [], [r[0] for r in self.reqs]))
 
 
+def prefill_fn(runner: ModelRunner, prompts: int, length: int, first_row: int,
+               first_page: int):
+    """One batched prefill of `prompts` prompts of `length` tokens, each on its own row and
+    pages from `first_row` / `first_page`, freed after it: a callable to time."""
+    new, sched = [], []
+    for i in range(prompts):
+        prompt = [5 + (i + t) % 1000 for t in range(length)]
+        page0 = first_page + i * (length // PAGE + 1)
+        slots = [(page0 + p // PAGE) * PAGE + p % PAGE for p in range(length)]
+        new.append(NewRequestData(f"prefill{i}", prompt, [], GREEDY))
+        sched.append(ScheduledRequest(f"prefill{i}", first_row + i, 0, prompt, 0, slots, True))
+
+    def run():
+        runner.execute(SchedulerOutput(0, True, new, sched, []))
+        runner.execute(SchedulerOutput(0, False, [], [], [r.rid for r in new]))
+    return run
+
+
 ATTENTION_OPS = ("kvstrata::paged_decode", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::index_select")
 
@@ -317,7 +335,8 @@ def main(argv=None) -> dict:
                              "attention_share": attention, "top_ops": top}
                 print(f"decode B={args.batch} C={context:<5d} {name:<11s} {ms:8.1f} ms  "
                       f"{flops / ms / 1e6:6.1f} GFLOP/s = {flops / ms / 1e6 / peak:5.1%} of "
-                      f"peak, {roofline_ms / ms:5.1%} of the roofline; attention {attention:5.1%}; outside torch ops {overhead:5.1%}; "
+                      f"peak, {roofline_ms / ms:5.1%} of the roofline; attention "
+                      f"{attention:5.1%}; outside torch ops {overhead:5.1%}; "
                       "top: " + ", ".join(
                           f"{t['op']} {t['share']:.0%}" for t in top[:4]), flush=True)
             if "kernel" in row:
@@ -329,18 +348,7 @@ def main(argv=None) -> dict:
         backend.use_kernel = variants[0]
         if args.prefill:
             length = args.prefill // prompts
-            new, sched = [], []
-            for i in range(prompts):  # each prompt on its own row and pages
-                prompt = [5 + (i + t) % 1000 for t in range(length)]
-                page0 = first_page + i * (length // PAGE + 1)
-                slots = [(page0 + p // PAGE) * PAGE + p % PAGE for p in range(length)]
-                new.append(NewRequestData(f"prefill{i}", prompt, [], GREEDY))
-                sched.append(ScheduledRequest(f"prefill{i}", first_row + i, 0, prompt, 0, slots,
-                                              True))
-
-            def run_prefill():
-                runner.execute(SchedulerOutput(0, True, new, sched, []))
-                runner.execute(SchedulerOutput(0, False, [], [], [r.rid for r in new]))
+            run_prefill = prefill_fn(runner, prompts, length, first_row, first_page)
             run_prefill()
             ms = min(_timed(run_prefill) for _ in range(2)) * 1e3
             # Every layer for every token, the output head for each prompt's last position
