@@ -121,6 +121,14 @@ KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "config/rules/platform_defaults.py), "
     "or float32 / bfloat16 / float16. The test suite sets float32 so its fp32 references hold "
     "on every machine.")
+KVSTRATA_CPU_DTYPE_PROBE = _declare(
+    "KVSTRATA_CPU_DTYPE_PROBE", str, "auto",
+    "Where --dtype auto on a CPU has no measured row for the CPU and thread count "
+    "(config/rules/platform_defaults.py: e.g. AVX-512 without bf16 instructions, AVX2 above "
+    "2 threads), serve and LLM() time the model's linear layers in bf16 and fp32 at start-up "
+    "and take bf16 if it wins at every row count measured (runner/dtype_probe.py; once per "
+    "machine, cached under $XDG_CACHE_HOME/kvstrata). auto = there; on = on every CPU, "
+    "over the table too; off = never (the table's float32).")
 KVSTRATA_CPU_FUSED_OPS = _declare(
     "KVSTRATA_CPU_FUSED_OPS", bool, True,
     "The llama-family decoder on CPU runs RMSNorm (bf16 and fp32, alone or after the "

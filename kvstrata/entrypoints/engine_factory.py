@@ -16,7 +16,8 @@ from kvstrata import envs
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.kv_sizing import host_pool_use, size_kv_plan
 from kvstrata.config.model_source import load_tokenizer
-from kvstrata.config.resolve import log_resolutions, refuse_unimplemented, resolve
+from kvstrata.config.resolve import (log_resolutions, platform_for, refuse_unimplemented,
+                                     resolve)
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
@@ -82,8 +83,14 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
 
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
-    args, resolutions = resolve(server_args, model_info=ModelInfo.from_model_path(
-        server_args.model_path))
+    info = ModelInfo.from_model_path(server_args.model_path)
+    platform = platform_for(server_args)
+    if server_args.dtype == "auto" and platform.kind == "cpu":
+        # where the dtype table has no row for this CPU: its linears timed in both dtypes
+        from kvstrata.runner.dtype_probe import measured_platform  # noqa: PLC0415 - torch
+
+        platform = measured_platform(server_args, platform, info)
+    args, resolutions = resolve(server_args, platform, model_info=info)
     refuse_l2_options_without_hicache(server_args, host_pool_use(args) == "retraction")
     if tp is None and args.random_seed is not None:
         torch.manual_seed(args.random_seed)

@@ -141,9 +141,11 @@ def test_avx2_bf16_holds_up_to_its_measured_threads(threads, want):
         dtype, rule = dtype_of(AVX2, threads=threads, quantization=quantization)
         assert dtype == want, (threads, quantization)
         if want == "float32":
-            assert rule.reason.endswith(f"the CPU has {AVX2_ROW} but runs {threads} threads "
-                                        "(bf16 holds up to 2): bf16 is measured at 1-2 "
-                                        "threads only (--dtype bfloat16 takes it)"), rule.reason
+            assert (f"the CPU has {AVX2_ROW} but runs {threads} threads (bf16 holds up to 2): "
+                    "bf16 is measured at 1-2 threads only (--dtype bfloat16 takes it)"
+                    ) in rule.reason, rule.reason
+            # unquantized, start-up measures it (runner/dtype_probe.py)
+            assert ("not measured yet" in rule.reason) is (quantization is None)
             assert "KVSTRATA_CPU_BF16_GEMM" not in rule.reason
 
 
@@ -187,3 +189,71 @@ def test_read_cpu_flags(tmp_path):
                     "processor\t: 1\nflags\t\t: fpu\n")
     assert read_cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
     assert read_cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+# Where the table has no row (the fallback, or above a row's threads) serve and LLM() time the
+# linears at start-up (runner/dtype_probe.py) and hand the verdict in as the platform's
+# cpu_dtype_measured; these check which cases ask for it and that the rule takes it.
+MEASURED = ("bfloat16", "measured on this CPU at start-up: bf16 wins")
+
+
+def wants(flags, threads=2, env=None, **kwargs):
+    from kvstrata.config.rules.platform_defaults import wants_probe
+
+    return wants_probe(ServerArgs(**kwargs), simulated("cpu", cpu_flags=flags,
+                                                       cpu_threads=threads),
+                       ModelInfo(), env or {})
+
+
+@pytest.mark.parametrize("flags,threads,want", [
+    (AVX512_NO_BF16, 2, True), (AVX2_NE_CONVERT, 2, True), ((), 2, True),
+    (AVX2, 4, True), (AMX, 16, False), (AVX2, 2, False), (AVX512_BF16, 64, False)])
+def test_probe_only_where_no_row_decides(flags, threads, want):
+    assert wants(flags, threads) is want
+    assert wants(flags, threads, env={"KVSTRATA_CPU_DTYPE_PROBE": "on"}) is True
+    assert wants(flags, threads, env={"KVSTRATA_CPU_DTYPE_PROBE": "off"}) is False
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="float32"), dict(quantization="w8a8_int8"),
+                                    dict(tp_size=2), dict(disaggregation_mode="decode"),
+                                    dict(device="cuda")])
+def test_probe_never_for_explicit_dtypes_quantized_tp_or_pd(kwargs):
+    env = {"KVSTRATA_CPU_DTYPE_PROBE": "on"}
+    assert wants(AVX512_NO_BF16, env=env, **kwargs) is False
+    assert wants(AVX512_NO_BF16, env={"KVSTRATA_CPU_AUTO_DTYPE": "float32"}) is False
+
+
+def test_probe_never_for_non_mha_models():
+    from kvstrata.config.rules.platform_defaults import wants_probe
+
+    plat = simulated("cpu", cpu_flags=AVX512_NO_BF16)
+    assert not wants_probe(ServerArgs(), plat, ModelInfo(kv_pool_kind="mla"), {})
+
+
+def measured_dtype(flags, threads=2, env=None, **kwargs):
+    plat = simulated("cpu", cpu_flags=flags, cpu_threads=threads)
+    plat = __import__("dataclasses").replace(plat, cpu_dtype_measured=MEASURED)
+    resolved, res = resolve(ServerArgs(**kwargs), plat, ModelInfo(), env=env or {})
+    return resolved.dtype, next(r for r in res if r.field == "dtype").reason
+
+
+def test_a_measured_verdict_decides_where_the_table_has_no_row():
+    assert measured_dtype(AVX512_NO_BF16) == ("bfloat16", f"--dtype auto on CPU: {MEASURED[1]}")
+    assert measured_dtype(AVX2, threads=4)[0] == "bfloat16"
+    # a row decides: the measurement only with KVSTRATA_CPU_DTYPE_PROBE=on
+    assert measured_dtype(AMX, threads=2)[1].endswith("(2026-12-02)")
+    on = {"KVSTRATA_CPU_DTYPE_PROBE": "on"}
+    assert measured_dtype(AMX, env=on) == ("bfloat16", f"--dtype auto on CPU: {MEASURED[1]}")
+    # off, quantized, TP: the table's answer whatever was measured
+    assert measured_dtype(AVX512_NO_BF16, env={"KVSTRATA_CPU_DTYPE_PROBE": "off"})[0] == \
+        "float32"
+    assert measured_dtype(AVX512_NO_BF16, quantization="w8a8_int8")[0] == "float32"
+
+
+def test_unmeasured_open_cases_say_start_up_measures_them():
+    _, rule = dtype_of(AVX512_NO_BF16)
+    assert "not measured yet" in rule.reason and "KVSTRATA_CPU_DTYPE_PROBE" in rule.reason
+    _, rule = dtype_of(AVX512_NO_BF16, env={"KVSTRATA_CPU_DTYPE_PROBE": "off"})
+    assert "not measured yet" not in rule.reason
+    with pytest.raises(ValueError, match="KVSTRATA_CPU_DTYPE_PROBE='sometimes'"):
+        dtype_of(AVX512_NO_BF16, env={"KVSTRATA_CPU_DTYPE_PROBE": "sometimes"})

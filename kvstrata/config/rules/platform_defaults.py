@@ -101,34 +101,86 @@ def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
     return enabled is True and gemm in ("auto", "own") and {"avx2", "fma", "f16c"} <= flags
 
 
+PROBE_CHOICES = ("auto", "on", "off")
+
+
+def probe_choice(env: dict) -> str:
+    choice = str(env.get("KVSTRATA_CPU_DTYPE_PROBE", "auto")).strip().lower()
+    if choice not in PROBE_CHOICES:
+        raise ValueError(f"KVSTRATA_CPU_DTYPE_PROBE={choice!r} is not one of "
+                         f"{', '.join(PROBE_CHOICES)}")
+    return choice
+
+
 def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
               env: dict) -> tuple[str, str]:
-    """(dtype, reason) for --dtype auto on a CPU."""
+    """(dtype, reason) for --dtype auto on a CPU: the table's row, or where the table has
+    none for this CPU and thread count (or KVSTRATA_CPU_DTYPE_PROBE=on) the start-up
+    measurement serve and LLM() attach to the platform (runner/dtype_probe.py)."""
+    dtype, why, open_ = table_dtype(args, platform, model_info, env)
+    if not probe_allowed(args, model_info, env) or not (open_ or probe_choice(env) == "on"):
+        return dtype, why
+    if platform.cpu_dtype_measured is not None:
+        return platform.cpu_dtype_measured
+    if open_:
+        why += ("; not measured yet: serve and LLM() time bf16 against fp32 linears at "
+                "start-up (KVSTRATA_CPU_DTYPE_PROBE)")
+    return dtype, why
+
+
+def probe_allowed(args: ResolvedArgs, model_info: ModelInfo | None, env: dict) -> bool:
+    """A start-up measurement may choose the dtype: one unquantized llama-family model on one
+    server. TP ranks and a PD pair would each measure alone and might disagree on the
+    dtype their KV bytes must share."""
+    if (env.get("KVSTRATA_CPU_AUTO_DTYPE") or "").strip() or probe_choice(env) == "off":
+        return False
+    return (args.quantization is None and args.tp_size == 1
+            and args.disaggregation_mode in (None, "null")
+            and (model_info is None or model_info.kv_pool_kind == "mha"))
+
+
+def wants_probe(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+                env: dict) -> bool:
+    """Whether serve / LLM() should measure the dtype before resolving: --dtype auto on a
+    CPU whose table row leaves it open (or KVSTRATA_CPU_DTYPE_PROBE=on)."""
+    if args.dtype != "auto" or (args.device or platform.device_type) != "cpu":
+        return False
+    if not probe_allowed(args, model_info, env):
+        return False
+    return probe_choice(env) == "on" or table_dtype(args, platform, model_info, env)[2]
+
+
+def table_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+                env: dict) -> tuple[str, str, bool]:
+    """(dtype, reason, open): open when no measured row decides for this CPU and thread
+    count (the fallback, or above a row's threads) for an unquantized model."""
     forced = (env.get("KVSTRATA_CPU_AUTO_DTYPE") or "").strip()
     if forced:
         if forced not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"KVSTRATA_CPU_AUTO_DTYPE={forced!r} is not float32, bfloat16 "
                              "or float16 (or empty: chosen from the CPU)")
-        return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}"
+        return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}", False
     if args.quantization is not None and not int8_takes_model_dtype(platform, env):
         return "float32", (f"--quantization {args.quantization}: without VNNI (or with "
-                           "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 activations")
+                           "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 "
+                           "activations"), False
     if model_info is not None and model_info.kv_pool_kind != "mha":
         return "float32", (f"a {model_info.kv_pool_kind} model: only the llama-family "
-                           "decoder is measured in bf16 on CPU")
+                           "decoder is measured in bf16 on CPU"), False
     flags, threads = set(platform.cpu_flags), platform.cpu_threads
     gemm = str(env.get("KVSTRATA_CPU_BF16_GEMM", "auto")).strip().lower()
+    unquantized = args.quantization is None
     for row in CPU_DTYPE_RULES:
         if set(row.needs) <= flags and not set(row.lacks) & flags:
             has = " + ".join(row.needs)
             if row.gemms and gemm not in row.gemms:
                 return "float32", (f"the CPU has {has}, but KVSTRATA_CPU_BF16_GEMM={gemm} "
-                                   "takes bf16 linears off kvstrata's GEMM measured there")
-            if args.quantization is not None and not row.quantized_too:
+                                   "takes bf16 linears off kvstrata's GEMM measured there"), False
+            if not unquantized and not row.quantized_too:
                 return "float32", (f"--quantization {args.quantization}: this CPU's bf16 row "
-                                   f"({has}) is measured unquantized only")
-            if gemm in row.any_threads_with and args.quantization is None:
-                return row.dtype, f"the CPU has {has}: {row.why_any}"
+                                   f"({has}) is measured unquantized only"), False
+            if gemm in row.any_threads_with and unquantized:
+                return row.dtype, f"the CPU has {has}: {row.why_any}", False
             if row.max_threads is not None and threads > row.max_threads:
                 if gemm in row.any_threads_with:
                     why = (f"--quantization {args.quantization} is not measured in bf16 "
@@ -138,9 +190,9 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
                 else:
                     why = row.beyond
                 return "float32", (f"the CPU has {has} but runs {threads} threads (bf16 holds "
-                                   f"up to {row.max_threads}): {why}")
-            return row.dtype, f"the CPU has {has}: {row.why}"
-    return CPU_DTYPE_FALLBACK
+                                   f"up to {row.max_threads}): {why}"), unquantized
+            return row.dtype, f"the CPU has {has}: {row.why}", False
+    return (*CPU_DTYPE_FALLBACK, unquantized)
 
 
 def platform_defaults(args: ResolvedArgs, platform: Platform,
