@@ -87,13 +87,14 @@ def add_explain_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_explain(ns: argparse.Namespace, stdout: TextIO | None = None,
-                stderr: TextIO | None = None) -> int:
+                stderr: TextIO | None = None, platform: Platform | None = None) -> int:
     """0 on success; 2 with the error on stderr for an invalid combination. Extra namespace
-    attributes (the CLI's own) are ignored."""
+    attributes (the CLI's own) are ignored. platform: the machine as the CLI found it (with
+    a cached --dtype auto measurement), else --platform's or the detected one."""
     out, err = stdout or sys.stdout, stderr or sys.stderr
     try:
         args = server_args_from_namespace(ns)
-        text = explain(args, as_json=ns.json)
+        text = explain(args, platform, as_json=ns.json)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_INVALID

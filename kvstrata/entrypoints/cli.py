@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 Command = tuple[tuple[str, ...], Callable[[argparse.ArgumentParser], None],
                 Callable[[argparse.Namespace], int], str]
@@ -111,7 +112,30 @@ def _run_config(ns: argparse.Namespace) -> int:
     if not ns.explain:
         print("kvstrata config: nothing to do; pass --explain", file=sys.stderr)
         return 2
-    return run_explain(ns)
+    return run_explain(ns, platform=_measured_platform(ns))
+
+
+def _measured_platform(ns: argparse.Namespace) -> Any:
+    """This machine with the --dtype auto verdict serve measured here (runner/dtype_probe.py,
+    from its cache only: explain never measures), or None (--platform simulates, invalid
+    flags: run_explain reports those)."""
+    from kvstrata.config import ModelInfo
+    from kvstrata.config.cli_args import server_args_from_namespace
+    from kvstrata.platform import current_platform
+
+    try:
+        args = server_args_from_namespace(ns)
+    except (ValueError, TypeError):
+        return None
+    if args.platform is not None or args.dtype != "auto":
+        return None
+    plat = current_platform()
+    if plat.kind != "cpu" or plat.simulated:
+        return None
+    from kvstrata.runner.dtype_probe import measured_platform
+
+    return measured_platform(args, plat, ModelInfo.from_model_path(args.model_path),
+                             cached_only=True)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -183,9 +183,11 @@ def model_dims(model_path: str) -> ModelDims | None:
 
 def measured_platform(args: Any, platform: Platform, model_info: ModelInfo | None,
                       env: dict | None = None, path: str | None = None,
-                      measure_fn: Callable[..., dict[int, float]] | None = None) -> Platform:
+                      measure_fn: Callable[..., dict[int, float]] | None = None,
+                      cached_only: bool = False) -> Platform:
     """`platform` with cpu_dtype_measured set where --dtype auto wants a measurement
-    (config/rules/platform_defaults.py wants_probe), from the cache or measured now."""
+    (config/rules/platform_defaults.py wants_probe), from the cache or measured now
+    (cached_only: `kvstrata config --explain`, which shows a verdict but never measures)."""
     env = dict(envs.snapshot() if env is None else env)
     if platform.simulated or not wants_probe(args, platform, model_info, env):
         return platform
@@ -200,6 +202,8 @@ def measured_platform(args: Any, platform: Platform, model_info: ModelInfo | Non
     cached = isinstance(record, dict) and isinstance(record.get("ratios"), dict)
     if cached:
         ratios = {int(m): float(v) for m, v in record["ratios"].items()}
+    elif cached_only:
+        return platform
     else:
         logger.info("--dtype auto: timing the model's linears in bf16 and fp32 on this CPU "
                     "(once; the verdict is cached in %s)", path)

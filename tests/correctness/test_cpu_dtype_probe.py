@@ -141,3 +141,31 @@ def test_cache_key_names_this_machine():
     assert key == dtype_probe.cache_key([(64, 32)], False, 2, {})
     assert key != dtype_probe.cache_key([(64, 32)], True, 2, {})
     assert key != dtype_probe.cache_key([(64, 64)], False, 2, {})
+
+
+def test_explain_shows_the_cached_verdict_and_never_measures(tiny_checkpoints, monkeypatch,
+                                                             tmp_path, capsys):
+    """`kvstrata config --explain` on this machine: the verdict serve cached, else the
+    table's answer saying start-up measures it; explain itself never times anything."""
+    from kvstrata import platform as platform_mod
+    from kvstrata.entrypoints import cli
+
+    monkeypatch.delenv("KVSTRATA_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(platform_mod, "current_platform", lambda: real_cpu())
+    never = FakeTimer({})
+    monkeypatch.setattr(dtype_probe, "measure", never)
+    model = tiny_checkpoints["llama"]
+
+    def explained():
+        assert cli.main(["config", "--explain", "--json", "--model-path", model]) == 0
+        (rule,) = [r for r in json.loads(capsys.readouterr().out)["resolutions"]
+                   if r["field"] == "dtype"]
+        return rule["new"], rule["reason"]
+
+    dtype, why = explained()
+    assert dtype == "float32" and "not measured yet" in why
+    dtype_probe.measured_platform(ServerArgs(model_path=model), real_cpu(), ModelInfo(),
+                                  None, None, FakeTimer({1: 2.0, 32: 1.5, 256: 1.2}))
+    dtype, why = explained()
+    assert dtype == "bfloat16" and "as cached in" in why and not never.calls
