@@ -126,7 +126,8 @@ KVSTRATA_CPU_DTYPE_PROBE = _declare(
     "Where --dtype auto on a CPU has no measured row for the CPU and thread count "
     "(config/rules/platform_defaults.py: e.g. AVX-512 without bf16 instructions, AVX2 above "
     "2 threads), serve and LLM() time the model's linear layers in bf16 and fp32 at start-up "
-    "and take bf16 if it wins at every row count measured (runner/dtype_probe.py; once per "
+    "and take bf16 if it is no slower at any row count measured and 1.05x faster over them "
+    "(runner/dtype_probe.py; once per "
     "machine, cached under $XDG_CACHE_HOME/kvstrata). auto = there; on = on every CPU, "
     "over the table too; off = never (the table's float32).")
 KVSTRATA_CPU_FUSED_OPS = _declare(

@@ -23,6 +23,8 @@
 #   threads  fp32 vs bf16 (auto, oneDNN's alone) on THREADS_LIST cores (default "4 8";
 #            taskset + OMP_NUM_THREADS): decode steps, then served: whether the AMX bf16 row
 #            holds at few cores
+#   probe    --dtype auto's start-up measurement (python -m kvstrata.runner.dtype_probe) on
+#            PROBE_THREADS cores (default "2 8 16"): its verdict beside the table's row
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
 # CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
 # Results: $OUT/device_results.tgz (every log and JSON) and a summary on stdout. A dry run
@@ -119,6 +121,12 @@ for st in $STAGES; do case $st in
         KVSTRATA="python3 -m kvstrata.entrypoints.cli" MODEL=/tmp/smol HF_DIR=/tmp/smol \
         EOS_FLAG=--ignore-eos RUNS="kvstrata_fp32 kvstrata_bf16 kvstrata_bf16_onednn" \
         bash benchmarks/run_vllm_cpu.sh
+    done ;;
+  probe) for t in ${PROBE_THREADS:-2 8 16}; do
+      TAILN=0 stage "probe_t$t" 60 "${CPU_ONLY[@]}" taskset -c "0-$((t - 1))" \
+        env OMP_NUM_THREADS="$t" python3 -m kvstrata.runner.dtype_probe --model /tmp/smol \
+        --threads "$t"
+      tr -d '\n ' < "$R/probe_t$t.log" | grep -oE '"ratios".{0,60}|"probe":\["[a-z0-9]+"|"new":"[a-z0-9]+"'
     done ;;
   suite) TAILN=20 stage suite 600 "${CPU_ONLY[@]}" OMP_NUM_THREADS=2 python3 -m pytest -q -n 14 \
       -m "not slow" -p no:cacheprovider --timeout 120 --maxfail=40 -rfE tests ;;

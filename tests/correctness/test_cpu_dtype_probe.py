@@ -50,13 +50,15 @@ def test_measure_times_both_dtypes_at_every_row_count():
     assert set(ratios) == {1, 4} and all(r > 0 for r in ratios.values())
 
 
-@pytest.mark.parametrize("ratios,want", [({1: 1.9, 32: 1.2, 256: 1.06}, "bfloat16"),
-                                         ({1: 1.9, 32: 1.2, 256: 1.0}, "float32"),
-                                         ({1: 0.5, 32: 0.6, 256: 0.7}, "float32")])
-def test_bf16_only_where_it_wins_at_every_row_count(ratios, want):
+@pytest.mark.parametrize("ratios,want,said", [
+    ({1: 1.9, 32: 1.04, 256: 1.06}, "bfloat16", "no slower at any and 1.28x over them"),
+    ({1: 1.9, 32: 1.2, 256: 0.99}, "float32", "slower at some row count"),
+    ({1: 1.06, 32: 1.02, 256: 1.03}, "float32", "only 1.04x over them (under 1.05x)"),
+    ({1: 0.5, 32: 0.6, 256: 0.7}, "float32", "slower at some row count")])
+def test_bf16_only_where_it_is_no_slower_anywhere_and_faster_overall(ratios, want, said):
     dtype, why = dtype_probe.verdict(ratios)
-    assert dtype == want
-    assert "1.90x at 1 row" in why or "0.50x at 1 row" in why
+    assert dtype == want and why.endswith(said)
+    assert f"{ratios[1]:.2f}x at 1 row, " in why and "at 256 rows of fp32's speed" in why
 
 
 def test_measured_once_then_cached(tiny_checkpoints, tmp_path):
@@ -169,3 +171,17 @@ def test_explain_shows_the_cached_verdict_and_never_measures(tiny_checkpoints, m
                                   None, None, FakeTimer({1: 2.0, 32: 1.5, 256: 1.2}))
     dtype, why = explained()
     assert dtype == "bfloat16" and "as cached in" in why and not never.calls
+
+
+def test_the_command_line_measures_and_shows_the_table(tiny_checkpoints, capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert dtype_probe.main(["--model", tiny_checkpoints["llama"], "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(capsys.readouterr().out)
+    assert out["threads"] == 1 and set(out["ratios"]) == {"1", "32", "256"}
+    assert out["probe"][0] in ("float32", "bfloat16")
+    assert out["table"]["rule"] == "platform.cpu_dtype"

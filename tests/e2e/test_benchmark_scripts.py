@@ -467,7 +467,7 @@ def test_device_scripts_parse_and_name_their_stages():
     text = open(run_sh).read()
     listed = set(re.findall(r"^#   (\w+) ", text, re.M))
     arms = set(re.findall(r"^  (\w+)\) ", text, re.M))
-    stages = {"kernel", "cuda", "gemm", "attn", "step", "served", "threads", "suite"}
+    stages = {"kernel", "cuda", "gemm", "attn", "step", "served", "threads", "probe", "suite"}
     assert listed == arms == stages, (listed, arms)
     assert ".whl/*.whl" in text and ".devrun/smol" in text
     prep = open(prep_sh).read()
