@@ -130,7 +130,7 @@ def _measured_platform(ns: argparse.Namespace) -> Any:
     if args.platform is not None or args.dtype != "auto":
         return None
     plat = current_platform()
-    if plat.kind != "cpu" or plat.simulated:
+    if plat.simulated:
         return None
     from kvstrata.runner.dtype_probe import measured_platform
 

@@ -257,3 +257,11 @@ def test_unmeasured_open_cases_say_start_up_measures_them():
     assert "not measured yet" not in rule.reason
     with pytest.raises(ValueError, match="KVSTRATA_CPU_DTYPE_PROBE='sometimes'"):
         dtype_of(AVX512_NO_BF16, env={"KVSTRATA_CPU_DTYPE_PROBE": "sometimes"})
+
+
+def test_probe_follows_the_device_not_the_platform_kind():
+    from kvstrata.config.rules.platform_defaults import wants_probe
+
+    gpu_box = simulated("cuda", cpu_flags=AVX512_NO_BF16, cpu_threads=2)
+    assert wants_probe(ServerArgs(device="cpu"), gpu_box, ModelInfo(), {})
+    assert not wants_probe(ServerArgs(), gpu_box, ModelInfo(), {})
