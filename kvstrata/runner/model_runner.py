@@ -35,7 +35,7 @@ from kvstrata.runner.op_executor import split_ops
 from kvstrata.protocol.disagg import BackupOp
 from kvstrata.runner.quantization import weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor, on_demand_backup
-from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner.sampler import Sampler, SamplingState, finite_logprobs
 from kvstrata.runner.spec_handoff import prefill_draft_extend
 from kvstrata.runner import spec_verify
 
@@ -378,7 +378,7 @@ class ModelRunner:
         if hi > lo:
             targets = torch.tensor(prompt[lo + 1:hi + 1], dtype=torch.int64,
                                    device=logits.device)
-            lps = torch.log_softmax(logits[:hi - lo].float(), dim=-1)
+            lps = finite_logprobs(torch.log_softmax(logits[:hi - lo].float(), dim=-1))
             state.prompt_logprobs.extend(lps.gather(1, targets[:, None])[:, 0].tolist())
             top_n = state.sampling.params.logprobs or 0
             if top_n > 0:

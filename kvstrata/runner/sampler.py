@@ -14,7 +14,8 @@ kept too (so a "top_k=2" row with three tied leaders keeps three), as vLLM's top
 Logprobs are log_softmax (float32) of the logits after steps 1-2 and before temperature and
 truncation, like vLLM's default "raw" logprobs: they describe the model's (penalised)
 distribution, so they do not change when a client only varies temperature/top_p. A token
-blocked by min_new_tokens therefore reports -inf, and is never the sampled one.
+blocked by min_new_tokens therefore reports LOGPROB_FLOOR (-9999.0, vLLM's stand-in for -inf:
+JSON has no infinities), and is never the sampled one.
 
 Sampling is inverse-CDF: one uniform u per row, the token whose interval of the cumulative
 (token-id ordered) probabilities holds u. For a request with a seed, u for its k-th output
@@ -84,6 +85,34 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
     return logits.max(dim=-1).indices.tolist()
 
 
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprobs(lp: torch.Tensor) -> torch.Tensor:
+    """log-probabilities a response can carry: -inf (and NaN) as LOGPROB_FLOOR."""
+    return torch.nan_to_num(lp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(
+        min=LOGPROB_FLOOR)
+
+
+def _tame(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logits with no +inf or NaN (the same tensor when there are none). A seen token's
+    logit divided by a tiny repetition_penalty (any r > 0 is valid) overflows to +inf, and
+    softmax then gives NaN, from which the inverse CDF returned the vocabulary size as a
+    token id (the next step's embedding lookup failed and took the scheduler down; found by
+    the schema fuzz). In the limit the +inf tokens share all the mass, so that is what a row
+    with any keeps; NaN is never drawn; a row left with nothing finite draws uniformly."""
+    finite = torch.isfinite(logits)
+    if bool(finite.all()):
+        return logits
+    neg_inf = float("-inf")
+    posinf = logits == float("inf")
+    logits = torch.where(posinf.any(dim=-1, keepdim=True),
+                         torch.where(posinf, 0.0, neg_inf), logits)
+    logits = torch.where(torch.isnan(logits), neg_inf, logits)
+    dead = (logits == neg_inf).all(dim=-1, keepdim=True)
+    return torch.where(dead, 0.0, logits)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = int(vocab_size)
@@ -118,6 +147,7 @@ class Sampler:
                 self._adjust_row(logits[i], states[i])
         else:
             logits = logits.float()  # read-only below, so no copy needed
+        logits = _tame(logits)
 
         tokens = [0] * n
         greedy_rows = [i for i in range(n) if greedy[i]]
@@ -298,14 +328,15 @@ class Sampler:
         # cdf[i] > x >= cdf[i-1] implies probs[i] > 0: a filtered token is never returned.
         x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
         idx = torch.searchsorted(cdf, x, right=True)
-        return idx.squeeze(1).tolist()
+        # never past the last token, whatever the probs (_tame keeps them finite)
+        return idx.squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
     def _fill_logprobs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                        tokens: list[int], logprobs: list, top_logprobs: list) -> None:
         sub = logits if len(rows) == logits.shape[0] else logits[rows]
-        lp = torch.log_softmax(sub.float(), dim=-1)
+        lp = finite_logprobs(torch.log_softmax(sub.float(), dim=-1))
         chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.long,
                                   device=lp.device)
         chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()

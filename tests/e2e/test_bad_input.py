@@ -160,6 +160,24 @@ def test_streaming_bad_input_is_http_error(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize("path,body", [
+    (COMP, {"prompt": "hello hello hello", "max_tokens": 3, "repetition_penalty": 5e-324,
+            "logprobs": 3}),
+    (COMP, {"prompt": "hello hello", "max_tokens": 2, "repetition_penalty": 1e-300,
+            "logprobs": 2, "stream": True}),
+    (GEN, {"text": "hi hi", "sampling_params": {"max_new_tokens": 3, "top_p": 0.5,
+                                                "repetition_penalty": 1e-300},
+           "return_logprob": True, "top_logprobs_num": 3})])
+def test_extreme_valid_penalties_answer_with_finite_logprobs(server, path, body):
+    """Regression (schema fuzz): a tiny repetition_penalty (valid: any r in (0, 2]) made
+    seen tokens' logits +inf; the sampler returned the vocabulary size as a token id and the
+    scheduler died on the next step; then -inf logprobs made a 500 (JSON has no -inf)."""
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "Infinity" not in r.text and "NaN" not in r.text
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
 def test_server_survives_bad_input_without_leaks(server, client):
     assert httpx.get(server.base_url + "/health").status_code == 200
     r = client.completions.create(model="tiny", prompt="still alive", max_tokens=2)

@@ -327,3 +327,31 @@ def test_tiny_temperatures_are_greedy_and_nan_rows_do_not_crash():
     nan_row = torch.full((1, 50), float("nan"))
     thr = Sampler._cut_threshold(nan_row, [50], [0.5])
     assert thr.shape == (1, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.5), dict(top_k=3), dict(min_p=0.5),
+                                dict(temperature=0.0)])
+def test_overflowing_penalties_and_nan_logits_stay_in_the_vocabulary(kw):
+    """Regression (schema fuzz): a valid tiny repetition_penalty divided seen logits to +inf,
+    softmax gave NaN and the inverse CDF returned the vocabulary size as a token id (the next
+    step's embedding lookup took the scheduler down). The +inf tokens now share the row, NaN
+    is never drawn, a row with nothing finite draws inside the vocabulary, and logprobs stay
+    finite (-inf as -9999.0, vLLM's floor)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 60, generator=gen).abs() + 0.1  # positive: / r overflows
+    logits[2, :] = float("nan")
+    logits[3, 5] = float("nan")
+    sampler = Sampler(60, [0])
+    seen = [11, 12, 13]
+    states = [st(prompt=seen, output=[11], repetition_penalty=5e-324, logprobs=4, **kw),
+              st(prompt=[1], output=[], logprobs=2, **kw),
+              st(prompt=[1], output=[], logprobs=2, **kw),
+              st(prompt=[1], output=[], **kw)]
+    for _ in range(20):
+        r = sampler(logits, states)
+        assert r.token_ids[0] in seen  # the +inf tokens have all the mass
+        assert all(0 <= t < 60 for t in r.token_ids) and r.token_ids[3] != 5
+        for lp, top in zip(r.logprobs[:3], r.top_logprobs[:3]):
+            assert math.isfinite(lp) and all(math.isfinite(v) and v >= -9999.0
+                                             for _, v in top)
+    assert r.logprobs[0] == pytest.approx(math.log(1 / 3), abs=1e-6)
