@@ -170,17 +170,17 @@ class Sampler:
 
     def adjusted(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """float32 logits after penalties and the min_new_tokens mask (steps 1-2), as the
-        sampler sees them; a copy when anything changes."""
+        sampler sees them (_tame: no +inf or NaN); a copy when anything changes."""
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         adjust = [i for i, s in enumerate(states)
                   if _has_penalty(s.params) or self._blocks_eos(s)]
         if not adjust:
-            return logits.float()
+            return _tame(logits.float())
         logits = logits.to(torch.float32, copy=True)
         for i in adjust:
             self._adjust_row(logits[i], states[i])
-        return logits
+        return _tame(logits)
 
     # ------------------------------------------------------------------ penalties
     def _blocks_eos(self, s: SamplingState) -> bool:

@@ -38,3 +38,21 @@ def test_thresholds_below_one_accept_more():
     single = draws([2], (0.3, 1.0))[2] / N      # p(2) = 0.3 >= 0.3: always
     acc = draws([1], (1.0, 0.5))[1] / N         # u < 0.2 / 0.5
     assert abs(exact - 0.2) < 0.036 and single == 1.0 and abs(acc - 0.4) < 0.036
+
+
+def test_verify_with_an_overflowing_repetition_penalty_stays_in_the_vocabulary():
+    """Regression beside the sampler's: a tiny repetition_penalty makes seen tokens' logits
+    +inf; verification draws and accepts only among them (their limit), never an id past
+    the vocabulary, and its logprobs are finite."""
+    from kvstrata.runner.sampler import Sampler
+    from kvstrata.runner.spec_verify import verify
+
+    vocab, seen = 40, [5, 6]
+    logits = [torch.rand(3, vocab, generator=torch.Generator().manual_seed(k)) + 0.5
+              for k in range(4)]
+    for k in range(4):
+        states = [SamplingState(SamplingParams(temperature=1.0, seed=k, logprobs=2,
+                                               repetition_penalty=5e-324), seen, [])]
+        results, _ = verify(Sampler(vocab, [0]), [logits[k]], states, [[5, 9]])
+        for token, lp, top in results[0]:
+            assert token in seen and lp > -10000.0 and all(v >= -9999.0 for _, v in top)
