@@ -34,6 +34,9 @@ CASES = [
     ("top_p_zero", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
     ("top_p_high", COMP, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("top_k_zero", COMP, {"prompt": "x", "top_k": 0}, 400, "top_k"),
+    # an int past int64 cannot cross to the scheduler (msgpack): a 400, not a 500 (fuzz)
+    ("priority_past_int64", COMP, {"prompt": "x", "priority": -(1 << 90)}, 400, "priority"),
+    ("priority_past_int64_native", GEN, {"text": "x", "priority": 1 << 63}, 400, "priority"),
     ("n_zero", CHAT, {"messages": MSG, "n": 0}, 400, "n"),
     ("empty_messages", CHAT, {"messages": []}, 400, "messages"),
     ("empty_prompt", COMP, {"prompt": ""}, 400, "prompt"),

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from kvstrata.entrypoints.api.errors import bad_request
-from kvstrata.entrypoints.api.protocol_base import (Port, RequestModel, StrictModel, Text,
-                                                TokenIds, UInt64, declare_off_values,
+from kvstrata.entrypoints.api.protocol_base import (Int64, Port, RequestModel, StrictModel,
+                                                Text, TokenIds, UInt64, declare_off_values,
                                                 is_off)
 
 HiddenStates = bool | Literal["last"]
@@ -112,7 +112,7 @@ class GenerateRequest(RequestModel):
     background: bool = False
     require_reasoning: bool = False
     max_thinking_tokens: int | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
     extra_key: str | list[str] | None = None
     custom_labels: dict[str, str] | None = None
     return_bytes: bool = False

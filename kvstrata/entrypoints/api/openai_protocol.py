@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from kvstrata.entrypoints.api.protocol_base import (Port, RequestModel, StrictModel, Text,
-                                                TokenId, TokenIds, UInt64)
+from kvstrata.entrypoints.api.protocol_base import (Int64, Port, RequestModel, StrictModel,
+                                                Text, TokenId, TokenIds, UInt64)
 
 
 class StreamOptions(StrictModel):
@@ -78,7 +78,7 @@ class _SamplingFields(RequestModel):
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
     ngram_corpus_id: str | list[str | None] | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
 
     NOT_IMPLEMENTED = frozenset({
         "logit_bias", "response_format", "service_tier", "store", "metadata", "prediction",

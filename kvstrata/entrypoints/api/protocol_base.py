@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Integers that cross the process boundary (msgpack holds [-2**63, 2**64)).
 UInt64 = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=(1 << 63) - 1)]
 Port = Annotated[int, Field(ge=0, le=65535)]
 # Prompts: what the schema can say about them (the vocabulary bound is checked later).
 TokenId = Annotated[int, Field(ge=0)]
