@@ -1,0 +1,69 @@
+"""Randomised: any valid SamplingParams over any logits row (extreme values, +inf / -inf /
+NaN entries, a padded vocabulary) yields token ids inside the vocabulary and finite
+logprobs, through the sampler and speculative verification alike. The schema fuzz found a
+valid repetition_penalty that broke this (the vocabulary size came back as a token id and
+the scheduler died); this property covers the sampler without a server.
+
+KVSTRATA_FUZZ_EXAMPLES raises the example count for a soak."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstrata.protocol.sampling_params import SamplingParams
+from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner.spec_verify import verify
+
+EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "150"))
+VOCAB = 24
+SPECIAL = [float("inf"), float("-inf"), float("nan"), 3.4e38, -3.4e38, 1e-45, 0.0]
+
+values = st.one_of(st.floats(-50, 50), st.sampled_from(SPECIAL))
+params = st.builds(
+    SamplingParams,
+    temperature=st.one_of(st.just(0.0), st.floats(1e-6, 100.0), st.just(5e-324)),
+    top_p=st.one_of(st.just(1.0), st.floats(1e-9, 1.0, exclude_min=False)),
+    top_k=st.one_of(st.just(-1), st.integers(1, 2 * VOCAB)),
+    min_p=st.floats(0.0, 1.0),
+    repetition_penalty=st.one_of(st.just(1.0), st.floats(5e-324, 2.0)),
+    frequency_penalty=st.floats(-2.0, 2.0), presence_penalty=st.floats(-2.0, 2.0),
+    min_new_tokens=st.integers(0, 3), max_new_tokens=st.just(8),
+    stop_token_ids=st.lists(st.integers(0, 2 * VOCAB), max_size=3),
+    seed=st.one_of(st.none(), st.integers(0, (1 << 64) - 1)),
+    logprobs=st.one_of(st.none(), st.integers(0, 5)))
+request = st.tuples(params, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+                    st.lists(st.integers(0, VOCAB - 1), max_size=4))
+
+
+def _check(tokens, logprobs, tops):
+    assert all(0 <= t < VOCAB for t in tokens), tokens
+    for lp, top in zip(logprobs, tops):
+        assert lp is None or math.isfinite(lp)
+        assert top is None or all(0 <= t < VOCAB and math.isfinite(v) for t, v in top)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(reqs=st.lists(request, min_size=1, max_size=4), data=st.data(),
+       padded=st.integers(0, 3))
+def test_any_valid_params_sample_inside_the_vocabulary(reqs, data, padded):
+    for p, _, _ in reqs:
+        p.validate()
+    rows = [data.draw(st.lists(values, min_size=VOCAB + padded, max_size=VOCAB + padded))
+            for _ in reqs]
+    logits = torch.tensor(rows, dtype=torch.float32)
+    states = [SamplingState(p, prompt, out) for p, prompt, out in reqs]
+    r = Sampler(VOCAB, [0])(logits, states)
+    _check(r.token_ids, r.logprobs, r.top_logprobs)
+    # verification of a two-token draft from the same rows (each request's node rows)
+    states = [SamplingState(p, prompt, list(out)) for p, prompt, out in reqs]
+    drafts = [[data.draw(st.integers(0, VOCAB - 1)) for _ in range(2)] for _ in reqs]
+    node_rows = [logits[i:i + 1, :VOCAB].expand(3, VOCAB).contiguous()
+                 for i in range(len(reqs))]
+    results, _ = verify(Sampler(VOCAB, [0]), node_rows, states, drafts)
+    for produced in results:
+        _check([t for t, _, _ in produced], [lp for _, lp, _ in produced],
+               [top for _, _, top in produced])
