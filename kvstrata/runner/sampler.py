@@ -223,7 +223,9 @@ class Sampler:
         dev = logits.device
         ps = [s.params for s in states]
         temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        logits = logits / temps.unsqueeze(1)  # new tensor: safe to edit, caller's stays as is
+        # new tensor: safe to edit, caller's stays as is; a huge logit over a small
+        # temperature overflows to +inf as a tiny repetition_penalty does: tamed the same way
+        logits = _tame(logits / temps.unsqueeze(1))
 
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         tops = [p.top_p for p in ps]
