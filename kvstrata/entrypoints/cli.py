@@ -119,8 +119,10 @@ def _measured_platform(ns: argparse.Namespace) -> Any:
     """This machine with the --dtype auto verdict serve measured here (runner/dtype_probe.py,
     from its cache only: explain never measures), or None (--platform simulates, invalid
     flags: run_explain reports those)."""
+    from kvstrata import envs
     from kvstrata.config import ModelInfo
     from kvstrata.config.cli_args import server_args_from_namespace
+    from kvstrata.config.rules.platform_defaults import wants_probe
     from kvstrata.platform import current_platform
 
     try:
@@ -130,12 +132,15 @@ def _measured_platform(ns: argparse.Namespace) -> Any:
     if args.platform is not None or args.dtype != "auto":
         return None
     plat = current_platform()
-    if plat.simulated:
+    info = ModelInfo.from_model_path(args.model_path)
+    try:  # config-only, so explain imports the runner only where a verdict may be cached
+        if plat.simulated or not wants_probe(args, plat, info, envs.snapshot()):
+            return None
+    except ValueError:  # a bad KVSTRATA_* value: resolution reports it
         return None
     from kvstrata.runner.dtype_probe import measured_platform
 
-    return measured_platform(args, plat, ModelInfo.from_model_path(args.model_path),
-                             cached_only=True)
+    return measured_platform(args, plat, info, cached_only=True)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
