@@ -16,6 +16,9 @@ from tests.e2e.server_utils import ServerProcess
 COMMON = ("--served-model-name", "tiny", "--max-total-tokens", "4096", "--context-length",
           "512", "--max-running-requests", "1", "--enable-priority-scheduling")
 LONG, SHORT = "Once upon a time in a land far away", "The capital of France is"
+# Long enough that the short request, sent once the long one streams, arrives before it ends
+# on a loaded box (96 tokens lost that race once in a CI run beside another worker).
+LONG_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +46,8 @@ def _client(srv):
                          timeout=120)
 
 
-def _complete(srv, prompt, max_tokens, priority):
-    return _client(srv).completions.create(
+def _complete(srv, prompt, max_tokens, priority, client=None):
+    return (client or _client(srv)).completions.create(
         model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
         extra_body={"ignore_eos": True, "priority": priority}).choices[0].text
 
@@ -59,10 +62,11 @@ def _race(srv):
     one; returns (finish order, long text, short text)."""
     order, texts = [], {}
     started = threading.Event()
+    short_client = _client(srv)  # made before the race, not in it
 
     def long_request():
         stream = _client(srv).completions.create(
-            model="tiny", prompt=LONG, max_tokens=96, temperature=0, stream=True,
+            model="tiny", prompt=LONG, max_tokens=LONG_TOKENS, temperature=0, stream=True,
             extra_body={"ignore_eos": True, "priority": 0})
         parts = []
         for chunk in stream:
@@ -74,7 +78,7 @@ def _race(srv):
     thread = threading.Thread(target=long_request)
     thread.start()
     assert started.wait(60)
-    texts["short"] = _complete(srv, SHORT, 8, 100)
+    texts["short"] = _complete(srv, SHORT, 8, 100, short_client)
     order.append("short")
     thread.join(120)
     return order, texts["long"], texts["short"]
@@ -85,7 +89,7 @@ def test_high_priority_preempts_the_running_request(preempting):
     assert order == ["short", "long"]
     # Alone (nothing to preempt it), each gives the same text: the preempted request was
     # recomputed from its committed tokens.
-    assert long_text == _complete(preempting, LONG, 96, 0)
+    assert long_text == _complete(preempting, LONG, LONG_TOKENS, 0)
     assert short_text == _complete(preempting, SHORT, 8, 100)
     metrics = httpx.get(preempting.base_url + "/metrics", timeout=30).text
     line = next(ln for ln in metrics.splitlines()
