@@ -96,6 +96,16 @@ def simulated(kind: str, device_name: str = "", cpu_flags=(), cpu_threads: int =
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni"})
 
 
+def read_cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The first CPU's model name ("unknown" if unreadable)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return next((line.partition(":")[2].strip() for line in fh
+                         if line.partition(":")[0].strip() == "model name"), "unknown")
+    except OSError:
+        return "unknown"
+
+
 def read_cpu_flags(path: str = "/proc/cpuinfo") -> frozenset:
     """The first CPU's feature flags (x86 `flags`, Arm `Features`); empty if unreadable."""
     try:

@@ -17,7 +17,7 @@ import re
 import statistics
 import sys
 
-from kvstrata.platform import read_cpu_flags
+from kvstrata.platform import read_cpu_flags, read_cpu_model
 
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
              "amx_int8")
@@ -25,15 +25,8 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "am
 
 def cpu_isa(path: str = "/proc/cpuinfo") -> dict:
     """Model name and which of ISA_FLAGS the first CPU lists."""
-    model = "unknown"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            model = next((line.partition(":")[2].strip() for line in fh
-                          if line.partition(":")[0].strip() == "model name"), model)
-    except OSError:
-        pass
     flags = read_cpu_flags(path)
-    return {"model": model, "flags": [f for f in ISA_FLAGS if f in flags]}
+    return {"model": read_cpu_model(path), "flags": [f for f in ISA_FLAGS if f in flags]}
 
 
 def round_values(results_dir: str, run: str) -> list[float]:

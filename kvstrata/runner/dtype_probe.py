@@ -40,7 +40,7 @@ from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.config.resolve_types import ModelInfo
 from kvstrata.config.rules.platform_defaults import wants_probe
 from kvstrata.kv.host_pool import total_ram_bytes
-from kvstrata.platform import Platform, read_cpu_flags
+from kvstrata.platform import Platform, read_cpu_flags, read_cpu_model
 from kvstrata.runner import _bf16_ops, _cpu_ops, f32_gemv
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.models.decoder import ModelDims
@@ -129,18 +129,6 @@ def cache_path() -> str:
     return os.path.join(base, "kvstrata", "cpu_dtype_probe.json")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def _builds() -> str:
     """The kernel extensions as built (a rebuilt kernel measures again)."""
     stats = [os.stat(m.__file__) for m in (_bf16_ops, _cpu_ops)]
@@ -148,7 +136,7 @@ def _builds() -> str:
 
 
 def cache_key(shapes: list[tuple[int, int]], gemv: bool, threads: int, env: dict) -> str:
-    parts = [VERSION, _cpu_name(), sorted(read_cpu_flags()), threads, torch.__version__,
+    parts = [VERSION, read_cpu_model(), sorted(read_cpu_flags()), threads, torch.__version__,
              _builds(), isa_cap(), [str(env.get(k, "")) for k in KNOBS], shapes, gemv]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
@@ -215,7 +203,7 @@ def measured_platform(args: Any, platform: Platform, model_info: ModelInfo | Non
                     "(once; the verdict is cached in %s)", path)
         ratios = (measure_fn or measure)(shapes, gemv=gemv)
         try:
-            _write(path, key, {"ratios": ratios, "cpu": _cpu_name(),
+            _write(path, key, {"ratios": ratios, "cpu": read_cpu_model(),
                                "threads": platform.cpu_threads, "shapes": shapes,
                                "measured_at": datetime.now(timezone.utc).isoformat()})
         except OSError as exc:  # a read-only home measures again next time, nothing worse
