@@ -5,10 +5,13 @@ body, and afterwards the server is healthy with its KV pool whole.
 Bounded for `make test`: KVSTRATA_FUZZ_EXAMPLES (default 15) examples per route and mode,
 a few hundred requests in all, against a server whose 64-token context keeps any generation
 short. Raise it for a soak: KVSTRATA_FUZZ_EXAMPLES=500 pytest tests/e2e/test_schema_fuzz.py
+KVSTRATA_FUZZ_SERVER_ARGS adds server flags for a soak of another engine configuration, e.g.
+"--speculative-algorithm NGRAM --enable-hierarchical-cache".
 """
 from __future__ import annotations
 
 import os
+import shlex
 from collections import Counter
 
 import httpx
@@ -23,12 +26,13 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "15"))
+SERVER_ARGS = shlex.split(os.environ.get("KVSTRATA_FUZZ_SERVER_ARGS", ""))
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_path):
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
-                        "--context-length", "64", "--max-total-tokens", "8192",
+                        "--context-length", "64", "--max-total-tokens", "8192", *SERVER_ARGS,
                         env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 16)})
     yield srv
     srv.stop()
