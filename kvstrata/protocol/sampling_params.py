@@ -19,6 +19,9 @@ _TOKEN_ID_MAX = (1 << 63) - 1
 
 
 GREEDY_TEMPERATURE_EPS = 1e-6
+# OpenAI's range for logit_bias values; vLLM clamps to it, SGLang adds any value: clamping
+# keeps SGLang clients' "-1e9 bans a token" working with the same effect (-100 is a ban).
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list:
@@ -32,6 +35,31 @@ def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list
     if isinstance(value, (list, tuple)):
         return list(value)
     raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{token id (an int or its decimal string): number} -> {int: float clamped to +-100}.
+    Anything else is a ValueError naming logit_bias (NaN has no meaning as a bias)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, "
+                         f"got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if not (isinstance(token, int) and not isinstance(token, bool)
+                and 0 <= token <= _TOKEN_ID_MAX):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers "
+                             f"below 2**63), got {key!r}")
+        if not (isinstance(bias, (int, float)) and not isinstance(bias, bool)) \
+                or bias != bias:
+            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for "
+                             f"token {token}")
+        out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+    return out
 
 
 @dataclass
@@ -54,12 +82,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # SGLang's no_stop_trim: keep a matched stop string in the output text.
     no_stop_trim: bool = False
+    # OpenAI's logit_bias: {token id: value added to its logit}, values clamped to +-100.
+    # Clients send the ids as strings (JSON object keys); kept here as ints.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
                              "strings", wrap=str)
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids",
                                        "a list of non-negative integers below 2**63")
+        self.logit_bias = _logit_bias(self.logit_bias)
         self.validate()
 
     @classmethod

@@ -4,6 +4,7 @@ Pipeline per row, in this order:
   1. penalties on float32 logits: repetition (HF/vLLM: over prompt+output ids, positive logits
      divided, negative multiplied), then frequency/presence (OpenAI: over OUTPUT ids only:
      logit -= count * frequency_penalty + presence_penalty);
+     then logit_bias (added after the penalties, as SGLang; ids past the logits ignored);
   2. min_new_tokens: while len(output) < min_new_tokens, EOS ids and stop_token_ids -> -inf;
   3. greedy rows (temperature < 1e-6, as SGLang, or top_k == 1): argmax of those adjusted logits;
   4. other rows: / temperature, top-k, top-p (on the top-k-renormalised distribution),
@@ -48,6 +49,9 @@ class SamplingState:
     # the prompt never changes, so convert the (possibly long) list only once.
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False,
                                                 compare=False)
+    # logit_bias as (ids, values) tensors, built on first use for the same reason.
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False,
+                                                            repr=False, compare=False)
 
 
 @dataclass
@@ -70,8 +74,9 @@ def mix_seed(seed: int, step: int) -> int:
 
 
 def _has_penalty(p: SamplingParams) -> bool:
+    """Penalties or a logit bias: the row's logits change before anything is chosen."""
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0)
+            or p.presence_penalty != 0.0 or bool(p.logit_bias))
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:
@@ -188,7 +193,8 @@ class Sampler:
         return len(s.output_token_ids) < s.params.min_new_tokens
 
     def _adjust_row(self, row: torch.Tensor, s: SamplingState) -> None:
-        """Applies penalties and the min_new_tokens mask in place to one float32 row."""
+        """Applies penalties, logit_bias and the min_new_tokens mask in place to one float32
+        row."""
         p, vocab, dev = s.params, row.shape[0], row.device
         out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
         out = out[out < vocab]  # ids the (possibly truncated) logits cannot hold are ignored
@@ -205,6 +211,14 @@ class Sampler:
         if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and out.numel():
             ids, counts = torch.unique(out, return_counts=True)
             row[ids] -= counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
+        if p.logit_bias:
+            if s._bias is None or s._bias[0].device != dev:
+                s._bias = (torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev),
+                           torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
+                                        device=dev))
+            ids, vals = s._bias
+            keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
+            row[ids[keep]] += vals[keep]
         if self._blocks_eos(s):
             blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if blocked:

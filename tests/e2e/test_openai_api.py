@@ -157,3 +157,28 @@ def test_native_generate(server):
     import json
     last = json.loads(lines[-2][6:])
     assert last["text"] == out["text"] and last["output_ids"] == out["output_ids"]
+
+
+def test_logit_bias_steers_and_bans_tokens(client, server):
+    """OpenAI's logit_bias (string token ids -> [-100, 100]): +100 forces a token, -100 bans
+    the greedy answer's first token; the same through /generate's sampling_params."""
+    base = client.completions.create(model="tiny", prompt="The capital of France is",
+                                     max_tokens=3, logprobs=1, extra_body=NO_EOS, **GREEDY)
+    first = base.choices[0].logprobs.tokens[0]
+    r = httpx.post(server.base_url + "/generate", json={
+        "text": "The capital of France is", "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+    first_id = r["output_ids"][0]
+    banned = client.completions.create(model="tiny", prompt="The capital of France is",
+                                       max_tokens=3, logprobs=1, extra_body=NO_EOS,
+                                       logit_bias={str(first_id): -100}, **GREEDY)
+    assert banned.choices[0].logprobs.tokens[0] != first
+    forced = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+        logit_bias={"1000": 100}, extra_body=NO_EOS, **GREEDY)
+    native = httpx.post(server.base_url + "/generate", json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.8,
+                                             "ignore_eos": True, "logit_bias": {"1000": 100}}},
+        timeout=60).json()
+    assert native["output_ids"] == [1000] * 4
+    assert forced.choices[0].message.content == native["text"]

@@ -51,6 +51,14 @@ def test_greedy_text_equals_plain_streamed_or_not(spec_server, plain):
                                         temperature=0, stop=[stop],
                                         extra_body={"ignore_eos": True})
         assert got.choices[0].text == want_stop
+    # logit_bias reaches verification: the biased answer equals plain decoding's (LLM()).
+    first = plain.generate(TEXT, {"max_new_tokens": 1, "temperature": 0})["output_ids"][0]
+    bias = {str(first): -100, "1000": 3.5}
+    want_bias = plain.generate(TEXT, {"max_new_tokens": 48, "temperature": 0,
+                                      "ignore_eos": True, "logit_bias": bias})["text"]
+    got = client.completions.create(model="tiny", prompt=TEXT, max_tokens=48, temperature=0,
+                                    logit_bias=bias, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want_bias != want
 
 
 def test_counters_reach_meta_info_server_info_and_metrics(spec_server):

@@ -133,6 +133,31 @@ def test_frequency_presence_ignore_prompt_and_repetition_covers_prompt():
     assert r.token_ids == [2]
 
 
+def test_logit_bias_adds_after_penalties_and_steers_greedy_sampled_and_logprobs():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
+    s = Sampler(6, [5])
+    # SGLang's order: penalties first (3 / 2 = 1.5 for the seen token 3), then the bias.
+    state = st(prompt=[3], temperature=0.0, repetition_penalty=2.0,
+               logit_bias={4: 4.5, 0: -100.0, 99: 50.0}, logprobs=6)  # 99: past the vocab
+    res = s(logits, [state])
+    expected = torch.tensor([-98.0, -1.0, 0.5, 1.5, 2.5, 0.0])
+    assert res.token_ids == [4]
+    ref = torch.log_softmax(expected, -1)
+    for t, lp in res.top_logprobs[0]:
+        assert lp == pytest.approx(ref[t].item(), abs=1e-5)
+    # a sampled row draws only the favoured token once its bias dwarfs the others
+    many = s(logits.expand(500, 6).contiguous(),
+             [st(logit_bias={1: 100.0}) for _ in range(500)])
+    assert set(many.token_ids) == {1}
+    # -100 bans: never drawn from a flat row
+    flat = s(torch.zeros(2000, 6), [st(logit_bias={2: -100.0, 3: -100}) for _ in range(2000)])
+    assert not set(flat.token_ids) & {2, 3}
+    # the bias is per request: a neighbour in the batch is not affected
+    both = s(logits.expand(2, 6).contiguous(),
+             [st(temperature=0.0, logit_bias={1: 10.0}), st(temperature=0.0)])
+    assert both.token_ids == [1, 3]
+
+
 # ---------------------------------------------------------------- min_new_tokens
 def test_min_new_tokens_blocks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 10.0]])  # EOS(7) max, then 2

@@ -34,7 +34,12 @@ params = st.builds(
     min_new_tokens=st.integers(0, 3), max_new_tokens=st.just(8),
     stop_token_ids=st.lists(st.integers(0, 2 * VOCAB), max_size=3),
     seed=st.one_of(st.none(), st.integers(0, (1 << 64) - 1)),
-    logprobs=st.one_of(st.none(), st.integers(0, 5)))
+    logprobs=st.one_of(st.none(), st.integers(0, 5)),
+    # ids past the vocabulary too (LLM() does not check them; the sampler ignores them)
+    logit_bias=st.dictionaries(st.integers(0, 2 * VOCAB),
+                               st.one_of(st.floats(-1e9, 1e9), st.sampled_from(
+                                   [float("inf"), float("-inf"), 100.0, -100.0])),
+                               max_size=4))
 request = st.tuples(params, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
                     st.lists(st.integers(0, VOCAB - 1), max_size=4))
 

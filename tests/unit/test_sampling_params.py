@@ -23,6 +23,14 @@ from kvstrata.protocol import SamplingParams
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"logprobs": 21}, "logprobs"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"the": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"٣": 1.0}}, "logit_bias"),  # a digit, but not an ASCII token id
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": {2 ** 70: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias"),
+    ({"logit_bias": {"1": float("nan")}}, "logit_bias"),
 ])
 def test_out_of_range_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
@@ -34,3 +42,13 @@ def test_from_dict_rejects_unknown_and_normalises_stop():
         SamplingParams.from_dict({"top_q": 0.5})
     p = SamplingParams.from_dict({"stop": "###", "temperature": 0, "seed": None})
     assert p.stop == ["###"] and p.is_greedy and p.seed is None
+
+
+def test_logit_bias_keys_become_ints_and_values_clamp_to_100():
+    """Clients send the ids as strings (JSON keys); values outside OpenAI's [-100, 100] are
+    clamped as vLLM does, so SGLang's "-1e9 bans a token" still bans it."""
+    p = SamplingParams.from_dict({"logit_bias": {"5": 3, 7: -1e9, "11": float("inf"),
+                                                 "0": -2.5}})
+    assert p.logit_bias == {5: 3.0, 7: -100.0, 11: 100.0, 0: -2.5}
+    assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+    assert SamplingParams(logit_bias=None).logit_bias == {}

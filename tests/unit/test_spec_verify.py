@@ -56,3 +56,26 @@ def test_verify_with_an_overflowing_repetition_penalty_stays_in_the_vocabulary()
         results, _ = verify(Sampler(vocab, [0]), [logits[k]], states, [[5, 9]])
         for token, lp, top in results[0]:
             assert token in seen and lp > -10000.0 and all(v >= -9999.0 for _, v in top)
+
+
+def test_verify_applies_logit_bias_as_plain_decoding_does():
+    """A draft is checked against the biased target: greedy accepts the banned-then-boosted
+    token only where the bias makes it the argmax, exactly as a step without drafts would."""
+    from kvstrata.runner.sampler import Sampler
+    from kvstrata.runner.spec_verify import verify
+
+    vocab = 12
+    logits = torch.rand(3, vocab, generator=torch.Generator().manual_seed(3))
+    top = int(logits[0].argmax())
+    bias = {top: -100.0, 4: 50.0}
+    sampler = Sampler(vocab, [0])
+    state = SamplingState(SamplingParams(temperature=0.0, logit_bias=bias), [1], [])
+    results, path = verify(sampler, [logits], [state], [[4, 4]])
+    assert [t for t, _, _ in results[0]] == [4, 4, 4] and path == [[1, 2]]
+    plain = SamplingState(SamplingParams(temperature=0.0, logit_bias=bias), [1], [])
+    assert sampler(logits[:1], [plain]).token_ids == [4]
+    # unbiased, the same draft is rejected at once (4 is not the row's argmax)
+    if top != 4:
+        state = SamplingState(SamplingParams(temperature=0.0), [1], [])
+        results, path = verify(sampler, [logits], [state], [[4, 4]])
+        assert [t for t, _, _ in results[0]] == [top] and path == [[]]

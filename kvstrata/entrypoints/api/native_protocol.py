@@ -160,7 +160,7 @@ class AbortRequest(StrictModel):
 SGLANG_SAMPLING_OFF: dict[str, Any] = {
     "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "stop_regex": None, "spaces_between_special_tokens": True, "custom_params": None,
-    "stream_interval": None, "logit_bias": None,
+    "stream_interval": None,
 }
 
 

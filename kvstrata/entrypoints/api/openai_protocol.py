@@ -81,7 +81,7 @@ class _SamplingFields(RequestModel):
     priority: Int64 | None = None
 
     NOT_IMPLEMENTED = frozenset({
-        "logit_bias", "response_format", "service_tier", "store", "metadata", "prediction",
+        "response_format", "service_tier", "store", "metadata", "prediction",
         "web_search_options", "regex", "ebnf", "stop_regex", "lora_path", "session_id",
         "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",

@@ -333,6 +333,7 @@ async def generate_response(state, request: Request, body):
     so.check_token_ids(tm, ids, prompt_param)
     so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
     sp = _native_sampling_params(body)
+    so.check_logit_bias(tm, sp, "sampling_params.logit_bias")
     so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
                      "sampling_params.max_new_tokens")
     want_lp = bool(body.return_logprob)

@@ -56,7 +56,7 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         seed=None if body.seed is None else body.seed + seed_offset,
         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
-        no_stop_trim=body.no_stop_trim, logprobs=logprobs)
+        no_stop_trim=body.no_stop_trim, logprobs=logprobs, logit_bias=body.logit_bias)
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
@@ -76,6 +76,11 @@ def check_token_ids(tm, ids: list[int], param: str) -> None:
         raise bad_request(f"{param}: token ids must be in [0, vocab size)", param)
 
 
+def check_logit_bias(tm, sp: SamplingParams, param: str = "logit_bias") -> None:
+    """vLLM's rule: a bias for a token the vocabulary does not have is the client's mistake."""
+    check_token_ids(tm, list(sp.logit_bias), param)
+
+
 def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> list[Choice]:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -92,10 +97,12 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
         max_tokens = (context_len - len(prompt_ids)) if context_len else 4096
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = request_rid(body)
+    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param)
+              for j in range(body.n)]
+    check_logit_bias(tm, params[0])
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
-        sampling_params=build_sampling_params(body, max_tokens, logprobs, j, max_param),
-        priority=body.priority)) for j in range(body.n)]
+        sampling_params=params[j], priority=body.priority)) for j in range(body.n)]
 
 
 def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> list[Choice]:
@@ -118,10 +125,11 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
         text = p if isinstance(p, str) else tm.tokenizer.decode(ids)
         for j in range(body.n):
             index = i * body.n + j
+            sp = build_sampling_params(body, max_tokens, body.logprobs, j, "max_tokens")
+            check_logit_bias(tm, sp)
             choices.append(Choice(index, ipc.GenerateReq(
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
-                sampling_params=build_sampling_params(body, max_tokens, body.logprobs, j,
-                                                      "max_tokens"),
+                sampling_params=sp,
                 return_prompt_logprobs=body.echo and body.logprobs is not None,
                 priority=body.priority),
                 prompt_text=text))
