@@ -1,0 +1,190 @@
+"""Concurrent random load: many clients at once send random requests (every route, valid and
+a few invalid sampling values, streaming or not, n > 1, logprobs, stop strings, penalties,
+logit_bias) and some hang up mid-way, against a server whose small KV pool makes requests
+retract, evict and share prefixes. Properties: no 5xx and no error event inside a 200
+stream; every 4xx carries the OpenAI error body; every finished answer has its n choices,
+at most max_tokens tokens, a known finish reason and finite logprobs; afterwards the server
+is healthy and its KV pool whole.
+
+The schema fuzz (test_schema_fuzz.py) sends one request at a time; this one is about
+requests meeting each other. Bounded for `make test` (48 requests, 8 at a time);
+KVSTRATA_FUZZ_EXAMPLES=N requests for a soak, KVSTRATA_FUZZ_SEED another draw, and
+KVSTRATA_FUZZ_SERVER_ARGS another engine configuration (e.g. "--speculative-algorithm NGRAM").
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+
+import httpx
+import pytest
+
+from tests.e2e.server_utils import ServerProcess
+from tests.e2e.test_routes_and_disconnect import wait_idle
+
+REQUESTS = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "48"))
+CONCURRENCY = 8
+SEED = int(os.environ.get("KVSTRATA_FUZZ_SEED", "0"))
+SERVER_ARGS = shlex.split(os.environ.get(
+    "KVSTRATA_FUZZ_SERVER_ARGS", "--enable-hierarchical-cache --page-size 4"))
+WORDS = "the cat sat on a mat and Paris is the capital of France hello world 1 2 3".split()
+VOCAB = 49152  # the tiny checkpoint carries SmolLM2's tokenizer
+FINISH = {"stop", "length", "abort"}
+
+
+@pytest.fixture(scope="module")
+def load_server(tiny_model_path):
+    srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny", "--context-length",
+                        "256", "--max-total-tokens", "1024", "--chunked-prefill-size", "64",
+                        *SERVER_ARGS)
+    yield srv
+    srv.stop()
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _sampling(rng: random.Random) -> dict:
+    """OpenAI / SGLang sampling fields, mostly valid; top_k 0 and an empty stop are not."""
+    choices = {
+        "temperature": [0, 0.5, 1.0, 2.0, 1e-7, 100.0], "top_p": [1e-9, 0.1, 0.9, 1.0],
+        "top_k": [-1, 1, 5, 100000, 0], "min_p": [0.0, 0.5, 1.0],
+        "repetition_penalty": [1e-300, 0.5, 1.0, 2.0], "presence_penalty": [-2.0, 0.0, 2.0],
+        "frequency_penalty": [-2.0, 2.0], "ignore_eos": [True, False],
+        "stop": ["the", ["cat", "a"], ["\n"], "zzzz", [""]], "seed": [0, 7, 2 ** 40],
+        "stop_token_ids": [[], [2], [rng.randrange(VOCAB)]],
+        "logit_bias": [{str(rng.randrange(VOCAB)): rng.choice([-100, 5, 100])}],
+    }
+    return {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.25}
+
+
+def _request(rng: random.Random) -> tuple[str, dict]:
+    route = rng.choice(["chat", "completions", "generate"])
+    max_tokens = rng.choice([1, 2, 8, 30, 60])
+    stream = rng.random() < 0.5
+    sp = _sampling(rng)
+    if route == "generate":
+        sp.pop("seed", None)
+        body = {"text": _text(rng, rng.randrange(1, 40)), "stream": stream,
+                "sampling_params": {**sp, "max_new_tokens": max_tokens}}
+        if rng.random() < 0.3:
+            body.update(return_logprob=True, top_logprobs_num=rng.choice([0, 2]))
+        return "/generate", body
+    body = {"model": "tiny", "max_tokens": max_tokens, "n": rng.choice([1, 1, 2, 3]), **sp}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": rng.random() < 0.5})
+    if rng.random() < 0.2:
+        body["min_tokens"] = rng.choice([1, 5, 100])  # 100 > max_tokens: a 400
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": _text(rng, rng.randrange(1, 30))}]
+        if rng.random() < 0.3:
+            body.update(logprobs=True, top_logprobs=rng.choice([0, 1, 5]))
+        return "/v1/chat/completions", body
+    body["prompt"] = (_text(rng, rng.randrange(1, 40)) if rng.random() < 0.8
+                      else [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))])
+    if rng.random() < 0.3:
+        body["logprobs"] = rng.choice([0, 1, 5])
+    return "/v1/completions", body
+
+
+def _finite_logprobs(obj) -> bool:
+    """Every number under a logprob key is finite (JSON carries no infinities, and -9999.0
+    stands in for -inf)."""
+    if isinstance(obj, dict):
+        return all(_finite_logprobs(v) for v in obj.values())
+    if isinstance(obj, list):
+        return all(_finite_logprobs(v) for v in obj)
+    return not isinstance(obj, float) or math.isfinite(obj)
+
+
+def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
+    if path == "/generate":
+        info = out["meta_info"]
+        if info["completion_tokens"] > body["sampling_params"]["max_new_tokens"] \
+                or info["finish_reason"]["type"] not in FINISH:
+            problems.append(("bad answer", body, out))
+        return
+    if len(out["choices"]) != body["n"] or out["usage"]["completion_tokens"] > \
+            body["n"] * body["max_tokens"] or any(c["finish_reason"] not in FINISH
+                                                  for c in out["choices"]):
+        problems.append(("bad answer", body, out))
+
+
+async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict,
+               problems: list) -> None:
+    path, body = _request(rng)
+    hang_up = rng.random() < 0.25
+    if body.get("stream"):
+        async with client.stream("POST", path, json=body) as r:
+            stats[r.status_code] = stats.get(r.status_code, 0) + 1
+            if r.status_code != 200:
+                _check_error(r.status_code, await r.aread(), body, problems)
+                return
+            events = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                if line == "data: [DONE]":
+                    break
+                event = json.loads(line[6:])
+                if "error" in event or not _finite_logprobs(event):
+                    problems.append(("stream event", body, line[:300]))
+                if hang_up and events >= rng.randrange(1, 5):
+                    return
+            else:
+                problems.append(("stream without [DONE]", body, events))
+        return
+    try:
+        r = await client.post(path, json=body,
+                              timeout=rng.choice([0.02, 0.2]) if hang_up else 120)
+    except httpx.TimeoutException:
+        if not hang_up:
+            raise
+        stats["hung up"] = stats.get("hung up", 0) + 1
+        return
+    stats[r.status_code] = stats.get(r.status_code, 0) + 1
+    if r.status_code != 200:
+        _check_error(r.status_code, r.content, body, problems)
+    elif not _finite_logprobs(r.json()):
+        problems.append(("logprobs", body, r.text[:300]))
+    else:
+        _check_answer(path, body, r.json(), problems)
+
+
+def _check_error(status: int, content: bytes, body: dict, problems: list) -> None:
+    if status >= 500:
+        problems.append((status, body, content[:300]))
+        return
+    error = json.loads(content).get("error", {})
+    if set(error) != {"message", "type", "param", "code"}:
+        problems.append(("error body", body, content[:300]))
+
+
+async def _run(base: str, seed: int) -> tuple[dict, list]:
+    rng = random.Random(seed)
+    seeds = [rng.random() for _ in range(REQUESTS)]
+    stats: dict = {}
+    problems: list = []
+    gate = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        async def task(s: float) -> None:
+            async with gate:
+                await _one(client, random.Random(s), stats, problems)
+        await asyncio.gather(*(task(s) for s in seeds))
+    return stats, problems
+
+
+def test_concurrent_random_requests_leave_the_server_whole(load_server):
+    stats, problems = asyncio.run(_run(load_server.base_url, SEED))
+    print("load fuzz:", REQUESTS, "requests, seed", SEED, stats)
+    assert not problems, problems[:5]
+    assert stats.get(200, 0) >= REQUESTS // 3, stats
+    assert httpx.get(load_server.base_url + "/health", timeout=10).status_code == 200
+    state = wait_idle(load_server, timeout=60)
+    assert state["ok"] and state["num_used_tokens"] == 0, state
