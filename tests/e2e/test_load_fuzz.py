@@ -72,6 +72,8 @@ def _request(rng: random.Random) -> tuple[str, dict]:
         sp.pop("seed", None)
         body = {"text": _text(rng, rng.randrange(1, 40)), "stream": stream,
                 "sampling_params": {**sp, "max_new_tokens": max_tokens}}
+        if rng.random() < 0.2:  # parallel samples: a list back (with stream: a 400)
+            body["sampling_params"]["n"] = rng.choice([2, 3])
         if rng.random() < 0.3:
             body.update(return_logprob=True, top_logprobs_num=rng.choice([0, 2]))
         return "/generate", body
@@ -104,9 +106,11 @@ def _finite_logprobs(obj) -> bool:
 
 def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
     if path == "/generate":
-        info = out["meta_info"]
-        if info["completion_tokens"] > body["sampling_params"]["max_new_tokens"] \
-                or info["finish_reason"]["type"] not in FINISH:
+        n = body["sampling_params"].get("n", 1)
+        outs = out if n > 1 else [out]
+        if not isinstance(outs, list) or len(outs) != n or any(
+                o["meta_info"]["completion_tokens"] > body["sampling_params"]["max_new_tokens"]
+                or o["meta_info"]["finish_reason"]["type"] not in FINISH for o in outs):
             problems.append(("bad answer", body, out))
         return
     if len(out["choices"]) != body["n"] or out["usage"]["completion_tokens"] > \

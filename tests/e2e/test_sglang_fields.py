@@ -130,3 +130,28 @@ def test_string_rid_prefixes_a_batch(server):
     out = _post(server, GEN, {"text": ["a", "b"], "rid": "batch",
                               "sampling_params": {"max_new_tokens": 2}})
     assert [o["meta_info"]["id"] for o in out] == ["batch_0", "batch_1"]
+
+
+def test_parallel_samples_n_expand_like_sglang(server):
+    """sampling_params.n (SGLang's parallel sampling): a single prompt answers a list of n;
+    a batch answers its prompts repeated n times in order (p0, p1, p0, p1); a seeded prompt's
+    copies draw with seed + j (so they differ, and copy j equals a lone call with seed + j);
+    a string rid prefixes every id."""
+    params = {"max_new_tokens": 6, "temperature": 1.0, **NO_EOS}
+    out = _post(server, GEN, {"text": "Random words:", "rid": "par",
+                              "sampling_params": {**params, "n": 3, "sampling_seed": 40}})
+    assert isinstance(out, list) and len(out) == 3
+    assert [o["meta_info"]["id"] for o in out] == ["par_0", "par_1", "par_2"]
+    for j, o in enumerate(out):
+        alone = _post(server, GEN, {"text": "Random words:",
+                                    "sampling_params": {**params, "seed": 40 + j}})
+        assert o["output_ids"] == alone["output_ids"] and len(o["output_ids"]) == 6
+    assert len({tuple(o["output_ids"]) for o in out}) > 1
+    greedy = {"max_new_tokens": 4, "temperature": 0, **NO_EOS}
+    batch = _post(server, GEN, {"input_ids": [[5, 6, 7], [8, 9]],
+                                "sampling_params": [{**greedy, "n": 2}, {**greedy, "n": 2,
+                                                                         "max_new_tokens": 2}]})
+    assert [len(o["output_ids"]) for o in batch] == [4, 2, 4, 2]
+    assert batch[0]["output_ids"] == batch[2]["output_ids"]
+    assert _post(server, GEN, {"text": "x", "sampling_params": {"n": 1,
+                                                                "max_new_tokens": 1}})["text"]

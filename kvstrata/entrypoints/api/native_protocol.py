@@ -158,6 +158,7 @@ class AbortRequest(StrictModel):
 # SGLang sampling_params keys kvstrata does not implement, with their off value. (Keys neither
 # SGLang nor kvstrata knows are refused by SamplingParams.from_dict.)
 SGLANG_SAMPLING_OFF: dict[str, Any] = {
+    # n: parallel samples, which native_batch.py expands into one request each (n = 1)
     "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "stop_regex": None, "spaces_between_special_tokens": True, "custom_params": None,
     "stream_interval": None,

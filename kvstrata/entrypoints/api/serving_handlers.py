@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from kvstrata.entrypoints.api import pd_fields
 from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, from_sampling_error
+from kvstrata.entrypoints.api.native_batch import batch_items
 from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
@@ -280,46 +281,11 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     return meta
 
 
-def _batch_items(body, server_args=None) -> list | None:
-    """The per-prompt bodies of a batched /generate, or None for a single prompt (on a PD
-    server, with one bootstrap room per prompt: entrypoints/api/pd_fields.py)."""
-    if isinstance(body.text, list):
-        field, items = "text", body.text
-    elif body.input_ids and isinstance(body.input_ids[0], list):
-        field, items = "input_ids", body.input_ids
-    else:
-        for name in ("sampling_params", "rid"):
-            if isinstance(getattr(body, name), list):
-                raise ApiError(400, f"{name} is a list but the prompt is not a batch", name)
-        pd_fields.refuse_lists_outside_batch(body)
-        return None
-    if not items:
-        raise ApiError(400, f"{field} is an empty batch", field)
-    if body.stream:
-        raise ApiError(400, "not implemented yet: stream with a batch of prompts", "stream")
-    n = len(items)
-    sps = body.sampling_params if isinstance(body.sampling_params, list) \
-        else [body.sampling_params] * n
-    if isinstance(body.rid, str):  # SGLang: a string rid is the prefix of the batch's ids
-        rids = [f"{body.rid}_{i}" for i in range(n)]
-    else:
-        rids = body.rid if isinstance(body.rid, list) else [None] * n
-    for name, values in (("sampling_params", sps), ("rid", rids)):
-        if len(values) != n:
-            raise ApiError(400, f"{name} has {len(values)} entries for {n} prompts", name)
-    named = [r for r in rids if r is not None]
-    if len(set(named)) != len(named):
-        raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
-    bootstraps = pd_fields.split_batch(server_args, body, n, field)
-    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs})
-            for item, sp, rid, bs in zip(items, sps, rids, bootstraps)]
-
-
 async def generate_response(state, request: Request, body):
     tm = state.tm
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids", "text")
-    batch = _batch_items(body, state.server_args)
+    batch = batch_items(body, state.server_args)
     if batch is not None:
         tasks = [asyncio.create_task(generate_response(state, request, one))
                  for one in batch]
