@@ -126,6 +126,23 @@ def test_openai_client_through_router(routed, client):
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
+def test_chat_without_a_model_through_router(routed, client):
+    """sglang-router fills a chat request's missing model with "unknown"; kvstrata answers
+    it with the served model, as it answers SGLang's own placeholder "default" (a model
+    that is named and not served stays a 404)."""
+    router, _ = routed
+    want = client.chat.completions.create(model="tiny", messages=MSG, **GREEDY)
+    body = {"messages": MSG, **GREEDY}
+    got = httpx.post(router.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == want.choices[0].message.content
+    assert got.json()["model"] == "tiny"
+    for model, status in (("default", 200), ("unknown", 200), ("gpt-9", 404)):
+        r = httpx.post(router.base_url + "/v1/chat/completions",
+                       json={**body, "model": model}, timeout=60)
+        assert r.status_code == status, (model, r.text)
+
+
 def test_generate_through_router(routed, server):
     router, _ = routed
     body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 8,

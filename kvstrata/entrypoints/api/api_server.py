@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = envs.KVSTRATA_MAX_REQUEST_BYTES.get()
 _OPEN_PATHS = ("/health", "/metrics")
 
+# What stands for "the client named no model": SGLang's default for the field, and what
+# sglang-router (0.3) writes into a chat request that had none. Answered by the served model.
+NO_MODEL_NAMED = frozenset({"default", "unknown"})
+
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from the
@@ -114,7 +118,9 @@ def create_app(state) -> FastAPI:
         return ApiError(500, f"internal error: {exc!r}").response()
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in state.model_names:
+        if name is None or name in NO_MODEL_NAMED:
+            return
+        if name not in state.model_names:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                            f"{state.model_names[0]!r}", "model", code="model_not_found")
 
