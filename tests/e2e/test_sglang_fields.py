@@ -35,6 +35,25 @@ def test_router_bodies_are_accepted(server, path, body):
     assert r.status_code == 200, r.text
 
 
+# Explicit "off" values clients and agent frameworks send with every request.
+DEFAULT_OFF_BODIES = [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto"}),
+    (COMP, {"prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}),
+]
+
+
+@pytest.mark.parametrize("path,body", DEFAULT_OFF_BODIES, ids=["chat", "completions"])
+def test_explicit_off_values_are_accepted_and_on_values_refused(server, path, body):
+    r = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    for name, on in (("response_format", {"type": "json_object"}),
+                     ("tools", [{"type": "function", "function": {"name": "f"}}])):
+        if name in body:
+            r = httpx.post(server.base_url + path, json={**body, name: on}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path):
     from transformers import AutoTokenizer

@@ -87,6 +87,9 @@ class _SamplingFields(RequestModel):
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
         "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
         "data_parallel_rank", "extra_key", "cache_salt", "ngram_corpus_id"})
+    # OpenAI's explicit default: plain text, what every answer is without a grammar (clients
+    # and frameworks send it on every request).
+    ALSO_OFF = {"response_format": ({"type": "text"},)}
 
 
 # ---- chat messages ------------------------------------------------------------------------
@@ -219,8 +222,10 @@ class ChatCompletionRequest(_SamplingFields):
         "modalities", "audio", "reasoning_effort", "reasoning", "task",
         "return_prompt_token_ids", "return_meta_info", "max_dynamic_patch",
         "min_dynamic_patch", "use_audio_in_video"}
-    # Without tools, "none" and "auto" both mean "answer in text"; SGLang's default is true.
-    ALSO_OFF = {"tool_choice": ("none", "auto"), "parallel_tool_calls": (True,)}
+    # Without tools, "none" and "auto" both mean "answer in text"; SGLang's default is true;
+    # an empty list of tools (some agent frameworks send one) offers none.
+    ALSO_OFF = {**_SamplingFields.ALSO_OFF, "tool_choice": ("none", "auto"),
+                "parallel_tool_calls": (True,), "tools": ([],), "functions": ([],)}
 
 
 class CompletionRequest(_SamplingFields):
@@ -235,7 +240,7 @@ class CompletionRequest(_SamplingFields):
 
     NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "json_schema",
                                                          "custom_labels"}
-    ALSO_OFF = {"best_of": (1,)}  # best_of=1 is the default behaviour
+    ALSO_OFF = {**_SamplingFields.ALSO_OFF, "best_of": (1,)}  # best_of=1: the default
 
 
 # ---- responses (plain dict builders: cheaper than models on the streaming hot path) -----
