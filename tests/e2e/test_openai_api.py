@@ -41,6 +41,30 @@ def test_chat_streaming_matches_non_streaming(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_continuous_usage_stats_on_every_chunk(client, route):
+    """stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk carries
+    its choice's usage so far, growing to the final count; without it, chunks carry null."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model="tiny", max_tokens=6, stream=True, extra_body=NO_EOS, **GREEDY)
+    if route == "chat":
+        make = client.chat.completions.create
+        kw["messages"] = [{"role": "user", "content": "Count to five."}]
+    else:
+        make = client.completions.create
+        kw["prompt"] = "The quick brown fox"
+    chunks = list(make(stream_options=opts, **kw))
+    body, final = [c for c in chunks if c.choices], chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 6
+    done = [c.usage.completion_tokens for c in body]
+    assert done == sorted(done) and done[-1] == 6 and len(set(done)) > 1
+    assert all(c.usage.prompt_tokens == final.usage.prompt_tokens
+               and c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in body)
+    plain = list(make(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
 def test_completion_streaming_and_not(client):
     kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=10,
               extra_body=NO_EOS, **GREEDY)

@@ -49,6 +49,20 @@ class _Acc:
         self.last = out
 
 
+def _stream_usage(body):
+    """(include_usage, continuous): vLLM's rule, continuous usage needs both flags."""
+    opts = body.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and opts.continuous_usage_stats
+
+
+def _running_usage(a: _Acc) -> dict:
+    """One choice's usage so far (stream_options.continuous_usage_stats, on every chunk)."""
+    if a.last is None:
+        return usage_dict(len(a.choice.req.prompt_ids), 0)
+    return usage_dict(a.last.prompt_tokens, a.last.completion_tokens, a.last.cached_tokens)
+
+
 def _usage(accs: list[_Acc], n: int) -> dict:
     firsts = [a.last for a in accs if a.choice.index % n == 0 and a.last]
     return usage_dict(sum(o.prompt_tokens for o in firsts),
@@ -148,24 +162,24 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous = _stream_usage(body)
     first = await _first_or_error(gen)
 
-    def chunk(index: int, delta: dict, finish=None, logprobs=None, matched=None) -> bytes:
+    def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None) -> bytes:
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
-               "model": model, "choices": [{"index": index, "delta": delta,
+               "model": model, "choices": [{"index": choice.index, "delta": delta,
                                             "logprobs": logprobs, "finish_reason": finish}]}
         if finish is not None:
             obj["choices"][0]["matched_stop"] = matched
         if include_usage:
-            obj["usage"] = None
+            obj["usage"] = _running_usage(accs[choice.req.rid]) if continuous else None
         return so.encode_sse(obj)
 
     def render(choice, out):
         accs[choice.req.rid].add(out)
         lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
         if out.text or out.finished or (lp and lp["content"]):
-            return chunk(choice.index, {"content": out.text} if out.text else {},
+            return chunk(choice, {"content": out.text} if out.text else {},
                          so.finish_reason(out), lp, out.matched_stop)
         return None
 
@@ -175,7 +189,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
                                  "created": created, "model": model, "choices": [],
                                  "usage": _usage(list(accs.values()), body.n)})
 
-    prelude = [chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+    prelude = [chunk(c, {"role": "assistant", "content": ""}) for c in choices]
     stream = _sse_stream(gen, first, render, prelude=prelude, tail=tail)
     return StreamingResponse(stream, media_type="text/event-stream")
 
@@ -213,7 +227,7 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous = _stream_usage(body)
     first = await _first_or_error(gen)
 
     echoed: set[int] = set()
@@ -235,7 +249,7 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
                "choices": [{"index": choice.index, "text": text, "logprobs": lp,
                             "finish_reason": so.finish_reason(out)}]}
         if include_usage:
-            obj["usage"] = None
+            obj["usage"] = _running_usage(a) if continuous else None
         return so.encode_sse(obj)
 
     def tail():
