@@ -3,7 +3,8 @@
 The scheduler never touches pages directly; it asks this class to match a prefix, reserve
 pages for new tokens, hand computed pages to the tree, and release a request. The request
 object is duck-typed (cache/ must not import engine/); it carries:
-`pages`, `num_tree_pages`, `last_node`, `num_computed_tokens`, `row_stale_from`, `all_ids`.
+`pages`, `num_tree_pages`, `last_node`, `num_computed_tokens`, `row_stale_from`, `all_ids`,
+`cache_salt` (None, or the salt its cached prefixes are shared under: page_keys.salted_ids).
 
 Page ownership for one request (page size P):
 
@@ -16,6 +17,7 @@ from typing import Any, Iterable
 
 from kvstrata.cache.hiradix_cache import HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
+from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.config.kv_plan import KVPlan
@@ -23,6 +25,11 @@ from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_t
 
 # Host parts shorter than this many pages are recomputed: a load has a fixed cost.
 LOAD_BACK_THRESHOLD_PAGES = 1
+
+
+def _cache_ids(req: Any) -> list[int]:
+    """The request's ids as the prefix cache keys them (salted under its cache salt)."""
+    return salted_ids(req.all_ids, req.cache_salt)
 
 
 class KVManager:
@@ -134,11 +141,13 @@ class KVManager:
             f"total {alloc.num_pages}")
 
     # ------------------------------------------------------------------ prefix
-    def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False) -> int:
+    def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False,
+                        salt: str | None = None) -> int:
         """Device-resident matched length, with no side effect on the tree (no split, no
-        access stamp or hit count, no stats): for lpm ordering and admission dry runs."""
-        return self.tree.peek_device_pages(self._matchable(token_ids, whole_prompt)) \
-            * self.page_size
+        access stamp or hit count, no stats): for lpm ordering and admission dry runs.
+        `salt`: the request's cache salt (its prefixes are shared only under it)."""
+        return self.tree.peek_device_pages(
+            self._matchable(salted_ids(token_ids, salt), whole_prompt)) * self.page_size
 
     def match_and_lock(self, req: Any, use_cache: bool = True,
                        whole_prompt: bool = False) -> int:
@@ -149,7 +158,7 @@ class KVManager:
         which receives the first token instead of sampling it). use_cache=False matches
         nothing (a request that wants every prompt token's logprob must compute them all)."""
         assert not req.pages and req.last_node is None
-        ids = req.all_ids
+        ids = _cache_ids(req)
         match = self.tree.match_prefix(self._matchable(ids, whole_prompt) if use_cache else [])
         self.tree.lock(match.last_node)
         if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
@@ -219,7 +228,7 @@ class KVManager:
         """On arrival: fetch from storage the whole pages beyond the device+host match."""
         if self.storage is None:
             return False
-        return self.storage.start_prefetch(req.rid, self._matchable(req.all_ids))
+        return self.storage.start_prefetch(req.rid, self._matchable(_cache_ids(req)))
 
     def prefetch_ready(self, req: Any) -> bool:
         """May the request be admitted now (its prefetch policy is satisfied)?"""
@@ -277,7 +286,7 @@ class KVManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
-        key = req.all_ids[:full * self.page_size]
+        key = _cache_ids(req)[:full * self.page_size]
         self.tree.insert(key, req.pages[:full])
         match = self.tree.match_prefix(key)
         tree_pages = match.device_pages
@@ -305,7 +314,8 @@ class KVManager:
         if insert and not self.tree.disable:
             full = req.num_computed_tokens // self.page_size
             if full > req.num_tree_pages:
-                already = self.tree.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+                already = self.tree.insert(_cache_ids(req)[:full * self.page_size],
+                                           req.pages[:full])
                 # [num_tree_pages, already): the tree had its own copy -> ours are duplicates.
                 to_free.extend(req.pages[req.num_tree_pages:max(already, req.num_tree_pages)])
                 keep = full

@@ -7,25 +7,59 @@ on the whole prefix, "the first n keys exist" means "the first n pages of this p
 stored", which is what `StorageBackend.batch_exists` answers.
 
 Keys are deterministic across processes and machines (no Python `hash()`, no salt of the
-interpreter). What makes two servers' keys incompatible (model, dtype, geometry, tp rank,
-a tenant salt) is not hashed here: it is the storage namespace (kv/storage/base.py), which
-the backend applies as a directory or key suffix. The host layout is never part of either.
+interpreter). A request's cache salt is in its ids already (salted_ids: the radix tree and
+these keys see the same salted ids). What makes two servers' keys incompatible (model,
+dtype, geometry, tp rank, the server's `key_salt`) is not hashed here: it is the storage
+namespace (kv/storage/base.py), which the backend applies as a directory or key suffix.
+The host layout is never part of either.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
+# A salted id (salted_ids below) is a token id (< 2**32) plus the salt's offset: 128 bits of
+# the salt's SHA-256 shifted past the token, so it fits in SALTED_ID_BYTES bytes.
+_TOKEN_BITS = 32
+SALTED_ID_BYTES = 20
+_SALTED_PAGE = b"kvstrata:salted-page"
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_offset(salt: str) -> int:
+    """What a cache salt adds to every token id: nonzero, so a salted id is never a token."""
+    digest = hashlib.sha256(salt.encode("utf-8", "surrogatepass")).digest()
+    return (int.from_bytes(digest[:16], "little") | 1) << _TOKEN_BITS
+
+
+def salted_ids(token_ids: list[int], salt: str | None) -> list[int]:
+    """The prefix cache's key of a request with a cache salt (SGLang's extra_key / cache_salt,
+    vLLM's cache_salt): its token ids moved into the salt's own id range, so a radix tree
+    (and a storage key chain) shares pages only among requests with the same salt. Without
+    a salt, the ids themselves (the same list)."""
+    if not salt:
+        return token_ids
+    offset = salt_offset(salt)
+    return [t + offset for t in token_ids]
+
 
 def page_key(page_token_ids, prior_key: str | None = None) -> str:
-    """The key of one page whose tokens are `page_token_ids`, chained after `prior_key`."""
+    """The key of one page whose tokens are `page_token_ids`, chained after `prior_key`.
+    Salted ids hash in their own domain (a tag, then 20 bytes each), so a salted page's key
+    never equals an unsalted one's and unsalted keys stay what they were."""
     h = hashlib.sha256()
     if prior_key is not None:
         h.update(bytes.fromhex(prior_key))
     ids = list(page_token_ids)
-    if any(t < 0 or t > 0xFFFFFFFF for t in ids):
-        raise ValueError("token ids of a storage page key must fit in 32 bits unsigned")
-    h.update(struct.pack(f"<{len(ids)}I", *ids))
+    if any(t < 0 or t >= 1 << (8 * SALTED_ID_BYTES) for t in ids):
+        raise ValueError("token ids of a storage page key must be non-negative and fit in "
+                         "32 bits, or be salted ids")
+    if any(t >> _TOKEN_BITS for t in ids):
+        h.update(_SALTED_PAGE)
+        h.update(b"".join(t.to_bytes(SALTED_ID_BYTES, "little") for t in ids))
+    else:
+        h.update(struct.pack(f"<{len(ids)}I", *ids))
     return h.hexdigest()
 
 

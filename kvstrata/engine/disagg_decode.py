@@ -126,7 +126,8 @@ class DecodeDisagg(DisaggSide):
             # Decode radix cache: the cached whole pages of the prompt are not transferred
             # again; only the rest is reserved (a dry run first: a head that does not fit
             # is retried every poll and must not touch the tree's stamps or statistics).
-            held = self.kv.peek_prefix_len(req.prompt_ids, whole_prompt=True) \
+            held = self.kv.peek_prefix_len(req.prompt_ids, whole_prompt=True,
+                                           salt=req.cache_salt) \
                 if self.radix else 0
             need = self.pages_for(len(req.prompt_ids)) * P - held
             clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)

@@ -48,7 +48,8 @@ class EngineCore:
     def add_request(self, er: EngineRequest) -> None:
         """Never raises for bad input: the request finishes with an abort (status 400)."""
         req = Request(er.rid, list(er.prompt_ids), er.sampling_params, self._arrivals,
-                      er.return_prompt_logprobs, bootstrap=er.bootstrap)
+                      er.return_prompt_logprobs, bootstrap=er.bootstrap,
+                      cache_salt=er.cache_salt or None)
         self._arrivals += 1
         req.priority, refused = resolve_priority(self.scheduler.config, er.priority)
         error = refused or self._validate(req)

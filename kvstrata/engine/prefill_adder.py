@@ -130,6 +130,7 @@ def prefill_candidates(sched) -> list:
     if cfg.schedule_policy == "lof":
         return sorted(sched.waiting, key=lambda r: -r.params.max_new_tokens)
     if cfg.schedule_policy == "lpm" and len(sched.waiting) <= LPM_FALLBACK_QUEUE_LEN:
-        prefix = {id(r): sched.kv.peek_prefix_len(r.all_ids) for r in sched.waiting}
+        prefix = {id(r): sched.kv.peek_prefix_len(r.all_ids, salt=r.cache_salt)
+                  for r in sched.waiting}
         return sorted(sched.waiting, key=lambda r: -prefix[id(r)])
     return list(sched.waiting)

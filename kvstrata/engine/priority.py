@@ -119,7 +119,7 @@ class PrioritySide(SchedulerSide):
         sched, kv, sign = self.sched, self.sched.kv, self.config.priority_sign
         # A request that holds its KV (adder None: PD decode) only needs a running slot.
         need = 0 if adder is None else (
-            req.seq_len - kv.peek_prefix_len(req.all_ids)
+            req.seq_len - kv.peek_prefix_len(req.all_ids, salt=req.cache_salt)
             + min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
             - adder.rem_total)
         victims: list[Request] = []
@@ -141,7 +141,7 @@ class PrioritySide(SchedulerSide):
             # budget counts whole pages and a full decode reserve): preempt only if the
             # newcomer is then admitted, counting only the victims' own pages (tree pages
             # may stay pinned) -- a preemption that admits nobody would stall the round.
-            prefix = kv.peek_prefix_len(req.all_ids)
+            prefix = kv.peek_prefix_len(req.all_ids, salt=req.cache_salt)
             own = sum(len(v.pages) - v.num_tree_pages for v in victims) * kv.page_size
             if not adder.fits(req, req.seq_len - prefix, prefix, own + reserved, empty_after):
                 return False

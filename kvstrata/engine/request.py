@@ -36,6 +36,8 @@ class Request:
     bootstrap: BootstrapAddr | None = None  # PD only
     # Resolved on arrival (engine/priority.py); None only without priority scheduling.
     priority: int | None = None
+    # Shares cached prefixes only with requests of the same salt (cache/page_keys.py).
+    cache_salt: str | None = None
     # PD decode, DSA model: the seed the prefill server sent (request positions), for the
     # runner (which remaps it to local slots); None without one.
     dsa_seed_positions: list[int] | None = None

@@ -287,7 +287,8 @@ class Scheduler:
         # kept decode waiting on copies forever). The device prefix, once locked, leaves the
         # evictable budget: count all of it (conservative only when another request already
         # pins part of it, i.e. when something runs).
-        device_prefix = self.kv.peek_prefix_len(req.all_ids) if use_cache else 0
+        device_prefix = self.kv.peek_prefix_len(req.all_ids, salt=req.cache_salt) \
+            if use_cache else 0
         if not adder.fits(req, req.seq_len - device_prefix, device_prefix):
             return False
         protected_before = self.kv.tree.protected_pages()

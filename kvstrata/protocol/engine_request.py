@@ -21,6 +21,9 @@ class EngineRequest(msgspec.Struct, tag="GenerateReq", omit_defaults=True):
     bootstrap: BootstrapAddr | None = None
     # SGLang's request priority (engine/priority.py); None: --default-priority-value.
     priority: int | None = None
+    # SGLang's cache_salt + extra_key (vLLM's cache_salt): the prefix cache shares pages only
+    # among requests with the same salt (cache/page_keys.py salted_ids); None or "": no salt.
+    cache_salt: str | None = None
 
 
 __all__ = ["EngineRequest"]

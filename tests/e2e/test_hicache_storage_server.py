@@ -21,10 +21,10 @@ def metric(text: str, name: str) -> float:
 PROMPT = " ".join(["the shared system prompt"] * 80)  # a few hundred tokens
 
 
-def generate(srv: ServerProcess) -> list[int]:
+def generate(srv: ServerProcess, **salt) -> list[int]:
     r = httpx.post(srv.base_url + "/generate", timeout=60, json={
-        "text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
-                                            "ignore_eos": True}})
+        "text": PROMPT, **salt, "sampling_params": {"max_new_tokens": 8, "temperature": 0,
+                                                    "ignore_eos": True}})
     r.raise_for_status()
     return r.json()["output_ids"]
 
@@ -36,19 +36,27 @@ def test_restarted_server_serves_the_prefix_from_the_file_store(tiny_model_path,
             "--hicache-storage-backend", "file",
             "--hicache-storage-prefetch-policy", "wait_complete",
             "--hicache-storage-backend-extra-config", f'{{"file_path": "{tmp_path}"}}')
-    answers, metrics = [], []
-    for _ in range(2):
+    hits = "kvstrata:hicache_storage_hit_tokens_total"
+    answers, metrics, salted = [], [], []
+    for life in range(2):
         srv = ServerProcess(tiny_model_path, *args)
         try:
             answers.append(generate(srv))
             metrics.append(httpx.get(srv.base_url + "/metrics").text)
+            # A cache salt keys its pages apart in storage too (cache/page_keys.py): the
+            # restarted server reads tenant-a's pages for tenant-a only.
+            for tenant in ("tenant-b", "tenant-a") if life else ("tenant-a",):
+                before = metric(httpx.get(srv.base_url + "/metrics").text, hits)
+                assert generate(srv, cache_salt=tenant) == answers[0]
+                salted.append(metric(httpx.get(srv.base_url + "/metrics").text, hits) - before)
         finally:
             assert srv.stop() == 0  # SIGTERM: the backups finish before the exit
     assert answers[1] == answers[0]
-    assert metric(metrics[0], "kvstrata:hicache_storage_hit_tokens_total") == 0
-    hit = metric(metrics[1], "kvstrata:hicache_storage_hit_tokens_total")
+    assert metric(metrics[0], hits) == 0
+    hit = metric(metrics[1], hits)
     assert hit >= 256, f"the restarted server read only {hit} prompt tokens from storage"
     assert metric(metrics[1], "kvstrata:hicache_storage_bytes_read_total") > 0
+    assert salted[0] == 0 and salted[1] == 0 and salted[2] >= 256, salted
 
 
 def test_second_server_hits_pages_the_first_wrote_to_mooncake(tiny_model_path):

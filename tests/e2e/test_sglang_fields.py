@@ -174,3 +174,37 @@ def test_parallel_samples_n_expand_like_sglang(server):
     assert batch[0]["output_ids"] == batch[2]["output_ids"]
     assert _post(server, GEN, {"text": "x", "sampling_params": {"n": 1,
                                                                 "max_new_tokens": 1}})["text"]
+
+
+def test_cache_salt_and_extra_key_separate_the_prefix_cache(server):
+    """SGLang's cache_salt / extra_key (joined, as SGLang joins them; vLLM's cache_salt):
+    a prompt cached under one salt is a miss under another and without one, and a hit
+    under the same; the answers are the same whatever the salt."""
+    text = "A prompt long enough to fill several pages of the prefix cache: " * 3
+
+    def gen(**salt):
+        out = _post(server, GEN, {"text": text, **salt, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, **NO_EOS}})
+        return out["meta_info"]["cached_tokens"], out["output_ids"]
+
+    def chat(**salt):
+        r = _post(server, CHAT, {"messages": [{"role": "user", "content": text}],
+                                 "max_tokens": 2, "temperature": 0, **salt})
+        return (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    first, want = gen(cache_salt="salt-test-1")
+    assert first == 0
+    assert gen(cache_salt="salt-test-2") == (0, want)
+    hit, again = gen(cache_salt="salt-test-1")
+    assert hit > 0 and again == want
+    assert gen(extra_key="-1", cache_salt="salt-test")[0] == hit  # "salt-test" + "-1"
+    assert chat(extra_key="salt-test-chat") == 0
+    assert chat(extra_key="salt-test-chat") > 0
+    assert chat(cache_salt="salt-test-chat-2") == 0
+    batch = _post(server, GEN, {"text": [text, text], "cache_salt": ["salt-test-1", "x9"],
+                                "sampling_params": {"max_new_tokens": 1}})
+    assert batch[0]["meta_info"]["cached_tokens"] == hit
+    assert batch[1]["meta_info"]["cached_tokens"] == 0
+    r = httpx.post(server.base_url + CHAT, json={"messages": [{"role": "user", "content": "x"}],
+                                                 "cache_salt": ["a", "b"]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from helpers.storage import spawn_child, stop_child, wait_ready
-from kvstrata.cache.page_keys import chain_page_keys, page_key
+from kvstrata.cache.page_keys import chain_page_keys, page_key, salt_offset, salted_ids
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.storage import StorageNamespace
 
@@ -40,9 +40,26 @@ def test_keys_match_independent_sha256_chain():
 
 def test_bad_token_ids():
     with pytest.raises(ValueError, match="32 bits"):
-        page_key([1, 2**32])
+        page_key([1, 2**160])
     with pytest.raises(ValueError, match="32 bits"):
         page_key([-1])
+
+
+def test_salted_ids_key_apart_and_leave_plain_keys_alone():
+    """A request's cache salt (SGLang's extra_key / cache_salt) moves its ids into the salt's
+    own range: its page keys differ per salt and from the unsalted chain, which keeps the
+    plain 4-byte hashing (keys already in a store stay valid)."""
+    tokens = list(range(100, 116))
+    assert salted_ids(tokens, None) is tokens and salted_ids(tokens, "") is tokens
+    a, b = salted_ids(tokens, "tenant-a"), salted_ids(tokens, "tenant-b")
+    assert a != b and not set(a) & set(tokens) and not set(a) & set(b)
+    assert [t - salt_offset("tenant-a") for t in a] == tokens
+    assert salted_ids(tokens, "tenant-a") == a  # deterministic (no interpreter salt)
+    plain = chain_page_keys(tokens, 4)
+    assert plain == reference_keys(tokens, 4)
+    keys_a, keys_b = chain_page_keys(a, 4), chain_page_keys(b, 4)
+    assert len(keys_a) == 4 and not set(keys_a) & set(plain) and not set(keys_a) & set(keys_b)
+    assert chain_page_keys(a[8:], 4, prior_key=keys_a[1]) == keys_a[2:]
 
 
 def test_keys_stable_across_processes():

@@ -78,6 +78,39 @@ def test_prefix_hit_and_full_prompt_hit(page_size):
     assert last.start_pos == fin["c"].cached_tokens
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cache_salt_shares_prefixes_only_within_a_salt(page_size):
+    """SGLang's extra_key / cache_salt: a prompt cached under one salt is a miss under
+    another and without one, a hit under the same salt; outputs are the same everywhere."""
+    engine, _ = make_engine(page_size=page_size)
+    p = prompt(4, 13)
+    want = reference_tokens(p, 3, VOCAB)
+
+    def run(rid, salt):
+        engine.add_request(EngineRequest(rid, p, SamplingParams(max_new_tokens=3,
+                                                                temperature=0),
+                                         cache_salt=salt))
+        out, fin = [], None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out += o.new_token_ids
+                fin = o if o.finished else fin
+        engine.check_integrity()
+        assert out == want
+        return fin.cached_tokens
+
+    hit = 12 // page_size * page_size
+    assert run("a", "tenant-1") == 0
+    assert run("b", "tenant-2") == 0
+    assert run("c", None) == 0
+    assert run("d", "") == hit  # an empty salt is no salt (SGLang), as "c"
+    assert run("e", "tenant-1") == hit
+    assert run("f", "tenant-2") == hit
+    kv = engine.scheduler.kv
+    assert kv.peek_prefix_len(p, salt="tenant-1") == hit
+    assert kv.peek_prefix_len(p, salt="tenant-3") == 0
+
+
 def test_disable_radix_cache_frees_everything():
     engine, _ = make_engine(num_pages=64, disable_radix_cache=True)
     p = prompt(3, 8)

@@ -77,9 +77,15 @@ prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
 priorities = st.sampled_from([15, -12, 0, 2, None])  # spread: differences beat thresholds
 
 
+# One arrival: a prompt, max_new_tokens, a priority and a cache salt (SGLang's extra_key /
+# cache_salt: the same prompts under another salt share nothing, and the tree, the host
+# tier and storage all see salted ids).
+arrivals = st.tuples(prompts, st.integers(1, 32), priorities,
+                     st.sampled_from([None, None, "a", "b"]))
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(cfg=configs, first=st.lists(st.tuples(prompts, st.integers(1, 32), priorities),
-                                            min_size=1, max_size=6))
+    @initialize(cfg=configs, first=st.lists(arrivals, min_size=1, max_size=6))
     def build(self, cfg, first):
         P = cfg["page_size"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
@@ -127,16 +133,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
     @precondition(lambda self: len(self.requests) < MAX_REQUESTS)
-    @rule(batch=st.lists(st.tuples(prompts, st.integers(1, 32), priorities), min_size=2,
-                         max_size=5))
+    @rule(batch=st.lists(arrivals, min_size=2, max_size=5))
     def arrive(self, batch):
-        for (base, keep, tail), max_new, priority in batch[:MAX_REQUESTS - len(self.requests)]:
+        for (base, keep, tail), max_new, priority, salt in \
+                batch[:MAX_REQUESTS - len(self.requests)]:
             ids = BASES[base][:keep] + tail or [BASES[base][0]]
             rid = f"r{len(self.requests)}"
             self.requests[rid] = (ids, max_new)
             self.outputs[rid] = []
             self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
-                max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority))
+                max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority,
+                cache_salt=salt))
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.none(), st.integers(0, MAX_REQUESTS - 1)))

@@ -58,7 +58,7 @@ def batch_items(body, server_args=None) -> list | None:
             raise ApiError(400, "sampling_params is a list but the prompt is not a batch",
                            "sampling_params")
     else:
-        for name in ("sampling_params", "rid"):
+        for name in ("sampling_params", "rid", "cache_salt", "extra_key"):
             if isinstance(getattr(body, name), list):
                 raise ApiError(400, f"{name} is a list but the prompt is not a batch", name)
         pd_fields.refuse_lists_outside_batch(body)
@@ -86,6 +86,14 @@ def batch_items(body, server_args=None) -> list | None:
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
+    salts = {}  # cache_salt / extra_key: one for all, or a list of one per request
+    for name in ("cache_salt", "extra_key"):
+        value = getattr(body, name)
+        if isinstance(value, list) and len(value) != total:
+            raise ApiError(400, f"{name} has {len(value)} entries for {total} requests", name)
+        salts[name] = value if isinstance(value, list) else [value] * total
     bootstraps = pd_fields.split_batch(server_args, body, total, field)
-    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs})
-            for item, sp, rid, bs in zip(items, sps, rids, bootstraps)]
+    return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs,
+                                    "cache_salt": salt, "extra_key": key})
+            for item, sp, rid, bs, salt, key in zip(items, sps, rids, bootstraps,
+                                                   salts["cache_salt"], salts["extra_key"])]

@@ -141,11 +141,11 @@ class GenerateRequest(RequestModel):
         "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "data_parallel_rank",
         "disagg_prefill_dp_rank", "kv_router_hint", "routing_key", "conversation_id",
         "http_worker_ipc", "background", "require_reasoning", "max_thinking_tokens",
-        "extra_key", "custom_labels", "return_bytes", "return_entropy",
+        "custom_labels", "return_bytes", "return_entropy",
         "return_prompt_token_ids", "external_trace_header", "received_time",
         "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls", "max_dynamic_patch",
         "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
-        "images_config", "multi_item_delimiter_indices", "cache_salt"})
+        "images_config", "multi_item_delimiter_indices"})
     # An empty list means "no images" to SGLang too.
     ALSO_OFF = {name: ([],) for name in ("image_data", "video_data", "audio_data")}
 

@@ -86,7 +86,7 @@ class _SamplingFields(RequestModel):
         "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
         "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
-        "data_parallel_rank", "extra_key", "cache_salt", "ngram_corpus_id"})
+        "data_parallel_rank", "ngram_corpus_id"})
     # OpenAI's explicit default: plain text, what every answer is without a grammar (clients
     # and frameworks send it on every request).
     ALSO_OFF = {"response_format": ({"type": "text"},)}

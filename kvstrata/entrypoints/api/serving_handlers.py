@@ -322,7 +322,7 @@ async def generate_response(state, request: Request, body):
     rid = body.rid or tm.new_rid()
     choice = so.Choice(0, ipc.GenerateReq(
         rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
-        priority=body.priority))
+        priority=body.priority, cache_salt=so.cache_salt(body)))
     pd_fields.attach(state.server_args, choice.req,
                      {name: getattr(body, name) for name in pd_fields.FIELDS})
     start = time.perf_counter()

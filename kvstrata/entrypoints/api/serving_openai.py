@@ -65,6 +65,20 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
                                                 "logprobs": lp_param}) from None
 
 
+def cache_salt(body) -> str | None:
+    """SGLang's cache_salt + extra_key, joined as SGLang joins them (vLLM has cache_salt):
+    cached prefixes are shared only among requests with the same salt. One string each; a
+    list (one per choice) is refused by name."""
+    parts = []
+    for name in ("cache_salt", "extra_key"):
+        value = getattr(body, name)
+        if isinstance(value, list):
+            raise bad_request(f"not implemented yet: {name} as a list (give one string)", name)
+        if value:
+            parts.append(value)
+    return "".join(parts) or None
+
+
 def request_rid(body) -> str:
     if isinstance(body.rid, list):
         raise bad_request("not implemented yet: rid as a list (give one string)", "rid")
@@ -100,9 +114,11 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     params = [build_sampling_params(body, max_tokens, logprobs, j, max_param)
               for j in range(body.n)]
     check_logit_bias(tm, params[0])
+    salt = cache_salt(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
-        sampling_params=params[j], priority=body.priority)) for j in range(body.n)]
+        sampling_params=params[j], priority=body.priority, cache_salt=salt))
+        for j in range(body.n)]
 
 
 def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> list[Choice]:
@@ -117,6 +133,7 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
         raise bad_request("prompt must not be empty", "prompt")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     rid = request_rid(body)
+    salt = cache_salt(body)
     choices = []
     for i, p in enumerate(prompts):
         ids = tm.encode_prompt(p) if isinstance(p, str) else list(p)
@@ -131,7 +148,7 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
                 sampling_params=sp,
                 return_prompt_logprobs=body.echo and body.logprobs is not None,
-                priority=body.priority),
+                priority=body.priority, cache_salt=salt),
                 prompt_text=text))
     return choices
 
