@@ -344,7 +344,7 @@ class PDPair:
         self.rooms: dict[str, int] = {}
 
     def submit(self, rid, prompt, max_new, room=None, to=("prefill", "decode"), priority=None,
-               **params):
+               cache_salt=None, **params):
         if room is None:
             self._rooms += 1
             room = 1000 + self._rooms
@@ -356,7 +356,7 @@ class PDPair:
             self.results[side][rid] = []
             getattr(self, side).add_request(EngineRequest(
                 rid, list(prompt), SamplingParams(max_new_tokens=max_new, **params),
-                bootstrap=addr, priority=priority))
+                bootstrap=addr, priority=priority, cache_salt=cache_salt))
         return room
 
     def abort(self, rid, side):

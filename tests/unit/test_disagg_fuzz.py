@@ -39,6 +39,7 @@ from kvstrata.engine.sides import pd_side
 
 VOCAB = 211
 MAX_REQUESTS = 8
+SALTS = [None, None, "tenant-a"]
 EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400"))
 BASES = [[(b * 37 + i * 11 + 5) % VOCAB for i in range(64)] for b in range(3)]
 
@@ -146,7 +147,10 @@ class PDMachine(RuleBasedStateMachine):
             elif inject is not None:
                 self.pair.hub.inject[room] = {"fail": inject}
             self.requests[rid] = (ids, max_new, inject)
-            self.pair.submit(rid, ids, max_new, room=room, ignore_eos=True, priority=prio)
+            # a cache salt on some (both servers' caches key those prompts apart)
+            salt = SALTS[(keep + len(tail)) % len(SALTS)]
+            self.pair.submit(rid, ids, max_new, room=room, ignore_eos=True, priority=prio,
+                             cache_salt=salt)
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.tuples(st.integers(0, MAX_REQUESTS - 1),
