@@ -103,7 +103,7 @@ class EngineCore:
         for req in touched:
             pending = len(req.output_ids) - req.num_reported_tokens
             if not (req.is_finished or len(req.output_ids) == 1
-                    or pending >= self.stream_interval):
+                    or pending >= (req.params.stream_interval or self.stream_interval)):
                 continue
             outputs.append(self._output(req))
             if req.is_finished:

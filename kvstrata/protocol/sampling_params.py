@@ -85,6 +85,9 @@ class SamplingParams:
     # OpenAI's logit_bias: {token id: value added to its logit}, values clamped to +-100.
     # Clients send the ids as strings (JSON object keys); kept here as ints.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # SGLang's per-request --stream-interval: stream every this many tokens (None: the
+    # server's).
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
@@ -152,5 +155,8 @@ class SamplingParams:
               "must be a list of non-negative integers below 2**63")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean")
         check("no_stop_trim", isinstance(self.no_stop_trim, bool), "must be a boolean")
+        check("stream_interval", self.stream_interval is None or (
+            is_int(self.stream_interval) and 1 <= self.stream_interval <= _TOKEN_ID_MAX),
+              "must be null or an integer >= 1")
         check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be null or an integer in [0, 20]")

@@ -208,3 +208,14 @@ def test_cache_salt_and_extra_key_separate_the_prefix_cache(server):
     r = httpx.post(server.base_url + CHAT, json={"messages": [{"role": "user", "content": "x"}],
                                                  "cache_salt": ["a", "b"]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_per_request_stream_interval(server):
+    """SGLang's sampling_params.stream_interval: this request streams every 4 tokens (the
+    first at once, the rest at the finish) whatever the server's --stream-interval."""
+    body = {"text": "Count:", "stream": True, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "stream_interval": 4, **NO_EOS}}
+    with httpx.stream("POST", server.base_url + GEN, json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert [len(e["output_ids"]) for e in events] == [1, 5, 9, 10]

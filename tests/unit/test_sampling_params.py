@@ -23,6 +23,8 @@ from kvstrata.protocol import SamplingParams
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"logprobs": 21}, "logprobs"),
+    ({"stream_interval": 0}, "stream_interval"),
+    ({"stream_interval": 1.5}, "stream_interval"),
     ({"logit_bias": [1, 2]}, "logit_bias"),
     ({"logit_bias": {"the": 1.0}}, "logit_bias"),
     ({"logit_bias": {"-3": 1.0}}, "logit_bias"),

@@ -267,6 +267,17 @@ def test_stream_interval_batches_deltas():
     while engine.has_unfinished_requests():
         sizes += [len(o.new_token_ids) for o in engine.step() if o.new_token_ids]
     assert sizes == [1, 4, 4, 1]  # first token at once, then every 4, the rest at finish
+    # SGLang's per-request sampling_params.stream_interval overrides the server's
+    sizes = {"b": [], "c": []}
+    engine.add_request(EngineRequest("b", p, SamplingParams(max_new_tokens=10, temperature=0,
+                                                            stream_interval=3)))
+    engine.add_request(EngineRequest("c", p, SamplingParams(max_new_tokens=10, temperature=0,
+                                                            stream_interval=1)))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.new_token_ids:
+                sizes[o.rid].append(len(o.new_token_ids))
+    assert sizes == {"b": [1, 3, 3, 3], "c": [1] * 10}
 
 
 def test_stall_aborts_the_request_that_cannot_fit_alone(caplog):

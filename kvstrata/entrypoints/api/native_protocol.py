@@ -161,7 +161,6 @@ SGLANG_SAMPLING_OFF: dict[str, Any] = {
     # n: parallel samples, which native_batch.py expands into one request each (n = 1)
     "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "stop_regex": None, "spaces_between_special_tokens": True, "custom_params": None,
-    "stream_interval": None,
 }
 
 
