@@ -4,6 +4,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import httpx
+import openai
 import pytest
 
 GREEDY = {"temperature": 0.0}
@@ -13,6 +14,11 @@ NO_EOS = {"ignore_eos": True}
 def test_models(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == ["tiny"]
+    card = client.models.retrieve("tiny")  # GET /v1/models/tiny
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_chat_non_streaming(client):

@@ -117,8 +117,8 @@ def create_app(state) -> FastAPI:
     async def _internal(request, exc):
         return ApiError(500, f"internal error: {exc!r}").response()
 
-    def check_model(name: str | None) -> None:
-        if name is None or name in NO_MODEL_NAMED:
+    def check_model(name: str | None, placeholders: frozenset = NO_MODEL_NAMED) -> None:
+        if name is None or name in placeholders:
             return
         if name not in state.model_names:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves "
@@ -149,6 +149,12 @@ def create_app(state) -> FastAPI:
     async def models():
         check_alive()
         return model_list(state.model_names[:1], state.context_len)
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (names may hold a "/")
+    async def model_card(model: str):
+        check_alive()
+        check_model(model, placeholders=frozenset())  # a card only for a name it serves
+        return model_list([model], state.context_len)["data"][0]
 
     # ---- SGLang native -----------------------------------------------------------------
     @app.post("/generate", openapi_extra=body_spec(GenerateRequest))
