@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from kvstrata.entrypoints.api.native_protocol import (SGLANG_SAMPLING_OFF, GenerateRequest,
-                                                  native_sampling_dict)
+from kvstrata.entrypoints.api.native_protocol import (SGLANG_SAMPLING_NO_OP,
+                                                      SGLANG_SAMPLING_OFF, GenerateRequest,
+                                                      native_sampling_dict)
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.entrypoints.api.protocol_base import is_off
 from kvstrata.protocol import SamplingParams
@@ -76,8 +77,11 @@ def test_unimplemented_fields_are_refused_when_on(model):
 
 def test_sampling_params_keys_of_sglang():
     ours = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert set(SGLANG_SAMPLING) - ours - set(SGLANG_SAMPLING_OFF) == {"sampling_seed"}
+    assert set(SGLANG_SAMPLING) - ours - set(SGLANG_SAMPLING_OFF) \
+        - SGLANG_SAMPLING_NO_OP == {"sampling_seed"}
     assert native_sampling_dict({"n": 1, "regex": None, "sampling_seed": 5}) == {"seed": 5}
+    # a no-op with fast tokenizers (SGLang's too): accepted either way, dropped
+    assert native_sampling_dict({"spaces_between_special_tokens": False}) == {}
     with pytest.raises(Exception, match="not implemented yet: sampling_params.n"):
         native_sampling_dict({"n": 2})
     with pytest.raises(Exception, match="give one"):

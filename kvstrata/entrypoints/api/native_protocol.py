@@ -160,8 +160,11 @@ class AbortRequest(StrictModel):
 SGLANG_SAMPLING_OFF: dict[str, Any] = {
     # n: parallel samples, which native_batch.py expands into one request each (n = 1)
     "n": 1, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
-    "stop_regex": None, "spaces_between_special_tokens": True, "custom_params": None,
+    "stop_regex": None, "custom_params": None,
 }
+# Keys that change nothing here, as in SGLang in the same configuration: HF's fast
+# tokenizers (what kvstrata decodes with) ignore spaces_between_special_tokens.
+SGLANG_SAMPLING_NO_OP = frozenset({"spaces_between_special_tokens"})
 
 
 def native_sampling_dict(
@@ -173,6 +176,8 @@ def native_sampling_dict(
     out = {}
     for key, value in sampling_params.items():
         param = f"sampling_params.{key}"
+        if key in SGLANG_SAMPLING_NO_OP:
+            continue
         if key in SGLANG_SAMPLING_OFF:
             if not is_off(value, SGLANG_SAMPLING_OFF[key]):
                 raise bad_request(f"not implemented yet: {param}", param)
