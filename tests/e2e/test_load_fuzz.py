@@ -1,7 +1,7 @@
 """Concurrent random load: many clients at once send random requests (every route, valid and
 a few invalid sampling values, streaming or not, n > 1, logprobs, stop strings, penalties,
-logit_bias) and some hang up mid-way, against a server whose small KV pool makes requests
-retract, evict and share prefixes. Properties: no 5xx and no error event inside a 200
+logit_bias, cache salts) and some hang up mid-way, against a server whose small KV pool
+makes requests retract, evict and share prefixes. Properties: no 5xx and no error event inside a 200
 stream; every 4xx carries the OpenAI error body; every finished answer has its n choices,
 at most max_tokens tokens, a known finish reason and finite logprobs; afterwards the server
 is healthy and its KV pool whole.
@@ -68,16 +68,19 @@ def _request(rng: random.Random) -> tuple[str, dict]:
     max_tokens = rng.choice([1, 2, 8, 30, 60])
     stream = rng.random() < 0.5
     sp = _sampling(rng)
+    # a tenant's cache salt on some: the same prompts under two salts and none
+    salt = {"cache_salt": rng.choice(["t1", "t2"])} if rng.random() < 0.3 else {}
     if route == "generate":
         sp.pop("seed", None)
-        body = {"text": _text(rng, rng.randrange(1, 40)), "stream": stream,
+        body = {"text": _text(rng, rng.randrange(1, 40)), "stream": stream, **salt,
                 "sampling_params": {**sp, "max_new_tokens": max_tokens}}
         if rng.random() < 0.2:  # parallel samples: a list back (with stream: a 400)
             body["sampling_params"]["n"] = rng.choice([2, 3])
         if rng.random() < 0.3:
             body.update(return_logprob=True, top_logprobs_num=rng.choice([0, 2]))
         return "/generate", body
-    body = {"model": "tiny", "max_tokens": max_tokens, "n": rng.choice([1, 1, 2, 3]), **sp}
+    body = {"model": "tiny", "max_tokens": max_tokens, "n": rng.choice([1, 1, 2, 3]), **sp,
+            **salt}
     if stream:
         body.update(stream=True, stream_options={"include_usage": rng.random() < 0.5})
     if rng.random() < 0.2:
