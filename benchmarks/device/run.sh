@@ -43,7 +43,8 @@ stage() {  # name, seconds, command...: runs it under what is left of the budget
   echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
   tail -n "${TAILN:-4}" "$R/$name.log" | cut -c1-250; return $rc
 }
-finish() { tar czf "${OUT:-/tmp}/device_results.tgz" -C $R .; echo "total $(( $(date +%s) - T0 ))s"; }
+finish() { mkdir -p "${OUT:-/tmp}"; tar czf "${OUT:-/tmp}/device_results.tgz" -C $R .
+           echo "total $(( $(date +%s) - T0 ))s"; }
 { lscpu; nvidia-smi -L; python3 -V
   python3 -c "import torch; print('torch', torch.__version__, torch.get_num_threads())"
 } > $R/machine.txt 2>&1
