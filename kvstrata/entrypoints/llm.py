@@ -14,6 +14,7 @@ from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.request import EngineRequest
 from kvstrata.entrypoints.engine_factory import build_engine, server_info_dict, start_up_info
 from kvstrata.protocol import FinishReason, SamplingParams
+from kvstrata.protocol.sampling_params import split_top_logprobs
 
 
 def finish_reason_dict(reason: FinishReason | None) -> dict | None:
@@ -125,7 +126,10 @@ class LLM:
             meta.update(final.spec.meta_info(final.completion_tokens))
         if sp.logprobs is not None:
             meta["output_token_logprobs"] = [(lp, tid) for lp, tid, _ in acc["logprobs"]]
-            meta["output_top_logprobs"] = [top for _, _, top in acc["logprobs"]]
+            parts = [split_top_logprobs(top, sp) for _, _, top in acc["logprobs"]]
+            meta["output_top_logprobs"] = [top for top, _ in parts]
+            if sp.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = [asked for _, asked in parts]
         if acc["prompt_logprobs"] is not None:
             meta["input_token_logprobs"] = acc["prompt_logprobs"]
         return {

@@ -88,6 +88,10 @@ class SamplingParams:
     # SGLang's per-request --stream-interval: stream every this many tokens (None: the
     # server's).
     stream_interval: int | None = None
+    # SGLang's token_ids_logprob (a /generate request field, kept here so that the sampler
+    # sees it): these ids' logprobs at every reported position, after the top-n alternatives
+    # in each row's top list (split_top_logprobs separates them again). Needs `logprobs`.
+    token_ids_logprob: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
@@ -95,6 +99,8 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids",
                                        "a list of non-negative integers below 2**63")
         self.logit_bias = _logit_bias(self.logit_bias)
+        self.token_ids_logprob = _as_list(self.token_ids_logprob, "token_ids_logprob",
+                                          "a list of non-negative integers below 2**63")
         self.validate()
 
     @classmethod
@@ -155,8 +161,22 @@ class SamplingParams:
               "must be a list of non-negative integers below 2**63")
         check("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean")
         check("no_stop_trim", isinstance(self.no_stop_trim, bool), "must be a boolean")
+        check("token_ids_logprob",
+              all(is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in self.token_ids_logprob),
+              "must be a list of non-negative integers below 2**63")
+        check("token_ids_logprob", not self.token_ids_logprob or self.logprobs is not None,
+              "needs logprobs (return_logprob)")
         check("stream_interval", self.stream_interval is None or (
             is_int(self.stream_interval) and 1 <= self.stream_interval <= _TOKEN_ID_MAX),
               "must be null or an integer >= 1")
         check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be null or an integer in [0, 20]")
+
+
+def split_top_logprobs(row: list | None, params: SamplingParams) -> tuple[list, list]:
+    """One reported position's top list -> (the top-n alternatives, the logprobs of
+    params.token_ids_logprob in their order): the sampler appends the second to the first."""
+    if row is None:
+        return [], []
+    cut = len(row) - len(params.token_ids_logprob)
+    return row[:cut], row[cut:]

@@ -35,7 +35,7 @@ from kvstrata.runner.op_executor import split_ops
 from kvstrata.protocol.disagg import BackupOp
 from kvstrata.runner.quantization import weight_bytes
 from kvstrata.runner.retraction_backup import RetractionBackupExecutor, on_demand_backup
-from kvstrata.runner.sampler import Sampler, SamplingState, finite_logprobs
+from kvstrata.runner.sampler import Sampler, SamplingState, finite_logprobs, top_rows
 from kvstrata.runner.spec_handoff import prefill_draft_extend
 from kvstrata.runner import spec_verify
 
@@ -380,12 +380,11 @@ class ModelRunner:
                                    device=logits.device)
             lps = finite_logprobs(torch.log_softmax(logits[:hi - lo].float(), dim=-1))
             state.prompt_logprobs.extend(lps.gather(1, targets[:, None])[:, 0].tolist())
-            top_n = state.sampling.params.logprobs or 0
-            if top_n > 0:
-                values, ids = lps.topk(top_n, dim=-1)
+            params = state.sampling.params
+            if params.logprobs or params.token_ids_logprob:  # top-n, then the asked ids
                 state.prompt_top_logprobs.extend(
-                    [TopLogprob(t, v) for t, v in zip(row_ids, row_vals)]
-                    for row_ids, row_vals in zip(ids.tolist(), values.tolist()))
+                    [TopLogprob(t, v) for t, v in row]
+                    for row in top_rows(lps, [params] * (hi - lo)))
         if r.start_pos + len(r.token_ids) >= len(prompt):
             out.prompt_logprobs[r.rid] = state.prompt_logprobs
             if state.prompt_top_logprobs:

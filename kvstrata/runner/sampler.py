@@ -357,12 +357,36 @@ class Sampler:
         chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.long,
                                   device=lp.device)
         chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-        n_max = max(params[i].logprobs for i in rows)
-        if n_max > 0:
-            top_v, top_i = lp.topk(min(n_max, lp.shape[1]), dim=-1, sorted=True)
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+        tops = top_rows(lp, [params[i] for i in rows])
         for j, i in enumerate(rows):
             logprobs[i] = chosen[j]
-            k = params[i].logprobs
-            top_logprobs[i] = ([(top_i[j][c], top_v[j][c]) for c in range(min(k, lp.shape[1]))]
-                               if k > 0 else [])
+            top_logprobs[i] = tops[j]
+
+
+def top_rows(lp: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
+    """Per row of finite log-probabilities [r, vocab]: its `logprobs` most likely tokens
+    (descending), then the logprobs of its token_ids_logprob in their order (an id past the
+    row reports LOGPROB_FLOOR, so split_top_logprobs still finds the boundary)."""
+    width = lp.shape[1]
+    n_max = min(max(p.logprobs or 0 for p in params), width)
+    if n_max > 0:
+        top_v, top_i = lp.topk(n_max, dim=-1, sorted=True)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    asked = [p.token_ids_logprob for p in params]
+    vals: list = [[]] * len(params)
+    if any(asked):
+        def gather(rows, ids: list[int]) -> list:
+            index = torch.tensor([t if t < width else 0 for t in ids], dtype=torch.long,
+                                 device=lp.device)
+            return lp[rows][:, index].tolist()
+        if all(a == asked[0] for a in asked):  # one list for every row: one gather
+            vals = gather(slice(None), asked[0])
+        else:
+            vals = [gather(slice(j, j + 1), a)[0] if a else [] for j, a in enumerate(asked)]
+    out = []
+    for j, p in enumerate(params):
+        k = min(p.logprobs or 0, width)
+        row = [(top_i[j][c], top_v[j][c]) for c in range(k)]
+        row += [(t, v if t < width else LOGPROB_FLOOR) for t, v in zip(asked[j], vals[j])]
+        out.append(row)
+    return out

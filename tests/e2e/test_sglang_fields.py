@@ -219,3 +219,41 @@ def test_per_request_stream_interval(server):
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
     assert [len(e["output_ids"]) for e in events] == [1, 5, 9, 10]
+
+
+def test_token_ids_logprob_reports_the_asked_ids(server):
+    """SGLang's token_ids_logprob: the logprobs of the asked ids at every output position
+    (output_token_ids_logprobs) and prompt position (input_token_ids_logprobs, with
+    logprob_start_len), in the asked order, beside an unchanged top-n; a batch may ask a list
+    per prompt."""
+    probe = _post(server, GEN, {"text": "The capital of France is", "return_logprob": True,
+                                "top_logprobs_num": 3, "sampling_params": {
+                                    "max_new_tokens": 3, "temperature": 0, **NO_EOS}})
+    top_id = probe["meta_info"]["output_top_logprobs"][0][1][1]  # the second most likely
+    asked = [top_id, 17, 4000]
+    out = _post(server, GEN, {"text": "The capital of France is", "return_logprob": True,
+                              "top_logprobs_num": 3, "token_ids_logprob": asked,
+                              "logprob_start_len": 0, "sampling_params": {
+                                  "max_new_tokens": 3, "temperature": 0, **NO_EOS}})
+    meta = out["meta_info"]
+    assert out["output_ids"] == probe["output_ids"]
+    assert meta["output_top_logprobs"] == probe["meta_info"]["output_top_logprobs"]
+    rows = meta["output_token_ids_logprobs"]
+    assert len(rows) == 3 and all([t for _, t, _ in row] == asked for row in rows)
+    assert rows[0][0][0] == pytest.approx(meta["output_top_logprobs"][0][1][0], abs=1e-6)
+    assert all(lp <= 0 for row in rows for lp, _, _ in row)
+    prompt = meta["input_token_ids_logprobs"]
+    assert prompt[0] is None and len(prompt) == meta["prompt_tokens"]
+    assert all([t for _, t, _ in row] == asked for row in prompt[1:])
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"][1]) == 3
+    batch = _post(server, GEN, {"text": ["a b", "c d"], "return_logprob": True,
+                                "token_ids_logprob": [[5], [6, 7]],
+                                "sampling_params": {"max_new_tokens": 2}})
+    assert [[t for _, t, _ in b["meta_info"]["output_token_ids_logprobs"][0]]
+            for b in batch] == [[5], [6, 7]]
+    assert batch[0]["meta_info"]["output_top_logprobs"] == [[], []]  # top-n 0: as before
+    for body in ({"text": "x", "token_ids_logprob": [5]},
+                 {"text": "x", "return_logprob": True, "token_ids_logprob": [10 ** 7]},
+                 {"text": "x", "return_logprob": True, "token_ids_logprob": [[5]]}):
+        r = httpx.post(server.base_url + GEN, json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text

@@ -380,3 +380,30 @@ def test_overflowing_penalties_and_nan_logits_stay_in_the_vocabulary(kw):
             assert math.isfinite(lp) and all(math.isfinite(v) and v >= -9999.0
                                              for _, v in top)
     assert r.logprobs[0] == pytest.approx(math.log(1 / 3), abs=1e-6)
+
+
+def test_token_ids_logprob_follow_the_top_n_in_the_asked_order():
+    """SGLang's token_ids_logprob: after a row's top-n, the log-softmax at the asked ids in
+    their order (an id past the row reports the floor), one gather for rows that ask the
+    same ids, per row otherwise; split_top_logprobs takes them apart again."""
+    from kvstrata.protocol.sampling_params import split_top_logprobs
+    from kvstrata.runner.sampler import LOGPROB_FLOOR, top_rows
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    ref = torch.log_softmax(logits, -1)
+    same = SamplingParams(logprobs=2, token_ids_logprob=[4, 0, 9])
+    rows = top_rows(ref, [same, same])
+    other = top_rows(ref, [same, SamplingParams(logprobs=0, token_ids_logprob=[1])])
+    for j, row in enumerate(rows):
+        top, asked = split_top_logprobs(row, same)
+        assert [t for t, _ in top] == ref[j].topk(2).indices.tolist()
+        assert [t for t, _ in asked] == [4, 0, 9]
+        assert asked[0][1] == pytest.approx(ref[j, 4].item()) and asked[2][1] == LOGPROB_FLOOR
+    assert other[0] == rows[0] and other[1] == [(1, pytest.approx(ref[1, 1].item()))]
+    # through the sampler: the sampled row's list is the same
+    res = Sampler(6, [5])(logits[:1], [st(temperature=0.0, logprobs=2,
+                                          token_ids_logprob=[4, 0, 9])])
+    assert [t for t, _ in res.top_logprobs[0]] == [t for t, _ in rows[0]]
+    assert [v for _, v in res.top_logprobs[0]] == pytest.approx([v for _, v in rows[0]])
+    with pytest.raises(ValueError, match="^token_ids_logprob needs logprobs"):
+        SamplingParams(token_ids_logprob=[1])

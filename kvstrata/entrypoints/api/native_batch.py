@@ -86,14 +86,21 @@ def batch_items(body, server_args=None) -> list | None:
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ApiError(400, "rid: the ids in a batch must be distinct", "rid")
-    salts = {}  # cache_salt / extra_key: one for all, or a list of one per request
+    per = {}  # cache_salt / extra_key: one for all, or a list of one per request
     for name in ("cache_salt", "extra_key"):
         value = getattr(body, name)
         if isinstance(value, list) and len(value) != total:
             raise ApiError(400, f"{name} has {len(value)} entries for {total} requests", name)
-        salts[name] = value if isinstance(value, list) else [value] * total
+        per[name] = value if isinstance(value, list) else [value] * total
+    asked = body.token_ids_logprob  # one id list for all, or one per prompt
+    if asked and isinstance(asked[0], list):
+        if len(asked) != prompts:
+            raise ApiError(400, f"token_ids_logprob has {len(asked)} lists for {prompts} "
+                           "prompts", "token_ids_logprob")
+        per["token_ids_logprob"] = asked * n
+    else:
+        per["token_ids_logprob"] = [asked] * total
     bootstraps = pd_fields.split_batch(server_args, body, total, field)
     return [body.model_copy(update={field: item, "sampling_params": sp, "rid": rid, **bs,
-                                    "cache_salt": salt, "extra_key": key})
-            for item, sp, rid, bs, salt, key in zip(items, sps, rids, bootstraps,
-                                                   salts["cache_salt"], salts["extra_key"])]
+                                    **{name: values[i] for name, values in per.items()}})
+            for i, (item, sp, rid, bs) in enumerate(zip(items, sps, rids, bootstraps))]

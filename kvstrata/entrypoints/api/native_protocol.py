@@ -133,7 +133,7 @@ class GenerateRequest(RequestModel):
 
     NOT_IMPLEMENTED = frozenset({
         "session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
-        "mm_content_hashes", "use_audio_in_video", "video_config", "token_ids_logprob",
+        "mm_content_hashes", "use_audio_in_video", "video_config",
         "return_sampling_mask", "return_flat_raw_top_logprobs",
         "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_routed_experts",
         "routed_experts_start_len", "return_indexer_topk", "modalities", "session_params",

@@ -21,6 +21,7 @@ from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
+from kvstrata.protocol.sampling_params import split_top_logprobs
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -283,15 +284,37 @@ def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
     if out.spec is not None:
         meta.update(out.spec.meta_info(out.completion_tokens))
     if want_lp:
-        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in
-                                         zip(acc.logprobs, acc.token_ids)]
-        meta["output_top_logprobs"] = [[[t.logprob, t.token_id, text(t.token_id)]
-                                        for t in top] for top in acc.top_logprobs] \
-            if acc.top_logprobs else None
-        if input_lp:
-            ids = acc.choice.req.prompt_ids
-            lps = [None] + list(acc.prompt_logprobs or [])
-            meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
+        meta.update(_logprob_meta(acc, input_lp, text))
+    return meta
+
+
+def _logprob_meta(acc: _Acc, input_lp: bool, text) -> dict:
+    """SGLang's output_/input_ token_logprobs, top_logprobs and token_ids_logprobs. Each
+    reported position's top list holds the top-n, then the token_ids_logprob ids."""
+    params = acc.choice.req.sampling_params
+
+    def entries(row) -> list:
+        return [[t.logprob, t.token_id, text(t.token_id)] for t in row]
+
+    def split(rows) -> tuple[list, list]:
+        parts = [split_top_logprobs(row, params) for row in rows]
+        return [entries(top) for top, _ in parts], [entries(asked) for _, asked in parts]
+
+    meta = {"output_token_logprobs": [[lp, t, text(t)] for lp, t in
+                                      zip(acc.logprobs, acc.token_ids)]}
+    tops, asked = split(acc.top_logprobs)
+    meta["output_top_logprobs"] = tops if acc.top_logprobs else None
+    if params.token_ids_logprob:
+        meta["output_token_ids_logprobs"] = asked
+    if input_lp:
+        ids = acc.choice.req.prompt_ids
+        lps = [None] + list(acc.prompt_logprobs or [])
+        meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
+        tops, asked = split(acc.prompt_top_logprobs or [])
+        if params.logprobs:  # the first prompt token has no logprob
+            meta["input_top_logprobs"] = [None] + tops
+        if params.token_ids_logprob:
+            meta["input_token_ids_logprobs"] = [None] + asked
     return meta
 
 
@@ -314,6 +337,7 @@ async def generate_response(state, request: Request, body):
     so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
     sp = _native_sampling_params(body)
     so.check_logit_bias(tm, sp, "sampling_params.logit_bias")
+    so.check_token_ids(tm, sp.token_ids_logprob, "token_ids_logprob")
     so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
                      "sampling_params.max_new_tokens")
     want_lp = bool(body.return_logprob)
@@ -349,6 +373,14 @@ def _native_sampling_params(body) -> SamplingParams:
     sp_dict = native_sampling_dict(body.sampling_params or {})
     if body.return_logprob:
         sp_dict["logprobs"] = body.top_logprobs_num or 0
+    if body.token_ids_logprob:
+        if not body.return_logprob:
+            raise ApiError(400, "token_ids_logprob needs return_logprob=true",
+                           "token_ids_logprob")
+        if isinstance(body.token_ids_logprob[0], list):
+            raise ApiError(400, "token_ids_logprob is a list per prompt but the prompt is "
+                           "not a batch", "token_ids_logprob")
+        sp_dict["token_ids_logprob"] = list(body.token_ids_logprob)
     try:
         return SamplingParams.from_dict(sp_dict)
     except ValueError as e:
@@ -356,6 +388,6 @@ def _native_sampling_params(body) -> SamplingParams:
         if err.param == "logprobs" and body.return_logprob:  # the client sent it by this name
             err.param = "top_logprobs_num"
             err.message = err.message.replace("logprobs", "top_logprobs_num", 1)
-        elif err.param != "sampling_params":
+        elif err.param not in ("sampling_params", "token_ids_logprob"):  # top-level fields
             err.param = f"sampling_params.{err.param}"
         raise err from None
