@@ -2,7 +2,8 @@
 NaN entries, a padded vocabulary) yields token ids inside the vocabulary and finite
 logprobs, through the sampler and speculative verification alike. The schema fuzz found a
 valid repetition_penalty that broke this (the vocabulary size came back as a token id and
-the scheduler died); this property covers the sampler without a server.
+the scheduler died); this property covers the sampler without a server. Logit biases and
+token_ids_logprob (reported after the top-n, in the asked order) are drawn too.
 
 KVSTRATA_FUZZ_EXAMPLES raises the example count for a soak."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstrata.protocol.sampling_params import SamplingParams
+from kvstrata.protocol.sampling_params import SamplingParams, split_top_logprobs
 from kvstrata.runner.sampler import Sampler, SamplingState
 from kvstrata.runner.spec_verify import verify
 
@@ -44,11 +45,17 @@ request = st.tuples(params, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_
                     st.lists(st.integers(0, VOCAB - 1), max_size=4))
 
 
-def _check(tokens, logprobs, tops):
+def _check(tokens, logprobs, tops, params):
     assert all(0 <= t < VOCAB for t in tokens), tokens
-    for lp, top in zip(logprobs, tops):
+    for lp, top, p in zip(logprobs, tops, params):
         assert lp is None or math.isfinite(lp)
-        assert top is None or all(0 <= t < VOCAB and math.isfinite(v) for t, v in top)
+        if top is None:
+            continue
+        best, asked = split_top_logprobs(top, p)  # token_ids_logprob after the top-n
+        assert len(best) == min(p.logprobs or 0, VOCAB), (best, p.logprobs)
+        assert all(0 <= t < VOCAB and math.isfinite(v) for t, v in best)
+        assert [t for t, _ in asked] == p.token_ids_logprob
+        assert all(math.isfinite(v) and v <= 0 for _, v in asked)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
@@ -56,19 +63,21 @@ def _check(tokens, logprobs, tops):
        padded=st.integers(0, 3))
 def test_any_valid_params_sample_inside_the_vocabulary(reqs, data, padded):
     for p, _, _ in reqs:
+        if p.logprobs is not None:  # SGLang's token_ids_logprob, ids past the vocab too
+            p.token_ids_logprob = data.draw(st.lists(st.integers(0, 2 * VOCAB), max_size=3))
         p.validate()
     rows = [data.draw(st.lists(values, min_size=VOCAB + padded, max_size=VOCAB + padded))
             for _ in reqs]
     logits = torch.tensor(rows, dtype=torch.float32)
     states = [SamplingState(p, prompt, out) for p, prompt, out in reqs]
     r = Sampler(VOCAB, [0])(logits, states)
-    _check(r.token_ids, r.logprobs, r.top_logprobs)
+    _check(r.token_ids, r.logprobs, r.top_logprobs, [p for p, _, _ in reqs])
     # verification of a two-token draft from the same rows (each request's node rows)
     states = [SamplingState(p, prompt, list(out)) for p, prompt, out in reqs]
     drafts = [[data.draw(st.integers(0, VOCAB - 1)) for _ in range(2)] for _ in reqs]
     node_rows = [logits[i:i + 1, :VOCAB].expand(3, VOCAB).contiguous()
                  for i in range(len(reqs))]
     results, _ = verify(Sampler(VOCAB, [0]), node_rows, states, drafts)
-    for produced in results:
+    for produced, (p, _, _) in zip(results, reqs):
         _check([t for t, _, _ in produced], [lp for _, lp, _ in produced],
-               [top for _, _, top in produced])
+               [top for _, _, top in produced], [p] * len(produced))
