@@ -73,7 +73,7 @@ def mix_seed(seed: int, step: int) -> int:
     return x ^ (x >> 31)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def _adjusts_logits(p: SamplingParams) -> bool:
     """Penalties or a logit bias: the row's logits change before anything is chosen."""
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
             or p.presence_penalty != 0.0 or bool(p.logit_bias))
@@ -138,7 +138,7 @@ class Sampler:
         params = [s.params for s in states]
         greedy = [p.is_greedy for p in params]
         adjust = [i for i, s in enumerate(states)
-                  if _has_penalty(s.params) or self._blocks_eos(s)]
+                  if _adjusts_logits(s.params) or self._blocks_eos(s)]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
 
         # Hot path (every decode step of a plain greedy batch): a single argmax on the raw
@@ -180,7 +180,7 @@ class Sampler:
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         adjust = [i for i, s in enumerate(states)
-                  if _has_penalty(s.params) or self._blocks_eos(s)]
+                  if _adjusts_logits(s.params) or self._blocks_eos(s)]
         if not adjust:
             return _tame(logits.float())
         logits = logits.to(torch.float32, copy=True)

@@ -75,7 +75,7 @@ def test_verify_applies_logit_bias_as_plain_decoding_does():
     plain = SamplingState(SamplingParams(temperature=0.0, logit_bias=bias), [1], [])
     assert sampler(logits[:1], [plain]).token_ids == [4]
     # unbiased, the same draft is rejected at once (4 is not the row's argmax)
-    if top != 4:
-        state = SamplingState(SamplingParams(temperature=0.0), [1], [])
-        results, path = verify(sampler, [logits], [state], [[4, 4]])
-        assert [t for t, _, _ in results[0]] == [top] and path == [[]]
+    assert top != 4
+    state = SamplingState(SamplingParams(temperature=0.0), [1], [])
+    results, path = verify(sampler, [logits], [state], [[4, 4]])
+    assert [t for t, _, _ in results[0]] == [top] and path == [[]]
