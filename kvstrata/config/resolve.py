@@ -108,9 +108,11 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     "dcp_size": lambda v: v > 1,
     # Weight quantisation: only w8a8_int8 is built.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
+    # Structured output: the llguidance backend (or none) is built.
+    "grammar_backend": lambda v: v not in ("llguidance", "none"),
 }
 # Flags whose refusal names the value too: the flag itself is built for other values.
-_REFUSAL_SHOWS_VALUE = {"quantization"}
+_REFUSAL_SHOWS_VALUE = {"quantization", "grammar_backend"}
 
 
 def unimplemented_flags(args: ServerArgs) -> list[str]:

@@ -46,6 +46,8 @@ RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
 # MTP layer); which ones are built is config/rules/speculative.py's business.
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+# SGLang's --grammar-backend names; only llguidance (no torch or triton needed) is built.
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
 # "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
 QUANTIZATION_BUILT = ("w8a8_int8",)
@@ -224,6 +226,18 @@ class ServerArgs:
     num_reserved_decode_tokens: int = opt(512, "Decode server: KV tokens reserved per request "
                                                "for its output when admitting transfers.",
                                           group="disaggregation")
+
+    # ---- structured output (SGLang's flags; docs/api.md "Structured output") ------------------
+    grammar_backend: str = opt("llguidance", "Grammar backend of structured output "
+                                             "(json_schema, regex, ebnf, response_format): "
+                                             "llguidance, or none to refuse them (SGLang's "
+                                             "default xgrammar and outlines are not built).",
+                               choices=GRAMMAR_BACKENDS)
+    constrained_json_whitespace_pattern: str | None = opt(
+        None, "Regular expression of the whitespace allowed between JSON tokens under a JSON "
+              "schema (default: any JSON whitespace).")
+    constrained_json_disable_any_whitespace: bool = opt(
+        False, "Under a JSON schema allow no whitespace between JSON tokens (compact JSON).")
 
     # ---- speculative decoding (SGLang's flags; docs/speculative.md) --------------------------
     speculative_algorithm: str | None = opt(

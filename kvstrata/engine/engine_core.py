@@ -96,6 +96,8 @@ class EngineCore:
         if sched_out is not None:
             result = self.runner.execute(sched_out)
             touched = self.scheduler.update(sched_out, result)
+            for rid, message in result.grammar_errors.items():
+                self._grammar_failed(rid, message, touched)
         touched += self.scheduler.finished_outside_step
         self.scheduler.finished_outside_step = []
         if self.check_every_step:
@@ -109,6 +111,19 @@ class EngineCore:
             if req.is_finished:
                 self._rids.discard(req.rid)
         return outputs
+
+    def _grammar_failed(self, rid: str, message: str, touched: list[Request]) -> None:
+        """A request whose grammar failed in the runner drew an EOS (all a failed matcher
+        allows): its finish becomes an abort with llguidance's message, as a grammar refused
+        up front is (SGLang aborts a request whose grammar fails to compile)."""
+        reason = FinishReason(type="abort", message=message, status_code=400)
+        done = next((r for r in touched if r.rid == rid and r.is_finished), None)
+        if done is not None:
+            done.finish_reason = reason
+            return
+        req = self.scheduler.abort(rid, reason)  # ignore_eos kept it running
+        if req is not None:
+            touched.append(req)
 
     def _drain_rejected(self) -> list[Request]:
         rejected, self._rejected = self._rejected, []

@@ -122,6 +122,13 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
                                   "PROB) on an MLA / DSA model")
     runner.spec_accept_thresholds = (args.speculative_accept_threshold_single,
                                      args.speculative_accept_threshold_acc)
+    if args.grammar_backend != "none" and not args.skip_tokenizer_init:  # runner/grammar.py
+        from kvstrata.protocol.grammar import json_options  # noqa: PLC0415
+        from kvstrata.runner.grammar import GrammarBackend  # noqa: PLC0415
+        runner.grammar = GrammarBackend(
+            args.model_path, args.tokenizer_path, runner.vocab_size, runner.eos_token_ids,
+            json_options(args.constrained_json_disable_any_whitespace,
+                         args.constrained_json_whitespace_pattern))
     budget = (None if args.max_total_tokens is not None
               else runner.kv_budget_bytes(args.mem_fraction_static))
     if joined is not None and budget is not None:

@@ -77,6 +77,10 @@ class LLM:
             single = bool(input_ids) and isinstance(input_ids[0], int) or input_ids == []
             ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
         params = self._params_list(sampling_params, len(ids_list))
+        if any(p.grammar_field for p in params) and (
+                self.server_args.grammar_backend == "none" or self.tokenizer is None):
+            raise ValueError("json_schema / regex / ebnf need the grammar backend and the "
+                             "tokenizer (not grammar_backend='none' or skip_tokenizer_init)")
         rids = [f"offline-{next(self._ids)}" for _ in ids_list]
         for rid, ids, sp in zip(rids, ids_list, params):
             self.engine.add_request(EngineRequest(rid, ids, sp, return_prompt_logprobs=return_logprob))

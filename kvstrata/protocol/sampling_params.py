@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.protocol.grammar import check_grammar
+
 # top_k <= 0 (SGLang uses -1) means "no top-k cut".
 TOP_K_ALL = -1
 # Integers cross process boundaries as msgpack, which holds [-2**63, 2**64): anything wider
@@ -22,6 +24,7 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 # OpenAI's range for logit_bias values; vLLM clamps to it, SGLang adds any value: clamping
 # keeps SGLang clients' "-1e9 bans a token" working with the same effect (-100 is a ban).
 LOGIT_BIAS_LIMIT = 100.0
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list:
@@ -92,6 +95,13 @@ class SamplingParams:
     # sees it): these ids' logprobs at every reported position, after the top-n alternatives
     # in each row's top list (split_top_logprobs separates them again). Needs `logprobs`.
     token_ids_logprob: list[int] = field(default_factory=list)
+    # Structured output (SGLang's sampling_params keys; at most one): a JSON schema (as a
+    # JSON string), a regular expression the whole output matches, or an EBNF grammar (GBNF,
+    # or llguidance's Lark syntax). The sampler masks every token that cannot continue it
+    # (runner/grammar.py); protocol/grammar.py checks them here.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
@@ -117,6 +127,15 @@ class SamplingParams:
         # SGLang: a temperature below 1e-6 samples greedily (dividing logits by a tiny or
         # subnormal temperature overflows them to inf and the softmax to NaN).
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def grammar_field(self) -> str | None:
+        """Which of json_schema / regex / ebnf constrains the output (None: none does)."""
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:  # SGLang's rule
+            raise ValueError(f"{given[0]} and {given[1]}: give at most one of json_schema, "
+                             f"regex and ebnf")
+        return given[0] if given else None
 
     def validate(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:
@@ -169,6 +188,11 @@ class SamplingParams:
         check("stream_interval", self.stream_interval is None or (
             is_int(self.stream_interval) and 1 <= self.stream_interval <= _TOKEN_ID_MAX),
               "must be null or an integer >= 1")
+        for name in GRAMMAR_FIELDS:
+            check(name, getattr(self, name) is None or isinstance(getattr(self, name), str),
+                  "must be a string")
+        if self.grammar_field is not None:
+            check_grammar(self)
         check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be null or an integer in [0, 20]")
 

@@ -200,3 +200,7 @@ class RunnerOutput(msgspec.Struct):
     # (draft KV rebuilt: a first prompt, a host load-back). The speculation gate leaves such
     # steps out of its cost averages: they are not what a drafting step usually costs.
     draft_catch_up_tokens: int = 0
+    # Structured output: rid -> why its grammar failed (past llguidance's limits with this
+    # tokenizer, or output it cannot take). The request's token this step is an EOS; the
+    # engine turns its finish into an abort (400) carrying the message.
+    grammar_errors: dict[str, str] = {}

@@ -29,6 +29,7 @@ from kvstrata.runner.dsa import DSASeedKeeper
 from kvstrata.runner.drafts import build_draft
 from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
+from kvstrata.runner.grammar import new_failures
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.hicache_executor import HiCacheExecutor
 from kvstrata.runner.op_executor import split_ops
@@ -96,6 +97,7 @@ class ModelRunner:
         self.disagg = None  # DisaggExecutor once enable_disagg() ran (PD prefill/decode)
         # --speculative-accept-threshold-single / -acc (sampled verify rows only)
         self.spec_accept_thresholds = (1.0, 1.0)
+        self.grammar = None  # structured output's GrammarBackend (runner/grammar.py)
 
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
@@ -323,10 +325,13 @@ class ModelRunner:
             result = self.sampler(rows, states)
             for r, st, tok, lp, top in zip(sampled, states, result.token_ids,
                                            result.logprobs, result.top_logprobs):
-                st.output_token_ids.append(tok)
+                st.record(tok)
                 produced[r.rid] = [(tok, lp, top)]
         if self.draft is not None:
             self._draft_handoffs(reqs, produced, out)
+        if self.grammar is not None:
+            out.grammar_errors = new_failures((r.rid, self._reqs[r.rid].sampling.grammar)
+                                              for r in reqs)
         for r in reqs:  # batch order; a verify entry's tokens stay consecutive
             for tok, lp, top in produced.get(r.rid, ()):
                 out.rids.append(r.rid)
@@ -363,10 +368,11 @@ class ModelRunner:
             self.dsa_seeds.pending[new.rid] = list(new.dsa_seed)
         if new.spec_handoff is not None and hasattr(self.draft, "handoffs"):
             self.draft.handoffs[new.rid] = (new.spec_handoff, len(new.prompt_token_ids))
-        self._reqs[new.rid] = _ReqState(
-            SamplingState(new.sampling_params, list(new.prompt_token_ids),
-                          list(new.output_token_ids)),
-            want_prompt_logprobs=new.return_prompt_logprobs)
+        state = SamplingState(new.sampling_params, list(new.prompt_token_ids),
+                              list(new.output_token_ids))
+        if self.grammar is not None:  # structured output: its matcher replays the output
+            state.grammar = self.grammar.matcher(new.sampling_params, state.output_token_ids)
+        self._reqs[new.rid] = _ReqState(state, want_prompt_logprobs=new.return_prompt_logprobs)
 
     def _accumulate_prompt_logprobs(self, r, logits: torch.Tensor, out: RunnerOutput) -> None:
         """Logits at positions p predict token p + 1; keep those that are prompt tokens.

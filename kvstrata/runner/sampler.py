@@ -5,7 +5,9 @@ Pipeline per row, in this order:
      divided, negative multiplied), then frequency/presence (OpenAI: over OUTPUT ids only:
      logit -= count * frequency_penalty + presence_penalty);
      then logit_bias (added after the penalties, as SGLang; ids past the logits ignored);
-  2. min_new_tokens: while len(output) < min_new_tokens, EOS ids and stop_token_ids -> -inf;
+  2. a grammar (json_schema / regex / ebnf: runner/grammar.py): tokens that cannot continue
+     it -> -inf; then min_new_tokens: while len(output) < min_new_tokens, EOS ids and
+     stop_token_ids -> -inf, unless they are all the grammar still allows (it is complete);
   3. greedy rows (temperature < 1e-6, as SGLang, or top_k == 1): argmax of those adjusted logits;
   4. other rows: / temperature, top-k, top-p (on the top-k-renormalised distribution),
      min-p (relative to the max remaining prob), then one draw.
@@ -27,6 +29,7 @@ Rows without a seed take u from torch's global generator (torch.manual_seed cont
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +55,14 @@ class SamplingState:
     # logit_bias as (ids, values) tensors, built on first use for the same reason.
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False,
                                                             repr=False, compare=False)
+    # Structured output: the request's grammar matcher (runner/grammar.py), or None.
+    grammar: Any = field(default=None, repr=False, compare=False)
+
+    def record(self, token: int) -> None:
+        """A sampled token joins the output (and advances the grammar)."""
+        self.output_token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
 
 @dataclass
@@ -73,10 +84,12 @@ def mix_seed(seed: int, step: int) -> int:
     return x ^ (x >> 31)
 
 
-def _adjusts_logits(p: SamplingParams) -> bool:
-    """Penalties or a logit bias: the row's logits change before anything is chosen."""
+def _adjusts_logits(s: SamplingState) -> bool:
+    """Penalties, a logit bias or a grammar: the row's logits change before anything is
+    chosen."""
+    p = s.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or bool(p.logit_bias))
+            or p.presence_penalty != 0.0 or bool(p.logit_bias) or s.grammar is not None)
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:
@@ -138,7 +151,7 @@ class Sampler:
         params = [s.params for s in states]
         greedy = [p.is_greedy for p in params]
         adjust = [i for i, s in enumerate(states)
-                  if _adjusts_logits(s.params) or self._blocks_eos(s)]
+                  if _adjusts_logits(s) or self._blocks_eos(s)]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
 
         # Hot path (every decode step of a plain greedy batch): a single argmax on the raw
@@ -180,7 +193,7 @@ class Sampler:
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         adjust = [i for i, s in enumerate(states)
-                  if _adjusts_logits(s.params) or self._blocks_eos(s)]
+                  if _adjusts_logits(s) or self._blocks_eos(s)]
         if not adjust:
             return _tame(logits.float())
         logits = logits.to(torch.float32, copy=True)
@@ -193,8 +206,8 @@ class Sampler:
         return len(s.output_token_ids) < s.params.min_new_tokens
 
     def _adjust_row(self, row: torch.Tensor, s: SamplingState) -> None:
-        """Applies penalties, logit_bias and the min_new_tokens mask in place to one float32
-        row."""
+        """Applies penalties, logit_bias, the grammar and the min_new_tokens mask in place to
+        one float32 row."""
         p, vocab, dev = s.params, row.shape[0], row.device
         out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
         out = out[out < vocab]  # ids the (possibly truncated) logits cannot hold are ignored
@@ -219,10 +232,18 @@ class Sampler:
             ids, vals = s._bias
             keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
             row[ids[keep]] += vals[keep]
+        if s.grammar is not None:
+            allowed = s.grammar.allowed()[:vocab].to(dev)
+            row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+            row[allowed.shape[0]:] = float("-inf")
         if self._blocks_eos(s):
             blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if blocked:
-                row[torch.tensor(blocked, dtype=torch.long, device=dev)] = float("-inf")
+                ids = torch.tensor(blocked, dtype=torch.long, device=dev)
+                kept = row[ids]
+                row[ids] = float("-inf")
+                if s.grammar is not None and not bool(row.max() > float("-inf")):
+                    row[ids] = kept  # a complete grammar allows only these: it ends here
 
     # ------------------------------------------------------------------ random sampling
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:

@@ -80,7 +80,7 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
             Sampler._fill_logprobs(adj, want_lp, [s.params for s in st], tokens, lps, tops)
         still = []
         for r, i in enumerate(alive):
-            states[i].output_token_ids.append(tokens[r])
+            states[i].record(tokens[r])
             results[i].append((tokens[r], lps[r], tops[r]))
             nxt = next((c for c, d in kids[i].get(node[i], ()) if d == tokens[r]), None)
             if nxt is not None:

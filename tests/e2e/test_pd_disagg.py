@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import threading
 import time
 
@@ -48,6 +49,23 @@ def test_generate_pair_matches_colocated(pd, server):
     assert decode.json()["output_ids"] == want["output_ids"]
     assert decode.json()["text"] == want["text"]
     assert decode.json()["meta_info"]["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+
+
+def test_grammar_crosses_the_pair(pd, server):
+    """Structured output: the prefill server draws the first token under the grammar, the
+    decode server's matcher replays it and goes on; the answer equals co-located decoding
+    (greedy) and is in the grammar's language."""
+    pattern = r"(alpha|beta|gamma)( (alpha|beta|gamma)){2,4}\."
+    for temperature in (0.0, 0.9):
+        sampling = {"regex": pattern, "temperature": temperature, "seed": 11}
+        want = httpx.post(server.base_url + "/generate", json={
+            "text": "Greek letters:", "sampling_params": {"max_new_tokens": 40, **sampling}},
+            timeout=60).json()
+        prefill, decode = pd.generate("Greek letters:", max_new_tokens=40, **sampling)
+        assert prefill.status_code == 200 and decode.status_code == 200, decode.text
+        assert re.fullmatch(pattern, decode.json()["text"]), decode.json()["text"]
+        assert decode.json()["meta_info"]["finish_reason"]["type"] == "stop"
+        assert decode.json()["output_ids"] == want["output_ids"]
 
 
 def test_long_prompt_and_shared_prefix(pd, server):

@@ -4,6 +4,9 @@ decoding of the same model in this process, and the speculative counters reach m
 /server_info and /metrics."""
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 import openai
 import pytest
@@ -147,3 +150,31 @@ def test_eagle_tree_server_equals_plain(eagle_server, plain):
     info = httpx.get(eagle_server.base_url + "/server_info", timeout=30).json()
     assert info["speculative_algorithm"] == "EAGLE"
     assert (info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) == (2, 6)
+
+
+# Structured output under speculation: verification walks the drafts through the grammar
+# (each position masked after the tokens accepted before it), so the answer is plain
+# constrained decoding's; drafts outside the grammar are simply rejected.
+WORDS = r"( (one|two|three|four|five|six|seven|eight|nine|ten)){3,30}"
+
+
+@pytest.mark.parametrize("which", ["ngram", "eagle"])
+def test_grammar_under_speculation_equals_plain(request, plain, which):
+    from tests.e2e.test_structured_output import PET, _check_pet
+
+    srv = request.getfixturevalue("spec_server" if which == "ngram" else "eagle_server")
+    for params in ({"regex": WORDS}, {"json_schema": json.dumps(PET)}):
+        sp = {"max_new_tokens": 60, "temperature": 0, **params}
+        want = plain.generate(TEXT, sp)
+        r = httpx.post(srv.base_url + "/generate", timeout=60,
+                       json={"text": TEXT, "sampling_params": sp})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["text"] == want["text"], (got["text"], want["text"])
+        assert got["meta_info"]["spec_verify_ct"] > 0
+        if "regex" in params:
+            assert re.fullmatch(WORDS, got["text"]), got["text"]
+            if which == "ngram":  # the n-gram cache knows the words: some drafts pass
+                assert got["meta_info"]["spec_accept_token_num"] > 0, got["meta_info"]
+        else:
+            _check_pet(got["text"])

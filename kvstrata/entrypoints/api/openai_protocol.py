@@ -49,17 +49,19 @@ class _SamplingFields(RequestModel):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: Port | list[Port | None] | None = None
     bootstrap_room: UInt64 | list[UInt64] | None = None
-    # Known OpenAI fields, accepted only when off.
     logit_bias: dict[str, float] | None = None
+    # Structured output (entrypoints/api/structured_output.py): OpenAI's response_format,
+    # SGLang's regex and ebnf.
     response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # Known OpenAI fields, accepted only when off.
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     # Known SGLang fields, accepted only at their default.
-    regex: str | None = None
-    ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None
     session_id: str | None = None
@@ -81,15 +83,12 @@ class _SamplingFields(RequestModel):
     priority: Int64 | None = None
 
     NOT_IMPLEMENTED = frozenset({
-        "response_format", "service_tier", "store", "metadata", "prediction",
-        "web_search_options", "regex", "ebnf", "stop_regex", "lora_path", "session_id",
+        "service_tier", "store", "metadata", "prediction",
+        "web_search_options", "stop_regex", "lora_path", "session_id",
         "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
         "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
         "data_parallel_rank", "ngram_corpus_id"})
-    # OpenAI's explicit default: plain text, what every answer is without a grammar (clients
-    # and frameworks send it on every request).
-    ALSO_OFF = {"response_format": ({"type": "text"},)}
 
 
 # ---- chat messages ------------------------------------------------------------------------
@@ -238,8 +237,7 @@ class CompletionRequest(_SamplingFields):
     json_schema: str | None = None
     custom_labels: dict[str, str] | None = None
 
-    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "json_schema",
-                                                         "custom_labels"}
+    NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {"suffix", "best_of", "custom_labels"}
     ALSO_OFF = {**_SamplingFields.ALSO_OFF, "best_of": (1,)}  # best_of=1: the default
 
 

@@ -19,6 +19,7 @@ from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, from_s
 from kvstrata.entrypoints.api.native_batch import batch_items
 from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
+from kvstrata.entrypoints.api.structured_output import check_grammar_allowed
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol.sampling_params import split_top_logprobs
@@ -337,6 +338,8 @@ async def generate_response(state, request: Request, body):
     so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
     sp = _native_sampling_params(body)
     so.check_logit_bias(tm, sp, "sampling_params.logit_bias")
+    if sp.grammar_field is not None:
+        check_grammar_allowed(state.server_args, sp, f"sampling_params.{sp.grammar_field}")
     so.check_token_ids(tm, sp.token_ids_logprob, "token_ids_logprob")
     so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
                      "sampling_params.max_new_tokens")

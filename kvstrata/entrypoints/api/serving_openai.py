@@ -16,6 +16,7 @@ import msgspec
 from kvstrata.entrypoints.api.chat_prompt import chat_prompt_ids
 from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvstrata.entrypoints.api.structured_output import check_grammar_allowed, grammar_fields
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
@@ -56,13 +57,29 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         seed=None if body.seed is None else body.seed + seed_offset,
         stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
-        no_stop_trim=body.no_stop_trim, logprobs=logprobs, logit_bias=body.logit_bias)
+        no_stop_trim=body.no_stop_trim, logprobs=logprobs, logit_bias=body.logit_bias,
+        **grammar_fields(body))
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
         lp_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise from_sampling_error(e, overrides={"max_new_tokens": max_param,
-                                                "logprobs": lp_param}) from None
+                                                "logprobs": lp_param,
+                                                "json_schema": _schema_param(body)}) from None
+
+
+def _schema_param(body) -> str:
+    """The request field a SamplingParams.json_schema came from."""
+    return "json_schema" if getattr(body, "json_schema", None) is not None \
+        else "response_format"
+
+
+def check_openai_params(tm, body, sp: SamplingParams) -> None:
+    check_logit_bias(tm, sp)
+    field = sp.grammar_field
+    if field is not None:
+        check_grammar_allowed(tm.server_args, sp,
+                              _schema_param(body) if field == "json_schema" else field)
 
 
 def cache_salt(body) -> str | None:
@@ -113,7 +130,7 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     rid = request_rid(body)
     params = [build_sampling_params(body, max_tokens, logprobs, j, max_param)
               for j in range(body.n)]
-    check_logit_bias(tm, params[0])
+    check_openai_params(tm, body, params[0])
     salt = cache_salt(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
@@ -143,7 +160,7 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
         for j in range(body.n):
             index = i * body.n + j
             sp = build_sampling_params(body, max_tokens, body.logprobs, j, "max_tokens")
-            check_logit_bias(tm, sp)
+            check_openai_params(tm, body, sp)
             choices.append(Choice(index, ipc.GenerateReq(
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
                 sampling_params=sp,

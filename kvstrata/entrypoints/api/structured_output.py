@@ -1,0 +1,67 @@
+"""Structured output fields of the OpenAI routes -> SamplingParams' json_schema / regex / ebnf,
+and the server-level refusals (docs/api.md "Structured output").
+
+OpenAI's `response_format`: {"type": "text"} (no grammar), {"type": "json_object"} (any JSON
+object), {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; SGLang's
+chat/completions extras `regex` and `ebnf`, and /v1/completions' `json_schema` (a string).
+As in SGLang, a request gives at most one of them (SamplingParams checks that and each
+grammar, naming the field).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvstrata.entrypoints.api.errors import bad_request
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _schema_of(response_format: Any) -> str | None:
+    if not isinstance(response_format, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema "
+                              "object", "response_format")
+        return json.dumps(schema)
+    if kind == "structural_tag":
+        raise bad_request("not implemented yet: response_format structural_tag",
+                          "response_format")
+    raise bad_request(f"response_format.type must be one of text, json_object, json_schema; "
+                      f"got {kind!r}", "response_format")
+
+
+def grammar_fields(body) -> dict[str, str | None]:
+    """json_schema / regex / ebnf for SamplingParams from an OpenAI request body."""
+    fields = {"json_schema": getattr(body, "json_schema", None), "regex": body.regex,
+              "ebnf": body.ebnf}
+    if body.response_format is not None:
+        schema = _schema_of(body.response_format)
+        if schema is not None:
+            if fields["json_schema"] is not None:
+                raise bad_request("give one of response_format and json_schema",
+                                  "response_format")
+            fields["json_schema"] = schema
+    return fields
+
+
+def check_grammar_allowed(server_args, sp, param: str) -> None:
+    """A grammar needs the grammar backend (not --grammar-backend none) and the tokenizer
+    (llguidance matches text, so token-in-token-out servers cannot constrain it)."""
+    field = sp.grammar_field
+    if field is None:
+        return
+    if getattr(server_args, "grammar_backend", "llguidance") == "none":
+        raise bad_request(f"{param}: structured output is off on this server "
+                          f"(--grammar-backend none)", param)
+    if getattr(server_args, "skip_tokenizer_init", False):
+        raise bad_request(f"{param}: structured output needs the tokenizer (this server runs "
+                          f"with --skip-tokenizer-init)", param)

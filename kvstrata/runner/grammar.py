@@ -1,0 +1,110 @@
+"""Structured output in the runner: one llguidance matcher per constrained request, which says
+before each sampled token which tokens may come next (a mask the sampler applies last) and
+takes each sampled token after.
+
+The runner owns it because the runner samples: the matcher must see every token the moment it
+is drawn, before the next step's mask, on every path that draws one (a plain step, a PD
+prefill server's first token). A request that arrives with output already (a PD decode
+server's first token from the prefill server, a retracted request coming back) replays it.
+Every TP rank keeps its own matchers: they sample the same tokens, so they agree.
+
+The llguidance tokenizer (the vocabulary as byte strings) is built from the model's tokenizer
+on the first constrained request (~0.5 s for SmolLM2's 49152 tokens), not at start-up.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+
+from kvstrata.config.model_source import load_tokenizer, resolve_model_path
+from kvstrata.protocol.grammar import grammar_error, llguidance_grammar
+from kvstrata.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarBackend:
+    """Builds matchers for one model: `matcher(params, output_ids)` for a new request."""
+
+    def __init__(self, model_path: str, tokenizer_path: str | None, vocab_size: int,
+                 eos_token_ids: list[int], json_options: dict):
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.json_options = json_options
+        pattern = json_options.get("whitespace_pattern")
+        if pattern is not None and grammar_error("regex", pattern):
+            raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regular "
+                             f"expression: {grammar_error('regex', pattern).splitlines()[0]}")
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf  # noqa: PLC0415 - only when a grammar arrives
+
+                hf = load_tokenizer(resolve_model_path(self.model_path),
+                                    tokenizer_path=self.tokenizer_path)
+                # Ids past the tokenizer (a padded output head) are never allowed; the
+                # sampler cuts the mask to the logits it has.
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    hf, n_vocab=max(len(hf), self.vocab_size), eos_token=self.eos_token_ids)
+            return self._tokenizer
+
+    def matcher(self, params: SamplingParams, output_ids: list[int]) -> "GrammarState | None":
+        field = params.grammar_field
+        if field is None:
+            return None
+        import llguidance  # noqa: PLC0415
+
+        grammar = llguidance_grammar(field, getattr(params, field), self.json_options)
+        state = GrammarState(llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0),
+                             self.vocab_size)
+        if state.matcher.is_error():  # the API checked it: not expected, but never fatal
+            logger.warning("grammar failed to compile: %s", state.matcher.get_error())
+        for tok in output_ids:
+            state.accept(tok)
+        return state
+
+
+class GrammarState:
+    """One request's matcher. `allowed()` is a bool mask over the vocabulary; `accept(tok)`
+    advances it. A matcher in an error state (a token it could not take: the request's own
+    tokens before a restart under another grammar, say) allows the EOS tokens only, so the
+    request ends instead of running on unconstrained."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.reported = False  # its failure went up to the engine once
+
+    def allowed(self) -> torch.Tensor:
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return torch.from_numpy(mask)
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.is_error() and not self.matcher.is_stopped():
+            self.matcher.consume_token(int(token))
+
+    @property
+    def failed(self) -> bool:
+        return self.matcher.is_error()
+
+
+def new_failures(states) -> dict[str, str]:
+    """rid -> llguidance's message, for each (rid, GrammarState | None) whose matcher failed
+    since the last call (RunnerOutput.grammar_errors)."""
+    failed = {}
+    for rid, state in states:
+        if state is not None and not state.reported and state.failed:
+            state.reported = True
+            # llguidance's message, without the parser state dump it appends
+            message = " ".join(state.matcher.get_error().split("<state>")[0].split())
+            failed[rid] = f"The request's grammar failed: {message[:400]}"
+    return failed

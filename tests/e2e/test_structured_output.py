@@ -1,0 +1,90 @@
+"""Structured output through the server (the shared tiny server: random weights, SmolLM2's
+tokenizer): whatever the model would say, the answer is in the grammar's language. The
+official openai client's response_format, SGLang's regex / ebnf extras and /generate's
+sampling_params, streamed and not, sampled and greedy; a grammar past llguidance's limits
+is a 400 with its message and the server goes on."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+MSG = [{"role": "user", "content": "Describe a pet."}]
+# Compact JSON ("x-guidance" is llguidance's per-schema option): a random model under the
+# default (any whitespace between tokens) would mostly draw whitespace.
+PET = {"type": "object", "x-guidance": {"whitespace_flexible": False},
+       "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
+                                                                 "minimum": 0,
+                                                                 "maximum": 8},
+                      "vaccinated": {"type": "boolean"}},
+       "required": ["kind", "legs", "vaccinated"], "additionalProperties": False}
+
+
+def _check_pet(text: str) -> None:
+    pet = json.loads(text)
+    assert set(pet) == {"kind", "legs", "vaccinated"}, text
+    assert pet["kind"] in ("cat", "dog") and 0 <= pet["legs"] <= 8, text
+    assert isinstance(pet["vaccinated"], bool), text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_openai_client_json_schema(client, temperature):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=120, temperature=temperature, seed=seed,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "pet", "schema": PET, "strict": True}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice
+        _check_pet(choice.message.content)
+
+
+def test_json_object_starts_an_object(client):
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=8,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.lstrip().startswith("{"), r.choices[0]
+
+
+def test_completions_regex_and_stream(server):
+    pattern = r"(red|green|blue)-[0-9]{3}"
+    body = {"model": "tiny", "prompt": "A colour code:", "max_tokens": 30, "regex": pattern,
+            "temperature": 1.0, "n": 3, "seed": 4}
+    r = httpx.post(server.base_url + COMP, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop" and re.fullmatch(pattern, choice["text"])
+    with httpx.stream("POST", server.base_url + COMP, json={**body, "n": 1, "stream": True},
+                      timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert re.fullmatch(pattern, text), text
+
+
+def test_generate_sampling_params_grammars(server):
+    cases = [({"ebnf": 'root ::= "Answer: " ("yes" | "no") "."'},
+              lambda t: t in ("Answer: yes.", "Answer: no.")),
+             ({"regex": r"[A-Z][a-z]{2,5}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,5}", t)),
+             ({"json_schema": json.dumps(PET)}, lambda t: _check_pet(t) is None)]
+    for params, ok in cases:
+        body = {"text": ["Say something.", "Another one."],
+                "sampling_params": {"max_new_tokens": 120, "temperature": 0.8, **params}}
+        r = httpx.post(server.base_url + GEN, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        for out in r.json():
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+            assert ok(out["text"]), out["text"]
+
+
+def test_grammar_past_the_limits_is_a_400_and_the_server_goes_on(server, client):
+    # valid syntax, but its lexer grows past llguidance's limits with this vocabulary
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8, "regex": "(a{1000}){1000}"}
+    r = httpx.post(server.base_url + COMP, json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert "grammar failed" in r.json()["error"]["message"]
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=3,
+                                  extra_body={"regex": "ok"})
+    assert r.choices[0].text == "ok"
