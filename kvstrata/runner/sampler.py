@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from kvstrata.protocol.sampling_params import SamplingParams
-from kvstrata.runner import cpu_ops
+# The row helpers live in logit_rows.py; imported here so callers keep one import.
+from kvstrata.runner.logit_rows import (LOGPROB_FLOOR, finite_logprobs,  # noqa: F401
+                                        greedy_ids, tame_logits, top_rows)
 
 _MASK64 = (1 << 64) - 1
 # Width of the top-k prefix first tried for top-p-only rows (see Sampler._cut_threshold).
@@ -92,46 +94,6 @@ def _adjusts_logits(s: SamplingState) -> bool:
             or p.presence_penalty != 0.0 or bool(p.logit_bias) or s.grammar is not None)
 
 
-def greedy_ids(logits: torch.Tensor) -> list[int]:
-    """argmax per row, the first index on ties (as torch.argmax). On CPU one C pass
-    (cpu_ops.argmax_rows: [32, 49152] fp32 0.47-0.69 -> 0.12-0.13 ms, 2 threads); else through
-    max(dim): torch's argmax over the same measured 1.0 ms against 0.43 ms for max."""
-    if logits.device.type == "cpu":
-        ids = cpu_ops.argmax_rows(logits)
-        if ids is not None:
-            return ids
-    return logits.max(dim=-1).indices.tolist()
-
-
-LOGPROB_FLOOR = -9999.0
-
-
-def finite_logprobs(lp: torch.Tensor) -> torch.Tensor:
-    """log-probabilities a response can carry: -inf (and NaN) as LOGPROB_FLOOR."""
-    return torch.nan_to_num(lp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(
-        min=LOGPROB_FLOOR)
-
-
-def _tame(logits: torch.Tensor) -> torch.Tensor:
-    """float32 logits with no +inf or NaN (the same tensor when there are none). A seen token's
-    logit divided by a tiny repetition_penalty (any r > 0 is valid) overflows to +inf, and
-    softmax then gives NaN, from which the inverse CDF returned the vocabulary size as a
-    token id (the next step's embedding lookup failed and took the scheduler down; found by
-    the schema fuzz). In the limit the +inf tokens share all the mass, so that is what a row
-    with any keeps; NaN is never drawn; a row left with nothing finite draws uniformly."""
-    # max() is NaN with any NaN and +inf with any +inf (-inf alone is a blocked token, kept);
-    # ~40x cheaper than isfinite().all() at [32, 49152] on CPU (0.18 vs 7.6 ms)
-    if logits.numel() == 0 or bool(logits.max() < float("inf")):
-        return logits
-    neg_inf = float("-inf")
-    posinf = logits == float("inf")
-    logits = torch.where(posinf.any(dim=-1, keepdim=True),
-                         torch.where(posinf, 0.0, neg_inf), logits)
-    logits = torch.where(torch.isnan(logits), neg_inf, logits)
-    dead = (logits == neg_inf).all(dim=-1, keepdim=True)
-    return torch.where(dead, 0.0, logits)
-
-
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = int(vocab_size)
@@ -166,7 +128,7 @@ class Sampler:
                 self._adjust_row(logits[i], states[i])
         else:
             logits = logits.float()  # read-only below, so no copy needed
-        logits = _tame(logits)
+        logits = tame_logits(logits)
 
         tokens = [0] * n
         greedy_rows = [i for i in range(n) if greedy[i]]
@@ -189,17 +151,17 @@ class Sampler:
 
     def adjusted(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """float32 logits after penalties and the min_new_tokens mask (steps 1-2), as the
-        sampler sees them (_tame: no +inf or NaN); a copy when anything changes."""
+        sampler sees them (tame_logits: no +inf or NaN); a copy when anything changes."""
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         adjust = [i for i, s in enumerate(states)
                   if _adjusts_logits(s) or self._blocks_eos(s)]
         if not adjust:
-            return _tame(logits.float())
+            return tame_logits(logits.float())
         logits = logits.to(torch.float32, copy=True)
         for i in adjust:
             self._adjust_row(logits[i], states[i])
-        return _tame(logits)
+        return tame_logits(logits)
 
     # ------------------------------------------------------------------ penalties
     def _blocks_eos(self, s: SamplingState) -> bool:
@@ -208,6 +170,34 @@ class Sampler:
     def _adjust_row(self, row: torch.Tensor, s: SamplingState) -> None:
         """Applies penalties, logit_bias, the grammar and the min_new_tokens mask in place to
         one float32 row."""
+        p, vocab, dev = s.params, row.shape[0], row.device
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 \
+                or p.presence_penalty != 0.0:
+            self._penalise_row(row, s)
+        if p.logit_bias:
+            if s._bias is None or s._bias[0].device != dev:
+                s._bias = (torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev),
+                           torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
+                                        device=dev))
+            ids, vals = s._bias
+            keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
+            row[ids[keep]] += vals[keep]
+        if s.grammar is not None:
+            allowed = s.grammar.allowed()[:vocab].to(dev)
+            row[: allowed.shape[0]].masked_fill_(allowed.logical_not(), float("-inf"))
+            row[allowed.shape[0]:] = float("-inf")
+        if self._blocks_eos(s):
+            blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
+            if blocked:
+                ids = torch.tensor(blocked, dtype=torch.long, device=dev)
+                kept = row[ids]
+                row[ids] = float("-inf")
+                if s.grammar is not None and not bool(row.max() > float("-inf")):
+                    row[ids] = kept  # a complete grammar allows only these: it ends here
+
+    @staticmethod
+    def _penalise_row(row: torch.Tensor, s: SamplingState) -> None:
+        """Repetition, frequency and presence penalties, in place."""
         p, vocab, dev = s.params, row.shape[0], row.device
         out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
         out = out[out < vocab]  # ids the (possibly truncated) logits cannot hold are ignored
@@ -224,26 +214,6 @@ class Sampler:
         if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and out.numel():
             ids, counts = torch.unique(out, return_counts=True)
             row[ids] -= counts.to(row.dtype) * p.frequency_penalty + p.presence_penalty
-        if p.logit_bias:
-            if s._bias is None or s._bias[0].device != dev:
-                s._bias = (torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev),
-                           torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
-                                        device=dev))
-            ids, vals = s._bias
-            keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
-            row[ids[keep]] += vals[keep]
-        if s.grammar is not None:
-            allowed = s.grammar.allowed()[:vocab].to(dev)
-            row[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
-            row[allowed.shape[0]:] = float("-inf")
-        if self._blocks_eos(s):
-            blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
-            if blocked:
-                ids = torch.tensor(blocked, dtype=torch.long, device=dev)
-                kept = row[ids]
-                row[ids] = float("-inf")
-                if s.grammar is not None and not bool(row.max() > float("-inf")):
-                    row[ids] = kept  # a complete grammar allows only these: it ends here
 
     # ------------------------------------------------------------------ random sampling
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -260,7 +230,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
         # new tensor: safe to edit, caller's stays as is; a huge logit over a small
         # temperature overflows to +inf as a tiny repetition_penalty does: tamed the same way
-        logits = _tame(logits / temps.unsqueeze(1))
+        logits = tame_logits(logits / temps.unsqueeze(1))
 
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         tops = [p.top_p for p in ps]
@@ -366,7 +336,7 @@ class Sampler:
         # cdf[i] > x >= cdf[i-1] implies probs[i] > 0: a filtered token is never returned.
         x = torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
         idx = torch.searchsorted(cdf, x, right=True)
-        # never past the last token, whatever the probs (_tame keeps them finite)
+        # never past the last token, whatever the probs (tame_logits keeps them finite)
         return idx.squeeze(1).clamp_(max=probs.shape[1] - 1).tolist()
 
     # ------------------------------------------------------------------ logprobs
@@ -382,32 +352,3 @@ class Sampler:
         for j, i in enumerate(rows):
             logprobs[i] = chosen[j]
             top_logprobs[i] = tops[j]
-
-
-def top_rows(lp: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
-    """Per row of finite log-probabilities [r, vocab]: its `logprobs` most likely tokens
-    (descending), then the logprobs of its token_ids_logprob in their order (an id past the
-    row reports LOGPROB_FLOOR, so split_top_logprobs still finds the boundary)."""
-    width = lp.shape[1]
-    n_max = min(max(p.logprobs or 0 for p in params), width)
-    if n_max > 0:
-        top_v, top_i = lp.topk(n_max, dim=-1, sorted=True)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    asked = [p.token_ids_logprob for p in params]
-    vals: list = [[]] * len(params)
-    if any(asked):
-        def gather(rows, ids: list[int]) -> list:
-            index = torch.tensor([t if t < width else 0 for t in ids], dtype=torch.long,
-                                 device=lp.device)
-            return lp[rows][:, index].tolist()
-        if all(a == asked[0] for a in asked):  # one list for every row: one gather
-            vals = gather(slice(None), asked[0])
-        else:
-            vals = [gather(slice(j, j + 1), a)[0] if a else [] for j, a in enumerate(asked)]
-    out = []
-    for j, p in enumerate(params):
-        k = min(p.logprobs or 0, width)
-        row = [(top_i[j][c], top_v[j][c]) for c in range(k)]
-        row += [(t, v if t < width else LOGPROB_FLOOR) for t, v in zip(asked[j], vals[j])]
-        out.append(row)
-    return out
