@@ -183,9 +183,7 @@ class Sampler:
             keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
             row[ids[keep]] += vals[keep]
         if s.grammar is not None:
-            allowed = s.grammar.allowed()[:vocab].to(dev)
-            row[: allowed.shape[0]].masked_fill_(allowed.logical_not(), float("-inf"))
-            row[allowed.shape[0]:] = float("-inf")
+            self._mask_row(row, s.grammar.allowed()[:vocab].to(dev))
         if self._blocks_eos(s):
             blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if blocked:
@@ -194,6 +192,18 @@ class Sampler:
                 row[ids] = float("-inf")
                 if s.grammar is not None and not bool(row.max() > float("-inf")):
                     row[ids] = kept  # a complete grammar allows only these: it ends here
+
+    @staticmethod
+    def _mask_row(row: torch.Tensor, allowed: torch.Tensor) -> None:
+        """Only the grammar's tokens stay. If none of them has a usable logit (all -inf or
+        NaN: a -inf logit_bias, say), they share the row evenly: tame_logits would otherwise
+        spread a dead row over the whole vocabulary, grammar or not."""
+        n = allowed.shape[0]
+        row[n:] = float("-inf")
+        head = row[:n]
+        head.masked_fill_(allowed.logical_not(), float("-inf"))
+        if not bool((head > float("-inf")).any()):
+            head.copy_(torch.where(allowed, 0.0, float("-inf")))
 
     @staticmethod
     def _penalise_row(row: torch.Tensor, s: SamplingState) -> None:

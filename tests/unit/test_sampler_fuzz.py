@@ -3,7 +3,8 @@ NaN entries, a padded vocabulary) yields token ids inside the vocabulary and fin
 logprobs, through the sampler and speculative verification alike. The schema fuzz found a
 valid repetition_penalty that broke this (the vocabulary size came back as a token id and
 the scheduler died); this property covers the sampler without a server. Logit biases and
-token_ids_logprob (reported after the top-n, in the asked order) are drawn too.
+token_ids_logprob (reported after the top-n, in the asked order) are drawn too, and
+grammars (structured output): a row with one only ever draws tokens it allows.
 
 KVSTRATA_FUZZ_EXAMPLES raises the example count for a soak."""
 from __future__ import annotations
@@ -58,6 +59,28 @@ def _check(tokens, logprobs, tops, params):
         assert all(math.isfinite(v) and v <= 0 for _, v in asked)
 
 
+class AllowedSet:
+    """A grammar that allows a fixed set of ids (structured output's matcher, runner/
+    grammar.py, as the sampler sees it); the mask may be shorter than the logits."""
+
+    def __init__(self, ids: set[int]):
+        self.ids = ids
+        self.mask = torch.tensor([i in ids for i in range(VOCAB)])
+
+    def allowed(self):
+        return self.mask
+
+    def accept(self, token):
+        assert token in self.ids, (token, self.ids)
+
+
+def _states(reqs, grammars):
+    states = [SamplingState(p, prompt, list(out)) for p, prompt, out in reqs]
+    for s, g in zip(states, grammars):
+        s.grammar = g
+    return states
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(reqs=st.lists(request, min_size=1, max_size=4), data=st.data(),
        padded=st.integers(0, 3))
@@ -66,18 +89,23 @@ def test_any_valid_params_sample_inside_the_vocabulary(reqs, data, padded):
         if p.logprobs is not None:  # SGLang's token_ids_logprob, ids past the vocab too
             p.token_ids_logprob = data.draw(st.lists(st.integers(0, 2 * VOCAB), max_size=3))
         p.validate()
+    # structured output on some rows: every drawn token must be one the grammar allows,
+    # whatever the logits (all of its tokens at -inf or NaN too)
+    grammars = [data.draw(st.one_of(st.none(), st.builds(AllowedSet, st.sets(
+        st.integers(0, VOCAB - 1), min_size=1, max_size=5)))) for _ in reqs]
     rows = [data.draw(st.lists(values, min_size=VOCAB + padded, max_size=VOCAB + padded))
             for _ in reqs]
     logits = torch.tensor(rows, dtype=torch.float32)
-    states = [SamplingState(p, prompt, out) for p, prompt, out in reqs]
-    r = Sampler(VOCAB, [0])(logits, states)
+    r = Sampler(VOCAB, [0])(logits, _states(reqs, grammars))
     _check(r.token_ids, r.logprobs, r.top_logprobs, [p for p, _, _ in reqs])
+    for t, g in zip(r.token_ids, grammars):
+        assert g is None or t in g.ids, (t, g.ids)
     # verification of a two-token draft from the same rows (each request's node rows)
-    states = [SamplingState(p, prompt, list(out)) for p, prompt, out in reqs]
     drafts = [[data.draw(st.integers(0, VOCAB - 1)) for _ in range(2)] for _ in reqs]
     node_rows = [logits[i:i + 1, :VOCAB].expand(3, VOCAB).contiguous()
                  for i in range(len(reqs))]
-    results, _ = verify(Sampler(VOCAB, [0]), node_rows, states, drafts)
-    for produced, (p, _, _) in zip(results, reqs):
+    results, _ = verify(Sampler(VOCAB, [0]), node_rows, _states(reqs, grammars), drafts)
+    for produced, (p, _, _), g in zip(results, reqs, grammars):
         _check([t for t, _, _ in produced], [lp for _, lp, _ in produced],
                [top for _, _, top in produced], [p] * len(produced))
+        assert g is None or all(t in g.ids for t, _, _ in produced), (produced, g.ids)
