@@ -1,9 +1,10 @@
 """Concurrent random load: many clients at once send random requests (every route, valid and
 a few invalid sampling values, streaming or not, n > 1, logprobs, stop strings, penalties,
-logit_bias, cache salts) and some hang up mid-way, against a server whose small KV pool
+logit_bias, cache salts, grammars) and some hang up mid-way, against a server whose small KV pool
 makes requests retract, evict and share prefixes. Properties: no 5xx and no error event inside a 200
 stream; every 4xx carries the OpenAI error body; every finished answer has its n choices,
-at most max_tokens tokens, a known finish reason and finite logprobs; afterwards the server
+at most max_tokens tokens, a known finish reason and finite logprobs, and a
+grammar's answer that finished is in its language; afterwards the server
 is healthy and its KV pool whole.
 
 The schema fuzz (test_schema_fuzz.py) sends one request at a time; this one is about
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 
 import httpx
@@ -63,11 +65,41 @@ def _sampling(rng: random.Random) -> dict:
     return {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.25}
 
 
+# Structured output on some requests: (field, grammar, what a finished answer must match).
+_ANIMAL = {"type": "object", "x-guidance": {"whitespace_flexible": False},
+           "properties": {"animal": {"enum": ["cat", "dog"]}, "n": {"type": "integer",
+                                                                    "minimum": 0,
+                                                                    "maximum": 99}},
+           "required": ["animal", "n"], "additionalProperties": False}
+GRAMMARS = [("regex", r"(yes|no)( (yes|no)){0,3}"),
+            ("ebnf", 'root ::= "A" [0-9] [0-9]?'),
+            ("json_schema", json.dumps(_ANIMAL))]
+_MATCHES = {"regex": r"(yes|no)( (yes|no)){0,3}", "ebnf": r"A[0-9][0-9]?",
+            "json_schema": r'\{"animal":"(cat|dog)","n":[0-9]{1,2}\}'}
+
+
+def _grammar(rng: random.Random, route: str) -> dict:
+    if rng.random() >= 0.2:
+        return {}
+    field, grammar = rng.choice(GRAMMARS)
+    if field == "json_schema" and route != "generate" and rng.random() < 0.5:
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "animal", "schema": _ANIMAL}}}
+    return {field: grammar}
+
+
+def _grammar_field(body: dict) -> str | None:
+    sp = body.get("sampling_params", body)
+    if body.get("response_format"):
+        return "json_schema"
+    return next((f for f in _MATCHES if f in sp), None)
+
+
 def _request(rng: random.Random) -> tuple[str, dict]:
     route = rng.choice(["chat", "completions", "generate"])
     max_tokens = rng.choice([1, 2, 8, 30, 60])
     stream = rng.random() < 0.5
-    sp = _sampling(rng)
+    sp = {**_sampling(rng), **_grammar(rng, route)}
     # a tenant's cache salt on some: the same prompts under two salts and none
     salt = {"cache_salt": rng.choice(["t1", "t2"])} if rng.random() < 0.3 else {}
     if route == "generate":
@@ -115,11 +147,23 @@ def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
                 o["meta_info"]["completion_tokens"] > body["sampling_params"]["max_new_tokens"]
                 or o["meta_info"]["finish_reason"]["type"] not in FINISH for o in outs):
             problems.append(("bad answer", body, out))
-        return
-    if len(out["choices"]) != body["n"] or out["usage"]["completion_tokens"] > \
-            body["n"] * body["max_tokens"] or any(c["finish_reason"] not in FINISH
-                                                  for c in out["choices"]):
-        problems.append(("bad answer", body, out))
+            return
+        done = [(o["meta_info"]["finish_reason"]["type"], o["text"]) for o in outs]
+    else:
+        if len(out["choices"]) != body["n"] or out["usage"]["completion_tokens"] > \
+                body["n"] * body["max_tokens"] or any(c["finish_reason"] not in FINISH
+                                                      for c in out["choices"]):
+            problems.append(("bad answer", body, out))
+            return
+        done = [(c["finish_reason"], c["message"]["content"] if "message" in c else c["text"])
+                for c in out["choices"]]
+    # A grammar's finished answer is in its language (stop strings and stop ids may end it
+    # early, so only answers without them are checked).
+    field, sp = _grammar_field(body), body.get("sampling_params", body)
+    if field is not None and not sp.get("stop") and not sp.get("stop_token_ids"):
+        for reason, text in done:
+            if reason == "stop" and not re.fullmatch(_MATCHES[field], text):
+                problems.append(("grammar", body, text))
 
 
 async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict,
