@@ -280,3 +280,15 @@ def test_failed_batch_prompt_cancels_the_others(server):
     st = wait_idle(server, timeout=30)
     assert st["num_running_reqs"] == 0 and st["num_used_tokens"] == 0, st
     assert finished_requests(server.base_url) == before  # nothing ran to its end
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", "/v1/models/..", 404),  # the client normalises it to /v1/ (schema fuzz)
+    ("POST", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)])
+def test_routing_errors_carry_the_openai_error_body(server, method, path, status):
+    r = httpx.request(method, server.base_url + path, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    if status == 405:
+        assert "POST" in r.headers["allow"]

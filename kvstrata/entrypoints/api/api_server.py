@@ -10,6 +10,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvstrata import envs
 from kvstrata.entrypoints.api import pd_fields
@@ -97,6 +98,15 @@ def create_app(state) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        # Routing's own errors (an unknown path, a wrong method) in the same OpenAI error
+        # body as every other 4xx: a model name "..", which clients normalise out of the
+        # path, ends up on an unknown route (found by the schema fuzz).
+        err = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        return JSONResponse(error_body(err.message, type_=err.type, code=err.code),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(TokenizerSkipped)
     async def _no_tokenizer(request, exc: TokenizerSkipped):
