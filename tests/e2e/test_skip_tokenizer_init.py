@@ -87,3 +87,16 @@ def test_text_needs_a_tokenizer(srv, route, body, param):
     # and the server serves on
     ok = _post(srv, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2,
+                                                            "regex": "a+"}},
+     "sampling_params.regex"),
+    ("/v1/completions", {"model": "bare", "prompt": PROMPT, "max_tokens": 2,
+                         "response_format": {"type": "json_object"}}, "response_format")])
+def test_structured_output_needs_the_tokenizer(srv, route, body, param):
+    r = _post(srv, route, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "--skip-tokenizer-init" in error["message"] and error["param"] == param, error
