@@ -1,17 +1,19 @@
 """Structured output requests -> llguidance grammars (no torch; llguidance is imported on first
 use, so a server that never sees a grammar never loads it).
 
-SGLang's three request kinds, with SGLang's field names: `json_schema` (a JSON schema as a
-JSON string; OpenAI's response_format json_object / json_schema become one), `regex` (the
-whole output matches it) and `ebnf` (a GBNF grammar as xgrammar and llama.cpp write them,
-`root ::= ...`, or llguidance's Lark syntax). llguidance is one of SGLang's grammar backends
+SGLang's request kinds, with SGLang's field names: `json_schema` (a JSON schema as a JSON
+string; OpenAI's response_format json_object / json_schema become one), `regex` (the whole
+output matches it), `ebnf` (a GBNF grammar as xgrammar and llama.cpp write them,
+`root ::= ...`, or llguidance's Lark syntax) and `structural_tag` (free text with tool calls
+whose arguments follow JSON schemas, response_format's structural_tag). llguidance is one of SGLang's grammar backends
 (`--grammar-backend llguidance`) and vLLM's `guidance`; the runner turns a grammar into a
 token mask per step (runner/grammar.py).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+import json
+from typing import Any, Callable
 
 # A grammar's error message is cut here: llguidance prints the grammar after its message.
 _MESSAGE_LIMIT = 400
@@ -28,10 +30,13 @@ def json_options(disable_any_whitespace: bool = False,
     return {"whitespace_flexible": not disable_any_whitespace}
 
 
-def llguidance_grammar(field: str, text: str, options: dict[str, Any] | None = None) -> str:
+def llguidance_grammar(field: str, text: str, options: dict[str, Any] | None = None,
+                       is_special: Callable[[str], bool] | None = None) -> str:
     """The llguidance grammar (a JSON string) of one request field. Raises ValueError for
-    text that is not even JSON (json_schema) or not convertible GBNF (ebnf); a grammar that
-    converts but is wrong is found by check_grammar / the matcher."""
+    text that is not even JSON (json_schema, structural_tag) or not convertible GBNF (ebnf);
+    a grammar that converts but is wrong is found by check_grammar / the matcher.
+    `is_special(trigger)`: whether a structural tag's trigger is one special token of the
+    model's tokenizer (the runner knows; without it, triggers are text)."""
     import llguidance  # noqa: PLC0415 - only servers that see grammars load it
     from llguidance.gbnf_to_lark import any_to_lark  # noqa: PLC0415
 
@@ -41,7 +46,45 @@ def llguidance_grammar(field: str, text: str, options: dict[str, Any] | None = N
         return llguidance.LLMatcher.grammar_from_regex(text)
     if field == "ebnf":
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+    if field == "structural_tag":
+        tags = struct_tags(text)
+        special = is_special is not None and all(is_special(t.trigger) for t in tags)
+        return llguidance.LLMatcher.grammar_from_lark(
+            llguidance.StructTag.to_grammar(tags, assume_special=special))
     raise ValueError(f"unknown grammar field {field!r}")
+
+
+def struct_tags(text: str) -> list:
+    """SGLang's structural tag (a JSON string: {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}, the response_format's type key allowed) -> llguidance StructTags:
+    free text until a trigger, then a structure whose begin starts with that trigger, its
+    JSON schema, its end; then free text again. Each structure takes the trigger its begin
+    starts with (the longest)."""
+    import llguidance  # noqa: PLC0415
+
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list)
+            and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise ValueError("needs a non-empty list of structures and of non-empty trigger "
+                         "strings")
+    tags = []
+    for i, st in enumerate(structures):
+        if not (isinstance(st, dict) and isinstance(st.get("begin"), str)
+                and isinstance(st.get("end"), str)
+                and isinstance(st.get("schema"), (dict, bool))):
+            raise ValueError(f"structures[{i}] needs begin and end strings and a JSON schema "
+                             f"object")
+        starts = [t for t in triggers if st["begin"].startswith(t)]
+        if not starts:
+            raise ValueError(f"structures[{i}].begin {st['begin']!r} starts with no trigger")
+        tags.append(llguidance.StructTag(trigger=max(starts, key=len), begin=st["begin"],
+                                         grammar=json.dumps(st["schema"]), end=st["end"]))
+    return tags
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,4 +115,4 @@ def check_grammar(params: Any) -> None:
 
 
 _KIND = {"json_schema": "JSON schema", "regex": "regular expression",
-         "ebnf": "EBNF grammar"}
+         "ebnf": "EBNF grammar", "structural_tag": "structural tag"}

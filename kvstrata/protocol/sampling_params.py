@@ -24,7 +24,7 @@ GREEDY_TEMPERATURE_EPS = 1e-6
 # OpenAI's range for logit_bias values; vLLM clamps to it, SGLang adds any value: clamping
 # keeps SGLang clients' "-1e9 bans a token" working with the same effect (-100 is a ban).
 LOGIT_BIAS_LIMIT = 100.0
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list:
@@ -96,12 +96,14 @@ class SamplingParams:
     # in each row's top list (split_top_logprobs separates them again). Needs `logprobs`.
     token_ids_logprob: list[int] = field(default_factory=list)
     # Structured output (SGLang's sampling_params keys; at most one): a JSON schema (as a
-    # JSON string), a regular expression the whole output matches, or an EBNF grammar (GBNF,
-    # or llguidance's Lark syntax). The sampler masks every token that cannot continue it
-    # (runner/grammar.py); protocol/grammar.py checks them here.
+    # JSON string), a regular expression the whole output matches, an EBNF grammar (GBNF,
+    # or llguidance's Lark syntax), or a structural tag (tool calls in free text). The
+    # sampler masks every token that cannot continue it (runner/grammar.py);
+    # protocol/grammar.py checks them here.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # a JSON string (protocol/grammar.py struct_tags)
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
@@ -130,11 +132,12 @@ class SamplingParams:
 
     @property
     def grammar_field(self) -> str | None:
-        """Which of json_schema / regex / ebnf constrains the output (None: none does)."""
+        """Which of json_schema / regex / ebnf / structural_tag constrains the output (None:
+        none does)."""
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:  # SGLang's rule
             raise ValueError(f"{given[0]} and {given[1]}: give at most one of json_schema, "
-                             f"regex and ebnf")
+                             f"regex, ebnf and structural_tag")
         return given[0] if given else None
 
     def validate(self) -> None:

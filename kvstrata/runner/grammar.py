@@ -56,13 +56,21 @@ class GrammarBackend:
                     hf, n_vocab=max(len(hf), self.vocab_size), eos_token=self.eos_token_ids)
             return self._tokenizer
 
+    def is_special(self, text: str) -> bool:
+        """Whether `text` is one special token of the tokenizer (a structural tag's trigger
+        such as Qwen's <tool_call>: the model emits that token, not its letters)."""
+        tok = self.tokenizer()
+        ids = tok.tokenize_str(text, parse_special=True)
+        return len(ids) == 1 and tok.is_special_token(ids[0])
+
     def matcher(self, params: SamplingParams, output_ids: list[int]) -> "GrammarState | None":
         field = params.grammar_field
         if field is None:
             return None
         import llguidance  # noqa: PLC0415
 
-        grammar = llguidance_grammar(field, getattr(params, field), self.json_options)
+        grammar = llguidance_grammar(field, getattr(params, field), self.json_options,
+                                     self.is_special)
         state = GrammarState(llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0),
                              self.vocab_size)
         if state.matcher.is_error():  # the API checked it: not expected, but never fatal

@@ -47,7 +47,7 @@ DEFAULT_OFF_BODIES = [
 def test_explicit_off_values_are_accepted_and_on_values_refused(server, path, body):
     r = httpx.post(server.base_url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text
-    for name, on in (("response_format", {"type": "structural_tag"}),
+    for name, on in (("response_format", {"type": "yaml"}),
                      ("tools", [{"type": "function", "function": {"name": "f"}}])):
         if name in body:
             r = httpx.post(server.base_url + path, json={**body, name: on}, timeout=60)

@@ -88,3 +88,16 @@ def test_grammar_past_the_limits_is_a_400_and_the_server_goes_on(server, client)
     r = client.completions.create(model="tiny", prompt="x", max_tokens=3,
                                   extra_body={"regex": "ok"})
     assert r.choices[0].text == "ok"
+
+
+def test_structural_tag_response_format(server):
+    """SGLang's structural tag: free text, and any call it makes follows the schema."""
+    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=pet>", "schema": PET, "end": "</function>"}]}
+    r = httpx.post(server.base_url + CHAT, timeout=60, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 40, "temperature": 1.0, "seed": 1,
+        "response_format": tag})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    for call in re.findall(r"<function=pet>(.*?)</function>", text):
+        _check_pet(call)

@@ -27,7 +27,13 @@ EOS = 7
     ({"regex": "a(b"}, "regex"), ({"ebnf": 'root ::= "a'}, "ebnf"),
     ({"json_schema": "{"}, "json_schema"), ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
     ({"json_schema": "[1]"}, "json_schema"), ({"regex": "(?=a)"}, "regex"),
-    ({"regex": 5}, "regex"), ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex")])
+    ({"regex": 5}, "regex"), ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex"),
+    ({"structural_tag": "{}"}, "structural_tag"),
+    ({"structural_tag": json.dumps({"structures": [{"begin": "<f>", "schema": {},
+                                                    "end": "</f>"}],
+                                    "triggers": ["<g"]})}, "structural_tag"),
+    ({"structural_tag": json.dumps({"structures": [{"begin": "<f>", "end": "</f>"}],
+                                    "triggers": ["<f"]})}, "structural_tag")])
 def test_bad_grammars_name_their_field(kw, field):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
@@ -57,8 +63,11 @@ def test_response_format_kinds():
     assert json.loads(got["json_schema"]) == schema
     # /v1/completions' own json_schema string, and SGLang's regex / ebnf
     assert grammar_fields(_body(json_schema="{}", regex="a"))["regex"] == "a"
+    # SGLang's structural tag passes whole (SamplingParams checks it)
+    tag = {"type": "structural_tag", "structures": [], "triggers": []}
+    assert json.loads(grammar_fields(_body(response_format=tag))["structural_tag"]) == tag
     for bad in ({"type": "json_schema", "json_schema": {"name": "x"}}, {"type": "yaml"},
-                {"type": "structural_tag"}, "json"):
+                "json"):
         with pytest.raises(ApiError) as e:
             grammar_fields(_body(response_format=bad))
         assert e.value.param == "response_format"
@@ -235,3 +244,32 @@ def test_failures_are_reported_once(backend, tokenizer):
 def test_whitespace_pattern_is_checked_at_start():
     with pytest.raises(ValueError, match="--constrained-json-whitespace-pattern"):
         GrammarBackend("smollm2-135m", None, 49152, [2], json_options(False, "a(b"))
+
+
+TOOL = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "end": "</function>",
+     "schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"], "additionalProperties": False}}]}
+
+
+@pytest.mark.parametrize("text,ok", [
+    ('Sure. <function=get_weather>{"city": "Paris"}</function> Done.', True),
+    ("No call at all.", True),
+    ('<function=get_weather>{"town": 1}</function>', False),
+    ("<function=get_time>{}</function>", False)])
+def test_structural_tag_free_text_and_calls(backend, tokenizer, text, ok):
+    state = backend.matcher(SamplingParams(structural_tag=json.dumps(TOOL)), [])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert state.matcher.consume_tokens(ids) is ok and state.failed is not ok
+
+
+def test_structural_tag_trigger_that_is_a_special_token(backend, tokenizer):
+    """A trigger that is one special token (Qwen's <tool_call>; SmolLM2's <|im_start|>
+    here) is matched as that token, not as its letters."""
+    assert backend.is_special("<|im_start|>") and not backend.is_special("<function=")
+    tag = {"triggers": ["<|im_start|>"], "structures": [
+        {"begin": "<|im_start|>call", "end": ".", "schema": {"type": "integer"}}]}
+    state = backend.matcher(SamplingParams(structural_tag=json.dumps(tag)), [])
+    ids = tokenizer.encode("x<|im_start|>call42.", add_special_tokens=False)
+    assert ids.count(1) == 1  # <|im_start|> is token 1
+    assert state.matcher.consume_tokens(ids) and not state.failed

@@ -65,11 +65,12 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         lp_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise from_sampling_error(e, overrides={"max_new_tokens": max_param,
                                                 "logprobs": lp_param,
-                                                "json_schema": _schema_param(body)}) from None
+                                                "json_schema": _schema_param(body),
+                                                "structural_tag": "response_format"}) from None
 
 
 def _schema_param(body) -> str:
-    """The request field a SamplingParams.json_schema came from."""
+    """The request field a SamplingParams.json_schema (or structural_tag) came from."""
     return "json_schema" if getattr(body, "json_schema", None) is not None \
         else "response_format"
 
@@ -78,8 +79,8 @@ def check_openai_params(tm, body, sp: SamplingParams) -> None:
     check_logit_bias(tm, sp)
     field = sp.grammar_field
     if field is not None:
-        check_grammar_allowed(tm.server_args, sp,
-                              _schema_param(body) if field == "json_schema" else field)
+        check_grammar_allowed(tm.server_args, sp, _schema_param(body) if field in (
+            "json_schema", "structural_tag") else field)
 
 
 def cache_salt(body) -> str | None:

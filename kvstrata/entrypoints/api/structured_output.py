@@ -2,7 +2,8 @@
 and the server-level refusals (docs/api.md "Structured output").
 
 OpenAI's `response_format`: {"type": "text"} (no grammar), {"type": "json_object"} (any JSON
-object), {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}; SGLang's
+object), {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}},
+{"type": "structural_tag", "structures": [...], "triggers": [...]} (SGLang's); SGLang's
 chat/completions extras `regex` and `ebnf`, and /v1/completions' `json_schema` (a string).
 As in SGLang, a request gives at most one of them (SamplingParams checks that and each
 grammar, naming the field).
@@ -32,19 +33,20 @@ def _schema_of(response_format: Any) -> str | None:
             raise bad_request("response_format.json_schema.schema must be a JSON schema "
                               "object", "response_format")
         return json.dumps(schema)
-    if kind == "structural_tag":
-        raise bad_request("not implemented yet: response_format structural_tag",
-                          "response_format")
-    raise bad_request(f"response_format.type must be one of text, json_object, json_schema; "
-                      f"got {kind!r}", "response_format")
+    raise bad_request(f"response_format.type must be one of text, json_object, json_schema, "
+                      f"structural_tag; got {kind!r}", "response_format")
 
 
 def grammar_fields(body) -> dict[str, str | None]:
-    """json_schema / regex / ebnf for SamplingParams from an OpenAI request body."""
+    """json_schema / regex / ebnf / structural_tag for SamplingParams from an OpenAI request
+    body (a structural_tag response_format passes whole, as SGLang passes it)."""
     fields = {"json_schema": getattr(body, "json_schema", None), "regex": body.regex,
-              "ebnf": body.ebnf}
-    if body.response_format is not None:
-        schema = _schema_of(body.response_format)
+              "ebnf": body.ebnf, "structural_tag": None}
+    rf = body.response_format
+    if isinstance(rf, dict) and rf.get("type") == "structural_tag":
+        fields["structural_tag"] = json.dumps(rf)
+    elif rf is not None:
+        schema = _schema_of(rf)
         if schema is not None:
             if fields["json_schema"] is not None:
                 raise bad_request("give one of response_format and json_schema",
