@@ -101,3 +101,16 @@ def test_structural_tag_response_format(server):
     text = r.json()["choices"][0]["message"]["content"]
     for call in re.findall(r"<function=pet>(.*?)</function>", text):
         _check_pet(call)
+
+
+def test_vllm_structured_outputs(client):
+    """vLLM's extra field: choice, json (a schema object)."""
+    r = client.chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=10, temperature=1.0, seed=3, n=3,
+        extra_body={"structured_outputs": {"choice": ["positive", "negative", "neutral"]}})
+    assert {c.message.content for c in r.choices} <= {"positive", "negative", "neutral"}
+    assert all(c.finish_reason == "stop" for c in r.choices)
+    r = client.completions.create(model="tiny", prompt="A pet:", max_tokens=120,
+                                  temperature=0, extra_body={"structured_outputs": {
+                                      "json": PET}})
+    _check_pet(r.choices[0].text)

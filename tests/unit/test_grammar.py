@@ -49,7 +49,7 @@ def test_good_grammars(kw):
 
 
 def _body(**kw):
-    base = {"regex": None, "ebnf": None, "response_format": None}
+    base = {"regex": None, "ebnf": None, "response_format": None, "structured_outputs": None}
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -73,6 +73,28 @@ def test_response_format_kinds():
         assert e.value.param == "response_format"
     with pytest.raises(ApiError, match="one of response_format and json_schema"):
         grammar_fields(_body(json_schema="{}", response_format={"type": "json_object"}))
+
+
+def test_vllm_structured_outputs():
+    def fields(spec):
+        return {k: v for k, v in grammar_fields(_body(structured_outputs=spec)).items() if v}
+
+    assert fields({"json": {"type": "object"}}) == {"json_schema": '{"type": "object"}'}
+    assert fields({"json": "{}", "regex": None}) == {"json_schema": "{}"}
+    assert fields({"regex": "a+"}) == {"regex": "a+"}
+    assert fields({"grammar": 'root ::= "a"'}) == {"ebnf": 'root ::= "a"'}
+    assert fields({"json_object": True}) == {"json_schema": ANY_JSON_OBJECT}
+    choice = fields({"choice": ["yes", 'a "b"', "日本"]})["ebnf"]
+    assert SamplingParams(ebnf=choice).grammar_field == "ebnf"
+    for bad, why in (({"regex": "a", "json": "{}"}, "exactly one"), ({}, "exactly one"),
+                     ({"choice": []}, "non-empty list"), ({"choice": "a"}, "non-empty list"),
+                     ({"regex": 5}, "must be a string"), ({"backend": "x"}, "not implemented"),
+                     ("json", "must be an object")):
+        with pytest.raises(ApiError, match=why) as e:
+            fields(bad)
+        assert e.value.param == "structured_outputs"
+    with pytest.raises(ApiError, match="one of structured_outputs and regex"):
+        grammar_fields(_body(regex="a", structured_outputs={"regex": "b"}))
 
 
 def test_grammar_refused_without_backend_or_tokenizer():

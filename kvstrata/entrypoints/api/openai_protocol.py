@@ -51,10 +51,12 @@ class _SamplingFields(RequestModel):
     bootstrap_room: UInt64 | list[UInt64] | None = None
     logit_bias: dict[str, float] | None = None
     # Structured output (entrypoints/api/structured_output.py): OpenAI's response_format,
-    # SGLang's regex and ebnf.
+    # SGLang's regex and ebnf, vLLM's structured_outputs.
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's (json / regex / choice / grammar / json_object / structural_tag)
+    structured_outputs: dict[str, Any] | None = None
     # Known OpenAI fields, accepted only when off.
     service_tier: str | None = None
     store: bool | None = None

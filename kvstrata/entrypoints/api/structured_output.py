@@ -37,11 +37,52 @@ def _schema_of(response_format: Any) -> str | None:
                       f"structural_tag; got {kind!r}", "response_format")
 
 
+# vLLM's `structured_outputs` keys -> SamplingParams fields (choice and json_object below).
+_VLLM_KEYS = {"json": "json_schema", "regex": "regex", "grammar": "ebnf",
+              "structural_tag": "structural_tag"}
+
+
+def _vllm_fields(spec: Any) -> dict[str, str]:
+    """vLLM's `structured_outputs` object (its `guided_*` fields' successor): one of json (a
+    schema, object or string), regex, choice (a list of strings: the answer is one of
+    them), grammar (GBNF or Lark), json_object (true), structural_tag (a JSON string)."""
+    param = "structured_outputs"
+    if not isinstance(spec, dict):
+        raise bad_request("structured_outputs must be an object", param)
+    given = {k: v for k, v in spec.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(_VLLM_KEYS) - {"choice", "json_object"})
+    if unknown:
+        raise bad_request(f"not implemented yet: structured_outputs.{unknown[0]}", param)
+    if len(given) != 1:
+        raise bad_request("structured_outputs must give exactly one of json, regex, choice, "
+                          "grammar, json_object, structural_tag", param)
+    key, value = next(iter(given.items()))
+    if key == "json_object":
+        return {"json_schema": ANY_JSON_OBJECT}
+    if key == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise bad_request("structured_outputs.choice must be a non-empty list of strings",
+                              param)
+        return {"ebnf": "start: " + " | ".join(json.dumps(c) for c in value)}
+    if key == "json" and isinstance(value, (dict, bool)):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise bad_request(f"structured_outputs.{key} must be a string", param)
+    return {_VLLM_KEYS[key]: value}
+
+
 def grammar_fields(body) -> dict[str, str | None]:
     """json_schema / regex / ebnf / structural_tag for SamplingParams from an OpenAI request
     body (a structural_tag response_format passes whole, as SGLang passes it)."""
     fields = {"json_schema": getattr(body, "json_schema", None), "regex": body.regex,
               "ebnf": body.ebnf, "structural_tag": None}
+    vllm = getattr(body, "structured_outputs", None)
+    if vllm is not None:
+        for name, value in _vllm_fields(vllm).items():
+            if fields[name] is not None:
+                raise bad_request(f"give one of structured_outputs and {name}",
+                                  "structured_outputs")
+            fields[name] = value
     rf = body.response_format
     if isinstance(rf, dict) and rf.get("type") == "structural_tag":
         fields["structural_tag"] = json.dumps(rf)
