@@ -27,15 +27,18 @@ def finish_reason_dict(reason: FinishReason | None) -> dict | None:
 
 
 def output_text(tokenizer: Any, output_ids: list[int], reason: FinishReason | None,
-                skip_special_tokens: bool, no_stop_trim: bool = False) -> str:
-    """Detokenised output; a matched stop string and anything after it is cut (OpenAI),
-    unless no_stop_trim (SGLang) keeps them."""
+                skip_special_tokens: bool, no_stop_trim: bool = False,
+                stops: list[str] | None = None) -> str:
+    """Detokenised output; a matched stop string (one of `stops`) and anything after it is
+    cut (OpenAI), unless no_stop_trim (SGLang) keeps them. A matched stop_regex is kept (as
+    SGLang keeps it)."""
     if tokenizer is None:
         return ""
     text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
     if no_stop_trim:
         return text
-    if reason is not None and reason.type == "stop" and isinstance(reason.matched, str):
+    if reason is not None and reason.type == "stop" and isinstance(reason.matched, str) \
+            and (stops is None or reason.matched in stops):
         cut = text.find(reason.matched)
         if cut >= 0:
             text = text[:cut]
@@ -138,7 +141,7 @@ class LLM:
             meta["input_token_logprobs"] = acc["prompt_logprobs"]
         return {
             "text": output_text(self.tokenizer, acc["ids"], final.finish_reason,
-                                sp.skip_special_tokens, sp.no_stop_trim),
+                                sp.skip_special_tokens, sp.no_stop_trim, sp.stop),
             "output_ids": acc["ids"],
             "meta_info": meta,
         }

@@ -17,7 +17,12 @@ def load_tokenizer_for(server_args):
 
 
 class TokenizerSkipped(ValueError):
-    """A request needs text on a server started with --skip-tokenizer-init (a 400)."""
+    """A request needs text on a server started with --skip-tokenizer-init (a 400; `param`
+    the field that needs it, where one does)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class NoTokenizer:

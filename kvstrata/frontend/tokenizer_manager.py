@@ -192,8 +192,9 @@ class TokenizerManager:
         log_metrics=False (SGLang's flag) keeps the request out of /metrics."""
         if self.engine_dead:
             raise EngineDeadError(f"the server is shutting down: {self.dead_reason}")
-        if getattr(req.sampling_params, "stop", None) and not self.has_tokenizer:
-            raise TokenizerSkipped(skipped_message("a stop string"))
+        for name, what in (("stop", "a stop string"), ("stop_regex", "a stop regex")):
+            if getattr(req.sampling_params, name, None) and not self.has_tokenizer:
+                raise TokenizerSkipped(skipped_message(what), name)
         if req.rid in self.states:
             raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
                                         "this id is still running")

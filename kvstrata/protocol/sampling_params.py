@@ -7,6 +7,7 @@ into a 400 that names the offending parameter.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,14 @@ def _as_list(value: Any, name: str, what: str, wrap: type | None = None) -> list
     if isinstance(value, (list, tuple)):
         return list(value)
     raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return False
+    return True
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -78,6 +87,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # SGLang's stop_regex: the request stops (finish "stop", matched = the pattern) once the
+    # output's tail contains a match; the match stays in the text (SGLang does not trim it).
+    stop_regex: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # None: no logprobs. n >= 0: the sampled token's logprob plus the top-n alternatives.
@@ -108,6 +120,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
                              "strings", wrap=str)
+        self.stop_regex = _as_list(self.stop_regex, "stop_regex", "a regular expression or a "
+                                   "list of them", wrap=str)
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids",
                                        "a list of non-negative integers below 2**63")
         self.logit_bias = _logit_bias(self.logit_bias)
@@ -178,6 +192,9 @@ class SamplingParams:
               "must be an integer in [-2**63, 2**64)")
         check("stop", all(isinstance(s, str) and s for s in self.stop),
               "must be a non-empty string or a list of non-empty strings")
+        check("stop_regex", all(isinstance(r, str) and r and _compiles(r)
+                                for r in self.stop_regex),
+              "must be a valid (Python) regular expression or a list of them")
         check("stop_token_ids",
               all(is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in self.stop_token_ids),
               "must be a list of non-negative integers below 2**63")

@@ -3,6 +3,7 @@ and the fields kvstrata implements do what they do in SGLang."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -87,6 +88,30 @@ def test_no_stop_trim_keeps_the_stop_string(server):
     assert _stream_text(server, {**base, "stop": [stop], "no_stop_trim": True}) == kept["text"]
     trimmed = _post(server, COMP, {**base, "stop": [stop]})["choices"][0]["text"]
     assert trimmed == cut
+
+
+def test_stop_regex_stops_where_the_output_first_matches(server, tokenizer):
+    """SGLang's stop_regex: the answer ends with the token that completes the first match;
+    the match stays in the text; finish_reason stop, `matched` the pattern (/generate)."""
+    base = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 24,
+            "temperature": 0, **NO_EOS}
+    full = _post(server, COMP, base)
+    ids = _post(server, GEN, {"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, **NO_EOS}})["output_ids"]
+    text = full["choices"][0]["text"]
+    word = next(w for w in text[6:].split() if len(w) > 1 and w.isalpha())
+    pattern = rf"{word[0]}[a-z]*{word[-1]}\b" if len(word) > 1 else word
+    # where plain decoding first matches, token by token
+    want = next(n for n in range(1, len(ids) + 1)
+                if re.search(pattern, tokenizer.decode(ids[:n], skip_special_tokens=True)))
+    got = _post(server, COMP, {**base, "stop_regex": [pattern, "zzzz+"]})["choices"][0]
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == tokenizer.decode(ids[:want], skip_special_tokens=True)
+    assert _stream_text(server, {**base, "stop_regex": pattern}) == got["text"]
+    gen = _post(server, GEN, {"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop_regex": pattern, **NO_EOS}})
+    assert gen["output_ids"] == ids[:want]
+    assert gen["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
 
 
 def test_continue_final_message_continues_the_assistant_text(server, tokenizer):

@@ -78,6 +78,9 @@ def test_token_ids_in_and_out_as_offline(srv, bare_model):
                                                             "stop": ["ab"]}}, "stop"),
     ("/v1/completions", {"model": "bare", "prompt": PROMPT, "max_tokens": 2, "stop": "x",
                          "stream": True}, "stop"),
+    ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2,
+                                                            "stop_regex": "a+"}},
+     "stop_regex"),
 ])
 def test_text_needs_a_tokenizer(srv, route, body, param):
     r = _post(srv, route, body)

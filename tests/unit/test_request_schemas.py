@@ -79,7 +79,7 @@ def test_sampling_params_keys_of_sglang():
     ours = {f.name for f in dataclasses.fields(SamplingParams)}
     assert set(SGLANG_SAMPLING) - ours - set(SGLANG_SAMPLING_OFF) \
         - SGLANG_SAMPLING_NO_OP == {"sampling_seed"}
-    assert native_sampling_dict({"n": 1, "stop_regex": None, "sampling_seed": 5}) == {"seed": 5}
+    assert native_sampling_dict({"n": 1, "custom_params": None, "sampling_seed": 5}) == {"seed": 5}
     # a no-op with fast tokenizers (SGLang's too): accepted either way, dropped
     assert native_sampling_dict({"spaces_between_special_tokens": False}) == {}
     with pytest.raises(Exception, match="not implemented yet: sampling_params.n"):

@@ -159,7 +159,7 @@ class AbortRequest(StrictModel):
 # SGLang nor kvstrata knows are refused by SamplingParams.from_dict.)
 SGLANG_SAMPLING_OFF: dict[str, Any] = {
     # n: parallel samples, which native_batch.py expands into one request each (n = 1)
-    "n": 1, "stop_regex": None, "custom_params": None,
+    "n": 1, "custom_params": None,
 }
 # Keys that change nothing here, as in SGLang in the same configuration: HF's fast
 # tokenizers (what kvstrata decodes with) ignore spaces_between_special_tokens.

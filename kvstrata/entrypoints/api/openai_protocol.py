@@ -55,6 +55,7 @@ class _SamplingFields(RequestModel):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: stop once the output matches
     # vLLM's (json / regex / choice / grammar / json_object / structural_tag)
     structured_outputs: dict[str, Any] | None = None
     # Known OpenAI fields, accepted only when off.
@@ -64,7 +65,6 @@ class _SamplingFields(RequestModel):
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     # Known SGLang fields, accepted only at their default.
-    stop_regex: str | list[str] | None = None
     lora_path: str | list[str | None] | None = None
     session_id: str | None = None
     session_params: dict[str, Any] | None = None
@@ -86,7 +86,7 @@ class _SamplingFields(RequestModel):
 
     NOT_IMPLEMENTED = frozenset({
         "service_tier", "store", "metadata", "prediction",
-        "web_search_options", "stop_regex", "lora_path", "session_id",
+        "web_search_options", "lora_path", "session_id",
         "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
         "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",

@@ -55,7 +55,7 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
         seed=None if body.seed is None else body.seed + seed_offset,
-        stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        stop=body.stop, stop_regex=body.stop_regex, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
         no_stop_trim=body.no_stop_trim, logprobs=logprobs, logit_bias=body.logit_bias,
         **grammar_fields(body))
@@ -184,7 +184,7 @@ async def merged_outputs(tm, choices: list[Choice], log_metrics: bool = True):
         except DuplicateRequestError as e:  # the client's rid: its mistake, not ours
             queue.put_nowait((choice, bad_request(str(e), "rid")))
         except TokenizerSkipped as e:  # a stop string under --skip-tokenizer-init
-            queue.put_nowait((choice, bad_request(str(e), "stop")))
+            queue.put_nowait((choice, bad_request(str(e), e.param or "stop")))
         except Exception as e:  # surface as an error output, not a hung stream
             queue.put_nowait((choice, e))
 
