@@ -52,13 +52,15 @@ def _text(rng: random.Random, n: int) -> str:
 
 
 def _sampling(rng: random.Random) -> dict:
-    """OpenAI / SGLang sampling fields, mostly valid; top_k 0 and an empty stop are not."""
+    """OpenAI / SGLang sampling fields, mostly valid; top_k 0, an empty stop and the
+    stop_regex "a(" are not."""
     choices = {
         "temperature": [0, 0.5, 1.0, 2.0, 1e-7, 100.0], "top_p": [1e-9, 0.1, 0.9, 1.0],
         "top_k": [-1, 1, 5, 100000, 0], "min_p": [0.0, 0.5, 1.0],
         "repetition_penalty": [1e-300, 0.5, 1.0, 2.0], "presence_penalty": [-2.0, 0.0, 2.0],
         "frequency_penalty": [-2.0, 2.0], "ignore_eos": [True, False],
         "stop": ["the", ["cat", "a"], ["\n"], "zzzz", [""]], "seed": [0, 7, 2 ** 40],
+        "stop_regex": ["[0-9]", ["the|cat", "z+"], "a(", "(?i)PARIS"],
         "stop_token_ids": [[], [2], [rng.randrange(VOCAB)]],
         "logit_bias": [{str(rng.randrange(VOCAB)): rng.choice([-100, 5, 100])}],
     }
@@ -160,7 +162,8 @@ def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
     # A grammar's finished answer is in its language (stop strings and stop ids may end it
     # early, so only answers without them are checked).
     field, sp = _grammar_field(body), body.get("sampling_params", body)
-    if field is not None and not sp.get("stop") and not sp.get("stop_token_ids"):
+    if field is not None and not (sp.get("stop") or sp.get("stop_token_ids")
+                                  or sp.get("stop_regex")):
         for reason, text in done:
             if reason == "stop" and not re.fullmatch(_MATCHES[field], text):
                 problems.append(("grammar", body, text))
