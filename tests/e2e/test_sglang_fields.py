@@ -262,7 +262,11 @@ def test_token_ids_logprob_reports_the_asked_ids(server):
                                   "max_new_tokens": 3, "temperature": 0, **NO_EOS}})
     meta = out["meta_info"]
     assert out["output_ids"] == probe["output_ids"]
-    assert meta["output_top_logprobs"] == probe["meta_info"]["output_top_logprobs"]
+    # the same top-n (ids, and values up to float noise: the probe's prompt KV may come from
+    # the prefix cache, computed in other chunks; this request's prompt is recomputed)
+    for got, want in zip(meta["output_top_logprobs"], probe["meta_info"]["output_top_logprobs"]):
+        assert [t for _, t, _ in got] == [t for _, t, _ in want]
+        assert [v for v, _, _ in got] == pytest.approx([v for v, _, _ in want], abs=1e-4)
     rows = meta["output_token_ids_logprobs"]
     assert len(rows) == 3 and all([t for _, t, _ in row] == asked for row in rows)
     assert rows[0][0][0] == pytest.approx(meta["output_top_logprobs"][0][1][0], abs=1e-6)

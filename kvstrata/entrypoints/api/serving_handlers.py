@@ -1,4 +1,5 @@
-"""Turn merged engine outputs into HTTP responses: JSON, or SSE streams ending in [DONE].
+"""The OpenAI routes' responses from merged engine outputs: JSON, or SSE streams ending in
+[DONE] (the SSE and collection helpers are shared with serving_native.py, /generate).
 
 Disconnects: a streaming response is cancelled by Starlette when the client goes away; a
 non-streaming one is raced against request.is_disconnected(). Either way the output
@@ -7,27 +8,20 @@ generator is closed, which aborts the engine requests and frees their KV.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvstrata.entrypoints.api import pd_fields
 from kvstrata.entrypoints.api import serving_openai as so
-from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, from_sampling_error
-from kvstrata.entrypoints.api.native_batch import batch_items
-from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
+from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
-from kvstrata.entrypoints.api.structured_output import check_grammar_allowed
 from kvstrata.frontend import ipc
-from kvstrata.protocol import SamplingParams
-from kvstrata.protocol.sampling_params import split_top_logprobs
 
 _DONE = b"data: [DONE]\n\n"
 
 
-class _Acc:
+class Acc:
     """Everything one choice produced so far."""
 
     def __init__(self, choice: so.Choice):
@@ -58,21 +52,21 @@ def _stream_usage(body):
     return include, include and opts.continuous_usage_stats
 
 
-def _running_usage(a: _Acc) -> dict:
+def _running_usage(a: Acc) -> dict:
     """One choice's usage so far (stream_options.continuous_usage_stats, on every chunk)."""
     if a.last is None:
         return usage_dict(len(a.choice.req.prompt_ids), 0)
     return usage_dict(a.last.prompt_tokens, a.last.completion_tokens, a.last.cached_tokens)
 
 
-def _usage(accs: list[_Acc], n: int) -> dict:
+def _usage(accs: list[Acc], n: int) -> dict:
     firsts = [a.last for a in accs if a.choice.index % n == 0 and a.last]
     return usage_dict(sum(o.prompt_tokens for o in firsts),
                       sum(a.last.completion_tokens for a in accs if a.last),
                       sum(o.cached_tokens for o in firsts))
 
 
-async def _first_or_error(gen: AsyncIterator):
+async def first_or_error(gen: AsyncIterator):
     """Wait for the first output, so that an error before any token (bad prompt length, dead
     engine) is still a proper HTTP status rather than an error inside a 200 stream."""
     try:
@@ -87,7 +81,7 @@ async def _first_or_error(gen: AsyncIterator):
     return first
 
 
-async def _sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lambda: ()):
+async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lambda: ()):
     """The SSE loop both OpenAI streaming endpoints share: `prelude` events, then every
     (choice, output) in arrival order through `render` (bytes, or None to skip), an error
     event and [DONE] on the first failed output, else `tail()` events and [DONE]. The output
@@ -114,7 +108,7 @@ async def _sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lam
         await gen.aclose()
 
 
-async def _collect(request: Request, gen: AsyncIterator, accs: dict[str, _Acc]) -> None:
+async def collect(request: Request, gen: AsyncIterator, accs: dict[str, Acc]) -> None:
     async def run():
         async for choice, out in gen:
             err = so.output_error(out)
@@ -145,9 +139,9 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     model, created, rid = state.model_names[0], so.now(), f"chatcmpl-{choices[0].req.rid}"
     tt = so.TokenText(state.tm.tokenizer)
     gen = so.merged_outputs(state.tm, choices)
-    accs = {c.req.rid: _Acc(c) for c in choices}
+    accs = {c.req.rid: Acc(c) for c in choices}
     if not body.stream:
-        await _collect(request, gen, accs)
+        await collect(request, gen, accs)
         out_choices = []
         for a in sorted(accs.values(), key=lambda a: a.choice.index):
             out = a.last
@@ -165,7 +159,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
                 "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
 
     include_usage, continuous = _stream_usage(body)
-    first = await _first_or_error(gen)
+    first = await first_or_error(gen)
 
     def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None) -> bytes:
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -192,11 +186,11 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
                                  "usage": _usage(list(accs.values()), body.n)})
 
     prelude = [chunk(c, {"role": "assistant", "content": ""}) for c in choices]
-    stream = _sse_stream(gen, first, render, prelude=prelude, tail=tail)
+    stream = sse_stream(gen, first, render, prelude=prelude, tail=tail)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-def _completion_logprobs(tt, a: _Acc, out_ids, lps, tops, echo: bool) -> dict:
+def _completion_logprobs(tt, a: Acc, out_ids, lps, tops, echo: bool) -> dict:
     start = 0
     if echo:
         ids = a.choice.req.prompt_ids
@@ -214,10 +208,10 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
     model, created, rid = state.model_names[0], so.now(), f"cmpl-{choices[0].req.rid}"
     tt = so.TokenText(state.tm.tokenizer)
     gen = so.merged_outputs(state.tm, choices)
-    accs = {c.req.rid: _Acc(c) for c in choices}
+    accs = {c.req.rid: Acc(c) for c in choices}
     want_lp = body.logprobs is not None
     if not body.stream:
-        await _collect(request, gen, accs)
+        await collect(request, gen, accs)
         out_choices = []
         for a in sorted(accs.values(), key=lambda a: a.choice.index):
             text = (a.choice.prompt_text + a.text) if body.echo else a.text
@@ -230,7 +224,7 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
                 "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
 
     include_usage, continuous = _stream_usage(body)
-    first = await _first_or_error(gen)
+    first = await first_or_error(gen)
 
     echoed: set[int] = set()
 
@@ -260,137 +254,5 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
                                  "model": model, "choices": [],
                                  "usage": _usage(list(accs.values()), body.n)})
 
-    stream = _sse_stream(gen, first, render, tail=tail)
+    stream = sse_stream(gen, first, render, tail=tail)
     return StreamingResponse(stream, media_type="text/event-stream")
-
-
-def _meta(out: ipc.TextOutput, acc: _Acc, rid: str, start: float, want_lp: bool,
-          input_lp: bool, tt: so.TokenText | None) -> dict:
-    """SGLang's meta_info; logprob entries are [logprob, token_id, text], the text filled
-    only with return_text_in_logprobs (`tt` given)."""
-    def text(token_id: int) -> str | None:
-        return tt(token_id) if tt is not None else None
-
-    if out.finish_type == "length":
-        reason = {"type": "length", "length": out.completion_tokens}
-    elif out.finish_type:
-        reason = {"type": out.finish_type, "matched": out.matched_stop}
-        if out.error_message:
-            reason["message"] = out.error_message
-    else:
-        reason = None
-    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
-            "e2e_latency": time.perf_counter() - start}
-    if out.spec is not None:
-        meta.update(out.spec.meta_info(out.completion_tokens))
-    if want_lp:
-        meta.update(_logprob_meta(acc, input_lp, text))
-    return meta
-
-
-def _logprob_meta(acc: _Acc, input_lp: bool, text) -> dict:
-    """SGLang's output_/input_ token_logprobs, top_logprobs and token_ids_logprobs. Each
-    reported position's top list holds the top-n, then the token_ids_logprob ids."""
-    params = acc.choice.req.sampling_params
-
-    def entries(row) -> list:
-        return [[t.logprob, t.token_id, text(t.token_id)] for t in row]
-
-    def split(rows) -> tuple[list, list]:
-        parts = [split_top_logprobs(row, params) for row in rows]
-        return [entries(top) for top, _ in parts], [entries(asked) for _, asked in parts]
-
-    meta = {"output_token_logprobs": [[lp, t, text(t)] for lp, t in
-                                      zip(acc.logprobs, acc.token_ids)]}
-    tops, asked = split(acc.top_logprobs)
-    meta["output_top_logprobs"] = tops if acc.top_logprobs else None
-    if params.token_ids_logprob:
-        meta["output_token_ids_logprobs"] = asked
-    if input_lp:
-        ids = acc.choice.req.prompt_ids
-        lps = [None] + list(acc.prompt_logprobs or [])
-        meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
-        tops, asked = split(acc.prompt_top_logprobs or [])
-        if params.logprobs:  # the first prompt token has no logprob
-            meta["input_top_logprobs"] = [None] + tops
-        if params.token_ids_logprob:
-            meta["input_token_ids_logprobs"] = [None] + asked
-    return meta
-
-
-async def generate_response(state, request: Request, body):
-    tm = state.tm
-    if (body.text is None) == (body.input_ids is None):
-        raise ApiError(400, "give exactly one of text or input_ids", "text")
-    batch = batch_items(body, state.server_args)
-    if batch is not None:
-        tasks = [asyncio.create_task(generate_response(state, request, one))
-                 for one in batch]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # one prompt failed (or the client left): abort the others too
-            for task in tasks:
-                task.cancel()
-    ids = tm.encode_prompt(body.text) if body.text is not None else list(body.input_ids)
-    prompt_param = "text" if body.text is not None else "input_ids"
-    so.check_token_ids(tm, ids, prompt_param)
-    so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
-    sp = _native_sampling_params(body)
-    so.check_logit_bias(tm, sp, "sampling_params.logit_bias")
-    if sp.grammar_field is not None:
-        check_grammar_allowed(state.server_args, sp, f"sampling_params.{sp.grammar_field}")
-    so.check_token_ids(tm, sp.token_ids_logprob, "token_ids_logprob")
-    so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
-                     "sampling_params.max_new_tokens")
-    want_lp = bool(body.return_logprob)
-    input_lp = want_lp and body.logprob_start_len is not None and body.logprob_start_len >= 0
-    tt = so.TokenText(tm.tokenizer) if body.return_text_in_logprobs else None
-    rid = body.rid or tm.new_rid()
-    choice = so.Choice(0, ipc.GenerateReq(
-        rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
-        priority=body.priority, cache_salt=so.cache_salt(body)))
-    pd_fields.attach(state.server_args, choice.req,
-                     {name: getattr(body, name) for name in pd_fields.FIELDS})
-    start = time.perf_counter()
-    gen = so.merged_outputs(tm, [choice], log_metrics=body.log_metrics)
-    acc = _Acc(choice)
-    if not body.stream:
-        await _collect(request, gen, {rid: acc})
-        return {"text": acc.text, "output_ids": acc.token_ids,
-                "meta_info": _meta(acc.last, acc, rid, start, want_lp, input_lp, tt)}
-    first = await _first_or_error(gen)
-
-    def render(choice, out):
-        acc.add(out)
-        # SGLang streams the cumulative text and ids so far in every chunk.
-        return so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
-                              "meta_info": _meta(out, acc, rid, start, want_lp, input_lp,
-                                                 tt)})
-
-    stream = _sse_stream(gen, first, render)
-    return StreamingResponse(stream, media_type="text/event-stream")
-
-
-def _native_sampling_params(body) -> SamplingParams:
-    sp_dict = native_sampling_dict(body.sampling_params or {})
-    if body.return_logprob:
-        sp_dict["logprobs"] = body.top_logprobs_num or 0
-    if body.token_ids_logprob:
-        if not body.return_logprob:
-            raise ApiError(400, "token_ids_logprob needs return_logprob=true",
-                           "token_ids_logprob")
-        if isinstance(body.token_ids_logprob[0], list):
-            raise ApiError(400, "token_ids_logprob is a list per prompt but the prompt is "
-                           "not a batch", "token_ids_logprob")
-        sp_dict["token_ids_logprob"] = list(body.token_ids_logprob)
-    try:
-        return SamplingParams.from_dict(sp_dict)
-    except ValueError as e:
-        err = from_sampling_error(e, openai_names=False)
-        if err.param == "logprobs" and body.return_logprob:  # the client sent it by this name
-            err.param = "top_logprobs_num"
-            err.message = err.message.replace("logprobs", "top_logprobs_num", 1)
-        elif err.param not in ("sampling_params", "token_ids_logprob"):  # top-level fields
-            err.param = f"sampling_params.{err.param}"
-        raise err from None
