@@ -286,3 +286,42 @@ def test_token_ids_logprob_reports_the_asked_ids(server):
                  {"text": "x", "return_logprob": True, "token_ids_logprob": [[5]]}):
         r = httpx.post(server.base_url + GEN, json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text
+
+
+def test_return_token_ids_as_vllm(server, tokenizer):
+    """vLLM's return_token_ids: chat answers carry prompt_token_ids (top level) and each
+    choice its token_ids; completions carry both per choice; streams carry each chunk's new
+    ids and the prompt's ids once, and add up to the non-streamed ones."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat = _post(server, CHAT, {"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                "return_token_ids": True, **NO_EOS})
+    want_prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                tokenize=True)
+    want_prompt = want_prompt if isinstance(want_prompt, list) else want_prompt["input_ids"]
+    assert chat["prompt_token_ids"] == want_prompt
+    ids = chat["choices"][0]["token_ids"]
+    assert len(ids) == 6 and tokenizer.decode(ids) == chat["choices"][0]["message"]["content"]
+    assert "token_ids" not in _post(server, CHAT, {"messages": msgs, "max_tokens": 2})[
+        "choices"][0]
+    with httpx.stream("POST", server.base_url + CHAT, timeout=60, json={
+            "messages": msgs, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            "stream": True, **NO_EOS}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events[0]["prompt_token_ids"] == want_prompt
+    assert sum((e["choices"][0].get("token_ids", []) for e in events), []) == ids
+    body = {"prompt": ["Once upon", "A cat"], "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True, **NO_EOS}
+    comp = _post(server, COMP, body)["choices"]
+    for c, prompt in zip(comp, body["prompt"]):
+        assert c["prompt_token_ids"] == tokenizer.encode(prompt, add_special_tokens=False) \
+            or c["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert len(c["token_ids"]) == 5 and tokenizer.decode(c["token_ids"]) == c["text"]
+    with httpx.stream("POST", server.base_url + COMP, json={**body, "stream": True},
+                      timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    for c in comp:
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == c["index"]]
+        assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
+        assert sum((m["token_ids"] for m in mine), []) == c["token_ids"]

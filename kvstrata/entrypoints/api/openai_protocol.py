@@ -56,6 +56,8 @@ class _SamplingFields(RequestModel):
     regex: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None  # SGLang's: stop once the output matches
+    # vLLM's: the prompt's and the answer's token ids in the response
+    return_token_ids: bool = False
     # vLLM's (json / regex / choice / grammar / json_object / structural_tag)
     structured_outputs: dict[str, Any] | None = None
     # Known OpenAI fields, accepted only when off.
@@ -74,7 +76,6 @@ class _SamplingFields(RequestModel):
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     return_cached_tokens_details: bool = False
-    return_token_ids: bool = False
     images_config: dict[str, Any] | None = None
     routed_dp_rank: int | None = None
     disagg_prefill_dp_rank: int | None = None
@@ -89,7 +90,7 @@ class _SamplingFields(RequestModel):
         "web_search_options", "lora_path", "session_id",
         "session_params", "custom_params", "custom_logit_processor", "return_hidden_states",
         "return_routed_experts", "routed_experts_start_len", "return_cached_tokens_details",
-        "return_token_ids", "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
+        "images_config", "routed_dp_rank", "disagg_prefill_dp_rank",
         "data_parallel_rank", "ngram_corpus_id"})
 
 

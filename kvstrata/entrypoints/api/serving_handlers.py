@@ -45,6 +45,17 @@ class Acc:
         self.last = out
 
 
+def _token_ids(body, ids: list[int] | None, prompt_ids: list[int] | None = None) -> dict:
+    """vLLM's return_token_ids: a choice's output ids (in a stream, each chunk's new ones) and,
+    on /v1/completions, its prompt's ids (in a stream, in its first chunk)."""
+    if not body.return_token_ids:
+        return {}
+    out = {} if ids is None else {"token_ids": list(ids)}
+    if prompt_ids is not None:
+        out["prompt_token_ids"] = list(prompt_ids)
+    return out
+
+
 def _stream_usage(body):
     """(include_usage, continuous): vLLM's rule, continuous usage needs both flags."""
     opts = body.stream_options
@@ -154,17 +165,26 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
             out_choices.append({"index": a.choice.index, "logprobs": logprobs,
                                 "message": {"role": "assistant", "content": a.text},
                                 "finish_reason": out.finish_type,
-                                "matched_stop": out.matched_stop})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
+                                "matched_stop": out.matched_stop,
+                                **_token_ids(body, a.token_ids)})
+        response = {"id": rid, "object": "chat.completion", "created": created,
+                    "model": model, "choices": out_choices,
+                    "usage": _usage(list(accs.values()), body.n)}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = choices[0].req.prompt_ids
+        return response
 
     include_usage, continuous = _stream_usage(body)
     first = await first_or_error(gen)
 
-    def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None) -> bytes:
+    def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None,
+              ids: list[int] | None = None) -> bytes:
         obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
                "model": model, "choices": [{"index": choice.index, "delta": delta,
-                                            "logprobs": logprobs, "finish_reason": finish}]}
+                                            "logprobs": logprobs, "finish_reason": finish,
+                                            **_token_ids(body, ids)}]}
+        if ids is None and body.return_token_ids:  # the role chunk: the prompt's ids
+            obj["prompt_token_ids"] = choice.req.prompt_ids
         if finish is not None:
             obj["choices"][0]["matched_stop"] = matched
         if include_usage:
@@ -174,9 +194,10 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     def render(choice, out):
         accs[choice.req.rid].add(out)
         lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
-        if out.text or out.finished or (lp and lp["content"]):
+        if out.text or out.finished or (lp and lp["content"]) or (
+                body.return_token_ids and out.new_token_ids):
             return chunk(choice, {"content": out.text} if out.text else {},
-                         so.finish_reason(out), lp, out.matched_stop)
+                         so.finish_reason(out), lp, out.matched_stop, out.new_token_ids)
         return None
 
     def tail():
@@ -219,7 +240,8 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
                                       body.echo) if want_lp else None
             out_choices.append({"index": a.choice.index, "text": text, "logprobs": lp,
                                 "finish_reason": a.last.finish_type,
-                                "matched_stop": a.last.matched_stop})
+                                "matched_stop": a.last.matched_stop,
+                                **_token_ids(body, a.token_ids, a.choice.req.prompt_ids)})
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
 
@@ -227,6 +249,7 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
     first = await first_or_error(gen)
 
     echoed: set[int] = set()
+    sent_ids: set[int] = set()  # choices whose first chunk (with the prompt's ids) went out
 
     def render(choice, out):
         a = accs[choice.req.rid]
@@ -239,11 +262,16 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
         if want_lp:
             lp = _completion_logprobs(tt, a, out.new_token_ids, out.new_logprobs or [],
                                       out.new_top_logprobs, echo_now)
-        if not (text or out.finished or lp):
+        first_ids = choice.index not in sent_ids
+        if not (text or out.finished or lp or (body.return_token_ids and (
+                out.new_token_ids or first_ids))):
             return None
+        sent_ids.add(choice.index)
         obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
                "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                            "finish_reason": so.finish_reason(out)}]}
+                            "finish_reason": so.finish_reason(out), **_token_ids(
+                                body, out.new_token_ids,
+                                choice.req.prompt_ids if first_ids else None)}]}
         if include_usage:
             obj["usage"] = _running_usage(a) if continuous else None
         return so.encode_sse(obj)
