@@ -119,6 +119,8 @@ def _request(rng: random.Random) -> tuple[str, dict]:
         body.update(stream=True, stream_options={"include_usage": rng.random() < 0.5})
     if rng.random() < 0.2:
         body["min_tokens"] = rng.choice([1, 5, 100])  # 100 > max_tokens: a 400
+    if rng.random() < 0.2:
+        body["return_token_ids"] = True
     if route == "chat":
         body["messages"] = [{"role": "user", "content": _text(rng, rng.randrange(1, 30))}]
         if rng.random() < 0.3:
@@ -159,6 +161,9 @@ def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
             return
         done = [(c["finish_reason"], c["message"]["content"] if "message" in c else c["text"])
                 for c in out["choices"]]
+        if body.get("return_token_ids") and sum(len(c["token_ids"]) for c in out[
+                "choices"]) != out["usage"]["completion_tokens"]:
+            problems.append(("token_ids", body, out))
     # A grammar's finished answer is in its language (stop strings and stop ids may end it
     # early, so only answers without them are checked).
     field, sp = _grammar_field(body), body.get("sampling_params", body)
