@@ -325,3 +325,25 @@ def test_return_token_ids_as_vllm(server, tokenizer):
         mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == c["index"]]
         assert mine[0]["prompt_token_ids"] == c["prompt_token_ids"]
         assert sum((m["token_ids"] for m in mine), []) == c["token_ids"]
+
+
+def test_sglang_tito_fields_on_chat(server, tokenizer):
+    """SGLang's return_prompt_token_ids / return_meta_info (chat, not streamed): each choice
+    carries its prompt's ids and /generate's meta_info (with logprobs: output_token_logprobs
+    whose ids are the answer's)."""
+    msgs = [{"role": "user", "content": "Count to three."}]
+    r = _post(server, CHAT, {"messages": msgs, "max_tokens": 5, "temperature": 0, "n": 2,
+                             "logprobs": True, "return_prompt_token_ids": True,
+                             "return_meta_info": True, "return_token_ids": True, **NO_EOS})
+    want = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    for c in r["choices"]:
+        assert c["prompt_token_ids"] == want
+        meta = c["meta_info"]
+        assert meta["prompt_tokens"] == len(want) and meta["completion_tokens"] == 5
+        assert meta["finish_reason"] == {"type": "length", "length": 5}
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == c["token_ids"]
+    for name in ("return_prompt_token_ids", "return_meta_info"):
+        bad = httpx.post(server.base_url + CHAT, timeout=30, json={
+            "messages": msgs, "max_tokens": 2, "stream": True, name: True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name, bad.text

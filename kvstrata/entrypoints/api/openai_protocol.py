@@ -213,6 +213,8 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | float | None = None
     reasoning: dict[str, Any] | None = None
     task: str | None = None
+    # SGLang's token-in-token-out fields (not with stream): a choice's prompt_token_ids and
+    # its /generate-style meta_info
     return_prompt_token_ids: bool = False
     return_meta_info: bool = False
     max_dynamic_patch: int | None = None
@@ -222,8 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
     NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {
         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
         "modalities", "audio", "reasoning_effort", "reasoning", "task",
-        "return_prompt_token_ids", "return_meta_info", "max_dynamic_patch",
-        "min_dynamic_patch", "use_audio_in_video"}
+        "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video"}
     # Without tools, "none" and "auto" both mean "answer in text"; SGLang's default is true;
     # an empty list of tools (some agent frameworks send one) offers none.
     ALSO_OFF = {**_SamplingFields.ALSO_OFF, "tool_choice": ("none", "auto"),

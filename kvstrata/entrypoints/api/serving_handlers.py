@@ -8,6 +8,7 @@ generator is closed, which aborts the engine requests and frees their KV.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -15,34 +16,11 @@ from fastapi.responses import StreamingResponse
 
 from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected
+from kvstrata.entrypoints.api.meta_info import Acc, meta_info
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
 from kvstrata.frontend import ipc
 
 _DONE = b"data: [DONE]\n\n"
-
-
-class Acc:
-    """Everything one choice produced so far."""
-
-    def __init__(self, choice: so.Choice):
-        self.choice = choice
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.top_logprobs: list = []
-        self.prompt_logprobs: list[float] | None = None
-        self.prompt_top_logprobs: list | None = None
-        self.last: ipc.TextOutput | None = None
-
-    def add(self, out: ipc.TextOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.new_logprobs or []
-        self.top_logprobs += out.new_top_logprobs or []
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-            self.prompt_top_logprobs = out.prompt_top_logprobs
-        self.last = out
 
 
 def _token_ids(body, ids: list[int] | None, prompt_ids: list[int] | None = None) -> dict:
@@ -149,6 +127,11 @@ def _sse_error(err: ApiError) -> bytes:
 async def chat_response(state, request: Request, body, choices: list[so.Choice]):
     model, created, rid = state.model_names[0], so.now(), f"chatcmpl-{choices[0].req.rid}"
     tt = so.TokenText(state.tm.tokenizer)
+    if body.stream and (body.return_prompt_token_ids or body.return_meta_info):
+        name = "return_prompt_token_ids" if body.return_prompt_token_ids else "return_meta_info"
+        raise ApiError(400, f"{name} is not supported with streaming. Please set "
+                       f"stream=false when using {name}=true.", name)  # SGLang's message
+    start = time.perf_counter()
     gen = so.merged_outputs(state.tm, choices)
     accs = {c.req.rid: Acc(c) for c in choices}
     if not body.stream:
@@ -156,6 +139,12 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
         out_choices = []
         for a in sorted(accs.values(), key=lambda a: a.choice.index):
             out = a.last
+            sglang = {}  # SGLang's TITO fields (token in, token out: RL trainers)
+            if body.return_prompt_token_ids:
+                sglang["prompt_token_ids"] = a.choice.req.prompt_ids
+            if body.return_meta_info:
+                sglang["meta_info"] = meta_info(out, a, a.choice.req.rid, start,
+                                                bool(body.logprobs), False, None)
             logprobs = None
             if body.logprobs:
                 merged = ipc.TextOutput(rid="", text="", new_token_ids=a.token_ids,
@@ -166,7 +155,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
                                 "message": {"role": "assistant", "content": a.text},
                                 "finish_reason": out.finish_type,
                                 "matched_stop": out.matched_stop,
-                                **_token_ids(body, a.token_ids)})
+                                **_token_ids(body, a.token_ids), **sglang})
         response = {"id": rid, "object": "chat.completion", "created": created,
                     "model": model, "choices": out_choices,
                     "usage": _usage(list(accs.values()), body.n)}

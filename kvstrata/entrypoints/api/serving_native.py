@@ -13,66 +13,11 @@ from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError, from_sampling_error
 from kvstrata.entrypoints.api.native_batch import batch_items
 from kvstrata.entrypoints.api.native_protocol import native_sampling_dict
-from kvstrata.entrypoints.api.serving_handlers import Acc, collect, first_or_error, sse_stream
+from kvstrata.entrypoints.api.serving_handlers import collect, first_or_error, sse_stream
+from kvstrata.entrypoints.api.meta_info import Acc, meta_info
 from kvstrata.entrypoints.api.structured_output import check_grammar_allowed
 from kvstrata.frontend import ipc
 from kvstrata.protocol import SamplingParams
-from kvstrata.protocol.sampling_params import split_top_logprobs
-
-
-def _meta(out: ipc.TextOutput, acc: Acc, rid: str, start: float, want_lp: bool,
-          input_lp: bool, tt: so.TokenText | None) -> dict:
-    """SGLang's meta_info; logprob entries are [logprob, token_id, text], the text filled
-    only with return_text_in_logprobs (`tt` given)."""
-    def text(token_id: int) -> str | None:
-        return tt(token_id) if tt is not None else None
-
-    if out.finish_type == "length":
-        reason = {"type": "length", "length": out.completion_tokens}
-    elif out.finish_type:
-        reason = {"type": out.finish_type, "matched": out.matched_stop}
-        if out.error_message:
-            reason["message"] = out.error_message
-    else:
-        reason = None
-    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens, "cached_tokens": out.cached_tokens,
-            "e2e_latency": time.perf_counter() - start}
-    if out.spec is not None:
-        meta.update(out.spec.meta_info(out.completion_tokens))
-    if want_lp:
-        meta.update(_logprob_meta(acc, input_lp, text))
-    return meta
-
-
-def _logprob_meta(acc: Acc, input_lp: bool, text) -> dict:
-    """SGLang's output_/input_ token_logprobs, top_logprobs and token_ids_logprobs. Each
-    reported position's top list holds the top-n, then the token_ids_logprob ids."""
-    params = acc.choice.req.sampling_params
-
-    def entries(row) -> list:
-        return [[t.logprob, t.token_id, text(t.token_id)] for t in row]
-
-    def split(rows) -> tuple[list, list]:
-        parts = [split_top_logprobs(row, params) for row in rows]
-        return [entries(top) for top, _ in parts], [entries(asked) for _, asked in parts]
-
-    meta = {"output_token_logprobs": [[lp, t, text(t)] for lp, t in
-                                      zip(acc.logprobs, acc.token_ids)]}
-    tops, asked = split(acc.top_logprobs)
-    meta["output_top_logprobs"] = tops if acc.top_logprobs else None
-    if params.token_ids_logprob:
-        meta["output_token_ids_logprobs"] = asked
-    if input_lp:
-        ids = acc.choice.req.prompt_ids
-        lps = [None] + list(acc.prompt_logprobs or [])
-        meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
-        tops, asked = split(acc.prompt_top_logprobs or [])
-        if params.logprobs:  # the first prompt token has no logprob
-            meta["input_top_logprobs"] = [None] + tops
-        if params.token_ids_logprob:
-            meta["input_token_ids_logprobs"] = [None] + asked
-    return meta
 
 
 async def generate_response(state, request: Request, body):
@@ -114,14 +59,14 @@ async def generate_response(state, request: Request, body):
     if not body.stream:
         await collect(request, gen, {rid: acc})
         return {"text": acc.text, "output_ids": acc.token_ids,
-                "meta_info": _meta(acc.last, acc, rid, start, want_lp, input_lp, tt)}
+                "meta_info": meta_info(acc.last, acc, rid, start, want_lp, input_lp, tt)}
     first = await first_or_error(gen)
 
     def render(choice, out):
         acc.add(out)
         # SGLang streams the cumulative text and ids so far in every chunk.
         return so.encode_sse({"text": acc.text, "output_ids": acc.token_ids,
-                              "meta_info": _meta(out, acc, rid, start, want_lp, input_lp,
+                              "meta_info": meta_info(out, acc, rid, start, want_lp, input_lp,
                                                  tt)})
 
     stream = sse_stream(gen, first, render)
