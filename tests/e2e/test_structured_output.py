@@ -114,3 +114,28 @@ def test_vllm_structured_outputs(client):
                                   temperature=0, extra_body={"structured_outputs": {
                                       "json": PET}})
     _check_pet(r.choices[0].text)
+
+
+def test_grammars_survive_retraction_in_process(tiny_model_path):
+    """A pool too small for the batch retracts requests; each comes back with its output,
+    which its new matcher replays: every answer equals the one from a pool large enough,
+    and stays in the language. (In-process LLM(): it needs the tiny checkpoint built here.)"""
+    from kvstrata import LLM
+
+    words = r"(alpha|beta|gamma|delta)( (alpha|beta|gamma|delta)){30,60}\."
+    prompts = [f"List {i} Greek letters:" + " x" * (3 * i) for i in range(6)]
+    sp = [{"max_new_tokens": 140, "temperature": t, "seed": i, "regex": words}
+          for i, t in enumerate([0, 0.7, 0, 1.0, 0, 0.5])]
+    # admitting eagerly (a tiny reserve per running request) makes decode run out of pages
+    small = LLM(model_path=tiny_model_path, max_total_tokens=256, page_size=4,
+                chunked_prefill_size=16, schedule_conservativeness=0.05)
+    got = small.generate(prompts, sp)
+    assert small.engine.scheduler.num_retractions > 0
+    small.engine.check_integrity()
+    del small
+    big = LLM(model_path=tiny_model_path, max_total_tokens=8192)
+    want = big.generate(prompts, sp)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        if g["meta_info"]["finish_reason"]["type"] == "stop":
+            assert re.fullmatch(words, g["text"]), g["text"]
