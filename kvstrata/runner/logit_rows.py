@@ -48,6 +48,21 @@ def tame_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, 0.0, logits)
 
 
+def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """logits / temperature per row, tamed. A huge logit over a small temperature overflows
+    to +inf (tame_logits keeps those tokens); a hugely negative one underflows to -inf, and
+    a row left with no finite entry while it had some (-3.4e38 / 1e-6) takes its T -> 0
+    limit: all mass on its largest logits, so tokens blocked at -inf (a grammar's,
+    min_new_tokens') stay blocked instead of tame_logits spreading the row over all."""
+    scaled = logits / temps.unsqueeze(1)
+    dead = scaled.amax(dim=-1) == float("-inf")
+    if bool(dead.any()):
+        top = logits.amax(dim=-1, keepdim=True)
+        limit = torch.where(logits == top, 0.0, float("-inf"))
+        scaled = torch.where((dead.unsqueeze(1) & (top > float("-inf"))), limit, scaled)
+    return tame_logits(scaled)
+
+
 def top_rows(lp: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]]]:
     """Per row of finite log-probabilities [r, vocab]: its `logprobs` most likely tokens
     (descending), then the logprobs of its token_ids_logprob in their order (an id past the

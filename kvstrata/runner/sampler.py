@@ -34,9 +34,11 @@ from typing import Any
 import torch
 
 from kvstrata.protocol.sampling_params import SamplingParams
+from kvstrata.runner.grammar import fill_masks
 # The row helpers live in logit_rows.py; imported here so callers keep one import.
 from kvstrata.runner.logit_rows import (LOGPROB_FLOOR, finite_logprobs,  # noqa: F401
-                                        greedy_ids, tame_logits, top_rows)
+                                        greedy_ids, scale_by_temperature, tame_logits,
+                                        top_rows)
 
 _MASK64 = (1 << 64) - 1
 # Width of the top-k prefix first tried for top-p-only rows (see Sampler._cut_threshold).
@@ -124,8 +126,7 @@ class Sampler:
         if adjust:
             # Copy: the caller's tensor must not be mutated by per-row penalties.
             logits = logits.to(torch.float32, copy=True)
-            for i in adjust:
-                self._adjust_row(logits[i], states[i])
+            self._adjust_rows(logits, states, adjust)
         else:
             logits = logits.float()  # read-only below, so no copy needed
         logits = tame_logits(logits)
@@ -159,13 +160,18 @@ class Sampler:
         if not adjust:
             return tame_logits(logits.float())
         logits = logits.to(torch.float32, copy=True)
-        for i in adjust:
-            self._adjust_row(logits[i], states[i])
+        self._adjust_rows(logits, states, adjust)
         return tame_logits(logits)
 
     # ------------------------------------------------------------------ penalties
     def _blocks_eos(self, s: SamplingState) -> bool:
         return len(s.output_token_ids) < s.params.min_new_tokens
+
+    def _adjust_rows(self, logits: torch.Tensor, states: list[SamplingState],
+                     rows: list[int]) -> None:
+        fill_masks([states[i].grammar for i in rows])  # the batch's grammars in one call
+        for i in rows:
+            self._adjust_row(logits[i], states[i])
 
     def _adjust_row(self, row: torch.Tensor, s: SamplingState) -> None:
         """Applies penalties, logit_bias, the grammar and the min_new_tokens mask in place to
@@ -202,7 +208,8 @@ class Sampler:
         row[n:] = float("-inf")
         head = row[:n]
         head.masked_fill_(allowed.logical_not(), float("-inf"))
-        if not bool((head > float("-inf")).any()):
+        best = head.max()  # NaN when any is: then look closer
+        if not bool(best > float("-inf")) and not bool((head > float("-inf")).any()):
             head.copy_(torch.where(allowed, 0.0, float("-inf")))
 
     @staticmethod
@@ -238,9 +245,8 @@ class Sampler:
         dev = logits.device
         ps = [s.params for s in states]
         temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-        # new tensor: safe to edit, caller's stays as is; a huge logit over a small
-        # temperature overflows to +inf as a tiny repetition_penalty does: tamed the same way
-        logits = tame_logits(logits / temps.unsqueeze(1))
+        # new tensor: safe to edit, caller's stays as is
+        logits = scale_by_temperature(logits, temps)
 
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
         tops = [p.top_p for p in ps]
