@@ -295,3 +295,18 @@ def test_structural_tag_trigger_that_is_a_special_token(backend, tokenizer):
     ids = tokenizer.encode("x<|im_start|>call42.", add_special_tokens=False)
     assert ids.count(1) == 1  # <|im_start|> is token 1
     assert state.matcher.consume_tokens(ids) and not state.failed
+
+
+def test_underflow_at_a_small_temperature_keeps_blocked_tokens_blocked():
+    """-3.4e38 / 1e-5 is -inf: a row whose only unblocked logits are that low takes its
+    T -> 0 limit; it was spread over the whole vocabulary (blocked tokens too)."""
+    sampler = Sampler(8, [EOS])
+    low = torch.full((1, 8), -3.4e38)
+    for seed in range(50):
+        s = _state(FixedGrammar({2, 4}, 8), temperature=1e-5, seed=seed)
+        assert sampler(low.clone(), [s]).token_ids[0] in (2, 4)
+        eos_high = low.clone()
+        eos_high[0, EOS] = 5.0  # min_new_tokens blocks the only high logit
+        s = SamplingState(SamplingParams(temperature=1e-5, seed=seed, min_new_tokens=3),
+                          [1], [])
+        assert sampler(eos_high, [s]).token_ids[0] != EOS
