@@ -204,6 +204,8 @@ def build_engine(server_args: ServerArgs, defer_tokenizer: bool = False
     if not args.skip_tokenizer_init:
         load = functools.partial(load_tokenizer, runner.source, args.tokenizer_path)
         tokenizer = DeferredTokenizer(load) if defer_tokenizer else load()
+        if getattr(runner, "grammar", None) is not None:
+            runner.grammar.hf_tokenizer = tokenizer  # one load, never two at once
     engine = EngineCore(runner, SchedulerConfig.from_args(args, plan), tokenizer)
     pd = pd_side(engine.scheduler)
     if pd is not None:

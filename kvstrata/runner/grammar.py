@@ -13,8 +13,10 @@ on the first constrained request (~0.5 s for SmolLM2's 49152 tokens), not at sta
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -41,20 +43,29 @@ class GrammarBackend:
             raise ValueError(f"--constrained-json-whitespace-pattern is not a valid regular "
                              f"expression: {grammar_error('regex', pattern).splitlines()[0]}")
         self._tokenizer = None
+        self.hf_tokenizer = None  # the engine's (build_engine sets it), else loaded here
         self._lock = threading.Lock()
         self._executor = None
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf  # noqa: PLC0415 - only when a grammar arrives
+                import llguidance  # noqa: PLC0415 - only when a grammar arrives
 
-                hf = load_tokenizer(resolve_model_path(self.model_path),
-                                    tokenizer_path=self.tokenizer_path)
+                # The engine's own tokenizer when it has one (the scheduler's loads on a
+                # thread: a second load here imported transformers beside it, and the
+                # half-imported module failed -- the scheduler died on its first grammar)
+                hf = self.hf_tokenizer or load_tokenizer(
+                    resolve_model_path(self.model_path), tokenizer_path=self.tokenizer_path)
+                backend = copy.copy(hf.backend_tokenizer)  # the tokenizers-library one
+                backend.no_padding()
+                backend.no_truncation()
                 # Ids past the tokenizer (a padded output head) are never allowed; the
                 # sampler cuts the mask to the logits it has.
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    hf, n_vocab=max(len(hf), self.vocab_size), eos_token=self.eos_token_ids)
+                n_vocab = max(backend.get_vocab_size(with_added_tokens=True), self.vocab_size)
+                self._tokenizer = llguidance.LLTokenizer(
+                    backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_ids)
             return self._tokenizer
 
     @property
@@ -83,13 +94,21 @@ class GrammarBackend:
         grammar = llguidance_grammar(field, getattr(params, field), self.json_options,
                                      self.is_special)
         tokenizer = self.tokenizer()
-        state = GrammarState(llguidance.LLMatcher(tokenizer, grammar, log_level=0),
-                             self.vocab_size, (tokenizer.vocab_size + 31) // 32, self.executor)
-        if state.matcher.is_error():  # the API checked it: not expected, but never fatal
-            logger.warning("grammar failed to compile: %s", state.matcher.get_error())
-        for tok in output_ids:
-            state.accept(tok)
-        return state
+        replay = list(output_ids)
+
+        def compile_matcher():
+            # off the step: a 100 KB schema took 134 ms here (llguidance drops the GIL), so
+            # the request's prefill runs meanwhile; its first sample waits for it
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            if matcher.is_error():  # the API checked it: not expected, but never fatal
+                logger.warning("grammar failed to compile: %s", matcher.get_error())
+            for tok in replay:
+                if not matcher.is_error() and not matcher.is_stopped():
+                    matcher.consume_token(int(tok))
+            return matcher
+
+        return GrammarState(self._compiler.submit(compile_matcher), self.vocab_size,
+                            (tokenizer.vocab_size + 31) // 32, self.executor)
 
 
 class GrammarState:
@@ -100,7 +119,8 @@ class GrammarState:
     running on unconstrained."""
 
     def __init__(self, matcher, vocab_size: int, mask_words: int, executor):
-        self.matcher = matcher
+        # an LLMatcher, or the Future of one still compiling (GrammarBackend.matcher)
+        self._matcher = matcher
         self.vocab_size = vocab_size
         self.mask_words = mask_words  # int32 words of llguidance's bitmask
         self.executor = executor  # the backend's llguidance.LLExecutor (parallel masks)
@@ -118,7 +138,17 @@ class GrammarState:
             self.matcher.consume_token(int(token))
 
     @property
+    def matcher(self):
+        """The LLMatcher (waits for its compilation the first time)."""
+        if isinstance(self._matcher, Future):
+            self._matcher = self._matcher.result()
+        return self._matcher
+
+    @property
     def failed(self) -> bool:
+        """Its matcher failed (False while it still compiles: asked again next step)."""
+        if isinstance(self._matcher, Future) and not self._matcher.done():
+            return False
         return self.matcher.is_error()
 
 

@@ -139,3 +139,21 @@ def test_grammars_survive_retraction_in_process(tiny_model_path):
         assert g["output_ids"] == w["output_ids"]
         if g["meta_info"]["finish_reason"]["type"] == "stop":
             assert re.fullmatch(words, g["text"]), g["text"]
+
+
+def test_a_grammar_as_the_first_request_of_a_fresh_server(tiny_model_path):
+    """The scheduler loads its tokenizer on a thread after start-up; a grammar request at once
+    built llguidance's tokenizer beside it, importing transformers twice at the same time,
+    and the half-imported module's AttributeError killed the scheduler. It now uses the
+    engine's tokenizer."""
+    from tests.e2e.server_utils import ServerProcess
+
+    srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
+                        "--max-total-tokens", "2048", "--context-length", "256",
+                        env={"KVSTRATA_SCHEDULER_EAGER_TOKENIZER": "1"})
+    try:
+        r = httpx.post(srv.base_url + GEN, timeout=120, json={
+            "text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "(yes|no)"}})
+        assert r.status_code == 200 and r.json()["text"] in ("yes", "no"), r.text
+    finally:
+        srv.stop()
