@@ -91,24 +91,21 @@ class GrammarBackend:
             return None
         import llguidance  # noqa: PLC0415
 
-        grammar = llguidance_grammar(field, getattr(params, field), self.json_options,
-                                     self.is_special)
         tokenizer = self.tokenizer()
-        replay = list(output_ids)
+        text, replay = getattr(params, field), list(output_ids)
 
         def compile_matcher():
             # off the step: a 100 KB schema took 134 ms here (llguidance drops the GIL), so
             # the request's prefill runs meanwhile; its first sample waits for it
+            grammar = llguidance_grammar(field, text, self.json_options, self.is_special)
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            if matcher.is_error():  # the API checked it: not expected, but never fatal
-                logger.warning("grammar failed to compile: %s", matcher.get_error())
             for tok in replay:
                 if not matcher.is_error() and not matcher.is_stopped():
                     matcher.consume_token(int(tok))
             return matcher
 
         return GrammarState(self._compiler.submit(compile_matcher), self.vocab_size,
-                            (tokenizer.vocab_size + 31) // 32, self.executor)
+                            (tokenizer.vocab_size + 31) // 32, self.executor, tokenizer)
 
 
 class GrammarState:
@@ -118,9 +115,11 @@ class GrammarState:
     under another grammar, say) allows the EOS tokens only, so the request ends instead of
     running on unconstrained."""
 
-    def __init__(self, matcher, vocab_size: int, mask_words: int, executor):
+    def __init__(self, matcher, vocab_size: int, mask_words: int, executor, tokenizer=None):
         # an LLMatcher, or the Future of one still compiling (GrammarBackend.matcher)
         self._matcher = matcher
+        self._tokenizer = tokenizer
+        self.error: str | None = None  # why its compilation raised (never expected)
         self.vocab_size = vocab_size
         self.mask_words = mask_words  # int32 words of llguidance's bitmask
         self.executor = executor  # the backend's llguidance.LLExecutor (parallel masks)
@@ -141,7 +140,15 @@ class GrammarState:
     def matcher(self):
         """The LLMatcher (waits for its compilation the first time)."""
         if isinstance(self._matcher, Future):
-            self._matcher = self._matcher.result()
+            try:
+                self._matcher = self._matcher.result()
+            except Exception as e:  # noqa: BLE001 - the API checked it; never fatal here
+                import llguidance  # noqa: PLC0415
+
+                logger.warning("grammar failed to compile: %r", e)
+                self.error = f"{type(e).__name__}: {e}"
+                # an empty grammar: a matcher in its error state (it allows EOS only)
+                self._matcher = llguidance.LLMatcher(self._tokenizer, "", log_level=0)
         return self._matcher
 
     @property
@@ -177,6 +184,7 @@ def new_failures(states) -> dict[str, str]:
         if state is not None and not state.reported and state.failed:
             state.reported = True
             # llguidance's message, without the parser state dump it appends
-            message = " ".join(state.matcher.get_error().split("<state>")[0].split())
+            message = state.error or state.matcher.get_error()
+            message = " ".join(message.split("<state>")[0].split())
             failed[rid] = f"The request's grammar failed: {message[:400]}"
     return failed

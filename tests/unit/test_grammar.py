@@ -310,3 +310,18 @@ def test_underflow_at_a_small_temperature_keeps_blocked_tokens_blocked():
         s = SamplingState(SamplingParams(temperature=1e-5, seed=seed, min_new_tokens=3),
                           [1], [])
         assert sampler(eos_high, [s]).token_ids[0] != EOS
+
+
+def test_a_compile_that_raises_ends_the_request_not_the_scheduler(backend, monkeypatch):
+    """Never expected (the API checks grammars), but a conversion or compile that raises on
+    the compile thread leaves a failed matcher (EOS only, reported once), not an exception
+    in the step."""
+    import kvstrata.runner.grammar as grammar_mod
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("no grammar today")
+
+    monkeypatch.setattr(grammar_mod, "llguidance_grammar", boom)
+    state = backend.matcher(SamplingParams(regex="a"), [5, 6])
+    assert torch.nonzero(state.allowed()).flatten().tolist() == [2] and state.failed
+    assert "no grammar today" in new_failures([("r", state)])["r"]
