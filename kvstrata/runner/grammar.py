@@ -100,12 +100,17 @@ class GrammarBackend:
             grammar = llguidance_grammar(field, text, self.json_options, self.is_special)
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             for tok in replay:
-                if not matcher.is_error() and not matcher.is_stopped():
-                    matcher.consume_token(int(tok))
+                _advance(matcher, tok)
             return matcher
 
         return GrammarState(self._compiler.submit(compile_matcher), self.vocab_size,
                             (tokenizer.vocab_size + 31) // 32, self.executor, tokenizer)
+
+
+def _advance(matcher, token: int) -> None:
+    """A drawn token into the matcher (a failed or finished one takes nothing more)."""
+    if not matcher.is_error() and not matcher.is_stopped():
+        matcher.consume_token(int(token))
 
 
 class GrammarState:
@@ -133,8 +138,7 @@ class GrammarState:
 
     def accept(self, token: int) -> None:
         self._mask = None
-        if not self.matcher.is_error() and not self.matcher.is_stopped():
-            self.matcher.consume_token(int(token))
+        _advance(self.matcher, token)
 
     @property
     def matcher(self):

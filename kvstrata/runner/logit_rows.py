@@ -55,7 +55,10 @@ def scale_by_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Ten
     limit: all mass on its largest logits, so tokens blocked at -inf (a grammar's,
     min_new_tokens') stay blocked instead of tame_logits spreading the row over all."""
     scaled = logits / temps.unsqueeze(1)
-    dead = scaled.amax(dim=-1) == float("-inf")
+    row_max = scaled.amax(dim=-1)  # one pass: NaN / +inf show here as in tame_logits' max
+    if bool((row_max < float("inf")).all()) and bool((row_max > float("-inf")).all()):
+        return scaled  # nothing to tame (the common case)
+    dead = row_max == float("-inf")
     if bool(dead.any()):
         top = logits.amax(dim=-1, keepdim=True)
         limit = torch.where(logits == top, 0.0, float("-inf"))
