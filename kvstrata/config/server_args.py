@@ -48,6 +48,10 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # SGLang's --grammar-backend names; only llguidance (no torch or triton needed) is built.
 GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
+# SGLang's --tool-call-parser names that are built, then vLLM's names for the same formats
+# (entrypoints/tool_calls/__init__.py holds the formats; a test keeps the two lists equal).
+TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "kimi_k2",
+                     "pythonic", "llama3_json", "deepseek_v3", "llama4_pythonic")
 # SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
 # "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
 QUANTIZATION_BUILT = ("w8a8_int8",)
@@ -238,6 +242,10 @@ class ServerArgs:
               "schema (default: any JSON whitespace).")
     constrained_json_disable_any_whitespace: bool = opt(
         False, "Under a JSON schema allow no whitespace between JSON tokens (compact JSON).")
+    tool_call_parser: str | None = opt(
+        None, "The model's tool-call format: chat answers to requests with `tools` are read "
+              "into message.tool_calls (docs/api.md \"Tool calling\"). Without it the text "
+              "comes back as content.", choices=TOOL_CALL_PARSERS)
 
     # ---- speculative decoding (SGLang's flags; docs/speculative.md) --------------------------
     speculative_algorithm: str | None = opt(

@@ -39,7 +39,8 @@ def test_router_bodies_are_accepted(server, path, body):
 # Explicit "off" values clients and agent frameworks send with every request.
 DEFAULT_OFF_BODIES = [
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto"}),
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto",
+            "functions": []}),
     (COMP, {"prompt": "hi", "max_tokens": 2, "response_format": {"type": "text"}}),
 ]
 
@@ -49,7 +50,7 @@ def test_explicit_off_values_are_accepted_and_on_values_refused(server, path, bo
     r = httpx.post(server.base_url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text
     for name, on in (("response_format", {"type": "yaml"}),
-                     ("tools", [{"type": "function", "function": {"name": "f"}}])):
+                     ("functions", [{"name": "f"}])):
         if name in body:
             r = httpx.post(server.base_url + path, json={**body, name: on}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text

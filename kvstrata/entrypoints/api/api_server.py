@@ -21,7 +21,8 @@ from kvstrata.entrypoints.api.native_protocol import AbortRequest, GenerateReque
 from kvstrata.entrypoints.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
 from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_spec, parse_body
-from kvstrata.entrypoints.api.serving_handlers import chat_response, completion_response
+from kvstrata.entrypoints.api.serving_chat import chat_response
+from kvstrata.entrypoints.api.serving_handlers import completion_response
 from kvstrata.entrypoints.api.serving_native import generate_response
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped

@@ -1,5 +1,6 @@
 """Chat messages -> prompt token ids: message checks, the chat template (with the client's
-chat_template_kwargs), SGLang's continue_final_message, and pre-tokenised input_ids."""
+chat_template_kwargs and the request's tools), SGLang's continue_final_message, and
+pre-tokenised input_ids."""
 from __future__ import annotations
 
 import inspect
@@ -9,6 +10,7 @@ import jinja2
 from kvstrata.entrypoints.api.errors import bad_request
 from kvstrata.entrypoints.api.openai_protocol import (MEDIA_PARTS, ChatCompletionRequest,
                                                   TextPart)
+from kvstrata.entrypoints.api.tool_choice import template_tool_calls
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 
 
@@ -17,6 +19,11 @@ def _check_message(i: int, m) -> None:
     name = m.first_unimplemented({n: getattr(m, n) for n in sorted(m.NOT_IMPLEMENTED)})
     if name is not None:
         raise bad_request(f"not implemented yet: messages.{i}.{name}", f"messages.{i}.{name}")
+    if m.content is None:
+        if m.role == "assistant" and m.tool_calls:
+            return  # OpenAI: a turn of only tool calls has no content
+        raise bad_request(f"{param} is required (only an assistant message with tool_calls "
+                          f"may omit it)", param)
     if isinstance(m.content, str):
         return
     for j, part in enumerate(m.content):
@@ -37,6 +44,8 @@ def _template_messages(body: ChatCompletionRequest) -> list[dict]:
         for key in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
+        if m.tool_calls:
+            msg["tool_calls"] = template_tool_calls(i, m.tool_calls)
         out.append(msg)
     return out
 
@@ -54,7 +63,20 @@ def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
     return kwargs
 
 
-def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
+def _render(tm, messages: list[dict], kwargs: dict, tools: list[dict] | None) -> list[int]:
+    """The template with the tools as HF documents them ({"type": "function", "function":
+    {...}}); a template that fails on those gets the bare function objects (SGLang's
+    fallback: some templates read tool.name)."""
+    if tools is None:
+        return tm.apply_chat_template(messages, **kwargs)
+    try:
+        return tm.apply_chat_template(messages, tools=tools, **kwargs)
+    except (jinja2.TemplateError, TypeError, KeyError):
+        return tm.apply_chat_template(messages, tools=[t["function"] for t in tools], **kwargs)
+
+
+def chat_prompt_ids(tm, body: ChatCompletionRequest,
+                    tools: list[dict] | None = None) -> list[int]:
     messages = _template_messages(body)
     if body.input_ids is not None:  # SGLang: a pre-tokenised prompt bypasses the template
         return list(body.input_ids)
@@ -65,7 +87,7 @@ def chat_prompt_ids(tm, body: ChatCompletionRequest) -> list[int]:
             and isinstance(body.messages[-1].content, str):
         prefix = messages.pop()["content"]
     try:
-        ids = tm.apply_chat_template(messages, **_template_kwargs(tm, body))
+        ids = _render(tm, messages, _template_kwargs(tm, body), tools)
     except TokenizerSkipped:
         raise  # --skip-tokenizer-init: its own 400 (the template is not at fault)
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:

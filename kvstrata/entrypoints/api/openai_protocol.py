@@ -165,19 +165,32 @@ ContentPart = Annotated[Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI: a JSON string; some clients send the object
+
+
+class MessageToolCall(StrictModel):
+    """A call an earlier assistant turn made (OpenAI's message.tool_calls item)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function",
                   "latest_reminder"]
-    # Required, and a list has at least one part (SGLang lets an assistant message that
-    # carries tool_calls go without; tool calling is not implemented).
-    content: str | Annotated[list[ContentPart], Field(min_length=1)]
+    # A list has at least one part; only an assistant message with tool_calls may go
+    # without content (checked in chat_prompt).
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tools: list[dict[str, Any]] | None = None  # SGLang 2026: tools on a system message
 
-    NOT_IMPLEMENTED = frozenset({"tool_calls", "tools"})  # tool calling
+    NOT_IMPLEMENTED = frozenset({"tools"})
 
     @field_validator("role", mode="before")
     @classmethod
@@ -185,9 +198,32 @@ class ChatMessage(RequestModel):
         return value.lower() if isinstance(value, str) else value  # SGLang: case-insensitive
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -202,12 +238,13 @@ class ChatCompletionRequest(_SamplingFields):
     # Only act with a reasoning parser, which kvstrata does not have: no-ops, as in SGLang.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    # Known OpenAI / SGLang chat fields, accepted only when off.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    # Tool calling (entrypoints/api/tool_choice.py)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Known OpenAI / SGLang chat fields, accepted only when off.
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     reasoning_effort: str | float | None = None
@@ -222,13 +259,10 @@ class ChatCompletionRequest(_SamplingFields):
     use_audio_in_video: bool = False
 
     NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-        "modalities", "audio", "reasoning_effort", "reasoning", "task",
+        "functions", "function_call", "modalities", "audio", "reasoning_effort", "reasoning", "task",
         "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video"}
-    # Without tools, "none" and "auto" both mean "answer in text"; SGLang's default is true;
-    # an empty list of tools (some agent frameworks send one) offers none.
-    ALSO_OFF = {**_SamplingFields.ALSO_OFF, "tool_choice": ("none", "auto"),
-                "parallel_tool_calls": (True,), "tools": ([],), "functions": ([],)}
+    # An empty list of functions (some agent frameworks send one) offers none.
+    ALSO_OFF = {**_SamplingFields.ALSO_OFF, "functions": ([],)}
 
 
 class CompletionRequest(_SamplingFields):

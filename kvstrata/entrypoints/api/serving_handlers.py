@@ -1,5 +1,6 @@
 """The OpenAI routes' responses from merged engine outputs: JSON, or SSE streams ending in
-[DONE] (the SSE and collection helpers are shared with serving_native.py, /generate).
+[DONE] (the SSE and collection helpers are shared with serving_chat.py and
+serving_native.py, /generate).
 
 Disconnects: a streaming response is cancelled by Starlette when the client goes away; a
 non-streaming one is raced against request.is_disconnected(). Either way the output
@@ -8,7 +9,6 @@ generator is closed, which aborts the engine requests and frees their KV.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -16,14 +16,13 @@ from fastapi.responses import StreamingResponse
 
 from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected
-from kvstrata.entrypoints.api.meta_info import Acc, meta_info
+from kvstrata.entrypoints.api.meta_info import Acc
 from kvstrata.entrypoints.api.openai_protocol import error_body, usage_dict
-from kvstrata.frontend import ipc
 
 _DONE = b"data: [DONE]\n\n"
 
 
-def _token_ids(body, ids: list[int] | None, prompt_ids: list[int] | None = None) -> dict:
+def token_ids(body, ids: list[int] | None, prompt_ids: list[int] | None = None) -> dict:
     """vLLM's return_token_ids: a choice's output ids (in a stream, each chunk's new ones) and,
     on /v1/completions, its prompt's ids (in a stream, in its first chunk)."""
     if not body.return_token_ids:
@@ -34,21 +33,21 @@ def _token_ids(body, ids: list[int] | None, prompt_ids: list[int] | None = None)
     return out
 
 
-def _stream_usage(body):
+def stream_usage(body):
     """(include_usage, continuous): vLLM's rule, continuous usage needs both flags."""
     opts = body.stream_options
     include = bool(opts and opts.include_usage)
     return include, include and opts.continuous_usage_stats
 
 
-def _running_usage(a: Acc) -> dict:
+def running_usage(a: Acc) -> dict:
     """One choice's usage so far (stream_options.continuous_usage_stats, on every chunk)."""
     if a.last is None:
         return usage_dict(len(a.choice.req.prompt_ids), 0)
     return usage_dict(a.last.prompt_tokens, a.last.completion_tokens, a.last.cached_tokens)
 
 
-def _usage(accs: list[Acc], n: int) -> dict:
+def total_usage(accs: list[Acc], n: int) -> dict:
     firsts = [a.last for a in accs if a.choice.index % n == 0 and a.last]
     return usage_dict(sum(o.prompt_tokens for o in firsts),
                       sum(a.last.completion_tokens for a in accs if a.last),
@@ -124,82 +123,6 @@ def _sse_error(err: ApiError) -> bytes:
                                     code=err.code))
 
 
-async def chat_response(state, request: Request, body, choices: list[so.Choice]):
-    model, created, rid = state.model_names[0], so.now(), f"chatcmpl-{choices[0].req.rid}"
-    tt = so.TokenText(state.tm.tokenizer)
-    if body.stream and (body.return_prompt_token_ids or body.return_meta_info):
-        name = "return_prompt_token_ids" if body.return_prompt_token_ids else "return_meta_info"
-        raise ApiError(400, f"{name} is not supported with streaming. Please set "
-                       f"stream=false when using {name}=true.", name)  # SGLang's message
-    start = time.perf_counter()
-    gen = so.merged_outputs(state.tm, choices)
-    accs = {c.req.rid: Acc(c) for c in choices}
-    if not body.stream:
-        await collect(request, gen, accs)
-        out_choices = []
-        for a in sorted(accs.values(), key=lambda a: a.choice.index):
-            out = a.last
-            sglang = {}  # SGLang's TITO fields (token in, token out: RL trainers)
-            if body.return_prompt_token_ids:
-                sglang["prompt_token_ids"] = a.choice.req.prompt_ids
-            if body.return_meta_info:
-                sglang["meta_info"] = meta_info(out, a, a.choice.req.rid, start,
-                                                bool(body.logprobs), False, None)
-            logprobs = None
-            if body.logprobs:
-                merged = ipc.TextOutput(rid="", text="", new_token_ids=a.token_ids,
-                                        finished=True, new_logprobs=a.logprobs,
-                                        new_top_logprobs=a.top_logprobs or None)
-                logprobs = {"content": so.chat_logprobs(tt, merged)}
-            out_choices.append({"index": a.choice.index, "logprobs": logprobs,
-                                "message": {"role": "assistant", "content": a.text},
-                                "finish_reason": out.finish_type,
-                                "matched_stop": out.matched_stop,
-                                **_token_ids(body, a.token_ids), **sglang})
-        response = {"id": rid, "object": "chat.completion", "created": created,
-                    "model": model, "choices": out_choices,
-                    "usage": _usage(list(accs.values()), body.n)}
-        if body.return_token_ids:
-            response["prompt_token_ids"] = choices[0].req.prompt_ids
-        return response
-
-    include_usage, continuous = _stream_usage(body)
-    first = await first_or_error(gen)
-
-    def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None,
-              ids: list[int] | None = None) -> bytes:
-        obj = {"id": rid, "object": "chat.completion.chunk", "created": created,
-               "model": model, "choices": [{"index": choice.index, "delta": delta,
-                                            "logprobs": logprobs, "finish_reason": finish,
-                                            **_token_ids(body, ids)}]}
-        if ids is None and body.return_token_ids:  # the role chunk: the prompt's ids
-            obj["prompt_token_ids"] = choice.req.prompt_ids
-        if finish is not None:
-            obj["choices"][0]["matched_stop"] = matched
-        if include_usage:
-            obj["usage"] = _running_usage(accs[choice.req.rid]) if continuous else None
-        return so.encode_sse(obj)
-
-    def render(choice, out):
-        accs[choice.req.rid].add(out)
-        lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
-        if out.text or out.finished or (lp and lp["content"]) or (
-                body.return_token_ids and out.new_token_ids):
-            return chunk(choice, {"content": out.text} if out.text else {},
-                         so.finish_reason(out), lp, out.matched_stop, out.new_token_ids)
-        return None
-
-    def tail():
-        if include_usage:
-            yield so.encode_sse({"id": rid, "object": "chat.completion.chunk",
-                                 "created": created, "model": model, "choices": [],
-                                 "usage": _usage(list(accs.values()), body.n)})
-
-    prelude = [chunk(c, {"role": "assistant", "content": ""}) for c in choices]
-    stream = sse_stream(gen, first, render, prelude=prelude, tail=tail)
-    return StreamingResponse(stream, media_type="text/event-stream")
-
-
 def _completion_logprobs(tt, a: Acc, out_ids, lps, tops, echo: bool) -> dict:
     start = 0
     if echo:
@@ -230,11 +153,11 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
             out_choices.append({"index": a.choice.index, "text": text, "logprobs": lp,
                                 "finish_reason": a.last.finish_type,
                                 "matched_stop": a.last.matched_stop,
-                                **_token_ids(body, a.token_ids, a.choice.req.prompt_ids)})
+                                **token_ids(body, a.token_ids, a.choice.req.prompt_ids)})
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": out_choices, "usage": _usage(list(accs.values()), body.n)}
+                "choices": out_choices, "usage": total_usage(list(accs.values()), body.n)}
 
-    include_usage, continuous = _stream_usage(body)
+    include_usage, continuous = stream_usage(body)
     first = await first_or_error(gen)
 
     echoed: set[int] = set()
@@ -258,18 +181,18 @@ async def completion_response(state, request: Request, body, choices: list[so.Ch
         sent_ids.add(choice.index)
         obj = {"id": rid, "object": "text_completion", "created": created, "model": model,
                "choices": [{"index": choice.index, "text": text, "logprobs": lp,
-                            "finish_reason": so.finish_reason(out), **_token_ids(
+                            "finish_reason": so.finish_reason(out), **token_ids(
                                 body, out.new_token_ids,
                                 choice.req.prompt_ids if first_ids else None)}]}
         if include_usage:
-            obj["usage"] = _running_usage(a) if continuous else None
+            obj["usage"] = running_usage(a) if continuous else None
         return so.encode_sse(obj)
 
     def tail():
         if include_usage:
             yield so.encode_sse({"id": rid, "object": "text_completion", "created": created,
                                  "model": model, "choices": [],
-                                 "usage": _usage(list(accs.values()), body.n)})
+                                 "usage": total_usage(list(accs.values()), body.n)})
 
     stream = sse_stream(gen, first, render, tail=tail)
     return StreamingResponse(stream, media_type="text/event-stream")

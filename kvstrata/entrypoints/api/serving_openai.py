@@ -7,6 +7,7 @@ bootstrap fields (PD) are given to each choice by pd_fields.check_choices.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from kvstrata.entrypoints.api.chat_prompt import chat_prompt_ids
 from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling_error
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.entrypoints.api.structured_output import check_grammar_allowed, grammar_fields
+from kvstrata.entrypoints.api.tool_choice import ToolPlan, plan_tools
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
 from kvstrata.protocol import SamplingParams
 
+logger = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -30,6 +33,8 @@ class Choice:
     index: int
     req: ipc.GenerateReq
     prompt_text: str | None = None  # for echo
+    tools: ToolPlan | None = None  # chat with tools: how its answer is read
+    tool_constrained: bool = False  # the tool constraint (required / named / strict) applies
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | None,
@@ -49,24 +54,36 @@ def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | No
 
 
 def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_offset: int,
-                          max_param: str) -> SamplingParams:
+                          max_param: str, tools: ToolPlan | None = None) -> SamplingParams:
+    grammar = grammar_fields(body)
+    schema_param = _schema_param(body)
+    if tools is not None and tools.constraint:
+        if any(v is not None for v in grammar.values()):  # SGLang: the client's grammar wins
+            logger.warning("Constrained decoding is not compatible with tool calls.")
+        else:
+            grammar.update(tools.constraint)
+            schema_param = "tools"
     fields = dict(
         max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
         seed=None if body.seed is None else body.seed + seed_offset,
-        stop=body.stop, stop_regex=body.stop_regex, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        stop=body.stop, stop_regex=body.stop_regex, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
         no_stop_trim=body.no_stop_trim, logprobs=logprobs, logit_bias=body.logit_bias,
-        **grammar_fields(body))
+        **grammar)
+    if tools is not None and tools.detector is not None:
+        # SGLang: tool-call markers are often special tokens; the reader needs them
+        fields["skip_special_tokens"] = False
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
         lp_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
         raise from_sampling_error(e, overrides={"max_new_tokens": max_param,
                                                 "logprobs": lp_param,
-                                                "json_schema": _schema_param(body),
-                                                "structural_tag": "response_format"}) from None
+                                                "json_schema": schema_param,
+                                                "structural_tag": schema_param}) from None
 
 
 def _schema_param(body) -> str:
@@ -75,12 +92,13 @@ def _schema_param(body) -> str:
         else "response_format"
 
 
-def check_openai_params(tm, body, sp: SamplingParams) -> None:
+def check_openai_params(tm, body, sp: SamplingParams, tools: bool = False) -> None:
+    """tools: the request's tool constraint is what sp's grammar is."""
     check_logit_bias(tm, sp)
     field = sp.grammar_field
     if field is not None:
-        check_grammar_allowed(tm.server_args, sp, _schema_param(body) if field in (
-            "json_schema", "structural_tag") else field)
+        check_grammar_allowed(tm.server_args, sp, "tool_choice" if tools else (
+            _schema_param(body) if field in ("json_schema", "structural_tag") else field))
 
 
 def cache_salt(body) -> str | None:
@@ -116,7 +134,8 @@ def check_logit_bias(tm, sp: SamplingParams, param: str = "logit_bias") -> None:
 def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> list[Choice]:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    prompt_ids = chat_prompt_ids(tm, body)
+    tools = plan_tools(tm.server_args, body)
+    prompt_ids = chat_prompt_ids(tm, body, tools.template_tools if tools else None)
     if body.input_ids is not None:
         check_token_ids(tm, prompt_ids, "input_ids")
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -129,13 +148,16 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
         max_tokens = (context_len - len(prompt_ids)) if context_len else 4096
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = request_rid(body)
-    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param)
+    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools)
               for j in range(body.n)]
-    check_openai_params(tm, body, params[0])
+    constrained = tools is not None and bool(tools.constraint) and all(
+        v is None for v in grammar_fields(body).values())
+    check_openai_params(tm, body, params[0], tools=constrained)
     salt = cache_salt(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
-        sampling_params=params[j], priority=body.priority, cache_salt=salt))
+        sampling_params=params[j], priority=body.priority, cache_salt=salt),
+        tools=tools, tool_constrained=constrained)
         for j in range(body.n)]
 
 
