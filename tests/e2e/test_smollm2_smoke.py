@@ -1,5 +1,5 @@
-"""One smoke test on the real default model (SmolLM2-135M-Instruct, GGUF): a plain answer and
-a JSON-schema one."""
+"""One smoke test on the real default model (SmolLM2-135M-Instruct, GGUF): a plain answer, a
+JSON-schema one, and tool calls under tool_choice required (the model picks the tool)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ from tests.e2e.server_utils import ServerProcess, ask_capital_of_france
 
 @pytest.mark.slow
 def test_capital_of_france():
-    srv = ServerProcess("smollm2-135m", "--max-total-tokens", "8192", timeout=300)
+    srv = ServerProcess("smollm2-135m", "--max-total-tokens", "8192",
+                        "--tool-call-parser", "hermes", timeout=300)
     try:
         answer = ask_capital_of_france(srv)
         assert "Paris" in answer, answer
@@ -29,5 +30,31 @@ def test_capital_of_france():
         assert choice["finish_reason"] == "stop", choice
         value = json.loads(choice["message"]["content"])
         assert set(value) == {"city", "country"} and "Paris" in value["city"], value
+        _check_tool_calls(srv)
     finally:
         srv.stop()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}},
+         {"type": "function", "function": {
+             "name": "get_time", "description": "Get the time in a timezone",
+             "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}},
+                            "required": ["timezone"]}}}]
+
+
+def _check_tool_calls(srv) -> None:
+    for question, name, key, value in (("What's the weather like in Paris?", "get_weather",
+                                        "city", "Paris"),
+                                       ("What time is it in Tokyo?", "get_time", "timezone",
+                                        "Tokyo")):
+        r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": question}], "tools": TOOLS,
+            "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
+            "max_tokens": 60})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == name and value in json.loads(call["arguments"])[key], call
