@@ -51,7 +51,8 @@ GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 # SGLang's --tool-call-parser names that are built, then vLLM's names for the same formats
 # (entrypoints/tool_calls/__init__.py holds the formats; a test keeps the two lists equal).
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "kimi_k2",
-                     "pythonic", "llama3_json", "deepseek_v3", "llama4_pythonic")
+                     "pythonic", "qwen3_coder", "glm45", "glm", "glm47", "llama3_json",
+                     "deepseek_v3", "llama4_pythonic", "qwen3_xml")
 # SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
 # "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
 QUANTIZATION_BUILT = ("w8a8_int8",)

@@ -22,9 +22,15 @@ TOOLS = frozenset({"get_weather", "get_time", "search.web"})
 WEATHER = {"city": "Paris", "days": 3}
 
 
+# The XML formats type a parameter's text by the tool's schema.
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}, "get_time": {},
+    "search.web": {}}
+
+
 def _read(name: str, text: str):
     det = json_array_detector() if name == "array" else make_detector(name)
-    scan = det.scan(text, True, TOOLS)
+    scan = det.scan(text, True, SCHEMAS)
     return scan.normal, [(c.name, c.args) for c in scan.calls]
 
 
@@ -72,6 +78,14 @@ def test_flag_choices_are_the_built_formats():
     ("pythonic", "[get_weather(city=x)] and [1, 2]", "[get_weather(city=x)] and [1, 2]", []),
     ("array", '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]', "",
      [("get_weather", WEATHER)]),
+    ("qwen3_coder", 'Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis'
+                    '\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n'
+                    '</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>',
+     "Let me see.\n", [("get_weather", WEATHER), ("get_time", {})]),
+    ("glm45", 'ok<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n'
+              '<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>'
+              '<tool_call>get_time</tool_call>', "ok", [("get_weather", WEATHER),
+                                                         ("get_time", {})]),
     # no marker: all text; a cut-off call (finish "length") is no call
     ("qwen25", "Just text about <tools>.", "Just text about <tools>.", []),
     ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"ci', "", []),
@@ -160,14 +174,45 @@ def _render(name: str, calls, ascii_: bool, spaced: bool) -> str:
             f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{d(a)}"
             "<|tool_call_end|>" for i, (n, a) in enumerate(calls)) + \
             "<|tool_calls_section_end|>"
+    if name == "qwen3_coder":
+        return "".join(f"<tool_call>\n<function={n}>\n" + "".join(
+            f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in a.items())
+            + "</function>\n</tool_call>\n" for n, a in calls)
+    if name == "glm45":
+        return "".join(f"<tool_call>{n}\n" + "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_value(v)}</arg_value>\n"
+            for k, v in a.items()) + "</tool_call>" for n, a in calls)
     assert name == "pythonic"
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={v!r}" for k, v in a.items()) + ")"
                            for n, a in calls) + "]"
 
 
+def _xml_value(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+_JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number",
+               type(None): "null", list: "array", dict: "object"}
+
+
+def _xml_args(calls):
+    """Parameters with tag-safe keys and text, and the schemas that type them back."""
+    schemas, out = {}, []
+    for n, a in calls:
+        args = {f"p{i}": v.replace("<", "(") if isinstance(v, str) else v
+                for i, v in enumerate(a.values())}
+        props = schemas.setdefault(n, {"type": "object", "properties": {}})["properties"]
+        for k, v in list(args.items()):
+            kind = _JSON_TYPES[type(v)]
+            if props.setdefault(k, {"type": kind})["type"] != kind:
+                del args[k]  # one type per parameter
+        out.append((n, args))
+    return out, schemas
+
+
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=st.sampled_from(["qwen25", "llama3", "mistral", "array", "deepseekv3", "kimi_k2",
-                             "pythonic"]),
+                             "pythonic", "qwen3_coder", "glm45"]),
        prefix=_text, calls=_calls, ascii_=st.booleans(), spaced=st.booleans(),
        cuts=st.lists(st.integers(0, 4000), max_size=40), data=st.data())
 def test_stream_adds_up_to_the_whole_answer(name, prefix, calls, ascii_, spaced, cuts, data):
@@ -176,8 +221,11 @@ def test_stream_adds_up_to_the_whole_answer(name, prefix, calls, ascii_, spaced,
                                         if not isinstance(v, float)}) for n, a in calls]
     if name in ("array", "llama3") and prefix.strip():
         prefix = ""  # the bare array / unmarked JSON start the answer
+    tools = TOOLS | {"search_web"}
+    if name in ("qwen3_coder", "glm45"):
+        calls, schemas = _xml_args(calls)
+        tools = {n: schemas.get(n, {}) for n in tools}
     text = prefix + _render(name, calls, ascii_, spaced)
-    tools = TOOLS | {"get_weather".replace(".", "_"), "search_web"}
     det = json_array_detector() if name == "array" else make_detector(name)
     whole = det.scan(text, True, tools)
     # the whole read: the known tools' calls, in order, with their arguments

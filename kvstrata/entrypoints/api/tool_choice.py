@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ToolPlan:
-    names: frozenset[str]
+    names: dict[str, dict]  # the offered tools' names -> their parameters' schemas
     template_tools: list[dict] | None  # the `tools` the chat template gets
     constraint: dict[str, str] = field(default_factory=dict)  # json_schema | structural_tag
     detector: Any = None  # reads the answer; None: it comes back as content
@@ -90,7 +90,7 @@ def plan_tools(server_args, body) -> ToolPlan | None:
         return None
     shown = [t for t in tools if named is None or t.function.name == named]
     parser = getattr(server_args, "tool_call_parser", None)
-    plan = ToolPlan(names=frozenset(names),
+    plan = ToolPlan(names={t.function.name: t.function.parameters or {} for t in tools},
                     template_tools=[t.model_dump(exclude_none=True) for t in shown],
                     detector=make_detector(parser) if parser else None)
     if parser in ("kimi_k2",):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvstrata.entrypoints.tool_calls.core import JsonCallsDetector, Scan, ScannedCall
 from kvstrata.entrypoints.tool_calls.formats import PythonicDetector, deepseek_v3, kimi_k2
+from kvstrata.entrypoints.tool_calls.formats_xml import Glm45Detector, Qwen3CoderDetector
 from kvstrata.entrypoints.tool_calls.streaming import StreamDelta, ToolCallStream
 
 _QWEN_BEGIN = '<tool_call>\n{"name": "NAME", "arguments": '
@@ -28,9 +29,16 @@ DETECTORS = {
     "deepseekv3": deepseek_v3,
     "kimi_k2": kimi_k2,
     "pythonic": PythonicDetector,
+    # Qwen3-Coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function>
+    "qwen3_coder": Qwen3CoderDetector,
+    # GLM-4.5 / 4.6 / 4.7: <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>
+    "glm45": Glm45Detector,
+    "glm": Glm45Detector,
+    "glm47": Glm45Detector,
 }
 # vLLM's names for the same formats.
-ALIASES = {"llama3_json": "llama3", "deepseek_v3": "deepseekv3", "llama4_pythonic": "pythonic"}
+ALIASES = {"llama3_json": "llama3", "deepseek_v3": "deepseekv3", "llama4_pythonic": "pythonic",
+           "qwen3_xml": "qwen3_coder"}
 TOOL_CALL_PARSERS = tuple(DETECTORS) + tuple(ALIASES)
 
 
