@@ -66,6 +66,9 @@ class ServerArgs:
     # ---- model and engine -------------------------------------------------------------------
     model_path: str = opt("smollm2-135m", "Model name, local directory, or GGUF file.")
     tokenizer_path: str | None = opt(None, "Tokenizer path (default: the model path).")
+    chat_template: str | None = opt(
+        None, "A Jinja chat template (a file, or the template text) in place of the model's: "
+              "e.g. one that shows `tools` to a model whose own template does not.")
     skip_tokenizer_init: bool = opt(False, "Do not load a tokenizer: requests pass token ids "
                                            "and get token ids back (no text; text prompts, "
                                            "chat messages and stop strings are refused).")
@@ -246,7 +249,8 @@ class ServerArgs:
     tool_call_parser: str | None = opt(
         None, "The model's tool-call format: chat answers to requests with `tools` are read "
               "into message.tool_calls (docs/api.md \"Tool calling\"). Without it the text "
-              "comes back as content.", choices=TOOL_CALL_PARSERS)
+              "comes back as content (tool_choice required / named answers are read "
+              "anyway).", choices=TOOL_CALL_PARSERS)
 
     # ---- speculative decoding (SGLang's flags; docs/speculative.md) --------------------------
     speculative_algorithm: str | None = opt(

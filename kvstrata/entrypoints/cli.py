@@ -37,6 +37,10 @@ def _run_serve(ns: argparse.Namespace) -> int:
     try:
         args = server_args_from_namespace(ns)
         refuse_unimplemented(args)
+        if args.chat_template:
+            from kvstrata.frontend.tokenizer_loader import chat_template_text
+
+            chat_template_text(args.chat_template)  # a bad one fails here, not in a request
     except (NotImplementedError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

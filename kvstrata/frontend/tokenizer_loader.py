@@ -13,7 +13,33 @@ def load_tokenizer_for(server_args):
     source = resolve_model_path(server_args.model_path)
     if getattr(server_args, "skip_tokenizer_init", False):
         return NoTokenizer(int(load_hf_config(source).vocab_size))
-    return load_tokenizer(source, tokenizer_path=getattr(server_args, "tokenizer_path", None))
+    tokenizer = load_tokenizer(source,
+                               tokenizer_path=getattr(server_args, "tokenizer_path", None))
+    template = getattr(server_args, "chat_template", None)
+    if template:
+        tokenizer.chat_template = chat_template_text(template)
+    return tokenizer
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template: a Jinja file's text, or the template itself (as vLLM takes it);
+    ValueError naming the flag when it cannot be read or does not parse."""
+    import jinja2
+
+    text = value
+    if "{{" not in value and "{%" not in value:
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template: cannot read {value!r}: {e.strerror} (give a "
+                             "Jinja file or the template text)") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a Jinja template: {e.message} "
+                         f"(line {e.lineno})") from None
+    return text
 
 
 class TokenizerSkipped(ValueError):

@@ -160,3 +160,37 @@ def test_template_that_reads_bare_functions_gets_them():
                                                 strict=False)
     chat_prompt_ids(tm, body, plan_tools(Args(), body).template_tools)
     assert tm.rendered == "GET_TIME"
+
+
+# ---- --chat-template ------------------------------------------------------------------------
+def test_chat_template_from_a_file_or_text(tmp_path):
+    from kvstrata.frontend.tokenizer_loader import chat_template_text
+
+    path = tmp_path / "tools.jinja"
+    path.write_text(QWEN_LIKE)
+    assert chat_template_text(str(path)) == QWEN_LIKE
+    assert chat_template_text(QWEN_LIKE) == QWEN_LIKE
+    with pytest.raises(ValueError, match="--chat-template: cannot read '/nope.jinja'"):
+        chat_template_text("/nope.jinja")
+    with pytest.raises(ValueError, match="--chat-template: not a Jinja template"):
+        chat_template_text("{% for m in messages %}")
+
+
+def test_serve_refuses_a_bad_chat_template_at_once(capsys):
+    from kvstrata.entrypoints.cli import main
+
+    assert main(["serve", "--model-path", "x", "--chat-template", "/nope.jinja"]) == 2
+    assert "--chat-template: cannot read '/nope.jinja'" in capsys.readouterr().err
+
+
+def test_the_tokenizer_takes_the_chat_template():
+    """SmolLM2's own template does not show tools; one given by --chat-template does."""
+    from types import SimpleNamespace
+
+    from kvstrata.frontend.tokenizer_loader import load_tokenizer_for
+
+    args = SimpleNamespace(model_path="smollm2-135m", chat_template=QWEN_LIKE)
+    tok = load_tokenizer_for(args)
+    text = tok.apply_chat_template(MSG, tools=[TIME], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith('<tools>{"type": "function", "function": {"name": "get_time"')
