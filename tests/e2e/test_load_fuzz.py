@@ -1,10 +1,11 @@
 """Concurrent random load: many clients at once send random requests (every route, valid and
 a few invalid sampling values, streaming or not, n > 1, logprobs, stop strings, penalties,
-logit_bias, cache salts, grammars) and some hang up mid-way, against a server whose small KV pool
+logit_bias, cache salts, grammars, tools) and some hang up mid-way, against a server whose small KV pool
 makes requests retract, evict and share prefixes. Properties: no 5xx and no error event inside a 200
 stream; every 4xx carries the OpenAI error body; every finished answer has its n choices,
-at most max_tokens tokens, a known finish reason and finite logprobs, and a
-grammar's answer that finished is in its language; afterwards the server
+at most max_tokens tokens, a known finish reason and finite logprobs, a
+grammar's answer that finished is in its language, and a tool call names an offered tool
+with a JSON object of its schema; afterwards the server
 is healthy and its KV pool whole.
 
 The schema fuzz (test_schema_fuzz.py) sends one request at a time; this one is about
@@ -42,7 +43,7 @@ FINISH = {"stop", "length", "abort"}
 def load_server(tiny_model_path):
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny", "--context-length",
                         "256", "--max-total-tokens", "1024", "--chunked-prefill-size", "64",
-                        *SERVER_ARGS)
+                        "--tool-call-parser", "qwen25", *SERVER_ARGS)
     yield srv
     srv.stop()
 
@@ -97,6 +98,24 @@ def _grammar_field(body: dict) -> str | None:
     return next((f for f in _MATCHES if f in sp), None)
 
 
+# Tools on some chat requests (compact JSON: see _ANIMAL); a named unknown tool is a 400.
+_TOOL = {"type": "function", "function": {"name": "count", "parameters": {
+    "type": "object", "x-guidance": {"whitespace_flexible": False},
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+    "additionalProperties": False}}}
+TOOL_CHOICES = ["auto", "required", "none", {"type": "function", "function": {"name": "count"}},
+                {"type": "function", "function": {"name": "nope"}}]
+
+
+def _tools(rng: random.Random) -> dict:
+    if rng.random() >= 0.2:
+        return {}
+    body = {"tools": [_TOOL], "tool_choice": rng.choice(TOOL_CHOICES)}
+    if rng.random() < 0.5:
+        body["parallel_tool_calls"] = rng.choice([True, False])
+    return body
+
+
 def _request(rng: random.Random) -> tuple[str, dict]:
     route = rng.choice(["chat", "completions", "generate"])
     max_tokens = rng.choice([1, 2, 8, 30, 60])
@@ -123,6 +142,7 @@ def _request(rng: random.Random) -> tuple[str, dict]:
         body["return_token_ids"] = True
     if route == "chat":
         body["messages"] = [{"role": "user", "content": _text(rng, rng.randrange(1, 30))}]
+        body.update(_tools(rng))
         if rng.random() < 0.3:
             body.update(logprobs=True, top_logprobs=rng.choice([0, 1, 5]))
         return "/v1/chat/completions", body
@@ -131,6 +151,19 @@ def _request(rng: random.Random) -> tuple[str, dict]:
     if rng.random() < 0.3:
         body["logprobs"] = rng.choice([0, 1, 5])
     return "/v1/completions", body
+
+
+def _tool_calls_ok(choice: dict) -> bool:
+    """finish_reason tool_calls iff calls; each names the offered tool with its arguments."""
+    calls = choice.get("message", {}).get("tool_calls")
+    if (choice["finish_reason"] == "tool_calls") != bool(calls):
+        return False
+    for call in calls or []:
+        args = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] != "count" or not isinstance(args, dict) or \
+                set(args) - {"n"}:
+            return False
+    return True
 
 
 def _finite_logprobs(obj) -> bool:
@@ -154,11 +187,15 @@ def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
             return
         done = [(o["meta_info"]["finish_reason"]["type"], o["text"]) for o in outs]
     else:
+        finish = FINISH | ({"tool_calls"} if body.get("tools") else set())
         if len(out["choices"]) != body["n"] or out["usage"]["completion_tokens"] > \
-                body["n"] * body["max_tokens"] or any(c["finish_reason"] not in FINISH
+                body["n"] * body["max_tokens"] or any(c["finish_reason"] not in finish
                                                       for c in out["choices"]):
             problems.append(("bad answer", body, out))
             return
+        for c in out["choices"]:
+            if not _tool_calls_ok(c):
+                problems.append(("tool calls", body, c))
         done = [(c["finish_reason"], c["message"]["content"] if "message" in c else c["text"])
                 for c in out["choices"]]
         if body.get("return_token_ids") and sum(len(c["token_ids"]) for c in out[
@@ -170,7 +207,7 @@ def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
     if field is not None and not (sp.get("stop") or sp.get("stop_token_ids")
                                   or sp.get("stop_regex")):
         for reason, text in done:
-            if reason == "stop" and not re.fullmatch(_MATCHES[field], text):
+            if reason == "stop" and not re.fullmatch(_MATCHES[field], text or ""):
                 problems.append(("grammar", body, text))
 
 
