@@ -53,6 +53,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "kimi_k2",
                      "pythonic", "qwen3_coder", "glm45", "glm", "glm47", "llama3_json",
                      "deepseek_v3", "llama4_pythonic", "qwen3_xml")
+# SGLang's --reasoning-parser names that are built (entrypoints/reasoning.py FORMATS).
+REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "glm45", "kimi",
+                     "kimi_k2", "step3", "minimax", "mistral")
 # SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
 # "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
 QUANTIZATION_BUILT = ("w8a8_int8",)
@@ -251,6 +254,10 @@ class ServerArgs:
               "into message.tool_calls (docs/api.md \"Tool calling\"). Without it the text "
               "comes back as content (tool_choice required / named answers are read "
               "anyway).", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = opt(
+        None, "The model's thinking format: a chat answer's thinking section goes to "
+              "message.reasoning_content, the rest to content (docs/api.md \"Reasoning\").",
+        choices=REASONING_PARSERS)
 
     # ---- speculative decoding (SGLang's flags; docs/speculative.md) --------------------------
     speculative_algorithm: str | None = opt(

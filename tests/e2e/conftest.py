@@ -52,10 +52,12 @@ def tiny_model_path() -> str:
 def server(tiny_model_path):
     # --abort-on-priority-when-disabled: a request that gives a priority is refused here
     # (test_priority_server.py checks the 503); no other test sends one. --tool-call-parser:
-    # test_tool_calling.py reads answers to requests with tools (no other test sends tools).
+    # test_tool_calling.py reads answers to requests with tools (no other test sends tools);
+    # --reasoning-parser: test_reasoning.py (random answers never open a thinking section).
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
                         "--context-length", str(TINY_CONTEXT), "--max-total-tokens", "16384",
                         "--abort-on-priority-when-disabled", "--tool-call-parser", "qwen25",
+                        "--reasoning-parser", "qwen3",
                         env={"KVSTRATA_MAX_REQUEST_BYTES": str(1 << 20),
                              # the default (tests/conftest.py turns it off elsewhere)
                              "KVSTRATA_SCHEDULER_EAGER_TOKENIZER": "1"})

@@ -235,7 +235,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     input_ids: TokenIds | None = None  # pre-tokenised prompt: bypasses the chat template
-    # Only act with a reasoning parser, which kvstrata does not have: no-ops, as in SGLang.
+    # With --reasoning-parser (entrypoints/reasoning.py): false keeps the thinking in the
+    # content / sends it in one delta once done; without a parser no-ops, as in SGLang.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     # Tool calling (entrypoints/api/tool_choice.py)
@@ -259,7 +260,8 @@ class ChatCompletionRequest(_SamplingFields):
     use_audio_in_video: bool = False
 
     NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {
-        "functions", "function_call", "modalities", "audio", "reasoning_effort", "reasoning", "task",
+        "functions", "function_call", "modalities", "audio", "reasoning_effort", "reasoning",
+        "task",
         "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video"}
     # An empty list of functions (some agent frameworks send one) offers none.
     ALSO_OFF = {**_SamplingFields.ALSO_OFF, "functions": ([],)}

@@ -1,7 +1,9 @@
 """/v1/chat/completions' response from merged engine outputs: one JSON object, or an SSE
-stream ending in [DONE]. A request with tools has its answers read into tool_calls
-(tool_choice.py): whole at the end, or as deltas while streaming (a role chunk, content
-deltas, then per call a chunk with its id and name and chunks with its arguments).
+stream ending in [DONE]. Under --reasoning-parser an answer's thinking section goes to
+reasoning_content (entrypoints/reasoning.py); a request with tools has the rest read into
+tool_calls (tool_choice.py): whole at the end, or as deltas while streaming (a role chunk,
+reasoning and content deltas, then per call a chunk with its id and name and chunks with
+its arguments).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from kvstrata.entrypoints.api import serving_handlers as sh
 from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError
 from kvstrata.entrypoints.api.meta_info import Acc, meta_info
+from kvstrata.entrypoints.reasoning import ReasoningStream
 from kvstrata.frontend import ipc
 
 
@@ -26,11 +29,16 @@ def _finish(finish: str | None, matched, has_calls: bool):
 
 
 def _message(a: Acc) -> tuple[dict, bool]:
-    c = a.choice
-    if c.tools is None:
-        return {"role": "assistant", "content": a.text}, False
-    content, calls = c.tools.read(a.text, c.tool_constrained)
-    message = {"role": "assistant", "content": content}
+    c, text, message = a.choice, a.text, {"role": "assistant"}
+    reasoning = None
+    if c.reasoning is not None:
+        reasoning, text = c.reasoning.split(text)
+    calls = None
+    if c.tools is not None:
+        text, calls = c.tools.read(text, c.tool_constrained)
+    message["content"] = text
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return message, bool(calls)
@@ -78,7 +86,8 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
 
     include_usage, continuous = sh.stream_usage(body)
     first = await sh.first_or_error(gen)
-    streams = {c.req.rid: c.tools.stream(c.tool_constrained) if c.tools else None
+    streams = {c.req.rid: (ReasoningStream(c.reasoning) if c.reasoning else None,
+                           c.tools.stream(c.tool_constrained) if c.tools else None)
                for c in choices}
 
     def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None,
@@ -98,14 +107,10 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     def render(choice, out):
         accs[choice.req.rid].add(out)
         lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
-        stream = streams[choice.req.rid]
-        if stream is None:
-            deltas = [{"content": out.text}] if out.text else []
-            finish, matched = so.finish_reason(out), out.matched_stop
-        else:
-            deltas = _tool_deltas(stream, out)
-            finish, matched = _finish(so.finish_reason(out), out.matched_stop,
-                                      stream.calls_sent > 0)
+        thinking, tools = streams[choice.req.rid]
+        deltas = _deltas(thinking, tools, out)
+        finish, matched = _finish(so.finish_reason(out), out.matched_stop,
+                                  tools is not None and tools.calls_sent > 0)
         if not deltas and (out.finished or (lp and lp["content"]) or (
                 body.return_token_ids and out.new_token_ids)):
             deltas = [{}]
@@ -129,11 +134,26 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-def _tool_deltas(stream, out: ipc.TextOutput) -> list[dict]:
-    """One output's deltas: its content, then each tool_calls item in a chunk of its own."""
+def _deltas(thinking, tools, out: ipc.TextOutput) -> list[dict]:
+    """One output's deltas: reasoning and content as they settle, each tool_calls item in a
+    chunk of its own; at the finish, what the parsers held back."""
+    parts = [thinking.feed(out.text)] if thinking else [("", out.text)]
+    if out.finished and thinking:
+        parts.append(thinking.finish())
     deltas = []
-    for part in (stream.feed(out.text), *((stream.finish(),) if out.finished else ())):
-        if part.content:
-            deltas.append({"content": part.content})
-        deltas.extend({"tool_calls": [item]} for item in part.tool_calls)
+    for reasoning, text in parts:
+        if reasoning:
+            deltas.append({"reasoning_content": reasoning})
+        if tools is None:
+            if text:
+                deltas.append({"content": text})
+        else:
+            deltas.extend(_tool_items(tools.feed(text)))
+    if out.finished and tools is not None:
+        deltas.extend(_tool_items(tools.finish()))
     return deltas
+
+
+def _tool_items(part) -> list[dict]:
+    items = [{"content": part.content}] if part.content else []
+    return items + [{"tool_calls": [item]} for item in part.tool_calls]

@@ -19,6 +19,7 @@ from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.entrypoints.api.structured_output import check_grammar_allowed, grammar_fields
 from kvstrata.entrypoints.api.tool_choice import ToolPlan, plan_tools
+from kvstrata.entrypoints.reasoning import ReasoningPlan, plan_reasoning
 from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
@@ -35,6 +36,7 @@ class Choice:
     prompt_text: str | None = None  # for echo
     tools: ToolPlan | None = None  # chat with tools: how its answer is read
     tool_constrained: bool = False  # the tool constraint (required / named / strict) applies
+    reasoning: ReasoningPlan | None = None  # --reasoning-parser: how the thinking is split
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | None,
@@ -154,10 +156,14 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
         v is None for v in grammar_fields(body).values())
     check_openai_params(tm, body, params[0], tools=constrained)
     salt = cache_salt(body)
+    reasoning = None
+    if getattr(tm.server_args, "reasoning_parser", None):
+        # the prompt's tail: a template may open the thinking section for the model
+        reasoning = plan_reasoning(tm.server_args, body, tm.tokenizer.decode(prompt_ids[-16:]))
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
         sampling_params=params[j], priority=body.priority, cache_salt=salt),
-        tools=tools, tool_constrained=constrained)
+        tools=tools, tool_constrained=constrained, reasoning=reasoning)
         for j in range(body.n)]
 
 
