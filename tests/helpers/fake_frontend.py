@@ -28,7 +28,8 @@ class _Tokenizer:
 class RecordingTM:
     """Answers every request with one token and records the ipc.GenerateReq it was given."""
 
-    def __init__(self):
+    def __init__(self, server_args=None):
+        self.server_args = server_args  # as the real one's: request checks read flags
         self.tokenizer = _Tokenizer()
         self.reqs: list[ipc.GenerateReq] = []
         self.states: dict = {}
@@ -65,7 +66,7 @@ class RecordingTM:
 
 def app_state(server_args, context_len: int = 64) -> SimpleNamespace:
     """create_app's state around a RecordingTM (state.tm) for these server args."""
-    return SimpleNamespace(tm=RecordingTM(), server_args=server_args, model_names=["m"],
+    return SimpleNamespace(tm=RecordingTM(server_args), server_args=server_args, model_names=["m"],
                            context_len=context_len, engine_info={}, healthy=lambda: True,
                            metrics=ServerMetrics("m"))
 
