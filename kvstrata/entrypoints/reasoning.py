@@ -73,6 +73,21 @@ class ReasoningPlan:
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         return split(self.fmt, text, self.thinking, final)
 
+    def grammar_gate(self, tokenizer) -> list[int] | None:
+        """SamplingParams.reasoning_gate: a grammar waits for the thinking section to end.
+        Needs the end marker to be one token (and the start marker, to let the answer open
+        a section itself); None otherwise (the grammar holds from the first token)."""
+        def one_id(text: str) -> int | None:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 else None
+
+        end = one_id(self.fmt.end)
+        if end is None:
+            return None
+        start = one_id(self.fmt.start)
+        thinking = self.thinking or self.fmt.forced
+        return [-1 if start is None else start, end, int(thinking)]
+
 
 def plan_reasoning(server_args, body, prompt_tail: str) -> ReasoningPlan | None:
     """The chat request's plan under --reasoning-parser; None without it or with

@@ -116,6 +116,11 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None  # a JSON string (protocol/grammar.py struct_tags)
+    # SGLang's grammar after reasoning (set by the chat route under --reasoning-parser):
+    # [start id or -1, end id, 1 if the answer starts inside]: the grammar waits while the
+    # answer is inside a thinking section (start_id as its first token opens one, end_id
+    # closes it); runner/grammar.py ThinkingGate.
+    reasoning_gate: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop, "stop", "a non-empty string or a list of non-empty "
@@ -213,6 +218,11 @@ class SamplingParams:
                   "must be a string")
         if self.grammar_field is not None:
             check_grammar(self)
+        gate = self.reasoning_gate
+        check("reasoning_gate", gate is None or (
+            isinstance(gate, list) and len(gate) == 3 and all(is_int(t) for t in gate)
+            and gate[0] >= -1 and 0 <= gate[1] <= _TOKEN_ID_MAX and gate[2] in (0, 1)),
+              "must be null or [start id or -1, end id, 0 or 1]")
         check("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
               "must be null or an integer in [0, 20]")
 

@@ -92,7 +92,10 @@ class GrammarBackend:
         import llguidance  # noqa: PLC0415
 
         tokenizer = self.tokenizer()
-        text, replay = getattr(params, field), list(output_ids)
+        gate = ThinkingGate(*params.reasoning_gate) if params.reasoning_gate else None
+        text = getattr(params, field)
+        # the output the grammar has seen (a thinking section's tokens are not its)
+        replay = [t for t in output_ids if gate is None or gate.take(t)]
 
         def compile_matcher():
             # off the step: a 100 KB schema took 134 ms here (llguidance drops the GIL), so
@@ -104,7 +107,30 @@ class GrammarBackend:
             return matcher
 
         return GrammarState(self._compiler.submit(compile_matcher), self.vocab_size,
-                            (tokenizer.vocab_size + 31) // 32, self.executor, tokenizer)
+                            (tokenizer.vocab_size + 31) // 32, self.executor, tokenizer, gate)
+
+
+class ThinkingGate:
+    """SGLang's grammar after reasoning: a thinking model's section is free text, so the
+    grammar waits while the answer is inside one. MAYBE: the next token may open a section
+    (the start token is allowed beside the grammar's); THINKING: no mask until the end
+    token; OPEN: the grammar holds."""
+    MAYBE, THINKING, OPEN = 0, 1, 2
+
+    def __init__(self, start: int, end: int, inside: int):
+        self.start, self.end = start, end
+        self.state = self.THINKING if inside else self.MAYBE if start >= 0 else self.OPEN
+
+    def take(self, token: int) -> bool:
+        """Moves past one drawn token; True when the token is the grammar's."""
+        if self.state == self.OPEN:
+            return True
+        if self.state == self.MAYBE:
+            self.state = self.THINKING if token == self.start else self.OPEN
+            return self.state == self.OPEN
+        if token == self.end:
+            self.state = self.OPEN
+        return False
 
 
 def _advance(matcher, token: int) -> None:
@@ -120,9 +146,11 @@ class GrammarState:
     under another grammar, say) allows the EOS tokens only, so the request ends instead of
     running on unconstrained."""
 
-    def __init__(self, matcher, vocab_size: int, mask_words: int, executor, tokenizer=None):
+    def __init__(self, matcher, vocab_size: int, mask_words: int, executor, tokenizer=None,
+                 gate: ThinkingGate | None = None):
         # an LLMatcher, or the Future of one still compiling (GrammarBackend.matcher)
         self._matcher = matcher
+        self.gate = gate
         self._tokenizer = tokenizer
         self.error: str | None = None  # why its compilation raised (never expected)
         self.vocab_size = vocab_size
@@ -131,14 +159,22 @@ class GrammarState:
         self.reported = False  # its failure went up to the engine once
         self._mask: torch.Tensor | None = None
 
-    def allowed(self) -> torch.Tensor:
+    def allowed(self) -> torch.Tensor | None:
+        """The mask; None while the answer is inside a thinking section (no mask)."""
+        if not self.active:
+            return None
         if self._mask is None:
             fill_masks([self])
         return self._mask
 
+    @property
+    def active(self) -> bool:
+        return self.gate is None or self.gate.state != ThinkingGate.THINKING
+
     def accept(self, token: int) -> None:
         self._mask = None
-        _advance(self.matcher, token)
+        if self.gate is None or self.gate.take(token):
+            _advance(self.matcher, token)
 
     @property
     def matcher(self):
@@ -167,7 +203,8 @@ def fill_masks(grammars) -> None:
     """Computes the next-token masks of every GrammarState among `grammars` that has none yet,
     in one llguidance call that spreads the matchers over its threads (the sampler calls it
     once per batch: 16 JSON rows of SmolLM2 took 0.19 ms each one by one)."""
-    todo = [g for g in grammars if isinstance(g, GrammarState) and g._mask is None]
+    todo = [g for g in grammars if isinstance(g, GrammarState) and g._mask is None
+            and g.active]
     if not todo:
         return
     words = todo[0].mask_words
@@ -177,6 +214,9 @@ def fill_masks(grammars) -> None:
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
     masks = torch.from_numpy(allowed[:, : todo[0].vocab_size].view(np.bool_))
     for g, mask in zip(todo, masks):
+        if g.gate is not None and g.gate.state == ThinkingGate.MAYBE \
+                and g.gate.start < mask.shape[0]:
+            mask[g.gate.start] = True  # the answer may open a thinking section instead
         g._mask = mask
 
 

@@ -188,15 +188,16 @@ class Sampler:
             ids, vals = s._bias
             keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
             row[ids[keep]] += vals[keep]
-        if s.grammar is not None:
-            self._mask_row(row, s.grammar.allowed()[:vocab].to(dev))
+        allowed = s.grammar.allowed() if s.grammar is not None else None
+        if allowed is not None:  # (None: inside a thinking section, SGLang's reasoning)
+            self._mask_row(row, allowed[:vocab].to(dev))
         if self._blocks_eos(s):
             blocked = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
             if blocked:
                 ids = torch.tensor(blocked, dtype=torch.long, device=dev)
                 kept = row[ids]
                 row[ids] = float("-inf")
-                if s.grammar is not None and not bool(row.max() > float("-inf")):
+                if allowed is not None and not bool(row.max() > float("-inf")):
                     row[ids] = kept  # a complete grammar allows only these: it ends here
 
     @staticmethod

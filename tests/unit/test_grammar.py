@@ -324,3 +324,49 @@ def test_a_compile_that_raises_ends_the_request_not_the_scheduler(backend, monke
     state = backend.matcher(SamplingParams(regex="a"), [5, 6])
     assert torch.nonzero(state.allowed()).flatten().tolist() == [2] and state.failed
     assert "no grammar today" in new_failures([("r", state)])["r"]
+
+
+# ---------------------------------------------------------------- grammar after thinking
+START, END = 1, 9617  # stand-ins: one-token thinking markers (SmolLM2 has none)
+
+
+def _mask_ids(state) -> set[int] | None:
+    allowed = state.allowed()
+    return None if allowed is None else set(torch.nonzero(allowed).flatten().tolist())
+
+
+def test_grammar_waits_for_the_thinking_section_to_end(backend):
+    sp = SamplingParams(regex=r"(yes|no)", reasoning_gate=[START, END, 1])
+    state = backend.matcher(sp, [])
+    for tok in (500, 12, 7000):  # thinking: anything goes, the matcher sees none of it
+        assert state.allowed() is None
+        state.accept(tok)
+    state.accept(END)
+    plain = _mask_ids(backend.matcher(SamplingParams(regex=r"(yes|no)"), []))
+    assert _mask_ids(state) == plain and {10407, 4607} <= plain  # now the grammar holds
+    state.accept(10407)
+    assert _mask_ids(state) == {2} and not state.failed
+
+
+def test_the_answer_may_open_a_section_or_follow_the_grammar(backend):
+    sp = SamplingParams(regex=r"(yes|no)", reasoning_gate=[START, END, 0])
+    state = backend.matcher(sp, [])
+    plain = _mask_ids(backend.matcher(SamplingParams(regex=r"(yes|no)"), []))
+    assert _mask_ids(state) == plain | {START}  # the grammar's, or open a section
+    state.accept(START)
+    assert state.allowed() is None
+    direct = backend.matcher(sp, [])
+    direct.accept(4607)  # no section: the grammar held from the first token
+    assert _mask_ids(direct) == {2}
+
+
+def test_replay_skips_the_thinking_tokens(backend):
+    """A retracted request (or a PD decode server's first token) comes back with output."""
+    sp = SamplingParams(regex=r"(yes|no)", reasoning_gate=[START, END, 0])
+    state = backend.matcher(sp, [START, 500, 12, END, 10407])
+    assert _mask_ids(state) == {2} and not state.failed
+
+
+def test_reasoning_gate_is_checked():
+    with pytest.raises(ValueError, match="reasoning_gate"):
+        SamplingParams(regex="a", reasoning_gate=[1, 2])

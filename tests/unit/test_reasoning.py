@@ -80,3 +80,35 @@ def test_stream_adds_up_to_the_whole_split(name, pieces, thinking, stream_reason
     parts = _stream(plan, text, cuts)
     assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == \
         split(plan.fmt, text, thinking, final=True)
+
+
+class _Tok:
+    """Encodes the thinking markers as one token each (as Qwen3's tokenizer does)."""
+
+    def __init__(self, ids: dict[str, int]):
+        self.ids = ids
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.ids[text]] if text in self.ids else [1, 2]
+
+
+def test_grammar_gate_needs_one_token_markers():
+    tok = _Tok({"<think>": 7, "</think>": 8})
+    assert ReasoningPlan(QWEN3, thinking=True).grammar_gate(tok) == [7, 8, 1]
+    assert ReasoningPlan(QWEN3, thinking=False).grammar_gate(tok) == [7, 8, 0]
+    assert ReasoningPlan(R1, thinking=False).grammar_gate(tok) == [7, 8, 1]  # forced
+    assert ReasoningPlan(QWEN3, False).grammar_gate(_Tok({"</think>": 8})) == [-1, 8, 0]
+    assert ReasoningPlan(QWEN3, False).grammar_gate(_Tok({"<think>": 7})) is None
+
+
+def test_the_gate_goes_only_with_a_grammar():
+    from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest
+    from kvstrata.entrypoints.api.serving_openai import build_sampling_params
+
+    def params(**extra):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "hi"}], **extra}, strict=False)
+        return build_sampling_params(body, 8, None, 0, "max_tokens", None, [7, 8, 1])
+
+    assert params(regex="(yes|no)").reasoning_gate == [7, 8, 1]
+    assert params().reasoning_gate is None

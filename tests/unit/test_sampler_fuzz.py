@@ -74,6 +74,16 @@ class AllowedSet:
         assert token in self.ids, (token, self.ids)
 
 
+class Thinking(AllowedSet):
+    """A grammar waiting out a thinking section (runner/grammar.py ThinkingGate): no mask."""
+
+    def __init__(self):
+        super().__init__(set(range(VOCAB)))
+
+    def allowed(self):
+        return None
+
+
 def _states(reqs, grammars):
     states = [SamplingState(p, prompt, list(out)) for p, prompt, out in reqs]
     for s, g in zip(states, grammars):
@@ -91,7 +101,7 @@ def test_any_valid_params_sample_inside_the_vocabulary(reqs, data, padded):
         p.validate()
     # structured output on some rows: every drawn token must be one the grammar allows,
     # whatever the logits (all of its tokens at -inf or NaN too)
-    grammars = [data.draw(st.one_of(st.none(), st.builds(AllowedSet, st.sets(
+    grammars = [data.draw(st.one_of(st.none(), st.builds(Thinking), st.builds(AllowedSet, st.sets(
         st.integers(0, VOCAB - 1), min_size=1, max_size=5)))) for _ in reqs]
     rows = [data.draw(st.lists(values, min_size=VOCAB + padded, max_size=VOCAB + padded))
             for _ in reqs]

@@ -56,7 +56,8 @@ def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | No
 
 
 def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_offset: int,
-                          max_param: str, tools: ToolPlan | None = None) -> SamplingParams:
+                          max_param: str, tools: ToolPlan | None = None,
+                          reasoning_gate: list[int] | None = None) -> SamplingParams:
     grammar = grammar_fields(body)
     schema_param = _schema_param(body)
     if tools is not None and tools.constraint:
@@ -78,6 +79,8 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
     if tools is not None and tools.detector is not None:
         # SGLang: tool-call markers are often special tokens; the reader needs them
         fields["skip_special_tokens"] = False
+    if reasoning_gate is not None and any(v is not None for v in grammar.values()):
+        fields["reasoning_gate"] = reasoning_gate  # the grammar starts after the thinking
     try:
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
@@ -150,16 +153,17 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
         max_tokens = (context_len - len(prompt_ids)) if context_len else 4096
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     rid = request_rid(body)
-    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools)
+    reasoning, gate = None, None
+    if getattr(tm.server_args, "reasoning_parser", None):
+        # the prompt's tail: a template may open the thinking section for the model
+        reasoning = plan_reasoning(tm.server_args, body, tm.tokenizer.decode(prompt_ids[-16:]))
+        gate = reasoning.grammar_gate(tm.tokenizer) if reasoning else None
+    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools, gate)
               for j in range(body.n)]
     constrained = tools is not None and bool(tools.constraint) and all(
         v is None for v in grammar_fields(body).values())
     check_openai_params(tm, body, params[0], tools=constrained)
     salt = cache_salt(body)
-    reasoning = None
-    if getattr(tm.server_args, "reasoning_parser", None):
-        # the prompt's tail: a template may open the thinking section for the model
-        reasoning = plan_reasoning(tm.server_args, body, tm.tokenizer.decode(prompt_ids[-16:]))
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
         sampling_params=params[j], priority=body.priority, cache_salt=salt),
