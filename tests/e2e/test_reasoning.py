@@ -82,3 +82,14 @@ def test_a_call_after_thinking_is_read(server):
 def test_an_answer_without_a_section_is_untouched(server):
     plain = _post(server, temperature=0, max_tokens=8)
     assert "reasoning_content" not in plain["message"] and plain["message"]["content"]
+
+
+def test_separate_reasoning_route(server):
+    """SGLang's /separate_reasoning: any format, whatever the server's own parser."""
+    r = httpx.post(server.base_url + "/separate_reasoning", timeout=30, json={
+        "text": "Hmm, 2 + 2.</think>4", "reasoning_parser": "deepseek-r1"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"text": "4", "reasoning_text": "Hmm, 2 + 2."}
+    bad = httpx.post(server.base_url + "/separate_reasoning", timeout=30, json={
+        "text": "x", "reasoning_parser": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_parser"

@@ -188,3 +188,20 @@ def test_openai_client_types_round_trip(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=MSG, tool_choice="required",
                                        max_tokens=4)
+
+
+def test_parse_function_call_route(server):
+    """SGLang's /parse_function_call: any format, whatever the server's own parser."""
+    text = ('Sure. [TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "UTC"}}, '
+            '{"name": "nope", "arguments": {}}]')
+    r = httpx.post(server.base_url + "/parse_function_call", timeout=30, json={
+        "text": text, "tool_call_parser": "mistral", "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"normal_text": "Sure.", "calls": [
+        {"tool_index": 1, "name": "get_time", "parameters": '{"tz": "UTC"}'}]}
+    plain = httpx.post(server.base_url + "/parse_function_call", timeout=30, json={
+        "text": "no call", "tool_call_parser": "qwen25", "tools": TOOLS}).json()
+    assert plain == {"normal_text": "no call", "calls": []}
+    bad = httpx.post(server.base_url + "/parse_function_call", timeout=30, json={
+        "text": "x", "tool_call_parser": "gpt-oss"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_call_parser"

@@ -18,6 +18,7 @@ from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, bad_request
 from kvstrata.entrypoints.api.native_protocol import AbortRequest, GenerateRequest
+from kvstrata.entrypoints.api.parser_routes import add_parser_routes
 from kvstrata.entrypoints.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
 from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_spec, parse_body
@@ -283,8 +284,9 @@ def create_app(state) -> FastAPI:
         state.metrics.set_load(tm.load)  # the scheduler's latest report: no round trip
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    parser_models = add_parser_routes(app)  # SGLang's /parse_function_call, ...
     add_request_schemas(app, [ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                              AbortRequest])
+                              AbortRequest, *parser_models])
     return _Guard(app, MAX_BODY_BYTES, getattr(args, "api_key", None))
 
 

@@ -162,7 +162,7 @@ def template_tool_calls(i: int, calls: list) -> list[dict]:
             param = f"messages.{i}.tool_calls.{j}.function.arguments"
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise bad_request(f"{param} must be valid JSON", param) from None
             if not isinstance(args, dict):
                 raise bad_request(f"{param} must be a JSON object", param)

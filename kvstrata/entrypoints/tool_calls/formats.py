@@ -153,7 +153,7 @@ def _closing_bracket(text: str, start: int) -> int | None:
 def _python_calls(block: str, tools: frozenset[str]) -> list[ScannedCall] | None:
     try:
         tree = ast.parse(block, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     if not isinstance(tree, ast.List) or not all(
             isinstance(e, ast.Call) and isinstance(e.func, ast.Name) for e in tree.elts):

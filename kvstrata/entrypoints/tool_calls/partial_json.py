@@ -36,6 +36,8 @@ def parse_prefix(text: str) -> tuple[Any, bool]:
         raise ValueError("no JSON value yet")
     try:
         return json.loads(stripped), True
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # a whole value, then something else
             return json.loads(stripped[:e.pos]), True
@@ -51,6 +53,8 @@ def end_of_value(text: str, start: int = 0) -> int | None:
     start = len(text) - len(text[start:].lstrip())
     try:
         _, end = _DECODER.raw_decode(text, start)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     except json.JSONDecodeError as e:
         if e.msg.startswith("Unterminated string") or _unfinished(text[e.pos:].rstrip()):
             return None
