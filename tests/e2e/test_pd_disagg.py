@@ -111,6 +111,23 @@ def test_openai_client_through_router(router, client):
     assert streamed == want.choices[0].text
 
 
+def test_tool_call_through_router(router, client):
+    """tool_choice required through the pair: both servers build the same constraint (the
+    prefill server draws the first token under it), the decode server reads the call."""
+    import openai
+
+    from tests.e2e.test_tool_calling import TIME
+
+    via = openai.OpenAI(base_url=router.base_url + "/v1", api_key="none", max_retries=0,
+                        timeout=120)
+    kwargs = dict(model="tiny", messages=MSG, tools=[TIME], tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=40, temperature=0)
+    want = client.chat.completions.create(**kwargs).choices[0]
+    got = via.chat.completions.create(**kwargs).choices[0]
+    assert got.finish_reason == want.finish_reason == "tool_calls"
+    assert got.message.tool_calls[0].function == want.message.tool_calls[0].function
+
+
 def test_concurrent_requests_with_disconnects_leak_nothing(router, pd):
     """16 concurrent streams through the router, a random half cut off by the client."""
     rng = random.Random(3)
