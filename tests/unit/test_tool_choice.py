@@ -111,6 +111,13 @@ def test_kimi_ids_count_the_historys_calls():
     assert plan.read(text, False)[1][0]["id"] == "functions.get_time:1"
 
 
+def test_mistral_ids_are_nine_characters():
+    """Mistral's chat templates refuse tool call ids that are not 9 alphanumerics."""
+    plan = _plan(parser="mistral", tools=[TIME])
+    _, calls = plan.read('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', False)
+    assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
+
+
 # A Qwen 2.5-style template: tools as JSON, earlier calls with their arguments as objects.
 QWEN_LIKE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"

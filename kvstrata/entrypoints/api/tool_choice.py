@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,7 @@ from kvstrata.entrypoints.tool_calls import (ToolCallStream, json_array_detector
 from kvstrata.entrypoints.tool_calls.partial_json import dumps
 
 logger = logging.getLogger(__name__)
+_ALNUM = string.ascii_letters + string.digits
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ToolPlan:
     detector: Any = None  # reads the answer; None: it comes back as content
     array_detector: Any = None  # reads the constrained JSON array (required / named)
     kimi_ids: int | None = None  # Kimi-K2 ids count the history's calls
+    mistral_ids: bool = False  # Mistral's templates accept only 9-character ids
 
     def reader(self, constrained: bool):
         """The detector for an answer, knowing whether the constraint was applied."""
@@ -45,6 +49,8 @@ class ToolPlan:
     def call_id(self, index: int, name: str) -> str:
         if self.kimi_ids is not None:
             return f"functions.{name}:{self.kimi_ids + index}"
+        if self.mistral_ids:  # as vLLM: the template refuses other ids sent back to it
+            return "".join(secrets.choice(_ALNUM) for _ in range(9))
         return "call_" + uuid.uuid4().hex[:24]
 
     def stream(self, constrained: bool) -> ToolCallStream | None:
@@ -93,8 +99,9 @@ def plan_tools(server_args, body) -> ToolPlan | None:
     plan = ToolPlan(names={t.function.name: t.function.parameters or {} for t in tools},
                     template_tools=[t.model_dump(exclude_none=True) for t in shown],
                     detector=make_detector(parser) if parser else None)
-    if parser in ("kimi_k2",):
+    if parser == "kimi_k2":
         plan.kimi_ids = sum(len(m.tool_calls or []) for m in body.messages)
+    plan.mistral_ids = parser == "mistral"
     if choice == "required" or named is not None:
         one = named is not None or body.parallel_tool_calls is False
         plan.constraint = {"json_schema": json.dumps(array_schema(shown, one))}
