@@ -96,8 +96,16 @@ def plan_reasoning(server_args, body, prompt_tail: str) -> ReasoningPlan | None:
     if not name or not body.separate_reasoning:
         return None
     fmt = FORMATS[name]
-    opened = prompt_tail.rstrip().endswith(fmt.start)  # the template opened the section
-    return ReasoningPlan(fmt, fmt.forced or opened, body.stream_reasoning)
+    return ReasoningPlan(fmt, fmt.forced or opens_section(fmt, prompt_tail),
+                         body.stream_reasoning)
+
+
+def opens_section(fmt: ReasoningFormat, prompt_tail: str) -> bool:
+    """Whether the prompt leaves the answer inside a thinking section: its last start
+    marker comes after its last end marker (a template that opens the section for the model,
+    or SGLang's continue_final_message on an assistant turn still thinking)."""
+    start = prompt_tail.rfind(fmt.start)
+    return start >= 0 and prompt_tail.rfind(fmt.end) < start
 
 
 class ReasoningStream:

@@ -47,6 +47,9 @@ def test_prompt_that_opens_the_section():
     # enable_thinking false: Qwen3's template writes an empty, closed section
     assert not plan_reasoning(args, body, "assistant\n<think>\n\n</think>\n\n").thinking
     assert not plan_reasoning(args, body, "<|im_start|>assistant\n").thinking
+    # an earlier turn's closed section; continue_final_message on a turn still thinking
+    assert not plan_reasoning(args, body, "<think>a</think>b<|im_start|>assistant\n").thinking
+    assert plan_reasoning(args, body, "assistant\n<think>I was sayi").thinking
     assert plan_reasoning(SimpleNamespace(reasoning_parser="deepseek-r1"), body, "").thinking
     assert plan_reasoning(SimpleNamespace(reasoning_parser=None), body, "") is None
     body.separate_reasoning = False  # the thinking stays in the content

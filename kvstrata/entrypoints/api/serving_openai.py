@@ -156,7 +156,10 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
     reasoning, gate = None, None
     if getattr(tm.server_args, "reasoning_parser", None):
         # the prompt's tail: a template may open the thinking section for the model
-        reasoning = plan_reasoning(tm.server_args, body, tm.tokenizer.decode(prompt_ids[-16:]))
+        tail = tm.tokenizer.decode(prompt_ids[-64:])
+        if body.continue_final_message and body.messages[-1].role == "assistant":
+            tail += body.messages[-1].text()  # the turn the model continues (all of it)
+        reasoning = plan_reasoning(tm.server_args, body, tail)
         gate = reasoning.grammar_gate(tm.tokenizer) if reasoning else None
     params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools, gate)
               for j in range(body.n)]
