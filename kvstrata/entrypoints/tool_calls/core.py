@@ -8,11 +8,14 @@ one rule for the partial scans: their plain text and each call's name only ever 
 change (text that may still become a marker is held back; a name is reported once its string
 is closed).
 
-Calls naming a tool the request does not offer are dropped, as SGLang drops them.
+Calls naming a tool the request does not offer are dropped, as SGLang drops them. `tools`
+is the offered names (a dict name -> parameters schema, which the XML formats type values
+by).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +55,7 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def call_of(obj: Any, tools: frozenset[str], complete: bool) -> ScannedCall | None:
+def call_of(obj: Any, tools: Container[str], complete: bool) -> ScannedCall | None:
     """A call from one JSON object {"name": ..., "arguments" | "parameters": ...}; None when it
     has no (finished) name or names an unknown tool. Arguments default to {} once the
     object is complete (a call without them takes none)."""
@@ -70,7 +73,7 @@ def call_of(obj: Any, tools: frozenset[str], complete: bool) -> ScannedCall | No
     return ScannedCall(name, args, complete)
 
 
-def _calls_of(value: Any, tools: frozenset[str], complete: bool,
+def _calls_of(value: Any, tools: Container[str], complete: bool,
               names_done: Any) -> list[ScannedCall]:
     """Calls in one JSON value (an object, or an array of them as Mistral and SmolLM2
     write). `names_done` is the same prefix parsed without unfinished strings: a name is
@@ -125,7 +128,7 @@ class JsonCallsDetector:
             return 0, len(text) - len(text.lstrip())
         return None
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> Scan:
+    def scan(self, text: str, final: bool, tools: Container[str]) -> Scan:
         section = self._section_start(text)
         if section is None:
             if final or not self.bot:
@@ -155,7 +158,7 @@ class JsonCallsDetector:
                 break
         return scan
 
-    def _partial(self, rest: str, final: bool, tools: frozenset[str], scan: Scan) -> None:
+    def _partial(self, rest: str, final: bool, tools: Container[str], scan: Scan) -> None:
         """The last value is unfinished: its calls so far in a stream; at the end, dropped
         (the output was cut short)."""
         if final:

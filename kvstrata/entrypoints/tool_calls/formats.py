@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Container
 
 from kvstrata.entrypoints.tool_calls.core import (Scan, ScannedCall, StructureInfo,
                                                   held_prefix)
@@ -26,7 +27,7 @@ class TaggedCallsDetector:
     def structure_info(self, name: str) -> StructureInfo:
         return StructureInfo(self.begin.replace("NAME", name), self.end, self.bot)
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> Scan:
+    def scan(self, text: str, final: bool, tools: Container[str]) -> Scan:
         pos = text.find(self.bot)
         if pos < 0:
             keep = 0 if final else held_prefix(text, self.bot)
@@ -105,7 +106,7 @@ class PythonicDetector:
     def structure_info(self, name: str) -> None:
         return None  # no JSON inside: auto tool_choice is not constrained
 
-    def scan(self, text: str, final: bool, tools: frozenset[str]) -> Scan:
+    def scan(self, text: str, final: bool, tools: Container[str]) -> Scan:
         text = text.replace("<|python_start|>", "").replace("<|python_end|>", "")
         scan, i = Scan(), 0
         while True:
@@ -150,7 +151,7 @@ def _closing_bracket(text: str, start: int) -> int | None:
     return None
 
 
-def _python_calls(block: str, tools: frozenset[str]) -> list[ScannedCall] | None:
+def _python_calls(block: str, tools: Container[str]) -> list[ScannedCall] | None:
     try:
         tree = ast.parse(block, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
