@@ -201,3 +201,17 @@ def test_the_tokenizer_takes_the_chat_template():
     text = tok.apply_chat_template(MSG, tools=[TIME], tokenize=False,
                                    add_generation_prompt=True)
     assert text.startswith('<tools>{"type": "function", "function": {"name": "get_time"')
+
+
+def test_reasoning_effort_is_a_template_variable():
+    tm = FakeTM("effort={{ reasoning_effort }}")
+    body = ChatCompletionRequest.model_validate({"messages": MSG, "reasoning_effort": "low"},
+                                                strict=False)
+    chat_prompt_ids(tm, body)
+    assert tm.rendered == "effort=low"
+    body = ChatCompletionRequest.model_validate({"messages": MSG, "reasoning_effort": "low",
+                                                 "chat_template_kwargs": {
+                                                     "reasoning_effort": "high"}},
+                                                strict=False)
+    chat_prompt_ids(tm, body)
+    assert tm.rendered == "effort=high"  # the client's chat_template_kwargs win

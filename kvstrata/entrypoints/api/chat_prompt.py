@@ -60,6 +60,8 @@ def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
         if key in reserved or not key.isidentifier():
             param = f"chat_template_kwargs.{key}"
             raise bad_request(f"{param} cannot be set through chat_template_kwargs", param)
+    if body.reasoning_effort is not None:  # (chat_template_kwargs' own value wins)
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     return kwargs
 
 

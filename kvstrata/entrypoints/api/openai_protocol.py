@@ -248,6 +248,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+    # OpenAI's reasoning_effort: a variable of the chat template (as SGLang and vLLM pass it;
+    # templates without it ignore it)
     reasoning_effort: str | float | None = None
     reasoning: dict[str, Any] | None = None
     task: str | None = None
@@ -260,8 +262,7 @@ class ChatCompletionRequest(_SamplingFields):
     use_audio_in_video: bool = False
 
     NOT_IMPLEMENTED = _SamplingFields.NOT_IMPLEMENTED | {
-        "functions", "function_call", "modalities", "audio", "reasoning_effort", "reasoning",
-        "task",
+        "functions", "function_call", "modalities", "audio", "reasoning", "task",
         "max_dynamic_patch", "min_dynamic_patch", "use_audio_in_video"}
     # An empty list of functions (some agent frameworks send one) offers none.
     ALSO_OFF = {**_SamplingFields.ALSO_OFF, "functions": ([],)}
