@@ -19,6 +19,7 @@ from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, bad_request
 from kvstrata.entrypoints.api.native_protocol import AbortRequest, GenerateRequest
 from kvstrata.entrypoints.api.parser_routes import add_parser_routes
+from kvstrata.entrypoints.api.responses_api import ResponsesRequest, responses_response
 from kvstrata.entrypoints.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
 from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_spec, parse_body
@@ -153,6 +154,12 @@ def create_app(state) -> FastAPI:
         pd_fields.check_choices(args, body, choices)
         return await completion_response(state, request, body, choices)
 
+    @app.post("/v1/responses", openapi_extra=body_spec(ResponsesRequest))
+    async def responses(request: Request):
+        body = await parse_body(request, ResponsesRequest)
+        check_model(body.model)
+        return await responses_response(state, request, body)
+
     def check_alive() -> None:
         if not state.healthy():
             raise EngineDeadError(f"the server is shutting down: {tm.dead_reason}")
@@ -286,7 +293,7 @@ def create_app(state) -> FastAPI:
 
     parser_models = add_parser_routes(app)  # SGLang's /parse_function_call, ...
     add_request_schemas(app, [ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                              AbortRequest, *parser_models])
+                              AbortRequest, ResponsesRequest, *parser_models])
     return _Guard(app, MAX_BODY_BYTES, getattr(args, "api_key", None))
 
 

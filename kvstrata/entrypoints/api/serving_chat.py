@@ -28,7 +28,7 @@ def _finish(finish: str | None, matched, has_calls: bool):
     return finish, matched
 
 
-def _message(a: Acc) -> tuple[dict, bool]:
+def chat_message(a: Acc) -> tuple[dict, bool]:
     c, text, message = a.choice, a.text, {"role": "assistant"}
     reasoning = None
     if c.reasoning is not None:
@@ -71,7 +71,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
                                         finished=True, new_logprobs=a.logprobs,
                                         new_top_logprobs=a.top_logprobs or None)
                 logprobs = {"content": so.chat_logprobs(tt, merged)}
-            message, has_calls = _message(a)
+            message, has_calls = chat_message(a)
             finish, matched = _finish(out.finish_type, out.matched_stop, has_calls)
             out_choices.append({"index": a.choice.index, "logprobs": logprobs,
                                 "message": message, "finish_reason": finish,
@@ -108,7 +108,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
         accs[choice.req.rid].add(out)
         lp = {"content": so.chat_logprobs(tt, out)} if body.logprobs else None
         thinking, tools = streams[choice.req.rid]
-        deltas = _deltas(thinking, tools, out)
+        deltas = chat_deltas(thinking, tools, out)
         finish, matched = _finish(so.finish_reason(out), out.matched_stop,
                                   tools is not None and tools.calls_sent > 0)
         if not deltas and (out.finished or (lp and lp["content"]) or (
@@ -134,7 +134,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-def _deltas(thinking, tools, out: ipc.TextOutput) -> list[dict]:
+def chat_deltas(thinking, tools, out: ipc.TextOutput) -> list[dict]:
     """One output's deltas: reasoning and content as they settle, each tool_calls item in a
     chunk of its own; at the finish, what the parsers held back."""
     parts = [thinking.feed(out.text)] if thinking else [("", out.text)]

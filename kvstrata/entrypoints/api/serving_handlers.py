@@ -69,11 +69,13 @@ async def first_or_error(gen: AsyncIterator):
     return first
 
 
-async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lambda: ()):
-    """The SSE loop both OpenAI streaming endpoints share: `prelude` events, then every
-    (choice, output) in arrival order through `render` (bytes, or None to skip), an error
-    event and [DONE] on the first failed output, else `tail()` events and [DONE]. The output
-    generator is closed however the stream ends (a client disconnect cancels it)."""
+async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lambda: (),
+                     done: bytes = _DONE, error=None):
+    """The SSE loop the streaming endpoints share: `prelude` events, then every (choice,
+    output) in arrival order through `render` (bytes, or None to skip), an error event
+    (`error(ApiError)`, by default OpenAI's chat form) and `done` on the first failed output,
+    else `tail()` events and `done` ([DONE]; b"" for none). The output generator is closed
+    however the stream ends (a client disconnect cancels it)."""
     try:
         for data in prelude:
             yield data
@@ -82,8 +84,9 @@ async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lamb
             choice, out = item
             err = so.output_error(out)
             if err is not None:
-                yield _sse_error(err)
-                yield _DONE
+                yield (error or _sse_error)(err)
+                if done:
+                    yield done
                 return
             data = render(choice, out)
             if data is not None:
@@ -91,7 +94,8 @@ async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lamb
             item = await anext(gen, None)
         for data in tail():
             yield data
-        yield _DONE
+        if done:
+            yield done
     finally:
         await gen.aclose()
 
