@@ -34,6 +34,8 @@ def output_text(tokenizer: Any, output_ids: list[int], reason: FinishReason | No
     SGLang keeps it)."""
     if tokenizer is None:
         return ""
+    if not no_stop_trim and reason is not None and reason.by_token:
+        output_ids = output_ids[:-1]  # the matched stop token is not text (SGLang)
     text = tokenizer.decode(output_ids, skip_special_tokens=skip_special_tokens)
     if no_stop_trim:
         return text

@@ -77,7 +77,8 @@ class SchedulerLoop:
             # no_stop_trim, so that the output keeps them.
             stop = [] if sp.no_stop_trim else list(sp.stop)
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
-                rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens)))
+                rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens,
+                trim_stop_token=not sp.no_stop_trim)))
             engine.add_request(msg)  # the engine's own EngineRequest, as the api built it
             self.step_pending = True
         elif isinstance(msg, ipc.AbortReq):

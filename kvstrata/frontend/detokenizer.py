@@ -73,13 +73,20 @@ def stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class RequestDetokState:
-    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool):
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool,
+                 trim_stop_token: bool = True):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = stop
+        self.trim_stop_token = trim_stop_token
         self.sent = 0  # chars of detok.text already sent to the api server
 
     def step(self, out: RequestOutput) -> str:
-        self.detok.add(out.new_token_ids, final=out.finished)
+        ids = out.new_token_ids
+        reason = out.finish_reason
+        if out.finished and self.trim_stop_token and reason is not None and reason.by_token \
+                and ids:
+            ids = ids[:-1]  # the matched stop token (EOS, a stop_token_id) is not text
+        self.detok.add(ids, final=out.finished)
         text = self.detok.text
         if not out.finished:
             end = len(text) - stop_holdback(text, self.stop)
@@ -107,7 +114,8 @@ class Detokenizer:
         self.states: dict[str, RequestDetokState] = {}
 
     def register(self, msg: ipc.RegisterDetok) -> None:
-        self.states[msg.rid] = RequestDetokState(self.tokenizer, msg.stop, msg.skip_special_tokens)
+        self.states[msg.rid] = RequestDetokState(self.tokenizer, msg.stop,
+                                                 msg.skip_special_tokens, msg.trim_stop_token)
 
     def process(self, outputs: list[RequestOutput]) -> list[ipc.TextOutput]:
         result = []

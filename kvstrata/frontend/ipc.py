@@ -51,6 +51,9 @@ class RegisterDetok(_Msg):
     rid: str
     stop: list[str]
     skip_special_tokens: bool = True
+    # SGLang: a matched stop token (EOS, stop_token_ids) is not part of the text, unless
+    # no_stop_trim (its id stays in the output ids either way)
+    trim_stop_token: bool = True
 
 
 class EngineOutputs(_Msg):

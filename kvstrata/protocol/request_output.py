@@ -15,6 +15,14 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
     message: str | None = None  # abort reason
     status_code: int | None = None  # abort: the HTTP status it maps to (400, 500, 503)
 
+    @property
+    def by_token(self) -> bool:
+        """Stopped at a stop token (EOS or one of stop_token_ids): SGLang leaves it out of
+        the text unless no_stop_trim (skip_special_tokens hides an EOS anyway; it shows
+        with false). Its id stays in the output ids."""
+        return self.type == "stop" and isinstance(self.matched, int) \
+            and not isinstance(self.matched, bool)
+
 
 class SpecCounts(msgspec.Struct, array_like=True):
     """A request's speculative decoding so far: decode steps (each one verify pass), draft

@@ -55,3 +55,25 @@ def test_stop_holdback():
     assert stop_holdback("abc </", ["</s>"]) == 2
     assert stop_holdback("abc", ["xyz"]) == 0
     assert stop_holdback("ab", ["abc", "b"]) == 2
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_matched_stop_token_is_not_text(tokenizer, skip):
+    """SGLang: the stop token a request stopped at (EOS, a stop_token_id) is left out of the
+    text -- with skip_special_tokens false an EOS would otherwise show as <|im_end|> -- and
+    no_stop_trim (registered with trim_stop_token false) keeps it."""
+    ids = tokenizer.encode("Paris.", add_special_tokens=False)
+    the = tokenizer.encode(" the", add_special_tokens=False)
+    for stop_id, shown in ((2, "<|im_end|>"), (the[0], " the")):
+        for trim in (True, False):
+            detok = Detokenizer(tokenizer)
+            detok.register(RegisterDetok("r", [], skip_special_tokens=skip,
+                                         trim_stop_token=trim))
+            text = detok.process([_out(ids + [stop_id], True,
+                                       FinishReason("stop", matched=stop_id))])[0].text
+            hidden = "" if skip and stop_id == 2 else shown
+            assert text == "Paris." + ("" if trim else hidden), (stop_id, trim, text)
+    # an answer cut by length keeps its last token
+    detok = Detokenizer(tokenizer)
+    detok.register(RegisterDetok("r", [], skip_special_tokens=skip))
+    assert detok.process([_out(ids, True, FinishReason("length"))])[0].text == "Paris."

@@ -116,8 +116,31 @@ def _tools(rng: random.Random) -> dict:
     return body
 
 
+def _responses_request(rng: random.Random) -> tuple[str, dict]:
+    """/v1/responses: text or items, sometimes tools or a JSON schema, streamed or not."""
+    body = {"model": "tiny", "max_output_tokens": rng.choice([1, 8, 30, 60]),
+            "input": _text(rng, rng.randrange(1, 30)), "stream": rng.random() < 0.5}
+    if rng.random() < 0.3:
+        body["input"] = [{"role": "user", "content": body["input"]}]
+    for name, value in (("temperature", [0, 1.0]), ("instructions", ["Be brief."]),
+                        ("max_output_tokens", [0])):  # 0: a 400
+        if rng.random() < 0.2:
+            body[name] = rng.choice(value)
+    tools = _tools(rng)
+    if tools:
+        body["tools"] = [{"type": "function", **_TOOL["function"]}]
+        choice = tools["tool_choice"]
+        body["tool_choice"] = choice if isinstance(choice, str) else {
+            "type": "function", "name": choice["function"]["name"]}
+    elif rng.random() < 0.1:
+        body["text"] = {"format": {"type": "json_schema", "name": "a", "schema": _ANIMAL}}
+    return "/v1/responses", body
+
+
 def _request(rng: random.Random) -> tuple[str, dict]:
-    route = rng.choice(["chat", "completions", "generate"])
+    route = rng.choice(["chat", "completions", "generate", "responses"])
+    if route == "responses":
+        return _responses_request(rng)
     max_tokens = rng.choice([1, 2, 8, 30, 60])
     stream = rng.random() < 0.5
     sp = {**_sampling(rng), **_grammar(rng, route)}
@@ -154,9 +177,13 @@ def _request(rng: random.Random) -> tuple[str, dict]:
 
 
 def _tool_calls_ok(choice: dict) -> bool:
-    """finish_reason tool_calls iff calls; each names the offered tool with its arguments."""
+    """finish_reason tool_calls means calls, and calls come with it (or with length: the
+    last token closed them as max_tokens ran out; SGLang never rewrites length); each
+    names the offered tool with its arguments."""
     calls = choice.get("message", {}).get("tool_calls")
-    if (choice["finish_reason"] == "tool_calls") != bool(calls):
+    reason = choice["finish_reason"]
+    if (reason == "tool_calls" and not calls) or (calls and reason not in ("tool_calls",
+                                                                          "length")):
         return False
     for call in calls or []:
         args = json.loads(call["function"]["arguments"])
@@ -177,6 +204,13 @@ def _finite_logprobs(obj) -> bool:
 
 
 def _check_answer(path: str, body: dict, out: dict, problems: list) -> None:
+    if path == "/v1/responses":
+        calls = [i for i in out["output"] if i["type"] == "function_call"]
+        if out["status"] not in ("completed", "incomplete") or out["usage"][
+                "output_tokens"] > body["max_output_tokens"] or any(
+                c["name"] != "count" for c in calls):
+            problems.append(("bad response", body, out))
+        return
     if path == "/generate":
         n = body["sampling_params"].get("n", 1)
         outs = out if n > 1 else [out]
@@ -229,8 +263,11 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, stats: dict,
                 if line == "data: [DONE]":
                     break
                 event = json.loads(line[6:])
-                if "error" in event or not _finite_logprobs(event):
+                if "error" in event or event.get("type") == "error" or \
+                        not _finite_logprobs(event):
                     problems.append(("stream event", body, line[:300]))
+                if event.get("type") in ("response.completed", "response.incomplete"):
+                    break  # the Responses API's last event (it sends no [DONE])
                 if hang_up and events >= rng.randrange(1, 5):
                     return
             else:

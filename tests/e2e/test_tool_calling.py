@@ -205,3 +205,18 @@ def test_parse_function_call_route(server):
     bad = httpx.post(server.base_url + "/parse_function_call", timeout=30, json={
         "text": "x", "tool_call_parser": "gpt-oss"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_call_parser"
+
+
+def test_an_answer_without_calls_ends_without_its_eos(client):
+    """With a tool-call parser the reader needs special tokens (skip_special_tokens is off);
+    the EOS the answer stopped at is still not text (found by the load fuzz: a grammar's
+    answer under tools ended in '<|im_end|>')."""
+    for stream in (False, True):
+        kwargs = dict(model="tiny", messages=MSG, tools=TOOLS, max_tokens=20, temperature=0,
+                      extra_body={"regex": r"No tool needed\."})
+        if stream:
+            content, calls, finish = _streamed(client, **kwargs)
+        else:
+            c = client.chat.completions.create(**kwargs).choices[0]
+            content, calls, finish = c.message.content, c.message.tool_calls, c.finish_reason
+        assert (content, calls or None, finish) == ("No tool needed.", None, "stop")
