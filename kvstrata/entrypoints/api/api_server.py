@@ -19,7 +19,8 @@ from kvstrata.entrypoints.engine_factory import server_info_dict
 from kvstrata.entrypoints.api.errors import ApiError, ClientDisconnected, bad_request
 from kvstrata.entrypoints.api.native_protocol import AbortRequest, GenerateRequest
 from kvstrata.entrypoints.api.parser_routes import add_parser_routes
-from kvstrata.entrypoints.api.responses_api import ResponsesRequest, responses_response
+from kvstrata.entrypoints.api.responses_api import ResponsesRequest
+from kvstrata.entrypoints.api.serving_responses import responses_response
 from kvstrata.entrypoints.api.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                                   error_body, model_list)
 from kvstrata.entrypoints.api.request_parsing import add_request_schemas, body_spec, parse_body

@@ -3,7 +3,7 @@ a chat request (its input items as messages, its function tools and text.format 
 fields), runs through the chat route's machinery -- template, grammar, tool-call and
 reasoning parsers -- and its answer comes back as output items (reasoning, message,
 function_call). Nothing is stored: `previous_response_id` is refused; a conversation is
-sent whole, as its items."""
+sent whole, as its items. serving_responses.py answers the route."""
 from __future__ import annotations
 
 import json
@@ -196,7 +196,7 @@ def renamed(err: ApiError) -> ApiError:
 
 
 # ---- answer -> response ------------------------------------------------------------------
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -204,16 +204,16 @@ def output_items(message: dict) -> list[dict]:
     """A chat answer's message (serving_chat._message) as Responses output items."""
     items = []
     if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": _id("rs"), "summary": [],
+        items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
                       "content": [{"type": "reasoning_text",
                                    "text": message["reasoning_content"]}]})
     if message.get("content"):
-        items.append({"type": "message", "id": _id("msg"), "status": "completed",
+        items.append({"type": "message", "id": new_id("msg"), "status": "completed",
                       "role": "assistant", "content": [
                           {"type": "output_text", "text": message["content"],
                            "annotations": [], "logprobs": []}]})
     for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+        items.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
                       "name": call["function"]["name"],
                       "arguments": call["function"]["arguments"], "status": "completed"})
     return items
@@ -249,53 +249,3 @@ def response_object(body: ResponsesRequest, rid: str, model: str, created: int,
 
 def now() -> int:
     return int(time.time())
-
-
-async def responses_response(state, request, body: ResponsesRequest):
-    """A Responses answer: one response object, or (stream) its events."""
-    from fastapi.responses import StreamingResponse
-
-    from kvstrata.entrypoints.api import pd_fields
-    from kvstrata.entrypoints.api import serving_handlers as sh
-    from kvstrata.entrypoints.api import serving_openai as so
-    from kvstrata.entrypoints.api.meta_info import Acc
-    from kvstrata.entrypoints.api.responses_stream import ResponsesEvents
-    from kvstrata.entrypoints.api.serving_chat import chat_deltas, chat_message
-    from kvstrata.entrypoints.reasoning import ReasoningStream
-
-    chat = chat_request(body)
-    try:
-        choices = so.chat_choices(state.tm, chat, state.context_len)
-        pd_fields.check_choices(state.server_args, chat, choices)
-    except ApiError as e:
-        raise renamed(e) from None
-    created, rid, model = now(), f"resp_{choices[0].req.rid}", state.model_names[0]
-    c = choices[0]
-    acc = Acc(c)
-    gen = so.merged_outputs(state.tm, choices)
-    if not body.stream:
-        await sh.collect(request, gen, {c.req.rid: acc})
-        message, _ = chat_message(acc)
-        return response_object(body, rid, model, created, output_items(message),
-                               acc.last.finish_type, acc.last)
-
-    first = await sh.first_or_error(gen)
-    events = ResponsesEvents(response_object(body, rid, model, created, [], None, None))
-    thinking = ReasoningStream(c.reasoning) if c.reasoning else None
-    tools = c.tools.stream(c.tool_constrained) if c.tools else None
-
-    def render(choice, out):
-        acc.add(out)
-        data = b"".join(b"".join(events.feed(d)) for d in chat_deltas(thinking, tools, out))
-        if out.finished:
-            calls = tools is not None and tools.calls_sent > 0
-            finish = "tool_calls" if calls and out.finish_type == "stop" else out.finish_type
-            data += b"".join(events.finish(body, rid, model, created, finish, out))
-        return data or None
-
-    def error(err) -> bytes:
-        return events.event("error", code=err.code, message=err.message, param=err.param)
-
-    # (the Responses API's stream ends with its last event, no [DONE])
-    stream = sh.sse_stream(gen, first, render, prelude=events.start(), done=b"", error=error)
-    return StreamingResponse(stream, media_type="text/event-stream")

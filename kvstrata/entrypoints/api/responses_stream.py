@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvstrata.entrypoints.api.responses_api import _id, response_object
+from kvstrata.entrypoints.api.responses_api import new_id, response_object
 
 
 class ResponsesEvents:
@@ -44,7 +44,7 @@ class ResponsesEvents:
         for call in delta.get("tool_calls") or []:
             if "id" in call:  # a new call: its own item
                 out += self._close()
-                self.open = {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
+                self.open = {"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
                              "name": call["function"]["name"], "arguments": "",
                              "status": "in_progress"}
                 out.append(self._added())
@@ -77,10 +77,10 @@ class ResponsesEvents:
             return []
         out = self._close()
         if kind == "reasoning":
-            self.open = {"type": "reasoning", "id": _id("rs"), "summary": [],
+            self.open = {"type": "reasoning", "id": new_id("rs"), "summary": [],
                          "content": [{"type": "reasoning_text", "text": ""}]}
         else:
-            self.open = {"type": "message", "id": _id("msg"), "status": "in_progress",
+            self.open = {"type": "message", "id": new_id("msg"), "status": "in_progress",
                          "role": "assistant", "content": [
                              {"type": "output_text", "text": "", "annotations": [],
                               "logprobs": []}]}
