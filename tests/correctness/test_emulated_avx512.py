@@ -44,6 +44,12 @@ RUNS = {
     "cascadelake": (PARTIAL_AVX512_FILES, ["False", "1", "2"]),
     "skylake": (PARTIAL_AVX512_FILES, ["False", "1", "1"]),
 }
+# `make test` runs three of them: Skylake differs from Cascade Lake only in the int8 GEMM's
+# AVX2 body, which the ordinary run tests natively on these AVX2 CPUs (the only ones this
+# file runs on). KVSTRATA_EMULATED_ALL=1 (a soak) runs all four, and serves SmolLM2 on the
+# AVX512-BF16 CPU as well as on the AMX one.
+ALL = os.environ.get("KVSTRATA_EMULATED_ALL") == "1"
+CPUS = list(RUNS) if ALL else ["avx512_bf16", "sapphirerapids", "cascadelake"]
 
 pytestmark = [
     pytest.mark.skipif(emulated_isa.native_avx512(),
@@ -61,7 +67,7 @@ def _env(cpu: str) -> dict:
     return env
 
 
-@pytest.mark.parametrize("cpu", list(RUNS))
+@pytest.mark.parametrize("cpu", CPUS)
 def test_emulated_cpu_takes_its_bodies(cpu):
     """The emulated extensions load and choose that CPU's bodies (so the run below tests
     those, not the AVX2 ones again)."""
@@ -78,7 +84,7 @@ def test_emulated_cpu_takes_its_bodies(cpu):
     assert done.stdout.split() == RUNS[cpu][1] + ["True"]
 
 
-@pytest.mark.parametrize("cpu", list(RUNS))
+@pytest.mark.parametrize("cpu", CPUS)
 def test_kernel_tests_pass_on_the_emulated_cpu(cpu):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.helpers.emulated_isa",
            "-p", "no:cacheprovider", "-p", "no:xdist", *RUNS[cpu][0]]
@@ -90,7 +96,7 @@ def test_kernel_tests_pass_on_the_emulated_cpu(cpu):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cpu", ["avx512_bf16", "sapphirerapids"])
+@pytest.mark.parametrize("cpu", ["avx512_bf16", "sapphirerapids"] if ALL else ["sapphirerapids"])
 def test_served_smollm2_on_the_emulated_cpu(cpu):
     """A whole server on the emulated bodies: its processes load the build through the
     sitecustomize in its folder (PYTHONPATH), `--dtype auto` reads the emulated flags (bf16),
