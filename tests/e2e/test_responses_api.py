@@ -110,6 +110,8 @@ def test_stream_function_call_events(client):
     ({"input": [{"type": "message", "role": "user", "content": [
         {"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input.0.content.0"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
     # the chat route's checks, naming this request's fields
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},

@@ -111,7 +111,7 @@ def test_the_gate_goes_only_with_a_grammar():
     def params(**extra):
         body = ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "hi"}], **extra}, strict=False)
-        return build_sampling_params(body, 8, None, 0, "max_tokens", None, [7, 8, 1])
+        return build_sampling_params(body, 8, None, 0, "max_tokens", reasoning_gate=[7, 8, 1])
 
     assert params(regex="(yes|no)").reasoning_gate == [7, 8, 1]
     assert params().reasoning_gate is None

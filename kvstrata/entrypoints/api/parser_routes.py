@@ -13,7 +13,7 @@ from kvstrata.entrypoints.api.openai_protocol import ToolDef
 from kvstrata.entrypoints.api.protocol_base import StrictModel
 from kvstrata.entrypoints.api.request_parsing import body_spec, parse_body
 from kvstrata.entrypoints.reasoning import FORMATS, split
-from kvstrata.entrypoints.tool_calls import make_detector
+from kvstrata.entrypoints.tool_calls import make_detector, read_calls
 from kvstrata.entrypoints.tool_calls.partial_json import dumps
 
 
@@ -35,13 +35,11 @@ def add_parser_routes(app: FastAPI) -> list[type]:
     async def parse_function_call(request: Request):
         body = await parse_body(request, ParseFunctionCallRequest)
         tools = {t.function.name: t.function.parameters or {} for t in body.tools}
-        scan = make_detector(body.tool_call_parser).scan(body.text, True, tools)
-        if not scan.calls:  # no call: the text is all normal text (as in a response)
-            return {"normal_text": body.text, "calls": []}
+        content, calls = read_calls(make_detector(body.tool_call_parser), body.text, tools)
         index = {name: i for i, name in enumerate(tools)}
-        return {"normal_text": scan.normal.strip(),
+        return {"normal_text": content or "",
                 "calls": [{"tool_index": index[c.name], "name": c.name,
-                           "parameters": dumps(c.args)} for c in scan.calls]}
+                           "parameters": dumps(c.args)} for c in calls]}
 
     @app.post("/separate_reasoning", openapi_extra=body_spec(SeparateReasoningRequest))
     async def separate_reasoning(request: Request):

@@ -50,7 +50,9 @@ class ResponsesRequest(RequestModel):
     stream: bool = False
     text: ResponsesText | None = None
     reasoning: ResponsesReasoning | None = None
-    store: bool | None = None  # accepted; nothing is kept (previous_response_id is refused)
+    # accepted; nothing is kept, and the response says so (store: false), as vLLM without its
+    # store; previous_response_id is refused
+    store: bool | None = None
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
     seed: int | None = None  # vLLM's extra
@@ -64,6 +66,8 @@ class ResponsesRequest(RequestModel):
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
     service_tier: str | None = None
+    # OpenAI's hints, no-ops here: the prefix cache finds shared prefixes without a key;
+    # there is no abuse monitoring to identify users to (as `user`)
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -144,6 +148,14 @@ def _tools(body: ResponsesRequest) -> list[dict] | None:
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat request this Responses request is (its errors name the Responses fields
     where they differ)."""
+    for name, value in (("reasoning.summary", body.reasoning and body.reasoning.summary),
+                        ("reasoning.generate_summary",
+                         body.reasoning and body.reasoning.generate_summary),
+                        ("text.verbosity", body.text and body.text.verbosity)):
+        if value is not None:  # no summariser, no verbosity control: refused, not ignored
+            raise bad_request(f"not implemented yet: {name} (the reasoning comes back whole, "
+                              "as reasoning_text)" if name.startswith("reasoning") else
+                              f"not implemented yet: {name}", name)
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body),
                             "max_completion_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p,

@@ -86,9 +86,7 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
 
     include_usage, continuous = sh.stream_usage(body)
     first = await sh.first_or_error(gen)
-    streams = {c.req.rid: (ReasoningStream(c.reasoning) if c.reasoning else None,
-                           c.tools.stream(c.tool_constrained) if c.tools else None)
-               for c in choices}
+    streams = {c.req.rid: choice_streams(c) for c in choices}
 
     def chunk(choice, delta: dict, finish=None, logprobs=None, matched=None,
               ids: list[int] | None = None) -> bytes:
@@ -132,6 +130,12 @@ async def chat_response(state, request: Request, body, choices: list[so.Choice])
     prelude = [chunk(c, {"role": "assistant", "content": ""}) for c in choices]
     stream = sh.sse_stream(gen, first, render, prelude=prelude, tail=tail)
     return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def choice_streams(c: so.Choice) -> tuple:
+    """(reasoning stream, tool-call stream) of one streamed choice (either may be None)."""
+    return (ReasoningStream(c.reasoning) if c.reasoning else None,
+            c.tools.stream(c.tool_constrained) if c.tools else None)
 
 
 def chat_deltas(thinking, tools, out: ipc.TextOutput) -> list[dict]:

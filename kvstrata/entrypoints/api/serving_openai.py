@@ -57,15 +57,15 @@ def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | No
 
 def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_offset: int,
                           max_param: str, tools: ToolPlan | None = None,
+                          tool_constrained: bool = False,
                           reasoning_gate: list[int] | None = None) -> SamplingParams:
+    """tool_constrained: the tool plan's constraint is the answer's grammar (chat_choices
+    decides); reasoning_gate: a grammar waits for the thinking to end."""
     grammar = grammar_fields(body)
     schema_param = _schema_param(body)
-    if tools is not None and tools.constraint:
-        if any(v is not None for v in grammar.values()):  # SGLang: the client's grammar wins
-            logger.warning("Constrained decoding is not compatible with tool calls.")
-        else:
-            grammar.update(tools.constraint)
-            schema_param = "tools"
+    if tool_constrained:
+        grammar.update(tools.constraint)
+        schema_param = "tools"
     fields = dict(
         max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
@@ -161,10 +161,12 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
             tail += body.messages[-1].text()  # the turn the model continues (all of it)
         reasoning = plan_reasoning(tm.server_args, body, tail)
         gate = reasoning.grammar_gate(tm.tokenizer) if reasoning else None
-    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools, gate)
-              for j in range(body.n)]
-    constrained = tools is not None and bool(tools.constraint) and all(
-        v is None for v in grammar_fields(body).values())
+    constrained = tools is not None and bool(tools.constraint)
+    if constrained and any(v is not None for v in grammar_fields(body).values()):
+        logger.warning("Constrained decoding is not compatible with tool calls.")
+        constrained = False  # SGLang: the client's grammar wins
+    params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools,
+                                    constrained, gate) for j in range(body.n)]
     check_openai_params(tm, body, params[0], tools=constrained)
     salt = cache_salt(body)
     return [Choice(j, ipc.GenerateReq(

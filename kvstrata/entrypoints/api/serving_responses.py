@@ -13,8 +13,7 @@ from kvstrata.entrypoints.api.meta_info import Acc
 from kvstrata.entrypoints.api.responses_api import (ResponsesRequest, chat_request, now,
                                                     output_items, renamed, response_object)
 from kvstrata.entrypoints.api.responses_stream import ResponsesEvents
-from kvstrata.entrypoints.api.serving_chat import chat_deltas, chat_message
-from kvstrata.entrypoints.reasoning import ReasoningStream
+from kvstrata.entrypoints.api.serving_chat import chat_deltas, chat_message, choice_streams
 
 
 async def responses_response(state, request, body: ResponsesRequest):
@@ -37,16 +36,13 @@ async def responses_response(state, request, body: ResponsesRequest):
 
     first = await sh.first_or_error(gen)
     events = ResponsesEvents(response_object(body, rid, model, created, [], None, None))
-    thinking = ReasoningStream(c.reasoning) if c.reasoning else None
-    tools = c.tools.stream(c.tool_constrained) if c.tools else None
+    thinking, tools = choice_streams(c)
 
     def render(choice, out):
         acc.add(out)
         data = b"".join(b"".join(events.feed(d)) for d in chat_deltas(thinking, tools, out))
-        if out.finished:
-            calls = tools is not None and tools.calls_sent > 0
-            finish = "tool_calls" if calls and out.finish_type == "stop" else out.finish_type
-            data += b"".join(events.finish(body, rid, model, created, finish, out))
+        if out.finished:  # (only "length" shows in a response: status incomplete)
+            data += b"".join(events.finish(body, rid, model, created, out.finish_type, out))
         return data or None
 
     def error(err) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvstrata.entrypoints.api.errors import bad_request
 from kvstrata.entrypoints.tool_calls import (ToolCallStream, json_array_detector,
-                                             make_detector)
+                                             make_detector, read_calls)
 from kvstrata.entrypoints.tool_calls.partial_json import dumps
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,11 @@ class ToolPlan:
         reader = self.reader(constrained)
         if reader is None:
             return text, None
-        scan = reader.scan(text, True, self.names)
-        if not scan.calls:
-            return text, None
+        content, found = read_calls(reader, text, self.names)
         calls = [{"id": self.call_id(i, c.name), "index": i, "type": "function",
                   "function": {"name": c.name, "arguments": dumps(c.args)}}
-                 for i, c in enumerate(scan.calls)]
-        return scan.normal.strip() or None, calls
+                 for i, c in enumerate(found)]
+        return content, calls or None
 
 
 def plan_tools(server_args, body) -> ToolPlan | None:

@@ -50,6 +50,15 @@ def make_detector(name: str):
     return factory()
 
 
+def read_calls(detector, text: str, tools) -> tuple[str | None, list[ScannedCall]]:
+    """A finished answer read by `detector`: (its text beside the calls, stripped, None if
+    empty; the calls). Without a call the whole text is the content: (text, [])."""
+    scan = detector.scan(text, True, tools)
+    if not scan.calls:
+        return text, []
+    return scan.normal.strip() or None, scan.calls
+
+
 def json_array_detector() -> JsonCallsDetector:
     """The bare JSON array [{"name": .., "parameters": ..}, ...] that tool_choice required /
     named constrains the output to (whatever the model's own format)."""
@@ -57,4 +66,4 @@ def json_array_detector() -> JsonCallsDetector:
 
 
 __all__ = ["DETECTORS", "TOOL_CALL_PARSERS", "Scan", "ScannedCall", "StreamDelta",
-           "ToolCallStream", "json_array_detector", "make_detector"]
+           "ToolCallStream", "json_array_detector", "make_detector", "read_calls"]
