@@ -15,6 +15,7 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/attention/csrc/paged_decode_head64_bf16.h",
                                       "kvstrata/runner/attention/csrc/paged_decode_head64_avx2.h",
                                       "kvstrata/runner/attention/csrc/prefill_attention.h",
+                                      "kvstrata/runner/attention/csrc/prefill_attention_bf16.h",
                                       "kvstrata/runner/csrc/cpu_vec.h"],
                              # OpenMP: at run time libgomp.so.1 resolves to torch's copy
                              # (already loaded, same soname), so the kernel shares its team.

@@ -32,10 +32,12 @@ AMX_TEST_FILES = (
     C + "test_prefill_attention_kernel.py", C + "test_bf16_gemm.py", C + "test_int8_linear.py",
     C + "test_decode_plan.py", C + "test_packed_linear.py", C + "test_int8_gemm_amx.py")
 # ... and those a CPU with AVX-512 F but without BF16 or VNNI changes (the bf16 GEMM's and
-# the int8 GEMM's AVX2 bodies beside AVX-512 rows, attention, norms)
+# the int8 GEMM's AVX2 bodies beside AVX-512 rows, attention (bf16 prefill widens to fp32),
+# norms)
 PARTIAL_AVX512_FILES = (
     C + "test_bf16_gemm.py", C + "test_packed_linear.py", C + "test_decode_plan.py",
-    C + "test_int8_linear.py", C + "test_int8_gemm_amx.py", C + "test_paged_decode_kernel.py")
+    C + "test_int8_linear.py", C + "test_int8_gemm_amx.py", C + "test_paged_decode_kernel.py",
+    C + "test_prefill_attention_kernel.py")
 # emulated CPU -> (the files it runs, what it multiplies with: has_bf16_512, the bf16 and the
 # int8 GEMM's bodies: 3 AMX, 2 AVX-512, 1 AVX2)
 RUNS = {

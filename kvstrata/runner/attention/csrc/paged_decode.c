@@ -316,8 +316,9 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
     qsort(blk, (size_t)nblocks, sizeof(pf_block), pf_block_cmp);
     pf_job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr,
                 (char *)out_addr, slots, hq, hkv, d, q_stride, hkv * d, hkv * d,
-                dtype == KV_BF16, 0, (float)scale};
+                dtype == KV_BF16, 0, 0, (float)scale};
     j.vec = pf_pick_isa(d, isa_cap);
+    j.dp = pfb_supported(j.vec, j.bf16);
     const int64_t items = nblocks * hkv;
     int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
 #ifndef _OPENMP

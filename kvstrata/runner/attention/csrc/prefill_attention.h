@@ -26,8 +26,9 @@
  * (running max and sum per row, fp32) and the weighted sum of the block's values. Items run
  * on torch's OpenMP team (see paged_decode.c), dynamically scheduled (causal blocks differ
  * in cost). AVX-512F (d % 64 == 0) or AVX2 + FMA (d % 32 == 0, prefill_attention_avx2.h),
- * picked at run time; d <= PF_MAX_D. The scalar code here is the reference the tests hold
- * the vector code to.
+ * picked at run time; d <= PF_MAX_D; a bf16 prompt on AVX512-BF16 keeps its values bf16 and
+ * multiplies pairs instead (prefill_attention_bf16.h). The scalar code here is the reference
+ * the tests hold the vector code to.
  */
 #ifndef KVSTRATA_PREFILL_ATTENTION_H
 #define KVSTRATA_PREFILL_ATTENTION_H
@@ -43,7 +44,7 @@ typedef struct {
     char *out;
     const int64_t *slots;
     int64_t hq, hkv, d, q_stride, k_stride, v_stride;
-    int bf16, vec;
+    int bf16, vec, dp; /* dp: the bf16 step (prefill_attention_bf16.h) */
     float scale;
 } pf_job;
 
@@ -165,6 +166,7 @@ typedef void (*pf_group_fn)(const float *, const float *, const float *, int64_t
 static const pf_group_fn PF_GROUPS[5] = {NULL, pf_group1, pf_group2, pf_group3, pf_group4};
 #endif
 #include "prefill_attention_avx2.h"
+#include "prefill_attention_bf16.h"
 static void pf_accumulate_scalar(float *o, float corr, const float *p, const float *vf,
                                  int64_t nv, int64_t d) {
     for (int64_t e = 0; e < d; e++) {
@@ -182,8 +184,14 @@ static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t 
     const int64_t g = j->hq / j->hkv, d = j->d, rows = nq * g;
     for (int64_t t = 0; t < nq; t++)
         for (int64_t i = 0; i < g; i++) {
+            const int64_t off = (base + q0 + t) * j->q_stride + (h * g + i) * d;
+            if (j->dp) { /* bf16 pairs as they are, d / 2 a row; scaled after the sums */
+                memcpy((uint32_t *)sc->qf + (t * g + i) * (d / 2),
+                       (const uint16_t *)j->q + off, (size_t)d * 2);
+                continue;
+            }
             float *qr = sc->qf + (t * g + i) * d;
-            pf_load(j, qr, j->q, (base + q0 + t) * j->q_stride + (h * g + i) * d, d);
+            pf_load(j, qr, j->q, off, d);
             for (int64_t e = 0; e < d; e++) qr[e] *= j->scale;
         }
     memset(sc->o, 0, (size_t)(rows * d) * sizeof(float));
@@ -193,6 +201,21 @@ static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t 
     for (int64_t k0 = 0; k0 < end; k0 += PF_BK) {
         const int64_t nk = end - k0 < PF_BK ? end - k0 : PF_BK;
 #if defined(__x86_64__)
+        if (j->dp) {
+            pfb_fill_kt(j->k, j->k_stride, sl + k0, nk, h, d, (uint32_t *)sc->kt);
+            pfb_fill_vp(j->v, j->v_stride, sl + k0, nk, h, d, (uint32_t *)sc->vf);
+            for (int64_t t = 0; t < nq; t++) {
+                const int64_t seen = prefix + q0 + t - k0 + 1, valid = seen < nk ? seen : nk;
+                for (int64_t i = 0; valid > 0 && i < g; i += 4) {
+                    const int64_t r = t * g + i, nr = g - i < 4 ? g - i : 4;
+                    PFB_GROUPS[nr]((const uint32_t *)sc->qf + r * (d / 2),
+                                   (const uint32_t *)sc->kt, (const uint32_t *)sc->vf, valid,
+                                   sc->m + r, sc->l + r, sc->o + r * d, (uint32_t *)sc->p, d,
+                                   j->scale);
+                }
+            }
+            continue;
+        }
         if (j->vec)  /* d % 32 == 0 on both vector paths */
             pf2_fill_kt(j->k, j->bf16, j->k_stride, sl + k0, nk, h, d, sc->kt);
         else

@@ -29,6 +29,27 @@ AVX2 static inline __m256 pf2_live(int64_t valid, int64_t base) {
 AVX2 static inline __m256 pf2_row8(const char *base, int bf16, int64_t off) {
     return bf16 ? bf16x8_load((const uint16_t *)base + off) : _mm256_loadu_ps((const float *)base + off);
 }
+/* The 8 x 8 tile r (8 rows of 8 32-bit values) transposed into dst (rows `stride` floats
+ * apart). Moves bits only: the bf16 kernel transposes bf16 pairs with it too. */
+AVX2 static inline void pf2_transpose8(const __m256 r[8], float *dst, int64_t stride) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]),
+                 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]),
+                 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]),
+                 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_store_ps(dst + 0 * stride, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_store_ps(dst + 1 * stride, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_store_ps(dst + 2 * stride, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_store_ps(dst + 3 * stride, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_store_ps(dst + 4 * stride, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_store_ps(dst + 5 * stride, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_store_ps(dst + 6 * stride, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_store_ps(dst + 7 * stride, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
 AVX2 static void pf2_fill_kt(const char *k, int bf16, int64_t k_stride, const int64_t *sl,
                              int64_t nk, int64_t h, int64_t d, float *kt) {
     for (int64_t c0 = 0; c0 < PF_BK; c0 += 8) {
@@ -37,23 +58,7 @@ AVX2 static void pf2_fill_kt(const char *k, int bf16, int64_t k_stride, const in
             for (int i = 0; i < 8; i++)
                 r[i] = c0 + i < nk ? pf2_row8(k, bf16, sl[c0 + i] * k_stride + h * d + e0)
                                    : _mm256_setzero_ps();
-            const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]),
-                         t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]),
-                         t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]),
-                         t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                         u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                         u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                         u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float *dst = kt + e0 * PF_BK + c0;
-            _mm256_store_ps(dst + 0 * PF_BK, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_store_ps(dst + 1 * PF_BK, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_store_ps(dst + 2 * PF_BK, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_store_ps(dst + 3 * PF_BK, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_store_ps(dst + 4 * PF_BK, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_store_ps(dst + 5 * PF_BK, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_store_ps(dst + 6 * PF_BK, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_store_ps(dst + 7 * PF_BK, _mm256_permute2f128_ps(u3, u7, 0x31));
+            pf2_transpose8(r, kt + e0 * PF_BK + c0, PF_BK);
         }
     }
 }
