@@ -26,7 +26,8 @@ KERNEL_TEST_FILES = (
     C + "test_cpu_ops.py", C + "test_paged_decode_kernel.py", C + "test_bf16_gemm.py",
     C + "test_int8_linear.py", C + "test_f32_gemv.py", C + "test_decode_plan.py",
     C + "test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
-    C + "test_int8_gemm_amx.py", C + "test_prefill_attention_kernel.py")
+    C + "test_int8_gemm_amx.py", C + "test_prefill_attention_kernel.py",
+    C + "test_gemm_side_rows.py")
 # The files whose paths AMX changes (its bodies, bf16 prefill attention up to its token limit)
 AMX_TEST_FILES = (
     C + "test_prefill_attention_kernel.py", C + "test_bf16_gemm.py", C + "test_int8_linear.py",

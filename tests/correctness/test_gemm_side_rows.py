@@ -1,0 +1,111 @@
+"""Rows a bf16 GEMM call prefetches while it multiplies (runner/csrc/gemm_panels.h side_rows,
+set by _bf16_ops.prefetch_rows_next): the next call on the same thread takes them, whatever
+its body, and its output is the same bits as without them; the decode plan asks the gate|up
+GEMM of layer i for layer i + 1's K and V rows of the step's requests."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstrata.runner import _bf16_ops, packed_linear
+from kvstrata.runner.attention.paged_decode import isa_cap
+from kvstrata.runner.packed_linear import PackedLinear
+
+OWN = _bf16_ops.kernel_isa(2) > 0
+
+
+def _side(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple:
+    row_bytes = k[0].numel() * k.element_size()
+    return k.data_ptr(), v.data_ptr(), row_bytes, slots.data_ptr(), slots.numel()
+
+
+@pytest.mark.skipif(not OWN, reason="kvstrata's bf16 GEMM needs AVX512-BF16 or AVX2 + FMA")
+@pytest.mark.parametrize("cap", [2, 1])
+@pytest.mark.parametrize("m,k,n,silu", [(32, 576, 3072, True), (1, 576, 960, False),
+                                        (5, 1536, 576, False), (33, 64, 96, True)])
+def test_side_rows_change_nothing_and_are_taken_once(m, k, n, silu, cap):
+    """Outputs equal bit for bit with and without a side job (AVX512-BF16 and AVX2 bodies,
+    1-33 rows, fused silu), and one call takes the job: none is pending after it."""
+    torch.manual_seed(m * k + n)
+    layer = PackedLinear((torch.randn(n, k) / k ** 0.5).bfloat16(), None)
+    if not layer.own:
+        pytest.skip("oneDNN takes this layer here")
+    x = torch.randn(m, k).bfloat16()
+    pool_k, pool_v = torch.randn(2, 700, 3, 64).bfloat16()
+    slots = torch.randperm(700)[:600].contiguous()
+
+    def run() -> torch.Tensor:
+        out = torch.empty(m, n // 2 if silu else n, dtype=torch.bfloat16)
+        fn, args = layer.own_call(x, out, silu, threads=3, cap=cap)
+        fn(*args)
+        return out
+    want = run()
+    _bf16_ops.prefetch_rows_next(*_side(pool_k, pool_v, slots))
+    assert _bf16_ops.rows_pending() == 600
+    assert torch.equal(run(), want)
+    assert _bf16_ops.rows_pending() == 0
+    assert torch.equal(run(), want)
+
+
+def test_side_rows_belong_to_the_thread_that_set_them():
+    pool = torch.zeros(4, 2, 8)
+    slots = torch.arange(4)
+    seen = []
+    worker = threading.Thread(target=lambda: (_bf16_ops.prefetch_rows_next(
+        *_side(pool, pool, slots)), seen.append(_bf16_ops.rows_pending())))
+    worker.start()
+    worker.join()
+    assert seen == [4] and _bf16_ops.rows_pending() == 0
+
+
+def test_side_rows_refuse_bad_arguments():
+    with pytest.raises(ValueError, match="bad rows"):
+        _bf16_ops.prefetch_rows_next(1, 1, 0, 1, 4)
+    with pytest.raises(ValueError, match="bad rows"):
+        _bf16_ops.prefetch_rows_next(1, 1, 64, 0, 4)  # slots without an address
+    _bf16_ops.prefetch_rows_next(0, 0, 64, 0, 0)  # nothing to fetch: fine
+    assert _bf16_ops.rows_pending() == 0
+
+
+@pytest.mark.skipif(_bf16_ops.kernel_isa(isa_cap()) != 2,
+                    reason="the plan asks for side rows on the AVX512-BF16 body only")
+def test_decode_plan_prefetches_the_next_layers_kv(tiny_checkpoints, tiny_prompts,
+                                                   monkeypatch):
+    """bf16 decode plans: layer i's gate|up GEMM call is preceded by layer i + 1's K / V
+    rows over the plan's key slots (the count rebound every forward), the last layer's by
+    none; KVSTRATA_CPU_DECODE_KV_PREFETCH=0 makes plans without them, same tokens."""
+    from kvstrata import LLM
+    from kvstrata.runner.models import decode_plan
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    monkeypatch.setattr(packed_linear, "read_cpu_flags",
+                        lambda flags=packed_linear.read_cpu_flags(): flags - {"amx_bf16"})
+    with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True, dtype="bfloat16",
+             max_total_tokens=4096, disable_radix_cache=True) as llm:
+        model = llm.engine.runner.model
+        pool = model.attn_backend.kv_pool
+        outputs = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("KVSTRATA_CPU_DECODE_KV_PREFETCH", flag)
+            model.__dict__.pop("_decode_plans", None)
+            outputs[flag] = [o["output_ids"] for o in
+                             llm.generate(input_ids=tiny_prompts, sampling_params=params)]
+            plan = next(p for p in model.__dict__["_decode_plans"].values() if p)
+            layers = len(model.layers)
+            if flag == "0":
+                assert plan.side_args == []
+                continue
+            assert len(plan.side_args) == layers - 1
+            # the last forward's key slots: the prompts plus all but the last new token
+            n = sum(len(p) + params["max_new_tokens"] - 1 for p in tiny_prompts)
+            for i, (side, calls) in enumerate(zip(plan.side_args, plan.layers)):
+                assert side == [pool.k(i + 1).data_ptr(), pool.v(i + 1).data_ptr(),
+                                pool.k(0)[0].numel() * pool.k(0).element_size(),
+                                plan.slots.data_ptr(), n]
+                fns = [fn for fn, _ in calls]
+                at = fns.index(_bf16_ops.prefetch_rows_next)
+                assert fns[at + 1] is _bf16_ops.linear and calls[at][1] is side
+            assert _bf16_ops.prefetch_rows_next not in [fn for fn, _ in plan.layers[-1]]
+        assert outputs["1"] == outputs["0"]
+    assert decode_plan.enabled()
