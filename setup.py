@@ -40,7 +40,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/csrc/amx_tiles.h",
                                       "kvstrata/runner/csrc/amx_item.h",
                                       "kvstrata/runner/csrc/amx_item_body.h",
-                                      "kvstrata/runner/csrc/gemm_panels.h"],
+                                      "kvstrata/runner/csrc/gemm_panels.h",
+                                      "kvstrata/runner/csrc/side_rows.h"],
                              # one rounding per product: the scalar and AVX-512 rows agree
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"]),
@@ -52,7 +53,8 @@ setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.
                                       "kvstrata/runner/csrc/amx_item_body.h",
                                       "kvstrata/runner/csrc/cpu_vec.h",
                                       "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/gemm_panels.h"],
+                                      "kvstrata/runner/csrc/gemm_panels.h",
+                                      "kvstrata/runner/csrc/side_rows.h"],
                              extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
                              extra_link_args=["-fopenmp"])],
       # the extensions compile side by side (~13 -> ~7 s of a fresh set-up on 2 cores)

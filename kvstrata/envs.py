@@ -138,9 +138,10 @@ KVSTRATA_CPU_FUSED_OPS = _declare(
 KVSTRATA_CPU_DECODE_KV_PREFETCH = _declare(
     "KVSTRATA_CPU_DECODE_KV_PREFETCH", bool, True,
     "In a CPU decode plan (KVSTRATA_CPU_DECODE_PLAN) whose gate|up projection runs kvstrata's "
-    "bf16 GEMM, that GEMM also prefetches the next layer's K and V rows of the step's "
-    "requests, a line every k step, so that layer's decode attention reads them from "
-    "the caches instead of RAM (runner/csrc/gemm_panels.h side_rows); 0 = off (ablation).")
+    "bf16 GEMM on AVX512-BF16 or its int8 GEMM on VNNI, that GEMM also prefetches the next "
+    "layer's K and V rows of the step's requests, a line every k step, so that layer's "
+    "decode attention reads them from the caches instead of RAM (runner/csrc/gemm_panels.h "
+    "side_rows); 0 = off (ablation).")
 KVSTRATA_CPU_DECODE_PLAN = _declare(
     "KVSTRATA_CPU_DECODE_PLAN", bool, True,
     "A CPU decode step of a llama-family model without per-head q/k norms runs each layer "

@@ -1,7 +1,8 @@
-"""Rows a bf16 GEMM call prefetches while it multiplies (runner/csrc/gemm_panels.h side_rows,
-set by _bf16_ops.prefetch_rows_next): the next call on the same thread takes them, whatever
-its body, and its output is the same bits as without them; the decode plan asks the gate|up
-GEMM of layer i for layer i + 1's K and V rows of the step's requests."""
+"""Rows a GEMM call prefetches while it multiplies (runner/csrc/gemm_panels.h side_rows, set by
+_bf16_ops / _int8_ops.prefetch_rows_next): the next call on the same thread takes them,
+whatever its body, and its output is the same bits as without them; the decode plan asks the
+gate|up GEMM of layer i (bf16 or w8a8) for layer i + 1's K and V rows of the step's
+requests."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from kvstrata.runner import _bf16_ops, packed_linear
+from kvstrata.runner import _bf16_ops, _int8_ops, packed_linear
 from kvstrata.runner.attention.paged_decode import isa_cap
+from kvstrata.runner.int8_linear import Int8MatmulLinear
 from kvstrata.runner.packed_linear import PackedLinear
 
 OWN = _bf16_ops.kernel_isa(2) > 0
@@ -49,6 +51,29 @@ def test_side_rows_change_nothing_and_are_taken_once(m, k, n, silu, cap):
     assert torch.equal(run(), want)
 
 
+@pytest.mark.skipif(_int8_ops.kernel_isa(2) < 1, reason="the int8 GEMM's vector tiles")
+@pytest.mark.parametrize("cap", [2, 1])
+@pytest.mark.parametrize("m,silu", [(32, True), (3, False)])
+def test_int8_side_rows_change_nothing_and_are_taken_once(m, silu, cap):
+    """The int8 GEMM (VNNI and AVX2 tiles) takes a job the same way."""
+    torch.manual_seed(m)
+    layer = Int8MatmulLinear(torch.randn(3072, 576), torch.randn(3072))
+    x = torch.randn(m, 576).bfloat16()
+    pool_k, pool_v = torch.randn(2, 300, 3, 64).bfloat16()
+    slots = torch.randperm(300)[:256].contiguous()
+
+    def run() -> torch.Tensor:
+        out = torch.empty(m, 1536 if silu else 3072, dtype=torch.bfloat16)
+        fn, args = layer.own_call(x, m, 576, out, silu, threads=2, cap=cap)
+        fn(*args)
+        return out
+    want = run()
+    _int8_ops.prefetch_rows_next(*_side(pool_k, pool_v, slots))
+    assert _int8_ops.rows_pending() == 256 and _bf16_ops.rows_pending() == 0
+    assert torch.equal(run(), want)
+    assert _int8_ops.rows_pending() == 0
+
+
 def test_side_rows_belong_to_the_thread_that_set_them():
     pool = torch.zeros(4, 2, 8)
     slots = torch.arange(4)
@@ -69,20 +94,38 @@ def test_side_rows_refuse_bad_arguments():
     assert _bf16_ops.rows_pending() == 0
 
 
-@pytest.mark.skipif(_bf16_ops.kernel_isa(isa_cap()) != 2,
-                    reason="the plan asks for side rows on the AVX512-BF16 body only")
-def test_decode_plan_prefetches_the_next_layers_kv(tiny_checkpoints, tiny_prompts,
-                                                   monkeypatch):
-    """bf16 decode plans: layer i's gate|up GEMM call is preceded by layer i + 1's K / V
-    rows over the plan's key slots (the count rebound every forward), the last layer's by
-    none; KVSTRATA_CPU_DECODE_KV_PREFETCH=0 makes plans without them, same tokens."""
+@pytest.fixture(scope="module")
+def tiny_llama_96(tmp_path_factory) -> str:
+    """A tiny llama whose gate|up width (2 x 96) the int8 GEMM's fused silu pairs (the shared
+    tiny checkpoints' 2 x 88 does not: their w8a8 gate|up runs the model's own call)."""
+    import transformers as tf
+    torch.manual_seed(96)
+    config = tf.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0)
+    path = str(tmp_path_factory.mktemp("llama96"))
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("quant,gemm", [(None, _bf16_ops), ("w8a8_int8", _int8_ops)])
+def test_decode_plan_prefetches_the_next_layers_kv(tiny_llama_96, tiny_prompts, monkeypatch,
+                                                   quant, gemm):
+    """bf16 decode plans (bf16 and w8a8 layers): layer i's gate|up GEMM call is preceded by
+    layer i + 1's K / V rows over the plan's key slots (the count rebound every forward),
+    the last layer's by none; KVSTRATA_CPU_DECODE_KV_PREFETCH=0 makes plans without them,
+    same tokens."""
     from kvstrata import LLM
     from kvstrata.runner.models import decode_plan
+    if gemm.kernel_isa(min(isa_cap(), 2)) != 2 or (gemm is _bf16_ops
+                                                   and gemm.kernel_isa(isa_cap()) != 2):
+        pytest.skip("the plan asks for side rows on the AVX512-BF16 / VNNI bodies only")
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     monkeypatch.setattr(packed_linear, "read_cpu_flags",
                         lambda flags=packed_linear.read_cpu_flags(): flags - {"amx_bf16"})
-    with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True, dtype="bfloat16",
-             max_total_tokens=4096, disable_radix_cache=True) as llm:
+    with LLM(model_path=tiny_llama_96, skip_tokenizer_init=True, dtype="bfloat16",
+             quantization=quant, max_total_tokens=4096, disable_radix_cache=True) as llm:
         model = llm.engine.runner.model
         pool = model.attn_backend.kv_pool
         outputs = {}
@@ -104,8 +147,8 @@ def test_decode_plan_prefetches_the_next_layers_kv(tiny_checkpoints, tiny_prompt
                                 pool.k(0)[0].numel() * pool.k(0).element_size(),
                                 plan.slots.data_ptr(), n]
                 fns = [fn for fn, _ in calls]
-                at = fns.index(_bf16_ops.prefetch_rows_next)
-                assert fns[at + 1] is _bf16_ops.linear and calls[at][1] is side
-            assert _bf16_ops.prefetch_rows_next not in [fn for fn, _ in plan.layers[-1]]
+                at = fns.index(gemm.prefetch_rows_next)
+                assert fns[at + 1] is gemm.linear and calls[at][1] is side
+            assert gemm.prefetch_rows_next not in [fn for fn, _ in plan.layers[-1]]
         assert outputs["1"] == outputs["0"]
     assert decode_plan.enabled()

@@ -37,10 +37,11 @@
 #include <Python.h>
 #include "cpu_rows.h"
 #include "cpu_vec.h"
-#include "gemm_panels.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "gemm_panels.h"
+#include "side_rows.h"
 
 typedef struct {
     const uint16_t *x; /* [m] rows, stride elements apart */
@@ -189,28 +190,6 @@ static inline int row_block(int64_t rows, int64_t nrb, int64_t rb, int64_t mr_ma
     return (int)(base + (rb < extra));
 }
 
-/* The rows the next linear call on this thread prefetches while it multiplies (set by
- * prefetch_rows_next; one call takes them). */
-static __thread side_rows pending_side;
-
-static PyObject *prefetch_rows_next(PyObject *self, PyObject *args) {
-    unsigned long long k_addr, v_addr, slots_addr;
-    Py_ssize_t row_bytes, n;
-    if (!PyArg_ParseTuple(args, "KKnKn", &k_addr, &v_addr, &row_bytes, &slots_addr, &n))
-        return NULL;
-    if (row_bytes < 1 || n < 0 || (n && !slots_addr)) {
-        PyErr_Format(PyExc_ValueError, "bad rows: row_bytes=%zd n=%zd", row_bytes, n);
-        return NULL;
-    }
-    pending_side = (side_rows){(const char *)k_addr, (const char *)v_addr,
-                               (const int64_t *)slots_addr, row_bytes, 0, n, 0};
-    Py_RETURN_NONE;
-}
-
-static PyObject *rows_pending(PyObject *self, PyObject *args) {
-    return PyLong_FromSsize_t((Py_ssize_t)(pending_side.s_end - pending_side.s));
-}
-
 /* linear, or (emulate_amx) linear on bf16_gemm_amx.h's emulated tiles: a test's. */
 static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
@@ -225,8 +204,7 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
                      "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
-    const side_rows job = pending_side; /* this call's, if its caller set one (any body) */
-    pending_side.s_end = 0;
+    const side_rows job = take_side_rows(); /* this call's, if its caller set one (any body) */
     int body = body_isa(isa_cap);
 #ifdef KVSTRATA_AMX
     /* Up to MR rows (one row block of the AVX512-BF16 tile, which streams the weights once
@@ -273,11 +251,7 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
         const int widen = body == 1 && nrb >= WIDEN_MIN_ROW_BLOCKS;
         float *wf = widen ? malloc(sizeof(float) * NR * BLOCK * k) : NULL;
         int64_t widened = -1; /* the panel wf holds */
-#ifdef _OPENMP
-        side_rows side = side_share(&job, omp_get_thread_num(), omp_get_num_threads());
-#else
-        side_rows side = job;
-#endif
+        side_rows side = side_of_thread(&job);
         failed = (body == 1 && xf == NULL) || (widen && wf == NULL);
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
@@ -370,10 +344,7 @@ static PyMethodDef methods[] = {
      "linear's arguments, run on the AMX body's tiles emulated in memory (tests)."},
     {"linear_f32", linear_f32, METH_VARARGS,
      "fp32 rows x fp32 weights in f32_gemv.h's panels on the AVX2 tile, fp32 out."},
-    {"prefetch_rows_next", prefetch_rows_next, METH_VARARGS,
-     "Rows (k, v, row_bytes, slots, n) this thread's next linear call prefetches as it runs."},
-    {"rows_pending", rows_pending, METH_NOARGS,
-     "How many slots prefetch_rows_next left for this thread's next linear call (tests)."},
+    SIDE_ROWS_METHODS
     {"has_bf16_512", has_bf16_512, METH_VARARGS, "Whether linear runs on AVX512-BF16 here."},
     {"kernel_isa", kernel_isa, METH_VARARGS,
      "linear's body here: 3 AMX-BF16, 2 AVX512-BF16, 1 AVX2 + FMA, 0 none (it raises)."},

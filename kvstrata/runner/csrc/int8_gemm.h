@@ -155,11 +155,13 @@ VNNI512 static inline __attribute__((always_inline)) void tile_vnni_out(
 
 /* A VNNI tile takes only its panel's blocks (gates before ups), so a short last panel
  * computes only its own columns (o and down projections: 9 blocks, the last of 3 panels one). */
-VNNI512 static void tile_vnni(const gemm_args *g, int64_t p, int64_t nrb, int64_t r0) {
+VNNI512 static void tile_vnni(const gemm_args *g, int64_t p, int64_t nrb, int64_t r0,
+                              side_rows *side) {
     int64_t own[NR];
     const int nr = panel_blocks(g->n, g->silu, p, own);
     prefetch_plan pf = plan_next_panel((const char *)g->w, g->k * BLOCK, g->n, g->silu, p,
                                        r0 / MR, nrb);
+    pf.side = side;
     const uint8_t *a = g->a + r0 * g->k;
     switch (nr) {
     case 4: tile_vnni_out(g, a, r0, own, &pf, 4); return;
@@ -234,15 +236,20 @@ static int gemm_isa(int isa_cap) {
     return use_avx2(16, isa_cap) ? 1 : 0;
 }
 
-/* The tiles of one thread's share (called inside the OpenMP region, after quantisation). */
-static void gemm_tiles(const gemm_args *g, int64_t mp, int isa) {
+/* The tiles of one thread's share (called inside the OpenMP region, after quantisation);
+ * the VNNI tiles also prefetch the thread's share of the call's side rows. */
+static void gemm_tiles(const gemm_args *g, int64_t mp, int isa, const side_rows *job) {
     const int64_t nrb = mp / MR, items = panel_count(g->n, g->silu) * nrb;
     const int64_t nb_bytes = g->k * BLOCK; /* one block's packed bytes */
+    side_rows side = side_of_thread(job);
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p = it / nrb, r0 = (it % nrb) * MR;
 #if defined(__x86_64__)
-        if (isa == 2) { tile_vnni(g, p, nrb, r0); continue; }
+        if (isa == 2) {
+            tile_vnni(g, p, nrb, r0, side.s < side.s_end ? &side : NULL);
+            continue;
+        }
         if (isa == 1) { tile_avx2(g, p, nrb, r0); continue; }
 #endif
         int64_t blk[NR];

@@ -261,6 +261,10 @@ static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
     return dequant_entry(args, 1);
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "side_rows.h"
 #include "int8_gemm.h"
 
 /* linear(x, x_row_stride, rows, k, dtype, w, n, comp, w_scales, bias, out, silu, threads,
@@ -280,6 +284,7 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
                      "dtype=%d silu=%d", rows, k, n, stride, dtype, silu);
         return NULL;
     }
+    const side_rows job = take_side_rows(); /* this call's, if its caller set one (any body) */
     int isa = gemm_isa(isa_cap);
     /* AMX tiles (or their emulation: tests) above MR rows, k % 64 == 0; else the VNNI tile */
     int amx = 0;
@@ -328,7 +333,7 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
         if (amx) amx_gemm_tiles(&g, emulate_amx ? (isa == 2 ? AMX_EMU_512 : AMX_EMU) : AMX_HW);
         else
 #endif
-            gemm_tiles(&g, mp, isa);
+            gemm_tiles(&g, mp, isa, &job);
     }
     Py_END_ALLOW_THREADS
     free(qa);
@@ -356,6 +361,7 @@ static PyMethodDef methods[] = {
     {"kernel_isa", kernel_isa, METH_VARARGS,
      "What linear multiplies with: 3 AMX-INT8 (cap 3), 2 VNNI, 1 AVX2, 0 scalar."},
     {"dequant_silu_mul", dequant_silu_mul, METH_VARARGS, "dequant_rows of a gate|up projection, then silu(gate) * up."},
+    SIDE_ROWS_METHODS
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int8_ops",

@@ -36,7 +36,7 @@ import torch
 
 from kvstrata import envs
 from kvstrata.kv import _rowcopy
-from kvstrata.runner import _bf16_ops, _cpu_ops, cpu_ops, f32_gemv
+from kvstrata.runner import _bf16_ops, _cpu_ops, _int8_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention import paged_decode
 from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -195,7 +195,9 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
     if any(layer.q_norm is not None for layer in model.layers):
         return None
     t, dtype, threads, cap = key[:4]
-    side_rows = key[-1] and _bf16_ops.kernel_isa(cap) == 2  # the AVX512-BF16 body
+    # the GEMMs whose gate|up calls prefetch side rows: the AVX512-BF16 / VNNI bodies
+    side_gemms = {gemm.linear: gemm for gemm in (_bf16_ops, _int8_ops)
+                  if key[-1] and gemm.kernel_isa(min(cap, 2)) == 2}
     d = model.dims
     nq, nkv, hd, hidden = d.num_heads, d.num_kv_heads, d.head_dim, d.hidden_size
     eps = float(d.rms_norm_eps)
@@ -251,15 +253,16 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
                  (paged_decode.run_decode, (decode,)), linears[1],
                  (add_norm, (x.data_ptr(), o.data_ptr(), t, hidden, layer.post_norm.data_ptr(),
                              h.data_ptr(), eps, threads, cap))]
-        if side_rows and i + 1 < len(model.layers) and linears[2][0] is _bf16_ops.linear:
+        gemm = side_gemms.get(linears[2][0])
+        if gemm is not None and i + 1 < len(model.layers):
             # the gate|up GEMM (compute-bound at decode batches) brings the next layer's K
             # and V rows into the caches, which its attention then reads: bf16 B=32 C=190
-            # steps 1.05-1.06x, C=512 1.04x, B=8 1.02x, B=1 1.00x (AVX-512 BF16 EPYC, 2
-            # threads, interleaved in one process; the AVX2 and AMX bodies: not measured)
+            # steps 1.05-1.06x, C=512 1.04x, B=8 1.02x, B=1 1.00x; w8a8 B=32 1.12x (AVX-512
+            # BF16 EPYC, 2 threads, interleaved in one process; AVX2 / AMX: not measured)
             side = [pool.k(i + 1).data_ptr(), pool.v(i + 1).data_ptr(), row_bytes,
                     plan.slots.data_ptr(), 0]
             plan.side_args.append(side)
-            calls.append((_bf16_ops.prefetch_rows_next, side))
+            calls.append((gemm.prefetch_rows_next, side))
         calls.append(linears[2])
         if not fused_silu:
             calls.append((_cpu_ops.silu_mul, (gate_up.data_ptr(), 2 * inter, t, inter,
