@@ -110,6 +110,10 @@ def test_bench_paged_decode_rows(tmp_path, monkeypatch):
         assert r["us"] > 0 and r["copy_us"] > 0 and r["vs_copy"] > 0
     with pytest.raises(ValueError, match="--pool-pages"):
         bench_paged_decode.main(["--batch", "3", "--context", "20", "--pool-pages", "5"])
+    two = bench_paged_decode.main(["--batch", "3", "--context", "20", "--pool-pages", "9",
+                                   "--rounds", "1", "--dtypes", "bfloat16", "--isas", "avx512",
+                                   "--query-dtype", "pool", "--layers", "2"])["rows"]
+    assert len(two) == 1 and two[0]["us"] > 0 and two[0]["gb_s"] > 0  # 2 layers, bf16 query
 
 
 def test_bench_prefill_attention_rows(tmp_path, monkeypatch):

@@ -60,9 +60,10 @@ CPU_DTYPE_RULES = (
              "AMX bf16 tiles for prefill and kvstrata's bf16 GEMM for decode rows: serving "
              "measured bf16 1.83-2.15x fp32 at 16 threads (three rounds, median 1.90x, "
              "2026-12-04), 2.35-2.42x at 2 on oneDNN's alone (2026-12-02)"),
-    DtypeRow(("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 2.2-3.5x "
+    DtypeRow(("avx512_bf16",), (), True, "bfloat16", None, "AVX-512 BF16: bf16 GEMMs 1.8-3.5x "
              "fp32, serving measured bf16 1.4-2.3x fp32 over eleven rounds on a 2-vCPU EPYC "
-             "(2026-12-03)"),
+             "(2026-12-03), 1.84x (median of fourteen, 1.59-1.91x) on a 2-vCPU Zen 4 EPYC "
+             "(2026-12-05)"),
     # AVX2 + FMA + F16C without AVX-512 (and without AVX-NE-CONVERT, with which oneDNN may
     # take bf16 linears): kvstrata's own bf16 kernels run there. Its serving rounds moved
     # with the box: 0.83x fp32 (session 18), 1.00-1.60x (session 23, bf16 picked for a day),
