@@ -92,6 +92,15 @@ def test_side_rows_refuse_bad_arguments():
         _bf16_ops.prefetch_rows_next(1, 1, 64, 0, 4)  # slots without an address
     _bf16_ops.prefetch_rows_next(0, 0, 64, 0, 0)  # nothing to fetch: fine
     assert _bf16_ops.rows_pending() == 0
+    # a call that fails still takes the job (its slot list may be freed before the next)
+    slots = torch.arange(8)
+    for gemm, bad in ((_bf16_ops, (0, 0, 0, 0, 0, 16, 0, 0, 0, 0, 1, 2)),
+                      (_int8_ops, (0, 0, 0, 0, 1, 0, 16, 0, 0, 0, 0, 0, 1, 2))):
+        gemm.prefetch_rows_next(0, 0, 64, slots.data_ptr(), 8)
+        assert gemm.rows_pending() == 8
+        with pytest.raises(ValueError, match="bad shape"):
+            gemm.linear(*bad)
+        assert gemm.rows_pending() == 0
 
 
 @pytest.fixture(scope="module")

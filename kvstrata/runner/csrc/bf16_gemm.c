@@ -195,6 +195,9 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     unsigned long long x_addr, w_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
     int silu, f32_out, threads, isa_cap;
+    /* this call's side rows, if its caller set one: taken first, so no job outlives a call
+     * that fails (its slot list may be gone by the next) */
+    const side_rows job = take_side_rows();
     if (!PyArg_ParseTuple(args, "KnnnKnKKiiii", &x_addr, &stride, &rows, &k, &w_addr, &n,
                           &b_addr, &o_addr, &silu, &f32_out, &threads, &isa_cap))
         return NULL;
@@ -204,7 +207,6 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
                      "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
-    const side_rows job = take_side_rows(); /* this call's, if its caller set one (any body) */
     int body = body_isa(isa_cap);
 #ifdef KVSTRATA_AMX
     /* Up to MR rows (one row block of the AVX512-BF16 tile, which streams the weights once

@@ -275,6 +275,9 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
     unsigned long long x_addr, w_addr, c_addr, ws_addr, b_addr, o_addr;
     Py_ssize_t stride, rows, k, n;
     int dtype, silu, threads, isa_cap;
+    /* this call's side rows, if its caller set one: taken first, so no job outlives a call
+     * that fails (its slot list may be gone by the next) */
+    const side_rows job = take_side_rows();
     if (!PyArg_ParseTuple(args, "KnnniKnKKKKiii", &x_addr, &stride, &rows, &k, &dtype, &w_addr,
                           &n, &c_addr, &ws_addr, &b_addr, &o_addr, &silu, &threads, &isa_cap))
         return NULL;
@@ -284,7 +287,6 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
                      "dtype=%d silu=%d", rows, k, n, stride, dtype, silu);
         return NULL;
     }
-    const side_rows job = take_side_rows(); /* this call's, if its caller set one (any body) */
     int isa = gemm_isa(isa_cap);
     /* AMX tiles (or their emulation: tests) above MR rows, k % 64 == 0; else the VNNI tile */
     int amx = 0;

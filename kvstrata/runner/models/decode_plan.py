@@ -195,9 +195,11 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
     if any(layer.q_norm is not None for layer in model.layers):
         return None
     t, dtype, threads, cap = key[:4]
-    # the GEMMs whose gate|up calls prefetch side rows: the AVX512-BF16 / VNNI bodies
-    side_gemms = {gemm.linear: gemm for gemm in (_bf16_ops, _int8_ops)
-                  if key[-1] and gemm.kernel_isa(min(cap, 2)) == 2}
+    # the GEMMs whose gate|up calls prefetch side rows: the bodies measured, AVX512-BF16 (not
+    # the AMX tiles, which a bf16 call at cap 3 takes) and VNNI (int8 calls cap at 2 unless
+    # KVSTRATA_CPU_INT8_GEMM=amx: then the tiles take the job without prefetching)
+    side_gemms = {gemm.linear: gemm for gemm in (_bf16_ops, _int8_ops) if key[-1]
+                  and gemm.kernel_isa(cap if gemm is _bf16_ops else min(cap, 2)) == 2}
     d = model.dims
     nq, nkv, hd, hidden = d.num_heads, d.num_kv_heads, d.head_dim, d.hidden_size
     eps = float(d.rms_norm_eps)
