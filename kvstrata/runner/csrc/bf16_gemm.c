@@ -37,9 +37,6 @@
 #include <Python.h>
 #include "cpu_rows.h"
 #include "cpu_vec.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "gemm_panels.h"
 #include "side_rows.h"
 

@@ -261,9 +261,6 @@ static PyObject *dequant_silu_mul(PyObject *self, PyObject *args) {
     return dequant_entry(args, 1);
 }
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "side_rows.h"
 #include "int8_gemm.h"
 

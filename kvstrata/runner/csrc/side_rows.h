@@ -4,6 +4,9 @@
  * takes them (take_side_rows), whatever its body, so a job never outlives one call. */
 #ifndef KVSTRATA_SIDE_ROWS_H
 #define KVSTRATA_SIDE_ROWS_H
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include "gemm_panels.h"
 
 static __thread side_rows pending_side;

@@ -41,17 +41,21 @@ AVX512_BF16 static inline __m128 sum4_of_16(__m512 a, __m512 b, __m512 c, __m512
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0s, u));
 }
 
+/* Token TOKEN's K head row (for the score pass) and V head row (the value pass: into L2). */
+#define PREFETCH_KV(TOKEN)                                                                  \
+    {                                                                                       \
+        const int64_t at_ = sl[TOKEN] * row_bytes;                                          \
+        __builtin_prefetch(k + at_, 0, 3);                                                  \
+        __builtin_prefetch(k + at_ + 64, 0, 3);                                             \
+        __builtin_prefetch(v + at_, 0, 2);                                                  \
+        __builtin_prefetch(v + at_ + 64, 0, 2);                                             \
+    }
+
 /* One token's 16-lane partial dot products of G query heads with its K head row. */
 #define DP_ROW(S, U, G)                                                                      \
     {                                                                                       \
         const int64_t tt = t + (U);                                                         \
-        if (tt + PREFETCH_TOKENS < len) {                                                   \
-            const int64_t ahead = sl[tt + PREFETCH_TOKENS] * row_bytes;                     \
-            __builtin_prefetch(k + ahead, 0, 3);                                            \
-            __builtin_prefetch(k + ahead + 64, 0, 3);                                       \
-            __builtin_prefetch(v + ahead, 0, 2);                                            \
-            __builtin_prefetch(v + ahead + 64, 0, 2);                                       \
-        }                                                                                   \
+        if (tt + PREFETCH_TOKENS < len) PREFETCH_KV(tt + PREFETCH_TOKENS)                  \
         const char *kr = k + sl[tt] * row_bytes;                                            \
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);                               \
         const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + 64);                          \
@@ -109,12 +113,7 @@ AVX512_BF16 static inline __m128 sum4_of_16(__m512 a, __m512 b, __m512 c, __m512
                 qb[i][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i * 64 + c * 32 + 16),    \
                                                _mm512_loadu_ps(q + i * 64 + c * 32));       \
         const __m128 sc = _mm_set1_ps(scale);                                               \
-        for (int64_t u = 0; u < len && u < PREFETCH_TOKENS; u++) {                          \
-            __builtin_prefetch(k + sl[u] * row_bytes, 0, 3);                                \
-            __builtin_prefetch(k + sl[u] * row_bytes + 64, 0, 3);                           \
-            __builtin_prefetch(v + sl[u] * row_bytes, 0, 2);                                \
-            __builtin_prefetch(v + sl[u] * row_bytes + 64, 0, 2);                           \
-        }                                                                                   \
+        for (int64_t u = 0; u < len && u < PREFETCH_TOKENS; u++) PREFETCH_KV(u)             \
         int64_t t = 0;                                                                      \
         for (; t + 4 <= len; t += 4) {                                                      \
             __m512 s0[G], s1[G], s2[G], s3[G];                                              \

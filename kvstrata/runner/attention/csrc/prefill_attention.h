@@ -86,6 +86,14 @@ static void pf_scores_scalar(const float *q, const float *kt, int64_t d, float *
         for (int c = 0; c < PF_BK; c++) s[c] += q[e] * kt[e * PF_BK + c];
 }
 #if defined(__x86_64__)
+/* The live keys of a block's 4 vectors of 16 (valid of PF_BK). */
+static inline void pf_key_masks(int64_t valid, __mmask16 km[4]) {
+    for (int c = 0; c < 4; c++) {
+        const int64_t left = valid - 16 * c;
+        km[c] = left >= 16 ? 0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);
+    }
+}
+
 /* NR (1-4) query heads of one position against one key block (PF_BK = 64 keys: 4 vectors),
  * everything in registers: the scores (NR x 4 vectors: each K^T row loaded once for the NR
  * heads), the online-softmax step, then the weighted values 64 dims at a time (NR x 4
@@ -110,10 +118,7 @@ static void pf_scores_scalar(const float *q, const float *kt, int64_t d, float *
             }                                                                               \
         }                                                                                   \
         __mmask16 km[4];                                                                    \
-        for (int c = 0; c < 4; c++) {                                                       \
-            const int64_t left = valid - 16 * c;                                            \
-            km[c] = left >= 16 ? 0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);   \
-        }                                                                                   \
+        pf_key_masks(valid, km);                                                            \
         const __m512 ninf = _mm512_set1_ps(-INFINITY);                                      \
         float corr[NR];                                                                     \
         for (int r = 0; r < NR; r++) {                                                      \
@@ -201,36 +206,34 @@ static void pf_item(const pf_job *j, pf_scratch *sc, const pf_block *b, int64_t 
     for (int64_t k0 = 0; k0 < end; k0 += PF_BK) {
         const int64_t nk = end - k0 < PF_BK ? end - k0 : PF_BK;
 #if defined(__x86_64__)
-        if (j->dp) {
+        if (j->dp) { /* bf16 pairs: K^T and V as prefill_attention_bf16.h lays them out */
             pfb_fill_kt(j->k, j->k_stride, sl + k0, nk, h, d, (uint32_t *)sc->kt);
             pfb_fill_vp(j->v, j->v_stride, sl + k0, nk, h, d, (uint32_t *)sc->vf);
-            for (int64_t t = 0; t < nq; t++) {
-                const int64_t seen = prefix + q0 + t - k0 + 1, valid = seen < nk ? seen : nk;
-                for (int64_t i = 0; valid > 0 && i < g; i += 4) {
-                    const int64_t r = t * g + i, nr = g - i < 4 ? g - i : 4;
-                    PFB_GROUPS[nr]((const uint32_t *)sc->qf + r * (d / 2),
-                                   (const uint32_t *)sc->kt, (const uint32_t *)sc->vf, valid,
-                                   sc->m + r, sc->l + r, sc->o + r * d, (uint32_t *)sc->p, d,
-                                   j->scale);
-                }
-            }
-            continue;
-        }
-        if (j->vec)  /* d % 32 == 0 on both vector paths */
+        } else if (j->vec) { /* d % 32 == 0 on both vector paths */
             pf2_fill_kt(j->k, j->bf16, j->k_stride, sl + k0, nk, h, d, sc->kt);
-        else
+        } else
 #endif
         for (int64_t c = 0; c < PF_BK; c++) {
             if (c < nk) pf_load(j, row, j->k, sl[k0 + c] * j->k_stride + h * d, d);
             for (int64_t e = 0; e < d; e++) sc->kt[e * PF_BK + c] = c < nk ? row[e] : 0.f;
         }
-        for (int64_t c = 0; c < nk; c++)
+        for (int64_t c = 0; !j->dp && c < nk; c++)
             pf_load(j, sc->vf + c * d, j->v, sl[k0 + c] * j->v_stride + h * d, d);
         for (int64_t t = 0; t < nq; t++) {
             const int64_t seen = prefix + q0 + t - k0 + 1; /* causal: keys <= its position */
             const int64_t valid = seen < nk ? seen : nk;
             if (valid <= 0) continue;
 #if defined(__x86_64__)
+            if (j->dp) { /* the g heads of position t, up to 4 at a time */
+                for (int64_t i = 0; i < g; i += 4) {
+                    const int64_t r = t * g + i, nr = g - i < 4 ? g - i : 4;
+                    PFB_GROUPS[nr]((const uint32_t *)sc->qf + r * (d / 2),
+                                   (const uint32_t *)sc->kt, (const uint32_t *)sc->vf, valid,
+                                   sc->m + r, sc->l + r, sc->o + r * d, (uint32_t *)sc->p, d,
+                                   j->scale);
+                }
+                continue;
+            }
             if (j->vec) { /* the g heads of position t, up to 4 (AVX2: 3) at a time */
                 const int64_t most = j->vec == ISA_AVX512 ? 4 : PF2_MAX_NR;
                 const pf_group_fn *fns = j->vec == ISA_AVX512 ? PF_GROUPS : PF2_GROUPS;

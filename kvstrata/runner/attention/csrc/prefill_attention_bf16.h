@@ -88,10 +88,7 @@ AVX512_BF16 static void pfb_fill_vp(const char *v, int64_t v_stride, const int64
             }                                                                               \
         }                                                                                   \
         __mmask16 km[4];                                                                    \
-        for (int c = 0; c < 4; c++) {                                                       \
-            const int64_t left = valid - 16 * c;                                            \
-            km[c] = left >= 16 ? 0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);   \
-        }                                                                                   \
+        pf_key_masks(valid, km);                                                            \
         const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);          \
         const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80); /* bf16 1.0 */          \
         float corr[NR];                                                                     \
