@@ -68,4 +68,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_offline.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvstrata/kv/_rowcopy*.so kvstrata/runner/attention/_paged_decode*.so kvstrata/runner/_cpu_ops*.so kvstrata/runner/_int8_ops*.so
+	rm -rf $(VENV) build *.egg-info kvstrata/kv/_rowcopy*.so kvstrata/runner/attention/_paged_decode*.so kvstrata/runner/cpu/_*_ops*.so

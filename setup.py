@@ -1,61 +1,55 @@
 # Metadata lives in pyproject.toml; this file only declares the C extensions: the CPU row copy
-# behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py) and the paged decode attention
-# of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the CPU row ops
-# and GEMMs of kvstrata/runner/csrc/.
+# behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py), the paged decode and prefill
+# attention of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the
+# CPU row ops and GEMMs of kvstrata/runner/cpu/csrc/ (the shared-memory all-reduce of
+# kvstrata/runner/parallel/csrc/ is compiled into `_cpu_ops`).
 import os
+import re
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvstrata.kv._rowcopy", ["kvstrata/kv/csrc/rowcopy.c"],
-                             extra_compile_args=["-O3"]),
-                   Extension("kvstrata.runner.attention._paged_decode",
-                             ["kvstrata/runner/attention/csrc/paged_decode.c"],
-                             depends=["kvstrata/runner/attention/csrc/paged_decode_isa.h",
-                                      "kvstrata/runner/attention/csrc/paged_decode_head64.h",
-                                      "kvstrata/runner/attention/csrc/paged_decode_head64_bf16.h",
-                                      "kvstrata/runner/attention/csrc/paged_decode_head64_avx2.h",
-                                      "kvstrata/runner/attention/csrc/prefill_attention.h",
-                                      "kvstrata/runner/attention/csrc/prefill_attention_bf16.h",
-                                      "kvstrata/runner/csrc/cpu_vec.h"],
-                             # OpenMP: at run time libgomp.so.1 resolves to torch's copy
-                             # (already loaded, same soname), so the kernel shares its team.
-                             extra_compile_args=["-O3", "-fopenmp"],
-                             extra_link_args=["-fopenmp"]),
-                   Extension("kvstrata.runner._cpu_ops", ["kvstrata/runner/csrc/cpu_ops.c"],
-                             depends=["kvstrata/runner/csrc/cpu_vec.h",
-                                      "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/shm_allreduce.h",
-                                      "kvstrata/runner/csrc/argmax_rows.h",
-                                      "kvstrata/runner/csrc/rms_f32_rows.h",
-                                      "kvstrata/runner/csrc/f32_gemv.h"],
-                             # no implicit FMA: rope's products and sum round as torch's do
-                             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-                             extra_link_args=["-fopenmp"]),
-                   Extension("kvstrata.runner._int8_ops", ["kvstrata/runner/csrc/int8_ops.c"],
-                             depends=["kvstrata/runner/csrc/cpu_vec.h",
-                                      "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/int8_gemm.h",
-                                      "kvstrata/runner/csrc/int8_gemm_avx2.h",
-                                      "kvstrata/runner/csrc/int8_gemm_amx.h",
-                                      "kvstrata/runner/csrc/amx_tiles.h",
-                                      "kvstrata/runner/csrc/amx_item.h",
-                                      "kvstrata/runner/csrc/amx_item_body.h",
-                                      "kvstrata/runner/csrc/gemm_panels.h",
-                                      "kvstrata/runner/csrc/side_rows.h"],
-                             # one rounding per product: the scalar and AVX-512 rows agree
-                             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-                             extra_link_args=["-fopenmp"]),
-                   Extension("kvstrata.runner._bf16_ops", ["kvstrata/runner/csrc/bf16_gemm.c"],
-                             depends=["kvstrata/runner/csrc/bf16_gemm_avx2.h",
-                                      "kvstrata/runner/csrc/bf16_gemm_amx.h",
-                                      "kvstrata/runner/csrc/amx_tiles.h",
-                                      "kvstrata/runner/csrc/amx_item.h",
-                                      "kvstrata/runner/csrc/amx_item_body.h",
-                                      "kvstrata/runner/csrc/cpu_vec.h",
-                                      "kvstrata/runner/csrc/cpu_rows.h",
-                                      "kvstrata/runner/csrc/gemm_panels.h",
-                                      "kvstrata/runner/csrc/side_rows.h"],
-                             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-                             extra_link_args=["-fopenmp"])],
-      # the extensions compile side by side (~13 -> ~7 s of a fresh set-up on 2 cores)
-      options={"build_ext": {"parallel": os.cpu_count() or 1}})
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def included_headers(source: str) -> list[str]:
+    """Every header `source` includes with quotes, transitively (paths relative to this
+    file): an edited header must rebuild the extensions that include it, and a hand-kept
+    `depends=` list missed two of them (tests/unit/test_setup_depends.py checks this)."""
+    seen: list[str] = []
+    todo = [source]
+    while todo:
+        path = todo.pop()
+        with open(path) as f:
+            text = f.read()
+        for name in _INCLUDE.findall(text):
+            header = os.path.normpath(os.path.join(os.path.dirname(path), name))
+            if header not in seen:
+                seen.append(header)
+                todo.append(header)
+    return sorted(seen)
+
+
+def extension(name: str, source: str, **kwargs) -> Extension:
+    return Extension(name, [source], depends=included_headers(source), **kwargs)
+
+
+# OpenMP: at run time libgomp.so.1 resolves to torch's copy (already loaded, same soname), so
+# the kernels share its team. -ffp-contract=off: no implicit FMA, so rope's products and sums
+# round as torch's do and the scalar and vector rows of the int8 GEMM agree.
+OPENMP = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"]}
+OPENMP_EXACT = {"extra_compile_args": ["-O3", "-fopenmp", "-ffp-contract=off"],
+                "extra_link_args": ["-fopenmp"]}
+
+EXTENSIONS = [
+    extension("kvstrata.kv._rowcopy", "kvstrata/kv/csrc/rowcopy.c", extra_compile_args=["-O3"]),
+    extension("kvstrata.runner.attention._paged_decode",
+              "kvstrata/runner/attention/csrc/paged_decode.c", **OPENMP),
+    extension("kvstrata.runner.cpu._cpu_ops", "kvstrata/runner/cpu/csrc/cpu_ops.c", **OPENMP_EXACT),
+    extension("kvstrata.runner.cpu._int8_ops", "kvstrata/runner/cpu/csrc/int8_ops.c", **OPENMP_EXACT),
+    extension("kvstrata.runner.cpu._bf16_ops", "kvstrata/runner/cpu/csrc/bf16_gemm.c", **OPENMP_EXACT),
+]
+
+if __name__ == "__main__":
+    setup(ext_modules=EXTENSIONS,
+          # the extensions compile side by side (~13 -> ~7 s of a fresh set-up on 2 cores)
+          options={"build_ext": {"parallel": os.cpu_count() or 1}})

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_decode_step as step_bench  # noqa: E402
 from kvstrata.config.kv_plan import KVPlan  # noqa: E402
-from kvstrata.runner import cpu_ops  # noqa: E402
+from kvstrata.runner.cpu import fused_ops as cpu_ops  # noqa: E402
 from kvstrata.runner.attention import paged_decode  # noqa: E402
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
 from kvstrata.runner.models import decode_plan  # noqa: E402

@@ -31,9 +31,9 @@ from kvstrata.config.kv_plan import KVPlan  # noqa: E402
 from kvstrata.protocol.sampling_params import SamplingParams  # noqa: E402
 from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,  # noqa: E402
                                                 SchedulerOutput)
+from kvstrata.runner.cpu.packed_linear import (LAYER_LINEARS, PackedLinear,  # noqa: E402
+                                               own_bf16_fits)
 from kvstrata.runner.model_runner import ModelRunner  # noqa: E402
-from kvstrata.runner.packed_linear import (LAYER_LINEARS, PackedLinear,  # noqa: E402
-                                           own_bf16_fits)
 
 PAGE = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)

@@ -1,12 +1,12 @@
 """The GEMMs of a SmolLM2 decode step: kvstrata's own kernels against oneDNN's, in one run.
 
-  --kind int8: the two `--quantization w8a8_int8` paths of runner/int8_linear.py (our VNNI
+  --kind int8: the two `--quantization w8a8_int8` paths of runner/cpu/int8_linear.py (our VNNI
                GEMM with the row ops fused in, oneDNN's int8 linear between two row passes);
                the same values bit for bit (checked here on the first weight of each shape).
                Without VNNI: our GEMM's AVX2 tile against what ran before it there, fbgemm's
-               layer (runner/quantization.py W8A8Int8Linear, 7-bit activations: the values
+               layer (runner/quant/w8a8.py W8A8Int8Linear, 7-bit activations: the values
                agree to the 7-bit codes' error, checked)
-  --kind bf16: a bf16 model's linears (runner/packed_linear.py: our GEMM -- its AVX512-BF16
+  --kind bf16: a bf16 model's linears (runner/cpu/packed_linear.py: our GEMM -- its AVX512-BF16
                body, or on an AVX2-only CPU its AVX2 body -- against oneDNN's prepacked bf16
                linear, or torch's F.linear where oneDNN has no bf16 kernels: the "onednn"
                column then times F.linear, named in the output); the same up to accumulation
@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
-from kvstrata.runner import int8_linear  # noqa: E402
-from kvstrata.runner.int8_linear import Int8MatmulLinear, own_gemm_fits  # noqa: E402
-from kvstrata.runner.packed_linear import PackedLinear, kernel_name, own_bf16_fits  # noqa: E402
+from kvstrata.runner.cpu import int8_linear  # noqa: E402
+from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear, own_gemm_fits  # noqa: E402
+from kvstrata.runner.cpu.packed_linear import PackedLinear, kernel_name, own_bf16_fits  # noqa: E402
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # in -> out
 
@@ -52,7 +52,7 @@ KINDS = {"int8": ("KVSTRATA_CPU_INT8_GEMM", Int8MatmulLinear, torch.float32),
 
 def fbgemm_baseline(kind: str) -> bool:
     """int8 without VNNI: oneDNN's int8 linear is not exact there; fbgemm's layer ran."""
-    from kvstrata.runner.quantization import cpu_has_vnni
+    from kvstrata.runner.quant.w8a8 import cpu_has_vnni
     return kind == "int8" and not int8_linear.available(cpu_has_vnni())
 
 
@@ -63,7 +63,7 @@ def build(kind: str, kernel: str, copies: int, dtype: torch.dtype | None = None,
           shapes=SHAPES) -> list:
     env, layer, kind_dtype = KINDS[kind]
     if kernel == "onednn" and fbgemm_baseline(kind):
-        from kvstrata.runner.quantization import W8A8Int8Linear
+        from kvstrata.runner.quant.w8a8 import W8A8Int8Linear
         layer = W8A8Int8Linear
     dtype = dtype or kind_dtype
     saved = os.environ.get(env)

@@ -1,4 +1,4 @@
-"""kvstrata's fp32 GEMV (runner/f32_gemv.py; above its rows, kvstrata's fp32 GEMM over the same
+"""kvstrata's fp32 GEMV (runner/cpu/f32_gemv.py; above its rows, kvstrata's fp32 GEMM over the same
 panels) against oneDNN's prepacked fp32 linear, with a plain read of the same bytes as the
 baseline, all in the same run: SmolLM2's four layer shapes at 1, 2, 4 and 8 rows (--rows: any
 count), each over --layers distinct weights so that they stream from RAM as in a decode step.
@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.engine_ab import engines_by_setting, generate_times  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
-from kvstrata.runner import f32_gemv  # noqa: E402
-from kvstrata.runner.packed_linear import PackedLinear, packed_linear  # noqa: E402
+from kvstrata.runner.cpu import f32_gemv  # noqa: E402
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -5,7 +5,7 @@ a float32 time from another minute is not comparable):
   kvstrata    what --quantization w8a8_int8 runs on this CPU (quantization.int8_kernel): with
               VNNI runner/int8_linear.Int8MatmulLinear (oneDNN's prepacked int8 linear,
               per-token scales), else the fbgemm layer below
-  kvstrata_fbgemm  runner/quantization.W8A8Int8Linear: fbgemm, per-token activation scales
+  kvstrata_fbgemm  runner/quant/w8a8.W8A8Int8Linear: fbgemm, per-token activation scales
               (the layer without VNNI, or with KVSTRATA_CPU_INT8_MM=0)
   fbgemm_dyn  torch.ops.quantized.linear_dynamic: fbgemm, ONE activation scale per call
               (torch.ao quantize_dynamic's op; its result depends on the other rows)
@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
-from kvstrata.runner.quantization import (W8A8Int8Linear, int8_kernel,  # noqa: E402
-                                          quantized_linear)
+from kvstrata.runner.quant.w8a8 import (W8A8Int8Linear, int8_kernel,  # noqa: E402
+                                        quantized_linear)
 
 SHAPES = ((576, 1536), (1536, 576), (576, 49152))  # in -> out: qkv-ish/up, down, lm_head
 ROWS = (1, 32, 2048)

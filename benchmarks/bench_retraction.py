@@ -44,7 +44,7 @@ from kvstrata.kv.device_pool import MHATokenToKVPool  # noqa: E402
 from kvstrata.kv.host_pool import HostKVPool  # noqa: E402
 from kvstrata.kv.io_backends import make_io_backend  # noqa: E402
 from kvstrata.protocol.disagg import BackupOp  # noqa: E402
-from kvstrata.runner.retraction_backup import RetractionBackupExecutor  # noqa: E402
+from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor  # noqa: E402
 
 RESTORE_VS_RECOMPUTE_MIN = 5.0
 HOST_VS_CPU_TENSOR_MAX = 1.5

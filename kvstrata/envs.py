@@ -127,20 +127,20 @@ KVSTRATA_CPU_DTYPE_PROBE = _declare(
     "(config/rules/platform_defaults.py: e.g. AVX-512 without bf16 instructions, AVX2 above "
     "2 threads), serve and LLM() time the model's linear layers in bf16 and fp32 at start-up "
     "and take bf16 if it is no slower at any row count measured and 1.05x faster over them "
-    "(runner/dtype_probe.py; once per "
+    "(runner/cpu/dtype_probe.py; once per "
     "machine, cached under $XDG_CACHE_HOME/kvstrata). auto = there; on = on every CPU, "
     "over the table too; off = never (the table's float32).")
 KVSTRATA_CPU_FUSED_OPS = _declare(
     "KVSTRATA_CPU_FUSED_OPS", bool, True,
     "The llama-family decoder on CPU runs RMSNorm (bf16 and fp32, alone or after the "
     "residual add), silu(gate) * up, the rotary embedding and the greedy argmax as one pass "
-    "each (runner/cpu_ops.py); 0 = torch's op sequences (ablation).")
+    "each (runner/cpu/fused_ops.py); 0 = torch's op sequences (ablation).")
 KVSTRATA_CPU_DECODE_KV_PREFETCH = _declare(
     "KVSTRATA_CPU_DECODE_KV_PREFETCH", bool, True,
     "In a CPU decode plan (KVSTRATA_CPU_DECODE_PLAN) whose gate|up projection runs kvstrata's "
     "bf16 GEMM on AVX512-BF16 or its int8 GEMM on VNNI, that GEMM also prefetches the next "
     "layer's K and V rows of the step's requests, a line every k step, so that layer's "
-    "decode attention reads them from the caches instead of RAM (runner/csrc/gemm_panels.h "
+    "decode attention reads them from the caches instead of RAM (runner/cpu/csrc/gemm_panels.h "
     "side_rows); 0 = off (ablation).")
 KVSTRATA_CPU_DECODE_PLAN = _declare(
     "KVSTRATA_CPU_DECODE_PLAN", bool, True,
@@ -166,15 +166,15 @@ KVSTRATA_TP_SHM_ALLREDUCE = _declare(
 KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 linear layers on the CPU run on weights prepacked for oneDNN "
-    "(runner/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
+    "(runner/cpu/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
 KVSTRATA_CPU_INT8_MM = _declare(
     "KVSTRATA_CPU_INT8_MM", bool, True,
     "--quantization w8a8_int8 on a CPU with VNNI (or AVX2 + FMA + F16C without it) runs "
-    "runner/int8_linear.py's layer in the model's dtype: an int8 GEMM between fused per-token "
+    "runner/cpu/int8_linear.py's layer in the model's dtype: an int8 GEMM between fused per-token "
     "quantise / dequantise rows; 0 = the fbgemm layer with float32 activations (ablation).")
 KVSTRATA_CPU_INT8_GEMM = _declare(
     "KVSTRATA_CPU_INT8_GEMM", str, "auto",
-    "The int8 GEMM of that layer: auto = kvstrata's own (runner/csrc/int8_gemm.h: rows "
+    "The int8 GEMM of that layer: auto = kvstrata's own (runner/cpu/csrc/int8_gemm.h: rows "
     "quantised, multiplied and dequantised in one call) where the CPU has AVX512-VNNI "
     "(AMX-INT8 CPUs too: served 1.3-1.5x oneDNN's AMX path), or AVX2 + FMA + F16C and no "
     "VNNI (its AVX2 tile), and the shape fits (in % 4, out % 16), else oneDNN's (fbgemm's "
@@ -182,14 +182,14 @@ KVSTRATA_CPU_INT8_GEMM = _declare(
     "of its tiles runs, AVX-VNNI CPUs too (A/B); own_decode = kvstrata's up to 128 rows and "
     "oneDNN's above on a CPU with VNNI, both layouts kept (A/B for AMX prefill); amx = auto "
     "with the GEMM on AMX-INT8 tiles above 4 rows where the CPU has them "
-    "(runner/csrc/int8_gemm_amx.h; A/B, not measured on an AMX machine yet). Read when "
+    "(runner/cpu/csrc/int8_gemm_amx.h; A/B, not measured on an AMX machine yet). Read when "
     "the weights are packed.")
 KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
-    "(runner/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
+    "(runner/cpu/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
     "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 on its AMX tiles "
-    "(runner/csrc/bf16_gemm_amx.h) for up to 64 rows (decode batches), oneDNN's AMX tiles "
+    "(runner/cpu/csrc/bf16_gemm_amx.h) for up to 64 rows (decode batches), oneDNN's AMX tiles "
     "above (prefill), both layouts kept (twice the bf16 weights' memory) -- else oneDNN's "
     "prepacked one; onednn = always "
     "oneDNN's (ablation); own = kvstrata's for every row count wherever its AVX512-BF16 or "
@@ -197,7 +197,7 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "Read when the weights are packed.")
 KVSTRATA_CPU_F32_GEMV = _declare(
     "KVSTRATA_CPU_F32_GEMV", str, "auto",
-    "fp32 linear layers on the CPU: auto = kvstrata's GEMV (runner/csrc/f32_gemv.h) at 1-16 "
+    "fp32 linear layers on the CPU: auto = kvstrata's GEMV (runner/cpu/csrc/f32_gemv.h) at 1-16 "
     "rows (decode at batch 1-16; 1-8 on an AVX-512 CPU) over a second copy of the layers' "
     "weights, where the CPU has AVX2 + FMA and the copies take at most 1/8 of RAM (they count "
     "as weights in the KV sizing), and on a CPU without AVX-512 kvstrata's fp32 GEMM over the "

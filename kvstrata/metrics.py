@@ -32,13 +32,13 @@ PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
 # PD decode + NEXTN with IndexShare: what fed each first draft round's sparse attention
 # (load keys spec_dsa_seed_<outcome>; counter kvstrata:spec_dsa_seed_total{outcome}).
 DSA_SEED_OUTCOMES = ("used", "recomputed", "failed_closed")
-# Load-report key -> help (engine/spec_side.py SpeculativeSide.load); metric kvstrata:<key>.
+# Load-report key -> help (engine/sides/speculative.py SpeculativeSide.load); metric kvstrata:<key>.
 SPEC_COUNTERS = {
     "spec_verify_steps": "Speculative verify passes (one per request per decode step)",
     "spec_drafted_tokens": "Draft tokens proposed for verification",
     "spec_accepted_tokens": "Tokens produced by verify passes (accepted drafts + 1 each)",
 }
-# Load-report key -> help (engine/priority.py PrioritySide.load); counter kvstrata:<key>.
+# Load-report key -> help (engine/sides/priority.py PrioritySide.load); counter kvstrata:<key>.
 PRIORITY_COUNTERS = {
     "num_preempted_reqs": "Running requests preempted for a higher-priority one",
     "num_queue_full_refused_reqs": "Requests refused because the waiting queue was full",
@@ -46,7 +46,7 @@ PRIORITY_COUNTERS = {
                                    "higher-priority one",
 }
 
-# PD disaggregation (engine/disagg_common.py, disagg_decode.py): running totals in the load
+# PD disaggregation (engine/sides/disagg_common.py, disagg_decode.py): running totals in the load
 # report, named as the counters are.
 DISAGG_COUNTERS = {
     "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped to decode servers",
@@ -96,7 +96,7 @@ class ServerMetrics:
         # bytes moved per direction, copy GB/s, host pool usage; one gauge, one label per stat.
         self._hicache = Gauge("kvstrata:hicache", "HiCache L2 statistics (see the stat label)",
                               labels + ["stat"], registry=r)
-        # Decode retraction with KV backup (PD decode servers; engine/disagg_retract.py). The
+        # Decode retraction with KV backup (PD decode servers; engine/sides/disagg_retract.py). The
         # load report carries running totals; the counters advance by the difference.
         self._decode_retracted = Gauge("kvstrata:num_decode_retracted_reqs", "Retracted "
                                        "requests waiting to be restored (decode server)",

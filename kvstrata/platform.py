@@ -39,7 +39,7 @@ class Platform:
     # as when simulated unless given): the same dtype rule bounds a row by it.
     cpu_threads: int = field(default=0, compare=False, hash=False)
     # (dtype, reason) that serve / LLM() measured for --dtype auto where the dtype table has
-    # no row for this CPU (runner/dtype_probe.py); None: not measured.
+    # no row for this CPU (runner/cpu/dtype_probe.py); None: not measured.
     cpu_dtype_measured: tuple[str, str] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:

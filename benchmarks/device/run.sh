@@ -23,7 +23,7 @@
 #   threads  fp32 vs bf16 (auto, oneDNN's alone) on THREADS_LIST cores (default "4 8";
 #            taskset + OMP_NUM_THREADS): decode steps, then served: whether the AMX bf16 row
 #            holds at few cores
-#   probe    --dtype auto's start-up measurement (python -m kvstrata.runner.dtype_probe) on
+#   probe    --dtype auto's start-up measurement (python -m kvstrata.runner.cpu.dtype_probe) on
 #            PROBE_THREADS cores (default "2 8 16"): its verdict beside the table's row
 #   suite    the whole CPU suite on 14 workers (what fits the rest of the budget)
 # CPU figures hide the GPU (CUDA_VISIBLE_DEVICES=): with it visible the platform is cuda.
@@ -57,7 +57,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 TAILN=1 stage build 90 python3 setup.py build_ext --inplace || { finish; exit 1; }
 # which body the bf16 GEMM runs here (3: AMX tiles, 2: AVX512-BF16), and the OpenMP
 # runtime(s) loaded once torch and the kernels are (one: they share torch's team)
-python3 -c "import torch; from kvstrata.runner import _bf16_ops, _cpu_ops; \
+python3 -c "import torch; from kvstrata.runner.cpu import _bf16_ops, _cpu_ops; \
 print('bf16 GEMM body', _bf16_ops.kernel_isa(3), 'omp', sorted({l.split()[-1] for l in \
 open('/proc/self/maps') if 'omp' in l}))" 2>&1 | tail -1 | tee -a $R/machine.txt
 TAILN=1 stage model 60 python3 benchmarks/random_smollm2.py /tmp/smol --from .devrun/smol \
@@ -125,7 +125,7 @@ for st in $STAGES; do case $st in
     done ;;
   probe) for t in ${PROBE_THREADS:-2 8 16}; do
       TAILN=0 stage "probe_t$t" 60 "${CPU_ONLY[@]}" taskset -c "0-$((t - 1))" \
-        env OMP_NUM_THREADS="$t" python3 -m kvstrata.runner.dtype_probe --model /tmp/smol \
+        env OMP_NUM_THREADS="$t" python3 -m kvstrata.runner.cpu.dtype_probe --model /tmp/smol \
         --threads "$t"
       tr -d '\n ' < "$R/probe_t$t.log" | grep -oE '"ratios".{0,60}|"probe":\["[a-z0-9]+"|"new":"[a-z0-9]+"'
     done ;;

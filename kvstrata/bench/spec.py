@@ -132,7 +132,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from kvstrata import LLM
-    from kvstrata.engine.sides import spec_side
+    from kvstrata.engine.sides.registry import spec_side
 
     load = announce_load(args.require_quiet)
     common = {"page_size": 16, "max_total_tokens": 65536, "dtype": args.dtype}

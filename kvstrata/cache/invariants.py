@@ -7,7 +7,7 @@ What must hold at any step boundary:
   a prefetch's buffer, or the copy of a node dropped while a storage backup reads it, see
   cache/storage_tier.py; every node's host_ref equals the backups reading it; in a decode
   server's retraction host pool: free / held by one retracted request's backup, checked by
-  KVManager.check_backups from engine/disagg_retract.py);
+  KVManager.check_backups from engine/sides/disagg_retract.py);
 - a request's tree-owned prefix is exactly the pages on the path to its locked node;
 - every node's lock_ref equals the number of lock holders whose path runs through it:
   live requests (their `last_node`) and in-flight HiCache write jobs (the node they pin).

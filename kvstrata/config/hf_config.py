@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 # Class defaults of the fields the runner reads (transformers 5: LlamaConfig() etc.), for
@@ -107,4 +108,34 @@ def read_generation_eos(path: str) -> Any:
         return None
 
 
-__all__ = ["CLASS_DEFAULTS", "HFConfig", "read_generation_eos", "read_hf_config"]
+@dataclass(frozen=True)
+class ModelDims:
+    """The dense decoder's shapes a config names (no torch: start-up measurements read them
+    before any model is built)."""
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, c: Any) -> "ModelDims":
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
+            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(c, "attention_bias", False)),
+            mlp_bias=bool(getattr(c, "mlp_bias", False)))
+
+
+__all__ = ["CLASS_DEFAULTS", "HFConfig", "ModelDims", "read_generation_eos", "read_hf_config"]

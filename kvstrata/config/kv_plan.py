@@ -50,7 +50,7 @@ MHA_K, MHA_V = "k", "v"
 MLA_LATENT = "kv_latent"
 DSA_INDEX_K = "index_k"
 # An EAGLE draft head's feature per token: the target's final hidden state at that position
-# (runner/eagle_draft.py), kept beside the head's own K/V in the draft components.
+# (runner/spec/eagle.py), kept beside the head's own K/V in the draft components.
 EAGLE_HIDDEN = "eagle_hidden"
 POOL_KINDS = {"mha": (MHA_K, MHA_V), "mla": (MLA_LATENT,),
               "none": ()}  # none: page bookkeeping only (torch-free fake runners, tests)
@@ -136,7 +136,7 @@ class KVPlan:
     # decode server's KV backups, --disaggregation-decode-retraction-backup host_pool).
     host_pool_use: str = "hicache"
     # STANDALONE / EAGLE speculative decoding: the draft's own K/V per token (an mha pool
-    # over the same slots, runner/draft_model.py; an EAGLE head also keeps EAGLE_HIDDEN);
+    # over the same slots, runner/spec/standalone.py; an EAGLE head also keeps EAGLE_HIDDEN);
     # device only, never on the host tier.
     draft_components: tuple[KVComponent, ...] = ()
 

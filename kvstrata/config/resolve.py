@@ -129,7 +129,7 @@ def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     # Under TP a STANDALONE draft and an EAGLE head run whole on every rank (the head through
     # the target's vocabulary-parallel embedding and output head); NEXTN's MTP layer, EAGLE3
     # heads (their own vocabulary) and FR-Spec token maps (rows of the output head) are not
-    # built there (runner/drafts.py also refuses EAGLE over a DeepSeek target).
+    # built there (runner/spec/drafts.py also refuses EAGLE over a DeepSeek target).
     if args.tp_size > 1 and args.speculative_algorithm not in (None, "NGRAM", "STANDALONE",
                                                                "EAGLE"):
         return [f"--speculative-algorithm {args.speculative_algorithm} with --tp-size > 1"]

@@ -11,11 +11,11 @@ from typing import Any
 from kvstrata import envs
 from kvstrata.cache.invariants import expected_rows
 from kvstrata.engine.request import EngineRequest, Request
-from kvstrata.engine.priority import resolve_priority
-from kvstrata.engine.scheduler import Scheduler, SchedulerConfig
-from kvstrata.engine.scheduler_introspect import check_scheduler, dump_state
-from kvstrata.engine.stop_checker import StopChecker
-from kvstrata.engine.sides import spec_side
+from kvstrata.engine.scheduler.core import Scheduler, SchedulerConfig
+from kvstrata.engine.scheduler.introspect import check_scheduler, dump_state
+from kvstrata.engine.scheduler.stop_checker import StopChecker
+from kvstrata.engine.sides.priority import resolve_priority
+from kvstrata.engine.sides.registry import spec_side
 from kvstrata.protocol import FinishReason, RequestOutput, SpecCounts
 
 logger = logging.getLogger(__name__)

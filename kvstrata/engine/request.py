@@ -34,7 +34,7 @@ class Request:
     arrival_index: int
     return_prompt_logprobs: bool = False
     bootstrap: BootstrapAddr | None = None  # PD only
-    # Resolved on arrival (engine/priority.py); None only without priority scheduling.
+    # Resolved on arrival (engine/sides/priority.py); None only without priority scheduling.
     priority: int | None = None
     # Shares cached prefixes only with requests of the same salt (cache/page_keys.py).
     cache_salt: str | None = None

@@ -120,7 +120,7 @@ def _run_config(ns: argparse.Namespace) -> int:
 
 
 def _measured_platform(ns: argparse.Namespace) -> Any:
-    """This machine with the --dtype auto verdict serve measured here (runner/dtype_probe.py,
+    """This machine with the --dtype auto verdict serve measured here (runner/cpu/dtype_probe.py,
     from its cache only: explain never measures), or None (--platform simulates, invalid
     flags: run_explain reports those)."""
     from kvstrata import envs
@@ -142,7 +142,7 @@ def _measured_platform(ns: argparse.Namespace) -> Any:
             return None
     except ValueError:  # a bad KVSTRATA_* value: resolution reports it
         return None
-    from kvstrata.runner.dtype_probe import measured_platform
+    from kvstrata.runner.cpu.dtype_probe import measured_platform
 
     return measured_platform(args, plat, info, cached_only=True)
 

@@ -21,8 +21,8 @@ from kvstrata.config.resolve import (log_resolutions, platform_for, refuse_unimp
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
-from kvstrata.engine.scheduler import SchedulerConfig
-from kvstrata.engine.sides import pd_side
+from kvstrata.engine.scheduler.core import SchedulerConfig
+from kvstrata.engine.sides.registry import pd_side
 from kvstrata.frontend.tokenizer_loader import DeferredTokenizer
 from kvstrata.version import __version__
 
@@ -87,7 +87,7 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
     platform = platform_for(server_args)
     if server_args.dtype == "auto":
         # on a CPU the dtype table has no row for: its linears timed in both dtypes
-        from kvstrata.runner.dtype_probe import measured_platform  # noqa: PLC0415 - torch
+        from kvstrata.runner.cpu.dtype_probe import measured_platform  # noqa: PLC0415 - torch
 
         platform = measured_platform(server_args, platform, info)
     args, resolutions = resolve(server_args, platform, model_info=info)
@@ -98,7 +98,7 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
 
     # STANDALONE / EAGLE: the draft in the runner. A PD prefill server never decodes: it
     # runs an EAGLE-family draft's extend only (its KV and state cross to the decode
-    # server, runner/spec_handoff.py); a STANDALONE draft is rebuilt on the decode server.
+    # server, runner/spec/handoff.py); a STANDALONE draft is rebuilt on the decode server.
     drafts = (args.speculative_algorithm in ("EAGLE", "EAGLE3") or (
         args.speculative_algorithm == "STANDALONE" and args.disaggregation_mode != "prefill"))
     draft_quant = args.speculative_draft_model_quantization
@@ -122,9 +122,9 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
                                   "PROB) on an MLA / DSA model")
     runner.spec_accept_thresholds = (args.speculative_accept_threshold_single,
                                      args.speculative_accept_threshold_acc)
-    if args.grammar_backend != "none" and not args.skip_tokenizer_init:  # runner/grammar.py
+    if args.grammar_backend != "none" and not args.skip_tokenizer_init:  # runner/sampling/grammar.py
         from kvstrata.protocol.grammar import json_options  # noqa: PLC0415
-        from kvstrata.runner.grammar import GrammarBackend  # noqa: PLC0415
+        from kvstrata.runner.sampling.grammar import GrammarBackend  # noqa: PLC0415
         runner.grammar = GrammarBackend(
             args.model_path, args.tokenizer_path, runner.vocab_size, runner.eos_token_ids,
             json_options(args.constrained_json_disable_any_whitespace,

@@ -132,3 +132,14 @@ class MLATokenToKVPool:
         self.latent[layer].index_copy_(0, slots, latent.to(self.kv.dtype))
         if index_k is not None:
             self.index_k[layer].index_copy_(0, slots, index_k.to(self.kv.dtype))
+
+
+def page_buffers_of(pool: MHATokenToKVPool | MLATokenToKVPool) -> list[torch.Tensor]:
+    """The pool's KV as the one page buffer the transfer backends register: uint8
+    [sections * num_layers, num_pages + 1, page_size * heads * dim * itemsize], sharing the
+    pool's memory (page p of section (s, layer) is contiguous: kv[s, layer, slots of p]).
+    The shape is the pool's KVGeometry: MHA 2 sections (K, V); MLA 1 section whose rows hold
+    the latent and the DSA indexer key, so the indexer pages travel with the KV pages."""
+    kv = pool.kv
+    sections = kv.shape[0] * kv.shape[1]
+    return [kv.view(torch.uint8).view(sections, pool.plan.num_pages + 1, -1)]

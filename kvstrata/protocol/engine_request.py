@@ -19,7 +19,7 @@ class EngineRequest(msgspec.Struct, tag="GenerateReq", omit_defaults=True):
     # whole: the api server refuses a request in PD mode without host and room, and fills
     # in a missing port.
     bootstrap: BootstrapAddr | None = None
-    # SGLang's request priority (engine/priority.py); None: --default-priority-value.
+    # SGLang's request priority (engine/sides/priority.py); None: --default-priority-value.
     priority: int | None = None
     # SGLang's cache_salt + extra_key (vLLM's cache_salt): the prefix cache shares pages only
     # among requests with the same salt (cache/page_keys.py salted_ids); None or "": no salt.

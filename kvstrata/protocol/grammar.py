@@ -7,7 +7,7 @@ output matches it), `ebnf` (a GBNF grammar as xgrammar and llama.cpp write them,
 `root ::= ...`, or llguidance's Lark syntax) and `structural_tag` (free text with tool calls
 whose arguments follow JSON schemas, response_format's structural_tag). llguidance is one of SGLang's grammar backends
 (`--grammar-backend llguidance`) and vLLM's `guidance`; the runner turns a grammar into a
-token mask per step (runner/grammar.py).
+token mask per step (runner/sampling/grammar.py).
 """
 from __future__ import annotations
 

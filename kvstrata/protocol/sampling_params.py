@@ -110,7 +110,7 @@ class SamplingParams:
     # Structured output (SGLang's sampling_params keys; at most one): a JSON schema (as a
     # JSON string), a regular expression the whole output matches, an EBNF grammar (GBNF,
     # or llguidance's Lark syntax), or a structural tag (tool calls in free text). The
-    # sampler masks every token that cannot continue it (runner/grammar.py);
+    # sampler masks every token that cannot continue it (runner/sampling/grammar.py);
     # protocol/grammar.py checks them here.
     json_schema: str | None = None
     regex: str | None = None
@@ -119,7 +119,7 @@ class SamplingParams:
     # SGLang's grammar after reasoning (set by the chat route under --reasoning-parser):
     # [start id or -1, end id, 1 if the answer starts inside]: the grammar waits while the
     # answer is inside a thinking section (start_id as its first token opens one, end_id
-    # closes it); runner/grammar.py ThinkingGate.
+    # closes it); runner/sampling/grammar.py ThinkingGate.
     reasoning_gate: list[int] | None = None
 
     def __post_init__(self) -> None:

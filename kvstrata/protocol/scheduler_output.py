@@ -10,7 +10,7 @@ Per step the scheduler sends a SchedulerOutput:
                     request's req_to_token row first.
   freed_rids  -- finished / aborted / retracted requests: the runner drops their state.
   ops         -- everything else, one ordered list of typed ops (Op), each handed to the
-                 executor of its type (runner/op_executor.py).
+                 executor of its type (runner/executors/base.py).
 The runner answers with a RunnerOutput holding one sampled token per entry whose
 `sample` flag was set (in batch order; a verify entry, `num_draft` > 0, gives 1 ..
 num_draft + 1 consecutive tokens), and one list of typed events (Event) from the executors.
@@ -91,8 +91,8 @@ class ScheduledRequest(msgspec.Struct):
     sample: bool
     # Speculative verify: the last `num_draft` token_ids are draft tokens. The runner
     # returns the longest prefix of them the target accepts plus one token of its own, as
-    # consecutive RunnerOutput entries of this rid (runner/spec_verify.py). Drafts given
-    # as RUNNER_DRAFT are proposed by the runner's draft model (runner/draft_model.py).
+    # consecutive RunnerOutput entries of this rid (runner/spec/verify.py). Drafts given
+    # as RUNNER_DRAFT are proposed by the runner's draft model (runner/spec/standalone.py).
     num_draft: int = 0
     # A tree of drafts (TreeDraft.parents): each draft token's parent in the entry (0: the
     # last token). None: a chain. The runner attends each draft to its ancestors only, at

@@ -18,28 +18,27 @@ from kvstrata.config.model_source import load_generation_eos
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
-from kvstrata.platform import detected_platform
 from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.platform import detected_platform
+from kvstrata.protocol.disagg import BackupOp
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
+from kvstrata.runner.attention.dsa_seed import DSASeedKeeper
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.draft_model import DraftModel
-from kvstrata.runner.dsa import DSASeedKeeper
-from kvstrata.runner.drafts import build_draft
-from kvstrata.runner.model_setup import load_serving_model
+from kvstrata.runner.executors.base import split_ops
+from kvstrata.runner.executors.hicache import HiCacheExecutor
+from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor, on_demand_backup
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
-from kvstrata.runner.grammar import new_failures
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
-from kvstrata.runner.hicache_executor import HiCacheExecutor
-from kvstrata.runner.op_executor import split_ops
-from kvstrata.protocol.disagg import BackupOp
-from kvstrata.runner.quantization import weight_bytes
-from kvstrata.runner.retraction_backup import RetractionBackupExecutor, on_demand_backup
-from kvstrata.runner.sampler import Sampler, SamplingState, finite_logprobs, top_rows
-from kvstrata.runner.spec_handoff import prefill_draft_extend
-from kvstrata.runner import spec_verify
-
+from kvstrata.runner.model_setup import load_serving_model
+from kvstrata.runner.quant.w8a8 import weight_bytes
+from kvstrata.runner.sampling.grammar import new_failures
+from kvstrata.runner.sampling.sampler import Sampler, SamplingState, finite_logprobs, top_rows
+from kvstrata.runner.spec import verify as spec_verify
+from kvstrata.runner.spec.drafts import build_draft
+from kvstrata.runner.spec.handoff import prefill_draft_extend
+from kvstrata.runner.spec.standalone import DraftModel
 logger = logging.getLogger(__name__)
 
 
@@ -72,7 +71,7 @@ class ModelRunner:
         # DSA models: which top-k domain the indexer feeds attention (resolved
         # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
         self.dsa_fused_topk = dsa_fused_topk
-        # PD seed of a DSA model (runner/dsa.py); the remap follows the resolved
+        # PD seed of a DSA model (runner/attention/dsa_seed.py); the remap follows the resolved
         # dsa_remap_pd_seed_to_local_slots gate.
         self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
                           if self.model.pool_kind == "mla" else None)
@@ -97,7 +96,7 @@ class ModelRunner:
         self.disagg = None  # DisaggExecutor once enable_disagg() ran (PD prefill/decode)
         # --speculative-accept-threshold-single / -acc (sampled verify rows only)
         self.spec_accept_thresholds = (1.0, 1.0)
-        self.grammar = None  # structured output's GrammarBackend (runner/grammar.py)
+        self.grammar = None  # structured output's GrammarBackend (runner/sampling/grammar.py)
 
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
@@ -180,7 +179,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The step's ops go to their executors (runner/op_executor.py) in executor order:
+        """The step's ops go to their executors (runner/executors/base.py) in executor order:
         retraction backups first (a backed-up request's device pages may be handed to
         another request -- a PD receive, this forward -- in the same step), then tier moves
         (loads this forward reads, write-backs of pages it may overwrite), then PD ops; then
@@ -206,7 +205,8 @@ class ModelRunner:
         prefill role starts its bootstrap server on host:bootstrap_port (tp rank 0)."""
         if self.plan is None:
             raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
-        from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
+        from kvstrata.kv.device_pool import page_buffers_of
+        from kvstrata.runner.executors.disagg import DisaggExecutor
         from kvstrata.transfer.disagg.registry import create_manager
         self.pd_role = role
         buffers = page_buffers_of(self.kv_pool) + (self.draft.page_buffers()

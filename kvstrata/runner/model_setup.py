@@ -1,6 +1,6 @@
 """Loading a checkpoint for serving: weights, then --quantization (or, for float32 on a CPU
 with oneDNN, the packed linear layers). Shared by the target model (runner/model_runner.py)
-and a STANDALONE draft model (runner/draft_model.py)."""
+and a STANDALONE draft model (runner/spec/standalone.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,10 +9,10 @@ import torch
 
 from kvstrata import envs
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
-from kvstrata.runner import packed_linear
+from kvstrata.runner.cpu import packed_linear
 from kvstrata.runner.models.loader import load_model
-from kvstrata.runner.quantization import quantize_model
-from kvstrata.runner.smoothing import calibration_token_ids
+from kvstrata.runner.quant.smoothing import calibration_token_ids
+from kvstrata.runner.quant.w8a8 import quantize_model
 
 
 def load_serving_model(model_path: str, dtype: str, device: torch.device,

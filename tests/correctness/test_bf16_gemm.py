@@ -1,4 +1,4 @@
-"""kvstrata's bf16 GEMM (runner/csrc/bf16_gemm.c, through runner/packed_linear.py) against
+"""kvstrata's bf16 GEMM (runner/cpu/csrc/bf16_gemm.c, through runner/cpu/packed_linear.py) against
 float64 arithmetic on the same bf16 values and against oneDNN's prepacked bf16 linear (F.linear
 on a CPU where oneDNN has no bf16 kernels). Its AVX512-BF16 body runs where the CPU has it, the
 AVX2 + FMA body (bf16_gemm_avx2.h) on AVX2-only CPUs; the AVX2 body is also tested on an
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.runner import _bf16_ops, cpu_ops, packed_linear
-from kvstrata.runner.packed_linear import PackedLinear
+from kvstrata.runner.cpu import _bf16_ops, fused_ops as cpu_ops, packed_linear
+from kvstrata.runner.cpu.packed_linear import PackedLinear
 
 # AVX512-BF16 (oneDNN has bf16 kernels there too; on emulated AVX-512, test_emulated_avx512.py,
 # it has not: "onednn" layers keep F.linear, which these tests accept as well)

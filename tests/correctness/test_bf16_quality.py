@@ -14,7 +14,7 @@ guards against the same SmolLM2 weights in float32 (issue: CPU speed per ISA, it
   within 0.3% -- break either way.)
 
 Runs on every machine: without bf16 instructions the bf16 GEMMs run kvstrata's AVX2 body
-(runner/csrc/bf16_gemm_avx2.h; torch's emulation where there is no AVX2), the same arithmetic
+(runner/cpu/csrc/bf16_gemm_avx2.h; torch's emulation where there is no AVX2), the same arithmetic
 up to summation order, so the guard holds wherever a user may force --dtype bfloat16.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--dtype auto's start-up measurement (runner/dtype_probe.py) where the dtype table has no row
+"""--dtype auto's start-up measurement (runner/cpu/dtype_probe.py) where the dtype table has no row
 for the CPU: the model's linears timed in both dtypes, the verdict cached per machine and
 handed to resolution. The timing itself is replaced where a test needs a given verdict (a
 2-vCPU box's speed is not under test); measure() runs for real on tiny shapes."""
@@ -11,8 +11,7 @@ import pytest
 
 from kvstrata.config import ModelInfo, ServerArgs
 from kvstrata.platform import Platform
-from kvstrata.runner import dtype_probe
-
+from kvstrata.runner.cpu import dtype_probe
 NO_ROW_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw")  # AVX-512, no bf16 ones
 ENV = {"KVSTRATA_CPU_DTYPE_PROBE": "auto"}
 

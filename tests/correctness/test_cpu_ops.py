@@ -1,4 +1,4 @@
-"""Fused CPU element-wise ops (runner/cpu_ops.py) against the torch op sequences they replace:
+"""Fused CPU element-wise ops (runner/cpu/fused_ops.py) against the torch op sequences they replace:
 HF's bf16 RMSNorm (upcast, normalise, downcast, times the weight), the residual add fused
 with it, silu(gate) * up and HF's rotary embedding, on every instruction set this CPU has,
 strided rows included; the decoder with them on vs off."""
@@ -8,9 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.runner import cpu_ops
-
-
+from kvstrata.runner.cpu import fused_ops as cpu_ops
 def hf_rms_norm(x, w, eps):
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -210,8 +208,7 @@ def test_a_forward_reads_the_cpu_settings_once(monkeypatch):
     wraps its forward in cpu_ops.fixed_settings), not by each fused op or attention call;
     outside a forward every call reads them again."""
     from kvstrata import envs
-    from kvstrata.runner.attention import paged_decode
-
+    from kvstrata.runner.cpu import isa
     reads = []
 
     class Counted:
@@ -231,9 +228,9 @@ def test_a_forward_reads_the_cpu_settings_once(monkeypatch):
         for _ in range(5):
             x = cpu_ops.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-6)
             cpu_ops.silu_mul(torch.randn(4, 128))
-        return paged_decode.isa_cap(), cpu_ops.enabled()
+        return isa.isa_cap(), cpu_ops.enabled()
 
-    assert forward() == (paged_decode.ISA_CAPS["auto"], True) and len(reads) == 2
-    assert paged_decode.pinned_isa_cap is None and cpu_ops._pinned_enabled is None
+    assert forward() == (isa.ISA_CAPS["auto"], True) and len(reads) == 2
+    assert isa._pinned_cap is None and cpu_ops._pinned_enabled is None
     monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", "0")
     assert cpu_ops.silu_mul(torch.randn(4, 8)) is None and len(reads) == 3

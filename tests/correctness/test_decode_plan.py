@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-from kvstrata.runner import f32_gemv
+from kvstrata.runner.cpu import f32_gemv
+from kvstrata.runner.cpu.packed_linear import PackedLinear
 from kvstrata.runner.models import decode_plan
-from kvstrata.runner.packed_linear import PackedLinear
 
 PARAMS = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -125,9 +125,9 @@ def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypa
     kvstrata's int8 GEMM are C calls with bound pointers."""
     import torch.nn.functional as F
 
-    from kvstrata.runner.packed_linear import packed_linear
-    from kvstrata.runner.int8_linear import Int8MatmulLinear
-    from kvstrata.runner.quantization import W8A8Int8Linear, quantized_linear
+    from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+    from kvstrata.runner.cpu.packed_linear import packed_linear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear, quantized_linear
     w = torch.randn(64, 32)
     lin = PackedLinear(w, None, gemv=True)
     model = _model(packed_linear)

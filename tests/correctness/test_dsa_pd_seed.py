@@ -16,10 +16,10 @@ from helpers.runner import make_runner
 from kvstrata.config.resolve import resolve
 from kvstrata.config.resolve_types import ModelInfo
 from kvstrata.config.server_args import ServerArgs
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.platform import simulated
 from kvstrata.protocol import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from kvstrata.protocol.disagg import (PDMetadata, dsa_seed_extras, dsa_seed_from_extras)
-from kvstrata.runner.disagg_executor import page_buffers_of
 from tests.conftest import DSA_INDEX_TOPK
 
 P = 4

@@ -4,7 +4,7 @@ The kernel tests pick each body by `KVSTRATA_CPU_ISA` and the CPU's flags, so on
 machine their AVX-512 cases ran the AVX2 bodies and an edit to shared code (an epilogue, a
 panel layout) could break the AVX-512 ones unseen until an AVX-512 day. Here the same test
 files run again in a child pytest on the kernels built with those instructions emulated
-(tests/helpers/emulated_isa.py, runner/csrc/isa_emulation.h), once for each CPU generation
+(tests/helpers/emulated_isa.py, runner/cpu/csrc/isa_emulation.h), once for each CPU generation
 whose dispatch differs: AVX-512 with BF16 and VNNI (all of them), with AMX too (the AMX
 bodies' items on tiles in memory), with VNNI but no BF16 and with neither (the files those
 change). On CPUs with AVX-512 F / VNNI / BF16 the ordinary run covers those bodies and this
@@ -76,7 +76,7 @@ def test_emulated_cpu_takes_its_bodies(cpu):
     those, not the AVX2 ones again)."""
     code = ("import os, sys; sys.path.insert(0, 'tests'); from helpers import emulated_isa; "
             "emulated_isa.install(os.environ['KVSTRATA_EMULATED_ISA_DIR']); "
-            "from kvstrata.runner import _bf16_ops, _int8_ops; "
+            "from kvstrata.runner.cpu import _bf16_ops, _int8_ops; "
             "from kvstrata.runner.attention import paged_decode; "
             "print(_bf16_ops.has_bf16_512(2), _bf16_ops.kernel_isa(3), _int8_ops.kernel_isa(3), "
             "paged_decode._paged_decode.__file__.startswith(os.environ["

@@ -1,4 +1,4 @@
-"""kvstrata's fp32 GEMV (runner/f32_gemv.py, csrc/f32_gemv.h) against torch's F.linear on the
+"""kvstrata's fp32 GEMV (runner/cpu/f32_gemv.py, csrc/f32_gemv.h) against torch's F.linear on the
 same values: 0-8 rows (a panel pass takes 4), strided rows, with and without a bias, the scalar reference and the
 AVX2 code; the layouts, the rule that decides whether a model keeps the copies, and the
 dispatch inside packed_linear (1-16 rows take the GEMV on an AVX2-only CPU, 1-8 with AVX-512,
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.platform import read_cpu_flags
-from kvstrata.runner import _bf16_ops, _cpu_ops, f32_gemv
-from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+from kvstrata.runner.cpu import _bf16_ops, _cpu_ops, f32_gemv
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
 
 HAS_AVX2 = {"avx2", "fma", "f16c"} <= read_cpu_flags()
 

@@ -1,4 +1,4 @@
-"""Rows a GEMM call prefetches while it multiplies (runner/csrc/gemm_panels.h side_rows, set by
+"""Rows a GEMM call prefetches while it multiplies (runner/cpu/csrc/gemm_panels.h side_rows, set by
 _bf16_ops / _int8_ops.prefetch_rows_next): the next call on the same thread takes them,
 whatever its body, and its output is the same bits as without them; the decode plan asks the
 gate|up GEMM of layer i (bf16 or w8a8) for layer i + 1's K and V rows of the step's
@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from kvstrata.runner import _bf16_ops, _int8_ops, packed_linear
-from kvstrata.runner.attention.paged_decode import isa_cap
-from kvstrata.runner.int8_linear import Int8MatmulLinear
-from kvstrata.runner.packed_linear import PackedLinear
+from kvstrata.runner.cpu import _bf16_ops, _int8_ops, packed_linear
+from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+from kvstrata.runner.cpu.isa import isa_cap
+from kvstrata.runner.cpu.packed_linear import PackedLinear
 
 OWN = _bf16_ops.kernel_isa(2) > 0
 

@@ -1,4 +1,4 @@
-"""kvstrata's int8 GEMM on AMX-INT8 tiles (runner/csrc/int8_gemm_amx.h): the items on tiles
+"""kvstrata's int8 GEMM on AMX-INT8 tiles (runner/cpu/csrc/int8_gemm_amx.h): the items on tiles
 emulated in memory on any CPU, the opt-in choice (KVSTRATA_CPU_INT8_GEMM=amx), and on an
 AMX-INT8 CPU the tiles themselves against the VNNI tile, bit for bit."""
 from __future__ import annotations
@@ -9,9 +9,7 @@ import torch
 from helpers.int8_layers import int8_isa_now as _int8_ops_isa_now
 from helpers.int8_layers import layer as _layer
 from helpers.int8_layers import own_gemm
-from kvstrata.runner import int8_linear
-
-
+from kvstrata.runner.cpu import int8_linear
 @own_gemm
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n,bias", [(576, 960, True), (1536, 576, False), (64, 80, True),
@@ -22,7 +20,7 @@ def test_amx_int8_tiles_emulated_equal_the_scalar_tile(dtype, k, n, bias, monkey
     last one-block panel (n = 80); the scalar epilogue per 4 rows, and where the VNNI tile
     runs (or is emulated: test_emulated_avx512.py) the tiles' own, row_out_vnni. tdpbusd's
     int32 sums are vpdpbusd's, so every row, silu(gate) * up included, equals that tile's."""
-    from kvstrata.runner import _int8_ops
+    from kvstrata.runner.cpu import _int8_ops
     torch.manual_seed(k + n)
     weight, b = torch.randn(n, k), torch.randn(n) if bias else None
     layer = _layer(weight, b, "auto", monkeypatch)

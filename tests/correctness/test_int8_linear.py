@@ -1,4 +1,4 @@
-"""The VNNI int8 layer of --quantization w8a8_int8 (runner/int8_linear.py) against int8
+"""The VNNI int8 layer of --quantization w8a8_int8 (runner/cpu/int8_linear.py) against int8
 arithmetic done by hand in torch: per-channel weight codes, per-token activation codes,
 y = (codes_x @ codes_w.T) * w_scale * x_scale + bias, in the input's dtype.
 
@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-from kvstrata.runner import int8_linear
-from kvstrata.runner.int8_linear import Int8MatmulLinear
-from kvstrata.runner.quantization import cpu_has_vnni, int8_kernel
+from kvstrata.runner.cpu import int8_linear
+from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+from kvstrata.runner.quant.w8a8 import cpu_has_vnni, int8_kernel
 
 from helpers.int8_layers import layer as _layer
 from helpers.int8_layers import own_gemm
@@ -102,7 +102,7 @@ def test_shapes_views_and_extremes():
 
 
 def test_the_env_switches_back_to_fbgemm(monkeypatch):
-    from kvstrata.runner.quantization import W8A8Int8Linear, avx2_or_fbgemm
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear, avx2_or_fbgemm
 
     assert int8_kernel()[0] is (Int8MatmulLinear if ONEDNN else avx2_or_fbgemm)
     if not ONEDNN:  # without VNNI a shape the AVX2 tile does not take stays fbgemm's
@@ -121,8 +121,7 @@ def test_the_env_switches_back_to_fbgemm(monkeypatch):
 def test_fused_silu_mul_equals_the_two_steps(dtype, inter, bias, isa, monkeypatch):
     """linear_silu_mul = this layer, then cpu_ops.silu_mul: bit for bit, on every ISA path
     (widths that are and are not multiples of 16), with a gate|up bias or without."""
-    from kvstrata.runner import cpu_ops
-
+    from kvstrata.runner.cpu import fused_ops as cpu_ops
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     torch.manual_seed(inter)
     layer = Int8MatmulLinear(torch.randn(2 * inter, 96), torch.randn(2 * inter) if bias else None)
@@ -146,8 +145,8 @@ def test_dequant_silu_mul_takes_the_silu_path_cpu_ops_takes(dtype, n, bias, isa,
     CPUs) against dequant_rows then cpu_ops.silu_mul, on any CPU: a width of 8 but not 16
     lanes runs cpu_ops' 8-lane silu, and the fused pass must too (an AMX box found its scalar
     silu off by ulps at inter = 40)."""
-    from kvstrata.runner import _int8_ops, cpu_ops
-    from kvstrata.runner.attention.paged_decode import isa_cap
+    from kvstrata.runner.cpu import _int8_ops, fused_ops as cpu_ops
+    from kvstrata.runner.cpu.isa import isa_cap
 
     monkeypatch.setenv("KVSTRATA_CPU_ISA", isa)
     torch.manual_seed(n)
@@ -271,7 +270,7 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     assert layer.linear_silu_mul(torch.zeros(0, 256)).shape == (0, 16)
     assert not _layer(torch.randn(20, 64), None, "auto", monkeypatch).own  # 20 % 16: oneDNN
     assert not _layer(torch.randn(16, 30), None, "auto", monkeypatch).own  # 30 % 4: oneDNN
-    from kvstrata.runner import _int8_ops
+    from kvstrata.runner.cpu import _int8_ops
     with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given
         _int8_ops.linear(0, 6, 1, 6, 0, 0, 16, 0, 0, 0, 0, 0, 1, 2)
     # An AMX-INT8 CPU takes kvstrata's too (faster than oneDNN's AMX tiles up to 128 rows
@@ -305,7 +304,7 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
     each side equals a layer of that one kernel bit for bit. Without a VNNI flag, or with
     auto / own, one layout."""
     from kvstrata.runner.models import decode_plan
-    from kvstrata.runner.quantization import quantized_linear
+    from kvstrata.runner.quant.w8a8 import quantized_linear
     flags = int8_linear.read_cpu_flags()
     monkeypatch.setattr(int8_linear, "read_cpu_flags", lambda: flags | {"avx512_vnni"})
     torch.manual_seed(6)

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked float32 / bf16 linear layers (runner/packed_linear.py): equal to F.linear
+"""oneDNN-prepacked float32 / bf16 linear layers (runner/cpu/packed_linear.py): equal to F.linear
 up to float rounding, on by default for the float32 (and, where oneDNN has bf16 kernels, bf16)
 llama-family decoder on CPU, off with KVSTRATA_CPU_PACKED_LINEAR=0, and the same greedy tokens
 either way."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.runner import _bf16_ops, f32_gemv
-from kvstrata.runner.packed_linear import PackedLinear, packed_linear
+from kvstrata.runner.cpu import _bf16_ops, f32_gemv
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
@@ -45,8 +45,8 @@ def test_runner_packs_bf16_where_a_bf16_gemm_runs(tiny_checkpoints):
     """bf16 layers are packed where oneDNN has bf16 kernels or kvstrata's GEMM runs (its
     AVX2 body on an AVX2-only CPU); the output head's kernel is reported."""
     from kvstrata import LLM
-    from kvstrata.runner import _bf16_ops
-    from kvstrata.runner import packed_linear as module
+    from kvstrata.runner.cpu import _bf16_ops
+    from kvstrata.runner.cpu import packed_linear as module
     onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
              dtype="bfloat16", max_total_tokens=1024) as llm:
@@ -109,7 +109,7 @@ def test_split_layouts_serve_prefill_on_onednn_and_decode_on_ours(tiny_checkpoin
     bf16 rounding of another accumulation order. Where oneDNN has no bf16 kernels (AVX2) its
     two ops are stood in for by F.linear over the plain weight."""
     from kvstrata import LLM
-    from kvstrata.runner import packed_linear as module
+    from kvstrata.runner.cpu import packed_linear as module
     onednn_rows = []
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         monkeypatch.setattr(module, "_onednn_bf16", lambda: True)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvstrata import LLM
-from kvstrata.engine.scheduler import OOM_LAST_REQUEST_MESSAGE
+from kvstrata.engine.scheduler.core import OOM_LAST_REQUEST_MESSAGE
 
 LOGPROB_TOL = 1e-4
 VOCAB = 300  # tests/conftest.py TINY_VOCAB

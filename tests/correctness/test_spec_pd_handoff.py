@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers.runner import make_runner
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from kvstrata.protocol.disagg import PDOp
 from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
-from kvstrata.runner.disagg_executor import page_buffers_of
 from tests.conftest import DSA_INDEX_TOPK
 from tests.correctness.test_dsa_pd_seed import P, _gate, _slots
 

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from kvstrata import LLM
-from kvstrata.engine.sides import spec_side
+from kvstrata.engine.sides.registry import spec_side
 
 LOGPROB_TOL = 1e-4
 VOCAB = 300  # tests/conftest.py TINY_VOCAB

@@ -159,7 +159,7 @@ def test_tree_drafts_equal_plain(eagle, plain, monkeypatch, target, head, page_s
     """topk 3 over 3 steps, 7 drafts a tree: the head's tree steps attend through explicit
     key slots (the paged decode kernel, or the padded SDPA path), accepted paths leave the
     first branch (their KV and features move), output equals plain greedy."""
-    from kvstrata.runner import spec_verify
+    from kvstrata.runner.spec import verify as spec_verify
     monkeypatch.setenv("KVSTRATA_CPU_PAGED_DECODE", kernel)
     moved = []
     real = spec_verify.move_accepted_kv
@@ -196,9 +196,9 @@ def test_a_tree_holds_the_chain(eagle):
     candidate kept, the chain's drafts are a path of the tree, and every fed node's best
     continuation recomputed as a chain through its branch is among its children. Two
     requests are built in one step, so a node fed another request's state shows."""
-    from kvstrata.runner.draft_tree import build_trees
     from kvstrata.runner.forward_batch import ForwardBatch
     from kvstrata.runner.model_runner import ModelRunner
+    from kvstrata.runner.spec.tree import build_trees
 
     runner = ModelRunner(eagle["llama"], dtype="float32", device="cpu",
                          draft_model_path=eagle["random_head"], draft_algorithm="EAGLE",
@@ -250,7 +250,7 @@ def test_token_map_limits_drafts_to_hot_tokens(eagle, plain, monkeypatch, tmp_pa
     """FR-Spec (--speculative-token-map): the head scores only the mapped tokens. With the
     tokens of the answers mapped, the copy head still passes its drafts; every draft is a
     mapped token; output equals plain greedy."""
-    from kvstrata.runner import spec_verify
+    from kvstrata.runner.spec import verify as spec_verify
     prompts = repeating_prompts()
     params = greedy(40)
     ref = plain("copy_target", prompts, params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvstrata import LLM
-from kvstrata.engine.sides import spec_side
+from kvstrata.engine.sides.registry import spec_side
 from tests.correctness.test_speculative import (
     abort_while_running, assert_same, assert_same_distribution, assert_stops_cut_exactly,
     drained, greedy, repeating_prompts, sample_both, stop_cases)
@@ -136,7 +136,7 @@ def test_sampling_distribution_matches_plain(tiny_checkpoints):
 def test_long_catch_up_runs_in_chunks(tiny_checkpoints, plain, monkeypatch):
     """The draft rebuilds a first prompt CATCH_UP_CHUNK tokens a forward (5 here): the
     drafts still pass and the output is plain greedy's."""
-    from kvstrata.runner import draft_model
+    from kvstrata.runner.spec import standalone as draft_model
     monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 5)
     prompts = repeating_prompts()
     params = greedy(24)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.runner import spec_verify
+from kvstrata.runner.spec import verify as spec_verify
 from tests.correctness.test_speculative import (  # noqa: F401 - plain_refs is a fixture
     assert_same, assert_same_distribution, drained, greedy, make_llm, plain_refs,
     repeating_prompts, sample_both)

@@ -72,7 +72,6 @@ def test_page_geometry_errors_before_the_model_loads(tiny_checkpoints, monkeypat
                                                      match):
     from kvstrata import LLM
     from kvstrata.runner import model_runner
-
     def must_not_load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
 

@@ -126,7 +126,7 @@ def test_tp_deepseek_v32_ranks_equal_one_rank(tiny_dsa_4_heads, ranked):
 
 
 def test_tp_sizes_that_do_not_divide_are_refused_by_name():
-    from kvstrata.runner.models.decoder import ModelDims
+    from kvstrata.config.hf_config import ModelDims
     from kvstrata.runner.parallel.tensor_parallel import TPShard
 
     d = ModelDims(hidden_size=64, intermediate_size=88, num_layers=1, num_heads=4,

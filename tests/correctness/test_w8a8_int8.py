@@ -3,7 +3,7 @@
 Rules, and what was measured when they were set (torch 2.13, fbgemm, AVX512-VNNI):
 - SmolLM2-135M (Q4_1 GGUF, dequantised, then int8): perplexity of the first 1100 tokens of
   docs/architecture.md, from the engine's prompt logprobs, within 3% of float32's.
-  Measured 104.9 -> 106.8 (+1.8%); without SmoothQuant (runner/smoothing.py) it was +4.4%.
+  Measured 104.9 -> 106.8 (+1.8%); without SmoothQuant (runner/quant/smoothing.py) it was +4.4%.
 - The capital question (greedy, 32 tokens): float32 answers "Paris"; int8 answers the same or
   first differs where float32 is at a near-tie (its first token is one: top three within
   0.38 nats).
@@ -69,7 +69,7 @@ def test_int8_linear_is_per_token_and_batch_independent(levels):
     """The fbgemm call equals int8 arithmetic done by hand (symmetric per-channel weights,
     symmetric per-token activations), and a row's result does not change when a row with
     100x larger values joins its batch."""
-    from kvstrata.runner.quantization import W8A8Int8Linear, cpu_has_vnni, quantized_linear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear, cpu_has_vnni, quantized_linear
 
     if levels == 127 and not (cpu_has_vnni() and LIBRARY_VNNI):
         # Without VNNI fbgemm's u8*s8 pairs saturate int16 at 8 bits: the layer never picks
@@ -99,7 +99,7 @@ def _tiny_runner(path: str, quantization: str | None):
 
 
 def test_tiny_greedy_tokens_match_float32(calm_tiny_llama):
-    from kvstrata.runner.quantization import cpu_has_vnni
+    from kvstrata.runner.quant.w8a8 import cpu_has_vnni
 
     if cpu_has_vnni() and not LIBRARY_VNNI:  # its layers (intermediate 88) are oneDNN's
         pytest.skip("emulated VNNI: the tiny model's int8 layers run oneDNN's AVX2 code")
@@ -123,7 +123,7 @@ def test_tiny_greedy_tokens_match_float32(calm_tiny_llama):
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, monkeypatch):
     """Exact in float: qwen2's q/k/v biases, qwen3's q/k norms and untied heads included."""
-    from kvstrata.runner.smoothing import smooth_model
+    from kvstrata.runner.quant.smoothing import smooth_model
 
     # Smoothing rewrites plain float weights (as --quantization does, before packing them).
     monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", "0")
@@ -143,13 +143,13 @@ def test_smoothing_alone_keeps_the_logits(arch, tiny_checkpoints, tiny_prompts, 
 
 def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     from kvstrata import LLM
-    from kvstrata.runner.quantization import int8_kernel
+    from kvstrata.runner.quant.w8a8 import int8_kernel
 
     # oneDNN's int8 linear or kvstrata's GEMM with VNNI; without, kvstrata's AVX2 tile where a
     # weight fits it (a per-weight choice, fbgemm's layer for the rest); else fbgemm
     layer_cls, kernel = int8_kernel()
     if not isinstance(layer_cls, type):
-        from kvstrata.runner.quantization import Int8MatmulLinear, W8A8Int8Linear
+        from kvstrata.runner.quant.w8a8 import Int8MatmulLinear, W8A8Int8Linear
         layer_cls = (Int8MatmulLinear, W8A8Int8Linear)
 
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024,
@@ -163,8 +163,8 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
     assert q["kernel"] == kernel
     # 8 bits with VNNI; without, kvstrata's AVX2 tile takes the layers (8 bits) but not the
     # 300-row output head (300 % 16), which stays fbgemm's (7 bits): reported as 7
-    from kvstrata.runner import int8_linear
-    from kvstrata.runner.quantization import W8A8Int8Linear, cpu_has_vnni
+    from kvstrata.runner.cpu import int8_linear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear, cpu_has_vnni
     assert q["activation_bits"] == (8 if cpu_has_vnni() else 7)
     if not cpu_has_vnni() and int8_linear.avx2_gemm_available():
         assert type(model.lm_head) is W8A8Int8Linear
@@ -177,10 +177,10 @@ def test_server_info_says_what_ran_and_weights_shrink(calm_tiny_llama):
                for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"))
     assert isinstance(model.lm_head, layer_cls)
     assert model.embed.dtype == torch.float32 and len(out["output_ids"]) == 4
-    from kvstrata.runner import packed_linear
+    from kvstrata.runner.cpu import packed_linear
     with LLM(model_path=calm_tiny_llama, skip_tokenizer_init=True, max_total_tokens=1024) as llm:
         info = llm.server_info()
-        # Without --quantization: float32 weights, prepacked for oneDNN (runner/packed_linear.py)
+        # Without --quantization: float32 weights, prepacked for oneDNN (runner/cpu/packed_linear.py)
         assert llm.engine.runner.model.linear is packed_linear.packed_linear
     assert info["quantization"] is None
     assert info["quantization_info"]["quantization"] is None
@@ -210,7 +210,7 @@ def test_smollm2_perplexity_and_paris(smollm2_gguf_path, shared_tmp_dir):
     print(f"w8a8 in {dtype} (auto's choice here): perplexity {int8['ppl']:.2f} against "
           f"float32's {fp32['ppl']:.2f}")
     assert fp32["n"] == int8["n"] >= 1024
-    from kvstrata.runner.quantization import cpu_has_vnni
+    from kvstrata.runner.quant.w8a8 import cpu_has_vnni
     ratio = int8["ppl"] / fp32["ppl"]
     bits = int8["info"]["quantization_info"]["activation_bits"]
     bound = (PPL_MAX_RATIO if cpu_has_vnni() else PPL_MAX_RATIO_AVX2 if bits == 8

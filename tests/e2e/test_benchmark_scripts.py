@@ -209,7 +209,7 @@ def test_bench_int8_linear_rows(tmp_path):
     assert {(r["kernel"], r["k"], r["n"], r["rows"]) for r in rows} == {
         (kern, k, n, m) for kern in ("kvstrata", "kvstrata_fbgemm", "fbgemm_dyn", "torchao")
         for k, n in ((576, 1536), (1536, 576)) for m in (1, 3)}
-    from kvstrata.runner.quantization import cpu_has_vnni
+    from kvstrata.runner.quant.w8a8 import cpu_has_vnni
     for r in rows:
         if r["kernel"] == "torchao":
             assert r["skipped"]
@@ -226,8 +226,8 @@ def test_bench_gemm_rows(tmp_path, kind, tiny_model_path):
     """Both GEMMs of a kind per row count, the same values (the script checks it), or a clear
     line on a CPU without the instructions ours needs; --head: the output head's shape;
     --model: whole decode steps and prefills of two engines."""
-    from kvstrata.runner.int8_linear import own_gemm_fits
-    from kvstrata.runner.packed_linear import own_bf16_fits
+    from kvstrata.runner.cpu.int8_linear import own_gemm_fits
+    from kvstrata.runner.cpu.packed_linear import own_bf16_fits
     out = tmp_path / "gemm.json"
     _run("bench_gemm.py", "--kind", kind, "--rows", "1", "5", "--copies", "1", "--rounds", "1",
          "--out", str(out), "--model", tiny_model_path, "--batches", "1", "3", "--tokens", "3",
@@ -343,7 +343,7 @@ def test_ab_fused_ops_runs_both_variants(tiny_model_path, capsys):
     try:
         import ab_fused_ops
         import torch
-        from kvstrata.runner import cpu_ops
+        from kvstrata.runner.cpu import fused_ops as cpu_ops
         from kvstrata.runner.models import decode_plan
         x = torch.randn(2, 64, dtype=torch.bfloat16)
         cos = torch.ones(2, 1, 32, dtype=torch.bfloat16)

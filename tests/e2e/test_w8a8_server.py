@@ -8,7 +8,7 @@ from tests.e2e.server_utils import ServerProcess
 
 
 def test_w8a8_server_reports_the_kernel_and_serves(tiny_model_path):
-    from kvstrata.runner.quantization import int8_kernel
+    from kvstrata.runner.quant.w8a8 import int8_kernel
 
     srv = ServerProcess(tiny_model_path, "--quantization", "w8a8_int8",
                         "--max-total-tokens", "2048")

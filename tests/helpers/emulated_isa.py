@@ -4,7 +4,7 @@ DQ, VL, VNNI, BF16; AMX-BF16 / AMX-INT8), for the tests on machines without them
 Our machines alternate between AVX2-only and AVX-512 BF16 CPUs, and the kernels pick their
 body at run time, so an AVX2 day's suite never ran the AVX-512 or AMX bodies (an edit to a
 shared epilogue could break them unseen). `build()` compiles the four kernel extensions again
-with KVSTRATA_EMULATE_AVX512 defined (runner/csrc/isa_emulation.h: SIMDe's portable AVX-512 on
+with KVSTRATA_EMULATE_AVX512 defined (runner/cpu/csrc/isa_emulation.h: SIMDe's portable AVX-512 on
 top of AVX2, `__builtin_cpu_supports` answering for the CPU that KVSTRATA_EMULATED_CPU_FLAGS
 names, one of CPUS below; AMX's tiles in memory), and `install()` puts them in `sys.modules`
 before kvstrata imports its own, and makes kvstrata.platform's /proc/cpuinfo flags name the
@@ -45,9 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # module -> its one C file; each file includes its headers from kvstrata/*/csrc/
 EXTENSIONS = {
-    "kvstrata.runner._cpu_ops": "kvstrata/runner/csrc/cpu_ops.c",
-    "kvstrata.runner._int8_ops": "kvstrata/runner/csrc/int8_ops.c",
-    "kvstrata.runner._bf16_ops": "kvstrata/runner/csrc/bf16_gemm.c",
+    "kvstrata.runner.cpu._cpu_ops": "kvstrata/runner/cpu/csrc/cpu_ops.c",
+    "kvstrata.runner.cpu._int8_ops": "kvstrata/runner/cpu/csrc/int8_ops.c",
+    "kvstrata.runner.cpu._bf16_ops": "kvstrata/runner/cpu/csrc/bf16_gemm.c",
     "kvstrata.runner.attention._paged_decode": "kvstrata/runner/attention/csrc/paged_decode.c",
 }
 # The extensions' own flags (setup.py) but -O1 (each file compiles in 1-4 s, not 10-40 s at

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.runner import int8_linear
-from kvstrata.runner.int8_linear import Int8MatmulLinear
+from kvstrata.runner.cpu import int8_linear
+from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
 
 
 def layer(weight, bias, gemm, monkeypatch) -> Int8MatmulLinear:
@@ -15,7 +15,7 @@ def layer(weight, bias, gemm, monkeypatch) -> Int8MatmulLinear:
 
 def int8_isa_now(cap: int) -> int:
     """What the int8 GEMM multiplies with under this ISA cap (3: AMX-INT8 where present)."""
-    from kvstrata.runner import _int8_ops
+    from kvstrata.runner.cpu import _int8_ops
     return _int8_ops.kernel_isa(cap)
 
 

@@ -1,4 +1,4 @@
-"""Decode retraction backups (runner/retraction_backup.py): backup -> garbage over the device
+"""Decode retraction backups (runner/executors/retraction_backup.py): backup -> garbage over the device
 pool -> restore into other pages is bit-exact, for cpu_tensor and for host_pool in every
 layout x IO pair the plan allows, page sizes 1 and 16, fp32 and bf16.
 
@@ -16,7 +16,7 @@ from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.protocol.disagg import BackupOp
-from kvstrata.runner.retraction_backup import RetractionBackupExecutor
+from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor
 
 L, H, D = 3, 2, 12
 DEVICE_PAGES, HOST_PAGES = 20, 16

@@ -11,7 +11,7 @@ import torch
 
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.device_pool import MHATokenToKVPool
-from kvstrata.runner.disagg_executor import page_buffers_of
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.transfer.disagg import tcp
 from kvstrata.transfer.disagg.registry import create_manager
 from tests.helpers.ports import free_port  # noqa: F401 (the transfer tests import it from here)

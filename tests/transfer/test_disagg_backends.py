@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
-from kvstrata.runner.disagg_executor import page_buffers_of
 
 from .conftest import BACKENDS, NUM_PAGES, wait_until
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol.disagg import FAKE_BOOTSTRAP_HOST, KVPoll, PDEvent, PDMetadata, PDOp
-from kvstrata.runner.disagg_executor import DisaggExecutor, page_buffers_of
+from kvstrata.runner.executors.disagg import DisaggExecutor
 from kvstrata.transfer.disagg.fake import FakeManager
 
 from .conftest import random_pool, wait_until

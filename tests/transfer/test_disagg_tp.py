@@ -10,8 +10,8 @@ import httpx
 import pytest
 import torch
 
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
-from kvstrata.runner.disagg_executor import page_buffers_of
 from kvstrata.transfer.disagg.registry import create_manager
 
 from .conftest import free_port, random_pool, wait_until

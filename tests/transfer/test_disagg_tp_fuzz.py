@@ -24,8 +24,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
-from kvstrata.runner.disagg_executor import page_buffers_of
 from kvstrata.transfer.disagg.rank_map import rank_route
 from kvstrata.transfer.disagg.registry import create_manager
 from kvstrata.transfer.disagg.rooms import is_final

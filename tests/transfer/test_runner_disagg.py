@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from kvstrata.config.kv_plan import KVPlan
+from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.protocol.disagg import KVPoll, PDMetadata, PDOp
 from kvstrata.protocol.sampling_params import SamplingParams
 from kvstrata.protocol.scheduler_output import (NewRequestData, ScheduledRequest,
                                                 SchedulerOutput)
-from kvstrata.runner.disagg_executor import page_buffers_of
 from kvstrata.runner.model_runner import ModelRunner
 
 from .conftest import free_port

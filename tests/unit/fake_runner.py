@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
 from kvstrata.protocol import (RunnerOutput, SchedulerOutput, StorageCancel, StorageProgress,
                                TransferDone, TransferOp, of_type)
+from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
 
 
 def next_token(tokens: list[int], vocab: int) -> int:
@@ -249,7 +249,7 @@ class FakeRunner:
     def _verify_tree(self, s, row: dict, ids: list, toks: list) -> None:
         """A tree verify entry: walk from the last token through the child holding the
         "model's" next token, then move the accepted nodes' KV to the committed positions
-        (as the runner does, runner/spec_verify.py)."""
+        (as the runner does, runner/spec/verify.py)."""
         seq = []
         for p in range(s.start_pos + 1):
             pos, tok = self.kv[row[p]]

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol import of_type
 from kvstrata.protocol.disagg import BackupOp, BootstrapAddr, KVPoll, PDEvent, PDOp
 from tests.unit.fake_runner import FakeRunner, copy_pages
-from kvstrata.engine.sides import pd_side
+from kvstrata.engine.sides.registry import pd_side
 
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 PEER_TIMEOUT_TICKS = 400  # a side whose peer never shows up fails (as real backends do)

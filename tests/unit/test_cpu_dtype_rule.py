@@ -107,7 +107,7 @@ def test_explicit_dtype_is_kept():
 
 
 def test_quantized_models_follow_the_int8_kernel():
-    """w8a8_int8 with VNNI quantises the model's own activations (runner/int8_linear.py):
+    """w8a8_int8 with VNNI quantises the model's own activations (runner/cpu/int8_linear.py):
     the bf16 rows apply. Without VNNI, or with that layer ablated, fbgemm takes fp32."""
     dtype, rule = dtype_of(AMX, quantization="w8a8_int8")
     assert dtype == "bfloat16" and "the CPU has amx_bf16" in rule.reason
@@ -144,7 +144,7 @@ def test_avx2_bf16_holds_up_to_its_measured_threads(threads, want):
             assert (f"the CPU has {AVX2_ROW} but runs {threads} threads (bf16 holds up to 2): "
                     "bf16 is measured at 1-2 threads only (--dtype bfloat16 takes it)"
                     ) in rule.reason, rule.reason
-            # unquantized, start-up measures it (runner/dtype_probe.py)
+            # unquantized, start-up measures it (runner/cpu/dtype_probe.py)
             assert ("not measured yet" in rule.reason) is (quantization is None)
             assert "KVSTRATA_CPU_BF16_GEMM" not in rule.reason
 
@@ -192,7 +192,7 @@ def test_read_cpu_flags(tmp_path):
 
 
 # Where the table has no row (the fallback, or above a row's threads) serve and LLM() time the
-# linears at start-up (runner/dtype_probe.py) and hand the verdict in as the platform's
+# linears at start-up (runner/cpu/dtype_probe.py) and hand the verdict in as the platform's
 # cpu_dtype_measured; these check which cases ask for it and that the rule takes it.
 MEASURED = ("bfloat16", "measured on this CPU at start-up: bf16 wins")
 

@@ -31,11 +31,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
-from kvstrata.engine.sides import spec_side
+from kvstrata.engine.sides.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
+from kvstrata.engine.sides.registry import spec_side
 from tests.unit.fake_runner import pattern_drafter, reference_tokens
 from tests.unit.pd_fake import PDPair
-from kvstrata.engine.sides import pd_side
+from kvstrata.engine.sides.registry import pd_side
 
 VOCAB = 211
 MAX_REQUESTS = 8

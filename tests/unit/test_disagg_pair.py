@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.engine.disagg_common import BOOTSTRAP_REQUIRED
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
+from kvstrata.engine.sides.disagg_common import BOOTSTRAP_REQUIRED
 from kvstrata.protocol import RunnerOutput, SamplingParams, of_type
 from kvstrata.protocol.disagg import BootstrapAddr, PDOp
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 from tests.unit.pd_fake import PDFakeRunner, PDPair
-from kvstrata.engine.sides import pd_side
+from kvstrata.engine.sides.registry import pd_side
 
 VOCAB = 1000
 

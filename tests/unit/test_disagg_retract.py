@@ -1,4 +1,4 @@
-"""Decode retraction with a KV backup (engine/disagg_retract.py) through the loopback PD pair
+"""Decode retraction with a KV backup (engine/sides/disagg_retract.py) through the loopback PD pair
 of tests/unit/pd_fake.py. The fake backup store copies the fake KV of the backed-up pages and
 wipes them, so a restore into the wrong pages (or from the wrong backup) changes the tokens;
 every run is compared with the co-located reference."""
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvstrata.engine.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
-from kvstrata.engine.new_token_ratio import RETRACT_DECODE_STEPS
+from kvstrata.engine.scheduler.new_token_ratio import RETRACT_DECODE_STEPS
+from kvstrata.engine.sides.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
 from kvstrata.protocol import of_type
 from kvstrata.protocol.disagg import BackupOp
 from tests.unit.fake_runner import reference_tokens
 from tests.unit.pd_fake import PDPair
-from kvstrata.engine.sides import pd_side
+from kvstrata.engine.sides.registry import pd_side
 
 VOCAB = 1000
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.runner.dsa import (batch_seed, checked_seeds, remap_seed_positions_to_slots,
-                                 seed_for_decode)
+from kvstrata.runner.attention.dsa_seed import (batch_seed, checked_seeds, remap_seed_positions_to_slots,
+                                                seed_for_decode)
 
 
 def table():

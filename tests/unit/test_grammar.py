@@ -16,8 +16,8 @@ from kvstrata.entrypoints.api.structured_output import (ANY_JSON_OBJECT, check_g
                                                         grammar_fields)
 from kvstrata.protocol.grammar import json_options
 from kvstrata.protocol.sampling_params import SamplingParams
-from kvstrata.runner.grammar import GrammarBackend, new_failures
-from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner.sampling.grammar import GrammarBackend, new_failures
+from kvstrata.runner.sampling.sampler import Sampler, SamplingState
 
 EOS = 7
 
@@ -315,7 +315,7 @@ def test_a_compile_that_raises_ends_the_request_not_the_scheduler(backend, monke
     """Never expected (the API checks grammars), but a conversion or compile that raises on
     the compile thread leaves a failed matcher (EOS only, reported once), not an exception
     in the step."""
-    import kvstrata.runner.grammar as grammar_mod
+    import kvstrata.runner.sampling.grammar as grammar_mod
 
     def boom(*args, **kwargs):
         raise RuntimeError("no grammar today")

@@ -10,8 +10,8 @@ import os
 import pytest
 
 from kvstrata.config.hf_config import CLASS_DEFAULTS, HFConfig, read_hf_config
+from kvstrata.config.hf_config import ModelDims
 from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
-from kvstrata.runner.models.decoder import ModelDims
 from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.models.rope import rope_parameters
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvstrata.config.kv_plan import KVPlan
-from kvstrata.runner.hicache_executor import page_size_advice
+from kvstrata.runner.executors.hicache import page_size_advice
 
 
 def KVGeometry(num_layers, num_kv_heads, head_dim, page_size, dtype):  # noqa: N802

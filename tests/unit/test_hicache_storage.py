@@ -8,7 +8,7 @@ import pytest
 from kvstrata.cache.storage_tier import PrefetchConfig
 from kvstrata.engine.engine_core import EngineCore
 from kvstrata.engine.request import EngineRequest
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, FakeStorage, reference_tokens
 

@@ -95,7 +95,7 @@ def import_graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in SOURCES}
     # C extensions (setup.py) are leaves: `from pkg import _ext` imports _ext, not pkg.
     setup_py = (ROOT.parent / "setup.py").read_text()
-    extensions = set(re.findall(r'Extension\("([\w.]+)"', setup_py))
+    extensions = set(re.findall(r'[Ee]xtension\("([\w.]+)"', setup_py))
     assert extensions, "setup.py declares the C extensions"
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -144,3 +144,62 @@ def test_no_import_circle_in_the_package():
         if v not in index:
             visit(v)
     assert circles == [], f"import circles: {circles}"
+
+
+# Sub-layers inside runner/ and engine/ (docs/architecture.md, "Layers"): a package's modules
+# may import only the listed neighbours of their own parent package (module prefixes below
+# kvstrata.runner / kvstrata.engine); the parent's root modules (model_runner.py, the engine
+# core) may import any of them. So the grouping cannot decay: executors never import spec/,
+# the kernels import no model code, sides never reach into the scheduler core.
+SUB_LAYERS = {
+    "runner": {
+        "cpu": {"cpu"},
+        "attention": {"attention", "cpu", "forward_batch"},
+        "sampling": {"sampling", "cpu"},
+        "quant": {"quant", "cpu", "forward_batch"},
+        "executors": {"executors"},
+        "models": {"models", "cpu", "attention", "quant", "forward_batch"},
+        "parallel": {"parallel", "models", "cpu", "attention"},
+        "spec": {"spec", "models", "attention", "cpu", "sampling", "forward_batch",
+                 "model_setup"},
+    },
+    "engine": {
+        # the sides see requests, each other and the core's one shared constant; the
+        # scheduler through its facade only (never kvstrata.engine.scheduler.core)
+        "sides": {"sides", "request", "scheduler.new_token_ratio"},
+        "scheduler": {"scheduler", "request", "sides.base", "sides.registry"},
+    },
+}
+
+
+def _sub_layer_cases():
+    for layer, packages in SUB_LAYERS.items():
+        for package in sorted(packages):
+            for path in sorted((ROOT / layer / package).rglob("*.py")):
+                yield layer, package, path
+
+
+def test_every_sub_package_has_a_rule_and_a_file_map():
+    for layer, packages in SUB_LAYERS.items():
+        found = {p.name for p in (ROOT / layer).iterdir()
+                 if p.is_dir() and (p / "__init__.py").exists()}
+        assert found == set(packages), f"{layer}/ sub-packages without a rule: {found ^ set(packages)}"
+        for package in packages:  # each says which file does what (the transfer/disagg way)
+            text = (ROOT / layer / package / "__init__.py").read_text()
+            for path in (ROOT / layer / package).glob("*.py"):
+                if path.name != "__init__.py":
+                    assert path.name in text, f"{layer}/{package}/__init__.py does not map {path.name}"
+
+
+@pytest.mark.parametrize("layer,package,path", list(_sub_layer_cases()),
+                         ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else "")
+def test_sub_layer_imports(layer, package, path):
+    allowed = SUB_LAYERS[layer][package]
+    prefix = f"kvstrata.{layer}."
+    for module, line in imported_modules(ast.parse(path.read_text(), str(path))):
+        if not module.startswith(prefix):
+            continue
+        rest = module[len(prefix):]
+        assert any(rest == a or rest.startswith(a + ".") for a in allowed), (
+            f"{path.relative_to(ROOT)}:{line} imports {module}: {layer}/{package}/ may only "
+            f"import {sorted(allowed)} of {layer}/")

@@ -10,7 +10,7 @@ from kvstrata.config import ServerArgs, resolve
 from kvstrata.config.kv_plan import (DSA_INDEX_K, EAGLE_HIDDEN, IO_BACKEND_LAYOUTS,
                                      MLA_LATENT, KVComponent, KVPlan, mha_components)
 from kvstrata.config.kv_sizing import ModelKVFacts, size_kv_plan
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
 
 # SmolLM2-135M: 30 layers, 3 kv heads of 64, float32.
 SMOL = ModelKVFacts("mha", mha_components(30, 3, 64, "float32"), max_position_embeddings=8192)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstrata.engine.ngram_cache import NgramCache
+from kvstrata.engine.sides.ngram_cache import NgramCache
 from kvstrata.protocol.scheduler_output import TreeDraft
 
 
@@ -160,7 +160,7 @@ def spec_config(algorithm: str, num_draft_tokens: int, **extra):
 def test_draft_budget_shrinks_on_misses_and_grows_on_full_accepts():
     from types import SimpleNamespace
 
-    from kvstrata.engine.spec_side import MIN_BUDGET, SpeculativeSide
+    from kvstrata.engine.sides.speculative import MIN_BUDGET, SpeculativeSide
     side = SpeculativeSide(SimpleNamespace(config=spec_config("NGRAM", 9)))
     req = SimpleNamespace(rid="r", prompt_ids=[1, 2, 3, 4] * 5, output_ids=[],
                           params=SimpleNamespace(max_new_tokens=50), spec_verify_ct=0,
@@ -186,7 +186,7 @@ def test_gate_probe_steps_let_a_few_requests_draft_one_token_each():
     batch; a step the gate lets draft for real gives full budgets."""
     from types import SimpleNamespace
 
-    from kvstrata.engine.spec_side import PROBE_REQUESTS_DRAFT_MODEL, SpeculativeSide
+    from kvstrata.engine.sides.speculative import PROBE_REQUESTS_DRAFT_MODEL, SpeculativeSide
     from kvstrata.protocol.scheduler_output import RUNNER_DRAFT
     cfg = spec_config("STANDALONE", 4)
     side = SpeculativeSide(SimpleNamespace(config=cfg))
@@ -216,7 +216,7 @@ def test_a_request_rate_estimate_decays_toward_the_population_while_it_does_not_
     at the population's rate."""
     from types import SimpleNamespace
 
-    from kvstrata.engine.spec_side import IDLE_DECAY, PRIOR_RATE, SpeculativeSide
+    from kvstrata.engine.sides.speculative import IDLE_DECAY, PRIOR_RATE, SpeculativeSide
     side = SpeculativeSide(SimpleNamespace(config=spec_config("STANDALONE", 4)))
     assert side.expected_rate("new") == PRIOR_RATE
 
@@ -253,7 +253,7 @@ def test_a_fully_accepted_draft_grows_to_the_length_that_pays_at_the_measured_rh
     it keeps doubling; with no measured rho (a fixed gate) it doubles."""
     from types import SimpleNamespace
 
-    from kvstrata.engine.spec_side import SpeculativeSide
+    from kvstrata.engine.sides.speculative import SpeculativeSide
 
     def run(rho, history):
         side = SpeculativeSide(SimpleNamespace(config=spec_config("NGRAM", 9)))

@@ -1,4 +1,4 @@
-"""Priority scheduling, preemption and the bounded queue (engine/priority.py): every rule, in
+"""Priority scheduling, preemption and the bounded queue (engine/sides/priority.py): every rule, in
 exact order, against the fake runner (whose greedy tokens are a function of the sequence, so a
 preempted request must still produce exactly the reference tokens)."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.engine_core import EngineCore
-from kvstrata.engine.priority import (EVICTED_MESSAGE, PRIORITY_DISABLED_MESSAGE,
-                                      QUEUE_FULL_MESSAGE, PrioritySide, resolve_priority)
 from kvstrata.engine.request import EngineRequest
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
+from kvstrata.engine.sides.priority import (EVICTED_MESSAGE, PRIORITY_DISABLED_MESSAGE,
+                                            QUEUE_FULL_MESSAGE, PrioritySide, resolve_priority)
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 
@@ -334,7 +334,7 @@ def test_pd_decode_preempts_by_backing_up_and_restores_exactly():
     """One decode row: a transferred high-priority request takes the row of a long low one,
     which is backed up (a decode server cannot recompute its prompt), restored later and
     still produces exactly its reference tokens."""
-    from kvstrata.engine.sides import pd_side
+    from kvstrata.engine.sides.registry import pd_side
     from tests.unit.pd_fake import PDPair
 
     pair = PDPair(prefill_cfg=PRIO, decode_cfg={**PRIO, "max_running_requests": 1,
@@ -361,7 +361,7 @@ def test_pd_random_arrivals_with_decode_preemption(arrivals, threshold, low_firs
     """The same over a PD pair: a decode server with few rows preempts by backing requests
     up (and may also retract them for memory); every request ends with its reference tokens
     unless it cannot fit, and both servers drain whole."""
-    from kvstrata.engine.sides import pd_side
+    from kvstrata.engine.sides.registry import pd_side
     from tests.unit.pd_fake import PDPair
 
     prio = {**PRIO, "priority_scheduling_preemption_threshold": threshold,

@@ -9,7 +9,7 @@ import pytest
 from kvstrata.config import ServerArgs, resolve
 from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts, size_kv_plan
-from kvstrata.engine.scheduler import SchedulerConfig
+from kvstrata.engine.scheduler.core import SchedulerConfig
 from kvstrata.entrypoints.engine_factory import refuse_l2_options_without_hicache
 
 SMOL = ModelKVFacts("mha", mha_components(30, 3, 64, "float32"), max_position_embeddings=8192)

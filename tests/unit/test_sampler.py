@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstrata.protocol.sampling_params import SamplingParams
-from kvstrata.runner.sampler import Sampler, SamplingState
+from kvstrata.runner.sampling.sampler import Sampler, SamplingState
 
 EOS = 7
 
@@ -72,7 +72,7 @@ def test_greedy_batch_is_argmax_and_bf16_ok():
 def test_greedy_ties_take_the_first_index_as_argmax():
     """The greedy path reads max(dim).indices (faster on CPU): ties must still go to the
     first index, as torch.argmax, on wide rows (vectorised reductions) and in bf16."""
-    from kvstrata.runner.sampler import greedy_ids
+    from kvstrata.runner.sampling.sampler import greedy_ids
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         logits = torch.randint(0, 4, (32, 49152), generator=g).to(dtype)  # ties everywhere
@@ -387,7 +387,7 @@ def test_token_ids_logprob_follow_the_top_n_in_the_asked_order():
     their order (an id past the row reports the floor), one gather for rows that ask the
     same ids, per row otherwise; split_top_logprobs takes them apart again."""
     from kvstrata.protocol.sampling_params import split_top_logprobs
-    from kvstrata.runner.sampler import LOGPROB_FLOOR, top_rows
+    from kvstrata.runner.sampling.sampler import LOGPROB_FLOOR, top_rows
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
     ref = torch.log_softmax(logits, -1)

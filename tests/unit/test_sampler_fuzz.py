@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.protocol.sampling_params import SamplingParams, split_top_logprobs
-from kvstrata.runner.sampler import Sampler, SamplingState
-from kvstrata.runner.spec_verify import verify
+from kvstrata.runner.sampling.sampler import Sampler, SamplingState
+from kvstrata.runner.spec.verify import verify
 
 EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "150"))
 VOCAB = 24
@@ -75,7 +75,7 @@ class AllowedSet:
 
 
 class Thinking(AllowedSet):
-    """A grammar waiting out a thinking section (runner/grammar.py ThinkingGate): no mask."""
+    """A grammar waiting out a thinking section (runner/sampling/grammar.py ThinkingGate): no mask."""
 
     def __init__(self):
         super().__init__(set(range(VOCAB)))

@@ -7,10 +7,10 @@ import logging
 import pytest
 
 from kvstrata.engine.engine_core import EngineCore
-from kvstrata.engine.new_token_ratio import NewTokenRatio
-from kvstrata.engine.out_of_memory import retract_for_decode
 from kvstrata.engine.request import EngineRequest, Request
-from kvstrata.engine.scheduler import OOM_LAST_REQUEST_MESSAGE, SchedulerConfig
+from kvstrata.engine.scheduler.core import OOM_LAST_REQUEST_MESSAGE, SchedulerConfig
+from kvstrata.engine.scheduler.new_token_ratio import NewTokenRatio
+from kvstrata.engine.scheduler.out_of_memory import retract_for_decode
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 

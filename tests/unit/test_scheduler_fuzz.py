@@ -30,13 +30,13 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvstrata.cache.hiradix_cache import WRITE_POLICIES
 from kvstrata.engine.engine_core import EngineCore
-from kvstrata.engine.priority import EVICTED_MESSAGE, QUEUE_FULL_MESSAGE
 from kvstrata.engine.request import EngineRequest
-from kvstrata.engine.scheduler import SchedulerConfig
-from kvstrata.engine.sides import spec_side
+from kvstrata.engine.scheduler.core import SchedulerConfig
+from kvstrata.engine.sides.priority import EVICTED_MESSAGE, QUEUE_FULL_MESSAGE
+from kvstrata.engine.sides.registry import spec_side
 from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import (FakeRunner, FakeStorage, pattern_drafter,
-                                   reference_tokens)
+                                    reference_tokens)
 
 VOCAB = 211
 MAX_REQUESTS = 10

@@ -104,7 +104,7 @@ def test_allreduce_benchmark_reports_both_paths_against_memcpy():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_c_path_gives_the_python_paths_bits(monkeypatch, dtype):
-    """A contiguous fp32 / bf16 tensor takes the C all-reduce (runner/csrc/cpu_ops.c), any
+    """A contiguous fp32 / bf16 tensor takes the C all-reduce (runner/cpu/csrc/cpu_ops.c), any
     other the torch one: the same protocol and the same rank-order fp32 sum, so the same
     bits -- on every instruction set (AVX-512 body, scalar tail)."""
     group = ranks(3)

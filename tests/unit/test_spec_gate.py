@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvstrata.engine.spec_gate import EXPLORE_EVERY, RHO_UNKNOWN, WARMUP, SpecGate
+from kvstrata.engine.sides.spec_gate import EXPLORE_EVERY, RHO_UNKNOWN, WARMUP, SpecGate
 
 
 class Clock:
@@ -75,7 +75,7 @@ def test_untimed_drafting_steps_count_for_the_warm_up_but_not_the_averages():
     """A drafting step whose draft model rebuilt draft KV (STANDALONE's catch-up) is left
     out of the averages; a range where every drafting step was such assumes drafting never
     pays (nobody drafts outside probes), instead of guessing."""
-    from kvstrata.engine.spec_gate import RHO_MAX
+    from kvstrata.engine.sides.spec_gate import RHO_MAX
     clock = Clock()
     gate = SpecGate(clock=clock)
     for _ in range(WARMUP):
@@ -103,7 +103,7 @@ def test_untimed_drafting_steps_count_for_the_warm_up_but_not_the_averages():
 def test_where_drafting_cannot_pay_probes_back_off():
     """rho >= 1 (a compute-bound batch): every step is plain and measured anyway, so the
     explorations are probes only, each twice as far from the last, up to EXPLORE_MAX."""
-    from kvstrata.engine.spec_gate import EXPLORE_MAX
+    from kvstrata.engine.sides.spec_gate import EXPLORE_MAX
     clock = Clock()
     gate = SpecGate(None, clock)
     needs = run(gate, clock, 32, 2000, fixed=20.0, per_position=5.0, drafts_per_req=4,
@@ -120,7 +120,7 @@ def test_a_larger_batch_range_inherits_a_settled_verdict_that_drafting_does_not_
     """A position costs relatively more as the batch grows: above a settled range where
     drafting does not pay, a new range skips the drafting warm-up (nobody drafts but its
     probes); above a paying range, a new range warms up as usual."""
-    from kvstrata.engine.spec_gate import RHO_MAX
+    from kvstrata.engine.sides.spec_gate import RHO_MAX
     clock = Clock()
     gate = SpecGate(None, clock)
     run(gate, clock, 8, 40, fixed=10.0, per_position=5.0, drafts_per_req=4, accept_rate=0.3,

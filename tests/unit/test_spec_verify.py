@@ -1,4 +1,4 @@
-"""The sampled acceptance rule at a draft node (runner/spec_verify.py, SGLang's rule): with
+"""The sampled acceptance rule at a draft node (runner/spec/verify.py, SGLang's rule): with
 thresholds 1.0 the output token is distributed as the target's p whatever the children;
 below 1.0 drafts pass more often, as --speculative-accept-threshold-single / -acc say."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 import torch
 
 from kvstrata.protocol import SamplingParams
-from kvstrata.runner.sampler import SamplingState
-from kvstrata.runner.spec_verify import _sample_children
+from kvstrata.runner.sampling.sampler import SamplingState
+from kvstrata.runner.spec.verify import _sample_children
 
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])  # unnormalised on purpose: x2 below
 N = 3000  # 4 sigma of a 0.4 frequency: 0.036
@@ -44,8 +44,8 @@ def test_verify_with_an_overflowing_repetition_penalty_stays_in_the_vocabulary()
     """Regression beside the sampler's: a tiny repetition_penalty makes seen tokens' logits
     +inf; verification draws and accepts only among them (their limit), never an id past
     the vocabulary, and its logprobs are finite."""
-    from kvstrata.runner.sampler import Sampler
-    from kvstrata.runner.spec_verify import verify
+    from kvstrata.runner.sampling.sampler import Sampler
+    from kvstrata.runner.spec.verify import verify
 
     vocab, seen = 40, [5, 6]
     logits = [torch.rand(3, vocab, generator=torch.Generator().manual_seed(k)) + 0.5
@@ -61,8 +61,8 @@ def test_verify_with_an_overflowing_repetition_penalty_stays_in_the_vocabulary()
 def test_verify_applies_logit_bias_as_plain_decoding_does():
     """A draft is checked against the biased target: greedy accepts the banned-then-boosted
     token only where the bias makes it the argmax, exactly as a step without drafts would."""
-    from kvstrata.runner.sampler import Sampler
-    from kvstrata.runner.spec_verify import verify
+    from kvstrata.runner.sampling.sampler import Sampler
+    from kvstrata.runner.spec.verify import verify
 
     vocab = 12
     logits = torch.rand(3, vocab, generator=torch.Generator().manual_seed(3))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstrata.engine.stop_checker import StopChecker, max_match_chars
+from kvstrata.engine.scheduler.stop_checker import StopChecker, max_match_chars
 from kvstrata.protocol.sampling_params import SamplingParams
 
 PIECES = ["he", "llo", " wor", "ld", " 4", "2", "!", "\n", "x"]

@@ -46,9 +46,9 @@ CPU_DTYPE_RULES = (
     # on 16 cores of an H200 host's Xeon (2026-12-04, torch 2.11, SmolLM2's shapes): there
     # oneDNN's AMX linears at decode rows did not scale with the cores (B=32 step 40-55 ms,
     # fp32 30 ms). With kvstrata's bf16 GEMM for decode rows beside oneDNN's AMX tiles for
-    # prefill (runner/packed_linear.py split_layouts, the default there) bf16 served
+    # prefill (runner/cpu/packed_linear.py split_layouts, the default there) bf16 served
     # 1.13-1.33x fp32 at 16 threads (three rounds) and 0.91x / 1.44x at 8 (two, noisy); with
-    # that GEMM on the AMX tiles (runner/csrc/bf16_gemm_amx.h) and bf16 prefill attention on
+    # that GEMM on the AMX tiles (runner/cpu/csrc/bf16_gemm_amx.h) and bf16 prefill attention on
     # kvstrata's kernel, 1.83-2.15x at 16 (three rounds, median 1.90x; 8 not measured).
     # With oneDNN's alone (KVSTRATA_CPU_BF16_GEMM=onednn) or the own GEMM alone (own: 0.92-1.10x
     # at 16) the 8-thread bound stands: 3-15 threads are not measured, it sits between.
@@ -91,7 +91,7 @@ CPU_DTYPE_FALLBACK = ("float32", "no bf16 path measured faster than fp32 on this
 
 
 def int8_takes_model_dtype(platform: Platform, env: dict) -> bool:
-    """--quantization w8a8_int8 runs runner/int8_linear.py's layer (with VNNI, or kvstrata's
+    """--quantization w8a8_int8 runs runner/cpu/int8_linear.py's layer (with VNNI, or kvstrata's
     GEMM on its AVX2 tile without VNNI), which quantises bf16 or fp32 activations alike: the
     dtype rows below apply to it as to a float model."""
     enabled = env.get("KVSTRATA_CPU_INT8_MM", True)  # envs.snapshot(): parsed values
@@ -117,7 +117,7 @@ def cpu_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | No
               env: dict) -> tuple[str, str]:
     """(dtype, reason) for --dtype auto on a CPU: the table's row, or where the table has
     none for this CPU and thread count (or KVSTRATA_CPU_DTYPE_PROBE=on) the start-up
-    measurement serve and LLM() attach to the platform (runner/dtype_probe.py)."""
+    measurement serve and LLM() attach to the platform (runner/cpu/dtype_probe.py)."""
     dtype, why, open_ = table_dtype(args, platform, model_info, env)
     if not probe_allowed(args, model_info, env) or not (open_ or probe_choice(env) == "on"):
         return dtype, why

@@ -1,4 +1,12 @@
-"""Attention backends over the paged KV pool."""
+"""Attention backends over the paged KV pool.
+
+  torch_native.py  paged attention in plain torch (SDPA over gathered K/V; CPU and CUDA),
+                   with the CPU kernels below where they apply
+  paged_decode.py  the CPU decode and prefill attention kernels (`_paged_decode`, csrc/)
+  dsa_sparse.py    DSA sparse MLA attention over the MLA + indexer pool
+  dsa_topk.py      DSA top-k selection (positions or slots)
+  dsa_seed.py      the PD seed of DSA: top-k positions from the prefill, remapped to slots
+"""
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 
 __all__ = ["TorchNativeAttnBackend"]

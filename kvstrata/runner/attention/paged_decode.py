@@ -21,33 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata import envs
 from kvstrata.runner.attention import _paged_decode
+from kvstrata.runner.cpu.isa import isa_cap
 
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the query's and the output's
-# amx: kvstrata's bf16 GEMM on AMX-BF16 tiles (runner/csrc/bf16_gemm_amx.h); the other
-# kernels read it as avx512
-ISA_CAPS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3, "auto": 3}
 
 
 def supported(kv_dtype: torch.dtype, q_dtype: torch.dtype, device: torch.device) -> bool:
     """The kernel reads pools of these dtypes; the query is widened to fp32 on the way in."""
     return kv_dtype in KV_DTYPES and q_dtype in KV_DTYPES and device.type == "cpu"
-
-
-# KVSTRATA_CPU_ISA as read once for the forward under way (runner/cpu_ops.py
-# `fixed_settings`); None outside one: then every call reads it (tests switch it per call).
-pinned_isa_cap: int | None = None
-
-
-def isa_cap() -> int:
-    if pinned_isa_cap is not None:
-        return pinned_isa_cap
-    name = envs.KVSTRATA_CPU_ISA.get().strip().lower()
-    if name not in ISA_CAPS:
-        raise ValueError(f"KVSTRATA_CPU_ISA={name!r} is not one of {sorted(ISA_CAPS)}")
-    return ISA_CAPS[name]
 
 
 def kernel_isa(head_dim: int, kv_dtype: torch.dtype) -> str:

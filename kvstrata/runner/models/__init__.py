@@ -1,4 +1,15 @@
-"""Our model implementations and their weight loader."""
+"""Our model implementations and their weight loader.
+
+  registry.py       architecture name -> how to build it
+  decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3)
+  decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
+  rope.py           rotary embeddings
+  deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py); its config and weight
+                    names: deepseek_v32_config.py, deepseek_v32_weights.py
+  deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
+  eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
+  loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table)
+"""
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.models.registry import ARCHITECTURES, arch_spec

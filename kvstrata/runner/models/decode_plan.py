@@ -36,13 +36,13 @@ import torch
 
 from kvstrata import envs
 from kvstrata.kv import _rowcopy
-from kvstrata.runner import _bf16_ops, _cpu_ops, _int8_ops, cpu_ops, f32_gemv
 from kvstrata.runner.attention import paged_decode
-from kvstrata.runner.attention.paged_decode import isa_cap
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.int8_linear import ROW_DTYPES, Int8MatmulLinear
-from kvstrata.runner.packed_linear import PackedLinear, packed_linear
-from kvstrata.runner.quantization import quantized_linear
+from kvstrata.runner.cpu import _bf16_ops, _cpu_ops, _int8_ops, fused_ops as cpu_ops, f32_gemv
+from kvstrata.runner.cpu.int8_linear import ROW_DTYPES, Int8MatmulLinear
+from kvstrata.runner.cpu.isa import isa_cap
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
+from kvstrata.runner.quant.w8a8 import quantized_linear
 
 Call = tuple[Callable, tuple]
 
@@ -129,7 +129,7 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
 def _fused_silu(lin: Any, rows: int) -> bool:
     """layer_forward takes silu(gate) * up from the gate|up layer itself (linear_silu_mul)
     for these layers on the plan's inputs (2-D contiguous fp32 / bf16 rows, fused ops on):
-    kvstrata's bf16 GEMM at widths its tiles pair, and runner/int8_linear.py's int8 layer."""
+    kvstrata's bf16 GEMM at widths its tiles pair, and runner/cpu/int8_linear.py's int8 layer."""
     if isinstance(lin, PackedLinear):
         return lin.own and lin.out_features % 32 == 0 and rows <= lin.own_max_rows
     return type(lin) is Int8MatmulLinear and lin.out_features % 2 == 0

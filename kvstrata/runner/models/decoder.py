@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.runner import cpu_ops
+from kvstrata.config.hf_config import ModelDims
+from kvstrata.runner.cpu import fused_ops as cpu_ops
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models import decode_plan
 from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
@@ -68,34 +69,6 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h, **kw) if cfg.mlp_bias else None
 
 
-@dataclass(frozen=True)
-class ModelDims:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-
-    @classmethod
-    def from_config(cls, c: Any) -> "ModelDims":
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_layers=c.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads, head_dim=head_dim,
-            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(c, "attention_bias", False)),
-            mlp_bias=bool(getattr(c, "mlp_bias", False)))
-
-
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
 
@@ -120,7 +93,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
         self.attn_backend = None  # set by the runner (needs the KV pool)
         # How a (weight, bias) pair is applied: F.linear, or after --quantization the int8
-        # layer that replaced the weight (runner/quantization.py).
+        # layer that replaced the weight (runner/quant/w8a8.py).
         self.linear = F.linear
         self.capture_hidden = False  # keep last_hidden (an EAGLE draft's features)
         self.capture_layers: tuple[int, ...] = ()  # EAGLE3: the streams entering these
@@ -171,7 +144,7 @@ class DecoderForCausalLM(nn.Module):
         return F.embedding(ids, self.embed)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # kvstrata's bf16 GEMM writes the fp32 logits itself (runner/packed_linear.py).
+        # kvstrata's bf16 GEMM writes the fp32 logits itself (runner/cpu/packed_linear.py).
         as_float = getattr(self.lm_head, "linear_float", None)
         logits = as_float(x) if as_float is not None else None
         return logits if logits is not None else self.linear(x, self.lm_head).float()
@@ -215,7 +188,7 @@ class DecoderForCausalLM(nn.Module):
         if h is None:
             x.add_(o)
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
-        # An int8 layer dequantises inside the activation's pass (runner/int8_linear.py).
+        # An int8 layer dequantises inside the activation's pass (runner/cpu/int8_linear.py).
         fused = getattr(layer.gate_up_weight, "linear_silu_mul", None)
         act = fused(h) if fused is not None else None
         if act is None:

@@ -78,8 +78,8 @@ class EagleHead(DecoderForCausalLM):
                              f"[0, {vocab}), got shape {tuple(hot_ids.shape)}")
         self.hot_ids = hot_ids.to(torch.int64).to(self.device)
         self.hot_head = head_weight[self.hot_ids].to(self.dtype).contiguous()
-        if self.linear is not F.linear:  # packed (runner/packed_linear.py): the hot rows too
-            from kvstrata.runner.packed_linear import PackedLinear  # noqa: PLC0415
+        if self.linear is not F.linear:  # packed (runner/cpu/packed_linear.py): the hot rows too
+            from kvstrata.runner.cpu.packed_linear import PackedLinear  # noqa: PLC0415
             self.hot_head = PackedLinear(self.hot_head)
 
     @torch.inference_mode()

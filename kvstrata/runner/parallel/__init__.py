@@ -1,0 +1,10 @@
+"""Tensor parallelism (--tp-size) over torch.distributed, one machine or several (--nnodes).
+
+  tensor_parallel.py  the llama-family decoder's model-parallel layers
+  tp_deepseek.py      DeepseekV32's share per rank (MLA heads, experts)
+  tp_load.py          one rank's share of a checkpoint
+  tp_comm.py          how ranks find and watch each other (group, heartbeat)
+  tp_runner.py        one scheduler (rank 0), N runners: the serving path
+  tp_events.py        the events the scheduler sees from N ranks' executors
+  shm_allreduce.py    the shared-memory all-reduce / all-gather on one machine (csrc/)
+"""

@@ -24,8 +24,8 @@ import uuid
 import numpy as np
 import torch
 
-from kvstrata.runner import _cpu_ops
-from kvstrata.runner.attention.paged_decode import isa_cap
+from kvstrata.runner.cpu import _cpu_ops
+from kvstrata.runner.cpu.isa import isa_cap
 
 FLAG_STRIDE = 8  # int64s per flag: one 64-byte cache line each
 SPINS_BEFORE_YIELD = 200
@@ -93,7 +93,7 @@ class ShmCollectives:
         return t
 
     def _all_reduce_c(self, t: torch.Tensor) -> torch.Tensor:
-        """The same protocol and sum in C (runner/csrc/cpu_ops.c): one call instead of ~15
+        """The same protocol and sum in C (runner/cpu/csrc/cpu_ops.c): one call instead of ~15
         torch and numpy calls (~30-50 us of Python a collective, 61 a SmolLM2 step). It
         returns every C_SPINS spins still waiting, so the abort reason and timeout are
         checked as in _publish_and_wait."""

@@ -1,5 +1,5 @@
-"""Tensor parallelism for the llama-family decoder over torch.distributed (issue 23, part 1:
-the model-parallel layers; `--tp-size > 1` on the server is still refused).
+"""Tensor parallelism for the llama-family decoder over torch.distributed: the
+model-parallel layers (the serving path: tp_runner.py).
 
 Megatron's split, as SGLang and vLLM do it, one process per rank:
   - q/k/v (merged) and gate/up are column-parallel: a rank holds its heads' rows of
@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, ModelDims
+from kvstrata.config.hf_config import ModelDims
+from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM
 
 
 class TPGroup:
@@ -162,7 +163,7 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
 
     def max_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """Quantisation's smoothing: a column-parallel weight's per-input-channel maximum
-        over all ranks' rows (runner/smoothing.py)."""
+        over all ranks' rows (runner/quant/smoothing.py)."""
         return self.group.all_reduce_max(t)
 
     # ---- loading: read only this rank's part of each tensor (runner/models/loader.py)

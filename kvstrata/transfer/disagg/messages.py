@@ -117,7 +117,7 @@ def geometry_mismatch(mine: list[BufferGeometry], theirs: list[BufferGeometry]) 
     if ours == peer:
         return None
     why = "same model, dtype and page size needed on both servers"
-    if len(ours) != len(peer):  # runner/spec_handoff.py: an EAGLE draft's KV is a buffer
+    if len(ours) != len(peer):  # runner/spec/handoff.py: an EAGLE draft's KV is a buffer
         why += ("; an EAGLE / NEXTN draft's KV travels as a second buffer, so both servers "
                 "need the same --speculative-algorithm and draft (chains, --speculative-"
                 "eagle-topk 1)")

@@ -13,7 +13,7 @@
  * AVX-512 machines). Every set computes the same math; only the summation order differs. */
 #ifndef KVSTRATA_PAGED_DECODE_ISA_H
 #define KVSTRATA_PAGED_DECODE_ISA_H
-#include "../../csrc/cpu_vec.h"
+#include "../../cpu/csrc/cpu_vec.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };

@@ -1,0 +1,137 @@
+"""Decides which requests join the next prefill batch (no torch).
+
+Budgets, in tokens (SGLang's PrefillAdder):
+  rem_total  = free + evictable - sum over running requests of their reserved decode tokens.
+               A NEW request is admitted only if its whole uncomputed input plus
+               min(max_new_tokens, 4096), in whole pages, fits in it -- also when it will be
+               chunked, so that an admitted chunked request can finish (SGLang checks the
+               full input before truncating it to a chunk).
+  rem_input  = --max-prefill-tokens for the whole batch (one oversized request may still run
+               alone).
+  rem_chunk  = --chunked-prefill-size; a request that does not fit is truncated to a whole
+               number of pages and becomes the (single) chunked request.
+The chunked request's next chunk goes first and is cut to what rem_total allows (SGLang's
+add_chunked_req); when not even one page is left it is blocked and nobody else is admitted
+this step, so new arrivals cannot starve it.
+
+Costs are counted in whole pages (a 9-token extend with 4-token pages costs 12 tokens):
+the budget must not promise more than the allocator can give.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
+
+
+@dataclass
+class PrefillItem:
+    req: object
+    extend_len: int  # tokens to compute in this batch
+    is_last_chunk: bool
+
+
+@dataclass
+class PrefillAdder:
+    page_size: int
+    rem_total: int
+    rem_input: int
+    rem_chunk: int | None
+    # With nothing running, the decode reservation is waived for the first request so a
+    # request whose max_new_tokens exceeds the pool still starts (retraction/abort handle
+    # running out later) instead of waiting forever.
+    running_empty: bool = False
+    items: list[PrefillItem] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.rem_chunk is not None:
+            # A chunk is whole pages and at least one page (a smaller chunk could never move).
+            self.rem_chunk = max(self.rem_chunk // self.page_size, 1) * self.page_size
+
+    def _page_cost(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    def budget_exhausted(self) -> bool:
+        return self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
+
+    def _reserve(self, req) -> int:
+        return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
+    def _append(self, req, extend: int, remaining_len: int, reserve: int) -> PrefillItem:
+        item = PrefillItem(req, extend, is_last_chunk=extend == remaining_len)
+        self.items.append(item)
+        self.rem_total -= self._page_cost(extend) + (reserve if item.is_last_chunk else 0)
+        self.rem_input -= extend
+        if self.rem_chunk is not None:
+            self.rem_chunk -= extend
+        return item
+
+    def add_chunked(self, req, remaining_len: int) -> PrefillItem | None:
+        """The in-progress chunked request's next chunk, cut to the budget; None = blocked."""
+        extend = remaining_len
+        if self.rem_chunk is not None:
+            extend = min(extend, self.rem_chunk)
+        if self._page_cost(extend) > self.rem_total:
+            extend = max(self.rem_total, 0) // self.page_size * self.page_size
+        if extend <= 0:
+            return None
+        if extend < remaining_len:
+            extend = extend // self.page_size * self.page_size  # later chunks start page-aligned
+        return self._append(req, extend, remaining_len, self._reserve(req))
+
+    def _plan(self, req, remaining_len: int, rem_total: int,
+              running_empty: bool | None = None) -> tuple[int, int] | None:
+        """(extend, reserve) for a waiting request against `rem_total`, or None."""
+        if self.budget_exhausted():
+            return None
+        reserve = self._reserve(req)
+        if (self.running_empty if running_empty is None else running_empty) and not self.items:
+            reserve = min(reserve, max(rem_total - remaining_len, 0))
+        if self._page_cost(remaining_len + reserve) > rem_total:
+            return None
+        extend = remaining_len
+        if self.rem_chunk is not None and extend > self.rem_chunk:
+            # Cut to whole pages, so that the next chunk starts on a page boundary.
+            extend = self.rem_chunk // self.page_size * self.page_size
+            if extend <= 0:
+                return None
+        if extend > self.rem_input and self.items:
+            return None
+        return extend, reserve
+
+    def fits(self, req, remaining_len: int, pinned_tokens: int = 0, freed_tokens: int = 0,
+             running_empty: bool | None = None) -> bool:
+        """Dry run of try_add, with `pinned_tokens` more taken out of the budget and
+        `freed_tokens` given back (what a preemption would free; `running_empty`: whether
+        nothing would run after it)."""
+        return self._plan(req, remaining_len, self.rem_total - pinned_tokens + freed_tokens,
+                          running_empty) is not None
+
+    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
+        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""
+        plan = self._plan(req, remaining_len, self.rem_total)
+        if plan is None:
+            return None
+        return self._append(req, plan[0], remaining_len, plan[1])
+
+
+LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
+
+
+def prefill_candidates(sched) -> list:
+    """The waiting queue in admission order: a side's order where one keeps it (priority
+    scheduling, engine/sides/priority.py), else fcfs, lof (longest max_new_tokens first, fcfs on ties), or
+    lpm (longest cached prefix first, fcfs on ties) while the queue is short enough for the
+    prefix look-ups to pay."""
+    cfg = sched.config
+    for side in sched.sides:
+        order = side.admission_order(sched.waiting)
+        if order is not None:
+            return order
+    if cfg.schedule_policy == "lof":
+        return sorted(sched.waiting, key=lambda r: -r.params.max_new_tokens)
+    if cfg.schedule_policy == "lpm" and len(sched.waiting) <= LPM_FALLBACK_QUEUE_LEN:
+        prefix = {id(r): sched.kv.peek_prefix_len(r.all_ids, salt=r.cache_salt)
+                  for r in sched.waiting}
+        return sorted(sched.waiting, key=lambda r: -prefix[id(r)])
+    return list(sched.waiting)

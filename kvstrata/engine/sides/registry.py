@@ -1,0 +1,40 @@
+"""Which sides a scheduler gets, from its config (no torch). The one place that knows the
+side classes: the scheduler only iterates `sched.sides`. To add one: a SchedulerSide
+subclass (engine/sides/base.py), its ops/events in protocol/, its executor in the runner, and a
+line here (docs/architecture.md, "How to add a side")."""
+from __future__ import annotations
+
+from kvstrata.engine.sides.disagg_common import DisaggSide
+from kvstrata.engine.sides.disagg_decode import DecodeDisagg
+from kvstrata.engine.sides.disagg_prefill import PrefillDisagg
+from kvstrata.engine.sides.priority import PrioritySide
+from kvstrata.engine.sides.speculative import SpeculativeSide
+
+_PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
+
+
+def build_sides(sched) -> None:
+    """Register the sides `sched.config` asks for, in call order, on `sched.sides`.
+    Speculation comes first: it only watches arrivals (`take` returns False); priority
+    next (it refuses arrivals to a full queue), and a PD side takes every request it sees. A prefill server never decodes: no drafts."""
+    cfg = sched.config
+    if cfg.speculative_algorithm is not None and cfg.disaggregation_mode != "prefill":
+        sched.sides.append(SpeculativeSide(sched))
+    if cfg.enable_priority_scheduling or cfg.max_queued_requests is not None:
+        sched.sides.append(PrioritySide(sched))  # before PD: a refused newcomer is never taken
+    side = _PD_SIDES.get(cfg.disaggregation_mode)
+    if side is not None:
+        sched.sides.append(side(sched))
+
+
+def spec_side(sched) -> SpeculativeSide | None:
+    return next((s for s in sched.sides if isinstance(s, SpeculativeSide)), None)
+
+
+def pd_side(sched) -> DisaggSide | None:
+    """The PD side (prefill or decode, with decode retraction inside), None when co-located:
+    for the engine factory (metadata slots) and introspection."""
+    return next((s for s in sched.sides if isinstance(s, DisaggSide)), None)
+
+
+__all__ = ["build_sides", "pd_side", "spec_side"]

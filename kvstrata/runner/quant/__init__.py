@@ -1,0 +1,6 @@
+"""--quantization on load.
+
+  w8a8.py              w8a8_int8: int8 weights per channel, int8 activations per token
+  smoothing.py         SmoothQuant activation smoothing, calibrated at load
+  calibration_text.py  the fixed calibration passage
+"""

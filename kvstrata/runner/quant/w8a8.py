@@ -1,0 +1,197 @@
+"""`--quantization w8a8_int8` on CPU: int8 linear layers, applied once after the weights load.
+
+Scheme (SGLang's w8a8_int8): int8 weights with one symmetric scale per output channel, and
+int8 activations with one scale per token, computed on the fly. Every linear layer is
+replaced, the output projection included; a tied embedding stays float for the lookup (the
+output projection then gets its own int8 copy).
+
+Kernel with VNNI: runner/cpu/int8_linear.py in the model's dtype (chosen by `int8_kernel`):
+kvstrata's own int8 GEMM on AVX512-VNNI (runner/cpu/csrc/int8_gemm.h), oneDNN's prepacked int8
+linear otherwise. Without VNNI on AVX2 + FMA + F16C: kvstrata's own GEMM on its AVX2 tile
+(runner/cpu/csrc/int8_gemm_avx2.h; 8-bit activations, the same values as the VNNI tile). Else
+(or KVSTRATA_CPU_INT8_MM=0, KVSTRATA_CPU_INT8_GEMM=onednn without VNNI): fbgemm through
+`quantized::linear_with_input_q_dq_qweight_dq_output_fp32` (int8 GEMM, int32 accumulation,
+float32 out). Measured in benchmarks/bench_int8_linear.py against float32 `nn.Linear`,
+fbgemm's `linear_dynamic` and torchao 0.18 (docs/benchmarks.md): torchao's CPU int8 path
+goes through `torch._int_mm` / an int32 matmul and ran at 0.15-1.4x float32's
+speed (fbgemm: 1.6-12x), so torchao is not used. fbgemm quantises its input with ONE scale
+per call; per-token scales are obtained by dividing each row by its absolute maximum first
+(every row then spans [-1, 1], quantised with the fixed scale 1/127) and multiplying the
+output rows back. A fixed input scale also makes each token's result independent of the
+other tokens in the batch, which fbgemm's own dynamic op (a scale from the whole batch's
+range) is not.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kvstrata.platform import VNNI_FLAGS, read_cpu_flags
+from kvstrata.runner.cpu import int8_linear
+from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear, cpu_weight_shape
+from kvstrata.runner.cpu.packed_linear import PackedLinear
+from kvstrata.runner.quant.smoothing import smooth_model
+
+QUANTIZATION_METHODS = ("w8a8_int8",)
+KERNEL = "fbgemm quantized::linear_with_input_q_dq_qweight_dq_output_fp32, per-token row scaling"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_vnni() -> bool:
+    """AVX512-VNNI / AVX-VNNI accumulate u8*s8 products in int32. Without them fbgemm uses
+    vpmaddubsw, whose int16 pair sums can saturate with full 8-bit inputs: then activations
+    keep 7 bits (fbgemm's own `reduce_range` remedy)."""
+    return bool(VNNI_FLAGS & read_cpu_flags())
+
+
+def _quantize_weight(weight: torch.Tensor) -> tuple[Any, int]:
+    """fbgemm-packed int8 weight (symmetric, per output channel) and its size in bytes."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-12).double()
+    zeros = torch.zeros(w.shape[0], dtype=torch.int64)
+    with warnings.catch_warnings():
+        # torch marks quantized tensors deprecated; they are still fbgemm's only entry point.
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch.quantize_per_channel(w, scales, zeros, axis=0, dtype=torch.qint8)
+    # Size: the packed int8 matrix plus per-channel scale, zero point and column offsets
+    # (process RSS grew by ~1.1x the int8 size per packed 196608 x 576 matrix: block padding).
+    return torch.ops.quantized.linear_prepack(qw, None), w.numel() + 20 * w.shape[0]
+
+
+class W8A8Int8Linear(nn.Module):
+    """y = x @ W.T + b with W in int8 (per-channel scales) and x quantised per token."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = cpu_weight_shape(weight)
+        self.packed, self.nbytes = _quantize_weight(weight)
+        self.bias = None if bias is None else bias.detach().float().clone()
+        if self.bias is not None:
+            self.nbytes += self.bias.numel() * 4
+        # Each row spans [-1, 1] after scaling: quantised to +-levels around levels + 1,
+        # so the uint8 codes stay in [1, 255] (or [1, 127] with 7 bits).
+        self.levels = 127 if cpu_has_vnni() else 63
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return self.linear_2d(x)
+        y = self.linear_2d(x.reshape(-1, self.in_features).float())
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def linear_2d(self, x: torch.Tensor) -> torch.Tensor:
+        """[M, in] float32 -> [M, out] float32. Few ops on purpose: at decode (M = batch)
+        each op's fixed cost is comparable to the int8 GEMM itself."""
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x / amax, 1.0 / self.levels, self.levels + 1, self.packed)
+        return y.mul_(amax) if self.bias is None else torch.addcmul(self.bias, y, amax)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def quantized_linear(x: torch.Tensor, layer: "W8A8Int8Linear | Int8MatmulLinear",
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for F.linear(x, weight, bias) where `weight` has become an int8 layer (its
+    bias, if any, was folded in, so `bias` is None). Skips nn.Module.__call__ (and, for the
+    fbgemm layer's 2-D float32 input, the reshapes); the decoder's own calls (2-D contiguous
+    rows, kvstrata's GEMM) go straight to the C call: 121 calls a decode step, ~0.3-0.5 ms
+    of Python frames saved a step (SmolLM2, A/B in one process)."""
+    if (type(layer) is Int8MatmulLinear and x.dim() == 2 and x.shape[0] <= layer.own_max_rows
+            and x.dtype in int8_linear.ROW_DTYPES and x.is_contiguous()):
+        return layer.own_rows(x, x.shape[0], layer.in_features, False)
+    if type(layer) is W8A8Int8Linear and x.dim() == 2 and x.dtype == torch.float32:
+        return layer.linear_2d(x)
+    return layer.forward(x)
+
+
+def int8_kernel() -> tuple[Callable[..., nn.Module], str]:
+    """The int8 layer this CPU runs (its class, or a per-weight choice) and its kernel's
+    name: with VNNI runner/cpu/int8_linear.py (kvstrata's own GEMM on AVX512-VNNI, else oneDNN's
+    prepacked int8 linear); without, kvstrata's GEMM on its AVX2 tile where a weight fits,
+    else (or with KVSTRATA_CPU_INT8_MM=0 / KVSTRATA_CPU_INT8_GEMM=onednn) fbgemm (7-bit
+    activations)."""
+    if int8_linear.available(cpu_has_vnni()):
+        return Int8MatmulLinear, int8_linear.kernel_name()
+    if int8_linear.avx2_gemm_available():
+        return avx2_or_fbgemm, int8_linear.OWN_AVX2_KERNEL
+    return W8A8Int8Linear, KERNEL
+
+
+def avx2_or_fbgemm(weight: torch.Tensor, bias: torch.Tensor | None = None
+                   ) -> "Int8MatmulLinear | W8A8Int8Linear":
+    """Without VNNI: kvstrata's GEMM (AVX2 tile, 8-bit activations) where its layout takes
+    the weight, else fbgemm's layer (7-bit activations: oneDNN's would saturate)."""
+    out_features, in_features = cpu_weight_shape(weight)
+    if int8_linear.own_gemm_fits(in_features, out_features):
+        return Int8MatmulLinear(weight, bias)
+    return W8A8Int8Linear(weight, bias)
+
+
+# The decoder's float weights that are linear layers: (weight attribute, bias attribute).
+_LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
+                  ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
+
+
+def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
+             layer_cls: type) -> None:
+    weight = getattr(owner, weight_name)
+    bias = getattr(owner, bias_name) if bias_name else None
+    q = layer_cls(weight, bias)
+    # Drop the float registrations first: a Module cannot be assigned over a Parameter.
+    delattr(owner, weight_name)
+    setattr(owner, weight_name, q)
+    if bias_name and bias is not None:
+        delattr(owner, bias_name)
+        setattr(owner, bias_name, None)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all weights: float parameters plus the packed matrices of int8 and oneDNN
+    layers (runner/cpu/packed_linear.py), which are not parameters."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.nbytes for m in model.modules()
+                        if isinstance(m, (W8A8Int8Linear, Int8MatmulLinear, PackedLinear)))
+
+
+def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,
+                   smoothing: str = "none") -> dict:
+    """Replace every linear layer of a loaded DecoderForCausalLM in place; returns what ran
+    (for /server_info). With `calibration_ids`, activation outliers are first smoothed into
+    the weights (runner/quant/smoothing.py). The float matrices are released as each layer is
+    replaced."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                         f"got {method!r}")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"--quantization {method} is built for CPU only")
+    before = weight_bytes(model)
+    layer_cls, kernel = int8_kernel()
+    head_scale = smooth_model(model, calibration_ids) if calibration_ids else None
+    for layer in model.layers:
+        for weight_name, bias_name in _LAYER_LINEARS:
+            _replace(layer, weight_name, bias_name, layer_cls)
+    tied = model.lm_head is model.embed
+    if tied:
+        # The lookup keeps the float matrix; the projection gets an int8 copy of it.
+        head = model.embed if head_scale is None else model.embed * head_scale
+        q = layer_cls(head)
+        delattr(model, "lm_head")
+        model.lm_head = q
+    else:
+        if head_scale is not None:
+            model.lm_head.data.mul_(head_scale)
+        _replace(model, "lm_head", None, layer_cls)
+    model.linear = quantized_linear
+    return {"quantization": method, "kernel": kernel,
+            # 7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2
+            # tile does not take beside the ones it does
+            "activation_bits": 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
+                                        for m in model.modules()) else 8,
+            "smoothing": smoothing,
+            "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
+            "tied_output_projection_copy": tied}

@@ -1,0 +1,40 @@
+"""Which draft a runner builds for `--speculative-algorithm` (NGRAM needs none: the engine
+drafts from its n-gram cache)."""
+from __future__ import annotations
+
+import torch
+
+from kvstrata.runner.spec.standalone import DraftModel
+
+
+def build_draft(target, device: torch.device, dtype: str, path: str | None, algorithm: str,
+                quantization: str | None, tree: tuple[int, int], token_map: str | None,
+                target_source, dsa_fused_topk: bool) -> DraftModel | None:
+    """STANDALONE: a second checkpoint. EAGLE / EAGLE3: a head over a llama-family target;
+    over a DeepSeek (MLA) target, EAGLE is NEXTN after resolution: its own MTP layer."""
+    if path is None:
+        return None
+    if algorithm in ("EAGLE", "EAGLE3") and target.pool_kind == "mla":
+        from kvstrata.runner.spec.mtp import MTPDraft
+
+        if hasattr(target, "full_dims"):
+            raise NotImplementedError("not implemented yet: NEXTN (the MTP layer as an EAGLE "
+                                      "draft) with --tp-size > 1")
+
+        if algorithm == "EAGLE3" or token_map is not None:
+            raise NotImplementedError(f"not implemented yet: --speculative-algorithm "
+                                      f"{algorithm}{' with a token map' if token_map else ''} "
+                                      f"on {type(target).__name__} (NEXTN drafts with its "
+                                      f"MTP layer)")
+        return MTPDraft(path, target, device, tree, dsa_fused_topk)
+    if algorithm in ("EAGLE", "EAGLE3"):
+        from kvstrata.runner.spec.eagle import EagleDraft
+
+        return EagleDraft(path, target, device, tree, token_map, target_source, algorithm)
+    # A tensor-parallel target's dims are its rank's share (a vocabulary slice): the draft,
+    # whole on every rank, must match the whole vocabulary.
+    vocab = getattr(target, "full_dims", target.dims).vocab_size
+    return DraftModel(path, dtype, device, quantization, vocab, tree)
+
+
+__all__ = ["build_draft"]
