@@ -32,10 +32,10 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 from kvstrata.engine.sides.disagg_retract import EXHAUSTED_MESSAGE, OOM_LAST_MESSAGE
-from kvstrata.engine.sides.registry import spec_side
+from kvstrata.engine.sides.registry import pd_side, spec_side
+from tests.unit import end_counter
 from tests.unit.fake_runner import pattern_drafter, reference_tokens
 from tests.unit.pd_fake import PDPair
-from kvstrata.engine.sides.registry import pd_side
 
 VOCAB = 211
 MAX_REQUESTS = 8
@@ -126,6 +126,8 @@ class PDMachine(RuleBasedStateMachine):
         elif cfg["spec"] is not None:
             self.pair.decode_runner.draft_rng.seed(cfg["spec"][1])
         self.pair.hub.peer_timeout = 40
+        self.ends = {side: end_counter.install(getattr(self.pair, side))
+                     for side in ("prefill", "decode")}
         self.requests: dict[str, tuple[list[int], int, str | None]] = {}
         self.client_aborted: dict[str, set[str]] = {"prefill": set(), "decode": set()}
         self.arrive(first)
@@ -194,6 +196,7 @@ class PDMachine(RuleBasedStateMachine):
             event(f"decode accepted drafts > 0: {self.pair.decode_runner.verified_drafts > 0}")
         for side in ("prefill", "decode"):
             assert set(pair.finished[side]) == set(self.requests), f"{side}: a request never ended"
+            self.ends[side].check_drained(side)  # one end path, once (KV in flight too)
         for rid, (ids, max_new, inject) in self.requests.items():
             self._check_outcome(rid, ids, max_new, inject)
 

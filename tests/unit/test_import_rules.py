@@ -100,7 +100,15 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        # `if TYPE_CHECKING:` imports never run: an annotation naming the caller (a helper
+        # module typed with the Scheduler that calls it) is no import order to get wrong
+        typing_only = {id(n) for block in ast.walk(tree)
+                       if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                       for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -166,10 +174,12 @@ SUB_LAYERS = {
     "engine": {
         # the sides see requests, each other and the core's one shared constant; the
         # scheduler through its facade only (never kvstrata.engine.scheduler.core)
-        "sides": {"sides", "request", "scheduler.new_token_ratio"},
+        "sides": {"sides", "request", "scheduler.facade", "scheduler.new_token_ratio"},
         "scheduler": {"scheduler", "request", "sides.base", "sides.registry"},
     },
 }
+# The one file that wires sides onto the Scheduler itself (annotations only).
+SUB_LAYER_EXCEPTIONS = {"engine/sides/registry.py": {"scheduler.core"}}
 
 
 def _sub_layer_cases():
@@ -194,7 +204,8 @@ def test_every_sub_package_has_a_rule_and_a_file_map():
 @pytest.mark.parametrize("layer,package,path", list(_sub_layer_cases()),
                          ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else "")
 def test_sub_layer_imports(layer, package, path):
-    allowed = SUB_LAYERS[layer][package]
+    allowed = SUB_LAYERS[layer][package] | SUB_LAYER_EXCEPTIONS.get(
+        str(path.relative_to(ROOT)), set())
     prefix = f"kvstrata.{layer}."
     for module, line in imported_modules(ast.parse(path.read_text(), str(path))):
         if not module.startswith(prefix):

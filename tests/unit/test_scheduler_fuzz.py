@@ -35,6 +35,7 @@ from kvstrata.engine.scheduler.core import SchedulerConfig
 from kvstrata.engine.sides.priority import EVICTED_MESSAGE, QUEUE_FULL_MESSAGE
 from kvstrata.engine.sides.registry import spec_side
 from kvstrata.protocol import SamplingParams
+from tests.unit import end_counter
 from tests.unit.fake_runner import (FakeRunner, FakeStorage, pattern_drafter,
                                     reference_tokens)
 
@@ -120,6 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             spec_side(self.engine.scheduler).draft = pattern_drafter(*cfg["spec"][:2], VOCAB)
         elif cfg["spec"] is not None:
             self.runner.draft_rng.seed(cfg["spec"][1])
+        self.ends = end_counter.install(self.engine)
         if store is not None:
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
@@ -192,6 +194,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + self.engine.dump_state())
         assert set(self.finished) == set(self.requests), "a request never ended"
+        self.ends.check_drained()  # every ending went through the one path, once
         sched = self.engine.scheduler
         event(f"retractions: {min(sched.num_retractions, 3)}")
         event(f"chunked steps: {min(self.chunked_steps, 3)}")

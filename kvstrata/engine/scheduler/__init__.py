@@ -1,7 +1,9 @@
 """The scheduler core (no torch): continuous batching, chunked prefill, retraction, the
 progress guarantee. Sides (engine/sides/) plug into it through its facade.
 
-  core.py             Scheduler: queues, one step's prefill or decode batch, results
+  core.py             Scheduler: queues, one step's prefill or decode batch, results, and
+                      the one end of every request (finish)
+  facade.py           SchedulerFacade: the typed interface sides get (all they may touch)
   config.py           SchedulerConfig (the KV plan + scheduling policy)
   prefill_adder.py    which waiting requests join a prefill batch (token budgets)
   new_token_ratio.py  how much of max_new_tokens admission reserves (SGLang's estimator)

@@ -102,16 +102,21 @@ class Scheduler:
                 return self.finish(req, reason)
         return None
 
-    # ---- the sides' facade: what a side may do to the scheduler (engine/sides/base.py) ----
-    def finish(self, req: Request, reason: FinishReason) -> Request:
-        """End `req` (out of every scheduler queue already): release its KV and row, tell
-        the runner to forget it, then every side's on_finish."""
+    # ---- the sides' facade (engine/scheduler/facade.py SchedulerFacade) ----
+    def finish(self, req: Request, reason: FinishReason, *, release_kv: bool = True) -> Request:
+        """The one end of every request the scheduler was given, whatever the path (stop,
+        abort, out of memory, a failed transfer, a full queue, PD KV still in flight): mark
+        it finished, release its KV and row, tell the runner to forget it, then every side's
+        on_finish -- exactly once. `release_kv=False`: a side keeps the pages until a
+        transfer that may still touch them ends (PD), and frees them itself."""
+        if req.status is RequestStatus.FINISHED:
+            raise AssertionError(f"{req.rid} ended twice ({req.finish_reason} then {reason})")
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         # Ended while a verify ran (abort): only committed tokens' KV may reach the tree.
         req.num_computed_tokens = min(req.num_computed_tokens, req.seq_len)
         self.kv.abort_prefetch(req.rid)  # a prefetch still running for it is cancelled
-        if req.row or req.pages or req.last_node is not None:
+        if release_kv and (req.row or req.pages or req.last_node is not None):
             self.kv.release(req, insert=True)
             self.free_row(req)
         self.forget_in_runner(req)
@@ -161,6 +166,12 @@ class Scheduler:
     def count_retractions(self, retracted: int, remaining: list[Request]) -> None:
         self.num_retractions += retracted
         self.ratio.after_retraction(retracted, remaining)
+
+    def reserved_tokens(self, req: Request) -> int:
+        return self.ratio.reserved_tokens(req)
+
+    def check_stop(self, req: Request) -> FinishReason | None:
+        return self.stop_checker.check(req)
 
     def decode_pages_needed(self, reqs: list[Request], drafts: dict | None = None) -> int:
         return sum(self.kv.pages_needed(r, r.seq_len + len((drafts or {}).get(r.rid, ())))

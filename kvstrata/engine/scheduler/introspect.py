@@ -2,8 +2,13 @@
 KVSTRATA_CHECK_INTEGRITY, and the human-readable snapshot for stall and watchdog logs."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstrata.cache.invariants import check_kv_state
 from kvstrata.engine.request import Request
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.core import Scheduler
 
 
 def brief(r: Request) -> str:
@@ -13,7 +18,7 @@ def brief(r: Request) -> str:
             f"retracted={r.retraction_count})")
 
 
-def dump_state(sched) -> str:
+def dump_state(sched: Scheduler) -> str:
     """Queues and KV usage of `sched`."""
     kv = sched.kv
     lines = [
@@ -34,7 +39,7 @@ def dump_state(sched) -> str:
     return "\n".join(lines)
 
 
-def check_scheduler(sched) -> None:
+def check_scheduler(sched: Scheduler) -> None:
     """KV invariants over every request holding pages (live ones and, on a PD server, those
     in transfer or transferred), rows, and queue membership."""
     live = sched.live_requests()

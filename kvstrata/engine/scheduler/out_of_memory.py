@@ -4,12 +4,16 @@ scheduler (its own helpers, not a side: they manage its queues)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.request import Request
 from kvstrata.engine.scheduler.introspect import dump_state
 from kvstrata.engine.scheduler.new_token_ratio import RETRACT_DECODE_STEPS
 from kvstrata.engine.scheduler.prefill_adder import prefill_candidates
 from kvstrata.protocol import FinishReason
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.core import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +22,7 @@ OOM_LAST_REQUEST_MESSAGE = (
 )
 
 
-def stalled(sched) -> bool:
+def stalled(sched: Scheduler) -> bool:
     """Work is waiting, yet this step computes nothing, ends nothing and waits for no copy.
     With requests running, decode always runs (or retracts/aborts), so a stall means
     nothing runs and the head of the queue (or the chunked request) cannot get its pages
@@ -29,7 +33,7 @@ def stalled(sched) -> bool:
                 and not any(side.frees_memory_later() for side in sched.sides))
 
 
-def retract_for_decode(sched) -> None:
+def retract_for_decode(sched: Scheduler) -> None:
     """Free memory for the decode batch: the chunked request first (it has not reached
     decode, and its computed pages stay in the tree as evictable cache), then running
     requests, fewest generated tokens first, ties: longest prompt. The last running request
@@ -60,7 +64,7 @@ def retract_for_decode(sched) -> None:
     sched.count_retractions(len(retracted), remaining)
 
 
-def abort_unfittable(sched) -> None:
+def abort_unfittable(sched: Scheduler) -> None:
     """The progress guarantee: a step that computes nothing while work waits aborts the
     request that cannot fit alone (clear error, no silent spin); anything else is a
     scheduler bug and fails fast with the state."""

@@ -20,8 +20,12 @@ the budget must not promise more than the allocator can give.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.core import Scheduler
 
 
 @dataclass
@@ -118,7 +122,7 @@ class PrefillAdder:
 LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves
 
 
-def prefill_candidates(sched) -> list:
+def prefill_candidates(sched: Scheduler) -> list:
     """The waiting queue in admission order: a side's order where one keeps it (priority
     scheduling, engine/sides/priority.py), else fcfs, lof (longest max_new_tokens first, fcfs on ties), or
     lpm (longest cached prefix first, fcfs on ties) while the queue is short enough for the

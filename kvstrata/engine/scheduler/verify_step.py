@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 from kvstrata.engine.sides.base import SchedulerSide
 from kvstrata.protocol.scheduler_output import TreeDraft
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: no import circle
     from kvstrata.engine.request import Request
+    from kvstrata.engine.scheduler.core import Scheduler
 
 
-def collect_drafts(sched) -> dict[str, list[int]] | None:
+def collect_drafts(sched: Scheduler) -> dict[str, list[int]] | None:
     """The sides' draft tokens per running request (None: no side drafts at all). Bounded
     so that every draft could be accepted without passing max_new_tokens or the context
     length."""
@@ -56,7 +57,7 @@ def settle_verified(drafted: dict[str, tuple[int, int]], by_id: dict[str, Reques
     return produced
 
 
-def after_verified(sched, drafted: dict[str, tuple[int, int]],
+def after_verified(sched: Scheduler, drafted: dict[str, tuple[int, int]],
                    by_id: dict[str, Request], produced: dict[str, int]) -> None:
     """After the tokens are appended: the pages of rejected drafts go back to the pool, and
     the sides count the pass."""

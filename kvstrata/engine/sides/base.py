@@ -4,16 +4,20 @@ and its KV backup inside the decode side) and speculative decoding (engine/sides
 and priority scheduling with its bounded queue (engine/sides/priority.py).
 
 The scheduler calls every side at fixed points of a step, in the order the sides were
-registered, and never asks which sides exist. A side reaches the scheduler only through
-`SchedulerFacade` (the public methods below the line in engine/scheduler/core.py): it never
-touches the scheduler's private state.
+registered, and never asks which sides exist. A side is given the scheduler typed as
+`SchedulerFacade` (engine/scheduler/facade.py) and touches nothing else of it
+(tests/unit/test_side_facade.py checks the source).
 
 Contract -- what a side may assume:
   - hooks run on the scheduler's thread, one at a time, between two runner calls;
   - a request it takes in `take` is its own until it hands it to the scheduler's queues
     (`waiting`, `running`) or ends it through `facade.finish`;
-  - `on_finish` is called exactly once for every request that ends, whatever the path
-    (finish, abort, out of memory, a failed transfer), after its pages and row are freed.
+  - `on_finish` is called exactly once for every request the scheduler was given, whatever
+    way it ends (stop, abort, out of memory, a failed transfer, a full queue, preemption, PD
+    KV still in flight), because every ending goes through `Scheduler.finish`; its pages and
+    row are freed by then, except pages a live PD transfer may still touch (the PD side
+    frees those when the transfer ends). A request refused at arrival was never given:
+    sides see it in `reject` instead.
 What a side must guarantee:
   - every request it holds is reachable through `queued()` (and, if it holds pages,
     `kv_holders()`), so that aborts, dumps and the integrity check see it;

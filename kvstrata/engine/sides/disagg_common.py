@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, page_bytes
-from kvstrata.engine.request import Request, RequestStatus
+from kvstrata.engine.request import Request
 from kvstrata.engine.sides.base import SchedulerSide
 from kvstrata.protocol import FinishReason, of_type
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.facade import SchedulerFacade
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ class DisaggSide(SchedulerSide):
     # valid KV worth caching) or not (decode: received KV is never shared).
     insert_on_release = True
 
-    def __init__(self, sched, num_slots: int):
+    def __init__(self, sched: SchedulerFacade, num_slots: int):
         self.sched = sched
         self.kv = sched.kv
         self.page_size = sched.page_size
@@ -199,14 +203,13 @@ class DisaggSide(SchedulerSide):
 
     def _end_holding_kv(self, req: Request, reason: FinishReason) -> Request:
         """End a request whose pages a live transfer may still touch: answer now, keep the
-        pages until the room reports its end."""
-        req.finish_reason = reason
-        req.status = RequestStatus.FINISHED
-        self.sched.forget_in_runner(req)
+        pages until the room reports its end (`_end_drain` frees them). It still ends
+        through the scheduler's one path, so every side's on_finish runs (this side's sees
+        the room draining already and sends nothing more)."""
         room = self._room(req)
         room.draining = room.holds_kv = True
         self.emit("abort", req.bootstrap.room)
-        return req
+        return self.sched.finish(req, reason, release_kv=False)
 
     def _end_drain(self, room: Room) -> None:
         if room.holds_kv:

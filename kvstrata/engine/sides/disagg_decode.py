@@ -41,6 +41,7 @@ retracted requests are resumed, restored into new pages, before any new admissio
 from __future__ import annotations
 
 import msgspec
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.request import Request
 from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -49,12 +50,15 @@ from kvstrata.engine.sides.disagg_retract import DecodeRetraction
 from kvstrata.engine.sides.priority import priority_order
 from kvstrata.protocol.disagg import KVPoll, PDEvent, dsa_seed_from_extras
 
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.facade import SchedulerFacade
+
 
 class DecodeDisagg(DisaggSide):
     mode = "decode"
     insert_on_release = False
 
-    def __init__(self, sched):
+    def __init__(self, sched: SchedulerFacade):
         cfg = sched.config
         self.max_holding = cfg.max_running_requests + cfg.decode_extra_slots
         super().__init__(sched, self.max_holding)
@@ -106,25 +110,25 @@ class DecodeDisagg(DisaggSide):
         return super().needs_poll() or bool(self.retraction.ops)
 
     # ------------------------------------------------------------------ admission
-    def _holding(self) -> int:
+    def holding(self) -> int:
         return len(self.sched.running) + len(self.transfer) + len(self.prebuilt)
 
-    def _budget(self) -> tuple[int, int]:
+    def budget(self) -> tuple[int, int]:
         running = self.sched.running
         retractable = sum(r.seq_len for r in running)
         need_single = max((min(r.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
                            + len(r.prompt_ids) - retractable for r in running), default=0)
-        reserved = self.reserved * self._holding()
+        reserved = self.reserved * self.holding()
         return self.kv.allocatable_tokens() - max(reserved, need_single), retractable
 
     def _admit(self) -> None:
-        allocatable, retractable = self._budget()
+        allocatable, retractable = self.budget()
         P = self.page_size
         for req in priority_order(self.sched.config, self.prealloc):
             room = self._room(req)
             if room.state != KVPoll.WAITING_FOR_INPUT:
                 continue
-            if self._holding() >= self.max_holding or not self.free_slots:
+            if self.holding() >= self.max_holding or not self.free_slots:
                 break
             # Decode radix cache: the cached whole pages of the prompt are not transferred
             # again; only the rest is reserved (a dry run first: a head that does not fit
@@ -135,7 +139,7 @@ class DecodeDisagg(DisaggSide):
             need = self.pages_for(len(req.prompt_ids)) * P - held
             clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
             fits = max(need + self.reserved, need + clip - retractable) <= allocatable
-            idle = not self._holding() and not self.frees_memory_later()
+            idle = not self.holding() and not self.frees_memory_later()
             if not (fits or (idle and need <= self.kv.allocatable_tokens())):
                 break
             if self.radix:  # lock the prefix for the request's lifetime (with a decode
@@ -193,7 +197,7 @@ class DecodeDisagg(DisaggSide):
         req.num_computed_tokens = len(req.prompt_ids)
         req.row_stale_from = 0
         self._forget(room)
-        reason = self.sched.stop_checker.check(req)
+        reason = self.sched.check_stop(req)
         if reason is not None:
             return self.sched.finish(req, reason)
         self.prebuilt.append(req)

@@ -21,6 +21,7 @@ Metadata slots: 2 x max_running_requests (a slot is held from sender_init to the
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.request import Request
 from kvstrata.engine.sides.disagg_common import DisaggSide, Room
@@ -29,6 +30,9 @@ from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import DSA_SEED_KEY, KVPoll, PDEvent, PDMetadata
 from kvstrata.protocol.scheduler_output import RunnerOutput
 
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.facade import SchedulerFacade
+
 PREFILL_SLOTS_PER_ROW = 2
 
 
@@ -36,7 +40,7 @@ class PrefillDisagg(DisaggSide):
     mode = "prefill"
     insert_on_release = True
 
-    def __init__(self, sched):
+    def __init__(self, sched: SchedulerFacade):
         super().__init__(sched, PREFILL_SLOTS_PER_ROW * sched.config.max_running_requests)
         self.bootstrap: list[Request] = []
         self.inflight: list[Request] = []

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import BackupOp
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.sides.disagg_decode import DecodeDisagg
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class Backup:
 class DecodeRetraction:
     """Owned by DecodeDisagg: the retracted queue, the backups and their BackupOps."""
 
-    def __init__(self, side, backend: str):
+    def __init__(self, side: DecodeDisagg, backend: str):
         if backend not in BACKENDS:
             raise ValueError(f"unknown retraction backup backend {backend!r}")
         self.side = side
@@ -145,14 +149,14 @@ class DecodeRetraction:
         if not self.retracted:
             return
         side = self.side
-        allocatable, _ = side._budget()
+        allocatable, _ = side.budget()
         P = side.page_size
         for req in list(self.retracted):
-            if side._holding() >= side.max_holding:
+            if side.holding() >= side.max_holding:
                 break
             backup = self.backups[req.rid]
             need = backup.num_pages * P
-            idle = not side._holding() and not side.frees_memory_later()
+            idle = not side.holding() and not side.frees_memory_later()
             fits = need + side.reserved <= allocatable
             if not (fits or (idle and need <= self.kv.allocatable_tokens())):
                 break

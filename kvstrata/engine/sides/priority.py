@@ -35,6 +35,9 @@ from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMA
 from kvstrata.engine.sides.base import SchedulerSide
 from kvstrata.protocol import FinishReason
 
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.facade import SchedulerFacade
+
 if TYPE_CHECKING:  # annotations only
     from kvstrata.engine.request import Request
 
@@ -81,7 +84,7 @@ def _least_preferred_first(config):
 class PrioritySide(SchedulerSide):
     """The bounded queue at arrival and preemption when the batch is full (module doc)."""
 
-    def __init__(self, sched):
+    def __init__(self, sched: SchedulerFacade):
         self.sched = sched
         cfg = sched.config
         self.config = cfg
@@ -134,12 +137,12 @@ class PrioritySide(SchedulerSide):
             if (req.priority - running.priority) * -sign <= self.threshold:
                 break  # least preferred first: no later candidate qualifies either
             victims.append(running)
-            need -= running.seq_len + sched.ratio.reserved_tokens(running)
+            need -= running.seq_len + sched.reserved_tokens(running)
             if need <= 0:
                 break
         if not victims or need > 0:
             return False
-        reserved = sum(sched.ratio.reserved_tokens(v) for v in victims)
+        reserved = sum(sched.reserved_tokens(v) for v in victims)
         empty_after = (adder is not None and len(victims) == len(sched.running)
                        and sched.chunked_req is None and not adder.items)
         if adder is not None:

@@ -4,16 +4,21 @@ subclass (engine/sides/base.py), its ops/events in protocol/, its executor in th
 line here (docs/architecture.md, "How to add a side")."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstrata.engine.sides.disagg_common import DisaggSide
 from kvstrata.engine.sides.disagg_decode import DecodeDisagg
 from kvstrata.engine.sides.disagg_prefill import PrefillDisagg
 from kvstrata.engine.sides.priority import PrioritySide
 from kvstrata.engine.sides.speculative import SpeculativeSide
 
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.core import Scheduler
+
 _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
 
 
-def build_sides(sched) -> None:
+def build_sides(sched: Scheduler) -> None:
     """Register the sides `sched.config` asks for, in call order, on `sched.sides`.
     Speculation comes first: it only watches arrivals (`take` returns False); priority
     next (it refuses arrivals to a full queue), and a PD side takes every request it sees. A prefill server never decodes: no drafts."""
@@ -27,11 +32,11 @@ def build_sides(sched) -> None:
         sched.sides.append(side(sched))
 
 
-def spec_side(sched) -> SpeculativeSide | None:
+def spec_side(sched: Scheduler) -> SpeculativeSide | None:
     return next((s for s in sched.sides if isinstance(s, SpeculativeSide)), None)
 
 
-def pd_side(sched) -> DisaggSide | None:
+def pd_side(sched: Scheduler) -> DisaggSide | None:
     """The PD side (prefill or decode, with decode retraction inside), None when co-located:
     for the engine factory (metadata slots) and introspection."""
     return next((s for s in sched.sides if isinstance(s, DisaggSide)), None)

@@ -18,11 +18,15 @@ runner/spec/eagle.py). EAGLE3 and NEXTN are refused at start-up until built.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from kvstrata.engine.sides.base import SchedulerSide
 from kvstrata.engine.sides.ngram_cache import NgramCache
 from kvstrata.engine.sides.spec_gate import SpecGate
 from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
+
+if TYPE_CHECKING:  # annotations only: no import circle
+    from kvstrata.engine.scheduler.facade import SchedulerFacade
 
 MIN_BUDGET = 1  # a request always keeps one draft token: the probe that lets it grow back
 START_BUDGET = 1 << 30  # capped at num_draft_tokens - 1: a new request drafts in full
@@ -43,7 +47,7 @@ PROBE_REQUESTS_DRAFT_MODEL = 1
 
 
 class SpeculativeSide(SchedulerSide):
-    def __init__(self, sched):
+    def __init__(self, sched: SchedulerFacade):
         cfg = sched.config
         self.algorithm = cfg.speculative_algorithm
         # PD decode + NEXTN: first draft rounds by seed outcome (runner/spec/handoff.py)
