@@ -85,6 +85,11 @@ KVSTRATA_DEBUG_SLOW_STEP = _declare(
     "KVSTRATA_DEBUG_SLOW_STEP", str, "",
     "Fault injection for tests of --watchdog-timeout: `N:SECONDS` makes the scheduler "
     "process sleep SECONDS inside its N-th engine step (1-based), as a stuck forward would.")
+KVSTRATA_DEBUG_RANK_EXIT = _declare(
+    "KVSTRATA_DEBUG_RANK_EXIT", str, "",
+    "Fault injection for tests of a tensor-parallel start-up: `RANK:CODE` makes rank RANK's "
+    "process (RANK > 0) log an error and exit with CODE before it joins the group, as a rank "
+    "that fails to start would.")
 KVSTRATA_LOG_RESOLUTIONS = _declare(
     "KVSTRATA_LOG_RESOLUTIONS", bool, True,
     "Log each start-up Resolution (field, old -> new, rule, reason) once at start; rewrites "

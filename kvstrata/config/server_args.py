@@ -161,6 +161,15 @@ class ServerArgs:
                                            "(torch.distributed's store, served by node 0); "
                                            "needed with --nnodes > 1 (default: a free "
                                            "127.0.0.1 port).", group="parallelism")
+    # SGLang's flag (its default None: torch's own timeouts); here it bounds the join only,
+    # collectives keep --watchdog-timeout.
+    dist_timeout: int | None = opt(None, "Seconds start-up waits for every tensor-parallel "
+                                         "rank to join the group at --dist-init-addr; a rank "
+                                         "still missing then fails start-up, naming it and "
+                                         "the address (a rank this launcher started that "
+                                         "exits first fails it at once, with its exit code "
+                                         "and last lines). Default: --watchdog-timeout.",
+                                   group="parallelism")
     dcp_size: int = opt(1, "Decode context parallel size (> 1 enables DCP).",
                         group="parallelism")
 

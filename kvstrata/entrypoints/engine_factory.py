@@ -172,13 +172,13 @@ def build_runner_or_ranks(server_args: ServerArgs
         store, init_addr = listen_store(server_args.tp_size, float(server_args.watchdog_timeout))
     p = tp_ranks.placement(server_args, 0, init_addr, store)
     procs = tp_ranks.spawn_ranks(server_args, init_addr, p.local_ranks()[1:])
+    # Until the heartbeat starts (below), rank 0 watches its rank processes itself: while
+    # the group forms (a rank that dies first fails start-up at once) and after a failure.
+    p = dataclasses.replace(p, watch=tp_ranks.watch_ranks(procs))
     try:
         runner, args, plan, resolutions = build_runner(server_args, p)
-    except BaseException:
-        for q in procs:
-            q.kill()
-            q.wait()
-        raise
+    except BaseException as e:
+        raise tp_ranks.stop_ranks(procs, e)  # e, or one naming the ranks that died
     joined = runner.tp_rank
     driver = TPDriver(runner, joined.links, procs, joined.restore)
     driver.reply_timeout_s = p.timeout_s

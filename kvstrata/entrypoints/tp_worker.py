@@ -34,11 +34,24 @@ def run_rank(args: ServerArgs, rank: int, init_addr: str) -> int:
     return 0
 
 
+def _debug_exit(rank: int) -> None:
+    """KVSTRATA_DEBUG_RANK_EXIT="RANK:CODE": this rank fails before it joins the group."""
+    raw = envs.KVSTRATA_DEBUG_RANK_EXIT.get().strip()
+    if not raw:
+        return
+    target, _, code = raw.partition(":")
+    if int(target) == rank:
+        logger.error("KVSTRATA_DEBUG_RANK_EXIT: rank %d exits with code %s before joining",
+                     rank, code)
+        exit_now(int(code))
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
     rank, init_addr = int(argv[0]), argv[1]
     args = ServerArgs(**msgspec.json.decode(argv[2]))
     setup_child_logging(args, f"tp{rank}")
+    _debug_exit(rank)
     try:
         return run_rank(args, rank, init_addr)
     except Exception:

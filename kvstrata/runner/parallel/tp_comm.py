@@ -9,6 +9,8 @@ Step messages do not ride the gloo group because a gloo wait has one timeout for
 an idle server would trip it. Heartbeats make a dead or stopped rank visible within
 KVSTRATA_TP_HEARTBEAT_TIMEOUT even while the server is idle (a collective of a step in flight
 ends sooner: gloo fails it when the peer's socket closes, or at --watchdog-timeout).
+Before any of that, the group forms in wait_for_ranks: a rank that dies or never comes
+fails start-up within a poll, or at --dist-timeout, by name.
 """
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ class TPPlacement:
     # Rank 0's store when it is already listening (listen_store), else None: init_group
     # then opens it at init_addr (rank 0 as its server, the others as clients).
     store: Any = field(default=None, compare=False, repr=False)
+    join_timeout_s: float = 300.0  # start-up waits this long for every rank (--dist-timeout)
+    # A launcher's rank 0 (which started this node's other ranks): raises RankStartError
+    # when one of them exited. Called between the short waits for the group to form.
+    watch: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def per_node(self) -> int:
@@ -161,13 +167,70 @@ def listen_store(size: int, timeout_s: float, host: str = "127.0.0.1"
     return store, f"{host}:{store.port}"
 
 
+class RankStartError(RuntimeError):
+    """A rank died or never joined the group at start-up; the message names the rank and
+    how it ended (or what was waited for, where)."""
+
+
+JOINED_KEY = "kvstrata/joined/{}"
+JOIN_POLL_S = 0.1
+
+
 def _open_store(p: TPPlacement) -> dist.TCPStore:
     if p.store is not None:
         return p.store
     host, _, port = p.init_addr.rpartition(":")
-    return dist.TCPStore(host.strip("[]"), int(port), p.size, p.rank == 0,
-                         timeout=datetime.timedelta(seconds=p.timeout_s),
-                         wait_for_workers=False)
+    try:  # a client retries connecting until the timeout: node 0 may start later
+        return dist.TCPStore(host.strip("[]"), int(port), p.size, p.rank == 0,
+                             timeout=datetime.timedelta(seconds=p.join_timeout_s),
+                             wait_for_workers=False)
+    except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
+        if p.rank == 0:
+            raise  # its own message (e.g. the address is in use) says it
+        raise RankStartError(
+            f"tensor parallelism: rank {p.rank} could not reach the group's store at "
+            f"{p.init_addr} within {p.join_timeout_s:g} s (--dist-timeout): is node 0 "
+            "(`kvstrata serve --node-rank 0`) running, and is that address reachable from "
+            "here?") from e
+
+
+def wait_for_ranks(store: dist.Store, p: TPPlacement) -> None:
+    """Say that this rank is here, then wait until every rank has said so.
+
+    torch's own rendezvous (in init_process_group) waits in C++ for its whole timeout and
+    cannot be woken: a rank that died before reaching it held the others there, silently,
+    for --watchdog-timeout. This wait is short polls of the store instead, so that rank 0
+    checks the rank processes it started between them (p.watch) and the deadline can name
+    the ranks that never came. Afterwards init_process_group's own wait is brief: everyone
+    is already at its door."""
+    store.set(JOINED_KEY.format(p.rank), str(os.getpid()))
+    missing = list(range(p.size))
+    deadline = time.monotonic() + p.join_timeout_s
+    while True:
+        try:
+            missing = [r for r in missing if not store.check([JOINED_KEY.format(r)])]
+        except RuntimeError as e:  # rank 0's store closed: its start-up failed
+            raise RankStartError(f"tensor parallelism: rank {p.rank} lost the group's store "
+                                 f"at {p.init_addr} while waiting for ranks {missing} (rank "
+                                 "0 stopped its start-up)") from e
+        if not missing:
+            return
+        if p.watch is not None:
+            p.watch()
+        if time.monotonic() >= deadline:
+            raise RankStartError(_not_joined(p, missing))
+        time.sleep(JOIN_POLL_S)
+
+
+def _not_joined(p: TPPlacement, missing: list[int]) -> str:
+    msg = (f"tensor parallelism: rank {p.rank} waited {p.join_timeout_s:g} s (--dist-timeout) "
+           f"for ranks {missing} to join the group at {p.init_addr}; they never did")
+    nodes = sorted({r // p.per_node for r in missing} - {p.node_rank})
+    if nodes:  # another launcher's ranks: the likely cause is that launcher, or the network
+        msg += (f" (is node {', '.join(map(str, nodes))}'s launcher -- `kvstrata serve "
+                f"--nnodes {p.nnodes} --node-rank K --dist-init-addr {p.init_addr}` -- "
+                "running, and that address reachable from it?)")
+    return msg
 
 
 def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> TPGroup:
@@ -175,7 +238,9 @@ def init_group(p: TPPlacement, device: torch.device, allow_shm: bool = True) -> 
 
     backend = collectives_backend(device.type, p.nnodes, platform.machine(),
                                   shm_free_bytes(), p.size, allow_shm)
-    dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=_open_store(p),
+    store = _open_store(p)
+    wait_for_ranks(store, p)
+    dist.init_process_group("nccl" if backend == "nccl" else "gloo", store=store,
                             rank=p.rank, world_size=p.size,
                             timeout=datetime.timedelta(seconds=p.timeout_s))
     group = TPGroup(p.rank, p.size)
@@ -308,5 +373,6 @@ class Heartbeat:
         return None
 
 
-__all__ = ["TPPlacement", "RankLinks", "Heartbeat", "advertise_host", "pin_rank",
-           "init_group", "open_shm", "agree_min", "from_rank0", "all_ranks"]
+__all__ = ["TPPlacement", "RankLinks", "Heartbeat", "RankStartError", "advertise_host",
+           "pin_rank", "wait_for_ranks", "init_group", "open_shm", "agree_min", "from_rank0",
+           "all_ranks"]
