@@ -32,34 +32,14 @@ PREFETCH_OUTCOMES = ("complete", "partial", "cancelled", "revoked")
 # PD decode + NEXTN with IndexShare: what fed each first draft round's sparse attention
 # (load keys spec_dsa_seed_<outcome>; counter kvstrata:spec_dsa_seed_total{outcome}).
 DSA_SEED_OUTCOMES = ("used", "recomputed", "failed_closed")
-# Load-report key -> help (engine/sides/speculative.py SpeculativeSide.load); metric kvstrata:<key>.
-SPEC_COUNTERS = {
-    "spec_verify_steps": "Speculative verify passes (one per request per decode step)",
-    "spec_drafted_tokens": "Draft tokens proposed for verification",
-    "spec_accepted_tokens": "Tokens produced by verify passes (accepted drafts + 1 each)",
-}
-# Load-report key -> help (engine/sides/priority.py PrioritySide.load); counter kvstrata:<key>.
-PRIORITY_COUNTERS = {
-    "num_preempted_reqs": "Running requests preempted for a higher-priority one",
-    "num_queue_full_refused_reqs": "Requests refused because the waiting queue was full",
-    "num_queue_full_evicted_reqs": "Waiting requests evicted from a full queue by a "
-                                   "higher-priority one",
-}
 
-# PD disaggregation (engine/sides/disagg_common.py, disagg_decode.py): running totals in the load
-# report, named as the counters are.
-DISAGG_COUNTERS = {
-    "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped to decode servers",
-    "disagg_kv_bytes_received_total": "KV bytes this decode server received",
-    "disagg_decode_prefix_hit_tokens_total": "Prompt tokens a decode server's radix cache "
-                                             "already held (not transferred)",
-    "disagg_metadata_bytes_received_total": "Transfer metadata bytes a decode server received "
-                                            "(first token, logprobs, DSA seed, draft state)",
-}
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, side_counters: dict[str, str] | None = None):
+        """`side_counters`: load-report keys of the scheduler's sides that are running totals
+        -> help (each side class's `counters`, engine/sides/registry.py side_counters()),
+        exported as counters kvstrata:<key>."""
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -125,16 +105,12 @@ class ServerMetrics:
         self._spec_accept_length = Gauge("kvstrata:spec_accept_length", "Average tokens per "
                                          "verify pass (accepted drafts + 1)", labels,
                                          registry=r)
-        self._spec = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
-                      for key, doc in SPEC_COUNTERS.items()}
         self._dsa_seed = Counter("kvstrata:spec_dsa_seed", "First draft rounds of PD "
                                  "requests (NEXTN + IndexShare) by what fed their sparse "
                                  "attention: the prefill's top-k seed, or the indexer",
                                  labels + ["outcome"], registry=r)
-        self._priority = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
-                          for key, doc in PRIORITY_COUNTERS.items()}
-        self._disagg = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
-                        for key, doc in DISAGG_COUNTERS.items()}
+        self._side = {key: Counter(f"kvstrata:{key}", doc, labels, registry=r)
+                      for key, doc in (side_counters or {}).items()}
         self._seen: dict[str, float] = {}
         self.model_name = model_name
         for reason in ABORT_REASONS:  # export zeros, so dashboards see the series at once
@@ -172,13 +148,11 @@ class ServerMetrics:
             self._set_storage(load)
         if "avg_spec_accept_length" in load:
             self._spec_accept_length.labels(m).set(load["avg_spec_accept_length"])
-            for key, counter in self._spec.items():
-                self._advance(key, load.get(key, 0), counter.labels(m))
             for outcome in DSA_SEED_OUTCOMES:
                 self._advance(f"spec_dsa_seed_{outcome}",
                               load.get(f"spec_dsa_seed_{outcome}", 0),
                               self._dsa_seed.labels(m, outcome))
-        for key, counter in (*self._priority.items(), *self._disagg.items()):
+        for key, counter in self._side.items():
             if key in load:
                 self._advance(key, load[key], counter.labels(m))
 

@@ -150,6 +150,7 @@ def launch_server(server_args) -> int:
 
         from kvstrata.entrypoints.api.api_server import create_app
         from kvstrata.frontend.tokenizer_manager import TokenizerManager
+        from kvstrata.engine.sides.registry import side_counters
         from kvstrata.metrics import ServerMetrics
 
         infos = _wait_ready(children, READY_TIMEOUT_S)
@@ -159,7 +160,7 @@ def launch_server(server_args) -> int:
         served = getattr(server_args, "served_model_name", None) or server_args.model_path
         model_names = [served] + ([server_args.model_path]
                                   if server_args.model_path != served else [])
-        metrics = ServerMetrics(served)
+        metrics = ServerMetrics(served, side_counters=side_counters())
         tm = TokenizerManager(server_args, tokenizer, paths, infos["scheduler"], metrics,
                               children={"scheduler": scheduler_proc,
                                         "detokenizer": detokenizer_proc})

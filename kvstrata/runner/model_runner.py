@@ -26,8 +26,9 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
 from kvstrata.runner.attention.dsa_seed import DSASeedKeeper
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.executors.base import split_ops
+from kvstrata.runner.executors.base import OpExecutor, split_ops
 from kvstrata.runner.executors.hicache import HiCacheExecutor
+from kvstrata.runner.executors.registry import EXECUTORS
 from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor, on_demand_backup
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
@@ -38,7 +39,7 @@ from kvstrata.runner.sampling.sampler import Sampler, SamplingState, finite_logp
 from kvstrata.runner.spec import verify as spec_verify
 from kvstrata.runner.spec.drafts import build_draft
 from kvstrata.runner.spec.handoff import prefill_draft_extend
-from kvstrata.runner.spec.standalone import DraftModel
+from kvstrata.runner.spec.worker import SpecWorker
 logger = logging.getLogger(__name__)
 
 
@@ -77,11 +78,11 @@ class ModelRunner:
                           if self.model.pool_kind == "mla" else None)
         self.pd_role: str | None = None
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
-        self.draft: DraftModel | None = build_draft(
+        self.draft: SpecWorker | None = build_draft(
             self.model, self.device, dtype, draft_model_path, draft_algorithm,
             draft_quantization, draft_tree, draft_token_map, self.source, dsa_fused_topk)
-        if hasattr(self.draft, "seed_keeper"):  # NEXTN: the PD seed feeds its first round
-            self.draft.seed_keeper = self.dsa_seeds
+        if self.draft is not None:  # NEXTN: the PD seed feeds its first round
+            self.draft.use_seed_keeper(self.dsa_seeds)
         self.dtype = self.model.dtype
         # The whole vocabulary (a tensor-parallel rank holds a slice of the table)
         self.vocab_size = getattr(self.model, "full_dims", self.model.dims).vocab_size
@@ -178,15 +179,18 @@ class ModelRunner:
         return ids
 
     # ------------------------------------------------------------------ one step
+    def executors(self) -> list[OpExecutor]:
+        """The executors this runner built, in the registry's order (runner/executors/
+        registry.py: retraction backups, tier moves, PD ops); each lives in the attribute the
+        registry names."""
+        return [ex for ex in (getattr(self, name) for name in EXECUTORS) if ex is not None]
+
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The step's ops go to their executors (runner/executors/base.py) in executor order:
-        retraction backups first (a backed-up request's device pages may be handed to
-        another request -- a PD receive, this forward -- in the same step), then tier moves
-        (loads this forward reads, write-backs of pages it may overwrite), then PD ops; then
-        the forward; then every executor reports its events."""
+        """The step's ops go to their executors (runner/executors/base.py) in registry
+        order; then the forward; then every executor reports its events."""
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
             self.backup = on_demand_backup(self.kv_pool, self.hicache)
-        executors = [ex for ex in (self.backup, self.hicache, self.disagg) if ex is not None]
+        executors = self.executors()
         if self.draft is not None:
             self.draft.on_copies(sched.ops)
         idle = not sched.scheduled
@@ -229,15 +233,11 @@ class ModelRunner:
         return self.hicache.stats() if self.hicache else {}
 
     def shutdown(self) -> None:
-        if self.disagg is not None:
-            self.disagg.close()
-            self.disagg = None
-        if self.hicache is not None:
-            self.hicache.close()
-            self.hicache = None
-        if self.backup is not None:
-            self.backup.close()
-            self.backup = None
+        for name in reversed(EXECUTORS):  # PD first, the backups' host copies last
+            executor = getattr(self, name)
+            if executor is not None:
+                executor.close()
+                setattr(self, name, None)
 
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_rids:
@@ -350,10 +350,9 @@ class ModelRunner:
                 self.draft, reqs, lambda rid: self._reqs[rid].sampling.prompt_token_ids,
                 {rid: toks[0][0] for rid, toks in produced.items()}, self.draft.topk)
             out.dsa_seeds.update(seeds)
-        outcomes = getattr(self.draft, "seed_outcomes", None)
+        outcomes = self.draft.take_seed_outcomes()
         if outcomes:
-            out.dsa_seed_outcomes = dict(outcomes)
-            outcomes.clear()
+            out.dsa_seed_outcomes = outcomes
 
     def _all_ids(self, rid: str) -> list[int]:
         st = self._reqs[rid].sampling
@@ -366,8 +365,8 @@ class ModelRunner:
     def _register(self, new: NewRequestData) -> None:
         if new.dsa_seed is not None and self.dsa_seeds is not None:
             self.dsa_seeds.pending[new.rid] = list(new.dsa_seed)
-        if new.spec_handoff is not None and hasattr(self.draft, "handoffs"):
-            self.draft.handoffs[new.rid] = (new.spec_handoff, len(new.prompt_token_ids))
+        if new.spec_handoff is not None and self.draft is not None:
+            self.draft.accept_handoff(new.rid, new.spec_handoff, len(new.prompt_token_ids))
         state = SamplingState(new.sampling_params, list(new.prompt_token_ids),
                               list(new.output_token_ids))
         if self.grammar is not None:  # structured output: its matcher replays the output

@@ -32,7 +32,7 @@ What a side must guarantee:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:  # annotations only: the scheduler imports the sides, not the reverse
     from kvstrata.engine.request import Request
@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # annotations only: the scheduler imports the sides, not the 
 
 class SchedulerSide:
     """Every hook has a no-op default: a side overrides the points it cares about."""
+
+    # Load-report keys (`load()`) that are running totals -> help: exported as Prometheus
+    # counters kvstrata:<key> (engine/sides/registry.py side_counters(); metrics.py).
+    counters: ClassVar[dict[str, str]] = {}
 
     # ---- arrival
     def validate(self, req: Request) -> str | None:

@@ -55,6 +55,14 @@ if TYPE_CHECKING:  # annotations only: no import circle
 
 
 class DecodeDisagg(DisaggSide):
+    counters = {
+        "disagg_kv_bytes_received_total": "KV bytes this decode server received",
+        "disagg_decode_prefix_hit_tokens_total": "Prompt tokens a decode server's radix cache "
+                                                 "already held (not transferred)",
+        "disagg_metadata_bytes_received_total": "Transfer metadata bytes a decode server "
+                                                "received (first token, logprobs, DSA seed, "
+                                                "draft state)",
+    }
     mode = "decode"
     insert_on_release = False
 

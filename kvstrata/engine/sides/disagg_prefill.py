@@ -37,6 +37,9 @@ PREFILL_SLOTS_PER_ROW = 2
 
 
 class PrefillDisagg(DisaggSide):
+    counters = {
+        "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped to decode servers",
+    }
     mode = "prefill"
     insert_on_release = True
 

@@ -82,6 +82,13 @@ def _least_preferred_first(config):
 
 
 class PrioritySide(SchedulerSide):
+    counters = {
+        "num_preempted_reqs": "Running requests preempted for a higher-priority one",
+        "num_queue_full_refused_reqs": "Requests refused because the waiting queue was full",
+        "num_queue_full_evicted_reqs": "Waiting requests evicted from a full queue by a "
+                                       "higher-priority one",
+    }
+
     """The bounded queue at arrival and preemption when the batch is full (module doc)."""
 
     def __init__(self, sched: SchedulerFacade):

@@ -16,6 +16,13 @@ if TYPE_CHECKING:  # annotations only: no import circle
     from kvstrata.engine.scheduler.core import Scheduler
 
 _PD_SIDES = {"prefill": PrefillDisagg, "decode": DecodeDisagg}
+# Every side class (build_sides below picks from these): metrics read their counters here.
+SIDE_CLASSES = (SpeculativeSide, PrioritySide, PrefillDisagg, DecodeDisagg)
+
+
+def side_counters() -> dict[str, str]:
+    """Every side's running-total load keys -> help (for the Prometheus counters)."""
+    return {key: doc for cls in SIDE_CLASSES for key, doc in cls.counters.items()}
 
 
 def build_sides(sched: Scheduler) -> None:
@@ -42,4 +49,4 @@ def pd_side(sched: Scheduler) -> DisaggSide | None:
     return next((s for s in sched.sides if isinstance(s, DisaggSide)), None)
 
 
-__all__ = ["build_sides", "pd_side", "spec_side"]
+__all__ = ["SIDE_CLASSES", "build_sides", "pd_side", "side_counters", "spec_side"]

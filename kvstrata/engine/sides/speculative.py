@@ -47,6 +47,12 @@ PROBE_REQUESTS_DRAFT_MODEL = 1
 
 
 class SpeculativeSide(SchedulerSide):
+    counters = {
+        "spec_verify_steps": "Speculative verify passes (one per request per decode step)",
+        "spec_drafted_tokens": "Draft tokens proposed for verification",
+        "spec_accepted_tokens": "Tokens produced by verify passes (accepted drafts + 1 each)",
+    }
+
     def __init__(self, sched: SchedulerFacade):
         cfg = sched.config
         self.algorithm = cfg.speculative_algorithm

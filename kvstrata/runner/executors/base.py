@@ -12,9 +12,12 @@ IDLE_WAIT_SECONDS = 0.05
 
 
 class OpExecutor:
-    """`op_types`: the protocol op structs this executor takes. Both calls return Events."""
+    """`op_types`: the protocol op structs this executor takes. Both calls return Events.
+    `event_merges`: how N tensor-parallel ranks' events of each type it reports become one
+    (runner/executors/tp_merge.py); an event type without a rule passes through from rank 0."""
 
     op_types: tuple[type, ...] = ()
+    event_merges: tuple[type, ...] = ()
 
     def apply_ops(self, ops: list, idle: bool) -> list:
         """Before the forward: start (or, for sync ops, finish) this step's ops, in order.

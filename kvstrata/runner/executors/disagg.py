@@ -8,6 +8,7 @@ import logging
 
 from kvstrata.protocol.disagg import KVPoll, PDEvent, PDOp
 from kvstrata.runner.executors.base import IDLE_WAIT_SECONDS, OpExecutor
+from kvstrata.runner.executors.tp_merge import MinRoomState
 from kvstrata.transfer.disagg.base import DisaggManager
 
 logger = logging.getLogger(__name__)
@@ -17,6 +18,7 @@ _FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 class DisaggExecutor(OpExecutor):
     """PD's executor: PDOps before the forward, PDEvents (state changes) after it."""
     op_types = (PDOp,)
+    event_merges = (MinRoomState,)
 
     def apply_ops(self, ops: list, idle: bool) -> list:
         self.apply(ops)

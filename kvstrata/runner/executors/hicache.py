@@ -22,6 +22,7 @@ from kvstrata.kv.storage import StorageConfig, StorageNamespace, create_storage_
 from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, TransferOp
 from kvstrata.runner.executors.base import IDLE_WAIT_SECONDS, OpExecutor
+from kvstrata.runner.executors.tp_merge import AllRanksDone, MinStorageProgress
 from kvstrata.transfer.controller import TransferController
 from kvstrata.transfer.storage_jobs import StorageJobRunner
 
@@ -51,6 +52,7 @@ class HiCacheExecutor(OpExecutor):
     """HiCache's executor: TransferOps (device <-> host copies, host <-> storage jobs) and
     StorageCancels; reports TransferDone and StorageProgress events."""
     op_types = (TransferOp, StorageCancel)
+    event_merges = (AllRanksDone, MinStorageProgress)
 
     def apply_ops(self, ops: list, idle: bool) -> list:
         transfers = [op for op in ops if isinstance(op, TransferOp)]

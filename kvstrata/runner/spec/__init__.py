@@ -2,6 +2,7 @@
 --speculative-algorithm and the target's verification (the engine's half is
 engine/sides/speculative.py; NGRAM needs no draft here, its drafts come from the engine).
 
+  worker.py      SpecWorker: the one interface the model runner uses of any draft
   drafts.py      which draft the runner builds (STANDALONE, EAGLE/EAGLE3, NEXTN)
   standalone.py  STANDALONE: a second checkpoint drafting greedily (the base DraftModel)
   eagle.py       EAGLE / EAGLE3: a draft head over the target's hidden states

@@ -171,6 +171,9 @@ class EagleDraft(DraftModel):
                 self._received.difference_update(op.device_pages)
 
     # ---- validity
+    def accept_handoff(self, rid: str, handoff: SpecHandoff, prompt_len: int) -> None:
+        self.handoffs[rid] = (handoff, prompt_len)
+
     def forget(self, rid: str) -> None:
         super().forget(rid)
         self._verified_at.pop(rid, None)

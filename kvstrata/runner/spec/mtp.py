@@ -86,6 +86,13 @@ class MTPDraft(EagleDraft):
         self.seed_outcomes: dict[str, int] = {}  # this step's first rounds, by outcome
         self.use_pd_seed = envs.KVSTRATA_PD_DSA_SEED.get()
 
+    def take_seed_outcomes(self) -> dict[str, int]:
+        outcomes, self.seed_outcomes = self.seed_outcomes, {}
+        return outcomes
+
+    def use_seed_keeper(self, keeper) -> None:
+        self.seed_keeper = keeper
+
     @property
     def index_share(self) -> bool:
         return self.model.index_share

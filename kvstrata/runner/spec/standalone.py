@@ -117,6 +117,16 @@ class DraftModel:
         self.valid = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=self.device)
 
     # ---- validity
+    def accept_handoff(self, rid: str, handoff, prompt_len: int) -> None:
+        """A PD handoff drives only the EAGLE family's first round (a STANDALONE draft is
+        rebuilt from the prompt on the decode server)."""
+
+    def take_seed_outcomes(self) -> dict[str, int]:
+        return {}
+
+    def use_seed_keeper(self, keeper) -> None:
+        """Only NEXTN's MTP layer reads the PD DSA seeds."""
+
     def forget(self, rid: str) -> None:
         self._known.pop(rid, None)
 
