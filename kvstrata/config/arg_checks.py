@@ -50,6 +50,7 @@ _RANGES: dict[str, tuple] = {
     "context_length": (lambda v: v >= 1, ">= 1"),
     "stream_interval": (lambda v: v >= 1, ">= 1"),
     "watchdog_timeout": (lambda v: v > 0, "> 0"),
+    "grammar_timeout": (lambda v: v > 0, "> 0"),
     "dist_timeout": (lambda v: v > 0, "> 0"),
     "tp_size": (lambda v: v >= 1, ">= 1"),
     "dcp_size": (lambda v: v >= 1, ">= 1"),

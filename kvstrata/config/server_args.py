@@ -258,6 +258,10 @@ class ServerArgs:
               "schema (default: any JSON whitespace).")
     constrained_json_disable_any_whitespace: bool = opt(
         False, "Under a JSON schema allow no whitespace between JSON tokens (compact JSON).")
+    grammar_timeout: float = opt(
+        10.0, "Seconds a request's grammar may take to compile in the API server's check "
+              "before the request is refused with a 400 naming its field (SGLang's "
+              "SGLANG_GRAMMAR_TIMEOUT, 300 there; docs/api.md \"Structured output\").")
     tool_call_parser: str | None = opt(
         None, "The model's tool-call format: chat answers to requests with `tools` are read "
               "into message.tool_calls (docs/api.md \"Tool calling\"). Without it the text "

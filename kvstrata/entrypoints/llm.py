@@ -14,6 +14,7 @@ from kvstrata.config.server_args import ServerArgs
 from kvstrata.engine.request import EngineRequest
 from kvstrata.entrypoints.engine_factory import build_engine, server_info_dict, start_up_info
 from kvstrata.protocol import FinishReason, SamplingParams
+from kvstrata.protocol.grammar import check_grammar
 from kvstrata.protocol.sampling_params import split_top_logprobs
 
 
@@ -86,6 +87,8 @@ class LLM:
                 self.server_args.grammar_backend == "none" or self.tokenizer is None):
             raise ValueError("json_schema / regex / ebnf need the grammar backend and the "
                              "tokenizer (not grammar_backend='none' or skip_tokenizer_init)")
+        for p in params:  # whether each grammar compiles (SamplingParams checked its limits)
+            check_grammar(p)
         rids = [f"offline-{next(self._ids)}" for _ in ids_list]
         for rid, ids, sp in zip(rids, ids_list, params):
             self.engine.add_request(EngineRequest(rid, ids, sp, return_prompt_logprobs=return_logprob))

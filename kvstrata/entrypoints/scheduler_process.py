@@ -16,6 +16,7 @@ import zmq
 
 from kvstrata import envs
 from kvstrata.entrypoints.engine_factory import start_up_info
+from kvstrata.entrypoints.grammar_hold import GrammarHold
 from kvstrata.entrypoints.scheduler_watchdog import (StepWatchdog, engine_state_dump,
                                                       slow_step_from_env)
 from kvstrata.frontend import ipc
@@ -68,6 +69,8 @@ class SchedulerLoop:
         # engine reports no unfinished work: that step carries its error / abort output.
         self.step_pending = False
         self.running = True
+        # requests waiting for their grammar to compile before they join the engine
+        self.grammars = GrammarHold.of(engine)
 
     def handle(self, msg) -> None:
         engine = self.engine
@@ -79,9 +82,13 @@ class SchedulerLoop:
             self.send_sock.send(ipc.encode(ipc.RegisterDetok(
                 rid=msg.rid, stop=stop, skip_special_tokens=sp.skip_special_tokens,
                 trim_stop_token=not sp.no_stop_trim)))
-            engine.add_request(msg)  # the engine's own EngineRequest, as the api built it
-            self.step_pending = True
+            if not self.grammars.hold(msg):
+                engine.add_request(msg)  # the engine's own EngineRequest, as the api built it
+                self.step_pending = True
         elif isinstance(msg, ipc.AbortReq):
+            held = self.grammars.release(msg.rid)
+            if held is not None:  # the engine ends it (and reports it) as any other abort
+                engine.add_request(held)
             engine.abort_request(msg.rid)
             self.step_pending = True
         elif isinstance(msg, ipc.ControlReq):
@@ -123,8 +130,9 @@ class SchedulerLoop:
         poller.register(self.recv_sock, zmq.POLLIN)
         while self.running:
             busy = self.step_pending or self.engine.has_unfinished_requests()
-            # Block (in 1 s slices, to notice shutdown) only when there is nothing to run.
-            if busy or poller.poll(1000):
+            # Block (in 1 s slices, to notice shutdown) only when there is nothing to run;
+            # look at the grammars being compiled every 5 ms.
+            if busy or poller.poll(5 if self.grammars.held else 1000):
                 while True:
                     try:
                         data = self.recv_sock.recv(zmq.NOBLOCK)
@@ -133,6 +141,9 @@ class SchedulerLoop:
                     self.handle(ipc.decode(data, "scheduler"))
             if not self.running:
                 break
+            for req in self.grammars.ready():
+                self.engine.add_request(req)
+                self.step_pending = True
             if self.step_pending or self.engine.has_unfinished_requests():
                 self.step_pending = False
                 outputs = self.timed_step()

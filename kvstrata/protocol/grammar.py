@@ -15,8 +15,13 @@ import functools
 import json
 from typing import Any, Callable
 
+from kvstrata.protocol.grammar_limits import limits_problem, parser_limits
+
 # A grammar's error message is cut here: llguidance prints the grammar after its message.
 _MESSAGE_LIMIT = 400
+# How the runner's message for a grammar that failed while decoding starts (the API names
+# the request's field in the 400 it becomes: serving_openai.output_error).
+GRAMMAR_FAILED = "The request's grammar failed: "
 
 
 def json_options(disable_any_whitespace: bool = False,
@@ -87,31 +92,63 @@ def struct_tags(text: str) -> list:
     return tags
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def grammar_error(field: str, text: str) -> str:
-    """'' when `text` is a valid grammar of its kind, else llguidance's message (cached: a
-    request's params are checked where they are built and again where they are decoded)."""
+    """'' when `text` is a valid grammar of its kind, else llguidance's message, as it is
+    (cached: 64 texts, each within the size limit when grammar_problem calls it). Compiles
+    under parser_limits, so it takes as long as the grammar is large: call it where that
+    blocks nothing (grammar_problem checks the cheap limits first)."""
     import llguidance  # noqa: PLC0415
 
     try:
         grammar = llguidance_grammar(field, text)
     except Exception as e:  # noqa: BLE001 - any conversion failure is the client's grammar
         return str(e) or type(e).__name__
-    return llguidance.LLMatcher.validate_grammar(grammar)
+    return llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
+
+
+def clean_message(message: str) -> str:
+    """llguidance's message for a client: without what it appends (the parser state, a
+    panic's backtrace with the build's paths), on one line, at most _MESSAGE_LIMIT long. A
+    panic (an internal assertion, e.g. a grammar past its symbol table) says only that the
+    grammar is too large: its text means nothing to the client."""
+    for marker in ("<state>", "<backtrace>", "<non-verbose/>"):
+        message = message.split(marker)[0]
+    message = " ".join(message.split())
+    if message.startswith("panic") or "panicked at" in message:
+        return "too large or complex to compile"
+    if len(message) > _MESSAGE_LIMIT:
+        message = message[:_MESSAGE_LIMIT] + " ..."
+    return message
+
+
+def grammar_problem(field: str, text: str) -> str:
+    """'' when the field's text is within the limits and compiles, else why not, as a
+    phrase that follows the field's name ("is not a valid JSON schema: ...")."""
+    problem = limits_problem(field, text)
+    if problem:
+        return problem
+    message = grammar_error(field, text)
+    return f"is not a valid {_KIND[field]}: {clean_message(message)}" if message else ""
+
+
+def check_grammar_limits(params: Any) -> None:
+    """ValueError naming the field when the request's grammar is past the limits
+    (grammar_limits.py). Cheap: SamplingParams runs it wherever it is built or decoded."""
+    field = params.grammar_field
+    problem = limits_problem(field, getattr(params, field)) if field else ""
+    if problem:
+        raise ValueError(f"{field} {problem}")
 
 
 def check_grammar(params: Any) -> None:
-    """ValueError naming the field when the request's json_schema / regex / ebnf is not a
-    grammar llguidance can compile."""
+    """ValueError naming the field when the request's grammar is past the limits or is not
+    one llguidance can compile. Slow for a large grammar: the API server runs it off its
+    event loop (api/grammar_check.py), LLM() before it adds the request."""
     field = params.grammar_field
-    if field is None:
-        return
-    message = grammar_error(field, getattr(params, field))
-    if message:
-        message = " ".join(message.split("<state>")[0].split())
-        if len(message) > _MESSAGE_LIMIT:
-            message = message[:_MESSAGE_LIMIT] + " ..."
-        raise ValueError(f"{field} is not a valid {_KIND[field]}: {message}")
+    problem = grammar_problem(field, getattr(params, field)) if field else ""
+    if problem:
+        raise ValueError(f"{field} {problem}")
 
 
 _KIND = {"json_schema": "JSON schema", "regex": "regular expression",

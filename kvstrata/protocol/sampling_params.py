@@ -2,7 +2,9 @@
 
 Field names follow SGLang's `sampling_params` dict (max_new_tokens, top_k, min_p, ...).
 Every out-of-range value raises ValueError naming the field, so the HTTP layer can turn it
-into a 400 that names the offending parameter.
+into a 400 that names the offending parameter. A grammar is checked against the limits here
+(cheap); whether it compiles is protocol/grammar.py check_grammar's, run apart, because it
+can take seconds and construction also runs where a request is decoded (the scheduler).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.protocol.grammar import check_grammar
+from kvstrata.protocol.grammar import check_grammar_limits
 
 # top_k <= 0 (SGLang uses -1) means "no top-k cut".
 TOP_K_ALL = -1
@@ -24,6 +26,7 @@ _TOKEN_ID_MAX = (1 << 63) - 1
 GREEDY_TEMPERATURE_EPS = 1e-6
 # OpenAI's range for logit_bias values; vLLM clamps to it, SGLang adds any value: clamping
 # keeps SGLang clients' "-1e9 bans a token" working with the same effect (-100 is a ban).
+# The OpenAI routes refuse values outside it, as OpenAI does (serving_openai.py).
 LOGIT_BIAS_LIMIT = 100.0
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -111,7 +114,7 @@ class SamplingParams:
     # JSON string), a regular expression the whole output matches, an EBNF grammar (GBNF,
     # or llguidance's Lark syntax), or a structural tag (tool calls in free text). The
     # sampler masks every token that cannot continue it (runner/sampling/grammar.py);
-    # protocol/grammar.py checks them here.
+    # protocol/grammar.py checks their limits here, check_grammar whether they compile.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -217,7 +220,7 @@ class SamplingParams:
             check(name, getattr(self, name) is None or isinstance(getattr(self, name), str),
                   "must be a string")
         if self.grammar_field is not None:
-            check_grammar(self)
+            check_grammar_limits(self)
         gate = self.reasoning_gate
         check("reasoning_gate", gate is None or (
             isinstance(gate, list) and len(gate) == 3 and all(is_int(t) for t in gate)

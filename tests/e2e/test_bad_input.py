@@ -60,6 +60,11 @@ CASES = [
     ("logit_bias_value_not_a_number", CHAT, {"messages": MSG, "logit_bias": {"1": "5"}}, 400,
      "logit_bias"),
     ("logit_bias_nan", COMP, '{"prompt": "x", "logit_bias": {"1": NaN}}', 400, None),
+    # OpenAI's range for the values (issue 59): was a 200 that always drew token 1
+    ("logit_bias_past_openai_range", COMP, {"prompt": "x", "logit_bias": {"1": 1e308}}, 400,
+     "logit_bias"),
+    ("logit_bias_below_openai_range", CHAT, {"messages": MSG, "logit_bias": {"1": -100.5}},
+     400, "logit_bias"),
     ("generate_logit_bias_out_of_vocab", GEN,
      {"text": "x", "sampling_params": {"logit_bias": {"10000000": 1}}}, 400,
      "sampling_params.logit_bias"),
@@ -97,6 +102,24 @@ CASES = [
      {"messages": MSG, "response_format": {"type": "json_object"}, "regex": "a"}, 400,
      "response_format"),
     ("completion_bad_ebnf", COMP, {"prompt": "x", "ebnf": 'root ::= "a'}, 400, "ebnf"),
+    # Past the grammar limits (issue 59): refused before llguidance compiles anything
+    ("chat_json_schema_too_many_optional", CHAT,
+     {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "x", "schema": {"type": "object", "properties": {
+             f"p{i}": {"type": "string"} for i in range(1200)}}}}}, 400, "response_format"),
+    ("chat_structural_tag_too_many_optional", CHAT,
+     {"messages": MSG, "response_format": {"type": "structural_tag", "triggers": ["<f"],
+                                           "structures": [{"begin": "<f>", "end": "</f>",
+                                                           "schema": {"properties": {
+         f"p{i}": {"type": "string"} for i in range(1200)}}}]}}, 400, "response_format"),
+    ("completion_regex_nested_repetitions", COMP,
+     {"prompt": "x", "regex": "((a{1,100}){1,100}){1,100}"}, 400, "regex"),
+    ("generate_regex_nested_repetitions", GEN,
+     {"text": "x", "sampling_params": {"regex": "(a{1000}){1000}"}}, 400,
+     "sampling_params.regex"),
+    ("completion_vllm_regex_nested_repetitions", COMP,
+     {"prompt": "x", "structured_outputs": {"regex": "(a{1000}){1000}"}}, 400,
+     "structured_outputs"),
     ("completion_bad_json_schema_string", COMP, {"prompt": "x", "json_schema": "{"}, 400,
      "json_schema"),
     ("completion_json_schema_and_response_format", COMP,

@@ -117,6 +117,9 @@ def test_stream_function_call_events(client):
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
      "text.format"),
     ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input"),
+    # a tool's output that answers no call of the input (OpenAI's 400; issue 59)
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
+     "input"),
     ({"tool_choice": "bogus"}, "tool_choice"),
 ])
 def test_refused_fields_are_400(server, body, param):

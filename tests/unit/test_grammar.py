@@ -14,7 +14,7 @@ from kvstrata.config.server_args import ServerArgs
 from kvstrata.entrypoints.api.errors import ApiError
 from kvstrata.entrypoints.api.structured_output import (ANY_JSON_OBJECT, check_grammar_allowed,
                                                         grammar_fields)
-from kvstrata.protocol.grammar import json_options
+from kvstrata.protocol.grammar import check_grammar, json_options
 from kvstrata.protocol.sampling_params import SamplingParams
 from kvstrata.runner.sampling.grammar import GrammarBackend, new_failures
 from kvstrata.runner.sampling.sampler import Sampler, SamplingState
@@ -35,8 +35,9 @@ EOS = 7
     ({"structural_tag": json.dumps({"structures": [{"begin": "<f>", "end": "</f>"}],
                                     "triggers": ["<f"]})}, "structural_tag")])
 def test_bad_grammars_name_their_field(kw, field):
+    # construction checks the type and the limits; check_grammar whether it compiles
     with pytest.raises(ValueError) as e:
-        SamplingParams(**kw)
+        check_grammar(SamplingParams(**kw))
     assert str(e.value).split(" ", 1)[0] == field, e.value
     assert "<state>" not in str(e.value) and len(str(e.value)) < 600
 
@@ -45,7 +46,9 @@ def test_bad_grammars_name_their_field(kw, field):
                                 {"ebnf": 'root ::= "a" | "b"'}, {"ebnf": 'start: "a"+'},
                                 {"json_schema": "{}"}])
 def test_good_grammars(kw):
-    assert SamplingParams(**kw).grammar_field == next(iter(kw))
+    sp = SamplingParams(**kw)
+    check_grammar(sp)
+    assert sp.grammar_field == next(iter(kw))
 
 
 def _body(**kw):

@@ -101,6 +101,10 @@ def _messages(body: ResponsesRequest) -> list[dict]:
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if isinstance(body.input, str):
         return messages + [{"role": "user", "content": body.input}]
+    # Nothing is stored (no previous_response_id): a tool's output answers a call in this
+    # input, or OpenAI's 400; a chat template would otherwise render a reply to nothing.
+    calls = {item.get("call_id") for item in body.input
+             if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)}
     for i, item in enumerate(body.input):
         where = f"input.{i}"
         kind = item.get("type", "message")
@@ -120,6 +124,10 @@ def _messages(body: ResponsesRequest) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise bad_request(f"No tool call found for function call output with call_id "
+                                  f"{call_id}.", "input")
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str)

@@ -62,7 +62,7 @@ async def first_or_error(gen: AsyncIterator):
     except BaseException:
         await gen.aclose()
         raise
-    err = so.output_error(first[1])
+    err = so.output_error(first[1], first[0])
     if err is not None:
         await gen.aclose()
         raise err
@@ -82,7 +82,7 @@ async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lamb
         item = first
         while item is not None:
             choice, out = item
-            err = so.output_error(out)
+            err = so.output_error(out, choice)
             if err is not None:
                 yield (error or _sse_error)(err)
                 if done:
@@ -103,7 +103,7 @@ async def sse_stream(gen: AsyncIterator, first, render, *, prelude=(), tail=lamb
 async def collect(request: Request, gen: AsyncIterator, accs: dict[str, Acc]) -> None:
     async def run():
         async for choice, out in gen:
-            err = so.output_error(out)
+            err = so.output_error(out, choice)
             if err is not None:
                 raise err
             accs[choice.req.rid].add(out)

@@ -39,8 +39,9 @@ async def generate_response(state, request: Request, body):
     so.check_lengths(len(ids), None, state.context_len, prompt_param, "max_new_tokens")
     sp = _native_sampling_params(body)
     so.check_logit_bias(tm, sp, "sampling_params.logit_bias")
-    if sp.grammar_field is not None:
-        check_grammar_allowed(state.server_args, sp, f"sampling_params.{sp.grammar_field}")
+    grammar_param = None if sp.grammar_field is None else f"sampling_params.{sp.grammar_field}"
+    if grammar_param is not None:
+        check_grammar_allowed(state.server_args, sp, grammar_param)
     so.check_token_ids(tm, sp.token_ids_logprob, "token_ids_logprob")
     so.check_lengths(len(ids), sp.max_new_tokens, state.context_len, prompt_param,
                      "sampling_params.max_new_tokens")
@@ -50,7 +51,7 @@ async def generate_response(state, request: Request, body):
     rid = body.rid or tm.new_rid()
     choice = so.Choice(0, ipc.GenerateReq(
         rid=rid, prompt_ids=ids, sampling_params=sp, return_prompt_logprobs=input_lp,
-        priority=body.priority, cache_salt=so.cache_salt(body)))
+        priority=body.priority, cache_salt=so.cache_salt(body)), grammar_param=grammar_param)
     pd_fields.attach(state.server_args, choice.req,
                      {name: getattr(body, name) for name in pd_fields.FIELDS})
     start = time.perf_counter()

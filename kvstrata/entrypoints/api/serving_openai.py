@@ -16,6 +16,7 @@ import msgspec
 
 from kvstrata.entrypoints.api.chat_prompt import chat_prompt_ids
 from kvstrata.entrypoints.api.errors import ApiError, bad_request, from_sampling_error
+from kvstrata.entrypoints.api.grammar_check import check_grammars
 from kvstrata.entrypoints.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvstrata.entrypoints.api.structured_output import check_grammar_allowed, grammar_fields
 from kvstrata.entrypoints.api.tool_choice import ToolPlan, plan_tools
@@ -24,6 +25,8 @@ from kvstrata.frontend import ipc
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 from kvstrata.frontend.tokenizer_manager import DuplicateRequestError
 from kvstrata.protocol import SamplingParams
+from kvstrata.protocol.grammar import GRAMMAR_FAILED
+from kvstrata.protocol.sampling_params import GRAMMAR_FIELDS, LOGIT_BIAS_LIMIT
 
 logger = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -37,6 +40,7 @@ class Choice:
     tools: ToolPlan | None = None  # chat with tools: how its answer is read
     tool_constrained: bool = False  # the tool constraint (required / named / strict) applies
     reasoning: ReasoningPlan | None = None  # --reasoning-parser: how the thinking is split
+    grammar_param: str | None = None  # the request field its grammar came from (errors)
 
 
 def check_lengths(prompt_len: int, max_tokens: int | None, context_len: int | None,
@@ -62,10 +66,9 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
     """tool_constrained: the tool plan's constraint is the answer's grammar (chat_choices
     decides); reasoning_gate: a grammar waits for the thinking to end."""
     grammar = grammar_fields(body)
-    schema_param = _schema_param(body)
+    check_logit_bias_range(body.logit_bias)
     if tool_constrained:
         grammar.update(tools.constraint)
-        schema_param = "tools"
     fields = dict(
         max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
@@ -85,25 +88,44 @@ def build_sampling_params(body, max_new_tokens: int, logprobs: int | None, seed_
         return SamplingParams.from_dict({k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
         lp_param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-        raise from_sampling_error(e, overrides={"max_new_tokens": max_param,
-                                                "logprobs": lp_param,
-                                                "json_schema": schema_param,
-                                                "structural_tag": schema_param}) from None
+        overrides = {"max_new_tokens": max_param, "logprobs": lp_param}
+        overrides.update({f: grammar_param(body, f, tool_constrained) for f in GRAMMAR_FIELDS})
+        raise from_sampling_error(e, overrides=overrides) from None
 
 
-def _schema_param(body) -> str:
-    """The request field a SamplingParams.json_schema (or structural_tag) came from."""
+def check_logit_bias_range(logit_bias: dict | None) -> None:
+    """OpenAI answers 400 for a value outside [-100, 100]; SamplingParams clamps to it instead
+    (for SGLang's /generate and LLM(), where "-1e9 bans a token" is common)."""
+    for token, bias in (logit_bias or {}).items():
+        # (a value that is not a number: SamplingParams names it); NaN fails the range too
+        if isinstance(bias, (int, float)) and not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {bias!r} "
+                              f"for token {token}", "logit_bias")
+
+
+def grammar_param(body, field: str | None, tools: bool = False) -> str | None:
+    """The request field a SamplingParams grammar field came from: the tool constraint,
+    vLLM's structured_outputs, /v1/completions' json_schema, response_format, regex, ebnf."""
+    if field is None:
+        return None
+    if tools:
+        return "tools"  # the constraint holds the tools' parameter schemas
+    if getattr(body, "structured_outputs", None) is not None:
+        return "structured_outputs"
+    if field in ("regex", "ebnf"):
+        return field
     return "json_schema" if getattr(body, "json_schema", None) is not None \
         else "response_format"
 
 
-def check_openai_params(tm, body, sp: SamplingParams, tools: bool = False) -> None:
-    """tools: the request's tool constraint is what sp's grammar is."""
+def check_openai_params(tm, body, sp: SamplingParams, tools: bool = False) -> str | None:
+    """tools: the request's tool constraint is what sp's grammar is. Returns the request
+    field sp's grammar came from (None: no grammar)."""
     check_logit_bias(tm, sp)
-    field = sp.grammar_field
-    if field is not None:
-        check_grammar_allowed(tm.server_args, sp, "tool_choice" if tools else (
-            _schema_param(body) if field in ("json_schema", "structural_tag") else field))
+    param = grammar_param(body, sp.grammar_field, tools)
+    if param is not None:  # (a tool constraint is off when tool_choice asks for it)
+        check_grammar_allowed(tm.server_args, sp, "tool_choice" if tools else param)
+    return param
 
 
 def cache_salt(body) -> str | None:
@@ -167,12 +189,12 @@ def chat_choices(tm, body: ChatCompletionRequest, context_len: int | None) -> li
         constrained = False  # SGLang: the client's grammar wins
     params = [build_sampling_params(body, max_tokens, logprobs, j, max_param, tools,
                                     constrained, gate) for j in range(body.n)]
-    check_openai_params(tm, body, params[0], tools=constrained)
+    param = check_openai_params(tm, body, params[0], tools=constrained)
     salt = cache_salt(body)
     return [Choice(j, ipc.GenerateReq(
         rid=f"{rid}-{j}" if body.n > 1 else rid, prompt_ids=prompt_ids,
         sampling_params=params[j], priority=body.priority, cache_salt=salt),
-        tools=tools, tool_constrained=constrained, reasoning=reasoning)
+        tools=tools, tool_constrained=constrained, reasoning=reasoning, grammar_param=param)
         for j in range(body.n)]
 
 
@@ -198,19 +220,22 @@ def completion_choices(tm, body: CompletionRequest, context_len: int | None) -> 
         for j in range(body.n):
             index = i * body.n + j
             sp = build_sampling_params(body, max_tokens, body.logprobs, j, "max_tokens")
-            check_openai_params(tm, body, sp)
+            param = check_openai_params(tm, body, sp)
             choices.append(Choice(index, ipc.GenerateReq(
                 rid=f"{rid}-{index}" if len(prompts) * body.n > 1 else rid, prompt_ids=ids,
                 sampling_params=sp,
                 return_prompt_logprobs=body.echo and body.logprobs is not None,
                 priority=body.priority, cache_salt=salt),
-                prompt_text=text))
+                prompt_text=text, grammar_param=param))
     return choices
 
 
 async def merged_outputs(tm, choices: list[Choice], log_metrics: bool = True):
     """Run every choice's engine request; yield (choice, TextOutput) as they arrive.
-    Closing this generator (client gone) cancels the pumps, which aborts the requests."""
+    Closing this generator (client gone) cancels the pumps, which aborts the requests.
+    First, each grammar compiles in the API's check (a 400 naming its field if it does not,
+    before the scheduler sees anything)."""
+    await check_grammars(choices, getattr(tm.server_args, "grammar_timeout", 10.0))
     queue: asyncio.Queue = asyncio.Queue()
     by_rid = {c.req.rid: c for c in choices}
 
@@ -240,12 +265,17 @@ async def merged_outputs(tm, choices: list[Choice], log_metrics: bool = True):
             task.cancel()
 
 
-def output_error(out: ipc.TextOutput) -> ApiError | None:
+def output_error(out: ipc.TextOutput, choice: Choice | None = None) -> ApiError | None:
+    """An aborted output as the error the client gets; a grammar that failed while decoding
+    (the runner's GRAMMAR_FAILED message) names the field it came from."""
     if out.finish_type != "abort":
         return None
     status = out.error_status or 500
-    return ApiError(status, out.error_message or "request aborted",
-                    param=None, type_="invalid_request_error" if status < 500 else None)
+    message = out.error_message or "request aborted"
+    param = choice.grammar_param if choice is not None and status == 400 \
+        and message.startswith(GRAMMAR_FAILED) else None
+    return ApiError(status, message, param=param,
+                    type_="invalid_request_error" if status < 500 else None)
 
 
 class TokenText:

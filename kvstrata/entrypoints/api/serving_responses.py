@@ -11,7 +11,8 @@ from kvstrata.entrypoints.api import serving_openai as so
 from kvstrata.entrypoints.api.errors import ApiError
 from kvstrata.entrypoints.api.meta_info import Acc
 from kvstrata.entrypoints.api.responses_api import (ResponsesRequest, chat_request, now,
-                                                    output_items, renamed, response_object)
+                                                    output_items, renamed, response_object,
+                                                    responses_param)
 from kvstrata.entrypoints.api.responses_stream import ResponsesEvents
 from kvstrata.entrypoints.api.serving_chat import chat_deltas, chat_message, choice_streams
 
@@ -24,6 +25,8 @@ async def responses_response(state, request, body: ResponsesRequest):
         pd_fields.check_choices(state.server_args, chat, choices)
     except ApiError as e:
         raise renamed(e) from None
+    for choice in choices:  # a grammar's errors name this request's field (text.format)
+        choice.grammar_param = responses_param(choice.grammar_param)
     created, rid, model = now(), f"resp_{choices[0].req.rid}", state.model_names[0]
     c = choices[0]
     acc = Acc(c)

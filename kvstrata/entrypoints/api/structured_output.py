@@ -6,7 +6,7 @@ object), {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}},
 {"type": "structural_tag", "structures": [...], "triggers": [...]} (SGLang's); SGLang's
 chat/completions extras `regex` and `ebnf`, and /v1/completions' `json_schema` (a string).
 As in SGLang, a request gives at most one of them (SamplingParams checks that and each
-grammar, naming the field).
+grammar's limits, naming the field; api/grammar_check.py whether it compiles).
 """
 from __future__ import annotations
 

@@ -10,22 +10,33 @@ Every TP rank keeps its own matchers: they sample the same tokens, so they agree
 
 The llguidance tokenizer (the vocabulary as byte strings) is built from the model's tokenizer
 on the first constrained request (~0.5 s for SmolLM2's 49152 tokens), not at start-up.
+
+Compiles run on one thread, under the API's limits (protocol/grammar_limits.py), and are
+kept by grammar text: a request gets a copy of the compiled matcher (llguidance's deep_copy,
+~0.1 ms), so a grammar that comes back (a tool set, a schema) compiles once. The scheduler
+loop starts a request's compile when the request arrives and hands it to the engine once it
+is done (entrypoints/grammar_hold.py), so that no step waits for a compile.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from kvstrata.config.model_source import load_tokenizer, resolve_model_path
-from kvstrata.protocol.grammar import grammar_error, llguidance_grammar
+from kvstrata.protocol.grammar import (GRAMMAR_FAILED, clean_message, grammar_error,
+                                       llguidance_grammar)
+from kvstrata.protocol.grammar_limits import parser_limits
 from kvstrata.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+# Compiled matchers kept by grammar text (a large one holds a few MB).
+COMPILED_CACHE_SIZE = 32
 
 
 class GrammarBackend:
@@ -47,6 +58,8 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._executor = None
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # (field, text) -> Future of its compiled, unused matcher (LRU)
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
 
     def tokenizer(self):
         with self._lock:
@@ -85,29 +98,41 @@ class GrammarBackend:
         ids = tok.tokenize_str(text, parse_special=True)
         return len(ids) == 1 and tok.is_special_token(ids[0])
 
+    def compiled(self, params: SamplingParams) -> Future:
+        """The Future of the request's grammar compiled (a matcher no token has advanced),
+        started on the compile thread unless it is cached; nothing here waits for it."""
+        key = (params.grammar_field, getattr(params, params.grammar_field))
+        future = self._compiled.get(key)
+        if future is not None and future.done() and future.exception() is not None:
+            future = None  # never expected (the API checked it): try again, not forever
+        if future is None:
+            future = self._compiler.submit(self._compile, *key)
+            self._compiled[key] = future
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
+        return future
+
+    def _compile(self, field: str, text: str):
+        import llguidance  # noqa: PLC0415
+
+        tokenizer = self.tokenizer()
+        grammar = llguidance_grammar(field, text, self.json_options, self.is_special)
+        return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+
     def matcher(self, params: SamplingParams, output_ids: list[int]) -> "GrammarState | None":
         field = params.grammar_field
         if field is None:
             return None
-        import llguidance  # noqa: PLC0415
-
-        tokenizer = self.tokenizer()
         gate = ThinkingGate(*params.reasoning_gate) if params.reasoning_gate else None
-        text = getattr(params, field)
         # the output the grammar has seen (a thinking section's tokens are not its)
         replay = [t for t in output_ids if gate is None or gate.take(t)]
-
-        def compile_matcher():
-            # off the step: a 100 KB schema took 134 ms here (llguidance drops the GIL), so
-            # the request's prefill runs meanwhile; its first sample waits for it
-            grammar = llguidance_grammar(field, text, self.json_options, self.is_special)
-            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-            for tok in replay:
-                _advance(matcher, tok)
-            return matcher
-
-        return GrammarState(self._compiler.submit(compile_matcher), self.vocab_size,
-                            (tokenizer.vocab_size + 31) // 32, self.executor, tokenizer, gate)
+        # Off the step: a compile still running (a request not held by the scheduler loop:
+        # LLM(), a TP rank > 0) overlaps the request's prefill; its first sample waits.
+        compiled = self.compiled(params)
+        tokenizer = self.tokenizer()
+        return GrammarState(compiled, self.vocab_size, (tokenizer.vocab_size + 31) // 32,
+                            self.executor, tokenizer, gate, replay)
 
 
 class ThinkingGate:
@@ -147,9 +172,11 @@ class GrammarState:
     running on unconstrained."""
 
     def __init__(self, matcher, vocab_size: int, mask_words: int, executor, tokenizer=None,
-                 gate: ThinkingGate | None = None):
-        # an LLMatcher, or the Future of one still compiling (GrammarBackend.matcher)
+                 gate: ThinkingGate | None = None, replay: list[int] = ()):
+        # an LLMatcher, or the Future of a compiled one (GrammarBackend.compiled), which the
+        # first use copies and advances past `replay` (the output it has not seen)
         self._matcher = matcher
+        self._replay = list(replay)
         self.gate = gate
         self._tokenizer = tokenizer
         self.error: str | None = None  # why its compilation raised (never expected)
@@ -181,7 +208,10 @@ class GrammarState:
         """The LLMatcher (waits for its compilation the first time)."""
         if isinstance(self._matcher, Future):
             try:
-                self._matcher = self._matcher.result()
+                matcher = self._matcher.result().deep_copy()  # the cached one stays unused
+                for tok in self._replay:
+                    _advance(matcher, tok)
+                self._matcher = matcher
             except Exception as e:  # noqa: BLE001 - the API checked it; never fatal here
                 import llguidance  # noqa: PLC0415
 
@@ -227,8 +257,7 @@ def new_failures(states) -> dict[str, str]:
     for rid, state in states:
         if state is not None and not state.reported and state.failed:
             state.reported = True
-            # llguidance's message, without the parser state dump it appends
-            message = state.error or state.matcher.get_error()
-            message = " ".join(message.split("<state>")[0].split())
-            failed[rid] = f"The request's grammar failed: {message[:400]}"
+            # llguidance's message, without what it appends (parser state, a backtrace)
+            failed[rid] = GRAMMAR_FAILED + clean_message(state.error or
+                                                         state.matcher.get_error())
     return failed
