@@ -6,6 +6,9 @@ pages of the model's geometry) beside a raw loopback socket copy of the same byt
 same run (kvstrata/bench/transfer_rate.py). benchmarks/bench_pd.py wraps this.
 
 All processes are started here on 127.0.0.1 ports picked here, and stopped by PID at the end.
+With --link-rate RATE [RATE ...] the prefill and the decode server run instead in two network
+namespaces joined by a veth pair shaped at RATE (kvstrata/bench/netlink.py), per rate: the
+KV pages cross a link where bytes cost time; the router and the client stay here.
 """
 from __future__ import annotations
 
@@ -27,13 +30,17 @@ from kvstrata.bench.serve_client import run_benchmark, summarize
 
 
 class Proc:
-    """A child process with its log file; stopped by PID (SIGINT, then SIGKILL)."""
+    """A child process with its log file, in its own process group; stopped by PID (SIGINT,
+    then SIGKILL of its group). `prefix`: e.g. `ip netns exec NS` (which execs the command,
+    so the PID is the server's own)."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: str, env: dict | None = None):
+    def __init__(self, name: str, cmd: list[str], log_dir: str, env: dict | None = None,
+                 prefix: list[str] | None = None):
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*(prefix or []), *cmd], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **env} if env else None)
 
     def wait_http(self, url: str, timeout: float = 300, ok=lambda r: r.status_code == 200) -> None:
@@ -56,14 +63,17 @@ class Proc:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 self.proc.wait(10)
         self.log.close()
 
 
-def serve_cmd(args, port: int, *extra: str) -> list[str]:
+def serve_cmd(args, port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
     return [sys.executable, "-m", "kvstrata.entrypoints.cli", "serve", "--model-path",
-            args.model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port",
+            args.model, "--served-model-name", "bench", "--host", host, "--port",
             str(port), "--max-total-tokens", str(args.max_total_tokens),
             "--page-size", str(args.page_size), *extra]
 
@@ -105,33 +115,41 @@ def disaggregated(args, backend: str, log_dir: str, decode_extra: tuple[str, ...
     """Router + prefill + decode on `backend`; `decode_extra`: more decode-server flags,
     `both_extra`: flags of both servers, `decode_env`: the decode server's extra environment.
     The summary carries the decode server's retraction counters after the run. `work`:
-    instead of the load, work(router_url, decode_url) -> summary (bench/pd_multiturn.py)."""
+    instead of the load, work(router_url, decode_url) -> summary (bench/pd_multiturn.py).
+    With `args._link` (a netlink.NetLink, --link-rate) each server runs in its namespace,
+    bound to its end of the shaped link: the prefill publishes its bootstrap server and data
+    endpoint there and the router names it as bootstrap_host, so the decode dials it over
+    the link; the router (here) reaches both over their own unshaped links."""
     p_port, d_port, boot = free_port(), free_port(), free_port()
+    link = getattr(args, "_link", None)
+    p_host, d_host = (link.addr("p"), link.addr("d")) if link else ("127.0.0.1", "127.0.0.1")
     procs: list[Proc] = []
     try:
         name = backend + tag
         procs.append(Proc(f"prefill-{name}", serve_cmd(
             args, p_port, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-            backend, "--disaggregation-bootstrap-port", str(boot), *both_extra), log_dir))
+            backend, "--disaggregation-bootstrap-port", str(boot), *both_extra, host=p_host),
+            log_dir, prefix=link.exec_prefix("p") if link else None))
         procs.append(Proc(f"decode-{name}", serve_cmd(
             args, d_port, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-            backend, *both_extra, *decode_extra), log_dir, decode_env))
-        for proc, port in zip(procs, (p_port, d_port)):
-            proc.wait_http(f"http://127.0.0.1:{port}/health")
+            backend, *both_extra, *decode_extra, host=d_host), log_dir, decode_env,
+            prefix=link.exec_prefix("d") if link else None))
+        for proc, url in zip(procs, (f"http://{p_host}:{p_port}", f"http://{d_host}:{d_port}")):
+            proc.wait_http(f"{url}/health")
         # The router's ports are taken only now: a port from free_port() is free until some
         # other process binds it, and the servers' start took seconds.
         r_port = free_port()
         procs.append(Proc(f"router-{name}", [
             sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-            "--prefill", f"http://127.0.0.1:{p_port}", str(boot),
-            "--decode", f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1",
+            "--prefill", f"http://{p_host}:{p_port}", str(boot),
+            "--decode", f"http://{d_host}:{d_port}", "--host", "127.0.0.1",
             "--port", str(r_port), "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--log-level", "warn"], log_dir))
         procs[-1].wait_http(f"http://127.0.0.1:{r_port}/health")
         if work is not None:
-            return work(f"http://127.0.0.1:{r_port}", f"http://127.0.0.1:{d_port}")
+            return work(f"http://127.0.0.1:{r_port}", f"http://{d_host}:{d_port}")
         summary = run_load(args, f"http://127.0.0.1:{r_port}")
-        load = httpx.get(f"http://127.0.0.1:{d_port}/get_load", timeout=30).json()
+        load = httpx.get(f"http://{d_host}:{d_port}/get_load", timeout=30).json()
         load = load[0] if isinstance(load, list) else load
         summary["decode_load"] = {k: v for k, v in load.items()
                                   if k.startswith(("decode_", "spec_", "disagg_metadata"))
@@ -165,6 +183,16 @@ def ratios(pd: dict, base: dict) -> dict:
             "output_tok_s": pd["output_throughput"] / max(base["output_throughput"], 1e-9)}
 
 
+def _link_rate(text: str) -> str:
+    from kvstrata.bench.netlink import parse_rate  # noqa: PLC0415 - stdlib only
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="smollm2-135m", help="a dir, a .gguf or a short name")
     ap.add_argument("--backends", nargs="+", default=["tcp", "mooncake"],
@@ -193,6 +221,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
                          "server with the prefill's DSA seed and with it ignored "
                          "(KVSTRATA_PD_DSA_SEED=0), same run (--model tiny-dsa-mtp builds "
                          "the tiny DSA model with an MTP layer)")
+    ap.add_argument("--link-rate", nargs="+", default=None, metavar="RATE", type=_link_rate,
+                    help="run the PD servers in two network namespaces joined by a veth pair "
+                         "shaped by tbf at RATE (tc spelling: 10gbit, 25gbit, 200mbit), once "
+                         "per rate, so KV bytes cost network time; the achieved rate is "
+                         "measured and reported beside it. Needs root, iproute2 and the "
+                         "kernel's veth and tbf: without them the run stops with an error "
+                         "(exit 2) instead of measuring loopback. No latency is added")
     ap.add_argument("--output-json", default="benchmarks/results/pd.json")
     add_quiet_arg(ap)
 
@@ -203,22 +238,63 @@ def run(args: argparse.Namespace) -> dict:
     print(f"logs: {log_dir}")
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
     result: dict = {"box_load": box, "config": config}
+    if getattr(args, "link_rate", None):
+        result["links"] = run_links(args, log_dir)
+        return _write(args, result)
+    result.update(run_setups(args, log_dir))
+    return _write(args, result)
+
+
+def run_links(args, log_dir: str) -> dict:
+    """Per --link-rate: a fresh pair of namespaces, the unshaped and the shaped P->D rate
+    measured, then the chosen workload with the servers on either side of the link. The
+    namespaces are removed after each rate, also on errors (the servers are stopped first,
+    by disaggregated()'s own finally)."""
+    from kvstrata.bench.netlink import LinkUnavailable, NetLink, parse_rate  # noqa: PLC0415
+
+    out = {}
+    for rate in args.link_rate:
+        link = NetLink()
+        try:
+            try:
+                link.up()
+                unshaped = link.measure()
+                link.shape(rate)
+                shaped = link.measure()
+            except LinkUnavailable as e:
+                print(f"error: --link-rate needs network namespaces, veth and tbf: {e}",
+                      file=sys.stderr)
+                raise SystemExit(2) from None
+            info = {**link.describe(), "requested_gbps": parse_rate(rate) / 1e9,
+                    "measured_gbps": shaped["gbps"], "unshaped_veth_gbps": unshaped["gbps"]}
+            print(f"\nlink {rate}: measured {shaped['gbps']:.2f} Gb/s P->D (requested "
+                  f"{info['requested_gbps']:.2f}; the same veth unshaped: "
+                  f"{unshaped['gbps']:.2f} Gb/s); prefill {link.addr('p')} in "
+                  f"{link.ns['p']}, decode {link.addr('d')} in {link.ns['d']}")
+            args._link = link
+            out[rate] = {"link": info, **run_setups(args, log_dir)}
+        finally:
+            args._link = None
+            link.down()
+    return out
+
+
+def run_setups(args, log_dir: str) -> dict:
+    """The workload --dataset / --speculative-algorithm chose -> its results."""
     if args.speculative_algorithm == "NEXTN":
         from kvstrata.bench.pd_nextn import run_nextn  # noqa: PLC0415
-        result.update(run_nextn(args, log_dir, disaggregated))
-        return _write(args, result)
+        return run_nextn(args, log_dir, disaggregated)
     if args.dataset == "multiturn":
         from kvstrata.bench.pd_multiturn import run_multiturn  # noqa: PLC0415
-        result.update(run_multiturn(args, log_dir, disaggregated))
-        return _write(args, result)
-    result["colocated"] = colocated(args, log_dir)
+        return run_multiturn(args, log_dir, disaggregated)
+    result = {"colocated": colocated(args, log_dir)}
     for backend in args.backends:
         pd = disaggregated(args, backend, log_dir)
         pd["vs_colocated"] = ratios(pd, result["colocated"])
         pd["transfer"] = transfer_rates(args, backend)
         result[backend] = pd
     print_report(result, args.backends)
-    return _write(args, result)
+    return result
 
 
 def _write(args, result: dict) -> dict:
