@@ -9,7 +9,8 @@ puts in both copies of the request). States (SGLang's KVPoll numbers):
 
   prefill sender:   BOOTSTRAPPING --(decode sent its destination pages)--> WAITING_FOR_INPUT
                     --send()--> TRANSFERRING --(every page and the metadata acknowledged)-->
-                    SUCCESS;   any state --(abort, dead peer, timeout)--> FAILED
+                    SUCCESS;   any state --(abort, dead peer, timeout)--> FAILED (once
+                    pages were shipped: after the decode answered with its page count)
   decode receiver:  BOOTSTRAPPING --(prefill's bootstrap server answered)--> WAITING_FOR_INPUT
                     --init(dst pages)--> TRANSFERRING --(pages + metadata arrived)--> SUCCESS;
                     any state --> FAILED
@@ -126,7 +127,10 @@ class PDEvent(msgspec.Struct, omit_defaults=True, tag="pd_event"):
     state: int  # KVPoll
     error: str | None = None  # FAILED: why (shown to the client in the HTTP 500)
     metadata: PDMetadata | None = None  # decode SUCCESS: what the prefill server sent
-    pages: int = 0  # SUCCESS: KV pages this side shipped (prefill) or received (decode)
+    # SUCCESS or FAILED: the KV pages that crossed -- written into the decode's reserved
+    # pages while its room was live; the prefill reports what the decode confirmed, so
+    # both sides give the same number (transfer/disagg/messages.py)
+    pages: int = 0
 
 
 class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import random
+import signal
 import threading
 import time
 
@@ -13,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import TINY_CONTEXT
-from tests.e2e.server_utils import ServerProcess, free_port, pid_alive, stop_all
+from tests.e2e.server_utils import ServerProcess, child_pids, free_port, pid_alive, stop_all
 from tests.e2e.test_routes_and_disconnect import kv_state
 
 # Short timeouts so that a dead peer fails a request within seconds, not SGLang's 300 s.
@@ -113,6 +115,28 @@ def wait_drained(srv, timeout: float = 30) -> dict:
         if time.monotonic() > deadline:
             return st
         time.sleep(0.1)
+
+
+def wait_for(srv, ready, what: str, timeout: float = 30) -> None:
+    """Until ready(kv_state(srv)); fails after `timeout` s saying `what` was not seen."""
+    deadline = time.monotonic() + timeout
+    while not ready(st := kv_state(srv)):
+        assert time.monotonic() < deadline, f"{what} on {srv.base_url} after {timeout} s: {st}"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def paused(srv):
+    """The server's whole process tree stopped (SIGSTOP: a stalled peer, its sockets still
+    accepting bytes), resumed (SIGCONT) on leaving."""
+    pids = [srv.proc.pid, *child_pids(srv.proc.pid)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def assert_no_leak(srv) -> None:

@@ -2,9 +2,10 @@
 sglang-router 0.3.2 in PD mode on 127.0.0.1, per transfer backend (tcp, mooncake). Answers
 through the router equal one co-located server's (greedy, same tiny checkpoint); the KV of
 prompts longer than one chunk crosses intact; a shared prefix hits the prefill radix cache;
-client disconnects leak no page on either server; a dead prefill server fails the decode
-side's request within the timeout and the next one is served; a decode pool too small for a
-prompt is a 400 at admission."""
+client disconnects leak no page on either server; both servers' KV byte counters agree after
+an abort mid-transfer; a dead prefill server fails the decode side's request within the
+timeout and the next one is served; a decode pool too small for a prompt is a 400 at
+admission."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,8 @@ import httpx
 import pytest
 
 from tests.e2e.pd_servers import (FAIL_FAST_BOUND, HEARTBEAT_BOUND, PDServers, assert_no_leak,
-                                  backend_available, pd_router, serving, wait_drained)
+                                  backend_available, paused, pd_router, serving, wait_drained,
+                                  wait_for)
 from tests.e2e.server_utils import free_port
 from tests.e2e.test_routes_and_disconnect import kv_state
 
@@ -153,6 +155,39 @@ def test_concurrent_requests_with_disconnects_leak_nothing(router, pd):
     assert_no_leak(pd.decode)
 
 
+def test_byte_counters_agree_after_an_abort_mid_transfer(pd):
+    """Issue 59 item 6: the prefill's request is aborted after its pages left and before the
+    decode acknowledged them (the decode server is paused meanwhile): what left still lands
+    (tcp: all of it, so the decode answers; mooncake: the write under way, and the room
+    fails) and both servers count the same bytes (the prefill used to count none)."""
+    moved = {"prefill": "disagg_kv_bytes_sent_total", "decode": "disagg_kv_bytes_received_total"}
+    before = {side: kv_state(getattr(pd, side))[key] for side, key in moved.items()}
+    rid = f"mid-transfer-{random.getrandbits(32)}"
+    body = {"input_ids": list(range(500, 700)), "rid": rid, **pd.body(),
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    out: dict = {}
+
+    def post(side):
+        out[side] = httpx.post(getattr(pd, side).base_url + "/generate", json=body, timeout=60)
+    threads = {side: threading.Thread(target=post, args=(side,)) for side in moved}
+    threads["decode"].start()
+    wait_for(pd.decode, lambda st: st.get("num_decode_transfer"), "no room reserved")
+    time.sleep(0.2)  # its destination pages are on their way to the prefill
+    with paused(pd.decode):  # for well under the heartbeat bound
+        threads["prefill"].start()
+        wait_for(pd.prefill, lambda st: st.get("num_prefill_inflight"), "nothing shipped")
+        httpx.post(pd.prefill.base_url + "/abort_request", json={"rid": rid}, timeout=10)
+        time.sleep(0.3)
+    for t in threads.values():
+        t.join(60)
+    assert out["decode"].status_code in (200, 500), out["decode"].text
+    assert out["prefill"].status_code != 200, out["prefill"].text
+    wait_drained(pd.prefill), wait_drained(pd.decode)
+    after = {side: kv_state(getattr(pd, side))[key] for side, key in moved.items()}
+    sent, received = (after[side] - before[side] for side in moved)
+    assert sent == received > 0, (sent, received)
+
+
 @pytest.mark.parametrize("pd", ["tcp"], indirect=True)  # the look-up is the backends' own
 def test_closed_bootstrap_port_fails_at_once(pd):
     """A decode request whose bootstrap address refuses connections fails within seconds
@@ -183,17 +218,9 @@ def _in_flight(fn, n: int) -> tuple[list, list[threading.Thread]]:
     return results, threads
 
 
-def _wait_for(srv, ready, what: str, timeout: float = 30) -> None:
-    """Until ready(kv_state(srv)); fails after `timeout` s saying `what` was not seen."""
-    deadline = time.monotonic() + timeout
-    while not ready(st := kv_state(srv)):
-        assert time.monotonic() < deadline, f"{what} on {srv.base_url} after {timeout} s: {st}"
-        time.sleep(0.02)
-
-
 def _wait_kv_in_use(srv, timeout: float = 30) -> None:
     """Until the server holds KV for a request (the work is under way there)."""
-    _wait_for(srv, lambda st: st["num_used_tokens"], "no KV in use", timeout)
+    wait_for(srv, lambda st: st["num_used_tokens"], "no KV in use", timeout)
 
 
 def test_dead_decode_frees_the_prefill(pd):
@@ -229,7 +256,7 @@ def test_dead_decode_frees_the_prefill(pd):
         time.sleep(0.02)
     # The prefill has rooms open: KV in use or sent, or rooms waiting for the decode's
     # pages (with mooncake the admitted ones may all have crossed already).
-    _wait_for(pd.prefill, lambda st: st["num_used_tokens"] or st.get("num_prefill_bootstrap")
+    wait_for(pd.prefill, lambda st: st["num_used_tokens"] or st.get("num_prefill_bootstrap")
               or st.get("num_prefill_inflight"), "no prefill room open")
     time.sleep(0.5)  # the Join messages are on their way (sent once the route is known)
     pd.decode.stop(sig=9)

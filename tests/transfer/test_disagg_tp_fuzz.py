@@ -10,7 +10,9 @@ Properties:
 - without an abort every side succeeds and every decode rank holds the prefill's pages;
 - with an abort, the aborting side fails with that reason, and so does every side it
   exchanges pages with (a decode rank's source prefill rank, a source's decode ranks) when
-  the abort came before the pages moved; a side that fails names the injected abort.
+  the abort came before the pages moved; a side that fails names the injected abort;
+- however the room ended, each prefill rank's pages_moved (its PDEvent's count) equals the
+  most pages any of its decode ranks wrote (their pages_moved).
 `KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak.
 """
 from __future__ import annotations
@@ -121,6 +123,12 @@ def test_rooms_between_tp_sizes_always_end(servers, sizes, pages, cuts, abort):
         assert time.monotonic() < deadline, [(type(o).__name__, o.poll(), o.failure_reason)
                                              for o in everyone]
         time.sleep(0.002)
+    # Pages moved: each prefill rank reports what its decode ranks wrote (the most of them,
+    # as each got the same pages), however the room ended.
+    routes = [rank_route(d, sizes[1], sizes[0], True) for d in range(sizes[1])]
+    for p, s in enumerate(senders):
+        wrote = [receivers[d].pages_moved for d, route in enumerate(routes) if route.source == p]
+        assert s.pages_moved == max(wrote, default=0), (sizes, p, s.pages_moved, wrote, abort)
 
     if victim is None:
         assert all(o.poll() == KVPoll.SUCCESS for o in everyone), [

@@ -2,10 +2,8 @@
 layer between them that applies the scheduler's PDOps, moves the fake KV contents page by
 page from the prefill pool to the decode pool, and reports PDEvents.
 
-Decode retraction's BackupOps are applied first in a step by a fake backup store: cpu_tensor
-copies a request's pages into a per-rid store, host_pool into the fake host pool at the
-scheduler's host pages; the device pages are wiped at once (they are free from then on), so
-a restore into the wrong pages, or from the wrong backup, changes the tokens.
+Decode retraction's BackupOps are applied first in a step by a fake backup store
+(pd_fake_backup.py).
 
 The copy happens when the transfer *completes* (after an optional delay), reading the prefill
 pool then: a prefill scheduler that frees or reuses a page before SUCCESS, or a decode one
@@ -18,6 +16,15 @@ fails after a few ticks, as KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT), a peer that ne
 ("never": nobody leaves BOOTSTRAPPING until the bootstrap timeout), and a peer that dies at
 some tick of the room's life ("dies": both halves fail, as missed heartbeats do, before or
 after the decode reserved its pages).
+
+Pages moved (PDEvent.pages, the servers' disagg_kv_bytes_*_total) as the real backends
+count them (transfer/disagg/messages.py): a send's pages past the decode's held prefix
+cross when they land in a live decode room (a non-last send at once, the last one at its
+done tick); pages landing in a room the decode already ended are not counted; each half's
+terminal event reports the link's count at the time it is reported, so a half that ended
+before the count was final would disagree with its peer (PDPair.check_drained compares the
+two servers' totals). A prefill abort after the last send: the pages still land, the decode
+room succeeds, the prefill's fails (as tcp and mooncake do: the Abort follows the pages).
 """
 from __future__ import annotations
 
@@ -30,11 +37,13 @@ from kvstrata.protocol import SamplingParams
 from kvstrata.protocol import of_type
 from kvstrata.protocol.disagg import BackupOp, BootstrapAddr, KVPoll, PDEvent, PDOp
 from tests.unit.fake_runner import FakeRunner, copy_pages
+from tests.unit.pd_fake_backup import FakeBackupStore
 from kvstrata.engine.sides.registry import pd_side
 
 TERMINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 PEER_TIMEOUT_TICKS = 400  # a side whose peer never shows up fails (as real backends do)
 REFUSED_TICKS = 3  # a refused bootstrap address fails the decode side this soon
+PAGE_BYTES = 1000  # bytes per token of a page, for the byte counters
 
 
 @dataclass
@@ -63,6 +72,8 @@ class Link:
     corrupt: bool = False
     aborted: str | None = None  # side that aborted while the pages were on their way
     sends: int = 0
+    crossed: int = 0  # pages written into the decode's reserved pages while it was live
+    last_from: int = 0  # prompt page index of the last send's first page
     log: list[str] = field(default_factory=list)
 
 
@@ -135,11 +146,15 @@ class FakeTransferHub:
             assert side == "prefill" and link.num_pages is not None, link.log
             assert link.done_tick is None, f"send after the last send: {link.log}"
             assert op.page_ids and 0 not in op.page_ids, op
+            before = len(link.src_pages or [])
             sent = (link.src_pages or []) + list(op.page_ids)
             assert len(sent) <= link.num_pages and len(set(sent)) == len(sent), (op, link)
             link.src_pages = sent
             link.sends += 1
+            if not op.last and half.state not in TERMINAL and self._decode_live(link):
+                link.crossed += self._past_prefix(link, before, len(sent))
             if op.last:
+                link.last_from = before
                 assert op.metadata is not None and len(sent) == link.num_pages, (op, link)
                 if half.state not in TERMINAL:
                     link.metadata = op.metadata
@@ -151,6 +166,19 @@ class FakeTransferHub:
             raise AssertionError(f"unknown op {op}")
 
     # ------------------------------------------------------------------ progress
+    @staticmethod
+    def _decode_live(link: Link) -> bool:
+        return link.receiver is not None and link.receiver.state == KVPoll.TRANSFERRING
+
+    @staticmethod
+    def _past_prefix(link: Link, start: int, end: int) -> int:
+        """Prompt pages start..end that cross (the decode's held prefix does not)."""
+        return max(0, end - max(start, link.prefix_pages))
+
+    def _land_last(self, link: Link) -> None:
+        self._copy(link.src_pages, link.dst_pages)
+        link.crossed += self._past_prefix(link, link.last_from, len(link.src_pages))
+
     def _fail(self, link: Link, error: str) -> None:
         for half in (link.sender, link.receiver):
             if half is not None and half.state not in TERMINAL:
@@ -180,7 +208,14 @@ class FakeTransferHub:
                 half.state, half.error = KVPoll.FAILED, "timeout: the peer server never came"
         due = link.done_tick is not None and self.tick >= link.done_tick
         if due and s.state == KVPoll.TRANSFERRING:
-            if link.aborted is not None:
+            if link.aborted == "prefill" and self._decode_live(link):
+                # The pages (and metadata) left before the Abort: the decode room succeeds;
+                # the prefill's fails once the decode's count is back.
+                self._land_last(link)
+                r.state = KVPoll.SUCCESS
+                s.state, s.error = KVPoll.FAILED, "aborted"
+                return
+            if link.aborted is not None:  # the decode ended first: the pages land unseen
                 self._copy(link.src_pages, link.dst_pages)
                 self._fail(link, f"the {link.aborted} server aborted")
                 return
@@ -188,7 +223,7 @@ class FakeTransferHub:
                 self._fail(link, "injected transfer failure")
                 return
             assert r is not None and r.state == KVPoll.TRANSFERRING, link.log
-            self._copy(link.src_pages, link.dst_pages)
+            self._land_last(link)
             s.state = r.state = KVPoll.SUCCESS
 
     def _peer_death(self, link: Link) -> None:
@@ -232,7 +267,8 @@ class FakeTransferHub:
                                      "room": room + 1})
             events.append(PDEvent(room=room, state=int(half.state),
                                   error=half.error if half.state == KVPoll.FAILED else None,
-                                  metadata=md))
+                                  metadata=md,
+                                  pages=link.crossed if half.state in TERMINAL else 0))
         return events
 
     def check_drained(self) -> None:
@@ -240,62 +276,9 @@ class FakeTransferHub:
             for half in (link.sender, link.receiver):
                 assert half is None or half.released, f"room {link.room} never released: {link.log}"
 
-
-class FakeBackupStore:
-    """The runner's half of decode retraction, on the fake KV pool (slot -> (pos, token))."""
-
-    def __init__(self, runner: FakeRunner):
-        self.runner = runner
-        self.cpu: dict[str, tuple[int, dict]] = {}  # rid -> (num pages, slot offset -> value)
-        self.host_held: dict[str, list[int]] = {}  # rid -> host pages (host_pool)
-        self.log: list[tuple[str, str, str]] = []  # (kind, rid, backend)
-        # Pages the decode radix tree still caches: a retraction unlocks a request's cached
-        # prefix but does not free it, so those pages keep their KV.
-        self.cached_pages = lambda: set()
-
-    def apply(self, op) -> None:
-        r, P = self.runner, self.runner.page_size
-        self.log.append((op.kind, op.rid, op.backend))
-        assert op.backend in ("cpu_tensor", "host_pool"), op
-        if op.kind == "backup":
-            assert op.rid not in self.cpu and op.rid not in self.host_held, f"two backups {op}"
-            assert len(op.device_pages) == -(-op.num_tokens // P) and 0 not in op.device_pages
-            if op.backend == "cpu_tensor":
-                assert not op.host_pages
-                saved = {i * P + off: r.kv[p * P + off] for i, p in enumerate(op.device_pages)
-                         for off in range(P) if p * P + off in r.kv}
-                self.cpu[op.rid] = (len(op.device_pages), saved)
-            else:
-                assert len(op.host_pages) == len(op.device_pages) and 0 not in op.host_pages
-                held = {p for pages in self.host_held.values() for p in pages}
-                assert not held & set(op.host_pages), f"host pages of a live backup: {op}"
-                copy_pages(r.kv, r.host, op.device_pages, op.host_pages, P)
-                self.host_held[op.rid] = list(op.host_pages)
-            cached = self.cached_pages()
-            for p in op.device_pages:  # free from now on: nothing may read them back
-                if p in cached:
-                    continue
-                for off in range(P):
-                    r.kv.pop(p * P + off, None)
-        elif op.kind == "restore":
-            if op.backend == "cpu_tensor":
-                n, saved = self.cpu.pop(op.rid)
-                assert n == len(op.device_pages), (op, n)
-                for i, p in enumerate(op.device_pages):
-                    for off in range(P):
-                        if i * P + off in saved:
-                            r.kv[p * P + off] = saved[i * P + off]
-            else:
-                assert self.host_held.pop(op.rid) == list(op.host_pages), op
-                copy_pages(r.host, r.kv, op.host_pages, op.device_pages, P)
-        elif op.kind == "discard":
-            self.cpu.pop(op.rid, None)  # idempotent
-            self.host_held.pop(op.rid, None)
-        else:
-            raise AssertionError(f"unknown backup op {op}")
-
-    def count(self, kind: str, backend: str | None = None) -> int:
-        return sum(1 for k, _, b in self.log if k == kind and backend in (None, b))
+    @property
+    def crossed_pages(self) -> int:
+        return sum(link.crossed for link in self.links.values())
 
 
 class PDFakeRunner(FakeRunner):
@@ -313,6 +296,10 @@ class PDFakeRunner(FakeRunner):
         out = super().execute(so)
         out.events += self.hub.poll(self.side)
         return out
+
+
+def kv_bytes(engine, key: str) -> int:
+    return pd_side(engine.scheduler).load()[key]
 
 
 class PDPair:
@@ -333,6 +320,9 @@ class PDPair:
         self.decode = EngineCore(self.decode_runner, SchedulerConfig(
             num_pages=decode_pages, page_size=page_size, disaggregation_mode="decode",
             **decode_cfg))
+        for engine in (self.prefill, self.decode):  # a pages-only plan has no bytes
+            side = pd_side(engine.scheduler)
+            side.page_bytes_moved = side.page_bytes_moved or PAGE_BYTES * page_size
         tree = self.decode.scheduler.kv.tree
         self.decode_runner.backups.cached_pages = lambda: {
             p for node in tree._nodes() for p in (node.device_pages or [])}
@@ -387,6 +377,7 @@ class PDPair:
 
     def check_drained(self):
         self.hub.check_drained()
+        self.check_byte_counters()
         for engine in (self.prefill, self.decode):
             engine.check_integrity()
             sched = engine.scheduler
@@ -405,3 +396,12 @@ class PDPair:
             if not kv.hicache:  # a shared HiCache pool keeps the tree's host pages
                 alloc = kv.host_allocator
                 assert alloc.available_pages() == alloc.num_pages, "host pages leaked"
+
+    def check_byte_counters(self):
+        """Both servers counted the same bytes: the pages that crossed (the hub's count)."""
+        sent = kv_bytes(self.prefill, "disagg_kv_bytes_sent_total")
+        received = kv_bytes(self.decode, "disagg_kv_bytes_received_total")
+        page = pd_side(self.decode.scheduler).page_bytes_moved
+        assert sent == received == self.hub.crossed_pages * page, (
+            sent, received, self.hub.crossed_pages,
+            {r: (link.crossed, link.log) for r, link in self.hub.links.items()})

@@ -19,7 +19,10 @@ client aborts on either server, and steps of the pair. Properties:
   running request out of memory, the retraction host pool exhausted, the peer's abort or
   rejection) and the message that goes with it;
 - decode retraction backs up and restores KV (a restored request's tokens stay exact);
-- after draining, both pools are whole, every room released on both sides, no slot held.
+- after draining, both pools are whole, every room released on both sides, no slot held;
+- after draining, the prefill's disagg_kv_bytes_sent_total equals the decode's
+  disagg_kv_bytes_received_total and the bytes of the pages that crossed (aborts, failures
+  and peer deaths included: pd_fake.py counts as the real backends do).
 `KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak.
 """
 from __future__ import annotations
@@ -185,7 +188,10 @@ class PDMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + pair.prefill.dump_state() + "\n" + pair.decode.dump_state())
-        pair.check_drained()
+        pair.check_drained()  # the byte counters of both servers included
+        ends = [(link.crossed, h.state) for link in pair.hub.links.values()
+                 for h in (link.sender, link.receiver) if h is not None]
+        event(f"pages crossed in a room that failed: {any(n and s == 0 for n, s in ends)}")
         retraction = pd_side(pair.decode.scheduler).retraction
         event(f"decode retractions ({self.cfg['backup']}): {min(retraction.num_retractions, 3)}")
         if self.cfg["priority"] is not None:

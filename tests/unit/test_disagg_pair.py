@@ -131,8 +131,9 @@ def test_abort_in_each_queue(side, queue):
     assert pair.outputs["decode"]["other"] == reference_tokens(prompt(1, 6), 40, VOCAB)
     peer = "decode" if side == "prefill" else "prefill"
     peer_reason = pair.finished[peer]["x"]
-    if side == "decode" and queue in ("prebuilt", "running"):
-        assert peer_reason.type == "length"  # the transfer had succeeded
+    if side == "decode" and queue in ("prebuilt", "running") or queue == "inflight":
+        # the transfer had succeeded, or (prefill inflight) its pages had left
+        assert peer_reason.type == "length"
     else:
         assert peer_reason.type == "abort" and peer_reason.status_code == 500, peer_reason
         assert "KV transfer failed" in peer_reason.message

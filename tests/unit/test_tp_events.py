@@ -137,3 +137,16 @@ def test_the_lost_rank_exit_status_is_named_by_the_api_process():
 
     assert tp_runner.TP_RANK_LOST_EXIT_CODE == TP_RANK_LOST_EXIT_CODE
     assert "lost a tensor-parallel rank" in describe_exit(TP_RANK_LOST_EXIT_CODE)
+
+
+def test_a_failed_room_carries_rank_0s_page_count_once_rank_0_ended():
+    """PD byte counters: a room's FAILED event carries rank 0's pages moved (the count its
+    server reports) when rank 0's room has ended; 0 while rank 0's is still live."""
+    from kvstrata.protocol.disagg import KVPoll, PDEvent
+
+    m = EventMerger(2)
+    live, failed = KVPoll.TRANSFERRING, KVPoll.FAILED
+    assert m.merge([[PDEvent(1, failed, error="x", pages=3), PDEvent(2, live)],
+                    [PDEvent(1, failed, error="y", pages=5), PDEvent(2, failed, error="z",
+                                                                     pages=4)]]) == [
+        PDEvent(1, failed, error="x", pages=3), PDEvent(2, failed, error="z")]

@@ -77,7 +77,9 @@ class DisaggSide(SchedulerSide):
         self.free_slots = list(range(num_slots))
         self.ops: list[PDOp] = []
         self.num_transfer_failures = 0
-        self.kv_bytes_moved = 0  # KV bytes shipped (prefill) or received (decode), totals
+        # KV bytes that crossed, a running total: pages the decode wrote into its reserved
+        # pages (the prefill counts what the decode confirmed), as each room ends
+        self.kv_bytes_moved = 0
         self.page_bytes_moved = transferred_page_bytes(sched.config)
 
     # ------------------------------------------------------------------ small helpers
@@ -182,7 +184,7 @@ class DisaggSide(SchedulerSide):
                 logger.debug("PD event for unknown room %s ignored: %s", ev.room, ev)
                 continue
             room.state = ev.state
-            if ev.state == KVPoll.SUCCESS:  # what crossed, aborted requests' rooms included
+            if ev.state in TERMINAL:  # what crossed, failed and aborted rooms included
                 self.kv_bytes_moved += ev.pages * self.page_bytes_moved
             if room.draining:
                 if ev.state in TERMINAL:

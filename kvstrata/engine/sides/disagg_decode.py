@@ -56,7 +56,10 @@ if TYPE_CHECKING:  # annotations only: no import circle
 
 class DecodeDisagg(DisaggSide):
     counters = {
-        "disagg_kv_bytes_received_total": "KV bytes this decode server received",
+        "disagg_kv_bytes_received_total": "KV bytes this decode server wrote into its "
+                                          "rooms' reserved pages while they were live "
+                                          "(aborted requests included; what the prefill "
+                                          "servers count as sent)",
         "disagg_decode_prefix_hit_tokens_total": "Prompt tokens a decode server's radix cache "
                                                  "already held (not transferred)",
         "disagg_metadata_bytes_received_total": "Transfer metadata bytes a decode server "

@@ -38,7 +38,10 @@ PREFILL_SLOTS_PER_ROW = 2
 
 class PrefillDisagg(DisaggSide):
     counters = {
-        "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped to decode servers",
+        "disagg_kv_bytes_sent_total": "KV bytes this prefill server shipped that decode "
+                                      "servers confirmed they wrote into a room's pages "
+                                      "(equals their disagg_kv_bytes_received_total, "
+                                      "aborted requests included)",
     }
     mode = "prefill"
     insert_on_release = True

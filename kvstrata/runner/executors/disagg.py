@@ -65,7 +65,8 @@ class DisaggExecutor(OpExecutor):
 
     def poll(self) -> list[PDEvent]:
         """State changes since the last poll (a room's first poll reports its state).
-        FAILED carries the reason; a receiver's SUCCESS carries the prefill's metadata."""
+        FAILED carries the reason; a receiver's SUCCESS carries the prefill's metadata;
+        both terminal states the room's pages moved (KVSender / KVReceiver.pages_moved)."""
         events = []
         for room, obj in self._rooms.items():
             state = obj.poll()
@@ -73,12 +74,12 @@ class DisaggExecutor(OpExecutor):
                 continue
             self._reported[room] = state
             event = PDEvent(room, int(state))
+            if state in _FINAL:
+                event.pages = obj.pages_moved
             if state == KVPoll.FAILED:
                 event.error = obj.failure_reason or "PD transfer failed"
-            elif state == KVPoll.SUCCESS:
-                event.pages = obj.pages_moved
-                if hasattr(obj, "metadata"):
-                    event.metadata = obj.metadata
+            elif state == KVPoll.SUCCESS and hasattr(obj, "metadata"):
+                event.metadata = obj.metadata
             events.append(event)
         return events
 

@@ -96,7 +96,8 @@ class MinRoomState(EventMerge):
     """PDEvent: a room's state is the minimum over ranks (KVPoll: FAILED 0 < BOOTSTRAPPING <
     WAITING_FOR_INPUT < TRANSFERRING < SUCCESS 4), as SGLang all-reduces MIN over its TP
     group: SUCCESS once every rank's transfer succeeded (rank 0's metadata and page count),
-    FAILED as soon as one rank failed (its reason). Nothing is said of a room before every
+    FAILED as soon as one rank failed (its reason; rank 0's page count if rank 0's room
+    has ended too, else 0: a count is per rank, and the server reports rank 0's). Nothing is said of a room before every
     rank reported it once, so the merged state only moves forward; a room is forgotten when
     its `release` op passes."""
     event_type = PDEvent
@@ -120,7 +121,9 @@ class MinRoomState(EventMerge):
         self._sent[key] = worst.state
         if worst.state == KVPoll.SUCCESS:
             return states[0]  # rank 0's: the metadata and the page count
-        return PDEvent(key, worst.state, error=worst.error)
+        first = states[0]
+        pages = first.pages if first.state in (KVPoll.FAILED, KVPoll.SUCCESS) else 0
+        return PDEvent(key, worst.state, error=worst.error, pages=pages)
 
     def pending(self) -> int:
         return len(self._rooms)

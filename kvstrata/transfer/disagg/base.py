@@ -44,12 +44,16 @@ class KVSender(abc.ABC):
 
     @property
     def pages_moved(self) -> int:
-        """Pages this side has shipped (its prompt's pages the decode held are not)."""
+        """Pages that crossed, as the decode side counted them (`KVReceiver.pages_moved`,
+        which it confirms): read once the room ended (SUCCESS or FAILED), it must equal
+        the receiver's. Pages the decode held already never cross."""
         return 0
 
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None:
-        """Idempotent; tells the peer when it can, so its side fails too."""
+        """Idempotent; tells the peer when it can, so its side fails too. Once pages were
+        shipped, poll() may stay TRANSFERRING a while after (the decode's count, and its
+        reading of the pages, are awaited) before it reports FAILED."""
 
     @property
     @abc.abstractmethod
@@ -78,7 +82,8 @@ class KVReceiver(abc.ABC):
 
     @property
     def pages_moved(self) -> int:
-        """Pages written into this side's reserved pages."""
+        """Pages written into this side's reserved pages while the room was live (pages
+        landing after it ended do not count); final once poll() is SUCCESS or FAILED."""
         return 0
 
     @abc.abstractmethod

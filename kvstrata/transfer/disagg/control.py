@@ -201,13 +201,16 @@ class ZmqDisaggManager(DisaggManager):
             self._changed.notify_all()
             return True
 
-    def fail(self, obj, reason: str, quiet: str | None = None) -> None:
+    def fail(self, obj, reason: str, quiet: str | None = None, dead: bool = False) -> None:
         """Transfer thread: fail the room and tell its peers but `quiet` (the one that told
-        us, or one found dead)."""
+        us, or one found dead). A sender that shipped pages stays `closing` until the
+        decode ranks sent their final counts (rooms.Sender.close), unless a peer is `dead`."""
+        if isinstance(obj, Sender) and obj.close(reason, quiet, dead):
+            return
         if self.transition(obj, KVPoll.FAILED, reason):
             for peer in obj.peers():
                 if peer != quiet:
-                    self.send_to(peer, Abort(obj.room, self.endpoint, reason))
+                    self.send_to(peer, obj.abort_message(peer, reason))
 
     def call_soon(self, fn, *args) -> None:
         """Any thread: run fn(*args) on the transfer thread (which owns the sockets)."""
@@ -316,25 +319,35 @@ class ZmqDisaggManager(DisaggManager):
                 r.on_chunk(msg, frames[1:])
         elif isinstance(msg, Ack):
             s = self.senders.get(msg.room)
-            if s is not None and msg.done:
-                s.acked.add(msg.endpoint)
-                if s.all_acked():
-                    self.transition(s, KVPoll.SUCCESS)
+            if s is not None:
+                s.confirm(msg.endpoint, msg.pages, final=msg.done)
+                if s.closing is not None:
+                    self.fail(s, s.closing)  # FAILED once every final count is in
+                elif msg.done:
+                    s.acked.add(msg.endpoint)
+                    if s.all_acked():
+                        self.transition(s, KVPoll.SUCCESS)
         elif isinstance(msg, Abort):
             obj = (self.senders if self.role == "prefill" else self.receivers).get(msg.room)
             if obj is None:
                 self._pending.setdefault(msg.room, ([], now))[0].append(msg)
             else:
-                self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
-                               f"{msg.reason}", quiet=msg.endpoint)
+                self._aborted(obj, msg)
+
+    def _aborted(self, obj, msg: Abort) -> None:
+        """The peer failed the room. A decode room answers (not `quiet`): its Abort carries
+        the pages it wrote, the count a closing prefill room waits for."""
+        if isinstance(obj, Sender):
+            obj.confirm(msg.endpoint, msg.pages, final=True)
+        self.fail(obj, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
+                       f"{msg.reason}", quiet=msg.endpoint if isinstance(obj, Sender) else None)
 
     # ---- prefill side
     def _adopt_pending(self, s: Sender) -> None:
         early, _ = self._pending.pop(s.room, ([], 0.0))
         for msg in early:
             if isinstance(msg, Abort):
-                self.fail(s, f"aborted by the {self.peer_role} server ({msg.endpoint}): "
-                             f"{msg.reason}", quiet=msg.endpoint)
+                self._aborted(s, msg)
             elif isinstance(msg, Destination):
                 self._attach(s, msg)
             else:
@@ -346,8 +359,9 @@ class ZmqDisaggManager(DisaggManager):
         if msg.endpoint not in s.joined:
             s.joined.append(msg.endpoint)
         s.fanout = max(s.fanout, msg.fanout)
-        if s.state == KVPoll.FAILED:  # aborted here before the decode side showed up
-            self.send_to(msg.endpoint, Abort(s.room, self.endpoint, s.reason or "failed"))
+        if s.state == KVPoll.FAILED or s.closing is not None:  # failed before it showed up
+            self.send_to(msg.endpoint, Abort(s.room, self.endpoint,
+                                             s.closing or s.reason or "failed"))
             return False
         return True
 
@@ -367,7 +381,7 @@ class ZmqDisaggManager(DisaggManager):
             self.ship(s, *args)
 
     def ship(self, s: Sender, page_ids: list[int], last: bool, metadata) -> None:
-        if is_final(s.state):
+        if is_final(s.state) or s.closing is not None or s.aborted:
             return
         if not s.ready:
             s.queued.append((page_ids, last, metadata))
@@ -390,8 +404,10 @@ class ZmqDisaggManager(DisaggManager):
             return
         dst = s.dest.page_ids[s.sent:s.sent + len(page_ids)]
         for dest in s.receivers:
+            if page_ids:  # from now on its count is needed before the room may fail
+                s.shipped.add(dest.endpoint)
             self._send_pages(s, dest, page_ids, dst, s.sent, last, metadata)
-            if is_final(s.state):  # a failed write
+            if is_final(s.state) or s.closing is not None:  # a failed write
                 return
         s.sent += len(page_ids)
 

@@ -13,7 +13,9 @@ A failed room never takes the manager down (the others keep going). A room fails
     still waiting in the decode's prealloc queue is covered too;
   decode resolving a prefill whose bootstrap server refuses the connection: after
     KVSTRATA_DISAGG_UNREACHABLE_TIMEOUT (lookup.py), not the bootstrap timeout;
-  abort() on either side sends Abort; the peer fails the room with the reason.
+  abort() on either side sends Abort; the peer fails the room with the reason (a prefill
+    room that shipped pages fails once the decode answered with its page count, or once
+    one of the checks above finds that decode dead: control.ZmqDisaggManager.fail).
 """
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ class Liveness:
                     dead.add(peer)
                     why = f"decode server {peer} silent for over {silent_after:g} s (dead?)"
                     break
-            if why:
-                mgr.fail(obj, why)
+            if why:  # no final page count will come from a peer in such a state
+                mgr.fail(obj, why, dead=True)
         for peer in dead:
             mgr.drop_peer(peer)  # and the frames queued for it
         if mgr.role == "decode" and now >= self.next_ping:

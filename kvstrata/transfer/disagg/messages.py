@@ -13,6 +13,13 @@ them all. Each message names its sender's endpoint: PULL sockets do not know who
                                    follow as extra frames; mooncake: already written
   decode  -> prefill  Ack          after a chunk marked `ack` (the last of one send())
   either              Abort        the room failed on this side; the peer fails it too
+
+Pages moved (what both servers' disagg_kv_bytes_*_total count): the pages the decode side
+wrote into the room's reserved pages while the room was live there (tcp: from the frames;
+mooncake: the prefill's one-sided writes a Chunk announced). The decode's Ack and Abort carry
+that count (final in Ack.done and in every decode Abort: a decode room counts nothing more
+once it ended), and the prefill reports the count the decode confirmed: a prefill room that
+fails after shipping pages waits for the decode's final count (its Abort is answered).
 """
 from __future__ import annotations
 
@@ -66,14 +73,15 @@ class Chunk(msgspec.Struct, tag="chunk"):
 class Ack(msgspec.Struct, tag="ack"):
     room: int
     endpoint: str
-    pages: int                        # pages received so far
-    done: bool                        # every page and the metadata arrived
+    pages: int                        # pages written into the room's pages so far
+    done: bool                        # every page and the metadata arrived (pages final)
 
 
 class Abort(msgspec.Struct, tag="abort"):
     room: int
     endpoint: str
     reason: str
+    pages: int = 0                    # decode -> prefill: the pages it wrote, final
 
 
 class Ping(msgspec.Struct, tag="ping"):

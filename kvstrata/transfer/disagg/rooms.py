@@ -43,9 +43,12 @@ class _Room:
         if self.mgr.transition(self, KVPoll.FAILED, reason):
             self.mgr.call_soon(self._tell_peer)
 
+    def abort_message(self, peer: str, reason: str) -> Abort:
+        return Abort(self.room, self.mgr.endpoint, reason)
+
     def _tell_peer(self) -> None:  # transfer thread
         for peer in self.peers():
-            self.mgr.send_to(peer, Abort(self.room, self.mgr.endpoint, self.reason or ""))
+            self.mgr.send_to(peer, self.abort_message(peer, self.reason or ""))
         if not self.peers() and isinstance(self, Receiver):
             # Aborted before the prefill's endpoint was known (e.g. refused at admission):
             # the prefill still waits for this room, so tell it once the look-up ends.
@@ -66,11 +69,18 @@ class _Room:
 class Sender(_Room, KVSender):
     """Under tensor parallelism at different sizes (rank_map.py) one prefill rank may send
     the room to `fanout` decode ranks (each its own Destination, the same page ids), or be
-    told by a decode rank that nothing is wanted from it (a `silent` Destination)."""
+    told by a decode rank that nothing is wanted from it (a `silent` Destination).
+
+    Pages moved are the ones the decode confirmed (messages.py): a room that fails after
+    shipping pages first tells its decode peers and stays `closing` (its pages held, nothing
+    more shipped) until each answered with its final count -- or is found dead (liveness) --
+    and only then reports FAILED. So the count is the decode's, and no page the prefill
+    still ships from is freed while a decode may read it."""
 
     @property
     def pages_moved(self) -> int:
-        return self.sent
+        """The pages the decode side confirmed it wrote (the most any of its ranks did)."""
+        return max((n for e, n in self.confirmed.items() if e in self.shipped), default=0)
 
     def __init__(self, mgr, room: int):
         super().__init__(mgr, room)
@@ -82,6 +92,13 @@ class Sender(_Room, KVSender):
         self.sent = 0                    # pages shipped so far (= next destination index)
         self.skipped = 0                 # pages not shipped: the decode holds them already
         self.queued: list[tuple] = []    # send() calls made before the destinations arrived
+        self.sends = 0                   # send() calls accepted (runner thread)
+        self.shipped: set[str] = set()   # decode endpoints sent pages (transfer thread)
+        self.confirmed: dict[str, int] = {}  # decode endpoint -> pages it said it wrote
+        self.final: set[str] = set()     # decode endpoints whose count is final
+        self.closing: str | None = None  # failed, waiting for the decode's final counts
+        self.closing_since = 0.0
+        self.aborted = False             # abort() called: ship nothing not shipped yet
 
     def peers(self) -> list[str]:
         return list(self.joined)
@@ -106,6 +123,42 @@ class Sender(_Room, KVSender):
 
     def all_acked(self) -> bool:
         return self.ready and all(d.endpoint in self.acked for d in self.receivers)
+
+    def confirm(self, endpoint: str, pages: int, final: bool) -> None:
+        """Transfer thread: a decode rank's count (Ack, Abort); frozen once this room ends."""
+        if is_final(self.state):
+            return
+        self.confirmed[endpoint] = max(self.confirmed.get(endpoint, 0), pages)
+        if final:
+            self.final.add(endpoint)
+
+    def awaiting(self) -> list[str]:
+        """The decode ranks sent pages whose final count has not arrived."""
+        return [e for e in self.shipped if e not in self.final]
+
+    def close(self, reason: str, quiet: str | None, dead: bool) -> bool:
+        """Transfer thread, from mgr.fail: wait for the final counts of the decode ranks
+        sent pages (tell them, once), or end a wait that is over; False: fail as usual."""
+        mgr = self.mgr
+        if is_final(self.state) or (self.closing is None and (dead or not self.awaiting())):
+            return False
+        if not dead and self.awaiting():
+            if self.closing is None:
+                self.closing, self.closing_since = reason, time.monotonic()
+                for peer in self.peers():
+                    if peer != quiet:
+                        mgr.send_to(peer, Abort(self.room, mgr.endpoint, reason))
+            return True
+        # every count is in, or a peer is dead: the peers were told when it began closing
+        mgr.transition(self, KVPoll.FAILED, reason if dead else self.closing)
+        return True
+
+    def abort(self, reason: str = "aborted") -> None:
+        if not self.sends:  # nothing can have been shipped: no count to wait for
+            super().abort(reason)
+        elif not is_final(self.state):  # on the transfer thread (after a ship under way)
+            self.aborted = True
+            self.mgr.call_soon(self.mgr.fail, self, reason)
 
     def init(self, num_pages: int, metadata_index: int) -> None:
         why = self._bad_input([], metadata_index)
@@ -140,10 +193,15 @@ class Sender(_Room, KVSender):
         if why:
             self.abort(why)
             return
+        self.sends += 1
         self.mgr.transition(self, KVPoll.TRANSFERRING)
         self.mgr.call_soon(self.mgr.ship, self, list(page_ids), last, metadata)
 
     def timed_out(self, now: float) -> str | None:
+        bound = self.mgr.heartbeat_interval * (self.mgr.heartbeat_max_failure + 1)
+        if self.closing is not None and now - self.closing_since > bound:
+            return (f"{self.closing} (no final page count from the decode server within "
+                    f"{bound:g} s)")  # e.g. lost with a socket the decode dropped
         if self.state == KVPoll.BOOTSTRAPPING and now - self.created > \
                 self.mgr.bootstrap_timeout:
             got = f" ({len(self.dests)} of {self.fanout} decode ranks did)" \
@@ -156,7 +214,13 @@ class Sender(_Room, KVSender):
 class Receiver(_Room, KVReceiver):
     @property
     def pages_moved(self) -> int:
+        """Pages written into the reserved pages while the room was live (frozen once it
+        ended: what this side's PDEvent reports and its Abort tells the prefill)."""
         return self.received
+
+    def abort_message(self, peer: str, reason: str) -> Abort:
+        return Abort(self.room, self.mgr.endpoint, reason,
+                     self.received if peer == self.peer else 0)
 
     def __init__(self, mgr, room: int, bootstrap: tuple[str, int]):
         super().__init__(mgr, room)
@@ -230,7 +294,10 @@ class Receiver(_Room, KVReceiver):
         except Exception as e:  # malformed frames: this room fails, the thread goes on
             mgr.fail(self, f"bad page data from {msg.endpoint}: {type(e).__name__}: {e}")
             return
-        self.received += msg.num_pages
+        with mgr.lock:  # the count stops when the room ends (runner abort: any thread)
+            if is_final(self.state):
+                return  # landed in pages of a room that ended meanwhile: not counted
+            self.received += msg.num_pages
         if msg.last:
             self.metadata_value = msg.metadata
             if self.received != len(self.dst):
