@@ -44,6 +44,20 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def rank_pids(root: int | None = None) -> list[int]:
+    """The tensor-parallel rank processes under `root` (default: this process), zombies
+    included (/proc lists them)."""
+    out = []
+    for pid in child_pids(root or os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"kvstrata.entrypoints.tp_worker" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.server_utils import (REPO, ServerProcess, child_pids, free_port, pid_alive)
+from tests.e2e.server_utils import (REPO, ServerProcess, child_pids, free_port, pid_alive,
+                                    rank_pids)
 
 MAX_NEW = 12
 FAST_LOSS = {"KVSTRATA_TP_HEARTBEAT_TIMEOUT": "3"}
@@ -50,18 +51,6 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
         lps = [lp for lp, *_ in g["meta_info"]["output_token_logprobs"]]
         assert lps == pytest.approx([lp for lp, _ in w["meta_info"]["output_token_logprobs"]],
                                     abs=1e-4)
-
-
-def rank_pids(server_pid: int) -> list[int]:
-    out = []
-    for pid in child_pids(server_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"kvstrata.entrypoints.tp_worker" in f.read():
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
 
 
 def test_a_killed_rank_ends_the_server(tiny_model_path):

@@ -16,32 +16,18 @@ import time
 
 import pytest
 
-from tests.e2e.server_utils import REPO, child_pids, free_port, pid_alive
+from tests.e2e.server_utils import REPO, child_pids, free_port, pid_alive, rank_pids
 
 ENGINE = {"tp_size": 2, "skip_tokenizer_init": True, "max_total_tokens": 256,
           "watchdog_timeout": 60.0}
 FAILS_WITHIN_S = 10.0  # from the rank's death to the error (the old hang: --watchdog-timeout)
 
 
-def rank_children(root: int | None = None) -> list[int]:
-    """The tensor-parallel rank processes under `root` (default: this process), zombies
-    included (/proc lists them)."""
-    out = []
-    for pid in child_pids(root or os.getpid()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"kvstrata.entrypoints.tp_worker" in f.read():
-                    out.append(pid)
-        except OSError:
-            pass
-    return out
-
-
 def kill_first_rank(root: int, killed: dict, stop: threading.Event) -> None:
     """SIGKILL the first rank process that appears under `root` (it is still importing
     torch then: long before it could join); record its pid and when."""
     while not stop.is_set():
-        for pid in rank_children(root):
+        for pid in rank_pids(root):
             os.kill(pid, signal.SIGKILL)
             killed.update(pid=pid, at=time.monotonic())
             return
@@ -72,7 +58,7 @@ def test_a_rank_killed_before_it_joins_fails_llm_at_once(tiny_model_path):
     finally:
         stop.set()
         killer.join(5)
-        for pid in rank_children():  # only after a failure of this test
+        for pid in rank_pids():  # only after a failure of this test
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     message = str(err.value)
@@ -81,7 +67,7 @@ def test_a_rank_killed_before_it_joins_fails_llm_at_once(tiny_model_path):
     assert "it printed nothing" in message
     assert failed_at - killed["at"] < FAILS_WITHIN_S
     assert_reaped(killed["pid"])
-    assert rank_children() == []
+    assert rank_pids() == []
     assert not dist.is_initialized() and os.sched_getaffinity(0) == cores
 
 
@@ -100,7 +86,7 @@ def test_a_rank_that_exits_before_joining_is_named_with_its_last_lines(tiny_mode
                      r"last lines on stderr:\n  \| .*KVSTRATA_DEBUG_RANK_EXIT: rank 2 exits "
                      r"with code 3", message), message
     assert time.monotonic() - started < 30  # the rank starts, logs and exits in a few s
-    assert rank_children() == []  # every rank reaped (a zombie would still be listed)
+    assert rank_pids() == []  # every rank reaped (a zombie would still be listed)
 
 
 def test_a_rank_of_another_launcher_that_never_connects_times_out(tiny_model_path):
@@ -183,7 +169,7 @@ def test_a_launcher_whose_ranks_never_reach_node_0_exits(tiny_model_path):
     try:
         deadline = time.monotonic() + 60
         while proc.poll() is None and time.monotonic() < deadline:
-            ranks = rank_children(proc.pid) or ranks
+            ranks = rank_pids(proc.pid) or ranks
             time.sleep(0.05)
         out = proc.communicate(timeout=1 if proc.poll() is None else None)[0].decode()
     except subprocess.TimeoutExpired:
