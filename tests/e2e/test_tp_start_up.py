@@ -23,6 +23,16 @@ ENGINE = {"tp_size": 2, "skip_tokenizer_init": True, "max_total_tokens": 256,
 FAILS_WITHIN_S = 10.0  # from the rank's death to the error (the old hang: --watchdog-timeout)
 
 
+def stop_tree(proc: subprocess.Popen, pids) -> None:
+    """A test's finally block: the launcher and every process of its tree, by PID."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def kill_first_rank(root: int, killed: dict, stop: threading.Event) -> None:
     """SIGKILL the first rank process that appears under `root` (it is still importing
     torch then: long before it could join); record its pid and when."""
@@ -135,12 +145,7 @@ def test_a_rank_killed_before_it_joins_ends_serve(tiny_model_path):
         finally:
             stop.set()
             killer.join(5)
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            for pid in seen:
-                if pid_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+            stop_tree(proc, seen)
     with open(log_path) as f:
         text = f.read()
     assert killed, text[-3000:]
@@ -175,12 +180,7 @@ def test_a_launcher_whose_ranks_never_reach_node_0_exits(tiny_model_path):
     except subprocess.TimeoutExpired:
         out = ""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        for pid in ranks:
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_tree(proc, ranks)
     assert proc.returncode == 1, out[-3000:]
     assert f"rank 1 could not reach the group's store at {addr} within 2 s (--dist-timeout)" \
         in out, out[-3000:]
