@@ -116,6 +116,8 @@ class SchedulerLoop:
             elif msg.op == "dsa_seeds":
                 keeper = getattr(self.engine.runner, "dsa_seeds", None)
                 result = {"records": list(keeper.records) if keeper is not None else None}
+            elif msg.op == "grammar_stats":
+                result = {"ranks": self.grammars.stats()}
             elif msg.op == "engine_info":
                 result = engine_info(self.engine, self.tokenizer)
             else:

@@ -36,7 +36,8 @@ class AbortReq(_Msg):
 class ControlReq(_Msg):
     """A request answered by one ControlReply with the same call_id."""
     call_id: int
-    # "get_load" | "flush_cache" | "check_integrity" | "engine_info" | "dsa_seeds"
+    # "get_load" | "flush_cache" | "check_integrity" | "engine_info" | "dsa_seeds" |
+    # "grammar_stats"
     op: str
 
 

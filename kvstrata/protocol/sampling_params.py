@@ -162,6 +162,12 @@ class SamplingParams:
                              f"regex, ebnf and structural_tag")
         return given[0] if given else None
 
+    @property
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(field, text) of its grammar: what compiled grammars are kept by, on every rank."""
+        field = self.grammar_field
+        return None if field is None else (field, getattr(self, field))
+
     def validate(self) -> None:
         def check(name: str, ok: bool, why: str) -> None:
             if not ok:

@@ -147,7 +147,7 @@ def test_a_grammar_as_the_first_request_of_a_fresh_server(tiny_model_path):
     """The scheduler loads its tokenizer on a thread after start-up; a grammar request at once
     built llguidance's tokenizer beside it, importing transformers twice at the same time,
     and the half-imported module's AttributeError killed the scheduler. It now uses the
-    engine's tokenizer."""
+    engine's tokenizer. No step waited for the compile (/debug/grammar)."""
     from tests.e2e.server_utils import ServerProcess
 
     srv = ServerProcess(tiny_model_path, "--served-model-name", "tiny",
@@ -157,5 +157,9 @@ def test_a_grammar_as_the_first_request_of_a_fresh_server(tiny_model_path):
         r = httpx.post(srv.base_url + GEN, timeout=120, json={
             "text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "(yes|no)"}})
         assert r.status_code == 200 and r.json()["text"] in ("yes", "no"), r.text
+        # one rank; the scheduler held the request until its compile was done (TP:
+        # tests/e2e/test_tp_server.py)
+        assert httpx.get(srv.base_url + "/debug/grammar", timeout=30).json() == {
+            "ranks": [{"compiles_started": 1, "compiles_late": 0}]}
     finally:
         srv.stop()

@@ -1,11 +1,13 @@
 """`kvstrata serve --tp-size N` through the real server (issue 23): a killed rank fails the
 request in flight and ends the server non-zero with no process left; two launchers
-(`--nnodes 2 --node-rank 0|1`) serve one model together and the second ends when the first
-does; w8a8 under TP. (SmolLM2 at tp 3: tests/correctness/test_tp_serving.py.)"""
+(`--nnodes 2 --node-rank 0|1`) serve one model together (a grammar compiled on every rank
+before the request's first step) and the second ends when the first does; w8a8 under TP.
+(SmolLM2 at tp 3: tests/correctness/test_tp_serving.py.)"""
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +55,24 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
                                     abs=1e-4)
 
 
+def assert_grammar_compiled_on_every_rank_first(url: str) -> None:
+    """A constrained request under TP gets an answer in its grammar's language, and every
+    rank had compiled the grammar before the request's first step: the scheduler holds it
+    until they all have (entrypoints/grammar_hold.py). Before, rank 1 started compiling at
+    that step, which -- and every other request's tokens with it -- waited for it."""
+    pattern = r"(red|green|blue)-[0-9]{3}"
+    body = {"text": "A colour code:", "sampling_params": {
+        "regex": pattern, "max_new_tokens": 30, "temperature": 1.0}}
+    resp = httpx.post(url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert re.fullmatch(pattern, out["text"]), out["text"]
+    ranks = httpx.get(url + "/debug/grammar", timeout=60).json()["ranks"]
+    assert len(ranks) == 2 and all(r["compiles_started"] == 1 for r in ranks), ranks
+    assert [r["compiles_late"] for r in ranks] == [0, 0], ranks
+
+
 def test_a_killed_rank_ends_the_server(tiny_model_path):
     """`serve --tp-size 2` (its answers equal one rank's: the two-launcher test): rank 1 is
     SIGKILLed under a request: the request gets an error, the server exits non-zero (the
@@ -78,7 +98,8 @@ def test_a_killed_rank_ends_the_server(tiny_model_path):
 
 def test_two_launchers_serve_one_model(tiny_model_path):
     """Node 0 (HTTP server, scheduler, rank 0) and node 1 (rank 1) meet at --dist-init-addr;
-    on one machine they split its cores; SIGTERM on node 0 stops both."""
+    on one machine they split its cores; structured output waits for both ranks' compiles;
+    SIGTERM on node 0 stops both."""
     ids = prompts(2)
     want = one_rank(tiny_model_path, ids)
     init = f"127.0.0.1:{free_port()}"
@@ -102,6 +123,7 @@ def test_two_launchers_serve_one_model(tiny_model_path):
                        for pid in node1_children), [os.sched_getaffinity(p)
                                                      for p in node1_children]
         assert_same(served(srv.base_url, ids), want)
+        assert_grammar_compiled_on_every_rank_first(srv.base_url)
         srv.stop()
         assert node1.wait(timeout=30) == 0
     finally:

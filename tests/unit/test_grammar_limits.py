@@ -204,6 +204,93 @@ def test_a_request_joins_the_engine_once_its_grammar_compiled():
     loop.handle(_gen("again", regex="c+"))
     assert engine.added[-1] == "again"
     assert GrammarHold.of(SimpleNamespace()).hold(_gen("x", regex="a")) is False
+    assert loop.grammars.ranks is None  # one rank: no driver, no calls
+
+
+class _Ranks:
+    """A TPDriver's grammar calls (its other ranks as one): `done` is what they compiled."""
+    def __init__(self, backend):
+        self.grammar = backend
+        self.started, self.asked, self.done = [], [], set()
+        self.lost = None
+
+    def start_grammar(self, key):
+        self.started.append(key)
+        return key in self.done
+
+    def grammars_done(self, keys):
+        if self.lost:  # TPDriver._check / _replies: a lost rank is an error, never a wait
+            raise RuntimeError(f"tensor parallelism: {self.lost}")
+        self.asked.append(list(keys))
+        return [key in self.done for key in keys]
+
+
+def test_under_tp_a_request_joins_once_every_rank_compiled_its_grammar():
+    backend = _Backend()
+    engine = _Engine(backend)
+    engine.runner = ranks = _Ranks(backend)
+    loop = SchedulerLoop(engine, None, None, SimpleNamespace(send=lambda data: None))
+    a, b = ("regex", "a+"), ("regex", "b+")
+    for rid, pattern in (("one", "a+"), ("two", "a+"), ("gone", "b+")):
+        loop.handle(_gen(rid, regex=pattern))
+    assert ranks.started == [a, a, b]  # every rank compiles from the request's arrival
+    assert loop.grammars.ready() == [] and ranks.asked == []  # asked once rank 0 has it
+    backend.futures["a+"].set_result("matcher")
+    backend.futures["b+"].set_result("matcher")
+    assert loop.grammars.ready() == [] and engine.added == []  # rank 0's alone: held
+    assert ranks.asked == [[a, b]]  # one question per grammar, not per request
+    loop.handle(ipc.AbortReq("gone"))  # held: the engine ends it as any abort
+    assert engine.added == ["gone"] and engine.aborted == ["gone"]
+    ranks.done.add(a)
+    assert [r.rid for r in loop.grammars.ready()] == ["one", "two"] and not loop.grammars.held
+    loop.handle(_gen("again", regex="a+"))  # compiled on every rank: straight in
+    assert engine.added[-1] == "again" and ranks.asked[-1] == [a]
+    loop.handle(_gen("late", regex="b+"))
+    ranks.lost = "rank 1 lost"  # the loop's error path ends the server (exit 71 before it)
+    with pytest.raises(RuntimeError, match="rank 1 lost"):
+        loop.grammars.ready()
+
+
+def test_tp_driver_asks_every_rank_for_its_grammars():
+    """TPDriver's grammar calls over the wire (msgpack) to two ranks' real GrammarBackends,
+    whose compiles the test ends; a rank reports a grammar done only once compiled."""
+    import msgspec
+
+    from kvstrata.protocol.grammar import json_options
+    from kvstrata.runner.parallel import tp_runner
+    from kvstrata.runner.sampling.grammar import GrammarBackend
+
+    a, b = ("regex", "a+"), ("json_schema", '{"type": "integer"}')
+    gates = {(rank, text): threading.Event() for rank in (1, 2) for _, text in (a, b)}
+
+    def backend(rank):
+        b = GrammarBackend("smollm2-135m", None, 49152, [2], json_options())
+        b._compile = lambda field, text: gates[rank, text].wait(10) and "matcher"
+        return b
+
+    ranks = [backend(1), backend(2)]
+    inbox = []
+
+    def send_all(data):
+        msg = tp_runner._DOWN.decode(data)
+        inbox.extend(msgspec.msgpack.encode(tp_runner._grammar_reply(b, msg, r))
+                     for r, b in enumerate(ranks, 1))
+
+    links = SimpleNamespace(size=3, send_all=send_all, recv=lambda timeout: inbox.pop(0))
+    driver = tp_runner.TPDriver(SimpleNamespace(grammar=backend(0)), links, [])
+    try:
+        assert driver.start_grammar(a) is False and driver.start_grammar(b) is False
+        assert driver.grammars_done([a, b]) == [False, False]
+        for key in ((1, a[1]), (2, a[1]), (1, b[1])):
+            gates[key].set()
+        for r, key in ((0, a), (1, a), (0, b)):
+            ranks[r]._compiled[key].result(5)
+        assert driver.grammars_done([a, b]) == [True, False]  # rank 2 still compiles b
+        assert driver.start_grammar(a) is True
+        assert [s["compiles_started"] for s in driver.grammar_stats()] == [0, 2, 2]
+    finally:
+        for gate in gates.values():
+            gate.set()
 
 
 def test_the_runner_compiles_a_grammar_once_and_copies_it():

@@ -284,6 +284,13 @@ def create_app(state) -> FastAPI:
         the two to prove the transfer and the remap; null records for other models."""
         return await tm.control("dsa_seeds")
 
+    @app.get("/debug/grammar")
+    async def debug_grammar():
+        """Structured output's compiles on every rank: how many each started and how many a
+        request's first step found still running (the scheduler holds a request until every
+        rank compiled its grammar, so 0). Tests check it under TP."""
+        return await tm.control("grammar_stats")
+
     @app.get("/metrics")
     async def metrics():
         if not getattr(args, "enable_metrics", True):

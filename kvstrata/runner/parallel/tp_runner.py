@@ -8,6 +8,9 @@ same by construction. Every rank samples from the same all-gathered logits with 
 seeded generator, so they draw the same tokens; only rank 0's go back to the scheduler.
 Each side keeps a running digest of the step messages it applied and the tokens it
 sampled: `TPDriver.digests()` asks every rank for theirs (the tests compare them).
+Every rank also compiles grammars itself: the server's scheduler loop tells them a held
+request's grammar when it arrives and hands the request over once every rank has compiled
+it (`start_grammar`, `grammars_done`; entrypoints/grammar_hold.py).
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ class StepMsg(msgspec.Struct, tag="step"):
 
 
 class CallMsg(msgspec.Struct, tag="call"):
-    op: str                      # "digests" | "check_rows" | "enable_disagg" | "shutdown"
+    # "digests" | "check_rows" | "enable_disagg" | "shutdown" | GRAMMAR_OPS
+    op: str
     arg: Any = None
 
 
@@ -51,6 +55,11 @@ class EventsMsg(msgspec.Struct, tag="events"):
     rank: int
     events: list[Event]
 
+
+# Structured output (entrypoints/grammar_hold.py): start a grammar's compile ([field, text];
+# answers at once: whether it is compiled already), which of [[field, text], ...] are
+# compiled, the backend's counters. Every rank compiles while rank 0 holds the request.
+GRAMMAR_OPS = ("grammar_compile", "grammar_done", "grammar_stats")
 
 _DOWN = msgspec.msgpack.Decoder(StepMsg | CallMsg)
 _UP = msgspec.msgpack.Decoder(ReplyMsg | EventsMsg)
@@ -153,6 +162,28 @@ class TPDriver:
             if not reply.ok:
                 raise RuntimeError(f"rank {reply.rank}: {reply.result}")
 
+    def start_grammar(self, key: tuple[str, str]) -> bool:
+        """Every other rank starts compiling the grammar `key` ((field, text)) on its own
+        backend's thread; True when all of them had it compiled already."""
+        return all(self._results("grammar_compile", list(key)))
+
+    def grammars_done(self, keys: list[tuple[str, str]]) -> list[bool]:
+        """For each grammar key, whether every other rank's compile of it has ended."""
+        per_rank = self._results("grammar_done", [list(k) for k in keys])
+        return [all(done[i] for done in per_rank) for i in range(len(keys))]
+
+    def grammar_stats(self) -> list[dict]:
+        """Every rank's GrammarBackend.stats(), in rank order."""
+        return [self.runner.grammar.stats()] + self._results("grammar_stats")
+
+    def _results(self, op: str, arg: Any = None) -> list:
+        """call(), each rank's result; a rank that could not answer is an error."""
+        replies = self.call(op, arg)
+        for reply in replies:
+            if not reply.ok:
+                raise RuntimeError(f"rank {reply.rank}: {reply.result}")
+        return [reply.result for reply in replies]
+
     def digests(self) -> list[dict]:
         """Every rank's digests of the steps it applied and the tokens it sampled."""
         return [self._digests.result()] + [r.result for r in self.call("digests")]
@@ -215,6 +246,8 @@ def serve_rank(runner: Any, links: RankLinks) -> None:
                 reply = ReplyMsg(links.rank, True)
             except Exception as e:  # e.g. a bootstrap server that never came up
                 reply = ReplyMsg(links.rank, False, repr(e))
+        elif msg.op in GRAMMAR_OPS:
+            reply = _grammar_reply(runner.grammar, msg, links.rank)
         elif msg.op == "check_rows":
             try:
                 runner.check_req_to_token({int(k): v for k, v in msg.arg.items()})
@@ -224,6 +257,17 @@ def serve_rank(runner: Any, links: RankLinks) -> None:
         else:
             reply = ReplyMsg(links.rank, False, f"unknown op {msg.op!r}")
         links.reply(_encode(reply))
+
+
+def _grammar_reply(backend: Any, msg: CallMsg, rank: int) -> ReplyMsg:
+    """A rank > 0's answer to GRAMMAR_OPS, without waiting for any compile."""
+    if backend is None:  # never expected: every rank has rank 0's flags
+        return ReplyMsg(rank, False, "no grammar backend (--grammar-backend none?)")
+    if msg.op == "grammar_compile":
+        return ReplyMsg(rank, True, backend.compiled_key(*msg.arg).done())
+    if msg.op == "grammar_done":
+        return ReplyMsg(rank, True, [backend.compile_done(*key) for key in msg.arg])
+    return ReplyMsg(rank, True, backend.stats())
 
 
 def exit_rank_lost(reason: str) -> None:

@@ -15,7 +15,10 @@ Compiles run on one thread, under the API's limits (protocol/grammar_limits.py),
 kept by grammar text: a request gets a copy of the compiled matcher (llguidance's deep_copy,
 ~0.1 ms), so a grammar that comes back (a tool set, a schema) compiles once. The scheduler
 loop starts a request's compile when the request arrives and hands it to the engine once it
-is done (entrypoints/grammar_hold.py), so that no step waits for a compile.
+is done (entrypoints/grammar_hold.py), so that no step waits for a compile. Under TP every
+rank has its own backend: rank 0 tells the others a held request's grammar at once
+(`compiled_key`) and asks them whether it is done (`compile_done`) before handing it over
+(runner/parallel/tp_runner.py), so their first sample does not wait either.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ class GrammarBackend:
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         # (field, text) -> Future of its compiled, unused matcher (LRU)
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.compiles_started = self.compiles_late = 0  # stats()
 
     def tokenizer(self):
         with self._lock:
@@ -101,17 +105,36 @@ class GrammarBackend:
     def compiled(self, params: SamplingParams) -> Future:
         """The Future of the request's grammar compiled (a matcher no token has advanced),
         started on the compile thread unless it is cached; nothing here waits for it."""
-        key = (params.grammar_field, getattr(params, params.grammar_field))
+        return self.compiled_key(*params.grammar_key)
+
+    def compiled_key(self, field: str, text: str) -> Future:
+        """compiled() by the grammar's (field, text): a TP rank > 0 is told only those
+        (tp_runner.py's "grammar_compile")."""
+        key = (field, text)
         future = self._compiled.get(key)
         if future is not None and future.done() and future.exception() is not None:
             future = None  # never expected (the API checked it): try again, not forever
         if future is None:
             future = self._compiler.submit(self._compile, *key)
+            self.compiles_started += 1
             self._compiled[key] = future
             while len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
         return future
+
+    def compile_done(self, field: str, text: str) -> bool:
+        """Whether the grammar's compile has ended (compiled, or failed: the runner reports
+        that at the request's step, as on one rank). One no longer kept (32 others came
+        since) starts again and is not done."""
+        future = self._compiled.get((field, text))
+        return (future or self.compiled_key(field, text)).done()
+
+    def stats(self) -> dict:
+        """Counters for /debug/grammar: compiles started, and requests whose first step
+        found their compile still running (it waited; the server holds requests until every
+        rank compiled, so there it stays 0)."""
+        return {"compiles_started": self.compiles_started, "compiles_late": self.compiles_late}
 
     def _compile(self, field: str, text: str):
         import llguidance  # noqa: PLC0415
@@ -128,8 +151,9 @@ class GrammarBackend:
         # the output the grammar has seen (a thinking section's tokens are not its)
         replay = [t for t in output_ids if gate is None or gate.take(t)]
         # Off the step: a compile still running (a request not held by the scheduler loop:
-        # LLM(), a TP rank > 0) overlaps the request's prefill; its first sample waits.
+        # LLM()) overlaps the request's prefill; its first sample waits (counted: stats()).
         compiled = self.compiled(params)
+        self.compiles_late += not compiled.done()
         tokenizer = self.tokenizer()
         return GrammarState(compiled, self.vocab_size, (tokenizer.vocab_size + 31) // 32,
                             self.executor, tokenizer, gate, replay)
