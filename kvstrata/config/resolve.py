@@ -11,6 +11,7 @@ Ordered pure steps (docs/configuration.md has the full table):
   5. decode-retraction backup + ratio
   6. DSA gates
   7. speculative decoding (NEXTN -> EAGLE, auto draft shape, chain draft tokens)
+  8. deterministic inference (the kernels it pins; where it is refused)
 The KV pool itself is sized afterwards, once the model is loaded (config/kv_sizing.py).
 Every change is a `Resolution(field, old, new, rule, reason)`; the engine logs the list once at
 start, `/server_info` returns it and `kvstrata config --explain` prints it. An invalid
@@ -24,8 +25,8 @@ from typing import Any, Callable, Mapping
 from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
-from kvstrata.config.rules import (disagg, dsa, hicache, page_geometry, platform_defaults,
-                                   retraction, speculative)
+from kvstrata.config.rules import (deterministic, disagg, dsa, hicache, page_geometry,
+                                   platform_defaults, retraction, speculative)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -44,6 +45,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     ("decode retraction backup", retraction.retraction_backup),
     ("dsa gates", dsa.dsa_gates),
     ("speculative decoding", speculative.speculative),
+    ("deterministic inference", deterministic.deterministic_inference),
 )
 
 

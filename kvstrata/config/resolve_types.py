@@ -43,6 +43,12 @@ class ResolvedArgs(ServerArgs):
     dsa_fused_topk: bool | None = opt(
         None, "Use the fused DSA top-k for a seed that comes from draft-extend.",
         cli=False, group="derived")
+    # Deterministic inference (config/rules/deterministic.py): the kernels it pins, by name.
+    deterministic_linear_kernel: str | None = opt(
+        None, "The one GEMM every linear layer runs at every row count.", cli=False,
+        group="derived")
+    deterministic_attention_kernel: str | None = opt(
+        None, "The one attention kernel every query token runs.", cli=False, group="derived")
 
 
 @dataclass(frozen=True)

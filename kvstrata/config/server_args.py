@@ -96,6 +96,14 @@ class ServerArgs:
                                      "refuses a platform other than the detected one.",
                                choices=PLATFORMS)
     random_seed: int | None = opt(None, "Random seed (default: none).")
+    enable_deterministic_inference: bool = opt(
+        False, "Batch-invariant kernels: a request's tokens and logprobs (greedy, or sampled "
+               "with a seed) never depend on its batch, its prefill chunks or where its KV "
+               "came from (prefix cache, host tier, storage, a prefill server) "
+               "(docs/configuration.md, rule deterministic.*).")
+    disable_deterministic_inference: bool = opt(
+        False, "Keep the fastest kernel per row count where deterministic inference would "
+               "otherwise be the platform's default.")
 
     # ---- HTTP server --------------------------------------------------------------------------
     host: str = opt("127.0.0.1", "Host the HTTP server binds to.", group="server")

@@ -112,7 +112,8 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
                          draft_tree=(args.speculative_eagle_topk or 1,
                                      args.speculative_num_steps or 1),
                          draft_token_map=args.speculative_token_map,
-                         tp_group=None if joined is None else joined.group)
+                         tp_group=None if joined is None else joined.group,
+                         deterministic=bool(args.enable_deterministic_inference))
     runner.tp_rank = joined
     if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
             (args.speculative_ngram_max_bfs_breadth or 1) > 1

@@ -62,13 +62,18 @@ class ModelRunner:
                  dsa_fused_topk: bool = True, dsa_remap_pd_seed: bool = False,
                  draft_model_path: str | None = None, draft_quantization: str | None = None,
                  draft_algorithm: str = "STANDALONE", draft_tree: tuple[int, int] = (1, 1),
-                 draft_token_map: str | None = None, tp_group=None):
+                 draft_token_map: str | None = None, tp_group=None,
+                 deterministic: bool = False):
         if device is None:
             device = detected_platform().device_type  # "cuda" on CUDA and ROCm
         self.device = torch.device(device)
         # tp_group: this rank's share of the model (runner/parallel/); None = the whole
+        # --enable-deterministic-inference: batch-invariant GEMMs and attention (a request's
+        # tokens and logprobs never depend on its batch, its chunks or where its KV came from)
+        self.deterministic = deterministic
         self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
-            model_path, dtype, self.device, quantization, tp_group=tp_group)
+            model_path, dtype, self.device, quantization, tp_group=tp_group,
+            deterministic=deterministic)
         # DSA models: which top-k domain the indexer feeds attention (resolved
         # dsa_fused_topk: fused scores -> slots, or positions then req_to_token).
         self.dsa_fused_topk = dsa_fused_topk
@@ -80,7 +85,8 @@ class ModelRunner:
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
         self.draft: SpecWorker | None = build_draft(
             self.model, self.device, dtype, draft_model_path, draft_algorithm,
-            draft_quantization, draft_tree, draft_token_map, self.source, dsa_fused_topk)
+            draft_quantization, draft_tree, draft_token_map, self.source, dsa_fused_topk,
+            deterministic)
         if self.draft is not None:  # NEXTN: the PD seed feeds its first round
             self.draft.use_seed_keeper(self.dsa_seeds)
         self.dtype = self.model.dtype
@@ -142,7 +148,7 @@ class ModelRunner:
             self.kv_pool = MHATokenToKVPool(plan, self.device)
             self.model.attn_backend = TorchNativeAttnBackend(
                 self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
-                dims.head_dim, page_size=plan.page_size)
+                dims.head_dim, page_size=plan.page_size, deterministic=self.deterministic)
         if self.draft is not None:
             self.draft.allocate(plan, self.req_to_token)
         self.hicache = None

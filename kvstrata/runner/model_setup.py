@@ -17,11 +17,14 @@ from kvstrata.runner.quant.w8a8 import quantize_model
 
 def load_serving_model(model_path: str, dtype: str, device: torch.device,
                        quantization: str | None, quantization_flag: str = "--quantization",
-                       tp_group: Any = None) -> tuple[Any, Any, Any, dict]:
+                       tp_group: Any = None,
+                       deterministic: bool = False) -> tuple[Any, Any, Any, dict]:
     """(model, model source, HF config, what quantization ran). The float weights are
     replaced once, here, before the KV pool is sized from what memory the weights leave.
     `tp_group` (a TPGroup of size > 1): this rank's share of the model (every rank runs
-    this, and the calibration forward of --quantization, in step)."""
+    this, and the calibration forward of --quantization, in step). deterministic
+    (--enable-deterministic-inference): every linear on one kvstrata GEMM for all row
+    counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
     if tp_group is not None and tp_group.size > 1:
@@ -29,6 +32,13 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         model = load_tp_shard(source, hf_config, tp_group, dtype, device)
     else:
         model = load_model(source, hf_config, dtype, device)
+    if deterministic and model.pool_kind != "mha":
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
+                                  f"{type(model).__name__} (MLA / DSA attention); the "
+                                  f"llama-family decoder has it")
+    if deterministic and quantization is not None:
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
+                                  f"with {quantization_flag} {quantization}")
     if quantization is not None and model.pool_kind != "mha":
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
                          f"decoder only, not {type(model).__name__}")
@@ -37,6 +47,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         ids, smoothing = calibration_token_ids(
             source, getattr(model, "full_dims", model.dims).vocab_size)
         info = quantize_model(model, quantization, ids, smoothing)
+    elif deterministic:
+        info = packed_linear.pack_model(model, fixed=True)
     elif (model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
           and packed_linear.available(model)):
         info = packed_linear.pack_model(model)

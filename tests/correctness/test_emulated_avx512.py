@@ -27,11 +27,12 @@ KERNEL_TEST_FILES = (
     C + "test_int8_linear.py", C + "test_f32_gemv.py", C + "test_decode_plan.py",
     C + "test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
     C + "test_int8_gemm_amx.py", C + "test_prefill_attention_kernel.py",
-    C + "test_gemm_side_rows.py")
+    C + "test_gemm_side_rows.py", C + "test_batch_invariance.py")
 # The files whose paths AMX changes (its bodies, bf16 prefill attention up to its token limit)
 AMX_TEST_FILES = (
     C + "test_prefill_attention_kernel.py", C + "test_bf16_gemm.py", C + "test_int8_linear.py",
-    C + "test_decode_plan.py", C + "test_packed_linear.py", C + "test_int8_gemm_amx.py")
+    C + "test_decode_plan.py", C + "test_packed_linear.py", C + "test_int8_gemm_amx.py",
+    C + "test_batch_invariance.py")
 # ... and those a CPU with AVX-512 F but without BF16 or VNNI changes (the bf16 GEMM's and
 # the int8 GEMM's AVX2 bodies beside AVX-512 rows, attention (bf16 prefill widens to fp32),
 # norms)

@@ -48,29 +48,37 @@ def _addr(name: str, t: torch.Tensor, dtypes) -> int:
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, starts: torch.Tensor, scale: float,
-                 out: torch.Tensor | None = None, num_threads: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_threads: int | None = None,
+                 ends: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D] fp32 or bf16 (its rows may be strided, as a view of a fused qkv
     projection; each row's Hq x D values contiguous); k_cache / v_cache [num_slots, Hkv, D]
     (one layer of the pool: fp32, bf16 or fp16, both the same); request b attends to the
-    keys at slots[starts[b]:starts[b + 1]] (int64; starts has n + 1 entries). Returns out
-    [n, Hq, D] in q's dtype (fp32 inside). num_threads: default torch's thread count."""
-    return _checked(q, k_cache, v_cache, slots, starts, scale, out, num_threads)[0]
+    keys at slots[starts[b]:starts[b + 1]] (int64; starts has n + 1 entries), or with `ends`
+    (n int64s) at slots[starts[b]:ends[b]] (n starts; ranges may overlap: every query of a
+    prompt over one slot list, each up to its own position). Returns out [n, Hq, D] in q's
+    dtype (fp32 inside). num_threads: default torch's thread count.
+
+    A query's result depends only on its own row, keys and values: not on the other
+    queries of the call, their number or the threads (no split of a query's keys), so a
+    prompt's token attends bit-identically here as a decode step later would (deterministic
+    inference, runner/attention/torch_native.py)."""
+    return _checked(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends)[0]
 
 
 def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, starts: torch.Tensor, scale: float,
-             out: torch.Tensor | None = None, num_threads: int | None = None
-             ) -> tuple[torch.Tensor, list]:
+             out: torch.Tensor | None = None, num_threads: int | None = None,
+             ends: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
     """paged_decode, also returning the kernel's arguments (DecodeCall keeps them)."""
-    out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads)
+    out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends)
     run_decode(args)
     return out, args
 
 
 def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor, starts: torch.Tensor, scale: float,
-                out: torch.Tensor | None = None, num_threads: int | None = None
-                ) -> tuple[torch.Tensor, list]:
+                out: torch.Tensor | None = None, num_threads: int | None = None,
+                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
     """paged_decode's checks and the kernel's arguments for these tensors, nothing run: (out,
     args) for `run_decode(args)`. Pointers sit at args[0] (q), [4] / [5] (k / v caches) and
     [16] (out): a caller with other tensors of the same shapes may swap them in."""
@@ -80,8 +88,10 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k/v caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
-    if starts.numel() != n + 1:
-        raise ValueError(f"starts must have {n + 1} entries, got {starts.numel()}")
+    want = n if ends is not None else n + 1
+    if starts.numel() != want or (ends is not None and ends.numel() != n):
+        raise ValueError(f"starts must have {want} entries, got {starts.numel()}"
+                         + ("" if ends is None else f"; ends {n}, got {ends.numel()}"))
     q_stride = row_stride(q)
     if q.dtype not in Q_DTYPES or q.device.type != "cpu" or q_stride is None:
         raise ValueError(f"q must be an fp32 or bf16 CPU tensor whose rows hold Hq x D "
@@ -97,7 +107,8 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k_cache.numel() * k_cache.element_size(), KV_DTYPES[k_cache.dtype],
             _addr("slots", slots, (torch.int64,)), slots.numel(),
             _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d, float(scale),
-            _addr("out", out, (q.dtype,)), out.numel() * out.element_size(), threads, isa_cap()]
+            _addr("out", out, (q.dtype,)), out.numel() * out.element_size(), threads, isa_cap(),
+            0 if ends is None else _addr("ends", ends, (torch.int64,))]
     return out, args
 
 
@@ -122,8 +133,9 @@ class DecodeCall:
     addresses and a new output. Why: paged_decode's checks cost ~14 us of a ~16 us call at
     one token (2-vCPU EPYC), ~0.4 ms of a 30-layer decode step."""
 
-    def __init__(self, slots: torch.Tensor, starts: torch.Tensor, scale: float):
-        self.slots, self.starts, self.scale = slots, starts, scale
+    def __init__(self, slots: torch.Tensor, starts: torch.Tensor, scale: float,
+                 ends: torch.Tensor | None = None):
+        self.slots, self.starts, self.scale, self.ends = slots, starts, scale, ends
         self.key: tuple | None = None
         self.args: list | None = None
 
@@ -133,7 +145,8 @@ class DecodeCall:
                k_cache.stride(), v_cache.shape, v_cache.stride(), k_cache.dtype, v_cache.dtype,
                k_cache.device, v_cache.device, torch.get_num_threads(), isa_cap())
         if key != self.key:
-            out, self.args = _checked(q, k_cache, v_cache, self.slots, self.starts, self.scale)
+            out, self.args = _checked(q, k_cache, v_cache, self.slots, self.starts, self.scale,
+                                      ends=self.ends)
             self.key = key
             return out
         out = torch.empty(q.shape, dtype=q.dtype)

@@ -68,6 +68,7 @@ class Piece:
     n: int = 0                         # requests in a decode group
     slots: torch.Tensor | None = None   # kernel: every request's slots, concatenated
     starts: torch.Tensor | None = None  # kernel: [n + 1] offsets of each request in `slots`
+    ends: torch.Tensor | None = None    # kernel, ranges: [n] ends (starts then has n entries)
     row: int = -1                       # fresh / causal paged: the request's req_to_token row
     prefix: int = -1                    # ... and its cached tokens (0: fresh); -1: a tree
     decode_call: Any = None             # kernel: paged_decode.DecodeCall, made at layer 0
@@ -104,7 +105,7 @@ def _split(lens: list[int], lo: int, hi: int, depth: int, out: list[tuple[int, i
 class TorchNativeAttnBackend:
     def __init__(self, kv_pool: MHATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 page_size: int = 1):
+                 page_size: int = 1, deterministic: bool = False):
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.req_to_token = req_to_token
@@ -125,6 +126,19 @@ class TorchNativeAttnBackend:
                                                                       kv_pool.kv.device))
         self.prefill_max_tokens = (paged_decode.prefill_max_tokens(dtype)
                                    if self.use_prefill_kernel else None)
+        # Deterministic inference: every query token, prompt or decode, through the paged
+        # decode kernel, whose result for a query depends on its own keys only -- so a prompt
+        # token attends bit-identically whether its prefix was computed in this forward, read
+        # from a cache hit, restored from L2 / L3 or sent by a prefill server, whatever the
+        # chunking and the batch (SGLang fixes its split-KV size for the same end).
+        self.deterministic = deterministic
+        if deterministic:
+            if kv_pool is not None and not paged_decode.supported(
+                    kv_pool.kv.dtype, torch.float32, kv_pool.kv.device):
+                raise ValueError("--enable-deterministic-inference needs the CPU paged "
+                                 f"attention kernel (a {kv_pool.kv.dtype} pool on the CPU); "
+                                 f"this pool is {kv_pool.kv.dtype} on {kv_pool.kv.device}")
+            self.use_kernel, self.use_prefill_kernel = kv_pool is not None, False
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -144,9 +158,12 @@ class TorchNativeAttnBackend:
             else:
                 fb.attn_meta = TorchNativeMeta([self._explicit_piece(decode, device)], False)
             return
+        ranged: list[tuple] = []   # deterministic: (row, start, n, flat token) of n > 1
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
             if i in trees:  # a draft tree: each token sees the context and its ancestors
                 pieces += self._tree(trees[i], table, row, start, off, decode, device)
+            elif self.deterministic and n > 1 and fb.out_slots is not None:
+                ranged.append((row, start, n, off))
             elif start == 0 or fb.out_slots is None:
                 pieces.append(Piece("fresh", off, off + n, row=row, prefix=0))
             elif n == 1:
@@ -168,7 +185,9 @@ class TorchNativeAttnBackend:
                 pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask, row=row,
                                     prefix=start))
             off += n
-        if decode and self.use_kernel:
+        if ranged:  # deterministic: one kernel call over every token of the forward
+            pieces.append(self._ranges_piece(ranged, decode, table))
+        elif decode and self.use_kernel:
             pieces.append(self._kernel_piece(decode, table, device))
         elif decode:
             pieces.extend(self._decode_pieces(decode, table, device))
@@ -204,7 +223,7 @@ class TorchNativeAttnBackend:
         whose mask shows each token the context and its ancestors."""
         anc = tree_ancestors(parents)
         n = len(parents)
-        if self.use_kernel and n <= KERNEL_MAX_QUERY_TOKENS:
+        if self.use_kernel and (n <= KERNEL_MAX_QUERY_TOKENS or self.deterministic):
             entry = table[row, :start + n]
             for j, a in enumerate(anc):
                 keys = torch.cat([entry[:start], entry[start + torch.tensor(a)]])
@@ -248,6 +267,37 @@ class TorchNativeAttnBackend:
         return Piece("kernel", toks[0], toks[0] + len(toks), n=len(toks),
                      tok_idx=None if contiguous else torch.tensor(toks, dtype=torch.int64),
                      slots=slots.to(torch.int64).contiguous(), starts=starts)
+
+    def _ranges_piece(self, ranged: list[tuple], decode: list[tuple],
+                      table: torch.Tensor) -> Piece:
+        """Deterministic inference: every token of the forward as a one-token query of the
+        paged decode kernel. A request's tokens share one slot list (its keys 0 .. start + n
+        - 1); token j's range ends at its own position start + j, so a prompt costs its
+        length in slots, not its length squared."""
+        slots: list[torch.Tensor] = []
+        tok_lo, begin, end = [], [], []
+        off = 0
+        for row, start, n, flat in ranged:
+            slots.append(table[row, :start + n])
+            tok_lo.extend(range(flat, flat + n))
+            begin.extend([off] * n)
+            end.extend(range(off + start + 1, off + start + n + 1))
+            off += start + n
+        for entry in decode:  # one-token requests (explicit keys: a draft tree's token)
+            keys = entry[3] if len(entry) > 3 else table[entry[2], :entry[0]]
+            slots.append(keys)
+            tok_lo.append(entry[1])
+            begin.append(off)
+            end.append(off + entry[0])
+            off += entry[0]
+        order = sorted(range(len(tok_lo)), key=tok_lo.__getitem__)
+        toks = [tok_lo[i] for i in order]
+        contiguous = toks == list(range(toks[0], toks[0] + len(toks)))
+        return Piece("kernel", toks[0], toks[0] + len(toks), n=len(toks),
+                     tok_idx=None if contiguous else torch.tensor(toks, dtype=torch.int64),
+                     slots=torch.cat(slots).to(torch.int64).contiguous(),
+                     starts=torch.tensor([begin[i] for i in order], dtype=torch.int64),
+                     ends=torch.tensor([end[i] for i in order], dtype=torch.int64))
 
     def _decode_pieces(self, decode: list[tuple[int, int, int]], table: torch.Tensor,
                        device: torch.device) -> list[Piece]:
@@ -358,7 +408,8 @@ class TorchNativeAttnBackend:
             if qg.dtype not in paged_decode.Q_DTYPES or paged_decode.row_stride(qg) is None:
                 qg = qg.to(torch.float32).contiguous()  # fp16: the kernel reads fp32 or bf16
             if p.decode_call is None:  # the checks once a forward, not once a layer
-                p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale)
+                p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale,
+                                                        p.ends)
             out = p.decode_call(qg, self.kv_pool.k(layer), self.kv_pool.v(layer))
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":

@@ -113,24 +113,27 @@ def unpack(panels: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-           cap: int | None = None, gemm: bool = False) -> torch.Tensor | None:
+           cap: int | None = None, gemm: bool = False,
+           fixed: bool = False) -> torch.Tensor | None:
     """F.linear(x, W, bias) for x of 1-max_rows() fp32 rows (any leading shape) through the
     GEMV (more rows, up to GEMM_MAX_ROWS: kvstrata's fp32 GEMM over the same panels where
     `gemm`, the layer's gemm_above()), or None where neither applies (more rows, another dtype,
     no vector code: the caller runs oneDNN's layer). cap: the ISA cap (tests: 0 runs the
-    scalar reference)."""
+    scalar reference). fixed: every row count through the fp32 GEMM (deterministic
+    inference: one reduction order whatever the rows, so a row's result does not depend on
+    the batch; the GEMV sums in another order)."""
     # Called for each layer of a decode step (120 calls in SmolLM2's): cheap checks first.
     if x.dtype is not torch.float32 or not x.is_cpu:
         return None
     np_, k, _ = panels.shape
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, k)
-    if not _takes(x2.shape[0], gemm) or x2.shape[1] != k:
+    if not (fixed or _takes(x2.shape[0], gemm)) or x2.shape[1] != k:
         return None
     if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     out = torch.empty(x2.shape[0], np_ * PANEL, dtype=torch.float32)
-    call = gemv_call(x2, panels, bias, out, cap=cap, gemm=gemm)
+    call = gemv_call(x2, panels, bias, out, cap=cap, gemm=gemm, fixed=fixed)
     if call is None:
         return None
     call[0](*call[1])
@@ -144,17 +147,17 @@ def _takes(m: int, gemm: bool) -> bool:
 
 def gemv_call(x2: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor, threads: int | None = None, cap: int | None = None,
-              gemm: bool = False) -> tuple | None:
+              gemm: bool = False, fixed: bool = False) -> tuple | None:
     """(C function, arguments) of the GEMV of fp32 rows x2 [m, k] (each row contiguous) into
     out [m, n] (contiguous), not run: `linear` makes this call, the decode plan
     (runner/models/decode_plan.py) keeps it; above max_rows() rows, where `gemm`, the fp32
     GEMM's (bf16_gemm.c linear_f32, the AVX2 tile; no scalar code) up to GEMM_MAX_ROWS. None
     where neither takes it (more rows, a bias it cannot add, no vector code unless `cap` is
-    given)."""
+    given). fixed: the fp32 GEMM for any number of rows (see `linear`)."""
     m, k = x2.shape
     n = panels.shape[0] * PANEL
-    above = m > max_rows()
-    if (not _takes(m, gemm) or x2.dtype is not torch.float32 or panels.shape[1] != k
+    above = fixed or m > max_rows()
+    if (not (fixed or _takes(m, gemm)) or x2.dtype is not torch.float32 or panels.shape[1] != k
             or (cap is None and not _vector_isa()) or (above and cap is not None and cap < 1)):
         return None
     if bias is not None and (bias.dtype is not torch.float32 or bias.numel() != n

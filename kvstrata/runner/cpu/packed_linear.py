@@ -53,6 +53,8 @@ from torch.nn import functional as F
 from kvstrata import envs
 from kvstrata.platform import read_cpu_flags
 from kvstrata.runner.cpu import _bf16_ops, fused_ops as cpu_ops, f32_gemv
+from kvstrata.runner.cpu.fixed_linear import (FIXED_F32_KERNEL, FIXED_MAX_ISA_CAP, fixed_f32,
+                                              fixed_unsupported)
 from kvstrata.runner.cpu.isa import isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
@@ -151,9 +153,14 @@ class PackedLinear(nn.Module):
     OWN_DECODE_MAX_ROWS rows: oneDNN's AMX tiles for prefill, kvstrata's GEMM for decode."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 gemv: bool = False):
+                 gemv: bool = False, fixed: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.out_packed = self.out_features  # the kernel's output width (fixed: padded)
+        self.fixed = fixed
+        if fixed:
+            self._init_fixed(weight, bias)
+            return
         self.own = own_bf16_fits(weight)
         self.plain = not self.own and weight.dtype == torch.bfloat16 and not _onednn_bf16()
         self.onednn = None  # oneDNN's layout beside the own one (split_layouts)
@@ -187,6 +194,38 @@ class PackedLinear(nn.Module):
         # more rows than the GEMV's through kvstrata's fp32 GEMM over the same copy (there)
         self.gemm_f32 = self.gemv is not None and f32_gemv.gemm_above()
 
+    def _init_fixed(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Deterministic inference: one kvstrata GEMM for every row count, so that a row's
+        result never depends on how many rows share the call -- bf16 on the bf16 GEMM
+        (whose tiles sum each output over k in one order for any rows), fp32 on the fp32
+        GEMM over f32_gemv's panels (the GEMV at 1-16 rows and oneDNN above 64 sum in
+        other orders). A width its tiles do not take (an output head of 300 tokens) is
+        padded with zero rows to a multiple of 16 and the output cut back."""
+        reason = fixed_unsupported(weight)
+        if reason is not None:
+            raise ValueError(f"--enable-deterministic-inference: {reason}")
+        pad = -self.out_features % 16
+        padded = torch.cat([weight.detach(), weight.new_zeros(pad, self.in_features)])
+        self.out_packed = self.out_features + pad
+        f32_bias = None
+        if bias is not None:
+            f32_bias = torch.cat([bias.detach().float(), bias.new_zeros(pad, dtype=torch.float32)])
+        self.onednn, self.plain = None, False
+        self.bias = None if bias is None else bias.detach().clone()
+        size = weight.element_size()
+        self.nbytes = padded.numel() * size + (0 if bias is None else bias.numel() * size)
+        self.own = weight.dtype == torch.bfloat16
+        if self.own:
+            self.packed, self.bias_f32 = pack_bf16(padded), f32_bias
+            self.own_max_rows, self.gemv, self.gemm_f32 = 1 << 62, None, False
+            if bias is not None:
+                self.nbytes += 4 * f32_bias.numel()
+        else:  # fp32: the panels only (no oneDNN layout: nothing else runs its rows)
+            self.packed, self.bias_f32, self.own_max_rows = None, None, 0
+            self.gemv, self.gemm_f32 = f32_gemv.pack(padded), True
+            self.gemv_bias = f32_bias
+            self.nbytes = self.gemv.numel() * 4 + (0 if bias is None else 4 * f32_bias.numel())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
 
@@ -198,7 +237,7 @@ class PackedLinear(nn.Module):
         """bf16_gemm.c linear over x's rows ([..., in] -> [..., out], or silu(gate) * up:
         [..., out / 2]) in one C call; x in another dtype is converted, the result is bf16
         (f32: the same bf16 values widened to fp32)."""
-        n = self.out_features
+        n = self.out_packed
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.bfloat16 or x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
             x2 = x2.to(torch.bfloat16).contiguous()
@@ -210,6 +249,8 @@ class PackedLinear(nn.Module):
             out.copy_(cpu_ops.silu_mul(y) if silu else y)
         elif m:
             call[0](*call[1])
+        if n != self.out_features:  # a padded width (fixed)
+            out = out[:, :self.out_features].contiguous()
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def own_call(self, x2: torch.Tensor, out: torch.Tensor, silu: bool = False,
@@ -220,11 +261,13 @@ class PackedLinear(nn.Module):
         (runner/models/decode_plan.py) keeps it. None where the GEMM does not run (not an
         `own` layer, or the ISA pinned to scalar)."""
         cap = isa_cap() if cap is None else cap
+        if self.fixed:  # never the AMX tiles: above 4 rows only, they sum k in another order
+            cap = min(cap, FIXED_MAX_ISA_CAP)
         if not self.own or not _bf16_ops.kernel_isa(cap):
             return None
         bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
         return _bf16_ops.linear, (x2.data_ptr(), x2.stride(0), x2.shape[0], self.in_features,
-                                  self.packed.data_ptr(), self.out_features, bias,
+                                  self.packed.data_ptr(), self.out_packed, bias,
                                   out.data_ptr(), int(silu), int(f32),
                                   torch.get_num_threads() if threads is None else threads,
                                   cap)
@@ -256,6 +299,8 @@ def packed_linear(x: torch.Tensor, layer: PackedLinear,
         return layer.own_rows(x)
     if layer.onednn is not None:
         return _onednn_linear(x, layer.onednn, layer.bias)
+    if layer.fixed and layer.gemv is not None:
+        return fixed_f32(x, layer)
     if layer.gemv is not None:
         out = f32_gemv.linear(x, layer.gemv, layer.bias, gemm=layer.gemm_f32)
         if out is not None:
@@ -275,10 +320,10 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 
 def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
-             gemv: bool = False) -> None:
+             gemv: bool = False, fixed: bool = False) -> None:
     weight = getattr(owner, weight_name)
     bias = getattr(owner, bias_name) if bias_name else None
-    packed = PackedLinear(weight, bias, gemv)
+    packed = PackedLinear(weight, bias, gemv, fixed)
     delattr(owner, weight_name)  # a Module cannot be assigned over a Parameter
     setattr(owner, weight_name, packed)
     if bias_name and bias is not None:
@@ -286,28 +331,29 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
         setattr(owner, bias_name, None)
 
 
-def _pack_layers(model: Any) -> bool:
+def _pack_layers(model: Any, fixed: bool = False) -> bool:
     """Returns whether the layers' fp32 weights also got f32_gemv's copies."""
-    gemv = f32_gemv.worth_copies([getattr(layer, name) for layer in model.layers
-                                  for name, _ in LAYER_LINEARS])
+    gemv = not fixed and f32_gemv.worth_copies([getattr(layer, name) for layer in model.layers
+                                                for name, _ in LAYER_LINEARS])
     for layer in model.layers:
         for weight_name, bias_name in LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name, gemv)
+            _replace(layer, weight_name, bias_name, gemv, fixed)
     return gemv
 
 
-def pack_model(model: Any) -> dict:
+def pack_model(model: Any, fixed: bool = False) -> dict:
     """Pack every linear layer of a loaded float32 / bf16 DecoderForCausalLM in place; returns what
     ran (for /server_info). A tied output head gets a packed copy (the lookup keeps the
-    plain embedding matrix)."""
-    gemv = _pack_layers(model)
+    plain embedding matrix). fixed (deterministic inference): every layer on one kvstrata
+    GEMM for all row counts (PackedLinear._init_fixed)."""
+    gemv = _pack_layers(model, fixed)
     tied = model.lm_head is model.embed
     if tied:
-        head = PackedLinear(model.embed)
+        head = PackedLinear(model.embed, fixed=fixed)
         delattr(model, "lm_head")
         model.lm_head = head
     else:
-        _replace(model, "lm_head", None)
+        _replace(model, "lm_head", None, fixed=fixed)
     model.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(model.lm_head),
             "tied_output_projection_copy": tied,
@@ -317,23 +363,31 @@ def pack_model(model: Any) -> dict:
 
 
 def kernel_name(layer: PackedLinear) -> str:
+    if layer.fixed and not layer.own:
+        return FIXED_F32_KERNEL
+    if layer.fixed:
+        return _own_name(FIXED_MAX_ISA_CAP) + " at every row count (deterministic inference)"
     if layer.own:
-        own = {3: OWN_BF16_AMX_KERNEL, 2: OWN_BF16_KERNEL}.get(_bf16_ops.kernel_isa(isa_cap()),
-                                                              OWN_BF16_AVX2_KERNEL)
+        own = _own_name()
         if layer.onednn is not None:
             return f"{own} up to {OWN_DECODE_MAX_ROWS} rows, above them {KERNEL}"
         return own
     return PLAIN_KERNEL if layer.plain else KERNEL
 
 
-def pack_draft_head(head: Any) -> dict:
+def _own_name(max_cap: int = 3) -> str:
+    return {3: OWN_BF16_AMX_KERNEL, 2: OWN_BF16_KERNEL}.get(
+        _bf16_ops.kernel_isa(min(isa_cap(), max_cap)), OWN_BF16_AVX2_KERNEL)
+
+
+def pack_draft_head(head: Any, fixed: bool = False) -> dict:
     """Pack an EAGLE / EAGLE3 head's decoder layer(s) and fc in place (the head borrows the
     target's embedding and output head, which the target packed already). Its forwards are
     one-row-per-request GEMMs like a decode step's, where F.linear is slowest."""
-    gemv = _pack_layers(head)
-    _replace(head, "fc_weight", "fc_bias", gemv)
+    gemv = _pack_layers(head, fixed)
+    _replace(head, "fc_weight", "fc_bias", gemv, fixed)
     if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
-        _replace(head, "lm_head", None)
+        _replace(head, "lm_head", None, fixed=fixed)
     head.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(head.fc_weight)}
 

@@ -103,13 +103,14 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
     ISA) the model's own linear call (`silu`: the layer's linear_silu_mul) with its result
     copied into out: the same op on the same values, so the same bits, for one extra copy."""
     call = None
-    if isinstance(lin, PackedLinear) and model.linear is packed_linear:
+    if (isinstance(lin, PackedLinear) and model.linear is packed_linear
+            and lin.out_packed == lin.out_features):  # (a padded width: its copy below)
         if lin.own_takes(inp):  # (split layouts: oneDNN's above own_max_rows)
             call = lin.own_call(inp, out, silu, threads=threads, cap=cap)
         elif not silu and lin.gemv is not None:
             # the GEMV's own vector check (cap None): `cap` is the forward's pinned isa_cap()
-            call = f32_gemv.gemv_call(inp, lin.gemv, lin.bias, out, threads,
-                                      gemm=lin.gemm_f32)
+            call = f32_gemv.gemv_call(inp, lin.gemv, lin.gemv_bias if lin.fixed else lin.bias,
+                                      out, threads, gemm=lin.gemm_f32, fixed=lin.fixed)
     elif (type(lin) is Int8MatmulLinear and inp.shape[0] <= lin.own_max_rows
           and model.linear is quantized_linear
           and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):

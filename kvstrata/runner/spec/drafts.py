@@ -9,7 +9,8 @@ from kvstrata.runner.spec.standalone import DraftModel
 
 def build_draft(target, device: torch.device, dtype: str, path: str | None, algorithm: str,
                 quantization: str | None, tree: tuple[int, int], token_map: str | None,
-                target_source, dsa_fused_topk: bool) -> DraftModel | None:
+                target_source, dsa_fused_topk: bool,
+                deterministic: bool = False) -> DraftModel | None:
     """STANDALONE: a second checkpoint. EAGLE / EAGLE3: a head over a llama-family target;
     over a DeepSeek (MLA) target, EAGLE is NEXTN after resolution: its own MTP layer."""
     if path is None:
@@ -30,11 +31,12 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
     if algorithm in ("EAGLE", "EAGLE3"):
         from kvstrata.runner.spec.eagle import EagleDraft
 
-        return EagleDraft(path, target, device, tree, token_map, target_source, algorithm)
+        return EagleDraft(path, target, device, tree, token_map, target_source, algorithm,
+                          deterministic)
     # A tensor-parallel target's dims are its rank's share (a vocabulary slice): the draft,
     # whole on every rank, must match the whole vocabulary.
     vocab = getattr(target, "full_dims", target.dims).vocab_size
-    return DraftModel(path, dtype, device, quantization, vocab, tree)
+    return DraftModel(path, dtype, device, quantization, vocab, tree, deterministic)
 
 
 __all__ = ["build_draft"]

@@ -39,7 +39,7 @@ from kvstrata.runner.spec.standalone import RUNNER_DRAFT, CatchUp, DraftModel
 class EagleDraft(DraftModel):
     def __init__(self, model_path: str, target, device: torch.device,
                  tree: tuple[int, int] = (1, 1), token_map: str | None = None,
-                 target_source=None, algorithm: str = "EAGLE"):
+                 target_source=None, algorithm: str = "EAGLE", deterministic: bool = False):
         if getattr(target, "pool_kind", None) != "mha":
             raise ValueError(f"--speculative-algorithm EAGLE: the target must be a "
                              f"llama-family decoder, not {type(target).__name__} (NEXTN / MTP "
@@ -48,7 +48,10 @@ class EagleDraft(DraftModel):
         self.source = resolve_model_path(model_path)
         self.hf_config = load_hf_config(self.source)
         self.model = load_eagle_head(self.source, self.hf_config, target, algorithm)
-        if envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(self.model):
+        self.deterministic = deterministic  # batch-invariant kernels, as the target's
+        if deterministic:
+            packed_linear.pack_draft_head(self.model, fixed=True)
+        elif envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(self.model):
             packed_linear.pack_draft_head(self.model)
         if algorithm == "EAGLE3":  # its features: three of the target's residual streams
             target.capture_layers = tuple(aux_layers(self.hf_config, target.dims.num_layers))

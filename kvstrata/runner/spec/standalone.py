@@ -67,10 +67,12 @@ class CatchUp:
 class DraftModel:
     def __init__(self, model_path: str, dtype: str, device: torch.device,
                  quantization: str | None, target_vocab_size: int,
-                 tree: tuple[int, int] = (1, 1)):
+                 tree: tuple[int, int] = (1, 1), deterministic: bool = False):
         self.device = device
+        self.deterministic = deterministic  # batch-invariant kernels, as the target's
         self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
-            model_path, dtype, device, quantization, "--speculative-draft-model-quantization")
+            model_path, dtype, device, quantization, "--speculative-draft-model-quantization",
+            deterministic=deterministic)
         if self.model.pool_kind != "mha":
             raise ValueError(f"--speculative-draft-model-path {model_path}: a STANDALONE "
                              f"draft must be a llama-family decoder, not "
@@ -111,7 +113,7 @@ class DraftModel:
         d = self.model.dims
         self.model.attn_backend = TorchNativeAttnBackend(
             self.pool, req_to_token, d.num_heads, d.num_kv_heads, d.head_dim,
-            page_size=plan.page_size)
+            page_size=plan.page_size, deterministic=self.deterministic)
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
         self.valid = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=self.device)

@@ -2,13 +2,15 @@
  * (kvstrata/runner/attention/paged_decode.py wraps it; see that file for the why).
  *
  *   decode(q, q_nbytes, q_stride, qo_dtype, k, v, pool_nbytes, kv_dtype, slots, n_slots,
- *          starts, n, hq, hkv, d, scale, out, out_nbytes, num_threads, isa_cap)
+ *          starts, n, hq, hkv, d, scale, out, out_nbytes, num_threads, isa_cap[, ends])
  *       -> name of the instruction set used
  *
  * Request b (0 <= b < n) has one query token q[b] of hq heads x d values (fp32 or bf16:
  * qo_dtype 0 / 1; token b's row starts q_stride elements after token b - 1's, so q may be
  * a view of the fused qkv projection) and attends to
- * the keys at slots[starts[b] .. starts[b+1]) of the pool, whose row `slot` holds hkv heads x
+ * the keys at slots[starts[b] .. starts[b+1]) of the pool (with `ends`, an address of n
+ * int64s: slots[starts[b] .. ends[b]), ranges that may overlap -- the queries of one prompt
+ * share its slot list, each up to its own position), whose row `slot` holds hkv heads x
  * d values of `kv_dtype` (0 fp32, 1 bf16, 2 fp16: the layout of one layer of the device pool,
  * [slots, hkv, d]). Query head i reads KV head i / (hq / hkv) (GQA, as HF). The output
  * [n, hq, d] has q's dtype: a bf16 query is widened in L1 and the fp32 result rounded once
@@ -62,7 +64,7 @@ static inline void prefetch_bytes(const char *p, int64_t n) {
 typedef struct {
     const char *q;
     const char *k, *v;
-    const int64_t *slots, *starts;
+    const int64_t *slots, *starts, *ends; /* ends: NULL (ranges end at the next start) */
     char *out;
     int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req, q_stride;
     int qo_bf16; /* q and out are bf16 (else fp32) */
@@ -117,7 +119,7 @@ static void run_item(const job *j, int64_t b, int64_t h0, int64_t h1, float *sco
     const int64_t row_bytes = j->hkv * d * esz, off = h0 * d * esz, width = (h1 - h0) * d;
     const int64_t qh0 = h0 * g_n, nh = (h1 - h0) * g_n;
     const int64_t *sl = j->slots + j->starts[b];
-    const int64_t len = j->starts[b + 1] - j->starts[b];
+    const int64_t len = (j->ends ? j->ends[b] : j->starts[b + 1]) - j->starts[b];
     const int64_t q_off = b * j->q_stride + qh0 * d, o_off = (b * j->hq + qh0) * d;
     const float *q = (const float *)j->q + q_off;
     float *o = (float *)j->out + o_off;
@@ -155,15 +157,15 @@ static void run_one(const job *j, int64_t it, scratch *s) {
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    unsigned long long q_addr, k_addr, v_addr, slots_addr, starts_addr, out_addr;
+    unsigned long long q_addr, k_addr, v_addr, slots_addr, starts_addr, out_addr, ends_addr = 0;
     long long q_nbytes, pool_nbytes, out_nbytes;
     Py_ssize_t q_stride, n_slots, n, hq, hkv, d;
     double scale;
     int qo_dtype, kv_dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii", &q_addr, &q_nbytes, &q_stride,
+    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii|K", &q_addr, &q_nbytes, &q_stride,
                           &qo_dtype, &k_addr, &v_addr, &pool_nbytes, &kv_dtype, &slots_addr,
                           &n_slots, &starts_addr, &n, &hq, &hkv, &d, &scale, &out_addr,
-                          &out_nbytes, &num_threads, &isa_cap))
+                          &out_nbytes, &num_threads, &isa_cap, &ends_addr))
         return NULL;
     if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq > MAX_HEADS) {
         PyErr_Format(PyExc_ValueError, "bad shape: n=%zd hq=%zd hkv=%zd d=%zd (hq must be a "
@@ -196,15 +198,29 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     const int64_t row_bytes = (int64_t)hkv * d * esz;
     const int64_t pool_rows = pool_nbytes / row_bytes;
     const int64_t *starts = (const int64_t *)starts_addr, *slots = (const int64_t *)slots_addr;
-    int64_t max_len = 0;
-    if (starts[0] != 0 || starts[n] != n_slots) {
-        PyErr_Format(PyExc_IndexError, "starts must run from 0 to n_slots=%zd", n_slots);
-        return NULL;
-    }
-    for (Py_ssize_t b = 0; b < n; b++) {
-        int64_t len = starts[b + 1] - starts[b];
-        if (len < 0) { PyErr_SetString(PyExc_IndexError, "starts must not decrease"); return NULL; }
-        if (len > max_len) max_len = len;
+    const int64_t *ends = (const int64_t *)ends_addr;
+    int64_t max_len = 0, keys_read = n_slots; /* K rows the call reads (ranges: their sum) */
+    if (ends) {
+        keys_read = 0; /* ranges [starts[b], ends[b]) inside the slots */
+        for (Py_ssize_t b = 0; b < n; b++) {
+            if (starts[b] < 0 || ends[b] < starts[b] || ends[b] > n_slots) {
+                PyErr_Format(PyExc_IndexError, "range %zd [%lld, %lld) is not inside the %zd "
+                             "slots", b, (long long)starts[b], (long long)ends[b], n_slots);
+                return NULL;
+            }
+            if (ends[b] - starts[b] > max_len) max_len = ends[b] - starts[b];
+            keys_read += ends[b] - starts[b];
+        }
+    } else {
+        if (starts[0] != 0 || starts[n] != n_slots) {
+            PyErr_Format(PyExc_IndexError, "starts must run from 0 to n_slots=%zd", n_slots);
+            return NULL;
+        }
+        for (Py_ssize_t b = 0; b < n; b++) {
+            int64_t len = starts[b + 1] - starts[b];
+            if (len < 0) { PyErr_SetString(PyExc_IndexError, "starts must not decrease"); return NULL; }
+            if (len > max_len) max_len = len;
+        }
     }
     for (Py_ssize_t i = 0; i < n_slots; i++)
         if (slots[i] < 0 || slots[i] >= pool_rows) {
@@ -216,11 +232,11 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 #ifndef _OPENMP
     threads = 1;
 #endif
-    if ((int64_t)n_slots * row_bytes * 2 < PARALLEL_MIN_BYTES) threads = 1;
+    if (keys_read * row_bytes * 2 < PARALLEL_MIN_BYTES) threads = 1;
     /* Few requests for the threads: one item per (request, KV head) so every thread works. */
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
     job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
-             (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
+             ends, (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
              qo_dtype == KV_BF16, (float)scale, pick_kernels(d, kv_dtype, isa_cap), NULL};
     j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype); /* AVX-512, or NULL */
     if (j.head64)

@@ -1,0 +1,120 @@
+"""Deterministic inference's kernels: a row's result is the same bits whatever else shares the
+call (config/rules/deterministic.py).
+
+- The fixed linear layers (runner/cpu/fixed_linear.py): every row of an M-row call equals the
+  same row run alone, for M = 1..64 and beyond (the GEMV, oneDNN and the AMX split change their
+  body with M; the fixed layers must not), bf16 and fp32, padded widths and biases too.
+- The paged decode kernel over ranges (paged_decode.py `ends`): a prompt's queries attend in
+  one call exactly as each would alone as a decode step, whether its prefix keys were written
+  by this forward or read from other pool rows (a cache hit, a transfer), whatever the other
+  queries of the call.
+These tests also run on the emulated AVX-512 / AMX bodies (test_emulated_avx512.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstrata.runner.attention.paged_decode import paged_decode
+from kvstrata.runner.cpu.fixed_linear import fixed_unsupported
+from kvstrata.runner.cpu.packed_linear import PackedLinear
+
+ROW_COUNTS = list(range(1, 18)) + [24, 31, 32, 33, 48, 63, 64, 65, 100, 130, 257]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,bias", [(96, False), (300, True), (176, True)])
+def test_fixed_linear_rows_do_not_depend_on_the_row_count(dtype, out_features, bias):
+    g = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 64, generator=g).to(dtype)
+    if fixed_unsupported(weight) is not None:
+        pytest.skip(fixed_unsupported(weight))
+    b = torch.randn(out_features, generator=g).to(dtype) if bias else None
+    layer = PackedLinear(weight, b, fixed=True)
+    x = torch.randn(max(ROW_COUNTS), 64, generator=g).to(dtype)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    assert alone.shape == (x.shape[0], out_features) and alone.dtype == dtype
+    for m in ROW_COUNTS:
+        assert torch.equal(layer(x[:m]), alone[:m]), f"{m} rows differ from one at a time"
+    # and it is the layer's product (the padding cut away, the bias added)
+    ref = torch.nn.functional.linear(x.double(), weight.double(),
+                                     None if b is None else b.double())
+    tol = 1e-4 if dtype == torch.float32 else 0.05 * ref.abs().max().item()
+    assert (alone.double() - ref).abs().max().item() <= tol
+
+
+def test_fixed_linear_refuses_what_it_cannot_pin():
+    reason = fixed_unsupported(torch.zeros(16, 8, dtype=torch.float16))
+    assert reason is not None and "float16" in reason
+    with pytest.raises(ValueError, match="--enable-deterministic-inference: .*odd input width"):
+        PackedLinear(torch.zeros(16, 7), fixed=True)
+
+
+def _pool(g, slots: int, hkv: int, d: int, dtype):
+    return (torch.randn(slots, hkv, d, generator=g).to(dtype),
+            torch.randn(slots, hkv, d, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 24)])
+def test_prompt_queries_over_ranges_equal_decode_steps(dtype, hq, hkv, d):
+    """Three prompts (prefix + new tokens) in one ranges call, beside two decode queries, equal
+    every token run alone as a one-token decode over keys 0 .. its position, with the prefix
+    at other pool rows (a cache hit) -- bit for bit."""
+    g = torch.Generator().manual_seed(hq + d)
+    k_cache, v_cache = _pool(g, 900, hkv, d, dtype)
+    scale = d ** -0.5
+    prompts = [(0, 37), (23, 9), (70, 40)]  # (cached prefix, new tokens)
+    decodes = [55, 120]                       # one-token requests' context lengths
+    perm = torch.randperm(900, generator=g)
+    tables, used = [], 0
+    for prefix, new in prompts:
+        tables.append(perm[used:used + prefix + new])
+        used += prefix + new
+    for length in decodes:
+        tables.append(perm[used:used + length])
+        used += length
+    # one call: every prompt token over its request's slot list up to its own position
+    slots, begins, ends, queries = [], [], [], 0
+    off = 0
+    for i, (prefix, new) in enumerate(prompts):
+        slots.append(tables[i])
+        begins += [off] * new
+        ends += [off + prefix + j + 1 for j in range(new)]
+        off += prefix + new
+        queries += new
+    for i, length in enumerate(decodes, start=len(prompts)):
+        slots.append(tables[i])
+        begins.append(off)
+        ends.append(off + length)
+        off += length
+        queries += 1
+    q = (torch.randn(queries, hq, d, generator=g) * 3).to(dtype)
+    together = paged_decode(q, k_cache, v_cache, torch.cat(slots).contiguous(),
+                            torch.tensor(begins), scale, num_threads=3, ends=torch.tensor(ends))
+    # alone: each query a decode step of its own (contiguous starts), on 1 thread
+    row = 0
+    for i, (prefix, new) in enumerate(prompts):
+        for j in range(new):
+            keys = tables[i][:prefix + j + 1].contiguous()
+            alone = paged_decode(q[row:row + 1], k_cache, v_cache, keys,
+                                 torch.tensor([0, keys.numel()]), scale, num_threads=1)
+            assert torch.equal(together[row], alone[0]), f"prompt {i} token {j}"
+            row += 1
+    for i, length in enumerate(decodes, start=len(prompts)):
+        alone = paged_decode(q[row:row + 1], k_cache, v_cache, tables[i].contiguous(),
+                             torch.tensor([0, length]), scale, num_threads=1)
+        assert torch.equal(together[row], alone[0]), f"decode request {i}"
+        row += 1
+
+
+def test_ranges_are_checked():
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = _pool(g, 32, 1, 32, torch.float32)
+    q = torch.randn(2, 1, 32, generator=g)
+    slots = torch.arange(10)
+    with pytest.raises(IndexError, match="range 1"):
+        paged_decode(q, k_cache, v_cache, slots, torch.tensor([0, 4]), 1.0,
+                     ends=torch.tensor([3, 11]))
+    with pytest.raises(ValueError, match="starts must have 2 entries"):
+        paged_decode(q, k_cache, v_cache, slots, torch.tensor([0, 4, 10]), 1.0,
+                     ends=torch.tensor([3, 10]))

@@ -1,0 +1,176 @@
+"""--enable-deterministic-inference at bf16: every request's tokens and logprobs equal, bit for
+bit, its run alone on a cold engine -- whatever shares its batch (requests arriving at other
+steps, prefill and decode mixed), its prefill chunks, the page size, the prefix cache (device
+hits, HiCache load-backs) and retraction under a small pool (config/rules/deterministic.py).
+
+Without the flag the same workloads differ: a warm request's logprobs moved (the first test
+shows it, so the property below is not vacuous on this CPU). Greedy and seeded sampling both:
+a seeded request's draws are a function of (seed, position), not of its batch.
+Randomised with hypothesis (KVSTRATA_FUZZ_EXAMPLES=N for a longer soak); each run has a step
+bound and fails with the scheduler's load when it is passed.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvstrata import LLM
+from kvstrata.protocol.engine_request import EngineRequest
+from kvstrata.protocol.sampling_params import SamplingParams
+
+VOCAB = 300  # tests/conftest.py TINY_VOCAB
+FUZZ_EXAMPLES = max(int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400")) // 20, 8)
+STEP_BOUND = 3000
+
+
+def make_llm(path: str, deterministic: bool = True, **kw) -> LLM:
+    return LLM(model_path=path, skip_tokenizer_init=True, dtype="bfloat16",
+               enable_deterministic_inference=deterministic, **kw)
+
+
+def params(max_new: int, seed: int | None) -> SamplingParams:
+    sampled = {} if seed is None else {"temperature": 0.9, "top_p": 0.95, "seed": seed}
+    return SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0,
+                                     "ignore_eos": True, "logprobs": 0, **sampled})
+
+
+def drive(llm: LLM, requests: list[tuple[int, list[int], SamplingParams]]) -> list[tuple]:
+    """Each request (arrival step, prompt, params) joins at its step; returns each one's
+    (tokens, logprobs, finish type) once every request ended. Fails past STEP_BOUND steps with
+    the scheduler's load (a hang fails fast)."""
+    engine = llm.engine
+    got = {i: ([], [], None) for i in range(len(requests))}
+    step = 0
+    while step == 0 or any(v[2] is None for v in got.values()):
+        for i, (arrival, prompt, sp) in enumerate(requests):
+            if arrival == step:
+                engine.add_request(EngineRequest(f"r{i}", list(prompt), sp))
+        for out in engine.step():
+            i = int(out.rid[1:])
+            got[i][0].extend(out.new_token_ids)
+            got[i][1].extend(out.new_logprobs or [])
+            if out.finished:
+                got[i] = (got[i][0], got[i][1], out.finish_reason.type)
+        step += 1
+        assert step < STEP_BOUND, f"no end after {step} steps: {engine.get_load()}"
+    engine.check_integrity()
+    return [got[i] for i in range(len(requests))]
+
+
+_alone: dict = {}
+
+
+def alone(path: str, prompt: list[int], sp: SamplingParams) -> tuple:
+    """The reference: the request by itself on a cold engine (cache flushed), a large pool,
+    no chunking."""
+    key = (path, tuple(prompt), sp.max_new_tokens, sp.seed)
+    if key not in _alone:
+        if path not in _alone:
+            _alone[path] = make_llm(path, max_total_tokens=4096, page_size=1)
+        _alone[path].flush_cache()
+        _alone[key] = drive(_alone[path], [(0, prompt, sp)])[0]
+    return _alone[key]
+
+
+def prompts_with_prefix(seed: int, shared: int, tails: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared)]
+    return [prefix + [rng.randrange(3, VOCAB) for _ in range(t)] for t in tails]
+
+
+def test_without_the_flag_a_warm_request_moves(tiny_checkpoints):
+    """The control: at bf16 without the flag a prompt whose prefix is cached answers with other
+    logprobs than cold (this CPU's kernels sum a cached prefix in another order); with it,
+    the same bits."""
+    path = tiny_checkpoints["llama"]
+    prompts = prompts_with_prefix(0, 40, [9, 17, 25])
+    sp = params(8, None)
+    for deterministic in (False, True):
+        llm = make_llm(path, deterministic, max_total_tokens=4096)
+        cold = []
+        for p in prompts:
+            llm.flush_cache()
+            cold.append(drive(llm, [(0, p, sp)])[0])
+        warm = drive(llm, [(i, p, sp) for i, p in enumerate(prompts)])
+        llm.shutdown()
+        if deterministic:
+            assert warm == cold
+        else:
+            assert any(w[1] != c[1] for w, c in zip(warm, cold)), "the control did not move"
+
+
+def test_retraction_and_restore_keep_the_bits(tiny_checkpoints):
+    """Six requests in a pool too small for their decodes, chunked: some are retracted and
+    recomputed; greedy and seeded, each equals its cold run alone."""
+    path = tiny_checkpoints["qwen3"]
+    llm = make_llm(path, page_size=4, chunked_prefill_size=16, max_total_tokens=160,
+                   schedule_conservativeness=0.05)
+    prompts = prompts_with_prefix(5, 0, [5, 17, 33, 64, 9, 120])
+    work = [(0, p, params(24, None if i % 2 else 1000 + i)) for i, p in enumerate(prompts)]
+    outs = drive(llm, work)
+    assert llm.engine.scheduler.num_retractions > 0, "the pool was meant to force retraction"
+    llm.shutdown()
+    for i, ((_, prompt, sp), out) in enumerate(zip(work, outs)):
+        assert out == alone(path, prompt, sp), f"request {i}"
+
+
+_llms: dict = {}
+
+
+def engine_for(arch: str, path: str, page_size: int, pool_tokens: int, chunk: int,
+               hicache: bool) -> LLM:
+    key = (arch, page_size, pool_tokens, chunk, hicache)
+    if key not in _llms:
+        kw = dict(page_size=page_size, max_total_tokens=pool_tokens,
+                  chunked_prefill_size=chunk or -1, schedule_conservativeness=0.05)
+        if hicache:
+            kw.update(enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=2.0)
+        for llm in _llms.values():  # one engine alive at a time
+            llm.shutdown()
+        _llms.clear()
+        _llms[key] = make_llm(path, **kw)
+    return _llms[key]
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(arch=st.sampled_from(["llama", "qwen3"]), page_size=st.sampled_from([1, 16]),
+       pool=st.sampled_from(["small", "large"]), chunk=st.sampled_from([0, 1, 2]),
+       hicache=st.booleans(), shared=st.integers(0, 30),
+       requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 24), st.integers(0, 6),
+                                   st.one_of(st.none(), st.integers(0, 2**31 - 1))),
+                         min_size=1, max_size=5),
+       seed=st.integers(0, 1000))
+def test_every_request_equals_its_cold_run_alone(tiny_checkpoints, arch, page_size, pool, chunk,
+                                                 hicache, shared, requests, seed):
+    """requests: (prompt tail, max new tokens, arrival step, sampling seed or greedy)."""
+    path = tiny_checkpoints[arch]
+    # small: a request fits alone (at most 50 + 24 positions, 5 pages of 16), a few do not
+    pool_tokens = (80 if page_size == 1 else 96) if pool == "small" else 2048
+    chunk_tokens = chunk * (16 if page_size == 16 else 7)
+    llm = engine_for(arch, path, page_size, pool_tokens, chunk_tokens, hicache)
+    prompts = prompts_with_prefix(seed, shared, [r[0] for r in requests])
+    work = [(arrival, p, params(max_new, sp_seed))
+            for p, (_, max_new, arrival, sp_seed) in zip(prompts, requests)]
+    retractions = llm.engine.scheduler.num_retractions
+    outs = drive(llm, work)
+    event(f"retracted: {llm.engine.scheduler.num_retractions > retractions}")
+    for i, ((_, prompt, sp), out) in enumerate(zip(work, outs)):
+        assert out[2] == "length", f"request {i} ended {out[2]}"
+        ref = alone(path, prompt, sp)
+        assert out[0] == ref[0], f"request {i}: tokens differ from its cold run alone"
+        assert out[1] == ref[1], f"request {i}: logprobs differ from its cold run alone"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shutdown_engines():
+    yield
+    for cache in (_llms, _alone):
+        for llm in cache.values():
+            if isinstance(llm, LLM):
+                llm.shutdown()
+        cache.clear()
