@@ -82,12 +82,13 @@ class PDServers:
                 "bootstrap_room": random.getrandbits(63) if room is None else room}
 
     def generate(self, text_or_ids, max_new_tokens: int = 8, timeout: float = 60,
-                 **sampling) -> list:
-        """What the router does: the same body to both servers at once; returns both."""
+                 top: dict | None = None, **sampling) -> list:
+        """What the router does: the same body to both servers at once; returns both.
+        `top`: more top-level fields of the body (return_logprob, ...)."""
         key = "input_ids" if isinstance(text_or_ids, list) else "text"
         body = {key: text_or_ids, "sampling_params": {"max_new_tokens": max_new_tokens,
                                                       "temperature": 0.0, **sampling},
-                **self.body()}
+                **self.body(), **(top or {})}
         out: dict = {}
 
         def post(name, srv):

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation with real processes: a prefill server, a decode server and
 sglang-router 0.3.2 in PD mode on 127.0.0.1, per transfer backend (tcp, mooncake). Answers
-through the router equal one co-located server's (greedy, same tiny checkpoint); the KV of
+through the router equal one co-located server's (greedy, same tiny checkpoint; at bf16 with
+--enable-deterministic-inference, tokens and logprobs bit for bit, sampled too); the KV of
 prompts longer than one chunk crosses intact; a shared prefix hits the prefill radix cache;
 client disconnects leak no page on either server; both servers' KV byte counters agree after
 an abort mid-transfer; a dead prefill server fails the decode side's request within the
@@ -392,22 +393,46 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
         radix.stop()  # the decode server only: the prefill is the module's
 
 
-def test_bf16_kv_crosses_and_decodes_like_colocated(tiny_model_path):
-    """bf16 on both servers (what --dtype auto picks on a CPU with bf16 instructions): the
-    prefill's bf16 KV pages cross over tcp and the decode server, reading them in place with
-    the paged decode kernel, answers exactly as a colocated bf16 engine."""
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+def test_deterministic_bf16_pair_answers_like_colocated(tiny_model_path, backend):
+    """bf16 (what --dtype auto picks on a CPU with bf16 instructions) and
+    --enable-deterministic-inference on both servers, the decode radix cache on: the prefill's
+    bf16 KV pages cross, the decode server reads them in place with the paged decode kernel,
+    and every answer -- greedy and seeded sampled, tokens and logprobs, a first turn (nothing
+    cached on the decode side) and a second one extending it (a decode radix hit) -- equals a
+    co-located deterministic bf16 engine's, bit for bit."""
+    backend_available(backend)
     from kvstrata import LLM
 
-    prompt = "The quick brown fox jumps over the lazy dog. " * 6
-    with LLM(model_path=tiny_model_path, dtype="bfloat16", max_total_tokens=4096) as llm:
-        want = llm.generate(prompt, {"max_new_tokens": 16, "temperature": 0,
-                                     "ignore_eos": True})["output_ids"]
-    bf16 = ("--dtype", "bfloat16")
-    with serving(PDServers(tiny_model_path, "tcp", *bf16, prefill_args=bf16)) as pair:
-        prefill, decode = pair.generate(prompt, max_new_tokens=16, ignore_eos=True)
-        assert (prefill.status_code, decode.status_code) == (200, 200), decode.text
-        assert decode.json()["output_ids"] == want
+    first = "The quick brown fox jumps over the lazy dog. " * 6
+    turns = [first, first + "Then it ran into the forest, where it met"]
+    params = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 7}]
+    with LLM(model_path=tiny_model_path, dtype="bfloat16", max_total_tokens=4096,
+             enable_deterministic_inference=True) as llm:
+        want = {}
+        for t, prompt in enumerate(turns):
+            for s, sp in enumerate(params):
+                llm.flush_cache()  # each reference cold
+                out = llm.generate(prompt, {**sp, "max_new_tokens": 16, "ignore_eos": True,
+                                            "logprobs": 0})
+                want[t, s] = (out["output_ids"],
+                              [lp for lp, _ in out["meta_info"]["output_token_logprobs"]])
+    det = ("--dtype", "bfloat16", "--enable-deterministic-inference")
+    with serving(PDServers(tiny_model_path, backend, *det,
+                           "--disaggregation-decode-enable-radix-cache",
+                           prefill_args=det)) as pair:
+        for t, prompt in enumerate(turns):
+            for s, sp in enumerate(params):
+                prefill, decode = pair.generate(prompt, max_new_tokens=16, ignore_eos=True,
+                                                top={"return_logprob": True}, **sp)
+                assert (prefill.status_code, decode.status_code) == (200, 200), decode.text
+                meta = decode.json()["meta_info"]
+                got = (decode.json()["output_ids"],
+                       [e[0] for e in meta["output_token_logprobs"]])
+                assert got == want[t, s], f"turn {t}, params {sp}"
+                if t == 1:
+                    assert meta["cached_tokens"] > 0, "the second turn was meant to hit"
         for srv in (pair.prefill, pair.decode):
-            assert httpx.get(srv.base_url + "/server_info", timeout=30).json()["dtype"] == \
-                "bfloat16"
+            info = httpx.get(srv.base_url + "/server_info", timeout=30).json()
+            assert info["dtype"] == "bfloat16" and info["enable_deterministic_inference"]
         assert_no_leak(pair.decode)
