@@ -174,3 +174,20 @@ def _shutdown_engines():
             if isinstance(llm, LLM):
                 llm.shutdown()
         cache.clear()
+
+
+def test_two_tensor_parallel_ranks_keep_the_bits(tiny_checkpoints):
+    """Under --tp-size 2 (each rank's share of the GEMMs, then the all-reduce in rank order)
+    a batch of requests arriving at different steps equals each run alone on the same TP
+    engine. Another TP size may answer differently (docs/configuration.md)."""
+    path = tiny_checkpoints["llama"]
+    llm = make_llm(path, tp_size=2, max_total_tokens=2048)
+    try:
+        prompts = prompts_with_prefix(3, 30, [5, 12, 20, 9])
+        work = [(i, p, params(10, None if i % 2 else 7 + i)) for i, p in enumerate(prompts)]
+        together = drive(llm, work)
+        for w, got in zip(work, together):
+            llm.flush_cache()
+            assert drive(llm, [(0, w[1], w[2])])[0] == got
+    finally:
+        llm.shutdown()
