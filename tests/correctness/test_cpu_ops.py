@@ -190,8 +190,11 @@ def test_decoder_with_and_without_fused_ops(tiny_checkpoints, tiny_prompts, monk
         outs = {}
         for flag in ("1", "0"):
             monkeypatch.setenv("KVSTRATA_CPU_FUSED_OPS", flag)
+            # the default kernels, which the bf16 tolerance was measured on (deterministic
+            # inference, on by default at bf16 on AVX2, runs others)
             with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
-                     dtype=dtype, max_total_tokens=1024) as llm:
+                     dtype=dtype, max_total_tokens=1024,
+                     disable_deterministic_inference=True) as llm:
                 outs[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
         for on, off in zip(outs["1"], outs["0"]):
             same = next((i for i, (a, b) in enumerate(zip(on["output_ids"], off["output_ids"]))

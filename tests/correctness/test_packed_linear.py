@@ -48,8 +48,11 @@ def test_runner_packs_bf16_where_a_bf16_gemm_runs(tiny_checkpoints):
     from kvstrata.runner.cpu import _bf16_ops
     from kvstrata.runner.cpu import packed_linear as module
     onednn = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # the default kernels (deterministic inference, on by default at bf16 on an AVX2 CPU,
+    # pins others: test_batch_invariance.py)
     with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
-             dtype="bfloat16", max_total_tokens=1024) as llm:
+             dtype="bfloat16", max_total_tokens=1024,
+             disable_deterministic_inference=True) as llm:
         model = llm.engine.runner.model
         packed = model.linear is module.packed_linear
         assert packed == (onednn or _bf16_ops.kernel_isa(2) > 0)
@@ -127,7 +130,8 @@ def test_split_layouts_serve_prefill_on_onednn_and_decode_on_ours(tiny_checkpoin
     for gemm in ("own_decode", "own"):
         monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", gemm)
         with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
-                 dtype="bfloat16", max_total_tokens=1024) as llm:
+                 dtype="bfloat16", max_total_tokens=1024,
+                 disable_deterministic_inference=True) as llm:  # the default layouts
             model = llm.engine.runner.model
             split = {id(lin.onednn) for layer in model.layers
                      for lin in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,

@@ -222,8 +222,11 @@ def test_backend_kernel_on_off_same_tokens(tiny_checkpoints, tiny_prompts, monke
     for flag in ("1", "0"):
         monkeypatch.setenv("KVSTRATA_CPU_PAGED_DECODE", flag)
         calls.clear()
+        # the default paths the switch chooses between (deterministic inference, on by
+        # default at bf16 on AVX2, runs every token through the kernel)
         with LLM(model_path=tiny_checkpoints["llama"], skip_tokenizer_init=True,
-                 dtype=dtype, page_size=page_size, max_total_tokens=1024) as llm:
+                 dtype=dtype, page_size=page_size, max_total_tokens=1024,
+                 disable_deterministic_inference=True) as llm:
             results[flag] = llm.generate(input_ids=tiny_prompts, sampling_params=params)
         used[flag] = max(calls, default=0)
     assert used["1"] == len(tiny_prompts) and used["0"] == 0  # all decodes in one call; off

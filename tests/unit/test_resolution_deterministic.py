@@ -44,3 +44,47 @@ def test_what_it_cannot_honour_is_refused_by_name(kwargs, platform, info, messag
     with pytest.raises(ValueError, match="--enable-deterministic-inference") as err:
         run(platform, info, enable_deterministic_inference=True, **kwargs)
     assert message in str(err.value)
+
+
+AVX2 = ("avx2", "fma", "f16c")
+
+
+def on_cpu(flags, model_info: ModelInfo | None = None, **kwargs):
+    resolved, res = resolve(ServerArgs(**kwargs), simulated("cpu", cpu_flags=flags, cpu_threads=2),
+                            model_info, env={})
+    return resolved, {r.field: r for r in res}
+
+
+def test_on_by_default_where_measured_free():
+    """An AVX2 CPU without AVX-512 at bf16 (its --dtype auto at 2 threads): on, with the
+    measured reason; every other case keeps it opt-in."""
+    resolved, res = on_cpu(AVX2, dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is True
+    assert res["enable_deterministic_inference"].rule == "deterministic.cpu_default"
+    assert "0.997x" in res["enable_deterministic_inference"].reason
+    assert resolved.deterministic_linear_kernel == deterministic.LINEAR_KERNEL
+    resolved, res = on_cpu(AVX2)  # --dtype auto resolves to bf16 there first
+    assert resolved.dtype == "bfloat16" and resolved.enable_deterministic_inference
+
+
+@pytest.mark.parametrize("flags,info,kwargs", [
+    (AVX2, None, dict(dtype="float32")),                          # measured 0.91x
+    (AVX2 + ("avx512f", "avx512_bf16"), None, dict(dtype="bfloat16")),  # not measured
+    (AVX2, None, dict(dtype="bfloat16", disable_deterministic_inference=True)),
+    (AVX2, ModelInfo(kv_pool_kind="mla", uses_dsa=True), dict(dtype="bfloat16")),
+    (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
+    ((), None, dict(dtype="bfloat16")),                           # no AVX2
+])
+def test_opt_in_elsewhere(flags, info, kwargs):
+    resolved, res = on_cpu(flags, info, **kwargs)
+    assert resolved.enable_deterministic_inference is False
+    assert "enable_deterministic_inference" not in res
+
+
+def test_a_kernel_ablation_keeps_the_default_off_and_refuses_the_flag():
+    env = {"KVSTRATA_CPU_PAGED_DECODE": False}
+    resolved, _ = resolve(ServerArgs(dtype="bfloat16"), simulated("cpu", cpu_flags=AVX2), None,
+                          env=env)
+    assert resolved.enable_deterministic_inference is False
+    with pytest.raises(ValueError, match="KVSTRATA_CPU_PAGED_DECODE=0 turns off"):
+        resolve(ServerArgs(enable_deterministic_inference=True), simulated("cpu"), None, env=env)

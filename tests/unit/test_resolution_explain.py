@@ -119,7 +119,8 @@ RULES = ["platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype
          "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
          "disagg.decode_chunk_cache", "disagg.decode_offload", "disagg.decode_hicache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",
          "spec.nextn", "spec.nextn_draft", "spec.auto_shape", "spec.ngram_breadth", "spec.ngram_tokens",
-         "spec.ngram_topk", "spec.ngram_steps", "spec.chain", "deterministic.kernels",
+         "spec.ngram_topk", "spec.ngram_steps", "spec.chain", "deterministic.cpu_default",
+         "deterministic.kernels",
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)
          "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
          "kv_plan.sliding_window", "kv_plan.rows"]

@@ -19,10 +19,28 @@ AVX-512 and AMX bodies differ), or with torch's own kernels on an accelerator (n
 """
 from __future__ import annotations
 
-from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
 from kvstrata.platform import Platform
 
 RULE = "deterministic.kernels"
+DEFAULT_RULE = "deterministic.cpu_default"
+# Where it is on by default: the CPUs and dtypes whose cost was measured at most 5% (served,
+# benchmarks/ab_deterministic.py: SmolLM2, 64 prompts, 32 concurrent, in 128, out 64; and
+# batch-1 TPOT; on vs off alternated in one run). On a 2-vCPU AVX2 EPYC without AVX-512
+# (2026-12-06): bf16 (what --dtype auto picks there) served 0.994x / 1.000x (median 0.997x),
+# batch-1 TPOT 0.997x -- its bf16 GEMM already summed every row count in one order, and the
+# paged decode kernel costs no more than the prefill kernel at 128-token prompts; fp32 served
+# 0.91x (the fp32 GEMM replaces the GEMV and oneDNN, the prefill kernel's key blocks go), so
+# fp32 keeps it opt-in. AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
+# 2.2-3.5x SDPA and AMX tiles take prefill rows, which the flag gives up): opt-in.
+# KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
+ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
+DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
+DEFAULT_LACKS = frozenset({"avx512f"})
+DEFAULT_DTYPES = ("bfloat16",)
+DEFAULT_WHY = ("on by default on a CPU with AVX2 and without AVX-512 at bfloat16: measured "
+               "free there (served 0.997x, batch-1 TPOT 0.997x, benchmarks/ab_deterministic.py, "
+               "2026-12-06); --disable-deterministic-inference turns it off")
 LINEAR_KERNEL = ("kvstrata's bf16 / fp32 GEMM at every row count (runner/cpu/packed_linear.py "
                  "_init_fixed)")
 LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN split above 64 "
@@ -42,8 +60,14 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     if args.enable_deterministic_inference and args.disable_deterministic_inference:
         raise ValueError("--enable-deterministic-inference and "
                          "--disable-deterministic-inference contradict each other")
+    out: list[Resolution] = []
+    # Kernel ablations that switch off what it runs: the default stays off; the flag refuses.
+    ablations = [name for name in ABLATIONS if not env.get(name, True)]
+    if _default_on(args, platform, model_info) and not ablations:
+        out = change(args, "enable_deterministic_inference", True, DEFAULT_RULE, DEFAULT_WHY)
+        args = apply(args, out)
     if not args.enable_deterministic_inference:
-        return []
+        return out
     device = args.device or platform.device_type
     if device != "cpu":
         raise ValueError(f"--enable-deterministic-inference: not implemented yet on {device} "
@@ -55,6 +79,24 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     if args.quantization is not None:
         raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
                          f"--quantization {args.quantization}")
-    return (change(args, "deterministic_linear_kernel", LINEAR_KERNEL, RULE, LINEAR_WHY)
+    if ablations:
+        switched = " and ".join(f"{name}=0" for name in ablations)
+        raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
+                         f"turns off: unset it, or pass --disable-deterministic-inference")
+    return (out + change(args, "deterministic_linear_kernel", LINEAR_KERNEL, RULE, LINEAR_WHY)
             + change(args, "deterministic_attention_kernel", ATTENTION_KERNEL, RULE,
                      ATTENTION_WHY))
+
+
+def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None) -> bool:
+    """Neither flag given, and a CPU, dtype and model where it was measured free (above)."""
+    if args.enable_deterministic_inference or args.disable_deterministic_inference:
+        return False
+    flags = set(platform.cpu_flags)
+    return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
+            and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
+            and args.quantization is None
+            and (model_info is None or (model_info.kv_pool_kind == "mha"
+                                        and not model_info.uses_dsa
+                                        and not model_info.has_recurrent_state)))
+
