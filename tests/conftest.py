@@ -71,6 +71,14 @@ LONG_FILES_FIRST = (
 def pytest_collection_modifyitems(session, config, items):
     rank = {f"tests/{f}": i for i, f in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+    # `make test` must stay under 10 minutes on 2 cores: a test marked `soak` repeats, longer
+    # or on another backend, what a test in the suite covers, and runs with KVSTRATA_SOAK=1
+    # (docs/testing.md lists them).
+    if os.environ.get("KVSTRATA_SOAK") != "1":
+        skip = pytest.mark.skip(reason="a soak: KVSTRATA_SOAK=1 runs it (docs/testing.md)")
+        for item in items:
+            if item.get_closest_marker("soak") is not None:
+                item.add_marker(skip)
 
 
 TINY_VOCAB = 300

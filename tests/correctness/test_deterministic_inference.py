@@ -28,8 +28,10 @@ STEP_BOUND = 3000
 
 
 def make_llm(path: str, deterministic: bool = True, **kw) -> LLM:
+    # explicit both ways: on an AVX2 CPU bf16 turns it on by default (deterministic.cpu_default)
     return LLM(model_path=path, skip_tokenizer_init=True, dtype="bfloat16",
-               enable_deterministic_inference=deterministic, **kw)
+               enable_deterministic_inference=deterministic,
+               disable_deterministic_inference=not deterministic, **kw)
 
 
 def params(max_new: int, seed: int | None) -> SamplingParams:

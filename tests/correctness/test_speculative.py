@@ -241,6 +241,9 @@ def assert_same_distribution(plain: Counter, spec_outs: list[dict]) -> None:
     assert stat < _chi2_critical(max(df, 1)), (stat, df)
 
 
+# A soak (KVSTRATA_SOAK=1): NGRAM on SmolLM2 is test_deterministic_smollm2.py's case, a
+# model drafting for itself at w8a8 test_speculative_standalone.py's tiny ones.
+@pytest.mark.soak
 def test_smollm2_gguf_ngram_and_int8_self_draft_equal_plain(smollm2_gguf_path):
     """The real model: an answer that quotes its prompt is drafted from the prompt (NGRAM)
     or by SmolLM2 itself at w8a8 (STANDALONE), accepted several tokens per step, and

@@ -117,7 +117,10 @@ def _hicache_rounds(path: str, tp: int, store: str, conversations: dict) -> list
     return rounds
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek_v32"])
+# deepseek_v32 is a soak (KVSTRATA_SOAK=1): its MLA pages through the tiers under TP are
+# also test_dsa_hicache.py's (one rank) and test_tp_deepseek_v32_engine's (TP, no tiers).
+@pytest.mark.parametrize("model", ["llama", pytest.param("deepseek_v32",
+                                                         marks=pytest.mark.soak)])
 def test_tp_hicache_host_tier_and_file_store(model, tiny_checkpoints, tiny_dsa_4_heads,
                                              tmp_path):
     """HiCache under tp 2: per-rank host pools, every device<->host job ends for the
@@ -173,6 +176,7 @@ def test_speculation_under_tp(tiny_checkpoints, tmp_path):
         assert all(d == ranks[0] for d in ranks), algorithm
 
 
+@pytest.mark.soak  # KVSTRATA_SOAK=1: the tiny models' TP 2 / 4 cases above cover the split
 def test_smollm2_gguf_tp3_equals_one_rank(smollm2_gguf_path):
     """The real model on 3 ranks (9 query heads, 3 KV heads: one each; ranks round-robin
     on the cores when there are fewer): greedy tokens and logprobs of one rank."""

@@ -79,6 +79,9 @@ def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_reference
                             label="router")
 
 
+# A soak (KVSTRATA_SOAK=1): NEXTN over PD is test_pd_nextn_equals_transformers, decode
+# retraction with speculation test_pd_retraction.py's standalone case.
+@pytest.mark.soak
 def test_pd_nextn_under_decode_retraction(tiny_dsa_mtp_checkpoint, tiny_model_path,
                                          tiny_prompts, tiny_dsa_references):
     """A decode pool far smaller than the batch's KV, over mooncake at page size 1: requests
