@@ -1,7 +1,8 @@
 """--enable-deterministic-inference at bf16: every request's tokens and logprobs equal, bit for
 bit, its run alone on a cold engine -- whatever shares its batch (requests arriving at other
 steps, prefill and decode mixed), its prefill chunks, the page size, the prefix cache (device
-hits, HiCache load-backs) and retraction under a small pool (config/rules/deterministic.py).
+hits, HiCache load-backs), retraction under a small pool and priority preemption
+(config/rules/deterministic.py), and under --tp-size 2.
 
 Without the flag the same workloads differ: a warm request's logprobs moved (the first test
 shows it, so the property below is not vacuous on this CPU). Greedy and seeded sampling both:
@@ -40,17 +41,19 @@ def params(max_new: int, seed: int | None) -> SamplingParams:
                                      "ignore_eos": True, "logprobs": 0, **sampled})
 
 
-def drive(llm: LLM, requests: list[tuple[int, list[int], SamplingParams]]) -> list[tuple]:
-    """Each request (arrival step, prompt, params) joins at its step; returns each one's
-    (tokens, logprobs, finish type) once every request ended. Fails past STEP_BOUND steps with
-    the scheduler's load (a hang fails fast)."""
+def drive(llm: LLM, requests: list[tuple], priorities: list[int] | None = None) -> list[tuple]:
+    """Each request (arrival step, prompt, params) joins at its step (with its priority, if
+    given); returns each one's (tokens, logprobs, finish type) once every request ended. Fails
+    past STEP_BOUND steps with the scheduler's load (a hang fails fast)."""
     engine = llm.engine
     got = {i: ([], [], None) for i in range(len(requests))}
     step = 0
     while step == 0 or any(v[2] is None for v in got.values()):
         for i, (arrival, prompt, sp) in enumerate(requests):
             if arrival == step:
-                engine.add_request(EngineRequest(f"r{i}", list(prompt), sp))
+                engine.add_request(EngineRequest(
+                    f"r{i}", list(prompt), sp,
+                    priority=None if priorities is None else priorities[i]))
         for out in engine.step():
             i = int(out.rid[1:])
             got[i][0].extend(out.new_token_ids)
@@ -124,13 +127,17 @@ _llms: dict = {}
 
 
 def engine_for(arch: str, path: str, page_size: int, pool_tokens: int, chunk: int,
-               hicache: bool) -> LLM:
-    key = (arch, page_size, pool_tokens, chunk, hicache)
+               hicache: bool, priority: bool) -> LLM:
+    key = (arch, page_size, pool_tokens, chunk, hicache, priority)
     if key not in _llms:
         kw = dict(page_size=page_size, max_total_tokens=pool_tokens,
                   chunked_prefill_size=chunk or -1, schedule_conservativeness=0.05)
         if hicache:
             kw.update(enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=2.0)
+        if priority:  # SGLang's preemption: a higher priority retracts a running request
+            # (two running slots: a newcomer of higher priority finds them full)
+            kw.update(enable_priority_scheduling=True, priority_scheduling_preemption_threshold=0,
+                      max_running_requests=2)
         for llm in _llms.values():  # one engine alive at a time
             llm.shutdown()
         _llms.clear()
@@ -141,26 +148,30 @@ def engine_for(arch: str, path: str, page_size: int, pool_tokens: int, chunk: in
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(arch=st.sampled_from(["llama", "qwen3"]), page_size=st.sampled_from([1, 16]),
-       pool=st.sampled_from(["small", "large"]), chunk=st.sampled_from([0, 1, 2]),
-       hicache=st.booleans(), shared=st.integers(0, 30),
-       requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 24), st.integers(0, 6),
-                                   st.one_of(st.none(), st.integers(0, 2**31 - 1))),
+       pool=st.sampled_from(["small", "small", "large"]), chunk=st.sampled_from([0, 1, 2]),
+       hicache=st.booleans(), priority=st.booleans(), shared=st.integers(0, 24),
+       requests=st.lists(st.tuples(st.integers(1, 16), st.integers(1, 24), st.integers(0, 6),
+                                   st.one_of(st.none(), st.integers(0, 2**31 - 1)),
+                                   st.integers(0, 3)),
                          min_size=1, max_size=5),
        seed=st.integers(0, 1000))
 def test_every_request_equals_its_cold_run_alone(tiny_checkpoints, arch, page_size, pool, chunk,
-                                                 hicache, shared, requests, seed):
-    """requests: (prompt tail, max new tokens, arrival step, sampling seed or greedy)."""
+                                                 hicache, priority, shared, requests, seed):
+    """requests: (prompt tail, max new tokens, arrival step, sampling seed or greedy,
+    priority: used with priority scheduling, whose preemption retracts running requests)."""
     path = tiny_checkpoints[arch]
-    # small: a request fits alone (at most 50 + 24 positions, 5 pages of 16), a few do not
-    pool_tokens = (80 if page_size == 1 else 96) if pool == "small" else 2048
+    # small: a request fits alone (at most 40 + 24 - 1 positions: 4 pages of 16), a few do not
+    pool_tokens = 64 if pool == "small" else 2048
     chunk_tokens = chunk * (16 if page_size == 16 else 7)
-    llm = engine_for(arch, path, page_size, pool_tokens, chunk_tokens, hicache)
+    llm = engine_for(arch, path, page_size, pool_tokens, chunk_tokens, hicache, priority)
     prompts = prompts_with_prefix(seed, shared, [r[0] for r in requests])
     work = [(arrival, p, params(max_new, sp_seed))
-            for p, (_, max_new, arrival, sp_seed) in zip(prompts, requests)]
-    retractions = llm.engine.scheduler.num_retractions
-    outs = drive(llm, work)
-    event(f"retracted: {llm.engine.scheduler.num_retractions > retractions}")
+            for p, (_, max_new, arrival, sp_seed, _) in zip(prompts, requests)]
+    before = llm.get_load()
+    outs = drive(llm, work, [r[4] for r in requests] if priority else None)
+    after = llm.get_load()
+    event(f"retracted: {after['num_retractions'] > before['num_retractions']}")
+    event(f"preempted: {after.get('num_preempted_reqs', 0) > before.get('num_preempted_reqs', 0)}")
     for i, ((_, prompt, sp), out) in enumerate(zip(work, outs)):
         assert out[2] == "length", f"request {i} ended {out[2]}"
         ref = alone(path, prompt, sp)

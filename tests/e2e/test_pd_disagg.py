@@ -307,6 +307,7 @@ def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
     print("dead prefill behind the router: all answered in", round(waited, 1), "s:", statuses)
     assert waited < FAIL_FAST_BOUND, (waited, statuses)
     assert_no_leak(pd.decode)
+    pd.prefill = pd.start_prefill(port=pd.prefill.port)  # the module's later tests use it
 
 
 def test_dead_prefill_fails_decode_side_then_recovers(pd):
