@@ -31,7 +31,8 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # batch-1 TPOT 0.997x -- its bf16 GEMM already summed every row count in one order, and the
 # paged decode kernel costs no more than the prefill kernel at 128-token prompts; fp32 served
 # 0.91x (the fp32 GEMM replaces the GEMV and oneDNN, the prefill kernel's key blocks go), so
-# fp32 keeps it opt-in. AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
+# fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
+# (each token re-reads its keys; docs/benchmarks.md). AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
 # 2.2-3.5x SDPA and AMX tiles take prefill rows, which the flag gives up): opt-in.
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
