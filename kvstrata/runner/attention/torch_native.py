@@ -158,12 +158,12 @@ class TorchNativeAttnBackend:
             else:
                 fb.attn_meta = TorchNativeMeta([self._explicit_piece(decode, device)], False)
             return
-        ranged: list[tuple] = []   # deterministic: (row, start, n, flat token) of n > 1
+        ranged: list[tuple] = []   # deterministic: (row, start, n, flat token), not decodes
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
             if i in trees:  # a draft tree: each token sees the context and its ancestors
                 pieces += self._tree(trees[i], table, row, start, off, decode, device)
-            elif self.deterministic and n > 1 and fb.out_slots is not None:
-                ranged.append((row, start, n, off))
+            elif self.deterministic and (n > 1 or start == 0) and fb.out_slots is not None:
+                ranged.append((row, start, n, off))  # (a one-token prompt too: not SDPA)
             elif start == 0 or fb.out_slots is None:
                 pieces.append(Piece("fresh", off, off + n, row=row, prefix=0))
             elif n == 1:
