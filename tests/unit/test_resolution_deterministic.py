@@ -88,3 +88,13 @@ def test_a_kernel_ablation_keeps_the_default_off_and_refuses_the_flag():
     assert resolved.enable_deterministic_inference is False
     with pytest.raises(ValueError, match="KVSTRATA_CPU_PAGED_DECODE=0 turns off"):
         resolve(ServerArgs(enable_deterministic_inference=True), simulated("cpu"), None, env=env)
+
+
+def test_a_quantized_draft_keeps_the_default_off_and_refuses_the_flag():
+    kw = dict(dtype="bfloat16", speculative_algorithm="STANDALONE",
+              speculative_draft_model_path="smollm2-135m",
+              speculative_draft_model_quantization="w8a8_int8")
+    resolved, _ = on_cpu(AVX2, **kw)
+    assert resolved.enable_deterministic_inference is False
+    with pytest.raises(ValueError, match="--speculative-draft-model-quantization w8a8_int8"):
+        on_cpu(AVX2, enable_deterministic_inference=True, **kw)

@@ -77,9 +77,9 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
                          f"{model_info.kv_pool_kind} KV pool (MLA / DSA, sliding-window and "
                          f"recurrent models); the llama-family decoder has it")
-    if args.quantization is not None:
+    for flag_name, value in _quantizations(args):
         raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
-                         f"--quantization {args.quantization}")
+                         f"{flag_name} {value}")
     if ablations:
         switched = " and ".join(f"{name}=0" for name in ablations)
         raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
@@ -96,8 +96,15 @@ def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
     flags = set(platform.cpu_flags)
     return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
-            and args.quantization is None
+            and not _quantizations(args)
             and (model_info is None or (model_info.kv_pool_kind == "mha"
                                         and not model_info.uses_dsa
                                         and not model_info.has_recurrent_state)))
 
+
+def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:
+    """The quantized models asked for (the target's, a draft's): their linears are not pinned."""
+    draft = args.speculative_draft_model_quantization
+    return ([("--quantization", args.quantization)] if args.quantization is not None else []) + (
+        [("--speculative-draft-model-quantization", draft)]
+        if draft not in (None, "unquant") else [])
