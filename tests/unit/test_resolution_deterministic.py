@@ -38,6 +38,7 @@ def test_off_by_default_changes_nothing():
     (dict(device="cuda"), "cuda", None, "not implemented yet on cuda"),
     ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True), "not implemented yet for a mla"),
     ({}, "cpu", ModelInfo(kv_pool_kind="swa"), "not implemented yet for a swa"),
+    ({}, "cpu", ModelInfo(has_recurrent_state=True), "not implemented yet for a recurrent"),
     (dict(quantization="w8a8_int8"), "cpu", None, "--quantization w8a8_int8"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(kwargs, platform, info, message):

@@ -73,10 +73,11 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     if device != "cpu":
         raise ValueError(f"--enable-deterministic-inference: not implemented yet on {device} "
                          f"(kvstrata's batch-invariant kernels are its CPU kernels)")
-    if model_info is not None and (model_info.kv_pool_kind != "mha" or model_info.uses_dsa):
+    if not _model_built(model_info):
+        kind = "recurrent" if model_info.has_recurrent_state else model_info.kv_pool_kind
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
-                         f"{model_info.kv_pool_kind} KV pool (MLA / DSA, sliding-window and "
-                         f"recurrent models); the llama-family decoder has it")
+                         f"{kind} model (MLA / DSA, sliding-window and recurrent models); the "
+                         f"llama-family decoder has it")
     for flag_name, value in _quantizations(args):
         raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
                          f"{flag_name} {value}")
@@ -96,10 +97,14 @@ def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
     flags = set(platform.cpu_flags)
     return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
-            and not _quantizations(args)
-            and (model_info is None or (model_info.kv_pool_kind == "mha"
-                                        and not model_info.uses_dsa
-                                        and not model_info.has_recurrent_state)))
+            and not _quantizations(args) and _model_built(model_info))
+
+
+def _model_built(model_info: ModelInfo | None) -> bool:
+    """A plain MHA model without recurrent state (None, unknown: assumed so, as everywhere in
+    resolution; the load refuses an MLA model it turns out to be)."""
+    return model_info is None or (model_info.kv_pool_kind == "mha" and not model_info.uses_dsa
+                                  and not model_info.has_recurrent_state)
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:

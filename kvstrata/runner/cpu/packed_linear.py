@@ -53,8 +53,8 @@ from torch.nn import functional as F
 from kvstrata import envs
 from kvstrata.platform import read_cpu_flags
 from kvstrata.runner.cpu import _bf16_ops, fused_ops as cpu_ops, f32_gemv
-from kvstrata.runner.cpu.fixed_linear import (FIXED_F32_KERNEL, FIXED_MAX_ISA_CAP, fixed_f32,
-                                              fixed_unsupported)
+from kvstrata.runner.cpu.fixed_linear import (DTYPES, FIXED_F32_KERNEL, FIXED_MAX_ISA_CAP,
+                                              fixed_f32, fixed_unsupported)
 from kvstrata.runner.cpu.isa import isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
@@ -70,12 +70,6 @@ LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                  ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
 # Batch-size hint for the weight layout; measured indifferent between 32 and 2048 rows.
 PACK_ROWS_HINT = 32
-
-
-# bf16 too: oneDNN reorders a plain bf16 weight for its AVX-512 BF16 / AMX kernels on every
-# F.linear call; packed once it measured 1.6-2.3x faster at decode shapes (M = 1-32) on an AMX
-# box and equal at prefill shapes, bit-identical (fp16 is not measured, so not packed).
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 def available(model: Any) -> bool:
