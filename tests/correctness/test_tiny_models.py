@@ -17,14 +17,15 @@ from kvstrata.runner.model_runner import ModelRunner
 
 PREFILL_ATOL = 1e-4
 
-_runners: dict[tuple[str, int], ModelRunner] = {}
+_runners: dict[tuple[str, int, bool], ModelRunner] = {}
 
 
-def _runner(path: str, arch: str, page_size: int) -> ModelRunner:
-    key = (arch, page_size)
+def _runner(path: str, arch: str, page_size: int, deterministic: bool = False) -> ModelRunner:
+    key = (arch, page_size, deterministic)
     if key not in _runners:  # a tiny runner loads in ms, but reuse keeps the suite lean
         _runners[key] = make_runner(path, page_size=page_size, max_total_tokens=4096,
-                                    context_length=512, max_running_requests=16)
+                                    context_length=512, max_running_requests=16,
+                                    enable_deterministic_inference=deterministic)
     return _runners[key]
 
 
@@ -61,6 +62,54 @@ def test_greedy_matches_transformers(arch, mode, tiny_checkpoints, tiny_prompts,
     for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
         assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{arch}/{mode} prompt {i}")
     assert num_live_requests(runner) == 0
+
+
+@pytest.mark.parametrize("mode", ["p1_batched", "p16_batched", "p4_chunked_staggered"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_deterministic_kernels_match_transformers(arch, mode, tiny_checkpoints, tiny_prompts,
+                                                  tiny_references):
+    """--enable-deterministic-inference (one GEMM body per row count, every query through
+    the paged decode kernel) is the same model: greedy tokens equal transformers' under the
+    near-tie rule, pages of 1 and 16, chunked and staggered (its bit-identity across
+    batches is test_deterministic_inference.py's)."""
+    page_size, batched, chunk, staggered = MODES[mode]
+    runner = _runner(tiny_checkpoints[arch], arch, page_size, deterministic=True)
+    assert runner.deterministic
+    outs = greedy_in_mode(runner, tiny_prompts, GREEDY_TOKENS, batched, chunk, staggered)
+    for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, tiny_references[arch])):
+        assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{arch}/{mode} prompt {i}")
+    assert num_live_requests(runner) == 0
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_deterministic_prompt_logprobs_and_a_prefix_hit_match_transformers(
+        arch, tiny_checkpoints, tiny_prompts):
+    """The deterministic path's logits through chunks of 16 over pages of 16 (every prompt
+    token's logprob) and after a prefix hit (the next token's, the prefix read from the
+    pool), within PREFILL_ATOL of transformers'. (Prompt logprobs recompute the whole prompt,
+    so the hit is measured on the output token.)"""
+    from transformers import AutoModelForCausalLM
+
+    from kvstrata import LLM
+    prompt = tiny_prompts[-1]  # 70 tokens: five chunks
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[arch], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    want = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    with LLM(model_path=tiny_checkpoints[arch], skip_tokenizer_init=True, page_size=16,
+             chunked_prefill_size=16, max_total_tokens=4096,
+             enable_deterministic_inference=True) as llm:
+        greedy = {"max_new_tokens": 1, "temperature": 0, "logprobs": 0}
+        out = llm.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True)
+        got = torch.tensor([lp for lp in out["meta_info"]["input_token_logprobs"]
+                            if lp is not None])
+        torch.testing.assert_close(got, want[-len(got):], atol=PREFILL_ATOL, rtol=0)
+        llm.flush_cache()
+        llm.generate(input_ids=prompt[:40], sampling_params=greedy)  # caches 32 tokens
+        out = llm.generate(input_ids=prompt, sampling_params=greedy)
+        assert out["meta_info"]["cached_tokens"] >= 32
+        (lp, token), = out["meta_info"]["output_token_logprobs"]
+        assert abs(lp - ref[-1, token].item()) < PREFILL_ATOL
 
 
 def test_prompt_logprobs_across_chunks(tiny_checkpoints, tiny_prompts):
