@@ -10,7 +10,7 @@ Experts run one matmul pair per expert over the tokens routed to it, sorted by e
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,26 +74,42 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        t, k = ids.shape
-        # Sort the (token, slot) pairs by expert once: each expert then reads one contiguous
-        # slice (no per-expert search, no scatter-add), and the results go back to their pairs
-        # with one permutation. Each token sums its k expert outputs (for k = 2 the same sum
-        # as the reference's per-expert accumulation, whichever order).
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.d.n_routed_experts).tolist()
-        xs = x.index_select(0, order // k)
-        ys = torch.zeros_like(xs) if self.experts[1] - self.experts[0] < len(counts) \
-            else torch.empty_like(xs)  # another rank's experts contribute zeros here
-        start = 0
-        lo, hi = self.experts
-        for e, n in enumerate(counts):
-            if n and lo <= e < hi:
-                gate, up = F.linear(xs[start:start + n], self.gate_up[e - lo]).chunk(2, dim=-1)
-                ys[start:start + n] = F.linear(F.silu(gate) * up, self.down[e - lo])
-            start += n
+        lo = self.experts[0]
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(xs, self.gate_up[e - lo]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down[e - lo])
+
         # The routing weights are float32: a bf16 model's expert outputs are weighted and
         # summed over its k experts in float32 and rounded once, as transformers does.
-        ys = ys * weights.reshape(-1)[order, None]
-        per_pair = torch.empty_like(ys).index_copy_(0, order, ys)
-        return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype) + self.shared(x)
+        return routed_sum(x, ids, weights, self.d.n_routed_experts, expert,
+                          self.experts) + self.shared(x)
+
+
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+               expert: Callable[[int, torch.Tensor], torch.Tensor],
+               held: tuple[int, int] | None = None) -> torch.Tensor:
+    """sum over j of weights[t, j] * expert(ids[t, j], x[t]) for every token t, in x's dtype.
+
+    `expert(e, xs)` runs expert e over a [n, H] slice of tokens: one call (a matmul or two)
+    per expert that some token chose. `held`: the experts [lo, hi) this rank holds (another
+    rank's contribute zeros). The (token, slot) pairs are sorted by expert once: each expert
+    then reads one contiguous slice (no per-expert search, no scatter-add), and the results go
+    back to their pairs with one permutation. Each token sums its k expert outputs (for k = 2
+    the same sum as the references' per-expert accumulation, whichever order); the products
+    are taken in the weights' dtype (float32 for DeepSeek, the model's for gpt-oss)."""
+    t, k = ids.shape
+    lo, hi = held or (0, num_experts)
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    xs = x.index_select(0, order // k)
+    ys = torch.zeros_like(xs) if hi - lo < len(counts) else torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n and lo <= e < hi:
+            ys[start:start + n] = expert(e, xs[start:start + n])
+        start += n
+    ys = ys * weights.reshape(-1)[order, None]
+    per_pair = torch.empty_like(ys).index_copy_(0, order, ys)
+    return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype)
