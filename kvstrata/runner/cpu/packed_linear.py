@@ -326,11 +326,14 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
 
 
 def _pack_layers(model: Any, fixed: bool = False) -> bool:
-    """Returns whether the layers' fp32 weights also got f32_gemv's copies."""
+    """Returns whether the layers' fp32 weights also got f32_gemv's copies. A model whose
+    layers hold other linears names its 2-D ones in `packed_linears` (gpt-oss: attention
+    only; its 3-D expert weights stay plain tensors)."""
+    linears = getattr(model, "packed_linears", LAYER_LINEARS)
     gemv = not fixed and f32_gemv.worth_copies([getattr(layer, name) for layer in model.layers
-                                                for name, _ in LAYER_LINEARS])
+                                                for name, _ in linears])
     for layer in model.layers:
-        for weight_name, bias_name in LAYER_LINEARS:
+        for weight_name, bias_name in linears:
             _replace(layer, weight_name, bias_name, gemv, fixed)
     return gemv
 

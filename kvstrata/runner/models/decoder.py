@@ -26,7 +26,8 @@ class ArchSpec:
     qkv_bias: bool = False   # qwen2: bias on q/k/v only
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
-    # Which model class builds it: "decoder" (this module) or "deepseek_v32" (MLA + DSA).
+    # Which model class builds it: "decoder" (this module), "deepseek_v32" (MLA + DSA) or
+    # "gpt_oss" (gpt_oss.py: sliding windows, attention sinks, MoE).
     family: str = "decoder"
 
 
@@ -45,6 +46,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rope_qk(qkv: torch.Tensor, nq: int, nkv: int, hd: int, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, nq, hd] and k [T, nkv, hd] of a fused q|k|v projection's output, rotated."""
+    t, q_end, k_end = qkv.shape[0], nq * hd, (nq + nkv) * hd
+    if cpu_ops.rope_(qkv, nq + nkv, cos, sin):
+        # Rotated in place (qkv is this layer's own buffer): q and k stay views of it.
+        return qkv[:, :q_end].view(t, nq, hd), qkv[:, q_end:k_end].view(t, nkv, hd)
+    # q and k heads sit side by side in qkv: rotate them with one set of ops.
+    qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
+    return qk[:, :nq], qk[:, nq:]
 
 
 class DecoderLayer(nn.Module):
@@ -84,8 +97,8 @@ class DecoderForCausalLM(nn.Module):
         self.device = device
         kw = dict(dtype=dtype, device=device)
         self.embed = _param(dims.vocab_size, dims.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(dims, spec, dtype, device)
-                                    for _ in range(dims.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, dims, spec, dtype, device)
+                                    for i in range(dims.num_layers))
         self.final_norm = _param(dims.hidden_size, **kw)
         # Tied (SmolLM2): the output projection IS the embedding matrix, no second copy.
         self.lm_head = self.embed if dims.tie_word_embeddings else _param(
@@ -131,6 +144,11 @@ class DecoderForCausalLM(nn.Module):
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(rms_norm(x, self.final_norm, d.rms_norm_eps))
 
+    def make_layer(self, i: int, dims: ModelDims, spec: ArchSpec, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        """Layer i's parameters (a subclass with other layers overrides this: gpt_oss.py)."""
+        return DecoderLayer(dims, spec, dtype, device)
+
     def _plain_layers(self) -> bool:
         """This model's layers are layer_forward's with an identity reduce (decode_plan.py
         replays exactly those): not a tensor-parallel rank's."""
@@ -173,13 +191,8 @@ class DecoderForCausalLM(nn.Module):
                 q = apply_rope(q, cos, sin)
             if not cpu_ops.rope_(k.view(t, -1), nkv, cos, sin):
                 k = apply_rope(k, cos, sin)
-        elif cpu_ops.rope_(qkv, nq + nkv, cos, sin):
-            # Rotated in place (qkv is this layer's own buffer): q and k stay views of it.
-            q, k = qkv[:, :q_end].view(t, nq, hd), qkv[:, q_end:k_end].view(t, nkv, hd)
         else:
-            # q and k heads sit side by side in qkv: rotate them with one set of ops.
-            qk = apply_rope(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
-            q, k = qk[:, :nq], qk[:, nq:]
+            q, k = rope_qk(qkv, nq, nkv, hd, cos, sin)
         attn = self.attn_backend.forward(i, q, k, v, fb)
         # In place: x is this forward's own buffer (from F.embedding or a linear), never a
         # view of a parameter, and inference mode keeps no autograd history.
