@@ -17,6 +17,7 @@ from tqdm import tqdm
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
+from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -194,6 +195,11 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
         model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
+    elif spec.family == "gpt_oss":
+        if source.kind == "gguf":
+            raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
+                             f"only)")
+        model = GptOssForCausalLM(config, spec, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
     return fill_weights(model, source, config, spec.gguf_permute_qk)

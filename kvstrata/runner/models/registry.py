@@ -11,11 +11,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "DeepseekV32ForCausalLM": ArchSpec(family="deepseek_v32"),
+    "GptOssForCausalLM": ArchSpec(family="gpt_oss"),
 }
 
 # GGUF-derived configs carry model_type but no `architectures` list.
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "gpt_oss": "GptOssForCausalLM"}
 
 
 def architecture_name(config: Any) -> str:
