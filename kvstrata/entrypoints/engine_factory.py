@@ -81,6 +81,9 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
                   ) -> tuple[Any, ResolvedArgs, KVPlan, list[Resolution]]:
     import torch  # noqa: PLC0415 - entrypoints may; only seeds unseeded sampling
 
+    from kvstrata.runner.model_setup import refuse_unsupported_features  # noqa: PLC0415
+
+    refuse_unsupported_features(server_args)  # gpt-oss: by name, before rules and loads
     # Model facts the rules need (pool kind, recurrent state); None for GGUF/short names,
     # which resolution treats as a plain MHA model (all kvstrata supports today).
     info = ModelInfo.from_model_path(server_args.model_path)

@@ -15,6 +15,46 @@ from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.runner.quant.w8a8 import quantize_model
 
 
+def refuse_unsupported_features(args: Any) -> None:
+    """Before anything loads: a model class that does not run some serving features yet
+    (its `UNSUPPORTED` flags: gpt-oss) is refused with those flags by name, for the target
+    and for a draft checkpoint alike. `args`: ServerArgs (the flags as given)."""
+    from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
+
+    for path, as_draft in ((args.model_path, False),
+                           (args.speculative_draft_model_path, True)):
+        if not path or _architecture_of(path) != "GptOssForCausalLM":
+            continue
+        used = [flag for flag, on in (
+            ("--tp-size > 1", args.tp_size > 1),
+            ("--quantization", args.quantization is not None),
+            ("--speculative-algorithm", as_draft or args.speculative_algorithm is not None),
+            ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
+            if on]
+        assert set(used) <= set(UNSUPPORTED)
+        if used:
+            role = "as a speculative draft" if as_draft else "with " + ", ".join(used)
+            raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported {role} yet; it "
+                             f"runs without {', '.join(UNSUPPORTED)}")
+
+
+def _architecture_of(model_path: str) -> str | None:
+    """config.json's architecture (read as JSON: no transformers, no weights); None for GGUF
+    files, known short names and anything unreadable (the load reports those)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    path = os.path.join(os.path.expanduser(model_path), "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    archs = raw.get("architectures") or []
+    return archs[0] if archs else ("GptOssForCausalLM" if raw.get("model_type") == "gpt_oss"
+                                   else None)
+
+
 def load_serving_model(model_path: str, dtype: str, device: torch.device,
                        quantization: str | None, quantization_flag: str = "--quantization",
                        tp_group: Any = None,
@@ -39,7 +79,11 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if deterministic and quantization is not None:
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} {quantization}")
-    if quantization is not None and model.pool_kind != "mha":
+    refused = getattr(model, "unsupported", ())  # gpt-oss (refused by name earlier too)
+    if deterministic and "--enable-deterministic-inference" in refused:
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
+                                  f"{type(model).__name__}")
+    if quantization is not None and (model.pool_kind != "mha" or "--quantization" in refused):
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
                          f"decoder only, not {type(model).__name__}")
     info: dict = {"quantization": None}
