@@ -68,6 +68,8 @@ def test_windows_and_sinks_come_from_the_config(tiny):
     assert type(model).__name__ == "GptOssForCausalLM"
     assert model.layer_windows == [WINDOW, None, WINDOW, None]
     assert runner.max_context_len == 256  # the window no longer caps the context
+    # The CPU GEMMs take the 2-D projections only; the 3-D experts stay tensors.
+    assert all(isinstance(layer.gate_up, torch.nn.Parameter) for layer in model.layers)
     hf = load_reference(tiny)
     for ours, theirs in zip(model.layers, hf.model.layers):
         assert torch.equal(ours.sinks, theirs.self_attn.sinks.detach())

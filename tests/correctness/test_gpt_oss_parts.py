@@ -42,6 +42,25 @@ def test_moe_block_matches_transformers(tiny):
         torch.testing.assert_close(ours.moe(ours.layers[i], x), ref[0], atol=1e-5, rtol=0)
 
 
+def test_moe_runs_each_chosen_expert_once(tiny, monkeypatch):
+    """Grouped by expert: 64 tokens x top-2 of 4 experts is 4 expert calls, not 128."""
+    from kvstrata.runner.models import gpt_oss
+
+    ours, calls = _ours(tiny), []
+
+    def counting(x, ids, weights, num_experts, expert, held=None):
+        def counted(e, xs):
+            calls.append((e, xs.shape[0]))
+            return expert(e, xs)
+        return routed_sum(x, ids, weights, num_experts, counted, held)
+
+    routed_sum = gpt_oss.routed_sum
+    monkeypatch.setattr(gpt_oss, "routed_sum", counting)
+    ours.moe(ours.layers[0], torch.randn(64, 64, generator=torch.Generator().manual_seed(2)))
+    assert sorted(e for e, _ in calls) == sorted(set(e for e, _ in calls))
+    assert sum(n for _, n in calls) == 64 * 2
+
+
 def test_moe_bfloat16_close_to_transformers_bfloat16(tiny):
     hf, ours = load_reference(tiny, torch.bfloat16), _ours(tiny, "bfloat16")
     x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
