@@ -134,6 +134,29 @@ def test_prefix_hit_and_prompt_logprobs_match_transformers(tiny, prompts):
         assert abs(lp - ref[-1, token].item()) < PREFILL_ATOL
 
 
+def test_starved_pool_with_hicache_matches_transformers(tiny):
+    """Multi-turn conversations through a device pool of 160 tokens with a host tier behind
+    it: windowed and full layers read prefixes demoted to the host and loaded back."""
+    from helpers.compare import assert_tokens_match as match
+    from kvstrata import LLM
+    from tests.correctness.test_hicache_engine import (ANSWER, assert_host_tier_served,
+                                                       multi_turn)
+
+    with LLM(model_path=tiny, skip_tokenizer_init=True, page_size=4, max_total_tokens=160,
+             enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=8.0,
+             dtype="float32") as llm:
+        prompts, outputs = multi_turn(llm)
+        assert_host_tier_served(llm)
+    hf = load_reference(tiny)
+    for i, (prompt, ours) in enumerate(zip(prompts, outputs)):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=ANSWER,
+                              min_new_tokens=ANSWER, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        match(ours, out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.logits],
+              label=f"turn {i}")
+
+
 def test_bfloat16_runs_close_to_float32(tiny, prompts):
     """bf16 against our float32, measured against transformers' own bf16 error: in this tiny
     random MoE a bf16 rounding flips a near-tie router choice on a few tokens (errors of ~2
