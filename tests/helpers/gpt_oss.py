@@ -37,6 +37,8 @@ def randomize(model, seed: int = 0) -> None:
         p.copy_(torch.randn(p.shape, generator=g) * std)
 
     with torch.no_grad():
+        draw(model.model.norm.weight, 0.3)
+        model.model.norm.weight.add_(1)
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             draw(attn.sinks, 1.0)

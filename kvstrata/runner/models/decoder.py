@@ -122,7 +122,6 @@ class DecoderForCausalLM(nn.Module):
         """Run all tokens of `fb`; return logits [len(fb.logits_idx), V] in float32
         (every token when logits_idx is None). With `capture_hidden` set (an EAGLE draft
         reads them), `last_hidden` keeps every token's final-normed hidden state."""
-        d = self.dims
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
         x = self.embed_tokens(fb.input_ids)
@@ -138,7 +137,7 @@ class DecoderForCausalLM(nn.Module):
         if aux:
             self.last_hidden = torch.cat(aux, dim=-1)
         elif self.capture_hidden:
-            x = rms_norm(x, self.final_norm, d.rms_norm_eps)
+            x = self.final_rms_norm(x)
             self.last_hidden = x
             if fb.logits_idx is not None:
                 x = x.index_select(0, fb.logits_idx)
@@ -146,7 +145,11 @@ class DecoderForCausalLM(nn.Module):
         if fb.logits_idx is not None:
             # Norm + lm_head only where logits are wanted: the vocab matmul is the largest.
             x = x.index_select(0, fb.logits_idx)
-        return self.output_logits(rms_norm(x, self.final_norm, d.rms_norm_eps))
+        return self.output_logits(self.final_rms_norm(x))
+
+    def final_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last norm (gpt-oss overrides it: float32 weight, scaled unrounded)."""
+        return rms_norm(x, self.final_norm, self.dims.rms_norm_eps)
 
     def make_layer(self, i: int, dims: ModelDims, spec: ArchSpec, dtype: torch.dtype,
                    device: torch.device) -> nn.Module:

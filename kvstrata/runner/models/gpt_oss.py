@@ -118,6 +118,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
             raise ValueError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
                              f"supported (unquantized or mxfp4 experts)")
         self._mxfp4_pending: dict[str, torch.Tensor] = {}
+        # float32 like the layers' norms (transformers keeps every norm so)
+        self.final_norm = _param(self.dims.hidden_size, dtype=torch.float32, device=device)
 
     def make_layer(self, i: int, dims: ModelDims, spec: ArchSpec, dtype: torch.dtype,
                    device: torch.device) -> nn.Module:
@@ -132,6 +134,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.dims.rms_norm_eps)
         return (weight * xf).to(x.dtype)
+
+    def final_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, self.final_norm)
 
     def layer_forward(self, i: int, layer: GptOssLayer, x: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, fb: ForwardBatch, input_norm: bool = True
