@@ -26,11 +26,11 @@ refuses them (this path's sums are not batch-invariant).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from kvstrata.runner.attention.pieces import Piece
+from kvstrata.runner.attention.pieces import Piece, TorchNativeMeta
 
 if TYPE_CHECKING:
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -51,6 +51,27 @@ def normalise_windows(layer_windows: Sequence[int | None] | None) -> tuple | Non
             raise ValueError(f"layer {i}: sliding window {w!r} must be a positive int or None")
         out.append(None if w is None else int(w))
     return tuple(out) if any(w is not None for w in out) else None
+
+
+def plan_windows(fb, layer_windows: tuple, make: Callable) -> TorchNativeMeta:
+    """The step's plans, once per distinct window (`make(fb, window)`): a window at least
+    as long as the step's longest key list changes nothing, so such layers share the full
+    plan (its prefill kernel and decode plan included). Returns layer 0's plan, carrying
+    every layer window's in by_window."""
+    if fb.query_keys is not None:
+        longest = max(len(k) for k in fb.query_keys)
+    else:
+        longest = max(s + n for s, n in zip(fb.start_pos, fb.q_lens))
+    plans: dict = {}
+    for w in dict.fromkeys(layer_windows):
+        key = None if w is None or w >= longest else w
+        if key not in plans:
+            plans[key] = make(fb, key)
+        plans[w] = plans[key]
+    meta = plans[layer_windows[0]]
+    meta.by_window = plans
+    meta.uniform = len({id(plans[w]) for w in layer_windows}) == 1
+    return meta
 
 
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -129,6 +150,24 @@ def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if sinks is not None:
         p = p[..., :-1]
     return torch.matmul(p, values.float()).to(q.dtype)
+
+
+def forward_math(backend: "TorchNativeAttnBackend", layer: int, meta: TorchNativeMeta,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """A layer with sinks / soft-capping: every piece of its plan through attend_math."""
+    if backend.deterministic:
+        raise ValueError("--enable-deterministic-inference: not implemented for attention "
+                         "sinks or logit soft-capping (their torch path is not "
+                         "batch-invariant)")
+    out = q.new_empty(q.shape[0], backend.num_heads * backend.head_dim)
+    for p in meta.pieces:
+        res = piece_math(backend, layer, p, q, k, v, sinks, softcap)
+        if p.tok_idx is None:
+            out[p.lo:p.hi] = res
+        else:
+            out.index_copy_(0, p.tok_idx, res)
+    return out
 
 
 def _kernel_keys(p: Piece, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
