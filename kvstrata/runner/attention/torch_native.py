@@ -447,11 +447,14 @@ class TorchNativeAttnBackend:
             keys, values = k[klo:p.hi], v[klo:p.hi]
         else:
             keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+        mask = p.mask
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = p.mask = mask.to(q.dtype)  # a windowed band (additive): once a forward
         # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA takes its math path
         # (bmm, softmax over the whole [H, n, S] score matrix), measured 6x slower than the
         # flash kernel on a 2048-token prompt.
         out = F.scaled_dot_product_attention(
             qr[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=p.mask, is_causal=p.kind == "fresh" and p.mask is None, scale=self.scale,
+            attn_mask=mask, is_causal=p.kind == "fresh" and mask is None, scale=self.scale,
             enable_gqa=self.gqa)[0]                                   # [Hq, n, D]
         return out.transpose(0, 1).reshape(p.hi - p.lo, hq * d)
