@@ -16,26 +16,25 @@ from kvstrata.runner.quant.w8a8 import quantize_model
 
 
 def refuse_unsupported_features(args: Any) -> None:
-    """Before anything loads: a model class that does not run some serving features yet
-    (its `UNSUPPORTED` flags: gpt-oss) is refused with those flags by name, for the target
-    and for a draft checkpoint alike. `args`: ServerArgs (the flags as given)."""
+    """Before anything loads: a target model class that does not run some serving features
+    yet (its `UNSUPPORTED` flags: gpt-oss) is refused with those flags by name. `args`:
+    ServerArgs (the flags as given). (A gpt-oss STANDALONE draft runs; quantizing one is
+    refused by load_serving_model.)"""
     from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
 
-    for path, as_draft in ((args.model_path, False),
-                           (args.speculative_draft_model_path, True)):
-        if not path or _architecture_of(path) != "GptOssForCausalLM":
-            continue
-        used = [flag for flag, on in (
-            ("--tp-size > 1", args.tp_size > 1),
-            ("--quantization", args.quantization is not None),
-            ("--speculative-algorithm", as_draft or args.speculative_algorithm is not None),
-            ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
-            if on]
-        assert set(used) <= set(UNSUPPORTED)
-        if used:
-            role = "as a speculative draft" if as_draft else "with " + ", ".join(used)
-            raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported {role} yet; it "
-                             f"runs without {', '.join(UNSUPPORTED)}")
+    if _architecture_of(args.model_path) != "GptOssForCausalLM":
+        return
+    algorithm = args.speculative_algorithm
+    used = [flag for flag, on in (
+        ("--tp-size > 1", args.tp_size > 1),
+        ("--quantization", args.quantization is not None),
+        ("--speculative-algorithm EAGLE / EAGLE3", algorithm in ("EAGLE", "EAGLE3", "NEXTN")),
+        ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
+        if on]
+    assert set(used) <= set(UNSUPPORTED)
+    if used:
+        raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported with "
+                         f"{', '.join(used)} yet; it runs without {', '.join(UNSUPPORTED)}")
 
 
 def _architecture_of(model_path: str) -> str | None:

@@ -35,10 +35,11 @@ from kvstrata.runner.quant.mxfp4 import dequantize_mxfp4
 
 SWIGLU_ALPHA = 1.702  # transformers' default when a config does not name it
 SWIGLU_LIMIT = 7.0
-# What this model does not run yet, by flag: load_serving_model and the TP / draft builders
-# refuse these by name (the resolution rules refuse deterministic inference for every
-# sliding-window model already).
-UNSUPPORTED = ("--tp-size > 1", "--quantization", "--speculative-algorithm",
+# What this model does not run yet, by flag: model_setup.refuse_unsupported_features names
+# them before anything loads (load_serving_model and tp_load refuse them again). NGRAM and
+# STANDALONE speculation run (their verify and draft trees go through the same windowed,
+# sink-aware attention; tested); EAGLE heads over gpt-oss are untested, hence refused.
+UNSUPPORTED = ("--tp-size > 1", "--quantization", "--speculative-algorithm EAGLE / EAGLE3",
                "--enable-deterministic-inference")
 
 
