@@ -26,7 +26,6 @@ def refuse_unsupported_features(args: Any) -> None:
         return
     algorithm = args.speculative_algorithm
     used = [flag for flag, on in (
-        ("--tp-size > 1", args.tp_size > 1),
         ("--quantization", args.quantization is not None),
         ("--speculative-algorithm EAGLE / EAGLE3", algorithm in ("EAGLE", "EAGLE3", "NEXTN")),
         ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))

@@ -204,11 +204,24 @@ def test_speculative_decoding_matches_transformers(shape, tiny, prompts, referen
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
 
 
+def test_tensor_parallel_matches_transformers(tiny, prompts, references):
+    """tp 2: each rank holds 2 of the 4 query heads (their sinks), 1 of 2 KV heads and half
+    of every expert's width; the shares' sums give transformers' tokens."""
+    from kvstrata import LLM
+
+    with LLM(model_path=tiny, skip_tokenizer_init=True, dtype="float32", tp_size=2,
+             page_size=16, max_total_tokens=4096) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0})
+    for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, references)):
+        assert_tokens_match(out["output_ids"], ref_tokens, ref_logits, label=f"tp 2 prompt {i}")
+
+
 @pytest.mark.parametrize("flags", [
-    {"tp_size": 2}, {"quantization": "w8a8_int8"},
+    {"quantization": "w8a8_int8"},
     {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/nonexistent"},
     {"enable_deterministic_inference": True}],
-    ids=["tp", "w8a8", "eagle", "deterministic"])
+    ids=["w8a8", "eagle", "deterministic"])
 def test_unsupported_features_are_refused_by_name(tiny, flags):
     with pytest.raises(ValueError, match="GptOssForCausalLM"):
         make_runner(tiny, max_total_tokens=256, **flags)

@@ -140,24 +140,25 @@ def test_mxfp4_dequantize_matches_transformers(dtype):
 
 
 @pytest.fixture(scope="module")
-def tiny_64(tmp_path_factory) -> str:
-    """Expert width 64: MXFP4 blocks of 32 need in-dims that are multiples of 32."""
-    return build_checkpoint(str(tmp_path_factory.mktemp("gpt_oss") / "tiny64"),
-                            intermediate_size=64)
+def tiny_mx(tmp_path_factory) -> str:
+    """Expert width 96: MXFP4 blocks of 32 need in-dims that are multiples of 32 (and at
+    tp 2 a rank's 48 units are 1.5 blocks, as gpt-oss's 720 at tp 4 are 22.5)."""
+    return build_checkpoint(str(tmp_path_factory.mktemp("gpt_oss") / "tiny96"),
+                            intermediate_size=96)
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_64, tmp_path):
-    """A checkpoint whose experts are MXFP4 (as released gpt-oss files are) loads to the
-    weights transformers' dequantizer gives, in the split/transposed layout; the unquantized
-    copy with those weights yields the same model."""
+@pytest.fixture(scope="module")
+def mxfp4_pair(tiny_mx, tmp_path_factory):
+    """(MXFP4 checkpoint, the same weights unquantized, the latter's tensors): the experts
+    replaced by random MXFP4 blocks, and by transformers' dequantization of them."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tiny = tiny_64
-    quant, plain = tmp_path / "mxfp4", tmp_path / "plain"
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    quant, plain = root / "mxfp4", root / "plain"
     for d in (quant, plain):
-        shutil.copytree(tiny, d)
-    tensors = load_file(os.path.join(tiny, "model.safetensors"))
+        shutil.copytree(tiny_mx, d)
+    tensors = load_file(os.path.join(tiny_mx, "model.safetensors"))
     q_tensors, p_tensors = dict(tensors), dict(tensors)
     for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         e, n_in, n_out = tensors[key].shape
@@ -171,22 +172,52 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(tiny_64, tmp_path):
     cfg["quantization_config"] = {"quant_method": "mxfp4",
                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (quant / "config.json").write_text(json.dumps(cfg))
-    a, b = _ours(str(quant)), _ours(str(plain))
+    return str(quant), str(plain), p_tensors
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(mxfp4_pair):
+    """A checkpoint whose experts are MXFP4 (as released gpt-oss files are) loads to the
+    weights transformers' dequantizer gives, in the split/transposed layout; the unquantized
+    copy with those weights yields the same model."""
+    quant, plain, p_tensors = mxfp4_pair
+    a, b = _ours(quant), _ours(plain)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
     w = p_tensors["model.layers.1.mlp.experts.gate_up_proj"]  # [E, in, out], interleaved
-    assert torch.equal(a.layers[1].gate_up[:, :64], w[..., ::2].transpose(1, 2))
-    assert torch.equal(a.layers[1].gate_up[:, 64:], w[..., 1::2].transpose(1, 2))
+    assert torch.equal(a.layers[1].gate_up[:, :96], w[..., ::2].transpose(1, 2))
+    assert torch.equal(a.layers[1].gate_up[:, 96:], w[..., 1::2].transpose(1, 2))
 
 
-def test_mxfp4_half_a_pair_is_an_error(tiny_64, tmp_path):
+def test_mxfp4_tensor_parallel_matches_transformers(mxfp4_pair):
+    """tp 2 over MXFP4 experts: each rank keeps its half of every dequantized expert (48
+    units: not whole blocks); greedy tokens equal transformers' on the dequantized weights."""
+    from helpers.compare import assert_tokens_match
+    from kvstrata import LLM
+
+    quant, plain, _ = mxfp4_pair
+    prompts = [[5 + i * 7 % 290 for i in range(n)] for n in (3, 20, 41)]
+    hf = load_reference(plain)
+    greedy = {"max_new_tokens": 8, "min_new_tokens": 8, "temperature": 0}
+    with LLM(model_path=quant, skip_tokenizer_init=True, dtype="float32", tp_size=2,
+             page_size=4, max_total_tokens=1024) as llm:
+        outs = llm.generate(input_ids=prompts, sampling_params=greedy)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8,
+                              min_new_tokens=8, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        assert_tokens_match(out["output_ids"], ref.sequences[0, len(prompt):].tolist(),
+                            [s[0] for s in ref.logits])
+
+
+def test_mxfp4_half_a_pair_is_an_error(tiny_mx, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    tiny = tiny_64
+    tiny = tiny_mx
     shutil.copytree(tiny, tmp_path / "broken")
     tensors = load_file(os.path.join(tiny, "model.safetensors"))
     key = "model.layers.0.mlp.experts.down_proj"
-    blocks, _ = _random_mxfp4(64, 64, 4, seed=3)
+    blocks, _ = _random_mxfp4(64, 96, 4, seed=3)
     del tensors[key]
     tensors[key + "_blocks"] = blocks
     save_file(tensors, str(tmp_path / "broken" / "model.safetensors"))

@@ -36,10 +36,10 @@ from kvstrata.runner.quant.mxfp4 import dequantize_mxfp4
 SWIGLU_ALPHA = 1.702  # transformers' default when a config does not name it
 SWIGLU_LIMIT = 7.0
 # What this model does not run yet, by flag: model_setup.refuse_unsupported_features names
-# them before anything loads (load_serving_model and tp_load refuse them again). NGRAM and
+# them before anything loads (load_serving_model refuses them again). NGRAM and
 # STANDALONE speculation run (their verify and draft trees go through the same windowed,
 # sink-aware attention; tested); EAGLE heads over gpt-oss are untested, hence refused.
-UNSUPPORTED = ("--tp-size > 1", "--quantization", "--speculative-algorithm EAGLE / EAGLE3",
+UNSUPPORTED = ("--quantization", "--speculative-algorithm EAGLE / EAGLE3",
                "--enable-deterministic-inference")
 
 
@@ -150,8 +150,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         q, k = rope_qk(qkv, nq, nkv, hd, cos, sin)
         attn = self.attn_backend.forward(i, q, k, v, fb, sinks=layer.sinks)
         # In place: x is this forward's own buffer (see DecoderForCausalLM.layer_forward).
-        x.add_(self.linear(attn, layer.o_weight, layer.o_bias))
-        x.add_(self.moe(layer, self.norm(x, layer.post_norm)))
+        # reduce: the sum over tensor-parallel ranks' shares (identity on one rank).
+        x.add_(self.reduce(self.linear(attn, layer.o_weight, layer.o_bias)))
+        x.add_(self.reduce(self.moe(layer, self.norm(x, layer.post_norm))))
         return x
 
     def route(self, layer: GptOssLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +192,19 @@ class GptOssForCausalLM(DecoderForCausalLM):
         if part is not None:
             lo, hi = self._qkv_rows(part)
             return self._copy(getattr(layer, attr), tensor, key, name, lo, hi)
+        if sub.startswith("mlp.experts."):
+            tensor = self.expert_share(sub.split(".")[-1], tensor)
         if attr in ("gate_up", "down"):
             tensor = self._expert_matrix(attr, tensor)
         elif attr == "gate_up_bias":
             tensor = self._split_gate_up(tensor, dim=-1)
         return self._copy(getattr(layer, attr), tensor, key, name)
+
+    def expert_share(self, what: str, t: torch.Tensor) -> torch.Tensor:
+        """The part of a checkpoint expert tensor (`what`: gate_up_proj [E, H, 2I],
+        gate_up_proj_bias, down_proj [E, I, H], down_proj_bias; MXFP4 ones once dequantized)
+        this model holds: all of it (a tensor-parallel rank: its slice, tp_gpt_oss.py)."""
+        return t
 
     def _qkv_rows(self, part: str) -> tuple[int, int]:
         d = self.dims
@@ -226,6 +235,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         blocks, scales = (tensor, other) if is_blocks else (other, tensor)
         attr = "gate_up" if proj.endswith("gate_up_proj") else "down"
         weight = dequantize_mxfp4(blocks, scales, torch.float32)  # [E, in, out]
+        weight = self.expert_share(proj.split(".")[-1], weight)
         return self._copy(getattr(self.layers[idx], attr), self._expert_matrix(attr, weight),
                           key, f"model.{key}_blocks")
 

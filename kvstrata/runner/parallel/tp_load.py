@@ -1,5 +1,5 @@
 """One rank's share of a checkpoint (runner/parallel/tensor_parallel.py: the llama family;
-tp_deepseek.py: DeepseekV32)."""
+tp_deepseek.py: DeepseekV32; tp_gpt_oss.py: gpt-oss)."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +8,7 @@ from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.runner.models import loader
 from kvstrata.runner.parallel.tensor_parallel import TPDecoderForCausalLM, TPGroup
 from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
+from kvstrata.runner.parallel.tp_gpt_oss import TPGptOss
 
 
 def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
@@ -22,9 +23,15 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
     """Rank `group.rank`'s share, read through the usual loader: the model's read_spec
     says which rows / columns of each tensor it holds, and only those are read."""
     name, spec = loader.arch_spec(config)
+    dev = torch.device(device)
+    if spec.family == "gpt_oss":
+        if source.kind == "gguf":
+            raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
+                             f"only)")
+        model = TPGptOss(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
+        return loader.fill_weights(model, source, config)
     if spec.family not in ("decoder", "deepseek_v32"):
         raise ValueError(f"{name}: --tp-size > 1 is not supported for this model yet")
-    dev = torch.device(device)
     if spec.family == "deepseek_v32":
         model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
                                     dev, group)
