@@ -34,6 +34,14 @@ class ArchSpec:
     attn_logit_softcapping: bool = False
 
 
+def is_llama_family(model: Any) -> bool:
+    """The plain decoder of this module (llama, mistral, qwen2, qwen3; a tensor-parallel
+    rank's share too): what --quantization, speculative drafts and EAGLE heads are built
+    for. Not a subclass of another family (gemma.py) nor DeepSeek."""
+    spec = getattr(model, "spec", None)
+    return spec is not None and spec.family == "decoder"
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the loader (checked there).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
