@@ -89,8 +89,14 @@ class HFConfig:
             values["rope_parameters"] = _rope_parameters(values)
         values["rope_scaling"] = values["rope_parameters"]  # transformers 5 mirrors them
         values.pop("rope_theta", None)
-        if model_type in ("qwen2", "qwen3") and not values.get("use_sliding_window"):
-            values["sliding_window"] = None  # qwen: a window only with use_sliding_window
+        if model_type in ("qwen2", "qwen3"):
+            if not values.get("use_sliding_window"):
+                values["sliding_window"] = None  # qwen: a window only with use_sliding_window
+            if values.get("layer_types") is None:  # Qwen2Config.__post_init__'s derivation
+                values["layer_types"] = [
+                    "sliding_attention" if values["sliding_window"] is not None
+                    and i >= values["max_window_layers"] else "full_attention"
+                    for i in range(values["num_hidden_layers"])]
         self.__dict__.update(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +157,24 @@ def _gemma3_rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
             nested.setdefault("original_max_position_embeddings",
                               values["max_position_embeddings"])
     return params
+
+
+def layer_windows(config: Any) -> list[int | None] | None:
+    """Per layer its sliding window W (the query at position p sees keys p - W + 1 .. p,
+    transformers' sliding_window) or None for full attention; None when every layer is full.
+    As transformers' models apply it: Mistral to every layer (MistralAttention reads
+    config.sliding_window and ignores layer_types); Qwen2 / Qwen3 (and any config with
+    layer_types) to the "sliding_attention" layers, a Qwen window only with
+    use_sliding_window."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if getattr(config, "model_type", None) == "mistral" or types is None:
+        windows = [int(window)] * config.num_hidden_layers
+    else:
+        windows = [int(window) if t == "sliding_attention" else None for t in types]
+    return windows if any(w is not None for w in windows) else None
 
 
 def read_hf_config(path: str) -> HFConfig | None:

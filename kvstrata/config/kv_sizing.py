@@ -24,7 +24,9 @@ DEFAULT_CONTEXT_LEN = 4096  # a config without max_position_embeddings
 @dataclass(frozen=True)
 class ModelKVFacts:
     """What the loaded model says about its KV: the per-token components of its pool kind,
-    the context it was trained for, and a sliding window (if it uses one)."""
+    the context it was trained for, and a sliding window its attention does NOT apply (the
+    context is then capped at it; None for models whose windows the attention backend
+    honours: runner/attention/window.py)."""
     pool_kind: str
     components: tuple[KVComponent, ...]
     max_position_embeddings: int | None = None
@@ -103,8 +105,10 @@ def _context_len(args: ResolvedArgs, facts: ModelKVFacts) -> tuple[int, list[Res
     ctx = out[0].new if out else args.context_length
     window = facts.sliding_window
     if window is not None and ctx > window:
-        # Our attention is full-causal; capping the context at the window keeps it exact
-        # (no position can ever see a key the window would have hidden).
+        # A window the model's attention does not apply (facts.sliding_window: the runner
+        # leaves it None for models that hand their windows to the attention backend):
+        # capping the context at it keeps such a model exact (no position can ever see a
+        # key the window would have hidden).
         out = [Resolution("context_length", args.context_length, window,
                           "kv_plan.sliding_window",
                           f"model uses sliding-window attention ({window}); capping context "

@@ -61,6 +61,9 @@ class ModelInfo:
     has_recurrent_state: bool = False  # Mamba/SSM/linear-attention state per request
     full_attention_tokens_per_layer: int | None = None
     uses_dsa: bool = False
+    # What its attention adds to the softmax (runner/attention/window.py): "attention
+    # sinks", "attention logit soft-capping"; deterministic inference refuses them.
+    softmax_extras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_pool_kind not in KV_POOL_KINDS:
@@ -83,15 +86,16 @@ class ModelInfo:
         model_type = str(cfg.get("model_type", "")).lower()
         recurrent = any(k in model_type for k in ("mamba", "jamba", "linear", "gdn", "rwkv")) \
             or "layers_block_type" in cfg or "mamba_d_state" in cfg
-        if cfg.get("kv_lora_rank"):
-            kind = "mla"
-        elif cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False \
-                and "layer_types" in cfg:
-            kind = "swa"
-        else:
-            kind = "mha"
+        # A sliding-window model is "mha" here: the attention backend applies its windows
+        # over the ordinary pool, which keeps every token's KV. "swa" names a pool that
+        # drops out-of-window KV; kvstrata does not build one yet.
+        kind = "mla" if cfg.get("kv_lora_rank") else "mha"
+        extras = tuple(name for name, on in (
+            ("attention sinks", model_type == "gpt_oss"),
+            ("attention logit soft-capping", bool(cfg.get("attn_logit_softcapping"))))
+            if on)
         return cls(kv_pool_kind=kind, has_recurrent_state=recurrent,
-                   uses_dsa=bool(cfg.get("index_topk")))
+                   uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras)
 
 
 def to_resolved(args: ServerArgs) -> ResolvedArgs:

@@ -121,7 +121,7 @@ class ModelRunner:
                 max_pos = min(max_pos, self.draft.max_position_embeddings)
         return ModelKVFacts(
             pool_kind=self.model.pool_kind, components=components,
-            max_position_embeddings=max_pos, sliding_window=self._sliding_window(),
+            max_position_embeddings=max_pos, sliding_window=self._unhonoured_window(),
             draft_components=draft)
 
     def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
@@ -148,7 +148,9 @@ class ModelRunner:
             self.kv_pool = MHATokenToKVPool(plan, self.device)
             self.model.attn_backend = TorchNativeAttnBackend(
                 self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
-                dims.head_dim, page_size=plan.page_size, deterministic=self.deterministic)
+                dims.head_dim, scale=getattr(self.model, "attn_scale", None),
+                page_size=plan.page_size, deterministic=self.deterministic,
+                layer_windows=getattr(self.model, "layer_windows", None))
         if self.draft is not None:
             self.draft.allocate(plan, self.req_to_token)
         self.hicache = None
@@ -168,7 +170,13 @@ class ModelRunner:
     def max_context_len(self) -> int:
         return self.plan.context_len
 
-    def _sliding_window(self) -> int | None:
+    def _unhonoured_window(self) -> int | None:
+        """A sliding window the config names that the model's attention does not apply (a
+        model without `layer_windows`): sizing caps the context at it, which keeps such a
+        model exact. A model that sets layer_windows (the llama family's decoder) hands its
+        windows to the attention backend: no cap."""
+        if hasattr(self.model, "layer_windows"):
+            return None
         c = self.hf_config
         window = getattr(c, "sliding_window", None)
         # qwen2/qwen3 configs carry a window but only use it when use_sliding_window is set.

@@ -190,7 +190,10 @@ def test_context_overflow_is_rejected(tiny_checkpoints):
     runner.execute(SchedulerOutput(1, False, [], [], ["x"]))
 
 
-def test_sliding_window_caps_context(tiny_checkpoints, tmp_path):
+def test_sliding_window_no_longer_caps_context(tiny_checkpoints, tmp_path):
+    """A Mistral window is applied by the attention backend (runner/attention/window.py;
+    greedy against transformers: test_sliding_window_models.py), so the context is the
+    model's, not the window."""
     import json
     import shutil
 
@@ -201,4 +204,5 @@ def test_sliding_window_caps_context(tiny_checkpoints, tmp_path):
     cfg["sliding_window"] = 128
     (dst / "config.json").write_text(json.dumps(cfg))
     runner = make_runner(str(dst), max_total_tokens=256)
-    assert runner.max_context_len == 128
+    assert runner.max_context_len == cfg["max_position_embeddings"]
+    assert runner.model.attn_backend.layer_windows == (128,) * cfg["num_hidden_layers"]

@@ -75,9 +75,14 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                          f"(kvstrata's batch-invariant kernels are its CPU kernels)")
     if not _model_built(model_info):
         kind = "recurrent" if model_info.has_recurrent_state else model_info.kv_pool_kind
+        if model_info.softmax_extras:
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet for "
+                             f"{' and '.join(model_info.softmax_extras)} (their attention "
+                             f"runs in plain torch, not the batch-invariant decode kernel)")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
-                         f"{kind} model (MLA / DSA, sliding-window and recurrent models); the "
-                         f"llama-family decoder has it")
+                         f"{kind} model (MLA / DSA, a sliding-window pool that drops KV and "
+                         f"recurrent models); the llama-family decoder has it, sliding "
+                         f"windows included")
     for flag_name, value in _quantizations(args):
         raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
                          f"{flag_name} {value}")
@@ -104,7 +109,8 @@ def _model_built(model_info: ModelInfo | None) -> bool:
     """A plain MHA model without recurrent state (None, unknown: assumed so, as everywhere in
     resolution; the load refuses an MLA model it turns out to be)."""
     return model_info is None or (model_info.kv_pool_kind == "mha" and not model_info.uses_dsa
-                                  and not model_info.has_recurrent_state)
+                                  and not model_info.has_recurrent_state
+                                  and not model_info.softmax_extras)
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:

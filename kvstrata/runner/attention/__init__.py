@@ -2,6 +2,8 @@
 
   torch_native.py  paged attention in plain torch (SDPA over gathered K/V; CPU and CUDA),
                    with the CPU kernels below where they apply
+  pieces.py        its per-step plan: the attention pieces
+  window.py        its sliding windows, attention sinks and logit soft-capping
   paged_decode.py  the CPU decode and prefill attention kernels (`_paged_decode`, csrc/)
   dsa_sparse.py    DSA sparse MLA attention over the MLA + indexer pool
   dsa_topk.py      DSA top-k selection (positions or slots)

@@ -31,11 +31,12 @@ Gathers use one index_select per K and per V over the layer's contiguous [slots,
 GQA: prefill passes enable_gqa (query head h uses KV head h // (Hq / Hkv), as in HF); decode
 folds the Hq / Hkv query heads of each KV head into that many query rows of one head, the
 same arithmetic without SDPA's GQA path.
+
+Sliding windows (`layer_windows`), attention sinks and logit soft-capping: window.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,8 @@ import torch.nn.functional as F
 from kvstrata import envs
 from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
-from kvstrata.runner.attention import paged_decode
+from kvstrata.runner.attention import paged_decode, window as win
+from kvstrata.runner.attention.pieces import Piece, TorchNativeMeta
 from kvstrata.runner.forward_batch import ForwardBatch, tree_ancestors
 
 # Fixed cost of one more decode group, in gathered K/V rows (index_select x2, SDPA, q and out
@@ -54,35 +56,6 @@ MAX_DECODE_GROUPS = 8
 # Multi-token pieces up to this many tokens (speculative verify entries) run as that many
 # one-token queries through the paged decode kernel instead of a gathered, masked SDPA.
 KERNEL_MAX_QUERY_TOKENS = 16
-
-
-@dataclass
-class Piece:
-    kind: str                          # "fresh" | "paged" | "decode" | "kernel"
-    lo: int                            # flat token range [lo, hi) (fresh / paged)
-    hi: int
-    kv_idx: torch.Tensor | None = None  # [n * S / unit] rows of `unit` slots (paged / decode)
-    unit: int = 1                       # slots per gathered row: 1, or page_size (see _kv_index)
-    mask: torch.Tensor | None = None    # bool, broadcastable to SDPA scores; None = all visible
-    tok_idx: torch.Tensor | None = None  # [n] flat tokens of a decode group; None = lo..hi
-    n: int = 0                         # requests in a decode group
-    slots: torch.Tensor | None = None   # kernel: every request's slots, concatenated
-    starts: torch.Tensor | None = None  # kernel: [n + 1] offsets of each request in `slots`
-    ends: torch.Tensor | None = None    # kernel, ranges: [n] ends (starts then has n entries)
-    row: int = -1                       # fresh / causal paged: the request's req_to_token row
-    prefix: int = -1                    # ... and its cached tokens (0: fresh); -1: a tree
-    decode_call: Any = None             # kernel: paged_decode.DecodeCall, made at layer 0
-
-
-@dataclass
-class TorchNativeMeta:
-    pieces: list[Piece]
-    # True when pieces cover the flat tokens exactly in order with one piece: its output is
-    # the layer's output, no assembly copy.
-    single: bool
-    # The prompts the prefill kernel runs in one call a layer: (their pieces, their key
-    # slots concatenated, (q_lo, q_hi, slot offset, prefix) each); None: SDPA for all.
-    prefill: tuple | None = None
 
 
 def _split(lens: list[int], lo: int, hi: int, depth: int, out: list[tuple[int, int]]) -> None:
@@ -105,7 +78,10 @@ def _split(lens: list[int], lo: int, hi: int, depth: int, out: list[tuple[int, i
 class TorchNativeAttnBackend:
     def __init__(self, kv_pool: MHATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 page_size: int = 1, deterministic: bool = False):
+                 page_size: int = 1, deterministic: bool = False,
+                 layer_windows: Sequence[int | None] | None = None):
+        """layer_windows[i] = W: layer i's query at position p sees keys p - W + 1 .. p
+        (transformers' sliding_window); None (or no list): full causal."""
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.req_to_token = req_to_token
@@ -114,6 +90,7 @@ class TorchNativeAttnBackend:
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.gqa = num_heads != num_kv_heads
+        self.layer_windows = win.normalise_windows(layer_windows)
         self.group = num_heads // num_kv_heads
         self.use_kernel = (kv_pool is not None and envs.KVSTRATA_CPU_PAGED_DECODE.get()
                            and paged_decode.supported(kv_pool.kv.dtype, torch.float32,
@@ -142,9 +119,30 @@ class TorchNativeAttnBackend:
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        device = fb.input_ids.device
         if fb.out_slots is None and fb.num_reqs != 1:
             raise ValueError("a no-cache forward takes exactly one request")
+        if self.layer_windows is None:
+            fb.attn_meta = self._meta(fb, None)
+            return
+        # One plan per distinct window, once a step; a window at least as long as the
+        # step's longest key list changes nothing: such layers share the full plan.
+        if fb.query_keys is not None:
+            longest = max(len(k) for k in fb.query_keys)
+        else:
+            longest = max(s + n for s, n in zip(fb.start_pos, fb.q_lens))
+        plans: dict = {}
+        for w in dict.fromkeys(self.layer_windows):
+            key = None if w is None or w >= longest else w
+            if key not in plans:
+                plans[key] = self._meta(fb, key)
+            plans[w] = plans[key]
+        fb.attn_meta = plans[self.layer_windows[0]]
+        fb.attn_meta.by_window = plans
+        fb.attn_meta.uniform = len({id(plans[w]) for w in self.layer_windows}) == 1
+
+    def _meta(self, fb: ForwardBatch, window: int | None) -> TorchNativeMeta:
+        """The step's plan for layers of this window (None: full causal)."""
+        device = fb.input_ids.device
         table = self.req_to_token.table if self.req_to_token is not None else None
         pieces: list[Piece] = []
         decode: list[tuple] = []   # (kv_len, flat token, row[, explicit key slots])
@@ -152,18 +150,27 @@ class TorchNativeAttnBackend:
         trees = fb.trees or {}
         if fb.query_keys is not None:  # explicit keys per token (a draft tree step)
             decode = [(len(k), j, 0, k) for j, k in enumerate(fb.query_keys)]
+            if window is not None:
+                decode = [win.clip(e, table, window) for e in decode]
             if self.use_kernel:
-                fb.attn_meta = TorchNativeMeta([self._kernel_piece(decode, table, device)],
-                                               False)
-            else:
-                fb.attn_meta = TorchNativeMeta([self._explicit_piece(decode, device)], False)
-            return
+                return TorchNativeMeta([self._kernel_piece(decode, table, device)], False)
+            return TorchNativeMeta([self._explicit_piece(decode, table, device)], False)
         ranged: list[tuple] = []   # deterministic: (row, start, n, flat token), not decodes
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
             if i in trees:  # a draft tree: each token sees the context and its ancestors
-                pieces += self._tree(trees[i], table, row, start, off, decode, device)
+                pieces += self._tree(trees[i], table, row, start, off, decode, device,
+                                     window)
             elif self.deterministic and (n > 1 or start == 0) and fb.out_slots is not None:
                 ranged.append((row, start, n, off))  # (a one-token prompt too: not SDPA)
+            elif window is not None and start + n > window and (
+                    start == 0 or fb.out_slots is None or n > 1 and not (
+                        self.use_kernel and n <= KERNEL_MAX_QUERY_TOKENS)):
+                # Some query sees fewer keys than its causal prefix: banded pieces.
+                if start == 0 or fb.out_slots is None:
+                    pieces += win.fresh_pieces(off, n, window, device)
+                else:
+                    pieces += win.paged_pieces(self, table, row, start, n, off, window,
+                                               device)
             elif start == 0 or fb.out_slots is None:
                 pieces.append(Piece("fresh", off, off + n, row=row, prefix=0))
             elif n == 1:
@@ -185,15 +192,18 @@ class TorchNativeAttnBackend:
                 pieces.append(Piece("paged", off, off + n, kv_idx, unit, mask, row=row,
                                     prefix=start))
             off += n
+        if window is not None:  # one-token queries over their last `window` keys
+            decode = [win.clip(e, table, window) for e in decode]
         if ranged:  # deterministic: one kernel call over every token of the forward
-            pieces.append(self._ranges_piece(ranged, decode, table))
+            pieces.append(self._ranges_piece(ranged, decode, table, window))
         elif decode and self.use_kernel:
             pieces.append(self._kernel_piece(decode, table, device))
+        elif decode and any(len(e) > 3 for e in decode):  # (windowed: explicit keys)
+            pieces.append(self._explicit_piece(decode, table, device))
         elif decode:
             pieces.extend(self._decode_pieces(decode, table, device))
         single = len(pieces) == 1 and pieces[0].tok_idx is None
-        fb.attn_meta = TorchNativeMeta(pieces, single,
-                                       self._prefill_plan(pieces, table, fb.out_slots))
+        return TorchNativeMeta(pieces, single, self._prefill_plan(pieces, table, fb.out_slots))
 
     def _prefill_plan(self, pieces: list[Piece], table: torch.Tensor | None,
                       out_slots: torch.Tensor | None) -> tuple | None:
@@ -217,38 +227,48 @@ class TorchNativeAttnBackend:
         return chosen, torch.cat(slots), paged_decode.prefill_seqs(seqs)
 
     def _tree(self, parents: list[int], table: torch.Tensor, row: int, start: int, off: int,
-              decode: list[tuple], device: torch.device) -> list[Piece]:
+              decode: list[tuple], device: torch.device, window: int | None = None
+              ) -> list[Piece]:
         """A verify entry holding a draft tree (entry token j at slot row[start + j]): its
         tokens become one-token kernel queries over explicit key slots, or one paged piece
-        whose mask shows each token the context and its ancestors."""
+        whose mask shows each token the context and its ancestors (with a window: those of
+        the last `window` positions; token j sits at position start + depth)."""
         anc = tree_ancestors(parents)
         n = len(parents)
         if self.use_kernel and (n <= KERNEL_MAX_QUERY_TOKENS or self.deterministic):
             entry = table[row, :start + n]
             for j, a in enumerate(anc):
                 keys = torch.cat([entry[:start], entry[start + torch.tensor(a)]])
-                decode.append((start + len(a), off + j, row, keys))
+                decode.append((start + len(a), off + j, row, keys))  # (clipped by _meta)
             return []
         kv_len = start + n
         rows_t = torch.tensor([row], dtype=torch.int64).to(device)
         kv_idx, unit, s = self._kv_index(table, rows_t, kv_len, [kv_len])
         mask = torch.zeros(n, s, dtype=torch.bool)
-        mask[:, :start] = True
         for j, a in enumerate(anc):
+            if window is not None:  # position start + len(a) - 1 sees the last W positions
+                mask[j, max(0, start + len(a) - window):start] = True
+                a = a[-window:]
+            else:
+                mask[j, :start] = True
             mask[j, start + torch.tensor(a)] = True
         return [Piece("paged", off, off + n, kv_idx, unit, mask.to(device))]
 
-    def _explicit_piece(self, decode: list[tuple], device: torch.device) -> Piece:
-        """One-token queries over explicit key slots, padded to the longest in one SDPA
-        call (the path without the paged decode kernel)."""
+    def _explicit_piece(self, decode: list[tuple], table: torch.Tensor | None,
+                        device: torch.device) -> Piece:
+        """One-token queries over explicit key slots (or their row's first kv_len), padded
+        to the longest in one SDPA call (the path without the paged decode kernel)."""
         longest = max(e[0] for e in decode)
         idx = torch.zeros(len(decode), longest, dtype=torch.int64)
         for b, e in enumerate(decode):
-            idx[b, :e[0]] = e[3]
+            idx[b, :e[0]] = e[3] if len(e) > 3 else table[e[2], :e[0]]
         lens = torch.tensor([e[0] for e in decode], dtype=torch.int64)
         mask = (torch.arange(longest)[None, :] < lens[:, None])[:, None, None]
-        return Piece("decode", 0, len(decode), idx.reshape(-1).to(device),
-                     mask=mask.to(device), n=len(decode))
+        toks = [e[1] for e in decode]
+        contiguous = toks == list(range(toks[0], toks[0] + len(toks)))
+        return Piece("decode", toks[0], toks[0] + len(toks), idx.reshape(-1).to(device),
+                     mask=mask.to(device), n=len(decode),
+                     tok_idx=None if contiguous else torch.tensor(toks).to(device))
 
     def _kernel_piece(self, decode: list[tuple], table: torch.Tensor,
                       device: torch.device) -> Piece:
@@ -269,19 +289,21 @@ class TorchNativeAttnBackend:
                      slots=slots.to(torch.int64).contiguous(), starts=starts)
 
     def _ranges_piece(self, ranged: list[tuple], decode: list[tuple],
-                      table: torch.Tensor) -> Piece:
+                      table: torch.Tensor, window: int | None = None) -> Piece:
         """Deterministic inference: every token of the forward as a one-token query of the
         paged decode kernel. A request's tokens share one slot list (its keys 0 .. start + n
-        - 1); token j's range ends at its own position start + j, so a prompt costs its
-        length in slots, not its length squared."""
+        - 1); token j's range ends at its own position start + j (and with a window begins
+        `window` slots before that end), so a prompt costs its length in slots, not its
+        length squared."""
         slots: list[torch.Tensor] = []
         tok_lo, begin, end = [], [], []
         off = 0
         for row, start, n, flat in ranged:
             slots.append(table[row, :start + n])
             tok_lo.extend(range(flat, flat + n))
-            begin.extend([off] * n)
-            end.extend(range(off + start + 1, off + start + n + 1))
+            ends = range(off + start + 1, off + start + n + 1)
+            begin.extend([off] * n if window is None else [max(off, e - window) for e in ends])
+            end.extend(ends)
             off += start + n
         for entry in decode:  # one-token requests (explicit keys: a draft tree's token)
             keys = entry[3] if len(entry) > 3 else table[entry[2], :entry[0]]
@@ -326,8 +348,10 @@ class TorchNativeAttnBackend:
         return pieces
 
     def _kv_index(self, table: torch.Tensor, rows: torch.Tensor, s: int, lens: list[int],
-                  lens_t: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
-        """What to gather for keys 0 .. s - 1 of `rows`: (index, unit, padded length).
+                  lens_t: torch.Tensor | None = None, lo: int = 0
+                  ) -> tuple[torch.Tensor, int, int]:
+        """What to gather for keys lo .. s - 1 of `rows` (lo a multiple of the page size):
+        (index, unit, padded length from lo).
 
         The scheduler places position p of a request at slot page * P + p % P (whole pages,
         kv_manager.slots), so a request's keys are whole pages of the pool: gathering
@@ -335,30 +359,38 @@ class TorchNativeAttnBackend:
         times fewer, larger copies (~1.7x faster on the 2-core box). The layout is checked
         here, once per step, against the slots actually recorded (positions < len only: the
         rest is masked), falling back to token rows if anything does not match."""
-        tok = table[rows, :s]                                            # [n, s]
+        tok = table[rows, lo:s]                                          # [n, s - lo]
         P = self.page_size
         if P == 1:
-            return tok.reshape(-1), 1, s
+            return tok.reshape(-1), 1, s - lo
         s_pad = -(-s // P) * P
-        pages = table[rows, 0:s_pad:P] // P                              # [n, s_pad / P]
+        pages = table[rows, lo:s_pad:P] // P                             # [n, pages]
         derived = (pages[:, :, None] * P + torch.arange(P, device=rows.device)).reshape(
-            rows.shape[0], s_pad)[:, :s]
+            rows.shape[0], s_pad - lo)[:, :s - lo]
         ok = derived == tok
         if min(lens) < s:
             if lens_t is None:
                 lens_t = torch.tensor(lens, dtype=torch.int64).to(rows.device)
-            ok |= torch.arange(s, device=rows.device)[None, :] >= lens_t[:, None]
+            ok |= torch.arange(lo, s, device=rows.device)[None, :] >= lens_t[:, None]
         if not bool(ok.all()):
-            return tok.reshape(-1), 1, s
-        return pages.reshape(-1), P, s_pad
+            return tok.reshape(-1), 1, s - lo
+        return pages.reshape(-1), P, s_pad - lo
 
     # ------------------------------------------------------------------ per layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq * D]."""
+                fb: ForwardBatch, sinks: torch.Tensor | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq * D].
+        sinks: fp32 [Hq] logits that join each row's softmax denominator (gpt-oss);
+        softcap: scores = softcap * tanh(scores / softcap) (Gemma 2). Either one runs the
+        layer in explicit torch math (window.py), never the C kernels."""
         meta: TorchNativeMeta = fb.attn_meta
+        if meta.by_window is not None:
+            meta = meta.by_window[self.layer_windows[layer]]
         if fb.out_slots is not None:
             self.kv_pool.set_kv(layer, fb.out_slots, k, v)
+        if sinks is not None or softcap is not None:
+            return self._forward_math(layer, meta, q, k, v, sinks, softcap)
         out, done = self._prefill_by_kernel(layer, meta, q)
         if meta.single:
             return out if done else self._piece(layer, meta.pieces[0], q, k, v)
@@ -369,6 +401,22 @@ class TorchNativeAttnBackend:
             if id(p) in skip:
                 continue
             res = self._piece(layer, p, q, k, v)
+            if p.tok_idx is None:
+                out[p.lo:p.hi] = res
+            else:
+                out.index_copy_(0, p.tok_idx, res)
+        return out
+
+    def _forward_math(self, layer: int, meta: TorchNativeMeta, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                      softcap: float | None) -> torch.Tensor:
+        if self.deterministic:
+            raise ValueError("--enable-deterministic-inference: not implemented for attention "
+                             "sinks or logit soft-capping (their torch path is not "
+                             "batch-invariant)")
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        for p in meta.pieces:
+            res = win.piece_math(self, layer, p, q, k, v, sinks, softcap)
             if p.tok_idx is None:
                 out[p.lo:p.hi] = res
             else:
@@ -425,7 +473,8 @@ class TorchNativeAttnBackend:
             return out.reshape(n, hq * d)
         qr = q[p.lo:p.hi].transpose(0, 1)                             # [Hq, n, D]
         if p.kind == "fresh":
-            keys, values = k[p.lo:p.hi], v[p.lo:p.hi]
+            klo = p.lo if p.key_lo < 0 else p.key_lo  # a windowed block starts earlier
+            keys, values = k[klo:p.hi], v[klo:p.hi]
         else:
             keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
         # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA takes its math path
@@ -433,6 +482,6 @@ class TorchNativeAttnBackend:
         # flash kernel on a 2048-token prompt.
         out = F.scaled_dot_product_attention(
             qr[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=p.mask, is_causal=p.kind == "fresh", scale=self.scale,
+            attn_mask=p.mask, is_causal=p.kind == "fresh" and p.mask is None, scale=self.scale,
             enable_gqa=self.gqa)[0]                                   # [Hq, n, D]
         return out.transpose(0, 1).reshape(p.hi - p.lo, hq * d)

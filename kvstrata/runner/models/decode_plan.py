@@ -139,8 +139,9 @@ def _fused_silu(lin: Any, rows: int) -> bool:
 def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     meta = getattr(fb, "attn_meta", None)
     backend = model.attn_backend
+    # meta.uniform: every layer runs this plan (sliding windows: all layers one window)
     if not (isinstance(backend, TorchNativeAttnBackend) and meta is not None and meta.single
-            and meta.prefill is None and fb.out_slots is not None):
+            and meta.uniform and meta.prefill is None and fb.out_slots is not None):
         return False
     p = meta.pieces[0]
     kv = backend.kv_pool.kv

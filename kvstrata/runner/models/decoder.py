@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.config.hf_config import ModelDims
+from kvstrata.config.hf_config import ModelDims, layer_windows
 from kvstrata.runner.cpu import fused_ops as cpu_ops
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models import decode_plan
@@ -105,6 +105,10 @@ class DecoderForCausalLM(nn.Module):
             dims.vocab_size, dims.hidden_size, **kw)
         self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
         self.attn_backend = None  # set by the runner (needs the KV pool)
+        # Per layer its sliding window (Mistral: every layer; Qwen2/3 with
+        # use_sliding_window: the "sliding_attention" layer_types), None = full; the runner
+        # hands it to the attention backend, which applies it (the pool keeps all KV).
+        self.layer_windows = layer_windows(config)
         # How a (weight, bias) pair is applied: F.linear, or after --quantization the int8
         # layer that replaced the weight (runner/quant/w8a8.py).
         self.linear = F.linear

@@ -114,7 +114,9 @@ class DraftModel:
         d = self.model.dims
         self.model.attn_backend = TorchNativeAttnBackend(
             self.pool, req_to_token, d.num_heads, d.num_kv_heads, d.head_dim,
-            page_size=plan.page_size, deterministic=self.deterministic)
+            scale=getattr(self.model, "attn_scale", None), page_size=plan.page_size,
+            deterministic=self.deterministic,
+            layer_windows=getattr(self.model, "layer_windows", None))
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
         self.valid = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=self.device)

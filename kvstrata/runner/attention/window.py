@@ -1,0 +1,179 @@
+"""Sliding-window attention, attention sinks and logit soft-capping for the torch-native
+backend (torch_native.py), over the ordinary uniform KV pool that keeps every token's K/V.
+
+Window semantics are transformers' (masking_utils.sliding_window_overlay: kv > q - W): with
+window W the query at position p sees the keys at positions p - W + 1 .. p, W keys counting
+itself. Only attention applies it (as SGLang does for Gemma 3); the pool still holds all KV.
+
+How each piece kind of a step's plan honours a window (the plan is built once per step per
+distinct window; a window no query of the step reaches past reuses the full plan):
+  fresh   a prompt longer than W: query blocks of FRESH_BLOCK rows, each over the fresh keys
+          of its band only, with an explicit band mask (is_causal alone would see too much).
+  paged   a chunk after a cached prefix: each query block gathers keys from its first
+          query's window start (page-aligned) only, band mask.
+  decode / kernel / verify / tree tokens: one-token queries whose explicit key list (one
+          key per position, in position order) is cut to its last W entries: the paged
+          decode kernel reads fewer slots, no C change.
+  ranges  (deterministic) each query's [begin, end) slot range starts W before its end.
+The C prefill kernel is causal-only: windowed pieces skip it (pieces the window does not
+reach keep it).
+
+Sinks (gpt-oss: a per-head learned logit that joins each row's softmax denominator and has
+no value) and soft-capping (Gemma 2: scores = c * tanh(scores / c) after scaling, before
+masking) are not in SDPA nor in the C kernels: layers that use them run every piece through
+`attend_math` (explicit matmul, tanh, masked softmax in fp32). Deterministic inference
+refuses them (this path's sums are not batch-invariant).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from kvstrata.runner.attention.pieces import Piece
+
+if TYPE_CHECKING:
+    from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
+
+# Queries per windowed block: a block of B queries scores B + W - 1 keys, so a long prompt
+# costs ~n * (B + W) scores instead of n^2; blocks of at least W keep the per-call overhead
+# (a gather, a mask, an SDPA call) a small share.
+FRESH_BLOCK = 256
+
+
+def normalise_windows(layer_windows: Sequence[int | None] | None) -> tuple | None:
+    """The per-layer windows as a tuple, or None when every layer is full attention."""
+    if layer_windows is None:
+        return None
+    out = []
+    for i, w in enumerate(layer_windows):
+        if w is not None and (isinstance(w, bool) or int(w) != w or w < 1):
+            raise ValueError(f"layer {i}: sliding window {w!r} must be a positive int or None")
+        out.append(None if w is None else int(w))
+    return tuple(out) if any(w is not None for w in out) else None
+
+
+def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [len(q_pos), len(k_pos)]: key visible iff q - W < k <= q."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) & (d < window)
+
+
+def blocks(n: int, window: int) -> list[tuple[int, int]]:
+    b = max(FRESH_BLOCK, window)
+    return [(a, min(a + b, n)) for a in range(0, n, b)]
+
+
+def fresh_pieces(lo: int, n: int, window: int, device: torch.device) -> list[Piece]:
+    """A fresh prompt at flat tokens [lo, lo + n) (positions 0 ..), n > window: SDPA over
+    the fresh K/V of each query block's band."""
+    pieces = []
+    for a, b in blocks(n, window):
+        k0 = max(0, a - window + 1)
+        mask = band_mask(torch.arange(a, b), torch.arange(k0, b), window)
+        pieces.append(Piece("fresh", lo + a, lo + b, mask=mask.to(device), key_lo=lo + k0))
+    return pieces
+
+
+def paged_pieces(backend: "TorchNativeAttnBackend", table: torch.Tensor, row: int, start: int,
+                 n: int, off: int, window: int, device: torch.device) -> list[Piece]:
+    """n tokens after `start` cached ones (flat [off, off + n)): each query block gathers
+    its band's keys from the pool (from a page boundary: whole-page gathers stay possible)."""
+    rows_t = torch.tensor([row], dtype=torch.int64).to(device)
+    P = backend.page_size
+    pieces = []
+    for a, b in blocks(n, window):
+        q0, q1 = start + a, start + b                      # query positions [q0, q1)
+        k0 = max(0, q0 - window + 1) // P * P
+        kv_idx, unit, s = backend._kv_index(table, rows_t, q1, [q1], lo=k0)
+        mask = band_mask(torch.arange(q0, q1, device=device),
+                         torch.arange(k0, k0 + s, device=device), window)
+        pieces.append(Piece("paged", off + a, off + b, kv_idx, unit, mask))
+    return pieces
+
+
+def clip(entry: tuple, table: torch.Tensor, window: int) -> tuple:
+    """A one-token query (kv_len, flat token, row[, explicit key slots]) over its last
+    `window` keys: explicit key slots (one per position, in position order)."""
+    n = entry[0]
+    if n <= window:
+        return entry
+    keys = entry[3][-window:] if len(entry) > 3 else table[entry[2], n - window:n]
+    return (window, entry[1], entry[2], keys)
+
+
+# ---------------------------------------------------------------------- sinks, soft-capping
+def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None,
+                softcap: float | None, causal: bool = False) -> torch.Tensor:
+    """q [B, Hq, Lq, D], keys / values [B, Hkv, Lk, D] (query head h reads KV head
+    h // (Hq / Hkv)), mask bool broadcastable to [B, Hq, Lq, Lk] (True = visible) ->
+    [B, Hq, Lq, D] in q's dtype. fp32 inside, as transformers' eager softmax."""
+    hq, hkv = q.shape[1], keys.shape[1]
+    if hq != hkv:
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        values = values.repeat_interleave(hq // hkv, dim=1)
+    s = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        # the sink's logit joins each row's denominator; its value is zero (column dropped)
+        sink = sinks.float().view(1, hq, 1, 1).expand(s.shape[0], hq, s.shape[2], 1)
+        s = torch.cat([s, sink], dim=-1)
+    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        p = p[..., :-1]
+    return torch.matmul(p, values.float()).to(q.dtype)
+
+
+def _kernel_keys(p: Piece, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel piece's per-query key slots padded to the longest: (slots [n, L], visible
+    [n, 1, 1, L]); made once a forward (kept on the piece)."""
+    if p.math_keys is None:
+        starts = p.starts[:p.n]
+        ends = p.ends if p.ends is not None else p.starts[1:p.n + 1]
+        lens = ends - starts
+        longest = int(lens.max())
+        ar = torch.arange(longest)
+        visible = ar[None, :] < lens[:, None]
+        slots = p.slots[torch.where(visible, starts[:, None] + ar[None, :], 0)]
+        p.math_keys = (slots.to(device), visible[:, None, None].to(device))
+    return p.math_keys
+
+
+def piece_math(backend: "TorchNativeAttnBackend", layer: int, p: Piece, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+               softcap: float | None) -> torch.Tensor:
+    """One piece with sinks / soft-capping: [its tokens, Hq * D]."""
+    hq, hkv, d = backend.num_heads, backend.num_kv_heads, backend.head_dim
+    scale = backend.scale
+    if p.kind in ("kernel", "decode"):
+        qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
+        if p.kind == "kernel":
+            slots, mask = _kernel_keys(p, q.device)
+            flat = slots.reshape(-1)
+            keys = backend.kv_pool.k(layer).index_select(0, flat).to(q.dtype)
+            values = backend.kv_pool.v(layer).index_select(0, flat).to(q.dtype)
+        else:
+            keys, values = backend._gather(layer, p.kv_idx, p.unit, q.dtype)
+            mask = p.mask
+        keys = keys.view(p.n, -1, hkv, d).transpose(1, 2)          # [n, Hkv, L, D]
+        values = values.view(p.n, -1, hkv, d).transpose(1, 2)
+        out = attend_math(qg.reshape(p.n, hq, 1, d), keys, values, mask, scale, sinks,
+                          softcap)
+        return out.reshape(p.n, hq * d)
+    n = p.hi - p.lo
+    qr = q[p.lo:p.hi].transpose(0, 1)[None]                       # [1, Hq, n, D]
+    if p.kind == "fresh":
+        klo = p.lo if p.key_lo < 0 else p.key_lo
+        keys, values = k[klo:p.hi], v[klo:p.hi]
+    else:
+        keys, values = backend._gather(layer, p.kv_idx, p.unit, q.dtype)
+    out = attend_math(qr, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], p.mask,
+                      scale, sinks, softcap, causal=p.kind == "fresh" and p.mask is None)
+    return out[0].transpose(0, 1).reshape(n, hq * d)
