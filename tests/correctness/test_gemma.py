@@ -26,9 +26,6 @@ PROMPT_LENS = (1, 5, WINDOW - 1, WINDOW, WINDOW + 1, 20, 45, 70)
 ARCH_NAMES = {"gemma3": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 _runners: dict = {}
-# Until the runner hands layer_windows / attn_scale / softcap to the attention backend (branch
-# swa-attn), the context is capped at the window and q.k uses 1/sqrt(head_dim).
-NEEDS_SWA = pytest.mark.xfail(strict=True, reason="needs swa-attn")
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +45,12 @@ def references(gemma_paths, prompts) -> dict:
             for arch, path in gemma_paths.items()}
 
 
-def _runner(path: str, page_size: int):
-    key = (path, page_size)
+def _runner(path: str, page_size: int, deterministic: bool = False):
+    key = (path, page_size, deterministic)
     if key not in _runners:
         _runners[key] = make_runner(path, page_size=page_size, max_total_tokens=4096,
-                                    context_length=512, max_running_requests=16)
+                                    context_length=512, max_running_requests=16,
+                                    enable_deterministic_inference=deterministic)
     return _runners[key]
 
 
@@ -104,7 +102,6 @@ def test_layers_match_transformers_around_a_reference_attention(arch, gemma_path
                                    rtol=0, msg=lambda m: f"{len(prompt)} tokens: {m}")
 
 
-@NEEDS_SWA
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_prefill_logits_match_transformers(arch, gemma_paths, prompts):
     hf = hf_gemma(gemma_paths[arch])
@@ -127,7 +124,6 @@ MODES = {
 }
 
 
-@NEEDS_SWA
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_greedy_matches_transformers(arch, mode, gemma_paths, prompts, references):
@@ -140,7 +136,20 @@ def test_greedy_matches_transformers(arch, mode, gemma_paths, prompts, reference
     assert num_live_requests(runner) == 0
 
 
-@NEEDS_SWA
+@pytest.mark.parametrize("mode", ["p1_batched", "p16_chunked_6"])
+def test_deterministic_kernels_match_transformers(mode, gemma_paths, prompts, references):
+    """Gemma 3 under --enable-deterministic-inference (fixed GEMMs, every query through the
+    paged decode kernel, windows as its slot ranges): the same tokens."""
+    page_size, batched, chunk, staggered = MODES[mode]
+    runner = _runner(gemma_paths["gemma3"], page_size, deterministic=True)
+    assert runner.deterministic
+    outs = greedy_in_mode(runner, prompts, NEW_TOKENS, batched, chunk, staggered)
+    for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, references["gemma3"])):
+        assert_tokens_match(ours, ref_tokens, ref_logits,
+                            label=f"deterministic {mode} prompt of {len(prompts[i])}")
+    assert num_live_requests(runner) == 0
+
+
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_prefix_hit_matches_transformers(arch, gemma_paths, prompts):
     """A radix hit: the second request reads 32 cached tokens (four windows) from the pool,
@@ -153,16 +162,17 @@ def test_prefix_hit_matches_transformers(arch, gemma_paths, prompts):
     (ref_tokens, ref_logits), = hf_greedy(hf, [prompt], 8)
     with LLM(model_path=gemma_paths[arch], skip_tokenizer_init=True, page_size=16,
              chunked_prefill_size=16, max_total_tokens=4096) as llm:
-        greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        # logprobs: 0 gives each output token's logprob (return_logprob would ask for the
+        # prompt's too, which recomputes the whole prompt instead of hitting the cache).
+        greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
         llm.generate(input_ids=prompt[:40], sampling_params=greedy)  # caches 32 tokens
-        out = llm.generate(input_ids=prompt, sampling_params=greedy, return_logprob=True)
+        out = llm.generate(input_ids=prompt, sampling_params=greedy)
     assert out["meta_info"]["cached_tokens"] >= 32
     assert_tokens_match(out["output_ids"], ref_tokens, ref_logits, label=f"{arch} prefix hit")
     lp, token = out["meta_info"]["output_token_logprobs"][0][:2]
     assert abs(lp - torch.log_softmax(ref_logits[0], -1)[token].item()) < PREFILL_ATOL
 
 
-@NEEDS_SWA
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_bfloat16_runs_close_to_float32(arch, gemma_paths, prompts):
     """bf16 cannot match float32 token for token: its logits stay close to transformers'
@@ -194,6 +204,12 @@ def test_speculative_decoding_is_refused(gemma_paths):
     with pytest.raises(ValueError, match="NGRAM: speculative decoding is not implemented for "
                                          "Gemma2ForCausalLM"):
         make_runner(gemma_paths["gemma2"], speculative_algorithm="NGRAM",
+                    max_total_tokens=256)
+
+
+def test_deterministic_inference_is_refused_for_soft_capped_attention(gemma_paths):
+    with pytest.raises(ValueError, match="attention logit soft-capping"):
+        make_runner(gemma_paths["gemma2"], enable_deterministic_inference=True,
                     max_total_tokens=256)
 
 
