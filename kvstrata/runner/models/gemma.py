@@ -84,12 +84,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
             raise ValueError(f"{type(self).__name__}: layer_types {layer_types} is not one of "
                              f"sliding_attention / full_attention per layer")
         self.layer_types = layer_types
-        window = getattr(config, "sliding_window", None)
-        # Read by the runner for the attention backend: the query at position p sees keys
-        # p - W + 1 .. p on a sliding layer (transformers' sliding_window), all before on a
-        # full one; and the scale of q.k.
-        self.layer_windows: list[int | None] = [
-            int(window) if t == "sliding_attention" and window else None for t in layer_types]
+        # The runner hands the attention backend self.layer_windows (set by the base class
+        # from layer_types: sliding_window on "sliding_attention" layers, as transformers'
+        # Gemma) and this scale of q.k.
         self.attn_scale = float(config.query_pre_attn_scalar) ** -0.5
         self.attn_softcap = (getattr(config, "attn_logit_softcapping", None)
                              if spec.attn_logit_softcapping else None)
