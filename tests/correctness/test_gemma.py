@@ -174,6 +174,32 @@ def test_prefix_hit_matches_transformers(arch, gemma_paths, prompts):
 
 
 @pytest.mark.parametrize("arch", GEMMAS)
+def test_starved_pool_with_hicache_matches(arch, gemma_paths):
+    """Multi-turn conversations (prompts of 49 .. 109 tokens) through a device pool of 160
+    tokens: pages go to the host pool and come back on prefix hits, and the tokens equal a
+    large pool's without HiCache, which equal transformers'. (Every layer keeps all its KV,
+    so the host tier copies Gemma's pages as any model's.)"""
+    from tests.correctness.test_hicache_engine import (assert_host_tier_served, make_llm,
+                                                       multi_turn)
+
+    big = make_llm(gemma_paths[arch], max_total_tokens=8192)
+    try:
+        prompts, expected = multi_turn(big)
+    finally:
+        big.shutdown()
+    refs = hf_greedy(hf_gemma(gemma_paths[arch]), prompts, len(expected[0]))
+    for ours, (ref_tokens, ref_logits) in zip(expected, refs):
+        assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{arch} multi-turn")
+    llm = make_llm(gemma_paths[arch], max_total_tokens=160, enable_hierarchical_cache=True,
+                   hicache_size=0, hicache_ratio=8.0)
+    try:
+        assert multi_turn(llm)[1] == expected
+        assert_host_tier_served(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
 def test_bfloat16_runs_close_to_float32(arch, gemma_paths, prompts):
     """bf16 cannot match float32 token for token: its logits stay close to transformers'
     float32 ones (and to transformers' own bf16 run's distance), and it decodes."""
