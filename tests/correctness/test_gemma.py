@@ -199,6 +199,45 @@ def test_starved_pool_with_hicache_matches(arch, gemma_paths):
         llm.shutdown()
 
 
+SPECULATION = {
+    "ngram_p1_chunked": {"speculative_algorithm": "NGRAM", "page_size": 1,
+                         "chunked_prefill_size": 8},
+    "ngram_tree_p16": {"speculative_algorithm": "NGRAM", "page_size": 16,
+                       "speculative_ngram_max_bfs_breadth": 4},
+    "standalone_self_p16": {"speculative_algorithm": "STANDALONE", "page_size": 16,
+                            "speculative_num_steps": 4},
+}
+
+
+@pytest.mark.parametrize("how", list(SPECULATION))
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_speculative_decoding_equals_plain(arch, how, gemma_paths):
+    """NGRAM (chains and trees) and STANDALONE (Gemma drafting for itself: its draft KV
+    under the same windows) verify through the windowed attention: tokens and logprobs equal
+    plain greedy decoding, then again from the radix cache."""
+    from tests.correctness.test_speculative import (assert_same, drained, greedy, make_llm,
+                                                    repeating_prompts)
+
+    prompts, params, path = repeating_prompts(), greedy(40), gemma_paths[arch]
+    plain = make_llm(path, False, max_total_tokens=8192)
+    try:
+        ref = plain.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        plain.shutdown()
+    kw = dict(SPECULATION[how])
+    if kw["speculative_algorithm"] == "STANDALONE":
+        kw["speculative_draft_model_path"] = path
+    llm = make_llm(path, True, max_total_tokens=8192, **kw)
+    try:
+        assert_same(ref, llm.generate(input_ids=prompts, sampling_params=params))
+        again = llm.generate(input_ids=prompts, sampling_params=params)
+        assert_same(ref, again)
+        assert sum(o["meta_info"]["spec_verify_ct"] for o in again) > 0
+        drained(llm)
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("arch", GEMMAS)
 def test_bfloat16_runs_close_to_float32(arch, gemma_paths, prompts):
     """bf16 cannot match float32 token for token: its logits stay close to transformers'
@@ -226,11 +265,12 @@ def test_int8_quantization_is_refused(gemma_paths):
         make_runner(gemma_paths["gemma3"], quantization="w8a8_int8", max_total_tokens=256)
 
 
-def test_speculative_decoding_is_refused(gemma_paths):
-    with pytest.raises(ValueError, match="NGRAM: speculative decoding is not implemented for "
-                                         "Gemma2ForCausalLM"):
-        make_runner(gemma_paths["gemma2"], speculative_algorithm="NGRAM",
-                    max_total_tokens=256)
+def test_eagle_heads_are_refused(gemma_paths):
+    """An EAGLE head reads hidden states the Gemma forward does not keep."""
+    with pytest.raises(ValueError, match="EAGLE: EAGLE heads are not implemented for "
+                                         "Gemma3ForCausalLM"):
+        make_runner(gemma_paths["gemma3"], speculative_algorithm="EAGLE",
+                    speculative_draft_model_path=gemma_paths["gemma3"], max_total_tokens=256)
 
 
 def test_deterministic_inference_is_refused_for_soft_capped_attention(gemma_paths):

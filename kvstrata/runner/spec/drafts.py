@@ -43,12 +43,14 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
 
 
 def refuse_speculation(target, algorithm: str) -> None:
-    """Speculative decoding verifies drafts against the llama-family decoder or DeepSeek
-    (NEXTN); other targets (Gemma: windowed layers, soft-capped logits) are refused by name."""
-    if getattr(target, "spec", None) is not None and not is_llama_family(target):
-        raise ValueError(f"--speculative-algorithm {algorithm}: speculative decoding is not "
+    """EAGLE / EAGLE3 heads read the llama-family decoder's hidden states (capture_hidden,
+    capture_layers), which other decoders (Gemma) do not keep: refused by name. NGRAM and
+    STANDALONE only run the target's forward over draft tokens, which any decoder does."""
+    if (algorithm in ("EAGLE", "EAGLE3") and getattr(target, "spec", None) is not None
+            and not is_llama_family(target)):
+        raise ValueError(f"--speculative-algorithm {algorithm}: EAGLE heads are not "
                          f"implemented for {architecture_name(target.config)} targets (the "
-                         f"llama-family decoder and DeepSeek NEXTN have it)")
+                         f"llama-family decoder has them; NGRAM and STANDALONE work)")
 
 
 __all__ = ["build_draft", "refuse_speculation"]

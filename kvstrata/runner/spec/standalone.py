@@ -34,7 +34,6 @@ from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TransferOp
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.model_setup import load_serving_model
-from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.spec.tree import build_trees, scratch_per_request
 
 def copied_in_pages(ops: list) -> list[int]:
@@ -74,7 +73,7 @@ class DraftModel:
         self.model, self.source, self.hf_config, self.quantization_info = load_serving_model(
             model_path, dtype, device, quantization, "--speculative-draft-model-quantization",
             deterministic=deterministic)
-        if not is_llama_family(self.model):
+        if self.model.pool_kind != "mha":
             raise ValueError(f"--speculative-draft-model-path {model_path}: a STANDALONE "
                              f"draft must be a llama-family decoder, not "
                              f"{type(self.model).__name__}")
