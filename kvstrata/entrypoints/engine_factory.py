@@ -115,9 +115,6 @@ def _build_runner(server_args: ServerArgs, tp: Any, device: Any, joined: Any
                          tp_group=None if joined is None else joined.group,
                          deterministic=bool(args.enable_deterministic_inference))
     runner.tp_rank = joined
-    if args.speculative_algorithm is not None:  # NGRAM builds no draft: its verify too
-        from kvstrata.runner.spec.drafts import refuse_speculation  # noqa: PLC0415
-        refuse_speculation(runner.model, args.speculative_algorithm)
     if runner.model.pool_kind == "mla" and args.speculative_algorithm == "NGRAM" and (
             (args.speculative_ngram_max_bfs_breadth or 1) > 1
             or args.speculative_ngram_match_type == "PROB"):
