@@ -167,3 +167,19 @@ def test_tensor_parallel_ranks_apply_the_window(windowed, prompts, references):
     with llm(windowed["mistral"], tp_size=2, page_size=16) as engine:
         check(engine.generate(input_ids=prompts, sampling_params=GREEDY),
               references["mistral"], "mistral tp 2")
+
+
+def test_decode_plan_replays_one_window_for_all_layers(windowed, prompts, references):
+    """The fused CPU decode plan (one plan replayed for every layer) runs for all-SWA
+    Mistral, whose layers share one windowed plan, and never for Qwen2's mixed layers."""
+    from helpers.driver import greedy_in_mode
+    from kvstrata.runner.models import decode_plan
+
+    if not decode_plan.enabled():
+        pytest.skip("KVSTRATA_CPU_DECODE_PLAN=0")
+    for arch, planned in (("mistral", True), ("qwen2", False)):
+        runner = make_runner(windowed[arch], max_total_tokens=2048)
+        outs = greedy_in_mode(runner, prompts, NEW_TOKENS, True)
+        check(outs, references[arch], f"{arch} decode plan")
+        plans = runner.model.__dict__.get("_decode_plans", {})
+        assert any(p is not None for p in plans.values()) == planned, arch

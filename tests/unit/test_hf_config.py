@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvstrata.config.hf_config import CLASS_DEFAULTS, HFConfig, read_hf_config
-from kvstrata.config.hf_config import ModelDims
+from kvstrata.config.hf_config import ModelDims, layer_windows
 from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
 from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.models.rope import rope_parameters
@@ -19,14 +19,16 @@ MISSING = "<missing>"
 
 
 def what_the_runner_reads(config) -> dict:
-    """Everything the runner derives from a config (decoder dims, rope, window, eos, dtype,
-    context, architecture)."""
+    """Everything the runner derives from a config (decoder dims, rope, window, per-layer
+    windows and layer types, eos, dtype, context, architecture)."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         window = None
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return {"dims": ModelDims.from_config(config), "rope": rope_parameters(config),
-            "window": window, "eos": getattr(config, "eos_token_id", None),
+            "window": window, "layer_windows": layer_windows(config),
+            "layer_types": getattr(config, "layer_types", None),
+            "eos": getattr(config, "eos_token_id", None),
             "bos": getattr(config, "bos_token_id", None),
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "max_pos": getattr(config, "max_position_embeddings", None),
@@ -78,10 +80,20 @@ OLD_STYLE = [
      "rope_theta": 1000000.0, "eos_token_id": [7, 8]},
     {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
      "sliding_window": 32, "use_sliding_window": True, "max_window_layers": 0},
+    {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,  # layers 3.. slide
+     "num_hidden_layers": 5, "sliding_window": 16, "use_sliding_window": True,
+     "max_window_layers": 3},
+    {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,  # no window: full
+     "num_hidden_layers": 2, "sliding_window": 16, "max_window_layers": 0},
+    {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+     "num_hidden_layers": 3, "sliding_window": 8, "use_sliding_window": True,
+     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4},  # head_dim 128
     {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4},  # window 4096
     {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
      "sliding_window": None, "head_dim": 32, "tie_word_embeddings": True},
+    {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 4,
+     "num_hidden_layers": 2, "sliding_window": 8},
 ]
 
 
@@ -168,3 +180,24 @@ def test_no_transformers_import(tiny_checkpoints):
                          capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_layer_windows_follow_transformers_models(tmp_path):
+    """What each layer's attention uses in transformers' modeling code: Mistral's window on
+    every layer (it ignores layer_types), Qwen2's on its "sliding_attention" layers only."""
+    from transformers import AutoModelForCausalLM
+
+    for raw, want in (
+            ({"model_type": "mistral", "sliding_window": 8}, [8, 8, 8]),
+            ({"model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True,
+              "max_window_layers": 1}, [None, 8, 8]),
+            ({"model_type": "qwen2", "sliding_window": 8}, None)):
+        raw = {**raw, "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 3,
+               "intermediate_size": 16, "vocab_size": 64}
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        config = auto_config(str(tmp_path))
+        model = AutoModelForCausalLM.from_config(config)
+        theirs = [getattr(layer.self_attn, "sliding_window", config.sliding_window)
+                  for layer in model.model.layers]
+        assert theirs == (want or [None] * 3), raw
+        assert layer_windows(read_hf_config(str(tmp_path))) == want

@@ -39,6 +39,11 @@ def test_off_by_default_changes_nothing():
     ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True), "not implemented yet for a mla"),
     ({}, "cpu", ModelInfo(kv_pool_kind="swa"), "not implemented yet for a swa"),
     ({}, "cpu", ModelInfo(has_recurrent_state=True), "not implemented yet for a recurrent"),
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "gpt_oss", "sliding_window": 128}),
+     "not implemented yet for attention sinks"),
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "gemma2", "sliding_window": 4096,
+                                          "attn_logit_softcapping": 50.0}),
+     "attention logit soft-capping"),
     (dict(quantization="w8a8_int8"), "cpu", None, "--quantization w8a8_int8"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(kwargs, platform, info, message):
@@ -73,6 +78,7 @@ def test_on_by_default_where_measured_free():
     (AVX2 + ("avx512f", "avx512_bf16"), None, dict(dtype="bfloat16")),  # not measured
     (AVX2, None, dict(dtype="bfloat16", disable_deterministic_inference=True)),
     (AVX2, ModelInfo(kv_pool_kind="mla", uses_dsa=True), dict(dtype="bfloat16")),
+    (AVX2, ModelInfo(softmax_extras=("attention sinks",)), dict(dtype="bfloat16")),
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
     ((), None, dict(dtype="bfloat16")),                           # no AVX2
 ])
@@ -99,3 +105,18 @@ def test_a_quantized_draft_keeps_the_default_off_and_refuses_the_flag():
     assert resolved.enable_deterministic_inference is False
     with pytest.raises(ValueError, match="--speculative-draft-model-quantization w8a8_int8"):
         on_cpu(AVX2, enable_deterministic_inference=True, **kw)
+
+
+def test_sliding_window_models_are_mha_and_deterministic():
+    """A sliding window is applied by the attention backend over the ordinary pool, which
+    keeps every token's KV: such a model is "mha" (not a KV-dropping "swa" pool) and
+    deterministic inference covers it (each query's kernel range begins W keys back)."""
+    for cfg in ({"model_type": "mistral", "sliding_window": 4096},
+                {"model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True,
+                 "layer_types": ["full_attention", "sliding_attention"]},
+                {"model_type": "gemma3_text", "sliding_window": 512,
+                 "layer_types": ["sliding_attention", "full_attention"]}):
+        info = ModelInfo.from_hf_config(cfg)
+        assert info.kv_pool_kind == "mha" and not info.softmax_extras, cfg
+        resolved, _ = run(model_info=info, enable_deterministic_inference=True)
+        assert resolved.deterministic_attention_kernel == deterministic.ATTENTION_KERNEL

@@ -123,22 +123,8 @@ class TorchNativeAttnBackend:
             raise ValueError("a no-cache forward takes exactly one request")
         if self.layer_windows is None:
             fb.attn_meta = self._meta(fb, None)
-            return
-        # One plan per distinct window, once a step; a window at least as long as the
-        # step's longest key list changes nothing: such layers share the full plan.
-        if fb.query_keys is not None:
-            longest = max(len(k) for k in fb.query_keys)
-        else:
-            longest = max(s + n for s, n in zip(fb.start_pos, fb.q_lens))
-        plans: dict = {}
-        for w in dict.fromkeys(self.layer_windows):
-            key = None if w is None or w >= longest else w
-            if key not in plans:
-                plans[key] = self._meta(fb, key)
-            plans[w] = plans[key]
-        fb.attn_meta = plans[self.layer_windows[0]]
-        fb.attn_meta.by_window = plans
-        fb.attn_meta.uniform = len({id(plans[w]) for w in self.layer_windows}) == 1
+        else:  # one plan per distinct window (window.py)
+            fb.attn_meta = win.plan_windows(fb, self.layer_windows, self._meta)
 
     def _meta(self, fb: ForwardBatch, window: int | None) -> TorchNativeMeta:
         """The step's plan for layers of this window (None: full causal)."""
@@ -390,7 +376,7 @@ class TorchNativeAttnBackend:
         if fb.out_slots is not None:
             self.kv_pool.set_kv(layer, fb.out_slots, k, v)
         if sinks is not None or softcap is not None:
-            return self._forward_math(layer, meta, q, k, v, sinks, softcap)
+            return win.forward_math(self, layer, meta, q, k, v, sinks, softcap)
         out, done = self._prefill_by_kernel(layer, meta, q)
         if meta.single:
             return out if done else self._piece(layer, meta.pieces[0], q, k, v)
@@ -401,22 +387,6 @@ class TorchNativeAttnBackend:
             if id(p) in skip:
                 continue
             res = self._piece(layer, p, q, k, v)
-            if p.tok_idx is None:
-                out[p.lo:p.hi] = res
-            else:
-                out.index_copy_(0, p.tok_idx, res)
-        return out
-
-    def _forward_math(self, layer: int, meta: TorchNativeMeta, q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                      softcap: float | None) -> torch.Tensor:
-        if self.deterministic:
-            raise ValueError("--enable-deterministic-inference: not implemented for attention "
-                             "sinks or logit soft-capping (their torch path is not "
-                             "batch-invariant)")
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        for p in meta.pieces:
-            res = win.piece_math(self, layer, p, q, k, v, sinks, softcap)
             if p.tok_idx is None:
                 out[p.lo:p.hi] = res
             else:
@@ -477,11 +447,14 @@ class TorchNativeAttnBackend:
             keys, values = k[klo:p.hi], v[klo:p.hi]
         else:
             keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+        mask = p.mask
+        if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
+            mask = p.mask = mask.to(q.dtype)  # a windowed band (additive): once a forward
         # 4-D inputs (a batch of one): with 3-D ones torch's CPU SDPA takes its math path
         # (bmm, softmax over the whole [H, n, S] score matrix), measured 6x slower than the
         # flash kernel on a 2048-token prompt.
         out = F.scaled_dot_product_attention(
             qr[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=p.mask, is_causal=p.kind == "fresh" and p.mask is None, scale=self.scale,
+            attn_mask=mask, is_causal=p.kind == "fresh" and mask is None, scale=self.scale,
             enable_gqa=self.gqa)[0]                                   # [Hq, n, D]
         return out.transpose(0, 1).reshape(p.hi - p.lo, hq * d)

@@ -26,11 +26,11 @@ refuses them (this path's sums are not batch-invariant).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from kvstrata.runner.attention.pieces import Piece
+from kvstrata.runner.attention.pieces import Piece, TorchNativeMeta
 
 if TYPE_CHECKING:
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -53,10 +53,36 @@ def normalise_windows(layer_windows: Sequence[int | None] | None) -> tuple | Non
     return tuple(out) if any(w is not None for w in out) else None
 
 
+def plan_windows(fb, layer_windows: tuple, make: Callable) -> TorchNativeMeta:
+    """The step's plans, once per distinct window (`make(fb, window)`): a window at least
+    as long as the step's longest key list changes nothing, so such layers share the full
+    plan (its prefill kernel and decode plan included). Returns layer 0's plan, carrying
+    every layer window's in by_window."""
+    if fb.query_keys is not None:
+        longest = max(len(k) for k in fb.query_keys)
+    else:
+        longest = max(s + n for s, n in zip(fb.start_pos, fb.q_lens))
+    plans: dict = {}
+    for w in dict.fromkeys(layer_windows):
+        key = None if w is None or w >= longest else w
+        if key not in plans:
+            plans[key] = make(fb, key)
+        plans[w] = plans[key]
+    meta = plans[layer_windows[0]]
+    meta.by_window = plans
+    meta.uniform = len({id(plans[w]) for w in layer_windows}) == 1
+    return meta
+
+
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """bool [len(q_pos), len(k_pos)]: key visible iff q - W < k <= q."""
+    """Additive fp32 [len(q_pos), len(k_pos)]: 0 where the key is visible (q - W < k <= q),
+    -inf elsewhere. Additive, not bool: torch's CPU SDPA ran a 256-query block 1.5-3x faster
+    with a float mask than with a bool one (2 threads, 9/3 heads of 64); the backend casts it
+    to the query's dtype once a forward. Every row sees its own key: never all -inf."""
     d = q_pos[:, None] - k_pos[None, :]
-    return (d >= 0) & (d < window)
+    visible = (d >= 0) & (d < window)
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible,
+                                                                         float("-inf"))
 
 
 def blocks(n: int, window: int) -> list[tuple[int, int]]:
@@ -107,8 +133,8 @@ def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None,
                 softcap: float | None, causal: bool = False) -> torch.Tensor:
     """q [B, Hq, Lq, D], keys / values [B, Hkv, Lk, D] (query head h reads KV head
-    h // (Hq / Hkv)), mask bool broadcastable to [B, Hq, Lq, Lk] (True = visible) ->
-    [B, Hq, Lq, D] in q's dtype. fp32 inside, as transformers' eager softmax."""
+    h // (Hq / Hkv)), mask broadcastable to [B, Hq, Lq, Lk], bool (True = visible) or
+    additive -> [B, Hq, Lq, D] in q's dtype. fp32 inside, as transformers' eager softmax."""
     hq, hkv = q.shape[1], keys.shape[1]
     if hq != hkv:
         keys = keys.repeat_interleave(hq // hkv, dim=1)
@@ -119,8 +145,10 @@ def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if causal:
         lq, lk = s.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         s = s.masked_fill(~mask, float("-inf"))
+    elif mask is not None:  # additive (a windowed band)
+        s = s + mask.float()
     if sinks is not None:
         # the sink's logit joins each row's denominator; its value is zero (column dropped)
         sink = sinks.float().view(1, hq, 1, 1).expand(s.shape[0], hq, s.shape[2], 1)
@@ -129,6 +157,24 @@ def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if sinks is not None:
         p = p[..., :-1]
     return torch.matmul(p, values.float()).to(q.dtype)
+
+
+def forward_math(backend: "TorchNativeAttnBackend", layer: int, meta: TorchNativeMeta,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
+    """A layer with sinks / soft-capping: every piece of its plan through attend_math."""
+    if backend.deterministic:
+        raise ValueError("--enable-deterministic-inference: not implemented for attention "
+                         "sinks or logit soft-capping (their torch path is not "
+                         "batch-invariant)")
+    out = q.new_empty(q.shape[0], backend.num_heads * backend.head_dim)
+    for p in meta.pieces:
+        res = piece_math(backend, layer, p, q, k, v, sinks, softcap)
+        if p.tok_idx is None:
+            out[p.lo:p.hi] = res
+        else:
+            out.index_copy_(0, p.tok_idx, res)
+    return out
 
 
 def _kernel_keys(p: Piece, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
