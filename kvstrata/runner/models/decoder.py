@@ -26,8 +26,20 @@ class ArchSpec:
     qkv_bias: bool = False   # qwen2: bias on q/k/v only
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
-    # Which model class builds it: "decoder" (this module) or "deepseek_v32" (MLA + DSA).
+    # Which model class builds it: "decoder" (this module), "gemma" (gemma.py) or
+    # "deepseek_v32" (MLA + DSA).
     family: str = "decoder"
+    # gemma2: attention logits soft-capped by config.attn_logit_softcapping (transformers'
+    # Gemma 3 carries the field but never applies it)
+    attn_logit_softcapping: bool = False
+
+
+def is_llama_family(model: Any) -> bool:
+    """The plain decoder of this module (llama, mistral, qwen2, qwen3; a tensor-parallel
+    rank's share too): what --quantization, speculative drafts and EAGLE heads are built
+    for. Not a subclass of another family (gemma.py) nor DeepSeek."""
+    spec = getattr(model, "spec", None)
+    return spec is not None and spec.family == "decoder"
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -71,6 +83,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
+    layer_class = DecoderLayer  # a subclass with more per-layer parameters sets its own
 
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
                  dims: ModelDims | None = None):
@@ -84,7 +97,7 @@ class DecoderForCausalLM(nn.Module):
         self.device = device
         kw = dict(dtype=dtype, device=device)
         self.embed = _param(dims.vocab_size, dims.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(dims, spec, dtype, device)
+        self.layers = nn.ModuleList(self.layer_class(dims, spec, dtype, device)
                                     for _ in range(dims.num_layers))
         self.final_norm = _param(dims.hidden_size, **kw)
         # Tied (SmolLM2): the output projection IS the embedding matrix, no second copy.

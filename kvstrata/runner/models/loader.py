@@ -17,6 +17,7 @@ from tqdm import tqdm
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
+from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
@@ -194,6 +195,12 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
         model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
+    elif spec.family == "gemma":
+        if source.kind == "gguf":
+            # llama.cpp's gemma tensors have other names and store norms as 1 + w.
+            raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors "
+                             f"only)")
+        model = GemmaForCausalLM(config, spec, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
     return fill_weights(model, source, config, spec.gguf_permute_qk)

@@ -21,8 +21,11 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
                   device: str | torch.device = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
     """Rank `group.rank`'s share, read through the usual loader: the model's read_spec
     says which rows / columns of each tensor it holds, and only those are read."""
-    _, spec = loader.arch_spec(config)
+    name, spec = loader.arch_spec(config)
     dev = torch.device(device)
+    if spec.family not in ("decoder", "deepseek_v32"):
+        raise ValueError(f"--tp-size {group.size}: tensor parallelism is not implemented for "
+                         f"{name} (the llama-family decoder and DeepseekV32 have it)")
     if spec.family == "deepseek_v32":
         model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
                                     dev, group)
