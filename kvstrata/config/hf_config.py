@@ -2,10 +2,11 @@
 
 Why: importing any transformers config class (transformers 5) pulls torch.distributed.tensor
 and sympy -- about 3 s of imports in every scheduler process, a quarter of a small server's
-start on 2 cores. For the decoder families our runner builds (llama, mistral, qwen2, qwen3)
-this reads config.json, fills in the fields a transformers class would default (the table
-below, checked against transformers' classes by tests/unit/test_hf_config.py) and derives
-what their __init__ derives (kv heads, head_dim, rope parameters, qwen sliding window).
+start on 2 cores. For the decoder families our runner builds (llama, mistral, qwen2, qwen3,
+gemma3_text, gemma2) this reads config.json, fills in the fields a transformers class would
+default (the table below, checked against transformers' classes by
+tests/unit/test_hf_config.py) and derives what their __init__ derives (kv heads, head_dim,
+rope parameters, qwen sliding window, Gemma's layer types and per-layer-type rope).
 Anything else (DeepSeek-V3.2, unknown model types) goes through AutoConfig as before.
 
 Only the fields the runner reads are guaranteed to match AutoConfig (tests compare them on
@@ -43,7 +44,25 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28,
               "bos_token_id": None, "eos_token_id": None},
 }
+# Gemma (Gemma3TextConfig, Gemma2Config): hidden_activation instead of hidden_act, and the
+# fields of its attention (runner/models/gemma.py).
+_GEMMA = {**{k: v for k, v in _COMMON.items() if k != "hidden_act"},
+          "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+          "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+          "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+          "layer_types": None, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1}
+CLASS_DEFAULTS["gemma3_text"] = {**_GEMMA, "vocab_size": 262208,
+                                 "max_position_embeddings": 131072,
+                                 "final_logit_softcapping": None,
+                                 "attn_logit_softcapping": None,
+                                 "use_bidirectional_attention": False}
+CLASS_DEFAULTS["gemma2"] = {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192,
+                            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+                            "use_bidirectional_attention": None}
 _DEFAULT_ROPE_THETA = 10000.0
+# Gemma 3's rope bases when a config names none: global layers, local (sliding) layers.
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 
 
 class HFConfig:
@@ -61,7 +80,13 @@ class HFConfig:
             values["num_key_value_heads"] = values["num_attention_heads"]
         if values.get("head_dim") is None:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-        values["rope_parameters"] = _rope_parameters(values)
+        if model_type in ("gemma3_text", "gemma2"):
+            _gemma_layer_types(values)
+        if model_type == "gemma3_text":
+            values["rope_parameters"] = _gemma3_rope_parameters(values)
+            values.pop("rope_local_base_freq", None)
+        else:
+            values["rope_parameters"] = _rope_parameters(values)
         values["rope_scaling"] = values["rope_parameters"]  # transformers 5 mirrors them
         values.pop("rope_theta", None)
         if model_type in ("qwen2", "qwen3"):
@@ -91,6 +116,46 @@ def _rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
         params = dict(scaling)
     params.setdefault("rope_type", params.get("type") or "default")
     params.setdefault("rope_theta", values.get("rope_theta", _DEFAULT_ROPE_THETA))
+    return params
+
+
+def _gemma_layer_types(values: dict[str, Any]) -> None:
+    """Gemma3TextConfig / Gemma2Config.__post_init__: layer_types when config.json has none
+    (Gemma 3: every `sliding_window_pattern`-th layer global, default 6; Gemma 2: every
+    second), and a bidirectional model's window as transformers converts it."""
+    if values["model_type"] == "gemma3_text" and values.get("use_bidirectional_attention"):
+        values["sliding_window"] = values["sliding_window"] // 2 + 1
+    if values.get("layer_types") is None:
+        every = values.get("sliding_window_pattern", 6) if (
+            values["model_type"] == "gemma3_text") else 2
+        values["layer_types"] = ["sliding_attention" if (i + 1) % every else "full_attention"
+                                 for i in range(values["num_hidden_layers"])]
+
+
+def _gemma3_rope_parameters(values: dict[str, Any]) -> dict[str, Any]:
+    """Gemma3TextConfig's rope: one dict per layer type. An older config's rope_scaling
+    updates the global layers' dict (its "type" key does not replace the rope_type already
+    there, as in transformers), rope_theta is the global base and rope_local_base_freq the
+    local one; then transformers' standardisation of each nested dict."""
+    params = {k: (dict(v) if isinstance(v, dict) else v)
+              for k, v in (values.get("rope_parameters") or {}).items()}
+    if not params:
+        params = {t: {"rope_type": "default"} for t in _GEMMA3_THETA}
+    for layer_type in _GEMMA3_THETA:
+        if params.get(layer_type) is None:
+            params[layer_type] = {"rope_type": "default"}
+    if values.get("rope_scaling"):
+        params["full_attention"].update(values["rope_scaling"])
+    params["full_attention"].setdefault(
+        "rope_theta", values.get("rope_theta", _GEMMA3_THETA["full_attention"]))
+    params["sliding_attention"].setdefault(
+        "rope_theta", values.get("rope_local_base_freq", _GEMMA3_THETA["sliding_attention"]))
+    for layer_type in set(values["layer_types"]) & set(_GEMMA3_THETA):
+        nested = params[layer_type]
+        nested.setdefault("rope_type", nested.get("type", "default"))
+        if nested["rope_type"] in ("llama3", "yarn", "longrope"):
+            nested.setdefault("original_max_position_embeddings",
+                              values["max_position_embeddings"])
     return params
 
 

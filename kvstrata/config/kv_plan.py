@@ -139,6 +139,15 @@ class KVPlan:
     # over the same slots, runner/spec/standalone.py; an EAGLE head also keeps EAGLE_HIDDEN);
     # device only, never on the host tier.
     draft_components: tuple[KVComponent, ...] = ()
+    # Hybrid SWA memory (SGLang's SWAKVPool): the sliding-window layers keep their K/V in a
+    # second device pool of num_swa_pages pages (`swa_components`; `components` then holds
+    # the full-attention layers only, none for an all-SWA model). Full page ids stay the
+    # canonical address of a token (req_to_token, the radix tree); the KV manager maps each
+    # full page to an SWA page and frees SWA pages that fall out of every window
+    # (cache/kv_manager.py). 0 = no SWA pool: every layer in the main pool.
+    num_swa_pages: int = 0
+    swa_window: int = 0       # the widest window of the layers in the SWA pool (tokens)
+    swa_components: tuple[KVComponent, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -162,6 +171,11 @@ class KVPlan:
             raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']} (an EAGLE head also "
                              f"{EAGLE_HIDDEN}; an MTP layer {mtp}), got "
                              f"{self.draft_components}")
+        if self.num_swa_pages < 0 or (self.num_swa_pages > 0) != (self.swa_window > 0):
+            raise ValueError("an SWA pool needs both num_swa_pages and swa_window (> 0), got "
+                             f"{self.num_swa_pages} pages, window {self.swa_window}")
+        if self.swa_components and not self.num_swa_pages:
+            raise ValueError("SWA components without an SWA pool (num_swa_pages 0)")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -183,12 +197,14 @@ class KVPlan:
     @classmethod
     def pages_only(cls, *, num_pages: int, page_size: int = 1, num_rows: int = 64,
                    context_len: int = 1 << 20, num_host_pages: int = 0,
-                   host_pool_use: str = "hicache") -> "KVPlan":
+                   host_pool_use: str = "hicache", num_swa_pages: int = 0,
+                   swa_window: int = 0) -> "KVPlan":
         """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
         A host tier here only needs a (any valid) layout/IO pair to be well formed."""
         host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST, io_backend="kernel",
                     host_pool_use=host_pool_use) if num_host_pages else {}
-        return cls(page_size, num_pages, num_rows, context_len, "none", (), **host)
+        return cls(page_size, num_pages, num_rows, context_len, "none", (), **host,
+                   num_swa_pages=num_swa_pages, swa_window=swa_window)
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -199,6 +215,10 @@ class KVPlan:
     @property
     def has_host_pool(self) -> bool:
         return self.num_host_pages > 0
+
+    @property
+    def has_swa_pool(self) -> bool:
+        return self.num_swa_pages > 0
 
     @property
     def dtype(self) -> str | None:
@@ -271,6 +291,8 @@ class KVPlan:
             "host_pool_use": self.host_pool_use if self.num_host_pages else None,
             "draft_components": [c.to_json() for c in self.draft_components],
             "draft_bytes_per_token": self.draft_bytes_per_token,
+            "num_swa_pages": self.num_swa_pages, "swa_window": self.swa_window,
+            "swa_components": [c.to_json() for c in self.swa_components],
         }
 
     def summary(self) -> str:

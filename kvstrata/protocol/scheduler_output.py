@@ -102,6 +102,11 @@ class ScheduledRequest(msgspec.Struct):
     # The RUNNER_DRAFT placeholders are a tree the runner's draft model shapes (top-k
     # expansion, --speculative-eagle-topk > 1); the runner sets draft_parents itself.
     runner_tree: bool = False
+    # Hybrid SWA memory (KVPlan.num_swa_pages > 0): the sliding-window layers' slots for the
+    # same positions as `slots` (recorded in the runner's SWA req_to_token table from
+    # slot_write_start); 0 where a position's SWA page was freed or never held (out of
+    # every window: never read). None without an SWA pool.
+    swa_slots: list[int] | None = None
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):

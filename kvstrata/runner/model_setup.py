@@ -10,7 +10,9 @@ import torch
 from kvstrata import envs
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.runner.cpu import packed_linear
+from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model
+from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.runner.quant.w8a8 import quantize_model
 
@@ -70,20 +72,26 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         model = load_tp_shard(source, hf_config, tp_group, dtype, device)
     else:
         model = load_model(source, hf_config, dtype, device)
+    arch = architecture_name(hf_config)
     if deterministic and model.pool_kind != "mha":
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
-                                  f"{type(model).__name__} (MLA / DSA attention); the "
-                                  f"llama-family decoder has it")
+                                  f"{arch} (MLA / DSA attention); the llama-family decoder "
+                                  f"has it")
+    if deterministic and getattr(model, "attn_softcap", None) is not None:
+        # The paged decode kernel every query runs has no soft-cap (Gemma 2's logits).
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
+                                  f"{arch} (soft-capped attention logits)")
     if deterministic and quantization is not None:
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} {quantization}")
     refused = getattr(model, "unsupported", ())  # gpt-oss (refused by name earlier too)
     if deterministic and "--enable-deterministic-inference" in refused:
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
-                                  f"{type(model).__name__}")
-    if quantization is not None and (model.pool_kind != "mha" or "--quantization" in refused):
+                                  f"{arch}")
+    if quantization is not None and not is_llama_family(model):
+        # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
-                         f"decoder only, not {type(model).__name__}")
+                         f"decoder only, not {arch}")
     info: dict = {"quantization": None}
     if quantization is not None:
         ids, smoothing = calibration_token_ids(

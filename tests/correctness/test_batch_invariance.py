@@ -8,6 +8,8 @@ call (config/rules/deterministic.py).
   one call exactly as each would alone as a decode step, whether its prefix keys were written
   by this forward or read from other pool rows (a cache hit, a transfer), whatever the other
   queries of the call.
+- The per-head q / k norm (Qwen3): over a view of the fused qkv projection, a token's heads
+  normalise to the same bits alone (a contiguous view) and beside others (a strided one).
 These tests also run on the emulated AVX-512 / AMX bodies (test_emulated_avx512.py)."""
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from kvstrata.runner.attention.paged_decode import paged_decode
 from kvstrata.runner.cpu.fixed_linear import fixed_unsupported
 from kvstrata.runner.cpu.packed_linear import PackedLinear
+from kvstrata.runner.models.decoder import rms_norm
 
 ROW_COUNTS = list(range(1, 18)) + [24, 31, 32, 33, 48, 63, 64, 65, 100, 130, 257]
 
@@ -118,3 +121,20 @@ def test_ranges_are_checked():
     with pytest.raises(ValueError, match="starts must have 2 entries"):
         paged_decode(q, k_cache, v_cache, slots, torch.tensor([0, 4, 10]), 1.0,
                      ends=torch.tensor([3, 10]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norm_of_a_token_does_not_depend_on_the_tokens_beside_it(dtype):
+    """Qwen3's q_norm reads qkv[:, :q_end].view(t, heads, head_dim): contiguous for one token,
+    strided for several (torch's fallback rounded the two differently before the norm copied
+    the strided view; a decode step's answer then depended on its batch)."""
+    g = torch.Generator().manual_seed(7)
+    heads, hd, kv_heads = 4, 24, 2
+    qkv = (torch.randn(9, (heads + 2 * kv_heads) * hd, generator=g) * 3).to(dtype)
+    weight = torch.randn(hd, generator=g).to(dtype)
+    q_end = heads * hd
+    for t in (2, 5, 9):
+        together = rms_norm(qkv[:t, :q_end].view(t, heads, hd), weight, 1e-6)
+        for i in range(t):
+            alone = rms_norm(qkv[i:i + 1, :q_end].view(1, heads, hd), weight, 1e-6)
+            assert torch.equal(together[i], alone[0]), f"token {i} of {t}"

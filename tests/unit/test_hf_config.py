@@ -33,7 +33,22 @@ def what_the_runner_reads(config) -> dict:
             "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "max_pos": getattr(config, "max_position_embeddings", None),
             "arch": architecture_name(config), "rms": config.rms_norm_eps,
-            "act": getattr(config, "hidden_act", None)}
+            "act": getattr(config, "hidden_act", None), **gemma_fields(config)}
+
+
+def gemma_fields(config) -> dict:
+    """What runner/models/gemma.py reads beyond the decoder's (Gemma configs only: other
+    transformers classes carry some of these names, e.g. Qwen2's layer_types)."""
+    if not str(getattr(config, "model_type", "")).startswith("gemma"):
+        return {}
+    from kvstrata.runner.models.gemma import layer_rope_parameters
+
+    fields = ("layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_activation",
+              "final_logit_softcapping", "attn_logit_softcapping",
+              "use_bidirectional_attention", "tie_word_embeddings", "pad_token_id")
+    out = {f: getattr(config, f, MISSING) for f in fields}
+    out["rope_per_type"] = {t: layer_rope_parameters(config, t) for t in config.layer_types}
+    return out
 
 
 def auto_config(path: str):
@@ -82,6 +97,47 @@ OLD_STYLE = [
 ]
 
 
+GEMMA_STYLES = [
+    {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},  # all defaults
+    # As Google's Gemma 3 1B config.json: pattern, rope_theta + rope_local_base_freq.
+    {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+     "num_hidden_layers": 7, "sliding_window_pattern": 3, "sliding_window": 512,
+     "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+     "final_logit_softcapping": None, "torch_dtype": "bfloat16"},
+    # As the 4B's text part: linear rope scaling on the global layers only.
+    {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+     "num_hidden_layers": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    # transformers keeps rope_type "default" when the older "type" key names the scaling.
+    {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+     "num_hidden_layers": 2, "rope_scaling": {"type": "linear", "factor": 8.0}},
+    {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+     "num_hidden_layers": 3, "layer_types": ["full_attention"] * 3,
+     "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                            "rope_theta": 5e5}}},
+    {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+     "use_bidirectional_attention": True, "sliding_window": 9},
+    {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+    {"model_type": "gemma2", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+     "num_hidden_layers": 5, "rope_theta": 50000.0, "attn_logit_softcapping": None,
+     "hidden_act": "gelu_pytorch_tanh"},
+]
+
+
+@pytest.mark.parametrize("raw", GEMMA_STYLES, ids=lambda r: r["model_type"])
+def test_gemma_config_files_read_as_transformers_does(raw, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours, theirs = read_hf_config(str(tmp_path)), auto_config(str(tmp_path))
+    assert what_the_runner_reads(ours) == what_the_runner_reads(theirs)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_tiny_gemma_checkpoints_read_as_transformers_does(arch, tmp_path):
+    from helpers.gemma_ckpt import build_gemma_checkpoint
+
+    path = build_gemma_checkpoint(arch, str(tmp_path / arch))
+    assert what_the_runner_reads(read_hf_config(path)) == what_the_runner_reads(auto_config(path))
+
+
 @pytest.mark.parametrize("raw", OLD_STYLE, ids=lambda r: r["model_type"])
 def test_older_and_sparse_config_files_read_as_transformers_does(raw, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -94,11 +150,12 @@ def test_class_defaults_are_transformers_defaults(model_type):
     import transformers as tf
 
     cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
-           "qwen3": tf.Qwen3Config}[model_type]
+           "qwen3": tf.Qwen3Config, "gemma3_text": tf.Gemma3TextConfig,
+           "gemma2": tf.Gemma2Config}[model_type]
     theirs = cls()
     for field, value in CLASS_DEFAULTS[model_type].items():
         if value is None and field in ("num_key_value_heads", "head_dim") or field in (
-                "rope_scaling", "rope_parameters", "sliding_window"):
+                "rope_scaling", "rope_parameters", "sliding_window", "layer_types"):
             continue  # derived in __init__ (compared through what_the_runner_reads above)
         assert getattr(theirs, field, MISSING) == value, field
 

@@ -92,6 +92,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
             or not enabled():
         return None
     rows = _rows(x)
+    if rows is None and x.device.type == "cpu" and x.dim() > 1 and x.stride(-1) == 1:
+        # Per-head q / k norms of several tokens read a view of the fused qkv projection
+        # whose rows are not evenly strided; one token's are. Copied, both run this kernel:
+        # torch's fallback rounds its sums otherwise, and a token's norm would depend on how
+        # many tokens share its forward (deterministic inference caught that).
+        x = x.contiguous()
+        rows = _rows(x)
     h = x.shape[-1]
     if rows is None or weight.numel() != h or not weight.is_contiguous() \
             or weight.device.type != "cpu":

@@ -2,6 +2,7 @@
 
   registry.py       architecture name -> how to build it
   decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3)
+  gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings
   deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py); its config and weight

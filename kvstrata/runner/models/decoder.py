@@ -26,9 +26,20 @@ class ArchSpec:
     qkv_bias: bool = False   # qwen2: bias on q/k/v only
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
-    # Which model class builds it: "decoder" (this module), "deepseek_v32" (MLA + DSA) or
-    # "gpt_oss" (gpt_oss.py: sliding windows, attention sinks, MoE).
+    # Which model class builds it: "decoder" (this module), "gemma" (gemma.py), "gpt_oss"
+    # (gpt_oss.py: sliding windows, attention sinks, MoE) or "deepseek_v32" (MLA + DSA).
     family: str = "decoder"
+    # gemma2: attention logits soft-capped by config.attn_logit_softcapping (transformers'
+    # Gemma 3 carries the field but never applies it)
+    attn_logit_softcapping: bool = False
+
+
+def is_llama_family(model: Any) -> bool:
+    """The plain decoder of this module (llama, mistral, qwen2, qwen3; a tensor-parallel
+    rank's share too): what --quantization, speculative drafts and EAGLE heads are built
+    for. Not a subclass of another family (gemma.py) nor DeepSeek."""
+    spec = getattr(model, "spec", None)
+    return spec is not None and spec.family == "decoder"
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -84,6 +95,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
+    layer_class = DecoderLayer  # a subclass with more per-layer parameters sets its own
 
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
                  dims: ModelDims | None = None):
@@ -153,8 +165,9 @@ class DecoderForCausalLM(nn.Module):
 
     def make_layer(self, i: int, dims: ModelDims, spec: ArchSpec, dtype: torch.dtype,
                    device: torch.device) -> nn.Module:
-        """Layer i's parameters (a subclass with other layers overrides this: gpt_oss.py)."""
-        return DecoderLayer(dims, spec, dtype, device)
+        """Layer i's parameters: `layer_class`'s (gemma.py sets its own), or what a subclass
+        whose layers need more than the dims builds (gpt_oss.py: the expert count)."""
+        return self.layer_class(dims, spec, dtype, device)
 
     def _plain_layers(self) -> bool:
         """This model's layers are layer_forward's with an identity reduce (decode_plan.py

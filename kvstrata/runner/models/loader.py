@@ -17,6 +17,7 @@ from tqdm import tqdm
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
+from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 
@@ -200,6 +201,12 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
             raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
                              f"only)")
         model = GptOssForCausalLM(config, spec, torch_dtype, device)
+    elif spec.family == "gemma":
+        if source.kind == "gguf":
+            # llama.cpp's gemma tensors have other names and store norms as 1 + w.
+            raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors "
+                             f"only)")
+        model = GemmaForCausalLM(config, spec, torch_dtype, device)
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
     return fill_weights(model, source, config, spec.gguf_permute_qk)

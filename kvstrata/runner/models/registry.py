@@ -11,6 +11,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "DeepseekV32ForCausalLM": ArchSpec(family="deepseek_v32"),
+    # Text-only Gemma 3 (model_type gemma3_text) and Gemma 2: runner/models/gemma.py.
+    "Gemma3ForCausalLM": ArchSpec(family="gemma", qk_norm=True),
+    "Gemma2ForCausalLM": ArchSpec(family="gemma", attn_logit_softcapping=True),
     "GptOssForCausalLM": ArchSpec(family="gpt_oss"),
 }
 

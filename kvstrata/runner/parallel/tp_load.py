@@ -31,7 +31,8 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
         model = TPGptOss(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
         return loader.fill_weights(model, source, config)
     if spec.family not in ("decoder", "deepseek_v32"):
-        raise ValueError(f"{name}: --tp-size > 1 is not supported for this model yet")
+        raise ValueError(f"--tp-size {group.size}: tensor parallelism is not implemented for "
+                         f"{name} (the llama-family decoder, gpt-oss and DeepseekV32 have it)")
     if spec.family == "deepseek_v32":
         model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
                                     dev, group)

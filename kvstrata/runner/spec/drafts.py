@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.runner.models.decoder import is_llama_family
+from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.spec.standalone import DraftModel
 
 
@@ -15,6 +17,7 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
     over a DeepSeek (MLA) target, EAGLE is NEXTN after resolution: its own MTP layer."""
     if path is None:
         return None
+    refuse_speculation(target, algorithm)
     if algorithm in ("EAGLE", "EAGLE3") and target.pool_kind == "mla":
         from kvstrata.runner.spec.mtp import MTPDraft
 
@@ -39,4 +42,15 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
     return DraftModel(path, dtype, device, quantization, vocab, tree, deterministic)
 
 
-__all__ = ["build_draft"]
+def refuse_speculation(target, algorithm: str) -> None:
+    """EAGLE / EAGLE3 heads read the llama-family decoder's hidden states (capture_hidden,
+    capture_layers), which other decoders (Gemma) do not keep: refused by name. NGRAM and
+    STANDALONE only run the target's forward over draft tokens, which any decoder does."""
+    if (algorithm in ("EAGLE", "EAGLE3") and getattr(target, "spec", None) is not None
+            and not is_llama_family(target)):
+        raise ValueError(f"--speculative-algorithm {algorithm}: EAGLE heads are not "
+                         f"implemented for {architecture_name(target.config)} targets (the "
+                         f"llama-family decoder has them; NGRAM and STANDALONE work)")
+
+
+__all__ = ["build_draft", "refuse_speculation"]
