@@ -3,9 +3,10 @@
   registry.py       architecture name -> how to build it
   decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3)
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
+  gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings
-  deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py); its config and weight
+  deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py, the expert dispatch); its config and weight
                     names: deepseek_v32_config.py, deepseek_v32_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
