@@ -101,7 +101,10 @@ def test_kernel_tests_pass_on_the_emulated_cpu(cpu):
     assert " passed" in tail and "error" not in tail.splitlines()[-1], tail
 
 
-@pytest.mark.slow
+# A soak (KVSTRATA_SOAK=1; with KVSTRATA_EMULATED_ALL=1 too, on both CPUs): the bodies it serves with are the
+# kernel runs above; this checks the wiring (a server's processes load the emulated build,
+# --dtype auto and /server_info follow the emulated flags).
+@pytest.mark.soak
 @pytest.mark.parametrize("cpu", ["avx512_bf16", "sapphirerapids"] if ALL else ["sapphirerapids"])
 def test_served_smollm2_on_the_emulated_cpu(cpu):
     """A whole server on the emulated bodies: its processes load the build through the

@@ -204,6 +204,9 @@ def test_speculative_decoding_matches_transformers(shape, tiny, prompts, referen
     assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
 
 
+# A soak (KVSTRATA_SOAK=1): test_gpt_oss_parts.py's MXFP4 tp 2 run takes the same sharding
+# path (heads, sinks, expert widths) on dequantized experts, in `make test`.
+@pytest.mark.soak
 def test_tensor_parallel_matches_transformers(tiny, prompts, references):
     """tp 2: each rank holds 2 of the 4 query heads (their sinks), 1 of 2 KV heads and half
     of every expert's width; the shares' sums give transformers' tokens."""

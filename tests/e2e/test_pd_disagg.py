@@ -288,6 +288,7 @@ def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
     """SIGKILL the prefill with 8 requests in flight through the router: every client gets
     an error within the heartbeat bound (the router's retries hit the dead bootstrap port,
     which fails fast now), and the decode pool returns to idle."""
+    soak_on_mooncake(pd)
     def chat(i):
         return httpx.post(router.base_url + "/v1/chat/completions", timeout=120, json={
             "model": "tiny", "max_tokens": 200, "ignore_eos": True, "temperature": 0.0,
