@@ -65,7 +65,8 @@ LONG_FILES_FIRST = (
     "e2e/test_lifecycle.py", "unit/test_disagg_fuzz.py", "e2e/test_sglang_router.py",
     "e2e/test_speculative_server.py",
     "e2e/test_smollm2_smoke.py", "e2e/test_control_routes_under_load.py",
-    "e2e/test_bad_input.py", "unit/test_scheduler_fuzz.py")
+    "e2e/test_bad_input.py", "unit/test_scheduler_fuzz.py", "correctness/test_gemma.py",
+    "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
