@@ -23,6 +23,7 @@ import logging
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -115,6 +116,13 @@ def _graceful_server_class():
     return GracefulServer
 
 
+def _send_quietly(conn, value) -> None:
+    try:
+        conn.send(value)
+    except OSError:  # the scheduler is gone; the launcher sees that on its own
+        pass
+
+
 def launch_server(server_args) -> int:
     """Run the server until SIGINT/SIGTERM (returns 0) or until a child process dies
     (returns ENGINE_DEAD_EXIT_CODE). Blocking."""
@@ -143,9 +151,14 @@ def launch_server(server_args) -> int:
         # with it is exact), which spares that process importing transformers.
         from kvstrata.frontend.tokenizer_loader import decoder_spec, load_tokenizer_for
 
-        start("scheduler", run_scheduler_process)
+        # The scheduler needs its tokenizer for stop strings and grammars only: it gets the
+        # same copy through this pipe (sent once it is ready, by a thread: the copy may be
+        # larger than the pipe's buffer and the scheduler reads it when it first needs it).
+        spec_recv, spec_send = ctx.Pipe(duplex=False)
+        start("scheduler", run_scheduler_process, spec_recv)
         tokenizer = load_tokenizer_for(server_args)
-        start("detokenizer", run_detokenizer_process, decoder_spec(tokenizer))
+        spec = decoder_spec(tokenizer)
+        start("detokenizer", run_detokenizer_process, spec)
         import uvicorn
 
         from kvstrata.entrypoints.api.api_server import create_app
@@ -154,6 +167,8 @@ def launch_server(server_args) -> int:
         from kvstrata.metrics import ServerMetrics
 
         infos = _wait_ready(children, READY_TIMEOUT_S)
+        threading.Thread(target=_send_quietly, args=(spec_send, spec), daemon=True,
+                         name="tokenizer-spec").start()
         processes = [p for p, _ in children]
         scheduler_proc, detokenizer_proc = processes
 

@@ -183,8 +183,31 @@ class SchedulerLoop:
             self.send_sock.send(ipc.encode(ipc.LoadReport(load)))
 
 
-def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
-    """Entry point of the scheduler subprocess."""
+# How long the scheduler waits for the launcher's tokenizer copy before loading its own (the
+# launcher sends it once both children are ready).
+TOKENIZER_SPEC_WAIT_S = 600.0
+
+
+def decode_only_from(conn):
+    """The launcher's tokenizer copy as a DecodeOnlyTokenizer, or None (not exact to copy,
+    never sent): the caller then loads the tokenizer itself."""
+    from kvstrata.frontend.tokenizer_loader import DecodeOnlyTokenizer
+
+    try:
+        if not conn.poll(TOKENIZER_SPEC_WAIT_S):
+            return None
+        spec = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return DecodeOnlyTokenizer(spec) if spec is not None else None
+
+
+def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn,
+                          tokenizer_spec_conn=None) -> None:
+    """Entry point of the scheduler subprocess. `tokenizer_spec_conn`: where the launcher
+    sends its tokenizer's decoder (tokenizer_loader.decoder_spec, or None when decoding
+    with a copy would not be exact): the scheduler then decodes with that copy instead of
+    importing transformers to load the tokenizer again (~1.3 s of CPU a start)."""
     from kvstrata.frontend.process_utils import die_with_parent, exit_now, setup_child_logging
 
     die_with_parent()
@@ -193,6 +216,8 @@ def run_scheduler_process(server_args, paths: ipc.IpcPaths, ready_conn) -> None:
         # The tokenizer (stop strings only) loads after the ready message, off the start
         # (or at its first use: KVSTRATA_SCHEDULER_EAGER_TOKENIZER=0).
         engine, tokenizer = load_engine_factory()(server_args, defer_tokenizer=True)
+        if tokenizer_spec_conn is not None and hasattr(tokenizer, "prefer"):
+            tokenizer.prefer(lambda: decode_only_from(tokenizer_spec_conn))
         if hasattr(getattr(engine, "runner", None), "exit_on_rank_loss"):
             engine.runner.exit_on_rank_loss = True  # TP: a lost rank ends the server now
         ctx = zmq.Context()

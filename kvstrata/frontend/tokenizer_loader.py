@@ -88,6 +88,7 @@ class DeferredTokenizer:
 
     def __init__(self, load):
         self._load = load
+        self._first: object = None  # prefer(): a cheaper source tried before `load`
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._value = None
@@ -100,9 +101,14 @@ class DeferredTokenizer:
                                                 daemon=True)
                 self._thread.start()
 
+    def prefer(self, source) -> None:
+        """Try `source()` first (before loading starts): its tokenizer, or None to load."""
+        self._first = source
+
     def _run(self) -> None:
         try:
-            self._value = self._load()
+            value = self._first() if self._first is not None else None
+            self._value = value if value is not None else self._load()
         except BaseException as e:  # re-raised to the first user
             self._error = e
 
@@ -126,6 +132,8 @@ def decoder_spec(tokenizer) -> str | None:
     what transformers built from the checkpoint's files (added and special tokens, patched
     pre-tokenizers), so a copy of it decodes alike: the detokenizer gets that copy instead of
     importing transformers and building the tokenizer again (~1.2 s of CPU a start)."""
+    if isinstance(tokenizer, NoTokenizer):
+        return None  # --skip-tokenizer-init: nothing to copy (and no transformers to import)
     try:
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
     except ImportError:
@@ -156,6 +164,12 @@ class DecodeOnlyTokenizer:
         from tokenizers import Tokenizer
 
         self._backend = Tokenizer.from_str(spec)
+
+    @property
+    def backend_tokenizer(self):
+        """The tokenizers-library Tokenizer (grammars build their token table from it, as
+        from a transformers fast tokenizer's)."""
+        return self._backend
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         if isinstance(token_ids, int):
