@@ -58,6 +58,7 @@ THIRD_PARTY_NAMES = {
     "RMSNorm", "LayerNorm",  # the layers of DeepSeek's reference model (docs/dsa.md)
     "GenerateReqInput",  # SGLang's /generate schema, which kvstrata mirrors
     "Int8DynamicActivationInt8WeightConfig",  # torchao's int8 path, measured and not taken
+    "Gemma3ForConditionalGeneration",  # the multimodal Gemma 3 checkpoints, refused by name
 }
 
 
