@@ -41,9 +41,10 @@ class SWAPages:
         # reads q-W+1..q, i.e. W-1 earlier tokens. A prefix of L tokens (L page-aligned) is
         # usable, and a lock protects, the last `window_pages` pages before L.
         self.window_pages = -(-(window - 1) // page_size)
-        # The most SWA tokens a request holds besides the chunk it computes now: its window
-        # plus the release margin (release_upto) and the page being filled.
-        self.per_request_tokens = self.window_pages * page_size + 2 * page_size
+        # The most SWA tokens a decoding request holds: after release_upto(C) and growing to
+        # C + 1 tokens it keeps pages [floor((C-W-P)/P), ceil((C+1)/P)), at most
+        # ceil((W+1)/P) + 2 of them (the window, the release margin, the page being filled).
+        self.per_request_tokens = (-(-(window + 1) // page_size) + 2) * page_size
 
     # ------------------------------------------------------------------ pages
     def live(self, full_page: int) -> bool:

@@ -64,7 +64,10 @@ class PrefillAdder:
         return -(-tokens // self.page_size) * self.page_size
 
     def budget_exhausted(self) -> bool:
-        return self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
+        # A cut item (the batch's one chunked request) ends the batch: rem_chunk reaches 0
+        # then, but an SWA cut leaves it (and rem_input) untouched.
+        return (self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
+                or any(not item.is_last_chunk for item in self.items))
 
     def _reserve(self, req) -> int:
         return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
