@@ -13,15 +13,8 @@ import pytest
 
 from helpers import driver
 from helpers.runner import make_runner
-from kvstrata.config.rules import swa as swa_rule
 from tests.correctness.test_sliding_window_models import (  # noqa: F401 (fixtures)
     NEW_TOKENS, WINDOW, check, prompts, references, windowed)
-
-
-@pytest.fixture(autouse=True)
-def engine_built(monkeypatch):
-    """The driver hands out SWA slots itself, so the rule may turn the pool on."""
-    monkeypatch.setattr(swa_rule, "ENGINE_BUILT", True)
 
 
 def runner_for(path, **kw):

@@ -22,11 +22,6 @@ ALL_SWA = ModelInfo.from_hf_config({"model_type": "mistral", "num_hidden_layers"
 GEMMA2 = ModelInfo.from_hf_config({"model_type": "gemma2", "num_hidden_layers": 6})
 
 
-@pytest.fixture(autouse=True)
-def engine_built(monkeypatch):
-    monkeypatch.setattr(swa, "ENGINE_BUILT", True)
-
-
 def run(info=HYBRID, platform="cpu", **kw):
     resolved, res = resolve(ServerArgs(**kw), simulated(platform), info, env={})
     return resolved, {r.field: r for r in res}
@@ -82,13 +77,6 @@ def test_off_with_the_reason(kw, reason, info):
     assert resolved.hybrid_swa_memory is False
     r = res["hybrid_swa_memory"]
     assert r.rule == "swa.off" and reason in r.reason, r.reason
-
-
-def test_off_until_the_scheduler_hands_out_swa_slots(monkeypatch):
-    monkeypatch.setattr(swa, "ENGINE_BUILT", False)
-    resolved, res = run()
-    assert resolved.hybrid_swa_memory is False
-    assert "does not hand out SWA pool slots" in res["hybrid_swa_memory"].reason
 
 
 @pytest.mark.parametrize("kw", [

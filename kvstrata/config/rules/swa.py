@@ -25,11 +25,6 @@ RULE_OFF = "swa.off"
 # SWA pool yet (its slots, its windowed layers, its tree moves are untested there). NGRAM has
 # no draft model: its verify entries move accepted KV in both pools (runner/spec/verify.py).
 DRAFT_POOL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-# Whether the torch-free side (cache/kv_manager.py: SWA pages per full page, out-of-window
-# frees, ScheduledRequest.swa_slots) is built: until it is, the runner's SWA pool would get no
-# slots, so the rule keeps one uniform pool and says why. Tests that drive the runner with
-# their own SWA slots set it.
-ENGINE_BUILT = False
 
 
 def blockers(args: ResolvedArgs) -> list[str]:
@@ -37,8 +32,6 @@ def blockers(args: ResolvedArgs) -> list[str]:
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    if not ENGINE_BUILT:
-        out.append("the scheduler does not hand out SWA pool slots yet")
     if args.enable_hierarchical_cache or args.hicache_storage_backend is not None:
         out.append("HiCache (--enable-hierarchical-cache / L3 storage): the host tier and "
                    "storage keys copy one uniform pool's pages, not the SWA pool's")
