@@ -14,6 +14,10 @@ A pool kind is a tuple of `KVComponent`s: the per-token tensors every layer keep
         the KV dtype on our torch path (what the fp32 reference computes); SGLang's CUDA
         layout is (index_head_dim + 4 * index_head_dim / 128,) uint8 (fp8 keys and fp32
         scales per 128-element block), which a plan can describe too (docs/dsa.md)
+  swa   hybrid SWA memory: mha K/V of the full-attention layers in `components` (none for an
+        all-SWA model) and of the sliding-window layers in `swa_components`, a second pool of
+        `num_swa_pages` (config/kv_sizing_swa.py sizes both; `full_pool_plan()` and
+        `swa_pool_plan()` are what the runner allocates)
 Page 0 of each pool and req_to_token row 0 are padding sinks allocated on top of the usable
 `num_pages` / `num_rows`.
 
