@@ -245,8 +245,13 @@ def test_lock_protects_only_the_last_window():
     assert tree.evict_swa(100) == 8
     assert [bool(kv.swa.map[p]) for p in second.pages] == [False] * 8 + [True] * 2
     check_kv_state(kv, [second])
-    # Decoding past the window drops the SWA lock; the full lock stays.
+    # The window moving on shrinks the SWA lock page by page ...
     kv.grow(second, 40)
+    second.num_computed_tokens = 25  # release_upto: (25 - 5 - 2) // 2 = 9 pages
+    kv.free_out_of_window(second)
+    assert second.swa_lock_from == 18 and tree.protected_swa_pages() == 1
+    check_kv_state(kv, [second])
+    # ... and decoding past the window drops it; the full lock stays.
     second.num_computed_tokens = 39
     kv.free_out_of_window(second)
     assert second.swa_lock_from is None and tree.protected_swa_pages() == 0
