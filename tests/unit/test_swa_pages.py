@@ -340,3 +340,17 @@ def test_aborts_and_flush_keep_both_pools_whole():
     assert engine.scheduler.kv.flush()
     kv = engine.scheduler.kv
     assert kv.swa.allocator.available_pages() == 24 and kv.allocator.available_pages() == 64
+
+
+def test_pd_refuses_an_swa_pool():
+    with pytest.raises(ValueError, match="does not support PD disaggregation"):
+        SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
+                        disaggregation_mode="prefill")
+
+
+def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():
+    engine, _ = make_engine(num_pages=256, num_swa=4, P=1, window=8)
+    out, reasons = run(engine, [("a", ids(50, 20), 4), ("b", ids(51, 3), 2)])
+    assert reasons["a"].type == "abort" and "sliding-window pool 4" in reasons["a"].message
+    assert reasons["b"].type == "length" and out["b"] == reference_tokens(ids(51, 3), 2, VOCAB)
+    assert_drained(engine)
