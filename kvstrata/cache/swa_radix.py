@@ -43,6 +43,10 @@ class SWARadixCache(RadixCache):
     def __init__(self, allocator: PageAllocator, page_size: int, swa: SWAPages,
                  disable: bool = False, eviction_policy: str = "lru"):
         self.swa = swa
+        # Cumulative, for stats and tests: tokens cut from matches by tombstones, tombstoned
+        # pages healed by an insert.
+        self.total_cut_tokens = 0
+        self.total_healed_pages = 0
         super().__init__(allocator, page_size, disable=disable, eviction_policy=eviction_policy)
 
     def _init_tree(self) -> None:
@@ -84,6 +88,8 @@ class SWARadixCache(RadixCache):
         keep = self._usable_pages(token_ids) * self.page_size
         match = super().match_prefix(token_ids[:keep])
         self.total_queried_tokens += len(token_ids) - keep  # the cut tail was queried too
+        if not self.disable:
+            self.total_cut_tokens += super().peek_device_pages(token_ids) * self.page_size - keep
         return match
 
     def peek_device_pages(self, token_ids: list[int]) -> int:
@@ -127,6 +133,7 @@ class SWARadixCache(RadixCache):
                     self.swa.adopt(full, mine)
                 child.swa_tombstone = False
                 self._swa_evictable_pages += child.num_pages  # a tombstone holds no lock
+                self.total_healed_pages += child.num_pages
             pos += run * P
             child.last_access_time = now
             node = child

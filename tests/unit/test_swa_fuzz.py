@@ -19,8 +19,11 @@ from tests.unit import test_scheduler_fuzz as base
 
 # Window 1 (no earlier token read) to beyond a prompt; SWA pools from below one request's
 # window (aborts) to roomy; the main pool from test_scheduler_fuzz's range.
+# Small windows half the time: pages leave them early, so tombstones, cut matches and
+# healing inserts are common.
 swa_configs = base.configs.flatmap(lambda cfg: st.tuples(
-    st.integers(1, 48), st.integers(4, 160)).map(lambda swa: {**cfg, "swa": swa}))
+    st.one_of(st.integers(1, 8), st.integers(1, 48)), st.integers(4, 160)).map(
+        lambda swa: {**cfg, "swa": swa}))
 
 
 class SWAMachine(base.SchedulerMachine):
@@ -68,6 +71,8 @@ class SWAMachine(base.SchedulerMachine):
             swa = kv.swa.allocator
             assert swa.available_pages() + kv.tree.cached_swa_pages() == swa.num_pages
             event(f"tombstones cached: {any(n.swa_tombstone for n in kv.tree._nodes())}")
+            event(f"matches cut by tombstones: {kv.tree.total_cut_tokens > 0}")
+            event(f"tombstones healed: {kv.tree.total_healed_pages > 0}")
 
 
 SWAMachine.TestCase.settings = settings(base.SchedulerMachine.TestCase.settings,
