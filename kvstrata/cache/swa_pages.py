@@ -104,13 +104,24 @@ class SWAPages:
         if upto > start:
             self.free_swa(req.pages[start:upto])
         req.swa_evicted_pages = max(start, upto)
-        if upto >= req.num_tree_pages:
-            self.unlock(tree, req)
+        lock_from = getattr(req, "swa_lock_from", None)
+        if lock_from is None or upto * self.page_size <= lock_from:
+            return
+        # The window left part of the locked tree window: lock only the rest (or nothing),
+        # so the request never pins more than per_request_tokens.
+        self.unlock(tree, req)
+        end = req.num_tree_pages * self.page_size
+        if upto * self.page_size < end:
+            tree.swa_lock(req.last_node, end, upto * self.page_size)
+            req.swa_lock_from = upto * self.page_size
 
     def lock(self, tree, req: Any) -> None:
         """SWA-lock the last window of the request's tree prefix (after its full lock)."""
         if req.last_node is not None:
-            req.swa_lock_from = tree.swa_lock(req.last_node, req.num_tree_pages * self.page_size)
+            end = req.num_tree_pages * self.page_size
+            start = end - min(self.window_pages, req.num_tree_pages) * self.page_size
+            tree.swa_lock(req.last_node, end, start)
+            req.swa_lock_from = start
 
     def unlock(self, tree, req: Any) -> None:
         """Drop the request's SWA lock, if it holds one (before its full unlock)."""

@@ -13,7 +13,8 @@ The match is cut back to the longest usable page-aligned length; the rest is rec
 Locks: `lock_ref` (full pages) runs from a request's node to the root, as before. The SWA
 lock (`swa_lock_ref`) covers only the last `window_pages` pages of its prefix -- the part its
 queries can still read -- and the node at the window's start is split so exactly those pages
-are protected; long cached prompts do not pin SWA memory. A request remembers where its SWA
+are protected; long cached prompts do not pin SWA memory. As the request's window moves on
+the lock shrinks page by page, and goes once the window has left the prefix. A request remembers where its SWA
 lock starts (a position), so splits inside the locked span after the lock need no bookkeeping:
 both halves of a split node inherit swa_lock_ref, and unlock walks up to that position.
 
@@ -42,6 +43,10 @@ class SWARadixCache(RadixCache):
     def __init__(self, allocator: PageAllocator, page_size: int, swa: SWAPages,
                  disable: bool = False, eviction_policy: str = "lru"):
         self.swa = swa
+        # Cumulative, for stats and tests: tokens cut from matches by tombstones, tombstoned
+        # pages healed by an insert.
+        self.total_cut_tokens = 0
+        self.total_healed_pages = 0
         super().__init__(allocator, page_size, disable=disable, eviction_policy=eviction_policy)
 
     def _init_tree(self) -> None:
@@ -83,6 +88,8 @@ class SWARadixCache(RadixCache):
         keep = self._usable_pages(token_ids) * self.page_size
         match = super().match_prefix(token_ids[:keep])
         self.total_queried_tokens += len(token_ids) - keep  # the cut tail was queried too
+        if not self.disable:
+            self.total_cut_tokens += super().peek_device_pages(token_ids) * self.page_size - keep
         return match
 
     def peek_device_pages(self, token_ids: list[int]) -> int:
@@ -126,6 +133,7 @@ class SWARadixCache(RadixCache):
                     self.swa.adopt(full, mine)
                 child.swa_tombstone = False
                 self._swa_evictable_pages += child.num_pages  # a tombstone holds no lock
+                self.total_healed_pages += child.num_pages
             pos += run * P
             child.last_access_time = now
             node = child
@@ -159,11 +167,10 @@ class SWARadixCache(RadixCache):
         return upper
 
     # ------------------------------------------------------------------ SWA locks
-    def swa_lock(self, node: TreeNode, end: int) -> int:
-        """SWA-lock the last window of the prefix ending at `node` (`end` tokens deep);
-        return the position where the lock starts (pass it to swa_unlock)."""
+    def swa_lock(self, node: TreeNode, end: int, start: int) -> None:
+        """SWA-lock positions [start, end) (page-aligned) of the prefix ending at `node`
+        (`end` tokens deep): the pages a request's windows still read there."""
         P = self.page_size
-        start = end - min(self.swa.window_pages, end // P) * P
         pos = end
         while pos > start:
             node_start = pos - len(node.key)
@@ -176,7 +183,6 @@ class SWARadixCache(RadixCache):
                 self._swa_protected_pages += node.num_pages
             node.swa_lock_ref += 1
             pos, node = node_start, node.parent
-        return start
 
     def swa_unlock(self, node: TreeNode, end: int, start: int) -> None:
         pos = end

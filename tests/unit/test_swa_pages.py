@@ -245,8 +245,13 @@ def test_lock_protects_only_the_last_window():
     assert tree.evict_swa(100) == 8
     assert [bool(kv.swa.map[p]) for p in second.pages] == [False] * 8 + [True] * 2
     check_kv_state(kv, [second])
-    # Decoding past the window drops the SWA lock; the full lock stays.
+    # The window moving on shrinks the SWA lock page by page ...
     kv.grow(second, 40)
+    second.num_computed_tokens = 25  # release_upto: (25 - 5 - 2) // 2 = 9 pages
+    kv.free_out_of_window(second)
+    assert second.swa_lock_from == 18 and tree.protected_swa_pages() == 1
+    check_kv_state(kv, [second])
+    # ... and decoding past the window drops it; the full lock stays.
     second.num_computed_tokens = 39
     kv.free_out_of_window(second)
     assert second.swa_lock_from is None and tree.protected_swa_pages() == 0
@@ -335,3 +340,17 @@ def test_aborts_and_flush_keep_both_pools_whole():
     assert engine.scheduler.kv.flush()
     kv = engine.scheduler.kv
     assert kv.swa.allocator.available_pages() == 24 and kv.allocator.available_pages() == 64
+
+
+def test_pd_refuses_an_swa_pool():
+    with pytest.raises(ValueError, match="does not support PD disaggregation"):
+        SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
+                        disaggregation_mode="prefill")
+
+
+def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():
+    engine, _ = make_engine(num_pages=256, num_swa=4, P=1, window=8)
+    out, reasons = run(engine, [("a", ids(50, 20), 4), ("b", ids(51, 3), 2)])
+    assert reasons["a"].type == "abort" and "sliding-window pool 4" in reasons["a"].message
+    assert reasons["b"].type == "length" and out["b"] == reference_tokens(ids(51, 3), 2, VOCAB)
+    assert_drained(engine)
