@@ -10,6 +10,11 @@ Page ownership for one request (page size P):
 
     pages[0 : num_tree_pages]        owned by the radix tree, pinned by last_node's lock
     pages[num_tree_pages : ]         owned by the request (freed or adopted by the tree later)
+
+Hybrid SWA memory (plan.has_swa_pool): every full page also has an SWA page for the
+sliding-window layers until it falls out of every window (cache/swa_pages.py; the tree's side
+in cache/swa_radix.py). `swa_slots` gives the runner those slots; `free_out_of_window` is the
+per-step release; capacity is the smaller of the two pools.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
+from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
 
@@ -47,6 +54,12 @@ class KVManager:
         self.plan = plan
         page_size = self.page_size = plan.page_size
         self.allocator = PageAllocator(plan.num_pages, page_size)
+        self.swa: SWAPages | None = None
+        if plan.has_swa_pool:
+            if plan.has_host_pool:  # no host tier copies SWA pages yet: never mix silently
+                raise ValueError("the hybrid SWA pool does not support a host pool yet "
+                                 f"({plan.host_pool_use}); disable hybrid SWA memory")
+            self.swa = SWAPages(plan.num_swa_pages, plan.num_pages, page_size, plan.swa_window)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
         self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"
                                                    or backups_share_host)
@@ -66,6 +79,9 @@ class KVManager:
                 self.tree.storage = StorageTier(self.tree, storage, max(capacity, 0))
         elif storage is not None:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        elif self.swa is not None:
+            self.tree = SWARadixCache(self.allocator, page_size, self.swa,
+                                      disable=disable_radix_cache, eviction_policy=eviction_policy)
         else:
             self.tree = RadixCache(self.allocator, page_size, disable=disable_radix_cache,
                                    eviction_policy=eviction_policy)
@@ -87,9 +103,23 @@ class KVManager:
     def evictable_tokens(self) -> int:
         return self.tree.evictable_pages() * self.page_size
 
-    def allocatable_tokens(self) -> int:
-        """Free now plus what evicting unlocked cached pages would free."""
+    def full_allocatable_tokens(self) -> int:
+        """Free now plus what evicting unlocked cached pages would free (main pool)."""
         return self.available_tokens() + self.evictable_tokens()
+
+    def swa_allocatable_tokens(self) -> int | None:
+        """The same for the SWA pool (None without one): free plus SWA-unlocked cached."""
+        if self.swa is None:
+            return None
+        return (self.swa.allocator.available_pages() + self.tree.evictable_swa_pages()) \
+            * self.page_size
+
+    def allocatable_tokens(self) -> int:
+        """Tokens that can get pages now: every new page needs an SWA page too, so with an
+        SWA pool the smaller of the two (SGLang's available_size = min(full, swa))."""
+        swa = self.swa_allocatable_tokens()
+        full = self.full_allocatable_tokens()
+        return full if swa is None else min(full, swa)
 
     def used_tokens(self) -> int:
         """Tokens held by requests or pinned in the tree (not reclaimable now)."""
@@ -100,7 +130,13 @@ class KVManager:
         shortfall = num_pages - self.allocator.available_pages()
         if shortfall > 0:
             self.tree.evict(shortfall)
-        return self.allocator.available_pages() >= num_pages
+        ok = self.allocator.available_pages() >= num_pages
+        if self.swa is not None:  # a new page takes an SWA page too
+            shortfall = num_pages - self.swa.allocator.available_pages()
+            if shortfall > 0:
+                self.tree.evict_swa(shortfall)
+            ok = ok and self.swa.allocator.available_pages() >= num_pages
+        return ok
 
     # ------------------------------------------------------------------ retraction backups
     def alloc_backup_pages(self, num_pages: int) -> list[int] | None:
@@ -166,6 +202,8 @@ class KVManager:
         req.last_node = match.last_node
         req.pages = list(match.device_pages)
         req.num_tree_pages = len(req.pages)
+        req.swa_evicted_pages = 0
+        self._swa_lock(req)
         req.num_computed_tokens = len(req.pages) * self.page_size
         req.row_stale_from = 0
         self.queried_tokens += len(ids)
@@ -262,20 +300,44 @@ class KVManager:
         new_pages = self.allocator.alloc(need)
         if new_pages is None:
             return False
+        if self.swa is not None and not self.swa.alloc_for(new_pages):
+            self.allocator.free(new_pages)
+            return False
         req.pages.extend(new_pages)
         return True
+
+    def _free(self, pages: list[int]) -> None:
+        """Free full pages, with their SWA pages."""
+        if self.swa is not None:
+            self.swa.free_swa(pages)
+        self.allocator.free(pages)
 
     def trim(self, req: Any, upto_tokens: int) -> None:
         """Free the request's pages past those covering positions [0, upto_tokens): the
         pages of rejected draft tokens (a page partly used by committed tokens stays)."""
         keep = max(-(-upto_tokens // self.page_size), req.num_tree_pages)
         if len(req.pages) > keep:
-            self.allocator.free(req.pages[keep:])
+            self._free(req.pages[keep:])
             del req.pages[keep:]
 
     def slots(self, req: Any, start: int, end: int) -> list[int]:
         P = self.page_size
         return [req.pages[i // P] * P + i % P for i in range(start, end)]
+
+    def swa_slots(self, req: Any, start: int, end: int) -> list[int] | None:
+        """The SWA slots of positions [start, end) (0 where the page has none: out of every
+        window, never read), for ScheduledRequest.swa_slots; None without an SWA pool."""
+        return None if self.swa is None else self.swa.slots(req.pages, start, end)
+
+    def free_out_of_window(self, req: Any) -> None:
+        """Release the SWA pages no query of the request reads again (SWAPages.release);
+        call for each running request at each step, before scheduling."""
+        if self.swa is not None:
+            self.swa.release(self.tree, req)
+
+    def _swa_lock(self, req: Any, lock: bool = True) -> None:
+        if self.swa is not None:  # after the full lock / before the full unlock
+            (self.swa.lock if lock else self.swa.unlock)(self.tree, req)
 
     # ------------------------------------------------------------------ hand-over
     def cache_unfinished(self, req: Any) -> None:
@@ -300,11 +362,13 @@ class KVManager:
                 req.pages[i] = tree_pages[i]
                 req.row_stale_from = min(req.row_stale_from, i * self.page_size)
         if duplicates:
-            self.allocator.free(duplicates)
+            self._free(duplicates)
+        self._swa_lock(req, lock=False)
         self.tree.lock(match.last_node)
         self.tree.unlock(req.last_node)
         req.last_node = match.last_node
         req.num_tree_pages = full
+        self._swa_lock(req)
 
     def release(self, req: Any, insert: bool) -> None:
         """Drop a request's KV. With insert, its computed whole pages go to the tree first
@@ -321,12 +385,14 @@ class KVManager:
                 keep = full
         to_free.extend(req.pages[keep:])
         if to_free:
-            self.allocator.free(to_free)
+            self._free(to_free)
         if req.last_node is not None:
+            self._swa_lock(req, lock=False)
             self.tree.unlock(req.last_node)
         req.pages = []
         req.num_tree_pages = 0
         req.last_node = None
+        req.swa_evicted_pages = 0
 
     def flush(self) -> bool:
         return self.tree.reset()
@@ -336,7 +402,8 @@ class KVManager:
         return self.matched_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def check_integrity(self, live_requests: Iterable[Any]) -> None:
-        """free + held by requests + cached in the tree == total pages."""
+        """free + held by requests + cached in the tree == total pages (both pools)."""
+        live_requests = list(live_requests)
         self.allocator.check_integrity()
         self.tree.check_integrity()
         own = 0
@@ -351,3 +418,5 @@ class KVManager:
         total = self.allocator.num_pages
         assert free + own + cached == total, (
             f"KV page leak: free {free} + in use {own} + cached {cached} != total {total}")
+        if self.swa is not None:
+            self.swa.check_requests(live_requests, self.tree)

@@ -36,7 +36,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "device_pages", "children", "parent", "lock_ref",
         "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
-        "host_ref", "hash_keys",
+        "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -60,6 +60,10 @@ class TreeNode:
         # freed meanwhile), and the storage key of each page (computed when first needed).
         self.host_ref = 0
         self.hash_keys: list[str] | None = None
+        # Hybrid SWA memory (cache/swa_radix.py): locks on this node's sliding-window pages,
+        # and whether those pages were freed while the full pages stay (a tombstone).
+        self.swa_lock_ref = 0
+        self.swa_tombstone = False
 
     @property
     def num_pages(self) -> int:
@@ -318,7 +322,7 @@ class RadixCache:
         freed = 0
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.device_pages)
+            self._free_node_pages(leaf)
             freed += leaf.num_pages
             self._evictable_pages -= leaf.num_pages
             parent = leaf.parent
@@ -345,9 +349,13 @@ class RadixCache:
             return False
         for node in self._nodes():
             if node.device_pages:
-                self.allocator.free(node.device_pages)
+                self._free_node_pages(node)
         self._init_tree()
         return True
+
+    def _free_node_pages(self, node: TreeNode) -> None:
+        """Give a dropped node's device pages back (the SWA tree frees their SWA pages too)."""
+        self.allocator.free(node.device_pages)
 
     # ------------------------------------------------------------------ introspection
 

@@ -47,6 +47,7 @@ _RANGES: dict[str, tuple] = {
     "chunked_prefill_size": (lambda v: v == -1 or v >= 1, ">= 1 or -1 (disabled)"),
     "schedule_conservativeness": (lambda v: v > 0, "> 0"),
     "mem_fraction_static": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "swa_full_tokens_ratio": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "context_length": (lambda v: v >= 1, ">= 1"),
     "stream_interval": (lambda v: v >= 1, ">= 1"),
     "watchdog_timeout": (lambda v: v > 0, "> 0"),

@@ -14,6 +14,10 @@ A pool kind is a tuple of `KVComponent`s: the per-token tensors every layer keep
         the KV dtype on our torch path (what the fp32 reference computes); SGLang's CUDA
         layout is (index_head_dim + 4 * index_head_dim / 128,) uint8 (fp8 keys and fp32
         scales per 128-element block), which a plan can describe too (docs/dsa.md)
+  swa   hybrid SWA memory: mha K/V of the full-attention layers in `components` (none for an
+        all-SWA model) and of the sliding-window layers in `swa_components`, a second pool of
+        `num_swa_pages` (config/kv_sizing_swa.py sizes both; `full_pool_plan()` and
+        `swa_pool_plan()` are what the runner allocates)
 Page 0 of each pool and req_to_token row 0 are padding sinks allocated on top of the usable
 `num_pages` / `num_rows`.
 
@@ -53,6 +57,9 @@ DSA_INDEX_K = "index_k"
 # (runner/spec/eagle.py), kept beside the head's own K/V in the draft components.
 EAGLE_HIDDEN = "eagle_hidden"
 POOL_KINDS = {"mha": (MHA_K, MHA_V), "mla": (MLA_LATENT,),
+              # swa: hybrid SWA memory; `components` = the full-attention layers' K/V, or
+              # none at all for an all-SWA model (`swa_components` hold the windowed ones)
+              "swa": (),
               "none": ()}  # none: page bookkeeping only (torch-free fake runners, tests)
 
 
@@ -157,11 +164,19 @@ class KVPlan:
             raise ValueError(f"unknown KV pool kind {self.pool_kind!r}")
         names = tuple(c.name for c in self.components)
         required = POOL_KINDS[self.pool_kind]
-        if names[:len(required)] != required or len(set(names)) != len(names) or (
+        if self.pool_kind == "swa":
+            required = POOL_KINDS["mha"]
+            if names not in ((), required) or not self.num_swa_pages or tuple(
+                    c.name for c in self.swa_components) != required:
+                raise ValueError(f"an swa pool keeps {required} or nothing for its full "
+                                 f"layers and {required} in an SWA pool of num_swa_pages > 0, "
+                                 f"got {names}, {self.swa_components}, "
+                                 f"{self.num_swa_pages} SWA pages")
+        elif names[:len(required)] != required or len(set(names)) != len(names) or (
                 self.pool_kind == "none" and names):
             raise ValueError(f"a {self.pool_kind} pool keeps {required} (then optionally "
                              f"{DSA_INDEX_K}), got {names}")
-        for c in self.components:
+        for c in self.components + self.swa_components:
             if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
                 raise ValueError(f"invalid KV component {c}")
         draft_names = tuple(c.name for c in self.draft_components)
@@ -223,7 +238,8 @@ class KVPlan:
     @property
     def dtype(self) -> str | None:
         """Storage dtype of the main pool (K/V or latent); None without tensors."""
-        return self.components[0].dtype if self.components else None
+        comps = self.components or self.swa_components  # all-SWA: the SWA pool's
+        return comps[0].dtype if comps else None
 
     @property
     def num_layers(self) -> int:
@@ -270,9 +286,38 @@ class KVPlan:
         return page_bytes(self.components, self.page_size)
 
     @property
+    def swa_bytes_per_token(self) -> int:
+        return sum(c.bytes_per_token for c in self.swa_components)
+
+    @property
+    def max_swa_tokens(self) -> int:
+        """Usable tokens of the SWA pool (0 without one)."""
+        return self.num_swa_pages * self.page_size
+
+    @property
     def device_pool_bytes(self) -> int:
-        """The device pool's tensors, padding page included."""
-        return (self.num_pages + 1) * self.bytes_per_page
+        """The device pools' tensors, padding pages included (the SWA pool's too)."""
+        swa = ((self.num_swa_pages + 1) * page_bytes(self.swa_components, self.page_size)
+               if self.swa_components else 0)
+        return (self.num_pages + 1) * self.bytes_per_page + swa
+
+    # ---- hybrid SWA memory: each device pool as a plain mha plan (what the runner builds)
+    def full_pool_plan(self) -> "KVPlan | None":
+        """The full-attention layers' pool (None for an all-SWA plan: its full page ids are
+        addresses only, no tensors); `self` when this plan has no SWA pool."""
+        if self.pool_kind != "swa":
+            return self
+        if not self.components:
+            return None
+        return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, "mha",
+                      self.components)
+
+    def swa_pool_plan(self) -> "KVPlan":
+        """The sliding-window layers' pool: num_swa_pages pages of swa_components."""
+        if not self.swa_components:
+            raise ValueError("this KV plan has no SWA pool")
+        return KVPlan(self.page_size, self.num_swa_pages, self.num_rows, self.context_len,
+                      "mha", self.swa_components)
 
     @property
     def host_pool_bytes(self) -> int:
@@ -292,6 +337,8 @@ class KVPlan:
             "draft_components": [c.to_json() for c in self.draft_components],
             "draft_bytes_per_token": self.draft_bytes_per_token,
             "num_swa_pages": self.num_swa_pages, "swa_window": self.swa_window,
+            "max_swa_tokens": self.max_swa_tokens,
+            "swa_bytes_per_token": self.swa_bytes_per_token,
             "swa_components": [c.to_json() for c in self.swa_components],
         }
 
@@ -301,7 +348,10 @@ class KVPlan:
                 f"{self.host_layout}/{self.io_backend})" if self.num_host_pages else "")
         draft = (f"; draft pool {self.draft_bytes_per_token} B/token"
                  if self.draft_components else "")
+        swa = (f"; SWA pool {self.num_swa_pages} pages x {self.page_size} tokens "
+               f"({self.swa_bytes_per_token} B/token, window {self.swa_window}, "
+               f"{self.swa_components[0].num_layers} layers)" if self.swa_components else "")
         return (f"KV plan: {self.pool_kind} {self.dtype}, {self.num_pages} pages x "
                 f"{self.page_size} tokens ({self.device_pool_bytes / 2**20:.1f} MiB, "
                 f"{self.bytes_per_token} B/token), {self.num_rows} rows x "
-                f"{self.context_len}{host}{draft}")
+                f"{self.context_len}{swa}{host}{draft}")

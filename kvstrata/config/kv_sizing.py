@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from kvstrata.config.kv_plan import KVComponent, KVPlan
+from kvstrata.config.kv_sizing_swa import swa_plan
 from kvstrata.config.resolve_types import Resolution, ResolvedArgs, change
 
 logger = logging.getLogger("kvstrata.config")
@@ -33,6 +34,10 @@ class ModelKVFacts:
     sliding_window: int | None = None
     # A STANDALONE draft model's K/V per token: sized into the same device budget.
     draft_components: tuple[KVComponent, ...] = ()
+    # Per layer the window its attention applies (None = full attention), as the model
+    # hands them to the attention backend; None when no layer has one. With hybrid SWA
+    # memory the windowed layers' K/V get a pool of their own (kv_sizing_swa.py).
+    layer_windows: tuple[int | None, ...] | None = None
 
 
 def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_token: int,
@@ -121,6 +126,10 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
                  budget_bytes: int | None = None) -> tuple[KVPlan, list[Resolution]]:
     """The plan and the Resolutions that produced its numbers. `budget_bytes`: device memory
     the KV pool may take (only read when --max-total-tokens is unset)."""
+    if args.hybrid_swa_memory and facts.layer_windows and facts.pool_kind == "mha":
+        ctx, resolutions = _context_len(args, facts)
+        plan, sized = swa_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS)
+        return plan, sized + resolutions
     bytes_per_token = sum(c.bytes_per_token for c in facts.components)
     draft_bytes = sum(c.bytes_per_token for c in facts.draft_components)
     P = args.page_size

@@ -8,6 +8,7 @@ Ordered pure steps (docs/configuration.md has the full table):
   2. HiCache layout/IO (R1, R2, page_head)
   3. storage/layout (Mooncake needs a page-major layout)
   4. HiCache ratio default (non-decode servers)
+  4b. hybrid SWA memory (a second pool for sliding-window layers; later steps see its kind)
   5. decode-retraction backup + ratio
   6. DSA gates
   7. speculative decoding (NEXTN -> EAGLE, auto draft shape, chain draft tokens)
@@ -26,7 +27,7 @@ from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
 from kvstrata.config.rules import (deterministic, disagg, dsa, hicache, page_geometry,
-                                   platform_defaults, retraction, speculative)
+                                   platform_defaults, retraction, speculative, swa)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -42,6 +43,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     ("hicache layout/io", hicache.layout_io),
     ("hicache storage/layout", hicache.storage_layout),
     ("hicache ratio default", hicache.ratio_default),
+    ("hybrid swa memory", swa.hybrid_swa_memory),
     ("decode retraction backup", retraction.retraction_backup),
     ("dsa gates", dsa.dsa_gates),
     ("speculative decoding", speculative.speculative),
@@ -77,6 +79,8 @@ def resolve(args: ServerArgs, platform: Platform | str | None = None,
     for _name, step in STEPS:
         changes = step(current, plat, model_info, env_values)
         current = apply(current, changes)
+        if step is swa.hybrid_swa_memory:  # the pool kind the later rules gate on
+            model_info = swa.model_info_after(current, model_info)
         if step is dsa.dsa_gates and not dsa.gates_are_recorded(model_info, record_dsa_gates):
             continue
         resolutions.extend(changes)

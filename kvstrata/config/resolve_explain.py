@@ -58,7 +58,9 @@ def format_table(plat: Platform, info: ModelInfo | None, resolved: ResolvedArgs,
                  resolutions: list[Resolution]) -> str:
     model = ("unknown (assuming an MHA model without recurrent state)" if info is None else
              f"kv pool {info.kv_pool_kind}, recurrent state {info.has_recurrent_state}, "
-             f"dsa {info.uses_dsa}")
+             f"dsa {info.uses_dsa}" + (f", windowed layers {info.num_swa_layers} of "
+                                       f"{len(info.layer_windows)}" if info.layer_windows
+                                       else ""))
     lines = [f"platform: {plat.describe()}", f"model: {model}", ""]
     lines.append(f"resolutions ({len(resolutions)}):")
     if resolutions:

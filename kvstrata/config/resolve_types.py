@@ -49,6 +49,11 @@ class ResolvedArgs(ServerArgs):
         group="derived")
     deterministic_attention_kernel: str | None = opt(
         None, "The one attention kernel every query token runs.", cli=False, group="derived")
+    # Hybrid SWA memory (config/rules/swa.py): True = the sliding-window layers' K/V in a
+    # second device pool; None for a model without windowed layers.
+    hybrid_swa_memory: bool | None = opt(
+        None, "The sliding-window layers keep their K/V in their own, smaller pool.",
+        cli=False, group="derived")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,17 @@ class ModelInfo:
     # What its attention adds to the softmax (runner/attention/window.py): "attention
     # sinks", "attention logit soft-capping"; deterministic inference refuses them.
     softmax_extras: tuple[str, ...] = ()
+    # Per layer its sliding window (None = full attention), from config.json; None when no
+    # layer has one. The hybrid-SWA rule (rules/swa.py) reads it.
+    layer_windows: tuple[int | None, ...] | None = None
+
+    @property
+    def num_swa_layers(self) -> int:
+        return sum(w is not None for w in self.layer_windows or ())
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(w is None for w in self.layer_windows or ())
 
     def __post_init__(self) -> None:
         if self.kv_pool_kind not in KV_POOL_KINDS:
@@ -86,16 +102,36 @@ class ModelInfo:
         model_type = str(cfg.get("model_type", "")).lower()
         recurrent = any(k in model_type for k in ("mamba", "jamba", "linear", "gdn", "rwkv")) \
             or "layers_block_type" in cfg or "mamba_d_state" in cfg
-        # A sliding-window model is "mha" here: the attention backend applies its windows
-        # over the ordinary pool, which keeps every token's KV. "swa" names a pool that
-        # drops out-of-window KV; kvstrata does not build one yet.
+        # A sliding-window model is "mha" here, as its config describes it: whether its
+        # windowed layers get a pool of their own ("swa") is resolution's decision
+        # (rules/swa.py), which then hands the later rules the "swa" kind.
         kind = "mla" if cfg.get("kv_lora_rank") else "mha"
         extras = tuple(name for name, on in (
             ("attention sinks", model_type == "gpt_oss"),
             ("attention logit soft-capping", bool(cfg.get("attn_logit_softcapping"))))
             if on)
+        windows = None if recurrent or kind != "mha" else _config_windows(cfg)
         return cls(kv_pool_kind=kind, has_recurrent_state=recurrent,
-                   uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras)
+                   uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras,
+                   layer_windows=windows)
+
+
+def _config_windows(cfg: dict) -> tuple[int | None, ...] | None:
+    """Each layer's window as the runner's models apply it (hf_config.layer_windows, over
+    the class defaults where kvstrata has a config reader: Gemma's derived layer_types,
+    Qwen's use_sliding_window); other configs (gpt-oss) as written."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from kvstrata.config.hf_config import CLASS_DEFAULTS, HFConfig, layer_windows  # noqa: PLC0415
+
+    if cfg.get("model_type") in CLASS_DEFAULTS and "text_config" not in cfg:
+        config = HFConfig(cfg)
+    else:
+        config = SimpleNamespace(**cfg)
+        if not isinstance(getattr(config, "num_hidden_layers", None), int):
+            return None
+    windows = layer_windows(config)
+    return tuple(windows) if windows else None
 
 
 def to_resolved(args: ServerArgs) -> ResolvedArgs:

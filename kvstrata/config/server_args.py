@@ -126,6 +126,14 @@ class ServerArgs:
     mem_fraction_static: float | None = opt(None, "Fraction of device memory for weights + KV "
                                                   "pool (default: platform-dependent).",
                                             group="memory")
+    swa_full_tokens_ratio: float = opt(
+        0.8, "Hybrid SWA memory: tokens of the sliding-window layers' pool per token of the "
+             "full-attention layers' pool (SGLang's flag; ignored for an all-SWA model, whose "
+             "whole budget goes to the SWA pool).", group="memory")
+    disable_hybrid_swa_memory: bool = opt(
+        False, "Keep every layer's K/V in one pool, the sliding-window layers' too (by default "
+               "a model with windowed layers keeps theirs in a second, smaller pool that drops "
+               "out-of-window K/V).", group="memory")
     max_running_requests: int | None = opt(None, "Maximum concurrently running requests.",
                                            group="scheduling")
     max_prefill_tokens: int = opt(16384, "Token budget of one prefill batch.",

@@ -56,6 +56,10 @@ class Request:
     # req_to_token entries from this position on must be (re)written before the next forward.
     row_stale_from: int = 0
     known_to_runner: bool = False
+    # Hybrid SWA memory (cache/swa_pages.py): leading pages whose SWA page this request
+    # released (out of every window), and where its SWA lock on its tree prefix starts.
+    swa_evicted_pages: int = 0
+    swa_lock_from: int | None = None
 
     # --- accounting ---
     cached_tokens: int = 0
@@ -94,6 +98,8 @@ class Request:
         self.last_node = None
         self.num_computed_tokens = 0
         self.row_stale_from = 0
+        self.swa_evicted_pages = 0
+        self.swa_lock_from = None
         self.known_to_runner = False
         self.status = RequestStatus.WAITING
         self.retraction_count += 1

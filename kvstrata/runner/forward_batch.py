@@ -36,6 +36,9 @@ class ForwardBatch:
     # draft's IndexShare, or the PD seed); the indexer does not run for such a forward.
     dsa_forced_slots: torch.Tensor | None = None
     dsa_forced_rows: torch.Tensor | None = None  # [T] bool: which tokens (None: all)
+    # Hybrid SWA memory: [T] the SWA pool slot of each new token (its windowed layers write
+    # there; out_slots stays the full pool's); None without an SWA pool.
+    swa_out_slots: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

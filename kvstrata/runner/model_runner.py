@@ -96,6 +96,10 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, _ReqState] = {}
         self.plan: KVPlan | None = None
+        # Hybrid SWA memory (plan.pool_kind "swa"): the windowed layers' pool and the table
+        # of their slots (written from ScheduledRequest.swa_slots); None without one.
+        self.swa_pool: MHATokenToKVPool | None = None
+        self.swa_req_to_token: ReqToTokenTable | None = None
         self.hicache: HiCacheExecutor | None = None
         # Decode retraction KV backups (BackupOps): built by allocate_kv with a retraction
         # host pool, else on the first BackupOp (cpu_tensor only).
@@ -119,10 +123,13 @@ class ModelRunner:
             draft = self.draft.kv_components()
             if self.draft.max_position_embeddings and max_pos:  # the draft reads every position
                 max_pos = min(max_pos, self.draft.max_position_embeddings)
+        windows = getattr(self.model, "layer_windows", None)
         return ModelKVFacts(
             pool_kind=self.model.pool_kind, components=components,
             max_position_embeddings=max_pos, sliding_window=self._unhonoured_window(),
-            draft_components=draft)
+            draft_components=draft,
+            layer_windows=tuple(windows) if windows and self.model.pool_kind == "mha"
+            else None)
 
     def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
         """Memory the KV pool may take, measured now that the weights are loaded."""
@@ -145,12 +152,21 @@ class ModelRunner:
                 self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
                 dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk)
         else:
-            self.kv_pool = MHATokenToKVPool(plan, self.device)
+            if plan.pool_kind == "swa":
+                # the full layers' pool (none for an all-SWA model) and the windowed ones'
+                full = plan.full_pool_plan()
+                self.kv_pool = MHATokenToKVPool(full, self.device) if full else None
+                self.swa_pool = MHATokenToKVPool(plan.swa_pool_plan(), self.device)
+                self.swa_req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len,
+                                                        self.device)
+            else:
+                self.kv_pool = MHATokenToKVPool(plan, self.device)
             self.model.attn_backend = TorchNativeAttnBackend(
                 self.kv_pool, self.req_to_token, dims.num_heads, dims.num_kv_heads,
                 dims.head_dim, scale=getattr(self.model, "attn_scale", None),
                 page_size=plan.page_size, deterministic=self.deterministic,
-                layer_windows=getattr(self.model, "layer_windows", None))
+                layer_windows=getattr(self.model, "layer_windows", None),
+                swa_pool=self.swa_pool, swa_req_to_token=self.swa_req_to_token)
         if self.draft is not None:
             self.draft.allocate(plan, self.req_to_token)
         self.hicache = None
@@ -278,6 +294,8 @@ class ModelRunner:
                                 [r.start_pos for r in reqs], self.device)
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
+        if self.swa_pool is not None:
+            self._write_swa_slots(reqs, fb)
         if self.dsa_seeds is not None and self.dsa_seeds.pending:  # before an MTP drafts
             self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
         if self.draft is not None:  # a draft in the runner: its part of the step first
@@ -354,6 +372,19 @@ class ModelRunner:
                 out.top_logprobs.append(None if top is None else
                                         [TopLogprob(t, lv) for t, lv in top])
         return out
+
+    def _write_swa_slots(self, reqs, fb: ForwardBatch) -> None:
+        """Hybrid SWA memory: each request's SWA slots into the SWA table (same positions as
+        `slots`), and the new tokens' SWA slots, where the windowed layers write."""
+        for r in reqs:
+            if r.swa_slots is None or len(r.swa_slots) != len(r.slots):
+                raise ValueError(f"request {r.rid!r}: the KV plan has an SWA pool, so every "
+                                 f"scheduled request needs swa_slots beside its "
+                                 f"{len(r.slots)} slots, got {r.swa_slots!r:.80}")
+        self.swa_req_to_token.write_many([r.row for r in reqs],
+                                         [r.slot_write_start for r in reqs],
+                                         [r.swa_slots for r in reqs])
+        fb.swa_out_slots = self.swa_req_to_token.table[fb.token_rows, fb.positions]
 
     def _draft_handoffs(self, reqs, produced: dict, out: RunnerOutput) -> None:
         """PD prefill: the draft extends the prompt positions this step completed (its KV

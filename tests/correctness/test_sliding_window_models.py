@@ -87,8 +87,11 @@ GREEDY = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperatu
 
 
 def llm(path, **kw):
+    """An engine over the one uniform pool (this file's subject: windows applied by attention
+    alone); test_swa_memory_engine.py passes disable_hybrid_swa_memory=False for the SWA pool."""
     from kvstrata import LLM
 
+    kw.setdefault("disable_hybrid_swa_memory", True)
     return LLM(model_path=path, skip_tokenizer_init=True, dtype="float32",
                max_total_tokens=kw.pop("max_total_tokens", 4096), **kw)
 

@@ -4,6 +4,9 @@ It plays the real scheduler's role in the contract: hands out req_to_token rows 
 (in a shuffled order, so a request's pages are not contiguous), sends each request as new
 once, schedules prompt chunks then one decode token per step, and frees requests when done.
 Requests may arrive at different steps, so prefill chunks and decodes share batches.
+With an SWA pool (hybrid SWA memory) it also plays the KV manager's SWA part: an SWA page per
+full page (shuffled too), each request's `swa_slots`, and the SWA pages a request's next
+query can no longer reach freed at once (for others to reuse; `SWA_STATS` counts them).
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ import random
 
 from kvstrata.protocol import (NewRequestData, SamplingParams, ScheduledRequest,
                                SchedulerOutput)
+
+
+SWA_STATS = {"allocated": 0, "freed_early": 0}
 
 
 class _Req:
@@ -21,6 +27,7 @@ class _Req:
         self.computed = 0       # positions whose KV is in the pool
         self.output: list[int] = []
         self.sent = False
+        self.swa: dict[int, int] = {}  # page index in the request -> its SWA page
 
     @property
     def done(self) -> bool:
@@ -33,6 +40,10 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
     p = runner.plan.page_size
     free_pages = list(range(1, runner.plan.num_pages + 1))
     random.Random(seed).shuffle(free_pages)
+    swa = getattr(runner, "swa_pool", None) is not None
+    free_swa = list(range(1, runner.plan.num_swa_pages + 1))
+    random.Random(seed + 1).shuffle(free_swa)
+    window = runner.plan.swa_window
     free_rows = list(range(1, runner.plan.num_rows + 1))
     arrivals = arrivals or [0] * len(prompts)
     params = params or SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
@@ -57,15 +68,26 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
             start = r.computed
             while len(r.pages) * p < start + len(tokens):
                 r.pages.append(free_pages.pop())
-            slots = [r.pages[q // p] * p + q % p for q in range(start, start + len(tokens))]
+                if swa:
+                    r.swa[len(r.pages) - 1] = free_swa.pop()
+                    SWA_STATS["allocated"] += 1
+            positions = range(start, start + len(tokens))
+            slots = [r.pages[q // p] * p + q % p for q in positions]
             sample = start + len(tokens) >= len(r.prompt)
             scheduled.append(ScheduledRequest(r.rid, r.row, start, tokens, start, slots, sample))
+            if swa:
+                scheduled[-1].swa_slots = [r.swa[q // p] * p + q % p if q // p in r.swa else 0
+                                           for q in positions]
         out = runner.execute(SchedulerOutput(step, False, new, scheduled, freed))
         freed = []
         by_id = dict(zip(out.rids, out.token_ids))
         for s in scheduled:
             r = next(x for x in reqs if x.rid == s.rid)
             r.computed += len(s.token_ids)
+            if swa:  # the next query (position computed) reads computed - window + 1 on
+                for k in [k for k in r.swa if (k + 1) * p <= r.computed - window + 1]:
+                    free_swa.append(r.swa.pop(k))
+                    SWA_STATS["freed_early"] += 1
             if s.sample:
                 r.output.append(by_id[s.rid])
                 if r.done:
@@ -73,6 +95,8 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
                     free_rows.append(r.row)
                     free_pages.extend(r.pages)
                     r.pages = []
+                    free_swa.extend(r.swa.values())
+                    r.swa = {}
         step += 1
     if freed:
         runner.execute(SchedulerOutput(step, False, [], [], freed))

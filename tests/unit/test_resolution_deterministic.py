@@ -37,7 +37,6 @@ def test_off_by_default_changes_nothing():
     ({}, "cuda", None, "not implemented yet on cuda"),
     (dict(device="cuda"), "cuda", None, "not implemented yet on cuda"),
     ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True), "not implemented yet for a mla"),
-    ({}, "cpu", ModelInfo(kv_pool_kind="swa"), "not implemented yet for a swa"),
     ({}, "cpu", ModelInfo(has_recurrent_state=True), "not implemented yet for a recurrent"),
     ({}, "cpu", ModelInfo.from_hf_config({"model_type": "gpt_oss", "sliding_window": 128}),
      "not implemented yet for attention sinks"),

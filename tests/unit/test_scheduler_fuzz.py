@@ -5,7 +5,8 @@ Hypothesis draws an engine (page size, pool down to one request's need, chunk si
 below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm/lof, row limit,
 speculative decoding on/off with its draft length and a seeded pattern of right and wrong
 draft tokens, priority scheduling with preemption on/off, its threshold and direction, a
-bounded queue) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
+bounded queue, a hybrid SWA pool (window, SWA pages; no host tier then: the fake runner
+reads every window back through swa_slots, tests/unit/fake_swa_runner.py)) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
 client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
@@ -38,6 +39,7 @@ from kvstrata.protocol import SamplingParams
 from tests.unit import end_counter
 from tests.unit.fake_runner import (FakeRunner, FakeStorage, pattern_drafter,
                                     reference_tokens)
+from tests.unit.fake_swa_runner import FakeSWARunner
 
 VOCAB = 211
 MAX_REQUESTS = 10
@@ -72,6 +74,8 @@ configs = st.fixed_dictionaries({
                                               st.sampled_from([0, 0, 2]),
                                               st.sampled_from(["best_effort", "wait_complete",
                                                                "timeout"]))),
+    # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off (a host tier too).
+    "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
@@ -89,7 +93,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(cfg=configs, first=st.lists(arrivals, min_size=1, max_size=6))
     def build(self, cfg, first):
         P = cfg["page_size"]
-        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
+        swa = cfg["swa"]
+        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] and swa is None else 0
         self.cfg = cfg
         storage = cfg["storage"] if hicache else None
         store = None if storage is None else FakeStorage(delay=storage[0], error_every=storage[1],
@@ -103,7 +108,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             "enable_priority_scheduling": True, "disable_priority_preemption": not cfg["priority"][0],
             "priority_scheduling_preemption_threshold": cfg["priority"][1],
             "schedule_low_priority_values_first": cfg["priority"][2]}
-        self.runner = FakeRunner(page_size=P, vocab_size=VOCAB, storage=store)
+        swa_plan = {} if swa is None else {"swa_window": swa[0],
+                                           "num_swa_pages": max(swa[1] // P, 1)}
+        self.runner = (FakeRunner(page_size=P, vocab_size=VOCAB, storage=store) if swa is None
+                       else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB))
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],
@@ -114,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_queued_requests=cfg["max_queued"], **priority,
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
-            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3,
+            num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3, **swa_plan,
             **({} if cfg["spec"] is None else {"speculative_algorithm": cfg["spec"][2],
                                                "speculative_num_draft_tokens": cfg["spec"][0]})))
         if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
@@ -203,6 +211,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"preempted: {min(self.engine.get_load()['num_preempted_reqs'], 2)}")
         if self.cfg["spec"] is not None:
             event(f"accepted drafts > 0: {self.runner.verified_drafts > 0}")
+        if self.cfg["swa"] is not None:
+            event(f"SWA window reads > 0: {self.runner.swa_reads > 0}")
         storage = self.engine.scheduler.kv.storage
         if storage is not None:
             event(f"L3 hit tokens > 0: {storage.stats.hit_tokens > 0}")
@@ -230,6 +240,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The pool must hold the prompt plus one token (SGLang's input length check, 400)
         # and every position that gets KV: prompt + max_new - 1, in whole pages.
         need = max(-(-(len(ids) + max_new - 1) // P) * P, len(ids) + 1)
+        swa = self.engine.scheduler.kv.swa
+        if swa is not None and swa.allocator.num_pages * P < swa.per_request_tokens + P:
+            return  # an SWA pool below one request's window (+ a page to compute)
         assert need > self.total_tokens, (
             f"{rid} (prompt {len(ids)}, max_new {max_new}, needs {need} of "
             f"{self.total_tokens} tokens) was aborted though it fits alone: {reason.message}; "

@@ -80,9 +80,8 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                              f"{' and '.join(model_info.softmax_extras)} (their attention "
                              f"runs in plain torch, not the batch-invariant decode kernel)")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
-                         f"{kind} model (MLA / DSA, a sliding-window pool that drops KV and "
-                         f"recurrent models); the llama-family decoder has it, sliding "
-                         f"windows included")
+                         f"{kind} model (MLA / DSA and recurrent models); the llama-family "
+                         f"decoder has it, sliding windows and their own SWA pool included")
     for flag_name, value in _quantizations(args):
         raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
                          f"{flag_name} {value}")
@@ -108,7 +107,10 @@ def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
 def _model_built(model_info: ModelInfo | None) -> bool:
     """A plain MHA model without recurrent state (None, unknown: assumed so, as everywhere in
     resolution; the load refuses an MLA model it turns out to be)."""
-    return model_info is None or (model_info.kv_pool_kind == "mha" and not model_info.uses_dsa
+    # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own
+    # pool, key ranges cut to the window (tests/correctness/test_swa_memory.py)
+    return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
+                                  and not model_info.uses_dsa
                                   and not model_info.has_recurrent_state
                                   and not model_info.softmax_extras)
 

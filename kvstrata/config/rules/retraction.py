@@ -63,8 +63,13 @@ def decide_backup(x: RetractionInputs) -> tuple[str, str]:
     if x.has_recurrent_state:
         blockers.append("the model keeps recurrent/SSM state")
     if not pool_supports_host_pool(x.kv_pool_kind, x.full_attention_tokens_per_layer):
-        blockers.append(f"KV pool kind {x.kv_pool_kind} has no full-attention pages to back up"
-                        if x.kv_pool_kind == "swa" else f"KV pool kind {x.kv_pool_kind}")
+        if x.kv_pool_kind != "swa":
+            blockers.append(f"KV pool kind {x.kv_pool_kind}")
+        elif x.full_attention_tokens_per_layer is None:  # hybrid, sized after resolution
+            blockers.append("KV pool kind swa whose full-attention pool is not sized yet "
+                            "(--max-total-tokens unset)")
+        else:
+            blockers.append("KV pool kind swa has no full-attention pages to back up")
     if blockers:
         return "cpu_tensor", "auto: cpu_tensor because " + "; ".join(blockers)
     return "host_pool", "auto: host_pool (decode server, every precondition holds)"

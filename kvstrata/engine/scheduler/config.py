@@ -102,11 +102,12 @@ class SchedulerConfig:
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
-                 host_pool_use: str | None = None, **policy: Any):
+                 host_pool_use: str | None = None, num_swa_pages: int = 0, swa_window: int = 0,
+                 **policy: Any):
         """The server passes the plan the engine factory sized. Torch-free tests may pass
         page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only); there a
         decode server's host pages are its retraction host pool unless `host_pool_use`
-        says "hicache"."""
+        says "hicache"; `num_swa_pages` / `swa_window`: a hybrid SWA pool."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
         # A decode server's host pages hold retraction backups, unless its radix cache has a
@@ -117,7 +118,8 @@ class SchedulerConfig:
         use = host_pool_use or ("retraction" if decode and not decode_hicache else "hicache")
         self.plan = plan or KVPlan.pages_only(
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
-            num_host_pages=num_host_pages, host_pool_use=use)
+            num_host_pages=num_host_pages, host_pool_use=use, num_swa_pages=num_swa_pages,
+            swa_window=swa_window)
         for f in fields(self):
             if f.name != "plan":
                 setattr(self, f.name, policy.pop(f.name, f.default))
@@ -151,6 +153,10 @@ class SchedulerConfig:
         or host_pool in the same pool: backups_share_host); only a decode server has a
         retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
+        if plan.has_swa_pool and self.disaggregation_mode != "null":
+            # PD sends and receives full pages only (the SWA pages would stay unwritten).
+            raise ValueError("the hybrid SWA pool does not support PD disaggregation yet; "
+                             "disable hybrid SWA memory")
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
         if decode and plan.has_host_pool and not retraction_pool and not self.radix_cache:
             raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "

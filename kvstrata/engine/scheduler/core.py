@@ -15,7 +15,8 @@ from kvstrata.engine.scheduler.config import SchedulerConfig
 from kvstrata.engine.scheduler.new_token_ratio import NewTokenRatio
 from kvstrata.engine.scheduler.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfittable,
                                                      retract_for_decode, stalled)
-from kvstrata.engine.scheduler.prefill_adder import PrefillAdder, PrefillItem, prefill_candidates
+from kvstrata.engine.scheduler.prefill_adder import (PrefillAdder, PrefillItem, prefill_candidates,
+                                                     swa_budget)
 from kvstrata.engine.scheduler.stop_checker import StopChecker
 from kvstrata.engine.scheduler.verify_step import after_verified, collect_drafts, settle_verified
 from kvstrata.engine.sides.base import SchedulerSide
@@ -199,6 +200,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         for side in self.sides:
             side.before_schedule()  # e.g. PD queues move on (bootstrap -> waiting, admission)
+        for req in self.live_requests():  # hybrid SWA: windows moved on in the last step
+            self.kv.free_out_of_window(req)
         out = self._schedule_prefill()
         if out is None and self.running:
             out = self._schedule_decode()
@@ -246,6 +249,7 @@ class Scheduler:
             token_ids=req.all_ids[start:start + num_tokens] + list(draft),
             slot_write_start=write_from,
             slots=self.kv.slots(req, write_from, end),
+            swa_slots=self.kv.swa_slots(req, write_from, end),
             sample=sample, num_draft=len(draft),
             draft_parents=getattr(draft, "parents", None),
             runner_tree=isinstance(draft, TreeDraft) and draft.parents is None,
@@ -263,9 +267,10 @@ class Scheduler:
         chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size and cfg.chunked_prefill_size > 0 else None
         adder = PrefillAdder(
             page_size=self.page_size,
-            rem_total=self.kv.allocatable_tokens() - reserved,
+            rem_total=self.kv.full_allocatable_tokens() - reserved,
             rem_input=cfg.max_prefill_tokens, rem_chunk=chunk,
             running_empty=not self.running and self.chunked_req is None,
+            **swa_budget(self),
         )
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -303,9 +308,12 @@ class Scheduler:
         if not adder.fits(req, req.seq_len - device_prefix, device_prefix):
             return False
         protected_before = self.kv.tree.protected_pages()
+        swa_before = self.kv.swa_allocatable_tokens()
         prefix = self.kv.match_and_lock(req, use_cache=use_cache)
         # Pinning the matched prefix takes it out of the evictable budget.
         adder.rem_total -= (self.kv.tree.protected_pages() - protected_before) * self.page_size
+        if swa_before is not None:  # and its last window out of the SWA one
+            adder.rem_swa -= swa_before - self.kv.swa_allocatable_tokens()
         item = adder.try_add(req, req.seq_len - prefix)
         if item is None or not self.kv.grow(req, prefix + item.extend_len):
             if item is not None:

@@ -15,7 +15,9 @@ def brief(r: Request) -> str:
     return (f"{r.rid}(prompt={len(r.prompt_ids)} out={len(r.output_ids)} "
             f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
             f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
-            f"retracted={r.retraction_count})")
+            f"retracted={r.retraction_count}"
+            + (f" swa_evicted={r.swa_evicted_pages} swa_lock_from={r.swa_lock_from})"
+               if r.swa_lock_from is not None or r.swa_evicted_pages else ")"))
 
 
 def dump_state(sched: Scheduler) -> str:
@@ -30,6 +32,11 @@ def dump_state(sched: Scheduler) -> str:
         f"{len(sched.free_rows)}/{sched.num_rows}; transfers in flight "
         f"{kv.has_transfers_in_flight()}; new_token_ratio {sched.ratio.value:.4f}",
     ]
+    if kv.swa is not None:
+        lines.append(f"SWA pages: total {kv.swa.allocator.num_pages}, free "
+                     f"{kv.swa.allocator.available_pages()}, tree evictable "
+                     f"{kv.tree.evictable_swa_pages()}, tree protected "
+                     f"{kv.tree.protected_swa_pages()}, window {kv.swa.window}")
     if sched.chunked_req is not None:
         lines.append("chunked: " + brief(sched.chunked_req))
     lines += ["running: " + brief(r) for r in sched.running[:16]]

@@ -79,8 +79,12 @@ def abort_unfittable(sched: Scheduler) -> None:
         victim = prefill_candidates(sched)[0]
         sched.waiting.remove(victim)
     need = victim.seq_len + min(victim.remaining_new_tokens(), 1)
+    swa = sched.kv.swa
+    held = "" if swa is None else (
+        f" (its sliding-window pool {swa.allocator.num_pages * sched.page_size}, of which a "
+        f"request needs about {swa.per_request_tokens} beyond the chunk it computes)")
     message = (f"Out of memory: the request needs about {need} KV tokens but the pool holds "
-               f"{sched.kv.total_tokens} and not enough can be freed; raise "
+               f"{sched.kv.total_tokens}{held} and not enough can be freed; raise "
                f"--max-total-tokens or send a shorter request.")
     # A prompt that cannot fit is the client's to change (400, as SGLang's input length
     # check); generated tokens outgrowing the pool is the server's OOM (500).

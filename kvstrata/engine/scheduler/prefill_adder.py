@@ -10,6 +10,12 @@ Budgets, in tokens (SGLang's PrefillAdder):
                alone).
   rem_chunk  = --chunked-prefill-size; a request that does not fit is truncated to a whole
                number of pages and becomes the (single) chunked request.
+  rem_swa    = hybrid SWA memory only: free + SWA-evictable SWA tokens - what running requests
+               may still add to their SWA pages (at most one window each: out-of-window pages
+               are released as they go). A request costs the pages of its extend plus, on
+               its last chunk, up to one window of decode; an extend that does not fit is cut
+               to whole pages (the request is chunked even without --chunked-prefill-size),
+               so a prompt longer than the SWA pool still runs, a chunk at a time.
 The chunked request's next chunk goes first and is cut to what rem_total allows (SGLang's
 add_chunked_req); when not even one page is left it is blocked and nobody else is admitted
 this step, so new arrivals cannot starve it.
@@ -45,6 +51,8 @@ class PrefillAdder:
     # request whose max_new_tokens exceeds the pool still starts (retraction/abort handle
     # running out later) instead of waiting forever.
     running_empty: bool = False
+    rem_swa: int | None = None  # None: no SWA pool (swa_budget)
+    swa_cap: int = 0  # SWA tokens a request holds beyond its extend (one window)
     items: list[PrefillItem] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -56,7 +64,10 @@ class PrefillAdder:
         return -(-tokens // self.page_size) * self.page_size
 
     def budget_exhausted(self) -> bool:
-        return self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
+        # A cut item (the batch's one chunked request) ends the batch: rem_chunk reaches 0
+        # then, but an SWA cut leaves it (and rem_input) untouched.
+        return (self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0)
+                or any(not item.is_last_chunk for item in self.items))
 
     def _reserve(self, req) -> int:
         return min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS_ESTIMATION)
@@ -65,6 +76,9 @@ class PrefillAdder:
         item = PrefillItem(req, extend, is_last_chunk=extend == remaining_len)
         self.items.append(item)
         self.rem_total -= self._page_cost(extend) + (reserve if item.is_last_chunk else 0)
+        if self.rem_swa is not None:
+            self.rem_swa -= self._page_cost(extend) + (
+                min(reserve, self.swa_cap) if item.is_last_chunk else 0)
         self.rem_input -= extend
         if self.rem_chunk is not None:
             self.rem_chunk -= extend
@@ -81,7 +95,22 @@ class PrefillAdder:
             return None
         if extend < remaining_len:
             extend = extend // self.page_size * self.page_size  # later chunks start page-aligned
+        # No SWA reserve here: once running, swa_budget reserves its window growth.
+        extend = self._swa_fit(extend, remaining_len, 0, True)
+        if extend <= 0:
+            return None
         return self._append(req, extend, remaining_len, self._reserve(req))
+
+    def _swa_fit(self, extend: int, remaining_len: int, reserve: int, alone: bool) -> int:
+        """`extend` cut to the SWA budget (0: no room). The last chunk also reserves up to
+        a window of decode, waived for a request that runs alone (as rem_total's reserve)."""
+        if self.rem_swa is None:
+            return extend
+        reserve = 0 if alone and self.running_empty else min(reserve, self.swa_cap)
+        if extend < remaining_len or self._page_cost(extend) + reserve > self.rem_swa:
+            limit = remaining_len - 1 if extend == remaining_len else extend
+            extend = min(limit, max(self.rem_swa, 0)) // self.page_size * self.page_size
+        return extend
 
     def _plan(self, req, remaining_len: int, rem_total: int,
               running_empty: bool | None = None) -> tuple[int, int] | None:
@@ -99,6 +128,9 @@ class PrefillAdder:
             extend = self.rem_chunk // self.page_size * self.page_size
             if extend <= 0:
                 return None
+        extend = self._swa_fit(extend, remaining_len, reserve, not self.items)
+        if extend <= 0:
+            return None
         if extend > self.rem_input and self.items:
             return None
         return extend, reserve
@@ -117,6 +149,19 @@ class PrefillAdder:
         if plan is None:
             return None
         return self._append(req, plan[0], remaining_len, plan[1])
+
+
+def swa_budget(sched: Scheduler) -> dict:
+    """PrefillAdder's SWA fields (none without an SWA pool): each running request may still
+    grow its SWA pages up to one window (SWAPages.per_request_tokens), by at most its
+    reserved decode tokens."""
+    kv = sched.kv
+    if kv.swa is None:
+        return {}
+    cap = kv.swa.per_request_tokens
+    reserved = sum(min(sched.ratio.reserved_tokens(r), max(cap - kv.swa.held_tokens(r), 0))
+                   for r in sched.running)
+    return {"rem_swa": kv.swa_allocatable_tokens() - reserved, "swa_cap": cap}
 
 
 LPM_FALLBACK_QUEUE_LEN = 128  # beyond this, longest-prefix ordering costs more than it saves

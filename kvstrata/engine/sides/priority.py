@@ -161,11 +161,13 @@ class PrioritySide(SchedulerSide):
             own = sum(len(v.pages) - v.num_tree_pages for v in victims) * kv.page_size
             if not adder.fits(req, req.seq_len - prefix, prefix, own + reserved, empty_after):
                 return False
-        before = kv.allocatable_tokens()
+        before, swa_before = kv.full_allocatable_tokens(), kv.swa_allocatable_tokens()
         for victim in victims:
             sched.preempt(victim)  # retracted (decode server: backed up) and queued again
         if adder is not None:
-            adder.rem_total += kv.allocatable_tokens() - before + reserved
+            adder.rem_total += kv.full_allocatable_tokens() - before + reserved
+            if swa_before is not None:  # hybrid SWA: what the victims' SWA pages give back
+                adder.rem_swa += kv.swa_allocatable_tokens() - swa_before
             adder.running_empty = adder.running_empty or empty_after
         self.num_preempted += len(victims)
         return True

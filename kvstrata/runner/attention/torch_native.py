@@ -33,6 +33,10 @@ folds the Hq / Hkv query heads of each KV head into that many query rows of one 
 same arithmetic without SDPA's GQA path.
 
 Sliding windows (`layer_windows`), attention sinks and logit soft-capping: window.py.
+Hybrid SWA memory (`swa_pool`): the windowed layers keep their K/V in a second pool whose
+slots a second req_to_token table (`swa_req_to_token`) records; `kv_of(layer)` names each
+layer's pool and its index there, and the windowed layers' plans read key slots from the SWA
+table and write new K/V at `fb.swa_out_slots`.
 """
 from __future__ import annotations
 
@@ -79,9 +83,13 @@ class TorchNativeAttnBackend:
     def __init__(self, kv_pool: MHATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
                  page_size: int = 1, deterministic: bool = False,
-                 layer_windows: Sequence[int | None] | None = None):
+                 layer_windows: Sequence[int | None] | None = None,
+                 swa_pool: MHATokenToKVPool | None = None,
+                 swa_req_to_token: ReqToTokenTable | None = None):
         """layer_windows[i] = W: layer i's query at position p sees keys p - W + 1 .. p
-        (transformers' sliding_window); None (or no list): full causal."""
+        (transformers' sliding_window); None (or no list): full causal. swa_pool /
+        swa_req_to_token: hybrid SWA memory, the windowed layers' pool and slots (kv_pool
+        then holds the full-attention layers only; None when there are none)."""
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.req_to_token = req_to_token
@@ -91,6 +99,9 @@ class TorchNativeAttnBackend:
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.gqa = num_heads != num_kv_heads
         self.layer_windows = win.normalise_windows(layer_windows)
+        self.swa_pool, self.swa_req_to_token = swa_pool, swa_req_to_token
+        self.layer_kv = win.layer_pools(self.layer_windows, kv_pool, swa_pool)
+        kv_pool = kv_pool if kv_pool is not None else swa_pool  # dtype and device below
         self.group = num_heads // num_kv_heads
         self.use_kernel = (kv_pool is not None and envs.KVSTRATA_CPU_PAGED_DECODE.get()
                            and paged_decode.supported(kv_pool.kv.dtype, torch.float32,
@@ -124,12 +135,20 @@ class TorchNativeAttnBackend:
         if self.layer_windows is None:
             fb.attn_meta = self._meta(fb, None)
         else:  # one plan per distinct window (window.py)
-            fb.attn_meta = win.plan_windows(fb, self.layer_windows, self._meta)
+            fb.attn_meta = win.plan_windows(fb, self.layer_windows, self._meta,
+                                            self.swa_pool is not None)
 
-    def _meta(self, fb: ForwardBatch, window: int | None) -> TorchNativeMeta:
-        """The step's plan for layers of this window (None: full causal)."""
+    def kv_of(self, layer: int) -> tuple[MHATokenToKVPool, int]:
+        """The pool holding `layer`'s K/V and the layer's index in it."""
+        return self.layer_kv[layer]
+
+    def _meta(self, fb: ForwardBatch, window: int | None, swa: bool = False
+              ) -> TorchNativeMeta:
+        """The step's plan for layers of this window (None: full causal); `swa`: for layers
+        in the SWA pool (key slots from its table)."""
         device = fb.input_ids.device
-        table = self.req_to_token.table if self.req_to_token is not None else None
+        r2t = self.swa_req_to_token if swa else self.req_to_token
+        table = r2t.table if r2t is not None else None
         pieces: list[Piece] = []
         decode: list[tuple] = []   # (kv_len, flat token, row[, explicit key slots])
         off = 0
@@ -139,7 +158,7 @@ class TorchNativeAttnBackend:
             if window is not None:
                 decode = [win.clip(e, table, window) for e in decode]
             if self.use_kernel:
-                return TorchNativeMeta([self._kernel_piece(decode, table, device)], False)
+                return TorchNativeMeta([self._kernel_piece(decode, r2t, device)], False)
             return TorchNativeMeta([self._explicit_piece(decode, table, device)], False)
         ranged: list[tuple] = []   # deterministic: (row, start, n, flat token), not decodes
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
@@ -183,7 +202,7 @@ class TorchNativeAttnBackend:
         if ranged:  # deterministic: one kernel call over every token of the forward
             pieces.append(self._ranges_piece(ranged, decode, table, window))
         elif decode and self.use_kernel:
-            pieces.append(self._kernel_piece(decode, table, device))
+            pieces.append(self._kernel_piece(decode, r2t, device))
         elif decode and any(len(e) > 3 for e in decode):  # (windowed: explicit keys)
             pieces.append(self._explicit_piece(decode, table, device))
         elif decode:
@@ -256,7 +275,7 @@ class TorchNativeAttnBackend:
                      mask=mask.to(device), n=len(decode),
                      tok_idx=None if contiguous else torch.tensor(toks).to(device))
 
-    def _kernel_piece(self, decode: list[tuple], table: torch.Tensor,
+    def _kernel_piece(self, decode: list[tuple], r2t: ReqToTokenTable,
                       device: torch.device) -> Piece:
         """All one-token requests in one kernel call: their slots 0 .. len - 1, concatenated
         (req_to_token.slots_of: one C pass), and where each starts. Tree tokens bring their
@@ -264,9 +283,10 @@ class TorchNativeAttnBackend:
         rows, toks, lens = zip(*((e[2], e[1], e[0]) for e in decode))
         lens_t = torch.tensor(lens, dtype=torch.int64)
         if any(len(e) > 3 for e in decode):
-            slots = torch.cat([e[3] if len(e) > 3 else table[e[2], :e[0]] for e in decode])
+            slots = torch.cat([e[3] if len(e) > 3 else r2t.table[e[2], :e[0]]
+                               for e in decode])
         else:
-            slots = self.req_to_token.slots_of(rows, lens)
+            slots = r2t.slots_of(rows, lens)
         starts = torch.zeros(len(lens) + 1, dtype=torch.int64)
         torch.cumsum(lens_t, 0, out=starts[1:])
         contiguous = list(toks) == list(range(toks[0], toks[0] + len(toks)))
@@ -374,7 +394,8 @@ class TorchNativeAttnBackend:
         if meta.by_window is not None:
             meta = meta.by_window[self.layer_windows[layer]]
         if fb.out_slots is not None:
-            self.kv_pool.set_kv(layer, fb.out_slots, k, v)
+            pool, li = self.layer_kv[layer]
+            pool.set_kv(li, fb.swa_out_slots if pool is self.swa_pool else fb.out_slots, k, v)
         if sinks is not None or softcap is not None:
             return win.forward_math(self, layer, meta, q, k, v, sinks, softcap)
         out, done = self._prefill_by_kernel(layer, meta, q)
@@ -402,7 +423,8 @@ class TorchNativeAttnBackend:
             return None, []
         chosen, slots, seqs = meta.prefill
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        if paged_decode.prefill_attention(q, self.kv_pool.k(layer), self.kv_pool.v(layer),
+        pool, li = self.layer_kv[layer]
+        if paged_decode.prefill_attention(q, pool.k(li), pool.v(li),
                                           slots, seqs, self.scale,
                                           out=out.view(q.shape)) is None:
             return None, []
@@ -412,8 +434,9 @@ class TorchNativeAttnBackend:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of rows `kv_idx` (each `unit` slots) as [N * unit, Hkv, D] each."""
         hkv, d = self.num_kv_heads, self.head_dim
-        keys = self.kv_pool.k(layer).view(-1, unit * hkv * d).index_select(0, kv_idx)
-        values = self.kv_pool.v(layer).view(-1, unit * hkv * d).index_select(0, kv_idx)
+        pool, li = self.layer_kv[layer]
+        keys = pool.k(li).view(-1, unit * hkv * d).index_select(0, kv_idx)
+        values = pool.v(li).view(-1, unit * hkv * d).index_select(0, kv_idx)
         if keys.dtype != dtype:
             keys, values = keys.to(dtype), values.to(dtype)
         return keys.view(-1, hkv, d), values.view(-1, hkv, d)
@@ -428,7 +451,8 @@ class TorchNativeAttnBackend:
             if p.decode_call is None:  # the checks once a forward, not once a layer
                 p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale,
                                                         p.ends)
-            out = p.decode_call(qg, self.kv_pool.k(layer), self.kv_pool.v(layer))
+            pool, li = self.layer_kv[layer]
+            out = p.decode_call(qg, pool.k(li), pool.v(li))
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":
             n = p.n

@@ -1,5 +1,8 @@
 """Sliding-window attention, attention sinks and logit soft-capping for the torch-native
-backend (torch_native.py), over the ordinary uniform KV pool that keeps every token's K/V.
+backend (torch_native.py), over the ordinary uniform KV pool that keeps every token's K/V, or
+with hybrid SWA memory over a second pool of the windowed layers, whose out-of-window pages the
+KV manager frees (their SWA table entries then read slot 0, the padding sink: never inside a
+window, so never read unmasked).
 
 Window semantics are transformers' (masking_utils.sliding_window_overlay: kv > q - W): with
 window W the query at position p sees the keys at positions p - W + 1 .. p, W keys counting
@@ -26,7 +29,7 @@ refuses them (this path's sums are not batch-invariant).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -53,24 +56,51 @@ def normalise_windows(layer_windows: Sequence[int | None] | None) -> tuple | Non
     return tuple(out) if any(w is not None for w in out) else None
 
 
-def plan_windows(fb, layer_windows: tuple, make: Callable) -> TorchNativeMeta:
-    """The step's plans, once per distinct window (`make(fb, window)`): a window at least
-    as long as the step's longest key list changes nothing, so such layers share the full
-    plan (its prefill kernel and decode plan included). Returns layer 0's plan, carrying
-    every layer window's in by_window."""
+def layer_pools(layer_windows: tuple | None, pool: Any, swa_pool: Any) -> list | None:
+    """Per layer (its pool, its index there): with an SWA pool the windowed layers fill it in
+    order and the full-attention layers the main pool; else every layer is in `pool`."""
+    if swa_pool is None:
+        n = pool.geom.num_layers if pool is not None else 0
+        return [(pool, i) for i in range(n)]
+    if layer_windows is None:
+        raise ValueError("an SWA pool needs a model with windowed layers")
+    out, counts = [], {False: 0, True: 0}
+    for w in layer_windows:
+        swa = w is not None
+        out.append((swa_pool if swa else pool, counts[swa]))
+        counts[swa] += 1
+    have = (pool.geom.num_layers if pool is not None else 0, swa_pool.geom.num_layers)
+    if (counts[False], counts[True]) != have:
+        raise ValueError(f"the model has {counts[False]} full-attention and {counts[True]} "
+                         f"windowed layers; the pools hold {have[0]} and {have[1]}")
+    return out
+
+
+def plan_windows(fb, layer_windows: tuple, make: Callable, swa_pool: bool = False
+                 ) -> TorchNativeMeta:
+    """The step's plans, once per distinct window (`make(fb, window, swa)`): a window at
+    least as long as the step's longest key list changes nothing, so such layers share the
+    full plan (its prefill kernel and decode plan included) -- except that with an SWA pool
+    (`swa_pool`) a windowed layer's plan reads its key slots from the SWA table, so the full
+    plan is made again for them. Returns layer 0's plan, carrying every layer window's in
+    by_window."""
     if fb.query_keys is not None:
         longest = max(len(k) for k in fb.query_keys)
     else:
         longest = max(s + n for s, n in zip(fb.start_pos, fb.q_lens))
+    made: dict = {}
     plans: dict = {}
     for w in dict.fromkeys(layer_windows):
-        key = None if w is None or w >= longest else w
-        if key not in plans:
-            plans[key] = make(fb, key)
-        plans[w] = plans[key]
+        swa = swa_pool and w is not None
+        key = (None if w is None or w >= longest else w, swa)
+        if key not in made:
+            made[key] = make(fb, key[0], swa) if swa else make(fb, key[0])
+        plans[w] = made[key]
     meta = plans[layer_windows[0]]
     meta.by_window = plans
-    meta.uniform = len({id(plans[w]) for w in layer_windows}) == 1
+    # (decode_plan.py replays one plan over one pool: a mix of pools is not uniform)
+    meta.uniform = len({id(plans[w]) for w in layer_windows}) == 1 and not (
+        swa_pool and None in layer_windows)
     return meta
 
 
@@ -203,8 +233,9 @@ def piece_math(backend: "TorchNativeAttnBackend", layer: int, p: Piece, q: torch
         if p.kind == "kernel":
             slots, mask = _kernel_keys(p, q.device)
             flat = slots.reshape(-1)
-            keys = backend.kv_pool.k(layer).index_select(0, flat).to(q.dtype)
-            values = backend.kv_pool.v(layer).index_select(0, flat).to(q.dtype)
+            pool, li = backend.kv_of(layer)
+            keys = pool.k(li).index_select(0, flat).to(q.dtype)
+            values = pool.v(li).index_select(0, flat).to(q.dtype)
         else:
             keys, values = backend._gather(layer, p.kv_idx, p.unit, q.dtype)
             mask = p.mask

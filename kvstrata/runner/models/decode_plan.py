@@ -66,19 +66,21 @@ class DecodePlan:
         self.layers: list[list[Call]] = []
         self.decode_args: list[list] = []  # each layer's kernel arguments (slot count set)
         self.side_args: list[list] = []  # the next layer's KV rows a GEMM prefetches (same)
+        self.swa_slots = False  # an all-SWA model's pool: new K/V at fb.swa_out_slots
 
     def bind(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: Any) -> bool:
         """This forward's inputs into the buffers; False when its key slots outnumber the
         plan's room (build makes a larger plan)."""
         p = fb.attn_meta.pieces[0]
         n = p.slots.numel()
+        out_slots = fb.swa_out_slots if self.swa_slots else fb.out_slots
         if (n > self.slots.numel() or p.starts.numel() != self.starts.numel()
-                or fb.out_slots.numel() != self.out_slots.numel()):
+                or out_slots.numel() != self.out_slots.numel()):
             return False
         self.x.copy_(x)
         self.cos.copy_(cos.view(-1))
         self.sin.copy_(sin.view(-1))
-        self.out_slots.copy_(fb.out_slots)
+        self.out_slots.copy_(out_slots)
         self.slots[:n].copy_(p.slots)
         self.starts.copy_(p.starts)
         for args in self.decode_args:
@@ -136,6 +138,12 @@ def _fused_silu(lin: Any, rows: int) -> bool:
     return type(lin) is Int8MatmulLinear and lin.out_features % 2 == 0
 
 
+def _pool(backend: Any) -> Any:
+    """The one pool a uniform plan's layers all use: the main pool, or an all-SWA model's
+    SWA pool (hybrid SWA memory with full layers is never uniform: window.plan_windows)."""
+    return backend.kv_pool if backend.kv_pool is not None else backend.swa_pool
+
+
 def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     meta = getattr(fb, "attn_meta", None)
     backend = model.attn_backend
@@ -144,7 +152,7 @@ def _fits(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             and meta.uniform and meta.prefill is None and fb.out_slots is not None):
         return False
     p = meta.pieces[0]
-    kv = backend.kv_pool.kv
+    kv = _pool(backend).kv
     t = x.shape[0]
     d = model.dims
     return (p.kind == "kernel" and p.tok_idx is None and p.lo == 0 and p.hi == t
@@ -175,7 +183,7 @@ def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if not enabled() or not _fits(model, fb, x, cos, sin):
         return None
     backend = model.attn_backend
-    kv = backend.kv_pool.kv  # a pool made again may reuse the address: its shape too
+    kv = _pool(backend).kv  # a pool made again may reuse the address: its shape too
     key = (x.shape[0], x.dtype, torch.get_num_threads(), isa_cap(), kv.data_ptr(),
            tuple(kv.shape), backend.scale, envs.KVSTRATA_CPU_DECODE_KV_PREFETCH.get())
     plans = model.__dict__.setdefault("_decode_plans", OrderedDict())
@@ -215,11 +223,12 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
                                      buf(nq * hd), buf(hidden), buf(inter), buf(hidden))
     gate_up: torch.Tensor | None = None  # made when a layer's silu is a pass of its own
     backend = model.attn_backend
-    pool = backend.kv_pool
+    pool = _pool(backend)
     index = dict(dtype=torch.int64)
     plan = DecodePlan(x, torch.empty(t * hd, dtype=dtype), torch.empty(t * hd, dtype=dtype),
                       torch.empty(t, **index), torch.empty(capacity, **index),
                       torch.empty(t + 1, **index), [])
+    plan.swa_slots = pool is backend.swa_pool
     scatter0 = pool.scatter_args(0, plan.out_slots, qkv[:, q_end:k_end].view(t, nkv, hd),
                                  qkv[:, k_end:].view(t, nkv, hd))
     _, decode0 = paged_decode.decode_args(qkv[:, :q_end].view(t, nq, hd), pool.k(0),

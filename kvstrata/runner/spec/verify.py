@@ -138,10 +138,14 @@ def verify_entries(runner, reqs: list, token_ids: list[list[int]], logits: torch
         states, [token_ids[i][-reqs[i].num_draft:] for i, _ in spans],
         [r.draft_parents for r in vreqs], runner.spec_accept_thresholds)
     draft = runner.draft
-    pools = [runner.kv_pool] + ([draft] if draft is not None else [])
+    pools = [p for p in (runner.kv_pool, draft) if p is not None]  # (all-SWA: no kv_pool)
+    swa_pool = getattr(runner, "swa_pool", None)
     for r, path in zip(vreqs, paths):
         if r.draft_parents is not None:
             move_accepted_kv(pools, runner.req_to_token.table, r.row, r.start_pos, path)
+            if swa_pool is not None:  # hybrid SWA memory: the windowed layers' K/V too
+                move_accepted_kv([swa_pool], runner.swa_req_to_token.table, r.row,
+                                 r.start_pos, path)
     if draft is not None:
         for r, res in zip(vreqs, results):
             draft.after_verify(r.rid, r.row, r.start_pos, r.num_draft, len(res) - 1,

@@ -1,0 +1,85 @@
+"""Step 4b: hybrid SWA memory (SGLang's SWAKVPool): do the sliding-window layers keep their K/V
+in a second, smaller device pool that drops out-of-window K/V?
+
+On by default for a model with windowed layers (config.json: Mistral's sliding_window, Qwen's
+use_sliding_window, Gemma's and gpt-oss' layer_types), as in SGLang, except where the rest of
+kvstrata does not handle the second pool yet; each such gate turns it off and says why
+(`hybrid_swa_memory` False, rule swa.off). Off, the windowed layers keep every token's K/V in
+the one uniform pool and the attention backend still applies their windows (what SGLang does
+for Gemma 2/3). The pool sizes follow in config/kv_sizing_swa.py once the model is loaded.
+
+Later rules see the pool as it will be: `model_info_after` turns the model's kind into
+"swa" (with the full-attention tokens per layer where --max-total-tokens names them), which
+the decode-retraction gate (rules/retraction.py) reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
+from kvstrata.platform import Platform
+
+RULE_ON = "swa.on"
+RULE_OFF = "swa.off"
+# Speculative algorithms whose draft keeps a pool of its own (runner/spec/): not built over an
+# SWA pool yet (its slots, its windowed layers, its tree moves are untested there). NGRAM has
+# no draft model: its verify entries move accepted KV in both pools (runner/spec/verify.py).
+DRAFT_POOL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+
+
+def blockers(args: ResolvedArgs) -> list[str]:
+    """Why hybrid SWA memory cannot be on with these flags ([] = it can)."""
+    out = []
+    if args.disable_hybrid_swa_memory:
+        out.append("--disable-hybrid-swa-memory")
+    if args.enable_hierarchical_cache or args.hicache_storage_backend is not None:
+        out.append("HiCache (--enable-hierarchical-cache / L3 storage): the host tier and "
+                   "storage keys copy one uniform pool's pages, not the SWA pool's")
+    if args.disaggregation_mode != "null":
+        out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}): "
+                   f"transfers register the one uniform pool's pages")
+    if args.disaggregation_decode_retraction_backup == "host_pool":
+        out.append("--disaggregation-decode-retraction-backup host_pool: the backup copies "
+                   "the uniform pool only")
+    if args.disaggregation_decode_enable_radix_cache:
+        out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache keeps "
+                   "no SWA pages")
+    if args.disaggregation_decode_enable_hicache or \
+            args.disaggregation_decode_enable_offload_kvcache:
+        out.append("decode HiCache / KV offload: the host tier copies the uniform pool only")
+    if args.speculative_algorithm in DRAFT_POOL_ALGORITHMS:
+        out.append(f"--speculative-algorithm {args.speculative_algorithm}: its draft pool is "
+                   f"not built beside an SWA pool yet")
+    if args.tp_size > 1:
+        out.append("--tp-size > 1: the ranks' SWA pools are not built or tested yet")
+    return out
+
+
+def hybrid_swa_memory(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+                      env: dict) -> list[Resolution]:
+    info = model_info
+    if info is None or not info.num_swa_layers:
+        return []  # no windowed layers (or an unknown model): nothing to decide
+    full, swa = info.num_full_layers, info.num_swa_layers
+    layers = (f"all {swa} layers windowed" if not full
+              else f"{swa} windowed and {full} full-attention layers")
+    why = blockers(args)
+    if why:
+        return change(args, "hybrid_swa_memory", False, RULE_OFF,
+                      f"{layers}; one uniform pool because " + "; ".join(why))
+    split = ("the whole KV budget to the SWA pool (an all-SWA model)" if not full else
+             f"SWA pool tokens = {args.swa_full_tokens_ratio} x full pool tokens "
+             f"(--swa-full-tokens-ratio)")
+    return change(args, "hybrid_swa_memory", True, RULE_ON,
+                  f"{layers}: their K/V in a second pool that drops out-of-window K/V; {split}")
+
+
+def model_info_after(args: ResolvedArgs, info: ModelInfo | None) -> ModelInfo | None:
+    """The model as the later rules see it: kind "swa" when hybrid SWA memory is on, with the
+    full-attention tokens per layer (0 for an all-SWA model; --max-total-tokens, which names
+    the full pool's tokens, else None: known once the pool is sized)."""
+    if info is None or not args.hybrid_swa_memory:
+        return info
+    tokens = 0 if not info.num_full_layers else args.max_total_tokens
+    return dataclasses.replace(info, kv_pool_kind="swa",
+                               full_attention_tokens_per_layer=tokens)

@@ -1,0 +1,122 @@
+"""Hybrid SWA memory end to end: kvstrata.LLM with the real scheduler, KV manager and SWA radix
+cache (cache/swa_pages.py, swa_radix.py) handing the runner its SWA slots. Greedy tokens must
+equal transformers' (eager) and the engine's own with --disable-hybrid-swa-memory; every KV
+invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py) and the
+pools are whole after the drain (check_integrity).
+
+Models: test_sliding_window_models.py's tiny all-SWA Mistral (W = 8) and Qwen2 (layer 0 full).
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.cache.swa_pages import SWAPages
+from tests.correctness.test_sliding_window_models import (  # noqa: F401 (fixtures)
+    GREEDY, check, prompts, references, windowed)
+from tests.correctness.test_sliding_window_models import llm as uniform_llm
+
+
+def llm(path, **kw):
+    kw.setdefault("disable_hybrid_swa_memory", False)
+    return uniform_llm(path, **kw)
+
+
+@pytest.fixture
+def swa_allocs(monkeypatch):
+    """How many SWA pages the engine allocated (more than the pool holds = pages reused)."""
+    count = {"pages": 0}
+    alloc = SWAPages.alloc_for
+
+    def counting(self, full_pages):
+        ok = alloc(self, full_pages)
+        count["pages"] += len(full_pages) if ok else 0
+        return ok
+    monkeypatch.setattr(SWAPages, "alloc_for", counting)
+    return count
+
+
+def run(engine, prompts, refs, label, again=True, hits=True):
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    check(outs, refs, label)
+    if again:  # from the radix cache: hits past the window
+        second = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        # (Unchunked, a prompt's pages stay the request's until it finishes, so its decode
+        # frees their SWA pages and the tree keeps them tombstoned: no usable hit. Chunked,
+        # each chunk enters the tree and keeps its last window.)
+        assert (sum(o["meta_info"]["cached_tokens"] for o in second) > 0) or not hits, label
+        check(second, refs, label + " prefix-cached")
+    engine.check_integrity()
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("arch,page_size,chunk,tokens", [
+    ("mistral", 1, None, 1024), ("mistral", 16, None, 1024),
+    ("mistral", 1, 6, 96), ("mistral", 16, 16, 160),   # chunks across the window edge
+    ("qwen2", 1, 6, 512), ("qwen2", 16, None, 1024), ("qwen2", 16, 16, 512)])
+def test_engine_greedy_equals_transformers_and_uniform_pool(arch, page_size, chunk, tokens,
+                                                            windowed, prompts, references,
+                                                            swa_allocs):
+    """Batched prompts up to ~9x the window; the smaller SWA pools (96 / 160 SWA tokens for
+    7 requests of up to 94 tokens) only serve them by freeing out-of-window pages."""
+    label = f"{arch} P={page_size} chunk={chunk} tokens={tokens}"
+    with llm(windowed[arch], page_size=page_size, chunked_prefill_size=chunk or -1,
+             max_total_tokens=tokens) as engine:
+        plan = engine.server_info()["kv_plan"]
+        assert plan["pool_kind"] == "swa" and plan["num_swa_pages"] > 0, plan
+        # (a pool too small to keep finished prompts evicts their SWA pages: no hit either)
+        hybrid = run(engine, prompts, references[arch], label,
+                     hits=chunk is not None and tokens >= 512)
+        swa_tokens = plan["max_swa_tokens"]
+    if swa_tokens < 200:
+        assert swa_allocs["pages"] * page_size > swa_tokens, (swa_allocs, swa_tokens)
+    with llm(windowed[arch], page_size=page_size, chunked_prefill_size=chunk or -1,
+             max_total_tokens=4096, disable_hybrid_swa_memory=True) as engine:
+        assert engine.server_info()["kv_plan"]["pool_kind"] == "mha"
+        assert run(engine, prompts, references[arch], label + " uniform", again=False) == hybrid
+
+
+def test_resolution_and_plan_in_server_info(windowed):
+    with llm(windowed["qwen2"], max_total_tokens=1000, page_size=16,
+             swa_full_tokens_ratio=0.5) as engine:
+        info = engine.server_info()
+        res = {r["field"]: r for r in info["resolutions"]}
+        assert res["hybrid_swa_memory"]["rule"] == "swa.on"
+        assert res["max_total_tokens"]["rule"] == "kv_plan.swa_memory"
+        plan = info["kv_plan"]
+        assert (plan["max_total_tokens"], plan["max_swa_tokens"]) == (992, 496)
+        assert [c["num_layers"] for c in plan["components"]] == [1, 1]
+        assert [c["num_layers"] for c in plan["swa_components"]] == [2, 2]
+
+
+def test_ngram_speculation(windowed, prompts, references):
+    """NGRAM tree drafts: verify entries over both pools, accepted K/V moved in both."""
+    path = windowed["qwen2"]
+    refs = references["qwen2"]
+    teach = [p + r[0] for p, r in zip(prompts, refs)]
+    with llm(path, max_total_tokens=2048, speculative_algorithm="NGRAM",
+             speculative_num_draft_tokens=8, speculative_ngram_max_bfs_breadth=4,
+             speculative_disable_by_batch_size=1 << 20) as engine:
+        assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
+        engine.generate(input_ids=teach, sampling_params={"max_new_tokens": 1,
+                                                          "temperature": 0})
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        check(outs, refs, "qwen2 NGRAM")
+        assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
+        engine.check_integrity()
+
+
+def test_gemma_with_its_own_swa_pool(tmp_path):
+    """Gemma 3 (5 local : 1 global) and Gemma 2 (soft-capped, alternating) with the SWA pool:
+    transformers' tokens on prompts past the window (SGLang keeps Gemma on one pool)."""
+    import random
+
+    from helpers.gemma_ckpt import GEMMAS, build_gemma_checkpoint, hf_gemma, hf_greedy
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (4, 30, 61)]
+    for arch in GEMMAS:
+        path = build_gemma_checkpoint(arch, str(tmp_path / arch))
+        refs = hf_greedy(hf_gemma(path), prompts, GREEDY["max_new_tokens"])
+        with llm(path, max_total_tokens=1024, page_size=16, chunked_prefill_size=16) as engine:
+            assert engine.server_info()["kv_plan"]["pool_kind"] == "swa", arch
+            run(engine, prompts, refs, arch, hits=True)
