@@ -33,8 +33,8 @@ from kvstrata.transfer.disagg.liveness import Liveness
 from kvstrata.transfer.disagg.lookup import PrefillLookup, advertised_ip
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
                                                Destination, Join, Ping, Pong,
-                                               check_page_buffers, geometry_mismatch,
-                                               geometry_of)
+                                               geometry_mismatch)
+from kvstrata.transfer.disagg.regions import MAIN, PageRegions, geometry_bases, split
 from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest
 class ZmqDisaggManager(DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str, tp_rank: int = 0,
-                 tp_size: int = 1, kv_replicated: bool = False):
+                 tp_size: int = 1, kv_replicated: bool = False, swa_buffers=()):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
@@ -55,8 +55,10 @@ class ZmqDisaggManager(DisaggManager):
         self.kv_replicated = kv_replicated
         # What peers are told to connect to: a wildcard bind address is no address to dial.
         self.host = advertised_ip(host)
-        self.buffers = check_page_buffers(list(buffers))
-        self.geometry = geometry_of(self.buffers)
+        # `swa_buffers`: the SWA pool's, a second page region (regions.py)
+        self.regions = PageRegions(buffers, swa_buffers)
+        self.buffers = self.regions.flat
+        self.geometry = self.regions.geometry()
         self.num_metadata_slots = num_metadata_slots
         self.bootstrap_timeout = envs.KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT.get()
         self.waiting_timeout = envs.KVSTRATA_DISAGG_WAITING_TIMEOUT.get()
@@ -126,7 +128,7 @@ class ZmqDisaggManager(DisaggManager):
         return {}
 
     def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
-                    offset: int, last: bool, metadata) -> None:
+                    offset: int, last: bool, metadata, region: int = MAIN) -> None:
         """Transfer thread, prefill: move these pages to `dest` (one of the room's decode
         ranks), then send the Chunk message(s); the final one carries ack=True (and
         last/metadata when `last`)."""
@@ -177,8 +179,8 @@ class ZmqDisaggManager(DisaggManager):
 
     @property
     def page_bytes(self) -> int:
-        """Bytes one KV page takes over every registered buffer."""
-        return sum(g.sections * g.page_bytes for g in self.geometry)
+        """Bytes one KV page of the main region takes over its registered buffers."""
+        return self.regions.page_bytes(MAIN)
 
     @property
     def peer_role(self) -> str:
@@ -406,9 +408,17 @@ class ZmqDisaggManager(DisaggManager):
         for dest in s.receivers:
             if page_ids:  # from now on its count is needed before the room may fail
                 s.shipped.add(dest.endpoint)
-            self._send_pages(s, dest, page_ids, dst, s.sent, last, metadata)
-            if is_final(s.state) or s.closing is not None:  # a failed write
+            try:  # one run of sends per page region (main, then SWA pages: regions.py)
+                runs = split(page_ids, dst, self.regions.bases, geometry_bases(dest.geometry))
+            except ValueError as e:
+                self.fail(s, f"prefill and decode disagree on the SWA pages: {e}")
                 return
+            for i, (region, pos, src_local, dst_local) in enumerate(runs):
+                final = i == len(runs) - 1
+                self._send_pages(s, dest, src_local, dst_local, s.sent + pos, last and final,
+                                 metadata if final else None, region)
+                if is_final(s.state) or s.closing is not None:  # a failed write
+                    return
         s.sent += len(page_ids)
 
 

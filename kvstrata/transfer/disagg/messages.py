@@ -33,6 +33,7 @@ class BufferGeometry(msgspec.Struct, array_like=True, frozen=True):
     sections: int
     num_pages: int
     page_bytes: int
+    region: int = 0                   # 1: the SWA pool's buffers (regions.py)
 
 
 class Join(msgspec.Struct, tag="join"):
@@ -68,6 +69,7 @@ class Chunk(msgspec.Struct, tag="chunk"):
     ack: bool = False
     last: bool = False
     metadata: PDMetadata | None = None
+    region: int = 0                   # whose buffers the pages are in (regions.py)
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -122,9 +124,16 @@ def geometry_mismatch(mine: list[BufferGeometry], theirs: list[BufferGeometry]) 
     """Why the two sides cannot exchange pages, or None. Page counts may differ."""
     ours = [(g.sections, g.page_bytes) for g in mine]
     peer = [(g.sections, g.page_bytes) for g in theirs]
-    if ours == peer:
+    if ours == peer and [g.region for g in mine] == [g.region for g in theirs]:
         return None
     why = "same model, dtype and page size needed on both servers"
+    swa = [any(g.region for g in side) for side in (mine, theirs)]
+    if swa[0] != swa[1]:  # a hybrid SWA server and a uniform one
+        return (f"KV geometry mismatch: the {'prefill' if swa[0] else 'decode'} server keeps "
+                f"the sliding-window layers in an SWA pool (hybrid SWA memory), the other "
+                f"one pool for every layer; start both with the same "
+                f"--disable-hybrid-swa-memory (prefill buffers (sections, page_bytes) "
+                f"{ours} vs decode {peer})")
     if len(ours) != len(peer):  # runner/spec/handoff.py: an EAGLE draft's KV is a buffer
         why += ("; an EAGLE / NEXTN draft's KV travels as a second buffer, so both servers "
                 "need the same --speculative-algorithm and draft (chains, --speculative-"

@@ -60,14 +60,17 @@ class MooncakeManager(ZmqDisaggManager):
                 "buffer_ptrs": [b.data_ptr() for b in self.buffers]}
 
     def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
-                    offset: int, last: bool, metadata) -> None:
+                    offset: int, last: bool, metadata, region: int = 0) -> None:
         if not dest.mooncake_session or len(dest.buffer_ptrs) != len(self.buffers):
             self.fail(s, "the decode server does not use the mooncake backend (no transfer "
                          "engine session in its destination)")
             return
         src_ptrs, dst_ptrs, lengths = [], [], []
         runs = contiguous_runs(src, dst)
-        for buf, geom, dst_base in zip(self.buffers, dest.geometry, dest.buffer_ptrs):
+        # this region's buffers only (regions.py): ours, and the decode's with their addresses
+        theirs = [(g, ptr) for g, ptr in zip(dest.geometry, dest.buffer_ptrs)
+                  if g.region == region]
+        for buf, (geom, dst_base) in zip(self.regions.groups[region], theirs):
             sections, src_pages, page_bytes = buf.shape
             src_base = buf.data_ptr()
             for s0, d0, n in runs:
@@ -83,7 +86,8 @@ class MooncakeManager(ZmqDisaggManager):
                 self.fail(s, f"Mooncake write to {dest.mooncake_session} failed (rc {rc})")
                 return
         self.send_to(dest.endpoint, Chunk(s.room, self.endpoint, offset, len(src), ack=True,
-                                        last=last, metadata=metadata if last else None))
+                                        last=last, metadata=metadata if last else None,
+                                        region=region))
 
 
 __all__ = ["MooncakeManager"]

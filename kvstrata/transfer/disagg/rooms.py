@@ -56,10 +56,11 @@ class _Room:
 
     def _bad_input(self, page_ids: list[int], metadata_index: int | None) -> str | None:
         """Why these pages / this slot are not ours to use, or None."""
-        num_pages = min(int(b.shape[1]) for b in self.mgr.buffers)
-        bad = [p for p in page_ids if not 0 < p < num_pages]
+        regions = self.mgr.regions
+        bad = [p for p in page_ids if not regions.valid(p)]
         if bad:
-            return f"page ids {bad[:8]} outside 1..{num_pages - 1}"
+            return (f"page ids {bad[:8]} outside the registered pages (regions from "
+                    f"{regions.bases}, {regions.pages} pages each, page 0 of each reserved)")
         if metadata_index is not None and not 0 <= metadata_index < self.mgr.num_metadata_slots:
             return (f"metadata index {metadata_index} outside 0..."
                     f"{self.mgr.num_metadata_slots - 1}")

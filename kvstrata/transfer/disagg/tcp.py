@@ -33,30 +33,34 @@ def _wide(array: np.ndarray) -> np.ndarray:
 
 class TcpManager(ZmqDisaggManager):
     def _setup_backend(self) -> None:
-        self._arrays = [b.numpy() for b in self.buffers]  # [S, P, B] uint8, shared memory
-        self._wide = [_wide(a) for a in self._arrays]
+        # per page region (regions.py): [S, P, B] uint8 numpy views of the pools' memory
+        self._region_arrays = [[b.numpy() for b in g] for g in self.regions.groups]
+        self._region_wide = [[_wide(a) for a in g] for g in self._region_arrays]
 
     # ---- prefill
     def _send_pages(self, s: Sender, dest: Destination, src: list[int], dst: list[int],
-                    offset: int, last: bool, metadata) -> None:
-        step = max(1, MESSAGE_BYTES // max(1, self.page_bytes))
+                    offset: int, last: bool, metadata, region: int = 0) -> None:
+        page_bytes = self.regions.page_bytes(region)
+        step = max(1, MESSAGE_BYTES // max(1, page_bytes))
         starts = list(range(0, len(src), step)) or [0]  # an empty last send still reports
         for start in starts:
             final = start == starts[-1]
             sub_src, sub_dst = src[start:start + step], dst[start:start + step]
-            layout, runs, frames = self._pack(sub_src, sub_dst)
+            layout, runs, frames = self._pack(sub_src, sub_dst, region, page_bytes)
             self.send_to(dest.endpoint, Chunk(
                 s.room, self.endpoint, offset + start, len(sub_src), layout, runs,
-                ack=final, last=last and final, metadata=metadata if last and final else None),
-                frames)
+                ack=final, last=last and final, metadata=metadata if last and final else None,
+                region=region), frames)
 
-    def _pack(self, src: list[int], dst: list[int]) -> tuple[str, list, list]:
+    def _pack(self, src: list[int], dst: list[int], region: int,
+              page_bytes: int) -> tuple[str, list, list]:
         if not src:
             return "none", [], []
         runs = contiguous_runs(src, dst)
-        sections = sum(g.sections for g in self.geometry)
-        if len(src) * self.page_bytes >= SLICE_MIN_BYTES * len(runs) * sections:
-            frames = [a[sec, s0:s0 + n] for a in self._arrays for s0, _, n in runs
+        arrays = self._region_arrays[region]
+        sections = sum(a.shape[0] for a in arrays)
+        if len(src) * page_bytes >= SLICE_MIN_BYTES * len(runs) * sections:
+            frames = [a[sec, s0:s0 + n] for a in arrays for s0, _, n in runs
                       for sec in range(a.shape[0])]
             # runs as (position in this message, length): the receiver maps positions to
             # its own page ids, so a peer can only ever write pages reserved for the room.
@@ -66,24 +70,31 @@ class TcpManager(ZmqDisaggManager):
                 pos += n
             return "slices", positions, frames
         idx = np.asarray(src, dtype=np.int64)
-        return "gathered", [], [np.take(w, idx, axis=1) for w in self._wide]
+        return "gathered", [], [np.take(w, idx, axis=1) for w in self._region_wide[region]]
 
     # ---- decode
     def write_pages(self, r: Receiver, msg: Chunk, frames: list) -> None:
-        dst = r.dst[msg.dst_offset:msg.dst_offset + msg.num_pages]
+        if not 0 <= msg.region < len(self._region_arrays):
+            raise ValueError(f"page region {msg.region}: this server registered "
+                             f"{len(self._region_arrays)}")
+        arrays, wide = self._region_arrays[msg.region], self._region_wide[msg.region]
+        base = self.regions.bases[msg.region]
+        dst = [d - base for d in r.dst[msg.dst_offset:msg.dst_offset + msg.num_pages]]
+        if not all(0 < d < self.regions.pages[msg.region] for d in dst):
+            raise ValueError(f"pages of region {msg.region} sent to reserved pages of another")
         if msg.layout == "gathered":
-            if len(frames) != len(self._wide):
-                raise ValueError(f"{len(frames)} frames for {len(self._wide)} buffers")
+            if len(frames) != len(wide):
+                raise ValueError(f"{len(frames)} frames for {len(wide)} buffers")
             idx = np.asarray(dst, dtype=np.int64)
-            for w, frame in zip(self._wide, frames):
+            for w, frame in zip(wide, frames):
                 w[:, idx] = np.frombuffer(frame.buffer, dtype=w.dtype).reshape(
                     w.shape[0], len(dst), w.shape[2])
         elif msg.layout == "slices":
-            expected = len(msg.runs) * sum(a.shape[0] for a in self._arrays)
+            expected = len(msg.runs) * sum(a.shape[0] for a in arrays)
             if len(frames) != expected:
                 raise ValueError(f"{len(frames)} frames, expected {expected}")
             it = iter(frames)
-            for a in self._arrays:
+            for a in arrays:
                 for pos, n in msg.runs:
                     d0 = dst[pos]
                     if dst[pos:pos + n] != list(range(d0, d0 + n)):

@@ -1,0 +1,86 @@
+"""Page regions of a transfer manager: the main pool's buffers, and with hybrid SWA memory the
+SWA pool's buffers as a second region (SGLang's per-state-type payload, StateType.SWA).
+
+A room's page list stays one list of ids (cache/swa_pd.py): ids below `bases[1]` are the main
+region's pages (every main buffer holds pages 0..bases[1]-1), ids from `bases[1]` on are the
+SWA region's pages `id - bases[1]`. Each side has its own bases (the pools differ in size);
+a Destination's geometry tells the prefill the decode's. A chunk on the wire is from one
+region only (`Chunk.region`), in local page ids of that region's buffers.
+"""
+from __future__ import annotations
+
+from kvstrata.transfer.disagg.messages import BufferGeometry, check_page_buffers
+
+MAIN, SWA = 0, 1
+
+
+class PageRegions:
+    def __init__(self, buffers, swa_buffers=()):
+        self.groups = [check_page_buffers(list(buffers))]
+        if swa_buffers:
+            self.groups.append(check_page_buffers(list(swa_buffers)))
+        self.pages = [int(g[0].shape[1]) for g in self.groups]
+        self.bases = bases_of(self.pages)
+
+    @property
+    def flat(self) -> list:
+        return [b for g in self.groups for b in g]
+
+    def geometry(self) -> list[BufferGeometry]:
+        return [BufferGeometry(int(b.shape[0]), int(b.shape[1]), int(b.shape[2]), region)
+                for region, g in enumerate(self.groups) for b in g]
+
+    def page_bytes(self, region: int) -> int:
+        """Bytes one page of this region takes over its buffers."""
+        return sum(int(b.shape[0]) * int(b.shape[2]) for b in self.groups[region])
+
+    def valid(self, page_id: int) -> bool:
+        """A page id a peer may name: not a region's padding page 0, inside its region."""
+        region = region_of(page_id, self.bases)
+        local = page_id - self.bases[region]
+        return 0 < local < self.pages[region]
+
+
+def bases_of(pages: list[int]) -> list[int]:
+    out, base = [], 0
+    for n in pages:
+        out.append(base)
+        base += n
+    return out
+
+
+def geometry_bases(geometry: list[BufferGeometry]) -> list[int]:
+    """A peer's region bases from its registered geometry (first buffer of each region)."""
+    first: dict[int, int] = {}
+    for g in geometry:
+        first.setdefault(g.region, g.num_pages)
+    return bases_of([first[r] for r in sorted(first)])
+
+
+def region_of(page_id: int, bases: list[int]) -> int:
+    region = 0
+    for r, base in enumerate(bases):
+        if page_id >= base:
+            region = r
+    return region
+
+
+def split(src: list[int], dst: list[int], src_bases: list[int],
+          dst_bases: list[int]) -> list[tuple[int, int, list[int], list[int]]]:
+    """(region, first position, local src ids, local dst ids) for each run of positions in one
+    region; at least one entry (an empty send still reports). A page whose region differs on
+    the two sides is a bookkeeping bug on one of them: ValueError."""
+    out: list[tuple[int, int, list[int], list[int]]] = []
+    for pos, (s, d) in enumerate(zip(src, dst)):
+        region = region_of(s, src_bases)
+        if region != region_of(d, dst_bases):
+            raise ValueError(f"page #{pos}: source id {s} is in region {region}, destination "
+                             f"id {d} in region {region_of(d, dst_bases)}")
+        if not out or out[-1][0] != region:
+            out.append((region, pos, [], []))
+        out[-1][2].append(s - src_bases[region])
+        out[-1][3].append(d - dst_bases[region])
+    return out or [(MAIN, 0, [], [])]
+
+
+__all__ = ["MAIN", "SWA", "PageRegions", "geometry_bases", "region_of", "split"]
