@@ -154,6 +154,9 @@ class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     num_tokens: int = 0
     device_pages: list[int] = []
     host_pages: list[int] = []
+    # hybrid SWA memory: the SWA pool's pages of the live window (the last window before
+    # num_tokens, cache/swa_pd.py), backed up and restored beside the full pages (cpu_tensor)
+    swa_pages: list[int] = []
 
 
 __all__ = ["SPEC_TOPK_LIMIT", "SpecHandoff", "DSA_SEED_KEY", "dsa_seed_extras", "dsa_seed_from_extras", "FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",

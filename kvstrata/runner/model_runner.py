@@ -29,7 +29,8 @@ from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.executors.base import OpExecutor, split_ops
 from kvstrata.runner.executors.hicache import HiCacheExecutor
 from kvstrata.runner.executors.registry import EXECUTORS
-from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor, on_demand_backup
+from kvstrata.runner.executors.retraction_backup import (RetractionBackupExecutor,
+                                                         on_demand_backup, with_swa_pool)
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.model_setup import load_serving_model
@@ -219,7 +220,8 @@ class ModelRunner:
         """The step's ops go to their executors (runner/executors/base.py) in registry
         order; then the forward; then every executor reports its events."""
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
-            self.backup = on_demand_backup(self.kv_pool, self.hicache)
+            self.backup = with_swa_pool(on_demand_backup(self.kv_pool, self.hicache),
+                                        self.swa_pool)
         executors = self.executors()
         if self.draft is not None:
             self.draft.on_copies(sched.ops)
@@ -249,7 +251,9 @@ class ModelRunner:
             backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype, tp_rank=tp[0],
-            tp_size=tp[1], kv_replicated=self.plan.pool_kind == "mla"))
+            tp_size=tp[1], kv_replicated=self.plan.pool_kind == "mla",
+            # hybrid SWA memory: the windowed layers' pool crosses as a second page region
+            swa_buffers=page_buffers_of(self.swa_pool) if self.swa_pool is not None else ()))
 
     def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
                        tp_size: int = 1) -> None:

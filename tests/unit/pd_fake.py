@@ -306,13 +306,16 @@ class PDPair:
     """A prefill EngineCore and a decode EngineCore joined by a FakeTransferHub."""
 
     def __init__(self, page_size=1, prefill_pages=256, decode_pages=256, vocab=1000, delay=0,
-                 prefill_cfg=None, decode_cfg=None, eos_token_ids=()):
-        self.hub = FakeTransferHub(page_size, delay)
+                 prefill_cfg=None, decode_cfg=None, eos_token_ids=(), hub_cls=None,
+                 runner_cls=None, runner_kw=None):
+        # hub_cls / runner_cls / runner_kw: variants (pd_fake_swa.py: hybrid SWA memory)
+        self.hub = (hub_cls or FakeTransferHub)(page_size, delay)
         self.vocab = vocab
-        self.prefill_runner = PDFakeRunner(self.hub, "prefill", vocab_size=vocab,
-                                           eos_token_ids=eos_token_ids)
-        self.decode_runner = PDFakeRunner(self.hub, "decode", vocab_size=vocab,
-                                          eos_token_ids=eos_token_ids)
+        runner_cls = runner_cls or PDFakeRunner
+        self.prefill_runner = runner_cls(self.hub, "prefill", vocab_size=vocab,
+                                         eos_token_ids=eos_token_ids, **(runner_kw or {}))
+        self.decode_runner = runner_cls(self.hub, "decode", vocab_size=vocab,
+                                        eos_token_ids=eos_token_ids, **(runner_kw or {}))
         self.prefill = EngineCore(self.prefill_runner, SchedulerConfig(
             num_pages=prefill_pages, page_size=page_size, disaggregation_mode="prefill",
             **(prefill_cfg or {})))

@@ -342,10 +342,12 @@ def test_aborts_and_flush_keep_both_pools_whole():
     assert kv.swa.allocator.available_pages() == 24 and kv.allocator.available_pages() == 64
 
 
-def test_pd_refuses_an_swa_pool():
-    with pytest.raises(ValueError, match="does not support PD disaggregation"):
+def test_pd_takes_an_swa_pool_but_not_the_decode_radix_cache():
+    SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4, disaggregation_mode="prefill")
+    with pytest.raises(ValueError, match="decode radix cache"):  # tests/unit/test_disagg_swa_pair.py
         SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
-                        disaggregation_mode="prefill")
+                        disaggregation_mode="decode",
+                        disaggregation_decode_enable_radix_cache=True)
 
 
 def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():

@@ -153,10 +153,12 @@ class SchedulerConfig:
         or host_pool in the same pool: backups_share_host); only a decode server has a
         retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
-        if plan.has_swa_pool and self.disaggregation_mode != "null":
-            # PD sends and receives full pages only (the SWA pages would stay unwritten).
-            raise ValueError("the hybrid SWA pool does not support PD disaggregation yet; "
-                             "disable hybrid SWA memory")
+        if plan.has_swa_pool and decode and (self.radix_cache or plan.has_host_pool):
+            # PD moves the last window's SWA pages (cache/swa_pd.py), but the decode radix
+            # cache keeps no SWA pages, and a host pool (HiCache, host_pool retraction
+            # backups) copies the full pool only.
+            raise ValueError("the hybrid SWA pool does not support the decode radix cache or "
+                             "a decode host pool yet; disable hybrid SWA memory")
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
         if decode and plan.has_host_pool and not retraction_pool and not self.radix_cache:
             raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "

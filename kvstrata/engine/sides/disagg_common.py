@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.swa_pd import tail_start_page
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, page_bytes
 from kvstrata.engine.request import Request
 from kvstrata.engine.sides.base import SchedulerSide
@@ -119,6 +120,15 @@ class DisaggSide(SchedulerSide):
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def swa_tail_pages(self, prompt_len: int) -> int:
+        """SWA pages a prompt's transfer moves after its full pages (the last window,
+        cache/swa_pd.py); 0 without an SWA pool. Both sides count them the same."""
+        if self.kv.swa is None:
+            return 0
+        return self.pages_for(prompt_len) - min(
+            tail_start_page(prompt_len, self.kv.swa.window, self.page_size),
+            self.pages_for(prompt_len))
 
     # ------------------------------------------------------------------ scheduler hooks
     def has_work(self) -> bool:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import msgspec
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.swa_pd import decode_tail_wire_ids, grow_swa_tail
 from kvstrata.engine.request import Request
 from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
 from kvstrata.engine.sides.disagg_common import DisaggSide, Room
@@ -130,11 +131,28 @@ class DecodeDisagg(DisaggSide):
         need_single = max((min(r.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
                            + len(r.prompt_ids) - retractable for r in running), default=0)
         reserved = self.reserved * self.holding()
-        return self.kv.allocatable_tokens() - max(reserved, need_single), retractable
+        return self.full_allocatable() - max(reserved, need_single), retractable
+
+    def full_allocatable(self) -> int:
+        """Tokens the prompts' full pages may take. With an SWA pool only the full pool: a
+        received prompt takes SWA pages for its last window only (`_swa_fits` checks those),
+        so the smaller SWA pool must not cap prompts far longer than the window."""
+        kv = self.kv
+        return kv.full_allocatable_tokens() if kv.swa is not None else kv.allocatable_tokens()
+
+    def swa_fits(self, num_tokens: int, spent: int) -> bool:
+        """The last-window SWA pages of `num_tokens` tokens (a prompt, a retracted request's
+        backup), and its next decode tokens' (R), fit the SWA pool after `spent` SWA tokens
+        this pass already took."""
+        if self.kv.swa is None:
+            return True
+        tail = self.swa_tail_pages(num_tokens) * self.page_size
+        return tail + self.reserved <= self.kv.swa_allocatable_tokens() - spent
 
     def _admit(self) -> None:
         allocatable, retractable = self.budget()
         P = self.page_size
+        swa_spent = 0
         for req in priority_order(self.sched.config, self.prealloc):
             room = self._room(req)
             if room.state != KVPoll.WAITING_FOR_INPUT:
@@ -151,22 +169,29 @@ class DecodeDisagg(DisaggSide):
             clip = min(req.params.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
             fits = max(need + self.reserved, need + clip - retractable) <= allocatable
             idle = not self.holding() and not self.frees_memory_later()
-            if not (fits or (idle and need <= self.kv.allocatable_tokens())):
+            if not (fits or (idle and need <= self.full_allocatable())) or \
+                    not self.swa_fits(len(req.prompt_ids), swa_spent):
                 break
             if self.radix:  # lock the prefix for the request's lifetime (with a decode
                 # HiCache, host-resident pages of it are loaded back first: not re-sent)
                 held = self.kv.match_and_lock(req, whole_prompt=True)
-            if not self.kv.grow(req, len(req.prompt_ids)):
+            # hybrid SWA memory: SWA pages for the last window only (alloc_extend_swa_tail)
+            grown = grow_swa_tail(self.kv, req, len(req.prompt_ids)) \
+                if self.kv.swa is not None else self.kv.grow(req, len(req.prompt_ids))
+            if not grown:
                 self.kv.release(req, insert=False)  # the match's lock (nothing else held)
                 break
+            swa_spent += self.swa_tail_pages(len(req.prompt_ids)) * P
             self._take_slot(room)
             allocatable -= need + self.reserved
             self.prefix_hit_tokens += held
             self.prealloc.remove(req)
             self.transfer.append(req)
+            tail = decode_tail_wire_ids(self.kv, req, len(req.prompt_ids)) \
+                if self.kv.swa is not None else []
             self.emit("receiver_init", req.bootstrap.room,
-                      page_ids=list(req.pages[req.num_tree_pages:]), metadata_index=room.slot,
-                      prefix_pages=req.num_tree_pages)
+                      page_ids=list(req.pages[req.num_tree_pages:]) + tail,
+                      metadata_index=room.slot, prefix_pages=req.num_tree_pages)
 
     def _join_running(self) -> None:
         sched = self.sched

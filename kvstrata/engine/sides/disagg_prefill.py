@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.swa_pd import prefill_tail_wire_ids
 from kvstrata.engine.request import Request
 from kvstrata.engine.sides.disagg_common import DisaggSide, Room
 from kvstrata.engine.sides.priority import priority_order
@@ -73,7 +74,8 @@ class PrefillDisagg(DisaggSide):
             if not self._take_slot(room):
                 break
             self.emit("sender_init", req.bootstrap.room,
-                      num_pages=self.pages_for(len(req.prompt_ids)), metadata_index=room.slot)
+                      num_pages=self.pages_for(len(req.prompt_ids))
+                      + self.swa_tail_pages(len(req.prompt_ids)), metadata_index=room.slot)
             self.bootstrap.remove(req)
             self.sched.enqueue(req)
 
@@ -103,7 +105,10 @@ class PrefillDisagg(DisaggSide):
         sched.forget_in_runner(req)
         room = req.bootstrap.room
         sent = self.rooms[room].sent_pages
-        self.emit("send", room, page_ids=req.pages[sent:], last=True, metadata=PDMetadata(
+        # hybrid SWA memory: the window layers' pages of the prompt's last window go last
+        tail = prefill_tail_wire_ids(self.kv, req, len(req.prompt_ids)) \
+            if self.kv.swa is not None else []
+        self.emit("send", room, page_ids=req.pages[sent:] + tail, last=True, metadata=PDMetadata(
             room=room, first_token_id=token, first_logprob=logprob,
             first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens,
             extras={DSA_SEED_KEY: dsa_seed} if dsa_seed is not None else {},

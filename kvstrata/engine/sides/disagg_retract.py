@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.swa_pd import grow_swa_tail, tail_start_page
 from kvstrata.engine.request import Request, RequestStatus
 from kvstrata.protocol import FinishReason
 from kvstrata.protocol.disagg import BackupOp
@@ -133,7 +134,8 @@ class DecodeRetraction:
                 return False
         self.ops.append(BackupOp(kind="backup", rid=req.rid, backend=self.backend,
                                  num_tokens=tokens, device_pages=req.pages[:num_pages],
-                                 host_pages=list(host)))
+                                 host_pages=list(host),
+                                 swa_pages=self._window_swa_pages(req, tokens)))
         self.backups[req.rid] = Backup(tokens, num_pages, list(host))
         self.num_backups[self.backend] += 1
         self.backup_bytes += tokens * self.kv.plan.bytes_per_token
@@ -143,6 +145,18 @@ class DecodeRetraction:
         self.retracted.append(req)
         return True
 
+    def _window_swa_pages(self, req: Request, tokens: int) -> list[int]:
+        """The SWA pages of the window the next query (at `tokens`) reads: what a backup
+        keeps beside the full pages ([] without an SWA pool). Live: the request frees only
+        pages a whole window and a page behind its computed tokens (cache/swa_pages.py)."""
+        swa = self.kv.swa
+        if swa is None:
+            return []
+        first = tail_start_page(tokens, swa.window, self.side.page_size)
+        pages = [swa.map[p] for p in req.pages[first:self.side.pages_for(tokens)]]
+        assert all(pages), f"{req.rid}: a page of its last window has no SWA page"
+        return pages
+
     # ------------------------------------------------------------------ resume
     def resume(self) -> None:
         """SGLang's resume_retracted_reqs: in order, while a slot and the budget allow."""
@@ -151,6 +165,7 @@ class DecodeRetraction:
         side = self.side
         allocatable, _ = side.budget()
         P = side.page_size
+        swa_spent = 0
         for req in list(self.retracted):
             if side.holding() >= side.max_holding:
                 break
@@ -158,10 +173,16 @@ class DecodeRetraction:
             need = backup.num_pages * P
             idle = not side.holding() and not side.frees_memory_later()
             fits = need + side.reserved <= allocatable
-            if not (fits or (idle and need <= self.kv.allocatable_tokens())):
+            if not (fits or (idle and need <= side.full_allocatable())):
                 break
-            if not self.kv.grow(req, backup.num_tokens):
+            if not side.swa_fits(backup.num_tokens, swa_spent):
                 break
+            # hybrid SWA memory: SWA pages for the backed-up window only, as at admission
+            grown = grow_swa_tail(self.kv, req, backup.num_tokens) \
+                if self.kv.swa is not None else self.kv.grow(req, backup.num_tokens)
+            if not grown:
+                break
+            swa_spent += side.swa_tail_pages(backup.num_tokens) * P
             allocatable -= need + side.reserved
             self.retracted.remove(req)
             self._restore(req, backup)
@@ -170,7 +191,8 @@ class DecodeRetraction:
         del self.backups[req.rid]
         self.ops.append(BackupOp(kind="restore", rid=req.rid, backend=self.backend,
                                  num_tokens=backup.num_tokens, device_pages=list(req.pages),
-                                 host_pages=list(backup.host_pages)))
+                                 host_pages=list(backup.host_pages),
+                                 swa_pages=self._window_swa_pages(req, backup.num_tokens)))
         if backup.host_pages:
             # Freed now: the restore reads them first in the next SchedulerOutput, before
             # any later backup can write them.

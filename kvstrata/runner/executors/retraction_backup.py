@@ -81,6 +81,8 @@ class RetractionBackupExecutor(OpExecutor):
         self._pool_rows = torch.arange(two_l, dtype=torch.long) * self._pages.stride(0) * \
             words.element_size()
         self._cpu: dict[str, _CpuBackup] = {}
+        # hybrid SWA memory: a cpu_tensor executor over the SWA pool (with_swa_pool)
+        self.swa: RetractionBackupExecutor | None = None
         self._host: dict[str, tuple[int, ...]] = {}  # rid -> host pages holding its backup
         self._stats: dict[str, float] = {}
 
@@ -94,7 +96,11 @@ class RetractionBackupExecutor(OpExecutor):
                 raise ValueError(f"BackupOp for {op.rid!r}: unknown kind {op.kind!r}")
             if op.kind == "discard":
                 self._discard(op)
+                if self.swa is not None:
+                    self.swa._discard(op)
                 continue
+            if op.swa_pages:
+                self._apply_swa(op)
             pages = self._check_pages(op)
             start = time.perf_counter()
             if op.backend == "cpu_tensor":
@@ -103,6 +109,16 @@ class RetractionBackupExecutor(OpExecutor):
                 (self._host_backup if op.kind == "backup" else self._host_restore)(op, pages)
             self._count(op.backend, op.kind, pages.numel() * self.bytes_per_page,
                         time.perf_counter() - start)
+
+    def _apply_swa(self, op: BackupOp) -> None:
+        """Hybrid SWA memory: the live window's SWA pages go to (come from) a cpu_tensor backup
+        of the SWA pool, beside the full pages' backup. The host pool holds full pages only, so
+        config/rules/retraction.py keeps host_pool off for an SWA pool."""
+        if self.swa is None or op.backend != "cpu_tensor":
+            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names SWA pages, but "
+                             f"{'this runner has no SWA pool' if self.swa is None else 'only a cpu_tensor backup holds SWA pages'}")
+        self.swa.apply([BackupOp(kind=op.kind, rid=op.rid, backend="cpu_tensor",
+                                 device_pages=list(op.swa_pages))])
 
     def has_backup(self, rid: str) -> bool:
         return rid in self._cpu or rid in self._host
@@ -224,6 +240,13 @@ class RetractionBackupExecutor(OpExecutor):
         for metric, value in (("bytes", nbytes), ("seconds", seconds), ("count", 1)):
             key = f"{backend}_{kind}_{metric}"
             self._stats[key] = self._stats.get(key, 0.0) + value
+
+
+def with_swa_pool(executor: RetractionBackupExecutor, swa_pool) -> RetractionBackupExecutor:
+    """Give the executor the SWA pool's (None: no SWA pool), for BackupOp.swa_pages."""
+    if swa_pool is not None:
+        executor.swa = RetractionBackupExecutor(swa_pool)
+    return executor
 
 
 def on_demand_backup(device_pool, hicache=None) -> RetractionBackupExecutor:
