@@ -58,8 +58,6 @@ def test_nothing_to_decide_without_windows(info):
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
     (dict(enable_hierarchical_cache=True), "HiCache"),
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "L3 storage"),
-    (dict(disaggregation_mode="prefill"), "--disaggregation-mode prefill"),
-    (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
     (dict(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool"),
      "retraction-backup host_pool"),
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
@@ -116,24 +114,34 @@ def test_later_rules_see_the_swa_kind():
     assert swa.model_info_after(args, HYBRID) is HYBRID
 
 
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("backend", ["tcp", "mooncake"])
+@pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
+def test_on_under_pd(mode, backend, info):
+    """PD moves the last window's SWA pages (tests/unit/test_disagg_swa_pair.py,
+    tests/transfer/test_disagg_swa_region.py): hybrid SWA memory stays on."""
+    resolved, res = run(info, disaggregation_mode=mode,
+                        disaggregation_transfer_backend=backend)
+    assert resolved.hybrid_swa_memory is True and res["hybrid_swa_memory"].rule == "swa.on"
+
+
 def test_retraction_with_the_real_pool_kinds():
-    """Hybrid: host_pool where the other gates allow; all-SWA: cpu_tensor. (A decode server
-    turns hybrid SWA memory off today -- PD -- so there the rule sees "mha" again.)"""
+    """An SWA pool, hybrid or all-SWA: cpu_tensor (SGLang: host_pool for hybrid; our host
+    pool holds no SWA pages, cpu_tensor backs up the live window's)."""
     decode = ServerArgs(disaggregation_mode="decode", max_total_tokens=4096)
     args, _ = run(max_total_tokens=4096)
     hybrid = swa.model_info_after(args, HYBRID)
     pure = swa.model_info_after(run(ALL_SWA)[0], ALL_SWA)
     plat = simulated("cuda")
     from kvstrata.config.resolve_types import to_resolved
-    backend, _ = decide_backup(inputs_from(to_resolved(decode), plat, hybrid))
-    assert backend == "host_pool"
+    backend, why = decide_backup(inputs_from(to_resolved(decode), plat, hybrid))
+    assert backend == "cpu_tensor" and "the host pool holds no SWA pages" in why
     backend, why = decide_backup(inputs_from(to_resolved(decode), plat, pure))
     assert backend == "cpu_tensor" and "no full-attention pages" in why
-    resolved, res = run(HYBRID, "cuda", disaggregation_mode="decode")
-    assert resolved.hybrid_swa_memory is False
-    assert resolved.disaggregation_decode_retraction_backup == "host_pool"
-    resolved, _ = run(ALL_SWA, "cuda", disaggregation_mode="decode")
-    assert resolved.disaggregation_decode_retraction_backup == "host_pool"  # uniform pool
+    for info in (HYBRID, ALL_SWA):
+        resolved, res = run(info, "cuda", disaggregation_mode="decode")
+        assert resolved.hybrid_swa_memory is True
+        assert resolved.disaggregation_decode_retraction_backup == "cpu_tensor"
 
 
 def test_explain_shows_the_decision():

@@ -39,9 +39,11 @@ class RetractionInputs:
 
 
 def pool_supports_host_pool(kv_pool_kind: str, full_attention_tokens: int | None) -> bool:
-    # A pure sliding-window pool has no full-attention pages to back up; None (not sized yet)
-    # is treated as "none" so the automatic choice stays on the safe side.
-    return kv_pool_kind == "mha" or (kv_pool_kind == "swa" and (full_attention_tokens or 0) > 0)
+    # SGLang backs a hybrid SWA pool (full-attention tokens > 0) up into the host pool too;
+    # here the host pool holds full-pool pages only (cache/kv_manager.py refuses a host pool
+    # beside an SWA pool), so an SWA pool takes cpu_tensor, which backs up the live window's
+    # SWA pages beside the full pages (runner/executors/retraction_backup.py).
+    return kv_pool_kind == "mha"
 
 
 def decide_backup(x: RetractionInputs) -> tuple[str, str]:
@@ -65,11 +67,12 @@ def decide_backup(x: RetractionInputs) -> tuple[str, str]:
     if not pool_supports_host_pool(x.kv_pool_kind, x.full_attention_tokens_per_layer):
         if x.kv_pool_kind != "swa":
             blockers.append(f"KV pool kind {x.kv_pool_kind}")
-        elif x.full_attention_tokens_per_layer is None:  # hybrid, sized after resolution
-            blockers.append("KV pool kind swa whose full-attention pool is not sized yet "
-                            "(--max-total-tokens unset)")
-        else:
+        elif x.full_attention_tokens_per_layer == 0:
             blockers.append("KV pool kind swa has no full-attention pages to back up")
+        else:  # hybrid: SGLang would pick host_pool
+            blockers.append("KV pool kind swa (hybrid SWA memory): the host pool holds no SWA "
+                            "pages; cpu_tensor backs up the full pages and the live window's "
+                            "SWA pages")
     if blockers:
         return "cpu_tensor", "auto: cpu_tensor because " + "; ".join(blockers)
     return "host_pool", "auto: host_pool (decode server, every precondition holds)"

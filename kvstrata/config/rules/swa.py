@@ -35,12 +35,12 @@ def blockers(args: ResolvedArgs) -> list[str]:
     if args.enable_hierarchical_cache or args.hicache_storage_backend is not None:
         out.append("HiCache (--enable-hierarchical-cache / L3 storage): the host tier and "
                    "storage keys copy one uniform pool's pages, not the SWA pool's")
-    if args.disaggregation_mode != "null":
-        out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}): "
-                   f"transfers register the one uniform pool's pages")
+    # PD itself works (the prefill sends the last window's SWA pages, the decode allocates
+    # SWA pages for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the
+    # tcp and mooncake backends; what a decode server adds below does not yet.
     if args.disaggregation_decode_retraction_backup == "host_pool":
-        out.append("--disaggregation-decode-retraction-backup host_pool: the backup copies "
-                   "the uniform pool only")
+        out.append("--disaggregation-decode-retraction-backup host_pool: the host pool holds "
+                   "the full pool's pages only (cpu_tensor backs up the SWA window too)")
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache keeps "
                    "no SWA pages")
