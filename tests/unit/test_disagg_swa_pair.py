@@ -28,15 +28,19 @@ def swa_drained(engine):
     assert alloc.available_pages() + kv.tree.cached_swa_pages() == alloc.num_pages
 
 
-@pytest.mark.parametrize("P,window,chunk", [(1, 8, None), (16, 20, 32), (4, 9, 12)])
-def test_long_prompts_decode_exactly_with_only_the_last_window_sent(P, window, chunk):
+@pytest.mark.parametrize("P,window,chunk,reserved", [(1, 8, None, 8), (16, 20, 32, 8),
+                                                     (4, 9, 12, 8), (1, 8, None, 512)])
+def test_long_prompts_decode_exactly_with_only_the_last_window_sent(P, window, chunk,
+                                                                    reserved):
+    """reserved: --num-reserved-decode-tokens (512 is the default: more than the SWA pool)"""
     lengths = [n * (4 if P >= 16 else 1) for n in (150, 97, 64, 200)]
     # decode SWA pool: fewer tokens than one prompt, enough for a few windows
     decode_swa = 3 * (-(-(window + 1) // P) + 2)
     pages = 4096 // P + 8
     pair = swa_pair(P, window, prefill_pages=pages, decode_pages=pages, prefill_swa=pages,
                     decode_swa=decode_swa,
-                    prefill_cfg={"chunked_prefill_size": chunk} if chunk else None)
+                    prefill_cfg={"chunked_prefill_size": chunk} if chunk else None,
+                    decode_cfg={"num_reserved_decode_tokens": reserved})
     assert decode_swa * P < min(lengths)
     prompts = {f"r{i}": prompt(i, n) for i, n in enumerate(lengths)}
     for rid, p in prompts.items():

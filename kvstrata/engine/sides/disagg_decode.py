@@ -142,12 +142,17 @@ class DecodeDisagg(DisaggSide):
 
     def swa_fits(self, num_tokens: int, spent: int) -> bool:
         """The last-window SWA pages of `num_tokens` tokens (a prompt, a retracted request's
-        backup), and its next decode tokens' (R), fit the SWA pool after `spent` SWA tokens
-        this pass already took."""
-        if self.kv.swa is None:
+        backup), and room for its next decode tokens, fit the SWA pool after `spent` SWA
+        tokens this pass already took. Its decode tokens take R (--num-reserved-decode-
+        tokens, 512 by default) in the full pool but at most a window and two pages in the
+        SWA pool (the out-of-window ones are freed as it goes): reserving R there would keep
+        a small SWA pool from admitting anything."""
+        swa = self.kv.swa
+        if swa is None:
             return True
         tail = self.swa_tail_pages(num_tokens) * self.page_size
-        return tail + self.reserved <= self.kv.swa_allocatable_tokens() - spent
+        reserve = min(self.reserved, swa.per_request_tokens)
+        return tail + reserve <= self.kv.swa_allocatable_tokens() - spent
 
     def _admit(self) -> None:
         allocatable, retractable = self.budget()

@@ -1,0 +1,118 @@
+"""Hybrid SWA memory across PD with real runners, in one process: a prefill and a decode
+EngineCore (the server's engine factory, --disaggregation-mode prefill / decode, the tcp
+backend on 127.0.0.1) over a tiny windowed checkpoint, stepped in turn. Greedy tokens must
+equal transformers' and the co-located engine's; the decode's SWA pool is smaller than the
+prompts' total, so it only serves them by taking SWA pages for each prompt's last window;
+the SWA pages that crossed are counted per room; a decode whose full pool is pressured
+retracts (cpu_tensor, the live window's SWA pages backed up too) and restores exactly. Every
+KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.cache import swa_pd
+from kvstrata.config.server_args import ServerArgs
+from kvstrata.engine.request import EngineRequest
+from kvstrata.engine.sides.registry import pd_side
+from kvstrata.entrypoints.engine_factory import build_engine
+from kvstrata.protocol import SamplingParams
+from kvstrata.protocol.disagg import BootstrapAddr
+from tests.correctness.test_sliding_window_models import (  # noqa: F401 (fixtures)
+    GREEDY, WINDOW, check, prompts, references, windowed)
+from tests.correctness.test_swa_memory_engine import llm
+from tests.helpers.ports import free_port
+
+
+@pytest.fixture(autouse=True)
+def short_bootstrap(monkeypatch):
+    """A room the decode never admits fails in seconds here, not after 300 s."""
+    monkeypatch.setenv("KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", "20")
+
+
+def engine(path, mode, port, page_size, **kw):
+    args = ServerArgs(model_path=path, skip_tokenizer_init=True, dtype="float32",
+                      disable_hybrid_swa_memory=False, disaggregation_mode=mode,
+                      disaggregation_bootstrap_port=port, disaggregation_transfer_backend="tcp",
+                      page_size=page_size, max_running_requests=8, **kw)
+    return build_engine(args)[0]
+
+
+def run_pair(prefill, decode, prompts, port, max_steps=20_000):
+    outs = {i: [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        for eng in (prefill, decode):
+            eng.add_request(EngineRequest(str(i), list(p), SamplingParams(**GREEDY),
+                                          bootstrap=BootstrapAddr("127.0.0.1", port, 500 + i)))
+    for _ in range(max_steps):
+        if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+            break
+        prefill.step()
+        for o in decode.step():
+            assert o.finish_reason is None or o.finish_reason.type != "abort", o.finish_reason
+            outs[int(o.rid)] += o.new_token_ids
+    else:
+        raise AssertionError("PD pair not drained:\n" + decode.dump_state())
+    return [outs[i] for i in range(len(prompts))]
+
+
+def swa_whole(eng):
+    eng.check_integrity()
+    kv = eng.scheduler.kv
+    assert kv.swa is not None, "hybrid SWA memory is off"
+    alloc = kv.swa.allocator
+    assert alloc.available_pages() + kv.tree.cached_swa_pages() == alloc.num_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pd_greedy_equals_transformers_and_colocated(page_size, windowed, prompts, references,
+                                                     monkeypatch):
+    path = windowed["qwen2"]                      # layer 0 full attention, the rest windowed
+    sent = []
+    tail = swa_pd.prefill_tail_wire_ids
+    monkeypatch.setattr("kvstrata.engine.sides.disagg_prefill.prefill_tail_wire_ids",
+                        lambda kv, req, n: sent.append((n, tail(kv, req, n))) or sent[-1][1])
+    port = free_port()
+    prefill = engine(path, "prefill", port, page_size, max_total_tokens=2048)
+    # decode: an SWA pool below the prompts' total tokens (about 20% of the full pool)
+    decode = engine(path, "decode", free_port(), page_size, max_total_tokens=1024,
+                    swa_full_tokens_ratio=0.1)
+    try:
+        assert decode.scheduler.kv.swa.allocator.num_pages * page_size < sum(map(len, prompts))
+        outs = run_pair(prefill, decode, prompts, port)
+        check(outs, references["qwen2"], f"PD P={page_size}")
+        colocated = llm(path, page_size=page_size, max_total_tokens=2048)
+        try:
+            assert outs == [o["output_ids"] for o in
+                            colocated.generate(input_ids=prompts, sampling_params=GREEDY)]
+        finally:
+            colocated.shutdown()
+        # only the last window's SWA pages were sent, for every prompt
+        assert sorted(n for n, _ in sent) == sorted(map(len, prompts))
+        for n, ids in sent:
+            assert len(ids) == -(-n // page_size) - swa_pd.tail_start_page(n, WINDOW, page_size)
+            assert len(ids) <= -(-WINDOW // page_size) + 1
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_pressured_pd_decode_retracts_and_restores_exactly(windowed, prompts, references):
+    path, port = windowed["qwen2"], free_port()
+    prefill = engine(path, "prefill", port, 1, max_total_tokens=2048)
+    decode = engine(path, "decode", free_port(), 1, max_total_tokens=200, swa_full_tokens_ratio=0.5,
+                    num_reserved_decode_tokens=1)
+    try:
+        outs = run_pair(prefill, decode, prompts, port)
+        check(outs, references["qwen2"], "PD retracted")
+        side = pd_side(decode.scheduler)
+        assert decode.scheduler.config.retraction_backup == "cpu_tensor"
+        assert side.retraction.num_backups["cpu_tensor"] >= 1
+        assert side.retraction.num_restores["cpu_tensor"] == \
+            side.retraction.num_backups["cpu_tensor"]
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
