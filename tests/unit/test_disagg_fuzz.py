@@ -7,7 +7,8 @@ prefill radix cache on/off and HiCache host pool, the decode radix cache on/off 
 HiCache host tier behind it or not), fcfs/lpm, row limits, decode extra slots, reserved decode tokens,
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
-and wrong draft tokens) and interleaves arrivals (shared prefixes; per request an
+and wrong draft tokens, hybrid SWA memory on both servers: the last window's SWA pages
+cross, the fake model reads every window back through the SWA table) and interleaves arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, a slow transfer, or a
 peer death: refused, never answering, dying mid-room),
 client aborts on either server, and steps of the pair. Properties:
@@ -27,6 +28,7 @@ client aborts on either server, and steps of the pair. Properties:
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from hypothesis import HealthCheck, event, settings
@@ -39,6 +41,7 @@ from kvstrata.engine.sides.registry import pd_side, spec_side
 from tests.unit import end_counter
 from tests.unit.fake_runner import pattern_drafter, reference_tokens
 from tests.unit.pd_fake import PDPair
+from tests.unit.pd_fake_swa import swa_pair
 
 VOCAB = 211
 MAX_REQUESTS = 8
@@ -73,6 +76,9 @@ configs = st.fixed_dictionaries({
                                            st.sampled_from(["NGRAM", "STANDALONE", "EAGLE"]))),
     # Priority scheduling on both servers (their queues admit by priority), or off.
     "priority": st.one_of(st.none(), st.sampled_from([0, 10])),  # preemption threshold
+    # Hybrid SWA memory on both servers (pd_fake_swa.py): the window, and the decode SWA
+    # pool's pages beyond two requests' worth; None: one uniform pool.
+    "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 12), st.integers(0, 12))),
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
@@ -92,13 +98,25 @@ class PDMachine(RuleBasedStateMachine):
                                             min_size=1, max_size=5))
     def build(self, cfg, first):
         P = cfg["page_size"]
+        if cfg["swa"] is not None:  # what hybrid SWA memory takes under PD (rules/swa.py)
+            cfg = {**cfg, "decode_radix": False, "prefill_host_pages": 0,
+                   "backup": "cpu_tensor", "spec": None}
         self.cfg = cfg
         priority = {"enable_priority_scheduling": True,
                     "priority_scheduling_preemption_threshold": cfg["priority"],
                     "disable_priority_preemption": cfg["backup"] == "host_pool"} \
             if cfg["priority"] is not None else {}
-        self.pair = PDPair(
-            page_size=P, prefill_pages=max(cfg["prefill_tokens"] // P, 1),
+        make = PDPair
+        prefill_pages = max(cfg["prefill_tokens"] // P, 1)
+        if cfg["swa"] is not None:
+            window, extra = cfg["swa"]
+            per_request = -(-(window + 1) // P) + 2  # cache/swa_pages.py per_request_tokens
+            make = functools.partial(
+                swa_pair, window=window, prefill_swa=max(prefill_pages, 2 * per_request),
+                decode_swa=2 * per_request + extra)
+            event("hybrid SWA memory")
+        self.pair = make(
+            page_size=P, prefill_pages=prefill_pages,
             decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
             prefill_cfg={"chunked_prefill_size": cfg["chunk"],
                          "disable_radix_cache": cfg["disable_radix_cache"],
