@@ -91,6 +91,13 @@ def test_pd_greedy_equals_transformers_and_colocated(page_size, windowed, prompt
         for n, ids in sent:
             assert len(ids) == -(-n // page_size) - swa_pd.tail_start_page(n, WINDOW, page_size)
             assert len(ids) <= -(-WINDOW // page_size) + 1
+        # the byte counters: full pages at the full pool's page bytes, SWA pages at the SWA's
+        plan = decode.scheduler.config.plan
+        full_bytes, swa_bytes = plan.bytes_per_page, pd_side(decode.scheduler).swa_page_bytes
+        assert 0 < swa_bytes < full_bytes * 4
+        want = sum(-(-n // page_size) * full_bytes + len(ids) * swa_bytes for n, ids in sent)
+        assert pd_side(decode.scheduler).load()["disagg_kv_bytes_received_total"] == want
+        assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] == want
         for eng in (prefill, decode):
             swa_whole(eng)
     finally:

@@ -82,6 +82,10 @@ class DisaggSide(SchedulerSide):
         # pages (the prefill counts what the decode confirmed), as each room ends
         self.kv_bytes_moved = 0
         self.page_bytes_moved = transferred_page_bytes(sched.config)
+        plan = sched.config.plan
+        # hybrid SWA memory: an SWA page (the window layers' K/V) is smaller than a full one
+        self.swa_page_bytes = page_bytes(plan.swa_components, plan.page_size) \
+            if plan.has_swa_pool else 0
 
     # ------------------------------------------------------------------ small helpers
     def queues(self) -> dict[str, list[Request]]:
@@ -120,6 +124,15 @@ class DisaggSide(SchedulerSide):
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def moved_bytes(self, room: Room, pages: int) -> int:
+        """Bytes of `pages` pages of this room that crossed. A room's SWA pages come last in
+        its page list (after every full page; no decode radix prefix with an SWA pool), so
+        those past the prompt's full pages are SWA pages."""
+        if not self.swa_page_bytes:
+            return pages * self.page_bytes_moved
+        swa = max(pages - self.pages_for(len(room.req.prompt_ids)), 0)
+        return (pages - swa) * self.page_bytes_moved + swa * self.swa_page_bytes
 
     def swa_tail_pages(self, prompt_len: int) -> int:
         """SWA pages a prompt's transfer moves after its full pages (the last window,
@@ -195,7 +208,7 @@ class DisaggSide(SchedulerSide):
                 continue
             room.state = ev.state
             if ev.state in TERMINAL:  # what crossed, failed and aborted rooms included
-                self.kv_bytes_moved += ev.pages * self.page_bytes_moved
+                self.kv_bytes_moved += self.moved_bytes(room, ev.pages)
             if room.draining:
                 if ev.state in TERMINAL:
                     self._end_drain(room)
