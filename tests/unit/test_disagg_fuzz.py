@@ -8,7 +8,8 @@ HiCache host tier behind it or not), fcfs/lpm, row limits, decode extra slots, r
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
 and wrong draft tokens, hybrid SWA memory on both servers: the last window's SWA pages
-cross, the fake model reads every window back through the SWA table) and interleaves arrivals (shared prefixes; per request an
+cross, the fake model reads every window back through the SWA table) and interleaves
+arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, a slow transfer, or a
 peer death: refused, never answering, dying mid-room),
 client aborts on either server, and steps of the pair. Properties:

@@ -344,7 +344,8 @@ def test_aborts_and_flush_keep_both_pools_whole():
 
 def test_pd_takes_an_swa_pool_but_not_the_decode_radix_cache():
     SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4, disaggregation_mode="prefill")
-    with pytest.raises(ValueError, match="decode radix cache"):  # tests/unit/test_disagg_swa_pair.py
+    # (PD itself with an SWA pool: tests/unit/test_disagg_swa_pair.py)
+    with pytest.raises(ValueError, match="decode radix cache"):
         SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
                         disaggregation_mode="decode",
                         disaggregation_decode_enable_radix_cache=True)

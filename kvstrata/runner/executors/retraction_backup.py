@@ -115,8 +115,9 @@ class RetractionBackupExecutor(OpExecutor):
         of the SWA pool, beside the full pages' backup. The host pool holds full pages only, so
         config/rules/retraction.py keeps host_pool off for an SWA pool."""
         if self.swa is None or op.backend != "cpu_tensor":
-            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names SWA pages, but "
-                             f"{'this runner has no SWA pool' if self.swa is None else 'only a cpu_tensor backup holds SWA pages'}")
+            why = ("this runner has no SWA pool" if self.swa is None
+                   else "only a cpu_tensor backup holds SWA pages")
+            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names SWA pages, but {why}")
         self.swa.apply([BackupOp(kind=op.kind, rid=op.rid, backend="cpu_tensor",
                                  device_pages=list(op.swa_pages))])
 
