@@ -26,6 +26,7 @@ from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
@@ -56,9 +57,13 @@ class KVManager:
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.swa: SWAPages | None = None
         if plan.has_swa_pool:
-            if plan.has_host_pool:  # no host tier copies SWA pages yet: never mix silently
-                raise ValueError("the hybrid SWA pool does not support a host pool yet "
-                                 f"({plan.host_pool_use}); disable hybrid SWA memory")
+            # HiCache L2 copies SWA pages (cache/swa_hiradix.py); retraction backups and L3
+            # do not yet: never mix silently.
+            if plan.has_host_pool and (plan.host_pool_use != "hicache" or backups_share_host
+                                       or storage is not None):
+                raise ValueError("the hybrid SWA pool supports a HiCache host pool only, "
+                                 "without L3 storage or retraction backups; disable hybrid "
+                                 "SWA memory")
             self.swa = SWAPages(plan.num_swa_pages, plan.num_pages, page_size, plan.swa_window)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
         self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"
@@ -71,8 +76,13 @@ class KVManager:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
                                  "drop --disable-radix-cache")
             self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
-            self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
-                                                 hicache_write_policy, eviction_policy)
+            if self.swa is not None:
+                self.tree: RadixCache = SWAHiRadixCache(
+                    self.allocator, page_size, self.host_allocator, self.swa,
+                    hicache_write_policy, eviction_policy)
+            else:
+                self.tree = HiRadixCache(self.allocator, page_size, self.host_allocator,
+                                         hicache_write_policy, eviction_policy)
             self.tree.held_elsewhere = lambda: self._backup_pages
             if storage is not None:
                 capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
@@ -215,19 +225,32 @@ class KVManager:
         one device prefix. When device memory is short, load what fits (or nothing: the rest
         is recomputed). The device part stays locked throughout."""
         if not self.ensure_free_pages(len(match.host_pages)):
-            return match
+            return self._device_part(ids, match, whole_prompt)
         # Making room may have evicted host copies (write_back): match again, still locked.
         again = self.tree.match_prefix(self._matchable(ids, whole_prompt))
         if again.last_node is not match.last_node or not again.host_pages:
-            return match
+            return self._device_part(ids, match, whole_prompt)
         device = self.allocator.alloc(len(again.host_pages))
         if device is None:
-            return match
+            return self._device_part(ids, match, whole_prompt)
         node = self.tree.load_back(again, device)
         self.tree.lock(node)
         self.tree.unlock(match.last_node)
         again.device_pages = again.device_pages + device
         again.last_node = node
+        return again
+
+    def _device_part(self, ids: list[int], match, whole_prompt: bool):
+        """A load-back that did not happen: keep the device part of `match` -- re-matched
+        with an SWA pool: its usable end may lie in the host part (the device part's last
+        window dead), and room-making may have tombstoned windows since."""
+        if self.swa is None:
+            return match
+        ids = self._matchable(ids, whole_prompt)
+        again = self.tree.match_prefix(ids[:self.tree.peek_device_pages(ids) * self.page_size])
+        assert not again.host_pages
+        self.tree.lock(again.last_node)
+        self.tree.unlock(match.last_node)
         return again
 
     def drain_ops(self) -> list:

@@ -177,7 +177,7 @@ class ModelRunner:
                 self.kv_pool, host_pool, make_io_backend(plan.io_backend, self.kv_pool.kv,
                                                          host_pool))
         elif plan.has_host_pool:
-            self.hicache = HiCacheExecutor(self.kv_pool, plan)
+            self.hicache = HiCacheExecutor(self.kv_pool, plan, swa_pool=self.swa_pool)
         quant = self.quantization_info["quantization"]
         logger.info("model %s (%s%s) on %s; %s", self.source.display_name, self.dtype,
                     f", {quant}" if quant else "", self.device, plan.summary())

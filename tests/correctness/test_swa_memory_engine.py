@@ -120,3 +120,31 @@ def test_gemma_with_its_own_swa_pool(tmp_path):
         with llm(path, max_total_tokens=1024, page_size=16, chunked_prefill_size=16) as engine:
             assert engine.server_info()["kv_plan"]["pool_kind"] == "swa", arch
             run(engine, prompts, refs, arch, hits=True)
+
+
+def test_starved_pools_with_hicache(windowed):
+    """HiCache L2 with the SWA pool (cache/swa_hiradix.py): multi-turn prompts through a
+    device pool of 96 full / 48 SWA tokens, so prefixes are demoted to the host (both halves)
+    and loaded back; the tokens equal --disable-hybrid-swa-memory's on a large pool (which
+    test_sliding_window_models.py ties to transformers) and every pool, the host's included,
+    is whole after the drain (check_integrity after every step, KVSTRATA_CHECK_INTEGRITY)."""
+    from helpers.compare import assert_match_transformers
+
+    from tests.correctness.test_hicache_engine import multi_turn
+
+    path = windowed["qwen2"]
+    with llm(path, page_size=4, chunked_prefill_size=16, max_total_tokens=4096,
+             disable_hybrid_swa_memory=True) as engine:
+        prompts, expected = multi_turn(engine, conversations=3, turns=4, system_len=20,
+                                       user_len=6)
+    assert_match_transformers(path, prompts, expected, label="uniform pool vs transformers")
+    with llm(path, page_size=4, chunked_prefill_size=16, max_total_tokens=96,
+             swa_full_tokens_ratio=0.5, enable_hierarchical_cache=True, hicache_size=0,
+             hicache_ratio=8.0) as engine:
+        info = engine.server_info()
+        assert info["kv_plan"]["pool_kind"] == "swa" and info["kv_plan"]["num_host_pages"] > 0
+        got = multi_turn(engine, conversations=3, turns=4, system_len=20, user_len=6)
+        assert got == (prompts, expected)
+        load = engine.get_load()
+        assert load["hicache_demoted_pages"] > 0 and load["hicache_host_hit_tokens"] > 0, load
+        engine.check_integrity()

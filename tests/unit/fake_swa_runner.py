@@ -10,7 +10,7 @@ another request meanwhile, fails here (the other request overwrites it)."""
 from __future__ import annotations
 
 from kvstrata.protocol import RunnerOutput, SchedulerOutput
-from tests.unit.fake_runner import FakeRunner
+from tests.unit.fake_runner import FakeRunner, copy_pages
 
 
 class FakeSWARunner(FakeRunner):
@@ -20,6 +20,19 @@ class FakeSWARunner(FakeRunner):
         self.swa_kv: dict[int, tuple[int, int]] = {}
         self.swa_rows: dict[int, dict[int, int]] = {}
         self.swa_reads = 0  # window positions read back through the SWA table
+        # HiCache: the host SWA pool, under the full copy's host page ids (swa_hiradix.py)
+        self.swa_host: dict[int, tuple[int, int]] = {}
+        self.moved_swa_pages = {"d2h": 0, "h2d": 0}
+
+    def _copy(self, op) -> None:
+        super()._copy(op)
+        pairs = [(s, h) for s, h in zip(op.swa_pages, op.host_pages) if s]
+        swa, host = [s for s, _ in pairs], [h for _, h in pairs]
+        if op.kind == "d2h":
+            copy_pages(self.swa_kv, self.swa_host, swa, host, self.page_size)
+        else:
+            copy_pages(self.swa_host, self.swa_kv, host, swa, self.page_size)
+        self.moved_swa_pages[op.kind] += len(pairs)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for s in so.scheduled:

@@ -56,8 +56,7 @@ def test_nothing_to_decide_without_windows(info):
 
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
-    (dict(enable_hierarchical_cache=True), "HiCache"),
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "L3 storage"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
     (dict(disaggregation_mode="prefill"), "--disaggregation-mode prefill"),
     (dict(disaggregation_mode="decode"), "--disaggregation-mode decode"),
     (dict(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool"),
@@ -139,10 +138,21 @@ def test_retraction_with_the_real_pool_kinds():
 def test_explain_shows_the_decision():
     text = explain(ServerArgs(), simulated("cpu"), HYBRID)
     assert "swa.on" in text and "hybrid_swa_memory = True" in text
-    data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True), simulated("cpu"),
+    data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True,
+                                         hicache_storage_backend="file"), simulated("cpu"),
                               HYBRID, as_json=True))
     assert [r["rule"] for r in data["resolutions"] if r["field"] == "hybrid_swa_memory"] == [
         "swa.off"]
+
+
+def test_hicache_l2_keeps_it_on_with_full_layers_only():
+    """The host tier copies SWA pages (cache/swa_hiradix.py) beside a full-layer pool; an
+    all-SWA model has none for it to copy, so it stays off there, with that reason."""
+    resolved, res = run(HYBRID, enable_hierarchical_cache=True)
+    assert resolved.hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, enable_hierarchical_cache=True)
+    assert resolved.hybrid_swa_memory is False
+    assert "all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 # ---- sizing -------------------------------------------------------------------------------

@@ -106,9 +106,11 @@ def test_pages_map_slots_and_free():
     assert swa.map == [0] * 7 + [2] + [0] * 3
 
 
-def test_kv_manager_refuses_host_pool_with_swa():
-    plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2)
-    with pytest.raises(ValueError, match="SWA pool does not support a host pool"):
+def test_kv_manager_refuses_retraction_host_pool_with_swa():
+    """HiCache L2 copies SWA pages (test_swa_hicache.py); retraction backups do not."""
+    plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2,
+                             host_pool_use="retraction")
+    with pytest.raises(ValueError, match="supports a HiCache host pool only"):
         KVManager(plan)
 
 

@@ -32,9 +32,10 @@ def blockers(args: ResolvedArgs) -> list[str]:
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    if args.enable_hierarchical_cache or args.hicache_storage_backend is not None:
-        out.append("HiCache (--enable-hierarchical-cache / L3 storage): the host tier and "
-                   "storage keys copy one uniform pool's pages, not the SWA pool's")
+    # HiCache L2 keeps SWA pages on the host (cache/swa_hiradix.py); L3 does not yet.
+    if args.hicache_storage_backend is not None:
+        out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
+                   "one uniform pool's pages, not the SWA pool's")
     if args.disaggregation_mode != "null":
         out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}): "
                    f"transfers register the one uniform pool's pages")
@@ -64,6 +65,9 @@ def hybrid_swa_memory(args: ResolvedArgs, platform: Platform, model_info: ModelI
     layers = (f"all {swa} layers windowed" if not full
               else f"{swa} windowed and {full} full-attention layers")
     why = blockers(args)
+    if not full and args.enable_hierarchical_cache:
+        why.append("HiCache with an all-SWA model: the host tier copies the full layers' "
+                   "pool, which an all-SWA model does not have")
     if why:
         return change(args, "hybrid_swa_memory", False, RULE_OFF,
                       f"{layers}; one uniform pool because " + "; ".join(why))
