@@ -87,3 +87,24 @@ def expected_rows(live_requests: list[Any], page_size: int) -> dict[int, list[in
         rows[req.row] = [req.pages[i // page_size] * page_size + i % page_size
                          for i in range(upto)]
     return rows
+
+
+def check_backup_pool(kv, held: list[list[int]]) -> None:
+    """A decode server's retraction host pool (KVManager.check_backups): free + held by
+    backups == total host pages, no page held twice, the manager's count matches."""
+    if not kv.backup_pool:
+        assert not any(held), "host pages held by a backup without a retraction pool"
+        return
+    alloc = kv.host_allocator
+    alloc.check_integrity()
+    flat = [p for pages in held for p in pages]
+    assert len(set(flat)) == len(flat), "a host page held by two backups"
+    assert set(flat) == kv._backup_pages, (
+        f"backups hold host pages {sorted(flat)}, the KV manager counts "
+        f"{sorted(kv._backup_pages)}")
+    assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
+    if kv.hicache:
+        return  # shared with the tree: its check counts both (HiRadixCache)
+    assert alloc.available_pages() + len(flat) == alloc.num_pages, (
+        f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
+        f"total {alloc.num_pages}")
