@@ -89,6 +89,23 @@ def expected_rows(live_requests: list[Any], page_size: int) -> dict[int, list[in
     return rows
 
 
+def expected_swa_rows(live_requests: list[Any], swa) -> dict[int, tuple[int, list[int]]] | None:
+    """Hybrid SWA memory: row -> (first position, SWA slots) of the entries the next query
+    of each live request reads in the SWA req_to_token table: its window (positions
+    num_computed - W + 1 .. num_computed - 1, current ones only). Older entries may name SWA
+    slots freed and reused since: never read, so not checked. None without an SWA pool."""
+    if swa is None:
+        return None
+    rows: dict[int, tuple[int, list[int]]] = {}
+    for req in live_requests:
+        if not req.row:
+            continue
+        upto = min(req.row_stale_from, req.num_computed_tokens)
+        start = min(max(req.num_computed_tokens - swa.window + 1, 0), upto)
+        rows[req.row] = (start, swa.slots(req.pages, start, upto))
+    return rows
+
+
 def check_backup_pool(kv, held: list[list[int]]) -> None:
     """A decode server's retraction host pool (KVManager.check_backups): free + held by
     backups == total host pages, no page held twice, the manager's count matches."""

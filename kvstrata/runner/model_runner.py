@@ -442,7 +442,11 @@ class ModelRunner:
             state.prompt_logprobs_sent = True
 
     # ------------------------------------------------------------------ test helpers
-    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+    def check_req_to_token(self, expected: dict[int, list[int]],
+                           swa_expected: dict[int, tuple[int, list[int]]] | None = None) -> None:
         """Assert each live row's current entries are the slots the scheduler assigned
-        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV."""
+        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV. With an SWA
+        pool, the SWA table's entries each row's next window reads, too."""
         self.req_to_token.check_rows(expected)
+        if swa_expected is not None and self.swa_req_to_token is not None:
+            self.swa_req_to_token.check_spans(swa_expected, "SWA req_to_token")
