@@ -158,3 +158,11 @@ def test_gemma_with_its_own_swa_pool(tmp_path):
         with llm(path, max_total_tokens=1024, page_size=16, chunked_prefill_size=16) as engine:
             assert engine.server_info()["kv_plan"]["pool_kind"] == "swa", arch
             run(engine, prompts, refs, arch, hits=True)
+
+
+def test_tensor_parallel(windowed, prompts, references):
+    """tp 2: every rank builds the same SWA pool from the one plan (its heads' share) and
+    applies the same ScheduledRequest.swa_slots; transformers' tokens, prefix hits included."""
+    with llm(windowed["qwen2"], tp_size=2, page_size=16, max_total_tokens=1024) as engine:
+        assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
+        run(engine, prompts, references["qwen2"], "qwen2 tp 2")

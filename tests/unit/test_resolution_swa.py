@@ -69,7 +69,6 @@ def test_nothing_to_decide_without_windows(info):
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "NEXTN"),
-    (dict(tp_size=2), "--tp-size > 1"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -82,7 +81,7 @@ def test_off_with_the_reason(kw, reason, info):
 @pytest.mark.parametrize("kw", [
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
-    dict(chunked_prefill_size=64)])
+    dict(chunked_prefill_size=64), dict(tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
     resolved, _ = run(**kw)

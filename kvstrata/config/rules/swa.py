@@ -50,8 +50,6 @@ def blockers(args: ResolvedArgs) -> list[str]:
     if args.speculative_algorithm in DRAFT_POOL_ALGORITHMS:
         out.append(f"--speculative-algorithm {args.speculative_algorithm}: its draft pool is "
                    f"not built beside an SWA pool yet")
-    if args.tp_size > 1:
-        out.append("--tp-size > 1: the ranks' SWA pools are not built or tested yet")
     return out
 
 
