@@ -166,3 +166,22 @@ def test_tensor_parallel(windowed, prompts, references):
     with llm(windowed["qwen2"], tp_size=2, page_size=16, max_total_tokens=1024) as engine:
         assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
         run(engine, prompts, references["qwen2"], "qwen2 tp 2")
+
+
+def test_standalone_speculation(windowed, prompts, references):
+    """A STANDALONE self-draft (its own uniform pool over the target's full slots) beside the
+    SWA pool, chains and topk-3 trees: transformers' tokens, prefix hits, drafts accepted."""
+    path, refs = windowed["qwen2"], references["qwen2"]
+    # (topk 1 over a small SWA pool: 160 tokens for 7 requests, released out of window)
+    for topk, steps, tokens, ratio in ((1, 3, 640, 0.25), (3, 3, 2048, 0.8)):
+        with llm(path, max_total_tokens=tokens, swa_full_tokens_ratio=ratio, page_size=16,
+                 speculative_algorithm="STANDALONE",
+                 speculative_draft_model_path=path, speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=8 if topk > 1 else 4,
+                 speculative_disable_by_batch_size=1 << 20) as engine:
+            assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
+            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            check(outs, refs, f"qwen2 STANDALONE topk {topk}")
+            assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
+            # (the small pool evicts finished prompts' SWA pages: hits only in the big one)
+            run(engine, prompts, refs, f"qwen2 STANDALONE topk {topk}", hits=ratio > 0.5)
