@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kvstrata.cache.hiradix_cache import HiRadixCache
+from kvstrata.cache.invariants import check_backup_pool
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
@@ -169,22 +170,7 @@ class KVManager:
 
     def check_backups(self, held: list[list[int]]) -> None:
         """Retraction host pool: free + held by backups == total host pages, none twice."""
-        if not self.backup_pool:
-            assert not any(held), "host pages held by a backup without a retraction pool"
-            return
-        alloc = self.host_allocator
-        alloc.check_integrity()
-        flat = [p for pages in held for p in pages]
-        assert len(set(flat)) == len(flat), "a host page held by two backups"
-        assert set(flat) == self._backup_pages, (
-            f"backups hold host pages {sorted(flat)}, the KV manager counts "
-            f"{sorted(self._backup_pages)}")
-        assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
-        if self.hicache:
-            return  # shared with the tree: its check counts both (HiRadixCache)
-        assert alloc.available_pages() + len(flat) == alloc.num_pages, (
-            f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
-            f"total {alloc.num_pages}")
+        check_backup_pool(self, held)
 
     # ------------------------------------------------------------------ prefix
     def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False,
@@ -392,6 +378,16 @@ class KVManager:
         req.last_node = match.last_node
         req.num_tree_pages = full
         self._swa_lock(req)
+
+    def cache_prompt(self, req: Any) -> None:
+        """A prompt's prefill is done. With an SWA pool its whole pages go to the tree now
+        (SGLang's cache_unfinished_req after prefill): the request then SWA-locks only their
+        last window, so its decode leaves the older ones cached (SWA-evictable) instead of
+        freeing them as its own, and the same prompt, sent again while it decodes or after,
+        hits past the window. Without one, pages stay the request's until it finishes (nothing
+        is freed early, so nothing is lost by waiting)."""
+        if self.swa is not None:
+            self.cache_unfinished(req)
 
     def release(self, req: Any, insert: bool) -> None:
         """Drop a request's KV. With insert, its computed whole pages go to the tree first

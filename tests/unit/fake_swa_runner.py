@@ -59,3 +59,12 @@ class FakeSWARunner(FakeRunner):
                 assert slot >= P, f"{s.rid}: computed position {p} has no SWA slot"
                 self.swa_kv[slot] = self.kv[row[p]]
         return out
+
+    def check_req_to_token(self, expected: dict[int, list[int]], swa_expected=None) -> None:
+        """The SWA table's entries each row's next window reads (cache/invariants.py
+        expected_swa_rows), beside the full rows."""
+        super().check_req_to_token(expected)
+        assert swa_expected is not None, "an SWA pool but no expected SWA rows"
+        for row, (start, slots) in swa_expected.items():
+            got = [self.swa_rows.get(row, {}).get(start + i) for i in range(len(slots))]
+            assert got == list(slots), f"SWA row {row} from {start}: {got} != {slots}"

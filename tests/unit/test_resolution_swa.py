@@ -63,12 +63,9 @@ def test_nothing_to_decide_without_windows(info):
      "retraction-backup host_pool"),
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
      "--disaggregation-decode-enable-radix-cache"),
-    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="d"),
-     "STANDALONE"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "NEXTN"),
-    (dict(tp_size=2), "--tp-size > 1"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -81,11 +78,21 @@ def test_off_with_the_reason(kw, reason, info):
 @pytest.mark.parametrize("kw", [
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
-    dict(chunked_prefill_size=64)])
+    dict(chunked_prefill_size=64), dict(tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
     resolved, _ = run(**kw)
     assert resolved.hybrid_swa_memory is True
+
+
+def test_standalone_draft_pool_needs_a_full_pool():
+    """STANDALONE's draft pool shares the target's full slots: on beside a hybrid model's SWA
+    pool (tested: test_swa_memory_engine.py), off for an all-SWA model, saying why."""
+    kw = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    assert run(HYBRID, **kw)[0].hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, **kw)
+    assert resolved.hybrid_swa_memory is False
+    assert "STANDALONE with an all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 def test_deterministic_default_covers_the_swa_pool():

@@ -353,6 +353,8 @@ def test_pd_refuses_an_swa_pool():
 def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():
     engine, _ = make_engine(num_pages=256, num_swa=4, P=1, window=8)
     out, reasons = run(engine, [("a", ids(50, 20), 4), ("b", ids(51, 3), 2)])
-    assert reasons["a"].type == "abort" and "sliding-window pool 4" in reasons["a"].message
+    # Refused on arrival (engine_core: it needs 10 SWA tokens at once), not after a stall.
+    assert reasons["a"].type == "abort" and reasons["a"].status_code == 400
+    assert "sliding-window KV pool (4 tokens)" in reasons["a"].message, reasons["a"]
     assert reasons["b"].type == "length" and out["b"] == reference_tokens(ids(51, 3), 2, VOCAB)
     assert_drained(engine)
