@@ -70,6 +70,11 @@ class ServerMetrics:
                                   registry=r)
         self._token_usage = Gauge("kvstrata:token_usage", "KV pool usage (0..1)", labels,
                                   registry=r)
+        # Hybrid SWA memory only: the sliding-window layers' pool (/get_load's *_swa_*).
+        self._used_swa_tokens = Gauge("kvstrata:num_used_swa_tokens",
+                                      "Sliding-window KV slots in use", labels, registry=r)
+        self._swa_token_usage = Gauge("kvstrata:swa_token_usage",
+                                      "Sliding-window KV pool usage (0..1)", labels, registry=r)
         self._hit_rate = Gauge("kvstrata:cache_hit_rate", "Prefix-cache hit rate (0..1)",
                                labels, registry=r)
         # HiCache L2 (only with --enable-hierarchical-cache): hit tokens per tier, pages and
@@ -139,6 +144,9 @@ class ServerMetrics:
         self._used_tokens.labels(m).set(load.get("num_used_tokens", 0))
         self._token_usage.labels(m).set(load.get("token_usage", 0.0))
         self._hit_rate.labels(m).set(load.get("cache_hit_rate", 0.0))
+        if "swa_token_usage" in load:
+            self._used_swa_tokens.labels(m).set(load["num_used_swa_tokens"])
+            self._swa_token_usage.labels(m).set(load["swa_token_usage"])
         for key, value in load.items():
             if key.startswith("hicache_") and isinstance(value, (int, float)):
                 self._hicache.labels(m, key.removeprefix("hicache_")).set(value)

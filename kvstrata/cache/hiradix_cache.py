@@ -115,11 +115,10 @@ class HiRadixCache(RadixCache):
         offset = 0
         for n in path:
             k = len(n.key) // self.page_size
-            n.device_pages = device_pages[offset:offset + k]
+            self._adopt_loaded(n, device_pages[offset:offset + k])
             offset += k
-            self._evictable_pages += k  # unlocked until the caller locks it
-        self._queue(TransferOp(next(self._job_ids), "h2d", list(device_pages),
-                               list(match.host_pages), sync=True))
+        self._queue(self._copy_op(next(self._job_ids), "h2d", list(device_pages),
+                                  list(match.host_pages), sync=True))
         self.stats.h2d_pages += len(device_pages)
         self.stats.host_hit_tokens += len(device_pages) * self.page_size
         return match.last_host_node
@@ -161,6 +160,19 @@ class HiRadixCache(RadixCache):
     def _queue(self, op: TransferOp) -> None:
         self.pending_ops.append(op)
 
+    # Hooks a tree with a second device pool extends (cache/swa_hiradix.py): a loaded node
+    # taking its device pages, the op copying pages, a node's device pages going.
+    def _adopt_loaded(self, node: TreeNode, device_pages: list[int]) -> None:
+        node.device_pages = device_pages
+        self._evictable_pages += len(device_pages)  # unlocked until the caller locks it
+
+    def _copy_op(self, job: int, kind: str, device_pages: list[int], host_pages: list[int],
+                 sync: bool, node: TreeNode | None = None) -> TransferOp:
+        return TransferOp(job, kind, device_pages, host_pages, sync=sync)
+
+    def _free_device(self, node: TreeNode) -> None:
+        self.allocator.free(node.device_pages)
+
     def alloc_host(self, n: int) -> list[int] | None:
         """`n` host pages, evicting host-only cached pages first if the pool is short (tree
         write-backs, storage prefetches, a decode server's retraction backups); None if
@@ -182,7 +194,8 @@ class HiRadixCache(RadixCache):
         node.pending_job, node.pending_host = job, host
         self.lock(node)  # the source pages must not be evicted or reused while copying
         self._jobs[job] = (node, [node])
-        self._queue(TransferOp(job, "d2h", list(node.device_pages), list(host), sync=False))
+        self._queue(self._copy_op(job, "d2h", list(node.device_pages), list(host), sync=False,
+                                  node=node))
         self.stats.d2h_pages += node.num_pages
 
     def _on_split_pending(self, upper: TreeNode, lower: TreeNode) -> None:
@@ -231,14 +244,15 @@ class HiRadixCache(RadixCache):
             if node.host_pages is None and self.write_policy == "write_back":
                 host = self.alloc_host(k)
                 if host is not None:
-                    self._queue(TransferOp(next(self._job_ids), "d2h", list(node.device_pages),
-                                           list(host), sync=True))
+                    self._queue(self._copy_op(next(self._job_ids), "d2h",
+                                              list(node.device_pages), list(host), sync=True,
+                                              node=node))
                     node.host_pages = host
                     self.stats.d2h_pages += k
                     if self.storage is not None:  # queued after the sync write it reads
                         self.storage.backup(node)
             parent = node.parent
-            self.allocator.free(node.device_pages)
+            self._free_device(node)
             self._evictable_pages -= k
             freed += k
             if node.host_pages is not None:

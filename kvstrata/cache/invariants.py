@@ -87,3 +87,41 @@ def expected_rows(live_requests: list[Any], page_size: int) -> dict[int, list[in
         rows[req.row] = [req.pages[i // page_size] * page_size + i % page_size
                          for i in range(upto)]
     return rows
+
+
+def expected_swa_rows(live_requests: list[Any], swa) -> dict[int, tuple[int, list[int]]] | None:
+    """Hybrid SWA memory: row -> (first position, SWA slots) of the entries the next query
+    of each live request reads in the SWA req_to_token table: its window (positions
+    num_computed - W + 1 .. num_computed - 1, current ones only). Older entries may name SWA
+    slots freed and reused since: never read, so not checked. None without an SWA pool."""
+    if swa is None:
+        return None
+    rows: dict[int, tuple[int, list[int]]] = {}
+    for req in live_requests:
+        if not req.row:
+            continue
+        upto = min(req.row_stale_from, req.num_computed_tokens)
+        start = min(max(req.num_computed_tokens - swa.window + 1, 0), upto)
+        rows[req.row] = (start, swa.slots(req.pages, start, upto))
+    return rows
+
+
+def check_backup_pool(kv, held: list[list[int]]) -> None:
+    """A decode server's retraction host pool (KVManager.check_backups): free + held by
+    backups == total host pages, no page held twice, the manager's count matches."""
+    if not kv.backup_pool:
+        assert not any(held), "host pages held by a backup without a retraction pool"
+        return
+    alloc = kv.host_allocator
+    alloc.check_integrity()
+    flat = [p for pages in held for p in pages]
+    assert len(set(flat)) == len(flat), "a host page held by two backups"
+    assert set(flat) == kv._backup_pages, (
+        f"backups hold host pages {sorted(flat)}, the KV manager counts "
+        f"{sorted(kv._backup_pages)}")
+    assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
+    if kv.hicache:
+        return  # shared with the tree: its check counts both (HiRadixCache)
+    assert alloc.available_pages() + len(flat) == alloc.num_pages, (
+        f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
+        f"total {alloc.num_pages}")

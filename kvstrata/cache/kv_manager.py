@@ -21,11 +21,13 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from kvstrata.cache.hiradix_cache import HiRadixCache
+from kvstrata.cache.invariants import check_backup_pool
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
@@ -56,9 +58,13 @@ class KVManager:
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.swa: SWAPages | None = None
         if plan.has_swa_pool:
-            if plan.has_host_pool:  # no host tier copies SWA pages yet: never mix silently
-                raise ValueError("the hybrid SWA pool does not support a host pool yet "
-                                 f"({plan.host_pool_use}); disable hybrid SWA memory")
+            # HiCache L2 copies SWA pages (cache/swa_hiradix.py); retraction backups and L3
+            # do not yet: never mix silently.
+            if plan.has_host_pool and (plan.host_pool_use != "hicache" or backups_share_host
+                                       or storage is not None):
+                raise ValueError("the hybrid SWA pool supports a HiCache host pool only, "
+                                 "without L3 storage or retraction backups; disable hybrid "
+                                 "SWA memory")
             self.swa = SWAPages(plan.num_swa_pages, plan.num_pages, page_size, plan.swa_window)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
         self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"
@@ -71,8 +77,13 @@ class KVManager:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache; "
                                  "drop --disable-radix-cache")
             self.host_allocator = PageAllocator(plan.num_host_pages, page_size)
-            self.tree: RadixCache = HiRadixCache(self.allocator, page_size, self.host_allocator,
-                                                 hicache_write_policy, eviction_policy)
+            if self.swa is not None:
+                self.tree: RadixCache = SWAHiRadixCache(
+                    self.allocator, page_size, self.host_allocator, self.swa,
+                    hicache_write_policy, eviction_policy)
+            else:
+                self.tree = HiRadixCache(self.allocator, page_size, self.host_allocator,
+                                         hicache_write_policy, eviction_policy)
             self.tree.held_elsewhere = lambda: self._backup_pages
             if storage is not None:
                 capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
@@ -159,22 +170,7 @@ class KVManager:
 
     def check_backups(self, held: list[list[int]]) -> None:
         """Retraction host pool: free + held by backups == total host pages, none twice."""
-        if not self.backup_pool:
-            assert not any(held), "host pages held by a backup without a retraction pool"
-            return
-        alloc = self.host_allocator
-        alloc.check_integrity()
-        flat = [p for pages in held for p in pages]
-        assert len(set(flat)) == len(flat), "a host page held by two backups"
-        assert set(flat) == self._backup_pages, (
-            f"backups hold host pages {sorted(flat)}, the KV manager counts "
-            f"{sorted(self._backup_pages)}")
-        assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
-        if self.hicache:
-            return  # shared with the tree: its check counts both (HiRadixCache)
-        assert alloc.available_pages() + len(flat) == alloc.num_pages, (
-            f"host KV page leak: free {alloc.available_pages()} + backed up {len(flat)} != "
-            f"total {alloc.num_pages}")
+        check_backup_pool(self, held)
 
     # ------------------------------------------------------------------ prefix
     def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False,
@@ -215,19 +211,32 @@ class KVManager:
         one device prefix. When device memory is short, load what fits (or nothing: the rest
         is recomputed). The device part stays locked throughout."""
         if not self.ensure_free_pages(len(match.host_pages)):
-            return match
+            return self._device_part(ids, match, whole_prompt)
         # Making room may have evicted host copies (write_back): match again, still locked.
         again = self.tree.match_prefix(self._matchable(ids, whole_prompt))
         if again.last_node is not match.last_node or not again.host_pages:
-            return match
+            return self._device_part(ids, match, whole_prompt)
         device = self.allocator.alloc(len(again.host_pages))
         if device is None:
-            return match
+            return self._device_part(ids, match, whole_prompt)
         node = self.tree.load_back(again, device)
         self.tree.lock(node)
         self.tree.unlock(match.last_node)
         again.device_pages = again.device_pages + device
         again.last_node = node
+        return again
+
+    def _device_part(self, ids: list[int], match, whole_prompt: bool):
+        """A load-back that did not happen: keep the device part of `match` -- re-matched
+        with an SWA pool: its usable end may lie in the host part (the device part's last
+        window dead), and room-making may have tombstoned windows since."""
+        if self.swa is None:
+            return match
+        ids = self._matchable(ids, whole_prompt)
+        again = self.tree.match_prefix(ids[:self.tree.peek_device_pages(ids) * self.page_size])
+        assert not again.host_pages
+        self.tree.lock(again.last_node)
+        self.tree.unlock(match.last_node)
         return again
 
     def drain_ops(self) -> list:
@@ -369,6 +378,16 @@ class KVManager:
         req.last_node = match.last_node
         req.num_tree_pages = full
         self._swa_lock(req)
+
+    def cache_prompt(self, req: Any) -> None:
+        """A prompt's prefill is done. With an SWA pool its whole pages go to the tree now
+        (SGLang's cache_unfinished_req after prefill): the request then SWA-locks only their
+        last window, so its decode leaves the older ones cached (SWA-evictable) instead of
+        freeing them as its own, and the same prompt, sent again while it decodes or after,
+        hits past the window. Without one, pages stay the request's until it finishes (nothing
+        is freed early, so nothing is lost by waiting)."""
+        if self.swa is not None:
+            self.cache_unfinished(req)
 
     def release(self, req: Any, insert: bool) -> None:
         """Drop a request's KV. With insert, its computed whole pages go to the tree first

@@ -36,7 +36,7 @@ class TreeNode:
     __slots__ = (
         "id", "key", "device_pages", "children", "parent", "lock_ref",
         "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
-        "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone",
+        "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone", "host_swa",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -64,6 +64,9 @@ class TreeNode:
         # and whether those pages were freed while the full pages stay (a tombstone).
         self.swa_lock_ref = 0
         self.swa_tombstone = False
+        # HiCache with hybrid SWA memory (cache/swa_hiradix.py): the host copy (or the one
+        # being written) holds the window layers' K/V too, not only the full layers'.
+        self.host_swa = False
 
     @property
     def num_pages(self) -> int:

@@ -46,6 +46,18 @@ class SWAPages:
         # ceil((W+1)/P) + 2 of them (the window, the release margin, the page being filled).
         self.per_request_tokens = (-(-(window + 1) // page_size) + 2) * page_size
 
+    def lone_request_tokens(self, prompt_len: int) -> int:
+        """SWA tokens a request of `prompt_len` tokens needs at once, alone (chunked as small
+        as a page), to compute its prompt and its first output token (the full pool's check
+        counts the same, prompt + 1): a short one all their pages; a long one its window's
+        pages, the page being written and the release margin's -- at a chunk edge or decode
+        step q it holds pages [floor((q-W-P)/P), ceil((q+1)/P)), at most ceil(W/P) + 2
+        (`per_request_tokens` rounds W + 1 up instead: an upper bound, not the least). A
+        prompt a page or so over it with a one-token generation could still finish: it is
+        refused all the same, as the full pool's n + 1 check refuses one of the pool's size."""
+        P = self.page_size
+        return min(-(-(prompt_len + 1) // P), -(-self.window // P) + 2) * P
+
     # ------------------------------------------------------------------ pages
     def live(self, full_page: int) -> bool:
         return self.map[full_page] != 0

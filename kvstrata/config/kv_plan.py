@@ -310,18 +310,29 @@ class KVPlan:
         if not self.components:
             return None
         return KVPlan(self.page_size, self.num_pages, self.num_rows, self.context_len, "mha",
-                      self.components)
+                      self.components, **self._host_fields())
+
+    def _host_fields(self) -> dict[str, Any]:
+        # A host tier keeps both halves of a page under one host page id
+        # (cache/swa_hiradix.py): each pool's plan names the same host page count.
+        if not self.num_host_pages:
+            return {}
+        return dict(num_host_pages=self.num_host_pages, host_layout=self.host_layout,
+                    io_backend=self.io_backend, host_size_flag=self.host_size_flag,
+                    host_pool_use=self.host_pool_use)
 
     def swa_pool_plan(self) -> "KVPlan":
         """The sliding-window layers' pool: num_swa_pages pages of swa_components."""
         if not self.swa_components:
             raise ValueError("this KV plan has no SWA pool")
         return KVPlan(self.page_size, self.num_swa_pages, self.num_rows, self.context_len,
-                      "mha", self.swa_components)
+                      "mha", self.swa_components, **self._host_fields())
 
     @property
     def host_pool_bytes(self) -> int:
-        return (self.num_host_pages + 1) * self.bytes_per_page if self.num_host_pages else 0
+        swa = page_bytes(self.swa_components, self.page_size)  # the host SWA half, if any
+        return (self.num_host_pages + 1) * (self.bytes_per_page + swa) if self.num_host_pages \
+            else 0
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -128,7 +128,8 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
     the KV pool may take (only read when --max-total-tokens is unset)."""
     if args.hybrid_swa_memory and facts.layer_windows and facts.pool_kind == "mha":
         ctx, resolutions = _context_len(args, facts)
-        plan, sized = swa_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS)
+        plan, sized = swa_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS,
+                               host=lambda tokens: _host_fields(args, facts, tokens))
         return plan, sized + resolutions
     bytes_per_token = sum(c.bytes_per_token for c in facts.components)
     draft_bytes = sum(c.bytes_per_token for c in facts.draft_components)
@@ -142,17 +143,24 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
     resolutions += change(args, "max_running_requests", rows, "kv_plan.rows",
                           f"--max-running-requests unset: min({DEFAULT_MAX_RUNNING_REQUESTS}, "
                           f"{num_pages} device pages)")
-    host: dict = {}
-    use = host_pool_use(args)
-    if use is not None:
-        # A retraction-only pool is sized like HiCache's: the ratio step 5 resolved (0.2 of
-        # the device pool when it exists only for backups), or --hicache-size.
-        host = dict(num_host_pages=host_pool_num_pages(
-            device_pool_tokens=tokens, page_size=P, bytes_per_token=bytes_per_token,
-            hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
-            warn_small=use == "hicache"),
-            host_layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
-            host_size_flag=host_size_flag(args.hicache_size), host_pool_use=use)
-    plan = KVPlan(P, num_pages, rows, ctx, facts.pool_kind, facts.components, **host,
-                  draft_components=facts.draft_components)
+    plan = KVPlan(P, num_pages, rows, ctx, facts.pool_kind, facts.components,
+                  **_host_fields(args, facts, tokens), draft_components=facts.draft_components)
     return plan, resolutions
+
+
+def _host_fields(args: ResolvedArgs, facts: ModelKVFacts, tokens: int) -> dict:
+    """The host pool's KVPlan fields ({} without one), sized from `tokens` device tokens (the
+    full pool's with hybrid SWA memory: a host page holds every layer's K/V of its tokens,
+    cache/swa_hiradix.py)."""
+    use = host_pool_use(args)
+    if use is None:
+        return {}
+    # A retraction-only pool is sized like HiCache's: the ratio step 5 resolved (0.2 of
+    # the device pool when it exists only for backups), or --hicache-size.
+    bytes_per_token = sum(c.bytes_per_token for c in facts.components)
+    return dict(num_host_pages=host_pool_num_pages(
+        device_pool_tokens=tokens, page_size=args.page_size, bytes_per_token=bytes_per_token,
+        hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
+        warn_small=use == "hicache"),
+        host_layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
+        host_size_flag=host_size_flag(args.hicache_size), host_pool_use=use)

@@ -91,9 +91,11 @@ def size_swa_tokens(args: ResolvedArgs, facts: Any, budget_bytes: int | None
 
 
 def swa_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None,
-             context_len: int, default_rows: int) -> tuple[KVPlan, list[Resolution]]:
-    """The plan of a model whose windowed layers get their own pool (no host pool: the
-    resolution rule turns hybrid SWA memory off with HiCache and PD)."""
+             context_len: int, default_rows: int, host=lambda tokens: {}
+             ) -> tuple[KVPlan, list[Resolution]]:
+    """The plan of a model whose windowed layers get their own pool. `host(full tokens)`:
+    the HiCache host pool's plan fields ({} without one; the resolution rule keeps hybrid
+    SWA memory off with L3 storage, PD and an all-SWA model under HiCache)."""
     P = args.page_size
     full, swa, out = size_swa_tokens(args, facts, budget_bytes)
     n_full, n_swa, window = split_layers(facts.layer_windows)
@@ -114,5 +116,6 @@ def swa_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None,
                   mha_components(n_full, heads, head_dim, k.dtype) if n_full else (),
                   draft_components=facts.draft_components, num_swa_pages=swa_pages,
                   swa_window=window,
-                  swa_components=mha_components(n_swa, heads, head_dim, k.dtype))
+                  swa_components=mha_components(n_swa, heads, head_dim, k.dtype),
+                  **(host(full) if n_full else {}))
     return plan, out

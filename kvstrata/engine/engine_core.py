@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kvstrata import envs
-from kvstrata.cache.invariants import expected_rows
+from kvstrata.cache.invariants import expected_rows, expected_swa_rows
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler.core import Scheduler, SchedulerConfig
 from kvstrata.engine.scheduler.introspect import check_scheduler, dump_state
@@ -76,6 +76,13 @@ class EngineCore:
         if n + 1 > self.scheduler.kv.total_tokens:
             return (f"The input ({n} tokens) does not fit in the KV cache "
                     f"({self.scheduler.kv.total_tokens} tokens); raise --max-total-tokens.")
+        swa = self.scheduler.kv.swa
+        if swa is not None and swa.lone_request_tokens(n) > swa.allocator.num_pages * swa.page_size:
+            return (f"The input ({n} tokens) does not fit in the sliding-window KV pool "
+                    f"({swa.allocator.num_pages * swa.page_size} tokens): it needs "
+                    f"{swa.lone_request_tokens(n)} at once (the window of {swa.window} tokens "
+                    f"plus the pages being written); raise --swa-full-tokens-ratio or "
+                    f"--max-total-tokens.")
         return self.scheduler.validate(req)  # e.g. PD: bootstrap info, room not in use
 
     def abort_request(self, rid: str) -> None:
@@ -169,8 +176,21 @@ class EngineCore:
             "num_retractions": self.scheduler.num_retractions,
             "new_token_ratio": self.scheduler.ratio.value,
             **self._hicache_load(),
+            **self._swa_load(),
             **{k: v for side in self.scheduler.sides for k, v in side.load().items()},
         }
+
+    def _swa_load(self) -> dict:
+        """Hybrid SWA memory: the SWA pool's usage beside the full pool's (SGLang's
+        swa_token_usage), counted like num_used_tokens: held by requests or SWA-locked in the
+        tree (SWA pages cached but evictable are free to take)."""
+        kv = self.scheduler.kv
+        if kv.swa is None:
+            return {}
+        total = kv.swa.allocator.num_pages * kv.page_size
+        used = (kv.swa.allocator.num_used() - kv.tree.evictable_swa_pages()) * kv.page_size
+        return {"num_used_swa_tokens": used, "max_total_swa_tokens": total,
+                "swa_token_usage": used / total if total else 0.0}
 
     def _hicache_load(self) -> dict:
         kv = self.scheduler.kv
@@ -201,7 +221,9 @@ class EngineCore:
         check_scheduler(self.scheduler)
         check_rows = getattr(self.runner, "check_req_to_token", None)
         if check_rows is not None:
-            check_rows(expected_rows(self.scheduler.live_requests(), self.scheduler.page_size))
+            live = self.scheduler.live_requests()
+            check_rows(expected_rows(live, self.scheduler.page_size),
+                       expected_swa_rows(live, self.scheduler.kv.swa))
 
     def dump_state(self) -> str:
         return dump_state(self.scheduler)

@@ -80,3 +80,11 @@ class ReqToTokenTable:
             assert got == list(slots), (
                 f"req_to_token row {row} holds {got[:16]}..., the scheduler expects "
                 f"{list(slots)[:16]}...")
+
+    def check_spans(self, expected: dict[int, tuple[int, list[int]]], name: str) -> None:
+        """Like check_rows for entries from a start position on: row -> (start, slots)."""
+        for row, (start, slots) in expected.items():
+            got = self.table[row, start:start + len(slots)].tolist()
+            assert got == list(slots), (
+                f"{name} row {row} from {start} holds {got[:16]}..., the scheduler expects "
+                f"{list(slots)[:16]}...")

@@ -127,6 +127,10 @@ class TransferOp(msgspec.Struct, tag="transfer"):
     host_pages: list[int]
     sync: bool
     keys: list[str] = []
+    # Hybrid SWA memory ("d2h", "h2d"): the SWA device page of each of device_pages, 0 where
+    # only the full layers move. Its host copy sits under the same host page id, in the host
+    # SWA pool (cache/swa_hiradix.py).
+    swa_pages: list[int] = []
 
 
 class StorageCancel(msgspec.Struct, tag="storage_cancel"):

@@ -95,3 +95,16 @@ def apply_trees(fb: ForwardBatch, trees: dict[int, list[int]]) -> None:
         pos[offsets[i]:offsets[i + 1]] = fb.start_pos[i] + depths.to(pos.device)
     fb.positions = pos
     fb.trees = trees
+
+
+def write_swa_slots(swa_req_to_token, reqs, fb: ForwardBatch) -> None:
+    """Hybrid SWA memory: each request's SWA slots into the SWA table (same positions as
+    `slots`), and the new tokens' SWA slots, where the windowed layers write."""
+    for r in reqs:
+        if r.swa_slots is None or len(r.swa_slots) != len(r.slots):
+            raise ValueError(f"request {r.rid!r}: the KV plan has an SWA pool, so every "
+                             f"scheduled request needs swa_slots beside its "
+                             f"{len(r.slots)} slots, got {r.swa_slots!r:.80}")
+    swa_req_to_token.write_many([r.row for r in reqs], [r.slot_write_start for r in reqs],
+                                [r.swa_slots for r in reqs])
+    fb.swa_out_slots = swa_req_to_token.table[fb.token_rows, fb.positions]

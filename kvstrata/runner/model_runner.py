@@ -31,7 +31,7 @@ from kvstrata.runner.executors.hicache import HiCacheExecutor
 from kvstrata.runner.executors.registry import EXECUTORS
 from kvstrata.runner.executors.retraction_backup import (RetractionBackupExecutor,
                                                          on_demand_backup, with_swa_pool)
-from kvstrata.runner.forward_batch import ForwardBatch, apply_trees
+from kvstrata.runner.forward_batch import ForwardBatch, apply_trees, write_swa_slots
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.quant.w8a8 import weight_bytes
@@ -178,7 +178,7 @@ class ModelRunner:
                 self.kv_pool, host_pool, make_io_backend(plan.io_backend, self.kv_pool.kv,
                                                          host_pool))
         elif plan.has_host_pool:
-            self.hicache = HiCacheExecutor(self.kv_pool, plan)
+            self.hicache = HiCacheExecutor(self.kv_pool, plan, swa_pool=self.swa_pool)
         quant = self.quantization_info["quantization"]
         logger.info("model %s (%s%s) on %s; %s", self.source.display_name, self.dtype,
                     f", {quant}" if quant else "", self.device, plan.summary())
@@ -299,7 +299,7 @@ class ModelRunner:
         # The new tokens' slots, read back from the rows just written: one gather.
         fb.out_slots = self.req_to_token.table[fb.token_rows, fb.positions]
         if self.swa_pool is not None:
-            self._write_swa_slots(reqs, fb)
+            write_swa_slots(self.swa_req_to_token, reqs, fb)
         if self.dsa_seeds is not None and self.dsa_seeds.pending:  # before an MTP drafts
             self.dsa_seeds.apply_pending(reqs, self.req_to_token.table, self._slot_rows())
         if self.draft is not None:  # a draft in the runner: its part of the step first
@@ -377,19 +377,6 @@ class ModelRunner:
                                         [TopLogprob(t, lv) for t, lv in top])
         return out
 
-    def _write_swa_slots(self, reqs, fb: ForwardBatch) -> None:
-        """Hybrid SWA memory: each request's SWA slots into the SWA table (same positions as
-        `slots`), and the new tokens' SWA slots, where the windowed layers write."""
-        for r in reqs:
-            if r.swa_slots is None or len(r.swa_slots) != len(r.slots):
-                raise ValueError(f"request {r.rid!r}: the KV plan has an SWA pool, so every "
-                                 f"scheduled request needs swa_slots beside its "
-                                 f"{len(r.slots)} slots, got {r.swa_slots!r:.80}")
-        self.swa_req_to_token.write_many([r.row for r in reqs],
-                                         [r.slot_write_start for r in reqs],
-                                         [r.swa_slots for r in reqs])
-        fb.swa_out_slots = self.swa_req_to_token.table[fb.token_rows, fb.positions]
-
     def _draft_handoffs(self, reqs, produced: dict, out: RunnerOutput) -> None:
         """PD prefill: the draft extends the prompt positions this step completed (its KV
         and, after the last chunk, its state cross to the decode server). PD decode: how
@@ -446,7 +433,11 @@ class ModelRunner:
             state.prompt_logprobs_sent = True
 
     # ------------------------------------------------------------------ test helpers
-    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+    def check_req_to_token(self, expected: dict[int, list[int]],
+                           swa_expected: dict[int, tuple[int, list[int]]] | None = None) -> None:
         """Assert each live row's current entries are the slots the scheduler assigned
-        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV."""
+        (KVSTRATA_CHECK_INTEGRITY): a stale entry reads another request's KV. With an SWA
+        pool, the SWA table's entries each row's next window reads, too."""
         self.req_to_token.check_rows(expected)
+        if swa_expected is not None and self.swa_req_to_token is not None:
+            self.swa_req_to_token.check_spans(swa_expected, "SWA req_to_token")

@@ -42,6 +42,9 @@ class TransferJob:
     device_pages: torch.Tensor
     host_pages: torch.Tensor
     ready_event: object = None  # CUDA event on the submitter's stream, GPU only
+    # Hybrid SWA memory: (SWA device pages, host pages) moved by the second IO backend in
+    # the same job, so the job is done only when both pools' copies are.
+    swa: tuple[torch.Tensor, torch.Tensor] | None = None
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -53,8 +56,9 @@ def _use_streams(device_kv: torch.Tensor) -> bool:
 class TransferController:
     """Runs `io_backend` transfers on a worker thread; see the module docstring."""
 
-    def __init__(self, io_backend, *, name: str = "kvstrata-hicache-transfer"):
+    def __init__(self, io_backend, *, name: str = "kvstrata-hicache-transfer", swa_io=None):
         self.io = io_backend
+        self.swa_io = swa_io  # the SWA device pool <-> host SWA pool (hybrid SWA memory)
         self.page_bytes = io_backend.host_pool.geom.bytes_per_page
         self._streams = None
         if _use_streams(io_backend.device_kv):
@@ -76,10 +80,11 @@ class TransferController:
         self._worker.start()
 
     # ---- scheduler-facing API ----------------------------------------------------------------
-    def submit(self, kind: str, device_pages, host_pages) -> int:
+    def submit(self, kind: str, device_pages, host_pages, swa_pages=()) -> int:
         """Queue a transfer of whole pages (device_pages[i] <-> host_pages[i]); returns its id.
-        Argument errors (unknown kind, length mismatch) raise here; copy errors are reported
-        later as a failed id."""
+        `swa_pages`: the SWA device page of each device page (0: none moves), copied with
+        the same host page id by `swa_io`. Argument errors (unknown kind, length mismatch)
+        raise here; copy errors are reported later as a failed id."""
         if kind not in KINDS:
             raise ValueError(f"transfer kind must be one of {KINDS}, got {kind!r}")
         if self._closed:
@@ -89,6 +94,13 @@ class TransferController:
         if dev.numel() != host.numel():
             raise ValueError(f"{dev.numel()} device pages but {host.numel()} host pages")
         job = TransferJob(next(self._ids), kind, dev, host)
+        if len(swa_pages):
+            swa = torch.as_tensor(swa_pages, dtype=torch.long).reshape(-1)
+            if self.swa_io is None or swa.numel() != dev.numel():
+                raise ValueError(f"{swa.numel()} SWA pages for {dev.numel()} device pages "
+                                 f"(SWA IO backend: {self.swa_io is not None})")
+            keep = swa != 0
+            job.swa = (swa[keep], host[keep])
         if self._streams is not None:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record()  # on the submitter's current stream
@@ -210,3 +222,9 @@ class TransferController:
             self.io.write_back(job.device_pages, job.host_pages)
         else:
             self.io.load_all(job.host_pages, job.device_pages)
+        if job.swa is not None and job.swa[0].numel():
+            swa_dev, swa_host = job.swa
+            if job.kind == "write":
+                self.swa_io.write_back(swa_dev, swa_host)
+            else:
+                self.swa_io.load_all(swa_host, swa_dev)

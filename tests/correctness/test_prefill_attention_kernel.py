@@ -110,6 +110,7 @@ def test_prefill_kernel_dispatch_rule(monkeypatch):
 
     class Pool:
         kv = torch.zeros(1, dtype=torch.float32)
+        geom = type("Geom", (), {"num_layers": 1})  # the backend maps layers to pools
     on = TorchNativeAttnBackend(Pool(), None, 9, 3, 64)
     assert on.use_prefill_kernel == vec
     monkeypatch.setenv("KVSTRATA_CPU_PREFILL_ATTENTION", "0")
@@ -132,6 +133,7 @@ def test_amx_bf16_prefill_plan_leaves_long_prompts_to_sdpa(monkeypatch):
     for dtype, rows in ((torch.bfloat16, [0, 2]), (torch.float32, [0, 1, 2, 3])):
         class Pool:
             kv = torch.zeros(1, dtype=dtype)
+            geom = type("Geom", (), {"num_layers": 1})
         backend = TorchNativeAttnBackend(Pool(), None, 9, 3, 64)
         chosen, slots, _ = backend._prefill_plan(pieces, table, torch.zeros(1))
         assert [p.row for p in chosen] == rows, dtype

@@ -40,9 +40,8 @@ def run(engine, prompts, refs, label, again=True, hits=True):
     check(outs, refs, label)
     if again:  # from the radix cache: hits past the window
         second = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-        # (Unchunked, a prompt's pages stay the request's until it finishes, so its decode
-        # frees their SWA pages and the tree keeps them tombstoned: no usable hit. Chunked,
-        # each chunk enters the tree and keeps its last window.)
+        # (Each prompt enters the tree once prefilled (KVManager.cache_prompt): its decode
+        # leaves the prompt's SWA pages cached instead of freeing them as its own.)
         assert (sum(o["meta_info"]["cached_tokens"] for o in second) > 0) or not hits, label
         check(second, refs, label + " prefix-cached")
     engine.check_integrity()
@@ -63,9 +62,8 @@ def test_engine_greedy_equals_transformers_and_uniform_pool(arch, page_size, chu
              max_total_tokens=tokens) as engine:
         plan = engine.server_info()["kv_plan"]
         assert plan["pool_kind"] == "swa" and plan["num_swa_pages"] > 0, plan
-        # (a pool too small to keep finished prompts evicts their SWA pages: no hit either)
-        hybrid = run(engine, prompts, references[arch], label,
-                     hits=chunk is not None and tokens >= 512)
+        # (a pool too small to keep finished prompts evicts their SWA pages: no hit)
+        hybrid = run(engine, prompts, references[arch], label, hits=tokens >= 512)
         swa_tokens = plan["max_swa_tokens"]
     if swa_tokens < 200:
         assert swa_allocs["pages"] * page_size > swa_tokens, (swa_allocs, swa_tokens)
@@ -73,6 +71,46 @@ def test_engine_greedy_equals_transformers_and_uniform_pool(arch, page_size, chu
              max_total_tokens=4096, disable_hybrid_swa_memory=True) as engine:
         assert engine.server_info()["kv_plan"]["pool_kind"] == "mha"
         assert run(engine, prompts, references[arch], label + " uniform", again=False) == hybrid
+
+
+def _generate_overlapped(engine, prompt, start_second_after: int | None):
+    """Send `prompt` twice, the second copy after the first's prefill and that many decode
+    steps (None: after the first finished); -> [(output ids, cached tokens)] per copy."""
+    from kvstrata.protocol.engine_request import EngineRequest
+    from kvstrata.protocol.sampling_params import SamplingParams
+
+    core, params = engine.engine, SamplingParams.from_dict(GREEDY)
+    out = {rid: [[], None] for rid in ("a", "b")}
+    core.add_request(EngineRequest("a", list(prompt), params))
+    steps, sent = 0, False
+    while any(o[1] is None for o in out.values()):
+        if not sent and ((start_second_after is None and out["a"][1] is not None)
+                         or steps == start_second_after):
+            core.add_request(EngineRequest("b", list(prompt), params))
+            sent = True
+        for o in core.step():
+            out[o.rid][0].extend(o.new_token_ids)
+            if o.finished:
+                out[o.rid][1] = o.cached_tokens
+        steps += 1
+    return [tuple(out[rid]) for rid in ("a", "b")]
+
+
+@pytest.mark.parametrize("arch,page_size", [("mistral", 1), ("mistral", 16), ("qwen2", 16)])
+def test_repeated_prompt_hits_past_the_window(arch, page_size, windowed, prompts, references):
+    """A long prompt (70 tokens, W = 8), unchunked, sent again once the first copy finished
+    and while it still decodes (its window already past the prompt's start, so it has given
+    up the SWA pages of the prompt's head): every time the second copy hits all but at most
+    the last window (+ a page), with transformers' tokens."""
+    prompt, ref = prompts[-1], references[arch][-1]
+    floor = len(prompt) - 8 - page_size
+    with llm(windowed[arch], page_size=page_size, max_total_tokens=1024) as engine:
+        for label, after in (("after", None), ("during", 16)):
+            (first, hit_a), (second, hit_b) = _generate_overlapped(engine, prompt, after)
+            check([first, second], [ref, ref], f"{arch} P={page_size} {label}")
+            assert hit_b >= floor, (label, hit_a, hit_b, floor)
+            engine.flush_cache()  # each case from a cold tree
+        engine.check_integrity()
 
 
 def test_resolution_and_plan_in_server_info(windowed):
@@ -120,3 +158,58 @@ def test_gemma_with_its_own_swa_pool(tmp_path):
         with llm(path, max_total_tokens=1024, page_size=16, chunked_prefill_size=16) as engine:
             assert engine.server_info()["kv_plan"]["pool_kind"] == "swa", arch
             run(engine, prompts, refs, arch, hits=True)
+
+
+def test_starved_pools_with_hicache(windowed):
+    """HiCache L2 with the SWA pool (cache/swa_hiradix.py): multi-turn prompts through a
+    device pool of 96 full / 48 SWA tokens, so prefixes are demoted to the host (both halves)
+    and loaded back; the tokens equal --disable-hybrid-swa-memory's on a large pool (which
+    test_sliding_window_models.py ties to transformers) and every pool, the host's included,
+    is whole after the drain (check_integrity after every step, KVSTRATA_CHECK_INTEGRITY)."""
+    from helpers.compare import assert_match_transformers
+
+    from tests.correctness.test_hicache_engine import multi_turn
+
+    path = windowed["qwen2"]
+    with llm(path, page_size=4, chunked_prefill_size=16, max_total_tokens=4096,
+             disable_hybrid_swa_memory=True) as engine:
+        prompts, expected = multi_turn(engine, conversations=3, turns=4, system_len=20,
+                                       user_len=6)
+    assert_match_transformers(path, prompts, expected, label="uniform pool vs transformers")
+    with llm(path, page_size=4, chunked_prefill_size=16, max_total_tokens=96,
+             swa_full_tokens_ratio=0.5, enable_hierarchical_cache=True, hicache_size=0,
+             hicache_ratio=8.0) as engine:
+        info = engine.server_info()
+        assert info["kv_plan"]["pool_kind"] == "swa" and info["kv_plan"]["num_host_pages"] > 0
+        got = multi_turn(engine, conversations=3, turns=4, system_len=20, user_len=6)
+        assert got == (prompts, expected)
+        load = engine.get_load()
+        assert load["hicache_demoted_pages"] > 0 and load["hicache_host_hit_tokens"] > 0, load
+        engine.check_integrity()
+
+
+def test_tensor_parallel(windowed, prompts, references):
+    """tp 2: every rank builds the same SWA pool from the one plan (its heads' share) and
+    applies the same ScheduledRequest.swa_slots; transformers' tokens, prefix hits included."""
+    with llm(windowed["qwen2"], tp_size=2, page_size=16, max_total_tokens=1024) as engine:
+        assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
+        run(engine, prompts, references["qwen2"], "qwen2 tp 2")
+
+
+def test_standalone_speculation(windowed, prompts, references):
+    """A STANDALONE self-draft (its own uniform pool over the target's full slots) beside the
+    SWA pool, chains and topk-3 trees: transformers' tokens, prefix hits, drafts accepted."""
+    path, refs = windowed["qwen2"], references["qwen2"]
+    # (topk 1 over a small SWA pool: 160 tokens for 7 requests, released out of window)
+    for topk, steps, tokens, ratio in ((1, 3, 640, 0.25), (3, 3, 2048, 0.8)):
+        with llm(path, max_total_tokens=tokens, swa_full_tokens_ratio=ratio, page_size=16,
+                 speculative_algorithm="STANDALONE",
+                 speculative_draft_model_path=path, speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=8 if topk > 1 else 4,
+                 speculative_disable_by_batch_size=1 << 20) as engine:
+            assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
+            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+            check(outs, refs, f"qwen2 STANDALONE topk {topk}")
+            assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
+            # (the small pool evicts finished prompts' SWA pages: hits only in the big one)
+            run(engine, prompts, refs, f"qwen2 STANDALONE topk {topk}", hits=ratio > 0.5)

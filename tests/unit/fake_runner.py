@@ -285,7 +285,7 @@ class FakeRunner:
         return [s.token_ids[0]] + truth[:good] + [(t + 1) % self.vocab_size
                                                    for t in truth[good:]]
 
-    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
+    def check_req_to_token(self, expected: dict[int, list[int]], swa_expected=None) -> None:
         for row, slots in expected.items():
             got = [self.rows.get(row, {}).get(i) for i in range(len(slots))]
             assert got == list(slots), f"row {row}: {got} != {slots}"

@@ -10,7 +10,7 @@ another request meanwhile, fails here (the other request overwrites it)."""
 from __future__ import annotations
 
 from kvstrata.protocol import RunnerOutput, SchedulerOutput
-from tests.unit.fake_runner import FakeRunner
+from tests.unit.fake_runner import FakeRunner, copy_pages
 
 
 class FakeSWARunner(FakeRunner):
@@ -20,6 +20,19 @@ class FakeSWARunner(FakeRunner):
         self.swa_kv: dict[int, tuple[int, int]] = {}
         self.swa_rows: dict[int, dict[int, int]] = {}
         self.swa_reads = 0  # window positions read back through the SWA table
+        # HiCache: the host SWA pool, under the full copy's host page ids (swa_hiradix.py)
+        self.swa_host: dict[int, tuple[int, int]] = {}
+        self.moved_swa_pages = {"d2h": 0, "h2d": 0}
+
+    def _copy(self, op) -> None:
+        super()._copy(op)
+        pairs = [(s, h) for s, h in zip(op.swa_pages, op.host_pages) if s]
+        swa, host = [s for s, _ in pairs], [h for _, h in pairs]
+        if op.kind == "d2h":
+            copy_pages(self.swa_kv, self.swa_host, swa, host, self.page_size)
+        else:
+            copy_pages(self.swa_host, self.swa_kv, host, swa, self.page_size)
+        self.moved_swa_pages[op.kind] += len(pairs)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for s in so.scheduled:
@@ -46,3 +59,12 @@ class FakeSWARunner(FakeRunner):
                 assert slot >= P, f"{s.rid}: computed position {p} has no SWA slot"
                 self.swa_kv[slot] = self.kv[row[p]]
         return out
+
+    def check_req_to_token(self, expected: dict[int, list[int]], swa_expected=None) -> None:
+        """The SWA table's entries each row's next window reads (cache/invariants.py
+        expected_swa_rows), beside the full rows."""
+        super().check_req_to_token(expected)
+        assert swa_expected is not None, "an SWA pool but no expected SWA rows"
+        for row, (start, slots) in swa_expected.items():
+            got = [self.swa_rows.get(row, {}).get(start + i) for i in range(len(slots))]
+            assert got == list(slots), f"SWA row {row} from {start}: {got} != {slots}"

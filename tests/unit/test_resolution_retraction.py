@@ -61,7 +61,7 @@ def test_explicit_cpu_tensor_kept(platform):
     ({}, ModelInfo(kv_pool_kind="other")),
     ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=0)),
     ({}, ModelInfo(kv_pool_kind="swa")),  # not sized yet: stay on the safe side
-    # hybrid SWA (SGLang: host_pool): our host pool holds no SWA pages
+    # hybrid SWA (SGLang: host_pool): our host-pool backup copies the full pool only
     ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=4096)),
 ])
 def test_each_single_condition_flips_auto_to_cpu_tensor(platform, kwargs, model_info):

@@ -56,18 +56,16 @@ def test_nothing_to_decide_without_windows(info):
 
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
-    (dict(enable_hierarchical_cache=True), "HiCache"),
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "L3 storage"),
+    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
+    (dict(disaggregation_mode="decode", tp_size=2), "with --tp-size > 1"),
+    (dict(disaggregation_mode="prefill", tp_size=2), "with --tp-size > 1"),
     (dict(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool"),
      "retraction-backup host_pool"),
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
      "--disaggregation-decode-enable-radix-cache"),
-    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="d"),
-     "STANDALONE"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "NEXTN"),
-    (dict(tp_size=2), "--tp-size > 1"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -80,11 +78,21 @@ def test_off_with_the_reason(kw, reason, info):
 @pytest.mark.parametrize("kw", [
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
-    dict(chunked_prefill_size=64)])
+    dict(chunked_prefill_size=64), dict(tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
     resolved, _ = run(**kw)
     assert resolved.hybrid_swa_memory is True
+
+
+def test_standalone_draft_pool_needs_a_full_pool():
+    """STANDALONE's draft pool shares the target's full slots: on beside a hybrid model's SWA
+    pool (tested: test_swa_memory_engine.py), off for an all-SWA model, saying why."""
+    kw = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    assert run(HYBRID, **kw)[0].hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, **kw)
+    assert resolved.hybrid_swa_memory is False
+    assert "STANDALONE with an all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 def test_deterministic_default_covers_the_swa_pool():
@@ -135,7 +143,7 @@ def test_retraction_with_the_real_pool_kinds():
     plat = simulated("cuda")
     from kvstrata.config.resolve_types import to_resolved
     backend, why = decide_backup(inputs_from(to_resolved(decode), plat, hybrid))
-    assert backend == "cpu_tensor" and "the host pool holds no SWA pages" in why
+    assert backend == "cpu_tensor" and "copies the full pool's pages only" in why
     backend, why = decide_backup(inputs_from(to_resolved(decode), plat, pure))
     assert backend == "cpu_tensor" and "no full-attention pages" in why
     for info in (HYBRID, ALL_SWA):
@@ -147,10 +155,21 @@ def test_retraction_with_the_real_pool_kinds():
 def test_explain_shows_the_decision():
     text = explain(ServerArgs(), simulated("cpu"), HYBRID)
     assert "swa.on" in text and "hybrid_swa_memory = True" in text
-    data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True), simulated("cpu"),
+    data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True,
+                                         hicache_storage_backend="file"), simulated("cpu"),
                               HYBRID, as_json=True))
     assert [r["rule"] for r in data["resolutions"] if r["field"] == "hybrid_swa_memory"] == [
         "swa.off"]
+
+
+def test_hicache_l2_keeps_it_on_with_full_layers_only():
+    """The host tier copies SWA pages (cache/swa_hiradix.py) beside a full-layer pool; an
+    all-SWA model has none for it to copy, so it stays off there, with that reason."""
+    resolved, res = run(HYBRID, enable_hierarchical_cache=True)
+    assert resolved.hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, enable_hierarchical_cache=True)
+    assert resolved.hybrid_swa_memory is False
+    assert "all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 # ---- sizing -------------------------------------------------------------------------------

@@ -106,9 +106,11 @@ def test_pages_map_slots_and_free():
     assert swa.map == [0] * 7 + [2] + [0] * 3
 
 
-def test_kv_manager_refuses_host_pool_with_swa():
-    plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2)
-    with pytest.raises(ValueError, match="SWA pool does not support a host pool"):
+def test_kv_manager_refuses_retraction_host_pool_with_swa():
+    """HiCache L2 copies SWA pages (test_swa_hicache.py); retraction backups do not."""
+    plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2,
+                             host_pool_use="retraction")
+    with pytest.raises(ValueError, match="supports a HiCache host pool only"):
         KVManager(plan)
 
 
@@ -354,6 +356,8 @@ def test_pd_takes_an_swa_pool_but_not_the_decode_radix_cache():
 def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():
     engine, _ = make_engine(num_pages=256, num_swa=4, P=1, window=8)
     out, reasons = run(engine, [("a", ids(50, 20), 4), ("b", ids(51, 3), 2)])
-    assert reasons["a"].type == "abort" and "sliding-window pool 4" in reasons["a"].message
+    # Refused on arrival (engine_core: it needs 10 SWA tokens at once), not after a stall.
+    assert reasons["a"].type == "abort" and reasons["a"].status_code == 400
+    assert "sliding-window KV pool (4 tokens)" in reasons["a"].message, reasons["a"]
     assert reasons["b"].type == "length" and out["b"] == reference_tokens(ids(51, 3), 2, VOCAB)
     assert_drained(engine)

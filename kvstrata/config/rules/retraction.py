@@ -40,9 +40,10 @@ class RetractionInputs:
 
 def pool_supports_host_pool(kv_pool_kind: str, full_attention_tokens: int | None) -> bool:
     # SGLang backs a hybrid SWA pool (full-attention tokens > 0) up into the host pool too;
-    # here the host pool holds full-pool pages only (cache/kv_manager.py refuses a host pool
-    # beside an SWA pool), so an SWA pool takes cpu_tensor, which backs up the live window's
-    # SWA pages beside the full pages (runner/executors/retraction_backup.py).
+    # here the host-pool backup copies the full pool's pages only (cache/kv_manager.py
+    # refuses a retraction host pool beside an SWA pool), so an SWA pool takes cpu_tensor,
+    # which backs up the live window's SWA pages beside the full pages
+    # (runner/executors/retraction_backup.py).
     return kv_pool_kind == "mha"
 
 
@@ -70,9 +71,9 @@ def decide_backup(x: RetractionInputs) -> tuple[str, str]:
         elif x.full_attention_tokens_per_layer == 0:
             blockers.append("KV pool kind swa has no full-attention pages to back up")
         else:  # hybrid: SGLang would pick host_pool
-            blockers.append("KV pool kind swa (hybrid SWA memory): the host pool holds no SWA "
-                            "pages; cpu_tensor backs up the full pages and the live window's "
-                            "SWA pages")
+            blockers.append("KV pool kind swa (hybrid SWA memory): the host-pool backup "
+                            "copies the full pool's pages only; cpu_tensor backs up the full "
+                            "pages and the live window's SWA pages")
     if blockers:
         return "cpu_tensor", "auto: cpu_tensor because " + "; ".join(blockers)
     return "host_pool", "auto: host_pool (decode server, every precondition holds)"

@@ -22,22 +22,30 @@ from kvstrata.platform import Platform
 RULE_ON = "swa.on"
 RULE_OFF = "swa.off"
 # Speculative algorithms whose draft keeps a pool of its own (runner/spec/): not built over an
-# SWA pool yet (its slots, its windowed layers, its tree moves are untested there). NGRAM has
-# no draft model: its verify entries move accepted KV in both pools (runner/spec/verify.py).
-DRAFT_POOL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+# SWA pool yet (their hidden-state / MTP layers are untested there). NGRAM has no draft model:
+# its verify entries move accepted KV in both pools (runner/spec/verify.py). STANDALONE's
+# draft pool is a uniform pool over the target's *full* slots (runner/spec/standalone.py),
+# which stay until a request releases them, so it works beside an SWA pool -- but not for an
+# all-SWA target, whose full pages are addresses only (kv_sizing_swa.py refuses a draft there).
+DRAFT_POOL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 
-def blockers(args: ResolvedArgs) -> list[str]:
-    """Why hybrid SWA memory cannot be on with these flags ([] = it can)."""
+def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
+    """Why hybrid SWA memory cannot be on with these flags ([] = it can) for this model."""
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    if args.enable_hierarchical_cache or args.hicache_storage_backend is not None:
-        out.append("HiCache (--enable-hierarchical-cache / L3 storage): the host tier and "
-                   "storage keys copy one uniform pool's pages, not the SWA pool's")
+    # HiCache L2 keeps SWA pages on the host (cache/swa_hiradix.py); L3 does not yet.
+    if args.hicache_storage_backend is not None:
+        out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
+                   "one uniform pool's pages, not the SWA pool's")
     # PD itself works (the prefill sends the last window's SWA pages, the decode allocates
     # SWA pages for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the
-    # tcp and mooncake backends; what a decode server adds below does not yet.
+    # tcp and mooncake backends; what a decode server adds below does not yet, nor TP ranks
+    # (SGLang refuses TP-mismatched non-MLA SWA transfers; same-size TP is untested here).
+    if args.disaggregation_mode != "null" and args.tp_size > 1:
+        out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}) "
+                   f"with --tp-size > 1: the ranks' SWA page regions are not tested yet")
     if args.disaggregation_decode_retraction_backup == "host_pool":
         out.append("--disaggregation-decode-retraction-backup host_pool: the host pool holds "
                    "the full pool's pages only (cpu_tensor backs up the SWA window too)")
@@ -50,8 +58,10 @@ def blockers(args: ResolvedArgs) -> list[str]:
     if args.speculative_algorithm in DRAFT_POOL_ALGORITHMS:
         out.append(f"--speculative-algorithm {args.speculative_algorithm}: its draft pool is "
                    f"not built beside an SWA pool yet")
-    if args.tp_size > 1:
-        out.append("--tp-size > 1: the ranks' SWA pools are not built or tested yet")
+    if args.speculative_algorithm == "STANDALONE" and info is not None \
+            and not info.num_full_layers:
+        out.append("--speculative-algorithm STANDALONE with an all-SWA model: the draft pool "
+                   "shares the full pool's slots, which an all-SWA model does not have")
     return out
 
 
@@ -63,7 +73,10 @@ def hybrid_swa_memory(args: ResolvedArgs, platform: Platform, model_info: ModelI
     full, swa = info.num_full_layers, info.num_swa_layers
     layers = (f"all {swa} layers windowed" if not full
               else f"{swa} windowed and {full} full-attention layers")
-    why = blockers(args)
+    why = blockers(args, info)
+    if not full and args.enable_hierarchical_cache:
+        why.append("HiCache with an all-SWA model: the host tier copies the full layers' "
+                   "pool, which an all-SWA model does not have")
     if why:
         return change(args, "hybrid_swa_memory", False, RULE_OFF,
                       f"{layers}; one uniform pool because " + "; ".join(why))

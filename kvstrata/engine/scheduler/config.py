@@ -155,8 +155,8 @@ class SchedulerConfig:
         plan, decode = self.plan, self.disaggregation_mode == "decode"
         if plan.has_swa_pool and decode and (self.radix_cache or plan.has_host_pool):
             # PD moves the last window's SWA pages (cache/swa_pd.py), but the decode radix
-            # cache keeps no SWA pages, and a host pool (HiCache, host_pool retraction
-            # backups) copies the full pool only.
+            # cache keeps no SWA pages, and a decode host pool (decode HiCache, host_pool
+            # retraction backups) is not built beside an SWA pool yet.
             raise ValueError("the hybrid SWA pool does not support the decode radix cache or "
                              "a decode host pool yet; disable hybrid SWA memory")
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"

@@ -396,7 +396,8 @@ class Scheduler:
                 req.pending_logprobs.append(result.logprobs[i])
                 req.pending_top_logprobs.append(result.top_logprobs[i] or [])
             if req.status is RequestStatus.RUNNING and req not in self.running:
-                self.running.append(req)
+                self.running.append(req)  # its prefill is done: hybrid SWA caches the prompt
+                self.kv.cache_prompt(req)
             reason = self.stop_checker.check(req)
             if reason is not None:
                 self._complete(req, reason)

@@ -61,14 +61,28 @@ class HiCacheExecutor(OpExecutor):
         return ([TransferDone(job) for job in done]
                 + [TransferDone(job, ok=False) for job in failed] + progress)
 
-    def __init__(self, device_pool, plan: KVPlan):
-        """The host pool and IO backend `plan` describes, behind `device_pool`."""
-        self.host_pool = HostKVPool.from_plan(plan)
+    def __init__(self, device_pool, plan: KVPlan, swa_pool=None):
+        """The host pool and IO backend `plan` describes, behind `device_pool`. Hybrid SWA
+        memory (`swa_pool`, the window layers' device pool): a second host pool of as many
+        pages holds their K/V under the same host page ids (cache/swa_hiradix.py), moved by
+        a second IO backend in the same jobs."""
+        self.swa_host_pool = None
+        swa_io = None
+        if swa_pool is not None:
+            full = plan.full_pool_plan()
+            if full is None:
+                raise ValueError("HiCache with hybrid SWA memory needs full-attention layers")
+            self.swa_host_pool = HostKVPool.from_plan(plan.swa_pool_plan())
+            swa_io = make_io_backend(plan.io_backend, swa_pool.kv, self.swa_host_pool)
+            plan_full = full
+        else:
+            plan_full = plan
+        self.host_pool = HostKVPool.from_plan(plan_full)
         self.io = make_io_backend(plan.io_backend, device_pool.kv, self.host_pool)
-        advice = page_size_advice(plan)
+        advice = page_size_advice(plan_full)
         if advice:
             logger.warning(advice)
-        self.controller = TransferController(self.io)
+        self.controller = TransferController(self.io, swa_io=swa_io)
         self._job_of: dict[int, int] = {}  # controller id -> scheduler job id
         self.wait_seconds = 0.0
         self.plan = plan
@@ -102,7 +116,8 @@ class HiCacheExecutor(OpExecutor):
         for op in ops:
             if op.kind in _STORAGE_KINDS:
                 continue
-            cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages)
+            cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages,
+                                         op.swa_pages)
             self._job_of[cid] = op.job_id
         if any(op.sync for op in ops):
             start = time.perf_counter()
@@ -142,7 +157,8 @@ class HiCacheExecutor(OpExecutor):
         for kind in ("write", "load"):
             secs = s.get(f"{kind}_seconds", 0.0)
             s[f"{kind}_gb_per_s"] = s.get(f"{kind}_bytes", 0.0) / secs / 1e9 if secs else 0.0
-        s["host_pool_bytes"] = self.host_pool.size_bytes
+        s["host_pool_bytes"] = self.host_pool.size_bytes + (
+            self.swa_host_pool.size_bytes if self.swa_host_pool is not None else 0)
         if self.storage is not None:
             s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
                       if isinstance(v, (int, float))})

@@ -188,10 +188,13 @@ class TPDriver:
         """Every rank's digests of the steps it applied and the tokens it sampled."""
         return [self._digests.result()] + [r.result for r in self.call("digests")]
 
-    def check_req_to_token(self, expected: dict[int, list[int]]) -> None:
-        """Every rank's req_to_token rows are the scheduler's (KVSTRATA_CHECK_INTEGRITY)."""
-        self.runner.check_req_to_token(expected)
-        for reply in self.call("check_rows", {str(k): v for k, v in expected.items()}):
+    def check_req_to_token(self, expected: dict[int, list[int]],
+                           swa_expected: dict[int, tuple[int, list[int]]] | None = None) -> None:
+        """Every rank's req_to_token rows (and SWA rows) are the scheduler's
+        (KVSTRATA_CHECK_INTEGRITY)."""
+        self.runner.check_req_to_token(expected, swa_expected)
+        swa = None if swa_expected is None else {str(k): list(v) for k, v in swa_expected.items()}
+        for reply in self.call("check_rows", [{str(k): v for k, v in expected.items()}, swa]):
             if not reply.ok:
                 raise AssertionError(f"rank {reply.rank}: {reply.result}")
 
@@ -250,7 +253,9 @@ def serve_rank(runner: Any, links: RankLinks) -> None:
             reply = _grammar_reply(runner.grammar, msg, links.rank)
         elif msg.op == "check_rows":
             try:
-                runner.check_req_to_token({int(k): v for k, v in msg.arg.items()})
+                rows, swa = msg.arg
+                runner.check_req_to_token({int(k): v for k, v in rows.items()}, None if swa is None
+                                          else {int(k): tuple(v) for k, v in swa.items()})
                 reply = ReplyMsg(links.rank, True)
             except AssertionError as e:
                 reply = ReplyMsg(links.rank, False, str(e))

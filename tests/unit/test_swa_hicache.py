@@ -1,0 +1,152 @@
+"""HiCache L2 with hybrid SWA memory, without torch (cache/swa_hiradix.py): host copies carry
+a live node's SWA pages, demotion frees both device pools, a load-back maps SWA pages where
+the host copy has them, and the window-aware match counts what will be resident after the
+load-back. The fake SWA runner (tests/unit/fake_swa_runner.py) checks every window read
+against the full pool's KV, so a missed SWA copy or a stale page fails the run."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.cache.hiradix_cache import WRITE_POLICIES
+from kvstrata.cache.page_allocator import PageAllocator
+from kvstrata.cache.swa_hiradix import SWAHiRadixCache
+from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.engine.engine_core import EngineCore
+from kvstrata.engine.request import EngineRequest
+from kvstrata.engine.scheduler.core import SchedulerConfig
+from kvstrata.protocol import SamplingParams
+from tests.unit.fake_runner import reference_tokens
+from tests.unit.fake_swa_runner import FakeSWARunner
+
+VOCAB = 997
+
+
+def make_tree(num_pages=32, num_swa=32, num_host=64, P=1, window=4, policy="write_through"):
+    swa = SWAPages(num_swa, num_pages, P, window)
+    tree = SWAHiRadixCache(PageAllocator(num_pages, P), P, PageAllocator(num_host, P), swa,
+                           policy)
+    return tree, swa
+
+
+def insert_live(tree, swa, tokens, dead_head=0):
+    """Fresh pages with SWA pages (the first `dead_head` pages released, as a request that
+    decoded past them) inserted into the tree; the copies end at once."""
+    pages = tree.allocator.alloc(len(tokens) // tree.page_size)
+    assert swa.alloc_for(pages)
+    swa.free_swa(pages[:dead_head])
+    assert tree.insert(tokens, pages) == 0
+    finish_copies(tree)
+    return pages
+
+
+def finish_copies(tree):
+    ops, tree.pending_ops = tree.pending_ops, []
+    for op in ops:
+        tree.on_transfer_done(op.job_id, True)
+    return ops
+
+
+def test_host_copy_carries_live_swa_pages_and_load_back_maps_them():
+    tree, swa = make_tree()
+    tokens = list(range(10, 22))  # 12 pages, window 4 -> the last 3 pages matter
+    insert_live(tree, swa, tokens, dead_head=6)
+    # Two nodes by liveness: a tombstoned head written without SWA, a live tail with it.
+    head, = tree.root.children.values()
+    tail, = head.children.values()
+    assert head.swa_tombstone and not head.host_swa and head.host_pages is not None
+    assert not tail.swa_tombstone and tail.host_swa and len(tail.host_pages) == 6
+    assert swa.allocator.num_used() == 6
+    # Demote everything: both pools' device pages go, the host copy stays.
+    assert tree.evict(12) == 12
+    assert not head.device_pages and not tail.device_pages
+    assert swa.allocator.num_used() == 0 and tree.cached_swa_pages() == 0
+    tree.check_integrity()
+    # The whole prefix is usable after load-back (its last window is on the host with SWA).
+    match = tree.match_prefix(tokens)
+    assert match.device_pages == [] and len(match.host_pages) == 12
+    dev = tree.allocator.alloc(12)
+    node = tree.load_back(match, dev)
+    op, = finish_copies(tree)
+    assert op.kind == "h2d" and op.swa_pages[:6] == [0] * 6 and all(op.swa_pages[6:])
+    assert node is tail and not tail.swa_tombstone and head.swa_tombstone
+    assert [swa.map[p] for p in dev[6:]] == op.swa_pages[6:]
+    assert tree.evictable_swa_pages() == 6
+    tree.check_integrity()
+
+
+def test_match_cuts_where_the_host_copy_lacks_the_last_window():
+    """A node tombstoned before its write has no SWA K/V anywhere: a hit ending there is cut
+    back to the last end whose window is live (recomputed, not read stale)."""
+    tree, swa = make_tree()
+    tokens = list(range(30, 42))
+    insert_live(tree, swa, tokens[:8])            # live, written with SWA
+    assert tree.evict_swa(8) == 8                 # tombstoned on the device ...
+    tree.check_integrity()
+    assert tree.match_prefix(tokens[:8]).device_pages == []  # ... so unusable there
+    # The host copy still holds its SWA K/V: once demoted, it is usable again.
+    assert tree.evict(8) == 8
+    match = tree.match_prefix(tokens[:8])
+    assert len(match.host_pages) == 8
+    tree.check_integrity()
+    # A tail written while tombstoned: its host copy has no SWA half.
+    tree2, swa2 = make_tree()
+    pages = tree2.allocator.alloc(12)
+    assert swa2.alloc_for(pages)
+    swa2.free_swa(pages[8:])                      # the tail's SWA released before insert
+    tree2.insert(tokens, pages)
+    finish_copies(tree2)
+    tree2.evict(12)
+    match = tree2.match_prefix(tokens)
+    assert len(match.host_pages) == 8             # cut at the live head's end
+    assert tree2.total_cut_tokens == 4
+    tree2.check_integrity()
+
+
+def test_swa_eviction_spares_a_node_being_written():
+    tree, swa = make_tree()
+    pages = tree.allocator.alloc(6)
+    assert swa.alloc_for(pages)
+    tree.insert(list(range(6)), pages)            # write-through: an async write in flight
+    assert tree.evict_swa(6) == 0                 # it reads those SWA pages
+    finish_copies(tree)
+    assert tree.evict_swa(6) == 6
+    tree.check_integrity()
+
+
+# ---------------------------------------------------------------------------- engine
+def multi_turn(engine, conversations=3, turns=4, system_len=20, user_len=6, answer=6):
+    system = [(7 * i + 3) % VOCAB for i in range(system_len)]
+    history = {c: list(system) for c in range(conversations)}
+    for t in range(turns):
+        for c in range(conversations):
+            history[c] += [(c * 97 + t * 31 + i * 13) % VOCAB for i in range(user_len)]
+            rid = f"c{c}t{t}"
+            engine.add_request(EngineRequest(rid, list(history[c]), SamplingParams(
+                max_new_tokens=answer, temperature=0, ignore_eos=True)))
+            got = []
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    got += out.new_token_ids
+            assert got == reference_tokens(history[c], answer, VOCAB), rid
+            history[c] += got
+            engine.check_integrity()
+
+
+@pytest.mark.parametrize("policy", WRITE_POLICIES)
+@pytest.mark.parametrize("P,chunk", [(1, 8), (4, None)])
+def test_starved_pools_demote_and_load_back(policy, P, chunk):
+    runner = FakeSWARunner(4, page_size=P, vocab_size=VOCAB)
+    cfg = dict(chunked_prefill_size=chunk) if chunk else {}
+    engine = EngineCore(runner, SchedulerConfig(
+        num_pages=80 // P, page_size=P, num_swa_pages=32 // P, swa_window=4,
+        num_host_pages=1024 // P, hicache_write_policy=policy, **cfg))
+    multi_turn(engine)
+    kv = engine.scheduler.kv
+    assert isinstance(kv.tree, SWAHiRadixCache)
+    assert kv.tree.stats.demoted_pages > 0 and runner.moved_swa_pages["d2h"] > 0
+    if policy != "write_through_selective":  # (selective writes nodes already tombstoned)
+        assert kv.tree.stats.host_hit_tokens > 0 and runner.moved_swa_pages["h2d"] > 0
+    assert runner.swa_reads > 0
+    assert engine.flush_cache()
+    assert kv.swa.allocator.available_pages() == kv.swa.allocator.num_pages
+    assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
