@@ -37,7 +37,7 @@ from kvstrata.cache.hiradix_cache import HiMatchResult, HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import TreeNode
 from kvstrata.cache.swa_pages import SWAPages
-from kvstrata.cache.swa_radix import SWARadixCache
+from kvstrata.cache.swa_radix import SWARadixCache, add_swa_nodes
 from kvstrata.protocol import TransferOp
 
 
@@ -158,24 +158,11 @@ class SWAHiRadixCache(HiRadixCache):
 
     def _add_nodes(self, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
                    now: int) -> None:
-        """New nodes for the part the tree lacked, one per run of SWA liveness; each is
-        backed up under write_through."""
-        P = self.page_size
-        i = pos // P
-        while i < len(pages):
-            live = self.swa.live(pages[i])
-            j = i + 1
-            while j < len(pages) and self.swa.live(pages[j]) == live:
-                j += 1
-            node = TreeNode(tuple(token_ids[i * P:j * P]), list(pages[i:j]), parent, now)
-            node.swa_tombstone = not live
-            parent.children[node.key[:P]] = node
-            self._evictable_pages += node.num_pages
-            if live:
-                self._swa_evictable_pages += node.num_pages
+        """New nodes for the part the tree lacked (swa_radix.add_swa_nodes), each backed up
+        under write_through."""
+        for node in add_swa_nodes(self, parent, token_ids, pages, pos, now):
             if self.write_policy == "write_through":
                 self._backup(node)
-            parent, i = node, j
 
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         upper = super()._split(child, num_pages)

@@ -141,22 +141,7 @@ class SWARadixCache(RadixCache):
 
     def _add_nodes(self, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
                    now: int) -> None:
-        """The part of an insert the tree lacked: a chain of new nodes, one per run of pages
-        with / without SWA pages."""
-        P = self.page_size
-        i = pos // P
-        while i < len(pages):
-            live = self.swa.live(pages[i])
-            j = i + 1
-            while j < len(pages) and self.swa.live(pages[j]) == live:
-                j += 1
-            node = TreeNode(tuple(token_ids[i * P:j * P]), list(pages[i:j]), parent, now)
-            node.swa_tombstone = not live
-            parent.children[node.key[:P]] = node
-            self._evictable_pages += node.num_pages
-            if live:
-                self._swa_evictable_pages += node.num_pages
-            parent, i = node, j
+        add_swa_nodes(self, parent, token_ids, pages, pos, now)
 
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         upper = super()._split(child, num_pages)
@@ -274,3 +259,27 @@ class SWARadixCache(RadixCache):
         assert (evictable, protected) == (self._swa_evictable_pages, self._swa_protected_pages), (
             f"SWA counters (evictable={self._swa_evictable_pages}, protected="
             f"{self._swa_protected_pages}) != tree (evictable={evictable}, protected={protected})")
+
+
+def add_swa_nodes(tree, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
+                  now: int) -> list[TreeNode]:
+    """The part of an insert the tree lacked: a chain of new nodes under `parent`, one per run
+    of pages with / without SWA pages (a node is live or a tombstone as a whole). Shared by
+    SWARadixCache and SWAHiRadixCache (which backs the new nodes up); returns them in order."""
+    P = tree.page_size
+    i = pos // P
+    added = []
+    while i < len(pages):
+        live = tree.swa.live(pages[i])
+        j = i + 1
+        while j < len(pages) and tree.swa.live(pages[j]) == live:
+            j += 1
+        node = TreeNode(tuple(token_ids[i * P:j * P]), list(pages[i:j]), parent, now)
+        node.swa_tombstone = not live
+        parent.children[node.key[:P]] = node
+        tree._evictable_pages += node.num_pages
+        if live:
+            tree._swa_evictable_pages += node.num_pages
+        added.append(node)
+        parent, i = node, j
+    return added
