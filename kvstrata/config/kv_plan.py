@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.config.state_plan import StateComponent, check_state_pool, state_bytes_per_slot
+
 # Element sizes of the dtypes a KV component may be stored in (torch names).
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "uint8": 1, "int8": 1}
@@ -155,6 +157,14 @@ class KVPlan:
     num_swa_pages: int = 0
     swa_window: int = 0       # the widest window of the layers in the SWA pool (tokens)
     swa_components: tuple[KVComponent, ...] = ()
+    # Recurrent state (SSM / linear-attention layers; config/state_plan.py): a pool of
+    # num_state_slots slots (ids 1..N, slot 0 the padding sink), each holding every
+    # `state_components` tensor of every recurrent layer; `components` then holds the
+    # full-attention layers only. 0 = the model keeps no state. num_state_slots bounds the
+    # requests that run at once (each holds one working slot) plus the prefix cache's
+    # snapshots. `state_components` empty with slots > 0 = bookkeeping only (fake runners).
+    num_state_slots: int = 0
+    state_components: tuple[StateComponent, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -191,6 +201,7 @@ class KVPlan:
                              f"{self.num_swa_pages} pages, window {self.swa_window}")
         if self.swa_components and not self.num_swa_pages:
             raise ValueError("SWA components without an SWA pool (num_swa_pages 0)")
+        check_state_pool(self.num_state_slots, self.state_components)
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -213,13 +224,14 @@ class KVPlan:
     def pages_only(cls, *, num_pages: int, page_size: int = 1, num_rows: int = 64,
                    context_len: int = 1 << 20, num_host_pages: int = 0,
                    host_pool_use: str = "hicache", num_swa_pages: int = 0,
-                   swa_window: int = 0) -> "KVPlan":
+                   swa_window: int = 0, num_state_slots: int = 0) -> "KVPlan":
         """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
         A host tier here only needs a (any valid) layout/IO pair to be well formed."""
         host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST, io_backend="kernel",
                     host_pool_use=host_pool_use) if num_host_pages else {}
         return cls(page_size, num_pages, num_rows, context_len, "none", (), **host,
-                   num_swa_pages=num_swa_pages, swa_window=swa_window)
+                   num_swa_pages=num_swa_pages, swa_window=swa_window,
+                   num_state_slots=num_state_slots)
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -234,6 +246,20 @@ class KVPlan:
     @property
     def has_swa_pool(self) -> bool:
         return self.num_swa_pages > 0
+
+    @property
+    def has_state_pool(self) -> bool:
+        return self.num_state_slots > 0
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        return state_bytes_per_slot(self.state_components)
+
+    @property
+    def state_pool_bytes(self) -> int:
+        """The state pool's tensors, the padding slot included."""
+        return (self.num_state_slots + 1) * self.state_bytes_per_slot if \
+            self.num_state_slots else 0
 
     @property
     def dtype(self) -> str | None:
@@ -351,6 +377,9 @@ class KVPlan:
             "max_swa_tokens": self.max_swa_tokens,
             "swa_bytes_per_token": self.swa_bytes_per_token,
             "swa_components": [c.to_json() for c in self.swa_components],
+            "num_state_slots": self.num_state_slots,
+            "state_bytes_per_slot": self.state_bytes_per_slot,
+            "state_components": [c.to_json() for c in self.state_components],
         }
 
     def summary(self) -> str:
@@ -362,7 +391,9 @@ class KVPlan:
         swa = (f"; SWA pool {self.num_swa_pages} pages x {self.page_size} tokens "
                f"({self.swa_bytes_per_token} B/token, window {self.swa_window}, "
                f"{self.swa_components[0].num_layers} layers)" if self.swa_components else "")
+        state = (f"; state pool {self.num_state_slots} slots x {self.state_bytes_per_slot} B"
+                 if self.num_state_slots else "")
         return (f"KV plan: {self.pool_kind} {self.dtype}, {self.num_pages} pages x "
                 f"{self.page_size} tokens ({self.device_pool_bytes / 2**20:.1f} MiB, "
                 f"{self.bytes_per_token} B/token), {self.num_rows} rows x "
-                f"{self.context_len}{swa}{host}{draft}")
+                f"{self.context_len}{swa}{state}{host}{draft}")

@@ -107,6 +107,20 @@ class ScheduledRequest(msgspec.Struct):
     # slot_write_start); 0 where a position's SWA page was freed or never held (out of
     # every window: never read). None without an SWA pool.
     swa_slots: list[int] | None = None
+    # Recurrent state (KVPlan.num_state_slots > 0): the request's working state slot, which
+    # this step's recurrent layers read as the state at start_pos and leave as the state
+    # after the last token run (0 = the model keeps no state). Before the forward the
+    # runner zeroes it (`state_reset`: no cached prefix, start_pos 0 or a recompute) or
+    # copies the prefix cache's snapshot slot `state_copy_from` into it (a hit: the
+    # snapshot is the state at start_pos; copy-on-write, the snapshot is never changed);
+    # neither: the slot already holds the state at start_pos (a later chunk, a decode).
+    # After the forward it copies the slot into `state_snapshot_to` (> 0: the prefix
+    # cache keeps the state at start_pos + len(token_ids) there). A speculative verify
+    # leaves the state after the accepted tokens only.
+    state_slot: int = 0
+    state_reset: bool = False
+    state_copy_from: int = 0
+    state_snapshot_to: int = 0
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):

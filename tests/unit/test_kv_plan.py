@@ -202,3 +202,31 @@ def test_scheduler_config_for_tests_builds_a_page_only_plan():
         SchedulerConfig()
     with pytest.raises(TypeError, match="unknown SchedulerConfig field"):
         SchedulerConfig(num_pages=4, schedule_polcy="lpm")
+
+
+# ---- the recurrent-state half (config/state_plan.py) ---------------------------------------
+def test_state_pool_counts_every_component_of_every_layer_and_the_padding_slot():
+    from kvstrata.config.state_plan import StateComponent
+    conv = StateComponent("conv", 3, (96, 3), "float32")      # 3 layers x 96 x 3 x 4 B
+    ssm = StateComponent("ssm", 3, (4, 8, 8), "bfloat16")     # 3 layers x 256 x 2 B
+    plan = dataclasses.replace(KVPlan.mha(num_layers=1, num_kv_heads=1, head_dim=4,
+                                          dtype="float32", page_size=1, num_pages=8),
+                               num_state_slots=5, state_components=(conv, ssm))
+    assert plan.state_bytes_per_slot == 3 * 96 * 3 * 4 + 3 * 256 * 2
+    assert plan.state_pool_bytes == 6 * plan.state_bytes_per_slot and plan.has_state_pool
+    assert plan.to_json()["num_state_slots"] == 5 and "state pool 5 slots" in plan.summary()
+
+
+@pytest.mark.parametrize("slots, comps, match", [
+    (-1, (), "num_state_slots must be >= 0"),
+    (0, ("ssm",), "state components without a state pool"),
+    (2, ("conv",), "keeps an 'ssm' component"),
+    (2, ("ssm", "ssm"), "duplicate state components"),
+])
+def test_state_pool_refuses_an_ill_formed_half(slots, comps, match):
+    from kvstrata.config.state_plan import StateComponent
+    comp = tuple(StateComponent(n, 1, (2, 2), "float32") for n in comps)
+    with pytest.raises(ValueError, match=match):
+        KVPlan(1, 4, 4, 64, "none", (), num_state_slots=slots, state_components=comp)
+    with pytest.raises(ValueError, match="invalid state component"):
+        StateComponent("ssm", 1, (0, 2), "float32")
