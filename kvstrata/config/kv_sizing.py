@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvstrata.config.kv_plan import KVComponent, KVPlan
 from kvstrata.config.kv_sizing_swa import swa_plan
 from kvstrata.config.resolve_types import Resolution, ResolvedArgs, change
+from kvstrata.config.state_plan import StateComponent
 
 logger = logging.getLogger("kvstrata.config")
 
@@ -38,6 +39,10 @@ class ModelKVFacts:
     # hands them to the attention backend; None when no layer has one. With hybrid SWA
     # memory the windowed layers' K/V get a pool of their own (kv_sizing_swa.py).
     layer_windows: tuple[int | None, ...] | None = None
+    # SSM / linear-attention models: the per-slot state of the recurrent layers (conv and
+    # ssm, config/state_plan.py; `components` then cover the full-attention layers only).
+    # Empty for models without recurrent state.
+    state_components: tuple[StateComponent, ...] = ()
 
 
 def host_pool_num_pages(*, device_pool_tokens: int, page_size: int, bytes_per_token: int,
