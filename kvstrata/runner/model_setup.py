@@ -26,10 +26,8 @@ def refuse_unsupported_features(args: Any) -> None:
 
     if _architecture_of(args.model_path) != "GptOssForCausalLM":
         return
-    algorithm = args.speculative_algorithm
     used = [flag for flag, on in (
         ("--quantization", args.quantization is not None),
-        ("--speculative-algorithm EAGLE / EAGLE3", algorithm in ("EAGLE", "EAGLE3", "NEXTN")),
         ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
         if on]
     assert set(used) <= set(UNSUPPORTED)
