@@ -51,7 +51,8 @@ def refuse_speculation(target, algorithm: str) -> None:
             and not (is_llama_family(target) or target.spec.family == "gpt_oss")):
         raise ValueError(f"--speculative-algorithm {algorithm}: EAGLE heads are not "
                          f"implemented for {architecture_name(target.config)} targets (the "
-                         f"llama-family decoder has them; NGRAM and STANDALONE work)")
+                         f"llama-family decoder and gpt-oss have them; NGRAM and STANDALONE "
+                         f"work)")
 
 
 __all__ = ["build_draft", "refuse_speculation"]
