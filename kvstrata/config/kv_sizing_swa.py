@@ -12,7 +12,11 @@ contexts as long as the full pool's). `--max-total-tokens` names full_tokens, as
 An all-SWA model (Mistral: no full layer) gives the whole budget to the SWA pool (r is not
 used; --max-total-tokens then names the SWA tokens); its full page ids stay the canonical
 address of every token (req_to_token, the radix tree) but have no tensors behind them, so
-their count is bounded by rows x context, not by memory.
+their count is bounded by rows x context, not by memory. With a draft model (STANDALONE /
+EAGLE) they do get tensors: the draft's own K/V (and an EAGLE head's features) per full slot,
+kept for the request's whole context (a draft may attend to all of it), so the full page ids
+are sized like a hybrid model's full pool with no target layer in it (cell = draft + r x SWA,
+--max-total-tokens names the draft's slots) and run short, and get evicted, like one.
 Refused when the SWA pool cannot hold even one request: swa_tokens <= window + page_size.
 """
 from __future__ import annotations
@@ -47,19 +51,18 @@ def check_swa_pool(swa_tokens: int, window: int, page_size: int, how: str) -> No
 
 def size_swa_tokens(args: ResolvedArgs, facts: Any, budget_bytes: int | None
                     ) -> tuple[int, int, list[Resolution]]:
-    """(full pool tokens, SWA pool tokens, resolutions); full tokens 0 for an all-SWA model."""
+    """(full pool tokens, SWA pool tokens, resolutions); full tokens 0 for an all-SWA model
+    without a draft."""
     P = args.page_size
     n_full, n_swa, window = split_layers(facts.layer_windows)
     k = next(c for c in facts.components if c.name == MHA_K)
     per_layer = 2 * k.bytes_per_token_per_layer  # K + V of one layer, either pool
     draft = sum(c.bytes_per_token for c in facts.draft_components)
     ratio = args.swa_full_tokens_ratio
-    if not n_full and draft:
-        raise ValueError("a draft pool beside an all-SWA model has no full pool to share")
     if args.max_total_tokens is None and budget_bytes is None:
         raise ValueError("sizing needs --max-total-tokens or a measured memory budget")
     mib = (budget_bytes or 0) / 2**20
-    if not n_full:  # all-SWA: every byte to the SWA pool
+    if not n_full and not draft:  # all-SWA: every byte to the SWA pool
         if args.max_total_tokens is not None:
             swa = args.max_total_tokens // P * P
             how = f"--max-total-tokens {args.max_total_tokens} (an all-SWA model's SWA tokens)"
@@ -71,9 +74,11 @@ def size_swa_tokens(args: ResolvedArgs, facts: Any, budget_bytes: int | None
         return 0, swa, change(args, "max_total_tokens", swa, "kv_plan.swa_memory",
                               f"all-SWA model: the SWA pool's tokens, {how}, whole pages "
                               f"of {P}")
+    # (an all-SWA model with a draft: the full slots hold the draft's K/V only)
+    pool = "full pool" if n_full else "draft's slots (an all-SWA target)"
     if args.max_total_tokens is not None:
         full = args.max_total_tokens // P * P
-        how = f"--max-total-tokens {args.max_total_tokens} (the full pool's tokens)"
+        how = f"--max-total-tokens {args.max_total_tokens} (the tokens of the {pool})"
     else:
         cell = per_layer * n_full + draft + ratio * per_layer * n_swa
         full = int(budget_bytes // cell) // P * P
@@ -81,12 +86,12 @@ def size_swa_tokens(args: ResolvedArgs, facts: Any, budget_bytes: int | None
                f"{n_full} full layers{f' + {draft} B draft' if draft else ''} + {ratio} x "
                f"{per_layer} B x {n_swa} windowed layers)")
     if full < P:
-        raise ValueError(f"the full-attention pool would hold {full} tokens ({how}), less "
-                         f"than one page of --page-size {P}")
+        raise ValueError(f"the {pool} would hold {full} tokens ({how}), less than one page "
+                         f"of --page-size {P}")
     swa = swa_pool_tokens(full_tokens=full, ratio=ratio, page_size=P)
     check_swa_pool(swa, window, P, f"{full} full tokens x --swa-full-tokens-ratio {ratio}")
     return full, swa, change(args, "max_total_tokens", full, "kv_plan.swa_memory",
-                             f"hybrid SWA memory: full pool {how}, whole pages of {P}; SWA "
+                             f"hybrid SWA memory: {pool} {how}, whole pages of {P}; SWA "
                              f"pool {ratio} x that = {swa} tokens")
 
 
@@ -102,7 +107,7 @@ def swa_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None,
     k = next(c for c in facts.components if c.name == MHA_K)
     heads, head_dim = k.token_shape
     swa_pages = swa // P
-    if n_full:
+    if full:  # full-attention layers, or an all-SWA model's draft slots
         num_pages = full // P
         rows = args.max_running_requests or min(default_rows, num_pages)
         why = f"--max-running-requests unset: min({default_rows}, {num_pages} full pool pages)"

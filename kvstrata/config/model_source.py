@@ -109,7 +109,8 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     SmolLM2's 49k tokens) for each AutoConfig / AutoTokenizer call with `gguf_file`, and a
     server made several (config, calibration tokenizer, the api and the detokenizer
     processes); the converted directory loads in well under a second. The conversion is
-    transformers' own (from_pretrained(gguf_file=...) then save_pretrained)."""
+    transformers' own (from_pretrained(gguf_file=...) then save_pretrained), completed with
+    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py)."""
     import hashlib
     from importlib.metadata import version
 
@@ -126,6 +127,8 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     from filelock import FileLock
     from transformers import AutoConfig, AutoTokenizer
 
+    from kvstrata.config.gguf_config import complete_gguf_config
+
     os.makedirs(root, exist_ok=True)
     with FileLock(out + ".lock"):  # the server's processes start together
         if not os.path.isfile(os.path.join(out, "config.json")):
@@ -134,11 +137,12 @@ def gguf_metadata_dir(source: ModelSource) -> str:
                                           ).save_pretrained(tmp)
             AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file
                                        ).save_pretrained(tmp)  # config.json last: complete
+            complete_gguf_config(tmp, gguf)
             os.replace(tmp, out)
     return out
 
 
-_CONVERT_V = 1  # bump when the conversion changes: old directories are not reused
+_CONVERT_V = 2  # bump when the conversion changes: old directories are not reused
 
 
 # tokenizer_config.json classes that are transformers' generic tokenizers-library backend

@@ -88,8 +88,14 @@ class ModelInfo:
 
     @classmethod
     def from_model_path(cls, path: str) -> "ModelInfo | None":
-        """Best effort from a local HF `config.json` (no weights read); None if there is none,
-        in which case resolution assumes a plain MHA model and says so."""
+        """Best effort from a local HF `config.json` (no weights read), or a Gemma GGUF
+        file's header (its windows and soft-caps, config/gguf_config.py); None otherwise, in
+        which case resolution assumes a plain MHA model and says so."""
+        if os.path.isfile(path) and path.lower().endswith(".gguf"):
+            from kvstrata.config.gguf_config import gguf_model_fields  # noqa: PLC0415
+
+            fields = gguf_model_fields(path)
+            return cls.from_hf_config(fields) if fields else None
         cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else None
         if not cfg_path or not os.path.exists(cfg_path):
             return None

@@ -196,20 +196,54 @@ def test_tensor_parallel(windowed, prompts, references):
         run(engine, prompts, references["qwen2"], "qwen2 tp 2")
 
 
-def test_standalone_speculation(windowed, prompts, references):
-    """A STANDALONE self-draft (its own uniform pool over the target's full slots) beside the
-    SWA pool, chains and topk-3 trees: transformers' tokens, prefix hits, drafts accepted."""
-    path, refs = windowed["qwen2"], references["qwen2"]
-    # (topk 1 over a small SWA pool: 160 tokens for 7 requests, released out of window)
-    for topk, steps, tokens, ratio in ((1, 3, 640, 0.25), (3, 3, 2048, 0.8)):
-        with llm(path, max_total_tokens=tokens, swa_full_tokens_ratio=ratio, page_size=16,
-                 speculative_algorithm="STANDALONE",
-                 speculative_draft_model_path=path, speculative_num_steps=steps,
-                 speculative_eagle_topk=topk, speculative_num_draft_tokens=8 if topk > 1 else 4,
-                 speculative_disable_by_batch_size=1 << 20) as engine:
-            assert engine.server_info()["kv_plan"]["pool_kind"] == "swa"
-            outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
-            check(outs, refs, f"qwen2 STANDALONE topk {topk}")
+@pytest.fixture(scope="module")
+def heads(windowed, tmp_path_factory) -> dict:
+    """Random EAGLE-2 / EAGLE-3 heads for the windowed targets (most drafts fail: exactness
+    must not depend on them)."""
+    from tests.helpers.eagle_heads import random_eagle3_head, random_head
+
+    root = tmp_path_factory.mktemp("swa_heads")
+    return {("qwen2", "EAGLE"): random_head(windowed["qwen2"], str(root / "qwen2_eagle"))[0],
+            ("qwen2", "EAGLE3"): random_eagle3_head(windowed["qwen2"],
+                                                    str(root / "qwen2_eagle3"))[0],
+            ("mistral", "EAGLE"): random_head(windowed["mistral"],
+                                              str(root / "mistral_eagle"))[0]}
+
+
+# (arch, algorithm, topk, --max-total-tokens, --swa-full-tokens-ratio): small pools release
+# out-of-window SWA pages (and retract); the large ones keep finished prompts for radix hits.
+DRAFTS = [("qwen2", "STANDALONE", 1, 640, 0.25), ("qwen2", "STANDALONE", 3, 2048, 0.8),
+          ("qwen2", "EAGLE", 1, 640, 0.25), ("qwen2", "EAGLE3", 3, 2048, 0.8),
+          ("mistral", "STANDALONE", 1, 320, 0.5), ("mistral", "EAGLE", 3, 2048, 0.8)]
+
+
+@pytest.mark.parametrize("arch,algorithm,topk,tokens,ratio", DRAFTS,
+                         ids=[f"{a}-{g}-topk{k}" for a, g, k, _, _ in DRAFTS])
+def test_draft_model_speculation(arch, algorithm, topk, tokens, ratio, windowed, prompts,
+                                 references, heads):
+    """A draft model beside the SWA pool, chains and topk-3 trees: a STANDALONE self-draft
+    and EAGLE / EAGLE3 heads (their K/V and features in a pool over the target's full
+    slots; an all-SWA Mistral's full slots then exist for the draft alone, sized from the
+    budget, kv_sizing_swa.py). Verify entries run the windows over SWA slots, rejected
+    drafts' pages (both pools) are freed, every pool drains whole: transformers' tokens,
+    prefix hits, drafts verified (a self-draft's accepted)."""
+    from kvstrata.engine.sides.registry import spec_side
+
+    path, refs = windowed[arch], references[arch]
+    draft = path if algorithm == "STANDALONE" else heads[(arch, algorithm)]
+    label = f"{arch} {algorithm} topk {topk}"
+    with llm(path, max_total_tokens=tokens, swa_full_tokens_ratio=ratio, page_size=16,
+             speculative_algorithm=algorithm, speculative_draft_model_path=draft,
+             speculative_num_steps=3, speculative_eagle_topk=topk,
+             speculative_num_draft_tokens=8 if topk > 1 else 4,
+             speculative_disable_by_batch_size=1 << 20) as engine:
+        plan = engine.server_info()["kv_plan"]
+        assert plan["pool_kind"] == "swa" and plan["draft_components"], plan
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        check(outs, refs, label)
+        side = spec_side(engine.engine.scheduler)
+        assert side.verify_steps > 0 and side.drafted_tokens > 0, side.load()
+        if algorithm == "STANDALONE":
             assert sum(o["meta_info"]["spec_accept_token_num"] for o in outs) > 0
-            # (the small pool evicts finished prompts' SWA pages: hits only in the big one)
-            run(engine, prompts, refs, f"qwen2 STANDALONE topk {topk}", hits=ratio > 0.5)
+        # (the small pool evicts finished prompts' SWA pages: hits only in the big one)
+        run(engine, prompts, refs, label, hits=ratio > 0.5)

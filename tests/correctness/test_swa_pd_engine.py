@@ -123,3 +123,29 @@ def test_pressured_pd_decode_retracts_and_restores_exactly(windowed, prompts, re
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_pd_with_an_eagle_head(windowed, prompts, references, tmp_path):
+    """A draft model on both sides of the pair, beside the SWA pools: the receive's page ids
+    also name the last window's SWA pages (wire ids past the full pool's), which the draft
+    must not take for its own slots (standalone.py `received_full_pages`, which a STANDALONE
+    draft goes through too); an EAGLE head's KV crosses with the full pages and its first
+    round starts from the prefill's state. Transformers' tokens."""
+    from tests.helpers.eagle_heads import random_head
+
+    path, port = windowed["qwen2"], free_port()
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=3,
+                speculative_draft_model_path=random_head(path, str(tmp_path / "head"))[0],
+                speculative_disable_by_batch_size=1 << 20)
+    prefill = engine(path, "prefill", port, 16, max_total_tokens=2048, **spec)
+    decode = engine(path, "decode", free_port(), 16, max_total_tokens=1024,
+                    swa_full_tokens_ratio=0.3, **spec)
+    try:
+        outs = run_pair(prefill, decode, prompts, port)
+        check(outs, references["qwen2"], "PD EAGLE")
+        assert decode.runner.draft.handoffs_used > 0
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

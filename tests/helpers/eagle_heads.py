@@ -21,7 +21,10 @@ import torch
 def _eagle_config(target_config, **over):
     import transformers as tf
 
-    cfg = tf.LlamaConfig(**{**target_config.to_dict(), "num_hidden_layers": 1, **over})
+    # (a target's per-layer fields -- a windowed model's layer_types -- do not describe the
+    # head's one plain llama layer)
+    fields = {k: v for k, v in target_config.to_dict().items() if k != "layer_types"}
+    cfg = tf.LlamaConfig(**{**fields, "num_hidden_layers": 1, **over})
     cfg.architectures = ["LlamaForCausalLMEagle"]
     return cfg
 
@@ -89,14 +92,16 @@ def copy_head(target_path: str, path: str) -> str:
                      torch.zeros(h), model.model.embed_tokens.weight)
 
 
-def random_eagle3_head(target_path: str, path: str, draft_vocab: int = 200, seed: int = 9):
+def random_eagle3_head(target_path: str, path: str, draft_vocab: int = 200, seed: int = 9,
+                       **over):
     """A random EAGLE-3 head (SGLang's checkpoint names: midlayer.*, fc, norm, lm_head over
-    a draft vocabulary, d2t / t2d) for a target; returns (path, its tensors)."""
+    a draft vocabulary, d2t / t2d) for a target; returns (path, its tensors). `over`: config
+    fields of the head (gpt-oss: no attention bias, its aux layers)."""
     import transformers as tf
     from safetensors.torch import save_file
 
     target_cfg = tf.AutoConfig.from_pretrained(target_path)
-    cfg = _eagle_config(target_cfg, draft_vocab_size=draft_vocab)
+    cfg = _eagle_config(target_cfg, draft_vocab_size=draft_vocab, **over)
     cfg.architectures = ["LlamaForCausalLMEagle3"]
     g = torch.Generator().manual_seed(seed)
     h, v = cfg.hidden_size, cfg.vocab_size

@@ -36,12 +36,14 @@ def tiny_gemma_config(arch: str):
     raise ValueError(arch)
 
 
-def build_gemma_checkpoint(arch: str, path: str, seed: int = 4321) -> str:
+def build_gemma_checkpoint(arch: str, path: str, seed: int = 4321, config=None) -> str:
+    """`config`: another config of `arch` (default: tiny_gemma_config's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed + GEMMAS.index(arch))
-    model = AutoModelForCausalLM.from_config(tiny_gemma_config(arch), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config or tiny_gemma_config(arch),
+                                             dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -57,6 +57,23 @@ def test_written_file_reads_as_gguf_reader_reads_it(tmp_path, alignment):
     _same_as_reader(path)
 
 
+def test_metadata_values_read_as_gguf_reader_reads_them(tmp_path):
+    """config/gguf_header.py decodes the keys asked for (numbers, bools, strings, arrays of
+    both) as GGUFReader does, and only those."""
+    from kvstrata.config.gguf_header import read_metadata
+
+    path = tmp_path / "tiny.gguf"
+    _write(path, alignment=64)
+    keys = ("general.name", "llama.block_count", "llama.rope.freq_base", "some.flag",
+            "tokenizer.ggml.tokens", "nested.ints", "general.alignment")
+    ours = read_metadata(str(path), keys + ("absent.key",))
+    fields = gguf.GGUFReader(str(path)).fields
+    assert set(ours) == set(keys)
+    for key in keys:
+        assert ours[key] == fields[key].contents(), key
+    assert read_metadata(str(path), ()) == {"general.alignment": 64}
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "x.gguf"
     path.write_bytes(b"NOPE" + bytes(64))

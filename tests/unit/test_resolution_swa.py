@@ -9,7 +9,8 @@ import pytest
 
 from kvstrata.config import ModelInfo, ServerArgs, explain, resolve
 from kvstrata.config.kv_plan import KVPlan, mha_components
-from kvstrata.config.kv_sizing import ModelKVFacts, size_kv_plan
+from kvstrata.config.kv_sizing import (DEFAULT_MAX_RUNNING_REQUESTS, ModelKVFacts,
+                                       size_kv_plan)
 from kvstrata.config.rules import swa
 from kvstrata.config.rules.retraction import decide_backup, inputs_from
 from kvstrata.platform import simulated
@@ -63,9 +64,6 @@ def test_nothing_to_decide_without_windows(info):
      "retraction-backup host_pool"),
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
      "--disaggregation-decode-enable-radix-cache"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
-    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
-    (dict(speculative_algorithm="NEXTN"), "NEXTN"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -85,14 +83,15 @@ def test_allowed_combinations_stay_on(kw):
     assert resolved.hybrid_swa_memory is True
 
 
-def test_standalone_draft_pool_needs_a_full_pool():
-    """STANDALONE's draft pool shares the target's full slots: on beside a hybrid model's SWA
-    pool (tested: test_swa_memory_engine.py), off for an all-SWA model, saying why."""
-    kw = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
-    assert run(HYBRID, **kw)[0].hybrid_swa_memory is True
-    resolved, res = run(ALL_SWA, **kw)
-    assert resolved.hybrid_swa_memory is False
-    assert "STANDALONE with an all-SWA model" in res["hybrid_swa_memory"].reason
+@pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE", "EAGLE3", "NEXTN"])
+def test_draft_models_keep_it_on(algorithm, info):
+    """A draft's pool (its K/V, an EAGLE head's features) sits over the full slots: beside a
+    hybrid model's full pool, or as an all-SWA model's own draft slots (sized below; tested:
+    test_swa_memory_engine.py, test_gpt_oss.py)."""
+    kw = {} if algorithm == "NEXTN" else dict(speculative_draft_model_path="d")
+    resolved, res = run(info, speculative_algorithm=algorithm, **kw)
+    assert resolved.hybrid_swa_memory is True and res["hybrid_swa_memory"].rule == "swa.on"
 
 
 def test_deterministic_default_covers_the_swa_pool():
@@ -215,6 +214,27 @@ def test_all_swa_gives_the_budget_to_the_swa_pool():
     assert plan.device_pool_bytes == (plan.num_swa_pages + 1) * 1024
     assert plan.dtype == "float32" and "SWA pool" in plan.summary()
     assert {x.field: x for x in res}["max_total_tokens"].new == 1024
+
+
+def test_all_swa_with_a_draft_sizes_the_draft_slots():
+    """An all-SWA target's full page ids get the draft's K/V behind them: the budget splits
+    like a hybrid model's with no full layer (cell = draft + r x SWA); --max-total-tokens
+    names the draft's slots."""
+    draft = mha_components(1, 2, 16, "float32")  # 256 B per token
+    args, _ = run(ALL_SWA, page_size=16, swa_full_tokens_ratio=0.5,
+                  speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    plan, res = size_kv_plan(args, facts((128,) * 4, draft=draft), 2**20)
+    cell = 256 + 0.5 * 1024
+    assert plan.components == () and plan.draft_components == draft
+    assert plan.max_total_tokens == int(2**20 // cell) // 16 * 16
+    assert plan.max_swa_tokens == int(plan.max_total_tokens * 0.5) // 16 * 16
+    assert plan.draft_plan().num_pages == plan.num_pages  # the draft's slots: memory-bound
+    assert plan.num_rows == min(DEFAULT_MAX_RUNNING_REQUESTS, plan.num_pages)
+    assert "draft's slots" in {x.field: x for x in res}["max_total_tokens"].reason
+    args, _ = run(ALL_SWA, max_total_tokens=1000, page_size=16, swa_full_tokens_ratio=0.5,
+                  speculative_algorithm="STANDALONE", speculative_draft_model_path="d")
+    plan, _ = size_kv_plan(args, facts((128,) * 4, draft=draft))
+    assert (plan.max_total_tokens, plan.max_swa_tokens) == (992, 496)
 
 
 @pytest.mark.parametrize("windows,kw,budget", [

@@ -21,13 +21,6 @@ from kvstrata.platform import Platform
 
 RULE_ON = "swa.on"
 RULE_OFF = "swa.off"
-# Speculative algorithms whose draft keeps a pool of its own (runner/spec/): not built over an
-# SWA pool yet (their hidden-state / MTP layers are untested there). NGRAM has no draft model:
-# its verify entries move accepted KV in both pools (runner/spec/verify.py). STANDALONE's
-# draft pool is a uniform pool over the target's *full* slots (runner/spec/standalone.py),
-# which stay until a request releases them, so it works beside an SWA pool -- but not for an
-# all-SWA target, whose full pages are addresses only (kv_sizing_swa.py refuses a draft there).
-DRAFT_POOL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 
 def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
@@ -55,13 +48,6 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     if args.disaggregation_decode_enable_hicache or \
             args.disaggregation_decode_enable_offload_kvcache:
         out.append("decode HiCache / KV offload: the host tier copies the uniform pool only")
-    if args.speculative_algorithm in DRAFT_POOL_ALGORITHMS:
-        out.append(f"--speculative-algorithm {args.speculative_algorithm}: its draft pool is "
-                   f"not built beside an SWA pool yet")
-    if args.speculative_algorithm == "STANDALONE" and info is not None \
-            and not info.num_full_layers:
-        out.append("--speculative-algorithm STANDALONE with an all-SWA model: the draft pool "
-                   "shares the full pool's slots, which an all-SWA model does not have")
     return out
 
 

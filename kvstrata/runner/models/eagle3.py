@@ -32,7 +32,7 @@ def aux_layers(draft_config: Any, target_layers: int) -> list[int]:
     ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     layers = ([i + 1 for i in ids] if ids else
               [2, target_layers // 2, target_layers - 3])
-    if len(layers) != 3 or not all(0 <= i < target_layers for i in layers):
+    if len(set(layers)) != 3 or not all(0 <= i < target_layers for i in layers):
         raise ValueError(f"--speculative-draft-model-path: EAGLE3 aux layers {layers} do not "
                          f"fit a target of {target_layers} layers")
     return sorted(layers)

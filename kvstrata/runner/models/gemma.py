@@ -3,7 +3,9 @@ fused weights (q|k|v and gate|up in one matrix each, so packing and the CPU GEMM
 
 What differs from the llama family, each checked against transformers' modeling_gemma2/3:
 - RMSNorm scales by (1 + weight), in float32, and casts only after scaling (llama casts,
-  then scales). The float32 (1 + w) is computed once after loading (`finish_load`).
+  then scales). The float32 (1 + w) is computed once after loading (`finish_load`), from
+  norm parameters kept in float32 (a GGUF file stores the scale 1 + w itself, in float32:
+  `norms_hold_scale`, and a bf16 copy of it would not be transformers' 1 + w.float()).
 - Four norms per layer: input, post-attention (on the attention output, before the residual
   add), pre-feedforward and post-feedforward; Gemma 3 also norms q and k per head.
 - Embeddings are multiplied by sqrt(hidden_size) rounded to the model dtype.
@@ -69,6 +71,7 @@ class GemmaLayer(DecoderLayer):
 
 class GemmaForCausalLM(DecoderForCausalLM):
     layer_class = GemmaLayer
+    norms_hold_scale = False  # the loaded norm weights are w (HF), or 1 + w (GGUF: loader.py)
 
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype,
                  device: torch.device):
@@ -95,6 +98,14 @@ class GemmaForCausalLM(DecoderForCausalLM):
         self.ropes = {t: RotaryEmbedding(d.head_dim, layer_rope_parameters(config, t), device)
                       for t in sorted(set(layer_types))}
         self.rotary = None  # the base class's single table: ropes replaces it
+        # Norm weights load into float32 whatever the model dtype (finish_load's scale is
+        # float32 anyway, so this costs nothing after loading).
+        self.final_norm = _param(d.hidden_size, dtype=torch.float32, device=device)
+        for layer in self.layers:
+            for attr in _NORMS:
+                if getattr(layer, attr) is not None:
+                    setattr(layer, attr, _param(*getattr(layer, attr).shape,
+                                                dtype=torch.float32, device=device))
 
     @torch.inference_mode()
     @cpu_ops.fixed_settings
@@ -183,9 +194,12 @@ class GemmaForCausalLM(DecoderForCausalLM):
 
     def finish_load(self, loaded: list[str]) -> None:
         """Every norm weight w becomes the float32 scale 1 + w that Gemma's RMSNorm applies
-        (transformers computes it per call as 1.0 + w.float(); once here is the same)."""
+        (transformers computes it per call as 1.0 + w.float(); once here is the same); a
+        GGUF file's norm weights are that scale already."""
+        offset = 0.0 if self.norms_hold_scale else 1.0
+
         def scale(w: torch.Tensor) -> torch.nn.Parameter:
-            return torch.nn.Parameter(1.0 + w.detach().float(), requires_grad=False)
+            return torch.nn.Parameter(offset + w.detach().float(), requires_grad=False)
 
         self.final_norm = scale(self.final_norm)
         for layer in self.layers:

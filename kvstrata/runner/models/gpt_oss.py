@@ -36,11 +36,11 @@ from kvstrata.runner.quant.mxfp4 import dequantize_mxfp4
 SWIGLU_ALPHA = 1.702  # transformers' default when a config does not name it
 SWIGLU_LIMIT = 7.0
 # What this model does not run yet, by flag: model_setup.refuse_unsupported_features names
-# them before anything loads (load_serving_model refuses them again). NGRAM and
-# STANDALONE speculation run (their verify and draft trees go through the same windowed,
-# sink-aware attention; tested); EAGLE heads over gpt-oss are untested, hence refused.
-UNSUPPORTED = ("--quantization", "--speculative-algorithm EAGLE / EAGLE3",
-               "--enable-deterministic-inference")
+# them before anything loads (load_serving_model refuses them again). NGRAM, STANDALONE and
+# EAGLE / EAGLE3 speculation run (their verify and draft trees go through the same windowed,
+# sink-aware attention; an EAGLE head reads the hidden states this model's forward keeps,
+# the llama decoder's: tested beside the SWA pool, test_gpt_oss.py).
+UNSUPPORTED = ("--quantization", "--enable-deterministic-inference")
 
 
 class GptOssLayer(nn.Module):

@@ -30,6 +30,11 @@ _GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
+# llama.cpp's gemma2 / gemma3 block tensors (gguf.MODEL_TENSORS): four norms a layer, so
+# ffn_norm is the pre-feedforward norm there; the rest is named as in llama.
+_GGUF_GEMMA_BLOCK = {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -166,13 +171,15 @@ def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
 
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    block = _GGUF_GEMMA_BLOCK if getattr(config, "model_type", None) in (
+        "gemma2", "gemma3_text") else _GGUF_BLOCK
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
         m = _GGUF_BLOCK_RE.match(t.name)
         if t.name in _GGUF_GLOBAL:
             name = _GGUF_GLOBAL[t.name]
-        elif m and m.group(2) in _GGUF_BLOCK:
-            name = f"model.layers.{m.group(1)}.{_GGUF_BLOCK[m.group(2)]}.{m.group(3)}"
+        elif m and m.group(2) in block:
+            name = f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
         else:
             if t.name == "rope_freqs.weight":
                 continue  # llama3 rope factors, recomputed from the config's rope_scaling
@@ -202,11 +209,9 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
                              f"only)")
         model = GptOssForCausalLM(config, spec, torch_dtype, device)
     elif spec.family == "gemma":
-        if source.kind == "gguf":
-            # llama.cpp's gemma tensors have other names and store norms as 1 + w.
-            raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors "
-                             f"only)")
         model = GemmaForCausalLM(config, spec, torch_dtype, device)
+        # llama.cpp's converter stores Gemma's norm weights as the scale 1 + w itself.
+        model.norms_hold_scale = source.kind == "gguf"
     else:
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
     return fill_weights(model, source, config, spec.gguf_permute_qk)

@@ -43,14 +43,16 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
 
 
 def refuse_speculation(target, algorithm: str) -> None:
-    """EAGLE / EAGLE3 heads read the llama-family decoder's hidden states (capture_hidden,
-    capture_layers), which other decoders (Gemma) do not keep: refused by name. NGRAM and
-    STANDALONE only run the target's forward over draft tokens, which any decoder does."""
+    """EAGLE / EAGLE3 heads read the hidden states the llama-family decoder's forward keeps
+    (capture_hidden, capture_layers); gpt-oss runs that forward too. Gemma's own forward
+    keeps none: refused by name. NGRAM and STANDALONE only run the target's forward over
+    draft tokens, which any decoder does."""
     if (algorithm in ("EAGLE", "EAGLE3") and getattr(target, "spec", None) is not None
-            and not is_llama_family(target)):
+            and not (is_llama_family(target) or target.spec.family == "gpt_oss")):
         raise ValueError(f"--speculative-algorithm {algorithm}: EAGLE heads are not "
                          f"implemented for {architecture_name(target.config)} targets (the "
-                         f"llama-family decoder has them; NGRAM and STANDALONE work)")
+                         f"llama-family decoder and gpt-oss have them; NGRAM and STANDALONE "
+                         f"work)")
 
 
 __all__ = ["build_draft", "refuse_speculation"]

@@ -33,7 +33,8 @@ from kvstrata.runner.cpu import packed_linear
 from kvstrata.runner.models.eagle import load_eagle_head
 from kvstrata.runner.models.eagle3 import aux_layers
 from kvstrata.runner.spec.handoff import hidden_from_bytes, start_logits
-from kvstrata.runner.spec.standalone import RUNNER_DRAFT, CatchUp, DraftModel
+from kvstrata.runner.spec.standalone import (RUNNER_DRAFT, CatchUp, DraftModel,
+                                              received_full_pages)
 
 
 class EagleDraft(DraftModel):
@@ -169,7 +170,7 @@ class EagleDraft(DraftModel):
             return
         for op in ops:
             if isinstance(op, PDOp) and op.kind == "receiver_init":
-                self._received.update(op.page_ids)
+                self._received.update(received_full_pages(op, self.num_full_pages))
             elif getattr(op, "kind", None) in ("h2d", "restore"):
                 self._received.difference_update(op.device_pages)
 

@@ -116,6 +116,7 @@ class MTPDraft(EagleDraft):
             t.scaling, fused_topk=self.fused_topk)
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
+        self.num_full_pages = plan.num_pages
         n, h = self.pool.num_slots, self.model.feature_size
         self.valid = torch.zeros(n, dtype=torch.bool, device=self.device)
         self.features = torch.zeros(n, h, dtype=self.model.dtype, device=self.device)

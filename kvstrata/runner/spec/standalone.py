@@ -36,7 +36,7 @@ from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.model_setup import load_serving_model
 from kvstrata.runner.spec.tree import build_trees, scratch_per_request
 
-def copied_in_pages(ops: list) -> list[int]:
+def copied_in_pages(ops: list, num_full_pages: int) -> list[int]:
     """Device pages this step's ops fill by copying (HiCache load-back, a retraction
     restore, a PD receive's destination): their draft KV is not the tokens' now."""
     pages: list[int] = []
@@ -46,8 +46,15 @@ def copied_in_pages(ops: list) -> list[int]:
         elif isinstance(op, BackupOp) and op.kind == "restore":
             pages += op.device_pages
         elif isinstance(op, PDOp) and op.kind == "receiver_init":
-            pages += op.page_ids
+            pages += received_full_pages(op, num_full_pages)
     return pages
+
+
+def received_full_pages(op: PDOp, num_full_pages: int) -> list[int]:
+    """A PD receive's full pages: with hybrid SWA memory its page ids also name the prompt's
+    last-window SWA pages, as wire ids past the full pool's (cache/swa_pd.py), which hold no
+    draft KV (the draft's pool sits over the full slots)."""
+    return [p for p in op.page_ids if p <= num_full_pages]
 
 
 # Draft KV rebuilt per forward at most (a first prompt, a long load-back): bounds the catch-up
@@ -118,6 +125,7 @@ class DraftModel:
             layer_windows=getattr(self.model, "layer_windows", None))
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
+        self.num_full_pages = plan.num_pages  # (PD receives name SWA pages past them)
         self.valid = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=self.device)
 
     # ---- validity
@@ -136,7 +144,7 @@ class DraftModel:
 
     def on_copies(self, ops: list) -> None:
         """The step's ops that fill device pages by copying (before its forward)."""
-        self.invalidate_pages(copied_in_pages(ops))
+        self.invalidate_pages(copied_in_pages(ops, self.num_full_pages))
 
     def invalidate_pages(self, pages: list[int]) -> None:
         """Pages whose target KV was written by a copy, not a forward (load-back, PD
@@ -315,4 +323,5 @@ class DraftModel:
         return [d[:k] for d, k in zip(drafts, num_drafts)]
 
 
-__all__ = ["CatchUp", "DraftModel", "RUNNER_DRAFT", "copied_in_pages"]
+__all__ = ["CatchUp", "DraftModel", "RUNNER_DRAFT", "copied_in_pages",
+           "received_full_pages"]

@@ -1,0 +1,106 @@
+"""config/gguf_config.py: the Gemma 2 / Gemma 3 config fields read from a GGUF file's metadata
+the way llama.cpp reads them (what transformers' GGUF conversion drops), and the ModelInfo
+resolution gets from a Gemma GGUF's header (its windows and soft-caps) without a conversion.
+tests/correctness/test_gemma_gguf.py serves such files against transformers."""
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.config.gguf_config import gemma_fields
+
+
+def meta(arch: str, **kv) -> dict:
+    base = {"block_count": 6, "embedding_length": 64, "attention.head_count": 4,
+            "attention.key_length": 16, "attention.sliding_window": 8}
+    return {"general.architecture": arch, **{f"{arch}.{k.replace('__', '.')}": v
+                                             for k, v in {**base, **kv}.items()}}
+
+
+def test_other_archs_are_left_alone():
+    assert gemma_fields({"general.architecture": "llama", "llama.block_count": 2}) == {}
+
+
+def test_gemma2_with_llama_cpps_defaults():
+    """No soft-cap, window or rope keys: llama.cpp's defaults (50 / 30, 4096, base 10000);
+    layers alternate local / global; scale from head_dim."""
+    m = meta("gemma2", block_count=4)
+    del m["gemma2.attention.sliding_window"]
+    f = gemma_fields(m)
+    assert f["architectures"] == ["Gemma2ForCausalLM"]
+    assert (f["attn_logit_softcapping"], f["final_logit_softcapping"]) == (50.0, 30.0)
+    assert f["sliding_window"] == 4096 and f["query_pre_attn_scalar"] == 16
+    assert f["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert f["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    f = gemma_fields(meta("gemma2", attn_logit_softcapping=3.0, final_logit_softcapping=15.0))
+    assert (f["attn_logit_softcapping"], f["final_logit_softcapping"]) == (3.0, 15.0)
+
+
+def test_gemma3_rope_and_layers():
+    f = gemma_fields(meta("gemma3", block_count=12, rope__freq_base=1e6,
+                          rope__scaling__type="linear", rope__scaling__factor=8.0))
+    assert f["layer_types"] == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    assert f["rope_parameters"] == {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_theta": 1e6, "rope_type": "linear", "factor": 8.0}}
+    assert f["final_logit_softcapping"] is None and f["attn_logit_softcapping"] is None
+    f = gemma_fields(meta("gemma3", rope__freq_base_swa=5000.0, final_logit_softcapping=30.0))
+    assert f["rope_parameters"]["sliding_attention"]["rope_theta"] == 5000.0
+    assert f["rope_parameters"]["full_attention"]["rope_type"] == "default"
+    assert f["final_logit_softcapping"] == 30.0
+    with pytest.raises(ValueError, match="rope.scaling.type 'yarn' is not supported"):
+        gemma_fields(meta("gemma3", rope__scaling__type="yarn"))
+    m = meta("gemma3")
+    del m["gemma3.attention.sliding_window"]
+    with pytest.raises(ValueError, match="sliding_window"):
+        gemma_fields(m)
+
+
+@pytest.mark.parametrize("arch,layers", [("gemma2", 46), ("gemma3", 62)])
+def test_the_27b_attention_scale(arch, layers):
+    """llama.cpp: 1/sqrt(n_embd / n_head) for a 27B model (by its layer count), whose
+    query_pre_attn_scalar is not its head_dim (Gemma 3 27B: 5376 / 32 = 168, head_dim 128)."""
+    m = meta(arch, block_count=layers, embedding_length=5376, attention__head_count=32,
+             attention__key_length=128)
+    assert gemma_fields(m)["query_pre_attn_scalar"] == 168
+    assert gemma_fields({**m, f"{arch}.block_count": layers - 2}
+                        )["query_pre_attn_scalar"] == 128
+
+
+def test_a_named_sliding_window_pattern():
+    f = gemma_fields(meta("gemma3", block_count=4, attention__sliding_window_pattern=2))
+    assert f["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    f = gemma_fields(meta("gemma3", block_count=3,
+                          attention__sliding_window_pattern=[True, False, True]))
+    assert f["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert set(gemma_fields(meta("gemma3", attention__sliding_window_pattern=0)
+                            )["layer_types"]) == {"sliding_attention"}
+    with pytest.raises(ValueError, match="2 entries for 6 layers"):
+        gemma_fields(meta("gemma3", attention__sliding_window_pattern=[True, False]))
+
+
+def test_model_info_from_a_gemma_gguf_header(tmp_path):
+    """Resolution sees a Gemma GGUF's windows (so hybrid SWA memory is on for it) and Gemma
+    2's soft-capping, from the header alone; other GGUFs stay None (a plain MHA model)."""
+    gguf = pytest.importorskip("gguf")
+    from kvstrata.config import ModelInfo
+
+    def write(arch, **keys):
+        path = tmp_path / f"{arch}.gguf"
+        w = gguf.GGUFWriter(str(path), arch)
+        for key, value in keys.items():
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(
+                f"{arch}.{key.replace('__', '.')}", value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(path)
+
+    dims = dict(block_count=4, embedding_length=64, attention__head_count=4,
+                attention__sliding_window=8)
+    info = ModelInfo.from_model_path(write("gemma2", attn_logit_softcapping=3.0, **dims))
+    assert info.layer_windows == (8, None, 8, None)
+    assert "attention logit soft-capping" in info.softmax_extras
+    info = ModelInfo.from_model_path(write("gemma3", **{**dims, "block_count": 6}))
+    assert info.layer_windows == (8,) * 5 + (None,) and not info.softmax_extras
+    assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
