@@ -1,5 +1,5 @@
 """Tiny random hybrid recurrent models (tests/helpers/hybrid_ckpt.py: Qwen3.5, Qwen3-Next with
-its MoE, Nemotron-H, Mamba2) against transformers, float32, through the ModelRunner driven by
+its MoE, Nemotron-H, Mamba2, Granite-4.0-H with rope and its multipliers) against transformers, float32, through the ModelRunner driven by
 hand-built ScheduledRequests (the engine's state-slot scheduling is not needed for these):
 
 - prefill logits within PREFILL_ATOL of transformers' (observed <= 9e-5: the Gated DeltaNet
@@ -29,7 +29,7 @@ from kvstrata.protocol import NewRequestData, SamplingParams, ScheduledRequest, 
 
 PREFILL_ATOL = 2e-4
 NEW_TOKENS = 10
-PROMPT_LENS = (3, 29, 70)  # a short one, one below the 64-token chunk, one across it
+PROMPT_LENS = (1, 29, 70)  # one token, one below the 64-token chunk, one across it
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
 
 _runners: dict = {}
@@ -72,11 +72,12 @@ def test_model_reports_its_state_and_attention_layers(arch, paths):
     assert type(model).__name__ == ARCH_NAMES[arch]
     conv, ssm = facts.state_components
     layers = {"qwen3_5": (3, 1), "qwen3_next": (3, 1), "nemotron_h": (2, 1),
-              "mamba2": (2, 0)}[arch]
+              "mamba2": (2, 0), "granite": (3, 1)}[arch]
     assert (conv.num_layers, model.num_attention_layers) == layers
     assert (conv.name, ssm.name, ssm.dtype) == ("conv", "ssm", "float32")
     shapes = {"qwen3_5": ((80, 3), (4, 8, 12)), "qwen3_next": ((80, 3), (4, 8, 12)),
-              "nemotron_h": ((96, 3), (4, 8, 16)), "mamba2": ((192, 3), (8, 16, 16))}[arch]
+              "nemotron_h": ((96, 3), (4, 8, 16)), "mamba2": ((192, 3), (8, 16, 16)),
+              "granite": ((192, 3), (4, 32, 16))}[arch]
     assert (conv.slot_shape, ssm.slot_shape) == shapes
     # K/V only for the attention layers (none at all for Mamba2)
     assert [c.num_layers for c in facts.components] == [layers[1]] * (2 if layers[1] else 0)
@@ -182,7 +183,7 @@ def test_copy_on_write_from_a_snapshot(arch, paths, prompts, references):
     runner.execute(SchedulerOutput(200, False, [], [], ["b"]))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "granite"])
 def test_speculative_verify_commits_the_accepted_step(arch, paths, prompts, references):
     runner = _runner(paths[arch])
     prompt, ref = prompts[1], references[arch][0][1]

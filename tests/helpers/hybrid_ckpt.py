@@ -1,9 +1,11 @@
-"""Tiny random hybrid recurrent checkpoints (Qwen3.5, Qwen3-Next, Nemotron-H, Mamba2) from
-transformers' own config classes, and a runner over them with a hand-sized KV plan (state pool
-included).
+"""Tiny random hybrid recurrent checkpoints (Qwen3.5, Qwen3-Next, Nemotron-H, Mamba2,
+Granite-4.0-H) from transformers' own config classes, and a runner over them with a
+hand-sized KV plan (state pool included).
 
 Sizes keep every shape distinct (GVA 2 key heads : 4 value heads of other widths, GQA 4:2,
 2 Mamba2 groups), a 3:1 recurrent:attention pattern, and scales where the logits are peaked.
+No EOS token: transformers' generate would mask it until min_new_tokens where our greedy run
+(ignore_eos) may pick it.
 Gated DeltaNet's recurrent states hold ~1 long-lived direction per head at initializer_range
 0.02, so the weights are drawn larger (GDN_INIT) for the state to matter to the logits.
 """
@@ -12,16 +14,17 @@ from __future__ import annotations
 import os
 
 VOCAB = 160
-HYBRIDS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2")
+HYBRIDS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite")
 ARCH_NAMES = {"qwen3_5": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-              "nemotron_h": "NemotronHForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+              "nemotron_h": "NemotronHForCausalLM", "mamba2": "Mamba2ForCausalLM",
+              "granite": "GraniteMoeHybridForCausalLM"}
 
 
 def tiny_hybrid_config(arch: str):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+                  bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
     gdn = dict(intermediate_size=88, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
@@ -43,6 +46,15 @@ def tiny_hybrid_config(arch: str):
     if arch == "mamba2":
         return tf.Mamba2Config(**common, num_hidden_layers=2, num_heads=8, head_dim=16,
                                state_size=16, n_groups=2, chunk_size=8, expand=2)
+    if arch == "granite":  # rope on and every multiplier away from 1, so each must apply
+        return tf.GraniteMoeHybridConfig(
+            **common, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2,
+            mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=56, position_embedding_type="rope",
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+            logits_scaling=1.5, max_position_embeddings=512)
     raise ValueError(arch)
 
 

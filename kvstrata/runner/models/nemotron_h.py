@@ -29,13 +29,14 @@ from kvstrata.runner.models.gemma import gemma_rms_norm
 from kvstrata.runner.models.hybrid_base import (FEED_FORWARD, FULL_ATTENTION, RECURRENT,
                                                 HybridForCausalLM, param)
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, mamba2_shape
+from kvstrata.runner.models.rope import apply_rope
 
 _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": FULL_ATTENTION,
           "attention": FULL_ATTENTION, "mlp": FEED_FORWARD}
 
 
 class Attention(nn.Module):
-    """q|k|v fused, no bias, no rope."""
+    """q|k|v fused, no bias; rope only when the caller passes cos / sin (Granite's option)."""
 
     def __init__(self, d: ModelDims, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -49,6 +50,18 @@ class Attention(nn.Module):
         model.expect(f"{prefix}.k_proj.weight", self.qkv, (q, q + kv))
         model.expect(f"{prefix}.v_proj.weight", self.qkv, (q + kv, q + 2 * kv))
         model.expect(f"{prefix}.o_proj.weight", self.o_proj)
+
+    def forward(self, h: torch.Tensor, index: int, fb: ForwardBatch, d: ModelDims, backend,
+                rot: tuple | None = None) -> torch.Tensor:
+        t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
+        qkv = F.linear(h, self.qkv)
+        q = qkv[:, :hq * hd].view(t, hq, hd)
+        k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
+        v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
+        if rot is not None:
+            q, k = apply_rope(q, *rot), apply_rope(k, *rot)
+        out = backend.forward(index, q, k, v, fb)
+        return F.linear(out.reshape(t, hq * hd), self.o_proj)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -172,24 +185,13 @@ class NemotronHForCausalLM(HybridForCausalLM):
             if kind == RECURRENT:
                 h = block.mixer(h, self.pool_index[i], fb, self.recurrent_backend)
             elif kind == FULL_ATTENTION:
-                h = self._attention(block.mixer, self.pool_index[i], h, fb)
+                h = block.mixer(h, self.pool_index[i], fb, self.dims, self.attn_backend)
             else:
                 h = block.mixer(h)
             x = x + h
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(self.norm(x.to(self.dtype), self.final_norm))
-
-    def _attention(self, attn: Attention, index: int, h: torch.Tensor,
-                   fb: ForwardBatch) -> torch.Tensor:
-        d = self.dims
-        t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
-        qkv = F.linear(h, attn.qkv)
-        q = qkv[:, :hq * hd].view(t, hq, hd)
-        k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
-        v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
-        out = self.attn_backend.forward(index, q, k, v, fb)
-        return F.linear(out.reshape(t, hq * hd), attn.o_proj)
 
     def finish_load(self, loaded: list[str]) -> None:
         """Nemotron-H scales by its norm weights in float32 (gemma_rms_norm's scale)."""

@@ -60,8 +60,9 @@ class RecurrentMeta:
                    q_lens=list(fb.q_lens),
                    has_state=[stateful and s > 0 for s in fb.start_pos],
                    verify=list(verify) if verify is not None else [False] * n)
-        if stateful:
-            meta.decode = [i for i in range(n) if fb.q_lens[i] == 1 and not meta.verify[i]]
+        if stateful:  # (a one-token prompt at position 0 runs as a prefill: from zeros)
+            meta.decode = [i for i in range(n) if fb.q_lens[i] == 1 and not meta.verify[i]
+                           and meta.has_state[i]]
         if meta.decode:
             device = fb.input_ids.device
             meta.decode_tokens = torch.tensor([offsets[i] for i in meta.decode], device=device)

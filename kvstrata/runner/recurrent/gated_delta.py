@@ -73,22 +73,35 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay      # diagonal taken as 1 below
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
-                                      unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
-                                      unitriangular=True)
+    # u = M^-1 (beta v) and w = M^-1 (beta k * decay) in one solve (one copy of M for LAPACK)
+    uw = torch.linalg.solve_triangular(
+        system, torch.cat([v * beta[..., None], k_beta * cum.exp()[..., None]], dim=-1),
+        upper=False, unitriangular=True)
     attn = (q @ k.transpose(-1, -2)) * decay             # within-chunk q.k (causal, decayed)
-    q_decayed = q * cum.exp()[..., None]                 # reads the state at the chunk start
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]  # writes decayed to the chunk end
-    chunk_decay = cum[..., -1].exp()[..., None, None]    # [B, H, n, 1, 1]
+    # The chunk loop's operands chunk-major and contiguous (a slice per chunk, no copies):
+    # [w ; q * decay] read the state at the chunk start in one matmul; k^T decayed to the
+    # chunk end writes it.
+    u = uw[..., :dv].movedim(2, 0).contiguous()
+    reads = torch.cat([uw[..., dv:], q * cum.exp()[..., None]], dim=-2).movedim(2, 0)
+    reads = reads.contiguous()
+    attn = attn.movedim(2, 0).contiguous()
+    writes = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2).movedim(2, 0)
+    writes = writes.contiguous()
+    chunk_decay = cum[..., -1].exp().movedim(2, 0)[..., None, None]  # [n, B, H, 1, 1]
 
     s = (torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=q.device) if state is None
          else state.float().clone())
-    out = torch.empty_like(v)
+    out = torch.empty(n, b, hv, chunk, dv, dtype=torch.float32, device=q.device)
     for c in range(n):
-        v_new = u[:, :, c] - w[:, :, c] @ s
-        out[:, :, c] = q_decayed[:, :, c] @ s + attn[:, :, c] @ v_new
-        s = s * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+        read = reads[c] @ s                              # [B, H, 2C, Dv]
+        v_new = u[c] - read[..., :chunk, :]
+        torch.baddbmm(read[..., chunk:, :].reshape(-1, chunk, dv),
+                      attn[c].reshape(-1, chunk, chunk), v_new.reshape(-1, chunk, dv),
+                      out=out[c].view(-1, chunk, dv))
+        s = torch.baddbmm((s * chunk_decay[c]).reshape(-1, dk, dv),
+                          writes[c].reshape(-1, dk, chunk),
+                          v_new.reshape(-1, chunk, dv)).view(b, hv, dk, dv)
+    out = out.movedim(0, 2)
     out = out.reshape(b, hv, n * chunk, dv)[:, :, :length].transpose(1, 2)
     return out, s
 
