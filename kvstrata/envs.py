@@ -111,6 +111,11 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
     "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
     "SDPA (ablation).")
+KVSTRATA_CPU_RECURRENT_STEP = _declare(
+    "KVSTRATA_CPU_RECURRENT_STEP", bool, True,
+    "The decode step of recurrent layers (Gated DeltaNet, Mamba2) updates the fp32 or bf16 "
+    "state pool in place with the C kernel (runner/recurrent/fused_step.py); 0 = gather the "
+    "slots, torch ops, scatter back (ablation).")
 KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
     "KVSTRATA_CPU_PREFILL_ATTENTION", bool, True,
     "CPU prefill attention (a prompt, or a chunk after a cached prefix, 8+ tokens) runs the "

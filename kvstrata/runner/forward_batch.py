@@ -39,6 +39,10 @@ class ForwardBatch:
     # Hybrid SWA memory: [T] the SWA pool slot of each new token (its windowed layers write
     # there; out_slots stays the full pool's); None without an SWA pool.
     swa_out_slots: torch.Tensor | None = None
+    # Recurrent (SSM / linear-attention) layers: each request's state slot and how its
+    # recurrence runs this step (runner/recurrent/backend.py RecurrentMeta); None = no state
+    # pool behind this forward (every request from a zero state, nothing kept).
+    recurrent: Any = field(default=None, repr=False)
 
     @property
     def num_reqs(self) -> int:

@@ -23,6 +23,7 @@ from kvstrata.platform import detected_platform
 from kvstrata.protocol.disagg import BackupOp
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
+from kvstrata.runner import state_ops
 from kvstrata.runner.attention.dsa_seed import DSASeedKeeper
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -101,6 +102,8 @@ class ModelRunner:
         # of their slots (written from ScheduledRequest.swa_slots); None without one.
         self.swa_pool: MHATokenToKVPool | None = None
         self.swa_req_to_token: ReqToTokenTable | None = None
+        # SSM / linear-attention models: the recurrent layers' state slots (runner/state_ops.py)
+        self.state_pool = None
         self.hicache: HiCacheExecutor | None = None
         # Decode retraction KV backups (BackupOps): built by allocate_kv with a retraction
         # host pool, else on the first BackupOp (cpu_tensor only).
@@ -113,7 +116,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV sizing and allocation
     def kv_facts(self) -> ModelKVFacts:
         dims = self.model.dims
-        if self.model.pool_kind == "mla":
+        if hasattr(self.model, "kv_components"):  # MLA; hybrids: their attention layers
             components = self.model.kv_components()
         else:
             components = mha_components(dims.num_layers, dims.num_kv_heads, dims.head_dim,
@@ -130,7 +133,7 @@ class ModelRunner:
             max_position_embeddings=max_pos, sliding_window=self._unhonoured_window(),
             draft_components=draft,
             layer_windows=tuple(windows) if windows and self.model.pool_kind == "mha"
-            else None)
+            else None, state_components=state_ops.model_state_components(self.model))
 
     def kv_budget_bytes(self, mem_fraction_static: float | None = None) -> int:
         """Memory the KV pool may take, measured now that the weights are loaded."""
@@ -147,7 +150,10 @@ class ModelRunner:
         self.plan = plan
         dims = self.model.dims
         self.req_to_token = ReqToTokenTable(plan.num_rows, plan.context_len, self.device)
-        if plan.pool_kind == "mla":
+        self.state_pool = state_ops.allocate_state(self.model, plan, self.device)
+        if plan.pool_kind == "none" and self.state_pool is not None:
+            self.kv_pool = None  # all-recurrent (Mamba2): no layer keeps K/V
+        elif plan.pool_kind == "mla":
             self.kv_pool = MLATokenToKVPool(plan, self.device)
             self.model.attn_backend = DSASparseMLABackend(
                 self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
@@ -308,6 +314,8 @@ class ModelRunner:
                                         dtype=torch.int64).to(self.device)
         apply_trees(fb, {i: [-1] + r.draft_parents for i, r in enumerate(reqs)
                          if r.draft_parents is not None})
+        if self.state_pool is not None:  # resets and copy-on-write before the forward
+            state_ops.before_forward(self.state_pool, reqs, fb)
 
         # Logits wanted: the last token of each sampled request, and every token of a
         # prompt-logprobs request whose chunk still lies within its prompt.
@@ -363,6 +371,9 @@ class ModelRunner:
                                            result.logprobs, result.top_logprobs):
                 st.record(tok)
                 produced[r.rid] = [(tok, lp, top)]
+        if self.state_pool is not None:  # verify commits, then snapshots
+            state_ops.after_forward(self.state_pool, self.model.recurrent_backend, reqs, fb,
+                                    produced)
         if self.draft is not None:
             self._draft_handoffs(reqs, produced, out)
         if self.grammar is not None:

@@ -93,7 +93,7 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     else:
         model = load_model(source, hf_config, dtype, device)
     arch = architecture_name(hf_config)
-    if deterministic and model.pool_kind != "mha":
+    if deterministic and model.pool_kind == "mla":
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch} (MLA / DSA attention); the llama-family decoder "
                                   f"has it")
@@ -119,7 +119,7 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         info = quantize_model(model, quantization, ids, smoothing)
     elif deterministic:
         info = packed_linear.pack_model(model, fixed=True)
-    elif (model.pool_kind == "mha" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
-          and packed_linear.available(model)):
+    elif (model.pool_kind == "mha" and getattr(model, "packable", True)
+          and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)
     return model, source, hf_config, info

@@ -7,6 +7,8 @@ Requests may arrive at different steps, so prefill chunks and decodes share batc
 With an SWA pool (hybrid SWA memory) it also plays the KV manager's SWA part: an SWA page per
 full page (shuffled too), each request's `swa_slots`, and the SWA pages a request's next
 query can no longer reach freed at once (for others to reuse; `SWA_STATS` counts them).
+With a state pool (SSM / linear-attention models) each request holds a state slot (shuffled
+too), reset on its first chunk and freed when it finishes.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class _Req:
         self.output: list[int] = []
         self.sent = False
         self.swa: dict[int, int] = {}  # page index in the request -> its SWA page
+        self.state_slot = 0
 
     @property
     def done(self) -> bool:
@@ -45,6 +48,8 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
     random.Random(seed + 1).shuffle(free_swa)
     window = runner.plan.swa_window
     free_rows = list(range(1, runner.plan.num_rows + 1))
+    free_states = list(range(1, runner.plan.num_state_slots + 1))
+    random.Random(seed + 2).shuffle(free_states)
     arrivals = arrivals or [0] * len(prompts)
     params = params or SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
     reqs = [_Req(f"r{i}", list(pr), max_new, a) for i, (pr, a) in
@@ -57,6 +62,7 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
                 continue
             if not r.sent:
                 r.row = free_rows.pop(0)
+                r.state_slot = free_states.pop() if free_states else 0
                 new.append(NewRequestData(r.rid, r.prompt, [], params))
                 r.sent = True
             if r.computed < len(r.prompt):
@@ -75,6 +81,9 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
             slots = [r.pages[q // p] * p + q % p for q in positions]
             sample = start + len(tokens) >= len(r.prompt)
             scheduled.append(ScheduledRequest(r.rid, r.row, start, tokens, start, slots, sample))
+            if r.state_slot:
+                scheduled[-1].state_slot = r.state_slot
+                scheduled[-1].state_reset = start == 0
             if swa:
                 scheduled[-1].swa_slots = [r.swa[q // p] * p + q % p if q // p in r.swa else 0
                                            for q in positions]
@@ -93,6 +102,8 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, chunk: int |
                 if r.done:
                     freed.append(r.rid)
                     free_rows.append(r.row)
+                    if r.state_slot:
+                        free_states.append(r.state_slot)
                     free_pages.extend(r.pages)
                     r.pages = []
                     free_swa.extend(r.swa.values())

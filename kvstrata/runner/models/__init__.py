@@ -10,6 +10,11 @@
                     names: deepseek_v32_config.py, deepseek_v32_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
+  hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,
+                    KV and state components, a weight table): qwen3_next.py (Qwen3-Next,
+                    Qwen3.5; gated_deltanet.py its Gated DeltaNet layer), nemotron_h.py
+                    (Nemotron-H, Mamba2) and granite_hybrid.py (Granite-4.0-H), whose
+                    Mamba2 layer is mamba2_mixer.py
   loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table)
 """
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM

@@ -27,7 +27,9 @@ class ArchSpec:
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
     # Which model class builds it: "decoder" (this module), "gemma" (gemma.py), "gpt_oss"
-    # (gpt_oss.py: sliding windows, attention sinks, MoE) or "deepseek_v32" (MLA + DSA).
+    # (gpt_oss.py: sliding windows, attention sinks, MoE), "deepseek_v32" (MLA + DSA) or
+    # a hybrid with recurrent state: "qwen3_next" / "nemotron_h" / "granite_hybrid"
+    # (hybrids.py).
     family: str = "decoder"
     # gemma2: attention logits soft-capped by config.attn_logit_softcapping (transformers'
     # Gemma 3 carries the field but never applies it)

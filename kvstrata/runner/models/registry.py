@@ -15,6 +15,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": ArchSpec(family="gemma", qk_norm=True),
     "Gemma2ForCausalLM": ArchSpec(family="gemma", attn_logit_softcapping=True),
     "GptOssForCausalLM": ArchSpec(family="gpt_oss"),
+    # Hybrids with recurrent state (a state pool beside the KV pool): qwen3_next.py (Gated
+    # DeltaNet), nemotron_h.py and granite_hybrid.py (Mamba2).
+    "Qwen3NextForCausalLM": ArchSpec(family="qwen3_next"),
+    "Qwen3_5ForCausalLM": ArchSpec(family="qwen3_next"),
+    "NemotronHForCausalLM": ArchSpec(family="nemotron_h"),
+    "Mamba2ForCausalLM": ArchSpec(family="nemotron_h"),
+    "GraniteMoeHybridForCausalLM": ArchSpec(family="granite_hybrid"),
 }
 
 # GGUF-derived configs carry model_type but no `architectures` list.

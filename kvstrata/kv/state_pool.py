@@ -1,0 +1,90 @@
+"""The recurrent-state pool of an SSM / linear-attention model (Gated DeltaNet, Mamba2):
+one slot per running request plus the prefix cache's snapshots (config/state_plan.py).
+
+One tensor per `StateComponent` of the plan, shaped (num_layers, num_state_slots + 1,
+*slot_shape): slot 0 is the padding sink (never a request's), slots 1..N are the plan's.
+  conv  (conv_dim, kernel - 1): the causal conv1d's last inputs, oldest first
+  ssm   Gated DeltaNet (num_v_heads, head_k_dim, head_v_dim) / Mamba2 (heads, head_dim,
+        d_state), in the component's dtype (float32 by default, as SGLang's
+        --mamba-ssm-dtype)
+Layer-first like SGLang's MambaPool, so a layer's slots are one [slots, ...] tensor that the
+recurrent kernels gather from and scatter into (runner/recurrent/). Zero-initialised: a
+zeroed slot is the state before any token.
+
+Slot-level moves: `copy_slots` (the prefix cache's copy-on-write and snapshot copies),
+`zero_slots` (a request that starts from nothing), and a CPU copy of some slots and its
+restore (a retraction backup that keeps the state beside the request's KV).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.state_plan import STATE_CONV, STATE_SSM
+
+
+class RecurrentStatePool:
+    def __init__(self, plan: KVPlan, device: torch.device | str):
+        if not plan.state_components:
+            raise ValueError("RecurrentStatePool needs a plan with state_components")
+        self.plan = plan
+        self.device = torch.device(device)
+        self.num_slots = plan.num_state_slots + 1  # with the padding slot 0
+        self.tensors: dict[str, torch.Tensor] = {
+            c.name: torch.zeros((c.num_layers, self.num_slots, *c.slot_shape),
+                                dtype=getattr(torch, c.dtype), device=self.device)
+            for c in plan.state_components}
+        layers = {c.num_layers for c in plan.state_components}
+        if len(layers) != 1:
+            raise ValueError(f"every state component is kept by every recurrent layer, got "
+                             f"{[c.to_json() for c in plan.state_components]}")
+        self.num_layers = layers.pop()
+
+    @property
+    def conv(self) -> torch.Tensor | None:
+        """(layers, slots, conv_dim, kernel - 1), or None for a model without a conv."""
+        return self.tensors.get(STATE_CONV)
+
+    @property
+    def ssm(self) -> torch.Tensor:
+        return self.tensors[STATE_SSM]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def _index(self, slots) -> torch.Tensor:
+        idx = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= self.num_slots):
+            raise IndexError(f"state slots {idx.tolist()[:8]} outside 1..{self.num_slots - 1}")
+        return idx.to(self.device)
+
+    def copy_slots(self, src, dst) -> None:
+        """Every layer's state of slots `src` into slots `dst` (all sources read first)."""
+        s, d = self._index(src), self._index(dst)
+        if s.numel() != d.numel():
+            raise ValueError(f"copy of {s.numel()} state slots into {d.numel()}")
+        for t in self.tensors.values():
+            t[:, d] = t[:, s]
+
+    def zero_slots(self, slots) -> None:
+        """The state before any token (what a request without a cached prefix starts from)."""
+        idx = self._index(slots)
+        for t in self.tensors.values():
+            t[:, idx] = 0
+
+    def cpu_copy(self, slots) -> dict[str, torch.Tensor]:
+        """A host copy of `slots` (every component and layer), for a retraction backup."""
+        idx = self._index(slots)
+        return {name: t[:, idx].to("cpu", copy=True) for name, t in self.tensors.items()}
+
+    def restore(self, slots, copy: dict[str, torch.Tensor]) -> None:
+        """Write a `cpu_copy` back into `slots` (any slots of the same count)."""
+        idx = self._index(slots)
+        if set(copy) != set(self.tensors):
+            raise ValueError(f"a state copy of {sorted(copy)} cannot restore "
+                             f"{sorted(self.tensors)}")
+        for name, t in self.tensors.items():
+            if copy[name].shape[1] != idx.numel():
+                raise ValueError(f"a copy of {copy[name].shape[1]} slots into {idx.numel()}")
+            t[:, idx] = copy[name].to(t.device, t.dtype)

@@ -1,0 +1,127 @@
+"""What the hybrid recurrent models (qwen3_next.py: Qwen3-Next, Qwen3.5; nemotron_h.py:
+Nemotron-H, Mamba2) share: the runner-facing surface, their KV and state components, and a
+weight table.
+
+Layers come in kinds: full attention (K/V per token in the paged KV pool, through the
+attention backend at the layer's index among the attention layers: the pool holds those
+layers only), recurrent (a conv window and an SSM state per request in the state pool,
+kv/state_pool.py, through the recurrent backend at the layer's index among the recurrent
+layers), and for Nemotron-H feed-forward-only layers that keep nothing.
+
+The weight table maps each checkpoint name to the parameter (or the rows of a fused one) it
+fills, so `load_weight` / `expected_keys` are one lookup; a transform may reorder rows first
+(Qwen3-Next's per-key-head interleaved in_proj_qkvz).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.config.kv_plan import KVComponent, mha_components
+from kvstrata.config.state_plan import STATE_CONV, STATE_SSM, StateComponent
+from kvstrata.runner.recurrent.backend import RecurrentBackend
+
+FULL_ATTENTION = "full_attention"
+RECURRENT = "recurrent"
+FEED_FORWARD = "feed_forward"
+
+
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised: the loader fills every parameter (checked against the weight table).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class HybridForCausalLM(nn.Module):
+    """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD per layer),
+    `dims` (the attention layers' heads for the attention backend; vocab size), the
+    recurrent layers' state shapes (`conv_shape`, `ssm_shape`), build their layers and
+    register every weight with `expect`."""
+    # The runner's KV pool kind: "mha" with attention layers, "none" without (Mamba2).
+    pool_kind = "mha"
+    layer_windows = None       # no sliding windows (the runner caps nothing)
+    packable = False           # layers of several kinds: no CPU packing (packed_linear.py)
+    # Not built for these models yet (model_setup refuses them by name).
+    unsupported = ("--enable-deterministic-inference",)
+
+    def __init__(self, kinds: list[str], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.kinds = kinds
+        self.dtype, self.device = dtype, device
+        # Per layer its index in its pool (attention: the KV pool; recurrent: the state pool).
+        counts = {FULL_ATTENTION: 0, RECURRENT: 0, FEED_FORWARD: 0}
+        self.pool_index: list[int] = []
+        for kind in kinds:
+            self.pool_index.append(counts[kind])
+            counts[kind] += 1
+        self.num_attention_layers = counts[FULL_ATTENTION]
+        self.num_recurrent_layers = counts[RECURRENT]
+        if not self.num_attention_layers:
+            self.pool_kind = "none"
+        self.attn_backend = None                       # set by the runner (needs the KV pool)
+        self.recurrent_backend = RecurrentBackend(None)  # the runner's, over its state pool
+        self.conv_shape: tuple[int, ...] = ()
+        self.ssm_shape: tuple[int, ...] = ()
+        self._weights: dict[str, tuple] = {}
+
+    # ------------------------------------------------------------------ pool geometry
+    def kv_components(self) -> tuple[KVComponent, ...]:
+        """K/V per token of the full-attention layers only (none for an all-recurrent model)."""
+        if not self.num_attention_layers:
+            return ()
+        d = self.dims
+        return mha_components(self.num_attention_layers, d.num_kv_heads, d.head_dim,
+                              dtype_name(self.dtype))
+
+    def state_components(self, ssm_dtype: str = "float32") -> tuple[StateComponent, ...]:
+        """Per state slot and recurrent layer: the conv window in the model dtype and the SSM
+        state in `ssm_dtype` (float32 by default, as SGLang's --mamba-ssm-dtype)."""
+        n = self.num_recurrent_layers
+        return (StateComponent(STATE_CONV, n, self.conv_shape, dtype_name(self.dtype)),
+                StateComponent(STATE_SSM, n, self.ssm_shape, ssm_dtype))
+
+    # ------------------------------------------------------------------ forward pieces
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head).float()
+
+    def begin_forward(self, fb) -> None:
+        if self.num_attention_layers:
+            self.attn_backend.init_forward_metadata(fb)
+
+    # ------------------------------------------------------------------ weights
+    def expect(self, name: str, target: torch.Tensor, rows: tuple[int, int] | None = None,
+               transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Checkpoint tensor `name` fills `target` (its rows lo..hi when given), after
+        `transform` when given."""
+        self._weights[name] = (target, rows, transform)
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors this model does not use (an MTP head's, a vision tower's)."""
+        return False
+
+    def read_spec(self, name: str) -> Any:
+        return None if self.skip_weight(name) else "all"
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if self.skip_weight(name):
+            return []
+        if name not in self._weights:
+            raise KeyError(f"{type(self).__name__} has no parameter for it")
+        target, rows, transform = self._weights[name]
+        if transform is not None:
+            tensor = transform(tensor)
+        dst = target.data if rows is None else target.data[rows[0]:rows[1]]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return [name]
+
+    def expected_keys(self) -> set[str]:
+        return set(self._weights)

@@ -1,0 +1,241 @@
+"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 dense (Qwen3_5ForCausalLM): Gated DeltaNet
+layers (gated_deltanet.py) and full-attention layers as `config.layer_types` says (3:1 in the
+released models), each followed by an MLP; checked against transformers' modeling_qwen3_next
+/ modeling_qwen3_5.
+
+- RMSNorms (input, post-attention, final, q/k) scale by 1 + weight in float32, cast last:
+  gemma.py's arithmetic, so the weights become 1 + w once at load (`finish_load`).
+- Full attention is gated: q_proj gives per head [q | gate]; q and k are RMSNormed per head,
+  rotated on the first head_dim * partial_rotary_factor dims only (rotate-half layout), and
+  the attention output is multiplied by sigmoid(gate) before o_proj. Its K/V live in the
+  paged KV pool, which holds only these layers.
+- Qwen3.5's text rope is multimodal (mrope sections); for text every section reads the same
+  position, which is plain rope.
+- MLP: SwiGLU; Qwen3-Next's MoE layers (`decoder_sparse_step`, not `mlp_only_layers`) route
+  each token to its top-k experts by softmax (renormalised with norm_topk_prob) and add a
+  shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x)).
+An MTP head in the checkpoint (`mtp.*`) is not read.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.config.hf_config import ModelDims
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models.gated_deltanet import GatedDeltaNet
+from kvstrata.runner.models.gemma import gemma_rms_norm
+from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, RECURRENT, HybridForCausalLM,
+                                                param)
+from kvstrata.runner.models.moe import routed_sum
+from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+
+_KINDS = {"linear_attention": RECURRENT, "full_attention": FULL_ATTENTION}
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, d: ModelDims, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        hq, hkv, hd = d.num_heads, d.num_kv_heads, d.head_dim
+        self.qkv = param((2 * hq + 2 * hkv) * hd, d.hidden_size, **kw)  # [q|gate per head, k, v]
+        self.q_norm, self.k_norm = param(hd, **kw), param(hd, **kw)
+        self.o_proj = param(d.hidden_size, hq * hd, **kw)
+
+    def register(self, model, prefix: str, d: ModelDims) -> None:
+        q, kv = 2 * d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        model.expect(f"{prefix}.q_proj.weight", self.qkv, (0, q))
+        model.expect(f"{prefix}.k_proj.weight", self.qkv, (q, q + kv))
+        model.expect(f"{prefix}.v_proj.weight", self.qkv, (q + kv, q + 2 * kv))
+        for name in ("q_norm", "k_norm"):
+            model.expect(f"{prefix}.{name}.weight", getattr(self, name))
+        model.expect(f"{prefix}.o_proj.weight", self.o_proj)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.inter = inter
+        self.gate_up = param(2 * inter, hidden, dtype=dtype, device=device)
+        self.down = param(hidden, inter, dtype=dtype, device=device)
+
+    def register(self, model, prefix: str) -> None:
+        i = self.inter
+        model.expect(f"{prefix}.gate_proj.weight", self.gate_up, (0, i))
+        model.expect(f"{prefix}.up_proj.weight", self.gate_up, (i, 2 * i))
+        model.expect(f"{prefix}.down_proj.weight", self.down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.num_experts, self.top_k, self.inter = e, config.num_experts_per_tok, i
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        kw = dict(dtype=dtype, device=device)
+        self.router = param(e, h, **kw)
+        self.gate_up = param(e, 2 * i, h, **kw)
+        self.down = param(e, h, i, **kw)
+        self.shared = SwiGLU(h, config.shared_expert_intermediate_size, dtype, device)
+        self.shared_gate = param(1, h, **kw)
+
+    def register(self, model, prefix: str) -> None:
+        i = self.inter
+        model.expect(f"{prefix}.gate.weight", self.router)
+        model.expect(f"{prefix}.shared_expert_gate.weight", self.shared_gate)
+        self.shared.register(model, f"{prefix}.shared_expert")
+        for e in range(self.num_experts):  # as released checkpoints store them: per expert
+            pre = f"{prefix}.experts.{e}"
+            model.expect(f"{pre}.gate_proj.weight", self.gate_up[e], (0, i))
+            model.expect(f"{pre}.up_proj.weight", self.gate_up[e], (i, 2 * i))
+            model.expect(f"{pre}.down_proj.weight", self.down[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+
+        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down[e])
+
+        routed = routed_sum(x, ids, weights.to(x.dtype), self.num_experts, expert)
+        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+
+
+class Qwen3NextLayer(nn.Module):
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, dtype, device):
+        super().__init__()
+        self.mixer, self.mlp = mixer, mlp
+        self.input_norm = param(hidden, dtype=dtype, device=device)
+        self.post_norm = param(hidden, dtype=dtype, device=device)
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    grouped_in_proj = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba (gated_deltanet.py)
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
+        types = list(config.layer_types)
+        if set(types) - set(_KINDS):
+            raise ValueError(f"{type(self).__name__}: layer_types {types} name layers other "
+                             f"than linear_attention / full_attention")
+        super().__init__([_KINDS[t] for t in types], dtype, device)
+        if getattr(config, "attention_bias", False):
+            raise ValueError(f"{type(self).__name__}: attention_bias is not supported")
+        self.config = config
+        self.dims = d = ModelDims.from_config(config)
+        self.eps = d.rms_norm_eps
+        kw = dict(dtype=dtype, device=device)
+        self.embed = param(d.vocab_size, d.hidden_size, **kw)
+        self.final_norm = param(d.hidden_size, **kw)
+        self.lm_head = self.embed if d.tie_word_embeddings else param(
+            d.vocab_size, d.hidden_size, **kw)
+        params = rope_parameters(config)
+        self.rotary_dim = int(d.head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        self.rotary = RotaryEmbedding(self.rotary_dim, params, device)
+        self.layers = nn.ModuleList(self._layer(config, i, kw) for i in range(len(types)))
+        recurrent = [layer.mixer for layer in self.layers if isinstance(layer.mixer,
+                                                                          GatedDeltaNet)]
+        if recurrent:
+            self.conv_shape, self.ssm_shape = recurrent[0].conv_shape, recurrent[0].ssm_shape
+        self.expect("model.embed_tokens.weight", self.embed)
+        self.expect("model.norm.weight", self.final_norm)
+        if not d.tie_word_embeddings:
+            self.expect("lm_head.weight", self.lm_head)
+
+    def _layer(self, config: Any, i: int, kw: dict) -> Qwen3NextLayer:
+        pre = f"model.layers.{i}"
+        if self.kinds[i] == RECURRENT:
+            mixer = GatedDeltaNet(config, **kw)
+            mixer.register(self, f"{pre}.linear_attn")
+        else:
+            mixer = GatedAttention(self.dims, **kw)
+            mixer.register(self, f"{pre}.self_attn", self.dims)
+        if self._is_moe(config, i):
+            mlp = SparseMoE(config, **kw)
+            mlp.register(self, f"{pre}.mlp")
+        else:
+            mlp = SwiGLU(config.hidden_size, config.intermediate_size, **kw)
+            mlp.register(self, f"{pre}.mlp")
+        layer = Qwen3NextLayer(mixer, mlp, config.hidden_size, **kw)
+        self.expect(f"{pre}.input_layernorm.weight", layer.input_norm)
+        self.expect(f"{pre}.post_attention_layernorm.weight", layer.post_norm)
+        return layer
+
+    @staticmethod
+    def _is_moe(config: Any, i: int) -> bool:
+        experts = getattr(config, "num_experts", 0) or 0
+        return (experts > 0 and i not in (getattr(config, "mlp_only_layers", None) or [])
+                and (i + 1) % config.decoder_sparse_step == 0)
+
+    def skip_weight(self, name: str) -> bool:
+        return name.startswith("mtp.") or (name == "lm_head.weight"
+                                           and self.dims.tie_word_embeddings)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self.begin_forward(fb)
+        cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
+        x = F.embedding(fb.input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            h = gemma_rms_norm(x, layer.input_norm, self.eps)
+            if self.kinds[i] == RECURRENT:
+                h = layer.mixer(h, self.pool_index[i], fb, self.recurrent_backend)
+            else:
+                h = self._attention(layer.mixer, self.pool_index[i], h, cos, sin, fb)
+            x = x + h
+            x = x + layer.mlp(gemma_rms_norm(x, layer.post_norm, self.eps))
+        if fb.logits_idx is not None:
+            x = x.index_select(0, fb.logits_idx)
+        return self.output_logits(gemma_rms_norm(x, self.final_norm, self.eps))
+
+    def _attention(self, attn: GatedAttention, index: int, h: torch.Tensor, cos, sin,
+                   fb: ForwardBatch) -> torch.Tensor:
+        d = self.dims
+        t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
+        qkv = F.linear(h, attn.qkv)
+        q_gate = qkv[:, :2 * hq * hd].view(t, hq, 2 * hd)
+        q, gate = q_gate[..., :hd], q_gate[..., hd:].reshape(t, hq * hd)
+        k = qkv[:, 2 * hq * hd:(2 * hq + hkv) * hd].view(t, hkv, hd)
+        v = qkv[:, (2 * hq + hkv) * hd:].view(t, hkv, hd)
+        q = self._rotate(gemma_rms_norm(q, attn.q_norm, self.eps), cos, sin)
+        k = self._rotate(gemma_rms_norm(k, attn.k_norm, self.eps), cos, sin)
+        out = self.attn_backend.forward(index, q, k, v.contiguous(), fb)
+        return F.linear(out.reshape(t, hq * hd) * torch.sigmoid(gate), attn.o_proj)
+
+    def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        r = self.rotary_dim
+        if r == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def finish_load(self, loaded: list[str]) -> None:
+        """The zero-centred norms' weights w become the float32 scales 1 + w (gemma.py)."""
+        def scale(w: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(1.0 + w.detach().float(), requires_grad=False)
+
+        self.final_norm = scale(self.final_norm)
+        for layer in self.layers:
+            layer.input_norm, layer.post_norm = scale(layer.input_norm), scale(layer.post_norm)
+            if isinstance(layer.mixer, GatedAttention):
+                layer.mixer.q_norm = scale(layer.mixer.q_norm)
+                layer.mixer.k_norm = scale(layer.mixer.k_norm)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5's text model: the same layers, a dense MLP everywhere, Gated DeltaNet's
+    projections stored separately."""
+    grouped_in_proj = False
+
+    @staticmethod
+    def _is_moe(config: Any, i: int) -> bool:
+        return False
