@@ -122,6 +122,15 @@ class StateRadixCache(RadixCache):
         self._num_states += 1
         return True
 
+    def take_state(self, node: TreeNode) -> int:
+        """Hand the snapshot of `node`, pinned once (by the caller), over to the caller: the
+        node becomes a tombstone. Returns the slot."""
+        assert node.state_pin == 1, f"take of a snapshot pinned {node.state_pin} times"
+        self.unpin_state(node)
+        slot, node.state_slot = node.state_slot, 0
+        self._num_states -= 1
+        return slot
+
     def pin_state(self, node: TreeNode) -> None:
         assert node.state_slot, f"pin of a node without a snapshot {node!r}"
         node.state_pin += 1

@@ -81,9 +81,17 @@ class StateSlots:
             req.state_fresh = True
 
     def assign(self, req: Any) -> bool:
-        """The request's working slot; False when the pool has none (admission waits)."""
+        """The request's working slot; False when the pool has none (admission waits). When
+        the only slot left is the snapshot the request resumes from (no other request copies
+        it), the request takes that slot over instead (it holds exactly the state it needs;
+        the node becomes a tombstone): a pool that small could never serve the hit else,
+        and with nothing running admission would stall."""
         assert not req.state_slot, f"{req.rid} already holds state slot {req.state_slot}"
         req.state_slot = self.alloc()
+        node = req.state_copy_node
+        if not req.state_slot and node is not None and node.state_pin == 1:
+            req.state_slot = self.tree.take_state(node)
+            req.state_copy_node = None
         return bool(req.state_slot)
 
     # ------------------------------------------------------------------ one forward

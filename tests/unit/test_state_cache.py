@@ -296,3 +296,17 @@ def test_load_and_metrics_report_state_slots():
         engine.step()
     load = engine.get_load()
     assert load["num_used_state_slots"] == 0 and load["num_cached_states"] == 1
+
+
+def test_a_one_slot_pool_resumes_from_its_snapshot_by_taking_it_over():
+    """Found by test_state_fuzz: one slot, held by the snapshot a request matches. Copying
+    needs a second slot, so the request takes that one over (no copy, no reset)."""
+    engine, runner = make_engine(slots=1)
+    out = run(engine, {"a": [5, 6, 7]})["a"]
+    prompt_b = [5, 6, 7] + out + [9]
+    out_b = run(engine, {"b": prompt_b})["b"]
+    b = entries(runner, "b")[0]
+    assert (b.start_pos, b.state_slot, b.state_copy_from, b.state_reset) == (5, 1, 0, False)
+    tree = engine.scheduler.kv.tree
+    assert tree.node_at([5, 6, 7, *out[:-1]]).state_slot == 0  # taken over: a tombstone
+    assert tree.node_at(prompt_b + out_b[:-1]).state_slot == 1  # b's finish left it
