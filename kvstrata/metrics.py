@@ -75,6 +75,11 @@ class ServerMetrics:
                                       "Sliding-window KV slots in use", labels, registry=r)
         self._swa_token_usage = Gauge("kvstrata:swa_token_usage",
                                       "Sliding-window KV pool usage (0..1)", labels, registry=r)
+        # Recurrent state only: the state pool's slots (/get_load's *_state_*).
+        self._used_state_slots = Gauge("kvstrata:num_used_state_slots", "Recurrent state "
+                                       "slots held by requests", labels, registry=r)
+        self._state_slot_usage = Gauge("kvstrata:state_slot_usage", "Recurrent state pool "
+                                       "usage (0..1)", labels, registry=r)
         self._hit_rate = Gauge("kvstrata:cache_hit_rate", "Prefix-cache hit rate (0..1)",
                                labels, registry=r)
         # HiCache L2 (only with --enable-hierarchical-cache): hit tokens per tier, pages and
@@ -147,6 +152,9 @@ class ServerMetrics:
         if "swa_token_usage" in load:
             self._used_swa_tokens.labels(m).set(load["num_used_swa_tokens"])
             self._swa_token_usage.labels(m).set(load["swa_token_usage"])
+        if "state_slot_usage" in load:
+            self._used_state_slots.labels(m).set(load["num_used_state_slots"])
+            self._state_slot_usage.labels(m).set(load["state_slot_usage"])
         for key, value in load.items():
             if key.startswith("hicache_") and isinstance(value, (int, float)):
                 self._hicache.labels(m, key.removeprefix("hicache_")).set(value)

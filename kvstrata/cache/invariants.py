@@ -106,6 +106,27 @@ def expected_swa_rows(live_requests: list[Any], swa) -> dict[int, tuple[int, lis
     return rows
 
 
+def expected_state_slots(kv, live_requests: list[Any]) -> dict[int, tuple[int, ...]]:
+    """Recurrent state: slot -> the token ids whose state it must hold now (a runner that
+    can tell compares): each live request's working slot the tokens it computed, its aside
+    slot those up to its snapshot, each cached snapshot its node's path (cache salts taken
+    off the tree's ids: salted_ids adds the salt above the token's 32 bits)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for req in live_requests:
+        if req.state_slot:
+            out[req.state_slot] = tuple(req.all_ids[:req.num_computed_tokens])
+        if req.state_aside_slot:
+            out[req.state_aside_slot] = tuple(req.all_ids[:req.state_aside_pos])
+    stack = [(child, ()) for child in kv.tree.root.children.values()]
+    while stack:
+        node, prefix = stack.pop()
+        path = prefix + tuple(t & 0xFFFFFFFF for t in node.key)
+        if node.state_slot:
+            out[node.state_slot] = path
+        stack.extend((child, path) for child in node.children.values())
+    return out
+
+
 def check_backup_pool(kv, held: list[list[int]]) -> None:
     """A decode server's retraction host pool (KVManager.check_backups): free + held by
     backups == total host pages, no page held twice, the manager's count matches."""

@@ -15,6 +15,11 @@ Hybrid SWA memory (plan.has_swa_pool): every full page also has an SWA page for 
 sliding-window layers until it falls out of every window (cache/swa_pages.py; the tree's side
 in cache/swa_radix.py). `swa_slots` gives the runner those slots; `free_out_of_window` is the
 per-step release; capacity is the smaller of the two pools.
+
+Recurrent state (plan.has_state_pool): each running request computes in a state slot of its
+own and the tree keeps state snapshots beside its pages (cache/state_slots.py,
+cache/state_radix.py): a match ends where a snapshot does, a finished request caches its K/V
+up to the snapshot it leaves.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from kvstrata.cache.invariants import check_backup_pool
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
+from kvstrata.cache.state_radix import StateRadixCache
+from kvstrata.cache.state_slots import StateSlots
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.cache.swa_pages import SWAPages
 from kvstrata.cache.swa_hiradix import SWAHiRadixCache
@@ -44,7 +51,8 @@ def _cache_ids(req: Any) -> list[int]:
 class KVManager:
     def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
                  eviction_policy: str = "lru", hicache_write_policy: str = "write_through",
-                 storage: PrefetchConfig | None = None, backups_share_host: bool = False):
+                 storage: PrefetchConfig | None = None, backups_share_host: bool = False,
+                 state_track_interval: int | None = None):
         """Page ids for `plan`'s pools. A host pool in the plan is either HiCache L2 (a host
         tier behind the radix tree) or, with host_pool_use "retraction", a decode server's
         store for retracted requests' KV backups (no tree: `alloc_backup_pages`). `storage`:
@@ -52,11 +60,17 @@ class KVManager:
         `backups_share_host`: a decode server with HiCache and host_pool retraction backups:
         one host pool, sized by the HiCache flags, holds both; a backup takes free host pages
         first, then evicts host-only cached pages (SGLang reclaims evictable host pages
-        first), and the tree's integrity check counts the backups' pages as used."""
+        first), and the tree's integrity check counts the backups' pages as used.
+        `state_track_interval`: with a state pool, extra_buffer's track cadence (None:
+        no_buffer)."""
         self.plan = plan
         page_size = self.page_size = plan.page_size
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.swa: SWAPages | None = None
+        self.states: StateSlots | None = None
+        if plan.has_state_pool and (plan.has_swa_pool or plan.has_host_pool or storage):
+            raise ValueError("a recurrent state pool beside an SWA pool, a host pool or L3 "
+                             "storage is not built yet")
         if plan.has_swa_pool:
             # HiCache L2 copies SWA pages (cache/swa_hiradix.py); retraction backups and L3
             # do not yet: never mix silently.
@@ -90,6 +104,12 @@ class KVManager:
                 self.tree.storage = StorageTier(self.tree, storage, max(capacity, 0))
         elif storage is not None:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        elif plan.has_state_pool:
+            slots = PageAllocator(plan.num_state_slots, 1)
+            self.tree = StateRadixCache(self.allocator, page_size, slots,
+                                        disable=disable_radix_cache,
+                                        eviction_policy=eviction_policy)
+            self.states = StateSlots(slots, self.tree, page_size, state_track_interval)
         elif self.swa is not None:
             self.tree = SWARadixCache(self.allocator, page_size, self.swa,
                                       disable=disable_radix_cache, eviction_policy=eviction_policy)
@@ -200,6 +220,10 @@ class KVManager:
         req.num_tree_pages = len(req.pages)
         req.swa_evicted_pages = 0
         self._swa_lock(req)
+        if self.states is not None:  # its first forward copies the node's snapshot
+            kv_end = self.tree.peek_kv_pages(self._matchable(ids, whole_prompt)) \
+                if use_cache else 0
+            self.states.on_match(req, match.last_node, kv_end * self.page_size)
         req.num_computed_tokens = len(req.pages) * self.page_size
         req.row_stale_from = 0
         self.queried_tokens += len(ids)
@@ -238,6 +262,19 @@ class KVManager:
         self.tree.lock(again.last_node)
         self.tree.unlock(match.last_node)
         return again
+
+    # ------------------------------------------------------------------ recurrent state
+    def assign_state_slot(self, req: Any) -> bool:
+        """An admitted request's working state slot (True without a state pool)."""
+        return self.states is None or self.states.assign(req)
+
+    def state_fields(self, req: Any, end: int, chunk_end: bool) -> dict:
+        """ScheduledRequest's state fields ({} without a state pool; StateSlots)."""
+        return {} if self.states is None else self.states.entry_fields(req, end, chunk_end)
+
+    def after_forward(self) -> None:
+        if self.states is not None:
+            self.states.after_forward()
 
     def drain_ops(self) -> list:
         """This step's tier ops for the runner: HiCache copies (TransferOp, in order) and
@@ -359,7 +396,7 @@ class KVManager:
             return
         key = _cache_ids(req)[:full * self.page_size]
         self.tree.insert(key, req.pages[:full])
-        match = self.tree.match_prefix(key)
+        match = self.tree.match_inserted(key)
         tree_pages = match.device_pages
         assert len(tree_pages) == full, (len(tree_pages), full)
         # Pages someone else inserted meanwhile are duplicates of ours: drop ours and point
@@ -378,6 +415,8 @@ class KVManager:
         req.last_node = match.last_node
         req.num_tree_pages = full
         self._swa_lock(req)
+        if self.states is not None:  # the snapshot the chunk took, at its end
+            self.states.after_chunk(req, match.last_node, full * self.page_size)
 
     def cache_prompt(self, req: Any) -> None:
         """A prompt's prefill is done. With an SWA pool its whole pages go to the tree now
@@ -394,17 +433,24 @@ class KVManager:
         (finished/aborted requests); without, everything it owns is freed (retraction)."""
         to_free: list[int] = []
         keep = req.num_tree_pages
-        if insert and not self.tree.disable:
-            full = req.num_computed_tokens // self.page_size
+        cache = insert and not self.tree.disable
+        ids = _cache_ids(req) if cache else []
+        # With recurrent state, K/V past the snapshot the request leaves could never be
+        # resumed: cache up to it only (StateSlots.donation).
+        snap = self.states.donation(req) if cache and self.states is not None else (0, 0)
+        if cache:
+            full = (snap[0] if self.states is not None else req.num_computed_tokens) \
+                // self.page_size
             if full > req.num_tree_pages:
-                already = self.tree.insert(_cache_ids(req)[:full * self.page_size],
-                                           req.pages[:full])
+                already = self.tree.insert(ids[:full * self.page_size], req.pages[:full])
                 # [num_tree_pages, already): the tree had its own copy -> ours are duplicates.
                 to_free.extend(req.pages[req.num_tree_pages:max(already, req.num_tree_pages)])
                 keep = full
         to_free.extend(req.pages[keep:])
         if to_free:
             self._free(to_free)
+        if self.states is not None:
+            self.states.release(req, ids, *snap)
         if req.last_node is not None:
             self._swa_lock(req, lock=False)
             self.tree.unlock(req.last_node)
@@ -439,3 +485,5 @@ class KVManager:
             f"KV page leak: free {free} + in use {own} + cached {cached} != total {total}")
         if self.swa is not None:
             self.swa.check_requests(live_requests, self.tree)
+        if self.states is not None:
+            self.states.check(live_requests)

@@ -36,7 +36,8 @@ class TreeNode:
     __slots__ = (
         "id", "key", "device_pages", "children", "parent", "lock_ref",
         "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
-        "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone", "host_swa",
+        "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone", "host_swa", "state_slot",
+        "state_pin",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -67,6 +68,11 @@ class TreeNode:
         # HiCache with hybrid SWA memory (cache/swa_hiradix.py): the host copy (or the one
         # being written) holds the window layers' K/V too, not only the full layers'.
         self.host_swa = False
+        # Recurrent state (cache/state_radix.py): the state pool slot holding the state after
+        # this node's last token (0: none, a "state tombstone"), and the copies of it still
+        # to be made into requests' working slots (it must not be freed before).
+        self.state_slot = 0
+        self.state_pin = 0
 
     @property
     def num_pages(self) -> int:
@@ -244,6 +250,12 @@ class RadixCache:
         # pos stops at the first token the tree lacked (== len(token_ids) if it had them all).
         return pos // page_size
 
+    def match_inserted(self, token_ids: list[int]) -> MatchResult:
+        """The path of a key whose pages were just inserted, its last node ending exactly at
+        the key's end (cache_unfinished locks it): match_prefix, which the state tree
+        narrows to snapshots (cache/state_radix.py) and so overrides here."""
+        return self.match_prefix(token_ids)
+
     def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut `child` after `num_pages` pages; return the new upper node.
 
@@ -325,16 +337,20 @@ class RadixCache:
         freed = 0
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
-            self._free_node_pages(leaf)
             freed += leaf.num_pages
-            self._evictable_pages -= leaf.num_pages
             parent = leaf.parent
-            del parent.children[leaf.key[:self.page_size]]
-            leaf.parent = None
+            self._drop_leaf(leaf)
             # root has lock_ref 1 permanently, so it is never pushed.
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), parent.id, parent))
         return freed
+
+    def _drop_leaf(self, leaf: TreeNode) -> None:
+        """Free an unlocked leaf's pages and take it out of the tree."""
+        self._free_node_pages(leaf)
+        self._evictable_pages -= leaf.num_pages  # unlocked: evictable
+        del leaf.parent.children[leaf.key[:self.page_size]]
+        leaf.parent = None
 
     def evictable_pages(self) -> int:
         return self._evictable_pages

@@ -192,12 +192,6 @@ class SWARadixCache(RadixCache):
                 self._swa_evictable_pages -= node.num_pages
         super()._free_node_pages(node)
 
-    def _drop_leaf(self, leaf: TreeNode) -> None:
-        self._free_node_pages(leaf)
-        self._evictable_pages -= leaf.num_pages  # unlocked: evictable
-        del leaf.parent.children[leaf.key[:self.page_size]]
-        leaf.parent = None
-
     def evict_swa(self, num_pages: int) -> int:
         """Free at least `num_pages` SWA pages of cached nodes without an SWA lock (module
         docstring); return SWA pages freed (fewer only when nothing is left to free)."""

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from kvstrata.config.kv_plan import KVComponent, KVPlan
+from kvstrata.config.kv_sizing_state import state_plan
 from kvstrata.config.kv_sizing_swa import swa_plan
 from kvstrata.config.resolve_types import Resolution, ResolvedArgs, change
 from kvstrata.config.state_plan import StateComponent
@@ -131,6 +132,11 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
                  budget_bytes: int | None = None) -> tuple[KVPlan, list[Resolution]]:
     """The plan and the Resolutions that produced its numbers. `budget_bytes`: device memory
     the KV pool may take (only read when --max-total-tokens is unset)."""
+    if facts.state_components:  # recurrent state: the budget split (kv_sizing_state.py)
+        ctx, resolutions = _context_len(args, facts)
+        plan, sized = state_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS,
+                                 lambda per_token, budget: _device_tokens(args, per_token, budget))
+        return plan, sized + resolutions
     if args.hybrid_swa_memory and facts.layer_windows and facts.pool_kind == "mha":
         ctx, resolutions = _context_len(args, facts)
         plan, sized = swa_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS,

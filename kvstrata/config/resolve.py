@@ -9,6 +9,8 @@ Ordered pure steps (docs/configuration.md has the full table):
   3. storage/layout (Mooncake needs a page-major layout)
   4. HiCache ratio default (non-decode servers)
   4b. hybrid SWA memory (a second pool for sliding-window layers; later steps see its kind)
+  4c. recurrent state (the snapshot prefix cache's strategy, state slots per request; what
+      is refused beside an SSM / linear-attention model)
   5. decode-retraction backup + ratio
   6. DSA gates
   7. speculative decoding (NEXTN -> EAGLE, auto draft shape, chain draft tokens)
@@ -27,7 +29,7 @@ from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
 from kvstrata.config.rules import (deterministic, disagg, dsa, hicache, page_geometry,
-                                   platform_defaults, retraction, speculative, swa)
+                                   platform_defaults, recurrent, retraction, speculative, swa)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -44,6 +46,7 @@ STEPS: tuple[tuple[str, Step], ...] = (
     ("hicache storage/layout", hicache.storage_layout),
     ("hicache ratio default", hicache.ratio_default),
     ("hybrid swa memory", swa.hybrid_swa_memory),
+    ("recurrent state", recurrent.recurrent_state),
     ("decode retraction backup", retraction.retraction_backup),
     ("dsa gates", dsa.dsa_gates),
     ("speculative decoding", speculative.speculative),

@@ -57,7 +57,8 @@ def explain(args: ServerArgs, platform: Platform | str | None = None,
 def format_table(plat: Platform, info: ModelInfo | None, resolved: ResolvedArgs,
                  resolutions: list[Resolution]) -> str:
     model = ("unknown (assuming an MHA model without recurrent state)" if info is None else
-             f"kv pool {info.kv_pool_kind}, recurrent state {info.has_recurrent_state}, "
+             f"kv pool {info.kv_pool_kind}, recurrent state {info.has_recurrent_state}"
+             + (f" ({info.recurrent_layers})" if info.recurrent_layers else "") + ", "
              f"dsa {info.uses_dsa}" + (f", windowed layers {info.num_swa_layers} of "
                                        f"{len(info.layer_windows)}" if info.layer_windows
                                        else ""))

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.config import hf_recurrent
 from kvstrata.config.server_args import ServerArgs, opt
 
 KV_POOL_KINDS = ("mha", "swa", "mla", "other")
@@ -54,6 +55,11 @@ class ResolvedArgs(ServerArgs):
     hybrid_swa_memory: bool | None = opt(
         None, "The sliding-window layers keep their K/V in their own, smaller pool.",
         cli=False, group="derived")
+    # Recurrent state (config/rules/recurrent.py): the state slots the pool keeps per running
+    # request (a working slot plus the prefix cache's share); None without recurrent state.
+    state_slots_per_request: int | None = opt(
+        None, "State slots per running request: the state pool bounds concurrency to "
+              "slots // this.", cli=False, group="derived")
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,9 @@ class ModelInfo:
     the full-attention tokens per layer once the pool is sized (None = not known yet)."""
     kv_pool_kind: str = "mha"
     has_recurrent_state: bool = False  # Mamba/SSM/linear-attention state per request
+    # Where config.json says which layers keep that state (config/hf_recurrent.py), for
+    # `config --explain`; "" for a model without any.
+    recurrent_layers: str = ""
     full_attention_tokens_per_layer: int | None = None
     uses_dsa: bool = False
     # What its attention adds to the softmax (runner/attention/window.py): "attention
@@ -106,8 +115,8 @@ class ModelInfo:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelInfo":
         model_type = str(cfg.get("model_type", "")).lower()
-        recurrent = any(k in model_type for k in ("mamba", "jamba", "linear", "gdn", "rwkv")) \
-            or "layers_block_type" in cfg or "mamba_d_state" in cfg
+        found = hf_recurrent.recurrent_layers(cfg)
+        recurrent = found is not None
         # A sliding-window model is "mha" here, as its config describes it: whether its
         # windowed layers get a pool of their own ("swa") is resolution's decision
         # (rules/swa.py), which then hands the later rules the "swa" kind.
@@ -118,6 +127,7 @@ class ModelInfo:
             if on)
         windows = None if recurrent or kind != "mha" else _config_windows(cfg)
         return cls(kv_pool_kind=kind, has_recurrent_state=recurrent,
+                   recurrent_layers=found[2] if found else "",
                    uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras,
                    layer_windows=windows)
 

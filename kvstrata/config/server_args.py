@@ -42,6 +42,8 @@ HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DISAGG_MODES = ("null", "prefill", "decode")
 DISAGG_TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
 RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
+MAMBA_SSM_DTYPES = ("bfloat16", "float32")
+MAMBA_RADIX_CACHE_STRATEGIES = ("auto", "no_buffer", "extra_buffer")
 # SGLang's --speculative-algorithm names (NEXTN resolves to EAGLE with the checkpoint's own
 # MTP layer); which ones are built is config/rules/speculative.py's business.
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
@@ -134,6 +136,23 @@ class ServerArgs:
         False, "Keep every layer's K/V in one pool, the sliding-window layers' too (by default "
                "a model with windowed layers keeps theirs in a second, smaller pool that drops "
                "out-of-window K/V).", group="memory")
+    # Recurrent (SSM / linear-attention) models: SGLang's flags (config/kv_sizing_state.py,
+    # config/rules/recurrent.py; docs/configuration.md "Recurrent state").
+    max_mamba_cache_size: int | None = opt(
+        None, "State slots of a recurrent model's state pool (default: sized by "
+              "--mamba-full-memory-ratio).", group="memory")
+    mamba_ssm_dtype: str | None = opt(None, "dtype of the SSM state (default: the model's).",
+                                      choices=MAMBA_SSM_DTYPES, group="memory")
+    mamba_full_memory_ratio: float = opt(
+        0.9, "State pool memory / full-attention KV memory: the states get r/(1+r) of the "
+             "KV budget.", group="memory")
+    mamba_radix_cache_strategy: str = opt(
+        "auto", "Prefix cache with state snapshots: no_buffer (page size 1), extra_buffer "
+                "(a track slot per request), auto (no_buffer at page size 1).",
+        choices=MAMBA_RADIX_CACHE_STRATEGIES, group="memory")
+    mamba_track_interval: int | None = opt(
+        None, "extra_buffer: snapshot a decoding request's state every N tokens (default: "
+              "resolved: the page size; SGLang's 256 at page size 1).", group="memory")
     max_running_requests: int | None = opt(None, "Maximum concurrently running requests.",
                                            group="scheduling")
     max_prefill_tokens: int = opt(16384, "Token budget of one prefill batch.",

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kvstrata import envs
-from kvstrata.cache.invariants import expected_rows, expected_swa_rows
+from kvstrata.cache.invariants import expected_rows, expected_state_slots, expected_swa_rows
 from kvstrata.engine.request import EngineRequest, Request
 from kvstrata.engine.scheduler.core import Scheduler, SchedulerConfig
 from kvstrata.engine.scheduler.introspect import check_scheduler, dump_state
@@ -177,6 +177,7 @@ class EngineCore:
             "new_token_ratio": self.scheduler.ratio.value,
             **self._hicache_load(),
             **self._swa_load(),
+            **self._state_load(),
             **{k: v for side in self.scheduler.sides for k, v in side.load().items()},
         }
 
@@ -191,6 +192,17 @@ class EngineCore:
         used = (kv.swa.allocator.num_used() - kv.tree.evictable_swa_pages()) * kv.page_size
         return {"num_used_swa_tokens": used, "max_total_swa_tokens": total,
                 "swa_token_usage": used / total if total else 0.0}
+
+    def _state_load(self) -> dict:
+        """Recurrent state: slots held by requests or pinned for a copy (cached snapshots
+        can be evicted: free to take), the pool, and the snapshots cached."""
+        kv = self.scheduler.kv
+        if kv.states is None:
+            return {}
+        total = kv.states.num_slots
+        used = kv.states.allocator.num_used() - kv.tree.cached_states() + kv.tree.pinned_states()
+        return {"num_used_state_slots": used, "max_state_slots": total,
+                "state_slot_usage": used / total, "num_cached_states": kv.tree.cached_states()}
 
     def _hicache_load(self) -> dict:
         kv = self.scheduler.kv
@@ -224,6 +236,9 @@ class EngineCore:
             live = self.scheduler.live_requests()
             check_rows(expected_rows(live, self.scheduler.page_size),
                        expected_swa_rows(live, self.scheduler.kv.swa))
+        check_states = getattr(self.runner, "check_state_slots", None)
+        if check_states is not None and self.scheduler.kv.states is not None:
+            check_states(expected_state_slots(self.scheduler.kv, self.scheduler.live_requests()))
 
     def dump_state(self) -> str:
         return dump_state(self.scheduler)

@@ -60,6 +60,16 @@ class Request:
     # released (out of every window), and where its SWA lock on its tree prefix starts.
     swa_evicted_pages: int = 0
     swa_lock_from: int | None = None
+    # Recurrent state (cache/state_slots.py): its working state slot, whether its next
+    # forward starts clean, the pinned snapshot node it copies from first, a snapshot it
+    # took for the prefix cache (slot, position), and where its prefill ends a chunk to
+    # snapshot a branch point (0: nowhere).
+    state_slot: int = 0
+    state_fresh: bool = False
+    state_copy_node: Any = None
+    state_aside_slot: int = 0
+    state_aside_pos: int = 0
+    state_branch_end: int = 0
 
     # --- accounting ---
     cached_tokens: int = 0
@@ -100,6 +110,8 @@ class Request:
         self.row_stale_from = 0
         self.swa_evicted_pages = 0
         self.swa_lock_from = None
+        assert not self.state_slot and not self.state_aside_slot, "state slots not released"
+        self.state_branch_end = 0
         self.known_to_runner = False
         self.status = RequestStatus.WAITING
         self.retraction_count += 1

@@ -120,10 +120,11 @@ RULES = ["platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype
          "disagg.decode_chunk_cache", "disagg.decode_offload", "disagg.decode_hicache", "disagg.decode_radix_cache", "disagg.decode_extra_slots",
          "spec.nextn", "spec.nextn_draft", "spec.auto_shape", "spec.ngram_breadth", "spec.ngram_tokens",
          "spec.ngram_topk", "spec.ngram_steps", "spec.chain", "deterministic.cpu_default",
-         "deterministic.kernels", "swa.on", "swa.off",
+         "deterministic.kernels", "swa.on", "swa.off", "state.strategy", "state.slots_per_request",
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)
          "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
-         "kv_plan.sliding_window", "kv_plan.rows", "kv_plan.swa_memory"]
+         "kv_plan.sliding_window", "kv_plan.rows", "kv_plan.swa_memory", "kv_plan.state_slots",
+         "kv_plan.state_rows", "state.track_interval"]
 
 
 def test_docs_list_every_flag_rule_and_env_var():
@@ -142,6 +143,7 @@ def test_docs_list_every_flag_rule_and_env_var():
     sources = "".join(p.read_text() for p in (root / "kvstrata/config/rules").glob("*.py"))
     sources += (root / "kvstrata/config/kv_sizing.py").read_text()
     sources += (root / "kvstrata/config/kv_sizing_swa.py").read_text()
-    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan|disagg|spec|deterministic|swa)\.[A-Za-z_.0-9]+)"',
+    sources += (root / "kvstrata/config/kv_sizing_state.py").read_text()
+    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan|disagg|spec|deterministic|swa|state)\.[A-Za-z_.0-9]+)"',
                           sources))
     assert used == set(RULES)

@@ -56,7 +56,6 @@ def test_explicit_cpu_tensor_kept(platform):
     ({"disaggregation_decode_enable_offload_kvcache": True, "hicache_storage_backend": "file"},
      None),
     ({"enable_priority_scheduling": True}, None),
-    ({}, ModelInfo(has_recurrent_state=True)),
     ({}, ModelInfo(kv_pool_kind="mla")),
     ({}, ModelInfo(kv_pool_kind="other")),
     ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=0)),
@@ -108,7 +107,6 @@ def test_explicit_ratio_kept(platform):
       **DECODE}, None,
      "--disaggregation-decode-retraction-backup host_pool and "
      "--disaggregation-decode-enable-offload-kvcache are mutually exclusive"),
-    (DECODE, ModelInfo(has_recurrent_state=True), "does not support models with recurrent/SSM"),
     (DECODE, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=0),
      "does not support a pure sliding-window KV pool"),
 ])
@@ -116,6 +114,23 @@ def test_explicit_host_pool_errors(platform, kwargs, model_info, message):
     with pytest.raises(ValueError) as info:
         run(platform, model_info, disaggregation_decode_retraction_backup="host_pool", **kwargs)
     assert message in str(info.value)
+
+
+def test_recurrent_state_takes_cpu_tensor_and_refuses_host_pool():
+    """The rule alone: the pipeline refuses PD for a recurrent model first (rules/recurrent.py:
+    the final state does not cross yet), so the gate is kept for when it does."""
+    from kvstrata.config.resolve_types import to_resolved  # noqa: PLC0415
+    from kvstrata.config.rules.retraction import retraction_backup  # noqa: PLC0415
+
+    info = ModelInfo(has_recurrent_state=True)
+    res = retraction_backup(to_resolved(ServerArgs(**DECODE)), simulated("cuda"), info, {})
+    assert res[0].new == "cpu_tensor" and "recurrent/SSM state" in res[0].reason
+    with pytest.raises(ValueError, match="does not support models with recurrent/SSM"):
+        retraction_backup(to_resolved(ServerArgs(
+            disaggregation_decode_retraction_backup="host_pool", **DECODE)),
+            simulated("cuda"), info, {})
+    with pytest.raises(ValueError, match="not built yet for a model with recurrent"):
+        run("cuda", info, **DECODE)
 
 
 def test_decide_backup_is_pure():

@@ -6,7 +6,11 @@ below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm/lof, 
 speculative decoding on/off with its draft length and a seeded pattern of right and wrong
 draft tokens, priority scheduling with preemption on/off, its threshold and direction, a
 bounded queue, a hybrid SWA pool (window, SWA pages; no host tier then: the fake runner
-reads every window back through swa_slots, tests/unit/fake_swa_runner.py)) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
+reads every window back through swa_slots, tests/unit/fake_swa_runner.py), a recurrent state
+pool (an SSM hybrid: state slots, snapshot strategy, track interval; no host tier, SWA pool or
+speculation then: the fake runner checks every state slot's tokens,
+tests/unit/fake_state_runner.py)) and then interleaves arrivals (prompts sharing prefixes,
+drawn priorities),
 client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
@@ -39,6 +43,7 @@ from kvstrata.protocol import SamplingParams
 from tests.unit import end_counter
 from tests.unit.fake_runner import (FakeRunner, FakeStorage, pattern_drafter,
                                     reference_tokens)
+from tests.unit.fake_state_runner import FakeStateRunner
 from tests.unit.fake_swa_runner import FakeSWARunner
 
 VOCAB = 211
@@ -76,6 +81,12 @@ configs = st.fixed_dictionaries({
                                                                "timeout"]))),
     # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off (a host tier too).
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
+    # Recurrent state (an SSM hybrid): (state slots, --mamba-radix-cache-strategy, track
+    # interval in pages), or off. Takes the place of the SWA pool, the host tier and
+    # speculation (not built beside it); no_buffer at pages > 1 runs as auto.
+    "state": st.one_of(st.none(), st.none(), st.none(), st.tuples(
+        st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
+        st.sampled_from([1, 2, 4]))),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
@@ -93,6 +104,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(cfg=configs, first=st.lists(arrivals, min_size=1, max_size=6))
     def build(self, cfg, first):
         P = cfg["page_size"]
+        state = cfg.get("state")
+        if state is not None:
+            cfg = {**cfg, "swa": None, "spec": None, "hicache_pages": 0}
         swa = cfg["swa"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] and swa is None else 0
         self.cfg = cfg
@@ -110,8 +124,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             "schedule_low_priority_values_first": cfg["priority"][2]}
         swa_plan = {} if swa is None else {"swa_window": swa[0],
                                            "num_swa_pages": max(swa[1] // P, 1)}
-        self.runner = (FakeRunner(page_size=P, vocab_size=VOCAB, storage=store) if swa is None
-                       else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB))
+        state_plan = {} if state is None else {
+            "num_state_slots": state[0], "mamba_track_interval": state[2] * P,
+            "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
+            else state[1]}
+        self.runner = (FakeRunner(page_size=P, vocab_size=VOCAB, storage=store)
+                       if swa is None and state is None else
+                       FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB) if state is None
+                       else FakeStateRunner(page_size=P, vocab_size=VOCAB))
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],
@@ -123,6 +143,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             schedule_conservativeness=cfg["conservativeness"],
             disable_radix_cache=cfg["disable_radix_cache"],
             num_host_pages=hicache, hicache_write_policy=cfg["write_policy"], **l3, **swa_plan,
+            **state_plan,
             **({} if cfg["spec"] is None else {"speculative_algorithm": cfg["spec"][2],
                                                "speculative_num_draft_tokens": cfg["spec"][0]})))
         if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
@@ -213,6 +234,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"accepted drafts > 0: {self.runner.verified_drafts > 0}")
         if self.cfg["swa"] is not None:
             event(f"SWA window reads > 0: {self.runner.swa_reads > 0}")
+        if self.cfg.get("state") is not None:
+            event(f"state snapshots copied > 0: {self.runner.copies > 0}")
+            states = self.engine.scheduler.kv.states
+            assert self.engine.scheduler.kv.tree.pinned_states() == 0, "a snapshot pin survived"
+            assert states.allocator.available_pages() + \
+                self.engine.scheduler.kv.tree.cached_states() == states.num_slots, (
+                    "state slots held after the drain")
         storage = self.engine.scheduler.kv.storage
         if storage is not None:
             event(f"L3 hit tokens > 0: {storage.stats.hit_tokens > 0}")

@@ -23,7 +23,7 @@ from tests.unit import test_scheduler_fuzz as base
 # healing inserts are common.
 swa_configs = base.configs.flatmap(lambda cfg: st.tuples(
     st.one_of(st.integers(1, 8), st.integers(1, 48)), st.integers(4, 160)).map(
-        lambda swa: {**cfg, "swa": swa}))
+        lambda swa: {**cfg, "swa": swa, "state": None}))
 
 
 class SWAMachine(base.SchedulerMachine):

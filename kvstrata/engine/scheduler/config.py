@@ -7,6 +7,7 @@ from typing import Any
 
 from kvstrata.cache.storage_tier import PrefetchConfig
 from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.rules.recurrent import check_strategy, track_interval
 from kvstrata.config.server_args import ServerArgs, parse_extra_config
 
 
@@ -21,6 +22,7 @@ _PRIORITY_FIELDS = ("enable_priority_scheduling", "disable_priority_preemption",
                     "default_priority_value", "abort_on_priority_when_disabled",
                     "schedule_low_priority_values_first",
                     "priority_scheduling_preemption_threshold", "max_queued_requests")
+_STATE_FIELDS = ("mamba_radix_cache_strategy", "mamba_track_interval")
 _SPEC_FIELDS = ("speculative_algorithm", "speculative_num_draft_tokens",
                 "speculative_disable_by_batch_size",
                 "speculative_ngram_min_match_window_size",
@@ -99,15 +101,21 @@ class SchedulerConfig:
     # A draft model's tree (topk > 1): the runner expands topk per node for num_steps.
     speculative_eagle_topk: int | None = _arg("speculative_eagle_topk")
     speculative_num_steps: int | None = _arg("speculative_num_steps")
+    # Recurrent state (plan.has_state_pool; cache/state_slots.py): the snapshot prefix
+    # cache's strategy (auto = config/rules/recurrent.py's choice) and extra_buffer's track
+    # cadence.
+    mamba_radix_cache_strategy: str = _arg("mamba_radix_cache_strategy")
+    mamba_track_interval: int | None = _arg("mamba_track_interval")
 
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
                  host_pool_use: str | None = None, num_swa_pages: int = 0, swa_window: int = 0,
-                 **policy: Any):
+                 num_state_slots: int = 0, **policy: Any):
         """The server passes the plan the engine factory sized. Torch-free tests may pass
         page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only); there a
         decode server's host pages are its retraction host pool unless `host_pool_use`
-        says "hicache"; `num_swa_pages` / `swa_window`: a hybrid SWA pool."""
+        says "hicache"; `num_swa_pages` / `swa_window`: a hybrid SWA pool;
+        `num_state_slots`: a recurrent state pool (bookkeeping only)."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
         # A decode server's host pages hold retraction backups, unless its radix cache has a
@@ -119,7 +127,7 @@ class SchedulerConfig:
         self.plan = plan or KVPlan.pages_only(
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
             num_host_pages=num_host_pages, host_pool_use=use, num_swa_pages=num_swa_pages,
-            swa_window=swa_window)
+            swa_window=swa_window, num_state_slots=num_state_slots)
         for f in fields(self):
             if f.name != "plan":
                 setattr(self, f.name, policy.pop(f.name, f.default))
@@ -132,6 +140,30 @@ class SchedulerConfig:
             raise ValueError("--disaggregation-mode must be null, prefill or decode, got "
                              f"{self.disaggregation_mode!r}")
         self._check_host_pool()
+        self._check_state_pool()
+
+    def _check_state_pool(self) -> None:
+        """What a recurrent state pool is not built beside yet (config/rules/recurrent.py
+        refuses the flags at start-up; this guards configs built without resolution)."""
+        if not self.plan.has_state_pool:
+            return
+        if self.disaggregation_mode != "null" or self.speculative_algorithm is not None:
+            raise ValueError("a recurrent state pool does not support PD disaggregation or "
+                             "speculative decoding yet")
+        if self.radix_cache:  # a strategy it cannot run (no_buffer with pages > 1) fails here
+            check_strategy(self.mamba_radix_cache_strategy, self.page_size,
+                           self.mamba_track_interval)
+
+    @property
+    def state_track_interval(self) -> int | None:
+        """extra_buffer's track cadence, None otherwise (no_buffer, no radix cache, no state
+        pool)."""
+        if not self.plan.has_state_pool or not self.radix_cache:
+            return None
+        strategy = check_strategy(self.mamba_radix_cache_strategy, self.page_size,
+                                  self.mamba_track_interval)
+        return track_interval(self.mamba_track_interval, self.page_size) \
+            if strategy == "extra_buffer" else None
 
     @property
     def radix_cache(self) -> bool:
@@ -192,7 +224,7 @@ class SchedulerConfig:
     def from_args(cls, args: Any, plan: KVPlan) -> "SchedulerConfig":
         # PD and storage fields default when the args lack them (an args-like namespace
         # from before those flags); the others must exist.
-        optional = _PD_FIELDS + _STORAGE_FIELDS + _SPEC_FIELDS + _PRIORITY_FIELDS
+        optional = _PD_FIELDS + _STORAGE_FIELDS + _SPEC_FIELDS + _PRIORITY_FIELDS + _STATE_FIELDS
         values = {f.name: (getattr(args, f.name, f.default) if f.name in optional
                            else getattr(args, f.name))
                   for f in fields(cls) if f.name != "plan"}

@@ -15,8 +15,8 @@ from kvstrata.engine.scheduler.config import SchedulerConfig
 from kvstrata.engine.scheduler.new_token_ratio import NewTokenRatio
 from kvstrata.engine.scheduler.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, abort_unfittable,
                                                      retract_for_decode, stalled)
-from kvstrata.engine.scheduler.prefill_adder import (PrefillAdder, PrefillItem, prefill_candidates,
-                                                     swa_budget)
+from kvstrata.engine.scheduler.prefill_adder import (PrefillAdder, PrefillItem, branch_cap,
+                                                     prefill_candidates, swa_budget)
 from kvstrata.engine.scheduler.stop_checker import StopChecker
 from kvstrata.engine.scheduler.verify_step import after_verified, collect_drafts, settle_verified
 from kvstrata.engine.sides.base import SchedulerSide
@@ -36,7 +36,8 @@ class Scheduler:
         self.page_size = config.page_size
         self.kv = KVManager(
             config.plan, not config.radix_cache, config.radix_eviction_policy,
-            config.hicache_write_policy, config.prefetch_config(), config.backups_share_host)
+            config.hicache_write_policy, config.prefetch_config(), config.backups_share_host,
+            config.state_track_interval)
         self.stop_checker = stop_checker
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
         self.waiting: list[Request] = []
@@ -253,6 +254,7 @@ class Scheduler:
             sample=sample, num_draft=len(draft),
             draft_parents=getattr(draft, "parents", None),
             runner_tree=isinstance(draft, TreeDraft) and draft.parents is None,
+            **self.kv.state_fields(req, end, chunk_end=not sample),
         )
         # Optimistic: run before the next schedule() (a verify entry is corrected in update).
         req.num_computed_tokens = end
@@ -274,7 +276,7 @@ class Scheduler:
         )
         if self.chunked_req is not None:
             req = self.chunked_req
-            item = adder.add_chunked(req, req.seq_len - req.num_computed_tokens)
+            item = adder.add_chunked(req, req.seq_len - req.num_computed_tokens, branch_cap(req))
             if item is not None and not self.kv.grow(req, req.num_computed_tokens + item.extend_len):
                 adder.items.remove(item)
                 item = None
@@ -314,8 +316,11 @@ class Scheduler:
         adder.rem_total -= (self.kv.tree.protected_pages() - protected_before) * self.page_size
         if swa_before is not None:  # and its last window out of the SWA one
             adder.rem_swa -= swa_before - self.kv.swa_allocatable_tokens()
-        item = adder.try_add(req, req.seq_len - prefix)
-        if item is None or not self.kv.grow(req, prefix + item.extend_len):
+        item = adder.try_add(req, req.seq_len - prefix, branch_cap(req))
+        # (recurrent state: a working slot too; none free even after evicting snapshots
+        # means every slot is held by running requests: wait for one to end)
+        if item is None or not self.kv.grow(req, prefix + item.extend_len) \
+                or not self.kv.assign_state_slot(req):
             if item is not None:
                 adder.items.remove(item)
             self.kv.release(req, insert=False)
@@ -373,6 +378,7 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Apply sampled tokens; returns the requests that produced output this step."""
         self.kv.on_events(result.events)
+        self.kv.after_forward()  # recurrent state: the snapshots copied from may go
         by_id = {rid: r for rid, r in self._in_flight.items() if not r.is_finished}
         touched: list[Request] = []
         for rid, logprobs in result.prompt_logprobs.items():

@@ -16,8 +16,10 @@ def brief(r: Request) -> str:
             f"max_new={r.params.max_new_tokens} computed={r.num_computed_tokens} "
             f"pages={len(r.pages)} tree_pages={r.num_tree_pages} row={r.row} "
             f"retracted={r.retraction_count}"
-            + (f" swa_evicted={r.swa_evicted_pages} swa_lock_from={r.swa_lock_from})"
-               if r.swa_lock_from is not None or r.swa_evicted_pages else ")"))
+            + (f" swa_evicted={r.swa_evicted_pages} swa_lock_from={r.swa_lock_from}"
+               if r.swa_lock_from is not None or r.swa_evicted_pages else "")
+            + (f" state_slot={r.state_slot} aside={r.state_aside_slot}@{r.state_aside_pos}"
+               if r.state_slot else "") + ")")
 
 
 def dump_state(sched: Scheduler) -> str:
@@ -37,6 +39,10 @@ def dump_state(sched: Scheduler) -> str:
                      f"{kv.swa.allocator.available_pages()}, tree evictable "
                      f"{kv.tree.evictable_swa_pages()}, tree protected "
                      f"{kv.tree.protected_swa_pages()}, window {kv.swa.window}")
+    if kv.states is not None:
+        lines.append(f"state slots: total {kv.states.num_slots}, free "
+                     f"{kv.states.allocator.available_pages()}, cached snapshots "
+                     f"{kv.tree.cached_states()}, pinned {kv.tree.pinned_states()}")
     if sched.chunked_req is not None:
         lines.append("chunked: " + brief(sched.chunked_req))
     lines += ["running: " + brief(r) for r in sched.running[:16]]
@@ -57,7 +63,7 @@ def check_scheduler(sched: Scheduler) -> None:
     assert len(set(sched.free_rows)) == len(sched.free_rows), "a row is free twice"
     assert not ({r.row for r in live} & set(sched.free_rows)), "a live request's row is free"
     for r in sched.waiting:
-        assert not r.pages and r.last_node is None and not r.row, (
+        assert not r.pages and r.last_node is None and not r.row and not r.state_slot, (
             f"waiting request {r.rid} holds KV")
     assert sched.chunked_req not in sched.running, "chunked request is also running"
     queued = list(sched.waiting)

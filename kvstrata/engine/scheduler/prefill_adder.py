@@ -16,6 +16,8 @@ Budgets, in tokens (SGLang's PrefillAdder):
                its last chunk, up to one window of decode; an extend that does not fit is cut
                to whole pages (the request is chunked even without --chunked-prefill-size),
                so a prompt longer than the SWA pool still runs, a chunk at a time.
+A recurrent-state model's request may also end a chunk at a branch point (`cap`,
+branch_cap: cache/state_slots.py on_match), where the prefix cache snapshots its state.
 The chunked request's next chunk goes first and is cut to what rem_total allows (SGLang's
 add_chunked_req); when not even one page is left it is blocked and nobody else is admitted
 this step, so new arrivals cannot starve it.
@@ -84,9 +86,11 @@ class PrefillAdder:
             self.rem_chunk -= extend
         return item
 
-    def add_chunked(self, req, remaining_len: int) -> PrefillItem | None:
-        """The in-progress chunked request's next chunk, cut to the budget; None = blocked."""
-        extend = remaining_len
+    def add_chunked(self, req, remaining_len: int, cap: int | None = None
+                    ) -> PrefillItem | None:
+        """The in-progress chunked request's next chunk, cut to the budget (and to `cap`
+        tokens); None = blocked."""
+        extend = min(remaining_len, cap or remaining_len)
         if self.rem_chunk is not None:
             extend = min(extend, self.rem_chunk)
         if self._page_cost(extend) > self.rem_total:
@@ -113,7 +117,8 @@ class PrefillAdder:
         return extend
 
     def _plan(self, req, remaining_len: int, rem_total: int,
-              running_empty: bool | None = None) -> tuple[int, int] | None:
+              running_empty: bool | None = None, cap: int | None = None
+              ) -> tuple[int, int] | None:
         """(extend, reserve) for a waiting request against `rem_total`, or None."""
         if self.budget_exhausted():
             return None
@@ -128,6 +133,7 @@ class PrefillAdder:
             extend = self.rem_chunk // self.page_size * self.page_size
             if extend <= 0:
                 return None
+        extend = min(extend, cap or extend)  # whole pages: a branch point
         extend = self._swa_fit(extend, remaining_len, reserve, not self.items)
         if extend <= 0:
             return None
@@ -143,12 +149,20 @@ class PrefillAdder:
         return self._plan(req, remaining_len, self.rem_total - pinned_tokens + freed_tokens,
                           running_empty) is not None
 
-    def try_add(self, req, remaining_len: int) -> PrefillItem | None:
-        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens; None = stop."""
-        plan = self._plan(req, remaining_len, self.rem_total)
+    def try_add(self, req, remaining_len: int, cap: int | None = None) -> PrefillItem | None:
+        """Add a waiting `req` whose uncomputed tail is `remaining_len` tokens (its first
+        chunk at most `cap`); None = stop."""
+        plan = self._plan(req, remaining_len, self.rem_total, cap=cap)
         if plan is None:
             return None
         return self._append(req, plan[0], remaining_len, plan[1])
+
+
+def branch_cap(req) -> int | None:
+    """Tokens up to the branch point where the request's prefill ends a chunk for a state
+    snapshot (recurrent state), None where it has none ahead."""
+    end = req.state_branch_end
+    return end - req.num_computed_tokens if end > req.num_computed_tokens else None
 
 
 def swa_budget(sched: Scheduler) -> dict:

@@ -1,0 +1,128 @@
+"""Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
+Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
+as, and what is refused beside them (by name, with the reason) until it is built.
+
+The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
+SGLang's `--mamba-radix-cache-strategy`:
+  no_buffer     snapshots where a request finished (it donates its working slot: the state
+                after prompt + output[:-1]) and where a prefill chunk ended. Page size 1 only,
+                as SGLang ("Page size must be 1 for MambaRadixCache v1"): with larger pages a
+                request's end is rarely page-aligned and it would cache nothing.
+  extra_buffer  also a track slot per request: its state is copied there every
+                --mamba-track-interval tokens (a multiple of the page size; default: every
+                page end, `track_interval` says why not SGLang's 256), and a finished
+                request whose end is not page-aligned leaves its last tracked state instead.
+  auto          no_buffer at page size 1, else extra_buffer (SGLang's auto without the overlap
+                scheduler, which kvstrata does not have).
+State slots per running request (SGLang's `_calculate_mamba_ratio`, which sizes the pool's
+share left to snapshots): 1 with the radix cache disabled (the working slot only), 3 with
+no_buffer (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO), 4 with extra_buffer (+1 for the track
+slot; SGLang's overlap schedule adds another, not built here). The pool's slots // this
+bound --max-running-requests once the pool is sized (config/kv_sizing_state.py).
+"""
+from __future__ import annotations
+
+from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
+from kvstrata.platform import Platform
+
+RULE_STRATEGY = "state.strategy"
+RULE_TRACK = "state.track_interval"
+RULE_SLOTS = "state.slots_per_request"
+SGLANG_TRACK_INTERVAL = 256
+SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
+NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
+
+
+def effective_strategy(strategy: str, page_size: int) -> str:
+    """The strategy that runs: auto is no_buffer at page size 1, else extra_buffer."""
+    if strategy == "auto":
+        return "no_buffer" if page_size == 1 else "extra_buffer"
+    return strategy
+
+
+def track_interval(value: int | None, page_size: int) -> int:
+    """extra_buffer's track cadence: the flag, else the page size (every page end), or
+    SGLang's 256 at page size 1 (where a finish is always page-aligned: track points decide
+    no hit). SGLang tracks every 256 decode tokens because its prefill kernels leave a state
+    every 64 tokens inside an extend as well; a kvstrata forward leaves one at its end only,
+    so with fewer track points a short chat turn would leave no snapshot at all (vLLM's
+    0%-hit trap; measured: tests/unit/test_state_cache.py)."""
+    if value is not None:
+        return value
+    return page_size if page_size > 1 else SGLANG_TRACK_INTERVAL
+
+
+def check_strategy(strategy: str, page_size: int, interval: int | None) -> str:
+    """The effective strategy, or ValueError for a combination it cannot run."""
+    every = track_interval(interval, page_size)
+    resolved = effective_strategy(strategy, page_size)
+    if resolved == "no_buffer" and page_size != 1:
+        raise ValueError(f"{NO_BUFFER_PAGE_MESSAGE} (--mamba-radix-cache-strategy no_buffer "
+                         f"with --page-size {page_size}); use extra_buffer or auto")
+    if resolved == "extra_buffer" and every % page_size:
+        raise ValueError(f"--mamba-track-interval {every} must be a multiple of "
+                         f"--page-size {page_size}: snapshots are taken at page ends")
+    return resolved
+
+
+def slots_per_request(radix_cache: bool, strategy: str) -> int:
+    return SLOTS_PER_REQUEST[strategy] if radix_cache else 1
+
+
+def unbuilt(args: ResolvedArgs) -> list[str]:
+    """What a recurrent model cannot run with yet, each with its reason."""
+    out = []
+    if args.speculative_algorithm is not None:
+        out.append(f"--speculative-algorithm {args.speculative_algorithm}: a verify would "
+                   f"need the state after every draft token, only the accepted one committed")
+    if args.disaggregation_mode != "null":
+        out.append(f"--disaggregation-mode {args.disaggregation_mode}: the final state of "
+                   f"each recurrent layer does not cross with the KV pages yet")
+    if args.disaggregation_decode_enable_radix_cache:
+        out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
+                   "models (SGLang refuses it too)")
+    if (args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
+            or args.disaggregation_decode_enable_offload_kvcache):
+        out.append("HiCache (--enable-hierarchical-cache): the host tier keeps no state "
+                   "snapshots, so a prefix loaded back could not be resumed")
+    return out
+
+
+def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
+                    env: dict) -> list[Resolution]:
+    if model_info is None or not model_info.has_recurrent_state:
+        return []
+    refused = unbuilt(args)
+    if refused:
+        raise ValueError("not built yet for a model with recurrent (SSM / linear-attention) "
+                         "state: " + "; ".join(refused))
+    P, strategy = args.page_size, args.mamba_radix_cache_strategy
+    radix = not args.disable_radix_cache
+    resolved = check_strategy(strategy, P, args.mamba_track_interval) if radix else strategy
+    out: list[Resolution] = []
+    if radix and resolved == "extra_buffer" and args.mamba_track_interval is None:
+        every = track_interval(None, P)
+        out += change(args, "mamba_track_interval", every, RULE_TRACK,
+                      f"extra_buffer at --page-size {P}: " + (
+                          "every page end (SGLang's 256 leaves no snapshot for a chat turn "
+                          "shorter than that: a forward here snapshots at its end only, not "
+                          "every 64 tokens inside a prefill as SGLang's kernels do)" if P > 1
+                          else "SGLang's (at page size 1 a finish is always page-aligned)"))
+    if radix and strategy == "auto":
+        every = track_interval(args.mamba_track_interval, P)
+        what = ("snapshots where requests finish and prefill chunks end" if resolved ==
+                "no_buffer" else f"a track slot per request, its state copied every "
+                                 f"--mamba-track-interval {every} tokens")
+        out += change(args, "mamba_radix_cache_strategy", resolved, RULE_STRATEGY,
+                      f"auto at --page-size {P}: {resolved} ({what})")
+    per_request = slots_per_request(radix, resolved)
+    why = (f"the radix cache is disabled: each running request holds its working slot only"
+           if not radix else
+           f"{resolved}: each running request holds a working slot"
+           f"{' and a track slot' if resolved == 'extra_buffer' else ''}, the prefix cache "
+           f"keeps snapshots in the rest (SGLang's ratio)")
+    layers = f" ({model_info.recurrent_layers})" if model_info.recurrent_layers else ""
+    out += change(args, "state_slots_per_request", per_request, RULE_SLOTS,
+                  f"recurrent state{layers}: the state pool's slots "
+                  f"// {per_request} bound --max-running-requests; {why}")
+    return out

@@ -1,0 +1,73 @@
+"""The fake runner with a recurrent state pool: checks what ScheduledRequest's state fields
+promise (protocol/scheduler_output.py).
+
+Its "state" of a slot is the tuple of token ids the slot's recurrent layers have consumed, so
+a state is valid at exactly one position, as a real one. Before the forward it applies
+`state_reset` (empty) or `state_copy_from` (the source's tuple; copy-on-write: the source is
+never written), then requires the working slot to hold exactly the request's tokens before
+start_pos (read back through req_to_token, as the KV); the forward appends the entry's tokens;
+after it, `state_snapshot_to` gets a copy. A wrong copy source, a missing reset, a snapshot
+filed at the wrong node, a slot freed while in use and handed to another request, or a
+snapshot changed after filing all fail here or at `check_state_slots` (every slot the
+scheduler says holds a state, compared after every step under KVSTRATA_CHECK_INTEGRITY)."""
+from __future__ import annotations
+
+from kvstrata.protocol import RunnerOutput, SchedulerOutput
+from tests.unit.fake_runner import FakeRunner
+
+
+class FakeStateRunner(FakeRunner):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.states: dict[int, tuple[int, ...]] = {}
+        self.copies = self.resets = self.snapshots = 0
+        self.resumed_tokens = 0  # positions a copied snapshot spared recomputing
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        slots = [s.state_slot for s in so.scheduled]
+        assert all(slots), f"an entry without a state slot: {so.scheduled}"
+        assert len(set(slots)) == len(slots), f"two entries share a state slot: {slots}"
+        sources = {s.state_copy_from for s in so.scheduled} - {0}
+        targets = {s.state_snapshot_to for s in so.scheduled} - {0}
+        assert not (sources | targets) & set(slots), "a working slot is also a copy's end"
+        assert not sources & targets, "a snapshot is read and written in one step"
+        for s in so.scheduled:  # before the forward
+            if s.state_reset:
+                assert not s.state_copy_from, f"{s.rid}: reset and copy at once"
+                self.states[s.state_slot] = ()
+                self.resets += 1
+            elif s.state_copy_from:
+                assert s.state_copy_from in self.states, f"{s.rid}: copy of an empty slot"
+                self.states[s.state_slot] = self.states[s.state_copy_from]
+                self.copies += 1
+                self.resumed_tokens += s.start_pos
+        out = super().execute(so)  # writes the KV, fills the rows, samples
+        for s in so.scheduled:
+            row = self.rows[s.row]
+            before = tuple(self.kv[row[p]][1] for p in range(s.start_pos))
+            held = self.states.get(s.state_slot)
+            assert held == before, (
+                f"{s.rid}: state slot {s.state_slot} holds the state after {_n(held)} "
+                f"tokens {_tail(held)}, the forward starts at {s.start_pos} after "
+                f"{before[-4:]}")
+            self.states[s.state_slot] = before + tuple(s.token_ids)
+        for s in so.scheduled:  # after the forward
+            if s.state_snapshot_to:
+                self.states[s.state_snapshot_to] = self.states[s.state_slot]
+                self.snapshots += 1
+        return out
+
+    def check_state_slots(self, expected: dict[int, tuple[int, ...]]) -> None:
+        for slot, tokens in expected.items():
+            held = self.states.get(slot)
+            assert held == tokens, (
+                f"state slot {slot} holds the state after {_n(held)} tokens, the scheduler "
+                f"says {len(tokens)} ({tokens[-4:]} vs {_tail(held)})")
+
+
+def _n(state):
+    return None if state is None else len(state)
+
+
+def _tail(state):
+    return None if state is None else state[-4:]

@@ -1,0 +1,86 @@
+"""Randomised stateful test of recurrent state (an SSM hybrid): the scheduler fuzzer's machine
+(test_scheduler_fuzz.py: arrivals sharing prefixes, chunked prefill, client aborts,
+retraction, priority preemption, the step bound with a state dump at the drain) with a state
+pool always on, state pressure from outside, follow-up turns (so that finished requests'
+snapshots are hit), and one more property after every step:
+- every state slot holds exactly the tokens the scheduler says (a live request's working slot
+  its computed tokens, its aside slot those up to its snapshot, a cached snapshot its node's
+  path): the fake state runner keeps, per slot, the tokens consumed and fails a forward that
+  starts from another state (tests/unit/fake_state_runner.py), so a wrong copy source, a
+  missing reset, a snapshot filed at the wrong node or changed after filing, or a slot handed
+  to two owners fails the step that did it.
+The teardown checks the pool whole: every slot free or a cached snapshot, nothing pinned.
+"""
+from __future__ import annotations
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+
+from kvstrata.engine.request import EngineRequest
+from kvstrata.protocol import SamplingParams
+from tests.unit import test_scheduler_fuzz as base
+
+# The scheduler fuzzer's configs with a state pool always drawn: slots from below one per
+# running request (admission waits) to roomy; no_buffer at pages > 1 runs as auto.
+# The radix cache is on three times in four, then with an unbounded queue, and the K/V pool
+# roomy half the time (the snapshots are what is under test: a tiny pool evicts them with
+# their pages, a full queue refuses the requests that would leave them).
+state_configs = base.configs.flatmap(lambda cfg: st.tuples(
+    st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
+    st.sampled_from([1, 2, 4]), st.sampled_from([False, False, False, True]),
+    st.one_of(st.just(cfg["pool_tokens"]), st.integers(200, 600))).map(
+        lambda x: {**cfg, "state": x[:3], "disable_radix_cache": x[3], "pool_tokens": x[4],
+                   "max_queued": cfg["max_queued"] if x[3] else None}))
+
+
+class StateMachine(base.SchedulerMachine):
+    @initialize(cfg=state_configs, first=st.lists(base.arrivals, min_size=1, max_size=6))
+    def build(self, cfg, first):
+        base.SchedulerMachine.build(self, cfg, first)
+
+    @rule(full=st.booleans())
+    def state_pressure(self, full):
+        """Pressure on the state pool or the K/V from elsewhere: every unpinned snapshot goes
+        (tombstones, dropped leaves), or every unlocked cached page (with its snapshot)."""
+        tree = self.engine.scheduler.kv.tree
+        if full:
+            tree.evict(10**9)
+        else:
+            tree.evict_states(10**9)
+
+    @precondition(lambda self: len(self.requests) < base.MAX_REQUESTS)
+    @rule(n=st.integers(1, 40), again=st.integers(0, base.MAX_REQUESTS - 1),
+          extra=st.integers(0, 6))
+    def follow_up(self, n, again, extra):
+        """Some steps, then a follow-up turn: a finished request's prompt and output plus a
+        few tokens, as a multi-turn chat sends it (a hit on its snapshot, if one is still
+        cached)."""
+        for _ in range(n):
+            self._one_step()
+        done = sorted(self.finished)
+        if not done:
+            return
+        rid = done[again % len(done)]
+        ids = self.requests[rid][0] + self.outputs[rid]
+        ids = ids + [(7 * i + again) % (base.VOCAB - 3) + 3 for i in range(extra)]
+        new = f"r{len(self.requests)}"
+        self.requests[new] = (ids, 5)
+        self.outputs[new] = []
+        self.engine.add_request(EngineRequest(new, ids, SamplingParams(
+            max_new_tokens=5, temperature=0, ignore_eos=True)))
+
+    def teardown(self):
+        super().teardown()
+        if hasattr(self, "engine"):
+            kv = self.engine.scheduler.kv
+            event(f"state snapshots copied: {min(self.runner.copies, 3)}")
+            event(f"branch/chunk/track snapshots: {self.runner.snapshots > 0}")
+            event(f"states evicted: {kv.tree.total_evicted_states > 0}")
+
+
+# An eighth of the scheduler fuzzer's examples (it draws a state pool a quarter of the time
+# too; `make test` has a 10-minute budget); KVSTRATA_FUZZ_EXAMPLES=N soaks both longer.
+StateMachine.TestCase.settings = settings(base.SchedulerMachine.TestCase.settings,
+                                          max_examples=max(base.EXAMPLES // 8, 20))
+test_state_machine = StateMachine.TestCase
