@@ -155,7 +155,9 @@ class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     device_pages: list[int] = []
     host_pages: list[int] = []
     # hybrid SWA memory: the SWA pool's pages of the live window (the last window before
-    # num_tokens, cache/swa_pd.py), backed up and restored beside the full pages (cpu_tensor)
+    # num_tokens, cache/swa_pd.py: those of the last len(swa_pages) device_pages), backed up
+    # and restored beside the full pages; host_pool keeps them in the host pool's SWA half
+    # under the host page ids of their full pages (the last len(swa_pages) host_pages)
     swa_pages: list[int] = []
 
 

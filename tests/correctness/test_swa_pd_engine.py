@@ -4,7 +4,8 @@ backend on 127.0.0.1) over a tiny windowed checkpoint, stepped in turn. Greedy t
 equal transformers' and the co-located engine's; the decode's SWA pool is smaller than the
 prompts' total, so it only serves them by taking SWA pages for each prompt's last window;
 the SWA pages that crossed are counted per room; a decode whose full pool is pressured
-retracts (cpu_tensor, the live window's SWA pages backed up too) and restores exactly. Every
+retracts (cpu_tensor, and the auto rule's host_pool: the live window's SWA pages backed up
+too) and restores exactly. Every
 KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py)."""
 from __future__ import annotations
 
@@ -105,21 +106,33 @@ def test_pd_greedy_equals_transformers_and_colocated(page_size, windowed, prompt
         decode.shutdown()
 
 
-def test_pressured_pd_decode_retracts_and_restores_exactly(windowed, prompts, references):
+@pytest.mark.parametrize("backup", ["cpu_tensor", None])
+def test_pressured_pd_decode_retracts_and_restores_exactly(backup, windowed, prompts,
+                                                           references):
+    """None: the auto rule's pick for a hybrid SWA pool, host_pool (full pages in the host
+    pool, the live window's SWA pages in its SWA half; --hicache-ratio 2: room for every
+    backup, the default 0.2 would abort some, as SGLang's does)."""
     path, port = windowed["qwen2"], free_port()
     prefill = engine(path, "prefill", port, 1, max_total_tokens=2048)
     decode = engine(path, "decode", free_port(), 1, max_total_tokens=200, swa_full_tokens_ratio=0.5,
-                    num_reserved_decode_tokens=1)
+                    num_reserved_decode_tokens=1,
+                    disaggregation_decode_retraction_backup=backup,
+                    hicache_ratio=None if backup else 2.0)
+    want = backup or "host_pool"
     try:
         outs = run_pair(prefill, decode, prompts, port)
-        check(outs, references["qwen2"], "PD retracted")
+        check(outs, references["qwen2"], f"PD retracted ({want})")
         side = pd_side(decode.scheduler)
-        assert decode.scheduler.config.retraction_backup == "cpu_tensor"
-        assert side.retraction.num_backups["cpu_tensor"] >= 1
-        assert side.retraction.num_restores["cpu_tensor"] == \
-            side.retraction.num_backups["cpu_tensor"]
+        assert decode.scheduler.config.retraction_backup == want
+        assert side.retraction.num_backups[want] >= 1
+        assert side.retraction.num_restores[want] == side.retraction.num_backups[want]
+        stats = decode.runner.backup.swa.stats()  # the window's SWA pages went along
+        assert stats[f"{want}_backup_count"] == stats[f"{want}_restore_count"] >= 1
         for eng in (prefill, decode):
             swa_whole(eng)
+        if want == "host_pool":
+            kv = decode.scheduler.kv
+            assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
     finally:
         prefill.shutdown()
         decode.shutdown()

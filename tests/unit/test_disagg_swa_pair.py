@@ -57,12 +57,16 @@ def test_long_prompts_decode_exactly_with_only_the_last_window_sent(P, window, c
         swa_drained(engine)
 
 
-def test_a_pressured_decode_retracts_and_restores_the_window_exactly():
+@pytest.mark.parametrize("backend", ["cpu_tensor", "host_pool"])
+def test_a_pressured_decode_retracts_and_restores_the_window_exactly(backend):
     P, window = 4, 9
     # room for about two requests' full pages: the third's decode growth forces retraction
+    host = {"num_host_pages": 40} if backend == "host_pool" else {}
     pair = swa_pair(P, window, prefill_pages=256, decode_pages=40, prefill_swa=256,
                     decode_swa=40, decode_cfg={"num_reserved_decode_tokens": 1,
-                                               "max_running_requests": 4})
+                                               "max_running_requests": 4,
+                                               "disaggregation_decode_retraction_backup":
+                                                   backend, **host})
     prompts = {f"r{i}": prompt(10 + i, 50 + 3 * i) for i in range(4)}
     for rid, p in prompts.items():
         pair.submit(rid, p, 30, ignore_eos=True)
@@ -70,9 +74,10 @@ def test_a_pressured_decode_retracts_and_restores_the_window_exactly():
     for rid, p in prompts.items():
         assert pair.outputs["decode"][rid] == reference_tokens(p, 30, VOCAB), rid
     store = pair.decode_runner.backups
-    assert store.count("backup", "cpu_tensor") >= 1 and \
-        store.count("restore", "cpu_tensor") == store.count("backup", "cpu_tensor")
-    assert store.swa_backed_up >= 1 and not store.swa_cpu
+    assert store.count("backup", backend) >= 1 and \
+        store.count("restore", backend) == store.count("backup", backend)
+    assert store.count("backup") == store.count("backup", backend)
+    assert store.swa_backed_up[backend] >= 1 and not store.swa_cpu
     for engine in (pair.prefill, pair.decode):
         swa_drained(engine)
 

@@ -106,12 +106,17 @@ def test_pages_map_slots_and_free():
     assert swa.map == [0] * 7 + [2] + [0] * 3
 
 
-def test_kv_manager_refuses_retraction_host_pool_with_swa():
-    """HiCache L2 copies SWA pages (test_swa_hicache.py); retraction backups do not."""
+def test_kv_manager_keeps_retraction_backups_beside_an_swa_pool():
+    """A retraction host pool beside an SWA pool: host pages for backups (their SWA half
+    under the same ids is the runner's: test_disagg_swa_pair.py, test_swa_pd_engine.py)."""
     plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2,
                              host_pool_use="retraction")
-    with pytest.raises(ValueError, match="supports a HiCache host pool only"):
-        KVManager(plan)
+    kv = KVManager(plan)
+    pages = kv.alloc_backup_pages(5)
+    assert len(pages) == 5 and kv.swa is not None
+    kv.check_backups([pages])
+    kv.free_backup_pages(pages)
+    kv.check_backups([])
 
 
 def test_grow_maps_every_page_and_capacity_is_the_smaller_pool():

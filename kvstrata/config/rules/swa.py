@@ -46,9 +46,11 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     if args.disaggregation_mode != "null" and args.tp_size > 1:
         out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}) "
                    f"with --tp-size > 1: the ranks' SWA page regions are not tested yet")
-    if args.disaggregation_decode_retraction_backup == "host_pool":
-        out.append("--disaggregation-decode-retraction-backup host_pool: the host pool holds "
-                   "the full pool's pages only (cpu_tensor backs up the SWA window too)")
+    if args.disaggregation_decode_retraction_backup == "host_pool" and info is not None \
+            and not info.num_full_layers:
+        out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "
+                   "the host-pool backup holds full-attention pages, which an all-SWA model "
+                   "does not have")
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache keeps "
                    "no SWA pages")
