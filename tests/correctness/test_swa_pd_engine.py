@@ -19,7 +19,8 @@ from kvstrata.entrypoints.engine_factory import build_engine
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol.disagg import BootstrapAddr
 from tests.correctness.test_sliding_window_models import (  # noqa: F401 (fixtures)
-    GREEDY, WINDOW, check, prompts, references, windowed)
+    GREEDY, NEW_TOKENS as NEW, WINDOW, check, prompts, references, windowed)
+from tests.helpers.compare import assert_match_transformers
 from tests.correctness.test_swa_memory_engine import llm
 from tests.helpers.ports import free_port
 
@@ -38,12 +39,13 @@ def engine(path, mode, port, page_size, **kw):
     return build_engine(args)[0]
 
 
-def run_pair(prefill, decode, prompts, port, max_steps=20_000):
+def run_pair(prefill, decode, prompts, port, max_steps=20_000, room_base=500):
     outs = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         for eng in (prefill, decode):
             eng.add_request(EngineRequest(str(i), list(p), SamplingParams(**GREEDY),
-                                          bootstrap=BootstrapAddr("127.0.0.1", port, 500 + i)))
+                                          bootstrap=BootstrapAddr("127.0.0.1", port,
+                                                                  room_base + i)))
     for _ in range(max_steps):
         if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
             break
@@ -133,6 +135,51 @@ def test_pressured_pd_decode_retracts_and_restores_exactly(backup, windowed, pro
         if want == "host_pool":
             kv = decode.scheduler.kv
             assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, references):
+    """--disaggregation-decode-enable-radix-cache over the SWA radix cache: second turns
+    (each prompt, its answer, a short or a longer new message) hit the decode's tree, whose
+    live window before the match end serves the new last window's first pages; only the
+    delta's full pages and its SWA pages past the prefix cross (the byte counters, both
+    sides, say exactly that), and the answers are transformers'."""
+    path, port, P = windowed["qwen2"], free_port(), 4
+    prefill = engine(path, "prefill", port, P, max_total_tokens=2048)
+    decode = engine(path, "decode", free_port(), P, max_total_tokens=2048,
+                    disaggregation_decode_enable_radix_cache=True)
+    try:
+        check(run_pair(prefill, decode, prompts, port), references["qwen2"], "PD radix turn 1")
+        side, kv = pd_side(decode.scheduler), decode.scheduler.kv
+        firsts = run_pair(prefill, decode, prompts, port)  # whole-prompt hits, same answers
+        turns = [(p, p + out + [7, 11, 13][:1 + i % 3] + [5] * (9 * (i % 2)))
+                 for i, (p, out) in enumerate(zip(prompts, firsts)) if len(p) >= 9]
+        follow = [ids for _, ids in turns]
+        held = [kv.peek_prefix_len(ids, whole_prompt=True) for ids in follow]
+        # every whole page of each first turn but its last token's (never computed here)
+        assert held == [(len(p) + NEW - 1) // P * P for p, _ in turns]
+        plan = decode.scheduler.config.plan
+        full_bytes, swa_bytes = plan.bytes_per_page, side.swa_page_bytes
+        before = (side.load()["disagg_kv_bytes_received_total"],
+                  pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"])
+        hits = side.prefix_hit_tokens
+        outs = run_pair(prefill, decode, follow, port, room_base=700)
+        assert_match_transformers(path, follow, outs, "PD radix turn 2")
+        assert side.prefix_hit_tokens - hits == sum(held)
+        want, overlap = 0, 0
+        for ids, h in zip(follow, held):
+            n, k = -(-len(ids) // P), h // P
+            first = swa_pd.tail_start_page(len(ids), WINDOW, P)
+            want += (n - k) * full_bytes + (n - max(first, k)) * swa_bytes
+            overlap += k > first
+        assert overlap, "no follow-up's last window started inside its cached prefix"
+        assert side.load()["disagg_kv_bytes_received_total"] - before[0] == want
+        assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] - before[1] \
+            == want
+        for eng in (prefill, decode):
+            swa_whole(eng)
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -17,8 +17,19 @@ class SWAHub(FakeTransferHub):
         self.swa_pages_per_room: dict[int, int] = {}  # SWA pages that crossed, per copy
         self.swa_pages_moved = 0
 
-    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
-        src_pages = src_pages[len(src_pages) - len(dst_pages):]
+    def _wanted(self, link) -> list[int]:
+        """Past the held prefix, less the first SWA pages the decode holds too."""
+        base, held = swa_base(self.runners["prefill"].num_full_pages), link.prefix_swa_pages
+        out = []
+        for s in super()._wanted(link):
+            if s >= base and held:
+                held -= 1
+            else:
+                out.append(s)
+        return out
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> int:
+        assert len(src_pages) == len(dst_pages), (src_pages, dst_pages)
         pre, dec = self.runners["prefill"], self.runners["decode"]
         pre_base, dec_base = swa_base(pre.num_full_pages), swa_base(dec.num_full_pages)
         full = [(s, d) for s, d in zip(src_pages, dst_pages) if s < pre_base]
@@ -33,7 +44,7 @@ class SWAHub(FakeTransferHub):
                    self.page_size)
         self.moved_pages += len(src_pages)
         self.swa_pages_moved += len(swa)
-        self.last_swa_pages = len(swa)
+        return len(swa)
 
 
 class SWABackupStore(FakeBackupStore):

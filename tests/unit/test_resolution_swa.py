@@ -59,8 +59,6 @@ def test_nothing_to_decide_without_windows(info):
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
     (dict(disaggregation_mode="decode", tp_size=2), "with --tp-size > 1"),
     (dict(disaggregation_mode="prefill", tp_size=2), "with --tp-size > 1"),
-    (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
-     "--disaggregation-decode-enable-radix-cache"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "NEXTN"),
@@ -76,6 +74,7 @@ def test_off_with_the_reason(kw, reason, info):
 @pytest.mark.parametrize("kw", [
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
+    dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
     dict(chunked_prefill_size=64), dict(tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""

@@ -51,9 +51,6 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
         out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "
                    "the host-pool backup holds full-attention pages, which an all-SWA model "
                    "does not have")
-    if args.disaggregation_decode_enable_radix_cache:
-        out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache keeps "
-                   "no SWA pages")
     if args.disaggregation_decode_enable_hicache or \
             args.disaggregation_decode_enable_offload_kvcache:
         out.append("decode HiCache / KV offload: the host tier copies the uniform pool only")

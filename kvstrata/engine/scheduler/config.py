@@ -154,13 +154,13 @@ class SchedulerConfig:
         retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
-        if plan.has_swa_pool and decode and (self.radix_cache or (plan.has_host_pool
-                                                                 and not retraction_pool)):
-            # PD moves the last window's SWA pages (cache/swa_pd.py) and host_pool backups
-            # keep them (runner/executors/retraction_backup.py), but the decode radix cache
-            # keeps no SWA pages, and decode HiCache is not built beside an SWA pool yet.
-            raise ValueError("the hybrid SWA pool does not support the decode radix cache or "
-                             "decode HiCache yet; disable hybrid SWA memory")
+        if plan.has_swa_pool and decode and plan.has_host_pool and not retraction_pool:
+            # PD moves the last window's SWA pages (cache/swa_pd.py), the decode radix cache
+            # holds them (cache/swa_radix.py) and host_pool backups keep them
+            # (runner/executors/retraction_backup.py), but decode HiCache is not built
+            # beside an SWA pool yet.
+            raise ValueError("the hybrid SWA pool does not support decode HiCache yet; "
+                             "disable hybrid SWA memory")
         if retraction_pool and plan.has_swa_pool and plan.full_pool_plan() is None:
             raise ValueError("a retraction host pool holds full-attention pages, which an "
                              "all-SWA model does not have: use --disaggregation-decode-"
