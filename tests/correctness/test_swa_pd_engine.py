@@ -140,20 +140,28 @@ def test_pressured_pd_decode_retracts_and_restores_exactly(backup, windowed, pro
         decode.shutdown()
 
 
-def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, references):
+@pytest.fixture(scope="module")
+def prefill4(windowed):
+    """One prefill server (page size 4) for the decode-feature tests: (engine, port)."""
+    port = free_port()
+    eng = engine(windowed["qwen2"], "prefill", port, 4, max_total_tokens=2048)
+    yield eng, port
+    eng.shutdown()
+
+
+def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, references, prefill4):
     """--disaggregation-decode-enable-radix-cache over the SWA radix cache: second turns
     (each prompt, its answer, a short or a longer new message) hit the decode's tree, whose
-    live window before the match end serves the new last window's first pages; only the
-    delta's full pages and its SWA pages past the prefix cross (the byte counters, both
-    sides, say exactly that), and the answers are transformers'."""
-    path, port, P = windowed["qwen2"], free_port(), 4
-    prefill = engine(path, "prefill", port, P, max_total_tokens=2048)
+    live window before the match end serves the new last window's first pages; only the delta's full pages and its SWA pages past the prefix
+    cross (the byte counters, both sides, say exactly that); transformers' answers."""
+    path, P = windowed["qwen2"], 4
+    prefill, port = prefill4
     decode = engine(path, "decode", free_port(), P, max_total_tokens=2048,
                     disaggregation_decode_enable_radix_cache=True)
     try:
-        check(run_pair(prefill, decode, prompts, port), references["qwen2"], "PD radix turn 1")
+        firsts = run_pair(prefill, decode, prompts, port)
+        check(firsts, references["qwen2"], "PD radix turn 1")
         side, kv = pd_side(decode.scheduler), decode.scheduler.kv
-        firsts = run_pair(prefill, decode, prompts, port)  # whole-prompt hits, same answers
         turns = [(p, p + out + [7, 11, 13][:1 + i % 3] + [5] * (9 * (i % 2)))
                  for i, (p, out) in enumerate(zip(prompts, firsts)) if len(p) >= 9]
         follow = [ids for _, ids in turns]
@@ -181,5 +189,36 @@ def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, referenc
         for eng in (prefill, decode):
             swa_whole(eng)
     finally:
-        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_decode_hicache_with_a_starved_pool(windowed, prompts, references, prefill4):
+    """Decode HiCache over the SWA HiRadix cache, with host_pool retraction backups in the
+    same host pool: a decode device pool of 120 full / 60 SWA tokens demotes the cached
+    first turns to the host (both halves) and second turns load them back (the window's SWA
+    pages mapped to new full pages) and retract; transformers' tokens, every pool whole."""
+    path, P = windowed["qwen2"], 4
+    prefill, port = prefill4
+    decode = engine(path, "decode", free_port(), P, max_total_tokens=120,
+                    swa_full_tokens_ratio=0.5, num_reserved_decode_tokens=1,
+                    disaggregation_decode_enable_radix_cache=True,
+                    disaggregation_decode_enable_hicache=True, hicache_ratio=8.0,
+                    disaggregation_decode_retraction_backup="host_pool")
+    try:
+        assert decode.scheduler.kv.hicache and decode.scheduler.kv.swa is not None
+        firsts = run_pair(prefill, decode, prompts, port, room_base=800)
+        check(firsts, references["qwen2"], "PD decode HiCache turn 1")
+        follow = [p + out + [7, 11, 13] for p, out in zip(prompts, firsts) if len(p) >= 9]
+        outs = run_pair(prefill, decode, follow, port, room_base=900)
+        assert_match_transformers(path, follow, outs, "PD decode HiCache turn 2")
+        load = decode.get_load()
+        assert load["hicache_demoted_pages"] > 0 and load["hicache_host_hit_tokens"] > 0, load
+        side = pd_side(decode.scheduler)
+        assert side.prefix_hit_tokens > 0
+        backups = side.retraction.num_backups["host_pool"]
+        assert backups >= 1 and side.retraction.num_restores["host_pool"] == backups
+        assert decode.runner.backup.swa.stats()["host_pool_restore_count"] >= 1
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
         decode.shutdown()

@@ -159,12 +159,40 @@ def test_a_decode_radix_hit_needs_a_live_window_before_its_end():
     assert max(got) > 0, got
 
 
-def test_decode_hicache_stays_refused_with_swa():
-    SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
-                    disaggregation_mode="decode",
-                    disaggregation_decode_enable_radix_cache=True)  # allowed now
-    with pytest.raises(ValueError, match="decode HiCache"):
-        SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
-                        disaggregation_mode="decode",
-                        disaggregation_decode_enable_radix_cache=True, num_host_pages=64,
-                        host_pool_use="hicache")
+@pytest.mark.parametrize("backup", ["cpu_tensor", "host_pool"])
+def test_decode_hicache_with_a_starved_pool_loads_windows_back(backup):
+    """Decode HiCache over the SWA HiRadix cache: a decode device pool of a few requests'
+    pages demotes cached conversations to the host (full pages and, where live, SWA pages);
+    follow-ups load them back -- SWA pages mapped to the new full pages -- and answer exactly;
+    host_pool backups share the one host pool. Pools (both, host too) whole after drains."""
+    P, window = 4, 9
+    pair = swa_pair(P, window, prefill_pages=512, decode_pages=48, prefill_swa=512,
+                    decode_swa=40, decode_cfg={
+                        "disaggregation_decode_enable_radix_cache": True,
+                        "num_host_pages": 256, "host_pool_use": "hicache",
+                        "disaggregation_decode_retraction_backup": backup,
+                        "max_running_requests": 3, "num_reserved_decode_tokens": 1})
+    side, kv = pd_side(pair.decode.scheduler), pair.decode.scheduler.kv
+    assert kv.hicache and kv.swa is not None
+    chats = {f"c{i}": prompt(30 + i, 40 + 7 * i) for i in range(5)}
+    for rid, ids in chats.items():
+        pair.submit(rid, ids, window + 2 * P, ignore_eos=True)
+    pair.run()
+    for rid, ids in chats.items():
+        assert pair.outputs["decode"][rid] == reference_tokens(ids, window + 2 * P, VOCAB)
+    hits = side.prefix_hit_tokens
+    follow = {rid + "+": ids + pair.outputs["decode"][rid] + prompt(90, 3)
+              for rid, ids in chats.items()}
+    for rid, ids in follow.items():  # at once: decode growth retracts one (a backup)
+        pair.submit(rid, ids, 20, ignore_eos=True)
+    pair.run()
+    for rid, ids in follow.items():
+        assert pair.outputs["decode"][rid] == reference_tokens(ids, 20, VOCAB), rid
+    for engine in (pair.prefill, pair.decode):
+        swa_drained(engine)
+    runner = pair.decode_runner
+    assert side.prefix_hit_tokens - hits > 0
+    assert runner.backups.count("backup", backup) >= 1
+    assert runner.backups.swa_backed_up[backup] >= 1
+    assert runner.moved_swa_pages["d2h"] > 0 and runner.moved_swa_pages["h2d"] > 0, \
+        "no window went to the host and back: the device pool is not starved"

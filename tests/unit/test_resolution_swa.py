@@ -57,6 +57,9 @@ def test_nothing_to_decide_without_windows(info):
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
+    # decode KV offload is the decode tree's HiCache L3 backups
+    (dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
+          hicache_storage_backend="file"), "HiCache L3"),
     (dict(disaggregation_mode="decode", tp_size=2), "with --tp-size > 1"),
     (dict(disaggregation_mode="prefill", tp_size=2), "with --tp-size > 1"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
@@ -75,6 +78,8 @@ def test_off_with_the_reason(kw, reason, info):
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
     dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
+    dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
+         disaggregation_decode_enable_hicache=True),
     dict(chunked_prefill_size=64), dict(tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""

@@ -11,6 +11,7 @@ from kvstrata.cache.invariants import check_kv_state
 from kvstrata.cache.kv_manager import KVManager
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.engine.engine_core import EngineCore
@@ -349,13 +350,16 @@ def test_aborts_and_flush_keep_both_pools_whole():
     assert kv.swa.allocator.available_pages() == 24 and kv.allocator.available_pages() == 64
 
 
-def test_pd_takes_an_swa_pool_but_not_the_decode_radix_cache():
+def test_pd_decode_extras_take_an_swa_pool():
+    """The decode radix cache is the SWA radix cache, decode HiCache the SWA HiRadix cache
+    (PD with them: tests/unit/test_disagg_swa_pair.py)."""
     SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4, disaggregation_mode="prefill")
-    # (PD itself with an SWA pool: tests/unit/test_disagg_swa_pair.py)
-    with pytest.raises(ValueError, match="decode radix cache"):
-        SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
-                        disaggregation_mode="decode",
-                        disaggregation_decode_enable_radix_cache=True)
+    for host, tree in ((0, SWARadixCache), (64, SWAHiRadixCache)):
+        cfg = SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
+                              disaggregation_mode="decode", num_host_pages=host,
+                              disaggregation_decode_enable_radix_cache=True,
+                              host_pool_use="hicache" if host else None)
+        assert type(KVManager(cfg.plan).tree) is tree
 
 
 def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():

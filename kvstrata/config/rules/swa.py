@@ -39,10 +39,11 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     if args.hicache_storage_backend is not None:
         out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
                    "one uniform pool's pages, not the SWA pool's")
-    # PD itself works (the prefill sends the last window's SWA pages, the decode allocates
-    # SWA pages for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the
-    # tcp and mooncake backends; what a decode server adds below does not yet, nor TP ranks
-    # (SGLang refuses TP-mismatched non-MLA SWA transfers; same-size TP is untested here).
+    # PD works (the prefill sends the last window's SWA pages, the decode allocates SWA pages
+    # for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the tcp and
+    # mooncake backends, and so do the decode radix cache, decode HiCache (its KV offload is
+    # L3, gated above) and host_pool retraction backups; TP ranks do not yet (SGLang refuses
+    # TP-mismatched non-MLA SWA transfers; same-size TP is untested here).
     if args.disaggregation_mode != "null" and args.tp_size > 1:
         out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}) "
                    f"with --tp-size > 1: the ranks' SWA page regions are not tested yet")
@@ -51,9 +52,6 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
         out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "
                    "the host-pool backup holds full-attention pages, which an all-SWA model "
                    "does not have")
-    if args.disaggregation_decode_enable_hicache or \
-            args.disaggregation_decode_enable_offload_kvcache:
-        out.append("decode HiCache / KV offload: the host tier copies the uniform pool only")
     if args.speculative_algorithm in DRAFT_POOL_ALGORITHMS:
         out.append(f"--speculative-algorithm {args.speculative_algorithm}: its draft pool is "
                    f"not built beside an SWA pool yet")
