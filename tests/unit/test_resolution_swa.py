@@ -60,8 +60,6 @@ def test_nothing_to_decide_without_windows(info):
     # decode KV offload is the decode tree's HiCache L3 backups
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
           hicache_storage_backend="file"), "HiCache L3"),
-    (dict(disaggregation_mode="decode", tp_size=2), "with --tp-size > 1"),
-    (dict(disaggregation_mode="prefill", tp_size=2), "with --tp-size > 1"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="d"), "EAGLE"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="d"), "EAGLE3"),
     (dict(speculative_algorithm="NEXTN"), "NEXTN"),
@@ -80,7 +78,8 @@ def test_off_with_the_reason(kw, reason, info):
     dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
     dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
          disaggregation_decode_enable_hicache=True),
-    dict(chunked_prefill_size=64), dict(tp_size=2)])
+    dict(chunked_prefill_size=64), dict(tp_size=2),
+    dict(disaggregation_mode="decode", tp_size=2), dict(disaggregation_mode="prefill", tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
     resolved, _ = run(**kw)

@@ -41,12 +41,10 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
                    "one uniform pool's pages, not the SWA pool's")
     # PD works (the prefill sends the last window's SWA pages, the decode allocates SWA pages
     # for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the tcp and
-    # mooncake backends, and so do the decode radix cache, decode HiCache (its KV offload is
-    # L3, gated above) and host_pool retraction backups; TP ranks do not yet (SGLang refuses
-    # TP-mismatched non-MLA SWA transfers; same-size TP is untested here).
-    if args.disaggregation_mode != "null" and args.tp_size > 1:
-        out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}) "
-                   f"with --tp-size > 1: the ranks' SWA page regions are not tested yet")
+    # mooncake backends, at any --tp-size equal on both servers (each rank's SWA pool is a
+    # region of its own; a mismatch is refused with SGLang's message, rank_map.py), and so do
+    # the decode radix cache, decode HiCache (its KV offload is L3, gated above) and
+    # host_pool retraction backups.
     if args.disaggregation_decode_retraction_backup == "host_pool" and info is not None \
             and not info.num_full_layers:
         out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "
