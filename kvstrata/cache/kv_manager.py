@@ -72,13 +72,12 @@ class KVManager:
             raise ValueError("a recurrent state pool beside an SWA pool, a host pool or L3 "
                              "storage is not built yet")
         if plan.has_swa_pool:
-            # HiCache L2 copies SWA pages (cache/swa_hiradix.py); retraction backups and L3
-            # do not yet: never mix silently.
-            if plan.has_host_pool and (plan.host_pool_use != "hicache" or backups_share_host
-                                       or storage is not None):
-                raise ValueError("the hybrid SWA pool supports a HiCache host pool only, "
-                                 "without L3 storage or retraction backups; disable hybrid "
-                                 "SWA memory")
+            # HiCache L2 and retraction backups copy SWA pages (cache/swa_hiradix.py, the
+            # host pool's SWA half: runner/executors/retraction_backup.py); L3 does not yet:
+            # never mix silently.
+            if plan.has_host_pool and storage is not None:
+                raise ValueError("the hybrid SWA pool supports a host pool without L3 storage "
+                                 "only; disable hybrid SWA memory")
             self.swa = SWAPages(plan.num_swa_pages, plan.num_pages, page_size, plan.swa_window)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
         self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"

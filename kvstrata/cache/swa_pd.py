@@ -18,6 +18,13 @@ On the wire SWA pages are addressed in one page-id space with the full pages (th
 backends register the SWA pool's buffers as a second region, transfer/disagg/regions.py):
 `wire_id = swa_base + swa_page`, where `swa_base` is the full pool's buffer page count (its page
 ids 0..num_pages). So the rooms, the page counts and the ops stay one list of page ids.
+
+With the decode radix cache (a decode-side hit of K whole pages, matched by the SWA radix cache:
+its last window before K is live and SWA-locked) the delta moves: full pages [K, N) and the
+last window's SWA pages from max(tail start, K). Those of the window inside the prefix are the
+tree's (`held_tail_pages`): the decode names them `prefix_swa_pages` beside `prefix_pages`, and
+the prefill's backend skips the first that many of its SWA pages as it skips the first K full
+ones (the prefill's scheduler sends the same list either way).
 """
 from __future__ import annotations
 
@@ -50,24 +57,27 @@ def prefill_tail_wire_ids(kv: Any, req: Any, seq_len: int) -> list[int]:
 
 def grow_swa_tail(kv: Any, req: Any, seq_len: int) -> bool:
     """alloc_extend_swa_tail: make req.pages cover [0, seq_len) with full pages, and give SWA
-    pages only to those from `tail_start_page` on (the earlier ones count as given up:
-    `swa_evicted_pages`). All or nothing; False when either pool lacks room. Only for a
-    request that holds no pages yet (a decode admission without a radix prefix)."""
-    assert not req.pages and not req.num_tree_pages, f"{req.rid}: tail grow needs no pages"
+    pages only to the new ones from `tail_start_page` on (earlier ones count as given up:
+    `swa_evicted_pages`). All or nothing; False when either pool lacks room. The request holds
+    no pages yet, or only a decode radix prefix (its `num_tree_pages` matched pages, SWA-locked
+    over their last window, which is live: cache/swa_radix.py): the tail's pages inside that
+    prefix keep the tree's SWA pages (`held_tail_pages`), the rest get new ones."""
+    assert len(req.pages) == req.num_tree_pages, f"{req.rid}: tail grow over own pages"
     P, swa = kv.page_size, kv.swa
-    need = -(-seq_len // P)
-    first = min(tail_start_page(seq_len, swa.window, P), need)
-    tail = need - first
+    held = req.num_tree_pages
+    total = -(-seq_len // P)
+    first = max(min(tail_start_page(seq_len, swa.window, P), total), held)
+    need, tail = total - held, total - first
     if need > kv.allocator.available_pages():
         kv.tree.evict(need - kv.allocator.available_pages())
     if tail > swa.allocator.available_pages():
         kv.tree.evict_swa(tail - swa.allocator.available_pages())
     if need > kv.allocator.available_pages() or tail > swa.allocator.available_pages():
         return False
-    pages = kv.allocator.alloc(need)
+    pages = kv.allocator.alloc(need) if need else []
     if pages is None:
         return False
-    if not swa.alloc_for(pages[first:]):
+    if not swa.alloc_for(pages[first - held:]):
         kv.allocator.free(pages)
         return False
     req.pages.extend(pages)
@@ -75,12 +85,22 @@ def grow_swa_tail(kv: Any, req: Any, seq_len: int) -> bool:
     return True
 
 
+def held_tail_pages(kv: Any, req: Any, seq_len: int) -> int:
+    """How many of the prompt's last-window pages lie in the request's tree prefix (the
+    decode holds their SWA pages: `prefix_swa_pages` on the wire, which the prefill skips)."""
+    first = tail_start_page(seq_len, kv.swa.window, kv.page_size)
+    held = min(req.num_tree_pages, -(-seq_len // kv.page_size))
+    dead = [i for i in range(first, held) if not kv.swa.map[req.pages[i]]]
+    assert not dead, f"{req.rid}: prefix pages #{dead} in its last window have no SWA page"
+    return max(held - first, 0)
+
+
 def decode_tail_wire_ids(kv: Any, req: Any, seq_len: int) -> list[int]:
     """The wire ids of the SWA pages `grow_swa_tail` gave the request (prompt order)."""
-    first = tail_start_page(seq_len, kv.swa.window, kv.page_size)
+    first = max(tail_start_page(seq_len, kv.swa.window, kv.page_size), req.num_tree_pages)
     base = swa_base(kv.plan.num_pages)
     return [base + kv.swa.map[p] for p in req.pages[first:-(-seq_len // kv.page_size)]]
 
 
-__all__ = ["decode_tail_wire_ids", "grow_swa_tail", "prefill_tail_wire_ids", "swa_base",
-           "tail_start_page"]
+__all__ = ["decode_tail_wire_ids", "grow_swa_tail", "held_tail_pages", "prefill_tail_wire_ids",
+           "swa_base", "tail_start_page"]

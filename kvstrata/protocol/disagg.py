@@ -118,6 +118,10 @@ class PDOp(msgspec.Struct, omit_defaults=True, tag="pd"):
     # receiver_init: the prompt's first pages the decode server already holds (its radix
     # cache); page_ids are the pages after them and the prefill sends only those.
     prefix_pages: int = 0
+    # receiver_init with hybrid SWA memory: the SWA pages of the prompt's last window that
+    # lie in those prefix pages (the decode's tree holds them live); the prefill skips them
+    # too, the first ones of its SWA pages (cache/swa_pd.py)
+    prefix_swa_pages: int = 0
     last: bool = False        # send: the last chunk; `metadata` goes with it
     metadata: PDMetadata | None = None
 
@@ -131,6 +135,7 @@ class PDEvent(msgspec.Struct, omit_defaults=True, tag="pd_event"):
     # pages while its room was live; the prefill reports what the decode confirmed, so
     # both sides give the same number (transfer/disagg/messages.py)
     pages: int = 0
+    swa_pages: int = 0  # of `pages`, the SWA pool's (hybrid SWA memory; smaller pages)
 
 
 class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
@@ -155,7 +160,9 @@ class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     device_pages: list[int] = []
     host_pages: list[int] = []
     # hybrid SWA memory: the SWA pool's pages of the live window (the last window before
-    # num_tokens, cache/swa_pd.py), backed up and restored beside the full pages (cpu_tensor)
+    # num_tokens, cache/swa_pd.py: those of the last len(swa_pages) device_pages), backed up
+    # and restored beside the full pages; host_pool keeps them in the host pool's SWA half
+    # under the host page ids of their full pages (the last len(swa_pages) host_pages)
     swa_pages: list[int] = []
 
 

@@ -16,8 +16,6 @@ from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
 from kvstrata.config.model_source import load_generation_eos
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
-from kvstrata.kv.host_pool import HostKVPool
-from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.platform import detected_platform
 from kvstrata.protocol.disagg import BackupOp
@@ -30,8 +28,8 @@ from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.executors.base import OpExecutor, split_ops
 from kvstrata.runner.executors.hicache import HiCacheExecutor
 from kvstrata.runner.executors.registry import EXECUTORS
-from kvstrata.runner.executors.retraction_backup import (RetractionBackupExecutor,
-                                                         on_demand_backup, with_swa_pool)
+from kvstrata.runner.executors.retraction_backup import (
+    RetractionBackupExecutor, on_demand_backup, retraction_pool_backup, with_swa_pool)
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees, write_swa_slots
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
 from kvstrata.runner.model_setup import load_serving_model
@@ -179,10 +177,7 @@ class ModelRunner:
         self.hicache = None
         if plan.has_host_pool and plan.host_pool_use == "retraction":
             # A decode server's host pool holds retraction backups only: no transfer thread.
-            host_pool = HostKVPool.from_plan(plan)
-            self.backup = RetractionBackupExecutor(
-                self.kv_pool, host_pool, make_io_backend(plan.io_backend, self.kv_pool.kv,
-                                                         host_pool))
+            self.backup = retraction_pool_backup(plan, self.kv_pool, self.swa_pool)
         elif plan.has_host_pool:
             self.hicache = HiCacheExecutor(self.kv_pool, plan, swa_pool=self.swa_pool)
         quant = self.quantization_info["quantization"]
@@ -226,8 +221,10 @@ class ModelRunner:
         """The step's ops go to their executors (runner/executors/base.py) in registry
         order; then the forward; then every executor reports its events."""
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
-            self.backup = with_swa_pool(on_demand_backup(self.kv_pool, self.hicache),
-                                        self.swa_pool)
+            self.backup = with_swa_pool(
+                on_demand_backup(self.kv_pool, self.hicache), self.swa_pool,
+                self.hicache.swa_host_pool if self.hicache is not None else None,
+                self.plan.io_backend)
         executors = self.executors()
         if self.draft is not None:
             self.draft.on_copies(sched.ops)

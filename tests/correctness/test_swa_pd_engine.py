@@ -4,7 +4,8 @@ backend on 127.0.0.1) over a tiny windowed checkpoint, stepped in turn. Greedy t
 equal transformers' and the co-located engine's; the decode's SWA pool is smaller than the
 prompts' total, so it only serves them by taking SWA pages for each prompt's last window;
 the SWA pages that crossed are counted per room; a decode whose full pool is pressured
-retracts (cpu_tensor, the live window's SWA pages backed up too) and restores exactly. Every
+retracts (cpu_tensor, and the auto rule's host_pool: the live window's SWA pages backed up
+too) and restores exactly. Every
 KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py)."""
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from kvstrata.entrypoints.engine_factory import build_engine
 from kvstrata.protocol import SamplingParams
 from kvstrata.protocol.disagg import BootstrapAddr
 from tests.correctness.test_sliding_window_models import (  # noqa: F401 (fixtures)
-    GREEDY, WINDOW, check, prompts, references, windowed)
+    GREEDY, NEW_TOKENS as NEW, WINDOW, check, prompts, references, windowed)
+from tests.helpers.compare import assert_match_transformers
 from tests.correctness.test_swa_memory_engine import llm
 from tests.helpers.ports import free_port
 
@@ -37,12 +39,13 @@ def engine(path, mode, port, page_size, **kw):
     return build_engine(args)[0]
 
 
-def run_pair(prefill, decode, prompts, port, max_steps=20_000):
+def run_pair(prefill, decode, prompts, port, max_steps=20_000, room_base=500):
     outs = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         for eng in (prefill, decode):
             eng.add_request(EngineRequest(str(i), list(p), SamplingParams(**GREEDY),
-                                          bootstrap=BootstrapAddr("127.0.0.1", port, 500 + i)))
+                                          bootstrap=BootstrapAddr("127.0.0.1", port,
+                                                                  room_base + i)))
     for _ in range(max_steps):
         if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
             break
@@ -105,21 +108,33 @@ def test_pd_greedy_equals_transformers_and_colocated(page_size, windowed, prompt
         decode.shutdown()
 
 
-def test_pressured_pd_decode_retracts_and_restores_exactly(windowed, prompts, references):
+@pytest.mark.parametrize("backup", ["cpu_tensor", None])
+def test_pressured_pd_decode_retracts_and_restores_exactly(backup, windowed, prompts,
+                                                           references):
+    """None: the auto rule's pick for a hybrid SWA pool, host_pool (full pages in the host
+    pool, the live window's SWA pages in its SWA half; --hicache-ratio 2: room for every
+    backup, the default 0.2 would abort some, as SGLang's does)."""
     path, port = windowed["qwen2"], free_port()
     prefill = engine(path, "prefill", port, 1, max_total_tokens=2048)
     decode = engine(path, "decode", free_port(), 1, max_total_tokens=200, swa_full_tokens_ratio=0.5,
-                    num_reserved_decode_tokens=1)
+                    num_reserved_decode_tokens=1,
+                    disaggregation_decode_retraction_backup=backup,
+                    hicache_ratio=None if backup else 2.0)
+    want = backup or "host_pool"
     try:
         outs = run_pair(prefill, decode, prompts, port)
-        check(outs, references["qwen2"], "PD retracted")
+        check(outs, references["qwen2"], f"PD retracted ({want})")
         side = pd_side(decode.scheduler)
-        assert decode.scheduler.config.retraction_backup == "cpu_tensor"
-        assert side.retraction.num_backups["cpu_tensor"] >= 1
-        assert side.retraction.num_restores["cpu_tensor"] == \
-            side.retraction.num_backups["cpu_tensor"]
+        assert decode.scheduler.config.retraction_backup == want
+        assert side.retraction.num_backups[want] >= 1
+        assert side.retraction.num_restores[want] == side.retraction.num_backups[want]
+        stats = decode.runner.backup.swa.stats()  # the window's SWA pages went along
+        assert stats[f"{want}_backup_count"] == stats[f"{want}_restore_count"] >= 1
         for eng in (prefill, decode):
             swa_whole(eng)
+        if want == "host_pool":
+            kv = decode.scheduler.kv
+            assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -148,4 +163,88 @@ def test_pd_with_an_eagle_head(windowed, prompts, references, tmp_path):
             swa_whole(eng)
     finally:
         prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prefill4(windowed):
+    """One prefill server (page size 4) for the decode-feature tests: (engine, port)."""
+    port = free_port()
+    eng = engine(windowed["qwen2"], "prefill", port, 4, max_total_tokens=2048)
+    yield eng, port
+    eng.shutdown()
+
+
+def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, references, prefill4):
+    """--disaggregation-decode-enable-radix-cache over the SWA radix cache: second turns
+    (each prompt, its answer, a short or a longer new message) hit the decode's tree, whose
+    live window before the match end serves the new last window's first pages; only the delta's full pages and its SWA pages past the prefix
+    cross (the byte counters, both sides, say exactly that); transformers' answers."""
+    path, P = windowed["qwen2"], 4
+    prefill, port = prefill4
+    decode = engine(path, "decode", free_port(), P, max_total_tokens=2048,
+                    disaggregation_decode_enable_radix_cache=True)
+    try:
+        firsts = run_pair(prefill, decode, prompts, port)
+        check(firsts, references["qwen2"], "PD radix turn 1")
+        side, kv = pd_side(decode.scheduler), decode.scheduler.kv
+        turns = [(p, p + out + [7, 11, 13][:1 + i % 3] + [5] * (9 * (i % 2)))
+                 for i, (p, out) in enumerate(zip(prompts, firsts)) if len(p) >= 9]
+        follow = [ids for _, ids in turns]
+        held = [kv.peek_prefix_len(ids, whole_prompt=True) for ids in follow]
+        # every whole page of each first turn but its last token's (never computed here)
+        assert held == [(len(p) + NEW - 1) // P * P for p, _ in turns]
+        plan = decode.scheduler.config.plan
+        full_bytes, swa_bytes = plan.bytes_per_page, side.swa_page_bytes
+        before = (side.load()["disagg_kv_bytes_received_total"],
+                  pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"])
+        hits = side.prefix_hit_tokens
+        outs = run_pair(prefill, decode, follow, port, room_base=700)
+        assert_match_transformers(path, follow, outs, "PD radix turn 2")
+        assert side.prefix_hit_tokens - hits == sum(held)
+        want, overlap = 0, 0
+        for ids, h in zip(follow, held):
+            n, k = -(-len(ids) // P), h // P
+            first = swa_pd.tail_start_page(len(ids), WINDOW, P)
+            want += (n - k) * full_bytes + (n - max(first, k)) * swa_bytes
+            overlap += k > first
+        assert overlap, "no follow-up's last window started inside its cached prefix"
+        assert side.load()["disagg_kv_bytes_received_total"] - before[0] == want
+        assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] - before[1] \
+            == want
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
+        decode.shutdown()
+
+
+def test_decode_hicache_with_a_starved_pool(windowed, prompts, references, prefill4):
+    """Decode HiCache over the SWA HiRadix cache, with host_pool retraction backups in the
+    same host pool: a decode device pool of 120 full / 60 SWA tokens demotes the cached
+    first turns to the host (both halves) and second turns load them back (the window's SWA
+    pages mapped to new full pages) and retract; transformers' tokens, every pool whole."""
+    path, P = windowed["qwen2"], 4
+    prefill, port = prefill4
+    decode = engine(path, "decode", free_port(), P, max_total_tokens=120,
+                    swa_full_tokens_ratio=0.5, num_reserved_decode_tokens=1,
+                    disaggregation_decode_enable_radix_cache=True,
+                    disaggregation_decode_enable_hicache=True, hicache_ratio=8.0,
+                    disaggregation_decode_retraction_backup="host_pool")
+    try:
+        assert decode.scheduler.kv.hicache and decode.scheduler.kv.swa is not None
+        firsts = run_pair(prefill, decode, prompts, port, room_base=800)
+        check(firsts, references["qwen2"], "PD decode HiCache turn 1")
+        follow = [p + out + [7, 11, 13] for p, out in zip(prompts, firsts) if len(p) >= 9]
+        outs = run_pair(prefill, decode, follow, port, room_base=900)
+        assert_match_transformers(path, follow, outs, "PD decode HiCache turn 2")
+        load = decode.get_load()
+        assert load["hicache_demoted_pages"] > 0 and load["hicache_host_hit_tokens"] > 0, load
+        side = pd_side(decode.scheduler)
+        assert side.prefix_hit_tokens > 0
+        backups = side.retraction.num_backups["host_pool"]
+        assert backups >= 1 and side.retraction.num_restores["host_pool"] == backups
+        assert decode.runner.backup.swa.stats()["host_pool_restore_count"] >= 1
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
         decode.shutdown()

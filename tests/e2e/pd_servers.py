@@ -165,6 +165,19 @@ def pd_router(pd: PDServers):
         assert not pid_alive(router.proc.pid)
 
 
+def router_generate(pd: PDServers, ids: list[int], max_new_tokens: int,
+                    timeout: float = 60) -> list[int]:
+    """One greedy request (ignore_eos) through sglang-router in front of the pair: its
+    output ids (a 200 is asserted)."""
+    with pd_router(pd) as router:
+        r = httpx.post(router.base_url + "/generate", json={
+            "input_ids": ids, "sampling_params": {
+                "max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}},
+            timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
 @contextlib.contextmanager
 def serving(servers: PDServers):
     """Yield the servers; stop both afterwards and check that neither process survives."""

@@ -13,7 +13,7 @@ import pytest
 
 from helpers.compare import assert_tokens_match
 from tests.e2e.pd_servers import (COMMON, PD_ENV, PDServers, assert_no_leak,
-                                   backend_available, pd_router, serving)
+                                   backend_available, router_generate, serving)
 from tests.e2e.server_utils import ServerProcess
 
 NEW_TOKENS = 12
@@ -68,15 +68,9 @@ def test_pd_nextn_equals_transformers(mtp_pd, tiny_prompts, tiny_dsa_references)
 
 
 def test_pd_nextn_through_sglang_router(mtp_pd, tiny_prompts, tiny_dsa_references):
-    with pd_router(mtp_pd) as router:
-        r = httpx.post(router.base_url + "/generate", json={
-            "input_ids": tiny_prompts[6], "sampling_params": {
-                "max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}},
-            timeout=60)
-        assert r.status_code == 200, r.text
-        ref_tokens, ref_logits = tiny_dsa_references[6]
-        assert_tokens_match(r.json()["output_ids"], ref_tokens[:NEW_TOKENS], ref_logits,
-                            label="router")
+    out = router_generate(mtp_pd, tiny_prompts[6], NEW_TOKENS)
+    ref_tokens, ref_logits = tiny_dsa_references[6]
+    assert_tokens_match(out, ref_tokens[:NEW_TOKENS], ref_logits, label="router")
 
 
 # A soak (KVSTRATA_SOAK=1): NEXTN over PD is test_pd_nextn_equals_transformers, decode

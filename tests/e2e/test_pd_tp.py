@@ -3,7 +3,8 @@
 server's port table (SGLang's prefill_port_table[dp][cp][tp][pp]); decode rank r pulls its
 KV heads from prefill rank r; a room's state is the minimum over ranks. Outputs equal the
 co-located server's. The decode pool holds about a third of a batch: its ranks retract with
-KV backups and restore. (A decode of another --tp-size: tests/transfer/test_disagg_tp.py.)"""
+KV backups and restore. (A decode of another --tp-size: tests/transfer/test_disagg_tp.py.)
+A hybrid SWA model's pair at tp 2 (soak): each rank's SWA pool is a page region of its own."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,8 @@ import httpx
 
 import pytest
 
-from tests.e2e.pd_servers import PDServers, assert_no_leak, pd_router, serving
+from tests.e2e.pd_servers import (PDServers, assert_no_leak, pd_router, router_generate,
+                                  serving)
 
 NEW = 8
 TP2 = ("--tp-size", "2")
@@ -68,3 +70,59 @@ def test_tp2_decode_retraction_backs_up_every_rank(tp_pair, server):
     run_pressured(tp_pair, batch, refs)
     assert_no_leak(tp_pair.decode)
     assert_no_leak(tp_pair.prefill)
+
+
+@pytest.fixture(scope="module")
+def swa_model_path(tmp_path_factory) -> str:
+    """A tiny Qwen2 with sliding windows (layer 0 full attention, the rest window 8): hybrid
+    SWA memory, with the tiny llama's tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from kvstrata.config.model_source import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2-135m"))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=88,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, sliding_window=8,
+                         use_sliding_window=True, max_window_layers=1, initializer_range=0.2,
+                         bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(7)
+    path = str(tmp_path_factory.mktemp("swa_qwen2"))
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.soak  # 50-95 s on 2 cores (two tp 2 servers of its own, a pressured batch)
+def test_tp2_swa_pair_through_the_router_retracts_on_every_rank(swa_model_path):
+    """Hybrid SWA memory at --tp-size 2 on both servers: each rank registers its SWA pool as
+    a second page region and decode rank r pulls its share of the full and the last
+    window's SWA pages from prefill rank r; a pressured decode retracts with the auto rule's
+    host_pool backups (the window's SWA pages in the host pool's SWA half) on every rank.
+    Answers are transformers' (near-ties aside), both servers drain whole."""
+    from helpers.compare import assert_match_transformers
+
+    from tests.e2e.test_pd_retraction import MAX_NEW, prompts, run_batch
+
+    common = (*TP2, "--dtype", "float32")
+    decode = (*common, "--max-total-tokens", "448", "--num-reserved-decode-tokens", "8",
+              "--hicache-ratio", "2")
+    with serving(PDServers(swa_model_path, "tcp", *decode, prefill_args=common)) as pd:
+        info = httpx.get(pd.decode.base_url + "/server_info", timeout=10).json()
+        assert info["kv_plan"]["pool_kind"] == "swa" and info["tp_size"] == 2
+        assert info["disaggregation_decode_retraction_backup"] == "host_pool"
+        batch = prompts(8)
+        first = router_generate(pd, batch[0], MAX_NEW, timeout=120)
+        results = run_batch(pd, batch)
+        outs = [results[i].json()["output_ids"] for i in range(len(batch))]
+        assert all(results[i].status_code == 200 for i in results), results
+        assert outs[0] == first
+        assert_match_transformers(swa_model_path, batch, outs, "tp 2 SWA PD")
+        load = httpx.get(pd.decode.base_url + "/get_load", timeout=30).json()
+        load = load[0] if isinstance(load, list) else load
+        assert load["decode_retractions_total"] > 0 and \
+            load["decode_restores_host_pool"] == load["decode_backups_host_pool"] > 0, load
+        assert_no_leak(pd.decode)
+        assert_no_leak(pd.prefill)

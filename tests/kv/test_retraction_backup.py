@@ -16,7 +16,7 @@ from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.protocol.disagg import BackupOp
-from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor
+from kvstrata.runner.executors.retraction_backup import RetractionBackupExecutor, with_swa_pool
 
 L, H, D = 3, 2, 12
 DEVICE_PAGES, HOST_PAGES = 20, 16
@@ -151,3 +151,34 @@ def test_bad_ops_are_refused():
     hx.apply([BackupOp("backup", "h", "host_pool", 4, [3], [1])])
     with pytest.raises(ValueError, match="differ from the backup"):
         hx.apply([BackupOp("restore", "h", "host_pool", 4, [5], [2])])
+
+
+@pytest.mark.parametrize("backend", ["cpu_tensor", "host_pool"])
+def test_swa_window_pages_round_trip_beside_the_full_pages(backend):
+    """Hybrid SWA memory (with_swa_pool): the live window's SWA pages (the last of the op's
+    pages) go with the full pages -- host_pool into the host pool's SWA half under the host
+    ids of their full pages -- and come back bit-exact into other SWA pages."""
+    pool, ex = _setup(backend, "kernel", "page_first", 4, "float32")
+    swa_plan = KVPlan.mha(num_layers=2, num_kv_heads=H, head_dim=D, dtype="float32",
+                          page_size=4, num_pages=8)
+    swa = MHATokenToKVPool(swa_plan, "cpu")
+    swa.kv.copy_(_random_bits(swa.kv.shape, swa.kv.dtype, seed=4))
+    with_swa_pool(ex, swa, HostKVPool(swa.geom, HOST_PAGES, "page_first")
+                  if backend == "host_pool" else None, "kernel")
+
+    def window(ids):
+        return _bits(swa.kv.view(2, 2, 9, 4, H, D)[:, :, ids]).clone()
+
+    want_full, want_swa = _pages(pool, REQS["a"][0]), window([6, 2])
+    op = _op("backup", "a", backend)
+    ex.apply([BackupOp(op.kind, op.rid, backend, op.num_tokens, op.device_pages,
+                       op.host_pages, swa_pages=[6, 2])])
+    pool.kv.copy_(_random_bits(pool.kv.shape, pool.kv.dtype, seed=5))
+    swa.kv.copy_(_random_bits(swa.kv.shape, swa.kv.dtype, seed=6))
+    op = _op("restore", "a", backend, 1)
+    ex.apply([BackupOp(op.kind, op.rid, backend, op.num_tokens, op.device_pages,
+                       op.host_pages, swa_pages=[3, 8])])
+    assert torch.equal(_pages(pool, REQS["a"][3]), want_full)
+    assert torch.equal(window([3, 8]), want_swa)
+    assert ex.num_backups == 0 and ex.swa.num_backups == 0
+    assert ex.swa.stats()[f"{backend}_restore_count"] == 1

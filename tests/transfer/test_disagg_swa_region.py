@@ -65,11 +65,11 @@ def sides(monkeypatch):
         side.mgr.close()
 
 
-def room(pre, dec, port, src, dst, number=7):
+def room(pre, dec, port, src, dst, number=7, held=(0, 0)):
     sender = pre.mgr.create_sender("127.0.0.1", port, number)
     receiver = dec.mgr.create_receiver("127.0.0.1", port, number)
     wait_until(lambda: receiver.poll() == W, what="receiver WAITING_FOR_INPUT")
-    receiver.init(dst, 0)
+    receiver.init(dst, 0, *held)
     wait_until(lambda: sender.poll() in (W, F), what="sender WAITING_FOR_INPUT")
     sender.init(len(src), 0)
     return sender, receiver
@@ -96,6 +96,30 @@ def test_full_and_swa_pages_land_in_their_own_pools(sides, backend, page_size):
     want_swa[:, swa_dst] = page_buffers_of(pre.swa)[0][:, swa_src]
     assert torch.equal(main, want_main)       # no SWA page spilled into the main pool
     assert torch.equal(swa, want_swa)         # only the reserved SWA pages written
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decode_radix_prefix_skips_its_full_and_window_pages(sides, backend):
+    """The decode holds the prompt's first 4 pages and, of the last window's 3 SWA pages,
+    the 2 inside them (prefix_pages 4, prefix_swa_pages 2): only the rest cross, each into
+    its reserved page; both sides count 3 pages moved, 1 of them an SWA page."""
+    pre, dec, port = sides(backend, 16)
+    main_before, swa_before = (page_buffers_of(dec.main)[0].clone(),
+                               page_buffers_of(dec.swa)[0].clone())
+    full_src, swa_src = [3, 4, 5, 9, 10, 2], [5, 6, 1]
+    src = full_src + [pre.wire(p) for p in swa_src]
+    dst = [30, 11] + [dec.wire(4)]
+    sender, receiver = room(pre, dec, port, src, dst, held=(4, 2))
+    sender.send(src[:3], last=False)           # held pages only: nothing crosses yet
+    sender.send(src[3:], last=True, metadata=PDMetadata(7, first_token_id=3))
+    wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
+    assert receiver.pages_moved == sender.pages_moved == 3
+    assert receiver.swa_pages_moved == sender.swa_pages_moved == 1
+    want_main, want_swa = main_before.clone(), swa_before.clone()
+    want_main[:, [30, 11]] = page_buffers_of(pre.main)[0][:, [10, 2]]
+    want_swa[:, [4]] = page_buffers_of(pre.swa)[0][:, [1]]
+    assert torch.equal(page_buffers_of(dec.main)[0], want_main)
+    assert torch.equal(page_buffers_of(dec.swa)[0], want_swa)
 
 
 @pytest.mark.parametrize("prefill_hybrid", [True, False])

@@ -22,16 +22,32 @@ MINUS = dict.fromkeys(("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank",
 
 
 def manager(role: str, pool, port: int, rank: int, size: int):
+    """`pool`: a device pool, or (pool, SWA pool) for hybrid SWA memory."""
+    pool, swa = pool if isinstance(pool, tuple) else (pool, None)
     return create_manager("tcp", role, page_buffers_of(pool), host="127.0.0.1",
                           bootstrap_port=port, num_metadata_slots=4, page_size=1,
-                          kv_dtype="float32", tp_rank=rank, tp_size=size)
+                          kv_dtype="float32", tp_rank=rank, tp_size=size,
+                          swa_buffers=page_buffers_of(swa) if swa is not None else ())
 
 
-def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypatch):
+def _pools(seed: int, swa: bool):
+    """A rank's pools: its main pool, with hybrid SWA memory also its SWA pool (its share of
+    the windowed layers' heads: another seed, so a page from the wrong rank shows)."""
+    from tests.transfer.test_disagg_swa_region import swa_pool
+
+    main = random_pool(seed=seed)
+    return (main, swa_pool(1, seed + 50)) if swa else main
+
+
+@pytest.mark.parametrize("swa", [False, True])
+def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypatch, swa):
+    """With hybrid SWA memory each rank registers its SWA pool as a second region: decode
+    rank r's SWA pages come from prefill rank r's SWA pool too; another size is refused
+    with SGLang's message."""
     monkeypatch.setenv("KVSTRATA_DISAGG_WAITING_TIMEOUT", "60")
     port = free_port()
-    pre_pools = [random_pool(seed=10 + r) for r in range(2)]
-    dec_pools = [random_pool(seed=20 + r) for r in range(2)]
+    pre_pools = [_pools(10 + r, swa) for r in range(2)]
+    dec_pools = [_pools(20 + r, swa) for r in range(2)]
     managers = []
     try:
         managers.append(manager("prefill", pre_pools[0], port, 0, 2))
@@ -42,6 +58,9 @@ def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypa
         decode = [manager("decode", dec_pools[r], 0, r, 2) for r in range(2)]
         managers += decode
         src, dst = [3, 4, 9], [7, 1, 2]
+        if swa:  # the last window's SWA pages (wire ids past the main region: swa_pd.py)
+            base = page_buffers_of(pre_pools[0][0])[0].shape[1]
+            src, dst = src + [base + 5, base + 2], dst + [base + 1, base + 6]
         pairs = []
         for r in range(2):
             sender = managers[r].create_sender("127.0.0.1", port, 5)
@@ -54,18 +73,25 @@ def test_decode_rank_r_pulls_prefill_rank_r_and_other_sizes_are_refused(monkeypa
             pairs.append((sender, receiver))
         for r, (sender, receiver) in enumerate(pairs):
             wait_until(lambda: sender.poll() == S and receiver.poll() == S, what="SUCCESS")
-            got = page_buffers_of(dec_pools[r])[0][:, dst]
-            assert torch.equal(got, page_buffers_of(pre_pools[r])[0][:, src]), r
+            pre, dec = (pre_pools[r], dec_pools[r]) if swa else ((pre_pools[r],),
+                                                                  (dec_pools[r],))
+            got = page_buffers_of(dec[0])[0][:, dst[:3]]
+            assert torch.equal(got, page_buffers_of(pre[0])[0][:, src[:3]]), r
+            if swa:
+                got = page_buffers_of(dec[1])[0][:, [1, 6]]
+                assert torch.equal(got, page_buffers_of(pre[1])[0][:, [5, 2]]), r
+                assert receiver.swa_pages_moved == sender.swa_pages_moved == 2
 
-        one = manager("decode", random_pool(seed=30), 0, 0, 1)
+        one = manager("decode", _pools(30, swa), 0, 0, 1)
         managers.append(one)
         sender = managers[0].create_sender("127.0.0.1", port, 6)
         receiver = one.create_receiver("127.0.0.1", port, 6)
         wait_until(lambda: receiver.poll() == F, what="the tp-1 decode refused")
-        assert "different tensor-parallel sizes" in receiver.failure_reason
         assert "prefill --tp-size 2 != decode --tp-size 1" in receiver.failure_reason
+        assert ("PD state transfer does not support TP-mismatched non-MLA SWA models" if swa
+                else "different tensor-parallel sizes") in receiver.failure_reason
         wait_until(lambda: sender.poll() == F, timeout=5, what="the prefill half fails at once")
-        assert "tensor-parallel" in sender.failure_reason
+        assert "--tp-size 1" in sender.failure_reason
     finally:
         for m in reversed(managers):
             m.close()

@@ -62,6 +62,8 @@ class Link:
     receiver: Half | None = None
     dst_pages: list[int] | None = None
     prefix_pages: int = 0  # the prompt's first pages the decode holds (its radix cache)
+    prefix_swa_pages: int = 0  # ... and the first SWA pages of the last send (hybrid SWA)
+    swa_crossed: int = 0  # of `crossed`, SWA pages
     num_pages: int | None = None
     src_pages: list[int] | None = None
     metadata: object = None
@@ -133,10 +135,12 @@ class FakeTransferHub:
             assert op.page_ids or op.prefix_pages, op
             link.dst_pages = list(op.page_ids)
             link.prefix_pages = op.prefix_pages
+            link.prefix_swa_pages = op.prefix_swa_pages
             half.state = KVPoll.TRANSFERRING
         elif op.kind == "sender_init":
             assert side == "prefill" and half.reported == KVPoll.WAITING_FOR_INPUT, link.log
-            assert op.num_pages == link.prefix_pages + len(link.dst_pages), (op, link)
+            assert op.num_pages == link.prefix_pages + link.prefix_swa_pages + \
+                len(link.dst_pages), (op, link)
             assert op.metadata_index >= 0
             link.num_pages = op.num_pages
         elif op.kind == "send":
@@ -176,8 +180,14 @@ class FakeTransferHub:
         return max(0, end - max(start, link.prefix_pages))
 
     def _land_last(self, link: Link) -> None:
-        self._copy(link.src_pages, link.dst_pages)
-        link.crossed += self._past_prefix(link, link.last_from, len(link.src_pages))
+        link.swa_crossed = self._copy(self._wanted(link), link.dst_pages)
+        # the held SWA pages are in the last send (hybrid SWA memory)
+        link.crossed += self._past_prefix(link, link.last_from, len(link.src_pages)) \
+            - link.prefix_swa_pages
+
+    def _wanted(self, link: Link) -> list[int]:
+        """The source pages the decode reserved destinations for: past its held prefix."""
+        return link.src_pages[link.prefix_pages:]
 
     def _fail(self, link: Link, error: str) -> None:
         for half in (link.sender, link.receiver):
@@ -216,7 +226,7 @@ class FakeTransferHub:
                 s.state, s.error = KVPoll.FAILED, "aborted"
                 return
             if link.aborted is not None:  # the decode ended first: the pages land unseen
-                self._copy(link.src_pages, link.dst_pages)
+                self._copy(self._wanted(link), link.dst_pages)
                 self._fail(link, f"the {link.aborted} server aborted")
                 return
             if link.fail == "transfer":
@@ -243,12 +253,14 @@ class FakeTransferHub:
                 if half is not None and half.state not in TERMINAL:
                     half.state, half.error = KVPoll.FAILED, why
 
-    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
-        """What the real backends do: the pages the decode holds already are not sent."""
-        src_pages = src_pages[len(src_pages) - len(dst_pages):]
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> int:
+        """What the real backends do (the pages the decode holds already are not sent: the
+        caller passes `_wanted`); returns how many were SWA pages (none here)."""
+        assert len(src_pages) == len(dst_pages), (src_pages, dst_pages)
         copy_pages(self.runners["prefill"].kv, self.runners["decode"].kv, src_pages, dst_pages,
                    self.page_size)
         self.moved_pages += len(src_pages)
+        return 0
 
     def poll(self, side: str) -> list[PDEvent]:
         self.tick += 1
@@ -268,7 +280,9 @@ class FakeTransferHub:
             events.append(PDEvent(room=room, state=int(half.state),
                                   error=half.error if half.state == KVPoll.FAILED else None,
                                   metadata=md,
-                                  pages=link.crossed if half.state in TERMINAL else 0))
+                                  pages=link.crossed if half.state in TERMINAL else 0,
+                                  swa_pages=link.swa_crossed if half.state in TERMINAL
+                                  else 0))
         return events
 
     def check_drained(self) -> None:

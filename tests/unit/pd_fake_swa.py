@@ -17,8 +17,19 @@ class SWAHub(FakeTransferHub):
         self.swa_pages_per_room: dict[int, int] = {}  # SWA pages that crossed, per copy
         self.swa_pages_moved = 0
 
-    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> None:
-        src_pages = src_pages[len(src_pages) - len(dst_pages):]
+    def _wanted(self, link) -> list[int]:
+        """Past the held prefix, less the first SWA pages the decode holds too."""
+        base, held = swa_base(self.runners["prefill"].num_full_pages), link.prefix_swa_pages
+        out = []
+        for s in super()._wanted(link):
+            if s >= base and held:
+                held -= 1
+            else:
+                out.append(s)
+        return out
+
+    def _copy(self, src_pages: list[int], dst_pages: list[int]) -> int:
+        assert len(src_pages) == len(dst_pages), (src_pages, dst_pages)
         pre, dec = self.runners["prefill"], self.runners["decode"]
         pre_base, dec_base = swa_base(pre.num_full_pages), swa_base(dec.num_full_pages)
         full = [(s, d) for s, d in zip(src_pages, dst_pages) if s < pre_base]
@@ -33,27 +44,36 @@ class SWAHub(FakeTransferHub):
                    self.page_size)
         self.moved_pages += len(src_pages)
         self.swa_pages_moved += len(swa)
-        self.last_swa_pages = len(swa)
+        return len(swa)
 
 
 class SWABackupStore(FakeBackupStore):
-    """cpu_tensor backups of the live window's SWA pages beside the full pages."""
+    """Backups of the live window's SWA pages beside the full pages: cpu_tensor in a per-rid
+    store, host_pool in the runner's host SWA half under the host ids of their full pages
+    (the last len(swa_pages) host pages); the device SWA pages are wiped at once."""
 
     def __init__(self, runner):
         super().__init__(runner)
         self.swa_cpu: dict[str, list[dict]] = {}
-        self.swa_backed_up = 0
+        self.swa_backed_up = {"cpu_tensor": 0, "host_pool": 0}
 
     def apply(self, op) -> None:
         r, P = self.runner, self.runner.page_size
+        host = op.host_pages[len(op.host_pages) - len(op.swa_pages):]
         if op.kind == "backup" and op.swa_pages:
-            assert op.backend == "cpu_tensor" and 0 not in op.swa_pages, op
-            self.swa_cpu[op.rid] = [{o: r.swa_kv.get(p * P + o) for o in range(P)}
-                                    for p in op.swa_pages]
-            self.swa_backed_up += len(op.swa_pages)
+            assert 0 not in op.swa_pages, op
+            if op.backend == "cpu_tensor":
+                self.swa_cpu[op.rid] = [{o: r.swa_kv.get(p * P + o) for o in range(P)}
+                                        for p in op.swa_pages]
+            else:
+                copy_pages(r.swa_kv, r.swa_host, op.swa_pages, host, P)
+            self.swa_backed_up[op.backend] += len(op.swa_pages)
             for p in op.swa_pages:  # free from now on
                 for o in range(P):
                     r.swa_kv.pop(p * P + o, None)
+        elif op.kind == "restore" and op.backend == "host_pool":
+            assert len(host) == len(op.swa_pages), op
+            copy_pages(r.swa_host, r.swa_kv, host, op.swa_pages, P)
         elif op.kind == "restore" and (op.swa_pages or op.rid in self.swa_cpu):
             saved = self.swa_cpu.pop(op.rid)
             assert len(saved) == len(op.swa_pages), (op, len(saved))

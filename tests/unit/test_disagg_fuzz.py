@@ -100,8 +100,7 @@ class PDMachine(RuleBasedStateMachine):
     def build(self, cfg, first):
         P = cfg["page_size"]
         if cfg["swa"] is not None:  # what hybrid SWA memory takes under PD (rules/swa.py)
-            cfg = {**cfg, "decode_radix": False, "prefill_host_pages": 0,
-                   "backup": "cpu_tensor", "spec": None}
+            cfg = {**cfg, "spec": None}
         self.cfg = cfg
         priority = {"enable_priority_scheduling": True,
                     "priority_scheduling_preemption_threshold": cfg["priority"],

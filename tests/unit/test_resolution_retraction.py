@@ -58,10 +58,7 @@ def test_explicit_cpu_tensor_kept(platform):
     ({"enable_priority_scheduling": True}, None),
     ({}, ModelInfo(kv_pool_kind="mla")),
     ({}, ModelInfo(kv_pool_kind="other")),
-    ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=0)),
-    ({}, ModelInfo(kv_pool_kind="swa")),  # not sized yet: stay on the safe side
-    # hybrid SWA (SGLang: host_pool): our host-pool backup copies the full pool only
-    ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=4096)),
+    ({}, ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=0)),  # all-SWA
 ])
 def test_each_single_condition_flips_auto_to_cpu_tensor(platform, kwargs, model_info):
     args = {**DECODE, **kwargs}
@@ -73,6 +70,12 @@ def test_conditions_that_keep_host_pool(platform):
     # priority scheduling without preemption
     assert outcome(platform, enable_priority_scheduling=True, disable_priority_preemption=True,
                    **DECODE) == ("host_pool", 0.2)
+    # a hybrid SWA pool (SGLang's gate: full-attention tokens > 0; None: hybrid, not sized
+    # yet -- rules/swa.py model_info_after gives an all-SWA model 0): the backup keeps the
+    # full pages and the live window's SWA pages
+    for tokens in (4096, None):
+        info = ModelInfo(kv_pool_kind="swa", full_attention_tokens_per_layer=tokens)
+        assert outcome(platform, info, **DECODE) == ("host_pool", 0.2)
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)

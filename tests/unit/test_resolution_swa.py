@@ -58,12 +58,9 @@ def test_nothing_to_decide_without_windows(info):
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
     (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
-    (dict(disaggregation_mode="decode", tp_size=2), "with --tp-size > 1"),
-    (dict(disaggregation_mode="prefill", tp_size=2), "with --tp-size > 1"),
-    (dict(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool"),
-     "retraction-backup host_pool"),
-    (dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
-     "--disaggregation-decode-enable-radix-cache"),
+    # decode KV offload is the decode tree's HiCache L3 backups
+    (dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
+          hicache_storage_backend="file"), "HiCache L3"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -76,7 +73,11 @@ def test_off_with_the_reason(kw, reason, info):
 @pytest.mark.parametrize("kw", [
     dict(speculative_algorithm="NGRAM"), dict(enable_deterministic_inference=True),
     dict(page_size=16), dict(disable_radix_cache=True), dict(swa_full_tokens_ratio=0.3),
-    dict(chunked_prefill_size=64), dict(tp_size=2)])
+    dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
+    dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
+         disaggregation_decode_enable_hicache=True),
+    dict(chunked_prefill_size=64), dict(tp_size=2),
+    dict(disaggregation_mode="decode", tp_size=2), dict(disaggregation_mode="prefill", tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
     """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
     resolved, _ = run(**kw)
@@ -133,8 +134,10 @@ def test_on_under_pd(mode, backend, info):
 
 
 def test_retraction_with_the_real_pool_kinds():
-    """An SWA pool, hybrid or all-SWA: cpu_tensor (SGLang: host_pool for hybrid; our host
-    pool holds no SWA pages, cpu_tensor backs up the live window's)."""
+    """SGLang's gate on the pool the swa rule leaves: a hybrid SWA pool takes host_pool (the
+    full pages and the live window's SWA pages, runner/executors/retraction_backup.py); an
+    all-SWA pool stays on cpu_tensor, saying why. An explicit host_pool keeps hybrid SWA
+    memory on; for an all-SWA model it turns it off (one uniform pool) with that reason."""
     decode = ServerArgs(disaggregation_mode="decode", max_total_tokens=4096)
     args, _ = run(max_total_tokens=4096)
     hybrid = swa.model_info_after(args, HYBRID)
@@ -142,13 +145,20 @@ def test_retraction_with_the_real_pool_kinds():
     plat = simulated("cuda")
     from kvstrata.config.resolve_types import to_resolved
     backend, why = decide_backup(inputs_from(to_resolved(decode), plat, hybrid))
-    assert backend == "cpu_tensor" and "copies the full pool's pages only" in why
+    assert backend == "host_pool" and "the live window's SWA pages" in why
     backend, why = decide_backup(inputs_from(to_resolved(decode), plat, pure))
     assert backend == "cpu_tensor" and "no full-attention pages" in why
-    for info in (HYBRID, ALL_SWA):
+    for info, want in ((HYBRID, "host_pool"), (ALL_SWA, "cpu_tensor")):
         resolved, res = run(info, "cuda", disaggregation_mode="decode")
         assert resolved.hybrid_swa_memory is True
-        assert resolved.disaggregation_decode_retraction_backup == "cpu_tensor"
+        assert resolved.disaggregation_decode_retraction_backup == want
+        assert res["disaggregation_decode_retraction_backup"].rule == "retraction.backup"
+    explicit = dict(disaggregation_mode="decode",
+                    disaggregation_decode_retraction_backup="host_pool")
+    assert run(HYBRID, "cuda", **explicit)[0].hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, "cuda", **explicit)
+    assert resolved.hybrid_swa_memory is False
+    assert "host_pool with an all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 def test_explain_shows_the_decision():

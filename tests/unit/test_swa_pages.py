@@ -11,6 +11,7 @@ from kvstrata.cache.invariants import check_kv_state
 from kvstrata.cache.kv_manager import KVManager
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.swa_pages import SWAPages
+from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.engine.engine_core import EngineCore
@@ -106,12 +107,17 @@ def test_pages_map_slots_and_free():
     assert swa.map == [0] * 7 + [2] + [0] * 3
 
 
-def test_kv_manager_refuses_retraction_host_pool_with_swa():
-    """HiCache L2 copies SWA pages (test_swa_hicache.py); retraction backups do not."""
+def test_kv_manager_keeps_retraction_backups_beside_an_swa_pool():
+    """A retraction host pool beside an SWA pool: host pages for backups (their SWA half
+    under the same ids is the runner's: test_disagg_swa_pair.py, test_swa_pd_engine.py)."""
     plan = KVPlan.pages_only(num_pages=8, num_host_pages=16, num_swa_pages=4, swa_window=2,
                              host_pool_use="retraction")
-    with pytest.raises(ValueError, match="supports a HiCache host pool only"):
-        KVManager(plan)
+    kv = KVManager(plan)
+    pages = kv.alloc_backup_pages(5)
+    assert len(pages) == 5 and kv.swa is not None
+    kv.check_backups([pages])
+    kv.free_backup_pages(pages)
+    kv.check_backups([])
 
 
 def test_grow_maps_every_page_and_capacity_is_the_smaller_pool():
@@ -344,13 +350,16 @@ def test_aborts_and_flush_keep_both_pools_whole():
     assert kv.swa.allocator.available_pages() == 24 and kv.allocator.available_pages() == 64
 
 
-def test_pd_takes_an_swa_pool_but_not_the_decode_radix_cache():
+def test_pd_decode_extras_take_an_swa_pool():
+    """The decode radix cache is the SWA radix cache, decode HiCache the SWA HiRadix cache
+    (PD with them: tests/unit/test_disagg_swa_pair.py)."""
     SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4, disaggregation_mode="prefill")
-    # (PD itself with an SWA pool: tests/unit/test_disagg_swa_pair.py)
-    with pytest.raises(ValueError, match="decode radix cache"):
-        SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
-                        disaggregation_mode="decode",
-                        disaggregation_decode_enable_radix_cache=True)
+    for host, tree in ((0, SWARadixCache), (64, SWAHiRadixCache)):
+        cfg = SchedulerConfig(num_pages=64, num_swa_pages=16, swa_window=4,
+                              disaggregation_mode="decode", num_host_pages=host,
+                              disaggregation_decode_enable_radix_cache=True,
+                              host_pool_use="hicache" if host else None)
+        assert type(KVManager(cfg.plan).tree) is tree
 
 
 def test_an_swa_pool_below_one_window_aborts_with_a_clear_error():

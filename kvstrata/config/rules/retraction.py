@@ -39,12 +39,12 @@ class RetractionInputs:
 
 
 def pool_supports_host_pool(kv_pool_kind: str, full_attention_tokens: int | None) -> bool:
-    # SGLang backs a hybrid SWA pool (full-attention tokens > 0) up into the host pool too;
-    # here the host-pool backup copies the full pool's pages only (cache/kv_manager.py
-    # refuses a retraction host pool beside an SWA pool), so an SWA pool takes cpu_tensor,
-    # which backs up the live window's SWA pages beside the full pages
-    # (runner/executors/retraction_backup.py).
-    return kv_pool_kind == "mha"
+    """SGLang's gate: an MHA pool, or a hybrid SWA pool (full-attention tokens > 0; None =
+    not sized yet but hybrid: model_info_after gives an all-SWA model 0). The host-pool
+    backup keeps the full pages in the host pool and the live window's SWA pages in its SWA
+    half under the same host page ids (runner/executors/retraction_backup.py); an all-SWA
+    pool has no full pages for it to hold."""
+    return kv_pool_kind == "mha" or (kv_pool_kind == "swa" and full_attention_tokens != 0)
 
 
 def decide_backup(x: RetractionInputs) -> tuple[str, str]:
@@ -66,17 +66,13 @@ def decide_backup(x: RetractionInputs) -> tuple[str, str]:
     if x.has_recurrent_state:
         blockers.append("the model keeps recurrent/SSM state")
     if not pool_supports_host_pool(x.kv_pool_kind, x.full_attention_tokens_per_layer):
-        if x.kv_pool_kind != "swa":
-            blockers.append(f"KV pool kind {x.kv_pool_kind}")
-        elif x.full_attention_tokens_per_layer == 0:
-            blockers.append("KV pool kind swa has no full-attention pages to back up")
-        else:  # hybrid: SGLang would pick host_pool
-            blockers.append("KV pool kind swa (hybrid SWA memory): the host-pool backup "
-                            "copies the full pool's pages only; cpu_tensor backs up the full "
-                            "pages and the live window's SWA pages")
+        blockers.append("KV pool kind swa has no full-attention pages to back up"
+                        if x.kv_pool_kind == "swa" else f"KV pool kind {x.kv_pool_kind}")
     if blockers:
         return "cpu_tensor", "auto: cpu_tensor because " + "; ".join(blockers)
-    return "host_pool", "auto: host_pool (decode server, every precondition holds)"
+    swa = ("; a hybrid SWA pool: the full pages and the live window's SWA pages"
+           if x.kv_pool_kind == "swa" else "")
+    return "host_pool", f"auto: host_pool (decode server, every precondition holds{swa})"
 
 
 def check_explicit_host_pool(x: RetractionInputs) -> None:

@@ -32,22 +32,19 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     if args.hicache_storage_backend is not None:
         out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
                    "one uniform pool's pages, not the SWA pool's")
-    # PD itself works (the prefill sends the last window's SWA pages, the decode allocates
-    # SWA pages for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the
-    # tcp and mooncake backends; what a decode server adds below does not yet, nor TP ranks
-    # (SGLang refuses TP-mismatched non-MLA SWA transfers; same-size TP is untested here).
-    if args.disaggregation_mode != "null" and args.tp_size > 1:
-        out.append(f"PD disaggregation (--disaggregation-mode {args.disaggregation_mode}) "
-                   f"with --tp-size > 1: the ranks' SWA page regions are not tested yet")
-    if args.disaggregation_decode_retraction_backup == "host_pool":
-        out.append("--disaggregation-decode-retraction-backup host_pool: the host pool holds "
-                   "the full pool's pages only (cpu_tensor backs up the SWA window too)")
-    if args.disaggregation_decode_enable_radix_cache:
-        out.append("--disaggregation-decode-enable-radix-cache: the decode radix cache keeps "
-                   "no SWA pages")
-    if args.disaggregation_decode_enable_hicache or \
-            args.disaggregation_decode_enable_offload_kvcache:
-        out.append("decode HiCache / KV offload: the host tier copies the uniform pool only")
+    # PD works (the prefill sends the last window's SWA pages, the decode allocates SWA pages
+    # for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the tcp and
+    # mooncake backends, at any --tp-size equal on both servers (each rank's SWA pool is a
+    # region of its own; a mismatch is refused with SGLang's message, rank_map.py), and so do
+    # the decode radix cache, decode HiCache (its KV offload is L3, gated above) and
+    # host_pool retraction backups. (Not an all-SWA model under PD: the transfer registers the
+    # full pool's buffers, which it lacks -- ModelRunner.enable_disagg fails at start-up;
+    # not gated here.)
+    if args.disaggregation_decode_retraction_backup == "host_pool" and info is not None \
+            and not info.num_full_layers:
+        out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "
+                   "the host-pool backup holds full-attention pages, which an all-SWA model "
+                   "does not have")
     return out
 
 

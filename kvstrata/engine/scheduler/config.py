@@ -185,13 +185,13 @@ class SchedulerConfig:
         or host_pool in the same pool: backups_share_host); only a decode server has a
         retraction pool."""
         plan, decode = self.plan, self.disaggregation_mode == "decode"
-        if plan.has_swa_pool and decode and (self.radix_cache or plan.has_host_pool):
-            # PD moves the last window's SWA pages (cache/swa_pd.py), but the decode radix
-            # cache keeps no SWA pages, and a decode host pool (decode HiCache, host_pool
-            # retraction backups) is not built beside an SWA pool yet.
-            raise ValueError("the hybrid SWA pool does not support the decode radix cache or "
-                             "a decode host pool yet; disable hybrid SWA memory")
         retraction_pool = plan.has_host_pool and plan.host_pool_use == "retraction"
+        if plan.has_host_pool and plan.has_swa_pool and plan.full_pool_plan() is None:
+            # (HiCache's host tier and host_pool backups keep an SWA pool's pages beside the
+            # full pages they belong to: cache/swa_hiradix.py, retraction_backup.py)
+            raise ValueError("a host KV pool holds full-attention pages, which an all-SWA model "
+                             "does not have: use --disaggregation-decode-retraction-backup "
+                             "cpu_tensor and no HiCache")
         if decode and plan.has_host_pool and not retraction_pool and not self.radix_cache:
             raise ValueError("--disaggregation-mode decode runs without a radix cache, so it "
                              "cannot use --enable-hierarchical-cache (add "

@@ -125,14 +125,12 @@ class DisaggSide(SchedulerSide):
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def moved_bytes(self, room: Room, pages: int) -> int:
-        """Bytes of `pages` pages of this room that crossed. A room's SWA pages come last in
-        its page list (after every full page; no decode radix prefix with an SWA pool), so
-        those past the prompt's full pages are SWA pages."""
+    def moved_bytes(self, pages: int, swa_pages: int) -> int:
+        """Bytes of `pages` pages of a room that crossed, `swa_pages` of them the SWA pool's
+        (hybrid SWA memory: smaller pages; the transfer layer counts them, PDEvent)."""
         if not self.swa_page_bytes:
             return pages * self.page_bytes_moved
-        swa = max(pages - self.pages_for(len(room.req.prompt_ids)), 0)
-        return (pages - swa) * self.page_bytes_moved + swa * self.swa_page_bytes
+        return (pages - swa_pages) * self.page_bytes_moved + swa_pages * self.swa_page_bytes
 
     def swa_tail_pages(self, prompt_len: int) -> int:
         """SWA pages a prompt's transfer moves after its full pages (the last window,
@@ -208,7 +206,7 @@ class DisaggSide(SchedulerSide):
                 continue
             room.state = ev.state
             if ev.state in TERMINAL:  # what crossed, failed and aborted rooms included
-                self.kv_bytes_moved += self.moved_bytes(room, ev.pages)
+                self.kv_bytes_moved += self.moved_bytes(ev.pages, ev.swa_pages)
             if room.draining:
                 if ev.state in TERMINAL:
                     self._end_drain(room)

@@ -7,7 +7,9 @@ tree, and at admission the prompt's cached whole pages are matched (the last tok
 first output token comes from the prefill) and locked for the request's lifetime; only the
 pages after them are reserved and transferred (`receiver_init(prefix_pages=...)`: the
 prefill sends every page as usual, its transfer backend skips the held ones). Cached pages
-are evicted under memory pressure as on a co-located server. A request's path:
+are evicted under memory pressure as on a co-located server. With hybrid SWA memory the tree is
+the SWA radix cache: a hit needs a live window before its end, the request keeps the tree's SWA
+pages there and takes new ones for the rest of its last window (cache/swa_pd.py). A request's path:
   prealloc   `receiver_create`. Once its receiver reports WAITING_FOR_INPUT it is admitted,
              FIFO, or by priority under priority scheduling (requests still bootstrapping are skipped; the first ready one that does not
              fit stops the pass), every `--disaggregation-decode-polling-interval` steps, when
@@ -43,7 +45,7 @@ from __future__ import annotations
 import msgspec
 from typing import TYPE_CHECKING
 
-from kvstrata.cache.swa_pd import decode_tail_wire_ids, grow_swa_tail
+from kvstrata.cache.swa_pd import decode_tail_wire_ids, grow_swa_tail, held_tail_pages
 from kvstrata.engine.request import Request
 from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
 from kvstrata.engine.sides.disagg_common import DisaggSide, Room
@@ -180,7 +182,8 @@ class DecodeDisagg(DisaggSide):
             if self.radix:  # lock the prefix for the request's lifetime (with a decode
                 # HiCache, host-resident pages of it are loaded back first: not re-sent)
                 held = self.kv.match_and_lock(req, whole_prompt=True)
-            # hybrid SWA memory: SWA pages for the last window only (alloc_extend_swa_tail)
+            # hybrid SWA memory: SWA pages for the last window only (alloc_extend_swa_tail),
+            # those of it past the cached prefix (the tree holds the rest live)
             grown = grow_swa_tail(self.kv, req, len(req.prompt_ids)) \
                 if self.kv.swa is not None else self.kv.grow(req, len(req.prompt_ids))
             if not grown:
@@ -192,11 +195,14 @@ class DecodeDisagg(DisaggSide):
             self.prefix_hit_tokens += held
             self.prealloc.remove(req)
             self.transfer.append(req)
-            tail = decode_tail_wire_ids(self.kv, req, len(req.prompt_ids)) \
-                if self.kv.swa is not None else []
+            tail, held_tail = [], 0
+            if self.kv.swa is not None:
+                tail = decode_tail_wire_ids(self.kv, req, len(req.prompt_ids))
+                held_tail = held_tail_pages(self.kv, req, len(req.prompt_ids))
             self.emit("receiver_init", req.bootstrap.room,
                       page_ids=list(req.pages[req.num_tree_pages:]) + tail,
-                      metadata_index=room.slot, prefix_pages=req.num_tree_pages)
+                      metadata_index=room.slot, prefix_pages=req.num_tree_pages,
+                      prefix_swa_pages=held_tail)
 
     def _join_running(self) -> None:
         sched = self.sched

@@ -50,7 +50,8 @@ class DisaggExecutor(OpExecutor):
             elif kind == "sender_init":
                 self._get(op).init(op.num_pages, op.metadata_index)
             elif kind == "receiver_init":
-                self._get(op).init(list(op.page_ids), op.metadata_index, op.prefix_pages)
+                self._get(op).init(list(op.page_ids), op.metadata_index, op.prefix_pages,
+                                   op.prefix_swa_pages)
             elif kind == "send":
                 self._get(op).send(list(op.page_ids), op.last, op.metadata)
             elif kind == "abort":
@@ -75,7 +76,7 @@ class DisaggExecutor(OpExecutor):
             self._reported[room] = state
             event = PDEvent(room, int(state))
             if state in _FINAL:
-                event.pages = obj.pages_moved
+                event.pages, event.swa_pages = obj.pages_moved, obj.swa_pages_moved
             if state == KVPoll.FAILED:
                 event.error = obj.failure_reason or "PD transfer failed"
             elif state == KVPoll.SUCCESS and hasattr(obj, "metadata"):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.kv import rowcopy
+from kvstrata.kv.host_pool import HostKVPool
+from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.kv.layouts import as_words
 from kvstrata.protocol.disagg import BackupOp
 from kvstrata.runner.executors.base import OpExecutor
@@ -111,15 +113,17 @@ class RetractionBackupExecutor(OpExecutor):
                         time.perf_counter() - start)
 
     def _apply_swa(self, op: BackupOp) -> None:
-        """Hybrid SWA memory: the live window's SWA pages go to (come from) a cpu_tensor backup
-        of the SWA pool, beside the full pages' backup. The host pool holds full pages only, so
-        config/rules/retraction.py keeps host_pool off for an SWA pool."""
-        if self.swa is None or op.backend != "cpu_tensor":
-            why = ("this runner has no SWA pool" if self.swa is None
-                   else "only a cpu_tensor backup holds SWA pages")
-            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names SWA pages, but {why}")
-        self.swa.apply([BackupOp(kind=op.kind, rid=op.rid, backend="cpu_tensor",
-                                 device_pages=list(op.swa_pages))])
+        """Hybrid SWA memory: the live window's SWA pages go to (come from) the same backend
+        over the SWA pool, beside the full pages' backup: cpu_tensor, or host_pool's SWA half
+        under the host page ids of their full pages (the last len(swa_pages) of the op's,
+        as the window is the last pages' SWA: protocol/disagg.py BackupOp)."""
+        if self.swa is None:
+            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names SWA pages, but this "
+                             f"runner has no SWA pool")
+        host = list(op.host_pages[len(op.host_pages) - len(op.swa_pages):]) \
+            if op.backend == "host_pool" else []
+        self.swa.apply([BackupOp(kind=op.kind, rid=op.rid, backend=op.backend,
+                                 device_pages=list(op.swa_pages), host_pages=host)])
 
     def has_backup(self, rid: str) -> bool:
         return rid in self._cpu or rid in self._host
@@ -243,11 +247,31 @@ class RetractionBackupExecutor(OpExecutor):
             self._stats[key] = self._stats.get(key, 0.0) + value
 
 
-def with_swa_pool(executor: RetractionBackupExecutor, swa_pool) -> RetractionBackupExecutor:
-    """Give the executor the SWA pool's (None: no SWA pool), for BackupOp.swa_pages."""
-    if swa_pool is not None:
+def with_swa_pool(executor: RetractionBackupExecutor, swa_pool, swa_host_pool=None,
+                  io_backend: str = "kernel") -> RetractionBackupExecutor:
+    """Give the executor the SWA pool's (None: no SWA pool), for BackupOp.swa_pages: a
+    cpu_tensor executor over it, and with a host pool also the host pool's SWA half
+    (`swa_host_pool`: as many pages as the full one, the same ids), moved by an
+    `io_backend` of its own (the plan's)."""
+    if swa_pool is None:
+        return executor
+    if executor.io is None or swa_host_pool is None:
         executor.swa = RetractionBackupExecutor(swa_pool)
+        return executor
+    executor.swa = RetractionBackupExecutor(swa_pool, swa_host_pool, make_io_backend(
+        io_backend, swa_pool.kv, swa_host_pool))
     return executor
+
+
+def retraction_pool_backup(plan, device_pool, swa_pool=None) -> RetractionBackupExecutor:
+    """The executor of a plan whose host pool holds retraction backups only (host_pool_use
+    "retraction", a decode server without HiCache): its host pool, and with hybrid SWA
+    memory the full pool's host pool plus an SWA half of as many pages (with_swa_pool)."""
+    host = HostKVPool.from_plan(plan.full_pool_plan())
+    executor = RetractionBackupExecutor(device_pool, host, make_io_backend(
+        plan.io_backend, device_pool.kv, host))
+    swa_host = HostKVPool.from_plan(plan.swa_pool_plan()) if swa_pool is not None else None
+    return with_swa_pool(executor, swa_pool, swa_host, plan.io_backend)
 
 
 def on_demand_backup(device_pool, hicache=None) -> RetractionBackupExecutor:
@@ -257,8 +281,6 @@ def on_demand_backup(device_pool, hicache=None) -> RetractionBackupExecutor:
     their own (HiCache's transfer thread keeps its own staging)."""
     if hicache is None:
         return RetractionBackupExecutor(device_pool)
-    from kvstrata.kv.io_backends import make_io_backend  # noqa: PLC0415
-
     host = hicache.host_pool
     return RetractionBackupExecutor(device_pool, host, make_io_backend(
         hicache.plan.io_backend, device_pool.kv, host))

@@ -122,8 +122,9 @@ class MinRoomState(EventMerge):
         if worst.state == KVPoll.SUCCESS:
             return states[0]  # rank 0's: the metadata and the page count
         first = states[0]
-        pages = first.pages if first.state in (KVPoll.FAILED, KVPoll.SUCCESS) else 0
-        return PDEvent(key, worst.state, error=worst.error, pages=pages)
+        ended = first.state in (KVPoll.FAILED, KVPoll.SUCCESS)
+        return PDEvent(key, worst.state, error=worst.error, pages=first.pages if ended else 0,
+                       swa_pages=first.swa_pages if ended else 0)
 
     def pending(self) -> int:
         return len(self._rooms)

@@ -49,6 +49,11 @@ class KVSender(abc.ABC):
         the receiver's. Pages the decode held already never cross."""
         return 0
 
+    @property
+    def swa_pages_moved(self) -> int:
+        """Of `pages_moved`, the SWA region's pages (hybrid SWA memory), counted alike."""
+        return 0
+
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None:
         """Idempotent; tells the peer when it can, so its side fails too. Once pages were
@@ -65,12 +70,14 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def init(self, dst_page_ids: list[int], metadata_index: int,
-             prefix_pages: int = 0) -> None:
+             prefix_pages: int = 0, prefix_swa_pages: int = 0) -> None:
         """Send the reserved destination pages (prompt order) to the prefill side; the
         bytes will be written straight into them. `prefix_pages`: the prompt's first pages
         this side already holds (a decode radix cache hit); the destination pages are for
         the pages after them, and the prefill sends only those (a whole-prompt hit moves
-        nothing but the metadata)."""
+        nothing but the metadata). `prefix_swa_pages` (hybrid SWA memory): of the SWA pages
+        the prefill sends (the prompt's last window), the first ones, which lie in that
+        prefix and are held here too: skipped alike."""
 
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...
@@ -84,6 +91,11 @@ class KVReceiver(abc.ABC):
     def pages_moved(self) -> int:
         """Pages written into this side's reserved pages while the room was live (pages
         landing after it ended do not count); final once poll() is SUCCESS or FAILED."""
+        return 0
+
+    @property
+    def swa_pages_moved(self) -> int:
+        """Of `pages_moved`, the SWA region's pages (hybrid SWA memory)."""
         return 0
 
     @abc.abstractmethod

@@ -92,7 +92,7 @@ def fetch_prefill_rank(host: str, port: int, tp_rank: int, timeout: float = 5.0)
 def resolve_prefill_route(key: tuple[str, int], timeout: float, expect: tuple,
                           stopping=lambda: False, unreachable_timeout: float | None = None,
                           tp: tuple[int, int] = (0, 1), kv_replicated: bool = False,
-                          on_refused=lambda endpoint: None
+                          on_refused=lambda endpoint: None, swa: bool = False
                           ) -> tuple[PrefillRoute | None, str]:
     """The decode side's look-up: (the route to the prefill at bootstrap `key`, "") or
     (None, why). Retries every RESOLVE_RETRY_SECONDS: a bootstrap server that answers "not
@@ -102,7 +102,8 @@ def resolve_prefill_route(key: tuple[str, int], timeout: float, expect: tuple,
     (page_size, kv_cache_dtype), which the prefill's must equal (equal page bytes could hide
     a different split). `tp`: this decode rank and the decode server's --tp-size;
     `kv_replicated`: every rank holds the whole KV (MLA), so the sizes may differ
-    (rank_map.py). `on_refused(endpoint)`: called when the prefill answered but does not
+    (rank_map.py; `swa`: this side has an SWA pool, which no size mismatch may split).
+    `on_refused(endpoint)`: called when the prefill answered but does not
     fit, so that the caller can fail the prefill's half of its rooms at once (not at its
     timeout)."""
     if unreachable_timeout is None:
@@ -117,7 +118,7 @@ def resolve_prefill_route(key: tuple[str, int], timeout: float, expect: tuple,
             info = fetch_prefill_info(*key)
             prefill_size = int(info.get("attn_tp_size", 1))
             try:
-                ranks = rank_route(tp[0], tp[1], prefill_size, kv_replicated)
+                ranks = rank_route(tp[0], tp[1], prefill_size, kv_replicated, swa)
             except ValueError as e:
                 on_refused(fetch_prefill_rank(*key, min(tp[0], prefill_size - 1)))
                 return None, str(e)

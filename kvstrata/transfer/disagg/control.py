@@ -34,7 +34,8 @@ from kvstrata.transfer.disagg.lookup import PrefillLookup, advertised_ip
 from kvstrata.transfer.disagg.messages import (DECODER, ENCODER, Abort, Ack, Chunk,
                                                Destination, Join, Ping, Pong,
                                                geometry_mismatch)
-from kvstrata.transfer.disagg.regions import MAIN, PageRegions, geometry_bases, split
+from kvstrata.transfer.disagg.regions import (MAIN, PageRegions, drop_held_swa,
+                                              geometry_bases, split)
 from kvstrata.transfer.disagg.rooms import Receiver, Sender, is_final
 
 logger = logging.getLogger(__name__)
@@ -392,13 +393,18 @@ class ZmqDisaggManager(DisaggManager):
             if last:
                 self.transition(s, KVPoll.SUCCESS)
             return
-        # The prompt's first pages the decode holds already are not shipped.
+        # The prompt's first pages the decode holds already are not shipped (they come first),
+        # nor, with hybrid SWA memory, the first SWA pages of its last window it holds too.
         skip = min(s.dest.prefix_pages - s.skipped, len(page_ids))
         if skip > 0:
             page_ids = page_ids[skip:]
             s.skipped += skip
-            if not page_ids and not last:
-                return
+        if s.dest.prefix_swa_pages > s.swa_skipped:
+            page_ids, dropped = drop_held_swa(page_ids, self.regions.bases,
+                                              s.dest.prefix_swa_pages - s.swa_skipped)
+            s.swa_skipped += dropped
+        if not page_ids and not last:
+            return
         total = len(s.dest.page_ids)
         if s.sent + len(page_ids) > total:
             self.fail(s, f"prefill sent {s.sent + len(page_ids)} pages but the decode server "

@@ -44,7 +44,7 @@ class FakeSender(_FakeRoom, KVSender):
 
 class FakeReceiver(_FakeRoom, KVReceiver):
     def init(self, dst_page_ids: list[int], metadata_index: int,
-             prefix_pages: int = 0) -> None:
+             prefix_pages: int = 0, prefix_swa_pages: int = 0) -> None:
         if self._state != KVPoll.FAILED:
             self._state = KVPoll.SUCCESS
 

@@ -87,7 +87,7 @@ class PrefillLookup:
         route, error = resolve_prefill_route(
             key, mgr.bootstrap_timeout, (mgr.page_size, mgr.kv_dtype), lambda: mgr.stopping,
             tp=(mgr.tp_rank, mgr.tp_size), kv_replicated=mgr.kv_replicated,
-            on_refused=refused.append)
+            on_refused=refused.append, swa=len(mgr.regions.groups) > 1)
         with mgr.lock:
             self.resolving.discard(key)
             deferred = self.deferred_aborts.pop(key, [])

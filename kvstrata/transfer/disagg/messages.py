@@ -51,6 +51,7 @@ class Destination(msgspec.Struct, tag="dest"):
     mooncake_session: str = ""        # "host:rpc_port" of the decode's transfer engine
     buffer_ptrs: list[int] = []       # base address of each registered buffer
     prefix_pages: int = 0             # the prompt's first pages the decode holds already
+    prefix_swa_pages: int = 0         # ... and of the SWA pages sent, the first ones
     fanout: int = 1                   # decode ranks this prefill rank serves (rank_map.py)
     silent: bool = False              # no pages wanted from this prefill rank
 

@@ -10,7 +10,8 @@ any decode rank needs:
       destinations), so their half of the room ends when the prompt is computed;
   prefill P < decode D: decode rank d pulls from prefill rank d % P, so prefill rank p
       sends every page to each of its `fanout` decode ranks p, p + P, ...
-An MHA model (its KV heads split over the ranks) at different sizes is refused by name.
+An MHA model (its KV heads split over the ranks) at different sizes is refused by name; with
+hybrid SWA memory (an SWA pool beside it, split over the ranks alike) with SGLang's message.
 """
 from __future__ import annotations
 
@@ -25,14 +26,21 @@ class RankRoute:
     silent: tuple[int, ...] = ()  # prefill ranks told to send nothing
 
 
+SWA_MISMATCH = "PD state transfer does not support TP-mismatched non-MLA SWA models"
+
+
 def rank_route(decode_rank: int, decode_size: int, prefill_size: int,
-               kv_replicated: bool) -> RankRoute:
-    """ValueError (the reason) when the two sizes cannot exchange KV."""
+               kv_replicated: bool, swa: bool = False) -> RankRoute:
+    """ValueError (the reason) when the two sizes cannot exchange KV. `swa`: the KV has an
+    SWA pool's region (hybrid SWA memory, never replicated: SGLang's refusal)."""
     if not 0 <= decode_rank < decode_size or prefill_size < 1:
         raise ValueError(f"decode rank {decode_rank} of {decode_size}, prefill size "
                          f"{prefill_size}: not a tensor-parallel layout")
     if prefill_size == decode_size:
         return RankRoute(decode_rank, 1)
+    if swa and not kv_replicated:
+        raise ValueError(f"{SWA_MISMATCH} (prefill --tp-size {prefill_size} != decode "
+                         f"--tp-size {decode_size}: run both servers at the same --tp-size)")
     if not kv_replicated:
         raise ValueError(
             f"prefill --tp-size {prefill_size} != decode --tp-size {decode_size}: PD between "
@@ -46,4 +54,4 @@ def rank_route(decode_rank: int, decode_size: int, prefill_size: int,
     return RankRoute(source, len(range(source, decode_size, prefill_size)))
 
 
-__all__ = ["RankRoute", "rank_route"]
+__all__ = ["RankRoute", "SWA_MISMATCH", "rank_route"]

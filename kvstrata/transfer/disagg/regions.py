@@ -65,6 +65,27 @@ def region_of(page_id: int, bases: list[int]) -> int:
     return region
 
 
+def swa_count(page_ids: list[int], bases: list[int]) -> int:
+    """How many of these page ids are in the SWA region (0 without one)."""
+    if len(bases) <= SWA:
+        return 0
+    return sum(1 for p in page_ids if p >= bases[SWA])
+
+
+def drop_held_swa(page_ids: list[int], bases: list[int], held: int) -> tuple[list[int], int]:
+    """A prefill's page ids without the first `held` SWA-region ones (the decode holds
+    those pages of the prompt's last window already); returns (kept, how many dropped)."""
+    if len(bases) <= SWA:
+        return page_ids, 0
+    kept, dropped = [], 0
+    for p in page_ids:
+        if p >= bases[SWA] and dropped < held:
+            dropped += 1
+        else:
+            kept.append(p)
+    return kept, dropped
+
+
 def split(src: list[int], dst: list[int], src_bases: list[int],
           dst_bases: list[int]) -> list[tuple[int, int, list[int], list[int]]]:
     """(region, first position, local src ids, local dst ids) for each run of positions in one
@@ -83,4 +104,5 @@ def split(src: list[int], dst: list[int], src_bases: list[int],
     return out or [(MAIN, 0, [], [])]
 
 
-__all__ = ["MAIN", "SWA", "PageRegions", "geometry_bases", "region_of", "split"]
+__all__ = ["MAIN", "SWA", "PageRegions", "drop_held_swa", "geometry_bases", "region_of",
+           "split", "swa_count"]

@@ -11,6 +11,7 @@ import time
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
 from kvstrata.transfer.disagg.base import KVReceiver, KVSender
 from kvstrata.transfer.disagg.messages import Abort, Ack, Chunk, Destination, Join
+from kvstrata.transfer.disagg.regions import geometry_bases, swa_count
 
 _FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 
@@ -83,6 +84,14 @@ class Sender(_Room, KVSender):
         """The pages the decode side confirmed it wrote (the most any of its ranks did)."""
         return max((n for e, n in self.confirmed.items() if e in self.shipped), default=0)
 
+    @property
+    def swa_pages_moved(self) -> int:
+        """Of those, the SWA region's: the decode writes its pages in destination order."""
+        dest = self.dest
+        if dest is None:
+            return 0
+        return swa_count(dest.page_ids[:self.pages_moved], geometry_bases(dest.geometry))
+
     def __init__(self, mgr, room: int):
         super().__init__(mgr, room)
         self.joined: list[str] = []      # decode endpoints of this room, in order of arrival
@@ -92,6 +101,7 @@ class Sender(_Room, KVSender):
         self.num_pages: int | None = None
         self.sent = 0                    # pages shipped so far (= next destination index)
         self.skipped = 0                 # pages not shipped: the decode holds them already
+        self.swa_skipped = 0             # ... of them SWA pages (its prefix_swa_pages)
         self.queued: list[tuple] = []    # send() calls made before the destinations arrived
         self.sends = 0                   # send() calls accepted (runner thread)
         self.shipped: set[str] = set()   # decode endpoints sent pages (transfer thread)
@@ -177,14 +187,16 @@ class Sender(_Room, KVSender):
     def page_count_error(self) -> str | None:
         first = self.dest
         for other in self.receivers[1:]:
-            if (other.page_ids, other.prefix_pages) != (first.page_ids, first.prefix_pages):
+            if (other.page_ids, other.prefix_pages, other.prefix_swa_pages) != (
+                    first.page_ids, first.prefix_pages, first.prefix_swa_pages):
                 return (f"decode ranks reserved different pages for room {self.room} "
                         f"({first.endpoint}: {len(first.page_ids)} from {first.prefix_pages}, "
                         f"{other.endpoint}: {len(other.page_ids)} from {other.prefix_pages})")
+        held_pages = None if self.dest is None else \
+            self.dest.prefix_pages + self.dest.prefix_swa_pages
         if self.dest is not None and self.num_pages is not None and \
-                self.num_pages != self.dest.prefix_pages + len(self.dest.page_ids):
-            held = (f"holds {self.dest.prefix_pages} and "
-                    if self.dest.prefix_pages else "")
+                self.num_pages != held_pages + len(self.dest.page_ids):
+            held = f"holds {held_pages} and " if held_pages else ""
             return (f"prefill will send {self.num_pages} pages but the decode server "
                     f"{held}reserved {len(self.dest.page_ids)}")
         return None
@@ -219,6 +231,10 @@ class Receiver(_Room, KVReceiver):
         ended: what this side's PDEvent reports and its Abort tells the prefill)."""
         return self.received
 
+    @property
+    def swa_pages_moved(self) -> int:
+        return swa_count((self.dst or [])[:self.received], self.mgr.regions.bases)
+
     def abort_message(self, peer: str, reason: str) -> Abort:
         return Abort(self.room, self.mgr.endpoint, reason,
                      self.received if peer == self.peer else 0)
@@ -231,20 +247,22 @@ class Receiver(_Room, KVReceiver):
         self.silent: tuple[str, ...] = ()  # prefill ranks told that nothing is wanted
         self.dst: list[int] | None = None
         self.prefix_pages = 0            # the prompt's first pages held here already
+        self.prefix_swa_pages = 0        # ... and the first of the SWA pages sent
         self.dest_sent = False
         self.received = 0
         self.metadata_value: PDMetadata | None = None
         self.init_time: float | None = None
 
     def init(self, dst_page_ids: list[int], metadata_index: int,
-             prefix_pages: int = 0) -> None:
+             prefix_pages: int = 0, prefix_swa_pages: int = 0) -> None:
         why = self._bad_input(dst_page_ids, metadata_index) or (
-            f"prefix_pages {prefix_pages} < 0" if prefix_pages < 0 else None)
+            f"prefix_pages {prefix_pages} < 0" if prefix_pages < 0 else None) or (
+            f"prefix_swa_pages {prefix_swa_pages} < 0" if prefix_swa_pages < 0 else None)
         if why:
             self.abort(why)
             return
         self.dst, self.metadata_index = list(dst_page_ids), metadata_index
-        self.prefix_pages = prefix_pages
+        self.prefix_pages, self.prefix_swa_pages = prefix_pages, prefix_swa_pages
         self.init_time = time.monotonic()
         self.mgr.transition(self, KVPoll.TRANSFERRING)
         self.mgr.call_soon(self.send_destination)
@@ -276,6 +294,7 @@ class Receiver(_Room, KVReceiver):
                                            self.metadata_index, mgr.geometry,
                                            **mgr.destination_extras(),
                                            prefix_pages=self.prefix_pages,
+                                           prefix_swa_pages=self.prefix_swa_pages,
                                            fanout=self.fanout))
         for peer in self.silent:
             mgr.send_to(peer, Destination(self.room, mgr.endpoint, [], self.metadata_index,
