@@ -134,12 +134,15 @@ class MLATokenToKVPool:
             self.index_k[layer].index_copy_(0, slots, index_k.to(self.kv.dtype))
 
 
-def page_buffers_of(pool: MHATokenToKVPool | MLATokenToKVPool) -> list[torch.Tensor]:
+def page_buffers_of(pool: MHATokenToKVPool | MLATokenToKVPool | None,
+                    num_pages: int = 0) -> list[torch.Tensor]:
     """The pool's KV as the one page buffer the transfer backends register: uint8
     [sections * num_layers, num_pages + 1, page_size * heads * dim * itemsize], sharing the
     pool's memory (page p of section (s, layer) is contiguous: kv[s, layer, slots of p]).
     The shape is the pool's KVGeometry: MHA 2 sections (K, V); MLA 1 section whose rows hold
     the latent and the DSA indexer key, so the indexer pages travel with the KV pages."""
+    if pool is None:  # an all-SWA model's full pool: page ids with no bytes (num_pages of them)
+        return [torch.empty((1, num_pages + 1, 0), dtype=torch.uint8)]
     kv = pool.kv
     sections = kv.shape[0] * kv.shape[1]
     return [kv.view(torch.uint8).view(sections, pool.plan.num_pages + 1, -1)]

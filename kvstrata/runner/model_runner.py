@@ -248,8 +248,8 @@ class ModelRunner:
         from kvstrata.runner.executors.disagg import DisaggExecutor
         from kvstrata.transfer.disagg.registry import create_manager
         self.pd_role = role
-        buffers = page_buffers_of(self.kv_pool) + (self.draft.page_buffers()
-                                                   if self.draft is not None else [])
+        buffers = page_buffers_of(self.kv_pool, self.plan.num_pages) + (
+            self.draft.page_buffers() if self.draft is not None else [])
         self.disagg = DisaggExecutor(create_manager(
             backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,

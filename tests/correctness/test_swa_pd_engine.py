@@ -32,10 +32,11 @@ def short_bootstrap(monkeypatch):
 
 
 def engine(path, mode, port, page_size, **kw):
+    kw.setdefault("disaggregation_transfer_backend", "tcp")
     args = ServerArgs(model_path=path, skip_tokenizer_init=True, dtype="float32",
                       disable_hybrid_swa_memory=False, disaggregation_mode=mode,
-                      disaggregation_bootstrap_port=port, disaggregation_transfer_backend="tcp",
-                      page_size=page_size, max_running_requests=8, **kw)
+                      disaggregation_bootstrap_port=port, page_size=page_size,
+                      max_running_requests=8, **kw)
     return build_engine(args)[0]
 
 
@@ -247,4 +248,23 @@ def test_decode_hicache_with_a_starved_pool(windowed, prompts, references, prefi
         for eng in (prefill, decode):
             swa_whole(eng)
     finally:
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("backend,page_size", [("tcp", 1), ("mooncake", 4)])
+def test_pd_with_an_all_swa_model(windowed, prompts, references, backend, page_size):
+    """An all-SWA model (every layer windowed: no full pool, its full page ids are addresses
+    only) under PD: the full region is zero-byte pages, the last window's SWA pages cross
+    (start-up failed on the missing full pool before); transformers' tokens."""
+    path, port = windowed["mistral"], free_port()
+    kw = dict(disaggregation_transfer_backend=backend)
+    prefill = engine(path, "prefill", port, page_size, max_total_tokens=2048, **kw)
+    decode = engine(path, "decode", free_port(), page_size, max_total_tokens=1024, **kw)
+    try:
+        assert decode.runner.kv_pool is None and decode.runner.swa_pool is not None
+        check(run_pair(prefill, decode, prompts, port), references["mistral"], "PD all-SWA")
+        for eng in (prefill, decode):
+            swa_whole(eng)
+    finally:
+        prefill.shutdown()
         decode.shutdown()

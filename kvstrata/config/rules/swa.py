@@ -37,9 +37,8 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     # mooncake backends, at any --tp-size equal on both servers (each rank's SWA pool is a
     # region of its own; a mismatch is refused with SGLang's message, rank_map.py), and so do
     # the decode radix cache, decode HiCache (its KV offload is L3, gated above) and
-    # host_pool retraction backups. (Not an all-SWA model under PD: the transfer registers the
-    # full pool's buffers, which it lacks -- ModelRunner.enable_disagg fails at start-up;
-    # not gated here.)
+    # host_pool retraction backups. An all-SWA model's full pool crosses as a region of
+    # zero-byte pages (kv/device_pool.page_buffers_of), its SWA pages as the second region.
     if args.disaggregation_decode_retraction_backup == "host_pool" and info is not None \
             and not info.num_full_layers:
         out.append("--disaggregation-decode-retraction-backup host_pool with an all-SWA model: "

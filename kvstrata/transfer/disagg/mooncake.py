@@ -42,6 +42,8 @@ class MooncakeManager(ZmqDisaggManager):
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
         self._registered = []
         for b in self.buffers:
+            if not b.numel():  # an all-SWA model's full pool: page ids, no bytes to move
+                continue
             rc = self.engine.register_memory(b.data_ptr(), b.numel())
             if rc != 0:
                 raise RuntimeError(f"Mooncake register_memory of {b.numel()} bytes returned {rc}")
