@@ -16,7 +16,10 @@ Properties:
 - a request is aborted only by its client, by a full queue (503), or with an out-of-memory error when it cannot fit
   alone (prompt + max_new_tokens - 1 positions, in whole pages, exceed the pool, or the
   prompt leaves no room for one more token);
-- after draining, the pools are whole: nothing locked, every page free or cached.
+- after draining, the pools are whole: nothing locked, every page free or cached;
+- with HiCache L3, once drained and backed up, every page leaves the device and host tiers
+  and each finished request comes back with its answer appended: its prefix comes from
+  storage, with the same exact-token and step-bound properties.
 `KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak; failures are kept in hypothesis' example
 database (.hypothesis/) and replayed first on the next run.
 """
@@ -134,6 +137,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
         self.requests: dict[str, tuple[list[int], int]] = {}
+        self.salts: dict[str, str | None] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, object] = {}
         self.client_aborted: set[str] = set()
@@ -147,13 +151,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def arrive(self, batch):
         for (base, keep, tail), max_new, priority, salt in \
                 batch[:MAX_REQUESTS - len(self.requests)]:
-            ids = BASES[base][:keep] + tail or [BASES[base][0]]
-            rid = f"r{len(self.requests)}"
-            self.requests[rid] = (ids, max_new)
-            self.outputs[rid] = []
-            self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
-                max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority,
-                cache_salt=salt))
+            self._add(BASES[base][:keep] + tail or [BASES[base][0]], max_new, priority, salt)
+
+    def _add(self, ids, max_new, priority=None, salt=None):
+        rid = f"r{len(self.requests)}"
+        self.requests[rid] = (ids, max_new)
+        self.salts[rid] = salt
+        self.outputs[rid] = []
+        self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
+            max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority,
+            cache_salt=salt))
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.none(), st.integers(0, MAX_REQUESTS - 1)))
@@ -190,9 +197,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.check_integrity()
 
     # ------------------------------------------------------------------ end
-    def teardown(self):
-        if not hasattr(self, "engine"):
-            return
+    def _drain(self):
         budget = 200 + 30 * sum(len(p) + n for p, n in self.requests.values())
         for _ in range(budget):
             if not self.engine.has_unfinished_requests():
@@ -201,6 +206,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + self.engine.dump_state())
+
+    def _revisit_from_storage(self):
+        """With HiCache L3, after the drain: once the backups ended, every page leaves the
+        device and host tiers and each finished request comes back with its answer and one
+        more token, so its prefix can come back only from storage (the L3 restore, which
+        random arrivals alone almost never reach)."""
+        assert self.engine.finish_storage_backups(timeout=5)
+        self.evict_everything()
+        for rid, reason in list(self.finished.items()):
+            if reason.type == "length":
+                ids = self.requests[rid][0] + self.outputs[rid] + [VOCAB - 1]
+                self._add(ids, 2, salt=self.salts[rid])
+        self._drain()
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        self._drain()
+        if self.engine.scheduler.kv.storage is not None:
+            self._revisit_from_storage()
         assert set(self.finished) == set(self.requests), "a request never ended"
         self.ends.check_drained()  # every ending went through the one path, once
         sched = self.engine.scheduler
