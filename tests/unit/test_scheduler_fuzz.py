@@ -5,8 +5,9 @@ Hypothesis draws an engine (page size, pool down to one request's need, chunk si
 below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm/lof, row limit,
 speculative decoding on/off with its draft length and a seeded pattern of right and wrong
 draft tokens, priority scheduling with preemption on/off, its threshold and direction, a
-bounded queue, a hybrid SWA pool (window, SWA pages; no host tier then: the fake runner
-reads every window back through swa_slots, tests/unit/fake_swa_runner.py)) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
+bounded queue, a hybrid SWA pool (window, SWA pages; the fake runner reads every window
+back through swa_slots, tests/unit/fake_swa_runner.py; with HiCache L2 / L3 too, whose host
+and storage copies carry the SWA halves)) and then interleaves arrivals (prompts sharing prefixes, drawn priorities),
 client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
@@ -77,7 +78,7 @@ configs = st.fixed_dictionaries({
                                               st.sampled_from([0, 0, 2]),
                                               st.sampled_from(["best_effort", "wait_complete",
                                                                "timeout"]))),
-    # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off (a host tier too).
+    # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
@@ -97,7 +98,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def build(self, cfg, first):
         P = cfg["page_size"]
         swa = cfg["swa"]
-        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] and swa is None else 0
+        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
         storage = cfg["storage"] if hicache else None
         store = None if storage is None else FakeStorage(delay=storage[0], error_every=storage[1],
@@ -114,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         swa_plan = {} if swa is None else {"swa_window": swa[0],
                                            "num_swa_pages": max(swa[1] // P, 1)}
         self.runner = (FakeRunner(page_size=P, vocab_size=VOCAB, storage=store) if swa is None
-                       else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB))
+                       else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB, storage=store))
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],

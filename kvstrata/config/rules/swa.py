@@ -35,10 +35,6 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    # HiCache L2 keeps SWA pages on the host (cache/swa_hiradix.py); L3 does not yet.
-    if args.hicache_storage_backend is not None:
-        out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
-                   "one uniform pool's pages, not the SWA pool's")
     # PD itself works (the prefill sends the last window's SWA pages, the decode allocates
     # SWA pages for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the
     # tcp and mooncake backends; what a decode server adds below does not yet, nor TP ranks

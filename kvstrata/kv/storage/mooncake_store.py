@@ -155,6 +155,9 @@ class MooncakeStorage(StorageBackend):
         flags = self._exist_flags(self._keys(keys))
         return next((i for i, hit in enumerate(flags) if not hit), len(flags))
 
+    def exist_flags(self, keys: list[str]) -> list[bool]:
+        return self._exist_flags(self._keys(keys))
+
     def batch_get(self, keys: list[str], host_pages: list[int]) -> list[bool]:
         self._check_batch(keys, host_pages)
         store_keys = self._keys(keys)
