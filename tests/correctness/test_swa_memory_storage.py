@@ -16,6 +16,7 @@ from tests.correctness.test_sliding_window_models import windowed  # noqa: F401 
 from tests.correctness.test_swa_memory_engine import llm
 
 TURNS = dict(conversations=6, turns=3, system_len=20, user_len=6)
+CAP = 1 << 30  # the file store's max_bytes: the two pool kinds' stores share it
 L3 = dict(page_size=4, enable_hierarchical_cache=True, hicache_size=0,
           hicache_storage_prefetch_policy="wait_complete")
 
@@ -47,7 +48,7 @@ def generate(engine, prompts, cached=None):
 def storage_config(backend, tmp_path, mooncake):
     extra = {"prefetch_threshold": 8}
     if backend == "file":
-        extra["file_path"] = str(tmp_path)
+        extra.update(file_path=str(tmp_path), max_bytes=CAP)
     else:
         extra.update(master_server_address=mooncake.address, protocol="tcp",
                      metadata_server="P2PHANDSHAKE", local_hostname="127.0.0.1",
@@ -92,6 +93,9 @@ def test_restarted_engine_serves_prefixes_from_storage(backend, windowed, cold, 
         assert first.engine.finish_storage_backups(timeout=30)
         written = first.get_load()
         assert written["hicache_storage_swa_pages_written"] > 0, written
+        if backend == "file":  # by page bytes: one full layer, two windowed ones
+            caps = written["hicache_storage_max_bytes"], written["hicache_storage_swa_max_bytes"]
+            assert abs(CAP - sum(caps)) <= 1 and abs(2 * caps[0] - caps[1]) <= 2, caps
         # (the uniform pool's check once: namespaces and keys are the backend's business)
         for swa in (False, True) if backend == "file" else (True,):
             cached = []

@@ -78,6 +78,10 @@ class StorageConfig:
     namespace: StorageNamespace
     page_bytes: int                      # bytes of one flat page
     extra: dict[str, Any] = field(default_factory=dict)  # backend keys of the extra config
+    # Hybrid SWA memory opens one backend per pool kind (runner/executors/hicache.py): each
+    # takes this share (by page bytes) of the extra config's size limits (file max_bytes,
+    # mooncake global_segment_size), so the two together keep to what the flags say.
+    share: float = 1.0
 
 
 class StorageBackend(ABC):

@@ -112,7 +112,8 @@ class MooncakeStorage(StorageBackend):
         check_master_reachable(opts["master_server_address"])
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(opts["local_hostname"], opts["metadata_server"],
-                               opts["global_segment_size"], opts["local_buffer_size"],
+                               int(opts["global_segment_size"] * config.share),
+                               opts["local_buffer_size"],
                                opts["protocol"], opts["device_name"],
                                opts["master_server_address"])
         if rc != 0:

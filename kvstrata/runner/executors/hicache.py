@@ -101,11 +101,16 @@ class HiCacheExecutor(OpExecutor):
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
         salt = str(extra.get("key_salt", ""))
 
+        pools = [self.host_pool] + ([self.swa_host_pool] if self.swa_host_pool else [])
+        total_bytes = sum(p.geom.bytes_per_page for p in pools)
+
         def open_store(plan: KVPlan, host_pool: HostKVPool, component: str = ""):
             namespace = StorageNamespace.from_plan(plan, model, tp_rank=tp_rank,
                                                    tp_size=tp_size, salt=salt,
                                                    component=component)
-            config = StorageConfig(namespace, host_pool.geom.bytes_per_page, backend_extra)
+            page_bytes = host_pool.geom.bytes_per_page
+            config = StorageConfig(namespace, page_bytes, backend_extra,
+                                   share=page_bytes / total_bytes)
             logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
             return create_storage_backend(backend, config, host_pool), namespace
 
