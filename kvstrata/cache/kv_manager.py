@@ -36,6 +36,7 @@ from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig,
 from kvstrata.cache.swa_pages import SWAPages
 from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
+from kvstrata.cache.swa_storage import SWAStorageTier
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
 
@@ -72,12 +73,8 @@ class KVManager:
             raise ValueError("a recurrent state pool beside an SWA pool, a host pool or L3 "
                              "storage is not built yet")
         if plan.has_swa_pool:
-            # HiCache L2 and retraction backups copy SWA pages (cache/swa_hiradix.py, the
-            # host pool's SWA half: runner/executors/retraction_backup.py); L3 does not yet:
-            # never mix silently.
-            if plan.has_host_pool and storage is not None:
-                raise ValueError("the hybrid SWA pool supports a host pool without L3 storage "
-                                 "only; disable hybrid SWA memory")
+            # HiCache L2 / L3 (cache/swa_hiradix.py, swa_storage.py) and retraction backups
+            # (the host pool's SWA half: runner/executors/retraction_backup.py) copy SWA pages.
             self.swa = SWAPages(plan.num_swa_pages, plan.num_pages, page_size, plan.swa_window)
         self.hicache = plan.has_host_pool and plan.host_pool_use == "hicache"
         self.backup_pool = plan.has_host_pool and (plan.host_pool_use == "retraction"
@@ -100,7 +97,8 @@ class KVManager:
             self.tree.held_elsewhere = lambda: self._backup_pages
             if storage is not None:
                 capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
-                self.tree.storage = StorageTier(self.tree, storage, max(capacity, 0))
+                tier = StorageTier if self.swa is None else SWAStorageTier
+                self.tree.storage = tier(self.tree, storage, max(capacity, 0))
         elif storage is not None:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
         elif plan.has_state_pool:
@@ -155,17 +153,19 @@ class KVManager:
         """Tokens held by requests or pinned in the tree (not reclaimable now)."""
         return (self.allocator.num_used() - self.tree.evictable_pages()) * self.page_size
 
-    def ensure_free_pages(self, num_pages: int) -> bool:
-        """Evict just the shortfall from the tree; True when num_pages are free afterwards."""
+    def ensure_free_pages(self, num_pages: int, swa_pages: int | None = None) -> bool:
+        """Evict just the shortfall from the tree; True when num_pages are free afterwards
+        (and `swa_pages` SWA pages, by default as many: a new page takes one too)."""
         shortfall = num_pages - self.allocator.available_pages()
         if shortfall > 0:
             self.tree.evict(shortfall)
         ok = self.allocator.available_pages() >= num_pages
-        if self.swa is not None:  # a new page takes an SWA page too
-            shortfall = num_pages - self.swa.allocator.available_pages()
+        if self.swa is not None:
+            swa_pages = num_pages if swa_pages is None else swa_pages
+            shortfall = swa_pages - self.swa.allocator.available_pages()
             if shortfall > 0:
                 self.tree.evict_swa(shortfall)
-            ok = ok and self.swa.allocator.available_pages() >= num_pages
+            ok = ok and self.swa.allocator.available_pages() >= swa_pages
         return ok
 
     # ------------------------------------------------------------------ retraction backups
@@ -233,7 +233,9 @@ class KVManager:
         """Bring the host part of a match back to the device: [device part][host part] becomes
         one device prefix. When device memory is short, load what fits (or nothing: the rest
         is recomputed). The device part stays locked throughout."""
-        if not self.ensure_free_pages(len(match.host_pages)):
+        # (with an SWA pool only pages whose host copy has its SWA half take SWA pages)
+        swa = self.tree.swa_pages_to_load(match) if self.swa is not None else None
+        if not self.ensure_free_pages(len(match.host_pages), swa):
             return self._device_part(ids, match, whole_prompt)
         # Making room may have evicted host copies (write_back): match again, still locked.
         again = self.tree.match_prefix(self._matchable(ids, whole_prompt))

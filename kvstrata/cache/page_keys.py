@@ -12,6 +12,13 @@ these keys see the same salted ids). What makes two servers' keys incompatible (
 dtype, geometry, tp rank, the server's `key_salt`) is not hashed here: it is the storage
 namespace (kv/storage/base.py), which the backend applies as a directory or key suffix.
 The host layout is never part of either.
+
+With hybrid SWA memory a page is stored as two records, one per pool: the full-attention
+layers' K/V and the sliding-window layers' K/V (cache/swa_storage.py). Their keys name the
+component (`component_key`: "full-<key>", "swa-<key>"), and each component has its own
+namespace (kv/storage/base.py `StorageNamespace.component`), so a uniform-pool server (whose
+keys are the bare digests, every layer in one record) and an SWA-pool server never find each
+other's records, whatever the store.
 """
 from __future__ import annotations
 
@@ -73,3 +80,15 @@ def chain_page_keys(token_ids, page_size: int, prior_key: str | None = None) -> 
         prior = page_key(token_ids[start:start + page_size], prior)
         keys.append(prior)
     return keys
+
+
+# Hybrid SWA memory's record kinds (cache/swa_storage.py): the full-attention layers' K/V of
+# a page and its sliding-window layers' K/V.
+COMPONENTS = ("full", "swa")
+
+
+def component_key(key: str, component: str) -> str:
+    """The storage key of one component's record of the page whose chained key is `key`."""
+    if component not in COMPONENTS:
+        raise ValueError(f"a page record component is one of {COMPONENTS}, got {component!r}")
+    return f"{component}-{key}"

@@ -99,6 +99,9 @@ class Prefetch:
     cancel_sent: bool = False
     aborted: bool = False
     revoked: bool = False
+    # hybrid SWA memory (cache/swa_storage.py): pages (index from start_page) whose SWA half
+    # was read too
+    swa_read: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -146,8 +149,25 @@ class StorageTier:
         job = self.tree.next_job_id()
         node.host_ref += 1
         self.backups[job] = Backup([node])
-        self.tree._queue(TransferOp(job, "h2s", [], list(node.host_pages), sync=False,
-                                    keys=list(self.node_keys(node))))
+        self.tree._queue(self._backup_op(job, node))
+
+    # Hooks a tree with a second device pool extends (cache/swa_storage.py): the ops' keys,
+    # and the host-only nodes a finished prefetch hangs under the tree.
+    def _backup_op(self, job: int, node: TreeNode) -> TransferOp:
+        return TransferOp(job, "h2s", [], list(node.host_pages), sync=False,
+                          keys=list(self.node_keys(node)))
+
+    def _prefetch_op(self, job: int, host_pages: list[int], keys: list[str]) -> TransferOp:
+        return TransferOp(job, "s2h", [], list(host_pages), sync=False, keys=keys)
+
+    def _new_host_nodes(self, parent: TreeNode, pf: "Prefetch", first: int, end: int,
+                        pages: list[int], keys: list[str], now: int) -> None:
+        """Pages [first, end) of pf's prefix (host `pages`, storage `keys`) as one host-only
+        leaf under `parent`."""
+        P = self.page_size
+        leaf = TreeNode(tuple(pf.token_ids[first * P:end * P]), [], parent, now)
+        leaf.host_pages, leaf.hash_keys = pages, keys
+        parent.children[leaf.key[:P]] = leaf
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         for b in self.backups.values():
@@ -210,7 +230,7 @@ class StorageTier:
                                         self.clock())
         self.by_rid[rid] = job
         self.occupied_pages += n
-        self.tree._queue(TransferOp(job, "s2h", [], list(host), sync=False, keys=keys))
+        self.tree._queue(self._prefetch_op(job, host, keys))
         return True
 
     def _cancel(self, pf: Prefetch) -> None:
@@ -316,10 +336,8 @@ class StorageTier:
                     return pages  # the prefix is gone: nothing to hang the pages under
                 if keys is None:
                     keys = chain_page_keys(ids[:end * P], P)
-                leaf = TreeNode(tuple(ids[page * P:end * P]), [], node, now)
-                leaf.host_pages = pages[page - start:]
-                leaf.hash_keys = keys[page:end]
-                node.children[leaf.key[:P]] = leaf
+                self._new_host_nodes(node, pf, page, end, pages[page - start:],
+                                     keys[page:end], now)
                 return pages[:page - start]
             matched = tree._matching_pages(child.key, ids, page * P, end * P)
             if matched < len(child.key) // P and page + matched < end:

@@ -29,7 +29,8 @@ recomputed, never read stale.
 
 SWA eviction only tombstones (a node's full pages follow HiCache's device eviction, which
 demotes or drops); under write_back it first writes a node without a host copy (both halves),
-as device eviction does. SWA locks are SWARadixCache's.
+as device eviction does (and backs it up to L3). SWA locks are SWARadixCache's. HiCache L3
+behind this tree: cache/swa_storage.py.
 """
 from __future__ import annotations
 
@@ -186,6 +187,15 @@ class SWAHiRadixCache(HiRadixCache):
             swa = swa if any(swa) else []
         return TransferOp(job, kind, device_pages, host_pages, sync=sync, swa_pages=swa)
 
+    def swa_pages_to_load(self, match: HiMatchResult) -> int:
+        """SWA pages a load-back of `match` takes: those of its host-only nodes whose host
+        copy holds the SWA half (the others load as tombstones)."""
+        n, node = 0, match.last_host_node
+        while node is not None and node is not self.root and not node.device_pages:
+            n += len(node.host_pages) if node.host_swa else 0
+            node = node.parent
+        return n
+
     def _adopt_loaded(self, node: TreeNode, device_pages: list[int]) -> None:
         super()._adopt_loaded(node, device_pages)
         # The caller (KVManager) made room in both pools for every loaded page.
@@ -228,6 +238,8 @@ class SWAHiRadixCache(HiRadixCache):
                                               node=node))
                     node.host_pages = host
                     self.stats.d2h_pages += node.num_pages
+                    if self.storage is not None:  # as HiRadixCache.evict: after the write
+                        self.storage.backup(node)
             self.swa.free_swa(node.device_pages)
             node.swa_tombstone = True
             self._swa_evictable_pages -= node.num_pages

@@ -100,7 +100,7 @@ def swa_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None,
              ) -> tuple[KVPlan, list[Resolution]]:
     """The plan of a model whose windowed layers get their own pool. `host(full tokens)`:
     the HiCache host pool's plan fields ({} without one; the resolution rule keeps hybrid
-    SWA memory off with L3 storage, PD and an all-SWA model under HiCache)."""
+    SWA memory off for an all-SWA model under HiCache, and where rules/swa.py says)."""
     P = args.page_size
     full, swa, out = size_swa_tokens(args, facts, budget_bytes)
     n_full, n_swa, window = split_layers(facts.layer_windows)

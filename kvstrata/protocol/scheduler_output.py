@@ -145,6 +145,13 @@ class TransferOp(msgspec.Struct, tag="transfer"):
     # only the full layers move. Its host copy sits under the same host page id, in the host
     # SWA pool (cache/swa_hiradix.py).
     swa_pages: list[int] = []
+    # Hybrid SWA memory ("h2s", "s2h"): the storage key of each host page's SWA half (the
+    # window layers' K/V in the host SWA pool), one per key, or [] when only the full layers
+    # move (cache/swa_storage.py). An "h2s" op stores both halves; an "s2h" op reads the
+    # SWA halves the store has of the last `swa_window_pages` pages before the end of each
+    # batch it read (the window a match ending there needs; StorageProgress.swa_read).
+    swa_keys: list[str] = []
+    swa_window_pages: int = 0
 
 
 class StorageCancel(msgspec.Struct, tag="storage_cancel"):
@@ -168,6 +175,9 @@ class StorageProgress(msgspec.Struct, tag="storage_progress"):
     done_pages: int
     finished: bool   # no more progress will come for this job
     error: str = ""  # why it stopped short (a backend failure), "" otherwise
+    # s2h with swa_keys: the indices (< done_pages, ascending) of the pages whose SWA half
+    # was read too; the other read pages hold the full layers only.
+    swa_read: list[int] = []
 
 
 # The op/event unions of the seam (tagged: one codec reads them all).

@@ -7,6 +7,14 @@ StorageProgress as it goes and ends with exactly one `finished` entry. A backend
 ends the job with `error` set: the worker never dies. A prefetch can be cancelled: it stops
 between batches, and `cancel` returns only once its final progress is queued, so the caller
 reports it in the same step.
+
+Hybrid SWA memory (`swa_backend`, over the host SWA pool; cache/swa_storage.py): an op's
+`swa_keys` name the SWA half of each host page. A backup stores it beside the full record. A
+prefetch, after each batch of full records, asks which SWA records exist for the pages read
+so far and reads just one window of them: the last `swa_window_pages` pages before the
+furthest end whose window is wholly stored (`stored_window_end`) -- what a match ending there
+reads. So every progress report names that usable end in `swa_read` (pages below
+`done_pages`); a corrupt SWA record leaves its page full-only (the match is cut before it).
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstrata.protocol import StorageProgress, TransferOp
 
@@ -28,14 +36,17 @@ class _Job:
     op: TransferOp
     hit: int = -1
     done: int = 0
+    swa_read: list[int] = field(default_factory=list)  # s2h: pages whose SWA half was read
+    swa_stored: list[bool] = field(default_factory=list)  # s2h: SWA record exists, per page
     started: bool = False
     ended: bool = False
     cancelled: bool = False
 
 
 class StorageJobRunner:
-    def __init__(self, backend, batch_pages: int = STORAGE_BATCH_PAGES):
+    def __init__(self, backend, batch_pages: int = STORAGE_BATCH_PAGES, swa_backend=None):
         self.backend = backend
+        self.swa_backend = swa_backend
         self.batch_pages = batch_pages
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
@@ -52,6 +63,9 @@ class StorageJobRunner:
         if op.kind not in self._queues or len(op.keys) != len(op.host_pages):
             raise ValueError(f"not a storage job: kind {op.kind!r}, {len(op.keys)} keys, "
                              f"{len(op.host_pages)} host pages")
+        if op.swa_keys and (self.swa_backend is None or len(op.swa_keys) != len(op.keys)):
+            raise ValueError(f"{len(op.swa_keys)} SWA keys for {len(op.keys)} pages"
+                             + ("" if self.swa_backend else " without an SWA storage backend"))
         with self._lock:
             self._jobs[op.job_id] = _Job(op)
         self._queues[op.kind].put(op.job_id)
@@ -113,12 +127,15 @@ class StorageJobRunner:
         for t in self._threads:
             t.join(timeout=5)
         self.backend.close()
+        if self.swa_backend is not None:
+            self.swa_backend.close()
 
     # ---- workers ------------------------------------------------------------------------
     def _report(self, job: _Job, finished: bool = False, error: str = "") -> None:
         """Under the lock."""
         self._progress[job.op.job_id] = StorageProgress(job.op.job_id, job.hit, job.done,
-                                                        finished, error)
+                                                        finished, error,
+                                                        list(job.swa_read))
         self._lock.notify_all()
 
     def _end(self, job: _Job, error: str) -> None:
@@ -155,6 +172,11 @@ class StorageJobRunner:
         for start, end in self._batches(len(op.keys)):
             ok = self.backend.batch_set(op.keys[start:end], op.host_pages[start:end])
             stored = _leading(ok)
+            if op.swa_keys and stored:
+                # A page whose SWA record failed is still stored (full-only): a restore then
+                # cuts its match back where the window is missing (the store counts it).
+                self.swa_backend.batch_set(op.swa_keys[start:start + stored],
+                                           op.host_pages[start:start + stored])
             with self._lock:
                 job.done += stored
                 self._report(job)
@@ -173,12 +195,43 @@ class StorageJobRunner:
                 if job.cancelled:
                     return ""
             got = _leading(self.backend.batch_get(op.keys[start:end], op.host_pages[start:end]))
+            swa = self._read_swa(job, start + got) if op.swa_keys and got else []
             with self._lock:
                 job.done += got
+                job.swa_read += swa
                 self._report(job)
             if got < end - start:
                 return ""  # a record failed its checks: a miss, the rest is recomputed
         return ""
+
+
+    def _read_swa(self, job: _Job, end: int) -> list[int]:
+        """After the full records of pages [0, end): read the window before the furthest
+        end whose SWA records are all stored (those not read yet); their indices."""
+        op = job.op
+        keys, pages = op.swa_keys, op.host_pages
+        known = len(job.swa_stored)
+        job.swa_stored += self.swa_backend.exist_flags(keys[known:end])
+        stop = stored_window_end(job.swa_stored, op.swa_window_pages)
+        done = set(job.swa_read)
+        todo = [i for i in range(max(stop - op.swa_window_pages, 0), stop) if i not in done]
+        if not todo:
+            return []
+        ok = self.swa_backend.batch_get([keys[i] for i in todo], [pages[i] for i in todo])
+        return [i for i, got in zip(todo, ok) if got]
+
+
+def stored_window_end(stored: list[bool], window_pages: int) -> int:
+    """The largest end e <= len(stored) whose window -- the pages [e - window_pages, e), cut
+    at 0 (the rest of it is the tree's business) -- all have `stored` set; 0 if none."""
+    end = len(stored)
+    while end > 0:
+        missing = next((j for j in range(end - 1, max(end - window_pages, 0) - 1, -1)
+                        if not stored[j]), None)
+        if missing is None:
+            return end
+        end = missing  # every end in (missing, end] has `missing` in its window
+    return 0
 
 
 def _leading(flags: list[bool]) -> int:

@@ -277,3 +277,32 @@ def test_a_quantized_gpt_oss_draft_is_refused(tiny, tiny_checkpoints):
         make_runner(tiny_checkpoints["llama"], max_total_tokens=256,
                     speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny,
                     speculative_num_steps=2, speculative_draft_model_quantization="w8a8_int8")
+
+
+def test_storage_restart_matches_transformers(tiny, prompts, references, tmp_path):
+    """HiCache L3 with the SWA pool (cache/swa_storage.py): a second engine over the file
+    store the first one wrote restores each prompt's full pages and the window (sinks and
+    all) before the match end, with transformers' tokens."""
+    import json
+
+    from kvstrata import LLM
+
+    extra = json.dumps({"file_path": str(tmp_path), "prefetch_threshold": 8})
+    kw = dict(model_path=tiny, skip_tokenizer_init=True, dtype="float32", page_size=4,
+              max_total_tokens=1024, enable_hierarchical_cache=True, hicache_size=0,
+              hicache_ratio=2.0, hicache_storage_backend="file",
+              hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_backend_extra_config=extra)
+    greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
+    for life in range(2):
+        with LLM(**kw) as llm:
+            assert llm.server_info()["kv_plan"]["pool_kind"] == "swa"
+            outs = llm.generate(input_ids=prompts[-3:], sampling_params=greedy)
+            load = llm.get_load()
+            llm.check_integrity()
+        for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, references[-3:])):
+            assert_tokens_match(out["output_ids"], ref_tokens, ref_logits, label=f"{life} {i}")
+    # the second life read each prompt but its last page from storage (17, 33, 70 tokens)
+    assert load["hicache_storage_hit_tokens"] == 16 + 32 + 68, load
+    assert load["hicache_host_hit_tokens"] == load["hicache_storage_hit_tokens"]
+    assert load["hicache_storage_swa_pages_read"] > 0, load

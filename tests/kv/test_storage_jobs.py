@@ -3,6 +3,7 @@ pool: pages round-trip exactly, every job ends with one final progress, cancels 
 synchronous, backend exceptions become errors and never kill a worker."""
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -93,3 +94,52 @@ def test_backend_exception_is_an_error_and_the_worker_survives():
     got = finals(runner, [1, 2])
     assert all("OSError: disk gone" in p.error and p.done_pages == 0 for p in got.values())
     runner.close()
+
+
+def test_swa_halves_are_stored_and_only_the_last_stored_window_is_read(tmp_path):
+    """Hybrid SWA memory (cache/swa_storage.py): a second backend over the host SWA pool.
+    A backup stores both halves; a prefetch reads every full record and, of the SWA records,
+    after each batch (4 pages) only the window before the furthest end whose window is
+    wholly stored: pages 1-3 after the first batch, 5-7 after the second and the third (pages
+    8 and 9 have no SWA record, so page 8 is the furthest end with a whole window)."""
+    from kvstrata.kv.storage.file_store import FileStorage
+
+    full_pool, swa_pool = HostKVPool(GEOM, 24, "page_first"), HostKVPool(GEOM, 24, "layer_first")
+
+    def store(pool, component):
+        ns = StorageNamespace("m", "float32", "g", component=component)
+        return FileStorage(StorageConfig(ns, GEOM.bytes_per_page, {"file_path": str(tmp_path)}),
+                           pool)
+    runner = StorageJobRunner(store(full_pool, "full"), batch_pages=4,
+                              swa_backend=store(swa_pool, "swa"))
+    src = list(range(1, 11))
+    for pool in (full_pool, swa_pool):
+        pool.set_flat_pages(src, torch.randn(10, GEOM.page_numel))
+    swa_keys = [f"swa-{k}" for k in KEYS]
+    full_keys = [f"full-{k}" for k in KEYS]
+    runner.submit(TransferOp(1, "h2s", [], src[:8], sync=False, keys=full_keys[:8],
+                             swa_keys=swa_keys[:8]))
+    runner.submit(TransferOp(2, "h2s", [], src[8:], sync=False, keys=full_keys[8:]))  # full only
+    assert {p.done_pages for p in finals(runner, [1, 2]).values()} == {8, 2}
+    want_full, want_swa = full_pool.get_flat_pages(src), swa_pool.get_flat_pages(src)
+    dst = list(range(11, 21))
+    runner.submit(TransferOp(3, "s2h", [], dst, sync=False, keys=full_keys, swa_keys=swa_keys,
+                             swa_window_pages=3))
+    p = finals(runner, [3])[3]
+    assert (p.hit_pages, p.done_pages, p.swa_read) == (10, 10, [1, 2, 3, 5, 6, 7])
+    assert torch.equal(full_pool.get_flat_pages(dst), want_full)
+    assert torch.equal(swa_pool.get_flat_pages(dst[5:8]), want_swa[5:8])
+    assert torch.equal(swa_pool.get_flat_pages(dst[1:4]), want_swa[1:4])
+    assert os.listdir(tmp_path) and len(os.listdir(tmp_path)) == 2  # one namespace each
+    runner.close()
+
+
+def test_stored_window_end():
+    from kvstrata.transfer.storage_jobs import stored_window_end as end
+
+    T, F = True, False
+    assert end([T, T, T, F, T, T], 2) == 6 and end([T, T, T, F, T], 2) == 3
+    assert end([T], 2) == 1  # the rest of that window lies before the fetch: the tree decides
+    assert end([F, T], 2) == 0
+    assert end([T, F, F], 2) == 1 and end([F, F], 1) == 0 and end([F, F], 0) == 2
+    assert end([], 3) == 0

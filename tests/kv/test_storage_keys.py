@@ -9,7 +9,8 @@ import random
 import pytest
 
 from helpers.storage import spawn_child, stop_child, wait_ready
-from kvstrata.cache.page_keys import chain_page_keys, page_key, salt_offset, salted_ids
+from kvstrata.cache.page_keys import (chain_page_keys, component_key, page_key, salt_offset,
+                                      salted_ids)
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.storage import StorageNamespace
 
@@ -89,7 +90,9 @@ def test_namespace_separates_what_must_not_mix_but_not_the_layout():
               StorageNamespace.from_plan(_plan(page_size=8), "SmolLM2-135M"),
               StorageNamespace.from_plan(_plan(), "SmolLM2-135M", tp_rank=1, tp_size=2),
               StorageNamespace.from_plan(_plan(), "SmolLM2-135M", tp_size=2),
-              StorageNamespace.from_plan(_plan(), "SmolLM2-135M", salt="tenant-a")]
+              StorageNamespace.from_plan(_plan(), "SmolLM2-135M", salt="tenant-a"),
+              StorageNamespace.from_plan(_plan(), "SmolLM2-135M", component="full"),
+              StorageNamespace.from_plan(_plan(), "SmolLM2-135M", component="swa")]
     names = [ns.name for ns in others]
     assert base.name not in names and len(set(names)) == len(names)
     # MLA KV is the same on every rank: the rank is not part of an MLA namespace
@@ -100,3 +103,18 @@ def test_namespace_separates_what_must_not_mix_but_not_the_layout():
     odd = StorageNamespace.from_plan(_plan(), "../org/Model name:v2")
     assert "org-Model-name-v2-float32-" in odd.name
     assert all(c.isalnum() or c in "._-" for c in odd.name)  # one path component, any OS
+
+
+def test_swa_pool_records_name_their_component():
+    """Hybrid SWA memory (cache/swa_storage.py): the full and the SWA record of a page have
+    their own keys, neither equal to a uniform pool's (the bare chained digest), and their
+    own namespaces, named after the component; a uniform pool's namespace stays as it was."""
+    key = chain_page_keys(list(range(8)), 4)[1]
+    full, swa = component_key(key, "full"), component_key(key, "swa")
+    assert len({key, full, swa}) == 3 and full == "full-" + key and swa == "swa-" + key
+    with pytest.raises(ValueError, match="component"):
+        component_key(key, "mamba")
+    uniform = StorageNamespace.from_plan(_plan(), "m")
+    assert uniform == StorageNamespace.from_plan(_plan(), "m", component="")
+    assert "-full-" in StorageNamespace.from_plan(_plan(), "m", component="full").name
+    assert "-swa-" in StorageNamespace.from_plan(_plan(), "m", component="swa").name

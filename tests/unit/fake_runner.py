@@ -13,6 +13,7 @@ from collections import deque
 from kvstrata.protocol import (RunnerOutput, SchedulerOutput, StorageCancel, StorageProgress,
                                TransferDone, TransferOp, of_type)
 from kvstrata.protocol.scheduler_output import RUNNER_DRAFT, TreeDraft
+from kvstrata.transfer.storage_jobs import stored_window_end
 
 
 def next_token(tokens: list[int], vocab: int) -> int:
@@ -71,6 +72,15 @@ def tree_draft(truth: list[int], good: int, n: int, rng, vocab: int) -> TreeDraf
             parents.append(idx)
             queue.append((len(tokens), depth + 1, c == right))
     return TreeDraft(tokens, parents)
+
+
+def _fill_page(pool: dict, page: int, P: int, entries: tuple) -> None:
+    """Write a stored page (an entry or None per slot) into a fake pool's page."""
+    for o, entry in enumerate(entries):
+        if entry is None:
+            pool.pop(page * P + o, None)
+        else:
+            pool[page * P + o] = entry
 
 
 def copy_pages(src: dict, dst: dict, src_pages: list[int], dst_pages: list[int], P: int) -> None:
@@ -134,7 +144,7 @@ class FakeRunner:
         st.jobs_run += 1
         if st.error_every and st.jobs_run % st.error_every == 0:
             return StorageProgress(op.job_id, hit, 0, True, "injected backend error")
-        done = 0
+        done, swa_read = 0, []
         n = hit if limit is None else min(hit, limit)
         for i in range(n):
             key, page = op.keys[i], op.host_pages[i]
@@ -143,18 +153,28 @@ class FakeRunner:
                     break
                 st.pages.setdefault(key, tuple(self.host.get(page * P + o) for o in range(P)))
                 st.stats["pages_written"] += 1
+                if op.swa_keys:  # the SWA half's record (FakeSWARunner's host SWA pool)
+                    st.pages.setdefault(op.swa_keys[i], self._host_swa_page(page))
             else:
                 st.reads += 1
                 if key in st.fail_get or (st.corrupt_every and st.reads % st.corrupt_every == 0):
                     break
-                for o, entry in enumerate(st.pages[key]):
-                    if entry is None:
-                        self.host.pop(page * P + o, None)
-                    else:
-                        self.host[page * P + o] = entry
+                _fill_page(self.host, page, P, st.pages[key])
                 st.stats["pages_read"] += 1
             done += 1
-        return StorageProgress(op.job_id, hit, done, True)
+        if op.kind == "s2h" and op.swa_keys:  # one window, as StorageJobRunner (one batch)
+            stop = stored_window_end([k in st.pages for k in op.swa_keys[:done]],
+                                     op.swa_window_pages)
+            for i in range(max(stop - op.swa_window_pages, 0), stop):
+                self._set_host_swa_page(op.host_pages[i], st.pages[op.swa_keys[i]])
+                swa_read.append(i)
+        return StorageProgress(op.job_id, hit, done, True, swa_read=swa_read)
+
+    def _host_swa_page(self, page: int) -> tuple:
+        raise AssertionError("SWA storage keys without an SWA pool")
+
+    def _set_host_swa_page(self, page: int, entries: tuple) -> None:
+        raise AssertionError("SWA storage keys without an SWA pool")
 
     def _storage_step(self, so: SchedulerOutput) -> list[StorageProgress]:
         progress = []

@@ -10,7 +10,7 @@ another request meanwhile, fails here (the other request overwrites it)."""
 from __future__ import annotations
 
 from kvstrata.protocol import RunnerOutput, SchedulerOutput
-from tests.unit.fake_runner import FakeRunner, copy_pages
+from tests.unit.fake_runner import FakeRunner, _fill_page, copy_pages
 
 
 class FakeSWARunner(FakeRunner):
@@ -33,6 +33,14 @@ class FakeSWARunner(FakeRunner):
         else:
             copy_pages(self.swa_host, self.swa_kv, host, swa, self.page_size)
         self.moved_swa_pages[op.kind] += len(pairs)
+
+    # HiCache L3: an op's swa_keys store / read the host SWA pool's page (swa_storage.py)
+    def _host_swa_page(self, page: int) -> tuple:
+        P = self.page_size
+        return tuple(self.swa_host.get(page * P + o) for o in range(P))
+
+    def _set_host_swa_page(self, page: int, entries: tuple) -> None:
+        _fill_page(self.swa_host, page, self.page_size, entries)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for s in so.scheduled:

@@ -57,10 +57,9 @@ def test_nothing_to_decide_without_windows(info):
 
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
-    (dict(enable_hierarchical_cache=True, hicache_storage_backend="file"), "HiCache L3"),
-    # decode KV offload is the decode tree's HiCache L3 backups
+    # decode KV offload is the decode tree's HiCache L3 backups: untested beside an SWA pool
     (dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
-          hicache_storage_backend="file"), "HiCache L3"),
+          hicache_storage_backend="file"), "offload-kvcache"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -164,19 +163,24 @@ def test_retraction_with_the_real_pool_kinds():
 def test_explain_shows_the_decision():
     text = explain(ServerArgs(), simulated("cpu"), HYBRID)
     assert "swa.on" in text and "hybrid_swa_memory = True" in text
-    data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True,
-                                         hicache_storage_backend="file"), simulated("cpu"),
-                              HYBRID, as_json=True))
-    assert [r["rule"] for r in data["resolutions"] if r["field"] == "hybrid_swa_memory"] == [
-        "swa.off"]
+    # (HiCache L3 keeps it on beside full layers: cache/swa_storage.py; an all-SWA model
+    # has no full-layer pool for the host tier to copy)
+    for info, rule in ((HYBRID, "swa.on"), (ALL_SWA, "swa.off")):
+        data = json.loads(explain(ServerArgs(enable_hierarchical_cache=True,
+                                             hicache_storage_backend="file"),
+                                  simulated("cpu"), info, as_json=True))
+        assert [r["rule"] for r in data["resolutions"]
+                if r["field"] == "hybrid_swa_memory"] == [rule]
 
 
-def test_hicache_l2_keeps_it_on_with_full_layers_only():
-    """The host tier copies SWA pages (cache/swa_hiradix.py) beside a full-layer pool; an
-    all-SWA model has none for it to copy, so it stays off there, with that reason."""
-    resolved, res = run(HYBRID, enable_hierarchical_cache=True)
+@pytest.mark.parametrize("storage", [{}, dict(hicache_storage_backend="file")])
+def test_hicache_keeps_it_on_with_full_layers_only(storage):
+    """The host tier (cache/swa_hiradix.py) and storage (cache/swa_storage.py) copy SWA
+    pages beside a full-layer pool; an all-SWA model has none for the host tier to copy, so
+    it stays off there, with that reason."""
+    resolved, res = run(HYBRID, enable_hierarchical_cache=True, **storage)
     assert resolved.hybrid_swa_memory is True
-    resolved, res = run(ALL_SWA, enable_hierarchical_cache=True)
+    resolved, res = run(ALL_SWA, enable_hierarchical_cache=True, **storage)
     assert resolved.hybrid_swa_memory is False
     assert "all-SWA model" in res["hybrid_swa_memory"].reason
 

@@ -5,12 +5,12 @@ Hypothesis draws an engine (page size, pool down to one request's need, chunk si
 below a page), radix on/off, HiCache on/off and its write policy, fcfs/lpm/lof, row limit,
 speculative decoding on/off with its draft length and a seeded pattern of right and wrong
 draft tokens, priority scheduling with preemption on/off, its threshold and direction, a
-bounded queue, a hybrid SWA pool (window, SWA pages; no host tier then: the fake runner
-reads every window back through swa_slots, tests/unit/fake_swa_runner.py), a recurrent state
-pool (an SSM hybrid: state slots, snapshot strategy, track interval; no host tier, SWA pool or
-speculation then: the fake runner checks every state slot's tokens,
-tests/unit/fake_state_runner.py)) and then interleaves arrivals (prompts sharing prefixes,
-drawn priorities),
+bounded queue, a hybrid SWA pool (window, SWA pages; the fake runner reads every window
+back through swa_slots, tests/unit/fake_swa_runner.py; with HiCache L2 / L3 too, whose host
+and storage copies carry the SWA halves), a recurrent state pool (an SSM hybrid: state slots,
+snapshot strategy, track interval; no host tier, SWA pool or speculation then: the fake runner
+checks every state slot's tokens, tests/unit/fake_state_runner.py)) and then interleaves
+arrivals (prompts sharing prefixes, drawn priorities),
 client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
@@ -20,7 +20,10 @@ Properties:
 - a request is aborted only by its client, by a full queue (503), or with an out-of-memory error when it cannot fit
   alone (prompt + max_new_tokens - 1 positions, in whole pages, exceed the pool, or the
   prompt leaves no room for one more token);
-- after draining, the pools are whole: nothing locked, every page free or cached.
+- after draining, the pools are whole: nothing locked, every page free or cached;
+- with HiCache L3, once drained and backed up, every page leaves the device and host tiers
+  and each finished request comes back with its answer appended: its prefix comes from
+  storage, with the same exact-token and step-bound properties.
 `KVSTRATA_FUZZ_EXAMPLES=N` runs a longer soak; failures are kept in hypothesis' example
 database (.hypothesis/) and replayed first on the next run.
 """
@@ -79,7 +82,7 @@ configs = st.fixed_dictionaries({
                                               st.sampled_from([0, 0, 2]),
                                               st.sampled_from(["best_effort", "wait_complete",
                                                                "timeout"]))),
-    # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off (a host tier too).
+    # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
     # Recurrent state (an SSM hybrid): (state slots, --mamba-radix-cache-strategy, track
     # interval in pages), or off. Takes the place of the SWA pool, the host tier and
@@ -108,7 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if state is not None:
             cfg = {**cfg, "swa": None, "spec": None, "hicache_pages": 0}
         swa = cfg["swa"]
-        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] and swa is None else 0
+        hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
         storage = cfg["storage"] if hicache else None
         store = None if storage is None else FakeStorage(delay=storage[0], error_every=storage[1],
@@ -128,10 +131,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             "num_state_slots": state[0], "mamba_track_interval": state[2] * P,
             "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
             else state[1]}
-        self.runner = (FakeRunner(page_size=P, vocab_size=VOCAB, storage=store)
-                       if swa is None and state is None else
-                       FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB) if state is None
-                       else FakeStateRunner(page_size=P, vocab_size=VOCAB))
+        self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB) if state is not None else
+                       FakeRunner(page_size=P, vocab_size=VOCAB, storage=store) if swa is None
+                       else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB, storage=store))
         self.engine = EngineCore(self.runner, SchedulerConfig(
             num_pages=max(cfg["pool_tokens"] // P, 1), page_size=P,
             max_running_requests=cfg["max_running_requests"],
@@ -155,6 +157,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.scheduler.kv.storage.clock = lambda: self.steps  # timeouts in steps
         self.total_tokens = self.engine.scheduler.kv.total_tokens
         self.requests: dict[str, tuple[list[int], int]] = {}
+        self.salts: dict[str, str | None] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, object] = {}
         self.client_aborted: set[str] = set()
@@ -168,13 +171,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def arrive(self, batch):
         for (base, keep, tail), max_new, priority, salt in \
                 batch[:MAX_REQUESTS - len(self.requests)]:
-            ids = BASES[base][:keep] + tail or [BASES[base][0]]
-            rid = f"r{len(self.requests)}"
-            self.requests[rid] = (ids, max_new)
-            self.outputs[rid] = []
-            self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
-                max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority,
-                cache_salt=salt))
+            self._add(BASES[base][:keep] + tail or [BASES[base][0]], max_new, priority, salt)
+
+    def _add(self, ids, max_new, priority=None, salt=None):
+        rid = f"r{len(self.requests)}"
+        self.requests[rid] = (ids, max_new)
+        self.salts[rid] = salt
+        self.outputs[rid] = []
+        self.engine.add_request(EngineRequest(rid, ids, SamplingParams(
+            max_new_tokens=max_new, temperature=0, ignore_eos=True), priority=priority,
+            cache_salt=salt))
 
     @rule(n=st.integers(1, 8),
           abort=st.one_of(st.none(), st.none(), st.none(), st.integers(0, MAX_REQUESTS - 1)))
@@ -211,9 +217,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.engine.check_integrity()
 
     # ------------------------------------------------------------------ end
-    def teardown(self):
-        if not hasattr(self, "engine"):
-            return
+    def _drain(self):
         budget = 200 + 30 * sum(len(p) + n for p, n in self.requests.values())
         for _ in range(budget):
             if not self.engine.has_unfinished_requests():
@@ -222,6 +226,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             raise AssertionError(f"not drained after {budget} steps; config {self.cfg}\n"
                                  + self.engine.dump_state())
+
+    def _revisit_from_storage(self):
+        """With HiCache L3, after the drain: once the backups ended, every page leaves the
+        device and host tiers and each finished request comes back with its answer and one
+        more token, so its prefix can come back only from storage (the L3 restore, which
+        random arrivals alone almost never reach)."""
+        assert self.engine.finish_storage_backups(timeout=5)
+        self.evict_everything()
+        for rid, reason in list(self.finished.items()):
+            if reason.type == "length":
+                ids = self.requests[rid][0] + self.outputs[rid] + [VOCAB - 1]
+                self._add(ids, 2, salt=self.salts[rid])
+        self._drain()
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        self._drain()
+        if self.engine.scheduler.kv.storage is not None:
+            self._revisit_from_storage()
         assert set(self.finished) == set(self.requests), "a request never ended"
         self.ends.check_drained()  # every ending went through the one path, once
         sched = self.engine.scheduler

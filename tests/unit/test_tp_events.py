@@ -78,6 +78,18 @@ def test_merged_events(case):
     assert merger.pending() == 0
 
 
+def test_a_storage_prefetch_keeps_the_swa_halves_every_rank_read():
+    """Hybrid SWA memory (cache/swa_storage.py): a page's SWA half counts as read only once
+    every rank read it, and only below the pages every rank read in full."""
+    merger = EventMerger(2)
+    out = merger.merge([[StorageProgress(3, 8, 6, False, swa_read=[2, 3, 4, 5])],
+                        [StorageProgress(3, 8, 4, False, swa_read=[2, 3])]])
+    assert [(e.done_pages, e.swa_read) for e in out] == [(4, [2, 3])]
+    out = merger.merge([[StorageProgress(3, 8, 8, True, swa_read=[2, 3, 4, 5, 6, 7])],
+                        [StorageProgress(3, 8, 8, True, swa_read=[2, 3, 6, 7])]])
+    assert [(e.done_pages, e.finished, e.swa_read) for e in out] == [(8, True, [2, 3, 6, 7])]
+
+
 @st.composite
 def room_runs(draw):
     """Per rank, a room's state changes as its executor reports them: forward through

@@ -28,10 +28,11 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    # HiCache L2 keeps SWA pages on the host (cache/swa_hiradix.py); L3 does not yet.
-    if args.hicache_storage_backend is not None:
-        out.append("HiCache L3 (--hicache-storage-backend): storage keys and restores cover "
-                   "one uniform pool's pages, not the SWA pool's")
+    # HiCache L2 and L3 keep SWA pages (cache/swa_hiradix.py, swa_storage.py). The decode
+    # KV offload (the decode tree's L3 backups) is not tested beside an SWA pool yet.
+    if args.disaggregation_decode_enable_offload_kvcache:
+        out.append("--disaggregation-decode-enable-offload-kvcache: the decode tree's L3 "
+                   "backups are not tested beside an SWA pool yet")
     # PD works (the prefill sends the last window's SWA pages, the decode allocates SWA pages
     # for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the tcp and
     # mooncake backends, at any --tp-size equal on both servers (each rank's SWA pool is a

@@ -10,6 +10,7 @@ backend as a directory or a key suffix.
 
 Verbs (all batched; a page is addressed by its key and a host page id):
   batch_exists(keys) -> int            consecutive hits from the first key
+  exist_flags(keys) -> [bool]          each key's presence (sparse records: an SWA pool's)
   batch_get(keys, host_pages) -> [bool]  read pages into host pages; False = miss/corrupt
                                        (that host page's bytes are then unspecified)
   batch_set(keys, host_pages) -> [bool]  store host pages; a key already stored is skipped
@@ -44,23 +45,32 @@ class StorageNamespace:
     tp_size: int = 1
     is_mla: bool = False  # MLA KV is identical on every tp rank: no rank in the namespace
     salt: str = ""        # tenant isolation (extra config `key_salt`)
+    # hybrid SWA memory: which pool's records ("full" / "swa", cache/page_keys.py
+    # COMPONENTS); "" for a uniform pool, whose names stay what they were
+    component: str = ""
 
     @classmethod
     def from_plan(cls, plan: KVPlan, model: str, *, tp_rank: int = 0, tp_size: int = 1,
-                  salt: str = "") -> "StorageNamespace":
+                  salt: str = "", component: str = "") -> "StorageNamespace":
+        """`plan`: the pool whose pages are stored (with hybrid SWA memory, the full or the
+        SWA pool's plan, named by `component`)."""
         geometry = f"p{plan.page_size}:" + ",".join(
             f"{c.name}{c.num_layers}x{'x'.join(map(str, c.token_shape))}"
             for c in plan.components)
         return cls(model, plan.dtype or "none", geometry, tp_rank, tp_size,
-                   plan.pool_kind == "mla", salt)
+                   plan.pool_kind == "mla", salt, component)
 
     @property
     def name(self) -> str:
         """A file-system and key safe identifier: readable model part + a digest of it all."""
         ranks = "" if self.is_mla else f"|tp{self.tp_rank}/{self.tp_size}"
         full = f"{self.model}|{self.dtype}|{self.geometry}{ranks}|salt={self.salt}"
+        if self.component:
+            full += f"|component={self.component}"
         readable = re.sub(r"[^A-Za-z0-9._-]+", "-", self.model).strip("-")[:48] or "model"
-        return f"{readable}-{self.dtype}-{hashlib.sha256(full.encode()).hexdigest()[:16]}"
+        kind = f"-{self.component}" if self.component else ""
+        return (f"{readable}-{self.dtype}{kind}-"
+                f"{hashlib.sha256(full.encode()).hexdigest()[:16]}")
 
 
 @dataclass
@@ -68,6 +78,10 @@ class StorageConfig:
     namespace: StorageNamespace
     page_bytes: int                      # bytes of one flat page
     extra: dict[str, Any] = field(default_factory=dict)  # backend keys of the extra config
+    # Hybrid SWA memory opens one backend per pool kind (runner/executors/hicache.py): each
+    # takes this share (by page bytes) of the extra config's size limits (file max_bytes,
+    # mooncake global_segment_size), so the two together keep to what the flags say.
+    share: float = 1.0
 
 
 class StorageBackend(ABC):
@@ -87,6 +101,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int: ...
+
+    def exist_flags(self, keys: list[str]) -> list[bool]:
+        """Whether each key is stored (not only a leading run): one batch_exists per key;
+        a backend with a batched lookup overrides it."""
+        return [self.batch_exists([k]) == 1 for k in keys]
 
     @abstractmethod
     def batch_get(self, keys: list[str], host_pages: list[int]) -> list[bool]: ...

@@ -63,11 +63,14 @@ def parse_options(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_max_bytes(requested: int | None, directory: str, stored_bytes: int,
-                      segment_bytes: int) -> int:
+                      segment_bytes: int, share: float = 1.0) -> int:
+    """The cap, times `share` (StorageConfig.share: one of two backends of a root)."""
     if requested is None:
         free = shutil.disk_usage(directory).free
-        requested = min(DEFAULT_MAX_BYTES, (free + stored_bytes) // 2)
+        requested = int(min(DEFAULT_MAX_BYTES, (free + stored_bytes) // 2) * share)
         requested = max(requested, 2 * segment_bytes)
+    else:
+        requested = int(requested * share)
     if requested < segment_bytes:
         raise ValueError(f"--hicache-storage-backend-extra-config max_bytes ({requested}) "
                          f"must be at least segment_bytes ({segment_bytes}): "

@@ -68,7 +68,8 @@ class FileStorage(StorageBackend):
         self._index.reconcile(self.directory)
         self._last_refresh = time.monotonic()
         self.max_bytes = resolve_max_bytes(opts["max_bytes"], self.directory,
-                                           self._index.total_bytes, self.segment_bytes)
+                                           self._index.total_bytes, self.segment_bytes,
+                                           config.share)
         self._active: ActiveSegment | None = None
         self._read_fds: dict[str, int] = {}
         self._retired_fds: list[int] = []

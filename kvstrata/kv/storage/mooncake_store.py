@@ -112,7 +112,8 @@ class MooncakeStorage(StorageBackend):
         check_master_reachable(opts["master_server_address"])
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(opts["local_hostname"], opts["metadata_server"],
-                               opts["global_segment_size"], opts["local_buffer_size"],
+                               int(opts["global_segment_size"] * config.share),
+                               opts["local_buffer_size"],
                                opts["protocol"], opts["device_name"],
                                opts["master_server_address"])
         if rc != 0:
@@ -154,6 +155,9 @@ class MooncakeStorage(StorageBackend):
     def batch_exists(self, keys: list[str]) -> int:
         flags = self._exist_flags(self._keys(keys))
         return next((i for i, hit in enumerate(flags) if not hit), len(flags))
+
+    def exist_flags(self, keys: list[str]) -> list[bool]:
+        return self._exist_flags(self._keys(keys))
 
     def batch_get(self, keys: list[str], host_pages: list[int]) -> list[bool]:
         self._check_batch(keys, host_pages)

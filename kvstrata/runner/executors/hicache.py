@@ -96,16 +96,32 @@ class HiCacheExecutor(OpExecutor):
         keys of the extra config belong to the scheduler; the backend gets the others.
         Tensor parallelism: an MHA rank stores its KV heads under its own rank's keys; MLA
         KV is the same on every rank, so with a store shared between processes only rank 0
-        writes it and every rank reads it."""
-        namespace = StorageNamespace.from_plan(self.plan, model, tp_rank=tp_rank,
-                                               tp_size=tp_size,
-                                               salt=str(extra.get("key_salt", "")))
+        writes it and every rank reads it. Hybrid SWA memory: one backend per host pool, in
+        the namespace of that pool's component (full / swa; cache/swa_storage.py)."""
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
-        config = StorageConfig(namespace, self.host_pool.geom.bytes_per_page, backend_extra)
-        store = create_storage_backend(backend, config, self.host_pool)
+        salt = str(extra.get("key_salt", ""))
+
+        pools = [self.host_pool] + ([self.swa_host_pool] if self.swa_host_pool else [])
+        total_bytes = sum(p.geom.bytes_per_page for p in pools)
+
+        def open_store(plan: KVPlan, host_pool: HostKVPool, component: str = ""):
+            namespace = StorageNamespace.from_plan(plan, model, tp_rank=tp_rank,
+                                                   tp_size=tp_size, salt=salt,
+                                                   component=component)
+            page_bytes = host_pool.geom.bytes_per_page
+            config = StorageConfig(namespace, page_bytes, backend_extra,
+                                   share=page_bytes / total_bytes)
+            logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
+            return create_storage_backend(backend, config, host_pool), namespace
+
+        if self.swa_host_pool is None:
+            store, namespace = open_store(self.plan, self.host_pool)
+            swa_store = None
+        else:
+            store, namespace = open_store(self.plan.full_pool_plan(), self.host_pool, "full")
+            swa_store = open_store(self.plan.swa_pool_plan(), self.swa_host_pool, "swa")[0]
         self.skip_backups = namespace.is_mla and tp_rank > 0 and store.shared_across_processes
-        self.storage = StorageJobRunner(store)
-        logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
+        self.storage = StorageJobRunner(store, swa_backend=swa_store)
 
     def execute(self, ops: list[TransferOp], idle: bool = False, cancels: list[int] = ()
                 ) -> tuple[list[int], list[int], list[StorageProgress]]:
@@ -162,6 +178,10 @@ class HiCacheExecutor(OpExecutor):
         if self.storage is not None:
             s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
                       if isinstance(v, (int, float))})
+            if self.storage.swa_backend is not None:  # the SWA halves' records apart
+                s.update({f"storage_swa_{k}": v
+                          for k, v in self.storage.swa_backend.stats().items()
+                          if isinstance(v, (int, float))})
         return s
 
     def close(self, storage_timeout: float = 2.0) -> None:

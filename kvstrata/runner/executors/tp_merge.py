@@ -59,8 +59,9 @@ class AllRanksDone(EventMerge):
 
 class MinStorageProgress(EventMerge):
     """StorageProgress: the minimum over ranks (hit pages: -1 while any rank has not asked
-    its backend yet; done pages), finished once every rank finished, the first error kept. A
-    storage prefetch thus loads what every rank found: the ranks never diverge."""
+    its backend yet; done pages; the pages whose SWA half every rank read), finished once
+    every rank finished, the first error kept. A storage prefetch thus loads what every rank
+    found: the ranks never diverge."""
     event_type = StorageProgress
 
     def __init__(self, size: int):
@@ -78,9 +79,12 @@ class MinStorageProgress(EventMerge):
             return None  # a rank has not reported this job yet
         ranks = list(states.values())
         hits = [s.hit_pages for s in ranks]
+        done = min(s.done_pages for s in ranks)
+        swa = set.intersection(*(set(s.swa_read) for s in ranks))
         merged = StorageProgress(
-            key, -1 if min(hits) < 0 else min(hits), min(s.done_pages for s in ranks),
-            all(s.finished for s in ranks), next((s.error for s in ranks if s.error), ""))
+            key, -1 if min(hits) < 0 else min(hits), done,
+            all(s.finished for s in ranks), next((s.error for s in ranks if s.error), ""),
+            sorted(i for i in swa if i < done))
         if merged == self._sent.get(key):
             return None
         self._sent[key] = merged
