@@ -2,7 +2,8 @@
 bit, its run alone on a cold engine -- whatever shares its batch (requests arriving at other
 steps, prefill and decode mixed), its prefill chunks, the page size, the prefix cache (device
 hits, HiCache load-backs), retraction under a small pool and priority preemption
-(config/rules/deterministic.py), and under --tp-size 2.
+(config/rules/deterministic.py), under --tp-size 2, and with STANDALONE / EAGLE speculation
+(runs of one speculative configuration; greedy also equals plain decoding).
 
 Without the flag the same workloads differ: a warm request's logprobs moved (the first test
 shows it, so the property below is not vacuous on this CPU). Greedy and seeded sampling both:
@@ -204,3 +205,36 @@ def test_two_tensor_parallel_ranks_keep_the_bits(tiny_checkpoints):
             assert drive(llm, [(0, w[1], w[2])])[0] == got
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", ["STANDALONE", "EAGLE"])
+def test_speculative_requests_keep_the_bits(tiny_checkpoints, tmp_path, algorithm):
+    """Speculative decoding with --enable-deterministic-inference at bf16: a seeded (and a
+    greedy) request answers the same tokens and logprobs alone on a cold engine as beside
+    others arriving at other steps, sharing its prefix (warm: a radix hit), chunked -- runs of
+    one configuration (issue 60: "seeded sampling: identical across runs of the same
+    configuration"); greedy also equals the non-speculative answer."""
+    from tests.helpers.eagle_heads import random_head
+
+    path = tiny_checkpoints["llama"]
+    draft = path if algorithm == "STANDALONE" else random_head(path, str(tmp_path / "h"))[0]
+    spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft,
+                speculative_num_steps=3, speculative_disable_by_batch_size=1 << 20)
+    prompts = prompts_with_prefix(11, 24, [9, 30, 4, 17])
+    work = [(i % 3, p, params(20, None if i % 2 else 500 + i)) for i, p in enumerate(prompts)]
+    cold = make_llm(path, max_total_tokens=4096, page_size=1, **spec)
+    refs = []
+    for _, p, sp in work:
+        cold.flush_cache()
+        refs.append(drive(cold, [(0, p, sp)])[0])
+    cold.shutdown()
+    busy = make_llm(path, max_total_tokens=1024, page_size=4, chunked_prefill_size=16, **spec)
+    drive(busy, [(0, prompts[0], params(4, None))])  # the shared prefix is now cached
+    outs = drive(busy, work)
+    assert busy.engine.scheduler.kv.matched_tokens >= 4 * 24, "the shared prefix never hit"
+    busy.shutdown()
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out == ref, f"request {i}"
+    for i, (_, p, sp) in enumerate(work):
+        if sp.seed is None:
+            assert refs[i][0] == alone(path, p, sp)[0], f"greedy request {i} vs plain"
