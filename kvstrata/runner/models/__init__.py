@@ -1,11 +1,13 @@
 """Our model implementations and their weight loader.
 
   registry.py       architecture name -> how to build it
-  decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3)
+  decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3, phi3, smollm3)
+  sandwich.py       OLMo 2 and GLM-4: the decoder with sublayer outputs normed
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
   gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
-  rope.py           rotary embeddings
+  rope.py           rotary embeddings and their scaling types (linear, llama3, yarn,
+                    dynamic, longrope), partial rotary
   deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py, the expert dispatch); its config and weight
                     names: deepseek_v32_config.py, deepseek_v32_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head

@@ -262,7 +262,9 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
         decode = list(decode0)
         decode[4], decode[5] = pool.k(i).data_ptr(), pool.v(i).data_ptr()
         plan.decode_args.append(decode)
-        calls = [first, linears[0], rope, (_rowcopy.scatter_kv, scatter),
+        # a NoPE layer (SmolLM3's no_rope_layers) writes and reads its q / k unrotated
+        calls = [first, linears[0], *(() if i in model.nope_layers else (rope,)),
+                 (_rowcopy.scatter_kv, scatter),
                  (paged_decode.run_decode, (decode,)), linears[1],
                  (add_norm, (x.data_ptr(), o.data_ptr(), t, hidden, layer.post_norm.data_ptr(),
                              h.data_ptr(), eps, threads, cap))]

@@ -18,7 +18,8 @@ from kvstrata.config.hf_config import ModelDims, layer_windows
 from kvstrata.runner.cpu import fused_ops as cpu_ops
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models import decode_plan
-from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
+from kvstrata.runner.models.rope import (RotaryEmbedding, apply_rope, rope_parameters,
+                                         rotary_dim)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,16 @@ def is_llama_family(model: Any) -> bool:
     return spec is not None and spec.family == "decoder"
 
 
+def nope_layers(config: Any, num_layers: int) -> frozenset[int]:
+    """Layers that attend without rotary: SmolLM3's no_rope_layers (1 = rope, 0 = NoPE)."""
+    flags = getattr(config, "no_rope_layers", None)
+    if flags is None:
+        return frozenset()
+    if len(flags) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return frozenset(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by the loader (checked there).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -61,10 +72,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_qk(qkv: torch.Tensor, nq: int, nkv: int, hd: int, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, nq, hd] and k [T, nkv, hd] of a fused q|k|v projection's output, rotated."""
+def rope_heads(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+               ) -> torch.Tensor:
+    """x [T, H, D] (its own buffer, contiguous) rotated in place where it can be: all of each
+    head, or its first cos.shape[-1] dims (partial rotary); cos None: a NoPE layer."""
+    if cos is None:
+        return x
+    t, heads, d = x.shape
+    if cos.shape[-1] != d:
+        part = x[..., :cos.shape[-1]]
+        part.copy_(apply_rope(part, cos, sin))
+        return x
+    if cpu_ops.rope_(x.view(t, -1), heads, cos, sin):
+        return x
+    return apply_rope(x, cos, sin)
+
+
+def rope_qk(qkv: torch.Tensor, nq: int, nkv: int, hd: int, cos: torch.Tensor | None,
+            sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, nq, hd] and k [T, nkv, hd] of a fused q|k|v projection's output, rotated (all
+    of each head, or its first cos.shape[-1] dims; not at all where cos is None)."""
     t, q_end, k_end = qkv.shape[0], nq * hd, (nq + nkv) * hd
+    if cos is None or cos.shape[-1] != hd:
+        qk = rope_heads(qkv[:, :k_end].view(t, nq + nkv, hd), cos, sin)
+        return qk[:, :nq], qk[:, nq:]
     if cpu_ops.rope_(qkv, nq + nkv, cos, sin):
         # Rotated in place (qkv is this layer's own buffer): q and k stay views of it.
         return qkv[:, :q_end].view(t, nq, hd), qkv[:, q_end:k_end].view(t, nkv, hd)
@@ -117,7 +148,11 @@ class DecoderForCausalLM(nn.Module):
         # Tied (SmolLM2): the output projection IS the embedding matrix, no second copy.
         self.lm_head = self.embed if dims.tie_word_embeddings else _param(
             dims.vocab_size, dims.hidden_size, **kw)
-        self.rotary = RotaryEmbedding(dims.head_dim, rope_parameters(config), device)
+        rope = rope_parameters(config)
+        self.rotary = RotaryEmbedding(rotary_dim(dims.head_dim, rope), rope, device,
+                                      getattr(config, "max_position_embeddings", None))
+        # SmolLM3: `no_rope_layers[i]` 0 = layer i attends without rotary (NoPE)
+        self.nope_layers = nope_layers(config, dims.num_layers)
         self.attn_backend = None  # set by the runner (needs the KV pool)
         # Per layer its sliding window (Mistral: every layer; Qwen2/3 with
         # use_sliding_window: the "sliding_attention" layer_types), None = full; the runner
@@ -147,7 +182,10 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers if plan is None else ()):
             if i in self.capture_layers:  # an EAGLE3 head's features: the stream entering i
                 aux.append(x.clone())
-            x = self.layer_forward(i, layer, x, cos, sin, fb)
+            if i in self.nope_layers:
+                x = self.layer_forward(i, layer, x, None, None, fb)
+            else:
+                x = self.layer_forward(i, layer, x, cos, sin, fb)
         if aux:
             self.last_hidden = torch.cat(aux, dim=-1)
         elif self.capture_hidden:
@@ -209,10 +247,8 @@ class DecoderForCausalLM(nn.Module):
         if layer.q_norm is not None:
             q = rms_norm(qkv[:, :q_end].view(t, nq, hd), layer.q_norm, d.rms_norm_eps)
             k = rms_norm(qkv[:, q_end:k_end].view(t, nkv, hd), layer.k_norm, d.rms_norm_eps)
-            if not cpu_ops.rope_(q.view(t, -1), nq, cos, sin):  # in place: q is the norm's
-                q = apply_rope(q, cos, sin)
-            if not cpu_ops.rope_(k.view(t, -1), nkv, cos, sin):
-                k = apply_rope(k, cos, sin)
+            # in place: q and k are the norms' own outputs
+            q, k = rope_heads(q, cos, sin), rope_heads(k, cos, sin)
         else:
             q, k = rope_qk(qkv, nq, nkv, hd, cos, sin)
         attn = self.attn_backend.forward(i, q, k, v, fb)
@@ -269,6 +305,15 @@ class DecoderForCausalLM(nn.Module):
         if sub in simple:
             return self._copy(getattr(layer, simple[sub]), tensor, pre + simple[sub], name)
         group, proj, kind = parts[3], parts[4], parts[-1]
+        # Phi-3 stores the fusions we make: q|k|v as qkv_proj, gate|up as gate_up_proj.
+        if group == "self_attn" and proj == "qkv_proj":
+            target = layer.qkv_weight if kind == "weight" else layer.qkv_bias
+            self._copy(target, tensor, f"{pre}{proj}.{kind}", name)
+            return [f"{pre}{p}.{kind}" for p in qkv_slices]
+        if group == "mlp" and proj == "gate_up_proj":
+            target = layer.gate_up_weight if kind == "weight" else layer.gate_up_bias
+            self._copy(target, tensor, f"{pre}{proj}.{kind}", name)
+            return [f"{pre}{p}.{kind}" for p in mlp_slices]
         if group == "self_attn" and proj in qkv_slices:
             lo, hi = qkv_slices[proj]
             target = layer.qkv_weight if kind == "weight" else layer.qkv_bias

@@ -21,6 +21,7 @@ from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.hybrids import HYBRID_FAMILIES, hybrid_model
 from kvstrata.runner.models.registry import arch_spec
+from kvstrata.runner.models.sandwich import SandwichForCausalLM
 
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight",
@@ -218,7 +219,15 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
         model = GemmaForCausalLM(config, spec, torch_dtype, device)
         # llama.cpp's converter stores Gemma's norm weights as the scale 1 + w itself.
         model.norms_hold_scale = source.kind == "gguf"
+    elif spec.family in ("olmo2", "glm4"):
+        if source.kind == "gguf":
+            raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors "
+                             f"only)")
+        model = SandwichForCausalLM(config, spec, torch_dtype, device)
     else:
+        act = getattr(config, "hidden_act", None) or "silu"
+        if act != "silu":  # the llama decoder's MLP is silu(gate) * up
+            raise ValueError(f"{name}: hidden_act {act!r} is not supported (silu only)")
         model = DecoderForCausalLM(config, spec, torch_dtype, device)
     return fill_weights(model, source, config, spec.gguf_permute_qk)
 

@@ -22,6 +22,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "NemotronHForCausalLM": ArchSpec(family="nemotron_h"),
     "Mamba2ForCausalLM": ArchSpec(family="nemotron_h"),
     "GraniteMoeHybridForCausalLM": ArchSpec(family="granite_hybrid"),
+    # Dense families on the llama decoder: Phi-3 / Phi-4-mini (fused qkv_proj / gate_up_proj
+    # in the checkpoint, LongRoPE, partial rotary), SmolLM3 (no_rope_layers: NoPE layers).
+    "Phi3ForCausalLM": ArchSpec(),
+    "SmolLM3ForCausalLM": ArchSpec(),
+    # Sandwich norms (sublayer outputs normed before the residual add): sandwich.py.
+    "Olmo2ForCausalLM": ArchSpec(family="olmo2"),
+    "Glm4ForCausalLM": ArchSpec(family="glm4"),
 }
 
 # GGUF-derived configs carry model_type but no `architectures` list.

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# Older spellings transformers still reads as the type after them (Phi-3's first configs: su).
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
 
 
 def rope_parameters(config: Any) -> dict:
@@ -24,10 +26,31 @@ def rope_parameters(config: Any) -> dict:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = _ROPE_TYPE_ALIASES.get(params["rope_type"], params["rope_type"])
+    if "partial_rotary_factor" not in params and getattr(config, "partial_rotary_factor", None):
+        params["partial_rotary_factor"] = config.partial_rotary_factor
     return params
 
 
-def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many of a head's dims rotate (Phi-4-mini 3/4, GLM-4 1/2); the rest pass through."""
+    return int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
+
+
+def _longrope_factor(params: dict, max_positions: int | None) -> float:
+    """LongRoPE's context extension (Phi-3: max_position_embeddings over the original)."""
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    if max_positions is None:
+        raise ValueError("rope_type 'longrope' without `factor` needs max_position_embeddings")
+    return max_positions / float(params["original_max_position_embeddings"])
+
+
+def compute_inv_freq(head_dim: int, params: dict, max_positions: int | None = None
+                     ) -> torch.Tensor:
+    """The frequencies of positions below the original context (`max_positions`: the config's
+    max_position_embeddings, which dynamic and longrope read); RotaryEmbedding switches to the
+    scaled ones beyond it."""
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = params["rope_type"]
@@ -48,6 +71,11 @@ def compute_inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if rope_type == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, base, params)
+    if rope_type == "dynamic":
+        # NTK base growth starts only past max_position_embeddings: below it, the default.
+        return inv_freq
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, base, params["short_factor"])
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)})")
 
@@ -81,8 +109,35 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, params: dict) 
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + inv_freq * extrapolation
 
 
-def rope_attention_factor(params: dict) -> float:
-    """Scale applied to cos and sin (YaRN's mscale ratio; 1 for the other rope types)."""
+def _longrope_inv_freq(dim: int, base: float, factors: list) -> torch.Tensor:
+    # As transformers rounds it: 1 / (factor_i * base^(i/d)).
+    ext = torch.tensor(factors, dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"rope_parameters long_factor / short_factor: {ext.numel()} values, "
+                         f"the rotary dimension needs {dim // 2}")
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _dynamic_inv_freq(dim: int, params: dict, max_positions: int, seq_len: torch.Tensor
+                      ) -> torch.Tensor:
+    """Dynamic NTK: [T] sequence lengths (each >= max_positions) -> [T, dim/2] frequencies
+    of a base grown for that length, in float32 as transformers computes it."""
+    factor = float(params["factor"])
+    base = float(params["rope_theta"]) * (
+        (factor * seq_len.float() / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+    exps = torch.arange(0, dim, 2, dtype=torch.int64, device=seq_len.device).float() / dim
+    return 1.0 / (base[:, None] ** exps[None, :])
+
+
+def rope_attention_factor(params: dict, max_positions: int | None = None) -> float:
+    """Scale applied to cos and sin (YaRN's mscale ratio, LongRoPE's sqrt(1 + log s / log L);
+    1 for the other rope types)."""
+    if params["rope_type"] == "longrope":
+        if params.get("attention_factor") is not None:
+            return float(params["attention_factor"])
+        factor = _longrope_factor(params, max_positions)
+        old_len = float(params["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     if params["rope_type"] != "yarn":
         return 1.0
     if params.get("attention_factor") is not None:
@@ -95,9 +150,33 @@ def rope_attention_factor(params: dict) -> float:
 
 
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, params: dict, device: torch.device):
-        self.inv_freq = compute_inv_freq(head_dim, params).to(device)
-        self.attention_factor = rope_attention_factor(params)
+    """`head_dim`: the rotated dims of a head (rotary_dim()). `max_positions`: the config's
+    max_position_embeddings (dynamic and longrope read it).
+
+    Position-dependent types choose per token where transformers chooses per forward (from
+    the batch's longest sequence, keeping keys already cached as they were rotated): longrope
+    rotates a token at position >= original_max_position_embeddings with `long_factor`, below
+    it with `short_factor`; dynamic grows the base for a token past max_position_embeddings
+    to its own length (pos + 1). Within the original context both equal transformers exactly;
+    past it a token's rotation no longer depends on what it is batched with (a serving
+    engine's requirement: the same request must give the same tokens in any batch)."""
+
+    def __init__(self, head_dim: int, params: dict, device: torch.device,
+                 max_positions: int | None = None):
+        rope_type = params["rope_type"]
+        self.dim, self.params, self.max_positions = head_dim, params, max_positions
+        self.inv_freq = compute_inv_freq(head_dim, params, max_positions).to(device)
+        self.attention_factor = rope_attention_factor(params, max_positions)
+        self.long_inv_freq: torch.Tensor | None = None
+        self.switch_at: int | None = None  # first position whose frequencies differ
+        if rope_type == "longrope":
+            self.switch_at = int(params["original_max_position_embeddings"])
+            self.long_inv_freq = _longrope_inv_freq(
+                head_dim, float(params["rope_theta"]), params["long_factor"]).to(device)
+        elif rope_type == "dynamic":
+            if max_positions is None:
+                raise ValueError("rope_type 'dynamic' needs max_position_embeddings")
+            self.switch_at = int(max_positions)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +192,25 @@ class RotaryEmbedding:
     def plain_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> float32 cos, sin [T, D] as HF computes them (attention factor
         applied), for models that rotate in other layouts (deepseek_v32: interleaved)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.float()[:, None] * self._token_inv_freq(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_factor == 1.0:
             return emb.cos(), emb.sin()
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+
+    def _token_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        """[1, D/2] frequencies for every token, or [T, D/2] when some token is past the
+        switch (positions are on the model's device: one max() per forward, no sync on CPU)."""
+        if self.switch_at is None or positions.numel() == 0 or (
+                int(positions.max()) < self.switch_at):
+            return self.inv_freq[None, :]
+        beyond = (positions >= self.switch_at)[:, None]
+        if self.long_inv_freq is not None:
+            return torch.where(beyond, self.long_inv_freq[None, :], self.inv_freq[None, :])
+        seq_len = torch.clamp(positions + 1, min=self.switch_at)
+        grown = _dynamic_inv_freq(self.dim, self.params, self.switch_at, seq_len)
+        return torch.where(beyond, grown, self.inv_freq[None, :])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -175,6 +175,9 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
         if len(parts) < 5 or parts[:2] != ["model", "layers"]:
             return "all"
         proj, kind = parts[4], parts[-1]
+        if proj in ("qkv_proj", "gate_up_proj"):  # Phi-3: no per-rank slicing of these yet
+            raise ValueError(f"--tp-size > 1 is not supported for checkpoints with fused "
+                             f"{proj} weights (Phi-3); serve them with --tp-size 1")
         heads = {"q_proj": s.q_heads, "k_proj": s.kv_heads, "v_proj": s.kv_heads}
         if proj in heads:  # column-parallel: this rank's heads' rows (weight and bias)
             return ("rows", heads[proj][0] * hd, heads[proj][1] * hd)
