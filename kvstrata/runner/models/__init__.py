@@ -3,6 +3,7 @@
   registry.py       architecture name -> how to build it
   decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3)
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
+  moe_decoder.py    Qwen3-MoE, Qwen2-MoE, Mixtral: the decoder with expert MLPs (moe.py)
   gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings
