@@ -330,11 +330,13 @@ def _pack_layers(model: Any, fixed: bool = False) -> bool:
     layers hold other linears names its 2-D ones in `packed_linears` (gpt-oss: attention
     only; its 3-D expert weights stay plain tensors)."""
     linears = getattr(model, "packed_linears", LAYER_LINEARS)
-    gemv = not fixed and f32_gemv.worth_copies([getattr(layer, name) for layer in model.layers
-                                                for name, _ in linears])
-    for layer in model.layers:
-        for weight_name, bias_name in linears:
-            _replace(layer, weight_name, bias_name, gemv, fixed)
+    # A weight that is None is not in that layer (an MoE layer of moe_decoder.py has experts
+    # in place of the dense MLP).
+    present = [(layer, w, b) for layer in model.layers for w, b in linears
+               if getattr(layer, w) is not None]
+    gemv = not fixed and f32_gemv.worth_copies([getattr(layer, w) for layer, w, _ in present])
+    for layer, weight_name, bias_name in present:
+        _replace(layer, weight_name, bias_name, gemv, fixed)
     return gemv
 
 

@@ -4,6 +4,7 @@
   decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3, phi3, smollm3)
   sandwich.py       OLMo 2 and GLM-4: the decoder with sublayer outputs normed
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
+  moe_decoder.py    Qwen3-MoE, Qwen2-MoE, Mixtral: the decoder with expert MLPs (moe.py)
   gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings and their scaling types (linear, llama3, yarn,

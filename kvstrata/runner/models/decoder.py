@@ -28,7 +28,8 @@ class ArchSpec:
     qk_norm: bool = False    # qwen3: RMSNorm over each head of q and k, before RoPE
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows for these (llama, mistral)
     # Which model class builds it: "decoder" (this module), "gemma" (gemma.py), "gpt_oss"
-    # (gpt_oss.py: sliding windows, attention sinks, MoE), "deepseek_v32" (MLA + DSA) or
+    # (gpt_oss.py: sliding windows, attention sinks, MoE), "moe" (moe_decoder.py: this
+    # decoder with expert MLPs: Qwen3-MoE, Qwen2-MoE, Mixtral), "deepseek_v32" (MLA + DSA) or
     # a hybrid with recurrent state: "qwen3_next" / "nemotron_h" / "granite_hybrid"
     # (hybrids.py).
     family: str = "decoder"
@@ -210,11 +211,12 @@ class DecoderForCausalLM(nn.Module):
         return self.layer_class(dims, spec, dtype, device)
 
     def _plain_layers(self) -> bool:
-        """This model's layers are layer_forward's with an identity reduce (decode_plan.py
-        replays exactly those): not a tensor-parallel rank's."""
+        """This model's layers are layer_forward's with an identity reduce and the dense MLP
+        (decode_plan.py replays exactly those): not a tensor-parallel rank's nor an MoE's."""
         cls = type(self)
         return (cls.layer_forward is DecoderForCausalLM.layer_forward
-                and cls.reduce is DecoderForCausalLM.reduce)
+                and cls.reduce is DecoderForCausalLM.reduce
+                and cls.mlp is DecoderForCausalLM.mlp)
 
     # A tensor-parallel rank (runner/parallel/) overrides these three: its embedding and
     # head hold a slice of the vocabulary, its o/down projections a slice of their inputs.
@@ -259,6 +261,13 @@ class DecoderForCausalLM(nn.Module):
         if h is None:
             x.add_(o)
             h = rms_norm(x, layer.post_norm, d.rms_norm_eps)
+        x.add_(self.reduce(self.mlp(layer, h)))
+        return x
+
+    def mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block over the post-attention-normed `h` (before reduce): the
+        dense SwiGLU here; moe_decoder.py's models send their MoE layers to experts."""
+        linear = self.linear
         # An int8 layer dequantises inside the activation's pass (runner/cpu/int8_linear.py).
         fused = getattr(layer.gate_up_weight, "linear_silu_mul", None)
         act = fused(h) if fused is not None else None
@@ -268,8 +277,7 @@ class DecoderForCausalLM(nn.Module):
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        x.add_(self.reduce(linear(act, layer.down_weight, layer.down_bias)))
-        return x
+        return linear(act, layer.down_weight, layer.down_bias)
 
     # ------------------------------------------------------------------ weight loading
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:

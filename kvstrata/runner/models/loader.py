@@ -20,6 +20,7 @@ from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.hybrids import HYBRID_FAMILIES, hybrid_model
+from kvstrata.runner.models.moe_decoder import MoeDecoderForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 from kvstrata.runner.models.sandwich import SandwichForCausalLM
 
@@ -215,6 +216,11 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
             raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors "
                              f"only)")
         model = hybrid_model(name, config, torch_dtype, device)
+    elif spec.family == "moe":
+        if source.kind == "gguf":
+            raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
+                             f"only)")
+        model = MoeDecoderForCausalLM(config, spec, torch_dtype, device)
     elif spec.family == "gemma":
         model = GemmaForCausalLM(config, spec, torch_dtype, device)
         # llama.cpp's converter stores Gemma's norm weights as the scale 1 + w itself.

@@ -10,6 +10,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(gguf_permute_qk=True),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    # MoE members of the llama family: moe_decoder.py (the decoder with expert MLPs).
+    "Qwen3MoeForCausalLM": ArchSpec(family="moe", qk_norm=True),
+    "Qwen2MoeForCausalLM": ArchSpec(family="moe", qkv_bias=True),
+    "MixtralForCausalLM": ArchSpec(family="moe"),
     "DeepseekV32ForCausalLM": ArchSpec(family="deepseek_v32"),
     # Text-only Gemma 3 (model_type gemma3_text) and Gemma 2: runner/models/gemma.py.
     "Gemma3ForCausalLM": ArchSpec(family="gemma", qk_norm=True),

@@ -1,0 +1,185 @@
+"""Mixture-of-experts members of the llama family: Qwen3-MoE, Qwen2-MoE and Mixtral.
+
+Attention, norms and rope are the llama decoder's (decoder.py: Qwen3-MoE has its per-head
+q/k norms, Qwen2-MoE its q/k/v biases, Mixtral neither); only the feed-forward block of an
+MoE layer differs (the `mlp` hook), as transformers' modeling_qwen3_moe / qwen2_moe / mixtral
+compute it:
+
+- router: logits = x W^T in the model dtype, softmax over all experts in float32, top k;
+  the k weights renormalised to sum 1 when `norm_topk_prob` (Mixtral: always). Qwen rounds
+  the weights to the model dtype, Mixtral keeps them float32.
+- experts: SwiGLU each, run over the tokens routed to them, grouped by expert
+  (moe.routed_sum: one gate|up and one down matmul per chosen expert per step).
+- Qwen2-MoE adds a shared SwiGLU expert on every token, scaled by sigmoid(x w_gate).
+- Qwen layers outside the sparse pattern (`mlp_only_layers`, `decoder_sparse_step`) keep a
+  dense SwiGLU of `intermediate_size`; Mixtral's are all sparse.
+Sliding windows: Mixtral / Qwen3-MoE on every layer when set, Qwen2-MoE on its
+"sliding_attention" layer_types (hf_config.layer_windows, applied by the attention backend).
+The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop;
+--quantization and deterministic inference are refused by name (model_setup.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.config.hf_config import ModelDims
+from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
+from kvstrata.runner.models.moe import DenseMLP, routed_sum
+
+
+@dataclass(frozen=True)
+class MoeStyle:
+    """How one family names and routes its experts."""
+    block: str                 # the layer's MoE module: "mlp" or "block_sparse_moe"
+    expert_names: tuple[str, str, str]  # gate, up, down projection names inside experts.E
+    experts_field: str         # config field with the expert count
+    weights_in_model_dtype: bool  # Qwen rounds the routing weights, Mixtral keeps float32
+
+
+STYLES = {
+    "qwen3_moe": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
+    "qwen2_moe": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
+    "mixtral": MoeStyle("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", False),
+}
+UNSUPPORTED = ("--quantization", "--enable-deterministic-inference")
+
+
+def moe_style(config: Any) -> MoeStyle:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in STYLES:
+        raise ValueError(f"MoE decoder: model_type {model_type!r} is not one of "
+                         f"{', '.join(sorted(STYLES))}")
+    return STYLES[model_type]
+
+
+def sparse_layers(config: Any, num_layers: int) -> list[bool]:
+    """Which layers route to experts (transformers' Qwen*MoeDecoderLayer rule; Mixtral: all)."""
+    if getattr(config, "model_type", None) == "mixtral":
+        return [True] * num_layers
+    experts = int(getattr(config, "num_experts", 0) or 0)
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return [experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed SwiGLU experts [E, 2I, H] / [E, H, I], optional gated shared expert."""
+
+    def __init__(self, config: Any, style: MoeStyle, hidden: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        mixtral = config.model_type == "mixtral"
+        e = int(getattr(config, style.experts_field))
+        inter = int(config.intermediate_size if mixtral else config.moe_intermediate_size)
+        self.num_experts, self.top_k, self.inter = e, int(config.num_experts_per_tok), inter
+        self.norm_topk_prob = mixtral or bool(getattr(config, "norm_topk_prob", False))
+        self.round_weights = style.weights_in_model_dtype
+        kw = dict(dtype=dtype, device=device)
+        self.router = _param(e, hidden, **kw)
+        self.gate_up = _param(e, 2 * inter, hidden, **kw)
+        self.down = _param(e, hidden, inter, **kw)
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        self.shared = DenseMLP(hidden, shared, dtype, device) if shared else None
+        self.shared_gate = _param(1, hidden, **kw) if shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], weights [T, k])."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype) if self.round_weights else weights
+
+    def expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        out = routed_sum(x, ids, weights, self.num_experts, self.expert)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+
+class MoeDecoderForCausalLM(DecoderForCausalLM):
+    """The llama decoder whose MoE layers (`layer.moe`) route to experts."""
+    unsupported = UNSUPPORTED
+
+    def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
+                 dims: ModelDims | None = None):
+        self.style = moe_style(config)
+        self.sparse = sparse_layers(config, int(config.num_hidden_layers))
+        if getattr(config, "qkv_bias", None) is False:  # Qwen2-MoE's field (default True)
+            spec = dataclasses.replace(spec, qkv_bias=False)
+        super().__init__(config, spec, dtype, device, dims)
+        self._targets: dict[int, dict] = {}
+
+    def finish_load(self, loaded: list[str]) -> None:
+        self._targets.clear()
+
+    def make_layer(self, i: int, dims: ModelDims, spec: ArchSpec, dtype: torch.dtype,
+                   device: torch.device) -> nn.Module:
+        layer = DecoderLayer(dims, spec, dtype, device)
+        layer.moe = None
+        if self.sparse[i]:  # experts in place of the dense MLP
+            layer.gate_up_weight = layer.down_weight = None
+            layer.gate_up_bias = layer.down_bias = None
+            layer.moe = SparseMoeBlock(self.config, self.style, dims.hidden_size, dtype, device)
+        return layer
+
+    def mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        return super().mlp(layer, h) if layer.moe is None else layer.moe(h)
+
+    # ------------------------------------------------------------------ weight loading
+    def _moe_targets(self, i: int) -> dict[str, tuple[torch.Tensor, str, int | None]]:
+        """Checkpoint name under model.layers.i. -> (our tensor, key, gate|up half or None)."""
+        moe, style = self.layers[i].moe, self.style
+        out = {f"{style.block}.gate.weight": (moe.router, "router", None)}
+        g, u, d = style.expert_names
+        for e in range(moe.num_experts):
+            pre = f"{style.block}.experts.{e}."
+            out[f"{pre}{g}.weight"] = (moe.gate_up[e], f"experts.{e}.gate", 0)
+            out[f"{pre}{u}.weight"] = (moe.gate_up[e], f"experts.{e}.up", 1)
+            out[f"{pre}{d}.weight"] = (moe.down[e], f"experts.{e}.down", None)
+        if moe.shared is not None:
+            pre = f"{style.block}.shared_expert."
+            out[f"{pre}gate_proj.weight"] = (moe.shared.gate_up, "shared.gate", 0)
+            out[f"{pre}up_proj.weight"] = (moe.shared.gate_up, "shared.up", 1)
+            out[f"{pre}down_proj.weight"] = (moe.shared.down, "shared.down", None)
+            out[f"{style.block}.shared_expert_gate.weight"] = (moe.shared_gate, "shared_gate",
+                                                               None)
+        return out
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        parts = name.split(".")
+        if (len(parts) > 4 and parts[:2] == ["model", "layers"]
+                and self.layers[int(parts[2])].moe is not None
+                and parts[3] == self.style.block):
+            idx, sub = int(parts[2]), ".".join(parts[3:])
+            if idx not in self._targets:  # built once per layer (18k names in a 30B-A3B)
+                self._targets[idx] = self._moe_targets(idx)
+            target = self._targets[idx].get(sub)
+            if target is None:
+                raise KeyError(name)
+            param, key, half = target
+            rows = param.shape[0] // 2
+            lo, hi = (None, None) if half is None else (half * rows, (half + 1) * rows)
+            return self._copy(param, tensor, f"layers.{idx}.moe.{key}", name, lo, hi)
+        return super().load_weight(name, tensor)
+
+    def expected_keys(self) -> set[str]:
+        keys = super().expected_keys()
+        for i, layer in enumerate(self.layers):
+            if layer.moe is None:
+                continue
+            pre = f"layers.{i}."
+            keys -= {pre + "down_weight", pre + "gate_proj.weight", pre + "up_proj.weight"}
+            keys |= {f"{pre}moe.{key}" for _, key, _ in self._moe_targets(i).values()}
+        return keys
