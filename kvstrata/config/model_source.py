@@ -153,9 +153,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     through that class directly: the same object AutoTokenizer builds, without the model
     config machinery that imports torch (~4 s of CPU in the api server and the detokenizer,
     which never need torch)."""
-    if tokenizer_path is not None:
-        source = resolve_model_path(tokenizer_path)
-    path = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+    path = tokenizer_dir(source, tokenizer_path)
     if _tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
@@ -163,6 +161,14 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_dir(source: ModelSource, tokenizer_path: str | None = None) -> str:
+    """The directory whose tokenizer files load_tokenizer reads (a GGUF file's converted
+    metadata directory for a GGUF model)."""
+    if tokenizer_path is not None:
+        source = resolve_model_path(tokenizer_path)
+    return gguf_metadata_dir(source) if source.kind == "gguf" else source.path
 
 
 def _tokenizer_class(path: str) -> str | None:
