@@ -37,6 +37,10 @@ os.environ.setdefault("KVSTRATA_CPU_AUTO_DTYPE", "float32")
 # is tested in tests/unit/test_huge_pages.py; its speed-up is a benchmark's).
 os.environ.setdefault("KVSTRATA_SCHEDULER_EAGER_TOKENIZER", "0")
 os.environ.setdefault("KVSTRATA_CPU_HUGE_PAGES", "0")
+# httpx.get & co. without a new TLS context per call (~50 ms of CPU each: helpers/httpx_context.py)
+from helpers.httpx_context import share_one_ssl_context  # noqa: E402
+
+share_one_ssl_context()
 
 
 def pytest_configure(config):
