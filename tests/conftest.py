@@ -160,11 +160,47 @@ def tiny_prompts() -> list[list[int]]:
             for n in (1, 3, 7, 16, 17, 31, 45, 70)]
 
 
+class _ReferencesByArch(dict):
+    """arch -> shared_references of its tiny checkpoint, computed at the first look-up (a
+    file that compares one architecture pays for that one only)."""
+
+    def __init__(self, checkpoints: dict[str, str], prompts: list, shared_dir: str):
+        super().__init__()
+        self.checkpoints, self.prompts, self.shared_dir = checkpoints, prompts, shared_dir
+
+    def __missing__(self, arch: str) -> list:
+        self[arch] = refs = shared_references(self.checkpoints[arch], self.prompts,
+                                              self.shared_dir)
+        return refs
+
+
 @pytest.fixture(scope="session")
-def tiny_references(tiny_checkpoints, tiny_prompts) -> dict:
+def tiny_references(tiny_checkpoints, tiny_prompts, shared_tmp_dir) -> dict:
     """arch -> list of (ref tokens, ref per-step logits) from transformers greedy generate."""
-    return {arch: hf_greedy_references(path, tiny_prompts)
-            for arch, path in tiny_checkpoints.items()}
+    return _ReferencesByArch(tiny_checkpoints, tiny_prompts, shared_tmp_dir)
+
+
+def shared_references(path: str, prompts: list[list[int]], shared_dir: str) -> list:
+    """hf_greedy_references(path, prompts), computed once per run: the first test worker to
+    ask writes it under `shared_dir`, keyed by the checkpoint's files and the prompts (the
+    workers build byte-identical tiny checkpoints), and the others read it back."""
+    import hashlib
+
+    import torch
+    from filelock import FileLock
+
+    digest = hashlib.sha256(repr((prompts, GREEDY_TOKENS)).encode())
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as fh:
+            digest.update(name.encode() + fh.read())
+    out = os.path.join(shared_dir, f"hf-references-{digest.hexdigest()[:20]}.pt")
+    with FileLock(out + ".lock"):
+        if not os.path.exists(out):
+            refs = hf_greedy_references(path, prompts)
+            torch.save(refs, out + ".tmp")
+            os.replace(out + ".tmp", out)
+            return refs
+    return torch.load(out)
 
 
 def hf_greedy_references(path: str, prompts: list[list[int]]) -> list:
@@ -232,8 +268,8 @@ def tiny_dsa_4_heads(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts) -> list:
-    return hf_greedy_references(tiny_dsa_checkpoint, tiny_prompts)
+def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts, shared_tmp_dir) -> list:
+    return shared_references(tiny_dsa_checkpoint, tiny_prompts, shared_tmp_dir)
 
 
 @pytest.fixture(scope="session")
