@@ -138,6 +138,10 @@ def _build_checkpoint(arch: str, path: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    # A parent run's folder of them (test_emulated_avx512.py's child runs): the same files.
+    given = os.environ.get("KVSTRATA_TEST_TINY_CHECKPOINTS")
+    if given:
+        return {a: os.path.join(given, a) for a in TINY_ARCHS}
     root = tmp_path_factory.mktemp("tiny_ckpts")
     return {a: _build_checkpoint(a, str(root / a)) for a in TINY_ARCHS}
 
