@@ -10,13 +10,13 @@ def load_tokenizer_for(server_args):
     model needs no tokenizer files). A PlainTokenizer (the `tokenizers` library alone: no
     transformers import) where its directory loads the same without transformers, else
     transformers' tokenizer."""
-    from kvstrata.config.model_source import (load_hf_config, load_tokenizer,
+    from kvstrata.config.model_source import (config_vocab_size, load_tokenizer,
                                               resolve_model_path, tokenizer_dir)
     from kvstrata.frontend.plain_tokenizer import load_plain_tokenizer
 
     source = resolve_model_path(server_args.model_path)
     if getattr(server_args, "skip_tokenizer_init", False):
-        return NoTokenizer(int(load_hf_config(source).vocab_size))
+        return NoTokenizer(config_vocab_size(source))
     tokenizer_path = getattr(server_args, "tokenizer_path", None)
     tokenizer = (load_plain_tokenizer(tokenizer_dir(source, tokenizer_path))
                  or load_tokenizer(source, tokenizer_path=tokenizer_path))

@@ -4,7 +4,8 @@ same backend (its JSON), vocabulary size, token ids, text, and rendered chat pro
 SmolLM2 (its GGUF file's tokenizer) and the tests' tiny checkpoints (which save SmolLM2's),
 the same template environment (filters, globals, sandbox, loop controls, the generation
 marker) on templates written to use each, and a fallback to transformers wherever its
-loading would change the backend."""
+loading would change the backend. Under --skip-tokenizer-init the vocabulary size comes from
+config.json, again without transformers."""
 from __future__ import annotations
 
 import inspect
@@ -253,3 +254,26 @@ def test_api_server_start_imports_no_transformers():
                          text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["PlainTokenizer", "False"]
+
+
+def test_skip_tokenizer_init_reads_the_vocabulary_size_without_transformers(
+        tiny_checkpoints, tiny_dsa_checkpoint):
+    """--skip-tokenizer-init: the api server and the detokenizer need only the vocabulary
+    size; config.json gives transformers' config value, and a fresh interpreter reads it
+    importing neither transformers nor torch (DeepSeek-V3.2's config class pulled both)."""
+    from transformers import AutoConfig
+
+    from kvstrata.config.model_source import config_vocab_size
+
+    for path in (tiny_checkpoints["llama"], tiny_dsa_checkpoint):
+        assert config_vocab_size(resolve_model_path(path)) == \
+            AutoConfig.from_pretrained(path).vocab_size
+    code = ("import sys, types; from kvstrata.frontend.tokenizer_loader import "
+            "load_tokenizer_for; tok = load_tokenizer_for(types.SimpleNamespace("
+            "model_path=sys.argv[1], skip_tokenizer_init=True)); "
+            "print(len(tok), 'transformers' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, tiny_dsa_checkpoint], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(AutoConfig.from_pretrained(tiny_dsa_checkpoint)
+                                      .vocab_size), "False", "False"]
