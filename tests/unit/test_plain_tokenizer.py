@@ -257,14 +257,17 @@ def test_api_server_start_imports_no_transformers():
 
 
 def test_skip_tokenizer_init_reads_the_vocabulary_size_without_transformers(
-        tiny_checkpoints, tiny_dsa_checkpoint):
+        tiny_checkpoints, tmp_path):
     """--skip-tokenizer-init: the api server and the detokenizer need only the vocabulary
     size; config.json gives transformers' config value, and a fresh interpreter reads it
     importing neither transformers nor torch (DeepSeek-V3.2's config class pulled both)."""
     from transformers import AutoConfig
 
     from kvstrata.config.model_source import config_vocab_size
+    from tests.conftest import _tiny_dsa_config
 
+    tiny_dsa_checkpoint = str(tmp_path / "deepseek_v32")  # its config is all that is read
+    _tiny_dsa_config().save_pretrained(tiny_dsa_checkpoint)
     for path in (tiny_checkpoints["llama"], tiny_dsa_checkpoint):
         assert config_vocab_size(resolve_model_path(path)) == \
             AutoConfig.from_pretrained(path).vocab_size
