@@ -37,6 +37,10 @@ os.environ.setdefault("KVSTRATA_CPU_AUTO_DTYPE", "float32")
 # is tested in tests/unit/test_huge_pages.py; its speed-up is a benchmark's).
 os.environ.setdefault("KVSTRATA_SCHEDULER_EAGER_TOKENIZER", "0")
 os.environ.setdefault("KVSTRATA_CPU_HUGE_PAGES", "0")
+# httpx.get & co. without a new TLS context per call (~50 ms of CPU each: helpers/httpx_context.py)
+from helpers.httpx_context import share_one_ssl_context  # noqa: E402
+
+share_one_ssl_context()
 
 
 def pytest_configure(config):
@@ -49,23 +53,31 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# The files that take longest, longest first (measured with `--durations=0`, 2026-12-02).
+# The files that take longest, longest first (CPU seconds per file with rusage, 2026-12-07;
+# on 2 cores the suite is CPU-bound, so a file's CPU stands for its time).
 # `make test` hands whole files to its two workers in collection order
 # (--dist loadfile --no-loadscope-reorder): starting with the long ones leaves only short
 # files for the end, so both workers finish together (longest-processing-time first).
+# test_w8a8_int8 and test_bf16_quality share a float32 SmolLM2 measurement (the second one
+# waits for the first's): they stand far apart so that the second rarely waits.
 # A stale list only costs balance, never correctness.
 LONG_FILES_FIRST = (
-    "e2e/test_pd_disagg.py", "correctness/test_tp_serving.py", "e2e/test_pd_decode_radix.py",
-    "e2e/test_benchmark_scripts.py", "e2e/test_pd_retraction.py",
-    "correctness/test_speculative.py", "e2e/test_pd_mtp.py", "e2e/test_tp_server.py",
-    "e2e/test_priority_server.py", "transfer/test_disagg_backends.py",
-    "e2e/test_hicache_storage_server.py", "e2e/test_pd_tp.py", "e2e/test_schema_fuzz.py",
-    "correctness/test_smollm2_gguf.py", "correctness/test_bf16_quality.py",
-    "correctness/test_w8a8_int8.py", "correctness/test_emulated_avx512.py", "e2e/test_dsa_pd.py",
-    "e2e/test_lifecycle.py", "unit/test_disagg_fuzz.py", "e2e/test_sglang_router.py",
-    "e2e/test_speculative_server.py",
-    "e2e/test_smollm2_smoke.py", "e2e/test_control_routes_under_load.py",
-    "e2e/test_bad_input.py", "unit/test_scheduler_fuzz.py", "correctness/test_gemma.py",
+    "correctness/test_emulated_avx512.py", "correctness/test_tp_serving.py",
+    "e2e/test_pd_disagg.py", "correctness/test_w8a8_int8.py", "e2e/test_benchmark_scripts.py",
+    "e2e/test_pd_retraction.py", "e2e/test_pd_decode_radix.py", "e2e/test_tp_server.py",
+    "unit/test_disagg_fuzz.py", "e2e/test_dsa_pd.py", "e2e/test_pd_mtp.py",
+    "correctness/test_gemma.py", "unit/test_scheduler_fuzz.py",
+    "correctness/test_sliding_window_attention.py", "correctness/test_deterministic_smollm2.py",
+    "e2e/test_pd_tp.py", "correctness/test_bf16_quality.py", "e2e/test_schema_fuzz.py",
+    "e2e/test_hicache_storage_server.py", "e2e/test_lifecycle.py",
+    "transfer/test_disagg_backends.py", "e2e/test_priority_server.py",
+    "correctness/test_smollm2_gguf.py", "correctness/test_swa_memory_engine.py",
+    "correctness/test_swa_pd_engine.py", "e2e/test_smollm2_smoke.py",
+    "e2e/test_speculative_server.py", "correctness/test_dsa_model.py",
+    "correctness/test_tiny_models.py", "e2e/test_tool_calling.py", "e2e/test_tp_start_up.py",
+    "correctness/test_tensor_parallel.py", "e2e/test_structured_output.py",
+    "e2e/test_sglang_router.py", "e2e/test_load_fuzz.py", "e2e/test_control_routes_under_load.py",
+    "e2e/test_bad_input.py", "correctness/test_speculative.py",
     "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py")
 
 
@@ -134,6 +146,10 @@ def _build_checkpoint(arch: str, path: str) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    # A parent run's folder of them (test_emulated_avx512.py's child runs): the same files.
+    given = os.environ.get("KVSTRATA_TEST_TINY_CHECKPOINTS")
+    if given:
+        return {a: os.path.join(given, a) for a in TINY_ARCHS}
     root = tmp_path_factory.mktemp("tiny_ckpts")
     return {a: _build_checkpoint(a, str(root / a)) for a in TINY_ARCHS}
 
@@ -156,11 +172,47 @@ def tiny_prompts() -> list[list[int]]:
             for n in (1, 3, 7, 16, 17, 31, 45, 70)]
 
 
+class _ReferencesByArch(dict):
+    """arch -> shared_references of its tiny checkpoint, computed at the first look-up (a
+    file that compares one architecture pays for that one only)."""
+
+    def __init__(self, checkpoints: dict[str, str], prompts: list, shared_dir: str):
+        super().__init__()
+        self.checkpoints, self.prompts, self.shared_dir = checkpoints, prompts, shared_dir
+
+    def __missing__(self, arch: str) -> list:
+        self[arch] = refs = shared_references(self.checkpoints[arch], self.prompts,
+                                              self.shared_dir)
+        return refs
+
+
 @pytest.fixture(scope="session")
-def tiny_references(tiny_checkpoints, tiny_prompts) -> dict:
+def tiny_references(tiny_checkpoints, tiny_prompts, shared_tmp_dir) -> dict:
     """arch -> list of (ref tokens, ref per-step logits) from transformers greedy generate."""
-    return {arch: hf_greedy_references(path, tiny_prompts)
-            for arch, path in tiny_checkpoints.items()}
+    return _ReferencesByArch(tiny_checkpoints, tiny_prompts, shared_tmp_dir)
+
+
+def shared_references(path: str, prompts: list[list[int]], shared_dir: str) -> list:
+    """hf_greedy_references(path, prompts), computed once per run: the first test worker to
+    ask writes it under `shared_dir`, keyed by the checkpoint's files and the prompts (the
+    workers build byte-identical tiny checkpoints), and the others read it back."""
+    import hashlib
+
+    import torch
+    from filelock import FileLock
+
+    digest = hashlib.sha256(repr((prompts, GREEDY_TOKENS)).encode())
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as fh:
+            digest.update(name.encode() + fh.read())
+    out = os.path.join(shared_dir, f"hf-references-{digest.hexdigest()[:20]}.pt")
+    with FileLock(out + ".lock"):
+        if not os.path.exists(out):
+            refs = hf_greedy_references(path, prompts)
+            torch.save(refs, out + ".tmp")
+            os.replace(out + ".tmp", out)
+            return refs
+    return torch.load(out)
 
 
 def hf_greedy_references(path: str, prompts: list[list[int]]) -> list:
@@ -228,8 +280,8 @@ def tiny_dsa_4_heads(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts) -> list:
-    return hf_greedy_references(tiny_dsa_checkpoint, tiny_prompts)
+def tiny_dsa_references(tiny_dsa_checkpoint, tiny_prompts, shared_tmp_dir) -> list:
+    return shared_references(tiny_dsa_checkpoint, tiny_prompts, shared_tmp_dir)
 
 
 @pytest.fixture(scope="session")

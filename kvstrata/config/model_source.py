@@ -101,6 +101,21 @@ def load_hf_config(source: ModelSource) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
+def config_vocab_size(source: ModelSource) -> int:
+    """The vocabulary size: config.json's top-level `vocab_size` (read as JSON: the api server
+    and the detokenizer need nothing else under --skip-tokenizer-init, and transformers'
+    config classes import torch, ~3.5 s of CPU in each), else load_hf_config's."""
+    path = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            value = json.load(fh).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return int(load_hf_config(source).vocab_size)
+
+
 def gguf_metadata_dir(source: ModelSource) -> str:
     """An HF directory (config.json + tokenizer files) converted from a GGUF file's
     metadata, built once per file (path, size, mtime) under the user cache.
@@ -157,9 +172,7 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     through that class directly: the same object AutoTokenizer builds, without the model
     config machinery that imports torch (~4 s of CPU in the api server and the detokenizer,
     which never need torch)."""
-    if tokenizer_path is not None:
-        source = resolve_model_path(tokenizer_path)
-    path = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+    path = tokenizer_dir(source, tokenizer_path)
     if _tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
         from transformers import PreTrainedTokenizerFast
 
@@ -167,6 +180,14 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> An
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_dir(source: ModelSource, tokenizer_path: str | None = None) -> str:
+    """The directory whose tokenizer files load_tokenizer reads (a GGUF file's converted
+    metadata directory for a GGUF model)."""
+    if tokenizer_path is not None:
+        source = resolve_model_path(tokenizer_path)
+    return gguf_metadata_dir(source) if source.kind == "gguf" else source.path
 
 
 def _tokenizer_class(path: str) -> str | None:

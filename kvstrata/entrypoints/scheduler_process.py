@@ -148,12 +148,16 @@ class SchedulerLoop:
                 self.step_pending = True
             if self.step_pending or self.engine.has_unfinished_requests():
                 self.step_pending = False
-                outputs = self.timed_step()
-                # The load first: a client that got its last token and then asks /get_load
-                # sees the load after that step.
-                self.report_load()
-                if outputs:
-                    self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
+                self.publish(self.timed_step())
+
+    def publish(self, outputs: list) -> None:
+        """A step's outputs, the load first: a client that got its last token and then asks
+        /get_load or /metrics sees the load after that step -- so a step that finished a
+        request reports even inside the busy interval (background HiCache writes, or other
+        requests, keep the engine busy after it)."""
+        self.report_load(force=any(out.finished for out in outputs))
+        if outputs:
+            self.send_sock.send(ipc.encode(ipc.EngineOutputs(outputs)))
 
     def timed_step(self) -> list:
         if self.watchdog is None:

@@ -7,14 +7,19 @@ import threading
 
 def load_tokenizer_for(server_args):
     """The model's tokenizer; under --skip-tokenizer-init a NoTokenizer (nothing loaded: the
-    model needs no tokenizer files)."""
-    from kvstrata.config.model_source import load_hf_config, load_tokenizer, resolve_model_path
+    model needs no tokenizer files). A PlainTokenizer (the `tokenizers` library alone: no
+    transformers import) where its directory loads the same without transformers, else
+    transformers' tokenizer."""
+    from kvstrata.config.model_source import (config_vocab_size, load_tokenizer,
+                                              resolve_model_path, tokenizer_dir)
+    from kvstrata.frontend.plain_tokenizer import load_plain_tokenizer
 
     source = resolve_model_path(server_args.model_path)
     if getattr(server_args, "skip_tokenizer_init", False):
-        return NoTokenizer(int(load_hf_config(source).vocab_size))
-    tokenizer = load_tokenizer(source,
-                               tokenizer_path=getattr(server_args, "tokenizer_path", None))
+        return NoTokenizer(config_vocab_size(source))
+    tokenizer_path = getattr(server_args, "tokenizer_path", None)
+    tokenizer = (load_plain_tokenizer(tokenizer_dir(source, tokenizer_path))
+                 or load_tokenizer(source, tokenizer_path=tokenizer_path))
     template = getattr(server_args, "chat_template", None)
     if template:
         tokenizer.chat_template = chat_template_text(template)
@@ -134,6 +139,10 @@ def decoder_spec(tokenizer) -> str | None:
     importing transformers and building the tokenizer again (~1.2 s of CPU a start)."""
     if isinstance(tokenizer, NoTokenizer):
         return None  # --skip-tokenizer-init: nothing to copy (and no transformers to import)
+    from kvstrata.frontend.plain_tokenizer import PlainTokenizer
+
+    if isinstance(tokenizer, PlainTokenizer):  # its decode is its backend's
+        return tokenizer.backend_tokenizer.to_str()
     try:
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
     except ImportError:

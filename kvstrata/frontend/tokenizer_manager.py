@@ -9,7 +9,9 @@ Failure: the event loop watches each child process's sentinel, so the moment the
 the detokenizer exits (crash, SIGKILL, --watchdog-timeout) every waiting request is failed
 with a 500 naming the cause, /health turns 503, and `wait_dead()` returns so the launcher can
 exit non-zero. A backstop task covers a scheduler stuck where its own watchdog cannot run:
-requests in flight and nothing heard from the engine for 2 x --watchdog-timeout + 10 s.
+requests in flight and nothing heard from the engine for 2 x --watchdog-timeout + 10 s
+(counted from the later of the last message and the first request to wait: an idle engine
+says nothing, and its silence before a request is no hang).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ class TokenizerManager:
         # The scheduler's latest get_load(); engine_info carries the one taken at start.
         self.load: dict = dict(engine_info.get("load", {}))
         self.last_heard = time.monotonic()
+        self.waiting_since = 0.0  # when the in-flight requests went from none to some
         self._tasks: list[asyncio.Task] = []
         self.ctx: zmq.asyncio.Context | None = None
 
@@ -125,7 +128,7 @@ class TokenizerManager:
         limit = 2 * float(getattr(self.server_args, "watchdog_timeout", 300.0)) + 10.0
         while not self.engine_dead:
             await asyncio.sleep(1.0)
-            silent = time.monotonic() - self.last_heard
+            silent = time.monotonic() - max(self.last_heard, self.waiting_since)
             if self.states and silent > limit:
                 proc = self.children.get("scheduler")
                 logger.error("no output from the engine for %.0f s with %d requests in "
@@ -182,6 +185,13 @@ class TokenizerManager:
                                                   **template_kwargs)
         return self.encode_prompt(text)
 
+    def _wait_for(self, rid: str) -> "_ReqState":
+        """A request's state; the first one in flight starts the backstop's clock."""
+        if not self.states:
+            self.waiting_since = time.monotonic()
+        state = self.states[rid] = _ReqState(asyncio.Queue())
+        return state
+
     def new_rid(self) -> str:
         return uuid.uuid4().hex
 
@@ -198,7 +208,7 @@ class TokenizerManager:
         if req.rid in self.states:
             raise DuplicateRequestError(f"duplicate request id {req.rid!r}: a request with "
                                         "this id is still running")
-        state = self.states[req.rid] = _ReqState(asyncio.Queue())
+        state = self._wait_for(req.rid)
         try:
             await self.send_sock.send(ipc.encode(req))
             while True:

@@ -5,8 +5,8 @@ through the router equal one co-located server's (greedy, same tiny checkpoint; 
 prompts longer than one chunk crosses intact; a shared prefix hits the prefill radix cache;
 client disconnects leak no page on either server; both servers' KV byte counters agree after
 an abort mid-transfer; a dead prefill server fails the decode side's request within the
-timeout and the next one is served; a decode pool too small for a prompt is a 400 at
-admission."""
+timeout and the next one is served; a decode server shows its resolved retraction backup
+(test_pd_retraction.py: a decode pool too small for a prompt is a 400 at admission)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +37,10 @@ def pd(request, tiny_model_path):
 
 
 def soak_on_mooncake(pd) -> None:
-    """A peer's death is noticed by the bootstrap heartbeat, the same for every backend:
-    `make test` kills peers over tcp; mooncake's runs are a soak (KVSTRATA_SOAK=1)."""
+    """A test whose mooncake run is a soak (KVSTRATA_SOAK=1), its path covered in `make test`
+    otherwise: a peer's death is noticed by the bootstrap heartbeat, the same for every
+    backend (`make test` kills peers over tcp); the decode radix cache's turns send only new
+    pages over mooncake in test_pd_decode_radix.py (its `offload` pair)."""
     if pd.backend == "mooncake" and os.environ.get("KVSTRATA_SOAK") != "1":
         pytest.skip("a soak on mooncake: KVSTRATA_SOAK=1 runs it (docs/testing.md)")
 
@@ -284,10 +286,13 @@ def test_dead_decode_frees_the_prefill(pd):
     assert (prefill.status_code, decode.status_code) == (200, 200), (prefill.text, decode.text)
 
 
-def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
+def test_dead_prefill_fails_every_client_then_recovers(router, pd):
     """SIGKILL the prefill with 8 requests in flight through the router: every client gets
     an error within the heartbeat bound (the router's retries hit the dead bootstrap port,
-    which fails fast now), and the decode pool returns to idle."""
+    which fails fast now), and the decode pool returns to idle. A request sent to the decode
+    side while the prefill is still dead answers 500 with the reason within the timeout and
+    frees its pages; once a prefill server is back on the same bootstrap port the next
+    request is served."""
     soak_on_mooncake(pd)
     def chat(i):
         return httpx.post(router.base_url + "/v1/chat/completions", timeout=120, json={
@@ -308,17 +313,9 @@ def test_dead_prefill_behind_the_router_fails_every_client(router, pd):
     print("dead prefill behind the router: all answered in", round(waited, 1), "s:", statuses)
     assert waited < FAIL_FAST_BOUND, (waited, statuses)
     assert_no_leak(pd.decode)
-    pd.prefill = pd.start_prefill(port=pd.prefill.port)  # the module's later tests use it
-
-
-def test_dead_prefill_fails_decode_side_then_recovers(pd):
-    """Kill the prefill server while a request is in flight: the decode side answers 500
-    with the reason within the timeout, frees the pages, and serves the next request once
-    a prefill server is back on the same bootstrap port."""
-    soak_on_mooncake(pd)
+    # A new room while the prefill is dead (SIGKILL: no goodbye to the peer).
     body = {"input_ids": list(range(100, 400)),
             "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}, **pd.body()}
-    pd.prefill.stop(sig=9)  # SIGKILL: no goodbye to the peer
     start = time.monotonic()
     r = httpx.post(pd.decode.base_url + "/generate", json=body, timeout=120)
     assert r.status_code == 500, r.text
@@ -331,24 +328,13 @@ def test_dead_prefill_fails_decode_side_then_recovers(pd):
 
 
 @pytest.mark.parametrize("pd", ["tcp"], indirect=True)
-def test_decode_pool_too_small_is_400(pd):
-    """A decode server whose pool is smaller than the prompt (beside the module's prefill,
-    whose rooms must still end at once)."""
-    servers = PDServers(pd.model, "tcp", "--max-total-tokens", "64", shared_prefill=pd)
-    try:
-        start = time.monotonic()
-        prefill, decode = servers.generate(list(range(100, 300)), max_new_tokens=2)
-        assert decode.status_code == 400, decode.text
-        assert "does not fit in the KV cache" in decode.json()["error"]["message"]
-        # The decode server aborts the room it refused: the prefill half fails on that
-        # message, well before the bootstrap timeout (20 s here).
-        assert prefill.status_code == 500, prefill.text
-        assert "aborted by the decode server" in prefill.json()["error"]["message"], prefill.text
-        assert time.monotonic() - start < 15
-        assert_no_leak(servers.decode)
-        assert_no_leak(servers.prefill)
-    finally:
-        servers.stop()
+def test_decode_server_info_shows_the_auto_backup(pd):
+    """The retraction backup unset on a CPU decode server: host_pool, ratio 0.2, and the rule
+    says why (test_pd_retraction.py's servers check their explicit cpu_tensor / host_pool +
+    ratio)."""
+    from tests.e2e.test_pd_retraction import check_server_info
+
+    check_server_info(pd.decode, "host_pool", 0.2, True, resolved=True)
 
 
 def test_decode_radix_cache_sends_only_new_pages(pd, server):
@@ -356,6 +342,7 @@ def test_decode_radix_cache_sends_only_new_pages(pd, server):
     server): a 3-turn conversation (greedy) answers exactly as one co-located server; from turn 2 on the decode server holds the conversation
     so far in its radix tree, so only the pages after it cross (the hit counter grows by at
     least the previous turn's whole pages); afterwards nothing leaks on either side."""
+    soak_on_mooncake(pd)
     # With speculation on the decode server too (drafting in every step): SGLang refuses
     # the decode radix cache with speculation; here the two work together.
     radix = PDServers(pd.model, pd.backend, "--disaggregation-decode-enable-radix-cache",

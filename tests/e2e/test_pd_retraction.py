@@ -4,11 +4,13 @@ requests of different lengths. Every request completes with the output of a co-l
 server with a large pool (exact, or first differing at a near-tie of the reference), the
 decode server retracted and restored, and both pools are whole after drain — for
 `cpu_tensor` and `host_pool`. A host pool too small for some backups fails exactly those
-requests with SGLang's message; the resolved backend is what /server_info shows."""
+requests with SGLang's message; the resolved backend is what /server_info shows (the auto
+one: test_pd_disagg.py). A prompt larger than the whole decode pool is a 400 at admission."""
 from __future__ import annotations
 
 import random
 import threading
+import time
 
 import httpx
 import pytest
@@ -186,25 +188,27 @@ def check_server_info(srv, backend: str, ratio: float | None, host_pool: bool,
             r["field"] for r in info["resolutions"]}
 
 
-def test_server_info_shows_the_auto_backup(tiny_model_path):
-    """Unset on a CPU decode server: host_pool, ratio 0.2, and the rule says why (the
-    explicit cpu_tensor / host_pool + ratio servers of the pressure test check theirs)."""
-    from tests.e2e.server_utils import ServerProcess
-
-    srv = ServerProcess(tiny_model_path, "--disaggregation-mode", "decode",
-                        "--max-total-tokens", "448")
-    try:
-        check_server_info(srv, "host_pool", 0.2, True, resolved=True)
-    finally:
-        srv.stop()
+def test_a_prompt_larger_than_the_decode_pool_is_400(decode_pair):
+    """A prompt longer than the decode server's whole pool (460 tokens against 448, within
+    the context length): the decode server refuses it at admission, and aborts the room it
+    refused, so the prefill half fails on that message at once, well before the bootstrap
+    timeout (20 s); nothing leaks on either side."""
+    pd = decode_pair("cpu_tensor")  # the pressure test's server
+    start = time.monotonic()
+    prefill, decode = pd.generate(list(range(100, 560)), max_new_tokens=2)
+    assert decode.status_code == 400, decode.text
+    assert "does not fit in the KV cache" in decode.json()["error"]["message"]
+    assert prefill.status_code == 500, prefill.text
+    assert "aborted by the decode server" in prefill.json()["error"]["message"], prefill.text
+    assert time.monotonic() - start < 15
+    assert_no_leak(pd.decode)
+    assert_no_leak(pd.prefill)
 
 
 def test_aborting_retracted_requests_discards_their_backups(decode_pair):
     """/abort_request for every request of a pressured decode server once some sit
     retracted (their KV in the host pool): each ends, every backup is discarded, nothing
     leaks in either tier."""
-    import time
-
     pd = decode_pair("host_pool", "--hicache-ratio", "2.0")  # the pressure test's server
     answers: dict[str, int] = {}
 

@@ -187,10 +187,25 @@ def native_avx512() -> bool:
     return EMULATED_FLAGS <= read_cpu_flags()
 
 
+def dispatch_facts(build_dir: Path) -> list[str]:
+    """What the installed build picks on the emulated CPU: has_bf16_512(2), the bf16 and int8
+    GEMMs' bodies for cap 3 (3 AMX, 2 AVX-512, 1 AVX2), and whether the paged decode module
+    is the build's."""
+    from kvstrata.runner.attention import paged_decode
+    from kvstrata.runner.cpu import _bf16_ops, _int8_ops
+
+    module = Path(paged_decode._paged_decode.__file__).resolve()
+    return [str(_bf16_ops.has_bf16_512(2)), str(_bf16_ops.kernel_isa(3)),
+            str(_int8_ops.kernel_isa(3)), str(module.parent == Path(build_dir).resolve())]
+
+
 def pytest_configure(config) -> None:  # the plugin's entry (-p tests.helpers.emulated_isa)
     build_dir = os.environ.get("KVSTRATA_EMULATED_ISA_DIR")
     if build_dir:
         install(Path(build_dir))
+        report = os.environ.get("KVSTRATA_EMULATED_DISPATCH_FILE")
+        if report:  # test_emulated_avx512.py checks the run tested that CPU's bodies
+            Path(report).write_text(" ".join(dispatch_facts(Path(build_dir))))
 
 
 BELOW_AVX512 = frozenset({"scalar", "avx2"})

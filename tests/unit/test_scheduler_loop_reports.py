@@ -1,6 +1,6 @@
 """SchedulerLoop without sockets or a model: the load it publishes for /get_load (ahead of
-control replies, rate-limited while busy, always when idle, never fatal) and the injected
-slow step that --watchdog-timeout tests rely on."""
+control replies and of a finished request's output, rate-limited while busy, always when
+idle, never fatal) and the injected slow step that --watchdog-timeout tests rely on."""
 from __future__ import annotations
 
 import time
@@ -58,6 +58,25 @@ def test_busy_reports_are_rate_limited_and_idle_always_reports():
     loop.engine.busy = False
     loop.report_load()
     assert len(sock.sent) == 2 and sock.sent[-1].load == {"num_running_reqs": 0}
+
+
+def _output(rid: str, finished: bool):
+    from kvstrata.protocol.request_output import RequestOutput
+
+    return RequestOutput(rid=rid, new_token_ids=[5], finished=finished, finish_reason=None,
+                         prompt_tokens=3, completion_tokens=1, cached_tokens=0)
+
+
+def test_a_step_that_finishes_a_request_reports_ahead_of_its_outputs():
+    """Busy (another request, or HiCache writes in flight): a step that only continues
+    requests stays inside the interval; one that finishes a request reports first, so its
+    client's /get_load or /metrics right after the answer includes that request."""
+    loop, sock = _loop(_Engine(busy=True))
+    loop.publish([])
+    loop.publish([_output("a", False)])
+    assert [type(m) for m in sock.sent] == [ipc.LoadReport, ipc.EngineOutputs]
+    loop.publish([_output("a", False), _output("b", True)])
+    assert [type(m) for m in sock.sent[2:]] == [ipc.LoadReport, ipc.EngineOutputs]
 
 
 def test_failing_get_load_is_not_fatal(caplog):

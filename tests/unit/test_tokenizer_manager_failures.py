@@ -65,6 +65,22 @@ def test_backstop_ignores_silence_without_requests():
     assert not asyncio.run(run()).engine_dead
 
 
+def test_backstop_counts_silence_from_the_first_waiting_request():
+    """An engine idle for longer than the limit, then a request: the silence before it is no
+    hang (the backstop killed the test suite's shared server, idle for 10 minutes, as its
+    next request arrived)."""
+    async def run():
+        tm = _tm()
+        tm.last_heard = time.monotonic() - 60  # idle for a minute
+        tm._wait_for("r1")
+        task = asyncio.create_task(tm._hang_backstop())
+        await asyncio.sleep(1.5)
+        task.cancel()
+        return tm
+
+    assert not asyncio.run(run()).engine_dead
+
+
 def test_dead_engine_refuses_new_work_with_the_reason():
     async def run():
         tm = _tm()

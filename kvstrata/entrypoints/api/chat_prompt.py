@@ -14,6 +14,15 @@ from kvstrata.entrypoints.api.tool_choice import template_tool_calls
 from kvstrata.frontend.tokenizer_loader import TokenizerSkipped
 
 
+# transformers' apply_chat_template parameters: refused as template variables whichever
+# tokenizer renders (the PlainTokenizer's own call takes fewer).
+TEMPLATE_CALL_PARAMETERS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "kwargs"})
+
+
 def _check_message(i: int, m) -> None:
     param = f"messages.{i}.content"
     name = m.first_unimplemented({n: getattr(m, n) for n in sorted(m.NOT_IMPLEMENTED)})
@@ -54,7 +63,8 @@ def _template_kwargs(tm, body: ChatCompletionRequest) -> dict:
     """chat_template_kwargs become template variables (e.g. enable_thinking); names of
     apply_chat_template's own parameters would change how it runs, so they are refused."""
     kwargs = dict(body.chat_template_kwargs or {})
-    reserved = set(inspect.signature(tm.tokenizer.apply_chat_template).parameters)
+    reserved = TEMPLATE_CALL_PARAMETERS | set(
+        inspect.signature(tm.tokenizer.apply_chat_template).parameters)
     reserved |= {"messages", "conversation", "add_generation_prompt", "tokenize"}
     for key in kwargs:
         if key in reserved or not key.isidentifier():

@@ -4,6 +4,7 @@
 The server itself: bootstrap_server.py."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,17 @@ class PrefillRoute:
         return (self.endpoint, *self.silent)
 
 
+@functools.lru_cache(maxsize=1)
+def _tls_context():
+    """One TLS context for this process's bootstrap calls: httpx builds one per module-level
+    call (certifi's CA bundle parsed, ~50 ms of CPU), and a decode server's route look-up --
+    two calls or more, on the path of the request that needs it -- paid it each time. The
+    calls are plain HTTP; httpx wants a context all the same."""
+    import httpx  # noqa: PLC0415
+
+    return httpx.create_ssl_context()
+
+
 def register_rank(host: str, port: int, info: dict, timeout: float = 5.0,
                   wait_s: float = 0.0) -> None:
     """PUT /route: a prefill rank announces its transfer endpoint. `wait_s`: retry a
@@ -45,8 +57,8 @@ def register_rank(host: str, port: int, info: dict, timeout: float = 5.0,
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            httpx.put(f"http://{host}:{port}/route", json=info,
-                      timeout=timeout).raise_for_status()
+            httpx.put(f"http://{host}:{port}/route", json=info, timeout=timeout,
+                      verify=_tls_context()).raise_for_status()
             return
         except (httpx.ConnectError, httpx.ConnectTimeout):
             if time.monotonic() >= deadline:
@@ -60,7 +72,7 @@ def _get_route(host: str, port: int, params: dict, timeout: float) -> dict:
     import httpx  # noqa: PLC0415
 
     try:
-        r = httpx.get(f"http://{host}:{port}/route", params=params,
+        r = httpx.get(f"http://{host}:{port}/route", params=params, verify=_tls_context(),
                       timeout=httpx.Timeout(timeout, connect=min(timeout, 2.0)))
         if r.status_code == 503:
             raise RouteNotReady(r.text)
