@@ -96,7 +96,6 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
      "Page size must be 1 for MambaRadixCache v1"),
     ({"page_size": 16, "mamba_track_interval": 100}, "must be a multiple of --page-size 16"),
     ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm NGRAM: a verify"),
-    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill: the final state"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
     ({"enable_hierarchical_cache": True}, "HiCache .* keeps no state snapshots"),
@@ -104,6 +103,22 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         run(**kw)
+
+
+def test_pd_servers_resolve_and_the_decode_holds_one_slot_a_request():
+    """PD runs (the final state crosses, cache/state_pd.py): the prefill keeps its snapshot
+    cache; a decode server keeps no prefix cache, so each request holds one slot (the one its
+    state is received into); retraction backs the slot up with cpu_tensor (the auto rule),
+    an explicit host_pool is refused (SGLang: the host pool carries no recurrent state)."""
+    prefill, _ = run(disaggregation_mode="prefill")
+    assert prefill.state_slots_per_request == 3
+    decode, res = run(disaggregation_mode="decode")
+    assert decode.state_slots_per_request == 1
+    assert "a PD decode server keeps no prefix cache" in res["state_slots_per_request"].reason
+    assert decode.disaggregation_decode_retraction_backup == "cpu_tensor"
+    assert "recurrent/SSM state" in res["disaggregation_decode_retraction_backup"].reason
+    with pytest.raises(ValueError, match="does not support models with recurrent/SSM state"):
+        run(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool")
 
 
 def test_models_without_state_ignore_the_flags():

@@ -75,9 +75,6 @@ def unbuilt(args: ResolvedArgs) -> list[str]:
     if args.speculative_algorithm is not None:
         out.append(f"--speculative-algorithm {args.speculative_algorithm}: a verify would "
                    f"need the state after every draft token, only the accepted one committed")
-    if args.disaggregation_mode != "null":
-        out.append(f"--disaggregation-mode {args.disaggregation_mode}: the final state of "
-                   f"each recurrent layer does not cross with the KV pages yet")
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
@@ -97,7 +94,9 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
         raise ValueError("not built yet for a model with recurrent (SSM / linear-attention) "
                          "state: " + "; ".join(refused))
     P, strategy = args.page_size, args.mamba_radix_cache_strategy
-    radix = not args.disable_radix_cache
+    # a PD decode server keeps no prefix cache (its decode radix cache is refused above)
+    decode = args.disaggregation_mode == "decode"
+    radix = not args.disable_radix_cache and not decode
     resolved = check_strategy(strategy, P, args.mamba_track_interval) if radix else strategy
     out: list[Resolution] = []
     if radix and resolved == "extra_buffer" and args.mamba_track_interval is None:
@@ -116,7 +115,9 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
         out += change(args, "mamba_radix_cache_strategy", resolved, RULE_STRATEGY,
                       f"auto at --page-size {P}: {resolved} ({what})")
     per_request = slots_per_request(radix, resolved)
-    why = (f"the radix cache is disabled: each running request holds its working slot only"
+    why = ("a PD decode server keeps no prefix cache: each request holds the slot its "
+           "prompt's final state is received into" if decode else
+           f"the radix cache is disabled: each running request holds its working slot only"
            if not radix else
            f"{resolved}: each running request holds a working slot"
            f"{' and a track slot' if resolved == 'extra_buffer' else ''}, the prefix cache "
