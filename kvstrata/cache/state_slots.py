@@ -95,9 +95,11 @@ class StateSlots:
         return bool(req.state_slot)
 
     # ------------------------------------------------------------------ one forward
-    def entry_fields(self, req: Any, end: int, chunk_end: bool) -> dict:
+    def entry_fields(self, req: Any, end: int, chunk_end: bool, num_draft: int = 0) -> dict:
         """ScheduledRequest's state fields for a forward of the request up to position `end`;
-        `chunk_end`: a prefill chunk that is not the prompt's last."""
+        `chunk_end`: a prefill chunk that is not the prompt's last; `num_draft`: a
+        speculative verify's drafts (its state lands where acceptance says, not at `end`:
+        no track point is snapshotted on it)."""
         assert req.state_slot, f"{req.rid} is scheduled without a state slot"
         fields: dict = {"state_slot": req.state_slot}
         node = req.state_copy_node
@@ -108,7 +110,8 @@ class StateSlots:
         elif req.state_fresh:
             fields["state_reset"] = True
         req.state_fresh = False
-        track = self.track_interval is not None and end % self.track_interval == 0
+        track = self.track_interval is not None and end % self.track_interval == 0 \
+            and not num_draft
         if self.tree.disable or end % self.page_size or not (chunk_end or track):
             return fields
         slot = req.state_aside_slot or self.alloc()
@@ -143,7 +146,7 @@ class StateSlots:
         if self.tree.disable or not req.state_slot or req.state_copy_node is not None \
                 or req.state_fresh:
             return 0, 0  # (a request whose first forward never ran holds no state yet)
-        if end and end % self.page_size == 0:
+        if end and end % self.page_size == 0 and not req.state_past_end:
             return end, req.state_slot
         if req.state_aside_slot and req.state_aside_pos <= end:
             return req.state_aside_pos, req.state_aside_slot
@@ -167,6 +170,7 @@ class StateSlots:
         req.state_copy_node = None
         req.state_fresh = False
         req.state_branch_end = 0
+        req.state_past_end = False
 
     # ------------------------------------------------------------------ checks
     def held(self, req: Any) -> list[int]:

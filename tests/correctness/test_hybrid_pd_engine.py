@@ -77,16 +77,18 @@ def test_pd_greedy_equals_transformers(arch, page_size, chunk, backend, paths, p
         decode.shutdown()
 
 
-@pytest.mark.parametrize("arch,page_size,kv_tokens", [("granite", 16, 128),
-                                                      ("qwen3_next", 1, 120)])
-def test_pressured_decode_retracts_and_restores_exactly(arch, page_size, kv_tokens, paths,
+@pytest.mark.parametrize("arch,page_size,kv_tokens,spec", [("granite", 16, 128, True),
+                                                           ("qwen3_next", 1, 120, False)])
+def test_pressured_decode_retracts_and_restores_exactly(arch, page_size, kv_tokens, spec, paths,
                                                         prompts, ref):
     """A decode K/V pool too small for the batch's decodes: it retracts with cpu_tensor (the
     auto rule's pick for a recurrent model), each backup keeping the request's K/V pages and
-    its state slot, restored into a new slot; transformers' tokens."""
+    its state slot, restored into a new slot; transformers' tokens. Granite's decode also
+    verifies NGRAM drafts (each verify commits the accepted step into the received slot)."""
     batch = prompts + [p[::-1] for p in prompts[1:3]]
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_disable_by_batch_size": 1 << 20}
     prefill, decode, port = pair(paths[arch], page_size, -1, kv_tokens=kv_tokens,
-                                 num_reserved_decode_tokens=1)
+                                 num_reserved_decode_tokens=1, **(ngram if spec else {}))
     params = {**GREEDY, "max_new_tokens": 24}
     try:
         assert decode.scheduler.config.retraction_backup == "cpu_tensor"
@@ -96,6 +98,8 @@ def test_pressured_decode_retracts_and_restores_exactly(arch, page_size, kv_toke
         side = pd_side(decode.scheduler)
         backups = side.retraction.num_backups["cpu_tensor"]
         assert backups >= 1 and side.retraction.num_restores["cpu_tensor"] == backups
+        if spec:
+            assert decode.get_load()["spec_verify_steps"] > 0
         stats = decode.runner.backup.stats()
         assert stats["state_backup_count"] == stats["state_restore_count"] == backups
         assert stats["held_backups"] == 0

@@ -1,6 +1,7 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
-as, and what is refused beside them (by name, with the reason) until it is built.
+as, and what is refused beside them (by name, with the reason) until it is built: draft heads
+(EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache.
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
 SGLang's `--mamba-radix-cache-strategy`:
@@ -30,6 +31,10 @@ RULE_TRACK = "state.track_interval"
 RULE_SLOTS = "state.slots_per_request"
 SGLANG_TRACK_INTERVAL = 256
 SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
+# Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
+# state and commits the accepted one (runner/recurrent/backend.py; SGLang's intermediate
+# states). Drafts come from the n-gram cache or a second checkpoint without recurrent state.
+SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
 
 
@@ -72,9 +77,18 @@ def slots_per_request(radix_cache: bool, strategy: str) -> int:
 def unbuilt(args: ResolvedArgs) -> list[str]:
     """What a recurrent model cannot run with yet, each with its reason."""
     out = []
-    if args.speculative_algorithm is not None:
-        out.append(f"--speculative-algorithm {args.speculative_algorithm}: a verify would "
-                   f"need the state after every draft token, only the accepted one committed")
+    algo = args.speculative_algorithm
+    if algo is not None and algo not in SPEC_ALGORITHMS:
+        out.append(f"--speculative-algorithm {algo}: a draft head over a recurrent target "
+                   f"(EAGLE / EAGLE3, Qwen3-Next's MTP layer as NEXTN) is not built; NGRAM "
+                   f"and STANDALONE are")
+    if algo == "NGRAM" and ((args.speculative_ngram_max_bfs_breadth or 1) > 1
+                            or args.speculative_ngram_match_type == "PROB"):
+        out.append("NGRAM tree drafts (--speculative-ngram-max-bfs-breadth > 1 or match type "
+                   "PROB): a recurrent layer verifies chains only (one state per draft step)")
+    if algo == "STANDALONE" and (args.speculative_eagle_topk or 1) > 1:
+        out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
+                   f"layer verifies chains only (one state per draft step)")
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
