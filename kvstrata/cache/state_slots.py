@@ -11,7 +11,9 @@ Slots 1..N of the plan's state pool (slot 0: the padding sink) are each exactly 
   a request's aside slot      `state_aside_slot`: a snapshot it took at position
                               `state_aside_pos` (page-aligned) for the prefix cache -- at a
                               prefill chunk's end (filed at once, cache_unfinished) or at an
-                              extra_buffer track point (kept until the request ends)
+                              extra_buffer track point, a decode step's end or the last one
+                              inside its prompt's last chunk (state_snapshot_at: the runner
+                              takes it mid-forward), kept until the request ends
   a cached snapshot           owned by a tree node (cache/state_radix.py)
 (free + held by requests + cached == total: `check`). A request holds at most two.
 
@@ -110,18 +112,37 @@ class StateSlots:
         elif req.state_fresh:
             fields["state_reset"] = True
         req.state_fresh = False
-        track = self.track_interval is not None and end % self.track_interval == 0 \
-            and not num_draft
-        if self.tree.disable or end % self.page_size or not (chunk_end or track):
+        at = self._snapshot_point(req, end, chunk_end, num_draft)
+        if not at:
             return fields
         slot = req.state_aside_slot or self.alloc()
         if not slot:
             self.snapshots_skipped += 1
             return fields
-        req.state_aside_slot, req.state_aside_pos = slot, end
+        req.state_aside_slot, req.state_aside_pos = slot, at
         fields["state_snapshot_to"] = slot
+        if at != end:
+            fields["state_snapshot_at"] = at
         self.snapshots_taken += 1
         return fields
+
+    def _snapshot_point(self, req: Any, end: int, chunk_end: bool, num_draft: int) -> int:
+        """Where this forward (from req.num_computed_tokens to `end`) snapshots its state, 0
+        for nowhere: a prefill chunk's end, a track point it ends on, or (extra_buffer) the
+        last track point inside the prompt's last chunk -- SGLang's extra_buffer tracks the
+        state inside an extend too, so a prompt whose end is not page-aligned still leaves
+        a snapshot at its last page end for the next turn (without it an unchunked prompt
+        left none unless its decode crossed a page end)."""
+        if self.tree.disable or num_draft:
+            return 0
+        every = self.track_interval
+        if end % self.page_size == 0 and (chunk_end or (every and end % every == 0)):
+            return end
+        if every and not chunk_end:
+            inside = end // every * every
+            if req.num_computed_tokens < inside and inside > req.state_aside_pos:
+                return inside
+        return 0
 
     def after_forward(self) -> None:
         """The step's copies are made: the snapshots they read may go."""

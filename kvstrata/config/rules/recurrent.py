@@ -48,10 +48,11 @@ def effective_strategy(strategy: str, page_size: int) -> str:
 def track_interval(value: int | None, page_size: int) -> int:
     """extra_buffer's track cadence: the flag, else the page size (every page end), or
     SGLang's 256 at page size 1 (where a finish is always page-aligned: track points decide
-    no hit). SGLang tracks every 256 decode tokens because its prefill kernels leave a state
-    every 64 tokens inside an extend as well; a kvstrata forward leaves one at its end only,
-    so with fewer track points a short chat turn would leave no snapshot at all (vLLM's
-    0%-hit trap; measured: tests/unit/test_state_cache.py)."""
+    no hit). SGLang tracks every 256 decode tokens and, inside an extend, at the last
+    multiple of max(64, page size); kvstrata has one cadence for both (cache/state_slots.py:
+    every track point a decode step ends on, and the last one inside a prompt's last
+    chunk), so with fewer track points a short chat turn would leave no snapshot at all
+    (vLLM's 0%-hit trap; measured: tests/unit/test_state_cache.py)."""
     if value is not None:
         return value
     return page_size if page_size > 1 else SGLANG_TRACK_INTERVAL
@@ -117,9 +118,9 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
         every = track_interval(None, P)
         out += change(args, "mamba_track_interval", every, RULE_TRACK,
                       f"extra_buffer at --page-size {P}: " + (
-                          "every page end (SGLang's 256 leaves no snapshot for a chat turn "
-                          "shorter than that: a forward here snapshots at its end only, not "
-                          "every 64 tokens inside a prefill as SGLang's kernels do)" if P > 1
+                          "every page end (one cadence here for decode steps and the last "
+                          "point inside a prompt; SGLang's 256 would leave no snapshot for a "
+                          "chat turn shorter than that)" if P > 1
                           else "SGLang's (at page size 1 a finish is always page-aligned)"))
     if radix and strategy == "auto":
         every = track_interval(args.mamba_track_interval, P)
