@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvstrata.cache.state_pd import state_base
-from kvstrata.config.kv_plan import KVComponent
-from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_plan import KVComponent, KVPlan
 from kvstrata.config.state_plan import StateComponent
 from kvstrata.kv.device_pool import page_buffers_of
 from kvstrata.kv.state_pool import RecurrentStatePool
@@ -106,7 +105,7 @@ def test_the_final_state_slot_lands_in_the_reserved_slot(sides, backend, kv):
     want = [t.clone() for t in before]
     if kv:
         want[0][:, full_dst] = page_buffers_of(pre.main)[0][:, full_src]
-    for w, (name, t) in zip(want[1 if kv else 0:], pre.state.tensors.items()):
+    for w, t in zip(want[1 if kv else 0:], pre.state.tensors.values()):
         w[:, 2] = t[:, 5]                      # every layer of the slot, nothing else
     for got, w in zip(snapshot(dec), want):
         assert torch.equal(got, w)
