@@ -269,9 +269,10 @@ class KVManager:
         """An admitted request's working state slot (True without a state pool)."""
         return self.states is None or self.states.assign(req)
 
-    def state_fields(self, req: Any, end: int, chunk_end: bool) -> dict:
+    def state_fields(self, req: Any, end: int, chunk_end: bool, num_draft: int = 0) -> dict:
         """ScheduledRequest's state fields ({} without a state pool; StateSlots)."""
-        return {} if self.states is None else self.states.entry_fields(req, end, chunk_end)
+        return {} if self.states is None else self.states.entry_fields(req, end, chunk_end,
+                                                                       num_draft)
 
     def after_forward(self) -> None:
         if self.states is not None:

@@ -11,7 +11,9 @@ Slots 1..N of the plan's state pool (slot 0: the padding sink) are each exactly 
   a request's aside slot      `state_aside_slot`: a snapshot it took at position
                               `state_aside_pos` (page-aligned) for the prefix cache -- at a
                               prefill chunk's end (filed at once, cache_unfinished) or at an
-                              extra_buffer track point (kept until the request ends)
+                              extra_buffer track point, a decode step's end or the last one
+                              inside its prompt's last chunk (state_snapshot_at: the runner
+                              takes it mid-forward), kept until the request ends
   a cached snapshot           owned by a tree node (cache/state_radix.py)
 (free + held by requests + cached == total: `check`). A request holds at most two.
 
@@ -95,9 +97,11 @@ class StateSlots:
         return bool(req.state_slot)
 
     # ------------------------------------------------------------------ one forward
-    def entry_fields(self, req: Any, end: int, chunk_end: bool) -> dict:
+    def entry_fields(self, req: Any, end: int, chunk_end: bool, num_draft: int = 0) -> dict:
         """ScheduledRequest's state fields for a forward of the request up to position `end`;
-        `chunk_end`: a prefill chunk that is not the prompt's last."""
+        `chunk_end`: a prefill chunk that is not the prompt's last; `num_draft`: a
+        speculative verify's drafts (its state lands where acceptance says, not at `end`:
+        no track point is snapshotted on it)."""
         assert req.state_slot, f"{req.rid} is scheduled without a state slot"
         fields: dict = {"state_slot": req.state_slot}
         node = req.state_copy_node
@@ -108,17 +112,37 @@ class StateSlots:
         elif req.state_fresh:
             fields["state_reset"] = True
         req.state_fresh = False
-        track = self.track_interval is not None and end % self.track_interval == 0
-        if self.tree.disable or end % self.page_size or not (chunk_end or track):
+        at = self._snapshot_point(req, end, chunk_end, num_draft)
+        if not at:
             return fields
         slot = req.state_aside_slot or self.alloc()
         if not slot:
             self.snapshots_skipped += 1
             return fields
-        req.state_aside_slot, req.state_aside_pos = slot, end
+        req.state_aside_slot, req.state_aside_pos = slot, at
         fields["state_snapshot_to"] = slot
+        if at != end:
+            fields["state_snapshot_at"] = at
         self.snapshots_taken += 1
         return fields
+
+    def _snapshot_point(self, req: Any, end: int, chunk_end: bool, num_draft: int) -> int:
+        """Where this forward (from req.num_computed_tokens to `end`) snapshots its state, 0
+        for nowhere: a prefill chunk's end, a track point it ends on, or (extra_buffer) the
+        last track point inside the prompt's last chunk -- SGLang's extra_buffer tracks the
+        state inside an extend too, so a prompt whose end is not page-aligned still leaves
+        a snapshot at its last page end for the next turn (without it an unchunked prompt
+        left none unless its decode crossed a page end)."""
+        if self.tree.disable or num_draft:
+            return 0
+        every = self.track_interval
+        if end % self.page_size == 0 and (chunk_end or (every and end % every == 0)):
+            return end
+        if every and not chunk_end:
+            inside = end // every * every
+            if req.num_computed_tokens < inside and inside > req.state_aside_pos:
+                return inside
+        return 0
 
     def after_forward(self) -> None:
         """The step's copies are made: the snapshots they read may go."""
@@ -143,7 +167,7 @@ class StateSlots:
         if self.tree.disable or not req.state_slot or req.state_copy_node is not None \
                 or req.state_fresh:
             return 0, 0  # (a request whose first forward never ran holds no state yet)
-        if end and end % self.page_size == 0:
+        if end and end % self.page_size == 0 and not req.state_past_end:
             return end, req.state_slot
         if req.state_aside_slot and req.state_aside_pos <= end:
             return req.state_aside_pos, req.state_aside_slot
@@ -167,6 +191,7 @@ class StateSlots:
         req.state_copy_node = None
         req.state_fresh = False
         req.state_branch_end = 0
+        req.state_past_end = False
 
     # ------------------------------------------------------------------ checks
     def held(self, req: Any) -> list[int]:

@@ -12,7 +12,9 @@ The state pool's usable slots, first rule that applies:
      with --max-total-tokens (the K/V tokens, as in SGLang) the states get r x their bytes;
   4. a model without full-attention layers (Mamba2) and no budget: slots per running request
      x --max-running-requests (else 256).
-Running requests are then bounded by slots // slots per running request (resolved by
+A STANDALONE draft's K/V (a slot for every target slot) joins each token's bytes in step 3's
+K/V share; the ratio weighs the states against the target's K/V only. Running requests are
+then bounded by slots // slots per running request (resolved by
 config/rules/recurrent.py: 1 without the radix cache, 3 no_buffer, 4 extra_buffer), SGLang's
 `max_mamba_cache_size // ratio`; fewer than one: "Hybrid (mamba/linear-attention) state cache is
 too small". A model without full-attention layers keeps no K/V: its page ids are addresses
@@ -90,8 +92,13 @@ def state_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None, context
     per_slot = state_bytes_per_slot(comps)
     per_req = per_request(args)
     kv_per_token = sum(c.bytes_per_token for c in facts.components)
-    if facts.draft_components:
-        raise ValueError("a draft model beside recurrent state is not built yet")
+    # A STANDALONE draft's K/V has a slot for every target slot: a token costs both (the
+    # state ratio still weighs the states against the target's full-attention K/V only).
+    draft_per_token = sum(c.bytes_per_token for c in facts.draft_components)
+    if draft_per_token and not kv_per_token:
+        raise ValueError("--speculative-algorithm STANDALONE on a model without attention "
+                         "K/V (Mamba2): its page ids are addresses only, and the draft's K/V "
+                         "would need a slot for every one of them")
     slots, how = state_slots(args, budget_bytes, per_slot, kv_per_token, per_req, default_rows)
     if slots < per_req:
         raise ValueError(
@@ -108,7 +115,7 @@ def state_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None, context
             raise ValueError(f"the state pool ({slots} slots) leaves no room for one page of "
                              f"full-attention K/V; lower --mamba-full-memory-ratio or "
                              f"--max-mamba-cache-size")
-        tokens, sized = device_tokens(kv_per_token, budget)
+        tokens, sized = device_tokens(kv_per_token + draft_per_token, budget)
         out += sized
         num_pages = tokens // P
         want = args.max_running_requests or min(default_rows, num_pages)
@@ -130,5 +137,6 @@ def state_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None, context
     if not kv_per_token:  # addresses only: every row's whole context can be named
         num_pages = rows * -(-context_len // P)
     plan = KVPlan(P, num_pages, rows, context_len, facts.pool_kind if kv_per_token else "none",
-                  facts.components, num_state_slots=slots, state_components=comps)
+                  facts.components, num_state_slots=slots, state_components=comps,
+                  draft_components=facts.draft_components)
     return plan, out

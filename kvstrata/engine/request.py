@@ -62,14 +62,17 @@ class Request:
     swa_lock_from: int | None = None
     # Recurrent state (cache/state_slots.py): its working state slot, whether its next
     # forward starts clean, the pinned snapshot node it copies from first, a snapshot it
-    # took for the prefix cache (slot, position), and where its prefill ends a chunk to
-    # snapshot a branch point (0: nowhere).
+    # took for the prefix cache (slot, position), where its prefill ends a chunk to
+    # snapshot a branch point (0: nowhere), and whether its working slot's state lies past
+    # its end (a stop inside a verified run, or an abort while a verify ran: the slot holds
+    # the state after every accepted draft) -- never donated to the prefix cache then.
     state_slot: int = 0
     state_fresh: bool = False
     state_copy_node: Any = None
     state_aside_slot: int = 0
     state_aside_pos: int = 0
     state_branch_end: int = 0
+    state_past_end: bool = False
 
     # --- accounting ---
     cached_tokens: int = 0

@@ -73,6 +73,14 @@ class RecurrentStatePool:
         for t in self.tensors.values():
             t[:, idx] = 0
 
+    def page_buffers(self) -> list[torch.Tensor]:
+        """The pool as PD page buffers (transfer/disagg/base.py, regions.py STATE): per
+        component a uint8 [layers, slots + 1, bytes of one layer's slot] view sharing its
+        memory, so a state slot crosses like a KV page (SGLang's MambaPool
+        get_contiguous_buf_infos: conv and ssm only)."""
+        return [t.view(t.shape[0], t.shape[1], -1).view(torch.uint8)
+                for t in self.tensors.values()]
+
     def cpu_copy(self, slots) -> dict[str, torch.Tensor]:
         """A host copy of `slots` (every component and layer), for a retraction backup."""
         idx = self._index(slots)

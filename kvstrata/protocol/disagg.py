@@ -136,6 +136,7 @@ class PDEvent(msgspec.Struct, omit_defaults=True, tag="pd_event"):
     # both sides give the same number (transfer/disagg/messages.py)
     pages: int = 0
     swa_pages: int = 0  # of `pages`, the SWA pool's (hybrid SWA memory; smaller pages)
+    state_pages: int = 0  # of `pages`, state slots (recurrent state: one per request)
 
 
 class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
@@ -164,6 +165,10 @@ class BackupOp(msgspec.Struct, omit_defaults=True, tag="backup"):
     # and restored beside the full pages; host_pool keeps them in the host pool's SWA half
     # under the host page ids of their full pages (the last len(swa_pages) host_pages)
     swa_pages: list[int] = []
+    # recurrent state: the request's state slot (backup: copied out beside the KV, always a
+    # CPU copy -- SGLang's get_cpu_copy of KV and mamba slot; restore: the new slot it is
+    # written into), 0 for a model without recurrent state
+    state_slot: int = 0
 
 
 __all__ = ["SPEC_TOPK_LIMIT", "SpecHandoff", "DSA_SEED_KEY", "dsa_seed_extras", "dsa_seed_from_extras", "FAKE_BOOTSTRAP_HOST", "KVPoll", "BootstrapAddr", "BackupOp", "PDMetadata", "PDOp",

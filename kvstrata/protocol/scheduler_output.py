@@ -116,11 +116,15 @@ class ScheduledRequest(msgspec.Struct):
     # neither: the slot already holds the state at start_pos (a later chunk, a decode).
     # After the forward it copies the slot into `state_snapshot_to` (> 0: the prefix
     # cache keeps the state at start_pos + len(token_ids) there). A speculative verify
-    # leaves the state after the accepted tokens only.
+    # leaves the state after the accepted tokens only. `state_snapshot_at` (a prefill
+    # entry only, start_pos < at < its end): the snapshot is the state after position
+    # at - 1 instead, taken inside the forward (SGLang's extra_buffer tracks a state inside
+    # an extend the same way); 0 = at the end.
     state_slot: int = 0
     state_reset: bool = False
     state_copy_from: int = 0
     state_snapshot_to: int = 0
+    state_snapshot_at: int = 0
 
 
 class TransferOp(msgspec.Struct, tag="transfer"):

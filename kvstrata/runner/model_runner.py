@@ -222,7 +222,7 @@ class ModelRunner:
         order; then the forward; then every executor reports its events."""
         if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
             self.backup = with_swa_pool(
-                on_demand_backup(self.kv_pool, self.hicache), self.swa_pool,
+                on_demand_backup(self.kv_pool, self.hicache, self.state_pool), self.swa_pool,
                 self.hicache.swa_host_pool if self.hicache is not None else None,
                 self.plan.io_backend)
         executors = self.executors()
@@ -248,15 +248,22 @@ class ModelRunner:
         from kvstrata.runner.executors.disagg import DisaggExecutor
         from kvstrata.transfer.disagg.registry import create_manager
         self.pd_role = role
-        buffers = page_buffers_of(self.kv_pool, self.plan.num_pages) + (
+        # an all-SWA model's missing full pool: a region of zero-byte pages (its SWA pages are
+        # the second region); a model without K/V (Mamba2) has only its state pool's buffers
+        main = [] if self.kv_pool is None and self.swa_pool is None else \
+            page_buffers_of(self.kv_pool, self.plan.num_pages)
+        buffers = main + (
             self.draft.page_buffers() if self.draft is not None else [])
         self.disagg = DisaggExecutor(create_manager(
             backend, role, buffers, host=host,
             bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
             page_size=self.plan.page_size, kv_dtype=self.plan.dtype, tp_rank=tp[0],
             tp_size=tp[1], kv_replicated=self.plan.pool_kind == "mla",
-            # hybrid SWA memory: the windowed layers' pool crosses as a second page region
-            swa_buffers=page_buffers_of(self.swa_pool) if self.swa_pool is not None else ()))
+            # hybrid SWA memory: the windowed layers' pool crosses as a second page region;
+            # recurrent state: the state pool as a third (a request's final state slot)
+            swa_buffers=page_buffers_of(self.swa_pool) if self.swa_pool is not None else (),
+            state_buffers=self.state_pool.page_buffers() if self.state_pool is not None
+            else ()))
 
     def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
                        tp_size: int = 1) -> None:

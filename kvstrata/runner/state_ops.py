@@ -8,7 +8,8 @@ the plan, and each scheduled request's state fields applied around the forward
           layers read and leave their state in, which rows are decode, prefill or verify
   after   a speculative verify's accepted step committed into its slot (the rejected drafts'
           states were never written); then state_snapshot_to <- the slot (the prefix cache
-          keeps the state at the end of this step's tokens)
+          keeps the state at the end of this step's tokens), or during the forward where
+          `state_snapshot_at` falls inside a prefill chunk (the scan splits there)
 """
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ def before_forward(pool: RecurrentStatePool, reqs: list, fb: ForwardBatch) -> No
         if r.draft_parents is not None:
             raise ValueError(f"request {r.rid!r}: speculative draft trees are not supported "
                              f"with recurrent state (chains are)")
+        if r.state_snapshot_at and not (
+                r.state_snapshot_to and not r.num_draft
+                and r.start_pos < r.state_snapshot_at <= r.start_pos + len(r.token_ids)):
+            raise ValueError(f"request {r.rid!r}: state_snapshot_at {r.state_snapshot_at} is "
+                             f"not inside its prefill positions {r.start_pos}.."
+                             f"{r.start_pos + len(r.token_ids)} (or no snapshot slot)")
     if len(set(slots)) != len(slots):
         raise ValueError(f"state slots {slots} shared by requests of one batch")
     reset = [r.state_slot for r in reqs if r.state_reset]
@@ -72,6 +79,8 @@ def before_forward(pool: RecurrentStatePool, reqs: list, fb: ForwardBatch) -> No
     if copies:
         pool.copy_slots([s for s, _ in copies], [d for _, d in copies])
     fb.recurrent = RecurrentMeta.build(fb, slots, [r.num_draft > 0 for r in reqs])
+    fb.recurrent.snapshots = {i: (r.state_snapshot_at - r.start_pos, r.state_snapshot_to)
+                              for i, r in enumerate(reqs) if _interior(r)}
 
 
 def after_forward(pool: RecurrentStatePool, backend: RecurrentBackend, reqs: list,
@@ -81,6 +90,12 @@ def after_forward(pool: RecurrentStatePool, backend: RecurrentBackend, reqs: lis
     for i, r in enumerate(reqs):
         if r.num_draft:
             backend.commit(fb.recurrent, i, len(produced[r.rid]) - 1)
-    snaps = [(r.state_slot, r.state_snapshot_to) for r in reqs if r.state_snapshot_to]
+    snaps = [(r.state_slot, r.state_snapshot_to) for r in reqs
+             if r.state_snapshot_to and not _interior(r)]
     if snaps:
         pool.copy_slots([s for s, _ in snaps], [d for _, d in snaps])
+
+
+def _interior(r) -> bool:
+    """A snapshot the forward takes inside the entry's tokens (not at their end)."""
+    return bool(r.state_snapshot_at) and r.state_snapshot_at < r.start_pos + len(r.token_ids)

@@ -206,3 +206,28 @@ def test_speculative_verify_commits_the_accepted_step(arch, paths, prompts, refe
         step += 1
     assert got[:NEW_TOKENS] == ref
     runner.execute(SchedulerOutput(step, False, [], [], ["v"]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_a_snapshot_inside_a_prefill_chunk(arch, paths, prompts):
+    """state_snapshot_at inside a prefill: the forward splits its scan there and the
+    snapshot slot gets the state after those tokens -- what a prefill of just them leaves
+    (float32 rounding apart); the request's own slot still ends after the whole chunk."""
+    runner = _runner(paths[arch])
+    prompt, cut = prompts[-1], 48
+    slots = list(range(1, 200))
+    runner.execute(SchedulerOutput(0, False, [NewRequestData("s", prompt, [], GREEDY)], [_sched(
+        "s", 0, prompt, slots, row=1, state_slot=2, state_reset=True, state_snapshot_to=9,
+        state_snapshot_at=cut)], []))
+    runner.execute(SchedulerOutput(1, False, [NewRequestData("h", prompt[:cut], [], GREEDY)],
+                                   [_sched("h", 0, prompt[:cut], list(range(300, 400)), row=2,
+                                           state_slot=3, state_reset=True)], ["s"]))
+    runner.execute(SchedulerOutput(2, False, [NewRequestData("w", prompt, [], GREEDY)],
+                                   [_sched("w", 0, prompt, list(range(400, 500)), row=3,
+                                           state_slot=4, state_reset=True)], ["h"]))
+    for t in runner.state_pool.tensors.values():
+        tol = 1e-5 * max(t[:, 3].abs().max().item(), t[:, 4].abs().max().item(), 1.0)
+        assert (t[:, 9] - t[:, 3]).abs().max().item() <= tol
+        # the working slot: as without the snapshot (the split scan rounds differently)
+        assert (t[:, 2] - t[:, 4]).abs().max().item() <= tol
+    runner.execute(SchedulerOutput(3, False, [], [], ["w"]))

@@ -40,11 +40,12 @@ def engine(path, mode, port, page_size, **kw):
     return build_engine(args)[0]
 
 
-def run_pair(prefill, decode, prompts, port, max_steps=20_000, room_base=500):
+def run_pair(prefill, decode, prompts, port, max_steps=20_000, room_base=500, params=None):
+    """`params`: the sampling params dict (GREEDY when None)."""
     outs = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         for eng in (prefill, decode):
-            eng.add_request(EngineRequest(str(i), list(p), SamplingParams(**GREEDY),
+            eng.add_request(EngineRequest(str(i), list(p), SamplingParams(**(params or GREEDY)),
                                           bootstrap=BootstrapAddr("127.0.0.1", port,
                                                                   room_base + i)))
     for _ in range(max_steps):

@@ -51,9 +51,12 @@ class FakeStateRunner(FakeRunner):
                 f"tokens {_tail(held)}, the forward starts at {s.start_pos} after "
                 f"{before[-4:]}")
             self.states[s.state_slot] = before + tuple(s.token_ids)
-        for s in so.scheduled:  # after the forward
+        for s in so.scheduled:  # after the forward (or inside it: state_snapshot_at)
             if s.state_snapshot_to:
-                self.states[s.state_snapshot_to] = self.states[s.state_slot]
+                at = s.state_snapshot_at or s.start_pos + len(s.token_ids)
+                assert s.start_pos < at <= s.start_pos + len(s.token_ids) and not (
+                    s.state_snapshot_at and s.num_draft), f"{s.rid}: snapshot at {at}"
+                self.states[s.state_snapshot_to] = self.states[s.state_slot][:at]
                 self.snapshots += 1
         return out
 

@@ -95,8 +95,14 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
     ({"page_size": 16, "mamba_radix_cache_strategy": "no_buffer"},
      "Page size must be 1 for MambaRadixCache v1"),
     ({"page_size": 16, "mamba_track_interval": 100}, "must be a multiple of --page-size 16"),
-    ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm NGRAM: a verify"),
-    ({"disaggregation_mode": "prefill"}, "--disaggregation-mode prefill: the final state"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "x"},
+     "--speculative-algorithm EAGLE: a draft head over a recurrent target"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 2},
+     "NGRAM tree drafts"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "PROB"},
+     "NGRAM tree drafts"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "x",
+      "speculative_eagle_topk": 4}, "--speculative-eagle-topk 4: a recurrent layer verifies"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
     ({"enable_hierarchical_cache": True}, "HiCache .* keeps no state snapshots"),
@@ -104,6 +110,30 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         run(**kw)
+
+
+def test_pd_servers_resolve_and_the_decode_holds_one_slot_a_request():
+    """PD runs (the final state crosses, cache/state_pd.py): the prefill keeps its snapshot
+    cache; a decode server keeps no prefix cache, so each request holds one slot (the one its
+    state is received into); retraction backs the slot up with cpu_tensor (the auto rule),
+    an explicit host_pool is refused (SGLang: the host pool carries no recurrent state)."""
+    prefill, _ = run(disaggregation_mode="prefill")
+    assert prefill.state_slots_per_request == 3
+    decode, res = run(disaggregation_mode="decode")
+    assert decode.state_slots_per_request == 1
+    assert "a PD decode server keeps no prefix cache" in res["state_slots_per_request"].reason
+    assert decode.disaggregation_decode_retraction_backup == "cpu_tensor"
+    assert "recurrent/SSM state" in res["disaggregation_decode_retraction_backup"].reason
+    with pytest.raises(ValueError, match="does not support models with recurrent/SSM state"):
+        run(disaggregation_mode="decode", disaggregation_decode_retraction_backup="host_pool")
+
+
+@pytest.mark.parametrize("kw", [{"speculative_algorithm": "NGRAM"},
+                                {"speculative_algorithm": "STANDALONE",
+                                 "speculative_draft_model_path": "x"}])
+def test_ngram_and_standalone_chains_resolve(kw):
+    resolved, _ = run(page_size=16, **kw)
+    assert resolved.speculative_eagle_topk == 1 and resolved.state_slots_per_request == 4
 
 
 def test_models_without_state_ignore_the_flags():
@@ -187,3 +217,20 @@ def test_a_model_without_attention_layers_keeps_addresses_only():
     assert plan.pool_kind == "none" and plan.components == ()
     # extra_buffer at page size 4: 4 slots per running request
     assert (plan.num_rows, plan.num_state_slots, plan.num_pages) == (4, 16, 4 * 25)
+
+
+def test_a_standalone_draft_is_sized_beside_the_state():
+    """A draft's K/V takes a slot per target slot (its bytes join each token's); the state
+    ratio weighs the states against the target's K/V only. Mamba2 has no K/V slots for a
+    draft to mirror: refused."""
+    import dataclasses
+
+    draft = mha_components(2, 1, 8, "float32")             # 128 B per token
+    facts = dataclasses.replace(FACTS, draft_components=draft)
+    budget = 100 * 2**20
+    plan, _ = sized(facts, budget=budget, speculative_algorithm="NGRAM")
+    alone, _ = sized(budget=budget)
+    assert plan.draft_components == draft and plan.num_state_slots == alone.num_state_slots
+    assert plan.num_pages == (budget - plan.state_pool_bytes) // (256 + 128)
+    with pytest.raises(ValueError, match="without attention K/V"):
+        sized(dataclasses.replace(PURE, draft_components=draft), max_running_requests=4)

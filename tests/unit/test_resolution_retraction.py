@@ -120,8 +120,8 @@ def test_explicit_host_pool_errors(platform, kwargs, model_info, message):
 
 
 def test_recurrent_state_takes_cpu_tensor_and_refuses_host_pool():
-    """The rule alone: the pipeline refuses PD for a recurrent model first (rules/recurrent.py:
-    the final state does not cross yet), so the gate is kept for when it does."""
+    """The rule alone and through the pipeline (a PD decode server of a recurrent model: the
+    host pool would carry no state slot, SGLang's reason)."""
     from kvstrata.config.resolve_types import to_resolved  # noqa: PLC0415
     from kvstrata.config.rules.retraction import retraction_backup  # noqa: PLC0415
 
@@ -132,8 +132,8 @@ def test_recurrent_state_takes_cpu_tensor_and_refuses_host_pool():
         retraction_backup(to_resolved(ServerArgs(
             disaggregation_decode_retraction_backup="host_pool", **DECODE)),
             simulated("cuda"), info, {})
-    with pytest.raises(ValueError, match="not built yet for a model with recurrent"):
-        run("cuda", info, **DECODE)
+    resolved, _ = run("cuda", info, **DECODE)
+    assert resolved.disaggregation_decode_retraction_backup == "cpu_tensor"
 
 
 def test_decide_backup_is_pure():

@@ -175,8 +175,11 @@ def test_extra_buffer_leaves_its_last_track_point_at_an_unaligned_end():
     engine, runner = make_engine(page_size=4, mamba_track_interval=4)
     prompt = list(range(3, 13))  # 10 tokens; 8 new: computed end 17, not page-aligned
     out = run(engine, {"a": prompt}, max_new=8)["a"]
-    tracked = [e.start_pos + 1 for e in entries(runner, "a") if e.state_snapshot_to]
-    assert tracked == [12, 16]  # the decode steps that end on a track point
+    tracked = [e.state_snapshot_at or e.start_pos + len(e.token_ids)
+               for e in entries(runner, "a") if e.state_snapshot_to]
+    # the prompt's last track point (inside its one prefill forward), then the decode
+    # steps that end on one
+    assert tracked == [8, 12, 16]
     tree = engine.scheduler.kv.tree
     seq = prompt + out
     assert tree.peek_device_pages(seq) == 4 and tree.peek_kv_pages(seq) == 4  # 16 tokens
@@ -237,7 +240,7 @@ def test_a_leaked_slot_fails_the_integrity_check():
 
 
 # ---- the hit rate on a multi-turn chat (vLLM's 0%-hit trap) --------------------------------
-def chat_hit_rate(page_size, state, interval=None, conversations=6, turns=5):
+def chat_hit_rate(page_size, state, interval=None, conversations=6, turns=5, max_new=20):
     """Conversations whose every turn sends the whole history (each answer) plus a new
     user message, as chat clients do; two conversations run at a time. The prefix-cache hit
     rate (matched / queried prompt tokens)."""
@@ -252,31 +255,36 @@ def chat_hit_rate(page_size, state, interval=None, conversations=6, turns=5):
     for turn in range(turns):
         for pair in range(0, conversations, 2):
             prompts = {f"c{c}t{turn}": history[c] for c in (pair, pair + 1)}
-            outs = run(engine, prompts, max_new=20) if state else _run_plain(engine, prompts)
+            outs = run(engine, prompts, max_new=max_new) if state else \
+                _run_plain(engine, prompts, max_new)
             for c in (pair, pair + 1):
                 history[c] = history[c] + outs[f"c{c}t{turn}"] + [
                     (5 * c + turn * 3 + j) % 90 + 3 for j in range(12)]
     return engine.scheduler.kv.hit_rate()
 
 
-def _run_plain(engine, prompts):
+def _run_plain(engine, prompts, max_new):
     outs = {rid: [] for rid in prompts}
     for rid, ids in prompts.items():
         engine.add_request(EngineRequest(rid, ids, SamplingParams(
-            max_new_tokens=20, temperature=0, ignore_eos=True)))
+            max_new_tokens=max_new, temperature=0, ignore_eos=True)))
     while engine.has_unfinished_requests():
         for out in engine.step():
             outs[out.rid] += out.new_token_ids
     return outs
 
 
-@pytest.mark.parametrize("page_size, interval, share", [
-    (1, None, 0.99),   # no_buffer: every finish is a snapshot
-    (16, None, 0.95),  # extra_buffer tracking every page end: the last one before a finish
+@pytest.mark.parametrize("page_size, interval, share, max_new", [
+    (1, None, 0.99, 20),   # no_buffer: every finish is a snapshot
+    (16, None, 0.95, 20),  # extra_buffer tracking every page end: the last one before a finish
+    # short answers whose decode crosses no page end: the snapshot at the prompt's last page
+    # end, taken inside its prefill forward (0.0 without it)
+    (16, None, 0.95, 4),
 ])
-def test_multi_turn_chat_hits_nearly_as_often_as_without_state(page_size, interval, share):
-    plain = chat_hit_rate(page_size, state=False)
-    got = chat_hit_rate(page_size, state=True, interval=interval)
+def test_multi_turn_chat_hits_nearly_as_often_as_without_state(page_size, interval, share,
+                                                               max_new):
+    plain = chat_hit_rate(page_size, state=False, max_new=max_new)
+    got = chat_hit_rate(page_size, state=True, interval=interval, max_new=max_new)
     assert plain > 0.5 and got >= share * plain, (got, plain)
 
 

@@ -1,6 +1,7 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
-as, and what is refused beside them (by name, with the reason) until it is built.
+as, and what is refused beside them (by name, with the reason) until it is built: draft heads
+(EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache.
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
 SGLang's `--mamba-radix-cache-strategy`:
@@ -30,6 +31,10 @@ RULE_TRACK = "state.track_interval"
 RULE_SLOTS = "state.slots_per_request"
 SGLANG_TRACK_INTERVAL = 256
 SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
+# Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
+# state and commits the accepted one (runner/recurrent/backend.py; SGLang's intermediate
+# states). Drafts come from the n-gram cache or a second checkpoint without recurrent state.
+SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
 
 
@@ -43,10 +48,11 @@ def effective_strategy(strategy: str, page_size: int) -> str:
 def track_interval(value: int | None, page_size: int) -> int:
     """extra_buffer's track cadence: the flag, else the page size (every page end), or
     SGLang's 256 at page size 1 (where a finish is always page-aligned: track points decide
-    no hit). SGLang tracks every 256 decode tokens because its prefill kernels leave a state
-    every 64 tokens inside an extend as well; a kvstrata forward leaves one at its end only,
-    so with fewer track points a short chat turn would leave no snapshot at all (vLLM's
-    0%-hit trap; measured: tests/unit/test_state_cache.py)."""
+    no hit). SGLang tracks every 256 decode tokens and, inside an extend, at the last
+    multiple of max(64, page size); kvstrata has one cadence for both (cache/state_slots.py:
+    every track point a decode step ends on, and the last one inside a prompt's last
+    chunk), so with fewer track points a short chat turn would leave no snapshot at all
+    (vLLM's 0%-hit trap; measured: tests/unit/test_state_cache.py)."""
     if value is not None:
         return value
     return page_size if page_size > 1 else SGLANG_TRACK_INTERVAL
@@ -72,12 +78,18 @@ def slots_per_request(radix_cache: bool, strategy: str) -> int:
 def unbuilt(args: ResolvedArgs) -> list[str]:
     """What a recurrent model cannot run with yet, each with its reason."""
     out = []
-    if args.speculative_algorithm is not None:
-        out.append(f"--speculative-algorithm {args.speculative_algorithm}: a verify would "
-                   f"need the state after every draft token, only the accepted one committed")
-    if args.disaggregation_mode != "null":
-        out.append(f"--disaggregation-mode {args.disaggregation_mode}: the final state of "
-                   f"each recurrent layer does not cross with the KV pages yet")
+    algo = args.speculative_algorithm
+    if algo is not None and algo not in SPEC_ALGORITHMS:
+        out.append(f"--speculative-algorithm {algo}: a draft head over a recurrent target "
+                   f"(EAGLE / EAGLE3, Qwen3-Next's MTP layer as NEXTN) is not built; NGRAM "
+                   f"and STANDALONE are")
+    if algo == "NGRAM" and ((args.speculative_ngram_max_bfs_breadth or 1) > 1
+                            or args.speculative_ngram_match_type == "PROB"):
+        out.append("NGRAM tree drafts (--speculative-ngram-max-bfs-breadth > 1 or match type "
+                   "PROB): a recurrent layer verifies chains only (one state per draft step)")
+    if algo == "STANDALONE" and (args.speculative_eagle_topk or 1) > 1:
+        out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
+                   f"layer verifies chains only (one state per draft step)")
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
@@ -97,16 +109,18 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
         raise ValueError("not built yet for a model with recurrent (SSM / linear-attention) "
                          "state: " + "; ".join(refused))
     P, strategy = args.page_size, args.mamba_radix_cache_strategy
-    radix = not args.disable_radix_cache
+    # a PD decode server keeps no prefix cache (its decode radix cache is refused above)
+    decode = args.disaggregation_mode == "decode"
+    radix = not args.disable_radix_cache and not decode
     resolved = check_strategy(strategy, P, args.mamba_track_interval) if radix else strategy
     out: list[Resolution] = []
     if radix and resolved == "extra_buffer" and args.mamba_track_interval is None:
         every = track_interval(None, P)
         out += change(args, "mamba_track_interval", every, RULE_TRACK,
                       f"extra_buffer at --page-size {P}: " + (
-                          "every page end (SGLang's 256 leaves no snapshot for a chat turn "
-                          "shorter than that: a forward here snapshots at its end only, not "
-                          "every 64 tokens inside a prefill as SGLang's kernels do)" if P > 1
+                          "every page end (one cadence here for decode steps and the last "
+                          "point inside a prompt; SGLang's 256 would leave no snapshot for a "
+                          "chat turn shorter than that)" if P > 1
                           else "SGLang's (at page size 1 a finish is always page-aligned)"))
     if radix and strategy == "auto":
         every = track_interval(args.mamba_track_interval, P)
@@ -116,7 +130,9 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
         out += change(args, "mamba_radix_cache_strategy", resolved, RULE_STRATEGY,
                       f"auto at --page-size {P}: {resolved} ({what})")
     per_request = slots_per_request(radix, resolved)
-    why = (f"the radix cache is disabled: each running request holds its working slot only"
+    why = ("a PD decode server keeps no prefix cache: each request holds the slot its "
+           "prompt's final state is received into" if decode else
+           f"the radix cache is disabled: each running request holds its working slot only"
            if not radix else
            f"{resolved}: each running request holds a working slot"
            f"{' and a track slot' if resolved == 'extra_buffer' else ''}, the prefix cache "

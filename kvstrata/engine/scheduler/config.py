@@ -147,9 +147,13 @@ class SchedulerConfig:
         refuses the flags at start-up; this guards configs built without resolution)."""
         if not self.plan.has_state_pool:
             return
-        if self.disaggregation_mode != "null" or self.speculative_algorithm is not None:
-            raise ValueError("a recurrent state pool does not support PD disaggregation or "
-                             "speculative decoding yet")
+        if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE"):
+            raise ValueError(f"a recurrent state pool does not support "
+                             f"--speculative-algorithm {self.speculative_algorithm} yet "
+                             f"(NGRAM and STANDALONE chains only)")
+        if self.disaggregation_mode == "decode" and self.disaggregation_decode_enable_radix_cache:
+            raise ValueError("--disaggregation-decode-enable-radix-cache is incompatible with "
+                             "Mamba/SSM models (a recurrent state pool)")
         if self.radix_cache:  # a strategy it cannot run (no_buffer with pages > 1) fails here
             check_strategy(self.mamba_radix_cache_strategy, self.page_size,
                            self.mamba_track_interval)

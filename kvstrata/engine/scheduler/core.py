@@ -18,7 +18,8 @@ from kvstrata.engine.scheduler.out_of_memory import (OOM_LAST_REQUEST_MESSAGE, a
 from kvstrata.engine.scheduler.prefill_adder import (PrefillAdder, PrefillItem, branch_cap,
                                                      prefill_candidates, swa_budget)
 from kvstrata.engine.scheduler.stop_checker import StopChecker
-from kvstrata.engine.scheduler.verify_step import after_verified, collect_drafts, settle_verified
+from kvstrata.engine.scheduler.verify_step import (after_verified, clamp_computed,
+                                                   collect_drafts, settle_verified)
 from kvstrata.engine.sides.base import SchedulerSide
 from kvstrata.engine.sides.registry import build_sides
 from kvstrata.protocol import (FinishReason, NewRequestData, RunnerOutput, ScheduledRequest,
@@ -116,7 +117,7 @@ class Scheduler:
         req.finish_reason = reason
         req.status = RequestStatus.FINISHED
         # Ended while a verify ran (abort): only committed tokens' KV may reach the tree.
-        req.num_computed_tokens = min(req.num_computed_tokens, req.seq_len)
+        clamp_computed(req)
         self.kv.abort_prefetch(req.rid)  # a prefetch still running for it is cancelled
         if release_kv and (req.row or req.pages or req.last_node is not None):
             self.kv.release(req, insert=True)
@@ -254,7 +255,7 @@ class Scheduler:
             sample=sample, num_draft=len(draft),
             draft_parents=getattr(draft, "parents", None),
             runner_tree=isinstance(draft, TreeDraft) and draft.parents is None,
-            **self.kv.state_fields(req, end, chunk_end=not sample),
+            **self.kv.state_fields(req, end, chunk_end=not sample, num_draft=len(draft)),
         )
         # Optimistic: run before the next schedule() (a verify entry is corrected in update).
         req.num_computed_tokens = end
@@ -420,7 +421,7 @@ class Scheduler:
 
     def _complete(self, req: Request, reason: FinishReason) -> None:
         # A stop inside a verified run: every committed token's KV is computed.
-        req.num_computed_tokens = min(req.num_computed_tokens, req.seq_len)
+        clamp_computed(req)
         if req in self.running:
             self.running.remove(req)
         self.finish(req, reason)

@@ -57,6 +57,16 @@ def settle_verified(drafted: dict[str, tuple[int, int]], by_id: dict[str, Reques
     return produced
 
 
+def clamp_computed(req: Request) -> None:
+    """A request ending while a verify ran (abort) or with a stop inside a verified run: only
+    the committed tokens count as computed (their KV is what may reach the tree). Where that
+    cuts back, a recurrent model's working state slot holds the state after every accepted
+    draft, past the request's end: it must not be donated as the snapshot there."""
+    if req.num_computed_tokens > req.seq_len:
+        req.num_computed_tokens = req.seq_len
+        req.state_past_end = True
+
+
 def after_verified(sched: Scheduler, drafted: dict[str, tuple[int, int]],
                    by_id: dict[str, Request], produced: dict[str, int]) -> None:
     """After the tokens are appended: the pages of rejected drafts go back to the pool, and

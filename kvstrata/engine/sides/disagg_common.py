@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.state_pd import kv_pages_cross, state_pages
 from kvstrata.cache.swa_pd import tail_start_page
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, page_bytes
 from kvstrata.engine.request import Request
@@ -86,6 +87,10 @@ class DisaggSide(SchedulerSide):
         # hybrid SWA memory: an SWA page (the window layers' K/V) is smaller than a full one
         self.swa_page_bytes = page_bytes(plan.swa_components, plan.page_size) \
             if plan.has_swa_pool else 0
+        # recurrent state: the request's final state slot crosses on the last chunk
+        # (cache/state_pd.py); without K/V (Mamba2) it is all that crosses
+        self.state_slot_bytes = plan.state_bytes_per_slot if plan.has_state_pool else 0
+        self.kv_pages_cross = kv_pages_cross(plan)
 
     # ------------------------------------------------------------------ small helpers
     def queues(self) -> dict[str, list[Request]]:
@@ -125,12 +130,20 @@ class DisaggSide(SchedulerSide):
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def moved_bytes(self, pages: int, swa_pages: int) -> int:
+    def moved_bytes(self, pages: int, swa_pages: int, state_pages: int = 0) -> int:
         """Bytes of `pages` pages of a room that crossed, `swa_pages` of them the SWA pool's
-        (hybrid SWA memory: smaller pages; the transfer layer counts them, PDEvent)."""
-        if not self.swa_page_bytes:
-            return pages * self.page_bytes_moved
-        return (pages - swa_pages) * self.page_bytes_moved + swa_pages * self.swa_page_bytes
+        (hybrid SWA memory: smaller pages) and `state_pages` state slots (the transfer layer
+        counts them, PDEvent)."""
+        kv = pages - swa_pages - state_pages
+        swa = self.swa_page_bytes or self.page_bytes_moved  # (page-only fakes: no SWA bytes)
+        return (kv * self.page_bytes_moved + swa_pages * swa
+                + state_pages * self.state_slot_bytes)
+
+    def room_pages(self, prompt_len: int) -> int:
+        """Pages a prompt's room moves (both sides count them alike): its full pages (none
+        without K/V), the SWA pages of its last window, its final state slot."""
+        full = self.pages_for(prompt_len) if self.kv_pages_cross else 0
+        return full + self.swa_tail_pages(prompt_len) + state_pages(self.kv.plan)
 
     def swa_tail_pages(self, prompt_len: int) -> int:
         """SWA pages a prompt's transfer moves after its full pages (the last window,
@@ -206,7 +219,8 @@ class DisaggSide(SchedulerSide):
                 continue
             room.state = ev.state
             if ev.state in TERMINAL:  # what crossed, failed and aborted rooms included
-                self.kv_bytes_moved += self.moved_bytes(ev.pages, ev.swa_pages)
+                self.kv_bytes_moved += self.moved_bytes(ev.pages, ev.swa_pages,
+                                                        ev.state_pages)
             if room.draining:
                 if ev.state in TERMINAL:
                     self._end_drain(room)

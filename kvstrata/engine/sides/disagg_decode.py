@@ -45,6 +45,7 @@ from __future__ import annotations
 import msgspec
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.state_pd import state_wire_ids
 from kvstrata.cache.swa_pd import decode_tail_wire_ids, grow_swa_tail, held_tail_pages
 from kvstrata.engine.request import Request
 from kvstrata.engine.scheduler.new_token_ratio import CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -186,8 +187,10 @@ class DecodeDisagg(DisaggSide):
             # those of it past the cached prefix (the tree holds the rest live)
             grown = grow_swa_tail(self.kv, req, len(req.prompt_ids)) \
                 if self.kv.swa is not None else self.kv.grow(req, len(req.prompt_ids))
-            if not grown:
-                self.kv.release(req, insert=False)  # the match's lock (nothing else held)
+            # recurrent state: a slot for the prompt's final state to land in (no reset at
+            # its first decode step: the transfer fills it)
+            if not grown or not self.kv.assign_state_slot(req):
+                self.kv.release(req, insert=False)  # the match's lock, the pages grown
                 break
             swa_spent += self.swa_tail_pages(len(req.prompt_ids)) * P
             self._take_slot(room)
@@ -199,8 +202,9 @@ class DecodeDisagg(DisaggSide):
             if self.kv.swa is not None:
                 tail = decode_tail_wire_ids(self.kv, req, len(req.prompt_ids))
                 held_tail = held_tail_pages(self.kv, req, len(req.prompt_ids))
+            full = list(req.pages[req.num_tree_pages:]) if self.kv_pages_cross else []
             self.emit("receiver_init", req.bootstrap.room,
-                      page_ids=list(req.pages[req.num_tree_pages:]) + tail,
+                      page_ids=full + tail + state_wire_ids(self.kv.plan, req),
                       metadata_index=room.slot, prefix_pages=req.num_tree_pages,
                       prefix_swa_pages=held_tail)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.state_pd import state_wire_ids
 from kvstrata.cache.swa_pd import prefill_tail_wire_ids
 from kvstrata.engine.request import Request
 from kvstrata.engine.sides.disagg_common import DisaggSide, Room
@@ -74,8 +75,7 @@ class PrefillDisagg(DisaggSide):
             if not self._take_slot(room):
                 break
             self.emit("sender_init", req.bootstrap.room,
-                      num_pages=self.pages_for(len(req.prompt_ids))
-                      + self.swa_tail_pages(len(req.prompt_ids)), metadata_index=room.slot)
+                      num_pages=self.room_pages(len(req.prompt_ids)), metadata_index=room.slot)
             self.bootstrap.remove(req)
             self.sched.enqueue(req)
 
@@ -85,7 +85,7 @@ class PrefillDisagg(DisaggSide):
         on page boundaries; the pages sent stay tree-locked, so their ids never change."""
         room = self._room(req)
         full = req.num_computed_tokens // self.page_size
-        if full > room.sent_pages:
+        if full > room.sent_pages and self.kv_pages_cross:
             self.emit("send", req.bootstrap.room, page_ids=req.pages[room.sent_pages:full])
             room.sent_pages = full
 
@@ -108,7 +108,11 @@ class PrefillDisagg(DisaggSide):
         # hybrid SWA memory: the window layers' pages of the prompt's last window go last
         tail = prefill_tail_wire_ids(self.kv, req, len(req.prompt_ids)) \
             if self.kv.swa is not None else []
-        self.emit("send", room, page_ids=req.pages[sent:] + tail, last=True, metadata=PDMetadata(
+        # recurrent state: the working slot, holding the state after the whole prompt (the
+        # request keeps it, unwritten, until the room ends), crosses last
+        full = req.pages[sent:] if self.kv_pages_cross else []
+        pages = full + tail + state_wire_ids(self.kv.plan, req)
+        self.emit("send", room, page_ids=pages, last=True, metadata=PDMetadata(
             room=room, first_token_id=token, first_logprob=logprob,
             first_top_logprobs=list(top) if top else None, cached_tokens=req.cached_tokens,
             extras={DSA_SEED_KEY: dsa_seed} if dsa_seed is not None else {},

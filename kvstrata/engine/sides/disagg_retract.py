@@ -11,14 +11,18 @@ then the new_token_ratio re-estimate), but each victim's KV is *backed up* first
            host_pool (host pages of the retraction host pool, allocated here). A host pool
            that cannot hold the backup aborts that request only: EXHAUSTED_MESSAGE, 500.
            Then its device pages and row are freed and it enters the retracted queue.
+           With recurrent state the request's state slot is copied out too (BackupOp
+           .state_slot: a CPU copy with either backend, SGLang's cpu_tensor path keeps the
+           mamba slot beside the KV) and freed with its pages.
   resume   before any admission, each step, in order: stop at the first request for which
            no request slot is free (max_running_requests + extra slots hold decode KV) or
            pages(seq_len - 1) + num_reserved_decode_tokens exceeds the admission budget
            (when nothing holds decode KV, its pages being free is enough); else allocate its
-           pages, emit `restore`, and hand it to the prebuilt queue as if its transfer had
-           just finished: num_computed_tokens = seq_len - 1, row_stale_from = 0, so its next
-           decode step feeds the last output token at position seq_len - 1 and writes the
-           whole req_to_token row (no forward over the prompt, no re-transfer).
+           pages (and a state slot), emit `restore`, and hand it to the prebuilt queue as if
+           its transfer had just finished: num_computed_tokens = seq_len - 1,
+           row_stale_from = 0, so its next decode step feeds the last output token at
+           position seq_len - 1 and writes the whole req_to_token row (no forward over the
+           prompt, no re-transfer).
   discard  a retracted request that is aborted drops its backup (host pages freed); once.
 While the retracted queue is not empty no new request is admitted.
 """
@@ -135,10 +139,13 @@ class DecodeRetraction:
         self.ops.append(BackupOp(kind="backup", rid=req.rid, backend=self.backend,
                                  num_tokens=tokens, device_pages=req.pages[:num_pages],
                                  host_pages=list(host),
-                                 swa_pages=self._window_swa_pages(req, tokens)))
+                                 swa_pages=self._window_swa_pages(req, tokens),
+                                 state_slot=req.state_slot))
         self.backups[req.rid] = Backup(tokens, num_pages, list(host))
         self.num_backups[self.backend] += 1
-        self.backup_bytes += tokens * self.kv.plan.bytes_per_token
+        plan = self.kv.plan
+        self.backup_bytes += tokens * plan.bytes_per_token + (
+            plan.state_bytes_per_slot if plan.has_state_pool else 0)
         # The device pages go back only after the backup op is queued: it ships, and is
         # applied first, in the same SchedulerOutput as any op that reuses them.
         self.sched.retract_one(req)  # release pages + row, the runner forgets it
@@ -180,7 +187,9 @@ class DecodeRetraction:
             # hybrid SWA memory: SWA pages for the backed-up window only, as at admission
             grown = grow_swa_tail(self.kv, req, backup.num_tokens) \
                 if self.kv.swa is not None else self.kv.grow(req, backup.num_tokens)
-            if not grown:
+            # recurrent state: a new slot for the backed-up state
+            if not grown or not self.kv.assign_state_slot(req):
+                self.kv.release(req, insert=False)
                 break
             swa_spent += side.swa_tail_pages(backup.num_tokens) * P
             allocatable -= need + side.reserved
@@ -192,7 +201,8 @@ class DecodeRetraction:
         self.ops.append(BackupOp(kind="restore", rid=req.rid, backend=self.backend,
                                  num_tokens=backup.num_tokens, device_pages=list(req.pages),
                                  host_pages=list(backup.host_pages),
-                                 swa_pages=self._window_swa_pages(req, backup.num_tokens)))
+                                 swa_pages=self._window_swa_pages(req, backup.num_tokens),
+                                 state_slot=req.state_slot))
         if backup.host_pages:
             # Freed now: the restore reads them first in the next SchedulerOutput, before
             # any later backup can write them.

@@ -77,6 +77,7 @@ class DisaggExecutor(OpExecutor):
             event = PDEvent(room, int(state))
             if state in _FINAL:
                 event.pages, event.swa_pages = obj.pages_moved, obj.swa_pages_moved
+                event.state_pages = obj.state_pages_moved
             if state == KVPoll.FAILED:
                 event.error = obj.failure_reason or "PD transfer failed"
             elif state == KVPoll.SUCCESS and hasattr(obj, "metadata"):

@@ -17,6 +17,12 @@ native scatter: measured ~15 GB/s on a 2k-token SmolLM2 request against 6-9 GB/s
 index_select / index_copy_. A fresh backup tensor's first touch costs as much again (page
 faults); see benchmarks/bench_retraction.py. With the device pool on a GPU the gather and
 scatter are torch index ops on the device and one copy across the bus.
+
+With recurrent state (SSM / linear-attention models) a backup also keeps the request's state
+slot (`BackupOp.state_slot`): a CPU copy of the slot with either backend (SGLang's
+get_cpu_copy takes the KV and the mamba slot together; its host-pool path carries no state,
+which is why the auto rule picks cpu_tensor for these models), written into the request's
+new slot at restore. A model without K/V (Mamba2) keeps only that: `device_pool` None.
 """
 from __future__ import annotations
 
@@ -61,12 +67,25 @@ class RetractionBackupExecutor(OpExecutor):
         self.apply(ops)  # synchronous: done before anything else of the step
         return []
 
-    def __init__(self, device_pool, host_pool=None, io=None):
+    def __init__(self, device_pool, host_pool=None, io=None, state_pool=None):
         if (host_pool is None) != (io is None):
             raise ValueError("a host_pool backup needs both the host pool and its IO backend")
+        if device_pool is None and (state_pool is None or host_pool is not None):
+            raise ValueError("a backup without a KV pool keeps state slots only (cpu_tensor)")
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.io = io
+        self.state_pool = state_pool
+        self._states: dict[str, dict] = {}  # rid -> the CPU copy of its state slot
+        self._cpu: dict[str, _CpuBackup] = {}
+        # hybrid SWA memory: a cpu_tensor executor over the SWA pool (with_swa_pool)
+        self.swa: RetractionBackupExecutor | None = None
+        self._host: dict[str, tuple[int, ...]] = {}  # rid -> host pages holding its backup
+        self._stats: dict[str, float] = {}
+        if device_pool is not None:
+            self._kv_geometry(device_pool)
+
+    def _kv_geometry(self, device_pool) -> None:
         kv = device_pool.kv
         P = device_pool.plan.page_size
         self.page_size = P
@@ -82,11 +101,6 @@ class RetractionBackupExecutor(OpExecutor):
         # Byte offsets for the native copy: the (kv, layer) rows of a page in the pool.
         self._pool_rows = torch.arange(two_l, dtype=torch.long) * self._pages.stride(0) * \
             words.element_size()
-        self._cpu: dict[str, _CpuBackup] = {}
-        # hybrid SWA memory: a cpu_tensor executor over the SWA pool (with_swa_pool)
-        self.swa: RetractionBackupExecutor | None = None
-        self._host: dict[str, tuple[int, ...]] = {}  # rid -> host pages holding its backup
-        self._stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
     def apply(self, ops: list[BackupOp]) -> None:
@@ -101,6 +115,10 @@ class RetractionBackupExecutor(OpExecutor):
                 if self.swa is not None:
                     self.swa._discard(op)
                 continue
+            if op.state_slot:
+                self._apply_state(op)
+            if self.device_pool is None:
+                continue  # no K/V: the pages are addresses only
             if op.swa_pages:
                 self._apply_swa(op)
             pages = self._check_pages(op)
@@ -125,12 +143,31 @@ class RetractionBackupExecutor(OpExecutor):
         self.swa.apply([BackupOp(kind=op.kind, rid=op.rid, backend=op.backend,
                                  device_pages=list(op.swa_pages), host_pages=host)])
 
+    def _apply_state(self, op: BackupOp) -> None:
+        """Recurrent state: copy the request's state slot out (backup) or into its new slot
+        (restore), on the CPU whatever the KV backend."""
+        if self.state_pool is None:
+            raise ValueError(f"BackupOp {op.kind} for {op.rid!r} names state slot "
+                             f"{op.state_slot}, but this runner has no state pool")
+        start = time.perf_counter()
+        if op.kind == "backup":
+            if op.rid in self._states:
+                raise ValueError(f"request {op.rid!r} already has a state backup")
+            copy = self._states[op.rid] = self.state_pool.cpu_copy([op.state_slot])
+        else:
+            copy = self._states.pop(op.rid, None)
+            if copy is None:
+                raise ValueError(f"restore of {op.rid!r}: no state backup held")
+            self.state_pool.restore([op.state_slot], copy)
+        self._count("state", op.kind, sum(t.numel() * t.element_size() for t in copy.values()),
+                    time.perf_counter() - start)
+
     def has_backup(self, rid: str) -> bool:
-        return rid in self._cpu or rid in self._host
+        return rid in self._cpu or rid in self._host or rid in self._states
 
     @property
     def num_backups(self) -> int:
-        return len(self._cpu) + len(self._host)
+        return len(set(self._cpu) | set(self._host) | set(self._states))
 
     def stats(self) -> dict:
         """Counters per backend and direction (`cpu_tensor_backup_bytes`,
@@ -153,10 +190,11 @@ class RetractionBackupExecutor(OpExecutor):
         """Drop every backup (the runner is shutting down)."""
         self._cpu.clear()
         self._host.clear()
+        self._states.clear()
 
     # ------------------------------------------------------------------ cpu_tensor
     def _cpu_backup(self, op: BackupOp, pages: torch.Tensor) -> None:
-        if self.has_backup(op.rid):
+        if op.rid in self._cpu or op.rid in self._host:
             raise ValueError(f"request {op.rid!r} already has a KV backup")
         n = pages.numel()
         if self._native:
@@ -198,7 +236,7 @@ class RetractionBackupExecutor(OpExecutor):
     # ------------------------------------------------------------------ host_pool
     def _host_backup(self, op: BackupOp, pages: torch.Tensor) -> None:
         self._need_host(op)
-        if self.has_backup(op.rid):
+        if op.rid in self._cpu or op.rid in self._host:
             raise ValueError(f"request {op.rid!r} already has a KV backup")
         self.io.write_back(pages, op.host_pages)
         self._host[op.rid] = tuple(op.host_pages)
@@ -227,6 +265,7 @@ class RetractionBackupExecutor(OpExecutor):
         # Idempotent: an unknown rid (already restored, discarded, or never backed up) is fine.
         dropped = self._cpu.pop(op.rid, None) is not None
         dropped |= self._host.pop(op.rid, None) is not None
+        dropped |= self._states.pop(op.rid, None) is not None
         self._stats["discard_count"] = self._stats.get("discard_count", 0.0) + dropped
 
     def _check_pages(self, op: BackupOp) -> torch.Tensor:
@@ -274,13 +313,14 @@ def retraction_pool_backup(plan, device_pool, swa_pool=None) -> RetractionBackup
     return with_swa_pool(executor, swa_pool, swa_host, plan.io_backend)
 
 
-def on_demand_backup(device_pool, hicache=None) -> RetractionBackupExecutor:
+def on_demand_backup(device_pool, hicache=None, state_pool=None) -> RetractionBackupExecutor:
     """The executor built at the first BackupOp of a plan without a retraction host pool:
-    cpu_tensor backups, and with HiCache on a decode server also host_pool backups into
-    HiCache's host pool (one pool, shared: cache/kv_manager.py), through an IO backend of
-    their own (HiCache's transfer thread keeps its own staging)."""
+    cpu_tensor backups (with the state pool's slots: recurrent state), and with HiCache on a
+    decode server also host_pool backups into HiCache's host pool (one pool, shared:
+    cache/kv_manager.py), through an IO backend of their own (HiCache's transfer thread
+    keeps its own staging)."""
     if hicache is None:
-        return RetractionBackupExecutor(device_pool)
+        return RetractionBackupExecutor(device_pool, state_pool=state_pool)
     host = hicache.host_pool
     return RetractionBackupExecutor(device_pool, host, make_io_backend(
         hicache.plan.io_backend, device_pool.kv, host))

@@ -128,7 +128,8 @@ class MinRoomState(EventMerge):
         first = states[0]
         ended = first.state in (KVPoll.FAILED, KVPoll.SUCCESS)
         return PDEvent(key, worst.state, error=worst.error, pages=first.pages if ended else 0,
-                       swa_pages=first.swa_pages if ended else 0)
+                       swa_pages=first.swa_pages if ended else 0,
+                       state_pages=first.state_pages if ended else 0)
 
     def pending(self) -> int:
         return len(self._rooms)

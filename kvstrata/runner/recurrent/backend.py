@@ -5,7 +5,9 @@ Once per step `RecurrentMeta.build` sorts the batch's requests by how their recu
   decode   one-token rows, all of them through one batched step per layer (the conv window
            shift and the state update; the slots gathered, updated, scattered back)
   prefill  a multi-token chunk: the chunked conv and scan per request, the slot read as the
-           initial state (zeros when start_pos is 0) and the final state written back
+           initial state (zeros when start_pos is 0) and the final state written back; an
+           interior snapshot (`snapshots`: the state after the first m tokens into another
+           slot) splits the scan there
   verify   a speculative verify entry (its tokens are the last one and the drafts): run
            token by token from the slot, every step's state kept and the slot left alone;
            `commit(i, step)` writes the accepted step's state once acceptance is known
@@ -45,6 +47,9 @@ class RecurrentMeta:
     # verify request index -> per pool layer the (conv concatenation, step states) a commit
     # reads (filled during the forward)
     pending: dict[int, dict[int, tuple]] = field(default_factory=dict)
+    # prefill request index -> (m, slot): the state after its first m tokens goes to slot
+    # (ScheduledRequest.state_snapshot_at inside the chunk)
+    snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, fb: ForwardBatch, slots: list[int] | None, verify: list[bool] | None
@@ -103,6 +108,9 @@ class RecurrentBackend:
                 meta.pending.setdefault(i, {})[layer] = (full, None)
             elif slot:
                 windows[slot] = full[:, full.shape[1] - windows.shape[-1]:]
+                if i in meta.snapshots:  # the window after the first m tokens
+                    m, snap = meta.snapshots[i]
+                    windows[snap] = full[:, m:m + windows.shape[-1]]
         return out
 
     def gated_delta(self, layer: int, fb: ForwardBatch, q, k, v, g, beta) -> torch.Tensor:
@@ -146,6 +154,13 @@ class RecurrentBackend:
                 y, every = steps(*seq, init)
                 full, _ = meta.pending[i][layer]
                 meta.pending[i][layer] = (full, every[0])
+            elif i in meta.snapshots:  # split at the interior snapshot
+                m, snap = meta.snapshots[i]
+                y_head, mid = chunked(*(t[:, :m] for t in seq), init)
+                states[snap] = mid[0].to(states.dtype)
+                y_tail, final = chunked(*(t[:, m:] for t in seq), mid)
+                states[slot] = final[0].to(states.dtype)
+                y = torch.cat([y_head, y_tail], dim=1)
             else:
                 y, final = chunked(*seq, init)
                 if slot:

@@ -39,7 +39,13 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
     # A tensor-parallel target's dims are its rank's share (a vocabulary slice): the draft,
     # whole on every rank, must match the whole vocabulary.
     vocab = getattr(target, "full_dims", target.dims).vocab_size
-    return DraftModel(path, dtype, device, quantization, vocab, tree, deterministic)
+    draft = DraftModel(path, dtype, device, quantization, vocab, tree, deterministic)
+    if getattr(draft.model, "num_recurrent_layers", 0):
+        raise ValueError(f"--speculative-draft-model-path {path}: a draft model with recurrent "
+                         f"(SSM / linear-attention) layers is not built (its state would have "
+                         f"to be rolled back to the accepted step after every verify); use a "
+                         f"draft without them")
+    return draft
 
 
 def refuse_speculation(target, algorithm: str) -> None:

@@ -54,6 +54,11 @@ class KVSender(abc.ABC):
         """Of `pages_moved`, the SWA region's pages (hybrid SWA memory), counted alike."""
         return 0
 
+    @property
+    def state_pages_moved(self) -> int:
+        """Of `pages_moved`, the state region's (recurrent state: a state slot)."""
+        return 0
+
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None:
         """Idempotent; tells the peer when it can, so its side fails too. Once pages were
@@ -96,6 +101,11 @@ class KVReceiver(abc.ABC):
     @property
     def swa_pages_moved(self) -> int:
         """Of `pages_moved`, the SWA region's pages (hybrid SWA memory)."""
+        return 0
+
+    @property
+    def state_pages_moved(self) -> int:
+        """Of `pages_moved`, the state region's (recurrent state)."""
         return 0
 
     @abc.abstractmethod

@@ -45,7 +45,8 @@ TICK_SECONDS = 0.05      # timeout / heartbeat checks; also the thread's longest
 class ZmqDisaggManager(DisaggManager):
     def __init__(self, role: str, buffers, *, host: str, bootstrap_port: int,
                  num_metadata_slots: int, page_size: int, kv_dtype: str, tp_rank: int = 0,
-                 tp_size: int = 1, kv_replicated: bool = False, swa_buffers=()):
+                 tp_size: int = 1, kv_replicated: bool = False, swa_buffers=(),
+                 state_buffers=()):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role, self.page_size, self.kv_dtype = role, page_size, kv_dtype
@@ -56,8 +57,9 @@ class ZmqDisaggManager(DisaggManager):
         self.kv_replicated = kv_replicated
         # What peers are told to connect to: a wildcard bind address is no address to dial.
         self.host = advertised_ip(host)
-        # `swa_buffers`: the SWA pool's, a second page region (regions.py)
-        self.regions = PageRegions(buffers, swa_buffers)
+        # `swa_buffers`: the SWA pool's, `state_buffers` the state pool's: page regions of
+        # their own (regions.py)
+        self.regions = PageRegions(buffers, swa_buffers, state_buffers)
         self.buffers = self.regions.flat
         self.geometry = self.regions.geometry()
         self.num_metadata_slots = num_metadata_slots
@@ -414,7 +416,7 @@ class ZmqDisaggManager(DisaggManager):
         for dest in s.receivers:
             if page_ids:  # from now on its count is needed before the room may fail
                 s.shipped.add(dest.endpoint)
-            try:  # one run of sends per page region (main, then SWA pages: regions.py)
+            try:  # one run of sends per page region (main, SWA, state pages: regions.py)
                 runs = split(page_ids, dst, self.regions.bases, geometry_bases(dest.geometry))
             except ValueError as e:
                 self.fail(s, f"prefill and decode disagree on the SWA pages: {e}")

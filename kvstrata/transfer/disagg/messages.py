@@ -33,7 +33,7 @@ class BufferGeometry(msgspec.Struct, array_like=True, frozen=True):
     sections: int
     num_pages: int
     page_bytes: int
-    region: int = 0                   # 1: the SWA pool's buffers (regions.py)
+    region: int = 0                   # 1: the SWA pool's, 2: the state pool's (regions.py)
 
 
 class Join(msgspec.Struct, tag="join"):
@@ -128,7 +128,16 @@ def geometry_mismatch(mine: list[BufferGeometry], theirs: list[BufferGeometry]) 
     if ours == peer and [g.region for g in mine] == [g.region for g in theirs]:
         return None
     why = "same model, dtype and page size needed on both servers"
-    swa = [any(g.region for g in side) for side in (mine, theirs)]
+    # regions.py: 1 = the SWA pool's buffers, 2 = the state pool's
+    state = [any(g.region == 2 for g in side) for side in (mine, theirs)]
+    if state[0] != state[1]:
+        return (f"KV geometry mismatch: only the {'prefill' if state[0] else 'decode'} server "
+                f"keeps recurrent (SSM) state; both must serve the same model (prefill "
+                f"buffers (sections, page_bytes) {ours} vs decode {peer})")
+    if state[0] and [(g.sections, g.page_bytes) for g in mine if g.region == 2] != [
+            (g.sections, g.page_bytes) for g in theirs if g.region == 2]:
+        why += "; the state slots differ: start both with the same --mamba-ssm-dtype"
+    swa = [any(g.region == 1 for g in side) for side in (mine, theirs)]
     if swa[0] != swa[1]:  # a hybrid SWA server and a uniform one
         return (f"KV geometry mismatch: the {'prefill' if swa[0] else 'decode'} server keeps "
                 f"the sliding-window layers in an SWA pool (hybrid SWA memory), the other "

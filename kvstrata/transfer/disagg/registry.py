@@ -42,13 +42,14 @@ class WarmupRouting(DisaggManager):
 def create_manager(backend: str, role: str, buffers, *, host: str, bootstrap_port: int,
                    num_metadata_slots: int, page_size: int, kv_dtype: str, tp_rank: int = 0,
                    tp_size: int = 1, kv_replicated: bool = False,
-                   swa_buffers=()) -> DisaggManager:
+                   swa_buffers=(), state_buffers=()) -> DisaggManager:
     """`buffers`: the page buffers (contiguous uint8 [sections, pages, page_bytes]; see
     base.py). The prefill role starts the bootstrap server on host:bootstrap_port; the
     decode role ignores bootstrap_port (each request names its prefill's). `kv_replicated`:
     every tensor-parallel rank holds the whole KV (MLA), so a decode server of another
     --tp-size can pull from this one (rank_map.py). `swa_buffers`: the SWA pool's page
-    buffers (hybrid SWA memory), registered as a second page region (regions.py)."""
+    buffers (hybrid SWA memory), registered as a second page region, `state_buffers` the
+    state pool's (recurrent state: a page per state slot) as a third (regions.py)."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
     if backend == "fake":
@@ -63,7 +64,8 @@ def create_manager(backend: str, role: str, buffers, *, host: str, bootstrap_por
     return WarmupRouting(cls(role, buffers, host=host, bootstrap_port=bootstrap_port,
                              num_metadata_slots=num_metadata_slots, page_size=page_size,
                              kv_dtype=kv_dtype, tp_rank=tp_rank, tp_size=tp_size,
-                             kv_replicated=kv_replicated, swa_buffers=swa_buffers))
+                             kv_replicated=kv_replicated, swa_buffers=swa_buffers,
+                             state_buffers=state_buffers))
 
 
 __all__ = ["BACKENDS", "WarmupRouting", "create_manager"]

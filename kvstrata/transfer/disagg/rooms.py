@@ -11,7 +11,7 @@ import time
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
 from kvstrata.transfer.disagg.base import KVReceiver, KVSender
 from kvstrata.transfer.disagg.messages import Abort, Ack, Chunk, Destination, Join
-from kvstrata.transfer.disagg.regions import geometry_bases, swa_count
+from kvstrata.transfer.disagg.regions import STATE, SWA, geometry_bases, region_count
 
 _FINAL = (KVPoll.FAILED, KVPoll.SUCCESS)
 
@@ -87,10 +87,19 @@ class Sender(_Room, KVSender):
     @property
     def swa_pages_moved(self) -> int:
         """Of those, the SWA region's: the decode writes its pages in destination order."""
+        return self._moved_in(SWA)
+
+    @property
+    def state_pages_moved(self) -> int:
+        """Of those, the state region's (recurrent state)."""
+        return self._moved_in(STATE)
+
+    def _moved_in(self, region: int) -> int:
         dest = self.dest
         if dest is None:
             return 0
-        return swa_count(dest.page_ids[:self.pages_moved], geometry_bases(dest.geometry))
+        return region_count(dest.page_ids[:self.pages_moved], geometry_bases(dest.geometry),
+                            region)
 
     def __init__(self, mgr, room: int):
         super().__init__(mgr, room)
@@ -233,7 +242,11 @@ class Receiver(_Room, KVReceiver):
 
     @property
     def swa_pages_moved(self) -> int:
-        return swa_count((self.dst or [])[:self.received], self.mgr.regions.bases)
+        return region_count((self.dst or [])[:self.received], self.mgr.regions.bases, SWA)
+
+    @property
+    def state_pages_moved(self) -> int:
+        return region_count((self.dst or [])[:self.received], self.mgr.regions.bases, STATE)
 
     def abort_message(self, peer: str, reason: str) -> Abort:
         return Abort(self.room, self.mgr.endpoint, reason,
