@@ -30,10 +30,11 @@ def reference_tokens(prompt: list[int], n: int, vocab: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def pattern_drafter(num_draft_tokens: int, seed: int, vocab: int):
+def pattern_drafter(num_draft_tokens: int, seed: int, vocab: int, trees: bool = True):
     """A SpeculativeSide.draft stand-in: drafts of a random length whose first `good`
     tokens are the true continuation (reference_tokens) and the rest wrong, so every accept
-    length (0 .. all) happens against a fake runner."""
+    length (0 .. all) happens against a fake runner. `trees` False: chains only (a
+    recurrent-state model verifies no trees)."""
     import random
 
     rng = random.Random(seed)
@@ -45,7 +46,7 @@ def pattern_drafter(num_draft_tokens: int, seed: int, vocab: int):
         done = len(req.output_ids)
         truth = reference_tokens(req.prompt_ids, done + n, vocab)[done:]
         good = rng.randint(0, n)
-        if rng.random() < 0.3:  # a tree (NGRAM's BFS / PROB form): up to twice the nodes
+        if trees and rng.random() < 0.3:  # a tree (NGRAM's BFS / PROB): up to twice the nodes
             nodes = min(2 * n, num_draft_tokens - 1 if max_nodes is None else max_nodes)
             return tree_draft(truth, good, max(nodes, 1), rng, vocab)
         return truth[:good] + [(t + 1) % vocab for t in truth[good:]]

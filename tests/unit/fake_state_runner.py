@@ -9,7 +9,9 @@ start_pos (read back through req_to_token, as the KV); the forward appends the e
 after it, `state_snapshot_to` gets a copy. A wrong copy source, a missing reset, a snapshot
 filed at the wrong node, a slot freed while in use and handed to another request, or a
 snapshot changed after filing all fail here or at `check_state_slots` (every slot the
-scheduler says holds a state, compared after every step under KVSTRATA_CHECK_INTEGRITY)."""
+scheduler says holds a state, compared after every step under KVSTRATA_CHECK_INTEGRITY).
+A speculative verify (a chain) leaves the state after its last token and accepted drafts
+only, as the real runner's commit does."""
 from __future__ import annotations
 
 from kvstrata.protocol import RunnerOutput, SchedulerOutput
@@ -42,6 +44,9 @@ class FakeStateRunner(FakeRunner):
                 self.copies += 1
                 self.resumed_tokens += s.start_pos
         out = super().execute(so)  # writes the KV, fills the rows, samples
+        produced: dict[str, int] = {}
+        for rid in out.rids:
+            produced[rid] = produced.get(rid, 0) + 1
         for s in so.scheduled:
             row = self.rows[s.row]
             before = tuple(self.kv[row[p]][1] for p in range(s.start_pos))
@@ -50,7 +55,10 @@ class FakeStateRunner(FakeRunner):
                 f"{s.rid}: state slot {s.state_slot} holds the state after {_n(held)} "
                 f"tokens {_tail(held)}, the forward starts at {s.start_pos} after "
                 f"{before[-4:]}")
-            self.states[s.state_slot] = before + tuple(s.token_ids)
+            assert s.draft_parents is None, f"{s.rid}: a draft tree over recurrent state"
+            # a verify commits the state after the last token and its accepted drafts only
+            ran = s.token_ids[:produced[s.rid]] if s.num_draft else s.token_ids
+            self.states[s.state_slot] = before + tuple(ran)
         for s in so.scheduled:  # after the forward (or inside it: state_snapshot_at)
             if s.state_snapshot_to:
                 at = s.state_snapshot_at or s.start_pos + len(s.token_ids)

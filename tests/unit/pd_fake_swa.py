@@ -9,6 +9,7 @@ from tests.unit.fake_runner import copy_pages
 from tests.unit.fake_swa_runner import FakeSWARunner
 from tests.unit.pd_fake import FakeTransferHub, PDFakeRunner, PDPair
 from tests.unit.pd_fake_backup import FakeBackupStore
+from tests.unit.pd_fake_regions import split_at_base
 
 
 class SWAHub(FakeTransferHub):
@@ -29,16 +30,9 @@ class SWAHub(FakeTransferHub):
         return out
 
     def _copy(self, src_pages: list[int], dst_pages: list[int]) -> int:
-        assert len(src_pages) == len(dst_pages), (src_pages, dst_pages)
         pre, dec = self.runners["prefill"], self.runners["decode"]
-        pre_base, dec_base = swa_base(pre.num_full_pages), swa_base(dec.num_full_pages)
-        full = [(s, d) for s, d in zip(src_pages, dst_pages) if s < pre_base]
-        swa = [(s - pre_base, d - dec_base) for s, d in zip(src_pages, dst_pages)
-               if s >= pre_base]
-        # a page in one region on one side and the other region on the other: a bug
-        assert all(d < dec_base for _, d in full) and all(d > 0 for _, d in swa), \
-            (src_pages, dst_pages)
-        assert src_pages[:len(full)] == [s for s, _ in full], "SWA pages before full ones"
+        full, swa = split_at_base(src_pages, dst_pages, swa_base(pre.num_full_pages),
+                                  swa_base(dec.num_full_pages))
         copy_pages(pre.kv, dec.kv, [s for s, _ in full], [d for _, d in full], self.page_size)
         copy_pages(pre.swa_kv, dec.swa_kv, [s for s, _ in swa], [d for _, d in swa],
                    self.page_size)

@@ -8,7 +8,9 @@ HiCache host tier behind it or not), fcfs/lpm, row limits, decode extra slots, r
 polling interval, transfer delay, decode retraction backup cpu_tensor | host_pool with a
 host pool of 1..64 pages, speculation on the decode server with a seeded pattern of right
 and wrong draft tokens, hybrid SWA memory on both servers: the last window's SWA pages
-cross, the fake model reads every window back through the SWA table) and interleaves
+cross, the fake model reads every window back through the SWA table; recurrent state on both
+servers: each room's final state slot crosses, decode backups keep it, the fake runners check
+every slot's tokens) and interleaves
 arrivals (shared prefixes; per request an
 injected bootstrap or transfer failure, a wrong room in the metadata, a slow transfer, or a
 peer death: refused, never answering, dying mid-room),
@@ -42,6 +44,7 @@ from kvstrata.engine.sides.registry import pd_side, spec_side
 from tests.unit import end_counter
 from tests.unit.fake_runner import pattern_drafter, reference_tokens
 from tests.unit.pd_fake import PDPair
+from tests.unit.pd_fake_state import state_pair
 from tests.unit.pd_fake_swa import swa_pair
 
 VOCAB = 211
@@ -80,6 +83,10 @@ configs = st.fixed_dictionaries({
     # Hybrid SWA memory on both servers (pd_fake_swa.py): the window, and the decode SWA
     # pool's pages beyond two requests' worth; None: one uniform pool.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 12), st.integers(0, 12))),
+    # Recurrent state on both servers (pd_fake_state.py): the prefill's and the decode's
+    # state slots beyond the least that serves (no SWA pool, decode radix cache, host tier
+    # or draft trees beside it; cpu_tensor backups), or none.
+    "state": st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 6), st.integers(0, 6))),
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.one_of(st.integers(0, 40),
@@ -100,7 +107,11 @@ class PDMachine(RuleBasedStateMachine):
     def build(self, cfg, first):
         P = cfg["page_size"]
         if cfg["swa"] is not None:  # what hybrid SWA memory takes under PD (rules/swa.py)
-            cfg = {**cfg, "spec": None}
+            cfg = {**cfg, "spec": None, "state": None}
+        if cfg["state"] is not None:  # what recurrent state takes under PD (rules/recurrent.py)
+            chain = cfg["spec"] is not None and cfg["spec"][2] != "EAGLE"
+            cfg = {**cfg, "decode_radix": False, "decode_hicache": False, "prefill_host_pages": 0,
+                   "backup": "cpu_tensor", "spec": cfg["spec"] if chain else None}
         self.cfg = cfg
         priority = {"enable_priority_scheduling": True,
                     "priority_scheduling_preemption_threshold": cfg["priority"],
@@ -115,6 +126,10 @@ class PDMachine(RuleBasedStateMachine):
                 swa_pair, window=window, prefill_swa=max(prefill_pages, 2 * per_request),
                 decode_swa=2 * per_request + extra)
             event("hybrid SWA memory")
+        if cfg["state"] is not None:  # a working and a snapshot slot at least, one to receive
+            make = functools.partial(state_pair, prefill_slots=2 + cfg["state"][0],
+                                     decode_slots=1 + cfg["state"][1])
+            event("recurrent state")
         self.pair = make(
             page_size=P, prefill_pages=prefill_pages,
             decode_pages=max(cfg["decode_tokens"] // P, 1), vocab=VOCAB, delay=cfg["delay"],
@@ -143,7 +158,8 @@ class PDMachine(RuleBasedStateMachine):
                             "speculative_algorithm": cfg["spec"][2],
                             "speculative_num_draft_tokens": cfg["spec"][0]})})
         if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
-            spec_side(self.pair.decode.scheduler).draft = pattern_drafter(*cfg["spec"][:2], VOCAB)
+            spec_side(self.pair.decode.scheduler).draft = pattern_drafter(
+                *cfg["spec"][:2], VOCAB, trees=cfg["state"] is None)
         elif cfg["spec"] is not None:
             self.pair.decode_runner.draft_rng.seed(cfg["spec"][1])
         self.pair.hub.peer_timeout = 40
@@ -218,6 +234,15 @@ class PDMachine(RuleBasedStateMachine):
             event("retraction host pool exhausted")
         if self.cfg["spec"] is not None:
             event(f"decode accepted drafts > 0: {self.pair.decode_runner.verified_drafts > 0}")
+        if self.cfg["state"] is not None:
+            event(f"state slots crossed > 0: {pair.hub.states_moved > 0}; "
+                  f"retracted with state: {retraction.num_retractions > 0}")
+            for engine in (pair.prefill, pair.decode):
+                states = engine.scheduler.kv.states
+                assert states.allocator.available_pages() + \
+                    engine.scheduler.kv.tree.cached_states() == states.num_slots, (
+                        "state slots held after the drain")
+            assert not pair.decode_runner.backups.states, "a state backup outlived its request"
         for side in ("prefill", "decode"):
             assert set(pair.finished[side]) == set(self.requests), f"{side}: a request never ended"
             self.ends[side].check_drained(side)  # one end path, once (KV in flight too)

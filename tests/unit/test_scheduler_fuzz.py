@@ -8,9 +8,9 @@ draft tokens, priority scheduling with preemption on/off, its threshold and dire
 bounded queue, a hybrid SWA pool (window, SWA pages; the fake runner reads every window
 back through swa_slots, tests/unit/fake_swa_runner.py; with HiCache L2 / L3 too, whose host
 and storage copies carry the SWA halves), a recurrent state pool (an SSM hybrid: state slots,
-snapshot strategy, track interval; no host tier, SWA pool or speculation then: the fake runner
-checks every state slot's tokens, tests/unit/fake_state_runner.py)) and then interleaves
-arrivals (prompts sharing prefixes, drawn priorities),
+snapshot strategy, track interval; no host tier or SWA pool then, speculation drafts chains:
+the fake runner checks every state slot's tokens, tests/unit/fake_state_runner.py)) and then
+interleaves arrivals (prompts sharing prefixes, drawn priorities),
 client aborts and engine steps.
 Properties:
 - every KV invariant holds after every step (KVSTRATA_CHECK_INTEGRITY, set by conftest);
@@ -85,8 +85,9 @@ configs = st.fixed_dictionaries({
     # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
     # Recurrent state (an SSM hybrid): (state slots, --mamba-radix-cache-strategy, track
-    # interval in pages), or off. Takes the place of the SWA pool, the host tier and
-    # speculation (not built beside it); no_buffer at pages > 1 runs as auto.
+    # interval in pages), or off. Takes the place of the SWA pool and the host tier (not
+    # built beside it); speculation with it drafts chains (NGRAM / STANDALONE: a verify
+    # commits the accepted step's state); no_buffer at pages > 1 runs as auto.
     "state": st.one_of(st.none(), st.none(), st.none(), st.tuples(
         st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
         st.sampled_from([1, 2, 4]))),
@@ -109,7 +110,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         P = cfg["page_size"]
         state = cfg.get("state")
         if state is not None:
-            cfg = {**cfg, "swa": None, "spec": None, "hicache_pages": 0}
+            spec = cfg["spec"] if cfg["spec"] is None or cfg["spec"][2] != "EAGLE" else None
+            cfg = {**cfg, "swa": None, "spec": spec, "hicache_pages": 0}
         swa = cfg["swa"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
@@ -149,7 +151,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             **({} if cfg["spec"] is None else {"speculative_algorithm": cfg["spec"][2],
                                                "speculative_num_draft_tokens": cfg["spec"][0]})))
         if cfg["spec"] is not None and cfg["spec"][2] == "NGRAM":
-            spec_side(self.engine.scheduler).draft = pattern_drafter(*cfg["spec"][:2], VOCAB)
+            spec_side(self.engine.scheduler).draft = pattern_drafter(
+                *cfg["spec"][:2], VOCAB, trees=state is None)
         elif cfg["spec"] is not None:
             self.runner.draft_rng.seed(cfg["spec"][1])
         self.ends = end_counter.install(self.engine)
@@ -260,6 +263,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"SWA window reads > 0: {self.runner.swa_reads > 0}")
         if self.cfg.get("state") is not None:
             event(f"state snapshots copied > 0: {self.runner.copies > 0}")
+            event(f"state with speculation: {self.cfg['spec'] is not None}")
             states = self.engine.scheduler.kv.states
             assert self.engine.scheduler.kv.tree.pinned_states() == 0, "a snapshot pin survived"
             assert states.allocator.available_pages() + \
