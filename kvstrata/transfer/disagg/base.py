@@ -23,7 +23,29 @@ import abc
 from kvstrata.protocol.disagg import KVPoll, PDMetadata
 
 
-class KVSender(abc.ABC):
+class MovedPages:
+    """A room's page counts, by region (a backend that counts overrides them). The decode
+    side counts the pages written into its reserved pages while the room was live (pages
+    landing after it ended do not count), final once poll() is SUCCESS or FAILED; the
+    prefill side reports the decode's count, which the decode confirms, and once the room
+    ended the two must be equal. Pages the decode held already never cross."""
+
+    @property
+    def pages_moved(self) -> int:
+        return 0
+
+    @property
+    def swa_pages_moved(self) -> int:
+        """Of `pages_moved`, the SWA region's pages (hybrid SWA memory)."""
+        return 0
+
+    @property
+    def state_pages_moved(self) -> int:
+        """Of `pages_moved`, the state region's (recurrent state: a state slot)."""
+        return 0
+
+
+class KVSender(MovedPages, abc.ABC):
     """Prefill side, one per request (room)."""
 
     @abc.abstractmethod
@@ -42,23 +64,6 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> KVPoll: ...
 
-    @property
-    def pages_moved(self) -> int:
-        """Pages that crossed, as the decode side counted them (`KVReceiver.pages_moved`,
-        which it confirms): read once the room ended (SUCCESS or FAILED), it must equal
-        the receiver's. Pages the decode held already never cross."""
-        return 0
-
-    @property
-    def swa_pages_moved(self) -> int:
-        """Of `pages_moved`, the SWA region's pages (hybrid SWA memory), counted alike."""
-        return 0
-
-    @property
-    def state_pages_moved(self) -> int:
-        """Of `pages_moved`, the state region's (recurrent state: a state slot)."""
-        return 0
-
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None:
         """Idempotent; tells the peer when it can, so its side fails too. Once pages were
@@ -70,7 +75,7 @@ class KVSender(abc.ABC):
     def failure_reason(self) -> str | None: ...
 
 
-class KVReceiver(abc.ABC):
+class KVReceiver(MovedPages, abc.ABC):
     """Decode side, one per request (room)."""
 
     @abc.abstractmethod
@@ -91,22 +96,6 @@ class KVReceiver(abc.ABC):
     @abc.abstractmethod
     def metadata(self) -> PDMetadata | None:
         """What the prefill side sent with its last chunk (set when poll() == SUCCESS)."""
-
-    @property
-    def pages_moved(self) -> int:
-        """Pages written into this side's reserved pages while the room was live (pages
-        landing after it ended do not count); final once poll() is SUCCESS or FAILED."""
-        return 0
-
-    @property
-    def swa_pages_moved(self) -> int:
-        """Of `pages_moved`, the SWA region's pages (hybrid SWA memory)."""
-        return 0
-
-    @property
-    def state_pages_moved(self) -> int:
-        """Of `pages_moved`, the state region's (recurrent state)."""
-        return 0
 
     @abc.abstractmethod
     def abort(self, reason: str = "aborted") -> None: ...
