@@ -14,7 +14,8 @@ from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model
 from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.quant.smoothing import calibration_token_ids
-from kvstrata.runner.quant.w8a8 import quantize_model
+from kvstrata.config.rules.deterministic import PINNED_QUANTIZATIONS
+from kvstrata.runner.quant.w8a8 import check_batch_invariant, quantize_model
 
 
 def refuse_unsupported_features(args: Any) -> None:
@@ -101,7 +102,7 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         # The paged decode kernel every query runs has no soft-cap (Gemma 2's logits).
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch} (soft-capped attention logits)")
-    if deterministic and quantization is not None:
+    if deterministic and quantization not in (None, *PINNED_QUANTIZATIONS):
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} {quantization}")
     refused = getattr(model, "unsupported", ())  # gpt-oss (refused by name earlier too)
@@ -117,6 +118,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         ids, smoothing = calibration_token_ids(
             source, getattr(model, "full_dims", model.dims).vocab_size)
         info = quantize_model(model, quantization, ids, smoothing)
+        if deterministic:
+            info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
     elif deterministic:
         info = packed_linear.pack_model(model, fixed=True)
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)

@@ -4,6 +4,8 @@ call (config/rules/deterministic.py).
 - The fixed linear layers (runner/cpu/fixed_linear.py): every row of an M-row call equals the
   same row run alone, for M = 1..64 and beyond (the GEMV, oneDNN and the AMX split change their
   body with M; the fixed layers must not), bf16 and fp32, padded widths and biases too.
+- The int8 layers of --quantization w8a8_int8 (runner/cpu/int8_linear.py): the same, as
+  they stand (per-row activation scales, exact int32 sums).
 - The paged decode kernel over ranges (paged_decode.py `ends`): a prompt's queries attend in
   one call exactly as each would alone as a decode step, whether its prefix keys were written
   by this forward or read from other pool rows (a cache hit, a transfer), whatever the other
@@ -20,6 +22,7 @@ from kvstrata.runner.attention.paged_decode import paged_decode
 from kvstrata.runner.cpu.fixed_linear import fixed_unsupported
 from kvstrata.runner.cpu.packed_linear import PackedLinear
 from kvstrata.runner.models.decoder import rms_norm
+from kvstrata.runner.quant import w8a8
 
 ROW_COUNTS = list(range(1, 18)) + [24, 31, 32, 33, 48, 63, 64, 65, 100, 130, 257]
 
@@ -43,6 +46,36 @@ def test_fixed_linear_rows_do_not_depend_on_the_row_count(dtype, out_features, b
                                      None if b is None else b.double())
     tol = 1e-4 if dtype == torch.float32 else 0.05 * ref.abs().max().item()
     assert (alone.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (304, 128, True),
+                                                            (300, 64, True)])
+def test_int8_linear_rows_do_not_depend_on_the_row_count(dtype, out_features, in_features, bias):
+    """--quantization w8a8_int8 under deterministic inference (runner/quant/w8a8.py
+    check_batch_invariant): kvstrata's int8 GEMM quantises each row alone and sums in int32,
+    so a row's bits never depend on the rows beside it -- the plain layer and the fused
+    silu(gate) * up alike."""
+    g = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    layer = w8a8.int8_kernel()[0](weight, b)
+    model = torch.nn.Module()
+    model.layer = layer
+    try:
+        w8a8.check_batch_invariant(model)
+    except NotImplementedError as e:  # fbgemm / oneDNN here: refused, as the load does
+        pytest.skip(str(e))
+    x = torch.randn(max(ROW_COUNTS), in_features, generator=g).to(dtype)
+    # and it is the layer's product (a padded width cut back, the bias added), to int8's error
+    ref = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert (layer(x).double() - ref).abs().max().item() <= 0.05 * ref.abs().max().item()
+    for fn in (layer, layer.linear_silu_mul):
+        if fn(x[:1]) is None:  # a padded width (300 columns) has no fused silu
+            continue
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+        for m in ROW_COUNTS:
+            assert torch.equal(fn(x[:m]), alone[:m]), f"{m} rows differ from one at a time"
 
 
 def test_fixed_linear_refuses_what_it_cannot_pin():

@@ -124,6 +124,24 @@ def test_retraction_and_restore_keep_the_bits(tiny_checkpoints):
         assert out == alone(path, prompt, sp), f"request {i}"
 
 
+def test_w8a8_int8_keeps_the_bits(tiny_checkpoints):
+    """--quantization w8a8_int8 (its int8 GEMM is batch-invariant as it stands): requests
+    sharing a prefix, chunked, arriving at other steps, greedy and seeded, each equal their
+    cold run alone on the same quantized engine."""
+    llm = make_llm(tiny_checkpoints["llama"], quantization="w8a8_int8", chunked_prefill_size=7,
+                   max_total_tokens=4096)
+    assert llm.server_info()["quantization_info"]["batch_invariant"]
+    prompts = prompts_with_prefix(3, 20, [4, 11, 19])
+    work = [(i, p, params(8, None if i % 2 else 77 + i)) for i, p in enumerate(prompts)]
+    cold = []
+    for _, p, sp in work:
+        llm.flush_cache()
+        cold.append(drive(llm, [(0, p, sp)])[0])
+    warm = drive(llm, work)
+    llm.shutdown()
+    assert warm == cold
+
+
 _llms: dict = {}
 
 

@@ -106,7 +106,9 @@ def test_the_env_switches_back_to_fbgemm(monkeypatch):
 
     assert int8_kernel()[0] is (Int8MatmulLinear if ONEDNN else avx2_or_fbgemm)
     if not ONEDNN:  # without VNNI a shape the AVX2 tile does not take stays fbgemm's
-        assert type(avx2_or_fbgemm(torch.randn(20, 64))) is W8A8Int8Linear
+        assert type(avx2_or_fbgemm(torch.randn(16, 30))) is W8A8Int8Linear  # 30 % 4
+        padded = avx2_or_fbgemm(torch.randn(20, 64))  # 20 % 16: zero rows pad it to 32
+        assert type(padded) is Int8MatmulLinear and padded.pad == 12
         assert type(avx2_or_fbgemm(torch.randn(32, 64))) is Int8MatmulLinear
         monkeypatch.setenv("KVSTRATA_CPU_INT8_GEMM", "onednn")
         assert int8_kernel()[0] is W8A8Int8Linear
@@ -268,7 +270,7 @@ def test_own_gemm_extremes_strides_and_bad_input(monkeypatch):
     assert torch.equal(layer(wide[:, 7:263]), layer(wide[:, 7:263].contiguous()))
     assert layer(torch.zeros(0, 256)).shape == (0, 32)
     assert layer.linear_silu_mul(torch.zeros(0, 256)).shape == (0, 16)
-    assert not _layer(torch.randn(20, 64), None, "auto", monkeypatch).own  # 20 % 16: oneDNN
+    assert _layer(torch.randn(20, 64), None, "auto", monkeypatch).pad == 12  # 20 % 16: padded
     assert not _layer(torch.randn(16, 30), None, "auto", monkeypatch).own  # 30 % 4: oneDNN
     from kvstrata.runner.cpu import _int8_ops
     with pytest.raises(ValueError, match="bad shape"):  # the C entry checks what it is given

@@ -48,6 +48,13 @@ LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN s
               "rows each sum a row in their own order, so a row's bits depended on how many "
               "rows shared the call; kvstrata's GEMM tiles sum each output over k in one order "
               "for any row count")
+# --quantization values whose linear layers are batch-invariant as they stand: w8a8_int8's own
+# int8 GEMM quantises each row on its own (per-token scale), sums in int32 (exact, so any order
+# gives the same sum) and scales each output by its row's and column's scale alone; the load
+# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py)
+PINNED_QUANTIZATIONS = ("w8a8_int8",)
+INT8_LINEAR_KERNEL = ("kvstrata's int8 GEMM at every row count (runner/cpu/int8_linear.py; "
+                      "int32 sums are exact, each row quantised alone)")
 ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
@@ -83,13 +90,15 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                          f"{kind} model (MLA / DSA and recurrent models); the llama-family "
                          f"decoder has it, sliding windows and their own SWA pool included")
     for flag_name, value in _quantizations(args):
-        raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
-                         f"{flag_name} {value}")
+        if value not in PINNED_QUANTIZATIONS:
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
+                             f"{flag_name} {value}")
     if ablations:
         switched = " and ".join(f"{name}=0" for name in ablations)
         raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
                          f"turns off: unset it, or pass --disable-deterministic-inference")
-    return (out + change(args, "deterministic_linear_kernel", LINEAR_KERNEL, RULE, LINEAR_WHY)
+    linear = INT8_LINEAR_KERNEL if args.quantization is not None else LINEAR_KERNEL
+    return (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
             + change(args, "deterministic_attention_kernel", ATTENTION_KERNEL, RULE,
                      ATTENTION_WHY))
 

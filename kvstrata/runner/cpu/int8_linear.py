@@ -109,6 +109,16 @@ def own_gemm_fits(in_features: int, out_features: int) -> bool:
     return avx2_gemm_available()
 
 
+def padded_width(in_features: int, out_features: int) -> int | None:
+    """The output width own_gemm_fits takes once zero rows pad `out_features` to the tiles'
+    16 columns (a tiny vocabulary of 300), None where padding does not help (or split
+    layouts would keep a second, unpadded oneDNN weight)."""
+    padded = out_features + (-out_features) % 16
+    if padded == out_features or split_layouts() or not own_gemm_fits(in_features, padded):
+        return None
+    return padded
+
+
 def split_layouts() -> bool:
     """KVSTRATA_CPU_INT8_GEMM=own_decode on a CPU with VNNI: an own layer also keeps oneDNN's
     prepacked weight for more than OWN_DECODE_MAX_ROWS rows (the same values bit for bit; the
@@ -161,6 +171,13 @@ class Int8MatmulLinear(nn.Module):
         self.out_features, self.in_features = cpu_weight_shape(weight)
         qweight, self.w_scale = quantize_weight(weight)
         self.own = own_gemm_fits(self.in_features, self.out_features)
+        # An output width the GEMM's 16-column tiles do not take (a tiny vocabulary of 300):
+        # zero rows pad the packed weight and the result is cut back (one copy), rather than
+        # fbgemm's layer (7-bit activations, not batch-invariant by construction).
+        self.pad = 0
+        padded = None if self.own else padded_width(self.in_features, self.out_features)
+        if padded is not None:
+            self.own, self.pad = True, padded - self.out_features
         # KVSTRATA_CPU_INT8_GEMM=amx: the GEMM may take AMX-INT8 tiles (cap 3 to its calls)
         self.amx = self.own and _gemm_choice() == "amx"
         # the most rows kvstrata's GEMM takes (all where it is the one layout; split_layouts:
@@ -169,13 +186,17 @@ class Int8MatmulLinear(nn.Module):
         self.packed = None
         split = self.own and split_layouts()
         if self.own:
-            self.vnni, self.comp = pack_vnni(qweight)
+            self.vnni, self.comp = pack_vnni(torch.nn.functional.pad(qweight, (0, 0, 0, self.pad)))
             self.own_max_rows = OWN_DECODE_MAX_ROWS if split else 1 << 62
         if not self.own or split:
             self.packed = torch.ops.onednn.qlinear_prepack(qweight,
                                                            [PACK_ROWS_HINT, self.in_features])
             self.w_zero = torch.zeros(self.out_features, dtype=torch.int64)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        if self.pad:  # the C call reads a scale and a bias per packed column
+            self.w_scale = torch.nn.functional.pad(self.w_scale, (0, self.pad), value=1.0)
+            if self.bias is not None:
+                self.bias = torch.nn.functional.pad(self.bias, (0, self.pad))
         self.nbytes = (qweight.numel() * (1 + (self.own and self.packed is not None))
                        + 4 * self.out_features * (1 + (bias is not None) + self.own))
 
@@ -215,7 +236,7 @@ class Int8MatmulLinear(nn.Module):
                 or self.out_features % 2 or not cpu_ops.enabled()):
             return None
         if x.shape[0] <= self.own_max_rows:  # one call; widths its tiles do not pair: two
-            if self.out_features % 32:
+            if self.out_features % 32 or self.pad:
                 return cpu_ops.silu_mul(self.own_rows(x, x.shape[0], self.in_features, False))
             return self.own_rows(x, x.shape[0], self.in_features, True)
         m, n, code = x.shape[0], self.out_features // 2, _DTYPES[x.dtype]
@@ -229,12 +250,12 @@ class Int8MatmulLinear(nn.Module):
     def own_rows(self, x: torch.Tensor, m: int, stride: int, silu: bool) -> torch.Tensor:
         """int8_ops.c linear: [m, in] rows -> [m, out] (silu: silu(gate) * up, [m, out / 2])
         in x's dtype, in one C call."""
-        n = self.out_features
+        n = self.out_features + self.pad
         out = torch.empty(m, n // 2 if silu else n, dtype=x.dtype)
         if m:
             fn, args = self.own_call(x, m, stride, out, silu)
             fn(*args)
-        return out
+        return out[:, :self.out_features].contiguous() if self.pad else out
 
     def own_call(self, x: torch.Tensor, m: int, stride: int, out: torch.Tensor, silu: bool,
                  threads: int | None = None, cap: int | None = None) -> tuple:
@@ -245,7 +266,7 @@ class Int8MatmulLinear(nn.Module):
         cap = isa_cap() if cap is None else cap
         cap = cap if self.amx else min(cap, 2)
         return _int8_ops.linear, (x.data_ptr(), stride, m, self.in_features, _DTYPES[x.dtype],
-                                  self.vnni.data_ptr(), self.out_features,
+                                  self.vnni.data_ptr(), self.out_features + self.pad,
                                   self.comp.data_ptr(), self.w_scale.data_ptr(),
                                   self._bias_ptr(), out.data_ptr(), int(silu),
                                   torch.get_num_threads() if threads is None else threads,

@@ -114,7 +114,7 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
             call = f32_gemv.gemv_call(inp, lin.gemv, lin.gemv_bias if lin.fixed else lin.bias,
                                       out, threads, gemm=lin.gemm_f32, fixed=lin.fixed)
     elif (type(lin) is Int8MatmulLinear and inp.shape[0] <= lin.own_max_rows
-          and model.linear is quantized_linear
+          and not lin.pad and model.linear is quantized_linear
           and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):
         # quantized_linear's (and linear_silu_mul's) one C call over the plan's rows
         call = lin.own_call(inp, inp.shape[0], lin.in_features, out, silu, threads, cap)

@@ -4,4 +4,5 @@
   smoothing.py         SmoothQuant activation smoothing, calibrated at load
   calibration_text.py  the fixed calibration passage
   mxfp4.py             MXFP4 checkpoint weights (gpt-oss experts), dequantized at load
+  packed_rows.py       a weight kept in GGUF blocks (PackedRows: rows, act-order permutation)
 """

@@ -125,9 +125,11 @@ def int8_kernel() -> tuple[Callable[..., nn.Module], str]:
 def avx2_or_fbgemm(weight: torch.Tensor, bias: torch.Tensor | None = None
                    ) -> "Int8MatmulLinear | W8A8Int8Linear":
     """Without VNNI: kvstrata's GEMM (AVX2 tile, 8-bit activations) where its layout takes
-    the weight, else fbgemm's layer (7-bit activations: oneDNN's would saturate)."""
+    the weight (an output width off its 16-column tiles padded with zero rows), else fbgemm's
+    layer (7-bit activations: oneDNN's would saturate)."""
     out_features, in_features = cpu_weight_shape(weight)
-    if int8_linear.own_gemm_fits(in_features, out_features):
+    if (int8_linear.own_gemm_fits(in_features, out_features)
+            or int8_linear.padded_width(in_features, out_features) is not None):
         return Int8MatmulLinear(weight, bias)
     return W8A8Int8Linear(weight, bias)
 
@@ -195,3 +197,25 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
             "smoothing": smoothing,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}
+
+
+def check_batch_invariant(model: nn.Module, flag: str = "--quantization") -> str:
+    """--enable-deterministic-inference with w8a8_int8: every int8 layer must be kvstrata's
+    own GEMM at every row count, which is batch-invariant as it stands (each row quantised
+    with its own scale, int32 sums exact whatever their order, each output scaled by its
+    row's and column's scale alone; tests/correctness/test_batch_invariance.py). fbgemm's
+    layer, oneDNN's above a row split and the AMX tiles are not pinned: refused by name.
+    Returns the kernel's name."""
+    for name, layer in model.named_modules():
+        if isinstance(layer, W8A8Int8Linear):
+            why = f"fbgemm's int8 layer ({layer.in_features} -> {layer.out_features})"
+        elif isinstance(layer, Int8MatmulLinear) and not layer.own:
+            why = "oneDNN's int8 linear (this CPU has VNNI but the shape does not fit the own GEMM)"
+        elif isinstance(layer, Int8MatmulLinear) and (layer.packed is not None or layer.amx):
+            why = "KVSTRATA_CPU_INT8_GEMM's row split / AMX tiles"
+        else:
+            continue
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
+                                  f"with {flag} w8a8_int8 where a layer runs {why} "
+                                  f"({name})")
+    return int8_linear.kernel_name()
