@@ -1,7 +1,8 @@
 """--enable-deterministic-inference with the real SmolLM2 at bf16 (what --dtype auto picks on a
 CPU with bf16 instructions): a seeded sampled request and a greedy one answer with the same
 tokens and logprobs cold, warm (a radix hit), after a restart on a warm L3 file store (the
-prefix restored from storage), and with NGRAM speculative decoding (greedy equals plain).
+prefix restored from storage), from a Mooncake Store another engine filled (a soak), and with
+NGRAM speculative decoding (greedy equals plain).
 The PD pair's case is tests/e2e/test_pd_disagg.py (test_deterministic_pair_*)."""
 from __future__ import annotations
 
@@ -50,6 +51,38 @@ def test_cold_warm_and_l3_restart_answer_alike(tmp_path):
         assert llm.get_load()["hicache_storage_hit_tokens"] > 0
     for (c, r) in zip(cold, restored):
         assert (c[0], c[1]) == (r[0], r[1]), "the L3 restore changed the answer"
+
+
+@pytest.mark.soak
+def test_a_second_engine_restoring_from_mooncake_answers_alike():
+    """The L3 tier on a Mooncake Store (a master of the test's own): a second engine serves the
+    prompt from the pages the first backed up, bit for bit as the first answered it cold. The
+    first stays up throughout: a Mooncake client's contributed memory leaves the store with it.
+    A soak (the file store's case above runs in `make test`; the Mooncake read path is
+    tests/e2e/test_hicache_storage_server.py's)."""
+    import json
+
+    pytest.importorskip("mooncake.store", exc_type=ImportError)
+    from kvstrata.kv.storage.mooncake_master import MooncakeMaster
+    with MooncakeMaster() as master:
+        extra = json.dumps({"master_server_address": master.address, "protocol": "tcp",
+                            "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1",
+                            "global_segment_size": 256 << 20, "local_buffer_size": 64 << 20,
+                            "prefetch_threshold": 8})
+        storage = dict(enable_hierarchical_cache=True, hicache_size=0, hicache_ratio=2.0,
+                       hicache_mem_layout="page_first", hicache_storage_backend="mooncake",
+                       hicache_storage_prefetch_policy="wait_complete",
+                       hicache_storage_backend_extra_config=extra)
+        with engine(**storage) as first:
+            cold = answers(first)
+            first.flush_cache()
+            cold = [answers(first)[0], cold[1]]
+            assert first.engine.finish_storage_backups(timeout=60)
+            with engine(**storage) as second:
+                restored = answers(second)
+                assert second.get_load()["hicache_storage_hit_tokens"] > 0
+    for (c, r) in zip(cold, restored):
+        assert (c[0], c[1]) == (r[0], r[1]), "the Mooncake restore changed the answer"
 
 
 def test_ngram_speculation_equals_plain():
