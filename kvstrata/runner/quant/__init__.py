@@ -4,4 +4,6 @@
   smoothing.py         SmoothQuant activation smoothing, calibrated at load
   calibration_text.py  the fixed calibration passage
   mxfp4.py             MXFP4 checkpoint weights (gpt-oss experts), dequantized at load
+  packed_rows.py       a weight matrix kept in its quantized blocks (GGUF rows)
+  gguf_linear.py       gguf: GGUF weights kept quantized as linear layers (and the embedding)
 """
