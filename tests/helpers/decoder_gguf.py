@@ -31,7 +31,8 @@ TYPES = {
     "embed": "Q4_0", "lm_head": "Q6_K",
 }
 # K-quant block layouts (ggml-common.h): byte offset of the fp16 d (and dmin), and d's size
-_K_SCALES = {"Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 1.5e-4), "Q6_K": ((208,), 6e-5)}
+_K_SCALES = {"Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 1.5e-4), "Q6_K": ((208,), 6e-5),
+             "Q3_K": ((108,), 3e-4)}
 
 
 def tiny_config(arch: str):
@@ -71,8 +72,11 @@ def _quantize(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.nd
     return raw.reshape(w.shape[0], -1), qtype
 
 
-def write_decoder_gguf(arch: str, out_path: str, seed: int = 7) -> dict:
-    """Writes the file; returns (HF config, {HF name: float32 tensor the file holds})."""
+def write_decoder_gguf(arch: str, out_path: str, seed: int = 7, types: dict | None = None
+                       ) -> tuple:
+    """Writes the file; returns (HF config, {HF name: float32 tensor the file holds}).
+    `types`: TYPES' layout with other types (default TYPES)."""
+    types = types or TYPES
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
@@ -94,11 +98,11 @@ def write_decoder_gguf(arch: str, out_path: str, seed: int = 7) -> dict:
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens, scores, types = _vocab(VOCAB)
+    tokens, scores, token_types = _vocab(VOCAB)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
-    w.add_token_types(types)
+    w.add_token_types(token_types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_pad_token_id(0)
@@ -118,9 +122,9 @@ def write_decoder_gguf(arch: str, out_path: str, seed: int = 7) -> dict:
             data = data[order]
         if data.ndim == 2:
             if proj in ("embed_tokens", "lm_head"):
-                kind = TYPES["embed" if proj == "embed_tokens" else "lm_head"]
+                kind = types["embed" if proj == "embed_tokens" else "lm_head"]
             else:
-                kind = TYPES[int(hf_name.split(".")[2])][proj]
+                kind = types[int(hf_name.split(".")[2])][proj]
             stored, qtype = _quantize(data, kind, rng)
             w.add_tensor(f"{names.get_name(base)}.{suffix}", stored, raw_dtype=qtype)
             values = gguf.quants.dequantize(stored, qtype).reshape(data.shape)
