@@ -58,6 +58,11 @@ def test_the_spellings_that_keep_or_dequantize():
      "--tp-size 2 with GGUF weights kept quantized (--quantization gguf) is not implemented"),
     (dict(model_path=GGUF, load_format="gguf", tp_size=2),
      "--tp-size 2 with GGUF weights kept quantized"),
+    # the packed matmul promises no batch invariance (config/rules/deterministic.py)
+    (dict(model_path=GGUF, quantization="gguf", enable_deterministic_inference=True),
+     "--enable-deterministic-inference: not implemented yet with --quantization gguf"),
+    (dict(model_path=GGUF, load_format="gguf", enable_deterministic_inference=True),
+     "--enable-deterministic-inference: not implemented yet with --quantization gguf"),
 ])
 def test_refused_by_name(kwargs, message):
     with pytest.raises(ValueError) as e:
@@ -65,6 +70,9 @@ def test_refused_by_name(kwargs, message):
     assert message in str(e.value)
 
 
-def test_tp_with_weights_dequantized_at_load_is_not_refused():
+def test_weights_dequantized_at_load_serve_tp_and_deterministic():
     resolved, _ = run(model_path=GGUF, load_format="gguf_dequantize", tp_size=2)
     assert resolved.tp_size == 2 and resolved.quantization is None
+    resolved, _ = run(model_path=GGUF, load_format="gguf_dequantize",
+                      enable_deterministic_inference=True)
+    assert resolved.deterministic_linear_kernel is not None
