@@ -58,12 +58,17 @@ TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv
 # SGLang's --reasoning-parser names that are built (entrypoints/reasoning.py FORMATS).
 REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "glm45", "kimi",
                      "kimi_k2", "step3", "minimax", "mistral")
-# SGLang's --quantization names; only w8a8_int8 (CPU) is built, the others are refused as
-# "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather than unknown.
-QUANTIZATION_BUILT = ("w8a8_int8",)
+# SGLang's --quantization names; w8a8_int8 (CPU) and gguf (a GGUF file's weights kept in their
+# quantized blocks) are built, the others are refused as "not implemented yet"
+# (config/resolve.py UNIMPLEMENTED) rather than unknown.
+QUANTIZATION_BUILT = ("w8a8_int8", "gguf")
 QUANTIZATIONS = ("awq", "fp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes",
                  "gguf", "modelopt", "modelopt_fp4", "w8a8_int8", "w8a8_fp8", "moe_wna16",
                  "qoq", "w4afp8", "mxfp4", "compressed-tensors")
+# --load-format: auto (safetensors / .bin for a directory; a GGUF file as
+# config/rules/gguf_weights.py decides), SGLang's gguf (weights kept quantized), and
+# gguf_dequantize (kvstrata's: every GGUF weight dequantized to float at load).
+LOAD_FORMATS = ("auto", "gguf", "gguf_dequantize")
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,16 @@ class ServerArgs:
     quantization: str | None = opt(None, "Quantize the weights at load (default: none, the "
                                          "float path). w8a8_int8: int8 per-channel weights "
                                          "and per-token int8 activations for every linear "
-                                         "layer (CPU).", choices=QUANTIZATIONS)
+                                         "layer (CPU; a GGUF file is dequantized first). "
+                                         "gguf: a GGUF file's quantized weights stay in their "
+                                         "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and are "
+                                         "multiplied packed (CPU).", choices=QUANTIZATIONS)
+    load_format: str = opt("auto", "How weights are read. auto: safetensors (or a single "
+                                   "pytorch_model.bin) from a directory; a GGUF file "
+                                   "dequantized to float (rule gguf_weights.*). gguf: a GGUF "
+                                   "file's weights kept quantized (as --quantization gguf). "
+                                   "gguf_dequantize: every GGUF weight dequantized to float "
+                                   "at load.", choices=LOAD_FORMATS)
     device: str | None = opt(None, "Device to run on (default: detected from the platform).",
                              choices=DEVICES)
     platform: str | None = opt(None, "Platform to resolve for (default: detected). Only "

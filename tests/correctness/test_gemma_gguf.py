@@ -7,6 +7,9 @@ The checkpoints make the file's own fields matter: Gemma 2's soft-caps (3 / 15, 
 transformers' defaults 50 / 30), Gemma 3's scaled global rope (linear, factor 2, not the
 local one) and norms drawn at random (a lost or doubled + 1 shows). The attention scale is
 head_dim's, as llama.cpp assumes below 27B (config/gguf_config.py; a GGUF cannot name it).
+The same checkpoints quantized (Q4_0 / Q4_1 / Q8_0 by gguf's quantizer, mixed in q|k|v) and
+served kept packed (--quantization gguf) give transformers' greedy tokens on the weights the
+file holds.
 """
 from __future__ import annotations
 
@@ -89,3 +92,43 @@ def test_greedy_from_the_gguf_equals_transformers(arch, ggufs):
                                     label=f"{arch} GGUF prompt {i}")
         assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
         llm.engine.check_integrity()
+
+
+# Quantized by gguf's own quantizer (the tiny MLP width, 88, is no multiple of a block: the
+# down projection stays float32 beside them, as a file's float tensors do)
+PACKED_NEW_TOKENS = 8
+GEMMA_TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1",
+               "gate_proj": "Q4_1", "up_proj": "Q4_0", "embed_tokens": "Q8_0"}
+
+
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_quantized_gguf_kept_packed_equals_transformers(arch, ggufs, tmp_path, monkeypatch):
+    """A quantized Gemma file served with --quantization gguf: transformers' greedy tokens
+    on the weights the file holds (gguf's dequantization), its tied head the packed
+    embedding (one copy, scaled lookups of only the rows looked up)."""
+    from kvstrata import LLM
+    from kvstrata.runner.quant.gguf_linear import GgufLinear
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    hf_path, _ = ggufs[arch]
+    reference: dict = {}
+    path = write_gemma_gguf(hf_path, str(tmp_path / f"{arch}.gguf"), GEMMA_TYPES, reference)
+    hf = hf_gemma(hf_path)
+    missing, unexpected = hf.load_state_dict(reference, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    rng = random.Random(6)
+    prompts = [[rng.randrange(4, 300) for _ in range(n)] for n in (4, 30)]
+    refs = hf_greedy(hf, prompts, PACKED_NEW_TOKENS)
+    greedy = {"max_new_tokens": PACKED_NEW_TOKENS, "min_new_tokens": PACKED_NEW_TOKENS,
+              "temperature": 0}
+    with LLM(model_path=path, skip_tokenizer_init=True, quantization="gguf", page_size=16,
+             chunked_prefill_size=16, max_total_tokens=1024) as llm:
+        model = llm.engine.runner.model
+        assert type(model.embed) is GgufLinear and model.lm_head is model.embed
+        assert type(model.layers[0].qkv_weight) is GgufLinear
+        assert isinstance(model.layers[0].down_weight, torch.Tensor)
+        outs = llm.generate(input_ids=prompts, sampling_params=greedy)
+        llm.engine.check_integrity()
+    for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
+        assert_tokens_match(out["output_ids"], ref_tokens, ref_logits, tie_tol=5e-2,
+                            label=f"{arch} packed GGUF prompt {i}")

@@ -43,8 +43,12 @@ def _vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_gemma_gguf(hf_path: str, out_path: str) -> str:
-    """`hf_path` (a tiny Gemma 2 / Gemma 3 checkpoint, float32) as llama.cpp would convert it."""
+def write_gemma_gguf(hf_path: str, out_path: str, types: dict[str, str] | None = None,
+                     reference: dict | None = None) -> str:
+    """`hf_path` (a tiny Gemma 2 / Gemma 3 checkpoint, float32) as llama.cpp would convert it.
+    `types`: a GGML type per weight (its HF name's last module: "q_proj", "embed_tokens") for
+    the weights to quantize (gguf's quantizer), the rest float32; `reference` (a dict) gets
+    each HF weight as the file holds it (dequantized by gguf)."""
     import gguf
     import torch
     from transformers import AutoConfig
@@ -78,11 +82,11 @@ def write_gemma_gguf(hf_path: str, out_path: str) -> str:
             w.add_rope_scaling_factor(rope["factor"])
         if config.final_logit_softcapping:
             w.add_final_logit_softcapping(config.final_logit_softcapping)
-    tokens, scores, types = _vocab(config.vocab_size)
+    tokens, scores, token_types = _vocab(config.vocab_size)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
-    w.add_token_types(types)
+    w.add_token_types(token_types)
     w.add_bos_token_id(config.bos_token_id)
     w.add_eos_token_id(config.eos_token_id)
     w.add_pad_token_id(config.pad_token_id)
@@ -98,7 +102,18 @@ def write_gemma_gguf(hf_path: str, out_path: str) -> str:
         data = tensor.float()
         if hf_name.endswith("norm.weight"):
             data = data + 1  # Gemma's RMSNorm scale, as the converter stores it
-        w.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(data.numpy()))
+        kind = (types or {}).get(base.rsplit(".", 1)[-1])
+        if kind is None:
+            w.add_tensor(f"{name}.{suffix}", np.ascontiguousarray(data.numpy()))
+            if reference is not None:
+                reference[hf_name] = tensor.float()
+            continue
+        qtype = gguf.GGMLQuantizationType[kind]
+        stored = gguf.quants.quantize(data.numpy(), qtype)
+        w.add_tensor(f"{name}.{suffix}", stored, raw_dtype=qtype)
+        if reference is not None:
+            reference[hf_name] = torch.from_numpy(
+                gguf.quants.dequantize(stored, qtype).reshape(tuple(data.shape)).copy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

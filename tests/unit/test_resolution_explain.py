@@ -113,7 +113,7 @@ def test_cli_command_table_hooks():
     assert json.loads(out.getvalue())["resolved"]["device"] == "xpu"
 
 
-RULES = ["platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype",
+RULES = ["gguf_weights.kept", "platform.device", "platform.chunked_prefill_size", "platform.cpu_dtype",
          "hicache.layout_io.R1",
          "hicache.layout_io.R2", "hicache.storage_layout", "hicache.ratio_default",
          "retraction.backup", "retraction.ratio", "dsa.remap_pd_seed", "dsa.fused_topk",
@@ -144,6 +144,6 @@ def test_docs_list_every_flag_rule_and_env_var():
     sources += (root / "kvstrata/config/kv_sizing.py").read_text()
     sources += (root / "kvstrata/config/kv_sizing_swa.py").read_text()
     sources += (root / "kvstrata/config/kv_sizing_state.py").read_text()
-    used = set(re.findall(r'"((?:platform|hicache|retraction|dsa|kv_plan|disagg|spec|deterministic|swa|state)\.[A-Za-z_.0-9]+)"',
+    used = set(re.findall(r'"((?:gguf_weights|platform|hicache|retraction|dsa|kv_plan|disagg|spec|deterministic|swa|state)\.[A-Za-z_.0-9]+)"',
                           sources))
     assert used == set(RULES)

@@ -1,0 +1,114 @@
+"""GGUF weights kept quantized (--quantization gguf): tiny random llama (tied, q/k rows
+permuted by llama.cpp's converter) and qwen3 (untied, q/k norms) files written by the test
+(tests/helpers/decoder_gguf.py) with a type per tensor as a Q4_K_M file mixes them (Q4_K and
+Q6_K in layer 0) and Q4_0 / F32 / Q8_0 segments side by side in layer 1's q|k|v, Q5_K in its
+gate|up, Q4_0 embeddings and a Q6_K head. Served kept packed, they give transformers' logits
+and greedy tokens on the weights the file holds (gguf's dequantization of them), the same as
+the file dequantized at load; the packed layers replace the float weights (no float copy).
+A type without a packed kernel (Q3_K, as a Q3_K_M file holds) is dequantized at load, with a
+warning.
+"""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from helpers.compare import assert_tokens_match
+from helpers.decoder_gguf import ARCHS, TYPES, transformers_model, write_decoder_gguf
+
+NEW_TOKENS = 8
+# The portable path multiplies gguf's dequantized values in float32: the float model's
+# logits up to summation order. The packed kernels may quantize activations to 8 bits
+# (llama.cpp's Q8 dot products): this bound (logits of magnitude ~3-5) leaves them room.
+LOGITS_ATOL = 5e-2
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """arch -> (GGUF path, transformers' model on the file's dequantized weights)."""
+    root = tmp_path_factory.mktemp("gguf_packed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
+        out = {}
+        for arch in ARCHS:
+            path = str(root / f"{arch}.gguf")
+            config, reference = write_decoder_gguf(arch, path)
+            out[arch] = (path, transformers_model(config, reference))
+        yield out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kept_quantized_matches_transformers(arch, files):
+    from kvstrata import LLM
+    from kvstrata.runner.quant.gguf_linear import GgufLinear
+
+    path, hf = files[arch]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 300) for _ in range(n)] for n in (5, 23)]
+    greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
+    with LLM(model_path=path, skip_tokenizer_init=True, quantization="gguf", page_size=16,
+             chunked_prefill_size=16, max_total_tokens=1024) as llm:
+        info = llm.server_info()
+        assert info["dtype"] == "float32"  # --dtype auto with gguf (rule platform.cpu_dtype)
+        assert info["quantization_info"]["packed_types"] == ["Q4_0", "Q4_1", "Q4_K", "Q5_K",
+                                                             "Q6_K", "Q8_0"]
+        model = llm.engine.runner.model
+        for layer in model.layers:  # every linear replaced: no float weight left behind
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                assert type(getattr(layer, name)) is GgufLinear, name
+        kinds = [getattr(w, "qtype", None) for _, _, w, _ in model.layers[1].qkv_weight.parts]
+        assert len(kinds) == 3 and kinds[1] is None  # Q4_0 | F32 rows | Q8_0 side by side
+        assert len(model.layers[0].gate_up_weight.parts) == 1  # Q4_K | Q4_K joined
+        assert type(model.embed) is GgufLinear
+        assert (model.lm_head is model.embed) == (arch == "llama")  # tied: one packed copy
+        with torch.no_grad():
+            want = hf(torch.tensor([prompts[1]])).logits[0]
+        from kvstrata.runner.forward_batch import ForwardBatch
+
+        fb = ForwardBatch.build([prompts[1]], [0], [0], torch.device("cpu"))
+        torch.testing.assert_close(model(fb), want, atol=LOGITS_ATOL, rtol=0)
+        outs = llm.generate(input_ids=prompts, sampling_params=greedy)
+        llm.engine.check_integrity()
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0)
+        assert_tokens_match(out["output_ids"], ref.sequences[0, len(prompt):].tolist(),
+                            [s[0] for s in ref.logits], tie_tol=LOGITS_ATOL,
+                            label=f"{arch} packed GGUF prompt {i}")
+
+
+def test_kept_quantized_equals_dequantized_at_load(files):
+    """The same file, --quantization gguf against --load-format gguf_dequantize (float32):
+    one forward's logits."""
+    from helpers.runner import forward_logits, make_runner
+
+    path, _ = files["qwen3"]
+    ids = [5, 17, 99, 250, 3, 42, 7, 8, 200, 101]
+    kw = dict(skip_tokenizer_init=True, dtype="float32", page_size=16, max_total_tokens=256)
+    packed = forward_logits(make_runner(path, quantization="gguf", **kw), ids)
+    floats = forward_logits(make_runner(path, load_format="gguf_dequantize", **kw), ids)
+    torch.testing.assert_close(packed, floats, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_type_without_kernel_is_dequantized_at_load(tmp_path, caplog, monkeypatch):
+    """Q3_K (no packed kernel): its tensors load as float, logged once, the rest packed."""
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    types = {**TYPES, 1: {**TYPES[1], "o_proj": "Q3_K", "down_proj": "Q3_K"}}
+    path = str(tmp_path / "q3_k.gguf")
+    _, reference = write_decoder_gguf("qwen3", path, types=types)
+    source = resolve_model_path(path)
+    with caplog.at_level(logging.WARNING, logger="kvstrata.runner.models.gguf_weights"):
+        model = load_model(source, load_hf_config(source), "float32", keep_quantized=True)
+    assert "2 tensors of type Q3_K have no packed kernel" in caplog.text
+    layer = model.layers[1]
+    assert isinstance(layer.o_weight, torch.Tensor)  # float: F.linear through gguf_linear
+    torch.testing.assert_close(layer.o_weight, reference["model.layers.1.self_attn.o_proj.weight"])
+    assert type(model.layers[0].o_weight).__name__ == "GgufLinear"
