@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
-from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
+from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.hybrids import HYBRID_FAMILIES, hybrid_model
@@ -196,16 +196,16 @@ def _iter_gguf(gguf_path: str, config: Any, permute_qk: bool
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu"
-               ) -> DecoderForCausalLM | DeepseekV32ForCausalLM:
+               ) -> DecoderForCausalLM | DeepseekForCausalLM:
     device = torch.device(device)
     name, spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, config, device)
-    if spec.family == "deepseek_v32":
+    if spec.family == "deepseek":
         if source.kind == "gguf":
             raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
-        model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
+        model = DeepseekForCausalLM(config, raw_config, torch_dtype, device)
     elif spec.family == "gpt_oss":
         if source.kind == "gguf":
             raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
