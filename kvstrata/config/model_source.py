@@ -98,7 +98,32 @@ def load_hf_config(source: ModelSource) -> Any:
         return config
     from transformers import AutoConfig
 
+    by_arch = _config_class_by_architecture(path)
+    if by_arch is not None:
+        return by_arch
     return AutoConfig.from_pretrained(path)
+
+
+# Checkpoints whose model_type transformers does not register but whose architecture it has
+# (their config class is that architecture's, shipped as remote code): Kimi-K2 names model_type
+# kimi_k2 with DeepSeek-V3's config and DeepseekV3ForCausalLM.
+_CONFIG_CLASS_OF_ARCHITECTURE = {"DeepseekV3ForCausalLM": "DeepseekV3Config"}
+
+
+def _config_class_by_architecture(path: str) -> Any:
+    """The config through the architecture's own transformers class when config.json's
+    model_type is one transformers does not know; None otherwise (AutoConfig reads it)."""
+    import transformers  # noqa: PLC0415
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: PLC0415
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+        raw = json.load(fh)
+    archs = raw.get("architectures") or []
+    cls_name = _CONFIG_CLASS_OF_ARCHITECTURE.get(archs[0]) if archs else None
+    if cls_name is None or raw.get("model_type") in CONFIG_MAPPING_NAMES:
+        return None
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    return getattr(transformers, cls_name)(**fields)
 
 
 def config_vocab_size(source: ModelSource) -> int:

@@ -24,6 +24,7 @@ from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, Sc
 from kvstrata.runner import state_ops
 from kvstrata.runner.attention.dsa_seed import DSASeedKeeper
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
+from kvstrata.runner.attention.mla_dense import MLADenseBackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 from kvstrata.runner.executors.base import OpExecutor, split_ops
 from kvstrata.runner.executors.hicache import HiCacheExecutor
@@ -80,7 +81,8 @@ class ModelRunner:
         # PD seed of a DSA model (runner/attention/dsa_seed.py); the remap follows the resolved
         # dsa_remap_pd_seed_to_local_slots gate.
         self.dsa_seeds = (DSASeedKeeper(self.model.dims.index_topk, dsa_remap_pd_seed)
-                          if self.model.pool_kind == "mla" else None)
+                          if self.model.pool_kind == "mla" and self.model.dims.uses_dsa
+                          else None)
         self.pd_role: str | None = None
         # STANDALONE / EAGLE speculative decoding: the draft fills verify entries' drafts.
         self.draft: SpecWorker | None = build_draft(
@@ -155,7 +157,9 @@ class ModelRunner:
             self.kv_pool = MLATokenToKVPool(plan, self.device)
             self.model.attn_backend = DSASparseMLABackend(
                 self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
-                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk)
+                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk
+            ) if dims.uses_dsa else MLADenseBackend(self.kv_pool, self.req_to_token,
+                                                    dims.kv_lora_rank, self.model.scaling)
         else:
             if plan.pool_kind == "swa":
                 # the full layers' pool (none for an all-SWA model) and the windowed ones'

@@ -1,9 +1,9 @@
 """Tensor-parallel layers (runner/parallel/tensor_parallel.py) against the one-rank model:
 2 real processes over gloo on 127.0.0.1, llama (tied head, GQA 4:2), qwen2 (q/k/v bias,
 untied head), qwen3 (per-head q/k norms, head_dim 24 != hidden / heads), mistral (8 query
-heads on 2 KV heads) and DeepseekV32 (tp 4 with each KV head replicated on two ranks runs
-through the whole engine in test_tp_serving.py). Every rank's logits
-equal the one-rank model's up to float summation order, and greedy decoding (a no-cache
+heads on 2 KV heads), DeepSeek-V2-Lite's shape and DeepseekV32 (tp 4 with each KV head
+replicated on two ranks runs through the whole engine in test_tp_serving.py). Every rank's
+logits equal the one-rank model's up to float summation order, and greedy decoding (a no-cache
 forward per token) gives the same tokens on every rank as on one."""
 from __future__ import annotations
 
@@ -21,14 +21,19 @@ PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120, 3]
 def _greedy(model):
     """(first-step logits, STEPS greedy tokens) by no-cache forwards."""
     from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
+    from kvstrata.runner.attention.mla_dense import MLADenseBackend
     from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
     from kvstrata.runner.forward_batch import ForwardBatch
 
     d = model.dims
-    model.attn_backend = (
-        DSASparseMLABackend(None, None, d.kv_lora_rank, d.index_topk, d.index_head_dim,
-                            model.scaling) if model.pool_kind == "mla" else
-        TorchNativeAttnBackend(None, None, d.num_heads, d.num_kv_heads, d.head_dim))
+    if model.pool_kind == "mla":
+        model.attn_backend = (DSASparseMLABackend(None, None, d.kv_lora_rank, d.index_topk,
+                                                  d.index_head_dim, model.scaling)
+                              if d.uses_dsa else
+                              MLADenseBackend(None, None, d.kv_lora_rank, model.scaling))
+    else:
+        model.attn_backend = TorchNativeAttnBackend(None, None, d.num_heads, d.num_kv_heads,
+                                                    d.head_dim)
     ids, first = list(PROMPT), None
     for _ in range(STEPS):
         fb = ForwardBatch.build([ids], [0], [0], torch.device("cpu"))
@@ -81,10 +86,19 @@ def run_ranks(paths: list[str], size: int) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def ranked(tiny_checkpoints, tiny_dsa_4_heads) -> dict:
+def tiny_v2_lite(tmp_path_factory) -> str:
+    """DeepSeek-V2-Lite's shape (MLA without DSA, one q_proj, softmax router)."""
+    from helpers.moe_ckpt import build_moe_checkpoint
+
+    return build_moe_checkpoint("deepseek_v2_lite",
+                                str(tmp_path_factory.mktemp("tp_v2") / "deepseek_v2_lite"))
+
+
+@pytest.fixture(scope="module")
+def ranked(tiny_checkpoints, tiny_dsa_4_heads, tiny_v2_lite) -> dict:
     """(model, tp size) -> every rank's results: one 2-process group for every family."""
     two = [*(tiny_checkpoints[a] for a in ("llama", "qwen2", "qwen3", "mistral")),
-           tiny_dsa_4_heads]
+           tiny_dsa_4_heads, tiny_v2_lite]
     return {(p, 2): r for p, r in run_ranks(two, 2).items()}
 
 
@@ -113,13 +127,17 @@ def test_tp_ranks_equal_one_rank(tiny_checkpoints, ranked, arch, size):
         assert tokens == ref_tokens, rank
 
 
-def test_tp_deepseek_v32_ranks_equal_one_rank(tiny_dsa_4_heads, ranked):
-    """MLA heads split (latent replicated), the DSA indexer replicated (same top-k on every
-    rank), routed experts split by index (3 per rank), shared experts and the dense MLPs
-    split by width: logits and greedy tokens equal the one-rank model's."""
-    _, ref_logits, ref_tokens = _one_rank(tiny_dsa_4_heads)
-    results = ranked[(tiny_dsa_4_heads, 2)]
-    assert [experts for *_, experts in results] == [(0, 3), (3, 6)]
+@pytest.mark.parametrize("checkpoint,experts", [("tiny_dsa_4_heads", [(0, 3), (3, 6)]),
+                                                ("tiny_v2_lite", [(0, 4), (4, 8)])])
+def test_tp_deepseek_ranks_equal_one_rank(request, ranked, checkpoint, experts):
+    """MLA heads split (latent replicated), routed experts split by index, shared experts
+    and the dense MLPs split by width; V3.2: the DSA indexer replicated (same top-k on every
+    rank); V2-Lite's shape: no indexer, q_proj split by heads (q_lora_rank None), the softmax
+    router replicated. Logits and greedy tokens equal the one-rank model's."""
+    path = request.getfixturevalue(checkpoint)
+    _, ref_logits, ref_tokens = _one_rank(path)
+    results = ranked[(path, 2)]
+    assert [local for *_, local in results] == experts
     for rank, logits, tokens, _ in results:
         torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
         assert tokens == ref_tokens, rank
@@ -146,12 +164,12 @@ def test_a_rank_reads_only_its_share(tiny_dsa_4_heads):
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
     from kvstrata.runner.models.loader import iter_checkpoint
     from kvstrata.runner.parallel.tensor_parallel import TPGroup
-    from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
+    from kvstrata.runner.parallel.tp_deepseek import TPDeepseek
 
     source = resolve_model_path(tiny_dsa_4_heads)
     config = load_hf_config(source)
-    model = TPDeepseekV32.build(source, config, _torch.float32, _torch.device("cpu"),
-                                TPGroup(1, 2))  # no collective runs: construction only
+    model = TPDeepseek.build(source, config, _torch.float32, _torch.device("cpu"),
+                             TPGroup(1, 2))  # no collective runs: construction only
     read = dict(iter_checkpoint(source, config, read_spec=model.read_spec))
     full = dict(iter_checkpoint(source, config))
     experts = {int(n.split(".")[5]) for n in read if ".mlp.experts." in n}

@@ -12,6 +12,9 @@ Gated DeltaNet's recurrent states hold ~1 long-lived direction per head at initi
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
+
+from helpers.tiny_ckpt import build_checkpoint, hf_model
 
 VOCAB = 160
 HYBRIDS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite")
@@ -58,35 +61,28 @@ def tiny_hybrid_config(arch: str):
     raise ValueError(arch)
 
 
-def build_hybrid_checkpoint(arch: str, path: str, seed: int = 2468) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _redraw(arch: str) -> Callable[[str, Any], None]:
+    def redraw(name: str, p) -> None:
+        if name.endswith("norm.weight") and arch in ("qwen3_5", "qwen3_next"):
+            if "linear_attn" not in name:  # 1 + w norms: w of 0 would hide the + 1
+                p.normal_(0, 0.3)
+        elif name.endswith(("A_log",)):
+            p.uniform_(-1.0, 1.0)  # decays from ~0.4 to ~0.95 a token: state matters
+        elif name.endswith("dt_bias"):
+            p.uniform_(-2.0, 0.5)
+    return redraw
 
-    torch.manual_seed(seed + HYBRIDS.index(arch))
-    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") and arch in ("qwen3_5", "qwen3_next"):
-                if "linear_attn" not in name:  # 1 + w norms: w of 0 would hide the + 1
-                    p.normal_(0, 0.3)
-            elif name.endswith(("A_log",)):
-                p.uniform_(-1.0, 1.0)  # decays from ~0.4 to ~0.95 a token: state matters
-            elif name.endswith("dt_bias"):
-                p.uniform_(-2.0, 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+
+def build_hybrid_checkpoint(arch: str, path: str, seed: int = 2468) -> str:
+    return build_checkpoint(tiny_hybrid_config(arch), path, seed + HYBRIDS.index(arch),
+                            _redraw(arch))
 
 
 def hybrid_checkpoints(root: str, archs=HYBRIDS) -> dict[str, str]:
     return {a: build_hybrid_checkpoint(a, os.path.join(root, a)) for a in archs}
 
 
-def hf_hybrid(path: str, dtype=None):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, attn_implementation="eager").eval()
+hf_hybrid = hf_model
 
 
 def hf_logits(model, prompt: list[int]):

@@ -1,29 +1,47 @@
-"""Tiny random MoE checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral) from transformers' own config
-classes: 2 layers, hidden 64, 8 experts, top-2, GQA 4:2, vocab 300.
+"""Tiny random MoE checkpoints from transformers' own config classes (helpers/tiny_ckpt.py
+builds them): 2-3 layers, hidden 64, 8 experts, top-2, vocab 300.
 
-What each family adds is made to matter: Qwen3-MoE with norm_topk_prob and a dense first
+Llama-family MoEs (moe_decoder.py), GQA 4:2: Qwen3-MoE with norm_topk_prob and a dense first
 layer (mlp_only_layers), Qwen2-MoE with its gated shared expert and q/k/v biases (drawn, not
-zero), Mixtral with a sliding window of 16 that the longer prompts cross. initializer_range
-0.15 makes the router's choices clear (at 0.02 every token's top-2 would be a near-tie).
+zero), Mixtral with a sliding window of 16 that the longer prompts cross, GLM-4.5 (Glm4Moe)
+with q/k/v biases, q/k norms, rotary on half of each head, a dense first layer and V3's
+grouped sigmoid router (4 groups, 2 kept, correction bias drawn).
+MLA MoEs (deepseek.py), 3 layers (1 dense): DeepSeek-V3 with YaRN (mscale != mscale_all_dim)
+and grouped routing; V2-Lite's shape (q_lora_rank None, greedy softmax top-k, YaRN); V2 with
+group_limited_greedy and a q low-rank projection.
+initializer_range 0.15 makes the router's choices clear (at 0.02 every token's top-2 would be
+a near-tie).
 """
 from __future__ import annotations
 
 import os
 
+from helpers.tiny_ckpt import build_checkpoint, hf_model
+
 VOCAB = 300
 MIXTRAL_WINDOW = 16
-MOES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MLA_MOES = ("deepseek_v3", "deepseek_v2_lite", "deepseek_v2")
 ARCH_NAMES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-              "mixtral": "MixtralForCausalLM"}
+              "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+              "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2_lite": "DeepseekV2ForCausalLM",
+              "deepseek_v2": "DeepseekV2ForCausalLM"}
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.8, "mscale_all_dim": 1.0}
 
 
-def tiny_moe_config(arch: str):
+def tiny_moe_config(arch: str, **overrides):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
                   max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    mla = dict(common, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+               moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+               first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+               qk_nope_head_dim=12, v_head_dim=12, **overrides)
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=88,
                                  moe_intermediate_size=40, num_experts=8, norm_topk_prob=True,
@@ -35,32 +53,44 @@ def tiny_moe_config(arch: str):
     if arch == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=40, num_local_experts=8,
                                 sliding_window=MIXTRAL_WINDOW)
+    if arch == "glm4_moe":
+        return tf.Glm4MoeConfig(**common, intermediate_size=88, moe_intermediate_size=40,
+                                n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
+                                first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                                partial_rotary_factor=0.5)
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**{**dict(q_lora_rank=24, n_group=4, topk_group=2,
+                                             routed_scaling_factor=2.5, norm_topk_prob=True,
+                                             rope_parameters=YARN), **mla})
+    if arch == "deepseek_v2_lite":
+        return tf.DeepseekV2Config(**{**dict(q_lora_rank=None, topk_method="greedy",
+                                             routed_scaling_factor=1.0,
+                                             rope_parameters=YARN), **mla})
+    if arch == "deepseek_v2":
+        return tf.DeepseekV2Config(**{**dict(q_lora_rank=24, n_group=4, topk_group=2,
+                                             topk_method="group_limited_greedy",
+                                             routed_scaling_factor=16.0), **mla})
     raise ValueError(arch)
 
 
-def build_moe_checkpoint(arch: str, path: str, seed: int = 1357) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed + MOES.index(arch))
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(arch), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("proj.bias"):
-                p.normal_(0, 0.3)  # transformers initialises biases to 0: a dropped one hides
-            elif name.endswith("norm.weight"):
-                p.normal_(1, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+def _redraw(name: str, t) -> None:
+    if name.endswith("proj.bias"):
+        t.normal_(0, 0.3)  # transformers initialises biases to 0: a dropped one hides
+    elif name.endswith("norm.weight"):
+        t.normal_(1, 0.3)
+    elif name.endswith("e_score_correction_bias"):
+        t.normal_(0, 0.3)  # zero-initialised too: make it change which experts are chosen
 
 
-def moe_checkpoints(root: str) -> dict[str, str]:
-    return {a: build_moe_checkpoint(a, os.path.join(root, a)) for a in MOES}
+def build_moe_checkpoint(arch: str, path: str, seed: int = 1357, **overrides) -> str:
+    archs = MOES + MLA_MOES
+    return build_checkpoint(tiny_moe_config(arch, **overrides), path,
+                            seed + archs.index(arch), _redraw)
 
 
-def hf_moe(path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
+def moe_checkpoints(root: str, archs=MOES) -> dict[str, str]:
+    return {a: build_moe_checkpoint(a, os.path.join(root, a)) for a in archs}
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+
+hf_moe = hf_model

@@ -5,6 +5,7 @@
   pieces.py        its per-step plan: the attention pieces
   window.py        its sliding windows, attention sinks and logit soft-capping
   paged_decode.py  the CPU decode and prefill attention kernels (`_paged_decode`, csrc/)
+  mla_dense.py     dense MLA attention over the MLA pool (DeepSeek-V2 / V3)
   dsa_sparse.py    DSA sparse MLA attention over the MLA + indexer pool
   dsa_topk.py      DSA top-k selection (positions or slots)
   dsa_seed.py      the PD seed of DSA: top-k positions from the prefill, remapped to slots

@@ -30,6 +30,7 @@ from kvstrata.kv.device_pool import MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.attention.dsa_topk import (fused_topk_to_slots, positions_to_slots,
                                                topk_positions)
+from kvstrata.runner.attention.mla_dense import attend_slots, request_slot_table
 from kvstrata.runner.forward_batch import ForwardBatch
 
 
@@ -71,10 +72,7 @@ class DSASparseMLABackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
         no_cache = fb.out_slots is None
-        if no_cache and fb.num_reqs != 1:
-            raise ValueError("a no-cache forward takes exactly one request")
-        table = (torch.arange(fb.num_tokens, device=device)[None, :] if no_cache
-                 else self.req_to_token.table)
+        table = request_slot_table(fb, self.req_to_token)
         groups: list[IndexGroup] = []
         decode: list[tuple[int, int, int]] = []   # (flat token, row, visible length)
         off, longest = 0, 1
@@ -163,9 +161,4 @@ class DSASparseMLABackend:
 
     def attend(self, q: torch.Tensor, latents: torch.Tensor, slots: torch.Tensor
                ) -> torch.Tensor:
-        t, width = slots.shape
-        keys = latents.index_select(0, slots.clamp(min=0).reshape(-1)).view(t, width, -1)
-        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scaling           # [T, H, width]
-        scores = scores.masked_fill((slots < 0)[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, keys[..., :self.kv_lora_rank])               # [T, H, R]
+        return attend_slots(q, latents, slots, self.scaling, self.kv_lora_rank)

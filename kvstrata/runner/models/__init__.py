@@ -4,13 +4,15 @@
   decoder.py        the llama-family decoder (llama, mistral, qwen2, qwen3, phi3, smollm3)
   sandwich.py       OLMo 2 and GLM-4: the decoder with sublayer outputs normed
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
-  moe_decoder.py    Qwen3-MoE, Qwen2-MoE, Mixtral: the decoder with expert MLPs (moe.py)
+  moe_decoder.py    Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 (Glm4Moe): the decoder with
+                    expert MLPs (moe.py)
   gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings and their scaling types (linear, llama3, yarn,
                     dynamic, longrope), partial rotary
-  deepseek_v32.py   DeepSeek-V3.2 (MLA + DSA indexer + MoE: moe.py, the expert dispatch); its config and weight
-                    names: deepseek_v32_config.py, deepseek_v32_weights.py
+  deepseek.py       DeepSeek-V2 / V3 (MLA + MoE) and V3.2 (MLA + DSA indexer + MoE; moe.py,
+                    the routers and expert dispatch); config and weight names:
+                    deepseek_config.py, deepseek_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
   hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,

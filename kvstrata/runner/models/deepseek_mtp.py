@@ -27,8 +27,8 @@ from torch import nn
 
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.decoder import DecoderForCausalLM, rms_norm
-from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM, DeepseekV32Layer, _param
-from kvstrata.runner.models.deepseek_v32_weights import layer_targets
+from kvstrata.runner.models.deepseek import DeepseekForCausalLM, DeepseekLayer, _param
+from kvstrata.runner.models.deepseek_weights import layer_targets
 
 # Tensors of the MTP layer that the target's own replace (SGLang shares them).
 _SHARED = ("embed_tokens.weight", "shared_head.head.weight")
@@ -43,7 +43,7 @@ def mtp_layer_type(config: Any, num_layers: int) -> str:
 
 
 class DeepseekMTPHead(nn.Module):
-    def __init__(self, target: DeepseekV32ForCausalLM, config: Any):
+    def __init__(self, target: DeepseekForCausalLM, config: Any):
         super().__init__()
         if not getattr(config, "num_nextn_predict_layers", 0):
             raise ValueError("--speculative-algorithm NEXTN: the checkpoint has no MTP layer "
@@ -61,7 +61,7 @@ class DeepseekMTPHead(nn.Module):
         self.hnorm = _param(h, **kw)
         self.eh_proj = _param(h, 2 * h, **kw)
         self.shared_norm = _param(h, **kw)
-        self.layer = DeepseekV32Layer(self.dims, d.num_layers, self.dtype, self.device)
+        self.layer = DeepseekLayer(self.dims, d.num_layers, self.dtype, self.device)
         self.feature_size = h
         # IndexShare: draft steps reuse the draft-extend's top-k (config flag, SGLang's name).
         self.index_share = bool(getattr(config, "index_share_for_mtp_iteration", False))
@@ -109,7 +109,7 @@ class DeepseekMTPHead(nn.Module):
         return set(self._targets)
 
 
-def load_mtp_head(source: Any, config: Any, target: DeepseekV32ForCausalLM) -> DeepseekMTPHead:
+def load_mtp_head(source: Any, config: Any, target: DeepseekForCausalLM) -> DeepseekMTPHead:
     """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
     from kvstrata.runner.models.loader import fill_weights
 

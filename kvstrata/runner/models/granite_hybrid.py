@@ -24,9 +24,8 @@ from kvstrata.runner.models.decoder import rms_norm
 from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, RECURRENT, HybridForCausalLM,
                                                 param)
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, time_step_limit
-from kvstrata.runner.models.moe import routed_sum
+from kvstrata.runner.models.moe import DenseMLP, routed_sum
 from kvstrata.runner.models.nemotron_h import Attention
-from kvstrata.runner.models.qwen3_next import SwiGLU
 from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters
 
 _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": FULL_ATTENTION,
@@ -60,7 +59,7 @@ class TopKMoE(nn.Module):
 
 
 class GraniteLayer(nn.Module):
-    def __init__(self, mixer: nn.Module, moe: TopKMoE | None, shared: SwiGLU, hidden: int,
+    def __init__(self, mixer: nn.Module, moe: TopKMoE | None, shared: DenseMLP, hidden: int,
                  dtype, device):
         super().__init__()
         self.mixer, self.moe, self.shared = mixer, moe, shared
@@ -124,7 +123,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         moe = TopKMoE(config, **kw) if config.num_local_experts > 0 else None
         if moe is not None:
             moe.register(self, f"{pre}.block_sparse_moe")
-        shared = SwiGLU(config.hidden_size, config.shared_intermediate_size, **kw)
+        shared = DenseMLP(config.hidden_size, config.shared_intermediate_size, **kw)
         self.expect(f"{pre}.shared_mlp.input_linear.weight", shared.gate_up)
         self.expect(f"{pre}.shared_mlp.output_linear.weight", shared.down)
         layer = GraniteLayer(mixer, moe, shared, config.hidden_size, **kw)

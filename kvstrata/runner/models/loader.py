@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
-from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
+from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
 from kvstrata.runner.models.gguf_weights import iter_gguf
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
@@ -115,12 +115,12 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
 # metadata in ways this loader does not read): HF safetensors only.
-_NO_GGUF = {"deepseek_v32", "gpt_oss", "moe", "olmo2", "glm4", *HYBRID_FAMILIES}
+_NO_GGUF = {"deepseek", "gpt_oss", "moe", "olmo2", "glm4", *HYBRID_FAMILIES}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
                device: torch.device | str = "cpu", keep_quantized: bool = False
-               ) -> DecoderForCausalLM | DeepseekV32ForCausalLM:
+               ) -> DecoderForCausalLM | DeepseekForCausalLM:
     """The model filled from `source`; keep_quantized (--quantization gguf): a GGUF's
     quantized weights stay in their blocks (runner/quant/gguf_linear.py)."""
     device = torch.device(device)
@@ -128,10 +128,10 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
     torch_dtype = resolve_dtype(dtype, config, device)
     if source.kind == "gguf" and spec.family in _NO_GGUF:
         raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
-    if spec.family == "deepseek_v32":
+    if spec.family == "deepseek":
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
-        model = DeepseekV32ForCausalLM(config, raw_config, torch_dtype, device)
+        model = DeepseekForCausalLM(config, raw_config, torch_dtype, device)
     elif spec.family == "gpt_oss":
         model = GptOssForCausalLM(config, spec, torch_dtype, device)
     elif spec.family in HYBRID_FAMILIES:

@@ -1,15 +1,19 @@
-"""DeepSeek-V3 FFNs: the dense SwiGLU MLP of the first layers and the MoE block (sigmoid
-router with group-limited top-k and a score-correction bias, routed experts, shared experts).
+"""DeepSeek-V2 / V3 / GLM-4.5 FFNs: the dense SwiGLU MLP of the first layers and the MoE
+block (router, routed experts, shared experts).
 
-Routing is the reference's arithmetic in float32: scores = sigmoid(x W^T); the bias only
+Routing is the reference's arithmetic in float32. V3 / GLM-4.5 (`scoring` sigmoid):
+scores = sigmoid(x W^T); the bias only
 *chooses* experts (scores + bias), the weights are the unbiased scores of the chosen ones,
 normalised to sum 1 when norm_topk_prob, times routed_scaling_factor. Groups: the
 `topk_group` groups with the best sum of their two best biased scores stay eligible.
+V2 (`scoring` softmax): softmax over all experts, top-k (greedy, or group_limited_greedy:
+only the `topk_group` groups with the best single expert), times routed_scaling_factor.
 Experts run one matmul pair per expert over the tokens routed to it, sorted by expert
 (CPU: per-op cost dominates, and a token batch rarely hits every expert).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -19,6 +23,49 @@ from torch import nn
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+# Checkpoint name -> (our tensor, its rows lo..hi or None..None): what loaders copy into.
+Targets = dict[str, tuple[torch.Tensor, int | None, int | None]]
+SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def swiglu_targets(prefix: str, gate_up: torch.Tensor, down: torch.Tensor,
+                   names: tuple[str, str, str] = SWIGLU_NAMES) -> Targets:
+    """A SwiGLU's gate and up projections (rows of our fused gate|up) and its down one."""
+    i = gate_up.shape[0] // 2
+    gate, up, down_name = names
+    return {f"{prefix}{gate}.weight": (gate_up, 0, i), f"{prefix}{up}.weight": (gate_up, i, 2 * i),
+            f"{prefix}{down_name}.weight": (down, None, None)}
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """What `MoE` reads of a model's dims (DeepseekDims has them all); `from_config`: a
+    config with V3-style routing and these field names (GLM-4.5's Glm4MoeConfig)."""
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring: str = "sigmoid"       # router: "sigmoid" (+ correction bias) or "softmax" (V2)
+    topk_method: str = "noaux_tc"  # V2: "greedy" or "group_limited_greedy"
+
+    @classmethod
+    def from_config(cls, c: Any) -> "MoeDims":
+        n_group = int(c.n_group or 1)
+        if c.n_routed_experts % n_group:
+            raise ValueError(f"{c.model_type}: n_routed_experts must divide into n_group "
+                             f"groups")
+        return cls(hidden_size=c.hidden_size, moe_intermediate_size=c.moe_intermediate_size,
+                   n_routed_experts=c.n_routed_experts, n_shared_experts=c.n_shared_experts,
+                   num_experts_per_tok=c.num_experts_per_tok, n_group=n_group,
+                   topk_group=int(c.topk_group or 1), norm_topk_prob=bool(c.norm_topk_prob),
+                   routed_scaling_factor=float(c.routed_scaling_factor))
 
 
 class DenseMLP(nn.Module):
@@ -35,6 +82,9 @@ class DenseMLP(nn.Module):
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down)
 
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        return swiglu_targets(prefix, self.gate_up, self.down)
+
 
 class MoE(nn.Module):
     def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
@@ -49,7 +99,8 @@ class MoE(nn.Module):
         local = self.experts[1] - self.experts[0]
         # Router weights and bias stay float32 (the reference keeps them so).
         self.router = _param(e, h, dtype=torch.float32, device=device)
-        self.score_bias = _param(e, dtype=torch.float32, device=device)
+        self.score_bias = (_param(e, dtype=torch.float32, device=device)
+                           if d.scoring == "sigmoid" else None)  # V2's softmax has none
         self.gate_up = _param(local, 2 * i, h, dtype=dtype, device=device)
         self.down = _param(local, h, i, dtype=dtype, device=device)
         self.shared = DenseMLP(h, i * d.n_shared_experts // shared_parts, dtype, device)
@@ -58,19 +109,45 @@ class MoE(nn.Module):
         """x [T, H] -> (expert ids [T, k], weights [T, k] float32)."""
         d = self.d
         t = x.shape[0]
-        scores = F.linear(x.float(), self.router).sigmoid()
+        logits = F.linear(x.float(), self.router)
+        if d.scoring == "softmax":  # DeepSeek-V2: no bias, never renormalised
+            scores = logits.softmax(dim=-1)
+            if d.topk_method == "group_limited_greedy":  # groups ranked by their best expert
+                eligible = self._eligible(scores.view(t, d.n_group, -1).amax(dim=-1))
+                scores = scores.masked_fill(eligible == 0, 0.0)
+            weights, ids = scores.topk(d.num_experts_per_tok, dim=-1, sorted=False)
+            return ids, weights * d.routed_scaling_factor
+        scores = logits.sigmoid()
         choice = scores + self.score_bias
-        per_group = d.n_routed_experts // d.n_group
-        group_scores = choice.view(t, d.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        groups = group_scores.topk(d.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
-        eligible = group_mask[:, :, None].expand(t, d.n_group, per_group).reshape(t, -1)
-        choice = choice.masked_fill(eligible == 0, float("-inf"))
+        group_scores = choice.view(t, d.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(self._eligible(group_scores) == 0, float("-inf"))
         ids = choice.topk(d.num_experts_per_tok, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if d.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * d.routed_scaling_factor
+
+    def _eligible(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, n_group] scores -> [T, E] mask (1: the expert's group is in the top
+        topk_group)."""
+        d = self.d
+        t = group_scores.shape[0]
+        groups = group_scores.topk(d.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
+        per_group = d.n_routed_experts // d.n_group
+        return group_mask[:, :, None].expand(t, d.n_group, per_group).reshape(t, -1)
+
+    def checkpoint_targets(self, prefix: str) -> Targets:
+        """Names under the layer's `mlp.`: gate (router, correction bias), experts.{e}
+        (global expert ids) and shared_experts."""
+        out: Targets = {f"{prefix}gate.weight": (self.router, None, None)}
+        if self.score_bias is not None:  # V3's correction bias (V2 has none)
+            out[f"{prefix}gate.e_score_correction_bias"] = (self.score_bias, None, None)
+        lo, hi = self.experts
+        for e in range(lo, hi):
+            out.update(swiglu_targets(f"{prefix}experts.{e}.", self.gate_up[e - lo],
+                                      self.down[e - lo]))
+        return {**out, **self.shared.checkpoint_targets(f"{prefix}shared_experts.")}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)

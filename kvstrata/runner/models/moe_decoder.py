@@ -1,4 +1,5 @@
-"""Mixture-of-experts members of the llama family: Qwen3-MoE, Qwen2-MoE and Mixtral.
+"""Mixture-of-experts members of the llama family: Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5
+(Glm4MoeForCausalLM).
 
 Attention, norms and rope are the llama decoder's (decoder.py: Qwen3-MoE has its per-head
 q/k norms, Qwen2-MoE its q/k/v biases, Mixtral neither); only the feed-forward block of an
@@ -13,6 +14,11 @@ compute it:
 - Qwen2-MoE adds a shared SwiGLU expert on every token, scaled by sigmoid(x w_gate).
 - Qwen layers outside the sparse pattern (`mlp_only_layers`, `decoder_sparse_step`) keep a
   dense SwiGLU of `intermediate_size`; Mixtral's are all sparse.
+- GLM-4.5: DeepSeek-V3's MoE block (moe.MoE: sigmoid router with e_score_correction_bias,
+  group-limited top-k, routed_scaling_factor, ungated shared experts) after
+  `first_k_dense_replace` dense layers; attention with q/k/v biases (attention_bias, never
+  on o_proj), optional per-head q/k norms (use_qk_norm) and rotary on the first
+  partial_rotary_factor of each head (rotate-half layout, so the decoder's partial rope).
 Sliding windows: Mixtral / Qwen3-MoE on every layer when set, Qwen2-MoE on its
 "sliding_attention" layer_types (hf_config.layer_windows, applied by the attention backend).
 The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop;
@@ -30,7 +36,8 @@ from torch import nn
 
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
-from kvstrata.runner.models.moe import DenseMLP, routed_sum
+from kvstrata.runner.models.moe import (DenseMLP, MoE, MoeDims, Targets, routed_sum,
+                                        swiglu_targets)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,12 @@ STYLES = {
     "qwen3_moe": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
     "qwen2_moe": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
     "mixtral": MoeStyle("block_sparse_moe", ("w1", "w3", "w2"), "num_local_experts", False),
+    # GLM-4.5: DeepSeek-V3's MoE block (moe.MoE: sigmoid router with correction bias and
+    # groups, ungated shared experts); its field names are V3's
+    "glm4_moe": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts",
+                         False),
+    # Qwen3-Next's MoE layers (qwen3_next.py): Qwen2-MoE's block
+    "qwen3_next": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
 }
 UNSUPPORTED = ("--quantization", "--enable-deterministic-inference")
 
@@ -62,6 +75,8 @@ def sparse_layers(config: Any, num_layers: int) -> list[bool]:
     """Which layers route to experts (transformers' Qwen*MoeDecoderLayer rule; Mixtral: all)."""
     if getattr(config, "model_type", None) == "mixtral":
         return [True] * num_layers
+    if getattr(config, "model_type", None) == "glm4_moe":  # transformers' Glm4MoeDecoderLayer
+        return [i >= config.first_k_dense_replace for i in range(num_layers)]
     experts = int(getattr(config, "num_experts", 0) or 0)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(config, "mlp_only_layers", None) or [])
@@ -107,6 +122,18 @@ class SparseMoeBlock(nn.Module):
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
 
+    def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:
+        """Names under the layer's MoE block: gate (router), experts.{e} (`names`: their
+        gate, up, down projections), shared_expert and shared_expert_gate."""
+        out: Targets = {f"{prefix}gate.weight": (self.router, None, None)}
+        for e in range(self.num_experts):
+            out.update(swiglu_targets(f"{prefix}experts.{e}.", self.gate_up[e], self.down[e],
+                                      names))
+        if self.shared is not None:
+            out.update(self.shared.checkpoint_targets(f"{prefix}shared_expert."))
+            out[f"{prefix}shared_expert_gate.weight"] = (self.shared_gate, None, None)
+        return out
+
 
 class MoeDecoderForCausalLM(DecoderForCausalLM):
     """The llama decoder whose MoE layers (`layer.moe`) route to experts."""
@@ -116,10 +143,21 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                  dims: ModelDims | None = None):
         self.style = moe_style(config)
         self.sparse = sparse_layers(config, int(config.num_hidden_layers))
+        act = getattr(config, "hidden_act", None) or "silu"
+        if act != "silu":
+            raise ValueError(f"{config.model_type}: hidden_act {act!r} is not supported "
+                             f"(silu only)")
         if getattr(config, "qkv_bias", None) is False:  # Qwen2-MoE's field (default True)
             spec = dataclasses.replace(spec, qkv_bias=False)
+        if config.model_type == "glm4_moe":  # attention_bias: q/k/v only; optional q/k norms
+            spec = dataclasses.replace(spec, qkv_bias=bool(config.attention_bias),
+                                       qk_norm=bool(config.use_qk_norm))
         super().__init__(config, spec, dtype, device, dims)
-        self._targets: dict[int, dict] = {}
+        # GLM-4.5's MTP layers (checkpoint layers past num_hidden_layers): not the causal
+        # LM's, as transformers skips them
+        self.skip_from_layer = (self.dims.num_layers if getattr(
+            config, "num_nextn_predict_layers", 0) else None)
+        self._targets: dict[int, Targets] = {}
 
     def finish_load(self, loaded: list[str]) -> None:
         self._targets.clear()
@@ -131,34 +169,29 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         if self.sparse[i]:  # experts in place of the dense MLP
             layer.gate_up_weight = layer.down_weight = None
             layer.gate_up_bias = layer.down_bias = None
-            layer.moe = SparseMoeBlock(self.config, self.style, dims.hidden_size, dtype, device)
+            layer.moe = (MoE(MoeDims.from_config(self.config), dtype, device)
+                         if self.config.model_type == "glm4_moe" else
+                         SparseMoeBlock(self.config, self.style, dims.hidden_size, dtype,
+                                        device))
         return layer
 
     def mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
         return super().mlp(layer, h) if layer.moe is None else layer.moe(h)
 
     # ------------------------------------------------------------------ weight loading
-    def _moe_targets(self, i: int) -> dict[str, tuple[torch.Tensor, str, int | None]]:
-        """Checkpoint name under model.layers.i. -> (our tensor, key, gate|up half or None)."""
-        moe, style = self.layers[i].moe, self.style
-        out = {f"{style.block}.gate.weight": (moe.router, "router", None)}
-        g, u, d = style.expert_names
-        for e in range(moe.num_experts):
-            pre = f"{style.block}.experts.{e}."
-            out[f"{pre}{g}.weight"] = (moe.gate_up[e], f"experts.{e}.gate", 0)
-            out[f"{pre}{u}.weight"] = (moe.gate_up[e], f"experts.{e}.up", 1)
-            out[f"{pre}{d}.weight"] = (moe.down[e], f"experts.{e}.down", None)
-        if moe.shared is not None:
-            pre = f"{style.block}.shared_expert."
-            out[f"{pre}gate_proj.weight"] = (moe.shared.gate_up, "shared.gate", 0)
-            out[f"{pre}up_proj.weight"] = (moe.shared.gate_up, "shared.up", 1)
-            out[f"{pre}down_proj.weight"] = (moe.shared.down, "shared.down", None)
-            out[f"{style.block}.shared_expert_gate.weight"] = (moe.shared_gate, "shared_gate",
-                                                               None)
-        return out
+    def _moe_targets(self, i: int) -> Targets:
+        """Checkpoint name under model.layers.i. -> (our tensor, its rows)."""
+        moe, pre = self.layers[i].moe, f"{self.style.block}."
+        if isinstance(moe, MoE):
+            return moe.checkpoint_targets(pre)
+        return moe.checkpoint_targets(pre, self.style.expert_names)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
         parts = name.split(".")
+        if (self.skip_from_layer is not None and len(parts) > 3
+                and parts[:2] == ["model", "layers"]
+                and int(parts[2]) >= self.skip_from_layer):
+            return []
         if (len(parts) > 4 and parts[:2] == ["model", "layers"]
                 and self.layers[int(parts[2])].moe is not None
                 and parts[3] == self.style.block):
@@ -168,10 +201,8 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             target = self._targets[idx].get(sub)
             if target is None:
                 raise KeyError(name)
-            param, key, half = target
-            rows = param.shape[0] // 2
-            lo, hi = (None, None) if half is None else (half * rows, (half + 1) * rows)
-            return self._copy(param, tensor, f"layers.{idx}.moe.{key}", name, lo, hi)
+            param, lo, hi = target
+            return self._copy(param, tensor, f"layers.{idx}.moe.{sub}", name, lo, hi)
         return super().load_weight(name, tensor)
 
     def expected_keys(self) -> set[str]:
@@ -181,5 +212,5 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
                 continue
             pre = f"layers.{i}."
             keys -= {pre + "down_weight", pre + "gate_proj.weight", pre + "up_proj.weight"}
-            keys |= {f"{pre}moe.{key}" for _, key, _ in self._moe_targets(i).values()}
+            keys |= {f"{pre}moe.{sub}" for sub in self._moe_targets(i)}
         return keys

@@ -11,9 +11,10 @@ released models), each followed by an MLP; checked against transformers' modelin
   paged KV pool, which holds only these layers.
 - Qwen3.5's text rope is multimodal (mrope sections); for text every section reads the same
   position, which is plain rope.
-- MLP: SwiGLU; Qwen3-Next's MoE layers (`decoder_sparse_step`, not `mlp_only_layers`) route
-  each token to its top-k experts by softmax (renormalised with norm_topk_prob) and add a
-  shared SwiGLU expert scaled by sigmoid(shared_expert_gate(x)).
+- MLP: SwiGLU; Qwen3-Next's MoE layers (`decoder_sparse_step`, not `mlp_only_layers`) are
+  Qwen2-MoE's block (moe_decoder.SparseMoeBlock): each token to its top-k experts by softmax
+  (renormalised with norm_topk_prob) plus a shared SwiGLU expert scaled by
+  sigmoid(shared_expert_gate(x)).
 An MTP head in the checkpoint (`mtp.*`) is not read.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ from kvstrata.runner.models.gated_deltanet import GatedDeltaNet
 from kvstrata.runner.models.gemma import gemma_rms_norm
 from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, RECURRENT, HybridForCausalLM,
                                                 param)
-from kvstrata.runner.models.moe import routed_sum
+from kvstrata.runner.models.moe import DenseMLP, Targets
+from kvstrata.runner.models.moe_decoder import STYLES, SparseMoeBlock
 from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
 _KINDS = {"linear_attention": RECURRENT, "full_attention": FULL_ATTENTION}
@@ -55,61 +57,10 @@ class GatedAttention(nn.Module):
         model.expect(f"{prefix}.o_proj.weight", self.o_proj)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.inter = inter
-        self.gate_up = param(2 * inter, hidden, dtype=dtype, device=device)
-        self.down = param(hidden, inter, dtype=dtype, device=device)
-
-    def register(self, model, prefix: str) -> None:
-        i = self.inter
-        model.expect(f"{prefix}.gate_proj.weight", self.gate_up, (0, i))
-        model.expect(f"{prefix}.up_proj.weight", self.gate_up, (i, 2 * i))
-        model.expect(f"{prefix}.down_proj.weight", self.down)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
-
-
-class SparseMoE(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-        self.num_experts, self.top_k, self.inter = e, config.num_experts_per_tok, i
-        self.norm_topk_prob = bool(config.norm_topk_prob)
-        kw = dict(dtype=dtype, device=device)
-        self.router = param(e, h, **kw)
-        self.gate_up = param(e, 2 * i, h, **kw)
-        self.down = param(e, h, i, **kw)
-        self.shared = SwiGLU(h, config.shared_expert_intermediate_size, dtype, device)
-        self.shared_gate = param(1, h, **kw)
-
-    def register(self, model, prefix: str) -> None:
-        i = self.inter
-        model.expect(f"{prefix}.gate.weight", self.router)
-        model.expect(f"{prefix}.shared_expert_gate.weight", self.shared_gate)
-        self.shared.register(model, f"{prefix}.shared_expert")
-        for e in range(self.num_experts):  # as released checkpoints store them: per expert
-            pre = f"{prefix}.experts.{e}"
-            model.expect(f"{pre}.gate_proj.weight", self.gate_up[e], (0, i))
-            model.expect(f"{pre}.up_proj.weight", self.gate_up[e], (i, 2 * i))
-            model.expect(f"{pre}.down_proj.weight", self.down[e])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-
-        def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down[e])
-
-        routed = routed_sum(x, ids, weights.to(x.dtype), self.num_experts, expert)
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+def register_targets(model, targets: Targets) -> None:
+    """Checkpoint name -> (our tensor, its rows) as the model's expected weights."""
+    for name, (target, lo, hi) in targets.items():
+        model.expect(name, target, None if lo is None else (lo, hi))
 
 
 class Qwen3NextLayer(nn.Module):
@@ -160,12 +111,13 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         else:
             mixer = GatedAttention(self.dims, **kw)
             mixer.register(self, f"{pre}.self_attn", self.dims)
-        if self._is_moe(config, i):
-            mlp = SparseMoE(config, **kw)
-            mlp.register(self, f"{pre}.mlp")
+        if self._is_moe(config, i):  # per expert, as released checkpoints store them
+            style = STYLES["qwen3_next"]
+            mlp = SparseMoeBlock(config, style, config.hidden_size, **kw)
+            register_targets(self, mlp.checkpoint_targets(f"{pre}.mlp.", style.expert_names))
         else:
-            mlp = SwiGLU(config.hidden_size, config.intermediate_size, **kw)
-            mlp.register(self, f"{pre}.mlp")
+            mlp = DenseMLP(config.hidden_size, config.intermediate_size, **kw)
+            register_targets(self, mlp.checkpoint_targets(f"{pre}.mlp."))
         layer = Qwen3NextLayer(mixer, mlp, config.hidden_size, **kw)
         self.expect(f"{pre}.input_layernorm.weight", layer.input_norm)
         self.expect(f"{pre}.post_attention_layernorm.weight", layer.post_norm)

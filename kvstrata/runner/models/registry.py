@@ -14,7 +14,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(family="moe", qk_norm=True),
     "Qwen2MoeForCausalLM": ArchSpec(family="moe", qkv_bias=True),
     "MixtralForCausalLM": ArchSpec(family="moe"),
-    "DeepseekV32ForCausalLM": ArchSpec(family="deepseek_v32"),
+    "Glm4MoeForCausalLM": ArchSpec(family="moe"),  # GLM-4.5: DeepSeek-V3's MoE block
+    # MLA + MoE (deepseek.py); V3.2 adds the DSA indexer. Kimi-K2 checkpoints name V3.
+    "DeepseekV2ForCausalLM": ArchSpec(family="deepseek"),
+    "DeepseekV3ForCausalLM": ArchSpec(family="deepseek"),
+    "DeepseekV32ForCausalLM": ArchSpec(family="deepseek"),
     # Text-only Gemma 3 (model_type gemma3_text) and Gemma 2: runner/models/gemma.py.
     "Gemma3ForCausalLM": ArchSpec(family="gemma", qk_norm=True),
     "Gemma2ForCausalLM": ArchSpec(family="gemma", attn_logit_softcapping=True),

@@ -1,7 +1,7 @@
 """Tensor parallelism (--tp-size) over torch.distributed, one machine or several (--nnodes).
 
   tensor_parallel.py  the llama-family decoder's model-parallel layers
-  tp_deepseek.py      DeepseekV32's share per rank (MLA heads, experts)
+  tp_deepseek.py      DeepSeek V2 / V3 / V3.2's share per rank (MLA heads, experts)
   tp_gpt_oss.py       gpt-oss's share per rank (heads and sinks, each expert's width)
   tp_load.py          one rank's share of a checkpoint
   tp_comm.py          how ranks find and watch each other (group, heartbeat)

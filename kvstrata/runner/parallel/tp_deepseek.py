@@ -1,9 +1,9 @@
-"""Tensor parallelism for DeepseekV32ForCausalLM (MLA + DSA + MoE), one rank's share:
+"""Tensor parallelism for DeepSeek V2 / V3 / V3.2 (MLA [+ DSA] + MoE), one rank's share:
 
-  - MLA: the attention heads split (q_b_proj and kv_b_proj rows, o_proj input columns +
-    all-reduce); the latent (q_a / kv_a projections, their norms) is replicated, so every
-    rank writes the same latent KV to its own pool -- the MLA cache is replicated, as SGLang
-    keeps it under attention TP;
+  - MLA: the attention heads split (q_b_proj -- V2-Lite: q_proj -- and kv_b_proj rows,
+    o_proj input columns + all-reduce); the latent (q_a / kv_a projections, their norms)
+    is replicated, so every rank writes the same latent KV to its own pool -- the MLA cache
+    is replicated, as SGLang keeps it under attention TP;
   - DSA: the indexer is replicated and reads the replicated residual stream, so every rank
     computes the same scores and picks the same top-k (no broadcast needed; gloo's
     all-reduce gives every rank identical sums);
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from kvstrata.runner.models.deepseek_v32 import DeepseekV32ForCausalLM
-from kvstrata.runner.models.deepseek_v32_config import DeepseekDims
+from kvstrata.runner.models.deepseek import DeepseekForCausalLM
+from kvstrata.runner.models.deepseek_config import DeepseekDims
+from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.parallel.tensor_parallel import (TPGroup, pad_rows, vocab_parallel_embed,
                                                       vocab_rows)
 
@@ -34,10 +35,10 @@ def _split(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * n // size, (rank + 1) * n // size
 
 
-class TPDeepseekV32(DeepseekV32ForCausalLM):
+class TPDeepseek(DeepseekForCausalLM):
     def __init__(self, config: Any, raw_config: dict | None, dtype: torch.dtype,
                  device: torch.device, group: TPGroup):
-        full = DeepseekDims.from_config(config)
+        full = DeepseekDims.from_config(config, architecture_name(config))
         r, n = group.rank, group.size
         heads = _split(full.num_heads, r, n, "num_attention_heads")
         mlp = _split(full.intermediate_size, r, n, "intermediate_size")
@@ -55,7 +56,7 @@ class TPDeepseekV32(DeepseekV32ForCausalLM):
 
     @classmethod
     def build(cls, source, config: Any, dtype: torch.dtype, device: torch.device,
-              group: TPGroup) -> "TPDeepseekV32":
+              group: TPGroup) -> "TPDeepseek":
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             return cls(config, json.load(fh), dtype, device, group)
 
@@ -82,7 +83,8 @@ class TPDeepseekV32(DeepseekV32ForCausalLM):
         if parts[3:5] == ["mlp", "experts"] and parts[5].isdigit():
             return "all" if self.experts[0] <= int(parts[5]) < self.experts[1] else None
         lo, hi = self.heads
-        per_head = {"q_b_proj": d.qk_head_dim, "kv_b_proj": d.qk_nope_head_dim + d.v_head_dim}
+        per_head = {"q_b_proj": d.qk_head_dim, "q_proj": d.qk_head_dim,
+                    "kv_b_proj": d.qk_nope_head_dim + d.v_head_dim}
         proj, kind = parts[-2], parts[-1]
         if parts[3] == "self_attn" and proj in per_head:  # column-parallel: heads' rows
             return ("rows", lo * per_head[proj], hi * per_head[proj])
@@ -104,4 +106,4 @@ class TPDeepseekV32(DeepseekV32ForCausalLM):
         return super().load_weight(name, tensor)
 
 
-__all__ = ["TPDeepseekV32"]
+__all__ = ["TPDeepseek"]

@@ -1,5 +1,5 @@
 """One rank's share of a checkpoint (runner/parallel/tensor_parallel.py: the llama family;
-tp_deepseek.py: DeepseekV32; tp_gpt_oss.py: gpt-oss)."""
+tp_deepseek.py: DeepSeek V2 / V3 / V3.2; tp_gpt_oss.py: gpt-oss)."""
 from __future__ import annotations
 
 import torch
@@ -7,19 +7,19 @@ import torch
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.runner.models import loader
 from kvstrata.runner.parallel.tensor_parallel import TPDecoderForCausalLM, TPGroup
-from kvstrata.runner.parallel.tp_deepseek import TPDeepseekV32
+from kvstrata.runner.parallel.tp_deepseek import TPDeepseek
 from kvstrata.runner.parallel.tp_gpt_oss import TPGptOss
 
 
 def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
-                  device: str = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
+                  device: str = "cpu") -> TPDecoderForCausalLM | TPDeepseek:
     """Rank `group.rank`'s share of the checkpoint at `model_path`."""
     source = resolve_model_path(model_path)
     return load_tp_shard(source, load_hf_config(source), group, dtype, device)
 
 
 def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
-                  device: str | torch.device = "cpu") -> TPDecoderForCausalLM | TPDeepseekV32:
+                  device: str | torch.device = "cpu") -> TPDecoderForCausalLM | TPDeepseek:
     """Rank `group.rank`'s share, read through the usual loader: the model's read_spec
     says which rows / columns of each tensor it holds, and only those are read."""
     name, spec = loader.arch_spec(config)
@@ -30,12 +30,13 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
                              f"only)")
         model = TPGptOss(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
         return loader.fill_weights(model, source, config)
-    if spec.family not in ("decoder", "deepseek_v32"):
+    if spec.family not in ("decoder", "deepseek"):
         raise ValueError(f"--tp-size {group.size}: tensor parallelism is not implemented for "
-                         f"{name} (the llama-family decoder, gpt-oss and DeepseekV32 have it)")
-    if spec.family == "deepseek_v32":
-        model = TPDeepseekV32.build(source, config, loader.resolve_dtype(dtype, config, dev),
-                                    dev, group)
+                         f"{name} (the llama-family decoder, gpt-oss and DeepSeek V2 / V3 / "
+                         f"V3.2 have it)")
+    if spec.family == "deepseek":
+        model = TPDeepseek.build(source, config, loader.resolve_dtype(dtype, config, dev),
+                                 dev, group)
         return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
     model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
                                  group)

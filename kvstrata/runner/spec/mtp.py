@@ -65,6 +65,10 @@ class MTPDraft(EagleDraft):
         if getattr(target, "pool_kind", None) != "mla":
             raise ValueError("--speculative-algorithm NEXTN drafts with a DeepSeek "
                              "checkpoint's MTP layer; this target has none")
+        if not target.dims.uses_dsa:
+            raise NotImplementedError(f"not implemented yet: --speculative-algorithm NEXTN on "
+                                      f"{target.arch} (the MTP draft is built for "
+                                      f"DeepseekV32ForCausalLM's DSA layers)")
         if tree[0] > 1:
             raise NotImplementedError("not implemented yet: --speculative-eagle-topk > 1 with "
                                       "NEXTN (MTP tree drafts; SGLang's IndexShare is "

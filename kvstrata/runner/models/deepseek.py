@@ -1,17 +1,22 @@
-"""DeepSeek-V3.2 (DeepseekV32ForCausalLM): MLA attention with the DSA lightning indexer and
-top-k sparse attention, MoE FFN with shared experts after `first_k_dense_replace` dense
-layers. The contract is transformers' DeepseekV32 modelling run in float32 on CPU
-(docs/dsa.md lists what of SGLang's CUDA path, FP8 indexer cache and Hadamard rotation,
-is not modelled and why).
+"""DeepSeek-V2 / V3 / V3.2 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Kimi-K2's V3
+configs, DeepseekV32ForCausalLM): MLA attention, with the DSA lightning indexer and top-k
+sparse attention on V3.2; a MoE FFN with shared experts after `first_k_dense_replace` dense
+layers (moe.py: V2's softmax router, V3's sigmoid one). The contract is transformers'
+modelling of each run in float32 on CPU (docs/dsa.md lists what of SGLang's CUDA DSA path,
+FP8 indexer cache and Hadamard rotation, is not modelled and why).
 
 Per layer, for the flattened batch (T tokens):
   q_resid = rms(q_a_proj x);  q = q_b_proj q_resid -> per head (nope, rope)
+            (q_lora_rank None, V2-Lite: q = q_proj x)
   latent  = (rms(kv_a[:R]), rope(kv_a[R:]))     one [R + r] vector per token, all heads
-  indexer: q_i = wq_b q_resid, k_i = layernorm(wk x), rope on their first r dims,
+  V3.2 indexer: q_i = wq_b q_resid, k_i = layernorm(wk x), rope on their first r dims,
            head weights = weights_proj x * Hi^-0.5
-  attention over the top-k selected slots in latent space (attention/dsa_sparse.py):
-  kv_b_proj's key half is folded into q, its value half expands the latent output.
-RoPE: MLA rotates interleaved pairs; the indexer rotates halves (as the reference does).
+  attention in latent space: kv_b_proj's key half is folded into q, its value half expands
+  the latent output; over every earlier token (attention/mla_dense.py) or, with DSA, over
+  the top-k selected slots (attention/dsa_sparse.py).
+RoPE: MLA rotates interleaved pairs (V3 with rope_interleave false: halves; V2's complex
+product leaves the pairs interleaved where V3 de-interleaves them, the same dot products);
+the indexer rotates halves (as the reference does).
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ from torch import nn
 from kvstrata.config.kv_plan import KVComponent, mla_components
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.decoder import rms_norm
-from kvstrata.runner.models.deepseek_v32_config import DeepseekDims, check_config
-from kvstrata.runner.models.deepseek_v32_weights import WeightMap
+from kvstrata.runner.models.deepseek_config import DeepseekDims, check_config
+from kvstrata.runner.models.deepseek_weights import WeightMap
 from kvstrata.runner.models.moe import DenseMLP, MoE
+from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters, yarn_mscale
 
 
@@ -50,7 +56,7 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
-class DeepseekV32Layer(nn.Module):
+class DeepseekLayer(nn.Module):
     def __init__(self, d: DeepseekDims, layer_idx: int, dtype: torch.dtype,
                  device: torch.device, **moe_kw):
         super().__init__()
@@ -59,22 +65,26 @@ class DeepseekV32Layer(nn.Module):
         bias = d.attention_bias
         self.input_norm = _param(h, **kw)
         self.post_norm = _param(h, **kw)
-        self.q_a_proj = _param(d.q_lora_rank, h, **kw)
-        self.q_a_bias = _param(d.q_lora_rank, **kw) if bias else None
-        self.q_a_norm = _param(d.q_lora_rank, **kw)
-        self.q_b_proj = _param(nh * d.qk_head_dim, d.q_lora_rank, **kw)
+        lora = d.q_lora_rank
+        self.q_proj = _param(nh * d.qk_head_dim, h, **kw) if lora is None else None
+        self.q_a_proj = _param(lora, h, **kw) if lora else None
+        self.q_a_bias = _param(lora, **kw) if lora and bias else None
+        self.q_a_norm = _param(lora, **kw) if lora else None
+        self.q_b_proj = _param(nh * d.qk_head_dim, lora, **kw) if lora else None
         self.kv_a_proj = _param(d.kv_lora_rank + d.qk_rope_head_dim, h, **kw)
         self.kv_a_bias = _param(d.kv_lora_rank + d.qk_rope_head_dim, **kw) if bias else None
         self.kv_a_norm = _param(d.kv_lora_rank, **kw)
         self.kv_b_proj = _param(nh * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, **kw)
         self.o_proj = _param(h, nh * d.v_head_dim, **kw)
         self.o_bias = _param(h, **kw) if bias else None
-        self.index_wq_b = _param(d.index_n_heads * d.index_head_dim, d.q_lora_rank, **kw)
-        self.index_wk = _param(d.index_head_dim, h, **kw)
-        self.index_k_norm = _param(d.index_head_dim, **kw)
-        self.index_k_norm_bias = _param(d.index_head_dim, **kw)
+        dsa = d.uses_dsa
+        self.index_wq_b = _param(d.index_n_heads * d.index_head_dim, lora, **kw) if dsa else None
+        self.index_wk = _param(d.index_head_dim, h, **kw) if dsa else None
+        self.index_k_norm = _param(d.index_head_dim, **kw) if dsa else None
+        self.index_k_norm_bias = _param(d.index_head_dim, **kw) if dsa else None
         # Kept in float32 whatever the model dtype (the reference's _keep_in_fp32_modules).
-        self.index_weights_proj = _param(d.index_n_heads, h, dtype=torch.float32, device=device)
+        self.index_weights_proj = (_param(d.index_n_heads, h, dtype=torch.float32,
+                                          device=device) if dsa else None)
         self.mlp = (MoE(d, dtype, device, **moe_kw) if d.mlp_layer_types[layer_idx] == "sparse"
                     else DenseMLP(h, d.intermediate_size, dtype, device))
 
@@ -84,32 +94,36 @@ class DeepseekV32Layer(nn.Module):
         return w[:, :d.qk_nope_head_dim], w[:, d.qk_nope_head_dim:]
 
 
-class DeepseekV32ForCausalLM(nn.Module):
+class DeepseekForCausalLM(nn.Module):
     pool_kind = "mla"
 
     def __init__(self, config: Any, raw_config: dict | None, dtype: torch.dtype,
                  device: torch.device, dims: DeepseekDims | None = None, **moe_kw):
         """`dims` / `moe_kw`: a tensor-parallel rank's shapes (runner/parallel/)."""
         super().__init__()
+        self.arch = arch = architecture_name(config)
         if raw_config is not None:
-            check_config(raw_config)
+            check_config(arch, raw_config)
         self.config = config
-        self.dims = d = dims or DeepseekDims.from_config(config)
+        self.dims = d = dims or DeepseekDims.from_config(config, arch)
         self.dtype, self.device = dtype, device
         kw = dict(dtype=dtype, device=device)
         self.embed = _param(d.vocab_size, d.hidden_size, **kw)
-        self.layers = nn.ModuleList(DeepseekV32Layer(d, i, dtype, device, **moe_kw)
+        self.layers = nn.ModuleList(DeepseekLayer(d, i, dtype, device, **moe_kw)
                                     for i in range(d.num_layers))
         self.final_norm = _param(d.hidden_size, **kw)
         self.lm_head = self.embed if d.tie_word_embeddings else _param(
             d.vocab_size, d.hidden_size, **kw)
         params = rope_parameters(config)
-        self.rotary = RotaryEmbedding(d.qk_rope_head_dim, params, device)
+        self.rotary = RotaryEmbedding(d.qk_rope_head_dim, params, device,
+                                      getattr(config, "max_position_embeddings", None))
+        self.rope = rope_interleaved if d.rope_interleave else rope_halves
         self.scaling = d.qk_head_dim ** -0.5
         if params["rope_type"] != "default" and params.get("mscale_all_dim"):
             m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
             self.scaling *= m * m
-        self.attn_backend = None  # DSASparseMLABackend, set by the runner
+        # MLADenseBackend, or DSASparseMLABackend with the indexer; set by the runner
+        self.attn_backend = None
         self.capture_hidden = False  # keep last_hidden (an MTP draft's features)
         self.last_hidden: torch.Tensor | None = None
         self.weights = WeightMap(self)
@@ -118,6 +132,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         d = self.dims
         return mla_components(d.num_layers, d.kv_lora_rank + d.qk_rope_head_dim,
                               str(self.dtype).removeprefix("torch."), d.index_head_dim)
+        # (index_head_dim None: no indexer keys beside the latent)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -155,7 +170,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         cos, sin = self.rotary.plain_cos_sin(fb.positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def layer_forward(self, layer: "DeepseekV32Layer", pool_layer: int, x: torch.Tensor,
+    def layer_forward(self, layer: "DeepseekLayer", pool_layer: int, x: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                       backend) -> torch.Tensor:
         """One decoder layer over the flattened batch; its KV in `backend`'s pool at layer
@@ -165,22 +180,30 @@ class DeepseekV32ForCausalLM(nn.Module):
         R, nope = d.kv_lora_rank, d.qk_nope_head_dim
         cos_h, sin_h = cos[:, None, :], sin[:, None, :]
         h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
-        q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
-                           d.rms_norm_eps)
-        q = F.linear(q_resid, layer.q_b_proj).view(t, d.num_heads, d.qk_head_dim)
+        if layer.q_proj is not None:
+            q_resid, q = None, F.linear(h, layer.q_proj)
+        else:
+            q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
+                               d.rms_norm_eps)
+            q = F.linear(q_resid, layer.q_b_proj)
+        q = q.view(t, d.num_heads, d.qk_head_dim)
         kv = F.linear(h, layer.kv_a_proj, layer.kv_a_bias)
         latent = torch.cat((rms_norm(kv[:, :R], layer.kv_a_norm, d.rms_norm_eps),
-                            rope_interleaved(kv[:, R:], cos, sin)), dim=-1)
+                            self.rope(kv[:, R:], cos, sin)), dim=-1)
         w_uk, w_uv = layer.absorbed(d)
         q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
-        q_full = torch.cat((q_latent, rope_interleaved(q[..., nope:], cos_h, sin_h)), -1)
-        index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
-        out_latent = backend.forward(pool_layer, q_full, latent, index_q, index_k, index_w, fb)
+        q_full = torch.cat((q_latent, self.rope(q[..., nope:], cos_h, sin_h)), -1)
+        if d.uses_dsa:
+            index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
+            out_latent = backend.forward(pool_layer, q_full, latent, index_q, index_k,
+                                         index_w, fb)
+        else:
+            out_latent = backend.forward(pool_layer, q_full, latent, fb)
         attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
         x = x + self.reduce(F.linear(attn, layer.o_proj, layer.o_bias))
         return x + self.reduce(layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps)))
 
-    def _indexer(self, layer: DeepseekV32Layer, h: torch.Tensor, q_resid: torch.Tensor,
+    def _indexer(self, layer: DeepseekLayer, h: torch.Tensor, q_resid: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims

@@ -1,4 +1,5 @@
-"""HF checkpoint names of DeepseekV32ForCausalLM -> our parameters (some fused: gate|up).
+"""HF checkpoint names of DeepSeek-V2 / V3 / V3.2 (deepseek.py) -> our parameters (some
+fused: gate|up).
 
 Built once from the model's own parameters, so the loader's "every expected weight exactly
 once" check covers every tensor of the model. Per-expert names (`mlp.experts.{e}.*`) are
@@ -11,9 +12,11 @@ from typing import Any
 import torch
 
 from kvstrata.runner.models.decoder import DecoderForCausalLM
+from kvstrata.runner.models.moe import Targets
 
-_ATTN = {"q_a_proj.weight": "q_a_proj", "q_a_proj.bias": "q_a_bias",
-         "q_a_layernorm.weight": "q_a_norm", "q_b_proj.weight": "q_b_proj",
+_ATTN = {"q_proj.weight": "q_proj", "q_a_proj.weight": "q_a_proj",
+         "q_a_proj.bias": "q_a_bias", "q_a_layernorm.weight": "q_a_norm",
+         "q_b_proj.weight": "q_b_proj",
          "kv_a_proj_with_mqa.weight": "kv_a_proj", "kv_a_proj_with_mqa.bias": "kv_a_bias",
          "kv_a_layernorm.weight": "kv_a_norm", "kv_b_proj.weight": "kv_b_proj",
          "o_proj.weight": "o_proj", "o_proj.bias": "o_bias",
@@ -22,40 +25,20 @@ _ATTN = {"q_a_proj.weight": "q_a_proj", "q_a_proj.bias": "q_a_bias",
          "indexer.weights_proj.weight": "index_weights_proj"}
 
 
-def _swiglu(prefix: str, mlp: Any, expert: int | None = None) -> dict:
-    """gate_proj/up_proj rows of the fused gate_up, and down_proj."""
-    gate_up, down = (mlp.gate_up, mlp.down) if expert is None else (
-        mlp.gate_up[expert], mlp.down[expert])
-    i = gate_up.shape[0] // 2
-    return {f"{prefix}.gate_proj.weight": (gate_up, 0, i),
-            f"{prefix}.up_proj.weight": (gate_up, i, 2 * i),
-            f"{prefix}.down_proj.weight": (down, None, None)}
-
-
-def layer_targets(pre: str, layer: Any) -> dict[str, tuple[torch.Tensor, int | None, int | None]]:
+def layer_targets(pre: str, layer: Any) -> Targets:
     """Checkpoint name -> (parameter, row range) of one decoder layer (an MTP layer too)."""
-    targets: dict[str, tuple[torch.Tensor, int | None, int | None]] = {
+    targets: Targets = {
         pre + "input_layernorm.weight": (layer.input_norm, None, None),
         pre + "post_attention_layernorm.weight": (layer.post_norm, None, None)}
     for name, attr in _ATTN.items():
         if getattr(layer, attr) is not None:
             targets[pre + "self_attn." + name] = (getattr(layer, attr), None, None)
-    mlp = layer.mlp
-    if hasattr(mlp, "router"):
-        targets[pre + "mlp.gate.weight"] = (mlp.router, None, None)
-        targets[pre + "mlp.gate.e_score_correction_bias"] = (mlp.score_bias, None, None)
-        lo, hi = mlp.experts  # checkpoint names use global expert ids
-        for e in range(lo, hi):
-            targets.update(_swiglu(f"{pre}mlp.experts.{e}", mlp, e - lo))
-        targets.update(_swiglu(pre + "mlp.shared_experts", mlp.shared))
-    else:
-        targets.update(_swiglu(pre + "mlp", mlp))
-    return targets
+    return {**targets, **layer.mlp.checkpoint_targets(pre + "mlp.")}
 
 
 class WeightMap:
     def __init__(self, model: Any):
-        targets: dict[str, tuple[torch.Tensor, int | None, int | None]] = {
+        targets: Targets = {
             "model.embed_tokens.weight": (model.embed, None, None),
             "model.norm.weight": (model.final_norm, None, None)}
         if not model.dims.tie_word_embeddings:
