@@ -3,6 +3,7 @@
   torch_native.py  paged attention in plain torch (SDPA over gathered K/V; CPU and CUDA),
                    with the CPU kernels below where they apply
   pieces.py        its per-step plan: the attention pieces
+  piece_planner.py the builders of those pieces (a mixin of the backend)
   window.py        its sliding windows, attention sinks and logit soft-capping
   paged_decode.py  the CPU decode and prefill attention kernels (`_paged_decode`, csrc/)
   mla_dense.py     dense MLA attention over the MLA pool (DeepSeek-V2 / V3)
