@@ -49,6 +49,7 @@ class SWAHiRadixCache(HiRadixCache):
         self.swa = swa
         self.total_cut_tokens = 0
         self.total_healed_pages = 0
+        self._load_live: set[int] = set()  # nodes whose load-back maps SWA pages (ids)
         super().__init__(allocator, page_size, host_allocator, write_policy, eviction_policy)
 
     def _init_tree(self) -> None:
@@ -187,20 +188,47 @@ class SWAHiRadixCache(HiRadixCache):
             swa = swa if any(swa) else []
         return TransferOp(job, kind, device_pages, host_pages, sync=sync, swa_pages=swa)
 
-    def swa_pages_to_load(self, match: HiMatchResult) -> int:
-        """SWA pages a load-back of `match` takes: those of its host-only nodes whose host
-        copy holds the SWA half (the others load as tombstones)."""
-        n, node = 0, match.last_host_node
+    def _window_of_load(self, match: HiMatchResult) -> list[tuple[TreeNode, int]]:
+        """The host-only nodes a load-back of `match` gives device pages, match end first,
+        each with how many of its last pages load with their SWA half: only those of the
+        last window before the match end (window_pages), where the host copy has them. The
+        earlier pages load as tombstones (full layers only): no request reads their SWA
+        K/V from this end, and their host copy keeps it. So a host prefix longer than the
+        SWA pool loads back as long as its window fits (a running request keeps no more:
+        free_out_of_window)."""
+        out, node, need = [], match.last_host_node, self.swa.window_pages
         while node is not None and node is not self.root and not node.device_pages:
-            n += len(node.host_pages) if node.host_swa else 0
+            k = len(node.host_pages)
+            out.append((node, min(k, need) if node.host_swa else 0))
+            need = max(0, need - k)
             node = node.parent
-        return n
+        return out
+
+    def swa_pages_to_load(self, match: HiMatchResult) -> int:
+        """SWA pages a load-back of `match` takes (`_window_of_load`)."""
+        return sum(live for _, live in self._window_of_load(match))
+
+    def load_back(self, match: HiMatchResult, device_pages: list[int]) -> TreeNode:
+        """HiRadixCache.load_back with only the last window's pages live (`_window_of_load`):
+        a node the window starts inside is split there, so each stays all-live or
+        all-tombstoned."""
+        self._load_live = set()
+        for node, live in self._window_of_load(match):
+            if live and live < len(node.host_pages):
+                self._split(node, len(node.host_pages) - live)  # (node keeps the tail)
+            if live:
+                self._load_live.add(id(node))
+        try:
+            return super().load_back(match, device_pages)
+        finally:
+            self._load_live = set()
 
     def _adopt_loaded(self, node: TreeNode, device_pages: list[int]) -> None:
         super()._adopt_loaded(node, device_pages)
-        # The caller (KVManager) made room in both pools for every loaded page.
-        live = node.host_swa and self.swa.alloc_for(device_pages)
-        assert live or not node.host_swa, "no SWA pages for a load-back: make room first"
+        # The caller (KVManager) made room in both pools for the window's pages.
+        want = id(node) in self._load_live
+        live = want and self.swa.alloc_for(device_pages)
+        assert live or not want, "no SWA pages for a load-back: make room first"
         node.swa_tombstone = not live
         if live:
             self._swa_evictable_pages += len(device_pages)
