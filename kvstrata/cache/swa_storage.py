@@ -25,11 +25,22 @@ has them (`StorageProgress.swa_read`). The pages join the tree as host-only node
 that: `host_swa` where the SWA half was read. Nothing else is special: the window-aware match
 of SWAHiRadixCache counts a prefix only up to an end whose last window is SWA-resident after
 load-back, so a prefix whose window is not in storage is cut back to where it is exact (an
-earlier batch end, or the tree's own part), and recomputed from there. Not done: a window
-that straddles the start of the fetch, where the tree holds a tombstone (full layers only),
-is not healed from storage -- that end is recomputed.
+earlier batch end, or the tree's own part), and recomputed from there.
+
+Straddling-window heal. A fetch of fewer pages than a window ends with a window that
+straddles the tree's end; where the tree's pages there have no SWA K/V (a device tombstone
+after SWA eviction, a host copy written without it) every fetched end would be cut. So the
+fetch then starts that many pages earlier (`_lead_pages`: only the pages the furthest end's
+window needs, and only when one of them is dead), and at its end each such tree node takes
+the fetched pages as its host copy, both halves (`_heal`): a host-only node swaps its copy,
+an unlocked device tombstone without device children is demoted to host-only (its full
+pages reload with the window at the load-back). A node being written, read by a backup,
+locked, or not wholly read with its SWA half stays as it is (that end is then cut, as
+before). The lead pages count as storage hits (they were read).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from kvstrata.cache.page_keys import component_key
 from kvstrata.cache.radix_cache import TreeNode
@@ -77,3 +88,75 @@ class SWAStorageTier(StorageTier):
             node.host_swa = live
             parent.children[node.key[:P]] = node
             parent, i = node, j
+
+    # ------------------------------------------------------------------ straddling-window heal
+    def _path(self, token_ids: list[int], first: int, end: int, split: bool
+              ) -> list[tuple[TreeNode, int]] | None:
+        """The tree nodes holding pages [first, end) of `token_ids`, with their first page;
+        None when the tree lacks part of them. `split`: cut nodes at `first` and `end` so each
+        lies wholly inside (else the nodes around them are listed as they are)."""
+        tree, P = self.tree, self.page_size
+        node, page, out = tree.root, 0, []
+        while page < end:
+            child = node.children.get(tree._page_key(token_ids, page * P))
+            if child is None:
+                return None
+            matched = tree._matching_pages(child.key, token_ids, page * P, end * P)
+            if split and page < first < page + matched:
+                child, matched = tree._split(child, first - page), first - page
+            elif split and matched < len(child.key) // P:
+                child = tree._split(child, matched)
+            if page + matched > first:
+                out.append((child, page))
+            if matched < len(child.key) // P and page + matched < end:
+                return None
+            page += matched
+            node = child
+        return out
+
+    def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
+        lead = min(start, self.tree.swa.window_pages - n)
+        if lead <= 0:
+            return 0
+        path = self._path(token_ids, start - lead, start, split=False)
+        if path is None or all(self.tree._swa_after_load(node) for node, _ in path):
+            return 0
+        return lead
+
+    def _insert_host(self, pf: Prefetch, keep: int) -> list[int]:
+        lead = pf.lead_pages
+        if not lead:
+            return super()._insert_host(pf, keep)
+        if keep <= lead:  # nothing past the tree's end came: no window to heal for
+            return pf.host_pages[:keep]
+        healed = self._heal(pf)
+        spare = [p for i, p in enumerate(pf.host_pages[:lead]) if i not in healed]
+        rest = dataclasses.replace(pf, start_page=pf.start_page + lead,
+                                   host_pages=pf.host_pages[lead:], lead_pages=0,
+                                   swa_read={i - lead for i in pf.swa_read if i >= lead})
+        return spare + super()._insert_host(rest, keep - lead)
+
+    def _heal(self, pf: Prefetch) -> set[int]:
+        """Give the dead tree nodes of the lead pages the fetched copies (module docstring);
+        returns the indices (from pf.start_page) of the pages adopted."""
+        tree, first = self.tree, pf.start_page
+        path = self._path(pf.token_ids, first, first + pf.lead_pages, split=True)
+        healed: set[int] = set()
+        for node, page in reversed(path or []):  # deepest first: a parent demotes after
+            idx = range(page - first, page - first + len(node.key) // self.page_size)
+            if (tree._swa_after_load(node) or not all(i in pf.swa_read for i in idx)
+                    or node.pending_job is not None or node.host_ref):
+                continue
+            if node.device_pages:
+                if node.lock_ref or any(c.device_pages for c in node.children.values()):
+                    continue
+                tree._free_device(node)  # a tombstone: its full pages
+                tree._evictable_pages -= len(node.device_pages)
+                node.device_pages = []
+            if node.host_pages:
+                tree.host_allocator.free(node.host_pages)
+            node.host_pages = [pf.host_pages[i] for i in idx]
+            node.host_swa = True
+            healed.update(idx)
+            self.stats.swa_healed_pages += len(idx)
+        return healed

@@ -168,3 +168,34 @@ def test_multi_turn_from_storage_through_starved_pools():
     assert engine.flush_cache()
     assert kv.swa.allocator.available_pages() == kv.swa.allocator.num_pages
     assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
+
+
+def test_a_stored_window_straddling_a_tombstoned_tree_end_is_healed_from_storage():
+    """The tree holds a prefix whose SWA pages were evicted (device tombstones, full layers
+    only), the store holds it and one page more. That page alone is shorter than a window:
+    the window before its end straddles the tree's last page, dead on the device. The fetch
+    therefore starts one page earlier (the lead) and the tombstone takes the fetched copy,
+    both halves (demoted to host-only, reloaded with the window), so the whole prompt hits
+    and only its last token is computed; the fake runner checks every window read. Without
+    the heal that end is cut back to the tree's last live window (none) and recomputed."""
+    store, _ = warm_store()
+    engine, runner = make(store, extra='{"prefetch_threshold": 4}')
+    kv, T = kv_of(engine), 10
+    first = PROMPT[:T * P + 1]
+    add(engine, "first", first, n=1)
+    assert run(engine)["first"] == reference_tokens(first, 1, VOCAB)
+    assert kv.storage.stats.hit_tokens == T * P
+    tree = kv.tree
+    assert tree.evict_swa(tree.evictable_swa_pages()) > 0  # SWA pressure: full pages stay
+    assert tree.evictable_swa_pages() == 0 and kv.peek_prefix_len(first) == 0
+    ask = PROMPT[:(T + 1) * P + 1]
+    computed, cut = runner.computed_tokens, tree.total_cut_tokens
+    add(engine, "ask", ask, n=1)
+    assert run(engine)["ask"] == reference_tokens(ask, 1, VOCAB)
+    # the page after the tree's end and, as the lead, the tree's last page
+    assert kv.storage.stats.hit_tokens == T * P + 2 * P
+    assert kv.storage.stats.swa_healed_pages == 1 and tree.total_cut_tokens == cut
+    assert runner.computed_tokens - computed == 1          # the prompt's last token only
+    assert kv.peek_prefix_len(ask) == (T + 1) * P
+    assert_host_pool_whole(engine)
+    engine.check_integrity()
