@@ -84,6 +84,7 @@ class StorageStats:
     prefetch_cancelled: int = 0  # the request was aborted
     prefetch_revoked: int = 0    # fewer hit tokens than the threshold: nothing kept
     swa_healed_pages: int = 0    # hybrid SWA: tree pages a fetch's lead gave their SWA half
+    swa_lead_unused_pages: int = 0  # ... and lead pages read for nothing (not hits)
 
 
 @dataclass
@@ -176,7 +177,7 @@ class StorageTier:
 
     def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
         """Pages before the tree's end (`start`) to fetch too: none here (a second device
-        pool's tier heals a window with them)."""
+        pool's tier heals the window before that end with them)."""
         return 0
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
@@ -222,9 +223,11 @@ class StorageTier:
         usable = len(token_ids) // P
         start = self._cached_pages(token_ids[:usable * P])
         n = usable - start
-        if n < self.threshold_pages or rid in self.by_rid:
+        if rid in self.by_rid:
             return False
         lead = self._lead_pages(token_ids[:usable * P], start, n)
+        if n + (start if lead else 0) < self.threshold_pages:  # (a lead heals the tree's end)
+            return False
         n += lead
         if self.occupied_pages and self.occupied_pages + n > self.capacity_pages:
             return False  # rate limit; an idle limiter still lets one request through

@@ -27,16 +27,21 @@ of SWAHiRadixCache counts a prefix only up to an end whose last window is SWA-re
 load-back, so a prefix whose window is not in storage is cut back to where it is exact (an
 earlier batch end, or the tree's own part), and recomputed from there.
 
-Straddling-window heal. A fetch of fewer pages than a window ends with a window that
-straddles the tree's end; where the tree's pages there have no SWA K/V (a device tombstone
-after SWA eviction, a host copy written without it) every fetched end would be cut. So the
-fetch then starts that many pages earlier (`_lead_pages`: only the pages the furthest end's
-window needs, and only when one of them is dead), and at its end each such tree node takes
-the fetched pages as its host copy, both halves (`_heal`): a host-only node swaps its copy,
-an unlocked device tombstone without device children is demoted to host-only (its full
-pages reload with the window at the load-back). A node being written, read by a backup,
-locked, or not wholly read with its SWA half stays as it is (that end is then cut, as
-before). The lead pages count as storage hits (they were read).
+Straddling-window heal. Where the window before the tree's end has pages without SWA K/V
+after a load-back (a device tombstone whose host copy lacks the SWA half or that has none, a
+host copy written without it: a restore that read only a longer prefix's window, SWA
+eviction), the tree's own prefix is cut there, and so is every fetched end whose window
+reaches back into it (a fetch shorter than a window). So the fetch then starts a window
+earlier (`_lead_pages`: min(window, tree pages), only when one of them is dead; a fetch of
+nothing past the tree's end is started for it too), and at its end each such tree node takes
+the fetched pages as its host copy, both halves (`_heal`): a host-only node swaps its copy, a
+device tombstone gets one, whose SWA half the load-back then brings to the device
+(SWAHiRadixCache._revive; its full pages stay). A node being written, read by a backup, or
+not wholly read with its SWA half stays as it is (that end is then cut, as before). Healed
+lead pages count as storage hits; the others were read for nothing
+(`swa_lead_unused_pages`): the price, one window of full records, paid whenever the fetch
+brings a window or more past the tree's end (its own end's window is then fetched, and the
+job reads the SWA records of that one only).
 """
 from __future__ import annotations
 
@@ -115,7 +120,7 @@ class SWAStorageTier(StorageTier):
         return out
 
     def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
-        lead = min(start, self.tree.swa.window_pages - n)
+        lead = min(start, self.tree.swa.window_pages)
         if lead <= 0:
             return 0
         path = self._path(token_ids, start - lead, start, split=False)
@@ -127,32 +132,29 @@ class SWAStorageTier(StorageTier):
         lead = pf.lead_pages
         if not lead:
             return super()._insert_host(pf, keep)
-        if keep <= lead:  # nothing past the tree's end came: no window to heal for
-            return pf.host_pages[:keep]
-        healed = self._heal(pf)
-        spare = [p for i, p in enumerate(pf.host_pages[:lead]) if i not in healed]
+        healed = self._heal(pf, min(keep, lead))
+        spare = [p for i, p in enumerate(pf.host_pages[:min(keep, lead)]) if i not in healed]
+        # (the caller counts every kept page a hit; these joined nothing)
+        self.stats.swa_lead_unused_pages += len(spare)
+        self.stats.hit_tokens -= len(spare) * self.page_size
+        if keep <= lead:  # nothing past the tree's end came: the heal is all
+            return spare
         rest = dataclasses.replace(pf, start_page=pf.start_page + lead,
                                    host_pages=pf.host_pages[lead:], lead_pages=0,
                                    swa_read={i - lead for i in pf.swa_read if i >= lead})
         return spare + super()._insert_host(rest, keep - lead)
 
-    def _heal(self, pf: Prefetch) -> set[int]:
-        """Give the dead tree nodes of the lead pages the fetched copies (module docstring);
-        returns the indices (from pf.start_page) of the pages adopted."""
+    def _heal(self, pf: Prefetch, n: int) -> set[int]:
+        """Give the dead tree nodes among the first `n` (read) lead pages the fetched copies
+        (module docstring); returns the indices (from pf.start_page) of the pages adopted."""
         tree, first = self.tree, pf.start_page
-        path = self._path(pf.token_ids, first, first + pf.lead_pages, split=True)
+        path = self._path(pf.token_ids, first, first + n, split=True)
         healed: set[int] = set()
-        for node, page in reversed(path or []):  # deepest first: a parent demotes after
+        for node, page in path or []:
             idx = range(page - first, page - first + len(node.key) // self.page_size)
             if (tree._swa_after_load(node) or not all(i in pf.swa_read for i in idx)
                     or node.pending_job is not None or node.host_ref):
                 continue
-            if node.device_pages:
-                if node.lock_ref or any(c.device_pages for c in node.children.values()):
-                    continue
-                tree._free_device(node)  # a tombstone: its full pages
-                tree._evictable_pages -= len(node.device_pages)
-                node.device_pages = []
             if node.host_pages:
                 tree.host_allocator.free(node.host_pages)
             node.host_pages = [pf.host_pages[i] for i in idx]

@@ -11,16 +11,16 @@ answers cold. Per tier, two new prompts:
 - a straddling prefix: the base's first 22 tokens, then others; its cached prefix (20 tokens)
   ends inside the base's node (which is split there), and the window before it, [12, 20),
   straddles the window edge at 16.
-The tiers: a radix hit on the device (long first, then straddling); an L2 load-back after
+The tiers, the long prompt first each time: a radix hit on the device; an L2 load-back after
 every device page was demoted to the host (full pages, and SWA pages only for the window
 before the match end); an L3 restore by a second engine with fresh pools over the file store
 the first one wrote (full records, SWA records only for the window before the match end).
-The second engine also answers the first one's radix-tier prompts again: identically to the
-first engine's answers. After a load-back the straddling prompt comes first: a long
-prefix's load-back leaves the pages before its last window as device tombstones (their SWA
-half stays in the host copy), and a later match ending among them recomputes that end
-(docs/architecture.md, HiCache L2: reloading the SWA half into a device tombstone is not
-done).
+After a load-back the straddling prompt's end lies among the pages the long one's load-back
+left as device tombstones: their host copy's SWA half comes back for its window
+(`SWAHiRadixCache._revive`); after a restore that host copy has no SWA half (only the long
+prompt's window was read), so the straddling prompt's fetch starts a window before its tree
+end and heals them (cache/swa_storage.py). The second engine also answers the first one's radix-tier
+prompts again: identically to the first engine's answers.
 Tokens equal transformers' greedy ones (near-tie rule); every KV invariant is checked after
 every step (KVSTRATA_CHECK_INTEGRITY) and the pools are whole after each drain.
 """
@@ -59,7 +59,7 @@ def prompts() -> dict:
         long_, straddle = (base + _tokens(rng, LONG_EXTRA),
                            base[:STRADDLE_AT] + _tokens(rng, STRADDLE_EXTRA))
         assert straddle[STRADDLE_AT] != base[STRADDLE_AT]  # diverges inside page 5
-        out[tier] = [long_, straddle] if tier == "radix" else [straddle, long_]
+        out[tier] = [long_, straddle]
     return out
 
 
@@ -125,10 +125,10 @@ def test_long_and_straddling_prefixes_through_radix_host_and_storage(arch, promp
         demote_every_device_page(first)
         out, cached = answer(first, prompts["host"])
         check(out, refs_of(prompts["host"]), f"{arch} L2 load-back")
-        assert cached == [STRADDLE_HIT, LONG_HIT]
+        assert cached == [LONG_HIT, STRADDLE_HIT]
         load = first.get_load()
-        # the straddling prompt's 20 tokens, then the rest of the long one's 48
-        assert load["hicache_host_hit_tokens"] == LONG_HIT, load
+        assert load["hicache_host_hit_tokens"] == LONG_HIT, load  # the straddling one: ...
+        assert load["hicache_swa_revived_pages"] == WINDOW // P, load  # ... its window revived
         assert load["hicache_h2d_pages"] > 0, load
         first.check_integrity()
     # (leaving the block finished every storage backup)
@@ -136,9 +136,14 @@ def test_long_and_straddling_prefixes_through_radix_host_and_storage(arch, promp
     with LLM(**engine_kw(path, store)) as second:
         out, cached = answer(second, prompts["storage"])
         check(out, refs_of(prompts["storage"]), f"{arch} L3 restore")
-        assert cached == [STRADDLE_HIT, LONG_HIT]
+        assert cached == [LONG_HIT, STRADDLE_HIT]
         load = second.get_load()
-        assert load["hicache_storage_hit_tokens"] == LONG_HIT, load  # (as on the host)
+        # The long restore read the SWA records of its last window only, so the straddling
+        # prompt's window lies among tombstones without an SWA half anywhere here: its
+        # fetch starts a window early (nothing of its own is stored) and heals them.
+        assert load["hicache_storage_hit_tokens"] == LONG_HIT + WINDOW, load
+        assert load["hicache_storage_swa_healed_pages"] == WINDOW // P, load
+        assert load["hicache_swa_revived_pages"] == WINDOW // P, load
         # full records for every restored page, SWA records for the windows only
         assert 0 < load["hicache_storage_swa_pages_read"] < load["hicache_storage_pages_read"]
 

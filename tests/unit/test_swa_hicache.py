@@ -114,8 +114,10 @@ def test_match_cuts_where_the_host_copy_lacks_the_last_window():
     insert_live(tree, swa, tokens[:8])            # live, written with SWA
     assert tree.evict_swa(8) == 8                 # tombstoned on the device ...
     tree.check_integrity()
-    assert tree.match_prefix(tokens[:8]).device_pages == []  # ... so unusable there
-    # The host copy still holds its SWA K/V: once demoted, it is usable again.
+    assert tree.peek_device_pages(tokens[:8]) == 0  # ... so unusable as it stands,
+    match = tree.match_prefix(tokens[:8])         # but its host copy has the SWA half
+    assert len(match.device_pages) == 8 and tree.needs_load(match)
+    # Once demoted, the host copy is usable as any.
     assert tree.evict(8) == 8
     match = tree.match_prefix(tokens[:8])
     assert len(match.host_pages) == 8
@@ -132,6 +134,36 @@ def test_match_cuts_where_the_host_copy_lacks_the_last_window():
     assert len(match.host_pages) == 8             # cut at the live head's end
     assert tree2.total_cut_tokens == 4
     tree2.check_integrity()
+
+
+def test_a_match_ending_among_tombstones_revives_their_window_from_the_host():
+    """A long prefix's load-back leaves the pages before its last window as device
+    tombstones whose host copy keeps the SWA half. A shorter prompt ending among them (one
+    that diverges inside the prefix) still hits: the load-back gives just the window before
+    its end SWA pages and moves only the host copy's SWA half into them (the full pages,
+    maybe read by running requests, stay as they are)."""
+    tree, swa = make_tree(num_pages=32, num_swa=24, window=4, P=1)
+    tokens = list(range(100, 120))                # 20 pages, every one written live
+    insert_live(tree, swa, tokens)
+    assert tree.evict(20) == 20
+    long_match = tree.match_prefix(tokens)
+    tree.load_back(long_match, tree.allocator.alloc(20))
+    finish_copies(tree)
+    assert swa.allocator.num_used() == swa.window_pages     # only the long one's window
+    short = tokens[:9] + [7, 7, 7]                # diverges at page 9: its end is among them
+    assert tree.peek_device_pages(short) == 0     # dead as it stands ...
+    match = tree.match_prefix(short)
+    assert len(match.device_pages) == 9 and not match.host_pages  # ... revivable
+    assert tree.needs_load(match) and tree.swa_pages_to_load(match) == swa.window_pages
+    node = tree.load_back(match, [])
+    op, = finish_copies(tree)
+    assert node is match.last_node and not node.swa_tombstone
+    assert op.kind == "h2d" and op.swa_only and op.device_pages == node.device_pages
+    assert op.swa_pages == [swa.map[p] for p in node.device_pages] and all(op.swa_pages)
+    assert op.host_pages == node.host_pages and len(node.device_pages) == swa.window_pages
+    assert node.parent.swa_tombstone and tree.swa_revived_pages == swa.window_pages
+    assert tree.peek_device_pages(short) == 9 and not tree.needs_load(tree.match_prefix(short))
+    tree.check_integrity()
 
 
 def test_swa_eviction_spares_a_node_being_written():
