@@ -212,7 +212,8 @@ class KVManager:
         ids = _cache_ids(req)
         match = self.tree.match_prefix(self._matchable(ids, whole_prompt) if use_cache else [])
         self.tree.lock(match.last_node)
-        if self.hicache and len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES:
+        if self.hicache and (len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES
+                             or self.swa is not None and self.tree.needs_load(match)):
             match = self._load_back(ids, match, whole_prompt)
         req.last_node = match.last_node
         req.pages = list(match.device_pages)
@@ -237,9 +238,14 @@ class KVManager:
         swa = self.tree.swa_pages_to_load(match) if self.swa is not None else None
         if not self.ensure_free_pages(len(match.host_pages), swa):
             return self._device_part(ids, match, whole_prompt)
-        # Making room may have evicted host copies (write_back): match again, still locked.
+        # Making room may have evicted host copies (write_back) or tombstoned the window's
+        # device nodes: match again, still locked.
         again = self.tree.match_prefix(self._matchable(ids, whole_prompt))
-        if again.last_node is not match.last_node or not again.host_pages:
+        if again.last_node is not match.last_node or not again.host_pages and not (
+                self.swa is not None and self.tree.needs_load(again)):
+            return self._device_part(ids, match, whole_prompt)
+        if self.swa is not None and \
+                self.tree.swa_pages_to_load(again) > self.swa.allocator.available_pages():
             return self._device_part(ids, match, whole_prompt)
         device = self.allocator.alloc(len(again.host_pages))
         if device is None:

@@ -83,6 +83,8 @@ class StorageStats:
     prefetch_partial: int = 0    # stopped (policy, corruption) before every hit page was read
     prefetch_cancelled: int = 0  # the request was aborted
     prefetch_revoked: int = 0    # fewer hit tokens than the threshold: nothing kept
+    swa_healed_pages: int = 0    # hybrid SWA: tree pages a fetch's lead gave their SWA half
+    swa_lead_unused_pages: int = 0  # ... and lead pages read for nothing (not hits)
 
 
 @dataclass
@@ -90,7 +92,8 @@ class Prefetch:
     job_id: int
     rid: str
     token_ids: list[int]          # the request's matchable prefix, up to the last fetched page
-    start_page: int               # first fetched page (the device+host match at arrival)
+    start_page: int               # first fetched page (the device+host match at arrival,
+                                  # less lead_pages)
     host_pages: list[int]
     started_at: float
     hit_pages: int = -1
@@ -102,6 +105,9 @@ class Prefetch:
     # hybrid SWA memory (cache/swa_storage.py): pages (index from start_page) whose SWA half
     # was read too
     swa_read: set[int] = field(default_factory=set)
+    # ... and how many fetched pages the tree held already (fetched to heal the window that
+    # straddles the tree's end: SWAStorageTier._lead_pages)
+    lead_pages: int = 0
 
 
 @dataclass
@@ -169,6 +175,11 @@ class StorageTier:
         leaf.host_pages, leaf.hash_keys = pages, keys
         parent.children[leaf.key[:P]] = leaf
 
+    def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
+        """Pages before the tree's end (`start`) to fetch too: none here (a second device
+        pool's tier heals the window before that end with them)."""
+        return 0
+
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         for b in self.backups.values():
             if lower in b.nodes:
@@ -212,8 +223,12 @@ class StorageTier:
         usable = len(token_ids) // P
         start = self._cached_pages(token_ids[:usable * P])
         n = usable - start
-        if n < self.threshold_pages or rid in self.by_rid:
+        if rid in self.by_rid:
             return False
+        lead = self._lead_pages(token_ids[:usable * P], start, n)
+        if n + (start if lead else 0) < self.threshold_pages:  # (a lead heals the tree's end)
+            return False
+        n += lead
         if self.occupied_pages and self.occupied_pages + n > self.capacity_pages:
             return False  # rate limit; an idle limiter still lets one request through
         host = self.tree.alloc_host(n)
@@ -224,10 +239,11 @@ class StorageTier:
             # have nothing to hang under. Recompute instead.
             self.tree.host_allocator.free(host)
             return False
+        start -= lead
         keys = chain_page_keys(token_ids[:usable * P], P)[start:]
         job = self.tree.next_job_id()
         self.prefetches[job] = Prefetch(job, rid, list(token_ids[:usable * P]), start, host,
-                                        self.clock())
+                                        self.clock(), lead_pages=lead)
         self.by_rid[rid] = job
         self.occupied_pages += n
         self.tree._queue(self._prefetch_op(job, host, keys))

@@ -18,14 +18,17 @@ What moves:
     stay the node's;
   - a demotion (device eviction) frees both the full and the SWA device pages;
   - a load-back gives each loaded node full pages and, where its host copy has them, SWA
-    pages (mapped to the new full pages), else loads it as a tombstone.
+    pages (mapped to the new full pages), else loads it as a tombstone;
+  - a revival gives a device tombstone in the window before a match end SWA pages and its
+    host copy's SWA half, nothing else (`_revive`).
 
 Matching is window-aware over what will be resident after the load-back: a prefix of L
-tokens is usable only if the pages covering its last window are live device nodes or
-host-only nodes with `host_swa` (a device tombstone counts as dead even when an older host
-copy holds its SWA K/V: loading SWA pages into a device-resident node is not done here, the
-tokens are recomputed). The match is cut back to the longest usable end; the rest is
-recomputed, never read stale.
+tokens is usable only if the pages covering its last window are live device nodes, host-only
+nodes with `host_swa`, or device tombstones whose host copy has its SWA half (`_revivable`:
+the load-back brings just that half back, `_revive`, into new SWA pages; the full pages stay).
+So a match ending among the pages an earlier, longer load-back left as tombstones (a prompt
+diverging inside that prefix) still hits. The match is cut back to the longest usable end;
+the rest is recomputed, never read stale.
 
 SWA eviction only tombstones (a node's full pages follow HiCache's device eviction, which
 demotes or drops); under write_back it first writes a node without a host copy (both halves),
@@ -49,6 +52,8 @@ class SWAHiRadixCache(HiRadixCache):
         self.swa = swa
         self.total_cut_tokens = 0
         self.total_healed_pages = 0
+        self._load_live: set[int] = set()  # nodes whose load-back maps SWA pages (ids)
+        self.swa_revived_pages = 0  # device tombstones' pages given their SWA half back
         super().__init__(allocator, page_size, host_allocator, write_policy, eviction_policy)
 
     def _init_tree(self) -> None:
@@ -64,11 +69,18 @@ class SWAHiRadixCache(HiRadixCache):
     cached_swa_pages = SWARadixCache.cached_swa_pages
 
     # ------------------------------------------------------------------ match
-    def _swa_after_load(self, node: TreeNode) -> bool:
-        """Will the node have SWA K/V on the device once the match is loaded back?"""
+    def _swa_after_load(self, node: TreeNode, device_only: bool = False) -> bool:
+        """Will the node have SWA K/V on the device once the match is loaded back (with
+        device_only: without any load)?"""
         if node.device_pages:
-            return not node.swa_tombstone
+            return not node.swa_tombstone or (not device_only and self._revivable(node))
         return node.host_swa and node.host_pages is not None
+
+    @staticmethod
+    def _revivable(node: TreeNode) -> bool:
+        """A device tombstone whose host copy holds its SWA half (not being written)."""
+        return (node.swa_tombstone and node.host_swa and node.host_pages is not None
+                and node.pending_job is None)
 
     def _usable_pages(self, token_ids: list[int], device_only: bool = False
                       ) -> tuple[int, int]:
@@ -82,7 +94,7 @@ class SWAHiRadixCache(HiRadixCache):
             if child is None or (device_only and not child.device_pages):
                 break
             matched = self._matching_pages(child.key, token_ids, pos, usable)
-            if self._swa_after_load(child):
+            if self._swa_after_load(child, device_only):
                 run += matched  # a live node's last matched page is its best end
                 if run >= min(need, total + matched):
                     best = total + matched
@@ -187,20 +199,76 @@ class SWAHiRadixCache(HiRadixCache):
             swa = swa if any(swa) else []
         return TransferOp(job, kind, device_pages, host_pages, sync=sync, swa_pages=swa)
 
-    def swa_pages_to_load(self, match: HiMatchResult) -> int:
-        """SWA pages a load-back of `match` takes: those of its host-only nodes whose host
-        copy holds the SWA half (the others load as tombstones)."""
-        n, node = 0, match.last_host_node
+    def _window_of_load(self, match: HiMatchResult) -> list[tuple[TreeNode, int]]:
+        """The host-only nodes a load-back of `match` gives device pages, match end first,
+        each with how many of its last pages load with their SWA half: only those of the
+        last window before the match end (window_pages), where the host copy has them. The
+        earlier pages load as tombstones (full layers only): no request reads their SWA
+        K/V from this end, and their host copy keeps it. So a host prefix longer than the
+        SWA pool loads back as long as its window fits (a running request keeps no more:
+        free_out_of_window). Then the device nodes the rest of that window lies in, each
+        with how many of its last pages get their SWA half back (`_revive`: tombstones)."""
+        out, node, need = [], match.last_host_node or match.last_node, self.swa.window_pages
         while node is not None and node is not self.root and not node.device_pages:
-            n += len(node.host_pages) if node.host_swa else 0
+            k = len(node.host_pages)
+            out.append((node, min(k, need) if node.host_swa else 0))
+            need = max(0, need - k)
             node = node.parent
-        return n
+        while need > 0 and node is not None and node is not self.root:
+            k = node.num_pages
+            if self._revivable(node):
+                out.append((node, min(k, need)))
+            need -= k
+            node = node.parent
+        return out
+
+    def swa_pages_to_load(self, match: HiMatchResult) -> int:
+        """SWA pages a load-back of `match` takes (`_window_of_load`)."""
+        return sum(live for _, live in self._window_of_load(match))
+
+    def load_back(self, match: HiMatchResult, device_pages: list[int]) -> TreeNode:
+        """HiRadixCache.load_back with only the last window's pages live (`_window_of_load`):
+        a node the window starts inside is split there, so each stays all-live or
+        all-tombstoned. A match without a host part (only tombstones to revive) returns its
+        last node."""
+        self._load_live = set()
+        for node, live in self._window_of_load(match):
+            k = len(node.key) // self.page_size
+            if live and live < k:
+                self._split(node, k - live)  # (node keeps the tail)
+            if live and node.device_pages:
+                self._revive(node)
+            elif live:
+                self._load_live.add(id(node))
+        if not match.host_pages:
+            return match.last_node
+        try:
+            return super().load_back(match, device_pages)
+        finally:
+            self._load_live = set()
+
+    def needs_load(self, match: HiMatchResult) -> bool:
+        """Does a match without a host part still need a load-back (tombstones to revive)?"""
+        return any(node.device_pages for node, live in self._window_of_load(match) if live)
+
+    def _revive(self, node: TreeNode) -> None:
+        """A device tombstone gets SWA pages and its host copy's SWA half (one sync op that
+        moves nothing else: its full pages may be read by running requests)."""
+        ok = self.swa.alloc_for(node.device_pages)
+        assert ok, "no SWA pages to revive a tombstone: make room first"
+        node.swa_tombstone = False
+        self._swa_evictable_pages += node.num_pages
+        self.swa_revived_pages += node.num_pages
+        self._queue(TransferOp(next(self._job_ids), "h2d", list(node.device_pages),
+                               list(node.host_pages), sync=True, swa_only=True,
+                               swa_pages=[self.swa.map[p] for p in node.device_pages]))
 
     def _adopt_loaded(self, node: TreeNode, device_pages: list[int]) -> None:
         super()._adopt_loaded(node, device_pages)
-        # The caller (KVManager) made room in both pools for every loaded page.
-        live = node.host_swa and self.swa.alloc_for(device_pages)
-        assert live or not node.host_swa, "no SWA pages for a load-back: make room first"
+        # The caller (KVManager) made room in both pools for the window's pages.
+        want = id(node) in self._load_live
+        live = want and self.swa.alloc_for(device_pages)
+        assert live or not want, "no SWA pages for a load-back: make room first"
         node.swa_tombstone = not live
         if live:
             self._swa_evictable_pages += len(device_pages)

@@ -25,11 +25,27 @@ has them (`StorageProgress.swa_read`). The pages join the tree as host-only node
 that: `host_swa` where the SWA half was read. Nothing else is special: the window-aware match
 of SWAHiRadixCache counts a prefix only up to an end whose last window is SWA-resident after
 load-back, so a prefix whose window is not in storage is cut back to where it is exact (an
-earlier batch end, or the tree's own part), and recomputed from there. Not done: a window
-that straddles the start of the fetch, where the tree holds a tombstone (full layers only),
-is not healed from storage -- that end is recomputed.
+earlier batch end, or the tree's own part), and recomputed from there.
+
+Straddling-window heal. Where the window before the tree's end has pages without SWA K/V
+after a load-back (a device tombstone whose host copy lacks the SWA half or that has none, a
+host copy written without it: a restore that read only a longer prefix's window, SWA
+eviction), the tree's own prefix is cut there, and so is every fetched end whose window
+reaches back into it (a fetch shorter than a window). So the fetch then starts a window
+earlier (`_lead_pages`: min(window, tree pages), only when one of them is dead; a fetch of
+nothing past the tree's end is started for it too), and at its end each such tree node takes
+the fetched pages as its host copy, both halves (`_heal`): a host-only node swaps its copy, a
+device tombstone gets one, whose SWA half the load-back then brings to the device
+(SWAHiRadixCache._revive; its full pages stay). A node being written, read by a backup, or
+not wholly read with its SWA half stays as it is (that end is then cut, as before). Healed
+lead pages count as storage hits; the others were read for nothing
+(`swa_lead_unused_pages`): the price, one window of full records, paid whenever the fetch
+brings a window or more past the tree's end (its own end's window is then fetched, and the
+job reads the SWA records of that one only).
 """
 from __future__ import annotations
+
+import dataclasses
 
 from kvstrata.cache.page_keys import component_key
 from kvstrata.cache.radix_cache import TreeNode
@@ -77,3 +93,72 @@ class SWAStorageTier(StorageTier):
             node.host_swa = live
             parent.children[node.key[:P]] = node
             parent, i = node, j
+
+    # ------------------------------------------------------------------ straddling-window heal
+    def _path(self, token_ids: list[int], first: int, end: int, split: bool
+              ) -> list[tuple[TreeNode, int]] | None:
+        """The tree nodes holding pages [first, end) of `token_ids`, with their first page;
+        None when the tree lacks part of them. `split`: cut nodes at `first` and `end` so each
+        lies wholly inside (else the nodes around them are listed as they are)."""
+        tree, P = self.tree, self.page_size
+        node, page, out = tree.root, 0, []
+        while page < end:
+            child = node.children.get(tree._page_key(token_ids, page * P))
+            if child is None:
+                return None
+            matched = tree._matching_pages(child.key, token_ids, page * P, end * P)
+            if split and page < first < page + matched:
+                child, matched = tree._split(child, first - page), first - page
+            elif split and matched < len(child.key) // P:
+                child = tree._split(child, matched)
+            if page + matched > first:
+                out.append((child, page))
+            if matched < len(child.key) // P and page + matched < end:
+                return None
+            page += matched
+            node = child
+        return out
+
+    def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
+        lead = min(start, self.tree.swa.window_pages)
+        if lead <= 0:
+            return 0
+        path = self._path(token_ids, start - lead, start, split=False)
+        if path is None or all(self.tree._swa_after_load(node) for node, _ in path):
+            return 0
+        return lead
+
+    def _insert_host(self, pf: Prefetch, keep: int) -> list[int]:
+        lead = pf.lead_pages
+        if not lead:
+            return super()._insert_host(pf, keep)
+        healed = self._heal(pf, min(keep, lead))
+        spare = [p for i, p in enumerate(pf.host_pages[:min(keep, lead)]) if i not in healed]
+        # (the caller counts every kept page a hit; these joined nothing)
+        self.stats.swa_lead_unused_pages += len(spare)
+        self.stats.hit_tokens -= len(spare) * self.page_size
+        if keep <= lead:  # nothing past the tree's end came: the heal is all
+            return spare
+        rest = dataclasses.replace(pf, start_page=pf.start_page + lead,
+                                   host_pages=pf.host_pages[lead:], lead_pages=0,
+                                   swa_read={i - lead for i in pf.swa_read if i >= lead})
+        return spare + super()._insert_host(rest, keep - lead)
+
+    def _heal(self, pf: Prefetch, n: int) -> set[int]:
+        """Give the dead tree nodes among the first `n` (read) lead pages the fetched copies
+        (module docstring); returns the indices (from pf.start_page) of the pages adopted."""
+        tree, first = self.tree, pf.start_page
+        path = self._path(pf.token_ids, first, first + n, split=True)
+        healed: set[int] = set()
+        for node, page in path or []:
+            idx = range(page - first, page - first + len(node.key) // self.page_size)
+            if (tree._swa_after_load(node) or not all(i in pf.swa_read for i in idx)
+                    or node.pending_job is not None or node.host_ref):
+                continue
+            if node.host_pages:
+                tree.host_allocator.free(node.host_pages)
+            node.host_pages = [pf.host_pages[i] for i in idx]
+            node.host_swa = True
+            healed.update(idx)
+            self.stats.swa_healed_pages += len(idx)
+        return healed

@@ -220,6 +220,8 @@ class EngineCore:
             "hicache_host_total_tokens": kv.host_allocator.num_pages * P,
             "hicache_host_used_tokens": kv.host_allocator.num_used() * P,
         }
+        if kv.swa is not None:  # device tombstones whose window came back from the host
+            out["hicache_swa_revived_pages"] = kv.tree.swa_revived_pages
         if kv.storage is not None:  # L3: tokens per outcome (the runner adds bytes)
             out.update({f"hicache_storage_{k}": v
                         for k, v in dataclasses.asdict(kv.storage.stats).items()})

@@ -149,6 +149,9 @@ class TransferOp(msgspec.Struct, tag="transfer"):
     # only the full layers move. Its host copy sits under the same host page id, in the host
     # SWA pool (cache/swa_hiradix.py).
     swa_pages: list[int] = []
+    # ... and an "h2d" that brings back only the SWA halves (into a device tombstone, whose
+    # full pages stay as they are: cache/swa_hiradix.py `_revive`)
+    swa_only: bool = False
     # Hybrid SWA memory ("h2s", "s2h"): the storage key of each host page's SWA half (the
     # window layers' K/V in the host SWA pool), one per key, or [] when only the full layers
     # move (cache/swa_storage.py). An "h2s" op stores both halves; an "s2h" op reads the

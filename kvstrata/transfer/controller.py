@@ -45,6 +45,7 @@ class TransferJob:
     # Hybrid SWA memory: (SWA device pages, host pages) moved by the second IO backend in
     # the same job, so the job is done only when both pools' copies are.
     swa: tuple[torch.Tensor, torch.Tensor] | None = None
+    swa_only: bool = False  # move the SWA halves only (the full pages stay as they are)
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -80,11 +81,12 @@ class TransferController:
         self._worker.start()
 
     # ---- scheduler-facing API ----------------------------------------------------------------
-    def submit(self, kind: str, device_pages, host_pages, swa_pages=()) -> int:
+    def submit(self, kind: str, device_pages, host_pages, swa_pages=(), swa_only=False) -> int:
         """Queue a transfer of whole pages (device_pages[i] <-> host_pages[i]); returns its id.
         `swa_pages`: the SWA device page of each device page (0: none moves), copied with
-        the same host page id by `swa_io`. Argument errors (unknown kind, length mismatch)
-        raise here; copy errors are reported later as a failed id."""
+        the same host page id by `swa_io`; `swa_only`: only those move (the full pages stay
+        as they are). Argument errors (unknown kind, length mismatch) raise here; copy
+        errors are reported later as a failed id."""
         if kind not in KINDS:
             raise ValueError(f"transfer kind must be one of {KINDS}, got {kind!r}")
         if self._closed:
@@ -101,6 +103,9 @@ class TransferController:
                                  f"(SWA IO backend: {self.swa_io is not None})")
             keep = swa != 0
             job.swa = (swa[keep], host[keep])
+        elif swa_only:
+            raise ValueError("a swa_only transfer without SWA pages")
+        job.swa_only = swa_only
         if self._streams is not None:
             job.ready_event = torch.cuda.Event()
             job.ready_event.record()  # on the submitter's current stream
@@ -200,7 +205,8 @@ class TransferController:
                 continue
             elapsed = time.perf_counter() - start
             with self._lock:
-                self.stats[f"{job.kind}_bytes"] += job.device_pages.numel() * self.page_bytes
+                self.stats[f"{job.kind}_bytes"] += 0 if job.swa_only else \
+                    job.device_pages.numel() * self.page_bytes
                 self.stats[f"{job.kind}_seconds"] += elapsed
                 self._launched.append((job.job_id, done))
                 self._idle.notify_all()
@@ -218,9 +224,10 @@ class TransferController:
         return done
 
     def _copy(self, job: TransferJob) -> None:
-        if job.kind == "write":
+        # (swa_only: device_pages only paired the SWA pages with their host ids)
+        if job.kind == "write" and not job.swa_only:
             self.io.write_back(job.device_pages, job.host_pages)
-        else:
+        elif not job.swa_only:
             self.io.load_all(job.host_pages, job.device_pages)
         if job.swa is not None and job.swa[0].numel():
             swa_dev, swa_host = job.swa

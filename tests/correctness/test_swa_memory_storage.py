@@ -106,6 +106,10 @@ def test_restarted_engine_serves_prefixes_from_storage(backend, windowed, cold, 
             hit = load["hicache_storage_hit_tokens"]
             if swa:  # all but the last page of each prompt: storage, then the shared head
                 assert cached == [(len(p) - 1) // 4 * 4 for p in last], (cached, load)
+                # (The first restore read the SWA records of its own end's window only, so
+                # the shared head's window is dead for the others: their fetches start a
+                # window early, and bring their own ends' windows, so that was for nothing.)
+                assert load["hicache_storage_swa_lead_unused_pages"] > 0, load
                 assert hit > len(last[0]) // 2 and load["hicache_host_hit_tokens"] == hit, load
                 assert load["hicache_storage_swa_pages_read"] > 0, load
             else:

@@ -9,6 +9,8 @@ too) and restores exactly. Every
 KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvstrata.cache import swa_pd
@@ -220,20 +222,39 @@ def test_decode_radix_cache_hits_move_only_the_delta(windowed, prompts, referenc
         decode.shutdown()
 
 
-def test_decode_hicache_with_a_starved_pool(windowed, prompts, references, prefill4):
-    """Decode HiCache over the SWA HiRadix cache, with host_pool retraction backups in the
-    same host pool: a decode device pool of 120 full / 60 SWA tokens demotes the cached
-    first turns to the host (both halves) and second turns load them back (the window's SWA
-    pages mapped to new full pages) and retract; transformers' tokens, every pool whole."""
+def _file_store(tmp_path) -> dict:
+    extra = {"file_path": str(tmp_path), "prefetch_threshold": 4}
+    return dict(hicache_storage_backend="file",
+                hicache_storage_backend_extra_config=json.dumps(extra))
+
+
+@pytest.mark.parametrize("tier", ["host_pool_backups", "offload"])
+def test_decode_hicache_with_a_starved_pool(tier, windowed, prompts, references, prefill4,
+                                            tmp_path):
+    """Decode HiCache over the SWA HiRadix cache: a decode device pool of 120 full / 60 SWA
+    tokens demotes the cached first turns to the host (both halves) and second turns load
+    them back (the window's SWA pages mapped to new full pages) and retract; transformers'
+    tokens, every pool whole. `host_pool_backups`: the retraction backups in the same host
+    pool. `offload`: --disaggregation-decode-enable-offload-kvcache (backups cpu_tensor, as
+    the rule says beside it): the decode's host tier also backs every finished request up
+    to a file store -- full records for every page, SWA records for the pages whose window
+    K/V the decode held (the received last window, its own answer) -- and a fresh prefill
+    server on that store reads each whole previous turn from it, more than any prefill
+    computed, with transformers' third-turn tokens."""
     path, P = windowed["qwen2"], 4
     prefill, port = prefill4
+    offload = tier == "offload"
+    kw = (dict(disaggregation_decode_enable_offload_kvcache=True, **_file_store(tmp_path))
+          if offload else dict(disaggregation_decode_enable_radix_cache=True,
+                               disaggregation_decode_enable_hicache=True,
+                               disaggregation_decode_retraction_backup="host_pool"))
+    backup = "cpu_tensor" if offload else "host_pool"
     decode = engine(path, "decode", free_port(), P, max_total_tokens=120,
                     swa_full_tokens_ratio=0.5, num_reserved_decode_tokens=1,
-                    disaggregation_decode_enable_radix_cache=True,
-                    disaggregation_decode_enable_hicache=True, hicache_ratio=8.0,
-                    disaggregation_decode_retraction_backup="host_pool")
+                    hicache_ratio=8.0, **kw)
     try:
         assert decode.scheduler.kv.hicache and decode.scheduler.kv.swa is not None
+        assert decode.scheduler.config.retraction_backup == backup
         firsts = run_pair(prefill, decode, prompts, port, room_base=800)
         check(firsts, references["qwen2"], "PD decode HiCache turn 1")
         follow = [p + out + [7, 11, 13] for p, out in zip(prompts, firsts) if len(p) >= 9]
@@ -243,13 +264,40 @@ def test_decode_hicache_with_a_starved_pool(windowed, prompts, references, prefi
         assert load["hicache_demoted_pages"] > 0 and load["hicache_host_hit_tokens"] > 0, load
         side = pd_side(decode.scheduler)
         assert side.prefix_hit_tokens > 0
-        backups = side.retraction.num_backups["host_pool"]
-        assert backups >= 1 and side.retraction.num_restores["host_pool"] == backups
-        assert decode.runner.backup.swa.stats()["host_pool_restore_count"] >= 1
+        backups = side.retraction.num_backups[backup]
+        assert backups >= 1 and side.retraction.num_restores[backup] == backups
+        assert decode.runner.backup.swa.stats()[f"{backup}_restore_count"] >= 1
+        if offload:
+            _restarted_prefill_reads_the_decode_store(decode, path, follow, outs, tmp_path)
         for eng in (prefill, decode):
             swa_whole(eng)
     finally:
         decode.shutdown()
+
+
+def _restarted_prefill_reads_the_decode_store(decode, path, follow, outs, tmp_path):
+    assert decode.finish_storage_backups(timeout=30)
+    load = decode.get_load()
+    assert load["hicache_storage_backup_pages"] > 0, load
+    assert load["hicache_storage_swa_pages_written"] > 0, load
+    # (the third turns that fit the 120-token decode pool with their answers)
+    turns = [(ids, out) for ids, out in zip(follow, outs) if len(ids) + 2 * NEW + 2 <= 110]
+    assert len(turns) >= 2
+    third = [ids + out + [17, 19] for ids, out in turns]
+    stored = sum((len(ids) + NEW - 1) // 4 * 4 for ids, _ in turns)  # turn 2's whole pages
+    port = free_port()
+    fresh = engine(path, "prefill", port, 4, max_total_tokens=2048,
+                   enable_hierarchical_cache=True, hicache_ratio=2.0,
+                   hicache_storage_prefetch_policy="wait_complete", **_file_store(tmp_path))
+    try:
+        got = run_pair(fresh, decode, third, port, room_base=1000)
+        assert_match_transformers(path, third, got, "PD turn 3 from the decode's store")
+        read = fresh.get_load()
+        assert read["hicache_storage_hit_tokens"] >= stored, (read, stored)
+        assert read["hicache_storage_swa_pages_read"] > 0, read
+        swa_whole(fresh)
+    finally:
+        fresh.shutdown()
 
 
 @pytest.mark.parametrize("backend,page_size", [("tcp", 1), ("mooncake", 4)])

@@ -35,6 +35,25 @@ def test_write_then_load_round_trip():
     assert ctl.stats["write_bytes"] == 3 * io.host_pool.geom.bytes_per_page
 
 
+def test_an_swa_only_load_moves_the_swa_halves_and_leaves_the_full_pages():
+    """Hybrid SWA memory: a load with `swa_only` (a device tombstone's window coming back,
+    cache/swa_hiradix.py `_revive`) copies each host page's SWA half into its SWA page; the
+    full device pages it names are left as they are, even where the host copy differs."""
+    io, swa_io = _backend(), _backend()
+    with TransferController(io, swa_io=swa_io) as ctl:
+        ctl.submit("write", [3, 1], [5, 6], swa_pages=[2, 4])
+        assert ctl.drain(timeout=30)[1] == []
+        written = swa_io.device_kv.view(2, 2, -1, 4, 2, 8)[:, :, [2, 4]].clone()
+        io.device_kv.view(2, 2, -1, 4, 2, 8)[:, :, [3, 1]] += 1.0  # host copy now differs
+        full, _ = io.device_kv.clone(), swa_io.device_kv.zero_()
+        load = ctl.submit("load", [3, 1], [5, 6], swa_pages=[7, 9], swa_only=True)
+        assert ctl.drain(timeout=30) == ([load], [])
+        with pytest.raises(ValueError, match="swa_only"):
+            ctl.submit("load", [3], [5], swa_only=True)
+    assert torch.equal(io.device_kv, full)
+    assert torch.equal(swa_io.device_kv.view(2, 2, -1, 4, 2, 8)[:, :, [7, 9]], written)
+
+
 def test_failing_job_is_reported_and_the_worker_survives():
     io = _backend()
     with TransferController(io) as ctl:

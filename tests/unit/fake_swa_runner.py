@@ -25,7 +25,8 @@ class FakeSWARunner(FakeRunner):
         self.moved_swa_pages = {"d2h": 0, "h2d": 0}
 
     def _copy(self, op) -> None:
-        super()._copy(op)
+        if not op.swa_only:  # (a revived tombstone's full pages stay as they are)
+            super()._copy(op)
         pairs = [(s, h) for s, h in zip(op.swa_pages, op.host_pages) if s]
         swa, host = [s for s, _ in pairs], [h for _, h in pairs]
         if op.kind == "d2h":

@@ -57,9 +57,6 @@ def test_nothing_to_decide_without_windows(info):
 
 @pytest.mark.parametrize("kw,reason", [
     (dict(disable_hybrid_swa_memory=True), "--disable-hybrid-swa-memory"),
-    # decode KV offload is the decode tree's HiCache L3 backups: untested beside an SWA pool
-    (dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
-          hicache_storage_backend="file"), "offload-kvcache"),
 ])
 @pytest.mark.parametrize("info", [HYBRID, ALL_SWA])
 def test_off_with_the_reason(kw, reason, info):
@@ -75,10 +72,13 @@ def test_off_with_the_reason(kw, reason, info):
     dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
     dict(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True,
          disaggregation_decode_enable_hicache=True),
+    dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
+         hicache_storage_backend="file"),
     dict(chunked_prefill_size=64), dict(tp_size=2),
     dict(disaggregation_mode="decode", tp_size=2), dict(disaggregation_mode="prefill", tp_size=2)])
 def test_allowed_combinations_stay_on(kw):
-    """Each is exercised with the pool on: tests/correctness/test_swa_memory.py."""
+    """Each is exercised with the pool on: tests/correctness/test_swa_memory.py (the decode
+    KV offload: test_swa_pd_engine.py)."""
     resolved, _ = run(**kw)
     assert resolved.hybrid_swa_memory is True
 
@@ -171,6 +171,17 @@ def test_explain_shows_the_decision():
                                   simulated("cpu"), info, as_json=True))
         assert [r["rule"] for r in data["resolutions"]
                 if r["field"] == "hybrid_swa_memory"] == [rule]
+
+
+def test_decode_offload_of_an_all_swa_model_is_its_host_tier():
+    """The decode KV offload turns HiCache on (rule disagg.decode_offload), so an all-SWA
+    model gets one uniform pool for the HiCache reason; a hybrid one keeps its SWA pool."""
+    kw = dict(disaggregation_mode="decode", disaggregation_decode_enable_offload_kvcache=True,
+              hicache_storage_backend="file")
+    assert run(HYBRID, **kw)[0].hybrid_swa_memory is True
+    resolved, res = run(ALL_SWA, **kw)
+    assert resolved.hybrid_swa_memory is False
+    assert "HiCache with an all-SWA model" in res["hybrid_swa_memory"].reason
 
 
 @pytest.mark.parametrize("storage", [{}, dict(hicache_storage_backend="file")])

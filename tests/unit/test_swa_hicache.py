@@ -67,11 +67,43 @@ def test_host_copy_carries_live_swa_pages_and_load_back_maps_them():
     dev = tree.allocator.alloc(12)
     node = tree.load_back(match, dev)
     op, = finish_copies(tree)
-    assert op.kind == "h2d" and op.swa_pages[:6] == [0] * 6 and all(op.swa_pages[6:])
+    # only the last window's pages (3) load with their SWA half: the live tail is split there
+    assert op.kind == "h2d" and op.swa_pages[:9] == [0] * 9 and all(op.swa_pages[9:])
     assert node is tail and not tail.swa_tombstone and head.swa_tombstone
-    assert [swa.map[p] for p in dev[6:]] == op.swa_pages[6:]
-    assert tree.evictable_swa_pages() == 6
+    assert tail.parent.swa_tombstone and tail.parent.host_swa and tail.parent.parent is head
+    assert [swa.map[p] for p in dev[9:]] == op.swa_pages[9:]
+    assert tree.evictable_swa_pages() == 3
     tree.check_integrity()
+
+
+def test_a_host_prefix_longer_than_the_swa_pool_loads_back_with_its_window():
+    """A prefix written live (write-through: its host copy holds every page's SWA half) that
+    is longer than the whole SWA pool: the load-back maps SWA pages for its last window only
+    (split off as a live node; the rest loads as a tombstone, its host copy keeping the SWA
+    half), so it fits; a load-back asking for every page's SWA half would not."""
+    tree, swa = make_tree(num_pages=32, num_swa=8, window=4, P=1)
+    tokens = list(range(50, 70))                  # 20 pages > the 8-page SWA pool
+    pages = tree.allocator.alloc(20)
+    for i in range(0, 20, 4):                     # live as written, 4 pages at a time ...
+        assert swa.alloc_for(pages[i:i + 4])
+        tree.insert(tokens[:i + 4], pages[:i + 4])
+        finish_copies(tree)
+        if i + 4 < 20:
+            assert tree.evict_swa(4) == 4         # ... then tombstoned to make room
+    assert all(n.host_swa for n in tree._nodes() if n is not tree.root)
+    assert tree.evict(20) == 20                   # demoted: host-only, every SWA half there
+    match = tree.match_prefix(tokens)
+    assert len(match.host_pages) == 20
+    need = swa.window_pages
+    assert tree.swa_pages_to_load(match) == need < swa.allocator.num_pages < 20
+    node = tree.load_back(match, tree.allocator.alloc(20))
+    op, = finish_copies(tree)
+    assert op.swa_pages[:20 - need] == [0] * (20 - need) and all(op.swa_pages[20 - need:])
+    assert node is match.last_host_node and len(node.device_pages) == need
+    assert not node.swa_tombstone and node.parent.swa_tombstone and node.parent.host_swa
+    assert swa.allocator.num_used() == need == tree.evictable_swa_pages()
+    tree.check_integrity()
+    assert len(tree.match_prefix(tokens).device_pages) == 20   # usable to its end
 
 
 def test_match_cuts_where_the_host_copy_lacks_the_last_window():
@@ -82,8 +114,10 @@ def test_match_cuts_where_the_host_copy_lacks_the_last_window():
     insert_live(tree, swa, tokens[:8])            # live, written with SWA
     assert tree.evict_swa(8) == 8                 # tombstoned on the device ...
     tree.check_integrity()
-    assert tree.match_prefix(tokens[:8]).device_pages == []  # ... so unusable there
-    # The host copy still holds its SWA K/V: once demoted, it is usable again.
+    assert tree.peek_device_pages(tokens[:8]) == 0  # ... so unusable as it stands,
+    match = tree.match_prefix(tokens[:8])         # but its host copy has the SWA half
+    assert len(match.device_pages) == 8 and tree.needs_load(match)
+    # Once demoted, the host copy is usable as any.
     assert tree.evict(8) == 8
     match = tree.match_prefix(tokens[:8])
     assert len(match.host_pages) == 8
@@ -100,6 +134,36 @@ def test_match_cuts_where_the_host_copy_lacks_the_last_window():
     assert len(match.host_pages) == 8             # cut at the live head's end
     assert tree2.total_cut_tokens == 4
     tree2.check_integrity()
+
+
+def test_a_match_ending_among_tombstones_revives_their_window_from_the_host():
+    """A long prefix's load-back leaves the pages before its last window as device
+    tombstones whose host copy keeps the SWA half. A shorter prompt ending among them (one
+    that diverges inside the prefix) still hits: the load-back gives just the window before
+    its end SWA pages and moves only the host copy's SWA half into them (the full pages,
+    maybe read by running requests, stay as they are)."""
+    tree, swa = make_tree(num_pages=32, num_swa=24, window=4, P=1)
+    tokens = list(range(100, 120))                # 20 pages, every one written live
+    insert_live(tree, swa, tokens)
+    assert tree.evict(20) == 20
+    long_match = tree.match_prefix(tokens)
+    tree.load_back(long_match, tree.allocator.alloc(20))
+    finish_copies(tree)
+    assert swa.allocator.num_used() == swa.window_pages     # only the long one's window
+    short = tokens[:9] + [7, 7, 7]                # diverges at page 9: its end is among them
+    assert tree.peek_device_pages(short) == 0     # dead as it stands ...
+    match = tree.match_prefix(short)
+    assert len(match.device_pages) == 9 and not match.host_pages  # ... revivable
+    assert tree.needs_load(match) and tree.swa_pages_to_load(match) == swa.window_pages
+    node = tree.load_back(match, [])
+    op, = finish_copies(tree)
+    assert node is match.last_node and not node.swa_tombstone
+    assert op.kind == "h2d" and op.swa_only and op.device_pages == node.device_pages
+    assert op.swa_pages == [swa.map[p] for p in node.device_pages] and all(op.swa_pages)
+    assert op.host_pages == node.host_pages and len(node.device_pages) == swa.window_pages
+    assert node.parent.swa_tombstone and tree.swa_revived_pages == swa.window_pages
+    assert tree.peek_device_pages(short) == 9 and not tree.needs_load(tree.match_prefix(short))
+    tree.check_integrity()
 
 
 def test_swa_eviction_spares_a_node_being_written():

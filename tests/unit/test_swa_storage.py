@@ -168,3 +168,58 @@ def test_multi_turn_from_storage_through_starved_pools():
     assert engine.flush_cache()
     assert kv.swa.allocator.available_pages() == kv.swa.allocator.num_pages
     assert kv.host_allocator.available_pages() == kv.host_allocator.num_pages
+
+
+def test_a_window_straddling_the_tree_end_without_its_swa_half_is_healed_from_storage():
+    """A restore reads the SWA records of the window before its end only, so the earlier
+    pages load back as device tombstones whose host copy has no SWA half. A prompt that
+    diverges among them (its cached prefix ends there) finds that window dead on every tier
+    here, and nothing of its own in storage. The fetch therefore starts a window before the
+    tree's end (the lead); those tombstones take the fetched copy as their host copy, both
+    halves, and the load-back brings the SWA half to the device (their full pages stay), so
+    the prefix hits; the fake runner checks every window read. Without the lead the whole
+    prompt is recomputed."""
+    store, _ = warm_store()
+    engine, runner = make(store, extra='{"prefetch_threshold": 4}')
+    kv, tree, T, D = kv_of(engine), kv_of(engine).tree, 10, 6
+    first = PROMPT[:T * P + 1]
+    add(engine, "first", first, n=1)
+    assert run(engine)["first"] == reference_tokens(first, 1, VOCAB)
+    assert kv.storage.stats.hit_tokens == T * P
+    ask = PROMPT[:D * P] + [t % (VOCAB - 1) + 1 for t in PROMPT[D * P:(D + 1) * P]] + [3]
+    assert kv.peek_prefix_len(ask) == 0       # the window before page D: tombstones
+    computed = runner.computed_tokens
+    add(engine, "ask", ask, n=1)
+    assert run(engine)["ask"] == reference_tokens(ask, 1, VOCAB)
+    # the lead (pages D - 2, D - 1) read; page D, the prompt's own, is not in the store
+    assert kv.storage.stats.hit_tokens == T * P + 2 * P
+    assert kv.storage.stats.swa_healed_pages == 2 and tree.swa_revived_pages == 2
+    assert runner.computed_tokens - computed == len(ask) - D * P
+    assert_host_pool_whole(engine)
+    engine.check_integrity()
+
+
+def test_after_swa_eviction_a_host_copy_with_the_window_revives_it():
+    """The tree holds a restored prefix whose SWA pages were then evicted (device tombstones,
+    full layers only); the host copy of its last window still has the SWA half. A prompt
+    one page longer hits the whole tree part: the load-back brings that window's SWA half
+    back (SWAHiRadixCache._revive, no storage read for it), the page past the tree's end
+    comes from storage, and only the last token is computed."""
+    store, _ = warm_store()
+    engine, runner = make(store, extra='{"prefetch_threshold": 4}')
+    kv, tree, T = kv_of(engine), kv_of(engine).tree, 10
+    first = PROMPT[:T * P + 1]
+    add(engine, "first", first, n=1)
+    assert run(engine)["first"] == reference_tokens(first, 1, VOCAB)
+    assert tree.evict_swa(tree.evictable_swa_pages()) > 0  # SWA pressure: full pages stay
+    assert tree.evictable_swa_pages() == 0 and kv.peek_prefix_len(first) == 0
+    ask = PROMPT[:(T + 1) * P + 1]
+    computed, moved = runner.computed_tokens, runner.moved_pages["h2d"]
+    add(engine, "ask", ask, n=1)
+    assert run(engine)["ask"] == reference_tokens(ask, 1, VOCAB)
+    assert kv.storage.stats.hit_tokens == T * P + P and kv.storage.stats.swa_healed_pages == 0
+    assert tree.swa_revived_pages == 1  # the window before the end: that page, the tree's last
+    assert runner.moved_pages["h2d"] - moved == 1  # full pages: the fetched page only
+    assert runner.computed_tokens - computed == 1
+    assert_host_pool_whole(engine)
+    engine.check_integrity()

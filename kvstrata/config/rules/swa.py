@@ -28,17 +28,15 @@ def blockers(args: ResolvedArgs, info: ModelInfo | None = None) -> list[str]:
     out = []
     if args.disable_hybrid_swa_memory:
         out.append("--disable-hybrid-swa-memory")
-    # HiCache L2 and L3 keep SWA pages (cache/swa_hiradix.py, swa_storage.py). The decode
-    # KV offload (the decode tree's L3 backups) is not tested beside an SWA pool yet.
-    if args.disaggregation_decode_enable_offload_kvcache:
-        out.append("--disaggregation-decode-enable-offload-kvcache: the decode tree's L3 "
-                   "backups are not tested beside an SWA pool yet")
+    # HiCache L2 and L3 keep SWA pages (cache/swa_hiradix.py, swa_storage.py), and so does
+    # the decode KV offload (the decode tree's L3 backups through that host tier: full
+    # records for every page, SWA records for the pages whose window K/V the decode held).
     # PD works (the prefill sends the last window's SWA pages, the decode allocates SWA pages
     # for that tail only: cache/swa_pd.py, transfer/disagg/regions.py), with the tcp and
     # mooncake backends, at any --tp-size equal on both servers (each rank's SWA pool is a
     # region of its own; a mismatch is refused with SGLang's message, rank_map.py), and so do
-    # the decode radix cache, decode HiCache (its KV offload is L3, gated above) and
-    # host_pool retraction backups. An all-SWA model's full pool crosses as a region of
+    # the decode radix cache, decode HiCache with its KV offload and host_pool retraction
+    # backups. An all-SWA model's full pool crosses as a region of
     # zero-byte pages (kv/device_pool.page_buffers_of), its SWA pages as the second region.
     if args.disaggregation_decode_retraction_backup == "host_pool" and info is not None \
             and not info.num_full_layers:
@@ -58,6 +56,8 @@ def hybrid_swa_memory(args: ResolvedArgs, platform: Platform, model_info: ModelI
               else f"{swa} windowed and {full} full-attention layers")
     why = blockers(args, info)
     if not full and args.enable_hierarchical_cache:
+        # (the host tier is sized and keyed by the full pool: docs/architecture.md, "All-SWA
+        # models keep one uniform pool under HiCache"; SGLang's all-SWA tree has none either)
         why.append("HiCache with an all-SWA model: the host tier copies the full layers' "
                    "pool, which an all-SWA model does not have")
     if why:

@@ -133,7 +133,7 @@ class HiCacheExecutor(OpExecutor):
             if op.kind in _STORAGE_KINDS:
                 continue
             cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages,
-                                         op.swa_pages)
+                                         op.swa_pages, swa_only=op.swa_only)
             self._job_of[cid] = op.job_id
         if any(op.sync for op in ops):
             start = time.perf_counter()
