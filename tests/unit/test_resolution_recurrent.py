@@ -219,6 +219,31 @@ def test_a_model_without_attention_layers_keeps_addresses_only():
     assert (plan.num_rows, plan.num_state_slots, plan.num_pages) == (4, 16, 4 * 25)
 
 
+def test_a_model_without_attention_layers_sizes_only_the_slots_it_uses():
+    """Mamba2 with a measured budget: no K/V to split it with, so the ratio does not apply;
+    the pool is the running requests' slots (their working slots and snapshot share), not
+    budget x r / (1 + r) of zeroed slots nothing reads -- fewer only when the budget holds
+    fewer, and then those bound the running requests."""
+    big = 1 << 30
+    plan, res = sized(PURE, budget=big)
+    assert (plan.num_rows, plan.num_state_slots) == (256, 3 * 256)  # no_buffer: 3 a request
+    assert plan.state_pool_bytes == (3 * 256 + 1) * PER_SLOT < big // 50
+    assert "3 per running request x 256 running requests" in res["max_mamba_cache_size"].reason
+    plan, _ = sized(PURE, budget=big, max_running_requests=8, page_size=16)
+    assert (plan.num_rows, plan.num_state_slots) == (8, 4 * 8)  # extra_buffer: 4 a request
+    small = 31 * PER_SLOT  # 30 slots and the padding one
+    plan, res = sized(PURE, budget=small)
+    assert (plan.num_state_slots, plan.num_rows) == (30, 10)
+    assert plan.state_pool_bytes <= small
+    assert "the whole" in res["max_mamba_cache_size"].reason
+    assert res["max_running_requests"].rule == "kv_plan.state_rows"
+    with pytest.raises(ValueError, match=re.escape(TOO_SMALL_MESSAGE)):
+        sized(PURE, budget=3 * PER_SLOT)
+    # an explicit size still wins
+    plan, _ = sized(PURE, budget=big, max_mamba_cache_size=2000)
+    assert plan.num_state_slots == 2000
+
+
 def test_a_standalone_draft_is_sized_beside_the_state():
     """A draft's K/V takes a slot per target slot (its bytes join each token's); the state
     ratio weighs the states against the target's K/V only. Mamba2 has no K/V slots for a
