@@ -106,6 +106,13 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
     ({"enable_hierarchical_cache": True}, "HiCache .* keeps no state snapshots"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x"},
+     "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
+    ({"speculative_algorithm": "NEXTN"}, "Qwen3-Next's MTP layer as NEXTN"),
+    ({"tp_size": 2}, "--tp-size 2: tensor parallelism over recurrent layers"),
+    ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
+    ({"enable_deterministic_inference": True},
+     "--enable-deterministic-inference: not implemented yet for a recurrent model"),
 ])
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
