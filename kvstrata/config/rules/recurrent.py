@@ -106,7 +106,8 @@ def unbuilt(args: ResolvedArgs) -> list[str]:
     if (args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
             or args.disaggregation_decode_enable_offload_kvcache):
         out.append("HiCache (--enable-hierarchical-cache): the host tier keeps no state "
-                   "snapshots, so a prefix loaded back could not be resumed")
+                   "snapshots, so a prefix loaded back could not be resumed (the design: "
+                   "docs/architecture.md, Recurrent state, item 7)")
     return out
 
 
