@@ -182,11 +182,14 @@ def linears_alone_ms(model: torch.nn.Module, batch: int, dtype: torch.dtype,
 
 class DecodeBatch:
     """B requests whose req_to_token rows already list C positions; each step decodes one
-    token at position C (the same slot every step, so the batch stays the same)."""
+    token at position C (the same slot every step, so the batch stays the same).
+    `first_state_slot`: a model with recurrent state decodes request b in state slot
+    first_state_slot + b (its state, like the K/V, left as allocated)."""
 
     def __init__(self, runner: ModelRunner, batch: int, context: int, first_row: int,
-                 first_page: int):
+                 first_page: int, first_state_slot: int = 0):
         self.runner, self.batch, self.context = runner, batch, context
+        self.first_state_slot = first_state_slot
         pages_per = context // PAGE + 1
         self.last_page = first_page + batch * pages_per - 1
         self.reqs = []
@@ -200,9 +203,11 @@ class DecodeBatch:
         self._step(new, first=True)
 
     def _step(self, new=(), first=False):
+        state = self.first_state_slot
         sched = [ScheduledRequest(rid, row, self.context, [17], 0 if first else self.context,
-                                  slots if first else slots[-1:], True)
-                 for rid, row, slots in self.reqs]
+                                  slots if first else slots[-1:], True,
+                                  state_slot=state + b if state else 0)
+                 for b, (rid, row, slots) in enumerate(self.reqs)]
         return self.runner.execute(SchedulerOutput(0, False, list(new), sched, []))
 
     def step(self):

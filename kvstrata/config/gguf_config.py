@@ -36,6 +36,23 @@ _KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.k
          "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor")
 
 
+# llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state: the families
+# kvstrata serves from HF safetensors (config/hf_recurrent.py) and their relatives.
+RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h", "nemotron_h_moe",
+                        "granitehybrid", "mamba", "mamba2", "falcon-h1", "jamba")
+
+
+def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
+    """ValueError for a GGUF file of a model with recurrent state: the GGUF loader maps
+    llama.cpp's attention-decoder tensor names only, not the SSM ones (ssm_conv1d, ssm_a,
+    ssm_dt, ...), and transformers converts none of these archs' configs."""
+    if arch in RECURRENT_GGUF_ARCHS:
+        raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
+                         f"recurrent (SSM / linear-attention) state is not built from GGUF "
+                         f"files (its ssm_* tensors are not mapped); serve its HF "
+                         f"safetensors checkpoint")
+
+
 def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
     """Config fields of a gemma2 / gemma3 file from its metadata ({} for other archs)."""
     arch = meta.get("general.architecture")
@@ -109,8 +126,9 @@ def _gemma_metadata(gguf_path: str) -> dict[str, Any]:
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
     """A Gemma file's config.json fields the resolution rules read (model_type, layers,
     windows, soft-caps: ModelInfo.from_model_path), from the header alone -- no conversion,
-    no transformers; {} for other archs."""
+    no transformers; {} for other archs; ValueError for a recurrent arch."""
     meta = _gemma_metadata(gguf_path)
+    refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
     fields = gemma_fields(meta)
     if not fields:
         return {}
@@ -134,4 +152,5 @@ def complete_gguf_config(config_dir: str, gguf_path: str) -> None:
         json.dump(config, fh, indent=2, sort_keys=True)
 
 
-__all__ = ["GEMMA_ARCHS", "complete_gguf_config", "gemma_fields", "gguf_model_fields"]
+__all__ = ["GEMMA_ARCHS", "RECURRENT_GGUF_ARCHS", "complete_gguf_config", "gemma_fields",
+           "gguf_model_fields", "refuse_recurrent_arch"]

@@ -7,11 +7,14 @@ component in --mamba-ssm-dtype when given); a KV token the K/V of every full-att
 The state pool's usable slots, first rule that applies:
   1. --max-mamba-cache-size;
   2. --disable-radix-cache with --max-running-requests: one slot per running request;
-  3. the ratio r = --mamba-full-memory-ratio (0.9): state memory / full-attention KV memory,
+  3. a model without full-attention layers (Mamba2): slots per running request x
+     --max-running-requests (else 256), fewer when the whole budget holds fewer. The ratio
+     has no K/V to weigh the states against there, and slots past the running requests'
+     share would be zeroed memory nothing uses (SGLang's `max_mamba_cache_size // ratio`
+     bound on running requests, read the other way);
+  4. the ratio r = --mamba-full-memory-ratio (0.9): state memory / full-attention KV memory,
      so with a measured budget the states get budget * r / (1 + r) and the K/V the rest;
-     with --max-total-tokens (the K/V tokens, as in SGLang) the states get r x their bytes;
-  4. a model without full-attention layers (Mamba2) and no budget: slots per running request
-     x --max-running-requests (else 256).
+     with --max-total-tokens (the K/V tokens, as in SGLang) the states get r x their bytes.
 A STANDALONE draft's K/V (a slot for every target slot) joins each token's bytes in step 3's
 K/V share; the ratio weighs the states against the target's K/V only. Running requests are
 then bounded by slots // slots per running request (resolved by
@@ -65,20 +68,28 @@ def state_slots(args: ResolvedArgs, budget_bytes: int | None, per_slot: int, kv_
     if args.disable_radix_cache and args.max_running_requests is not None:
         return args.max_running_requests, ("--disable-radix-cache: one slot per "
                                            "--max-running-requests")
-    if kv_per_token and args.max_total_tokens is not None:
+    if not kv_per_token:
+        rows = args.max_running_requests or default_rows
+        usable = per_req * rows
+        how = (f"a model without full-attention layers: {per_req} per running request x "
+               f"{rows} running requests")
+        # the padding slot 0 takes one slot's bytes too
+        fits = None if budget_bytes is None else budget_bytes // per_slot - 1
+        if fits is not None and fits < usable:
+            return fits, (f"a model without full-attention layers: the whole "
+                          f"{budget_bytes / 2**30:.2f} GiB KV budget / {per_slot} bytes per "
+                          f"slot (fewer than {usable}: {per_req} per running request x "
+                          f"{rows} running requests)")
+        return usable, how
+    if args.max_total_tokens is not None:
         tokens = args.max_total_tokens // args.page_size * args.page_size
         return _ratio_slots(args, tokens * kv_per_token, per_slot)
     if budget_bytes is not None:
         r = args.mamba_full_memory_ratio
         share = int(budget_bytes * r / (1 + r))
-        # the padding slot 0 takes one slot's bytes too
         return share // per_slot - 1, (f"{r}/(1+{r}) of the {budget_bytes / 2**30:.2f} GiB KV "
                                        f"budget (--mamba-full-memory-ratio {r}) / {per_slot} "
                                        f"bytes per slot")
-    if not kv_per_token:
-        rows = args.max_running_requests or default_rows
-        return per_req * rows, (f"a model without full-attention layers: {per_req} per "
-                                f"running request x {rows} running requests")
     raise ValueError("sizing the state pool needs --max-mamba-cache-size, --max-total-tokens "
                      "or a measured memory budget")
 

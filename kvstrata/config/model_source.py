@@ -164,6 +164,12 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     out = os.path.join(root, f"{os.path.splitext(source.gguf_file)[0]}-{key}")
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
+    from kvstrata.config.gguf_config import refuse_recurrent_arch
+    from kvstrata.config.gguf_header import read_metadata
+
+    # before transformers' conversion, whose own refusal would not say what to do instead
+    refuse_recurrent_arch(read_metadata(gguf, ["general.architecture"]).get(
+        "general.architecture"), gguf)
     from filelock import FileLock
     from transformers import AutoConfig, AutoTokenizer
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.hybrid_ckpt import HYBRIDS, VOCAB, hf_hybrid, hybrid_checkpoints
+from helpers.hybrid_ckpt import HYBRIDS, VOCAB, HFGreedy, hybrid_checkpoints
 from kvstrata import LLM
 from kvstrata.engine.request import EngineRequest
 from kvstrata.protocol import SamplingParams
@@ -52,26 +52,9 @@ def _close_engines():
     _engines.clear()
 
 
-class Reference:
-    """transformers' greedy continuation per prompt, computed once. An explicit all-ones
-    attention mask: generate() would otherwise mask every token equal to the pad id (0) --
-    which a second turn built from an earlier output may contain -- and Mamba2's torch path
-    zeroes masked tokens."""
-
-    def __init__(self, path: str):
-        self.model = hf_hybrid(path)
-        self.cache: dict = {}
-
+class Reference(HFGreedy):
     def __call__(self, prompt: list[int], new: int = NEW) -> list[int]:
-        key = (tuple(prompt), new)
-        if key not in self.cache:
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                          do_sample=False, max_new_tokens=new,
-                                          min_new_tokens=new, pad_token_id=0)
-            self.cache[key] = out[0, len(prompt):].tolist()
-        return self.cache[key]
+        return super().__call__(prompt, new)
 
 
 _refs: dict = {}

@@ -85,6 +85,30 @@ def hybrid_checkpoints(root: str, archs=HYBRIDS) -> dict[str, str]:
 hf_hybrid = hf_model
 
 
+class HFGreedy:
+    """transformers' greedy continuation per prompt of one checkpoint, computed once. An
+    explicit all-ones attention mask: generate() would otherwise mask every token equal to
+    the pad id (0) -- which a second turn built from an earlier output may contain -- and
+    Mamba2's torch path zeroes masked tokens."""
+
+    def __init__(self, path: str):
+        self.model = hf_hybrid(path)
+        self.cache: dict = {}
+
+    def __call__(self, prompt: list[int], new: int) -> list[int]:
+        import torch
+
+        key = (tuple(prompt), new)
+        if key not in self.cache:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          do_sample=False, max_new_tokens=new,
+                                          min_new_tokens=new, pad_token_id=0)
+            self.cache[key] = out[0, len(prompt):].tolist()
+        return self.cache[key]
+
+
 def hf_logits(model, prompt: list[int]):
     import torch
 

@@ -1,7 +1,7 @@
 """config/gguf_config.py: the Gemma 2 / Gemma 3 config fields read from a GGUF file's metadata
 the way llama.cpp reads them (what transformers' GGUF conversion drops), and the ModelInfo
-resolution gets from a Gemma GGUF's header (its windows and soft-caps) without a conversion.
-tests/correctness/test_gemma_gguf.py serves such files against transformers."""
+resolution gets from a Gemma GGUF's header (its windows and soft-caps) without a conversion;
+a GGUF of a model with recurrent state refused by its arch. tests/correctness/test_gemma_gguf.py serves such files against transformers."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +104,26 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     info = ModelInfo.from_model_path(write("gemma3", **{**dims, "block_count": 6}))
     assert info.layer_windows == (8,) * 5 + (None,) and not info.softmax_extras
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "nemotron_h", "granitehybrid",
+                                  "mamba2", "falcon-h1"])
+def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
+    """A GGUF of a model with recurrent state is refused at resolution (ModelInfo reads the
+    header) and at load (before transformers' conversion), naming the arch and the way out."""
+    gguf = pytest.importorskip("gguf")
+    from kvstrata.config import ModelInfo
+    from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_uint32(f"{arch}.block_count", 2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    why = f"GGUF {arch} .*recurrent .* state is not built from GGUF files.* HF safetensors"
+    with pytest.raises(ValueError, match=why):
+        ModelInfo.from_model_path(str(path))
+    with pytest.raises(ValueError, match=why):
+        gguf_metadata_dir(resolve_model_path(str(path)))

@@ -106,6 +106,13 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
     ({"enable_hierarchical_cache": True}, "HiCache .* keeps no state snapshots"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x"},
+     "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
+    ({"speculative_algorithm": "NEXTN"}, "Qwen3-Next's MTP layer as NEXTN"),
+    ({"tp_size": 2}, "--tp-size 2: tensor parallelism over recurrent layers"),
+    ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
+    ({"enable_deterministic_inference": True},
+     "--enable-deterministic-inference: not implemented yet for a recurrent model"),
 ])
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -217,6 +224,31 @@ def test_a_model_without_attention_layers_keeps_addresses_only():
     assert plan.pool_kind == "none" and plan.components == ()
     # extra_buffer at page size 4: 4 slots per running request
     assert (plan.num_rows, plan.num_state_slots, plan.num_pages) == (4, 16, 4 * 25)
+
+
+def test_a_model_without_attention_layers_sizes_only_the_slots_it_uses():
+    """Mamba2 with a measured budget: no K/V to split it with, so the ratio does not apply;
+    the pool is the running requests' slots (their working slots and snapshot share), not
+    budget x r / (1 + r) of zeroed slots nothing reads -- fewer only when the budget holds
+    fewer, and then those bound the running requests."""
+    big = 1 << 30
+    plan, res = sized(PURE, budget=big)
+    assert (plan.num_rows, plan.num_state_slots) == (256, 3 * 256)  # no_buffer: 3 a request
+    assert plan.state_pool_bytes == (3 * 256 + 1) * PER_SLOT < big // 50
+    assert "3 per running request x 256 running requests" in res["max_mamba_cache_size"].reason
+    plan, _ = sized(PURE, budget=big, max_running_requests=8, page_size=16)
+    assert (plan.num_rows, plan.num_state_slots) == (8, 4 * 8)  # extra_buffer: 4 a request
+    small = 31 * PER_SLOT  # 30 slots and the padding one
+    plan, res = sized(PURE, budget=small)
+    assert (plan.num_state_slots, plan.num_rows) == (30, 10)
+    assert plan.state_pool_bytes <= small
+    assert "the whole" in res["max_mamba_cache_size"].reason
+    assert res["max_running_requests"].rule == "kv_plan.state_rows"
+    with pytest.raises(ValueError, match=re.escape(TOO_SMALL_MESSAGE)):
+        sized(PURE, budget=3 * PER_SLOT)
+    # an explicit size still wins
+    plan, _ = sized(PURE, budget=big, max_mamba_cache_size=2000)
+    assert plan.num_state_slots == 2000
 
 
 def test_a_standalone_draft_is_sized_beside_the_state():

@@ -1,7 +1,9 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
-(EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache.
+(EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache, tensor
+parallelism, --quantization (deterministic inference: rules/deterministic.py; GGUF files:
+config/gguf_config.py).
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
 SGLang's `--mamba-radix-cache-strategy`:
@@ -93,10 +95,19 @@ def unbuilt(args: ResolvedArgs) -> list[str]:
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
+    if args.tp_size > 1:
+        out.append(f"--tp-size {args.tp_size}: tensor parallelism over recurrent layers (their "
+                   f"heads and conv / SSM state split across ranks) is not built; the "
+                   f"llama-family decoder, gpt-oss and DeepseekV32 have it")
+    if args.quantization is not None:
+        out.append(f"--quantization {args.quantization}: the quantized linear layers are "
+                   f"wired into the llama-family decoder only, not the recurrent layers' "
+                   f"projections")
     if (args.enable_hierarchical_cache or args.disaggregation_decode_enable_hicache
             or args.disaggregation_decode_enable_offload_kvcache):
         out.append("HiCache (--enable-hierarchical-cache): the host tier keeps no state "
-                   "snapshots, so a prefix loaded back could not be resumed")
+                   "snapshots, so a prefix loaded back could not be resumed (the design: "
+                   "docs/architecture.md, Recurrent state, item 7)")
     return out
 
 
