@@ -115,7 +115,7 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
     "dcp_size": lambda v: v > 1,
-    # Weight quantisation: only w8a8_int8 is built.
+    # Weight quantisation: w8a8_int8 at load, and the schemes checkpoints are saved in.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
     # Structured output: the llguidance backend (or none) is built.
     "grammar_backend": lambda v: v not in ("llguidance", "none"),

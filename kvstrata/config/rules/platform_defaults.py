@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvstrata.config.server_args import QUANTIZATION_AT_LOAD
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
 from kvstrata.platform import VNNI_FLAGS, Platform
 
@@ -161,7 +162,7 @@ def table_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
             raise ValueError(f"KVSTRATA_CPU_AUTO_DTYPE={forced!r} is not float32, bfloat16 "
                              "or float16 (or empty: chosen from the CPU)")
         return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}", False
-    if args.quantization is not None and not int8_takes_model_dtype(platform, env):
+    if args.quantization in QUANTIZATION_AT_LOAD and not int8_takes_model_dtype(platform, env):
         return "float32", (f"--quantization {args.quantization}: without VNNI (or with "
                            "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 "
                            "activations"), False
