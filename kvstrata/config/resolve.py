@@ -1,6 +1,7 @@
 """The start-up resolution pipeline: ServerArgs + Platform + ModelInfo -> ResolvedArgs.
 
 Ordered pure steps (docs/configuration.md has the full table):
+  0-. GGUF weights (kept quantized or dequantized at load: --quantization gguf, --load-format)
   0. platform defaults (device, chunked prefill size)
   0b. page geometry (chunk and pool sizes vs --page-size)
   0c. prefill/decode disaggregation (decode chunk cache, backend per role)
@@ -28,8 +29,9 @@ from typing import Any, Callable, Mapping
 from kvstrata import envs
 from kvstrata.config.resolve_types import (ModelInfo, Resolution, ResolvedArgs, apply,
                                            to_resolved)
-from kvstrata.config.rules import (deterministic, disagg, dsa, hicache, page_geometry,
-                                   platform_defaults, recurrent, retraction, speculative, swa)
+from kvstrata.config.rules import (deterministic, disagg, dsa, gguf_weights, hicache,
+                                   page_geometry, platform_defaults, recurrent, retraction,
+                                   speculative, swa)
 from kvstrata.config.server_args import QUANTIZATION_BUILT, ServerArgs, flag
 from kvstrata.platform import Platform, current_platform, detected_platform, simulated
 
@@ -38,6 +40,7 @@ logger = logging.getLogger("kvstrata.config")
 Step = Callable[[ResolvedArgs, Platform, "ModelInfo | None", dict], "list[Resolution]"]
 
 STEPS: tuple[tuple[str, Step], ...] = (
+    ("gguf weights", gguf_weights.gguf_weights),
     ("platform defaults", platform_defaults.platform_defaults),
     ("page geometry", page_geometry.page_geometry),
     ("pd disaggregation", disagg.pd_disaggregation),
@@ -115,7 +118,7 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
     "dcp_size": lambda v: v > 1,
-    # Weight quantisation: w8a8_int8 at load, and the schemes checkpoints are saved in.
+    # Weight quantisation: w8a8_int8 at load, gguf, and the schemes checkpoints are saved in.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
     # Structured output: the llguidance backend (or none) is built.
     "grammar_backend": lambda v: v not in ("llguidance", "none"),

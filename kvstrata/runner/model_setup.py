@@ -1,5 +1,7 @@
 """Loading a checkpoint for serving: weights, then --quantization (or, for float32 on a CPU
-with oneDNN, the packed linear layers). Shared by the target model (runner/model_runner.py)
+with oneDNN, the packed linear layers). --quantization gguf keeps a GGUF file's weights in
+their blocks from the load on (runner/quant/gguf_linear.py); w8a8_int8 re-quantizes a GGUF
+file's dequantized weights. Shared by the target model (runner/model_runner.py)
 and a STANDALONE draft model (runner/spec/standalone.py)."""
 from __future__ import annotations
 
@@ -87,11 +89,23 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
+    keep_quantized = quantization == "gguf"  # a GGUF's weights stay in their blocks
+    if keep_quantized and source.kind != "gguf":
+        raise ValueError(f"{quantization_flag} gguf: {source.display_name} is not a GGUF file")
+    if keep_quantized and deterministic:
+        # gguf_matmul's kernels are not batch-invariant (a row's sums may depend on the rows
+        # beside it), and PackedLinear's fixed GEMMs take float weights only.
+        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
+                                  f"with {quantization_flag} gguf (GGUF weights kept "
+                                  f"quantized); pass --load-format gguf_dequantize")
     if tp_group is not None and tp_group.size > 1:
         from kvstrata.runner.parallel.tp_load import load_tp_shard  # noqa: PLC0415
+        if keep_quantized:
+            raise ValueError(f"--tp-size {tp_group.size} with {quantization_flag} gguf is not "
+                             f"implemented yet; pass --load-format gguf_dequantize")
         model = load_tp_shard(source, hf_config, tp_group, dtype, device)
     else:
-        model = load_model(source, hf_config, dtype, device)
+        model = load_model(source, hf_config, dtype, device, keep_quantized=keep_quantized)
     arch = architecture_name(hf_config)
     if deterministic and model.pool_kind == "mla":
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
@@ -108,6 +122,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if deterministic and "--enable-deterministic-inference" in refused:
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch}")
+    if keep_quantized:  # the packed layers replaced the weights in load_model
+        return model, source, hf_config, model.gguf_info
     if quantization is not None and not is_llama_family(model):
         # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "

@@ -87,7 +87,7 @@ def test_q4_1_and_q8_0_dequantization_equal_ggufs():
     import gguf
     import numpy as np
 
-    from kvstrata.runner.models.loader import Q4_1_BLOCK_BYTES, dequantize
+    from kvstrata.runner.models.gguf_weights import Q4_1_BLOCK_BYTES, dequantize
     rng = np.random.default_rng(0)
     rows, blocks = 6, 5
     raw = rng.integers(0, 256, size=(rows * blocks, Q4_1_BLOCK_BYTES), dtype=np.uint8)

@@ -108,7 +108,7 @@ def test_quantization_refusal_names_the_value():
     compressed-tensors, fp8: config/hf_quant.py checks them against the checkpoint) are
     built: SGLang's other --quantization values are refused by name; a value SGLang does not
     know either is a plain choice error."""
-    for built in ("w8a8_int8", "gptq", "gptq_marlin", "awq", "awq_marlin", "marlin",
+    for built in ("w8a8_int8", "gguf", "gptq", "gptq_marlin", "awq", "awq_marlin", "marlin",
                   "compressed-tensors", "fp8"):
         assert unimplemented_flags(ServerArgs(quantization=built)) == []
         refuse_unimplemented(ServerArgs(quantization=built))

@@ -162,6 +162,10 @@ def table_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
             raise ValueError(f"KVSTRATA_CPU_AUTO_DTYPE={forced!r} is not float32, bfloat16 "
                              "or float16 (or empty: chosen from the CPU)")
         return forced, f"KVSTRATA_CPU_AUTO_DTYPE={forced}", False
+    if args.quantization == "gguf":
+        return "float32", ("--quantization gguf: the packed GGUF matmul "
+                           "(runner/cpu/gguf_matmul.py) returns float32; bf16 activations are "
+                           "not measured with it"), False
     if args.quantization in QUANTIZATION_AT_LOAD and not int8_takes_model_dtype(platform, env):
         return "float32", (f"--quantization {args.quantization}: without VNNI (or with "
                            "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 "

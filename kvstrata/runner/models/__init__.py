@@ -18,7 +18,8 @@
                     Qwen3.5; gated_deltanet.py its Gated DeltaNet layer), nemotron_h.py
                     (Nemotron-H, Mamba2) and granite_hybrid.py (Granite-4.0-H), whose
                     Mamba2 layer is mamba2_mixer.py
-  loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table)
+  loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table;
+                    gguf_weights.py: its tensors by HF name, dequantized or kept packed)
 """
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM
 from kvstrata.runner.models.loader import load_model

@@ -20,6 +20,8 @@ from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models import decode_plan
 from kvstrata.runner.models.rope import (RotaryEmbedding, apply_rope, rope_parameters,
                                          rotary_dim)
+from kvstrata.runner.quant import gguf_linear
+from kvstrata.runner.quant.packed_rows import PackedRows
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,8 @@ class DecoderForCausalLM(nn.Module):
         # hands it to the attention backend, which applies it (the pool keeps all KV).
         self.layer_windows = layer_windows(config)
         # How a (weight, bias) pair is applied: F.linear, or after --quantization the int8
-        # layer that replaced the weight (runner/quant/w8a8.py).
+        # layer that replaced the weight (runner/quant/w8a8.py), or the packed GGUF layer
+        # (runner/quant/gguf_linear.py).
         self.linear = F.linear
         self.capture_hidden = False  # keep last_hidden (an EAGLE draft's features)
         self.capture_layers: tuple[int, ...] = ()  # EAGLE3: the streams entering these
@@ -221,6 +224,8 @@ class DecoderForCausalLM(nn.Module):
     # A tensor-parallel rank (runner/parallel/) overrides these three: its embedding and
     # head hold a slice of the vocabulary, its o/down projections a slice of their inputs.
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        if type(self.embed) is gguf_linear.GgufLinear:  # kept packed: only these rows
+            return self.embed.lookup(ids).to(self.dtype)
         return F.embedding(ids, self.embed)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,10 +338,20 @@ class DecoderForCausalLM(nn.Module):
         raise KeyError(name)
 
     @staticmethod
-    def _copy(param: torch.Tensor | None, tensor: torch.Tensor, key: str, name: str = "",
-              lo: int | None = None, hi: int | None = None) -> list[str]:
+    def _copy(param: torch.Tensor | None, tensor: "torch.Tensor | PackedRows", key: str,
+              name: str = "", lo: int | None = None, hi: int | None = None) -> list[str]:
+        """tensor into param's rows lo..hi (all of it: None); a weight kept quantized
+        (PackedRows) is staged there instead, to become a packed layer after loading
+        (runner/quant/gguf_linear.py)."""
         if param is None:
             raise KeyError(f"{name or key}: this architecture has no such parameter")
+        if isinstance(tensor, PackedRows):
+            lo, hi = (0, param.shape[0]) if lo is None else (lo, hi)
+            if param.dim() != 2 or tuple(tensor.shape) != (hi - lo, param.shape[1]):
+                raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"expected {tuple(param.data[lo:hi].shape)}")
+            gguf_linear.stage(param, tensor, lo, hi)
+            return [key]
         dst = param.data if lo is None else param.data[lo:hi]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "

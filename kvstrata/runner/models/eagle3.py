@@ -69,7 +69,9 @@ class Eagle3Head(DecoderForCausalLM):
         self.attn_backend = None
         self.linear = F.linear
         self.capture_hidden = False
-        self.embed_of_target = (target.embed,)  # not a parameter of the head
+        # the target's lookup (not a parameter of the head): F.embedding over its matrix, or
+        # the rows of an embedding kept in GGUF blocks (runner/quant/gguf_linear.py)
+        self.embed_of_target = (target.embed_tokens,)
         self.vocab_size = target.dims.vocab_size
         self.feature_size = 3 * th
 
@@ -83,7 +85,7 @@ class Eagle3Head(DecoderForCausalLM):
         q_end, k_end = nq * hd, (nq + nkv) * hd
         self.attn_backend.init_forward_metadata(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
-        emb = F.embedding(fb.input_ids, self.embed_of_target[0])
+        emb = self.embed_of_target[0](fb.input_ids)
         h = features.to(emb.dtype)
         if h.shape[-1] != d.hidden_size:
             h = linear(h, self.fc_weight, self.fc_bias)

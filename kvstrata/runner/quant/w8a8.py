@@ -34,6 +34,7 @@ from kvstrata.platform import VNNI_FLAGS, read_cpu_flags
 from kvstrata.runner.cpu import int8_linear
 from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear, cpu_weight_shape
 from kvstrata.runner.cpu.packed_linear import PackedLinear
+from kvstrata.runner.quant.gguf_linear import GgufLinear
 from kvstrata.runner.quant.smoothing import smooth_model
 
 QUANTIZATION_METHODS = ("w8a8_int8",)
@@ -151,11 +152,13 @@ def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of all weights: float parameters plus the packed matrices of int8 and oneDNN
-    layers (runner/cpu/packed_linear.py), which are not parameters."""
+    """Bytes of all weights: float parameters plus the packed matrices of int8, oneDNN
+    (runner/cpu/packed_linear.py) and GGUF layers (runner/quant/gguf_linear.py), which are
+    not parameters."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(m.nbytes for m in model.modules()
-                        if isinstance(m, (W8A8Int8Linear, Int8MatmulLinear, PackedLinear)))
+                        if isinstance(m, (W8A8Int8Linear, Int8MatmulLinear, PackedLinear,
+                                          GgufLinear)))
 
 
 def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,

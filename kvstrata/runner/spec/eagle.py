@@ -275,7 +275,9 @@ def float_output_head(target, source) -> torch.Tensor:
     plain, else (packed or quantized for the target's own use) read again from the
     checkpoint."""
     if target.dims.tie_word_embeddings or target.lm_head is target.embed:
-        return target.embed
+        # an embedding kept in GGUF blocks (runner/quant/gguf_linear.py) dequantized
+        return (target.embed if isinstance(target.embed, torch.Tensor)
+                else target.embed.dequantize().to(target.dtype))
     if isinstance(target.lm_head, torch.Tensor):
         return target.lm_head
     from kvstrata.runner.models.loader import iter_checkpoint

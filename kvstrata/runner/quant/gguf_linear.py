@@ -1,0 +1,191 @@
+"""GGUF weights kept quantized (`--quantization gguf`): packed linear layers built after load.
+
+How a weight gets here: the loader yields a `PackedRows` for each quantized GGUF tensor
+(runner/models/gguf_weights.py); the model's load_weight hands it, with the rows it fills of
+its (possibly fused) float parameter, to `stage` instead of copying; once every tensor is in,
+`replace_packed_weights` turns each parameter that got packed rows into a `GgufLinear` and
+frees the float parameter (torch.empty, never written where packed rows went: its pages were
+never touched, so the float copy never cost memory).
+
+A fused weight is a list of segments side by side along the output: q|k|v or gate|up may
+mix quantization types (a Q4_K_M file stores attn_v and ffn_down in Q6_K, the rest in Q4_K),
+and a segment the file stored in float (F16 / F32) stays a float matrix. Adjacent segments of
+one type are joined into one packed matrix (one kernel call). Each segment's matmul writes its
+columns of one float32 output (runner/cpu/gguf_matmul.py takes a strided `out`), the bias is
+added once, and the result is cast to the activations' dtype.
+
+The token embedding kept packed is a GgufLinear too: a lookup dequantizes only the rows looked
+up, and a tied output head multiplies the same packed rows (no second copy).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.runner.cpu import gguf_matmul
+from kvstrata.runner.quant.packed_rows import PackedRows
+
+# The decoder's linear weights with the bias folded into their layer (as runner/quant/w8a8.py
+# and runner/cpu/packed_linear.py replace them).
+BIAS_OF = {"qkv_weight": "qkv_bias", "o_weight": "o_bias", "gate_up_weight": "gate_up_bias",
+           "down_weight": "down_bias"}
+_STAGED = "gguf_segments"  # the attribute a staged float parameter carries its packed rows in
+
+
+def stage(param: torch.Tensor, packed: PackedRows, lo: int, hi: int) -> None:
+    """Rows lo..hi of `param` (a float parameter of the model) are `packed`: kept aside until
+    replace_packed_weights; param's own rows there are never written."""
+    if packed.shape != (hi - lo, param.shape[1]):
+        raise ValueError(f"packed rows {packed.shape} != expected {(hi - lo, param.shape[1])}")
+    if getattr(param, _STAGED, None) is None:
+        setattr(param, _STAGED, [])
+    getattr(param, _STAGED).append((lo, hi, packed))
+
+
+class GgufLinear(nn.Module):
+    """y = x @ W.T + b with W as segments of output rows, each GGUF blocks (multiplied packed
+    by runner/cpu/gguf_matmul.py) or a float matrix."""
+
+    def __init__(self, out_features: int, in_features: int,
+                 segments: list[tuple[int, int, "PackedRows | torch.Tensor"]],
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.parts: list[tuple[int, int, Any, torch.Tensor | None]] = []
+        self.nbytes = 0
+        for lo, hi, w in _join_same_type(segments):
+            if isinstance(w, PackedRows):
+                self.parts.append((lo, hi, gguf_matmul.prepare(w.qtype, w.raw), w.input_perm))
+                self.nbytes += w.nbytes
+            else:
+                self.parts.append((lo, hi, w.contiguous(), None))
+                self.nbytes += w.numel() * w.element_size()
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.nbytes += 0 if bias is None else 4 * bias.numel()
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out] (an output head's logits as they are)."""
+        x2 = x.reshape(-1, self.in_features)
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        for lo, hi, w, perm in self.parts:
+            xs = x2 if perm is None else x2.index_select(1, perm)
+            if isinstance(w, torch.Tensor):
+                out[:, lo:hi] = F.linear(xs.to(w.dtype), w).float()
+            else:
+                gguf_matmul.matmul(xs.contiguous(), w, out=out[:, lo:hi])
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear_float(x)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W in float32 (an embedding kept packed): only those rows are
+        dequantized."""
+        ids = ids.reshape(-1)
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        for lo, hi, w, perm in self.parts:
+            if perm is not None:
+                raise ValueError("an embedding cannot have an input permutation")
+            sel = ((ids >= lo) & (ids < hi)).nonzero().squeeze(1)
+            if sel.numel() == 0:
+                continue
+            local = ids.index_select(0, sel) - lo
+            if isinstance(w, torch.Tensor):
+                out[sel] = w.index_select(0, local).float()
+            else:
+                rows = gguf_matmul.prepare(w.qtype, w.raw.index_select(0, local))
+                out[sel] = gguf_matmul.dequantize(rows)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole float32 matrix (what float-only consumers read: an FR-Spec head)."""
+        return self.lookup(torch.arange(self.out_features))
+
+    def extra_repr(self) -> str:
+        import gguf
+
+        kinds = [gguf.GGMLQuantizationType(w.qtype).name if not isinstance(w, torch.Tensor)
+                 else str(w.dtype).replace("torch.", "") for _, _, w, _ in self.parts]
+        return (f"in={self.in_features}, out={self.out_features}, segments={kinds}, "
+                f"bias={self.bias is not None}")
+
+
+def _join_same_type(segments: list[tuple[int, int, "PackedRows | torch.Tensor"]]
+                    ) -> list[tuple[int, int, "PackedRows | torch.Tensor"]]:
+    """Adjacent packed segments of one type (and no input permutation) as one."""
+    out: list[tuple[int, int, PackedRows | torch.Tensor]] = []
+    for lo, hi, w in sorted(segments, key=lambda s: s[0]):
+        prev = out[-1] if out else None
+        if (prev is not None and prev[1] == lo and isinstance(w, PackedRows)
+                and isinstance(prev[2], PackedRows) and prev[2].qtype == w.qtype
+                and prev[2].input_perm is None and w.input_perm is None):
+            out[-1] = (prev[0], hi, PackedRows(w.qtype, torch.cat([prev[2].raw, w.raw]),
+                                               w.cols))
+        else:
+            out.append((lo, hi, w))
+    return out
+
+
+def _layer_of(param: torch.Tensor) -> GgufLinear:
+    """A staged parameter as a GgufLinear: its packed segments, and its float rows where the
+    file stored that part in float (the parameter's rows, copied there by load_weight)."""
+    staged = sorted(getattr(param, _STAGED), key=lambda s: s[0])
+    delattr(param, _STAGED)
+    segments: list[tuple[int, int, PackedRows | torch.Tensor]] = []
+    at = 0
+    for lo, hi, packed in staged + [(param.shape[0], param.shape[0], None)]:
+        if lo > at:  # rows the loader copied as float
+            segments.append((at, lo, param.data[at:lo].clone()))
+        if packed is not None:
+            segments.append((lo, hi, packed))
+        at = hi
+    return GgufLinear(param.shape[0], param.shape[1], segments)
+
+
+def replace_packed_weights(model: nn.Module) -> dict:
+    """Every parameter that got packed rows (`stage`) becomes a GgufLinear (its bias folded
+    in), in every module that holds it (a tied head holds the embedding: one layer for both),
+    and `model.linear` dispatches to them. Returns what ran (for /server_info)."""
+    layers: dict[int, GgufLinear] = {}
+    for module in list(model.modules()):
+        for name, param in list(module._parameters.items()):
+            if param is None or (id(param) not in layers
+                                 and getattr(param, _STAGED, None) is None):
+                continue
+            if id(param) not in layers:
+                layers[id(param)] = _layer_of(param)
+                bias_name = BIAS_OF.get(name)
+                bias = getattr(module, bias_name, None) if bias_name else None
+                if bias is not None:
+                    layers[id(param)].bias = bias.detach().float().clone()
+                    layers[id(param)].nbytes += 4 * bias.numel()
+                    delattr(module, bias_name)
+                    setattr(module, bias_name, None)
+            delattr(module, name)  # a Module cannot be assigned over a Parameter
+            setattr(module, name, layers[id(param)])
+    model.linear = gguf_linear
+    import gguf
+
+    kinds = sorted({gguf.GGMLQuantizationType(w.qtype).name for layer in layers.values()
+                    for _, _, w, _ in layer.parts if not isinstance(w, torch.Tensor)})
+    return {"quantization": "gguf", "kernel": gguf_matmul.kernel_name(),
+            "packed_types": kinds, "packed_layers": len(layers),
+            "weight_bytes_packed": sum(layer.nbytes for layer in layers.values())}
+
+
+def gguf_linear(x: torch.Tensor, weight: "GgufLinear | torch.Tensor",
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for F.linear(x, weight, bias) where `weight` may have become a GgufLinear (its
+    bias folded in, so `bias` is None there); a weight the file stored in float stays one."""
+    if type(weight) is GgufLinear:
+        return weight(x)
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["GgufLinear", "gguf_linear", "replace_packed_weights", "stage"]
