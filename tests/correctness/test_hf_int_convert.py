@@ -170,3 +170,30 @@ def test_fp8_block_dequantize(shape):
     got = dequantize_fp8({"weight": q, "weight_scale_inv": scale}, (128, 128), "w")
     np.testing.assert_array_equal(got.numpy(), hq.fp8_reference_dequant(q, scale, (128, 128)))
     assert np.abs(got.numpy() - w).max() <= np.abs(w).max() * 2 ** -3  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_step_error_says_what_the_blocks_round(sym):
+    """The number the loader's warning reports: 0 where the blocks hold the checkpoint's
+    values exactly (fp16 scales, symmetric zero 8), else Q4_1's fp16 m off by at most
+    2^-11 * |z * s| <= 15 * 2^-11 quantization steps (zeros 0..15)."""
+    codes, scales, zeros, g_idx = hq.quantize(_weights(8), 4, 32, sym)
+    parts = hq.pack_gptq(codes, scales, zeros, g_idx, 4, v1=False)
+    errors: dict = {}
+    convert(HfQuantScheme("gptq", 4, 32, sym, False, "gptq_v2"), _t(parts), "w", errors)
+    if sym:
+        assert errors["step_error"] == 0.0
+    else:
+        assert 0.0 < errors["step_error"] <= 15 * 2.0 ** -11
+    f32 = _t(hq.pack_compressed_tensors(codes, scales, zeros, g_idx, 4, True, True,
+                                        scale_dtype=torch.float32))
+    ct = HfQuantScheme("compressed-tensors", 4, 32, True, False, "pack-quantized")
+    errors = {}
+    convert(ct, f32, "w", errors)
+    assert errors["step_error"] == 0.0  # fp16 values stored as float32 convert exactly
+    f32["weight_scale"] = f32["weight_scale"] * (1 + 2.0 ** -14)  # not an fp16 value
+    errors = {}
+    convert(ct, f32, "w", errors)
+    # d rounds to fp16 (q * |d - s| <= 15 * 2^-11 * s), m = -8 * s from the unrounded s:
+    # at most 2^-11 * 8 s more
+    assert 0.0 < errors["step_error"] <= 23 * 2.0 ** -11

@@ -188,3 +188,25 @@ def write_quantized(float_dir: str, out_dir: str, quant_config: dict,
                 with open(os.path.join(ref_dir, f), "w") as fh:
                     json.dump(body, fh)
     return out_dir
+
+
+# Every linear's input width a multiple of 128 (hidden 128, q heads 4 x 32, intermediate 256)
+# so group sizes 32 / 64 / 128 all tile it; the conftest tiny models' 88-wide MLP would not.
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 256, 4, 2, 32, 300
+
+
+def float_checkpoint(arch: str, path: str, seed: int = 11) -> str:
+    """A tiny random llama (tied embeddings) or qwen3 (q/k norms) in float32 safetensors."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                  num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  head_dim=HEAD_DIM, max_position_embeddings=512, initializer_range=0.1,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = (tf.LlamaConfig(**common, tie_word_embeddings=True) if arch == "llama" else
+              tf.Qwen3Config(**common, tie_word_embeddings=False))
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(
+        path, safe_serialization=True)
+    return path

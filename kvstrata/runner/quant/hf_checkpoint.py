@@ -11,6 +11,7 @@ FP8 the float32 dequantized matrix (the model rounds it to its dtype). Every oth
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Iterator
 
 import torch
@@ -27,6 +28,7 @@ PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
                                 "weight_zero_point", "weight_g_idx", "weight_shape"),
          "fp8": ("weight", "weight_scale_inv", "weight_scale")}
 FP8_SCALES = ("weight_scale_inv", "weight_scale")
+logger = logging.getLogger(__name__)
 
 
 def quantized_parts(scheme: HfQuantScheme, names: Iterable[str]) -> dict[str, str]:
@@ -56,6 +58,7 @@ def assemble(scheme: HfQuantScheme, parts_of: dict[str, str],
     for prefix in parts_of.values():
         expected[prefix] = expected.get(prefix, 0) + 1
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    errors: dict[str, float] = {}
     for name, tensor in tensors:
         prefix = parts_of.get(name)
         if prefix is None:
@@ -65,13 +68,19 @@ def assemble(scheme: HfQuantScheme, parts_of: dict[str, str],
         got[name[len(prefix) + 1:]] = tensor
         if len(got) == expected[prefix]:
             del pending[prefix]
-            yield f"{prefix}.weight", convert(scheme, got, f"{prefix}.weight")
+            yield f"{prefix}.weight", convert(scheme, got, f"{prefix}.weight", errors)
+    if errors.get("step_error", 0.0) > 0.0:  # never a silent loss: say how large it is
+        logger.warning("%s kept in GGUF blocks: their fp16 block scale and minimum round the "
+                       "checkpoint's scales / zero points; each weight within %.2g of its "
+                       "quantization step of the checkpoint's value (runner/quant/hf_int.py)",
+                       scheme.describe(), errors["step_error"])
     if pending:  # a read_spec skipped some parts: the linear is not this model's
         missing = sorted(pending)[:4]
         raise ValueError(f"quantized linears with parts unread: {missing}")
 
 
-def convert(scheme: HfQuantScheme, parts: dict[str, torch.Tensor], name: str):
+def convert(scheme: HfQuantScheme, parts: dict[str, torch.Tensor], name: str,
+            errors: dict | None = None):
     m = scheme.method
     try:
         if m == "fp8":
@@ -88,7 +97,7 @@ def convert(scheme: HfQuantScheme, parts: dict[str, torch.Tensor], name: str):
                                                  scheme.sym, scheme.desc_act)
     except KeyError as e:
         raise ValueError(f"{name}: the {m} checkpoint lacks its {e.args[0]!r} tensor") from None
-    return hf_int.to_packed_rows(w, name)
+    return hf_int.to_packed_rows(w, name, errors)
 
 
 def dequantize_fp8(parts: dict[str, torch.Tensor], block: tuple[int, int] | None,

@@ -133,9 +133,26 @@ def compressed_tensors_weight(parts: dict, bits: int, group_size: int, sym: bool
     return IntWeight(q.contiguous(), scale.contiguous(), zero.contiguous(), group, bits)
 
 
-def to_packed_rows(w: IntWeight, name: str = "weight") -> PackedRows:
+def step_error(s: torch.Tensor, d: torch.Tensor, z: torch.Tensor, m: torch.Tensor | None,
+               bits: int) -> float:
+    """The largest |blocks' value - checkpoint's value| of any weight, in units of its
+    quantization step s: the fp16 d (and Q4_1's m) against the stored s (and -z * s). 0.0
+    when the blocks are exact (fp16 scales, symmetric zeros)."""
+    nz = s != 0
+    if not bool(nz.any()):
+        return 0.0
+    codes = float((1 << bits) - 1) if m is not None else 128.0  # the largest |q| or |q - 128|
+    err = codes * (d.float() - s).abs()
+    if m is not None:
+        err = err + (m.float() + z.float() * s).abs()
+    return float((err[nz] / s[nz].abs()).max())
+
+
+def to_packed_rows(w: IntWeight, name: str = "weight", errors: dict | None = None
+                   ) -> PackedRows:
     """Q4_1 (4 bits) or Q8_0 (8 bits, zero 128) block rows of `w`, columns sorted by group
-    where the groups are not already contiguous (input_perm)."""
+    where the groups are not already contiguous (input_perm). `errors["step_error"]` keeps
+    the largest step_error seen (the loader warns when it is not 0)."""
     n, k = w.q.shape
     if k % BLOCK:
         raise ValueError(f"{name}: {k} input columns is not a multiple of the GGUF block of "
@@ -162,6 +179,7 @@ def to_packed_rows(w: IntWeight, name: str = "weight") -> PackedRows:
     q = q.view(n, nb, BLOCK)
     if w.bits == 4:
         m = (-(z.float() * s)).to(torch.float16)
+        _note(errors, step_error(s, d, z, m, 4))
         qs = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
         raw = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8),
                          qs], dim=-1)
@@ -170,11 +188,17 @@ def to_packed_rows(w: IntWeight, name: str = "weight") -> PackedRows:
         if not bool((z == 128).all()):
             raise ValueError(f"{name}: an 8-bit zero point other than 128 (asymmetric int8) "
                              f"cannot be kept in Q8_0 blocks")
+        _note(errors, step_error(s, d, z, None, 8))
         qs = (q - 128).to(torch.int8).view(torch.uint8)
         raw = torch.cat([d.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
         return PackedRows(Q8_0, raw.reshape(n, -1), k, perm)
     raise ValueError(f"{name}: {w.bits}-bit weights are not built (4, 8)")
 
 
+def _note(errors: dict | None, err: float) -> None:
+    if errors is not None:
+        errors["step_error"] = max(errors.get("step_error", 0.0), err)
+
+
 __all__ = ["AWQ_ORDER", "IntWeight", "awq_weight", "compressed_tensors_weight",
-           "contiguous_groups", "gptq_weight", "to_packed_rows", "unpack_int32"]
+           "contiguous_groups", "gptq_weight", "step_error", "to_packed_rows", "unpack_int32"]
