@@ -38,6 +38,8 @@ FLAG_ACCEPTS = {"gptq": ("gptq", "gptq_marlin", "marlin"),
 CHECKPOINT_FLAGS = QUANTIZATION_FROM_CHECKPOINT
 # quant_methods a model class reads itself (gpt-oss's MXFP4 experts): passed through.
 MODEL_HANDLED = ("mxfp4",)
+# The methods whose weights stay packed (runner/quant/hf_int.py); fp8 is dequantized at load.
+PACKED_METHODS = ("gptq", "awq", "compressed-tensors")
 
 
 def read_quant_config(model_dir: str) -> tuple[dict | None, str]:
@@ -59,13 +61,20 @@ def read_quant_config(model_dir: str) -> tuple[dict | None, str]:
     return None, ""
 
 
+def method_name(cfg: dict | None) -> str:
+    """quant_method as kvstrata spells it ("" for none; AutoGPTQ's file has no such key)."""
+    if not cfg:
+        return ""
+    method = str(cfg.get("quant_method") or ("gptq" if "desc_act" in cfg else "")).lower()
+    return method.replace("compressed_tensors", "compressed-tensors")
+
+
 def parse_scheme(cfg: dict | None, where: str = "config.json") -> HfQuantScheme | None:
     """The built scheme a quantization_config describes; None for none (or one the model
     class reads itself); ValueError naming the field for any other."""
     if not cfg:
         return None
-    method = str(cfg.get("quant_method") or ("gptq" if "desc_act" in cfg else "")).lower()
-    method = method.replace("compressed_tensors", "compressed-tensors")
+    method = method_name(cfg)
     if method in MODEL_HANDLED:
         return None
     if method == "gptq":
@@ -155,5 +164,6 @@ def reconcile_flag(scheme: HfQuantScheme | None, flag_value: str | None,
                          f"quant_method {scheme.method}")
 
 
-__all__ = ["CHECKPOINT_FLAGS", "FLAG_ACCEPTS", "HfQuantScheme", "check_group_size",
-           "checkpoint_scheme", "parse_scheme", "read_quant_config", "reconcile_flag"]
+__all__ = ["CHECKPOINT_FLAGS", "FLAG_ACCEPTS", "PACKED_METHODS", "HfQuantScheme",
+           "check_group_size", "checkpoint_scheme", "method_name", "parse_scheme",
+           "read_quant_config", "reconcile_flag"]

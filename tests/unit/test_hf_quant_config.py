@@ -101,3 +101,28 @@ def test_reads_config_json_or_quantize_config(tmp_path):
     (tmp_path / "quantize_config.json").write_text(json.dumps(legacy))
     scheme = checkpoint_scheme(str(tmp_path))
     assert scheme.method == "gptq" and scheme.source == "quantize_config.json"
+
+
+def test_resolution_knows_the_checkpoint_scheme(tmp_path):
+    """ModelInfo.from_model_path reads the scheme (config.json, or AutoGPTQ's own file): --dtype
+    auto keeps float32 for the packed layers (not measured in bf16) and deterministic
+    inference stays off where it would be on by default (the load refuses it)."""
+    from kvstrata.config import ModelInfo, resolve
+    from kvstrata.config.server_args import ServerArgs
+    from kvstrata.platform import simulated
+
+    avx2 = simulated("cpu", cpu_flags=("avx2", "fma", "f16c"), cpu_threads=2)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    resolved, _ = resolve(ServerArgs(), avx2, ModelInfo.from_model_path(str(tmp_path)), env={})
+    assert (resolved.dtype, resolved.enable_deterministic_inference) == ("bfloat16", True)
+    legacy = {k: v for k, v in GPTQ.items() if k != "quant_method"}
+    (tmp_path / "quantize_config.json").write_text(json.dumps(legacy))
+    info = ModelInfo.from_model_path(str(tmp_path))
+    assert info.quant_method == "gptq"
+    resolved, res = resolve(ServerArgs(), avx2, info, env={})
+    assert (resolved.dtype, resolved.enable_deterministic_inference) == ("float32", False)
+    assert "gptq checkpoint" in {r.field: r for r in res}["dtype"].reason
+    fp8 = ModelInfo.from_hf_config({"model_type": "qwen3", "quantization_config": FP8})
+    assert fp8.quant_method == "fp8"  # dequantized at load: a float model's dtype rules
+    resolved, _ = resolve(ServerArgs(), avx2, fp8, env={})
+    assert (resolved.dtype, resolved.enable_deterministic_inference) == ("bfloat16", False)
