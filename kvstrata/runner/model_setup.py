@@ -109,6 +109,9 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         if deterministic:
             raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                       f"with a quantized checkpoint ({scheme.describe()})")
+        if scheme.is_int and torch.device(device).type != "cpu":
+            raise ValueError(f"{scheme.describe()}: its packed layers are built for CPU only, "
+                             f"not {torch.device(device).type}")
         quantization = None  # the checkpoint's scheme runs, not a quantization at load
     keep_quantized = quantization == "gguf"  # a GGUF's weights stay in their blocks
     if keep_quantized and source.kind != "gguf":

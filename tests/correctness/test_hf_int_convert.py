@@ -197,3 +197,28 @@ def test_step_error_says_what_the_blocks_round(sym):
     # d rounds to fp16 (q * |d - s| <= 15 * 2^-11 * s), m = -8 * s from the unrounded s:
     # at most 2^-11 * 8 s more
     assert 0.0 < errors["step_error"] <= 23 * 2.0 ** -11
+
+
+def test_assemble_gathers_parts_across_shards_in_any_order():
+    """A linear's parts may arrive far apart (sharded files): each becomes one P.weight once
+    its last part is in; other tensors pass through in place; a part never read is an error."""
+    from kvstrata.runner.quant.hf_checkpoint import assemble, quantized_parts
+
+    scheme = HfQuantScheme("gptq", 4, 64, True, False, "gptq")
+    layers = {}
+    for i in range(2):
+        codes, scales, zeros, g_idx = hq.quantize(_weights(20 + i), 4, 64, True)
+        layers[f"l{i}"] = (_t(hq.pack_gptq(codes, scales, zeros, g_idx, 4, v1=True)),
+                           hq.reference_dequant(codes, scales, zeros, g_idx))
+    stream = [("l0.qweight", layers["l0"][0]["qweight"]), ("norm.weight", torch.ones(4)),
+              ("l1.scales", layers["l1"][0]["scales"]), ("l1.qweight", layers["l1"][0]["qweight"]),
+              ("l0.scales", layers["l0"][0]["scales"]), ("l0.qzeros", layers["l0"][0]["qzeros"]),
+              ("l1.g_idx", layers["l1"][0]["g_idx"]), ("l1.qzeros", layers["l1"][0]["qzeros"]),
+              ("l0.g_idx", layers["l0"][0]["g_idx"])]
+    parts = quantized_parts(scheme, [n for n, _ in stream])
+    out = list(assemble(scheme, parts, iter(stream)))
+    assert [n for n, _ in out] == ["norm.weight", "l1.weight", "l0.weight"]
+    for name, rows in out[1:]:
+        np.testing.assert_array_equal(rows.dequantize().numpy(), layers[name[:2]][1])
+    with pytest.raises(ValueError, match="parts unread: \\['l0'\\]"):
+        list(assemble(scheme, parts, iter(stream[:-1])))
