@@ -102,6 +102,8 @@ def _gptq(cfg: dict, where: str) -> HfQuantScheme:
         raise refuse(where, "is_marlin_format", True, "the plain GPTQ layout")
     if cfg.get("lm_head"):
         raise refuse(where, "lm_head", True, "a float lm_head")
+    if cfg.get("dynamic"):  # GPTQModel's per-module bits / group_size overrides
+        raise refuse(where, "dynamic", cfg["dynamic"], "one bits / group_size for every layer")
     group = check_group_size(where, "group_size", int(cfg.get("group_size", 128)))
     return HfQuantScheme("gptq", bits, group, sym, bool(cfg.get("desc_act", False)), fmt,
                          source=where)

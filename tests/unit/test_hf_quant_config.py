@@ -52,6 +52,7 @@ def test_built_schemes():
     ({**GPTQ, "group_size": 16}, "group_size = 16"),
     ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format = 'marlin'"),
     ({**GPTQ, "lm_head": True}, "lm_head = True"),
+    ({**GPTQ, "dynamic": {r"+:.*\.down_proj": {"bits": 8}}}, "dynamic = "),
     ({**AWQ, "version": "gemv"}, "version = 'gemv'"),
     ({**AWQ, "version": "gemv_fast"}, "version = 'gemv_fast'"),
     ({**AWQ, "zero_point": False}, "zero_point = False"),
