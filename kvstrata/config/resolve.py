@@ -118,7 +118,7 @@ UNIMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     # Sparse attention, parallelism.
     "enable_hisparse": bool,
     "dcp_size": lambda v: v > 1,
-    # Weight quantisation: w8a8_int8 and gguf are built.
+    # Weight quantisation: w8a8_int8 at load, gguf, and the schemes checkpoints are saved in.
     "quantization": lambda v: v is not None and v not in QUANTIZATION_BUILT,
     # Structured output: the llguidance backend (or none) is built.
     "grammar_backend": lambda v: v not in ("llguidance", "none"),

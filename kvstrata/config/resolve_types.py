@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.config import hf_recurrent
+from kvstrata.config.hf_quant import method_name, read_quant_config
 from kvstrata.config.server_args import ServerArgs, opt
 
 KV_POOL_KINDS = ("mha", "swa", "mla", "other")
@@ -81,6 +82,10 @@ class ModelInfo:
     # Per layer its sliding window (None = full attention), from config.json; None when no
     # layer has one. The hybrid-SWA rule (rules/swa.py) reads it.
     layer_windows: tuple[int | None, ...] | None = None
+    # The quantization the checkpoint is saved in (config/hf_quant.py: gptq, awq,
+    # compressed-tensors, fp8, mxfp4), "" for a float one; the dtype and deterministic
+    # rules read it (its packed layers are not the float GEMMs they measured).
+    quant_method: str = ""
 
     @property
     def num_swa_layers(self) -> int:
@@ -110,7 +115,10 @@ class ModelInfo:
             return None
         with open(cfg_path, encoding="utf-8") as fh:
             cfg = json.load(fh)
-        return cls.from_hf_config(cfg)
+        info = cls.from_hf_config(cfg)
+        # AutoGPTQ / AutoAWQ of old: the scheme in a file of its own
+        quant = method_name(read_quant_config(path)[0])
+        return dataclasses.replace(info, quant_method=quant) if quant else info
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelInfo":
@@ -129,7 +137,8 @@ class ModelInfo:
         return cls(kv_pool_kind=kind, has_recurrent_state=recurrent,
                    recurrent_layers=found[2] if found else "",
                    uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras,
-                   layer_windows=windows)
+                   layer_windows=windows,
+                   quant_method=method_name(cfg.get("quantization_config")))
 
 
 def _config_windows(cfg: dict) -> tuple[int | None, ...] | None:

@@ -58,10 +58,16 @@ TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv
 # SGLang's --reasoning-parser names that are built (entrypoints/reasoning.py FORMATS).
 REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "glm45", "kimi",
                      "kimi_k2", "step3", "minimax", "mistral")
-# SGLang's --quantization names; w8a8_int8 (CPU) and gguf (a GGUF file's weights kept in their
-# quantized blocks) are built, the others are refused as "not implemented yet"
-# (config/resolve.py UNIMPLEMENTED) rather than unknown.
-QUANTIZATION_BUILT = ("w8a8_int8", "gguf")
+# SGLang's --quantization names. Built: w8a8_int8 (quantizes a float checkpoint at load,
+# CPU), gguf (a GGUF file's weights kept in their quantized blocks), and the names of schemes
+# a checkpoint is saved in (config/hf_quant.py: the checkpoint's quantization_config decides,
+# the flag may only agree with it; the *_marlin names are GPU kernels of the same weights).
+# The others are refused as "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather
+# than unknown.
+QUANTIZATION_AT_LOAD = ("w8a8_int8",)
+QUANTIZATION_FROM_CHECKPOINT = ("gptq", "gptq_marlin", "awq", "awq_marlin", "marlin",
+                                "compressed-tensors", "fp8")
+QUANTIZATION_BUILT = QUANTIZATION_AT_LOAD + ("gguf",) + QUANTIZATION_FROM_CHECKPOINT
 QUANTIZATIONS = ("awq", "fp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes",
                  "gguf", "modelopt", "modelopt_fp4", "w8a8_int8", "w8a8_fp8", "moe_wna16",
                  "qoq", "w4afp8", "mxfp4", "compressed-tensors")
@@ -93,12 +99,17 @@ class ServerArgs:
                              "docs/configuration.md, rule platform.cpu_dtype).",
                      choices=DTYPES)
     quantization: str | None = opt(None, "Quantize the weights at load (default: none, the "
-                                         "float path). w8a8_int8: int8 per-channel weights "
-                                         "and per-token int8 activations for every linear "
-                                         "layer (CPU; a GGUF file is dequantized first). "
-                                         "gguf: a GGUF file's quantized weights stay in their "
-                                         "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and are "
-                                         "multiplied packed (CPU).", choices=QUANTIZATIONS)
+                                         "float path, or the checkpoint's own scheme). "
+                                         "w8a8_int8: int8 per-channel weights and per-token "
+                                         "int8 activations for every linear layer (CPU; a "
+                                         "GGUF file is dequantized first). gguf: a GGUF "
+                                         "file's quantized weights stay in their blocks (Q4_0, "
+                                         "Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and are multiplied "
+                                         "packed (CPU). gptq, awq (and gptq_marlin, "
+                                         "awq_marlin, marlin), compressed-tensors, fp8: "
+                                         "detected from the checkpoint's quantization_config; "
+                                         "naming another method than the checkpoint's is an "
+                                         "error.", choices=QUANTIZATIONS)
     load_format: str = opt("auto", "How weights are read. auto: safetensors (or a single "
                                    "pytorch_model.bin) from a directory; a GGUF file "
                                    "dequantized to float (rule gguf_weights.*). gguf: a GGUF "

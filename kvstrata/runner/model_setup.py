@@ -5,15 +5,17 @@ file's dequantized weights. Shared by the target model (runner/model_runner.py)
 and a STANDALONE draft model (runner/spec/standalone.py)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from kvstrata import envs
+from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.runner.cpu import packed_linear
 from kvstrata.runner.models.decoder import is_llama_family
-from kvstrata.runner.models.loader import load_model
+from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.config.rules.deterministic import PINNED_QUANTIZATIONS
@@ -28,6 +30,7 @@ def refuse_unsupported_features(args: Any) -> None:
     from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
 
     refuse_gguf_arch(args.model_path)
+    refuse_quantization_mismatch(args.model_path, args.quantization)
     if _architecture_of(args.model_path) != "GptOssForCausalLM":
         return
     used = [flag for flag, on in (
@@ -38,6 +41,14 @@ def refuse_unsupported_features(args: Any) -> None:
     if used:
         raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported with "
                          f"{', '.join(used)} yet; it runs without {', '.join(UNSUPPORTED)}")
+
+
+def refuse_quantization_mismatch(model_path: str, quantization: str | None) -> None:
+    """Before anything loads: --quantization against a local checkpoint's own scheme
+    (config/hf_quant.py; SGLang's rule), and a scheme kvstrata does not build, by field."""
+    path = os.path.expanduser(model_path)
+    if os.path.isdir(path):
+        reconcile_flag(checkpoint_scheme(path), quantization)
 
 
 # llama.cpp archs whose GGUF files the loader cannot read yet (before the ~s of converting
@@ -90,6 +101,19 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
+    scheme = quant_scheme(source)  # the checkpoint's own (GPTQ, AWQ, compressed-tensors, FP8)
+    reconcile_flag(scheme, quantization, quantization_flag)
+    if scheme is not None:
+        if tp_group is not None and tp_group.size > 1:
+            raise ValueError(f"--tp-size {tp_group.size} with a quantized checkpoint "
+                             f"({scheme.describe()}) is not built")
+        if deterministic:
+            raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
+                                      f"with a quantized checkpoint ({scheme.describe()})")
+        if scheme.is_int and torch.device(device).type != "cpu":
+            raise ValueError(f"{scheme.describe()}: its packed layers are built for CPU only, "
+                             f"not {torch.device(device).type}")
+        quantization = None  # the checkpoint's scheme runs, not a quantization at load
     keep_quantized = quantization == "gguf"  # a GGUF's weights stay in their blocks
     if keep_quantized and source.kind != "gguf":
         raise ValueError(f"{quantization_flag} gguf: {source.display_name} is not a GGUF file")
@@ -123,8 +147,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if deterministic and "--enable-deterministic-inference" in refused:
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch}")
-    if keep_quantized:  # the packed layers replaced the weights in load_model
-        return model, source, hf_config, model.gguf_info
+    if keep_quantized or (scheme is not None and scheme.is_int):
+        return model, source, hf_config, model.gguf_info  # packed layers, from load_model
     if quantization is not None and not is_llama_family(model):
         # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
@@ -141,4 +165,6 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)
+    if scheme is not None:  # fp8: dequantized at load, float layers
+        info = {**info, "quantization": scheme.method, "checkpoint_scheme": scheme.describe()}
     return model, source, hf_config, info

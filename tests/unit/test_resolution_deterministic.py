@@ -78,6 +78,8 @@ def test_on_by_default_where_measured_free():
     (AVX2, ModelInfo(kv_pool_kind="mla", uses_dsa=True), dict(dtype="bfloat16")),
     (AVX2, ModelInfo(softmax_extras=("attention sinks",)), dict(dtype="bfloat16")),
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
+    (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # the load refuses it
+    (AVX2, ModelInfo(quant_method="fp8"), dict(dtype="bfloat16")),
     ((), None, dict(dtype="bfloat16")),                           # no AVX2
 ])
 def test_opt_in_elsewhere(flags, info, kwargs):

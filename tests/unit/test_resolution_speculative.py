@@ -71,8 +71,8 @@ def test_nextn_becomes_eagle_with_its_own_mtp_layer_and_the_auto_shape():
      "--speculative-draft-model-quantization w8a8_int8 with EAGLE (the head is one layer; "
      "it runs in the target's dtype)"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
-      "speculative_draft_model_quantization": "fp8"},
-     "--speculative-draft-model-quantization fp8"),
+      "speculative_draft_model_quantization": "bitsandbytes"},
+     "--speculative-draft-model-quantization bitsandbytes"),
 ])
 def test_unbuilt_speculation_is_refused_by_name(kwargs, named):
     args = ServerArgs(**kwargs)

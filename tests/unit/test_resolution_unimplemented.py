@@ -104,12 +104,17 @@ def test_registry_snapshot_and_unknown():
 
 
 def test_quantization_refusal_names_the_value():
-    """Only w8a8_int8 is built: SGLang's other --quantization values are refused by name;
-    a value SGLang does not know either is a plain choice error."""
-    assert unimplemented_flags(ServerArgs(quantization="w8a8_int8")) == []
-    refuse_unimplemented(ServerArgs(quantization="w8a8_int8"))
-    with pytest.raises(NotImplementedError, match="^not implemented yet: --quantization fp8$"):
-        refuse_unimplemented(ServerArgs(quantization="fp8"))
+    """w8a8_int8 and the checkpoint schemes (gptq, awq and their marlin names,
+    compressed-tensors, fp8: config/hf_quant.py checks them against the checkpoint) are
+    built: SGLang's other --quantization values are refused by name; a value SGLang does not
+    know either is a plain choice error."""
+    for built in ("w8a8_int8", "gguf", "gptq", "gptq_marlin", "awq", "awq_marlin", "marlin",
+                  "compressed-tensors", "fp8"):
+        assert unimplemented_flags(ServerArgs(quantization=built)) == []
+        refuse_unimplemented(ServerArgs(quantization=built))
+    with pytest.raises(NotImplementedError,
+                       match="^not implemented yet: --quantization bitsandbytes$"):
+        refuse_unimplemented(ServerArgs(quantization="bitsandbytes"))
     with pytest.raises(ValueError, match="--quantization must be one of"):
         ServerArgs(quantization="int3")
 

@@ -104,13 +104,15 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
 
 
 def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None) -> bool:
-    """Neither flag given, and a CPU, dtype and model where it was measured free (above)."""
+    """Neither flag given, and a CPU, dtype and model where it was measured free (above): not
+    a quantized checkpoint (its load refuses the flag: runner/model_setup.py)."""
     if args.enable_deterministic_inference or args.disable_deterministic_inference:
         return False
     flags = set(platform.cpu_flags)
     return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
-            and not _quantizations(args) and _model_built(model_info))
+            and not _quantizations(args) and _model_built(model_info)
+            and not (model_info is not None and model_info.quant_method))
 
 
 def _model_built(model_info: ModelInfo | None) -> bool:

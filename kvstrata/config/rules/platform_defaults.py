@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvstrata.config.hf_quant import PACKED_METHODS
+from kvstrata.config.server_args import QUANTIZATION_AT_LOAD
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
 from kvstrata.platform import VNNI_FLAGS, Platform
 
@@ -165,7 +167,11 @@ def table_dtype(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         return "float32", ("--quantization gguf: the packed GGUF matmul "
                            "(runner/cpu/gguf_matmul.py) returns float32; bf16 activations are "
                            "not measured with it"), False
-    if args.quantization is not None and not int8_takes_model_dtype(platform, env):
+    if model_info is not None and model_info.quant_method in PACKED_METHODS:
+        return "float32", (f"a {model_info.quant_method} checkpoint: its weights run on the "
+                           "packed GGUF matmul (runner/cpu/gguf_matmul.py), which returns "
+                           "float32; bf16 activations are not measured with it"), False
+    if args.quantization in QUANTIZATION_AT_LOAD and not int8_takes_model_dtype(platform, env):
         return "float32", (f"--quantization {args.quantization}: without VNNI (or with "
                            "KVSTRATA_CPU_INT8_MM=0) its int8 kernel takes float32 "
                            "activations"), False

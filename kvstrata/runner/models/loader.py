@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from kvstrata.config.hf_quant import HfQuantScheme, checkpoint_scheme
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM
@@ -26,6 +27,7 @@ from kvstrata.runner.models.moe_decoder import MoeDecoderForCausalLM
 from kvstrata.runner.models.registry import arch_spec
 from kvstrata.runner.models.sandwich import SandwichForCausalLM
 from kvstrata.runner.quant import gguf_linear
+from kvstrata.runner.quant.hf_checkpoint import assemble, quantized_parts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,7 +71,11 @@ def _read(h, key: str, spec: ReadSpec) -> torch.Tensor:
     return sl[lo:hi] if kind == "rows" else sl[:, lo:hi]
 
 
-def _iter_safetensors(path: str, read_spec=None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: str, read_spec=None, scheme: HfQuantScheme | None = None
+                      ) -> Iterator[tuple[str, Any]]:
+    """Every tensor, or with a quantized checkpoint's `scheme` each quantized linear's parts
+    assembled into one (P.weight, PackedRows or dequantized matrix): runner/quant/
+    hf_checkpoint.py. A read_spec is asked about P.weight and reads all of its parts."""
     from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -86,26 +92,42 @@ def _iter_safetensors(path: str, read_spec=None) -> Iterator[tuple[str, torch.Te
     for file in files:
         h = safe_open(os.path.join(path, file), framework="pt")
         names.extend((h, k) for k in h.keys())
-    for h, k in tqdm(names, desc="Loading safetensors", unit="tensor", leave=False):
-        spec = "all" if read_spec is None else read_spec(k)
-        if spec is not None:
-            yield k, _read(h, k, spec)
+    parts = {} if scheme is None else quantized_parts(scheme, (k for _, k in names))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for h, k in tqdm(names, desc="Loading safetensors", unit="tensor", leave=False):
+            asked = k if k not in parts else f"{parts[k]}.weight"
+            spec = "all" if read_spec is None else read_spec(asked)
+            if spec is not None and k in parts and spec != "all":
+                raise ValueError(f"{asked}: reading a share of a quantized ({scheme.method}) "
+                                 f"linear is not built")
+            if spec is not None:
+                yield k, _read(h, k, spec)
+
+    if scheme is None:
+        yield from tensors()
+    else:
+        yield from assemble(scheme, parts, tensors())
 
 
 def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
-                    read_spec=None, keep_quantized: bool = False
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    read_spec=None, keep_quantized: bool = False,
+                    scheme: HfQuantScheme | None = None) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) of every weight: GGUF, safetensors, or (EAGLE heads are often
     published so) a single pytorch_model.bin, read with weights_only. `read_spec(name)`: only
     that part of each tensor (safetensors reads nothing else; the others slice in memory).
-    keep_quantized: a GGUF's quantized weights come as PackedRows (gguf_weights.py)."""
+    keep_quantized: a GGUF's quantized weights come as PackedRows (gguf_weights.py).
+    scheme: a quantized HF checkpoint's (config/hf_quant.py) linears come assembled."""
     if source.kind == "gguf":
         it = iter_gguf(source.gguf_path, config, permute_qk, keep_quantized)
     else:
         bin_path = os.path.join(source.path, "pytorch_model.bin")
         if not (os.path.isfile(bin_path) and not any(f.endswith(".safetensors")
                                                       for f in os.listdir(source.path))):
-            return _iter_safetensors(source.path, read_spec)
+            return _iter_safetensors(source.path, read_spec, scheme)
+        if scheme is not None:
+            raise ValueError(f"{source.display_name}: a {scheme.method} checkpoint in "
+                             f"pytorch_model.bin is not built (its safetensors release is)")
         it = iter(torch.load(bin_path, map_location="cpu", weights_only=True,
                              mmap=True).items())
     if read_spec is None:
@@ -153,6 +175,24 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
                         keep_quantized=keep_quantized)
 
 
+def quant_scheme(source: ModelSource) -> HfQuantScheme | None:
+    """The quantization an HF checkpoint was saved with (config/hf_quant.py), None for a
+    float one or a GGUF file (its blocks say it per tensor)."""
+    return None if source.kind == "gguf" else checkpoint_scheme(source.path)
+
+
+# Models whose load_weight stages PackedRows (DecoderForCausalLM._copy) for every linear:
+# the plain llama-family decoder. The others (experts, MLA, recurrent mixers, ...) take
+# float weights only.
+_PACKED_HF_MODELS = (DecoderForCausalLM,)
+
+
+def refuse_packed_model(model, scheme: HfQuantScheme, where: str) -> None:
+    if type(model) not in _PACKED_HF_MODELS:
+        raise ValueError(f"{where}: {scheme.describe()} weights are built for the "
+                         f"llama-family decoder only, not {type(model).__name__}")
+
+
 def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = False,
                  what: str = "", keep_quantized: bool = False):
     """Every checkpoint tensor into `model` (its load_weight maps, fuses, slices, or returns []
@@ -160,9 +200,13 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
     weight exactly once" check, the weights kept quantized into packed layers, then the
     model's `finish_load(loaded)` if it has one. `what` names the model in errors
     ("EAGLE head ", "MTP layer of ")."""
-    weights = iter_checkpoint(source, config, permute_qk, getattr(model, "read_spec", None),
-                              keep_quantized)
     where = f"{what}{source.display_name}"
+    scheme = quant_scheme(source)
+    packed_scheme = scheme is not None and scheme.is_int  # GPTQ / AWQ / compressed-tensors
+    if packed_scheme:
+        refuse_packed_model(model, scheme, where)
+    weights = iter_checkpoint(source, config, permute_qk, getattr(model, "read_spec", None),
+                              keep_quantized, scheme)
     loaded: list[str] = []
     for name, tensor in weights:
         try:
@@ -180,8 +224,10 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
         raise ValueError(f"{where}: missing weights {sorted(missing)[:8]}")
     if len(loaded) != len(set(loaded)):
         raise ValueError(f"{where}: some weights appear more than once")
-    if keep_quantized:
+    if keep_quantized or packed_scheme:
         model.gguf_info = gguf_linear.replace_packed_weights(model)
+    if packed_scheme:
+        model.gguf_info.update(quantization=scheme.method, checkpoint_scheme=scheme.describe())
     if hasattr(model, "finish_load"):
         model.finish_load(loaded)
     return model.eval()
