@@ -1,5 +1,7 @@
 """GGUF weights kept quantized: x @ W.T read straight from the file's packed blocks (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K), for the loader's GGUF layers.
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), for the loader's GGUF layers. Q5_0 / Q5_1 because a
+Q4_K_M / Q5_K_M file stores the tensors whose rows are not whole 256-weight super-blocks (all
+of SmolLM2-135M's: hidden size 576) in them or Q8_0.
 
 Why: a 4-bit GGUF model dequantized at load takes 4x its file's memory in bf16 and streams 4x
 the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
@@ -34,7 +36,8 @@ from kvstrata.runner.cpu import _gguf_ops
 from kvstrata.runner.cpu.isa import isa_cap
 
 # gguf.GGMLQuantizationType values: (bytes per block, weights per block)
-BLOCKS = {2: (18, 32), 3: (20, 32), 8: (34, 32), 12: (144, 256), 13: (176, 256), 14: (210, 256)}
+BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
+          12: (144, 256), 13: (176, 256), 14: (210, 256)}
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
 AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C, in-register dequantization, "
                "runner/cpu/csrc/gguf_ops.c)")

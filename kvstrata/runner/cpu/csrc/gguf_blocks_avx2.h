@@ -2,14 +2,16 @@
  * registers of fp32, on AVX2 + FMA + F16C; gguf_ops.c multiplies them. Written from the
  * layouts as the `gguf` Python package documents them (gguf.quants); no ggml code.
  *
- * A "group" is 32 consecutive weights along k: one whole block of Q4_0 / Q4_1 / Q8_0 (32
- * values), one eighth of a 256-value super-block of Q4_K / Q5_K / Q6_K. Each weight comes out
- * as exactly the fp32 value gguf.quants.dequantize gives it: the same products and sums in
- * the same order, one rounding each (gguf_ops.c is built with -ffp-contract=off, so no mul
- * and add are fused behind our back).
+ * A "group" is 32 consecutive weights along k: one whole block of Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+ * Q8_0 (32 values), one eighth of a 256-value super-block of Q4_K / Q5_K / Q6_K. Each weight
+ * comes out as exactly the fp32 value gguf.quants.dequantize gives it: the same products and
+ * sums in the same order, one rounding each (gguf_ops.c is built with -ffp-contract=off, so
+ * no mul and add are fused behind our back).
  *
  *   Q4_0  18 B: f16 d, 16 B nibbles (low nibbles weights 0-15, high 16-31); w = d * (q - 8)
  *   Q4_1  20 B: f16 d, f16 m, 16 B nibbles as Q4_0;                        w = d * q + m
+ *   Q5_0  22 B: f16 d, 32 high bits (bit i: weight i), nibbles as Q4_0;    w = d * (q - 16)
+ *   Q5_1  24 B: f16 d, f16 m, 32 high bits, nibbles as Q4_0;               w = d * q + m
  *   Q8_0  34 B: f16 d, 32 int8;                                             w = q * d
  *   Q4_K 144 B: f16 d, f16 dmin, 12 B of eight 6-bit (scale, min) pairs, 128 B nibbles: group
  *               j reads bytes 32 * (j / 2).. at nibble j % 2;  w = (d * sc_j) * q - dmin * m_j
@@ -24,13 +26,18 @@
 #include <string.h>
 
 /* gguf.GGMLQuantizationType values */
-enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14 };
+enum {
+    GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8,
+    GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14
+};
 
 /* Bytes of one block and weights per block. */
 static inline int gg_block_bytes(int qt) {
     switch (qt) {
     case GG_Q4_0: return 18;
     case GG_Q4_1: return 20;
+    case GG_Q5_0: return 22;
+    case GG_Q5_1: return 24;
     case GG_Q8_0: return 34;
     case GG_Q4_K: return 144;
     case GG_Q5_K: return 176;
@@ -61,6 +68,18 @@ GG_AVX2 static GG_INLINE void gg_widen(__m256i b, const int is_signed, __m256 v[
                                             : _mm256_cvtepu8_epi32(part[i]));
 }
 
+/* Q5_0 / Q5_1's 32 high bits (little-endian, bit i: weight i) as 0x10 in byte i. */
+GG_AVX2 static GG_INLINE __m256i gg_high_bits(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8( /* byte i <- byte i / 8 of the bits */
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201); /* bit i % 8 */
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 /* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block (s: its 12 bytes). */
 static GG_INLINE void gg_scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -77,7 +96,7 @@ static GG_INLINE void gg_scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)
 GG_AVX2 static GG_INLINE void gg_group(const int qt, const uint8_t *row, int64_t g,
                                        __m256 v[4]) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
-    if (qt == GG_Q4_0 || qt == GG_Q4_1 || qt == GG_Q8_0) {
+    if (qt == GG_Q4_0 || qt == GG_Q4_1 || qt == GG_Q5_0 || qt == GG_Q5_1 || qt == GG_Q8_0) {
         const uint8_t *b = row + g * gg_block_bytes(qt);
         const __m256 d = _mm256_set1_ps(gg_f16(b));
         if (qt == GG_Q8_0) {
@@ -86,11 +105,14 @@ GG_AVX2 static GG_INLINE void gg_group(const int qt, const uint8_t *row, int64_t
             for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(v[i], d);
             return;
         }
-        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (qt == GG_Q4_1 ? 4 : 2)));
+        const int with_min = qt == GG_Q4_1 || qt == GG_Q5_1, five = qt == GG_Q5_0 || qt == GG_Q5_1;
+        const uint8_t *nibbles = b + 2 + 2 * with_min + 4 * five;
+        const __m128i q = _mm_loadu_si128((const __m128i *)nibbles);
         __m256i q32 = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(q, 4), q), nib); /* weights 0-15 | 16-31 */
-        if (qt == GG_Q4_0) {
-            gg_widen(_mm256_sub_epi8(q32, _mm256_set1_epi8(8)), 1, v);
+        if (five) q32 = _mm256_or_si256(q32, gg_high_bits(nibbles - 4));
+        if (!with_min) {
+            gg_widen(_mm256_sub_epi8(q32, _mm256_set1_epi8(five ? 16 : 8)), 1, v);
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(d, v[i]);
         } else {

@@ -1,6 +1,6 @@
 /* kvstrata's GEMM over GGUF weight blocks kept packed (runner/cpu/gguf_matmul.py wraps it):
- * Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K rows as the GGUF file stores them, dequantized 32
- * weights at a time in registers (gguf_blocks_avx2.h), fp32 rows of x, fp32 out.
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K rows as the GGUF file stores them,
+ * dequantized 32 weights at a time in registers (gguf_blocks_avx2.h), fp32 rows of x, fp32 out.
  *
  *   matmul(qtype, w, row_bytes, n, k, x, m, out, out_stride, threads, isa_cap)
  *       out[r * out_stride + j] = sum_q x[r * k + q] * W[j, q], W the exact fp32 values
@@ -182,6 +182,8 @@ GG_AVX2 static GG_INLINE void quad_rows(const int qt, const gg_args *a, int64_t 
     }
 GG_RUN(GG_Q4_0, run_q4_0)
 GG_RUN(GG_Q4_1, run_q4_1)
+GG_RUN(GG_Q5_0, run_q5_0)
+GG_RUN(GG_Q5_1, run_q5_1)
 GG_RUN(GG_Q8_0, run_q8_0)
 GG_RUN(GG_Q4_K, run_q4_k)
 GG_RUN(GG_Q5_K, run_q5_k)
@@ -200,6 +202,8 @@ GG_RUN(GG_Q6_K, run_q6_k)
     }
 GG_DEQ(GG_Q4_0, deq_q4_0)
 GG_DEQ(GG_Q4_1, deq_q4_1)
+GG_DEQ(GG_Q5_0, deq_q5_0)
+GG_DEQ(GG_Q5_1, deq_q5_1)
 GG_DEQ(GG_Q8_0, deq_q8_0)
 GG_DEQ(GG_Q4_K, deq_q4_k)
 GG_DEQ(GG_Q5_K, deq_q5_k)
@@ -234,7 +238,8 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
         return NULL;
     }
     if (!use_avx2_body(isa_cap)) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
         return NULL;
     }
     int failed = 0;
@@ -245,6 +250,8 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     switch (qt) {
     case GG_Q4_0: failed = run_q4_0(&a, m, threads); break;
     case GG_Q4_1: failed = run_q4_1(&a, m, threads); break;
+    case GG_Q5_0: failed = run_q5_0(&a, m, threads); break;
+    case GG_Q5_1: failed = run_q5_1(&a, m, threads); break;
     case GG_Q8_0: failed = run_q8_0(&a, m, threads); break;
     case GG_Q4_K: failed = run_q4_k(&a, m, threads); break;
     case GG_Q5_K: failed = run_q5_k(&a, m, threads); break;
@@ -265,7 +272,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         return NULL;
     if (!check_shape(qt, row_bytes, n, k)) return NULL;
     if (!use_avx2_body(isa_cap)) {
-        PyErr_SetString(PyExc_RuntimeError, "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
+        PyErr_SetString(PyExc_RuntimeError,
+                        "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
         return NULL;
     }
 #if defined(__x86_64__)
@@ -274,6 +282,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     switch (qt) {
     case GG_Q4_0: deq_q4_0(&a, threads); break;
     case GG_Q4_1: deq_q4_1(&a, threads); break;
+    case GG_Q5_0: deq_q5_0(&a, threads); break;
+    case GG_Q5_1: deq_q5_1(&a, threads); break;
     case GG_Q8_0: deq_q8_0(&a, threads); break;
     case GG_Q4_K: deq_q4_k(&a, threads); break;
     case GG_Q5_K: deq_q5_k(&a, threads); break;
