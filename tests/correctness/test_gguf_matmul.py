@@ -166,3 +166,16 @@ def test_sizes_and_refusals(weights):
     with pytest.raises(ValueError, match="out must be"):
         gguf_matmul.matmul(torch.zeros(2, w.in_features), w, torch.zeros(N, 2).T)
     assert gguf_matmul.matmul(torch.zeros(0, w.in_features), w).shape == (0, N)
+
+
+def test_packed_rows_dequantize_through_the_kernel(weights):
+    """runner/quant/packed_rows.py's PackedRows (what the loader hands a model) on these
+    functions: row slices and the act-order permutation undone."""
+    from kvstrata.runner.quant.packed_rows import PackedRows
+    raw, ref = weights[12]
+    rows = PackedRows(12, raw, ref.shape[1])
+    assert torch.equal(rows.dequantize(), ref)
+    assert torch.equal(rows.rows(5, 9).dequantize(), ref[5:9])
+    perm = torch.randperm(ref.shape[1], generator=torch.Generator().manual_seed(0))
+    undone = PackedRows(12, raw, ref.shape[1], perm).dequantize()
+    assert torch.equal(undone[:, perm], ref)
