@@ -8,7 +8,8 @@ arithmetic.
   fp32 sum of K fp32 products (x exactly, or x's bf16 values, times the exact weights), so
   |out - exact| <= K * 2^-23 * (|x| @ |W|.T) (the standard bound, K * u with u = 2^-24, twice);
 - batch invariance: a row's result is the same bits whatever M and the thread count;
-- the strided `out` view, the torch fallback (KVSTRATA_CPU_ISA=scalar), and refusals."""
+- the strided `out` view, the portable C body (KVSTRATA_CPU_ISA=scalar: the AVX2 body's bits),
+  and refusals."""
 from __future__ import annotations
 
 import numpy as np
@@ -130,19 +131,31 @@ def test_leading_dims_are_rows(weights):
     assert torch.equal(y.reshape(6, N), gguf_matmul.matmul(x.reshape(6, -1), w))
 
 
-@pytest.mark.parametrize("qtype", [3, 14], ids=["Q4_1", "Q6_K"])
-def test_fallback_without_avx2(qtype, weights, monkeypatch):
-    """KVSTRATA_CPU_ISA=scalar (what a CPU without AVX2 gets): gguf's dequantizer and an fp32
-    matmul, named as such."""
-    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+@pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
+def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
+    """KVSTRATA_CPU_ISA=scalar (what a CPU without AVX2 + FMA + F16C runs): gguf's values bit
+    for bit, products within the fp32 bound, batch-invariant, and, where the AVX2 body runs
+    too, exactly its bits (the same operations in the same order, in plain C)."""
     raw, ref = weights[qtype]
     w = gguf_matmul.prepare(qtype, raw)
+    torch.manual_seed(qtype)
+    x = torch.randn(70, w.in_features)
+    fast = gguf_matmul.matmul(x, w) if AVX2 else None
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert gguf_matmul.kernel_name() == gguf_matmul.FALLBACK_KERNEL
     assert torch.equal(gguf_matmul.dequantize(w), ref)
-    x = torch.randn(4, w.in_features)
-    out = torch.zeros(4, N + 1)
-    gguf_matmul.matmul(x, w, out[:, 1:])
-    assert_within_fp32_sum(out[:, 1:], x, ref)
+    noise = random_blocks(qtype, 9, in_features(qtype), np.random.default_rng(qtype))
+    assert torch.equal(gguf_matmul.dequantize(gguf_matmul.prepare(qtype, noise)),
+                       reference(noise, qtype))
+    slow = gguf_matmul.matmul(x, w)
+    assert_within_fp32_sum(slow, x, ref)
+    for m in (1, 2, 3, 64):
+        assert torch.equal(gguf_matmul.matmul(x[:m], w), slow[:m])
+    out = torch.zeros(2, N + 1)
+    gguf_matmul.matmul(x[68:], w, out[:, 1:])
+    assert torch.equal(out[:, 1:], slow[68:])
+    if AVX2:
+        assert torch.equal(slow, fast)
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "auto")
     assert gguf_matmul.kernel_name() == (gguf_matmul.AVX2_KERNEL if AVX2
                                          else gguf_matmul.FALLBACK_KERNEL)

@@ -21,8 +21,10 @@ Every path sums each output in one order: one 8-lane fp32 accumulator, an FMA pe
 then a fixed horizontal tree; each output is computed whole by one thread. So all paths are
 batch invariant (issue 60): row i of a call is bit-identical whatever M and the thread count.
 
-Without AVX2 (another architecture, or KVSTRATA_CPU_ISA=scalar) a torch fallback:
-gguf.quants.dequantize then an fp32 matmul (correct, slow; not bit-identical to the kernel).
+Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) the same C
+extension's portable body (csrc/gguf_blocks_scalar.h): the same weights, the same operations
+and summation order in plain C (fmaf), so the same bits as the AVX2 body, batch-invariant too;
+many times slower.
 
 Measured: benchmarks/bench_gguf_linear.py, docs/benchmarks.md.
 """
@@ -41,7 +43,8 @@ BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
 AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C, in-register dequantization, "
                "runner/cpu/csrc/gguf_ops.c)")
-FALLBACK_KERNEL = "torch fallback: gguf.quants.dequantize + fp32 matmul (no AVX2 + FMA + F16C)"
+FALLBACK_KERNEL = ("kvstrata GGUF GEMM, portable C body (no AVX2 + FMA + F16C; the AVX2 body's "
+                   "bits, slowly: runner/cpu/csrc/gguf_blocks_scalar.h)")
 
 
 def supported(qtype: int) -> bool:
@@ -118,9 +121,6 @@ def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) 
     if m == 0:
         return out
     xf = x.to(torch.float32).contiguous()
-    if not _own():
-        out.copy_(xf @ dequantize(w).T)
-        return out
     _gguf_ops.matmul(w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features,
                      xf.data_ptr(), m, out.data_ptr(), out.stride(0) if m > 1 else n,
                      torch.get_num_threads(), isa_cap())
@@ -129,9 +129,6 @@ def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) 
 
 def dequantize(w: PreparedWeight) -> torch.Tensor:
     """The weight as fp32 [N, K]: exactly gguf.quants.dequantize's values."""
-    if not _own():
-        from gguf import quants  # the reference; only the fallback needs it at run time
-        return torch.from_numpy(quants.dequantize(w.raw.numpy(), w.qtype).copy())
     out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
     _gguf_ops.dequantize(w.qtype, w.raw.data_ptr(), w.raw.shape[1], w.out_features,
                          w.in_features, out.data_ptr(), torch.get_num_threads(), isa_cap())

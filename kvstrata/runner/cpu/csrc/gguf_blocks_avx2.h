@@ -46,11 +46,22 @@ static inline int gg_block_bytes(int qt) {
     }
 }
 static inline int gg_block_values(int qt) { return qt >= GG_Q4_K ? 256 : 32; }
+#define GG_INLINE inline __attribute__((always_inline))
+
+/* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block (s: its 12 bytes). */
+static GG_INLINE void gg_scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define GG_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define GG_INLINE inline __attribute__((always_inline))
 
 GG_AVX2 static GG_INLINE float gg_f16(const uint8_t *p) {
     uint16_t h;
@@ -78,17 +89,6 @@ GG_AVX2 static GG_INLINE __m256i gg_high_bits(const uint8_t *p) {
     const __m256i mask = _mm256_set1_epi64x(0x8040201008040201); /* bit i % 8 */
     const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
-}
-
-/* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block (s: its 12 bytes). */
-static GG_INLINE void gg_scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
 }
 
 /* Group g (of k / 32) of one weight row: its 32 dequantized weights, in order, into v[4].

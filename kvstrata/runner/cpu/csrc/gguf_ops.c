@@ -9,7 +9,8 @@
  *       then gg_hsum's fixed tree. So row r of a call equals row r of any other call on the
  *       same rows, bit for bit (batch invariance, deterministic inference).
  *   dequantize(qtype, w, row_bytes, n, k, out, threads, isa_cap): W into fp32 [n, k].
- *   has_avx2(isa_cap): whether this CPU runs the kernels (KVSTRATA_CPU_ISA allowing).
+ *   has_avx2(isa_cap): whether this CPU runs the AVX2 body (KVSTRATA_CPU_ISA allowing);
+ *   without it the portable body (gguf_blocks_scalar.h) gives the same bits, slowly.
  *
  * Work: rows in blocks of ROW_BLOCK; in each, output columns in quads split statically over
  * torch's OpenMP team (each output computed whole by one thread). Up to DIRECT_MAX_ROWS rows
@@ -23,6 +24,7 @@
 #include <stdlib.h>
 #include "cpu_rows.h"
 #include "gguf_blocks_avx2.h"
+#include "gguf_blocks_scalar.h"
 #ifdef _OPENMP
 #include <omp.h>
 static inline int thread_index(void) { return omp_get_thread_num(); }
@@ -210,6 +212,26 @@ GG_DEQ(GG_Q5_K, deq_q5_k)
 GG_DEQ(GG_Q6_K, deq_q6_k)
 #endif
 
+/* The portable body (gguf_blocks_scalar.h): each output whole, the AVX2 body's bits. */
+static void run_scalar(int qt, const gg_args *a, int64_t m, int threads) {
+    const int nt = thread_count(threads, a->n, a->row_bytes * a->n);
+    for (int64_t r = 0; r < m; r++) {
+        const float *x = a->x + r * a->k;
+        float *out = a->out + r * a->out_stride;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+        for (int64_t j = 0; j < a->n; j++)
+            out[j] = gg_dot_scalar(qt, a->w + j * a->row_bytes, x, a->k);
+    }
+}
+
+static void deq_scalar(int qt, const gg_args *a, int threads) {
+    const int nt = thread_count(threads, a->n, a->row_bytes * a->n);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t j = 0; j < a->n; j++)
+        for (int64_t g = 0; g < a->k / 32; g++)
+            gg_group_scalar(qt, a->w + j * a->row_bytes, g, a->out + j * a->k + g * 32);
+}
+
 /* Parse and check (qtype, w, row_bytes, n, k, ...) shared by matmul and dequantize. */
 static int check_shape(int qt, Py_ssize_t row_bytes, Py_ssize_t n, Py_ssize_t k) {
     const int bb = gg_block_bytes(qt), bv = gg_block_values(qt);
@@ -237,17 +259,14 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "bad rows: m=%zd out_stride=%zd n=%zd", m, out_stride, n);
         return NULL;
     }
-    if (!use_avx2_body(isa_cap)) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
-        return NULL;
-    }
     int failed = 0;
-#if defined(__x86_64__)
     const gg_args a = {(const uint8_t *)w_addr, row_bytes, n, k, (const float *)x_addr,
                        (float *)o_addr, out_stride};
+    const int avx2 = use_avx2_body(isa_cap);
     Py_BEGIN_ALLOW_THREADS
-    switch (qt) {
+    if (!avx2) run_scalar(qt, &a, m, threads);
+#if defined(__x86_64__)
+    else switch (qt) {
     case GG_Q4_0: failed = run_q4_0(&a, m, threads); break;
     case GG_Q4_1: failed = run_q4_1(&a, m, threads); break;
     case GG_Q5_0: failed = run_q5_0(&a, m, threads); break;
@@ -257,8 +276,8 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     case GG_Q5_K: failed = run_q5_k(&a, m, threads); break;
     default: failed = run_q6_k(&a, m, threads); break;
     }
-    Py_END_ALLOW_THREADS
 #endif
+    Py_END_ALLOW_THREADS
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
@@ -271,15 +290,12 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
                           &threads, &isa_cap))
         return NULL;
     if (!check_shape(qt, row_bytes, n, k)) return NULL;
-    if (!use_avx2_body(isa_cap)) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "this CPU (or KVSTRATA_CPU_ISA) has no AVX2 + FMA + F16C");
-        return NULL;
-    }
-#if defined(__x86_64__)
     const gg_args a = {(const uint8_t *)w_addr, row_bytes, n, k, NULL, (float *)o_addr, k};
+    const int avx2 = use_avx2_body(isa_cap);
     Py_BEGIN_ALLOW_THREADS
-    switch (qt) {
+    if (!avx2) deq_scalar(qt, &a, threads);
+#if defined(__x86_64__)
+    else switch (qt) {
     case GG_Q4_0: deq_q4_0(&a, threads); break;
     case GG_Q4_1: deq_q4_1(&a, threads); break;
     case GG_Q5_0: deq_q5_0(&a, threads); break;
@@ -289,8 +305,8 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     case GG_Q5_K: deq_q5_k(&a, threads); break;
     default: deq_q6_k(&a, threads); break;
     }
-    Py_END_ALLOW_THREADS
 #endif
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -303,7 +319,7 @@ static PyObject *has_avx2(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
     {"dequantize", dequantize, METH_VARARGS, "packed GGUF weight rows -> fp32 [n, k]."},
-    {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C kernels run here."},
+    {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C body runs here."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gguf_ops",
