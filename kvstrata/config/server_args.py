@@ -97,7 +97,8 @@ class ServerArgs:
                                          "and per-token int8 activations for every linear "
                                          "layer (CPU; a GGUF file is dequantized first). "
                                          "gguf: a GGUF file's quantized weights stay in their "
-                                         "blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and are "
+                                         "blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, "
+                                         "Q6_K) and are "
                                          "multiplied packed (CPU).", choices=QUANTIZATIONS)
     load_format: str = opt("auto", "How weights are read. auto: safetensors (or a single "
                                    "pytorch_model.bin) from a directory; a GGUF file "
