@@ -14,9 +14,9 @@ Weights: --copies copies of each shape (30 by default: SmolLM2-135M's four layer
 576->960, o 576->576, gate|up 576->3072, down 1536->576, as many as a decode step streams from
 RAM), or with --shapes 1b a 1B-model's MLP (2048->8192 gate|up half, 8192->2048 down), 4
 copies. K-quants need rows of whole 256-weight super-blocks, so they run with --shapes 1b only
-(a Q4_K_M file of SmolLM2 holds Q5_0 / Q8_0 tensors). Weights are gguf.quants.quantize'd
-random normals (K-quants: random blocks with small scales: gguf's Python package has no
-K-quant quantizer).
+(a Q4_K_M file of SmolLM2 stores its 576-input tensors as Q5_0 / Q8_0). Weights are
+gguf.quants.quantize'd random normals (K-quants: random blocks with small scales: gguf's
+Python package has no K-quant quantizer).
 
   python benchmarks/bench_gguf_linear.py --rows 1 8 32
   python benchmarks/bench_gguf_linear.py --shapes 1b --rows 1 8 32

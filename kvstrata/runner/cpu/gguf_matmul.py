@@ -1,7 +1,7 @@
 """GGUF weights kept quantized: x @ W.T read straight from the file's packed blocks (Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), for the loader's GGUF layers. Q5_0 / Q5_1 because a
-Q4_K_M / Q5_K_M file stores the tensors whose rows are not whole 256-weight super-blocks (all
-of SmolLM2-135M's: hidden size 576) in them or Q8_0.
+Q4_K_M / Q5_K_M file stores the tensors whose rows are not whole 256-weight super-blocks in
+them or Q8_0 (SmolLM2-135M's with 576 inputs: every one but down_proj).
 
 Why: a 4-bit GGUF model dequantized at load takes 4x its file's memory in bf16 and streams 4x
 the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
