@@ -2,8 +2,8 @@
 # behind HiCache's `kernel` IO backend (kvstrata/kv/rowcopy.py), the paged decode and prefill
 # attention of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the
 # CPU row ops and GEMMs of kvstrata/runner/cpu/csrc/ (the shared-memory all-reduce of
-# kvstrata/runner/parallel/csrc/ is compiled into `_cpu_ops`), and the recurrent layers'
-# decode step (kvstrata/runner/recurrent/csrc/).
+# kvstrata/runner/parallel/csrc/ is compiled into `_cpu_ops`; GGUF's packed blocks' GEMM is
+# `_gguf_ops`), and the recurrent layers' decode step (kvstrata/runner/recurrent/csrc/).
 import os
 import re
 
@@ -48,6 +48,7 @@ EXTENSIONS = [
     extension("kvstrata.runner.cpu._cpu_ops", "kvstrata/runner/cpu/csrc/cpu_ops.c", **OPENMP_EXACT),
     extension("kvstrata.runner.cpu._int8_ops", "kvstrata/runner/cpu/csrc/int8_ops.c", **OPENMP_EXACT),
     extension("kvstrata.runner.cpu._bf16_ops", "kvstrata/runner/cpu/csrc/bf16_gemm.c", **OPENMP_EXACT),
+    extension("kvstrata.runner.cpu._gguf_ops", "kvstrata/runner/cpu/csrc/gguf_ops.c", **OPENMP_EXACT),
     extension("kvstrata.runner.recurrent._recurrent_step",
               "kvstrata/runner/recurrent/csrc/recurrent_step.c", **OPENMP),
 ]

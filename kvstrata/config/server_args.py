@@ -104,7 +104,7 @@ class ServerArgs:
                                          "int8 activations for every linear layer (CPU; a "
                                          "GGUF file is dequantized first). gguf: a GGUF "
                                          "file's quantized weights stay in their blocks (Q4_0, "
-                                         "Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) and are multiplied "
+                                         "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and are multiplied "
                                          "packed (CPU). gptq, awq (and gptq_marlin, "
                                          "awq_marlin, marlin), compressed-tensors, fp8: "
                                          "detected from the checkpoint's quantization_config; "

@@ -118,8 +118,9 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if keep_quantized and source.kind != "gguf":
         raise ValueError(f"{quantization_flag} gguf: {source.display_name} is not a GGUF file")
     if keep_quantized and deterministic:
-        # gguf_matmul's kernels are not batch-invariant (a row's sums may depend on the rows
-        # beside it), and PackedLinear's fixed GEMMs take float weights only.
+        # gguf_matmul's kernels are batch-invariant (tests/correctness/test_gguf_matmul.py), but
+        # a GgufLinear's float segments run F.linear, and PackedLinear's fixed GEMMs take float
+        # weights only: not wired into deterministic inference yet.
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} gguf (GGUF weights kept "
                                   f"quantized); pass --load-format gguf_dequantize")

@@ -20,9 +20,9 @@ from helpers.compare import assert_tokens_match
 from helpers.decoder_gguf import ARCHS, TYPES, transformers_model, write_decoder_gguf
 
 NEW_TOKENS = 8
-# The portable path multiplies gguf's dequantized values in float32: the float model's
-# logits up to summation order. The packed kernels may quantize activations to 8 bits
-# (llama.cpp's Q8 dot products): this bound (logits of magnitude ~3-5) leaves them room.
+# The packed kernels multiply gguf's dequantized values in float32: the float model's logits
+# up to summation order. A kernel with 8-bit activations (llama.cpp's Q8 dot products) would
+# need more: this bound (logits of magnitude ~3-5) leaves it room.
 LOGITS_ATOL = 5e-2
 
 

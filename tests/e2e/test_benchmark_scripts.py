@@ -221,6 +221,20 @@ def test_bench_int8_linear_rows(tmp_path):
             assert r["error"] < 0.1, r
 
 
+def test_bench_gguf_linear_rows(tmp_path):
+    """A row per format x row count with every baseline's time and ratio; --prefill adds the
+    dequantize-then-matmul baseline (speed in docs/benchmarks.md, not asserted)."""
+    out = tmp_path / "gguf.json"
+    _run("bench_gguf_linear.py", "--shapes", "tiny", "--formats", "Q4_0", "Q4_K", "--rows", "1",
+         "5", "--rounds", "1", "--prefill", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["format"], r["rows"]) for r in rows] == [
+        ("Q4_0", 1), ("Q4_0", 5), ("Q4_K", 1), ("Q4_K", 5)]
+    for r in rows:
+        for base in ("memcpy", "torch_f32", "torch_bf16", "kv_bf16", "deq_mm"):
+            assert r[f"{base}_ms"] > 0 and r[f"vs_{base}"] > 0, (base, r)
+
+
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_bench_gemm_rows(tmp_path, kind, tiny_model_path):
     """Both GEMMs of a kind per row count, the same values (the script checks it), or a clear

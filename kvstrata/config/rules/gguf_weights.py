@@ -7,9 +7,9 @@ file's weights load.
 - `--load-format gguf_dequantize`: every weight dequantized to float at load (then served in
   --dtype, or re-quantized by --quantization w8a8_int8, which always reads the float path).
 - `--load-format auto` on a GGUF file: KEPT_QUANTIZED_BY_DEFAULT says which of the two. It is
-  False for now: the kept-quantized matmul is the portable path (gguf's dequantize + float32
-  matmul per call, ~4 s a SmolLM2 forward on 2 cores) until the packed CPU kernels land
-  behind runner/cpu/gguf_matmul.py; with them the default flips to kept quantized.
+  False for now: the packed kernels (runner/cpu/gguf_matmul.py) have landed, but at batch 1
+  on a 2-vCPU AVX2 box they measured slower than the bf16 GEMM on the dequantized weights
+  (docs/benchmarks.md); kept quantized becomes the default once it wins there too.
 Refused by name: either spelling on a path that is not a GGUF file; --quantization gguf with
 --load-format gguf_dequantize; weights kept quantized with --tp-size > 1 (a rank's share of a
 row-parallel weight would cut the GGUF blocks).

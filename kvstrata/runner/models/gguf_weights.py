@@ -5,7 +5,8 @@ kept in its blocks as a `PackedRows` (`--quantization gguf`: runner/quant/gguf_l
 multiplies them packed).
 
 Kept quantized, a 2-D tensor of a type the packed matmul has no kernel for
-(runner/cpu/gguf_matmul.py SUPPORTED: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) is dequantized at
+(runner/cpu/gguf_matmul.py SUPPORTED: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
+dequantized at
 load and logged once per type, rather than the whole file refused: a Q3_K_M file still
 serves, its unsupported tensors in float (what llama.cpp users expect: the file loads).
 Float tensors (F32 / F16 / BF16: norms, and the odd float weight) are yielded as float.
