@@ -53,7 +53,8 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# The files that take longest, longest first (CPU seconds per file with rusage, 2026-12-07;
+# The files that take longest, longest first (CPU seconds per file with rusage, 2026-12-07,
+# tests/helpers/file_cpu.py; the model-family files added since by their durations;
 # on 2 cores the suite is CPU-bound, so a file's CPU stands for its time).
 # `make test` hands whole files to its two workers in collection order
 # (--dist loadfile --no-loadscope-reorder): starting with the long ones leaves only short
@@ -66,7 +67,9 @@ LONG_FILES_FIRST = (
     "e2e/test_pd_disagg.py", "correctness/test_w8a8_int8.py", "e2e/test_benchmark_scripts.py",
     "e2e/test_pd_retraction.py", "e2e/test_pd_decode_radix.py", "e2e/test_tp_server.py",
     "unit/test_disagg_fuzz.py", "e2e/test_dsa_pd.py", "e2e/test_pd_mtp.py",
-    "correctness/test_gemma.py", "unit/test_scheduler_fuzz.py",
+    "correctness/test_gemma.py", "correctness/test_deepseek_families.py",
+    "correctness/test_moe_families.py", "unit/test_scheduler_fuzz.py",
+    "correctness/test_swa_tiers.py", "correctness/test_smollm2_gguf_packed.py",
     "correctness/test_sliding_window_attention.py", "correctness/test_deterministic_smollm2.py",
     "e2e/test_pd_tp.py", "correctness/test_bf16_quality.py", "e2e/test_schema_fuzz.py",
     "e2e/test_hicache_storage_server.py", "e2e/test_lifecycle.py",
@@ -78,7 +81,8 @@ LONG_FILES_FIRST = (
     "correctness/test_tensor_parallel.py", "e2e/test_structured_output.py",
     "e2e/test_sglang_router.py", "e2e/test_load_fuzz.py", "e2e/test_control_routes_under_load.py",
     "e2e/test_bad_input.py", "correctness/test_speculative.py",
-    "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py")
+    "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py",
+    "correctness/test_hf_quant_models.py", "e2e/test_hybrid_server.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
