@@ -63,6 +63,11 @@ class ResolvedArgs(ServerArgs):
               "slots // this.", cli=False, group="derived")
 
 
+# config.json fields that count a model's routed experts (Qwen2/3-MoE, Mixtral / gpt-oss,
+# DeepSeek / GLM-4.5)
+MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What resolution needs to know about the model and its KV pool.
@@ -86,6 +91,10 @@ class ModelInfo:
     # compressed-tensors, fp8, mxfp4), "" for a float one; the dtype and deterministic
     # rules read it (its packed layers are not the float GEMMs they measured).
     quant_method: str = ""
+    # Routed (MoE) experts (num_experts / num_local_experts / n_routed_experts): their
+    # per-expert matmuls take however many tokens the router sends them, so a token's bits
+    # depend on its batch; deterministic inference refuses them (rules/deterministic.py).
+    routed_experts: bool = False
 
     @property
     def num_swa_layers(self) -> int:
@@ -138,7 +147,8 @@ class ModelInfo:
                    recurrent_layers=found[2] if found else "",
                    uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras,
                    layer_windows=windows,
-                   quant_method=method_name(cfg.get("quantization_config")))
+                   quant_method=method_name(cfg.get("quantization_config")),
+                   routed_experts=any(bool(cfg.get(k)) for k in MOE_EXPERT_FIELDS))
 
 
 def _config_windows(cfg: dict) -> tuple[int | None, ...] | None:

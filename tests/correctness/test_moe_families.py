@@ -102,13 +102,33 @@ def test_unsupported_features_are_refused_by_name(paths):
     with pytest.raises(ValueError, match="supports the llama-family decoder only, not "
                                          "MixtralForCausalLM"):
         make_runner(path, quantization="w8a8_int8", max_total_tokens=256)
-    with pytest.raises(NotImplementedError, match="deterministic-inference on "
-                                                  "MixtralForCausalLM"):
+    with pytest.raises(ValueError, match="deterministic-inference: not implemented yet for "
+                                         "a MoE model"):  # at resolution, before the load
         make_runner(path, enable_deterministic_inference=True, max_total_tokens=256)
     source = resolve_model_path(path)
     with pytest.raises(ValueError, match="tensor parallelism is not implemented for "
                                          "MixtralForCausalLM"):
         load_tp_shard(source, load_hf_config(source), SimpleNamespace(size=2, rank=0))
+
+
+def test_served_at_the_default_flags(paths):
+    """At the CPU's default flags (on an AVX2 CPU --dtype auto is bf16, where deterministic
+    inference is on by default for dense models), a MoE checkpoint keeps the default off --
+    its load refuses the flag -- and serves; every MoE family resolves the same way."""
+    from kvstrata import LLM
+    from kvstrata.config import ModelInfo, ServerArgs, resolve
+    from kvstrata.platform import detect_platform
+
+    for arch in MOES:
+        info = ModelInfo.from_model_path(paths[arch])
+        assert info.routed_experts, arch
+        resolved, _ = resolve(ServerArgs(model_path=paths[arch]), detect_platform(), info)
+        assert resolved.enable_deterministic_inference is False, arch
+    with LLM(model_path=paths["qwen3_moe"], skip_tokenizer_init=True,
+             max_total_tokens=256) as llm:
+        out = llm.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2,
+                                                                 "temperature": 0})
+    assert len(out["output_ids"]) == 2
 
 
 def test_registry_names_the_moe_architectures():

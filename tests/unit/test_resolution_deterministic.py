@@ -43,6 +43,10 @@ def test_off_by_default_changes_nothing():
     ({}, "cpu", ModelInfo.from_hf_config({"model_type": "gemma2", "sliding_window": 4096,
                                           "attn_logit_softcapping": 50.0}),
      "attention logit soft-capping"),
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
+     "not implemented yet for a MoE model"),
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "mixtral", "num_local_experts": 8}),
+     "not implemented yet for a MoE model"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(kwargs, platform, info, message):
     with pytest.raises(ValueError, match="--enable-deterministic-inference") as err:
@@ -80,6 +84,11 @@ def test_on_by_default_where_measured_free():
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
     (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # the load refuses it
     (AVX2, ModelInfo(quant_method="fp8"), dict(dtype="bfloat16")),
+    # MoE experts: the load would refuse the flag, so a default-on left the model unservable
+    (AVX2, ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
+     dict(dtype="bfloat16")),
+    (AVX2, ModelInfo.from_hf_config({"model_type": "glm4_moe", "n_routed_experts": 8}),
+     dict(dtype="bfloat16")),
     ((), None, dict(dtype="bfloat16")),                           # no AVX2
 ])
 def test_opt_in_elsewhere(flags, info, kwargs):

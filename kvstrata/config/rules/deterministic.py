@@ -86,6 +86,10 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
             raise ValueError(f"--enable-deterministic-inference: not implemented yet for "
                              f"{' and '.join(model_info.softmax_extras)} (their attention "
                              f"runs in plain torch, not the batch-invariant decode kernel)")
+        if model_info.routed_experts and kind in ("mha", "swa"):
+            raise ValueError("--enable-deterministic-inference: not implemented yet for a MoE "
+                             "model (its experts' matmuls run on however many tokens the "
+                             "router sends each, in torch's kernels)")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
                          f"{kind} model (MLA / DSA and recurrent models); the llama-family "
                          f"decoder has it, sliding windows and their own SWA pool included")
@@ -123,7 +127,8 @@ def _model_built(model_info: ModelInfo | None) -> bool:
     return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
                                   and not model_info.uses_dsa
                                   and not model_info.has_recurrent_state
-                                  and not model_info.softmax_extras)
+                                  and not model_info.softmax_extras
+                                  and not model_info.routed_experts)
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:
