@@ -37,10 +37,11 @@ class _CausalAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: Any) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True,
+        out = F.scaled_dot_product_attention(q.float().transpose(0, 1),
+                                             k.float().transpose(0, 1),
+                                             v.float().transpose(0, 1), is_causal=True,
                                              enable_gqa=self.gqa)
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
+        return out.transpose(0, 1).reshape(q.shape[0], -1).to(q.dtype)
 
 
 def activation_ranges(model: Any, token_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -56,7 +57,12 @@ def activation_ranges(model: Any, token_ids: list[int]) -> dict[int, torch.Tenso
         ranges[id(weight)] = seen if old is None else torch.maximum(old, seen)
         if weight is model.lm_head:  # only its input range is needed: skip the vocab GEMM
             return x.new_zeros(x.shape[0], 1)
-        return F.linear(x, weight, bias)
+        # In float32 whatever the model's dtype: torch's bf16 F.linear and SDPA have no fast
+        # body on a CPU without AVX-512 BF16 (the calibration forward took ~70 of the ~100
+        # CPU-s of a bf16 SmolLM2 w8a8 load on an AVX2 EPYC, float32 a few), and the ranges
+        # only need the activations' magnitudes.
+        return F.linear(x.float(), weight.float(),
+                        None if bias is None else bias.float()).to(x.dtype)
 
     saved_linear, saved_attn = model.linear, model.attn_backend
     model.linear = recording_linear
