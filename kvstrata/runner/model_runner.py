@@ -15,7 +15,6 @@ import torch
 
 from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
-from kvstrata.config.model_source import load_generation_eos
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.platform import detected_platform
@@ -32,7 +31,7 @@ from kvstrata.runner.executors.retraction_backup import (RetractionBackupExecuto
 from kvstrata.runner.executors.wiring import ExecutorWiring
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees, write_swa_slots
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
-from kvstrata.runner.model_setup import load_serving_model
+from kvstrata.runner.model_setup import eos_token_ids, load_serving_model, unhonoured_window
 from kvstrata.runner.quant.w8a8 import weight_bytes
 from kvstrata.runner.sampling.grammar import new_failures
 from kvstrata.runner.sampling.prompt_logprobs import RequestSampling, accumulate_prompt_logprobs
@@ -86,7 +85,7 @@ class ModelRunner(ExecutorWiring):
         self.dtype = self.model.dtype
         # The whole vocabulary (a tensor-parallel rank holds a slice of the table)
         self.vocab_size = getattr(self.model, "full_dims", self.model.dims).vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.source, self.hf_config)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
         self._reqs: dict[str, RequestSampling] = {}
         self.plan: KVPlan | None = None
@@ -122,7 +121,7 @@ class ModelRunner(ExecutorWiring):
         windows = getattr(self.model, "layer_windows", None)
         return ModelKVFacts(
             pool_kind=self.model.pool_kind, components=components,
-            max_position_embeddings=max_pos, sliding_window=self._unhonoured_window(),
+            max_position_embeddings=max_pos, sliding_window=unhonoured_window(self.model, self.hf_config),
             draft_components=draft,
             layer_windows=tuple(windows) if windows and self.model.pool_kind == "mha"
             else None, state_components=state_ops.model_state_components(self.model))
@@ -183,28 +182,6 @@ class ModelRunner(ExecutorWiring):
     @property
     def max_context_len(self) -> int:
         return self.plan.context_len
-
-    def _unhonoured_window(self) -> int | None:
-        """A sliding window the config names that the model's attention does not apply (a
-        model without `layer_windows`): sizing caps the context at it, which keeps such a
-        model exact. A model that sets layer_windows (the llama family's decoder) hands its
-        windows to the attention backend: no cap."""
-        if hasattr(self.model, "layer_windows"):
-            return None
-        c = self.hf_config
-        window = getattr(c, "sliding_window", None)
-        # qwen2/qwen3 configs carry a window but only use it when use_sliding_window is set.
-        if not window or getattr(c, "use_sliding_window", True) is False:
-            return None
-        return int(window)
-
-    def _eos_ids(self) -> list[int]:
-        ids = load_generation_eos(self.source)
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        for e in ([eos] if isinstance(eos, int) else list(eos or [])):
-            if e not in ids:
-                ids.append(int(e))
-        return ids
 
     # ------------------------------------------------------------------ one step (forward)
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
