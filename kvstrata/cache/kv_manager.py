@@ -20,13 +20,18 @@ Recurrent state (plan.has_state_pool): each running request computes in a state 
 own and the tree keeps state snapshots beside its pages (cache/state_slots.py,
 cache/state_radix.py): a match ends where a snapshot does, a finished request caches its K/V
 up to the snapshot it leaves.
+
+The facade's other halves are mixins: capacity accounting (cache/kv_capacity.py) and the tiers
+behind the device pool -- retraction backups, HiCache load-back and tier ops, L3 prefetch
+(cache/kv_tiers.py).
 """
 from __future__ import annotations
 
 from typing import Any, Iterable
 
 from kvstrata.cache.hiradix_cache import HiRadixCache
-from kvstrata.cache.invariants import check_backup_pool
+from kvstrata.cache.kv_capacity import KVCapacity
+from kvstrata.cache.kv_tiers import KVTiers, _cache_ids
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
@@ -38,18 +43,12 @@ from kvstrata.cache.swa_hiradix import SWAHiRadixCache
 from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.cache.swa_storage import SWAStorageTier
 from kvstrata.config.kv_plan import KVPlan
-from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, of_type
 
 # Host parts shorter than this many pages are recomputed: a load has a fixed cost.
 LOAD_BACK_THRESHOLD_PAGES = 1
 
 
-def _cache_ids(req: Any) -> list[int]:
-    """The request's ids as the prefix cache keys them (salted under its cache salt)."""
-    return salted_ids(req.all_ids, req.cache_salt)
-
-
-class KVManager:
+class KVManager(KVCapacity, KVTiers):
     def __init__(self, plan: KVPlan, disable_radix_cache: bool = False,
                  eviction_policy: str = "lru", hicache_write_policy: str = "write_through",
                  storage: PrefetchConfig | None = None, backups_share_host: bool = False,
@@ -116,81 +115,6 @@ class KVManager:
         self.matched_tokens = 0
         self.queried_tokens = 0
 
-    @property
-    def storage(self) -> StorageTier | None:
-        return self.tree.storage if self.hicache else None
-
-    # ------------------------------------------------------------------ capacity
-    @property
-    def total_tokens(self) -> int:
-        return self.allocator.num_pages * self.page_size
-
-    def available_tokens(self) -> int:
-        return self.allocator.available_pages() * self.page_size
-
-    def evictable_tokens(self) -> int:
-        return self.tree.evictable_pages() * self.page_size
-
-    def full_allocatable_tokens(self) -> int:
-        """Free now plus what evicting unlocked cached pages would free (main pool)."""
-        return self.available_tokens() + self.evictable_tokens()
-
-    def swa_allocatable_tokens(self) -> int | None:
-        """The same for the SWA pool (None without one): free plus SWA-unlocked cached."""
-        if self.swa is None:
-            return None
-        return (self.swa.allocator.available_pages() + self.tree.evictable_swa_pages()) \
-            * self.page_size
-
-    def allocatable_tokens(self) -> int:
-        """Tokens that can get pages now: every new page needs an SWA page too, so with an
-        SWA pool the smaller of the two (SGLang's available_size = min(full, swa))."""
-        swa = self.swa_allocatable_tokens()
-        full = self.full_allocatable_tokens()
-        return full if swa is None else min(full, swa)
-
-    def used_tokens(self) -> int:
-        """Tokens held by requests or pinned in the tree (not reclaimable now)."""
-        return (self.allocator.num_used() - self.tree.evictable_pages()) * self.page_size
-
-    def ensure_free_pages(self, num_pages: int, swa_pages: int | None = None) -> bool:
-        """Evict just the shortfall from the tree; True when num_pages are free afterwards
-        (and `swa_pages` SWA pages, by default as many: a new page takes one too)."""
-        shortfall = num_pages - self.allocator.available_pages()
-        if shortfall > 0:
-            self.tree.evict(shortfall)
-        ok = self.allocator.available_pages() >= num_pages
-        if self.swa is not None:
-            swa_pages = num_pages if swa_pages is None else swa_pages
-            shortfall = swa_pages - self.swa.allocator.available_pages()
-            if shortfall > 0:
-                self.tree.evict_swa(shortfall)
-            ok = ok and self.swa.allocator.available_pages() >= swa_pages
-        return ok
-
-    # ------------------------------------------------------------------ retraction backups
-    def alloc_backup_pages(self, num_pages: int) -> list[int] | None:
-        """Host pages for one retracted request's KV backup, or None when the host pool
-        cannot hold it. SGLang first reclaims evictable host pages: with a shared HiCache
-        pool, host-only cached pages are evicted for it; a retraction-only pool has no radix
-        tree behind it, so every used host page there belongs to a live backup."""
-        assert self.backup_pool, "no retraction host pool in the KV plan"
-        if self.hicache:
-            pages = self.tree.alloc_host(num_pages)
-        else:
-            pages = self.host_allocator.alloc(num_pages)
-        if pages is not None:
-            self._backup_pages.update(pages)
-        return pages
-
-    def free_backup_pages(self, pages: list[int]) -> None:
-        self._backup_pages.difference_update(pages)
-        self.host_allocator.free(pages)
-
-    def check_backups(self, held: list[list[int]]) -> None:
-        """Retraction host pool: free + held by backups == total host pages, none twice."""
-        check_backup_pool(self, held)
-
     # ------------------------------------------------------------------ prefix
     def peek_prefix_len(self, token_ids: list[int], whole_prompt: bool = False,
                         salt: str | None = None) -> int:
@@ -230,45 +154,10 @@ class KVManager:
         self.matched_tokens += req.num_computed_tokens
         return req.num_computed_tokens
 
-    def _load_back(self, ids: list[int], match, whole_prompt: bool = False):
-        """Bring the host part of a match back to the device: [device part][host part] becomes
-        one device prefix. When device memory is short, load what fits (or nothing: the rest
-        is recomputed). The device part stays locked throughout."""
-        # (with an SWA pool only pages whose host copy has its SWA half take SWA pages)
-        swa = self.tree.swa_pages_to_load(match) if self.swa is not None else None
-        if not self.ensure_free_pages(len(match.host_pages), swa):
-            return self._device_part(ids, match, whole_prompt)
-        # Making room may have evicted host copies (write_back) or tombstoned the window's
-        # device nodes: match again, still locked.
-        again = self.tree.match_prefix(self._matchable(ids, whole_prompt))
-        if again.last_node is not match.last_node or not again.host_pages and not (
-                self.swa is not None and self.tree.needs_load(again)):
-            return self._device_part(ids, match, whole_prompt)
-        if self.swa is not None and \
-                self.tree.swa_pages_to_load(again) > self.swa.allocator.available_pages():
-            return self._device_part(ids, match, whole_prompt)
-        device = self.allocator.alloc(len(again.host_pages))
-        if device is None:
-            return self._device_part(ids, match, whole_prompt)
-        node = self.tree.load_back(again, device)
-        self.tree.lock(node)
-        self.tree.unlock(match.last_node)
-        again.device_pages = again.device_pages + device
-        again.last_node = node
-        return again
-
-    def _device_part(self, ids: list[int], match, whole_prompt: bool):
-        """A load-back that did not happen: keep the device part of `match` -- re-matched
-        with an SWA pool: its usable end may lie in the host part (the device part's last
-        window dead), and room-making may have tombstoned windows since."""
-        if self.swa is None:
-            return match
-        ids = self._matchable(ids, whole_prompt)
-        again = self.tree.match_prefix(ids[:self.tree.peek_device_pages(ids) * self.page_size])
-        assert not again.host_pages
-        self.tree.lock(again.last_node)
-        self.tree.unlock(match.last_node)
-        return again
+    def _matchable(self, ids: list[int], whole_prompt: bool = False) -> list[int]:
+        """The whole pages a match may cover: all but the last token, or every token."""
+        usable = (len(ids) - (0 if whole_prompt else 1)) // self.page_size * self.page_size
+        return ids[:max(usable, 0)]
 
     # ------------------------------------------------------------------ recurrent state
     def assign_state_slot(self, req: Any) -> bool:
@@ -283,62 +172,6 @@ class KVManager:
     def after_forward(self) -> None:
         if self.states is not None:
             self.states.after_forward()
-
-    def drain_ops(self) -> list:
-        """This step's tier ops for the runner: HiCache copies (TransferOp, in order) and
-        storage prefetches to stop (StorageCancel)."""
-        if not self.hicache:
-            return []
-        ops, self.tree.pending_ops = self.tree.pending_ops, []
-        if self.storage is not None:
-            ops += [StorageCancel(job) for job in self.storage.drain_cancels()]
-        return ops
-
-    def on_events(self, events: list) -> None:
-        """The runner's reports on those ops: device <-> host jobs that ended (TransferDone,
-        in order), then storage job progress (StorageProgress)."""
-        if not self.hicache:
-            return
-        for ev in of_type(events, TransferDone):
-            self.tree.on_transfer_done(ev.job_id, ev.ok)
-        progress = of_type(events, StorageProgress)
-        if self.storage is not None and progress:
-            self.storage.on_progress(progress)
-
-    def copies_pin_pages(self) -> bool:
-        """Async host writes in flight lock their tree nodes until they finish: waiting for
-        them frees memory. (Sync ops -- loads, write-back on eviction -- finish within the
-        step that carries them and pin nothing afterwards.)"""
-        return self.hicache and bool(self.tree._jobs)
-
-    def has_transfers_in_flight(self) -> bool:
-        return self.hicache and bool(self.tree.pending_ops or self.tree._jobs
-                                     or (self.storage is not None and self.storage.busy()))
-
-    # ------------------------------------------------------------------ storage (L3)
-    def start_prefetch(self, req: Any) -> bool:
-        """On arrival: fetch from storage the whole pages beyond the device+host match."""
-        if self.storage is None:
-            return False
-        return self.storage.start_prefetch(req.rid, self._matchable(_cache_ids(req)))
-
-    def prefetch_ready(self, req: Any) -> bool:
-        """May the request be admitted now (its prefetch policy is satisfied)?"""
-        return self.storage is None or self.storage.ready(req.rid)
-
-    def abort_prefetch(self, rid: str) -> None:
-        if self.storage is not None:
-            self.storage.abort(rid)
-
-    def storage_backups_pending(self) -> bool:
-        """Host writes whose L3 backup has not ended yet (what a graceful shutdown waits for)."""
-        return self.storage is not None and bool(self.tree._jobs or self.storage.backups
-                                                 or self.tree.pending_ops)
-
-    def _matchable(self, ids: list[int], whole_prompt: bool = False) -> list[int]:
-        """The whole pages a match may cover: all but the last token, or every token."""
-        usable = (len(ids) - (0 if whole_prompt else 1)) // self.page_size * self.page_size
-        return ids[:max(usable, 0)]
 
     # ------------------------------------------------------------------ growth
     def pages_needed(self, req: Any, upto_tokens: int) -> int:

@@ -5,7 +5,9 @@ options."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+from typing import Any
 
 
 def flag(name: str) -> str:
@@ -132,3 +134,23 @@ def _check_nodes(args) -> None:
 
 
 __all__ = ["flag", "parse_extra_config", "validate"]
+
+
+def reject_unknown_kwargs(cls: type) -> None:
+    """Wrap the dataclass's generated __init__ so an unknown keyword (LLM(model_path=...,
+    **kwargs) forwards user kwargs to ServerArgs) fails with the names and a suggestion, not
+    only Python's generic message."""
+    generated_init = cls.__init__
+    known = frozenset(f.name for f in dataclasses.fields(cls))
+
+    def checked_init(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            parts = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{cls.__name__} got unknown argument(s): {', '.join(parts)}")
+        generated_init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init  # type: ignore[method-assign]

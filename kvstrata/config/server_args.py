@@ -7,74 +7,24 @@ from these fields (kvstrata.config.cli_args), so each default and help text has 
 ServerArgs holds what the user *asked for*. Values that depend on the platform or the model
 (chunked prefill size, device, HiCache ratio, retraction backup, DSA gates) are filled in by
 `kvstrata.config.resolve`, which returns a new frozen `ResolvedArgs` plus the list of changes,
-instead of patching this object in place.
+instead of patching this object in place. The flags' choice tuples and `opt` live in
+config/arg_choices.py (re-exported here), the value checks in config/arg_checks.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from kvstrata.config.arg_checks import flag, parse_extra_config, validate
-from kvstrata.config.kv_plan import HOST_LAYOUTS, IO_BACKENDS
-
-
-def opt(default: Any, help: str, *, choices: tuple | None = None, group: str = "engine",
-        cli: bool = True) -> Any:
-    """A dataclass field carrying its CLI help/choices/group, so argparse is derived from it."""
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group,
-                                            "cli": cli})
-
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("cuda", "npu", "xpu", "mps", "cpu")
-PLATFORMS = ("cuda", "hip", "npu", "xpu", "mps", "cpu")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SCHEDULE_POLICIES = ("fcfs", "lpm", "lof")
-RADIX_EVICTION_POLICIES = ("lru", "lfu")
-HICACHE_WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
-HICACHE_IO_BACKENDS = IO_BACKENDS  # the layout x IO table lives with the KV plan
-HICACHE_MEM_LAYOUTS = HOST_LAYOUTS
-HICACHE_HOST_MEMORY_MODES = ("cache", "buffer_only")
-HICACHE_STORAGE_BACKENDS = ("file", "mooncake", "memory")  # memory: in-process, for tests
-HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-DISAGG_MODES = ("null", "prefill", "decode")
-DISAGG_TRANSFER_BACKENDS = ("tcp", "mooncake", "fake")
-RETRACTION_BACKUPS = ("cpu_tensor", "host_pool")
-MAMBA_SSM_DTYPES = ("bfloat16", "float32")
-MAMBA_RADIX_CACHE_STRATEGIES = ("auto", "no_buffer", "extra_buffer")
-# SGLang's --speculative-algorithm names (NEXTN resolves to EAGLE with the checkpoint's own
-# MTP layer); which ones are built is config/rules/speculative.py's business.
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
-NGRAM_MATCH_TYPES = ("BFS", "PROB")
-# SGLang's --grammar-backend names; only llguidance (no torch or triton needed) is built.
-GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
-# SGLang's --tool-call-parser names that are built, then vLLM's names for the same formats
-# (entrypoints/tool_calls/__init__.py holds the formats; a test keeps the two lists equal).
-TOOL_CALL_PARSERS = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3", "kimi_k2",
-                     "pythonic", "qwen3_coder", "glm45", "glm", "glm47", "llama3_json",
-                     "deepseek_v3", "llama4_pythonic", "qwen3_xml")
-# SGLang's --reasoning-parser names that are built (entrypoints/reasoning.py FORMATS).
-REASONING_PARSERS = ("deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "glm45", "kimi",
-                     "kimi_k2", "step3", "minimax", "mistral")
-# SGLang's --quantization names. Built: w8a8_int8 (quantizes a float checkpoint at load,
-# CPU), gguf (a GGUF file's weights kept in their quantized blocks), and the names of schemes
-# a checkpoint is saved in (config/hf_quant.py: the checkpoint's quantization_config decides,
-# the flag may only agree with it; the *_marlin names are GPU kernels of the same weights).
-# The others are refused as "not implemented yet" (config/resolve.py UNIMPLEMENTED) rather
-# than unknown.
-QUANTIZATION_AT_LOAD = ("w8a8_int8",)
-QUANTIZATION_FROM_CHECKPOINT = ("gptq", "gptq_marlin", "awq", "awq_marlin", "marlin",
-                                "compressed-tensors", "fp8")
-QUANTIZATION_BUILT = QUANTIZATION_AT_LOAD + ("gguf",) + QUANTIZATION_FROM_CHECKPOINT
-QUANTIZATIONS = ("awq", "fp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes",
-                 "gguf", "modelopt", "modelopt_fp4", "w8a8_int8", "w8a8_fp8", "moe_wna16",
-                 "qoq", "w4afp8", "mxfp4", "compressed-tensors")
-# --load-format: auto (safetensors / .bin for a directory; a GGUF file as
-# config/rules/gguf_weights.py decides), SGLang's gguf (weights kept quantized), and
-# gguf_dequantize (kvstrata's: every GGUF weight dequantized to float at load).
-LOAD_FORMATS = ("auto", "gguf", "gguf_dequantize")
+from kvstrata.config.arg_checks import flag, parse_extra_config, reject_unknown_kwargs, validate
+from kvstrata.config.arg_choices import (  # noqa: F401 (re-exported)
+    opt, DTYPES, DEVICES, PLATFORMS, LOG_LEVELS, SCHEDULE_POLICIES, RADIX_EVICTION_POLICIES,
+    HICACHE_WRITE_POLICIES, HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS,
+    HICACHE_HOST_MEMORY_MODES, HICACHE_STORAGE_BACKENDS, HICACHE_PREFETCH_POLICIES,
+    DISAGG_MODES, DISAGG_TRANSFER_BACKENDS, RETRACTION_BACKUPS, MAMBA_SSM_DTYPES,
+    MAMBA_RADIX_CACHE_STRATEGIES, SPECULATIVE_ALGORITHMS, NGRAM_MATCH_TYPES, GRAMMAR_BACKENDS,
+    TOOL_CALL_PARSERS, REASONING_PARSERS, QUANTIZATION_AT_LOAD, QUANTIZATION_FROM_CHECKPOINT,
+    QUANTIZATION_BUILT, QUANTIZATIONS, LOAD_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -411,23 +361,4 @@ class ServerArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
 
-
-# Wrap the generated __init__ so an unknown keyword (LLM(model_path=..., **kwargs) forwards
-# user kwargs here) fails with the names and a suggestion, not only Python's generic message.
-_generated_init = ServerArgs.__init__
-
-
-def _checked_init(self: ServerArgs, *args: Any, **kwargs: Any) -> None:
-    known = _FIELD_NAMES
-    unknown = [k for k in kwargs if k not in known]
-    if unknown:
-        parts = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, known, n=1)
-            parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise TypeError(f"ServerArgs got unknown argument(s): {', '.join(parts)}")
-    _generated_init(self, *args, **kwargs)
-
-
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ServerArgs))
-ServerArgs.__init__ = _checked_init  # type: ignore[method-assign]
+reject_unknown_kwargs(ServerArgs)

@@ -3,22 +3,21 @@
 The scheduler decides which tokens run where (rows, slots); the runner only records those
 decisions in req_to_token, runs one forward over every scheduled request, and samples.
 Per live request it keeps a SamplingState (for penalties) and, when asked, the prompt
-logprobs accumulated across prefill chunks.
+logprobs accumulated across prefill chunks (runner/sampling/prompt_logprobs.py). The
+executor half -- the step's ops around the forward, PD and L3 set-up, shutdown -- is a mixin:
+runner/executors/wiring.py.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.config.kv_plan import KVPlan, mha_components
 from kvstrata.config.kv_sizing import ModelKVFacts
-from kvstrata.config.model_source import load_generation_eos
 from kvstrata.kv.device_pool import MHATokenToKVPool, MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.platform import detected_platform
-from kvstrata.protocol.disagg import BackupOp
 from kvstrata.protocol.scheduler_output import (NewRequestData, RunnerOutput, SchedulerOutput,
                                                 TopLogprob)
 from kvstrata.runner import state_ops
@@ -26,34 +25,26 @@ from kvstrata.runner.attention.dsa_seed import DSASeedKeeper
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
 from kvstrata.runner.attention.mla_dense import MLADenseBackend
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
-from kvstrata.runner.executors.base import OpExecutor, split_ops
 from kvstrata.runner.executors.hicache import HiCacheExecutor
-from kvstrata.runner.executors.registry import EXECUTORS
-from kvstrata.runner.executors.retraction_backup import (
-    RetractionBackupExecutor, on_demand_backup, retraction_pool_backup, with_swa_pool)
+from kvstrata.runner.executors.retraction_backup import (RetractionBackupExecutor,
+                                                        retraction_pool_backup)
+from kvstrata.runner.executors.wiring import ExecutorWiring
 from kvstrata.runner.forward_batch import ForwardBatch, apply_trees, write_swa_slots
 from kvstrata.runner.memory import default_kv_budget_bytes, kv_budget_from_fraction
-from kvstrata.runner.model_setup import load_serving_model
+from kvstrata.runner.model_setup import eos_token_ids, load_serving_model, unhonoured_window
 from kvstrata.runner.quant.w8a8 import weight_bytes
 from kvstrata.runner.sampling.grammar import new_failures
-from kvstrata.runner.sampling.sampler import Sampler, SamplingState, finite_logprobs, top_rows
+from kvstrata.runner.sampling.prompt_logprobs import RequestSampling, accumulate_prompt_logprobs
+from kvstrata.runner.sampling.sampler import Sampler, SamplingState
 from kvstrata.runner.spec import verify as spec_verify
 from kvstrata.runner.spec.drafts import build_draft
 from kvstrata.runner.spec.handoff import prefill_draft_extend
 from kvstrata.runner.spec.worker import SpecWorker
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _ReqState:
-    sampling: SamplingState
-    want_prompt_logprobs: bool
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
-    prompt_logprobs_sent: bool = False
-
-
-class ModelRunner:
+class ModelRunner(ExecutorWiring):
     """Two phases, so that the KV plan is computed once, outside: the constructor loads the
     model; the engine factory reads `kv_facts()` and `kv_budget_bytes()`, sizes a KVPlan
     (config/kv_sizing.py) and hands it to `allocate_kv`, which builds every KV tensor."""
@@ -94,9 +85,9 @@ class ModelRunner:
         self.dtype = self.model.dtype
         # The whole vocabulary (a tensor-parallel rank holds a slice of the table)
         self.vocab_size = getattr(self.model, "full_dims", self.model.dims).vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.source, self.hf_config)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        self._reqs: dict[str, _ReqState] = {}
+        self._reqs: dict[str, RequestSampling] = {}
         self.plan: KVPlan | None = None
         # Hybrid SWA memory (plan.pool_kind "swa"): the windowed layers' pool and the table
         # of their slots (written from ScheduledRequest.swa_slots); None without one.
@@ -130,7 +121,7 @@ class ModelRunner:
         windows = getattr(self.model, "layer_windows", None)
         return ModelKVFacts(
             pool_kind=self.model.pool_kind, components=components,
-            max_position_embeddings=max_pos, sliding_window=self._unhonoured_window(),
+            max_position_embeddings=max_pos, sliding_window=unhonoured_window(self.model, self.hf_config),
             draft_components=draft,
             layer_windows=tuple(windows) if windows and self.model.pool_kind == "mha"
             else None, state_components=state_ops.model_state_components(self.model))
@@ -192,101 +183,7 @@ class ModelRunner:
     def max_context_len(self) -> int:
         return self.plan.context_len
 
-    def _unhonoured_window(self) -> int | None:
-        """A sliding window the config names that the model's attention does not apply (a
-        model without `layer_windows`): sizing caps the context at it, which keeps such a
-        model exact. A model that sets layer_windows (the llama family's decoder) hands its
-        windows to the attention backend: no cap."""
-        if hasattr(self.model, "layer_windows"):
-            return None
-        c = self.hf_config
-        window = getattr(c, "sliding_window", None)
-        # qwen2/qwen3 configs carry a window but only use it when use_sliding_window is set.
-        if not window or getattr(c, "use_sliding_window", True) is False:
-            return None
-        return int(window)
-
-    def _eos_ids(self) -> list[int]:
-        ids = load_generation_eos(self.source)
-        eos = getattr(self.hf_config, "eos_token_id", None)
-        for e in ([eos] if isinstance(eos, int) else list(eos or [])):
-            if e not in ids:
-                ids.append(int(e))
-        return ids
-
-    # ------------------------------------------------------------------ one step
-    def executors(self) -> list[OpExecutor]:
-        """The executors this runner built, in the registry's order (runner/executors/
-        registry.py: retraction backups, tier moves, PD ops); each lives in the attribute the
-        registry names."""
-        return [ex for ex in (getattr(self, name) for name in EXECUTORS) if ex is not None]
-
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The step's ops go to their executors (runner/executors/base.py) in registry
-        order; then the forward; then every executor reports its events."""
-        if self.backup is None and any(isinstance(op, BackupOp) for op in sched.ops):
-            self.backup = with_swa_pool(
-                on_demand_backup(self.kv_pool, self.hicache, self.state_pool), self.swa_pool,
-                self.hicache.swa_host_pool if self.hicache is not None else None,
-                self.plan.io_backend)
-        executors = self.executors()
-        if self.draft is not None:
-            self.draft.on_copies(sched.ops)
-        idle = not sched.scheduled
-        events: list = []
-        for ex, ops in zip(executors, split_ops(sched.ops, executors)):
-            events += ex.apply_ops(ops, idle)
-        out = self._execute_forward(sched)
-        for ex in executors:
-            events += ex.poll_events(idle)
-        out.events = events
-        return out
-
-    def enable_disagg(self, role: str, backend: str, host: str, bootstrap_port: int,
-                      num_metadata_slots: int, tp: tuple[int, int] = (0, 1)) -> None:
-        """PD: build the transfer manager over the device pool (after allocate_kv); the
-        prefill role starts its bootstrap server on host:bootstrap_port (tp rank 0)."""
-        if self.plan is None:
-            raise RuntimeError("enable_disagg() needs the KV pool: call allocate_kv() first")
-        from kvstrata.kv.device_pool import page_buffers_of
-        from kvstrata.runner.executors.disagg import DisaggExecutor
-        from kvstrata.transfer.disagg.registry import create_manager
-        self.pd_role = role
-        # an all-SWA model's missing full pool: a region of zero-byte pages (its SWA pages are
-        # the second region); a model without K/V (Mamba2) has only its state pool's buffers
-        main = [] if self.kv_pool is None and self.swa_pool is None else \
-            page_buffers_of(self.kv_pool, self.plan.num_pages)
-        buffers = main + (
-            self.draft.page_buffers() if self.draft is not None else [])
-        self.disagg = DisaggExecutor(create_manager(
-            backend, role, buffers, host=host,
-            bootstrap_port=bootstrap_port, num_metadata_slots=num_metadata_slots,
-            page_size=self.plan.page_size, kv_dtype=self.plan.dtype, tp_rank=tp[0],
-            tp_size=tp[1], kv_replicated=self.plan.pool_kind == "mla",
-            # hybrid SWA memory: the windowed layers' pool crosses as a second page region;
-            # recurrent state: the state pool as a third (a request's final state slot)
-            swa_buffers=page_buffers_of(self.swa_pool) if self.swa_pool is not None else (),
-            state_buffers=self.state_pool.page_buffers() if self.state_pool is not None
-            else ()))
-
-    def enable_storage(self, backend: str, model: str, extra: dict, tp_rank: int = 0,
-                       tp_size: int = 1) -> None:
-        """HiCache L3 behind the host pool (after allocate_kv); see HiCacheExecutor."""
-        if self.hicache is None:
-            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        self.hicache.enable_storage(backend, model, extra, tp_rank, tp_size)
-
-    def transfer_stats(self) -> dict:
-        """Bytes, seconds and GB/s per direction of HiCache copies ({} without HiCache)."""
-        return self.hicache.stats() if self.hicache else {}
-
-    def shutdown(self) -> None:
-        for name in reversed(EXECUTORS):  # PD first, the backups' host copies last
-            executor = getattr(self, name)
-            if executor is not None:
-                executor.close()
-                setattr(self, name, None)
-
+    # ------------------------------------------------------------------ one step (forward)
     def _execute_forward(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.freed_rids:
             self._reqs.pop(rid, None)
@@ -364,7 +261,8 @@ class ModelRunner:
                 lambda rid: len(self._reqs[rid].sampling.prompt_token_ids),
                 self.req_to_token.table, self._slot_rows())
         for i, first, n in lp_spans:
-            self._accumulate_prompt_logprobs(reqs[i], logits[first:first + n], out)
+            accumulate_prompt_logprobs(self._reqs[reqs[i].rid], reqs[i],
+                                       logits[first:first + n], out)
         produced: dict[str, list[tuple]] = {}
         if verify_spans:
             produced = spec_verify.verify_entries(
@@ -426,30 +324,7 @@ class ModelRunner:
                               list(new.output_token_ids))
         if self.grammar is not None:  # structured output: its matcher replays the output
             state.grammar = self.grammar.matcher(new.sampling_params, state.output_token_ids)
-        self._reqs[new.rid] = _ReqState(state, want_prompt_logprobs=new.return_prompt_logprobs)
-
-    def _accumulate_prompt_logprobs(self, r, logits: torch.Tensor, out: RunnerOutput) -> None:
-        """Logits at positions p predict token p + 1; keep those that are prompt tokens.
-        (Positions before the first computed chunk, e.g. a prefix-cache hit, are not
-        recomputed; the scheduler must not reuse cached prefixes for echo requests.)"""
-        state = self._reqs[r.rid]
-        prompt = state.sampling.prompt_token_ids
-        lo, hi = r.start_pos, min(r.start_pos + len(r.token_ids), len(prompt) - 1)
-        if hi > lo:
-            targets = torch.tensor(prompt[lo + 1:hi + 1], dtype=torch.int64,
-                                   device=logits.device)
-            lps = finite_logprobs(torch.log_softmax(logits[:hi - lo].float(), dim=-1))
-            state.prompt_logprobs.extend(lps.gather(1, targets[:, None])[:, 0].tolist())
-            params = state.sampling.params
-            if params.logprobs or params.token_ids_logprob:  # top-n, then the asked ids
-                state.prompt_top_logprobs.extend(
-                    [TopLogprob(t, v) for t, v in row]
-                    for row in top_rows(lps, [params] * (hi - lo)))
-        if r.start_pos + len(r.token_ids) >= len(prompt):
-            out.prompt_logprobs[r.rid] = state.prompt_logprobs
-            if state.prompt_top_logprobs:
-                out.prompt_top_logprobs[r.rid] = state.prompt_top_logprobs
-            state.prompt_logprobs_sent = True
+        self._reqs[new.rid] = RequestSampling(state, want_prompt_logprobs=new.return_prompt_logprobs)
 
     # ------------------------------------------------------------------ test helpers
     def check_req_to_token(self, expected: dict[int, list[int]],

@@ -2,7 +2,8 @@
 with oneDNN, the packed linear layers). --quantization gguf keeps a GGUF file's weights in
 their blocks from the load on (runner/quant/gguf_linear.py); w8a8_int8 re-quantizes a GGUF
 file's dequantized weights. Shared by the target model (runner/model_runner.py)
-and a STANDALONE draft model (runner/spec/standalone.py)."""
+and a STANDALONE draft model (runner/spec/standalone.py). Also what the runner reads of the
+loaded checkpoint: its end-of-sequence ids and a sliding window its attention ignores."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ import torch
 
 from kvstrata import envs
 from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
-from kvstrata.config.model_source import load_hf_config, resolve_model_path
+from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
+                                         resolve_model_path)
 from kvstrata.runner.cpu import packed_linear
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
@@ -169,3 +171,28 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if scheme is not None:  # fp8: dequantized at load, float layers
         info = {**info, "quantization": scheme.method, "checkpoint_scheme": scheme.describe()}
     return model, source, hf_config, info
+
+
+def unhonoured_window(model, hf_config) -> int | None:
+    """A sliding window the config names that the model's attention does not apply (a
+    model without `layer_windows`): sizing caps the context at it, which keeps such a
+    model exact. A model that sets layer_windows (the llama family's decoder) hands its
+    windows to the attention backend: no cap."""
+    if hasattr(model, "layer_windows"):
+        return None
+    window = getattr(hf_config, "sliding_window", None)
+    # qwen2/qwen3 configs carry a window but only use it when use_sliding_window is set.
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def eos_token_ids(source, hf_config) -> list[int]:
+    """The checkpoint's end-of-sequence ids: generation_config.json's (an HF directory), then
+    the model config's eos_token_id."""
+    ids = load_generation_eos(source)
+    eos = getattr(hf_config, "eos_token_id", None)
+    for e in ([eos] if isinstance(eos, int) else list(eos or [])):
+        if e not in ids:
+            ids.append(int(e))
+    return ids

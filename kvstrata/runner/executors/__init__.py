@@ -9,4 +9,6 @@ byte movers it drives (docs/architecture.md, "The seam"). Executors never import
   hicache.py            HiCache L2/L3: host pool, IO backend, storage jobs (TransferOps)
   disagg.py             PD: PDOps to a DisaggManager's senders/receivers, PDEvents back
   retraction_backup.py  decode retraction's KV backups (BackupOps: cpu_tensor | host_pool)
+  wiring.py             ExecutorWiring: ModelRunner's executor half (a step's ops around the
+                        forward, PD and L3 set-up, shutdown in reverse registry order)
 """

@@ -4,4 +4,6 @@
                  top-k/p/min-p, seeded draws, the grammar mask last
   logit_rows.py  row helpers: greedy argmax, finite logprobs, top-n lists
   grammar.py     structured output: one llguidance matcher per constrained request
+  prompt_logprobs.py  RequestSampling (a live request's state in the runner) and the prompt
+                 logprobs accumulated across its prefill chunks
 """
