@@ -150,7 +150,9 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     server made several (config, calibration tokenizer, the api and the detokenizer
     processes); the converted directory loads in well under a second. The conversion is
     transformers' own (from_pretrained(gguf_file=...) then save_pretrained), completed with
-    what it drops of a Gemma 2 / Gemma 3 or gpt-oss file (config/gguf_config.py)."""
+    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss file's
+    config.json is built from its header instead (own_gguf_config: transformers' conversion
+    fails on it), its tokenizer by transformers' GGUF tokenizer alone."""
     import hashlib
     from importlib.metadata import version
 

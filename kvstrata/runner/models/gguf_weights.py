@@ -68,7 +68,8 @@ def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
     """gguf's dequantisation, with Q4_1 and Q8_0 (SmolLM2's file: all its quantized tensors)
     done over the whole tensor at once: gguf's generic path walks row groups in Python
     (~2 s of a SmolLM2 load); tests/kv/test_gguf_index.py checks both equal gguf's. MXFP4
-    (gpt-oss' experts): quant/mxfp4.py, ~6x gguf's (test_gpt_oss_gguf.py: bit for bit)."""
+    (gpt-oss' experts): quant/mxfp4.py, bit for bit as gguf's (test_gpt_oss_gguf.py), its
+    temporaries bounded to 4096 rows; 1.2x gguf's speed on an 8-expert 2880 x 2880 stack."""
     import gguf
 
     if tensor_type == gguf.GGMLQuantizationType.MXFP4 and data.dtype == np.uint8:
