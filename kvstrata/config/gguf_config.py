@@ -1,5 +1,6 @@
 """The config fields of a Gemma 2 / Gemma 3 GGUF file (llama.cpp archs `gemma2`, `gemma3`)
-that transformers' GGUF config conversion drops, read the way llama.cpp reads the file.
+that transformers' GGUF config conversion drops, read the way llama.cpp reads the file
+(gpt-oss files: config/gguf_gpt_oss.py, the same way).
 
 transformers maps the generic keys (sizes, heads, eps, sliding window, one rope base) and
 leaves the rest at its config classes' defaults, which are not the file's: Gemma 2's
@@ -22,7 +23,8 @@ import json
 import os
 from typing import Any
 
-from kvstrata.config.gguf_header import read_metadata
+from kvstrata.config import gguf_gpt_oss
+from kvstrata.config.gguf_header import read_header, read_metadata
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _LAYERS_27B = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B by layer count
@@ -93,16 +95,17 @@ def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _layer_types(arch: str, n_layer: int, pattern: Any) -> list[str]:
+def _layer_types(arch: str, n_layer: int, pattern: Any, period: int | None = None
+                 ) -> list[str]:
     """llama.cpp's set_swa_pattern(n): layer i is local iff n == 0 or i % n < n - 1; a
-    per-layer array of flags says it directly (true: local)."""
+    per-layer array of flags says it directly (true: local). `period`: the arch's default n."""
     if isinstance(pattern, list):
         if len(pattern) != n_layer:
             raise ValueError(f"GGUF {arch}: attention.sliding_window_pattern has "
                              f"{len(pattern)} entries for {n_layer} layers")
         local = [bool(p) for p in pattern]
     else:
-        n = _SWA_PERIOD[arch] if pattern is None else int(pattern)
+        n = (period or _SWA_PERIOD[arch]) if pattern is None else int(pattern)
         local = [n == 0 or i % n < n - 1 for i in range(n_layer)]
     return ["sliding_attention" if x else "full_attention" for x in local]
 
@@ -118,18 +121,27 @@ def _rope_scaling(arch: str, get) -> dict[str, Any]:
                      f"linear, as Gemma 3 checkpoints convert)")
 
 
-def _gemma_metadata(gguf_path: str) -> dict[str, Any]:
+def arch_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """The config fields this module completes for the file's arch: Gemma 2 / 3, gpt-oss
+    (config/gguf_gpt_oss.py); {} for the archs transformers converts whole."""
+    if meta.get("general.architecture") == gguf_gpt_oss.ARCH:
+        return gguf_gpt_oss.gpt_oss_fields(meta, _layer_types)
+    return gemma_fields(meta)
+
+
+def _arch_metadata(gguf_path: str) -> dict[str, Any]:
     return read_metadata(gguf_path, ["general.architecture"] + [
-        f"{arch}.{key}" for arch in GEMMA_ARCHS for key in _KEYS])
+        f"{arch}.{key}" for arch in GEMMA_ARCHS for key in _KEYS] + [
+        f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma file's config.json fields the resolution rules read (model_type, layers,
-    windows, soft-caps: ModelInfo.from_model_path), from the header alone -- no conversion,
-    no transformers; {} for other archs; ValueError for a recurrent arch."""
-    meta = _gemma_metadata(gguf_path)
+    """A Gemma or gpt-oss file's config.json fields the resolution rules read (model_type,
+    layers, windows, soft-caps, sinks: ModelInfo.from_model_path), from the header alone --
+    no conversion, no transformers; {} for other archs; ValueError for a recurrent arch."""
+    meta = _arch_metadata(gguf_path)
     refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
-    fields = gemma_fields(meta)
+    fields = arch_fields(meta)
     if not fields:
         return {}
     arch = meta["general.architecture"]
@@ -137,10 +149,35 @@ def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
             "num_hidden_layers": meta[f"{arch}.block_count"], **fields}
 
 
+_TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
+              "eos_token_id": "tokenizer.ggml.eos_token_id",
+              "pad_token_id": "tokenizer.ggml.padding_token_id"}
+
+
+def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
+    """The whole config.json of a file whose arch transformers' GGUF conversion cannot
+    convert, from its header; None for the others. gpt-oss: transformers 5.25's conversion
+    reads each rope.scaling value as its key's length field and fails on every YaRN file
+    (the released ones), and its tokenizer loader converts the config first -- so the
+    tokenizer is built without it (config/model_source.py)."""
+    header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
+        f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
+    meta = header.metadata
+    if meta.get("general.architecture") != gguf_gpt_oss.ARCH:
+        return None
+    dims = {t.name: t.dims for t in header.tensors}
+    if "token_embd.weight" not in dims:
+        raise ValueError(f"GGUF {gguf_gpt_oss.ARCH} ({os.path.basename(gguf_path)}): no "
+                         f"token_embd.weight")
+    return {**arch_fields(meta), "vocab_size": int(dims["token_embd.weight"][1]),
+            "tie_word_embeddings": "output.weight" not in dims,  # transformers' rule
+            **{field: meta[key] for field, key in _TOKEN_IDS.items() if key in meta}}
+
+
 def complete_gguf_config(config_dir: str, gguf_path: str) -> None:
     """Rewrite `config_dir`/config.json (transformers' conversion of `gguf_path`) with the
     fields above; other archs' configs are left as converted."""
-    fields = gemma_fields(_gemma_metadata(gguf_path))
+    fields = arch_fields(_arch_metadata(gguf_path))
     if not fields:
         return
     path = os.path.join(config_dir, "config.json")
@@ -152,5 +189,6 @@ def complete_gguf_config(config_dir: str, gguf_path: str) -> None:
         json.dump(config, fh, indent=2, sort_keys=True)
 
 
-__all__ = ["GEMMA_ARCHS", "RECURRENT_GGUF_ARCHS", "complete_gguf_config", "gemma_fields",
+__all__ = ["GEMMA_ARCHS", "RECURRENT_GGUF_ARCHS", "arch_fields", "complete_gguf_config",
+           "gemma_fields", "own_gguf_config",
            "gguf_model_fields", "refuse_recurrent_arch"]

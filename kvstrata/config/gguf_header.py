@@ -110,14 +110,19 @@ def parse_header(buf, path: str, keys=frozenset()) -> GGUFHeader:
     return GGUFHeader(version, metadata, tensors, -(-cur.pos // alignment) * alignment)
 
 
-def read_metadata(path: str, keys) -> dict[str, Any]:
-    """The values of these metadata keys that the file has (strings, numbers, arrays)."""
+def read_header(path: str, keys=()) -> GGUFHeader:
+    """The file's header: the values of these metadata keys that it has, its tensor table."""
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
-            return parse_header(view, path, frozenset(keys)).metadata
+            return parse_header(view, path, frozenset(keys))
         finally:
             view.release()
 
 
-__all__ = ["GGUFHeader", "TensorInfo", "parse_header", "read_metadata"]
+def read_metadata(path: str, keys) -> dict[str, Any]:
+    """The values of these metadata keys that the file has (strings, numbers, arrays)."""
+    return read_header(path, keys).metadata
+
+
+__all__ = ["GGUFHeader", "TensorInfo", "parse_header", "read_header", "read_metadata"]

@@ -150,7 +150,9 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     server made several (config, calibration tokenizer, the api and the detokenizer
     processes); the converted directory loads in well under a second. The conversion is
     transformers' own (from_pretrained(gguf_file=...) then save_pretrained), completed with
-    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py)."""
+    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss file's
+    config.json is built from its header instead (own_gguf_config: transformers' conversion
+    fails on it), its tokenizer by transformers' GGUF tokenizer alone."""
     import hashlib
     from importlib.metadata import version
 
@@ -171,24 +173,32 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     refuse_recurrent_arch(read_metadata(gguf, ["general.architecture"]).get(
         "general.architecture"), gguf)
     from filelock import FileLock
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-    from kvstrata.config.gguf_config import complete_gguf_config
+    from kvstrata.config.gguf_config import complete_gguf_config, own_gguf_config
 
+    own = own_gguf_config(gguf)  # gpt-oss: all of it from the header
     os.makedirs(root, exist_ok=True)
     with FileLock(out + ".lock"):  # the server's processes start together
         if not os.path.isfile(os.path.join(out, "config.json")):
             tmp = f"{out}.tmp{os.getpid()}"
-            AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file
-                                          ).save_pretrained(tmp)
-            AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file
-                                       ).save_pretrained(tmp)  # config.json last: complete
-            complete_gguf_config(tmp, gguf)
+            # config.json last: a directory that has it is complete
+            if own is not None:  # the tokenizer class builds from the file without a config
+                PreTrainedTokenizerFast.from_pretrained(source.path, gguf_file=source.gguf_file
+                                                        ).save_pretrained(tmp)
+                with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as fh:
+                    json.dump(own, fh, indent=2, sort_keys=True)
+            else:
+                AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file
+                                              ).save_pretrained(tmp)
+                AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file
+                                           ).save_pretrained(tmp)
+                complete_gguf_config(tmp, gguf)
             os.replace(tmp, out)
     return out
 
 
-_CONVERT_V = 2  # bump when the conversion changes: old directories are not reused
+_CONVERT_V = 3  # bump when the conversion changes: old directories are not reused
 
 
 # tokenizer_config.json classes that are transformers' generic tokenizers-library backend

@@ -31,12 +31,12 @@ def refuse_unsupported_features(args: Any) -> None:
     refused by load_serving_model.)"""
     from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
 
-    refuse_gguf_arch(args.model_path)
     refuse_quantization_mismatch(args.model_path, args.quantization)
     if _architecture_of(args.model_path) != "GptOssForCausalLM":
         return
     used = [flag for flag, on in (
         ("--quantization", args.quantization is not None),
+        ("--load-format gguf", args.load_format == "gguf"),  # = --quantization gguf
         ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
         if on]
     assert set(used) <= set(UNSUPPORTED)
@@ -53,33 +53,19 @@ def refuse_quantization_mismatch(model_path: str, quantization: str | None) -> N
         reconcile_flag(checkpoint_scheme(path), quantization)
 
 
-# llama.cpp archs whose GGUF files the loader cannot read yet (before the ~s of converting
-# their tokenizer): gpt-oss stores its experts as ggml MXFP4 blocks, split gate / up, under
-# names and metadata keys (expert sizes, YaRN) nothing here maps yet.
-UNREAD_GGUF_ARCHS = {"gpt-oss": "GptOssForCausalLM (gpt-oss)"}
+def _architecture_of(model_path: str) -> str | None:
+    """config.json's architecture (read as JSON: no transformers, no weights), or a gpt-oss
+    GGUF file's (from its header); None for other GGUF files, known short names and anything
+    unreadable (the load reports those)."""
+    import json  # noqa: PLC0415
 
-
-def refuse_gguf_arch(model_path: str) -> None:
-    """A GGUF file of an arch in UNREAD_GGUF_ARCHS is refused by name, from its header."""
-    import os  # noqa: PLC0415
-
+    from kvstrata.config import gguf_gpt_oss  # noqa: PLC0415
     from kvstrata.config.gguf_header import read_metadata  # noqa: PLC0415
 
-    path = os.path.expanduser(model_path)
-    if not (os.path.isfile(path) and path.lower().endswith(".gguf")):
-        return
-    arch = read_metadata(path, ["general.architecture"]).get("general.architecture")
-    if arch in UNREAD_GGUF_ARCHS:
-        raise ValueError(f"{UNREAD_GGUF_ARCHS[arch]}: GGUF files (llama.cpp arch {arch!r}) "
-                         f"are not supported yet; serve the HF safetensors checkpoint")
-
-
-def _architecture_of(model_path: str) -> str | None:
-    """config.json's architecture (read as JSON: no transformers, no weights); None for GGUF
-    files, known short names and anything unreadable (the load reports those)."""
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
+    gguf_file = os.path.expanduser(model_path)
+    if os.path.isfile(gguf_file) and gguf_file.lower().endswith(".gguf"):
+        arch = read_metadata(gguf_file, ["general.architecture"]).get("general.architecture")
+        return gguf_gpt_oss.ARCHITECTURE if arch == gguf_gpt_oss.ARCH else None
     path = os.path.join(os.path.expanduser(model_path), "config.json")
     try:
         with open(path, encoding="utf-8") as fh:

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from helpers.compare import assert_tokens_match
+from helpers.compare import assert_served_twice_match, assert_tokens_match
 from helpers.gemma_ckpt import GEMMAS, build_gemma_checkpoint, hf_gemma, hf_greedy
 from helpers.gemma_gguf import gguf_compatible_config, write_gemma_gguf
 
@@ -85,13 +85,7 @@ def test_greedy_from_the_gguf_equals_transformers(arch, ggufs):
             assert torch.equal(ours.input_norm, 1 + theirs.input_layernorm.weight.float())
             assert torch.equal(ours.post_ff_norm,
                                1 + theirs.post_feedforward_layernorm.weight.float())
-        for _ in range(2):  # the second time from the radix cache
-            outs = llm.generate(input_ids=prompts, sampling_params=greedy)
-            for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
-                assert_tokens_match(out["output_ids"], ref_tokens, ref_logits,
-                                    label=f"{arch} GGUF prompt {i}")
-        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
-        llm.engine.check_integrity()
+        assert_served_twice_match(llm, prompts, refs, greedy, f"{arch} GGUF")
 
 
 # Quantized by gguf's own quantizer (the tiny MLP width, 88, is no multiple of a block: the

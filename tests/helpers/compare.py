@@ -46,3 +46,17 @@ def assert_match_transformers(path: str, prompts: list[list[int]], outputs: list
                                  pad_token_id=0)
         assert_tokens_match(ours, ref.sequences[0, len(prompt):].tolist(),
                             [s[0] for s in ref.logits], label=label)
+
+
+def assert_served_twice_match(llm, prompts: list[list[int]], refs: list, sampling_params: dict,
+                              label: str) -> None:
+    """An LLM serves `prompts` twice (the second time from its radix cache) with the
+    references' (tokens, per-step logits) each time; some prompt tokens come from the cache
+    the second time, and the engine's pools are whole afterwards."""
+    for life in range(2):
+        outs = llm.generate(input_ids=prompts, sampling_params=sampling_params)
+        for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
+            assert_tokens_match(out["output_ids"], ref_tokens, ref_logits,
+                                label=f"{label} {life} prompt {i}")
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    llm.engine.check_integrity()

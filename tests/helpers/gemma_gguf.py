@@ -43,6 +43,26 @@ def _vocab(n: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def add_text_model_params(w, config) -> None:
+    """convert_hf_to_gguf.py's TextModel.set_gguf_parameters: the sizes every arch writes."""
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+
+
+def add_special_token_ids(w, config) -> None:
+    """The converter's SpecialVocab: the config's bos / eos / pad ids."""
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    w.add_pad_token_id(config.pad_token_id)
+
+
 def write_gemma_gguf(hf_path: str, out_path: str, types: dict[str, str] | None = None,
                      reference: dict | None = None) -> str:
     """`hf_path` (a tiny Gemma 2 / Gemma 3 checkpoint, float32) as llama.cpp would convert it.
@@ -60,15 +80,7 @@ def write_gemma_gguf(hf_path: str, out_path: str, types: dict[str, str] | None =
     state = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).state_dict()
     w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[model_arch])
     w.add_name(os.path.basename(hf_path))
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_key_length(config.head_dim)
-    w.add_value_length(config.head_dim)
+    add_text_model_params(w, config)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_sliding_window(config.sliding_window)
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters: no rope base, both soft-caps
@@ -87,9 +99,7 @@ def write_gemma_gguf(hf_path: str, out_path: str, types: dict[str, str] | None =
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(token_types)
-    w.add_bos_token_id(config.bos_token_id)
-    w.add_eos_token_id(config.eos_token_id)
-    w.add_pad_token_id(config.pad_token_id)
+    add_special_token_ids(w, config)
     w.add_unk_token_id(3)
     w.add_add_space_prefix(False)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)

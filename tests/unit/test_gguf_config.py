@@ -1,7 +1,10 @@
 """config/gguf_config.py: the Gemma 2 / Gemma 3 config fields read from a GGUF file's metadata
 the way llama.cpp reads them (what transformers' GGUF conversion drops), and the ModelInfo
 resolution gets from a Gemma GGUF's header (its windows and soft-caps) without a conversion;
-a GGUF of a model with recurrent state refused by its arch. tests/correctness/test_gemma_gguf.py serves such files against transformers."""
+a GGUF of a model with recurrent state refused by its arch; a gpt-oss file's config
+(config/gguf_gpt_oss.py) with llama.cpp's defaults, and its keys not built refused by name.
+tests/correctness/test_gemma_gguf.py and test_gpt_oss_gguf.py serve such files against
+transformers."""
 from __future__ import annotations
 
 import pytest
@@ -127,3 +130,53 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
         gguf_metadata_dir(resolve_model_path(str(path)))
+
+
+def oss(**kv) -> dict:
+    base = {"block_count": 4, "embedding_length": 64, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.sliding_window": 8,
+            "attention.layer_norm_rms_epsilon": 1e-5, "feed_forward_length": 64,
+            "expert_count": 4, "expert_used_count": 2, "rope.freq_base": 150000.0,
+            "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+            "rope.scaling.original_context_length": 4096}
+    return {"general.architecture": "gpt-oss",
+            **{f"gpt-oss.{k.replace('__', '.')}": v for k, v in {**base, **kv}.items()}}
+
+
+def test_gpt_oss_with_llama_cpps_defaults():
+    """gpt-oss: even layers windowed (llama.cpp's period 2), head_dim n_embd / n_head, the
+    experts' width from feed_forward_length without expert_feed_forward_length, YaRN betas
+    32 / 1, transformers' untruncated ramp, SwiGLU limit 7."""
+    from kvstrata.config.gguf_config import arch_fields
+
+    f = arch_fields(oss())
+    assert f["architectures"] == ["GptOssForCausalLM"] and f["model_type"] == "gpt_oss"
+    assert f["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert (f["head_dim"], f["intermediate_size"], f["swiglu_limit"]) == (16, 64, 7.0)
+    assert f["rope_parameters"] == {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False}
+    f = arch_fields(oss(attention__sliding_window_pattern=[False, True, True, False],
+                        expert_feed_forward_length=32, rope__scaling__type="none"))
+    assert f["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention",
+                                "full_attention"]
+    assert f["intermediate_size"] == 32
+    assert f["rope_parameters"] == {"rope_type": "default", "rope_theta": 150000.0}
+
+
+@pytest.mark.parametrize("kv,match", [
+    ({"attention__sliding_window": None}, "attention.sliding_window"),
+    ({"rope__freq_base_swa": 10000.0}, "rope.freq_base_swa"),
+    ({"rope__scaling__yarn_attn_factor": 1.0}, "yarn_attn_factor"),
+    ({"rope__scaling__yarn_ext_factor": 0.5}, "yarn_ext_factor"),
+    ({"rope__scaling__type": "linear"}, "rope.scaling.type 'linear'"),
+    ({"rope__dimension_count": 8}, "rope.dimension_count 8"),
+    ({"attention__value_length": 32}, "value_length 32"),
+    ({"expert_weights_scale": 2.5}, "expert_weights_scale 2.5")])
+def test_gpt_oss_keys_not_built_are_refused_by_name(kv, match):
+    from kvstrata.config.gguf_config import arch_fields
+
+    meta = {k: v for k, v in oss(**kv).items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        arch_fields(meta)

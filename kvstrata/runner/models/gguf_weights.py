@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvstrata.runner.quant.mxfp4 import dequantize_ggml_mxfp4
 from kvstrata.runner.quant.packed_rows import PackedRows
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,19 @@ _GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_GEMMA_BLOCK = {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
                      "post_attention_norm": "post_attention_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
+# llama.cpp's gpt-oss block tensors (convert_hf_to_gguf.py GptOssModel): biases on q/k/v/o,
+# the router and the experts; the experts as [E, out, in] stacks, gate and up apart (a newer
+# converter's --fuse-gate-up-exps: one ffn_gate_up_exps, gate rows then up rows). Their names
+# here are gpt_oss.py's GGUF-layout ones (transformers' fused, interleaved gate_up_proj is
+# another layout).
+_GGUF_GPT_OSS_BLOCK = {
+    **{k: v for k, v in _GGUF_BLOCK.items() if not k.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj"}
+# HF parameters named without a .weight suffix (the converter appends one to the sinks)
+_BARE_PARAMS = {"self_attn.sinks"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -53,9 +67,13 @@ def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def dequantize(data: np.ndarray, tensor_type: Any) -> np.ndarray:
     """gguf's dequantisation, with Q4_1 and Q8_0 (SmolLM2's file: all its quantized tensors)
     done over the whole tensor at once: gguf's generic path walks row groups in Python
-    (~2 s of a SmolLM2 load); tests/kv/test_gguf_index.py checks both equal gguf's."""
+    (~2 s of a SmolLM2 load); tests/kv/test_gguf_index.py checks both equal gguf's. MXFP4
+    (gpt-oss' experts): quant/mxfp4.py, bit for bit as gguf's (test_gpt_oss_gguf.py), its
+    temporaries bounded to 4096 rows; 1.2x gguf's speed on an 8-expert 2880 x 2880 stack."""
     import gguf
 
+    if tensor_type == gguf.GGMLQuantizationType.MXFP4 and data.dtype == np.uint8:
+        return dequantize_ggml_mxfp4(data)
     if tensor_type == gguf.GGMLQuantizationType.Q4_1 and data.dtype == np.uint8:
         return _dequantize_q4_1(data)
     if tensor_type == gguf.GGMLQuantizationType.Q8_0 and data.dtype == np.uint8:
@@ -95,7 +113,8 @@ def hf_name(gguf_name: str, block: dict[str, str]) -> str | None:
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
     if m and m.group(2) in block:
-        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+        param = f"model.layers.{m.group(1)}.{block[m.group(2)]}"
+        return param if block[m.group(2)] in _BARE_PARAMS else f"{param}.{m.group(3)}"
     if gguf_name == "rope_freqs.weight":
         return None  # llama3 rope factors, recomputed from the config's rope_scaling
     raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping")
@@ -111,8 +130,9 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
 
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    block = _GGUF_GEMMA_BLOCK if getattr(config, "model_type", None) in (
-        "gemma2", "gemma3_text") else _GGUF_BLOCK
+    model_type = getattr(config, "model_type", None)
+    block = _GGUF_GEMMA_BLOCK if model_type in ("gemma2", "gemma3_text") else \
+        _GGUF_GPT_OSS_BLOCK if model_type == "gpt_oss" else _GGUF_BLOCK
     dequantized: dict[str, int] = {}  # kept quantized, yet no kernel: type -> tensors
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):

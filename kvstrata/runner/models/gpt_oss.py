@@ -15,7 +15,9 @@
   calls over the tokens routed to it (moe.routed_sum: one call per chosen expert per step).
 
 Released checkpoints hold the experts as MXFP4 (`*_blocks`, `*_scales`), dequantized here at
-load to the model dtype (quant/mxfp4.py). The fused CPU decode plan (decode_plan.py) replays
+load to the model dtype (quant/mxfp4.py). GGUF files (llama.cpp arch gpt-oss) hold them as
+[E, out, in] stacks, gate and up apart, MXFP4 blocks dequantized by gguf_weights.py: loaded
+into the same parameters (`_GGUF_EXPERTS`). The fused CPU decode plan (decode_plan.py) replays
 the plain decoder only, so this model runs the per-layer loop.
 """
 from __future__ import annotations
@@ -40,7 +42,9 @@ SWIGLU_LIMIT = 7.0
 # EAGLE / EAGLE3 speculation run (their verify and draft trees go through the same windowed,
 # sink-aware attention; an EAGLE head reads the hidden states this model's forward keeps,
 # the llama decoder's: tested beside the SWA pool, test_gpt_oss.py).
-UNSUPPORTED = ("--quantization", "--enable-deterministic-inference")
+# --load-format gguf: a GGUF file's weights kept in their blocks (--quantization gguf): no
+# packed kernel runs the 3-D MXFP4 experts; its GGUF files load dequantized.
+UNSUPPORTED = ("--quantization", "--load-format gguf", "--enable-deterministic-inference")
 
 
 class GptOssLayer(nn.Module):
@@ -82,6 +86,21 @@ _LAYER_NAMES = {
     "mlp.experts.down_proj": ("down", None), "mlp.experts.down_proj_bias": ("down_bias", None),
 }
 _MXFP4 = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# llama.cpp's expert tensors (GGUF: gguf_weights.py names them so), [E, out, in] and biases
+# [E, out] -- our layout already: name under model.layers.N. -> (our attribute, the half of
+# gate | up it fills or None for all of it)
+_GGUF_EXPERTS = {
+    "mlp.experts.gate_proj.weight": ("gate_up", 0), "mlp.experts.up_proj.weight": ("gate_up", 1),
+    "mlp.experts.gate_up_proj.weight": ("gate_up", None),
+    "mlp.experts.down_proj.weight": ("down", None),
+    "mlp.experts.gate_proj.bias": ("gate_up_bias", 0),
+    "mlp.experts.up_proj.bias": ("gate_up_bias", 1),
+    "mlp.experts.gate_up_proj.bias": ("gate_up_bias", None),
+    "mlp.experts.down_proj.bias": ("down_bias", None)}
+# our attribute -> the HF name under model.layers.N. whose key it fills
+_EXPERT_KEYS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
+                "gate_up_bias": "mlp.experts.gate_up_proj_bias",
+                "down_bias": "mlp.experts.down_proj_bias"}
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
@@ -119,6 +138,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
             raise ValueError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
                              f"supported (unquantized or mxfp4 experts)")
         self._mxfp4_pending: dict[str, torch.Tensor] = {}
+        self._gguf_halves: dict[str, set[int]] = {}  # key -> halves of gate | up loaded
         # float32 like the layers' norms (transformers keeps every norm so)
         self.final_norm = _param(self.dims.hidden_size, dtype=torch.float32, device=device)
 
@@ -184,6 +204,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
         for proj in _MXFP4:
             if sub in (f"{proj}_blocks", f"{proj}_scales"):
                 return self._load_mxfp4(idx, proj, sub.endswith("_blocks"), tensor)
+        if sub in _GGUF_EXPERTS:
+            return self._load_gguf_expert(idx, sub, tensor)
         if sub not in _LAYER_NAMES:
             raise KeyError(name)
         attr, part = _LAYER_NAMES[sub]
@@ -238,6 +260,26 @@ class GptOssForCausalLM(DecoderForCausalLM):
         weight = self.expert_share(proj.split(".")[-1], weight)
         return self._copy(getattr(self.layers[idx], attr), self._expert_matrix(attr, weight),
                           key, f"model.{key}_blocks")
+
+    def _load_gguf_expert(self, idx: int, sub: str, tensor: torch.Tensor) -> list[str]:
+        """A GGUF expert tensor; its key is filled once both halves of gate | up are in (a
+        lone half: the loader's missing-weights error names the key)."""
+        attr, half = _GGUF_EXPERTS[sub]
+        key, name = f"layers.{idx}.{_EXPERT_KEYS[attr]}", f"model.layers.{idx}.{sub}"
+        param = getattr(self.layers[idx], attr)
+        if half is None:
+            return self._copy(param, tensor, key, name)
+        width = param.shape[1] // 2
+        dst = param.data[:, half * width:(half + 1) * width]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
+                             f"{tuple(dst.shape)}")
+        halves = self._gguf_halves.setdefault(key, set())
+        if half in halves:
+            raise ValueError(f"{name}: appears more than once")
+        dst.copy_(tensor)
+        halves.add(half)
+        return [key] if len(halves) == 2 else []
 
     def expected_keys(self) -> set[str]:
         keys = {"embed", "final_norm"} | (set() if self.dims.tie_word_embeddings

@@ -26,8 +26,9 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
     dev = torch.device(device)
     if spec.family == "gpt_oss":
         if source.kind == "gguf":
-            raise ValueError(f"{name}: GGUF checkpoints are not supported yet (HF safetensors "
-                             f"only)")
+            raise ValueError(f"{name}: --tp-size {group.size} with a GGUF file is not built "
+                             f"(a rank reads its share of the HF safetensors layout); serve "
+                             f"the GGUF at --tp-size 1 or the HF checkpoint")
         model = TPGptOss(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
         return loader.fill_weights(model, source, config)
     if spec.family not in ("decoder", "deepseek"):
