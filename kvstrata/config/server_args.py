@@ -162,7 +162,8 @@ class ServerArgs:
                                                 "evicts its least preferred request.",
                                           group="scheduling")
     tp_size: int = opt(1, "Tensor parallel size: one process per rank, the model's heads, "
-                          "MLP width and vocabulary split across them.", group="parallelism")
+                          "MLP width (MoE: routed experts by index) and vocabulary split "
+                          "across them.", group="parallelism")
     nnodes: int = opt(1, "Launchers the --tp-size ranks are spread over (one per machine); "
                          "each runs `serve` with its --node-rank.", group="parallelism")
     node_rank: int = opt(0, "This launcher's index among --nnodes (0 runs the HTTP server "

@@ -105,10 +105,9 @@ def test_unsupported_features_are_refused_by_name(paths):
     with pytest.raises(ValueError, match="deterministic-inference: not implemented yet for "
                                          "a MoE model"):  # at resolution, before the load
         make_runner(path, enable_deterministic_inference=True, max_total_tokens=256)
-    source = resolve_model_path(path)
-    with pytest.raises(ValueError, match="tensor parallelism is not implemented for "
-                                         "MixtralForCausalLM"):
-        load_tp_shard(source, load_hf_config(source), SimpleNamespace(size=2, rank=0))
+    source = resolve_model_path(path)  # tp 2 runs (test_tensor_parallel.py); 3 cannot split
+    with pytest.raises(ValueError, match="--tp-size 3 must divide num_local_experts 8"):
+        load_tp_shard(source, load_hf_config(source), SimpleNamespace(size=3, rank=0))
 
 
 def test_served_at_the_default_flags(paths):

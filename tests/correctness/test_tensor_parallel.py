@@ -1,8 +1,10 @@
 """Tensor-parallel layers (runner/parallel/tensor_parallel.py) against the one-rank model:
 2 real processes over gloo on 127.0.0.1, llama (tied head, GQA 4:2), qwen2 (q/k/v bias,
 untied head), qwen3 (per-head q/k norms, head_dim 24 != hidden / heads), mistral (8 query
-heads on 2 KV heads), DeepSeek-V2-Lite's shape and DeepseekV32 (tp 4 with each KV head
-replicated on two ranks runs through the whole engine in test_tp_serving.py). Every rank's
+heads on 2 KV heads), DeepSeek-V2-Lite's shape, DeepseekV32 and the MoE members of the
+llama family (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5: experts split by index, shared experts
+by width) (tp 4 with each KV head replicated on two ranks runs through the whole engine in
+test_tp_serving.py). Every rank's
 logits equal the one-rank model's up to float summation order, and greedy decoding (a no-cache
 forward per token) gives the same tokens on every rank as on one."""
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _rank(rank: int, size: int, port: int, paths: list[str], out) -> None:
         for path in paths:  # one group for every model: a process start is the slow part
             model = load_tp_model(path, TPGroup(rank, size))
             logits, tokens = _greedy(model)
-            kv = model.shard.kv_heads if model.pool_kind == "mha" else model.experts
+            kv = (getattr(model, "held_experts", None)  # an MoE of the llama family
+                  or (model.shard.kv_heads if model.pool_kind == "mha" else model.experts))
             # Plain lists: a torch tensor in a Queue is shared through a file descriptor
             # that dies with this process, which may exit before the parent reads it.
             out.put((path, rank, logits.tolist(), tokens, kv))
@@ -95,10 +98,19 @@ def tiny_v2_lite(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ranked(tiny_checkpoints, tiny_dsa_4_heads, tiny_v2_lite) -> dict:
+def tiny_moes(tmp_path_factory) -> dict[str, str]:
+    """Qwen3-MoE (dense first layer), Qwen2-MoE (gated shared expert, q/k/v biases),
+    Mixtral (window 16), GLM-4.5 (V3's router, shared experts): helpers/moe_ckpt.py."""
+    from helpers.moe_ckpt import moe_checkpoints
+
+    return moe_checkpoints(str(tmp_path_factory.mktemp("tp_moe")))
+
+
+@pytest.fixture(scope="module")
+def ranked(tiny_checkpoints, tiny_dsa_4_heads, tiny_v2_lite, tiny_moes) -> dict:
     """(model, tp size) -> every rank's results: one 2-process group for every family."""
     two = [*(tiny_checkpoints[a] for a in ("llama", "qwen2", "qwen3", "mistral")),
-           tiny_dsa_4_heads, tiny_v2_lite]
+           tiny_dsa_4_heads, tiny_v2_lite, *tiny_moes.values()]
     return {(p, 2): r for p, r in run_ranks(two, 2).items()}
 
 
@@ -138,6 +150,27 @@ def test_tp_deepseek_ranks_equal_one_rank(request, ranked, checkpoint, experts):
     _, ref_logits, ref_tokens = _one_rank(path)
     results = ranked[(path, 2)]
     assert [local for *_, local in results] == experts
+    for rank, logits, tokens, _ in results:
+        torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+        assert tokens == ref_tokens, rank
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
+def test_tp_moe_ranks_equal_one_rank_and_transformers(tiny_moes, ranked, arch):
+    """Attention heads split as the dense decoder's, routed experts by index (8 experts: 4
+    per rank), the shared experts' width split (Qwen2-MoE's gated one, GLM-4.5's), the dense
+    layers' width split. Logits equal the one-rank model's; greedy tokens equal it and
+    transformers' at float32."""
+    from helpers.moe_ckpt import hf_moe
+
+    path = tiny_moes[arch]
+    _, ref_logits, ref_tokens = _one_rank(path)
+    with torch.no_grad():
+        hf = hf_moe(path).generate(torch.tensor([PROMPT]), do_sample=False,
+                                   max_new_tokens=STEPS, min_new_tokens=STEPS, pad_token_id=0)
+    assert hf[0, len(PROMPT):].tolist() == ref_tokens
+    results = ranked[(path, 2)]
+    assert [held for *_, held in results] == [(0, 4), (4, 8)]
     for rank, logits, tokens, _ in results:
         torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
         assert tokens == ref_tokens, rank

@@ -77,6 +77,39 @@ def test_tp_engine_equals_one_rank(arch, tp, tiny_checkpoints, tiny_prompts, tin
     assert got["plan"]["components"][0]["token_shape"][0] == 1
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe(tmp_path_factory) -> str:
+    from helpers.moe_ckpt import build_moe_checkpoint
+
+    return build_moe_checkpoint("qwen3_moe",
+                                str(tmp_path_factory.mktemp("tp_moe") / "qwen3_moe"))
+
+
+# A soak (KVSTRATA_SOAK=1; ~25 s on 2 busy cores): the MoE arithmetic under TP is
+# test_tensor_parallel.py's (every MoE family, tp 2 against one rank and transformers, ~2 s);
+# this runs the same shard through the serving path (ranks, retraction, radix hits).
+@pytest.mark.soak
+def test_tp_qwen3_moe_engine(tiny_qwen3_moe, tiny_prompts, shared_tmp_dir):
+    """An MoE of the llama family under tp 2 (runner/parallel/tp_moe.py): heads and KV
+    heads split as the dense decoder's, experts by index (4 of 8 per rank), the dense first
+    layer by width. Tokens equal transformers' (fp32) in every run (the one-rank engine's
+    are transformers' too: test_moe_families.py; the logits under tp 2 equal one rank's:
+    test_tensor_parallel.py), and every rank applied the same steps."""
+    from tests.conftest import shared_references
+
+    got = run_case(tiny_qwen3_moe, 2, tiny_prompts)
+    refs = shared_references(tiny_qwen3_moe, tiny_prompts, shared_tmp_dir)
+    assert got["retractions"] > 0
+    assert sum(o["meta_info"]["cached_tokens"] for o in got["again"]) > 0
+    for run, which in RUNS.items():
+        for i, out in enumerate(got[run]):
+            ref_tokens, ref_logits = refs[which][i]
+            assert_tokens_match(out["output_ids"], ref_tokens, ref_logits,
+                                label=f"qwen3_moe tp2 {run} prompt {i}")
+    assert len({str(d) for d in got["digests"]}) == 1
+    assert got["plan"]["components"][0]["token_shape"][0] == 1  # 1 of the 2 KV heads
+
+
 def test_tp_deepseek_v32_engine(tiny_dsa_4_heads, tiny_prompts):
     """MLA under tp 2: heads split, the latent KV (and the indexer's keys) replicated --
     every rank's pool is the one-rank pool, and every rank's DSA picks the same top-k."""

@@ -5,7 +5,7 @@
   sandwich.py       OLMo 2 and GLM-4: the decoder with sublayer outputs normed
   gemma.py          Gemma 3 (text) and Gemma 2: the decoder's fused weights, Gemma's layers
   moe_decoder.py    Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 (Glm4Moe): the decoder with
-                    expert MLPs (moe.py)
+                    expert MLPs (moe.py); the config fields they build: moe_config.py
   gpt_oss.py        gpt-oss: windows and sinks, YaRN, top-k MoE with clamped SwiGLU (moe.py)
   decode_plan.py    a CPU decode step's layers as C calls bound once per batch size
   rope.py           rotary embeddings and their scaling types (linear, llama3, yarn,

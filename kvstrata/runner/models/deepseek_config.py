@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.runner.models.moe import MoeDims
+from kvstrata.runner.models.moe_config import refuse_fields
 
 V2, V3, V32 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"
 
@@ -68,15 +69,8 @@ _MTP = {"num_nextn_predict_layers", "index_share_for_mtp_iteration"}
 
 def check_config(arch: str, raw: dict) -> None:
     """ValueError naming the first config.json field of `arch` that kvstrata does not build."""
-    known = _KNOWN | set(_FIXED[arch]) | _MTP | (_DSA_FIELDS if arch == V32 else set())
-    unknown = sorted(k for k in raw if k not in known)
-    if unknown:
-        raise ValueError(f"{arch}: config fields not implemented by kvstrata: {unknown} "
-                         f"(refusing rather than ignoring them)")
-    for key, (values, why) in _FIXED[arch].items():
-        if key in raw and raw[key] not in values:
-            raise ValueError(f"{arch}: {key}={raw[key]!r} is not supported (only "
-                             f"{', '.join(repr(v) for v in values)}: {why})")
+    refuse_fields(arch, raw, _KNOWN | _MTP | (_DSA_FIELDS if arch == V32 else set()),
+                  _FIXED[arch])
     if raw.get("num_key_value_heads", raw.get("num_attention_heads")) != raw.get(
             "num_attention_heads"):
         raise ValueError(f"{arch}: MLA needs num_key_value_heads == num_attention_heads")

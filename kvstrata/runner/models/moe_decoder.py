@@ -22,7 +22,8 @@ compute it:
 Sliding windows: Mixtral / Qwen3-MoE on every layer when set, Qwen2-MoE on its
 "sliding_attention" layer_types (hf_config.layer_windows, applied by the attention backend).
 The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop;
---quantization and deterministic inference are refused by name (model_setup.py).
+--quantization and deterministic inference are refused by name (model_setup.py), and so is
+a config field none of this builds (moe_config.py). --tp-size N: parallel/tp_moe.py.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
 from kvstrata.runner.models.moe import (DenseMLP, MoE, MoeDims, Targets, routed_sum,
                                         swiglu_targets)
+from kvstrata.runner.models.moe_config import check_moe_config
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,17 @@ def sparse_layers(config: Any, num_layers: int) -> list[bool]:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router, routed SwiGLU experts [E, 2I, H] / [E, H, I], optional gated shared expert."""
+    """Router, routed SwiGLU experts [E, 2I, H] / [E, H, I], optional gated shared expert.
+
+    `experts`: the routed experts this block holds ([lo, hi), all by default: a
+    tensor-parallel rank holds a slice, routes over all of them and adds zeros for the
+    others'); `shared_parts`: the shared expert's width is split that many ways (a rank's
+    share; its sigmoid gate scales each rank's partial output, so the sum over ranks is the
+    whole). As moe.MoE does for DeepSeek."""
 
     def __init__(self, config: Any, style: MoeStyle, hidden: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, experts: tuple[int, int] | None = None,
+                 shared_parts: int = 1):
         super().__init__()
         mixtral = config.model_type == "mixtral"
         e = int(getattr(config, style.experts_field))
@@ -95,12 +104,15 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.inter = e, int(config.num_experts_per_tok), inter
         self.norm_topk_prob = mixtral or bool(getattr(config, "norm_topk_prob", False))
         self.round_weights = style.weights_in_model_dtype
+        self.experts = experts or (0, e)
+        local = self.experts[1] - self.experts[0]
         kw = dict(dtype=dtype, device=device)
         self.router = _param(e, hidden, **kw)
-        self.gate_up = _param(e, 2 * inter, hidden, **kw)
-        self.down = _param(e, hidden, inter, **kw)
+        self.gate_up = _param(local, 2 * inter, hidden, **kw)
+        self.down = _param(local, hidden, inter, **kw)
         shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        self.shared = DenseMLP(hidden, shared, dtype, device) if shared else None
+        self.shared = (DenseMLP(hidden, shared // shared_parts, dtype, device) if shared
+                       else None)
         self.shared_gate = _param(1, hidden, **kw) if shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,12 +124,13 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype) if self.round_weights else weights
 
     def expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[e])
+        local = e - self.experts[0]
+        gate, up = F.linear(xs, self.gate_up[local]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = routed_sum(x, ids, weights, self.num_experts, self.expert)
+        out = routed_sum(x, ids, weights, self.num_experts, self.expert, self.experts)
         if self.shared is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
@@ -126,9 +139,10 @@ class SparseMoeBlock(nn.Module):
         """Names under the layer's MoE block: gate (router), experts.{e} (`names`: their
         gate, up, down projections), shared_expert and shared_expert_gate."""
         out: Targets = {f"{prefix}gate.weight": (self.router, None, None)}
-        for e in range(self.num_experts):
-            out.update(swiglu_targets(f"{prefix}experts.{e}.", self.gate_up[e], self.down[e],
-                                      names))
+        lo, hi = self.experts
+        for e in range(lo, hi):
+            out.update(swiglu_targets(f"{prefix}experts.{e}.", self.gate_up[e - lo],
+                                      self.down[e - lo], names))
         if self.shared is not None:
             out.update(self.shared.checkpoint_targets(f"{prefix}shared_expert."))
             out[f"{prefix}shared_expert_gate.weight"] = (self.shared_gate, None, None)
@@ -138,15 +152,16 @@ class SparseMoeBlock(nn.Module):
 class MoeDecoderForCausalLM(DecoderForCausalLM):
     """The llama decoder whose MoE layers (`layer.moe`) route to experts."""
     unsupported = UNSUPPORTED
+    # The routed experts a layer holds ([lo, hi); None: all) and how many ways the shared
+    # experts' width is split: a tensor-parallel rank's share (parallel/tp_moe.py).
+    held_experts: tuple[int, int] | None = None
+    shared_parts = 1
 
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
                  dims: ModelDims | None = None):
         self.style = moe_style(config)
+        check_moe_config(config)  # a field we do not build is refused by name
         self.sparse = sparse_layers(config, int(config.num_hidden_layers))
-        act = getattr(config, "hidden_act", None) or "silu"
-        if act != "silu":
-            raise ValueError(f"{config.model_type}: hidden_act {act!r} is not supported "
-                             f"(silu only)")
         if getattr(config, "qkv_bias", None) is False:  # Qwen2-MoE's field (default True)
             spec = dataclasses.replace(spec, qkv_bias=False)
         if config.model_type == "glm4_moe":  # attention_bias: q/k/v only; optional q/k norms
@@ -169,10 +184,11 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
         if self.sparse[i]:  # experts in place of the dense MLP
             layer.gate_up_weight = layer.down_weight = None
             layer.gate_up_bias = layer.down_bias = None
-            layer.moe = (MoE(MoeDims.from_config(self.config), dtype, device)
+            layer.moe = (MoE(MoeDims.from_config(self.config), dtype, device,
+                             self.held_experts, self.shared_parts)
                          if self.config.model_type == "glm4_moe" else
                          SparseMoeBlock(self.config, self.style, dims.hidden_size, dtype,
-                                        device))
+                                        device, self.held_experts, self.shared_parts))
         return layer
 
     def mlp(self, layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
   tensor_parallel.py  the llama-family decoder's model-parallel layers
   tp_deepseek.py      DeepSeek V2 / V3 / V3.2's share per rank (MLA heads, experts)
   tp_gpt_oss.py       gpt-oss's share per rank (heads and sinks, each expert's width)
+  tp_moe.py           Qwen3-MoE / Qwen2-MoE / Mixtral / GLM-4.5's share per rank (heads,
+                      experts by index, shared experts' width)
   tp_load.py          one rank's share of a checkpoint
   tp_comm.py          how ranks find and watch each other (group, heartbeat)
   tp_runner.py        one scheduler (rank 0), N runners: the serving path

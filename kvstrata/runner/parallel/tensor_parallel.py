@@ -76,6 +76,14 @@ class TPGroup:
         return out
 
 
+def even_split(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    """The [lo, hi) of n units (heads, experts, columns) rank `rank` of `size` holds; `what`
+    names them in the refusal when size does not divide n."""
+    if n % size:
+        raise ValueError(f"--tp-size {size} must divide {what} {n}")
+    return rank * n // size, (rank + 1) * n // size
+
+
 def vocab_rows(vocab_size: int, rank: int, size: int) -> tuple[tuple[int, int], int]:
     """The [lo, hi) vocabulary rows a rank holds, and its table's row count (ceil(V / tp))."""
     rows = -(-vocab_size // size)
@@ -196,5 +204,5 @@ class TPDecoderForCausalLM(DecoderForCausalLM):
         return super().load_weight(name, tensor)
 
 
-__all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "vocab_parallel_embed",
+__all__ = ["TPDecoderForCausalLM", "TPGroup", "TPShard", "even_split", "vocab_parallel_embed",
            "vocab_rows", "pad_rows"]

@@ -25,14 +25,8 @@ import torch
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.deepseek_config import DeepseekDims
 from kvstrata.runner.models.registry import architecture_name
-from kvstrata.runner.parallel.tensor_parallel import (TPGroup, pad_rows, vocab_parallel_embed,
-                                                      vocab_rows)
-
-
-def _split(n: int, rank: int, size: int, what: str) -> tuple[int, int]:
-    if n % size:
-        raise ValueError(f"--tp-size {size} must divide {what} {n}")
-    return rank * n // size, (rank + 1) * n // size
+from kvstrata.runner.parallel.tensor_parallel import (TPGroup, even_split, pad_rows,
+                                                      vocab_parallel_embed, vocab_rows)
 
 
 class TPDeepseek(DeepseekForCausalLM):
@@ -40,10 +34,10 @@ class TPDeepseek(DeepseekForCausalLM):
                  device: torch.device, group: TPGroup):
         full = DeepseekDims.from_config(config, architecture_name(config))
         r, n = group.rank, group.size
-        heads = _split(full.num_heads, r, n, "num_attention_heads")
-        mlp = _split(full.intermediate_size, r, n, "intermediate_size")
-        experts = _split(full.n_routed_experts, r, n, "n_routed_experts")
-        shared = _split(full.moe_intermediate_size * full.n_shared_experts, r, n,
+        heads = even_split(full.num_heads, r, n, "num_attention_heads")
+        mlp = even_split(full.intermediate_size, r, n, "intermediate_size")
+        experts = even_split(full.n_routed_experts, r, n, "n_routed_experts")
+        shared = even_split(full.moe_intermediate_size * full.n_shared_experts, r, n,
                         "the shared experts' width")
         vocab, rows = vocab_rows(full.vocab_size, r, n)
         local = dataclasses.replace(full, num_heads=heads[1] - heads[0],

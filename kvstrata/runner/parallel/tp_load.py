@@ -1,5 +1,6 @@
 """One rank's share of a checkpoint (runner/parallel/tensor_parallel.py: the llama family;
-tp_deepseek.py: DeepSeek V2 / V3 / V3.2; tp_gpt_oss.py: gpt-oss)."""
+tp_deepseek.py: DeepSeek V2 / V3 / V3.2; tp_gpt_oss.py: gpt-oss; tp_moe.py: Qwen3-MoE,
+Qwen2-MoE, Mixtral, GLM-4.5)."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ from kvstrata.runner.models import loader
 from kvstrata.runner.parallel.tensor_parallel import TPDecoderForCausalLM, TPGroup
 from kvstrata.runner.parallel.tp_deepseek import TPDeepseek
 from kvstrata.runner.parallel.tp_gpt_oss import TPGptOss
+from kvstrata.runner.parallel.tp_moe import TPMoeDecoder
 
 
 def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
@@ -19,28 +21,29 @@ def load_tp_model(model_path: str, group: TPGroup, dtype: str = "float32",
 
 
 def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
-                  device: str | torch.device = "cpu") -> TPDecoderForCausalLM | TPDeepseek:
+                  device: str | torch.device = "cpu"
+                  ) -> TPDecoderForCausalLM | TPDeepseek | TPGptOss:
     """Rank `group.rank`'s share, read through the usual loader: the model's read_spec
     says which rows / columns of each tensor it holds, and only those are read."""
     name, spec = loader.arch_spec(config)
     dev = torch.device(device)
+    if spec.family in ("gpt_oss", "moe") and source.kind == "gguf":
+        raise ValueError(f"{name}: --tp-size {group.size} with a GGUF file is not built "
+                         f"(a rank reads its share of the HF safetensors layout); serve "
+                         f"the GGUF at --tp-size 1 or the HF checkpoint")
     if spec.family == "gpt_oss":
-        if source.kind == "gguf":
-            raise ValueError(f"{name}: --tp-size {group.size} with a GGUF file is not built "
-                             f"(a rank reads its share of the HF safetensors layout); serve "
-                             f"the GGUF at --tp-size 1 or the HF checkpoint")
         model = TPGptOss(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
         return loader.fill_weights(model, source, config)
-    if spec.family not in ("decoder", "deepseek"):
+    if spec.family not in ("decoder", "deepseek", "moe"):
         raise ValueError(f"--tp-size {group.size}: tensor parallelism is not implemented for "
-                         f"{name} (the llama-family decoder, gpt-oss and DeepSeek V2 / V3 / "
-                         f"V3.2 have it)")
+                         f"{name} (the llama-family decoder and its MoE members, gpt-oss and "
+                         f"DeepSeek V2 / V3 / V3.2 have it)")
     if spec.family == "deepseek":
         model = TPDeepseek.build(source, config, loader.resolve_dtype(dtype, config, dev),
                                  dev, group)
         return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
-    model = TPDecoderForCausalLM(config, spec, loader.resolve_dtype(dtype, config, dev), dev,
-                                 group)
+    cls = TPMoeDecoder if spec.family == "moe" else TPDecoderForCausalLM
+    model = cls(config, spec, loader.resolve_dtype(dtype, config, dev), dev, group)
     return loader.fill_weights(model, source, config, spec.gguf_permute_qk)
 
 
