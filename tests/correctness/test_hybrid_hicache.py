@@ -65,10 +65,11 @@ def test_multi_turn_prefixes_come_back_from_the_host_tier(page_size, write_polic
                 assert out["output_ids"] == ref(prompt, NEW), f"chat {c} turn {turn}"
                 hits.append(out["meta_info"]["cached_tokens"])
                 chats[c] = prompt + out["output_ids"] + [7 + turn, 9 + c, 11]
-        tree = llm.engine.scheduler.kv.tree
         load = llm.engine.get_load()
-        assert tree.states_to_host > 0 and tree.states_from_host > 0, (vars(tree.stats), hits)
+        assert load["hicache_states_to_host"] > 0 and load["hicache_states_from_host"] > 0, (
+            load, hits)
         assert load["hicache_host_hit_tokens"] > 0 and load["hicache_demoted_pages"] > 0, load
+        assert load["hicache_host_state_slots"] == 8 * 12
         # every later turn resumed at its previous turn's snapshot (from either tier)
         assert all(h >= 40 // page_size * page_size for h in hits[3:]), hits
         assert llm.engine.runner.hicache.host_states is not None
