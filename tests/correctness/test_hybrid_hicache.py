@@ -1,6 +1,6 @@
 """HiCache L2 for a hybrid recurrent model end to end (cache/state_hiradix.py, the HiCache
-executor's host state store): a tiny Qwen3.5 (tests/helpers/hybrid_ckpt.py) with a starved
-device K/V pool and few state slots, --enable-hierarchical-cache on. Interleaved multi-turn
+executor's host state store): a tiny Qwen3.5 (Gated DeltaNet) and a tiny Nemotron-H (Mamba2
+layers) from tests/helpers/hybrid_ckpt.py with a starved device K/V pool and few state slots, --enable-hierarchical-cache on. Interleaved multi-turn
 chats push each other's prefixes (pages and snapshots) to the host tier; their next turns hit
 them there: the pages are loaded back and the snapshot copied into the request's state slot.
 Greedy tokens must equal transformers' (float32); the device pool, the host pool, the state
@@ -20,14 +20,9 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def qwen35(tmp_path_factory) -> str:
-    return hybrid_checkpoints(str(tmp_path_factory.mktemp("hybrid_hicache")), ["qwen3_5"])[
-        "qwen3_5"]
-
-
-@pytest.fixture(scope="module")
-def ref(qwen35):
-    return HFGreedy(qwen35)
+def paths(tmp_path_factory) -> dict[str, str]:
+    return hybrid_checkpoints(str(tmp_path_factory.mktemp("hybrid_hicache")),
+                              ["qwen3_5", "nemotron_h"])
 
 
 def whole(llm: LLM) -> None:
@@ -42,14 +37,15 @@ def whole(llm: LLM) -> None:
     assert tree.pinned_states() == 0  # (pages may stay locked by host writes in flight)
 
 
-@pytest.mark.parametrize("page_size,write_policy", [(1, "write_through"),
-                                                    (16, "write_back")])
-def test_multi_turn_prefixes_come_back_from_the_host_tier(page_size, write_policy, qwen35,
-                                                          ref):
+@pytest.mark.parametrize("arch,page_size,write_policy", [("qwen3_5", 1, "write_through"),
+                                                         ("nemotron_h", 16, "write_back")])
+def test_multi_turn_prefixes_come_back_from_the_host_tier(arch, page_size, write_policy,
+                                                          paths):
     """Three chats, three turns each, one request at a time in round robin: a 128-token
     device pool holds about one chat, so the others' prefixes and snapshots are demoted to
     the host before their next turn, which loads both back (cached_tokens: the hit)."""
-    llm = LLM(qwen35, skip_tokenizer_init=True, dtype="float32", page_size=page_size,
+    ref = HFGreedy(paths[arch])
+    llm = LLM(paths[arch], skip_tokenizer_init=True, dtype="float32", page_size=page_size,
               max_total_tokens=128, max_mamba_cache_size=12, enable_hierarchical_cache=True,
               hicache_ratio=8.0, hicache_write_policy=write_policy)
     try:
