@@ -22,6 +22,7 @@ import torch
 from kvstrata import platform
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.state_plan import STATE_CONV, STATE_SSM
+from kvstrata.kv.host_pool import check_host_memory
 
 
 def slot_index(slots, num_slots: int, what: str) -> torch.Tensor:
@@ -111,10 +112,14 @@ class HostStatePool:
     on CUDA/ROCm like the host KV pool. Copies are sync: the HiCache executor makes them in
     op order before the step's forward."""
 
-    def __init__(self, plan: KVPlan, pin_memory: bool | None = None):
+    def __init__(self, plan: KVPlan, pin_memory: bool | None = None,
+                 check_memory: bool = True):
         if not plan.num_host_state_slots or not plan.state_components:
             raise ValueError("HostStatePool needs a plan with host state slots and state "
                              "components")
+        if check_memory:  # as the host KV pool: fail at start-up, not mid-serving
+            check_host_memory((plan.num_host_state_slots + 1) * plan.state_bytes_per_slot,
+                              "--hicache-mamba-size-gb (or --hicache-ratio / --hicache-size)")
         if pin_memory is None:
             pin_memory = platform.is_cuda_alike()
         self.num_slots = plan.num_host_state_slots + 1

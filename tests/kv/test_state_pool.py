@@ -74,7 +74,7 @@ def test_host_state_store_round_trips_slots():
     plan = KVPlan(1, 8, 4, 64, "none", (), num_state_slots=6, state_components=(CONV, SSM),
                   num_host_pages=4, host_layout="page_first", io_backend="kernel",
                   num_host_state_slots=3)
-    host = HostStatePool(plan, pin_memory=False)
+    host = HostStatePool(plan, pin_memory=False, check_memory=False)
     assert host.size_bytes == 4 * plan.state_bytes_per_slot
     before = {n: t.clone() for n, t in pool.tensors.items()}
     host.save(pool, [2, 4], [3, 1])
@@ -87,3 +87,11 @@ def test_host_state_store_round_trips_slots():
         host.save(pool, [1], [4])
     with pytest.raises(ValueError):
         host.load(pool, [1, 2], [1])
+
+
+def test_host_state_store_larger_than_the_ram_is_refused_before_allocating():
+    plan = KVPlan(1, 8, 4, 64, "none", (), num_state_slots=6, state_components=(CONV, SSM),
+                  num_host_pages=4, host_layout="page_first", io_backend="kernel",
+                  num_host_state_slots=10**12)
+    with pytest.raises(ValueError, match="Not enough host memory .* --hicache-mamba-size-gb"):
+        HostStatePool(plan)
