@@ -2,8 +2,9 @@
 executor's host state store): a tiny Qwen3.5 (Gated DeltaNet) and a tiny Nemotron-H (Mamba2
 layers) from tests/helpers/hybrid_ckpt.py with a starved device K/V pool and few state
 slots, --enable-hierarchical-cache on. Interleaved multi-turn chats push each other's
-prefixes (pages and snapshots) to the host tier; their next turns hit them there: the pages are loaded back and the snapshot copied into the request's state slot.
-Greedy tokens must equal transformers' (float32); the device pool, the host pool, the state
+prefixes (pages and snapshots) to the host tier; their next turns hit them there: the pages
+are loaded back and the snapshot copied into the request's state slot. Greedy tokens must
+equal transformers' (float32); the device pool, the host pool, the state
 slots and the host state slots are whole after each drain (free + held + cached == total),
 and every invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY, tests/conftest.py).
 """
