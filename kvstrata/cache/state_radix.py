@@ -159,9 +159,7 @@ class StateRadixCache(RadixCache):
         were freed (fewer only when no unpinned one is left)."""
         if num_states <= 0 or self.disable:
             return 0
-        heap = [(self._state_priority(n), n.id, n) for n in self._nodes()
-                if n.state_slot and not n.state_pin]
-        heapq.heapify(heap)
+        heap = self._unpinned_snapshots()
         freed = 0
         while freed < num_states and heap:
             node = heapq.heappop(heap)[-1]
@@ -179,6 +177,13 @@ class StateRadixCache(RadixCache):
                 self._drop_leaf(node)
         self.total_evicted_states += freed
         return freed
+
+    def _unpinned_snapshots(self) -> list:
+        """A heap of the nodes with an unpinned snapshot, in state eviction's order."""
+        heap = [(self._state_priority(n), n.id, n) for n in self._nodes()
+                if n.state_slot and not n.state_pin]
+        heapq.heapify(heap)
+        return heap
 
     def cached_states(self) -> int:
         return self._num_states

@@ -19,8 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata import platform
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.state_plan import STATE_CONV, STATE_SSM
+from kvstrata.kv.host_pool import check_host_memory
+
+
+def slot_index(slots, num_slots: int, what: str) -> torch.Tensor:
+    """`slots` as an int64 index, each in 1..num_slots - 1 (slot 0 is never a state's)."""
+    idx = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= num_slots):
+        raise IndexError(f"{what} {idx.tolist()[:8]} outside 1..{num_slots - 1}")
+    return idx
 
 
 class RecurrentStatePool:
@@ -54,10 +64,7 @@ class RecurrentStatePool:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def _index(self, slots) -> torch.Tensor:
-        idx = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
-        if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= self.num_slots):
-            raise IndexError(f"state slots {idx.tolist()[:8]} outside 1..{self.num_slots - 1}")
-        return idx.to(self.device)
+        return slot_index(slots, self.num_slots, "state slots").to(self.device)
 
     def copy_slots(self, src, dst) -> None:
         """Every layer's state of slots `src` into slots `dst` (all sources read first)."""
@@ -96,3 +103,50 @@ class RecurrentStatePool:
             if copy[name].shape[1] != idx.numel():
                 raise ValueError(f"a copy of {copy[name].shape[1]} slots into {idx.numel()}")
             t[:, idx] = copy[name].to(t.device, t.dtype)
+
+
+class HostStatePool:
+    """HiCache L2 of a recurrent model: host copies of state pool slots (snapshots whose
+    device copy went, cache/state_hiradix.py), laid out as the device pool (one tensor per
+    component, (num_layers, num_host_state_slots + 1, *slot_shape); slot 0 unused), pinned
+    on CUDA/ROCm like the host KV pool. Copies are sync: the HiCache executor makes them in
+    op order before the step's forward."""
+
+    def __init__(self, plan: KVPlan, pin_memory: bool | None = None,
+                 check_memory: bool = True):
+        if not plan.num_host_state_slots or not plan.state_components:
+            raise ValueError("HostStatePool needs a plan with host state slots and state "
+                             "components")
+        if check_memory:  # as the host KV pool: fail at start-up, not mid-serving
+            check_host_memory((plan.num_host_state_slots + 1) * plan.state_bytes_per_slot,
+                              "--hicache-mamba-size-gb (or --hicache-ratio / --hicache-size)")
+        if pin_memory is None:
+            pin_memory = platform.is_cuda_alike()
+        self.num_slots = plan.num_host_state_slots + 1
+        self.tensors: dict[str, torch.Tensor] = {
+            c.name: torch.zeros((c.num_layers, self.num_slots, *c.slot_shape),
+                                dtype=getattr(torch, c.dtype), pin_memory=pin_memory)
+            for c in plan.state_components}
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def _index(self, slots) -> torch.Tensor:
+        return slot_index(slots, self.num_slots, "host state slots")
+
+    def save(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
+        """Device state slots -> host state slots (pairwise, every component and layer)."""
+        d, h = pool._index(device_slots), self._index(host_slots)
+        if d.numel() != h.numel():
+            raise ValueError(f"a copy of {d.numel()} state slots into {h.numel()}")
+        for name, t in self.tensors.items():
+            t[:, h] = pool.tensors[name][:, d].to("cpu")
+
+    def load(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
+        """Host state slots -> device state slots (pairwise)."""
+        d, h = pool._index(device_slots), self._index(host_slots)
+        if d.numel() != h.numel():
+            raise ValueError(f"a copy of {h.numel()} host state slots into {d.numel()}")
+        for name, t in pool.tensors.items():
+            t[:, d] = self.tensors[name][:, h].to(t.device)
