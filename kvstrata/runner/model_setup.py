@@ -29,7 +29,7 @@ def refuse_unsupported_features(args: Any) -> None:
     yet (its `UNSUPPORTED` flags: gpt-oss) is refused with those flags by name. `args`:
     ServerArgs (the flags as given). (A gpt-oss STANDALONE draft runs; quantizing one is
     refused by load_serving_model.)"""
-    from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
+    from kvstrata.runner.models.gpt_oss import DETERMINISTIC_WHY, UNSUPPORTED  # noqa: PLC0415
 
     refuse_quantization_mismatch(args.model_path, args.quantization)
     if _architecture_of(args.model_path) != "GptOssForCausalLM":
@@ -41,8 +41,11 @@ def refuse_unsupported_features(args: Any) -> None:
         if on]
     assert set(used) <= set(UNSUPPORTED)
     if used:
+        why = (f" (--enable-deterministic-inference: {DETERMINISTIC_WHY})"
+               if "--enable-deterministic-inference" in used else "")
         raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported with "
-                         f"{', '.join(used)} yet; it runs without {', '.join(UNSUPPORTED)}")
+                         f"{', '.join(used)} yet{why}; it runs without "
+                         f"{', '.join(UNSUPPORTED)}")
 
 
 def refuse_quantization_mismatch(model_path: str, quantization: str | None) -> None:
@@ -125,17 +128,14 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch} (MLA / DSA attention); the llama-family decoder "
                                   f"has it")
-    if deterministic and getattr(model, "attn_softcap", None) is not None:
-        # The paged decode kernel every query runs has no soft-cap (Gemma 2's logits).
-        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
-                                  f"{arch} (soft-capped attention logits)")
     if deterministic and quantization not in (None, *PINNED_QUANTIZATIONS):
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} {quantization}")
     refused = getattr(model, "unsupported", ())  # gpt-oss (refused by name earlier too)
     if deterministic and "--enable-deterministic-inference" in refused:
+        from kvstrata.runner.models.gpt_oss import DETERMINISTIC_WHY  # noqa: PLC0415
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
-                                  f"{arch}")
+                                  f"{arch} ({DETERMINISTIC_WHY})")
     if keep_quantized or (scheme is not None and scheme.is_int):
         return model, source, hf_config, model.gguf_info  # packed layers, from load_model
     if quantization is not None and not is_llama_family(model):

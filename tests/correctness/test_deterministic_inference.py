@@ -3,7 +3,8 @@ bit, its run alone on a cold engine -- whatever shares its batch (requests arriv
 steps, prefill and decode mixed), its prefill chunks, the page size, the prefix cache (device
 hits, HiCache load-backs), retraction under a small pool and priority preemption
 (config/rules/deterministic.py), under --tp-size 2, and with STANDALONE / EAGLE speculation
-(runs of one speculative configuration; greedy also equals plain decoding).
+(runs of one speculative configuration; greedy also equals plain decoding), and for Gemma 2's
+soft-capped attention.
 
 Without the flag the same workloads differ: a warm request's logprobs moved (the first test
 shows it, so the property below is not vacuous on this CPU). Greedy and seeded sampling both:
@@ -88,6 +89,15 @@ def prompts_with_prefix(seed: int, shared: int, tails: list[int]) -> list[list[i
     return [prefix + [rng.randrange(3, VOCAB) for _ in range(t)] for t in tails]
 
 
+def cold_runs(llm: LLM, work: list[tuple]) -> list[tuple]:
+    """Each request of `work` alone on `llm` with its cache flushed first."""
+    out = []
+    for _, prompt, sp in work:
+        llm.flush_cache()
+        out.append(drive(llm, [(0, prompt, sp)])[0])
+    return out
+
+
 def test_without_the_flag_a_warm_request_moves(tiny_checkpoints):
     """The control: at bf16 without the flag a prompt whose prefix is cached answers with other
     logprobs than cold (this CPU's kernels sum a cached prefix in another order); with it,
@@ -133,13 +143,29 @@ def test_w8a8_int8_keeps_the_bits(tiny_checkpoints):
     assert llm.server_info()["quantization_info"]["batch_invariant"]
     prompts = prompts_with_prefix(3, 20, [4, 11, 19])
     work = [(i, p, params(8, None if i % 2 else 77 + i)) for i, p in enumerate(prompts)]
-    cold = []
-    for _, p, sp in work:
-        llm.flush_cache()
-        cold.append(drive(llm, [(0, p, sp)])[0])
+    cold = cold_runs(llm, work)
     warm = drive(llm, work)
     llm.shutdown()
     assert warm == cold
+
+
+def test_gemma2_soft_capped_attention_keeps_the_bits(tmp_path):
+    """Gemma 2's soft-capped attention logits (and its window of 8) in the paged decode kernel
+    (csrc/paged_decode_isa.h): prompts sharing a prefix of 13 tokens (past the window),
+    chunked by 8 on pages of 4, arriving at other steps (later ones hit the radix cache, mixed with others'
+    decodes), then all again (whole-prompt radix hits), greedy and seeded: each equals its
+    cold run alone, bit for bit."""
+    from helpers.gemma_ckpt import build_gemma_checkpoint
+    path = build_gemma_checkpoint("gemma2", str(tmp_path / "gemma2"))
+    llm = make_llm(path, chunked_prefill_size=8, page_size=4, max_total_tokens=4096)
+    prompts = prompts_with_prefix(8, 13, [3, 11, 1, 20])
+    work = [(i, p, params(10, None if i % 2 else 50 + i)) for i, p in enumerate(prompts)]
+    cold = cold_runs(llm, work)
+    mixed = drive(llm, work)
+    again = drive(llm, [(0, p, sp) for _, p, sp in work])
+    llm.shutdown()
+    assert mixed == cold
+    assert again == cold
 
 
 _llms: dict = {}

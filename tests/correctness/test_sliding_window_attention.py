@@ -165,13 +165,25 @@ def test_long_prompts_and_chunks_cross_several_blocks(page_size):
              softcap=3.0)
 
 
+@pytest.mark.parametrize("extras", ["plain", "sinks", "softcap", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_deterministic_ranges_honour_the_window(page_size):
-    backend = make_backend([4, None, 16], torch.float32, page_size, deterministic=True)
-    run_step(backend, mixed_batch(), torch.float32)
-    with pytest.raises(ValueError, match="sinks or logit soft-capping"):
-        run_step(make_backend([4], torch.float32, page_size, deterministic=True),
-                 [Req(0, 5)], torch.float32, softcap=2.0)
+def test_deterministic_ranges_honour_the_window(monkeypatch, page_size, dtype, extras):
+    """Deterministic inference: every query (prompts, chunks, decodes, a draft tree) through
+    the paged decode kernel's ranges, sinks and soft-cap in its softmax (never the torch math
+    of window.piece_math, whose sums are not batch-invariant)."""
+    math = win.piece_math
+
+    def no_kernel_piece_in_math(backend, layer, p, *args):
+        assert p.kind != "kernel", "a deterministic kernel piece ran the torch math"
+        return math(backend, layer, p, *args)
+
+    monkeypatch.setattr(win, "piece_math", no_kernel_piece_in_math)
+    backend = make_backend([4, None, 16], dtype, page_size, deterministic=True)
+    g = torch.Generator().manual_seed(7)
+    sinks = torch.randn(HQ, generator=g) * 2 if extras in ("sinks", "both") else None
+    softcap = 1.5 if extras in ("softcap", "both") else None
+    run_step(backend, mixed_batch(), dtype, sinks, softcap)
 
 
 @pytest.mark.parametrize("kernels", ["on", "off"])

@@ -12,6 +12,10 @@ retraction's recompute or backup. Two sources of difference are removed:
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
     key blocks, SDPA, the decode kernel): every query token, prompt or decode, runs the paged
     decode kernel over its own keys (runner/attention/torch_native.py, `deterministic`).
+    Softmax extras run inside that kernel, per query row: Gemma 2's attention logit
+    soft-capping (scores = cap * tanh(scores / cap) before the softmax) and gpt-oss's attention
+    sinks (a learned logit per head in the denominator; runner/attention/window.py). gpt-oss
+    itself stays refused for its routed MoE experts (below), not for its sinks.
 Everything else in a forward is already per row (norms, rotary, activations, sampling).
 What it does not promise: equality across --tp-size values (each splits the GEMMs' and the
 all-reduce's sums differently), across CPUs with other instruction sets (the GEMM's AVX2,
@@ -82,10 +86,6 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                          f"(kvstrata's batch-invariant kernels are its CPU kernels)")
     if not _model_built(model_info):
         kind = "recurrent" if model_info.has_recurrent_state else model_info.kv_pool_kind
-        if model_info.softmax_extras:
-            raise ValueError(f"--enable-deterministic-inference: not implemented yet for "
-                             f"{' and '.join(model_info.softmax_extras)} (their attention "
-                             f"runs in plain torch, not the batch-invariant decode kernel)")
         if model_info.routed_experts and kind in ("mha", "swa"):
             raise ValueError("--enable-deterministic-inference: not implemented yet for a MoE "
                              "model (its experts' matmuls run on however many tokens the "
@@ -109,25 +109,28 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
 
 def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None) -> bool:
     """Neither flag given, and a CPU, dtype and model where it was measured free (above): not
-    a quantized checkpoint (its load refuses the flag: runner/model_setup.py)."""
+    a quantized checkpoint (its load refuses the flag: runner/model_setup.py), nor a model with
+    softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured, and off it
+    runs window.py's torch math)."""
     if args.enable_deterministic_inference or args.disable_deterministic_inference:
         return False
     flags = set(platform.cpu_flags)
     return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
             and not _quantizations(args) and _model_built(model_info)
-            and not (model_info is not None and model_info.quant_method))
+            and not (model_info is not None and (model_info.quant_method
+                                                 or model_info.softmax_extras)))
 
 
 def _model_built(model_info: ModelInfo | None) -> bool:
-    """A plain MHA model without recurrent state (None, unknown: assumed so, as everywhere in
+    """A plain MHA model without recurrent state or routed experts, its softmax extras
+    (sinks, soft-capping) in the decode kernel (None, unknown: assumed so, as everywhere in
     resolution; the load refuses an MLA model it turns out to be)."""
     # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own
     # pool, key ranges cut to the window (tests/correctness/test_swa_memory.py)
     return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
                                   and not model_info.uses_dsa
                                   and not model_info.has_recurrent_state
-                                  and not model_info.softmax_extras
                                   and not model_info.routed_experts)
 
 

@@ -49,28 +49,35 @@ def _addr(name: str, t: torch.Tensor, dtypes) -> int:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, starts: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, num_threads: int | None = None,
-                 ends: torch.Tensor | None = None) -> torch.Tensor:
+                 ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                 softcap: float = 0.0) -> torch.Tensor:
     """q [n, Hq, D] fp32 or bf16 (its rows may be strided, as a view of a fused qkv
     projection; each row's Hq x D values contiguous); k_cache / v_cache [num_slots, Hkv, D]
     (one layer of the pool: fp32, bf16 or fp16, both the same); request b attends to the
     keys at slots[starts[b]:starts[b + 1]] (int64; starts has n + 1 entries), or with `ends`
     (n int64s) at slots[starts[b]:ends[b]] (n starts; ranges may overlap: every query of a
     prompt over one slot list, each up to its own position). Returns out [n, Hq, D] in q's
-    dtype (fp32 inside). num_threads: default torch's thread count.
+    dtype (fp32 inside). num_threads: default torch's thread count. sinks: fp32 [Hq], a
+    learned logit per query head that joins its softmax without a value (gpt-oss); softcap
+    > 0: each scaled score becomes softcap * tanh(score / softcap) before the softmax
+    (Gemma 2); 0: none.
 
     A query's result depends only on its own row, keys and values: not on the other
     queries of the call, their number or the threads (no split of a query's keys), so a
     prompt's token attends bit-identically here as a decode step later would (deterministic
     inference, runner/attention/torch_native.py)."""
-    return _checked(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends)[0]
+    return _checked(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends, sinks,
+                    softcap)[0]
 
 
 def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, starts: torch.Tensor, scale: float,
              out: torch.Tensor | None = None, num_threads: int | None = None,
-             ends: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+             ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+             softcap: float = 0.0) -> tuple[torch.Tensor, list]:
     """paged_decode, also returning the kernel's arguments (DecodeCall keeps them)."""
-    out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends)
+    out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends,
+                            sinks, softcap)
     run_decode(args)
     return out, args
 
@@ -78,10 +85,12 @@ def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor, starts: torch.Tensor, scale: float,
                 out: torch.Tensor | None = None, num_threads: int | None = None,
-                ends: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+                ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                softcap: float = 0.0) -> tuple[torch.Tensor, list]:
     """paged_decode's checks and the kernel's arguments for these tensors, nothing run: (out,
-    args) for `run_decode(args)`. Pointers sit at args[0] (q), [4] / [5] (k / v caches) and
-    [16] (out): a caller with other tensors of the same shapes may swap them in."""
+    args) for `run_decode(args)`. Pointers sit at args[0] (q), [4] / [5] (k / v caches),
+    [16] (out) and [21] (sinks, 0: none): a caller with other tensors of the same shapes may
+    swap them in."""
     n, hq, d = q.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 3 or k_cache.shape[2] != d:
         raise ValueError(f"k/v caches must both be [slots, Hkv, {d}], got "
@@ -101,6 +110,11 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out = torch.empty(q.shape, dtype=q.dtype)
     elif out.dtype != q.dtype:
         raise ValueError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+    if sinks is not None and (sinks.shape != (hq,) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be fp32 [{hq}] (one logit per query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
     threads = torch.get_num_threads() if num_threads is None else num_threads
     args = [q.data_ptr(), _bytes_from(q), q_stride, Q_DTYPES[q.dtype],
             _addr("k_cache", k_cache, KV_DTYPES), _addr("v_cache", v_cache, KV_DTYPES),
@@ -108,7 +122,9 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _addr("slots", slots, (torch.int64,)), slots.numel(),
             _addr("starts", starts, (torch.int64,)), n, hq, k_cache.shape[1], d, float(scale),
             _addr("out", out, (q.dtype,)), out.numel() * out.element_size(), threads, isa_cap(),
-            0 if ends is None else _addr("ends", ends, (torch.int64,))]
+            0 if ends is None else _addr("ends", ends, (torch.int64,)),
+            0 if sinks is None else _addr("sinks", sinks, (torch.float32,)),
+            0 if sinks is None else hq, float(softcap)]
     return out, args
 
 
@@ -130,7 +146,7 @@ class DecodeCall:
     """paged_decode for every layer of one forward. The first call checks everything (as
     paged_decode) and keeps the kernel's arguments; a later call whose q and caches have the
     same shapes, strides, dtypes and byte extents (checked: a tuple compare) swaps in their
-    addresses and a new output. Why: paged_decode's checks cost ~14 us of a ~16 us call at
+    addresses and a new output (and the layer's sink logits: each layer has its own). Why: paged_decode's checks cost ~14 us of a ~16 us call at
     one token (2-vCPU EPYC), ~0.4 ms of a 30-layer decode step."""
 
     def __init__(self, slots: torch.Tensor, starts: torch.Tensor, scale: float,
@@ -139,20 +155,24 @@ class DecodeCall:
         self.key: tuple | None = None
         self.args: list | None = None
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
         key = (q.shape, q.stride(), q.dtype, q.device, _bytes_from(q), k_cache.shape,
                k_cache.stride(), v_cache.shape, v_cache.stride(), k_cache.dtype, v_cache.dtype,
-               k_cache.device, v_cache.device, torch.get_num_threads(), isa_cap())
+               k_cache.device, v_cache.device, torch.get_num_threads(), isa_cap(), softcap,
+               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device,
+                                           sinks.is_contiguous()))
         if key != self.key:
             out, self.args = _checked(q, k_cache, v_cache, self.slots, self.starts, self.scale,
-                                      ends=self.ends)
+                                      ends=self.ends, sinks=sinks, softcap=softcap)
             self.key = key
             return out
         out = torch.empty(q.shape, dtype=q.dtype)
         args = self.args.copy()
         args[0], args[4], args[5], args[16] = (q.data_ptr(), k_cache.data_ptr(),
                                                v_cache.data_ptr(), out.data_ptr())
+        if sinks is not None:
+            args[21] = sinks.data_ptr()
         run_decode(args)
         return out
 

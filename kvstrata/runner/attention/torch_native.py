@@ -192,7 +192,8 @@ class TorchNativeAttnBackend(PiecePlanner):
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq * D].
         sinks: fp32 [Hq] logits that join each row's softmax denominator (gpt-oss);
         softcap: scores = softcap * tanh(scores / softcap) (Gemma 2). Either one runs the
-        layer in explicit torch math (window.py), never the C kernels."""
+        layer in explicit torch math (window.py), or with deterministic inference in the
+        paged decode kernel, which has both."""
         meta: TorchNativeMeta = fb.attn_meta
         if meta.by_window is not None:
             meta = meta.by_window[self.layer_windows[layer]]
@@ -244,8 +245,10 @@ class TorchNativeAttnBackend(PiecePlanner):
             keys, values = keys.to(dtype), values.to(dtype)
         return keys.view(-1, hkv, d), values.view(-1, hkv, d)
 
-    def _piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
+    def _piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+        """One piece's output [its tokens, Hq * D]; sinks (fp32 [Hq]) / softcap (0: none):
+        a kernel piece's softmax extras (window.forward_math, deterministic inference)."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if p.kind == "kernel":
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
@@ -255,7 +258,7 @@ class TorchNativeAttnBackend(PiecePlanner):
                 p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale,
                                                         p.ends)
             pool, li = self.layer_kv[layer]
-            out = p.decode_call(qg, pool.k(li), pool.v(li))
+            out = p.decode_call(qg, pool.k(li), pool.v(li), sinks, softcap)
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":
             n = p.n

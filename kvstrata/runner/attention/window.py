@@ -23,9 +23,11 @@ reach keep it).
 
 Sinks (gpt-oss: a per-head learned logit that joins each row's softmax denominator and has
 no value) and soft-capping (Gemma 2: scores = c * tanh(scores / c) after scaling, before
-masking) are not in SDPA nor in the C kernels: layers that use them run every piece through
-`attend_math` (explicit matmul, tanh, masked softmax in fp32). Deterministic inference
-refuses them (this path's sums are not batch-invariant).
+masking) are not in SDPA nor in the prefill kernel: layers that use them run every piece
+through `attend_math` (explicit matmul, tanh, masked softmax in fp32). Under deterministic
+inference (whose plan makes every cached-forward query a paged decode kernel query) the kernel
+pieces instead run the paged decode kernel with its sink logits and soft-cap
+(csrc/paged_decode_isa.h): attend_math's sums are not batch-invariant, the kernel's are.
 """
 from __future__ import annotations
 
@@ -192,14 +194,17 @@ def attend_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def forward_math(backend: "TorchNativeAttnBackend", layer: int, meta: TorchNativeMeta,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
-    """A layer with sinks / soft-capping: every piece of its plan through attend_math."""
-    if backend.deterministic:
-        raise ValueError("--enable-deterministic-inference: not implemented for attention "
-                         "sinks or logit soft-capping (their torch path is not "
-                         "batch-invariant)")
+    """A layer with sinks / soft-capping: every piece of its plan through attend_math, or
+    under deterministic inference its kernel pieces through the paged decode kernel."""
     out = q.new_empty(q.shape[0], backend.num_heads * backend.head_dim)
+    kernel_sinks = None
+    if backend.deterministic and sinks is not None:
+        kernel_sinks = sinks.detach().float().contiguous()  # the kernel reads fp32 logits
     for p in meta.pieces:
-        res = piece_math(backend, layer, p, q, k, v, sinks, softcap)
+        if backend.deterministic and p.kind == "kernel":
+            res = backend._piece(layer, p, q, k, v, kernel_sinks, softcap or 0.0)
+        else:
+            res = piece_math(backend, layer, p, q, k, v, sinks, softcap)
         if p.tok_idx is None:
             out[p.lo:p.hi] = res
         else:

@@ -45,6 +45,10 @@ SWIGLU_LIMIT = 7.0
 # --load-format gguf: a GGUF file's weights kept in their blocks (--quantization gguf): no
 # packed kernel runs the 3-D MXFP4 experts; its GGUF files load dequantized.
 UNSUPPORTED = ("--quantization", "--load-format gguf", "--enable-deterministic-inference")
+# --enable-deterministic-inference: its attention (windows, sinks) runs the batch-invariant
+# paged decode kernel (tests/correctness/test_paged_decode_softmax_extras.py); the experts do not.
+DETERMINISTIC_WHY = ("its routed MoE experts run torch's matmuls on however many tokens the "
+                     "router sends each, so an expert's sums depend on the batch")
 
 
 class GptOssLayer(nn.Module):

@@ -2,7 +2,8 @@
  * (kvstrata/runner/attention/paged_decode.py wraps it; see that file for the why).
  *
  *   decode(q, q_nbytes, q_stride, qo_dtype, k, v, pool_nbytes, kv_dtype, slots, n_slots,
- *          starts, n, hq, hkv, d, scale, out, out_nbytes, num_threads, isa_cap[, ends])
+ *          starts, n, hq, hkv, d, scale, out, out_nbytes, num_threads, isa_cap[, ends
+ *          [, sinks, n_sinks, softcap]])
  *       -> name of the instruction set used
  *
  * Request b (0 <= b < n) has one query token q[b] of hq heads x d values (fp32 or bf16:
@@ -17,6 +18,8 @@
  * (to nearest even, as torch's .to(bfloat16)), which saves a bf16 model two conversions
  * (two torch ops, each a pass over q or out) per layer. Every address is an integer; every slot and size is checked against its buffer
  * before anything is read, so a bad index raises IndexError.
+ * Softmax extras (paged_decode_isa.h): `sinks` (0, or hq fp32 logits: gpt-oss's per-head sink)
+ * and softcap > 0 (Gemma 2's s = softcap * tanh(s / softcap)); per query row, as the rest.
  *
  * A work item is a request (or, when there are few requests for the threads, one KV head of
  * a request): each of its K rows is read once from RAM, converted to fp32 in L1 and scored
@@ -68,7 +71,8 @@ typedef struct {
     char *out;
     int64_t n, hq, hkv, d, max_len, esz, heads_per_item, items_per_req, q_stride;
     int qo_bf16; /* q and out are bf16 (else fp32) */
-    float scale;
+    float scale, softcap; /* softcap: 0 = none */
+    const float *sinks;   /* hq sink logits, or NULL */
     kernels kn;
     head64_fn head64; /* AVX-512 or AVX2 fast path for 64-wide heads, or NULL */
 } job;
@@ -83,7 +87,8 @@ static void attend(const job *j, const kernels kn, const int64_t *sl, int64_t le
         for (int64_t h = h0; h < h1; h++)
             j->head64(q + (h - h0) * g_n * d, j->k + off + (h - h0) * d * esz,
                       j->v + off + (h - h0) * d * esz, row_bytes, sl, len, j->scale,
-                      scores + (h - h0) * g_n * len, o + (h - h0) * g_n * d, kn.softmax);
+                      scores + (h - h0) * g_n * len, o + (h - h0) * g_n * d, kn.softmax,
+                      j->softcap, j->sinks ? j->sinks + h * g_n : NULL);
         return;
     }
     for (int64_t t = 0; t < len; t++) {
@@ -96,7 +101,9 @@ static void attend(const job *j, const kernels kn, const int64_t *sl, int64_t le
             scores[i * len + t] = kn.dot(q + i * d, kr + (i / g_n) * d, d) * j->scale;
     }
     float inv[MAX_HEADS]; /* hq <= MAX_HEADS, checked at entry */
-    for (int64_t i = 0; i < nh; i++) inv[i] = 1.f / kn.softmax(scores + i * len, len);
+    const float *sinks = j->sinks ? j->sinks + h0 * g_n : NULL; /* this item's heads' */
+    for (int64_t i = 0; i < nh; i++)
+        inv[i] = 1.f / kn.softmax(scores + i * len, len, j->softcap, sinks ? sinks + i : NULL);
     memset(acc, 0, (size_t)(nh * d) * sizeof(float));
     for (int64_t t = 0; t < len; t++) {
         if (t + PREFETCH_TOKENS < len)
@@ -158,15 +165,22 @@ static void run_one(const job *j, int64_t it, scratch *s) {
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, slots_addr, starts_addr, out_addr, ends_addr = 0;
+    unsigned long long sinks_addr = 0;
     long long q_nbytes, pool_nbytes, out_nbytes;
-    Py_ssize_t q_stride, n_slots, n, hq, hkv, d;
-    double scale;
+    Py_ssize_t q_stride, n_slots, n, hq, hkv, d, n_sinks = 0;
+    double scale, softcap = 0.0;
     int qo_dtype, kv_dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii|K", &q_addr, &q_nbytes, &q_stride,
+    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii|KKnd", &q_addr, &q_nbytes, &q_stride,
                           &qo_dtype, &k_addr, &v_addr, &pool_nbytes, &kv_dtype, &slots_addr,
                           &n_slots, &starts_addr, &n, &hq, &hkv, &d, &scale, &out_addr,
-                          &out_nbytes, &num_threads, &isa_cap, &ends_addr))
+                          &out_nbytes, &num_threads, &isa_cap, &ends_addr, &sinks_addr,
+                          &n_sinks, &softcap))
         return NULL;
+    if ((sinks_addr && n_sinks != hq) || !(softcap >= 0.0)) {
+        PyErr_Format(PyExc_ValueError, "sinks must hold one logit per query head (%zd, got "
+                     "%zd) and softcap must be >= 0 (0: none)", hq, n_sinks);
+        return NULL;
+    }
     if (n < 0 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq > MAX_HEADS) {
         PyErr_Format(PyExc_ValueError, "bad shape: n=%zd hq=%zd hkv=%zd d=%zd (hq must be a "
                      "multiple of hkv, at most %d query heads)", n, hq, hkv, d,
@@ -237,7 +251,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
     job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
              ends, (char *)out_addr, n, hq, hkv, d, max_len, esz, hkv / split, split, q_stride,
-             qo_dtype == KV_BF16, (float)scale, pick_kernels(d, kv_dtype, isa_cap), NULL};
+             qo_dtype == KV_BF16, (float)scale, (float)softcap, (const float *)sinks_addr,
+             pick_kernels(d, kv_dtype, isa_cap), NULL};
     j.head64 = pick_head64(&j.kn, d, hq / hkv, kv_dtype); /* AVX-512, or NULL */
     if (j.head64)
         j.head64 = pick_head64_bf16(j.head64, hq / hkv, qo_dtype == KV_BF16, kv_dtype);

@@ -15,7 +15,7 @@
 
 typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t row_bytes,
                           const int64_t *sl, int64_t len, float scale, float *scores,
-                          float *o, softmax_fn softmax);
+                          float *o, softmax_fn softmax, float cap, const float *sinks);
 
 #if defined(__x86_64__)
 #define LD_F32(p) _mm512_loadu_ps((const float *)(p))
@@ -31,7 +31,8 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
 
 #define HEAD64_SIGNATURE                                                                    \
     (const float *q, const char *k, const char *v, int64_t row_bytes, const int64_t *sl,     \
-     int64_t len, float scale, float *scores, float *o, softmax_fn softmax)
+     int64_t len, float scale, float *scores, float *o, softmax_fn softmax, float cap,      \
+     const float *sinks)
 
 /* Scores of G query heads (fp32 in registers) against each token's K head row. */
 #define HEAD64_SCORES(LOAD, ESZ, G)                                                         \
@@ -55,7 +56,8 @@ typedef void (*head64_fn)(const float *q, const char *k, const char *v, int64_t 
 /* The shared softmax over the scores, then each query head's sum of V rows, normalised. */
 #define HEAD64_VALUES(LOAD, ESZ, G)                                                         \
     float inv[G];                                                                           \
-    for (int i = 0; i < G; i++) inv[i] = 1.f / softmax(scores + i * len, len);              \
+    for (int i = 0; i < G; i++)                                                         \
+        inv[i] = 1.f / softmax(scores + i * len, len, cap, sinks ? sinks + i : NULL);   \
     __m512 acc[G][4];                                                                       \
     for (int i = 0; i < G; i++)                                                             \
         for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();                        \

@@ -40,7 +40,8 @@
  * (G * CW accumulators + G weights + one V chunk <= 16 registers). */
 #define H64A_VALUES(LOAD, ESZ, G, CW)                                                       \
     float inv[G];                                                                           \
-    for (int i = 0; i < G; i++) inv[i] = 1.f / softmax(scores + i * len, len);              \
+    for (int i = 0; i < G; i++)                                                         \
+        inv[i] = 1.f / softmax(scores + i * len, len, cap, sinks ? sinks + i : NULL);   \
     for (int c0 = 0; c0 < 8; c0 += CW) {                                                    \
         __m256 acc[G][CW];                                                                  \
         for (int i = 0; i < G; i++)                                                         \

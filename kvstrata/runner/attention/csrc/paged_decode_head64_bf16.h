@@ -70,7 +70,8 @@ AVX512_BF16 static inline __m128 sum4_of_16(__m512 a, __m512 b, __m512 c, __m512
  * accumulators hold even and odd columns apart and are interleaved once at the end. */
 #define HEAD64_VALUES_BF16(G)                                                               \
     float inv[G];                                                                           \
-    for (int i = 0; i < G; i++) inv[i] = 1.f / softmax(scores + i * len, len);              \
+    for (int i = 0; i < G; i++)                                                         \
+        inv[i] = 1.f / softmax(scores + i * len, len, cap, sinks ? sinks + i : NULL);   \
     __m512 ev[G][2], od[G][2];                                                              \
     for (int i = 0; i < G; i++)                                                             \
         for (int c = 0; c < 2; c++) ev[i][c] = od[i][c] = _mm512_setzero_ps();              \

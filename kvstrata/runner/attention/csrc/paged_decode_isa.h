@@ -3,7 +3,13 @@
  *   load(dst, src, n)    n elements of a K/V row (fp32, bf16 or fp16) -> fp32
  *   dot(a, b, d)         sum a[i] * b[i] over fp32 vectors
  *   axpy(acc, p, x, d)   acc += p * x
- *   softmax(s, len)      s <- exp(s - max s); returns the sum
+ *   softmax(s, len, cap, sink)
+ *                        s <- exp(s - m); returns the sum of the row's probabilities'
+ *                        denominator. cap > 0: the scores are soft-capped first (Gemma 2:
+ *                        s <- cap * tanh(s / cap), transformers' order: scale, cap, softmax);
+ *                        sink (NULL: none): the head's learned sink logit (gpt-oss) joins the
+ *                        max m and the sum but has no value, so its probability mass is
+ *                        dropped from the weighted sum of V rows.
  *
  * The kernel converts each K/V row once into an fp32 scratch row (L1-resident) and runs the
  * fp32 dot/axpy over it, so the storage dtype and the arithmetic stay independent: a bf16 or
@@ -21,7 +27,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 typedef void (*load_fn)(float *, const void *, int64_t);
 typedef float (*dot_fn)(const float *, const float *, int64_t);
 typedef void (*axpy_fn)(float *, float, const float *, int64_t);
-typedef float (*softmax_fn)(float *, int64_t);
+typedef float (*softmax_fn)(float *, int64_t, float, const float *);
 
 /* ---- scalar ----------------------------------------------------------------------------- */
 static void load_f32_scalar(float *dst, const void *src, int64_t n) { memcpy(dst, src, (size_t)n * 4); }
@@ -41,11 +47,21 @@ static float dot_scalar(const float *a, const float *b, int64_t d) {
 static void axpy_scalar(float *acc, float p, const float *x, int64_t d) {
     for (int64_t i = 0; i < d; i++) acc[i] += p * x[i];
 }
-static float softmax_scalar(float *s, int64_t len) {
-    float m = s[0], sum = 0.f;
-    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+/* The extras of every ISA's softmax: the soft-cap in place (cap > 0), then the row's max
+ * with the sink logit (if any) among the candidates. tanhf is per score, so a score's capped
+ * value depends on that score alone (batch-invariant as the rest). */
+static inline float softcap_max(float *s, int64_t len, float cap, const float *sink) {
+    if (cap > 0.f)
+        for (int64_t t = 0; t < len; t++) s[t] = tanhf(s[t] / cap) * cap;
+    float m = sink ? *sink : s[0];
+    for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+    return m;
+}
+static float softmax_scalar(float *s, int64_t len, float cap, const float *sink) {
+    const float m = softcap_max(s, len, cap, sink);
+    float sum = 0.f;
     for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-    return sum;
+    return sink ? sum + expf(*sink - m) : sum;
 }
 
 #if defined(__x86_64__)
@@ -88,9 +104,8 @@ AVX2 static void axpy_avx2(float *acc, float p, const float *x, int64_t d) {
         _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i),
                                                  _mm256_loadu_ps(acc + i)));
 }
-AVX2 static float softmax_avx2(float *s, int64_t len) {
-    float m = s[0];
-    for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+AVX2 static float softmax_avx2(float *s, int64_t len, float cap, const float *sink) {
+    const float m = softcap_max(s, len, cap, sink);
     __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
@@ -100,7 +115,7 @@ AVX2 static float softmax_avx2(float *s, int64_t len) {
     }
     float total = hsum256(sum);
     for (; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
-    return total;
+    return sink ? total + expf(*sink - m) : total;
 }
 
 /* ---- AVX-512 F (16 floats a vector); dot/axpy need d % 16 == 0 --------------------------- */
