@@ -60,10 +60,10 @@ class StateRadixCache(RadixCache):
         usable = len(token_ids) - len(token_ids) % P
         node, pos, best = self.root, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 break
-            if self._matching_pages(child.key, token_ids, pos, usable) < child.num_pages:
+            if self.matching_pages(child.key, token_ids, pos, usable) < child.num_pages:
                 break  # the match ends inside the node: its snapshot is at its end
             pos += len(child.key)
             node = child
@@ -100,14 +100,14 @@ class StateRadixCache(RadixCache):
         P = self.page_size
         node, pos = self.root, 0
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 return None
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
             if matched < child.num_pages:
                 if pos + matched * P < len(token_ids):
                     return None
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             pos += matched * P
             node = child
         return node
@@ -159,7 +159,7 @@ class StateRadixCache(RadixCache):
         were freed (fewer only when no unpinned one is left)."""
         if num_states <= 0 or self.disable:
             return 0
-        heap = [(self._state_priority(n), n.id, n) for n in self._nodes()
+        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
                 if n.state_slot and not n.state_pin]
         heapq.heapify(heap)
         freed = 0
@@ -190,7 +190,7 @@ class StateRadixCache(RadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         slots, pinned = [], 0
-        for node in self._nodes():
+        for node in self.nodes():
             if node.state_pin:
                 assert node.state_slot, f"{node!r}: pinned without a snapshot"
                 assert node.lock_ref >= node.state_pin, f"{node!r}: pinned but not locked"
