@@ -39,16 +39,19 @@ DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_l
             bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
-def build(shape: str, root: str) -> str:
+def build(shape: str, root: str, positions: int = 8192) -> str:
+    """`positions`: the config's max_position_embeddings (the longest context it serves)."""
     import torch
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
     if shape == "mistral":
-        cfg = tf.MistralConfig(**DIMS, sliding_window=WINDOW)
+        cfg = tf.MistralConfig(**{**DIMS, "max_position_embeddings": positions},
+                               sliding_window=WINDOW)
     else:
         types = ["sliding_attention", "full_attention"] * (DIMS["num_hidden_layers"] // 2)
-        cfg = tf.Qwen2Config(**DIMS, sliding_window=WINDOW, use_sliding_window=True,
+        cfg = tf.Qwen2Config(**{**DIMS, "max_position_embeddings": positions},
+                             sliding_window=WINDOW, use_sliding_window=True,
                              max_window_layers=0, layer_types=types)
     torch.manual_seed(7)
     path = os.path.join(root, shape)
@@ -153,7 +156,7 @@ def main() -> int:
               "prompt": a.prompt, "output": a.output, "requests": a.requests, "shapes": {}}
     with tempfile.TemporaryDirectory() as root:
         for shape in a.shapes.split(","):
-            path = build(shape, root)
+            path = build(shape, root, max(DIMS["max_position_embeddings"], ctx))
             ratios = [None] + ([float(r) for r in a.ratios.split(",")]
                                if shape != "mistral" else [0.8])
             arms = []

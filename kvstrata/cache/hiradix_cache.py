@@ -185,6 +185,11 @@ class HiRadixCache(RadixCache):
     def _free_device(self, node: TreeNode) -> None:
         self.allocator.free(node.device_pages)
 
+    def _free_host(self, node: TreeNode) -> None:
+        """A node's host copy goes (host eviction, or a host-only node dropped with its
+        device ancestor)."""
+        self.host_allocator.free(node.host_pages)
+
     def alloc_host(self, n: int) -> list[int] | None:
         """`n` host pages, evicting host-only cached pages first if the pool is short (tree
         write-backs, storage prefetches, a decode server's retraction backups); None if
@@ -285,7 +290,7 @@ class HiRadixCache(RadixCache):
             n = stack.pop()
             assert not n.device_pages and n.pending_job is None
             if n.host_pages and n.host_ref == 0:
-                self.host_allocator.free(n.host_pages)
+                self._free_host(n)
             n.parent = None
             stack.extend(n.children.values())
         node.parent = None
@@ -300,7 +305,7 @@ class HiRadixCache(RadixCache):
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
-            self.host_allocator.free(node.host_pages)
+            self._free_host(node)
             freed += len(node.host_pages)
             parent = node.parent
             del parent.children[node.key[:self.page_size]]

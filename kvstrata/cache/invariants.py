@@ -111,8 +111,18 @@ def expected_state_slots(kv, live_requests: list[Any]) -> dict[int, tuple[int, .
     """Recurrent state: slot -> the token ids whose state it must hold now (a runner that
     can tell compares): each live request's working slot the tokens it computed, its aside
     slot those up to its snapshot, each cached snapshot its node's path (cache salts taken
-    off the tree's ids: salted_ids adds the salt above the token's 32 bits)."""
+    off the tree's ids: salted_ids adds the salt above the token's 32 bits); with HiCache, a
+    host copy of a snapshot (key ("host", host slot)) its node's path too, once the runner
+    made the copy (not while its op waits for the next step)."""
     out: dict[int, tuple[int, ...]] = {}
+    waiting: set = set()
+    for op in getattr(kv.tree, "pending_ops", ()):
+        if not getattr(op, "state_slots", None):
+            continue
+        if op.kind == "d2h":
+            waiting.update(("host", h) for h in op.host_state_slots)
+        else:
+            waiting.update(op.state_slots)
     for req in live_requests:
         if req.state_slot:
             out[req.state_slot] = tuple(req.all_ids[:req.num_computed_tokens])
@@ -124,8 +134,10 @@ def expected_state_slots(kv, live_requests: list[Any]) -> dict[int, tuple[int, .
         path = prefix + tuple(t & 0xFFFFFFFF for t in node.key)
         if node.state_slot:
             out[node.state_slot] = path
+        if node.host_state:
+            out[("host", node.host_state)] = path
         stack.extend((child, path) for child in node.children.values())
-    return out
+    return {slot: tokens for slot, tokens in out.items() if slot not in waiting}
 
 
 def check_backup_pool(kv, held: list[list[int]]) -> None:

@@ -35,6 +35,7 @@ from kvstrata.cache.kv_tiers import KVTiers, _cache_ids
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import salted_ids
 from kvstrata.cache.radix_cache import RadixCache
+from kvstrata.cache.state_hiradix import resume_at_state, state_hicache
 from kvstrata.cache.state_radix import StateRadixCache
 from kvstrata.cache.state_slots import StateSlots
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
@@ -68,9 +69,10 @@ class KVManager(KVCapacity, KVTiers):
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.swa: SWAPages | None = None
         self.states: StateSlots | None = None
-        if plan.has_state_pool and (plan.has_swa_pool or plan.has_host_pool or storage):
-            raise ValueError("a recurrent state pool beside an SWA pool, a host pool or L3 "
-                             "storage is not built yet")
+        if plan.has_state_pool and (plan.has_swa_pool or storage or plan.has_host_pool
+                                    and plan.host_pool_use != "hicache"):
+            raise ValueError("a recurrent state pool beside an SWA pool, a retraction host "
+                             "pool or L3 storage is not built yet")
         if plan.has_swa_pool:
             # HiCache L2 / L3 (cache/swa_hiradix.py, swa_storage.py) and retraction backups
             # (the host pool's SWA half: runner/executors/retraction_backup.py) copy SWA pages.
@@ -90,6 +92,10 @@ class KVManager(KVCapacity, KVTiers):
                 self.tree: RadixCache = SWAHiRadixCache(
                     self.allocator, page_size, self.host_allocator, self.swa,
                     hicache_write_policy, eviction_policy)
+            elif plan.has_state_pool:  # host copies of snapshots too (cache/state_hiradix.py)
+                self.tree, self.states = state_hicache(plan, self.allocator, self.host_allocator,
+                                                       hicache_write_policy, eviction_policy,
+                                                       state_track_interval)
             else:
                 self.tree = HiRadixCache(self.allocator, page_size, self.host_allocator,
                                          hicache_write_policy, eviction_policy)
@@ -139,6 +145,8 @@ class KVManager(KVCapacity, KVTiers):
         if self.hicache and (len(match.host_pages) >= LOAD_BACK_THRESHOLD_PAGES
                              or self.swa is not None and self.tree.needs_load(match)):
             match = self._load_back(ids, match, whole_prompt)
+        if self.hicache and self.states is not None:  # its end's snapshot on the device
+            match = resume_at_state(self.tree, match)
         req.last_node = match.last_node
         req.pages = list(match.device_pages)
         req.num_tree_pages = len(req.pages)

@@ -143,7 +143,9 @@ class StateRadixCache(RadixCache):
         self._num_pinned -= 1
 
     # ------------------------------------------------------------------ eviction
-    def _drop_state(self, node: TreeNode) -> None:
+    def drop_state(self, node: TreeNode) -> None:
+        """Free `node`'s unpinned snapshot slot (eviction; public so StateHiRadixCache can
+        share it, as it shares the rest of the snapshot bookkeeping)."""
         assert not node.state_pin, f"a pinned snapshot would be freed: {node!r}"
         self.slots.free([node.state_slot])
         node.state_slot = 0
@@ -151,7 +153,7 @@ class StateRadixCache(RadixCache):
 
     def _free_node_pages(self, node: TreeNode) -> None:
         if node.state_slot:
-            self._drop_state(node)
+            self.drop_state(node)
         super()._free_node_pages(node)
 
     def evict_states(self, num_states: int) -> int:
@@ -159,9 +161,7 @@ class StateRadixCache(RadixCache):
         were freed (fewer only when no unpinned one is left)."""
         if num_states <= 0 or self.disable:
             return 0
-        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
-                if n.state_slot and not n.state_pin]
-        heapq.heapify(heap)
+        heap = self.unpinned_snapshots()
         freed = 0
         while freed < num_states and heap:
             node = heapq.heappop(heap)[-1]
@@ -169,7 +169,7 @@ class StateRadixCache(RadixCache):
                 continue  # dropped with a leaf below it meanwhile
             freed += 1
             if node.children or node.lock_ref:
-                self._drop_state(node)
+                self.drop_state(node)
                 continue
             parent = node.parent
             self._drop_leaf(node)
@@ -179,6 +179,14 @@ class StateRadixCache(RadixCache):
                 self._drop_leaf(node)
         self.total_evicted_states += freed
         return freed
+
+    def unpinned_snapshots(self) -> list:
+        """A heap of the nodes with an unpinned snapshot, in state eviction's order (shared
+        with StateHiRadixCache)."""
+        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
+                if n.state_slot and not n.state_pin]
+        heapq.heapify(heap)
+        return heap
 
     def cached_states(self) -> int:
         return self._num_states

@@ -17,7 +17,7 @@ class TreeNode:
         "id", "key", "device_pages", "children", "parent", "lock_ref",
         "last_access_time", "hit_count", "host_pages", "pending_job", "pending_host",
         "host_ref", "hash_keys", "swa_lock_ref", "swa_tombstone", "host_swa", "state_slot",
-        "state_pin",
+        "state_pin", "host_state",
     )
 
     def __init__(self, key: tuple[int, ...] = (), device_pages: list[int] | None = None,
@@ -53,6 +53,9 @@ class TreeNode:
         # to be made into requests' working slots (it must not be freed before).
         self.state_slot = 0
         self.state_pin = 0
+        # ... and with HiCache (cache/state_hiradix.py): the host state slot holding a copy
+        # of that state (0: none); only a node with a host copy of its pages has one.
+        self.host_state = 0
 
     @property
     def num_pages(self) -> int:

@@ -165,6 +165,9 @@ class KVPlan:
     # snapshots. `state_components` empty with slots > 0 = bookkeeping only (fake runners).
     num_state_slots: int = 0
     state_components: tuple[StateComponent, ...] = ()
+    # ... and with HiCache L2 (cache/state_hiradix.py): host state slots (each one state
+    # pool slot's bytes) keeping copies of snapshots whose device copy went.
+    num_host_state_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -202,6 +205,8 @@ class KVPlan:
         if self.swa_components and not self.num_swa_pages:
             raise ValueError("SWA components without an SWA pool (num_swa_pages 0)")
         check_state_pool(self.num_state_slots, self.state_components)
+        if self.num_host_state_slots and not (self.num_state_slots and self.num_host_pages):
+            raise ValueError("host state slots need a state pool and a host pool")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -224,14 +229,15 @@ class KVPlan:
     def pages_only(cls, *, num_pages: int, page_size: int = 1, num_rows: int = 64,
                    context_len: int = 1 << 20, num_host_pages: int = 0,
                    host_pool_use: str = "hicache", num_swa_pages: int = 0,
-                   swa_window: int = 0, num_state_slots: int = 0) -> "KVPlan":
+                   swa_window: int = 0, num_state_slots: int = 0,
+                   num_host_state_slots: int = 0) -> "KVPlan":
         """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
         A host tier here only needs a (any valid) layout/IO pair to be well formed."""
         host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST, io_backend="kernel",
                     host_pool_use=host_pool_use) if num_host_pages else {}
         return cls(page_size, num_pages, num_rows, context_len, "none", (), **host,
                    num_swa_pages=num_swa_pages, swa_window=swa_window,
-                   num_state_slots=num_state_slots)
+                   num_state_slots=num_state_slots, num_host_state_slots=num_host_state_slots)
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -357,8 +363,10 @@ class KVPlan:
     @property
     def host_pool_bytes(self) -> int:
         swa = page_bytes(self.swa_components, self.page_size)  # the host SWA half, if any
-        return (self.num_host_pages + 1) * (self.bytes_per_page + swa) if self.num_host_pages \
-            else 0
+        states = (self.num_host_state_slots + 1) * self.state_bytes_per_slot \
+            if self.num_host_state_slots else 0
+        return (self.num_host_pages + 1) * (self.bytes_per_page + swa) + states \
+            if self.num_host_pages else 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -380,12 +388,16 @@ class KVPlan:
             "num_state_slots": self.num_state_slots,
             "state_bytes_per_slot": self.state_bytes_per_slot,
             "state_components": [c.to_json() for c in self.state_components],
+            "num_host_state_slots": self.num_host_state_slots,
         }
 
     def summary(self) -> str:
         """One start-up log line."""
-        host = (f"; host {self.num_host_pages} pages ({self.host_pool_bytes / 2**20:.1f} MiB, "
-                f"{self.host_layout}/{self.io_backend})" if self.num_host_pages else "")
+        host = (f"; host {self.num_host_pages} pages"
+                + (f" + {self.num_host_state_slots} state slots" if self.num_host_state_slots
+                   else "")
+                + f" ({self.host_pool_bytes / 2**20:.1f} MiB, {self.host_layout}/"
+                  f"{self.io_backend})" if self.num_host_pages else "")
         draft = (f"; draft pool {self.draft_bytes_per_token} B/token"
                  if self.draft_components else "")
         swa = (f"; SWA pool {self.num_swa_pages} pages x {self.page_size} tokens "

@@ -135,7 +135,8 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
     if facts.state_components:  # recurrent state: the budget split (kv_sizing_state.py)
         ctx, resolutions = _context_len(args, facts)
         plan, sized = state_plan(args, facts, budget_bytes, ctx, DEFAULT_MAX_RUNNING_REQUESTS,
-                                 lambda per_token, budget: _device_tokens(args, per_token, budget))
+                                 lambda per_token, budget: _device_tokens(args, per_token, budget),
+                                 host=lambda tokens, gb: _host_fields(args, facts, tokens, gb))
         return plan, sized + resolutions
     if args.hybrid_swa_memory and facts.layer_windows and facts.pool_kind == "mha":
         ctx, resolutions = _context_len(args, facts)
@@ -159,11 +160,14 @@ def size_kv_plan(args: ResolvedArgs, facts: ModelKVFacts,
     return plan, resolutions
 
 
-def _host_fields(args: ResolvedArgs, facts: ModelKVFacts, tokens: int) -> dict:
+def _host_fields(args: ResolvedArgs, facts: ModelKVFacts, tokens: int,
+                 hicache_size: float | None = None) -> dict:
     """The host pool's KVPlan fields ({} without one), sized from `tokens` device tokens (the
     full pool's with hybrid SWA memory: a host page holds every layer's K/V of its tokens,
-    cache/swa_hiradix.py)."""
+    cache/swa_hiradix.py). `hicache_size`: the GB left to K/V pages (a recurrent model's
+    states take their share first: kv_sizing_state.py)."""
     use = host_pool_use(args)
+    hicache_size = args.hicache_size if hicache_size is None else hicache_size
     if use is None:
         return {}
     # A retraction-only pool is sized like HiCache's: the ratio step 5 resolved (0.2 of
@@ -171,7 +175,7 @@ def _host_fields(args: ResolvedArgs, facts: ModelKVFacts, tokens: int) -> dict:
     bytes_per_token = sum(c.bytes_per_token for c in facts.components)
     return dict(num_host_pages=host_pool_num_pages(
         device_pool_tokens=tokens, page_size=args.page_size, bytes_per_token=bytes_per_token,
-        hicache_ratio=args.hicache_ratio, hicache_size=args.hicache_size,
+        hicache_ratio=args.hicache_ratio, hicache_size=hicache_size,
         warn_small=use == "hicache"),
         host_layout=args.hicache_mem_layout, io_backend=args.hicache_io_backend,
-        host_size_flag=host_size_flag(args.hicache_size), host_pool_use=use)
+        host_size_flag=host_size_flag(hicache_size), host_pool_use=use)

@@ -215,6 +215,11 @@ class ServerArgs:
     hicache_storage_backend_extra_config: str | None = opt(
         None, "Extra storage backend config: a JSON object, or @path to a JSON file.",
         group="hicache")
+    hicache_mamba_size_gb: str | None = opt(
+        None, "Host memory in GB for recurrent (SSM / linear-attention) models' state "
+              "snapshots, carved out of --hicache-size when that is set (default: the host "
+              "tier split in proportion to the device bytes of K/V and states; 'auto' is not "
+              "built).", group="hicache")
 
     # ---- prefill/decode disaggregation ------------------------------------------------------
     disaggregation_mode: str = opt("null", "Role in prefill/decode disaggregation: null (one "

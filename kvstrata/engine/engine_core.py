@@ -222,6 +222,11 @@ class EngineCore:
         }
         if kv.swa is not None:  # device tombstones whose window came back from the host
             out["hicache_swa_revived_pages"] = kv.tree.swa_revived_pages
+        if kv.states is not None:  # host copies of state snapshots (cache/state_hiradix.py)
+            out.update({"hicache_host_state_slots": kv.tree.host_slots.num_pages,
+                        "hicache_host_cached_states": kv.tree.cached_host_states(),
+                        "hicache_states_to_host": kv.tree.states_to_host,
+                        "hicache_states_from_host": kv.tree.states_from_host})
         if kv.storage is not None:  # L3: tokens per outcome (the runner adds bytes)
             out.update({f"hicache_storage_{k}": v
                         for k, v in dataclasses.asdict(kv.storage.stats).items()})

@@ -19,8 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata import platform
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.state_plan import STATE_CONV, STATE_SSM
+from kvstrata.kv.host_pool import check_host_memory
+
+
+def slot_index(slots, num_slots: int, what: str) -> torch.Tensor:
+    """`slots` as an int64 index, each in 1..num_slots - 1 (slot 0 is never a state's)."""
+    idx = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= num_slots):
+        raise IndexError(f"{what} {idx.tolist()[:8]} outside 1..{num_slots - 1}")
+    return idx
 
 
 class RecurrentStatePool:
@@ -53,15 +63,14 @@ class RecurrentStatePool:
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def _index(self, slots) -> torch.Tensor:
-        idx = torch.as_tensor(slots, dtype=torch.int64).reshape(-1)
-        if idx.numel() and (int(idx.min()) < 1 or int(idx.max()) >= self.num_slots):
-            raise IndexError(f"state slots {idx.tolist()[:8]} outside 1..{self.num_slots - 1}")
-        return idx.to(self.device)
+    def slots_tensor(self, slots) -> torch.Tensor:
+        """`slots`, checked against the pool, as an index tensor on its device (the host
+        state pool indexes the device pool through it when saving and loading)."""
+        return slot_index(slots, self.num_slots, "state slots").to(self.device)
 
     def copy_slots(self, src, dst) -> None:
         """Every layer's state of slots `src` into slots `dst` (all sources read first)."""
-        s, d = self._index(src), self._index(dst)
+        s, d = self.slots_tensor(src), self.slots_tensor(dst)
         if s.numel() != d.numel():
             raise ValueError(f"copy of {s.numel()} state slots into {d.numel()}")
         for t in self.tensors.values():
@@ -69,7 +78,7 @@ class RecurrentStatePool:
 
     def zero_slots(self, slots) -> None:
         """The state before any token (what a request without a cached prefix starts from)."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         for t in self.tensors.values():
             t[:, idx] = 0
 
@@ -83,12 +92,12 @@ class RecurrentStatePool:
 
     def cpu_copy(self, slots) -> dict[str, torch.Tensor]:
         """A host copy of `slots` (every component and layer), for a retraction backup."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         return {name: t[:, idx].to("cpu", copy=True) for name, t in self.tensors.items()}
 
     def restore(self, slots, copy: dict[str, torch.Tensor]) -> None:
         """Write a `cpu_copy` back into `slots` (any slots of the same count)."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         if set(copy) != set(self.tensors):
             raise ValueError(f"a state copy of {sorted(copy)} cannot restore "
                              f"{sorted(self.tensors)}")
@@ -96,3 +105,51 @@ class RecurrentStatePool:
             if copy[name].shape[1] != idx.numel():
                 raise ValueError(f"a copy of {copy[name].shape[1]} slots into {idx.numel()}")
             t[:, idx] = copy[name].to(t.device, t.dtype)
+
+
+class HostStatePool:
+    """HiCache L2 of a recurrent model: host copies of state pool slots (snapshots whose
+    device copy went, cache/state_hiradix.py), laid out as the device pool (one tensor per
+    component, (num_layers, num_host_state_slots + 1, *slot_shape); slot 0 unused), pinned
+    on CUDA/ROCm like the host KV pool. Copies are sync: the HiCache executor makes them in
+    op order before the step's forward."""
+
+    def __init__(self, plan: KVPlan, pin_memory: bool | None = None,
+                 check_memory: bool = True):
+        if not plan.num_host_state_slots or not plan.state_components:
+            raise ValueError("HostStatePool needs a plan with host state slots and state "
+                             "components")
+        if check_memory:  # as the host KV pool: fail at start-up, not mid-serving
+            check_host_memory((plan.num_host_state_slots + 1) * plan.state_bytes_per_slot,
+                              "--hicache-mamba-size-gb (or --hicache-ratio / --hicache-size)")
+        if pin_memory is None:
+            pin_memory = platform.is_cuda_alike()
+        self.num_slots = plan.num_host_state_slots + 1
+        self.tensors: dict[str, torch.Tensor] = {
+            c.name: torch.zeros((c.num_layers, self.num_slots, *c.slot_shape),
+                                dtype=getattr(torch, c.dtype), pin_memory=pin_memory)
+            for c in plan.state_components}
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def slots_tensor(self, slots) -> torch.Tensor:
+        """`slots`, checked against the host pool, as an index tensor."""
+        return slot_index(slots, self.num_slots, "host state slots")
+
+    def save(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
+        """Device state slots -> host state slots (pairwise, every component and layer)."""
+        d, h = pool.slots_tensor(device_slots), self.slots_tensor(host_slots)
+        if d.numel() != h.numel():
+            raise ValueError(f"a copy of {d.numel()} state slots into {h.numel()}")
+        for name, t in self.tensors.items():
+            t[:, h] = pool.tensors[name][:, d].to("cpu")
+
+    def load(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
+        """Host state slots -> device state slots (pairwise)."""
+        d, h = pool.slots_tensor(device_slots), self.slots_tensor(host_slots)
+        if d.numel() != h.numel():
+            raise ValueError(f"a copy of {h.numel()} host state slots into {d.numel()}")
+        for name, t in pool.tensors.items():
+            t[:, d] = self.tensors[name][:, h].to(t.device)

@@ -159,6 +159,10 @@ class TransferOp(msgspec.Struct, tag="transfer"):
     # batch it read (the window a match ending there needs; StorageProgress.swa_read).
     swa_keys: list[str] = []
     swa_window_pages: int = 0
+    # Recurrent state with HiCache ("d2h", "h2d", always sync, no pages): state pool slots
+    # copied to / from host state slots, pairwise (cache/state_hiradix.py).
+    state_slots: list[int] = []
+    host_state_slots: list[int] = []
 
 
 class StorageCancel(msgspec.Struct, tag="storage_cancel"):

@@ -174,7 +174,8 @@ class ModelRunner(ExecutorWiring):
             # A decode server's host pool holds retraction backups only: no transfer thread.
             self.backup = retraction_pool_backup(plan, self.kv_pool, self.swa_pool)
         elif plan.has_host_pool:
-            self.hicache = HiCacheExecutor(self.kv_pool, plan, swa_pool=self.swa_pool)
+            self.hicache = HiCacheExecutor(self.kv_pool, plan, swa_pool=self.swa_pool,
+                                           state_pool=self.state_pool)
         quant = self.quantization_info["quantization"]
         logger.info("model %s (%s%s) on %s; %s", self.source.display_name, self.dtype,
                     f", {quant}" if quant else "", self.device, plan.summary())

@@ -1,5 +1,6 @@
 """The recurrent-state pool (kv/state_pool.py) against plain torch indexing: shapes from the
-plan, slot copies (copy-on-write and snapshots), zeroing, and a CPU copy restored elsewhere."""
+plan, slot copies (copy-on-write and snapshots), zeroing, a CPU copy restored elsewhere, and
+HiCache's host state store (HostStatePool) written and read back."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.state_plan import StateComponent
-from kvstrata.kv.state_pool import RecurrentStatePool
+from kvstrata.kv.state_pool import HostStatePool, RecurrentStatePool
 
 CONV = StateComponent("conv", 3, (10, 3), "bfloat16")
 SSM = StateComponent("ssm", 3, (2, 4, 5), "float32")
@@ -64,3 +65,33 @@ def test_slots_outside_the_pool_and_mismatched_copies_are_refused():
         pool.copy_slots([1, 2], [3])
     with pytest.raises(ValueError):
         pool.restore([1], pool.cpu_copy([1, 2]))
+
+
+def test_host_state_store_round_trips_slots():
+    """Device slots 2, 4 -> host slots 3, 1; then host 1, 3 -> device 5, 6: the same states,
+    every component and layer, in the pool's dtypes; slot ids outside a store are refused."""
+    pool = _pool()
+    plan = KVPlan(1, 8, 4, 64, "none", (), num_state_slots=6, state_components=(CONV, SSM),
+                  num_host_pages=4, host_layout="page_first", io_backend="kernel",
+                  num_host_state_slots=3)
+    host = HostStatePool(plan, pin_memory=False, check_memory=False)
+    assert host.size_bytes == 4 * plan.state_bytes_per_slot
+    before = {n: t.clone() for n, t in pool.tensors.items()}
+    host.save(pool, [2, 4], [3, 1])
+    host.load(pool, [5, 6], [1, 3])
+    for name, t in pool.tensors.items():
+        assert torch.equal(t[:, 5], before[name][:, 4]) and torch.equal(t[:, 6], before[name][:, 2])
+        assert torch.equal(t[:, 1:5], before[name][:, 1:5])  # the sources untouched
+        assert host.tensors[name].dtype == t.dtype
+    with pytest.raises(IndexError):
+        host.save(pool, [1], [4])
+    with pytest.raises(ValueError):
+        host.load(pool, [1, 2], [1])
+
+
+def test_host_state_store_larger_than_the_ram_is_refused_before_allocating():
+    plan = KVPlan(1, 8, 4, 64, "none", (), num_state_slots=6, state_components=(CONV, SSM),
+                  num_host_pages=4, host_layout="page_first", io_backend="kernel",
+                  num_host_state_slots=10**12)
+    with pytest.raises(ValueError, match="Not enough host memory .* --hicache-mamba-size-gb"):
+        HostStatePool(plan)

@@ -11,10 +11,12 @@ filed at the wrong node, a slot freed while in use and handed to another request
 snapshot changed after filing all fail here or at `check_state_slots` (every slot the
 scheduler says holds a state, compared after every step under KVSTRATA_CHECK_INTEGRITY).
 A speculative verify (a chain) leaves the state after its last token and accepted drafts
-only, as the real runner's commit does."""
+only, as the real runner's commit does. With HiCache, TransferOps carrying state slot pairs
+copy states to / from a host state store (`host_states`) first, in op order, as the HiCache
+executor does before the forward; `check_state_slots` compares the host slots too."""
 from __future__ import annotations
 
-from kvstrata.protocol import RunnerOutput, SchedulerOutput
+from kvstrata.protocol import RunnerOutput, SchedulerOutput, TransferOp, of_type
 from tests.unit.fake_runner import FakeRunner
 
 
@@ -22,10 +24,28 @@ class FakeStateRunner(FakeRunner):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.states: dict[int, tuple[int, ...]] = {}
+        self.host_states: dict[int, tuple[int, ...]] = {}  # HiCache host state slots
+        self.states_moved = {"d2h": 0, "h2d": 0}
         self.copies = self.resets = self.snapshots = 0
         self.resumed_tokens = 0  # positions a copied snapshot spared recomputing
 
+    def _move_states(self, so: SchedulerOutput) -> None:
+        for op in of_type(so.ops, TransferOp):
+            if not op.state_slots:
+                continue
+            assert op.sync and not op.device_pages and len(op.state_slots) == len(
+                op.host_state_slots), f"a state transfer op {op}"
+            for dev, host in zip(op.state_slots, op.host_state_slots):
+                if op.kind == "d2h":
+                    assert dev in self.states, f"a write of the empty state slot {dev}"
+                    self.host_states[host] = self.states[dev]
+                else:
+                    assert host in self.host_states, f"a load of the empty host slot {host}"
+                    self.states[dev] = self.host_states[host]
+            self.states_moved[op.kind] += len(op.state_slots)
+
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        self._move_states(so)
         slots = [s.state_slot for s in so.scheduled]
         assert all(slots), f"an entry without a state slot: {so.scheduled}"
         assert len(set(slots)) == len(slots), f"two entries share a state slot: {slots}"
@@ -68,9 +88,11 @@ class FakeStateRunner(FakeRunner):
                 self.snapshots += 1
         return out
 
-    def check_state_slots(self, expected: dict[int, tuple[int, ...]]) -> None:
+    def check_state_slots(self, expected: dict) -> None:
+        """`expected`: device slot (or ("host", host slot)) -> tokens it holds the state of."""
         for slot, tokens in expected.items():
-            held = self.states.get(slot)
+            held = (self.host_states.get(slot[1]) if isinstance(slot, tuple)
+                    else self.states.get(slot))
             assert held == tokens, (
                 f"state slot {slot} holds the state after {_n(held)} tokens, the scheduler "
                 f"says {len(tokens)} ({tokens[-4:]} vs {_tail(held)})")

@@ -84,8 +84,9 @@ configs = st.fixed_dictionaries({
     # pool's pages beyond two requests' worth; None: one uniform pool.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 12), st.integers(0, 12))),
     # Recurrent state on both servers (pd_fake_state.py): the prefill's and the decode's
-    # state slots beyond the least that serves (no SWA pool, decode radix cache, host tier
-    # or draft trees beside it; cpu_tensor backups), or none.
+    # state slots beyond the least that serves (no SWA pool, decode radix cache, decode host
+    # tier or draft trees beside it; cpu_tensor backups; the prefill's host tier keeps host
+    # copies of snapshots), or none.
     "state": st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 6), st.integers(0, 6))),
 })
 # Often short prompts: several requests then share a small decode pool (retraction).
@@ -110,7 +111,7 @@ class PDMachine(RuleBasedStateMachine):
             cfg = {**cfg, "spec": None, "state": None}
         if cfg["state"] is not None:  # what recurrent state takes under PD (rules/recurrent.py)
             chain = cfg["spec"] is not None and cfg["spec"][2] != "EAGLE"
-            cfg = {**cfg, "decode_radix": False, "decode_hicache": False, "prefill_host_pages": 0,
+            cfg = {**cfg, "decode_radix": False, "decode_hicache": False,
                    "backup": "cpu_tensor", "spec": cfg["spec"] if chain else None}
         self.cfg = cfg
         priority = {"enable_priority_scheduling": True,
@@ -137,6 +138,11 @@ class PDMachine(RuleBasedStateMachine):
                          "disable_radix_cache": cfg["disable_radix_cache"],
                          "num_host_pages": (0 if cfg["disable_radix_cache"]
                                             else cfg["prefill_host_pages"]),
+                         # a prefill's host tier beside a state pool keeps host copies of
+                         # snapshots too (cache/state_hiradix.py)
+                         **({"num_host_state_slots": 1 + cfg["state"][0]}
+                            if cfg["state"] is not None and cfg["prefill_host_pages"]
+                            and not cfg["disable_radix_cache"] else {}),
                          "schedule_policy": ("fcfs" if cfg["priority"] is not None
                                              else cfg["schedule_policy"]),
                          **priority,

@@ -124,7 +124,7 @@ RULES = ["gguf_weights.kept", "platform.device", "platform.chunked_prefill_size"
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)
          "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
          "kv_plan.sliding_window", "kv_plan.rows", "kv_plan.swa_memory", "kv_plan.state_slots",
-         "kv_plan.state_rows", "state.track_interval"]
+         "kv_plan.state_rows", "kv_plan.host_state_slots", "state.track_interval"]
 
 
 def test_docs_list_every_flag_rule_and_env_var():

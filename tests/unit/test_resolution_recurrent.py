@@ -105,7 +105,11 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
       "speculative_eagle_topk": 4}, "--speculative-eagle-topk 4: a recurrent layer verifies"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
-    ({"enable_hierarchical_cache": True}, "HiCache .* keeps no state snapshots"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
+     "--hicache-storage-backend file: HiCache L3 keeps no state snapshots"),
+    ({"hicache_mamba_size_gb": "1"}, "--hicache-mamba-size-gb without --enable-hierarchical"),
+    ({"disaggregation_mode": "decode", "disaggregation_decode_enable_offload_kvcache": True,
+      "hicache_storage_backend": "file"}, "a PD decode server's HiCache / KV offload"),
     ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x"},
      "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
     ({"speculative_algorithm": "NEXTN"}, "Qwen3-Next's MTP layer as NEXTN"),
@@ -266,3 +270,46 @@ def test_a_standalone_draft_is_sized_beside_the_state():
     assert plan.num_pages == (budget - plan.state_pool_bytes) // (256 + 128)
     with pytest.raises(ValueError, match="without attention K/V"):
         sized(dataclasses.replace(PURE, draft_components=draft), max_running_requests=4)
+
+
+# ---- HiCache L2: host pages beside host state slots (kv_sizing_state.host_state_fields) ----
+def test_hicache_gets_host_state_slots_at_the_ratio_of_the_device_ones():
+    plan, res = sized(max_total_tokens=4096, max_mamba_cache_size=30,
+                      enable_hierarchical_cache=True)
+    assert plan.num_host_pages == 2 * 4096 and plan.num_host_state_slots == 60
+    assert "--hicache-ratio 2.0 x 30 device state slots" in res["hicache_mamba_size_gb"].reason
+    assert plan.host_pool_bytes == 8193 * 256 + 61 * PER_SLOT
+
+
+def test_hicache_mamba_size_gb_fixes_the_state_share_of_hicache_size():
+    plan, res = sized(max_total_tokens=4096, max_mamba_cache_size=30,
+                      enable_hierarchical_cache=True, hicache_mamba_size_gb="0.001")
+    assert plan.num_host_state_slots == 10**6 // PER_SLOT and "hicache_mamba_size_gb" not in res
+    assert plan.num_host_pages == 2 * 4096  # pages still at the ratio
+    plan, _ = sized(max_total_tokens=4096, max_mamba_cache_size=30,
+                    enable_hierarchical_cache=True, hicache_size=0.004,
+                    hicache_mamba_size_gb="0.001")
+    assert plan.num_host_state_slots == 10**6 // PER_SLOT
+    assert plan.num_host_pages == int(0.003 * 10**9) // 256  # the rest of --hicache-size
+
+
+def test_hicache_size_alone_is_split_by_device_bytes():
+    plan, res = sized(max_total_tokens=4096, max_mamba_cache_size=30,
+                      enable_hierarchical_cache=True, hicache_size=0.01)
+    share = 31 * PER_SLOT / (31 * PER_SLOT + 4096 * 256)
+    assert plan.num_host_state_slots == int(0.01 * share * 10**9) // PER_SLOT
+    assert abs(plan.num_host_pages - int(0.01 * (1 - share) * 10**9) // 256) <= 1
+    assert "the states' share of device bytes" in res["hicache_mamba_size_gb"].reason
+
+
+@pytest.mark.parametrize("facts, kw, match", [
+    (FACTS, {"hicache_mamba_size_gb": "auto"}, "--hicache-mamba-size-gb auto .* not built"),
+    (FACTS, {"hicache_mamba_size_gb": "x"}, "must be a size in GB"),
+    (FACTS, {"hicache_mamba_size_gb": "0.01", "hicache_size": 0.01}, "leaves no host memory"),
+    (FACTS, {"hicache_mamba_size_gb": "0.00000001"}, "holds no state slot"),
+    (PURE, {}, "a model without full-attention layers .Mamba2."),
+])
+def test_hicache_sizing_refusals(facts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sized(facts, max_total_tokens=4096, max_mamba_cache_size=30,
+              enable_hierarchical_cache=True, **kw)

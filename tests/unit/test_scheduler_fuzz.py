@@ -85,12 +85,14 @@ configs = st.fixed_dictionaries({
     # Hybrid SWA memory: (window in tokens, SWA pool in tokens), or off.
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
     # Recurrent state (an SSM hybrid): (state slots, --mamba-radix-cache-strategy, track
-    # interval in pages), or off. Takes the place of the SWA pool and the host tier (not
-    # built beside it); speculation with it drafts chains (NGRAM / STANDALONE: a verify
-    # commits the accepted step's state); no_buffer at pages > 1 runs as auto.
+    # interval in pages, HiCache host state slots), or off. Takes the place of the SWA pool
+    # and L3 (not built beside it); with a host tier (hicache_pages) its snapshots get host
+    # copies (cache/state_hiradix.py); speculation with it drafts chains (NGRAM /
+    # STANDALONE: a verify commits the accepted step's state); no_buffer at pages > 1 runs
+    # as auto.
     "state": st.one_of(st.none(), st.none(), st.none(), st.tuples(
         st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
-        st.sampled_from([1, 2, 4]))),
+        st.sampled_from([1, 2, 4]), st.sampled_from([1, 3, 12]))),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
@@ -111,7 +113,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         state = cfg.get("state")
         if state is not None:
             spec = cfg["spec"] if cfg["spec"] is None or cfg["spec"][2] != "EAGLE" else None
-            cfg = {**cfg, "swa": None, "spec": spec, "hicache_pages": 0}
+            cfg = {**cfg, "swa": None, "spec": spec, "storage": None}
         swa = cfg["swa"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
@@ -131,6 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                            "num_swa_pages": max(swa[1] // P, 1)}
         state_plan = {} if state is None else {
             "num_state_slots": state[0], "mamba_track_interval": state[2] * P,
+            "num_host_state_slots": state[3] if hicache else 0,
             "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
             else state[1]}
         self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB) if state is not None else
@@ -264,6 +267,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if self.cfg.get("state") is not None:
             event(f"state snapshots copied > 0: {self.runner.copies > 0}")
             event(f"state with speculation: {self.cfg['spec'] is not None}")
+            if self.engine.scheduler.kv.hicache:
+                tree = self.engine.scheduler.kv.tree
+                event(f"host states loaded > 0: {tree.states_from_host > 0}")
+                assert tree.host_slots.available_pages() + tree.cached_host_states() == \
+                    tree.host_slots.num_pages, "host state slots held after the drain"
             states = self.engine.scheduler.kv.states
             assert self.engine.scheduler.kv.tree.pinned_states() == 0, "a snapshot pin survived"
             assert states.allocator.available_pages() + \

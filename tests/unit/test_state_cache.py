@@ -240,15 +240,19 @@ def test_a_leaked_slot_fails_the_integrity_check():
 
 
 # ---- the hit rate on a multi-turn chat (vLLM's 0%-hit trap) --------------------------------
-def chat_hit_rate(page_size, state, interval=None, conversations=6, turns=5, max_new=20):
+def chat_hit_rate(page_size, state, interval=None, conversations=6, turns=5, max_new=20,
+                  pool_tokens=4096, host=None):
     """Conversations whose every turn sends the whole history (each answer) plus a new
     user message, as chat clients do; two conversations run at a time. The prefix-cache hit
-    rate (matched / queried prompt tokens)."""
+    rate (matched / queried prompt tokens). `host`: (host pages, host state slots) of a
+    HiCache tier (test_state_hicache.py)."""
     runner_cls = FakeStateRunner if state else None
     kw = dict(num_state_slots=48, mamba_track_interval=interval) if state else {}
+    if host is not None:
+        kw.update(num_host_pages=host[0], num_host_state_slots=host[1])
     from tests.unit.fake_runner import FakeRunner  # noqa: PLC0415
     runner = (runner_cls or FakeRunner)(page_size=page_size, vocab_size=VOCAB)
-    engine = EngineCore(runner, SchedulerConfig(num_pages=4096 // page_size,
+    engine = EngineCore(runner, SchedulerConfig(num_pages=pool_tokens // page_size,
                                                 page_size=page_size, max_running_requests=8,
                                                 **kw))
     history = {c: [(11 * c + j) % 90 + 3 for j in range(24)] for c in range(conversations)}

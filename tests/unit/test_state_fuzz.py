@@ -9,7 +9,11 @@ snapshots are hit), and one more property after every step:
   starts from another state (tests/unit/fake_state_runner.py), so a wrong copy source, a
   missing reset, a snapshot filed at the wrong node or changed after filing, or a slot handed
   to two owners fails the step that did it.
-The teardown checks the pool whole: every slot free or a cached snapshot, nothing pinned.
+With a host tier (the base config's hicache_pages, drawn with a state pool here: HiCache L2
+for a hybrid model, cache/state_hiradix.py) snapshots whose device copy goes are written to
+host state slots and loaded back on a hit; the fake runner keeps the host slots' tokens too.
+The teardown checks the pool whole: every slot free or a cached snapshot, nothing pinned (and
+the host state slots: free + cached == total).
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ from tests.unit import test_scheduler_fuzz as base
 state_configs = base.configs.flatmap(lambda cfg: st.tuples(
     st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
     st.sampled_from([1, 2, 4]), st.sampled_from([False, False, False, True]),
-    st.one_of(st.just(cfg["pool_tokens"]), st.integers(200, 600))).map(
-        lambda x: {**cfg, "state": x[:3], "disable_radix_cache": x[3], "pool_tokens": x[4],
-                   "max_queued": cfg["max_queued"] if x[3] else None}))
+    st.one_of(st.just(cfg["pool_tokens"]), st.integers(200, 600)),
+    st.sampled_from([1, 3, 12])).map(
+        lambda x: {**cfg, "state": x[:3] + (x[5],), "disable_radix_cache": x[3],
+                   "pool_tokens": x[4], "max_queued": cfg["max_queued"] if x[3] else None}))
 
 
 class StateMachine(base.SchedulerMachine):
@@ -39,25 +44,33 @@ class StateMachine(base.SchedulerMachine):
     def build(self, cfg, first):
         base.SchedulerMachine.build(self, cfg, first)
 
-    @rule(full=st.booleans())
-    def state_pressure(self, full):
+    @rule(what=st.sampled_from(["kv", "states", "host"]))
+    def state_pressure(self, what):
         """Pressure on the state pool or the K/V from elsewhere: every unpinned snapshot goes
-        (tombstones, dropped leaves), or every unlocked cached page (with its snapshot)."""
+        (tombstones, dropped leaves; with HiCache written to the host first), or every
+        unlocked cached page (with its snapshot; with HiCache demoted to the host), or with
+        HiCache every host-only leaf and host snapshot copy."""
         tree = self.engine.scheduler.kv.tree
-        if full:
+        if what == "kv":
             tree.evict(10**9)
-        else:
+        elif what == "states":
             tree.evict_states(10**9)
+        elif self.engine.scheduler.kv.hicache:
+            tree.evict_host(10**9)
+            tree.evict_host_states(10**9)
 
     @precondition(lambda self: len(self.requests) < base.MAX_REQUESTS)
     @rule(n=st.integers(1, 40), again=st.integers(0, base.MAX_REQUESTS - 1),
-          extra=st.integers(0, 6))
-    def follow_up(self, n, again, extra):
+          extra=st.integers(0, 6), demote=st.booleans())
+    def follow_up(self, n, again, extra, demote):
         """Some steps, then a follow-up turn: a finished request's prompt and output plus a
         few tokens, as a multi-turn chat sends it (a hit on its snapshot, if one is still
-        cached)."""
+        cached). `demote` with a host tier: every unlocked cached page leaves the device
+        first (its snapshot to the host), so the hit has to come back from there."""
         for _ in range(n):
             self._one_step()
+        if demote and self.engine.scheduler.kv.hicache:
+            self.engine.scheduler.kv.tree.evict(10**9)
         done = sorted(self.finished)
         if not done:
             return
@@ -77,6 +90,9 @@ class StateMachine(base.SchedulerMachine):
             event(f"state snapshots copied: {min(self.runner.copies, 3)}")
             event(f"branch/chunk/track snapshots: {self.runner.snapshots > 0}")
             event(f"states evicted: {kv.tree.total_evicted_states > 0}")
+            if kv.hicache:
+                event(f"host states written / loaded: {kv.tree.states_to_host > 0} / "
+                      f"{kv.tree.states_from_host > 0}")
 
 
 # An eighth of the scheduler fuzzer's examples (it draws a state pool a quarter of the time

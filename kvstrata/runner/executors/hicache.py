@@ -19,6 +19,7 @@ from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.host_pool import HostKVPool
 from kvstrata.kv.io_backends import make_io_backend
 from kvstrata.kv.storage import StorageConfig, StorageNamespace, create_storage_backend
+from kvstrata.kv.state_pool import HostStatePool
 from kvstrata.kv.storage.base import PREFETCH_CONFIG_KEYS
 from kvstrata.protocol import StorageCancel, StorageProgress, TransferDone, TransferOp
 from kvstrata.runner.executors.base import IDLE_WAIT_SECONDS, OpExecutor
@@ -61,11 +62,19 @@ class HiCacheExecutor(OpExecutor):
         return ([TransferDone(job) for job in done]
                 + [TransferDone(job, ok=False) for job in failed] + progress)
 
-    def __init__(self, device_pool, plan: KVPlan, swa_pool=None):
+    def __init__(self, device_pool, plan: KVPlan, swa_pool=None, state_pool=None):
         """The host pool and IO backend `plan` describes, behind `device_pool`. Hybrid SWA
         memory (`swa_pool`, the window layers' device pool): a second host pool of as many
         pages holds their K/V under the same host page ids (cache/swa_hiradix.py), moved by
-        a second IO backend in the same jobs."""
+        a second IO backend in the same jobs. Recurrent state (`state_pool`): a host state
+        store of plan.num_host_state_slots slots; ops with state slot pairs copy to / from
+        it at once, in op order (they are sync and carry no pages: cache/state_hiradix.py)."""
+        self.state_pool = state_pool
+        self.host_states = None
+        if state_pool is not None:
+            if not plan.components:
+                raise ValueError("HiCache for a recurrent model needs full-attention layers")
+            self.host_states = HostStatePool(plan)
         self.swa_host_pool = None
         swa_io = None
         if swa_pool is not None:
@@ -129,8 +138,14 @@ class HiCacheExecutor(OpExecutor):
         copies so far and the storage jobs' progress. idle: the step computes nothing, so
         wait (bounded) for a copy or progress rather than have the engine loop spin."""
         storage_ops = [op for op in ops if op.kind in _STORAGE_KINDS]
+        states_done = []
         for op in ops:
             if op.kind in _STORAGE_KINDS:
+                continue
+            if op.state_slots:  # a snapshot to / from the host state store, now
+                move = self.host_states.save if op.kind == "d2h" else self.host_states.load
+                move(self.state_pool, op.state_slots, op.host_state_slots)
+                states_done.append(op.job_id)
                 continue
             cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages,
                                          op.swa_pages, swa_only=op.swa_only)
@@ -144,8 +159,8 @@ class HiCacheExecutor(OpExecutor):
         else:
             done, failed = self.controller.poll_finished()
         progress = self._storage_step(storage_ops, cancels, idle and not (done or failed))
-        return ([self._job_of.pop(c) for c in done], [self._job_of.pop(c) for c in failed],
-                progress)
+        return (states_done + [self._job_of.pop(c) for c in done],
+                [self._job_of.pop(c) for c in failed], progress)
 
     def _storage_step(self, ops: list[TransferOp], cancels: list[int], wait: bool
                       ) -> list[StorageProgress]:
@@ -174,7 +189,8 @@ class HiCacheExecutor(OpExecutor):
             secs = s.get(f"{kind}_seconds", 0.0)
             s[f"{kind}_gb_per_s"] = s.get(f"{kind}_bytes", 0.0) / secs / 1e9 if secs else 0.0
         s["host_pool_bytes"] = self.host_pool.size_bytes + (
-            self.swa_host_pool.size_bytes if self.swa_host_pool is not None else 0)
+            self.swa_host_pool.size_bytes if self.swa_host_pool is not None else 0) + (
+            self.host_states.size_bytes if self.host_states is not None else 0)
         if self.storage is not None:
             s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
                       if isinstance(v, (int, float))})
