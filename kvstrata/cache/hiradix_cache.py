@@ -72,19 +72,19 @@ class HiRadixCache(RadixCache):
         self.total_queried_tokens += len(token_ids)
         P = self.page_size
         usable = len(token_ids) - len(token_ids) % P
-        now = self._tick()
+        now = self.tick()
         node = self.root
         device: list[int] = []
         host: list[int] = []
         last_device, last_host = self.root, None
         pos = 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)
+            matched = self.matching_pages(child.key, token_ids, pos, usable)
             if matched < len(child.key) // P:
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             child.last_access_time = now
             child.hit_count += 1
             if child.device_pages:
@@ -117,7 +117,7 @@ class HiRadixCache(RadixCache):
             k = len(n.key) // self.page_size
             self._adopt_loaded(n, device_pages[offset:offset + k])
             offset += k
-        self._queue(self._copy_op(next(self._job_ids), "h2d", list(device_pages),
+        self.queue_op(self._copy_op(next(self._job_ids), "h2d", list(device_pages),
                                   list(match.host_pages), sync=True))
         self.stats.h2d_pages += len(device_pages)
         self.stats.host_hit_tokens += len(device_pages) * self.page_size
@@ -131,10 +131,10 @@ class HiRadixCache(RadixCache):
         if len(token_ids) != len(pages) * P:
             raise ValueError(f"insert needs whole pages: {len(token_ids)} tokens != "
                              f"{len(pages)} pages * {P}")
-        now = self._tick()
+        now = self.tick()
         node, pos, device_known = self.root, 0, 0
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 leaf = TreeNode(tuple(token_ids[pos:]), list(pages[pos // P:]), node, now)
                 node.children[leaf.key[:P]] = leaf
@@ -142,10 +142,10 @@ class HiRadixCache(RadixCache):
                 if self.write_policy == "write_through":
                     self._backup(leaf)
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
             if matched < len(child.key) // P and (pos + matched * P < len(token_ids)
                                                    or not child.device_pages):
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             child.last_access_time = now
             if child.device_pages:
                 device_known = pos // P + matched
@@ -157,8 +157,20 @@ class HiRadixCache(RadixCache):
         return device_known
 
     # ------------------------------------------------------------------ host copies
-    def _queue(self, op: TransferOp) -> None:
+    def queue_op(self, op: TransferOp) -> None:
+        """Queue a transfer op for the next SchedulerOutput (the storage tier queues its
+        backup and prefetch jobs here too)."""
         self.pending_ops.append(op)
+
+    def copy_jobs_in_flight(self) -> int:
+        """Device<->host copy jobs queued and not yet reported done; each holds a lock on
+        its nodes until then."""
+        return len(self._jobs)
+
+    def copy_job_locks(self) -> list[TreeNode]:
+        """The node each in-flight copy job locked (the KV-state check counts these as lock
+        holders beside the requests)."""
+        return [locked for locked, _ in self._jobs.values()]
 
     # Hooks a tree with a second device pool extends (cache/swa_hiradix.py): a loaded node
     # taking its device pages, the op copying pages, a node's device pages going.
@@ -199,7 +211,7 @@ class HiRadixCache(RadixCache):
         node.pending_job, node.pending_host = job, host
         self.lock(node)  # the source pages must not be evicted or reused while copying
         self._jobs[job] = (node, [node])
-        self._queue(self._copy_op(job, "d2h", list(node.device_pages), list(host), sync=False,
+        self.queue_op(self._copy_op(job, "d2h", list(node.device_pages), list(host), sync=False,
                                   node=node))
         self.stats.d2h_pages += node.num_pages
 
@@ -240,7 +252,7 @@ class HiRadixCache(RadixCache):
         under write_back, one we can write out now) stays as host-only; others are dropped."""
         if num_pages <= 0:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._nodes() if self._is_device_leaf(n)]
+        heap = [(self._priority(n), n.id, n) for n in self.nodes() if self._is_device_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
@@ -249,7 +261,7 @@ class HiRadixCache(RadixCache):
             if node.host_pages is None and self.write_policy == "write_back":
                 host = self.alloc_host(k)
                 if host is not None:
-                    self._queue(self._copy_op(next(self._job_ids), "d2h",
+                    self.queue_op(self._copy_op(next(self._job_ids), "d2h",
                                               list(node.device_pages), list(host), sync=True,
                                               node=node))
                     node.host_pages = host
@@ -286,7 +298,7 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_pages: int) -> int:
         """Free host copies of host-only leaves (never a node being written, nor one a storage
         backup is reading)."""
-        heap = [(self._priority(n), n.id, n) for n in self._nodes()
+        heap = [(self._priority(n), n.id, n) for n in self.nodes()
                 if not n.children and not n.device_pages and n.pending_job is None
                 and n.host_ref == 0]
         heapq.heapify(heap)
@@ -307,7 +319,7 @@ class HiRadixCache(RadixCache):
     def reset(self) -> bool:
         if self._jobs or self._protected_pages > 0 or (self.storage and self.storage.busy()):
             return False
-        for node in self._nodes():
+        for node in self.nodes():
             if node.host_pages:
                 self.host_allocator.free(node.host_pages)
             if node.device_pages:
@@ -321,7 +333,7 @@ class HiRadixCache(RadixCache):
         evictable = protected = 0
         dev_seen: set[int] = set()
         host_seen: set[int] = set()
-        for node in self._nodes():
+        for node in self.nodes():
             k = len(node.key) // P
             assert node.key and len(node.key) == k * P, f"{node!r}: key not whole pages"
             assert node.device_pages or node.host_pages is not None, f"{node!r} holds nothing"

@@ -51,7 +51,7 @@ def check_kv_state(kv, live_requests: list[Any]) -> None:
     """Raise AssertionError naming the first broken invariant of `kv` (a KVManager)."""
     tree, alloc = kv.tree, kv.allocator
     kv.check_integrity(live_requests)  # page accounting: free + own + cached == total
-    tree_pages = {p for n in tree._nodes() for p in n.device_pages}
+    tree_pages = {p for n in tree.nodes() for p in n.device_pages}
     holders = []
     for req in live_requests:
         own = req.pages[req.num_tree_pages:]
@@ -68,9 +68,10 @@ def check_kv_state(kv, live_requests: list[Any]) -> None:
             f"{req.rid}: tree prefix {req.pages[:req.num_tree_pages]} != pages on the path "
             f"to its locked node {path}")
         holders.append(req.last_node)
-    holders += [locked for locked, _ in getattr(tree, "_jobs", {}).values()]
+    if kv.hicache:
+        holders += tree.copy_job_locks()
     expected = expected_locks(tree, holders)
-    for node in tree._nodes():
+    for node in tree.nodes():
         assert node.lock_ref == expected.get(node.id, 0), (
             f"{node!r}: lock_ref {node.lock_ref} but {expected.get(node.id, 0)} live holders "
             f"(requests and copy jobs) pass through it")
@@ -149,9 +150,9 @@ def check_backup_pool(kv, held: list[list[int]]) -> None:
     alloc.check_integrity()
     flat = [p for pages in held for p in pages]
     assert len(set(flat)) == len(flat), "a host page held by two backups"
-    assert set(flat) == kv._backup_pages, (
+    assert set(flat) == kv.backup_pages(), (
         f"backups hold host pages {sorted(flat)}, the KV manager counts "
-        f"{sorted(kv._backup_pages)}")
+        f"{sorted(kv.backup_pages())}")
     assert all(alloc.is_allocated(p) for p in flat), "a backup holds a free host page"
     if kv.hicache:
         return  # shared with the tree: its check counts both (HiRadixCache)

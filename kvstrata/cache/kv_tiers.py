@@ -39,6 +39,11 @@ class KVTiers:
             self._backup_pages.update(pages)
         return pages
 
+    def backup_pages(self) -> frozenset[int]:
+        """The host pages retraction backups hold now (the backup-pool check compares them
+        with what the backups say they hold)."""
+        return frozenset(self._backup_pages)
+
     def free_backup_pages(self, pages: list[int]) -> None:
         self._backup_pages.difference_update(pages)
         self.host_allocator.free(pages)
@@ -113,10 +118,10 @@ class KVTiers:
         """Async host writes in flight lock their tree nodes until they finish: waiting for
         them frees memory. (Sync ops -- loads, write-back on eviction -- finish within the
         step that carries them and pin nothing afterwards.)"""
-        return self.hicache and bool(self.tree._jobs)
+        return self.hicache and self.tree.copy_jobs_in_flight() > 0
 
     def has_transfers_in_flight(self) -> bool:
-        return self.hicache and bool(self.tree.pending_ops or self.tree._jobs
+        return self.hicache and bool(self.tree.pending_ops or self.tree.copy_jobs_in_flight()
                                      or (self.storage is not None and self.storage.busy()))
 
     # ------------------------------------------------------------------ storage (L3)
@@ -136,5 +141,5 @@ class KVTiers:
 
     def storage_backups_pending(self) -> bool:
         """Host writes whose L3 backup has not ended yet (what a graceful shutdown waits for)."""
-        return self.storage is not None and bool(self.tree._jobs or self.storage.backups
-                                                 or self.tree.pending_ops)
+        return self.storage is not None and bool(self.tree.copy_jobs_in_flight()
+                                                 or self.storage.backups or self.tree.pending_ops)

@@ -66,14 +66,17 @@ class RadixCache:
         self._evictable_pages = 0
         self._protected_pages = 0
 
-    def _tick(self) -> int:
+    def tick(self) -> int:
+        """A fresh access stamp (a logical clock) for the nodes a walk touches; the storage
+        tier stamps the host-only nodes it hangs under the tree with it too."""
         self._clock += 1
         return self._clock
 
-    def _page_key(self, tokens, start: int) -> tuple[int, ...]:
+    def page_key(self, tokens, start: int) -> tuple[int, ...]:
+        """The key a child is filed under: the page of `tokens` starting at `start`."""
         return tuple(tokens[start:start + self.page_size])
 
-    def _matching_pages(self, key: tuple[int, ...], tokens: list[int], start: int, end: int) -> int:
+    def matching_pages(self, key: tuple[int, ...], tokens: list[int], start: int, end: int) -> int:
         """Number of whole pages at the start of `key` equal to tokens[start:end]."""
         limit = min(len(key), end - start)
         i = 0
@@ -97,20 +100,20 @@ class RadixCache:
         page_size = self.page_size
         # Only whole pages can match: drop the partial trailing page.
         usable = len(token_ids) - len(token_ids) % page_size
-        now = self._tick()
+        now = self.tick()
         node = self.root
         node.last_access_time = now
         pages: list[int] = []
         pos = 0  # tokens matched so far
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)  # >= 1
+            matched = self.matching_pages(child.key, token_ids, pos, usable)  # >= 1
             if matched < child.num_pages:
                 # The match ends inside `child`. After the split the loop stops by itself:
                 # the tail's first page differs from the next query page (or the query ended).
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             child.last_access_time = now
             child.hit_count += 1
             pages.extend(child.device_pages)
@@ -126,10 +129,10 @@ class RadixCache:
         usable = len(token_ids) - len(token_ids) % self.page_size
         node, pos, pages = self.root, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None or not child.device_pages:
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)
+            matched = self.matching_pages(child.key, token_ids, pos, usable)
             pages += matched
             if matched < len(child.key) // self.page_size:
                 break
@@ -163,12 +166,12 @@ class RadixCache:
             return 0
         if 0 in pages:
             raise ValueError("page 0 is the padding sink and cannot be cached")
-        now = self._tick()
+        now = self.tick()
         node = self.root
         node.last_access_time = now
         pos = 0  # tokens already present in the tree along the path
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 # The rest is new: one leaf adopts the remaining pages.
                 leaf = TreeNode(tuple(token_ids[pos:]), list(pages[pos // page_size:]), node, now)
@@ -177,12 +180,12 @@ class RadixCache:
                 # covers only the prefix it matched.
                 self._evictable_pages += leaf.num_pages
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))  # >= 1
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))  # >= 1
             pos += matched * page_size
             if matched < child.num_pages and pos < len(token_ids):
                 # Diverges inside `child`: cut it so the new branch hangs at the divergence.
                 # (When the key simply ends inside `child`, no split is needed.)
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             child.last_access_time = now
             node = child
         # pos stops at the first token the tree lacked (== len(token_ids) if it had them all).
@@ -194,7 +197,7 @@ class RadixCache:
         narrows to snapshots (cache/state_radix.py) and so overrides here."""
         return self.match_prefix(token_ids)
 
-    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
+    def split_node(self, child: TreeNode, num_pages: int) -> TreeNode:
         """Cut `child` after `num_pages` pages; return the new upper node.
 
             before:  parent -> child[key = A + B, pages = a + b]
@@ -269,7 +272,7 @@ class RadixCache:
         """
         if num_pages <= 0 or self.disable:
             return 0
-        heap = [(self._priority(n), n.id, n) for n in self._nodes()
+        heap = [(self._priority(n), n.id, n) for n in self.nodes()
                 if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -302,9 +305,9 @@ class RadixCache:
     def reset(self) -> bool:
         """Flush: free every cached page. Refuses (returns False, changes nothing) while any
         node is locked, because a running request still reads those pages."""
-        if self._protected_pages > 0 or any(n.lock_ref > 0 for n in self._nodes()):
+        if self._protected_pages > 0 or any(n.lock_ref > 0 for n in self.nodes()):
             return False
-        for node in self._nodes():
+        for node in self.nodes():
             if node.device_pages:
                 self._free_node_pages(node)
         self._init_tree()
@@ -322,7 +325,7 @@ class RadixCache:
             return 0.0
         return self.total_matched_tokens / self.total_queried_tokens
 
-    def _nodes(self) -> Iterator[TreeNode]:
+    def nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, depth first (iterative: deep trees must not hit the recursion limit)."""
         stack = list(self.root.children.values())
         while stack:

@@ -12,7 +12,7 @@ def check_tree_shape(tree) -> None:
     page_size = tree.page_size
     assert tree.root.lock_ref == 1 and not tree.root.key and not tree.root.device_pages, \
         "root must be empty with lock_ref 1"
-    for node in [tree.root, *tree._nodes()]:
+    for node in [tree.root, *tree.nodes()]:
         child_locks = 0
         for first_page, child in node.children.items():
             assert child.parent is node, f"{child!r} has a wrong parent pointer"
@@ -30,7 +30,7 @@ def check_device_tree(tree) -> None:
     page_size = tree.page_size
     seen: dict = {}  # page -> the node owning it
     evictable = protected = 0
-    for node in tree._nodes():
+    for node in tree.nodes():
         assert len(node.key) == node.num_pages * page_size, f"{node!r}: key/page count mismatch"
         for page in node.device_pages:
             assert page not in seen, f"page {page} owned by {node!r} and {seen[page]!r}"
@@ -40,8 +40,9 @@ def check_device_tree(tree) -> None:
             protected += node.num_pages
         else:
             evictable += node.num_pages
-    assert (evictable, protected) == (tree._evictable_pages, tree._protected_pages), (
-        f"counters (evictable={tree._evictable_pages}, protected={tree._protected_pages}) != "
+    counted = (tree.evictable_pages(), tree.protected_pages())
+    assert (evictable, protected) == counted, (
+        f"counters (evictable, protected)={counted} != "
         f"tree (evictable={evictable}, protected={protected})"
     )
     if tree.disable:

@@ -76,8 +76,8 @@ class StateHiRadixCache(HiRadixCache):
     take_state = StateRadixCache.take_state
     pin_state = StateRadixCache.pin_state
     unpin_state = StateRadixCache.unpin_state
-    _drop_state = StateRadixCache._drop_state
-    _unpinned_snapshots = StateRadixCache._unpinned_snapshots
+    drop_state = StateRadixCache.drop_state
+    unpinned_snapshots = StateRadixCache.unpinned_snapshots
     cached_states = StateRadixCache.cached_states
     pinned_states = StateRadixCache.pinned_states
 
@@ -94,10 +94,10 @@ class StateHiRadixCache(HiRadixCache):
         usable = len(token_ids) - len(token_ids) % P
         node, pos, best, total = self.root, 0, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None or (device_only and not child.device_pages):
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)
+            matched = self.matching_pages(child.key, token_ids, pos, usable)
             total += matched
             if matched < len(child.key) // P:
                 break  # the match ends inside the node: its snapshot is at its end
@@ -141,7 +141,7 @@ class StateHiRadixCache(HiRadixCache):
         node.host_state = got[0]
         self._num_host_states += 1
         self.states_to_host += 1
-        self._queue(TransferOp(self.next_job_id(), "d2h", [], [], sync=True,
+        self.queue_op(TransferOp(self.next_job_id(), "d2h", [], [], sync=True,
                                state_slots=[node.state_slot], host_state_slots=got))
 
     def load_state(self, node: TreeNode) -> bool:
@@ -165,7 +165,7 @@ class StateHiRadixCache(HiRadixCache):
         node.state_slot = got[0]
         self._num_states += 1
         self.states_from_host += 1
-        self._queue(TransferOp(self.next_job_id(), "h2d", [], [], sync=True,
+        self.queue_op(TransferOp(self.next_job_id(), "h2d", [], [], sync=True,
                                state_slots=got, host_state_slots=[node.host_state]))
         return True
 
@@ -183,7 +183,7 @@ class StateHiRadixCache(HiRadixCache):
         """Demotion (host pages kept: the snapshot goes with them) or a drop."""
         if node.state_slot:
             self._write_state(node)
-            self._drop_state(node)
+            self.drop_state(node)
         super()._free_device(node)
 
     # ------------------------------------------------------------------ eviction
@@ -193,20 +193,20 @@ class StateHiRadixCache(HiRadixCache):
         takes snapshot-less leaves first). Returns how many were freed."""
         if num_states <= 0:
             return 0
-        heap = self._unpinned_snapshots()
+        heap = self.unpinned_snapshots()
         freed = 0
         while freed < num_states and heap:
             node = heapq.heappop(heap)[-1]
             if node.pending_job is None:  # (a write in flight: its host pages come later)
                 self._write_state(node)
-            self._drop_state(node)
+            self.drop_state(node)
             freed += 1
         self.total_evicted_states += freed
         return freed
 
     def evict_host_states(self, num_states: int) -> int:
         """Drop the host copies of snapshots in policy order (never the one being loaded)."""
-        heap = [(self._state_priority(n), n.id, n) for n in self._nodes()
+        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
                 if n.host_state and n is not self._loading]
         heapq.heapify(heap)
         freed = 0
@@ -220,7 +220,7 @@ class StateHiRadixCache(HiRadixCache):
 
     # ------------------------------------------------------------------ admin
     def reset(self) -> bool:
-        nodes = list(self._nodes())
+        nodes = list(self.nodes())
         if not super().reset():
             return False
         self.slots.free([n.state_slot for n in nodes if n.state_slot])
@@ -230,7 +230,7 @@ class StateHiRadixCache(HiRadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         device, host, pinned = [], [], 0
-        for node in self._nodes():
+        for node in self.nodes():
             if node.state_pin:
                 assert node.state_slot and node.lock_ref >= node.state_pin, (
                     f"{node!r}: pinned without a snapshot or a lock")

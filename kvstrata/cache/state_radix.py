@@ -60,10 +60,10 @@ class StateRadixCache(RadixCache):
         usable = len(token_ids) - len(token_ids) % P
         node, pos, best = self.root, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 break
-            if self._matching_pages(child.key, token_ids, pos, usable) < child.num_pages:
+            if self.matching_pages(child.key, token_ids, pos, usable) < child.num_pages:
                 break  # the match ends inside the node: its snapshot is at its end
             pos += len(child.key)
             node = child
@@ -100,14 +100,14 @@ class StateRadixCache(RadixCache):
         P = self.page_size
         node, pos = self.root, 0
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 return None
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
             if matched < child.num_pages:
                 if pos + matched * P < len(token_ids):
                     return None
-                child = self._split(child, matched)
+                child = self.split_node(child, matched)
             pos += matched * P
             node = child
         return node
@@ -143,7 +143,9 @@ class StateRadixCache(RadixCache):
         self._num_pinned -= 1
 
     # ------------------------------------------------------------------ eviction
-    def _drop_state(self, node: TreeNode) -> None:
+    def drop_state(self, node: TreeNode) -> None:
+        """Free `node`'s unpinned snapshot slot (eviction; public so StateHiRadixCache can
+        share it, as it shares the rest of the snapshot bookkeeping)."""
         assert not node.state_pin, f"a pinned snapshot would be freed: {node!r}"
         self.slots.free([node.state_slot])
         node.state_slot = 0
@@ -151,7 +153,7 @@ class StateRadixCache(RadixCache):
 
     def _free_node_pages(self, node: TreeNode) -> None:
         if node.state_slot:
-            self._drop_state(node)
+            self.drop_state(node)
         super()._free_node_pages(node)
 
     def evict_states(self, num_states: int) -> int:
@@ -159,7 +161,7 @@ class StateRadixCache(RadixCache):
         were freed (fewer only when no unpinned one is left)."""
         if num_states <= 0 or self.disable:
             return 0
-        heap = self._unpinned_snapshots()
+        heap = self.unpinned_snapshots()
         freed = 0
         while freed < num_states and heap:
             node = heapq.heappop(heap)[-1]
@@ -167,7 +169,7 @@ class StateRadixCache(RadixCache):
                 continue  # dropped with a leaf below it meanwhile
             freed += 1
             if node.children or node.lock_ref:
-                self._drop_state(node)
+                self.drop_state(node)
                 continue
             parent = node.parent
             self._drop_leaf(node)
@@ -178,9 +180,10 @@ class StateRadixCache(RadixCache):
         self.total_evicted_states += freed
         return freed
 
-    def _unpinned_snapshots(self) -> list:
-        """A heap of the nodes with an unpinned snapshot, in state eviction's order."""
-        heap = [(self._state_priority(n), n.id, n) for n in self._nodes()
+    def unpinned_snapshots(self) -> list:
+        """A heap of the nodes with an unpinned snapshot, in state eviction's order (shared
+        with StateHiRadixCache)."""
+        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
                 if n.state_slot and not n.state_pin]
         heapq.heapify(heap)
         return heap
@@ -195,7 +198,7 @@ class StateRadixCache(RadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         slots, pinned = [], 0
-        for node in self._nodes():
+        for node in self.nodes():
             if node.state_pin:
                 assert node.state_slot, f"{node!r}: pinned without a snapshot"
                 assert node.lock_ref >= node.state_pin, f"{node!r}: pinned but not locked"

@@ -208,7 +208,7 @@ class StateSlots:
             assert req.state_aside_pos <= req.num_computed_tokens, (
                 f"{req.rid}: aside snapshot at {req.state_aside_pos} past its computed "
                 f"{req.num_computed_tokens}")
-        tree = [n.state_slot for n in self.tree._nodes() if n.state_slot]
+        tree = [n.state_slot for n in self.tree.nodes() if n.state_slot]
         assert len(set(owned + tree)) == len(owned) + len(tree), (
             f"a state slot held twice: requests {owned}, tree {tree}")
         assert all(alloc.is_allocated(s) for s in owned), "a request holds a free state slot"

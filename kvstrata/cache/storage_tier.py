@@ -79,7 +79,7 @@ class StorageTier:
         job = self.tree.next_job_id()
         node.host_ref += 1
         self.backups[job] = Backup([node])
-        self.tree._queue(self._backup_op(job, node))
+        self.tree.queue_op(self._backup_op(job, node))
 
     # Hooks a tree with a second device pool extends (cache/swa_storage.py): the ops' keys,
     # and the host-only nodes a finished prefetch hangs under the tree.
@@ -130,10 +130,10 @@ class StorageTier:
         tree, P = self.tree, self.page_size
         node, pos, pages = tree.root, 0, 0
         while pos < len(token_ids):
-            child = node.children.get(tree._page_key(token_ids, pos))
+            child = node.children.get(tree.page_key(token_ids, pos))
             if child is None:
                 break
-            matched = tree._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = tree.matching_pages(child.key, token_ids, pos, len(token_ids))
             pages += matched
             if matched < len(child.key) // P:
                 break
@@ -170,7 +170,7 @@ class StorageTier:
                                         self.clock(), lead_pages=lead)
         self.by_rid[rid] = job
         self.occupied_pages += n
-        self.tree._queue(self._prefetch_op(job, host, keys))
+        self.tree.queue_op(self._prefetch_op(job, host, keys))
         return True
 
     def _cancel(self, pf: Prefetch) -> None:
@@ -267,10 +267,10 @@ class StorageTier:
         tree, P = self.tree, self.page_size
         ids, start, end = pf.token_ids, pf.start_page, pf.start_page + keep
         pages, keys = pf.host_pages[:keep], None
-        now = tree._tick()
+        now = tree.tick()
         node, page = tree.root, 0
         while page < end:
-            child = node.children.get(tree._page_key(ids, page * P))
+            child = node.children.get(tree.page_key(ids, page * P))
             if child is None:
                 if page < start:
                     return pages  # the prefix is gone: nothing to hang the pages under
@@ -279,9 +279,9 @@ class StorageTier:
                 self._new_host_nodes(node, pf, page, end, pages[page - start:],
                                      keys[page:end], now)
                 return pages[:page - start]
-            matched = tree._matching_pages(child.key, ids, page * P, end * P)
+            matched = tree.matching_pages(child.key, ids, page * P, end * P)
             if matched < len(child.key) // P and page + matched < end:
-                child = tree._split(child, matched)
+                child = tree.split_node(child, matched)
             child.last_access_time = now
             page += matched
             node = child
@@ -320,7 +320,7 @@ class StorageTier:
         for b in self.backups.values():
             for node in b.nodes:
                 pins[node.id] = pins.get(node.id, 0) + 1
-        for node in self.tree._nodes():
+        for node in self.tree.nodes():
             assert node.host_ref == pins.get(node.id, 0), (
                 f"{node!r}: host_ref {node.host_ref} but {pins.get(node.id, 0)} backups read it")
         assert self.occupied_pages == sum(len(pf.host_pages) for pf in self.prefetches.values())

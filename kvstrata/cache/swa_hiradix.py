@@ -41,7 +41,7 @@ from kvstrata.cache.hiradix_cache import HiMatchResult, HiRadixCache
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.radix_cache import TreeNode
 from kvstrata.cache.swa_pages import SWAPages
-from kvstrata.cache.swa_radix import SWARadixCache, add_swa_nodes
+from kvstrata.cache.swa_radix import SWARadixCache
 from kvstrata.protocol import TransferOp
 
 
@@ -61,15 +61,17 @@ class SWAHiRadixCache(HiRadixCache):
         self._swa_evictable_pages = 0  # SWA pages of live device nodes, unlocked
         self._swa_protected_pages = 0  # ... and SWA-locked
 
-    # The SWA lock and counters are SWARadixCache's as they are (no super() calls in them).
+    # The SWA lock, counters and new-node chain are SWARadixCache's as they are (no super()
+    # calls in them).
     swa_lock = SWARadixCache.swa_lock
     swa_unlock = SWARadixCache.swa_unlock
+    add_swa_nodes = SWARadixCache.add_swa_nodes
     evictable_swa_pages = SWARadixCache.evictable_swa_pages
     protected_swa_pages = SWARadixCache.protected_swa_pages
     cached_swa_pages = SWARadixCache.cached_swa_pages
 
     # ------------------------------------------------------------------ match
-    def _swa_after_load(self, node: TreeNode, device_only: bool = False) -> bool:
+    def swa_after_load(self, node: TreeNode, device_only: bool = False) -> bool:
         """Will the node have SWA K/V on the device once the match is loaded back (with
         device_only: without any load)?"""
         if node.device_pages:
@@ -90,11 +92,11 @@ class SWAHiRadixCache(HiRadixCache):
         usable = len(token_ids) - len(token_ids) % P
         node, pos, total, run, best = self.root, 0, 0, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None or (device_only and not child.device_pages):
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)
-            if self._swa_after_load(child, device_only):
+            matched = self.matching_pages(child.key, token_ids, pos, usable)
+            if self.swa_after_load(child, device_only):
                 run += matched  # a live node's last matched page is its best end
                 if run >= min(need, total + matched):
                     best = total + matched
@@ -128,14 +130,14 @@ class SWAHiRadixCache(HiRadixCache):
         if len(token_ids) != len(pages) * P:
             raise ValueError(f"insert needs whole pages: {len(token_ids)} tokens != "
                              f"{len(pages)} pages * {P}")
-        now = self._tick()
+        now = self.tick()
         node, pos, device_known = self.root, 0, 0
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 self._add_nodes(node, token_ids, pages, pos, now)
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
             first = pos // P
             mine = pages[first:first + matched]
             if not child.device_pages:  # adopt: liveness is the caller's pages'
@@ -149,7 +151,7 @@ class SWAHiRadixCache(HiRadixCache):
                 run += 1
             if run < len(child.key) // P and (flag[0] or not child.device_pages
                                               or pos + run * P < len(token_ids)):
-                child = self._split(child, run)
+                child = self.split_node(child, run)
             child.last_access_time = now
             if not child.device_pages:
                 child.device_pages = list(mine[:run])
@@ -171,14 +173,14 @@ class SWAHiRadixCache(HiRadixCache):
 
     def _add_nodes(self, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
                    now: int) -> None:
-        """New nodes for the part the tree lacked (swa_radix.add_swa_nodes), each backed up
+        """New nodes for the part the tree lacked (SWARadixCache.add_swa_nodes), each backed up
         under write_through."""
-        for node in add_swa_nodes(self, parent, token_ids, pages, pos, now):
+        for node in self.add_swa_nodes(parent, token_ids, pages, pos, now):
             if self.write_policy == "write_through":
                 self._backup(node)
 
-    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
-        upper = super()._split(child, num_pages)
+    def split_node(self, child: TreeNode, num_pages: int) -> TreeNode:
+        upper = super().split_node(child, num_pages)
         # Locks and liveness cover whole nodes (swa_radix.py); the host copy is cut at the
         # same page and holds SWA K/V in both halves or neither.
         upper.swa_lock_ref = child.swa_lock_ref
@@ -235,7 +237,7 @@ class SWAHiRadixCache(HiRadixCache):
         for node, live in self._window_of_load(match):
             k = len(node.key) // self.page_size
             if live and live < k:
-                self._split(node, k - live)  # (node keeps the tail)
+                self.split_node(node, k - live)  # (node keeps the tail)
             if live and node.device_pages:
                 self._revive(node)
             elif live:
@@ -259,7 +261,7 @@ class SWAHiRadixCache(HiRadixCache):
         node.swa_tombstone = False
         self._swa_evictable_pages += node.num_pages
         self.swa_revived_pages += node.num_pages
-        self._queue(TransferOp(next(self._job_ids), "h2d", list(node.device_pages),
+        self.queue_op(TransferOp(next(self._job_ids), "h2d", list(node.device_pages),
                                list(node.host_pages), sync=True, swa_only=True,
                                swa_pages=[self.swa.map[p] for p in node.device_pages]))
 
@@ -289,7 +291,7 @@ class SWAHiRadixCache(HiRadixCache):
         host write is in flight is skipped: that write reads its SWA pages."""
         if num_pages <= 0:
             return 0
-        nodes = [n for n in self._nodes() if n.device_pages and not n.swa_tombstone
+        nodes = [n for n in self.nodes() if n.device_pages and not n.swa_tombstone
                  and n.swa_lock_ref == 0 and n.pending_job is None]
         nodes.sort(key=lambda n: (self._priority(n), n.id))
         freed = 0
@@ -301,7 +303,7 @@ class SWAHiRadixCache(HiRadixCache):
                 # copy keeps a usable window (sync: before the freed pages are reused).
                 host = self.alloc_host(node.num_pages)
                 if host is not None:
-                    self._queue(self._copy_op(next(self._job_ids), "d2h",
+                    self.queue_op(self._copy_op(next(self._job_ids), "d2h",
                                               list(node.device_pages), list(host), sync=True,
                                               node=node))
                     node.host_pages = host
@@ -318,7 +320,7 @@ class SWAHiRadixCache(HiRadixCache):
     def reset(self) -> bool:
         if self._jobs or self._protected_pages > 0 or (self.storage and self.storage.busy()):
             return False
-        for node in self._nodes():
+        for node in self.nodes():
             if node.device_pages and not node.swa_tombstone:
                 self.swa.free_swa(node.device_pages)
         return super().reset()
@@ -326,7 +328,7 @@ class SWAHiRadixCache(HiRadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         evictable = protected = 0
-        for node in self._nodes():
+        for node in self.nodes():
             assert node.swa_lock_ref <= node.lock_ref, f"{node!r}: SWA lock without a full lock"
             swa = [self.swa.map[p] for p in node.device_pages]
             if not node.device_pages or node.swa_tombstone:

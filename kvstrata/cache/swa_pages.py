@@ -161,7 +161,7 @@ class SWAPages:
         alloc = self.allocator
         alloc.check_integrity()
         owned: list[int] = []
-        for node in tree._nodes():
+        for node in tree.nodes():
             owned += [self.map[p] for p in node.device_pages if self.map[p]]
         for req in live_requests:
             mine = req.pages[req.num_tree_pages:]

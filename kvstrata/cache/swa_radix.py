@@ -64,10 +64,10 @@ class SWARadixCache(RadixCache):
         usable = len(token_ids) - len(token_ids) % P
         node, pos, total, run, best = self.root, 0, 0, 0, 0
         while pos < usable:
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, usable)
+            matched = self.matching_pages(child.key, token_ids, pos, usable)
             if child.swa_tombstone:
                 run = 0
             else:
@@ -107,16 +107,16 @@ class SWARadixCache(RadixCache):
             return 0
         if 0 in pages:
             raise ValueError("page 0 is the padding sink and cannot be cached")
-        now = self._tick()
+        now = self.tick()
         node = self.root
         node.last_access_time = now
         pos = 0
         while pos < len(token_ids):
-            child = node.children.get(self._page_key(token_ids, pos))
+            child = node.children.get(self.page_key(token_ids, pos))
             if child is None:
                 self._add_nodes(node, token_ids, pages, pos, now)
                 break
-            matched = self._matching_pages(child.key, token_ids, pos, len(token_ids))
+            matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
             first = pos // P
             heal = [False] * matched
             if child.swa_tombstone:
@@ -127,7 +127,7 @@ class SWARadixCache(RadixCache):
             while run < matched and heal[run] == heal[0]:
                 run += 1
             if run < child.num_pages and (heal[0] or pos + run * P < len(token_ids)):
-                child = self._split(child, run)
+                child = self.split_node(child, run)
             if heal[0]:
                 for full, mine in zip(child.device_pages, pages[first:first + run]):
                     self.swa.adopt(full, mine)
@@ -141,10 +141,34 @@ class SWARadixCache(RadixCache):
 
     def _add_nodes(self, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
                    now: int) -> None:
-        add_swa_nodes(self, parent, token_ids, pages, pos, now)
+        self.add_swa_nodes(parent, token_ids, pages, pos, now)
 
-    def _split(self, child: TreeNode, num_pages: int) -> TreeNode:
-        upper = super()._split(child, num_pages)
+    def add_swa_nodes(self, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
+                      now: int) -> list[TreeNode]:
+        """The part of an insert the tree lacked: a chain of new nodes under `parent`, one per
+        run of pages with / without SWA pages (a node is live or a tombstone as a whole).
+        An insert step, public only so SWAHiRadixCache can share it (it backs the new nodes
+        up); returns them in order."""
+        P = self.page_size
+        i = pos // P
+        added = []
+        while i < len(pages):
+            live = self.swa.live(pages[i])
+            j = i + 1
+            while j < len(pages) and self.swa.live(pages[j]) == live:
+                j += 1
+            node = TreeNode(tuple(token_ids[i * P:j * P]), list(pages[i:j]), parent, now)
+            node.swa_tombstone = not live
+            parent.children[node.key[:P]] = node
+            self._evictable_pages += node.num_pages
+            if live:
+                self._swa_evictable_pages += node.num_pages
+            added.append(node)
+            parent, i = node, j
+        return added
+
+    def split_node(self, child: TreeNode, num_pages: int) -> TreeNode:
+        upper = super().split_node(child, num_pages)
         # Every SWA lock on child covers all of it (locks start at node boundaries), so it
         # covers both halves; liveness is per node.
         upper.swa_lock_ref = child.swa_lock_ref
@@ -160,7 +184,7 @@ class SWARadixCache(RadixCache):
         while pos > start:
             node_start = pos - len(node.key)
             if node_start < start:
-                self._split(node, (start - node_start) // P)  # node keeps the lower half
+                self.split_node(node, (start - node_start) // P)  # node keeps the lower half
                 node_start = start
             assert not node.swa_tombstone, f"SWA lock on a tombstone {node!r}"
             if node.swa_lock_ref == 0:
@@ -238,7 +262,7 @@ class SWARadixCache(RadixCache):
     def check_integrity(self) -> None:
         super().check_integrity()
         evictable = protected = 0
-        for node in self._nodes():
+        for node in self.nodes():
             swa = [self.swa.map[p] for p in node.device_pages]
             assert node.swa_lock_ref <= node.lock_ref, f"{node!r}: SWA lock without a full lock"
             if node.swa_tombstone:
@@ -253,27 +277,3 @@ class SWARadixCache(RadixCache):
         assert (evictable, protected) == (self._swa_evictable_pages, self._swa_protected_pages), (
             f"SWA counters (evictable={self._swa_evictable_pages}, protected="
             f"{self._swa_protected_pages}) != tree (evictable={evictable}, protected={protected})")
-
-
-def add_swa_nodes(tree, parent: TreeNode, token_ids: list[int], pages: list[int], pos: int,
-                  now: int) -> list[TreeNode]:
-    """The part of an insert the tree lacked: a chain of new nodes under `parent`, one per run
-    of pages with / without SWA pages (a node is live or a tombstone as a whole). Shared by
-    SWARadixCache and SWAHiRadixCache (which backs the new nodes up); returns them in order."""
-    P = tree.page_size
-    i = pos // P
-    added = []
-    while i < len(pages):
-        live = tree.swa.live(pages[i])
-        j = i + 1
-        while j < len(pages) and tree.swa.live(pages[j]) == live:
-            j += 1
-        node = TreeNode(tuple(token_ids[i * P:j * P]), list(pages[i:j]), parent, now)
-        node.swa_tombstone = not live
-        parent.children[node.key[:P]] = node
-        tree._evictable_pages += node.num_pages
-        if live:
-            tree._swa_evictable_pages += node.num_pages
-        added.append(node)
-        parent, i = node, j
-    return added

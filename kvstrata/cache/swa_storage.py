@@ -103,14 +103,14 @@ class SWAStorageTier(StorageTier):
         tree, P = self.tree, self.page_size
         node, page, out = tree.root, 0, []
         while page < end:
-            child = node.children.get(tree._page_key(token_ids, page * P))
+            child = node.children.get(tree.page_key(token_ids, page * P))
             if child is None:
                 return None
-            matched = tree._matching_pages(child.key, token_ids, page * P, end * P)
+            matched = tree.matching_pages(child.key, token_ids, page * P, end * P)
             if split and page < first < page + matched:
-                child, matched = tree._split(child, first - page), first - page
+                child, matched = tree.split_node(child, first - page), first - page
             elif split and matched < len(child.key) // P:
-                child = tree._split(child, matched)
+                child = tree.split_node(child, matched)
             if page + matched > first:
                 out.append((child, page))
             if matched < len(child.key) // P and page + matched < end:
@@ -124,7 +124,7 @@ class SWAStorageTier(StorageTier):
         if lead <= 0:
             return 0
         path = self._path(token_ids, start - lead, start, split=False)
-        if path is None or all(self.tree._swa_after_load(node) for node, _ in path):
+        if path is None or all(self.tree.swa_after_load(node) for node, _ in path):
             return 0
         return lead
 
@@ -152,7 +152,7 @@ class SWAStorageTier(StorageTier):
         healed: set[int] = set()
         for node, page in path or []:
             idx = range(page - first, page - first + len(node.key) // self.page_size)
-            if (tree._swa_after_load(node) or not all(i in pf.swa_read for i in idx)
+            if (tree.swa_after_load(node) or not all(i in pf.swa_read for i in idx)
                     or node.pending_job is not None or node.host_ref):
                 continue
             if node.host_pages:

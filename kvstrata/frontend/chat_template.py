@@ -46,6 +46,15 @@ class _GenerationMarker(jinja2.ext.Extension):
         return caller()
 
 
+def _refuse_underscore_name(name) -> None:
+    """_Namespace's check (a module function: jinja2's Namespace answers attribute lookups
+    on itself from the template's attributes, so `self._check` would not find a method)."""
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"a chat template cannot set the underscore-prefixed attribute {name!r} on a "
+            "namespace")
+
+
 class _Namespace(jinja2.utils.Namespace):
     """jinja2's namespace(), refusing attribute names that start with "_" (a template must
     not reach interpreter internals through one)."""
@@ -54,19 +63,12 @@ class _Namespace(jinja2.utils.Namespace):
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
-            _Namespace._check(name)
+            _refuse_underscore_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
     def __setitem__(self, name, value):
-        _Namespace._check(name)
+        _refuse_underscore_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"a chat template cannot set the underscore-prefixed attribute {name!r} on a "
-                "namespace")
 
 
 class _DictBuilder:

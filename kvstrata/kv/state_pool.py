@@ -63,12 +63,14 @@ class RecurrentStatePool:
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def _index(self, slots) -> torch.Tensor:
+    def slots_tensor(self, slots) -> torch.Tensor:
+        """`slots`, checked against the pool, as an index tensor on its device (the host
+        state pool indexes the device pool through it when saving and loading)."""
         return slot_index(slots, self.num_slots, "state slots").to(self.device)
 
     def copy_slots(self, src, dst) -> None:
         """Every layer's state of slots `src` into slots `dst` (all sources read first)."""
-        s, d = self._index(src), self._index(dst)
+        s, d = self.slots_tensor(src), self.slots_tensor(dst)
         if s.numel() != d.numel():
             raise ValueError(f"copy of {s.numel()} state slots into {d.numel()}")
         for t in self.tensors.values():
@@ -76,7 +78,7 @@ class RecurrentStatePool:
 
     def zero_slots(self, slots) -> None:
         """The state before any token (what a request without a cached prefix starts from)."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         for t in self.tensors.values():
             t[:, idx] = 0
 
@@ -90,12 +92,12 @@ class RecurrentStatePool:
 
     def cpu_copy(self, slots) -> dict[str, torch.Tensor]:
         """A host copy of `slots` (every component and layer), for a retraction backup."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         return {name: t[:, idx].to("cpu", copy=True) for name, t in self.tensors.items()}
 
     def restore(self, slots, copy: dict[str, torch.Tensor]) -> None:
         """Write a `cpu_copy` back into `slots` (any slots of the same count)."""
-        idx = self._index(slots)
+        idx = self.slots_tensor(slots)
         if set(copy) != set(self.tensors):
             raise ValueError(f"a state copy of {sorted(copy)} cannot restore "
                              f"{sorted(self.tensors)}")
@@ -132,12 +134,13 @@ class HostStatePool:
     def size_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def _index(self, slots) -> torch.Tensor:
+    def slots_tensor(self, slots) -> torch.Tensor:
+        """`slots`, checked against the host pool, as an index tensor."""
         return slot_index(slots, self.num_slots, "host state slots")
 
     def save(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
         """Device state slots -> host state slots (pairwise, every component and layer)."""
-        d, h = pool._index(device_slots), self._index(host_slots)
+        d, h = pool.slots_tensor(device_slots), self.slots_tensor(host_slots)
         if d.numel() != h.numel():
             raise ValueError(f"a copy of {d.numel()} state slots into {h.numel()}")
         for name, t in self.tensors.items():
@@ -145,7 +148,7 @@ class HostStatePool:
 
     def load(self, pool: RecurrentStatePool, device_slots, host_slots) -> None:
         """Host state slots -> device state slots (pairwise)."""
-        d, h = pool._index(device_slots), self._index(host_slots)
+        d, h = pool.slots_tensor(device_slots), self.slots_tensor(host_slots)
         if d.numel() != h.numel():
             raise ValueError(f"a copy of {h.numel()} host state slots into {d.numel()}")
         for name, t in pool.tensors.items():

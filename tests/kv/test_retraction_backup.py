@@ -182,3 +182,20 @@ def test_swa_window_pages_round_trip_beside_the_full_pages(backend):
     assert torch.equal(window([3, 8]), want_swa)
     assert ex.num_backups == 0 and ex.swa.num_backups == 0
     assert ex.swa.stats()[f"{backend}_restore_count"] == 1
+
+
+@pytest.mark.parametrize("backend", ["cpu_tensor", "host_pool"])
+def test_discard_drops_the_swa_window_backup_too(backend):
+    """A discard ends both halves of a hybrid-SWA backup: the full pages' and the window's."""
+    pool, ex = _setup(backend, "kernel", "page_first", 4, "float32")
+    swa = MHATokenToKVPool(KVPlan.mha(num_layers=2, num_kv_heads=H, head_dim=D,
+                                      dtype="float32", page_size=4, num_pages=8), "cpu")
+    with_swa_pool(ex, swa, HostKVPool(swa.geom, HOST_PAGES, "page_first")
+                  if backend == "host_pool" else None, "kernel")
+    op = _op("backup", "a", backend)
+    ex.apply([BackupOp(op.kind, op.rid, backend, op.num_tokens, op.device_pages,
+                       op.host_pages, swa_pages=[6, 2])])
+    assert ex.num_backups == 1 and ex.swa.num_backups == 1
+    ex.apply([BackupOp("discard", "a", backend)])
+    assert ex.num_backups == 0 and ex.swa.num_backups == 0
+    assert ex.stats()["discard_count"] == 1 and ex.swa.stats()["discard_count"] == 1

@@ -342,7 +342,7 @@ class PDPair:
             side.page_bytes_moved = side.page_bytes_moved or PAGE_BYTES * page_size
         tree = self.decode.scheduler.kv.tree
         self.decode_runner.backups.cached_pages = lambda: {
-            p for node in tree._nodes() for p in (node.device_pages or [])}
+            p for node in tree.nodes() for p in (node.device_pages or [])}
         self.outputs: dict[str, dict[str, list[int]]] = {"prefill": {}, "decode": {}}
         self.finished: dict[str, dict[str, object]] = {"prefill": {}, "decode": {}}
         self.results: dict[str, dict[str, list]] = {"prefill": {}, "decode": {}}
@@ -409,7 +409,7 @@ class PDPair:
         assert not store.cpu and not store.host_held, "a backup outlived its request"
         kv = self.decode.scheduler.kv
         if kv.backup_pool:
-            assert not kv._backup_pages, "host pages of ended backups still counted"
+            assert not kv.backup_pages(), "host pages of ended backups still counted"
             if not kv.hicache:  # a shared HiCache pool keeps the tree's host pages
                 alloc = kv.host_allocator
                 assert alloc.available_pages() == alloc.num_pages, "host pages leaked"

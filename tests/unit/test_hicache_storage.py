@@ -51,7 +51,7 @@ def assert_host_pool_whole(engine):
     kv = kv_of(engine)
     tree = kv.tree
     assert not tree.storage.busy() and tree.storage.occupied_pages == 0
-    assert kv.host_allocator.num_used() == sum(len(n.host_pages or []) for n in tree._nodes())
+    assert kv.host_allocator.num_used() == sum(len(n.host_pages or []) for n in tree.nodes())
 
 
 def warm_store(prompt=PROMPT, **kw):
@@ -153,12 +153,12 @@ def test_backup_pins_the_host_copy_until_it_ends():
     tree = kv_of(engine).tree
     while engine.scheduler.running or engine.scheduler.waiting or not tree.storage.backups:
         engine.step()
-    pinned = [n for n in tree._nodes() if n.host_ref]
+    pinned = [n for n in tree.nodes() if n.host_ref]
     assert pinned and all(n.host_pages for n in pinned)
     assert tree.evict(10**6) == 24  # the device copies go; the host copies stay
     assert tree.evict_host(10**6) == 0  # pinned: the backup still reads them
     run(engine)
-    assert not any(n.host_ref for n in tree._nodes()) and len(store.pages) == 24
+    assert not any(n.host_ref for n in tree.nodes()) and len(store.pages) == 24
     assert tree.evict_host(10**6) == 24
 
 

@@ -408,7 +408,7 @@ def test_peek_device_pages_agrees_with_match_and_has_no_side_effects():
     tree.insert([1, 2, 3, 4, 5, 6], alloc.alloc(3))
 
     def state():
-        return ([(n.id, n.last_access_time, n.hit_count, len(n.key)) for n in tree._nodes()],
+        return ([(n.id, n.last_access_time, n.hit_count, len(n.key)) for n in tree.nodes()],
                 tree.total_queried_tokens, tree.total_matched_tokens)
 
     queries = {(1, 2, 3, 4, 5, 6, 7): 3, (1, 2, 3, 4, 8): 2, (1, 2, 3): 1, (1, 3): 0, (): 0}

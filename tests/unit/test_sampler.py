@@ -334,9 +334,9 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
 def test_inverse_cdf_edges_never_return_zero_prob_or_out_of_range():
     probs = torch.tensor([[0.5, 0.5, 0.0]])  # the last token is filtered out
     for u in (1.0 - 2.0 ** -24, 1.0):  # largest float32 below 1, and the closed end itself
-        assert Sampler._inverse_cdf(probs, torch.tensor([u])) == [1]
-    assert Sampler._inverse_cdf(probs, torch.tensor([0.0])) == [0]
-    assert Sampler._inverse_cdf(torch.tensor([[0.0, 0.3, 0.0, 0.7]]), torch.tensor([0.0])) == [1]
+        assert Sampler.inverse_cdf(probs, torch.tensor([u])) == [1]
+    assert Sampler.inverse_cdf(probs, torch.tensor([0.0])) == [0]
+    assert Sampler.inverse_cdf(torch.tensor([[0.0, 0.3, 0.0, 0.7]]), torch.tensor([0.0])) == [1]
 
 
 def test_tiny_temperatures_are_greedy_and_nan_rows_do_not_crash():

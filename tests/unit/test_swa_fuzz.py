@@ -70,7 +70,7 @@ class SWAMachine(base.SchedulerMachine):
             assert kv.tree.protected_swa_pages() == 0, "an SWA lock survived the drain"
             swa = kv.swa.allocator
             assert swa.available_pages() + kv.tree.cached_swa_pages() == swa.num_pages
-            event(f"tombstones cached: {any(n.swa_tombstone for n in kv.tree._nodes())}")
+            event(f"tombstones cached: {any(n.swa_tombstone for n in kv.tree.nodes())}")
             event(f"matches cut by tombstones: {kv.tree.total_cut_tokens > 0}")
             event(f"tombstones healed: {kv.tree.total_healed_pages > 0}")
 

@@ -90,7 +90,7 @@ def test_a_host_prefix_longer_than_the_swa_pool_loads_back_with_its_window():
         finish_copies(tree)
         if i + 4 < 20:
             assert tree.evict_swa(4) == 4         # ... then tombstoned to make room
-    assert all(n.host_swa for n in tree._nodes() if n is not tree.root)
+    assert all(n.host_swa for n in tree.nodes() if n is not tree.root)
     assert tree.evict(20) == 20                   # demoted: host-only, every SWA half there
     match = tree.match_prefix(tokens)
     assert len(match.host_pages) == 20

@@ -280,7 +280,7 @@ def test_chunked_prefill_inserts_tombstones_and_a_later_insert_heals_them():
     kv.free_out_of_window(a)  # pages [0, 8) lose their SWA pages (12 - 3 - 1)
     kv.cache_unfinished(a)
     # A tombstoned head, a live tail, split where a's SWA lock (its last 2 pages) starts.
-    nodes = sorted((len(n.key), n.swa_tombstone, n.swa_lock_ref) for n in kv.tree._nodes())
+    nodes = sorted((len(n.key), n.swa_tombstone, n.swa_lock_ref) for n in kv.tree.nodes())
     assert nodes == [(2, False, 0), (2, False, 1), (8, True, 0)]
     check_kv_state(kv, [a])
     kv.release(a, insert=False)
@@ -294,7 +294,7 @@ def test_chunked_prefill_inserts_tombstones_and_a_later_insert_heals_them():
     c.last_node, c.num_computed_tokens = kv.tree.root, 19
     free_before = kv.swa.allocator.available_pages()
     kv.release(c, insert=True)
-    assert not any(n.swa_tombstone for n in kv.tree._nodes())
+    assert not any(n.swa_tombstone for n in kv.tree.nodes())
     # 8 tombstoned pages adopted c's SWA pages; c's other duplicates went with theirs.
     assert kv.swa.allocator.available_pages() == free_before + 4
     assert kv.tree.cached_swa_pages() == 19

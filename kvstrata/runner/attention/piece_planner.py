@@ -88,7 +88,7 @@ class PiecePlanner:
             return []
         kv_len = start + n
         rows_t = torch.tensor([row], dtype=torch.int64).to(device)
-        kv_idx, unit, s = self._kv_index(table, rows_t, kv_len, [kv_len])
+        kv_idx, unit, s = self.kv_index(table, rows_t, kv_len, [kv_len])
         mask = torch.zeros(n, s, dtype=torch.bool)
         for j, a in enumerate(anc):
             if window is not None:  # position start + len(a) - 1 sees the last W positions
@@ -182,7 +182,7 @@ class PiecePlanner:
             # Host lists go to the device in one copy: rows, flat tokens, lengths.
             packed = torch.tensor([[e[2] for e in members], toks, g_lens],
                                   dtype=torch.int64).to(device)
-            kv_idx, unit, s_pad = self._kv_index(table, packed[0], s, g_lens, packed[2])
+            kv_idx, unit, s_pad = self.kv_index(table, packed[0], s, g_lens, packed[2])
             mask = None
             if g_lens[0] != s_pad:
                 # [n, 1, 1, S]: key j of request b is real iff j < len_b (hides padding).
@@ -193,11 +193,11 @@ class PiecePlanner:
                                 unit=unit))
         return pieces
 
-    def _kv_index(self, table: torch.Tensor, rows: torch.Tensor, s: int, lens: list[int],
+    def kv_index(self, table: torch.Tensor, rows: torch.Tensor, s: int, lens: list[int],
                   lens_t: torch.Tensor | None = None, lo: int = 0
                   ) -> tuple[torch.Tensor, int, int]:
         """What to gather for keys lo .. s - 1 of `rows` (lo a multiple of the page size):
-        (index, unit, padded length from lo).
+        (index, unit, padded length from lo). The window pieces (window.py) plan with it too.
 
         The scheduler places position p of a request at slot page * P + p % P (whole pages,
         kv_manager.slots), so a request's keys are whole pages of the pool: gathering

@@ -17,7 +17,7 @@ class Piece:
     lo: int                            # flat token range [lo, hi) (fresh / paged)
     hi: int
     kv_idx: torch.Tensor | None = None  # [n * S / unit] rows of `unit` slots (paged / decode)
-    unit: int = 1                       # slots per gathered row: 1, or page_size (see _kv_index)
+    unit: int = 1                       # slots per gathered row: 1, or page_size (see kv_index)
     mask: torch.Tensor | None = None    # bool, broadcastable to SDPA scores; None = all visible
     tok_idx: torch.Tensor | None = None  # [n] flat tokens of a decode group; None = lo..hi
     n: int = 0                         # requests in a decode group

@@ -164,7 +164,7 @@ class TorchNativeAttnBackend(PiecePlanner):
             else:
                 kv_len = start + n
                 rows_t = torch.tensor([row], dtype=torch.int64).to(device)
-                kv_idx, unit, s = self._kv_index(table, rows_t, kv_len, [kv_len])
+                kv_idx, unit, s = self.kv_index(table, rows_t, kv_len, [kv_len])
                 # Query i (position start + i) sees keys 0 .. start + i (this also hides the
                 # page padding past kv_len).
                 q_pos = torch.arange(start, kv_len, device=device)
@@ -234,9 +234,10 @@ class TorchNativeAttnBackend(PiecePlanner):
             return None, []
         return out, chosen
 
-    def _gather(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
+    def gather_kv(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of rows `kv_idx` (each `unit` slots) as [N * unit, Hkv, D] each."""
+        """K and V of rows `kv_idx` (each `unit` slots) as [N * unit, Hkv, D] each (the
+        windowed math path, window.py, reads its keys through it too)."""
         hkv, d = self.num_kv_heads, self.head_dim
         pool, li = self.layer_kv[layer]
         keys = pool.k(li).view(-1, unit * hkv * d).index_select(0, kv_idx)
@@ -262,7 +263,7 @@ class TorchNativeAttnBackend(PiecePlanner):
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":
             n = p.n
-            keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+            keys, values = self.gather_kv(layer, p.kv_idx, p.unit, q.dtype)
             keys = keys.view(n, -1, hkv, d).transpose(1, 2)         # [n, Hkv, S, D]
             values = values.view(n, -1, hkv, d).transpose(1, 2)
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
@@ -276,7 +277,7 @@ class TorchNativeAttnBackend(PiecePlanner):
             klo = p.lo if p.key_lo < 0 else p.key_lo  # a windowed block starts earlier
             keys, values = k[klo:p.hi], v[klo:p.hi]
         else:
-            keys, values = self._gather(layer, p.kv_idx, p.unit, q.dtype)
+            keys, values = self.gather_kv(layer, p.kv_idx, p.unit, q.dtype)
         mask = p.mask
         if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
             mask = p.mask = mask.to(q.dtype)  # a windowed band (additive): once a forward

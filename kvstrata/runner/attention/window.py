@@ -143,7 +143,7 @@ def paged_pieces(backend: "TorchNativeAttnBackend", table: torch.Tensor, row: in
     for a, b in blocks(n, window):
         q0, q1 = start + a, start + b                      # query positions [q0, q1)
         k0 = max(0, q0 - window + 1) // P * P
-        kv_idx, unit, s = backend._kv_index(table, rows_t, q1, [q1], lo=k0)
+        kv_idx, unit, s = backend.kv_index(table, rows_t, q1, [q1], lo=k0)
         mask = band_mask(torch.arange(q0, q1, device=device),
                          torch.arange(k0, k0 + s, device=device), window)
         pieces.append(Piece("paged", off + a, off + b, kv_idx, unit, mask))
@@ -242,7 +242,7 @@ def piece_math(backend: "TorchNativeAttnBackend", layer: int, p: Piece, q: torch
             keys = pool.k(li).index_select(0, flat).to(q.dtype)
             values = pool.v(li).index_select(0, flat).to(q.dtype)
         else:
-            keys, values = backend._gather(layer, p.kv_idx, p.unit, q.dtype)
+            keys, values = backend.gather_kv(layer, p.kv_idx, p.unit, q.dtype)
             mask = p.mask
         keys = keys.view(p.n, -1, hkv, d).transpose(1, 2)          # [n, Hkv, L, D]
         values = values.view(p.n, -1, hkv, d).transpose(1, 2)
@@ -255,7 +255,7 @@ def piece_math(backend: "TorchNativeAttnBackend", layer: int, p: Piece, q: torch
         klo = p.lo if p.key_lo < 0 else p.key_lo
         keys, values = k[klo:p.hi], v[klo:p.hi]
     else:
-        keys, values = backend._gather(layer, p.kv_idx, p.unit, q.dtype)
+        keys, values = backend.gather_kv(layer, p.kv_idx, p.unit, q.dtype)
     out = attend_math(qr, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], p.mask,
                       scale, sinks, softcap, causal=p.kind == "fresh" and p.mask is None)
     return out[0].transpose(0, 1).reshape(n, hq * d)

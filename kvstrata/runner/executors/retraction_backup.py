@@ -113,7 +113,7 @@ class RetractionBackupExecutor(OpExecutor):
             if op.kind == "discard":
                 self._discard(op)
                 if self.swa is not None:
-                    self.swa._discard(op)
+                    self.swa.apply([op])  # its own discard
                 continue
             if op.state_slot:
                 self._apply_state(op)

@@ -129,6 +129,29 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h, **kw) if cfg.mlp_bias else None
 
 
+def copy_weight(param: torch.Tensor | None, tensor: "torch.Tensor | PackedRows", key: str,
+                name: str = "", lo: int | None = None, hi: int | None = None) -> list[str]:
+    """tensor into param's rows lo..hi (all of it: None); a weight kept quantized
+    (PackedRows) is staged there instead, to become a packed layer after loading
+    (runner/quant/gguf_linear.py). Every model's weight loader copies through it (the
+    decoder classes as `self._copy`). Returns [key], the loaded key."""
+    if param is None:
+        raise KeyError(f"{name or key}: this architecture has no such parameter")
+    if isinstance(tensor, PackedRows):
+        lo, hi = (0, param.shape[0]) if lo is None else (lo, hi)
+        if param.dim() != 2 or tuple(tensor.shape) != (hi - lo, param.shape[1]):
+            raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"expected {tuple(param.data[lo:hi].shape)}")
+        gguf_linear.stage(param, tensor, lo, hi)
+        return [key]
+    dst = param.data if lo is None else param.data[lo:hi]
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
+                         f"expected {tuple(dst.shape)}")
+    dst.copy_(tensor)
+    return [key]
+
+
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
     layer_class = DecoderLayer  # a subclass with more per-layer parameters sets its own
@@ -337,27 +360,7 @@ class DecoderForCausalLM(nn.Module):
             return self._copy(target, tensor, f"{pre}{proj}.{kind}", name, lo, hi)
         raise KeyError(name)
 
-    @staticmethod
-    def _copy(param: torch.Tensor | None, tensor: "torch.Tensor | PackedRows", key: str,
-              name: str = "", lo: int | None = None, hi: int | None = None) -> list[str]:
-        """tensor into param's rows lo..hi (all of it: None); a weight kept quantized
-        (PackedRows) is staged there instead, to become a packed layer after loading
-        (runner/quant/gguf_linear.py)."""
-        if param is None:
-            raise KeyError(f"{name or key}: this architecture has no such parameter")
-        if isinstance(tensor, PackedRows):
-            lo, hi = (0, param.shape[0]) if lo is None else (lo, hi)
-            if param.dim() != 2 or tuple(tensor.shape) != (hi - lo, param.shape[1]):
-                raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
-                                 f"expected {tuple(param.data[lo:hi].shape)}")
-            gguf_linear.stage(param, tensor, lo, hi)
-            return [key]
-        dst = param.data if lo is None else param.data[lo:hi]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name or key}: checkpoint shape {tuple(tensor.shape)} != "
-                             f"expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        return [key]
+    _copy = staticmethod(copy_weight)
 
     def expected_keys(self) -> set[str]:
         keys = {"embed", "final_norm"}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.runner.forward_batch import ForwardBatch
-from kvstrata.runner.models.decoder import DecoderForCausalLM, rms_norm
+from kvstrata.runner.models.decoder import copy_weight, rms_norm
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM, DeepseekLayer, _param
 from kvstrata.runner.models.deepseek_weights import layer_targets
 
@@ -103,7 +103,7 @@ class DeepseekMTPHead(nn.Module):
         if name not in self._targets:
             raise KeyError(name)
         param, lo, hi = self._targets[name]
-        return DecoderForCausalLM._copy(param, tensor, name, name, lo, hi)
+        return copy_weight(param, tensor, name, name, lo, hi)
 
     def expected_keys(self) -> set[str]:
         return set(self._targets)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvstrata.runner.models.decoder import DecoderForCausalLM
+from kvstrata.runner.models.decoder import copy_weight
 from kvstrata.runner.models.moe import Targets
 
 _ATTN = {"q_proj.weight": "q_proj", "q_a_proj.weight": "q_a_proj",
@@ -56,7 +56,7 @@ class WeightMap:
                 return []  # multi-token-prediction layers: not part of the causal LM
             raise KeyError(name)
         param, lo, hi = target
-        return DecoderForCausalLM._copy(param, tensor, name, name, lo, hi)
+        return copy_weight(param, tensor, name, name, lo, hi)
 
     def _is_mtp_layer(self, name: str) -> bool:
         parts = name.split(".")

@@ -62,6 +62,21 @@ class SamplingState:
     # Structured output: the request's grammar matcher (runner/sampling/grammar.py), or None.
     grammar: Any = field(default=None, repr=False, compare=False)
 
+    def prompt_ids_on(self, dev: torch.device) -> torch.Tensor:
+        """The prompt ids as a long tensor on `dev` (repetition_penalty), converted once."""
+        if self._prompt_tensor is None or self._prompt_tensor.device != dev:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long,
+                                               device=dev)
+        return self._prompt_tensor
+
+    def logit_bias_on(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (ids, values) tensors on `dev`, converted once."""
+        if self._bias is None or self._bias[0].device != dev:
+            bias = self.params.logit_bias
+            self._bias = (torch.tensor(list(bias), dtype=torch.long, device=dev),
+                          torch.tensor(list(bias.values()), dtype=torch.float32, device=dev))
+        return self._bias
+
     def record(self, token: int) -> None:
         """A sampled token joins the output (and advances the grammar)."""
         self.output_token_ids.append(token)
@@ -147,7 +162,7 @@ class Sampler:
         logprobs: list[float | None] = [None] * n
         top_logprobs: list[list[tuple[int, float]] | None] = [None] * n
         if want_lp:
-            self._fill_logprobs(logits, want_lp, params, tokens, logprobs, top_logprobs)
+            self.fill_logprobs(logits, want_lp, params, tokens, logprobs, top_logprobs)
         return SampleResult(tokens, logprobs, top_logprobs)
 
     def adjusted(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -181,11 +196,7 @@ class Sampler:
                 or p.presence_penalty != 0.0:
             self._penalise_row(row, s)
         if p.logit_bias:
-            if s._bias is None or s._bias[0].device != dev:
-                s._bias = (torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev),
-                           torch.tensor(list(p.logit_bias.values()), dtype=torch.float32,
-                                        device=dev))
-            ids, vals = s._bias
+            ids, vals = s.logit_bias_on(dev)
             keep = ids < vocab  # the API refuses ids outside the vocabulary; LLM() may not
             row[ids[keep]] += vals[keep]
         allowed = s.grammar.allowed() if s.grammar is not None else None
@@ -220,10 +231,7 @@ class Sampler:
         out = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
         out = out[out < vocab]  # ids the (possibly truncated) logits cannot hold are ignored
         if p.repetition_penalty != 1.0:
-            if s._prompt_tensor is None or s._prompt_tensor.device != dev:
-                s._prompt_tensor = torch.tensor(s.prompt_token_ids, dtype=torch.long,
-                                                device=dev)
-            seen = torch.cat([s._prompt_tensor, out])
+            seen = torch.cat([s.prompt_ids_on(dev), out])
             seen = torch.unique(seen[seen < vocab])
             # Each id once, whatever its count: the HF/vLLM penalty is a presence-style scale.
             vals = row[seen]
@@ -236,12 +244,13 @@ class Sampler:
     # ------------------------------------------------------------------ random sampling
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
         """Draws one token per row of non-greedy requests from float32 `logits`."""
-        return self._inverse_cdf(self._probs(logits, states), self._uniforms(states).to(
+        return self.inverse_cdf(self.sampling_probs(logits, states), self.uniforms(states).to(
             logits.device))
 
-    def _probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def sampling_probs(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """The distribution each non-greedy row draws from (temperature, top-k, top-p,
-        min-p applied; rows are not renormalised after min-p: draws scale by the total)."""
+        min-p applied; rows are not renormalised after min-p: draws scale by the total).
+        The speculative verifier (runner/spec/verify.py) draws from it too."""
         m, vocab = logits.shape
         dev = logits.device
         ps = [s.params for s in states]
@@ -269,8 +278,8 @@ class Sampler:
             probs = probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * mp, 0.0)
         return probs
 
-    @staticmethod
-    def _cut_threshold(logits: torch.Tensor, ks: list[int], tops: list[float],
+    @classmethod
+    def _cut_threshold(cls, logits: torch.Tensor, ks: list[int], tops: list[float],
                        width: int | None = None) -> torch.Tensor:
         """Per-row logit threshold [r, 1] implementing top-k then top-p; keep logits >= it.
 
@@ -315,7 +324,7 @@ class Sampler:
         has_p = torch.isfinite(p_t)
         if width < vocab and bool((no_k & has_p & (cum[:, -1:] < p_t)).any()):
             # The nucleus of some top-p-only row spills past the prefix: sort everything.
-            return Sampler._cut_threshold(logits, ks, tops, width=vocab)
+            return cls._cut_threshold(logits, ks, tops, width=vocab)
         # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
         # strictly before it already does, so the first token always stays.
         # (clamped: with NaN masses the comparison drops every token, and index -1 crashed
@@ -325,8 +334,9 @@ class Sampler:
         return torch.maximum(k_thr, p_thr)
 
     @staticmethod
-    def _uniforms(states: list[SamplingState]) -> torch.Tensor:
-        """One U[0,1) per row: from (seed, step) alone when seeded, else torch's global RNG."""
+    def uniforms(states: list[SamplingState]) -> torch.Tensor:
+        """One U[0,1) per row: from (seed, step) alone when seeded, else torch's global RNG
+        (shared with the speculative verifier, so a seeded draw is the same either way)."""
         u = torch.empty(len(states), dtype=torch.float32)
         unseeded = [i for i, s in enumerate(states) if s.params.seed is None]
         if unseeded:
@@ -339,7 +349,7 @@ class Sampler:
         return u
 
     @staticmethod
-    def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
         """Token whose CDF interval (in token-id order) holds u * total mass.
 
         One uniform per row instead of vocab-sized noise: an O(vocab) cumsum is several
@@ -358,8 +368,10 @@ class Sampler:
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
-    def _fill_logprobs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+    def fill_logprobs(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
                        tokens: list[int], logprobs: list, top_logprobs: list) -> None:
+        """Fill logprobs[i] / top_logprobs[i] for each row i in `rows` from its logits and
+        chosen token (used by the speculative verifier too)."""
         sub = logits if len(rows) == logits.shape[0] else logits[rows]
         lp = finite_logprobs(torch.log_softmax(sub.float(), dim=-1))
         chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.long,

@@ -67,8 +67,8 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
         sample_rows = [r for r, s in enumerate(st) if not s.params.is_greedy]
         if sample_rows:
             sub = [st[r] for r in sample_rows]
-            probs = sampler._probs(adj[sample_rows], sub)
-            draws = Sampler._uniforms(sub)
+            probs = sampler.sampling_probs(adj[sample_rows], sub)
+            draws = Sampler.uniforms(sub)
             for k, r in enumerate(sample_rows):
                 i = alive[r]
                 tokens[r] = _sample_children(probs[k], kids[i].get(node[i], ()), sub[k],
@@ -77,7 +77,7 @@ def verify(sampler: Sampler, logits: list[torch.Tensor], states: list[SamplingSt
         lps: list = [None] * len(st)
         tops: list = [None] * len(st)
         if want_lp:
-            Sampler._fill_logprobs(adj, want_lp, [s.params for s in st], tokens, lps, tops)
+            Sampler.fill_logprobs(adj, want_lp, [s.params for s in st], tokens, lps, tops)
         still = []
         for r, i in enumerate(alive):
             states[i].record(tokens[r])
@@ -111,7 +111,7 @@ def _sample_children(p: torch.Tensor, children, state: SamplingState, draw: list
         if d < p.shape[0]:
             p = p.clone()
             p[d] = 0.0
-    return Sampler._inverse_cdf(p[None], draw)[0]
+    return Sampler.inverse_cdf(p[None], draw)[0]
 
 
 def move_accepted_kv(pools, table: torch.Tensor, row: int, start: int,
