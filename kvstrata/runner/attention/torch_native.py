@@ -204,14 +204,14 @@ class TorchNativeAttnBackend(PiecePlanner):
             return win.forward_math(self, layer, meta, q, k, v, sinks, softcap)
         out, done = self._prefill_by_kernel(layer, meta, q)
         if meta.single:
-            return out if done else self._piece(layer, meta.pieces[0], q, k, v)
+            return out if done else self.run_piece(layer, meta.pieces[0], q, k, v)
         if out is None:
             out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         skip = {id(p) for p in done}
         for p in meta.pieces:
             if id(p) in skip:
                 continue
-            res = self._piece(layer, p, q, k, v)
+            res = self.run_piece(layer, p, q, k, v)
             if p.tok_idx is None:
                 out[p.lo:p.hi] = res
             else:
@@ -246,8 +246,8 @@ class TorchNativeAttnBackend(PiecePlanner):
             keys, values = keys.to(dtype), values.to(dtype)
         return keys.view(-1, hkv, d), values.view(-1, hkv, d)
 
-    def _piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+    def run_piece(self, layer: int, p: Piece, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
         """One piece's output [its tokens, Hq * D]; sinks (fp32 [Hq]) / softcap (0: none):
         a kernel piece's softmax extras (window.forward_math, deterministic inference)."""
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -202,7 +202,7 @@ def forward_math(backend: "TorchNativeAttnBackend", layer: int, meta: TorchNativ
         kernel_sinks = sinks.detach().float().contiguous()  # the kernel reads fp32 logits
     for p in meta.pieces:
         if backend.deterministic and p.kind == "kernel":
-            res = backend._piece(layer, p, q, k, v, kernel_sinks, softcap or 0.0)
+            res = backend.run_piece(layer, p, q, k, v, kernel_sinks, softcap or 0.0)
         else:
             res = piece_math(backend, layer, p, q, k, v, sinks, softcap)
         if p.tok_idx is None:
