@@ -71,7 +71,8 @@ LONG_FILES_FIRST = (
     "correctness/test_moe_families.py", "unit/test_scheduler_fuzz.py",
     "correctness/test_swa_tiers.py", "correctness/test_smollm2_gguf_packed.py",
     "correctness/test_sliding_window_attention.py", "correctness/test_deterministic_smollm2.py",
-    "e2e/test_pd_tp.py", "correctness/test_bf16_quality.py", "e2e/test_schema_fuzz.py",
+    "e2e/test_pd_tp.py", "correctness/test_hybrid_engine.py",
+    "correctness/test_bf16_quality.py", "e2e/test_schema_fuzz.py",
     "e2e/test_hicache_storage_server.py", "e2e/test_lifecycle.py",
     "transfer/test_disagg_backends.py", "e2e/test_priority_server.py",
     "correctness/test_smollm2_gguf.py", "correctness/test_swa_memory_engine.py",
@@ -82,7 +83,9 @@ LONG_FILES_FIRST = (
     "e2e/test_sglang_router.py", "e2e/test_load_fuzz.py", "e2e/test_control_routes_under_load.py",
     "e2e/test_bad_input.py", "correctness/test_speculative.py",
     "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py",
-    "correctness/test_hf_quant_models.py", "e2e/test_hybrid_server.py")
+    "correctness/test_hf_quant_models.py", "e2e/test_hybrid_server.py",
+    "correctness/test_hybrid_hicache.py", "correctness/test_hybrid_spec_engine.py",
+    "correctness/test_gpt_oss_gguf.py", "correctness/test_paged_decode_softmax_extras.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
