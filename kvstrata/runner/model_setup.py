@@ -15,7 +15,7 @@ from kvstrata import envs
 from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                          resolve_model_path)
-from kvstrata.runner.cpu import packed_linear
+from kvstrata.runner.cpu import fixed_experts, packed_linear
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
@@ -86,7 +86,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     `tp_group` (a TPGroup of size > 1): this rank's share of the model (every rank runs
     this, and the calibration forward of --quantization, in step). deterministic
     (--enable-deterministic-inference): every linear on one kvstrata GEMM for all row
-    counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says."""
+    counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says;
+    an MoE layer's router and experts too (fixed_experts.py)."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
     scheme = quant_scheme(source)  # the checkpoint's own (GPTQ, AWQ, compressed-tensors, FP8)
@@ -151,6 +152,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
             info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
     elif deterministic:
         info = packed_linear.pack_model(model, fixed=True)
+        # MoE layers: the router, each expert and the shared experts too
+        info["pinned_moe_layers"] = fixed_experts.pin_moe_layers(model)
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)

@@ -12,6 +12,13 @@ retraction's recompute or backup. Two sources of difference are removed:
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
     key blocks, SDPA, the decode kernel): every query token, prompt or decode, runs the paged
     decode kernel over its own keys (runner/attention/torch_native.py, `deterministic`).
+MoE models of runner/models/moe_decoder.py (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5:
+PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
+so its router, every expert's gate|up and down and its shared experts run on the same fixed
+GEMM (one per expert weight, runner/cpu/fixed_experts.py), and each token sums its k experts'
+outputs in its own top-k order in float32 (moe.routed_sum, `ordered`). Other MoE models
+(gpt-oss's experts) are refused by name; MoE models keep the default off (their cost is not
+measured).
 Everything else in a forward is already per row (norms, rotary, activations, sampling).
 What it does not promise: equality across --tp-size values (each splits the GEMMs' and the
 all-reduce's sums differently), across CPUs with other instruction sets (the GEMM's AVX2,
@@ -34,6 +41,9 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
 # 2.2-3.5x SDPA and AMX tiles take prefill rows, which the flag gives up): opt-in.
+# config.json model_types whose routed experts run on the fixed GEMM (runner/models/
+# moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's experts do not (yet)
+PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
 DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
@@ -87,9 +97,11 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                              f"{' and '.join(model_info.softmax_extras)} (their attention "
                              f"runs in plain torch, not the batch-invariant decode kernel)")
         if model_info.routed_experts and kind in ("mha", "swa"):
-            raise ValueError("--enable-deterministic-inference: not implemented yet for a MoE "
-                             "model (its experts' matmuls run on however many tokens the "
-                             "router sends each, in torch's kernels)")
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
+                             f"MoE model of type {model_info.routed_experts} (its experts' "
+                             f"matmuls run on however many tokens the router sends each, in "
+                             f"torch's kernels); built for "
+                             f"{', '.join(PINNED_MOE_FAMILIES)}")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
                          f"{kind} model (MLA / DSA and recurrent models); the llama-family "
                          f"decoder has it, sliding windows and their own SWA pool included")
@@ -116,19 +128,23 @@ def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
     return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
             and not _quantizations(args) and _model_built(model_info)
-            and not (model_info is not None and model_info.quant_method))
+            and not (model_info is not None and model_info.quant_method)
+            # MoE: built, but its cost (one GEMM call per expert weight) is not measured
+            and not (model_info is not None and model_info.routed_experts))
 
 
 def _model_built(model_info: ModelInfo | None) -> bool:
-    """A plain MHA model without recurrent state (None, unknown: assumed so, as everywhere in
-    resolution; the load refuses an MLA model it turns out to be)."""
+    """A plain MHA model without recurrent state, dense or with experts of a family the fixed
+    GEMM pins (None, unknown: assumed so, as everywhere in resolution; the load refuses an MLA
+    model it turns out to be)."""
     # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own
     # pool, key ranges cut to the window (tests/correctness/test_swa_memory.py)
     return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
                                   and not model_info.uses_dsa
                                   and not model_info.has_recurrent_state
                                   and not model_info.softmax_extras
-                                  and not model_info.routed_experts)
+                                  and model_info.routed_experts in ("",
+                                                                    *PINNED_MOE_FAMILIES))
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:

@@ -1,0 +1,58 @@
+"""Deterministic inference for MoE layers: the router, every routed expert's projections and
+the shared experts on kvstrata's fixed GEMM (packed_linear.PackedLinear._init_fixed).
+
+Why: an expert's matmul runs over however many tokens the router sends it this step, and
+torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order -- by the
+row count, so a token's bits depended on which other tokens chose its experts. The fixed GEMM
+sums each output over k in one order for any row count. The combine then sums each token's
+k weighted expert outputs in slot order (the token's own top-k order, never the batch's
+expert order), in float32, rounded once (moe.routed_sum, `ordered`).
+
+A MoE block names what it pins (the runner/models/moe.py and moe_decoder.py blocks):
+`pinned_weights` (2-D [out, in] weights: the router, a shared expert's gate),
+`pinned_expert_stacks` (3-D [experts, out, in] stacks: each expert becomes one fixed
+PackedLinear, indexed as the stack was) and `pinned_children` (sub-blocks: a shared SwiGLU).
+After pinning the block calls `self.linear` (packed_linear) instead of F.linear.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
+
+
+def pin_moe_layers(model: Any) -> int:
+    """Pin every MoE block of a loaded model's layers (`layer.moe`) in place; returns how many
+    blocks were pinned (0 for a dense model)."""
+    blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    for block in blocks:
+        pin_block(block)
+    return len(blocks)
+
+
+def pin_block(block: nn.Module) -> None:
+    """Replace the block's weights by fixed PackedLinears (see the module docstring)."""
+    if not hasattr(block, "pinned_weights"):
+        raise ValueError(f"--enable-deterministic-inference: {type(block).__name__} does not "
+                         f"name its linear weights for the batch-invariant GEMM")
+    for name in block.pinned_weights:
+        weight = getattr(block, name)
+        if weight is None:  # absent in this model (a shared expert's gate)
+            continue
+        layer = PackedLinear(weight, fixed=True)
+        delattr(block, name)  # a Module cannot be assigned over a Parameter
+        setattr(block, name, layer)
+    for name in block.pinned_expert_stacks:
+        stack = getattr(block, name)
+        experts = nn.ModuleList(PackedLinear(stack[e], fixed=True)
+                                for e in range(stack.shape[0]))
+        delattr(block, name)
+        setattr(block, name, experts)  # experts[e] as stack[e] was
+    for name in getattr(block, "pinned_children", ()):
+        child = getattr(block, name)
+        if child is not None:
+            pin_block(child)
+    block.linear = packed_linear
+    block.ordered_sum = True
