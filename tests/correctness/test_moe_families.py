@@ -3,9 +3,10 @@ tiny random checkpoints (helpers/moe_ckpt.py, float32): prefill logits within 1e
 tokens equal (vLLM's near-tie rule) on pages of 1 and 16, batched and chunked with staggered
 arrivals; one engine run with chunked prefill and a radix hit; NGRAM speculation equal to
 plain decoding; what these models do not run is refused by name.
---enable-deterministic-inference (Qwen3-MoE, Mixtral): at bf16 each request's tokens and
-logprobs alone equal, bit for bit, its run among others (mixed lengths and arrivals, chunked
-prefill, a radix hit); at float32 greedy tokens still equal transformers'.
+--enable-deterministic-inference: at bf16 and float32 (Qwen3-MoE, Mixtral; Qwen2-MoE's and
+GLM-4.5's shared experts at float32) each request's tokens and logprobs alone equal, bit for
+bit, its run among others (mixed lengths and arrivals, chunked prefill, a radix hit); at
+float32 greedy tokens of all four families still equal transformers'.
 """
 from __future__ import annotations
 
@@ -142,18 +143,27 @@ def test_registry_names_the_moe_architectures():
 DETERMINISTIC = ("qwen3_moe", "mixtral")
 
 
-@pytest.mark.parametrize("arch", DETERMINISTIC)
-def test_deterministic_bits_do_not_depend_on_the_batch(arch, paths):
-    """bf16 with the flag: the router, every expert and the combine on batch-invariant
-    kernels (runner/cpu/fixed_experts.py). Each request's tokens and logprobs (greedy and
-    seeded) alone on a cold engine equal its run beside others of mixed lengths arriving at
-    other steps (so the experts see other token counts), prompts chunked in 7s, the shared
-    prefix a radix hit of the last cold run."""
+@pytest.mark.parametrize("arch,dtype", [(a, d) for a in DETERMINISTIC
+                                        for d in ("bfloat16", "float32")]
+                         # the shared experts (Qwen2-MoE's gated one, GLM-4.5's) and GLM's
+                         # float32 grouped router (moe.MoE)
+                         + [("qwen2_moe", "float32"), ("glm4_moe", "float32")])
+def test_deterministic_bits_do_not_depend_on_the_batch(arch, dtype, paths):
+    """With the flag: the router, every expert and the combine on batch-invariant kernels
+    (runner/cpu/fixed_experts.py). Each request's tokens and logprobs (greedy and seeded)
+    alone on a cold engine equal its run beside others of mixed lengths arriving at other
+    steps (so the experts see other token counts), prompts chunked in 7s, the shared prefix a
+    radix hit of the last cold run. float32 too: on an AVX2 CPU without AVX-512 torch's bf16
+    F.linear happens to be batch-invariant (no oneDNN bf16 kernels), its fp32 one is not --
+    with the experts on F.linear the fp32 case fails here."""
+    from kvstrata import LLM
     from kvstrata.runner.cpu.packed_linear import PackedLinear
-    from tests.correctness.test_deterministic_inference import (drive, make_llm, params,
+    from tests.correctness.test_deterministic_inference import (drive, params,
                                                                 prompts_with_prefix)
 
-    llm = make_llm(paths[arch], chunked_prefill_size=7, max_total_tokens=2048)
+    llm = LLM(model_path=paths[arch], skip_tokenizer_init=True, dtype=dtype,
+              enable_deterministic_inference=True, chunked_prefill_size=7,
+              max_total_tokens=2048)
     try:
         moe = llm.engine.runner.model.layers[1].moe
         assert all(isinstance(w, PackedLinear) and w.fixed
@@ -172,13 +182,13 @@ def test_deterministic_bits_do_not_depend_on_the_batch(arch, paths):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch", DETERMINISTIC)
+@pytest.mark.parametrize("arch", MOES)
 def test_deterministic_fp32_greedy_matches_transformers(arch, paths, prompts, references):
     """float32 with the flag (the fixed fp32 GEMM for every linear, experts included):
     greedy tokens still equal transformers', pages of 16, chunks of 6, staggered."""
     runner = make_runner(paths[arch], page_size=16, max_total_tokens=2048, context_length=128,
                          max_running_requests=8, dtype="float32",
                          enable_deterministic_inference=True)
-    assert runner.model.layers[1].moe.ordered_sum
+    assert runner.model.layers[1].moe.batch_invariant
     assert_greedy_in_mode_matches(runner, "p16_chunk6_staggered", prompts, references[arch],
                                   NEW_TOKENS, arch)

@@ -15,8 +15,9 @@ retraction's recompute or backup. Two sources of difference are removed:
 MoE models of runner/models/moe_decoder.py (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5:
 PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
 so its router, every expert's gate|up and down and its shared experts run on the same fixed
-GEMM (one per expert weight, runner/cpu/fixed_experts.py), and each token sums its k experts'
-outputs in its own top-k order in float32 (moe.routed_sum, `ordered`). Other MoE models
+GEMM (one per expert weight, runner/cpu/fixed_experts.py), each token sums its k experts'
+outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a router's or
+shared gate's sigmoid runs per row (moe.row_sigmoid). Other MoE models
 (gpt-oss's experts) are refused by name; MoE models keep the default off (their cost is not
 measured).
 Everything else in a forward is already per row (norms, rotary, activations, sampling).

@@ -6,7 +6,10 @@ torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order
 row count, so a token's bits depended on which other tokens chose its experts. The fixed GEMM
 sums each output over k in one order for any row count. The combine then sums each token's
 k weighted expert outputs in slot order (the token's own top-k order, never the batch's
-expert order), in float32, rounded once (moe.routed_sum, `ordered`).
+expert order), in float32, rounded once (moe.routed_sum, `ordered`); a sigmoid (GLM-4.5's
+router, Qwen2-MoE's shared-expert gate) runs per row (moe.row_sigmoid: torch's elementwise
+sigmoid rounds an element by its place in the flattened tensor), and silu(gate) * up per row
+(moe.swiglu).
 
 A MoE block names what it pins (the runner/models/moe.py and moe_decoder.py blocks):
 `pinned_weights` (2-D [out, in] weights: the router, a shared expert's gate),
@@ -55,4 +58,4 @@ def pin_block(block: nn.Module) -> None:
         if child is not None:
             pin_block(child)
     block.linear = packed_linear
-    block.ordered_sum = True
+    block.batch_invariant = True

@@ -20,6 +20,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.runner.cpu import fused_ops as cpu_ops
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., gate | up] projection: on the CPU one pass per row
+    (fused_ops.silu_mul, HF's roundings), whose bits never depend on the other rows -- torch's
+    silu over a [rows, I] view runs its vector body and scalar tail at offsets that depend on
+    how threads split the whole tensor; elsewhere torch's ops."""
+    act = cpu_ops.silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) elementwise, each element's bits independent of the rest of x (deterministic
+    inference): torch's sigmoid runs a contiguous tensor's elements flattened, in vector runs
+    with a scalar tail (another exp) and split among threads at any element, so an element's
+    bits followed its place in the batch (GLM-4.5's router over a 6- vs 7-token chunk caught
+    it). softmax over the last dim runs each row by itself: sigmoid(x) = softmax([x, 0])[0]."""
+    pair = torch.stack((x, torch.zeros_like(x)), dim=-1)
+    return torch.softmax(pair, dim=-1)[..., 0]
+
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -84,21 +108,21 @@ class DenseMLP(nn.Module):
         self.down = _param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, self.down)
+        return self.linear(swiglu(self.linear(x, self.gate_up)), self.down)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         return swiglu_targets(prefix, self.gate_up, self.down)
 
 
 class MoE(nn.Module):
-    # Deterministic inference (runner/cpu/fixed_experts.py): what it pins to the fixed GEMM,
-    # and the combine summing each token's experts in its own slot order
+    # Deterministic inference (runner/cpu/fixed_experts.py): what it pins to the fixed GEMM;
+    # batch_invariant: the router's sigmoid per row (row_sigmoid), the combine summing each
+    # token's experts in its own slot order
     linear = staticmethod(F.linear)
     pinned_weights = ("router",)
     pinned_expert_stacks = ("gate_up", "down")
     pinned_children = ("shared",)
-    ordered_sum = False
+    batch_invariant = False
 
     def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
                  experts: tuple[int, int] | None = None, shared_parts: int = 1):
@@ -130,7 +154,7 @@ class MoE(nn.Module):
                 scores = scores.masked_fill(eligible == 0, 0.0)
             weights, ids = scores.topk(d.num_experts_per_tok, dim=-1, sorted=False)
             return ids, weights * d.routed_scaling_factor
-        scores = logits.sigmoid()
+        scores = row_sigmoid(logits) if self.batch_invariant else logits.sigmoid()
         choice = scores + self.score_bias
         group_scores = choice.view(t, d.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
         choice = choice.masked_fill(self._eligible(group_scores) == 0, float("-inf"))
@@ -167,13 +191,12 @@ class MoE(nn.Module):
         lo = self.experts[0]
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate, up = self.linear(xs, self.gate_up[e - lo]).chunk(2, dim=-1)
-            return self.linear(F.silu(gate) * up, self.down[e - lo])
+            return self.linear(swiglu(self.linear(xs, self.gate_up[e - lo])), self.down[e - lo])
 
         # The routing weights are float32: a bf16 model's expert outputs are weighted and
         # summed over its k experts in float32 and rounded once, as transformers does.
         return routed_sum(x, ids, weights, self.d.n_routed_experts, expert,
-                          self.experts, self.ordered_sum) + self.shared(x)
+                          self.experts, self.batch_invariant) + self.shared(x)
 
 
 def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,

@@ -40,7 +40,7 @@ from torch import nn
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
 from kvstrata.runner.models.moe import (DenseMLP, MoE, MoeDims, Targets, routed_sum,
-                                        swiglu_targets)
+                                        row_sigmoid, swiglu, swiglu_targets)
 from kvstrata.runner.models.moe_config import check_moe_config
 
 
@@ -100,7 +100,7 @@ class SparseMoeBlock(nn.Module):
     pinned_weights = ("router", "shared_gate")
     pinned_expert_stacks = ("gate_up", "down")
     pinned_children = ("shared",)
-    ordered_sum = False
+    batch_invariant = False
 
     def __init__(self, config: Any, style: MoeStyle, hidden: int, dtype: torch.dtype,
                  device: torch.device, experts: tuple[int, int] | None = None,
@@ -133,15 +133,16 @@ class SparseMoeBlock(nn.Module):
 
     def expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         local = e - self.experts[0]
-        gate, up = self.linear(xs, self.gate_up[local]).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, self.down[local])
+        return self.linear(swiglu(self.linear(xs, self.gate_up[local])), self.down[local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         out = routed_sum(x, ids, weights, self.num_experts, self.expert, self.experts,
-                         self.ordered_sum)
+                         self.batch_invariant)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.linear(x, self.shared_gate)) * self.shared(x)
+            gate = self.linear(x, self.shared_gate)
+            gate = row_sigmoid(gate) if self.batch_invariant else torch.sigmoid(gate)
+            out = out + gate * self.shared(x)
         return out
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:
