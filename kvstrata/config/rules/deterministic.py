@@ -17,9 +17,10 @@ PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the route
 so its router, every expert's gate|up and down and its shared experts run on the same fixed
 GEMM (one per expert weight, runner/cpu/fixed_experts.py), each token sums its k experts'
 outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a router's or
-shared gate's sigmoid runs per row (moe.row_sigmoid). Other MoE models
-(gpt-oss's experts) are refused by name; MoE models keep the default off (their cost is not
-measured).
+shared gate's sigmoid runs per row (moe.row_sigmoid: torch's elementwise sigmoid rounds an
+element by its place in the flattened tensor -- vector body, scalar tail, thread split). Other
+MoE models are refused by name (gpt-oss: its experts are pinned at load, its attention sinks
+are not in the decode kernel yet); MoE models keep the default off (cost not measured).
 Everything else in a forward is already per row (norms, rotary, activations, sampling).
 What it does not promise: equality across --tp-size values (each splits the GEMMs' and the
 all-reduce's sums differently), across CPUs with other instruction sets (the GEMM's AVX2,
@@ -43,7 +44,8 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # (each token re-reads its keys; docs/benchmarks.md). AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
 # 2.2-3.5x SDPA and AMX tiles take prefill rows, which the flag gives up): opt-in.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
-# moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's experts do not (yet)
+# moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's are pinned too, but its
+# attention sinks keep it refused (softmax_extras)
 PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
