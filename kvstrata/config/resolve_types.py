@@ -91,10 +91,11 @@ class ModelInfo:
     # compressed-tensors, fp8, mxfp4), "" for a float one; the dtype and deterministic
     # rules read it (its packed layers are not the float GEMMs they measured).
     quant_method: str = ""
-    # Routed (MoE) experts (num_experts / num_local_experts / n_routed_experts): their
-    # per-expert matmuls take however many tokens the router sends them, so a token's bits
-    # depend on its batch; deterministic inference refuses them (rules/deterministic.py).
-    routed_experts: bool = False
+    # Routed (MoE) experts (num_experts / num_local_experts / n_routed_experts): the
+    # config's model_type ("" for a dense model). Their per-expert matmuls take however many
+    # tokens the router sends them; deterministic inference pins them to the fixed GEMM for
+    # the families it built and refuses the others by name (rules/deterministic.py).
+    routed_experts: str = ""
 
     @property
     def num_swa_layers(self) -> int:
@@ -148,7 +149,8 @@ class ModelInfo:
                    uses_dsa=bool(cfg.get("index_topk")), softmax_extras=extras,
                    layer_windows=windows,
                    quant_method=method_name(cfg.get("quantization_config")),
-                   routed_experts=any(bool(cfg.get(k)) for k in MOE_EXPERT_FIELDS))
+                   routed_experts=(model_type or "moe") if any(
+                       bool(cfg.get(k)) for k in MOE_EXPERT_FIELDS) else "")
 
 
 def _config_windows(cfg: dict) -> tuple[int | None, ...] | None:

@@ -15,7 +15,7 @@ from kvstrata import envs
 from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                          resolve_model_path)
-from kvstrata.runner.cpu import packed_linear
+from kvstrata.runner.cpu import fixed_experts, packed_linear
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
@@ -29,23 +29,19 @@ def refuse_unsupported_features(args: Any) -> None:
     yet (its `UNSUPPORTED` flags: gpt-oss) is refused with those flags by name. `args`:
     ServerArgs (the flags as given). (A gpt-oss STANDALONE draft runs; quantizing one is
     refused by load_serving_model.)"""
-    from kvstrata.runner.models.gpt_oss import DETERMINISTIC_WHY, UNSUPPORTED  # noqa: PLC0415
+    from kvstrata.runner.models.gpt_oss import UNSUPPORTED  # noqa: PLC0415
 
     refuse_quantization_mismatch(args.model_path, args.quantization)
     if _architecture_of(args.model_path) != "GptOssForCausalLM":
         return
     used = [flag for flag, on in (
         ("--quantization", args.quantization is not None),
-        ("--load-format gguf", args.load_format == "gguf"),  # = --quantization gguf
-        ("--enable-deterministic-inference", bool(args.enable_deterministic_inference)))
+        ("--load-format gguf", args.load_format == "gguf"))  # = --quantization gguf
         if on]
     assert set(used) <= set(UNSUPPORTED)
     if used:
-        why = (f" (--enable-deterministic-inference: {DETERMINISTIC_WHY})"
-               if "--enable-deterministic-inference" in used else "")
         raise ValueError(f"GptOssForCausalLM (gpt-oss) is not supported with "
-                         f"{', '.join(used)} yet{why}; it runs without "
-                         f"{', '.join(UNSUPPORTED)}")
+                         f"{', '.join(used)} yet; it runs without {', '.join(UNSUPPORTED)}")
 
 
 def refuse_quantization_mismatch(model_path: str, quantization: str | None) -> None:
@@ -89,7 +85,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     `tp_group` (a TPGroup of size > 1): this rank's share of the model (every rank runs
     this, and the calibration forward of --quantization, in step). deterministic
     (--enable-deterministic-inference): every linear on one kvstrata GEMM for all row
-    counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says."""
+    counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says;
+    an MoE layer's router and experts too (fixed_experts.py)."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
     scheme = quant_scheme(source)  # the checkpoint's own (GPTQ, AWQ, compressed-tensors, FP8)
@@ -131,11 +128,10 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     if deterministic and quantization not in (None, *PINNED_QUANTIZATIONS):
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                   f"with {quantization_flag} {quantization}")
-    refused = getattr(model, "unsupported", ())  # gpt-oss (refused by name earlier too)
+    refused = getattr(model, "unsupported", ())  # a model class's own (hybrids: resolution too)
     if deterministic and "--enable-deterministic-inference" in refused:
-        from kvstrata.runner.models.gpt_oss import DETERMINISTIC_WHY  # noqa: PLC0415
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
-                                  f"{arch} ({DETERMINISTIC_WHY})")
+                                  f"{arch}")
     if keep_quantized or (scheme is not None and scheme.is_int):
         return model, source, hf_config, model.gguf_info  # packed layers, from load_model
     if quantization is not None and not is_llama_family(model):
@@ -151,6 +147,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
             info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
     elif deterministic:
         info = packed_linear.pack_model(model, fixed=True)
+        # MoE layers: the router, each expert and the shared experts too
+        info["pinned_moe_layers"] = fixed_experts.pin_moe_layers(model)
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)

@@ -171,3 +171,49 @@ def test_head_norm_of_a_token_does_not_depend_on_the_tokens_beside_it(dtype):
         for i in range(t):
             alone = rms_norm(qkv[i:i + 1, :q_end].view(1, heads, hd), weight, 1e-6)
             assert torch.equal(together[i], alone[0]), f"token {i} of {t}"
+
+
+def _moe_blocks(dtype: torch.dtype) -> dict:
+    """A Qwen2-MoE block (softmax router, gated shared expert) and GLM-4.5's (moe.MoE: float32
+    sigmoid router with groups, shared experts), 64 experts, top-8, random weights: router
+    logits of 600 tokens pass torch's thread grain (32768 elements)."""
+    import transformers as tf
+
+    from kvstrata.runner.models.moe import MoE, MoeDims
+    from kvstrata.runner.models.moe_decoder import STYLES, SparseMoeBlock
+
+    cpu = torch.device("cpu")
+    qwen = tf.Qwen2MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=64,
+                             shared_expert_intermediate_size=96, num_experts_per_tok=8)
+    glm = MoeDims(hidden_size=128, moe_intermediate_size=64, n_routed_experts=64,
+                  n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+                  norm_topk_prob=True, routed_scaling_factor=2.5)
+    blocks = {"qwen2_moe": SparseMoeBlock(qwen, STYLES["qwen2_moe"], 128, dtype, cpu),
+              "glm4_moe": MoE(glm, dtype, cpu)}
+    g = torch.Generator().manual_seed(7)
+    for block in blocks.values():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinned_moe_block_rows_do_not_depend_on_the_batch(dtype):
+    """Deterministic inference's MoE blocks (runner/cpu/fixed_experts.py): a token's output
+    is the same bits alone as beside 1..599 others (the first 24 alone; every count's rows
+    equal 600 tokens' rows) -- whatever the other tokens route to its
+    experts (the fixed GEMM at any row count), the combine in its own top-k order, the sigmoid
+    and silu per row. Unpinned (F.linear, torch's sigmoid) the float32 blocks fail this."""
+    from kvstrata.runner.cpu.fixed_experts import pin_block
+
+    if fixed_unsupported(torch.zeros(16, 16, dtype=dtype)) is not None:
+        pytest.skip(fixed_unsupported(torch.zeros(16, 16, dtype=dtype)))
+    x = torch.randn(600, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    for name, block in _moe_blocks(dtype).items():
+        pin_block(block)
+        with torch.inference_mode():
+            full = block(x)
+            alone = torch.cat([block(x[i:i + 1]) for i in range(24)])
+            assert torch.equal(full[:24], alone), f"{name}: 600 tokens vs one at a time"
+            for m in list(range(2, 18)) + [33, 64, 130, 599]:
+                assert torch.equal(block(x[:m]), full[:m]), f"{name}: {m} tokens vs 600"

@@ -247,13 +247,34 @@ def test_tensor_parallel_matches_transformers(tiny, prompts, references):
         assert_tokens_match(out["output_ids"], ref_tokens, ref_logits, label=f"tp 2 prompt {i}")
 
 
-@pytest.mark.parametrize("flags", [
-    {"quantization": "w8a8_int8"},
-    {"enable_deterministic_inference": True}],
-    ids=["w8a8", "deterministic"])
-def test_unsupported_features_are_refused_by_name(tiny, flags):
+def test_unsupported_features_are_refused_by_name(tiny):
     with pytest.raises(ValueError, match="GptOssForCausalLM"):
-        make_runner(tiny, max_total_tokens=256, **flags)
+        make_runner(tiny, max_total_tokens=256, quantization="w8a8_int8")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_bits_do_not_depend_on_the_batch(tiny, dtype):
+    """--enable-deterministic-inference on gpt-oss: the router and experts on the fixed GEMM
+    (runner/cpu/fixed_experts.py), the window and sinks in the paged decode kernel's softmax.
+    Each request (greedy and seeded) alone on a cold engine equals its run beside others of
+    mixed lengths arriving at other steps, prompts chunked in 7s across the window (8), the
+    shared prefix a radix hit of the last cold run."""
+    from kvstrata import LLM
+    from tests.correctness.test_deterministic_inference import (cold_runs, drive, params,
+                                                                prompts_with_prefix)
+
+    llm = LLM(model_path=tiny, skip_tokenizer_init=True, dtype=dtype, chunked_prefill_size=7,
+              enable_deterministic_inference=True, max_total_tokens=2048)
+    try:
+        assert llm.server_info()["kv_plan"]["pool_kind"] == "swa"
+        prompts = [[t % VOCAB for t in p] for p in prompts_with_prefix(13, 20, [3, 14, 30])]
+        work = [(i, p, params(8, None if i % 2 else 5 + i)) for i, p in enumerate(prompts)]
+        cold = cold_runs(llm, work)
+        assert llm.get_load()["num_cached_tokens"] >= 20
+        assert drive(llm, work) == cold
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
 
 
 def test_a_quantized_gpt_oss_draft_is_refused(tiny, tiny_checkpoints):

@@ -48,17 +48,45 @@ def test_moe_runs_each_chosen_expert_once(tiny, monkeypatch):
 
     ours, calls = _ours(tiny), []
 
-    def counting(x, ids, weights, num_experts, expert, held=None):
+    def counting(x, ids, weights, num_experts, expert, held=None, **kw):
         def counted(e, xs):
             calls.append((e, xs.shape[0]))
             return expert(e, xs)
-        return routed_sum(x, ids, weights, num_experts, counted, held)
+        return routed_sum(x, ids, weights, num_experts, counted, held, **kw)
 
     routed_sum = gpt_oss.routed_sum
     monkeypatch.setattr(gpt_oss, "routed_sum", counting)
     ours.moe(ours.layers[0], torch.randn(64, 64, generator=torch.Generator().manual_seed(2)))
     assert sorted(e for e, _ in calls) == sorted(set(e for e, _ in calls))
     assert sum(n for _, n in calls) == 64 * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pinned_moe_rows_do_not_depend_on_the_batch(tiny, dtype):
+    """Deterministic inference's pieces for gpt-oss's experts (runner/cpu/fixed_experts.py;
+    the flag itself stays refused until its attention sinks run the batch-invariant decode
+    kernel): with the router and every expert on the fixed GEMM (biases inside), the GLU's
+    sigmoid per row and the combine in top-k order, a token's MoE output is the same bits
+    alone as beside 1..95 others, and close to the unpinned block's."""
+    from kvstrata.runner.cpu.fixed_experts import pin_moe_layers
+    from kvstrata.runner.cpu.fixed_linear import fixed_unsupported
+
+    ours = _ours(tiny, dtype)
+    weight = ours.layers[0].router_weight
+    if fixed_unsupported(weight) is not None:
+        pytest.skip(fixed_unsupported(weight))
+    x = torch.randn(96, 64, generator=torch.Generator().manual_seed(4)).to(weight.dtype)
+    with torch.inference_mode():
+        plain = [ours.moe(layer, x) for layer in ours.layers]
+        assert pin_moe_layers(ours) == len(ours.layers)
+        for i, layer in enumerate(ours.layers):
+            full = ours.moe(layer, x)
+            alone = torch.cat([ours.moe(layer, x[j:j + 1]) for j in range(16)])
+            assert torch.equal(full[:16], alone), f"layer {i}: 96 tokens vs one at a time"
+            for m in list(range(2, 18)) + [33, 64, 95]:
+                assert torch.equal(ours.moe(layer, x[:m]), full[:m]), f"layer {i}: {m}"
+            tol = 1e-5 if dtype == "float32" else 0.05 * plain[i].abs().max().item()
+            assert (full.float() - plain[i].float()).abs().max().item() <= tol
 
 
 def test_moe_bfloat16_close_to_transformers_bfloat16(tiny):

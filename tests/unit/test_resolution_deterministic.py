@@ -38,14 +38,9 @@ def test_off_by_default_changes_nothing():
     (dict(device="cuda"), "cuda", None, "not implemented yet on cuda"),
     ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True), "not implemented yet for a mla"),
     ({}, "cpu", ModelInfo(has_recurrent_state=True), "not implemented yet for a recurrent"),
-    # gpt-oss: its sinks run in the decode kernel; its MoE experts are what is refused
-    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "gpt_oss", "sliding_window": 128,
-                                          "num_local_experts": 4}),
-     "not implemented yet for a MoE model"),
-    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
-     "not implemented yet for a MoE model"),
-    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "mixtral", "num_local_experts": 8}),
-     "not implemented yet for a MoE model"),
+    # a MoE family whose experts the fixed GEMM does not pin (moe_decoder.py's and gpt-oss's are)
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "olmoe", "num_experts": 8}),
+     "not implemented yet for a MoE model of type olmoe"),
 ])
 def test_what_it_cannot_honour_is_refused_by_name(kwargs, platform, info, message):
     with pytest.raises(ValueError, match="--enable-deterministic-inference") as err:
@@ -85,7 +80,7 @@ def test_on_by_default_where_measured_free():
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
     (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # the load refuses it
     (AVX2, ModelInfo(quant_method="fp8"), dict(dtype="bfloat16")),
-    # MoE experts: the load would refuse the flag, so a default-on left the model unservable
+    # MoE experts: pinned by the flag, but their cost is not measured
     (AVX2, ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
      dict(dtype="bfloat16")),
     (AVX2, ModelInfo.from_hf_config({"model_type": "glm4_moe", "n_routed_experts": 8}),
@@ -119,6 +114,28 @@ def test_w8a8_int8_keeps_the_default_off_and_takes_the_flag():
         assert resolved.enable_deterministic_inference is False
         resolved, _ = on_cpu(AVX2, dtype="bfloat16", enable_deterministic_inference=True, **kw)
         assert resolved.deterministic_linear_kernel == kernel
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "qwen3_moe", "num_experts": 8},
+    {"model_type": "qwen2_moe", "num_experts": 8},
+    {"model_type": "mixtral", "num_local_experts": 8, "sliding_window": 4096},
+    {"model_type": "glm4_moe", "n_routed_experts": 8},
+    # gpt-oss: experts pinned the same way, its sinks in the decode kernel's softmax
+    {"model_type": "gpt_oss", "num_local_experts": 8, "sliding_window": 128},
+])
+def test_moe_decoder_families_take_the_flag_and_keep_the_default_off(cfg):
+    """moe_decoder.py's MoE families: the router and every expert on the fixed GEMM
+    (runner/cpu/fixed_experts.py), so the flag is honoured; its cost is not measured, so the
+    CPU default stays off for them (test_opt_in_elsewhere)."""
+    info = ModelInfo.from_hf_config(cfg)
+    assert info.routed_experts == cfg["model_type"]
+    assert cfg["model_type"] in deterministic.PINNED_MOE_FAMILIES
+    resolved, res = run(model_info=info, enable_deterministic_inference=True)
+    assert resolved.deterministic_linear_kernel == deterministic.LINEAR_KERNEL
+    assert resolved.deterministic_attention_kernel == deterministic.ATTENTION_KERNEL
+    resolved, _ = on_cpu(AVX2, info, dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is False
 
 
 def test_sliding_window_models_are_mha_and_deterministic():

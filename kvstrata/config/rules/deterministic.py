@@ -14,8 +14,15 @@ retraction's recompute or backup. Two sources of difference are removed:
     decode kernel over its own keys (runner/attention/torch_native.py, `deterministic`).
     Softmax extras run inside that kernel, per query row: Gemma 2's attention logit
     soft-capping (scores = cap * tanh(scores / cap) before the softmax) and gpt-oss's attention
-    sinks (a learned logit per head in the denominator; runner/attention/window.py). gpt-oss
-    itself stays refused for its routed MoE experts (below), not for its sinks.
+    sinks (a learned logit per head in the denominator; runner/attention/window.py).
+MoE models (runner/models/moe_decoder.py's Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, and gpt-oss:
+PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
+so its router, every expert's gate|up and down and its shared experts run on the same fixed
+GEMM (one per expert weight, runner/cpu/fixed_experts.py), each token sums its k experts'
+outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a router's or
+shared gate's sigmoid runs per row (moe.row_sigmoid: torch's elementwise sigmoid rounds an
+element by its place in the flattened tensor -- vector body, scalar tail, thread split). Other
+MoE models are refused by name; MoE models keep the default off (cost not measured).
 Everything else in a forward is already per row (norms, rotary, activations, sampling).
 What it does not promise: equality across --tp-size values (each splits the GEMMs' and the
 all-reduce's sums differently), across CPUs with other instruction sets (the GEMM's AVX2,
@@ -38,6 +45,10 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). AVX-512 and AMX CPUs are not measured (there the prefill kernel ran
 # 2.2-3.5x SDPA and AMX tiles take prefill rows, which the flag gives up): opt-in.
+# config.json model_types whose routed experts run on the fixed GEMM (runner/models/
+# moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's are pinned too, but its
+# attention sinks keep it refused (softmax_extras)
+PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
 DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
@@ -87,9 +98,11 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     if not _model_built(model_info):
         kind = "recurrent" if model_info.has_recurrent_state else model_info.kv_pool_kind
         if model_info.routed_experts and kind in ("mha", "swa"):
-            raise ValueError("--enable-deterministic-inference: not implemented yet for a MoE "
-                             "model (its experts' matmuls run on however many tokens the "
-                             "router sends each, in torch's kernels)")
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
+                             f"MoE model of type {model_info.routed_experts} (its experts' "
+                             f"matmuls run on however many tokens the router sends each, in "
+                             f"torch's kernels); built for "
+                             f"{', '.join(PINNED_MOE_FAMILIES)}")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
                          f"{kind} model (MLA / DSA and recurrent models); the llama-family "
                          f"decoder has it, sliding windows and their own SWA pool included")
@@ -119,19 +132,23 @@ def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
             and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
             and not _quantizations(args) and _model_built(model_info)
             and not (model_info is not None and (model_info.quant_method
-                                                 or model_info.softmax_extras)))
+                                                 or model_info.softmax_extras))
+            # MoE: built, but its cost (one GEMM call per expert weight) is not measured
+            and not (model_info is not None and model_info.routed_experts))
 
 
 def _model_built(model_info: ModelInfo | None) -> bool:
-    """A plain MHA model without recurrent state or routed experts, its softmax extras
-    (sinks, soft-capping) in the decode kernel (None, unknown: assumed so, as everywhere in
-    resolution; the load refuses an MLA model it turns out to be)."""
+    """A plain MHA model without recurrent state, dense or with experts of a family the fixed
+    GEMM pins, its softmax extras (sinks, soft-capping) in the decode kernel (None, unknown:
+    assumed so, as everywhere in resolution; the load refuses an MLA model it turns out to
+    be)."""
     # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own
     # pool, key ranges cut to the window (tests/correctness/test_swa_memory.py)
     return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
                                   and not model_info.uses_dsa
                                   and not model_info.has_recurrent_state
-                                  and not model_info.routed_experts)
+                                  and model_info.routed_experts in ("",
+                                                                    *PINNED_MOE_FAMILIES))
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:

@@ -32,7 +32,7 @@ from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.decoder import (ArchSpec, DecoderForCausalLM, _param, rms_norm,
                                             rope_qk)
-from kvstrata.runner.models.moe import routed_sum
+from kvstrata.runner.models.moe import routed_sum, row_sigmoid
 from kvstrata.runner.quant.mxfp4 import dequantize_mxfp4
 
 SWIGLU_ALPHA = 1.702  # transformers' default when a config does not name it
@@ -44,14 +44,21 @@ SWIGLU_LIMIT = 7.0
 # the llama decoder's: tested beside the SWA pool, test_gpt_oss.py).
 # --load-format gguf: a GGUF file's weights kept in their blocks (--quantization gguf): no
 # packed kernel runs the 3-D MXFP4 experts; its GGUF files load dequantized.
-UNSUPPORTED = ("--quantization", "--load-format gguf", "--enable-deterministic-inference")
-# --enable-deterministic-inference: its attention (windows, sinks) runs the batch-invariant
-# paged decode kernel (tests/correctness/test_paged_decode_softmax_extras.py); the experts do not.
-DETERMINISTIC_WHY = ("its routed MoE experts run torch's matmuls on however many tokens the "
-                     "router sends each, so an expert's sums depend on the batch")
+# (--enable-deterministic-inference runs: the router and experts pinned on the fixed GEMM,
+# GptOssLayer's pinned_*; the attention sinks inside the batch-invariant paged decode kernel,
+# tests/correctness/test_paged_decode_softmax_extras.py.)
+UNSUPPORTED = ("--quantization", "--load-format gguf")
 
 
 class GptOssLayer(nn.Module):
+    # Deterministic inference (runner/cpu/fixed_experts.py): the router and every expert on
+    # the fixed GEMM, biases inside; batch_invariant: the GLU's sigmoid per row and the
+    # combine in each token's top-k order.
+    linear = staticmethod(F.linear)
+    pinned_weights = (("router_weight", "router_bias"),)
+    pinned_expert_stacks = (("gate_up", "gate_up_bias"), ("down", "down_bias"))
+    batch_invariant = False
+
     def __init__(self, d: ModelDims, num_experts: int, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
@@ -112,7 +119,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
     # window is applied by the attention, not by freeing pages yet).
     pool_kind = "mha"
     # The linear layers packed for the CPU GEMMs (runner/cpu/packed_linear.py): the 2-D
-    # projections. Router and experts stay F.linear (the experts are 3-D, one slice per call).
+    # projections. Router and experts stay F.linear (the experts are 3-D, one slice per call)
+    # but under deterministic inference (GptOssLayer.pinned_*).
     packed_linears = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"))
     unsupported = UNSUPPORTED
 
@@ -182,7 +190,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def route(self, layer: GptOssLayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] -> (expert ids [T, k], weights [T, k]): the top-k router logits, then a
         softmax over those k, in the model dtype as transformers computes them."""
-        logits = F.linear(h, layer.router_weight, layer.router_bias)
+        logits = layer.linear(h, layer.router_weight, layer.router_bias)
         top, ids = logits.topk(self.top_k, dim=-1)
         return ids, top.softmax(dim=-1)
 
@@ -190,13 +198,20 @@ class GptOssForCausalLM(DecoderForCausalLM):
         ids, weights = self.route(layer, h)
         limit, alpha = self.swiglu_limit, self.swiglu_alpha
 
+        sigmoid = row_sigmoid if layer.batch_invariant else torch.sigmoid
+        pinned = layer.gate_up_bias is None  # the biases live in the fixed layers
+
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(xs, layer.gate_up[e], layer.gate_up_bias[e]).chunk(2, dim=-1)
+            gate, up = layer.linear(xs, layer.gate_up[e],
+                                    None if pinned else layer.gate_up_bias[e]).chunk(2, dim=-1)
             gate = gate.clamp(max=limit)
             up = up.clamp(min=-limit, max=limit)
-            glu = gate * torch.sigmoid(gate * alpha)
-            return F.linear((up + 1) * glu, layer.down[e], layer.down_bias[e])
+            glu = gate * sigmoid(gate * alpha)
+            return layer.linear((up + 1) * glu, layer.down[e],
+                                None if pinned else layer.down_bias[e])
 
+        if layer.batch_invariant:
+            return routed_sum(h, ids, weights, self.num_experts, expert, ordered=True)
         return routed_sum(h, ids, weights, self.num_experts, expert)
 
     # ------------------------------------------------------------------ weight loading

@@ -20,6 +20,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.runner.cpu import fused_ops as cpu_ops
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., gate | up] projection: on the CPU one pass per row
+    (fused_ops.silu_mul, HF's roundings), whose bits never depend on the other rows -- torch's
+    silu over a [rows, I] view runs its vector body and scalar tail at offsets that depend on
+    how threads split the whole tensor; elsewhere torch's ops."""
+    act = cpu_ops.silu_mul(gate_up)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) elementwise, each element's bits independent of the rest of x (deterministic
+    inference): torch's sigmoid runs a contiguous tensor's elements flattened, in vector runs
+    with a scalar tail (another exp) and split among threads at any element, so an element's
+    bits followed its place in the batch (GLM-4.5's router over a 6- vs 7-token chunk caught
+    it). softmax over the last dim runs each row by itself: sigmoid(x) = softmax([x, 0])[0]."""
+    pair = torch.stack((x, torch.zeros_like(x)), dim=-1)
+    return torch.softmax(pair, dim=-1)[..., 0]
+
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
@@ -70,6 +94,11 @@ class MoeDims:
 
 class DenseMLP(nn.Module):
     """SwiGLU with gate|up fused into one weight (rows 0..I-1 gate, I..2I-1 up)."""
+    # How a weight is applied: F.linear, or kvstrata's fixed GEMM once deterministic
+    # inference pinned these weights (runner/cpu/fixed_experts.py)
+    linear = staticmethod(F.linear)
+    pinned_weights = ("gate_up", "down")
+    pinned_expert_stacks = ()
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype,
                  device: torch.device):
@@ -79,14 +108,22 @@ class DenseMLP(nn.Module):
         self.down = _param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return self.linear(swiglu(self.linear(x, self.gate_up)), self.down)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         return swiglu_targets(prefix, self.gate_up, self.down)
 
 
 class MoE(nn.Module):
+    # Deterministic inference (runner/cpu/fixed_experts.py): what it pins to the fixed GEMM;
+    # batch_invariant: the router's sigmoid per row (row_sigmoid), the combine summing each
+    # token's experts in its own slot order
+    linear = staticmethod(F.linear)
+    pinned_weights = ("router",)
+    pinned_expert_stacks = ("gate_up", "down")
+    pinned_children = ("shared",)
+    batch_invariant = False
+
     def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
                  experts: tuple[int, int] | None = None, shared_parts: int = 1):
         """`experts`: the routed experts this module holds ([lo, hi), all by default: a
@@ -109,7 +146,7 @@ class MoE(nn.Module):
         """x [T, H] -> (expert ids [T, k], weights [T, k] float32)."""
         d = self.d
         t = x.shape[0]
-        logits = F.linear(x.float(), self.router)
+        logits = self.linear(x.float(), self.router)
         if d.scoring == "softmax":  # DeepSeek-V2: no bias, never renormalised
             scores = logits.softmax(dim=-1)
             if d.topk_method == "group_limited_greedy":  # groups ranked by their best expert
@@ -117,7 +154,7 @@ class MoE(nn.Module):
                 scores = scores.masked_fill(eligible == 0, 0.0)
             weights, ids = scores.topk(d.num_experts_per_tok, dim=-1, sorted=False)
             return ids, weights * d.routed_scaling_factor
-        scores = logits.sigmoid()
+        scores = row_sigmoid(logits) if self.batch_invariant else logits.sigmoid()
         choice = scores + self.score_bias
         group_scores = choice.view(t, d.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
         choice = choice.masked_fill(self._eligible(group_scores) == 0, float("-inf"))
@@ -154,18 +191,17 @@ class MoE(nn.Module):
         lo = self.experts[0]
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(xs, self.gate_up[e - lo]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down[e - lo])
+            return self.linear(swiglu(self.linear(xs, self.gate_up[e - lo])), self.down[e - lo])
 
         # The routing weights are float32: a bf16 model's expert outputs are weighted and
         # summed over its k experts in float32 and rounded once, as transformers does.
         return routed_sum(x, ids, weights, self.d.n_routed_experts, expert,
-                          self.experts) + self.shared(x)
+                          self.experts, self.batch_invariant) + self.shared(x)
 
 
 def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
                expert: Callable[[int, torch.Tensor], torch.Tensor],
-               held: tuple[int, int] | None = None) -> torch.Tensor:
+               held: tuple[int, int] | None = None, ordered: bool = False) -> torch.Tensor:
     """sum over j of weights[t, j] * expert(ids[t, j], x[t]) for every token t, in x's dtype.
 
     `expert(e, xs)` runs expert e over a [n, H] slice of tokens: one call (a matmul or two)
@@ -174,7 +210,10 @@ def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_ex
     then reads one contiguous slice (no per-expert search, no scatter-add), and the results go
     back to their pairs with one permutation. Each token sums its k expert outputs (for k = 2
     the same sum as the references' per-expert accumulation, whichever order); the products
-    are taken in the weights' dtype (float32 for DeepSeek, the model's for gpt-oss)."""
+    are taken in the weights' dtype (float32 for DeepSeek, the model's for gpt-oss).
+    `ordered` (deterministic inference): each token's k products are added in its slot order
+    (its own top-k order) in float32 and rounded once -- one order whatever the batch, stated
+    here rather than left to the reduction's choice of body."""
     t, k = ids.shape
     lo, hi = held or (0, num_experts)
     flat = ids.reshape(-1)
@@ -188,5 +227,10 @@ def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_ex
             ys[start:start + n] = expert(e, xs[start:start + n])
         start += n
     ys = ys * weights.reshape(-1)[order, None]
-    per_pair = torch.empty_like(ys).index_copy_(0, order, ys)
-    return per_pair.view(t, k, -1).sum(dim=1).to(x.dtype)
+    per_pair = torch.empty_like(ys).index_copy_(0, order, ys).view(t, k, -1)
+    if not ordered:
+        return per_pair.sum(dim=1).to(x.dtype)
+    total = per_pair[:, 0].float()
+    for slot in range(1, k):
+        total = total + per_pair[:, slot]
+    return total.to(x.dtype)

@@ -22,8 +22,10 @@ compute it:
 Sliding windows: Mixtral / Qwen3-MoE on every layer when set, Qwen2-MoE on its
 "sliding_attention" layer_types (hf_config.layer_windows, applied by the attention backend).
 The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop;
---quantization and deterministic inference are refused by name (model_setup.py), and so is
-a config field none of this builds (moe_config.py). --tp-size N: parallel/tp_moe.py.
+--quantization is refused by name (model_setup.py), and so is a config field none of this
+builds (moe_config.py). --tp-size N: parallel/tp_moe.py. --enable-deterministic-inference
+pins the router, every expert and the shared experts to kvstrata's fixed GEMM and sums each
+token's experts in its own top-k order (runner/cpu/fixed_experts.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from torch import nn
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
 from kvstrata.runner.models.moe import (DenseMLP, MoE, MoeDims, Targets, routed_sum,
-                                        swiglu_targets)
+                                        row_sigmoid, swiglu, swiglu_targets)
 from kvstrata.runner.models.moe_config import check_moe_config
 
 
@@ -62,7 +64,7 @@ STYLES = {
     # Qwen3-Next's MoE layers (qwen3_next.py): Qwen2-MoE's block
     "qwen3_next": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
 }
-UNSUPPORTED = ("--quantization", "--enable-deterministic-inference")
+UNSUPPORTED = ("--quantization",)
 
 
 def moe_style(config: Any) -> MoeStyle:
@@ -92,7 +94,13 @@ class SparseMoeBlock(nn.Module):
     tensor-parallel rank holds a slice, routes over all of them and adds zeros for the
     others'); `shared_parts`: the shared expert's width is split that many ways (a rank's
     share; its sigmoid gate scales each rank's partial output, so the sum over ranks is the
-    whole). As moe.MoE does for DeepSeek."""
+    whole). As moe.MoE does for DeepSeek. Deterministic inference pins its weights to the
+    fixed GEMM (runner/cpu/fixed_experts.py names the attributes below)."""
+    linear = staticmethod(F.linear)
+    pinned_weights = ("router", "shared_gate")
+    pinned_expert_stacks = ("gate_up", "down")
+    pinned_children = ("shared",)
+    batch_invariant = False
 
     def __init__(self, config: Any, style: MoeStyle, hidden: int, dtype: torch.dtype,
                  device: torch.device, experts: tuple[int, int] | None = None,
@@ -117,7 +125,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k])."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(self.linear(x, self.router), dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -125,14 +133,16 @@ class SparseMoeBlock(nn.Module):
 
     def expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         local = e - self.experts[0]
-        gate, up = F.linear(xs, self.gate_up[local]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down[local])
+        return self.linear(swiglu(self.linear(xs, self.gate_up[local])), self.down[local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = routed_sum(x, ids, weights, self.num_experts, self.expert, self.experts)
+        out = routed_sum(x, ids, weights, self.num_experts, self.expert, self.experts,
+                         self.batch_invariant)
         if self.shared is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            gate = self.linear(x, self.shared_gate)
+            gate = row_sigmoid(gate) if self.batch_invariant else torch.sigmoid(gate)
+            out = out + gate * self.shared(x)
         return out
 
     def checkpoint_targets(self, prefix: str, names: tuple[str, str, str]) -> Targets:

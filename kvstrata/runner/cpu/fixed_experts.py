@@ -1,0 +1,85 @@
+"""Deterministic inference for MoE layers: the router, every routed expert's projections and
+the shared experts on kvstrata's fixed GEMM (packed_linear.PackedLinear._init_fixed).
+
+Why: an expert's matmul runs over however many tokens the router sends it this step, and
+torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order -- by the
+row count, so a token's bits depended on which other tokens chose its experts. The fixed GEMM
+sums each output over k in one order for any row count. The combine then sums each token's
+k weighted expert outputs in slot order (the token's own top-k order, never the batch's
+expert order), in float32, rounded once (moe.routed_sum, `ordered`); a sigmoid (GLM-4.5's
+router, Qwen2-MoE's shared-expert gate) runs per row (moe.row_sigmoid: torch's elementwise
+sigmoid rounds an element by its place in the flattened tensor), and silu(gate) * up per row
+(moe.swiglu).
+
+A MoE block names what it pins (the runner/models/moe.py and moe_decoder.py blocks, a
+gpt-oss layer): `pinned_weights` (2-D [out, in] weights: the router, a shared expert's gate),
+`pinned_expert_stacks` (3-D [experts, out, in] stacks: each expert becomes one fixed
+PackedLinear, indexed as the stack was) and `pinned_children` (sub-blocks: a shared SwiGLU).
+An entry is a weight's attribute name, or (weight, bias) names: the bias ([out], or
+[experts, out] beside a stack) goes into the PackedLinear and its attribute becomes None.
+After pinning the block calls `self.linear` (packed_linear) instead of F.linear and sets
+`batch_invariant` (its per-row sigmoid and ordered combine).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
+
+
+def pin_moe_layers(model: Any) -> int:
+    """Pin every MoE block of a loaded model's layers (`layer.moe`, or a layer that names its
+    own expert stacks: gpt-oss) in place; returns how many blocks were pinned (0 for a dense
+    model)."""
+    blocks = [layer.moe if getattr(layer, "moe", None) is not None else layer
+              for layer in model.layers
+              if getattr(layer, "moe", None) is not None
+              or hasattr(layer, "pinned_expert_stacks")]
+    for block in blocks:
+        pin_block(block)
+    return len(blocks)
+
+
+def pin_block(block: nn.Module) -> None:
+    """Replace the block's weights by fixed PackedLinears (see the module docstring)."""
+    if not hasattr(block, "pinned_weights"):
+        raise ValueError(f"--enable-deterministic-inference: {type(block).__name__} does not "
+                         f"name its linear weights for the batch-invariant GEMM")
+    for entry in block.pinned_weights:
+        name, bias_name = _names(entry)
+        weight = getattr(block, name)
+        if weight is None:  # absent in this model (a shared expert's gate)
+            continue
+        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=True))
+    for entry in block.pinned_expert_stacks:
+        name, bias_name = _names(entry)
+        stack, biases = getattr(block, name), _take_bias(block, bias_name)
+        _swap(block, name, nn.ModuleList(  # experts[e] as stack[e] was
+            PackedLinear(stack[e], None if biases is None else biases[e], fixed=True)
+            for e in range(stack.shape[0])))
+    for name in getattr(block, "pinned_children", ()):
+        child = getattr(block, name)
+        if child is not None:
+            pin_block(child)
+    block.linear = packed_linear
+    block.batch_invariant = True
+
+
+def _names(entry: str | tuple[str, str]) -> tuple[str, str | None]:
+    return (entry, None) if isinstance(entry, str) else entry
+
+
+def _take_bias(block: nn.Module, bias_name: str | None):
+    """The bias attribute's tensor (None where there is none); the attribute becomes None."""
+    if bias_name is None:
+        return None
+    bias = getattr(block, bias_name)
+    _swap(block, bias_name, None)
+    return bias
+
+
+def _swap(block: nn.Module, name: str, value: Any) -> None:
+    delattr(block, name)  # a Module cannot be assigned over a Parameter
+    setattr(block, name, value)
