@@ -93,12 +93,13 @@ def test_opt_in_elsewhere(flags, info, kwargs):
     assert "enable_deterministic_inference" not in res
 
 
-def test_a_kernel_ablation_keeps_the_default_off_and_refuses_the_flag():
-    env = {"KVSTRATA_CPU_PAGED_DECODE": False}
+@pytest.mark.parametrize("ablation", deterministic.ABLATIONS)
+def test_a_kernel_ablation_keeps_the_default_off_and_refuses_the_flag(ablation):
+    env = {ablation: False}
     resolved, _ = resolve(ServerArgs(dtype="bfloat16"), simulated("cpu", cpu_flags=AVX2), None,
                           env=env)
     assert resolved.enable_deterministic_inference is False
-    with pytest.raises(ValueError, match="KVSTRATA_CPU_PAGED_DECODE=0 turns off"):
+    with pytest.raises(ValueError, match=f"{ablation}=0 turns off"):
         resolve(ServerArgs(enable_deterministic_inference=True), simulated("cpu"), None, env=env)
 
 

@@ -23,7 +23,10 @@ outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a rou
 shared gate's sigmoid runs per row (moe.row_sigmoid: torch's elementwise sigmoid rounds an
 element by its place in the flattened tensor -- vector body, scalar tail, thread split). Other
 MoE models are refused by name; MoE models keep the default off (cost not measured).
-Everything else in a forward is already per row (norms, rotary, activations, sampling).
+Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
+silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
+(seed, position)); torch's elementwise ops round an element by its place in the flattened
+tensor (vector body, scalar tail, thread split), so KVSTRATA_CPU_FUSED_OPS=0 is refused too.
 What it does not promise: equality across --tp-size values (each splits the GEMMs' and the
 all-reduce's sums differently), across CPUs with other instruction sets (the GEMM's AVX2,
 AVX-512 and AMX bodies differ), or with torch's own kernels on an accelerator (not built).
@@ -50,7 +53,7 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # attention sinks keep it refused (softmax_extras)
 PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
-ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR")
+ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
 DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
 DEFAULT_LACKS = frozenset({"avx512f"})
 DEFAULT_DTYPES = ("bfloat16",)
