@@ -1,5 +1,8 @@
 """GGUF weights kept quantized (runner/cpu/gguf_matmul.py) against baselines timed in the same
-run, on the same weights:
+run, on the same weights (ours: x's rows quantized to 8-bit blocks, integer dot products):
+  float_act the same packed weights with x kept fp32 (gguf_matmul.matmul_float: each group
+            dequantized to fp32 in registers, float FMAs; the kernel before issue 64's int8
+            activations);
   memcpy    torch's copy_ of the same packed bytes (what streaming them costs; a copy also
             writes them, so a kernel may beat it by up to ~2x);
   torch_f32 torch F.linear with the weight dequantized to fp32 (what --load-format
@@ -69,6 +72,8 @@ def kernels(w: dict, prefill: bool) -> dict:
     activations are bf16 already); every weight once."""
     out = {
         "ours": lambda x, xb: [gguf_matmul.matmul(x[p.in_features], p) for p in w["ours"]],
+        "float_act": lambda x, xb: [gguf_matmul.matmul_float(x[p.in_features], p)
+                                    for p in w["ours"]],
         "memcpy": lambda x, xb: [d.copy_(p.raw) for d, p in zip(w["copy_dst"], w["ours"])],
         "torch_f32": lambda x, xb: [F.linear(x[f.shape[1]], f) for f in w["torch_f32"]],
         "torch_bf16": lambda x, xb: [F.linear(xb[b.shape[1]], b) for b in w["torch_bf16"]],

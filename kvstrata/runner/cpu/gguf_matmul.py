@@ -6,25 +6,32 @@ them or Q8_0 (SmolLM2-135M's with 576 inputs: every one but down_proj).
 Why: a 4-bit GGUF model dequantized at load takes 4x its file's memory in bf16 and streams 4x
 the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
 
-Kernel (runner/cpu/csrc/gguf_ops.c, blocks in gguf_blocks_avx2.h; AVX2 + FMA + F16C, picked
-at run time under KVSTRATA_CPU_ISA): each 32-weight group of a row is dequantized in
-registers to exactly the fp32 values gguf.quants.dequantize gives, and multiplied with fp32
-activations (bf16 x is widened first). Activations stay float (no 8-bit activation blocks as
-llama.cpp uses): results are within fp32 accumulation error of the float64 product of
-dequantize(w) and x. Per row count:
-  - 1-2 rows (batch-1/2 decode): groups dequantized and multiplied from registers, the packed
-    bytes read once;
-  - 3+ rows (decode batches, prefill): in blocks of 64 rows, a thread dequantizes 4 output
-    columns into an fp32 panel [4, K] in its L2 and multiplies tiles of 3 rows x 4 columns from
-    it: one dequantization per 64 rows.
-Every path sums each output in one order: one 8-lane fp32 accumulator, an FMA per 8 k in order,
-then a fixed horizontal tree; each output is computed whole by one thread. So all paths are
-batch invariant (issue 60): row i of a call is bit-identical whatever M and the thread count.
+Kernel (`matmul`, what the GGUF layers run: runner/cpu/csrc/gguf_q8_blocks.h and
+gguf_q8_run.h; AVX2 + FMA + F16C picked at run time under KVSTRATA_CPU_ISA): llama.cpp's
+scheme, our code. Each row of x (bf16 widened to fp32 first) is quantized once per call to
+8-bit blocks of 32 (scale d = amax / 127, q = round(x / d)); each 32-weight group of a weight
+row is unpacked to its integer weights and dotted with a block in integers
+(_mm256_maddubs_epi16 / _mm256_madd_epi16: eight exact int32 lane sums), then scaled once per
+group in fp32 (w_scale * d, one FMA per lane; formats with a min add w_min * d * sum(q) to a
+scalar). The result is x's 8-bit blocks times gguf's exact weights to within fp32 rounding;
+the activation rounding costs about 0.5% of |x| @ |W| (tests/correctness/
+test_gguf_q8_matmul.py; the SmolLM2 Q4_1 perplexity ratio stays <= 1.01:
+test_smollm2_gguf_packed.py). One path for every row count, rows in tiles of 3 per weight
+unpacking. The integer sums are exact and every fp32 step is per row and per output in one
+order, each output computed whole by one thread: batch invariant (issue 60), row i of a call
+bit-identical whatever M and the thread count.
 
-Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) the same C
-extension's portable body (csrc/gguf_blocks_scalar.h): the same weights, the same operations
-and summation order in plain C (fmaf), so the same bits as the AVX2 body, batch-invariant too;
-many times slower.
+`matmul_float` keeps x in fp32 (the kernel before the 8-bit activations, gguf_ops.c with
+gguf_blocks_avx2.h: each group dequantized in registers to exactly gguf.quants.dequantize's
+fp32 values and multiplied by FMAs; 1-2 rows from registers, 3+ through a per-thread fp32
+panel [4, K] per 64 rows): within fp32 accumulation error of dequantize(w) @ x, batch
+invariant too, slower (docs/benchmarks.md); kept as that exact reference and the benchmark's
+baseline.
+
+Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) both run their
+portable C bodies (gguf_q8_blocks.h's q8_dot_scalar, gguf_blocks_scalar.h): the same
+operations and summation order in plain C (fmaf), so the same bits as the AVX2 bodies,
+batch-invariant too; many times slower.
 
 Measured: benchmarks/bench_gguf_linear.py, docs/benchmarks.md.
 """
@@ -41,8 +48,8 @@ from kvstrata.runner.cpu.isa import isa_cap
 BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
           12: (144, 256), 13: (176, 256), 14: (210, 256)}
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
-AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C, in-register dequantization, "
-               "runner/cpu/csrc/gguf_ops.c)")
+AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C, 8-bit activation blocks, integer dot "
+               "products: runner/cpu/csrc/gguf_q8_blocks.h)")
 FALLBACK_KERNEL = ("kvstrata GGUF GEMM, portable C body (no AVX2 + FMA + F16C; the AVX2 body's "
                    "bits, slowly: runner/cpu/csrc/gguf_blocks_scalar.h)")
 
@@ -102,11 +109,24 @@ def kernel_name() -> str:
 
 
 def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 or bf16 -> x @ dequantize(w).T, fp32 [..., N] (into `out` if given:
+    """x [..., K] fp32 or bf16 -> x @ dequantize(w).T with x's rows quantized to 8-bit blocks
+    of 32 (what the GGUF layers run; module docstring), fp32 [..., N] (into `out` if given:
     fp32 [M, N] whose rows may be strided, e.g. a column slice of a wider output)."""
+    return _call(_gguf_ops.matmul_q8, x, w, out)
+
+
+def matmul_float(x: torch.Tensor, w: PreparedWeight,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """As matmul, with x kept float: within fp32 accumulation error of x @ dequantize(w).T
+    exactly (the weights' own rounding only), slower (module docstring)."""
+    return _call(_gguf_ops.matmul, x, w, out)
+
+
+def _call(kernel, x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None) -> torch.Tensor:
     n = w.out_features
     if x.dim() != 2 and x.dim() >= 1:
-        flat = matmul(x.reshape(-1, x.shape[-1]), w, None if out is None else out.view(-1, n))
+        flat = _call(kernel, x.reshape(-1, x.shape[-1]), w,
+                     None if out is None else out.view(-1, n))
         return flat.view(*x.shape[:-1], n) if out is None else out
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of in_features={w.in_features}")
@@ -121,9 +141,8 @@ def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) 
     if m == 0:
         return out
     xf = x.to(torch.float32).contiguous()
-    _gguf_ops.matmul(w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features,
-                     xf.data_ptr(), m, out.data_ptr(), out.stride(0) if m > 1 else n,
-                     torch.get_num_threads(), isa_cap())
+    kernel(w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features, xf.data_ptr(), m,
+           out.data_ptr(), out.stride(0) if m > 1 else n, torch.get_num_threads(), isa_cap())
     return out
 
 
@@ -135,5 +154,5 @@ def dequantize(w: PreparedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["SUPPORTED", "PreparedWeight", "dequantize", "kernel_name", "matmul", "prepare",
-           "row_bytes", "supported"]
+__all__ = ["SUPPORTED", "PreparedWeight", "dequantize", "kernel_name", "matmul", "matmul_float",
+           "prepare", "row_bytes", "supported"]
