@@ -1,11 +1,11 @@
 """GGUF weights kept quantized (runner/cpu/gguf_matmul.py, csrc/gguf_ops.c) against the `gguf`
 package's own dequantizer (gguf.quants.dequantize, which we did not write) and float64
-arithmetic: dequantize() and matmul_float() (x kept float); matmul() (8-bit activations, what
-the layers run) in test_gguf_q8_matmul.py, and in the batch-invariance test here.
+arithmetic: dequantize() and matmul() (x kept float); matmul_q8() (8-bit activations, what
+a GGUF file's layers run) in test_gguf_q8_matmul.py, and in the batch-invariance test here.
 
 - dequantize(): gguf.quants.dequantize's values bit for bit, on gguf-quantized normals and on
   random blocks (every nibble, high bit and 6-bit scale pattern);
-- matmul_float(): within fp32 accumulation error of float64 dequantize(w) @ x: every output is an
+- matmul(): within fp32 accumulation error of float64 dequantize(w) @ x: every output is an
   fp32 sum of K fp32 products (x exactly, or x's bf16 values, times the exact weights), so
   |out - exact| <= K * 2^-23 * (|x| @ |W|.T) (the standard bound, K * u with u = 2^-24, twice);
 - batch invariance: a row's result is the same bits whatever M and the thread count;
@@ -77,19 +77,19 @@ def test_matmul_within_fp32_sum_of_dequantized(qtype, weights):
     torch.manual_seed(qtype)
     for m in (1, 2, 3, 32, 65, PREFILL):
         x = torch.randn(m, w.in_features)
-        assert_within_fp32_sum(gguf_matmul.matmul_float(x, w), x, ref)
+        assert_within_fp32_sum(gguf_matmul.matmul(x, w), x, ref)
         xb = x.bfloat16()
-        assert_within_fp32_sum(gguf_matmul.matmul_float(xb, w), xb.float(), ref)
+        assert_within_fp32_sum(gguf_matmul.matmul(xb, w), xb.float(), ref)
 
 
 @needs_avx2
-@pytest.mark.parametrize("kernel", ["matmul", "matmul_float"], ids=["int8_act", "float_act"])
+@pytest.mark.parametrize("kernel", ["matmul_q8", "matmul"], ids=["int8_act", "float_act"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
 def test_rows_are_batch_invariant(qtype, kernel, weights):
     """Every row count 1..64 (decode batches) and PREFILL rows (a prompt: five blocks of 64
     and a tail) give each row the same bits as the prefill-size call, and row i alone does
     too, on one thread and on two (one summation order per output on every path), with 8-bit
-    activations (matmul: test_gguf_q8_matmul.py) and with float ones (matmul_float)."""
+    activations (matmul_q8: test_gguf_q8_matmul.py) and with float ones (matmul)."""
     mm = getattr(gguf_matmul, kernel)
     w = gguf_matmul.prepare(qtype, weights[qtype][0])
     torch.manual_seed(1)
@@ -118,10 +118,10 @@ def test_out_may_be_a_column_slice(qtype, weights):
     for m in (1, 7):
         x = torch.randn(m, w.in_features)
         wide = torch.full((m, 3 + N + 5 + 2), 7.0)
-        assert gguf_matmul.matmul_float(x, w, wide[:, 3:3 + N]) is not None
-        gguf_matmul.matmul_float(x, other, wide[:, 3 + N:3 + N + 5])
-        assert torch.equal(wide[:, 3:3 + N], gguf_matmul.matmul_float(x, w))
-        assert torch.equal(wide[:, 3 + N:3 + N + 5], gguf_matmul.matmul_float(x, other))
+        assert gguf_matmul.matmul(x, w, wide[:, 3:3 + N]) is not None
+        gguf_matmul.matmul(x, other, wide[:, 3 + N:3 + N + 5])
+        assert torch.equal(wide[:, 3:3 + N], gguf_matmul.matmul(x, w))
+        assert torch.equal(wide[:, 3 + N:3 + N + 5], gguf_matmul.matmul(x, other))
         assert bool((wide[:, :3] == 7).all() and (wide[:, -2:] == 7).all())
 
 
@@ -130,9 +130,9 @@ def test_leading_dims_are_rows(weights):
     """x [..., K] as torch.matmul takes it: the rows of x.reshape(-1, K)."""
     w = gguf_matmul.prepare(3, weights[3][0])
     x = torch.randn(2, 3, w.in_features)
-    y = gguf_matmul.matmul_float(x, w)
+    y = gguf_matmul.matmul(x, w)
     assert y.shape == (2, 3, N)
-    assert torch.equal(y.reshape(6, N), gguf_matmul.matmul_float(x.reshape(6, -1), w))
+    assert torch.equal(y.reshape(6, N), gguf_matmul.matmul(x.reshape(6, -1), w))
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
@@ -144,19 +144,19 @@ def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
     w = gguf_matmul.prepare(qtype, raw)
     torch.manual_seed(qtype)
     x = torch.randn(70, w.in_features)
-    fast = gguf_matmul.matmul_float(x, w) if AVX2 else None
+    fast = gguf_matmul.matmul(x, w) if AVX2 else None
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     assert gguf_matmul.kernel_name() == gguf_matmul.FALLBACK_KERNEL
     assert torch.equal(gguf_matmul.dequantize(w), ref)
     noise = random_blocks(qtype, 9, in_features(qtype), np.random.default_rng(qtype))
     assert torch.equal(gguf_matmul.dequantize(gguf_matmul.prepare(qtype, noise)),
                        reference(noise, qtype))
-    slow = gguf_matmul.matmul_float(x, w)
+    slow = gguf_matmul.matmul(x, w)
     assert_within_fp32_sum(slow, x, ref)
     for m in (1, 2, 3, 64):
-        assert torch.equal(gguf_matmul.matmul_float(x[:m], w), slow[:m])
+        assert torch.equal(gguf_matmul.matmul(x[:m], w), slow[:m])
     out = torch.zeros(2, N + 1)
-    gguf_matmul.matmul_float(x[68:], w, out[:, 1:])
+    gguf_matmul.matmul(x[68:], w, out[:, 1:])
     assert torch.equal(out[:, 1:], slow[68:])
     if AVX2:
         assert torch.equal(slow, fast)
@@ -179,10 +179,10 @@ def test_sizes_and_refusals(weights):
         gguf_matmul.prepare(2, torch.zeros(4, 18))
     w = gguf_matmul.prepare(2, weights[2][0])
     with pytest.raises(ValueError, match="in_features"):
-        gguf_matmul.matmul_float(torch.zeros(1, 32), w)
+        gguf_matmul.matmul(torch.zeros(1, 32), w)
     with pytest.raises(ValueError, match="out must be"):
-        gguf_matmul.matmul_float(torch.zeros(2, w.in_features), w, torch.zeros(N, 2).T)
-    assert gguf_matmul.matmul_float(torch.zeros(0, w.in_features), w).shape == (0, N)
+        gguf_matmul.matmul(torch.zeros(2, w.in_features), w, torch.zeros(N, 2).T)
+    assert gguf_matmul.matmul(torch.zeros(0, w.in_features), w).shape == (0, N)
 
 
 def test_packed_rows_dequantize_through_the_kernel(weights):

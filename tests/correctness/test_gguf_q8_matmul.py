@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized times 8-bit activations (runner/cpu/gguf_matmul.py `matmul`,
-csrc/gguf_q8_blocks.h): what the GGUF layers run.
+"""GGUF weights kept quantized times 8-bit activations (runner/cpu/gguf_matmul.py `matmul_q8`,
+csrc/gguf_q8_blocks.h): what a GGUF file's layers run.
 
 Reference (numpy, float64): x's rows quantized the same way, written here from the scheme
 (per block of 32: d = amax / 127 in fp32, q = round-half-even(x / d) via x * (1 / d)), times
@@ -75,14 +75,14 @@ def test_matches_quantized_activations_times_gguf_weights(qtype, weights):
     for m in (1, 2, 3, 4, 65):
         x = torch.randn(m, w.in_features)
         x[0, :32] = 0.0  # an all-zero block: d = 0
-        check_q8(gguf_matmul.matmul(x, w), x, ref)
-        check_q8(gguf_matmul.matmul(x.bfloat16(), w), x.bfloat16(), ref)
-        check_q8(gguf_matmul.matmul(x, wn), x, noise_ref)
-    # the activation rounding itself: close to the float product (what matmul_float gives)
+        check_q8(gguf_matmul.matmul_q8(x, w), x, ref)
+        check_q8(gguf_matmul.matmul_q8(x.bfloat16(), w), x.bfloat16(), ref)
+        check_q8(gguf_matmul.matmul_q8(x, wn), x, noise_ref)
+    # the activation rounding itself: close to the float product (what matmul gives)
     x = torch.randn(8, w.in_features)
     exact = x.double().numpy() @ ref.astype(np.float64).T
     scale = np.abs(x.double().numpy()) @ np.abs(ref.astype(np.float64)).T
-    assert float((np.abs(gguf_matmul.matmul(x, w).double().numpy() - exact) / scale).max()) < 0.004
+    assert float((np.abs(gguf_matmul.matmul_q8(x, w).double().numpy() - exact) / scale).max()) < 0.004
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
@@ -91,13 +91,13 @@ def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
     w = gguf_matmul.prepare(qtype, raw)
     torch.manual_seed(qtype)
     x = torch.randn(70, w.in_features) * 3
-    fast = (gguf_matmul.matmul(x, w), gguf_matmul.matmul(x, gguf_matmul.prepare(qtype, noise))
+    fast = (gguf_matmul.matmul_q8(x, w), gguf_matmul.matmul_q8(x, gguf_matmul.prepare(qtype, noise))
             ) if AVX2 else None
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
-    slow = gguf_matmul.matmul(x, w)
+    slow = gguf_matmul.matmul_q8(x, w)
     check_q8(slow, x, ref)
     for m in (1, 4, 64):
-        assert torch.equal(gguf_matmul.matmul(x[:m], w), slow[:m])
+        assert torch.equal(gguf_matmul.matmul_q8(x[:m], w), slow[:m])
     if AVX2:
         assert torch.equal(slow, fast[0])
-        assert torch.equal(gguf_matmul.matmul(x, gguf_matmul.prepare(qtype, noise)), fast[1])
+        assert torch.equal(gguf_matmul.matmul_q8(x, gguf_matmul.prepare(qtype, noise)), fast[1])

@@ -225,7 +225,10 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
     if len(loaded) != len(set(loaded)):
         raise ValueError(f"{where}: some weights appear more than once")
     if keep_quantized or packed_scheme:
-        model.gguf_info = gguf_linear.replace_packed_weights(model)
+        # a GGUF file's layers on 8-bit activations (llama.cpp's scheme); a converted HF
+        # checkpoint's on float ones (their bounds against transformers are float's)
+        model.gguf_info = gguf_linear.replace_packed_weights(
+            model, int8_activations=not packed_scheme)
     if packed_scheme:
         model.gguf_info.update(quantization=scheme.method, checkpoint_scheme=scheme.describe())
     if hasattr(model, "finish_load"):

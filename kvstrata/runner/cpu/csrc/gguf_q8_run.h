@@ -4,7 +4,7 @@
  * Inside a quad, rows in tiles of up to Q8_TILE_ROWS (4; 2 and 3 measured no faster): each
  * weight group is unpacked once per tile and dotted with every row of the tile (the packed
  * quad stays in L1 across the tiles). Per group and row the float work (convert, scale
- * product, FMA) is what bounds it at many rows: at 32 rows it runs ~0.6x matmul_float's
+ * product, FMA) is what bounds it at many rows: at 32 rows it runs ~0.6x gguf_ops.c's float
  * panels, whose 3 x 4 FMA tiles need no per-group scale (docs/benchmarks.md). */
 #ifndef KVSTRATA_GGUF_Q8_RUN_H
 #define KVSTRATA_GGUF_Q8_RUN_H
