@@ -58,6 +58,7 @@ def test_kept_quantized_matches_transformers(arch, files):
              chunked_prefill_size=16, max_total_tokens=1024) as llm:
         info = llm.server_info()
         assert info["dtype"] == "float32"  # --dtype auto with gguf (rule platform.cpu_dtype)
+        assert info["quantization_info"]["activations"] == "int8 blocks of 32"
         assert info["quantization_info"]["packed_types"] == ["Q4_0", "Q4_1", "Q4_K", "Q5_K",
                                                              "Q6_K", "Q8_0"]
         model = llm.engine.runner.model
@@ -92,18 +93,19 @@ def test_kept_quantized_matches_transformers(arch, files):
 
 def test_kept_quantized_equals_dequantized_at_load(files, monkeypatch):
     """The same file, --quantization gguf against --load-format gguf_dequantize (float32):
-    one forward's logits, the packed layers on float activations (gguf_matmul.matmul:
-    the paths' equality; this qwen3's logits move by up to 1.2 with 8-bit activations, whose
-    error the test above bounds against transformers)."""
+    one forward's logits, the packed layers on float activations (KVSTRATA_GGUF_INT8_ACTIVATIONS
+    =0: gguf_matmul.matmul; the paths' equality; this qwen3's logits move by up to 1.2 with
+    8-bit activations, whose error the test above bounds against transformers)."""
     from helpers.runner import forward_logits, make_runner
-    from kvstrata.runner.cpu import gguf_matmul
 
-    monkeypatch.setattr(gguf_matmul, "matmul_q8", gguf_matmul.matmul)
+    monkeypatch.setenv("KVSTRATA_GGUF_INT8_ACTIVATIONS", "0")
 
     path, _ = files["qwen3"]
     ids = [5, 17, 99, 250, 3, 42, 7, 8, 200, 101]
     kw = dict(skip_tokenizer_init=True, dtype="float32", page_size=16, max_total_tokens=256)
-    packed = forward_logits(make_runner(path, quantization="gguf", **kw), ids)
+    runner = make_runner(path, quantization="gguf", **kw)
+    assert runner.model.gguf_info["activations"] == "float32"
+    packed = forward_logits(runner, ids)
     floats = forward_logits(make_runner(path, load_format="gguf_dequantize", **kw), ids)
     torch.testing.assert_close(packed, floats, atol=LOGITS_ATOL, rtol=0)
 
