@@ -8,8 +8,8 @@ the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
 
 Kernels (runner/cpu/csrc/; AVX2 + FMA + F16C picked at run time under KVSTRATA_CPU_ISA):
 
-`matmul_q8`, what the layers of a GGUF file run (`--quantization gguf`; gguf_q8_blocks.h,
-gguf_q8_run.h): llama.cpp's scheme, our code. Each row of x (bf16 widened to fp32 first) is
+`matmul_q8`, what the layers of a GGUF file run (`--quantization gguf`, unless
+KVSTRATA_GGUF_INT8_ACTIVATIONS=0; gguf_q8_blocks.h, gguf_q8_run.h): llama.cpp's scheme, our code. Each row of x (bf16 widened to fp32 first) is
 quantized once per call to 8-bit blocks of 32 (scale d = amax / 127, q = round(x / d)); each
 32-weight group of a weight row is unpacked to its integer weights and dotted with a block in
 integers (_mm256_maddubs_epi16 / _mm256_madd_epi16: eight exact int32 lane sums), then scaled
