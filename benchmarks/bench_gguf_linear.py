@@ -1,5 +1,9 @@
 """GGUF weights kept quantized (runner/cpu/gguf_matmul.py) against baselines timed in the same
-run, on the same weights:
+run, on the same weights (ours: gguf_matmul.matmul_q8, x's rows quantized to 8-bit blocks,
+integer dot products: what a GGUF file's layers run):
+  float_act the same packed weights with x kept fp32 (gguf_matmul.matmul: each group
+            dequantized to fp32 in registers, float FMAs; a GGUF file's kernel before
+            issue 64's 8-bit activations, a quantized HF checkpoint's still);
   memcpy    torch's copy_ of the same packed bytes (what streaming them costs; a copy also
             writes them, so a kernel may beat it by up to ~2x);
   torch_f32 torch F.linear with the weight dequantized to fp32 (what --load-format
@@ -68,7 +72,9 @@ def kernels(w: dict, prefill: bool) -> dict:
     """name -> fn(x, xb), x / xb: {in_features: fp32 / bf16 [M, in_features]} (a bf16 model's
     activations are bf16 already); every weight once."""
     out = {
-        "ours": lambda x, xb: [gguf_matmul.matmul(x[p.in_features], p) for p in w["ours"]],
+        "ours": lambda x, xb: [gguf_matmul.matmul_q8(x[p.in_features], p) for p in w["ours"]],
+        "float_act": lambda x, xb: [gguf_matmul.matmul(x[p.in_features], p)
+                                    for p in w["ours"]],
         "memcpy": lambda x, xb: [d.copy_(p.raw) for d, p in zip(w["copy_dst"], w["ours"])],
         "torch_f32": lambda x, xb: [F.linear(x[f.shape[1]], f) for f in w["torch_f32"]],
         "torch_bf16": lambda x, xb: [F.linear(xb[b.shape[1]], b) for b in w["torch_bf16"]],

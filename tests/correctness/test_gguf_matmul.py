@@ -1,6 +1,7 @@
 """GGUF weights kept quantized (runner/cpu/gguf_matmul.py, csrc/gguf_ops.c) against the `gguf`
 package's own dequantizer (gguf.quants.dequantize, which we did not write) and float64
-arithmetic.
+arithmetic: dequantize() and matmul() (x kept float); matmul_q8() (8-bit activations, what
+a GGUF file's layers run) in test_gguf_q8_matmul.py, and in the batch-invariance test here.
 
 - dequantize(): gguf.quants.dequantize's values bit for bit, on gguf-quantized normals and on
   random blocks (every nibble, high bit and 6-bit scale pattern);
@@ -82,25 +83,28 @@ def test_matmul_within_fp32_sum_of_dequantized(qtype, weights):
 
 
 @needs_avx2
+@pytest.mark.parametrize("kernel", ["matmul_q8", "matmul"], ids=["int8_act", "float_act"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
-def test_rows_are_batch_invariant(qtype, weights):
+def test_rows_are_batch_invariant(qtype, kernel, weights):
     """Every row count 1..64 (decode batches) and PREFILL rows (a prompt: five blocks of 64
     and a tail) give each row the same bits as the prefill-size call, and row i alone does
-    too, on one thread and on two (one summation order per output on every path)."""
+    too, on one thread and on two (one summation order per output on every path), with 8-bit
+    activations (matmul_q8: test_gguf_q8_matmul.py) and with float ones (matmul)."""
+    mm = getattr(gguf_matmul, kernel)
     w = gguf_matmul.prepare(qtype, weights[qtype][0])
     torch.manual_seed(1)
     x = torch.randn(PREFILL, w.in_features)
-    full = gguf_matmul.matmul(x, w)
+    full = mm(x, w)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            assert torch.equal(gguf_matmul.matmul(x, w), full)
+            assert torch.equal(mm(x, w), full)
             for m in range(1, 65):
-                assert torch.equal(gguf_matmul.matmul(x[:m], w), full[:m]), m
+                assert torch.equal(mm(x[:m], w), full[:m]), m
             for i in (1, 64, 200, PREFILL - 1):
-                assert torch.equal(gguf_matmul.matmul(x[i:i + 1], w)[0], full[i])
-            assert torch.equal(gguf_matmul.matmul(x[62:65], w), full[62:65])
+                assert torch.equal(mm(x[i:i + 1], w)[0], full[i])
+            assert torch.equal(mm(x[62:65], w), full[62:65])
     finally:
         torch.set_num_threads(threads)
 

@@ -7,9 +7,12 @@ file's weights load.
 - `--load-format gguf_dequantize`: every weight dequantized to float at load (then served in
   --dtype, or re-quantized by --quantization w8a8_int8, which always reads the float path).
 - `--load-format auto` on a GGUF file: KEPT_QUANTIZED_BY_DEFAULT says which of the two. It is
-  False for now: the packed kernels (runner/cpu/gguf_matmul.py) have landed, but at batch 1
-  on a 2-vCPU AVX2 box they measured slower than the bf16 GEMM on the dequantized weights
-  (docs/benchmarks.md); kept quantized becomes the default once it wins there too.
+  False for now: the packed kernels (runner/cpu/gguf_matmul.py) have landed, with 8-bit
+  activation blocks and integer dot products since issue 64 (1.13-1.30x the float-activation
+  kernel served at batch 1), but SmolLM2-135M Q4_1 served kept quantized on a 2-vCPU AVX2 box
+  still ran 0.56-0.63x the bf16 model dequantized at load at batch 1 and 0.51x at batch 32
+  (one thread, same run, 2026-12-07: docs/benchmarks.md); kept quantized becomes the default
+  once it wins at batch 1 with its perplexity ratio <= 1.01 (0.995 measured).
 Refused by name: either spelling on a path that is not a GGUF file; --quantization gguf with
 --load-format gguf_dequantize; weights kept quantized with --tp-size > 1 (a rank's share of a
 row-parallel weight would cut the GGUF blocks).

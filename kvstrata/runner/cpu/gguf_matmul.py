@@ -6,25 +6,34 @@ them or Q8_0 (SmolLM2-135M's with 576 inputs: every one but down_proj).
 Why: a 4-bit GGUF model dequantized at load takes 4x its file's memory in bf16 and streams 4x
 the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
 
-Kernel (runner/cpu/csrc/gguf_ops.c, blocks in gguf_blocks_avx2.h; AVX2 + FMA + F16C, picked
-at run time under KVSTRATA_CPU_ISA): each 32-weight group of a row is dequantized in
-registers to exactly the fp32 values gguf.quants.dequantize gives, and multiplied with fp32
-activations (bf16 x is widened first). Activations stay float (no 8-bit activation blocks as
-llama.cpp uses): results are within fp32 accumulation error of the float64 product of
-dequantize(w) and x. Per row count:
-  - 1-2 rows (batch-1/2 decode): groups dequantized and multiplied from registers, the packed
-    bytes read once;
-  - 3+ rows (decode batches, prefill): in blocks of 64 rows, a thread dequantizes 4 output
-    columns into an fp32 panel [4, K] in its L2 and multiplies tiles of 3 rows x 4 columns from
-    it: one dequantization per 64 rows.
-Every path sums each output in one order: one 8-lane fp32 accumulator, an FMA per 8 k in order,
-then a fixed horizontal tree; each output is computed whole by one thread. So all paths are
-batch invariant (issue 60): row i of a call is bit-identical whatever M and the thread count.
+Kernels (runner/cpu/csrc/; AVX2 + FMA + F16C picked at run time under KVSTRATA_CPU_ISA):
 
-Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) the same C
-extension's portable body (csrc/gguf_blocks_scalar.h): the same weights, the same operations
-and summation order in plain C (fmaf), so the same bits as the AVX2 body, batch-invariant too;
-many times slower.
+`matmul_q8`, what the layers of a GGUF file run (`--quantization gguf`, unless
+KVSTRATA_GGUF_INT8_ACTIVATIONS=0; gguf_q8_blocks.h, gguf_q8_run.h): llama.cpp's scheme, our code. Each row of x (bf16 widened to fp32 first) is
+quantized once per call to 8-bit blocks of 32 (scale d = amax / 127, q = round(x / d)); each
+32-weight group of a weight row is unpacked to its integer weights and dotted with a block in
+integers (_mm256_maddubs_epi16 / _mm256_madd_epi16: eight exact int32 lane sums), then scaled
+once per group in fp32 (w_scale * d, one FMA per lane; formats with a min add w_min * d *
+sum(q) in lanes of their own). The result is x's 8-bit blocks times gguf's exact weights to
+within fp32 rounding; the activation rounding costs ~0.1-0.3% of |x| @ |W| per matmul
+(tests/correctness/test_gguf_q8_matmul.py; SmolLM2 Q4_1's perplexity ratio to the
+dequantized model 0.995: test_smollm2_gguf_packed.py). One path for every row count, rows in
+tiles of 4 per weight unpacking. The integer sums are exact and every fp32 step is per row and
+per output in one order, each output computed whole by one thread: batch invariant (issue 60),
+row i of a call bit-identical whatever M and the thread count. Faster than `matmul` at 1-2
+rows, slower from ~8 rows (its per-group float work; docs/benchmarks.md).
+
+`matmul` keeps x in fp32 (gguf_ops.c with gguf_blocks_avx2.h: each group dequantized in
+registers to exactly gguf.quants.dequantize's fp32 values and multiplied by FMAs; 1-2 rows from
+registers, 3+ through a per-thread fp32 panel [4, K] per 64 rows): within fp32 accumulation
+error of dequantize(w) @ x, batch invariant too. What a quantized HF checkpoint's layers
+(GPTQ / AWQ / compressed-tensors converted to GGUF rows) run: their tests bound them against
+transformers' float product at a tolerance 8-bit activations were not re-derived for.
+
+Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) both run their
+portable C bodies (gguf_q8_blocks.h's q8_dot_scalar, gguf_blocks_scalar.h): the same
+operations and summation order in plain C (fmaf), so the same bits as the AVX2 bodies,
+batch-invariant too; many times slower.
 
 Measured: benchmarks/bench_gguf_linear.py, docs/benchmarks.md.
 """
@@ -41,8 +50,9 @@ from kvstrata.runner.cpu.isa import isa_cap
 BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
           12: (144, 256), 13: (176, 256), 14: (210, 256)}
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
-AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C, in-register dequantization, "
-               "runner/cpu/csrc/gguf_ops.c)")
+AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C; float activations: in-register "
+               "dequantization, runner/cpu/csrc/gguf_ops.c; 8-bit activations: integer dot "
+               "products, gguf_q8_blocks.h)")
 FALLBACK_KERNEL = ("kvstrata GGUF GEMM, portable C body (no AVX2 + FMA + F16C; the AVX2 body's "
                    "bits, slowly: runner/cpu/csrc/gguf_blocks_scalar.h)")
 
@@ -102,11 +112,24 @@ def kernel_name() -> str:
 
 
 def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 or bf16 -> x @ dequantize(w).T, fp32 [..., N] (into `out` if given:
-    fp32 [M, N] whose rows may be strided, e.g. a column slice of a wider output)."""
+    """x [..., K] fp32 or bf16 -> x @ dequantize(w).T with x kept float, fp32 [..., N] (into
+    `out` if given: fp32 [M, N] whose rows may be strided, e.g. a column slice of a wider
+    output): within fp32 accumulation error of the exact product (module docstring)."""
+    return _call(_gguf_ops.matmul, x, w, out)
+
+
+def matmul_q8(x: torch.Tensor, w: PreparedWeight,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """As matmul, with x's rows quantized to 8-bit blocks of 32 and integer dot products:
+    faster at batch 1, ~0.1-0.2% of |x| @ |W| off the float product (module docstring)."""
+    return _call(_gguf_ops.matmul_q8, x, w, out)
+
+
+def _call(kernel, x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None) -> torch.Tensor:
     n = w.out_features
     if x.dim() != 2 and x.dim() >= 1:
-        flat = matmul(x.reshape(-1, x.shape[-1]), w, None if out is None else out.view(-1, n))
+        flat = _call(kernel, x.reshape(-1, x.shape[-1]), w,
+                     None if out is None else out.view(-1, n))
         return flat.view(*x.shape[:-1], n) if out is None else out
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of in_features={w.in_features}")
@@ -120,10 +143,9 @@ def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) 
                          f"{tuple(out.shape)} strides {out.stride()}")
     if m == 0:
         return out
-    xf = x.to(torch.float32).contiguous()
-    _gguf_ops.matmul(w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features,
-                     xf.data_ptr(), m, out.data_ptr(), out.stride(0) if m > 1 else n,
-                     torch.get_num_threads(), isa_cap())
+    xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    kernel(w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features, xf.data_ptr(), m,
+           out.data_ptr(), out.stride(0) if m > 1 else n, torch.get_num_threads(), isa_cap())
     return out
 
 
@@ -135,5 +157,5 @@ def dequantize(w: PreparedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["SUPPORTED", "PreparedWeight", "dequantize", "kernel_name", "matmul", "prepare",
-           "row_bytes", "supported"]
+__all__ = ["SUPPORTED", "PreparedWeight", "dequantize", "kernel_name", "matmul", "matmul_q8",
+           "prepare", "row_bytes", "supported"]

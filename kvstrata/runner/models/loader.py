@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from tqdm import tqdm
 
+from kvstrata import envs
 from kvstrata.config.hf_quant import HfQuantScheme, checkpoint_scheme
 from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
@@ -229,7 +230,11 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
     if len(loaded) != len(set(loaded)):
         raise ValueError(f"{where}: some weights appear more than once")
     if keep_quantized or packed_scheme:
-        model.gguf_info = gguf_linear.replace_packed_weights(model)
+        # a GGUF file's layers on 8-bit activations (llama.cpp's scheme) unless
+        # KVSTRATA_GGUF_INT8_ACTIVATIONS=0; a converted HF checkpoint's on float ones (their
+        # bounds against transformers are float's)
+        int8 = not packed_scheme and envs.KVSTRATA_GGUF_INT8_ACTIVATIONS.get()
+        model.gguf_info = gguf_linear.replace_packed_weights(model, int8_activations=int8)
     if packed_scheme:
         model.gguf_info.update(quantization=scheme.method, checkpoint_scheme=scheme.describe())
     if hasattr(model, "finish_load"):

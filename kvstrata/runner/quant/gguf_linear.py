@@ -51,9 +51,11 @@ class GgufLinear(nn.Module):
 
     def __init__(self, out_features: int, in_features: int,
                  segments: list[tuple[int, int, "PackedRows | torch.Tensor"]],
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, int8_activations: bool = False):
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
+        # gguf_matmul.matmul_q8 (8-bit activation blocks) or .matmul (float activations)
+        self.int8_activations = int8_activations
         self.parts: list[tuple[int, int, Any, torch.Tensor | None]] = []
         self.nbytes = 0
         for lo, hi, w in _join_same_type(segments):
@@ -65,20 +67,34 @@ class GgufLinear(nn.Module):
                 self.nbytes += w.numel() * w.element_size()
         self.bias = None if bias is None else bias.detach().float().clone()
         self.nbytes += 0 if bias is None else 4 * bias.numel()
+        # One packed segment over every output and no input permutation (most layers): its
+        # matmul writes the whole output, no column views (per-call overhead is a large share
+        # of a batch-1 decode step's small matmuls)
+        lo, hi, w, perm = self.parts[0]
+        self._whole = (w if len(self.parts) == 1 and perm is None
+                       and not isinstance(w, torch.Tensor) else None)
 
     def linear_float(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> float32 [..., out] (an output head's logits as they are)."""
         x2 = x.reshape(-1, self.in_features)
+        if self._whole is not None:
+            out = self._kernel()(x2, self._whole)
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         for lo, hi, w, perm in self.parts:
             xs = x2 if perm is None else x2.index_select(1, perm)
             if isinstance(w, torch.Tensor):
                 out[:, lo:hi] = F.linear(xs.to(w.dtype), w).float()
             else:
-                gguf_matmul.matmul(xs.contiguous(), w, out=out[:, lo:hi])
+                self._kernel()(xs.contiguous(), w, out=out[:, lo:hi])
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _kernel(self):
+        return gguf_matmul.matmul_q8 if self.int8_activations else gguf_matmul.matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_float(x)
@@ -132,7 +148,7 @@ def _join_same_type(segments: list[tuple[int, int, "PackedRows | torch.Tensor"]]
     return out
 
 
-def _layer_of(param: torch.Tensor) -> GgufLinear:
+def _layer_of(param: torch.Tensor, int8_activations: bool) -> GgufLinear:
     """A staged parameter as a GgufLinear: its packed segments, and its float rows where the
     file stored that part in float (the parameter's rows, copied there by load_weight)."""
     staged = sorted(getattr(param, _STAGED), key=lambda s: s[0])
@@ -145,13 +161,16 @@ def _layer_of(param: torch.Tensor) -> GgufLinear:
         if packed is not None:
             segments.append((lo, hi, packed))
         at = hi
-    return GgufLinear(param.shape[0], param.shape[1], segments)
+    return GgufLinear(param.shape[0], param.shape[1], segments,
+                      int8_activations=int8_activations)
 
 
-def replace_packed_weights(model: nn.Module) -> dict:
+def replace_packed_weights(model: nn.Module, int8_activations: bool = False) -> dict:
     """Every parameter that got packed rows (`stage`) becomes a GgufLinear (its bias folded
     in), in every module that holds it (a tied head holds the embedding: one layer for both),
-    and `model.linear` dispatches to them. Returns what ran (for /server_info)."""
+    and `model.linear` dispatches to them. int8_activations: the layers run
+    gguf_matmul.matmul_q8 (a GGUF file's), else .matmul (a quantized HF checkpoint's).
+    Returns what ran (for /server_info)."""
     layers: dict[int, GgufLinear] = {}
     for module in list(model.modules()):
         for name, param in list(module._parameters.items()):
@@ -159,7 +178,7 @@ def replace_packed_weights(model: nn.Module) -> dict:
                                  and getattr(param, _STAGED, None) is None):
                 continue
             if id(param) not in layers:
-                layers[id(param)] = _layer_of(param)
+                layers[id(param)] = _layer_of(param, int8_activations)
                 bias_name = BIAS_OF.get(name)
                 bias = getattr(module, bias_name, None) if bias_name else None
                 if bias is not None:
@@ -175,6 +194,7 @@ def replace_packed_weights(model: nn.Module) -> dict:
     kinds = sorted({gguf.GGMLQuantizationType(w.qtype).name for layer in layers.values()
                     for _, _, w, _ in layer.parts if not isinstance(w, torch.Tensor)})
     return {"quantization": "gguf", "kernel": gguf_matmul.kernel_name(),
+            "activations": "int8 blocks of 32" if int8_activations else "float32",
             "packed_types": kinds, "packed_layers": len(layers),
             "weight_bytes_packed": sum(layer.nbytes for layer in layers.values())}
 
@@ -184,7 +204,7 @@ def gguf_linear(x: torch.Tensor, weight: "GgufLinear | torch.Tensor",
     """Drop-in for F.linear(x, weight, bias) where `weight` may have become a GgufLinear (its
     bias folded in, so `bias` is None there); a weight the file stored in float stays one."""
     if type(weight) is GgufLinear:
-        return weight(x)
+        return weight.forward(x)  # no module hooks here: skips nn.Module's call machinery
     return F.linear(x, weight, bias)
 
 

@@ -3,7 +3,9 @@
  * layouts as the `gguf` Python package documents them (gguf.quants); no ggml code.
  *
  * A "group" is 32 consecutive weights along k: one whole block of Q4_0 / Q4_1 / Q5_0 / Q5_1 /
- * Q8_0 (32 values), one eighth of a 256-value super-block of Q4_K / Q5_K / Q6_K. Each weight
+ * Q8_0 (32 values), one eighth of a 256-value super-block of Q4_K / Q5_K / Q6_K. A group is
+ * first its 32 integer weights and scales (gg_group_ints: what the 8-bit-activation kernel of
+ * gguf_q8_blocks.h multiplies), w = scale * int + min (scale: per 16 weights). Each weight
  * comes out as exactly the fp32 value gguf.quants.dequantize gives it: the same products and
  * sums in the same order, one rounding each (gguf_ops.c is built with -ffp-contract=off, so
  * no mul and add are fused behind our back).
@@ -48,6 +50,16 @@ static inline int gg_block_bytes(int qt) {
 static inline int gg_block_values(int qt) { return qt >= GG_Q4_K ? 256 : 32; }
 #define GG_INLINE inline __attribute__((always_inline))
 
+/* A group's scales: w = scale0 * int (weights 0-15; scale1: 16-31) + min. */
+typedef struct {
+    float scale0, scale1, min;
+} gg_scales;
+
+/* Whether a format's integer weights are unsigned with a min (else signed, min 0). */
+static inline int gg_has_min(const int qt) {
+    return qt == GG_Q4_1 || qt == GG_Q5_1 || qt == GG_Q4_K || qt == GG_Q5_K;
+}
+
 /* The 6-bit scale and min of group j of a Q4_K / Q5_K super-block (s: its 12 bytes). */
 static GG_INLINE void gg_scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -91,37 +103,30 @@ GG_AVX2 static GG_INLINE __m256i gg_high_bits(const uint8_t *p) {
     return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-/* Group g (of k / 32) of one weight row: its 32 dequantized weights, in order, into v[4].
- * qt is a literal at every call site (the switch folds away). */
-GG_AVX2 static GG_INLINE void gg_group(const int qt, const uint8_t *row, int64_t g,
-                                       __m256 v[4]) {
+/* Group g (of k / 32) of one weight row: its 32 integer weights as bytes in weight order
+ * (signed for Q4_0 / Q5_0 / Q8_0 / Q6_K, unsigned for the formats with a min) and its scales
+ * (the header's table: Q4_0 q - 8, d; Q4_1 q, d, m; Q5_0 q - 16, d; Q5_1 q, d, m; Q8_0 q, d;
+ * Q4_K / Q5_K q, d * sc_j, -(dmin * m_j); Q6_K q - 32, d * sc_16). qt is a literal at every
+ * call site (the branches fold away). */
+GG_AVX2 static GG_INLINE __m256i gg_group_ints(const int qt, const uint8_t *row, int64_t g,
+                                               gg_scales *sc) {
     const __m256i nib = _mm256_set1_epi8(0x0F);
+    sc->min = 0.0f;
     if (qt == GG_Q4_0 || qt == GG_Q4_1 || qt == GG_Q5_0 || qt == GG_Q5_1 || qt == GG_Q8_0) {
         const uint8_t *b = row + g * gg_block_bytes(qt);
-        const __m256 d = _mm256_set1_ps(gg_f16(b));
-        if (qt == GG_Q8_0) {
-            gg_widen(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, v);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(v[i], d);
-            return;
-        }
+        sc->scale0 = sc->scale1 = gg_f16(b);
+        if (qt == GG_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
         const int with_min = qt == GG_Q4_1 || qt == GG_Q5_1, five = qt == GG_Q5_0 || qt == GG_Q5_1;
         const uint8_t *nibbles = b + 2 + 2 * with_min + 4 * five;
         const __m128i q = _mm_loadu_si128((const __m128i *)nibbles);
         __m256i q32 = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(q, 4), q), nib); /* weights 0-15 | 16-31 */
         if (five) q32 = _mm256_or_si256(q32, gg_high_bits(nibbles - 4));
-        if (!with_min) {
-            gg_widen(_mm256_sub_epi8(q32, _mm256_set1_epi8(five ? 16 : 8)), 1, v);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) v[i] = _mm256_mul_ps(d, v[i]);
-        } else {
-            const __m256 m = _mm256_set1_ps(gg_f16(b + 2));
-            gg_widen(q32, 0, v);
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) v[i] = _mm256_add_ps(_mm256_mul_ps(d, v[i]), m);
+        if (with_min) {
+            sc->min = gg_f16(b + 2);
+            return q32;
         }
-        return;
+        return _mm256_sub_epi8(q32, _mm256_set1_epi8(five ? 16 : 8));
     }
     const uint8_t *b = row + (g >> 3) * gg_block_bytes(qt);
     const int j = (int)(g & 7);
@@ -131,35 +136,40 @@ GG_AVX2 static GG_INLINE void gg_group(const int qt, const uint8_t *row, int64_t
         const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
         const __m256i ql = _mm256_and_si256(_mm256_srli_epi16(lo, 4 * (t >> 1)), nib);
         const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * t), _mm256_set1_epi8(3));
-        const __m256i q = _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
-        gg_widen(_mm256_sub_epi8(q, _mm256_set1_epi8(32)), 1, v);
         const float d = gg_f16(b + 208);
-        const __m256 s0 = _mm256_set1_ps(d * (float)(int8_t)b[192 + 2 * j]);
-        const __m256 s1 = _mm256_set1_ps(d * (float)(int8_t)b[192 + 2 * j + 1]);
-        v[0] = _mm256_mul_ps(s0, v[0]);
-        v[1] = _mm256_mul_ps(s0, v[1]);
-        v[2] = _mm256_mul_ps(s1, v[2]);
-        v[3] = _mm256_mul_ps(s1, v[3]);
-        return;
+        sc->scale0 = d * (float)(int8_t)b[192 + 2 * j];
+        sc->scale1 = d * (float)(int8_t)b[192 + 2 * j + 1];
+        return _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)),
+                               _mm256_set1_epi8(32));
     }
-    /* Q4_K, Q5_K */
-    int sc, mn;
-    gg_scale_min_k4(b + 4, j, &sc, &mn);
-    const __m256 ds = _mm256_set1_ps(gg_f16(b) * (float)sc);
-    const __m256 dm = _mm256_set1_ps(gg_f16(b + 2) * (float)mn);
-    const uint8_t *qs = b + (qt == GG_Q5_K ? 48 : 16);
+    int scl, mn; /* Q4_K, Q5_K */
+    gg_scale_min_k4(b + 4, j, &scl, &mn);
+    sc->scale0 = sc->scale1 = gg_f16(b) * (float)scl;
+    sc->min = -(gg_f16(b + 2) * (float)mn);
+    const uint8_t *qs = b + (qt == GG_Q5_K ? 48 : 16) + 32 * (j >> 1);
     __m256i q = _mm256_and_si256(
-        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * (j >> 1))), 4 * (j & 1)),
-        nib);
+        _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qs), 4 * (j & 1)), nib);
     if (qt == GG_Q5_K) {
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
         const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)),
                                              _mm256_set1_epi8(1));
         q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
     }
-    gg_widen(q, 0, v);
+    return q;
+}
+
+/* Group g of one weight row: its 32 dequantized weights, in order, into v[4]: scale * int
+ * (+ min), one rounding each, as gguf computes them (x - y is x + (-y) bit for bit). */
+GG_AVX2 static GG_INLINE void gg_group(const int qt, const uint8_t *row, int64_t g,
+                                       __m256 v[4]) {
+    gg_scales sc;
+    gg_widen(gg_group_ints(qt, row, g, &sc), !gg_has_min(qt), v);
+    const __m256 s0 = _mm256_set1_ps(sc.scale0), s1 = _mm256_set1_ps(sc.scale1);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) v[i] = _mm256_sub_ps(_mm256_mul_ps(ds, v[i]), dm);
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_mul_ps(i < 2 ? s0 : s1, v[i]);
+        if (gg_has_min(qt)) v[i] = _mm256_add_ps(v[i], _mm256_set1_ps(sc.min));
+    }
 }
 
 /* The fixed tree every output's 8 lanes are summed in (lanes i + 4, then i + 2, then i + 1). */

@@ -36,24 +36,26 @@ static inline float gg_f16_scalar(const uint8_t *p) {
     return f;
 }
 
-/* Group g of one weight row: its 32 weights as gguf.quants.dequantize gives them. */
-static inline void gg_group_scalar(const int qt, const uint8_t *row, int64_t g, float w[32]) {
+/* Group g of one weight row: its 32 integer weights and scales (gg_group_ints's). */
+static inline void gg_group_ints_scalar(const int qt, const uint8_t *row, int64_t g, int w[32],
+                                        gg_scales *sc) {
+    sc->min = 0.0f;
     if (qt == GG_Q4_0 || qt == GG_Q4_1 || qt == GG_Q5_0 || qt == GG_Q5_1 || qt == GG_Q8_0) {
         const uint8_t *b = row + g * gg_block_bytes(qt);
-        const float d = gg_f16_scalar(b);
+        sc->scale0 = sc->scale1 = gg_f16_scalar(b);
         if (qt == GG_Q8_0) {
-            for (int i = 0; i < 32; i++) w[i] = (float)(int8_t)b[2 + i] * d;
+            for (int i = 0; i < 32; i++) w[i] = (int8_t)b[2 + i];
             return;
         }
         const int with_min = qt == GG_Q4_1 || qt == GG_Q5_1, five = qt == GG_Q5_0 || qt == GG_Q5_1;
         const uint8_t *nibbles = b + 2 + 2 * with_min + 4 * five;
         uint32_t high = 0;
         if (five) memcpy(&high, nibbles - 4, 4);
-        const float m = with_min ? gg_f16_scalar(b + 2) : 0.0f;
+        if (with_min) sc->min = gg_f16_scalar(b + 2);
         for (int i = 0; i < 32; i++) {
             int q = (i < 16 ? nibbles[i] : nibbles[i - 16] >> 4) & 0x0F;
             q |= (int)((high >> i) & 1) << 4;
-            w[i] = with_min ? d * (float)q + m : d * (float)(q - (five ? 16 : 8));
+            w[i] = with_min ? q : q - (five ? 16 : 8);
         }
         return;
     }
@@ -63,23 +65,31 @@ static inline void gg_group_scalar(const int qt, const uint8_t *row, int64_t g, 
         const int h = j >> 2, t = j & 3;
         const uint8_t *lo = b + 64 * h + 32 * (t & 1), *hi = b + 128 + 32 * h;
         const float d = gg_f16_scalar(b + 208);
-        const float s0 = d * (float)(int8_t)b[192 + 2 * j];
-        const float s1 = d * (float)(int8_t)b[192 + 2 * j + 1];
-        for (int i = 0; i < 32; i++) {
-            const int q = ((lo[i] >> (4 * (t >> 1))) & 0x0F) | (((hi[i] >> (2 * t)) & 3) << 4);
-            w[i] = (i < 16 ? s0 : s1) * (float)(q - 32);
-        }
+        sc->scale0 = d * (float)(int8_t)b[192 + 2 * j];
+        sc->scale1 = d * (float)(int8_t)b[192 + 2 * j + 1];
+        for (int i = 0; i < 32; i++)
+            w[i] = (((lo[i] >> (4 * (t >> 1))) & 0x0F) | (((hi[i] >> (2 * t)) & 3) << 4)) - 32;
         return;
     }
-    /* Q4_K, Q5_K */
-    int sc, mn;
-    gg_scale_min_k4(b + 4, j, &sc, &mn);
-    const float ds = gg_f16_scalar(b) * (float)sc, dm = gg_f16_scalar(b + 2) * (float)mn;
+    int scl, mn; /* Q4_K, Q5_K */
+    gg_scale_min_k4(b + 4, j, &scl, &mn);
+    sc->scale0 = sc->scale1 = gg_f16_scalar(b) * (float)scl;
+    sc->min = -(gg_f16_scalar(b + 2) * (float)mn);
     const uint8_t *qs = b + (qt == GG_Q5_K ? 48 : 16) + 32 * (j >> 1);
     for (int i = 0; i < 32; i++) {
-        int q = (qs[i] >> (4 * (j & 1))) & 0x0F;
-        if (qt == GG_Q5_K) q |= ((b[16 + i] >> j) & 1) << 4;
-        w[i] = ds * (float)q - dm;
+        w[i] = (qs[i] >> (4 * (j & 1))) & 0x0F;
+        if (qt == GG_Q5_K) w[i] |= ((b[16 + i] >> j) & 1) << 4;
+    }
+}
+
+/* Group g of one weight row: its 32 weights as gguf.quants.dequantize gives them. */
+static inline void gg_group_scalar(const int qt, const uint8_t *row, int64_t g, float w[32]) {
+    int q[32];
+    gg_scales sc;
+    gg_group_ints_scalar(qt, row, g, q, &sc);
+    for (int i = 0; i < 32; i++) {
+        w[i] = (i < 16 ? sc.scale0 : sc.scale1) * (float)q[i];
+        if (gg_has_min(qt)) w[i] = w[i] + sc.min;
     }
 }
 

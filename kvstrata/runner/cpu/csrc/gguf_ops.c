@@ -8,6 +8,8 @@
  *       thread split: one ymm accumulator per output, an FMA per 8 k in order from k = 0,
  *       then gg_hsum's fixed tree. So row r of a call equals row r of any other call on the
  *       same rows, bit for bit (batch invariance, deterministic inference).
+ *   matmul_q8(same arguments): the same product with each row of x quantized to 8-bit blocks
+ *       and integer dot products (gguf_q8_blocks.h, gguf_q8_run.h): what the layers run.
  *   dequantize(qtype, w, row_bytes, n, k, out, threads, isa_cap): W into fp32 [n, k].
  *   has_avx2(isa_cap): whether this CPU runs the AVX2 body (KVSTRATA_CPU_ISA allowing);
  *   without it the portable body (gguf_blocks_scalar.h) gives the same bits, slowly.
@@ -25,6 +27,7 @@
 #include "cpu_rows.h"
 #include "gguf_blocks_avx2.h"
 #include "gguf_blocks_scalar.h"
+#include "gguf_q8_run.h"
 #ifdef _OPENMP
 #include <omp.h>
 static inline int thread_index(void) { return omp_get_thread_num(); }
@@ -247,7 +250,8 @@ static int check_shape(int qt, Py_ssize_t row_bytes, Py_ssize_t n, Py_ssize_t k)
     return 1;
 }
 
-static PyObject *matmul(PyObject *self, PyObject *args) {
+/* matmul (float activations, q8 = 0) or matmul_q8 (8-bit activations, gguf_q8_run.h). */
+static PyObject *matmul_with(PyObject *args, const int q8) {
     int qt, threads, isa_cap;
     unsigned long long w_addr, x_addr, o_addr;
     Py_ssize_t row_bytes, n, k, m, out_stride;
@@ -264,7 +268,8 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
                        (float *)o_addr, out_stride};
     const int avx2 = use_avx2_body(isa_cap);
     Py_BEGIN_ALLOW_THREADS
-    if (!avx2) run_scalar(qt, &a, m, threads);
+    if (q8) failed = q8_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2);
+    else if (!avx2) run_scalar(qt, &a, m, threads);
 #if defined(__x86_64__)
     else switch (qt) {
     case GG_Q4_0: failed = run_q4_0(&a, m, threads); break;
@@ -281,6 +286,9 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
+
+static PyObject *matmul(PyObject *self, PyObject *args) { return matmul_with(args, 0); }
+static PyObject *matmul_q8(PyObject *self, PyObject *args) { return matmul_with(args, 1); }
 
 static PyObject *dequantize(PyObject *self, PyObject *args) {
     int qt, threads, isa_cap;
@@ -318,6 +326,8 @@ static PyObject *has_avx2(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
+    {"matmul_q8", matmul_q8, METH_VARARGS,
+     "fp32 rows quantized to 8-bit blocks x packed GGUF weight rows, integer dots, fp32 out."},
     {"dequantize", dequantize, METH_VARARGS, "packed GGUF weight rows -> fp32 [n, k]."},
     {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C body runs here."},
     {NULL, NULL, 0, NULL}};

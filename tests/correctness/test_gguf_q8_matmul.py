@@ -1,0 +1,104 @@
+"""GGUF weights kept quantized times 8-bit activations (runner/cpu/gguf_matmul.py `matmul_q8`,
+csrc/gguf_q8_blocks.h): what a GGUF file's layers run.
+
+Reference (numpy, float64): x's rows quantized the same way, written here from the scheme
+(per block of 32: d = amax / 127 in fp32, q = round-half-even(x / d) via x * (1 / d)), times
+the weights as the `gguf` package dequantizes them (gguf.quants.dequantize, not ours). The
+kernel's result differs from that exact product only by fp32 rounding: per group one scale
+product (w_scale * d) and one FMA per lane, k / 32 groups in a lane, an 8-lane tree and the
+min term, so the error is held to (k / 32 + 8) * 2^-23 * (|x_q| @ |W|.T) (measured: at most
+0.02 of it, the min formats' split w_scale * q + w_min included).
+
+Also: the quantized activations are close to x itself (the price of the speed: within 0.4%
+of |x| @ |W|.T here, 0.1-0.2% measured) and the portable C body gives the AVX2 body's bits.
+Batch invariance (rows 1..64 and 333, one and two threads): test_gguf_matmul.py's
+test_rows_are_batch_invariant, parametrized over both kernels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from kvstrata.bench.gguf_blocks import random_blocks, weight_rows
+from kvstrata.runner.cpu import gguf_matmul
+
+AVX2 = gguf_matmul._own(1)
+needs_avx2 = pytest.mark.skipif(not AVX2, reason="the GGUF kernels need AVX2 + FMA + F16C")
+FORMATS = sorted(gguf_matmul.SUPPORTED)
+NAMES = [GGMLQuantizationType(q).name for q in FORMATS]
+N = 37  # odd: a last quad of one column
+
+
+def in_features(qtype: int) -> int:
+    return 512 if gguf_matmul.BLOCKS[qtype][1] == 256 else 608
+
+
+def q8_reference(x: np.ndarray) -> np.ndarray:
+    """x fp32 [m, k] -> its 8-bit blocks dequantized, float64 (exact: d * q)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+    return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def check_q8(out: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
+    xq = q8_reference(x.float().numpy())
+    exact = xq @ w.astype(np.float64).T
+    k = w.shape[1]
+    bound = (np.abs(xq) @ np.abs(w.astype(np.float64)).T) * (k / 32 + 8) * 2.0 ** -23
+    err = np.abs(out.double().numpy() - exact)
+    assert bool((err <= bound + 1e-30).all()), (err / bound).max()
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict:
+    """qtype -> (raw gguf-quantized rows where gguf can, random blocks too, dequantized)."""
+    rng = np.random.default_rng(64)
+    out = {}
+    for q in FORMATS:
+        raw = weight_rows(q, N, in_features(q), rng)
+        noise = random_blocks(q, 9, in_features(q), rng)
+        deq = [quants.dequantize(r.numpy(), GGMLQuantizationType(q)) for r in (raw, noise)]
+        out[q] = (raw, noise, *deq)
+    return out
+
+
+@needs_avx2
+@pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
+def test_matches_quantized_activations_times_gguf_weights(qtype, weights):
+    raw, noise, ref, noise_ref = weights[qtype]
+    w, wn = gguf_matmul.prepare(qtype, raw), gguf_matmul.prepare(qtype, noise)
+    torch.manual_seed(qtype)
+    for m in (1, 2, 3, 4, 65):
+        x = torch.randn(m, w.in_features)
+        x[0, :32] = 0.0  # an all-zero block: d = 0
+        check_q8(gguf_matmul.matmul_q8(x, w), x, ref)
+        check_q8(gguf_matmul.matmul_q8(x.bfloat16(), w), x.bfloat16(), ref)
+        check_q8(gguf_matmul.matmul_q8(x, wn), x, noise_ref)
+    # the activation rounding itself: close to the float product (what matmul gives)
+    x = torch.randn(8, w.in_features)
+    exact = x.double().numpy() @ ref.astype(np.float64).T
+    scale = np.abs(x.double().numpy()) @ np.abs(ref.astype(np.float64)).T
+    got = gguf_matmul.matmul_q8(x, w).double().numpy()
+    assert float((np.abs(got - exact) / scale).max()) < 0.004
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
+def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
+    raw, noise, ref, _ = weights[qtype]
+    w = gguf_matmul.prepare(qtype, raw)
+    torch.manual_seed(qtype)
+    x = torch.randn(70, w.in_features) * 3
+    fast = (gguf_matmul.matmul_q8(x, w), gguf_matmul.matmul_q8(x, gguf_matmul.prepare(qtype, noise))
+            ) if AVX2 else None
+    monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
+    slow = gguf_matmul.matmul_q8(x, w)
+    check_q8(slow, x, ref)
+    for m in (1, 4, 64):
+        assert torch.equal(gguf_matmul.matmul_q8(x[:m], w), slow[:m])
+    if AVX2:
+        assert torch.equal(slow, fast[0])
+        assert torch.equal(gguf_matmul.matmul_q8(x, gguf_matmul.prepare(qtype, noise)), fast[1])
