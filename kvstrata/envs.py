@@ -124,12 +124,12 @@ KVSTRATA_CPU_PREFILL_ATTENTION = _declare(
     "FMA with head_dim % 32 == 0; bf16 with AMX-BF16 for prompts up to 1024 tokens, SDPA's "
     "AMX tiles above); 0 = SDPA always (ablation).")
 KVSTRATA_GGUF_INT8_ACTIVATIONS = _declare(
-    "KVSTRATA_GGUF_INT8_ACTIVATIONS", bool, True,
-    "A GGUF file's weights kept quantized (--quantization gguf) multiply activations "
+    "KVSTRATA_GGUF_INT8_ACTIVATIONS", bool, False,
+    "1 = a GGUF file's weights kept quantized (--quantization gguf) multiply activations "
     "quantized to 8-bit blocks of 32 with integer dot products (runner/cpu/gguf_matmul.py "
-    "matmul_q8): faster at batch 1, slower from ~8 rows; 0 = float activations "
-    "(gguf_matmul.matmul, gguf's exact dequantized weights times x: the faster one for "
-    "batches of ~8+ rows). Both are batch-invariant. Read once at load.")
+    "matmul_q8): 1.13-1.30x faster served at batch 1, 0.51x at batch 32 (measured); the "
+    "default (0) keeps float activations (gguf_matmul.matmul, gguf's exact dequantized "
+    "weights times x). Both are batch-invariant. Read once at load.")
 KVSTRATA_CPU_AUTO_DTYPE = _declare(
     "KVSTRATA_CPU_AUTO_DTYPE", str, "",
     "What --dtype auto means on a CPU: empty = chosen from the CPU's instruction sets "

@@ -45,7 +45,9 @@ def files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_kept_quantized_matches_transformers(arch, files):
+def test_kept_quantized_matches_transformers(arch, files, monkeypatch):
+    """The 8-bit activation path (KVSTRATA_GGUF_INT8_ACTIVATIONS=1, opt-in) against
+    transformers, and the same layers on float activations (the default kernel)."""
     from kvstrata import LLM
     from kvstrata.runner.cpu import gguf_matmul
     from kvstrata.runner.quant.gguf_linear import GgufLinear
@@ -54,6 +56,7 @@ def test_kept_quantized_matches_transformers(arch, files):
     rng = random.Random(3)
     prompts = [[rng.randrange(4, 300) for _ in range(n)] for n in (5, 23)]
     greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
+    monkeypatch.setenv("KVSTRATA_GGUF_INT8_ACTIVATIONS", "1")
     with LLM(model_path=path, skip_tokenizer_init=True, quantization="gguf", page_size=16,
              chunked_prefill_size=16, max_total_tokens=1024) as llm:
         info = llm.server_info()
@@ -93,12 +96,12 @@ def test_kept_quantized_matches_transformers(arch, files):
 
 def test_kept_quantized_equals_dequantized_at_load(files, monkeypatch):
     """The same file, --quantization gguf against --load-format gguf_dequantize (float32):
-    one forward's logits, the packed layers on float activations (KVSTRATA_GGUF_INT8_ACTIVATIONS
-    =0: gguf_matmul.matmul; the paths' equality; this qwen3's logits move by up to 1.2 with
+    one forward's logits, the packed layers on float activations (the default,
+    gguf_matmul.matmul; the paths' equality; this qwen3's logits move by up to 1.2 with
     8-bit activations, whose error the test above bounds against transformers)."""
     from helpers.runner import forward_logits, make_runner
 
-    monkeypatch.setenv("KVSTRATA_GGUF_INT8_ACTIVATIONS", "0")
+    monkeypatch.delenv("KVSTRATA_GGUF_INT8_ACTIVATIONS", raising=False)
 
     path, _ = files["qwen3"]
     ids = [5, 17, 99, 250, 3, 42, 7, 8, 200, 101]

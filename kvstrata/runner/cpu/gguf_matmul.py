@@ -8,8 +8,8 @@ the bytes per decoded token; batch-1 decode on a CPU is bound by those bytes.
 
 Kernels (runner/cpu/csrc/; AVX2 + FMA + F16C picked at run time under KVSTRATA_CPU_ISA):
 
-`matmul_q8`, what the layers of a GGUF file run (`--quantization gguf`, unless
-KVSTRATA_GGUF_INT8_ACTIVATIONS=0; gguf_q8_blocks.h, gguf_q8_run.h): llama.cpp's scheme, our code. Each row of x (bf16 widened to fp32 first) is
+`matmul_q8`, what the layers of a GGUF file run with KVSTRATA_GGUF_INT8_ACTIVATIONS=1
+(opt-in: faster served at batch 1 only; gguf_q8_blocks.h, gguf_q8_run.h): llama.cpp's scheme, our code. Each row of x (bf16 widened to fp32 first) is
 quantized once per call to 8-bit blocks of 32 (scale d = amax / 127, q = round(x / d)); each
 32-weight group of a weight row is unpacked to its integer weights and dotted with a block in
 integers (_mm256_maddubs_epi16 / _mm256_madd_epi16: eight exact int32 lane sums), then scaled
@@ -26,7 +26,9 @@ rows, slower from ~8 rows (its per-group float work; docs/benchmarks.md).
 `matmul` keeps x in fp32 (gguf_ops.c with gguf_blocks_avx2.h: each group dequantized in
 registers to exactly gguf.quants.dequantize's fp32 values and multiplied by FMAs; 1-2 rows from
 registers, 3+ through a per-thread fp32 panel [4, K] per 64 rows): within fp32 accumulation
-error of dequantize(w) @ x, batch invariant too. What a quantized HF checkpoint's layers
+error of dequantize(w) @ x, batch invariant too. What a GGUF file's layers run by default
+(served SmolLM2 Q4_1: `matmul_q8` ran 1.13-1.30x it at batch 1, 0.51x at batch 32), and what a
+quantized HF checkpoint's layers
 (GPTQ / AWQ / compressed-tensors converted to GGUF rows) run: their tests bound them against
 transformers' float product at a tolerance 8-bit activations were not re-derived for.
 

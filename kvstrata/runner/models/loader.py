@@ -230,9 +230,9 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
     if len(loaded) != len(set(loaded)):
         raise ValueError(f"{where}: some weights appear more than once")
     if keep_quantized or packed_scheme:
-        # a GGUF file's layers on 8-bit activations (llama.cpp's scheme) unless
-        # KVSTRATA_GGUF_INT8_ACTIVATIONS=0; a converted HF checkpoint's on float ones (their
-        # bounds against transformers are float's)
+        # float activations, or a GGUF file's layers on 8-bit ones (llama.cpp's scheme) with
+        # KVSTRATA_GGUF_INT8_ACTIVATIONS=1 (faster at batch 1 only); a converted HF
+        # checkpoint's always on float ones (their bounds against transformers are float's)
         int8 = not packed_scheme and envs.KVSTRATA_GGUF_INT8_ACTIVATIONS.get()
         model.gguf_info = gguf_linear.replace_packed_weights(model, int8_activations=int8)
     if packed_scheme:
