@@ -17,7 +17,7 @@ from kvstrata.engine.sides.registry import pd_side
 from kvstrata.entrypoints.engine_factory import build_engine
 from tests.correctness.test_hybrid_engine import (  # noqa: F401 (fixtures)
     GREEDY, paths, prompts, ref)
-from tests.correctness.test_swa_pd_engine import run_pair
+from tests.correctness.test_swa_pd_engine import assert_bytes_crossed, run_pair
 from tests.helpers.ports import free_port
 
 
@@ -68,8 +68,7 @@ def test_pd_greedy_equals_transformers(arch, page_size, chunk, backend, paths, p
             assert got == ref(arch)(p), f"{arch} PD P={page_size}"
         pages = 0 if arch == "mamba2" else sum(-(-len(p) // page_size) for p in prompts)
         want = pages * plan.bytes_per_page + len(prompts) * plan.state_bytes_per_slot
-        assert pd_side(decode.scheduler).load()["disagg_kv_bytes_received_total"] == want
-        assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] == want
+        assert_bytes_crossed(prefill, decode, want)
         for eng in (prefill, decode):
             whole(eng)
     finally:

@@ -62,6 +62,12 @@ def run_pair(prefill, decode, prompts, port, max_steps=20_000, room_base=500, pa
     return [outs[i] for i in range(len(prompts))]
 
 
+def assert_bytes_crossed(prefill, decode, want: int) -> None:
+    """Both sides' byte counters say exactly `want` bytes of KV crossed."""
+    assert pd_side(decode.scheduler).load()["disagg_kv_bytes_received_total"] == want
+    assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] == want
+
+
 def swa_whole(eng):
     eng.check_integrity()
     kv = eng.scheduler.kv
@@ -103,8 +109,7 @@ def test_pd_greedy_equals_transformers_and_colocated(page_size, windowed, prompt
         full_bytes, swa_bytes = plan.bytes_per_page, pd_side(decode.scheduler).swa_page_bytes
         assert 0 < swa_bytes < full_bytes * 4
         want = sum(-(-n // page_size) * full_bytes + len(ids) * swa_bytes for n, ids in sent)
-        assert pd_side(decode.scheduler).load()["disagg_kv_bytes_received_total"] == want
-        assert pd_side(prefill.scheduler).load()["disagg_kv_bytes_sent_total"] == want
+        assert_bytes_crossed(prefill, decode, want)
         for eng in (prefill, decode):
             swa_whole(eng)
     finally:
