@@ -4,7 +4,8 @@
  * items' addressing on CPUs without AMX (amx_item.h is compiled once on each).
  *
  * Linux grants a process the tile data only on request (arch_prctl ARCH_REQ_XCOMP_PERM),
- * asked once per process; refused, the bodies are not used. Each thread of the OpenMP team
+ * asked once per process, and the permitted set (ARCH_GET_XCOMP_PERM) must then hold it;
+ * refused, the bodies are not used. Each thread of the OpenMP team
  * loads the configuration on entry to a call's region and releases the tiles on exit. */
 #ifndef KVSTRATA_AMX_TILES_H
 #define KVSTRATA_AMX_TILES_H
@@ -36,8 +37,14 @@ static int amx_ready(int bit) {
         granted = 0;
         if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24))) {
             edx = d;
+            /* the request's answer is not enough: a Firecracker guest (kernel 6.18,
+             * 2026-12-07) answered 0 while its supported and permitted sets lacked
+             * XTILEDATA, and ldtilecfg then raised SIGILL; the permitted set decides */
+            unsigned long perm = 0;
             granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                              18 /* XFEATURE_XTILEDATA */) == 0;
+                              18 /* XFEATURE_XTILEDATA */) == 0
+                      && syscall(SYS_arch_prctl, 0x1024 /* ARCH_GET_XCOMP_PERM */, &perm) == 0
+                      && (perm >> 18 & 1);
         }
     }
     return granted && (edx & (1u << bit));
