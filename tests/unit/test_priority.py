@@ -23,7 +23,8 @@ from kvstrata.protocol import SamplingParams
 from tests.unit.fake_runner import FakeRunner, reference_tokens
 
 VOCAB = 1000
-EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "150"))
+# 75 in `make test` (its 10-minute budget); KVSTRATA_FUZZ_EXAMPLES=N for depth.
+EXAMPLES = int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "75"))
 PRIO = dict(enable_priority_scheduling=True)
 
 

@@ -95,8 +95,8 @@ class StateMachine(base.SchedulerMachine):
                       f"{kv.tree.states_from_host > 0}")
 
 
-# An eighth of the scheduler fuzzer's examples (it draws a state pool a quarter of the time
+# A quarter of the scheduler fuzzer's examples (50) (it draws a state pool a quarter of the time
 # too; `make test` has a 10-minute budget); KVSTRATA_FUZZ_EXAMPLES=N soaks both longer.
 StateMachine.TestCase.settings = settings(base.SchedulerMachine.TestCase.settings,
-                                          max_examples=max(base.EXAMPLES // 8, 20))
+                                          max_examples=max(base.EXAMPLES // 4, 20))
 test_state_machine = StateMachine.TestCase
