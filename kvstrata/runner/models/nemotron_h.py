@@ -167,8 +167,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
         return super().load_weight(name, tensor)
 
     def skip_weight(self, name: str) -> bool:
-        return name.startswith("mtp.") or (name == "lm_head.weight"
-                                           and self.dims.tie_word_embeddings)
+        return name.startswith("mtp.") or super().skip_weight(name)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, weight, self.eps)
