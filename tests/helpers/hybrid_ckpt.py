@@ -169,3 +169,32 @@ def _falcon_redraw(name: str, p) -> None:
 def build_falcon_h1_checkpoint(path: str, seed: int = 1357, **overrides) -> str:
     return build_checkpoint(tiny_falcon_h1_config(**overrides), path, seed, _falcon_redraw)
 
+
+def tiny_nemotron_h_moe_config(**overrides):
+    """Nemotron-H with MoE blocks (pattern M E * M E): 8 relu^2 experts in 2 groups of which
+    the router keeps 1, top-2, a correction bias and routed_scaling_factor away from 1."""
+    import transformers as tf
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+                  intermediate_size=88, hybrid_override_pattern="ME*ME", num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=8,
+                  ssm_state_size=16, n_groups=2, chunk_size=8, max_position_embeddings=512,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                  moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                  norm_topk_prob=True, routed_scaling_factor=1.5)
+    return tf.NemotronHConfig(**{**fields, **overrides})
+
+
+def _nemotron_moe_redraw(name: str, p) -> None:
+    if name.endswith("e_score_correction_bias"):
+        p.normal_(0.0, 0.3)  # a zero bias would hide a router that ignores it
+    elif name.endswith("gate.weight"):
+        p.normal_(0.0, 0.3)
+    elif name.endswith(("A_log", "dt_bias")):
+        _redraw("nemotron_h")(name, p)
+
+
+def build_nemotron_h_moe_checkpoint(path: str, seed: int = 4242, **overrides) -> str:
+    return build_checkpoint(tiny_nemotron_h_moe_config(**overrides), path, seed,
+                            _nemotron_moe_redraw)
