@@ -79,7 +79,9 @@ def test_mixer_without_norm_or_biases(tmp_path, prompts):
 
 @pytest.mark.parametrize("field,value", [("attention_bias", True), ("mlp_bias", True),
                                          ("hidden_act", "gelu"),
-                                         ("ssm_multipliers", [1.0, 1.0])])
+                                         ("ssm_multipliers", [1.0, 1.0]),
+                                         ("attn_layer_indices", [0, 2]),
+                                         ("mamba_use_mlp", False)])
 def test_unbuilt_fields_are_refused_by_name(field, value):
     from kvstrata.runner.models.falcon_h1 import FalconH1ForCausalLM
 

@@ -21,7 +21,9 @@ an SSM state in every state slot, both at the layer's own index.
     mlp_multipliers           the gate projection's output, the down projection's output
     lm_head_multiplier        the logits
 Refused by name: attention_bias, mlp_bias, a hidden_act other than SiLU (the MLP's and the
-mixer's conv activation).
+mixer's conv activation), and two fields of the released config.json that transformers does not
+read but that would change the layers if they meant anything else than the released value:
+attn_layer_indices (null: attention in every layer) and mamba_use_mlp (true: every layer's MLP).
 """
 from __future__ import annotations
 
@@ -121,6 +123,11 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         for field in ("attention_bias", "mlp_bias"):
             if getattr(config, field, False):
                 raise ValueError(f"FalconH1: {field} is not supported")
+        for field, released in (("attn_layer_indices", None), ("mamba_use_mlp", True)):
+            if getattr(config, field, released) != released:
+                raise ValueError(f"FalconH1: {field} {getattr(config, field)!r} is not "
+                                 f"supported (only {released!r}: attention and the MLP in "
+                                 f"every layer, as transformers builds them)")
         if config.hidden_act != "silu":
             raise ValueError(f"FalconH1: hidden_act {config.hidden_act!r} is not supported "
                              f"(SiLU)")
