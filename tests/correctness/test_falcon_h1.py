@@ -13,7 +13,8 @@ state components both cover all of them.
   its end; 16: the last page end), K/V and state both from there;
 - the mixer without its norm (mamba_rms_norm false, the released checkpoints' setting) and
   without biases, through the runner;
-- fields not built are refused by name.
+- fields not built are refused by name; so is a layer mix where a parallel layer's index
+  would differ between the KV pool and the state pool.
 Pools and state slots are whole after every drain.
 """
 from __future__ import annotations
@@ -90,3 +91,18 @@ def test_unbuilt_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         FalconH1ForCausalLM(config, torch.float32, torch.device("meta"))
 
+
+
+def test_parallel_layers_share_one_index_in_both_pools():
+    """A parallel layer's K/V and state sit at the same index in their pools, so every
+    attention layer before it must be parallel too; a mix that breaks it is refused."""
+    from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, PARALLEL, RECURRENT,
+                                                    HybridForCausalLM)
+
+    meta = torch.device("meta")
+    model = HybridForCausalLM([PARALLEL, PARALLEL, PARALLEL], torch.float32, meta)
+    assert (model.pool_index, model.num_attention_layers, model.num_recurrent_layers) == (
+        [0, 1, 2], 3, 3)
+    for kinds in ([FULL_ATTENTION, PARALLEL], [PARALLEL, RECURRENT, PARALLEL]):
+        with pytest.raises(ValueError, match="parallel layer"):
+            HybridForCausalLM(kinds, torch.float32, meta)
