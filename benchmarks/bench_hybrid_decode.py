@@ -9,6 +9,9 @@ for 2 CPU cores, big enough that the layers, not Python, are most of a step:
                       KV heads of 64, output-gated, partial rope), SwiGLU MLPs.
   --model nemotron_h  Nemotron-H blocks M-M*M-M-: four Mamba2 (8 heads of 64, d_state 64, 2
                       groups), one attention, three relu^2 MLPs.
+  --model falcon_h1   Falcon-H1, 8 layers each with attention (8 query / 2 KV heads of 64,
+                      rope) and Mamba2 (8 heads of 64, d_state 64, 2 groups, no mixer norm as
+                      the released small models) side by side, SwiGLU MLPs.
 
 Each round draws B prompts of --prompt tokens (equal lengths: transformers needs no padding)
 and runs both arms on them, alternating which goes first:
@@ -56,6 +59,10 @@ from kvstrata.bench.report import write_json  # noqa: E402
 NEMOTRON_H = dict(hybrid_override_pattern="M-M*M-M-", mamba_num_heads=8, mamba_head_dim=64,
                   ssm_state_size=64, n_groups=2, chunk_size=64, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=64)
+# Falcon-H1 at the same widths: every one of the 8 layers attention and Mamba2
+FALCON_H1 = dict(mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
+                 mamba_n_groups=2, mamba_chunk_size=64, mamba_rms_norm=False)
+MODELS = {"nemotron_h": NEMOTRON_H, "falcon_h1": FALCON_H1}
 
 
 def build_model(model: str, root: str, positions: int) -> str:
@@ -64,9 +71,10 @@ def build_model(model: str, root: str, positions: int) -> str:
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
-    dims = {k: v for k, v in DIMS.items() if k not in NEMOTRON_H and k != "num_hidden_layers"}
-    cfg = tf.NemotronHConfig(**dims, **NEMOTRON_H, num_hidden_layers=8,
-                             max_position_embeddings=positions)
+    fields = MODELS[model]
+    dims = {k: v for k, v in DIMS.items() if k not in fields and k != "num_hidden_layers"}
+    config_class = tf.NemotronHConfig if model == "nemotron_h" else tf.FalconH1Config
+    cfg = config_class(**dims, **fields, num_hidden_layers=8, max_position_embeddings=positions)
     torch.manual_seed(3)
     path = os.path.join(root, model)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
@@ -162,16 +170,17 @@ def compare(path: str, a) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["qwen3_5", "nemotron_h"], default="qwen3_5",
-                    help="Gated DeltaNet (Qwen3.5) or Mamba2 (Nemotron-H) hybrid")
+    ap.add_argument("--model", choices=["qwen3_5", "nemotron_h", "falcon_h1"],
+                    default="qwen3_5", help="Gated DeltaNet (Qwen3.5) or Mamba2 (Nemotron-H, "
+                                            "Falcon-H1) hybrid")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--new", type=int, default=32, help="timed decode steps")
     ap.add_argument("--rounds", type=int, default=3, help="median of the rounds")
     a, result = parse_and_announce(ap, argv)
     result.update(model=a.model, prompt=a.prompt, new=a.new, rounds=a.rounds)
-    if a.model == "nemotron_h":
-        result["nemotron_h"] = NEMOTRON_H
+    if a.model in MODELS:
+        result[a.model] = MODELS[a.model]
     with tempfile.TemporaryDirectory() as root:
         path = build_model(a.model, root, a.prompt + a.new + 64)
         result["batches"] = compare(path, a)

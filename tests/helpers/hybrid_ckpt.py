@@ -1,6 +1,6 @@
 """Tiny random hybrid recurrent checkpoints (Qwen3.5, Qwen3-Next, Nemotron-H, Mamba2,
-Granite-4.0-H) from transformers' own config classes, and a runner over them with a
-hand-sized KV plan (state pool included).
+Granite-4.0-H; Falcon-H1 apart: tiny_falcon_h1_config) from transformers' own config classes,
+and a runner over them with a hand-sized KV plan (state pool included).
 
 Sizes keep every shape distinct (GVA 2 key heads : 4 value heads of other widths, GQA 4:2,
 2 Mamba2 groups), a 3:1 recurrent:attention pattern, and scales where the logits are peaked.
@@ -134,3 +134,67 @@ def hybrid_runner(path: str, page_size: int = 1, num_pages: int = 2048, rows: in
                               facts.components, num_state_slots=state_slots,
                               state_components=states))
     return runner
+
+
+def tiny_falcon_h1_config(**overrides):
+    """Falcon-H1 with every muP multiplier away from 1 (each must apply where transformers
+    applies it), a head_dim that is not hidden / heads, GQA 4:2, 2 Mamba2 groups, the gated
+    group norm before the gate and the mixer's biases on (`overrides` turn them off)."""
+    import transformers as tf
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=88, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                  initializer_range=0.15, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                  tie_word_embeddings=False, max_position_embeddings=512,
+                  mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                  mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=8, mamba_rms_norm=True,
+                  mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True,
+                  embedding_multiplier=2.0, lm_head_multiplier=0.7, key_multiplier=0.6,
+                  attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                  ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
+                  ssm_multipliers=[1.1, 0.9, 1.3, 0.7, 1.5], mlp_multipliers=[1.2, 0.8],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return tf.FalconH1Config(**{**fields, **overrides})
+
+
+def _falcon_redraw(name: str, p) -> None:
+    if name.endswith(("A_log", "dt_bias")):
+        _redraw("falcon_h1")(name, p)
+    elif name.endswith((".D", "norm.weight", "layernorm.weight")):
+        p.normal_(1.0, 0.3)  # a norm of ones or a skip of one would hide a dropped one
+    elif name.endswith(".bias"):
+        p.normal_(0.0, 0.1)
+
+
+def build_falcon_h1_checkpoint(path: str, seed: int = 1357, **overrides) -> str:
+    return build_checkpoint(tiny_falcon_h1_config(**overrides), path, seed, _falcon_redraw)
+
+
+def tiny_nemotron_h_moe_config(**overrides):
+    """Nemotron-H with MoE blocks (pattern M E * M E): 8 relu^2 experts in 2 groups of which
+    the router keeps 1, top-2, a correction bias and routed_scaling_factor away from 1."""
+    import transformers as tf
+
+    fields = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15, bos_token_id=1,
+                  eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+                  intermediate_size=88, hybrid_override_pattern="ME*ME", num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=8,
+                  ssm_state_size=16, n_groups=2, chunk_size=8, max_position_embeddings=512,
+                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                  moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                  norm_topk_prob=True, routed_scaling_factor=1.5)
+    return tf.NemotronHConfig(**{**fields, **overrides})
+
+
+def _nemotron_moe_redraw(name: str, p) -> None:
+    if name.endswith("e_score_correction_bias"):
+        p.normal_(0.0, 0.3)  # a zero bias would hide a router that ignores it
+    elif name.endswith("gate.weight"):
+        p.normal_(0.0, 0.3)
+    elif name.endswith(("A_log", "dt_bias")):
+        _redraw("nemotron_h")(name, p)
+
+
+def build_nemotron_h_moe_checkpoint(path: str, seed: int = 4242, **overrides) -> str:
+    return build_checkpoint(tiny_nemotron_h_moe_config(**overrides), path, seed,
+                            _nemotron_moe_redraw)

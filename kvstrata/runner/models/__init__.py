@@ -18,7 +18,9 @@
   hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,
                     KV and state components, a weight table): qwen3_next.py (Qwen3-Next,
                     Qwen3.5; gated_deltanet.py its Gated DeltaNet layer), nemotron_h.py
-                    (Nemotron-H, Mamba2) and granite_hybrid.py (Granite-4.0-H), whose
+                    (Nemotron-H, Mamba2; nemotron_h_moe.py its MoE block),
+                    granite_hybrid.py (Granite-4.0-H) and
+                    falcon_h1.py (Falcon-H1: attention and Mamba2 in every layer), whose
                     Mamba2 layer is mamba2_mixer.py
   loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table;
                     gguf_weights.py: its tensors by HF name, dequantized or kept packed)

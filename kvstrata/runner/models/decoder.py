@@ -33,7 +33,7 @@ class ArchSpec:
     # (gpt_oss.py: sliding windows, attention sinks, MoE), "moe" (moe_decoder.py: this
     # decoder with expert MLPs: Qwen3-MoE, Qwen2-MoE, Mixtral, Glm4Moe), "deepseek" (deepseek.py:
     # MLA, and DSA on V3.2) or a hybrid with recurrent state: "qwen3_next" / "nemotron_h" /
-    # "granite_hybrid" (hybrids.py).
+    # "granite_hybrid" / "falcon_h1" (hybrids.py).
     family: str = "decoder"
     # gemma2: attention logits soft-capped by config.attn_logit_softcapping (transformers'
     # Gemma 3 carries the field but never applies it)

@@ -131,9 +131,6 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         self.expect(f"{pre}.post_attention_layernorm.weight", layer.post_norm)
         return layer
 
-    def skip_weight(self, name: str) -> bool:
-        return name == "lm_head.weight" and self.dims.tie_word_embeddings
-
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.begin_forward(fb)

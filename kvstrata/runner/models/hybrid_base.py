@@ -6,7 +6,9 @@ Layers come in kinds: full attention (K/V per token in the paged KV pool, throug
 attention backend at the layer's index among the attention layers: the pool holds those
 layers only), recurrent (a conv window and an SSM state per request in the state pool,
 kv/state_pool.py, through the recurrent backend at the layer's index among the recurrent
-layers), and for Nemotron-H feed-forward-only layers that keep nothing.
+layers), for Nemotron-H feed-forward-only layers that keep nothing, and for Falcon-H1
+parallel layers (attention and a Mamba2 mixer side by side on the same input: the layer has
+K/V pages in the KV pool and a state in every state slot, at the same index in both pools).
 
 The weight table maps each checkpoint name to the parameter (or the rows of a fused one) it
 fills, so `load_weight` / `expected_keys` are one lookup; a transform may reorder rows first
@@ -27,6 +29,7 @@ from kvstrata.runner.recurrent.backend import RecurrentBackend
 FULL_ATTENTION = "full_attention"
 RECURRENT = "recurrent"
 FEED_FORWARD = "feed_forward"
+PARALLEL = "parallel"          # both FULL_ATTENTION and RECURRENT (Falcon-H1)
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -39,7 +42,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class HybridForCausalLM(nn.Module):
-    """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD per layer),
+    """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD / PARALLEL
+    per layer),
     `dims` (the attention layers' heads for the attention backend; vocab size), the
     recurrent layers' state shapes (`conv_shape`, `ssm_shape`), build their layers and
     register every weight with `expect`."""
@@ -54,10 +58,20 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.kinds = kinds
         self.dtype, self.device = dtype, device
-        # Per layer its index in its pool (attention: the KV pool; recurrent: the state pool).
+        # Per layer its index in its pool (attention: the KV pool; recurrent: the state pool;
+        # a parallel layer: the same index in both, which holds while every attention layer
+        # before it is parallel too, as in Falcon-H1).
         counts = {FULL_ATTENTION: 0, RECURRENT: 0, FEED_FORWARD: 0}
         self.pool_index: list[int] = []
-        for kind in kinds:
+        for i, kind in enumerate(kinds):
+            if kind == PARALLEL:
+                if counts[FULL_ATTENTION] != counts[RECURRENT]:
+                    raise ValueError(f"{type(self).__name__}: parallel layer {i} after "
+                                     f"attention-only or recurrent-only layers is not built")
+                self.pool_index.append(counts[RECURRENT])
+                counts[FULL_ATTENTION] += 1
+                counts[RECURRENT] += 1
+                continue
             self.pool_index.append(counts[kind])
             counts[kind] += 1
         self.num_attention_layers = counts[FULL_ATTENTION]
@@ -102,8 +116,9 @@ class HybridForCausalLM(nn.Module):
         self._weights[name] = (target, rows, transform)
 
     def skip_weight(self, name: str) -> bool:
-        """Checkpoint tensors this model does not use (an MTP head's, a vision tower's)."""
-        return False
+        """Checkpoint tensors this model does not use (a tied head's copy; subclasses add an
+        MTP head's, a vision tower's)."""
+        return name == "lm_head.weight" and self.dims.tie_word_embeddings
 
     def read_spec(self, name: str) -> Any:
         return None if self.skip_weight(name) else "all"

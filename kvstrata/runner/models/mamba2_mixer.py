@@ -6,6 +6,11 @@ checked against transformers' Mamba2Mixer / NemotronHMamba2Mixer (their torch pa
   dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
   y = SSD scan over (x, dt, A, B, C) from the request's state, + D * x     (recurrent/)
   out_proj( weight * groupRMSNorm(y * silu(gate)) )   (float32, n_groups norm groups)
+
+Falcon-H1's mixer (falcon_h1.py) differs only where `Mamba2Shape.gated_norm` says (its
+`mamba_rms_norm` / `mamba_norm_before_gate`: the group norm before the gate, or no norm at
+all), in its out_proj bias (`projectors_bias`, not `mamba_proj_bias`) and in the multipliers
+it applies around `project` (a subclass).
 """
 from __future__ import annotations
 
@@ -20,6 +25,9 @@ from kvstrata.runner.models.hybrid_base import param
 from kvstrata.runner.recurrent.ssd import discretize_dt
 
 
+GATED_NORMS = ("gate_then_norm", "norm_then_gate", "gate_only")
+
+
 @dataclass(frozen=True)
 class Mamba2Shape:
     hidden: int
@@ -32,6 +40,22 @@ class Mamba2Shape:
     proj_bias: bool
     eps: float
     time_step_limit: tuple[float, float]
+    # out_proj's bias when it differs from in_proj's (Falcon-H1); None: as proj_bias
+    out_bias: bool | None = None
+    # how the scan output y meets the gate z (float32):
+    #   "gate_then_norm"  weight * groupRMSNorm(y * silu(z))    Mamba2, Nemotron-H, Granite
+    #   "norm_then_gate"  weight * groupRMSNorm(y) * silu(z)    Falcon-H1 norm_before_gate
+    #   "gate_only"       y * silu(z), no norm weight            Falcon-H1 without mamba_rms_norm
+    gated_norm: str = "gate_then_norm"
+
+    def __post_init__(self) -> None:
+        if self.gated_norm not in GATED_NORMS:
+            raise ValueError(f"Mamba2: gated_norm {self.gated_norm!r} is not one of "
+                             f"{GATED_NORMS}")
+
+    @property
+    def has_out_bias(self) -> bool:
+        return self.proj_bias if self.out_bias is None else self.out_bias
 
     @property
     def intermediate(self) -> int:
@@ -74,9 +98,9 @@ class Mamba2Mixer(nn.Module):
         self.conv_weight = param(s.conv_dim, s.kernel, **kw)
         self.conv_bias = param(s.conv_dim, **kw) if s.conv_bias else None
         self.dt_bias, self.A_log, self.D = (param(s.heads, **kw) for _ in range(3))
-        self.norm = param(s.intermediate, **kw)
+        self.norm = param(s.intermediate, **kw) if s.gated_norm != "gate_only" else None
         self.out_proj = param(s.hidden, s.intermediate, **kw)
-        self.out_bias = param(s.hidden, **kw) if s.proj_bias else None
+        self.out_bias = param(s.hidden, **kw) if s.has_out_bias else None
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -92,9 +116,9 @@ class Mamba2Mixer(nn.Module):
         e(f"{prefix}.conv1d.weight", self.conv_weight, transform=lambda w: w[:, 0])
         for name in ("dt_bias", "A_log", "D"):
             e(f"{prefix}.{name}", getattr(self, name))
-        e(f"{prefix}.norm.weight", self.norm)
         e(f"{prefix}.out_proj.weight", self.out_proj)
-        for name, target in (("in_proj.bias", self.in_bias), ("conv1d.bias", self.conv_bias),
+        for name, target in (("norm.weight", self.norm), ("in_proj.bias", self.in_bias),
+                             ("conv1d.bias", self.conv_bias),
                              ("out_proj.bias", self.out_bias)):
             if target is not None:
                 e(f"{prefix}.{name}", target)
@@ -103,7 +127,7 @@ class Mamba2Mixer(nn.Module):
         s = self.s
         t, inter, conv_dim = x.shape[0], s.intermediate, s.conv_dim
         gn = s.n_groups * s.d_state
-        proj = F.linear(x, self.in_proj, self.in_bias)
+        proj = self.project(x)
         xbc = backend.conv(layer, fb, proj[:, inter:inter + conv_dim], self.conv_weight,
                            self.conv_bias)
         dt = discretize_dt(proj[:, inter + conv_dim:], self.dt_bias, s.time_step_limit)
@@ -111,8 +135,23 @@ class Mamba2Mixer(nn.Module):
                         -self.A_log.float().exp(),
                         xbc[:, inter:inter + gn].reshape(t, s.n_groups, s.d_state),
                         xbc[:, inter + gn:].reshape(t, s.n_groups, s.d_state), self.D)
-        # Gated group RMSNorm in float32 (the scan's output dtype in transformers' prefill).
-        y = y.reshape(t, inter) * F.silu(proj[:, :inter].float())
+        y = self.gate_and_norm(y.reshape(t, inter).float(), proj[:, :inter].float())
+        return F.linear(y.to(x.dtype), self.out_proj, self.out_bias)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj: gate | xBC | dt (Falcon-H1 scales around it)."""
+        return F.linear(x, self.in_proj, self.in_bias)
+
+    def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated group RMSNorm in float32 (the scan's output dtype in transformers'
+        prefill), in the order `gated_norm` says."""
+        s = self.s
+        if s.gated_norm == "gate_only":
+            return y * F.silu(gate)
+        if s.gated_norm == "gate_then_norm":
+            y = y * F.silu(gate)
+        t, inter = y.shape
         groups = y.view(t, s.n_groups, inter // s.n_groups)
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + s.eps)).view(t, inter)
-        return F.linear((self.norm * y).to(x.dtype), self.out_proj, self.out_bias)
+        y = self.norm * (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + s.eps)
+                         ).view(t, inter)
+        return y * F.silu(gate) if s.gated_norm == "norm_then_gate" else y

@@ -114,33 +114,10 @@ class DenseMLP(nn.Module):
         return swiglu_targets(prefix, self.gate_up, self.down)
 
 
-class MoE(nn.Module):
-    # Deterministic inference (runner/cpu/fixed_experts.py): what it pins to the fixed GEMM;
-    # batch_invariant: the router's sigmoid per row (row_sigmoid), the combine summing each
-    # token's experts in its own slot order
-    linear = staticmethod(F.linear)
-    pinned_weights = ("router",)
-    pinned_expert_stacks = ("gate_up", "down")
-    pinned_children = ("shared",)
-    batch_invariant = False
-
-    def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
-                 experts: tuple[int, int] | None = None, shared_parts: int = 1):
-        """`experts`: the routed experts this module holds ([lo, hi), all by default: a
-        tensor-parallel rank holds a slice and routes over all of them); `shared_parts`: the
-        shared experts' width is split that many ways (a rank's share)."""
-        super().__init__()
-        self.d = d
-        e, h, i = d.n_routed_experts, d.hidden_size, d.moe_intermediate_size
-        self.experts = experts or (0, e)
-        local = self.experts[1] - self.experts[0]
-        # Router weights and bias stay float32 (the reference keeps them so).
-        self.router = _param(e, h, dtype=torch.float32, device=device)
-        self.score_bias = (_param(e, dtype=torch.float32, device=device)
-                           if d.scoring == "sigmoid" else None)  # V2's softmax has none
-        self.gate_up = _param(local, 2 * i, h, dtype=dtype, device=device)
-        self.down = _param(local, h, i, dtype=dtype, device=device)
-        self.shared = DenseMLP(h, i * d.n_shared_experts // shared_parts, dtype, device)
+class ExpertRouting:
+    """The router of the module docstring, for a module with `d` (MoeDims), `router` [E, H]
+    and `score_bias` [E] (float32; None for V2's softmax), `linear` and `batch_invariant`:
+    MoE here, Nemotron-H's MoE block (nemotron_h_moe.py)."""
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k] float32)."""
@@ -173,6 +150,35 @@ class MoE(nn.Module):
         group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1)
         per_group = d.n_routed_experts // d.n_group
         return group_mask[:, :, None].expand(t, d.n_group, per_group).reshape(t, -1)
+
+
+class MoE(ExpertRouting, nn.Module):
+    # Deterministic inference (runner/cpu/fixed_experts.py): what it pins to the fixed GEMM;
+    # batch_invariant: the router's sigmoid per row (row_sigmoid), the combine summing each
+    # token's experts in its own slot order
+    linear = staticmethod(F.linear)
+    pinned_weights = ("router",)
+    pinned_expert_stacks = ("gate_up", "down")
+    pinned_children = ("shared",)
+    batch_invariant = False
+
+    def __init__(self, d: Any, dtype: torch.dtype, device: torch.device,
+                 experts: tuple[int, int] | None = None, shared_parts: int = 1):
+        """`experts`: the routed experts this module holds ([lo, hi), all by default: a
+        tensor-parallel rank holds a slice and routes over all of them); `shared_parts`: the
+        shared experts' width is split that many ways (a rank's share)."""
+        super().__init__()
+        self.d = d
+        e, h, i = d.n_routed_experts, d.hidden_size, d.moe_intermediate_size
+        self.experts = experts or (0, e)
+        local = self.experts[1] - self.experts[0]
+        # Router weights and bias stay float32 (the reference keeps them so).
+        self.router = _param(e, h, dtype=torch.float32, device=device)
+        self.score_bias = (_param(e, dtype=torch.float32, device=device)
+                           if d.scoring == "sigmoid" else None)  # V2's softmax has none
+        self.gate_up = _param(local, 2 * i, h, dtype=dtype, device=device)
+        self.down = _param(local, h, i, dtype=dtype, device=device)
+        self.shared = DenseMLP(h, i * d.n_shared_experts // shared_parts, dtype, device)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         """Names under the layer's `mlp.`: gate (router, correction bias), experts.{e}

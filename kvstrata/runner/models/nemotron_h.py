@@ -1,7 +1,7 @@
 """Nemotron-H (NemotronHForCausalLM) and Mamba2 (Mamba2ForCausalLM): pre-norm residual blocks
 whose mixer is a Mamba2 layer (mamba2_mixer.py), and for Nemotron-H also full attention or a
 feed-forward layer, as `config.layers_block_type` says (the checkpoint's
-hybrid_override_pattern: M mamba, * attention, - MLP); checked against transformers'
+hybrid_override_pattern: M mamba, * attention, - MLP, E MoE); checked against transformers'
 modeling_nemotron_h / modeling_mamba2.
 
 - Nemotron-H's attention has no positional encoding (no rope): q.k / sqrt(head_dim) over the
@@ -10,8 +10,8 @@ modeling_nemotron_h / modeling_mamba2.
   (gemma.py's arithmetic with the weight itself as the scale).
 - Mamba2's RMSNorm is llama's (cast, then scale); with residual_in_fp32 the residual stream
   stays in float32 and each block's norm reads it in the model dtype.
-- Nemotron-H's MoE layers (block type "moe", E in the pattern) are not built yet: such a
-  checkpoint is refused by name.
+- Nemotron-H's MoE layers (block type "moe", E in the pattern): nemotron_h_moe.py, a
+  feed-forward layer (nothing kept per request).
 Checkpoints name the model `backbone.*` (transformers' `model.*` is read the same way).
 """
 from __future__ import annotations
@@ -29,10 +29,11 @@ from kvstrata.runner.models.gemma import gemma_rms_norm
 from kvstrata.runner.models.hybrid_base import (FEED_FORWARD, FULL_ATTENTION, RECURRENT,
                                                 HybridForCausalLM, param)
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, mamba2_shape
+from kvstrata.runner.models.nemotron_h_moe import NemotronHMoE
 from kvstrata.runner.models.rope import apply_rope
 
 _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": FULL_ATTENTION,
-          "attention": FULL_ATTENTION, "mlp": FEED_FORWARD}
+          "attention": FULL_ATTENTION, "mlp": FEED_FORWARD, "moe": FEED_FORWARD}
 
 
 class Attention(nn.Module):
@@ -99,8 +100,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
         unknown = sorted(set(types) - set(_KINDS))
         if unknown:
             raise ValueError(f"{type(self).__name__}: block types {unknown} are not supported "
-                             f"(Mamba2, attention and MLP layers are)")
+                             f"(Mamba2, attention, MLP and MoE layers are)")
         super().__init__([_KINDS[t] for t in types], dtype, device)
+        self.block_type_names = types
         self.config = config
         self.dims = d = self.model_dims(config)
         self.eps = float(config.layer_norm_epsilon)
@@ -148,6 +150,12 @@ class NemotronHForCausalLM(HybridForCausalLM):
         elif kind == FULL_ATTENTION:
             mixer = Attention(self.dims, **kw)
             mixer.register(self, f"{pre}.mixer", self.dims)
+        elif self.block_type_names[i] == "moe":
+            shared = ReluSquaredMLP(config.hidden_size,
+                                    config.moe_shared_expert_intermediate_size,
+                                    bool(config.mlp_bias), **kw)
+            mixer = NemotronHMoE(config, shared, **kw)
+            mixer.register(self, f"{pre}.mixer")
         else:
             if config.mlp_hidden_act != "relu2":
                 raise ValueError(f"Nemotron-H: mlp_hidden_act {config.mlp_hidden_act!r} is "
@@ -164,11 +172,25 @@ class NemotronHForCausalLM(HybridForCausalLM):
             name = "backbone." + name[len("model."):]
         # state-spaces' Mamba2 checkpoints: "embedding" (transformers' load hook renames it)
         name = name.replace("backbone.embedding.", "backbone.embeddings.")
+        if ".mixer.experts." in name or name.endswith((".experts.up_proj",
+                                                         ".experts.down_proj")):
+            i = int(name.split(".")[2])
+            mixer = self.layers[i].mixer
+            got = (mixer.load_expert(f"backbone.layers.{i}.mixer", name, tensor)
+                   if isinstance(mixer, NemotronHMoE) else None)
+            if got is not None:
+                return got
         return super().load_weight(name, tensor)
 
+    def expected_keys(self) -> set[str]:
+        keys = super().expected_keys()
+        for i, block in enumerate(self.layers):
+            if isinstance(block.mixer, NemotronHMoE):
+                keys |= block.mixer.expert_keys(f"backbone.layers.{i}.mixer")
+        return keys
+
     def skip_weight(self, name: str) -> bool:
-        return name.startswith("mtp.") or (name == "lm_head.weight"
-                                           and self.dims.tie_word_embeddings)
+        return name.startswith("mtp.") or super().skip_weight(name)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, weight, self.eps)

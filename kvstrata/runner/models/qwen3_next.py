@@ -130,8 +130,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
                 and (i + 1) % config.decoder_sparse_step == 0)
 
     def skip_weight(self, name: str) -> bool:
-        return name.startswith("mtp.") or (name == "lm_head.weight"
-                                           and self.dims.tie_word_embeddings)
+        return name.startswith("mtp.") or super().skip_weight(name)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -24,12 +24,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma2ForCausalLM": ArchSpec(family="gemma", attn_logit_softcapping=True),
     "GptOssForCausalLM": ArchSpec(family="gpt_oss"),
     # Hybrids with recurrent state (a state pool beside the KV pool): qwen3_next.py (Gated
-    # DeltaNet), nemotron_h.py and granite_hybrid.py (Mamba2).
+    # DeltaNet), nemotron_h.py and granite_hybrid.py (Mamba2), falcon_h1.py (attention and
+    # Mamba2 side by side in every layer).
     "Qwen3NextForCausalLM": ArchSpec(family="qwen3_next"),
     "Qwen3_5ForCausalLM": ArchSpec(family="qwen3_next"),
     "NemotronHForCausalLM": ArchSpec(family="nemotron_h"),
     "Mamba2ForCausalLM": ArchSpec(family="nemotron_h"),
     "GraniteMoeHybridForCausalLM": ArchSpec(family="granite_hybrid"),
+    "FalconH1ForCausalLM": ArchSpec(family="falcon_h1"),
     # Dense families on the llama decoder: Phi-3 / Phi-4-mini (fused qkv_proj / gate_up_proj
     # in the checkpoint, LongRoPE, partial rotary), SmolLM3 (no_rope_layers: NoPE layers).
     "Phi3ForCausalLM": ArchSpec(),
