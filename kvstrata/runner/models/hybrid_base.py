@@ -8,7 +8,7 @@ layers only), recurrent (a conv window and an SSM state per request in the state
 kv/state_pool.py, through the recurrent backend at the layer's index among the recurrent
 layers), and for Nemotron-H feed-forward-only layers that keep nothing.
 
-The weight table maps each checkpoint name to the parameter (or the rows of a fused one) it
+The weight table (`WeightTable`, also Qwen3-Next's MTP layer's) maps each checkpoint name to the parameter (or the rows of a fused one) it
 fills, so `load_weight` / `expected_keys` are one lookup; a transform may reorder rows first
 (Qwen3-Next's per-key-head interleaved in_proj_qkvz).
 """
@@ -38,63 +38,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class HybridForCausalLM(nn.Module):
-    """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD per layer),
-    `dims` (the attention layers' heads for the attention backend; vocab size), the
-    recurrent layers' state shapes (`conv_shape`, `ssm_shape`), build their layers and
-    register every weight with `expect`."""
-    # The runner's KV pool kind: "mha" with attention layers, "none" without (Mamba2).
-    pool_kind = "mha"
-    layer_windows = None       # no sliding windows (the runner caps nothing)
-    packable = False           # layers of several kinds: no CPU packing (packed_linear.py)
-    # Not built for these models yet (model_setup refuses them by name).
-    unsupported = ("--enable-deterministic-inference",)
+class WeightTable:
+    """Checkpoint name -> the parameter (or rows of a fused one) it fills: `expect` while
+    building, then `load_weight` / `expected_keys` are one lookup each (the loader's
+    contract). A hybrid model and Qwen3-Next's MTP layer keep one."""
 
-    def __init__(self, kinds: list[str], dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.kinds = kinds
-        self.dtype, self.device = dtype, device
-        # Per layer its index in its pool (attention: the KV pool; recurrent: the state pool).
-        counts = {FULL_ATTENTION: 0, RECURRENT: 0, FEED_FORWARD: 0}
-        self.pool_index: list[int] = []
-        for kind in kinds:
-            self.pool_index.append(counts[kind])
-            counts[kind] += 1
-        self.num_attention_layers = counts[FULL_ATTENTION]
-        self.num_recurrent_layers = counts[RECURRENT]
-        if not self.num_attention_layers:
-            self.pool_kind = "none"
-        self.attn_backend = None                       # set by the runner (needs the KV pool)
-        self.recurrent_backend = RecurrentBackend(None)  # the runner's, over its state pool
-        self.conv_shape: tuple[int, ...] = ()
-        self.ssm_shape: tuple[int, ...] = ()
+    def init_weight_table(self) -> None:
         self._weights: dict[str, tuple] = {}
 
-    # ------------------------------------------------------------------ pool geometry
-    def kv_components(self) -> tuple[KVComponent, ...]:
-        """K/V per token of the full-attention layers only (none for an all-recurrent model)."""
-        if not self.num_attention_layers:
-            return ()
-        d = self.dims
-        return mha_components(self.num_attention_layers, d.num_kv_heads, d.head_dim,
-                              dtype_name(self.dtype))
-
-    def state_components(self, ssm_dtype: str = "float32") -> tuple[StateComponent, ...]:
-        """Per state slot and recurrent layer: the conv window in the model dtype and the SSM
-        state in `ssm_dtype` (float32 by default, as SGLang's --mamba-ssm-dtype)."""
-        n = self.num_recurrent_layers
-        return (StateComponent(STATE_CONV, n, self.conv_shape, dtype_name(self.dtype)),
-                StateComponent(STATE_SSM, n, self.ssm_shape, ssm_dtype))
-
-    # ------------------------------------------------------------------ forward pieces
-    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.lm_head).float()
-
-    def begin_forward(self, fb) -> None:
-        if self.num_attention_layers:
-            self.attn_backend.init_forward_metadata(fb)
-
-    # ------------------------------------------------------------------ weights
     def expect(self, name: str, target: torch.Tensor, rows: tuple[int, int] | None = None,
                transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Checkpoint tensor `name` fills `target` (its rows lo..hi when given), after
@@ -125,3 +76,60 @@ class HybridForCausalLM(nn.Module):
 
     def expected_keys(self) -> set[str]:
         return set(self._weights)
+
+
+class HybridForCausalLM(WeightTable, nn.Module):
+    """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD per layer),
+    `dims` (the attention layers' heads for the attention backend; vocab size), the
+    recurrent layers' state shapes (`conv_shape`, `ssm_shape`), build their layers and
+    register every weight with `expect`."""
+    # The runner's KV pool kind: "mha" with attention layers, "none" without (Mamba2).
+    pool_kind = "mha"
+    layer_windows = None       # no sliding windows (the runner caps nothing)
+    packable = False           # layers of several kinds: no CPU packing (packed_linear.py)
+    # Not built for these models yet (model_setup refuses them by name).
+    unsupported = ("--enable-deterministic-inference",)
+
+    def __init__(self, kinds: list[str], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.kinds = kinds
+        self.dtype, self.device = dtype, device
+        # Per layer its index in its pool (attention: the KV pool; recurrent: the state pool).
+        counts = {FULL_ATTENTION: 0, RECURRENT: 0, FEED_FORWARD: 0}
+        self.pool_index: list[int] = []
+        for kind in kinds:
+            self.pool_index.append(counts[kind])
+            counts[kind] += 1
+        self.num_attention_layers = counts[FULL_ATTENTION]
+        self.num_recurrent_layers = counts[RECURRENT]
+        if not self.num_attention_layers:
+            self.pool_kind = "none"
+        self.attn_backend = None                       # set by the runner (needs the KV pool)
+        self.recurrent_backend = RecurrentBackend(None)  # the runner's, over its state pool
+        self.conv_shape: tuple[int, ...] = ()
+        self.ssm_shape: tuple[int, ...] = ()
+        self.init_weight_table()
+
+    # ------------------------------------------------------------------ pool geometry
+    def kv_components(self) -> tuple[KVComponent, ...]:
+        """K/V per token of the full-attention layers only (none for an all-recurrent model)."""
+        if not self.num_attention_layers:
+            return ()
+        d = self.dims
+        return mha_components(self.num_attention_layers, d.num_kv_heads, d.head_dim,
+                              dtype_name(self.dtype))
+
+    def state_components(self, ssm_dtype: str = "float32") -> tuple[StateComponent, ...]:
+        """Per state slot and recurrent layer: the conv window in the model dtype and the SSM
+        state in `ssm_dtype` (float32 by default, as SGLang's --mamba-ssm-dtype)."""
+        n = self.num_recurrent_layers
+        return (StateComponent(STATE_CONV, n, self.conv_shape, dtype_name(self.dtype)),
+                StateComponent(STATE_SSM, n, self.ssm_shape, ssm_dtype))
+
+    # ------------------------------------------------------------------ forward pieces
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lm_head).float()
+
+    def begin_forward(self, fb) -> None:
+        if self.num_attention_layers:
+            self.attn_backend.init_forward_metadata(fb)
