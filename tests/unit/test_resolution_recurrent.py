@@ -126,7 +126,8 @@ def test_unbuilt_combinations_are_refused_by_name(kw, match):
 
 def test_nextn_is_built_for_qwen3_next_chains_only():
     """Qwen3-Next's MTP layer drafts (runner/spec/mtp_hybrid.py): NEXTN resolves to EAGLE
-    over its own checkpoint; trees, PD and other recurrent architectures are refused."""
+    over its own checkpoint, co-located and under PD; trees and other recurrent architectures
+    are refused."""
     cfg = {**T.Qwen3NextConfig(num_hidden_layers=4).to_dict(),
            "architectures": ["Qwen3NextForCausalLM"]}
     info = info_of(cfg)
@@ -137,9 +138,10 @@ def test_nextn_is_built_for_qwen3_next_chains_only():
     with pytest.raises(ValueError, match="--speculative-eagle-topk 2: a recurrent layer "
                                          "verifies chains only"):
         run(info, speculative_algorithm="NEXTN", speculative_eagle_topk=2)
-    with pytest.raises(ValueError, match="NEXTN with --disaggregation-mode prefill on "
-                                         "Qwen3NextForCausalLM"):
-        run(info, speculative_algorithm="NEXTN", disaggregation_mode="prefill")
+    for mode in ("prefill", "decode"):
+        resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN",
+                          disaggregation_mode=mode)
+        assert resolved.speculative_algorithm == "EAGLE"
     qwen3_5 = info_of({**T.Qwen3_5TextConfig(num_hidden_layers=4).to_dict(),
                        "architectures": ["Qwen3_5ForCausalLM"]})
     with pytest.raises(ValueError, match="NEXTN on Qwen3_5ForCausalLM: only Qwen3-Next's"):

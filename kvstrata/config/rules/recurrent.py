@@ -94,11 +94,6 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if nextn and (args.speculative_eagle_topk or 1) > 1:
         out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
                    f"layer verifies chains only (one state per draft step)")
-    if nextn and args.disaggregation_mode != "null":
-        out.append(f"--speculative-algorithm NEXTN with --disaggregation-mode "
-                   f"{args.disaggregation_mode} on {architecture}: the MTP draft's KV and "
-                   f"hidden state beside the final recurrent state across PD are not built "
-                   f"(NGRAM and STANDALONE run under PD)")
     if algo == "NGRAM" and ((args.speculative_ngram_max_bfs_breadth or 1) > 1
                             or args.speculative_ngram_match_type == "PROB"):
         out.append("NGRAM tree drafts (--speculative-ngram-max-bfs-breadth > 1 or match type "

@@ -7,7 +7,9 @@ The MTP layer is a full-attention layer: the draft keeps no recurrent state, so 
 its own needs rolling back after a verify (its K/V validity per slot is EagleDraft's). The
 target's Gated DeltaNet layers verify a chain keeping one state per draft step and commit the
 accepted step's (runner/recurrent/backend.py, as for NGRAM and STANDALONE drafts). Chains
-only: a recurrent layer verifies one state per step, so trees are refused at start-up.
+only: a recurrent layer verifies one state per step, so trees are refused at start-up. Under
+PD it is any EAGLE-family draft (runner/spec/handoff.py): its K/V pages cross beside the
+target's pages and the final state slot.
 """
 from __future__ import annotations
 
