@@ -51,12 +51,13 @@ def save_tiny_dsa(config, path: str, seed: int = 4321) -> str:
     return path
 
 
-def add_mtp_layer(src: str, dst: str, config_with_one_more_layer, index_share: bool = True,
-                  seed: int = 8765) -> str:
-    """A copy of checkpoint `src` with one MTP layer (random weights) stored the way DeepSeek's
-    releases store it: layer `num_hidden_layers` with enorm / hnorm / eh_proj /
-    shared_head.{norm,head} / embed_tokens beside an ordinary decoder layer (MoE here).
-    `config_with_one_more_layer`: src's config with num_hidden_layers + 1 (the donor)."""
+def add_mtp_layer(src: str, dst: str, config_with_one_more_layer,
+                  index_share: bool | None = True, seed: int = 8765) -> str:
+    """A copy of checkpoint `src` (a DeepSeek V3 or V3.2) with one MTP layer (random weights)
+    stored the way DeepSeek's releases store it: layer `num_hidden_layers` with enorm / hnorm /
+    eh_proj / shared_head.{norm,head} / embed_tokens beside an ordinary decoder layer (MoE
+    here). `config_with_one_more_layer`: src's config with num_hidden_layers + 1 (the donor).
+    `index_share`: V3.2's index_share_for_mtp_iteration (None: not written, as for V3)."""
     import torch  # noqa: PLC0415
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -82,7 +83,9 @@ def add_mtp_layer(src: str, dst: str, config_with_one_more_layer, index_share: b
               metadata={"format": "pt"})
     with open(f"{dst}/config.json") as f:
         raw = json.load(f)
-    raw.update(num_nextn_predict_layers=1, index_share_for_mtp_iteration=index_share)
+    raw.update(num_nextn_predict_layers=1)
+    if index_share is not None:
+        raw.update(index_share_for_mtp_iteration=index_share)
     with open(f"{dst}/config.json", "w") as f:
         json.dump(raw, f, indent=1)
     return dst

@@ -106,11 +106,14 @@ class KVPlan:
             if c.dtype not in DTYPE_BYTES or c.num_layers < 1 or min(c.token_shape) < 1:
                 raise ValueError(f"invalid KV component {c}")
         draft_names = tuple(c.name for c in self.draft_components)
-        mtp = POOL_KINDS["mla"] + (DSA_INDEX_K, EAGLE_HIDDEN)  # NEXTN: an MLA + DSA layer
+        # NEXTN: an MLA layer (DeepSeek-V3), or an MLA + DSA one (V3.2)
+        mtp = POOL_KINDS["mla"] + (EAGLE_HIDDEN,)
+        mtp_dsa = POOL_KINDS["mla"] + (DSA_INDEX_K, EAGLE_HIDDEN)
         if draft_names and draft_names not in (POOL_KINDS["mha"],
-                                               POOL_KINDS["mha"] + (EAGLE_HIDDEN,), mtp):
+                                               POOL_KINDS["mha"] + (EAGLE_HIDDEN,), mtp,
+                                               mtp_dsa):
             raise ValueError(f"a draft pool keeps {POOL_KINDS['mha']} (an EAGLE head also "
-                             f"{EAGLE_HIDDEN}; an MTP layer {mtp}), got "
+                             f"{EAGLE_HIDDEN}; an MTP layer {mtp} or {mtp_dsa}), got "
                              f"{self.draft_components}")
         if self.num_swa_pages < 0 or (self.num_swa_pages > 0) != (self.swa_window > 0):
             raise ValueError("an SWA pool needs both num_swa_pages and swa_window (> 0), got "

@@ -96,6 +96,9 @@ class ModelInfo:
     # tokens the router sends them; deterministic inference pins them to the fixed GEMM for
     # the families it built and refuses the others by name (rules/deterministic.py).
     routed_experts: str = ""
+    # config.json's first `architectures` entry ("" when it names none): NEXTN over a
+    # recurrent model is built for Qwen3-Next's MTP layer only (rules/recurrent.py).
+    architecture: str = ""
 
     @property
     def num_swa_layers(self) -> int:
@@ -150,7 +153,8 @@ class ModelInfo:
                    layer_windows=windows,
                    quant_method=method_name(cfg.get("quantization_config")),
                    routed_experts=(model_type or "moe") if any(
-                       bool(cfg.get(k)) for k in MOE_EXPERT_FIELDS) else "")
+                       bool(cfg.get(k)) for k in MOE_EXPERT_FIELDS) else "",
+                   architecture=str((cfg.get("architectures") or [""])[0]))
 
 
 def _config_windows(cfg: dict) -> tuple[int | None, ...] | None:

@@ -168,7 +168,7 @@ def test_unsupported_fields_and_features_are_refused_by_name(paths, tmp_path):
                         rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="rope_type 'mrope' is not supported"):
         make_runner(rope, max_total_tokens=256)
-    with pytest.raises(NotImplementedError, match="NEXTN on DeepseekV3ForCausalLM"):
-        make_runner(v3, max_total_tokens=256, speculative_algorithm="NEXTN",
+    with pytest.raises(ValueError, match="NEXTN: DeepseekV2ForCausalLM has no MTP layer"):
+        make_runner(v2, max_total_tokens=256, speculative_algorithm="NEXTN",
                     speculative_num_steps=1, speculative_eagle_topk=1,
                     speculative_num_draft_tokens=2)

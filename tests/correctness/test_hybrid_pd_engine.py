@@ -114,3 +114,51 @@ def test_decode_radix_cache_is_refused(paths):
     with pytest.raises(ValueError, match="incompatible with Mamba/SSM models"):
         engine(paths["qwen3_5"], "decode", free_port(), 1, max_total_tokens=512,
                disaggregation_decode_enable_radix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_path(tmp_path_factory) -> str:
+    """A tiny Qwen3-Next with an MTP layer that drafts well (test_speculative_mtp_hybrid.py)."""
+    from helpers.hybrid_ckpt import build_hybrid_checkpoint
+    from tests.correctness.test_speculative_mtp_hybrid import add_mtp_layer
+
+    root = tmp_path_factory.mktemp("qwen3_next_mtp_pd")
+    return add_mtp_layer(build_hybrid_checkpoint("qwen3_next", str(root / "qwen3_next")))
+
+
+@pytest.mark.parametrize("page_size,kv_tokens", [(16, 2048), (1, 120)])
+def test_pd_nextn_on_qwen3_next(page_size, kv_tokens, mtp_path, prompts):
+    """NEXTN on both servers of a Qwen3-Next pair: beside the K/V pages and the final state
+    slot, the MTP layer's K/V pages (a second page buffer) and its hidden state cross, and
+    every decode's first draft round starts from them. With a decode pool too small for the
+    batch (120 tokens) it also retracts and restores (K/V, draft K/V, state slot) exactly.
+    transformers' tokens; pools and state slots whole."""
+    from helpers.hybrid_ckpt import HFGreedy
+
+    spec = {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": 1 << 20}
+    pressured = kv_tokens < 2048
+    batch = prompts + [p[::-1] for p in prompts[1:3]] if pressured else prompts
+    port = free_port()
+    prefill = engine(mtp_path, "prefill", port, page_size, chunked_prefill_size=16,
+                     max_total_tokens=2048, **spec)
+    decode = engine(mtp_path, "decode", free_port(), page_size, max_total_tokens=kv_tokens,
+                    **spec, **({"num_reserved_decode_tokens": 1} if pressured else {}))
+    prefill_spec = prefill.runner.draft
+    new = 24 if pressured else GREEDY["max_new_tokens"]
+    try:
+        assert type(prefill_spec).__name__ == "Qwen3NextMTPDraft"
+        outs = run_pair(prefill, decode, batch, port, params={**GREEDY, "max_new_tokens": new})
+        reference = HFGreedy(mtp_path)
+        for p, got in zip(batch, outs):
+            assert got == reference(p, new), "Qwen3-Next PD NEXTN"
+        assert decode.runner.draft.handoffs_used > 0
+        assert decode.get_load()["spec_verify_steps"] > 0
+        if pressured:
+            side = pd_side(decode.scheduler)
+            backups = side.retraction.num_backups["cpu_tensor"]
+            assert backups >= 1 and side.retraction.num_restores["cpu_tensor"] == backups
+        for eng in (prefill, decode):
+            whole(eng)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

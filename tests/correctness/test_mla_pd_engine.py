@@ -5,7 +5,8 @@ backend on 127.0.0.1) over tiny float32 checkpoints (helpers/moe_ckpt.py), stepp
 Only the MLA latent pages cross (one component, no indexer keys); the decode's greedy tokens
 equal transformers' and the co-located engine's, on pages of 1 and 16 with prompts longer
 than a page; both sides count exactly the prompts' pages' bytes, and both pools are whole
-after the drain. Every KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY,
+after the drain. With NEXTN (V3's MTP layer) on both sides, the draft's KV and state cross
+too. Every KV invariant is checked after every step (KVSTRATA_CHECK_INTEGRITY,
 tests/conftest.py)."""
 from __future__ import annotations
 
@@ -47,11 +48,11 @@ def references(paths, prompts) -> dict:
     return {a: hf_greedy(hf_moe(paths[a]), prompts, NEW_TOKENS) for a in ARCHS}
 
 
-def engine(path, mode, port, page_size):
+def engine(path, mode, port, page_size, **kw):
     args = ServerArgs(model_path=path, skip_tokenizer_init=True, dtype="float32",
                       disaggregation_mode=mode, disaggregation_bootstrap_port=port,
                       disaggregation_transfer_backend="tcp", page_size=page_size,
-                      max_running_requests=8, max_total_tokens=1024)
+                      max_running_requests=8, max_total_tokens=1024, **kw)
     return build_engine(args)[0]
 
 
@@ -90,6 +91,29 @@ def test_pd_greedy_equals_transformers_and_colocated(arch, page_size, paths, pro
         assert outs == colocated_tokens(path, page_size, prompts)
         want = sum(-(-len(p) // page_size) for p in prompts) * plan.bytes_per_page
         assert_bytes_crossed(prefill, decode, want)
+        for eng in (prefill, decode):
+            whole(eng)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_pd_nextn_draft_state_crosses(paths, prompts, references, tmp_path):
+    """NEXTN on both servers of a V3 pair (the MTP layer drafts over dense MLA): the
+    prefill's draft-extend ships the MTP layer's latent pages (a second page buffer) and its
+    hidden state, the decode's first draft rounds start from them; greedy tokens equal
+    transformers' and both pools drain whole."""
+    from helpers.moe_ckpt import add_v3_mtp_layer
+
+    path, port = add_v3_mtp_layer(paths["deepseek_v3"], str(tmp_path / "mtp")), free_port()
+    spec = dict(speculative_algorithm="NEXTN", speculative_disable_by_batch_size=1 << 20)
+    prefill = engine(path, "prefill", port, 16, **spec)
+    decode = engine(path, "decode", free_port(), 16, **spec)
+    try:
+        assert len(decode.runner.draft.page_buffers()) == 1  # the MTP layer's latent
+        outs = run_pair(prefill, decode, prompts, port, params=GREEDY)
+        check(outs, references["deepseek_v3"], "V3 PD NEXTN")
+        assert decode.runner.draft.handoffs_used > 0
         for eng in (prefill, decode):
             whole(eng)
     finally:

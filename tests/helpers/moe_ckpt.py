@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from helpers.tiny_ckpt import build_checkpoint, hf_model
+from helpers.tiny_ckpt import build_checkpoint, hf_model, scale_outputs
 
 VOCAB = 300
 MIXTRAL_WINDOW = 16
@@ -87,6 +87,32 @@ def build_moe_checkpoint(arch: str, path: str, seed: int = 1357, **overrides) ->
     archs = MOES + MLA_MOES
     return build_checkpoint(tiny_moe_config(arch, **overrides), path,
                             seed + archs.index(arch), _redraw)
+
+
+def add_v3_mtp_layer(src: str, dst: str, output_scale: float | None = None) -> str:
+    """A copy of the tiny DeepSeek-V3 checkpoint `src` with one MTP layer, stored as
+    DeepSeek's releases store it (kvstrata/bench/tiny_dsa.py's writer; no IndexShare flag:
+    V3 has no indexer). `output_scale`: every layer's output projections (the MTP layer's
+    too) scaled by it, and eh_proj passing the embedding half through, so most drafts pass
+    (tiny_ckpt.scale_outputs); None keeps the random draft (few pass)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kvstrata.bench.tiny_dsa import add_mtp_layer
+
+    donor = tiny_moe_config("deepseek_v3")
+    donor.num_hidden_layers += 1
+    add_mtp_layer(src, dst, donor, index_share=None)
+    if output_scale is None:
+        return dst
+    tensors = load_file(f"{dst}/model.safetensors")
+    scale_outputs(tensors, output_scale)
+    pre, h = f"model.layers.{donor.num_hidden_layers - 1}.", donor.hidden_size
+    tensors[pre + "eh_proj.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1) + (
+        torch.randn(h, 2 * h) * 0.02)
+    tensors[pre + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def moe_checkpoints(root: str, archs=MOES) -> dict[str, str]:

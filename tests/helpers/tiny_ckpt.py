@@ -32,3 +32,16 @@ def hf_model(path: str, dtype=None):
 
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or torch.float32, attn_implementation="eager").eval()
+
+
+# The sublayers' output projections (attention, Gated DeltaNet / Mamba, MLP and expert down).
+OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def scale_outputs(tensors: dict, scale: float, prefix: str = "") -> None:
+    """Every output projection under `prefix` times `scale`, in place: the residual stream
+    stays mostly the token's embedding, so each logit row is mostly a bigram's -- what lets
+    an MTP layer that passes the embedding through draft well (NEXTN tests)."""
+    for name in tensors:
+        if name.startswith(prefix) and name.endswith(OUTPUT_PROJECTIONS):
+            tensors[name] = tensors[name] * scale

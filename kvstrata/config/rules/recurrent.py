@@ -1,7 +1,8 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
-(EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache L3 and a
+(EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
+cache of PD, HiCache L3 and a
 decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
 rules/deterministic.py; GGUF files: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
@@ -36,8 +37,10 @@ SGLANG_TRACK_INTERVAL = 256
 SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 # Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
 # state and commits the accepted one (runner/recurrent/backend.py; SGLang's intermediate
-# states). Drafts come from the n-gram cache or a second checkpoint without recurrent state.
+# states). Drafts come from the n-gram cache, a second checkpoint without recurrent state,
+# or (NEXTN) Qwen3-Next's MTP layer, a full-attention layer (runner/spec/mtp_hybrid.py).
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
+NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
 
 
@@ -78,14 +81,19 @@ def slots_per_request(radix_cache: bool, strategy: str) -> int:
     return SLOTS_PER_REQUEST[strategy] if radix_cache else 1
 
 
-def unbuilt(args: ResolvedArgs) -> list[str]:
-    """What a recurrent model cannot run with yet, each with its reason."""
+def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
+    """What a recurrent model (`architecture`: config.json's) cannot run with yet, each with
+    its reason."""
     out = []
     algo = args.speculative_algorithm
-    if algo is not None and algo not in SPEC_ALGORITHMS:
+    nextn = algo == "NEXTN" and architecture in NEXTN_ARCHITECTURES
+    if algo is not None and algo not in SPEC_ALGORITHMS and not nextn:
         out.append(f"--speculative-algorithm {algo}: a draft head over a recurrent target "
-                   f"(EAGLE / EAGLE3, Qwen3-Next's MTP layer as NEXTN) is not built; NGRAM "
-                   f"and STANDALONE are")
+                   f"(EAGLE / EAGLE3; NEXTN on {architecture or 'this model'}: only "
+                   f"Qwen3-Next's MTP layer is built) is not built; NGRAM and STANDALONE are")
+    if nextn and (args.speculative_eagle_topk or 1) > 1:
+        out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
+                   f"layer verifies chains only (one state per draft step)")
     if algo == "NGRAM" and ((args.speculative_ngram_max_bfs_breadth or 1) > 1
                             or args.speculative_ngram_match_type == "PROB"):
         out.append("NGRAM tree drafts (--speculative-ngram-max-bfs-breadth > 1 or match type "
@@ -121,7 +129,7 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
                     env: dict) -> list[Resolution]:
     if model_info is None or not model_info.has_recurrent_state:
         return []
-    refused = unbuilt(args)
+    refused = unbuilt(args, model_info.architecture)
     if refused:
         raise ValueError("not built yet for a model with recurrent (SSM / linear-attention) "
                          "state: " + "; ".join(refused))

@@ -10,10 +10,11 @@ scheduler appends those tokens one by one (stop conditions cut them exactly) and
 pages left past the committed tokens. Then `on_verified` counts the step.
 
 NGRAM drafts come from an n-gram cache of every prompt and output (engine/sides/ngram_cache.py).
-STANDALONE and EAGLE drafts come from the runner (a draft model; an EAGLE head reading the
-target's hidden states): this side only decides how many draft positions a request gets
-(RUNNER_DRAFT placeholders; the runner fills in the tokens, runner/spec/standalone.py,
-runner/spec/eagle.py). EAGLE3 and NEXTN are refused at start-up until built.
+STANDALONE, EAGLE / EAGLE3 and NEXTN drafts come from the runner (a draft model; a head
+reading the target's hidden states; the checkpoint's own MTP layer): this side only decides
+how many draft positions a request gets (RUNNER_DRAFT placeholders; the runner fills in the
+tokens, runner/spec/standalone.py, runner/spec/eagle.py, runner/spec/mtp.py,
+runner/spec/mtp_hybrid.py).
 """
 from __future__ import annotations
 

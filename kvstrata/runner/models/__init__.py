@@ -14,6 +14,7 @@
                     the routers and expert dispatch); config and weight names:
                     deepseek_config.py, deepseek_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
+  qwen3_next_mtp.py Qwen3-Next's MTP layer as a NEXTN draft head
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
   hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,
                     KV and state components, a weight table): qwen3_next.py (Qwen3-Next,

@@ -3,7 +3,8 @@ NEXTN`, which SGLang turns into EAGLE with the checkpoint's own MTP layer).
 
 The checkpoint stores it as layer `num_hidden_layers` (one per `num_nextn_predict_layers`;
 kvstrata drafts with the first, as SGLang does): `enorm`, `hnorm`, `eh_proj`, one decoder
-layer of the target's kind (MLA + DSA indexer + MoE or dense MLP) and `shared_head.norm`.
+layer of the target's kind (MLA, with the DSA indexer on V3.2; MoE or dense MLP) and
+`shared_head.norm`.
 Per position i it reads the target's final-normed hidden state h_i and the *next* token
 x_{i+1}, like an EAGLE head:
 
@@ -12,7 +13,7 @@ x_{i+1}, like an EAGLE head:
 
 The embedding and output head are the target's own (`embed_tokens` and `shared_head.head`
 in the MTP layer are copies of them in DeepSeek's releases and are not loaded). The layer's
-KV (latent + indexer key) lives in the draft's own MLA pool over the target's slots; the
+KV (latent, + indexer key on V3.2) lives in the draft's own MLA pool over the target's slots; the
 carry from one draft step to the next is the normed output (what SGLang's NEXTN model
 returns as its hidden states).
 """
@@ -65,6 +66,11 @@ class DeepseekMTPHead(nn.Module):
         self.feature_size = h
         # IndexShare: draft steps reuse the draft-extend's top-k (config flag, SGLang's name).
         self.index_share = bool(getattr(config, "index_share_for_mtp_iteration", False))
+        if self.index_share and not d.uses_dsa:
+            raise ValueError(f"--speculative-algorithm NEXTN: index_share_for_mtp_iteration "
+                             f"is true but {target.arch} has no DSA indexer whose top-k the "
+                             f"MTP layer could share")
+        self.num_loaded = 0  # tensors of the MTP layer found in the checkpoint
         self.attn_backend = None  # the draft's DSASparseMLABackend (its own pool, 1 layer)
         self._targets = self._weight_targets()
 
@@ -103,6 +109,7 @@ class DeepseekMTPHead(nn.Module):
         if name not in self._targets:
             raise KeyError(name)
         param, lo, hi = self._targets[name]
+        self.num_loaded += 1
         return copy_weight(param, tensor, name, name, lo, hi)
 
     def expected_keys(self) -> set[str]:
@@ -111,13 +118,12 @@ class DeepseekMTPHead(nn.Module):
 
 def load_mtp_head(source: Any, config: Any, target: DeepseekForCausalLM) -> DeepseekMTPHead:
     """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
-    from kvstrata.runner.models.loader import fill_weights
+    from kvstrata.runner.models.loader import fill_mtp_layer
 
-    if getattr(config, "architectures", None) != getattr(target.config, "architectures", None):
-        raise ValueError(f"--speculative-algorithm NEXTN: the draft checkpoint "
-                         f"{source.display_name} is not a {type(target).__name__}")
-    head = DeepseekMTPHead(target, config)
-    # (load_weight returns [] for the target's own tensors: they are not the draft's)
-    return fill_weights(head, source, config, what="MTP layer of ")
+    return fill_mtp_layer(lambda: DeepseekMTPHead(target, config), source, config, target,
+                          f"model.layers.{target.dims.num_layers}.*, although its config.json "
+                          f"says num_nextn_predict_layers "
+                          f"{getattr(config, 'num_nextn_predict_layers', 0)}")
+
 
 __all__ = ["DeepseekMTPHead", "load_mtp_head", "mtp_layer_type"]

@@ -10,8 +10,8 @@ layers), for Nemotron-H feed-forward-only layers that keep nothing, and for Falc
 parallel layers (attention and a Mamba2 mixer side by side on the same input: the layer has
 K/V pages in the KV pool and a state in every state slot, at the same index in both pools).
 
-The weight table maps each checkpoint name to the parameter (or the rows of a fused one) it
-fills, so `load_weight` / `expected_keys` are one lookup; a transform may reorder rows first
+The weight table (`WeightTable`, also Qwen3-Next's MTP layer's) maps each checkpoint name to
+the parameter (or the rows of a fused one) it fills, so `load_weight` / `expected_keys` are one lookup; a transform may reorder rows first
 (Qwen3-Next's per-key-head interleaved in_proj_qkvz).
 """
 from __future__ import annotations
@@ -41,7 +41,47 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class HybridForCausalLM(nn.Module):
+class WeightTable:
+    """Checkpoint name -> the parameter (or rows of a fused one) it fills: `expect` while
+    building, then `load_weight` / `expected_keys` are one lookup each (the loader's
+    contract). A hybrid model and Qwen3-Next's MTP layer keep one."""
+
+    def init_weight_table(self) -> None:
+        self._weights: dict[str, tuple] = {}
+
+    def expect(self, name: str, target: torch.Tensor, rows: tuple[int, int] | None = None,
+               transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Checkpoint tensor `name` fills `target` (its rows lo..hi when given), after
+        `transform` when given."""
+        self._weights[name] = (target, rows, transform)
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors this model does not use (an MTP head's, a vision tower's)."""
+        return False
+
+    def read_spec(self, name: str) -> Any:
+        return None if self.skip_weight(name) else "all"
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if self.skip_weight(name):
+            return []
+        if name not in self._weights:
+            raise KeyError(f"{type(self).__name__} has no parameter for it")
+        target, rows, transform = self._weights[name]
+        if transform is not None:
+            tensor = transform(tensor)
+        dst = target.data if rows is None else target.data[rows[0]:rows[1]]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return [name]
+
+    def expected_keys(self) -> set[str]:
+        return set(self._weights)
+
+
+class HybridForCausalLM(WeightTable, nn.Module):
     """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD / PARALLEL
     per layer),
     `dims` (the attention layers' heads for the attention backend; vocab size), the
@@ -82,7 +122,12 @@ class HybridForCausalLM(nn.Module):
         self.recurrent_backend = RecurrentBackend(None)  # the runner's, over its state pool
         self.conv_shape: tuple[int, ...] = ()
         self.ssm_shape: tuple[int, ...] = ()
-        self._weights: dict[str, tuple] = {}
+        self.init_weight_table()
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors this model does not use (a tied head's copy; subclasses add an
+        MTP head's, a vision tower's)."""
+        return name == "lm_head.weight" and self.dims.tie_word_embeddings
 
     # ------------------------------------------------------------------ pool geometry
     def kv_components(self) -> tuple[KVComponent, ...]:
@@ -107,36 +152,3 @@ class HybridForCausalLM(nn.Module):
     def begin_forward(self, fb) -> None:
         if self.num_attention_layers:
             self.attn_backend.init_forward_metadata(fb)
-
-    # ------------------------------------------------------------------ weights
-    def expect(self, name: str, target: torch.Tensor, rows: tuple[int, int] | None = None,
-               transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Checkpoint tensor `name` fills `target` (its rows lo..hi when given), after
-        `transform` when given."""
-        self._weights[name] = (target, rows, transform)
-
-    def skip_weight(self, name: str) -> bool:
-        """Checkpoint tensors this model does not use (a tied head's copy; subclasses add an
-        MTP head's, a vision tower's)."""
-        return name == "lm_head.weight" and self.dims.tie_word_embeddings
-
-    def read_spec(self, name: str) -> Any:
-        return None if self.skip_weight(name) else "all"
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
-        if self.skip_weight(name):
-            return []
-        if name not in self._weights:
-            raise KeyError(f"{type(self).__name__} has no parameter for it")
-        target, rows, transform = self._weights[name]
-        if transform is not None:
-            tensor = transform(tensor)
-        dst = target.data if rows is None else target.data[rows[0]:rows[1]]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
-                             f"{tuple(dst.shape)}")
-        dst.copy_(tensor)
-        return [name]
-
-    def expected_keys(self) -> set[str]:
-        return set(self._weights)

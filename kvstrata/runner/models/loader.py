@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -240,3 +240,23 @@ def fill_weights(model, source: ModelSource, config: Any, permute_qk: bool = Fal
     if hasattr(model, "finish_load"):
         model.finish_load(loaded)
     return model.eval()
+
+
+def fill_mtp_layer(make_head: Callable[[], Any], source: ModelSource, config: Any, target,
+                   names: str):
+    """NEXTN's draft: the MTP layer (`make_head()`, which counts in `num_loaded` the tensors
+    it took) filled from `source`'s checkpoint, usually the target's own; the target's
+    tensors are not the head's. `names` says where the layer's weights live, for the refusal
+    of a checkpoint that claims an MTP layer but has none (transformers' DeepseekV3Config
+    writes num_nextn_predict_layers 1 by default)."""
+    if getattr(config, "architectures", None) != getattr(target.config, "architectures", None):
+        raise ValueError(f"--speculative-algorithm NEXTN: the draft checkpoint "
+                         f"{source.display_name} is not a {type(target).__name__}")
+    head = make_head()
+    try:
+        return fill_weights(head, source, config, what="MTP layer of ")
+    except ValueError:
+        if head.num_loaded:
+            raise
+        raise ValueError(f"--speculative-algorithm NEXTN: {source.display_name} has no MTP "
+                         f"layer weights ({names})") from None

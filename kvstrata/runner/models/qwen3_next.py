@@ -15,7 +15,9 @@ released models), each followed by an MLP; checked against transformers' modelin
   Qwen2-MoE's block (moe_decoder.SparseMoeBlock): each token to its top-k experts by softmax
   (renormalised with norm_topk_prob) plus a shared SwiGLU expert scaled by
   sigmoid(shared_expert_gate(x)).
-An MTP head in the checkpoint (`mtp.*`) is not read.
+The MTP layer in the checkpoint (`mtp.*`) is not part of the causal LM; NEXTN drafts with it
+(qwen3_next_mtp.py), reading the final-normed hidden states this model keeps with
+`capture_hidden`.
 """
 from __future__ import annotations
 
@@ -63,12 +65,48 @@ def register_targets(model, targets: Targets) -> None:
         model.expect(name, target, None if lo is None else (lo, hi))
 
 
+def zero_centred_scale(w: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(1.0 + w.detach().float(), requires_grad=False)
+
+
+def scale_layer_norms(layer: "Qwen3NextLayer") -> None:
+    """A loaded layer's zero-centred norm weights w -> the float32 scales 1 + w."""
+    layer.input_norm = zero_centred_scale(layer.input_norm)
+    layer.post_norm = zero_centred_scale(layer.post_norm)
+    if isinstance(layer.mixer, GatedAttention):
+        layer.mixer.q_norm = zero_centred_scale(layer.mixer.q_norm)
+        layer.mixer.k_norm = zero_centred_scale(layer.mixer.k_norm)
+
+
 class Qwen3NextLayer(nn.Module):
     def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, dtype, device):
         super().__init__()
         self.mixer, self.mlp = mixer, mlp
         self.input_norm = param(hidden, dtype=dtype, device=device)
         self.post_norm = param(hidden, dtype=dtype, device=device)
+
+
+def build_layer(owner, config: Any, dims: ModelDims, recurrent: bool, moe: bool, pre: str,
+                kw: dict) -> Qwen3NextLayer:
+    """One decoder layer whose checkpoint names start with `pre`, registered in `owner`'s
+    weight table (the model's, or its MTP layer's)."""
+    if recurrent:
+        mixer = GatedDeltaNet(config, **kw)
+        mixer.register(owner, f"{pre}.linear_attn")
+    else:
+        mixer = GatedAttention(dims, **kw)
+        mixer.register(owner, f"{pre}.self_attn", dims)
+    if moe:  # per expert, as released checkpoints store them
+        style = STYLES["qwen3_next"]
+        mlp = SparseMoeBlock(config, style, config.hidden_size, **kw)
+        register_targets(owner, mlp.checkpoint_targets(f"{pre}.mlp.", style.expert_names))
+    else:
+        mlp = DenseMLP(config.hidden_size, config.intermediate_size, **kw)
+        register_targets(owner, mlp.checkpoint_targets(f"{pre}.mlp."))
+    layer = Qwen3NextLayer(mixer, mlp, config.hidden_size, **kw)
+    owner.expect(f"{pre}.input_layernorm.weight", layer.input_norm)
+    owner.expect(f"{pre}.post_attention_layernorm.weight", layer.post_norm)
+    return layer
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
@@ -102,29 +140,15 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         self.expect("model.norm.weight", self.final_norm)
         if not d.tie_word_embeddings:
             self.expect("lm_head.weight", self.lm_head)
+        self.capture_hidden = False  # keep last_hidden (an MTP draft's features)
+        self.last_hidden: torch.Tensor | None = None
 
     def _layer(self, config: Any, i: int, kw: dict) -> Qwen3NextLayer:
-        pre = f"model.layers.{i}"
-        if self.kinds[i] == RECURRENT:
-            mixer = GatedDeltaNet(config, **kw)
-            mixer.register(self, f"{pre}.linear_attn")
-        else:
-            mixer = GatedAttention(self.dims, **kw)
-            mixer.register(self, f"{pre}.self_attn", self.dims)
-        if self._is_moe(config, i):  # per expert, as released checkpoints store them
-            style = STYLES["qwen3_next"]
-            mlp = SparseMoeBlock(config, style, config.hidden_size, **kw)
-            register_targets(self, mlp.checkpoint_targets(f"{pre}.mlp.", style.expert_names))
-        else:
-            mlp = DenseMLP(config.hidden_size, config.intermediate_size, **kw)
-            register_targets(self, mlp.checkpoint_targets(f"{pre}.mlp."))
-        layer = Qwen3NextLayer(mixer, mlp, config.hidden_size, **kw)
-        self.expect(f"{pre}.input_layernorm.weight", layer.input_norm)
-        self.expect(f"{pre}.post_attention_layernorm.weight", layer.post_norm)
-        return layer
+        return build_layer(self, config, self.dims, self.kinds[i] == RECURRENT,
+                           self.is_moe_layer(config, i), f"model.layers.{i}", kw)
 
     @staticmethod
-    def _is_moe(config: Any, i: int) -> bool:
+    def is_moe_layer(config: Any, i: int) -> bool:
         experts = getattr(config, "num_experts", 0) or 0
         return (experts > 0 and i not in (getattr(config, "mlp_only_layers", None) or [])
                 and (i + 1) % config.decoder_sparse_step == 0)
@@ -142,15 +166,23 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
             if self.kinds[i] == RECURRENT:
                 h = layer.mixer(h, self.pool_index[i], fb, self.recurrent_backend)
             else:
-                h = self._attention(layer.mixer, self.pool_index[i], h, cos, sin, fb)
+                h = self.attention(layer.mixer, self.pool_index[i], h, cos, sin, fb)
             x = x + h
             x = x + layer.mlp(gemma_rms_norm(x, layer.post_norm, self.eps))
+        if self.capture_hidden:  # every token's final-normed state (the MTP's features)
+            x = gemma_rms_norm(x, self.final_norm, self.eps)
+            self.last_hidden = x
+            if fb.logits_idx is not None:
+                x = x.index_select(0, fb.logits_idx)
+            return self.output_logits(x)
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(gemma_rms_norm(x, self.final_norm, self.eps))
 
-    def _attention(self, attn: GatedAttention, index: int, h: torch.Tensor, cos, sin,
-                   fb: ForwardBatch) -> torch.Tensor:
+    def attention(self, attn: GatedAttention, index: int, h: torch.Tensor, cos, sin,
+                  fb: ForwardBatch, backend=None) -> torch.Tensor:
+        """One gated full-attention layer; its K/V in `backend`'s pool (the model's own when
+        None) at layer `index` (an MTP draft runs its layer over its own pool)."""
         d = self.dims
         t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
         qkv = F.linear(h, attn.qkv)
@@ -160,7 +192,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         v = qkv[:, (2 * hq + hkv) * hd:].view(t, hkv, hd)
         q = self._rotate(gemma_rms_norm(q, attn.q_norm, self.eps), cos, sin)
         k = self._rotate(gemma_rms_norm(k, attn.k_norm, self.eps), cos, sin)
-        out = self.attn_backend.forward(index, q, k, v.contiguous(), fb)
+        out = (backend or self.attn_backend).forward(index, q, k, v.contiguous(), fb)
         return F.linear(out.reshape(t, hq * hd) * torch.sigmoid(gate), attn.o_proj)
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
@@ -171,15 +203,9 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     def finish_load(self, loaded: list[str]) -> None:
         """The zero-centred norms' weights w become the float32 scales 1 + w (gemma.py)."""
-        def scale(w: torch.Tensor) -> nn.Parameter:
-            return nn.Parameter(1.0 + w.detach().float(), requires_grad=False)
-
-        self.final_norm = scale(self.final_norm)
+        self.final_norm = zero_centred_scale(self.final_norm)
         for layer in self.layers:
-            layer.input_norm, layer.post_norm = scale(layer.input_norm), scale(layer.post_norm)
-            if isinstance(layer.mixer, GatedAttention):
-                layer.mixer.q_norm = scale(layer.mixer.q_norm)
-                layer.mixer.k_norm = scale(layer.mixer.k_norm)
+            scale_layer_norms(layer)
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -188,5 +214,5 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     grouped_in_proj = False
 
     @staticmethod
-    def _is_moe(config: Any, i: int) -> bool:
+    def is_moe_layer(config: Any, i: int) -> bool:
         return False

@@ -59,7 +59,20 @@ class EagleDraft(DraftModel):
         if token_map is not None:
             self.model.use_token_map(load_token_map(token_map),
                                      float_output_head(target, target_source))
-        self.quantization_info = {"quantization": None}
+        self._init_head_state(target, tree)
+
+    def _init_own_layer(self, model_path: str, target, device: torch.device,
+                        tree: tuple[int, int], load) -> None:
+        """NEXTN: the head is the checkpoint's own MTP layer, `load(source, config, target)`."""
+        self.device = device
+        self.source = resolve_model_path(model_path)
+        self.hf_config = load_hf_config(self.source)
+        self.model = load(self.source, self.hf_config, target)
+        self._init_head_state(target, tree)
+
+    def _init_head_state(self, target, tree: tuple[int, int]) -> None:
+        """What every head over the target's hidden states keeps (EAGLE's, an MTP layer's)."""
+        self.quantization_info = {"quantization": None}  # in the target's dtype
         target.capture_hidden = True
         self._init_state(tree)
         self.features: torch.Tensor | None = None   # [num_slots, H]: h of the slot's token

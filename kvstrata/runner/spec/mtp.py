@@ -1,7 +1,9 @@
 """NEXTN speculative decoding's draft: the target checkpoint's own MTP layer
 (runner/models/deepseek_mtp.py), run exactly like an EAGLE head (runner/spec/eagle.py:
 features from the target's forwards, catch-up extend, one forward per further draft, validity
-per slot) over an MLA + DSA-indexer pool of one layer beside the target's.
+per slot) over an MLA pool of one layer beside the target's: latent + DSA indexer keys with
+sparse attention on DeepSeek-V3.2, the latent alone with dense MLA attention on DeepSeek-V3
+(attention/mla_dense.py, the target's own backend). DeepSeek-V2 checkpoints have no MTP layer.
 
 IndexShare (`index_share_for_mtp_iteration` in the checkpoint's config, SGLang's semantics,
 chains only): the draft steps after a request's extend do not run the indexer; they attend
@@ -20,11 +22,11 @@ import torch.nn.functional as F
 
 from kvstrata import envs
 from kvstrata.config.kv_plan import EAGLE_HIDDEN, KVComponent, KVPlan, mla_components
-from kvstrata.config.model_source import load_hf_config, resolve_model_path
 from kvstrata.kv.device_pool import MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
 from kvstrata.runner.attention.dsa_seed import slots_to_positions
 from kvstrata.runner.attention.dsa_sparse import DSASparseMLABackend
+from kvstrata.runner.attention.mla_dense import MLADenseBackend
 from kvstrata.runner.models.deepseek_mtp import load_mtp_head
 from kvstrata.runner.spec.eagle import EagleDraft
 
@@ -65,27 +67,16 @@ class MTPDraft(EagleDraft):
         if getattr(target, "pool_kind", None) != "mla":
             raise ValueError("--speculative-algorithm NEXTN drafts with a DeepSeek "
                              "checkpoint's MTP layer; this target has none")
-        if not target.dims.uses_dsa:
-            raise NotImplementedError(f"not implemented yet: --speculative-algorithm NEXTN on "
-                                      f"{target.arch} (the MTP draft is built for "
-                                      f"DeepseekV32ForCausalLM's DSA layers)")
+        if target.arch == "DeepseekV2ForCausalLM":
+            raise ValueError("--speculative-algorithm NEXTN: DeepseekV2ForCausalLM has no MTP "
+                             "layer (DeepSeek-V3 and V3.2 checkpoints carry one); use NGRAM "
+                             "or STANDALONE")
         if tree[0] > 1:
             raise NotImplementedError("not implemented yet: --speculative-eagle-topk > 1 with "
                                       "NEXTN (MTP tree drafts; SGLang's IndexShare is "
                                       "chain-only too)")
-        self.device = device
-        self.source = resolve_model_path(model_path)
-        self.hf_config = load_hf_config(self.source)
-        self.model = load_mtp_head(self.source, self.hf_config, target)
         self.fused_topk = fused_topk
-        self.quantization_info = {"quantization": None}
-        target.capture_hidden = True
-        self._init_state(tree)
-        self.features: torch.Tensor | None = None
-        self.feature_ok: torch.Tensor | None = None
-        self.next_tok: torch.Tensor | None = None
-        self._verified_at: dict[str, tuple[int, int]] = {}
-        self._init_handoff()
+        self._init_own_layer(model_path, target, device, tree, load_mtp_head)
         self.seed_keeper = None  # the runner's DSASeedKeeper (PD decode seeds)
         self.seed_outcomes: dict[str, int] = {}  # this step's first rounds, by outcome
         self.use_pd_seed = envs.KVSTRATA_PD_DSA_SEED.get()
@@ -115,9 +106,10 @@ class MTPDraft(EagleDraft):
     def allocate(self, plan: KVPlan, req_to_token: ReqToTokenTable) -> None:
         self.pool = MLATokenToKVPool(plan.draft_plan(), self.device)
         d, t = self.model.dims, self.model.target
-        self.model.attn_backend = DSASparseMLABackend(
+        self.model.attn_backend = (DSASparseMLABackend(
             self.pool, req_to_token, d.kv_lora_rank, d.index_topk, d.index_head_dim,
-            t.scaling, fused_topk=self.fused_topk)
+            t.scaling, fused_topk=self.fused_topk) if d.uses_dsa else MLADenseBackend(
+            self.pool, req_to_token, d.kv_lora_rank, t.scaling))
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
         self.num_full_pages = plan.num_pages

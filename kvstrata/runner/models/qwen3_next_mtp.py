@@ -1,0 +1,113 @@
+"""Qwen3-Next's multi-token-prediction (MTP) layer as a draft head (`--speculative-algorithm
+NEXTN`, which SGLang turns into EAGLE with the checkpoint's own MTP layer).
+
+Qwen's releases store it under `mtp.` (transformers skips those names): the zero-centred
+norms `pre_fc_norm_embedding` and `pre_fc_norm_hidden`, `fc` (2H -> H), one decoder layer
+`layers.0` with gated *full* attention (no Gated DeltaNet: the draft keeps K/V per token,
+no recurrent state) and the MLP layer 0 of the model would have, and `norm`. Per position i
+it reads the target's final-normed hidden state h_i and the next token x_{i+1}:
+
+    x = fc(cat(norm_e(embed(x_{i+1})), norm_h(h_i)))  ->  decoder layer
+    logits = lm_head(norm(x))                            (predicts x_{i+2})
+
+The embedding and output head are the target's (`mtp_use_dedicated_embeddings` true, an
+embedding of its own, is refused by name). The carry from one draft step to the next is the
+normed output, as for DeepSeek's MTP layer (deepseek_mtp.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvstrata.runner.forward_batch import ForwardBatch
+from kvstrata.runner.models.gemma import gemma_rms_norm
+from kvstrata.runner.models.hybrid_base import WeightTable, param
+from kvstrata.runner.models.qwen3_next import (Qwen3NextForCausalLM, build_layer,
+                                               scale_layer_norms, zero_centred_scale)
+
+PREFIX = "mtp."
+
+
+class Qwen3NextMTPHead(WeightTable, nn.Module):
+    def __init__(self, target: Qwen3NextForCausalLM, config: Any):
+        super().__init__()
+        layers = getattr(config, "mtp_num_hidden_layers", 1)
+        if not layers:
+            raise ValueError("--speculative-algorithm NEXTN: the checkpoint has no MTP layer "
+                             "(mtp_num_hidden_layers is 0 in config.json)")
+        if getattr(config, "mtp_use_dedicated_embeddings", False):
+            raise ValueError("--speculative-algorithm NEXTN: mtp_use_dedicated_embeddings "
+                             "(an MTP embedding of its own) is not built; the MTP layer "
+                             "reads the target's embedding")
+        self.init_weight_table()
+        # Not a submodule: the target's weights are counted (and moved) once, as its own.
+        self.__dict__["target"] = target
+        d = target.dims
+        self.dims = dataclasses.replace(d, num_layers=1)  # the draft pool: one layer
+        self.dtype, self.device = target.dtype, target.device
+        kw = dict(dtype=self.dtype, device=self.device)
+        h = d.hidden_size
+        self.norm_embed, self.norm_hidden = param(h, **kw), param(h, **kw)
+        self.fc = param(h, 2 * h, **kw)
+        self.final_norm = param(h, **kw)
+        self.layer = build_layer(self, config, d, False, target.is_moe_layer(config, 0),
+                                 PREFIX + "layers.0", kw)
+        for name, tensor in (("pre_fc_norm_embedding", self.norm_embed),
+                             ("pre_fc_norm_hidden", self.norm_hidden), ("fc", self.fc),
+                             ("norm", self.final_norm)):
+            self.expect(f"{PREFIX}{name}.weight", tensor)
+        self.feature_size = h
+        self.index_share = False  # (DeepSeek-V3.2's IndexShare: no indexer here)
+        self.attn_backend = None  # the draft's own, over its one-layer K/V pool
+        self.num_loaded = 0  # tensors of the MTP layer found in the checkpoint
+
+    def skip_weight(self, name: str) -> bool:
+        """The target's tensors and later MTP layers are not this head's."""
+        return not name.startswith(PREFIX) or (name.startswith(PREFIX + "layers.")
+                                              and not name.startswith(PREFIX + "layers.0."))
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+        loaded = super().load_weight(name, tensor)
+        self.num_loaded += len(loaded)
+        return loaded
+
+    def finish_load(self, loaded: list[str]) -> None:
+        for name in ("norm_embed", "norm_hidden", "final_norm"):
+            setattr(self, name, zero_centred_scale(getattr(self, name)))
+        scale_layer_norms(self.layer)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, features: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fb.input_ids[j]` is x_{i+1}, `features[j]` h_i (or the previous step's carry).
+        Returns (float32 logits, normed hidden states) at fb.logits_idx."""
+        t, eps = self.target, self.dims.rms_norm_eps
+        self.attn_backend.init_forward_metadata(fb)
+        cos, sin = t.rotary.cos_sin(fb.positions, self.dtype)
+        e = gemma_rms_norm(F.embedding(fb.input_ids, t.embed), self.norm_embed, eps)
+        hid = gemma_rms_norm(features.to(self.dtype), self.norm_hidden, eps)
+        x = F.linear(torch.cat((e, hid), dim=-1), self.fc)
+        layer = self.layer
+        x = x + t.attention(layer.mixer, 0, gemma_rms_norm(x, layer.input_norm, eps), cos, sin,
+                            fb, self.attn_backend)
+        x = x + layer.mlp(gemma_rms_norm(x, layer.post_norm, eps))
+        if fb.logits_idx is not None:
+            x = x.index_select(0, fb.logits_idx)
+        x = gemma_rms_norm(x, self.final_norm, eps)
+        return t.output_logits(x), x
+
+
+def load_qwen3_next_mtp(source: Any, config: Any, target: Qwen3NextForCausalLM
+                        ) -> Qwen3NextMTPHead:
+    """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
+    from kvstrata.runner.models.loader import fill_mtp_layer
+
+    return fill_mtp_layer(lambda: Qwen3NextMTPHead(target, config), source, config, target,
+                          PREFIX + "*")
+
+
+__all__ = ["Qwen3NextMTPHead", "load_qwen3_next_mtp"]
