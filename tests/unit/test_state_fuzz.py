@@ -12,6 +12,10 @@ snapshots are hit), and one more property after every step:
 With a host tier (the base config's hicache_pages, drawn with a state pool here: HiCache L2
 for a hybrid model, cache/state_hiradix.py) snapshots whose device copy goes are written to
 host state slots and loaded back on a hit; the fake runner keeps the host slots' tokens too.
+With L3 (the base config's storage, drawn beside it: cache/state_storage.py) snapshots are
+stored beside their pages and every example ends by bringing each finished request back from
+storage; the fake storage keeps each state record's tokens, so a state restored onto the
+wrong node fails the state check.
 The teardown checks the pool whole: every slot free or a cached snapshot, nothing pinned (and
 the host state slots: free + cached == total).
 """
@@ -79,6 +83,7 @@ class StateMachine(base.SchedulerMachine):
         ids = ids + [(7 * i + again) % (base.VOCAB - 3) + 3 for i in range(extra)]
         new = f"r{len(self.requests)}"
         self.requests[new] = (ids, 5)
+        self.salts[new] = None
         self.outputs[new] = []
         self.engine.add_request(EngineRequest(new, ids, SamplingParams(
             max_new_tokens=5, temperature=0, ignore_eos=True)))
@@ -93,6 +98,9 @@ class StateMachine(base.SchedulerMachine):
             if kv.hicache:
                 event(f"host states written / loaded: {kv.tree.states_to_host > 0} / "
                       f"{kv.tree.states_from_host > 0}")
+            if kv.storage is not None:
+                event(f"states stored / restored: {kv.storage.stats.state_backups > 0} / "
+                      f"{kv.storage.stats.state_hits > 0}")
 
 
 # An eighth of the scheduler fuzzer's examples (it draws a state pool a quarter of the time
