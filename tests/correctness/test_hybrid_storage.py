@@ -1,6 +1,6 @@
 """HiCache L3 for a hybrid recurrent model end to end (cache/state_storage.py, the HiCache
-executor's state store): a tiny Qwen3.5 (Gated DeltaNet) at page size 1 and a tiny Nemotron-H
-(Mamba2 layers) at page size 16 from tests/helpers/hybrid_ckpt.py, with HiCache write_through
+executor's state store): a tiny Qwen3.5 (Gated DeltaNet) and a tiny Nemotron-H (Mamba2
+layers) from tests/helpers/hybrid_ckpt.py at page sizes 1 and 16, with HiCache write_through
 and the file store. A first engine answers two prompts (chunked prefill: snapshots at chunk
 ends and where each request finished) and is shut down (its backups drained); a second one
 with fresh pools over the same directory gets the follow-up turns: their pages and the last
@@ -85,7 +85,8 @@ def restart(paths, refs, arch, page_size, extra, backend="file"):
     return load
 
 
-@pytest.mark.parametrize("arch, page_size", [("qwen3_5", 1), ("nemotron_h", 16)])
+@pytest.mark.parametrize("arch, page_size", [("qwen3_5", 1), ("qwen3_5", 16),
+                                             ("nemotron_h", 1), ("nemotron_h", 16)])
 def test_restart_on_a_warm_file_store_answers_like_the_cold_engine(arch, page_size, paths,
                                                                    refs, tmp_path):
     restart(paths, refs, arch, page_size, {"file_path": str(tmp_path)})
