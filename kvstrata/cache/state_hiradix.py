@@ -234,9 +234,10 @@ class StateHiRadixCache(HiRadixCache):
         return freed
 
     def evict_host_states(self, num_states: int) -> int:
-        """Drop the host copies of snapshots in policy order (never the one being loaded, nor
-        one a storage backup pins)."""
-        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
+        """Drop the host copies of snapshots (never the one being loaded, nor one a storage
+        backup pins): first those whose node still has its device snapshot (a loaded-back
+        node, or one L3 copied to store it: nothing is lost), then in policy order."""
+        heap = [((not n.state_slot,) + self._state_priority(n), n.id, n) for n in self.nodes()
                 if n.host_state and n is not self._loading and not n.host_ref]
         heapq.heapify(heap)
         freed = 0

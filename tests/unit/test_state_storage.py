@@ -75,6 +75,30 @@ def test_write_back_stores_pages_and_snapshot_at_demotion():
     t.check_integrity()
 
 
+def test_host_slot_pressure_drops_copies_of_device_snapshots_first():
+    """Write-through copies a stored snapshot to the host while its device copy stays: under
+    host slot pressure such a copy goes before the only copy of a demoted node's state (the
+    policy alone would take the older one)."""
+    t = tree()
+    nodes = []
+    for ids in ([1, 2], [5, 6]):
+        t.insert(ids, t.allocator.alloc(2))
+        node = t.node_at(ids)
+        t.on_transfer_done(t.pending_ops[-1].job_id, True)
+        t.attach_state(node, t.slots.alloc(1)[0])
+        for job in list(t.storage.backups):
+            finish(t, job, 2 if job not in t.storage.state_jobs else 1)
+        nodes.append(node)
+        if ids == [1, 2]:
+            t.evict(2)  # demoted: its host copy is now its only snapshot
+    old, new = nodes
+    ops(t)
+    assert (old.state_slot, old.host_state, new.host_state) == (0, 1, 2) and new.state_slot
+    assert t.evict_host_states(1) == 1
+    assert (old.host_state, new.host_state) == (1, 0)
+    t.check_integrity()
+
+
 def prefetch(t: StateHiRadixCache, ids: list[int]):
     assert t.storage.start_prefetch("r", ids)
     op = t.pending_ops[-1]
