@@ -111,6 +111,11 @@ class StateHiRadixCache(HiRadixCache):
                 best = pos // P
         return best, total
 
+    def resumable_pages(self, token_ids: list[int]) -> int:
+        """Whole pages of the longest cached prefix of `token_ids` ending at a snapshot on
+        either tier (read-only)."""
+        return self._resumable_pages(token_ids)[0]
+
     def match_prefix(self, token_ids: list[int]) -> HiMatchResult:
         """HiRadixCache.match_prefix cut back to the last node with a snapshot."""
         best, total = self._resumable_pages(token_ids)

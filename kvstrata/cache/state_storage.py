@@ -18,11 +18,11 @@ backed up (a request finishing there, a chunk end, a track point) is copied and 
 (its second hit). write_back: at demotion or state eviction, where L2 writes the snapshot to
 the host anyway. A host copy is always made before a state is stored (the backend reads host
 slots) and kept afterwards as any host copy: a host state slot costs about what L2 pays, and
-with few host slots the oldest unpinned copies make room (a backup pins its node: `host_ref`,
-as the page backups; StateHiRadixCache.evict_host_states skips pinned nodes). A snapshot with
+with few host slots unpinned copies make room, those whose node still has its device snapshot
+first (a backup pins its node: `host_ref`, as the page backups; evict_host_states skips it). A snapshot with
 no host slot to be had is not stored (its pages are).
 
-Restoring. A prefetch (the pages past the tree's K/V, as for any model) takes a host state slot
+Restoring. A prefetch (the pages past the tree's last snapshot: below) takes a host state slot
 beside its host pages, and its "s2h" op names one state key per fetched page. The job finds the
 leading stored pages, then reads the furthest stored state among them into that slot and cuts
 the fetch there (transfer/storage_jobs.py; StorageProgress.state_page): pages past the last
@@ -34,9 +34,15 @@ snapshot back as for an L2 hit (resume_at_state). A prefetch stopped short, or w
 tree cannot adopt, frees the slot; its pages join the tree as host K/V without a snapshot
 (usable as the middle of a longer prefix).
 
-Not built: a fetch of a state inside the tree's own K/V (the tree has the pages but lost the
-snapshot: the fetch starts at the tree's K/V end, as for any model, and a state before it is
-not looked for).
+The fetch starts where the tree's prefix is resumable -- its last snapshot on either tier --,
+not where its K/V ends: a node whose pages stayed but whose snapshot went (state eviction
+without a host slot, host snapshot copies dropped under host slot pressure) would else never
+get its stored state back (measured: docs/architecture.md "Recurrent state", item 7). The
+price: the pages between the two are read again, and only when a stored state lies past them
+(the job reads no page past the last stored state); the tree keeps its own copies
+(`_insert_host` frees the duplicates) and its node ending at the state adopts it if it has a
+host copy of its pages (write_through's nodes do), else the slot is freed. `hit_tokens`
+counts those re-read pages too.
 
 Integrity (with StateHiRadixCache.check_integrity): host state slots are free, a node's host
 snapshot, a prefetch's slot, or the snapshot of a node dropped from the tree while a backup
@@ -96,6 +102,11 @@ class StateStorageTier(StorageTier):
         super()._release_backup(b)
 
     # ------------------------------------------------------------------ prefetch
+    def _cached_pages(self, token_ids: list[int]) -> int:
+        """Where the fetch starts: the tree's last snapshot on either tier along `token_ids`,
+        not its K/V end (module docstring: the stored states past it are looked for)."""
+        return self.tree.resumable_pages(token_ids)
+
     def _alloc_prefetch(self, n: int) -> list[int] | None:
         slot = self.tree.alloc_host_state()
         if not slot:

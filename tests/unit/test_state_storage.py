@@ -9,7 +9,7 @@ import pytest
 
 from kvstrata.cache.page_allocator import PageAllocator
 from kvstrata.cache.page_keys import chain_page_keys
-from kvstrata.cache.state_hiradix import StateHiRadixCache
+from kvstrata.cache.state_hiradix import StateHiRadixCache, resume_at_state
 from kvstrata.cache.state_storage import StateStorageTier, state_key
 from kvstrata.cache.storage_records import PrefetchConfig
 from kvstrata.engine.engine_core import EngineCore
@@ -120,6 +120,34 @@ def test_a_prefetch_brings_the_pages_up_to_the_last_stored_state_and_files_it():
     assert t.storage.stats.state_hits == 1 and t.storage.stats.hit_tokens == 3
     match = t.match_prefix([1, 2, 3, 4, 5])
     assert match.last_host_node is node and len(match.host_pages) == 3
+    t.check_integrity()
+
+
+def test_a_node_that_lost_its_snapshot_gets_the_stored_one_back():
+    """The tree keeps a node's pages (device and host) but neither copy of its snapshot: the
+    fetch starts at the tree's last snapshot (the root here), not its K/V end, so the stored
+    state is found; the re-read pages are the tree's duplicates (freed) and the node adopts
+    the state, which the match then loads."""
+    t = tree()
+    t.insert([1, 2, 3], t.allocator.alloc(3))
+    node = t.node_at([1, 2, 3])
+    t.on_transfer_done(t.pending_ops[-1].job_id, True)
+    t.attach_state(node, t.slots.alloc(1)[0])
+    for job in list(t.storage.backups):
+        finish(t, job, 3 if job not in t.storage.state_jobs else 1)
+    assert t.evict_states(1) == 1 and t.evict_host_states(1) == 1
+    assert (node.state_slot, node.host_state, len(node.device_pages)) == (0, 0, 3)
+    assert t.match_prefix([1, 2, 3, 4]).last_node is t.root
+    op = prefetch(t, [1, 2, 3, 4])
+    assert len(op.keys) == 4  # from the root: the tree's K/V end (3) would find no state
+    t.storage.on_progress([StorageProgress(op.job_id, 3, 3, True, state_page=3)])
+    assert t.storage.ready("r") and node.host_state == op.host_state_slots[0]
+    assert t.host_allocator.num_used() == 3  # the tree's own copy; the fetched ones freed
+    match = t.match_prefix([1, 2, 3, 4])
+    assert match.last_node is node and not match.host_pages
+    t.lock(node)
+    assert resume_at_state(t, match) is match and node.state_slot
+    t.unlock(node)
     t.check_integrity()
 
 
