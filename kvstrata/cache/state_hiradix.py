@@ -17,13 +17,18 @@ has a host copy of its pages (so a later hit can load both):
 These writes are sync (a one-step TransferOp with state slot pairs and no pages), so they run
 before the forward that may reuse the freed device slot; a state never changes once filed
 (the state after the same tokens), so a node that has a host copy is not written again.
-Writes at demotion time only, not with write_through's page writes: the snapshot is usually
-filed after the pages were inserted, and a state slot is a few MiB that most nodes never need
-on the host.
+Without L3, writes at demotion time only, not with write_through's page writes: the snapshot
+is usually filed after the pages were inserted, and a state slot is a few MiB that most nodes
+never need on the host.
 
-Host state slots are few (--hicache-mamba-size-gb): when none is free, the oldest host copies
-(policy order) are dropped; their nodes keep their host K/V (usable as the middle of a longer
-prefix only). A host copy is freed with its node's host pages (host eviction, a drop).
+Host state slots are few (--hicache-mamba-size-gb): when none is free, host copies are
+dropped, those whose node still holds its device snapshot first, then the oldest (policy
+order); their nodes keep their host K/V (usable as the middle of a longer prefix only). A
+host copy is freed with its node's host pages (host eviction, a drop).
+
+With L3 (cache/state_storage.py) every host copy is stored beside its node's pages, and a
+write-through node's device snapshot is copied to the host for that as soon as its pages
+are (`store_state`); a restored state is filed as a host copy (`adopt_host_state`).
 
 Match ends at the last node with a snapshot on either tier. Where that one is host-only, the
 KV manager loads the pages back as for any HiCache hit and then `load_state` gives the node a
@@ -138,8 +143,8 @@ class StateHiRadixCache(HiRadixCache):
 
     # ------------------------------------------------------------------ host copies
     def alloc_host_state(self) -> int:
-        """A free host state slot (dropping the oldest unpinned host snapshot when none is
-        free), or 0."""
+        """A free host state slot (dropping an unpinned host snapshot when none is free:
+        evict_host_states' order), or 0."""
         if not self.host_slots.available_pages():
             self.evict_host_states(1)
         got = self.host_slots.alloc(1)
