@@ -23,6 +23,9 @@ STORAGE_COUNTERS = {
     "backup_pages": "Pages backed up to storage (stored or found already stored)",
     "backup_failed_pages": "Pages a backup failed to store",
     "errors": "Storage jobs ended by a backend error",
+    # A recurrent model's state snapshots (cache/state_storage.py; 0 for other models).
+    "state_backups": "State snapshots stored beside their pages (or found already stored)",
+    "state_hits": "State snapshots read back from storage and resumed from",
     # The backend's own counts (file and mooncake report them; 0 where a backend has none).
     "read_misses": "Pages asked of the storage backend and not found",
     "corrupt_records": "Stored records that failed their checksum (read as misses)",

@@ -38,6 +38,7 @@ from kvstrata.cache.radix_cache import RadixCache
 from kvstrata.cache.state_hiradix import resume_at_state, state_hicache
 from kvstrata.cache.state_radix import StateRadixCache
 from kvstrata.cache.state_slots import StateSlots
+from kvstrata.cache.state_storage import StateStorageTier
 from kvstrata.cache.storage_tier import PREFETCH_CAPACITY_SHARE, PrefetchConfig, StorageTier
 from kvstrata.cache.swa_pages import SWAPages
 from kvstrata.cache.swa_hiradix import SWAHiRadixCache
@@ -69,10 +70,10 @@ class KVManager(KVCapacity, KVTiers):
         self.allocator = PageAllocator(plan.num_pages, page_size)
         self.swa: SWAPages | None = None
         self.states: StateSlots | None = None
-        if plan.has_state_pool and (plan.has_swa_pool or storage or plan.has_host_pool
+        if plan.has_state_pool and (plan.has_swa_pool or plan.has_host_pool
                                     and plan.host_pool_use != "hicache"):
-            raise ValueError("a recurrent state pool beside an SWA pool, a retraction host "
-                             "pool or L3 storage is not built yet")
+            raise ValueError("a recurrent state pool beside an SWA pool or a retraction host "
+                             "pool is not built yet")
         if plan.has_swa_pool:
             # HiCache L2 / L3 (cache/swa_hiradix.py, swa_storage.py) and retraction backups
             # (the host pool's SWA half: runner/executors/retraction_backup.py) copy SWA pages.
@@ -102,7 +103,8 @@ class KVManager(KVCapacity, KVTiers):
             self.tree.held_elsewhere = lambda: self._backup_pages
             if storage is not None:
                 capacity = int(PREFETCH_CAPACITY_SHARE * (plan.num_host_pages - plan.num_pages))
-                tier = StorageTier if self.swa is None else SWAStorageTier
+                tier = (SWAStorageTier if self.swa is not None else
+                        StateStorageTier if self.states is not None else StorageTier)
                 self.tree.storage = tier(self.tree, storage, max(capacity, 0))
         elif storage is not None:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")

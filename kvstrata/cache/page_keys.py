@@ -18,7 +18,9 @@ layers' K/V and the sliding-window layers' K/V (cache/swa_storage.py). Their key
 component (`component_key`: "full-<key>", "swa-<key>"), and each component has its own
 namespace (kv/storage/base.py `StorageNamespace.component`), so a uniform-pool server (whose
 keys are the bare digests, every layer in one record) and an SWA-pool server never find each
-other's records, whatever the store.
+other's records, whatever the store. A recurrent model's state snapshot is stored as a
+"state-<key>" record under the key of the page it ends (cache/state_storage.py), in a
+"state" namespace of its own.
 """
 from __future__ import annotations
 
@@ -82,9 +84,10 @@ def chain_page_keys(token_ids, page_size: int, prior_key: str | None = None) -> 
     return keys
 
 
-# Hybrid SWA memory's record kinds (cache/swa_storage.py): the full-attention layers' K/V of
-# a page and its sliding-window layers' K/V.
-COMPONENTS = ("full", "swa")
+# Record kinds beside a uniform pool's bare page keys: hybrid SWA memory's full-attention
+# layers' K/V of a page and its sliding-window layers' K/V (cache/swa_storage.py), and a
+# recurrent model's state snapshot after the page (cache/state_storage.py).
+COMPONENTS = ("full", "swa", "state")
 
 
 def component_key(key: str, component: str) -> str:

@@ -17,13 +17,18 @@ has a host copy of its pages (so a later hit can load both):
 These writes are sync (a one-step TransferOp with state slot pairs and no pages), so they run
 before the forward that may reuse the freed device slot; a state never changes once filed
 (the state after the same tokens), so a node that has a host copy is not written again.
-Writes at demotion time only, not with write_through's page writes: the snapshot is usually
-filed after the pages were inserted, and a state slot is a few MiB that most nodes never need
-on the host.
+Without L3, writes at demotion time only, not with write_through's page writes: the snapshot
+is usually filed after the pages were inserted, and a state slot is a few MiB that most nodes
+never need on the host.
 
-Host state slots are few (--hicache-mamba-size-gb): when none is free, the oldest host copies
-(policy order) are dropped; their nodes keep their host K/V (usable as the middle of a longer
-prefix only). A host copy is freed with its node's host pages (host eviction, a drop).
+Host state slots are few (--hicache-mamba-size-gb): when none is free, host copies are
+dropped, those whose node still holds its device snapshot first, then the oldest (policy
+order); their nodes keep their host K/V (usable as the middle of a longer prefix only). A
+host copy is freed with its node's host pages (host eviction, a drop).
+
+With L3 (cache/state_storage.py) every host copy is stored beside its node's pages, and a
+write-through node's device snapshot is copied to the host for that as soon as its pages
+are (`store_state`); a restored state is filed as a host copy (`adopt_host_state`).
 
 Match ends at the last node with a snapshot on either tier. Where that one is host-only, the
 KV manager loads the pages back as for any HiCache hit and then `load_state` gives the node a
@@ -83,7 +88,11 @@ class StateHiRadixCache(HiRadixCache):
 
     def attach_state(self, node: TreeNode, slot: int) -> bool:
         assert node is self.root or node.device_pages, f"snapshot on a host-only {node!r}"
-        return StateRadixCache.attach_state(self, node, slot)
+        if not StateRadixCache.attach_state(self, node, slot):
+            return False
+        if self.storage is not None:  # L3: stored now if its node is backed up already
+            self.store_state(node)
+        return True
 
     # ------------------------------------------------------------------ match
     def _resumable_pages(self, token_ids: list[int], device_only: bool = False
@@ -107,6 +116,11 @@ class StateHiRadixCache(HiRadixCache):
                 best = pos // P
         return best, total
 
+    def resumable_pages(self, token_ids: list[int]) -> int:
+        """Whole pages of the longest cached prefix of `token_ids` ending at a snapshot on
+        either tier (read-only)."""
+        return self._resumable_pages(token_ids)[0]
+
     def match_prefix(self, token_ids: list[int]) -> HiMatchResult:
         """HiRadixCache.match_prefix cut back to the last node with a snapshot."""
         best, total = self._resumable_pages(token_ids)
@@ -128,21 +142,46 @@ class StateHiRadixCache(HiRadixCache):
         return super().match_prefix(token_ids)
 
     # ------------------------------------------------------------------ host copies
-    def _write_state(self, node: TreeNode) -> None:
-        """Copy the node's device snapshot to a host state slot (sync), unless it has a host
-        copy already or no host slot can be had."""
-        if node.host_state or node.host_pages is None:
-            return
+    def alloc_host_state(self) -> int:
+        """A free host state slot (dropping an unpinned host snapshot when none is free:
+        evict_host_states' order), or 0."""
         if not self.host_slots.available_pages():
             self.evict_host_states(1)
         got = self.host_slots.alloc(1)
-        if not got:
+        return got[0] if got else 0
+
+    def _write_state(self, node: TreeNode) -> None:
+        """Copy the node's device snapshot to a host state slot (sync), unless it has a host
+        copy already or no host slot can be had; with L3 the copy is then stored
+        (cache/state_storage.py)."""
+        if node.host_state or node.host_pages is None:
             return
-        node.host_state = got[0]
+        slot = self.alloc_host_state()
+        if not slot:
+            return
+        node.host_state = slot
         self._num_host_states += 1
         self.states_to_host += 1
         self.queue_op(TransferOp(self.next_job_id(), "d2h", [], [], sync=True,
-                               state_slots=[node.state_slot], host_state_slots=got))
+                               state_slots=[node.state_slot], host_state_slots=[slot]))
+        if self.storage is not None:  # queued after the copy it reads
+            self.storage.backup_state(node)
+
+    def store_state(self, node: TreeNode) -> None:
+        """L3: the node's pages have a host copy; its device snapshot, if any, goes to a host
+        slot and to storage (a host snapshot it has was stored when it was made)."""
+        if node.state_slot and node.pending_job is None:
+            self._write_state(node)
+
+    def adopt_host_state(self, node: TreeNode, slot: int) -> bool:
+        """File host state `slot` (a storage read of the state after `node`'s path) as the
+        node's host snapshot. False (the caller keeps the slot) where the node has a snapshot
+        on either tier already, or no host copy of its pages to resume with."""
+        if node is self.root or node.host_pages is None or node.host_state or node.state_slot:
+            return False
+        node.host_state = slot
+        self._num_host_states += 1
+        return True
 
     def load_state(self, node: TreeNode) -> bool:
         """Give a device node whose snapshot is on the host only a device copy (a fresh slot,
@@ -169,14 +208,14 @@ class StateHiRadixCache(HiRadixCache):
                                state_slots=got, host_state_slots=[node.host_state]))
         return True
 
-    def _free_host_state(self, node: TreeNode) -> None:
+    def free_host_state(self, node: TreeNode) -> None:
         if node.host_state:
             self.host_slots.free([node.host_state])
             node.host_state = 0
             self._num_host_states -= 1
 
     def _free_host(self, node: TreeNode) -> None:
-        self._free_host_state(node)
+        self.free_host_state(node)
         super()._free_host(node)
 
     def _free_device(self, node: TreeNode) -> None:
@@ -205,13 +244,15 @@ class StateHiRadixCache(HiRadixCache):
         return freed
 
     def evict_host_states(self, num_states: int) -> int:
-        """Drop the host copies of snapshots in policy order (never the one being loaded)."""
-        heap = [(self._state_priority(n), n.id, n) for n in self.nodes()
-                if n.host_state and n is not self._loading]
+        """Drop the host copies of snapshots (never the one being loaded, nor one a storage
+        backup pins): first those whose node still has its device snapshot (a loaded-back
+        node, or one L3 copied to store it: nothing is lost), then in policy order."""
+        heap = [((not n.state_slot,) + self._state_priority(n), n.id, n) for n in self.nodes()
+                if n.host_state and n is not self._loading and not n.host_ref]
         heapq.heapify(heap)
         freed = 0
         while freed < num_states and heap:
-            self._free_host_state(heapq.heappop(heap)[-1])
+            self.free_host_state(heapq.heappop(heap)[-1])
             freed += 1
         return freed
 
@@ -244,17 +285,26 @@ class StateHiRadixCache(HiRadixCache):
                 assert self.host_slots.is_allocated(node.host_state), (
                     f"{node!r}: free host state slot {node.host_state}")
                 host.append(node.host_state)
+        # L3: host snapshots of nodes dropped while a backup pins them (still counted), and
+        # prefetches' slots (cache/state_storage.py)
+        dropped = self.storage.dropped_host_states() if self.storage is not None else []
+        held = self.storage.held_host_states() if self.storage is not None else []
         assert len(set(device)) == len(device), f"a snapshot slot kept twice: {device}"
-        assert len(set(host)) == len(host), f"a host state slot kept twice: {host}"
-        assert (len(device), pinned, len(host)) == (
+        every = host + dropped + held
+        assert len(set(every)) == len(every), (
+            f"a host state slot kept twice: tree {host}, dropped {dropped}, prefetches {held}")
+        assert all(self.host_slots.is_allocated(s) for s in dropped + held), (
+            f"storage holds a free host state slot: {dropped + held}")
+        assert (len(device), pinned, len(host) + len(dropped)) == (
             self._num_states, self._num_pinned, self._num_host_states), (
             f"state counters ({self._num_states}, {self._num_pinned}, "
-            f"{self._num_host_states}) != tree ({len(device)}, {pinned}, {len(host)})")
+            f"{self._num_host_states}) != tree ({len(device)}, {pinned}, "
+            f"{len(host)} + {len(dropped)} dropped)")
         self.host_slots.check_integrity()
         free = self.host_slots.available_pages()
-        assert free + len(host) == self.host_slots.num_pages, (
-            f"host state slot leak: free {free} + cached {len(host)} != total "
-            f"{self.host_slots.num_pages}")
+        assert free + len(every) == self.host_slots.num_pages, (
+            f"host state slot leak: free {free} + cached {len(host)} + dropped {len(dropped)} "
+            f"+ prefetching {len(held)} != total {self.host_slots.num_pages}")
 
 
 def resume_at_state(tree: StateHiRadixCache, match: HiMatchResult) -> HiMatchResult:

@@ -104,7 +104,7 @@ class StateRadixCache(RadixCache):
             if child is None:
                 return None
             matched = self.matching_pages(child.key, token_ids, pos, len(token_ids))
-            if matched < child.num_pages:
+            if matched < len(child.key) // P:  # (a host-only node holds no device pages)
                 if pos + matched * P < len(token_ids):
                     return None
                 child = self.split_node(child, matched)

@@ -60,6 +60,9 @@ class StorageStats:
     prefetch_revoked: int = 0    # fewer hit tokens than the threshold: nothing kept
     swa_healed_pages: int = 0    # hybrid SWA: tree pages a fetch's lead gave their SWA half
     swa_lead_unused_pages: int = 0  # ... and lead pages read for nothing (not hits)
+    state_backups: int = 0       # recurrent state: snapshots stored (or found stored)
+    state_backup_failed: int = 0  # ... not stored (a backend failure)
+    state_hits: int = 0          # ... read back and filed as a node's host snapshot
 
 
 @dataclass
@@ -83,6 +86,10 @@ class Prefetch:
     # ... and how many fetched pages the tree held already (fetched to heal the window that
     # straddles the tree's end: SWAStorageTier._lead_pages)
     lead_pages: int = 0
+    # recurrent state (cache/state_storage.py): the host state slot the job reads the
+    # snapshot into (0 once the tree adopted it), and the page end it is at (0: none read)
+    host_state: int = 0
+    state_page: int = 0
 
 
 @dataclass

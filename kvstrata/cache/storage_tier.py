@@ -99,6 +99,15 @@ class StorageTier:
         leaf.host_pages, leaf.hash_keys = pages, keys
         parent.children[leaf.key[:P]] = leaf
 
+    def _alloc_prefetch(self, n: int) -> list[int] | None:
+        """Host room for a prefetch of `n` pages (a tree with host state slots takes one of
+        those too), or None."""
+        return self.tree.alloc_host(n)
+
+    def _free_prefetch(self, host_pages: list[int]) -> None:
+        """Give back what `_alloc_prefetch` took, for a prefetch not started."""
+        self.tree.host_allocator.free(host_pages)
+
     def _lead_pages(self, token_ids: list[int], start: int, n: int) -> int:
         """Pages before the tree's end (`start`) to fetch too: none here (a second device
         pool's tier heals the window before that end with them)."""
@@ -112,15 +121,25 @@ class StorageTier:
     def _end_backup(self, job: int, p: StorageProgress) -> None:
         b = self.backups.pop(job)
         self.stats.backup_pages += p.done_pages
-        if p.error or p.done_pages < p.hit_pages:
-            self.stats.backup_failed_pages += p.hit_pages - p.done_pages
-            self.stats.errors += bool(p.error)
-            logger.warning("HiCache storage backup job %d stored %d of %d pages%s", job,
-                           p.done_pages, p.hit_pages, f": {p.error}" if p.error else "")
+        self.stats.backup_failed_pages += self._short_backup(job, p, "pages")
+        self._release_backup(b)
+
+    def _short_backup(self, job: int, p: StorageProgress, what: str) -> int:
+        """How many of its pages (states) a finished backup did not store: logged, and a
+        backend failure counted as an error."""
+        if not (p.error or p.done_pages < p.hit_pages):
+            return 0
+        self.stats.errors += bool(p.error)
+        logger.warning("HiCache storage backup job %d stored %d of %d %s%s", job,
+                       p.done_pages, p.hit_pages, what, f": {p.error}" if p.error else "")
+        return p.hit_pages - p.done_pages
+
+    def _release_backup(self, b: Backup) -> None:
+        """A backup ended: its pins go; a node dropped from the tree while the backup read
+        it has its host copy freed now."""
         for node in b.nodes:
             node.host_ref -= 1
             if node.host_ref == 0 and node.parent is None and node.host_pages:
-                # Dropped from the tree while the backup read it: free the copy now.
                 self.tree.host_allocator.free(node.host_pages)
                 node.host_pages = None
 
@@ -155,13 +174,13 @@ class StorageTier:
         n += lead
         if self.occupied_pages and self.occupied_pages + n > self.capacity_pages:
             return False  # rate limit; an idle limiter still lets one request through
-        host = self.tree.alloc_host(n)
+        host = self._alloc_prefetch(n)
         if host is None:
             return False
         if self._cached_pages(token_ids[:usable * P]) < start:
             # Making room evicted the request's own host prefix: the fetched pages would
             # have nothing to hang under. Recompute instead.
-            self.tree.host_allocator.free(host)
+            self._free_prefetch(host)
             return False
         start -= lead
         keys = chain_page_keys(token_ids[:usable * P], P)[start:]

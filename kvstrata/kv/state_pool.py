@@ -17,12 +17,15 @@ restore (a retraction backup that keeps the state beside the request's KV).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvstrata import platform
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.config.state_plan import STATE_CONV, STATE_SSM
 from kvstrata.kv.host_pool import check_host_memory
+from kvstrata.kv.layouts import KVGeometry
 
 
 def slot_index(slots, num_slots: int, what: str) -> torch.Tensor:
@@ -109,10 +112,15 @@ class RecurrentStatePool:
 
 class HostStatePool:
     """HiCache L2 of a recurrent model: host copies of state pool slots (snapshots whose
-    device copy went, cache/state_hiradix.py), laid out as the device pool (one tensor per
-    component, (num_layers, num_host_state_slots + 1, *slot_shape); slot 0 unused), pinned
-    on CUDA/ROCm like the host KV pool. Copies are sync: the HiCache executor makes them in
-    op order before the step's forward."""
+    device copy went, cache/state_hiradix.py), pinned on CUDA/ROCm like the host KV pool.
+    Copies are sync: the HiCache executor makes them in op order before the step's forward.
+
+    Slot-major: one uint8 buffer of (num_host_state_slots + 1) rows (row 0 unused), a row
+    holding every component of every layer of one slot, so that HiCache L3 stores a slot as
+    one record (cache/state_storage.py): `geom`, `device_order`, `check_page_ids`,
+    `get_flat_pages` and `set_flat_pages` make the slots look to a storage backend like host
+    pages of one section, layer, token and head (kv/storage/base.py). `tensors` keeps the
+    device pool's per-component shape (num_layers, slots, *slot_shape) as views of it."""
 
     def __init__(self, plan: KVPlan, pin_memory: bool | None = None,
                  check_memory: bool = True):
@@ -125,14 +133,35 @@ class HostStatePool:
         if pin_memory is None:
             pin_memory = platform.is_cuda_alike()
         self.num_slots = plan.num_host_state_slots + 1
-        self.tensors: dict[str, torch.Tensor] = {
-            c.name: torch.zeros((c.num_layers, self.num_slots, *c.slot_shape),
-                                dtype=getattr(torch, c.dtype), pin_memory=pin_memory)
-            for c in plan.state_components}
+        # Widest elements first, each component at an offset of its element size and the row
+        # padded to the widest one, so every component's bytes view as its dtype (no padding
+        # for the usual float32 ssm + bfloat16 / float32 conv).
+        def itemsize(c) -> int:
+            return torch.empty((), dtype=getattr(torch, c.dtype)).element_size()
+
+        def nbytes(c) -> int:
+            return c.num_layers * math.prod(c.slot_shape) * itemsize(c)
+
+        offsets, row = {}, 0
+        for c in sorted(plan.state_components, key=lambda c: -itemsize(c)):
+            row = -(-row // itemsize(c)) * itemsize(c)
+            offsets[c.name] = row
+            row += nbytes(c)
+        widest = max(itemsize(c) for c in plan.state_components)
+        self.slot_bytes = -(-row // widest) * widest
+        self.records = torch.zeros((self.num_slots, self.slot_bytes), dtype=torch.uint8,
+                                   pin_memory=pin_memory)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for c in plan.state_components:
+            part = self.records[:, offsets[c.name]:offsets[c.name] + nbytes(c)]
+            self.tensors[c.name] = part.view(getattr(torch, c.dtype)).view(
+                self.num_slots, c.num_layers, *c.slot_shape).transpose(0, 1)
+        self.geom = KVGeometry(num_layers=1, num_kv_heads=1, head_dim=self.slot_bytes,
+                               page_size=1, dtype=torch.uint8, num_sections=1)
 
     @property
     def size_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return self.records.numel()
 
     def slots_tensor(self, slots) -> torch.Tensor:
         """`slots`, checked against the host pool, as an index tensor."""
@@ -153,3 +182,23 @@ class HostStatePool:
             raise ValueError(f"a copy of {h.numel()} host state slots into {d.numel()}")
         for name, t in pool.tensors.items():
             t[:, d] = self.tensors[name][:, h].to(t.device)
+
+    # ---- a storage backend's view: one slot = one flat "page" of slot_bytes bytes ------------
+    def device_order(self) -> torch.Tensor:
+        """(1, 1, slots, 1, 1, slot_bytes) view of the records (FlatPageStaging's order)."""
+        return self.records.view(1, 1, self.num_slots, 1, 1, self.slot_bytes)
+
+    def check_page_ids(self, slots: torch.Tensor) -> None:
+        slot_index(slots, self.num_slots, "host state slots")
+
+    def get_flat_pages(self, slots) -> torch.Tensor:
+        """(n, slot_bytes) uint8 copy of host state `slots`."""
+        return self.records[self.slots_tensor(slots)].clone()
+
+    def set_flat_pages(self, slots, flat: torch.Tensor) -> None:
+        """Write (n, slot_bytes) uint8 records into host state `slots`."""
+        idx = self.slots_tensor(slots)
+        if flat.shape != (idx.numel(), self.slot_bytes) or flat.dtype != torch.uint8:
+            raise ValueError(f"expected state records of shape ({idx.numel()}, "
+                             f"{self.slot_bytes}) uint8, got {tuple(flat.shape)} {flat.dtype}")
+        self.records[idx] = flat

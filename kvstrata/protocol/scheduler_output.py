@@ -163,6 +163,12 @@ class TransferOp(msgspec.Struct, tag="transfer"):
     # copied to / from host state slots, pairwise (cache/state_hiradix.py).
     state_slots: list[int] = []
     host_state_slots: list[int] = []
+    # ... and with L3 (cache/state_storage.py): an "h2s" with no pages stores host state
+    # slots `host_state_slots` under `state_keys` (one each); an "s2h" has one state key per
+    # page of `keys` (the snapshot after that page) and one host state slot, into which it
+    # reads the furthest of them stored among the leading hit pages, then reads the pages
+    # up to there only (StorageProgress.state_page).
+    state_keys: list[str] = []
 
 
 class StorageCancel(msgspec.Struct, tag="storage_cancel"):
@@ -189,6 +195,11 @@ class StorageProgress(msgspec.Struct, tag="storage_progress"):
     # s2h with swa_keys: the indices (< done_pages, ascending) of the pages whose SWA half
     # was read too; the other read pages hold the full layers only.
     swa_read: list[int] = []
+    # s2h with state_keys: the pages whose end the state read into the op's host state slot
+    # is at (hit_pages is cut there: pages past the last stored state cannot be resumed);
+    # 0 when no state was read (then hit_pages is 0 too). h2s of states: hit_pages is the
+    # number of states, done_pages how many were stored.
+    state_page: int = 0
 
 
 # The op/event unions of the seam (tagged: one codec reads them all).

@@ -15,6 +15,13 @@ so far and reads just one window of them: the last `swa_window_pages` pages befo
 furthest end whose window is wholly stored (`stored_window_end`) -- what a match ending there
 reads. So every progress report names that usable end in `swa_read` (pages below
 `done_pages`); a corrupt SWA record leaves its page full-only (the match is cut before it).
+
+Recurrent state (`state_backend`, over the host state slots; cache/state_storage.py): an
+"h2s" with `state_keys` and no pages stores host state slots. An "s2h" with `state_keys` (one
+per page: the snapshot after it) asks which exist among the leading hit pages, reads the
+furthest one into its host state slot (a corrupt record: the next furthest), and cuts
+`hit_pages` there (`state_page`) before reading any page: a page past the last stored
+state could only be resumed by recomputing from there.
 """
 from __future__ import annotations
 
@@ -41,12 +48,15 @@ class _Job:
     started: bool = False
     ended: bool = False
     cancelled: bool = False
+    state_page: int = 0  # s2h with state_keys: where the state read is (0: none)
 
 
 class StorageJobRunner:
-    def __init__(self, backend, batch_pages: int = STORAGE_BATCH_PAGES, swa_backend=None):
+    def __init__(self, backend, batch_pages: int = STORAGE_BATCH_PAGES, swa_backend=None,
+                 state_backend=None):
         self.backend = backend
         self.swa_backend = swa_backend
+        self.state_backend = state_backend
         self.batch_pages = batch_pages
         self._lock = threading.Condition()
         self._jobs: dict[int, _Job] = {}
@@ -66,6 +76,16 @@ class StorageJobRunner:
         if op.swa_keys and (self.swa_backend is None or len(op.swa_keys) != len(op.keys)):
             raise ValueError(f"{len(op.swa_keys)} SWA keys for {len(op.keys)} pages"
                              + ("" if self.swa_backend else " without an SWA storage backend"))
+        if op.state_keys:
+            if self.state_backend is None:
+                raise ValueError("state storage keys without a state storage backend")
+            ok = (len(op.state_keys) == len(op.host_state_slots) and not op.keys
+                  if op.kind == "h2s" else
+                  len(op.state_keys) == len(op.keys) and len(op.host_state_slots) == 1)
+            if not ok:
+                raise ValueError(f"{len(op.state_keys)} state keys and "
+                                 f"{len(op.host_state_slots)} host state slots for "
+                                 f"{len(op.keys)} pages in an {op.kind!r} job")
         with self._lock:
             self._jobs[op.job_id] = _Job(op)
         self._queues[op.kind].put(op.job_id)
@@ -127,15 +147,16 @@ class StorageJobRunner:
         for t in self._threads:
             t.join(timeout=5)
         self.backend.close()
-        if self.swa_backend is not None:
-            self.swa_backend.close()
+        for extra in (self.swa_backend, self.state_backend):
+            if extra is not None:
+                extra.close()
 
     # ---- workers ------------------------------------------------------------------------
     def _report(self, job: _Job, finished: bool = False, error: str = "") -> None:
         """Under the lock."""
         self._progress[job.op.job_id] = StorageProgress(job.op.job_id, job.hit, job.done,
                                                         finished, error,
-                                                        list(job.swa_read))
+                                                        list(job.swa_read), job.state_page)
         self._lock.notify_all()
 
     def _end(self, job: _Job, error: str) -> None:
@@ -168,6 +189,8 @@ class StorageJobRunner:
 
     def _backup(self, job: _Job) -> str:
         op = job.op
+        if op.state_keys:
+            return self._backup_states(job)
         job.hit = len(op.keys)
         for start, end in self._batches(len(op.keys)):
             ok = self.backend.batch_set(op.keys[start:end], op.host_pages[start:end])
@@ -184,11 +207,33 @@ class StorageJobRunner:
                 return f"{end - start - stored} pages of a batch were not stored"
         return ""
 
+    def _backup_states(self, job: _Job) -> str:
+        op = job.op
+        job.hit = len(op.state_keys)
+        stored = _leading(self.state_backend.batch_set(op.state_keys, op.host_state_slots))
+        with self._lock:
+            job.done = stored
+            self._report(job)
+        return "" if stored == job.hit else f"{job.hit - stored} states were not stored"
+
+    def _read_state(self, op: TransferOp, hit: int) -> int:
+        """The furthest page end among the first `hit` whose state record is read into the
+        op's host state slot, 0 if none."""
+        stored = self.state_backend.exist_flags(op.state_keys[:hit])
+        for i in range(hit - 1, -1, -1):
+            if stored[i] and self.state_backend.batch_get([op.state_keys[i]],
+                                                          op.host_state_slots[:1])[0]:
+                return i + 1
+        return 0
+
     def _prefetch(self, job: _Job) -> str:
         op = job.op
         hit = self.backend.batch_exists(op.keys)
+        if op.state_keys and hit:
+            hit = self._read_state(op, hit)
         with self._lock:
             job.hit = hit
+            job.state_page = hit if op.state_keys else 0
             self._report(job)
         for start, end in self._batches(hit):
             with self._lock:

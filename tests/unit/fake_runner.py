@@ -144,7 +144,8 @@ class FakeRunner:
         st, P = self.storage, self.page_size
         st.jobs_run += 1
         if st.error_every and st.jobs_run % st.error_every == 0:
-            return StorageProgress(op.job_id, hit, 0, True, "injected backend error")
+            return StorageProgress(op.job_id, hit, 0, True, "injected backend error",
+                                   state_page=self._state_page(op))
         done, swa_read = 0, []
         n = hit if limit is None else min(hit, limit)
         for i in range(n):
@@ -169,7 +170,16 @@ class FakeRunner:
             for i in range(max(stop - op.swa_window_pages, 0), stop):
                 self._set_host_swa_page(op.host_pages[i], st.pages[op.swa_keys[i]])
                 swa_read.append(i)
-        return StorageProgress(op.job_id, hit, done, True, swa_read=swa_read)
+        return StorageProgress(op.job_id, hit, done, True, swa_read=swa_read,
+                               state_page=self._state_page(op))
+
+    def _storage_hit(self, op) -> int:
+        """The job's hit pages, known when it is submitted (an s2h reports it at once)."""
+        return len(op.keys) if op.kind == "h2s" else self.storage.exists(op.keys)
+
+    def _state_page(self, op) -> int:
+        """StorageProgress.state_page of the job (FakeStateRunner's storage reads states)."""
+        return 0
 
     def _host_swa_page(self, page: int) -> tuple:
         raise AssertionError("SWA storage keys without an SWA pool")
@@ -187,10 +197,11 @@ class FakeRunner:
         for op in of_type(so.ops, TransferOp):
             if op.kind in ("h2s", "s2h"):
                 assert not op.sync and not op.device_pages and len(op.keys) == len(op.host_pages)
-                hit = len(op.keys) if op.kind == "h2s" else self.storage.exists(op.keys)
+                hit = self._storage_hit(op)
                 self.storage_jobs[op.job_id] = [op, self.storage.delay, hit]
                 if op.kind == "s2h":  # the hit query answers before any page is read
-                    progress.append(StorageProgress(op.job_id, hit, 0, False))
+                    progress.append(StorageProgress(op.job_id, hit, 0, False,
+                                                    state_page=self._state_page(op)))
         # Cancels after submits: a job may be cancelled in the output that starts it. A
         # cancelled job stops at once and reports its final progress in this output.
         for job in [c.job_id for c in of_type(so.ops, StorageCancel)]:

@@ -13,10 +13,14 @@ scheduler says holds a state, compared after every step under KVSTRATA_CHECK_INT
 A speculative verify (a chain) leaves the state after its last token and accepted drafts
 only, as the real runner's commit does. With HiCache, TransferOps carrying state slot pairs
 copy states to / from a host state store (`host_states`) first, in op order, as the HiCache
-executor does before the forward; `check_state_slots` compares the host slots too."""
+executor does before the forward; `check_state_slots` compares the host slots too. With L3
+(a FakeStorage), an "h2s" of states stores a host slot's tuple under its state key when the
+job runs, and an "s2h" with state keys reads the furthest stored state among its hit pages
+into its host slot when submitted, cutting the hit there (as StorageJobRunner): a state
+stored under the wrong key, or restored onto the wrong node, fails the state checks."""
 from __future__ import annotations
 
-from kvstrata.protocol import RunnerOutput, SchedulerOutput, TransferOp, of_type
+from kvstrata.protocol import RunnerOutput, SchedulerOutput, StorageProgress, TransferOp, of_type
 from tests.unit.fake_runner import FakeRunner
 
 
@@ -28,6 +32,7 @@ class FakeStateRunner(FakeRunner):
         self.states_moved = {"d2h": 0, "h2d": 0}
         self.copies = self.resets = self.snapshots = 0
         self.resumed_tokens = 0  # positions a copied snapshot spared recomputing
+        self.state_pages: dict[int, int] = {}  # s2h job -> the page its state was read at
 
     def _move_states(self, so: SchedulerOutput) -> None:
         for op in of_type(so.ops, TransferOp):
@@ -43,6 +48,44 @@ class FakeStateRunner(FakeRunner):
                     assert host in self.host_states, f"a load of the empty host slot {host}"
                     self.states[dev] = self.host_states[host]
             self.states_moved[op.kind] += len(op.state_slots)
+
+    # ---- HiCache L3 of states ---------------------------------------------------------
+    def _storage_hit(self, op) -> int:
+        if not op.state_keys:
+            return super()._storage_hit(op)
+        if op.kind == "h2s":
+            assert not op.keys and len(op.state_keys) == len(op.host_state_slots), op
+            return len(op.state_keys)
+        st, hit = self.storage, self.storage.exists(op.keys)
+        for i in range(hit - 1, -1, -1):  # the furthest stored state, read at once
+            if op.state_keys[i] not in st.pages:
+                continue
+            st.reads += 1
+            if st.corrupt_every and st.reads % st.corrupt_every == 0:
+                continue  # a corrupt record: the next furthest
+            self.host_states[op.host_state_slots[0]] = st.pages[op.state_keys[i]]
+            self.state_pages[op.job_id] = i + 1
+            return i + 1
+        return 0
+
+    def _state_page(self, op) -> int:
+        return self.state_pages.get(op.job_id, 0)
+
+    def _run_storage_job(self, op, hit: int, limit: int | None = None) -> StorageProgress:
+        if not (op.kind == "h2s" and op.state_keys):
+            return super()._run_storage_job(op, hit, limit)
+        st = self.storage
+        st.jobs_run += 1
+        if st.error_every and st.jobs_run % st.error_every == 0:
+            return StorageProgress(op.job_id, hit, 0, True, "injected backend error")
+        done = 0
+        for key, slot in zip(op.state_keys, op.host_state_slots):
+            if key in st.fail_set:
+                break
+            assert slot in self.host_states, f"a backup of the empty host state slot {slot}"
+            st.pages.setdefault(key, self.host_states[slot])
+            done += 1
+        return StorageProgress(op.job_id, hit, done, True)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self._move_states(so)

@@ -105,8 +105,6 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
       "speculative_eagle_topk": 4}, "--speculative-eagle-topk 4: a recurrent layer verifies"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_radix_cache": True},
      "incompatible with Mamba/SSM models"),
-    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
-     "--hicache-storage-backend file: HiCache L3 keeps no state snapshots"),
     ({"hicache_mamba_size_gb": "1"}, "--hicache-mamba-size-gb without --enable-hierarchical"),
     ({"disaggregation_mode": "decode", "disaggregation_decode_enable_offload_kvcache": True,
       "hicache_storage_backend": "file"}, "a PD decode server's HiCache / KV offload"),
@@ -170,6 +168,14 @@ def test_pd_servers_resolve_and_the_decode_holds_one_slot_a_request():
 def test_ngram_and_standalone_chains_resolve(kw):
     resolved, _ = run(page_size=16, **kw)
     assert resolved.speculative_eagle_topk == 1 and resolved.state_slots_per_request == 4
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake", "memory"])
+def test_hicache_storage_resolves(backend):
+    """HiCache L3 stores state snapshots beside the pages (cache/state_storage.py)."""
+    resolved, _ = run(enable_hierarchical_cache=True, hicache_ratio=2.0,
+                      hicache_storage_backend=backend)
+    assert resolved.hicache_storage_backend == backend
 
 
 def test_models_without_state_ignore_the_flags():

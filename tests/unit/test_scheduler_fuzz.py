@@ -8,8 +8,9 @@ draft tokens, priority scheduling with preemption on/off, its threshold and dire
 bounded queue, a hybrid SWA pool (window, SWA pages; the fake runner reads every window
 back through swa_slots, tests/unit/fake_swa_runner.py; with HiCache L2 / L3 too, whose host
 and storage copies carry the SWA halves), a recurrent state pool (an SSM hybrid: state slots,
-snapshot strategy, track interval; no host tier or SWA pool then, speculation drafts chains:
-the fake runner checks every state slot's tokens, tests/unit/fake_state_runner.py)) and then
+snapshot strategy, track interval; no SWA pool then, speculation drafts chains; with HiCache
+L2 / L3 its snapshots get host copies and state records: the fake runner checks every state
+slot's tokens, host and storage copies included, tests/unit/fake_state_runner.py)) and then
 interleaves arrivals (prompts sharing prefixes, drawn priorities),
 client aborts and engine steps.
 Properties:
@@ -88,8 +89,9 @@ configs = st.fixed_dictionaries({
     "swa": st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 40), st.integers(8, 96))),
     # Recurrent state (an SSM hybrid): (state slots, --mamba-radix-cache-strategy, track
     # interval in pages, HiCache host state slots), or off. Takes the place of the SWA pool
-    # and L3 (not built beside it); with a host tier (hicache_pages) its snapshots get host
-    # copies (cache/state_hiradix.py); speculation with it drafts chains (NGRAM /
+    # (not built beside it); with a host tier (hicache_pages) its snapshots get host copies
+    # (cache/state_hiradix.py), and with L3 state records beside the pages
+    # (cache/state_storage.py); speculation with it drafts chains (NGRAM /
     # STANDALONE: a verify commits the accepted step's state); no_buffer at pages > 1 runs
     # as auto.
     "state": st.one_of(st.none(), st.none(), st.none(), st.tuples(
@@ -115,7 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         state = cfg.get("state")
         if state is not None:
             spec = cfg["spec"] if cfg["spec"] is None or cfg["spec"][2] != "EAGLE" else None
-            cfg = {**cfg, "swa": None, "spec": spec, "storage": None}
+            cfg = {**cfg, "swa": None, "spec": spec}
         swa = cfg["swa"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
         self.cfg = cfg
@@ -138,7 +140,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             "num_host_state_slots": state[3] if hicache else 0,
             "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
             else state[1]}
-        self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB) if state is not None else
+        self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB, storage=store)
+                       if state is not None else
                        FakeRunner(page_size=P, vocab_size=VOCAB, storage=store) if swa is None
                        else FakeSWARunner(swa[0], page_size=P, vocab_size=VOCAB, storage=store))
         self.engine = EngineCore(self.runner, SchedulerConfig(
@@ -282,6 +285,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         storage = self.engine.scheduler.kv.storage
         if storage is not None:
             event(f"L3 hit tokens > 0: {storage.stats.hit_tokens > 0}")
+            if self.cfg.get("state") is not None:
+                event(f"L3 states restored > 0: {storage.stats.state_hits > 0}")
             assert not storage.busy() and storage.occupied_pages == 0
         for rid, (ids, max_new) in self.requests.items():
             self._check_outcome(rid, ids, max_new, self.finished[rid])

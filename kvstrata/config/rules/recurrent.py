@@ -2,8 +2,7 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, HiCache L3 and a
-decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
+cache of PD, a decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
 rules/deterministic.py; GGUF files: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
@@ -112,10 +111,6 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
         out.append(f"--quantization {args.quantization}: the quantized linear layers are "
                    f"wired into the llama-family decoder only, not the recurrent layers' "
                    f"projections")
-    if args.enable_hierarchical_cache and args.hicache_storage_backend is not None:
-        out.append(f"--hicache-storage-backend {args.hicache_storage_backend}: HiCache L3 "
-                   f"keeps no state snapshots (L2, the host tier, does: docs/architecture.md, "
-                   f"Recurrent state, item 7)")
     if args.disaggregation_decode_enable_hicache or \
             args.disaggregation_decode_enable_offload_kvcache:
         out.append("a PD decode server's HiCache / KV offload: a decode server keeps no "

@@ -46,7 +46,8 @@ class StorageNamespace:
     is_mla: bool = False  # MLA KV is identical on every tp rank: no rank in the namespace
     salt: str = ""        # tenant isolation (extra config `key_salt`)
     # hybrid SWA memory: which pool's records ("full" / "swa", cache/page_keys.py
-    # COMPONENTS); "" for a uniform pool, whose names stay what they were
+    # COMPONENTS), or a recurrent model's state snapshots ("state"); "" for a uniform
+    # pool, whose names stay what they were
     component: str = ""
 
     @classmethod
@@ -59,6 +60,18 @@ class StorageNamespace:
             for c in plan.components)
         return cls(model, plan.dtype or "none", geometry, tp_rank, tp_size,
                    plan.pool_kind == "mla", salt, component)
+
+    @classmethod
+    def for_states(cls, plan: KVPlan, model: str, *, tp_rank: int = 0, tp_size: int = 1,
+                   salt: str = "") -> "StorageNamespace":
+        """The namespace of a recurrent model's state snapshots (component "state",
+        cache/state_storage.py): its geometry is the state components' (layers, slot shape,
+        dtype each; a state is kept per request, not per page)."""
+        geometry = "state:" + ",".join(
+            f"{c.name}{c.num_layers}x{'x'.join(map(str, c.slot_shape))}:{c.dtype}"
+            for c in plan.state_components)
+        return cls(model, plan.dtype or "none", geometry, tp_rank, tp_size, False, salt,
+                   "state")
 
     @property
     def name(self) -> str:
@@ -78,9 +91,10 @@ class StorageConfig:
     namespace: StorageNamespace
     page_bytes: int                      # bytes of one flat page
     extra: dict[str, Any] = field(default_factory=dict)  # backend keys of the extra config
-    # Hybrid SWA memory opens one backend per pool kind (runner/executors/hicache.py): each
-    # takes this share (by page bytes) of the extra config's size limits (file max_bytes,
-    # mooncake global_segment_size), so the two together keep to what the flags say.
+    # Hybrid SWA memory and recurrent state open one backend per host pool kind
+    # (runner/executors/hicache.py): each takes this share (by host pool bytes) of the extra
+    # config's size limits (file max_bytes, mooncake global_segment_size), so together they
+    # keep to what the flags say.
     share: float = 1.0
 
 

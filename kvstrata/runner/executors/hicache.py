@@ -106,20 +106,28 @@ class HiCacheExecutor(OpExecutor):
         Tensor parallelism: an MHA rank stores its KV heads under its own rank's keys; MLA
         KV is the same on every rank, so with a store shared between processes only rank 0
         writes it and every rank reads it. Hybrid SWA memory: one backend per host pool, in
-        the namespace of that pool's component (full / swa; cache/swa_storage.py)."""
+        the namespace of that pool's component (full / swa; cache/swa_storage.py).
+        Recurrent state: one more backend over the host state slots, namespace component
+        "state" (cache/state_storage.py). The size limits are shared in proportion to the
+        host pools' bytes (with SWA memory: the two pools' page bytes, as their page counts
+        are equal; with state: the host state slots' share, which --hicache-mamba-size-gb or
+        the device bytes set)."""
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
         salt = str(extra.get("key_salt", ""))
 
-        pools = [self.host_pool] + ([self.swa_host_pool] if self.swa_host_pool else [])
-        total_bytes = sum(p.geom.bytes_per_page for p in pools)
+        pools = [self.host_pool] + [p for p in (self.swa_host_pool, self.host_states) if p]
+        total_bytes = sum(p.size_bytes for p in pools)
 
-        def open_store(plan: KVPlan, host_pool: HostKVPool, component: str = ""):
-            namespace = StorageNamespace.from_plan(plan, model, tp_rank=tp_rank,
-                                                   tp_size=tp_size, salt=salt,
-                                                   component=component)
+        def open_store(plan: KVPlan, host_pool, component: str = ""):
+            namespace = (StorageNamespace.for_states(plan, model, tp_rank=tp_rank,
+                                                     tp_size=tp_size, salt=salt)
+                         if component == "state" else
+                         StorageNamespace.from_plan(plan, model, tp_rank=tp_rank,
+                                                    tp_size=tp_size, salt=salt,
+                                                    component=component))
             page_bytes = host_pool.geom.bytes_per_page
             config = StorageConfig(namespace, page_bytes, backend_extra,
-                                   share=page_bytes / total_bytes)
+                                   share=host_pool.size_bytes / total_bytes)
             logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
             return create_storage_backend(backend, config, host_pool), namespace
 
@@ -129,8 +137,10 @@ class HiCacheExecutor(OpExecutor):
         else:
             store, namespace = open_store(self.plan.full_pool_plan(), self.host_pool, "full")
             swa_store = open_store(self.plan.swa_pool_plan(), self.swa_host_pool, "swa")[0]
+        state_store = (open_store(self.plan, self.host_states, "state")[0]
+                       if self.host_states is not None else None)
         self.skip_backups = namespace.is_mla and tp_rank > 0 and store.shared_across_processes
-        self.storage = StorageJobRunner(store, swa_backend=swa_store)
+        self.storage = StorageJobRunner(store, swa_backend=swa_store, state_backend=state_store)
 
     def execute(self, ops: list[TransferOp], idle: bool = False, cancels: list[int] = ()
                 ) -> tuple[list[int], list[int], list[StorageProgress]]:
@@ -194,10 +204,12 @@ class HiCacheExecutor(OpExecutor):
         if self.storage is not None:
             s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
                       if isinstance(v, (int, float))})
-            if self.storage.swa_backend is not None:  # the SWA halves' records apart
-                s.update({f"storage_swa_{k}": v
-                          for k, v in self.storage.swa_backend.stats().items()
-                          if isinstance(v, (int, float))})
+            # the SWA halves' and the state snapshots' records apart
+            for kind, store in (("swa", self.storage.swa_backend),
+                                ("state", self.storage.state_backend)):
+                if store is not None:
+                    s.update({f"storage_{kind}_{k}": v for k, v in store.stats().items()
+                              if isinstance(v, (int, float))})
         return s
 
     def close(self, storage_timeout: float = 2.0) -> None:
