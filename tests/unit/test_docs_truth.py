@@ -59,6 +59,8 @@ THIRD_PARTY_NAMES = {
     "GenerateReqInput",  # SGLang's /generate schema, which kvstrata mirrors
     "Int8DynamicActivationInt8WeightConfig",  # torchao's int8 path, measured and not taken
     "Gemma3ForConditionalGeneration",  # the multimodal Gemma 3 checkpoints, refused by name
+    # transformers' decoder layers that the NEXTN tests run as the MTP layer's reference
+    "DeepseekV3DecoderLayer", "Qwen3NextDecoderLayer",
 }
 
 
