@@ -1,0 +1,156 @@
+"""The config of a Mamba2 or Nemotron-H GGUF file (llama.cpp archs `mamba2`, `nemotron_h`,
+written by convert_hf_to_gguf.py's Mamba2Model / NemotronHModel) read the way llama.cpp reads it
+(llama-model.cpp's hparams for these archs); transformers converts neither arch's config, so
+every field the models read (runner/models/nemotron_h.py) comes from the header:
+
+  - Mamba2 layers: ssm.inner_size (d_inner), ssm.time_step_rank (the head count: llama.cpp's
+    n_head = dt_rank, head size d_inner / n_head), ssm.state_size, ssm.group_count,
+    ssm.conv_kernel; attention.layer_norm_rms_epsilon (every RMSNorm, the gated group norm
+    too); biases by the tensors the file holds (ssm_conv1d.bias, ssm_in.bias);
+  - Nemotron-H's layer kinds from the per-layer arrays, as llama.cpp decides them: a layer
+    with attention.head_count_kv 0 and feed_forward_length 0 is Mamba2, one with K/V heads
+    attention, one with a feed-forward length the relu^2 MLP (both at once: refused);
+    attention.key_length is the head size (value_length must equal it), attention without
+    rope at 1/sqrt(head size) (llama.cpp's rope type NONE for the arch);
+  - the vocabulary size from token_embd's rows (a converter pads the token list, not the
+    matrix), tied embeddings when there is no output.weight (llama.cpp then reads
+    token_embd), the special ids from tokenizer.ggml.* (none: null, not a class default);
+    context_length as max_position_embeddings, except the converter's placeholder 2**20.
+What a file cannot say takes the HF config class's default, which is also what llama.cpp
+computes: dt unclamped (time_step_limit (0, inf): llama.cpp's ssm_scan clamps nothing), the
+gate applied before the group norm, SiLU in the mixer. Refused by key: a K/V head count or
+feed-forward length that differs between layers, value_length != key_length, dt_b_c_rms
+(Falcon-Mamba's extra norms), attention biases.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.config.gguf_header import arch_getters
+
+ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+# The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
+# use the default"): no trained context, so the config class's default stands (4096 for
+# Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
+_PLACEHOLDER_CONTEXT = 2 ** 20
+KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
+        "attention.head_count", "attention.head_count_kv", "attention.key_length",
+        "attention.value_length", "attention.layer_norm_rms_epsilon", "ssm.conv_kernel",
+        "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+        "ssm.dt_b_c_rms")
+
+
+def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """config.json fields of a mamba2 / nemotron_h file from its metadata and tensor table
+    (name -> ne); {} for other archs."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        return {}
+
+    get, need = arch_getters(meta, arch)
+
+    if get("ssm.dt_b_c_rms"):
+        raise ValueError(f"GGUF {arch}: ssm.dt_b_c_rms (RMS norms on dt, B and C) is not "
+                         f"supported")
+    n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
+    d_inner, n_head = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
+    n_group = int(need("ssm.group_count"))
+    if n_head <= 0 or d_inner % n_head or n_head % n_group:
+        raise ValueError(f"GGUF {arch}: ssm.inner_size {d_inner} is not a whole number of "
+                         f"ssm.time_step_rank {n_head} heads, or they of {n_group} groups")
+    mixer = {"conv_kernel": int(need("ssm.conv_kernel")), "n_groups": n_group,
+             "use_conv_bias": "blk.0.ssm_conv1d.bias" in dims,
+             "use_bias": "blk.0.ssm_in.bias" in dims}
+    fields: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "num_hidden_layers": n_layer, "hidden_size": n_embd,
+        "layer_norm_epsilon": float(need("attention.layer_norm_rms_epsilon")), **mixer,
+        **_vocabulary(arch, dims)}
+    if get("context_length") and int(get("context_length")) != _PLACEHOLDER_CONTEXT:
+        fields["max_position_embeddings"] = int(get("context_length"))
+    if arch == "mamba2":
+        if d_inner % n_embd:
+            raise ValueError(f"GGUF {arch}: ssm.inner_size {d_inner} is not a multiple of "
+                             f"embedding_length {n_embd}")
+        return {**fields, "num_heads": n_head, "head_dim": d_inner // n_head,
+                "expand": d_inner // n_embd, "state_size": int(need("ssm.state_size")),
+                "hidden_act": "silu", "residual_in_fp32": True}
+    return {**fields, **_nemotron_h_layers(arch, get, need, n_layer, n_embd, dims),
+            "mamba_num_heads": n_head, "mamba_head_dim": d_inner // n_head,
+            "mamba_proj_bias": mixer["use_bias"], "ssm_state_size": int(need("ssm.state_size")),
+            "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
+
+
+def _per_layer(arch: str, key: str, value: Any, n_layer: int) -> list[int]:
+    values = value if isinstance(value, list) else [value] * n_layer
+    if len(values) != n_layer:
+        raise ValueError(f"GGUF {arch}: {key} has {len(values)} entries for {n_layer} layers")
+    return [int(v) for v in values]
+
+
+def _one_size(arch: str, key: str, values: list[int]) -> int | None:
+    """The one non-zero value of a per-layer array (None when every layer has 0)."""
+    sizes = sorted(set(values) - {0})
+    if len(sizes) > 1:
+        raise ValueError(f"GGUF {arch}: {key} differs between layers ({sizes}); one size for "
+                         f"every layer of its kind is supported")
+    return sizes[0] if sizes else None
+
+
+def _nemotron_h_layers(arch: str, get, need, n_layer: int, n_embd: int,
+                       dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Layer kinds and attention / MLP sizes, as llama.cpp's nemotron_h hparams and graph
+    read them."""
+    kv = _per_layer(arch, "attention.head_count_kv", get("attention.head_count_kv", 0), n_layer)
+    ff = _per_layer(arch, "feed_forward_length", get("feed_forward_length", 0), n_layer)
+    kinds = []
+    for i, (n_kv, n_ff) in enumerate(zip(kv, ff)):
+        if n_kv and n_ff:
+            raise ValueError(f"GGUF {arch}: layer {i} has both K/V heads ({n_kv}) and a "
+                             f"feed-forward length ({n_ff}); a layer is one of Mamba2, "
+                             f"attention or MLP")
+        kinds.append("full_attention" if n_kv else "mlp" if n_ff else "linear_attention")
+    n_head = get("attention.head_count")
+    heads = _one_size(arch, "attention.head_count", _per_layer(
+        arch, "attention.head_count", n_head if n_head is not None else 0, n_layer))
+    n_kv = _one_size(arch, "attention.head_count_kv", kv)
+    if n_kv is not None and heads is None:
+        raise ValueError(f"GGUF {arch}: attention layers without attention.head_count")
+    heads = heads or 1  # no attention layer: nothing reads the head shape
+    head_dim = int(get("attention.key_length", n_embd // heads))
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ValueError(f"GGUF {arch}: attention.value_length {value_dim} != key_length "
+                         f"{head_dim} is not supported")
+    biases = [name for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias")
+              if any(n.endswith(name) for n in dims)]
+    if biases:
+        raise ValueError(f"GGUF {arch}: attention biases ({', '.join(biases)}) are not "
+                         f"supported")
+    mlp = _one_size(arch, "feed_forward_length", ff)
+    return {"layers_block_type": kinds, "num_attention_heads": heads,
+            "num_key_value_heads": n_kv or heads, "head_dim": head_dim,
+            "attention_bias": False, "intermediate_size": mlp or 0,
+            "mlp_bias": any(n.endswith("ffn_up.bias") for n in dims)}
+
+
+# config.json's special ids -> the tokenizer keys that hold them
+TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
+             "eos_token_id": "tokenizer.ggml.eos_token_id",
+             "pad_token_id": "tokenizer.ggml.padding_token_id"}
+
+
+def _vocabulary(arch: str, dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    if "token_embd.weight" not in dims:
+        raise ValueError(f"GGUF {arch}: no token_embd.weight")
+    return {"vocab_size": int(dims["token_embd.weight"][1]),
+            "tie_word_embeddings": "output.weight" not in dims}
+
+
+def token_ids(meta: dict[str, Any]) -> dict[str, Any]:
+    """The special ids the file names; the others null (a config class's default id would be
+    a token the file never said was special)."""
+    return {field: meta.get(key) for field, key in TOKEN_IDS.items()}
+
+
+__all__ = ["ARCHITECTURES", "KEYS", "TOKEN_IDS", "hybrid_fields", "token_ids"]
