@@ -1,7 +1,8 @@
-"""The config of a Mamba2 or Nemotron-H GGUF file (llama.cpp archs `mamba2`, `nemotron_h`,
-written by convert_hf_to_gguf.py's Mamba2Model / NemotronHModel) read the way llama.cpp reads it
-(llama-model.cpp's hparams for these archs); transformers converts neither arch's config, so
-every field the models read (runner/models/nemotron_h.py) comes from the header:
+"""The config of a Mamba2, Nemotron-H or Granite-4.0-H GGUF file (llama.cpp archs `mamba2`,
+`nemotron_h`, `granitehybrid`, written by convert_hf_to_gguf.py's Mamba2Model / NemotronHModel /
+GraniteHybridModel) read the way llama.cpp reads it (llama-model.cpp's hparams for these
+archs); transformers converts none of these archs' configs, so every field the models read
+(runner/models/nemotron_h.py, granite_hybrid.py) comes from the header:
 
   - Mamba2 layers: ssm.inner_size (d_inner), ssm.time_step_rank (the head count: llama.cpp's
     n_head = dt_rank, head size d_inner / n_head), ssm.state_size, ssm.group_count,
@@ -12,6 +13,11 @@ every field the models read (runner/models/nemotron_h.py) comes from the header:
     attention, one with a feed-forward length the relu^2 MLP (both at once: refused);
     attention.key_length is the head size (value_length must equal it), attention without
     rope at 1/sqrt(head size) (llama.cpp's rope type NONE for the arch);
+  - Granite-4.0-H's: a layer with K/V heads is attention, the others Mamba2; rope (llama.cpp's
+    interleaved pairs, the converter's q / k permutation) iff rope.scaling.finetuned, base
+    rope.freq_base; attention.scale, embedding_scale, residual_scale, logit_scale as the
+    multipliers (absent: llama.cpp applies none; the attention's then 1/sqrt(head size));
+    expert_count / expert_used_count, the expert and shared MLP widths from their tensors;
   - the vocabulary size from token_embd's rows (a converter pads the token list, not the
     matrix), tied embeddings when there is no output.weight (llama.cpp then reads
     token_embd), the special ids from tokenizer.ggml.* (none: null, not a class default);
@@ -20,7 +26,8 @@ What a file cannot say takes the HF config class's default, which is also what l
 computes: dt unclamped (time_step_limit (0, inf): llama.cpp's ssm_scan clamps nothing), the
 gate applied before the group norm, SiLU in the mixer. Refused by key: a K/V head count or
 feed-forward length that differs between layers, value_length != key_length, dt_b_c_rms
-(Falcon-Mamba's extra norms), attention biases.
+(Falcon-Mamba's extra norms), attention biases; Granite's rope scaling or partial rope, a head
+size other than hidden / heads.
 """
 from __future__ import annotations
 
@@ -28,7 +35,10 @@ from typing import Any
 
 from kvstrata.config.gguf_header import arch_getters
 
-ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                 "granitehybrid": "GraniteMoeHybridForCausalLM"}
+MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h",
+               "granitehybrid": "granitemoehybrid"}
 # The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
 # use the default"): no trained context, so the config class's default stands (4096 for
 # Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
@@ -37,11 +47,15 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
         "attention.head_count", "attention.head_count_kv", "attention.key_length",
         "attention.value_length", "attention.layer_norm_rms_epsilon", "ssm.conv_kernel",
         "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
-        "ssm.dt_b_c_rms")
+        "ssm.dt_b_c_rms", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
+        "rope.scaling.finetuned", "expert_count", "expert_used_count", "attention.scale",
+        "embedding_scale", "residual_scale", "logit_scale")
+_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 
 
 def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """config.json fields of a mamba2 / nemotron_h file from its metadata and tensor table
+    """config.json fields of a mamba2 / nemotron_h / granitehybrid file from its metadata and
+    tensor table
     (name -> ne); {} for other archs."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -58,27 +72,40 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
     if n_head <= 0 or d_inner % n_head or n_head % n_group:
         raise ValueError(f"GGUF {arch}: ssm.inner_size {d_inner} is not a whole number of "
                          f"ssm.time_step_rank {n_head} heads, or they of {n_group} groups")
-    mixer = {"conv_kernel": int(need("ssm.conv_kernel")), "n_groups": n_group,
-             "use_conv_bias": "blk.0.ssm_conv1d.bias" in dims,
-             "use_bias": "blk.0.ssm_in.bias" in dims}
+    conv_bias = any(n.endswith("ssm_conv1d.bias") for n in dims)
+    proj_bias = any(n.endswith("ssm_in.bias") for n in dims)
+    eps = float(need("attention.layer_norm_rms_epsilon"))
     fields: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
-        "num_hidden_layers": n_layer, "hidden_size": n_embd,
-        "layer_norm_epsilon": float(need("attention.layer_norm_rms_epsilon")), **mixer,
-        **_vocabulary(arch, dims)}
-    if get("context_length") and int(get("context_length")) != _PLACEHOLDER_CONTEXT:
-        fields["max_position_embeddings"] = int(get("context_length"))
+        "architectures": [ARCHITECTURES[arch]], "model_type": MODEL_TYPES[arch],
+        "num_hidden_layers": n_layer, "hidden_size": n_embd, **_vocabulary(arch, dims)}
+    context = int(get("context_length") or 0)
+    if context and context != _PLACEHOLDER_CONTEXT:
+        fields["max_position_embeddings"] = context
+    if arch == "granitehybrid":
+        return {**fields, **_granite(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
+                "mamba_n_heads": n_head, "mamba_d_head": d_inner // n_head,
+                "mamba_expand": _expand(arch, d_inner, n_embd),
+                "mamba_d_state": int(need("ssm.state_size")), "mamba_n_groups": n_group,
+                "mamba_d_conv": int(need("ssm.conv_kernel")), "mamba_conv_bias": conv_bias,
+                "mamba_proj_bias": proj_bias}
+    fields.update(conv_kernel=int(need("ssm.conv_kernel")), n_groups=n_group,
+                  use_conv_bias=conv_bias, use_bias=proj_bias, layer_norm_epsilon=eps)
     if arch == "mamba2":
-        if d_inner % n_embd:
-            raise ValueError(f"GGUF {arch}: ssm.inner_size {d_inner} is not a multiple of "
-                             f"embedding_length {n_embd}")
         return {**fields, "num_heads": n_head, "head_dim": d_inner // n_head,
-                "expand": d_inner // n_embd, "state_size": int(need("ssm.state_size")),
-                "hidden_act": "silu", "residual_in_fp32": True}
+                "expand": _expand(arch, d_inner, n_embd),
+                "state_size": int(need("ssm.state_size")), "hidden_act": "silu",
+                "residual_in_fp32": True}
     return {**fields, **_nemotron_h_layers(arch, get, need, n_layer, n_embd, dims),
             "mamba_num_heads": n_head, "mamba_head_dim": d_inner // n_head,
-            "mamba_proj_bias": mixer["use_bias"], "ssm_state_size": int(need("ssm.state_size")),
+            "mamba_proj_bias": proj_bias, "ssm_state_size": int(need("ssm.state_size")),
             "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
+
+
+def _expand(arch: str, d_inner: int, n_embd: int) -> int:
+    if d_inner % n_embd:
+        raise ValueError(f"GGUF {arch}: ssm.inner_size {d_inner} is not a multiple of "
+                         f"embedding_length {n_embd}")
+    return d_inner // n_embd
 
 
 def _per_layer(arch: str, key: str, value: Any, n_layer: int) -> list[int]:
@@ -110,6 +137,17 @@ def _nemotron_h_layers(arch: str, get, need, n_layer: int, n_embd: int,
                              f"feed-forward length ({n_ff}); a layer is one of Mamba2, "
                              f"attention or MLP")
         kinds.append("full_attention" if n_kv else "mlp" if n_ff else "linear_attention")
+    heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
+    mlp = _one_size(arch, "feed_forward_length", ff)
+    return {"layers_block_type": kinds, "num_attention_heads": heads,
+            "num_key_value_heads": n_kv, "head_dim": head_dim,
+            "attention_bias": False, "intermediate_size": mlp or 0,
+            "mlp_bias": any(n.endswith("ffn_up.bias") for n in dims)}
+
+
+def _attention(arch: str, get, kv: list[int], n_layer: int, n_embd: int,
+               dims: dict[str, tuple[int, ...]]) -> tuple[int, int, int]:
+    """(heads, K/V heads, head size) of the attention layers (kv: K/V heads per layer)."""
     n_head = get("attention.head_count")
     heads = _one_size(arch, "attention.head_count", _per_layer(
         arch, "attention.head_count", n_head if n_head is not None else 0, n_layer))
@@ -127,11 +165,51 @@ def _nemotron_h_layers(arch: str, get, need, n_layer: int, n_embd: int,
     if biases:
         raise ValueError(f"GGUF {arch}: attention biases ({', '.join(biases)}) are not "
                          f"supported")
-    mlp = _one_size(arch, "feed_forward_length", ff)
-    return {"layers_block_type": kinds, "num_attention_heads": heads,
-            "num_key_value_heads": n_kv or heads, "head_dim": head_dim,
-            "attention_bias": False, "intermediate_size": mlp or 0,
-            "mlp_bias": any(n.endswith("ffn_up.bias") for n in dims)}
+    return heads, n_kv or heads, head_dim
+
+
+def _granite(arch: str, get, need, n_layer: int, n_embd: int,
+             dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Granite-4.0-H as llama.cpp's granitehybrid hparams read it: a layer with K/V heads is
+    attention, the others Mamba2; rope iff rope.scaling.finetuned (default true); each
+    multiplier from its *_scale key (absent: none applied, i.e. 1; the attention's absent:
+    1/sqrt(head size)); the expert and shared MLP widths from their tensors (ne[1])."""
+    kv = _per_layer(arch, "attention.head_count_kv", get("attention.head_count_kv", 0), n_layer)
+    heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
+    if head_dim * heads != n_embd:
+        raise ValueError(f"GGUF {arch}: attention.key_length {head_dim} x {heads} heads != "
+                         f"embedding_length {n_embd} is not supported (Granite's head size is "
+                         f"hidden / heads)")
+    rope = bool(get("rope.scaling.finetuned", True))
+    scaling = get("rope.scaling.type", "none")
+    if rope and scaling != "none":
+        raise ValueError(f"GGUF {arch}: rope.scaling.type {scaling!r} is not supported")
+    rot = int(get("rope.dimension_count", head_dim))
+    if rope and rot != head_dim:
+        raise ValueError(f"GGUF {arch}: rope.dimension_count {rot} (a rope over part of the "
+                         f"head of {head_dim}) is not supported")
+    experts = int(get("expert_count", 0) or 0)
+    shared = dims.get("blk.0.ffn_gate_shexp.weight" if experts else "blk.0.ffn_gate.weight")
+    if shared is None:
+        raise ValueError(f"GGUF {arch}: no shared MLP (ffn_gate_shexp / ffn_gate) in layer 0")
+    fields = {
+        "layer_types": ["attention" if n else "mamba" for n in kv],
+        "num_attention_heads": heads, "num_key_value_heads": n_kv, "attention_bias": False,
+        "hidden_act": "silu", "position_embedding_type": "rope" if rope else "nope",
+        "rope_parameters": {"rope_type": "default",
+                            "rope_theta": float(get("rope.freq_base", _ROPE_BASE))},
+        "attention_multiplier": float(get("attention.scale") or head_dim ** -0.5),
+        "embedding_multiplier": float(get("embedding_scale") or 1.0),
+        "residual_multiplier": float(get("residual_scale") or 1.0),
+        "logits_scaling": float(get("logit_scale") or 1.0),
+        "num_local_experts": experts, "shared_intermediate_size": int(shared[1])}
+    if experts:
+        gate = dims.get("blk.0.ffn_gate_exps.weight")
+        if gate is None:
+            raise ValueError(f"GGUF {arch}: expert_count {experts} but no ffn_gate_exps")
+        fields.update(num_experts_per_tok=int(need("expert_used_count")),
+                      intermediate_size=int(gate[1]))
+    return fields
 
 
 # config.json's special ids -> the tokenizer keys that hold them

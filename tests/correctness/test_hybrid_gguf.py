@@ -1,7 +1,9 @@
-"""Mamba2 and Nemotron-H GGUF files (llama.cpp archs `mamba2`, `nemotron_h`): tiny random models
+"""Mamba2, Nemotron-H and Granite-4.0-H GGUF files (llama.cpp archs `mamba2`, `nemotron_h`,
+`granitehybrid`): tiny random models
 (tests/helpers/hybrid_ckpt.py) written as llama.cpp's converter writes them with --outtype q8_0
 (tests/helpers/hybrid_gguf.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted
-q / k, Q8_0 matrices beside F32 / F16 tensors) are served from the file:
+q / k, Granite's gate / up halves apart, Q8_0 matrices beside F32 / F16 tensors) are served
+from the file:
 
 - the config comes from the header (transformers converts neither arch) and equals the HF
   config where the model reads it; resolution sees the recurrent layers from the header;
@@ -25,7 +27,7 @@ import torch
 from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
 from helpers.hybrid_gguf import write_hybrid_gguf
 
-ARCHS = ("mamba2", "nemotron_h")
+ARCHS = ("mamba2", "nemotron_h", "granite")
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LENS = (5, 29, 70)
@@ -52,13 +54,24 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENS]
 
 
+_MAMBA = ("n_groups", "conv_kernel", "use_conv_bias", "use_bias", "time_step_limit")
 _FIELDS = {
-    "mamba2": ("num_heads", "head_dim", "expand", "state_size", "hidden_act",
-               "residual_in_fp32"),
-    "nemotron_h": ("layers_block_type", "num_attention_heads", "num_key_value_heads",
+    "mamba2": (*_MAMBA, "num_heads", "head_dim", "expand", "state_size", "hidden_act",
+               "residual_in_fp32", "layer_norm_epsilon"),
+    "nemotron_h": (*_MAMBA, "layers_block_type", "num_attention_heads", "num_key_value_heads",
                    "head_dim", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
                    "ssm_state_size", "mlp_hidden_act", "mamba_hidden_act", "mlp_bias",
-                   "residual_in_fp32")}
+                   "residual_in_fp32", "layer_norm_epsilon"),
+    "granite": ("layers_block_type", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "shared_intermediate_size", "num_local_experts",
+                "num_experts_per_tok", "mamba_n_heads", "mamba_d_head", "mamba_d_state",
+                "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias",
+                "mamba_expand", "position_embedding_type", "attention_multiplier",
+                "embedding_multiplier", "residual_multiplier", "logits_scaling", "hidden_act",
+                "time_step_limit", "rms_norm_eps")}
+_LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
+           "nemotron_h": "layers_block_type: 2 of 4 layers recurrent",
+           "granite": "layer_types: 3 of 4 layers recurrent"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -72,19 +85,18 @@ def test_config_comes_from_the_header(arch, files):
     ours, theirs = load_hf_config(resolve_model_path(gguf_path)), AutoConfig.from_pretrained(
         hf_path)
     for field in ("architectures", "num_hidden_layers", "hidden_size", "vocab_size",
-                  "tie_word_embeddings", "n_groups", "conv_kernel", "use_conv_bias",
-                  "use_bias", "time_step_limit", "bos_token_id", "pad_token_id",
-                  "eos_token_id", *_FIELDS[arch]):
+                  "tie_word_embeddings", "bos_token_id", "pad_token_id", "eos_token_id",
+                  *_FIELDS[arch]):
         mine, want = getattr(ours, field), getattr(theirs, field)
         if isinstance(want, (list, tuple)) and field != "layers_block_type":
             mine, want = tuple(mine), tuple(want)  # time_step_limit: a list once saved
+        if isinstance(want, float):  # stored as float32 in the file
+            mine, want = np.float32(mine), np.float32(want)
         assert mine == want, field
-    assert np.float32(ours.layer_norm_epsilon) == np.float32(theirs.layer_norm_epsilon)
+    if arch == "granite":
+        assert ours.rope_parameters["rope_theta"] == theirs.rope_parameters["rope_theta"]
     info = ModelInfo.from_model_path(gguf_path)
-    assert info.has_recurrent_state
-    assert info.recurrent_layers == {
-        "mamba2": "model_type mamba2: every layer keeps state",
-        "nemotron_h": "layers_block_type: 2 of 4 layers recurrent"}[arch]
+    assert info.has_recurrent_state and info.recurrent_layers == _LAYERS[arch]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,6 +1,6 @@
-"""A tiny Mamba2 / Nemotron-H HF checkpoint (tests/helpers/hybrid_ckpt.py) written as a GGUF file
-the way llama.cpp's convert_hf_to_gguf.py writes one (Mamba2Model; NemotronHModel through
-GraniteHybridModel) with `--outtype q8_0`, with gguf's own writer and quantizer:
+"""A tiny Mamba2 / Nemotron-H / Granite-4.0-H HF checkpoint (tests/helpers/hybrid_ckpt.py) written
+as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes one (Mamba2Model; NemotronHModel
+and GraniteHybridModel) with `--outtype q8_0`, with gguf's own writer and quantizer:
   - metadata: the arch's keys as the converter sets them (Mamba2: context 2**20, ssm.* sizes,
     time_step_rank = d_inner / head_dim; Nemotron-H: head_count_kv and feed_forward_length
     per layer, 0 where a layer has none, key / value length, ssm.*), a sentencepiece
@@ -8,10 +8,13 @@ GraniteHybridModel) with `--outtype q8_0`, with gguf's own writer and quantizer:
   - tensors: llama.cpp's names (gguf.get_tensor_name_map; dt_bias renamed dt_proj.bias first,
     as Mamba2Model.filter_tensors does), A stored as -exp(A_log) shaped (heads, 1), D as
     (heads, 1), conv1d squeezed to (channels, kernel), the gated norm as (groups, d_inner /
-    groups), Nemotron-H's q / k rows permuted (LlamaModel.permute: GraniteHybridModel's
-    undo_permute); types as the converter picks them: F32 for 1-D tensors, norms, conv1d and
-    tensors without a .weight suffix (ssm_a, ssm_d), Q8_0 for the other matrices, F16 where a
-    row is not whole Q8_0 blocks (the converter's fallback).
+    groups), the attention's q / k rows permuted (LlamaModel.permute: GraniteHybridModel's
+    undo_permute), Granite's input_linear split into gate / up halves (GraniteMoeModel:
+    ffn_gate_exps / ffn_up_exps, ffn_gate_shexp / ffn_up_shexp); Granite's multipliers as
+    *_scale keys, rope.scaling.finetuned as its rope switch; types as the converter picks
+    them: F32 for 1-D tensors, norms, conv1d, the router and tensors without a .weight suffix
+    (ssm_a, ssm_d), Q8_0 for the other matrices, F16 where a row is not whole Q8_0 blocks
+    (the converter's fallback).
 `reference_dir` gets an HF checkpoint of the values the file holds (each transform undone by
 this file's own inverse: q / k rows by the inverse of an index permutation, A_log = log(-A)).
 """
@@ -25,7 +28,7 @@ import numpy as np
 from helpers.decoder_gguf import llama_cpp_permute
 from helpers.gemma_gguf import _vocab
 
-ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H"}
+ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H", "granite": "GRANITE_HYBRID"}
 QUANT = "Q8_0"
 
 
@@ -38,21 +41,39 @@ def _metadata(w, arch: str, config) -> None:
         w.add_feed_forward_length(0)
         w.add_head_count(0)
         state, groups, kernel = config.state_size, config.n_groups, config.conv_kernel
-    else:
+        eps = config.layer_norm_epsilon
+    elif arch == "nemotron_h":
         d_inner, heads = config.mamba_num_heads * config.mamba_head_dim, config.mamba_num_heads
         kinds = config.layers_block_type
         w.add_context_length(2 ** 20)  # GraniteHybridModel: no rope
         w.add_feed_forward_length([config.intermediate_size if k == "mlp" else 0
                                    for k in kinds])
-        w.add_head_count(config.num_attention_heads)
-        w.add_head_count_kv([config.num_key_value_heads if k == "full_attention" else 0
-                             for k in kinds])
+        _attention_metadata(w, config, [k == "full_attention" for k in kinds])
         w.add_key_length(config.head_dim)
         w.add_value_length(config.head_dim)
         w.add_rope_dimension_count(config.head_dim)
         w.add_rope_scaling_finetuned(False)
-        w.add_vocab_size(config.vocab_size)
         state, groups, kernel = config.ssm_state_size, config.n_groups, config.conv_kernel
+        eps = config.layer_norm_epsilon
+    else:  # GraniteHybridModel (GraniteMoeModel's keys, then the Mamba2 ones)
+        d_inner, heads = config.mamba_expand * config.hidden_size, config.mamba_n_heads
+        rope = config.position_embedding_type == "rope"
+        w.add_context_length(config.max_position_embeddings if rope else 2 ** 20)
+        w.add_feed_forward_length(config.intermediate_size)
+        _attention_metadata(w, config, [k in ("attention", "full_attention")
+                                        for k in config.layers_block_type])
+        w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        w.add_rope_scaling_finetuned(rope)
+        w.add_expert_count(config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+        w.add_attention_scale(config.attention_multiplier)
+        w.add_embedding_scale(config.embedding_multiplier)
+        w.add_residual_scale(config.residual_multiplier)
+        w.add_logit_scale(config.logits_scaling)
+        state, groups, kernel = config.mamba_d_state, config.mamba_n_groups, config.mamba_d_conv
+        eps = config.rms_norm_eps
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_ssm_conv_kernel(kernel)
@@ -60,7 +81,7 @@ def _metadata(w, arch: str, config) -> None:
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(heads)
     w.add_ssm_group_count(groups)
-    w.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    w.add_layer_norm_rms_eps(eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     tokens, scores, token_types = _vocab(config.vocab_size)
     w.add_tokenizer_model("llama")
@@ -72,10 +93,19 @@ def _metadata(w, arch: str, config) -> None:
     w.add_unk_token_id(3)
 
 
-def _source_name(hf_name: str) -> tuple[str, str]:
-    """(the converter's module name, suffix) of a state-dict name: backbone.* (transformers'
-    Nemotron-H module is model.*), dt_bias as dt_proj.bias; A_log and D carry no suffix."""
-    name = "backbone." + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+def _attention_metadata(w, config, attention: list[bool]) -> None:
+    """head_count, and head_count_kv per layer: 0 where a layer has no attention."""
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv([config.num_key_value_heads if a else 0 for a in attention])
+    w.add_vocab_size(config.vocab_size)
+
+
+def _source_name(arch: str, hf_name: str) -> tuple[str, str]:
+    """(the converter's module name, suffix) of a state-dict name: backbone.* for Nemotron-H
+    (transformers' module is model.*), dt_bias as dt_proj.bias; A_log and D carry no suffix."""
+    name = hf_name
+    if arch == "nemotron_h" and name.startswith("model."):
+        name = "backbone." + name[len("model."):]
     if name.endswith(".dt_bias"):
         name = name[:-len("dt_bias")] + "dt_proj.bias"
     if name.endswith((".A_log", ".D")):
@@ -89,7 +119,7 @@ def _stored(gguf_name: str, arr: np.ndarray):
     import gguf
 
     is_float = (arr.ndim <= 1 or gguf_name.endswith("_norm.weight") or "ssm_conv1d" in gguf_name
-                or not gguf_name.endswith(".weight"))
+                or "ffn_gate_inp" in gguf_name or not gguf_name.endswith(".weight"))
     if is_float:
         data = np.ascontiguousarray(arr, dtype=np.float32)
         return data, None, data
@@ -101,14 +131,41 @@ def _stored(gguf_name: str, arr: np.ndarray):
     return data, qtype, gguf.quants.dequantize(data, qtype).reshape(arr.shape)
 
 
+def _converted(arch: str, config, names, hf_name: str, a):
+    """(llama.cpp's name, tensor) pairs the converter writes for one state-dict tensor."""
+    import torch
+
+    if hf_name.endswith("input_linear.weight"):  # GraniteMoeModel: gate | up halves apart
+        layer = hf_name.split(".")[2]
+        experts = "block_sparse_moe" in hf_name
+        kind = "exps" if experts else "shexp" if config.num_local_experts else ""
+        gate, up = a.split(a.shape[-2] // 2, dim=-2)
+        sep = "_" if kind else ""
+        return [(f"blk.{layer}.ffn_gate{sep}{kind}.weight", gate),
+                (f"blk.{layer}.ffn_up{sep}{kind}.weight", up)]
+    base, suffix = _source_name(arch, hf_name)
+    mapped = names.get_name(base)
+    assert mapped is not None, hf_name
+    if hf_name.endswith(".A_log"):
+        a = (-torch.exp(a)).reshape(-1, 1)  # the converter's A, in torch as it does it
+    elif hf_name.endswith(".D"):
+        a = a.reshape(-1, 1)
+    elif hf_name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
+        a = a.reshape(config.n_groups if arch != "granite" else config.mamba_n_groups, -1)
+    elif hf_name.endswith("conv1d.weight"):
+        a = a.squeeze()
+    return [(mapped + suffix, a)]
+
+
 def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str) -> str:
     import gguf
     import safetensors.torch as st
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_path)
-    state = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).state_dict()
+    # the checkpoint's own names, as the converter reads them (not transformers' modules')
+    state = st.load_file(os.path.join(hf_path, "model.safetensors"))
     model_arch = getattr(gguf.MODEL_ARCH, ARCH[arch])
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[model_arch])
@@ -118,28 +175,18 @@ def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        base, suffix = _source_name(hf_name)
-        mapped = names.get_name(base)
-        assert mapped is not None, hf_name
-        gguf_name = mapped + suffix
-        a = tensor.float()
-        if hf_name.endswith(".A_log"):
-            a = (-torch.exp(a)).reshape(-1, 1)  # the converter's A, in torch as it does it
-        elif hf_name.endswith((".D",)):
-            a = a.reshape(-1, 1)
-        elif hf_name.endswith("mixer.norm.weight"):
-            a = a.reshape(config.n_groups, -1)
-        elif hf_name.endswith("conv1d.weight"):
-            a = a.squeeze()
-        order = np.arange(a.shape[0])  # the rows as stored
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = (config.num_attention_heads if "q_proj" in hf_name
-                     else config.num_key_value_heads)
-            order = llama_cpp_permute(order, heads)
-        arr = a.numpy()[order]
-        data, qtype, values = _stored(gguf_name, arr)
-        w.add_tensor(gguf_name, data, raw_dtype=qtype)
-        values = np.asarray(values, dtype=np.float32)[np.argsort(order)]
+        pieces = []  # the values as the file holds them, per tensor the converter wrote
+        for gguf_name, a in _converted(arch, config, names, hf_name, tensor.float()):
+            order = np.arange(a.shape[0])  # the rows as stored
+            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = (config.num_attention_heads if "q_proj" in hf_name
+                         else config.num_key_value_heads)
+                order = llama_cpp_permute(order, heads)
+            data, qtype, values = _stored(gguf_name, a.numpy()[order])
+            w.add_tensor(gguf_name, data, raw_dtype=qtype)
+            pieces.append(np.asarray(values, dtype=np.float32)[np.argsort(order)])
+        # gate and up halves back on the axis they were split from (the second to last)
+        values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-2)
         if hf_name.endswith(".A_log"):
             values = np.log(-values)
         reference[hf_name] = torch.from_numpy(

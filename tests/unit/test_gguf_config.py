@@ -111,11 +111,11 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "qwen35moe", "nemotron_h_moe",
-                                  "granitehybrid", "falcon-h1"])
+                                  "falcon-h1"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
-    """A GGUF of a recurrent arch that is not built (all but mamba2 and nemotron_h:
-    config/gguf_hybrid.py) is refused at resolution (ModelInfo reads the header) and at load
-    (before transformers' conversion), naming the arch and the way out."""
+    """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h and
+    granitehybrid: config/gguf_hybrid.py) is refused at resolution (ModelInfo reads the
+    header) and at load (before transformers' conversion), naming the arch and the way out."""
     gguf = pytest.importorskip("gguf")
     from kvstrata.config import ModelInfo
     from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
@@ -127,8 +127,8 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2 "
-           f"and nemotron_h archs only.* HF safetensors")
+    why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
+           f"nemotron_h and granitehybrid archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -222,3 +222,44 @@ def test_nemotron_h_layers_from_the_header(change, match):
         return
     with pytest.raises(ValueError, match=match):
         hybrid_fields({**NEMOTRON, **change}, dims)
+
+
+GRANITE = {"general.architecture": "granitehybrid", "granitehybrid.block_count": 2,
+           "granitehybrid.embedding_length": 64, "granitehybrid.ssm.inner_size": 128,
+           "granitehybrid.ssm.time_step_rank": 4, "granitehybrid.ssm.group_count": 2,
+           "granitehybrid.ssm.conv_kernel": 4, "granitehybrid.ssm.state_size": 16,
+           "granitehybrid.attention.layer_norm_rms_epsilon": 1e-5,
+           "granitehybrid.attention.head_count": 4,
+           "granitehybrid.attention.head_count_kv": [0, 2],
+           "granitehybrid.expert_count": 4, "granitehybrid.expert_used_count": 2}
+GRANITE_DIMS = {"token_embd.weight": (64, 100), "output.weight": (64, 100),
+                "blk.0.ffn_gate_exps.weight": (64, 40, 4),
+                "blk.0.ffn_gate_shexp.weight": (64, 56)}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({}, None),
+    ({"granitehybrid.rope.scaling.type": "linear"}, "rope.scaling.type 'linear'"),
+    ({"granitehybrid.rope.dimension_count": 8}, "rope.dimension_count 8"),
+    ({"granitehybrid.attention.key_length": 8}, "key_length 8 x 4 heads"),
+], ids=["builds", "rope-scaling", "partial-rope", "head-size"])
+def test_granite_hybrid_from_the_header(change, match):
+    """llama.cpp's granitehybrid: K/V heads = attention, else Mamba2; rope unless
+    rope.scaling.finetuned is false; absent multipliers applied as llama.cpp does (none; the
+    attention's 1/sqrt(head size)); MLP widths from the tensors."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields({**GRANITE, **change}, GRANITE_DIMS)
+        return
+    fields = hybrid_fields(GRANITE, GRANITE_DIMS)
+    assert fields["layer_types"] == ["mamba", "attention"]
+    assert (fields["position_embedding_type"], fields["attention_multiplier"],
+            fields["embedding_multiplier"], fields["logits_scaling"]) == ("rope", 0.25, 1.0, 1.0)
+    assert (fields["num_local_experts"], fields["num_experts_per_tok"],
+            fields["intermediate_size"], fields["shared_intermediate_size"]) == (4, 2, 40, 56)
+    assert (fields["mamba_n_heads"], fields["mamba_d_head"], fields["mamba_expand"]) == (4, 32, 2)
+    off = hybrid_fields({**GRANITE, "granitehybrid.rope.scaling.finetuned": False},
+                        GRANITE_DIMS)
+    assert off["position_embedding_type"] == "nope"

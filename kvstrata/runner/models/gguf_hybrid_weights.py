@@ -1,23 +1,28 @@
-"""The tensors of a Mamba2 or Nemotron-H GGUF file (llama.cpp archs `mamba2`, `nemotron_h`) as
-the HF checkpoint's (name, float32 tensor), every transform of convert_hf_to_gguf.py
-(Mamba2Model.modify_tensors, which Nemotron-H's Mamba2 layers run through GraniteHybridModel;
-LlamaModel's q/k permutation on its attention layers) undone:
+"""The tensors of a Mamba2, Nemotron-H or Granite-4.0-H GGUF file (llama.cpp archs `mamba2`,
+`nemotron_h`, `granitehybrid`) as the HF checkpoint's (name, float32 tensor), every transform of
+convert_hf_to_gguf.py (Mamba2Model.modify_tensors, which the hybrids' Mamba2 layers run through
+GraniteHybridModel; LlamaModel's q / k permutation on their attention layers; GraniteMoeModel's
+split of input_linear) undone:
 
   llama.cpp tensor        as the converter stored it             HF parameter
-  ssm_a                   -exp(A_log), shape (heads, 1)          mixer.A_log = log(-A), (heads,)
-  ssm_d                   D, shape (heads, 1)                    mixer.D, (heads,)
-  ssm_conv1d.weight       conv1d.weight squeezed: (C, K)         mixer.conv1d.weight, (C, 1, K)
-  ssm_norm.weight         norm.weight as (groups, d_inner/groups) mixer.norm.weight, (d_inner,)
-  ssm_dt.bias             dt_bias (renamed dt_proj.bias)         mixer.dt_bias
-  attn_q / attn_k         rows permuted to rope's interleaved    mixer.q_proj / k_proj, rows
-                          pairs (GraniteHybridModel.undo_permute, back in HF's order
-                          set for Nemotron-H too: its attention
-                          has no rope, llama.cpp ignores the order)
-Names are `backbone.*`, as NVIDIA's and state-spaces' checkpoints spell them (nemotron_h.py
-reads both). A_log comes back as log(-A): exp of it is A to within a float32 rounding, which
-the model applies as -exp(A_log) like an HF checkpoint (an A with a value >= 0 is no
--exp(A_log) and is refused). Every tensor is dequantized to float32: the recurrent models
-take float weights only (--quantization gguf is refused for them by the loader).
+  ssm_a                   -exp(A_log), shape (heads, 1)          A_log = log(-A), (heads,)
+  ssm_d                   D, shape (heads, 1)                    D, (heads,)
+  ssm_conv1d.weight       conv1d.weight squeezed: (C, K)         conv1d.weight, (C, 1, K)
+  ssm_norm.weight         norm.weight as (groups, d_inner/groups) norm.weight, (d_inner,)
+  ssm_dt.bias             dt_bias (renamed dt_proj.bias)         dt_bias
+  attn_q / attn_k         rows permuted to rope's interleaved    q_proj / k_proj, rows back in
+                          pairs (GraniteHybridModel.undo_permute; HF's order
+                          Nemotron-H has no rope, llama.cpp
+                          ignores the order there)
+  ffn_gate_exps + _up_    input_linear [E, 2I, H] split on I     block_sparse_moe.input_linear
+  ffn_gate_shexp + _up_   input_linear [2S, H] split (plain      shared_mlp.input_linear
+  (or ffn_gate + ffn_up)  ffn_gate / ffn_up without experts)
+Names are Mamba2 / Nemotron-H's `backbone.*` (NVIDIA's and state-spaces' spelling;
+nemotron_h.py reads transformers' model.* too) and Granite's `model.*`. A_log comes back as
+log(-A): exp of it is A to within a float32 rounding, which the model applies as
+-exp(A_log) like an HF checkpoint (an A with a value >= 0 is no -exp(A_log) and is refused).
+Every tensor is dequantized to float32: the recurrent models take float weights only
+(--quantization gguf is refused for them by the loader).
 """
 from __future__ import annotations
 
@@ -30,34 +35,69 @@ from tqdm import tqdm
 
 from kvstrata.runner.models.gguf_weights import dequantize, unpermute_qk
 
-MODEL_TYPES = ("mamba2", "nemotron_h")
-_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight",
-           "output_norm.weight": "backbone.norm_f.weight",
-           "output.weight": "lm_head.weight"}
-# llama.cpp block tensor -> the HF module under backbone.layers.N
-_BLOCK = {"attn_norm": "norm", "ssm_in": "mixer.in_proj", "ssm_conv1d": "mixer.conv1d",
-          "ssm_norm": "mixer.norm", "ssm_out": "mixer.out_proj", "attn_q": "mixer.q_proj",
-          "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj",
-          "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}
-# tensors the converter stores under other names or with no suffix -> the HF parameter
-_BARE = {("ssm_a", None): "mixer.A_log", ("ssm_d", None): "mixer.D",
-         ("ssm_dt", "bias"): "mixer.dt_bias"}
+MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid")
+_MAMBA = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_norm": "norm", "ssm_out": "out_proj"}
+# tensors the converter stores under other names or with no suffix -> the mixer's parameter
+_MAMBA_BARE = {("ssm_a", None): "A_log", ("ssm_d", None): "D", ("ssm_dt", "bias"): "dt_bias"}
+
+
+class _Names:
+    """One family's names: its global tensors, the prefix of layer N, each llama.cpp block
+    tensor's HF module, where its Mamba2 mixer lives, and the pairs the converter split off
+    one fused HF tensor ((gate, up) -> the fused module, the axis they are stacked on)."""
+
+    def __init__(self, global_names: dict, layer: str, block: dict, mixer: str,
+                 fused: dict | None = None):
+        self.global_names, self.layer, self.mixer = global_names, layer, mixer
+        self.block = {**{k: f"{mixer}.{v}" for k, v in _MAMBA.items()}, **block}
+        self.bare = {k: f"{mixer}.{v}" for k, v in _MAMBA_BARE.items()}
+        self.fused = fused or {}
+
+
+_BACKBONE = _Names(
+    {"token_embd.weight": "backbone.embeddings.weight",
+     "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
+    "backbone.layers", {"attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
+                        "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj",
+                        "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}, "mixer")
+# Granite-4.0-H (GraniteMoeModel.modify_tensors split input_linear into gate and up halves:
+# the experts' [E, 2I, H] on axis 1, the shared MLP's [2S, H] on axis 0, named *_shexp beside
+# experts and plain ffn_gate / ffn_up without)
+_GRANITE = _Names(
+    {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+     "output.weight": "lm_head.weight"},
+    "model.layers", {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_gate_inp": "block_sparse_moe.router.layer",
+                     "ffn_down_exps": "block_sparse_moe.output_linear",
+                     "ffn_down_shexp": "shared_mlp.output_linear",
+                     "ffn_down": "shared_mlp.output_linear"}, "mamba",
+    {("ffn_gate_exps", "ffn_up_exps"): ("block_sparse_moe.input_linear", 1),
+     ("ffn_gate_shexp", "ffn_up_shexp"): ("shared_mlp.input_linear", 0),
+     ("ffn_gate", "ffn_up"): ("shared_mlp.input_linear", 0)})
+_FAMILIES = {"mamba2": _BACKBONE, "nemotron_h": _BACKBONE, "granitemoehybrid": _GRANITE}
 _NAME_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
 
-def hf_name(gguf_name: str) -> tuple[str, str | None]:
-    """(HF name, llama.cpp's short tensor kind or None for a global tensor); ValueError for
-    a tensor nothing maps."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name], None
+def hf_name(gguf_name: str, model_type: str) -> tuple[str, str | None]:
+    """(HF name, llama.cpp's short tensor kind or None for a global tensor); for one half of
+    a split tensor, the fused tensor's name. ValueError for a tensor nothing maps."""
+    names = _FAMILIES[model_type]
+    if gguf_name in names.global_names:
+        return names.global_names[gguf_name], None
     m = _NAME_RE.match(gguf_name)
     if m:
         layer, kind, suffix = m.groups()
-        if (kind, suffix) in _BARE:
-            return f"backbone.layers.{layer}.{_BARE[kind, suffix]}", kind
-        if kind in _BLOCK and suffix is not None:
-            return f"backbone.layers.{layer}.{_BLOCK[kind]}.{suffix}", kind
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping for a Mamba2 / Nemotron-H model")
+        prefix = f"{names.layer}.{layer}"
+        if (kind, suffix) in names.bare:
+            return f"{prefix}.{names.bare[kind, suffix]}", kind
+        if kind in names.block and suffix is not None:
+            return f"{prefix}.{names.block[kind]}.{suffix}", kind
+        for pair, (module, _) in names.fused.items():
+            if kind in pair and suffix == "weight":
+                return f"{prefix}.{module}.weight", kind
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping for a {model_type} model")
 
 
 def undo_converter(kind: str | None, w: np.ndarray, config: Any, gguf_name: str) -> np.ndarray:
@@ -79,16 +119,30 @@ def undo_converter(kind: str | None, w: np.ndarray, config: Any, gguf_name: str)
 
 
 def iter_hybrid_gguf(gguf_path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) of every tensor of the file, in file order."""
+    """(HF name, float32 tensor) of every tensor of the file, in file order; a split tensor
+    once both halves are read (gate first, as the converter split it)."""
     from kvstrata.runner.models.gguf_index import read_gguf_tensors
 
+    names = _FAMILIES[config.model_type]
+    halves = {kind: (pair, axis) for pair, (_, axis) in names.fused.items() for kind in pair}
+    pending: dict[str, dict[str, np.ndarray]] = {}
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
-        name, kind = hf_name(t.name)
+        name, kind = hf_name(t.name, config.model_type)
         w = undo_converter(kind, np.asarray(dequantize(t.data, t.tensor_type), np.float32),
                            config, t.name)
+        if kind in halves:
+            (gate, up), axis = halves[kind]
+            pending.setdefault(name, {})[kind] = w
+            if len(pending[name]) < 2:
+                continue
+            parts = pending.pop(name)
+            w = np.concatenate([parts[gate], parts[up]], axis=axis)
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
         yield name, torch.from_numpy(np.array(w, copy=True))
+    if pending:
+        raise ValueError(f"{gguf_path}: {sorted(pending)} have only one of their gate / up "
+                         f"halves")
 
 
 __all__ = ["MODEL_TYPES", "hf_name", "iter_hybrid_gguf", "undo_converter"]

@@ -141,9 +141,9 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
-# metadata in ways this loader does not read): HF safetensors only. Of the hybrids, Mamba2
-# and Nemotron-H files (family nemotron_h) are mapped (gguf_hybrid_weights.py).
-_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4", "qwen3_next", "granite_hybrid"}
+# metadata in ways this loader does not read): HF safetensors only. Of the hybrids, Mamba2,
+# Nemotron-H and Granite-4.0-H files are mapped (gguf_hybrid_weights.py).
+_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4", "qwen3_next"}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
