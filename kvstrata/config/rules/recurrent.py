@@ -3,8 +3,8 @@ Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot 
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3 / NEXTN) and draft trees, the decode radix cache of PD, HiCache L3 and a
 decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
-rules/deterministic.py; GGUF files: config/gguf_config.py; HiCache on a model without
-attention layers: config/kv_sizing_state.py).
+rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a
+model without attention layers: config/kv_sizing_state.py).
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
 SGLang's `--mamba-radix-cache-strategy`:
