@@ -161,3 +161,22 @@ def test_weights_kept_in_their_blocks_are_refused(files):
     source = resolve_model_path(files["nemotron_h"][1])
     with pytest.raises(ValueError, match="not built for the recurrent hybrids"):
         load_model(source, load_hf_config(source), "float32", keep_quantized=True)
+
+
+def test_tensor_names_of_each_family():
+    """llama.cpp's names to the HF checkpoint's, beyond the tiny models' files: a dense
+    Granite-4.0-H (granite-4.0-h-micro: its shared MLP as plain ffn_gate / ffn_up / ffn_down),
+    the bare ssm_a / ssm_d; a tensor of an arch not built (Qwen3-Next's ssm_ba) has none."""
+    from kvstrata.runner.models.gguf_hybrid_weights import hf_name
+
+    granite = {"blk.3.ffn_gate.weight": "model.layers.3.shared_mlp.input_linear.weight",
+               "blk.3.ffn_up.weight": "model.layers.3.shared_mlp.input_linear.weight",
+               "blk.3.ffn_down.weight": "model.layers.3.shared_mlp.output_linear.weight",
+               "blk.0.ssm_a": "model.layers.0.mamba.A_log",
+               "blk.0.ssm_dt.bias": "model.layers.0.mamba.dt_bias",
+               "token_embd.weight": "model.embed_tokens.weight"}
+    for gguf_name, name in granite.items():
+        assert hf_name(gguf_name, "granitemoehybrid")[0] == name, gguf_name
+    assert hf_name("blk.2.ssm_d", "nemotron_h") == ("backbone.layers.2.mixer.D", "ssm_d")
+    with pytest.raises(ValueError, match="'blk.0.ssm_ba.weight' has no mapping"):
+        hf_name("blk.0.ssm_ba.weight", "nemotron_h")
