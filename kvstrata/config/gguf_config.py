@@ -1,6 +1,6 @@
 """The config fields of a Gemma 2 / Gemma 3 GGUF file (llama.cpp archs `gemma2`, `gemma3`)
 that transformers' GGUF config conversion drops, read the way llama.cpp reads the file
-(gpt-oss files: config/gguf_gpt_oss.py, Mamba2 / Nemotron-H / Granite-4.0-H files:
+(gpt-oss files: config/gguf_gpt_oss.py, Mamba2 / Nemotron-H / Granite-4.0-H / Qwen3.5 files:
 config/gguf_hybrid.py,
 the same way).
 
@@ -42,23 +42,24 @@ _KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.k
 
 # llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state and whose
 # GGUF files kvstrata does not build: the families it serves from HF safetensors
-# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h and granitehybrid files
-# are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
-RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h_moe", "mamba",
-                        "falcon-h1", "jamba")
+# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, granitehybrid and qwen35
+# files are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
+RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35moe", "nemotron_h_moe", "mamba", "falcon-h1",
+                        "jamba")
 
 
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
     """ValueError for a GGUF file of a recurrent (SSM / linear-attention) arch that is not
-    built: the GGUF loader maps the ssm_* tensors of llama.cpp's mamba2, nemotron_h and
-    granitehybrid archs only (Gated DeltaNet's ssm_ba / ssm_beta / ssm_alpha, Nemotron-H's MoE
-    experts are not), and transformers converts none of these archs' configs."""
+    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h, granitehybrid
+    and qwen35 archs only (Qwen3-Next's fused ssm_ba and its experts, Qwen3.5-MoE's experts,
+    Nemotron-H's MoE blocks are not), and transformers converts none of these archs'
+    configs."""
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
                          f"recurrent (SSM / linear-attention) state is built from GGUF files "
-                         f"of llama.cpp's mamba2, nemotron_h and granitehybrid archs only "
-                         f"(this arch's tensors are not mapped); serve its HF safetensors "
-                         f"checkpoint")
+                         f"of llama.cpp's mamba2, nemotron_h, granitehybrid and qwen35 archs "
+                         f"only (this arch's tensors are not mapped); serve its HF "
+                         f"safetensors checkpoint")
 
 
 def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +143,8 @@ def _arch_metadata(gguf_path: str) -> dict[str, Any]:
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma, gpt-oss, Mamba2, Nemotron-H or Granite-4.0-H file's config.json fields the resolution rules
-    read (model_type, layers and their kinds, windows, soft-caps, sinks:
+    """A Gemma, gpt-oss, Mamba2, Nemotron-H, Granite-4.0-H or Qwen3.5 file's config.json fields
+    the resolution rules read (model_type, layers and their kinds, windows, soft-caps, sinks:
     ModelInfo.from_model_path), from the header alone -- no conversion, no transformers; {}
     for other archs; ValueError for a recurrent arch that is not built."""
     meta = _arch_metadata(gguf_path)
@@ -168,7 +169,7 @@ def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     reads each rope.scaling value as its key's length field and fails on every YaRN file
     (the released ones), and its tokenizer loader converts the config first -- so the
     tokenizer is built without it (config/model_source.py). mamba2 / nemotron_h /
-    granitehybrid: transformers has no conversion for them (config/gguf_hybrid.py)."""
+    granitehybrid / qwen35: transformers has no conversion for them (config/gguf_hybrid.py)."""
     header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS] + [
         f"{arch}.{key}" for arch in gguf_hybrid.ARCHITECTURES for key in gguf_hybrid.KEYS])

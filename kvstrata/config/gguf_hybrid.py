@@ -1,8 +1,9 @@
-"""The config of a Mamba2, Nemotron-H or Granite-4.0-H GGUF file (llama.cpp archs `mamba2`,
-`nemotron_h`, `granitehybrid`, written by convert_hf_to_gguf.py's Mamba2Model / NemotronHModel /
-GraniteHybridModel) read the way llama.cpp reads it (llama-model.cpp's hparams for these
-archs); transformers converts none of these archs' configs, so every field the models read
-(runner/models/nemotron_h.py, granite_hybrid.py) comes from the header:
+"""The config of a Mamba2, Nemotron-H, Granite-4.0-H or Qwen3.5 GGUF file (llama.cpp archs
+`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, written by convert_hf_to_gguf.py's
+Mamba2Model / NemotronHModel / GraniteHybridModel / Qwen3_5TextModel) read the way llama.cpp
+reads it (llama-model.cpp's hparams for these archs); transformers converts none of these
+archs' configs, so every field the models read (runner/models/nemotron_h.py,
+granite_hybrid.py, qwen3_next.py) comes from the header:
 
   - Mamba2 layers: ssm.inner_size (d_inner), ssm.time_step_rank (the head count: llama.cpp's
     n_head = dt_rank, head size d_inner / n_head), ssm.state_size, ssm.group_count,
@@ -18,6 +19,10 @@ archs); transformers converts none of these archs' configs, so every field the m
     rope.freq_base; attention.scale, embedding_scale, residual_scale, logit_scale as the
     multipliers (absent: llama.cpp applies none; the attention's then 1/sqrt(head size));
     expert_count / expert_used_count, the expert and shared MLP widths from their tensors;
+  - Qwen3.5's: every full_attention_interval-th layer (default 4) full attention, the others
+    Gated DeltaNet with ssm.group_count key heads of ssm.state_size and ssm.time_step_rank
+    value heads of ssm.inner_size / time_step_rank; rope over rope.dimension_count of the
+    head; an MTP block after the layers (nextn_predict_layers) is not counted;
   - the vocabulary size from token_embd's rows (a converter pads the token list, not the
     matrix), tied embeddings when there is no output.weight (llama.cpp then reads
     token_embd), the special ids from tokenizer.ggml.* (none: null, not a class default);
@@ -27,7 +32,7 @@ computes: dt unclamped (time_step_limit (0, inf): llama.cpp's ssm_scan clamps no
 gate applied before the group norm, SiLU in the mixer. Refused by key: a K/V head count or
 feed-forward length that differs between layers, value_length != key_length, dt_b_c_rms
 (Falcon-Mamba's extra norms), attention biases; Granite's rope scaling or partial rope, a head
-size other than hidden / heads.
+size other than hidden / heads; Qwen3.5's rope scaling or experts (a MoE file is qwen35moe).
 """
 from __future__ import annotations
 
@@ -36,9 +41,9 @@ from typing import Any
 from kvstrata.config.gguf_header import arch_getters
 
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                 "granitehybrid": "GraniteMoeHybridForCausalLM"}
+                 "granitehybrid": "GraniteMoeHybridForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
 MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h",
-               "granitehybrid": "granitemoehybrid"}
+               "granitehybrid": "granitemoehybrid", "qwen35": "qwen3_5_text"}
 # The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
 # use the default"): no trained context, so the config class's default stands (4096 for
 # Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
@@ -49,13 +54,14 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
         "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
         "ssm.dt_b_c_rms", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
         "rope.scaling.finetuned", "expert_count", "expert_used_count", "attention.scale",
-        "embedding_scale", "residual_scale", "logit_scale")
+        "embedding_scale", "residual_scale", "logit_scale", "full_attention_interval",
+        "nextn_predict_layers")
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 
 
 def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """config.json fields of a mamba2 / nemotron_h / granitehybrid file from its metadata and
-    tensor table
+    """config.json fields of a mamba2 / nemotron_h / granitehybrid / qwen35 file from its
+    metadata and tensor table
     (name -> ne); {} for other archs."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -67,6 +73,9 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
         raise ValueError(f"GGUF {arch}: ssm.dt_b_c_rms (RMS norms on dt, B and C) is not "
                          f"supported")
     n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
+    # Qwen3.5's MTP block follows the model's layers (_Qwen35MtpMixin): not read, as an HF
+    # checkpoint's mtp.* is not (runner/models/gguf_hybrid_weights.py skips its tensors)
+    n_layer -= int(get("nextn_predict_layers", 0) or 0)
     d_inner, n_head = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
     n_group = int(need("ssm.group_count"))
     if n_head <= 0 or d_inner % n_head or n_head % n_group:
@@ -88,6 +97,12 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                 "mamba_d_state": int(need("ssm.state_size")), "mamba_n_groups": n_group,
                 "mamba_d_conv": int(need("ssm.conv_kernel")), "mamba_conv_bias": conv_bias,
                 "mamba_proj_bias": proj_bias}
+    if arch == "qwen35":
+        return {**fields, **_qwen35(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
+                "linear_num_key_heads": n_group, "linear_num_value_heads": n_head,
+                "linear_key_head_dim": int(need("ssm.state_size")),
+                "linear_value_head_dim": d_inner // n_head,
+                "linear_conv_kernel_dim": int(need("ssm.conv_kernel"))}
     fields.update(conv_kernel=int(need("ssm.conv_kernel")), n_groups=n_group,
                   use_conv_bias=conv_bias, use_bias=proj_bias, layer_norm_epsilon=eps)
     if arch == "mamba2":
@@ -210,6 +225,33 @@ def _granite(arch: str, get, need, n_layer: int, n_embd: int,
         fields.update(num_experts_per_tok=int(need("expert_used_count")),
                       intermediate_size=int(gate[1]))
     return fields
+
+
+def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
+            dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Qwen3.5 (dense) as llama.cpp's qwen35 hparams read it: every full_attention_interval-th
+    layer (default 4) full attention, the others Gated DeltaNet (ssm.group_count key heads,
+    ssm.time_step_rank value heads, ssm.state_size the key head size); rope over
+    rope.dimension_count of the head (partial_rotary_factor), NEOX-style (text positions:
+    the MRoPE sections do not matter)."""
+    if int(get("expert_count", 0) or 0):
+        raise ValueError(f"GGUF {arch}: expert_count (a MoE Qwen3.5 is arch qwen35moe) is not "
+                         f"supported")
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF {arch}: rope.scaling.type {scaling!r} is not supported")
+    interval = int(get("full_attention_interval", 4))
+    kv = _per_layer(arch, "attention.head_count_kv", need("attention.head_count_kv"), n_layer)
+    heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
+    rot = int(get("rope.dimension_count", head_dim))
+    return {"layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(n_layer)],
+            "num_attention_heads": heads, "num_key_value_heads": n_kv, "head_dim": head_dim,
+            "attention_bias": False, "hidden_act": "silu",
+            "intermediate_size": int(need("feed_forward_length")),
+            "rope_parameters": {"rope_type": "default",
+                                "rope_theta": float(get("rope.freq_base", _ROPE_BASE)),
+                                "partial_rotary_factor": rot / head_dim}}
 
 
 # config.json's special ids -> the tokenizer keys that hold them

@@ -1,9 +1,9 @@
-"""Mamba2, Nemotron-H and Granite-4.0-H GGUF files (llama.cpp archs `mamba2`, `nemotron_h`,
-`granitehybrid`): tiny random models
+"""Mamba2, Nemotron-H, Granite-4.0-H and Qwen3.5 GGUF files (llama.cpp archs `mamba2`,
+`nemotron_h`, `granitehybrid`, `qwen35`): tiny random models
 (tests/helpers/hybrid_ckpt.py) written as llama.cpp's converter writes them with --outtype q8_0
 (tests/helpers/hybrid_gguf.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted
-q / k, Granite's gate / up halves apart, Q8_0 matrices beside F32 / F16 tensors) are served
-from the file:
+q / k, Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key
+head, Q8_0 matrices beside F32 / F16 tensors) are served from the file:
 
 - the config comes from the header (transformers converts neither arch) and equals the HF
   config where the model reads it; resolution sees the recurrent layers from the header;
@@ -13,6 +13,7 @@ from the file:
 - greedy tokens equal transformers' on the file's values (float32), prompts in chunks of 16 at
   page size 16; a prompt sharing 40 tokens of an earlier one resumes at the snapshot at 32;
   the pools and the state slots are whole after the drain;
+- a Qwen3.5 file's MTP block (block_count + 1) is not read;
 - weights kept in their blocks are refused by name (the recurrent archs whose tensors are not
   mapped, and header fields not built: tests/unit/test_gguf_config.py).
 """
@@ -27,7 +28,7 @@ import torch
 from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
 from helpers.hybrid_gguf import write_hybrid_gguf
 
-ARCHS = ("mamba2", "nemotron_h", "granite")
+ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5")
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LENS = (5, 29, 70)
@@ -68,10 +69,15 @@ _FIELDS = {
                 "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias",
                 "mamba_expand", "position_embedding_type", "attention_multiplier",
                 "embedding_multiplier", "residual_multiplier", "logits_scaling", "hidden_act",
-                "time_step_limit", "rms_norm_eps")}
+                "time_step_limit", "rms_norm_eps"),
+    "qwen3_5": ("layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                "hidden_act", "max_position_embeddings", "rms_norm_eps")}
 _LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
            "nemotron_h": "layers_block_type: 2 of 4 layers recurrent",
-           "granite": "layer_types: 3 of 4 layers recurrent"}
+           "granite": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_5": "layer_types: 3 of 4 layers recurrent"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -88,13 +94,14 @@ def test_config_comes_from_the_header(arch, files):
                   "tie_word_embeddings", "bos_token_id", "pad_token_id", "eos_token_id",
                   *_FIELDS[arch]):
         mine, want = getattr(ours, field), getattr(theirs, field)
-        if isinstance(want, (list, tuple)) and field != "layers_block_type":
+        if isinstance(want, (list, tuple)) and field not in ("layers_block_type", "layer_types"):
             mine, want = tuple(mine), tuple(want)  # time_step_limit: a list once saved
         if isinstance(want, float):  # stored as float32 in the file
             mine, want = np.float32(mine), np.float32(want)
         assert mine == want, field
-    if arch == "granite":
-        assert ours.rope_parameters["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    if arch in ("granite", "qwen3_5"):
+        for key in ("rope_theta", "partial_rotary_factor"):
+            assert ours.rope_parameters.get(key) == theirs.rope_parameters.get(key), key
     info = ModelInfo.from_model_path(gguf_path)
     assert info.has_recurrent_state and info.recurrent_layers == _LAYERS[arch]
 
@@ -152,6 +159,25 @@ def test_greedy_from_the_gguf_equals_transformers(arch, files, prompts):
         states = sched.kv.states
         assert states.allocator.available_pages() + states.tree.cached_states() == \
             states.num_slots
+
+
+def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
+    """A Qwen3.5 file with its MTP block (block_count + 1, nextn_predict_layers, blk.N.nextn.*)
+    loads the model's layers only, as an HF checkpoint's mtp.* is skipped."""
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    hf_path, _, ref_path = files["qwen3_5"]
+    path = write_hybrid_gguf("qwen3_5", hf_path, str(tmp_path / "mtp.gguf"),
+                             str(tmp_path / "ref"), mtp_block=True)
+    source = resolve_model_path(path)
+    config = load_hf_config(source)
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
+    ours = dict(load_model(source, config, "float32").named_parameters())
+    source = resolve_model_path(ref_path)
+    theirs = dict(load_model(source, load_hf_config(source), "float32").named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(p, theirs[name]) for name, p in ours.items())
 
 
 def test_weights_kept_in_their_blocks_are_refused(files):

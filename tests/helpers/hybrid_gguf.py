@@ -1,6 +1,7 @@
-"""A tiny Mamba2 / Nemotron-H / Granite-4.0-H HF checkpoint (tests/helpers/hybrid_ckpt.py) written
-as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes one (Mamba2Model; NemotronHModel
-and GraniteHybridModel) with `--outtype q8_0`, with gguf's own writer and quantizer:
+"""A tiny Mamba2 / Nemotron-H / Granite-4.0-H / Qwen3.5 HF checkpoint (tests/helpers/hybrid_ckpt.py)
+written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes one (Mamba2Model;
+NemotronHModel and GraniteHybridModel; Qwen3_5TextModel) with `--outtype q8_0`, with gguf's own
+writer and quantizer:
   - metadata: the arch's keys as the converter sets them (Mamba2: context 2**20, ssm.* sizes,
     time_step_rank = d_inner / head_dim; Nemotron-H: head_count_kv and feed_forward_length
     per layer, 0 where a layer has none, key / value length, ssm.*), a sentencepiece
@@ -11,7 +12,10 @@ and GraniteHybridModel) with `--outtype q8_0`, with gguf's own writer and quanti
     groups), the attention's q / k rows permuted (LlamaModel.permute: GraniteHybridModel's
     undo_permute), Granite's input_linear split into gate / up halves (GraniteMoeModel:
     ffn_gate_exps / ffn_up_exps, ffn_gate_shexp / ffn_up_shexp); Granite's multipliers as
-    *_scale keys, rope.scaling.finetuned as its rope switch; types as the converter picks
+    *_scale keys, rope.scaling.finetuned as its rope switch; Qwen3.5's norms but the gated one
+    as 1 + w and its value heads from grouped by key head to tiled (value rows of in_proj_qkv,
+    _z, _b, _a, A_log, dt_bias, the conv's value channels; out_proj's columns),
+    full_attention_interval 4 and its MRoPE sections; types as the converter picks
     them: F32 for 1-D tensors, norms, conv1d, the router and tensors without a .weight suffix
     (ssm_a, ssm_d), Q8_0 for the other matrices, F16 where a row is not whole Q8_0 blocks
     (the converter's fallback).
@@ -28,7 +32,8 @@ import numpy as np
 from helpers.decoder_gguf import llama_cpp_permute
 from helpers.gemma_gguf import _vocab
 
-ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H", "granite": "GRANITE_HYBRID"}
+ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H", "granite": "GRANITE_HYBRID",
+        "qwen3_5": "QWEN35"}
 QUANT = "Q8_0"
 
 
@@ -55,6 +60,22 @@ def _metadata(w, arch: str, config) -> None:
         w.add_rope_scaling_finetuned(False)
         state, groups, kernel = config.ssm_state_size, config.n_groups, config.conv_kernel
         eps = config.layer_norm_epsilon
+    elif arch == "qwen3_5":  # Qwen3_5TextModel: TextModel's keys, then Qwen3NextModel's
+        d_inner, heads = (config.linear_value_head_dim * config.linear_num_value_heads,
+                          config.linear_num_value_heads)
+        w.add_context_length(config.max_position_embeddings)
+        w.add_feed_forward_length(config.intermediate_size)
+        w.add_head_count(config.num_attention_heads)
+        w.add_head_count_kv(config.num_key_value_heads)
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+        rope = config.rope_parameters
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([11, 11, 10, 0])
+        state, groups = config.linear_key_head_dim, config.linear_num_key_heads
+        kernel, eps = config.linear_conv_kernel_dim, config.rms_norm_eps
     else:  # GraniteHybridModel (GraniteMoeModel's keys, then the Mamba2 ones)
         d_inner, heads = config.mamba_expand * config.hidden_size, config.mamba_n_heads
         rope = config.position_embedding_type == "rope"
@@ -147,7 +168,10 @@ def _converted(arch: str, config, names, hf_name: str, a):
     mapped = names.get_name(base)
     assert mapped is not None, hf_name
     if hf_name.endswith(".A_log"):
-        a = (-torch.exp(a)).reshape(-1, 1)  # the converter's A, in torch as it does it
+        a = -torch.exp(a)  # the converter's A, in torch as it does it
+        a = a if arch == "qwen3_5" else a.reshape(-1, 1)  # Qwen3NextModel keeps it 1-D
+    elif arch == "qwen3_5" and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+        a = a + 1  # Qwen3NextModel: the zero-centred norms as their scale 1 + w
     elif hf_name.endswith(".D"):
         a = a.reshape(-1, 1)
     elif hf_name.endswith(("mixer.norm.weight", "mamba.norm.weight")):
@@ -157,7 +181,42 @@ def _converted(arch: str, config, names, hf_name: str, a):
     return [(mapped + suffix, a)]
 
 
-def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str) -> str:
+def _stored_order(arch: str, config, hf_name: str, a):
+    """(row order, column order or None) the converter stores a tensor in: LlamaModel's q / k
+    permutation (GraniteHybridModel.undo_permute), Qwen3.5's value heads from grouped by key
+    head to tiled (_LinearAttentionVReorderBase) where there are more value than key heads."""
+    rows, cols = np.arange(a.shape[0]), None
+    if arch != "qwen3_5":
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = (config.num_attention_heads if "q_proj" in hf_name
+                     else config.num_key_value_heads)
+            rows = llama_cpp_permute(rows, heads)
+        return rows, cols
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    if "linear_attn" not in hf_name or nk == nv:
+        return rows, cols
+
+    def tiled(prefix: int, head: int):  # grouped [K, V/K, head] -> tiled [V/K, K, head]
+        v = np.arange(nv * head).reshape(nk, nv // nk, head).swapaxes(0, 1).reshape(-1)
+        return np.concatenate([np.arange(prefix), prefix + v])
+
+    qk, dv = 2 * nk * config.linear_key_head_dim, config.linear_value_head_dim
+    if hf_name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        rows = tiled(qk, dv)
+    elif hf_name.endswith("in_proj_z.weight"):
+        rows = tiled(0, dv)
+    elif hf_name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        rows = tiled(0, 1)
+    elif hf_name.endswith("out_proj.weight"):
+        cols = tiled(0, dv)
+    return rows, cols
+
+
+def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str,
+                      mtp_block: bool = False) -> str:
+    """`hf_path` as llama.cpp would convert it to `out_path`; `reference_dir`: an HF checkpoint
+    of the values the file holds. mtp_block (Qwen3.5): one MTP block after the layers, as
+    _Qwen35MtpMixin writes it (block_count + 1, nextn_predict_layers 1, blk.N.nextn.*)."""
     import gguf
     import safetensors.torch as st
     import torch
@@ -171,24 +230,33 @@ def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str
     w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[model_arch])
     w.add_name(os.path.basename(hf_path))
     _metadata(w, arch, config)
+    if mtp_block:
+        n = config.num_hidden_layers
+        w.add_block_count(n + 1)  # overwrites the layers' count, as the mixin's does
+        w.add_nextn_predict_layers(1)
+        rng = np.random.default_rng(0)
+        for name, shape in ((f"blk.{n}.nextn.eh_proj.weight", (config.hidden_size,
+                                                                2 * config.hidden_size)),
+                            (f"blk.{n}.attn_norm.weight", (config.hidden_size,))):
+            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
     reference = {}
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         pieces = []  # the values as the file holds them, per tensor the converter wrote
         for gguf_name, a in _converted(arch, config, names, hf_name, tensor.float()):
-            order = np.arange(a.shape[0])  # the rows as stored
-            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = (config.num_attention_heads if "q_proj" in hf_name
-                         else config.num_key_value_heads)
-                order = llama_cpp_permute(order, heads)
-            data, qtype, values = _stored(gguf_name, a.numpy()[order])
+            rows, cols = _stored_order(arch, config, hf_name, a)
+            stored = a.numpy()[rows] if cols is None else a.numpy()[rows][:, cols]
+            data, qtype, values = _stored(gguf_name, stored)
             w.add_tensor(gguf_name, data, raw_dtype=qtype)
-            pieces.append(np.asarray(values, dtype=np.float32)[np.argsort(order)])
+            values = np.asarray(values, dtype=np.float32)[np.argsort(rows)]
+            pieces.append(values if cols is None else values[:, np.argsort(cols)])
         # gate and up halves back on the axis they were split from (the second to last)
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-2)
         if hf_name.endswith(".A_log"):
             values = np.log(-values)
+        elif arch == "qwen3_5" and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+            values = values - np.float32(1)
         reference[hf_name] = torch.from_numpy(
             np.ascontiguousarray(values.reshape(tuple(tensor.shape))))
     w.write_header_to_file()

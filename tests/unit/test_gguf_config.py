@@ -110,11 +110,10 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "qwen35moe", "nemotron_h_moe",
-                                  "falcon-h1"])
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "nemotron_h_moe", "falcon-h1"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
-    """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h and
-    granitehybrid: config/gguf_hybrid.py) is refused at resolution (ModelInfo reads the
+    """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h,
+    granitehybrid and qwen35: config/gguf_hybrid.py) is refused at resolution (ModelInfo reads the
     header) and at load (before transformers' conversion), naming the arch and the way out."""
     gguf = pytest.importorskip("gguf")
     from kvstrata.config import ModelInfo
@@ -128,7 +127,7 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_tensors_to_file()
     w.close()
     why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
-           f"nemotron_h and granitehybrid archs only.* HF safetensors")
+           f"nemotron_h, granitehybrid and qwen35 archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -263,3 +262,31 @@ def test_granite_hybrid_from_the_header(change, match):
     off = hybrid_fields({**GRANITE, "granitehybrid.rope.scaling.finetuned": False},
                         GRANITE_DIMS)
     assert off["position_embedding_type"] == "nope"
+
+
+def test_qwen3_5_from_the_header():
+    """llama.cpp's qwen35: every full_attention_interval-th layer full attention, Gated
+    DeltaNet's heads from the ssm.* keys, the MTP block (nextn_predict_layers) not a layer;
+    a MoE or rope-scaled file refused."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    meta = {"general.architecture": "qwen35", "qwen35.block_count": 9,
+            "qwen35.nextn_predict_layers": 1, "qwen35.embedding_length": 64,
+            "qwen35.feed_forward_length": 88, "qwen35.attention.head_count": 4,
+            "qwen35.attention.head_count_kv": 2, "qwen35.attention.key_length": 16,
+            "qwen35.attention.layer_norm_rms_epsilon": 1e-6, "qwen35.rope.dimension_count": 4,
+            "qwen35.ssm.inner_size": 48, "qwen35.ssm.time_step_rank": 4,
+            "qwen35.ssm.group_count": 2, "qwen35.ssm.state_size": 8,
+            "qwen35.ssm.conv_kernel": 4}
+    dims = {"token_embd.weight": (64, 100)}
+    fields = hybrid_fields(meta, dims)
+    assert fields["num_hidden_layers"] == 8
+    assert fields["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] \
+        + ["linear_attention"] * 3 + ["full_attention"]
+    assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"],
+            fields["linear_key_head_dim"], fields["linear_value_head_dim"]) == (2, 4, 8, 12)
+    assert fields["rope_parameters"]["partial_rotary_factor"] == 0.25
+    for change, match in (({"qwen35.expert_count": 8}, "expert_count"),
+                          ({"qwen35.rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn'")):
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields({**meta, **change}, dims)
