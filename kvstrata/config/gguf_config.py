@@ -1,6 +1,6 @@
 """The config fields of a Gemma 2 / Gemma 3 GGUF file (llama.cpp archs `gemma2`, `gemma3`)
 that transformers' GGUF config conversion drops, read the way llama.cpp reads the file
-(gpt-oss files: config/gguf_gpt_oss.py, Mamba2 / Nemotron-H / Granite-4.0-H / Qwen3.5 files:
+(gpt-oss files: config/gguf_gpt_oss.py, the recurrent hybrids' files:
 config/gguf_hybrid.py,
 the same way).
 
@@ -42,24 +42,23 @@ _KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.k
 
 # llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state and whose
 # GGUF files kvstrata does not build: the families it serves from HF safetensors
-# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, granitehybrid and qwen35
-# files are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
-RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35moe", "nemotron_h_moe", "mamba", "falcon-h1",
-                        "jamba")
+# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, granitehybrid, qwen35 and
+# qwen3next files are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
+RECURRENT_GGUF_ARCHS = ("qwen35moe", "nemotron_h_moe", "mamba", "falcon-h1", "jamba")
 
 
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
     """ValueError for a GGUF file of a recurrent (SSM / linear-attention) arch that is not
-    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h, granitehybrid
-    and qwen35 archs only (Qwen3-Next's fused ssm_ba and its experts, Qwen3.5-MoE's experts,
-    Nemotron-H's MoE blocks are not), and transformers converts none of these archs'
-    configs."""
+    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h, granitehybrid,
+    qwen35 and qwen3next archs only (Qwen3.5-MoE, which kvstrata does not serve from
+    safetensors either, and Nemotron-H's MoE blocks are not), and transformers converts none
+    of these archs' configs."""
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
                          f"recurrent (SSM / linear-attention) state is built from GGUF files "
-                         f"of llama.cpp's mamba2, nemotron_h, granitehybrid and qwen35 archs "
-                         f"only (this arch's tensors are not mapped); serve its HF "
-                         f"safetensors checkpoint")
+                         f"of llama.cpp's mamba2, nemotron_h, granitehybrid, qwen35 and "
+                         f"qwen3next archs only (this arch's tensors are not mapped); serve "
+                         f"its HF safetensors checkpoint")
 
 
 def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +142,7 @@ def _arch_metadata(gguf_path: str) -> dict[str, Any]:
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma, gpt-oss, Mamba2, Nemotron-H, Granite-4.0-H or Qwen3.5 file's config.json fields
+    """A Gemma, gpt-oss or recurrent hybrid (config/gguf_hybrid.py) file's config.json fields
     the resolution rules read (model_type, layers and their kinds, windows, soft-caps, sinks:
     ModelInfo.from_model_path), from the header alone -- no conversion, no transformers; {}
     for other archs; ValueError for a recurrent arch that is not built."""
@@ -169,7 +168,8 @@ def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     reads each rope.scaling value as its key's length field and fails on every YaRN file
     (the released ones), and its tokenizer loader converts the config first -- so the
     tokenizer is built without it (config/model_source.py). mamba2 / nemotron_h /
-    granitehybrid / qwen35: transformers has no conversion for them (config/gguf_hybrid.py)."""
+    granitehybrid / qwen35 / qwen3next: transformers has no conversion for them
+    (config/gguf_hybrid.py)."""
     header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS] + [
         f"{arch}.{key}" for arch in gguf_hybrid.ARCHITECTURES for key in gguf_hybrid.KEYS])

@@ -1,9 +1,9 @@
-"""The config of a Mamba2, Nemotron-H, Granite-4.0-H or Qwen3.5 GGUF file (llama.cpp archs
-`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, written by convert_hf_to_gguf.py's
-Mamba2Model / NemotronHModel / GraniteHybridModel / Qwen3_5TextModel) read the way llama.cpp
-reads it (llama-model.cpp's hparams for these archs); transformers converts none of these
-archs' configs, so every field the models read (runner/models/nemotron_h.py,
-granite_hybrid.py, qwen3_next.py) comes from the header:
+"""The config of a Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 or Qwen3-Next GGUF file (llama.cpp
+archs `mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`, written by
+convert_hf_to_gguf.py's Mamba2Model / NemotronHModel / GraniteHybridModel / Qwen3_5TextModel /
+Qwen3NextModel) read the way llama.cpp reads it (llama-model.cpp's hparams for these archs);
+transformers converts none of these archs' configs, so every field the models read
+(runner/models/nemotron_h.py, granite_hybrid.py, qwen3_next.py) comes from the header:
 
   - Mamba2 layers: ssm.inner_size (d_inner), ssm.time_step_rank (the head count: llama.cpp's
     n_head = dt_rank, head size d_inner / n_head), ssm.state_size, ssm.group_count,
@@ -22,7 +22,10 @@ granite_hybrid.py, qwen3_next.py) comes from the header:
   - Qwen3.5's: every full_attention_interval-th layer (default 4) full attention, the others
     Gated DeltaNet with ssm.group_count key heads of ssm.state_size and ssm.time_step_rank
     value heads of ssm.inner_size / time_step_rank; rope over rope.dimension_count of the
-    head; an MTP block after the layers (nextn_predict_layers) is not counted;
+    head; an MTP block after the layers (nextn_predict_layers) is not counted; Qwen3-Next's
+    likewise, every layer a MoE (llama.cpp's qwen3next has no dense FFN) of expert_count
+    experts, expert_used_count per token (renormalised, as Qwen3-Next's norm_topk_prob), the
+    expert and shared expert widths from their tensors;
   - the vocabulary size from token_embd's rows (a converter pads the token list, not the
     matrix), tied embeddings when there is no output.weight (llama.cpp then reads
     token_embd), the special ids from tokenizer.ggml.* (none: null, not a class default);
@@ -41,9 +44,11 @@ from typing import Any
 from kvstrata.config.gguf_header import arch_getters
 
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-                 "granitehybrid": "GraniteMoeHybridForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
+                 "granitehybrid": "GraniteMoeHybridForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+                 "qwen3next": "Qwen3NextForCausalLM"}
 MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h",
-               "granitehybrid": "granitemoehybrid", "qwen35": "qwen3_5_text"}
+               "granitehybrid": "granitemoehybrid", "qwen35": "qwen3_5_text",
+               "qwen3next": "qwen3_next"}
 # The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
 # use the default"): no trained context, so the config class's default stands (4096 for
 # Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
@@ -60,8 +65,8 @@ _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 
 
 def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """config.json fields of a mamba2 / nemotron_h / granitehybrid / qwen35 file from its
-    metadata and tensor table
+    """config.json fields of a mamba2 / nemotron_h / granitehybrid / qwen35 / qwen3next file
+    from its metadata and tensor table
     (name -> ne); {} for other archs."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -97,7 +102,7 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                 "mamba_d_state": int(need("ssm.state_size")), "mamba_n_groups": n_group,
                 "mamba_d_conv": int(need("ssm.conv_kernel")), "mamba_conv_bias": conv_bias,
                 "mamba_proj_bias": proj_bias}
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen3next"):
         return {**fields, **_qwen35(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
                 "linear_num_key_heads": n_group, "linear_num_value_heads": n_head,
                 "linear_key_head_dim": int(need("ssm.state_size")),
@@ -229,12 +234,13 @@ def _granite(arch: str, get, need, n_layer: int, n_embd: int,
 
 def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
             dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Qwen3.5 (dense) as llama.cpp's qwen35 hparams read it: every full_attention_interval-th
-    layer (default 4) full attention, the others Gated DeltaNet (ssm.group_count key heads,
-    ssm.time_step_rank value heads, ssm.state_size the key head size); rope over
-    rope.dimension_count of the head (partial_rotary_factor), NEOX-style (text positions:
-    the MRoPE sections do not matter)."""
-    if int(get("expert_count", 0) or 0):
+    """Qwen3.5 (dense) and Qwen3-Next as llama.cpp's qwen35 / qwen3next hparams read them:
+    every full_attention_interval-th layer (default 4) full attention, the others Gated
+    DeltaNet (ssm.group_count key heads, ssm.time_step_rank value heads, ssm.state_size the
+    key head size); rope over rope.dimension_count of the head (partial_rotary_factor),
+    NEOX-style (text positions: Qwen3.5's MRoPE sections do not matter)."""
+    experts = int(get("expert_count", 0) or 0)
+    if arch == "qwen35" and experts:
         raise ValueError(f"GGUF {arch}: expert_count (a MoE Qwen3.5 is arch qwen35moe) is not "
                          f"supported")
     scaling = get("rope.scaling.type", "none")
@@ -244,7 +250,9 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
     kv = _per_layer(arch, "attention.head_count_kv", need("attention.head_count_kv"), n_layer)
     heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
     rot = int(get("rope.dimension_count", head_dim))
-    return {"layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+    moe = {} if arch == "qwen35" else _qwen3_next_moe(arch, need, experts, dims)
+    return {**moe,
+            "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(n_layer)],
             "num_attention_heads": heads, "num_key_value_heads": n_kv, "head_dim": head_dim,
             "attention_bias": False, "hidden_act": "silu",
@@ -252,6 +260,21 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
             "rope_parameters": {"rope_type": "default",
                                 "rope_theta": float(get("rope.freq_base", _ROPE_BASE)),
                                 "partial_rotary_factor": rot / head_dim}}
+
+
+def _qwen3_next_moe(arch: str, need, experts: int, dims: dict[str, tuple[int, ...]]
+                    ) -> dict[str, Any]:
+    """Qwen3-Next's MoE as llama.cpp's qwen3next builds it: every layer a MoE (the arch has no
+    dense FFN tensors) with top-k weights renormalised and a sigmoid-gated shared expert; the
+    expert and shared widths from their tensors (ne[1])."""
+    gate, shared = dims.get("blk.0.ffn_gate_exps.weight"), dims.get("blk.0.ffn_gate_shexp.weight")
+    if not experts or gate is None:
+        raise ValueError(f"GGUF {arch}: no experts (expert_count, ffn_gate_exps): every "
+                         f"qwen3next layer is a MoE")
+    return {"num_experts": experts, "num_experts_per_tok": int(need("expert_used_count")),
+            "moe_intermediate_size": int(gate[1]),
+            "shared_expert_intermediate_size": int(shared[1]) if shared else 0,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
 
 
 # config.json's special ids -> the tokenizer keys that hold them

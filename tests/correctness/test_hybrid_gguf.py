@@ -1,9 +1,10 @@
-"""Mamba2, Nemotron-H, Granite-4.0-H and Qwen3.5 GGUF files (llama.cpp archs `mamba2`,
-`nemotron_h`, `granitehybrid`, `qwen35`): tiny random models
+"""Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 and Qwen3-Next GGUF files (llama.cpp archs
+`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`): tiny random models
 (tests/helpers/hybrid_ckpt.py) written as llama.cpp's converter writes them with --outtype q8_0
 (tests/helpers/hybrid_gguf.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted
 q / k, Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key
-head, Q8_0 matrices beside F32 / F16 tensors) are served from the file:
+head, Qwen3-Next's in_proj_qkvz split and experts stacked, Q8_0 matrices beside F32 / F16
+tensors) are served from the file:
 
 - the config comes from the header (transformers converts neither arch) and equals the HF
   config where the model reads it; resolution sees the recurrent layers from the header;
@@ -28,7 +29,10 @@ import torch
 from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
 from helpers.hybrid_gguf import write_hybrid_gguf
 
-ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5")
+ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5", "qwen3_next")
+# llama.cpp's qwen3next has no dense FFN tensors: every layer a MoE (the shared tiny Qwen3-Next
+# has one every 2nd layer)
+_VARIANT = {"qwen3_next": {"decoder_sparse_step": 1}}
 NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 LENS = (5, 29, 70)
@@ -43,7 +47,7 @@ def files(tmp_path_factory):
         mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
         out = {}
         for arch in ARCHS:
-            hf = build_hybrid_checkpoint(arch, str(root / arch))
+            hf = build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {}))
             ref = str(root / f"{arch}-ref")
             out[arch] = (hf, write_hybrid_gguf(arch, hf, str(root / f"{arch}.gguf"), ref), ref)
         yield out
@@ -74,10 +78,14 @@ _FIELDS = {
                 "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
                 "hidden_act", "max_position_embeddings", "rms_norm_eps")}
+_FIELDS["qwen3_next"] = (*_FIELDS["qwen3_5"], "num_experts", "num_experts_per_tok",
+                         "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
 _LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
            "nemotron_h": "layers_block_type: 2 of 4 layers recurrent",
            "granite": "layer_types: 3 of 4 layers recurrent",
-           "qwen3_5": "layer_types: 3 of 4 layers recurrent"}
+           "qwen3_5": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_next": "layer_types: 3 of 4 layers recurrent"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -94,12 +102,13 @@ def test_config_comes_from_the_header(arch, files):
                   "tie_word_embeddings", "bos_token_id", "pad_token_id", "eos_token_id",
                   *_FIELDS[arch]):
         mine, want = getattr(ours, field), getattr(theirs, field)
-        if isinstance(want, (list, tuple)) and field not in ("layers_block_type", "layer_types"):
+        if isinstance(want, (list, tuple)) and field not in ("layers_block_type", "layer_types",
+                                                             "mlp_only_layers"):
             mine, want = tuple(mine), tuple(want)  # time_step_limit: a list once saved
         if isinstance(want, float):  # stored as float32 in the file
             mine, want = np.float32(mine), np.float32(want)
         assert mine == want, field
-    if arch in ("granite", "qwen3_5"):
+    if arch in ("granite", "qwen3_5", "qwen3_next"):
         for key in ("rope_theta", "partial_rotary_factor"):
             assert ours.rope_parameters.get(key) == theirs.rope_parameters.get(key), key
     info = ModelInfo.from_model_path(gguf_path)

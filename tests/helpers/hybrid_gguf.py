@@ -1,7 +1,7 @@
-"""A tiny Mamba2 / Nemotron-H / Granite-4.0-H / Qwen3.5 HF checkpoint (tests/helpers/hybrid_ckpt.py)
-written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes one (Mamba2Model;
-NemotronHModel and GraniteHybridModel; Qwen3_5TextModel) with `--outtype q8_0`, with gguf's own
-writer and quantizer:
+"""A tiny Mamba2 / Nemotron-H / Granite-4.0-H / Qwen3.5 / Qwen3-Next HF checkpoint
+(tests/helpers/hybrid_ckpt.py) written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py
+writes one (Mamba2Model; NemotronHModel and GraniteHybridModel; Qwen3_5TextModel;
+Qwen3NextModel) with `--outtype q8_0`, with gguf's own writer and quantizer:
   - metadata: the arch's keys as the converter sets them (Mamba2: context 2**20, ssm.* sizes,
     time_step_rank = d_inner / head_dim; Nemotron-H: head_count_kv and feed_forward_length
     per layer, 0 where a layer has none, key / value length, ssm.*), a sentencepiece
@@ -15,7 +15,9 @@ writer and quantizer:
     *_scale keys, rope.scaling.finetuned as its rope switch; Qwen3.5's norms but the gated one
     as 1 + w and its value heads from grouped by key head to tiled (value rows of in_proj_qkv,
     _z, _b, _a, A_log, dt_bias, the conv's value channels; out_proj's columns),
-    full_attention_interval 4 and its MRoPE sections; types as the converter picks
+    full_attention_interval 4 and its MRoPE sections; Qwen3-Next's in_proj_qkvz split into
+    attn_qkv ([q, k, v] of all heads) and attn_gate (z), its experts stacked per layer
+    (Qwen2MoeModel), its norms as 1 + w; types as the converter picks
     them: F32 for 1-D tensors, norms, conv1d, the router and tensors without a .weight suffix
     (ssm_a, ssm_d), Q8_0 for the other matrices, F16 where a row is not whole Q8_0 blocks
     (the converter's fallback).
@@ -33,7 +35,8 @@ from helpers.decoder_gguf import llama_cpp_permute
 from helpers.gemma_gguf import _vocab
 
 ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H", "granite": "GRANITE_HYBRID",
-        "qwen3_5": "QWEN35"}
+        "qwen3_5": "QWEN35", "qwen3_next": "QWEN3NEXT"}
+QWEN = ("qwen3_5", "qwen3_next")
 QUANT = "Q8_0"
 
 
@@ -60,7 +63,7 @@ def _metadata(w, arch: str, config) -> None:
         w.add_rope_scaling_finetuned(False)
         state, groups, kernel = config.ssm_state_size, config.n_groups, config.conv_kernel
         eps = config.layer_norm_epsilon
-    elif arch == "qwen3_5":  # Qwen3_5TextModel: TextModel's keys, then Qwen3NextModel's
+    elif arch in QWEN:  # Qwen3_5TextModel / Qwen3NextModel (Qwen2MoeModel's keys first)
         d_inner, heads = (config.linear_value_head_dim * config.linear_num_value_heads,
                           config.linear_num_value_heads)
         w.add_context_length(config.max_position_embeddings)
@@ -73,7 +76,13 @@ def _metadata(w, arch: str, config) -> None:
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_full_attention_interval(4)
         w.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
-        w.add_rope_dimension_sections([11, 11, 10, 0])
+        if arch == "qwen3_5":
+            w.add_rope_dimension_sections([11, 11, 10, 0])
+        else:
+            w.add_expert_count(config.num_experts)
+            w.add_expert_used_count(config.num_experts_per_tok)
+            w.add_expert_feed_forward_length(config.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
         state, groups = config.linear_key_head_dim, config.linear_num_key_heads
         kernel, eps = config.linear_conv_kernel_dim, config.rms_norm_eps
     else:  # GraniteHybridModel (GraniteMoeModel's keys, then the Mamba2 ones)
@@ -140,7 +149,7 @@ def _stored(gguf_name: str, arr: np.ndarray):
     import gguf
 
     is_float = (arr.ndim <= 1 or gguf_name.endswith("_norm.weight") or "ssm_conv1d" in gguf_name
-                or "ffn_gate_inp" in gguf_name or not gguf_name.endswith(".weight"))
+                or gguf_name.endswith("ffn_gate_inp.weight") or not gguf_name.endswith(".weight"))
     if is_float:
         data = np.ascontiguousarray(arr, dtype=np.float32)
         return data, None, data
@@ -164,13 +173,17 @@ def _converted(arch: str, config, names, hf_name: str, a):
         sep = "_" if kind else ""
         return [(f"blk.{layer}.ffn_gate{sep}{kind}.weight", gate),
                 (f"blk.{layer}.ffn_up{sep}{kind}.weight", up)]
+    if hf_name.endswith("in_proj_qkvz.weight"):  # Qwen3NextModel: [q, k, v] and z apart
+        layer = hf_name.split(".")[2]
+        qkv, z = _split_qkvz(config, a)
+        return [(f"blk.{layer}.attn_qkv.weight", qkv), (f"blk.{layer}.attn_gate.weight", z)]
     base, suffix = _source_name(arch, hf_name)
     mapped = names.get_name(base)
     assert mapped is not None, hf_name
     if hf_name.endswith(".A_log"):
         a = -torch.exp(a)  # the converter's A, in torch as it does it
-        a = a if arch == "qwen3_5" else a.reshape(-1, 1)  # Qwen3NextModel keeps it 1-D
-    elif arch == "qwen3_5" and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+        a = a if arch in QWEN else a.reshape(-1, 1)  # Qwen3NextModel keeps it 1-D
+    elif arch in QWEN and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
         a = a + 1  # Qwen3NextModel: the zero-centred norms as their scale 1 + w
     elif hf_name.endswith(".D"):
         a = a.reshape(-1, 1)
@@ -181,11 +194,26 @@ def _converted(arch: str, config, names, hf_name: str, a):
     return [(mapped + suffix, a)]
 
 
+def _split_qkvz(config, a):
+    """Qwen3NextModel's split of in_proj_qkvz ([q, k, v, z] per key head) into [q, k, v] of
+    all heads and z, as it does it (on the transposed matrix)."""
+    import torch
+
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    vz = config.linear_num_value_heads // nk * config.linear_value_head_dim
+    cols = a.permute(1, 0).contiguous().view(a.shape[1], nk, 2 * dk + 2 * vz)
+    q, k, v, z = (x.contiguous().view(a.shape[1], -1)
+                  for x in torch.split(cols, [dk, dk, vz, vz], dim=-1))
+    return torch.cat([q, k, v], dim=-1).permute(1, 0).contiguous(), z.permute(1, 0).contiguous()
+
+
 def _stored_order(arch: str, config, hf_name: str, a):
     """(row order, column order or None) the converter stores a tensor in: LlamaModel's q / k
     permutation (GraniteHybridModel.undo_permute), Qwen3.5's value heads from grouped by key
     head to tiled (_LinearAttentionVReorderBase) where there are more value than key heads."""
     rows, cols = np.arange(a.shape[0]), None
+    if arch == "qwen3_next":
+        return rows, cols
     if arch != "qwen3_5":
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (config.num_attention_heads if "q_proj" in hf_name
@@ -210,6 +238,24 @@ def _stored_order(arch: str, config, hf_name: str, a):
     elif hf_name.endswith("out_proj.weight"):
         cols = tiled(0, dv)
     return rows, cols
+
+
+def _write_expert_stacks(w, config, experts: dict, reference: dict) -> None:
+    """Qwen2MoeModel: experts.{e}.{gate,up,down}_proj of a layer as one [E, ...] stack each
+    (ffn_{gate,up,down}_exps); each expert's reference is its slice of the stored stack."""
+    import torch
+
+    by_stack: dict[tuple[str, str], list[str]] = {}
+    for name in experts:  # model.layers.L.mlp.experts.E.P_proj.weight
+        parts = name.split(".")
+        by_stack.setdefault((parts[2], parts[6].split("_")[0]), []).append(name)
+    for (layer, proj), names in by_stack.items():
+        names.sort(key=lambda n: int(n.split(".")[5]))
+        stack = np.stack([experts[n].numpy() for n in names])
+        data, qtype, values = _stored(f"blk.{layer}.ffn_{proj}_exps.weight", stack)
+        w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data, raw_dtype=qtype)
+        for name, value in zip(names, np.asarray(values, dtype=np.float32)):
+            reference[name] = torch.from_numpy(np.ascontiguousarray(value))
 
 
 def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str,
@@ -239,9 +285,12 @@ def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str
                                                                 2 * config.hidden_size)),
                             (f"blk.{n}.attn_norm.weight", (config.hidden_size,))):
             w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    reference = {}
+    reference, experts = {}, {}
     for hf_name, tensor in state.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in hf_name:  # Qwen2MoeModel merges them per layer: below
+            experts[hf_name] = tensor.float()
             continue
         pieces = []  # the values as the file holds them, per tensor the converter wrote
         for gguf_name, a in _converted(arch, config, names, hf_name, tensor.float()):
@@ -251,14 +300,20 @@ def write_hybrid_gguf(arch: str, hf_path: str, out_path: str, reference_dir: str
             w.add_tensor(gguf_name, data, raw_dtype=qtype)
             values = np.asarray(values, dtype=np.float32)[np.argsort(rows)]
             pieces.append(values if cols is None else values[:, np.argsort(cols)])
-        # gate and up halves back on the axis they were split from (the second to last)
+        # gate and up halves back on the axis they were split from (the second to last);
+        # in_proj_qkvz's rows back from where the converter's split put them
         values = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-2)
+        if hf_name.endswith("in_proj_qkvz.weight"):
+            index = torch.arange(tensor.shape[0], dtype=torch.float64)[:, None]
+            moved = torch.cat(_split_qkvz(config, index)).reshape(-1).long().numpy()
+            values = values[np.argsort(moved)]
         if hf_name.endswith(".A_log"):
             values = np.log(-values)
-        elif arch == "qwen3_5" and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
+        elif arch in QWEN and hf_name.endswith("norm.weight") and "linear_attn" not in hf_name:
             values = values - np.float32(1)
         reference[hf_name] = torch.from_numpy(
             np.ascontiguousarray(values.reshape(tuple(tensor.shape))))
+    _write_expert_stacks(w, config, experts, reference)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

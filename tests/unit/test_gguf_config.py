@@ -110,11 +110,12 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "nemotron_h_moe", "falcon-h1"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "nemotron_h_moe", "falcon-h1", "jamba"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h,
-    granitehybrid and qwen35: config/gguf_hybrid.py) is refused at resolution (ModelInfo reads the
-    header) and at load (before transformers' conversion), naming the arch and the way out."""
+    granitehybrid, qwen35 and qwen3next: config/gguf_hybrid.py) is refused at resolution
+    (ModelInfo reads the header) and at load (before transformers' conversion), naming the
+    arch and the way out."""
     gguf = pytest.importorskip("gguf")
     from kvstrata.config import ModelInfo
     from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
@@ -127,7 +128,7 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_tensors_to_file()
     w.close()
     why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
-           f"nemotron_h, granitehybrid and qwen35 archs only.* HF safetensors")
+           f"nemotron_h, granitehybrid, qwen35 and qwen3next archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -290,3 +291,14 @@ def test_qwen3_5_from_the_header():
                           ({"qwen35.rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn'")):
         with pytest.raises(ValueError, match=match):
             hybrid_fields({**meta, **change}, dims)
+    # Qwen3-Next: the same keys, every layer a MoE (widths from the expert tensors)
+    next_meta = {k.replace("qwen35.", "qwen3next."): v for k, v in meta.items()}
+    next_meta.update({"general.architecture": "qwen3next", "qwen3next.expert_count": 4,
+                      "qwen3next.expert_used_count": 2})
+    with pytest.raises(ValueError, match="every qwen3next layer is a MoE"):
+        hybrid_fields(next_meta, dims)
+    moe = hybrid_fields(next_meta, {**dims, "blk.0.ffn_gate_exps.weight": (64, 24, 4),
+                                    "blk.0.ffn_gate_shexp.weight": (64, 40)})
+    assert (moe["architectures"], moe["num_experts"], moe["moe_intermediate_size"],
+            moe["shared_expert_intermediate_size"], moe["decoder_sparse_step"]) == (
+        ["Qwen3NextForCausalLM"], 4, 24, 40, 1)

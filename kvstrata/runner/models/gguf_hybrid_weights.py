@@ -1,9 +1,10 @@
-"""The tensors of a Mamba2, Nemotron-H, Granite-4.0-H or Qwen3.5 GGUF file (llama.cpp archs
-`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`) as the HF checkpoint's (name, float32
-tensor), every transform of convert_hf_to_gguf.py (Mamba2Model.modify_tensors, which the
-hybrids' Mamba2 layers run through GraniteHybridModel; LlamaModel's q / k permutation on their
-attention layers; GraniteMoeModel's split of input_linear; Qwen3NextModel's and
-_LinearAttentionVReorderBase's for Qwen3.5) undone:
+"""The tensors of a Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 or Qwen3-Next GGUF file (llama.cpp
+archs `mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`) as the HF checkpoint's
+(name, float32 tensor), every transform of convert_hf_to_gguf.py (Mamba2Model.modify_tensors,
+which the hybrids' Mamba2 layers run through GraniteHybridModel; LlamaModel's q / k
+permutation on their attention layers; GraniteMoeModel's split of input_linear;
+Qwen3NextModel's, Qwen2MoeModel's expert stacks and, for Qwen3.5,
+_LinearAttentionVReorderBase's) undone:
 
   llama.cpp tensor        as the converter stored it             HF parameter
   ssm_a                   -exp(A_log), shape (heads, 1)          A_log = log(-A), (heads,)
@@ -28,6 +29,13 @@ NEOX-style there, q / k not permuted):
   ssm_dt, conv1d; ssm_out's columns)
   ssm_a                   -exp(A_log), 1-D                        A_log = log(-A)
   blk.N.* past the layers the MTP block (nextn)                   not read (as mtp.*)
+Qwen3-Next (Qwen3NextModel, no V reordering; norms as Qwen3.5's):
+  attn_qkv + attn_gate    in_proj_qkvz ([q, k, v, z] per key     in_proj_qkvz, regrouped
+                          head) split into [q, k, v] of all heads
+                          and z
+  ssm_ba                  in_proj_ba as is                       in_proj_ba
+  ffn_{gate,up,down}_exps the experts stacked [E, ...]            experts.{e}.*_proj, each
+  ffn_gate_inp(_shexp), ffn_*_shexp: the router, the shared expert's gate and projections
 Names are Mamba2 / Nemotron-H's `backbone.*` (NVIDIA's and state-spaces' spelling;
 nemotron_h.py reads transformers' model.* too), Granite's and Qwen3.5's `model.*`. A_log comes
 back as log(-A): exp of it is A to within a float32 rounding, which the model applies as
@@ -46,7 +54,7 @@ from tqdm import tqdm
 
 from kvstrata.runner.models.gguf_weights import dequantize, unpermute_qk
 
-MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text")
+MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text", "qwen3_next")
 _MAMBA = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_norm": "norm", "ssm_out": "out_proj"}
 # tensors the converter stores under other names or with no suffix -> the mixer's parameter
 _MAMBA_BARE = {("ssm_a", None): "A_log", ("ssm_d", None): "D", ("ssm_dt", "bias"): "dt_bias"}
@@ -55,11 +63,16 @@ _MAMBA_BARE = {("ssm_a", None): "A_log", ("ssm_d", None): "D", ("ssm_dt", "bias"
 class _Names:
     """One family's names: its global tensors, the prefix of layer N, each llama.cpp block
     tensor's HF module, where its Mamba2 mixer lives, and the pairs the converter split off
-    one fused HF tensor ((gate, up) -> the fused module, the axis they are stacked on)."""
+    one fused HF tensor ((gate, up) -> the fused module, and the axis they are stacked on or a
+    function (config, first, second) -> the fused tensor)."""
 
     def __init__(self, global_names: dict, layer: str, block: dict, mixer: str,
-                 fused: dict | None = None, permuted_qk: bool = True):
+                 fused: dict | None = None, permuted_qk: bool = True,
+                 per_expert: dict | None = None):
         self.global_names, self.layer, self.mixer = global_names, layer, mixer
+        # expert stacks [E, ...] the converter merged from per-expert tensors -> their module
+        # under experts.{e}
+        self.per_expert = per_expert or {}
         self.permuted_qk = permuted_qk  # LlamaModel.permute ran on attn_q / attn_k
         self.block = {**{k: f"{mixer}.{v}" for k, v in _MAMBA.items()}, **block}
         self.bare = {k: f"{mixer}.{v}" for k, v in _MAMBA_BARE.items()}
@@ -103,8 +116,37 @@ _QWEN35 = _Names(
                      "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
                      "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                      "ffn_down": "mlp.down_proj"}, "linear_attn", permuted_qk=False)
+
+
+def _group_qkvz(config: Any, qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Qwen3NextModel split in_proj_qkvz, grouped per key head ([q_h, k_h, v_h, z_h] for each
+    of the key heads h), into attn_qkv = [q, k, v] of all heads and attn_gate = z: regroup."""
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    vz = config.linear_num_value_heads // nk * config.linear_value_head_dim
+    q, k, v = np.split(qkv, [nk * dk, 2 * nk * dk])
+    parts = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+    assert parts[2].shape[1] == vz == parts[3].shape[1]
+    return np.concatenate(parts, axis=1).reshape(-1, qkv.shape[-1])
+
+
+# Qwen3-Next (Qwen3NextModel: in_proj_qkvz as attn_qkv + attn_gate; in_proj_ba as ssm_ba,
+# grouped as HF; every layer a MoE with a gated shared expert, the experts merged into
+# [E, ...] stacks by Qwen2MoeModel)
+_QWEN3NEXT = _Names(
+    _MODEL_GLOBAL, "model.layers",
+    {**{k: v for k, v in _QWEN35.block.items() if not k.startswith(("attn_qkv", "attn_gate",
+                                                                   "ssm_beta", "ssm_alpha",
+                                                                   "ffn_"))},
+     "ssm_ba": "linear_attn.in_proj_ba",
+     "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+     "ffn_down_shexp": "mlp.shared_expert.down_proj"}, "linear_attn",
+    {("attn_qkv", "attn_gate"): ("linear_attn.in_proj_qkvz", _group_qkvz)}, permuted_qk=False,
+    per_expert={"ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                "ffn_down_exps": "mlp.experts.{e}.down_proj"})
 _FAMILIES = {"mamba2": _BACKBONE, "nemotron_h": _BACKBONE, "granitemoehybrid": _GRANITE,
-             "qwen3_5_text": _QWEN35}
+             "qwen3_5_text": _QWEN35, "qwen3_next": _QWEN3NEXT}
 # Qwen3.5's zero-centred RMSNorms, stored as 1 + w (Qwen3NextModel.modify_tensors; not the
 # gated norm of the linear layers)
 _ONE_PLUS_W = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
@@ -130,14 +172,16 @@ def hf_name(gguf_name: str, model_type: str) -> tuple[str, str]:
         for pair, (module, _) in names.fused.items():
             if kind in pair and suffix == "weight":
                 return f"{prefix}.{module}.weight", kind
+        if kind in names.per_expert and suffix == "weight":
+            return f"{prefix}.{names.per_expert[kind]}.weight", kind  # {e}: each expert
     raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping for a {model_type} model")
 
 
 def undo_converter(kind: str, w: np.ndarray, config: Any, gguf_name: str) -> np.ndarray:
     """The HF tensor from the converter's stored values (the table above)."""
     names = _FAMILIES[config.model_type]
-    if names is _QWEN35:
-        w = _undo_qwen35(kind, w, config, gguf_name)
+    if names in (_QWEN35, _QWEN3NEXT):
+        w = _undo_qwen(kind, w, config, gguf_name, tiled_v=names is _QWEN35)
     if kind == "ssm_a":
         if not (w < 0).all():
             raise ValueError(f"GGUF tensor {gguf_name!r} holds values >= 0: not the converter's "
@@ -164,13 +208,14 @@ def _untile_v(w: np.ndarray, axis: int, config: Any, head_dim: int) -> np.ndarra
     return np.moveaxis(w, 0, axis)
 
 
-def _undo_qwen35(kind: str, w: np.ndarray, config: Any, gguf_name: str) -> np.ndarray:
-    """Qwen3.5's own transforms: the norms' 1 + w back to w (the model adds the 1 at load, as
-    for an HF checkpoint), V heads back in grouped order when there are more value heads than
-    key heads."""
+def _undo_qwen(kind: str, w: np.ndarray, config: Any, gguf_name: str, tiled_v: bool
+               ) -> np.ndarray:
+    """Qwen3-Next's and Qwen3.5's own transforms: the norms' 1 + w back to w (the model adds
+    the 1 at load, as for an HF checkpoint); Qwen3.5's V heads (tiled_v) back in grouped order
+    when there are more value heads than key heads."""
     if kind in _ONE_PLUS_W:
         return w - 1.0
-    if config.linear_num_key_heads == config.linear_num_value_heads:
+    if not tiled_v or config.linear_num_key_heads == config.linear_num_value_heads:
         return w
     dv = config.linear_value_head_dim
     if kind in ("attn_qkv", "ssm_conv1d") and gguf_name.endswith(".weight"):
@@ -191,7 +236,7 @@ def iter_hybrid_gguf(gguf_path: str, config: Any) -> Iterator[tuple[str, torch.T
     from kvstrata.runner.models.gguf_index import read_gguf_tensors
 
     names = _FAMILIES[config.model_type]
-    halves = {kind: (pair, axis) for pair, (_, axis) in names.fused.items() for kind in pair}
+    halves = {kind: (pair, join) for pair, (_, join) in names.fused.items() for kind in pair}
     pending: dict[str, dict[str, np.ndarray]] = {}
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
@@ -201,18 +246,23 @@ def iter_hybrid_gguf(gguf_path: str, config: Any) -> Iterator[tuple[str, torch.T
         name, kind = hf_name(t.name, config.model_type)
         w = undo_converter(kind, np.asarray(dequantize(t.data, t.tensor_type), np.float32),
                            config, t.name)
+        if kind in names.per_expert:
+            for e, expert in enumerate(w):
+                yield name.format(e=e), torch.from_numpy(np.array(expert, copy=True))
+            continue
         if kind in halves:
-            (gate, up), axis = halves[kind]
+            (first, second), join = halves[kind]
             pending.setdefault(name, {})[kind] = w
             if len(pending[name]) < 2:
                 continue
             parts = pending.pop(name)
-            w = np.concatenate([parts[gate], parts[up]], axis=axis)
+            w = (join(config, parts[first], parts[second]) if callable(join)
+                 else np.concatenate([parts[first], parts[second]], axis=join))
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
         yield name, torch.from_numpy(np.array(w, copy=True))
     if pending:
-        raise ValueError(f"{gguf_path}: {sorted(pending)} have only one of their gate / up "
-                         f"halves")
+        raise ValueError(f"{gguf_path}: {sorted(pending)} have only one of the two tensors "
+                         f"the converter split them into")
 
 
 __all__ = ["MODEL_TYPES", "hf_name", "iter_hybrid_gguf", "undo_converter"]

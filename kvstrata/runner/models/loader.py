@@ -141,11 +141,9 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
-# metadata in ways this loader does not read): HF safetensors only. Of the hybrids, Mamba2,
-# Nemotron-H, Granite-4.0-H and Qwen3.5 files are mapped (gguf_hybrid_weights.py), Qwen3-Next's
-# (its MoE, the fused in_proj_qkvz / in_proj_ba) not.
+# metadata in ways this loader does not read): HF safetensors only. The hybrids' files
+# (Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5, Qwen3-Next) are mapped (gguf_hybrid_weights.py).
 _NO_GGUF = {"deepseek", "moe", "olmo2", "glm4"}
-_NO_GGUF_ARCHITECTURES = {"Qwen3NextForCausalLM"}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
@@ -156,7 +154,7 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
     device = torch.device(device)
     name, spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, config, device)
-    if source.kind == "gguf" and (spec.family in _NO_GGUF or name in _NO_GGUF_ARCHITECTURES):
+    if source.kind == "gguf" and spec.family in _NO_GGUF:
         raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
     if keep_quantized and spec.family in HYBRID_FAMILIES:
         raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
