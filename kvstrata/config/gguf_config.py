@@ -1,6 +1,8 @@
 """The config fields of a Gemma 2 / Gemma 3 GGUF file (llama.cpp archs `gemma2`, `gemma3`)
 that transformers' GGUF config conversion drops, read the way llama.cpp reads the file
-(gpt-oss files: config/gguf_gpt_oss.py, the same way).
+(gpt-oss files: config/gguf_gpt_oss.py, the recurrent hybrids' files:
+config/gguf_hybrid.py,
+the same way).
 
 transformers maps the generic keys (sizes, heads, eps, sliding window, one rope base) and
 leaves the rest at its config classes' defaults, which are not the file's: Gemma 2's
@@ -23,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from kvstrata.config import gguf_gpt_oss
+from kvstrata.config import gguf_gpt_oss, gguf_hybrid
 from kvstrata.config.gguf_header import read_header, read_metadata
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -38,21 +40,25 @@ _KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.k
          "rope.freq_base_swa", "rope.scaling.type", "rope.scaling.factor")
 
 
-# llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state: the families
-# kvstrata serves from HF safetensors (config/hf_recurrent.py) and their relatives.
-RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h", "nemotron_h_moe",
-                        "granitehybrid", "mamba", "mamba2", "falcon-h1", "jamba")
+# llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state and whose
+# GGUF files kvstrata does not build: the families it serves from HF safetensors
+# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, granitehybrid, qwen35 and
+# qwen3next files are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
+RECURRENT_GGUF_ARCHS = ("qwen35moe", "nemotron_h_moe", "mamba", "falcon-h1", "jamba")
 
 
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
-    """ValueError for a GGUF file of a model with recurrent state: the GGUF loader maps
-    llama.cpp's attention-decoder tensor names only, not the SSM ones (ssm_conv1d, ssm_a,
-    ssm_dt, ...), and transformers converts none of these archs' configs."""
+    """ValueError for a GGUF file of a recurrent (SSM / linear-attention) arch that is not
+    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h, granitehybrid,
+    qwen35 and qwen3next archs only (Qwen3.5-MoE, which kvstrata does not serve from
+    safetensors either, and Nemotron-H's MoE blocks are not), and transformers converts none
+    of these archs' configs."""
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
-                         f"recurrent (SSM / linear-attention) state is not built from GGUF "
-                         f"files (its ssm_* tensors are not mapped); serve its HF "
-                         f"safetensors checkpoint")
+                         f"recurrent (SSM / linear-attention) state is built from GGUF files "
+                         f"of llama.cpp's mamba2, nemotron_h, granitehybrid, qwen35 and "
+                         f"qwen3next archs only (this arch's tensors are not mapped); serve "
+                         f"its HF safetensors checkpoint")
 
 
 def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
@@ -136,22 +142,24 @@ def _arch_metadata(gguf_path: str) -> dict[str, Any]:
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma or gpt-oss file's config.json fields the resolution rules read (model_type,
-    layers, windows, soft-caps, sinks: ModelInfo.from_model_path), from the header alone --
-    no conversion, no transformers; {} for other archs; ValueError for a recurrent arch."""
+    """A Gemma, gpt-oss or recurrent hybrid (config/gguf_hybrid.py) file's config.json fields
+    the resolution rules read (model_type, layers and their kinds, windows, soft-caps, sinks:
+    ModelInfo.from_model_path), from the header alone -- no conversion, no transformers; {}
+    for other archs; ValueError for a recurrent arch that is not built."""
     meta = _arch_metadata(gguf_path)
-    refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
+    arch = meta.get("general.architecture")
+    refuse_recurrent_arch(arch, gguf_path)
+    if arch in gguf_hybrid.ARCHITECTURES:
+        return own_gguf_config(gguf_path)
     fields = arch_fields(meta)
     if not fields:
         return {}
-    arch = meta["general.architecture"]
     return {"model_type": "gemma3_text" if arch == "gemma3" else arch,
             "num_hidden_layers": meta[f"{arch}.block_count"], **fields}
 
 
-_TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
-              "eos_token_id": "tokenizer.ggml.eos_token_id",
-              "pad_token_id": "tokenizer.ggml.padding_token_id"}
+_TOKEN_IDS = gguf_hybrid.TOKEN_IDS
+_OWN_ARCHS = (gguf_gpt_oss.ARCH, *gguf_hybrid.ARCHITECTURES)
 
 
 def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
@@ -159,13 +167,19 @@ def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     convert, from its header; None for the others. gpt-oss: transformers 5.25's conversion
     reads each rope.scaling value as its key's length field and fails on every YaRN file
     (the released ones), and its tokenizer loader converts the config first -- so the
-    tokenizer is built without it (config/model_source.py)."""
+    tokenizer is built without it (config/model_source.py). mamba2 / nemotron_h /
+    granitehybrid / qwen35 / qwen3next: transformers has no conversion for them
+    (config/gguf_hybrid.py)."""
     header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
-        f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
+        f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS] + [
+        f"{arch}.{key}" for arch in gguf_hybrid.ARCHITECTURES for key in gguf_hybrid.KEYS])
     meta = header.metadata
-    if meta.get("general.architecture") != gguf_gpt_oss.ARCH:
+    arch = meta.get("general.architecture")
+    if arch not in _OWN_ARCHS:
         return None
     dims = {t.name: t.dims for t in header.tensors}
+    if arch in gguf_hybrid.ARCHITECTURES:
+        return {**gguf_hybrid.hybrid_fields(meta, dims), **gguf_hybrid.token_ids(meta)}
     if "token_embd.weight" not in dims:
         raise ValueError(f"GGUF {gguf_gpt_oss.ARCH} ({os.path.basename(gguf_path)}): no "
                          f"token_embd.weight")

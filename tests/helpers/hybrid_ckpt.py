@@ -73,9 +73,12 @@ def _redraw(arch: str) -> Callable[[str, Any], None]:
     return redraw
 
 
-def build_hybrid_checkpoint(arch: str, path: str, seed: int = 2468) -> str:
-    return build_checkpoint(tiny_hybrid_config(arch), path, seed + HYBRIDS.index(arch),
-                            _redraw(arch))
+def build_hybrid_checkpoint(arch: str, path: str, seed: int = 2468, **overrides) -> str:
+    """`overrides`: config fields set over the tiny config's (a variant of it)."""
+    config = tiny_hybrid_config(arch)
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    return build_checkpoint(config, path, seed + HYBRIDS.index(arch), _redraw(arch))
 
 
 def hybrid_checkpoints(root: str, archs=HYBRIDS) -> dict[str, str]:

@@ -1,10 +1,11 @@
 """config/gguf_config.py: the Gemma 2 / Gemma 3 config fields read from a GGUF file's metadata
 the way llama.cpp reads them (what transformers' GGUF conversion drops), and the ModelInfo
 resolution gets from a Gemma GGUF's header (its windows and soft-caps) without a conversion;
-a GGUF of a model with recurrent state refused by its arch; a gpt-oss file's config
-(config/gguf_gpt_oss.py) with llama.cpp's defaults, and its keys not built refused by name.
-tests/correctness/test_gemma_gguf.py and test_gpt_oss_gguf.py serve such files against
-transformers."""
+a GGUF of a recurrent arch that is not built refused by its arch; a gpt-oss file's config
+(config/gguf_gpt_oss.py) with llama.cpp's defaults, and its keys not built refused by name;
+a Nemotron-H file's layer kinds from its per-layer arrays (config/gguf_hybrid.py), and its
+fields not built refused by name. tests/correctness/test_gemma_gguf.py, test_gpt_oss_gguf.py
+and test_hybrid_gguf.py serve such files against transformers."""
 from __future__ import annotations
 
 import pytest
@@ -109,11 +110,12 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "nemotron_h", "granitehybrid",
-                                  "mamba2", "falcon-h1"])
+@pytest.mark.parametrize("arch", ["qwen35moe", "nemotron_h_moe", "falcon-h1", "jamba"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
-    """A GGUF of a model with recurrent state is refused at resolution (ModelInfo reads the
-    header) and at load (before transformers' conversion), naming the arch and the way out."""
+    """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h,
+    granitehybrid, qwen35 and qwen3next: config/gguf_hybrid.py) is refused at resolution
+    (ModelInfo reads the header) and at load (before transformers' conversion), naming the
+    arch and the way out."""
     gguf = pytest.importorskip("gguf")
     from kvstrata.config import ModelInfo
     from kvstrata.config.model_source import gguf_metadata_dir, resolve_model_path
@@ -125,7 +127,8 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    why = f"GGUF {arch} .*recurrent .* state is not built from GGUF files.* HF safetensors"
+    why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
+           f"nemotron_h, granitehybrid, qwen35 and qwen3next archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -180,3 +183,122 @@ def test_gpt_oss_keys_not_built_are_refused_by_name(kv, match):
     meta = {k: v for k, v in oss(**kv).items() if v is not None}
     with pytest.raises(ValueError, match=match):
         arch_fields(meta)
+
+
+NEMOTRON = {"general.architecture": "nemotron_h", "nemotron_h.block_count": 3,
+            "nemotron_h.embedding_length": 64, "nemotron_h.ssm.inner_size": 32,
+            "nemotron_h.ssm.time_step_rank": 4, "nemotron_h.ssm.group_count": 2,
+            "nemotron_h.ssm.conv_kernel": 4, "nemotron_h.ssm.state_size": 16,
+            "nemotron_h.attention.layer_norm_rms_epsilon": 1e-5,
+            "nemotron_h.attention.head_count": 4, "nemotron_h.attention.key_length": 16,
+            "nemotron_h.attention.head_count_kv": [0, 2, 0],
+            "nemotron_h.feed_forward_length": [0, 0, 24]}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({}, None),
+    ({"nemotron_h.feed_forward_length": [0, 8, 0]}, "layer 1 has both K/V heads"),
+    ({"nemotron_h.attention.head_count_kv": [1, 2, 0]}, "head_count_kv differs"),
+    ({"nemotron_h.attention.value_length": 8}, "value_length 8 != key_length 16"),
+    ({"nemotron_h.ssm.dt_b_c_rms": True}, "dt_b_c_rms"),
+    ({"nemotron_h.ssm.time_step_rank": 3}, "not a whole number"),
+    ({"nemotron_h.feed_forward_length": [0, 0]}, "2 entries for 3 layers"),
+], ids=["builds", "attention-and-mlp", "kv-heads-vary", "value-length", "dt-b-c-rms",
+        "heads", "short-array"])
+def test_nemotron_h_layers_from_the_header(change, match):
+    """llama.cpp's rule: no K/V heads and no feed-forward length = Mamba2, K/V heads =
+    attention, a feed-forward length = the MLP; what this model does not build is refused."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    dims = {"token_embd.weight": (64, 100)}
+    if match is None:
+        fields = hybrid_fields({**NEMOTRON, **change}, dims)
+        assert fields["layers_block_type"] == ["linear_attention", "full_attention", "mlp"]
+        assert (fields["num_attention_heads"], fields["num_key_value_heads"],
+                fields["head_dim"], fields["intermediate_size"]) == (4, 2, 16, 24)
+        assert (fields["mamba_num_heads"], fields["mamba_head_dim"], fields["vocab_size"],
+                fields["tie_word_embeddings"]) == (4, 8, 100, True)
+        assert "max_position_embeddings" not in fields  # none in the file
+        return
+    with pytest.raises(ValueError, match=match):
+        hybrid_fields({**NEMOTRON, **change}, dims)
+
+
+GRANITE = {"general.architecture": "granitehybrid", "granitehybrid.block_count": 2,
+           "granitehybrid.embedding_length": 64, "granitehybrid.ssm.inner_size": 128,
+           "granitehybrid.ssm.time_step_rank": 4, "granitehybrid.ssm.group_count": 2,
+           "granitehybrid.ssm.conv_kernel": 4, "granitehybrid.ssm.state_size": 16,
+           "granitehybrid.attention.layer_norm_rms_epsilon": 1e-5,
+           "granitehybrid.attention.head_count": 4,
+           "granitehybrid.attention.head_count_kv": [0, 2],
+           "granitehybrid.expert_count": 4, "granitehybrid.expert_used_count": 2}
+GRANITE_DIMS = {"token_embd.weight": (64, 100), "output.weight": (64, 100),
+                "blk.0.ffn_gate_exps.weight": (64, 40, 4),
+                "blk.0.ffn_gate_shexp.weight": (64, 56)}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({}, None),
+    ({"granitehybrid.rope.scaling.type": "linear"}, "rope.scaling.type 'linear'"),
+    ({"granitehybrid.rope.dimension_count": 8}, "rope.dimension_count 8"),
+    ({"granitehybrid.attention.key_length": 8}, "key_length 8 x 4 heads"),
+], ids=["builds", "rope-scaling", "partial-rope", "head-size"])
+def test_granite_hybrid_from_the_header(change, match):
+    """llama.cpp's granitehybrid: K/V heads = attention, else Mamba2; rope unless
+    rope.scaling.finetuned is false; absent multipliers applied as llama.cpp does (none; the
+    attention's 1/sqrt(head size)); MLP widths from the tensors."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields({**GRANITE, **change}, GRANITE_DIMS)
+        return
+    fields = hybrid_fields(GRANITE, GRANITE_DIMS)
+    assert fields["layer_types"] == ["mamba", "attention"]
+    assert (fields["position_embedding_type"], fields["attention_multiplier"],
+            fields["embedding_multiplier"], fields["logits_scaling"]) == ("rope", 0.25, 1.0, 1.0)
+    assert (fields["num_local_experts"], fields["num_experts_per_tok"],
+            fields["intermediate_size"], fields["shared_intermediate_size"]) == (4, 2, 40, 56)
+    assert (fields["mamba_n_heads"], fields["mamba_d_head"], fields["mamba_expand"]) == (4, 32, 2)
+    off = hybrid_fields({**GRANITE, "granitehybrid.rope.scaling.finetuned": False},
+                        GRANITE_DIMS)
+    assert off["position_embedding_type"] == "nope"
+
+
+def test_qwen3_5_from_the_header():
+    """llama.cpp's qwen35: every full_attention_interval-th layer full attention, Gated
+    DeltaNet's heads from the ssm.* keys, the MTP block (nextn_predict_layers) not a layer;
+    a MoE or rope-scaled file refused."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    meta = {"general.architecture": "qwen35", "qwen35.block_count": 9,
+            "qwen35.nextn_predict_layers": 1, "qwen35.embedding_length": 64,
+            "qwen35.feed_forward_length": 88, "qwen35.attention.head_count": 4,
+            "qwen35.attention.head_count_kv": 2, "qwen35.attention.key_length": 16,
+            "qwen35.attention.layer_norm_rms_epsilon": 1e-6, "qwen35.rope.dimension_count": 4,
+            "qwen35.ssm.inner_size": 48, "qwen35.ssm.time_step_rank": 4,
+            "qwen35.ssm.group_count": 2, "qwen35.ssm.state_size": 8,
+            "qwen35.ssm.conv_kernel": 4}
+    dims = {"token_embd.weight": (64, 100)}
+    fields = hybrid_fields(meta, dims)
+    assert fields["num_hidden_layers"] == 8
+    assert fields["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] \
+        + ["linear_attention"] * 3 + ["full_attention"]
+    assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"],
+            fields["linear_key_head_dim"], fields["linear_value_head_dim"]) == (2, 4, 8, 12)
+    assert fields["rope_parameters"]["partial_rotary_factor"] == 0.25
+    for change, match in (({"qwen35.expert_count": 8}, "expert_count"),
+                          ({"qwen35.rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn'")):
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields({**meta, **change}, dims)
+    # Qwen3-Next: the same keys, every layer a MoE (widths from the expert tensors)
+    next_meta = {k.replace("qwen35.", "qwen3next."): v for k, v in meta.items()}
+    next_meta.update({"general.architecture": "qwen3next", "qwen3next.expert_count": 4,
+                      "qwen3next.expert_used_count": 2})
+    with pytest.raises(ValueError, match="every qwen3next layer is a MoE"):
+        hybrid_fields(next_meta, dims)
+    moe = hybrid_fields(next_meta, {**dims, "blk.0.ffn_gate_exps.weight": (64, 24, 4),
+                                    "blk.0.ffn_gate_shexp.weight": (64, 40)})
+    assert (moe["architectures"], moe["num_experts"], moe["moe_intermediate_size"],
+            moe["shared_expert_intermediate_size"], moe["decoder_sparse_step"]) == (
+        ["Qwen3NextForCausalLM"], 4, 24, 40, 1)

@@ -3,7 +3,7 @@ Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot 
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
 cache of PD, a decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
-rules/deterministic.py; GGUF files: config/gguf_config.py; HiCache on a model without
+rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);

@@ -24,7 +24,9 @@
                     falcon_h1.py (Falcon-H1: attention and Mamba2 in every layer), whose
                     Mamba2 layer is mamba2_mixer.py
   loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table;
-                    gguf_weights.py: its tensors by HF name, dequantized or kept packed)
+                    gguf_weights.py: its tensors by HF name, dequantized or kept packed;
+                    gguf_hybrid_weights.py: a recurrent hybrid's, the converter's
+                    transforms undone)
 """
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM
 from kvstrata.runner.models.loader import load_model

@@ -56,7 +56,7 @@ _BARE_PARAMS = {"self_attn.sinks"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter reorders each head's rows from HF's "two halves" rotary layout to
     # interleaved pairs: rows (head, half, i) -> (head, i, half). Undo it. Rows only: the same
     # reorder applies to float rows and to rows of quantized blocks alike.
@@ -145,7 +145,7 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
         packed = (keep_quantized and t.data.ndim == 2
                   and gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.tensor_type)][0] > 1)
         if packed and gguf_matmul.supported(t.tensor_type):
-            raw = t.data if heads is None else _unpermute_qk(t.data, heads)
+            raw = t.data if heads is None else unpermute_qk(t.data, heads)
             # np.array copies: the rows outlive the file's mapping (and may be reordered).
             yield name, PackedRows(int(t.tensor_type), torch.from_numpy(np.array(raw)),
                                    int(t.shape[0]))
@@ -155,7 +155,7 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
             dequantized[kind] = dequantized.get(kind, 0) + 1
         w = dequantize(t.data, t.tensor_type)
         if heads is not None:
-            w = _unpermute_qk(w, heads)
+            w = unpermute_qk(w, heads)
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
         yield name, torch.from_numpy(np.array(w, copy=True))
     for kind, n in dequantized.items():
@@ -165,4 +165,4 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
                                         for q in gguf_matmul.SUPPORTED)))
 
 
-__all__ = ["Q4_1_BLOCK_BYTES", "dequantize", "hf_name", "iter_gguf"]
+__all__ = ["Q4_1_BLOCK_BYTES", "dequantize", "hf_name", "iter_gguf", "unpermute_qk"]

@@ -21,6 +21,8 @@ from kvstrata.config.model_source import ModelSource
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
+from kvstrata.runner.models.gguf_hybrid_weights import (MODEL_TYPES as HYBRID_GGUF_TYPES,
+                                                        iter_hybrid_gguf)
 from kvstrata.runner.models.gguf_weights import iter_gguf
 from kvstrata.runner.models.gpt_oss import GptOssForCausalLM
 from kvstrata.runner.models.hybrids import HYBRID_FAMILIES, hybrid_model
@@ -119,7 +121,9 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
     that part of each tensor (safetensors reads nothing else; the others slice in memory).
     keep_quantized: a GGUF's quantized weights come as PackedRows (gguf_weights.py).
     scheme: a quantized HF checkpoint's (config/hf_quant.py) linears come assembled."""
-    if source.kind == "gguf":
+    if source.kind == "gguf" and getattr(config, "model_type", None) in HYBRID_GGUF_TYPES:
+        it = iter_hybrid_gguf(source.gguf_path, config)  # float weights, transforms undone
+    elif source.kind == "gguf":
         it = iter_gguf(source.gguf_path, config, permute_qk, keep_quantized)
     else:
         bin_path = os.path.join(source.path, "pytorch_model.bin")
@@ -137,8 +141,9 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
-# metadata in ways this loader does not read): HF safetensors only.
-_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4", *HYBRID_FAMILIES}
+# metadata in ways this loader does not read): HF safetensors only. The hybrids' files
+# (Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5, Qwen3-Next) are mapped (gguf_hybrid_weights.py).
+_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4"}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
@@ -151,6 +156,11 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
     torch_dtype = resolve_dtype(dtype, config, device)
     if source.kind == "gguf" and spec.family in _NO_GGUF:
         raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
+    if keep_quantized and spec.family in HYBRID_FAMILIES:
+        raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
+                         f"not built for the recurrent hybrids (their layers take float "
+                         f"weights); its GGUF files load dequantized (--load-format "
+                         f"gguf_dequantize)")
     if keep_quantized and spec.family == "gpt_oss":  # a draft's flag too, not only --quantization
         raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
                          f"not built for gpt-oss (no packed kernel for its MXFP4 experts); its "

@@ -1,0 +1,217 @@
+"""Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 and Qwen3-Next GGUF files (llama.cpp archs
+`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`): tiny random models
+(tests/helpers/hybrid_ckpt.py) written as llama.cpp's converter writes them with --outtype q8_0
+(tests/helpers/hybrid_gguf.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted
+q / k, Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key
+head, Qwen3-Next's in_proj_qkvz split and experts stacked, Q8_0 matrices beside F32 / F16
+tensors) are served from the file:
+
+- the config comes from the header (transformers converts neither arch) and equals the HF
+  config where the model reads it; resolution sees the recurrent layers from the header;
+- every converter transform is undone exactly: the model loaded from the GGUF holds, parameter
+  for parameter, what the model loaded from an HF checkpoint of the file's values holds (A_log
+  from log(-A) within a float32 rounding of the original);
+- greedy tokens equal transformers' on the file's values (float32), prompts in chunks of 16 at
+  page size 16; a prompt sharing 40 tokens of an earlier one resumes at the snapshot at 32;
+  the pools and the state slots are whole after the drain;
+- a Qwen3.5 file's MTP block (block_count + 1) is not read;
+- weights kept in their blocks are refused by name (the recurrent archs whose tensors are not
+  mapped, and header fields not built: tests/unit/test_gguf_config.py).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
+from helpers.hybrid_gguf import write_hybrid_gguf
+
+ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5", "qwen3_next")
+# llama.cpp's qwen3next has no dense FFN tensors: every layer a MoE (the shared tiny Qwen3-Next
+# has one every 2nd layer)
+_VARIANT = {"qwen3_next": {"decoder_sparse_step": 1}}
+NEW = 8
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+LENS = (5, 29, 70)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Per arch: (HF checkpoint, its GGUF, an HF checkpoint of the GGUF's values); the
+    converted metadata under a private cache."""
+    root = tmp_path_factory.mktemp("hybrid_gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
+        out = {}
+        for arch in ARCHS:
+            hf = build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {}))
+            ref = str(root / f"{arch}-ref")
+            out[arch] = (hf, write_hybrid_gguf(arch, hf, str(root / f"{arch}.gguf"), ref), ref)
+        yield out
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(17)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in LENS]
+
+
+_MAMBA = ("n_groups", "conv_kernel", "use_conv_bias", "use_bias", "time_step_limit")
+_FIELDS = {
+    "mamba2": (*_MAMBA, "num_heads", "head_dim", "expand", "state_size", "hidden_act",
+               "residual_in_fp32", "layer_norm_epsilon"),
+    "nemotron_h": (*_MAMBA, "layers_block_type", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "intermediate_size", "mamba_num_heads", "mamba_head_dim",
+                   "ssm_state_size", "mlp_hidden_act", "mamba_hidden_act", "mlp_bias",
+                   "residual_in_fp32", "layer_norm_epsilon"),
+    "granite": ("layers_block_type", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "shared_intermediate_size", "num_local_experts",
+                "num_experts_per_tok", "mamba_n_heads", "mamba_d_head", "mamba_d_state",
+                "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias",
+                "mamba_expand", "position_embedding_type", "attention_multiplier",
+                "embedding_multiplier", "residual_multiplier", "logits_scaling", "hidden_act",
+                "time_step_limit", "rms_norm_eps"),
+    "qwen3_5": ("layer_types", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                "hidden_act", "max_position_embeddings", "rms_norm_eps")}
+_FIELDS["qwen3_next"] = (*_FIELDS["qwen3_5"], "num_experts", "num_experts_per_tok",
+                         "moe_intermediate_size", "shared_expert_intermediate_size",
+                         "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+_LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
+           "nemotron_h": "layers_block_type: 2 of 4 layers recurrent",
+           "granite": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_5": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_next": "layer_types: 3 of 4 layers recurrent"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_comes_from_the_header(arch, files):
+    from transformers import AutoConfig
+
+    from kvstrata.config import ModelInfo
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+
+    hf_path, gguf_path, _ = files[arch]
+    ours, theirs = load_hf_config(resolve_model_path(gguf_path)), AutoConfig.from_pretrained(
+        hf_path)
+    for field in ("architectures", "num_hidden_layers", "hidden_size", "vocab_size",
+                  "tie_word_embeddings", "bos_token_id", "pad_token_id", "eos_token_id",
+                  *_FIELDS[arch]):
+        mine, want = getattr(ours, field), getattr(theirs, field)
+        if isinstance(want, (list, tuple)) and field not in ("layers_block_type", "layer_types",
+                                                             "mlp_only_layers"):
+            mine, want = tuple(mine), tuple(want)  # time_step_limit: a list once saved
+        if isinstance(want, float):  # stored as float32 in the file
+            mine, want = np.float32(mine), np.float32(want)
+        assert mine == want, field
+    if arch in ("granite", "qwen3_5", "qwen3_next"):
+        for key in ("rope_theta", "partial_rotary_factor"):
+            assert ours.rope_parameters.get(key) == theirs.rope_parameters.get(key), key
+    info = ModelInfo.from_model_path(gguf_path)
+    assert info.has_recurrent_state and info.recurrent_layers == _LAYERS[arch]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_converter_transform_is_undone(arch, files):
+    """Parameter for parameter (fused q|k|v, conv windows, A_log, group norms), the model from
+    the GGUF equals the model from an HF checkpoint of the file's values; and log(-A) gives
+    back the original A_log."""
+    import safetensors.torch as st
+
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    hf_path, gguf_path, ref_path = files[arch]
+    models = []
+    for path in (gguf_path, ref_path):
+        source = resolve_model_path(path)
+        models.append(load_model(source, load_hf_config(source), "float32"))
+    ours, theirs = (dict(m.named_parameters()) for m in models)
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name
+    # layer by layer (the saved checkpoint names Nemotron-H's module backbone.*, its state
+    # dict model.*)
+    original, reference = ([t for name, t in sorted(st.load_file(os.path.join(
+        path, "model.safetensors")).items()) if name.endswith("A_log")]
+        for path in (hf_path, ref_path))
+    assert len(original) == len(reference) == models[0].num_recurrent_layers
+    for got, want in zip(reference, original):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-7)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_from_the_gguf_equals_transformers(arch, files, prompts):
+    from kvstrata import LLM
+
+    _, gguf_path, ref_path = files[arch]
+    ref = HFGreedy(ref_path)
+    long = prompts[-1]
+    branch = long[:40] + [7, 8, 9]
+    with LLM(gguf_path, skip_tokenizer_init=True, dtype="float32", page_size=16,
+             chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24) as llm:
+        assert llm.server_info()["kv_plan"]["pool_kind"] == ("none" if arch == "mamba2"
+                                                             else "mha")
+        outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
+        got = [o["output_ids"] for o in outs]
+        assert got == [ref(p, NEW) for p in prompts]
+        out, = llm.generate(input_ids=[branch], sampling_params=GREEDY)
+        assert out["meta_info"]["cached_tokens"] == 32  # the chunk-end snapshot at 32
+        assert out["output_ids"] == ref(branch, NEW)
+        sched = llm.engine.scheduler
+        assert not sched.live_requests() and not sched.waiting
+        llm.check_integrity()
+        states = sched.kv.states
+        assert states.allocator.available_pages() + states.tree.cached_states() == \
+            states.num_slots
+
+
+def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
+    """A Qwen3.5 file with its MTP block (block_count + 1, nextn_predict_layers, blk.N.nextn.*)
+    loads the model's layers only, as an HF checkpoint's mtp.* is skipped."""
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    hf_path, _, ref_path = files["qwen3_5"]
+    path = write_hybrid_gguf("qwen3_5", hf_path, str(tmp_path / "mtp.gguf"),
+                             str(tmp_path / "ref"), mtp_block=True)
+    source = resolve_model_path(path)
+    config = load_hf_config(source)
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
+    ours = dict(load_model(source, config, "float32").named_parameters())
+    source = resolve_model_path(ref_path)
+    theirs = dict(load_model(source, load_hf_config(source), "float32").named_parameters())
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(p, theirs[name]) for name, p in ours.items())
+
+
+def test_weights_kept_in_their_blocks_are_refused(files):
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    source = resolve_model_path(files["nemotron_h"][1])
+    with pytest.raises(ValueError, match="not built for the recurrent hybrids"):
+        load_model(source, load_hf_config(source), "float32", keep_quantized=True)
+
+
+def test_tensor_names_of_each_family():
+    """llama.cpp's names to the HF checkpoint's, beyond the tiny models' files: a dense
+    Granite-4.0-H (granite-4.0-h-micro: its shared MLP as plain ffn_gate / ffn_up / ffn_down),
+    the bare ssm_a / ssm_d; a tensor of an arch not built (Qwen3-Next's ssm_ba) has none."""
+    from kvstrata.runner.models.gguf_hybrid_weights import hf_name
+
+    granite = {"blk.3.ffn_gate.weight": "model.layers.3.shared_mlp.input_linear.weight",
+               "blk.3.ffn_up.weight": "model.layers.3.shared_mlp.input_linear.weight",
+               "blk.3.ffn_down.weight": "model.layers.3.shared_mlp.output_linear.weight",
+               "blk.0.ssm_a": "model.layers.0.mamba.A_log",
+               "blk.0.ssm_dt.bias": "model.layers.0.mamba.dt_bias",
+               "token_embd.weight": "model.embed_tokens.weight"}
+    for gguf_name, name in granite.items():
+        assert hf_name(gguf_name, "granitemoehybrid")[0] == name, gguf_name
+    assert hf_name("blk.2.ssm_d", "nemotron_h") == ("backbone.layers.2.mixer.D", "ssm_d")
+    with pytest.raises(ValueError, match="'blk.0.ssm_ba.weight' has no mapping"):
+        hf_name("blk.0.ssm_ba.weight", "nemotron_h")
