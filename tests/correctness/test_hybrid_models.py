@@ -11,7 +11,7 @@ hand-built ScheduledRequests (the engine's state-slot scheduling is not needed f
   from an earlier request (state_reset);
 - a prefix hit: a snapshot taken at the end of a prefix (state_snapshot_to), copied into a new
   request's slot (state_copy_from) with the prefix's KV pages, gives the uninterrupted run's
-  tokens and leaves the snapshot unchanged;
+  tokens and transformers' logprobs, and leaves the snapshot unchanged;
 - speculative verify entries (drafts partly right, all wrong): the state after the accepted
   tokens only, so decoding continues exactly.
 """
@@ -31,6 +31,8 @@ PREFILL_ATOL = 2e-4
 NEW_TOKENS = 10
 PROMPT_LENS = (1, 29, 70)  # one token, one below the 64-token chunk, one across it
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True,
+                                 logprobs=0)
 
 _runners: dict = {}
 
@@ -49,12 +51,13 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def references(paths, prompts) -> dict:
     """Per architecture: (transformers' greedy tokens per prompt, its prefill logits of the
-    longest prompt)."""
+    longest prompt, its log-softmax at each greedy step of the longest prompt)."""
     out = {}
     for arch, path in paths.items():
         hf = hf_hybrid(path)
-        out[arch] = ([toks for toks, _ in hf_greedy(hf, prompts, NEW_TOKENS)],
-                     hf_logits(hf, prompts[-1]))
+        greedy = hf_greedy(hf, prompts, NEW_TOKENS)
+        out[arch] = ([toks for toks, _ in greedy], hf_logits(hf, prompts[-1]),
+                     [step.float().log_softmax(-1) for step in greedy[-1][1]])
     return out
 
 
@@ -147,20 +150,14 @@ def _sched(rid, start, tokens, slots, **state) -> ScheduledRequest:
                             slots[start:start + len(tokens)], True, **state)
 
 
-def _decode(runner, rid, row, pos, last, slots, state_slot, n, step=100) -> list[int]:
-    out = []
-    for i in range(n):
-        res = runner.execute(SchedulerOutput(step + i, False, [], [_sched(
-            rid, pos + i, [last], slots, row=row, state_slot=state_slot)], []))
-        last = res.token_ids[0]
-        out.append(last)
-    return out
-
-
 @pytest.mark.parametrize("arch", ["qwen3_next", "mamba2"])
 def test_copy_on_write_from_a_snapshot(arch, paths, prompts, references):
     """Request a runs the prefix (snapshot into slot 9 after it), then the rest; request b
-    shares the prefix: its KV slots and the snapshot copied into its own slot 4."""
+    shares the prefix: its row records the prefix's KV slots from position 0 (as the
+    scheduler's prefix hit does: slot_write_start 0) and the snapshot is copied into its own
+    slot 4. Each of b's tokens must have transformers' logprob too, not only its argmax: a
+    row missing the prefix (stale slots from an earlier test's request in row 2) moved the
+    logits by ~0.2 while the tokens still matched."""
     runner = _runner(paths[arch])
     prompt, cut = prompts[-1], 40
     slots = list(range(1, 200))
@@ -171,13 +168,20 @@ def test_copy_on_write_from_a_snapshot(arch, paths, prompts, references):
     snapshot = {n: t[:, 9].clone() for n, t in runner.state_pool.tensors.items()}
     first = runner.execute(SchedulerOutput(1, False, [], [_sched(
         "a", cut, prompt[cut:], slots, row=1, state_slot=2)], [])).token_ids[0]
-    b_new = NewRequestData("b", prompt, [], GREEDY)
+    b_new = NewRequestData("b", prompt, [], GREEDY_LOGPROBS)
     b_slots = slots[:cut] + list(range(300, 400))  # the prefix's KV, then its own
-    b_first = runner.execute(SchedulerOutput(2, False, [b_new], [_sched(
-        "b", cut, prompt[cut:], b_slots, row=2, state_slot=4, state_copy_from=9)],
-        ["a"])).token_ids[0]
-    rest = _decode(runner, "b", 2, len(prompt), b_first, b_slots, 4, NEW_TOKENS - 1)
-    assert [first] == [b_first] and [b_first] + rest == references[arch][0][-1]
+    b_entry = ScheduledRequest("b", 2, cut, prompt[cut:], 0, b_slots[:len(prompt)], True,
+                               state_slot=4, state_copy_from=9)
+    b_out = runner.execute(SchedulerOutput(2, False, [b_new], [b_entry], ["a"]))
+    got, logprobs = list(b_out.token_ids), list(b_out.logprobs)
+    for i in range(NEW_TOKENS - 1):
+        out = runner.execute(SchedulerOutput(100 + i, False, [], [_sched(
+            "b", len(prompt) + i, [got[-1]], b_slots, row=2, state_slot=4)], []))
+        got += out.token_ids
+        logprobs += out.logprobs
+    assert [first] == got[:1] and got == references[arch][0][-1]
+    hf_logprobs = [step[tok].item() for step, tok in zip(references[arch][2], got)]
+    assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs)) < 2 * PREFILL_ATOL
     for name, t in runner.state_pool.tensors.items():
         assert torch.equal(t[:, 9], snapshot[name]), "copy-on-write changed the snapshot"
     runner.execute(SchedulerOutput(200, False, [], [], ["b"]))
