@@ -23,7 +23,7 @@ import json
 import os
 from typing import Any
 
-from kvstrata.config import gguf_gpt_oss
+from kvstrata.config import gguf_families, gguf_gpt_oss
 from kvstrata.config.gguf_header import read_header, read_metadata
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -47,7 +47,9 @@ RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h", "nemot
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
     """ValueError for a GGUF file of a model with recurrent state: the GGUF loader maps
     llama.cpp's attention-decoder tensor names only, not the SSM ones (ssm_conv1d, ssm_a,
-    ssm_dt, ...), and transformers converts none of these archs' configs."""
+    ssm_dt, ...), and transformers converts none of these archs' configs. Also for the archs
+    of served families whose GGUF files are not built (config/gguf_families.py)."""
+    gguf_families.refuse_unbuilt_arch(arch, gguf_path)
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
                          f"recurrent (SSM / linear-attention) state is not built from GGUF "
@@ -156,10 +158,14 @@ _TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
 
 def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     """The whole config.json of a file whose arch transformers' GGUF conversion cannot
-    convert, from its header; None for the others. gpt-oss: transformers 5.25's conversion
+    convert, from its header; None for the others. The families of config/gguf_families.py
+    (Qwen2/3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4): why there. gpt-oss: transformers 5.25's conversion
     reads each rope.scaling value as its key's length field and fails on every YaRN file
     (the released ones), and its tokenizer loader converts the config first -- so the
     tokenizer is built without it (config/model_source.py)."""
+    family = gguf_families.family_config(gguf_path, _TOKEN_IDS)
+    if family is not None:  # MoE and dense families beyond llama / qwen: all from the header
+        return family
     header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
     meta = header.metadata

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.config.gguf_header import arch_getters
+
 ARCH = "gpt-oss"
 ARCHITECTURE = "GptOssForCausalLM"
 SWIGLU_LIMIT = 7.0  # llama.cpp's build_moe_ffn constant for LLM_FFN_SWIGLU_OAI_MOE
@@ -46,15 +48,7 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
 def gpt_oss_fields(meta: dict[str, Any], layer_types) -> dict[str, Any]:
     """config.json fields of a gpt-oss file from its metadata. `layer_types(arch, n_layer,
     pattern, default_period)`: llama.cpp's set_swa_pattern (config/gguf_config.py)."""
-
-    def get(key: str, default: Any = None) -> Any:
-        return meta.get(f"{ARCH}.{key}", default)
-
-    def need(key: str) -> Any:
-        value = get(key)
-        if value is None:
-            raise ValueError(f"GGUF {ARCH}: no {ARCH}.{key} (llama.cpp requires it)")
-        return value
+    get, need = arch_getters(meta, ARCH)
 
     n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
     n_head, n_kv = need("attention.head_count"), get("attention.head_count_kv")

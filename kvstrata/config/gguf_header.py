@@ -125,4 +125,21 @@ def read_metadata(path: str, keys) -> dict[str, Any]:
     return read_header(path, keys).metadata
 
 
-__all__ = ["GGUFHeader", "TensorInfo", "parse_header", "read_header", "read_metadata"]
+def arch_getters(meta: dict[str, Any], arch: str):
+    """(get, need) over the `arch.`-prefixed keys of `meta`: get(key, default) its value or
+    the default; need(key) its value, or a ValueError naming the key llama.cpp requires."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise ValueError(f"GGUF {arch}: no {arch}.{key} (llama.cpp requires it)")
+        return value
+
+    return get, need
+
+
+__all__ = ["GGUFHeader", "TensorInfo", "arch_getters", "parse_header", "read_header",
+           "read_metadata"]

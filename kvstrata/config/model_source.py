@@ -150,8 +150,9 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     server made several (config, calibration tokenizer, the api and the detokenizer
     processes); the converted directory loads in well under a second. The conversion is
     transformers' own (from_pretrained(gguf_file=...) then save_pretrained), completed with
-    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss file's
-    config.json is built from its header instead (own_gguf_config: transformers' conversion
+    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss file's (and the
+    MoE / dense families' of config/gguf_families.py) config.json is built from its header
+    instead (own_gguf_config: transformers' conversion
     fails on it), its tokenizer by transformers' GGUF tokenizer alone."""
     import hashlib
     from importlib.metadata import version
@@ -177,7 +178,7 @@ def gguf_metadata_dir(source: ModelSource) -> str:
 
     from kvstrata.config.gguf_config import complete_gguf_config, own_gguf_config
 
-    own = own_gguf_config(gguf)  # gpt-oss: all of it from the header
+    own = own_gguf_config(gguf)  # gpt-oss, gguf_families.py's: all of it from the header
     os.makedirs(root, exist_ok=True)
     with FileLock(out + ".lock"):  # the server's processes start together
         if not os.path.isfile(os.path.join(out, "config.json")):
@@ -198,7 +199,7 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     return out
 
 
-_CONVERT_V = 3  # bump when the conversion changes: old directories are not reused
+_CONVERT_V = 4  # bump when the conversion changes: old directories are not reused
 
 
 # tokenizer_config.json classes that are transformers' generic tokenizers-library backend

@@ -137,8 +137,12 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
-# metadata in ways this loader does not read): HF safetensors only.
-_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4", *HYBRID_FAMILIES}
+# metadata in ways this loader does not read): HF safetensors only. (Their archs are refused
+# by name before this, at the config: config/gguf_families.py, gguf_config.py.)
+_NO_GGUF = {"deepseek", *HYBRID_FAMILIES}
+# Families whose GGUF weights load dequantized only: their expert stacks have no packed path
+_NO_PACKED_GGUF = {"gpt_oss": ("gpt-oss", "no packed kernel for its MXFP4 experts"),
+                   "moe": (None, "no packed path for its expert stacks, ffn_*_exps")}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
@@ -151,10 +155,11 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
     torch_dtype = resolve_dtype(dtype, config, device)
     if source.kind == "gguf" and spec.family in _NO_GGUF:
         raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
-    if keep_quantized and spec.family == "gpt_oss":  # a draft's flag too, not only --quantization
+    if keep_quantized and spec.family in _NO_PACKED_GGUF:  # a draft's flag too
+        label, why = _NO_PACKED_GGUF[spec.family]
         raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
-                         f"not built for gpt-oss (no packed kernel for its MXFP4 experts); its "
-                         f"GGUF files load dequantized (--load-format gguf_dequantize)")
+                         f"not built for {label or name} ({why}); its GGUF files load "
+                         f"dequantized (--load-format gguf_dequantize)")
     if spec.family == "deepseek":
         with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones

@@ -13,7 +13,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # MoE members of the llama family: moe_decoder.py (the decoder with expert MLPs).
     "Qwen3MoeForCausalLM": ArchSpec(family="moe", qk_norm=True),
     "Qwen2MoeForCausalLM": ArchSpec(family="moe", qkv_bias=True),
-    "MixtralForCausalLM": ArchSpec(family="moe"),
+    "MixtralForCausalLM": ArchSpec(family="moe", gguf_permute_qk=True),  # llama.cpp's llama
     "Glm4MoeForCausalLM": ArchSpec(family="moe"),  # GLM-4.5: DeepSeek-V3's MoE block
     # MLA + MoE (deepseek.py); V3.2 adds the DSA indexer. Kimi-K2 checkpoints name V3.
     "DeepseekV2ForCausalLM": ArchSpec(family="deepseek"),

@@ -1,0 +1,146 @@
+"""One GGUF round trip per GGUF-exported family beyond llama / qwen3 / gemma / gpt-oss: Qwen2,
+Qwen2-MoE, Qwen3-MoE, Mixtral (llama.cpp's llama arch with expert stacks), Phi-3, OLMo 2 and
+GLM-4. Each: a tiny random model from transformers' own config class written as llama.cpp's
+converter writes its arch (tests/helpers/family_gguf.py: Q8_0, Q4_0 and F32 matrices side by
+side, expert stacks, Mixtral's permuted q/k rows, Phi-3's LongRoPE factor tensors), served
+from the file: its config read from the header equals the checkpoint's; dequantized at load,
+greedy tokens equal transformers' on the file's values (float32; chunked prefill across Phi-3's
+window); kept packed (--quantization gguf) likewise for the dense families, refused by name
+for the MoE ones (expert stacks). The archs whose families kvstrata serves from HF but whose
+GGUF files it does not build (deepseek2, glm4moe, smollm3) are refused by name.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers.compare import assert_tokens_match
+from helpers.family_gguf import FAMILIES, MOE_FAMILIES, VOCAB, write_family_gguf
+from helpers.gemma_ckpt import hf_greedy
+
+NEW_TOKENS = 8
+DENSE = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
+# packed layers multiply gguf's dequantized values in float32: the float model's logits up
+# to summation order (test_gguf_packed.py's bound)
+PACKED_TIE_TOL = 5e-2
+ARCHITECTURES = {"qwen2": None, "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "glm4": "Glm4ForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """family -> (GGUF path, transformers' model on the file's values, its greedy refs)."""
+    root = tmp_path_factory.mktemp("gguf_families")
+    rng = random.Random(9)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (4, 21)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
+        out = {}
+        for family in FAMILIES:
+            path = str(root / f"{family}.gguf")
+            hf = write_family_gguf(family, path)
+            out[family] = (path, hf, hf_greedy(hf, prompts, NEW_TOKENS))
+        yield prompts, out
+
+
+def _serve(path: str, prompts, **kw):
+    from kvstrata import LLM
+
+    greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
+    with LLM(model_path=path, skip_tokenizer_init=True, dtype="float32", page_size=16,
+             chunked_prefill_size=16, max_total_tokens=1024, **kw) as llm:
+        model = llm.engine.runner.model
+        outs = llm.generate(input_ids=prompts, sampling_params=greedy)
+        llm.engine.check_integrity()
+    return model, [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_from_the_header_is_the_checkpoints(family, files):
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+
+    _, out = files
+    path, hf, _ = out[family]
+    ours, theirs = load_hf_config(resolve_model_path(path)), hf.config
+    assert (getattr(ours, "architectures", None) or [None])[0] in (ARCHITECTURES[family],
+                                                                   None)
+    fields = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "tie_word_embeddings", "num_experts", "num_local_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "shared_expert_intermediate_size", "sliding_window", "attention_bias",
+              "qkv_bias", "original_max_position_embeddings"]
+    for field in fields:
+        if hasattr(theirs, field):
+            assert getattr(ours, field) == getattr(theirs, field), field
+    rope_keys = ("rope_type", "rope_theta", "partial_rotary_factor", "short_factor",
+                 "long_factor")
+    a, b = ours.rope_parameters, theirs.rope_parameters
+    for key in rope_keys:
+        if key in b:
+            want = b[key]
+            got = a.get(key)
+            if isinstance(want, list):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+            else:
+                assert got == pytest.approx(want), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dequantized_greedy_equals_transformers(family, files):
+    prompts, out = files
+    path, _, refs = out[family]
+    model, outs = _serve(path, prompts)
+    if family in MOE_FAMILIES:
+        assert type(model).__name__ == "MoeDecoderForCausalLM"
+    for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
+        assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{family} GGUF prompt {i}")
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_kept_packed_greedy_equals_transformers(family, files):
+    from kvstrata.runner.quant.gguf_linear import GgufLinear
+
+    prompts, out = files
+    path, _, refs = out[family]
+    model, outs = _serve(path, prompts, quantization="gguf")
+    layer = model.layers[0]
+    assert type(layer.qkv_weight) is GgufLinear and type(layer.gate_up_weight) is GgufLinear
+    assert isinstance(layer.down_weight, torch.Tensor)  # F32 in the file: float
+    for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
+        assert_tokens_match(ours, ref_tokens, ref_logits, tie_tol=PACKED_TIE_TOL,
+                            label=f"{family} packed GGUF prompt {i}")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_kept_packed_is_refused_by_name(family, files):
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.loader import load_model
+
+    source = resolve_model_path(files[1][family][0])
+    with pytest.raises(ValueError, match="not built for .*ForCausalLM .no packed path for "
+                                         "its expert stacks"):
+        load_model(source, load_hf_config(source), "float32", keep_quantized=True)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe", "smollm3"])
+def test_unbuilt_gguf_arch_is_refused_by_name(arch, tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    from kvstrata.config.model_source import load_hf_config, resolve_model_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = str(tmp_path / f"{arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=f"GGUF {arch} .* is not built from GGUF"):
+        load_hf_config(resolve_model_path(path))

@@ -1,0 +1,197 @@
+"""Tiny random models of the GGUF-exported families beyond llama / qwen3 / gemma / gpt-oss,
+each from transformers' own config class and written as llama.cpp's convert_hf_to_gguf.py
+writes the arch (its metadata keys, gguf's tensor names, experts stacked [experts, out, in],
+Mixtral's q/k rows permuted as LlamaModel permutes them, Phi-3's LongRoPE factors as
+rope_factors_short / _long tensors), with gguf's own writer and quantizer:
+
+  family     llama.cpp arch     what the file carries
+  qwen2      qwen2              q/k/v biases (transformers' GGUF conversion reads it)
+  qwen2_moe  qwen2moe           8 experts top-2, gated shared expert, q/k/v biases
+  qwen3_moe  qwen3moe           8 experts top-2 (renormalised), q/k norms
+  mixtral    llama + experts    8 experts top-2, q/k rows permuted
+  phi3       phi3               fused attn_qkv / ffn_up, LongRoPE, 3/4 partial rotary, window 8
+  olmo2      olmo2              output norms, whole-projection q/k norms
+  glm4       glm4               sandwich norms, interleaved half rotary, fused ffn_up, biases
+
+Every matrix is quantized with a type from TYPES (Q8_0, Q4_0, or left F32: the three side by
+side in one file); norms, biases and the rope factors stay F32. The returned reference is
+transformers' model holding the values the file holds (gguf's dequantization of them, rows
+put back where the converter permuted them).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute
+
+FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+ARCH = {"qwen2": "QWEN2", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
+        "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4"}
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 300, 64, 4, 2, 16
+EXPERTS, TOP_K = 8, 2
+PHI3_WINDOW = 8
+# GGML type by the weight's last module name (an expert stack by "experts.gate" / ".up" /
+# ".down"); everything 1-D stays F32
+TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
+         "qkv_proj": "Q8_0", "gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "F32",
+         "gate_up_proj": "Q4_0", "experts.gate": "Q8_0", "experts.up": "Q4_0",
+         "experts.down": "Q8_0", "gate": "F32", "shared_expert_gate": "F32",
+         "embed_tokens": "Q8_0", "lm_head": "Q4_0"}
+
+
+def family_config(family: str):
+    import torch
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    moe = dict(num_experts_per_tok=TOP_K, intermediate_size=96)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, intermediate_size=96)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**common, **moe, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=64, num_experts=EXPERTS,
+                                 norm_topk_prob=False)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, **moe, head_dim=HEAD_DIM, moe_intermediate_size=32,
+                                 num_experts=EXPERTS, norm_topk_prob=True)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_experts_per_tok=TOP_K, intermediate_size=32,
+                                num_local_experts=EXPERTS, sliding_window=None)
+    if family == "phi3":  # the short factors: prompts stay below the original 256
+        g = torch.Generator().manual_seed(3)
+        half = int(HEAD_DIM * 0.75) // 2
+        return tf.Phi3Config(**common, intermediate_size=96, sliding_window=PHI3_WINDOW,
+                             original_max_position_embeddings=256, rope_parameters={
+                                 "rope_type": "longrope", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.75,
+                                 "short_factor": (1 + torch.rand(half, generator=g)).tolist(),
+                                 "long_factor": (4 + torch.rand(half, generator=g)).tolist()})
+    if family == "olmo2":
+        return tf.Olmo2Config(**common, intermediate_size=96)
+    if family == "glm4":
+        return tf.Glm4Config(**common, intermediate_size=96, head_dim=HEAD_DIM,
+                             attention_bias=True)
+    raise ValueError(family)
+
+
+def _redraw(model) -> None:
+    """Norms and biases away from transformers' ones / zeros (a dropped one would hide)."""
+    import torch
+
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith("norm.weight"):
+                t.normal_(1, 0.3)
+            elif name.endswith(".bias"):
+                t.normal_(0, 0.3)
+
+
+def _write_params(w, family: str, config) -> None:
+    """convert_hf_to_gguf.py's set_gguf_parameters for the arch."""
+    import gguf
+
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if family in ("qwen3_moe", "glm4"):  # configs with their own head_dim
+        w.add_key_length(HEAD_DIM)
+        w.add_value_length(HEAD_DIM)
+    if family in MOE_FAMILIES:
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(TOP_K)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if family in ("phi3", "glm4"):
+        w.add_rope_dimension_count(int(HEAD_DIM * config.rope_parameters[
+            "partial_rotary_factor"]))
+    if family == "phi3":
+        w.add_sliding_window(config.sliding_window)
+        orig = config.original_max_position_embeddings
+        scale = config.max_position_embeddings / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+        w.add_rope_scaling_orig_ctx_len(orig)
+        for kind in ("short", "long"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(
+                config.rope_parameters[f"{kind}_factor"], dtype=np.float32))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+
+
+def _store(w, gguf_name: str, data: np.ndarray, kind: str) -> np.ndarray:
+    """Writes `data` as `kind`; returns the values the file holds (float32, data's shape)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F32" or data.ndim == 1:
+        w.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
+        return data.astype(np.float32)
+    stored = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+    w.add_tensor(gguf_name, stored, raw_dtype=qtype)
+    return gguf.quants.dequantize(stored, qtype).reshape(data.shape)
+
+
+_EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def write_family_gguf(family: str, out_path: str, seed: int = 11):
+    """Writes the file; returns transformers' float32 model holding the file's values."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    _redraw(model)
+    arch = getattr(gguf.MODEL_ARCH, ARCH[family])
+    w = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(f"tiny-{family}")
+    _write_params(w, family, config)
+    add_sentencepiece_vocab(w, VOCAB)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    reference = {}
+    for hf_name, tensor in model.state_dict().items():
+        base, suffix = hf_name.rsplit(".", 1)
+        data = tensor.numpy()
+        experts = _EXPERTS_RE.match(hf_name)
+        if experts:  # transformers' fused [E, 2I, H] gate|up / [E, H, I] down -> llama.cpp's
+            layer, which = experts.groups()
+            parts = ({"gate": data[:, :data.shape[1] // 2], "up": data[:, data.shape[1] // 2:]}
+                     if which == "gate_up_proj" else {"down": data})
+            held = {k: _store(w, f"blk.{layer}.ffn_{k}_exps.weight", v, TYPES[f"experts.{k}"])
+                    for k, v in parts.items()}
+            reference[hf_name] = torch.from_numpy(np.ascontiguousarray(
+                np.concatenate([held["gate"], held["up"]], axis=1) if len(held) == 2
+                else held["down"]))
+            continue
+        module = base.rsplit(".", 1)[-1]
+        name = names.get_name(base)
+        assert name is not None, hf_name
+        order = np.arange(data.shape[0])
+        heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(module) if family == "mixtral" \
+            else None
+        if heads is not None:  # LlamaModel.permute: the rows llama.cpp reorders
+            order = llama_cpp_permute(order, heads)
+        kind = "F32" if suffix != "weight" else TYPES.get(module, "F32")
+        held = _store(w, f"{name}.{suffix}", data[order], kind)
+        reference[hf_name] = torch.from_numpy(np.ascontiguousarray(held[np.argsort(order)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.load_state_dict(reference, strict=True)
+    return model
