@@ -9,8 +9,10 @@ the header the way llama.cpp reads it (its hparams for the arch):
   phi3             Phi3MiniModel                         Phi3ForCausalLM
   olmo2            Olmo2Model                            Olmo2ForCausalLM
   glm4             Glm4Model                             Glm4ForCausalLM
+  smollm3          SmolLM3Model (LlamaModel's q/k        SmolLM3ForCausalLM
+                   permutation)
 
-Why not transformers' GGUF config conversion: it converts none of olmo2 / glm4, reads a
+Why not transformers' GGUF config conversion: it converts none of olmo2 / glm4 / smollm3, reads a
 Mixtral file as a dense llama (it maps no expert key of the llama arch), and leaves each
 expert's width (expert_feed_forward_length) and Qwen2-MoE's shared expert width at its config
 classes' defaults. Here every field the runner reads comes from the file:
@@ -31,7 +33,7 @@ softmax, scaled expert weights, a layer without experts in an MoE file, OLMo 3's
 
 Archs llama.cpp exports whose HF families kvstrata serves but whose GGUF files nothing here
 builds are refused by name (`refuse_unbuilt_arch`): deepseek2 (DeepSeek V2 / V3: MLA), glm4moe
-(GLM-4.5), smollm3.
+(GLM-4.5).
 """
 from __future__ import annotations
 
@@ -48,16 +50,19 @@ FAMILIES = {"qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
             "llama": ("MixtralForCausalLM", "mixtral"),
             "phi3": ("Phi3ForCausalLM", "phi3"),
             "olmo2": ("Olmo2ForCausalLM", "olmo2"),
-            "glm4": ("Glm4ForCausalLM", "glm4")}
+            "glm4": ("Glm4ForCausalLM", "glm4"),
+            "smollm3": ("SmolLM3ForCausalLM", "smollm3")}
 _MOE = ("qwen2moe", "qwen3moe", "llama")
 # llama.cpp archs of families kvstrata serves from HF safetensors whose GGUF files it does not
 # build: arch -> what to say
 UNBUILT_GGUF_ARCHS = {
     "deepseek2": "DeepSeek V2 / V3 (MLA attention, llama.cpp's attn_kv_a_mqa / attn_k_b / "
                  "attn_v_b split) is not built from GGUF",
-    "glm4moe": "GLM-4.5 (Glm4MoeForCausalLM) is not built from GGUF",
-    "smollm3": "SmolLM3 (its NoPE layers) is not built from GGUF"}
+    "glm4moe": "GLM-4.5 (Glm4MoeForCausalLM) is not built from GGUF"}
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
+# SmolLM3: every 4th layer has no rope -- llama.cpp's smollm3 graph skips it where
+# (layer + 1) % n_no_rope_layer_step == 0, a constant 4 no key can change
+_NO_ROPE_LAYER_STEP = 4
 _GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
 _F32, _F16 = 0, 1  # GGML types of a rope factor tensor
 KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
@@ -125,12 +130,15 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
     bias = "blk.0.attn_q.bias" in dims
     if arch == "qwen2moe":
         fields["qkv_bias"] = bias
-    elif arch in ("qwen3moe", "olmo2", "glm4"):
+    elif arch in ("qwen3moe", "olmo2", "glm4", "smollm3"):
         fields["attention_bias"] = bias
     elif bias:
         raise ValueError(f"GGUF {arch}: q/k/v biases (blk.0.attn_q.bias) are not supported")
     if arch in _MOE:
         fields.update(_experts(arch, get, need, dims, n_layer))
+    if arch == "smollm3":  # transformers' no_rope_layers: 1 = the layer ropes
+        fields.update(no_rope_layers=[int((i + 1) % _NO_ROPE_LAYER_STEP != 0)
+                                      for i in range(n_layer)], use_sliding_window=False)
     window = get("attention.sliding_window")
     if window and arch == "phi3":
         fields["sliding_window"] = int(window)

@@ -12,6 +12,8 @@ rope_factors_short / _long tensors), with gguf's own writer and quantizer:
   phi3       phi3               fused attn_qkv / ffn_up, LongRoPE, 3/4 partial rotary, window 8
   olmo2      olmo2              output norms, whole-projection q/k norms
   glm4       glm4               sandwich norms, interleaved half rotary, fused ffn_up, biases
+  smollm3    smollm3            4 layers: the 4th without rope (llama.cpp's fixed step), q/k
+                                rows permuted
 
 Every matrix is quantized with a type from TYPES (Q8_0, Q4_0, or left F32: the three side by
 side in one file); norms, biases and the rope factors stay F32. The returned reference is
@@ -27,10 +29,11 @@ import numpy as np
 
 from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute
 
-FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4")
+FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4", "smollm3")
+PERMUTED_QK = ("mixtral", "smollm3")  # LlamaModel.permute in the converter
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 ARCH = {"qwen2": "QWEN2", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
-        "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4"}
+        "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4", "smollm3": "SMOLLM3"}
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 300, 64, 4, 2, 16
 EXPERTS, TOP_K = 8, 2
 PHI3_WINDOW = 8
@@ -78,6 +81,9 @@ def family_config(family: str):
     if family == "glm4":
         return tf.Glm4Config(**common, intermediate_size=96, head_dim=HEAD_DIM,
                              attention_bias=True)
+    if family == "smollm3":  # no_rope_layer_interval 4 (its default): layer 3 has no rope
+        return tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, intermediate_size=96,
+                                no_rope_layer_interval=4)
     raise ValueError(family)
 
 
@@ -182,8 +188,8 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
         name = names.get_name(base)
         assert name is not None, hf_name
         order = np.arange(data.shape[0])
-        heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(module) if family == "mixtral" \
-            else None
+        heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(module) \
+            if family in PERMUTED_QK else None
         if heads is not None:  # LlamaModel.permute: the rows llama.cpp reorders
             order = llama_cpp_permute(order, heads)
         kind = "F32" if suffix != "weight" else TYPES.get(module, "F32")

@@ -33,7 +33,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Dense families on the llama decoder: Phi-3 / Phi-4-mini (fused qkv_proj / gate_up_proj
     # in the checkpoint, LongRoPE, partial rotary), SmolLM3 (no_rope_layers: NoPE layers).
     "Phi3ForCausalLM": ArchSpec(),
-    "SmolLM3ForCausalLM": ArchSpec(),
+    "SmolLM3ForCausalLM": ArchSpec(gguf_permute_qk=True),  # llama.cpp: LlamaModel's rows
     # Sandwich norms (sublayer outputs normed before the residual add): sandwich.py.
     "Olmo2ForCausalLM": ArchSpec(family="olmo2"),
     "Glm4ForCausalLM": ArchSpec(family="glm4"),
