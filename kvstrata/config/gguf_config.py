@@ -159,8 +159,8 @@ _TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
 def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     """The whole config.json of a file whose arch transformers' GGUF conversion cannot
     convert, from its header; None for the others. The families of config/gguf_families.py
-    (Qwen2/3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4): why there. gpt-oss: transformers 5.25's conversion
-    reads each rope.scaling value as its key's length field and fails on every YaRN file
+    (Qwen2/3-MoE, Mixtral, GLM-4.5, Phi-3, SmolLM3, OLMo 2, GLM-4): why there. gpt-oss:
+    transformers 5.25's conversion reads each rope.scaling value as its key's length field and fails on every YaRN file
     (the released ones), and its tokenizer loader converts the config first -- so the
     tokenizer is built without it (config/model_source.py)."""
     family = gguf_families.family_config(gguf_path, _TOKEN_IDS)

@@ -11,11 +11,12 @@ the header the way llama.cpp reads it (its hparams for the arch):
   glm4             Glm4Model                             Glm4ForCausalLM
   smollm3          SmolLM3Model (LlamaModel's q/k        SmolLM3ForCausalLM
                    permutation)
+  glm4moe          Glm4MoeModel                          Glm4MoeForCausalLM (GLM-4.5)
 
-Why not transformers' GGUF config conversion: it converts none of olmo2 / glm4 / smollm3, reads a
-Mixtral file as a dense llama (it maps no expert key of the llama arch), and leaves each
-expert's width (expert_feed_forward_length) and Qwen2-MoE's shared expert width at its config
-classes' defaults. Here every field the runner reads comes from the file:
+Why not transformers' GGUF config conversion: it converts none of olmo2 / glm4 / glm4moe /
+smollm3, reads a Mixtral file as a dense llama (it maps no expert key of the llama arch), and
+leaves each expert's width (expert_feed_forward_length) and Qwen2-MoE's shared expert width at
+its config classes' defaults. Here every field the runner reads comes from the file:
   - sizes: block_count, embedding_length, feed_forward_length, attention.head_count /
     head_count_kv, attention.key_length (head_dim; llama.cpp's default n_embd / n_head),
     attention.layer_norm_rms_epsilon, context_length, the vocabulary from token_embd, tied
@@ -23,17 +24,20 @@ classes' defaults. Here every field the runner reads comes from the file:
   - experts: expert_count, expert_used_count, expert_feed_forward_length,
     expert_shared_feed_forward_length; routing as llama.cpp's graph for the arch fixes it
     (softmax top-k; weights renormalised for qwen3moe and Mixtral, not for qwen2moe);
+    GLM-4.5's expert_shared_count, leading_dense_block_count, expert_weights_scale /
+    _norm and sigmoid gating with the exp_probs_b correction (no expert groups);
   - RoPE: rope.freq_base; rope.dimension_count over the head (Phi-3 / GLM-4's partial rotary);
     Phi-3's LongRoPE from the file's rope_factors_short / rope_factors_long tensors,
     rope.scaling.original_context_length and rope.scaling.attn_factor (llama.cpp's default 1);
   - biases: q/k/v biases where the file has blk.0.attn_q.bias.
 What llama.cpp would read from such a file but this builds nothing for is refused by key: a
 rope scaling type (none besides Phi-3's LongRoPE factors), an expert gating function other than
-softmax, scaled expert weights, a layer without experts in an MoE file, OLMo 3's windows.
+softmax (sigmoid for GLM-4.5), scaled expert weights (but GLM-4.5's), a layer without experts
+in an MoE file (but GLM-4.5's leading dense ones), expert groups, OLMo 3's windows.
+GLM-4.5's NextN layers (blocks past num_hidden_layers) are not read: transformers runs none.
 
 Archs llama.cpp exports whose HF families kvstrata serves but whose GGUF files nothing here
-builds are refused by name (`refuse_unbuilt_arch`): deepseek2 (DeepSeek V2 / V3: MLA), glm4moe
-(GLM-4.5).
+builds are refused by name (`refuse_unbuilt_arch`): deepseek2 (DeepSeek V2 / V3: MLA).
 """
 from __future__ import annotations
 
@@ -51,19 +55,19 @@ FAMILIES = {"qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
             "phi3": ("Phi3ForCausalLM", "phi3"),
             "olmo2": ("Olmo2ForCausalLM", "olmo2"),
             "glm4": ("Glm4ForCausalLM", "glm4"),
-            "smollm3": ("SmolLM3ForCausalLM", "smollm3")}
+            "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+            "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe")}
 _MOE = ("qwen2moe", "qwen3moe", "llama")
 # llama.cpp archs of families kvstrata serves from HF safetensors whose GGUF files it does not
 # build: arch -> what to say
 UNBUILT_GGUF_ARCHS = {
     "deepseek2": "DeepSeek V2 / V3 (MLA attention, llama.cpp's attn_kv_a_mqa / attn_k_b / "
-                 "attn_v_b split) is not built from GGUF",
-    "glm4moe": "GLM-4.5 (Glm4MoeForCausalLM) is not built from GGUF"}
+                 "attn_v_b split) is not built from GGUF"}
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 # SmolLM3: every 4th layer has no rope -- llama.cpp's smollm3 graph skips it where
 # (layer + 1) % n_no_rope_layer_step == 0, a constant 4 no key can change
 _NO_ROPE_LAYER_STEP = 4
-_GATING_SOFTMAX = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 _F32, _F16 = 0, 1  # GGML types of a rope factor tensor
 KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
         "attention.head_count", "attention.head_count_kv", "attention.key_length",
@@ -73,7 +77,8 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
         "rope.scaling.attn_factor", "expert_count", "expert_used_count",
         "expert_feed_forward_length", "expert_shared_feed_forward_length",
         "expert_gating_func", "expert_weights_scale", "expert_weights_norm",
-        "leading_dense_block_count")
+        "leading_dense_block_count", "expert_shared_count", "expert_group_count",
+        "expert_group_used_count", "nextn_predict_layers")
 
 
 def header_keys(arch: str) -> list[str]:
@@ -105,7 +110,10 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
     dims = {t.name: t.dims for t in header.tensors}
     get, need = arch_getters(meta, arch)
 
-    n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
+    # GLM-4.5's NextN (MTP) layers are blocks past the model's (block_count counts them):
+    # not run, as transformers runs none
+    nextn = int(get("nextn_predict_layers", 0) or 0)
+    n_layer, n_embd = int(need("block_count")) - nextn, int(need("embedding_length"))
     n_head, n_kv = need("attention.head_count"), get("attention.head_count_kv")
     if isinstance(n_head, list) or isinstance(n_kv, list):
         raise ValueError(f"GGUF {arch}: a head count per layer is not supported")
@@ -121,6 +129,8 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
         "head_dim": head_dim, "intermediate_size": int(need("feed_forward_length")),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_parameters": _rope(arch, get, header, gguf_path, head_dim, rot)}
+    if "partial_rotary_factor" in fields["rope_parameters"]:  # where config classes read it
+        fields["partial_rotary_factor"] = fields["rope_parameters"]["partial_rotary_factor"]
     if get("context_length"):
         fields["max_position_embeddings"] = int(get("context_length"))
     if "token_embd.weight" not in dims:
@@ -130,12 +140,16 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
     bias = "blk.0.attn_q.bias" in dims
     if arch == "qwen2moe":
         fields["qkv_bias"] = bias
-    elif arch in ("qwen3moe", "olmo2", "glm4", "smollm3"):
+    elif arch in ("qwen3moe", "olmo2", "glm4", "smollm3", "glm4moe"):
         fields["attention_bias"] = bias
     elif bias:
         raise ValueError(f"GGUF {arch}: q/k/v biases (blk.0.attn_q.bias) are not supported")
     if arch in _MOE:
         fields.update(_experts(arch, get, need, dims, n_layer))
+    if arch == "glm4moe":
+        fields.update(_glm4_moe_experts(get, need, dims, n_layer),
+                      use_qk_norm="blk.0.attn_q_norm.weight" in dims,
+                      num_nextn_predict_layers=nextn)
     if arch == "smollm3":  # transformers' no_rope_layers: 1 = the layer ropes
         fields.update(no_rope_layers=[int((i + 1) % _NO_ROPE_LAYER_STEP != 0)
                                       for i in range(n_layer)], use_sliding_window=False)
@@ -182,12 +196,41 @@ def _experts(arch: str, get, need, dims: dict, n_layer: int) -> dict[str, Any]:
     return out
 
 
+def _glm4_moe_experts(get, need, dims: dict, n_layer: int) -> dict[str, Any]:
+    """GLM-4.5's MoE as llama.cpp's glm4moe graph runs it: sigmoid scores plus the
+    exp_probs_b correction to choose, weights renormalised (expert_weights_norm) and scaled
+    (expert_weights_scale), shared experts, dense leading layers; no expert groups."""
+    arch = "glm4moe"
+    gating = get("expert_gating_func")
+    if gating is None or int(gating) != _GATING_SIGMOID:
+        raise ValueError(f"GGUF {arch}: expert_gating_func {gating} is not supported "
+                         f"(sigmoid only, as the converter writes it)")
+    groups = int(get("expert_group_count", 1) or 1)
+    if groups > 1:
+        raise ValueError(f"GGUF {arch}: expert_group_count {groups} is not supported")
+    dense = int(get("leading_dense_block_count", 0) or 0)
+    layers = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in dims]
+    if layers != list(range(dense)):
+        raise ValueError(f"GGUF {arch}: layers without experts {layers[:4]} are not the "
+                         f"leading_dense_block_count {dense} first ones")
+    if any(f"blk.{i}.exp_probs_b.bias" not in dims for i in range(dense, n_layer)):
+        raise ValueError(f"GGUF {arch}: an MoE layer without exp_probs_b (the router's "
+                         f"correction bias) is not supported")
+    return {"n_routed_experts": int(need("expert_count")),
+            "num_experts_per_tok": int(need("expert_used_count")),
+            "moe_intermediate_size": int(need("expert_feed_forward_length")),
+            "n_shared_experts": int(need("expert_shared_count")),
+            "first_k_dense_replace": dense, "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0) or 1.0),
+            "norm_topk_prob": bool(get("expert_weights_norm", False))}
+
+
 def _rope(arch: str, get, header: GGUFHeader, gguf_path: str, head_dim: int,
           rot: int) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default",
                               "rope_theta": float(get("rope.freq_base", _ROPE_BASE))}
     if rot != head_dim:
-        if arch not in ("phi3", "glm4"):
+        if arch not in ("phi3", "glm4", "glm4moe"):
             raise ValueError(f"GGUF {arch}: rope.dimension_count {rot} (a rope over part of "
                              f"the head of {head_dim}) is not supported")
         params["partial_rotary_factor"] = rot / head_dim

@@ -1,14 +1,14 @@
 """One GGUF round trip per GGUF-exported family beyond llama / qwen3 / gemma / gpt-oss:
-Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral (llama.cpp's llama arch with expert stacks), Phi-3,
-OLMo 2, GLM-4 and SmolLM3 (its NoPE layer). Each: a tiny random model from transformers' own
-config class written as llama.cpp's converter writes its arch (tests/helpers/family_gguf.py:
-Q8_0, Q4_0 and F32 matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted
+Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral (llama.cpp's llama arch with expert stacks), GLM-4.5
+(sigmoid router, a NextN block not read), Phi-3, OLMo 2, GLM-4 and SmolLM3 (its NoPE
+layer). Each: a tiny random model from transformers' own config class written as llama.cpp's
+converter writes its arch (tests/helpers/family_gguf.py: Q8_0, Q4_0 and F32 matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted
 q/k rows, Phi-3's LongRoPE factor tensors), served from the file: its config read from the
 header equals the checkpoint's; dequantized at load, greedy tokens equal transformers' on
 the file's values (float32; chunked prefill across Phi-3's window); kept packed
 (--quantization gguf) likewise for the dense families, refused by name for the MoE ones
 (expert stacks). The archs whose families kvstrata serves from HF but whose GGUF files it
-does not build (deepseek2, glm4moe) are refused by name.
+does not build (deepseek2) are refused by name.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ PACKED_TIE_TOL = 5e-2
 ARCHITECTURES = {"qwen2": None, "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                 "glm4": "Glm4ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "glm4": "Glm4ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,9 @@ def test_config_from_the_header_is_the_checkpoints(family, files):
               "vocab_size", "tie_word_embeddings", "num_experts", "num_local_experts",
               "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
               "shared_expert_intermediate_size", "sliding_window", "attention_bias",
-              "qkv_bias", "original_max_position_embeddings", "no_rope_layers"]
+              "qkv_bias", "original_max_position_embeddings", "no_rope_layers",
+              "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+              "routed_scaling_factor", "use_qk_norm", "partial_rotary_factor"]
     for field in fields:
         if hasattr(theirs, field):
             assert getattr(ours, field) == getattr(theirs, field), field
@@ -127,7 +130,7 @@ def test_moe_kept_packed_is_refused_by_name(family, files):
         load_model(source, load_hf_config(source), "float32", keep_quantized=True)
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
+@pytest.mark.parametrize("arch", ["deepseek2"])
 def test_unbuilt_gguf_arch_is_refused_by_name(arch, tmp_path, monkeypatch):
     import gguf
     import numpy as np

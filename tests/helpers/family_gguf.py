@@ -14,6 +14,10 @@ rope_factors_short / _long tensors), with gguf's own writer and quantizer:
   glm4       glm4               sandwich norms, interleaved half rotary, fused ffn_up, biases
   smollm3    smollm3            4 layers: the 4th without rope (llama.cpp's fixed step), q/k
                                 rows permuted
+  glm4_moe   glm4moe            GLM-4.5: a dense first layer, 8 experts top-2 by sigmoid with
+                                a correction bias (drawn), renormalised and scaled by 2.5, a
+                                shared expert, q/k norms, half rotary, biases; one NextN
+                                block past the model's (block_count counts it; not read)
 
 Every matrix is quantized with a type from TYPES (Q8_0, Q4_0, or left F32: the three side by
 side in one file); norms, biases and the rope factors stay F32. The returned reference is
@@ -29,14 +33,17 @@ import numpy as np
 
 from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute
 
-FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4", "smollm3")
+FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4", "smollm3",
+            "glm4_moe")
 PERMUTED_QK = ("mixtral", "smollm3")  # LlamaModel.permute in the converter
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 ARCH = {"qwen2": "QWEN2", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
-        "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4", "smollm3": "SMOLLM3"}
+        "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4", "smollm3": "SMOLLM3",
+        "glm4_moe": "GLM4_MOE"}
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 300, 64, 4, 2, 16
 EXPERTS, TOP_K = 8, 2
 PHI3_WINDOW = 8
+NEXTN = {"glm4_moe": 1}  # NextN (MTP) blocks the file holds past the model's
 # GGML type by the weight's last module name (an expert stack by "experts.gate" / ".up" /
 # ".down"); everything 1-D stays F32
 TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
@@ -81,6 +88,12 @@ def family_config(family: str):
     if family == "glm4":
         return tf.Glm4Config(**common, intermediate_size=96, head_dim=HEAD_DIM,
                              attention_bias=True)
+    if family == "glm4_moe":
+        return tf.Glm4MoeConfig(**common, **moe, head_dim=HEAD_DIM, moe_intermediate_size=32,
+                                n_routed_experts=EXPERTS, n_shared_experts=1, n_group=1,
+                                topk_group=1, first_k_dense_replace=1,
+                                routed_scaling_factor=2.5, norm_topk_prob=True,
+                                use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
     if family == "smollm3":  # no_rope_layer_interval 4 (its default): layer 3 has no rope
         return tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, intermediate_size=96,
                                 no_rope_layer_interval=4)
@@ -92,10 +105,10 @@ def _redraw(model) -> None:
     import torch
 
     with torch.no_grad():
-        for name, t in model.named_parameters():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith("norm.weight"):
                 t.normal_(1, 0.3)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "e_score_correction_bias")):
                 t.normal_(0, 0.3)
 
 
@@ -105,15 +118,23 @@ def _write_params(w, family: str, config) -> None:
 
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(HIDDEN)
-    w.add_block_count(config.num_hidden_layers)
+    w.add_block_count(config.num_hidden_layers + NEXTN.get(family, 0))
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    if family in ("qwen3_moe", "glm4"):  # configs with their own head_dim
+    if family in ("qwen3_moe", "glm4", "glm4_moe"):  # configs with their own head_dim
         w.add_key_length(HEAD_DIM)
         w.add_value_length(HEAD_DIM)
+    if family == "glm4_moe":  # Glm4MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+        w.add_expert_shared_count(config.n_shared_experts)
+        w.add_leading_dense_block_count(config.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(config.routed_scaling_factor)
+        w.add_expert_weights_norm(config.norm_topk_prob)
+        w.add_nextn_predict_layers(NEXTN[family])
     if family in MOE_FAMILIES:
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(TOP_K)
@@ -121,7 +142,7 @@ def _write_params(w, family: str, config) -> None:
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
     if family == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    if family in ("phi3", "glm4"):
+    if family in ("phi3", "glm4", "glm4_moe"):
         w.add_rope_dimension_count(int(HEAD_DIM * config.rope_parameters[
             "partial_rotary_factor"]))
     if family == "phi3":
@@ -184,6 +205,11 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
                 np.concatenate([held["gate"], held["up"]], axis=1) if len(held) == 2
                 else held["down"]))
             continue
+        if hf_name.endswith("e_score_correction_bias"):  # the converter's exp_probs_b.bias
+            layer = hf_name.split(".")[2]
+            reference[hf_name] = torch.from_numpy(_store(
+                w, f"blk.{layer}.exp_probs_b.bias", data, "F32"))
+            continue
         module = base.rsplit(".", 1)[-1]
         name = names.get_name(base)
         assert name is not None, hf_name
@@ -195,6 +221,11 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
         kind = "F32" if suffix != "weight" else TYPES.get(module, "F32")
         held = _store(w, f"{name}.{suffix}", data[order], kind)
         reference[hf_name] = torch.from_numpy(np.ascontiguousarray(held[np.argsort(order)]))
+    for extra in range(NEXTN.get(family, 0)):  # a NextN block (ones: nothing reads it)
+        block = config.num_hidden_layers + extra
+        w.add_tensor(f"blk.{block}.nextn.eh_proj.weight",
+                     np.ones((HIDDEN, 2 * HIDDEN), dtype=np.float32))
+        w.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

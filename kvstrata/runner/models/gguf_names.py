@@ -1,6 +1,7 @@
 """llama.cpp's block tensor names (gguf.MODEL_TENSORS; convert_hf_to_gguf.py writes them) ->
 transformers' checkpoint names, per model_type of the families config/gguf_families.py
-configures: Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4.
+configures: Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4, GLM-4.5 (SmolLM3 reads
+llama's).
 
 An expert stack (ffn_gate_exps / ffn_up_exps / ffn_down_exps: [experts, out, in], the
 converter's torch.stack of each expert's matrix) maps to a name with `{e}` in it: the loader
@@ -41,6 +42,17 @@ FAMILY_BLOCKS: dict[str, dict[str, str]] = {
     "olmo2": {k: v for k, v in LLAMA_BLOCK.items() if k not in ("attn_norm", "ffn_norm")}
     | {"post_attention_norm": "post_attention_layernorm",
        "post_ffw_norm": "post_feedforward_layernorm"},
+    # GLM-4.5: leading dense layers (ffn_gate / _up / _down), then V3's router (sigmoid
+    # scores, exp_probs_b its correction bias) and shared experts
+    "glm4_moe": {**LLAMA_BLOCK, "ffn_norm": "post_attention_layernorm",
+                 "post_attention_norm": "post_attention_layernorm",
+                 "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+                 "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                 "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj",
+                 "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                 "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                 "ffn_down_shexp": "mlp.shared_experts.down_proj"},
     "glm4": {**LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj",
              "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},

@@ -48,8 +48,9 @@ _GGUF_GPT_OSS_BLOCK = {
     "ffn_up_exps": "mlp.experts.up_proj", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
     "ffn_down_exps": "mlp.experts.down_proj"}
 # HF parameters named without a .weight suffix (the converter appends one to the sinks)
-_BARE_PARAMS = {"self_attn.sinks"}
+_BARE_PARAMS = {"self_attn.sinks", "mlp.gate.e_score_correction_bias"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_INDEX_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -134,6 +135,9 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
     dequantized: dict[str, int] = {}  # kept quantized, yet no kernel: type -> tensors
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
+        layer = _BLOCK_INDEX_RE.match(t.name)
+        if layer and int(layer.group(1)) >= config.num_hidden_layers:
+            continue  # a block past the model's: GLM-4.5's NextN layer (not run)
         name = hf_name(t.name, block)
         if name is None:
             continue
