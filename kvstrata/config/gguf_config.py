@@ -138,11 +138,15 @@ def _arch_metadata(gguf_path: str) -> dict[str, Any]:
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma or gpt-oss file's config.json fields the resolution rules read (model_type,
-    layers, windows, soft-caps, sinks: ModelInfo.from_model_path), from the header alone --
-    no conversion, no transformers; {} for other archs; ValueError for a recurrent arch."""
+    """A Gemma, gpt-oss or gguf_families.py file's config.json fields the resolution rules
+    read (model_type, layers, windows, soft-caps, sinks: ModelInfo.from_model_path), from the
+    header alone -- no conversion, no transformers; {} for other archs (llama, qwen2, qwen3:
+    no windows a GGUF names); ValueError for a recurrent or unbuilt arch."""
     meta = _arch_metadata(gguf_path)
     refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
+    family = gguf_families.family_config(gguf_path, {})
+    if family is not None:  # Phi-3's window: hybrid SWA memory as from its HF config.json
+        return family
     fields = arch_fields(meta)
     if not fields:
         return {}

@@ -1,11 +1,12 @@
 """One GGUF round trip per GGUF-exported family beyond llama / qwen3 / gemma / gpt-oss:
 Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral (llama.cpp's llama arch with expert stacks), GLM-4.5
 (sigmoid router, a NextN block not read), Phi-3, OLMo 2, GLM-4 and SmolLM3 (its NoPE
-layer). Each: a tiny random model from transformers' own config class written as llama.cpp's
-converter writes its arch (tests/helpers/family_gguf.py: Q8_0, Q4_0 and F32 matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted
-q/k rows, Phi-3's LongRoPE factor tensors), served from the file: its config read from the
-header equals the checkpoint's; dequantized at load, greedy tokens equal transformers' on
-the file's values (float32; chunked prefill across Phi-3's window); kept packed
+layer). Each: a tiny random model from transformers' own config class written as
+llama.cpp's converter writes its arch (tests/helpers/family_gguf.py: Q8_0, Q4_0 and F32
+matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted q/k rows, Phi-3's
+LongRoPE factor tensors), served from the file: its config read from the header equals the
+checkpoint's; dequantized at load, greedy tokens equal transformers' on the file's values
+(float32; chunked prefill across Phi-3's window, in hybrid SWA memory); kept packed
 (--quantization gguf) likewise for the dense families, refused by name for the MoE ones
 (expert stacks). The archs whose families kvstrata serves from HF but whose GGUF files it
 does not build (deepseek2) are refused by name.
@@ -55,10 +56,18 @@ def _serve(path: str, prompts, **kw):
     greedy = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
     with LLM(model_path=path, skip_tokenizer_init=True, dtype="float32", page_size=16,
              chunked_prefill_size=16, max_total_tokens=1024, **kw) as llm:
-        model = llm.engine.runner.model
+        model, pool = llm.engine.runner.model, llm.server_info()["kv_plan"]["pool_kind"]
         outs = llm.generate(input_ids=prompts, sampling_params=greedy)
         llm.engine.check_integrity()
+    # Phi-3's window, read from the header at resolution: hybrid SWA memory as from HF
+    assert pool == ("swa" if family_of(path) == "phi3" else "mha")
     return model, [o["output_ids"] for o in outs]
+
+
+def family_of(path: str) -> str:
+    import os
+
+    return os.path.splitext(os.path.basename(path))[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
