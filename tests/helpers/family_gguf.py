@@ -6,7 +6,8 @@ rope_factors_short / _long tensors), with gguf's own writer and quantizer:
 
   family     llama.cpp arch     what the file carries
   qwen2      qwen2              q/k/v biases (transformers' GGUF conversion reads it)
-  qwen2_moe  qwen2moe           8 experts top-2, gated shared expert, q/k/v biases
+  qwen2_moe  qwen2moe           8 experts top-2, gated shared expert (its gate a vector),
+                                q/k/v biases
   qwen3_moe  qwen3moe           8 experts top-2 (renormalised), q/k norms
   mixtral    llama + experts    8 experts top-2, q/k rows permuted
   phi3       phi3               fused attn_qkv / ffn_up, LongRoPE, 3/4 partial rotary, window 8
@@ -49,7 +50,7 @@ NEXTN = {"glm4_moe": 1}  # NextN (MTP) blocks the file holds past the model's
 TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
          "qkv_proj": "Q8_0", "gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "F32",
          "gate_up_proj": "Q4_0", "experts.gate": "Q8_0", "experts.up": "Q4_0",
-         "experts.down": "Q8_0", "gate": "F32", "shared_expert_gate": "F32",
+         "experts.down": "Q8_0", "gate": "F32",
          "embed_tokens": "Q8_0", "lm_head": "Q4_0"}
 
 
@@ -218,6 +219,10 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
             if family in PERMUTED_QK else None
         if heads is not None:  # LlamaModel.permute: the rows llama.cpp reorders
             order = llama_cpp_permute(order, heads)
+        if module == "shared_expert_gate":  # [1, hidden]: a vector in llama.cpp's files
+            held = _store(w, f"{name}.{suffix}", data.reshape(-1), "F32")
+            reference[hf_name] = torch.from_numpy(held.reshape(data.shape))
+            continue
         kind = "F32" if suffix != "weight" else TYPES.get(module, "F32")
         held = _store(w, f"{name}.{suffix}", data[order], kind)
         reference[hf_name] = torch.from_numpy(np.ascontiguousarray(held[np.argsort(order)]))
