@@ -157,3 +157,48 @@ def test_unbuilt_gguf_arch_is_refused_by_name(arch, tmp_path, monkeypatch):
     w.close()
     with pytest.raises(ValueError, match=f"GGUF {arch} .* is not built from GGUF"):
         load_hf_config(resolve_model_path(path))
+
+
+def _header_only(path: str, arch: str, keys: dict, tensors: tuple[str, ...]) -> str:
+    """A GGUF of `arch` with these metadata keys (under the arch's prefix) and zero tensors:
+    what the config reads, nothing to serve."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, arch)
+    sizes = {"block_count": 1, "embedding_length": 32, "feed_forward_length": 32,
+             "attention.head_count": 2, "attention.layer_norm_rms_epsilon": 1e-6,
+             "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32,
+             "expert_shared_count": 1}
+    for key, value in {**sizes, **keys}.items():
+        add = w.add_string if isinstance(value, str) else \
+            w.add_float32 if isinstance(value, float) else w.add_uint32
+        add(f"{arch}.{key}", value)
+    for name in ("token_embd.weight", *tensors):
+        w.add_tensor(name, np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+_MOE_LAYER = ("blk.0.ffn_gate_inp.weight", "blk.0.exp_probs_b.bias")
+
+
+@pytest.mark.parametrize("arch,keys,tensors,message", [
+    ("qwen3moe", {"expert_gating_func": 2}, _MOE_LAYER, "expert_gating_func 2"),
+    ("qwen3moe", {}, (), r"layers without experts \(\[0\]\)"),
+    ("olmo2", {"rope.scaling.type": "yarn"}, (), "rope.scaling.type 'yarn'"),
+    ("olmo2", {"attention.sliding_window": 4096}, (), "OLMo 3's windowed layers"),
+    ("glm4moe", {"expert_gating_func": 2, "expert_group_count": 8}, _MOE_LAYER,
+     "expert_group_count 8"),
+    ("phi3", {}, ("rope_factors_long.weight",), "rope factor tensors"),
+])
+def test_what_the_header_names_but_nothing_builds_is_refused_by_key(arch, keys, tensors,
+                                                                    message, tmp_path):
+    from kvstrata.config.gguf_families import family_config
+
+    path = _header_only(str(tmp_path / f"{arch}.gguf"), arch, keys, tensors)
+    with pytest.raises(ValueError, match=f"GGUF {arch}: .*{message}"):
+        family_config(path, {})
