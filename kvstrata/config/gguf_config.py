@@ -132,7 +132,7 @@ def arch_fields(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _arch_metadata(gguf_path: str) -> dict[str, Any]:
-    return read_metadata(gguf_path, ["general.architecture"] + [
+    return read_metadata(gguf_path, ["general.architecture", "llama.expert_count"] + [
         f"{arch}.{key}" for arch in GEMMA_ARCHS for key in _KEYS] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
 
@@ -144,9 +144,8 @@ def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
     no windows a GGUF names); ValueError for a recurrent or unbuilt arch."""
     meta = _arch_metadata(gguf_path)
     refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
-    family = gguf_families.family_config(gguf_path, {})
-    if family is not None:  # Phi-3's window: hybrid SWA memory as from its HF config.json
-        return family
+    if gguf_families.is_family_file(meta):  # Phi-3's window: hybrid SWA memory as from HF
+        return gguf_families.family_config(gguf_path, {})
     fields = arch_fields(meta)
     if not fields:
         return {}
