@@ -132,12 +132,13 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
     block = _GGUF_GEMMA_BLOCK if model_type in ("gemma2", "gemma3_text") else \
         _GGUF_GPT_OSS_BLOCK if model_type == "gpt_oss" else \
         FAMILY_BLOCKS.get(model_type, _GGUF_BLOCK)
+    nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     dequantized: dict[str, int] = {}  # kept quantized, yet no kernel: type -> tensors
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
         layer = _BLOCK_INDEX_RE.match(t.name)
-        if layer and int(layer.group(1)) >= config.num_hidden_layers:
-            continue  # a block past the model's: GLM-4.5's NextN layer (not run)
+        if layer and 0 <= int(layer.group(1)) - config.num_hidden_layers < nextn:
+            continue  # GLM-4.5's NextN block past the model's (not run, as transformers)
         name = hf_name(t.name, block)
         if name is None:
             continue
