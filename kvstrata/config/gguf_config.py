@@ -47,9 +47,7 @@ RECURRENT_GGUF_ARCHS = ("qwen3next", "qwen35", "qwen35moe", "nemotron_h", "nemot
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
     """ValueError for a GGUF file of a model with recurrent state: the GGUF loader maps
     llama.cpp's attention-decoder tensor names only, not the SSM ones (ssm_conv1d, ssm_a,
-    ssm_dt, ...), and transformers converts none of these archs' configs. Also for the archs
-    of served families whose GGUF files are not built (config/gguf_families.py)."""
-    gguf_families.refuse_unbuilt_arch(arch, gguf_path)
+    ssm_dt, ...), and transformers converts none of these archs' configs."""
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
                          f"recurrent (SSM / linear-attention) state is not built from GGUF "
@@ -141,7 +139,7 @@ def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
     """A Gemma, gpt-oss or gguf_families.py file's config.json fields the resolution rules
     read (model_type, layers, windows, soft-caps, sinks: ModelInfo.from_model_path), from the
     header alone -- no conversion, no transformers; {} for other archs (llama, qwen2, qwen3:
-    no windows a GGUF names); ValueError for a recurrent or unbuilt arch."""
+    no windows a GGUF names); ValueError for a recurrent arch."""
     meta = _arch_metadata(gguf_path)
     refuse_recurrent_arch(meta.get("general.architecture"), gguf_path)
     if gguf_families.is_family_file(meta):  # Phi-3's window: hybrid SWA memory as from HF
@@ -162,10 +160,11 @@ _TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
 def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     """The whole config.json of a file whose arch transformers' GGUF conversion cannot
     convert, from its header; None for the others. The families of config/gguf_families.py
-    (Qwen2/3-MoE, Mixtral, GLM-4.5, Phi-3, SmolLM3, OLMo 2, GLM-4): why there. gpt-oss:
-    transformers 5.25's conversion reads each rope.scaling value as its key's length field and fails on every YaRN file
-    (the released ones), and its tokenizer loader converts the config first -- so the
-    tokenizer is built without it (config/model_source.py)."""
+    (Qwen2/3-MoE, Mixtral, GLM-4.5, DeepSeek V2 / V3, Phi-3, SmolLM3, OLMo 2, GLM-4): why
+    there. gpt-oss: transformers 5.25's conversion reads each rope.scaling value as its key's
+    length field and fails on every YaRN file (the released ones), and its tokenizer loader
+    converts the config first -- so the tokenizer is built without it
+    (config/model_source.py)."""
     family = gguf_families.family_config(gguf_path, _TOKEN_IDS)
     if family is not None:  # MoE and dense families beyond llama / qwen: all from the header
         return family

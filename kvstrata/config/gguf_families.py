@@ -1,4 +1,4 @@
-"""The config of GGUF files of the llama-decoder families beyond llama / qwen2 / qwen3 that
+"""The config of GGUF files of the families beyond llama / qwen2 / qwen3 / gemma / gpt-oss that
 llama.cpp's convert_hf_to_gguf.py exports and kvstrata serves from HF safetensors, built from
 the header the way llama.cpp reads it (its hparams for the arch):
 
@@ -12,11 +12,15 @@ the header the way llama.cpp reads it (its hparams for the arch):
   smollm3          SmolLM3Model (LlamaModel's q/k        SmolLM3ForCausalLM
                    permutation)
   glm4moe          Glm4MoeModel                          Glm4MoeForCausalLM (GLM-4.5)
+  deepseek2        DeepseekV2Model                       DeepseekV3ForCausalLM (sigmoid
+                                                         gating) / DeepseekV2ForCausalLM
+                                                         (config/gguf_deepseek.py)
 
 Why not transformers' GGUF config conversion: it converts none of olmo2 / glm4 / glm4moe /
-smollm3, reads a Mixtral file as a dense llama (it maps no expert key of the llama arch), and
-leaves each expert's width (expert_feed_forward_length) and Qwen2-MoE's shared expert width at
-its config classes' defaults. Here every field the runner reads comes from the file:
+smollm3 / deepseek2, reads a Mixtral file as a dense llama (it maps no expert key of the
+llama arch), and leaves each expert's width (expert_feed_forward_length) and Qwen2-MoE's
+shared expert width at its config classes' defaults. Here every field the runner reads comes
+from the file:
   - sizes: block_count, embedding_length, feed_forward_length, attention.head_count /
     head_count_kv, attention.key_length (head_dim; llama.cpp's default n_embd / n_head),
     attention.layer_norm_rms_epsilon, context_length, the vocabulary from token_embd, tied
@@ -35,9 +39,6 @@ rope scaling type (none besides Phi-3's LongRoPE factors), an expert gating func
 softmax (sigmoid for GLM-4.5), scaled expert weights (but GLM-4.5's), a layer without experts
 in an MoE file (but GLM-4.5's leading dense ones), expert groups, OLMo 3's windows.
 GLM-4.5's NextN layers (blocks past num_hidden_layers) are not read: transformers runs none.
-
-Archs llama.cpp exports whose HF families kvstrata serves but whose GGUF files nothing here
-builds are refused by name (`refuse_unbuilt_arch`): deepseek2 (DeepSeek V2 / V3: MLA).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import os
 import struct
 from typing import Any
 
+from kvstrata.config import gguf_deepseek
 from kvstrata.config.gguf_header import GGUFHeader, arch_getters, read_header
 
 # llama.cpp arch -> (architectures[0], model_type); llama's entry only for a file with experts
@@ -56,13 +58,10 @@ FAMILIES = {"qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
             "olmo2": ("Olmo2ForCausalLM", "olmo2"),
             "glm4": ("Glm4ForCausalLM", "glm4"),
             "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
-            "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe")}
+            "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+            # V2 or V3 by its gating: config/gguf_deepseek.py
+            "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2")}
 _MOE = ("qwen2moe", "qwen3moe", "llama")
-# llama.cpp archs of families kvstrata serves from HF safetensors whose GGUF files it does not
-# build: arch -> what to say
-UNBUILT_GGUF_ARCHS = {
-    "deepseek2": "DeepSeek V2 / V3 (MLA attention, llama.cpp's attn_kv_a_mqa / attn_k_b / "
-                 "attn_v_b split) is not built from GGUF"}
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 # SmolLM3: every 4th layer has no rope -- llama.cpp's smollm3 graph skips it where
 # (layer + 1) % n_no_rope_layer_step == 0, a constant 4 no key can change
@@ -72,6 +71,7 @@ _F32, _F16 = 0, 1  # GGML types of a rope factor tensor
 KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
         "attention.head_count", "attention.head_count_kv", "attention.key_length",
         "attention.value_length", "attention.layer_norm_rms_epsilon",
+        *gguf_deepseek.KEYS,
         "attention.sliding_window", "rope.freq_base", "rope.dimension_count",
         "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
         "rope.scaling.attn_factor", "expert_count", "expert_used_count",
@@ -83,15 +83,6 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
 
 def header_keys(arch: str) -> list[str]:
     return [f"{arch}.{key}" for key in KEYS]
-
-
-def refuse_unbuilt_arch(arch: str | None, gguf_path: str) -> None:
-    if arch in UNBUILT_GGUF_ARCHS:
-        raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): "
-                         f"{UNBUILT_GGUF_ARCHS[arch]}; serve its HF safetensors checkpoint "
-                         f"(GGUF archs built: llama, mistral, qwen2, qwen3, "
-                         f"{', '.join(a for a in FAMILIES if a != 'llama')}, llama with "
-                         f"experts (Mixtral), gemma2, gemma3, gpt-oss)")
 
 
 def is_family_file(meta: dict[str, Any]) -> bool:
@@ -118,9 +109,10 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
     if isinstance(n_head, list) or isinstance(n_kv, list):
         raise ValueError(f"GGUF {arch}: a head count per layer is not supported")
     head_dim = int(get("attention.key_length", n_embd // int(n_head)))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    mla = arch == gguf_deepseek.ARCH  # MLA as MQA: its key / value lengths are the latent's
+    if int(get("attention.value_length", head_dim)) != head_dim and not mla:
         raise ValueError(f"GGUF {arch}: attention.value_length != key_length is not supported")
-    rot = int(get("rope.dimension_count", head_dim))
+    rot = head_dim if mla else int(get("rope.dimension_count", head_dim))
     fields: dict[str, Any] = {
         "architectures": [architecture], "model_type": model_type,
         "num_hidden_layers": n_layer, "hidden_size": n_embd,
@@ -146,6 +138,9 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
         raise ValueError(f"GGUF {arch}: q/k/v biases (blk.0.attn_q.bias) are not supported")
     if arch in _MOE:
         fields.update(_experts(arch, get, need, dims, n_layer))
+    if mla:
+        fields.update(gguf_deepseek.deepseek_fields(get, need, dims, n_layer, n_embd,
+                                                    int(n_head)))
     if arch == "glm4moe":
         fields.update(_glm4_moe_experts(get, need, dims, n_layer),
                       use_qk_norm="blk.0.attn_q_norm.weight" in dims,
@@ -290,5 +285,5 @@ def family_config(gguf_path: str, token_ids: dict[str, str]) -> dict[str, Any] |
             **{field: meta[key] for field, key in token_ids.items() if key in meta}}
 
 
-__all__ = ["FAMILIES", "KEYS", "UNBUILT_GGUF_ARCHS", "family_config", "family_fields",
-           "header_keys", "is_family_file", "refuse_unbuilt_arch"]
+__all__ = ["FAMILIES", "KEYS", "family_config", "family_fields", "header_keys",
+           "is_family_file"]

@@ -1,6 +1,7 @@
 """One GGUF round trip per GGUF-exported family beyond llama / qwen3 / gemma / gpt-oss:
 Qwen2, Qwen2-MoE, Qwen3-MoE, Mixtral (llama.cpp's llama arch with expert stacks), GLM-4.5
-(sigmoid router, a NextN block not read), Phi-3, OLMo 2, GLM-4 and SmolLM3 (its NoPE
+(sigmoid router, a NextN block not read), DeepSeek V3 and V2-Lite (llama.cpp's deepseek2: MLA
+with kv_b_proj split into attn_k_b / attn_v_b), Phi-3, OLMo 2, GLM-4 and SmolLM3 (its NoPE
 layer). Each: a tiny random model from transformers' own config class written as
 llama.cpp's converter writes its arch (tests/helpers/family_gguf.py: Q8_0, Q4_0 and F32
 matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted q/k rows, Phi-3's
@@ -8,8 +9,7 @@ LongRoPE factor tensors), served from the file: its config read from the header 
 checkpoint's; dequantized at load, greedy tokens equal transformers' on the file's values
 (float32; chunked prefill across Phi-3's window, in hybrid SWA memory); kept packed
 (--quantization gguf) likewise for the dense families, refused by name for the MoE ones
-(expert stacks). The archs whose families kvstrata serves from HF but whose GGUF files it
-does not build (deepseek2) are refused by name.
+(expert stacks, MLA); what a header names that nothing builds is refused by key.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers.compare import assert_tokens_match
-from helpers.family_gguf import FAMILIES, MOE_FAMILIES, VOCAB, write_family_gguf
+from helpers.family_gguf import FAMILIES, MLA, MOE_FAMILIES, VOCAB, write_family_gguf
 from helpers.gemma_ckpt import hf_greedy
 
 NEW_TOKENS = 8
@@ -31,7 +31,8 @@ ARCHITECTURES = {"qwen2": None, "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                  "glm4": "Glm4ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "glm4_moe": "Glm4MoeForCausalLM"}
+                 "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v2_lite": "DeepseekV2ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def _serve(path: str, prompts, **kw):
         outs = llm.generate(input_ids=prompts, sampling_params=greedy)
         llm.engine.check_integrity()
     # Phi-3's window, read from the header at resolution: hybrid SWA memory as from HF
-    assert pool == ("swa" if family_of(path) == "phi3" else "mha")
+    assert pool == {"phi3": "swa", "deepseek_v3": "mla", "deepseek_v2_lite": "mla"}.get(
+        family_of(path), "mha")
     return model, [o["output_ids"] for o in outs]
 
 
@@ -108,7 +110,8 @@ def test_dequantized_greedy_equals_transformers(family, files):
     path, _, refs = out[family]
     model, outs = _serve(path, prompts)
     if family in MOE_FAMILIES:
-        assert type(model).__name__ == "MoeDecoderForCausalLM"
+        assert type(model).__name__ == ("DeepseekForCausalLM" if family in MLA
+                                        else "MoeDecoderForCausalLM")
     for i, (ours, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):
         assert_tokens_match(ours, ref_tokens, ref_logits, label=f"{family} GGUF prompt {i}")
 
@@ -135,28 +138,8 @@ def test_moe_kept_packed_is_refused_by_name(family, files):
 
     source = resolve_model_path(files[1][family][0])
     with pytest.raises(ValueError, match="not built for .*ForCausalLM .no packed path for "
-                                         "its expert stacks"):
+                                         "(its expert stacks|MLA)"):
         load_model(source, load_hf_config(source), "float32", keep_quantized=True)
-
-
-@pytest.mark.parametrize("arch", ["deepseek2"])
-def test_unbuilt_gguf_arch_is_refused_by_name(arch, tmp_path, monkeypatch):
-    import gguf
-    import numpy as np
-
-    from kvstrata.config.model_source import load_hf_config, resolve_model_path
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    path = str(tmp_path / f"{arch}.gguf")
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match=f"GGUF {arch} .* is not built from GGUF"):
-        load_hf_config(resolve_model_path(path))
 
 
 def _header_only(path: str, arch: str, keys: dict, tensors: tuple[str, ...]) -> str:
@@ -194,6 +177,12 @@ _MOE_LAYER = ("blk.0.ffn_gate_inp.weight", "blk.0.exp_probs_b.bias")
     ("glm4moe", {"expert_gating_func": 2, "expert_group_count": 8}, _MOE_LAYER,
      "expert_group_count 8"),
     ("phi3", {}, ("rope_factors_long.weight",), "rope factor tensors"),
+    ("deepseek2", {"rope.dimension_count": 16, "attention.key_length_mla": 32,
+                   "attention.value_length_mla": 16, "attention.kv_lora_rank": 32,
+                   "expert_group_count": 8}, _MOE_LAYER, "expert_group_count 8"),
+    ("deepseek2", {"rope.dimension_count": 16, "attention.key_length_mla": 32,
+                   "attention.value_length_mla": 16, "attention.kv_lora_rank": 32,
+                   "rope.scaling.type": "yarn"}, _MOE_LAYER, "rope.scaling.type 'yarn'"),
 ])
 def test_what_the_header_names_but_nothing_builds_is_refused_by_key(arch, keys, tensors,
                                                                     message, tmp_path):

@@ -35,12 +35,13 @@ import numpy as np
 from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute
 
 FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4", "smollm3",
-            "glm4_moe")
+            "glm4_moe", "deepseek_v3", "deepseek_v2_lite")
+MLA = ("deepseek_v3", "deepseek_v2_lite")
 PERMUTED_QK = ("mixtral", "smollm3")  # LlamaModel.permute in the converter
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", *MLA)
 ARCH = {"qwen2": "QWEN2", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA",
         "phi3": "PHI3", "olmo2": "OLMO2", "glm4": "GLM4", "smollm3": "SMOLLM3",
-        "glm4_moe": "GLM4_MOE"}
+        "glm4_moe": "GLM4_MOE", "deepseek_v3": "DEEPSEEK2", "deepseek_v2_lite": "DEEPSEEK2"}
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 300, 64, 4, 2, 16
 EXPERTS, TOP_K = 8, 2
 PHI3_WINDOW = 8
@@ -51,7 +52,9 @@ TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
          "qkv_proj": "Q8_0", "gate_proj": "Q4_0", "up_proj": "Q8_0", "down_proj": "F32",
          "gate_up_proj": "Q4_0", "experts.gate": "Q8_0", "experts.up": "Q4_0",
          "experts.down": "Q8_0", "gate": "F32",
-         "embed_tokens": "Q8_0", "lm_head": "Q4_0"}
+         "embed_tokens": "Q8_0", "lm_head": "Q4_0", "q_a_proj": "Q8_0", "q_b_proj": "Q4_0",
+         "kv_a_proj_with_mqa": "Q8_0", "attn_v_b": "Q8_0", "attn_k_b": "F32"}
+MLA_DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
 
 
 def family_config(family: str):
@@ -95,6 +98,16 @@ def family_config(family: str):
                                 topk_group=1, first_k_dense_replace=1,
                                 routed_scaling_factor=2.5, norm_topk_prob=True,
                                 use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+    if family in MLA:  # no expert groups, no YaRN: what a deepseek2 file can say
+        mla = dict(**common, **moe, **MLA_DIMS, moe_intermediate_size=32,
+                   n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1,
+                   n_group=1, topk_group=1)
+        mla["num_key_value_heads"] = HEADS
+        if family == "deepseek_v3":
+            return tf.DeepseekV3Config(**mla, q_lora_rank=32, routed_scaling_factor=2.5,
+                                       norm_topk_prob=True)
+        return tf.DeepseekV2Config(**mla, q_lora_rank=None, topk_method="greedy",
+                                   routed_scaling_factor=1.0)
     if family == "smollm3":  # no_rope_layer_interval 4 (its default): layer 3 has no rope
         return tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, intermediate_size=96,
                                 no_rope_layer_interval=4)
@@ -122,7 +135,7 @@ def _write_params(w, family: str, config) -> None:
     w.add_block_count(config.num_hidden_layers + NEXTN.get(family, 0))
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_head_count_kv(1 if family in MLA else KV_HEADS)  # MLA as MQA
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if family in ("qwen3_moe", "glm4", "glm4_moe"):  # configs with their own head_dim
@@ -136,6 +149,8 @@ def _write_params(w, family: str, config) -> None:
         w.add_expert_weights_scale(config.routed_scaling_factor)
         w.add_expert_weights_norm(config.norm_topk_prob)
         w.add_nextn_predict_layers(NEXTN[family])
+    if family in MLA:  # DeepseekV2Model.set_gguf_parameters
+        _write_mla_params(w, family, config)
     if family in MOE_FAMILIES:
         w.add_expert_count(EXPERTS)
         w.add_expert_used_count(TOP_K)
@@ -158,6 +173,28 @@ def _write_params(w, family: str, config) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
 
 
+def _write_mla_params(w, family: str, config) -> None:
+    import gguf
+
+    w.add_leading_dense_block_count(config.first_k_dense_replace)
+    if config.q_lora_rank is not None:
+        w.add_q_lora_rank(config.q_lora_rank)
+    w.add_kv_lora_rank(config.kv_lora_rank)
+    w.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    w.add_value_length(config.kv_lora_rank)
+    w.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    w.add_value_length_mla(config.v_head_dim)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_expert_shared_count(config.n_shared_experts)
+    w.add_expert_weights_scale(config.routed_scaling_factor)
+    if family == "deepseek_v3":
+        w.add_expert_weights_norm(config.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    else:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_rope_dimension_count(config.qk_rope_head_dim)
+
+
 def _store(w, gguf_name: str, data: np.ndarray, kind: str) -> np.ndarray:
     """Writes `data` as `kind`; returns the values the file holds (float32, data's shape)."""
     import gguf
@@ -169,6 +206,21 @@ def _store(w, gguf_name: str, data: np.ndarray, kind: str) -> np.ndarray:
     stored = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
     w.add_tensor(gguf_name, stored, raw_dtype=qtype)
     return gguf.quants.dequantize(stored, qtype).reshape(data.shape)
+
+
+def _store_kv_b(w, hf_name: str, data: np.ndarray, config):
+    """DeepseekV2Model.modify_tensors: kv_b_proj per head as k rows then v rows; attn_k_b is
+    [heads, kv_lora, nope] (the k rows transposed), attn_v_b [heads, v, kv_lora]."""
+    import torch
+
+    layer, nope = hf_name.split(".")[2], config.qk_nope_head_dim
+    kv = data.reshape(HEADS, nope + config.v_head_dim, data.shape[-1])
+    k_b = _store(w, f"blk.{layer}.attn_k_b.weight",
+                 np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), TYPES["attn_k_b"])
+    v_b = _store(w, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv[:, nope:]),
+                 TYPES["attn_v_b"])
+    return torch.from_numpy(np.ascontiguousarray(
+        np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(data.shape)))
 
 
 _EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -205,6 +257,9 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
             reference[hf_name] = torch.from_numpy(np.ascontiguousarray(
                 np.concatenate([held["gate"], held["up"]], axis=1) if len(held) == 2
                 else held["down"]))
+            continue
+        if hf_name.endswith("kv_b_proj.weight"):  # the converter's k_b / v_b split
+            reference[hf_name] = _store_kv_b(w, hf_name, data, config)
             continue
         if hf_name.endswith("e_score_correction_bias"):  # the converter's exp_probs_b.bias
             layer = hf_name.split(".")[2]

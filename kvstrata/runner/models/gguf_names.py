@@ -1,7 +1,7 @@
 """llama.cpp's block tensor names (gguf.MODEL_TENSORS; convert_hf_to_gguf.py writes them) ->
 transformers' checkpoint names, per model_type of the families config/gguf_families.py
-configures: Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4, GLM-4.5 (SmolLM3 reads
-llama's).
+configures: Qwen2-MoE, Qwen3-MoE, Mixtral, Phi-3, OLMo 2, GLM-4, GLM-4.5, DeepSeek V2 / V3
+(SmolLM3 reads llama's).
 
 An expert stack (ffn_gate_exps / ffn_up_exps / ffn_down_exps: [experts, out, in], the
 converter's torch.stack of each expert's matrix) maps to a name with `{e}` in it: the loader
@@ -24,6 +24,15 @@ _QWEN_EXPERTS = {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.ga
                  "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
                  "ffn_up_exps": "mlp.experts.{e}.up_proj",
                  "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+# DeepSeek-V3's MoE block (GLM-4.5 has it too): router, its correction bias, experts, shared
+# experts under `shared_experts`
+_V3_EXPERTS = {"ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
+               "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+               "ffn_up_exps": "mlp.experts.{e}.up_proj",
+               "ffn_down_exps": "mlp.experts.{e}.down_proj",
+               "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+               "ffn_up_shexp": "mlp.shared_experts.up_proj",
+               "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 FAMILY_BLOCKS: dict[str, dict[str, str]] = {
     "qwen3_moe": {**_ATTENTION, **_QWEN_EXPERTS},
     "qwen2_moe": {**_ATTENTION, **_QWEN_EXPERTS,
@@ -44,15 +53,17 @@ FAMILY_BLOCKS: dict[str, dict[str, str]] = {
        "post_ffw_norm": "post_feedforward_layernorm"},
     # GLM-4.5: leading dense layers (ffn_gate / _up / _down), then V3's router (sigmoid
     # scores, exp_probs_b its correction bias) and shared experts
-    "glm4_moe": {**LLAMA_BLOCK, "ffn_norm": "post_attention_layernorm",
-                 "post_attention_norm": "post_attention_layernorm",
-                 "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction_bias",
-                 "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-                 "ffn_up_exps": "mlp.experts.{e}.up_proj",
-                 "ffn_down_exps": "mlp.experts.{e}.down_proj",
-                 "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-                 "ffn_up_shexp": "mlp.shared_experts.up_proj",
-                 "ffn_down_shexp": "mlp.shared_experts.down_proj"},
+    "glm4_moe": {**LLAMA_BLOCK, **_V3_EXPERTS,
+                 "post_attention_norm": "post_attention_layernorm"},
+    # DeepSeek V2 / V3 (MLA): attn_k_b / attn_v_b, the converter's split of kv_b_proj, are
+    # joined back (gguf_weights.py); an older file's attn_kv_b is kv_b_proj itself
+    "deepseek_v2": {**LLAMA_BLOCK, **_V3_EXPERTS, "attn_q_a": "self_attn.q_a_proj",
+                    "attn_q_a_norm": "self_attn.q_a_layernorm",
+                    "attn_q_b": "self_attn.q_b_proj",
+                    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+                    "attn_kv_b": "self_attn.kv_b_proj",
+                    "attn_k_b": "self_attn.kv_b_proj.k", "attn_v_b": "self_attn.kv_b_proj.v"},
     "glm4": {**LLAMA_BLOCK, "ffn_up": "mlp.gate_up_proj",
              "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},
@@ -62,5 +73,7 @@ FAMILY_BLOCKS: dict[str, dict[str, str]] = {
 RECOMPUTED = {"rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight"}
 # HF weights of shape [1, hidden] that llama.cpp may store as a vector [hidden]
 ROW_VECTORS = ("mlp.shared_expert_gate.weight",)
+
+FAMILY_BLOCKS["deepseek_v3"] = FAMILY_BLOCKS["deepseek_v2"]
 
 __all__ = ["FAMILY_BLOCKS", "LLAMA_BLOCK", "RECOMPUTED", "ROW_VECTORS"]

@@ -118,6 +118,20 @@ def hf_name(gguf_name: str, block: dict[str, str]) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping")
 
 
+def _join_kv_b(name: str, w: np.ndarray, waiting: dict) -> tuple[str, np.ndarray | None]:
+    """DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] from the converter's split of it:
+    attn_k_b [heads, kv_lora, nope] (each head's k rows transposed) and attn_v_b
+    [heads, v, kv_lora]; (name, None) until both halves of the layer are in."""
+    base, half = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+    waiting[f"{base}.{half}"] = w
+    k, v = waiting.get(f"{base}.k"), waiting.get(f"{base}.v")
+    if k is None or v is None:
+        return name, None
+    del waiting[f"{base}.k"], waiting[f"{base}.v"]
+    joined = np.concatenate([k.transpose(0, 2, 1), v], axis=1)
+    return f"{base}.weight", joined.reshape(-1, joined.shape[-1])
+
+
 def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: bool = False
               ) -> Iterator[tuple[str, "torch.Tensor | PackedRows"]]:
     """(HF name, float32 tensor or PackedRows) of every tensor of the file, in file order."""
@@ -134,6 +148,7 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
         FAMILY_BLOCKS.get(model_type, _GGUF_BLOCK)
     nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     dequantized: dict[str, int] = {}  # kept quantized, yet no kernel: type -> tensors
+    kv_b_halves: dict[str, np.ndarray] = {}  # MLA: attn_k_b / attn_v_b waiting for the other
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
         layer = _BLOCK_INDEX_RE.match(t.name)
@@ -165,6 +180,10 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
             continue
         if name.endswith(ROW_VECTORS) and w.ndim == 1:
             w = w[None]
+        if name.endswith((".kv_b_proj.k.weight", ".kv_b_proj.v.weight")):
+            name, w = _join_kv_b(name, w, kv_b_halves)
+            if w is None:
+                continue
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
         yield name, torch.from_numpy(np.array(w, copy=True))
     for kind, n in dequantized.items():

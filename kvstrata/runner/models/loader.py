@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kvstrata import envs
 from kvstrata.config.hf_quant import HfQuantScheme, checkpoint_scheme
-from kvstrata.config.model_source import ModelSource
+from kvstrata.config.model_source import ModelSource, gguf_metadata_dir
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
@@ -139,10 +139,11 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
 # metadata in ways this loader does not read): HF safetensors only. (Their archs are refused
 # by name before this, at the config: config/gguf_families.py, gguf_config.py.)
-_NO_GGUF = {"deepseek", *HYBRID_FAMILIES}
+_NO_GGUF = {*HYBRID_FAMILIES}
 # Families whose GGUF weights load dequantized only: their expert stacks have no packed path
 _NO_PACKED_GGUF = {"gpt_oss": ("gpt-oss", "no packed kernel for its MXFP4 experts"),
-                   "moe": (None, "no packed path for its expert stacks, ffn_*_exps")}
+                   "moe": (None, "no packed path for its expert stacks, ffn_*_exps"),
+                   "deepseek": (None, "no packed path for MLA and its expert stacks")}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
@@ -161,7 +162,8 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
                          f"not built for {label or name} ({why}); its GGUF files load "
                          f"dequantized (--load-format gguf_dequantize)")
     if spec.family == "deepseek":
-        with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
+        config_dir = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+        with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
         model = DeepseekForCausalLM(config, raw_config, torch_dtype, device)
     elif spec.family == "gpt_oss":
