@@ -11,19 +11,23 @@ expert_gating_func). The router: sigmoid scores (expert_gating_func 2) with the 
 correction are V3's (DeepseekV3ForCausalLM), softmax ones (1, or no key: llama.cpp's default
 for V2 files) V2's greedy top-k. Rope: llama.cpp rotates interleaved pairs, as transformers'
 V2 and V3 (rope_interleave) do with the converter's rows, which it leaves in place.
-What llama.cpp would read that this does not build is refused by key: a rope scaling (YaRN's
-mscale pair is not in the file as transformers names it), expert groups, scaled or
-renormalised V2 weights, a layer without experts after the dense ones.
+YaRN: `_rope`. What llama.cpp would read that this does not build is refused by key: a rope
+scaling other than YaRN, YaRN without its log multiplier, expert groups, renormalised V2
+weights, a layer without experts after the dense ones.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.config.gguf_header import yarn_parameters
+
 ARCH = "deepseek2"
 _ROPE_BASE = 10000.0
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 KEYS = ("attention.key_length_mla", "attention.value_length_mla", "attention.q_lora_rank",
-        "attention.kv_lora_rank", "expert_group_count", "expert_group_used_count")
+        "attention.kv_lora_rank", "expert_group_count", "expert_group_used_count",
+        "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_beta_fast",
+        "rope.scaling.yarn_beta_slow")
 
 
 def deepseek_fields(get, need, dims: dict, n_layer: int, n_embd: int, n_head: int
@@ -40,9 +44,6 @@ def deepseek_fields(get, need, dims: dict, n_layer: int, n_embd: int, n_head: in
         if int(get(key, 1) or 1) > 1:
             raise ValueError(f"GGUF {ARCH}: {ARCH}.{key} {get(key)} (grouped routing) is "
                              f"not supported")
-    if get("rope.scaling.type", "none") != "none":
-        raise ValueError(f"GGUF {ARCH}: rope.scaling.type {get('rope.scaling.type')!r} is "
-                         f"not supported")
     dense = int(get("leading_dense_block_count", 0) or 0)
     layers = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in dims]
     if layers != list(range(dense)):
@@ -67,13 +68,31 @@ def deepseek_fields(get, need, dims: dict, n_layer: int, n_embd: int, n_head: in
         "n_shared_experts": int(get("expert_shared_count", 0) or 0),
         "first_k_dense_replace": dense, "routed_scaling_factor": scale,
         "n_group": 1, "topk_group": 1, "attention_bias": False,
-        "rope_parameters": {"rope_type": "default",
-                            "rope_theta": float(get("rope.freq_base", _ROPE_BASE))}}
+        "rope_parameters": _rope(get, float(get("rope.freq_base", _ROPE_BASE)))}
     if v3:
         fields.update(norm_topk_prob=norm, rope_interleave=True)
     else:
         fields["topk_method"] = "greedy"
     return fields
+
+
+def _rope(get, base: float) -> dict[str, Any]:
+    """YaRN as llama.cpp's deepseek2 graph runs it: the rotation's magnitude scaling cancelled
+    (its attn_factor 1 / (1 + 0.1 ln s)) and the softmax scale times (1 + log_mul ln s)^2,
+    log_mul = 0.1 * mscale_all_dim (the converter's yarn_log_multiplier): transformers'
+    DeepSeek YaRN with mscale == mscale_all_dim, as V2-Lite's and V3's configs have them."""
+    kind = get("rope.scaling.type", "none")
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": base}
+    if kind != "yarn":
+        raise ValueError(f"GGUF {ARCH}: rope.scaling.type {kind!r} is not supported")
+    log_mul, orig = get("rope.scaling.yarn_log_multiplier"), \
+        get("rope.scaling.original_context_length")
+    if log_mul is None or orig is None:  # transformers would scale the rotation instead
+        raise ValueError(f"GGUF {ARCH}: YaRN without rope.scaling.yarn_log_multiplier and "
+                         f"rope.scaling.original_context_length is not supported")
+    mscale = float(log_mul) / 0.1
+    return {**yarn_parameters(get, base, orig), "mscale": mscale, "mscale_all_dim": mscale}
 
 
 __all__ = ["ARCH", "KEYS", "deepseek_fields"]

@@ -120,7 +120,8 @@ def family_fields(header: GGUFHeader, gguf_path: str) -> dict[str, Any]:
         "num_key_value_heads": int(n_head if n_kv is None else n_kv),
         "head_dim": head_dim, "intermediate_size": int(need("feed_forward_length")),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_parameters": _rope(arch, get, header, gguf_path, head_dim, rot)}
+        # MLA's rope (YaRN): gguf_deepseek.py's
+        "rope_parameters": {} if mla else _rope(arch, get, header, gguf_path, head_dim, rot)}
     if "partial_rotary_factor" in fields["rope_parameters"]:  # where config classes read it
         fields["partial_rotary_factor"] = fields["rope_parameters"]["partial_rotary_factor"]
     if get("context_length"):

@@ -92,7 +92,8 @@ def test_config_from_the_header_is_the_checkpoints(family, files):
         if hasattr(theirs, field):
             assert getattr(ours, field) == getattr(theirs, field), field
     rope_keys = ("rope_type", "rope_theta", "partial_rotary_factor", "short_factor",
-                 "long_factor")
+                 "long_factor", "factor", "original_max_position_embeddings", "mscale",
+                 "mscale_all_dim")
     a, b = ours.rope_parameters, theirs.rope_parameters
     for key in rope_keys:
         if key in b:
@@ -182,7 +183,7 @@ _MOE_LAYER = ("blk.0.ffn_gate_inp.weight", "blk.0.exp_probs_b.bias")
                    "expert_group_count": 8}, _MOE_LAYER, "expert_group_count 8"),
     ("deepseek2", {"rope.dimension_count": 16, "attention.key_length_mla": 32,
                    "attention.value_length_mla": 16, "attention.kv_lora_rank": 32,
-                   "rope.scaling.type": "yarn"}, _MOE_LAYER, "rope.scaling.type 'yarn'"),
+                   "rope.scaling.type": "yarn"}, _MOE_LAYER, "YaRN without"),
 ])
 def test_what_the_header_names_but_nothing_builds_is_refused_by_key(arch, keys, tensors,
                                                                     message, tmp_path):

@@ -55,6 +55,9 @@ TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
          "embed_tokens": "Q8_0", "lm_head": "Q4_0", "q_a_proj": "Q8_0", "q_b_proj": "Q4_0",
          "kv_a_proj_with_mqa": "Q8_0", "attn_v_b": "Q8_0", "attn_k_b": "F32"}
 MLA_DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 0.8, "mscale_all_dim": 0.8}
 
 
 def family_config(family: str):
@@ -103,9 +106,9 @@ def family_config(family: str):
                    n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1,
                    n_group=1, topk_group=1)
         mla["num_key_value_heads"] = HEADS
-        if family == "deepseek_v3":
+        if family == "deepseek_v3":  # YaRN as V3 has it: mscale == mscale_all_dim
             return tf.DeepseekV3Config(**mla, q_lora_rank=32, routed_scaling_factor=2.5,
-                                       norm_topk_prob=True)
+                                       norm_topk_prob=True, rope_parameters=MLA_YARN)
         return tf.DeepseekV2Config(**mla, q_lora_rank=None, topk_method="greedy",
                                    routed_scaling_factor=1.0)
     if family == "smollm3":  # no_rope_layer_interval 4 (its default): layer 3 has no rope
@@ -193,6 +196,12 @@ def _write_mla_params(w, family: str, config) -> None:
     else:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     w.add_rope_dimension_count(config.qk_rope_head_dim)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "yarn":  # TextModel's yarn keys, DeepseekV2Model's log_mul
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _store(w, gguf_name: str, data: np.ndarray, kind: str) -> np.ndarray:
