@@ -7,13 +7,13 @@ kv_lora_rank + rope dims, value_length kv_lora_rank) and the real head sizes bes
 V2-Lite's full q projection, attention.kv_lora_rank), rope.dimension_count (the rope part of
 a head), leading_dense_block_count, the experts (expert_count, expert_used_count,
 expert_shared_count, expert_feed_forward_length, expert_weights_scale, expert_weights_norm,
-expert_gating_func). The router: sigmoid scores (expert_gating_func 2) with the exp_probs_b
+expert_gating_func, expert_group_count / _used_count). The router: sigmoid scores (expert_gating_func 2) with the exp_probs_b
 correction are V3's (DeepseekV3ForCausalLM), softmax ones (1, or no key: llama.cpp's default
 for V2 files) V2's greedy top-k. Rope: llama.cpp rotates interleaved pairs, as transformers'
 V2 and V3 (rope_interleave) do with the converter's rows, which it leaves in place.
 YaRN: `_rope`. What llama.cpp would read that this does not build is refused by key: a rope
-scaling other than YaRN, YaRN without its log multiplier, expert groups, renormalised V2
-weights, a layer without experts after the dense ones.
+scaling other than YaRN, YaRN without its log multiplier, expert groups with V2's softmax
+gating, renormalised V2 weights, a layer without experts after the dense ones.
 """
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ def deepseek_fields(get, need, dims: dict, n_layer: int, n_embd: int, n_head: in
     if gating not in (_GATING_SOFTMAX, _GATING_SIGMOID):
         raise ValueError(f"GGUF {ARCH}: expert_gating_func {gating} is not supported")
     v3 = gating == _GATING_SIGMOID
-    for key in ("expert_group_count", "expert_group_used_count"):
-        if int(get(key, 1) or 1) > 1:
-            raise ValueError(f"GGUF {ARCH}: {ARCH}.{key} {get(key)} (grouped routing) is "
-                             f"not supported")
+    groups = int(get("expert_group_count", 1) or 1)
+    groups_used = int(get("expert_group_used_count", groups) or groups)
+    if groups > 1 and not v3:
+        raise ValueError(f"GGUF {ARCH}: expert_group_count {groups} with softmax gating (V2's "
+                         f"group_limited_greedy) is not supported")
     dense = int(get("leading_dense_block_count", 0) or 0)
     layers = [i for i in range(n_layer) if f"blk.{i}.ffn_gate_inp.weight" not in dims]
     if layers != list(range(dense)):
@@ -67,7 +68,9 @@ def deepseek_fields(get, need, dims: dict, n_layer: int, n_embd: int, n_head: in
         "num_experts_per_tok": int(need("expert_used_count")),
         "n_shared_experts": int(get("expert_shared_count", 0) or 0),
         "first_k_dense_replace": dense, "routed_scaling_factor": scale,
-        "n_group": 1, "topk_group": 1, "attention_bias": False,
+        # V3's group-limited top-k (llama.cpp's build_moe_ffn: groups ranked by their two
+        # best biased scores, as transformers')
+        "n_group": groups, "topk_group": groups_used, "attention_bias": False,
         "rope_parameters": _rope(get, float(get("rope.freq_base", _ROPE_BASE)))}
     if v3:
         fields.update(norm_topk_prob=norm, rope_interleave=True)

@@ -87,7 +87,8 @@ def test_config_from_the_header_is_the_checkpoints(family, files):
               "shared_expert_intermediate_size", "sliding_window", "attention_bias",
               "qkv_bias", "original_max_position_embeddings", "no_rope_layers",
               "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
-              "routed_scaling_factor", "use_qk_norm", "partial_rotary_factor"]
+              "routed_scaling_factor", "use_qk_norm", "partial_rotary_factor", "n_group",
+              "topk_group"]
     for field in fields:
         if hasattr(theirs, field):
             assert getattr(ours, field) == getattr(theirs, field), field

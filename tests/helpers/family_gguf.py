@@ -101,16 +101,16 @@ def family_config(family: str):
                                 topk_group=1, first_k_dense_replace=1,
                                 routed_scaling_factor=2.5, norm_topk_prob=True,
                                 use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
-    if family in MLA:  # no expert groups, no YaRN: what a deepseek2 file can say
+    if family in MLA:
         mla = dict(**common, **moe, **MLA_DIMS, moe_intermediate_size=32,
-                   n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1,
-                   n_group=1, topk_group=1)
+                   n_routed_experts=EXPERTS, n_shared_experts=1, first_k_dense_replace=1)
         mla["num_key_value_heads"] = HEADS
         if family == "deepseek_v3":  # YaRN as V3 has it: mscale == mscale_all_dim
             return tf.DeepseekV3Config(**mla, q_lora_rank=32, routed_scaling_factor=2.5,
-                                       norm_topk_prob=True, rope_parameters=MLA_YARN)
+                                       norm_topk_prob=True, rope_parameters=MLA_YARN,
+                                       n_group=4, topk_group=2)
         return tf.DeepseekV2Config(**mla, q_lora_rank=None, topk_method="greedy",
-                                   routed_scaling_factor=1.0)
+                                   routed_scaling_factor=1.0, n_group=1, topk_group=1)
     if family == "smollm3":  # no_rope_layer_interval 4 (its default): layer 3 has no rope
         return tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, intermediate_size=96,
                                 no_rope_layer_interval=4)
@@ -193,6 +193,8 @@ def _write_mla_params(w, family: str, config) -> None:
     if family == "deepseek_v3":
         w.add_expert_weights_norm(config.norm_topk_prob)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(config.n_group)
+        w.add_expert_group_used_count(config.topk_group)
     else:
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     w.add_rope_dimension_count(config.qk_rope_head_dim)
