@@ -7,9 +7,10 @@ kv_lora_rank + rope dims, value_length kv_lora_rank) and the real head sizes bes
 V2-Lite's full q projection, attention.kv_lora_rank), rope.dimension_count (the rope part of
 a head), leading_dense_block_count, the experts (expert_count, expert_used_count,
 expert_shared_count, expert_feed_forward_length, expert_weights_scale, expert_weights_norm,
-expert_gating_func, expert_group_count / _used_count). The router: sigmoid scores (expert_gating_func 2) with the exp_probs_b
-correction are V3's (DeepseekV3ForCausalLM), softmax ones (1, or no key: llama.cpp's default
-for V2 files) V2's greedy top-k. Rope: llama.cpp rotates interleaved pairs, as transformers'
+expert_gating_func, expert_group_count / _used_count). The router: sigmoid scores
+(expert_gating_func 2) with the exp_probs_b correction, in groups, are V3's
+(DeepseekV3ForCausalLM), softmax ones (1, or no key: llama.cpp's default for V2 files) V2's
+greedy top-k. Rope: llama.cpp rotates interleaved pairs, as transformers'
 V2 and V3 (rope_interleave) do with the converter's rows, which it leaves in place.
 YaRN: `_rope`. What llama.cpp would read that this does not build is refused by key: a rope
 scaling other than YaRN, YaRN without its log multiplier, expert groups with V2's softmax
