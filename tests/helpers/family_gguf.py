@@ -15,6 +15,10 @@ rope_factors_short / _long tensors), with gguf's own writer and quantizer:
   glm4       glm4               sandwich norms, interleaved half rotary, fused ffn_up, biases
   smollm3    smollm3            4 layers: the 4th without rope (llama.cpp's fixed step), q/k
                                 rows permuted
+  deepseek_v3  deepseek2        MLA (q_lora_rank, kv_b_proj split into attn_k_b / attn_v_b),
+                                YaRN (mscale = mscale_all_dim), sigmoid routing in 4 groups
+  deepseek_v2_lite  deepseek2   MLA without q_lora_rank, attn_kv_b whole (older files),
+                                softmax greedy top-2
   glm4_moe   glm4moe            GLM-4.5: a dense first layer, 8 experts top-2 by sigmoid with
                                 a correction bias (drawn), renormalised and scaled by 2.5, a
                                 shared expert, q/k norms, half rotary, biases; one NextN
@@ -53,7 +57,8 @@ TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
          "gate_up_proj": "Q4_0", "experts.gate": "Q8_0", "experts.up": "Q4_0",
          "experts.down": "Q8_0", "gate": "F32",
          "embed_tokens": "Q8_0", "lm_head": "Q4_0", "q_a_proj": "Q8_0", "q_b_proj": "Q4_0",
-         "kv_a_proj_with_mqa": "Q8_0", "attn_v_b": "Q8_0", "attn_k_b": "F32"}
+         "kv_a_proj_with_mqa": "Q8_0", "attn_v_b": "Q8_0", "attn_k_b": "F32",
+         "kv_b_proj": "Q4_0"}
 MLA_DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
 MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
             "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -269,7 +274,9 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
                 np.concatenate([held["gate"], held["up"]], axis=1) if len(held) == 2
                 else held["down"]))
             continue
-        if hf_name.endswith("kv_b_proj.weight"):  # the converter's k_b / v_b split
+        if hf_name.endswith("kv_b_proj.weight") and family == "deepseek_v3":
+            # today's converter splits it (k_b / v_b); the V2-Lite file keeps it whole, as
+            # files converted before that split do (attn_kv_b)
             reference[hf_name] = _store_kv_b(w, hf_name, data, config)
             continue
         if hf_name.endswith("e_score_correction_bias"):  # the converter's exp_probs_b.bias
