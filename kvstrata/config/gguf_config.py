@@ -25,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from kvstrata.config import gguf_gpt_oss, gguf_hybrid
+from kvstrata.config import gguf_families, gguf_gpt_oss, gguf_hybrid
 from kvstrata.config.gguf_header import read_header, read_metadata
 
 GEMMA_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
@@ -136,21 +136,24 @@ def arch_fields(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _arch_metadata(gguf_path: str) -> dict[str, Any]:
-    return read_metadata(gguf_path, ["general.architecture"] + [
+    return read_metadata(gguf_path, ["general.architecture", "llama.expert_count"] + [
         f"{arch}.{key}" for arch in GEMMA_ARCHS for key in _KEYS] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS])
 
 
 def gguf_model_fields(gguf_path: str) -> dict[str, Any]:
-    """A Gemma, gpt-oss or recurrent hybrid (config/gguf_hybrid.py) file's config.json fields
-    the resolution rules read (model_type, layers and their kinds, windows, soft-caps, sinks:
-    ModelInfo.from_model_path), from the header alone -- no conversion, no transformers; {}
-    for other archs; ValueError for a recurrent arch that is not built."""
+    """A Gemma, gpt-oss, recurrent hybrid (config/gguf_hybrid.py) or gguf_families.py file's
+    config.json fields the resolution rules read (model_type, layers and their kinds,
+    windows, soft-caps, sinks: ModelInfo.from_model_path), from the header alone -- no
+    conversion, no transformers; {} for other archs (llama, qwen2, qwen3: no windows a GGUF
+    names); ValueError for a recurrent arch that is not built."""
     meta = _arch_metadata(gguf_path)
     arch = meta.get("general.architecture")
     refuse_recurrent_arch(arch, gguf_path)
     if arch in gguf_hybrid.ARCHITECTURES:
         return own_gguf_config(gguf_path)
+    if gguf_families.is_family_file(meta):  # Phi-3's window: hybrid SWA memory as from HF
+        return gguf_families.family_config(gguf_path, {})
     fields = arch_fields(meta)
     if not fields:
         return {}
@@ -164,12 +167,16 @@ _OWN_ARCHS = (gguf_gpt_oss.ARCH, *gguf_hybrid.ARCHITECTURES)
 
 def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     """The whole config.json of a file whose arch transformers' GGUF conversion cannot
-    convert, from its header; None for the others. gpt-oss: transformers 5.25's conversion
-    reads each rope.scaling value as its key's length field and fails on every YaRN file
-    (the released ones), and its tokenizer loader converts the config first -- so the
-    tokenizer is built without it (config/model_source.py). mamba2 / nemotron_h /
-    granitehybrid / qwen35 / qwen3next: transformers has no conversion for them
-    (config/gguf_hybrid.py)."""
+    convert, from its header; None for the others. The families of config/gguf_families.py
+    (Qwen2/3-MoE, Mixtral, GLM-4.5, DeepSeek V2 / V3, Phi-3, SmolLM3, OLMo 2, GLM-4): why
+    there. gpt-oss: transformers 5.25's conversion reads each rope.scaling value as its key's
+    length field and fails on every YaRN file (the released ones), and its tokenizer loader
+    converts the config first -- so the tokenizer is built without it
+    (config/model_source.py). mamba2 / nemotron_h / granitehybrid / qwen35 / qwen3next:
+    transformers has no conversion for them (config/gguf_hybrid.py)."""
+    family = gguf_families.family_config(gguf_path, _TOKEN_IDS)
+    if family is not None:  # MoE and dense families beyond llama / qwen: all from the header
+        return family
     header = read_header(gguf_path, ["general.architecture", *_TOKEN_IDS.values()] + [
         f"{gguf_gpt_oss.ARCH}.{key}" for key in gguf_gpt_oss.KEYS] + [
         f"{arch}.{key}" for arch in gguf_hybrid.ARCHITECTURES for key in gguf_hybrid.KEYS])

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstrata.config.gguf_header import arch_getters
+from kvstrata.config.gguf_header import arch_getters, yarn_parameters
 
 ARCH = "gpt-oss"
 ARCHITECTURE = "GptOssForCausalLM"
 SWIGLU_LIMIT = 7.0  # llama.cpp's build_moe_ffn constant for LLM_FFN_SWIGLU_OAI_MOE
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
-_YARN_BETAS = (32.0, 1.0)  # llama.cpp's yarn_beta_fast / yarn_beta_slow defaults
 _SWA_PERIOD = 2
 KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
         "expert_feed_forward_length", "expert_count", "expert_used_count",
@@ -48,7 +47,6 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
 def gpt_oss_fields(meta: dict[str, Any], layer_types) -> dict[str, Any]:
     """config.json fields of a gpt-oss file from its metadata. `layer_types(arch, n_layer,
     pattern, default_period)`: llama.cpp's set_swa_pattern (config/gguf_config.py)."""
-
     get, need = arch_getters(meta, ARCH)
 
     n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
@@ -114,13 +112,7 @@ def _rope(get, base: float) -> dict[str, Any]:
     orig = get("rope.scaling.original_context_length")
     if orig is None:
         raise ValueError(f"GGUF {ARCH}: YaRN without rope.scaling.original_context_length")
-    fast, slow = _YARN_BETAS
-    return {"rope_type": "yarn", "rope_theta": base,
-            "factor": float(get("rope.scaling.factor", 1.0)),
-            "original_max_position_embeddings": int(orig),
-            "beta_fast": float(get("rope.scaling.yarn_beta_fast", fast)),
-            "beta_slow": float(get("rope.scaling.yarn_beta_slow", slow)),
-            "truncate": False}
+    return {**yarn_parameters(get, base, orig), "truncate": False}
 
 
 __all__ = ["ARCH", "ARCHITECTURE", "KEYS", "SWIGLU_LIMIT", "gpt_oss_fields"]

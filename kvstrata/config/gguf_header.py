@@ -126,8 +126,8 @@ def read_metadata(path: str, keys) -> dict[str, Any]:
 
 
 def arch_getters(meta: dict[str, Any], arch: str):
-    """(get, need) over `arch`'s keys of `meta`: get(key, default) its value or the default,
-    need(key) its value or a ValueError naming the key (one llama.cpp requires)."""
+    """(get, need) over the `arch.`-prefixed keys of `meta`: get(key, default) its value or
+    the default; need(key) its value, or a ValueError naming the key llama.cpp requires."""
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -141,5 +141,18 @@ def arch_getters(meta: dict[str, Any], arch: str):
     return get, need
 
 
-__all__ = ["GGUFHeader", "TensorInfo", "arch_getters", "parse_header", "read_header",
-           "read_metadata"]
+YARN_BETAS = (32.0, 1.0)  # llama.cpp's yarn_beta_fast / yarn_beta_slow defaults
+
+
+def yarn_parameters(get, base: float, original: int) -> dict[str, Any]:
+    """transformers' YaRN rope parameters from llama.cpp's keys (`get`: arch_getters')."""
+    fast, slow = YARN_BETAS
+    return {"rope_type": "yarn", "rope_theta": base,
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(original),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", fast)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", slow))}
+
+
+__all__ = ["GGUFHeader", "TensorInfo", "YARN_BETAS", "arch_getters", "parse_header",
+           "read_header", "read_metadata", "yarn_parameters"]

@@ -150,10 +150,11 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     server made several (config, calibration tokenizer, the api and the detokenizer
     processes); the converted directory loads in well under a second. The conversion is
     transformers' own (from_pretrained(gguf_file=...) then save_pretrained), completed with
-    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss, Mamba2 or
-    Nemotron-H file's config.json is built from its header instead (own_gguf_config:
-    transformers' conversion fails on gpt-oss and has none for the others), its tokenizer by
-    transformers' GGUF tokenizer alone."""
+    what it drops of a Gemma 2 / Gemma 3 file (config/gguf_config.py); a gpt-oss, recurrent
+    hybrid (config/gguf_hybrid.py) or MoE / dense family (config/gguf_families.py) file's
+    config.json is built from its header instead (own_gguf_config: transformers' conversion
+    fails on gpt-oss and has none for the others), its tokenizer by transformers' GGUF
+    tokenizer alone."""
     import hashlib
     from importlib.metadata import version
 
@@ -178,7 +179,7 @@ def gguf_metadata_dir(source: ModelSource) -> str:
 
     from kvstrata.config.gguf_config import complete_gguf_config, own_gguf_config
 
-    own = own_gguf_config(gguf)  # gpt-oss, mamba2, nemotron_h: all of it from the header
+    own = own_gguf_config(gguf)  # gpt-oss, the hybrids, gguf_families.py's: from the header
     os.makedirs(root, exist_ok=True)
     with FileLock(out + ".lock"):  # the server's processes start together
         if not os.path.isfile(os.path.join(out, "config.json")):
@@ -199,7 +200,7 @@ def gguf_metadata_dir(source: ModelSource) -> str:
     return out
 
 
-_CONVERT_V = 4  # bump when the conversion changes: old directories are not reused
+_CONVERT_V = 5  # bump when the conversion changes: old directories are not reused
 
 
 # tokenizer_config.json classes that are transformers' generic tokenizers-library backend

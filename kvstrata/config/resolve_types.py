@@ -115,9 +115,10 @@ class ModelInfo:
 
     @classmethod
     def from_model_path(cls, path: str) -> "ModelInfo | None":
-        """Best effort from a local HF `config.json` (no weights read), or a Gemma or gpt-oss
-        GGUF file's header (its windows, soft-caps, sinks: config/gguf_config.py); None
-        otherwise, in which case resolution assumes a plain MHA model and says so."""
+        """Best effort from a local HF `config.json` (no weights read), or a Gemma, gpt-oss
+        or config/gguf_families.py GGUF file's header (its windows, soft-caps, sinks, experts:
+        config/gguf_config.py); None otherwise, in which case resolution assumes a plain MHA
+        model and says so."""
         if os.path.isfile(path) and path.lower().endswith(".gguf"):
             from kvstrata.config.gguf_config import gguf_model_fields  # noqa: PLC0415
 

@@ -72,6 +72,19 @@ def _quantize(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.nd
     return raw.reshape(w.shape[0], -1), qtype
 
 
+def add_sentencepiece_vocab(w, n: int) -> None:
+    """A sentencepiece ("llama") vocabulary of n tokens; pad 0, bos 1, eos 2, unk 3."""
+    tokens, scores, token_types = _vocab(n)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(token_types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_unk_token_id(3)
+
+
 def write_decoder_gguf(arch: str, out_path: str, seed: int = 7, types: dict | None = None
                        ) -> tuple:
     """Writes the file; returns (HF config, {HF name: float32 tensor the file holds}).
@@ -98,15 +111,7 @@ def write_decoder_gguf(arch: str, out_path: str, seed: int = 7, types: dict | No
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    tokens, scores, token_types = _vocab(VOCAB)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(token_types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_unk_token_id(3)
+    add_sentencepiece_vocab(w, VOCAB)
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     reference = {}
     for hf_name, tensor in state.items():

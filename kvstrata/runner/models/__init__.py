@@ -26,7 +26,8 @@
   loader.py         safetensors and GGUF weights (gguf_index.py: a GGUF file's tensor table;
                     gguf_weights.py: its tensors by HF name, dequantized or kept packed;
                     gguf_hybrid_weights.py: a recurrent hybrid's, the converter's
-                    transforms undone)
+                    transforms undone; gguf_names.py: llama.cpp's block names of the MoE /
+                    Phi-3 / OLMo 2 / GLM-4 archs, expert stacks split by expert)
 """
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM
 from kvstrata.runner.models.loader import load_model

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvstrata.runner.models.gguf_names import FAMILY_BLOCKS, LLAMA_BLOCK, RECOMPUTED, ROW_VECTORS
 from kvstrata.runner.quant.mxfp4 import dequantize_ggml_mxfp4
 from kvstrata.runner.quant.packed_rows import PackedRows
 
@@ -29,12 +30,7 @@ logger = logging.getLogger(__name__)
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
-_GGUF_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+_GGUF_BLOCK = LLAMA_BLOCK
 # llama.cpp's gemma2 / gemma3 block tensors (gguf.MODEL_TENSORS): four norms a layer, so
 # ffn_norm is the pre-feedforward norm there; the rest is named as in llama.
 _GGUF_GEMMA_BLOCK = {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
@@ -52,8 +48,9 @@ _GGUF_GPT_OSS_BLOCK = {
     "ffn_up_exps": "mlp.experts.up_proj", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
     "ffn_down_exps": "mlp.experts.down_proj"}
 # HF parameters named without a .weight suffix (the converter appends one to the sinks)
-_BARE_PARAMS = {"self_attn.sinks"}
+_BARE_PARAMS = {"self_attn.sinks", "mlp.gate.e_score_correction_bias"}
 _GGUF_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BLOCK_INDEX_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -107,17 +104,32 @@ def _dequantize_q4_1(data: np.ndarray) -> np.ndarray:
 
 
 def hf_name(gguf_name: str, block: dict[str, str]) -> str | None:
-    """transformers' name of a llama.cpp tensor; None for one that is recomputed (llama3's
-    rope_freqs), ValueError for one nothing maps."""
+    """transformers' name of a llama.cpp tensor (with `{e}` for each expert of a stack:
+    gguf_names.py); None for one that is recomputed (rope factors), ValueError for one
+    nothing maps."""
     m = _GGUF_BLOCK_RE.match(gguf_name)
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
     if m and m.group(2) in block:
         param = f"model.layers.{m.group(1)}.{block[m.group(2)]}"
         return param if block[m.group(2)] in _BARE_PARAMS else f"{param}.{m.group(3)}"
-    if gguf_name == "rope_freqs.weight":
-        return None  # llama3 rope factors, recomputed from the config's rope_scaling
+    if gguf_name in RECOMPUTED:
+        return None  # rope factors, recomputed from the config's rope parameters
     raise ValueError(f"GGUF tensor {gguf_name!r} has no mapping")
+
+
+def _join_kv_b(name: str, w: np.ndarray, waiting: dict) -> tuple[str, np.ndarray | None]:
+    """DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] from the converter's split of it:
+    attn_k_b [heads, kv_lora, nope] (each head's k rows transposed) and attn_v_b
+    [heads, v, kv_lora]; (name, None) until both halves of the layer are in."""
+    base, half = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+    waiting[f"{base}.{half}"] = w
+    k, v = waiting.get(f"{base}.k"), waiting.get(f"{base}.v")
+    if k is None or v is None:
+        return name, None
+    del waiting[f"{base}.k"], waiting[f"{base}.v"]
+    joined = np.concatenate([k.transpose(0, 2, 1), v], axis=1)
+    return f"{base}.weight", joined.reshape(-1, joined.shape[-1])
 
 
 def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: bool = False
@@ -132,10 +144,16 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     model_type = getattr(config, "model_type", None)
     block = _GGUF_GEMMA_BLOCK if model_type in ("gemma2", "gemma3_text") else \
-        _GGUF_GPT_OSS_BLOCK if model_type == "gpt_oss" else _GGUF_BLOCK
+        _GGUF_GPT_OSS_BLOCK if model_type == "gpt_oss" else \
+        FAMILY_BLOCKS.get(model_type, _GGUF_BLOCK)
+    nextn = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     dequantized: dict[str, int] = {}  # kept quantized, yet no kernel: type -> tensors
+    kv_b_halves: dict[str, np.ndarray] = {}  # MLA: attn_k_b / attn_v_b waiting for the other
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
+        layer = _BLOCK_INDEX_RE.match(t.name)
+        if layer and 0 <= int(layer.group(1)) - config.num_hidden_layers < nextn:
+            continue  # GLM-4.5's NextN block past the model's (not run, as transformers)
         name = hf_name(t.name, block)
         if name is None:
             continue
@@ -156,6 +174,16 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
         w = dequantize(t.data, t.tensor_type)
         if heads is not None:
             w = unpermute_qk(w, heads)
+        if "{e}" in name:  # an expert stack [experts, out, in]: each expert by its own name
+            for e in range(w.shape[0]):
+                yield name.format(e=e), torch.from_numpy(np.array(w[e], copy=True))
+            continue
+        if name.endswith(ROW_VECTORS) and w.ndim == 1:
+            w = w[None]
+        if name.endswith((".kv_b_proj.k.weight", ".kv_b_proj.v.weight")):
+            name, w = _join_kv_b(name, w, kv_b_halves)
+            if w is None:
+                continue
         # np.array copies: dequantize may return a read-only view of the memory-mapped file.
         yield name, torch.from_numpy(np.array(w, copy=True))
     for kind, n in dequantized.items():

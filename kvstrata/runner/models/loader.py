@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kvstrata import envs
 from kvstrata.config.hf_quant import HfQuantScheme, checkpoint_scheme
-from kvstrata.config.model_source import ModelSource
+from kvstrata.config.model_source import ModelSource, gguf_metadata_dir
 from kvstrata.runner.models.decoder import DecoderForCausalLM
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM
 from kvstrata.runner.models.gemma import GemmaForCausalLM
@@ -141,9 +141,15 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 
 
 # Model families whose GGUF files nothing here maps (llama.cpp names their tensors or
-# metadata in ways this loader does not read): HF safetensors only. The hybrids' files
-# (Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5, Qwen3-Next) are mapped (gguf_hybrid_weights.py).
-_NO_GGUF = {"deepseek", "moe", "olmo2", "glm4"}
+# metadata in ways this loader does not read) are refused by arch before this, at the config
+# (config/gguf_config.py, gguf_families.py, gguf_hybrid.py); every family built here maps its
+# files (the hybrids': gguf_hybrid_weights.py).
+# Families whose GGUF weights load dequantized only (no packed path for their layers)
+_NO_PACKED_GGUF = {"gpt_oss": ("gpt-oss", "no packed kernel for its MXFP4 experts"),
+                   "moe": (None, "no packed path for its expert stacks, ffn_*_exps"),
+                   "deepseek": (None, "no packed path for MLA and its expert stacks"),
+                   **{family: ("the recurrent hybrids", "their layers take float weights")
+                      for family in HYBRID_FAMILIES}}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",
@@ -154,19 +160,14 @@ def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "aut
     device = torch.device(device)
     name, spec = arch_spec(config)
     torch_dtype = resolve_dtype(dtype, config, device)
-    if source.kind == "gguf" and spec.family in _NO_GGUF:
-        raise ValueError(f"{name}: GGUF checkpoints are not supported (HF safetensors only)")
-    if keep_quantized and spec.family in HYBRID_FAMILIES:
+    if keep_quantized and spec.family in _NO_PACKED_GGUF:  # a draft's flag too
+        label, why = _NO_PACKED_GGUF[spec.family]
         raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
-                         f"not built for the recurrent hybrids (their layers take float "
-                         f"weights); its GGUF files load dequantized (--load-format "
-                         f"gguf_dequantize)")
-    if keep_quantized and spec.family == "gpt_oss":  # a draft's flag too, not only --quantization
-        raise ValueError(f"{name}: GGUF weights kept in their blocks (--quantization gguf) are "
-                         f"not built for gpt-oss (no packed kernel for its MXFP4 experts); its "
-                         f"GGUF files load dequantized (--load-format gguf_dequantize)")
+                         f"not built for {label or name} ({why}); its GGUF files load "
+                         f"dequantized (--load-format gguf_dequantize)")
     if spec.family == "deepseek":
-        with open(os.path.join(source.path, "config.json"), encoding="utf-8") as fh:
+        config_dir = gguf_metadata_dir(source) if source.kind == "gguf" else source.path
+        with open(os.path.join(config_dir, "config.json"), encoding="utf-8") as fh:
             raw_config = json.load(fh)  # the fields as written, to refuse unknown ones
         model = DeepseekForCausalLM(config, raw_config, torch_dtype, device)
     elif spec.family == "gpt_oss":

@@ -13,7 +13,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # MoE members of the llama family: moe_decoder.py (the decoder with expert MLPs).
     "Qwen3MoeForCausalLM": ArchSpec(family="moe", qk_norm=True),
     "Qwen2MoeForCausalLM": ArchSpec(family="moe", qkv_bias=True),
-    "MixtralForCausalLM": ArchSpec(family="moe"),
+    "MixtralForCausalLM": ArchSpec(family="moe", gguf_permute_qk=True),  # llama.cpp's llama
     "Glm4MoeForCausalLM": ArchSpec(family="moe"),  # GLM-4.5: DeepSeek-V3's MoE block
     # MLA + MoE (deepseek.py); V3.2 adds the DSA indexer. Kimi-K2 checkpoints name V3.
     "DeepseekV2ForCausalLM": ArchSpec(family="deepseek"),
@@ -35,7 +35,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Dense families on the llama decoder: Phi-3 / Phi-4-mini (fused qkv_proj / gate_up_proj
     # in the checkpoint, LongRoPE, partial rotary), SmolLM3 (no_rope_layers: NoPE layers).
     "Phi3ForCausalLM": ArchSpec(),
-    "SmolLM3ForCausalLM": ArchSpec(),
+    "SmolLM3ForCausalLM": ArchSpec(gguf_permute_qk=True),  # llama.cpp: LlamaModel's rows
     # Sandwich norms (sublayer outputs normed before the residual add): sandwich.py.
     "Olmo2ForCausalLM": ArchSpec(family="olmo2"),
     "Glm4ForCausalLM": ArchSpec(family="glm4"),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.decoder import (ArchSpec, DecoderForCausalLM, DecoderLayer,
                                             _param, rms_norm, rope_heads)
+from kvstrata.runner.quant.packed_rows import PackedRows
 
 # HF name (after "model.layers.N.") -> our parameter, per family; what is not here falls
 # through to the llama names (input_layernorm, q/k/v/o_proj, gate/up/down_proj).
@@ -111,7 +112,12 @@ class SandwichForCausalLM(DecoderForCausalLM):
             return self._copy(getattr(self.layers[idx], attr), tensor,
                               f"layers.{idx}.{attr}", name)
         if self.interleaved_rotary and len(parts) > 4 and parts[4] in ("q_proj", "k_proj"):
-            tensor = deinterleave_rotary(tensor, self.dims.head_dim, self.interleaved_rotary)
+            if isinstance(tensor, PackedRows):  # a GGUF's blocks (--quantization gguf): the
+                # same reorder of whole rows
+                tensor = PackedRows(tensor.qtype, deinterleave_rotary(
+                    tensor.raw, self.dims.head_dim, self.interleaved_rotary), tensor.cols)
+            else:
+                tensor = deinterleave_rotary(tensor, self.dims.head_dim, self.interleaved_rotary)
         return super().load_weight(name, tensor)
 
     def expected_keys(self) -> set[str]:
