@@ -78,7 +78,7 @@ def test_on_by_default_where_measured_free():
     # Gemma 2's soft-cap: the flag runs it (below), its cost there is not measured
     (AVX2, ModelInfo(softmax_extras=("attention logit soft-capping",)), dict(dtype="bfloat16")),
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
-    (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # the load refuses it
+    (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # taken, not measured
     (AVX2, ModelInfo(quant_method="fp8"), dict(dtype="bfloat16")),
     # MoE experts: pinned by the flag, but their cost is not measured
     (AVX2, ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
@@ -115,6 +115,23 @@ def test_w8a8_int8_keeps_the_default_off_and_takes_the_flag():
         assert resolved.enable_deterministic_inference is False
         resolved, _ = on_cpu(AVX2, dtype="bfloat16", enable_deterministic_inference=True, **kw)
         assert resolved.deterministic_linear_kernel == kernel
+
+
+@pytest.mark.parametrize("info,kwargs,kernel", [
+    (ModelInfo(quant_method="gptq"), {}, deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="gptq"), dict(quantization="gptq_marlin"),
+     deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="awq"), dict(quantization="awq"), deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="compressed-tensors"), {}, deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="fp8"), dict(quantization="fp8"), deterministic.LINEAR_KERNEL),
+])
+def test_quantized_checkpoints_take_the_flag(info, kwargs, kernel):
+    """GPTQ / AWQ / compressed-tensors run packed on the batch-invariant GGUF kernels, their
+    float parts on the fixed GEMM (runner/quant/gguf_pinned.py); FP8 is dequantized at load
+    and runs as a float model. The flag names what runs."""
+    resolved, _ = on_cpu(AVX2, info, dtype="bfloat16", enable_deterministic_inference=True,
+                         **kwargs)
+    assert resolved.deterministic_linear_kernel == kernel
 
 
 @pytest.mark.parametrize("cfg", [

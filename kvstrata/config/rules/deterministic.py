@@ -23,6 +23,11 @@ outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a rou
 shared gate's sigmoid runs per row (moe.row_sigmoid: torch's elementwise sigmoid rounds an
 element by its place in the flattened tensor -- vector body, scalar tail, thread split). Other
 MoE models are refused by name; MoE models keep the default off (cost not measured).
+Weights kept packed (--quantization gguf; GPTQ / AWQ / compressed-tensors checkpoints in GGUF
+block rows): both GGUF kernels (runner/cpu/gguf_matmul.py) run one path for every row count,
+so the packed segments are batch-invariant as they stand; a layer's float parts (an F32 / F16
+segment of a fused q|k|v or gate|up, a float output head, a GPTQ lm_head) go on the fixed GEMM
+(runner/quant/gguf_pinned.py). An FP8 checkpoint is dequantized at load: a float model.
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -33,6 +38,8 @@ AVX-512 and AMX bodies differ), or with torch's own kernels on an accelerator (n
 """
 from __future__ import annotations
 
+from kvstrata.config.arg_choices import QUANTIZATION_AT_LOAD, QUANTIZATION_BUILT
+from kvstrata.config.hf_quant import FLAG_ACCEPTS, PACKED_METHODS
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
 from kvstrata.platform import Platform
 
@@ -66,13 +73,24 @@ LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN s
               "rows each sum a row in their own order, so a row's bits depended on how many "
               "rows shared the call; kvstrata's GEMM tiles sum each output over k in one order "
               "for any row count")
-# --quantization values whose linear layers are batch-invariant as they stand: w8a8_int8's own
+# --quantization values (and a draft's) the flag takes, every one built: w8a8_int8's own
 # int8 GEMM quantises each row on its own (per-token scale), sums in int32 (exact, so any order
 # gives the same sum) and scales each output by its row's and column's scale alone; the load
-# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py)
-PINNED_QUANTIZATIONS = ("w8a8_int8",)
+# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py). gguf and
+# the HF integer schemes (gptq / awq / compressed-tensors and their *_marlin names) keep
+# their weights in GGUF blocks: both GGUF kernels (runner/cpu/gguf_matmul.py) run one path
+# for every row count, and their float parts (F32 / F16 segments of a fused layer, a float
+# output head, a GPTQ checkpoint's lm_head) go on the fixed GEMM (runner/quant/
+# gguf_pinned.py). fp8 is dequantized at load: a float model's fixed GEMM.
+PINNED_QUANTIZATIONS = QUANTIZATION_BUILT
 INT8_LINEAR_KERNEL = ("kvstrata's int8 GEMM at every row count (runner/cpu/int8_linear.py; "
                       "int32 sums are exact, each row quantised alone)")
+PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cpu/"
+                        "gguf_matmul.py: one path and summation order for every row count), "
+                        "its bf16 / fp32 GEMM at every row count for their float parts "
+                        "(runner/quant/gguf_pinned.py)")
+PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
+                                  for name in FLAG_ACCEPTS[method]))
 ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
@@ -117,17 +135,28 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
         switched = " and ".join(f"{name}=0" for name in ablations)
         raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
                          f"turns off: unset it, or pass --disable-deterministic-inference")
-    linear = INT8_LINEAR_KERNEL if args.quantization is not None else LINEAR_KERNEL
+    linear = _linear_kernel(args, model_info)
     return (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
             + change(args, "deterministic_attention_kernel", ATTENTION_KERNEL, RULE,
                      ATTENTION_WHY))
 
 
+def _linear_kernel(args: ResolvedArgs, model_info: ModelInfo | None) -> str:
+    """What the target's linears run under the flag (a quantized draft's are its own)."""
+    if args.quantization in QUANTIZATION_AT_LOAD:
+        return INT8_LINEAR_KERNEL
+    if args.quantization in PACKED_QUANTIZATIONS or (
+            model_info is not None and model_info.quant_method in PACKED_METHODS):
+        return PACKED_LINEAR_KERNEL
+    return LINEAR_KERNEL  # float, or an fp8 checkpoint dequantized at load
+
+
 def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None) -> bool:
     """Neither flag given, and a CPU, dtype and model where it was measured free (above): not
-    a quantized checkpoint (its load refuses the flag: runner/model_setup.py), nor a model with
-    softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured, and off it
-    runs window.py's torch math)."""
+    a quantized model (the flag takes every built --quantization and checkpoint scheme; the
+    default's measurement is of float models), nor a model with softmax extras (Gemma 2's
+    soft-cap: its cost with the flag was not measured, and off it runs window.py's torch
+    math)."""
     if args.enable_deterministic_inference or args.disable_deterministic_inference:
         return False
     flags = set(platform.cpu_flags)
@@ -155,7 +184,8 @@ def _model_built(model_info: ModelInfo | None) -> bool:
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:
-    """The quantized models asked for (the target's, a draft's): their linears are not pinned."""
+    """The quantized models asked for (the target's, a draft's): the flag takes the
+    PINNED_QUANTIZATIONS; the default is measured without them."""
     draft = args.speculative_draft_model_quantization
     return ([("--quantization", args.quantization)] if args.quantization is not None else []) + (
         [("--speculative-draft-model-quantization", draft)]
