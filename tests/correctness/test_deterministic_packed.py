@@ -66,6 +66,14 @@ def test_float_segments_do_not_depend_on_the_row_count(dtype, int8_activations):
     assert err <= 0.02 * ref.abs().max().item(), err
 
 
+def test_a_float_weight_left_unpinned_is_refused():
+    """pinned_linear (the model's linear once pinned) never falls back to F.linear."""
+    from kvstrata.runner.quant.gguf_pinned import pinned_linear
+
+    with pytest.raises(RuntimeError, match="was not pinned on the fixed GEMM"):
+        pinned_linear(torch.ones(2, 4), torch.ones(3, 4))
+
+
 def _gptq_int4_actorder(w: np.ndarray):
     rng = np.random.default_rng(1)
     g_idx = hq.act_order_g_idx(w.shape[1], 32, rng)

@@ -117,6 +117,30 @@ def test_w8a8_int8_keeps_the_default_off_and_takes_the_flag():
         assert resolved.deterministic_linear_kernel == kernel
 
 
+AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16")
+GGUF = "/nonexistent/model-Q4_1.gguf"
+
+
+def test_on_by_default_for_gguf_kept_packed_where_measured_free():
+    """--quantization gguf at --dtype auto (float32) or bf16 on an AVX-512 CPU: on, with the
+    measured reason; at fp16, on an AVX2-only CPU (not measured packed), with the flag off and
+    with a packed draft beside it: off."""
+    resolved, res = on_cpu(AVX512, model_path=GGUF, quantization="gguf")
+    assert resolved.dtype == "float32" and resolved.enable_deterministic_inference is True
+    assert res["enable_deterministic_inference"].rule == "deterministic.cpu_default"
+    assert "0.994x" in res["enable_deterministic_inference"].reason
+    assert resolved.deterministic_linear_kernel == deterministic.PACKED_LINEAR_KERNEL
+    resolved, _ = on_cpu(AVX512, model_path=GGUF, quantization="gguf", dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is True
+    for flags, kw in ((AVX512, dict(dtype="float16")), (AVX2, {}),
+                      (AVX512, dict(disable_deterministic_inference=True)),
+                      (AVX512, dict(speculative_algorithm="STANDALONE",
+                                    speculative_draft_model_path=GGUF,
+                                    speculative_draft_model_quantization="gguf"))):
+        resolved, _ = on_cpu(flags, model_path=GGUF, quantization="gguf", **kw)
+        assert resolved.enable_deterministic_inference is False, (flags, kw)
+
+
 @pytest.mark.parametrize("info,kwargs,kernel", [
     (ModelInfo(quant_method="gptq"), {}, deterministic.PACKED_LINEAR_KERNEL),
     (ModelInfo(quant_method="gptq"), dict(quantization="gptq_marlin"),
