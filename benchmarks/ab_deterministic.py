@@ -10,6 +10,7 @@ time) for its TPOT.
 
   python benchmarks/ab_deterministic.py                       # bf16 and fp32, 2 rounds
   python benchmarks/ab_deterministic.py --dtypes bfloat16 --rounds 3 --output-json det.json
+  python benchmarks/ab_deterministic.py --quantization gguf --dtypes auto   # kept packed
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"],
-                   choices=["bfloat16", "float32"])
+                   choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--quantization", default=None,
+                   help="passed to both servers (gguf: the GGUF file's weights kept packed)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
@@ -52,7 +55,8 @@ def parse_args(argv=None):
 def measure(args, dtype: str, setting: str, log_dir: str) -> dict:
     """One server with this dtype and setting: the served load, then batch 1."""
     port = free_port()
-    srv = Proc(f"{dtype}-{setting}", serve_cmd(args, port, "--dtype", dtype,
+    quant = ("--quantization", args.quantization) if args.quantization else ()
+    srv = Proc(f"{dtype}-{setting}", serve_cmd(args, port, "--dtype", dtype, *quant,
                                                *SETTINGS[setting]), log_dir)
     try:
         srv.wait_http(f"http://127.0.0.1:{port}/health")

@@ -83,7 +83,8 @@ LONG_FILES_FIRST = (
     "e2e/test_sglang_router.py", "e2e/test_load_fuzz.py", "e2e/test_control_routes_under_load.py",
     "e2e/test_bad_input.py", "correctness/test_speculative.py",
     "correctness/test_gpt_oss.py", "correctness/test_sliding_window_models.py",
-    "correctness/test_hf_quant_models.py", "e2e/test_hybrid_server.py",
+    "correctness/test_hf_quant_models.py", "correctness/test_deterministic_packed.py",
+    "e2e/test_hybrid_server.py",
     "correctness/test_hybrid_hicache.py", "correctness/test_hybrid_spec_engine.py",
     "correctness/test_gpt_oss_gguf.py", "correctness/test_paged_decode_softmax_extras.py")
 

@@ -19,6 +19,7 @@ from kvstrata.runner.cpu import fixed_experts, packed_linear
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
+from kvstrata.runner.quant import gguf_pinned
 from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.config.rules.deterministic import PINNED_QUANTIZATIONS
 from kvstrata.runner.quant.w8a8 import check_batch_invariant, quantize_model
@@ -86,7 +87,10 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     this, and the calibration forward of --quantization, in step). deterministic
     (--enable-deterministic-inference): every linear on one kvstrata GEMM for all row
     counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says;
-    an MoE layer's router and experts too (fixed_experts.py)."""
+    an MoE layer's router and experts too (fixed_experts.py); weights kept packed (GGUF,
+    GPTQ / AWQ / compressed-tensors) on the GGUF kernels, batch-invariant as they stand,
+    and their float parts on that GEMM (runner/quant/gguf_pinned.py); an FP8 checkpoint's
+    dequantized layers as a float model's."""
     source = resolve_model_path(model_path)
     hf_config = load_hf_config(source)
     scheme = quant_scheme(source)  # the checkpoint's own (GPTQ, AWQ, compressed-tensors, FP8)
@@ -95,9 +99,6 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         if tp_group is not None and tp_group.size > 1:
             raise ValueError(f"--tp-size {tp_group.size} with a quantized checkpoint "
                              f"({scheme.describe()}) is not built")
-        if deterministic:
-            raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
-                                      f"with a quantized checkpoint ({scheme.describe()})")
         if scheme.is_int and torch.device(device).type != "cpu":
             raise ValueError(f"{scheme.describe()}: its packed layers are built for CPU only, "
                              f"not {torch.device(device).type}")
@@ -105,13 +106,6 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     keep_quantized = quantization == "gguf"  # a GGUF's weights stay in their blocks
     if keep_quantized and source.kind != "gguf":
         raise ValueError(f"{quantization_flag} gguf: {source.display_name} is not a GGUF file")
-    if keep_quantized and deterministic:
-        # gguf_matmul's kernels are batch-invariant (tests/correctness/test_gguf_matmul.py), but
-        # a GgufLinear's float segments run F.linear, and PackedLinear's fixed GEMMs take float
-        # weights only: not wired into deterministic inference yet.
-        raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
-                                  f"with {quantization_flag} gguf (GGUF weights kept "
-                                  f"quantized); pass --load-format gguf_dequantize")
     if tp_group is not None and tp_group.size > 1:
         from kvstrata.runner.parallel.tp_load import load_tp_shard  # noqa: PLC0415
         if keep_quantized:
@@ -133,7 +127,10 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference on "
                                   f"{arch}")
     if keep_quantized or (scheme is not None and scheme.is_int):
-        return model, source, hf_config, model.gguf_info  # packed layers, from load_model
+        info = model.gguf_info  # packed layers, from load_model
+        if deterministic:  # their float parts on the fixed GEMM (the GGUF kernels are fixed)
+            info = {**info, **gguf_pinned.pin_packed_model(model)}
+        return model, source, hf_config, info
     if quantization is not None and not is_llama_family(model):
         # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "

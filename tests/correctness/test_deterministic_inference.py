@@ -30,9 +30,9 @@ FUZZ_EXAMPLES = max(int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400")) // 20, 
 STEP_BOUND = 3000
 
 
-def make_llm(path: str, deterministic: bool = True, **kw) -> LLM:
+def make_llm(path: str, deterministic: bool = True, dtype: str = "bfloat16", **kw) -> LLM:
     # explicit both ways: on an AVX2 CPU bf16 turns it on by default (deterministic.cpu_default)
-    return LLM(model_path=path, skip_tokenizer_init=True, dtype="bfloat16",
+    return LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype,
                enable_deterministic_inference=deterministic,
                disable_deterministic_inference=not deterministic, **kw)
 

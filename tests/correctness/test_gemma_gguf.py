@@ -120,7 +120,10 @@ def test_quantized_gguf_kept_packed_equals_transformers(arch, ggufs, tmp_path, m
         model = llm.engine.runner.model
         assert type(model.embed) is GgufLinear and model.lm_head is model.embed
         assert type(model.layers[0].qkv_weight) is GgufLinear
-        assert isinstance(model.layers[0].down_weight, torch.Tensor)
+        # stored F32 in the file: a float weight (on the fixed GEMM where deterministic
+        # inference is on: the default for GGUF kept packed on an AVX-512 CPU)
+        down = model.layers[0].down_weight
+        assert isinstance(down, torch.Tensor) or getattr(down, "fixed", False)
         outs = llm.generate(input_ids=prompts, sampling_params=greedy)
         llm.engine.check_integrity()
     for i, (out, (ref_tokens, ref_logits)) in enumerate(zip(outs, refs)):

@@ -145,10 +145,6 @@ def _refusals(path: str) -> None:
     from kvstrata.config.hf_quant import checkpoint_scheme
     from kvstrata.runner.models.loader import refuse_packed_model
 
-    with pytest.raises(NotImplementedError, match="deterministic-inference with a quantized "
-                                                  "checkpoint"):
-        make_runner(path, dtype="float32", max_total_tokens=256,
-                    enable_deterministic_inference=True)
     with pytest.raises(ValueError, match=r"model config \(gptq\).*argument \(awq\)"):
         make_runner(path, dtype="float32", max_total_tokens=256, quantization="awq")
     with pytest.raises(ValueError, match="llama-family decoder only, not object"):

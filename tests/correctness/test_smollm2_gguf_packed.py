@@ -12,6 +12,10 @@ llama.cpp's scheme) move SmolLM2's logits along TEXT by 0.16 on average and by a
 (measured, on logits of ~25): the ratio stays ~1 (0.995 measured), and greedy answers may part
 where the dequantized model's top tokens are closer than that (Q8_TIE_TOL).
 
+With --enable-deterministic-inference (one engine, test_deterministic_inference_kept_quantized)
+a seeded and a greedy request answer alike alone, beside another request with their prompts
+chunked, and as a radix hit: tokens and logprobs bit for bit (runner/quant/gguf_pinned.py).
+
 It runs where runner/cpu/gguf_matmul.py's AVX2 body runs. Its portable C body (a CPU without
 AVX2 + FMA + F16C) gives the same bits ~17x slower: this test's ~20 forwards would take
 minutes of make test's budget there, so it is skipped by name; the tiny checkpoints in
@@ -102,3 +106,38 @@ def test_smollm2_kept_quantized_equals_dequantized_at_load(smollm2_gguf_path, mo
         if not int8:  # with 8-bit activations the first token's near-tie may flip (above)
             answer = tok.decode(outs[0], skip_special_tokens=True)
             assert "Paris" in answer, answer
+
+
+SEEDED = {"max_new_tokens": 12, "temperature": 0.8, "seed": 11, "logprobs": 0,
+          "ignore_eos": True}
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+
+
+@pytest.mark.skipif(_portable_matmul(), reason="gguf_matmul's portable C body (no AVX2 + FMA + "
+                    "F16C here) is ~17x slower than its AVX2 body: too slow for make test")
+def test_deterministic_inference_kept_quantized(smollm2_gguf_path):
+    """--enable-deterministic-inference kept quantized, at the auto dtype (float32 with
+    --quantization gguf; runner/quant/gguf_pinned.py): a seeded and a greedy request answer
+    with the same tokens and logprobs alone on a cold engine, side by side with a third
+    request (prompts chunked by 32), and again with their prompt a radix hit. One engine."""
+    from kvstrata import LLM
+
+    def run(llm, prompts, sps):
+        outs = llm.generate(prompts, sampling_params=sps)
+        return [(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]],
+                 o["meta_info"]["cached_tokens"]) for o in outs]
+
+    prompt = TEXT + " When does the library close on Saturdays?"
+    with LLM(smollm2_gguf_path, quantization="gguf", enable_deterministic_inference=True,
+             chunked_prefill_size=32, max_total_tokens=4096) as llm:
+        assert llm.server_info()["quantization_info"]["batch_invariant"]
+        alone = []
+        for sp in (SEEDED, GREEDY):
+            llm.flush_cache()
+            alone.append(run(llm, [prompt], [sp])[0])
+        llm.flush_cache()
+        mixed = run(llm, [prompt, PROMPTS[0] * 3, prompt], [SEEDED, GREEDY, GREEDY])
+        warm = run(llm, [prompt, prompt], [SEEDED, GREEDY])
+    assert all(w[2] > 0 for w in warm), "the warm requests were meant to hit the cache"
+    for got in ([mixed[0], mixed[2]], warm):
+        assert [g[:2] for g in got] == [a[:2] for a in alone]

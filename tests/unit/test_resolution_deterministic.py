@@ -78,7 +78,7 @@ def test_on_by_default_where_measured_free():
     # Gemma 2's soft-cap: the flag runs it (below), its cost there is not measured
     (AVX2, ModelInfo(softmax_extras=("attention logit soft-capping",)), dict(dtype="bfloat16")),
     (AVX2, None, dict(dtype="bfloat16", quantization="w8a8_int8")),
-    (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # the load refuses it
+    (AVX2, ModelInfo(quant_method="gptq"), dict(dtype="bfloat16")),  # taken, not measured
     (AVX2, ModelInfo(quant_method="fp8"), dict(dtype="bfloat16")),
     # MoE experts: pinned by the flag, but their cost is not measured
     (AVX2, ModelInfo.from_hf_config({"model_type": "qwen3_moe", "num_experts": 8}),
@@ -115,6 +115,47 @@ def test_w8a8_int8_keeps_the_default_off_and_takes_the_flag():
         assert resolved.enable_deterministic_inference is False
         resolved, _ = on_cpu(AVX2, dtype="bfloat16", enable_deterministic_inference=True, **kw)
         assert resolved.deterministic_linear_kernel == kernel
+
+
+AVX512 = AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16")
+GGUF = "/nonexistent/model-Q4_1.gguf"
+
+
+def test_on_by_default_for_gguf_kept_packed_where_measured_free():
+    """--quantization gguf at --dtype auto (float32) or bf16 on an AVX-512 CPU: on, with the
+    measured reason; at fp16, on an AVX2-only CPU (not measured packed), with the flag off and
+    with a packed draft beside it: off."""
+    resolved, res = on_cpu(AVX512, model_path=GGUF, quantization="gguf")
+    assert resolved.dtype == "float32" and resolved.enable_deterministic_inference is True
+    assert res["enable_deterministic_inference"].rule == "deterministic.cpu_default"
+    assert "0.994x" in res["enable_deterministic_inference"].reason
+    assert resolved.deterministic_linear_kernel == deterministic.PACKED_LINEAR_KERNEL
+    resolved, _ = on_cpu(AVX512, model_path=GGUF, quantization="gguf", dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is True
+    for flags, kw in ((AVX512, dict(dtype="float16")), (AVX2, {}),
+                      (AVX512, dict(disable_deterministic_inference=True)),
+                      (AVX512, dict(speculative_algorithm="STANDALONE",
+                                    speculative_draft_model_path=GGUF,
+                                    speculative_draft_model_quantization="gguf"))):
+        resolved, _ = on_cpu(flags, model_path=GGUF, quantization="gguf", **kw)
+        assert resolved.enable_deterministic_inference is False, (flags, kw)
+
+
+@pytest.mark.parametrize("info,kwargs,kernel", [
+    (ModelInfo(quant_method="gptq"), {}, deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="gptq"), dict(quantization="gptq_marlin"),
+     deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="awq"), dict(quantization="awq"), deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="compressed-tensors"), {}, deterministic.PACKED_LINEAR_KERNEL),
+    (ModelInfo(quant_method="fp8"), dict(quantization="fp8"), deterministic.LINEAR_KERNEL),
+])
+def test_quantized_checkpoints_take_the_flag(info, kwargs, kernel):
+    """GPTQ / AWQ / compressed-tensors run packed on the batch-invariant GGUF kernels, their
+    float parts on the fixed GEMM (runner/quant/gguf_pinned.py); FP8 is dequantized at load
+    and runs as a float model. The flag names what runs."""
+    resolved, _ = on_cpu(AVX2, info, dtype="bfloat16", enable_deterministic_inference=True,
+                         **kwargs)
+    assert resolved.deterministic_linear_kernel == kernel
 
 
 @pytest.mark.parametrize("cfg", [

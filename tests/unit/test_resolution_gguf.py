@@ -58,16 +58,23 @@ def test_the_spellings_that_keep_or_dequantize():
      "--tp-size 2 with GGUF weights kept quantized (--quantization gguf) is not implemented"),
     (dict(model_path=GGUF, load_format="gguf", tp_size=2),
      "--tp-size 2 with GGUF weights kept quantized"),
-    # the packed matmul promises no batch invariance (config/rules/deterministic.py)
-    (dict(model_path=GGUF, quantization="gguf", enable_deterministic_inference=True),
-     "--enable-deterministic-inference: not implemented yet with --quantization gguf"),
-    (dict(model_path=GGUF, load_format="gguf", enable_deterministic_inference=True),
-     "--enable-deterministic-inference: not implemented yet with --quantization gguf"),
 ])
 def test_refused_by_name(kwargs, message):
     with pytest.raises(ValueError) as e:
         run(**kwargs)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("spelling", [dict(quantization="gguf"), dict(load_format="gguf")])
+def test_weights_kept_quantized_take_deterministic_inference(spelling):
+    """The GGUF kernels are batch-invariant, the float segments go on the fixed GEMM
+    (runner/quant/gguf_pinned.py): the flag is taken and names the packed kernels."""
+    from kvstrata.config.rules import deterministic
+
+    resolved, res = run(model_path=GGUF, enable_deterministic_inference=True, **spelling)
+    assert resolved.quantization == "gguf"
+    assert resolved.deterministic_linear_kernel == deterministic.PACKED_LINEAR_KERNEL
+    assert "gguf_matmul.py" in resolved.deterministic_linear_kernel
 
 
 def test_weights_dequantized_at_load_serve_tp_and_deterministic():

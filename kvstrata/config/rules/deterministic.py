@@ -23,6 +23,13 @@ outputs in its own top-k order in float32 (moe.routed_sum, `ordered`), and a rou
 shared gate's sigmoid runs per row (moe.row_sigmoid: torch's elementwise sigmoid rounds an
 element by its place in the flattened tensor -- vector body, scalar tail, thread split). Other
 MoE models are refused by name; MoE models keep the default off (cost not measured).
+Weights kept packed (--quantization gguf; GPTQ / AWQ / compressed-tensors checkpoints in GGUF
+block rows): both GGUF kernels (runner/cpu/gguf_matmul.py) run one path for every row count,
+so the packed segments are batch-invariant as they stand; a layer's float parts (an F32 / F16
+segment of a fused q|k|v or gate|up, a float output head, a GPTQ lm_head) go on the fixed GEMM
+(runner/quant/gguf_pinned.py). An FP8 checkpoint is dequantized at load: a float model. On by
+default for --quantization gguf on AVX-512 CPUs (measured within 5%: PACKED_DEFAULT_*), opt-in
+for the other quantized models (not measured).
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -33,6 +40,8 @@ AVX-512 and AMX bodies differ), or with torch's own kernels on an accelerator (n
 """
 from __future__ import annotations
 
+from kvstrata.config.arg_choices import QUANTIZATION_AT_LOAD, QUANTIZATION_BUILT
+from kvstrata.config.hf_quant import FLAG_ACCEPTS, PACKED_METHODS
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, apply, change
 from kvstrata.platform import Platform
 
@@ -60,19 +69,48 @@ DEFAULT_DTYPES = ("bfloat16",)
 DEFAULT_WHY = ("on by default on a CPU with AVX2 and without AVX-512 at bfloat16: measured "
                "free there (served 0.997x, batch-1 TPOT 0.997x, benchmarks/ab_deterministic.py, "
                "2026-12-06); --disable-deterministic-inference turns it off")
+# GGUF weights kept packed (--quantization gguf) on a CPU with AVX-512: the flag leaves their
+# GGUF kernels as they are (one path for every row count already) and moves only the float
+# parts (none in SmolLM2 Q4_1's file) and the attention of prompt tokens (the paged decode
+# kernel over each query's keys). Measured on a 2-vCPU AVX-512 + AMX box, 2026-12-07
+# (benchmarks/ab_deterministic_offline.py: SmolLM2 Q4_1 kept packed, both engines in one
+# process at one thread, CPU time, on / off alternated; 32 prompts of 128 tokens, 32 at once,
+# 32 out; a busy box, load 20-100): float32 (--dtype auto's choice for packed weights) over 6
+# rounds in two runs served 0.994x / 1.009x (0.961-1.057), batch-1 TPOT 0.989x / 1.045x
+# (0.93-1.07); bfloat16 over 2 rounds 0.979x and 0.982x: within the issue's 5%, so on by
+# default there. An AVX2 CPU without AVX-512 is not measured packed: opt-in there.
+PACKED_DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c", "avx512f"})
+PACKED_DEFAULT_DTYPES = ("float32", "bfloat16")
+PACKED_DEFAULT_WHY = ("on by default for GGUF weights kept packed (--quantization gguf) on a "
+                      "CPU with AVX-512: measured within 5% there (SmolLM2 Q4_1, float32 "
+                      "served shape 0.994x, batch-1 TPOT 0.989x; bfloat16 0.979x / 0.982x; "
+                      "benchmarks/ab_deterministic_offline.py, 2026-12-07: the GGUF kernels "
+                      "are batch-invariant as they stand, only prompt attention moves); "
+                      "--disable-deterministic-inference turns it off")
 LINEAR_KERNEL = ("kvstrata's bf16 / fp32 GEMM at every row count (runner/cpu/packed_linear.py "
                  "_init_fixed)")
 LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN split above 64 "
               "rows each sum a row in their own order, so a row's bits depended on how many "
               "rows shared the call; kvstrata's GEMM tiles sum each output over k in one order "
               "for any row count")
-# --quantization values whose linear layers are batch-invariant as they stand: w8a8_int8's own
+# --quantization values (and a draft's) the flag takes, every one built: w8a8_int8's own
 # int8 GEMM quantises each row on its own (per-token scale), sums in int32 (exact, so any order
 # gives the same sum) and scales each output by its row's and column's scale alone; the load
-# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py)
-PINNED_QUANTIZATIONS = ("w8a8_int8",)
+# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py). gguf and
+# the HF integer schemes (gptq / awq / compressed-tensors and their *_marlin names) keep
+# their weights in GGUF blocks: both GGUF kernels (runner/cpu/gguf_matmul.py) run one path
+# for every row count, and their float parts (F32 / F16 segments of a fused layer, a float
+# output head, a GPTQ checkpoint's lm_head) go on the fixed GEMM (runner/quant/
+# gguf_pinned.py). fp8 is dequantized at load: a float model's fixed GEMM.
+PINNED_QUANTIZATIONS = QUANTIZATION_BUILT
 INT8_LINEAR_KERNEL = ("kvstrata's int8 GEMM at every row count (runner/cpu/int8_linear.py; "
                       "int32 sums are exact, each row quantised alone)")
+PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cpu/"
+                        "gguf_matmul.py: one path and summation order for every row count), "
+                        "its bf16 / fp32 GEMM at every row count for their float parts "
+                        "(runner/quant/gguf_pinned.py)")
+PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
+                                  for name in FLAG_ACCEPTS[method]))
 ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
@@ -89,8 +127,9 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     out: list[Resolution] = []
     # Kernel ablations that switch off what it runs: the default stays off; the flag refuses.
     ablations = [name for name in ABLATIONS if not env.get(name, True)]
-    if _default_on(args, platform, model_info) and not ablations:
-        out = change(args, "enable_deterministic_inference", True, DEFAULT_RULE, DEFAULT_WHY)
+    why = _default_why(args, platform, model_info)
+    if why is not None and not ablations:
+        out = change(args, "enable_deterministic_inference", True, DEFAULT_RULE, why)
         args = apply(args, out)
     if not args.enable_deterministic_inference:
         return out
@@ -117,27 +156,46 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
         switched = " and ".join(f"{name}=0" for name in ablations)
         raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
                          f"turns off: unset it, or pass --disable-deterministic-inference")
-    linear = INT8_LINEAR_KERNEL if args.quantization is not None else LINEAR_KERNEL
+    linear = _linear_kernel(args, model_info)
     return (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
             + change(args, "deterministic_attention_kernel", ATTENTION_KERNEL, RULE,
                      ATTENTION_WHY))
 
 
-def _default_on(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None) -> bool:
-    """Neither flag given, and a CPU, dtype and model where it was measured free (above): not
-    a quantized checkpoint (its load refuses the flag: runner/model_setup.py), nor a model with
-    softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured, and off it
-    runs window.py's torch math)."""
-    if args.enable_deterministic_inference or args.disable_deterministic_inference:
-        return False
+def _linear_kernel(args: ResolvedArgs, model_info: ModelInfo | None) -> str:
+    """What the target's linears run under the flag (a quantized draft's are its own)."""
+    if args.quantization in QUANTIZATION_AT_LOAD:
+        return INT8_LINEAR_KERNEL
+    if args.quantization in PACKED_QUANTIZATIONS or (
+            model_info is not None and model_info.quant_method in PACKED_METHODS):
+        return PACKED_LINEAR_KERNEL
+    return LINEAR_KERNEL  # float, or an fp8 checkpoint dequantized at load
+
+
+def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None
+                 ) -> str | None:
+    """Why it is on by default here (None: off): neither flag given, and a CPU, dtype and
+    model where it was measured free (above) -- a float model (DEFAULT_*), or GGUF weights
+    kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
+    (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
+    model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
+    and off it runs window.py's torch math)."""
+    if (args.enable_deterministic_inference or args.disable_deterministic_inference
+            or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
+            or (model_info is not None and (model_info.quant_method or model_info.softmax_extras
+                                            # MoE: built, but its cost (one GEMM call per
+                                            # expert weight) is not measured
+                                            or model_info.routed_experts))):
+        return None
     flags = set(platform.cpu_flags)
-    return ((args.device or platform.device_type) == "cpu" and args.dtype in DEFAULT_DTYPES
-            and DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags
-            and not _quantizations(args) and _model_built(model_info)
-            and not (model_info is not None and (model_info.quant_method
-                                                 or model_info.softmax_extras))
-            # MoE: built, but its cost (one GEMM call per expert weight) is not measured
-            and not (model_info is not None and model_info.routed_experts))
+    quantized = _quantizations(args)
+    if (not quantized and args.dtype in DEFAULT_DTYPES and DEFAULT_NEEDS <= flags
+            and not DEFAULT_LACKS & flags):
+        return DEFAULT_WHY
+    if (quantized == [("--quantization", "gguf")] and args.dtype in PACKED_DEFAULT_DTYPES
+            and PACKED_DEFAULT_NEEDS <= flags):
+        return PACKED_DEFAULT_WHY
+    return None
 
 
 def _model_built(model_info: ModelInfo | None) -> bool:
@@ -155,7 +213,8 @@ def _model_built(model_info: ModelInfo | None) -> bool:
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:
-    """The quantized models asked for (the target's, a draft's): their linears are not pinned."""
+    """The quantized models asked for (the target's, a draft's): the flag takes the
+    PINNED_QUANTIZATIONS; the default is measured without them."""
     draft = args.speculative_draft_model_quantization
     return ([("--quantization", args.quantization)] if args.quantization is not None else []) + (
         [("--speculative-draft-model-quantization", draft)]

@@ -16,6 +16,11 @@ added once, and the result is cast to the activations' dtype.
 
 The token embedding kept packed is a GgufLinear too: a lookup dequantizes only the rows looked
 up, and a tied output head multiplies the same packed rows (no second copy).
+
+Deterministic inference (runner/quant/gguf_pinned.py): both GGUF kernels are batch-invariant,
+but F.linear picks its body (and a row's summation order) by the row count, so a float
+segment is multiplied by a fixed PackedLinear instead (`pin_float_segments`: kvstrata's bf16
+/ fp32 GEMM at every row count; the float rows stay too, for lookups).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.runner.cpu import gguf_matmul
+from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
 from kvstrata.runner.quant.packed_rows import PackedRows
 
 # The decoder's linear weights with the bias folded into their layer (as runner/quant/w8a8.py
@@ -58,6 +64,8 @@ class GgufLinear(nn.Module):
         self.int8_activations = int8_activations
         self.parts: list[tuple[int, int, Any, torch.Tensor | None]] = []
         self.nbytes = 0
+        # part index -> its float segment on a fixed PackedLinear (pin_float_segments)
+        self.pinned: dict[int, Any] = {}
         for lo, hi, w in _join_same_type(segments):
             if isinstance(w, PackedRows):
                 self.parts.append((lo, hi, gguf_matmul.prepare(w.qtype, w.raw), w.input_perm))
@@ -83,15 +91,27 @@ class GgufLinear(nn.Module):
                 out.add_(self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        for lo, hi, w, perm in self.parts:
+        for i, (lo, hi, w, perm) in enumerate(self.parts):
             xs = x2 if perm is None else x2.index_select(1, perm)
-            if isinstance(w, torch.Tensor):
+            if i in self.pinned:
+                out[:, lo:hi] = packed_linear(xs, self.pinned[i]).float()
+            elif isinstance(w, torch.Tensor):
                 out[:, lo:hi] = F.linear(xs.to(w.dtype), w).float()
             else:
                 self._kernel()(xs.contiguous(), w, out=out[:, lo:hi])
         if self.bias is not None:
             out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def pin_float_segments(self) -> int:
+        """Deterministic inference: each float segment also as a fixed PackedLinear, which
+        linear_float multiplies instead of F.linear (same dtype, same rounding of x: bf16
+        rows for a bf16 segment, fp32 for fp32). Returns how many segments were pinned."""
+        for i, (_, _, w, _) in enumerate(self.parts):
+            if isinstance(w, torch.Tensor) and i not in self.pinned:
+                self.pinned[i] = PackedLinear(w, fixed=True)
+                self.nbytes += self.pinned[i].nbytes
+        return len(self.pinned)
 
     def _kernel(self):
         return gguf_matmul.matmul_q8 if self.int8_activations else gguf_matmul.matmul

@@ -1,0 +1,116 @@
+"""What --enable-deterministic-inference costs, measured in one process in CPU time: for a box
+too busy for benchmarks/ab_deterministic.py's served figures (wall-clock TPOT there moves with
+every other job; a 2-thread OpenMP step can wait 10x on a descheduled thread).
+
+Two engines (flag on, flag off) stay loaded side by side, at one torch thread
+(OMP_NUM_THREADS=1 is set here before torch loads); round after round, in alternating order,
+each runs:
+  - the served load's shape offline: --num-prompts random prompts of --input-len tokens,
+    --concurrency running at once (max_running_requests), --output-len tokens each (greedy,
+    ignore_eos): output tokens per CPU second;
+  - batch 1: --batch1-prompts prompts one at a time, each generated to --output-len and to 1
+    token; TPOT = (CPU time of the long run - the short one) / (output_len - 1).
+Reported as on / off ratios per round and their median (throughput < 1 and TPOT > 1 mean it
+costs). The cache is flushed before every run, so every prompt is cold.
+
+  python benchmarks/ab_deterministic_offline.py --quantization gguf        # SmolLM2 kept packed
+  python benchmarks/ab_deterministic_offline.py --dtype bfloat16 --rounds 3 --output-json d.json
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch1-prompts", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    add_quiet_arg(p)
+    return p.parse_args(argv)
+
+
+def engine(args, on: bool):
+    from kvstrata import LLM
+
+    return LLM(args.model, quantization=args.quantization, dtype=args.dtype,
+               enable_deterministic_inference=on, disable_deterministic_inference=not on,
+               max_running_requests=args.concurrency, max_total_tokens=65536)
+
+
+def cpu_seconds(llm, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
+    """(CPU seconds, output tokens) of generating every prompt at once, cold."""
+    llm.flush_cache()
+    sp = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+    start = time.process_time()
+    outs = llm.generate(input_ids=prompts, sampling_params=sp)
+    return time.process_time() - start, sum(len(o["output_ids"]) for o in outs)
+
+
+def measure(args, llm, served: list[list[int]], single: list[list[int]]) -> dict:
+    secs, tokens = cpu_seconds(llm, served, args.output_len)
+    tpots = []
+    for p in single:
+        long, _ = cpu_seconds(llm, [p], args.output_len)
+        short, _ = cpu_seconds(llm, [p], 1)
+        tpots.append((long - short) / (args.output_len - 1) * 1000)
+    return {"output_tok_per_cpu_s": tokens / secs, "batch1_tpot_cpu_ms": statistics.median(tpots)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
+    rng = random.Random(args.seed)
+    llms = {"off": engine(args, False), "on": engine(args, True)}
+    vocab = llms["off"].engine.runner.model.dims.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts + args.batch1_prompts)]
+    served, single = prompts[:args.num_prompts], prompts[args.num_prompts:]
+    for s in ("off", "on"):  # warm-up: lazy init, decode plans
+        cpu_seconds(llms[s], served[:2], 4)
+    for r in range(args.rounds):
+        order = ("off", "on") if r % 2 == 0 else ("on", "off")
+        got = {}
+        for s in order:  # each as it lands: a run cut short by its timeout keeps them
+            got[s] = measure(args, llms[s], served, single)
+            print(f"round {r + 1} {s}: {got[s]}", flush=True)
+        ratio = {k: got["on"][k] / got["off"][k] for k in got["on"]}
+        result["rounds"].append({"off": got["off"], "on": got["on"], "on_over_off": ratio})
+        print(f"round {r + 1}: " + ", ".join(
+            f"{k} {got['off'][k]:.2f} -> {got['on'][k]:.2f} ({ratio[k]:.3f}x)" for k in ratio),
+            flush=True)
+    result["median_on_over_off"] = {k: statistics.median(x["on_over_off"][k]
+                                                         for x in result["rounds"])
+                                    for k in result["rounds"][0]["on_over_off"]}
+    print("median on/off: " + ", ".join(f"{k} {v:.3f}x"
+                                        for k, v in result["median_on_over_off"].items()))
+    for llm in llms.values():
+        llm.shutdown()
+    if args.output_json:
+        write_json(args.output_json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
