@@ -267,6 +267,9 @@ def test_indexer_scores_and_top_k_do_not_depend_on_the_group():
     group = mla_fixed.ordered_index_scores(q, w, keys, dim ** -0.5)
     ref = (w[:, None, :] @ (q @ keys[0].T * dim ** -0.5).relu())[:, 0]
     torch.testing.assert_close(group, ref, atol=1e-4, rtol=1e-5)
+    # a decode group reads each query's own key rows ([n, S, Di]): the same bits
+    per_query = keys.expand(n, -1, -1).contiguous()
+    assert torch.equal(mla_fixed.ordered_index_scores(q, w, per_query, dim ** -0.5), group)
     group[0, 3:17] = 0.0  # ties: 14 zeros, of which some fill the top 8
     group[0, :3] = 5.0
     group[0, 17:20] = -1.0

@@ -17,11 +17,15 @@ tokens. Here:
              (adding 0 * key leaves every dot unchanged), so the kernel reads the pool's rows
              as they lie. A query's keys are summed in its own slot order, scored, normalised
              and weighted in fp32, whatever the other queries of the call.
-  indexer    (DSA) each score sum_h w_h * relu(q_h . k * s) is built from fp32 multiplies
-             and adds in one fixed order (over the dims, then over the heads), each an IEEE
-             correctly rounded elementwise op whose bits cannot depend on the tensor around
-             it (vector body or scalar tail alike); a matmul picks its blocking, and so a
-             score's summation order, by the shape of the batch.
+  indexer    (DSA) each score sum_h w_h * relu(q_h . k * s): the dots q_h . k on kvstrata's
+             fixed fp32 GEMM (packed_linear.PackedLinear._init_fixed) with the keys as its
+             weight -- one k order per output whatever the rows (queries x heads), the number
+             of key columns or a key's column (test_batch_invariance.py) -- then the heads
+             summed in head order by fp32 elementwise multiplies and adds (IEEE correctly
+             rounded: their bits cannot depend on the tensor around them); a matmul picks its
+             blocking, and so a score's summation order, by the shape of the batch. Where the
+             fixed GEMM does not run (an odd index_head_dim, a CPU without AVX2) the dots are
+             built the same elementwise way, over the dims in order.
   top-k      (DSA) a stable descending sort (ties keep position order; dsa_topk.py `stable`):
              torch.topk breaks exact ties -- a score of 0 when every head's relu is 0 -- by
              its algorithm, which follows the row's width, and the width is the group's.
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.runner.attention.paged_decode import paged_decode
+from kvstrata.runner.cpu.fixed_linear import fixed_unsupported
+from kvstrata.runner.cpu.packed_linear import PackedLinear
 from kvstrata.runner.forward_batch import ForwardBatch
 
 
@@ -97,13 +103,24 @@ def ordered_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                          scale: float) -> torch.Tensor:
     """The indexer's scores q [n, Hi, Di], weights [n, Hi], keys [1 or n, S, Di] -> [n, S]
     float32, sum_h weights[h] * relu(q_h . k * scale), every sum in one order (module
-    docstring): dims 0 .. Di - 1, then heads 0 .. Hi - 1."""
+    docstring): each dot on the fixed GEMM, then heads 0 .. Hi - 1."""
     q, keys, weights = q.float(), keys.float(), weights.float()
-    dots = q[:, :, None, 0] * keys[:, None, :, 0]                        # [n, Hi, S]
-    for d in range(1, q.shape[-1]):
-        dots = dots + q[:, :, None, d] * keys[:, None, :, d]
-    act = (dots * scale).relu()
+    act = (_dots(q, keys) * scale).relu()                                 # [n, Hi, S]
     scores = weights[:, 0, None] * act[:, 0]
     for h in range(1, act.shape[1]):
         scores = scores + weights[:, h, None] * act[:, h]
     return scores
+
+
+def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [n, Hi, Di] . keys [1 or n, S, Di] -> [n, Hi, S] float32, each dot in one order."""
+    n, heads, dim = q.shape
+    if fixed_unsupported(keys[0]) is None:
+        if keys.shape[0] == 1:  # a prompt's queries over one key list
+            return PackedLinear(keys[0], fixed=True)(q.reshape(n * heads, dim)).view(
+                n, heads, -1)
+        return torch.stack([PackedLinear(keys[i], fixed=True)(q[i]) for i in range(n)])
+    dots = q[:, :, None, 0] * keys[:, None, :, 0]
+    for d in range(1, dim):
+        dots = dots + q[:, :, None, d] * keys[:, None, :, d]
+    return dots
