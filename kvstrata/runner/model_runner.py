@@ -148,9 +148,11 @@ class ModelRunner(ExecutorWiring):
             self.kv_pool = MLATokenToKVPool(plan, self.device)
             self.model.attn_backend = DSASparseMLABackend(
                 self.kv_pool, self.req_to_token, dims.kv_lora_rank, dims.index_topk,
-                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk
+                dims.index_head_dim, self.model.scaling, fused_topk=self.dsa_fused_topk,
+                deterministic=self.deterministic
             ) if dims.uses_dsa else MLADenseBackend(self.kv_pool, self.req_to_token,
-                                                    dims.kv_lora_rank, self.model.scaling)
+                                                    dims.kv_lora_rank, self.model.scaling,
+                                                    deterministic=self.deterministic)
         else:
             if plan.pool_kind == "swa":
                 # the full layers' pool (none for an all-SWA model) and the windowed ones'

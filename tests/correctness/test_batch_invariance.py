@@ -10,6 +10,9 @@ call (config/rules/deterministic.py).
   one call exactly as each would alone as a decode step, whether its prefix keys were written
   by this forward or read from other pool rows (a cache hit, a transfer), whatever the other
   queries of the call.
+- MLA / DSA (runner/attention/mla_fixed.py): latent queries in the same kernel over the
+  pool's latent rows (a DSA pool's indexer keys beside them), each query as alone; the DSA
+  indexer's scores and its stable top-k, a query's the same in a group of any width.
 - The per-head q / k norm (Qwen3): over a view of the fused qkv projection, a token's heads
   normalise to the same bits alone (a contiguous view) and beside others (a strided one).
 These tests also run on the emulated AVX-512 / AMX bodies (test_emulated_avx512.py)."""
@@ -217,3 +220,97 @@ def test_pinned_moe_block_rows_do_not_depend_on_the_batch(dtype):
             assert torch.equal(full[:24], alone), f"{name}: 600 tokens vs one at a time"
             for m in list(range(2, 18)) + [33, 64, 130, 599]:
                 assert torch.equal(block(x[:m]), full[:m]), f"{name}: {m} tokens vs 600"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dim", [0, 24])
+def test_mla_queries_over_latent_rows_equal_each_alone(dtype, index_dim):
+    """mla_fixed.attend: prompt and decode queries [T, H, R + r] in one call over latent rows
+    [N, 1, R + r (+ a DSA pool's indexer key)] equal each query alone, bit for bit, and are
+    MLA's attention (softmax(q . latent * s) times the latents' first R values)."""
+    from kvstrata.runner.attention import mla_fixed
+
+    g = torch.Generator().manual_seed(index_dim + 1)
+    heads, rank, rope, scale = 3, 28, 8, 0.3
+    rows = torch.randn(400, 1, rank + rope + index_dim, generator=g).to(dtype)
+    slots = torch.randperm(400, generator=g)[:90].contiguous()
+    begins = torch.tensor([0] * 9 + [30] * 5 + [50])       # a prompt, a chunk, a decode
+    ends = torch.tensor(list(range(1, 10)) + list(range(44, 49)) + [90])
+    q = (torch.randn(15, heads, rank + rope, generator=g) * 2).to(dtype)
+    together = mla_fixed.attend(q, rows, slots, begins, scale, rank, ends=ends)
+    for t in range(15):
+        keys = slots[begins[t]:ends[t]].contiguous()
+        alone = mla_fixed.attend(q[t:t + 1], rows, keys, torch.tensor([0, keys.numel()]),
+                                 scale, rank)
+        assert torch.equal(together[t], alone[0]), f"query {t}"
+        latents = rows[keys, 0, :rank + rope].double()
+        probs = torch.softmax(q[t].double() @ latents.T * scale, dim=-1)
+        ref = probs @ latents[:, :rank]
+        tol = 1e-5 if dtype == torch.float32 else 0.02 * ref.abs().max().item()
+        assert (together[t].double() - ref).abs().max().item() <= tol
+
+
+def test_indexer_scores_and_top_k_do_not_depend_on_the_group():
+    """A DSA query's indexer scores (mla_fixed.ordered_index_scores) and its stable top-k
+    (dsa_topk `stable`) are the same bits alone, over exactly its keys, as in a decode group
+    padded to a longer neighbour's width; exact ties (a score of 0: every head's relu 0) go
+    to the earliest positions."""
+    from kvstrata.runner.attention import mla_fixed
+    from kvstrata.runner.attention.dsa_topk import fused_topk_to_slots
+
+    g = torch.Generator().manual_seed(5)
+    n, heads, dim, width, topk = 5, 16, 24, 70, 8
+    q = torch.randn(n, heads, dim, generator=g)
+    w = torch.randn(n, heads, generator=g)
+    keys = torch.randn(1, width, dim, generator=g)
+    lengths = torch.tensor([20, 70, 9, 33, 41])
+    group = mla_fixed.ordered_index_scores(q, w, keys, dim ** -0.5)
+    ref = (w[:, None, :] @ (q @ keys[0].T * dim ** -0.5).relu())[:, 0]
+    torch.testing.assert_close(group, ref, atol=1e-4, rtol=1e-5)
+    # a decode group reads each query's own key rows ([n, S, Di]): the same bits
+    per_query = keys.expand(n, -1, -1).contiguous()
+    assert torch.equal(mla_fixed.ordered_index_scores(q, w, per_query, dim ** -0.5), group)
+    group[0, 3:17] = 0.0  # ties: 14 zeros, of which some fill the top 8
+    group[0, :3] = 5.0
+    group[0, 17:20] = -1.0
+    table = torch.randperm(500, generator=g)[:width].expand(n, -1)
+    chosen = fused_topk_to_slots(group, lengths, table, topk, stable=True)
+    assert chosen[0].tolist() == table[0, :8].tolist()
+    for i in range(n):
+        length = int(lengths[i])
+        alone = mla_fixed.ordered_index_scores(q[i:i + 1], w[i:i + 1], keys[:, :length],
+                                               dim ** -0.5)
+        if i == 0:
+            alone = group[:1, :length].clone()
+        else:
+            assert torch.equal(alone[0], group[i, :length]), f"query {i}"
+        picked = fused_topk_to_slots(alone, lengths[i:i + 1], table[i:i + 1, :length], topk,
+                                     stable=True)
+        assert torch.equal(picked[0], chosen[i]), f"query {i}'s top-k"
+
+
+
+def test_unstable_top_k_breaks_ties_by_the_row_width():
+    """The control for the stable top-k: torch.topk (the unflagged path) picks or orders
+    exactly tied scores differently when the same row is padded to another width (a decode
+    group's), so a query's selected slots -- and its attention's sum order -- followed its
+    neighbours; the stable sort never does."""
+    from kvstrata.runner.attention.dsa_topk import fused_topk_to_slots
+
+    g = torch.Generator().manual_seed(0)
+    moved = 0
+    for _ in range(40):
+        row = torch.randn(30, generator=g).relu()  # about half exact zeros
+        row[:3] = 5.0
+        for stable in (False, True):
+            alone = fused_topk_to_slots(row[None], torch.tensor([30]), torch.arange(30)[None], 8,
+                                        stable)
+            for width in (40, 64, 300):
+                padded = torch.cat([row, torch.full((width - 30,), -1.0)])[None]
+                got = fused_topk_to_slots(padded, torch.tensor([30]), torch.arange(width)[None],
+                                          8, stable)
+                if stable:
+                    assert torch.equal(got, alone), f"stable, width {width}"
+                else:
+                    moved += not torch.equal(got, alone)
+    assert moved, "the control did not move: torch.topk kept tied slots in one order"

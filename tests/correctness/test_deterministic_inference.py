@@ -4,7 +4,8 @@ steps, prefill and decode mixed), its prefill chunks, the page size, the prefix 
 hits, HiCache load-backs), retraction under a small pool and priority preemption
 (config/rules/deterministic.py), under --tp-size 2, and with STANDALONE / EAGLE speculation
 (runs of one speculative configuration; greedy also equals plain decoding), and for Gemma 2's
-soft-capped attention.
+soft-capped attention. The property test draws the tiny llama and qwen3 and DeepSeek's MLA
+(V3) and DSA (V3.2) models (test_deterministic_mla.py: their float32 and V2 runs).
 
 Without the flag the same workloads differ: a warm request's logprobs moved (the first test
 shows it, so the property below is not vacuous on this CPU). Greedy and seeded sampling both:
@@ -190,9 +191,18 @@ def engine_for(arch: str, path: str, page_size: int, pool_tokens: int, chunk: in
     return _llms[key]
 
 
+@pytest.fixture(scope="module")
+def property_checkpoints(tiny_checkpoints, tiny_dsa_checkpoint, tmp_path_factory) -> dict:
+    """The dense tiny models, DeepSeek-V3's MLA (helpers/moe_ckpt.py) and V3.2's DSA."""
+    from helpers.moe_ckpt import build_moe_checkpoint
+
+    v3 = build_moe_checkpoint("deepseek_v3", str(tmp_path_factory.mktemp("det_v3") / "v3"))
+    return {**tiny_checkpoints, "deepseek_v3": v3, "deepseek_v32": tiny_dsa_checkpoint}
+
+
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(arch=st.sampled_from(["llama", "qwen3"]), page_size=st.sampled_from([1, 16]),
+@given(arch=st.sampled_from(["llama", "qwen3", "deepseek_v3", "deepseek_v32"]), page_size=st.sampled_from([1, 16]),
        pool=st.sampled_from(["small", "small", "large"]), chunk=st.sampled_from([0, 1, 2]),
        hicache=st.booleans(), priority=st.booleans(), shared=st.integers(0, 24),
        requests=st.lists(st.tuples(st.integers(1, 16), st.integers(1, 24), st.integers(0, 6),
@@ -200,11 +210,12 @@ def engine_for(arch: str, path: str, page_size: int, pool_tokens: int, chunk: in
                                    st.integers(0, 3)),
                          min_size=1, max_size=5),
        seed=st.integers(0, 1000))
-def test_every_request_equals_its_cold_run_alone(tiny_checkpoints, arch, page_size, pool, chunk,
-                                                 hicache, priority, shared, requests, seed):
+def test_every_request_equals_its_cold_run_alone(property_checkpoints, arch, page_size, pool,
+                                                 chunk, hicache, priority, shared, requests,
+                                                 seed):
     """requests: (prompt tail, max new tokens, arrival step, sampling seed or greedy,
     priority: used with priority scheduling, whose preemption retracts running requests)."""
-    path = tiny_checkpoints[arch]
+    path = property_checkpoints[arch]
     # small: a request fits alone (at most 40 + 24 - 1 positions: 4 pages of 16), a few do not
     pool_tokens = 64 if pool == "small" else 2048
     chunk_tokens = chunk * (16 if page_size == 16 else 7)

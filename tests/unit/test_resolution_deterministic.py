@@ -36,7 +36,11 @@ def test_off_by_default_changes_nothing():
     (dict(disable_deterministic_inference=True), "cpu", None, "contradict each other"),
     ({}, "cuda", None, "not implemented yet on cuda"),
     (dict(device="cuda"), "cuda", None, "not implemented yet on cuda"),
-    ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True), "not implemented yet for a mla"),
+    # an MLA model of another type than DeepSeek's (deepseek_fixed.py pins those)
+    ({}, "cpu", ModelInfo(kv_pool_kind="mla", uses_dsa=True),
+     "not implemented yet for an MLA model of type unknown"),
+    ({}, "cpu", ModelInfo.from_hf_config({"model_type": "minicpm3", "kv_lora_rank": 256}),
+     "not implemented yet for an MLA model of type unknown"),
     ({}, "cpu", ModelInfo(has_recurrent_state=True), "not implemented yet for a recurrent"),
     # a MoE family whose experts the fixed GEMM does not pin (moe_decoder.py's and gpt-oss's are)
     ({}, "cpu", ModelInfo.from_hf_config({"model_type": "olmoe", "num_experts": 8}),
@@ -74,6 +78,9 @@ def test_on_by_default_where_measured_free():
     (AVX2 + ("avx512f", "avx512_bf16"), None, dict(dtype="bfloat16")),  # not measured
     (AVX2, None, dict(dtype="bfloat16", disable_deterministic_inference=True)),
     (AVX2, ModelInfo(kv_pool_kind="mla", uses_dsa=True), dict(dtype="bfloat16")),
+    # DeepSeek MLA / DSA: pinned by the flag, their cost not measured
+    (AVX2, ModelInfo.from_hf_config({"model_type": "deepseek_v3", "kv_lora_rank": 512,
+                                     "n_routed_experts": 8}), dict(dtype="bfloat16")),
     (AVX2, ModelInfo(softmax_extras=("attention sinks",)), dict(dtype="bfloat16")),
     # Gemma 2's soft-cap: the flag runs it (below), its cost there is not measured
     (AVX2, ModelInfo(softmax_extras=("attention logit soft-capping",)), dict(dtype="bfloat16")),
@@ -205,3 +212,27 @@ def test_soft_capped_attention_runs_in_the_decode_kernel():
     assert resolved.deterministic_attention_kernel == deterministic.ATTENTION_KERNEL
     resolved, _ = on_cpu(AVX2, info, dtype="bfloat16")
     assert not resolved.enable_deterministic_inference
+
+
+@pytest.mark.parametrize("cfg,attention", [
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 512, "n_routed_experts": 256},
+     deterministic.MLA_ATTENTION_KERNEL),
+    ({"model_type": "deepseek_v2", "kv_lora_rank": 512, "n_routed_experts": 160},
+     deterministic.MLA_ATTENTION_KERNEL),
+    ({"model_type": "kimi_k2", "kv_lora_rank": 512, "n_routed_experts": 384},
+     deterministic.MLA_ATTENTION_KERNEL),
+    ({"model_type": "deepseek_v32", "kv_lora_rank": 512, "n_routed_experts": 256,
+      "index_topk": 2048}, deterministic.DSA_ATTENTION_KERNEL),
+])
+def test_deepseek_mla_and_dsa_take_the_flag_and_keep_the_default_off(cfg, attention):
+    """DeepSeek's MLA (and V3.2's DSA indexer): the attention, indexer, projections and
+    experts pinned (runner/models/deepseek_fixed.py, runner/attention/mla_fixed.py); the
+    explain text names them; not on by default (cost not measured)."""
+    info = ModelInfo.from_hf_config(cfg)
+    assert info.kv_pool_kind == "mla" and info.uses_dsa == ("index_topk" in cfg)
+    resolved, res = run(model_info=info, enable_deterministic_inference=True)
+    assert resolved.deterministic_attention_kernel == attention
+    assert resolved.deterministic_linear_kernel == deterministic.MLA_LINEAR_KERNEL
+    assert "indexer" in res["deterministic_attention_kernel"].reason
+    resolved, _ = on_cpu(AVX2, info, dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is False

@@ -30,6 +30,15 @@ segment of a fused q|k|v or gate|up, a float output head, a GPTQ lm_head) go on 
 (runner/quant/gguf_pinned.py). An FP8 checkpoint is dequantized at load: a float model. On by
 default for --quantization gguf on AVX-512 CPUs (measured within 5%: PACKED_DEFAULT_*), opt-in
 for the other quantized models (not measured).
+
+MLA models (DeepSeek-V2 / V3, Kimi-K2, and V3.2 with its DSA indexer: PINNED_MLA_FAMILIES):
+every query token, prompt or decode, attends in the same paged decode kernel over the pool's
+latent rows (one KV head, keys and values alike; runner/attention/mla_fixed.py); V3.2's
+indexer scores in one fixed summation order and its top-k by a stable sort (ties in position
+order); the latent / query / output / indexer projections, kv_b_proj's absorbed halves (one
+fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
+(runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
+at load); the default stays off (cost not measured on a served workload).
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -61,6 +70,9 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's are pinned too, but its
 # attention sinks keep it refused (softmax_extras)
 PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
+# config.json model_types of MLA models (runner/models/deepseek.py) whose attention, indexer,
+# projections and experts deterministic inference pins (runner/models/deepseek_fixed.py)
+PINNED_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
 DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
@@ -112,6 +124,21 @@ PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cp
 PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
                                   for name in FLAG_ACCEPTS[method]))
 ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
+MLA_ATTENTION_KERNEL = ("the paged decode kernel for every query token over the MLA pool's "
+                        "latent rows, one KV head of keys and values alike "
+                        "(runner/attention/mla_fixed.py)")
+DSA_ATTENTION_KERNEL = (MLA_ATTENTION_KERNEL + ", over each query's top-k slots; the DSA "
+                        "indexer's scores in one summation order and its top-k by a stable "
+                        "sort")
+MLA_LINEAR_KERNEL = (LINEAR_KERNEL + "; MLA's projections, kv_b_proj's absorbed halves (one "
+                     "GEMM per head) and the DeepSeek MoE router and experts too "
+                     "(runner/models/deepseek_fixed.py)")
+MLA_ATTENTION_WHY = ("the dense MLA path scored a prompt with one matmul over its gathered "
+                     "keys and decode tokens with one padded bmm, and DSA's indexer scored "
+                     "keys with a matmul and broke exact score ties by torch.topk's "
+                     "algorithm, each following the group's shape; here every query's "
+                     "scores, softmax and weighted sum run in its own key order in fp32, "
+                     "the indexer's sums in one order, ties in position order")
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
                  "cached or transferred prefix changed the bits; the decode kernel scores, "
@@ -145,9 +172,14 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
                              f"matmuls run on however many tokens the router sends each, in "
                              f"torch's kernels); built for "
                              f"{', '.join(PINNED_MOE_FAMILIES)}")
+        if kind == "mla":
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet for an "
+                             f"MLA model of type {model_info.routed_experts or 'unknown'} "
+                             f"(built for {', '.join(PINNED_MLA_FAMILIES)})")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
-                         f"{kind} model (MLA / DSA and recurrent models); the llama-family "
-                         f"decoder has it, sliding windows and their own SWA pool included")
+                         f"{kind} model (recurrent models); the llama-family decoder has it, "
+                         f"sliding windows and their own SWA pool included, and the DeepSeek "
+                         f"MLA / DSA models")
     for flag_name, value in _quantizations(args):
         if value not in PINNED_QUANTIZATIONS:
             raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
@@ -157,9 +189,12 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
         raise ValueError(f"--enable-deterministic-inference runs kernels that {switched} "
                          f"turns off: unset it, or pass --disable-deterministic-inference")
     linear = _linear_kernel(args, model_info)
+    attention, attention_why = ATTENTION_KERNEL, ATTENTION_WHY
+    if model_info is not None and model_info.kv_pool_kind == "mla":
+        linear, attention_why = MLA_LINEAR_KERNEL, MLA_ATTENTION_WHY
+        attention = DSA_ATTENTION_KERNEL if model_info.uses_dsa else MLA_ATTENTION_KERNEL
     return (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
-            + change(args, "deterministic_attention_kernel", ATTENTION_KERNEL, RULE,
-                     ATTENTION_WHY))
+            + change(args, "deterministic_attention_kernel", attention, RULE, attention_why))
 
 
 def _linear_kernel(args: ResolvedArgs, model_info: ModelInfo | None) -> str:
@@ -185,7 +220,9 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras
                                             # MoE: built, but its cost (one GEMM call per
                                             # expert weight) is not measured
-                                            or model_info.routed_experts))):
+                                            or model_info.routed_experts
+                                            # MLA: built, but its cost is not measured
+                                            or model_info.kv_pool_kind == "mla"))):
         return None
     flags = set(platform.cpu_flags)
     quantized = _quantizations(args)
@@ -200,16 +237,18 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
 
 def _model_built(model_info: ModelInfo | None) -> bool:
     """A plain MHA model without recurrent state, dense or with experts of a family the fixed
-    GEMM pins, its softmax extras (sinks, soft-capping) in the decode kernel (None, unknown:
-    assumed so, as everywhere in resolution; the load refuses an MLA model it turns out to
-    be)."""
+    GEMM pins, its softmax extras (sinks, soft-capping) in the decode kernel; or a DeepSeek
+    MLA model, DSA or not (None, unknown: assumed so, as everywhere in resolution)."""
+    if model_info is None:
+        return True
+    if model_info.has_recurrent_state:
+        return False
+    if model_info.kv_pool_kind == "mla":
+        return model_info.routed_experts in PINNED_MLA_FAMILIES
     # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own
     # pool, key ranges cut to the window (tests/correctness/test_swa_memory.py)
-    return model_info is None or (model_info.kv_pool_kind in ("mha", "swa")
-                                  and not model_info.uses_dsa
-                                  and not model_info.has_recurrent_state
-                                  and model_info.routed_experts in ("",
-                                                                    *PINNED_MOE_FAMILIES))
+    return (model_info.kv_pool_kind in ("mha", "swa") and not model_info.uses_dsa
+            and model_info.routed_experts in ("", *PINNED_MOE_FAMILIES))
 
 
 def _quantizations(args: ResolvedArgs) -> list[tuple[str, str]]:

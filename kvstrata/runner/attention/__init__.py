@@ -10,6 +10,8 @@
   dsa_sparse.py    DSA sparse MLA attention over the MLA + indexer pool
   dsa_topk.py      DSA top-k selection (positions or slots)
   dsa_seed.py      the PD seed of DSA: top-k positions from the prefill, remapped to slots
+  mla_fixed.py     deterministic inference's MLA / DSA attention: every query in the paged
+                   decode kernel over latent rows, the indexer's scores in one order
 """
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
 

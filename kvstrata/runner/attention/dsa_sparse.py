@@ -18,7 +18,9 @@ weights = weights_proj(x) * index_n_heads^-0.5 (computed by the model).
 Per step, `init_forward_metadata` cuts the batch into groups: one per multi-token request
 (its keys are gathered once for all its queries) and one padded group for all decode
 tokens. A no-cache forward (one request, nothing stored) reads the fresh tensors instead of
-the pool, through an identity table.
+the pool, through an identity table. `deterministic` (--enable-deterministic-inference): the
+indexer's scores in one summation order, a stable top-k and each query's attention in the
+paged decode kernel over its own selected slots (mla_fixed.py), whatever its group.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 
 from kvstrata.kv.device_pool import MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.runner.attention import mla_fixed
 from kvstrata.runner.attention.dsa_topk import (fused_topk_to_slots, positions_to_slots,
                                                topk_positions)
 from kvstrata.runner.attention.mla_dense import attend_slots, request_slot_table
@@ -56,7 +59,7 @@ class DSAMeta:
 class DSASparseMLABackend:
     def __init__(self, kv_pool: MLATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
                  kv_lora_rank: int, index_topk: int, index_head_dim: int, scaling: float,
-                 fused_topk: bool = True, dense: bool = False):
+                 fused_topk: bool = True, dense: bool = False, deterministic: bool = False):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.kv_lora_rank = kv_lora_rank
@@ -65,6 +68,7 @@ class DSASparseMLABackend:
         self.scaling = scaling
         self.fused_topk = fused_topk
         self.dense = dense  # every earlier token: the dense MLA baseline (benchmarks)
+        self.deterministic = deterministic  # one summation order per query (mla_fixed.py)
         # Slots [T, width] each layer selected in the last forward (tests and the PD seed).
         self.last_selected: list[torch.Tensor] = []
 
@@ -125,6 +129,10 @@ class DSASparseMLABackend:
             else:
                 slots = chosen
         self.last_selected.append(slots)
+        if self.deterministic:
+            flat, starts = mla_fixed.compact_slots(slots)
+            rows = mla_fixed.latent_rows(self.kv_pool, layer, latent, meta.no_cache)
+            return mla_fixed.attend(q, rows, flat, starts, self.scaling, self.kv_lora_rank)
         return self.attend(q, latents, slots)
 
     def select(self, meta: DSAMeta, index_q: torch.Tensor, index_keys: torch.Tensor,
@@ -139,12 +147,13 @@ class DSASparseMLABackend:
                 q, w = index_q.index_select(0, g.tok_idx), index_weights.index_select(0, g.tok_idx)
             scores = self.index_scores(q, w, index_keys, g.keys_table)
             n = scores.shape[0]
+            stable = self.deterministic
             if self.fused_topk:
                 slots = fused_topk_to_slots(scores, g.lengths, g.keys_table.expand(n, -1),
-                                            meta.width)
+                                            meta.width, stable)
             else:
-                slots = positions_to_slots(topk_positions(scores, g.lengths, meta.width),
-                                           meta.table, g.rows)
+                slots = positions_to_slots(topk_positions(scores, g.lengths, meta.width,
+                                                          stable), meta.table, g.rows)
             if g.tok_idx is None:
                 out[g.lo:g.hi] = slots
             else:
@@ -156,6 +165,8 @@ class DSASparseMLABackend:
         """q [n, Hi, Di], weights [n, Hi], keys_table [1 or n, S] -> scores [n, S] (float32)."""
         keys = index_keys.index_select(0, keys_table.reshape(-1)).view(
             *keys_table.shape, -1).float()                                    # [1|n, S, Di]
+        if self.deterministic:
+            return mla_fixed.ordered_index_scores(q, weights, keys, self.index_scale)
         dots = torch.matmul(q.float(), keys.transpose(-1, -2)) * self.index_scale  # [n, Hi, S]
         return torch.matmul(weights.float()[:, None, :], dots.relu())[:, 0]
 

@@ -12,7 +12,10 @@ sees p + 1 keys). Selection rule, the same in both domains:
   fused    `fused_topk_to_slots`: scores -> slots in one op (-1 padded), shaped like
            sgl_kernel.fast_topk_transform_fused (score, lengths, page table with page size 1,
            topk) so a CUDA/HIP kernel can replace this torch version behind the same call.
-Both must give the same slots; attention consumes slots either way.
+Both must give the same slots; attention consumes slots either way. `stable`
+(deterministic inference): the best by a stable descending sort -- equal scores in position
+order, whatever the row's width (torch.topk breaks exact ties by its algorithm, which follows
+the width: a decode group's, a prompt's).
 """
 from __future__ import annotations
 
@@ -27,21 +30,26 @@ def _check(scores: torch.Tensor, lengths: torch.Tensor, topk: int) -> None:
         raise ValueError(f"topk must be >= 1, got {topk}")
 
 
-def _best(scores: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:
+def _best(scores: torch.Tensor, lengths: torch.Tensor, topk: int,
+          stable: bool = False) -> torch.Tensor:
     """[N, min(topk, S)] indices of the best scores among each row's first lengths[t]."""
     cols = torch.arange(scores.shape[1], device=scores.device)
     masked = scores.masked_fill(cols[None, :] >= lengths[:, None], float("-inf"))
-    return masked.topk(min(topk, scores.shape[1]), dim=-1).indices
+    k = min(topk, scores.shape[1])
+    if stable:
+        return masked.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return masked.topk(k, dim=-1).indices
 
 
-def topk_positions(scores: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:
+def topk_positions(scores: torch.Tensor, lengths: torch.Tensor, topk: int,
+                   stable: bool = False) -> torch.Tensor:
     """Unfused step 1: [N, S] scores -> [N, topk] int64 request positions, -1 padded."""
     _check(scores, lengths, topk)
     n = scores.shape[0]
     lengths = lengths.to(torch.int64)
     first = torch.arange(topk, device=scores.device).expand(n, topk)
     first = torch.where(first < lengths[:, None], first, -1)
-    best = _best(scores, lengths, topk)
+    best = _best(scores, lengths, topk, stable)
     picked = torch.full((n, topk), -1, dtype=torch.int64, device=scores.device)
     picked[:, :best.shape[1]] = best
     return torch.where((lengths <= topk)[:, None], first, picked)
@@ -56,7 +64,8 @@ def positions_to_slots(positions: torch.Tensor, req_to_token: torch.Tensor,
 
 
 def fused_topk_to_slots(scores: torch.Tensor, lengths: torch.Tensor,
-                        page_table_size_1: torch.Tensor, topk: int) -> torch.Tensor:
+                        page_table_size_1: torch.Tensor, topk: int,
+                        stable: bool = False) -> torch.Tensor:
     """Fused: [N, S] scores, lengths [N] and each query's page-size-1 table row [N, >= S]
     (req_to_token[row, :S]) -> [N, topk] int64 KV slots, -1 padded.
 
@@ -73,5 +82,5 @@ def fused_topk_to_slots(scores: torch.Tensor, lengths: torch.Tensor,
     cols = torch.arange(width, device=scores.device)
     out[:, :width] = torch.where(
         short[:, None], torch.where(cols[None, :] < lengths[:, None], head, -1),
-        torch.gather(table, 1, _best(scores, lengths, topk)))
+        torch.gather(table, 1, _best(scores, lengths, topk, stable)))
     return out

@@ -8,7 +8,9 @@ value half. The pool keeps one latent row per token for all heads (what makes ML
 Per step, `init_forward_metadata` cuts the batch into one group per multi-token request
 (its keys gathered once, a causal mask by position) and one padded group of all decode
 tokens (each reading its request's slots up to its position). A no-cache forward (one
-request, nothing stored) reads the fresh latents through an identity table.
+request, nothing stored) reads the fresh latents through an identity table. With
+`deterministic` (--enable-deterministic-inference) every token instead runs as one query of
+the paged decode kernel over its own keys (mla_fixed.py).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from kvstrata.kv.device_pool import MLATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.runner.attention import mla_fixed
 from kvstrata.runner.forward_batch import ForwardBatch
 
 
@@ -61,11 +64,12 @@ class MLAMeta:
 
 class MLADenseBackend:
     def __init__(self, kv_pool: MLATokenToKVPool | None, req_to_token: ReqToTokenTable | None,
-                 kv_lora_rank: int, scaling: float):
+                 kv_lora_rank: int, scaling: float, deterministic: bool = False):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.kv_lora_rank = kv_lora_rank
         self.scaling = scaling
+        self.deterministic = deterministic  # every token through the paged decode kernel
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.trees is not None or fb.query_keys is not None:
@@ -74,6 +78,9 @@ class MLADenseBackend:
         device = fb.input_ids.device
         no_cache = fb.out_slots is None
         table = request_slot_table(fb, self.req_to_token)
+        if self.deterministic:
+            fb.attn_meta = mla_fixed.ranges_meta(fb, table, no_cache)
+            return
         prefills: list[PrefillGroup] = []
         decode: list[tuple[int, int, int]] = []   # (flat token, row, visible length)
         off = 0
@@ -96,7 +103,13 @@ class MLADenseBackend:
     def forward(self, layer: int, q: torch.Tensor, latent: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, H, R + r] (absorbed, rotated), latent [T, R + r] -> [T, H, R]."""
-        meta: MLAMeta = fb.attn_meta
+        meta = fb.attn_meta
+        if self.deterministic:
+            if not meta.no_cache:
+                self.kv_pool.set_latent(layer, fb.out_slots, latent)
+            rows = mla_fixed.latent_rows(self.kv_pool, layer, latent, meta.no_cache)
+            return mla_fixed.attend(q, rows, meta.slots, meta.begins, self.scaling,
+                                    self.kv_lora_rank, ends=meta.ends)
         if meta.no_cache:
             latents = latent
         else:

@@ -87,6 +87,10 @@ class DeepseekLayer(nn.Module):
                                           device=device) if dsa else None)
         self.mlp = (MoE(d, dtype, device, **moe_kw) if d.mlp_layer_types[layer_idx] == "sparse"
                     else DenseMLP(h, d.intermediate_size, dtype, device))
+        # Deterministic inference (deepseek_fixed.py): kv_b_proj's halves as one fixed GEMM
+        # per head (ModuleLists of PackedLinear), in place of the einsums
+        self.key_heads: nn.ModuleList | None = None
+        self.value_heads: nn.ModuleList | None = None
 
     def absorbed(self, d: DeepseekDims) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: key half [H, nope, R], value half [H, v, R]."""
@@ -96,6 +100,14 @@ class DeepseekLayer(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     pool_kind = "mla"
+    # How a weight is applied: F.linear, or kvstrata's fixed GEMM once deterministic
+    # inference pinned the layers (deepseek_fixed.py through packed_linear.pack_model)
+    linear = staticmethod(F.linear)
+    # A layer's 2-D linear weights and their biases (packed_linear.pack_model); absent
+    # ones (V2-Lite's q_a / q_b, the indexer of V2 / V3) are None
+    packed_linears = (("q_proj", None), ("q_a_proj", "q_a_bias"), ("q_b_proj", None),
+                      ("kv_a_proj", "kv_a_bias"), ("o_proj", "o_bias"), ("index_wq_b", None),
+                      ("index_wk", None), ("index_weights_proj", None))
 
     def __init__(self, config: Any, raw_config: dict | None, dtype: torch.dtype,
                  device: torch.device, dims: DeepseekDims | None = None, **moe_kw):
@@ -124,6 +136,7 @@ class DeepseekForCausalLM(nn.Module):
             self.scaling *= m * m
         # MLADenseBackend, or DSASparseMLABackend with the indexer; set by the runner
         self.attn_backend = None
+        self.fixed_rope = None  # deterministic inference's cos / sin (deepseek_fixed.py)
         self.capture_hidden = False  # keep last_hidden (an MTP draft's features)
         self.last_hidden: torch.Tensor | None = None
         self.weights = WeightMap(self)
@@ -161,13 +174,15 @@ class DeepseekForCausalLM(nn.Module):
         return F.embedding(ids, self.embed)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.lm_head).float()
+        return self.linear(x, self.lm_head).float()
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
 
     def rope_cos_sin(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary.plain_cos_sin(fb.positions)
+        # deterministic inference: a table in fixed blocks (deepseek_fixed.BlockedCosSin)
+        rope = self.fixed_rope or self.rotary.plain_cos_sin
+        cos, sin = rope(fb.positions)
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def layer_forward(self, layer: "DeepseekLayer", pool_layer: int, x: torch.Tensor,
@@ -180,18 +195,18 @@ class DeepseekForCausalLM(nn.Module):
         R, nope = d.kv_lora_rank, d.qk_nope_head_dim
         cos_h, sin_h = cos[:, None, :], sin[:, None, :]
         h = rms_norm(x, layer.input_norm, d.rms_norm_eps)
+        linear = self.linear
         if layer.q_proj is not None:
-            q_resid, q = None, F.linear(h, layer.q_proj)
+            q_resid, q = None, linear(h, layer.q_proj)
         else:
-            q_resid = rms_norm(F.linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
+            q_resid = rms_norm(linear(h, layer.q_a_proj, layer.q_a_bias), layer.q_a_norm,
                                d.rms_norm_eps)
-            q = F.linear(q_resid, layer.q_b_proj)
+            q = linear(q_resid, layer.q_b_proj)
         q = q.view(t, d.num_heads, d.qk_head_dim)
-        kv = F.linear(h, layer.kv_a_proj, layer.kv_a_bias)
+        kv = linear(h, layer.kv_a_proj, layer.kv_a_bias)
         latent = torch.cat((rms_norm(kv[:, :R], layer.kv_a_norm, d.rms_norm_eps),
                             self.rope(kv[:, R:], cos, sin)), dim=-1)
-        w_uk, w_uv = layer.absorbed(d)
-        q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+        q_latent = self._absorb_keys(layer, q[..., :nope])
         q_full = torch.cat((q_latent, self.rope(q[..., nope:], cos_h, sin_h)), -1)
         if d.uses_dsa:
             index_q, index_k, index_w = self._indexer(layer, h, q_resid, cos, sin)
@@ -199,21 +214,35 @@ class DeepseekForCausalLM(nn.Module):
                                          index_w, fb)
         else:
             out_latent = backend.forward(pool_layer, q_full, latent, fb)
-        attn = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, -1)
-        x = x + self.reduce(F.linear(attn, layer.o_proj, layer.o_bias))
+        attn = self._expand_values(layer, out_latent).reshape(t, -1)
+        x = x + self.reduce(linear(attn, layer.o_proj, layer.o_bias))
         return x + self.reduce(layer.mlp(rms_norm(x, layer.post_norm, d.rms_norm_eps)))
+
+    def _absorb_keys(self, layer: DeepseekLayer, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, nope] -> [T, H, R]: kv_b_proj's key half folded into the query."""
+        if layer.key_heads is None:
+            return torch.einsum("thn,hnr->thr", q_nope, layer.absorbed(self.dims)[0])
+        return torch.stack([self.linear(q_nope[:, i].contiguous(), head)
+                            for i, head in enumerate(layer.key_heads)], dim=1)
+
+    def _expand_values(self, layer: DeepseekLayer, out_latent: torch.Tensor) -> torch.Tensor:
+        """out_latent [T, H, R] -> [T, H, v]: kv_b_proj's value half."""
+        if layer.value_heads is None:
+            return torch.einsum("thr,hvr->thv", out_latent, layer.absorbed(self.dims)[1])
+        return torch.stack([self.linear(out_latent[:, i].contiguous(), head)
+                            for i, head in enumerate(layer.value_heads)], dim=1)
 
     def _indexer(self, layer: DeepseekLayer, h: torch.Tensor, q_resid: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.dims
         t, r = h.shape[0], d.qk_rope_head_dim
-        q = F.linear(q_resid, layer.index_wq_b).view(t, d.index_n_heads, d.index_head_dim)
-        k = F.layer_norm(F.linear(h, layer.index_wk), (d.index_head_dim,), layer.index_k_norm,
+        q = self.linear(q_resid, layer.index_wq_b).view(t, d.index_n_heads, d.index_head_dim)
+        k = F.layer_norm(self.linear(h, layer.index_wk), (d.index_head_dim,), layer.index_k_norm,
                          layer.index_k_norm_bias, 1e-6)
         q = torch.cat((rope_halves(q[..., :r], cos[:, None, :], sin[:, None, :]), q[..., r:]), -1)
         k = torch.cat((rope_halves(k[:, :r], cos, sin), k[:, r:]), -1)
-        weights = F.linear(h.float(), layer.index_weights_proj) * d.index_n_heads ** -0.5
+        weights = self.linear(h.float(), layer.index_weights_proj) * d.index_n_heads ** -0.5
         return q, k, weights
 
     # ------------------------------------------------------------------ weight loading

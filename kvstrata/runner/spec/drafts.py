@@ -30,6 +30,9 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
             raise NotImplementedError("not implemented yet: NEXTN (the MTP layer as an EAGLE "
                                       "draft) with --tp-size > 1")
 
+        if deterministic:  # its layer and head run torch's matmuls (deepseek_mtp.py)
+            raise NotImplementedError("not implemented yet: --enable-deterministic-inference "
+                                      "with NEXTN (the MTP layer as a draft)")
         if algorithm == "EAGLE3" or token_map is not None:
             raise NotImplementedError(f"not implemented yet: --speculative-algorithm "
                                       f"{algorithm}{' with a token map' if token_map else ''} "
