@@ -81,7 +81,8 @@ bench() {  # tag, b1|b32
       --output-json "$OUT/$1_$2.r$round.json" > "$OUT/$1_$2.r$round.txt" 2>&1
   "$PY" -c "import json, sys; s = json.load(open(sys.argv[1])); \
 print(f\"  {sys.argv[2]}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} tok/s, \
-TPOT p50 {s['tpot_ms']['p50']:.2f} ms\")" "$OUT/$1_$2.r$round.json" "$1_$2"
+TPOT p50 {s['tpot_ms']['p50'] or float('nan'):.2f} ms\", *s['errors'][:1])" \
+      "$OUT/$1_$2.r$round.json" "$1_$2"
 }
 
 run_llama() {  # tag, file, b1|b32
