@@ -65,20 +65,7 @@ ensure_vllm_metadata() {  # vLLM reads its version from the distribution named `
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$sp/vllm-0.32.0.dist-info/METADATA"
 }
 
-wait_up() {  # url, server pid, its log: up to 300 s, less if the server exits first
-  for _ in $(seq 1 300); do
-    curl -sf "$1" >/dev/null 2>&1 && return 0
-    kill -0 "$2" 2>/dev/null || { echo "the server exited:"; tail -5 "$3"; return 1; }
-    sleep 1
-  done
-  return 1
-}
-stop() {
-  kill -INT "$1" 2>/dev/null || true
-  for _ in $(seq 1 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -9 "$1" 2>/dev/null || true
-  wait "$1" 2>/dev/null || true
-}
+source benchmarks/server_control.sh  # wait_up, stop
 
 run_kvstrata() {  # run name, then serve flags
   local name=$1; shift

@@ -176,3 +176,81 @@ def test_linears_without_a_c_call_run_the_models_linear_into_the_buffer(monkeypa
         monkeypatch.delenv("KVSTRATA_CPU_BF16_GEMM")
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     check(model, lin, torch.randn(1, 32), c_call=False)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_gguf_layers_kept_packed_are_bound_kernel_calls(int8_activations):
+    """A GGUF layer kept packed (runner/quant/gguf_linear.py) is its segments' kernel calls with
+    bound pointers: one packed segment a C call, two or more one tuple of them, each writing
+    its columns; a float segment or a bias: the model's linear into the buffer. The same
+    values as the layer's own forward (batch 1 and 5 rows)."""
+    import numpy as np
+
+    from kvstrata.bench.gguf_blocks import weight_rows
+    from kvstrata.runner.quant.gguf_linear import GgufLinear, gguf_linear
+    from kvstrata.runner.quant.packed_rows import PackedRows
+
+    rng = np.random.default_rng(5)
+    q4, q8 = (PackedRows(t, weight_rows(t, n, 64, rng), 64) for t, n in ((2, 24), (8, 12)))
+    one = GgufLinear(24, 64, [(0, 24, q4)], int8_activations=int8_activations)
+    two = GgufLinear(36, 64, [(0, 24, q4), (24, 36, q8)], int8_activations=int8_activations)
+    mixed = GgufLinear(40, 64, [(0, 24, q4), (24, 40, torch.randn(16, 64))],
+                       int8_activations=int8_activations)
+    biased = GgufLinear(24, 64, [(0, 24, q4)], bias=torch.randn(24),
+                        int8_activations=int8_activations)
+    model = _model(gguf_linear)
+    for layer, kind in ((one, "c"), (two, "tuple"), (mixed, "model"), (biased, "model")):
+        for rows in (1, 5):
+            x = torch.randn(rows, 64)
+            want = layer(x)
+            out = torch.full_like(want, float("nan"))
+            fn, args = decode_plan._linear_call(model, layer, None, x, out, 1, 3)
+            assert isinstance(fn, types.BuiltinFunctionType) == (kind == "c"), fn
+            assert (fn is decode_plan._run_calls) == (kind == "tuple")
+            fn(*args)
+            assert torch.equal(out, want), (kind, rows)
+
+
+@pytest.fixture(scope="module")
+def packed_gguf(tmp_path_factory):
+    from helpers.decoder_gguf import write_decoder_gguf
+
+    root = tmp_path_factory.mktemp("plan_gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
+        path = str(root / "llama.gguf")
+        write_decoder_gguf("llama", path)
+        yield path
+
+
+@pytest.mark.parametrize("int8_activations", ["0", "1"])
+def test_plan_logits_with_gguf_layers_kept_packed(packed_gguf, tiny_prompts, monkeypatch,
+                                                  int8_activations):
+    """--quantization gguf (a Q4_K / Q6_K layer, a layer of Q4_0 | F32 | Q8_0 q|k|v
+    segments, Q5_K, Q8_0, a Q4_0 tied embedding): every decode step takes the plan, its
+    logits bit-identical to the layer loop's."""
+    from kvstrata import LLM
+    monkeypatch.setenv("KVSTRATA_GGUF_INT8_ACTIVATIONS", int8_activations)
+    prompts = [[t % 300 for t in p] for p in tiny_prompts]
+    with LLM(model_path=packed_gguf, skip_tokenizer_init=True, quantization="gguf",
+             max_total_tokens=1024, disable_radix_cache=True) as llm:
+        model = llm.engine.runner.model
+        forward, build = model.forward, decode_plan.build
+        runs = {}
+        for flag in ("1", "0"):
+            logits, plans = [], []
+            monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
+            monkeypatch.setattr(decode_plan, "build", _record(model, forward, build, logits,
+                                                              plans))
+            outs = llm.generate(input_ids=prompts, sampling_params=PARAMS)
+            runs[flag] = ([o["output_ids"] for o in outs], logits, plans)
+        plan = next(iter(model._decode_plans.values()))
+        assert plan is not None
+        # layer 0: every linear a bound kernel call (no copy through the model's linear)
+        assert sum(fn.__name__ == "copy_out" for fn, _ in plan.layers[0]) == 0
+    (ids_on, logits_on, plans_on), (ids_off, logits_off, _) = runs["1"], runs["0"]
+    assert ids_on == ids_off
+    assert len(logits_on) == len(logits_off)
+    for got, want in zip(logits_on, logits_off):
+        assert torch.equal(got, want)
+    assert PARAMS["max_new_tokens"] - 1 <= sum(plans_on) < len(plans_on)

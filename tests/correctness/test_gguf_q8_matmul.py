@@ -102,3 +102,24 @@ def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
     if AVX2:
         assert torch.equal(slow, fast[0])
         assert torch.equal(gguf_matmul.matmul_q8(x, gguf_matmul.prepare(qtype, noise)), fast[1])
+
+
+@pytest.mark.skipif(not gguf_matmul.has_vnni(3), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("qtype", FORMATS, ids=NAMES)
+def test_vnni_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
+    """KVSTRATA_CPU_ISA=auto on an AVX-512 VNNI CPU (vpdpbusd) against =avx2 (vpmaddubsw +
+    vpmaddwd): the same exact integer lanes, so the same bits at every row count."""
+    raw, noise, ref, noise_ref = weights[qtype]
+    torch.manual_seed(qtype)
+    x = torch.randn(67, in_features(qtype)) * 3
+    x[1, 32:64] = 0.0
+    for rows, deq in ((raw, ref), (noise, noise_ref)):
+        w = gguf_matmul.prepare(qtype, rows)
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", "auto")
+        assert gguf_matmul.has_vnni()
+        fast = gguf_matmul.matmul_q8(x, w)
+        check_q8(fast, x, deq)
+        monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
+        assert not gguf_matmul.has_vnni()
+        for m in (1, 2, 5, 67):
+            assert torch.equal(gguf_matmul.matmul_q8(x[:m], w), fast[:m])

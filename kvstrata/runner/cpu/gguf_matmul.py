@@ -32,6 +32,11 @@ quantized HF checkpoint's layers
 (GPTQ / AWQ / compressed-tensors converted to GGUF rows) run: their tests bound them against
 transformers' float product at a tolerance 8-bit activations were not re-derived for.
 
+On a CPU with AVX-512 VNNI (KVSTRATA_CPU_ISA allowing avx512) `matmul_q8` takes the same tiles
+with one `vpdpbusd` per group and row for the AVX2 body's `vpmaddubsw` + `vpmaddwd`
+(gguf_q8_tiles.h, compiled once per instruction set): the same exact int32 lane sums, so the
+same bits.
+
 Without AVX2 + FMA + F16C (another architecture, or KVSTRATA_CPU_ISA=scalar) both run their
 portable C bodies (gguf_q8_blocks.h's q8_dot_scalar, gguf_blocks_scalar.h): the same
 operations and summation order in plain C (fmaf), so the same bits as the AVX2 bodies,
@@ -110,7 +115,14 @@ def _own(cap: int | None = None) -> bool:
 
 
 def kernel_name() -> str:
-    return AVX2_KERNEL if _own() else FALLBACK_KERNEL
+    if not _own():
+        return FALLBACK_KERNEL
+    return AVX2_KERNEL + ("; 8-bit activations on AVX-512 VNNI here" if has_vnni() else "")
+
+
+def has_vnni(cap: int | None = None) -> bool:
+    """Whether matmul_q8 runs its AVX-512 VNNI body here (the AVX2 body's bits)."""
+    return bool(_gguf_ops.has_vnni(isa_cap() if cap is None else cap))
 
 
 def matmul(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,6 +163,25 @@ def _call(kernel, x: torch.Tensor, w: PreparedWeight, out: torch.Tensor | None) 
     return out
 
 
+def bound_call(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor, col: int, threads: int,
+               cap: int, int8_activations: bool) -> tuple:
+    """(kernel, arguments) for x [M, K] fp32 -> columns col..col + N of out (fp32 [M, >= col +
+    N], rows contiguous), pointers taken once: what a decode plan replays every step
+    (runner/models/decode_plan.py) without matmul's per-call checks and allocations. The
+    caller keeps x, w and out alive and unmoved; the call computes what matmul (or
+    matmul_q8) would on the same tensors, bit for bit."""
+    m, n = x.shape[0], w.out_features
+    if (x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2
+            or x.shape[1] != w.in_features or out.dtype != torch.float32 or out.dim() != 2
+            or out.shape[0] != m or out.stride(1) != 1 or out.shape[1] < col + n):
+        raise ValueError(f"bound_call: x {x.dtype} {tuple(x.shape)} / out {out.dtype} "
+                         f"{tuple(out.shape)} do not fit a weight [{n}, {w.in_features}] at "
+                         f"column {col}")
+    kernel = _gguf_ops.matmul_q8 if int8_activations else _gguf_ops.matmul
+    return kernel, (w.qtype, w.raw.data_ptr(), w.raw.shape[1], n, w.in_features, x.data_ptr(),
+                    m, out.data_ptr() + 4 * col, out.stride(0), threads, cap)
+
+
 def dequantize(w: PreparedWeight) -> torch.Tensor:
     """The weight as fp32 [N, K]: exactly gguf.quants.dequantize's values."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
@@ -159,5 +190,5 @@ def dequantize(w: PreparedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["SUPPORTED", "PreparedWeight", "dequantize", "kernel_name", "matmul", "matmul_q8",
-           "prepare", "row_bytes", "supported"]
+__all__ = ["SUPPORTED", "PreparedWeight", "bound_call", "dequantize", "has_vnni", "kernel_name",
+           "matmul", "matmul_q8", "prepare", "row_bytes", "supported"]

@@ -14,8 +14,9 @@ costs ~1.3 ms (SmolLM2), so it is not made again for every step.
 It applies to a CPU llama-family model without per-head q/k norms, with the fused ops on,
 one tensor-parallel rank, no EAGLE3 capture, and a forward that is one decode piece of the
 paged decode kernel (plain decode rows, or a verify step's one-token queries) over a pool of
-the model's dtype. Linears that are kvstrata's fp32 GEMV (1-16 rows), bf16 GEMM or int8 GEMM
-are C calls with bound pointers; any other (oneDNN's fp32 layout above the GEMV's rows,
+the model's dtype. Linears that are kvstrata's fp32 GEMV (1-16 rows), bf16 GEMM, int8 GEMM or
+GGUF blocks kept packed (fp32 activations, no bias: runner/quant/gguf_linear.py's
+bound_calls) are C calls with bound pointers; any other (oneDNN's fp32 layout above the GEMV's rows,
 oneDNN's or fbgemm's int8 layer, F.linear) is the model's own linear call with its result
 copied into the plan's buffer: the same op on the same values (SmolLM2 steps, plan on / off
 in one process, AVX2: fp32 at 24 rows 1.14x; w8a8 fp32 on fbgemm at 1 / 8 / 32 rows 1.34 /
@@ -42,6 +43,7 @@ from kvstrata.runner.cpu import _bf16_ops, _cpu_ops, _int8_ops, fused_ops as cpu
 from kvstrata.runner.cpu.int8_linear import ROW_DTYPES, Int8MatmulLinear
 from kvstrata.runner.cpu.isa import isa_cap
 from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
+from kvstrata.runner.quant.gguf_linear import GgufLinear, gguf_linear
 from kvstrata.runner.quant.w8a8 import quantized_linear
 
 Call = tuple[Callable, tuple]
@@ -118,6 +120,11 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
           and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):
         # quantized_linear's (and linear_silu_mul's) one C call over the plan's rows
         call = lin.own_call(inp, inp.shape[0], lin.in_features, out, silu, threads, cap)
+    elif (type(lin) is GgufLinear and model.linear is gguf_linear and not silu
+          and (calls := lin.bound_calls(inp, out, threads, cap)) is not None):
+        # a GGUF layer kept packed: its segments' kernel calls (~35 us of Python each through
+        # forward, measured on SmolLM2 at batch 1); two or more run from one tuple
+        call = calls[0] if len(calls) == 1 else (_run_calls, (tuple(calls),))
     if call is not None:
         return call
     if silu:
@@ -127,6 +134,11 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
         def copy_out() -> None:
             out.copy_(model.linear(inp, lin, bias))
     return copy_out, ()
+
+
+def _run_calls(calls: tuple) -> None:
+    for fn, args in calls:
+        fn(*args)
 
 
 def _fused_silu(lin: Any, rows: int) -> bool:

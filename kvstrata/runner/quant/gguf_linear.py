@@ -113,6 +113,25 @@ class GgufLinear(nn.Module):
                 self.nbytes += self.pinned[i].nbytes
         return len(self.pinned)
 
+    def bound_calls(self, x: torch.Tensor, out: torch.Tensor, threads: int,
+                    cap: int) -> list[tuple] | None:
+        """linear_float(x) into `out` (fp32 [T, out_features], contiguous) as kernel calls with
+        their pointers bound once, one per packed segment, each writing its columns: what a
+        decode plan replays (runner/models/decode_plan.py), the same kernels on the same
+        values as forward. None where forward does more than those calls: a float segment,
+        an input permutation, a bias, or x not contiguous fp32 (the plan then runs forward)."""
+        if (self.bias is not None or x.dtype != torch.float32 or not x.is_contiguous()
+                or out.dtype != torch.float32 or not out.is_contiguous()
+                or tuple(out.shape) != (x.shape[0], self.out_features)):
+            return None
+        calls = []
+        for lo, _, w, perm in self.parts:
+            if perm is not None or isinstance(w, torch.Tensor):
+                return None
+            calls.append(gguf_matmul.bound_call(x, w, out, lo, threads, cap,
+                                                self.int8_activations))
+        return calls
+
     def _kernel(self):
         return gguf_matmul.matmul_q8 if self.int8_activations else gguf_matmul.matmul
 

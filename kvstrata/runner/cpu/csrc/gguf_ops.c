@@ -12,6 +12,7 @@
  *       and integer dot products (gguf_q8_blocks.h, gguf_q8_run.h): what the layers run.
  *   dequantize(qtype, w, row_bytes, n, k, out, threads, isa_cap): W into fp32 [n, k].
  *   has_avx2(isa_cap): whether this CPU runs the AVX2 body (KVSTRATA_CPU_ISA allowing);
+ *   has_vnni(isa_cap): whether matmul_q8 takes its AVX-512 VNNI body (vpdpbusd; same bits);
  *   without it the portable body (gguf_blocks_scalar.h) gives the same bits, slowly.
  *
  * Work: rows in blocks of ROW_BLOCK; in each, output columns in quads split statically over
@@ -47,6 +48,19 @@ typedef struct {
     float *out;
     int64_t out_stride;
 } gg_args;
+
+/* The 8-bit-activation body on AVX-512 VNNI (gguf_q8_tiles.h's vnni instance): the CPU has
+ * it and KVSTRATA_CPU_ISA allows AVX-512 (the AVX2 body's bits either way). */
+static int use_vnni_body(int isa_cap) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return isa_cap >= 2 && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+#else
+    (void)isa_cap;
+    return 0;
+#endif
+}
 
 static int use_avx2_body(int isa_cap) {
 #if defined(__x86_64__)
@@ -266,9 +280,10 @@ static PyObject *matmul_with(PyObject *args, const int q8) {
     int failed = 0;
     const gg_args a = {(const uint8_t *)w_addr, row_bytes, n, k, (const float *)x_addr,
                        (float *)o_addr, out_stride};
-    const int avx2 = use_avx2_body(isa_cap);
+    const int avx2 = use_avx2_body(isa_cap), vnni = q8 && use_vnni_body(isa_cap);
     Py_BEGIN_ALLOW_THREADS
-    if (q8) failed = q8_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2);
+    if (q8) failed = q8_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2,
+                               avx2 && vnni);
     else if (!avx2) run_scalar(qt, &a, m, threads);
 #if defined(__x86_64__)
     else switch (qt) {
@@ -324,12 +339,20 @@ static PyObject *has_avx2(PyObject *self, PyObject *args) {
     return PyBool_FromLong(use_avx2_body(isa_cap));
 }
 
+static PyObject *has_vnni(PyObject *self, PyObject *args) {
+    int isa_cap;
+    if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
+    return PyBool_FromLong(use_avx2_body(isa_cap) && use_vnni_body(isa_cap));
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
     {"matmul_q8", matmul_q8, METH_VARARGS,
      "fp32 rows quantized to 8-bit blocks x packed GGUF weight rows, integer dots, fp32 out."},
     {"dequantize", dequantize, METH_VARARGS, "packed GGUF weight rows -> fp32 [n, k]."},
     {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C body runs here."},
+    {"has_vnni", has_vnni, METH_VARARGS,
+     "Whether matmul_q8 runs its AVX-512 VNNI body here (the AVX2 body's bits)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gguf_ops",
