@@ -161,8 +161,12 @@ def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
     if AVX2:
         assert torch.equal(slow, fast)
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "auto")
-    assert gguf_matmul.kernel_name() == (gguf_matmul.AVX2_KERNEL if AVX2
-                                         else gguf_matmul.FALLBACK_KERNEL)
+    name = gguf_matmul.kernel_name()
+    if AVX2:  # the 8-bit-activation kernel's AVX-512 VNNI body is named where it runs
+        assert name.startswith(gguf_matmul.AVX2_KERNEL)
+        assert ("AVX-512 VNNI" in name) == gguf_matmul.has_vnni(), name
+    else:
+        assert name == gguf_matmul.FALLBACK_KERNEL
 
 
 def test_sizes_and_refusals(weights):

@@ -44,6 +44,7 @@ from kvstrata.runner.cpu.int8_linear import ROW_DTYPES, Int8MatmulLinear
 from kvstrata.runner.cpu.isa import isa_cap
 from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
 from kvstrata.runner.quant.gguf_linear import GgufLinear, gguf_linear
+from kvstrata.runner.quant.gguf_pinned import pinned_linear
 from kvstrata.runner.quant.w8a8 import quantized_linear
 
 Call = tuple[Callable, tuple]
@@ -120,10 +121,12 @@ def _linear_call(model: Any, lin: Any, bias: Any, inp: torch.Tensor, out: torch.
           and inp.dtype in ROW_DTYPES and (not silu or lin.out_features % 32 == 0)):
         # quantized_linear's (and linear_silu_mul's) one C call over the plan's rows
         call = lin.own_call(inp, inp.shape[0], lin.in_features, out, silu, threads, cap)
-    elif (type(lin) is GgufLinear and model.linear is gguf_linear and not silu
+    elif (type(lin) is GgufLinear and model.linear in (gguf_linear, pinned_linear) and not silu
           and (calls := lin.bound_calls(inp, out, threads, cap)) is not None):
         # a GGUF layer kept packed: its segments' kernel calls (~35 us of Python each through
-        # forward, measured on SmolLM2 at batch 1); two or more run from one tuple
+        # forward, measured on SmolLM2 at batch 1); two or more run from one tuple. Under
+        # deterministic inference (pinned_linear) too: both run a GgufLinear's forward, and
+        # bound_calls declines a layer with a float segment (pinned on the fixed GEMM there)
         call = calls[0] if len(calls) == 1 else (_run_calls, (tuple(calls),))
     if call is not None:
         return call
