@@ -39,6 +39,21 @@ def _record(model, forward, build, logits: list, plans: list):
     return counting_build
 
 
+def _runs_plan_on_and_off(llm, prompts, monkeypatch) -> dict:
+    """KVSTRATA_CPU_DECODE_PLAN "1" and "0" -> (output ids, every forward's logits, whether
+    each forward took the plan) of the same greedy requests on the same engine."""
+    model = llm.engine.runner.model
+    forward, build = model.forward, decode_plan.build
+    runs = {}
+    for flag in ("1", "0"):
+        logits, plans = [], []
+        monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
+        monkeypatch.setattr(decode_plan, "build", _record(model, forward, build, logits, plans))
+        outs = llm.generate(input_ids=prompts, sampling_params=PARAMS)
+        runs[flag] = ([o["output_ids"] for o in outs], logits, plans)
+    return runs
+
+
 @pytest.mark.parametrize("arch,dtype,quant,copies", [
     ("llama", "float32", None, 1), ("llama", "bfloat16", None, 1), ("qwen2", "float32", None, 1),
     ("mistral", "bfloat16", None, 1), ("qwen3", "float32", None, 1),
@@ -53,15 +68,7 @@ def test_plan_logits_are_bit_identical_to_the_layer_loop(tiny_checkpoints, tiny_
     with LLM(model_path=tiny_checkpoints[arch], skip_tokenizer_init=True, dtype=dtype,
              quantization=quant, max_total_tokens=4096, disable_radix_cache=True) as llm:
         model = llm.engine.runner.model
-        forward, build = model.forward, decode_plan.build
-        runs = {}
-        for flag in ("1", "0"):
-            logits, plans = [], []
-            monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
-            monkeypatch.setattr(decode_plan, "build", _record(model, forward, build, logits,
-                                                              plans))
-            outs = llm.generate(input_ids=tiny_prompts, sampling_params=PARAMS)
-            runs[flag] = ([o["output_ids"] for o in outs], logits, plans)
+        runs = _runs_plan_on_and_off(llm, tiny_prompts, monkeypatch)
     (ids_on, logits_on, plans_on), (ids_off, logits_off, plans_off) = runs["1"], runs["0"]
     assert ids_on == ids_off
     assert len(logits_on) == len(logits_off) >= PARAMS["max_new_tokens"]
@@ -235,15 +242,7 @@ def test_plan_logits_with_gguf_layers_kept_packed(packed_gguf, tiny_prompts, mon
     with LLM(model_path=packed_gguf, skip_tokenizer_init=True, quantization="gguf",
              max_total_tokens=1024, disable_radix_cache=True) as llm:
         model = llm.engine.runner.model
-        forward, build = model.forward, decode_plan.build
-        runs = {}
-        for flag in ("1", "0"):
-            logits, plans = [], []
-            monkeypatch.setenv("KVSTRATA_CPU_DECODE_PLAN", flag)
-            monkeypatch.setattr(decode_plan, "build", _record(model, forward, build, logits,
-                                                              plans))
-            outs = llm.generate(input_ids=prompts, sampling_params=PARAMS)
-            runs[flag] = ([o["output_ids"] for o in outs], logits, plans)
+        runs = _runs_plan_on_and_off(llm, prompts, monkeypatch)
         plan = next(iter(model._decode_plans.values()))
         assert plan is not None
         # layer 0: every linear a bound kernel call (no copy through the model's linear)
