@@ -83,11 +83,17 @@ class StateMachine(base.SchedulerMachine):
             self._one_step()
         if demote and self.engine.scheduler.kv.hicache:
             self.engine.scheduler.kv.tree.evict(10**9)
+        # Always one request more, finished turn or not: the rules' preconditions count
+        # requests, and whether a turn has finished after n steps can hang on the storage
+        # tier's threads -- a precondition that follows it made hypothesis draw differently
+        # on a replay of the same choices (FlakyStrategyDefinition in a 1500-example soak).
+        # Without a finished turn, the prompt of a request still running (a prefix hit).
         done = sorted(self.finished)
-        if not done:
-            return
-        rid = done[again % len(done)]
-        ids = self.requests[rid][0] + self.outputs[rid]
+        if done:
+            rid = done[again % len(done)]
+            ids = self.requests[rid][0] + self.outputs[rid]
+        else:
+            ids = list(self.requests[sorted(self.requests)[again % len(self.requests)]][0])
         ids = ids + [(7 * i + again) % (base.VOCAB - 3) + 3 for i in range(extra)]
         new = f"r{len(self.requests)}"
         self.requests[new] = (ids, 5)
