@@ -34,6 +34,10 @@ ROUNDS=${ROUNDS:-2}
 B1_PROMPTS=${B1_PROMPTS:-6}
 PORT=${PORT:-30150}
 PY=${PY:-.venv/bin/python}
+# extra llama-server flags; on a CPU whose AMX ggml's kernels trap in (a VM: llama-server dies
+# with "Illegal instruction" in tinygemm_kernel_amx at its first graph), LLAMA_ARGS=-nr turns
+# weight repacking (and with it ggml's AMX buffer) off
+read -r -a LLAMA_ARGS <<< "${LLAMA_ARGS:-}"
 read -r -a KVSTRATA <<< "${KVSTRATA:-.venv/bin/kvstrata}"
 mkdir -p "$OUT" "$GGUF_DIR"
 "$PY" -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
@@ -89,7 +93,7 @@ run_llama() {  # tag, file, b1|b32
   local np=1 ctx=4096
   [ "$3" = b32 ] && np=32 ctx=16384
   "$LLAMA_BIN/llama-server" -m "$2" -t 2 -np "$np" -c "$ctx" --host 127.0.0.1 --port "$PORT" \
-      --alias smollm2 > "$OUT/$1_$3.log" 2>&1 &
+      --alias smollm2 ${LLAMA_ARGS[@]+"${LLAMA_ARGS[@]}"} > "$OUT/$1_$3.log" 2>&1 &
   local pid=$!
   wait_up "http://127.0.0.1:$PORT/health" $pid "$OUT/$1_$3.log" \
       || { stop $pid; echo "$1 did not start (log: $OUT/$1_$3.log)"; return 0; }
