@@ -200,11 +200,18 @@ class ModelRunner(ExecutorWiring):
             return RunnerOutput([], [], [], [])
 
         reqs = sched.scheduled
+        fresh = {new.rid for new in sched.new_requests}
         for r in reqs:
             if r.start_pos + len(r.token_ids) > self.max_context_len or not r.token_ids:
                 raise ValueError(f"request {r.rid!r}: positions {r.start_pos}.."
                                  f"{r.start_pos + len(r.token_ids) - 1} invalid for context "
                                  f"length {self.max_context_len}")
+            # A row is reused from request to request: a new one's first entry lists its slots
+            # from position 0 (any prefix hit included), or it would read its predecessor's.
+            if r.rid in fresh and r.slot_write_start != 0:
+                raise ValueError(f"request {r.rid!r}: its first entry records its row from "
+                                 f"position {r.slot_write_start}, not 0 (the row's earlier "
+                                 f"entries belong to the request that held it before)")
         self.req_to_token.write_many([r.row for r in reqs], [r.slot_write_start for r in reqs],
                                      [r.slots for r in reqs])
         token_ids = [r.token_ids for r in reqs]

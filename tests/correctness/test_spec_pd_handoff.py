@@ -160,9 +160,10 @@ def test_eagle_head_kv_and_state_cross(eagle_runners):
     _transfer(prefill, decode, pages)
     plain = [first]
     for k in range(STEPS + 1):  # the co-located continuation (plain steps on the prefill)
+        write = 0 if k == 0 else n + k  # a new request lists its row's slots from 0
         step = prefill.execute(SchedulerOutput(10 + k, False, [NewRequestData(
             "p", prompt, plain[:1], PARAMS)] if k == 0 else [], [ScheduledRequest(
-                "p", 1, n + k, [plain[-1]], n + k, _slots(SRC, n + k + 1)[n + k:], True)], []))
+                "p", 1, n + k, [plain[-1]], write, _slots(SRC, n + k + 1)[write:], True)], []))
         plain.append(step.token_ids[0])
     prefill.execute(SchedulerOutput(20, False, [], [], ["p"]))
 

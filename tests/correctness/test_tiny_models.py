@@ -190,6 +190,20 @@ def test_context_overflow_is_rejected(tiny_checkpoints):
     runner.execute(SchedulerOutput(1, False, [], [], ["x"]))
 
 
+def test_a_new_requests_first_entry_must_list_its_row_from_position_0(tiny_checkpoints):
+    """A row held before keeps that request's slots: a new request's first entry that starts
+    recording past 0 would attend to them (a hand-built test entry did, unseen)."""
+    from kvstrata.protocol import (NewRequestData, SamplingParams, ScheduledRequest,
+                                   SchedulerOutput)
+
+    runner = _runner(tiny_checkpoints["llama"], "llama", 1)
+    with pytest.raises(ValueError, match="records its row from position 2, not 0"):
+        runner.execute(SchedulerOutput(0, True, [NewRequestData("y", [5, 6, 7], [],
+                                                                SamplingParams())],
+                                       [ScheduledRequest("y", 1, 2, [7], 2, [9], True)], []))
+    runner.execute(SchedulerOutput(1, False, [], [], ["y"]))
+
+
 def test_sliding_window_no_longer_caps_context(tiny_checkpoints, tmp_path):
     """A Mistral window is applied by the attention backend (runner/attention/window.py;
     greedy against transformers: test_sliding_window_models.py), so the context is the
