@@ -13,7 +13,9 @@ import pytest
 import torch
 
 SYS_ARCH_PRCTL = 158  # x86-64
-ARCH_REQ_XCOMP_PERM, ARCH_GET_XCOMP_PERM = 0x1023, 0x1024
+# Linux's uapi asm/prctl.h (0x1024 is ARCH_GET_XCOMP_GUEST_PERM, a KVM guest's set: read in
+# error here and in amx_tiles.h for a day, it turned the AMX bodies off everywhere)
+ARCH_GET_XCOMP_SUPP, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1021, 0x1022, 0x1023
 XFEATURE_XTILEDATA = 18
 
 
@@ -40,6 +42,28 @@ pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.machine() != "x86_64"
     or not {"amx_tile", "amx_bf16", "amx_int8"} <= _cpu_flags(),
     reason="a CPU without AMX: the AMX bodies never run here")
+
+
+def _xcomp(code: int) -> int | None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    value = ctypes.c_ulong(0)
+    return value.value if libc.syscall(SYS_ARCH_PRCTL, code, ctypes.byref(value)) == 0 else None
+
+
+def test_the_amx_bodies_run_where_the_kernel_supports_and_grants_the_tiles():
+    """Checked against the supported set (another request than amx_ready's read): where the
+    kernel supports XTILEDATA and grants the request, the permitted set holds it and both
+    AMX bodies run -- the constant amx_ready reads cannot be another set's."""
+    from kvstrata.runner.cpu import _bf16_ops, _int8_ops
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    answered = libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    supported = _xcomp(ARCH_GET_XCOMP_SUPP)
+    if answered != 0 or supported is None or not supported >> XFEATURE_XTILEDATA & 1:
+        pytest.skip("this kernel does not support or grant the AMX tile data")
+    assert _xcomp(ARCH_GET_XCOMP_PERM) >> XFEATURE_XTILEDATA & 1
+    assert _bf16_ops.kernel_isa(3) == 3
+    assert _int8_ops.kernel_isa(3) == 3
 
 
 def test_the_amx_bodies_run_only_where_the_tiles_are_granted():

@@ -39,11 +39,15 @@ static int amx_ready(int bit) {
             edx = d;
             /* the request's answer is not enough: a Firecracker guest (kernel 6.18,
              * 2026-12-07) answered 0 while its supported and permitted sets lacked
-             * XTILEDATA, and ldtilecfg then raised SIGILL; the permitted set decides */
+             * XTILEDATA, and ldtilecfg then raised SIGILL; the permitted set decides.
+             * (uapi asm/prctl.h: 0x1021 GET_XCOMP_SUPP, 0x1022 GET_XCOMP_PERM, 0x1023
+             * REQ_XCOMP_PERM, 0x1024 GET_XCOMP_GUEST_PERM -- a KVM guest's set, which read
+             * here in error from 2026-12-07 to the next day turned the AMX bodies off on
+             * every CPU.) */
             unsigned long perm = 0;
             granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                               18 /* XFEATURE_XTILEDATA */) == 0
-                      && syscall(SYS_arch_prctl, 0x1024 /* ARCH_GET_XCOMP_PERM */, &perm) == 0
+                      && syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &perm) == 0
                       && (perm >> 18 & 1);
         }
     }
@@ -70,7 +74,11 @@ AMX_TARGET static void amx_configure(void) {
         cfg.rows[t] = AMX_ROWS;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    /* Not _tile_loadconfig: GCC 12's names only the first 8 bytes of its operand (an "m" of
+     * a pointer), so -O3 dropped the colsb / rows stores as dead and ldtilecfg read zeros:
+     * #GP, SIGSEGV on the first AMX GEMM (Sapphire Rapids VM, 2026-12-07). The operand here
+     * is the whole 64-byte configuration. */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 AMX_TARGET static void amx_release(void) { _tile_release(); }
 #endif
