@@ -22,11 +22,14 @@ from kvstrata.runner.cpu.isa import cpu_has_avx2, isa_cap
 # measured 1.6-2.3x faster at decode shapes (M = 1-32) on an AMX box and equal at prefill
 # shapes, bit-identical (fp16 is not measured, so not packed).
 DTYPES = (torch.float32, torch.bfloat16)
-# The highest KVSTRATA_CPU_ISA level a fixed bf16 layer runs (2: AVX-512). With AMX-BF16 the
+# Or-ed into a fixed bf16 layer's ISA cap (bf16_gemm.c EVERY_ROW_COUNT). With AMX-BF16 the
 # bf16 GEMM takes up to 4 rows on its AVX512-BF16 body and more on the AMX tiles, which sum k
-# in steps of 32 (tests/correctness/test_batch_invariance.py failed on the emulated tiles):
-# a fixed layer stays on the AVX512-BF16 body at every row count.
-FIXED_MAX_ISA_CAP = 2
+# in steps of 32 (tests/correctness/test_batch_invariance.py failed on the emulated tiles);
+# with this flag the tiles take every row count (a row padded into a 16-row tile), so a fixed
+# layer keeps the AMX speed where the batch has rows to fill them. Until 2026-12-07 a fixed
+# layer stayed on the AVX512-BF16 body instead: deterministic bf16 then served 0.30x of the
+# default on an AMX Xeon (docs/benchmarks.md).
+FIXED_EVERY_ROW_COUNT = 0x100
 
 FIXED_F32_KERNEL = ("kvstrata fp32 GEMM at every row count (deterministic inference: the AVX2 "
                     "tile of runner/cpu/csrc/bf16_gemm_avx2.h over f32_gemv's panels)")

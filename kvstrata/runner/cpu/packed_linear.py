@@ -53,7 +53,7 @@ from torch.nn import functional as F
 from kvstrata import envs
 from kvstrata.platform import read_cpu_flags
 from kvstrata.runner.cpu import _bf16_ops, fused_ops as cpu_ops, f32_gemv
-from kvstrata.runner.cpu.fixed_linear import (DTYPES, FIXED_F32_KERNEL, FIXED_MAX_ISA_CAP,
+from kvstrata.runner.cpu.fixed_linear import (DTYPES, FIXED_EVERY_ROW_COUNT, FIXED_F32_KERNEL,
                                               fixed_f32, fixed_unsupported)
 from kvstrata.runner.cpu.isa import isa_cap
 
@@ -255,8 +255,8 @@ class PackedLinear(nn.Module):
         (runner/models/decode_plan.py) keeps it. None where the GEMM does not run (not an
         `own` layer, or the ISA pinned to scalar)."""
         cap = isa_cap() if cap is None else cap
-        if self.fixed:  # never the AMX tiles: above 4 rows only, they sum k in another order
-            cap = min(cap, FIXED_MAX_ISA_CAP)
+        if self.fixed:  # one body at every row count (the AMX tiles where they run)
+            cap |= FIXED_EVERY_ROW_COUNT
         if not self.own or not _bf16_ops.kernel_isa(cap):
             return None
         bias = 0 if self.bias_f32 is None else self.bias_f32.data_ptr()
@@ -365,7 +365,7 @@ def kernel_name(layer: PackedLinear) -> str:
     if layer.fixed and not layer.own:
         return FIXED_F32_KERNEL
     if layer.fixed:
-        return _own_name(FIXED_MAX_ISA_CAP) + " at every row count (deterministic inference)"
+        return _own_name() + " at every row count (deterministic inference)"
     if layer.own:
         own = _own_name()
         if layer.onednn is not None:

@@ -17,6 +17,10 @@
  *   has_bf16_512(isa_cap): whether this CPU runs linear on AVX512-BF16 (KVSTRATA_CPU_ISA allows);
  *   kernel_isa(isa_cap): the body linear runs: 3 AMX-BF16 (bf16_gemm_amx.h, k % 32 == 0 and
  *       more than MR rows; AVX512-BF16 otherwise), 2 AVX512-BF16, 1 AVX2 + FMA, 0 none.
+ *   isa_cap | EVERY_ROW_COUNT (linear's): the AMX tiles at every row count where they run at
+ *       all, the AVX512-BF16 tiles' MR-row shortcut off: deterministic inference's fixed
+ *       layers (runner/cpu/fixed_linear.py), whose rows must not depend on how many rows
+ *       share the call (the two bodies sum k in different orders).
  *   linear_amx_emulated(...): linear's arguments on the AMX body's tiles emulated in memory
  *       (tests, on any AVX2 CPU).
  *
@@ -147,6 +151,8 @@ BF16_512 static void tile_any(const gemm_args *g, int64_t r0, const int64_t blk[
 }
 #endif
 
+#define EVERY_ROW_COUNT 0x100
+
 static int use_bf16_512(int isa_cap) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -204,13 +210,16 @@ static PyObject *linear_impl(PyObject *args, int emulate_amx) {
                      "out_f32=%d", rows, k, n, stride, silu, f32_out);
         return NULL;
     }
+    const int every_row_count = (isa_cap & EVERY_ROW_COUNT) != 0;
+    isa_cap &= ~EVERY_ROW_COUNT;
     int body = body_isa(isa_cap);
 #ifdef KVSTRATA_AMX
     /* Up to MR rows (one row block of the AVX512-BF16 tile, which streams the weights once
      * as the tiles do, without their padded rows and configuration) the AVX512-BF16 body:
      * at one row it took a decode step's 120 GEMMs in 6.16 ms against the tiles' 6.99 (16
-     * cores of an H200 host's Xeon, 2026-12-04), at 8 rows 7.87 against 7.75. */
-    if (emulate_amx || (body == 3 && k % AMX_K == 0 && rows > MR)) {
+     * cores of an H200 host's Xeon, 2026-12-04), at 8 rows 7.87 against 7.75. Not for a
+     * fixed layer (every_row_count): its rows must sum k in one order at any row count. */
+    if (emulate_amx || (body == 3 && k % AMX_K == 0 && (rows > MR || every_row_count))) {
         gemm_args a = {(const uint16_t *)x_addr, stride, (const uint16_t *)w_addr,
                        (const float *)b_addr, (char *)o_addr, rows, k, n, silu != 0,
                        f32_out != 0};
@@ -327,13 +336,13 @@ static PyObject *linear_f32(PyObject *self, PyObject *args) {
 static PyObject *has_bf16_512(PyObject *self, PyObject *args) {
     int isa_cap;
     if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
-    return PyBool_FromLong(use_bf16_512(isa_cap));
+    return PyBool_FromLong(use_bf16_512(isa_cap & ~EVERY_ROW_COUNT));
 }
 
 static PyObject *kernel_isa(PyObject *self, PyObject *args) {
     int isa_cap;
     if (!PyArg_ParseTuple(args, "i", &isa_cap)) return NULL;
-    return PyLong_FromLong(body_isa(isa_cap));
+    return PyLong_FromLong(body_isa(isa_cap & ~EVERY_ROW_COUNT));
 }
 
 static PyMethodDef methods[] = {
