@@ -26,9 +26,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 # bf16 GEMM takes up to 4 rows on its AVX512-BF16 body and more on the AMX tiles, which sum k
 # in steps of 32 (tests/correctness/test_batch_invariance.py failed on the emulated tiles);
 # with this flag the tiles take every row count (a row padded into a 16-row tile), so a fixed
-# layer keeps the AMX speed where the batch has rows to fill them. Until 2026-12-07 a fixed
-# layer stayed on the AVX512-BF16 body instead: deterministic bf16 then served 0.30x of the
-# default on an AMX Xeon (docs/benchmarks.md).
+# layer keeps the AMX speed where the batch has rows to fill them (until 2026-12-07 a fixed
+# layer stayed on the AVX512-BF16 body instead).
 FIXED_EVERY_ROW_COUNT = 0x100
 
 FIXED_F32_KERNEL = ("kvstrata fp32 GEMM at every row count (deterministic inference: the AVX2 "
