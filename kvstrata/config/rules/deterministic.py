@@ -66,7 +66,9 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). On AVX-512 BF16 without AMX (2-vCPU EPYC,
 # 2026-12-07) bf16 served 0.55x (TPOT 1.43x, batch 1 0.97x): opt-in there (the prefill
-# kernel ran 2.2-3.5x SDPA there, which the flag gives up). AMX CPUs are not measured: opt-in.
+# kernel ran 2.2-3.5x SDPA there, which the flag gives up). On AMX (2-vCPU Sapphire Rapids
+# VM, 2026-12-07, the fixed layers on the tiles at every row count): served 0.81-0.91x (median
+# 0.89x), TPOT 1.13x, batch 1 1.08x: opt-in there too.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
 # moe_decoder.py through runner/cpu/fixed_experts.py); gpt-oss's are pinned too, but its
 # attention sinks keep it refused (softmax_extras)
