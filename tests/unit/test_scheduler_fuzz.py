@@ -138,6 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         state_plan = {} if state is None else {
             "num_state_slots": state[0], "mamba_track_interval": state[2] * P,
             "num_host_state_slots": state[3] if hicache else 0,
+            "pages_hold_kv": cfg.get("pages_hold_kv", True),
             "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
             else state[1]}
         self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB, storage=store)

@@ -36,14 +36,24 @@ from tests.unit import test_scheduler_fuzz as base
 # their pages, a full queue refuses the requests that would leave them). With L3, half the
 # time write_through and wait_complete: what stores every snapshot and waits for its
 # restore (measured: 1.6% of examples restored a state from L3 without this bias, 5% with).
+# About half the time a model whose layers are all recurrent (Mamba2: pages without K/V,
+# KVPlan.pages_hold_kv; no STANDALONE draft, which config refuses there): the tree then
+# writes a node's pages (ids) to the host with its snapshot at a state eviction, under every
+# write policy (cache/state_hiradix.py). The fake runner still models pages' contents.
 state_configs = base.configs.flatmap(lambda cfg: st.tuples(
     st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
     st.sampled_from([1, 2, 4]), st.sampled_from([False, False, False, True]),
     st.one_of(st.just(cfg["pool_tokens"]), st.integers(200, 600)),
-    st.sampled_from([1, 3, 12]), st.booleans()).map(
+    st.sampled_from([1, 3, 12]), st.booleans(), st.booleans()).map(
         lambda x: {**cfg, "state": x[:3] + (x[5],), "disable_radix_cache": x[3],
                    "pool_tokens": x[4], "max_queued": cfg["max_queued"] if x[3] else None,
-                   **(_restoring(cfg) if x[6] and cfg["storage"] else {})}))
+                   **(_restoring(cfg) if x[6] and cfg["storage"] else {}),
+                   **(_without_kv(cfg) if x[7] else {})}))
+
+
+def _without_kv(cfg: dict) -> dict:
+    standalone = cfg["spec"] is not None and cfg["spec"][2] == "STANDALONE"
+    return {"pages_hold_kv": False, "spec": None if standalone else cfg["spec"]}
 
 
 def _restoring(cfg: dict) -> dict:
@@ -109,6 +119,7 @@ class StateMachine(base.SchedulerMachine):
             event(f"state snapshots copied: {min(self.runner.copies, 3)}")
             event(f"branch/chunk/track snapshots: {self.runner.snapshots > 0}")
             event(f"states evicted: {kv.tree.total_evicted_states > 0}")
+            event(f"pages hold K/V: {kv.plan.pages_hold_kv}")
             if kv.hicache:
                 event(f"host states written / loaded: {kv.tree.states_to_host > 0} / "
                       f"{kv.tree.states_from_host > 0}")
