@@ -36,24 +36,16 @@ from tests.unit import test_scheduler_fuzz as base
 # their pages, a full queue refuses the requests that would leave them). With L3, half the
 # time write_through and wait_complete: what stores every snapshot and waits for its
 # restore (measured: 1.6% of examples restored a state from L3 without this bias, 5% with).
-# About half the time a model whose layers are all recurrent (Mamba2: pages without K/V,
-# KVPlan.pages_hold_kv; no STANDALONE draft, which config refuses there): the tree then
-# writes a node's pages (ids) to the host with its snapshot at a state eviction, under every
-# write policy (cache/state_hiradix.py). The fake runner still models pages' contents.
+# About half the time (base.configs' pages_hold_kv) a model whose layers are all recurrent
+# (Mamba2: pages without K/V).
 state_configs = base.configs.flatmap(lambda cfg: st.tuples(
     st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
     st.sampled_from([1, 2, 4]), st.sampled_from([False, False, False, True]),
     st.one_of(st.just(cfg["pool_tokens"]), st.integers(200, 600)),
-    st.sampled_from([1, 3, 12]), st.booleans(), st.booleans()).map(
+    st.sampled_from([1, 3, 12]), st.booleans()).map(
         lambda x: {**cfg, "state": x[:3] + (x[5],), "disable_radix_cache": x[3],
                    "pool_tokens": x[4], "max_queued": cfg["max_queued"] if x[3] else None,
-                   **(_restoring(cfg) if x[6] and cfg["storage"] else {}),
-                   **(_without_kv(cfg) if x[7] else {})}))
-
-
-def _without_kv(cfg: dict) -> dict:
-    standalone = cfg["spec"] is not None and cfg["spec"][2] == "STANDALONE"
-    return {"pages_hold_kv": False, "spec": None if standalone else cfg["spec"]}
+                   **(_restoring(cfg) if x[6] and cfg["storage"] else {})}))
 
 
 def _restoring(cfg: dict) -> dict:
