@@ -215,6 +215,20 @@ class HiRadixCache(RadixCache):
                                   node=node))
         self.stats.d2h_pages += node.num_pages
 
+    def _write_now(self, node: TreeNode) -> bool:
+        """write_back's write: a sync device->host copy of `node`'s pages (run before the
+        forward that may reuse them), stored too with L3. False when no host room."""
+        host = self.alloc_host(node.num_pages)
+        if host is None:
+            return False
+        self.queue_op(self._copy_op(next(self._job_ids), "d2h", list(node.device_pages),
+                                    list(host), sync=True, node=node))
+        node.host_pages = host
+        self.stats.d2h_pages += node.num_pages
+        if self.storage is not None:  # queued after the sync write it reads
+            self.storage.backup(node)
+        return True
+
     def _on_split_pending(self, upper: TreeNode, lower: TreeNode) -> None:
         locked, covered = self._jobs[lower.pending_job]
         covered.append(upper)
@@ -259,15 +273,7 @@ class HiRadixCache(RadixCache):
             _, _, node = heapq.heappop(heap)
             k = node.num_pages
             if node.host_pages is None and self.write_policy == "write_back":
-                host = self.alloc_host(k)
-                if host is not None:
-                    self.queue_op(self._copy_op(next(self._job_ids), "d2h",
-                                              list(node.device_pages), list(host), sync=True,
-                                              node=node))
-                    node.host_pages = host
-                    self.stats.d2h_pages += k
-                    if self.storage is not None:  # queued after the sync write it reads
-                        self.storage.backup(node)
+                self._write_now(node)
             parent = node.parent
             self._free_device(node)
             self._evictable_pages -= k

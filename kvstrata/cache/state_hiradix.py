@@ -37,6 +37,14 @@ snapshot; the request's first forward copies it as any hit (copy-on-write). No d
 be had (every one pinned): the match is cut back to the last node with a device snapshot
 (`resume_at_state`).
 
+A model whose layers are all recurrent (Mamba2, `pages_hold_kv` False) keeps no K/V: its
+pages are ids that name tokens, on the host as on the device, and a page op moves no bytes
+(the executor reports it done at once). The rules above hold as they are, with one more: a
+state eviction of a node with no host copy of its pages gives it one first (write_back's
+sync write, `_write_now`), whatever the write policy -- it costs nothing, and the device
+state pool, not the pages, is what is short on such a model (its device pages are
+rows x context addresses), so without it write_back would rarely keep a snapshot.
+
 Integrity (check_integrity): HiRadixCache's, StateRadixCache's over device snapshots (only on
 device-resident nodes), and host state slots: free + cached (one node each, only on a node
 with host pages) == total; no host write is ever pending across steps.
@@ -56,9 +64,11 @@ from kvstrata.protocol import TransferOp
 class StateHiRadixCache(HiRadixCache):
     def __init__(self, allocator: PageAllocator, page_size: int, host_allocator: PageAllocator,
                  slots: PageAllocator, host_slots: PageAllocator,
-                 write_policy: str = "write_through", eviction_policy: str = "lru"):
+                 write_policy: str = "write_through", eviction_policy: str = "lru",
+                 pages_hold_kv: bool = True):
         self.slots = slots  # the device state pool's slot ids
         self.host_slots = host_slots  # the host state store's slot ids
+        self.pages_hold_kv = pages_hold_kv  # False: Mamba2 (module docstring)
         self.total_state_cut_tokens = 0
         self.total_evicted_states = 0
         self.states_to_host = 0  # snapshots written to the host (stats, tests)
@@ -237,6 +247,8 @@ class StateHiRadixCache(HiRadixCache):
         while freed < num_states and heap:
             node = heapq.heappop(heap)[-1]
             if node.pending_job is None:  # (a write in flight: its host pages come later)
+                if node.host_pages is None and not self.pages_hold_kv:
+                    self._write_now(node)  # pages without K/V: a copy of ids, no bytes
                 self._write_state(node)
             self.drop_state(node)
             freed += 1
@@ -337,5 +349,5 @@ def state_hicache(plan, allocator: PageAllocator, host_allocator: PageAllocator,
     slots = PageAllocator(plan.num_state_slots, 1)
     tree = StateHiRadixCache(allocator, plan.page_size, host_allocator, slots,
                              PageAllocator(plan.num_host_state_slots, 1), write_policy,
-                             eviction_policy)
+                             eviction_policy, pages_hold_kv=plan.pages_hold_kv)
     return tree, StateSlots(slots, tree, plan.page_size, track_interval)

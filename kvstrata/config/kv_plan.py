@@ -81,6 +81,11 @@ class KVPlan:
     # ... and with HiCache L2 (cache/state_hiradix.py): host state slots (each one state
     # pool slot's bytes) keeping copies of snapshots whose device copy went.
     num_host_state_slots: int = 0
+    # False for a model whose layers are all recurrent (Mamba2): its page ids still name
+    # every token (req_to_token, the radix tree, HiCache's host pages, storage keys) but
+    # hold no K/V, so a page copy moves nothing and only state snapshots carry bytes
+    # (cache/state_hiradix.py, runner/executors/hicache.py).
+    pages_hold_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_pages", "num_rows", "context_len"):
@@ -123,6 +128,10 @@ class KVPlan:
         check_state_pool(self.num_state_slots, self.state_components)
         if self.num_host_state_slots and not (self.num_state_slots and self.num_host_pages):
             raise ValueError("host state slots need a state pool and a host pool")
+        if not self.pages_hold_kv and (self.components or self.pool_kind != "none"
+                                       or not self.num_state_slots):
+            raise ValueError("pages without K/V are a model whose layers are all recurrent: "
+                             "pool kind none, no components, a state pool")
         if self.num_host_pages < 0:
             raise ValueError(f"KVPlan.num_host_pages must be >= 0, got {self.num_host_pages}")
         if self.host_pool_use not in ("hicache", "retraction"):
@@ -146,14 +155,15 @@ class KVPlan:
                    context_len: int = 1 << 20, num_host_pages: int = 0,
                    host_pool_use: str = "hicache", num_swa_pages: int = 0,
                    swa_window: int = 0, num_state_slots: int = 0,
-                   num_host_state_slots: int = 0) -> "KVPlan":
+                   num_host_state_slots: int = 0, pages_hold_kv: bool = True) -> "KVPlan":
         """Page bookkeeping without tensors: for the torch-free scheduler and fake runners.
         A host tier here only needs a (any valid) layout/IO pair to be well formed."""
         host = dict(num_host_pages=num_host_pages, host_layout=PAGE_FIRST, io_backend="kernel",
                     host_pool_use=host_pool_use) if num_host_pages else {}
         return cls(page_size, num_pages, num_rows, context_len, "none", (), **host,
                    num_swa_pages=num_swa_pages, swa_window=swa_window,
-                   num_state_slots=num_state_slots, num_host_state_slots=num_host_state_slots)
+                   num_state_slots=num_state_slots, num_host_state_slots=num_host_state_slots,
+                   pages_hold_kv=pages_hold_kv)
 
     # ---- derived numbers -------------------------------------------------------------------
     @property
@@ -305,6 +315,7 @@ class KVPlan:
             "state_bytes_per_slot": self.state_bytes_per_slot,
             "state_components": [c.to_json() for c in self.state_components],
             "num_host_state_slots": self.num_host_state_slots,
+            "pages_hold_kv": self.pages_hold_kv,
         }
 
     def summary(self) -> str:

@@ -21,20 +21,21 @@ then bounded by slots // slots per running request (resolved by
 config/rules/recurrent.py: 1 without the radix cache, 3 no_buffer, 4 extra_buffer), SGLang's
 `max_mamba_cache_size // ratio`; fewer than one: "Hybrid (mamba/linear-attention) state cache is
 too small". A model without full-attention layers keeps no K/V: its page ids are addresses
-only (req_to_token, the radix tree), bounded by rows x context as for an all-SWA model.
+only (req_to_token, the radix tree), bounded by rows x context as for an all-SWA model
+(`KVPlan.pages_hold_kv` False). HiCache's host pages and host state slots:
+config/kv_sizing_host_state.py.
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from kvstrata.config.kv_plan import KVPlan
+from kvstrata.config.kv_sizing_host_state import host_state_fields
 from kvstrata.config.resolve_types import Resolution, ResolvedArgs, change
 from kvstrata.config.rules.recurrent import check_strategy, slots_per_request
 from kvstrata.config.state_plan import STATE_SSM, StateComponent, state_bytes_per_slot
 
-logger = logging.getLogger(__name__)
 TOO_SMALL_MESSAGE = "Hybrid (mamba/linear-attention) state cache is too small"
 
 
@@ -153,70 +154,10 @@ def state_plan(args: ResolvedArgs, facts: Any, budget_bytes: int | None, context
     host_fields = {}
     if args.enable_hierarchical_cache and host is not None:
         host_fields, sized = host_state_fields(args, host, num_pages * P, kv_per_token, slots,
-                                               per_slot)
+                                               per_slot, rows)
         out += sized
     plan = KVPlan(P, num_pages, rows, context_len, facts.pool_kind if kv_per_token else "none",
                   facts.components, num_state_slots=slots, state_components=comps,
-                  draft_components=facts.draft_components, **host_fields)
+                  draft_components=facts.draft_components, pages_hold_kv=bool(kv_per_token),
+                  **host_fields)
     return plan, out
-
-
-def mamba_host_gb(value: str | None) -> float | None:
-    """--hicache-mamba-size-gb as GB (None: unset); 'auto' (SGLang's solve from checkpoint
-    demand) is refused by name."""
-    if value is None:
-        return None
-    if value == "auto":
-        raise ValueError("--hicache-mamba-size-gb auto (solving the host split from the "
-                         "expected checkpoints) is not built; give a size in GB")
-    try:
-        gb = float(value)
-    except ValueError:
-        raise ValueError(f"--hicache-mamba-size-gb must be a size in GB, got {value!r}") from None
-    if gb <= 0:
-        raise ValueError(f"--hicache-mamba-size-gb must be > 0, got {value}")
-    return gb
-
-
-def host_state_fields(args: ResolvedArgs, host, device_tokens: int, kv_per_token: int,
-                      slots: int, per_slot: int) -> tuple[dict, list[Resolution]]:
-    """HiCache L2 of a recurrent model: host pages for the K/V and host state slots for
-    snapshots (cache/state_hiradix.py). The state share: --hicache-mamba-size-gb (taken out of
-    --hicache-size when that is set), else --hicache-size split in proportion to the device
-    bytes of K/V and states (SGLang's default), else --hicache-ratio times the device slots."""
-    if not kv_per_token:
-        raise ValueError("--enable-hierarchical-cache on a model without full-attention "
-                         "layers (Mamba2): its host tier would hold state snapshots alone, "
-                         "which is not built")
-    gb = mamba_host_gb(args.hicache_mamba_size_gb)
-    size = args.hicache_size if args.hicache_size and args.hicache_size > 0 else 0.0
-    state_bytes, kv_bytes = (slots + 1) * per_slot, device_tokens * kv_per_token
-    if gb is not None:
-        host_slots = int(gb * 1e9) // per_slot
-        how = f"--hicache-mamba-size-gb {gb}"
-        if size and gb >= size:
-            raise ValueError(f"--hicache-mamba-size-gb {gb} leaves no host memory for K/V "
-                             f"pages out of --hicache-size {size}")
-        page_gb = size - gb if size else None
-    elif size:
-        share = state_bytes / (state_bytes + kv_bytes)
-        host_slots = int(size * share * 1e9) // per_slot
-        how = f"--hicache-size {size} x {share:.3f} (the states' share of device bytes)"
-        page_gb = size * (1 - share)
-    else:
-        ratio = args.hicache_ratio or 2.0
-        host_slots = int(slots * ratio)
-        how = f"--hicache-ratio {ratio} x {slots} device state slots"
-        page_gb = None
-    if host_slots < 1:
-        raise ValueError(f"the host state store ({how}) holds no state slot of {per_slot} "
-                         f"bytes; raise --hicache-mamba-size-gb")
-    fields = host(device_tokens, page_gb)
-    fields["num_host_state_slots"] = host_slots
-    logger.info("HiCache host state store: %s: %d slots of %d bytes", how, host_slots,
-                per_slot)
-    if gb is not None:
-        return fields, []
-    return fields, change(args, "hicache_mamba_size_gb", f"{host_slots * per_slot / 1e9:.6g}",
-                          "kv_plan.host_state_slots",
-                          f"{how}: {host_slots} host state slots of {per_slot} bytes")

@@ -218,8 +218,9 @@ class ServerArgs:
     hicache_mamba_size_gb: str | None = opt(
         None, "Host memory in GB for recurrent (SSM / linear-attention) models' state "
               "snapshots, carved out of --hicache-size when that is set (default: the host "
-              "tier split in proportion to the device bytes of K/V and states; 'auto' is not "
-              "built).", group="hicache")
+              "tier split in proportion to the device bytes of K/V and states; 'auto': one "
+              "slot per --chunked-prefill-size tokens of the host K/V tier plus 4 per "
+              "running request).", group="hicache")
 
     # ---- prefill/decode disaggregation ------------------------------------------------------
     disaggregation_mode: str = opt("null", "Role in prefill/decode disaggregation: null (one "

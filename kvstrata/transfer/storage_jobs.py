@@ -22,6 +22,12 @@ per page: the snapshot after it) asks which exist among the leading hit pages, r
 furthest one into its host state slot (a corrupt record: the next furthest), and cuts
 `hit_pages` there (`state_page`) before reading any page: a page past the last stored
 state could only be resumed by recomputing from there.
+
+Pages without K/V (a model whose layers are all recurrent, Mamba2): no page backend
+(`backend` None). A page backup stores nothing and is done at once; a prefetch must name
+state keys, and its leading "stored" pages are all of them -- a state key chains over the
+whole prefix, so the furthest stored state alone says how far the prefix is known -- cut at
+that state, with no page to read.
 """
 from __future__ import annotations
 
@@ -73,6 +79,9 @@ class StorageJobRunner:
         if op.kind not in self._queues or len(op.keys) != len(op.host_pages):
             raise ValueError(f"not a storage job: kind {op.kind!r}, {len(op.keys)} keys, "
                              f"{len(op.host_pages)} host pages")
+        if self.backend is None and op.kind == "s2h" and not op.state_keys:
+            raise ValueError("a prefetch of pages without K/V needs state keys: no page "
+                             "record says how far a prefix is stored")
         if op.swa_keys and (self.swa_backend is None or len(op.swa_keys) != len(op.keys)):
             raise ValueError(f"{len(op.swa_keys)} SWA keys for {len(op.keys)} pages"
                              + ("" if self.swa_backend else " without an SWA storage backend"))
@@ -146,8 +155,7 @@ class StorageJobRunner:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        self.backend.close()
-        for extra in (self.swa_backend, self.state_backend):
+        for extra in (self.backend, self.swa_backend, self.state_backend):
             if extra is not None:
                 extra.close()
 
@@ -192,6 +200,11 @@ class StorageJobRunner:
         if op.state_keys:
             return self._backup_states(job)
         job.hit = len(op.keys)
+        if self.backend is None:  # pages without K/V: nothing to store
+            with self._lock:
+                job.done = job.hit
+                self._report(job)
+            return ""
         for start, end in self._batches(len(op.keys)):
             ok = self.backend.batch_set(op.keys[start:end], op.host_pages[start:end])
             stored = _leading(ok)
@@ -228,13 +241,18 @@ class StorageJobRunner:
 
     def _prefetch(self, job: _Job) -> str:
         op = job.op
-        hit = self.backend.batch_exists(op.keys)
+        # pages without K/V: every page "exists"; the furthest stored state decides
+        hit = len(op.keys) if self.backend is None else self.backend.batch_exists(op.keys)
         if op.state_keys and hit:
             hit = self._read_state(op, hit)
         with self._lock:
             job.hit = hit
             job.state_page = hit if op.state_keys else 0
+            if self.backend is None:
+                job.done = hit  # no page to read
             self._report(job)
+        if self.backend is None:
+            return ""
         for start, end in self._batches(hit):
             with self._lock:
                 if job.cancelled:

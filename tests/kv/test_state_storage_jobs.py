@@ -2,9 +2,11 @@
 backend sees them (HostStatePool's flat slot records), and the storage job runner's state
 jobs (transfer/storage_jobs.py) over the file store: a state backup, then a prefetch that
 reads the furthest stored state among its hit pages and cuts the hit there, from a second
-backend instance on the same directory (a restart)."""
+backend instance on the same directory (a restart); and with no page backend (a model
+without K/V, Mamba2), state records alone."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvstrata.config.kv_plan import KVPlan
@@ -86,3 +88,45 @@ def test_a_prefetch_reads_the_furthest_stored_state_and_cuts_the_hit_there(tmp_p
     assert (p.hit_pages, p.done_pages, p.state_page) == (0, 0, 0)
     assert runner.state_backend.stats()["pages_read"] == 2
     runner.close()
+
+
+def test_pages_without_kv_store_state_records_alone(tmp_path):
+    """A model without K/V (Mamba2): no page backend. A page backup is done at once and
+    stores nothing; a prefetch takes every page as present and cuts at the furthest stored
+    state (its key chains over the whole prefix), reading no page; a prefetch without state
+    keys is refused (nothing would say how far the prefix is stored)."""
+    pool = _pool()
+    states = HostStatePool(PLAN, pin_memory=False, check_memory=False)
+    state_ns = StorageNamespace.for_states(PLAN, "m")
+
+    def runner():
+        return StorageJobRunner(None, state_backend=FileStorage(StorageConfig(
+            state_ns, states.slot_bytes, {"file_path": str(tmp_path)}), states))
+
+    jobs = runner()
+    jobs.submit(TransferOp(1, "h2s", [], list(range(1, 7)), sync=False, keys=KEYS))
+    states.save(pool, [3], [1])  # the state after page 3
+    state_keys = [f"state-{k}" for k in KEYS]
+    jobs.submit(TransferOp(2, "h2s", [], [], sync=False, state_keys=[state_keys[2]],
+                           host_state_slots=[1]))
+    done = finals(jobs, [1, 2])
+    assert (done[1].hit_pages, done[1].done_pages, done[2].done_pages) == (6, 6, 1)
+    jobs.close()
+    assert len(list(tmp_path.iterdir())) == 1  # the state namespace only
+
+    jobs = runner()  # a restart
+    jobs.submit(TransferOp(3, "s2h", [], list(range(1, 7)), sync=False, keys=KEYS,
+                           state_keys=state_keys, host_state_slots=[2]))
+    p = finals(jobs, [3])[3]
+    assert (p.hit_pages, p.done_pages, p.state_page, p.error) == (3, 3, 3, "")
+    pool.zero_slots([5])
+    states.load(pool, [5], [2])
+    for t in pool.tensors.values():
+        assert torch.equal(t[:, 5], t[:, 3])
+    jobs.submit(TransferOp(4, "s2h", [], [1, 2], sync=False, keys=KEYS[:2],
+                           state_keys=state_keys[:2], host_state_slots=[2]))
+    p = finals(jobs, [4])[4]  # no state stored among them: nothing is known
+    assert (p.hit_pages, p.done_pages, p.state_page) == (0, 0, 0)
+    with pytest.raises(ValueError, match="needs state keys"):
+        jobs.submit(TransferOp(5, "s2h", [], [1], sync=False, keys=KEYS[:1]))
+    jobs.close()

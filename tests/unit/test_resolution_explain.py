@@ -121,6 +121,7 @@ RULES = ["gguf_weights.kept", "platform.device", "platform.chunked_prefill_size"
          "spec.nextn", "spec.nextn_draft", "spec.auto_shape", "spec.ngram_breadth", "spec.ngram_tokens",
          "spec.ngram_topk", "spec.ngram_steps", "spec.chain", "deterministic.cpu_default",
          "deterministic.kernels", "swa.on", "swa.off", "state.strategy", "state.slots_per_request",
+         "state.host_split",
          # sizing, after the model loads (kvstrata/config/kv_sizing.py)
          "kv_plan.whole_pages", "kv_plan.memory_budget", "kv_plan.context_length",
          "kv_plan.sliding_window", "kv_plan.rows", "kv_plan.swa_memory", "kv_plan.state_slots",
@@ -144,6 +145,7 @@ def test_docs_list_every_flag_rule_and_env_var():
     sources += (root / "kvstrata/config/kv_sizing.py").read_text()
     sources += (root / "kvstrata/config/kv_sizing_swa.py").read_text()
     sources += (root / "kvstrata/config/kv_sizing_state.py").read_text()
+    sources += (root / "kvstrata/config/kv_sizing_host_state.py").read_text()
     used = set(re.findall(r'"((?:gguf_weights|platform|hicache|retraction|dsa|kv_plan|disagg|spec|deterministic|swa|state)\.[A-Za-z_.0-9]+)"',
                           sources))
     assert used == set(RULES)

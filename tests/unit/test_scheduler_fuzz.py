@@ -97,6 +97,12 @@ configs = st.fixed_dictionaries({
     "state": st.one_of(st.none(), st.none(), st.none(), st.tuples(
         st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
         st.sampled_from([1, 2, 4]), st.sampled_from([1, 3, 12]))),
+    # With a state pool: a model whose layers are all recurrent (Mamba2) when False, its
+    # pages without K/V (KVPlan.pages_hold_kv; no STANDALONE draft, which config refuses
+    # there): the tree writes a node's page ids to the host with its snapshot at a state
+    # eviction under every write policy (cache/state_hiradix.py). The fake runner still
+    # models pages' contents.
+    "pages_hold_kv": st.booleans(),
 })
 prompts = st.tuples(st.integers(0, len(BASES) - 1), st.integers(0, 40),
                     st.lists(st.integers(3, VOCAB - 1), max_size=16))
@@ -116,7 +122,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         P = cfg["page_size"]
         state = cfg.get("state")
         if state is not None:
-            spec = cfg["spec"] if cfg["spec"] is None or cfg["spec"][2] != "EAGLE" else None
+            unbuilt = ("EAGLE",) if cfg["pages_hold_kv"] else ("EAGLE", "STANDALONE")
+            spec = cfg["spec"] if cfg["spec"] is None or cfg["spec"][2] not in unbuilt else None
             cfg = {**cfg, "swa": None, "spec": spec}
         swa = cfg["swa"]
         hicache = cfg["hicache_pages"] if not cfg["disable_radix_cache"] else 0
@@ -138,6 +145,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         state_plan = {} if state is None else {
             "num_state_slots": state[0], "mamba_track_interval": state[2] * P,
             "num_host_state_slots": state[3] if hicache else 0,
+            "pages_hold_kv": cfg["pages_hold_kv"],
             "mamba_radix_cache_strategy": "auto" if state[1] == "no_buffer" and P > 1
             else state[1]}
         self.runner = (FakeStateRunner(page_size=P, vocab_size=VOCAB, storage=store)

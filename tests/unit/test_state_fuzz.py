@@ -36,6 +36,8 @@ from tests.unit import test_scheduler_fuzz as base
 # their pages, a full queue refuses the requests that would leave them). With L3, half the
 # time write_through and wait_complete: what stores every snapshot and waits for its
 # restore (measured: 1.6% of examples restored a state from L3 without this bias, 5% with).
+# About half the time (base.configs' pages_hold_kv) a model whose layers are all recurrent
+# (Mamba2: pages without K/V).
 state_configs = base.configs.flatmap(lambda cfg: st.tuples(
     st.integers(1, 24), st.sampled_from(["auto", "no_buffer", "extra_buffer"]),
     st.sampled_from([1, 2, 4]), st.sampled_from([False, False, False, True]),
@@ -109,6 +111,7 @@ class StateMachine(base.SchedulerMachine):
             event(f"state snapshots copied: {min(self.runner.copies, 3)}")
             event(f"branch/chunk/track snapshots: {self.runner.snapshots > 0}")
             event(f"states evicted: {kv.tree.total_evicted_states > 0}")
+            event(f"pages hold K/V: {kv.plan.pages_hold_kv}")
             if kv.hicache:
                 event(f"host states written / loaded: {kv.tree.states_to_host > 0} / "
                       f"{kv.tree.states_from_host > 0}")

@@ -1,6 +1,7 @@
 """HiCache L2 with state snapshots (cache/state_hiradix.py), torch-free and with exact ids:
 which ops move a snapshot when its device copy goes, how a match ends at a host-only
-snapshot and loads it, and what host state slot pressure drops. The randomised versions are
+snapshot and loads it, what host state slot pressure drops, and a model without K/V
+(Mamba2) writing page ids with a snapshot at a state eviction. The randomised versions are
 test_state_fuzz.py and test_scheduler_fuzz.py (a host tier beside a state pool)."""
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from kvstrata.cache.state_hiradix import StateHiRadixCache, resume_at_state
 from tests.unit.test_state_cache import chat_hit_rate
 
 
-def tree(host_slots: int = 2, write_policy: str = "write_back", slots: int = 3):
+def tree(host_slots: int = 2, write_policy: str = "write_back", slots: int = 3,
+         pages_hold_kv: bool = True):
     return StateHiRadixCache(PageAllocator(8, 1), 1, PageAllocator(16, 1),
                              PageAllocator(slots, 1), PageAllocator(host_slots, 1),
-                             write_policy)
+                             write_policy, pages_hold_kv=pages_hold_kv)
 
 
 def cache(t: StateHiRadixCache, ids: list[int]):
@@ -65,6 +67,28 @@ def test_state_eviction_keeps_a_host_copy_and_the_kv():
     resume_at_state(t, match)
     assert a.state_slot and state_ops(t) == [("h2d", [a.state_slot], [1])]
     t.unlock(a)
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("pages_hold_kv", [True, False])
+def test_a_state_eviction_under_write_back_writes_page_ids_only_without_kv(pages_hold_kv):
+    """write_back gives a node host pages only when the device evicts it: a state eviction
+    of a hybrid's node drops its snapshot (nothing on the host to resume with). A model
+    without K/V (Mamba2) writes the node's page ids first (a sync page op that moves no
+    bytes), then the snapshot, so the match still ends there, at the host copy."""
+    t = tree(pages_hold_kv=pages_hold_kv)
+    a = cache(t, [1, 2])
+    assert t.evict_states(1) == 1
+    ops, t.pending_ops = t.pending_ops, []
+    if pages_hold_kv:
+        assert ops == [] and (a.host_pages, a.host_state) == (None, 0)
+        assert t.match_prefix([1, 2, 9]).last_node is t.root
+    else:
+        assert [(op.kind, op.device_pages, op.host_pages, op.sync, op.state_slots,
+                 op.host_state_slots) for op in ops] == [
+            ("d2h", [1, 2], [1, 2], True, [], []), ("d2h", [], [], True, [1], [1])]
+        assert (a.host_pages, a.host_state, a.state_slot) == ([1, 2], 1, 0)
+        assert t.match_prefix([1, 2, 9]).last_node is a
     t.check_integrity()
 
 

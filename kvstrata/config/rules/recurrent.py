@@ -3,8 +3,10 @@ Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot 
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
 cache of PD, a decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
-rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
-attention layers: config/kv_sizing_state.py).
+rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py).
+HiCache's host state slots are sized with the pools (config/kv_sizing_host_state.py); this step
+says how `--hicache-mamba-size-gb auto` will be solved (`state.host_split`), so that
+`config --explain` shows it, and refuses it without chunked prefill (its cadence).
 
 The prefix cache keeps state snapshots in slots of the state pool (cache/state_radix.py);
 SGLang's `--mamba-radix-cache-strategy`:
@@ -26,12 +28,15 @@ bound --max-running-requests once the pool is sized (config/kv_sizing_state.py).
 """
 from __future__ import annotations
 
+from kvstrata.config.kv_sizing_host_state import (AUTO, FINISH_SLOTS_PER_RUNNING_REQUEST,
+                                                  auto_chunk)
 from kvstrata.config.resolve_types import ModelInfo, Resolution, ResolvedArgs, change
 from kvstrata.platform import Platform
 
 RULE_STRATEGY = "state.strategy"
 RULE_TRACK = "state.track_interval"
 RULE_SLOTS = "state.slots_per_request"
+RULE_HOST_SPLIT = "state.host_split"
 SGLANG_TRACK_INTERVAL = 256
 SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 # Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
@@ -161,4 +166,24 @@ def recurrent_state(args: ResolvedArgs, platform: Platform, model_info: ModelInf
     out += change(args, "state_slots_per_request", per_request, RULE_SLOTS,
                   f"recurrent state{layers}: the state pool's slots "
                   f"// {per_request} bound --max-running-requests; {why}")
-    return out
+    return out + host_split_note(args)
+
+
+def host_split_note(args: ResolvedArgs) -> list[Resolution]:
+    """`--hicache-mamba-size-gb auto` stays until the pools are sized (the GB it becomes is
+    kv_plan.host_state_slots'); recorded here so that config --explain says how."""
+    value = args.hicache_mamba_size_gb
+    if not args.enable_hierarchical_cache or value is None or str(value).strip().lower() != AUTO:
+        return []
+    chunk = auto_chunk(args)
+    budget = (f"out of --hicache-size {args.hicache_size} (a fixed point: the K/V pages get "
+              f"the rest)" if args.hicache_size and args.hicache_size > 0 else
+              f"beside --hicache-ratio {args.hicache_ratio} x the device K/V tokens")
+    return [Resolution("hicache_mamba_size_gb", value, AUTO, RULE_HOST_SPLIT,
+                       f"auto, solved when the pools are sized: host state slots for one "
+                       f"checkpoint per --chunked-prefill-size {chunk} tokens of the host K/V "
+                       f"tier + {FINISH_SLOTS_PER_RUNNING_REQUEST} per running request "
+                       f"(SGLang's checkpoint demand), {budget}; a model without "
+                       f"full-attention layers (Mamba2) has no K/V tier to anchor them and "
+                       f"takes the default (all of --hicache-size, else --hicache-ratio x "
+                       f"the device state slots)")]

@@ -110,13 +110,15 @@ class SchedulerConfig:
     def __init__(self, plan: KVPlan | None = None, *, num_pages: int | None = None,
                  page_size: int = 1, max_running_requests: int = 64, num_host_pages: int = 0,
                  host_pool_use: str | None = None, num_swa_pages: int = 0, swa_window: int = 0,
-                 num_state_slots: int = 0, num_host_state_slots: int = 0, **policy: Any):
+                 num_state_slots: int = 0, num_host_state_slots: int = 0,
+                 pages_hold_kv: bool = True, **policy: Any):
         """The server passes the plan the engine factory sized. Torch-free tests may pass
         page counts instead: they build a bookkeeping-only plan (KVPlan.pages_only); there a
         decode server's host pages are its retraction host pool unless `host_pool_use`
         says "hicache"; `num_swa_pages` / `swa_window`: a hybrid SWA pool;
         `num_state_slots`: a recurrent state pool (bookkeeping only), `num_host_state_slots`
-        its HiCache host state slots."""
+        its HiCache host state slots, `pages_hold_kv` False: a model whose layers are all
+        recurrent (Mamba2: pages are addresses only, KVPlan.pages_hold_kv)."""
         if (plan is None) == (num_pages is None):
             raise TypeError("SchedulerConfig needs a KVPlan, or num_pages (a page-only plan)")
         # A decode server's host pages hold retraction backups, unless its radix cache has a
@@ -129,7 +131,7 @@ class SchedulerConfig:
             num_pages=num_pages, page_size=page_size, num_rows=max_running_requests,
             num_host_pages=num_host_pages, host_pool_use=use, num_swa_pages=num_swa_pages,
             swa_window=swa_window, num_state_slots=num_state_slots,
-            num_host_state_slots=num_host_state_slots)
+            num_host_state_slots=num_host_state_slots, pages_hold_kv=pages_hold_kv)
         for f in fields(self):
             if f.name != "plan":
                 setattr(self, f.name, policy.pop(f.name, f.default))

@@ -68,14 +68,18 @@ class HiCacheExecutor(OpExecutor):
         pages holds their K/V under the same host page ids (cache/swa_hiradix.py), moved by
         a second IO backend in the same jobs. Recurrent state (`state_pool`): a host state
         store of plan.num_host_state_slots slots; ops with state slot pairs copy to / from
-        it at once, in op order (they are sync and carry no pages: cache/state_hiradix.py)."""
+        it at once, in op order (they are sync and carry no pages: cache/state_hiradix.py).
+        A model whose pages hold no K/V (Mamba2: `plan.pages_hold_kv` False, `device_pool`
+        None) has the host state store only: its page ops report done at once and its L3
+        stores state records alone (transfer/storage_jobs.py)."""
         self.state_pool = state_pool
         self.host_states = None
         if state_pool is not None:
-            if not plan.components:
-                raise ValueError("HiCache for a recurrent model needs full-attention layers")
             self.host_states = HostStatePool(plan)
         self.swa_host_pool = None
+        # A model whose pages hold no K/V (Mamba2, plan.pages_hold_kv): no host page pool,
+        # no IO backend, no copy thread; its page ops move nothing and finish at once.
+        self.host_pool = self.io = self.controller = None
         swa_io = None
         if swa_pool is not None:
             full = plan.full_pool_plan()
@@ -86,12 +90,15 @@ class HiCacheExecutor(OpExecutor):
             plan_full = full
         else:
             plan_full = plan
-        self.host_pool = HostKVPool.from_plan(plan_full)
-        self.io = make_io_backend(plan.io_backend, device_pool.kv, self.host_pool)
-        advice = page_size_advice(plan_full)
-        if advice:
-            logger.warning(advice)
-        self.controller = TransferController(self.io, swa_io=swa_io)
+        if plan.pages_hold_kv:
+            self.host_pool = HostKVPool.from_plan(plan_full)
+            self.io = make_io_backend(plan.io_backend, device_pool.kv, self.host_pool)
+            advice = page_size_advice(plan_full)
+            if advice:
+                logger.warning(advice)
+            self.controller = TransferController(self.io, swa_io=swa_io)
+        elif state_pool is None:
+            raise ValueError("HiCache without K/V pages needs a recurrent state pool")
         self._job_of: dict[int, int] = {}  # controller id -> scheduler job id
         self.wait_seconds = 0.0
         self.plan = plan
@@ -115,7 +122,7 @@ class HiCacheExecutor(OpExecutor):
         backend_extra = {k: v for k, v in extra.items() if k not in PREFETCH_CONFIG_KEYS}
         salt = str(extra.get("key_salt", ""))
 
-        pools = [self.host_pool] + [p for p in (self.swa_host_pool, self.host_states) if p]
+        pools = [p for p in (self.host_pool, self.swa_host_pool, self.host_states) if p]
         total_bytes = sum(p.size_bytes for p in pools)
 
         def open_store(plan: KVPlan, host_pool, component: str = ""):
@@ -131,15 +138,16 @@ class HiCacheExecutor(OpExecutor):
             logger.info("HiCache storage: %s backend, namespace %s", backend, namespace.name)
             return create_storage_backend(backend, config, host_pool), namespace
 
-        if self.swa_host_pool is None:
-            store, namespace = open_store(self.plan, self.host_pool)
-            swa_store = None
-        else:
+        store = swa_store = None  # no page store: pages without K/V (Mamba2) store nothing
+        if self.swa_host_pool is not None:
             store, namespace = open_store(self.plan.full_pool_plan(), self.host_pool, "full")
             swa_store = open_store(self.plan.swa_pool_plan(), self.swa_host_pool, "swa")[0]
+        elif self.host_pool is not None:
+            store, namespace = open_store(self.plan, self.host_pool)
         state_store = (open_store(self.plan, self.host_states, "state")[0]
                        if self.host_states is not None else None)
-        self.skip_backups = namespace.is_mla and tp_rank > 0 and store.shared_across_processes
+        self.skip_backups = store is not None and namespace.is_mla and tp_rank > 0 and \
+            store.shared_across_processes
         self.storage = StorageJobRunner(store, swa_backend=swa_store, state_backend=state_store)
 
     def execute(self, ops: list[TransferOp], idle: bool = False, cancels: list[int] = ()
@@ -148,19 +156,23 @@ class HiCacheExecutor(OpExecutor):
         copies so far and the storage jobs' progress. idle: the step computes nothing, so
         wait (bounded) for a copy or progress rather than have the engine loop spin."""
         storage_ops = [op for op in ops if op.kind in _STORAGE_KINDS]
-        states_done = []
+        done_now = []  # state copies (sync, made here) and page ops that move no bytes
         for op in ops:
             if op.kind in _STORAGE_KINDS:
                 continue
             if op.state_slots:  # a snapshot to / from the host state store, now
                 move = self.host_states.save if op.kind == "d2h" else self.host_states.load
                 move(self.state_pool, op.state_slots, op.host_state_slots)
-                states_done.append(op.job_id)
-                continue
-            cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages,
-                                         op.swa_pages, swa_only=op.swa_only)
-            self._job_of[cid] = op.job_id
-        if any(op.sync for op in ops):
+                done_now.append(op.job_id)
+            elif self.controller is None:  # pages without K/V: nothing to copy
+                done_now.append(op.job_id)
+            else:
+                cid = self.controller.submit(_KIND[op.kind], op.device_pages, op.host_pages,
+                                             op.swa_pages, swa_only=op.swa_only)
+                self._job_of[cid] = op.job_id
+        if self.controller is None:
+            done, failed = [], []
+        elif any(op.sync for op in ops):
             start = time.perf_counter()
             done, failed = self.controller.drain()
             self.wait_seconds += time.perf_counter() - start
@@ -168,8 +180,9 @@ class HiCacheExecutor(OpExecutor):
             done, failed = self.controller.wait_any(IDLE_WAIT_SECONDS)
         else:
             done, failed = self.controller.poll_finished()
-        progress = self._storage_step(storage_ops, cancels, idle and not (done or failed))
-        return (states_done + [self._job_of.pop(c) for c in done],
+        idle_wait = idle and not (done or failed or done_now)
+        progress = self._storage_step(storage_ops, cancels, idle_wait)
+        return (done_now + [self._job_of.pop(c) for c in done],
                 [self._job_of.pop(c) for c in failed], progress)
 
     def _storage_step(self, ops: list[TransferOp], cancels: list[int], wait: bool
@@ -194,15 +207,15 @@ class HiCacheExecutor(OpExecutor):
         return self.storage.poll()
 
     def stats(self) -> dict:
-        s = dict(self.controller.stats)
+        s = dict(self.controller.stats) if self.controller is not None else {}
         for kind in ("write", "load"):
             secs = s.get(f"{kind}_seconds", 0.0)
             s[f"{kind}_gb_per_s"] = s.get(f"{kind}_bytes", 0.0) / secs / 1e9 if secs else 0.0
-        s["host_pool_bytes"] = self.host_pool.size_bytes + (
-            self.swa_host_pool.size_bytes if self.swa_host_pool is not None else 0) + (
-            self.host_states.size_bytes if self.host_states is not None else 0)
+        s["host_pool_bytes"] = sum(p.size_bytes for p in (
+            self.host_pool, self.swa_host_pool, self.host_states) if p is not None)
         if self.storage is not None:
-            s.update({f"storage_{k}": v for k, v in self.storage.backend.stats().items()
+            pages = self.storage.backend
+            s.update({f"storage_{k}": v for k, v in (pages.stats() if pages else {}).items()
                       if isinstance(v, (int, float))})
             # the SWA halves' and the state snapshots' records apart
             for kind, store in (("swa", self.storage.swa_backend),
@@ -214,8 +227,9 @@ class HiCacheExecutor(OpExecutor):
 
     def close(self, storage_timeout: float = 2.0) -> None:
         # The scheduler already waited for the backups (EngineCore.finish_storage_backups).
-        self.controller.drain(timeout=30)
-        self.controller.close()
+        if self.controller is not None:
+            self.controller.drain(timeout=30)
+            self.controller.close()
         if self.storage is not None:
             self.storage.drain(storage_timeout)  # logs when the timeout is hit
             self.storage.close()
