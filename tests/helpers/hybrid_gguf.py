@@ -41,8 +41,6 @@ QUANT = "Q8_0"
 
 
 def _metadata(w, arch: str, config) -> None:
-    import gguf
-
     if arch == "mamba2":
         d_inner, heads = config.num_heads * config.head_dim, config.num_heads
         w.add_context_length(2 ** 20)
@@ -104,6 +102,15 @@ def _metadata(w, arch: str, config) -> None:
         w.add_logit_scale(config.logits_scaling)
         state, groups, kernel = config.mamba_d_state, config.mamba_n_groups, config.mamba_d_conv
         eps = config.rms_norm_eps
+    ssm_metadata(w, config, d_inner, heads, state, groups, kernel, eps)
+
+
+def ssm_metadata(w, config, d_inner: int, heads: int, state: int, groups: int, kernel: int,
+                 eps: float) -> None:
+    """The keys every hybrid file carries: sizes, the Mamba2 / Gated DeltaNet ssm.* keys,
+    the eps, the file type and a sentencepiece vocabulary with bos / pad / unk ids."""
+    import gguf
+
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_ssm_conv_kernel(kernel)
