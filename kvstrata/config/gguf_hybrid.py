@@ -39,7 +39,8 @@ computes: dt unclamped (time_step_limit (0, inf): llama.cpp's ssm_scan clamps no
 gate applied before the group norm, SiLU in the mixer. Refused by key: a K/V head count or
 feed-forward length that differs between layers, value_length != key_length, dt_b_c_rms
 (Falcon-Mamba's extra norms), attention biases; Granite's rope scaling or partial rope, a head
-size other than hidden / heads; Qwen3.5's rope scaling or experts (a MoE file is qwen35moe).
+size other than hidden / heads; Qwen3.5's rope scaling or experts (a MoE file is qwen35moe:
+Qwen3.5's layers, Qwen3-Next's MoE in every layer, no feed_forward_length).
 """
 from __future__ import annotations
 
@@ -52,10 +53,12 @@ from kvstrata.config.gguf_nemotron_moe import NEMOTRON_MOE_KEYS, nemotron_moe_fi
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                  "nemotron_h_moe": "NemotronHForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-                 "qwen3next": "Qwen3NextForCausalLM", "falcon-h1": "FalconH1ForCausalLM"}
+                 "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                 "falcon-h1": "FalconH1ForCausalLM"}
 MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
                "granitehybrid": "granitemoehybrid", "qwen35": "qwen3_5_text",
-               "qwen3next": "qwen3_next", "falcon-h1": "falcon_h1"}
+               "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
+               "falcon-h1": "falcon_h1"}
 # The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
 # use the default"): no trained context, so the config class's default stands (4096 for
 # Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
@@ -116,7 +119,7 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                 "mamba_d_state": int(need("ssm.state_size")), "mamba_n_groups": n_group,
                 "mamba_d_conv": int(need("ssm.conv_kernel")), "mamba_conv_bias": conv_bias,
                 "mamba_proj_bias": proj_bias}
-    if arch in ("qwen35", "qwen3next"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         return {**fields, **_qwen35(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
                 "linear_num_key_heads": n_group, "linear_num_value_heads": n_head,
                 "linear_key_head_dim": int(need("ssm.state_size")),
@@ -258,7 +261,8 @@ def _granite(arch: str, get, need, n_layer: int, n_embd: int,
 
 def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
             dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Qwen3.5 (dense) and Qwen3-Next as llama.cpp's qwen35 / qwen3next hparams read them:
+    """Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next as llama.cpp's qwen35 / qwen35moe /
+    qwen3next hparams read them:
     every full_attention_interval-th layer (default 4) full attention, the others Gated
     DeltaNet (ssm.group_count key heads, ssm.time_step_rank value heads, ssm.state_size the
     key head size); rope over rope.dimension_count of the head (partial_rotary_factor),
@@ -275,12 +279,13 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
     heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
     rot = int(get("rope.dimension_count", head_dim))
     moe = {} if arch == "qwen35" else _qwen3_next_moe(arch, need, experts, dims)
-    return {**moe,
+    # Qwen3.5-MoE has no dense MLP and its converter writes no feed_forward_length
+    ffn = need("feed_forward_length") if arch != "qwen35moe" else get("feed_forward_length")
+    return {**moe, **({"intermediate_size": int(ffn)} if ffn else {}),
             "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(n_layer)],
             "num_attention_heads": heads, "num_key_value_heads": n_kv, "head_dim": head_dim,
             "attention_bias": False, "hidden_act": "silu",
-            "intermediate_size": int(need("feed_forward_length")),
             "rope_parameters": {"rope_type": "default",
                                 "rope_theta": float(get("rope.freq_base", _ROPE_BASE)),
                                 "partial_rotary_factor": rot / head_dim}}
@@ -288,13 +293,13 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
 
 def _qwen3_next_moe(arch: str, need, experts: int, dims: dict[str, tuple[int, ...]]
                     ) -> dict[str, Any]:
-    """Qwen3-Next's MoE as llama.cpp's qwen3next builds it: every layer a MoE (the arch has no
-    dense FFN tensors) with top-k weights renormalised and a sigmoid-gated shared expert; the
-    expert and shared widths from their tensors (ne[1])."""
+    """Qwen3-Next's MoE as llama.cpp's qwen3next (and qwen35moe) builds it: every layer a MoE
+    (the arch has no dense FFN tensors) with top-k weights renormalised and a sigmoid-gated
+    shared expert; the expert and shared widths from their tensors (ne[1])."""
     gate, shared = dims.get("blk.0.ffn_gate_exps.weight"), dims.get("blk.0.ffn_gate_shexp.weight")
     if not experts or gate is None:
         raise ValueError(f"GGUF {arch}: no experts (expert_count, ffn_gate_exps): every "
-                         f"qwen3next layer is a MoE")
+                         f"{arch} layer is a MoE")
     return {"num_experts": experts, "num_experts_per_tok": int(need("expert_used_count")),
             "moe_intermediate_size": int(gate[1]),
             "shared_expert_intermediate_size": int(shared[1]) if shared else 0,

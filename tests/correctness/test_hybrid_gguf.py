@@ -1,6 +1,6 @@
-"""Mamba2, Nemotron-H (dense and MoE), Granite-4.0-H, Qwen3.5, Qwen3-Next and Falcon-H1 GGUF
-files (llama.cpp archs `mamba2`, `nemotron_h`, `nemotron_h_moe`, `granitehybrid`, `qwen35`,
-`qwen3next`, `falcon-h1`): tiny random models (tests/helpers/hybrid_ckpt.py) written as
+"""Mamba2, Nemotron-H (dense and MoE), Granite-4.0-H, Qwen3.5 (dense and MoE), Qwen3-Next and
+Falcon-H1 GGUF files (llama.cpp archs `mamba2`, `nemotron_h`, `nemotron_h_moe`,
+`granitehybrid`, `qwen35`, `qwen35moe`, `qwen3next`, `falcon-h1`): tiny random models (tests/helpers/hybrid_ckpt.py) written as
 llama.cpp's converter writes them with --outtype q8_0 (tests/helpers/hybrid_gguf.py and
 hybrid_gguf_extra.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted q / k,
 Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key head,
@@ -32,12 +32,13 @@ import pytest
 import torch
 
 from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
-from helpers.hybrid_ckpt import build_falcon_h1_checkpoint, build_nemotron_h_moe_checkpoint
+from helpers.hybrid_ckpt import (assert_drained_whole, build_falcon_h1_checkpoint,
+                                 build_nemotron_h_moe_checkpoint, build_qwen3_5_moe_checkpoint)
 from helpers.hybrid_gguf import write_hybrid_gguf
 from helpers.hybrid_gguf_extra import write_hybrid_gguf_extra
 
 ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5", "qwen3_next", "nemotron_h_moe",
-         "falcon_h1")
+         "falcon_h1", "qwen3_5_moe")
 # the archs tests/helpers/hybrid_gguf_extra.py writes, and their tiny checkpoints as the
 # converter can write them: one router group (it writes no expert_group_used_count), and
 # Falcon-H1 without in_proj / projector biases (its fold cannot scale a bias's blocks,
@@ -69,7 +70,8 @@ def files(tmp_path_factory):
                 hf = _EXTRA[arch](str(root / arch))
                 out[arch] = (hf, write_hybrid_gguf_extra(arch, hf, gguf, ref), ref)
                 continue
-            hf = build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {}))
+            hf = (build_qwen3_5_moe_checkpoint(str(root / arch)) if arch == "qwen3_5_moe" else
+                  build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {})))
             out[arch] = (hf, write_hybrid_gguf(arch, hf, gguf, ref), ref)
         yield out
 
@@ -102,6 +104,9 @@ _FIELDS = {
 _FIELDS["qwen3_next"] = (*_FIELDS["qwen3_5"], "num_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "shared_expert_intermediate_size",
                          "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+_FIELDS["qwen3_5_moe"] = (*(f for f in _FIELDS["qwen3_5"] if f != "intermediate_size"),
+                          "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size")
 _FIELDS["nemotron_h_moe"] = (
     *(f for f in _FIELDS["nemotron_h"] if f != "intermediate_size"), "n_routed_experts",
     "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
@@ -120,6 +125,7 @@ _LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
            "granite": "layer_types: 3 of 4 layers recurrent",
            "qwen3_5": "layer_types: 3 of 4 layers recurrent",
            "qwen3_next": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_5_moe": "layer_types: 3 of 4 layers recurrent",
            "nemotron_h_moe": "layers_block_type: 2 of 5 layers recurrent",
            "falcon_h1": "model_type falcon_h1: every layer keeps state"}
 
@@ -147,7 +153,7 @@ def test_config_comes_from_the_header(arch, files):
         if isinstance(want, float):  # stored as float32 in the file
             mine, want = np.float32(mine), np.float32(want)
         assert mine == want, field
-    if arch in ("granite", "qwen3_5", "qwen3_next", "falcon_h1"):
+    if arch in ("granite", "qwen3_5", "qwen3_next", "falcon_h1", "qwen3_5_moe"):
         for key in ("rope_theta", "partial_rotary_factor"):
             assert ours.rope_parameters.get(key) == theirs.rope_parameters.get(key), key
     info = ModelInfo.from_model_path(gguf_path)
@@ -201,12 +207,7 @@ def test_greedy_from_the_gguf_equals_transformers(arch, files, prompts):
         out, = llm.generate(input_ids=[branch], sampling_params=GREEDY)
         assert out["meta_info"]["cached_tokens"] == 32  # the chunk-end snapshot at 32
         assert out["output_ids"] == ref(branch, NEW)
-        sched = llm.engine.scheduler
-        assert not sched.live_requests() and not sched.waiting
-        llm.check_integrity()
-        states = sched.kv.states
-        assert states.allocator.available_pages() + states.tree.cached_states() == \
-            states.num_slots
+        assert_drained_whole(llm)
 
 
 def test_falcon_h1_folded_multipliers_are_the_same_model(files, prompts, tmp_path):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_qwen3_5_moe_checkpoint
+from helpers.hybrid_ckpt import (VOCAB, HFGreedy, assert_drained_whole,
+                                 build_qwen3_5_moe_checkpoint)
 from kvstrata import LLM
 
 NEW = 8
@@ -38,9 +39,4 @@ def test_greedy_equals_transformers(page_size, chunk, path, ref):
         out, = llm.generate(input_ids=[branch], sampling_params=GREEDY)
         assert out["meta_info"]["cached_tokens"] > 0
         assert out["output_ids"] == ref(branch, NEW)
-        sched = llm.engine.scheduler
-        assert not sched.live_requests() and not sched.waiting
-        llm.check_integrity()
-        states = sched.kv.states
-        assert states.allocator.available_pages() + states.tree.cached_states() == \
-            states.num_slots
+        assert_drained_whole(llm)

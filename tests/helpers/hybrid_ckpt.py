@@ -219,3 +219,13 @@ def build_qwen3_5_moe_checkpoint(path: str, seed: int = 3579) -> str:
                                      moe_intermediate_size=24,
                                      shared_expert_intermediate_size=40)
     return build_checkpoint(config, path, seed, _redraw("qwen3_5"))
+
+
+def assert_drained_whole(llm) -> None:
+    """After a run: no request left, every pool whole, and every state slot free or holding
+    a snapshot the prefix cache keeps."""
+    sched = llm.engine.scheduler
+    assert not sched.live_requests() and not sched.waiting
+    llm.check_integrity()
+    states = sched.kv.states
+    assert states.allocator.available_pages() + states.tree.cached_states() == states.num_slots

@@ -110,10 +110,11 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "mamba", "jamba"])
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h,
-    nemotron_h_moe, granitehybrid, qwen35, qwen3next and falcon-h1: config/gguf_hybrid.py)
+    nemotron_h_moe, granitehybrid, qwen35, qwen35moe, qwen3next and falcon-h1:
+    config/gguf_hybrid.py)
     is refused at resolution
     (ModelInfo reads the header) and at load (before transformers' conversion), naming the
     arch and the way out."""
@@ -129,8 +130,8 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_tensors_to_file()
     w.close()
     why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
-           f"nemotron_h, nemotron_h_moe, granitehybrid, qwen35, qwen3next and falcon-h1 archs "
-           f"only.* HF safetensors")
+           f"nemotron_h, nemotron_h_moe, granitehybrid, qwen35, qwen35moe, qwen3next and "
+           f"falcon-h1 archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -304,6 +305,15 @@ def test_qwen3_5_from_the_header():
     assert (moe["architectures"], moe["num_experts"], moe["moe_intermediate_size"],
             moe["shared_expert_intermediate_size"], moe["decoder_sparse_step"]) == (
         ["Qwen3NextForCausalLM"], 4, 24, 40, 1)
+    # Qwen3.5-MoE: Qwen3.5's keys without feed_forward_length, the experts as Qwen3-Next's
+    moe_meta = {k.replace("qwen3next.", "qwen35moe."): v for k, v in next_meta.items()
+                if k != "qwen3next.feed_forward_length"}
+    moe_meta["general.architecture"] = "qwen35moe"
+    moe = hybrid_fields(moe_meta, {**dims, "blk.0.ffn_gate_exps.weight": (64, 24, 4),
+                                   "blk.0.ffn_gate_shexp.weight": (64, 40)})
+    assert (moe["architectures"], moe["model_type"], moe["num_experts"],
+            "intermediate_size" in moe) == (["Qwen3_5MoeForCausalLM"], "qwen3_5_moe_text", 4,
+                                            False)
 
 
 NEMOTRON_MOE = {**{k.replace("nemotron_h.", "nemotron_h_moe."): v for k, v in NEMOTRON.items()},

@@ -29,6 +29,7 @@ NEOX-style there, q / k not permuted):
   ssm_dt, conv1d; ssm_out's columns)
   ssm_a                   -exp(A_log), 1-D                        A_log = log(-A)
   blk.N.* past the layers the MTP block (nextn)                   not read (as mtp.*)
+Qwen3.5-MoE (Qwen3_5MoeTextModel): Qwen3.5's names and transforms, Qwen3-Next's MoE tensors.
 Qwen3-Next (Qwen3NextModel, no V reordering; norms as Qwen3.5's):
   attn_qkv + attn_gate    in_proj_qkvz ([q, k, v, z] per key     in_proj_qkvz, regrouped
                           head) split into [q, k, v] of all heads
@@ -62,8 +63,8 @@ from tqdm import tqdm
 
 from kvstrata.runner.models.gguf_weights import dequantize, unpermute_qk
 
-MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text", "qwen3_next",
-               "falcon_h1")
+MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text", "qwen3_5_moe_text",
+               "qwen3_next", "falcon_h1")
 _MAMBA = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_norm": "norm", "ssm_out": "out_proj"}
 # tensors the converter stores under other names or with no suffix -> the mixer's parameter
 _MAMBA_BARE = {("ssm_a", None): "A_log", ("ssm_d", None): "D", ("ssm_dt", "bias"): "dt_bias"}
@@ -165,6 +166,13 @@ _QWEN3NEXT = _Names(
     per_expert={"ffn_gate_exps": "mlp.experts.{e}.gate_proj",
                 "ffn_up_exps": "mlp.experts.{e}.up_proj",
                 "ffn_down_exps": "mlp.experts.{e}.down_proj"})
+# Qwen3.5-MoE (Qwen3_5MoeTextModel: Qwen3.5's layers and value-head order, Qwen3-Next's MoE
+# names and expert stacks)
+_QWEN35MOE = _Names(
+    _MODEL_GLOBAL, "model.layers",
+    {**{k: v for k, v in _QWEN35.block.items() if not k.startswith("ffn_")},
+     **{k: v for k, v in _QWEN3NEXT.block.items() if k.startswith("ffn_")}}, "linear_attn",
+    permuted_qk=False, per_expert=_QWEN3NEXT.per_expert)
 # Falcon-H1 (FalconH1Model: attention and the Mamba2 mixer in every layer, rope NEOX-style)
 _FALCON_H1 = _Names(
     {"token_embd.weight": "model.embed_tokens.weight",
@@ -177,7 +185,8 @@ _FALCON_H1 = _Names(
     # pre_ff_layernorm maps to FFN_PRE_NORM with its .weight in the key: written suffix-less
     bare={("ffn_norm", None): "pre_ff_layernorm.weight"})
 _FAMILIES = {"mamba2": _BACKBONE, "nemotron_h": _BACKBONE, "granitemoehybrid": _GRANITE,
-             "qwen3_5_text": _QWEN35, "qwen3_next": _QWEN3NEXT, "falcon_h1": _FALCON_H1}
+             "qwen3_5_text": _QWEN35, "qwen3_5_moe_text": _QWEN35MOE, "qwen3_next": _QWEN3NEXT,
+             "falcon_h1": _FALCON_H1}
 # Qwen3.5's zero-centred RMSNorms, stored as 1 + w (Qwen3NextModel.modify_tensors; not the
 # gated norm of the linear layers)
 _ONE_PLUS_W = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
@@ -211,8 +220,8 @@ def hf_name(gguf_name: str, model_type: str) -> tuple[str, str]:
 def undo_converter(kind: str, w: np.ndarray, config: Any, gguf_name: str) -> np.ndarray:
     """The HF tensor from the converter's stored values (the table above)."""
     names = _FAMILIES[config.model_type]
-    if names in (_QWEN35, _QWEN3NEXT):
-        w = _undo_qwen(kind, w, config, gguf_name, tiled_v=names is _QWEN35)
+    if names in (_QWEN35, _QWEN35MOE, _QWEN3NEXT):
+        w = _undo_qwen(kind, w, config, gguf_name, tiled_v=names is not _QWEN3NEXT)
     if kind == "ssm_a":
         if not (w < 0).all():
             raise ValueError(f"GGUF tensor {gguf_name!r} holds values >= 0: not the converter's "
