@@ -42,23 +42,24 @@ _KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.k
 
 # llama.cpp's archs (gguf.MODEL_ARCH_NAMES) whose layers keep recurrent state and whose
 # GGUF files kvstrata does not build: the families it serves from HF safetensors
-# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, granitehybrid, qwen35 and
-# qwen3next files are built (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
-RECURRENT_GGUF_ARCHS = ("qwen35moe", "nemotron_h_moe", "mamba", "falcon-h1", "jamba")
+# (config/hf_recurrent.py) and their relatives. mamba2, nemotron_h, nemotron_h_moe,
+# granitehybrid, qwen35, qwen35moe, qwen3next and falcon-h1 files are built
+# (config/gguf_hybrid.py, runner/models/gguf_hybrid_weights.py).
+RECURRENT_GGUF_ARCHS = ("mamba", "jamba")
 
 
 def refuse_recurrent_arch(arch: str | None, gguf_path: str) -> None:
     """ValueError for a GGUF file of a recurrent (SSM / linear-attention) arch that is not
-    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h, granitehybrid,
-    qwen35 and qwen3next archs only (Qwen3.5-MoE, which kvstrata does not serve from
-    safetensors either, and Nemotron-H's MoE blocks are not), and transformers converts none
-    of these archs' configs."""
+    built: the GGUF loader maps the tensors of llama.cpp's mamba2, nemotron_h,
+    nemotron_h_moe, granitehybrid, qwen35, qwen35moe, qwen3next and falcon-h1 archs only
+    (Mamba 1 and Jamba are not served from safetensors either), and transformers converts
+    none of these archs' configs."""
     if arch in RECURRENT_GGUF_ARCHS:
         raise ValueError(f"GGUF {arch} ({os.path.basename(gguf_path)}): a model with "
                          f"recurrent (SSM / linear-attention) state is built from GGUF files "
-                         f"of llama.cpp's mamba2, nemotron_h, granitehybrid, qwen35 and "
-                         f"qwen3next archs only (this arch's tensors are not mapped); serve "
-                         f"its HF safetensors checkpoint")
+                         f"of llama.cpp's mamba2, nemotron_h, nemotron_h_moe, granitehybrid, "
+                         f"qwen35, qwen35moe, qwen3next and falcon-h1 archs only (this arch's "
+                         f"tensors are not mapped); serve its HF safetensors checkpoint")
 
 
 def gemma_fields(meta: dict[str, Any]) -> dict[str, Any]:
@@ -172,8 +173,8 @@ def own_gguf_config(gguf_path: str) -> dict[str, Any] | None:
     there. gpt-oss: transformers 5.25's conversion reads each rope.scaling value as its key's
     length field and fails on every YaRN file (the released ones), and its tokenizer loader
     converts the config first -- so the tokenizer is built without it
-    (config/model_source.py). mamba2 / nemotron_h / granitehybrid / qwen35 / qwen3next:
-    transformers has no conversion for them (config/gguf_hybrid.py)."""
+    (config/model_source.py). mamba2 / nemotron_h(_moe) / granitehybrid / qwen35(moe) /
+    qwen3next / falcon-h1: transformers has no conversion for them (config/gguf_hybrid.py)."""
     family = gguf_families.family_config(gguf_path, _TOKEN_IDS)
     if family is not None:  # MoE and dense families beyond llama / qwen: all from the header
         return family

@@ -1,9 +1,12 @@
-"""The config of a Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 or Qwen3-Next GGUF file (llama.cpp
-archs `mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`, written by
-convert_hf_to_gguf.py's Mamba2Model / NemotronHModel / GraniteHybridModel / Qwen3_5TextModel /
-Qwen3NextModel) read the way llama.cpp reads it (llama-model.cpp's hparams for these archs);
-transformers converts none of these archs' configs, so every field the models read
-(runner/models/nemotron_h.py, granite_hybrid.py, qwen3_next.py) comes from the header:
+"""The config of a Mamba2, Nemotron-H (dense or MoE), Granite-4.0-H, Qwen3.5, Qwen3-Next or
+Falcon-H1 GGUF file (llama.cpp archs `mamba2`, `nemotron_h`, `nemotron_h_moe`, `granitehybrid`,
+`qwen35`, `qwen3next`, `falcon-h1`, written by convert_hf_to_gguf.py's Mamba2Model /
+NemotronHModel / GraniteHybridModel / Qwen3_5TextModel / Qwen3NextModel / FalconH1Model) read
+the way llama.cpp reads it (llama-model.cpp's hparams for these archs); transformers converts
+none of these archs' configs, so every field the models read (runner/models/nemotron_h.py,
+granite_hybrid.py, qwen3_next.py, falcon_h1.py) comes from the header (Nemotron-H MoE's expert
+keys: config/gguf_nemotron_moe.py; Falcon-H1's attention, MLP and multipliers:
+config/gguf_falcon_h1.py):
 
   - Mamba2 layers: ssm.inner_size (d_inner), ssm.time_step_rank (the head count: llama.cpp's
     n_head = dt_rank, head size d_inner / n_head), ssm.state_size, ssm.group_count,
@@ -11,7 +14,8 @@ transformers converts none of these archs' configs, so every field the models re
     too); biases by the tensors the file holds (ssm_conv1d.bias, ssm_in.bias);
   - Nemotron-H's layer kinds from the per-layer arrays, as llama.cpp decides them: a layer
     with attention.head_count_kv 0 and feed_forward_length 0 is Mamba2, one with K/V heads
-    attention, one with a feed-forward length the relu^2 MLP (both at once: refused);
+    attention, one with a feed-forward length the relu^2 MLP (nemotron_h_moe: a MoE; both at
+    once: refused; an MTP block after the layers, nextn_predict_layers, not counted);
     attention.key_length is the head size (value_length must equal it), attention without
     rope at 1/sqrt(head size) (llama.cpp's rope type NONE for the arch);
   - Granite-4.0-H's: a layer with K/V heads is attention, the others Mamba2; rope (llama.cpp's
@@ -35,20 +39,26 @@ computes: dt unclamped (time_step_limit (0, inf): llama.cpp's ssm_scan clamps no
 gate applied before the group norm, SiLU in the mixer. Refused by key: a K/V head count or
 feed-forward length that differs between layers, value_length != key_length, dt_b_c_rms
 (Falcon-Mamba's extra norms), attention biases; Granite's rope scaling or partial rope, a head
-size other than hidden / heads; Qwen3.5's rope scaling or experts (a MoE file is qwen35moe).
+size other than hidden / heads; Qwen3.5's rope scaling or experts (a MoE file is qwen35moe:
+Qwen3.5's layers, Qwen3-Next's MoE in every layer, no feed_forward_length).
 """
 from __future__ import annotations
 
 from typing import Any
 
+from kvstrata.config.gguf_falcon_h1 import falcon_h1_fields
 from kvstrata.config.gguf_header import arch_getters
+from kvstrata.config.gguf_nemotron_moe import NEMOTRON_MOE_KEYS, nemotron_moe_fields
 
 ARCHITECTURES = {"mamba2": "Mamba2ForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+                 "nemotron_h_moe": "NemotronHForCausalLM",
                  "granitehybrid": "GraniteMoeHybridForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
-                 "qwen3next": "Qwen3NextForCausalLM"}
-MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h",
+                 "qwen35moe": "Qwen3_5MoeForCausalLM", "qwen3next": "Qwen3NextForCausalLM",
+                 "falcon-h1": "FalconH1ForCausalLM"}
+MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h", "nemotron_h_moe": "nemotron_h",
                "granitehybrid": "granitemoehybrid", "qwen35": "qwen3_5_text",
-               "qwen3next": "qwen3_next"}
+               "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",
+               "falcon-h1": "falcon_h1"}
 # The converter writes context_length 2**20 for these archs ("arbitrary value; for those who
 # use the default"): no trained context, so the config class's default stands (4096 for
 # Nemotron-H; none for Mamba2: kvstrata's default), and --context-length sets another.
@@ -60,7 +70,7 @@ KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_lengt
         "ssm.dt_b_c_rms", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
         "rope.scaling.finetuned", "expert_count", "expert_used_count", "attention.scale",
         "embedding_scale", "residual_scale", "logit_scale", "full_attention_interval",
-        "nextn_predict_layers")
+        "nextn_predict_layers", *NEMOTRON_MOE_KEYS)
 _ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train default
 
 
@@ -78,8 +88,9 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
         raise ValueError(f"GGUF {arch}: ssm.dt_b_c_rms (RMS norms on dt, B and C) is not "
                          f"supported")
     n_layer, n_embd = int(need("block_count")), int(need("embedding_length"))
-    # Qwen3.5's MTP block follows the model's layers (_Qwen35MtpMixin): not read, as an HF
-    # checkpoint's mtp.* is not (runner/models/gguf_hybrid_weights.py skips its tensors)
+    # Qwen3.5's and Nemotron-H MoE's MTP block follows the model's layers (_Qwen35MtpMixin,
+    # NemotronHModel): not read, as an HF checkpoint's mtp.* is not
+    # (runner/models/gguf_hybrid_weights.py skips its tensors); per-layer arrays cover it too
     n_layer -= int(get("nextn_predict_layers", 0) or 0)
     d_inner, n_head = int(need("ssm.inner_size")), int(need("ssm.time_step_rank"))
     n_group = int(need("ssm.group_count"))
@@ -95,6 +106,12 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
     context = int(get("context_length") or 0)
     if context and context != _PLACEHOLDER_CONTEXT:
         fields["max_position_embeddings"] = context
+    if arch == "falcon-h1":
+        return {**fields, **falcon_h1_fields(arch, get, need, n_layer, n_embd, dims),
+                "rms_norm_eps": eps, "mamba_d_ssm": d_inner, "mamba_n_heads": n_head,
+                "mamba_d_head": d_inner // n_head, "mamba_d_state": int(need("ssm.state_size")),
+                "mamba_n_groups": n_group, "mamba_d_conv": int(need("ssm.conv_kernel")),
+                "mamba_conv_bias": conv_bias, "mamba_proj_bias": proj_bias}
     if arch == "granitehybrid":
         return {**fields, **_granite(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
                 "mamba_n_heads": n_head, "mamba_d_head": d_inner // n_head,
@@ -102,7 +119,7 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                 "mamba_d_state": int(need("ssm.state_size")), "mamba_n_groups": n_group,
                 "mamba_d_conv": int(need("ssm.conv_kernel")), "mamba_conv_bias": conv_bias,
                 "mamba_proj_bias": proj_bias}
-    if arch in ("qwen35", "qwen3next"):
+    if arch in ("qwen35", "qwen35moe", "qwen3next"):
         return {**fields, **_qwen35(arch, get, need, n_layer, n_embd, dims), "rms_norm_eps": eps,
                 "linear_num_key_heads": n_group, "linear_num_value_heads": n_head,
                 "linear_key_head_dim": int(need("ssm.state_size")),
@@ -115,7 +132,10 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                 "expand": _expand(arch, d_inner, n_embd),
                 "state_size": int(need("ssm.state_size")), "hidden_act": "silu",
                 "residual_in_fp32": True}
-    return {**fields, **_nemotron_h_layers(arch, get, need, n_layer, n_embd, dims),
+    layers = _nemotron_h_layers(arch, get, need, n_layer, n_embd, dims)
+    if arch == "nemotron_h_moe":
+        layers.update(nemotron_moe_fields(arch, get, need, layers, dims))
+    return {**fields, **layers,
             "mamba_num_heads": n_head, "mamba_head_dim": d_inner // n_head,
             "mamba_proj_bias": proj_bias, "ssm_state_size": int(need("ssm.state_size")),
             "mamba_hidden_act": "silu", "mlp_hidden_act": "relu2"}
@@ -128,11 +148,13 @@ def _expand(arch: str, d_inner: int, n_embd: int) -> int:
     return d_inner // n_embd
 
 
-def _per_layer(arch: str, key: str, value: Any, n_layer: int) -> list[int]:
+def _per_layer(arch: str, key: str, value: Any, n_layer: int, extra: int = 0) -> list[int]:
+    """A per-layer key's values for the model's layers (`extra`: MTP blocks after them that
+    the array covers too, dropped)."""
     values = value if isinstance(value, list) else [value] * n_layer
-    if len(values) != n_layer:
+    if len(values) not in (n_layer, n_layer + extra):
         raise ValueError(f"GGUF {arch}: {key} has {len(values)} entries for {n_layer} layers")
-    return [int(v) for v in values]
+    return [int(v) for v in values[:n_layer]]
 
 
 def _one_size(arch: str, key: str, values: list[int]) -> int | None:
@@ -148,16 +170,21 @@ def _nemotron_h_layers(arch: str, get, need, n_layer: int, n_embd: int,
                        dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """Layer kinds and attention / MLP sizes, as llama.cpp's nemotron_h hparams and graph
     read them."""
-    kv = _per_layer(arch, "attention.head_count_kv", get("attention.head_count_kv", 0), n_layer)
-    ff = _per_layer(arch, "feed_forward_length", get("feed_forward_length", 0), n_layer)
+    mtp = int(get("nextn_predict_layers", 0) or 0)
+    kv = _per_layer(arch, "attention.head_count_kv", get("attention.head_count_kv", 0), n_layer,
+                    mtp)
+    ff = _per_layer(arch, "feed_forward_length", get("feed_forward_length", 0), n_layer, mtp)
     kinds = []
     for i, (n_kv, n_ff) in enumerate(zip(kv, ff)):
         if n_kv and n_ff:
             raise ValueError(f"GGUF {arch}: layer {i} has both K/V heads ({n_kv}) and a "
                              f"feed-forward length ({n_ff}); a layer is one of Mamba2, "
                              f"attention or MLP")
-        kinds.append("full_attention" if n_kv else "mlp" if n_ff else "linear_attention")
-    heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
+        # nemotron_h_moe: every feed-forward layer a MoE (llama.cpp builds experts wherever
+        # the arch has them; a dense "-" layer cannot be told apart there)
+        ffn = "moe" if arch == "nemotron_h_moe" else "mlp"
+        kinds.append("full_attention" if n_kv else ffn if n_ff else "linear_attention")
+    heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims, mtp)
     mlp = _one_size(arch, "feed_forward_length", ff)
     return {"layers_block_type": kinds, "num_attention_heads": heads,
             "num_key_value_heads": n_kv, "head_dim": head_dim,
@@ -166,11 +193,11 @@ def _nemotron_h_layers(arch: str, get, need, n_layer: int, n_embd: int,
 
 
 def _attention(arch: str, get, kv: list[int], n_layer: int, n_embd: int,
-               dims: dict[str, tuple[int, ...]]) -> tuple[int, int, int]:
+               dims: dict[str, tuple[int, ...]], mtp: int = 0) -> tuple[int, int, int]:
     """(heads, K/V heads, head size) of the attention layers (kv: K/V heads per layer)."""
     n_head = get("attention.head_count")
     heads = _one_size(arch, "attention.head_count", _per_layer(
-        arch, "attention.head_count", n_head if n_head is not None else 0, n_layer))
+        arch, "attention.head_count", n_head if n_head is not None else 0, n_layer, mtp))
     n_kv = _one_size(arch, "attention.head_count_kv", kv)
     if n_kv is not None and heads is None:
         raise ValueError(f"GGUF {arch}: attention layers without attention.head_count")
@@ -234,7 +261,8 @@ def _granite(arch: str, get, need, n_layer: int, n_embd: int,
 
 def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
             dims: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """Qwen3.5 (dense) and Qwen3-Next as llama.cpp's qwen35 / qwen3next hparams read them:
+    """Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next as llama.cpp's qwen35 / qwen35moe /
+    qwen3next hparams read them:
     every full_attention_interval-th layer (default 4) full attention, the others Gated
     DeltaNet (ssm.group_count key heads, ssm.time_step_rank value heads, ssm.state_size the
     key head size); rope over rope.dimension_count of the head (partial_rotary_factor),
@@ -251,12 +279,13 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
     heads, n_kv, head_dim = _attention(arch, get, kv, n_layer, n_embd, dims)
     rot = int(get("rope.dimension_count", head_dim))
     moe = {} if arch == "qwen35" else _qwen3_next_moe(arch, need, experts, dims)
-    return {**moe,
+    # Qwen3.5-MoE has no dense MLP and its converter writes no feed_forward_length
+    ffn = need("feed_forward_length") if arch != "qwen35moe" else get("feed_forward_length")
+    return {**moe, **({"intermediate_size": int(ffn)} if ffn else {}),
             "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                             for i in range(n_layer)],
             "num_attention_heads": heads, "num_key_value_heads": n_kv, "head_dim": head_dim,
             "attention_bias": False, "hidden_act": "silu",
-            "intermediate_size": int(need("feed_forward_length")),
             "rope_parameters": {"rope_type": "default",
                                 "rope_theta": float(get("rope.freq_base", _ROPE_BASE)),
                                 "partial_rotary_factor": rot / head_dim}}
@@ -264,13 +293,13 @@ def _qwen35(arch: str, get, need, n_layer: int, n_embd: int,
 
 def _qwen3_next_moe(arch: str, need, experts: int, dims: dict[str, tuple[int, ...]]
                     ) -> dict[str, Any]:
-    """Qwen3-Next's MoE as llama.cpp's qwen3next builds it: every layer a MoE (the arch has no
-    dense FFN tensors) with top-k weights renormalised and a sigmoid-gated shared expert; the
-    expert and shared widths from their tensors (ne[1])."""
+    """Qwen3-Next's MoE as llama.cpp's qwen3next (and qwen35moe) builds it: every layer a MoE
+    (the arch has no dense FFN tensors) with top-k weights renormalised and a sigmoid-gated
+    shared expert; the expert and shared widths from their tensors (ne[1])."""
     gate, shared = dims.get("blk.0.ffn_gate_exps.weight"), dims.get("blk.0.ffn_gate_shexp.weight")
     if not experts or gate is None:
         raise ValueError(f"GGUF {arch}: no experts (expert_count, ffn_gate_exps): every "
-                         f"qwen3next layer is a MoE")
+                         f"{arch} layer is a MoE")
     return {"num_experts": experts, "num_experts_per_tok": int(need("expert_used_count")),
             "moe_intermediate_size": int(gate[1]),
             "shared_expert_intermediate_size": int(shared[1]) if shared else 0,

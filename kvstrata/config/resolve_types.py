@@ -97,7 +97,8 @@ class ModelInfo:
     # the families it built and refuses the others by name (rules/deterministic.py).
     routed_experts: str = ""
     # config.json's first `architectures` entry ("" when it names none): NEXTN over a
-    # recurrent model is built for Qwen3-Next's MTP layer only (rules/recurrent.py).
+    # recurrent model is built for Qwen3-Next's and Qwen3.5's MTP layer only
+    # (rules/recurrent.py).
     architecture: str = ""
 
     @property

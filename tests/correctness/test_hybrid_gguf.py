@@ -1,13 +1,18 @@
-"""Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 and Qwen3-Next GGUF files (llama.cpp archs
-`mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`): tiny random models
-(tests/helpers/hybrid_ckpt.py) written as llama.cpp's converter writes them with --outtype q8_0
-(tests/helpers/hybrid_gguf.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted
-q / k, Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key
-head, Qwen3-Next's in_proj_qkvz split and experts stacked, Q8_0 matrices beside F32 / F16
-tensors) are served from the file:
+"""Mamba2, Nemotron-H (dense and MoE), Granite-4.0-H, Qwen3.5 (dense and MoE), Qwen3-Next and
+Falcon-H1 GGUF files (llama.cpp archs `mamba2`, `nemotron_h`, `nemotron_h_moe`,
+`granitehybrid`, `qwen35`, `qwen35moe`, `qwen3next`, `falcon-h1`): tiny random models (tests/helpers/hybrid_ckpt.py) written as
+llama.cpp's converter writes them with --outtype q8_0 (tests/helpers/hybrid_gguf.py and
+hybrid_gguf_extra.py: -exp(A_log), reshaped A / D / norm, squeezed conv1d, permuted q / k,
+Granite's gate / up halves apart, Qwen3.5's 1 + w norms and value heads tiled by key head,
+Qwen3-Next's in_proj_qkvz split and experts stacked, Nemotron-H MoE's experts stacked and its
+correction bias as exp_probs_b, Falcon-H1's muP multipliers folded into the weights, Q8_0
+matrices beside F32 / F16 tensors) are served from the file:
 
-- the config comes from the header (transformers converts neither arch) and equals the HF
-  config where the model reads it; resolution sees the recurrent layers from the header;
+- the config comes from the header (transformers converts none of these archs) and equals
+  the HF config where the model reads it (Falcon-H1's: every multiplier 1, the weights left
+  folded, as llama.cpp runs the file; folding then setting them to 1 is the same model:
+  test_falcon_h1_folded_multipliers_are_the_same_model); resolution sees the recurrent layers
+  from the header;
 - every converter transform is undone exactly: the model loaded from the GGUF holds, parameter
   for parameter, what the model loaded from an HF checkpoint of the file's values holds (A_log
   from log(-A) within a float32 rounding of the original);
@@ -27,9 +32,22 @@ import pytest
 import torch
 
 from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
+from helpers.hybrid_ckpt import (assert_drained_whole, build_falcon_h1_checkpoint,
+                                 build_nemotron_h_moe_checkpoint, build_qwen3_5_moe_checkpoint)
 from helpers.hybrid_gguf import write_hybrid_gguf
+from helpers.hybrid_gguf_extra import write_hybrid_gguf_extra
 
-ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5", "qwen3_next")
+ARCHS = ("mamba2", "nemotron_h", "granite", "qwen3_5", "qwen3_next", "nemotron_h_moe",
+         "falcon_h1", "qwen3_5_moe")
+# the archs tests/helpers/hybrid_gguf_extra.py writes, and their tiny checkpoints as the
+# converter can write them: one router group (it writes no expert_group_used_count), and
+# Falcon-H1 without in_proj / projector biases (its fold cannot scale a bias's blocks,
+# llama.cpp reads no ssm_out bias) and with the gate before the group norm (llama.cpp's
+# order)
+_EXTRA = {"nemotron_h_moe": lambda p: build_nemotron_h_moe_checkpoint(p, n_group=1,
+                                                                      topk_group=1),
+          "falcon_h1": lambda p: build_falcon_h1_checkpoint(
+              p, mamba_proj_bias=False, projectors_bias=False, mamba_norm_before_gate=False)}
 # llama.cpp's qwen3next has no dense FFN tensors: every layer a MoE (the shared tiny Qwen3-Next
 # has one every 2nd layer)
 _VARIANT = {"qwen3_next": {"decoder_sparse_step": 1}}
@@ -47,9 +65,14 @@ def files(tmp_path_factory):
         mp.setenv("XDG_CACHE_HOME", str(root / "cache"))  # config/model_source.py's cache
         out = {}
         for arch in ARCHS:
-            hf = build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {}))
-            ref = str(root / f"{arch}-ref")
-            out[arch] = (hf, write_hybrid_gguf(arch, hf, str(root / f"{arch}.gguf"), ref), ref)
+            ref, gguf = str(root / f"{arch}-ref"), str(root / f"{arch}.gguf")
+            if arch in _EXTRA:
+                hf = _EXTRA[arch](str(root / arch))
+                out[arch] = (hf, write_hybrid_gguf_extra(arch, hf, gguf, ref), ref)
+                continue
+            hf = (build_qwen3_5_moe_checkpoint(str(root / arch)) if arch == "qwen3_5_moe" else
+                  build_hybrid_checkpoint(arch, str(root / arch), **_VARIANT.get(arch, {})))
+            out[arch] = (hf, write_hybrid_gguf(arch, hf, gguf, ref), ref)
         yield out
 
 
@@ -81,11 +104,30 @@ _FIELDS = {
 _FIELDS["qwen3_next"] = (*_FIELDS["qwen3_5"], "num_experts", "num_experts_per_tok",
                          "moe_intermediate_size", "shared_expert_intermediate_size",
                          "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+_FIELDS["qwen3_5_moe"] = (*(f for f in _FIELDS["qwen3_5"] if f != "intermediate_size"),
+                          "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size")
+_FIELDS["nemotron_h_moe"] = (
+    *(f for f in _FIELDS["nemotron_h"] if f != "intermediate_size"), "n_routed_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+    "n_shared_experts", "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
+    "moe_latent_size")
+_FIELDS["falcon_h1"] = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups",
+    "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias", "projectors_bias", "mamba_rms_norm",
+    "mamba_norm_before_gate", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+    "time_step_limit", "embedding_multiplier", "lm_head_multiplier", "key_multiplier",
+    "attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier",
+    "ssm_out_multiplier", "ssm_multipliers", "mlp_multipliers")
 _LAYERS = {"mamba2": "model_type mamba2: every layer keeps state",
            "nemotron_h": "layers_block_type: 2 of 4 layers recurrent",
            "granite": "layer_types: 3 of 4 layers recurrent",
            "qwen3_5": "layer_types: 3 of 4 layers recurrent",
-           "qwen3_next": "layer_types: 3 of 4 layers recurrent"}
+           "qwen3_next": "layer_types: 3 of 4 layers recurrent",
+           "qwen3_5_moe": "layer_types: 3 of 4 layers recurrent",
+           "nemotron_h_moe": "layers_block_type: 2 of 5 layers recurrent",
+           "falcon_h1": "model_type falcon_h1: every layer keeps state"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -95,20 +137,23 @@ def test_config_comes_from_the_header(arch, files):
     from kvstrata.config import ModelInfo
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
 
-    hf_path, gguf_path, _ = files[arch]
+    _, gguf_path, ref_path = files[arch]
+    # the reference's config: the HF one (Falcon-H1's with its multipliers 1)
     ours, theirs = load_hf_config(resolve_model_path(gguf_path)), AutoConfig.from_pretrained(
-        hf_path)
+        ref_path)
     for field in ("architectures", "num_hidden_layers", "hidden_size", "vocab_size",
                   "tie_word_embeddings", "bos_token_id", "pad_token_id", "eos_token_id",
                   *_FIELDS[arch]):
         mine, want = getattr(ours, field), getattr(theirs, field)
         if isinstance(want, (list, tuple)) and field not in ("layers_block_type", "layer_types",
-                                                             "mlp_only_layers"):
+                                                             "mlp_only_layers",
+                                                             "ssm_multipliers",
+                                                             "mlp_multipliers"):
             mine, want = tuple(mine), tuple(want)  # time_step_limit: a list once saved
         if isinstance(want, float):  # stored as float32 in the file
             mine, want = np.float32(mine), np.float32(want)
         assert mine == want, field
-    if arch in ("granite", "qwen3_5", "qwen3_next"):
+    if arch in ("granite", "qwen3_5", "qwen3_next", "falcon_h1", "qwen3_5_moe"):
         for key in ("rope_theta", "partial_rotary_factor"):
             assert ours.rope_parameters.get(key) == theirs.rope_parameters.get(key), key
     info = ModelInfo.from_model_path(gguf_path)
@@ -162,12 +207,34 @@ def test_greedy_from_the_gguf_equals_transformers(arch, files, prompts):
         out, = llm.generate(input_ids=[branch], sampling_params=GREEDY)
         assert out["meta_info"]["cached_tokens"] == 32  # the chunk-end snapshot at 32
         assert out["output_ids"] == ref(branch, NEW)
-        sched = llm.engine.scheduler
-        assert not sched.live_requests() and not sched.waiting
-        llm.check_integrity()
-        states = sched.kv.states
-        assert states.allocator.available_pages() + states.tree.cached_states() == \
-            states.num_slots
+        assert_drained_whole(llm)
+
+
+def test_falcon_h1_folded_multipliers_are_the_same_model(files, prompts, tmp_path):
+    """llama.cpp runs a Falcon-H1 file with every multiplier 1 over the weights the converter
+    folded them into (config/gguf_falcon_h1.py reads it so): transformers' model of the folds
+    (float, before quantizing) with its multipliers 1 gives the original model's logits."""
+    import json
+
+    import safetensors.torch as st
+    from transformers import AutoConfig
+
+    from helpers.hybrid_ckpt import hf_hybrid, hf_logits
+    from helpers.hybrid_gguf_extra import UNIT_MULTIPLIERS, fold_falcon_multipliers
+
+    hf_path = files["falcon_h1"][0]
+    folded = fold_falcon_multipliers(AutoConfig.from_pretrained(hf_path), st.load_file(
+        os.path.join(hf_path, "model.safetensors")))
+    st.save_file(folded, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(hf_path, "config.json")) as f:
+        raw = {**json.load(f), **UNIT_MULTIPLIERS}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(raw, f)
+    original, unit = hf_hybrid(hf_path), hf_hybrid(str(tmp_path))
+    for prompt in prompts:
+        want = hf_logits(original, prompt)
+        torch.testing.assert_close(hf_logits(unit, prompt), want, rtol=0,
+                                   atol=1e-4 * float(want.abs().max()))
 
 
 def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
@@ -201,7 +268,8 @@ def test_weights_kept_in_their_blocks_are_refused(files):
 def test_tensor_names_of_each_family():
     """llama.cpp's names to the HF checkpoint's, beyond the tiny models' files: a dense
     Granite-4.0-H (granite-4.0-h-micro: its shared MLP as plain ffn_gate / ffn_up / ffn_down),
-    the bare ssm_a / ssm_d; a tensor of an arch not built (Qwen3-Next's ssm_ba) has none."""
+    the bare ssm_a / ssm_d, Nemotron-H MoE's latent projections; a tensor of another arch
+    (Qwen3-Next's ssm_ba in a Nemotron-H file) has none."""
     from kvstrata.runner.models.gguf_hybrid_weights import hf_name
 
     granite = {"blk.3.ffn_gate.weight": "model.layers.3.shared_mlp.input_linear.weight",
@@ -213,5 +281,13 @@ def test_tensor_names_of_each_family():
     for gguf_name, name in granite.items():
         assert hf_name(gguf_name, "granitemoehybrid")[0] == name, gguf_name
     assert hf_name("blk.2.ssm_d", "nemotron_h") == ("backbone.layers.2.mixer.D", "ssm_d")
+    # Nemotron-H MoE's stacks and router bias (transformers' names); Falcon-H1's suffix-less
+    # ffn_norm (FFN_PRE_NORM)
+    moe = {"blk.2.ffn_down_exps.weight": "backbone.layers.2.mixer.experts.down_proj",
+           "blk.2.exp_probs_b.bias": "backbone.layers.2.mixer.gate.e_score_correction_bias",
+           "blk.2.ffn_latent_up.weight": "backbone.layers.2.mixer.fc2_latent_proj.weight"}
+    for gguf_name, name in moe.items():
+        assert hf_name(gguf_name, "nemotron_h")[0] == name, gguf_name
+    assert hf_name("blk.1.ffn_norm", "falcon_h1")[0] == "model.layers.1.pre_ff_layernorm.weight"
     with pytest.raises(ValueError, match="'blk.0.ssm_ba.weight' has no mapping"):
         hf_name("blk.0.ssm_ba.weight", "nemotron_h")

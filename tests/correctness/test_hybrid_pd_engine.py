@@ -116,43 +116,58 @@ def test_decode_radix_cache_is_refused(paths):
                disaggregation_decode_enable_radix_cache=True)
 
 
+_mtp_paths: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def mtp_path(tmp_path_factory) -> str:
-    """A tiny Qwen3-Next with an MTP layer that drafts well (test_speculative_mtp_hybrid.py)."""
+def mtp_path(tmp_path_factory):
+    """A tiny Qwen3-Next or Qwen3.5 with an MTP layer that drafts well
+    (test_speculative_mtp_hybrid.py), built once per arch."""
     from helpers.hybrid_ckpt import build_hybrid_checkpoint
     from tests.correctness.test_speculative_mtp_hybrid import add_mtp_layer
 
-    root = tmp_path_factory.mktemp("qwen3_next_mtp_pd")
-    return add_mtp_layer(build_hybrid_checkpoint("qwen3_next", str(root / "qwen3_next")))
+    def get(arch: str) -> str:
+        if arch not in _mtp_paths:
+            root = tmp_path_factory.mktemp(f"{arch}_mtp_pd")
+            _mtp_paths[arch] = add_mtp_layer(build_hybrid_checkpoint(arch, str(root / arch)))
+        return _mtp_paths[arch]
+    yield get
+    _mtp_paths.clear()
 
 
-@pytest.mark.parametrize("page_size,kv_tokens", [(16, 2048), (1, 120)])
-def test_pd_nextn_on_qwen3_next(page_size, kv_tokens, mtp_path, prompts):
-    """NEXTN on both servers of a Qwen3-Next pair: beside the K/V pages and the final state
-    slot, the MTP layer's K/V pages (a second page buffer) and its hidden state cross, and
-    every decode's first draft round starts from them. With a decode pool too small for the
-    batch (120 tokens) it also retracts and restores (K/V, draft K/V, state slot) exactly.
-    transformers' tokens; pools and state slots whole."""
+@pytest.mark.parametrize("arch,page_size,kv_tokens,backend", [
+    ("qwen3_next", 16, 2048, "tcp"), ("qwen3_next", 1, 120, "tcp"),
+    ("qwen3_5", 1, 120, "tcp"), ("qwen3_next", 16, 2048, "mooncake")])
+def test_pd_nextn(arch, page_size, kv_tokens, backend, mtp_path, prompts):
+    """NEXTN on both servers of a Qwen3-Next / Qwen3.5 pair: beside the K/V pages and the final
+    state slot, the MTP layer's K/V pages (a second page buffer) and its hidden state cross
+    (tcp or mooncake), and every decode's first draft round starts from them. With a decode
+    pool too small for the batch (120 tokens) it also retracts and restores (K/V, draft K/V,
+    state slot) exactly. transformers' tokens; drafts accepted; pools and state slots
+    whole."""
     from helpers.hybrid_ckpt import HFGreedy
 
+    path = mtp_path(arch)
     spec = {"speculative_algorithm": "NEXTN", "speculative_disable_by_batch_size": 1 << 20}
     pressured = kv_tokens < 2048
     batch = prompts + [p[::-1] for p in prompts[1:3]] if pressured else prompts
     port = free_port()
-    prefill = engine(mtp_path, "prefill", port, page_size, chunked_prefill_size=16,
+    prefill = engine(path, "prefill", port, page_size, backend, chunked_prefill_size=16,
                      max_total_tokens=2048, **spec)
-    decode = engine(mtp_path, "decode", free_port(), page_size, max_total_tokens=kv_tokens,
-                    **spec, **({"num_reserved_decode_tokens": 1} if pressured else {}))
-    prefill_spec = prefill.runner.draft
+    decode = engine(path, "decode", free_port(), page_size, backend,
+                    max_total_tokens=kv_tokens, **spec,
+                    **({"num_reserved_decode_tokens": 1} if pressured else {}))
     new = 24 if pressured else GREEDY["max_new_tokens"]
     try:
-        assert type(prefill_spec).__name__ == "Qwen3NextMTPDraft"
+        assert type(prefill.runner.draft).__name__ == "Qwen3NextMTPDraft"
         outs = run_pair(prefill, decode, batch, port, params={**GREEDY, "max_new_tokens": new})
-        reference = HFGreedy(mtp_path)
+        reference = HFGreedy(path)
         for p, got in zip(batch, outs):
-            assert got == reference(p, new), "Qwen3-Next PD NEXTN"
+            assert got == reference(p, new), f"{arch} PD NEXTN"
         assert decode.runner.draft.handoffs_used > 0
-        assert decode.get_load()["spec_verify_steps"] > 0
+        load = decode.get_load()
+        # accepted tokens count one per verify plus its accepted drafts: some drafts passed
+        assert load["spec_accepted_tokens"] > load["spec_verify_steps"] > 0
         if pressured:
             side = pd_side(decode.scheduler)
             backups = side.retraction.num_backups["cpu_tensor"]

@@ -1,15 +1,19 @@
-"""NEXTN on Qwen3-Next: its MTP layer (runner/models/qwen3_next_mtp.py, a gated full-attention
-layer) drafts beside the recurrent target (runner/spec/mtp_hybrid.py); the target's verify
-keeps one Gated DeltaNet state per draft step and commits the accepted one.
+"""NEXTN on Qwen3-Next and Qwen3.5: their MTP layer (runner/models/qwen3_next_mtp.py, a gated
+full-attention layer; Qwen3.5's with its dense MLP) drafts beside the recurrent target
+(runner/spec/mtp_hybrid.py); the target's verify keeps one Gated DeltaNet state per draft step
+and commits the accepted one.
 
-A tiny random Qwen3-Next (helpers/hybrid_ckpt.py; layer outputs scaled down so that an MTP
-layer passing the embedding through drafts well: OUTPUT_SCALE) with an MTP layer written the
-way Qwen's releases store it (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`,
-`mtp.layers.0.*`, `mtp.norm`; transformers skips them). The draft's logits, over an extend
-and then token by token from its cached K/V, equal transformers' own Qwen3NextDecoderLayer run
-as the MTP layer over transformers' final-normed hidden states; greedy output with NEXTN equals
-plain greedy (itself transformers') with radix hits (state snapshots) and chunked prefill.
-Refusals (trees, PD, other hybrids): tests/unit/test_resolution_recurrent.py.
+A tiny random Qwen3-Next / Qwen3.5 (helpers/hybrid_ckpt.py; layer outputs scaled down so that
+an MTP layer passing the embedding through drafts well: OUTPUT_SCALE) with an MTP layer written
+the way Qwen's releases store it (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
+`mtp.fc`, `mtp.layers.0.*`, `mtp.norm`; transformers skips them; SGLang's Qwen3_5ForCausalLMMTP
+reads Qwen3.5's under these names). The draft's logits, over an extend and then token by token
+from its cached K/V, equal transformers' own decoder layer (Qwen3NextDecoderLayer /
+Qwen3_5DecoderLayer) run as the MTP layer over transformers' final-normed hidden states; greedy
+output with NEXTN equals plain greedy (itself transformers') with radix hits (state snapshots)
+and chunked prefill, drafts accepted and the pools whole.
+Refusals (trees, other hybrids): tests/unit/test_resolution_recurrent.py; PD:
+tests/correctness/test_hybrid_pd_engine.py.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from tests.correctness.test_speculative_mtp_mla import assert_twice_equal_with_d
 
 NEW_TOKENS = 12
 PROMPT_LENS = (3, 9, 17, 30)
+MTP_ARCHS = ("qwen3_next", "qwen3_5")
 
 
 def _mtp_layer_config(config):
@@ -46,16 +51,21 @@ def _mtp_layer_config(config):
 OUTPUT_SCALE = 0.02
 
 
+def _decoder_layer(hf):
+    """transformers' decoder layer class of the model (Qwen3NextDecoderLayer or
+    Qwen3_5DecoderLayer): the MTP layer is one of them at index 0, full attention."""
+    return type(hf.model.layers[0])
+
+
 def add_mtp_layer(src: str, seed: int = 97) -> str:
     """`src` with its layer outputs scaled (OUTPUT_SCALE) plus MTP weights (a transformers
     decoder layer's, renamed; fc mostly the embedding half) and the config fields Qwen's
     releases carry."""
     from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
     hf = hf_hybrid(src)
     torch.manual_seed(seed)
-    layer = Qwen3NextDecoderLayer(_mtp_layer_config(hf.config), 0)
+    layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0)
     h = hf.config.hidden_size
     tensors = load_file(f"{src}/model.safetensors")
     with torch.no_grad():
@@ -79,10 +89,11 @@ def add_mtp_layer(src: str, seed: int = 97) -> str:
     return src
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("qwen3_next_mtp")
-    return add_mtp_layer(build_hybrid_checkpoint("qwen3_next", str(root / "qwen3_next")))
+@pytest.fixture(scope="module", params=MTP_ARCHS)
+def path(request, tmp_path_factory) -> str:
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"{arch}_mtp")
+    return add_mtp_layer(build_hybrid_checkpoint(arch, str(root / arch)))
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +105,11 @@ def _hf_mtp_logits(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Te
     """transformers' final-normed hidden states of the prompt, and the MTP layer's logits
     at positions 0..n-2 (reading x_{i+1} and h_i) with its decoder layer."""
     from safetensors.torch import load_file
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
 
     hf = hf_hybrid(path)
     mtp = {k[len("mtp."):]: v for k, v in load_file(f"{path}/model.safetensors").items()
            if k.startswith("mtp.")}
-    layer = Qwen3NextDecoderLayer(_mtp_layer_config(hf.config), 0).eval()
+    layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0).eval()
     layer.load_state_dict({k[len("layers.0."):]: v for k, v in mtp.items()
                            if k.startswith("layers.0.")})
     size, eps = hf.config.hidden_size, hf.config.rms_norm_eps

@@ -201,3 +201,31 @@ def _nemotron_moe_redraw(name: str, p) -> None:
 def build_nemotron_h_moe_checkpoint(path: str, seed: int = 4242, **overrides) -> str:
     return build_checkpoint(tiny_nemotron_h_moe_config(**overrides), path, seed,
                             _nemotron_moe_redraw)
+
+
+def build_qwen3_5_moe_checkpoint(path: str, seed: int = 3579) -> str:
+    """Qwen3.5-MoE: the tiny Qwen3.5's shapes with 4 experts (top-2) and a shared expert in
+    every layer; transformers saves the experts fused."""
+    import transformers as tf
+
+    dense = tiny_hybrid_config("qwen3_5").to_dict()
+    fields = {k: dense[k] for k in (
+        "vocab_size", "hidden_size", "initializer_range", "bos_token_id", "eos_token_id",
+        "pad_token_id", "tie_word_embeddings", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+        "max_position_embeddings", "rope_parameters")}
+    config = tf.Qwen3_5MoeTextConfig(**fields, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=24,
+                                     shared_expert_intermediate_size=40)
+    return build_checkpoint(config, path, seed, _redraw("qwen3_5"))
+
+
+def assert_drained_whole(llm) -> None:
+    """After a run: no request left, every pool whole, and every state slot free or holding
+    a snapshot the prefix cache keeps."""
+    sched = llm.engine.scheduler
+    assert not sched.live_requests() and not sched.waiting
+    llm.check_integrity()
+    states = sched.kv.states
+    assert states.allocator.available_pages() + states.tree.cached_states() == states.num_slots

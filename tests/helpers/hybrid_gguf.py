@@ -35,14 +35,12 @@ from helpers.decoder_gguf import llama_cpp_permute
 from helpers.gemma_gguf import _vocab
 
 ARCH = {"mamba2": "MAMBA2", "nemotron_h": "NEMOTRON_H", "granite": "GRANITE_HYBRID",
-        "qwen3_5": "QWEN35", "qwen3_next": "QWEN3NEXT"}
-QWEN = ("qwen3_5", "qwen3_next")
+        "qwen3_5": "QWEN35", "qwen3_5_moe": "QWEN35MOE", "qwen3_next": "QWEN3NEXT"}
+QWEN = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 QUANT = "Q8_0"
 
 
 def _metadata(w, arch: str, config) -> None:
-    import gguf
-
     if arch == "mamba2":
         d_inner, heads = config.num_heads * config.head_dim, config.num_heads
         w.add_context_length(2 ** 20)
@@ -67,7 +65,8 @@ def _metadata(w, arch: str, config) -> None:
         d_inner, heads = (config.linear_value_head_dim * config.linear_num_value_heads,
                           config.linear_num_value_heads)
         w.add_context_length(config.max_position_embeddings)
-        w.add_feed_forward_length(config.intermediate_size)
+        if arch != "qwen3_5_moe":  # its config has no intermediate_size: the key is not set
+            w.add_feed_forward_length(config.intermediate_size)
         w.add_head_count(config.num_attention_heads)
         w.add_head_count_kv(config.num_key_value_heads)
         w.add_key_length(config.head_dim)
@@ -76,9 +75,9 @@ def _metadata(w, arch: str, config) -> None:
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_full_attention_interval(4)
         w.add_rope_dimension_count(int(config.head_dim * rope["partial_rotary_factor"]))
-        if arch == "qwen3_5":
+        if arch != "qwen3_next":
             w.add_rope_dimension_sections([11, 11, 10, 0])
-        else:
+        if arch != "qwen3_5":
             w.add_expert_count(config.num_experts)
             w.add_expert_used_count(config.num_experts_per_tok)
             w.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -104,6 +103,15 @@ def _metadata(w, arch: str, config) -> None:
         w.add_logit_scale(config.logits_scaling)
         state, groups, kernel = config.mamba_d_state, config.mamba_n_groups, config.mamba_d_conv
         eps = config.rms_norm_eps
+    ssm_metadata(w, config, d_inner, heads, state, groups, kernel, eps)
+
+
+def ssm_metadata(w, config, d_inner: int, heads: int, state: int, groups: int, kernel: int,
+                 eps: float) -> None:
+    """The keys every hybrid file carries: sizes, the Mamba2 / Gated DeltaNet ssm.* keys,
+    the eps, the file type and a sentencepiece vocabulary with bos / pad / unk ids."""
+    import gguf
+
     w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers)
     w.add_ssm_conv_kernel(kernel)
@@ -214,7 +222,7 @@ def _stored_order(arch: str, config, hf_name: str, a):
     rows, cols = np.arange(a.shape[0]), None
     if arch == "qwen3_next":
         return rows, cols
-    if arch != "qwen3_5":
+    if arch not in ("qwen3_5", "qwen3_5_moe"):
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = (config.num_attention_heads if "q_proj" in hf_name
                      else config.num_key_value_heads)

@@ -110,10 +110,12 @@ def test_model_info_from_a_gemma_gguf_header(tmp_path):
     assert ModelInfo.from_model_path(write("llama", block_count=2)) is None
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "nemotron_h_moe", "falcon-h1", "jamba"])
+@pytest.mark.parametrize("arch", ["mamba", "jamba"])
 def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     """A GGUF of a recurrent arch that is not built (all but mamba2, nemotron_h,
-    granitehybrid, qwen35 and qwen3next: config/gguf_hybrid.py) is refused at resolution
+    nemotron_h_moe, granitehybrid, qwen35, qwen35moe, qwen3next and falcon-h1:
+    config/gguf_hybrid.py)
+    is refused at resolution
     (ModelInfo reads the header) and at load (before transformers' conversion), naming the
     arch and the way out."""
     gguf = pytest.importorskip("gguf")
@@ -128,7 +130,8 @@ def test_a_recurrent_gguf_is_refused_by_name(tmp_path, arch):
     w.write_tensors_to_file()
     w.close()
     why = (f"GGUF {arch} .*recurrent .* state is built from GGUF files of llama.cpp's mamba2, "
-           f"nemotron_h, granitehybrid, qwen35 and qwen3next archs only.* HF safetensors")
+           f"nemotron_h, nemotron_h_moe, granitehybrid, qwen35, qwen35moe, qwen3next and "
+           f"falcon-h1 archs only.* HF safetensors")
     with pytest.raises(ValueError, match=why):
         ModelInfo.from_model_path(str(path))
     with pytest.raises(ValueError, match=why):
@@ -302,3 +305,91 @@ def test_qwen3_5_from_the_header():
     assert (moe["architectures"], moe["num_experts"], moe["moe_intermediate_size"],
             moe["shared_expert_intermediate_size"], moe["decoder_sparse_step"]) == (
         ["Qwen3NextForCausalLM"], 4, 24, 40, 1)
+    # Qwen3.5-MoE: Qwen3.5's keys without feed_forward_length, the experts as Qwen3-Next's
+    moe_meta = {k.replace("qwen3next.", "qwen35moe."): v for k, v in next_meta.items()
+                if k != "qwen3next.feed_forward_length"}
+    moe_meta["general.architecture"] = "qwen35moe"
+    moe = hybrid_fields(moe_meta, {**dims, "blk.0.ffn_gate_exps.weight": (64, 24, 4),
+                                   "blk.0.ffn_gate_shexp.weight": (64, 40)})
+    assert (moe["architectures"], moe["model_type"], moe["num_experts"],
+            "intermediate_size" in moe) == (["Qwen3_5MoeForCausalLM"], "qwen3_5_moe_text", 4,
+                                            False)
+
+
+NEMOTRON_MOE = {**{k.replace("nemotron_h.", "nemotron_h_moe."): v for k, v in NEMOTRON.items()},
+                "general.architecture": "nemotron_h_moe", "nemotron_h_moe.block_count": 4,
+                "nemotron_h_moe.nextn_predict_layers": 1,
+                "nemotron_h_moe.attention.head_count_kv": [0, 2, 0, 2],
+                "nemotron_h_moe.feed_forward_length": [0, 0, 24, 24],
+                "nemotron_h_moe.expert_count": 8, "nemotron_h_moe.expert_used_count": 2,
+                "nemotron_h_moe.expert_shared_feed_forward_length": 40,
+                "nemotron_h_moe.expert_weights_norm": True,
+                "nemotron_h_moe.expert_weights_scale": 2.5}
+NEMOTRON_MOE_DIMS = {"token_embd.weight": (64, 100), "blk.2.ffn_up_exps.weight": (64, 24, 8),
+                     "blk.2.ffn_up_shexp.weight": (64, 40)}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({}, None),
+    ({"nemotron_h_moe.expert_group_count": 2}, "expert_group_count 2 without"),
+    ({"nemotron_h_moe.moe_latent_size": 16}, "moe_latent_size 16 and the ffn_latent_down"),
+], ids=["builds", "groups-without-used", "latent-without-tensors"])
+def test_nemotron_h_moe_from_the_header(change, match):
+    """llama.cpp's nemotron_h_moe: a layer with a feed-forward length is a MoE; the router's
+    keys as its build_moe_ffn reads them; the MTP block after the layers (its array entries
+    too) is not a layer."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields({**NEMOTRON_MOE, **change}, NEMOTRON_MOE_DIMS)
+        return
+    fields = hybrid_fields(NEMOTRON_MOE, NEMOTRON_MOE_DIMS)
+    assert fields["num_hidden_layers"] == 3
+    assert fields["layers_block_type"] == ["linear_attention", "full_attention", "moe"]
+    assert (fields["n_routed_experts"], fields["num_experts_per_tok"],
+            fields["moe_intermediate_size"], fields["moe_shared_expert_intermediate_size"],
+            fields["norm_topk_prob"], fields["routed_scaling_factor"], fields["n_group"],
+            fields["topk_group"], fields["moe_latent_size"]) == (8, 2, 24, 40, True, 2.5, 1, 1,
+                                                                 None)
+
+
+FALCON = {"general.architecture": "falcon-h1", "falcon-h1.block_count": 2,
+          "falcon-h1.embedding_length": 64, "falcon-h1.ssm.inner_size": 64,
+          "falcon-h1.ssm.time_step_rank": 4, "falcon-h1.ssm.group_count": 2,
+          "falcon-h1.ssm.conv_kernel": 4, "falcon-h1.ssm.state_size": 16,
+          "falcon-h1.attention.layer_norm_rms_epsilon": 1e-5,
+          "falcon-h1.attention.head_count": 4, "falcon-h1.attention.head_count_kv": 2,
+          "falcon-h1.attention.key_length": 24, "falcon-h1.feed_forward_length": 88,
+          "falcon-h1.rope.freq_base": 1e5}
+
+
+@pytest.mark.parametrize("change,match", [
+    ({}, None),
+    ({"blk.0.ssm_in.bias": (138,)}, "ssm_in.bias is not supported"),
+    ({"blk.1.attn_q.bias": (96,)}, "attn_q.bias is not supported"),
+    ({"falcon-h1.rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn'"),
+    ({"falcon-h1.rope.dimension_count": 8}, "rope.dimension_count 8"),
+    ({"falcon-h1.attention.scale": 0.5}, "attention.scale is not supported"),
+], ids=["builds", "ssm-in-bias", "attention-bias", "rope-scaling", "partial-rope", "scale"])
+def test_falcon_h1_from_the_header(change, match):
+    """llama.cpp's falcon-h1: attention and Mamba2 in every layer, every muP multiplier 1 (the
+    converter folded them into the weights), the gated norm after the gate when ssm_norm is
+    there; what llama.cpp does not read is refused by key or tensor name."""
+    from kvstrata.config.gguf_hybrid import hybrid_fields
+
+    dims = {"token_embd.weight": (64, 100), "output.weight": (64, 100)}
+    meta = dict(FALCON)
+    for key, value in change.items():
+        (dims if key.startswith("blk.") else meta)[key] = value
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            hybrid_fields(meta, dims)
+        return
+    fields = hybrid_fields(meta, dims)
+    assert (fields["architectures"], fields["num_attention_heads"], fields["head_dim"],
+            fields["mamba_d_head"], fields["mamba_rms_norm"], fields["ssm_multipliers"],
+            fields["key_multiplier"]) == (["FalconH1ForCausalLM"], 4, 24, 16, False, [1.0] * 5,
+                                          1.0)
+    normed = hybrid_fields(meta, {**dims, "blk.0.ssm_norm.weight": (32, 2)})
+    assert normed["mamba_rms_norm"] and not normed["mamba_norm_before_gate"]

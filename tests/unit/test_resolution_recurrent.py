@@ -110,8 +110,8 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
       "hicache_storage_backend": "file"}, "a PD decode server's HiCache / KV offload"),
     ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x"},
      "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
-    ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's MTP "
-                                         "layer is built"),
+    ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's and "
+                                         "Qwen3.5's MTP layers are built"),
     ({"tp_size": 2}, "--tp-size 2: tensor parallelism over recurrent layers"),
     ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
     ({"enable_deterministic_inference": True},
@@ -122,14 +122,14 @@ def test_unbuilt_combinations_are_refused_by_name(kw, match):
         run(**kw)
 
 
-def test_nextn_is_built_for_qwen3_next_chains_only():
-    """Qwen3-Next's MTP layer drafts (runner/spec/mtp_hybrid.py): NEXTN resolves to EAGLE
-    over its own checkpoint, co-located and under PD; trees and other recurrent architectures
-    are refused."""
-    cfg = {**T.Qwen3NextConfig(num_hidden_layers=4).to_dict(),
-           "architectures": ["Qwen3NextForCausalLM"]}
-    info = info_of(cfg)
-    assert info.architecture == "Qwen3NextForCausalLM"
+@pytest.mark.parametrize("config,arch", [(T.Qwen3NextConfig, "Qwen3NextForCausalLM"),
+                                         (T.Qwen3_5TextConfig, "Qwen3_5ForCausalLM")])
+def test_nextn_is_built_for_qwen3_next_and_qwen3_5_chains_only(config, arch):
+    """Qwen3-Next's and Qwen3.5's MTP layer drafts (runner/spec/mtp_hybrid.py): NEXTN
+    resolves to EAGLE over its own checkpoint, co-located and under PD; trees and other
+    recurrent architectures are refused."""
+    info = info_of({**config(num_hidden_layers=4).to_dict(), "architectures": [arch]})
+    assert info.architecture == arch
     resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN")
     assert (resolved.speculative_algorithm, resolved.speculative_draft_model_path,
             resolved.speculative_eagle_topk) == ("EAGLE", "m", 1)
@@ -140,10 +140,11 @@ def test_nextn_is_built_for_qwen3_next_chains_only():
         resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN",
                           disaggregation_mode=mode)
         assert resolved.speculative_algorithm == "EAGLE"
-    qwen3_5 = info_of({**T.Qwen3_5TextConfig(num_hidden_layers=4).to_dict(),
-                       "architectures": ["Qwen3_5ForCausalLM"]})
-    with pytest.raises(ValueError, match="NEXTN on Qwen3_5ForCausalLM: only Qwen3-Next's"):
-        run(qwen3_5, speculative_algorithm="NEXTN")
+    nemotron = info_of({**T.NemotronHConfig(num_hidden_layers=4,
+                                            hybrid_override_pattern="M*M-").to_dict(),
+                        "architectures": ["NemotronHForCausalLM"]})
+    with pytest.raises(ValueError, match="NEXTN on NemotronHForCausalLM: only Qwen3-Next's"):
+        run(nemotron, speculative_algorithm="NEXTN")
 
 
 def test_pd_servers_resolve_and_the_decode_holds_one_slot_a_request():

@@ -1,9 +1,10 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
-(EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, a decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
-rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py).
+(EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's and Qwen3.5's MTP layers) and draft trees, the
+decode radix cache of PD, a decode server's HiCache, tensor parallelism, --quantization
+(deterministic inference: rules/deterministic.py; GGUF files of the archs not built:
+config/gguf_config.py).
 HiCache's host state slots are sized with the pools (config/kv_sizing_host_state.py); this step
 says how `--hicache-mamba-size-gb auto` will be solved (`state.host_split`), so that
 `config --explain` shows it, and refuses it without chunked prefill (its cadence).
@@ -42,9 +43,10 @@ SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 # Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
 # state and commits the accepted one (runner/recurrent/backend.py; SGLang's intermediate
 # states). Drafts come from the n-gram cache, a second checkpoint without recurrent state,
-# or (NEXTN) Qwen3-Next's MTP layer, a full-attention layer (runner/spec/mtp_hybrid.py).
+# or (NEXTN) Qwen3-Next's or Qwen3.5's MTP layer, a full-attention layer
+# (runner/spec/mtp_hybrid.py).
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
-NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
 
 
@@ -94,7 +96,8 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if algo is not None and algo not in SPEC_ALGORITHMS and not nextn:
         out.append(f"--speculative-algorithm {algo}: a draft head over a recurrent target "
                    f"(EAGLE / EAGLE3; NEXTN on {architecture or 'this model'}: only "
-                   f"Qwen3-Next's MTP layer is built) is not built; NGRAM and STANDALONE are")
+                   f"Qwen3-Next's and Qwen3.5's MTP layers are built) is not built; NGRAM "
+                   f"and STANDALONE are")
     if nextn and (args.speculative_eagle_topk or 1) > 1:
         out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
                    f"layer verifies chains only (one state per draft step)")

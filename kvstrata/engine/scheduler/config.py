@@ -151,13 +151,14 @@ class SchedulerConfig:
         refuses the flags at start-up; this guards configs built without resolution)."""
         if not self.plan.has_state_pool:
             return
-        # EAGLE here is NEXTN resolved: Qwen3-Next's MTP layer (resolution refuses EAGLE
-        # heads and other hybrids' NEXTN by name); its chains verify like the others
+        # EAGLE here is NEXTN resolved: Qwen3-Next's or Qwen3.5's MTP layer (resolution
+        # refuses EAGLE heads and other hybrids' NEXTN by name); its chains verify like the
+        # others
         chain_eagle = self.speculative_algorithm == "EAGLE" and self.speculative_eagle_topk == 1
         if self.speculative_algorithm not in (None, "NGRAM", "STANDALONE") and not chain_eagle:
             raise ValueError(f"a recurrent state pool does not support "
                              f"--speculative-algorithm {self.speculative_algorithm} yet "
-                             f"(NGRAM and STANDALONE chains, NEXTN chains on Qwen3-Next)")
+                             f"(NGRAM and STANDALONE chains, NEXTN chains on Qwen3-Next and Qwen3.5)")
         if self.disaggregation_mode == "decode" and self.disaggregation_decode_enable_radix_cache:
             raise ValueError("--disaggregation-decode-enable-radix-cache is incompatible with "
                              "Mamba/SSM models (a recurrent state pool)")

@@ -14,7 +14,7 @@
                     the routers and expert dispatch); config and weight names:
                     deepseek_config.py, deepseek_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
-  qwen3_next_mtp.py Qwen3-Next's MTP layer as a NEXTN draft head
+  qwen3_next_mtp.py Qwen3-Next's and Qwen3.5's MTP layer as a NEXTN draft head
   deepseek_fixed.py deterministic inference: a DeepSeek model's linears, absorbed heads and
                     FFNs on the fixed GEMM
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads

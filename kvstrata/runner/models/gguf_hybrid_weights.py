@@ -1,10 +1,10 @@
-"""The tensors of a Mamba2, Nemotron-H, Granite-4.0-H, Qwen3.5 or Qwen3-Next GGUF file (llama.cpp
-archs `mamba2`, `nemotron_h`, `granitehybrid`, `qwen35`, `qwen3next`) as the HF checkpoint's
-(name, float32 tensor), every transform of convert_hf_to_gguf.py (Mamba2Model.modify_tensors,
-which the hybrids' Mamba2 layers run through GraniteHybridModel; LlamaModel's q / k
-permutation on their attention layers; GraniteMoeModel's split of input_linear;
-Qwen3NextModel's, Qwen2MoeModel's expert stacks and, for Qwen3.5,
-_LinearAttentionVReorderBase's) undone:
+"""The tensors of a Mamba2, Nemotron-H (MoE too), Granite-4.0-H, Qwen3.5, Qwen3-Next or
+Falcon-H1 GGUF file (llama.cpp archs `mamba2`, `nemotron_h`, `nemotron_h_moe`,
+`granitehybrid`, `qwen35`, `qwen3next`, `falcon-h1`) as the HF checkpoint's (name, float32
+tensor), every transform of convert_hf_to_gguf.py (Mamba2Model.modify_tensors, which the
+hybrids' Mamba2 layers run through GraniteHybridModel; LlamaModel's q / k permutation on
+their attention layers; GraniteMoeModel's split of input_linear; Qwen3NextModel's,
+Qwen2MoeModel's expert stacks and, for Qwen3.5, _LinearAttentionVReorderBase's) undone:
 
   llama.cpp tensor        as the converter stored it             HF parameter
   ssm_a                   -exp(A_log), shape (heads, 1)          A_log = log(-A), (heads,)
@@ -29,6 +29,7 @@ NEOX-style there, q / k not permuted):
   ssm_dt, conv1d; ssm_out's columns)
   ssm_a                   -exp(A_log), 1-D                        A_log = log(-A)
   blk.N.* past the layers the MTP block (nextn)                   not read (as mtp.*)
+Qwen3.5-MoE (Qwen3_5MoeTextModel): Qwen3.5's names and transforms, Qwen3-Next's MoE tensors.
 Qwen3-Next (Qwen3NextModel, no V reordering; norms as Qwen3.5's):
   attn_qkv + attn_gate    in_proj_qkvz ([q, k, v, z] per key     in_proj_qkvz, regrouped
                           head) split into [q, k, v] of all heads
@@ -36,6 +37,14 @@ Qwen3-Next (Qwen3NextModel, no V reordering; norms as Qwen3.5's):
   ssm_ba                  in_proj_ba as is                       in_proj_ba
   ffn_{gate,up,down}_exps the experts stacked [E, ...]            experts.{e}.*_proj, each
   ffn_gate_inp(_shexp), ffn_*_shexp: the router, the shared expert's gate and projections
+Nemotron-H MoE (NemotronHModel: the Mamba2 transforms above, q / k permuted):
+  ffn_up_exps / _down_    the experts stacked [E, ...]           mixer.experts.up_proj / down_
+                                                                  (transformers' stacks)
+  ffn_gate_inp, exp_probs_b.bias: the router and its correction bias; ffn_up_shexp /
+  ffn_down_shexp the shared expert; ffn_latent_down / _up the latent projections
+Falcon-H1 (FalconH1Model: the Mamba2 transforms, no q / k permutation: NEOX rope): the muP
+multipliers the converter folded into the weights stay folded (config/gguf_falcon_h1.py sets
+them to 1); model.* names, the mixer under `mamba`, the MLP under `feed_forward`.
 Names are Mamba2 / Nemotron-H's `backbone.*` (NVIDIA's and state-spaces' spelling;
 nemotron_h.py reads transformers' model.* too), Granite's and Qwen3.5's `model.*`. A_log comes
 back as log(-A): exp of it is A to within a float32 rounding, which the model applies as
@@ -54,7 +63,8 @@ from tqdm import tqdm
 
 from kvstrata.runner.models.gguf_weights import dequantize, unpermute_qk
 
-MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text", "qwen3_next")
+MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "qwen3_5_text", "qwen3_5_moe_text",
+               "qwen3_next", "falcon_h1")
 _MAMBA = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_norm": "norm", "ssm_out": "out_proj"}
 # tensors the converter stores under other names or with no suffix -> the mixer's parameter
 _MAMBA_BARE = {("ssm_a", None): "A_log", ("ssm_d", None): "D", ("ssm_dt", "bias"): "dt_bias"}
@@ -68,14 +78,16 @@ class _Names:
 
     def __init__(self, global_names: dict, layer: str, block: dict, mixer: str,
                  fused: dict | None = None, permuted_qk: bool = True,
-                 per_expert: dict | None = None):
+                 per_expert: dict | None = None, bare: dict | None = None):
         self.global_names, self.layer, self.mixer = global_names, layer, mixer
         # expert stacks [E, ...] the converter merged from per-expert tensors -> their module
         # under experts.{e}
         self.per_expert = per_expert or {}
         self.permuted_qk = permuted_qk  # LlamaModel.permute ran on attn_q / attn_k
         self.block = {**{k: f"{mixer}.{v}" for k, v in _MAMBA.items()}, **block}
-        self.bare = {k: f"{mixer}.{v}" for k, v in _MAMBA_BARE.items()}
+        # (kind, suffix) -> the full name under the layer, for tensors whose HF name has no
+        # .weight / .bias suffix or another one
+        self.bare = {**{k: f"{mixer}.{v}" for k, v in _MAMBA_BARE.items()}, **(bare or {})}
         self.fused = fused or {}
 
 
@@ -84,7 +96,16 @@ _BACKBONE = _Names(
      "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
     "backbone.layers", {"attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
                         "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj",
-                        "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj"}, "mixer")
+                        "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+                        # Nemotron-H's MoE blocks (nemotron_h_moe)
+                        "ffn_gate_inp": "mixer.gate",
+                        "ffn_up_shexp": "mixer.shared_experts.up_proj",
+                        "ffn_down_shexp": "mixer.shared_experts.down_proj",
+                        "ffn_latent_down": "mixer.fc1_latent_proj",
+                        "ffn_latent_up": "mixer.fc2_latent_proj"}, "mixer",
+    bare={("exp_probs_b", "bias"): "mixer.gate.e_score_correction_bias",
+          ("ffn_up_exps", "weight"): "mixer.experts.up_proj",
+          ("ffn_down_exps", "weight"): "mixer.experts.down_proj"})
 # transformers' model.* checkpoints' global tensors (Granite-4.0-H, Qwen3.5)
 _MODEL_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                  "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -145,8 +166,27 @@ _QWEN3NEXT = _Names(
     per_expert={"ffn_gate_exps": "mlp.experts.{e}.gate_proj",
                 "ffn_up_exps": "mlp.experts.{e}.up_proj",
                 "ffn_down_exps": "mlp.experts.{e}.down_proj"})
+# Qwen3.5-MoE (Qwen3_5MoeTextModel: Qwen3.5's layers and value-head order, Qwen3-Next's MoE
+# names and expert stacks)
+_QWEN35MOE = _Names(
+    _MODEL_GLOBAL, "model.layers",
+    {**{k: v for k, v in _QWEN35.block.items() if not k.startswith("ffn_")},
+     **{k: v for k, v in _QWEN3NEXT.block.items() if k.startswith("ffn_")}}, "linear_attn",
+    permuted_qk=False, per_expert=_QWEN3NEXT.per_expert)
+# Falcon-H1 (FalconH1Model: attention and the Mamba2 mixer in every layer, rope NEOX-style)
+_FALCON_H1 = _Names(
+    {"token_embd.weight": "model.embed_tokens.weight",
+     "output_norm.weight": "model.final_layernorm.weight", "output.weight": "lm_head.weight"},
+    "model.layers", {"attn_norm": "input_layernorm", "ffn_norm": "pre_ff_layernorm",
+                     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj",
+                     "ffn_down": "feed_forward.down_proj"}, "mamba", permuted_qk=False,
+    # pre_ff_layernorm maps to FFN_PRE_NORM with its .weight in the key: written suffix-less
+    bare={("ffn_norm", None): "pre_ff_layernorm.weight"})
 _FAMILIES = {"mamba2": _BACKBONE, "nemotron_h": _BACKBONE, "granitemoehybrid": _GRANITE,
-             "qwen3_5_text": _QWEN35, "qwen3_next": _QWEN3NEXT}
+             "qwen3_5_text": _QWEN35, "qwen3_5_moe_text": _QWEN35MOE, "qwen3_next": _QWEN3NEXT,
+             "falcon_h1": _FALCON_H1}
 # Qwen3.5's zero-centred RMSNorms, stored as 1 + w (Qwen3NextModel.modify_tensors; not the
 # gated norm of the linear layers)
 _ONE_PLUS_W = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
@@ -180,8 +220,8 @@ def hf_name(gguf_name: str, model_type: str) -> tuple[str, str]:
 def undo_converter(kind: str, w: np.ndarray, config: Any, gguf_name: str) -> np.ndarray:
     """The HF tensor from the converter's stored values (the table above)."""
     names = _FAMILIES[config.model_type]
-    if names in (_QWEN35, _QWEN3NEXT):
-        w = _undo_qwen(kind, w, config, gguf_name, tiled_v=names is _QWEN35)
+    if names in (_QWEN35, _QWEN35MOE, _QWEN3NEXT):
+        w = _undo_qwen(kind, w, config, gguf_name, tiled_v=names is not _QWEN3NEXT)
     if kind == "ssm_a":
         if not (w < 0).all():
             raise ValueError(f"GGUF tensor {gguf_name!r} holds values >= 0: not the converter's "

@@ -15,6 +15,7 @@ def hybrid_model(name: str, config: Any, dtype: torch.dtype, device: torch.devic
 
     classes = {"Qwen3NextForCausalLM": qwen3_next.Qwen3NextForCausalLM,
                "Qwen3_5ForCausalLM": qwen3_next.Qwen3_5ForCausalLM,
+               "Qwen3_5MoeForCausalLM": qwen3_next.Qwen3_5MoeForCausalLM,
                "NemotronHForCausalLM": nemotron_h.NemotronHForCausalLM,
                "Mamba2ForCausalLM": nemotron_h.Mamba2ForCausalLM,
                "GraniteMoeHybridForCausalLM": granite_hybrid.GraniteMoeHybridForCausalLM,

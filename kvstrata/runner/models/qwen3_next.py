@@ -1,4 +1,5 @@
-"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 dense (Qwen3_5ForCausalLM): Gated DeltaNet
+"""Qwen3-Next (Qwen3NextForCausalLM), Qwen3.5 dense (Qwen3_5ForCausalLM) and Qwen3.5-MoE
+(Qwen3_5MoeForCausalLM): Gated DeltaNet
 layers (gated_deltanet.py) and full-attention layers as `config.layer_types` says (3:1 in the
 released models), each followed by an MLP; checked against transformers' modeling_qwen3_next
 / modeling_qwen3_5.
@@ -11,7 +12,7 @@ released models), each followed by an MLP; checked against transformers' modelin
   paged KV pool, which holds only these layers.
 - Qwen3.5's text rope is multimodal (mrope sections); for text every section reads the same
   position, which is plain rope.
-- MLP: SwiGLU; Qwen3-Next's MoE layers (`decoder_sparse_step`, not `mlp_only_layers`) are
+- MLP: SwiGLU; Qwen3.5-MoE's (every layer) and Qwen3-Next's MoE layers (`decoder_sparse_step`, not `mlp_only_layers`) are
   Qwen2-MoE's block (moe_decoder.SparseMoeBlock): each token to its top-k experts by softmax
   (renormalised with norm_topk_prob) plus a shared SwiGLU expert scaled by
   sigmoid(shared_expert_gate(x)).
@@ -21,6 +22,7 @@ The MTP layer in the checkpoint (`mtp.*`) is not part of the causal LM; NEXTN dr
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -216,3 +218,23 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     @staticmethod
     def is_moe_layer(config: Any, i: int) -> bool:
         return False
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE's text model (Qwen3_5MoeForCausalLM): Qwen3.5's layers with Qwen3-Next's
+    MoE block in every layer (softmax top-k, the k weights always renormalised: transformers'
+    Qwen3_5MoeTopKRouter; a sigmoid-gated shared expert), one tensor per expert in the
+    checkpoint as transformers saves them (experts.{e}.gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
+        # the config class has no norm_topk_prob (its router always renormalises) and no
+        # intermediate_size (no dense MLP; ModelDims' width, unused here, is the experts')
+        config = copy.copy(config)
+        config.norm_topk_prob = True
+        config.intermediate_size = getattr(config, "intermediate_size", None) or \
+            config.moe_intermediate_size
+        super().__init__(config, dtype, device)
+
+    @staticmethod
+    def is_moe_layer(config: Any, i: int) -> bool:
+        return True

@@ -1,10 +1,12 @@
-"""Qwen3-Next's multi-token-prediction (MTP) layer as a draft head (`--speculative-algorithm
-NEXTN`, which SGLang turns into EAGLE with the checkpoint's own MTP layer).
+"""Qwen3-Next's and Qwen3.5's multi-token-prediction (MTP) layer as a draft head
+(`--speculative-algorithm NEXTN`, which SGLang turns into EAGLE with the checkpoint's own MTP
+layer; SGLang's Qwen3_5ForCausalLMMTP reads Qwen3.5's under the same names).
 
 Qwen's releases store it under `mtp.` (transformers skips those names): the zero-centred
 norms `pre_fc_norm_embedding` and `pre_fc_norm_hidden`, `fc` (2H -> H), one decoder layer
 `layers.0` with gated *full* attention (no Gated DeltaNet: the draft keeps K/V per token,
-no recurrent state) and the MLP layer 0 of the model would have, and `norm`. Per position i
+no recurrent state) and the MLP layer 0 of the model would have (Qwen3-Next's MoE, Qwen3.5's
+dense SwiGLU), and `norm`. Per position i
 it reads the target's final-normed hidden state h_i and the next token x_{i+1}:
 
     x = fc(cat(norm_e(embed(x_{i+1})), norm_h(h_i)))  ->  decoder layer

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Mamba2 side by side in every layer).
     "Qwen3NextForCausalLM": ArchSpec(family="qwen3_next"),
     "Qwen3_5ForCausalLM": ArchSpec(family="qwen3_next"),
+    "Qwen3_5MoeForCausalLM": ArchSpec(family="qwen3_next"),
     "NemotronHForCausalLM": ArchSpec(family="nemotron_h"),
     "Mamba2ForCausalLM": ArchSpec(family="nemotron_h"),
     "GraniteMoeHybridForCausalLM": ArchSpec(family="granite_hybrid"),

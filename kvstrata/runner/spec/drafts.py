@@ -9,8 +9,9 @@ from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.spec.standalone import DraftModel
 
 
-# The recurrent model whose MTP layer NEXTN drafts with (runner/spec/mtp_hybrid.py).
-QWEN3_NEXT = "Qwen3NextForCausalLM"
+# The recurrent models whose MTP layer NEXTN drafts with (runner/spec/mtp_hybrid.py); the
+# resolution rule's list (config/rules/recurrent.py) is the same.
+MTP_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 def build_draft(target, device: torch.device, dtype: str, path: str | None, algorithm: str,
@@ -18,8 +19,8 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
                 target_source, dsa_fused_topk: bool,
                 deterministic: bool = False) -> DraftModel | None:
     """STANDALONE: a second checkpoint. EAGLE / EAGLE3: a head over a llama-family target;
-    over a DeepSeek (MLA) or Qwen3-Next target, EAGLE is NEXTN after resolution: its own MTP
-    layer."""
+    over a DeepSeek (MLA), Qwen3-Next or Qwen3.5 target, EAGLE is NEXTN after resolution: its
+    own MTP layer."""
     if path is None:
         return None
     refuse_speculation(target, algorithm)
@@ -39,13 +40,14 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
                                       f"on {type(target).__name__} (NEXTN drafts with its "
                                       f"MTP layer)")
         return MTPDraft(path, target, device, tree, dsa_fused_topk)
-    if algorithm in ("EAGLE", "EAGLE3") and architecture_name(target.config) == QWEN3_NEXT:
+    arch = architecture_name(target.config)
+    if algorithm in ("EAGLE", "EAGLE3") and arch in MTP_HYBRIDS:
         from kvstrata.runner.spec.mtp_hybrid import Qwen3NextMTPDraft
 
         if algorithm == "EAGLE3" or token_map is not None:
             raise NotImplementedError(f"not implemented yet: --speculative-algorithm "
                                       f"{algorithm}{' with a token map' if token_map else ''} "
-                                      f"on {QWEN3_NEXT} (NEXTN drafts with its MTP layer)")
+                                      f"on {arch} (NEXTN drafts with its MTP layer)")
         return Qwen3NextMTPDraft(path, target, device, tree)
     if algorithm in ("EAGLE", "EAGLE3"):
         from kvstrata.runner.spec.eagle import EagleDraft

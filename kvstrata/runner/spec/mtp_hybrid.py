@@ -1,7 +1,8 @@
-"""NEXTN on Qwen3-Next: the checkpoint's MTP layer (runner/models/qwen3_next_mtp.py) drafts
-like an EAGLE head (runner/spec/eagle.py: features from the target's forwards, catch-up
-extend, one forward per further draft, validity per slot) over a K/V pool of one layer beside
-the target's full-attention pool.
+"""NEXTN on Qwen3-Next and Qwen3.5: the checkpoint's MTP layer (runner/models/qwen3_next_mtp.py;
+Qwen3.5's has the same names and shape, with its model's dense MLP) drafts like an EAGLE head
+(runner/spec/eagle.py: features from the target's forwards, catch-up extend, one forward per
+further draft, validity per slot) over a K/V pool of one layer beside the target's
+full-attention pool.
 
 The MTP layer is a full-attention layer: the draft keeps no recurrent state, so nothing of
 its own needs rolling back after a verify (its K/V validity per slot is EagleDraft's). The
@@ -23,9 +24,9 @@ class Qwen3NextMTPDraft(EagleDraft):
     def __init__(self, model_path: str, target, device: torch.device,
                  tree: tuple[int, int] = (1, 1)):
         if tree[0] > 1:
-            raise NotImplementedError("not implemented yet: --speculative-eagle-topk > 1 with "
-                                      "NEXTN on Qwen3NextForCausalLM (a recurrent layer "
-                                      "verifies chains only)")
+            raise NotImplementedError(f"not implemented yet: --speculative-eagle-topk > 1 "
+                                      f"with NEXTN on {type(target).__name__} (a recurrent "
+                                      f"layer verifies chains only)")
         self.deterministic = False  # refused for recurrent models (rules/deterministic.py)
         self._init_own_layer(model_path, target, device, tree, load_qwen3_next_mtp)
 
