@@ -9,7 +9,9 @@ K-quantizer).
 
 - Loaded kept packed, every quantized matrix is a packed layer: attention, each expert's
   gate|up and down (one GgufLinear per expert), the router where the file quantized it, the
-  shared experts; the model's weight bytes are the file's (no float copy anywhere).
+  shared experts; every expert's product equals the dequantized matrix's; the model's
+  weight bytes are the file's (no float copy anywhere); the served model reports every
+  quantized type of its file as packed (none fell back to dequantization).
 - One forward of one prompt (batch 1) and of three prompts together (a batch whose tokens
   reach every expert): logits close to the same file dequantized at load and to
   transformers on the file's values (float32).
@@ -121,6 +123,24 @@ def _tensor_bytes(path: str, layers: int) -> int:
                if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers))
 
 
+def _quantized_types(path: str) -> set[str]:
+    """The GGML types of the file's quantized tensors (F32 ones aside)."""
+    import gguf
+
+    return {t.tensor_type.name for t in gguf.GGUFReader(path).tensors
+            if t.tensor_type != gguf.GGMLQuantizationType.F32}
+
+
+def test_the_files_hold_every_packed_type(files):
+    """Between them the four files put each type the packed kernels serve in an expert stack
+    (and elsewhere: attention, routers, shared experts, the dense layer)."""
+    import gguf
+
+    stacks = {t.tensor_type.name for path, _ in files.values()
+              for t in gguf.GGUFReader(path).tensors if "_exps." in t.name}
+    assert stacks == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
 def _assert_experts_equal(packed, floats) -> None:
     """Every expert's packed gate|up and down (and a packed router) multiply as the same
     file's dequantized matrices do, whichever experts a batch happens to reach."""
@@ -196,6 +216,7 @@ def test_served_packed_greedy_equals_transformers(family, files):
         outs = llm.generate(input_ids=PROMPTS, sampling_params=greedy)
         llm.engine.check_integrity()
     assert info["quantization"] == "gguf" and info["packed_layers"] > 2 * EXPERTS  # an expert: 2
+    assert info["packed_types"] == sorted(_quantized_types(path))  # none dequantized at load
     for i, (out, (tokens, logits)) in enumerate(zip(outs, refs)):
         assert_tokens_match(out["output_ids"], tokens, logits, tie_tol=LOGITS_ATOL,
                             label=f"{family} packed GGUF prompt {i}")
