@@ -44,10 +44,10 @@ TYPES = {
         "experts.gate": "Q4_K", "experts.up": "Q4_K", "experts.down": "Q6_K",
         "1.experts.gate": "Q5_K", "1.experts.up": "Q4_0", "1.experts.down": "Q8_0",
         "1.gate": "Q8_0", "embed_tokens": "Q4_K", "lm_head": "Q6_K"},
-    "qwen2_moe": {  # K-quant shared expert, Q4_1 / Q4_0 experts, float router
+    "qwen2_moe": {  # K-quant shared expert, Q4_1 / F32 / Q4_0 experts, float router
         "q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q5_K",
         "gate_proj": "Q4_K", "up_proj": "Q5_K", "down_proj": "Q6_K",
-        "experts.gate": "Q4_1", "experts.up": "Q4_1", "experts.down": "Q4_0"},
+        "experts.gate": "Q4_1", "experts.up": "F32", "experts.down": "Q4_0"},
     "mixtral": {  # a quantized router in both layers
         "q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q5_K",
         "experts.gate": "Q8_0", "experts.up": "Q5_K", "experts.down": "Q4_K", "gate": "Q4_0"},
@@ -57,8 +57,9 @@ TYPES = {
         "1.gate_proj": "Q8_0", "1.up_proj": "Q8_0", "1.down_proj": "Q8_0",
         "experts.gate": "Q5_K", "experts.up": "Q6_K", "experts.down": "Q4_1"},
 }
-# per MoE layer: the segments of an expert's gate|up (1: gate and up of one type, joined)
-GATE_UP_PARTS = {"qwen3_moe": (1, 2), "qwen2_moe": (1, 1), "mixtral": (2, 2), "glm4_moe": (2,)}
+# per MoE layer: the segments of an expert's gate|up (1: gate and up of one type, joined;
+# Qwen2-MoE's up rows a float segment: its file stores ffn_up_exps in F32)
+GATE_UP_PARTS = {"qwen3_moe": (1, 2), "qwen2_moe": (2, 2), "mixtral": (2, 2), "glm4_moe": (2,)}
 # packed layers multiply gguf's dequantized values in float32 (runner/cpu/gguf_matmul.py
 # `matmul`): the float model's logits up to summation order (test_gguf_packed.py's bound)
 LOGITS_ATOL = 5e-2
@@ -133,12 +134,12 @@ def _quantized_types(path: str) -> set[str]:
 
 def test_the_files_hold_every_packed_type(files):
     """Between them the four files put each type the packed kernels serve in an expert stack
-    (and elsewhere: attention, routers, shared experts, the dense layer)."""
+    (and elsewhere: attention, routers, shared experts, the dense layer), and a float one."""
     import gguf
 
     stacks = {t.tensor_type.name for path, _ in files.values()
               for t in gguf.GGUFReader(path).tensors if "_exps." in t.name}
-    assert stacks == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert stacks == {"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F32"}
 
 
 def _assert_experts_equal(packed, floats) -> None:
@@ -224,16 +225,19 @@ def test_served_packed_greedy_equals_transformers(family, files):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_deterministic_inference_pins_the_moe_blocks(family, files):
-    """Qwen2-MoE: a float router and shared-expert gate (fixed GEMM), packed experts and
-    shared expert; Mixtral: its routers packed, nothing float left in its blocks."""
+    """Qwen2-MoE: a float router, shared-expert gate and experts' up rows (fixed GEMM),
+    packed experts' gate / down and shared expert; Mixtral: its routers packed, nothing
+    float left in its blocks."""
     path, _ = files[family]
     llm = make_llm(path, quantization="gguf", dtype="float32", chunked_prefill_size=7,
                    max_total_tokens=1024)
     try:
         info = llm.server_info()["quantization_info"]
         assert info["batch_invariant"] and info["pinned_moe_layers"] == 2
-        # qwen2_moe: per layer its router and its shared expert's gate
+        # qwen2_moe: per layer its router and its shared expert's gate, and each expert's
+        # float up rows (a segment of its gate|up)
         assert info["pinned_float_linears"] == (4 if family == "qwen2_moe" else 0)
+        assert info["pinned_float_segments"] == (2 * EXPERTS if family == "qwen2_moe" else 0)
         block = llm.engine.runner.model.layers[1].moe
         assert block.batch_invariant
         x = torch.randn(24, DIMS["hidden"], generator=torch.Generator().manual_seed(2))
