@@ -78,33 +78,47 @@ def measure(args, llm, served: list[list[int]], single: list[list[int]]) -> dict
     return {"output_tok_per_cpu_s": tokens / secs, "batch1_tpot_cpu_ms": statistics.median(tpots)}
 
 
+def alternate_rounds(args, llms: dict, served: list[list[int]], single: list[list[int]],
+                     result: dict) -> None:
+    """`llms` = {baseline name: LLM, candidate name: LLM}: after a warm-up, args.rounds
+    rounds of `measure` in alternating order, each round's candidate / baseline ratios and
+    their medians into `result` ("rounds", "median_<candidate>_over_<baseline>")."""
+    base, cand = llms
+    key = f"{cand}_over_{base}"
+    for s in llms:  # warm-up: lazy init, decode plans
+        cpu_seconds(llms[s], served[:2], 4)
+    for r in range(args.rounds):
+        got = {}
+        for s in (llms if r % 2 == 0 else reversed(llms)):
+            # each as it lands: a run cut short by its timeout keeps them
+            got[s] = measure(args, llms[s], served, single)
+            print(f"round {r + 1} {s}: {got[s]}", flush=True)
+        ratio = {k: got[cand][k] / got[base][k] for k in got[cand]}
+        result["rounds"].append({base: got[base], cand: got[cand], key: ratio})
+        print(f"round {r + 1}: " + ", ".join(
+            f"{k} {got[base][k]:.2f} -> {got[cand][k]:.2f} ({ratio[k]:.3f}x)" for k in ratio),
+            flush=True)
+    medians = {k: statistics.median(x[key][k] for x in result["rounds"])
+               for k in result["rounds"][0][key]}
+    result[f"median_{key}"] = medians
+    print(f"median {cand}/{base}: " + ", ".join(f"{k} {v:.3f}x" for k, v in medians.items()))
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
-    rng = random.Random(args.seed)
     llms = {"off": engine(args, False), "on": engine(args, True)}
-    vocab = llms["off"].engine.runner.model.dims.vocab_size
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)]
+    return run_and_report(args, llms, range(10, llms["off"].engine.runner.model.dims.vocab_size),
+                          result)
+
+
+def run_and_report(args, llms: dict, token_ids: range, result: dict) -> dict:
+    """Random prompts of `token_ids` (args.seed), alternate_rounds over them, the engines shut
+    down, the result written to args.output_json (if given) and returned."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.choice(token_ids) for _ in range(args.input_len)]
                for _ in range(args.num_prompts + args.batch1_prompts)]
-    served, single = prompts[:args.num_prompts], prompts[args.num_prompts:]
-    for s in ("off", "on"):  # warm-up: lazy init, decode plans
-        cpu_seconds(llms[s], served[:2], 4)
-    for r in range(args.rounds):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        got = {}
-        for s in order:  # each as it lands: a run cut short by its timeout keeps them
-            got[s] = measure(args, llms[s], served, single)
-            print(f"round {r + 1} {s}: {got[s]}", flush=True)
-        ratio = {k: got["on"][k] / got["off"][k] for k in got["on"]}
-        result["rounds"].append({"off": got["off"], "on": got["on"], "on_over_off": ratio})
-        print(f"round {r + 1}: " + ", ".join(
-            f"{k} {got['off'][k]:.2f} -> {got['on'][k]:.2f} ({ratio[k]:.3f}x)" for k in ratio),
-            flush=True)
-    result["median_on_over_off"] = {k: statistics.median(x["on_over_off"][k]
-                                                         for x in result["rounds"])
-                                    for k in result["rounds"][0]["on_over_off"]}
-    print("median on/off: " + ", ".join(f"{k} {v:.3f}x"
-                                        for k, v in result["median_on_over_off"].items()))
+    alternate_rounds(args, llms, prompts[:args.num_prompts], prompts[args.num_prompts:], result)
     for llm in llms.values():
         llm.shutdown()
     if args.output_json:

@@ -8,8 +8,9 @@ matrices side by side, expert stacks, Mixtral's and SmolLM3's permuted q/k rows,
 LongRoPE factor tensors), served from the file: its config read from the header equals the
 checkpoint's; dequantized at load, greedy tokens equal transformers' on the file's values
 (float32; chunked prefill across Phi-3's window, in hybrid SWA memory); kept packed
-(--quantization gguf) likewise for the dense families, refused by name for the MoE ones
-(expert stacks, MLA); what a header names that nothing builds is refused by key.
+(--quantization gguf) likewise for the dense families (the MoE ones kept packed:
+test_gguf_moe_packed.py), refused by name for DeepSeek (MLA); what a header names that
+nothing builds is refused by key.
 """
 from __future__ import annotations
 
@@ -136,14 +137,14 @@ def test_kept_packed_greedy_equals_transformers(family, files):
                             label=f"{family} packed GGUF prompt {i}")
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_moe_kept_packed_is_refused_by_name(family, files):
+@pytest.mark.parametrize("family", MLA)
+def test_mla_kept_packed_is_refused_by_name(family, files):
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
     from kvstrata.runner.models.loader import load_model
 
     source = resolve_model_path(files[1][family][0])
     with pytest.raises(ValueError, match="not built for .*ForCausalLM .no packed path for "
-                                         "(its expert stacks|MLA)"):
+                                         "MLA"):
         load_model(source, load_hf_config(source), "float32", keep_quantized=True)
 
 

@@ -54,8 +54,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
                                                                                  ).reshape(w.shape)
 
 
-def _quantize(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, int]:
-    """(what add_tensor takes, its GGML type) for float32 w [rows, cols]."""
+def quantize_rows(w: np.ndarray, kind: str, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """(what add_tensor takes, its GGML type) for float32 w [rows, cols]: gguf's quantizer,
+    or for a K-quant (which it lacks) random blocks of about the model's weight size."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
@@ -130,7 +131,7 @@ def write_decoder_gguf(arch: str, out_path: str, seed: int = 7, types: dict | No
                 kind = types["embed" if proj == "embed_tokens" else "lm_head"]
             else:
                 kind = types[int(hf_name.split(".")[2])][proj]
-            stored, qtype = _quantize(data, kind, rng)
+            stored, qtype = quantize_rows(data, kind, rng)
             w.add_tensor(f"{names.get_name(base)}.{suffix}", stored, raw_dtype=qtype)
             values = gguf.quants.dequantize(stored, qtype).reshape(data.shape)
         else:

@@ -36,7 +36,7 @@ import re
 
 import numpy as np
 
-from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute
+from helpers.decoder_gguf import add_sentencepiece_vocab, llama_cpp_permute, quantize_rows
 
 FAMILIES = ("qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "olmo2", "glm4", "smollm3",
             "glm4_moe", "deepseek_v3", "deepseek_v2_lite")
@@ -65,26 +65,33 @@ MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
             "mscale": 0.8, "mscale_all_dim": 0.8}
 
 
-def family_config(family: str):
+def family_config(family: str, hidden: int = HIDDEN, expert_width: int = 32, layers: int = 2):
+    """`hidden` / `expert_width` (an expert's, and Mixtral's, intermediate size; the dense
+    layers' is 3x it, Qwen2-MoE's shared expert's 2x): wider than the defaults where a
+    K-quant needs rows of whole 256-value super-blocks (test_gguf_moe_packed.py,
+    benchmarks/ab_gguf_moe.py)."""
     import torch
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                   max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    moe = dict(num_experts_per_tok=TOP_K, intermediate_size=96)
+    moe = dict(num_experts_per_tok=TOP_K, intermediate_size=3 * expert_width)
     if family == "qwen2":
         return tf.Qwen2Config(**common, intermediate_size=96)
     if family == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, **moe, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=64, num_experts=EXPERTS,
+        return tf.Qwen2MoeConfig(**common, **moe, moe_intermediate_size=expert_width,
+                                 shared_expert_intermediate_size=2 * expert_width,
+                                 num_experts=EXPERTS,
                                  norm_topk_prob=False)
     if family == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, **moe, head_dim=HEAD_DIM, moe_intermediate_size=32,
+        return tf.Qwen3MoeConfig(**common, **moe, head_dim=HEAD_DIM,
+                                 moe_intermediate_size=expert_width,
                                  num_experts=EXPERTS, norm_topk_prob=True)
     if family == "mixtral":
-        return tf.MixtralConfig(**common, num_experts_per_tok=TOP_K, intermediate_size=32,
+        return tf.MixtralConfig(**common, num_experts_per_tok=TOP_K,
+                                intermediate_size=expert_width,
                                 num_local_experts=EXPERTS, sliding_window=None)
     if family == "phi3":  # the short factors: prompts stay below the original 256
         g = torch.Generator().manual_seed(3)
@@ -101,7 +108,8 @@ def family_config(family: str):
         return tf.Glm4Config(**common, intermediate_size=96, head_dim=HEAD_DIM,
                              attention_bias=True)
     if family == "glm4_moe":
-        return tf.Glm4MoeConfig(**common, **moe, head_dim=HEAD_DIM, moe_intermediate_size=32,
+        return tf.Glm4MoeConfig(**common, **moe, head_dim=HEAD_DIM,
+                                moe_intermediate_size=expert_width,
                                 n_routed_experts=EXPERTS, n_shared_experts=1, n_group=1,
                                 topk_group=1, first_k_dense_replace=1,
                                 routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -139,7 +147,7 @@ def _write_params(w, family: str, config) -> None:
     import gguf
 
     w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(HIDDEN)
+    w.add_embedding_length(config.hidden_size)
     w.add_block_count(config.num_hidden_layers + NEXTN.get(family, 0))
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(HEADS)
@@ -211,17 +219,28 @@ def _write_mla_params(w, family: str, config) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
-def _store(w, gguf_name: str, data: np.ndarray, kind: str) -> np.ndarray:
-    """Writes `data` as `kind`; returns the values the file holds (float32, data's shape)."""
+def _store(w, gguf_name: str, data: np.ndarray, kind: str,
+           rng: np.random.Generator | None = None) -> np.ndarray:
+    """Writes `data` as `kind` (a K-quant: random blocks drawn from `rng`, gguf has no
+    quantizer for them); returns the values the file holds (float32, data's shape)."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[kind]
     if kind == "F32" or data.ndim == 1:
         w.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))
         return data.astype(np.float32)
-    stored = gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+    rows = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, data.shape[-1])
+    stored, qtype = quantize_rows(rows, kind, rng)
+    stored = stored.reshape(*data.shape[:-1], stored.shape[-1])
     w.add_tensor(gguf_name, stored, raw_dtype=qtype)
     return gguf.quants.dequantize(stored, qtype).reshape(data.shape)
+
+
+def _kind(types: dict[str, str], hf_name: str, key: str) -> str:
+    """The type `types` gives weight `key` (a module name, "experts.gate" ...) of hf_name's
+    layer: its "<layer>.<key>" entry first, then its "<key>" one, else F32."""
+    parts = hf_name.split(".")
+    layer = parts[2] if parts[:2] == ["model", "layers"] else None
+    return types.get(f"{layer}.{key}", types.get(key, "F32"))
 
 
 def _store_kv_b(w, hf_name: str, data: np.ndarray, config):
@@ -242,13 +261,17 @@ def _store_kv_b(w, hf_name: str, data: np.ndarray, config):
 _EXPERTS_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def write_family_gguf(family: str, out_path: str, seed: int = 11):
-    """Writes the file; returns transformers' float32 model holding the file's values."""
+def write_family_gguf(family: str, out_path: str, seed: int = 11,
+                      types: dict[str, str] | None = None, **dims):
+    """Writes the file; returns transformers' float32 model holding the file's values.
+    `types`: entries over TYPES, "<layer>.<key>" for one layer's; `dims`: family_config's."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = family_config(family)
+    config = family_config(family, **dims)
+    types = {**TYPES, **(types or {})}
+    rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                              attn_implementation="eager").eval()
@@ -268,7 +291,8 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
             layer, which = experts.groups()
             parts = ({"gate": data[:, :data.shape[1] // 2], "up": data[:, data.shape[1] // 2:]}
                      if which == "gate_up_proj" else {"down": data})
-            held = {k: _store(w, f"blk.{layer}.ffn_{k}_exps.weight", v, TYPES[f"experts.{k}"])
+            held = {k: _store(w, f"blk.{layer}.ffn_{k}_exps.weight", v,
+                              _kind(types, hf_name, f"experts.{k}"), rng)
                     for k, v in parts.items()}
             reference[hf_name] = torch.from_numpy(np.ascontiguousarray(
                 np.concatenate([held["gate"], held["up"]], axis=1) if len(held) == 2
@@ -296,14 +320,15 @@ def write_family_gguf(family: str, out_path: str, seed: int = 11):
             held = _store(w, f"{name}.{suffix}", data.reshape(-1), "F32")
             reference[hf_name] = torch.from_numpy(held.reshape(data.shape))
             continue
-        kind = "F32" if suffix != "weight" else TYPES.get(module, "F32")
-        held = _store(w, f"{name}.{suffix}", data[order], kind)
+        kind = "F32" if suffix != "weight" else _kind(types, hf_name, module)
+        held = _store(w, f"{name}.{suffix}", data[order], kind, rng)
         reference[hf_name] = torch.from_numpy(np.ascontiguousarray(held[np.argsort(order)]))
     for extra in range(NEXTN.get(family, 0)):  # a NextN block (ones: nothing reads it)
         block = config.num_hidden_layers + extra
+        hidden = config.hidden_size
         w.add_tensor(f"blk.{block}.nextn.eh_proj.weight",
-                     np.ones((HIDDEN, 2 * HIDDEN), dtype=np.float32))
-        w.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+                     np.ones((hidden, 2 * hidden), dtype=np.float32))
+        w.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

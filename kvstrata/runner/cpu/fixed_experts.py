@@ -18,12 +18,15 @@ PackedLinear, indexed as the stack was) and `pinned_children` (sub-blocks: a sha
 An entry is a weight's attribute name, or (weight, bias) names: the bias ([out], or
 [experts, out] beside a stack) goes into the PackedLinear and its attribute becomes None.
 After pinning the block calls `self.linear` (packed_linear) instead of F.linear and sets
-`batch_invariant` (its per-row sigmoid and ordered combine).
+`batch_invariant` (its per-row sigmoid and ordered combine). A block of a GGUF file kept
+packed (--quantization gguf) keeps its packed weights (runner/quant/gguf_pinned.py pins only
+its float ones, through pin_block, and its `linear` runs both kinds).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
@@ -42,29 +45,50 @@ def pin_moe_layers(model: Any) -> int:
     return len(blocks)
 
 
-def pin_block(block: nn.Module) -> None:
-    """Replace the block's weights by fixed PackedLinears (see the module docstring)."""
+def pin_block(block: nn.Module, linear: Callable = packed_linear) -> int:
+    """Replace the block's float weights by fixed PackedLinears (see the module docstring);
+    the block then applies its weights with `linear`. A weight kept in GGUF blocks (a
+    GgufLinear, or a stack of them: a GGUF file kept packed) stays: its kernels are
+    batch-invariant already, and runner/quant/gguf_pinned.py passes a `linear` that runs
+    both. Returns how many float weights were pinned (a stack counts its experts)."""
     if not hasattr(block, "pinned_weights"):
         raise ValueError(f"--enable-deterministic-inference: {type(block).__name__} does not "
                          f"name its linear weights for the batch-invariant GEMM")
+    pinned = 0
     for entry in block.pinned_weights:
         name, bias_name = _names(entry)
         weight = getattr(block, name)
-        if weight is None:  # absent in this model (a shared expert's gate)
+        if not isinstance(weight, torch.Tensor):  # absent (a shared expert's gate), or packed
+            _refuse_packed_bias(block, weight, bias_name)
             continue
         _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=True))
+        pinned += 1
     for entry in block.pinned_expert_stacks:
         name, bias_name = _names(entry)
-        stack, biases = getattr(block, name), _take_bias(block, bias_name)
+        stack = getattr(block, name)
+        if not isinstance(stack, torch.Tensor):  # kept packed, expert by expert
+            _refuse_packed_bias(block, stack, bias_name)
+            continue
+        biases = _take_bias(block, bias_name)
         _swap(block, name, nn.ModuleList(  # experts[e] as stack[e] was
             PackedLinear(stack[e], None if biases is None else biases[e], fixed=True)
             for e in range(stack.shape[0])))
+        pinned += stack.shape[0]
     for name in getattr(block, "pinned_children", ()):
         child = getattr(block, name)
         if child is not None:
-            pin_block(child)
-    block.linear = packed_linear
+            pinned += pin_block(child, linear)
+    block.linear = linear
     block.batch_invariant = True
+    return pinned
+
+
+def _refuse_packed_bias(block: nn.Module, weight: Any, bias_name: str | None) -> None:
+    """A packed weight with a bias beside it: the bias would have to go into its layer (no
+    MoE family kept packed has one: gpt-oss' experts, which do, load dequantized)."""
+    if weight is not None and bias_name is not None and getattr(block, bias_name) is not None:
+        raise ValueError(f"--enable-deterministic-inference: {type(block).__name__}'s "
+                         f"{bias_name} beside weights kept packed is not built")
 
 
 def _names(entry: str | tuple[str, str]) -> tuple[str, str | None]:

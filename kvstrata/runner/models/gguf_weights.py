@@ -2,7 +2,7 @@
 un-permuted where llama.cpp's converter permuted them, and each quantized weight either
 dequantized to float32 (`--load-format gguf_dequantize`, and what w8a8_int8 re-quantizes) or
 kept in its blocks as a `PackedRows` (`--quantization gguf`: runner/quant/gguf_linear.py
-multiplies them packed).
+multiplies them packed; an expert stack as one PackedRows per expert, rows of one copy).
 
 Kept quantized, a 2-D tensor of a type the packed matmul has no kernel for
 (runner/cpu/gguf_matmul.py SUPPORTED: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is
@@ -159,14 +159,18 @@ def iter_gguf(gguf_path: str, config: Any, permute_qk: bool, keep_quantized: boo
             continue
         qk = t.name.rsplit(".", 2)[-2] if permute_qk and t.name.startswith("blk.") else ""
         heads = {"attn_q": n_head, "attn_k": n_kv}.get(qk)
-        # blocks of more than one value: a quantized type (F32 / F16 / BF16 hold one each)
-        packed = (keep_quantized and t.data.ndim == 2
+        # blocks of more than one value: a quantized type (F32 / F16 / BF16 hold one each);
+        # a matrix, or an expert stack [experts, out, in] (kept packed expert by expert)
+        packed = (keep_quantized and (t.data.ndim == 2 or (t.data.ndim == 3 and "{e}" in name))
                   and gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.tensor_type)][0] > 1)
         if packed and gguf_matmul.supported(t.tensor_type):
             raw = t.data if heads is None else unpermute_qk(t.data, heads)
             # np.array copies: the rows outlive the file's mapping (and may be reordered).
-            yield name, PackedRows(int(t.tensor_type), torch.from_numpy(np.array(raw)),
-                                   int(t.shape[0]))
+            rows = torch.from_numpy(np.array(raw))
+            for expert_name, expert_rows in (
+                    [(name, rows)] if rows.dim() == 2 else  # each expert: a view of the copy
+                    [(name.format(e=e), rows[e]) for e in range(rows.shape[0])]):
+                yield expert_name, PackedRows(int(t.tensor_type), expert_rows, int(t.shape[0]))
             continue
         if packed:
             kind = gguf.GGMLQuantizationType(t.tensor_type).name

@@ -146,7 +146,6 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 # files (the hybrids': gguf_hybrid_weights.py).
 # Families whose GGUF weights load dequantized only (no packed path for their layers)
 _NO_PACKED_GGUF = {"gpt_oss": ("gpt-oss", "no packed kernel for its MXFP4 experts"),
-                   "moe": (None, "no packed path for its expert stacks, ffn_*_exps"),
                    "deepseek": (None, "no packed path for MLA and its expert stacks"),
                    **{family: ("the recurrent hybrids", "their layers take float weights")
                       for family in HYBRID_FAMILIES}}

@@ -21,11 +21,17 @@ compute it:
   partial_rotary_factor of each head (rotate-half layout, so the decoder's partial rope).
 Sliding windows: Mixtral / Qwen3-MoE on every layer when set, Qwen2-MoE on its
 "sliding_attention" layer_types (hf_config.layer_windows, applied by the attention backend).
-The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop;
---quantization is refused by name (model_setup.py), and so is a config field none of this
-builds (moe_config.py). --tp-size N: parallel/tp_moe.py. --enable-deterministic-inference
-pins the router, every expert and the shared experts to kvstrata's fixed GEMM and sums each
-token's experts in its own top-k order (runner/cpu/fixed_experts.py).
+The fused CPU decode plan replays the dense decoder only, so these run the per-layer loop.
+A GGUF file kept packed (--quantization gguf): every quantized matrix stays in its blocks --
+attention and dense layers as the llama decoder's, the router and shared experts where the
+file quantized them, and each expert's gate|up and down as a packed layer of its own
+(runner/quant/gguf_linear.py: the stacks become one GgufLinear per expert, indexed as the
+stack was, so routed_sum multiplies the tokens routed to expert e by expert e's blocks).
+The other --quantization values are refused by name (model_setup.py), and so is a config
+field none of this builds (moe_config.py). --tp-size N: parallel/tp_moe.py.
+--enable-deterministic-inference pins the router, every expert and the shared experts to
+kvstrata's fixed GEMM (packed: their float parts; runner/quant/gguf_pinned.py) and sums
+each token's experts in its own top-k order (runner/cpu/fixed_experts.py).
 """
 from __future__ import annotations
 
@@ -39,9 +45,11 @@ from torch import nn
 
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
-from kvstrata.runner.models.moe import (DenseMLP, MoE, MoeDims, Targets, routed_sum,
-                                        row_sigmoid, swiglu, swiglu_targets)
+from kvstrata.runner.models.moe import (SWIGLU_NAMES, DenseMLP, MoE, MoeDims, Targets,
+                                        routed_sum, row_sigmoid, swiglu, swiglu_targets)
 from kvstrata.runner.models.moe_config import check_moe_config
+from kvstrata.runner.quant import gguf_linear
+from kvstrata.runner.quant.packed_rows import PackedRows
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,8 @@ STYLES = {
     # Qwen3-Next's MoE layers (qwen3_next.py): Qwen2-MoE's block
     "qwen3_next": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
 }
-UNSUPPORTED = ("--quantization",)
+# --quantization gguf is built (kept packed); the re-quantizing ones are refused at load
+UNSUPPORTED = ("--quantization w8a8_int8",)
 
 
 def moe_style(config: Any) -> MoeStyle:
@@ -159,6 +168,18 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def expert_slot(block: nn.Module, sub: str, names: tuple[str, str, str]
+                ) -> tuple[torch.Tensor, int] | None:
+    """(the expert stack, the block's index of the expert) that checkpoint name `sub` (under
+    the layer: `<block>.experts.<e>.<proj>.weight`, e global) fills; None for the router,
+    the shared experts and anything else."""
+    parts = sub.split(".")
+    if len(parts) != 5 or parts[1] != "experts" or parts[4] != "weight" or parts[3] not in names:
+        return None
+    stack = block.down if parts[3] == names[2] else block.gate_up
+    return stack, int(parts[2]) - block.experts[0]
+
+
 class MoeDecoderForCausalLM(DecoderForCausalLM):
     """The llama decoder whose MoE layers (`layer.moe`) route to experts."""
     unsupported = UNSUPPORTED
@@ -228,8 +249,21 @@ class MoeDecoderForCausalLM(DecoderForCausalLM):
             if target is None:
                 raise KeyError(name)
             param, lo, hi = target
-            return self._copy(param, tensor, f"layers.{idx}.moe.{sub}", name, lo, hi)
+            key = f"layers.{idx}.moe.{sub}"
+            slot = expert_slot(self.layers[idx].moe, sub, self._expert_names(idx))
+            if isinstance(tensor, PackedRows) and slot is not None:
+                # kept packed (--quantization gguf): staged by expert on the stack itself
+                # (`param` is a view of it), to become that expert's packed layer
+                stack, expert = slot
+                lo, hi = (0, param.shape[0]) if lo is None else (lo, hi)
+                gguf_linear.stage(stack, tensor, lo, hi, expert)
+                return [key]
+            return self._copy(param, tensor, key, name, lo, hi)
         return super().load_weight(name, tensor)
+
+    def _expert_names(self, i: int) -> tuple[str, str, str]:
+        return (SWIGLU_NAMES if isinstance(self.layers[i].moe, MoE)
+                else self.style.expert_names)
 
     def expected_keys(self) -> set[str]:
         keys = super().expected_keys()

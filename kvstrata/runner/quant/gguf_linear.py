@@ -14,6 +14,11 @@ one type are joined into one packed matrix (one kernel call). Each segment's mat
 columns of one float32 output (runner/cpu/gguf_matmul.py takes a strided `out`), the bias is
 added once, and the result is cast to the activations' dtype.
 
+An MoE block's expert stacks ([experts, out, in]: gate|up, down) are staged per expert and
+become one GgufLinear per expert in an nn.ModuleList indexed as the stack was, so the block
+multiplies the tokens routed to expert e by `gate_up[e]` as it does a float stack's slice;
+the block (and its shared expert) then applies its weights through gguf_linear too.
+
 The token embedding kept packed is a GgufLinear too: a lookup dequantizes only the rows looked
 up, and a tied output head multiplies the same packed rows (no second copy).
 
@@ -41,14 +46,24 @@ BIAS_OF = {"qkv_weight": "qkv_bias", "o_weight": "o_bias", "gate_up_weight": "ga
 _STAGED = "gguf_segments"  # the attribute a staged float parameter carries its packed rows in
 
 
-def stage(param: torch.Tensor, packed: PackedRows, lo: int, hi: int) -> None:
+def stage(param: torch.Tensor, packed: PackedRows, lo: int, hi: int,
+          expert: int | None = None) -> None:
     """Rows lo..hi of `param` (a float parameter of the model) are `packed`: kept aside until
-    replace_packed_weights; param's own rows there are never written."""
-    if packed.shape != (hi - lo, param.shape[1]):
-        raise ValueError(f"packed rows {packed.shape} != expected {(hi - lo, param.shape[1])}")
+    replace_packed_weights; param's own rows there are never written. `expert`: param is an
+    expert stack [experts, out, in] and the rows are that expert's (an MoE block's gate|up
+    or down: each expert becomes a layer of its own)."""
+    if packed.shape != (hi - lo, param.shape[-1]):
+        raise ValueError(f"packed rows {packed.shape} != expected {(hi - lo, param.shape[-1])}")
+    if (expert is None) != (param.dim() == 2) or (expert is not None and not
+                                                   0 <= expert < param.shape[0]):
+        raise ValueError(f"expert {expert} of a parameter {tuple(param.shape)}")
     if getattr(param, _STAGED, None) is None:
-        setattr(param, _STAGED, [])
-    getattr(param, _STAGED).append((lo, hi, packed))
+        setattr(param, _STAGED, [] if expert is None else {})
+    staged = getattr(param, _STAGED)
+    if expert is None:
+        staged.append((lo, hi, packed))
+    else:
+        staged.setdefault(expert, []).append((lo, hi, packed))
 
 
 class GgufLinear(nn.Module):
@@ -187,21 +202,32 @@ def _join_same_type(segments: list[tuple[int, int, "PackedRows | torch.Tensor"]]
     return out
 
 
-def _layer_of(param: torch.Tensor, int8_activations: bool) -> GgufLinear:
-    """A staged parameter as a GgufLinear: its packed segments, and its float rows where the
-    file stored that part in float (the parameter's rows, copied there by load_weight)."""
-    staged = sorted(getattr(param, _STAGED), key=lambda s: s[0])
-    delattr(param, _STAGED)
+def _layer_of(rows: torch.Tensor, staged: list, int8_activations: bool) -> GgufLinear:
+    """A staged weight's rows ([out, in]: a parameter, or one expert of a stack) as a
+    GgufLinear: its packed segments, and its float rows where the file stored that part in
+    float (copied there by load_weight)."""
     segments: list[tuple[int, int, PackedRows | torch.Tensor]] = []
     at = 0
-    for lo, hi, packed in staged + [(param.shape[0], param.shape[0], None)]:
+    for lo, hi, packed in sorted(staged, key=lambda s: s[0]) + [(rows.shape[0], rows.shape[0],
+                                                                  None)]:
         if lo > at:  # rows the loader copied as float
-            segments.append((at, lo, param.data[at:lo].clone()))
+            segments.append((at, lo, rows[at:lo].clone()))
         if packed is not None:
             segments.append((lo, hi, packed))
         at = hi
-    return GgufLinear(param.shape[0], param.shape[1], segments,
+    return GgufLinear(rows.shape[0], rows.shape[1], segments,
                       int8_activations=int8_activations)
+
+
+def _packed_of(param: torch.Tensor, int8_activations: bool) -> "GgufLinear | nn.ModuleList":
+    """What a staged parameter becomes: a GgufLinear, or for an expert stack one per expert
+    (indexed as the stack was: an MoE block's `self.gate_up[e]` reads either)."""
+    staged = getattr(param, _STAGED)
+    delattr(param, _STAGED)
+    if param.dim() == 2:
+        return _layer_of(param.data, staged, int8_activations)
+    return nn.ModuleList(_layer_of(param.data[e], staged.get(e, []), int8_activations)
+                         for e in range(param.shape[0]))
 
 
 def replace_packed_weights(model: nn.Module, int8_activations: bool = False) -> dict:
@@ -210,14 +236,14 @@ def replace_packed_weights(model: nn.Module, int8_activations: bool = False) -> 
     and `model.linear` dispatches to them. int8_activations: the layers run
     gguf_matmul.matmul_q8 (a GGUF file's), else .matmul (a quantized HF checkpoint's).
     Returns what ran (for /server_info)."""
-    layers: dict[int, GgufLinear] = {}
+    layers: dict[int, GgufLinear | nn.ModuleList] = {}
     for module in list(model.modules()):
         for name, param in list(module._parameters.items()):
             if param is None or (id(param) not in layers
                                  and getattr(param, _STAGED, None) is None):
                 continue
             if id(param) not in layers:
-                layers[id(param)] = _layer_of(param, int8_activations)
+                layers[id(param)] = _packed_of(param, int8_activations)
                 bias_name = BIAS_OF.get(name)
                 bias = getattr(module, bias_name, None) if bias_name else None
                 if bias is not None:
@@ -227,15 +253,30 @@ def replace_packed_weights(model: nn.Module, int8_activations: bool = False) -> 
                     setattr(module, bias_name, None)
             delattr(module, name)  # a Module cannot be assigned over a Parameter
             setattr(module, name, layers[id(param)])
+            if module is not model and getattr(module, "linear", None) is F.linear:
+                # a block that applies its weights with its own `linear` (an MoE block, its
+                # shared expert: runner/models/moe.py) dispatches as the model does
+                module.linear = gguf_linear
     model.linear = gguf_linear
     import gguf
 
-    kinds = sorted({gguf.GGMLQuantizationType(w.qtype).name for layer in layers.values()
+    every = [layer for group in layers.values()
+             for layer in (group if isinstance(group, nn.ModuleList) else [group])]
+    kinds = sorted({gguf.GGMLQuantizationType(w.qtype).name for layer in every
                     for _, _, w, _ in layer.parts if not isinstance(w, torch.Tensor)})
     return {"quantization": "gguf", "kernel": gguf_matmul.kernel_name(),
             "activations": "int8 blocks of 32" if int8_activations else "float32",
-            "packed_types": kinds, "packed_layers": len(layers),
-            "weight_bytes_packed": sum(layer.nbytes for layer in layers.values())}
+            "packed_types": kinds, "packed_layers": len(every),
+            "weight_bytes_packed": sum(layer.nbytes for layer in every)}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a model holds: its parameters and its packed layers, each once
+    (a tied head is the embedding). What a GGUF file kept packed is compared against (its
+    size: no float copy beside the blocks)."""
+    params = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    packed = {id(m): m.nbytes for m in model.modules() if type(m) is GgufLinear}
+    return sum(params.values()) + sum(packed.values())
 
 
 def gguf_linear(x: torch.Tensor, weight: "GgufLinear | torch.Tensor",
@@ -247,4 +288,4 @@ def gguf_linear(x: torch.Tensor, weight: "GgufLinear | torch.Tensor",
     return F.linear(x, weight, bias)
 
 
-__all__ = ["GgufLinear", "gguf_linear", "replace_packed_weights", "stage"]
+__all__ = ["GgufLinear", "gguf_linear", "replace_packed_weights", "stage", "weight_bytes"]

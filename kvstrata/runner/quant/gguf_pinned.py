@@ -16,8 +16,14 @@ segment is batch-invariant as it stands (tests/correctness/test_gguf_matmul.py).
 Everything else of the packed path is per row already: the bias add and the cast of a
 GgufLinear's float32 output (one correctly rounded op per element), an act-order layer's
 gather of x's columns, an embedding lookup's dequantization of the rows looked up.
-A model with routed experts never loads packed (the loader refuses it), so there is no MoE
-block to pin here; one that did would be refused by name.
+An MoE block kept packed (runner/models/moe_decoder.py's Qwen3-MoE, Qwen2-MoE, Mixtral,
+GLM-4.5): each expert's GgufLinear is batch-invariant as above whatever number of tokens the
+router sends it (its float segments pinned like any GgufLinear's); what the file kept in
+float -- usually the router (llama.cpp never quantizes ffn_gate_inp), a shared expert's gate,
+a whole float expert stack -- goes on the fixed GEMM as runner/cpu/fixed_experts.py pins a
+float block (the block's `pinned_weights` / `pinned_expert_stacks` / `pinned_children`), and
+the block sums each token's experts in its own top-k order with per-row sigmoids
+(`batch_invariant`).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.runner.cpu import fixed_experts
 from kvstrata.runner.cpu.packed_linear import LAYER_LINEARS, PackedLinear, packed_linear
 from kvstrata.runner.quant.gguf_linear import GgufLinear
 
@@ -32,9 +39,6 @@ from kvstrata.runner.quant.gguf_linear import GgufLinear
 def pin_packed_model(model: Any) -> dict:
     """Every linear of a loaded packed model on a batch-invariant kernel, in place; returns
     what was pinned (for /server_info's quantization_info)."""
-    if any(getattr(layer, "moe", None) is not None for layer in model.layers):
-        raise ValueError(f"--enable-deterministic-inference: {type(model).__name__} with "
-                         f"routed experts and packed weights is not built")
     segments = 0
     for layer in {id(m): m for m in model.modules() if type(m) is GgufLinear}.values():
         segments += layer.pin_float_segments()
@@ -50,9 +54,13 @@ def pin_packed_model(model: Any) -> dict:
         delattr(model, "lm_head")
         model.lm_head = head
         whole += 1
+    moe_blocks = [layer.moe for layer in model.layers if getattr(layer, "moe", None) is not None]
+    for block in moe_blocks:  # its float weights; its packed ones are batch-invariant
+        whole += fixed_experts.pin_block(block, linear=pinned_linear)
     model.linear = pinned_linear
-    return {"batch_invariant": True, "pinned_float_segments": segments,
+    info = {"batch_invariant": True, "pinned_float_segments": segments,
             "pinned_float_linears": whole}
+    return {**info, "pinned_moe_layers": len(moe_blocks)} if moe_blocks else info
 
 
 def _pin(owner: Any, weight_name: str, bias_name: str | None) -> None:
