@@ -192,6 +192,20 @@ def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     assert again == refs
 
 
+def test_nemotron_h_moe_layers_are_refused_by_name_at_load():
+    """Resolution takes a Nemotron-H (transformers writes n_routed_experts into every
+    Nemotron-H config, MoE layers or not); pinning refuses its MoE block by name."""
+    from helpers.hybrid_ckpt import tiny_nemotron_h_moe_config
+    from kvstrata.runner.models.hybrid_fixed import pin_hybrid_model
+    from kvstrata.runner.models.nemotron_h import NemotronHForCausalLM
+
+    model = NemotronHForCausalLM(tiny_nemotron_h_moe_config(), torch.float32,
+                                 torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="deterministic-inference on "
+                                                  "NemotronHForCausalLM with a NemotronHMoE"):
+        pin_hybrid_model(model)
+
+
 def test_without_the_flag_the_same_requests_move(paths):
     """The control at bf16: without the flag, the workload of
     test_warm_chunked_and_batched_requests_keep_the_bits (prompts sharing 40 tokens, chunks
