@@ -57,10 +57,10 @@ rotary cos / sin from blocked tables and its rotation as separately rounded prod
 linear on the fixed GEMM, attention layers as the dense path. Refused by name beside them:
 Granite-4.0-H, Falcon-H1, Nemotron-H's MoE layers, speculative decoding (verify entries run
 torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
-Exact but slower in prefill (a prompt's scan is one C call per token and layer): a random
-Qwen3.5 at hidden 512 measured prefill 0.64x and served 0.79x (its decode faster: the fixed
-GEMM replaces plain F.linear), so the default stays off for them (docs/benchmarks.md
-"Deterministic inference on the recurrent hybrids").
+A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
+decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
+GEMM off the AMX tiles, not by the per-token scan: the default stays off for them
+(docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -291,8 +291,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
     kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
-    and off it runs window.py's torch math), nor a recurrent hybrid (its prompts' scans run
-    token by token: a Qwen3.5 at hidden 512 measured prefill 0.64x, served 0.79x)."""
+    and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
+    measured prefill 0.64x, served 0.79x on an AMX CPU)."""
     if (args.enable_deterministic_inference or args.disable_deterministic_inference
             or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras
