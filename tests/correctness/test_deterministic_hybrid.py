@@ -1,18 +1,20 @@
 """--enable-deterministic-inference on the recurrent hybrids (runner/models/hybrid_fixed.py,
 runner/recurrent/fixed_scan.py): every request's tokens and logprobs equal, bit for bit, its
 run alone on a cold engine -- whatever shares its batch, however its prompt is chunked, and
-wherever its KV and state came from (a prefix hit at a state snapshot, HiCache, a retraction's
-recompute). Tiny Qwen3.5 (Gated DeltaNet + gated attention) and Nemotron-H (Mamba2 +
-attention + MLP) at bf16, Mamba2 and Qwen3-Next (its MoE pinned) too where cheap
-(tests/helpers/hybrid_ckpt.py); at float32 greedy equals transformers.
+wherever its KV and state came from (a prefix hit at a state snapshot, HiCache L2, a restart
+on a warm L3 file store, a retraction's recompute). Tiny Qwen3.5 (Gated DeltaNet + gated
+attention) and Nemotron-H (Mamba2 + attention + MLP) at bf16, Mamba2 and Qwen3-Next (its MoE
+pinned) too where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals
+transformers.
 
-Controls: the chunked scans sum in chunks that start where a prompt's chunk starts -- a
-state continued from a mid-way snapshot differs from a straight run there, the pinned scan's
-does not (kernel level); and the position-free activations give an element the same bits
-wherever it sits, torch's sigmoid is checked beside them.
+Controls: without the flag the warm / chunked / batched workload moves (engine level); the
+chunked SSD scan continued from a mid-way state differs from its straight run, the pinned
+scan does not (kernel level); the position-free activations give an element the same bits
+wherever it sits (torch's values within rounding).
 """
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -230,6 +232,38 @@ def test_without_the_flag_the_same_requests_move(paths):
     finally:
         busy.shutdown()
     assert any(w[1] != r[1] for w, r in zip(warm, refs)), "the control did not move"
+
+
+def test_a_restart_on_a_warm_file_store_keeps_the_bits(paths, tmp_path):
+    """HiCache L3 under the flag at bf16: a first Qwen3.5 engine answers two prompts (chunks
+    of 32 on pages of 16, write_through to the file store) and shuts down; a second one over
+    the same directory answers their follow-up turns from the stored pages and state
+    snapshots. Each follow-up (greedy, seeded) equals its cold run alone, bit for bit."""
+    path = paths["qwen3_5"]
+    kw = dict(page_size=16, max_total_tokens=512, max_mamba_cache_size=12,
+              chunked_prefill_size=32, enable_hierarchical_cache=True, hicache_ratio=4.0,
+              hicache_write_policy="write_through", hicache_storage_backend="file",
+              hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_backend_extra_config=json.dumps(
+                  {"prefetch_threshold": 8, "file_path": str(tmp_path)}))
+    prompts = prompts_with_prefix(13, 0, [45, 58])
+    first = make_llm(path, **kw)
+    try:
+        outs = [drive(first, [(0, p, params(6, None))])[0] for p in prompts]
+        assert first.engine.finish_storage_backups(timeout=30)
+    finally:
+        first.shutdown()
+    work = [(0, p + o[0] + [5, 6, 7], params(6, None if i else 31))
+            for i, (p, o) in enumerate(zip(prompts, outs))]
+    second = make_llm(path, **kw)
+    try:
+        got = [drive(second, [w])[0] for w in work]
+        load = second.engine.get_load()
+    finally:
+        second.shutdown()
+    assert load["hicache_storage_state_hits"] == 2 and load["hicache_storage_hit_tokens"], load
+    for i, (w, g) in enumerate(zip(work, got)):
+        assert g == alone(path, w[1], w[2]), f"follow-up {i}"
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
