@@ -2,7 +2,7 @@
 runner/recurrent/fixed_scan.py): every request's tokens and logprobs equal, bit for bit, its
 run alone on a cold engine -- whatever shares its batch, however its prompt is chunked, and
 wherever its KV and state came from (a prefix hit at a state snapshot, HiCache L2, a restart
-on a warm L3 file store, a retraction's recompute). Tiny Qwen3.5 (Gated DeltaNet + gated
+on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qwen3.5 (Gated DeltaNet + gated
 attention) and Nemotron-H (Mamba2 + attention + MLP) at bf16, Mamba2 and Qwen3-Next (its MoE
 pinned) too where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals
 transformers.
@@ -264,6 +264,52 @@ def test_a_restart_on_a_warm_file_store_keeps_the_bits(paths, tmp_path):
     assert load["hicache_storage_state_hits"] == 2 and load["hicache_storage_hit_tokens"], load
     for i, (w, g) in enumerate(zip(work, got)):
         assert g == alone(path, w[1], w[2]), f"follow-up {i}"
+
+
+def test_a_pd_pair_answers_like_the_co_located_engine(paths, monkeypatch):
+    """PD under the flag at bf16 (Qwen3.5, tcp, in one process): the prefill server streams
+    the pages in chunks of 32 and the final state slot; the decode server's tokens and
+    logprobs (greedy and seeded) equal each prompt's cold co-located run alone."""
+    from kvstrata.config.server_args import ServerArgs
+    from kvstrata.entrypoints.engine_factory import build_engine
+    from kvstrata.protocol.disagg import BootstrapAddr
+    from kvstrata.protocol.engine_request import EngineRequest
+    from tests.helpers.ports import free_port
+
+    monkeypatch.setenv("KVSTRATA_DISAGG_BOOTSTRAP_TIMEOUT", "60")
+    path = paths["qwen3_5"]
+
+    def server(mode: str, port: int, **kw):
+        return build_engine(ServerArgs(
+            model_path=path, skip_tokenizer_init=True, dtype="bfloat16",
+            enable_deterministic_inference=True, disaggregation_mode=mode,
+            disaggregation_bootstrap_port=port, disaggregation_transfer_backend="tcp",
+            page_size=16, max_running_requests=8, max_mamba_cache_size=24,
+            max_total_tokens=2048, **kw))[0]
+
+    port = free_port()
+    prefill, decode = server("prefill", port, chunked_prefill_size=32), server("decode",
+                                                                                free_port())
+    work = [(p, params(8, None if i % 2 else 70 + i))
+            for i, p in enumerate(prompts_with_prefix(17, 20, [9, 30, 51]))]
+    got = {str(i): ([], []) for i in range(len(work))}
+    try:
+        for i, (p, sp) in enumerate(work):
+            for eng in (prefill, decode):
+                room = BootstrapAddr("127.0.0.1", port, 700 + i)
+                eng.add_request(EngineRequest(str(i), list(p), sp, bootstrap=room))
+        for _ in range(20_000):
+            if not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()):
+                break
+            prefill.step()
+            for o in decode.step():
+                got[o.rid][0].extend(o.new_token_ids)
+                got[o.rid][1].extend(o.new_logprobs or [])
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    for i, (p, sp) in enumerate(work):
+        assert got[str(i)] == alone(path, p, sp)[:2], f"prompt {i}"
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
