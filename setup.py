@@ -3,7 +3,8 @@
 # attention of the CPU attention backend (kvstrata/runner/attention/paged_decode.py), and the
 # CPU row ops and GEMMs of kvstrata/runner/cpu/csrc/ (the shared-memory all-reduce of
 # kvstrata/runner/parallel/csrc/ is compiled into `_cpu_ops`; GGUF's packed blocks' GEMM is
-# `_gguf_ops`), and the recurrent layers' decode step (kvstrata/runner/recurrent/csrc/).
+# `_gguf_ops`), the recurrent layers' decode step and deterministic inference's position-free
+# element-wise ops (kvstrata/runner/recurrent/csrc/).
 import os
 import re
 
@@ -51,6 +52,10 @@ EXTENSIONS = [
     extension("kvstrata.runner.cpu._gguf_ops", "kvstrata/runner/cpu/csrc/gguf_ops.c", **OPENMP_EXACT),
     extension("kvstrata.runner.recurrent._recurrent_step",
               "kvstrata/runner/recurrent/csrc/recurrent_step.c", **OPENMP),
+    # every element through the same scalar libm code (deterministic inference)
+    extension("kvstrata.runner.recurrent._pointwise", "kvstrata/runner/recurrent/csrc/pointwise.c",
+              extra_compile_args=[*OPENMP_EXACT["extra_compile_args"], "-fno-tree-vectorize"],
+              extra_link_args=OPENMP_EXACT["extra_link_args"]),
 ]
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def parse_args(argv=None):
 def engine(args, on: bool):
     from kvstrata import LLM
 
+    # token ids in, token ids out: no tokenizer (the tiny random hybrids have none)
     return LLM(args.model, quantization=args.quantization, dtype=args.dtype,
+               skip_tokenizer_init=True,
                enable_deterministic_inference=on, disable_deterministic_inference=not on,
                max_running_requests=args.concurrency, max_total_tokens=65536)
 

@@ -51,6 +51,9 @@ class ResolvedArgs(ServerArgs):
         group="derived")
     deterministic_attention_kernel: str | None = opt(
         None, "The one attention kernel every query token runs.", cli=False, group="derived")
+    deterministic_recurrent_kernel: str | None = opt(
+        None, "How every token advances a recurrent layer's state (recurrent models).",
+        cli=False, group="derived")
     # Hybrid SWA memory (config/rules/swa.py): True = the sliding-window layers' K/V in a
     # second device pool; None for a model without windowed layers.
     hybrid_swa_memory: bool | None = opt(

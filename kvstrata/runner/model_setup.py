@@ -16,7 +16,7 @@ from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                          resolve_model_path)
 from kvstrata.runner.cpu import fixed_experts, packed_linear
-from kvstrata.runner.models import deepseek_fixed
+from kvstrata.runner.models import deepseek_fixed, hybrid_fixed
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
@@ -89,7 +89,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     (--enable-deterministic-inference): every linear on one kvstrata GEMM for all row
     counts (packed_linear.PackedLinear._init_fixed), whatever KVSTRATA_CPU_PACKED_LINEAR says;
     an MoE layer's router and experts too (fixed_experts.py); a DeepSeek model's MLA
-    projections, absorbed heads and FFNs (deepseek_fixed.py); weights kept packed (GGUF,
+    projections, absorbed heads and FFNs (deepseek_fixed.py); a recurrent hybrid's linears,
+    conv, scan and activations (hybrid_fixed.py); weights kept packed (GGUF,
     GPTQ / AWQ / compressed-tensors) on the GGUF kernels, batch-invariant as they stand,
     and their float parts on that GEMM (runner/quant/gguf_pinned.py); an FP8 checkpoint's
     dequantized layers as a float model's."""
@@ -145,6 +146,8 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
             info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
     elif deterministic and model.pool_kind == "mla":  # DeepSeek: MLA / DSA, its MoE
         info = deepseek_fixed.pin_mla_model(model)
+    elif deterministic and getattr(model, "num_recurrent_layers", 0):  # the hybrids
+        info = hybrid_fixed.pin_hybrid_model(model)
     elif deterministic:
         info = packed_linear.pack_model(model, fixed=True)
         # MoE layers: the router, each expert and the shared experts too

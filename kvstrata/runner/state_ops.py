@@ -48,7 +48,8 @@ def allocate_state(model: Any, plan: KVPlan, device) -> RecurrentStatePool | Non
         raise ValueError(f"the KV plan's state components {got} do not match the model's "
                          f"{need} (layers, slot shape)")
     pool = RecurrentStatePool(plan, device)
-    model.recurrent_backend = RecurrentBackend(pool)
+    # the model's backend class (deterministic inference's fixed_scan one) over the pool
+    model.recurrent_backend = type(model.recurrent_backend)(pool)
     return pool
 
 

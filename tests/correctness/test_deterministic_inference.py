@@ -84,10 +84,11 @@ def alone(path: str, prompt: list[int], sp: SamplingParams) -> tuple:
     return _alone[key]
 
 
-def prompts_with_prefix(seed: int, shared: int, tails: list[int]) -> list[list[int]]:
+def prompts_with_prefix(seed: int, shared: int, tails: list[int], vocab: int = VOCAB
+                        ) -> list[list[int]]:
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, VOCAB) for _ in range(shared)]
-    return [prefix + [rng.randrange(3, VOCAB) for _ in range(t)] for t in tails]
+    prefix = [rng.randrange(3, vocab) for _ in range(shared)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(t)] for t in tails]
 
 
 def cold_runs(llm: LLM, work: list[tuple]) -> list[tuple]:

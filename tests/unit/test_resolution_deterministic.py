@@ -236,3 +236,51 @@ def test_deepseek_mla_and_dsa_take_the_flag_and_keep_the_default_off(cfg, attent
     assert "indexer" in res["deterministic_attention_kernel"].reason
     resolved, _ = on_cpu(AVX2, info, dtype="bfloat16")
     assert resolved.enable_deterministic_inference is False
+
+
+def _hybrid(config, arch: str) -> ModelInfo:
+    return ModelInfo.from_hf_config({**config.to_dict(), "architectures": [arch]})
+
+
+def _hybrids() -> dict:
+    import transformers as T
+    return {
+        "qwen3_5": _hybrid(T.Qwen3_5TextConfig(num_hidden_layers=4), "Qwen3_5ForCausalLM"),
+        "qwen3_next": _hybrid(T.Qwen3NextConfig(num_hidden_layers=4), "Qwen3NextForCausalLM"),
+        "nemotron_h": _hybrid(T.NemotronHConfig(hybrid_override_pattern="M*M-",
+                                                num_hidden_layers=4), "NemotronHForCausalLM"),
+        "mamba2": _hybrid(T.Mamba2Config(num_hidden_layers=2), "Mamba2ForCausalLM"),
+        "granite": _hybrid(T.GraniteMoeHybridConfig(layer_types=["mamba", "attention"],
+                                                    num_hidden_layers=2),
+                           "GraniteMoeHybridForCausalLM"),
+        "falcon_h1": _hybrid(T.FalconH1Config(num_hidden_layers=2), "FalconH1ForCausalLM"),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "nemotron_h", "mamba2"])
+def test_recurrent_hybrids_take_the_flag_and_keep_the_default_off(name):
+    """hybrid_fixed.py's models: the flag records their recurrent kernel beside the GEMM and
+    attention; the default stays off where it is on for a dense model (AVX2, bf16)."""
+    info = _hybrids()[name]
+    resolved, res = run("cpu", info, enable_deterministic_inference=True)
+    assert resolved.deterministic_recurrent_kernel == deterministic.RECURRENT_KERNEL
+    assert res["deterministic_recurrent_kernel"].rule == "deterministic.kernels"
+    assert "snapshot" in res["deterministic_recurrent_kernel"].reason
+    assert resolved.deterministic_linear_kernel == deterministic.LINEAR_KERNEL
+    resolved, res = on_cpu(AVX2, info, dtype="bfloat16")
+    assert resolved.enable_deterministic_inference is False
+    assert resolved.deterministic_recurrent_kernel is None
+
+
+@pytest.mark.parametrize("name,kwargs,env,message", [
+    ("granite", {}, {}, "(GraniteMoeHybridForCausalLM; built for"),
+    ("falcon_h1", {}, {}, "(FalconH1ForCausalLM; built for"),
+    ("qwen3_5", dict(speculative_algorithm="NGRAM"), {}, "--speculative-algorithm NGRAM"),
+    ("nemotron_h", {}, {"KVSTRATA_CPU_RECURRENT_STEP": False},
+     "KVSTRATA_CPU_RECURRENT_STEP=0 turns off"),
+])
+def test_unbuilt_recurrent_combinations_are_refused_by_name(name, kwargs, env, message):
+    with pytest.raises(ValueError, match="--enable-deterministic-inference") as err:
+        resolve(ServerArgs(enable_deterministic_inference=True, **kwargs), simulated("cpu"),
+                _hybrids()[name], env=env)
+    assert message in str(err.value)

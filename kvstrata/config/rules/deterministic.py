@@ -39,6 +39,28 @@ order); the latent / query / output / indexer projections, kv_b_proj's absorbed 
 fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
 (runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
 at load); the default stays off (cost not measured on a served workload).
+Recurrent hybrids (Qwen3.5 and Qwen3-Next's Gated DeltaNet, its MoE pinned as above;
+Nemotron-H (its MoE layers refused at load) and Mamba2's Mamba2 layers:
+PINNED_RECURRENT_ARCHITECTURES,
+runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD, Gated DeltaNet's chunk rule)
+sums in chunks that start where a prompt's chunk starts, and decode advances the state token by
+token, so a state snapshot continued (a prefix hit), another chunking or a retraction's
+recompute changed the bits. Under the flag every token, prompt or decode, advances its
+request's state through the decode step's C kernel, one token at a time and in order, in
+place on its state slot (rounded to the pool's dtype after every token, as decode does): the
+state is a function of the tokens alone, and a snapshot is a copy of it
+(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt
+and a decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's
+dt, the gated norm's gate, the conv's SiLU) and Qwen3.5's attention output gate run
+position-free (runner/recurrent/pointwise.py, one scalar libm path per element); Qwen3.5's
+rotary cos / sin from blocked tables and its rotation as separately rounded products. Every
+linear on the fixed GEMM, attention layers as the dense path. Refused by name beside them:
+Granite-4.0-H, Falcon-H1, Nemotron-H's MoE layers, speculative decoding (verify entries run
+torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
+A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
+decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
+GEMM off the AMX tiles, not by the per-token scan: the default stays off for them
+(docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -78,6 +100,25 @@ PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss
 PINNED_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
+# config.json architectures of the recurrent hybrids it pins (runner/models/hybrid_fixed.py
+# PINNED_CLASSES): every token through the recurrent C step (runner/recurrent/fixed_scan.py);
+# the expert fields they may carry: Qwen3-Next's experts are pinned; transformers writes
+# Nemotron-H's n_routed_experts into configs without MoE layers too, so a Nemotron-H model
+# whose pattern has MoE layers is refused by name at load (hybrid_fixed.py)
+PINNED_RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
+                                  "NemotronHForCausalLM", "Mamba2ForCausalLM")
+PINNED_RECURRENT_MOE = ("qwen3_next", "nemotron_h")
+# the ablation of the C step those models' pinned scan runs for every token
+RECURRENT_ABLATION = "KVSTRATA_CPU_RECURRENT_STEP"
+RECURRENT_KERNEL = ("the recurrent layers' one-token C step for every token, prompt or "
+                    "decode, in order, in place on the state slot (runner/recurrent/"
+                    "fixed_scan.py); the causal conv's taps in one order; sigmoid / SiLU / "
+                    "softplus position-free (runner/recurrent/pointwise.py)")
+RECURRENT_WHY = ("the chunked scans (Mamba2's SSD, Gated DeltaNet's chunk rule) sum in chunks "
+                 "that start where a prompt's chunk starts and decode steps token by token, so "
+                 "a state snapshot continued (a prefix hit), another chunking or a recompute "
+                 "changed the bits; one recurrence per token makes the state a function of "
+                 "the tokens alone")
 DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c"})
 DEFAULT_LACKS = frozenset({"avx512f"})
 DEFAULT_DTYPES = ("bfloat16",)
@@ -179,10 +220,17 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
             raise ValueError(f"--enable-deterministic-inference: not implemented yet for an "
                              f"MLA model of type {model_info.routed_experts or 'unknown'} "
                              f"(built for {', '.join(PINNED_MLA_FAMILIES)})")
+        if kind == "recurrent":
+            raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
+                             f"recurrent model ({_recurrent_name(model_info)}; built for "
+                             f"{', '.join(PINNED_RECURRENT_ARCHITECTURES)})")
         raise ValueError(f"--enable-deterministic-inference: not implemented yet for a "
-                         f"{kind} model (recurrent models); the llama-family decoder has it, "
-                         f"sliding windows and their own SWA pool included, and the DeepSeek "
-                         f"MLA / DSA models")
+                         f"{kind} model; the llama-family decoder has it, sliding windows and "
+                         f"their own SWA pool included, the DeepSeek MLA / DSA models and "
+                         f"the recurrent hybrids")
+    recurrent = model_info is not None and model_info.has_recurrent_state
+    if recurrent:
+        _refuse_recurrent_combinations(args, env)
     for flag_name, value in _quantizations(args):
         if value not in PINNED_QUANTIZATIONS:
             raise ValueError(f"--enable-deterministic-inference: not implemented yet with "
@@ -196,8 +244,36 @@ def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: 
     if model_info is not None and model_info.kv_pool_kind == "mla":
         linear, attention_why = MLA_LINEAR_KERNEL, MLA_ATTENTION_WHY
         attention = DSA_ATTENTION_KERNEL if model_info.uses_dsa else MLA_ATTENTION_KERNEL
-    return (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
-            + change(args, "deterministic_attention_kernel", attention, RULE, attention_why))
+    out = (out + change(args, "deterministic_linear_kernel", linear, RULE, LINEAR_WHY)
+           + change(args, "deterministic_attention_kernel", attention, RULE, attention_why))
+    if recurrent:
+        out += change(args, "deterministic_recurrent_kernel", RECURRENT_KERNEL, RULE,
+                      RECURRENT_WHY)
+    return out
+
+
+def _recurrent_name(model_info: ModelInfo) -> str:
+    if model_info.architecture in PINNED_RECURRENT_ARCHITECTURES:  # its MoE variant
+        return f"{model_info.architecture} with {model_info.routed_experts} MoE layers"
+    return model_info.architecture or "architecture unknown"
+
+
+def _refuse_recurrent_combinations(args: ResolvedArgs, env: dict) -> None:
+    """What the recurrent hybrids' pinned path does not build (refused by name)."""
+    if args.speculative_algorithm:
+        raise ValueError(f"--enable-deterministic-inference with --speculative-algorithm "
+                         f"{args.speculative_algorithm} on a recurrent model: not implemented "
+                         f"yet (its verify entries' states run torch's per-token loop)")
+    if args.tp_size > 1:
+        raise ValueError(f"--enable-deterministic-inference with --tp-size {args.tp_size} on "
+                         f"a recurrent model: not implemented yet")
+    if args.quantization is not None:
+        raise ValueError(f"--enable-deterministic-inference with --quantization "
+                         f"{args.quantization} on a recurrent model: not implemented yet")
+    if not env.get(RECURRENT_ABLATION, True):
+        raise ValueError(f"--enable-deterministic-inference runs the kernel that "
+                         f"{RECURRENT_ABLATION}=0 turns off: unset it, or pass "
+                         f"--disable-deterministic-inference")
 
 
 def _linear_kernel(args: ResolvedArgs, model_info: ModelInfo | None) -> str:
@@ -217,7 +293,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
     kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
-    and off it runs window.py's torch math)."""
+    and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
+    measured prefill 0.64x, served 0.79x on an AMX CPU)."""
     if (args.enable_deterministic_inference or args.disable_deterministic_inference
             or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras
@@ -225,7 +302,10 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
                                             # expert weight) is not measured
                                             or model_info.routed_experts
                                             # MLA: built, but its cost is not measured
-                                            or model_info.kv_pool_kind == "mla"))):
+                                            or model_info.kv_pool_kind == "mla"
+                                            # recurrent: prefill measured 0.64x
+                                            # (docs/benchmarks.md)
+                                            or model_info.has_recurrent_state))):
         return None
     flags = set(platform.cpu_flags)
     quantized = _quantizations(args)
@@ -240,12 +320,14 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
 
 def _model_built(model_info: ModelInfo | None) -> bool:
     """A plain MHA model without recurrent state, dense or with experts of a family the fixed
-    GEMM pins, its softmax extras (sinks, soft-capping) in the decode kernel; or a DeepSeek
-    MLA model, DSA or not (None, unknown: assumed so, as everywhere in resolution)."""
+    GEMM pins, its softmax extras (sinks, soft-capping) in the decode kernel; a DeepSeek MLA
+    model, DSA or not; or a recurrent hybrid hybrid_fixed.py pins (None, unknown: assumed a
+    plain model, as everywhere in resolution)."""
     if model_info is None:
         return True
-    if model_info.has_recurrent_state:
-        return False
+    if model_info.has_recurrent_state:  # the hybrids runner/models/hybrid_fixed.py pins
+        return (model_info.architecture in PINNED_RECURRENT_ARCHITECTURES
+                and model_info.routed_experts in ("", *PINNED_RECURRENT_MOE))
     if model_info.kv_pool_kind == "mla":
         return model_info.routed_experts in PINNED_MLA_FAMILIES
     # "swa" (hybrid SWA memory, rules/swa.py): the same decode kernel reads each layer's own

@@ -17,6 +17,9 @@
   qwen3_next_mtp.py Qwen3-Next's and Qwen3.5's MTP layer as a NEXTN draft head
   deepseek_fixed.py deterministic inference: a DeepSeek model's linears, absorbed heads and
                     FFNs on the fixed GEMM
+  hybrid_fixed.py   deterministic inference for the recurrent hybrids (Qwen3.5 / Qwen3-Next,
+                    Nemotron-H, Mamba2): linears on the fixed GEMM, the pinned recurrent
+                    backend, position-free activations, exact rope
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
   hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,
                     KV and state components, a weight table): qwen3_next.py (Qwen3-Next,

@@ -21,9 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.runner.models.hybrid_base import param
+from kvstrata.runner.recurrent import pointwise
 
 
 class GatedDeltaNet(nn.Module):
+    # How its projections and activations run: torch's, or once deterministic inference
+    # pinned them (runner/models/hybrid_fixed.py) the fixed GEMM and position-free ops
+    linear = staticmethod(F.linear)
+    act = pointwise.TORCH
+    pinned_weights = ("in_proj", "out_proj")
+    pinned_expert_stacks = ()
+
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.hk, self.hv = config.linear_num_key_heads, config.linear_num_value_heads
@@ -89,19 +97,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, layer: int, fb, backend) -> torch.Tensor:
         t = x.shape[0]
         c, zd = self.conv_dim, self.value_dim
-        proj = F.linear(x, self.in_proj)
+        proj = self.linear(x, self.in_proj)
         qkv = backend.conv(layer, fb, proj[:, :c], self.conv_weight, None)
         q = qkv[:, :self.key_dim].reshape(t, self.hk, self.dk)
         k = qkv[:, self.key_dim:2 * self.key_dim].reshape(t, self.hk, self.dk)
         v = qkv[:, 2 * self.key_dim:].reshape(t, self.hv, self.dv)
         b, a = proj[:, c + zd:c + zd + self.hv], proj[:, c + zd + self.hv:]
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = self.act.sigmoid(b)
+        g = -self.A_log.float().exp() * self.act.softplus(a.float() + self.dt_bias.float())
         o = backend.gated_delta(layer, fb, q, k, v, g, beta).to(x.dtype)
         # Gated RMSNorm per value head: normalise in float32, weight in the model dtype, then
         # the gate in float32 (transformers' Qwen3NextRMSNormGated).
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
         z = proj[:, c:c + zd].reshape(t, self.hv, self.dv)
-        gated = (self.norm * of.to(x.dtype)) * F.silu(z.float())
-        return F.linear(gated.to(x.dtype).reshape(t, zd), self.out_proj)
+        gated = (self.norm * of.to(x.dtype)) * self.act.silu(z.float())
+        return self.linear(gated.to(x.dtype).reshape(t, zd), self.out_proj)

@@ -91,8 +91,10 @@ class HybridForCausalLM(WeightTable, nn.Module):
     pool_kind = "mha"
     layer_windows = None       # no sliding windows (the runner caps nothing)
     packable = False           # layers of several kinds: no CPU packing (packed_linear.py)
-    # Not built for these models yet (model_setup refuses them by name).
+    # Not built for these models yet (model_setup refuses them by name); deterministic
+    # inference is built for the classes hybrid_fixed.PINNED_CLASSES names.
     unsupported = ("--enable-deterministic-inference",)
+    linear = staticmethod(F.linear)  # the output head's (the fixed GEMM once pinned)
 
     def __init__(self, kinds: list[str], dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -147,7 +149,7 @@ class HybridForCausalLM(WeightTable, nn.Module):
 
     # ------------------------------------------------------------------ forward pieces
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.lm_head).float()
+        return self.linear(x, self.lm_head).float()
 
     def begin_forward(self, fb) -> None:
         if self.num_attention_layers:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvstrata.runner.models.hybrid_base import param
+from kvstrata.runner.recurrent import pointwise
 from kvstrata.runner.recurrent.ssd import discretize_dt
 
 
@@ -85,6 +86,13 @@ def mamba2_shape(config: Any, act: str, heads: int, head_dim: int, d_state: int
 
 
 class Mamba2Mixer(nn.Module):
+    # How its projections and activations run: torch's, or once deterministic inference
+    # pinned them (runner/models/hybrid_fixed.py) the fixed GEMM and position-free ops
+    linear = staticmethod(F.linear)
+    act = pointwise.TORCH
+    pinned_weights = (("in_proj", "in_bias"), ("out_proj", "out_bias"))
+    pinned_expert_stacks = ()
+
     def __init__(self, s: Mamba2Shape, dtype: torch.dtype, device: torch.device):
         super().__init__()
         if s.heads % s.n_groups:
@@ -130,28 +138,29 @@ class Mamba2Mixer(nn.Module):
         proj = self.project(x)
         xbc = backend.conv(layer, fb, proj[:, inter:inter + conv_dim], self.conv_weight,
                            self.conv_bias)
-        dt = discretize_dt(proj[:, inter + conv_dim:], self.dt_bias, s.time_step_limit)
+        dt = discretize_dt(proj[:, inter + conv_dim:], self.dt_bias, s.time_step_limit,
+                          self.act.softplus)
         y = backend.ssd(layer, fb, xbc[:, :inter].reshape(t, s.heads, s.head_dim), dt,
                         -self.A_log.float().exp(),
                         xbc[:, inter:inter + gn].reshape(t, s.n_groups, s.d_state),
                         xbc[:, inter + gn:].reshape(t, s.n_groups, s.d_state), self.D)
         y = self.gate_and_norm(y.reshape(t, inter).float(), proj[:, :inter].float())
-        return F.linear(y.to(x.dtype), self.out_proj, self.out_bias)
+        return self.linear(y.to(x.dtype), self.out_proj, self.out_bias)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """in_proj: gate | xBC | dt (Falcon-H1 scales around it)."""
-        return F.linear(x, self.in_proj, self.in_bias)
+        return self.linear(x, self.in_proj, self.in_bias)
 
     def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The gated group RMSNorm in float32 (the scan's output dtype in transformers'
         prefill), in the order `gated_norm` says."""
         s = self.s
         if s.gated_norm == "gate_only":
-            return y * F.silu(gate)
+            return y * self.act.silu(gate)
         if s.gated_norm == "gate_then_norm":
-            y = y * F.silu(gate)
+            y = y * self.act.silu(gate)
         t, inter = y.shape
         groups = y.view(t, s.n_groups, inter // s.n_groups)
         y = self.norm * (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + s.eps)
                          ).view(t, inter)
-        return y * F.silu(gate) if s.gated_norm == "norm_then_gate" else y
+        return y * self.act.silu(gate) if s.gated_norm == "norm_then_gate" else y

@@ -38,6 +38,9 @@ _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": F
 
 class Attention(nn.Module):
     """q|k|v fused, no bias; rope only when the caller passes cos / sin (Granite's option)."""
+    linear = staticmethod(F.linear)  # the fixed GEMM once pinned (hybrid_fixed.py)
+    pinned_weights = ("qkv", "o_proj")
+    pinned_expert_stacks = ()
 
     def __init__(self, d: ModelDims, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -55,17 +58,21 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, index: int, fb: ForwardBatch, d: ModelDims, backend,
                 rot: tuple | None = None) -> torch.Tensor:
         t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
-        qkv = F.linear(h, self.qkv)
+        qkv = self.linear(h, self.qkv)
         q = qkv[:, :hq * hd].view(t, hq, hd)
         k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
         v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
         if rot is not None:
             q, k = apply_rope(q, *rot), apply_rope(k, *rot)
         out = backend.forward(index, q, k, v, fb)
-        return F.linear(out.reshape(t, hq * hd), self.o_proj)
+        return self.linear(out.reshape(t, hq * hd), self.o_proj)
 
 
 class ReluSquaredMLP(nn.Module):
+    linear = staticmethod(F.linear)  # the fixed GEMM once pinned (hybrid_fixed.py)
+    pinned_weights = (("up", "up_bias"), ("down", "down_bias"))
+    pinned_expert_stacks = ()
+
     def __init__(self, hidden: int, inter: int, bias: bool, dtype, device):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -81,8 +88,8 @@ class ReluSquaredMLP(nn.Module):
                 model.expect(f"{prefix}.{name}", target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.relu(F.linear(x, self.up, self.up_bias)).square(), self.down,
-                        self.down_bias)
+        return self.linear(F.relu(self.linear(x, self.up, self.up_bias)).square(), self.down,
+                           self.down_bias)
 
 
 class Block(nn.Module):
@@ -94,6 +101,7 @@ class Block(nn.Module):
 
 class NemotronHForCausalLM(HybridForCausalLM):
     residual_in_fp32 = False
+    unsupported = ()  # deterministic inference: hybrid_fixed.py (not with MoE layers)
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         types = list(self.block_types(config))

@@ -43,6 +43,13 @@ _KINDS = {"linear_attention": RECURRENT, "full_attention": FULL_ATTENTION}
 
 
 class GatedAttention(nn.Module):
+    # deterministic inference (runner/models/hybrid_fixed.py): the projections on the fixed
+    # GEMM, the output gate's sigmoid position-free
+    linear = staticmethod(F.linear)
+    gate_sigmoid = staticmethod(torch.sigmoid)
+    pinned_weights = ("qkv", "o_proj")
+    pinned_expert_stacks = ()
+
     def __init__(self, d: ModelDims, dtype: torch.dtype, device: torch.device):
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -113,6 +120,8 @@ def build_layer(owner, config: Any, dims: ModelDims, recurrent: bool, moe: bool,
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
     grouped_in_proj = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba (gated_deltanet.py)
+    unsupported = ()  # deterministic inference: hybrid_fixed.py
+    rope = staticmethod(apply_rope)  # hybrid_fixed.exact_rope under deterministic inference
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         types = list(config.layer_types)
@@ -187,7 +196,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         None) at layer `index` (an MTP draft runs its layer over its own pool)."""
         d = self.dims
         t, hq, hkv, hd = h.shape[0], d.num_heads, d.num_kv_heads, d.head_dim
-        qkv = F.linear(h, attn.qkv)
+        qkv = attn.linear(h, attn.qkv)
         q_gate = qkv[:, :2 * hq * hd].view(t, hq, 2 * hd)
         q, gate = q_gate[..., :hd], q_gate[..., hd:].reshape(t, hq * hd)
         k = qkv[:, 2 * hq * hd:(2 * hq + hkv) * hd].view(t, hkv, hd)
@@ -195,13 +204,13 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         q = self._rotate(gemma_rms_norm(q, attn.q_norm, self.eps), cos, sin)
         k = self._rotate(gemma_rms_norm(k, attn.k_norm, self.eps), cos, sin)
         out = (backend or self.attn_backend).forward(index, q, k, v.contiguous(), fb)
-        return F.linear(out.reshape(t, hq * hd) * torch.sigmoid(gate), attn.o_proj)
+        return attn.linear(out.reshape(t, hq * hd) * attn.gate_sigmoid(gate), attn.o_proj)
 
     def _rotate(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
         r = self.rotary_dim
         if r == x.shape[-1]:
-            return apply_rope(x, cos, sin)
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+            return self.rope(x, cos, sin)
+        return torch.cat([self.rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def finish_load(self, loaded: list[str]) -> None:
         """The zero-centred norms' weights w become the float32 scales 1 + w (gemma.py)."""

@@ -7,4 +7,8 @@
   gated_delta.py  Gated DeltaNet: the chunked rule (prefill), the step, the per-token loop
   ssd.py          Mamba2's SSD: the chunked scan (prefill), the step, the per-token loop
   fused_step.py   the decode step in place on the pool (`_recurrent_step`, C, csrc/)
+  fixed_scan.py   deterministic inference's backend: every token, prompt or decode, through
+                  that C step in order; the conv's taps in one order
+  pointwise.py    sigmoid / SiLU / softplus as torch runs them or position-free (`_pointwise`,
+                  C, csrc/: deterministic inference)
 """

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
-def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor,
-                  limit: tuple[float, float]) -> torch.Tensor:
-    """softplus(dt + dt_bias) clamped to the config's time_step_limit, float32."""
-    dt = F.softplus(dt.float() + dt_bias.float())
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, float],
+                  softplus=F.softplus) -> torch.Tensor:
+    """softplus(dt + dt_bias) clamped to the config's time_step_limit, float32 (`softplus`:
+    torch's, or pointwise.softplus under deterministic inference)."""
+    dt = softplus(dt.float() + dt_bias.float())
     lo, hi = limit
     if lo > 0.0 or hi != float("inf"):
         dt = dt.clamp(min=lo, max=hi)
