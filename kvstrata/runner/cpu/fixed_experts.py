@@ -1,5 +1,8 @@
-"""Deterministic inference for MoE layers: the router, every routed expert's projections and
-the shared experts on kvstrata's fixed GEMM (packed_linear.PackedLinear._init_fixed).
+"""MoE layers on kvstrata's packed linears: the router, every routed expert's projections and
+the shared experts as PackedLinears -- on the fixed GEMM for deterministic inference
+(packed_linear.PackedLinear._init_fixed: pin_block, pin_moe_layers), or packed for serving
+(pack_block: kvstrata's bf16 GEMM / oneDNN's layout, as the dense layers; DeepSeek's MoE and
+dense MLPs through runner/models/deepseek_packed.py).
 
 Why: an expert's matmul runs over however many tokens the router sends it this step, and
 torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order -- by the
@@ -47,24 +50,34 @@ def pin_block(block: nn.Module) -> None:
     if not hasattr(block, "pinned_weights"):
         raise ValueError(f"--enable-deterministic-inference: {type(block).__name__} does not "
                          f"name its linear weights for the batch-invariant GEMM")
+    pack_block(block, fixed=True)
+
+
+def pack_block(block: nn.Module, fixed: bool = False) -> None:
+    """Replace the weights the block names (module docstring) by PackedLinears: fixed ones
+    (deterministic inference: then the block's per-row sigmoid and ordered combine too), or
+    the serving ones. An expert's layer keeps one layout (never oneDNN's beside kvstrata's
+    bf16 GEMM, packed_linear.split_layouts): the experts are most of a MoE model's weights,
+    and a second copy of each would double them."""
     for entry in block.pinned_weights:
         name, bias_name = _names(entry)
         weight = getattr(block, name)
         if weight is None:  # absent in this model (a shared expert's gate)
             continue
-        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=True))
+        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=fixed))
     for entry in block.pinned_expert_stacks:
         name, bias_name = _names(entry)
         stack, biases = getattr(block, name), _take_bias(block, bias_name)
         _swap(block, name, nn.ModuleList(  # experts[e] as stack[e] was
-            PackedLinear(stack[e], None if biases is None else biases[e], fixed=True)
+            PackedLinear(stack[e], None if biases is None else biases[e], fixed=fixed,
+                         split=False)
             for e in range(stack.shape[0])))
     for name in getattr(block, "pinned_children", ()):
         child = getattr(block, name)
         if child is not None:
-            pin_block(child)
+            pack_block(child, fixed)
     block.linear = packed_linear
-    block.batch_invariant = True
+    block.batch_invariant = fixed
 
 
 def _names(entry: str | tuple[str, str]) -> tuple[str, str | None]:

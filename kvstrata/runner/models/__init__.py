@@ -15,8 +15,9 @@
                     deepseek_config.py, deepseek_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
   qwen3_next_mtp.py Qwen3-Next's MTP layer as a NEXTN draft head
-  deepseek_fixed.py deterministic inference: a DeepSeek model's linears, absorbed heads and
-                    FFNs on the fixed GEMM
+  deepseek_packed.py a DeepSeek model's linears, absorbed heads and FFNs (experts too) on
+                    kvstrata's packed linears (runner/cpu/packed_linear.py)
+  deepseek_fixed.py deterministic inference: the same on the fixed GEMM, and its rotary table
   eagle.py, eagle3.py  EAGLE-2 / EAGLE-3 draft heads
   hybrids.py        hybrid recurrent models by architecture, on hybrid_base.py (layer kinds,
                     KV and state components, a weight table): qwen3_next.py (Qwen3-Next,
