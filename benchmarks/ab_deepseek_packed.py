@@ -1,8 +1,9 @@
 """What packing the unflagged DeepSeek path buys (runner/models/deepseek_packed.py): random
 DeepSeek-V3 and V2-Lite-shaped checkpoints, offline `kvstrata.LLM`, packed (the default) and
 unpacked (KVSTRATA_CPU_PACKED_LINEAR=0: torch's F.linear on the plain weights, the path before)
-alternated round by round in one run (a noisy box hits both alike). Reported as ratios
-packed / unpacked per round and their median -- the figures behind docs/benchmarks.md
+alternated round by round in one run (a noisy box hits both alike), and packed with every
+layer in oneDNN's layout (KVSTRATA_CPU_BF16_GEMM=onednn: no kvstrata bf16 GEMM). Reported
+as speed-ups over unpacked per round and their median -- the figures behind docs/benchmarks.md
 "DeepSeek on packed linears".
 
 Per round, model and setting, one engine:
@@ -31,7 +32,9 @@ from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.offline import make_prompts  # noqa: E402
 
 VOCAB = 32000
-SETTINGS = {"unpacked": "0", "packed": "1"}  # KVSTRATA_CPU_PACKED_LINEAR
+# KVSTRATA_CPU_PACKED_LINEAR, KVSTRATA_CPU_BF16_GEMM: unpacked is the path before; "onednn"
+# packs every layer in oneDNN's layout only (no kvstrata bf16 GEMM), a control for the GEMM
+SETTINGS = {"unpacked": ("0", "auto"), "packed": ("1", "auto"), "onednn": ("1", "onednn")}
 # Shared by both shapes: hidden 512, 8 heads, MLA ranks a quarter of V3's, 4 layers.
 COMMON = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408,
               num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
@@ -80,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--batch1-prompts", type=int, default=2)
     p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--arms", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     add_quiet_arg(p)
@@ -89,14 +95,15 @@ def parse_args(argv=None):
 def measure(args, path: str, dtype: str, setting: str) -> dict:
     from kvstrata import LLM
 
-    os.environ["KVSTRATA_CPU_PACKED_LINEAR"] = SETTINGS[setting]
+    os.environ["KVSTRATA_CPU_PACKED_LINEAR"], os.environ["KVSTRATA_CPU_BF16_GEMM"] = (
+        SETTINGS[setting])
     prompts = make_prompts(args.num_prompts, args.input_len, args.input_len, VOCAB, args.seed)
     long_prompts = make_prompts(3, args.prefill_len, args.prefill_len, VOCAB, args.seed + 1)
     llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
               max_total_tokens=16384, disable_radix_cache=True)
     try:
         info = llm.server_info()["quantization_info"]
-        assert ("packed_absorbed_heads" in info) == (setting == "packed"), info
+        assert ("packed_absorbed_heads" in info) == (setting != "unpacked"), info
         greedy = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
         llm.generate(input_ids=prompts[:2], sampling_params={**greedy, "max_new_tokens": 4})
         served = _output_tok_s(llm, prompts, greedy)
@@ -120,9 +127,9 @@ def _output_tok_s(llm, prompts, params) -> float:
     return len(prompts) * params["max_new_tokens"] / _seconds(llm, prompts, params)
 
 
-def speedups(got: dict) -> dict:
-    """packed / unpacked as a speed-up (> 1: packing is faster) of each figure."""
-    p, u = got["packed"], got["unpacked"]
+def speedups(got: dict, arm: str) -> dict:
+    """arm / unpacked as a speed-up (> 1: faster than unpacked) of each figure."""
+    p, u = got[arm], got["unpacked"]
     return {"decode": p["decode_tok_s"] / u["decode_tok_s"],
             "batch1": p["batch1_tok_s"] / u["batch1_tok_s"],
             "prefill": u["prefill_s"] / p["prefill_s"]}
@@ -132,6 +139,8 @@ def main(argv=None) -> dict:
     import torch
 
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = {"args": vars(args), "load": announce_load(args.require_quiet), "models": {},
               "threads": torch.get_num_threads()}
     torch.manual_seed(args.seed)
@@ -140,21 +149,25 @@ def main(argv=None) -> dict:
         for dtype in args.dtypes:
             for name, path in paths.items():
                 rounds = []
+                arms = [a for a in args.arms if a != "unpacked"]
                 for r in range(args.rounds):
-                    order = ("unpacked", "packed") if r % 2 == 0 else ("packed", "unpacked")
+                    order = ["unpacked", *arms]
+                    order = order if r % 2 == 0 else order[::-1]
                     got = {s: measure(args, path, dtype, s) for s in order}
-                    rounds.append({**got, "speedup": speedups(got)})
+                    rounds.append({**got, "speedup": {a: speedups(got, a) for a in arms}})
                     print(f"{name} {dtype} round {r + 1}: " + "; ".join(
                         f"{s} " + ", ".join(f"{k} {v:.3f}" for k, v in got[s].items())
-                        for s in order) + " -> " + ", ".join(
-                        f"{k} {v:.2f}x" for k, v in rounds[-1]["speedup"].items()), flush=True)
-                median = {k: statistics.median(x["speedup"][k] for x in rounds)
-                          for k in rounds[0]["speedup"]}
-                print(f"{name} {dtype} median speed-up packed / unpacked: "
-                      + ", ".join(f"{k} {v:.2f}x" for k, v in median.items()), flush=True)
+                        for s in order), flush=True)
+                median = {a: {k: statistics.median(x["speedup"][a][k] for x in rounds)
+                              for k in rounds[0]["speedup"][a]} for a in arms}
+                for a in arms:
+                    print(f"{name} {dtype} median speed-up {a} / unpacked: "
+                          + ", ".join(f"{k} {v:.2f}x" for k, v in median[a].items()),
+                          flush=True)
                 result["models"].setdefault(name, {})[dtype] = {"rounds": rounds,
                                                                 "median_speedup": median}
-    os.environ.pop("KVSTRATA_CPU_PACKED_LINEAR", None)
+    for var in ("KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_BF16_GEMM"):
+        os.environ.pop(var, None)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)

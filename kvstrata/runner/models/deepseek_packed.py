@@ -15,16 +15,19 @@ What is packed (a model's attributes are replaced in place, as pack_model does):
   - kv_b_proj's halves, which the absorbed attention applies per head: serving keeps each
     half as one contiguous stack for one torch.bmm over the heads (key [H, nope, R], value
     transposed [H, R, v]) -- the einsum over kv_b_proj's strided view copied the weights on
-    every call, and one layer per head on kvstrata's GEMM paid a Python call per head (at 8
-    heads of 64 -> 128, 1-64 rows, a loaded 2-vCPU AMX box: bmm 31-45 us, the einsum 45-710,
-    the per-head loop 380-1250); deterministic inference one fixed GEMM per head (a batched
-    matmul blocks by the token count). Beside the plain kv_b_proj (kept: the weight map
-    names it);
+    every call, and one layer per head on kvstrata's GEMM paid a Python call per head (8
+    heads, nope 64, R 128, v 64, bf16, one thread, alternated: bmm 24-28 us against the
+    einsum's 39-68 at 1-16 rows, 70-75 against 101-138 at 256; the per-head loop was slower
+    than both in a first, noisier run); deterministic inference one fixed GEMM per head (a
+    batched matmul blocks by the token count). Beside the plain kv_b_proj (kept: the weight
+    map names it);
   - every layer's FFN: the dense SwiGLU of the first layers and the MoE blocks (router, each
     routed expert, the shared experts: fixed_experts.pack_block, the same code that pins the
     llama-family MoE blocks).
 The decode plan (decode_plan.py) replays the llama-family decoder only; an MLA model runs its
-layer loop.
+layer loop. --quantization w8a8_int8 stays refused for it by name (model_setup.py).
+Measured (benchmarks/ab_deepseek_packed.py, docs/benchmarks.md "DeepSeek on packed linears"):
+batch 1 1.4-1.55x the unpacked path's speed at bf16.
 """
 from __future__ import annotations
 
