@@ -182,8 +182,10 @@ KVSTRATA_TP_SHM_ALLREDUCE = _declare(
     "(runner/parallel/shm_allreduce.py); 0 = gloo for every collective (ablation).")
 KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
-    "Float32 linear layers on the CPU run on weights prepacked for oneDNN "
-    "(runner/cpu/packed_linear.py); 0 = torch's F.linear on the plain weights (ablation).")
+    "Float32 / bf16 linear layers on the CPU run on packed weights (oneDNN's layout or "
+    "kvstrata's bf16 GEMM, runner/cpu/packed_linear.py; a DeepSeek model's absorbed heads and "
+    "MoE experts too, runner/models/deepseek_packed.py); 0 = torch's F.linear on the plain "
+    "weights (ablation).")
 KVSTRATA_CPU_INT8_MM = _declare(
     "KVSTRATA_CPU_INT8_MM", bool, True,
     "--quantization w8a8_int8 on a CPU with VNNI (or AVX2 + FMA + F16C without it) runs "

@@ -1,5 +1,6 @@
-"""Loading a checkpoint for serving: weights, then --quantization (or, for float32 on a CPU
-with oneDNN, the packed linear layers). --quantization gguf keeps a GGUF file's weights in
+"""Loading a checkpoint for serving: weights, then --quantization (or, for float32 / bf16 on a
+CPU, the packed linear layers: runner/cpu/packed_linear.py; a DeepSeek model's through
+runner/models/deepseek_packed.py). --quantization gguf keeps a GGUF file's weights in
 their blocks from the load on (runner/quant/gguf_linear.py); w8a8_int8 re-quantizes a GGUF
 file's dequantized weights. Shared by the target model (runner/model_runner.py)
 and a STANDALONE draft model (runner/spec/standalone.py). Also what the runner reads of the
@@ -16,7 +17,7 @@ from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                          resolve_model_path)
 from kvstrata.runner.cpu import fixed_experts, packed_linear
-from kvstrata.runner.models import deepseek_fixed, hybrid_fixed
+from kvstrata.runner.models import deepseek_fixed, deepseek_packed, hybrid_fixed
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
@@ -155,6 +156,9 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)
+    elif (model.pool_kind == "mla" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
+          and packed_linear.available(model)):  # DeepSeek: projections, heads, FFNs
+        info = deepseek_packed.pack_mla_model(model)
     if scheme is not None:  # fp8: dequantized at load, float layers
         info = {**info, "quantization": scheme.method, "checkpoint_scheme": scheme.describe()}
     return model, source, hf_config, info

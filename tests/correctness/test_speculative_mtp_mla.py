@@ -115,6 +115,9 @@ def test_draft_logits_match_transformers(paths, prompts):
     assert isinstance(draft.model.attn_backend, MLADenseBackend)
     assert [c.name for c in draft.kv_components()] == ["kv_latent", "eagle_hidden"]
     assert not draft.index_share
+    # packed as the target's layers are (deepseek_packed.py): their logits are checked below
+    assert type(draft.model.layer.kv_a_proj).__name__ == "PackedLinear"
+    assert type(draft.model.eh_proj).__name__ == "PackedLinear"
     n, first = len(prompt), 24
     got = []
     with torch.inference_mode():

@@ -38,10 +38,10 @@ def tiny_moe_config(arch: str, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
                   max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
-    mla = dict(common, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
-               moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-               first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
-               qk_nope_head_dim=12, v_head_dim=12, **overrides)
+    mla = {**common, **dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=48,
+                            moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
+                            first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+                            qk_nope_head_dim=12, v_head_dim=12), **overrides}
     if arch == "qwen3_moe":
         return tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=88,
                                  moe_intermediate_size=40, num_experts=8, norm_topk_prob=True,

@@ -6,7 +6,8 @@ run time). The lowest runner sub-layer: it imports no other runner package.
   packed_linear.py  fp32 / bf16 linears (oneDNN-prepacked, or kvstrata's bf16 GEMM `_bf16_ops`)
   f32_gemv.py       fp32 linears for decode rows (kvstrata's GEMV and fp32 GEMM)
   fixed_linear.py   deterministic inference's linears: one GEMM body for every row count
-  fixed_experts.py  deterministic inference for MoE layers: router, experts, shared on it
+  fixed_experts.py  MoE blocks' router, experts, shared experts as packed linears: on the
+                    fixed GEMM (deterministic inference) or packed for serving (DeepSeek's)
   int8_linear.py    w8a8 int8 linears (kvstrata's int8 GEMM `_int8_ops`, or oneDNN's)
   gguf_matmul.py    x @ W.T with W in GGUF quantized blocks (--quantization gguf): kvstrata's
                     GEMM `_gguf_ops` (dequantized in registers, batch-invariant; AVX2 or a

@@ -1,5 +1,8 @@
-"""Deterministic inference for MoE layers: the router, every routed expert's projections and
-the shared experts on kvstrata's fixed GEMM (packed_linear.PackedLinear._init_fixed).
+"""MoE layers on kvstrata's packed linears: the router, every routed expert's projections and
+the shared experts as PackedLinears -- on the fixed GEMM for deterministic inference
+(packed_linear.PackedLinear._init_fixed: pin_block, pin_moe_layers), or packed for serving
+(pack_block: kvstrata's bf16 GEMM / oneDNN's layout, as the dense layers; DeepSeek's MoE and
+dense MLPs through runner/models/deepseek_packed.py).
 
 Why: an expert's matmul runs over however many tokens the router sends it this step, and
 torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order -- by the
@@ -54,15 +57,25 @@ def pin_block(block: nn.Module, linear: Callable = packed_linear) -> int:
     if not hasattr(block, "pinned_weights"):
         raise ValueError(f"--enable-deterministic-inference: {type(block).__name__} does not "
                          f"name its linear weights for the batch-invariant GEMM")
-    pinned = 0
+    return pack_block(block, fixed=True, linear=linear)
+
+
+def pack_block(block: nn.Module, fixed: bool = False, linear: Callable = packed_linear) -> int:
+    """Replace the float weights the block names (module docstring) by PackedLinears: fixed
+    ones (deterministic inference: then the block's per-row sigmoid and ordered combine too),
+    or the serving ones; weights kept packed stay. An expert's layer keeps one layout (never
+    oneDNN's beside kvstrata's bf16 GEMM, packed_linear.split_layouts): the experts are most
+    of a MoE model's weights, and a second copy of each would double them. Returns how many
+    float weights were replaced (a stack counts its experts)."""
+    replaced = 0
     for entry in block.pinned_weights:
         name, bias_name = _names(entry)
         weight = getattr(block, name)
         if not isinstance(weight, torch.Tensor):  # absent (a shared expert's gate), or packed
             _refuse_packed_bias(block, weight, bias_name)
             continue
-        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=True))
-        pinned += 1
+        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=fixed))
+        replaced += 1
     for entry in block.pinned_expert_stacks:
         name, bias_name = _names(entry)
         stack = getattr(block, name)
@@ -71,24 +84,25 @@ def pin_block(block: nn.Module, linear: Callable = packed_linear) -> int:
             continue
         biases = _take_bias(block, bias_name)
         _swap(block, name, nn.ModuleList(  # experts[e] as stack[e] was
-            PackedLinear(stack[e], None if biases is None else biases[e], fixed=True)
+            PackedLinear(stack[e], None if biases is None else biases[e], fixed=fixed,
+                         split=False)
             for e in range(stack.shape[0])))
-        pinned += stack.shape[0]
+        replaced += stack.shape[0]
     for name in getattr(block, "pinned_children", ()):
         child = getattr(block, name)
         if child is not None:
-            pinned += pin_block(child, linear)
+            replaced += pack_block(child, fixed, linear)
     block.linear = linear
-    block.batch_invariant = True
-    return pinned
+    block.batch_invariant = fixed
+    return replaced
 
 
 def _refuse_packed_bias(block: nn.Module, weight: Any, bias_name: str | None) -> None:
     """A packed weight with a bias beside it: the bias would have to go into its layer (no
     MoE family kept packed has one: gpt-oss' experts, which do, load dequantized)."""
     if weight is not None and bias_name is not None and getattr(block, bias_name) is not None:
-        raise ValueError(f"--enable-deterministic-inference: {type(block).__name__}'s "
-                         f"{bias_name} beside weights kept packed is not built")
+        raise ValueError(f"{type(block).__name__}'s {bias_name} beside weights kept packed "
+                         f"is not built")
 
 
 def _names(entry: str | tuple[str, str]) -> tuple[str, str | None]:

@@ -73,7 +73,12 @@ PACK_ROWS_HINT = 32
 
 
 def available(model: Any) -> bool:
-    weight = model.layers[0].qkv_weight if len(model.layers) else None
+    """The model's linears can be packed here: judged by its first layer's first linear
+    weight (`packed_linears`, else the decoder's LAYER_LINEARS)."""
+    linears = getattr(model, "packed_linears", LAYER_LINEARS)
+    layer = model.layers[0] if len(model.layers) else None
+    weight = next((getattr(layer, w) for w, _ in linears
+                   if getattr(layer, w, None) is not None), None)
     if not (torch.backends.mkldnn.is_available() and isinstance(weight, torch.Tensor)
             and weight.dtype in DTYPES and weight.device.type == "cpu"):
         return False
@@ -144,10 +149,12 @@ class PackedLinear(nn.Module):
     (`plain`: bf16 where neither GEMM takes it; F.linear); call through `packed_linear`.
     Where split_layouts() (AMX-BF16; KVSTRATA_CPU_BF16_GEMM=own_decode) an `own` layer also
     keeps oneDNN's layout (`onednn`, twice the bf16 weight memory) for more than
-    OWN_DECODE_MAX_ROWS rows: oneDNN's AMX tiles for prefill, kvstrata's GEMM for decode."""
+    OWN_DECODE_MAX_ROWS rows: oneDNN's AMX tiles for prefill, kvstrata's GEMM for decode;
+    split=False keeps kvstrata's layout alone for every row count (an MoE expert's weights,
+    runner/cpu/fixed_experts.pack_block)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 gemv: bool = False, fixed: bool = False):
+                 gemv: bool = False, fixed: bool = False, split: bool = True):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_packed = self.out_features  # the kernel's output width (fixed: padded)
@@ -165,7 +172,7 @@ class PackedLinear(nn.Module):
             self.packed = pack_bf16(weight)
             self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
             self.own_max_rows = 1 << 62
-            if split_layouts() and _onednn_bf16():
+            if split and split_layouts() and _onednn_bf16():
                 self.onednn = _onednn_pack(weight)
                 self.own_max_rows = OWN_DECODE_MAX_ROWS
         elif self.plain:
@@ -313,8 +320,9 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
-             gemv: bool = False, fixed: bool = False) -> None:
+def replace_weight(owner: nn.Module, weight_name: str, bias_name: str | None,
+                   gemv: bool = False, fixed: bool = False) -> None:
+    """owner.<weight_name> (and its bias, whose attribute becomes None) -> a PackedLinear."""
     weight = getattr(owner, weight_name)
     bias = getattr(owner, bias_name) if bias_name else None
     packed = PackedLinear(weight, bias, gemv, fixed)
@@ -336,7 +344,7 @@ def _pack_layers(model: Any, fixed: bool = False) -> bool:
                if getattr(layer, w) is not None]
     gemv = not fixed and f32_gemv.worth_copies([getattr(layer, w) for layer, w, _ in present])
     for layer, weight_name, bias_name in present:
-        _replace(layer, weight_name, bias_name, gemv, fixed)
+        replace_weight(layer, weight_name, bias_name, gemv, fixed)
     return gemv
 
 
@@ -352,7 +360,7 @@ def pack_model(model: Any, fixed: bool = False) -> dict:
         delattr(model, "lm_head")
         model.lm_head = head
     else:
-        _replace(model, "lm_head", None, fixed=fixed)
+        replace_weight(model, "lm_head", None, fixed=fixed)
     model.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(model.lm_head),
             "tied_output_projection_copy": tied,
@@ -384,9 +392,9 @@ def pack_draft_head(head: Any, fixed: bool = False) -> dict:
     target's embedding and output head, which the target packed already). Its forwards are
     one-row-per-request GEMMs like a decode step's, where F.linear is slowest."""
     gemv = _pack_layers(head, fixed)
-    _replace(head, "fc_weight", "fc_bias", gemv, fixed)
+    replace_weight(head, "fc_weight", "fc_bias", gemv, fixed)
     if isinstance(getattr(head, "lm_head", None), torch.Tensor):  # EAGLE3's own (hot) head
-        _replace(head, "lm_head", None, fixed=fixed)
+        replace_weight(head, "lm_head", None, fixed=fixed)
     head.linear = packed_linear
     return {"quantization": None, "kernel": kernel_name(head.fc_weight)}
 

@@ -15,8 +15,9 @@
                     deepseek_config.py, deepseek_weights.py
   deepseek_mtp.py   DeepSeek's MTP layer as a NEXTN draft head
   qwen3_next_mtp.py Qwen3-Next's and Qwen3.5's MTP layer as a NEXTN draft head
-  deepseek_fixed.py deterministic inference: a DeepSeek model's linears, absorbed heads and
-                    FFNs on the fixed GEMM
+  deepseek_packed.py a DeepSeek model's linears, absorbed heads and FFNs (experts too) on
+                    kvstrata's packed linears (runner/cpu/packed_linear.py)
+  deepseek_fixed.py deterministic inference: the same on the fixed GEMM, and its rotary table
   hybrid_fixed.py   deterministic inference for the recurrent hybrids (Qwen3.5 / Qwen3-Next,
                     Nemotron-H, Mamba2): linears on the fixed GEMM, the pinned recurrent
                     backend, position-free activations, exact rope

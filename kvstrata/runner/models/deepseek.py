@@ -91,6 +91,10 @@ class DeepseekLayer(nn.Module):
         # per head (ModuleLists of PackedLinear), in place of the einsums
         self.key_heads: nn.ModuleList | None = None
         self.value_heads: nn.ModuleList | None = None
+        # Packed for serving (deepseek_packed.py): the halves as contiguous stacks for one
+        # batched matmul each, key [H, nope, R] and value transposed [H, R, v]
+        self.key_stack: torch.Tensor | None = None
+        self.value_stack: torch.Tensor | None = None
 
     def absorbed(self, d: DeepseekDims) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: key half [H, nope, R], value half [H, v, R]."""
@@ -100,8 +104,9 @@ class DeepseekLayer(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     pool_kind = "mla"
-    # How a weight is applied: F.linear, or kvstrata's fixed GEMM once deterministic
-    # inference pinned the layers (deepseek_fixed.py through packed_linear.pack_model)
+    # How a weight is applied: F.linear, or packed_linear once the layers were packed for
+    # kvstrata's GEMMs (deepseek_packed.py; deterministic inference: the fixed GEMM,
+    # deepseek_fixed.py)
     linear = staticmethod(F.linear)
     # A layer's 2-D linear weights and their biases (packed_linear.pack_model); absent
     # ones (V2-Lite's q_a / q_b, the indexer of V2 / V3) are None
@@ -174,7 +179,10 @@ class DeepseekForCausalLM(nn.Module):
         return F.embedding(ids, self.embed)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.lm_head).float()
+        # a packed head (deepseek_packed.py) writes float32 logits in its one pass
+        as_float = getattr(self.lm_head, "linear_float", None)
+        logits = as_float(x) if as_float is not None else None
+        return logits if logits is not None else self.linear(x, self.lm_head).float()
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
@@ -220,6 +228,8 @@ class DeepseekForCausalLM(nn.Module):
 
     def _absorb_keys(self, layer: DeepseekLayer, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [T, H, nope] -> [T, H, R]: kv_b_proj's key half folded into the query."""
+        if layer.key_stack is not None:
+            return torch.bmm(q_nope.transpose(0, 1), layer.key_stack).transpose(0, 1)
         if layer.key_heads is None:
             return torch.einsum("thn,hnr->thr", q_nope, layer.absorbed(self.dims)[0])
         return torch.stack([self.linear(q_nope[:, i].contiguous(), head)
@@ -227,6 +237,8 @@ class DeepseekForCausalLM(nn.Module):
 
     def _expand_values(self, layer: DeepseekLayer, out_latent: torch.Tensor) -> torch.Tensor:
         """out_latent [T, H, R] -> [T, H, v]: kv_b_proj's value half."""
+        if layer.value_stack is not None:
+            return torch.bmm(out_latent.transpose(0, 1), layer.value_stack).transpose(0, 1)
         if layer.value_heads is None:
             return torch.einsum("thr,hvr->thv", out_latent, layer.absorbed(self.dims)[1])
         return torch.stack([self.linear(out_latent[:, i].contiguous(), head)

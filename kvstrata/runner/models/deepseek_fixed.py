@@ -2,7 +2,8 @@
 matmul of a loaded model on kvstrata's fixed GEMM (packed_linear.PackedLinear._init_fixed),
 whose row results never depend on how many rows share the call.
 
-What runs where once pinned (the attention itself: runner/attention/mla_fixed.py):
+What runs where once pinned (the attention itself: runner/attention/mla_fixed.py), packed as
+serving packs them (deepseek_packed.pack_mla_model, here with fixed=True):
   - the latent and query projections (q_proj or q_a / q_b, kv_a), o_proj, the indexer's
     wq_b, wk and float32 weights_proj, and the output head: packed_linear.pack_model over
     DeepseekForCausalLM.packed_linears;
@@ -12,7 +13,7 @@ What runs where once pinned (the attention itself: runner/attention/mla_fixed.py
     ([v, R]: latent output -> v), beside the plain kv_b_proj (kept: nothing else reads it
     once pinned, but the weight map names it);
   - every layer's FFN: the dense SwiGLU of the first layers and the MoE blocks (router,
-    each routed expert, the shared experts; fixed_experts.pin_block), whose router sigmoid
+    each routed expert, the shared experts; fixed_experts.pack_block), whose router sigmoid
     runs per row and whose combine sums each token's experts in its own top-k order;
   - rotary cos / sin from a table of fixed blocks of positions (BlockedCosSin): torch's cos
     and sin over a forward's [T, r] angles run a vector body and a scalar tail (another
@@ -24,28 +25,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from kvstrata.runner.cpu.fixed_experts import pin_block
-from kvstrata.runner.cpu.packed_linear import PackedLinear, pack_model
+from kvstrata.runner.models.deepseek_packed import pack_mla_model
 
 
 def pin_mla_model(model: Any) -> dict:
     """Pin a loaded DeepseekForCausalLM in place (module docstring); returns what ran (for
-    /server_info, as pack_model's)."""
-    info = pack_model(model, fixed=True)
-    d = model.dims
-    moe_layers = 0
-    for layer in model.layers:
-        key_half, value_half = layer.absorbed(d)  # [H, nope, R], [H, v, R]
-        layer.key_heads = nn.ModuleList(PackedLinear(key_half[h].t().contiguous(), fixed=True)
-                                        for h in range(d.num_heads))
-        layer.value_heads = nn.ModuleList(PackedLinear(value_half[h].contiguous(), fixed=True)
-                                          for h in range(d.num_heads))
-        pin_block(layer.mlp)
-        moe_layers += hasattr(layer.mlp, "router")
+    /server_info, as pack_model's). The same packing as serving's (deepseek_packed.py), on
+    the fixed GEMM, and the rotary table."""
+    info = pack_mla_model(model, fixed=True)
     model.fixed_rope = BlockedCosSin(model.rotary.plain_cos_sin)
-    return {**info, "pinned_moe_layers": moe_layers, "pinned_absorbed_heads": d.num_heads}
+    return info
 
 
 class BlockedCosSin:

@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.runner.cpu.packed_linear import packed_linear, replace_weight
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.decoder import copy_weight, rms_norm
 from kvstrata.runner.models.deepseek import DeepseekForCausalLM, DeepseekLayer, _param
+from kvstrata.runner.models.deepseek_packed import pack_mla_layer
 from kvstrata.runner.models.deepseek_weights import layer_targets
 
 # Tensors of the MTP layer that the target's own replace (SGLang shares them).
@@ -84,12 +86,12 @@ class DeepseekMTPHead(nn.Module):
         cos, sin = t.rope_cos_sin(fb)
         e = rms_norm(F.embedding(fb.input_ids, t.embed), self.enorm, eps)
         hid = rms_norm(features.to(self.dtype), self.hnorm, eps)
-        x = F.linear(torch.cat((e, hid), dim=-1), self.eh_proj)
+        x = t.linear(torch.cat((e, hid), dim=-1), self.eh_proj)
         x = t.layer_forward(self.layer, 0, x, cos, sin, fb, self.attn_backend)
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         x = rms_norm(x, self.shared_norm, eps)
-        return F.linear(x, t.lm_head).float(), x
+        return t.linear(x, t.lm_head).float(), x
 
     # ------------------------------------------------------------------ weight loading
     def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None, int | None]]:
@@ -120,10 +122,14 @@ def load_mtp_head(source: Any, config: Any, target: DeepseekForCausalLM) -> Deep
     """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
     from kvstrata.runner.models.loader import fill_mtp_layer
 
-    return fill_mtp_layer(lambda: DeepseekMTPHead(target, config), source, config, target,
+    head = fill_mtp_layer(lambda: DeepseekMTPHead(target, config), source, config, target,
                           f"model.layers.{target.dims.num_layers}.*, although its config.json "
                           f"says num_nextn_predict_layers "
                           f"{getattr(config, 'num_nextn_predict_layers', 0)}")
+    if target.linear is packed_linear:  # the target's layers are packed: the draft's too
+        pack_mla_layer(head.layer, head.dims, target.packed_linears)
+        replace_weight(head, "eh_proj", None)
+    return head
 
 
 __all__ = ["DeepseekMTPHead", "load_mtp_head", "mtp_layer_type"]

@@ -35,6 +35,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return act
 
 
+def swiglu_of(linear: Callable, x: torch.Tensor, gate_up: Any) -> torch.Tensor:
+    """swiglu(linear(x, gate_up)); where gate_up is a packed layer that writes silu(gate) * up
+    from its GEMM's registers (packed_linear.PackedLinear.linear_silu_mul: the same values),
+    in that one pass."""
+    fused = getattr(gate_up, "linear_silu_mul", None)
+    act = fused(x) if fused is not None else None
+    return act if act is not None else swiglu(linear(x, gate_up))
+
+
 def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
     """sigmoid(x) elementwise, each element's bits independent of the rest of x (deterministic
     inference): torch's sigmoid runs a contiguous tensor's elements flattened, in vector runs
@@ -108,7 +117,7 @@ class DenseMLP(nn.Module):
         self.down = _param(hidden, intermediate, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(swiglu(self.linear(x, self.gate_up)), self.down)
+        return self.linear(swiglu_of(self.linear, x, self.gate_up), self.down)
 
     def checkpoint_targets(self, prefix: str) -> Targets:
         return swiglu_targets(prefix, self.gate_up, self.down)
@@ -197,7 +206,8 @@ class MoE(ExpertRouting, nn.Module):
         lo = self.experts[0]
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            return self.linear(swiglu(self.linear(xs, self.gate_up[e - lo])), self.down[e - lo])
+            return self.linear(swiglu_of(self.linear, xs, self.gate_up[e - lo]),
+                               self.down[e - lo])
 
         # The routing weights are float32: a bf16 model's expert outputs are weighted and
         # summed over its k experts in float32 and rounded once, as transformers does.

@@ -59,7 +59,7 @@ class TPDeepseek(DeepseekForCausalLM):
         return vocab_parallel_embed(self.group, ids, self.embed, *self.vocab)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        local = torch.nn.functional.linear(x, self.lm_head).float()
+        local = self.linear(x, self.lm_head).float()  # packed_linear once packed
         return self.group.all_gather_last(local)[:, :self.full_dims.vocab_size]
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
