@@ -2,7 +2,8 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, a decode server's HiCache, tensor parallelism, --quantization (deterministic inference:
+cache of PD, a decode server's HiCache, tensor parallelism beside speculation, PD or
+HiCache, --quantization (deterministic inference:
 rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
@@ -41,6 +42,9 @@ SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
 NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
+# Tensor parallelism (runner/parallel/tp_hybrid.py).
+TP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
+                    "Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
 
 
 def effective_strategy(strategy: str, page_size: int) -> str:
@@ -103,10 +107,7 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
-    if args.tp_size > 1:
-        out.append(f"--tp-size {args.tp_size}: tensor parallelism over recurrent layers (their "
-                   f"heads and conv / SSM state split across ranks) is not built; the "
-                   f"llama-family decoder, gpt-oss and DeepseekV32 have it")
+    out += unbuilt_under_tp(args, architecture)
     if args.quantization is not None:
         out.append(f"--quantization {args.quantization}: the quantized linear layers are "
                    f"wired into the llama-family decoder only, not the recurrent layers' "
@@ -117,6 +118,30 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
                    "prefix cache for these models (its decode radix cache is refused too)")
     if args.hicache_mamba_size_gb is not None and not args.enable_hierarchical_cache:
         out.append("--hicache-mamba-size-gb without --enable-hierarchical-cache")
+    return out
+
+
+def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
+    """--tp-size > 1 runs the hybrids of runner/parallel/tp_hybrid.py (each rank its heads'
+    share of every recurrent layer and its own state pool) through the plain serving path:
+    prefill, chunked prefill, decode, the snapshot prefix cache, retraction. What is
+    refused beside it has not been built or checked per rank yet."""
+    if args.tp_size == 1:
+        return []
+    tp = f"--tp-size {args.tp_size}"
+    out = []
+    if architecture and architecture not in TP_ARCHITECTURES:
+        out.append(f"{tp}: tensor parallelism over {architecture}'s recurrent layers is not "
+                   f"built (it is for {', '.join(TP_ARCHITECTURES)})")
+    if args.speculative_algorithm is not None:
+        out.append(f"{tp} with --speculative-algorithm {args.speculative_algorithm}: a "
+                   f"verify's per-draft-step states on every rank are not built")
+    if args.disaggregation_mode != "null":
+        out.append(f"{tp} with --disaggregation-mode {args.disaggregation_mode}: sending each "
+                   f"rank's share of the final state is not built")
+    if args.enable_hierarchical_cache:
+        out.append(f"{tp} with --enable-hierarchical-cache: host / storage copies of each "
+                   f"rank's state share are not built")
     return out
 
 
