@@ -13,7 +13,8 @@ tiny random checkpoints (tests/helpers/hybrid_ckpt.py):
   transformers' in chunked prefill, a second chat turn hits the snapshot its first left,
   every pool and state slot whole after the drain, and every rank applied the same steps
   and sampled the same tokens (KVSTRATA_CHECK_INTEGRITY checks each rank's req_to_token rows
-  after every step);
+  after every step); NGRAM chains over Qwen3.5 (and STANDALONE over Qwen3-Next, a soak)
+  at tp 2 with transformers' tokens and accepted drafts;
 - refusals by name: head counts and groups the size does not divide, Nemotron-H's MoE, an
   architecture without a tensor-parallel class.
 """
@@ -140,6 +141,40 @@ def test_tp2_engine_prefix_hit_and_chunks(label, page_size, chunk, paths, prompt
     assert len({str(d) for d in digests}) == 1 and digests[0]["steps"] > 0
     conv, ssm = plan["state_components"]
     assert (tuple(conv["slot_shape"]), tuple(ssm["slot_shape"])) == MODELS[label][2]
+
+
+SPEC_CASES = [("NGRAM", "qwen3_5"), pytest.param("STANDALONE", "qwen3_next",
+                                                 marks=pytest.mark.soak)]
+
+
+@pytest.mark.parametrize("algorithm,label", SPEC_CASES)
+def test_tp2_speculative_chains(algorithm, label, paths, prompts, tmp_path):
+    """NGRAM (twice: the second round drafts from the first's answers) and STANDALONE (a
+    bigram llama draft run whole on every rank, soak) at tp 2: each rank's verify keeps its
+    heads' per-step states and commits the accepted one; greedy equals transformers', drafts
+    are accepted, pools whole, every rank the same steps and tokens."""
+    from helpers.hybrid_engine import whole
+    from kvstrata import LLM
+    from tests.correctness.test_hybrid_spec_engine import bigram_draft
+
+    ref, new = HFGreedy(paths[label]), 24
+    kw = {"speculative_algorithm": algorithm}
+    if algorithm == "STANDALONE":
+        kw["speculative_draft_model_path"] = bigram_draft(
+            str(tmp_path / "draft"), [p + ref(p, new) for p in prompts])
+    accepted = []
+    with LLM(paths[label], tp_size=2, skip_tokenizer_init=True, dtype="float32",
+             max_total_tokens=2048, max_mamba_cache_size=48,
+             speculative_disable_by_batch_size=1 << 20, **kw) as llm:
+        for _ in range(2 if algorithm == "NGRAM" else 1):
+            outs = llm.generate(input_ids=prompts, sampling_params={
+                "temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+            whole(llm)
+            assert [o["output_ids"] for o in outs] == [ref(p, new) for p in prompts]
+            accepted.append(sum(o["meta_info"]["spec_accept_token_num"] for o in outs))
+        digests = llm.engine.runner.digests()
+    assert accepted[-1] > 0, accepted
+    assert len({str(d) for d in digests}) == 1
 
 
 # ---------------------------------------------------------------- refusals

@@ -113,8 +113,8 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
      "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
     ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's MTP "
                                          "layer is built"),
-    ({"tp_size": 2, "speculative_algorithm": "NGRAM"},
-     "--tp-size 2 with --speculative-algorithm NGRAM"),
+    ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
+     "--tp-size 2 with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer"),
     ({"tp_size": 2, "disaggregation_mode": "prefill"},
      "--tp-size 2 with --disaggregation-mode prefill"),
     ({"tp_size": 2, "enable_hierarchical_cache": True},

@@ -2,8 +2,8 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, a decode server's HiCache, tensor parallelism beside speculation, PD or
-HiCache, --quantization (deterministic inference:
+cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN, PD or HiCache,
+--quantization (deterministic inference:
 rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
@@ -124,7 +124,8 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
 def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     """--tp-size > 1 runs the hybrids of runner/parallel/tp_hybrid.py (each rank its heads'
     share of every recurrent layer and its own state pool) through the plain serving path:
-    prefill, chunked prefill, decode, the snapshot prefix cache, retraction. What is
+    prefill, chunked prefill, decode, the snapshot prefix cache, retraction, and NGRAM /
+    STANDALONE chains (each rank's verify keeps its heads' per-step states). What is
     refused beside it has not been built or checked per rank yet."""
     if args.tp_size == 1:
         return []
@@ -133,9 +134,10 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if architecture and architecture not in TP_ARCHITECTURES:
         out.append(f"{tp}: tensor parallelism over {architecture}'s recurrent layers is not "
                    f"built (it is for {', '.join(TP_ARCHITECTURES)})")
-    if args.speculative_algorithm is not None:
-        out.append(f"{tp} with --speculative-algorithm {args.speculative_algorithm}: a "
-                   f"verify's per-draft-step states on every rank are not built")
+    if args.speculative_algorithm not in (None, *SPEC_ALGORITHMS):
+        out.append(f"{tp} with --speculative-algorithm {args.speculative_algorithm}: "
+                   f"Qwen3-Next's MTP layer is not split across ranks (NGRAM and "
+                   f"STANDALONE run)")
     if args.disaggregation_mode != "null":
         out.append(f"{tp} with --disaggregation-mode {args.disaggregation_mode}: sending each "
                    f"rank's share of the final state is not built")
