@@ -2,8 +2,8 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN, PD or HiCache,
---quantization (deterministic inference:
+cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN, PD or HiCache
+storage (L3), --quantization (deterministic inference:
 rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
@@ -125,7 +125,8 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     """--tp-size > 1 runs the hybrids of runner/parallel/tp_hybrid.py (each rank its heads'
     share of every recurrent layer and its own state pool) through the plain serving path:
     prefill, chunked prefill, decode, the snapshot prefix cache, retraction, and NGRAM /
-    STANDALONE chains (each rank's verify keeps its heads' per-step states). What is
+    STANDALONE chains (each rank's verify keeps its heads' per-step states), HiCache's host
+    tier (each rank's host state slots hold its heads' share). What is
     refused beside it has not been built or checked per rank yet."""
     if args.tp_size == 1:
         return []
@@ -134,16 +135,16 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if architecture and architecture not in TP_ARCHITECTURES:
         out.append(f"{tp}: tensor parallelism over {architecture}'s recurrent layers is not "
                    f"built (it is for {', '.join(TP_ARCHITECTURES)})")
-    if args.speculative_algorithm not in (None, *SPEC_ALGORITHMS):
-        out.append(f"{tp} with --speculative-algorithm {args.speculative_algorithm}: "
-                   f"Qwen3-Next's MTP layer is not split across ranks (NGRAM and "
-                   f"STANDALONE run)")
+    if args.speculative_algorithm == "NEXTN":  # (draft heads and trees: unbuilt() above)
+        out.append(f"{tp} with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer is not "
+                   f"split across ranks (NGRAM and STANDALONE run)")
     if args.disaggregation_mode != "null":
         out.append(f"{tp} with --disaggregation-mode {args.disaggregation_mode}: sending each "
                    f"rank's share of the final state is not built")
-    if args.enable_hierarchical_cache:
-        out.append(f"{tp} with --enable-hierarchical-cache: host / storage copies of each "
-                   f"rank's state share are not built")
+    if args.hicache_storage_backend is not None:
+        out.append(f"{tp} with --hicache-storage-backend {args.hicache_storage_backend}: "
+                   f"each rank's stored state records are not found again after a restart "
+                   f"yet (HiCache's host tier runs under TP)")
     return out
 
 
