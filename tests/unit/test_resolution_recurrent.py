@@ -115,8 +115,6 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
                                          "layer is built"),
     ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
      "--tp-size 2 with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer"),
-    ({"tp_size": 2, "enable_hierarchical_cache": True, "hicache_storage_backend": "file"},
-     "--tp-size 2 with --hicache-storage-backend file"),
     ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
     ({"enable_deterministic_inference": True},
      "--enable-deterministic-inference: not implemented yet for a recurrent model"),

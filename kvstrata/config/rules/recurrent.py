@@ -2,8 +2,7 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's MTP layer) and draft trees, the decode radix
-cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN or HiCache storage
-(L3), --quantization (deterministic inference:
+cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN, --quantization (deterministic inference:
 rules/deterministic.py; GGUF files of the archs not built: config/gguf_config.py; HiCache on a model without
 attention layers: config/kv_sizing_state.py).
 
@@ -126,8 +125,8 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     share of every recurrent layer and its own state pool) through the plain serving path:
     prefill, chunked prefill, decode, the snapshot prefix cache, retraction, and NGRAM /
     STANDALONE chains (each rank's verify keeps its heads' per-step states), HiCache's host
-    tier (each rank's host state slots hold its heads' share), PD at the same --tp-size on
-    both servers (decode rank r receives prefill rank r's share of the final state; other
+    tier and storage (each rank's host state slots and state records hold its heads'
+    share), PD at the same --tp-size on both servers (decode rank r receives prefill rank r's share of the final state; other
     sizes are refused by transfer/disagg/rank_map.py as for any model whose KV heads are
     split). What is
     refused beside it has not been built or checked per rank yet."""
@@ -141,10 +140,6 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if args.speculative_algorithm == "NEXTN":  # (draft heads and trees: unbuilt() above)
         out.append(f"{tp} with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer is not "
                    f"split across ranks (NGRAM and STANDALONE run)")
-    if args.hicache_storage_backend is not None:
-        out.append(f"{tp} with --hicache-storage-backend {args.hicache_storage_backend}: "
-                   f"each rank's stored state records are not found again after a restart "
-                   f"yet (HiCache's host tier runs under TP)")
     return out
 
 
