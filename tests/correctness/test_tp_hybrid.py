@@ -5,8 +5,9 @@ tiny random checkpoints (tests/helpers/hybrid_ckpt.py):
   hand-built steps): Qwen3.5 (Gated DeltaNet, GVA 2 key : 4 value heads), Qwen3-Next (its
   MoE by width), Nemotron-H (2 Mamba2 groups split), Mamba2 (no attention), Granite-4.0-H
   (its MoE), Granite with n_groups 1 (B / C replicated, the gated norm's one group across
-  both ranks) and Falcon-H1 (attention and Mamba2 side by side, every muP multiplier, the
-  norm before the gate, the mixer's biases: rank 0's out_proj bias). Each rank's prefill logits are transformers' (2e-4, as the one-rank models'),
+  both ranks), Falcon-H1 (attention and Mamba2 side by side, every muP multiplier, the
+  norm before the gate, the mixer's biases: rank 0's out_proj bias) and Nemotron-H with MoE
+  blocks (experts by width, with and without the latent projections and their biases). Each rank's prefill logits are transformers' (2e-4, as the one-rank models'),
   its greedy tokens are transformers' with prompts in chunks that do and do not divide them
   arriving staggered, and its state slot holds half the heads (conv channels, SSM states);
 - the whole engine (`LLM(tp_size=2)`) over Qwen3.5 and Nemotron-H: greedy tokens equal
@@ -15,7 +16,7 @@ tiny random checkpoints (tests/helpers/hybrid_ckpt.py):
   and sampled the same tokens (KVSTRATA_CHECK_INTEGRITY checks each rank's req_to_token rows
   after every step); NGRAM chains over Qwen3.5 (and STANDALONE over Qwen3-Next, a soak)
   at tp 2 with transformers' tokens and accepted drafts;
-- refusals by name: head counts and groups the size does not divide, Nemotron-H's MoE, an
+- refusals by name: head counts, groups and widths the size does not divide, an
   architecture without a tensor-parallel class.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import pytest
 import torch
 
 from helpers.hybrid_ckpt import (VOCAB, HFGreedy, build_falcon_h1_checkpoint,
-                                 build_hybrid_checkpoint, hf_hybrid, hf_logits)
+                                 build_hybrid_checkpoint, build_nemotron_h_moe_checkpoint,
+                                 hf_hybrid, hf_logits)
 from tests.helpers.rank_processes import results_from_ranks
 
 PREFILL_ATOL = 2e-4
@@ -39,13 +41,36 @@ MODELS = {
     "granite": ("granite", {}, ((96, 3), (2, 32, 16))),
     "granite_one_group": ("granite", {"mamba_n_groups": 1}, ((96, 3), (2, 32, 16))),
     "falcon_h1": ("falcon_h1", {}, ((64, 3), (2, 16, 16))),
+    "nemotron_h_moe": ("nemotron_h_moe", {}, ((48, 3), (2, 8, 16))),
+    "nemotron_h_moe_latent": ("nemotron_h_moe_latent", {}, ((48, 3), (2, 8, 16))),
 }
+
+
+def build_latent_moe_with_biases(path: str) -> str:
+    """Nemotron-H's MoE with the latent projections and every bias drawn away from 0 (a
+    row-parallel bias added on both ranks would show)."""
+    from helpers.hybrid_ckpt import tiny_nemotron_h_moe_config
+    from helpers.tiny_ckpt import build_checkpoint
+
+    def redraw(name: str, p) -> None:
+        if name.endswith(("bias", "gate.weight")):
+            p.normal_(0.0, 0.3)
+        elif name.endswith("A_log"):
+            p.uniform_(-1.0, 1.0)
+
+    return build_checkpoint(tiny_nemotron_h_moe_config(moe_latent_size=32, mlp_bias=True),
+                            path, 4343, redraw)
+
+
+BUILDERS = {"falcon_h1": build_falcon_h1_checkpoint,
+            "nemotron_h_moe": build_nemotron_h_moe_checkpoint,
+            "nemotron_h_moe_latent": build_latent_moe_with_biases}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp_hybrids")
-    return {label: build_falcon_h1_checkpoint(str(root / label), **over) if arch == "falcon_h1"
+    return {label: BUILDERS[arch](str(root / label), **over) if arch in BUILDERS
             else build_hybrid_checkpoint(arch, str(root / label), **over)
             for label, (arch, over, _) in MODELS.items()}
 
@@ -197,7 +222,8 @@ def _split(arch: str, size: int, **overrides):
     ("qwen3_next", 2, {"moe_intermediate_size": 25}, "must divide moe_intermediate_size 25"),
     ("nemotron_h", 4, {}, "--tp-size 4 must divide the Mamba2 layers' n_groups 2"),
     ("mamba2", 16, {}, "--tp-size 16 must divide the Mamba2 layers' num_heads 8"),
-    ("nemotron_h_moe", 2, {}, "Nemotron-H's MoE blocks"),
+    ("nemotron_h_moe", 2, {"moe_shared_expert_intermediate_size": 41},
+     "must divide moe_shared_expert_intermediate_size 41"),
 ])
 def test_shares_that_are_not_built_are_refused_by_name(arch, size, overrides, match):
     with pytest.raises(ValueError, match=match):

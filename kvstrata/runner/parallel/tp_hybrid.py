@@ -17,10 +17,11 @@ Qwen3NextGatedDeltaNet / MambaMixer2 and SGLang split them:
   (mamba2_mixer.py `norm_ranks`, vLLM's Mixer2RMSNormGated). out_proj's bias: rank 0.
 - Attention layers: query heads split, KV heads split or replicated as tensor_parallel.py
   does; Qwen's gated q_proj keeps [q | gate] per head, so a head's rows stay together.
-- MLPs (SwiGLU, relu^2) and MoE experts (Qwen3-Next's, Granite's): the width split (gate /
-  up rows, down columns; every rank holds every expert's slice, as tp_gpt_oss.py); routers
-  and the shared expert's sigmoid gate replicated (the gate scales each rank's partial sum);
-  a down bias added by rank 0.
+- MLPs (SwiGLU, relu^2) and MoE experts (Qwen3-Next's, Granite's, Nemotron-H's): the width
+  split (gate / up rows, down columns; every rank holds every expert's slice, as
+  tp_gpt_oss.py); routers and the shared expert's sigmoid gate replicated (the gate scales
+  each rank's partial sum); Nemotron-H's latent projections replicated (the output one is
+  linear over the experts' partial sums, its bias on rank 0); a down bias added by rank 0.
 - The embedding and LM head are vocabulary-parallel (tensor_parallel.py).
 Each rank builds the model from a config whose head counts and widths are its share
 (`local_config`); checkpoint tensors are read whole and cut to the share in load_weight (the
@@ -28,7 +29,7 @@ fused ones, in_proj_qkv, conv1d, Mamba2's in_proj, are several row ranges). Norm
 rotary tables and the conv kernel are replicated. A tensor this file has no rule for is an
 error, never loaded whole. Falcon-H1's parallel layers sum the attention's and the mixer's
 partial outputs in one all-reduce; its per-channel in_proj multipliers follow the local
-shape (falcon_h1.mup_vector). Nemotron-H's MoE blocks are refused by name.
+shape (falcon_h1.mup_vector).
 """
 from __future__ import annotations
 
@@ -213,8 +214,15 @@ class HybridSplit:
     def _feed_forward(self, leaf: str, t: torch.Tensor) -> torch.Tensor:
         parts = leaf.split(".")
         proj, what = (parts[-2], parts[-1]) if len(parts) > 1 else ("", parts[-1])
-        if proj in ("gate", "shared_expert_gate") or leaf == "router.layer.weight":
-            return t  # routers and the shared expert's gate: replicated
+        if proj in ("gate", "shared_expert_gate", "fc1_latent_proj") or \
+                leaf == "router.layer.weight":
+            return t  # routers, the shared expert's gate, Nemotron-H's latent input
+        if proj == "fc2_latent_proj":  # linear over the experts' partial sums
+            return t if what == "weight" or self.rank == 0 else torch.zeros_like(t)
+        if leaf == "experts.up_proj":  # Nemotron-H's stacks: [E, I, in], [E, in, I]
+            return cut(t, 1, [even_split(t.shape[1], self.rank, self.size, leaf)])
+        if leaf == "experts.down_proj":
+            return cut(t, 2, [even_split(t.shape[2], self.rank, self.size, leaf)])
         if proj in ("gate_proj", "up_proj"):
             return cut(t, 0, [even_split(t.shape[0], self.rank, self.size, leaf)])
         if proj == "down_proj" and what == "weight":
@@ -272,12 +280,11 @@ def plan_split(family: str, config: Any, full_mamba: Mamba2Shape | None,
             if getattr(config, "shared_expert_intermediate_size", 0):
                 fields.append(_width(config, "shared_expert_intermediate_size", size))
     elif family == "nemotron_h":
-        if "moe" in block_types:
-            raise ValueError(f"--tp-size {size}: Nemotron-H's MoE blocks (E in "
-                             f"hybrid_override_pattern: latent projections, grouped routing) "
-                             f"are not built under tensor parallelism; serve at --tp-size 1")
-        if FEED_FORWARD in kinds:
+        if "mlp" in block_types:
             fields.append(_width(config, "intermediate_size", size))
+        if "moe" in block_types:
+            fields += [_width(config, "moe_intermediate_size", size),
+                       _width(config, "moe_shared_expert_intermediate_size", size)]
     elif family == "falcon_h1":
         fields.append(_width(config, "intermediate_size", size))
     elif family == "granite_hybrid":
