@@ -8,6 +8,7 @@
   tp_hybrid.py        the recurrent hybrids' share per rank (Gated DeltaNet and Mamba2
                       heads with their conv channels and state, n_groups split or
                       replicated, attention heads, MLP / expert widths)
+  tp_hybrid_split.py  which share of each of those a rank holds, each tensor cut to it
   tp_load.py          one rank's share of a checkpoint
   tp_comm.py          how ranks find and watch each other (group, heartbeat)
   tp_runner.py        one scheduler (rank 0), N runners: the serving path
