@@ -29,8 +29,7 @@ def load_tp_shard(source, config, group: TPGroup, dtype: str = "float32",
     says which rows / columns of each tensor it holds, and only those are read."""
     name, spec = loader.arch_spec(config)
     dev = torch.device(device)
-    if spec.family in ("gpt_oss", "moe", "deepseek", *HYBRID_FAMILIES) and \
-            source.kind == "gguf":
+    if spec.family in ("gpt_oss", "moe", "deepseek") and source.kind == "gguf":
         raise ValueError(f"{name}: --tp-size {group.size} with a GGUF file is not built "
                          f"(a rank reads its share of the HF safetensors layout); serve "
                          f"the GGUF at --tp-size 1 or the HF checkpoint")
