@@ -203,14 +203,19 @@ def test_shared_system_prompt(arch, page_size, chunk, paths, prompts, ref):
 
 
 # ------------------------------------------------------------------ pressure and aborts
-@pytest.mark.parametrize("arch,page_size,chunk", [
-    ("qwen3_next", 1, 7), ("nemotron_h", 16, 32), ("granite", 16, 32)])
-def test_starved_kv_pool_retracts_and_recomputes(arch, page_size, chunk, paths, prompts, ref):
+# tp 2 (soak, ~15 s; the one tensor-parallel engine of this module): every rank's share of
+# the recomputed state (runner/parallel/tp_hybrid.py).
+@pytest.mark.parametrize("arch,page_size,chunk,tp", [
+    ("qwen3_next", 1, 7, 1), ("nemotron_h", 16, 32, 1), ("granite", 16, 32, 1),
+    pytest.param("nemotron_h", 16, 32, 2, marks=pytest.mark.soak)])
+def test_starved_kv_pool_retracts_and_recomputes(arch, page_size, chunk, tp, paths, prompts,
+                                                 ref):
     """A K/V pool of 160 tokens for 8 requests of up to 94: admitted on an optimistic
     decode estimate, their decodes run out and retract; a retracted request recomputes from
     a reset state (its working slot was freed)."""
     llm = engine(paths[arch], page_size=page_size, chunked_prefill_size=chunk,
-                 max_total_tokens=160, schedule_conservativeness=0.05)
+                 max_total_tokens=160, schedule_conservativeness=0.05,
+                 **({"tp_size": tp} if tp > 1 else {}))
     before = llm.engine.scheduler.num_retractions
     batch = prompts + [p[::-1] for p in prompts]
     got, _ = generate(llm, batch, new=24)

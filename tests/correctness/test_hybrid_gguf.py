@@ -189,15 +189,19 @@ def test_every_converter_transform_is_undone(arch, files):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-7)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_from_the_gguf_equals_transformers(arch, files, prompts):
+# tp 2 (soak, ~10 s each): each rank cuts its share from the dequantized tensors
+# (runner/parallel/tp_hybrid_split.py), GVA value heads and Mamba2 groups included.
+@pytest.mark.parametrize("arch,tp", [(a, 1) for a in ARCHS] + [
+    pytest.param("qwen3_5", 2, marks=pytest.mark.soak),
+    pytest.param("nemotron_h", 2, marks=pytest.mark.soak)])
+def test_greedy_from_the_gguf_equals_transformers(arch, tp, files, prompts):
     from kvstrata import LLM
 
     _, gguf_path, ref_path = files[arch]
     ref = HFGreedy(ref_path)
     long = prompts[-1]
     branch = long[:40] + [7, 8, 9]
-    with LLM(gguf_path, skip_tokenizer_init=True, dtype="float32", page_size=16,
+    with LLM(gguf_path, tp_size=tp, skip_tokenizer_init=True, dtype="float32", page_size=16,
              chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24) as llm:
         assert llm.server_info()["kv_plan"]["pool_kind"] == ("none" if arch == "mamba2"
                                                              else "mha")

@@ -38,15 +38,19 @@ def whole(llm: LLM) -> None:
     assert tree.pinned_states() == 0  # (pages may stay locked by host writes in flight)
 
 
-@pytest.mark.parametrize("arch,page_size,write_policy", [("qwen3_5", 1, "write_through"),
-                                                         ("nemotron_h", 16, "write_back")])
-def test_multi_turn_prefixes_come_back_from_the_host_tier(arch, page_size, write_policy,
+# tp 2 (soak, ~15 s): each rank's device and host state slots hold its heads' share
+# (runner/parallel/tp_hybrid.py); the scheduler's host tree is rank 0's, every rank copies.
+@pytest.mark.parametrize("arch,page_size,write_policy,tp", [
+    ("qwen3_5", 1, "write_through", 1), ("nemotron_h", 16, "write_back", 1),
+    pytest.param("qwen3_5", 1, "write_through", 2, marks=pytest.mark.soak)])
+def test_multi_turn_prefixes_come_back_from_the_host_tier(arch, page_size, write_policy, tp,
                                                           paths):
     """Three chats, three turns each, one request at a time in round robin: a 128-token
     device pool holds about one chat, so the others' prefixes and snapshots are demoted to
     the host before their next turn, which loads both back (cached_tokens: the hit)."""
     ref = HFGreedy(paths[arch])
-    llm = LLM(paths[arch], skip_tokenizer_init=True, dtype="float32", page_size=page_size,
+    llm = LLM(paths[arch], tp_size=tp, skip_tokenizer_init=True, dtype="float32",
+              page_size=page_size,
               max_total_tokens=128, max_mamba_cache_size=12, enable_hierarchical_cache=True,
               hicache_ratio=8.0, hicache_write_policy=write_policy)
     try:

@@ -32,8 +32,8 @@ def refs(paths):
     return {arch: HFGreedy(path) for arch, path in paths.items()}
 
 
-def engine(path: str, page_size: int, extra: dict, backend: str = "file") -> LLM:
-    return LLM(path, skip_tokenizer_init=True, dtype="float32", page_size=page_size,
+def engine(path: str, page_size: int, extra: dict, backend: str = "file", tp: int = 1) -> LLM:
+    return LLM(path, tp_size=tp, skip_tokenizer_init=True, dtype="float32", page_size=page_size,
                max_total_tokens=512, max_mamba_cache_size=12, chunked_prefill_size=32,
                enable_hierarchical_cache=True, hicache_ratio=4.0,
                hicache_write_policy="write_through", hicache_storage_backend=backend,
@@ -53,10 +53,10 @@ def answer(llm: LLM, ref, prompts: list[list[int]]) -> tuple[list[list[int]], li
     return outs, cached
 
 
-def restart(paths, refs, arch, page_size, extra, backend="file"):
+def restart(paths, refs, arch, page_size, extra, backend="file", tp=1):
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (45 + 13 * i,), generator=g).tolist() for i in range(2)]
-    first = engine(paths[arch], page_size, extra, backend)
+    first = engine(paths[arch], page_size, extra, backend, tp)
     try:
         outs, _ = answer(first, refs[arch], prompts)
         assert first.engine.finish_storage_backups(timeout=30)
@@ -66,7 +66,7 @@ def restart(paths, refs, arch, page_size, extra, backend="file"):
         if backend == "file":
             first.shutdown()
         follow = [p + o + [5, 6, 7] for p, o in zip(prompts, outs)]
-        second = engine(paths[arch], page_size, extra, backend)
+        second = engine(paths[arch], page_size, extra, backend, tp)
         try:
             _, cached = answer(second, refs[arch], follow)
             load = second.engine.get_load()
@@ -85,13 +85,17 @@ def restart(paths, refs, arch, page_size, extra, backend="file"):
     return load
 
 
-@pytest.mark.parametrize("arch, page_size", [("qwen3_5", 1), ("qwen3_5", 16),
-                                             ("nemotron_h", 1), ("nemotron_h", 16)])
-def test_restart_on_a_warm_file_store_answers_like_the_cold_engine(arch, page_size, paths,
+# tp 2 (soak, ~30 s): each rank stores and reads back its heads' share of every state
+# record under its own namespace; a prefix resumes where every rank read its state
+# (runner/executors/tp_merge.py).
+@pytest.mark.parametrize("arch, page_size, tp", [
+    ("qwen3_5", 1, 1), ("qwen3_5", 16, 1), ("nemotron_h", 1, 1), ("nemotron_h", 16, 1),
+    pytest.param("nemotron_h", 16, 2, marks=pytest.mark.soak)])
+def test_restart_on_a_warm_file_store_answers_like_the_cold_engine(arch, page_size, tp, paths,
                                                                    refs, tmp_path):
-    restart(paths, refs, arch, page_size, {"file_path": str(tmp_path)})
+    restart(paths, refs, arch, page_size, {"file_path": str(tmp_path)}, tp=tp)
     names = sorted(os.listdir(tmp_path))  # pages (bare keys) and states, namespaces apart
-    assert len(names) == 2 and sum("-state-" in n for n in names) == 1, names
+    assert len(names) == 2 * tp and sum("-state-" in n for n in names) == tp, names
 
 
 def test_restart_on_mooncake(paths, refs, mooncake):  # noqa: F811 (fixture)

@@ -9,12 +9,10 @@ logits equal the one-rank model's up to float summation order, and greedy decodi
 forward per token) gives the same tokens on every rank as on one."""
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
-from tests.helpers.ports import free_port as _free_port
+from tests.helpers.rank_processes import results_from_ranks
 
 STEPS = 6
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64, 8, 120, 3]
@@ -70,20 +68,7 @@ def _rank(rank: int, size: int, port: int, paths: list[str], out) -> None:
 
 def run_ranks(paths: list[str], size: int) -> dict[str, list]:
     """path -> [(rank, logits, tokens, KV heads or experts held)] from `size` processes."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, paths, out)) for r in range(size)]
-    for p in procs:
-        p.start()
-    try:
-        got = [out.get(timeout=180) for _ in range(size * len(paths))]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = results_from_ranks(_rank, size, (paths,), size * len(paths))
     return {path: sorted((r, torch.tensor(lg), tok, kv) for q, r, lg, tok, kv in got
                          if q == path) for path in paths}
 

@@ -4,7 +4,9 @@ server's port table (SGLang's prefill_port_table[dp][cp][tp][pp]); decode rank r
 KV heads from prefill rank r; a room's state is the minimum over ranks. Outputs equal the
 co-located server's. The decode pool holds about a third of a batch: its ranks retract with
 KV backups and restore. (A decode of another --tp-size: tests/transfer/test_disagg_tp.py.)
-A hybrid SWA model's pair at tp 2 (soak): each rank's SWA pool is a page region of its own."""
+A hybrid SWA model's pair at tp 2 (soak): each rank's SWA pool is a page region of its own.
+A recurrent hybrid's pair at tp 2 (soak): decode rank r receives prefill rank r's share of
+each request's final state (runner/parallel/tp_hybrid.py)."""
 from __future__ import annotations
 
 import random
@@ -124,5 +126,27 @@ def test_tp2_swa_pair_through_the_router_retracts_on_every_rank(swa_model_path):
         load = load[0] if isinstance(load, list) else load
         assert load["decode_retractions_total"] > 0 and \
             load["decode_restores_host_pool"] == load["decode_backups_host_pool"] > 0, load
+        assert_no_leak(pd.decode)
+        assert_no_leak(pd.prefill)
+
+
+@pytest.mark.soak  # ~60 s on 2 cores: two tp 2 servers of its own
+def test_tp2_recurrent_hybrid_pair_through_the_router(tmp_path):
+    """Qwen3.5 (Gated DeltaNet) at --tp-size 2 on both servers: each prefill rank streams
+    its KV heads' pages and, on the last chunk, its heads' share of the final state slot to
+    the decode rank of the same index. Greedy tokens equal transformers'; both servers drain
+    whole."""
+    import torch
+
+    from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
+
+    path = build_hybrid_checkpoint("qwen3_5", str(tmp_path / "qwen3_5"))
+    ref = HFGreedy(path)
+    g = torch.Generator().manual_seed(4)
+    args = (*TP2, "--dtype", "float32", "--skip-tokenizer-init")
+    with serving(PDServers(path, "tcp", *args, prefill_args=args)) as pd:
+        for n in (5, 29, 40):
+            ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+            assert router_generate(pd, ids, NEW, timeout=120) == ref(ids, NEW), n
         assert_no_leak(pd.decode)
         assert_no_leak(pd.prefill)

@@ -5,6 +5,7 @@ the snapshot strategy, state slots per request, what is refused by name) and the
 state pool beside the full-attention K/V (config/kv_sizing_state.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -112,7 +113,8 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
      "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
     ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's and "
                                          "Qwen3.5's MTP layers are built"),
-    ({"tp_size": 2}, "--tp-size 2: tensor parallelism over recurrent layers"),
+    ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
+     "--tp-size 2 with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer"),
     ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
     ({"enable_deterministic_inference": True},
      "--enable-deterministic-inference: not implemented yet for a recurrent model"),
@@ -120,6 +122,21 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         run(**kw)
+
+
+def test_tp_runs_the_built_hybrids_and_refuses_other_architectures():
+    """runner/parallel/tp_hybrid.py: Qwen3-Next and Falcon-H1 (and Qwen3.5, Nemotron-H,
+    Mamba2, Granite-4.0-H) resolve at --tp-size 2; a recurrent architecture without a
+    tensor-parallel class is refused by name."""
+    falcon = info_of({**T.FalconH1Config(num_hidden_layers=2).to_dict(),
+                      "architectures": ["FalconH1ForCausalLM"]})
+    for info in (QWEN3_NEXT, falcon):
+        resolved, _ = run(info, tp_size=2)
+        assert resolved.tp_size == 2
+    other = dataclasses.replace(QWEN3_NEXT, architecture="KimiLinearForCausalLM")
+    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism over "
+                                         "KimiLinearForCausalLM's recurrent layers"):
+        run(other, tp_size=2)
 
 
 @pytest.mark.parametrize("config,arch", [(T.Qwen3NextConfig, "Qwen3NextForCausalLM"),

@@ -90,6 +90,19 @@ def test_a_storage_prefetch_keeps_the_swa_halves_every_rank_read():
     assert [(e.done_pages, e.finished, e.swa_read) for e in out] == [(8, True, [2, 3, 6, 7])]
 
 
+def test_a_storage_prefetch_resumes_a_state_only_where_every_rank_read_it():
+    """A recurrent model (cache/state_storage.py): each rank reads its heads' share of the
+    state record; the merged state_page is theirs when they agree, else 0 (no state read:
+    the prefix is not resumed there)."""
+    merger = EventMerger(2)
+    out = merger.merge([[StorageProgress(5, 6, 6, True, state_page=6)],
+                        [StorageProgress(5, 6, 6, True, state_page=6)]])
+    assert [(e.hit_pages, e.state_page) for e in out] == [(6, 6)]
+    out = merger.merge([[StorageProgress(7, 6, 6, True, state_page=6)],
+                        [StorageProgress(7, 4, 4, True, state_page=4)]])
+    assert [(e.hit_pages, e.state_page) for e in out] == [(4, 0)]
+
+
 @st.composite
 def room_runs(draw):
     """Per rank, a room's state changes as its executor reports them: forward through

@@ -2,9 +2,9 @@
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's and Qwen3.5's MTP layers) and draft trees, the
-decode radix cache of PD, a decode server's HiCache, tensor parallelism, --quantization
-(deterministic inference: rules/deterministic.py; GGUF files of the archs not built:
-config/gguf_config.py).
+decode radix cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN,
+--quantization (deterministic inference: rules/deterministic.py; GGUF files of the archs not
+built: config/gguf_config.py).
 HiCache's host state slots are sized with the pools (config/kv_sizing_host_state.py); this step
 says how `--hicache-mamba-size-gb auto` will be solved (`state.host_split`), so that
 `config --explain` shows it, and refuses it without chunked prefill (its cadence).
@@ -48,6 +48,9 @@ SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
 NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
+# Tensor parallelism (runner/parallel/tp_hybrid.py).
+TP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
+                    "Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
 
 
 def effective_strategy(strategy: str, page_size: int) -> str:
@@ -111,10 +114,7 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if args.disaggregation_decode_enable_radix_cache:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
-    if args.tp_size > 1:
-        out.append(f"--tp-size {args.tp_size}: tensor parallelism over recurrent layers (their "
-                   f"heads and conv / SSM state split across ranks) is not built; the "
-                   f"llama-family decoder, gpt-oss and DeepseekV32 have it")
+    out += unbuilt_under_tp(args, architecture)
     if args.quantization is not None:
         out.append(f"--quantization {args.quantization}: the quantized linear layers are "
                    f"wired into the llama-family decoder only, not the recurrent layers' "
@@ -125,6 +125,29 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
                    "prefix cache for these models (its decode radix cache is refused too)")
     if args.hicache_mamba_size_gb is not None and not args.enable_hierarchical_cache:
         out.append("--hicache-mamba-size-gb without --enable-hierarchical-cache")
+    return out
+
+
+def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
+    """--tp-size > 1 runs the hybrids of runner/parallel/tp_hybrid.py (each rank its heads'
+    share of every recurrent layer and its own state pool) through the plain serving path:
+    prefill, chunked prefill, decode, the snapshot prefix cache, retraction, and NGRAM /
+    STANDALONE chains (each rank's verify keeps its heads' per-step states), HiCache's host
+    tier and storage (each rank's host state slots and state records hold its heads'
+    share), PD at the same --tp-size on both servers (decode rank r receives prefill rank r's share of the final state; other
+    sizes are refused by transfer/disagg/rank_map.py as for any model whose KV heads are
+    split). What is
+    refused beside it has not been built or checked per rank yet."""
+    if args.tp_size == 1:
+        return []
+    tp = f"--tp-size {args.tp_size}"
+    out = []
+    if architecture and architecture not in TP_ARCHITECTURES:
+        out.append(f"{tp}: tensor parallelism over {architecture}'s recurrent layers is not "
+                   f"built (it is for {', '.join(TP_ARCHITECTURES)})")
+    if args.speculative_algorithm == "NEXTN":  # (draft heads and trees: unbuilt() above)
+        out.append(f"{tp} with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer is not "
+                   f"split across ranks (NGRAM and STANDALONE run)")
     return out
 
 

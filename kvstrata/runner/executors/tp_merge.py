@@ -59,7 +59,8 @@ class AllRanksDone(EventMerge):
 
 class MinStorageProgress(EventMerge):
     """StorageProgress: the minimum over ranks (hit pages: -1 while any rank has not asked
-    its backend yet; done pages; the pages whose SWA half every rank read), finished once
+    its backend yet; done pages; the pages whose SWA half every rank read; the page a
+    recurrent state was read at when every rank read it there, else 0), finished once
     every rank finished, the first error kept. A storage prefetch thus loads what every rank
     found: the ranks never diverge."""
     event_type = StorageProgress
@@ -81,10 +82,14 @@ class MinStorageProgress(EventMerge):
         hits = [s.hit_pages for s in ranks]
         done = min(s.done_pages for s in ranks)
         swa = set.intersection(*(set(s.swa_read) for s in ranks))
+        # A recurrent model's state read (each rank its heads' share): resumable at a page
+        # only when every rank read its state there; otherwise no state was read.
+        state_pages = {s.state_page for s in ranks}
         merged = StorageProgress(
             key, -1 if min(hits) < 0 else min(hits), done,
             all(s.finished for s in ranks), next((s.error for s in ranks if s.error), ""),
-            sorted(i for i in swa if i < done))
+            sorted(i for i in swa if i < done),
+            state_pages.pop() if len(state_pages) == 1 else 0)
         if merged == self._sent.get(key):
             return None
         self._sent[key] = merged

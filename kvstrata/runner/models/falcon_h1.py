@@ -119,6 +119,8 @@ class FalconH1Layer(nn.Module):
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):
+    mamba_shape = staticmethod(falcon_mamba_shape)  # a tensor-parallel rank's: its share
+
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         for field in ("attention_bias", "mlp_bias"):
             if getattr(config, field, False):
@@ -142,7 +144,7 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         self.ssm_out_multiplier = float(config.ssm_out_multiplier)
         # the attention backend's scale: 1/sqrt(head_dim) times the keys' multiplier
         self.attn_scale = d.head_dim ** -0.5 * float(config.key_multiplier)
-        self.shape = s = falcon_mamba_shape(config)
+        self.shape = s = self.mamba_shape(config)
         self.conv_shape = (s.conv_dim, s.kernel - 1)
         self.ssm_shape = (s.heads, s.head_dim, s.d_state)
         self.rotary = RotaryEmbedding(d.head_dim, rope_parameters(config), device,
@@ -178,15 +180,15 @@ class FalconH1ForCausalLM(HybridForCausalLM):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.begin_forward(fb)
         rot = self.rotary.cos_sin(fb.positions, self.dtype)
-        x = F.embedding(fb.input_ids, self.embed) * self.embedding_multiplier
+        x = self.embed_tokens(fb.input_ids) * self.embedding_multiplier
         for i, layer in enumerate(self.layers):
             index = self.pool_index[i]  # the same in the KV pool and the state pool
             h = rms_norm(x, layer.input_norm, self.eps)
             ssm = layer.mamba(h, index, fb, self.recurrent_backend) * self.ssm_out_multiplier
             attn = layer.attn(h * self.attention_in_multiplier, index, fb, self.dims,
                               self.attn_backend, rot) * self.attention_out_multiplier
-            x = x + (ssm + attn)
-            x = x + layer.mlp(rms_norm(x, layer.pre_ff_norm, self.eps))
+            x = x + self.reduce(ssm + attn)  # one all-reduce for both row-parallel sums
+            x = x + self.reduce(layer.mlp(rms_norm(x, layer.pre_ff_norm, self.eps)))
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(rms_norm(x, self.final_norm, self.eps)) \

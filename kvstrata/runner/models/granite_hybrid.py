@@ -136,17 +136,17 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         self.begin_forward(fb)
         rot = (self.rotary.cos_sin(fb.positions, self.dtype) if self.rotary is not None
                else None)
-        x = F.embedding(fb.input_ids, self.embed) * self.embedding_multiplier
+        x = self.embed_tokens(fb.input_ids) * self.embedding_multiplier
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps)
             if self.kinds[i] == RECURRENT:
                 h = layer.mixer(h, self.pool_index[i], fb, self.recurrent_backend)
             else:
                 h = layer.mixer(h, self.pool_index[i], fb, self.dims, self.attn_backend, rot)
-            x = x + h * self.residual_multiplier
+            x = x + self.reduce(h) * self.residual_multiplier
             h = rms_norm(x, layer.post_norm, self.eps)
             mlp = layer.shared(h) if layer.moe is None else layer.moe(h) + layer.shared(h)
-            x = x + mlp * self.residual_multiplier
+            x = x + self.reduce(mlp) * self.residual_multiplier
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(rms_norm(x, self.final_norm, self.eps)) / self.logits_scaling

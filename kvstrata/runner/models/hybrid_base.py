@@ -148,6 +148,16 @@ class HybridForCausalLM(WeightTable, nn.Module):
                 StateComponent(STATE_SSM, n, self.ssm_shape, ssm_dtype))
 
     # ------------------------------------------------------------------ forward pieces
+    # A tensor-parallel rank (runner/parallel/tp_hybrid.py) overrides these three: its
+    # vocabulary rows, its heads' partial outputs summed over ranks.
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output (a mixer's out_proj, an MLP's down): whole on
+        one rank."""
+        return partial
+
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.lm_head).float()
 

@@ -109,6 +109,10 @@ class Mamba2Mixer(nn.Module):
         self.norm = param(s.intermediate, **kw) if s.gated_norm != "gate_only" else None
         self.out_proj = param(s.hidden, s.intermediate, **kw)
         self.out_bias = param(s.hidden, **kw) if s.has_out_bias else None
+        # Tensor parallelism with n_groups 1 replicated (runner/parallel/tp_hybrid.py): the
+        # one norm group spans every rank's heads, so its mean square is averaged over the
+        # ranks (this TPGroup); None: each norm group is whole here.
+        self.norm_ranks = None
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -161,6 +165,8 @@ class Mamba2Mixer(nn.Module):
             y = y * self.act.silu(gate)
         t, inter = y.shape
         groups = y.view(t, s.n_groups, inter // s.n_groups)
-        y = self.norm * (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + s.eps)
-                         ).view(t, inter)
+        mean_square = groups.pow(2).mean(-1, keepdim=True)
+        if self.norm_ranks is not None:  # every rank holds an equal share of the group
+            mean_square = self.norm_ranks.all_reduce(mean_square) / self.norm_ranks.size
+        y = self.norm * (groups * torch.rsqrt(mean_square + s.eps)).view(t, inter)
         return y * self.act.silu(gate) if s.gated_norm == "norm_then_gate" else y

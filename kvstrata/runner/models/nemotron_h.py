@@ -206,7 +206,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.begin_forward(fb)
-        x = F.embedding(fb.input_ids, self.embed)
+        x = self.embed_tokens(fb.input_ids)
         if self.residual_in_fp32:
             x = x.float()
         for i, block in enumerate(self.layers):
@@ -218,7 +218,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
                 h = block.mixer(h, self.pool_index[i], fb, self.dims, self.attn_backend)
             else:
                 h = block.mixer(h)
-            x = x + h
+            x = x + self.reduce(h)
         if fb.logits_idx is not None:
             x = x.index_select(0, fb.logits_idx)
         return self.output_logits(self.norm(x.to(self.dtype), self.final_norm))

@@ -171,15 +171,15 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self.begin_forward(fb)
         cos, sin = self.rotary.cos_sin(fb.positions, self.dtype)
-        x = F.embedding(fb.input_ids, self.embed)
+        x = self.embed_tokens(fb.input_ids)
         for i, layer in enumerate(self.layers):
             h = gemma_rms_norm(x, layer.input_norm, self.eps)
             if self.kinds[i] == RECURRENT:
                 h = layer.mixer(h, self.pool_index[i], fb, self.recurrent_backend)
             else:
                 h = self.attention(layer.mixer, self.pool_index[i], h, cos, sin, fb)
-            x = x + h
-            x = x + layer.mlp(gemma_rms_norm(x, layer.post_norm, self.eps))
+            x = x + self.reduce(h)
+            x = x + self.reduce(layer.mlp(gemma_rms_norm(x, layer.post_norm, self.eps)))
         if self.capture_hidden:  # every token's final-normed state (the MTP's features)
             x = gemma_rms_norm(x, self.final_norm, self.eps)
             self.last_hidden = x
