@@ -63,14 +63,18 @@ def write_file(family: str, root: str, f32: bool):
     if family in FAMILY_GGUF:
         from helpers import family_gguf
 
-        saved = dict(family_gguf.TYPES)
+        saved, nextn = dict(family_gguf.TYPES), dict(family_gguf.NEXTN)
         if f32:  # the writer reads its module's type map at write time
             family_gguf.TYPES.update({k: "F32" for k in saved})
+        # the tests' GLM-4.5 NextN block is two tensors (nothing of ours reads it); llama.cpp
+        # wants the converter's whole layer there, so the cross-check writes none
+        family_gguf.NEXTN.update({k: 0 for k in nextn})
         try:
             path = os.path.join(root, f"{family}.gguf")
             return path, family_gguf.write_family_gguf(family, path), {}
         finally:
             family_gguf.TYPES.update(saved)
+            family_gguf.NEXTN.update(nextn)
     if family in GEMMAS:  # the writer's default: every weight float32
         from helpers.gemma_ckpt import build_gemma_checkpoint, hf_gemma
         from helpers.gemma_gguf import write_gemma_gguf
@@ -80,9 +84,9 @@ def write_file(family: str, root: str, f32: bool):
     ref = os.path.join(root, f"{family}-ref")
     if family == "gpt_oss":  # MXFP4 experts, as the converter writes them
         from helpers.gpt_oss import build_checkpoint, load_reference
-        from helpers.gpt_oss_gguf import write_gpt_oss_gguf
+        from helpers.gpt_oss_gguf import gguf_compatible_overrides, write_gpt_oss_gguf
 
-        hf = build_checkpoint(os.path.join(root, family), seed=3)
+        hf = build_checkpoint(os.path.join(root, family), seed=5, **gguf_compatible_overrides)
         path = write_gpt_oss_gguf(hf, os.path.join(root, "gpt_oss.gguf"), ref)
         return path, load_reference(ref), {}
     return _write_hybrid(family, root, ref)
@@ -106,6 +110,8 @@ def _write_hybrid(family: str, root: str, ref: str):
         write_hybrid_gguf(family, hc.build_qwen3_5_moe_checkpoint(hf_dir), path, ref)
     else:
         extra = {"decoder_sparse_step": 1} if family == "qwen3_next" else {}
+        if family in ("qwen3_5", "qwen3_next"):  # llama.cpp takes head_v_dim = ssm.state_size
+            extra["linear_value_head_dim"] = hc.tiny_hybrid_config(family).linear_key_head_dim
         write_hybrid_gguf(family, hc.build_hybrid_checkpoint(family, hf_dir, **extra), path,
                           ref)
     return path, hc.hf_hybrid(ref), {"max_mamba_cache_size": 24}
