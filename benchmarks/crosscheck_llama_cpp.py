@@ -8,7 +8,8 @@ tests' own writer, runs llama.cpp's llama-server greedy on token ids (/completio
 transformers (the model's reference) on the same ids, and reports: does llama.cpp load the
 file, for how many tokens its greedy continuation equals kvstrata's (and kvstrata's equals
 transformers'), the largest difference of the chosen token's logprob between llama.cpp and
-kvstrata over the positions where both chose the same token, and, at a first disagreement,
+transformers (both over the whole vocabulary) over the positions where llama.cpp and kvstrata
+chose the same token, and, at a first disagreement,
 transformers' margin between its top two logits there (a near-tie explains a flip; a wide
 margin means one side computes another model).
 
@@ -77,9 +78,10 @@ def write_file(family: str, root: str, f32: bool):
             family_gguf.NEXTN.update(nextn)
     if family in GEMMAS:  # the writer's default: every weight float32
         from helpers.gemma_ckpt import build_gemma_checkpoint, hf_gemma
-        from helpers.gemma_gguf import write_gemma_gguf
+        from helpers.gemma_gguf import gguf_compatible_config, write_gemma_gguf
 
-        hf = build_gemma_checkpoint(family, os.path.join(root, family))
+        hf = build_gemma_checkpoint(family, os.path.join(root, family),
+                                    config=gguf_compatible_config(family))
         return write_gemma_gguf(hf, os.path.join(root, f"{family}.gguf")), hf_gemma(hf), {}
     ref = os.path.join(root, f"{family}-ref")
     if family == "gpt_oss":  # MXFP4 experts, as the converter writes them
@@ -119,18 +121,27 @@ def _write_hybrid(family: str, root: str, ref: str):
 
 # ------------------------------------------------------------------ the three runs
 def transformers_greedy(model, prompts, new: int):
-    """Per prompt: (tokens, per-step float32 logits)."""
+    """Per prompt: (tokens, per-step float32 logits with end-of-sequence at -inf, the chosen
+    tokens' logprobs over the whole vocabulary): a whole forward per step (no cache to get
+    wrong); end-of-sequence never chosen, as llama.cpp's ignore_eos (a -inf bias) and
+    kvstrata's min_new_tokens do."""
     import torch
 
+    eos = model.config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
     out = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-        out.append((gen.sequences[0, len(prompt):].tolist(),
-                    [s[0].float() for s in gen.logits]))
+        ids, tokens, steps, logprobs = list(prompt), [], [], []
+        for _ in range(new):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+            masked = logits.clone()
+            masked[eos] = float("-inf")
+            steps.append(masked)
+            tokens.append(int(masked.argmax()))
+            ids.append(tokens[-1])
+            logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
+        out.append((tokens, steps, logprobs))
     return out
 
 
@@ -138,7 +149,8 @@ def kvstrata_greedy(path: str, prompts, new: int, extra: dict):
     """Per prompt: (tokens, the chosen tokens' logprobs)."""
     from kvstrata import LLM
 
-    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    params = {"max_new_tokens": new, "min_new_tokens": new, "temperature": 0,
+              "ignore_eos": True, "logprobs": 0}
     with LLM(model_path=path, skip_tokenizer_init=True, dtype="float32", page_size=16,
              max_total_tokens=1024, **extra) as llm:
         outs = llm.generate(input_ids=prompts, sampling_params=params)
@@ -221,13 +233,15 @@ def compare(family: str, cpp, ours, ref, prompts, new: int) -> dict:
     row["cpp_vs_ours"] = sum(_common_prefix(c[0], o[0]) for c, o in zip(cpp, ours))
     row["cpp_vs_hf"] = sum(_common_prefix(c[0], r[0]) for c, r in zip(cpp, ref))
     diffs, margins = [], []
-    for (c_tok, c_lp, evaluated), (o_tok, o_lp), (r_tok, r_logits), prompt in zip(
+    for (c_tok, c_lp, evaluated), (o_tok, _), (r_tok, r_logits, r_lp), prompt in zip(
             cpp, ours, ref, prompts):
         if evaluated is not None and evaluated != len(prompt):
             row.setdefault("notes", []).append(f"llama.cpp evaluated {evaluated} prompt "
                                                f"tokens for {len(prompt)}")
         same = _common_prefix(c_tok, o_tok)
-        diffs += [abs(a - b) for a, b in zip(c_lp[:same], o_lp[:same])]
+        # against transformers' logprobs: kvstrata's come after min_new_tokens masked the
+        # end-of-sequence token, llama.cpp's (and these) over the whole vocabulary
+        diffs += [abs(a - b) for a, b in zip(c_lp[:same], r_lp[:same])]
         if same < len(c_tok) and same < len(r_logits):  # the reference's margin there
             top = r_logits[same].topk(2).values
             margins.append(round(float(top[0] - top[1]), 4))
@@ -238,7 +252,7 @@ def compare(family: str, cpp, ours, ref, prompts, new: int) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| family | llama.cpp loads | llama.cpp = kvstrata | llama.cpp = transformers "
-             "| kvstrata = transformers | max chosen-logprob diff | HF top-2 margin at a "
+             "| kvstrata = transformers | max logprob diff llama.cpp vs HF | HF top-2 margin at a "
              "flip |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["total"]
