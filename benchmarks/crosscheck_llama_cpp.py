@@ -16,8 +16,9 @@ margin means one side computes another model).
   KVSTRATA_LLAMA_CPP_BIN=/path/to/llama.cpp/bin .venv/bin/python \\
       benchmarks/crosscheck_llama_cpp.py [--families llama qwen3 ...] [--f32]
 
---f32 writes every matrix as F32 where the writer takes a type map (llama / qwen3 and the
-families of tests/helpers/family_gguf.py) so that quantized-activation rounding in llama.cpp
+--f32 writes every matrix as F32 where the writer takes a type (llama / qwen3, the families
+of tests/helpers/family_gguf.py, the hybrids; gpt-oss's experts F16, Gemma's files are
+float anyway) so that quantized-activation rounding in llama.cpp
 (it quantizes activations to Q8 for Q4/Q8 weights) cannot flip a near-tie. Needs the
 binaries (llama-server and its .so files in one folder; `-nr`: ggml's AMX repack traps on
 some VMs). Nothing in `make test` runs it.
@@ -89,9 +90,17 @@ def write_file(family: str, root: str, f32: bool):
         from helpers.gpt_oss_gguf import gguf_compatible_overrides, write_gpt_oss_gguf
 
         hf = build_checkpoint(os.path.join(root, family), seed=5, **gguf_compatible_overrides)
-        path = write_gpt_oss_gguf(hf, os.path.join(root, "gpt_oss.gguf"), ref)
+        path = write_gpt_oss_gguf(hf, os.path.join(root, "gpt_oss.gguf"), ref,
+                                  expert_type="F16" if f32 else "MXFP4")
         return path, load_reference(ref), {}
-    return _write_hybrid(family, root, ref)
+    from helpers import hybrid_gguf
+
+    saved = hybrid_gguf.QUANT
+    hybrid_gguf.QUANT = "F32" if f32 else saved  # the writers' one matrix type
+    try:
+        return _write_hybrid(family, root, ref)
+    finally:
+        hybrid_gguf.QUANT = saved
 
 
 def _write_hybrid(family: str, root: str, ref: str):
