@@ -65,7 +65,8 @@ MODEL_TYPES = {"mamba2": "mamba2", "nemotron_h": "nemotron_h", "nemotron_h_moe":
 _PLACEHOLDER_CONTEXT = 2 ** 20
 KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length",
         "attention.head_count", "attention.head_count_kv", "attention.key_length",
-        "attention.value_length", "attention.layer_norm_rms_epsilon", "ssm.conv_kernel",
+        "attention.value_length", "attention.layer_norm_rms_epsilon",
+        "attention.layer_norm_epsilon", "ssm.conv_kernel",
         "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
         "ssm.dt_b_c_rms", "rope.freq_base", "rope.dimension_count", "rope.scaling.type",
         "rope.scaling.finetuned", "expert_count", "expert_used_count", "attention.scale",
@@ -99,7 +100,10 @@ def hybrid_fields(meta: dict[str, Any], dims: dict[str, tuple[int, ...]]) -> dic
                          f"ssm.time_step_rank {n_head} heads, or they of {n_group} groups")
     conv_bias = any(n.endswith("ssm_conv1d.bias") for n in dims)
     proj_bias = any(n.endswith("ssm_in.bias") for n in dims)
-    eps = float(need("attention.layer_norm_rms_epsilon"))
+    # Nemotron-H's converter (TextModel's keys) writes its config's layer_norm_epsilon as
+    # attention.layer_norm_epsilon, the others an rms epsilon; either is the RMSNorm eps
+    eps = get("attention.layer_norm_rms_epsilon")
+    eps = float(need("attention.layer_norm_epsilon") if eps is None else eps)
     fields: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]], "model_type": MODEL_TYPES[arch],
         "num_hidden_layers": n_layer, "hidden_size": n_embd, **_vocabulary(arch, dims)}

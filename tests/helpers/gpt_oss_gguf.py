@@ -120,7 +120,9 @@ def _stored(arr: np.ndarray, gguf_name: str, expert_type: str):
         qtype = gguf.GGMLQuantizationType[expert_type]
         data = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
         return data, qtype, gguf.quants.dequantize(data, qtype).reshape(arr.shape)
-    if arr.ndim >= 2 and "ffn_gate_inp" not in gguf_name:
+    # the converter's prepare_tensors: what does not end in ".weight" (the 2-D expert
+    # biases too) stays F32; llama.cpp's expert-bias add takes no F16 operand
+    if arr.ndim >= 2 and "ffn_gate_inp" not in gguf_name and gguf_name.endswith(".weight"):
         data = np.ascontiguousarray(arr, dtype=np.float16)
         return data, None, data.astype(np.float32)
     data = np.ascontiguousarray(arr, dtype=np.float32)

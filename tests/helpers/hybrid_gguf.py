@@ -61,6 +61,9 @@ def _metadata(w, arch: str, config) -> None:
         w.add_rope_scaling_finetuned(False)
         state, groups, kernel = config.ssm_state_size, config.n_groups, config.conv_kernel
         eps = config.layer_norm_epsilon
+        # TextModel.set_gguf_parameters: the config's layer_norm_epsilon (it has no
+        # rms_norm_eps) goes to attention.layer_norm_epsilon, as llama.cpp reads it
+        return ssm_metadata(w, config, d_inner, heads, state, groups, kernel, eps, rms_key=False)
     elif arch in QWEN:  # Qwen3_5TextModel / Qwen3NextModel (Qwen2MoeModel's keys first)
         d_inner, heads = (config.linear_value_head_dim * config.linear_num_value_heads,
                           config.linear_num_value_heads)
@@ -107,9 +110,10 @@ def _metadata(w, arch: str, config) -> None:
 
 
 def ssm_metadata(w, config, d_inner: int, heads: int, state: int, groups: int, kernel: int,
-                 eps: float) -> None:
+                 eps: float, rms_key: bool = True) -> None:
     """The keys every hybrid file carries: sizes, the Mamba2 / Gated DeltaNet ssm.* keys,
-    the eps, the file type and a sentencepiece vocabulary with bos / pad / unk ids."""
+    the eps (attention.layer_norm_rms_epsilon, or layer_norm_epsilon where not rms_key),
+    the file type and a sentencepiece vocabulary with bos / pad / unk ids."""
     import gguf
 
     w.add_embedding_length(config.hidden_size)
@@ -119,7 +123,10 @@ def ssm_metadata(w, config, d_inner: int, heads: int, state: int, groups: int, k
     w.add_ssm_state_size(state)
     w.add_ssm_time_step_rank(heads)
     w.add_ssm_group_count(groups)
-    w.add_layer_norm_rms_eps(eps)
+    if rms_key:
+        w.add_layer_norm_rms_eps(eps)
+    else:
+        w.add_layer_norm_eps(eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     tokens, scores, token_types = _vocab(config.vocab_size)
     w.add_tokenizer_model("llama")

@@ -94,7 +94,7 @@ def _nemotron_moe_metadata(w, config) -> None:
     w.add_expert_group_count(config.n_group)
     ssm_metadata(w, config, config.mamba_num_heads * config.mamba_head_dim,
                  config.mamba_num_heads, config.ssm_state_size, config.n_groups,
-                 config.conv_kernel, config.layer_norm_epsilon)
+                 config.conv_kernel, config.layer_norm_epsilon, rms_key=False)
 
 
 def _falcon_metadata(w, config) -> None:
