@@ -34,6 +34,10 @@ ROUNDS=${ROUNDS:-2}
 B1_PROMPTS=${B1_PROMPTS:-6}
 PORT=${PORT:-30150}
 PY=${PY:-.venv/bin/python}
+# extra llama-server flags; on a CPU whose AMX ggml's kernels trap in (a VM: llama-server dies
+# with "Illegal instruction" in tinygemm_kernel_amx at its first graph), LLAMA_ARGS=-nr turns
+# weight repacking (and with it ggml's AMX buffer) off
+read -r -a LLAMA_ARGS <<< "${LLAMA_ARGS:-}"
 read -r -a KVSTRATA <<< "${KVSTRATA:-.venv/bin/kvstrata}"
 mkdir -p "$OUT" "$GGUF_DIR"
 "$PY" -m kvstrata.bench.box_load ${REQUIRE_QUIET:+--require-quiet}
@@ -89,7 +93,7 @@ run_llama() {  # tag, file, b1|b32
   local np=1 ctx=4096
   [ "$3" = b32 ] && np=32 ctx=16384
   "$LLAMA_BIN/llama-server" -m "$2" -t 2 -np "$np" -c "$ctx" --host 127.0.0.1 --port "$PORT" \
-      --alias smollm2 > "$OUT/$1_$3.log" 2>&1 &
+      --alias smollm2 ${LLAMA_ARGS[@]+"${LLAMA_ARGS[@]}"} > "$OUT/$1_$3.log" 2>&1 &
   local pid=$!
   wait_up "http://127.0.0.1:$PORT/health" $pid "$OUT/$1_$3.log" \
       || { stop $pid; echo "$1 did not start (log: $OUT/$1_$3.log)"; return 0; }
@@ -117,8 +121,10 @@ for round in $(seq 1 "$ROUNDS"); do
       tag="llama_${fmt}_${run}"
       echo "round $round: $fmt $run ($(cut -d' ' -f1-3 /proc/loadavg))"
       CLI=("${KVSTRATA[@]}")
-      [[ $run == *_before ]] && CLI=(env PYTHONPATH="${BEFORE_TREE:?set BEFORE_TREE}" "$PY" -m
-                                     kvstrata.entrypoints.cli)
+      # -P: the current directory (this checkout) is not put ahead of PYTHONPATH, so the
+      # older tree's package is the one imported
+      [[ $run == *_before ]] && CLI=(env PYTHONPATH="${BEFORE_TREE:?set BEFORE_TREE}" "$PY" -P
+                                     -m kvstrata.entrypoints.cli)
       case ${run%_before} in
         llama) run_llama "$tag" "$file" b1; run_llama "$tag" "$file" b32 ;;
         kv_packed) KVSTRATA_GGUF_INT8_ACTIVATIONS=0 run_kvstrata "$tag" "$file" \
