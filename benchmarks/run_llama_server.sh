@@ -121,8 +121,10 @@ for round in $(seq 1 "$ROUNDS"); do
       tag="llama_${fmt}_${run}"
       echo "round $round: $fmt $run ($(cut -d' ' -f1-3 /proc/loadavg))"
       CLI=("${KVSTRATA[@]}")
-      [[ $run == *_before ]] && CLI=(env PYTHONPATH="${BEFORE_TREE:?set BEFORE_TREE}" "$PY" -m
-                                     kvstrata.entrypoints.cli)
+      # -P: the current directory (this checkout) is not put ahead of PYTHONPATH, so the
+      # older tree's package is the one imported
+      [[ $run == *_before ]] && CLI=(env PYTHONPATH="${BEFORE_TREE:?set BEFORE_TREE}" "$PY" -P
+                                     -m kvstrata.entrypoints.cli)
       case ${run%_before} in
         llama) run_llama "$tag" "$file" b1; run_llama "$tag" "$file" b32 ;;
         kv_packed) KVSTRATA_GGUF_INT8_ACTIVATIONS=0 run_kvstrata "$tag" "$file" \

@@ -166,6 +166,12 @@ KVSTRATA_CPU_DECODE_PLAN = _declare(
     "(oneDNN above the fp32 GEMV's rows, w8a8 int8 layers) as the model's own call copied "
     "into the plan's buffer (runner/models/decode_plan.py; bit-identical logits, ~4 ms "
     "less Python a SmolLM2 step); 0 = the per-op layer loop (ablation).")
+KVSTRATA_CPU_GGUF_POOL = _declare(
+    "KVSTRATA_CPU_GGUF_POOL", bool, True,
+    "The packed GGUF GEMMs (runner/cpu/gguf_matmul.py) split a call over kvstrata's own "
+    "worker threads, whose caller never waits for a worker that has not started "
+    "(runner/cpu/csrc/gguf_pool.h); 0 = over torch's OpenMP team, a barrier per call "
+    "(ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

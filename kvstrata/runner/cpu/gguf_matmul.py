@@ -42,6 +42,15 @@ portable C bodies (gguf_q8_blocks.h's q8_dot_scalar, gguf_blocks_scalar.h): the 
 operations and summation order in plain C (fmaf), so the same bits as the AVX2 bodies,
 batch-invariant too; many times slower.
 
+Threads: a call of 1-4 rows over 256 KiB of weights is split into chunks of output quads
+that the caller and kvstrata's own worker threads claim (csrc/gguf_pool.h): the caller never
+waits for a worker the OS has not scheduled (an OpenMP region's barrier does: on a shared
+2-vCPU box at load 14 a batch-1 step of SmolLM2 ran 14x slower on OpenMP), and the
+workers sleep 300 us after their last chunk instead of spinning for milliseconds beside the
+server's other processes. Larger calls split over torch's OpenMP team, as the step's other
+kernels do. Either way each output is computed whole by one thread: the same bits.
+KVSTRATA_CPU_GGUF_POOL=0 puts every call on OpenMP (ablation).
+
 Measured: benchmarks/bench_gguf_linear.py, docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -50,8 +59,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstrata import envs
 from kvstrata.runner.cpu import _gguf_ops
 from kvstrata.runner.cpu.isa import isa_cap
+
+_gguf_ops.use_pool(envs.KVSTRATA_CPU_GGUF_POOL.get())
 
 # gguf.GGMLQuantizationType values: (bytes per block, weights per block)
 BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),

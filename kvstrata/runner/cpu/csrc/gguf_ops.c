@@ -15,8 +15,10 @@
  *   has_vnni(isa_cap): whether matmul_q8 takes its AVX-512 VNNI body (vpdpbusd; same bits);
  *   without it the portable body (gguf_blocks_scalar.h) gives the same bits, slowly.
  *
- * Work: rows in blocks of ROW_BLOCK; in each, output columns in quads split statically over
- * torch's OpenMP team (each output computed whole by one thread). Up to DIRECT_MAX_ROWS rows
+ * Work: rows in blocks of ROW_BLOCK; in each, output columns in quads, chunks of quads claimed
+ * by the caller and kvstrata's worker threads up to POOL_MAX_ROWS rows (gguf_pool.h: the caller
+ * never waits for a worker that has not started), split statically over torch's OpenMP team
+ * above; each output computed whole by one thread. Up to DIRECT_MAX_ROWS rows
  * (batch-1 and batch-2 decode) a quad's groups are dequantized and multiplied straight from
  * registers: the packed bytes stream once. Above, a thread dequantizes its quad once into a
  * per-thread fp32 panel [4][k] (in L2) and multiplies tiles of TILE_ROWS rows x 4 columns
@@ -28,13 +30,8 @@
 #include "cpu_rows.h"
 #include "gguf_blocks_avx2.h"
 #include "gguf_blocks_scalar.h"
+#include "gguf_pool.h"
 #include "gguf_q8_run.h"
-#ifdef _OPENMP
-#include <omp.h>
-static inline int thread_index(void) { return omp_get_thread_num(); }
-#else
-static inline int thread_index(void) { return 0; }
-#endif
 
 #define QUAD 4
 #define DIRECT_MAX_ROWS 2
@@ -180,23 +177,30 @@ GG_AVX2 static GG_INLINE void quad_rows(const int qt, const gg_args *a, int64_t 
         panel_any(a, panel, r0 + r, (int)(rows - r < TILE_ROWS ? rows - r : TILE_ROWS), j0, nc);
 }
 
+/* One call's work for the pool (gguf_pool.h): a chunk is quads q0..q1 of rows r0..r1. */
+typedef struct {
+    const gg_args *a;
+    pool_grid grid;
+    float *panels; /* one [QUAD][k] panel per thread above DIRECT_MAX_ROWS rows, else NULL */
+} gg_job;
+
 /* One format's whole call (qt a literal in each instance). */
 #define GG_RUN(QT, NAME)                                                                    \
-    GG_AVX2 static int NAME(const gg_args *a, int64_t m, int threads) {                      \
+    GG_AVX2 static void NAME##_chunk(const void *job, int64_t c, int worker) {               \
+        const gg_job *j = job;                                                              \
+        int64_t r0, r1, q0, q1;                                                             \
+        pool_grid_at(&j->grid, c, &r0, &r1, &q0, &q1);                                      \
+        float *panel = j->panels ? j->panels + (int64_t)worker * QUAD * j->a->k : NULL;     \
+        for (int64_t jq = q0; jq < q1; jq++) quad_rows(QT, j->a, r0, r1 - r0, jq, panel);   \
+    }                                                                                       \
+    static int NAME(const gg_args *a, int64_t m, int threads) {                             \
         const int64_t quads = (a->n + QUAD - 1) / QUAD;                                     \
         const int nt = thread_count(threads, quads, a->row_bytes * a->n);                   \
-        float *panels = NULL; /* one [QUAD][k] panel per thread */                          \
-        if (m > DIRECT_MAX_ROWS && !(panels = malloc(sizeof(float) * QUAD * a->k * nt)))    \
+        gg_job j = {a, pool_grid_of(m, ROW_BLOCK, quads, QUAD * a->row_bytes, nt), NULL};   \
+        if (m > DIRECT_MAX_ROWS && !(j.panels = malloc(sizeof(float) * QUAD * a->k * nt)))  \
             return -1;                                                                      \
-        _Pragma("omp parallel num_threads(nt) if (nt > 1)") {                               \
-            float *panel = panels ? panels + (int64_t)thread_index() * QUAD * a->k : NULL;  \
-            for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                 \
-                const int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;               \
-                _Pragma("omp for schedule(static)")                                         \
-                for (int64_t jq = 0; jq < quads; jq++) quad_rows(QT, a, r0, rows, jq, panel); \
-            }                                                                               \
-        }                                                                                   \
-        free(panels);                                                                       \
+        pool_run(NAME##_chunk, &j, pool_grid_chunks(&j.grid), nt, m);                       \
+        free(j.panels);                                                                     \
         return 0;                                                                           \
     }
 GG_RUN(GG_Q4_0, run_q4_0)
@@ -345,12 +349,21 @@ static PyObject *has_vnni(PyObject *self, PyObject *args) {
     return PyBool_FromLong(use_avx2_body(isa_cap) && use_vnni_body(isa_cap));
 }
 
+static PyObject *use_pool(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    atomic_store(&pool_enabled, on);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
     {"matmul_q8", matmul_q8, METH_VARARGS,
      "fp32 rows quantized to 8-bit blocks x packed GGUF weight rows, integer dots, fp32 out."},
     {"dequantize", dequantize, METH_VARARGS, "packed GGUF weight rows -> fp32 [n, k]."},
     {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C body runs here."},
+    {"use_pool", use_pool, METH_VARARGS,
+     "Whether the GEMMs split over kvstrata's pool (gguf_pool.h) or torch's OpenMP team."},
     {"has_vnni", has_vnni, METH_VARARGS,
      "Whether matmul_q8 runs its AVX-512 VNNI body here (the AVX2 body's bits)."},
     {NULL, NULL, 0, NULL}};

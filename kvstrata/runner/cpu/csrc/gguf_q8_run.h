@@ -1,6 +1,7 @@
 /* gguf_ops.c's matmul with 8-bit activations (gguf_q8_blocks.h: the scheme and why it is
  * batch-invariant): x's rows quantized once per call into q8_rows, then the output columns in
- * quads split statically over torch's OpenMP team, each output computed whole by one thread.
+ * quads, in chunks for kvstrata's worker threads (gguf_pool.h) or torch's OpenMP team, each
+ * output computed whole by one thread.
  * Inside a quad, rows in tiles of up to Q8_TILE_ROWS (4; 2 and 3 measured no faster): each
  * weight group is unpacked once per tile and dotted with every row of the tile (the packed
  * quad stays in L1 across the tiles). Per group and row the float work (convert, scale
@@ -10,6 +11,7 @@
 #define KVSTRATA_GGUF_Q8_RUN_H
 #include <stdlib.h>
 #include "cpu_rows.h"
+#include "gguf_pool.h"
 #include "gguf_q8_blocks.h"
 
 #define Q8_QUAD 4
@@ -24,6 +26,11 @@ typedef struct {
     float *out;
     int64_t out_stride;
 } q8_args;
+
+typedef struct { /* one call's work for the pool: chunks of quads x row blocks */
+    const q8_args *a;
+    pool_grid grid;
+} q8_job;
 
 /* x [m, k] fp32 -> its activation blocks (one malloc: q, then d, then s); NULL if out of memory. */
 static void *q8_rows(const float *x, int64_t m, int64_t k, int avx2, q8_args *a) {

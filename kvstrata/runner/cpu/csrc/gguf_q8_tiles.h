@@ -85,28 +85,33 @@ Q8_TARGET static GG_INLINE void Q8_FN(q8_tile_any)(const int qt, const q8_args *
 }
 #undef Q8_COLS
 
-/* One format's whole call (qt a literal in each instance); rows in blocks of Q8_ROW_BLOCK so
- * a block's activation bytes stay in L2 while the threads sweep their quads. Each thread's
- * mins scratch is on its stack: 16 bytes per 32 inputs. */
+/* One format's whole call (qt a literal in each instance), as chunks for the pool
+ * (gguf_pool.h): rows in blocks of Q8_ROW_BLOCK so a block's activation bytes stay in L2
+ * while the threads sweep its quads. A chunk's mins scratch is on its thread's stack: 16
+ * bytes per 32 inputs. */
 #define Q8_RUN(QT, NAME)                                                                    \
-    Q8_TARGET static void Q8_FN(NAME)(const q8_args *a, int64_t m, int threads) {            \
+    Q8_TARGET static void Q8_FN(NAME##_chunk)(const void *job, int64_t c, int worker) {      \
+        const q8_job *j = job;                                                              \
+        const q8_args *a = j->a;                                                            \
+        int64_t b0, b1, q0, q1;                                                             \
+        (void)worker;                                                                       \
+        pool_grid_at(&j->grid, c, &b0, &b1, &q0, &q1);                                      \
+        float mins[Q8_QUAD * (gg_has_min(QT) ? a->k / 32 : 1)];                             \
+        for (int64_t jq = q0; jq < q1; jq++) {                                              \
+            const int64_t j0 = jq * Q8_QUAD;                                                \
+            const int nc = (int)(a->n - j0 < Q8_QUAD ? a->n - j0 : Q8_QUAD);                \
+            for (int64_t r0 = b0; r0 < b1; r0 += Q8_TILE_ROWS)                              \
+                Q8_FN(q8_tile_any)(QT, a, r0,                                               \
+                                   (int)(b1 - r0 < Q8_TILE_ROWS ? b1 - r0 : Q8_TILE_ROWS),  \
+                                   j0, nc, mins);                                           \
+        }                                                                                   \
+    }                                                                                       \
+    static void Q8_FN(NAME)(const q8_args *a, int64_t m, int threads) {                     \
         const int64_t quads = (a->n + Q8_QUAD - 1) / Q8_QUAD;                               \
         const int nt = thread_count(threads, quads, a->row_bytes * a->n);                   \
-        _Pragma("omp parallel num_threads(nt) if (nt > 1)") {                               \
-            float mins[Q8_QUAD * (gg_has_min(QT) ? a->k / 32 : 1)];                         \
-            for (int64_t b0 = 0; b0 < m; b0 += Q8_ROW_BLOCK) {                              \
-                const int64_t b1 = m - b0 < Q8_ROW_BLOCK ? m : b0 + Q8_ROW_BLOCK;           \
-                _Pragma("omp for schedule(static)")                                         \
-                for (int64_t jq = 0; jq < quads; jq++) {                                    \
-                    const int64_t j0 = jq * Q8_QUAD;                                        \
-                    const int nc = (int)(a->n - j0 < Q8_QUAD ? a->n - j0 : Q8_QUAD);        \
-                    for (int64_t r0 = b0; r0 < b1; r0 += Q8_TILE_ROWS)                      \
-                        Q8_FN(q8_tile_any)(QT, a, r0,                                       \
-                                    (int)(b1 - r0 < Q8_TILE_ROWS ? b1 - r0 : Q8_TILE_ROWS), \
-                                    j0, nc, mins);                                          \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
+        const q8_job j = {a, pool_grid_of(m, Q8_ROW_BLOCK, quads, Q8_QUAD * a->row_bytes,   \
+                                          nt)};                                             \
+        pool_run(Q8_FN(NAME##_chunk), &j, pool_grid_chunks(&j.grid), nt, m);                \
     }
 Q8_RUN(GG_Q4_0, q8_run_q4_0)
 Q8_RUN(GG_Q4_1, q8_run_q4_1)
