@@ -194,12 +194,22 @@ static void pool_run(pool_fn fn, const void *job, int64_t chunks, int threads, i
         return;
     }
     pthread_mutex_lock(&pool_call_lock);
+    /* Close the last call's generation before its fields change: a worker still in
+     * pool_drain holds that generation's claim word (its last index, all chunks taken) and,
+     * reading this call's larger `chunks`, took a chunk of this call under the old
+     * generation, counted it in `done` after the reset below, and let the caller return
+     * while a chunk still ran on the caller's finished job: SIGSEGV in a worker, whose
+     * signals are blocked, so the scheduler died without a traceback (SmolLM2 Q8_0 kept
+     * packed, batch 1: 2 servers of 3, 2026-12-07). The closed generation's index takes
+     * nothing; workers that see it drain nothing and wait for the next. */
+    const uint32_t last = (uint32_t)(atomic_load(&pool_g.claim) >> 32);
+    atomic_store(&pool_g.claim, (uint64_t)(last + 1) << 32 | 0xffffffffu);
     atomic_store_explicit(&pool_g.fn, fn, memory_order_relaxed);
     atomic_store_explicit(&pool_g.job, job, memory_order_relaxed);
     atomic_store_explicit(&pool_g.chunks, chunks, memory_order_relaxed);
     atomic_store_explicit(&pool_g.threads, threads, memory_order_relaxed);
     atomic_store_explicit(&pool_g.done, 0, memory_order_relaxed);
-    const uint32_t gen = (uint32_t)(atomic_load(&pool_g.claim) >> 32) + 1;
+    const uint32_t gen = last + 2;
     atomic_store(&pool_g.claim, (uint64_t)gen << 32); /* seq_cst: publishes the fields */
     if (atomic_load(&pool_g.sleepers) > 0) {
         pthread_mutex_lock(&pool_g.lock);
