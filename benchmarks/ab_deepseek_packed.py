@@ -19,7 +19,6 @@ Per round, model and setting, one engine:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.bench.offline import make_prompts  # noqa: E402
 
 VOCAB = 32000
@@ -169,8 +169,7 @@ def main(argv=None) -> dict:
     for var in ("KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_BF16_GEMM"):
         os.environ.pop(var, None)
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.output_json, result)
     return result
 
 

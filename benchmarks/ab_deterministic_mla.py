@@ -15,7 +15,6 @@ at a time, max_running_requests 1).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from kvstrata.bench.report import write_json  # noqa: E402
 from kvstrata.bench.offline import (build_tiny_dsa_checkpoint, make_prompts,  # noqa: E402
                                     run_kvstrata)
 
@@ -100,8 +100,7 @@ def main(argv=None) -> dict:
                 result["models"].setdefault(name, {})[dtype] = {"rounds": rounds,
                                                                 "median_on_over_off": median}
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(args.output_json, result)
     return result
 
 
