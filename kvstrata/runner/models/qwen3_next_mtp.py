@@ -124,6 +124,11 @@ def load_qwen3_next_mtp(source: Any, config: Any, target: Qwen3NextForCausalLM
     """The first MTP layer of `source`'s checkpoint (usually the target's own)."""
     from kvstrata.runner.models.loader import fill_mtp_layer
 
+    if source.kind == "gguf":  # gguf_hybrid_weights.py skips the blocks past the model's
+        raise ValueError(f"--speculative-algorithm NEXTN: the MTP (nextn) block of a GGUF "
+                         f"file is not read ({source.display_name}); serve the safetensors "
+                         f"checkpoint for NEXTN, or use NGRAM / STANDALONE")
+
     return fill_mtp_layer(lambda: Qwen3NextMTPHead(target, config), source, config, target,
                           PREFIX + "*")
 
