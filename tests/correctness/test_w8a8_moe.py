@@ -1,0 +1,133 @@
+"""`--quantization w8a8_int8` on the MoE families (runner/quant/w8a8.py quantize_experts) and
+DeepSeek's MLA (runner/models/deepseek_w8a8.py) against the same checkpoint in float32.
+
+Checkpoints: helpers/moe_ckpt.py's tiny Qwen3-MoE, Mixtral and DeepSeek-V3 configs drawn at
+initializer_range 0.05 (calm_moe_checkpoint; test_w8a8_int8.py's calm llama and why). Both
+engines run float32, so the difference is int8's alone.
+Rules (test_w8a8_int8.py's tie tolerance): greedy tokens equal float32's, or first differ
+where float32's logit of the int8 token is within TIE_TOL of its top; every prompt position's
+logits within LOGIT_ATOL. Measured (2026-12-07, AVX512-VNNI, kvstrata's int8 GEMM): the
+largest logit error 0.026-0.045 at logit ranges ~1.1-1.7 (last positions of 4 prompts per
+family); divergence gaps <= 0.04. These tiny MoEs' logits are compressed (vocab 300, top
+logits within a few hundredths), so most sequences meet a near-tie within 16 tokens: the
+dense test's count of identical sequences does not transfer; the tie rule does.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers.driver import greedy_generate
+from helpers.moe_ckpt import VOCAB, calm_moe_checkpoint
+from helpers.runner import forward_logits, make_runner
+
+ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
+TIE_TOL = 0.05  # test_w8a8_int8.py's
+LOGIT_ATOL = 0.1  # measured <= 0.045 (module docstring)
+MAX_FLIPPED = 0.1  # measured 2-5%
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    """arch -> (float32 runner, w8a8 runner), one pair per family for the module."""
+    root = tmp_path_factory.mktemp("w8a8_moe")
+    out = {}
+    for arch in ARCHS:
+        path = calm_moe_checkpoint(arch, str(root / arch))
+        kw = dict(page_size=16, max_total_tokens=4096, context_length=256,
+                  max_running_requests=8, dtype="float32")
+        out[arch] = (make_runner(path, **kw), make_runner(path, quantization="w8a8_int8", **kw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 7, 19, 33, 48, 60)]
+
+
+def _blocks(model) -> list:
+    if model.pool_kind == "mla":
+        return [layer.mlp for layer in model.layers if hasattr(layer.mlp, "router")]
+    return [layer.moe for layer in model.layers if layer.moe is not None]
+
+
+def _logits_and_choices(runner, prompt, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's logits [T, V] and the experts each MoE layer chose for it (sorted
+    ids, [T, layers * k])."""
+    chosen = []
+    for block in _blocks(runner.model):
+        def route(x, route=block.route):
+            ids, weights = route(x)
+            chosen.append(ids.sort(dim=1)[0])
+            return ids, weights
+        monkeypatch.setattr(block, "route", route)
+    logits = forward_logits(runner, prompt)
+    monkeypatch.undo()
+    return logits, torch.cat(chosen, dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_and_greedy_tokens_close_to_float32(arch, engines, prompts, monkeypatch):
+    fp32, int8 = engines[arch]
+    flipped = positions = 0
+    for prompt in prompts:
+        ref, ref_experts = _logits_and_choices(fp32, prompt, monkeypatch)
+        got, got_experts = _logits_and_choices(int8, prompt, monkeypatch)
+        flips = (ref_experts != got_experts).any(dim=1)
+        flipped, positions = flipped + int(flips.sum()), positions + len(prompt)
+        # up to the first position whose experts differ (it and later ones attend to it)
+        same = len(prompt) if not flips.any() else int(flips.nonzero()[0])
+        err = float((ref[:same] - got[:same]).abs().max()) if same else 0.0
+        assert err <= LOGIT_ATOL, f"logit error {err:.3g} (range {float(ref.abs().max()):.3g})"
+    assert flipped <= MAX_FLIPPED * positions, f"{flipped}/{positions} positions re-routed"
+    ref_tokens = greedy_generate(fp32, prompts, NEW_TOKENS)
+    int8_tokens = greedy_generate(int8, prompts, NEW_TOKENS)
+    for prompt, a, b in zip(prompts, ref_tokens, int8_tokens):
+        if a == b:
+            continue
+        step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits, ref_experts = _logits_and_choices(fp32, prompt + a[:step], monkeypatch)
+        _, got_experts = _logits_and_choices(int8, prompt + a[:step], monkeypatch)
+        if not torch.equal(ref_experts, got_experts):
+            continue  # some token took other experts: counted above, its error is not int8's
+        gap = float(logits[-1].max() - logits[-1, b[step]])
+        assert gap <= TIE_TOL, f"diverged at step {step} with a logit gap of {gap:.3g}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_experts_are_int8_and_the_router_float(arch, engines):
+    """Each routed expert its own int8 layer (1 byte per weight plus per-channel scales), the shared experts and attention int8, the router float; the model's weight bytes
+    shrink by at least 0.7x its experts' float32 bytes."""
+    from torch import nn
+
+    from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+    from kvstrata.runner.cpu.packed_linear import PackedLinear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear, weight_bytes
+
+    fp32, int8 = engines[arch]
+    model = int8.model
+    int8_types = (Int8MatmulLinear, W8A8Int8Linear)
+    blocks = _blocks(model)
+    assert blocks
+    expert_weights = 0
+    for block in blocks:
+        assert isinstance(block.router, (PackedLinear, torch.Tensor))  # float
+        for stack in (block.gate_up, block.down):
+            assert isinstance(stack, nn.ModuleList) and len(stack) == 8
+            assert all(isinstance(e, int8_types) for e in stack)
+        experts = [e for stack in (block.gate_up, block.down) for e in stack]
+        numel = sum(e.in_features * e.out_features for e in experts)
+        expert_weights += numel
+        # a byte a weight, and a scale (and column sum) of 4 bytes each per output channel
+        assert sum(e.nbytes for e in experts) <= numel + 8 * sum(e.out_features for e in experts)
+        if getattr(block, "shared", None) is not None:
+            assert isinstance(block.shared.gate_up, int8_types)
+    attention = model.layers[0].o_proj if model.pool_kind == "mla" else model.layers[0].o_weight
+    assert isinstance(attention, int8_types)
+    # the model shrank by at least 0.7x its experts' float32 bytes (the rest int8 too: more)
+    saved = weight_bytes(fp32.model) - weight_bytes(model)
+    assert saved >= 0.7 * 4 * expert_weights, (saved, expert_weights)
