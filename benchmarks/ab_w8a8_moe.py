@@ -22,13 +22,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 
-from benchmarks.ab_deterministic_offline import run_and_report  # noqa: E402
-from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from benchmarks.ab_deterministic_offline import (add_round_args, engines_beside,  # noqa: E402
+                                                 run_and_report, start_beside)
 
 VOCAB = 2048
 # the baseline first: ratios are w8a8 / bf16
@@ -43,15 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--expert-width", type=int, default=192)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--batch1-prompts", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
-    add_quiet_arg(p)
+    add_round_args(p, num_prompts=16, concurrency=16, input_len=64, output_len=32,
+                   batch1_prompts=2)
     return p.parse_args(argv)
 
 
@@ -73,17 +65,12 @@ def write_checkpoint(args, path: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from kvstrata import LLM
     from kvstrata.runner.quant.w8a8 import weight_bytes
 
-    result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
-    tmp = tempfile.mkdtemp(prefix="ab_w8a8_moe_")
-    os.environ.setdefault("XDG_CACHE_HOME", os.path.join(tmp, "cache"))
+    result, tmp = start_beside(args, "ab_w8a8_moe_")
     path = os.path.join(tmp, "qwen3_moe")
     write_checkpoint(args, path)
-    llms = {name: LLM(model_path=path, skip_tokenizer_init=True,
-                      max_running_requests=args.concurrency, max_total_tokens=16384, **kw)
-            for name, kw in RUNS.items()}
+    llms = engines_beside(path, args, RUNS)
     result["weight_bytes"] = {name: weight_bytes(llm.engine.runner.model)
                               for name, llm in llms.items()}
     result["kernel"] = llms["w8a8"].server_info().get("quantization_info", {}).get("kernel")
