@@ -15,8 +15,9 @@ AVX512-VNNI, kvstrata's int8 GEMM, float32): median logit error 0.023-0.028 at l
 ~1.1-1.9; 2-5% of positions re-routed; divergence gaps <= 0.04. These tiny MoEs' logits
 are compressed (vocab 300), so most sequences meet a near-tie within 16 tokens: the dense
 test's count of identical sequences does not transfer; the tie rule does.
-Also: experts int8 by type and bytes, the router float; deterministic inference with
-w8a8 (bits alone == in a batch); --tp-size 2 close to one rank (soak).
+Also: experts int8 by type and bytes, the router float; Qwen2-MoE / GLM-4.5's shared experts
+and V3.2's float indexer; deterministic inference with w8a8 (bits alone == in a batch);
+--tp-size 2 close to one rank (soak).
 """
 from __future__ import annotations
 
@@ -139,6 +140,63 @@ def test_experts_are_int8_and_the_router_float(arch, engines):
     # the model shrank by at least 0.7x its experts' float32 bytes (the rest int8 too: more)
     saved = weight_bytes(fp32.model) - weight_bytes(model)
     assert saved >= 0.7 * 4 * expert_weights, (saved, expert_weights)
+
+
+def _assert_close_before_rerouting(fp32, int8, prompt, monkeypatch) -> None:
+    ref, ref_experts = _logits_and_choices(fp32, prompt, monkeypatch)
+    got, got_experts = _logits_and_choices(int8, prompt, monkeypatch)
+    flips = (ref_experts != got_experts).any(dim=1)
+    same = len(prompt) if not flips.any() else int(flips.nonzero()[0])
+    err = float((ref[:same] - got[:same]).abs().max()) if same else 0.0
+    assert err <= LOGIT_ATOL, f"logit error {err:.3g} (range {float(ref.abs().max()):.3g})"
+
+
+@pytest.mark.parametrize("arch", ("qwen2_moe", "glm4_moe"))
+def test_shared_expert_families_quantize(arch, tmp_path, prompts, monkeypatch):
+    """Qwen2-MoE (gated shared expert: the gate float, the expert int8) and GLM-4.5
+    (DeepSeek-V3's block, float32 grouped router): built as the others, logits close."""
+    from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear
+
+    path = calm_moe_checkpoint(arch, str(tmp_path / arch))
+    kw = dict(page_size=16, max_total_tokens=2048, context_length=256,
+              max_running_requests=4, dtype="float32")
+    fp32, int8 = make_runner(path, **kw), make_runner(path, quantization="w8a8_int8", **kw)
+    block = _blocks(int8.model)[0]
+    assert isinstance(block.shared.down, (Int8MatmulLinear, W8A8Int8Linear))
+    assert all(isinstance(e, (Int8MatmulLinear, W8A8Int8Linear)) for e in block.gate_up)
+    gate = getattr(block, "shared_gate", None)
+    assert not isinstance(gate, (Int8MatmulLinear, W8A8Int8Linear))
+    for prompt in prompts[2:4]:
+        _assert_close_before_rerouting(fp32, int8, prompt, monkeypatch)
+
+
+def test_dsa_indexer_stays_float(tmp_path, monkeypatch):
+    """DeepSeek-V3.2 (conftest's tiny DSA config drawn calm): projections and experts int8,
+    the DSA indexer's projections float; logits close over the first index_topk positions
+    (up to there every query attends all its keys, so a flipped key choice cannot enter;
+    measured 0.03-0.05 there, later positions up to 0.7 once choices differ) before any
+    re-routing."""
+    from kvstrata.bench.tiny_dsa import save_tiny_dsa
+    from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear
+    from kvstrata.runner.quant.w8a8 import W8A8Int8Linear
+    from tests.conftest import _tiny_dsa_config
+
+    config = _tiny_dsa_config()
+    config.initializer_range = 0.05
+    path = save_tiny_dsa(config, str(tmp_path / "deepseek_v32"))
+    kw = dict(page_size=16, max_total_tokens=2048, context_length=256,
+              max_running_requests=4, dtype="float32")
+    fp32, int8 = make_runner(path, **kw), make_runner(path, quantization="w8a8_int8", **kw)
+    layer = int8.model.layers[0]
+    int8_types = (Int8MatmulLinear, W8A8Int8Linear)
+    assert isinstance(layer.kv_a_proj, int8_types) and isinstance(layer.o_proj, int8_types)
+    assert not any(isinstance(getattr(layer, name), int8_types)
+                   for name in ("index_wq_b", "index_wk", "index_weights_proj"))
+    rng = random.Random(3)
+    for _ in range(2):
+        prompt = [rng.randrange(3, 200) for _ in range(config.index_topk)]
+        _assert_close_before_rerouting(fp32, int8, prompt, monkeypatch)
 
 
 @pytest.mark.parametrize("arch", ("qwen3_moe", "deepseek_v3"))
