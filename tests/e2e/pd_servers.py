@@ -106,12 +106,16 @@ class PDServers:
 
 
 def wait_drained(srv, timeout: float = 30) -> dict:
+    """/debug/kv once nothing runs, waits, transfers or writes to the host tier (an async
+    HiCache write locks its node's device pages until it ends: checked too early, a drained
+    decode server showed 64 used tokens), or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         st = kv_state(srv)
         if (st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
                 and not any(st.get(k) for k in ("num_prefill_bootstrap", "num_prefill_inflight",
-                                                "num_decode_prealloc", "num_decode_transfer"))):
+                                                "num_decode_prealloc", "num_decode_transfer",
+                                                "hicache_busy"))):
             return st
         if time.monotonic() > deadline:
             return st
