@@ -42,22 +42,8 @@ static int decode_fixed(const char *q, int64_t q_stride, const char *k, const ch
     j.vec = pf_pick_isa(d, isa_cap);
     j.dp = pfb_supported(j.vec, j.bf16);
     *isa = j.vec;
-    const int64_t items = nblocks * hkv;
-    if (threads > items) threads = items > 0 ? (int)items : 1;
-    int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
-    {
-        pf_scratch sc;
-        int bad = pf_scratch_alloc(&sc, &j);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++)
-            if (!bad) pf_item(&j, &sc, blk + it / hkv, it % hkv);
-        pf_scratch_free(&sc);
-        failed |= bad != 0;
-    }
-    Py_END_ALLOW_THREADS
+    const int failed = pf_run(&j, blk, nblocks, threads);
     free(blk);
-    return failed ? -1 : 0;
+    return failed;
 }
 #endif
