@@ -15,6 +15,7 @@ import torch
 from kvstrata.config.kv_plan import KVPlan
 from kvstrata.kv.device_pool import MHATokenToKVPool
 from kvstrata.kv.req_to_token import ReqToTokenTable
+from kvstrata.runner.attention import paged_decode as pd
 from kvstrata.runner.attention.paged_decode import (paged_decode, prefill_attention,
                                                     prefill_kernel_isa, prefill_seqs)
 from kvstrata.runner.attention.torch_native import TorchNativeAttnBackend
@@ -133,11 +134,13 @@ def _forward(backend, layer_inputs, reqs, slots, lo_hi):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_backend_step_rows_equal_their_decode_steps(dtype, page_size):
+def test_backend_step_rows_equal_their_decode_steps(monkeypatch, dtype, page_size):
     """A deterministic backend's mixed step -- a fresh prompt, a chunk after a cached prefix, a
     3-token verify entry, decode rows -- over a full layer (the prefill kernel's order) and a
     windowed one (the decode kernel's, its plan never shared with the full one): every token
-    equals itself run later as a one-token decode step over the pool, bit for bit."""
+    equals itself run later as a one-token decode step over the pool, bit for bit (the order
+    forced on where fixed_order_pays keeps it off)."""
+    monkeypatch.setattr(pd, "fixed_order_pays", lambda *a: True)
     backend = _backend(dtype, page_size, [None, 24])
     assert backend.fixed_order
     rng = random.Random(page_size)

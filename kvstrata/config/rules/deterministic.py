@@ -10,15 +10,18 @@ retraction's recompute or backup. Two sources of difference are removed:
     linear layer runs one kvstrata GEMM at every row count (runner/cpu/packed_linear.py,
     PackedLinear._init_fixed);
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
-    key blocks, SDPA, the decode kernel): every query token, prompt or decode, of a
-    full-attention layer runs in the prefill kernel's order -- key blocks of 64 anchored at
+    key blocks, SDPA, the decode kernel): with a bf16 pool on the prefill kernel's
+    AVX512-BF16 body (runner/attention/paged_decode.py fixed_order_pays: measured faster for
+    prompts there), every query token, prompt or decode, of a full-attention layer runs in
+    the prefill kernel's order -- key blocks of 64 anchored at
     position 0, each score summed along the head in one order, one online-softmax merge per
     block, one rounding of the output, whatever the other rows of its tile, its cached prefix
     or the threads: prompts in the prefill kernel (its tiles share each key block's loads
     across query rows), decode rows as one-row prompts of it (runner/attention/csrc/
-    decode_fixed.h; torch_native.py `fixed_order`). Windowed layers (a row's keys begin W
-    before it, not at position 0) and layers with softmax extras run every query through the
-    paged decode kernel over its own keys instead (`deterministic`), with the extras inside
+    decode_fixed.h; torch_native.py `fixed_order`). Elsewhere (fp32: decode rows lost 1.4-5x
+    there), windowed layers (a row's keys begin W before it, not at position 0) and layers
+    with softmax extras run every query through the paged decode kernel over its own keys
+    (`deterministic`), with the extras inside
     it, per query row: Gemma 2's attention logit soft-capping (scores = cap * tanh(scores /
     cap) before the softmax) and gpt-oss's attention sinks (a learned logit per head in the
     denominator; runner/attention/window.py). KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0 (or
@@ -175,11 +178,11 @@ PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cp
                         "(runner/quant/gguf_pinned.py)")
 PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
                                   for name in FLAG_ACCEPTS[method]))
-ATTENTION_KERNEL = ("the prefill kernel's order for every query token of a full-attention "
-                    "layer: prompts in the prefill kernel, decode rows as one-row prompts of "
-                    "it (runner/attention/csrc/decode_fixed.h); windowed layers and sinks / "
-                    "soft-capping: the paged decode kernel for every query token "
-                    "(runner/attention/paged_decode.py)")
+ATTENTION_KERNEL = ("bf16 on AVX512-BF16: the prefill kernel's order for every query token "
+                    "of a full-attention layer (prompts in the prefill kernel, decode rows as "
+                    "one-row prompts of it: runner/attention/csrc/decode_fixed.h); else, and "
+                    "for windowed layers and sinks / soft-capping: the paged decode kernel for "
+                    "every query token (runner/attention/paged_decode.py)")
 MLA_ATTENTION_KERNEL = ("the paged decode kernel for every query token over the MLA pool's "
                         "latent rows, one KV head of keys and values alike "
                         "(runner/attention/mla_fixed.py)")

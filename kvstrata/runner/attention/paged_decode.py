@@ -224,6 +224,19 @@ def prefill_max_tokens(dtype: torch.dtype) -> int | None:
     return None
 
 
+def fixed_order_pays(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether deterministic inference runs every full-attention query in the prefill kernel's
+    order here (torch_native.py `fixed_order`) rather than the decode kernel's: a bf16 pool on
+    the prefill kernel's AVX512-BF16 body. Attention alone, 1 thread, CPU time
+    (benchmarks/bench_deterministic_attention.py, AVX-512 BF16 EPYC, 2026-12-07): there a
+    prompt ran 1.5-2.2x faster (32 x 128 to 1 x 2000 tokens) and a decode row 1.1-1.5x
+    slower (it transposes every key block it reads once); at fp32 prompts gained 1.06-1.7x
+    and decode rows lost 1.4-5x, so fp32 (and the bodies not measured) keep the decode
+    kernel's order."""
+    return (kv_dtype == torch.bfloat16 and prefill_kernel_isa(head_dim) == "avx512"
+            and "avx512_bf16" in _cpu_flags())
+
+
 def prefill_kernel_isa(head_dim: int) -> str:
     """The instruction set prefill_attention runs for this head size on this CPU (scalar:
     no vector code fits; the kernel still answers, slowly)."""

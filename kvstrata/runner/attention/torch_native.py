@@ -33,11 +33,11 @@ folds the Hq / Hkv query heads of each KV head into that many query rows of one 
 same arithmetic without SDPA's GQA path.
 
 Deterministic inference (`deterministic`): one summation order per query row, whatever shares
-its call. Full-attention layers without sinks / soft-capping (`fixed_order`) run the prefill
-kernel's order: every prompt, chunk or verify entry of any length in the prefill kernel, decode
-rows as a `fixed` kernel piece (one-row prompts of it, csrc/decode_fixed.h). Windowed layers
-and those with sinks / soft-capping run every query as a paged decode kernel query over its
-own keys (the `ranged` list).
+its call. Full-attention layers without sinks / soft-capping over a bf16 pool on AVX512-BF16
+(`fixed_order`, paged_decode.fixed_order_pays) run the prefill kernel's order: every prompt, chunk or verify entry of any length in the prefill kernel, decode
+rows as a `fixed` kernel piece (one-row prompts of it, csrc/decode_fixed.h). Others (fp32,
+windowed layers, sinks / soft-capping) run every query as a paged decode kernel query over
+its own keys (the `ranged` list).
 
 Sliding windows (`layer_windows`), attention sinks and logit soft-capping: window.py.
 Hybrid SWA memory (`swa_pool`): the windowed layers keep their K/V in a second pool whose
@@ -112,14 +112,16 @@ class TorchNativeAttnBackend(PiecePlanner):
                                  f"attention kernel (a {kv_pool.kv.dtype} pool on the CPU); "
                                  f"this pool is {kv_pool.kv.dtype} on {kv_pool.kv.device}")
             self.use_kernel, self.use_prefill_kernel = kv_pool is not None, False
-        # ... and in one order that a tile of a prompt's rows computes as fast as the prefill
-        # kernel: full-attention layers without softmax extras run every query, prompt or
-        # decode, in the prefill kernel's order (prompts in it, decode rows as one-row prompts
-        # of it: paged_decode `fixed`). Windowed layers (their rows see key ranges that do
-        # not start at position 0) and sinks / soft-capping keep the decode kernel's order.
+        # ... or in one order that a tile of a prompt's rows computes as fast as the prefill
+        # kernel, where that pays (paged_decode.fixed_order_pays: bf16 on AVX512-BF16):
+        # full-attention layers without softmax extras run every query, prompt or decode, in
+        # the prefill kernel's order (prompts in it, decode rows as one-row prompts of it:
+        # paged_decode `fixed`). Windowed layers (their rows see key ranges that do not start
+        # at position 0) and sinks / soft-capping keep the decode kernel's order.
         self.fixed_order = (deterministic and kv_pool is not None and not softmax_extras
                             and kv_pool.kv.dtype in paged_decode.Q_DTYPES
                             and head_dim <= paged_decode.PREFILL_MAX_HEAD_DIM
+                            and paged_decode.fixed_order_pays(kv_pool.kv.dtype, head_dim)
                             and envs.KVSTRATA_CPU_DETERMINISTIC_BLOCKS.get()
                             and envs.KVSTRATA_CPU_PREFILL_ATTENTION.get())
 
