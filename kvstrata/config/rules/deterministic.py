@@ -99,7 +99,12 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). On AVX-512 BF16 without AMX (2-vCPU EPYC,
 # 2026-12-07) bf16 served 0.55x (TPOT 1.43x, batch 1 0.97x): opt-in there (the prefill
-# kernel ran 2.2-3.5x SDPA there, which the flag gives up). On AMX (2-vCPU Sapphire Rapids
+# kernel ran 2.2-3.5x SDPA there, which the flag gave up). Since then bf16 there runs every
+# full-attention query in the prefill kernel's order (paged_decode.fixed_order_pays:
+# attention alone, prompts 1.5-2.2x faster, decode rows 1.1-1.5x slower); the served shape
+# offline at one thread in CPU time (ab_deterministic_offline.py, load 23-124) measured the
+# flag within the box's +-10% noise in either order, and the served 2-thread figure could
+# not be re-measured on that box: still opt-in (docs/benchmarks.md). On AMX (2-vCPU Sapphire Rapids
 # VM, 2026-12-07, the fixed layers on the tiles at every row count): served 0.81-0.91x (median
 # 0.89x), TPOT 1.13x, batch 1 1.08x: opt-in there too.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
