@@ -111,6 +111,14 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
     "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
     "SDPA (ablation).")
+KVSTRATA_CPU_DETERMINISTIC_BLOCKS = _declare(
+    "KVSTRATA_CPU_DETERMINISTIC_BLOCKS", bool, True,
+    "Under --enable-deterministic-inference, with a bf16 pool on the prefill kernel's "
+    "AVX512-BF16 body (paged_decode.fixed_order_pays), every query of a full-attention layer "
+    "without sinks or soft-capping, prompt or decode, runs in the prefill kernel's order "
+    "(prompts in the prefill kernel, decode rows as one-row prompts of it: "
+    "csrc/decode_fixed.h); 0 = every query as a paged decode kernel query over its own keys "
+    "(ablation; also with KVSTRATA_CPU_PREFILL_ATTENTION=0).")
 KVSTRATA_CPU_RECURRENT_STEP = _declare(
     "KVSTRATA_CPU_RECURRENT_STEP", bool, True,
     "The decode step of recurrent layers (Gated DeltaNet, Mamba2) updates the fp32 or bf16 "

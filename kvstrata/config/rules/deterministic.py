@@ -10,11 +10,22 @@ retraction's recompute or backup. Two sources of difference are removed:
     linear layer runs one kvstrata GEMM at every row count (runner/cpu/packed_linear.py,
     PackedLinear._init_fixed);
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
-    key blocks, SDPA, the decode kernel): every query token, prompt or decode, runs the paged
-    decode kernel over its own keys (runner/attention/torch_native.py, `deterministic`).
-    Softmax extras run inside that kernel, per query row: Gemma 2's attention logit
-    soft-capping (scores = cap * tanh(scores / cap) before the softmax) and gpt-oss's attention
-    sinks (a learned logit per head in the denominator; runner/attention/window.py).
+    key blocks, SDPA, the decode kernel): with a bf16 pool on the prefill kernel's
+    AVX512-BF16 body (runner/attention/paged_decode.py fixed_order_pays: measured faster for
+    prompts there), every query token, prompt or decode, of a full-attention layer runs in
+    the prefill kernel's order -- key blocks of 64 anchored at
+    position 0, each score summed along the head in one order, one online-softmax merge per
+    block, one rounding of the output, whatever the other rows of its tile, its cached prefix
+    or the threads: prompts in the prefill kernel (its tiles share each key block's loads
+    across query rows), decode rows as one-row prompts of it (runner/attention/csrc/
+    decode_fixed.h; torch_native.py `fixed_order`). Elsewhere (fp32: decode rows lost 1.4-5x
+    there), windowed layers (a row's keys begin W before it, not at position 0) and layers
+    with softmax extras run every query through the paged decode kernel over its own keys
+    (`deterministic`), with the extras inside
+    it, per query row: Gemma 2's attention logit soft-capping (scores = cap * tanh(scores /
+    cap) before the softmax) and gpt-oss's attention sinks (a learned logit per head in the
+    denominator; runner/attention/window.py). KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0 (or
+    KVSTRATA_CPU_PREFILL_ATTENTION=0) puts every layer on that per-token path (ablation).
 MoE models (runner/models/moe_decoder.py's Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, and gpt-oss:
 PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
 so its router, every expert's gate|up and down and its shared experts run on the same fixed
@@ -88,7 +99,12 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). On AVX-512 BF16 without AMX (2-vCPU EPYC,
 # 2026-12-07) bf16 served 0.55x (TPOT 1.43x, batch 1 0.97x): opt-in there (the prefill
-# kernel ran 2.2-3.5x SDPA there, which the flag gives up). On AMX (2-vCPU Sapphire Rapids
+# kernel ran 2.2-3.5x SDPA there, which the flag gave up). Since then bf16 there runs every
+# full-attention query in the prefill kernel's order (paged_decode.fixed_order_pays:
+# attention alone, prompts 1.5-2.2x faster, decode rows 1.1-1.5x slower); the served shape
+# offline at one thread in CPU time (ab_deterministic_offline.py, load 23-124) measured the
+# flag within the box's +-10% noise in either order, and the served 2-thread figure could
+# not be re-measured on that box: still opt-in (docs/benchmarks.md). On AMX (2-vCPU Sapphire Rapids
 # VM, 2026-12-07, the fixed layers on the tiles at every row count): served 0.81-0.91x (median
 # 0.89x), TPOT 1.13x, batch 1 1.08x: opt-in there too.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
@@ -169,7 +185,11 @@ PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cp
                         "(runner/quant/gguf_pinned.py)")
 PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
                                   for name in FLAG_ACCEPTS[method]))
-ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
+ATTENTION_KERNEL = ("bf16 on AVX512-BF16: the prefill kernel's order for every query token "
+                    "of a full-attention layer (prompts in the prefill kernel, decode rows as "
+                    "one-row prompts of it: runner/attention/csrc/decode_fixed.h); else, and "
+                    "for windowed layers and sinks / soft-capping: the paged decode kernel for "
+                    "every query token (runner/attention/paged_decode.py)")
 MLA_ATTENTION_KERNEL = ("the paged decode kernel for every query token over the MLA pool's "
                         "latent rows, one KV head of keys and values alike "
                         "(runner/attention/mla_fixed.py)")
@@ -187,9 +207,9 @@ MLA_ATTENTION_WHY = ("the dense MLA path scored a prompt with one matmul over it
                      "the indexer's sums in one order, ties in position order")
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
-                 "cached or transferred prefix changed the bits; the decode kernel scores, "
-                 "normalises and sums each query's own keys in position order, whatever the "
-                 "other queries")
+                 "cached or transferred prefix changed the bits; one order per query row -- "
+                 "key blocks anchored at position 0 -- makes a row's bits a function of its "
+                 "query, keys and values, whatever the other rows of its call")
 
 
 def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,

@@ -115,6 +115,7 @@ _EXPERT_KEYS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
+    softmax_extras = True  # every layer's sinks (deterministic: the decode kernel's order)
     # KV per token like any MHA decoder; the sliding layers' extra pages are kept (the
     # window is applied by the attention, not by freeing pages yet).
     pool_kind = "mha"

@@ -18,8 +18,9 @@ retraction's recompute, HiCache, PD).
   - Qwen3.5's rotary cos / sin from a table of fixed blocks of positions
     (deepseek_fixed.BlockedCosSin), and the rotation as separately rounded products and sum
     (torch's addcmul may fuse them in its scalar tail and not in its vector body).
-Attention layers run the paged decode kernel for every query (the attention backend's
-`deterministic`, as for the dense models). Norms are per row (fused_ops.rms_norm, or torch's
+Attention layers run every query in one order as for the dense models (the attention
+backend's `deterministic`: full-attention layers in the prefill kernel's order, windowed ones
+in the paged decode kernel's). Norms are per row (fused_ops.rms_norm, or torch's
 reductions over a contiguous last dimension), MLP activations per row (fused_ops.silu_mul,
 relu^2 exact).
 Not built: Nemotron-H's MoE layers, Granite-4.0-H, Falcon-H1 (refused by name here and in
