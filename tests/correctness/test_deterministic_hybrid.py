@@ -2,10 +2,12 @@
 runner/recurrent/fixed_scan.py): every request's tokens and logprobs equal, bit for bit, its
 run alone on a cold engine -- whatever shares its batch, however its prompt is chunked, and
 wherever its KV and state came from (a prefix hit at a state snapshot, HiCache L2, a restart
-on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qwen3.5 (Gated DeltaNet + gated
-attention) and Nemotron-H (Mamba2 + attention + MLP) at bf16, Mamba2 and Qwen3-Next (its MoE
-pinned) too where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals
-transformers.
+on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qwen3.5 (Gated
+DeltaNet + gated attention), Nemotron-H (Mamba2 + attention + MLP), Granite-4.0-H (Mamba2 +
+roped attention, top-k MoE + shared MLP, muP multipliers), Falcon-H1 (attention beside a
+Mamba2 mixer in every layer, multipliers) and Nemotron-H with MoE layers (relu^2 experts,
+grouped sigmoid router) at bf16, Mamba2 and Qwen3-Next (its MoE pinned) too where cheap
+(tests/helpers/hybrid_ckpt.py); at float32 greedy equals transformers.
 
 Controls: without the flag the warm / chunked / batched workload moves (engine level); the
 chunked SSD scan continued from a mid-way state differs from its straight run, the pinned
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.hybrid_ckpt import VOCAB, HFGreedy, hybrid_checkpoints
+from helpers.hybrid_ckpt import (VOCAB, HFGreedy, build_falcon_h1_checkpoint,
+                                  build_nemotron_h_moe_checkpoint, hybrid_checkpoints)
 from kvstrata import LLM
 from kvstrata.runner.recurrent import pointwise
 from kvstrata.runner.recurrent.backend import RecurrentMeta
@@ -35,14 +38,21 @@ from tests.correctness.test_deterministic_inference import \
     prompts_with_prefix as shared_prefix_prompts
 
 FUZZ_EXAMPLES = max(int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400")) // 50, 4)
-ARCHS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2")
+ARCHS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite")
+# the families beside hybrid_checkpoints' (their own builders)
+ALL_ARCHS = (*ARCHS, "falcon_h1", "nemotron_h_moe")
+MOE_LAYERS = {"qwen3_next": 2, "granite": 4, "nemotron_h_moe": 2}  # the tiny configs' MoE blocks
 
 _llms: dict = {}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    return hybrid_checkpoints(str(tmp_path_factory.mktemp("det_hybrid")), ARCHS)
+    root = str(tmp_path_factory.mktemp("det_hybrid"))
+    return {**hybrid_checkpoints(root, ARCHS),
+            "falcon_h1": build_falcon_h1_checkpoint(os.path.join(root, "falcon_h1")),
+            "nemotron_h_moe": build_nemotron_h_moe_checkpoint(
+                os.path.join(root, "nemotron_h_moe"))}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,7 +166,7 @@ def test_pinned_scan_is_chunk_invariant_where_the_chunked_scan_is_not():
 
 
 # ------------------------------------------------------------------ engines
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_equals_transformers_with_the_flag(arch, paths):
     """float32, chunks of 7: greedy tokens are transformers'."""
     g = torch.Generator().manual_seed(11)
@@ -166,6 +176,7 @@ def test_greedy_equals_transformers_with_the_flag(arch, paths):
         info = llm.server_info()
         assert info["deterministic_recurrent_kernel"]
         assert info["quantization_info"]["recurrent_kernel"]
+        assert info["quantization_info"]["pinned_moe_layers"] == MOE_LAYERS.get(arch, 0)
         outs = llm.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     finally:
@@ -175,7 +186,8 @@ def test_greedy_equals_transformers_with_the_flag(arch, paths):
         assert o["output_ids"] == ref(p, 8), f"{arch}: {len(p)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2", "granite", "falcon_h1",
+                                  "nemotron_h_moe"])
 def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     """Prompts sharing 40 tokens, chunked by 16 on pages of 16 (state snapshots at 16, 32),
     arriving at other steps beside each other's decodes, greedy and seeded: each equals its
@@ -194,27 +206,29 @@ def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     assert again == refs
 
 
-def test_nemotron_h_moe_layers_are_refused_by_name_at_load():
-    """Resolution takes a Nemotron-H (transformers writes n_routed_experts into every
-    Nemotron-H config, MoE layers or not); pinning refuses its MoE block by name."""
-    from helpers.hybrid_ckpt import tiny_nemotron_h_moe_config
-    from kvstrata.runner.models.hybrid_fixed import pin_hybrid_model
-    from kvstrata.runner.models.nemotron_h import NemotronHForCausalLM
+def test_qwen3_5_moe_is_refused_by_name_at_load():
+    """Pinning refuses a hybrid class it was not built for (resolution refuses it first)."""
+    import transformers as tf
 
-    model = NemotronHForCausalLM(tiny_nemotron_h_moe_config(), torch.float32,
-                                 torch.device("cpu"))
+    from kvstrata.runner.models.hybrid_fixed import pin_hybrid_model
+    from kvstrata.runner.models.qwen3_next import Qwen3_5MoeForCausalLM
+
+    config = tf.Qwen3_5MoeTextConfig(num_hidden_layers=1, layer_types=["full_attention"],
+                                     hidden_size=64, num_experts=2, vocab_size=VOCAB)
+    model = Qwen3_5MoeForCausalLM(config, torch.float32, torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="deterministic-inference on "
-                                                  "NemotronHForCausalLM with a NemotronHMoE"):
+                                                  "Qwen3_5MoeForCausalLM"):
         pin_hybrid_model(model)
 
 
-def test_without_the_flag_the_same_requests_move(paths):
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h_moe"])
+def test_without_the_flag_the_same_requests_move(arch, paths):
     """The control at bf16: without the flag, the workload of
     test_warm_chunked_and_batched_requests_keep_the_bits (prompts sharing 40 tokens, chunks
     of 16 on pages of 16, batched, resuming at cached snapshots) answers with other logprobs
     than each prompt's cold unchunked run (the chunked scans sum from where a chunk starts,
-    the kernels by row count): so that test is not vacuous here."""
-    path = paths["qwen3_5"]
+    the kernels and the experts' matmuls by row count): so that test is not vacuous here."""
+    path = paths[arch]
     prompts = prompts_with_prefix(9, 40, [5, 13, 21, 30])
     sp = params(8, None)
     cold = make_llm(path, deterministic=False, page_size=1)
@@ -314,7 +328,8 @@ def test_a_pd_pair_answers_like_the_co_located_engine(paths, monkeypatch):
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(arch=st.sampled_from(["qwen3_5", "nemotron_h"]), page_size=st.sampled_from([1, 16]),
+@given(arch=st.sampled_from(["qwen3_5", "nemotron_h", "granite", "falcon_h1",
+                              "nemotron_h_moe"]), page_size=st.sampled_from([1, 16]),
        pool=st.sampled_from(["small", "large"]), chunk=st.sampled_from([0, 1, 2]),
        hicache=st.booleans(), shared=st.integers(0, 40),
        requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 5),

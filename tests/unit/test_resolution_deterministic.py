@@ -254,10 +254,16 @@ def _hybrids() -> dict:
                                                     num_hidden_layers=2),
                            "GraniteMoeHybridForCausalLM"),
         "falcon_h1": _hybrid(T.FalconH1Config(num_hidden_layers=2), "FalconH1ForCausalLM"),
+        "nemotron_h_moe": _hybrid(T.NemotronHConfig(hybrid_override_pattern="ME*E",
+                                                    num_hidden_layers=4),
+                                  "NemotronHForCausalLM"),
+        "qwen3_5_moe": _hybrid(T.Qwen3_5MoeTextConfig(num_hidden_layers=4),
+                               "Qwen3_5MoeForCausalLM"),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite",
+                                  "falcon_h1", "nemotron_h_moe"])
 def test_recurrent_hybrids_take_the_flag_and_keep_the_default_off(name):
     """hybrid_fixed.py's models: the flag records their recurrent kernel beside the GEMM and
     attention; the default stays off where it is on for a dense model (AVX2, bf16)."""
@@ -273,8 +279,8 @@ def test_recurrent_hybrids_take_the_flag_and_keep_the_default_off(name):
 
 
 @pytest.mark.parametrize("name,kwargs,env,message", [
-    ("granite", {}, {}, "(GraniteMoeHybridForCausalLM; built for"),
-    ("falcon_h1", {}, {}, "(FalconH1ForCausalLM; built for"),
+    ("qwen3_5_moe", {}, {}, "(Qwen3_5MoeForCausalLM; built for"),
+    ("granite", dict(tp_size=2), {}, "--tp-size 2 on a recurrent model"),
     ("qwen3_5", dict(speculative_algorithm="NGRAM"), {}, "--speculative-algorithm NGRAM"),
     ("nemotron_h", {}, {"KVSTRATA_CPU_RECURRENT_STEP": False},
      "KVSTRATA_CPU_RECURRENT_STEP=0 turns off"),
