@@ -165,6 +165,67 @@ def test_pinned_scan_is_chunk_invariant_where_the_chunked_scan_is_not():
     torch.testing.assert_close(runs[0][1], s_full[0], rtol=1e-5, atol=1e-5)
 
 
+def _random_model(arch: str):
+    """Our model of a tiny config (float32, weights drawn here), not loaded from a file."""
+    from helpers.hybrid_ckpt import (tiny_falcon_h1_config, tiny_hybrid_config,
+                                     tiny_nemotron_h_moe_config)
+    from kvstrata.runner.models.falcon_h1 import FalconH1ForCausalLM
+    from kvstrata.runner.models.granite_hybrid import GraniteMoeHybridForCausalLM
+    from kvstrata.runner.models.nemotron_h import NemotronHForCausalLM
+
+    cls, config = {"granite": (GraniteMoeHybridForCausalLM, tiny_hybrid_config("granite")),
+                   "falcon_h1": (FalconH1ForCausalLM, tiny_falcon_h1_config()),
+                   "nemotron_h_moe": (NemotronHForCausalLM, tiny_nemotron_h_moe_config())}[arch]
+    model = cls(config, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(21)
+    for t in model.parameters():
+        t.data.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return model
+
+
+# arch -> (layer, block) whose matmuls run on however many tokens reach them
+FEED_FORWARD_BLOCKS = {"granite": (0, "moe"), "nemotron_h_moe": (1, "mixer"),
+                       "falcon_h1": (0, "mlp")}
+
+
+@pytest.mark.parametrize("arch", sorted(FEED_FORWARD_BLOCKS))
+def test_pinned_feed_forward_gives_a_row_the_same_bits_in_any_batch(arch):
+    """float32 (torch's F.linear is batch-variant there on every CPU measured: MKL's GEMV /
+    GEMM bodies): Granite's top-k MoE, Nemotron-H's MoE block and Falcon-H1's MLP give a slice
+    of rows other bits than the same rows inside the whole batch (the control); pinned
+    (hybrid_fixed.pin_hybrid_model), every slice equals. Also the wiring that tiny engines
+    cannot tell apart: the position-free SiLU, the exact rotation and the blocked cos / sin."""
+    import copy
+
+    from kvstrata.runner.models.deepseek_fixed import BlockedCosSin
+    from kvstrata.runner.models.hybrid_fixed import exact_rope, pin_hybrid_model
+
+    model = _random_model(arch)
+    layer, part = FEED_FORWARD_BLOCKS[arch]
+    plain = copy.deepcopy(getattr(model.layers[layer], part))
+    info = pin_hybrid_model(model)
+    pinned = getattr(model.layers[layer], part)
+    x = torch.randn(80, model.dims.hidden_size, generator=torch.Generator().manual_seed(4))
+    slices = [(lo, n) for n in (1, 2, 5, 16, 17, 33, 64) for lo in (0, 7)]
+    with torch.inference_mode():
+        differ = {}
+        for name, block in (("plain", plain), ("pinned", pinned)):
+            whole = block(x)
+            differ[name] = sum(not torch.equal(block(x[lo:lo + n]), whole[lo:lo + n])
+                               for lo, n in slices)
+    assert differ["plain"] > 0, "the control did not move"
+    assert differ["pinned"] == 0
+    assert info["pinned_moe_layers"] == MOE_LAYERS.get(arch, 0)
+    for block in model.layers:
+        for sub in (getattr(block, name, None) for name in ("mixer", "attn", "mamba", "mlp")):
+            if hasattr(sub, "act"):
+                assert sub.act is pointwise.POSITION_FREE
+            if hasattr(sub, "rope"):
+                assert sub.rope is exact_rope
+    if getattr(model, "rotary", None) is not None:  # Falcon-H1's, the tiny Granite's (rope)
+        assert isinstance(model.rotary.plain_cos_sin, BlockedCosSin)
+
+
 # ------------------------------------------------------------------ engines
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_equals_transformers_with_the_flag(arch, paths):
@@ -186,8 +247,9 @@ def test_greedy_equals_transformers_with_the_flag(arch, paths):
         assert o["output_ids"] == ref(p, 8), f"{arch}: {len(p)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2", "granite", "falcon_h1",
-                                  "nemotron_h_moe"])
+# Falcon-H1: its parallel layers keep K/V and a state at one index (Granite's and
+# Nemotron-H MoE's Mamba2 layers are Nemotron-H's; the property test samples them)
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2", "falcon_h1"])
 def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     """Prompts sharing 40 tokens, chunked by 16 on pages of 16 (state snapshots at 16, 32),
     arriving at other steps beside each other's decodes, greedy and seeded: each equals its
@@ -221,14 +283,14 @@ def test_qwen3_5_moe_is_refused_by_name_at_load():
         pin_hybrid_model(model)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h_moe"])
-def test_without_the_flag_the_same_requests_move(arch, paths):
+def test_without_the_flag_the_same_requests_move(paths):
     """The control at bf16: without the flag, the workload of
     test_warm_chunked_and_batched_requests_keep_the_bits (prompts sharing 40 tokens, chunks
     of 16 on pages of 16, batched, resuming at cached snapshots) answers with other logprobs
     than each prompt's cold unchunked run (the chunked scans sum from where a chunk starts,
-    the kernels and the experts' matmuls by row count): so that test is not vacuous here."""
-    path = paths[arch]
+    the kernels by row count): so that test is not vacuous here (the MoE blocks' control:
+    test_pinned_feed_forward_gives_a_row_the_same_bits_in_any_batch)."""
+    path = paths["qwen3_5"]
     prompts = prompts_with_prefix(9, 40, [5, 13, 21, 30])
     sp = params(8, None)
     cold = make_llm(path, deterministic=False, page_size=1)

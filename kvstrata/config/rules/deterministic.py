@@ -62,8 +62,14 @@ layers as the dense path. Refused by name beside them: Qwen3.5-MoE, speculative 
 KVSTRATA_CPU_RECURRENT_STEP=0.
 A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
 decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
-GEMM off the AMX tiles, not by the per-token scan: the default stays off for them
-(docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
+GEMM off the AMX tiles, not by the per-token scan. On AVX-512 BF16 without AMX (2-vCPU EPYC,
+2026-12-07, a box at load 35-60; CPU time, one thread) the flag is faster, not a cost: served
+shape 1.29x (rounds 1.05-1.37x), batch-1 TPOT 0.72x, prefill of 384-token prompts 1.09x, and
+at the test size Granite-4.0-H 1.31x, Falcon-H1 1.16x, Nemotron-H with MoE layers 1.19x
+served -- the off arm runs torch's plain bf16 F.linear (oneDNN without AMX tiles), the flag
+kvstrata's bf16 GEMM. The default stays off for them all the same: the AMX figure is a cost,
+and off the flag no hybrid linear is packed yet, so the gain measures the packing rather than
+the flag (docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -298,7 +304,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
     and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
-    measured prefill 0.64x, served 0.79x on an AMX CPU)."""
+    measured prefill 0.64x, served 0.79x on an AMX CPU; faster with the flag without AMX,
+    1.29x served, where its off arm runs unpacked F.linear)."""
     if (args.enable_deterministic_inference or args.disable_deterministic_inference
             or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras
