@@ -175,7 +175,9 @@ def _random_model(arch: str):
 
     cls, config = {"granite": (GraniteMoeHybridForCausalLM, tiny_hybrid_config("granite")),
                    "falcon_h1": (FalconH1ForCausalLM, tiny_falcon_h1_config()),
-                   "nemotron_h_moe": (NemotronHForCausalLM, tiny_nemotron_h_moe_config())}[arch]
+                   # its latent projections and biases too (the checkpoint has none)
+                   "nemotron_h_moe": (NemotronHForCausalLM, tiny_nemotron_h_moe_config(
+                       moe_latent_size=32, mlp_bias=True))}[arch]
     model = cls(config, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(21)
     for t in model.parameters():
