@@ -6,8 +6,8 @@ on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qw
 DeltaNet + gated attention), Nemotron-H (Mamba2 + attention + MLP), Granite-4.0-H (Mamba2 +
 roped attention, top-k MoE + shared MLP, muP multipliers), Falcon-H1 (attention beside a
 Mamba2 mixer in every layer, multipliers) and Nemotron-H with MoE layers (relu^2 experts,
-grouped sigmoid router) at bf16, Mamba2 and Qwen3-Next (its MoE pinned) too where cheap
-(tests/helpers/hybrid_ckpt.py); at float32 greedy equals transformers.
+grouped sigmoid router) at bf16, Mamba2, Qwen3-Next and Qwen3.5-MoE (their MoE pinned) too
+where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals transformers.
 
 Controls: without the flag the warm / chunked / batched workload moves (engine level); the
 chunked SSD scan continued from a mid-way state differs from its straight run, the pinned
@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers.hybrid_ckpt import (VOCAB, HFGreedy, build_falcon_h1_checkpoint,
-                                  build_nemotron_h_moe_checkpoint, hybrid_checkpoints)
+                                  build_nemotron_h_moe_checkpoint, build_qwen3_5_moe_checkpoint,
+                                  hybrid_checkpoints)
 from kvstrata import LLM
 from kvstrata.runner.recurrent import pointwise
 from kvstrata.runner.recurrent.backend import RecurrentMeta
@@ -40,8 +41,9 @@ from tests.correctness.test_deterministic_inference import \
 FUZZ_EXAMPLES = max(int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400")) // 50, 4)
 ARCHS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite")
 # the families beside hybrid_checkpoints' (their own builders)
-ALL_ARCHS = (*ARCHS, "falcon_h1", "nemotron_h_moe")
-MOE_LAYERS = {"qwen3_next": 2, "granite": 4, "nemotron_h_moe": 2}  # the tiny configs' MoE blocks
+ALL_ARCHS = (*ARCHS, "falcon_h1", "nemotron_h_moe", "qwen3_5_moe")
+MOE_LAYERS = {"qwen3_next": 2, "granite": 4, "nemotron_h_moe": 2,  # the tiny configs' MoE blocks
+              "qwen3_5_moe": 4}
 
 _llms: dict = {}
 
@@ -52,7 +54,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
     return {**hybrid_checkpoints(root, ARCHS),
             "falcon_h1": build_falcon_h1_checkpoint(os.path.join(root, "falcon_h1")),
             "nemotron_h_moe": build_nemotron_h_moe_checkpoint(
-                os.path.join(root, "nemotron_h_moe"))}
+                os.path.join(root, "nemotron_h_moe")),
+            "qwen3_5_moe": build_qwen3_5_moe_checkpoint(os.path.join(root, "qwen3_5_moe"))}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -270,18 +273,20 @@ def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     assert again == refs
 
 
-def test_qwen3_5_moe_is_refused_by_name_at_load():
-    """Pinning refuses a hybrid class it was not built for (resolution refuses it first)."""
-    import transformers as tf
-
+def test_an_unpinned_hybrid_class_is_refused_by_name_at_load():
+    """Pinning refuses a hybrid class it was not built for by its name (a tensor-parallel
+    rank's class, say; resolution refuses those combinations first)."""
+    from helpers.hybrid_ckpt import tiny_hybrid_config
     from kvstrata.runner.models.hybrid_fixed import pin_hybrid_model
-    from kvstrata.runner.models.qwen3_next import Qwen3_5MoeForCausalLM
+    from kvstrata.runner.models.qwen3_next import Qwen3_5ForCausalLM
 
-    config = tf.Qwen3_5MoeTextConfig(num_hidden_layers=1, layer_types=["full_attention"],
-                                     hidden_size=64, num_experts=2, vocab_size=VOCAB)
-    model = Qwen3_5MoeForCausalLM(config, torch.float32, torch.device("cpu"))
+    class SomeRankOfQwen3_5(Qwen3_5ForCausalLM):
+        pass
+
+    model = SomeRankOfQwen3_5(tiny_hybrid_config("qwen3_5"), torch.float32,
+                              torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="deterministic-inference on "
-                                                  "Qwen3_5MoeForCausalLM"):
+                                                  "SomeRankOfQwen3_5 \\(built for"):
         pin_hybrid_model(model)
 
 
@@ -393,7 +398,7 @@ def test_a_pd_pair_answers_like_the_co_located_engine(paths, monkeypatch):
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(arch=st.sampled_from(["qwen3_5", "nemotron_h", "granite", "falcon_h1",
-                              "nemotron_h_moe"]), page_size=st.sampled_from([1, 16]),
+                              "nemotron_h_moe", "qwen3_5_moe"]), page_size=st.sampled_from([1, 16]),
        pool=st.sampled_from(["small", "large"]), chunk=st.sampled_from([0, 1, 2]),
        hicache=st.booleans(), shared=st.integers(0, 40),
        requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 5),

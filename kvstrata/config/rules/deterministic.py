@@ -39,9 +39,9 @@ order); the latent / query / output / indexer projections, kv_b_proj's absorbed 
 fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
 (runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
 at load); the default stays off (cost not measured on a served workload).
-Recurrent hybrids (Qwen3.5 and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of Nemotron-H,
+Recurrent hybrids (Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of Nemotron-H,
 Mamba2, Granite-4.0-H and Falcon-H1 (its attention and Mamba2 mixer side by side); the MoE
-blocks of Qwen3-Next, Nemotron-H (relu^2 experts, latent projections, the grouped sigmoid
+blocks of Qwen3-Next and Qwen3.5-MoE, Nemotron-H (relu^2 experts, latent projections, the grouped sigmoid
 router with its correction bias) and Granite-4.0-H pinned as above:
 PINNED_RECURRENT_ARCHITECTURES, runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD, Gated DeltaNet's chunk rule)
 sums in chunks that start where a prompt's chunk starts, and decode advances the state token by
@@ -57,9 +57,8 @@ output gate run position-free (runner/recurrent/pointwise.py, one scalar libm pa
 element); rotary cos / sin (Qwen3.5, Falcon-H1, a Granite with rope) from blocked tables and
 the rotation as separately rounded products; the muP multipliers (Granite, Falcon-H1) are
 products by constants (rounded alike anywhere). Every linear on the fixed GEMM, attention
-layers as the dense path. Refused by name beside them: Qwen3.5-MoE, speculative decoding
-(verify entries run torch's per-token loop), --tp-size > 1, --quantization and
-KVSTRATA_CPU_RECURRENT_STEP=0.
+layers as the dense path. Refused by name beside them: speculative decoding (verify entries
+run torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
 A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
 decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
 GEMM off the AMX tiles, not by the per-token scan. On AVX-512 BF16 without AMX (2-vCPU EPYC,
@@ -111,13 +110,14 @@ PINNED_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
 # config.json architectures of the recurrent hybrids it pins (the classes runner/models/
 # hybrid_fixed.py pins): every token through the recurrent C step (runner/recurrent/
-# fixed_scan.py); the model_types whose experts it pins (Qwen3-Next's, Nemotron-H's MoE
-# blocks, Granite-4.0-H's top-k MoE: the router, each expert and the shared MLP on the fixed
+# fixed_scan.py); the model_types whose experts it pins (Qwen3-Next's and Qwen3.5-MoE's,
+# Nemotron-H's MoE blocks, Granite-4.0-H's top-k MoE: the router, each expert and the shared MLP on the fixed
 # GEMM, the combine in each token's top-k order)
 PINNED_RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
                                   "NemotronHForCausalLM", "Mamba2ForCausalLM",
-                                  "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
-PINNED_RECURRENT_MOE = ("qwen3_next", "nemotron_h", "granitemoehybrid")
+                                  "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
+                                  "Qwen3_5MoeForCausalLM")
+PINNED_RECURRENT_MOE = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid")
 # the ablation of the C step those models' pinned scan runs for every token
 RECURRENT_ABLATION = "KVSTRATA_CPU_RECURRENT_STEP"
 RECURRENT_KERNEL = ("the recurrent layers' one-token C step for every token, prompt or "

@@ -1,5 +1,5 @@
 """Deterministic inference (--enable-deterministic-inference) for the recurrent hybrids:
-Qwen3.5 and Qwen3-Next (Gated DeltaNet), Nemotron-H (its MoE layers too), Mamba2,
+Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet), Nemotron-H (its MoE layers too), Mamba2,
 Granite-4.0-H and Falcon-H1 (Mamba2 layers). A request's tokens and logprobs are then a
 function of its own tokens: not of its batch, its prefill chunks, or where its KV pages and
 state came from (a state snapshot at a prefix hit, a retraction's recompute, HiCache, PD).
@@ -30,8 +30,8 @@ backend's `scale`). Norms are per row (fused_ops.rms_norm, or torch's reductions
 contiguous last dimension), MLP activations per row (fused_ops.silu_mul, relu^2 exact); the
 muP multipliers (Granite, Falcon-H1) are products by a constant, rounded alike wherever an
 element sits.
-Not built: Qwen3.5-MoE (refused by name here and in config/rules/deterministic.py),
-speculative verify entries, --tp-size > 1.
+Not built: speculative verify entries, --tp-size > 1 (a tensor-parallel rank's class is
+refused by name here; config/rules/deterministic.py refuses both first).
 """
 from __future__ import annotations
 
