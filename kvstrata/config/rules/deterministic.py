@@ -39,26 +39,26 @@ order); the latent / query / output / indexer projections, kv_b_proj's absorbed 
 fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
 (runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
 at load); the default stays off (cost not measured on a served workload).
-Recurrent hybrids (Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of Nemotron-H,
-Mamba2, Granite-4.0-H and Falcon-H1 (its attention and Mamba2 mixer side by side); the MoE
-blocks of Qwen3-Next and Qwen3.5-MoE, Nemotron-H (relu^2 experts, latent projections, the grouped sigmoid
-router with its correction bias) and Granite-4.0-H pinned as above:
-PINNED_RECURRENT_ARCHITECTURES, runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD, Gated DeltaNet's chunk rule)
-sums in chunks that start where a prompt's chunk starts, and decode advances the state token by
-token, so a state snapshot continued (a prefix hit), another chunking or a retraction's
-recompute changed the bits. Under the flag every token, prompt or decode, advances its
-request's state through the decode step's C kernel, one token at a time and in order, in
-place on its state slot (rounded to the pool's dtype after every token, as decode does): the
-state is a function of the tokens alone, and a snapshot is a copy of it
-(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt
-and a decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's
-dt, the gated norm's gate, the conv's SiLU), Falcon-H1's MLP SiLU and Qwen3.5's attention
-output gate run position-free (runner/recurrent/pointwise.py, one scalar libm path per
-element); rotary cos / sin (Qwen3.5, Falcon-H1, a Granite with rope) from blocked tables and
-the rotation as separately rounded products; the muP multipliers (Granite, Falcon-H1) are
-products by constants (rounded alike anywhere). Every linear on the fixed GEMM, attention
-layers as the dense path. Refused by name beside them: speculative decoding (verify entries
-run torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
+Recurrent hybrids (Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of
+Nemotron-H, Mamba2, Granite-4.0-H and Falcon-H1 (its attention and Mamba2 mixer side by side);
+the MoE blocks of Qwen3-Next and Qwen3.5-MoE, Nemotron-H (relu^2 experts, latent projections,
+the grouped sigmoid router with its correction bias) and Granite-4.0-H pinned as above:
+PINNED_RECURRENT_ARCHITECTURES, runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD,
+Gated DeltaNet's chunk rule) sums in chunks that start where a prompt's chunk starts, and
+decode advances the state token by token, so a state snapshot continued (a prefix hit), another
+chunking or a retraction's recompute changed the bits. Under the flag every token, prompt or
+decode, advances its request's state through the decode step's C kernel, one token at a time
+and in order, in place on its state slot (rounded to the pool's dtype after every token, as
+decode does): the state is a function of the tokens alone, and a snapshot is a copy of it
+(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt and a
+decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's dt, the
+gated norm's gate, the conv's SiLU), Falcon-H1's MLP SiLU and Qwen3.5's attention output gate
+run position-free (runner/recurrent/pointwise.py, one scalar libm path per element); rotary cos
+/ sin (Qwen3.5, Falcon-H1, a Granite with rope) from blocked tables and the rotation as
+separately rounded products; the muP multipliers (Granite, Falcon-H1) are products by constants
+(rounded alike anywhere). Every linear on the fixed GEMM, attention layers as the dense path.
+Refused by name beside them: speculative decoding (verify entries run torch's per-token loop),
+--tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
 A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
 decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
 GEMM off the AMX tiles, not by the per-token scan. On AVX-512 BF16 without AMX (2-vCPU EPYC,
@@ -111,8 +111,8 @@ ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRAT
 # config.json architectures of the recurrent hybrids it pins (the classes runner/models/
 # hybrid_fixed.py pins): every token through the recurrent C step (runner/recurrent/
 # fixed_scan.py); the model_types whose experts it pins (Qwen3-Next's and Qwen3.5-MoE's,
-# Nemotron-H's MoE blocks, Granite-4.0-H's top-k MoE: the router, each expert and the shared MLP on the fixed
-# GEMM, the combine in each token's top-k order)
+# Nemotron-H's MoE blocks, Granite-4.0-H's top-k MoE: the router, each expert and the
+# shared MLP on the fixed GEMM, the combine in each token's top-k order)
 PINNED_RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
                                   "NemotronHForCausalLM", "Mamba2ForCausalLM",
                                   "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
@@ -162,7 +162,9 @@ LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN s
 # --quantization values (and a draft's) the flag takes, every one built: w8a8_int8's own
 # int8 GEMM quantises each row on its own (per-token scale), sums in int32 (exact, so any order
 # gives the same sum) and scales each output by its row's and column's scale alone; the load
-# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py). gguf and
+# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py); an MoE's
+# float router and a DeepSeek model's float parts (indexer, absorbed heads) go on the fixed
+# GEMM beside it (w8a8.quantize_experts, runner/models/deepseek_w8a8.py). gguf and
 # the HF integer schemes (gptq / awq / compressed-tensors and their *_marlin names) keep
 # their weights in GGUF blocks: both GGUF kernels (runner/cpu/gguf_matmul.py) run one path
 # for every row count, and their float parts (F32 / F16 segments of a fused layer, a float
