@@ -62,8 +62,8 @@ class TopKMoE(nn.Module):
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
             if self.batch_invariant:
                 return self.linear(swiglu_of(self.linear, xs, self.gate_up[e]), self.down[e])
-            gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down[e])
+            gate, up = self.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
+            return self.linear(F.silu(gate) * up, self.down[e])
 
         return routed_sum(x, ids, weights, self.num_experts, expert,
                           ordered=self.batch_invariant)
