@@ -50,28 +50,36 @@ order); the latent / query / output / indexer projections, kv_b_proj's absorbed 
 fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
 (runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
 at load); the default stays off (cost not measured on a served workload).
-Recurrent hybrids (Qwen3.5 and Qwen3-Next's Gated DeltaNet, its MoE pinned as above;
-Nemotron-H (its MoE layers refused at load) and Mamba2's Mamba2 layers:
-PINNED_RECURRENT_ARCHITECTURES,
-runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD, Gated DeltaNet's chunk rule)
-sums in chunks that start where a prompt's chunk starts, and decode advances the state token by
-token, so a state snapshot continued (a prefix hit), another chunking or a retraction's
-recompute changed the bits. Under the flag every token, prompt or decode, advances its
-request's state through the decode step's C kernel, one token at a time and in order, in
-place on its state slot (rounded to the pool's dtype after every token, as decode does): the
-state is a function of the tokens alone, and a snapshot is a copy of it
-(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt
-and a decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's
-dt, the gated norm's gate, the conv's SiLU) and Qwen3.5's attention output gate run
-position-free (runner/recurrent/pointwise.py, one scalar libm path per element); Qwen3.5's
-rotary cos / sin from blocked tables and its rotation as separately rounded products. Every
-linear on the fixed GEMM, attention layers as the dense path. Refused by name beside them:
-Granite-4.0-H, Falcon-H1, Nemotron-H's MoE layers, speculative decoding (verify entries run
-torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
+Recurrent hybrids (Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of
+Nemotron-H, Mamba2, Granite-4.0-H and Falcon-H1 (its attention and Mamba2 mixer side by side);
+the MoE blocks of Qwen3-Next and Qwen3.5-MoE, Nemotron-H (relu^2 experts, latent projections,
+the grouped sigmoid router with its correction bias) and Granite-4.0-H pinned as above:
+PINNED_RECURRENT_ARCHITECTURES, runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD,
+Gated DeltaNet's chunk rule) sums in chunks that start where a prompt's chunk starts, and
+decode advances the state token by token, so a state snapshot continued (a prefix hit), another
+chunking or a retraction's recompute changed the bits. Under the flag every token, prompt or
+decode, advances its request's state through the decode step's C kernel, one token at a time
+and in order, in place on its state slot (rounded to the pool's dtype after every token, as
+decode does): the state is a function of the tokens alone, and a snapshot is a copy of it
+(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt and a
+decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's dt, the
+gated norm's gate, the conv's SiLU), Falcon-H1's MLP SiLU and Qwen3.5's attention output gate
+run position-free (runner/recurrent/pointwise.py, one scalar libm path per element); rotary cos
+/ sin (Qwen3.5, Falcon-H1, a Granite with rope) from blocked tables and the rotation as
+separately rounded products; the muP multipliers (Granite, Falcon-H1) are products by constants
+(rounded alike anywhere). Every linear on the fixed GEMM, attention layers as the dense path.
+Refused by name beside them: speculative decoding (verify entries run torch's per-token loop),
+--tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
 A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
 decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
-GEMM off the AMX tiles, not by the per-token scan: the default stays off for them
-(docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
+GEMM off the AMX tiles, not by the per-token scan. On AVX-512 BF16 without AMX (2-vCPU EPYC,
+2026-12-07, a box at load 35-60; CPU time, one thread) the flag is faster, not a cost: served
+shape 1.29x (rounds 1.05-1.37x), batch-1 TPOT 0.72x, prefill of 384-token prompts 1.09x, and
+at the test size Granite-4.0-H 1.31x, Falcon-H1 1.16x, Nemotron-H with MoE layers 1.19x
+served -- the off arm runs torch's plain bf16 F.linear (oneDNN without AMX tiles), the flag
+kvstrata's bf16 GEMM. The default stays off for them all the same: the AMX figure is a cost,
+and off the flag no hybrid linear is packed yet, so the gain measures the packing rather than
+the flag (docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -116,14 +124,16 @@ PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss
 PINNED_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
-# config.json architectures of the recurrent hybrids it pins (runner/models/hybrid_fixed.py
-# PINNED_CLASSES): every token through the recurrent C step (runner/recurrent/fixed_scan.py);
-# the expert fields they may carry: Qwen3-Next's experts are pinned; transformers writes
-# Nemotron-H's n_routed_experts into configs without MoE layers too, so a Nemotron-H model
-# whose pattern has MoE layers is refused by name at load (hybrid_fixed.py)
+# config.json architectures of the recurrent hybrids it pins (the classes runner/models/
+# hybrid_fixed.py pins): every token through the recurrent C step (runner/recurrent/
+# fixed_scan.py); the model_types whose experts it pins (Qwen3-Next's and Qwen3.5-MoE's,
+# Nemotron-H's MoE blocks, Granite-4.0-H's top-k MoE: the router, each expert and the
+# shared MLP on the fixed GEMM, the combine in each token's top-k order)
 PINNED_RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
-                                  "NemotronHForCausalLM", "Mamba2ForCausalLM")
-PINNED_RECURRENT_MOE = ("qwen3_next", "nemotron_h")
+                                  "NemotronHForCausalLM", "Mamba2ForCausalLM",
+                                  "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
+                                  "Qwen3_5MoeForCausalLM")
+PINNED_RECURRENT_MOE = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid")
 # the ablation of the C step those models' pinned scan runs for every token
 RECURRENT_ABLATION = "KVSTRATA_CPU_RECURRENT_STEP"
 RECURRENT_KERNEL = ("the recurrent layers' one-token C step for every token, prompt or "
@@ -316,7 +326,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
     and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
-    measured prefill 0.64x, served 0.79x on an AMX CPU)."""
+    measured prefill 0.64x, served 0.79x on an AMX CPU; faster with the flag without AMX,
+    1.29x served, where its off arm runs unpacked F.linear)."""
     if (args.enable_deterministic_inference or args.disable_deterministic_inference
             or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras

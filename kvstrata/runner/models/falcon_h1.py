@@ -40,6 +40,7 @@ from kvstrata.runner.models.hybrid_base import PARALLEL, HybridForCausalLM, para
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, time_step_limit
 from kvstrata.runner.models.nemotron_h import Attention
 from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters
+from kvstrata.runner.recurrent import pointwise
 
 
 def falcon_mamba_shape(config: Any) -> Mamba2Shape:
@@ -80,12 +81,18 @@ class FalconH1Mixer(Mamba2Mixer):
         self.register_buffer("mup", mup.to(dtype=dtype, device=device), persistent=False)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x * self.in_multiplier, self.in_proj, self.in_bias) * self.mup
+        return self.linear(x * self.in_multiplier, self.in_proj, self.in_bias) * self.mup
 
 
 class FalconMLP(nn.Module):
     """up * silu(gate * gate_multiplier), down projection times down_multiplier (gate|up
     fused into one weight: rows 0..I-1 gate, I..2I-1 up)."""
+    # the fixed GEMM and a position-free SiLU once deterministic inference pinned it
+    # (runner/models/hybrid_fixed.py)
+    linear = staticmethod(F.linear)
+    act = pointwise.TORCH
+    pinned_weights = ("gate_up", "down")
+    pinned_expert_stacks = ()
 
     def __init__(self, hidden: int, inter: int, multipliers: list[float], dtype, device):
         super().__init__()
@@ -104,8 +111,8 @@ class FalconMLP(nn.Module):
         model.expect(f"{prefix}.down_proj.weight", self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(up * F.silu(gate * self.gate_multiplier), self.down) \
+        gate, up = self.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.linear(up * self.act.silu(gate * self.gate_multiplier), self.down) \
             * self.down_multiplier
 
 
@@ -119,6 +126,7 @@ class FalconH1Layer(nn.Module):
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):
+    unsupported = ()  # deterministic inference: hybrid_fixed.py
     mamba_shape = staticmethod(falcon_mamba_shape)  # a tensor-parallel rank's: its share
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):

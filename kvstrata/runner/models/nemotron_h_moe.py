@@ -28,7 +28,14 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class NemotronHMoE(ExpertRouting, nn.Module):
+    # Deterministic inference (runner/models/hybrid_fixed.py through fixed_experts.pin_block):
+    # the router, latent projections, every expert and the shared MLP on the fixed GEMM;
+    # batch_invariant: the router's sigmoid per row, each token's experts summed in its order
     linear = staticmethod(F.linear)
+    pinned_weights = ("router", ("latent_in", "latent_in_bias"),
+                      ("latent_out", "latent_out_bias"))
+    pinned_expert_stacks = ("up", "down")
+    pinned_children = ("shared",)
     batch_invariant = False
 
     def __init__(self, config: Any, shared: nn.Module, dtype: torch.dtype,
@@ -99,12 +106,14 @@ class NemotronHMoE(ExpertRouting, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        h = x if self.latent_in is None else F.linear(x, self.latent_in, self.latent_in_bias)
+        h = x if self.latent_in is None else self.linear(x, self.latent_in,
+                                                         self.latent_in_bias)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            return F.linear(relu2(F.linear(xs, self.up[e])), self.down[e])
+            return self.linear(relu2(self.linear(xs, self.up[e])), self.down[e])
 
-        routed = routed_sum(h, ids, weights, self.d.n_routed_experts, expert)
+        routed = routed_sum(h, ids, weights, self.d.n_routed_experts, expert,
+                            ordered=self.batch_invariant)
         if self.latent_out is not None:
-            routed = F.linear(routed, self.latent_out, self.latent_out_bias)
+            routed = self.linear(routed, self.latent_out, self.latent_out_bias)
         return routed + self.shared(x)
