@@ -23,11 +23,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.family_checks import random_prompts
+from helpers.family_checks import assert_packed_as_close_as_unpacked, random_prompts
 from helpers.moe_ckpt import MOES, VOCAB, build_moe_checkpoint, hf_moe
-from helpers.runner import forward_logits, make_runner
+from helpers.runner import make_runner
 
-MEDIAN_ERROR_RATIO = 1.25  # as test_deepseek_packed.py
 WIDER = {"qwen3_moe": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256),
          "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
                            shared_expert_intermediate_size=192),
@@ -162,19 +161,6 @@ def test_each_chosen_expert_runs_once_over_its_tokens(arch, dtype, runners, monk
 
 @pytest.mark.parametrize("arch", MOES)
 def test_bf16_logits_as_close_to_transformers_as_unpacked(arch, paths, runners):
-    """Per token, the largest logit error against transformers' float32: packed no worse than
-    unpacked, in the median over tokens."""
-    hf = hf_moe(paths[arch])
-    errors: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-    for prompt in random_prompts(11, (9, 33), VOCAB):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        for packed in (True, False):
-            logits = forward_logits(runners[arch, packed], prompt)
-            assert logits.dtype == torch.float32 and logits.shape == ref.shape
-            errors[packed].append((logits - ref).abs().amax(dim=-1))
-    packed, unpacked = (torch.cat(errors[k]).median().item() for k in (True, False))
-    print(f"{arch}: median token error bf16 vs float32 transformers: packed {packed:.4f}, "
-          f"unpacked {unpacked:.4f}")
-    assert packed <= unpacked * MEDIAN_ERROR_RATIO + 0.01
-
+    assert_packed_as_close_as_unpacked(runners[arch, True], runners[arch, False],
+                                       hf_moe(paths[arch]), random_prompts(11, (9, 33), VOCAB),
+                                       arch)
