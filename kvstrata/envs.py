@@ -190,8 +190,9 @@ KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 / bf16 linear layers on the CPU run on packed weights (oneDNN's layout or "
     "kvstrata's bf16 GEMM, runner/cpu/packed_linear.py; a DeepSeek model's absorbed heads and "
-    "MoE experts too, runner/models/deepseek_packed.py); 0 = torch's F.linear on the plain "
-    "weights (ablation).")
+    "MoE experts too, runner/models/deepseek_packed.py; the llama-family MoEs' and gpt-oss' "
+    "experts: KVSTRATA_CPU_PACKED_EXPERTS); 0 = torch's F.linear on the plain weights "
+    "(ablation).")
 KVSTRATA_CPU_PACKED_EXPERTS = _declare(
     "KVSTRATA_CPU_PACKED_EXPERTS", bool, True,
     "Where the rest of the model is packed (KVSTRATA_CPU_PACKED_LINEAR), the llama-family "
