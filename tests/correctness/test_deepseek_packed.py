@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.family_checks import assert_packed_as_close_as_unpacked, random_prompts
+from helpers.family_checks import (assert_packed_as_close_as_unpacked,
+                                   bf16_runners_by_switch, random_prompts)
 from helpers.moe_ckpt import VOCAB, build_moe_checkpoint, hf_moe
-from helpers.runner import make_runner
 
 ARCHS = ("deepseek_v3", "deepseek_v2_lite")
 # bf16 logits against float32 transformers: the packed path's median token error at most
@@ -38,15 +38,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runners(paths):
     """(arch, packed) -> a bf16 runner; packed False: KVSTRATA_CPU_PACKED_LINEAR=0."""
-    built = {}
-    for arch in ARCHS:
-        for packed in (True, False):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("KVSTRATA_CPU_PACKED_LINEAR", "1" if packed else "0")
-                built[arch, packed] = make_runner(paths[arch], dtype="bfloat16",
-                                                  max_total_tokens=512, context_length=128,
-                                                  max_running_requests=4)
-    return built
+    return bf16_runners_by_switch(paths, "KVSTRATA_CPU_PACKED_LINEAR")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.family_checks import assert_packed_as_close_as_unpacked, random_prompts
+from helpers.family_checks import (assert_packed_as_close_as_unpacked,
+                                   bf16_runners_by_switch, random_prompts)
 from helpers.moe_ckpt import MOES, VOCAB, build_moe_checkpoint, hf_moe
-from helpers.runner import make_runner
 
 WIDER = {"qwen3_moe": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256),
          "qwen2_moe": dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256,
@@ -43,15 +43,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runners(paths):
     """(arch, packed) -> a bf16 runner; packed False: KVSTRATA_CPU_PACKED_EXPERTS=0."""
-    built = {}
-    for arch in MOES:
-        for packed in (True, False):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("KVSTRATA_CPU_PACKED_EXPERTS", "1" if packed else "0")
-                built[arch, packed] = make_runner(paths[arch], dtype="bfloat16",
-                                                  max_total_tokens=512, context_length=128,
-                                                  max_running_requests=4)
-    return built
+    return bf16_runners_by_switch(paths, "KVSTRATA_CPU_PACKED_EXPERTS")
 
 
 def _blocks(model) -> list:

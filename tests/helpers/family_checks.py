@@ -112,3 +112,18 @@ def assert_packed_as_close_as_unpacked(packed, unpacked, hf, prompts: list[list[
     print(f"{label}: median token error bf16 vs float32 transformers: packed {got:.4f}, "
           f"unpacked {base:.4f}")
     assert got <= base * ratio + 0.01
+
+
+def bf16_runners_by_switch(paths: dict[str, str], switch: str) -> dict:
+    """(arch, on) -> a small bf16 runner of paths[arch] built with the KVSTRATA_* ablation
+    switch `switch` at 1 (on) or 0: a packed path and its control, side by side."""
+    import pytest
+
+    built = {}
+    for arch, path in paths.items():
+        for on in (True, False):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(switch, "1" if on else "0")
+                built[arch, on] = make_runner(path, dtype="bfloat16", max_total_tokens=512,
+                                              context_length=128, max_running_requests=4)
+    return built
