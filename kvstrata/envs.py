@@ -198,8 +198,15 @@ KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 / bf16 linear layers on the CPU run on packed weights (oneDNN's layout or "
     "kvstrata's bf16 GEMM, runner/cpu/packed_linear.py; a DeepSeek model's absorbed heads and "
-    "MoE experts too, runner/models/deepseek_packed.py); 0 = torch's F.linear on the plain "
-    "weights (ablation).")
+    "MoE experts too, runner/models/deepseek_packed.py; the llama-family MoEs' and gpt-oss' "
+    "experts: KVSTRATA_CPU_PACKED_EXPERTS); 0 = torch's F.linear on the plain weights "
+    "(ablation).")
+KVSTRATA_CPU_PACKED_EXPERTS = _declare(
+    "KVSTRATA_CPU_PACKED_EXPERTS", bool, True,
+    "Where the rest of the model is packed (KVSTRATA_CPU_PACKED_LINEAR), the llama-family "
+    "MoEs' (runner/models/moe_decoder.py) and gpt-oss' router, routed experts and shared "
+    "experts on packed linears too (runner/cpu/fixed_experts.py, pack_moe_layers); 0 = torch's "
+    "F.linear on the plain expert stacks, the path before (ablation).")
 KVSTRATA_CPU_INT8_MM = _declare(
     "KVSTRATA_CPU_INT8_MM", bool, True,
     "--quantization w8a8_int8 on a CPU with VNNI (or AVX2 + FMA + F16C without it) runs "
@@ -221,7 +228,8 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
     "(runner/cpu/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
-    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 on its AMX tiles "
+    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 (where Linux "
+    "grants the tile data: packed_linear.amx_bf16_ready, not the CPU's flags) on its AMX tiles "
     "(runner/cpu/csrc/bf16_gemm_amx.h) for up to 64 rows (decode batches), oneDNN's AMX tiles "
     "above (prefill), both layouts kept (twice the bf16 weights' memory) -- else oneDNN's "
     "prepacked one; onednn = always "
