@@ -75,7 +75,9 @@ from kvstrata.runner.cpu import _gguf_ops
 from kvstrata.runner.cpu.isa import isa_cap
 
 _gguf_ops.use_pool(envs.KVSTRATA_CPU_GGUF_POOL.get())
-_gguf_ops.use_superblocks(envs.KVSTRATA_GGUF_Q8_SUPERBLOCKS.get())
+_superblocks = [envs.KVSTRATA_GGUF_Q8_SUPERBLOCKS.get()]  # what the C module was last told
+_gguf_ops.use_superblocks(_superblocks[0])
+K_QUANTS: frozenset[int] = frozenset({12, 13, 14})  # Q4_K, Q5_K, Q6_K
 
 # gguf.GGMLQuantizationType values: (bytes per block, weights per block)
 BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
@@ -83,7 +85,8 @@ BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
 AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C; float activations: in-register "
                "dequantization, runner/cpu/csrc/gguf_ops.c; 8-bit activations: integer dot "
-               "products, gguf_q8_blocks.h)")
+               "products, gguf_q8_blocks.h; Q4_K / Q5_K / Q6_K on 256-value super-blocks with integer "
+               "sub-block scales, gguf_q8k_run.h)")
 FALLBACK_KERNEL = ("kvstrata GGUF GEMM, portable C body (no AVX2 + FMA + F16C; the AVX2 body's "
                    "bits, slowly: runner/cpu/csrc/gguf_blocks_scalar.h)")
 
@@ -210,7 +213,15 @@ def use_superblocks(on: bool) -> None:
     """Whether matmul_q8 runs Q4_K / Q5_K / Q6_K on 256-value activation super-blocks with
     integer sub-block scales (the default, KVSTRATA_GGUF_Q8_SUPERBLOCKS) or on the 32-value
     blocks of the other formats: process-wide, for tests and A/B benchmarks."""
-    _gguf_ops.use_superblocks(bool(on))
+    _superblocks[0] = bool(on)
+    _gguf_ops.use_superblocks(_superblocks[0])
+
+
+def activation_blocks(qtypes) -> str:
+    """How matmul_q8 quantizes x for weights of these formats, as /server_info reports it."""
+    if _superblocks[0] and K_QUANTS & {int(q) for q in qtypes}:
+        return "int8 blocks of 32; Q4_K / Q5_K / Q6_K: super-blocks of 256"
+    return "int8 blocks of 32"
 
 
 def dequantize(w: PreparedWeight) -> torch.Tensor:
@@ -221,6 +232,6 @@ def dequantize(w: PreparedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["SUPPORTED", "PreparedWeight", "bound_call", "dequantize", "has_vnni", "kernel_name",
+__all__ = ["K_QUANTS", "SUPPORTED", "PreparedWeight", "activation_blocks", "bound_call", "dequantize", "has_vnni", "kernel_name",
            "matmul", "matmul_q8", "prepare", "row_bytes", "supported",
            "use_superblocks"]
