@@ -11,20 +11,27 @@ integer dot products: what a GGUF file's layers run):
   torch_bf16 torch F.linear with the weight dequantized to bf16;
   kv_bf16   kvstrata's bf16 linear (runner/cpu/packed_linear.py: what a bf16 model
             dequantized at load runs);
-  deq_mm    (--prefill) dequantize each weight to fp32 on the fly then torch's matmul.
+  deq_mm    (--prefill) dequantize each weight to fp32 on the fly then torch's matmul;
+  blocks32  (K-quants) matmul_q8 with x in 32-value blocks and a float scale step per group
+            (KVSTRATA_GGUF_Q8_SUPERBLOCKS=0: the K-quants' kernel before gguf_q8k_run.h's
+            super-blocks with integer sub-block scales).
 Each ratio `vs X` = X's time / ours (> 1: ours is faster), the median of paired rounds.
 
 Weights: --copies copies of each shape (30 by default: SmolLM2-135M's four layer shapes, qkv
 576->960, o 576->576, gate|up 576->3072, down 1536->576, as many as a decode step streams from
 RAM), or with --shapes 1b a 1B-model's MLP (2048->8192 gate|up half, 8192->2048 down), 4
 copies. K-quants need rows of whole 256-weight super-blocks, so they run with --shapes 1b only
-(a Q4_K_M file of SmolLM2 stores its 576-input tensors as Q5_0 / Q8_0). Weights are
+(a Q4_K_M file of SmolLM2 stores its 576-input tensors as Q5_0 / Q8_0), or with --shapes
+kquant SmolLM2's down_proj (1536->576) and a 512->1536 stand-in for its 576-input layers, 16
+copies, or --shapes head a 512->49152 LM head (SmolLM2's vocabulary), one copy. Weights are
 gguf.quants.quantize'd random normals (K-quants: random blocks with small scales: gguf's
 Python package has no K-quant quantizer).
 
   python benchmarks/bench_gguf_linear.py --rows 1 8 32
   python benchmarks/bench_gguf_linear.py --shapes 1b --rows 1 8 32
   python benchmarks/bench_gguf_linear.py --rows 512 --prefill
+  python benchmarks/bench_gguf_linear.py --shapes kquant --formats Q4_K Q5_K Q6_K \
+      --rows 1 2 3 4 --baselines blocks32 float_act
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from kvstrata.runner.cpu.packed_linear import PackedLinear, kernel_name  # noqa:
 
 SHAPES = {"smollm2": (((576, 960), (576, 576), (576, 3072), (1536, 576)), 30),
           "1b": (((2048, 8192), (8192, 2048)), 4),
+          "kquant": (((1536, 576), (512, 1536)), 16), "head": (((512, 49152),), 1),
           "tiny": (((256, 40), (512, 24)), 1)}  # (in, out) per weight, copies; tiny: tests
 NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
@@ -68,7 +76,16 @@ def build(qtype: int, shapes, copies: int, rng) -> dict[str, list]:
     return w
 
 
-def kernels(w: dict, prefill: bool) -> dict:
+def blocks32(x: dict, packed: list) -> list:
+    """matmul_q8 with the K-quants on the 32-value activation blocks (the ablation switch)."""
+    gguf_matmul.use_superblocks(False)
+    try:
+        return [gguf_matmul.matmul_q8(x[p.in_features], p) for p in packed]
+    finally:
+        gguf_matmul.use_superblocks(True)
+
+
+def kernels(w: dict, prefill: bool, k_quant: bool) -> dict:
     """name -> fn(x, xb), x / xb: {in_features: fp32 / bf16 [M, in_features]} (a bf16 model's
     activations are bf16 already); every weight once."""
     out = {
@@ -79,6 +96,8 @@ def kernels(w: dict, prefill: bool) -> dict:
         "torch_f32": lambda x, xb: [F.linear(x[f.shape[1]], f) for f in w["torch_f32"]],
         "torch_bf16": lambda x, xb: [F.linear(xb[b.shape[1]], b) for b in w["torch_bf16"]],
         "kv_bf16": lambda x, xb: [layer(xb[layer.in_features]) for layer in w["kv_bf16"]]}
+    if k_quant:
+        out["blocks32"] = lambda x, xb: blocks32(x, w["ours"])
     if prefill:
         out["deq_mm"] = lambda x, xb: [x[p.in_features] @ gguf_matmul.dequantize(p).T
                                        for p in w["ours"]]
@@ -99,6 +118,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--copies", type=int, default=None, help="weights per shape")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--baselines", nargs="+", default=None,
+                   help="time only these baselines (default: all that apply)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--prefill", action="store_true",
                    help="also time dequantize + torch fp32 matmul per weight")
@@ -129,7 +150,9 @@ def main(argv=None) -> dict:
                 continue
             weights = build(qtype, shapes, copies, rng)
             bf16_name = kernel_name(weights["kv_bf16"][0])
-            fns = kernels(weights, args.prefill)
+            fns = kernels(weights, args.prefill, qtype in (12, 13, 14))
+            if args.baselines:
+                fns = {kn: fn for kn, fn in fns.items() if kn == "ours" or kn in args.baselines}
             mbytes = sum(p.nbytes for p in weights["ours"]) / 2 ** 20
             for m in args.rows:
                 x = {k: torch.randn(m, k) for k, _ in shapes}

@@ -7,6 +7,8 @@
 #   llama        llama-server -t 2 (-np 1 for batch 1, -np 32 -c 16384 for batch 32)
 #   kv_packed    kvstrata --quantization gguf (weights kept in their blocks, float activations)
 #   kv_packed_q8 the same with KVSTRATA_GGUF_INT8_ACTIVATIONS=1 (8-bit activation blocks)
+#   kv_packed_q8_blocks32  kv_packed_q8 with KVSTRATA_GGUF_Q8_SUPERBLOCKS=0: the K-quants on
+#                the 32-value activation blocks (their kernel before gguf_q8k_run.h), for A/B
 #   kv_bf16      kvstrata --load-format gguf_dequantize --dtype bfloat16 (dequantized at load)
 #   kv_packed_before, kv_packed_q8_before: the same on another kvstrata tree (BEFORE_TREE, e.g.
 #                a copy of the package built at an older commit), interleaved with the current
@@ -22,6 +24,9 @@
 #   ROUNDS=1 FILES=Q8_0 RUNS="llama kv_packed_q8" benchmarks/run_llama_server.sh
 # Rounds interleave: each round runs every file x run in turn; ratios are taken within a
 # round (the box is shared: a serving figure moves 10-20% between minutes).
+# KINDS="b1" skips the 32-concurrent load (default "b1 b32"). After its batch-1 requests each
+# kvstrata server's resident memory (VmRSS of the server and its child processes, kB) goes to
+# $OUT/llama_<file>_<run>.rss.r<round>, beside the GGUF file's size (issue 64: RSS vs file).
 # Writes $OUT/llama_<file>_<run>_<b1|b32>.r<round>.json and $OUT/llama_server_summary.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +37,7 @@ FILES=${FILES:-Q4_1 Q8_0 Q4_K_M}
 RUNS=${RUNS:-llama kv_packed kv_packed_q8 kv_bf16}
 ROUNDS=${ROUNDS:-2}
 B1_PROMPTS=${B1_PROMPTS:-6}
+KINDS=${KINDS:-b1 b32}
 PORT=${PORT:-30150}
 PY=${PY:-.venv/bin/python}
 # extra llama-server flags; on a CPU whose AMX ggml's kernels trap in (a VM: llama-server dies
@@ -89,6 +95,18 @@ TPOT p50 {s['tpot_ms']['p50'] or float('nan'):.2f} ms\", *s['errors'][:1])" \
       "$OUT/$1_$2.r$round.json" "$1_$2"
 }
 
+rss_report() {  # server pid, tag, file: VmRSS (kB) of the server and each child, file size
+  local p kids
+  kids=$(pgrep -P "$1" | tr '\n' ' ')
+  {
+    echo "file_bytes $(stat -c %s "$3")"
+    for p in "$1" $kids; do
+      echo "$p $(tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | cut -c1-60) \
+$(awk '/^VmRSS/ {print $2}' /proc/"$p"/status 2>/dev/null)"
+    done
+  } > "$OUT/$2.rss.r$round"
+}
+
 run_llama() {  # tag, file, b1|b32
   local np=1 ctx=4096
   [ "$3" = b32 ] && np=32 ctx=16384
@@ -108,7 +126,8 @@ run_kvstrata() {  # tag, file, then serve flags (CLI: the kvstrata command to ru
   wait_up "http://127.0.0.1:$PORT/health" $pid "$OUT/$tag.log" \
       || { stop $pid; echo "$tag did not start (log: $OUT/$tag.log)"; return 0; }
   bench "$tag" b1
-  bench "$tag" b32
+  rss_report $pid "$tag" "$file"
+  [[ " $KINDS " == *" b32 "* ]] && bench "$tag" b32
   stop $pid
 }
 
@@ -126,11 +145,13 @@ for round in $(seq 1 "$ROUNDS"); do
       [[ $run == *_before ]] && CLI=(env PYTHONPATH="${BEFORE_TREE:?set BEFORE_TREE}" "$PY" -P
                                      -m kvstrata.entrypoints.cli)
       case ${run%_before} in
-        llama) run_llama "$tag" "$file" b1; run_llama "$tag" "$file" b32 ;;
+        llama) for kind in $KINDS; do run_llama "$tag" "$file" "$kind"; done ;;
         kv_packed) KVSTRATA_GGUF_INT8_ACTIVATIONS=0 run_kvstrata "$tag" "$file" \
             --quantization gguf ;;
         kv_packed_q8) KVSTRATA_GGUF_INT8_ACTIVATIONS=1 run_kvstrata "$tag" "$file" \
             --quantization gguf ;;
+        kv_packed_q8_blocks32) KVSTRATA_GGUF_INT8_ACTIVATIONS=1 KVSTRATA_GGUF_Q8_SUPERBLOCKS=0 \
+            run_kvstrata "$tag" "$file" --quantization gguf ;;
         kv_bf16) run_kvstrata "$tag" "$file" --load-format gguf_dequantize --dtype bfloat16 ;;
         *) echo "unknown run $run"; exit 2 ;;
       esac

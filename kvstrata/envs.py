@@ -180,6 +180,12 @@ KVSTRATA_CPU_GGUF_POOL = _declare(
     "worker threads, whose caller never waits for a worker that has not started "
     "(runner/cpu/csrc/gguf_pool.h); 0 = over torch's OpenMP team, a barrier per call "
     "(ablation).")
+KVSTRATA_GGUF_Q8_SUPERBLOCKS = _declare(
+    "KVSTRATA_GGUF_Q8_SUPERBLOCKS", bool, True,
+    "With 8-bit activations (KVSTRATA_GGUF_INT8_ACTIVATIONS), Q4_K / Q5_K / Q6_K weights "
+    "multiply x quantized in 256-value super-blocks with their sub-block scales kept as "
+    "integers, one float step per super-block (runner/cpu/csrc/gguf_q8k_run.h); 0 = the "
+    "32-value blocks every other format takes, a float step per 32 weights (ablation).")
 KVSTRATA_CPU_ISA = _declare(
     "KVSTRATA_CPU_ISA", str, "auto",
     "Widest instruction set kvstrata's own CPU kernels may use: auto (the widest this CPU "

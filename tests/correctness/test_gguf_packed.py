@@ -28,6 +28,11 @@ LOGITS_ATOL = 5e-2
 # these random-weight models reach |x| ~ 300 (a block's outlier coarsens its neighbours);
 # through the layers the logits (magnitude ~3-5) moved by up to 0.44 (measured).
 Q8_LOGITS_ATOL = 0.6
+# Greedy near-ties on the 8-bit path: its Q4_K / Q5_K / Q6_K layers quantize x per 256 values
+# (gguf_q8k_run.h), coarser than per 32 on these outlier-heavy inputs: over the 5-token
+# prompt's 8 greedy steps qwen3's logits moved by up to 2.5 (2.3 on 32-value blocks) and once
+# chose a token whose reference logit is 0.66 below the top (0.05 on 32-value blocks).
+Q8_TIE_TOL = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +66,8 @@ def test_kept_quantized_matches_transformers(arch, files, monkeypatch):
              chunked_prefill_size=16, max_total_tokens=1024) as llm:
         info = llm.server_info()
         assert info["dtype"] == "float32"  # --dtype auto with gguf (rule platform.cpu_dtype)
-        assert info["quantization_info"]["activations"] == "int8 blocks of 32"
+        assert info["quantization_info"]["activations"] == (
+            "int8 blocks of 32; Q4_K / Q5_K / Q6_K: super-blocks of 256")
         assert info["quantization_info"]["packed_types"] == ["Q4_0", "Q4_1", "Q4_K", "Q5_K",
                                                              "Q6_K", "Q8_0"]
         model = llm.engine.runner.model
@@ -90,7 +96,7 @@ def test_kept_quantized_matches_transformers(arch, files, monkeypatch):
                               min_new_tokens=NEW_TOKENS, output_logits=True,
                               return_dict_in_generate=True, pad_token_id=0)
         assert_tokens_match(out["output_ids"], ref.sequences[0, len(prompt):].tolist(),
-                            [s[0] for s in ref.logits], tie_tol=Q8_LOGITS_ATOL,
+                            [s[0] for s in ref.logits], tie_tol=Q8_TIE_TOL,
                             label=f"{arch} packed GGUF prompt {i}")
 
 

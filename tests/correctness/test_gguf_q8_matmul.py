@@ -2,7 +2,8 @@
 csrc/gguf_q8_blocks.h): what a GGUF file's layers run.
 
 Reference (numpy, float64): x's rows quantized the same way, written here from the scheme
-(per block of 32: d = amax / 127 in fp32, q = round-half-even(x / d) via x * (1 / d)), times
+(per block of 32, or of 256 for the K-quants' super-block path, gguf_q8k_run.h: d = amax / 127
+in fp32, q = round-half-even(x / d) via x * (1 / d)), times
 the weights as the `gguf` package dequantizes them (gguf.quants.dequantize, not ours). The
 kernel's result differs from that exact product only by fp32 rounding: per group one scale
 product (w_scale * d) and one FMA per lane, k / 32 groups in a lane, an 8-lane tree and the
@@ -34,9 +35,15 @@ def in_features(qtype: int) -> int:
     return 512 if gguf_matmul.BLOCKS[qtype][1] == 256 else 608
 
 
-def q8_reference(x: np.ndarray) -> np.ndarray:
-    """x fp32 [m, k] -> its 8-bit blocks dequantized, float64 (exact: d * q)."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+def activation_block(qtype: int) -> int:
+    """Values per activation scale matmul_q8 uses for a weight format (the K-quants: their
+    super-block, gguf_q8k_run.h)."""
+    return gguf_matmul.BLOCKS[qtype][1]
+
+
+def q8_reference(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x fp32 [m, k] -> its 8-bit blocks of `block` values dequantized, float64 (exact: d * q)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, block)
     d = np.abs(blocks).max(-1) / np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
@@ -44,8 +51,8 @@ def q8_reference(x: np.ndarray) -> np.ndarray:
     return (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape)
 
 
-def check_q8(out: torch.Tensor, x: torch.Tensor, w: np.ndarray) -> None:
-    xq = q8_reference(x.float().numpy())
+def check_q8(out: torch.Tensor, x: torch.Tensor, w: np.ndarray, block: int = 32) -> None:
+    xq = q8_reference(x.float().numpy(), block)
     exact = xq @ w.astype(np.float64).T
     k = w.shape[1]
     bound = (np.abs(xq) @ np.abs(w.astype(np.float64)).T) * (k / 32 + 8) * 2.0 ** -23
@@ -75,9 +82,10 @@ def test_matches_quantized_activations_times_gguf_weights(qtype, weights):
     for m in (1, 2, 3, 4, 65):
         x = torch.randn(m, w.in_features)
         x[0, :32] = 0.0  # an all-zero block: d = 0
-        check_q8(gguf_matmul.matmul_q8(x, w), x, ref)
-        check_q8(gguf_matmul.matmul_q8(x.bfloat16(), w), x.bfloat16(), ref)
-        check_q8(gguf_matmul.matmul_q8(x, wn), x, noise_ref)
+        block = activation_block(qtype)
+        check_q8(gguf_matmul.matmul_q8(x, w), x, ref, block)
+        check_q8(gguf_matmul.matmul_q8(x.bfloat16(), w), x.bfloat16(), ref, block)
+        check_q8(gguf_matmul.matmul_q8(x, wn), x, noise_ref, block)
     # the activation rounding itself: close to the float product (what matmul gives)
     x = torch.randn(8, w.in_features)
     exact = x.double().numpy() @ ref.astype(np.float64).T
@@ -96,7 +104,7 @@ def test_portable_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
             ) if AVX2 else None
     monkeypatch.setenv("KVSTRATA_CPU_ISA", "scalar")
     slow = gguf_matmul.matmul_q8(x, w)
-    check_q8(slow, x, ref)
+    check_q8(slow, x, ref, activation_block(qtype))
     for m in (1, 4, 64):
         assert torch.equal(gguf_matmul.matmul_q8(x[:m], w), slow[:m])
     if AVX2:
@@ -118,7 +126,7 @@ def test_vnni_body_gives_the_avx2_bits(qtype, weights, monkeypatch):
         monkeypatch.setenv("KVSTRATA_CPU_ISA", "auto")
         assert gguf_matmul.has_vnni()
         fast = gguf_matmul.matmul_q8(x, w)
-        check_q8(fast, x, deq)
+        check_q8(fast, x, deq, activation_block(qtype))
         monkeypatch.setenv("KVSTRATA_CPU_ISA", "avx2")
         assert not gguf_matmul.has_vnni()
         for m in (1, 2, 5, 67):

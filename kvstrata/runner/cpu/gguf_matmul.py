@@ -32,6 +32,17 @@ quantized HF checkpoint's layers
 (GPTQ / AWQ / compressed-tensors converted to GGUF rows) run: their tests bound them against
 transformers' float product at a tolerance 8-bit activations were not re-derived for.
 
+The K-quants (Q4_K, Q5_K, Q6_K: what a Q4_K_M / Q5_K_M file's 256-aligned tensors hold) take
+llama.cpp's q8_K scheme instead (gguf_q8k_run.h, gguf_q8k_tiles.h): x quantized in super-blocks
+of 256 (one d per 256 values, and each 32-group's sum of its ints), the weights' 6-bit
+(Q4_K / Q5_K) or 8-bit (Q6_K) sub-block scales kept as integers and applied to the int16 pair
+sums (vpmaddwd; vpdpwssd on VNNI), the mins through the group sums, so a super-block is one
+int32 sum per lane and one fp32 FMA per row: no per-group float work. Exact integers, then
+fixed fp32 steps: batch-invariant, the same bits on the AVX2, VNNI and portable bodies; the
+coarser activation blocks cost ~1.3x the 32-block rounding error
+(tests/correctness/test_gguf_q8k_matmul.py). KVSTRATA_GGUF_Q8_SUPERBLOCKS=0 (or
+use_superblocks(False)) puts them back on the 32-block path (A/B: docs/benchmarks.md).
+
 On a CPU with AVX-512 VNNI (KVSTRATA_CPU_ISA allowing avx512) `matmul_q8` takes the same tiles
 with one `vpdpbusd` per group and row for the AVX2 body's `vpmaddubsw` + `vpmaddwd`
 (gguf_q8_tiles.h, compiled once per instruction set): the same exact int32 lane sums, so the
@@ -64,6 +75,9 @@ from kvstrata.runner.cpu import _gguf_ops
 from kvstrata.runner.cpu.isa import isa_cap
 
 _gguf_ops.use_pool(envs.KVSTRATA_CPU_GGUF_POOL.get())
+_superblocks = [envs.KVSTRATA_GGUF_Q8_SUPERBLOCKS.get()]  # what the C module was last told
+_gguf_ops.use_superblocks(_superblocks[0])
+K_QUANTS: frozenset[int] = frozenset({12, 13, 14})  # Q4_K, Q5_K, Q6_K
 
 # gguf.GGMLQuantizationType values: (bytes per block, weights per block)
 BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
@@ -71,7 +85,8 @@ BLOCKS = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32),
 SUPPORTED: frozenset[int] = frozenset(BLOCKS)
 AVX2_KERNEL = ("kvstrata GGUF GEMM (AVX2 + FMA + F16C; float activations: in-register "
                "dequantization, runner/cpu/csrc/gguf_ops.c; 8-bit activations: integer dot "
-               "products, gguf_q8_blocks.h)")
+               "products, gguf_q8_blocks.h; Q4_K / Q5_K / Q6_K on 256-value super-blocks with integer "
+               "sub-block scales, gguf_q8k_run.h)")
 FALLBACK_KERNEL = ("kvstrata GGUF GEMM, portable C body (no AVX2 + FMA + F16C; the AVX2 body's "
                    "bits, slowly: runner/cpu/csrc/gguf_blocks_scalar.h)")
 
@@ -194,6 +209,21 @@ def bound_call(x: torch.Tensor, w: PreparedWeight, out: torch.Tensor, col: int, 
                     m, out.data_ptr() + 4 * col, out.stride(0), threads, cap)
 
 
+def use_superblocks(on: bool) -> None:
+    """Whether matmul_q8 runs Q4_K / Q5_K / Q6_K on 256-value activation super-blocks with
+    integer sub-block scales (the default, KVSTRATA_GGUF_Q8_SUPERBLOCKS) or on the 32-value
+    blocks of the other formats: process-wide, for tests and A/B benchmarks."""
+    _superblocks[0] = bool(on)
+    _gguf_ops.use_superblocks(_superblocks[0])
+
+
+def activation_blocks(qtypes) -> str:
+    """How matmul_q8 quantizes x for weights of these formats, as /server_info reports it."""
+    if _superblocks[0] and K_QUANTS & {int(q) for q in qtypes}:
+        return "int8 blocks of 32; Q4_K / Q5_K / Q6_K: super-blocks of 256"
+    return "int8 blocks of 32"
+
+
 def dequantize(w: PreparedWeight) -> torch.Tensor:
     """The weight as fp32 [N, K]: exactly gguf.quants.dequantize's values."""
     out = torch.empty(w.out_features, w.in_features, dtype=torch.float32)
@@ -202,5 +232,6 @@ def dequantize(w: PreparedWeight) -> torch.Tensor:
     return out
 
 
-__all__ = ["SUPPORTED", "PreparedWeight", "bound_call", "dequantize", "has_vnni", "kernel_name",
-           "matmul", "matmul_q8", "prepare", "row_bytes", "supported"]
+__all__ = ["K_QUANTS", "SUPPORTED", "PreparedWeight", "activation_blocks", "bound_call", "dequantize", "has_vnni", "kernel_name",
+           "matmul", "matmul_q8", "prepare", "row_bytes", "supported",
+           "use_superblocks"]

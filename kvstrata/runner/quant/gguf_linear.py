@@ -262,10 +262,12 @@ def replace_packed_weights(model: nn.Module, int8_activations: bool = False) -> 
 
     every = [layer for group in layers.values()
              for layer in (group if isinstance(group, nn.ModuleList) else [group])]
-    kinds = sorted({gguf.GGMLQuantizationType(w.qtype).name for layer in every
-                    for _, _, w, _ in layer.parts if not isinstance(w, torch.Tensor)})
+    qtypes = {w.qtype for layer in every for _, _, w, _ in layer.parts
+              if not isinstance(w, torch.Tensor)}
+    kinds = sorted(gguf.GGMLQuantizationType(q).name for q in qtypes)
     return {"quantization": "gguf", "kernel": gguf_matmul.kernel_name(),
-            "activations": "int8 blocks of 32" if int8_activations else "float32",
+            "activations": (gguf_matmul.activation_blocks(qtypes) if int8_activations
+                            else "float32"),
             "packed_types": kinds, "packed_layers": len(every),
             "weight_bytes_packed": sum(layer.nbytes for layer in every)}
 

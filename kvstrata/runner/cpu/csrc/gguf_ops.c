@@ -9,7 +9,8 @@
  *       then gg_hsum's fixed tree. So row r of a call equals row r of any other call on the
  *       same rows, bit for bit (batch invariance, deterministic inference).
  *   matmul_q8(same arguments): the same product with each row of x quantized to 8-bit blocks
- *       and integer dot products (gguf_q8_blocks.h, gguf_q8_run.h): what the layers run.
+ *       and integer dot products (gguf_q8_blocks.h, gguf_q8_run.h; the K-quants in 256-value
+ *       super-blocks with integer sub-block scales, gguf_q8k_run.h, unless use_superblocks(0)).
  *   dequantize(qtype, w, row_bytes, n, k, out, threads, isa_cap): W into fp32 [n, k].
  *   has_avx2(isa_cap): whether this CPU runs the AVX2 body (KVSTRATA_CPU_ISA allowing);
  *   has_vnni(isa_cap): whether matmul_q8 takes its AVX-512 VNNI body (vpdpbusd; same bits);
@@ -32,6 +33,7 @@
 #include "gguf_blocks_scalar.h"
 #include "gguf_pool.h"
 #include "gguf_q8_run.h"
+#include "gguf_q8k_run.h"
 
 #define QUAD 4
 #define DIRECT_MAX_ROWS 2
@@ -269,6 +271,10 @@ static int check_shape(int qt, Py_ssize_t row_bytes, Py_ssize_t n, Py_ssize_t k)
 }
 
 /* matmul (float activations, q8 = 0) or matmul_q8 (8-bit activations, gguf_q8_run.h). */
+/* Whether matmul_q8 runs the K-quants on gguf_q8k_run.h's super-blocks (else the 32-block
+ * path every format shares): KVSTRATA_GGUF_Q8_SUPERBLOCKS, an ablation switch. */
+static atomic_int superblocks_enabled = 1;
+
 static PyObject *matmul_with(PyObject *args, const int q8) {
     int qt, threads, isa_cap;
     unsigned long long w_addr, x_addr, o_addr;
@@ -286,7 +292,10 @@ static PyObject *matmul_with(PyObject *args, const int q8) {
                        (float *)o_addr, out_stride};
     const int avx2 = use_avx2_body(isa_cap), vnni = q8 && use_vnni_body(isa_cap);
     Py_BEGIN_ALLOW_THREADS
-    if (q8) failed = q8_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2,
+    if (q8 && q8k_format(qt) && atomic_load(&superblocks_enabled))
+        failed = q8k_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2,
+                            avx2 && vnni);
+    else if (q8) failed = q8_matmul(qt, a.w, row_bytes, n, k, a.x, m, a.out, out_stride, threads, avx2,
                                avx2 && vnni);
     else if (!avx2) run_scalar(qt, &a, m, threads);
 #if defined(__x86_64__)
@@ -369,6 +378,13 @@ static PyObject *pool_counts(PyObject *self, PyObject *args) {
                          (long long)atomic_load(&pool_g.chunks_run));
 }
 
+static PyObject *use_superblocks(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    atomic_store(&superblocks_enabled, on);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
     {"matmul_q8", matmul_q8, METH_VARARGS,
@@ -383,6 +399,9 @@ static PyMethodDef methods[] = {
     {"pool_counts", pool_counts, METH_NOARGS,
      "Test only: chunks the pool's calls asked for and chunks run, since start (equal when "
      "no call is running)."},
+    {"use_superblocks", use_superblocks, METH_VARARGS,
+     "Whether matmul_q8 runs Q4_K / Q5_K / Q6_K on 256-value activation super-blocks with "
+     "integer sub-block scales (else 32-value blocks, as the other formats)."},
     {"has_vnni", has_vnni, METH_VARARGS,
      "Whether matmul_q8 runs its AVX-512 VNNI body here (the AVX2 body's bits)."},
     {NULL, NULL, 0, NULL}};
