@@ -73,9 +73,11 @@ def _save(model, path: str) -> str:
 BUILDERS = {"v3": build_v3, "v2-lite": build_v2_lite}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
+def parse_args(argv=None, builders=None, arms=None, description=__doc__):
+    """This script's flags; ab_hybrid_packed.py passes its own models and arms."""
+    builders, arms = builders or BUILDERS, arms or SETTINGS
+    p = argparse.ArgumentParser(description=description.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(builders), choices=list(builders))
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -83,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--batch1-prompts", type=int, default=2)
     p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--arms", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -97,23 +99,28 @@ def measure(args, path: str, dtype: str, setting: str) -> dict:
 
     os.environ["KVSTRATA_CPU_PACKED_LINEAR"], os.environ["KVSTRATA_CPU_BF16_GEMM"] = (
         SETTINGS[setting])
-    prompts = make_prompts(args.num_prompts, args.input_len, args.input_len, VOCAB, args.seed)
-    long_prompts = make_prompts(3, args.prefill_len, args.prefill_len, VOCAB, args.seed + 1)
     llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
               max_total_tokens=16384, disable_radix_cache=True)
     try:
         info = llm.server_info()["quantization_info"]
         assert ("packed_absorbed_heads" in info) == (setting != "unpacked"), info
-        greedy = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
-        llm.generate(input_ids=prompts[:2], sampling_params={**greedy, "max_new_tokens": 4})
-        served = _output_tok_s(llm, prompts, greedy)
-        one = statistics.fmean(_output_tok_s(llm, [p], greedy)
-                               for p in prompts[:args.batch1_prompts])
-        prefill = min(_seconds(llm, [p], {**greedy, "max_new_tokens": 1})
-                      for p in long_prompts[:2])
-        llm.check_integrity()
+        return timings(args, llm)
     finally:
         llm.shutdown()
+
+
+def timings(args, llm) -> dict:
+    """One engine's figures (module docstring): decode tok/s, batch-1 tok/s, prefill s."""
+    prompts = make_prompts(args.num_prompts, args.input_len, args.input_len, VOCAB, args.seed)
+    long_prompts = make_prompts(3, args.prefill_len, args.prefill_len, VOCAB, args.seed + 1)
+    greedy = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
+    llm.generate(input_ids=prompts[:2], sampling_params={**greedy, "max_new_tokens": 4})
+    served = _output_tok_s(llm, prompts, greedy)
+    one = statistics.fmean(_output_tok_s(llm, [p], greedy)
+                           for p in prompts[:args.batch1_prompts])
+    prefill = min(_seconds(llm, [p], {**greedy, "max_new_tokens": 1})
+                  for p in long_prompts[:2])
+    llm.check_integrity()
     return {"decode_tok_s": served, "batch1_tok_s": one, "prefill_s": prefill}
 
 
@@ -136,16 +143,23 @@ def speedups(got: dict, arm: str) -> dict:
 
 
 def main(argv=None) -> dict:
+    return run(parse_args(argv), BUILDERS, measure, "ab-ds-packed-",
+               ("KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_BF16_GEMM"))
+
+
+def run(args, builders: dict, measure_arm, prefix: str, env_vars: tuple) -> dict:
+    """Every model of `builders` x dtype: --rounds rounds of every arm (`measure_arm(args,
+    path, dtype, arm)`), the order reversed every other round, speed-ups over unpacked and
+    their medians; `env_vars` (what the arms set) cleared after."""
     import torch
 
-    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = {"args": vars(args), "load": announce_load(args.require_quiet), "models": {},
               "threads": torch.get_num_threads()}
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="ab-ds-packed-") as tmp:
-        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        paths = {name: builders[name](os.path.join(tmp, name)) for name in args.models}
         for dtype in args.dtypes:
             for name, path in paths.items():
                 rounds = []
@@ -153,7 +167,7 @@ def main(argv=None) -> dict:
                 for r in range(args.rounds):
                     order = ["unpacked", *arms]
                     order = order if r % 2 == 0 else order[::-1]
-                    got = {s: measure(args, path, dtype, s) for s in order}
+                    got = {s: measure_arm(args, path, dtype, s) for s in order}
                     rounds.append({**got, "speedup": {a: speedups(got, a) for a in arms}})
                     print(f"{name} {dtype} round {r + 1}: " + "; ".join(
                         f"{s} " + ", ".join(f"{k} {v:.3f}" for k, v in got[s].items())
@@ -166,7 +180,8 @@ def main(argv=None) -> dict:
                           flush=True)
                 result["models"].setdefault(name, {})[dtype] = {"rounds": rounds,
                                                                 "median_speedup": median}
-    for var in ("KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_BF16_GEMM"):
+    result["load_after"] = announce_load(False)
+    for var in env_vars:
         os.environ.pop(var, None)
     if args.output_json:
         write_json(args.output_json, result)

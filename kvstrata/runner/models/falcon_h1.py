@@ -80,12 +80,17 @@ class FalconH1Mixer(Mamba2Mixer):
         self.register_buffer("mup", mup.to(dtype=dtype, device=device), persistent=False)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x * self.in_multiplier, self.in_proj, self.in_bias) * self.mup
+        return self.linear(x * self.in_multiplier, self.in_proj, self.in_bias) * self.mup
 
 
 class FalconMLP(nn.Module):
     """up * silu(gate * gate_multiplier), down projection times down_multiplier (gate|up
     fused into one weight: rows 0..I-1 gate, I..2I-1 up)."""
+    # F.linear, or kvstrata's packed / int8 linears once runner/models/hybrid_packed.py
+    # (runner/quant/hybrid_w8a8.py) replaced the weights
+    linear = staticmethod(F.linear)
+    pinned_weights = ("gate_up", "down")
+    pinned_expert_stacks = ()
 
     def __init__(self, hidden: int, inter: int, multipliers: list[float], dtype, device):
         super().__init__()
@@ -104,8 +109,8 @@ class FalconMLP(nn.Module):
         model.expect(f"{prefix}.down_proj.weight", self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(up * F.silu(gate * self.gate_multiplier), self.down) \
+        gate, up = self.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.linear(up * F.silu(gate * self.gate_multiplier), self.down) \
             * self.down_multiplier
 
 

@@ -33,6 +33,12 @@ _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": F
 
 
 class TopKMoE(nn.Module):
+    # How its weights are applied: F.linear, or kvstrata's packed / int8 linears once
+    # runner/models/hybrid_packed.py (runner/quant/hybrid_w8a8.py) replaced them
+    linear = staticmethod(F.linear)
+    pinned_weights = ("router",)
+    pinned_expert_stacks = ("gate_up", "down")
+
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
         e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
@@ -48,12 +54,12 @@ class TopKMoE(nn.Module):
         model.expect(f"{prefix}.output_linear.weight", self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top, ids = F.linear(x, self.router).float().topk(self.top_k, dim=-1)
+        top, ids = self.linear(x, self.router).float().topk(self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1).to(x.dtype)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            gate, up = F.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down[e])
+            gate, up = self.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
+            return self.linear(F.silu(gate) * up, self.down[e])
 
         return routed_sum(x, ids, weights, self.num_experts, expert)
 

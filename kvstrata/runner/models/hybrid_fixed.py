@@ -34,6 +34,7 @@ import torch
 from kvstrata.runner.cpu.fixed_experts import pin_block
 from kvstrata.runner.cpu.packed_linear import PackedLinear, kernel_name, packed_linear
 from kvstrata.runner.models.deepseek_fixed import BlockedCosSin
+from kvstrata.runner.models.nemotron_h_moe import NemotronHMoE
 from kvstrata.runner.models.qwen3_next import GatedAttention
 from kvstrata.runner.recurrent import fixed_scan, pointwise
 
@@ -59,7 +60,7 @@ def pin_hybrid_model(model: Any) -> dict:
                                   f"{name} (built for {', '.join(PINNED_CLASSES)})")
     moe_layers = 0
     for i, layer in enumerate(model.layers):
-        if not hasattr(layer.mixer, "pinned_weights"):  # Nemotron-H's MoE block
+        if isinstance(layer.mixer, NemotronHMoE):  # not pinned yet (its packing: hybrid_packed)
             raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
                                       f"on {name} with a {type(layer.mixer).__name__} layer "
                                       f"({i})")

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.runner.models.hybrid_base import param
+from kvstrata.runner.models.hybrid_base import param, stage_packed
+from kvstrata.runner.quant.packed_rows import PackedRows
 from kvstrata.runner.models.moe import ExpertRouting, MoeDims, routed_sum
 
 
@@ -28,8 +29,14 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class NemotronHMoE(ExpertRouting, nn.Module):
+    # How its weights are applied: F.linear, or kvstrata's packed linears once
+    # runner/models/hybrid_packed.py packed them (fixed_experts.pack_block reads these names)
     linear = staticmethod(F.linear)
     batch_invariant = False
+    pinned_weights = ("router", ("latent_in", "latent_in_bias"),
+                      ("latent_out", "latent_out_bias"))
+    pinned_expert_stacks = ("up", "down")
+    pinned_children = ("shared",)
 
     def __init__(self, config: Any, shared: nn.Module, dtype: torch.dtype,
                  device: torch.device):
@@ -82,6 +89,11 @@ class NemotronHMoE(ExpertRouting, nn.Module):
             dst = self._stack(proj)[covered[0]]
         else:
             return None
+        if isinstance(tensor, (PackedRows, list)):  # kept in its blocks (a GGUF file): a
+            # stack's experts (a list), or one expert's rows staged on its stack
+            slot = None if isinstance(tensor, list) else (self._stack(proj), covered[0])
+            stage_packed(dst, None, None, tensor, slot)
+            return [f"{prefix}.experts.{e}.{proj}.weight" for e in covered]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
                              f"{tuple(dst.shape)}")
@@ -99,12 +111,13 @@ class NemotronHMoE(ExpertRouting, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        h = x if self.latent_in is None else F.linear(x, self.latent_in, self.latent_in_bias)
+        h = x if self.latent_in is None else self.linear(x, self.latent_in,
+                                                         self.latent_in_bias)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-            return F.linear(relu2(F.linear(xs, self.up[e])), self.down[e])
+            return self.linear(relu2(self.linear(xs, self.up[e])), self.down[e])
 
         routed = routed_sum(h, ids, weights, self.d.n_routed_experts, expert)
         if self.latent_out is not None:
-            routed = F.linear(routed, self.latent_out, self.latent_out_bias)
+            routed = self.linear(routed, self.latent_out, self.latent_out_bias)
         return routed + self.shared(x)
