@@ -192,10 +192,14 @@ def test_every_converter_transform_is_undone(arch, files):
 
 # tp 2 (soak, ~10 s each): each rank cuts its share from the dequantized tensors
 # (runner/parallel/tp_hybrid_split.py), GVA value heads and Mamba2 groups included.
-@pytest.mark.parametrize("arch,tp", [(a, 1) for a in ARCHS] + [
-    pytest.param("qwen3_5", 2, marks=pytest.mark.soak),
-    pytest.param("nemotron_h", 2, marks=pytest.mark.soak)])
-def test_greedy_from_the_gguf_equals_transformers(arch, tp, files, prompts):
+# --quantization gguf (weights kept in their blocks) through the served path: Qwen3.5's
+# untiled value rows, Qwen3-Next's regrouped qkvz and experts, Granite's joined expert
+# halves, Nemotron-H MoE's expert stacks.
+@pytest.mark.parametrize("arch,tp,quantization", [(a, 1, None) for a in ARCHS] + [
+    (a, 1, "gguf") for a in ("qwen3_5", "qwen3_next", "granite", "nemotron_h_moe")] + [
+    pytest.param("qwen3_5", 2, None, marks=pytest.mark.soak),
+    pytest.param("nemotron_h", 2, None, marks=pytest.mark.soak)])
+def test_greedy_from_the_gguf_equals_transformers(arch, tp, quantization, files, prompts):
     from kvstrata import LLM
 
     _, gguf_path, ref_path = files[arch]
@@ -203,7 +207,9 @@ def test_greedy_from_the_gguf_equals_transformers(arch, tp, files, prompts):
     long = prompts[-1]
     branch = long[:40] + [7, 8, 9]
     with LLM(gguf_path, tp_size=tp, skip_tokenizer_init=True, dtype="float32", page_size=16,
-             chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24) as llm:
+             chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24,
+             quantization=quantization) as llm:
+        assert llm.server_info()["quantization_info"]["quantization"] == quantization
         assert llm.server_info()["kv_plan"]["pool_kind"] == ("none" if arch == "mamba2"
                                                              else "mha")
         outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)

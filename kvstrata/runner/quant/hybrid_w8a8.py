@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.runner.quant.w8a8 import (QUANTIZATION_METHODS, W8A8Int8Linear, int8_kernel,
-                                        quantized_linear, weight_bytes)
+from kvstrata.runner.quant.w8a8 import (activation_bits, begin_quantization, quantized_linear,
+                                        weight_bytes)
 
 # Kept float: MoE routers (moe.py, moe_decoder.py, granite_hybrid.py, nemotron_h_moe.py) and
 # Qwen's shared-expert gate (module docstring)
@@ -89,21 +89,12 @@ def quantize_hybrid_model(model: Any, method: str, blocks: Iterable[nn.Module]) 
     """Replace a loaded hybrid model's linear weights (those `blocks` name, and the output
     head) by int8 layers in place (module docstring); returns what ran (for /server_info, as
     w8a8.quantize_model's)."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"--quantization {method} is not built for the recurrent hybrids "
-                         f"(they run {', '.join(QUANTIZATION_METHODS)}, and gguf kept packed)")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError(f"--quantization {method} is built for CPU only")
-    before = weight_bytes(model)
-    layer_cls, kernel = int8_kernel()
+    before, layer_cls, kernel = begin_quantization(model, method)
     count = sum(_quantize_block(block, layer_cls) for block in blocks)
     tied = model.lm_head is model.embed
     _swap(model, "lm_head", layer_cls(model.lm_head))  # tied: the embedding stays float
     model.linear = int8_or_float_linear
-    # 7 where a layer is fbgemm's without VNNI (as w8a8.quantize_model reports it)
-    bits = 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
-                    for m in model.modules()) else 8
-    return {"quantization": method, "kernel": kernel, "activation_bits": bits,
+    return {"quantization": method, "kernel": kernel, "activation_bits": activation_bits(model),
             "smoothing": "none", "int8_layers": count + 1,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}

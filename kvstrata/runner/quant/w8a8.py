@@ -163,19 +163,32 @@ def weight_bytes(model: nn.Module) -> int:
                                           GgufLinear)))
 
 
+def begin_quantization(model: Any, method: str) -> tuple[int, Callable[..., nn.Module], str]:
+    """The checks before replacing a model's layers (a built method, a CPU model), then (its
+    float weight bytes, the int8 layer this CPU runs, its kernel's name). Also the recurrent
+    hybrids' (runner/quant/hybrid_w8a8.py)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                         f"got {method!r}")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError(f"--quantization {method} is built for CPU only")
+    return (weight_bytes(model), *int8_kernel())
+
+
+def activation_bits(model: nn.Module) -> int:
+    """7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2 tile does
+    not take beside the ones it does; else 8."""
+    return 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
+                    for m in model.modules()) else 8
+
+
 def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,
                    smoothing: str = "none") -> dict:
     """Replace every linear layer of a loaded DecoderForCausalLM in place; returns what ran
     (for /server_info). With `calibration_ids`, activation outliers are first smoothed into
     the weights (runner/quant/smoothing.py). The float matrices are released as each layer is
     replaced."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
-                         f"got {method!r}")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError(f"--quantization {method} is built for CPU only")
-    before = weight_bytes(model)
-    layer_cls, kernel = int8_kernel()
+    before, layer_cls, kernel = begin_quantization(model, method)
     head_scale = smooth_model(model, calibration_ids) if calibration_ids else None
     for layer in model.layers:
         for weight_name, bias_name in _LAYER_LINEARS:
@@ -193,10 +206,7 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
         _replace(model, "lm_head", None, layer_cls)
     model.linear = quantized_linear
     return {"quantization": method, "kernel": kernel,
-            # 7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2
-            # tile does not take beside the ones it does
-            "activation_bits": 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
-                                        for m in model.modules()) else 8,
+            "activation_bits": activation_bits(model),
             "smoothing": smoothing,
             "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
             "tied_output_projection_copy": tied}
