@@ -116,6 +116,7 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
     ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
      "--tp-size 2 with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer"),
     ({"quantization": "gptq"}, "--quantization gptq: the recurrent hybrids run w8a8_int8"),
+    ({"tp_size": 2, "quantization": "w8a8_int8"}, "--tp-size 2 with --quantization w8a8_int8"),
     ({"enable_deterministic_inference": True},
      "--enable-deterministic-inference: not implemented yet for a recurrent model"),
 ])

@@ -157,6 +157,9 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if args.speculative_algorithm == "NEXTN":  # (draft heads and trees: unbuilt() above)
         out.append(f"{tp} with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer is not "
                    f"split across ranks (NGRAM and STANDALONE run)")
+    if args.quantization is not None:  # (gguf at any TP size: model_setup.py refuses it too)
+        out.append(f"{tp} with --quantization {args.quantization}: a rank's share of the "
+                   f"hybrids' int8 / GGUF layers is not built or checked yet")
     return out
 
 
