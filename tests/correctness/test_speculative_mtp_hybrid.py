@@ -150,13 +150,17 @@ def _runner_with_draft(path: str, prompt_len: int):
 
 
 def test_draft_logits_match_transformers(path, prompts):
-    """The draft alone: its features are transformers' hidden states (the end-to-end test
-    below feeds it ours)."""
+    """The draft alone (its linears packed as the target's): its features are transformers'
+    hidden states (the end-to-end test below feeds it ours)."""
     prompt = prompts[-1]
     n, first = len(prompt), 16
     hidden, want = _hf_mtp_logits(path, prompt)
     draft = _runner_with_draft(path, n).draft
     assert [c.name for c in draft.kv_components()] == ["k", "v", "eagle_hidden"]
+    from kvstrata.runner.cpu.packed_linear import PackedLinear
+    # packed as the target is (qwen3_next_mtp.load_qwen3_next_mtp): no float matrix left
+    head = draft.model
+    assert isinstance(head.fc, PackedLinear) and isinstance(head.layer.mixer.qkv, PackedLinear)
     draft.features[1:n + 1] = hidden
     got = []
     with torch.inference_mode():
