@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -39,16 +40,22 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quantization", default=None)
     p.add_argument("--dtype", default="auto")
+    add_round_args(p)
+    return p.parse_args(argv)
+
+
+def add_round_args(p, num_prompts: int = 64, concurrency: int = 32, input_len: int = 128,
+                   output_len: int = 64, batch1_prompts: int = 4) -> None:
+    """The arguments run_and_report reads (shared by the A/B scripts built on it)."""
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--batch1-prompts", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--concurrency", type=int, default=concurrency)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=output_len)
+    p.add_argument("--batch1-prompts", type=int, default=batch1_prompts)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     add_quiet_arg(p)
-    return p.parse_args(argv)
 
 
 def engine(args, on: bool):
@@ -112,6 +119,24 @@ def main(argv=None) -> dict:
     llms = {"off": engine(args, False), "on": engine(args, True)}
     return run_and_report(args, llms, range(10, llms["off"].engine.runner.model.dims.vocab_size),
                           result)
+
+
+def start_beside(args, prefix: str) -> tuple[dict, str]:
+    """(the result's first fields, a fresh temporary folder) for an A/B script that writes
+    its own model: the box's load announced, the compile cache kept in the folder."""
+    result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    os.environ.setdefault("XDG_CACHE_HOME", os.path.join(tmp, "cache"))
+    return result, tmp
+
+
+def engines_beside(path: str, args, runs: dict) -> dict:
+    """{run name: LLM} for every run's flags over one model, loaded side by side."""
+    from kvstrata import LLM
+
+    return {name: LLM(model_path=path, skip_tokenizer_init=True,
+                      max_running_requests=args.concurrency, max_total_tokens=16384, **kw)
+            for name, kw in runs.items()}
 
 
 def run_and_report(args, llms: dict, token_ids: range, result: dict) -> dict:

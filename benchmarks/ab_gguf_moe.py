@@ -24,14 +24,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # helpers.family_gguf writes the file
 
-from benchmarks.ab_deterministic_offline import run_and_report  # noqa: E402
-from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
+from benchmarks.ab_deterministic_offline import (add_round_args, engines_beside,  # noqa: E402
+                                                 run_and_report, start_beside)
 
 # A Q4_K_M file's types (llama-quantize: attn_v and ffn_down one step up, Q6_K)
 Q4_K_M = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K",
@@ -47,39 +46,27 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--expert-width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--batch1-prompts", type=int, default=2)
     p.add_argument("--int8-activations", action="store_true",
                    help="the packed layers on 8-bit activation blocks "
                         "(KVSTRATA_GGUF_INT8_ACTIVATIONS=1; the bf16 model has no GGUF layer)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
-    add_quiet_arg(p)
+    add_round_args(p, num_prompts=16, concurrency=16, input_len=64, output_len=32,
+                   batch1_prompts=2)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from helpers.family_gguf import VOCAB, write_family_gguf
-    from kvstrata import LLM
     from kvstrata.runner.quant.gguf_linear import weight_bytes
 
-    result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
-    tmp = tempfile.mkdtemp(prefix="ab_gguf_moe_")
-    os.environ.setdefault("XDG_CACHE_HOME", os.path.join(tmp, "cache"))
+    result, tmp = start_beside(args, "ab_gguf_moe_")
     path = os.path.join(tmp, "mixtral.gguf")
     write_family_gguf("mixtral", path, types=Q4_K_M, hidden=args.hidden,
                       expert_width=args.expert_width, layers=args.layers)
     result["file_bytes"] = os.path.getsize(path)
     if args.int8_activations:  # read as the packed model loads
         os.environ["KVSTRATA_GGUF_INT8_ACTIVATIONS"] = "1"
-    llms = {name: LLM(model_path=path, skip_tokenizer_init=True,
-                      max_running_requests=args.concurrency, max_total_tokens=16384, **kw)
-            for name, kw in RUNS.items()}
+    llms = engines_beside(path, args, RUNS)
     result["weight_bytes"] = {name: weight_bytes(llm.engine.runner.model)
                               for name, llm in llms.items()}
     print(f"file {result['file_bytes'] / 2**20:.1f} MiB; weights " + ", ".join(

@@ -139,11 +139,13 @@ def unimplemented_flags(args: ServerArgs) -> list[str]:
 def _unbuilt_combinations(args: ServerArgs) -> list[str]:
     """Flags built alone but not together."""
     # Under TP a STANDALONE draft and an EAGLE head run whole on every rank (the head through
-    # the target's vocabulary-parallel embedding and output head); NEXTN's MTP layer, EAGLE3
-    # heads (their own vocabulary) and FR-Spec token maps (rows of the output head) are not
-    # built there (runner/spec/drafts.py also refuses EAGLE over a DeepSeek target).
+    # the target's vocabulary-parallel embedding and output head); EAGLE3 heads (their own
+    # vocabulary) and FR-Spec token maps (rows of the output head) are not built there.
+    # NEXTN's MTP layer is split per rank on Qwen3-Next and Qwen3.5 only: which model it is
+    # is known at resolution (rules/recurrent.py for the hybrids, rules/speculative.py for
+    # the others; runner/spec/drafts.py also refuses EAGLE over a DeepSeek target).
     if args.tp_size > 1 and args.speculative_algorithm not in (None, "NGRAM", "STANDALONE",
-                                                               "EAGLE"):
+                                                               "EAGLE", "NEXTN"):
         return [f"--speculative-algorithm {args.speculative_algorithm} with --tp-size > 1"]
     if args.tp_size > 1 and getattr(args, "speculative_token_map", None):
         return ["--speculative-token-map with --tp-size > 1"]

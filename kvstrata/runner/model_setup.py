@@ -26,6 +26,7 @@ from kvstrata.runner.quant.hybrid_w8a8 import quantize_hybrid_model
 from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.config.rules.deterministic import PINNED_QUANTIZATIONS
 from kvstrata.runner.quant.w8a8 import check_batch_invariant, quantize_model
+from kvstrata.runner.models.deepseek_w8a8 import quantize_mla_model
 
 
 def refuse_unsupported_features(args: Any) -> None:
@@ -141,15 +142,19 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
                                       f"with {quantization_flag} {quantization} on {arch}")
         info = quantize_hybrid_model(model, quantization, hybrid_packed.weight_blocks(model))
         return model, source, hf_config, info
-    if quantization is not None and not is_llama_family(model):
+    if quantization is not None and not quantizable(model):
         # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
-                         f"decoder only, not {arch}")
+                         f"decoder, its MoE members and DeepSeek only, not {arch}")
     info: dict = {"quantization": None}
-    if quantization is not None:
+    if quantization is not None and model.pool_kind == "mla":  # DeepSeek: unsmoothed
+        info = quantize_mla_model(model, quantization, fixed=deterministic)
+        if deterministic:
+            info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
+    elif quantization is not None:
         ids, smoothing = calibration_token_ids(
             source, getattr(model, "full_dims", model.dims).vocab_size)
-        info = quantize_model(model, quantization, ids, smoothing)
+        info = quantize_model(model, quantization, ids, smoothing, fixed=deterministic)
         if deterministic:
             info["batch_invariant"] = check_batch_invariant(model, quantization_flag)
     elif deterministic and model.pool_kind == "mla":  # DeepSeek: MLA / DSA, its MoE
@@ -186,6 +191,15 @@ def unhonoured_window(model, hf_config) -> int | None:
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def quantizable(model: Any) -> bool:
+    """--quantization w8a8_int8 is built for it: the llama-family decoder, its MoE members
+    (moe_decoder.py: experts int8, routers float; runner/quant/w8a8.py) and DeepSeek's MLA
+    models (runner/models/deepseek_w8a8.py)."""
+    spec = getattr(model, "spec", None)
+    return (is_llama_family(model) or model.pool_kind == "mla"
+            or (spec is not None and spec.family == "moe"))
 
 
 def eos_token_ids(source, hf_config) -> list[int]:

@@ -262,8 +262,9 @@ def test_bfloat16_runs_close_to_float32(arch, gemma_paths, prompts):
 
 # ---------------------------------------------------------------- what is refused, by name
 def test_int8_quantization_is_refused(gemma_paths):
-    with pytest.raises(ValueError, match="w8a8_int8 supports the llama-family decoder only, "
-                                         "not Gemma3ForCausalLM"):
+    with pytest.raises(ValueError, match="w8a8_int8 supports the llama-family decoder, its "
+                                         "MoE members and DeepSeek only, not "
+                                         "Gemma3ForCausalLM"):
         make_runner(gemma_paths["gemma3"], quantization="w8a8_int8", max_total_tokens=256)
 
 

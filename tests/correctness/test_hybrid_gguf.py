@@ -250,9 +250,11 @@ def test_falcon_h1_folded_multipliers_are_the_same_model(files, prompts, tmp_pat
 
 def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
     """A Qwen3.5 file with its MTP block (block_count + 1, nextn_predict_layers, blk.N.nextn.*)
-    loads the model's layers only, as an HF checkpoint's mtp.* is skipped."""
+    loads the model's layers only, as an HF checkpoint's mtp.* is skipped; NEXTN over it
+    (the block as a draft) is refused by name."""
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
     from kvstrata.runner.models.loader import load_model
+    from kvstrata.runner.models.qwen3_next_mtp import load_qwen3_next_mtp
 
     hf_path, _, ref_path = files["qwen3_5"]
     path = write_hybrid_gguf("qwen3_5", hf_path, str(tmp_path / "mtp.gguf"),
@@ -260,7 +262,11 @@ def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
     source = resolve_model_path(path)
     config = load_hf_config(source)
     assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
-    ours = dict(load_model(source, config, "float32").named_parameters())
+    model = load_model(source, config, "float32")
+    with pytest.raises(ValueError, match=r"NEXTN: the MTP \(nextn\) block of a GGUF file is "
+                                         r"not read"):
+        load_qwen3_next_mtp(source, config, model)
+    ours = dict(model.named_parameters())
     source = resolve_model_path(ref_path)
     theirs = dict(load_model(source, load_hf_config(source), "float32").named_parameters())
     assert ours.keys() == theirs.keys()

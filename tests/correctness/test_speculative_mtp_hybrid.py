@@ -1,13 +1,18 @@
-"""NEXTN on Qwen3-Next and Qwen3.5: their MTP layer (runner/models/qwen3_next_mtp.py, a gated
-full-attention layer; Qwen3.5's with its dense MLP) drafts beside the recurrent target
+"""NEXTN on Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: their MTP layer (runner/models/qwen3_next_mtp.py,
+a gated full-attention layer; Qwen3.5's with its dense MLP, Qwen3.5-MoE's with its MoE block:
+routed experts, shared expert and its gate) drafts beside the recurrent target
 (runner/spec/mtp_hybrid.py); the target's verify keeps one Gated DeltaNet state per draft step
 and commits the accepted one.
 
-A tiny random Qwen3-Next / Qwen3.5 (helpers/hybrid_ckpt.py; layer outputs scaled down so that
-an MTP layer passing the embedding through drafts well: OUTPUT_SCALE) with an MTP layer written
-the way Qwen's releases store it (`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
-`mtp.fc`, `mtp.layers.0.*`, `mtp.norm`; transformers skips them; SGLang's Qwen3_5ForCausalLMMTP
-reads Qwen3.5's under these names). The draft's logits, over an extend and then token by token
+A tiny random Qwen3-Next / Qwen3.5 / Qwen3.5-MoE (helpers/hybrid_ckpt.py; layer outputs scaled
+down so that an MTP layer passing the embedding through drafts well: OUTPUT_SCALE) with an MTP
+layer written the way Qwen's releases store it (`mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden`, `mtp.fc`, `mtp.layers.0.*`, `mtp.norm`; transformers skips them;
+SGLang's Qwen3_5ForCausalLMMTP reads Qwen3.5's and Qwen3.5-MoE's under these names, the experts
+one tensor per expert). An MTP layer with an MoE block (Qwen3.5-MoE's; Qwen3-Next's with decoder_sparse_step 1,
+tests/correctness/test_tp_nextn_hybrid.py) copies the target's last full-attention layer
+(transformers' MoE layer holds its experts fused, so a fresh one would not save under the
+released per-expert names). The draft's logits, over an extend and then token by token
 from its cached K/V, equal transformers' own decoder layer (Qwen3NextDecoderLayer /
 Qwen3_5DecoderLayer) run as the MTP layer over transformers' final-normed hidden states; greedy
 output with NEXTN equals plain greedy (itself transformers') with radix hits (state snapshots)
@@ -25,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers.family_checks import random_prompts
-from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint, hf_hybrid
+from helpers.hybrid_ckpt import (VOCAB, HFGreedy, build_hybrid_checkpoint,
+                                 build_qwen3_5_moe_checkpoint, hf_hybrid)
 from helpers.tiny_ckpt import scale_outputs
 from kvstrata import LLM
 from tests.correctness.test_speculative_mtp import _llm
@@ -33,7 +39,7 @@ from tests.correctness.test_speculative_mtp_mla import assert_twice_equal_with_d
 
 NEW_TOKENS = 12
 PROMPT_LENS = (3, 9, 17, 30)
-MTP_ARCHS = ("qwen3_next", "qwen3_5")
+MTP_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def _mtp_layer_config(config):
@@ -57,22 +63,40 @@ def _decoder_layer(hf):
     return type(hf.model.layers[0])
 
 
+def _copied_layer(hf) -> int | None:
+    """The target layer an MTP layer with an MoE block copies (the model's last
+    full-attention layer, an MoE one too), or None: a fresh transformers decoder layer (a
+    dense MLP)."""
+    if not hasattr(hf.model.layers[0].mlp, "experts"):
+        return None
+    kinds = hf.config.layer_types
+    last = max(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    assert hasattr(hf.model.layers[last].mlp, "experts")
+    return last
+
+
 def add_mtp_layer(src: str, seed: int = 97) -> str:
     """`src` with its layer outputs scaled (OUTPUT_SCALE) plus MTP weights (a transformers
-    decoder layer's, renamed; fc mostly the embedding half) and the config fields Qwen's
-    releases carry."""
+    decoder layer's, renamed, or on a MoE model a copy of its last full-attention layer's;
+    fc mostly the embedding half) and the config fields Qwen's releases carry."""
     from safetensors.torch import load_file, save_file
 
     hf = hf_hybrid(src)
     torch.manual_seed(seed)
-    layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0)
     h = hf.config.hidden_size
     tensors = load_file(f"{src}/model.safetensors")
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0, 0.3)  # zero-centred norms: w of 0 would hide the + 1
-            tensors[f"mtp.layers.0.{name}"] = p.detach().clone()
+    copied = _copied_layer(hf)
+    if copied is not None:
+        prefix = f"model.layers.{copied}."
+        tensors.update({"mtp.layers.0." + k[len(prefix):]: v.clone()
+                        for k, v in list(tensors.items()) if k.startswith(prefix)})
+    else:
+        layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)  # zero-centred norms: w of 0 would hide the + 1
+                tensors[f"mtp.layers.0.{name}"] = p.detach().clone()
     scale_outputs(tensors, OUTPUT_SCALE)  # the target's and the MTP layer's
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
         tensors[f"mtp.{name}.weight"] = torch.randn(h) * 0.1
@@ -93,6 +117,8 @@ def add_mtp_layer(src: str, seed: int = 97) -> str:
 def path(request, tmp_path_factory) -> str:
     arch = request.param
     root = tmp_path_factory.mktemp(f"{arch}_mtp")
+    if arch == "qwen3_5_moe":
+        return add_mtp_layer(build_qwen3_5_moe_checkpoint(str(root / arch)))
     return add_mtp_layer(build_hybrid_checkpoint(arch, str(root / arch)))
 
 
@@ -101,7 +127,7 @@ def prompts() -> list[list[int]]:
     return random_prompts(3, PROMPT_LENS, VOCAB)
 
 
-def _hf_mtp_logits(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_mtp_logits(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' final-normed hidden states of the prompt, and the MTP layer's logits
     at positions 0..n-2 (reading x_{i+1} and h_i) with its decoder layer."""
     from safetensors.torch import load_file
@@ -109,9 +135,13 @@ def _hf_mtp_logits(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Te
     hf = hf_hybrid(path)
     mtp = {k[len("mtp."):]: v for k, v in load_file(f"{path}/model.safetensors").items()
            if k.startswith("mtp.")}
-    layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0).eval()
-    layer.load_state_dict({k[len("layers.0."):]: v for k, v in mtp.items()
-                           if k.startswith("layers.0.")})
+    copied = _copied_layer(hf)
+    if copied is not None:  # the MTP layer's weights are this layer's (add_mtp_layer)
+        layer = copy.deepcopy(hf.model.layers[copied]).eval()
+    else:
+        layer = _decoder_layer(hf)(_mtp_layer_config(hf.config), 0).eval()
+        layer.load_state_dict({k[len("layers.0."):]: v for k, v in mtp.items()
+                               if k.startswith("layers.0.")})
     size, eps = hf.config.hidden_size, hf.config.rms_norm_eps
 
     def norm(name):
@@ -133,14 +163,14 @@ def _hf_mtp_logits(path: str, prompt: list[int]) -> tuple[torch.Tensor, torch.Te
         return hidden[0], hf.lm_head(norm("norm.weight")(x))[0]
 
 
-def _runner_with_draft(path: str, prompt_len: int):
-    """A ModelRunner with the MTP draft over a small hand-sized plan (state pool included),
-    row 1 holding slots 1.. for the prompt."""
+def runner_with_draft(path: str, prompt_len: int, tp_group=None):
+    """A ModelRunner (a tensor-parallel rank's with `tp_group`) with the MTP draft over a
+    small hand-sized plan (state pool included), row 1 holding slots 1.. for the prompt."""
     from kvstrata.config.kv_plan import KVPlan
     from kvstrata.runner.model_runner import ModelRunner
 
     runner = ModelRunner(path, dtype="float32", device="cpu", draft_model_path=path,
-                         draft_algorithm="EAGLE")
+                         draft_algorithm="EAGLE", tp_group=tp_group)
     facts = runner.kv_facts()
     runner.allocate_kv(KVPlan(1, 64, 2, 64, facts.pool_kind, facts.components,
                               draft_components=facts.draft_components, num_state_slots=4,
@@ -149,18 +179,12 @@ def _runner_with_draft(path: str, prompt_len: int):
     return runner
 
 
-def test_draft_logits_match_transformers(path, prompts):
-    """The draft alone (its linears packed as the target's): its features are transformers'
-    hidden states (the end-to-end test below feeds it ours)."""
-    prompt = prompts[-1]
-    n, first = len(prompt), 16
-    hidden, want = _hf_mtp_logits(path, prompt)
-    draft = _runner_with_draft(path, n).draft
-    assert [c.name for c in draft.kv_components()] == ["k", "v", "eagle_hidden"]
-    from kvstrata.runner.cpu.packed_linear import PackedLinear
-    # packed as the target is (qwen3_next_mtp.load_qwen3_next_mtp): no float matrix left
-    head = draft.model
-    assert isinstance(head.fc, PackedLinear) and isinstance(head.layer.mixer.qkv, PackedLinear)
+def draft_logits(draft, prompt: list[int], hidden: torch.Tensor,
+                 first: int = 16) -> torch.Tensor:
+    """The MTP draft's logits at positions 0..n-2 of `prompt` (row 1 of its runner), over an
+    extend of the first `first` positions and then one position at a time from its cached
+    K/V, its features `hidden` (transformers' final-normed states)."""
+    n = len(prompt)
     draft.features[1:n + 1] = hidden
     got = []
     with torch.inference_mode():
@@ -169,7 +193,22 @@ def test_draft_logits_match_transformers(path, prompts):
             fb.logits_idx = None
             logits, _ = draft.model(fb, draft.features[fb.out_slots])
             got.append(logits)
-    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
+    return torch.cat(got)
+
+
+def test_draft_logits_match_transformers(path, prompts):
+    """The draft alone (its linears packed as the target's): its features are transformers'
+    hidden states (the end-to-end test below feeds it ours)."""
+    from kvstrata.runner.cpu.packed_linear import PackedLinear
+
+    prompt = prompts[-1]
+    hidden, want = hf_mtp_logits(path, prompt)
+    draft = runner_with_draft(path, len(prompt)).draft
+    assert [c.name for c in draft.kv_components()] == ["k", "v", "eagle_hidden"]
+    # packed as the target is (qwen3_next_mtp.load_qwen3_next_mtp): no float matrix left
+    head = draft.model
+    assert isinstance(head.fc, PackedLinear) and isinstance(head.layer.mixer.qkv, PackedLinear)
+    torch.testing.assert_close(draft_logits(draft, prompt, hidden), want, atol=1e-4, rtol=0)
 
 
 def _greedy(llm: LLM, prompts) -> list[dict]:

@@ -6,7 +6,8 @@ co-located server's. The decode pool holds about a third of a batch: its ranks r
 KV backups and restore. (A decode of another --tp-size: tests/transfer/test_disagg_tp.py.)
 A hybrid SWA model's pair at tp 2 (soak): each rank's SWA pool is a page region of its own.
 A recurrent hybrid's pair at tp 2 (soak): decode rank r receives prefill rank r's share of
-each request's final state (runner/parallel/tp_hybrid.py)."""
+each request's final state (runner/parallel/tp_hybrid.py); and (soak) over mooncake with NEXTN
+on both servers and a pressured decode that retracts on every rank."""
 from __future__ import annotations
 
 import random
@@ -148,5 +149,38 @@ def test_tp2_recurrent_hybrid_pair_through_the_router(tmp_path):
         for n in (5, 29, 40):
             ids = torch.randint(3, VOCAB, (n,), generator=g).tolist()
             assert router_generate(pd, ids, NEW, timeout=120) == ref(ids, NEW), n
+        assert_no_leak(pd.decode)
+        assert_no_leak(pd.prefill)
+
+
+@pytest.mark.soak  # two tp 2 servers of its own, a pressured batch with drafts
+def test_tp2_recurrent_hybrid_mooncake_pair_with_nextn_retracts_on_every_rank(tmp_path):
+    """Qwen3.5 with an MTP layer (tests/correctness/test_speculative_mtp_hybrid.py) at
+    --tp-size 2 on both servers over mooncake, NEXTN on both: each prefill rank sends its KV
+    heads' pages, its share of the MTP layer's K/V pages and of the final state; the decode
+    pool holds about a third of the batch, so its ranks retract (cpu_tensor: K/V, draft
+    K/V, the state slot's share) and restore. Greedy tokens equal transformers', drafts are
+    accepted, both servers drain whole."""
+    import torch
+
+    from helpers.hybrid_ckpt import VOCAB, HFGreedy, build_hybrid_checkpoint
+    from tests.correctness.test_speculative_mtp_hybrid import add_mtp_layer
+    from tests.e2e.test_pd_retraction import MAX_NEW, decode_load, run_batch
+
+    path = add_mtp_layer(build_hybrid_checkpoint("qwen3_5", str(tmp_path / "qwen3_5")))
+    ref = HFGreedy(path)
+    g = torch.Generator().manual_seed(6)
+    batch = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (21, 34, 47, 60, 29)]
+    args = (*TP2, "--dtype", "float32", "--skip-tokenizer-init", "--speculative-algorithm",
+            "NEXTN", "--speculative-disable-by-batch-size", str(1 << 20))
+    decode = (*args, "--max-total-tokens", "160", "--num-reserved-decode-tokens", "1")
+    with serving(PDServers(path, "mooncake", *decode, prefill_args=args)) as pd:
+        results = run_batch(pd, batch)
+        for i, ids in enumerate(batch):
+            assert results[i].status_code == 200, results[i].text
+            assert results[i].json()["output_ids"] == ref(ids, MAX_NEW), i
+        load = decode_load(pd)
+        assert load["decode_retractions_total"] > 0, load
+        assert load["spec_accepted_tokens"] > load["spec_verify_steps"] > 0, load
         assert_no_leak(pd.decode)
         assert_no_leak(pd.prefill)

@@ -89,6 +89,15 @@ def build_moe_checkpoint(arch: str, path: str, seed: int = 1357, **overrides) ->
                             seed + archs.index(arch), _redraw)
 
 
+def calm_moe_checkpoint(arch: str, path: str, seed: int = 2468) -> str:
+    """The tiny config of `arch` drawn at initializer_range 0.05 (the calm tiny llama of
+    test_w8a8_int8.py): at 0.15 the layers amplify int8's per-layer error to ~3% of the
+    logits' range and half the greedy steps sit within it."""
+    config = tiny_moe_config(arch)
+    config.initializer_range = 0.05
+    return build_checkpoint(config, path, seed + (MOES + MLA_MOES).index(arch), _redraw)
+
+
 def add_v3_mtp_layer(src: str, dst: str, output_scale: float | None = None) -> str:
     """A copy of the tiny DeepSeek-V3 checkpoint `src` with one MTP layer, stored as
     DeepSeek's releases store it (kvstrata/bench/tiny_dsa.py's writer; no IndexShare flag:

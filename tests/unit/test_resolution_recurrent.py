@@ -111,10 +111,11 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
       "hicache_storage_backend": "file"}, "a PD decode server's HiCache / KV offload"),
     ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "x"},
      "--speculative-algorithm EAGLE3: a draft head over a recurrent target"),
-    ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's and "
-                                         "Qwen3.5's MTP layers are built"),
+    ({"speculative_algorithm": "NEXTN"}, "NEXTN on this model: only Qwen3-Next's, "
+                                         "Qwen3.5's and Qwen3.5-MoE's MTP layers are built"),
     ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
-     "--tp-size 2 with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer"),
+     "--tp-size 2 with --speculative-algorithm NEXTN on this model: the MTP layer is split "
+     "across ranks for Qwen3_5ForCausalLM and Qwen3NextForCausalLM only"),
     ({"quantization": "gptq"}, "--quantization gptq: the recurrent hybrids run w8a8_int8"),
     ({"tp_size": 2, "quantization": "w8a8_int8"}, "--tp-size 2 with --quantization w8a8_int8"),
     ({"enable_deterministic_inference": True},
@@ -148,11 +149,13 @@ def test_tp_runs_the_built_hybrids_and_refuses_other_architectures():
 
 
 @pytest.mark.parametrize("config,arch", [(T.Qwen3NextConfig, "Qwen3NextForCausalLM"),
-                                         (T.Qwen3_5TextConfig, "Qwen3_5ForCausalLM")])
+                                         (T.Qwen3_5TextConfig, "Qwen3_5ForCausalLM"),
+                                         (T.Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM")])
 def test_nextn_is_built_for_qwen3_next_and_qwen3_5_chains_only(config, arch):
-    """Qwen3-Next's and Qwen3.5's MTP layer drafts (runner/spec/mtp_hybrid.py): NEXTN
-    resolves to EAGLE over its own checkpoint, co-located and under PD; trees and other
-    recurrent architectures are refused."""
+    """Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's MTP layer drafts (runner/spec/mtp_hybrid.py):
+    NEXTN resolves to EAGLE over its own checkpoint, co-located and under PD, and at
+    --tp-size 2 on Qwen3-Next and Qwen3.5 (Qwen3.5-MoE has no tensor-parallel class: refused
+    by name); trees and other recurrent architectures are refused."""
     info = info_of({**config(num_hidden_layers=4).to_dict(), "architectures": [arch]})
     assert info.architecture == arch
     resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN")
@@ -165,6 +168,13 @@ def test_nextn_is_built_for_qwen3_next_and_qwen3_5_chains_only(config, arch):
         resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN",
                           disaggregation_mode=mode)
         assert resolved.speculative_algorithm == "EAGLE"
+    if arch == "Qwen3_5MoeForCausalLM":
+        with pytest.raises(ValueError, match="--tp-size 2 with --speculative-algorithm NEXTN "
+                                             "on Qwen3_5MoeForCausalLM: the MTP layer is"):
+            run(info, model_path="m", speculative_algorithm="NEXTN", tp_size=2)
+    else:
+        resolved, _ = run(info, model_path="m", speculative_algorithm="NEXTN", tp_size=2)
+        assert (resolved.tp_size, resolved.speculative_algorithm) == (2, "EAGLE")
     nemotron = info_of({**T.NemotronHConfig(num_hidden_layers=4,
                                             hybrid_override_pattern="M*M-").to_dict(),
                         "architectures": ["NemotronHForCausalLM"]})

@@ -62,6 +62,23 @@ def test_nextn_becomes_eagle_with_its_own_mtp_layer_and_the_auto_shape():
         "--speculative-token-map with NEXTN (FR-Spec is built for EAGLE heads)"]
 
 
+def test_nextn_under_tp_is_refused_at_resolution_for_models_without_recurrent_state():
+    """NEXTN at --tp-size > 1 passes the model-blind check (Qwen3-Next and Qwen3.5 split
+    their MTP layer per rank: tests/unit/test_resolution_recurrent.py); on any other model,
+    or with none known, the resolution refuses it by name."""
+    from kvstrata.config.resolve_types import ModelInfo
+
+    args = ServerArgs(speculative_algorithm="NEXTN", tp_size=2)
+    assert unimplemented_flags(args) == []
+    with pytest.raises(ValueError, match="NEXTN with --tp-size 2 on this model: the MTP layer "
+                                         "is split across ranks for Qwen3-Next and Qwen3.5"):
+        resolve(args, "cpu")
+    v3 = ModelInfo.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+                                   "architectures": ["DeepseekV3ForCausalLM"]})
+    with pytest.raises(ValueError, match="on DeepseekV3ForCausalLM: the MTP layer is split"):
+        resolve(args, "cpu", v3)
+
+
 @pytest.mark.parametrize("kwargs,named", [
     ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d",
       "speculative_draft_model_quantization": "w8a8_int8"},

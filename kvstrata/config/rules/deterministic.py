@@ -152,7 +152,9 @@ LINEAR_WHY = ("oneDNN's linear, the fp32 GEMV (1-16 rows) and the AMX / oneDNN s
 # --quantization values (and a draft's) the flag takes, every one built: w8a8_int8's own
 # int8 GEMM quantises each row on its own (per-token scale), sums in int32 (exact, so any order
 # gives the same sum) and scales each output by its row's and column's scale alone; the load
-# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py). gguf and
+# refuses a CPU where a layer would fall to fbgemm or oneDNN (runner/quant/w8a8.py); an MoE's
+# float router and a DeepSeek model's float parts (indexer, absorbed heads) go on the fixed
+# GEMM beside it (w8a8.quantize_experts, runner/models/deepseek_w8a8.py). gguf and
 # the HF integer schemes (gptq / awq / compressed-tensors and their *_marlin names) keep
 # their weights in GGUF blocks: both GGUF kernels (runner/cpu/gguf_matmul.py) run one path
 # for every row count, and their float parts (F32 / F16 segments of a fused layer, a float

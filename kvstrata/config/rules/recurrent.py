@@ -1,10 +1,11 @@
 """Step 4c: a model with recurrent state (SSM / linear-attention layers: Qwen3-Next, Qwen3.5,
 Nemotron-H, Granite-4.0-H, Falcon-H1, Mamba2). What its state pool and snapshot prefix cache run
 as, and what is refused beside them (by name, with the reason) until it is built: draft heads
-(EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's and Qwen3.5's MTP layers) and draft trees, the
-decode radix cache of PD, a decode server's HiCache, tensor parallelism beside NEXTN,
---quantization other than QUANTIZATIONS (deterministic inference: rules/deterministic.py; GGUF
-files of the archs not built: config/gguf_config.py). Without --quantization the projections
+(EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's MTP layers) and
+draft trees, the decode radix cache of PD, a decode server's HiCache, tensor parallelism
+beside NEXTN on other than Qwen3-Next and Qwen3.5,
+--quantization other than QUANTIZATIONS (deterministic inference: rules/deterministic.py; GGUF files of the archs not
+built: config/gguf_config.py). Without --quantization the projections
 run on kvstrata's packed linears (runner/models/hybrid_packed.py).
 HiCache's host state slots are sized with the pools (config/kv_sizing_host_state.py); this step
 says how `--hicache-mamba-size-gb auto` will be solved (`state.host_split`), so that
@@ -44,10 +45,10 @@ SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 # Speculative decoding over recurrent layers: chains whose verify keeps each draft step's
 # state and commits the accepted one (runner/recurrent/backend.py; SGLang's intermediate
 # states). Drafts come from the n-gram cache, a second checkpoint without recurrent state,
-# or (NEXTN) Qwen3-Next's or Qwen3.5's MTP layer, a full-attention layer
-# (runner/spec/mtp_hybrid.py).
+# or (NEXTN) Qwen3-Next's, Qwen3.5's or Qwen3.5-MoE's MTP layer, a full-attention layer
+# (runner/spec/mtp_hybrid.py; Qwen3.5-MoE's with an MoE MLP).
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
-NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
 # --quantization on the hybrids' projections (attention, in_proj / out_proj, MLPs, experts,
 # the output head; the conv, scan and norms stay float): w8a8_int8 (runner/quant/hybrid_w8a8.py,
@@ -59,6 +60,9 @@ QUANTIZATIONS = ("w8a8_int8", "gguf")
 # Tensor parallelism (runner/parallel/tp_hybrid.py).
 TP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                     "Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
+# NEXTN under TP: each rank's MTP layer holds its heads' and MLP width's share, as the
+# target's full-attention layers (runner/models/qwen3_next_mtp.py, tp_hybrid_split.py).
+NEXTN_TP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM")
 
 
 def effective_strategy(strategy: str, page_size: int) -> str:
@@ -107,8 +111,8 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if algo is not None and algo not in SPEC_ALGORITHMS and not nextn:
         out.append(f"--speculative-algorithm {algo}: a draft head over a recurrent target "
                    f"(EAGLE / EAGLE3; NEXTN on {architecture or 'this model'}: only "
-                   f"Qwen3-Next's and Qwen3.5's MTP layers are built) is not built; NGRAM "
-                   f"and STANDALONE are")
+                   f"Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's MTP layers are built) is not "
+                   f"built; NGRAM and STANDALONE are")
     if nextn and (args.speculative_eagle_topk or 1) > 1:
         out.append(f"--speculative-eagle-topk {args.speculative_eagle_topk}: a recurrent "
                    f"layer verifies chains only (one state per draft step)")
@@ -141,7 +145,10 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     """--tp-size > 1 runs the hybrids of runner/parallel/tp_hybrid.py (each rank its heads'
     share of every recurrent layer and its own state pool) through the plain serving path:
     prefill, chunked prefill, decode, the snapshot prefix cache, retraction, and NGRAM /
-    STANDALONE chains (each rank's verify keeps its heads' per-step states), HiCache's host
+    STANDALONE chains (each rank's verify keeps its heads' per-step states), NEXTN on
+    Qwen3-Next and Qwen3.5 (each rank's MTP layer runs its heads' and MLP width's share, its
+    one-layer K/V pool holds its KV heads; the drafts, from all-gathered logits, are the same
+    on every rank), HiCache's host
     tier and storage (each rank's host state slots and state records hold its heads'
     share), PD at the same --tp-size on both servers (decode rank r receives prefill rank r's share of the final state; other
     sizes are refused by transfer/disagg/rank_map.py as for any model whose KV heads are
@@ -154,9 +161,11 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
     if architecture and architecture not in TP_ARCHITECTURES:
         out.append(f"{tp}: tensor parallelism over {architecture}'s recurrent layers is not "
                    f"built (it is for {', '.join(TP_ARCHITECTURES)})")
-    if args.speculative_algorithm == "NEXTN":  # (draft heads and trees: unbuilt() above)
-        out.append(f"{tp} with --speculative-algorithm NEXTN: Qwen3-Next's MTP layer is not "
-                   f"split across ranks (NGRAM and STANDALONE run)")
+    if args.speculative_algorithm == "NEXTN" and architecture not in NEXTN_TP_ARCHITECTURES:
+        # (draft heads and trees: unbuilt() above)
+        out.append(f"{tp} with --speculative-algorithm NEXTN on {architecture or 'this model'}"
+                   f": the MTP layer is split across ranks for "
+                   f"{' and '.join(NEXTN_TP_ARCHITECTURES)} only (NGRAM and STANDALONE run)")
     if args.quantization is not None:  # (gguf at any TP size: model_setup.py refuses it too)
         out.append(f"{tp} with --quantization {args.quantization}: a rank's share of the "
                    f"hybrids' int8 / GGUF layers is not built or checked yet")

@@ -11,7 +11,10 @@ continuation), STANDALONE (a draft checkpoint with the target's vocabulary,
 `--speculative-draft-model-path`, optionally `--speculative-draft-model-quantization
 w8a8_int8`), EAGLE and EAGLE3 (an EAGLE-2 / EAGLE-3 head, `--speculative-draft-model-path`),
 chains and trees (topk > 1), and NEXTN (EAGLE with the checkpoint's own MTP layer, DeepSeek
-models, chains; the draft path defaults to the model's). NGRAM
+models, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, chains; the draft path defaults to the model's;
+at --tp-size > 1 on Qwen3-Next and Qwen3.5 only, each rank running its share of the MTP
+layer: refused here for a model without recurrent state, by rules/recurrent.py for the
+other hybrids). NGRAM
 builds SGLang's BFS and PROB trees; its breadth left unset resolves to 1 (a chain; SGLang's
 default is 10) and says why.
 """
@@ -55,6 +58,13 @@ def speculative(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | 
         what = "the draft checkpoint" if algo == "STANDALONE" else "the EAGLE head checkpoint"
         raise ValueError(f"--speculative-algorithm {algo} needs "
                          f"--speculative-draft-model-path ({what})")
+    if algo == "NEXTN" and args.tp_size > 1 and not (model_info is not None
+                                                      and model_info.has_recurrent_state):
+        # (the hybrids' refusals by architecture: rules/recurrent.py, step 4c)
+        raise ValueError(f"--speculative-algorithm NEXTN with --tp-size {args.tp_size} on "
+                         f"{(model_info and model_info.architecture) or 'this model'}: the "
+                         f"MTP layer is split across ranks for Qwen3-Next and Qwen3.5 only "
+                         f"(NGRAM, STANDALONE and EAGLE run under TP)")
     out: list[Resolution] = []
     shape_of = algo
     if algo == "NEXTN":

@@ -60,13 +60,26 @@ def pin_block(block: nn.Module, linear: Callable = packed_linear) -> int:
     return pack_block(block, fixed=True, linear=linear)
 
 
-def pack_block(block: nn.Module, fixed: bool = False, linear: Callable = packed_linear) -> int:
-    """Replace the float weights the block names (module docstring) by PackedLinears: fixed
-    ones (deterministic inference: then the block's per-row sigmoid and ordered combine too),
-    or the serving ones; weights kept packed stay. An expert's layer keeps one layout (never
+# make_layer(name, weight, bias, fixed, expert) -> the layer that replaces `weight` (`name`:
+# its attribute; `expert`: one expert of a stack)
+LayerMaker = Callable[[str, torch.Tensor, "torch.Tensor | None", bool, bool], nn.Module]
+
+
+def packed_layer(name: str, weight: torch.Tensor, bias: torch.Tensor | None, fixed: bool,
+                 expert: bool) -> PackedLinear:
+    """pack_block's default: a PackedLinear. An expert's layer keeps one layout (never
     oneDNN's beside kvstrata's bf16 GEMM, packed_linear.split_layouts): the experts are most
-    of a MoE model's weights, and a second copy of each would double them. Returns how many
-    float weights were replaced (a stack counts its experts)."""
+    of a MoE model's weights, and a second copy of each would double them."""
+    return PackedLinear(weight, bias, fixed=fixed, split=not expert)
+
+
+def pack_block(block: nn.Module, fixed: bool = False, linear: Callable = packed_linear,
+               make_layer: LayerMaker = packed_layer) -> int:
+    """Replace the float weights the block names (module docstring) by `make_layer`'s layers
+    (PackedLinears; --quantization w8a8_int8: int8 experts, runner/quant/w8a8.py): fixed
+    ones (deterministic inference: then the block's per-row sigmoid and ordered combine too),
+    or the serving ones; weights kept packed stay. Returns how many float weights were
+    replaced (a stack counts its experts)."""
     replaced = 0
     for entry in block.pinned_weights:
         name, bias_name = _names(entry)
@@ -74,7 +87,8 @@ def pack_block(block: nn.Module, fixed: bool = False, linear: Callable = packed_
         if not isinstance(weight, torch.Tensor):  # absent (a shared expert's gate), or packed
             _refuse_packed_bias(block, weight, bias_name)
             continue
-        _swap(block, name, PackedLinear(weight, _take_bias(block, bias_name), fixed=fixed))
+        bias = _take_bias(block, bias_name)
+        _swap(block, name, make_layer(name, weight, bias, fixed, False))
         replaced += 1
     for entry in block.pinned_expert_stacks:
         name, bias_name = _names(entry)
@@ -84,14 +98,13 @@ def pack_block(block: nn.Module, fixed: bool = False, linear: Callable = packed_
             continue
         biases = _take_bias(block, bias_name)
         _swap(block, name, nn.ModuleList(  # experts[e] as stack[e] was
-            PackedLinear(stack[e], None if biases is None else biases[e], fixed=fixed,
-                         split=False)
+            make_layer(name, stack[e], None if biases is None else biases[e], fixed, True)
             for e in range(stack.shape[0])))
         replaced += stack.shape[0]
     for name in getattr(block, "pinned_children", ()):
         child = getattr(block, name)
         if child is not None:
-            replaced += pack_block(child, fixed, linear)
+            replaced += pack_block(child, fixed, linear, make_layer)
     block.linear = linear
     block.batch_invariant = fixed
     return replaced

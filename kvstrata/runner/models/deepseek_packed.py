@@ -25,7 +25,8 @@ What is packed (a model's attributes are replaced in place, as pack_model does):
     routed expert, the shared experts: fixed_experts.pack_block, the same code that pins the
     llama-family MoE blocks).
 The decode plan (decode_plan.py) replays the llama-family decoder only; an MLA model runs its
-layer loop. --quantization w8a8_int8 stays refused for it by name (model_setup.py).
+layer loop. --quantization w8a8_int8 packs the same way with int8 projections and experts
+(runner/models/deepseek_w8a8.py).
 Measured (benchmarks/ab_deepseek_packed.py, docs/benchmarks.md "DeepSeek on packed linears"):
 batch 1 1.4-1.55x the unpacked path's speed at bf16.
 """
@@ -53,6 +54,13 @@ def pack_mla_ffn_and_heads(layer: Any, dims: Any, fixed: bool = False) -> bool:
     """A DeepseekLayer's absorbed kv_b heads and its FFN (dense or MoE) packed in place;
     returns whether the FFN is an MoE block. (Its 2-D projections: pack_model, or
     pack_mla_layer for a layer outside model.layers.)"""
+    pack_absorbed_heads(layer, dims, fixed)
+    pack_block(layer.mlp, fixed)
+    return hasattr(layer.mlp, "router")
+
+
+def pack_absorbed_heads(layer: Any, dims: Any, fixed: bool = False) -> None:
+    """kv_b_proj's halves as the absorbed attention applies them (module docstring)."""
     key_half, value_half = layer.absorbed(dims)  # [H, nope, R], [H, v, R]
     if fixed:  # one fixed GEMM per head: a batched matmul blocks by the token count
         layer.key_heads = nn.ModuleList(PackedLinear(key_half[h].t().contiguous(), fixed=True)
@@ -62,8 +70,6 @@ def pack_mla_ffn_and_heads(layer: Any, dims: Any, fixed: bool = False) -> bool:
     else:
         layer.key_stack = key_half.contiguous()
         layer.value_stack = value_half.transpose(1, 2).contiguous()
-    pack_block(layer.mlp, fixed)
-    return hasattr(layer.mlp, "router")
 
 
 def pack_mla_layer(layer: Any, dims: Any, linears: tuple) -> None:

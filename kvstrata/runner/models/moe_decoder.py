@@ -27,8 +27,10 @@ attention and dense layers as the llama decoder's, the router and shared experts
 file quantized them, and each expert's gate|up and down as a packed layer of its own
 (runner/quant/gguf_linear.py: the stacks become one GgufLinear per expert, indexed as the
 stack was, so routed_sum multiplies the tokens routed to expert e by expert e's blocks).
-The other --quantization values are refused by name (model_setup.py), and so is a config
-field none of this builds (moe_config.py). --tp-size N: parallel/tp_moe.py.
+--quantization w8a8_int8: each expert its own int8 layer, the shared experts and attention
+int8, the router and shared-expert gate float (runner/quant/w8a8.py quantize_experts). A
+config field none of this builds is refused by name (moe_config.py). --tp-size N:
+parallel/tp_moe.py.
 --enable-deterministic-inference pins the router, every expert and the shared experts to
 kvstrata's fixed GEMM (packed: their float parts; runner/quant/gguf_pinned.py) and sums
 each token's experts in its own top-k order (runner/cpu/fixed_experts.py).
@@ -46,7 +48,7 @@ from torch import nn
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.decoder import ArchSpec, DecoderForCausalLM, DecoderLayer, _param
 from kvstrata.runner.models.moe import (SWIGLU_NAMES, DenseMLP, MoE, MoeDims, Targets,
-                                        routed_sum, row_sigmoid, swiglu, swiglu_targets)
+                                        routed_sum, row_sigmoid, swiglu_of, swiglu_targets)
 from kvstrata.runner.models.moe_config import check_moe_config
 from kvstrata.runner.quant import gguf_linear
 from kvstrata.runner.quant.packed_rows import PackedRows
@@ -72,8 +74,6 @@ STYLES = {
     # Qwen3-Next's MoE layers (qwen3_next.py): Qwen2-MoE's block
     "qwen3_next": MoeStyle("mlp", ("gate_proj", "up_proj", "down_proj"), "num_experts", True),
 }
-# --quantization gguf is built (kept packed); the re-quantizing ones are refused at load
-UNSUPPORTED = ("--quantization w8a8_int8",)
 
 
 def moe_style(config: Any) -> MoeStyle:
@@ -142,7 +142,7 @@ class SparseMoeBlock(nn.Module):
 
     def expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         local = e - self.experts[0]
-        return self.linear(swiglu(self.linear(xs, self.gate_up[local])), self.down[local])
+        return self.linear(swiglu_of(self.linear, xs, self.gate_up[local]), self.down[local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
@@ -182,7 +182,6 @@ def expert_slot(block: nn.Module, sub: str, names: tuple[str, str, str]
 
 class MoeDecoderForCausalLM(DecoderForCausalLM):
     """The llama decoder whose MoE layers (`layer.moe`) route to experts."""
-    unsupported = UNSUPPORTED
     # The routed experts a layer holds ([lo, hi); None: all) and how many ways the shared
     # experts' width is split: a tensor-parallel rank's share (parallel/tp_moe.py).
     held_experts: tuple[int, int] | None = None

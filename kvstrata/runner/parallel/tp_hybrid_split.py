@@ -117,15 +117,18 @@ class HybridSplit:
 
     # ---- per checkpoint tensor: this rank's share
     def share(self, model: Any, name: str, t: torch.Tensor) -> torch.Tensor:
-        if name == "lm_head.weight" or name.endswith(EMBEDDINGS):
-            return pad_rows(t[self.vocab[0]:self.vocab[1]], self.vocab_rows)
         parts = name.split(".")
+        if name == "lm_head.weight" or (name.endswith(EMBEDDINGS) and parts[0] != "mtp"):
+            # (an MTP layer's pre_fc_norm_embedding is a norm, replicated below)
+            return pad_rows(t[self.vocab[0]:self.vocab[1]], self.vocab_rows)
         at = next((k for k in range(len(parts) - 1) if parts[k] == "layers"
                    and parts[k + 1].isdigit()), None)
-        if at is None or parts[0] == "mtp":
-            return t  # the final norm; an MTP layer's tensors (skipped by the model)
+        if at is None:
+            return t  # the final norm; an MTP layer's fc and its norms (replicated)
         layer, module, leaf = int(parts[at + 1]), parts[at + 2], ".".join(parts[at + 3:])
-        kind = model.kinds[layer]
+        # an MTP layer (mtp.layers.0.*, NEXTN's draft) is a full-attention layer, cut as
+        # the model's are (its MLP: the model's layer 0's, dense or MoE)
+        kind = FULL_ATTENTION if parts[0] == "mtp" else model.kinds[layer]
         try:
             if module in ("input_layernorm", "post_attention_layernorm", "pre_ff_layernorm",
                           "norm"):

@@ -12,7 +12,11 @@ For each linear layer fed by an RMSNorm (qkv, gate|up, the output projection) an
 and the weight's column j multiplied by it: the product is unchanged in exact arithmetic, and
 the outliers' range is split between activations and weights. The division is folded into
 the norm's weight (or the up rows), so it costs nothing at run time. o_proj is left alone: its
-input channels come from v heads shared by several query heads (GQA).
+input channels come from v heads shared by several query heads (GQA). An MoE layer
+(runner/models/moe_decoder.py) smooths its qkv only: its post-norm feeds the float router and
+every expert, so one factor per channel would have to fold into all of them and into the
+router's weights (whose rounding then moves near-tied choices) -- not built, not measured.
+DeepSeek's MLA models are quantized unsmoothed (runner/models/deepseek_w8a8.py).
 """
 from __future__ import annotations
 
@@ -96,11 +100,14 @@ def smooth_model(model: Any, token_ids: list[int]) -> torch.Tensor:
     ranges = activation_ranges(model, token_ids)
     rows_split = getattr(model, "max_over_ranks", None)  # tensor parallel: rows per rank
     for layer in model.layers:
-        for weight, norm in ((layer.qkv_weight, layer.input_norm),
-                             (layer.gate_up_weight, layer.post_norm)):
-            s = _factors(ranges[id(weight)], weight, rows_split)
-            norm.data.div_(s)
-            weight.data.mul_(s)
+        s = _factors(ranges[id(layer.qkv_weight)], layer.qkv_weight, rows_split)
+        layer.input_norm.data.div_(s)
+        layer.qkv_weight.data.mul_(s)
+        if layer.gate_up_weight is None:  # an MoE layer: its FFN input is not smoothed
+            continue
+        s = _factors(ranges[id(layer.gate_up_weight)], layer.gate_up_weight, rows_split)
+        layer.post_norm.data.div_(s)
+        layer.gate_up_weight.data.mul_(s)
         s = _factors(ranges[id(layer.down_weight)], layer.down_weight)
         inter = layer.down_weight.shape[1]
         layer.gate_up_weight.data[inter:].div_(s[:, None])  # up rows: silu(gate) * up / s

@@ -30,8 +30,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
+from kvstrata import envs
 from kvstrata.platform import VNNI_FLAGS, read_cpu_flags
-from kvstrata.runner.cpu import int8_linear
+from kvstrata.runner.cpu import int8_linear, packed_linear as packed
+from kvstrata.runner.cpu.fixed_experts import pack_block
 from kvstrata.runner.cpu.int8_linear import Int8MatmulLinear, cpu_weight_shape
 from kvstrata.runner.cpu.packed_linear import PackedLinear
 from kvstrata.runner.quant.gguf_linear import GgufLinear
@@ -140,8 +144,63 @@ _LAYER_LINEARS = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"),
                   ("gate_up_weight", "gate_up_bias"), ("down_weight", "down_bias"))
 
 
-def _replace(owner: nn.Module, weight_name: str, bias_name: str | None,
-             layer_cls: type) -> None:
+def mixed_linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """F.linear(x, weight, bias) over a block or model whose weights are of three kinds once
+    quantized: int8 layers (the experts, projections), float ones kept float (a router,
+    Qwen2-MoE's shared-expert gate, DSA's indexer) as PackedLinears or plain tensors."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    if isinstance(weight, PackedLinear):
+        return packed.packed_linear(x, weight, bias)
+    return quantized_linear(x, weight, bias)
+
+
+# The MoE blocks' weights that stay float (runner/models/moe.py MoE, moe_decoder.py
+# SparseMoeBlock): the router, whose logits choose experts (an int8 error there flips a
+# near-tied top-k choice, and a token then gets another expert's whole output rather than
+# one expert's int8 noise; SGLang's w8a8_int8 keeps its MoE gate unquantized too), and
+# Qwen2-MoE's shared-expert gate (one output column). Both are [E or 1, hidden]: a few KiB
+# beside the experts' MiB, so int8 would save nothing measurable.
+ROUTING_WEIGHTS = ("router", "shared_gate")
+
+
+def quantize_experts(block: nn.Module, layer_cls: Callable[..., nn.Module], fixed: bool,
+                     pack_float: bool) -> int:
+    """An MoE block (or a dense SwiGLU block of the same kind, moe.DenseMLP) in place: every
+    routed expert its own int8 layer (an nn.ModuleList indexed as the stack was, so the
+    tokens grouped for expert e run expert e's int8 GEMM: moe.routed_sum), the shared
+    experts int8, ROUTING_WEIGHTS float -- on kvstrata's packed GEMM where `pack_float`, on
+    its fixed one where `fixed` (deterministic inference: the int8 GEMM is batch-invariant
+    as it stands, and the block then runs its per-row sigmoid and ordered combine). Returns
+    how many weights became int8 layers."""
+    made = 0
+
+    def make(name, weight, bias, pinned, expert):
+        nonlocal made
+        if name not in ROUTING_WEIGHTS:
+            made += 1
+            return layer_cls(weight, bias)
+        if pinned or pack_float:
+            return PackedLinear(weight, bias, fixed=pinned)
+        if bias is not None:
+            raise ValueError(f"{type(block).__name__}.{name}: a bias beside a float routing "
+                             f"weight is not built")
+        return weight
+
+    pack_block(block, fixed, mixed_linear, make)
+    return made
+
+
+def float_packing(model: nn.Module) -> bool:
+    """The weights kept float are packed as the float model's would be
+    (KVSTRATA_CPU_PACKED_LINEAR, packed_linear.available)."""
+    return envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed.available(model)
+
+
+def replace_with_int8(owner: nn.Module, weight_name: str, bias_name: str | None,
+                      layer_cls: Callable[..., nn.Module]) -> None:
+    """owner.<weight_name> (and its bias, whose attribute becomes None) -> an int8 layer."""
     weight = getattr(owner, weight_name)
     bias = getattr(owner, bias_name) if bias_name else None
     q = layer_cls(weight, bias)
@@ -163,36 +222,45 @@ def weight_bytes(model: nn.Module) -> int:
                                           GgufLinear)))
 
 
-def begin_quantization(model: Any, method: str) -> tuple[int, Callable[..., nn.Module], str]:
-    """The checks before replacing a model's layers (a built method, a CPU model), then (its
-    float weight bytes, the int8 layer this CPU runs, its kernel's name). Also the recurrent
-    hybrids' (runner/quant/hybrid_w8a8.py)."""
+def check_method(model: Any, method: str) -> None:
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                          f"got {method!r}")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"--quantization {method} is built for CPU only")
-    return (weight_bytes(model), *int8_kernel())
-
-
-def activation_bits(model: nn.Module) -> int:
-    """7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2 tile does
-    not take beside the ones it does; else 8."""
-    return 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
-                    for m in model.modules()) else 8
 
 
 def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = None,
-                   smoothing: str = "none") -> dict:
-    """Replace every linear layer of a loaded DecoderForCausalLM in place; returns what ran
-    (for /server_info). With `calibration_ids`, activation outliers are first smoothed into
-    the weights (runner/quant/smoothing.py). The float matrices are released as each layer is
-    replaced."""
-    before, layer_cls, kernel = begin_quantization(model, method)
+                   smoothing: str = "none", fixed: bool = False) -> dict:
+    """Replace every linear layer of a loaded DecoderForCausalLM in place (an MoE decoder's
+    blocks: quantize_experts); returns what ran (for /server_info). With `calibration_ids`,
+    activation outliers are first smoothed into the weights (runner/quant/smoothing.py). The
+    float matrices are released as each layer is replaced. `fixed`: deterministic
+    inference (what stays float goes on the fixed GEMM)."""
+    check_method(model, method)
+    before = weight_bytes(model)
+    layer_cls, kernel = int8_kernel()
     head_scale = smooth_model(model, calibration_ids) if calibration_ids else None
+    pack_float = float_packing(model)
+    moe_layers = 0
     for layer in model.layers:
         for weight_name, bias_name in _LAYER_LINEARS:
-            _replace(layer, weight_name, bias_name, layer_cls)
+            if getattr(layer, weight_name) is not None:  # None: an MoE layer's dense MLP
+                replace_with_int8(layer, weight_name, bias_name, layer_cls)
+        if getattr(layer, "moe", None) is not None:
+            quantize_experts(layer.moe, layer_cls, fixed, pack_float)
+            moe_layers += 1
+    info = quantize_head(model, layer_cls, head_scale)
+    model.linear = quantized_linear  # the attention's weights are all int8; a block has its own
+    return {"quantization": method, "kernel": kernel, **activation_bits(model),
+            "smoothing": smoothing, **({"int8_moe_layers": moe_layers} if moe_layers else {}),
+            "weight_bytes_float": before, "weight_bytes": weight_bytes(model), **info}
+
+
+def quantize_head(model: Any, layer_cls: Callable[..., nn.Module],
+                  head_scale: torch.Tensor | None = None) -> dict:
+    """The output projection int8 (smoothed by `head_scale`): a tied embedding keeps its
+    float matrix for the lookup, the projection gets an int8 copy."""
     tied = model.lm_head is model.embed
     if tied:
         # The lookup keeps the float matrix; the projection gets an int8 copy of it.
@@ -203,13 +271,15 @@ def quantize_model(model: Any, method: str, calibration_ids: list[int] | None = 
     else:
         if head_scale is not None:
             model.lm_head.data.mul_(head_scale)
-        _replace(model, "lm_head", None, layer_cls)
-    model.linear = quantized_linear
-    return {"quantization": method, "kernel": kernel,
-            "activation_bits": activation_bits(model),
-            "smoothing": smoothing,
-            "weight_bytes_float": before, "weight_bytes": weight_bytes(model),
-            "tied_output_projection_copy": tied}
+        replace_with_int8(model, "lm_head", None, layer_cls)
+    return {"tied_output_projection_copy": tied}
+
+
+def activation_bits(model: nn.Module) -> dict:
+    # 7 where any layer is fbgemm's without VNNI (levels 63), e.g. a shape the AVX2 tile does
+    # not take beside the ones it does
+    return {"activation_bits": 7 if any(isinstance(m, W8A8Int8Linear) and m.levels < 127
+                                        for m in model.modules()) else 8}
 
 
 def check_batch_invariant(model: nn.Module, flag: str = "--quantization") -> str:

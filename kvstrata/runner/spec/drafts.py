@@ -11,7 +11,7 @@ from kvstrata.runner.spec.standalone import DraftModel
 
 # The recurrent models whose MTP layer NEXTN drafts with (runner/spec/mtp_hybrid.py); the
 # resolution rule's list (config/rules/recurrent.py) is the same.
-MTP_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
+MTP_HYBRIDS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 def build_draft(target, device: torch.device, dtype: str, path: str | None, algorithm: str,
@@ -19,8 +19,8 @@ def build_draft(target, device: torch.device, dtype: str, path: str | None, algo
                 target_source, dsa_fused_topk: bool,
                 deterministic: bool = False) -> DraftModel | None:
     """STANDALONE: a second checkpoint. EAGLE / EAGLE3: a head over a llama-family target;
-    over a DeepSeek (MLA), Qwen3-Next or Qwen3.5 target, EAGLE is NEXTN after resolution: its
-    own MTP layer."""
+    over a DeepSeek (MLA), Qwen3-Next, Qwen3.5 or Qwen3.5-MoE target, EAGLE is NEXTN after
+    resolution: its own MTP layer (a rank's share of it under TP for the hybrids)."""
     if path is None:
         return None
     refuse_speculation(target, algorithm)

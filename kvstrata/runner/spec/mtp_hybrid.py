@@ -1,5 +1,6 @@
-"""NEXTN on Qwen3-Next and Qwen3.5: the checkpoint's MTP layer (runner/models/qwen3_next_mtp.py;
-Qwen3.5's has the same names and shape, with its model's dense MLP) drafts like an EAGLE head
+"""NEXTN on Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: the checkpoint's MTP layer
+(runner/models/qwen3_next_mtp.py; Qwen3.5's has the same names and shape, with its model's dense
+MLP, Qwen3.5-MoE's with its MoE block) drafts like an EAGLE head
 (runner/spec/eagle.py: features from the target's forwards, catch-up extend, one forward per
 further draft, validity per slot) over a K/V pool of one layer beside the target's
 full-attention pool.
@@ -10,7 +11,10 @@ target's Gated DeltaNet layers verify a chain keeping one state per draft step a
 accepted step's (runner/recurrent/backend.py, as for NGRAM and STANDALONE drafts). Chains
 only: a recurrent layer verifies one state per step, so trees are refused at start-up. Under
 PD it is any EAGLE-family draft (runner/spec/handoff.py): its K/V pages cross beside the
-target's pages and the final state slot.
+target's pages and the final state slot. Under --tp-size N (Qwen3-Next and Qwen3.5) each
+rank's draft is its share of the MTP layer over a K/V pool of its KV heads, beside the rank's
+share of the target (qwen3_next_mtp.py); its logits are all-gathered, so every rank drafts the
+same tokens and verifies them with its heads' per-step states.
 """
 from __future__ import annotations
 

@@ -356,6 +356,19 @@ static PyObject *use_pool(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *pool_delays(PyObject *self, PyObject *args) {
+    int worker_us, caller_us;
+    if (!PyArg_ParseTuple(args, "ii", &worker_us, &caller_us)) return NULL;
+    atomic_store(&pool_test_worker_us, worker_us);
+    atomic_store(&pool_test_caller_us, caller_us);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pool_counts(PyObject *self, PyObject *args) {
+    return Py_BuildValue("LL", (long long)atomic_load(&pool_g.chunks_called),
+                         (long long)atomic_load(&pool_g.chunks_run));
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "fp32 rows x packed GGUF weight rows, fp32 out."},
     {"matmul_q8", matmul_q8, METH_VARARGS,
@@ -364,6 +377,12 @@ static PyMethodDef methods[] = {
     {"has_avx2", has_avx2, METH_VARARGS, "Whether the AVX2 + FMA + F16C body runs here."},
     {"use_pool", use_pool, METH_VARARGS,
      "Whether the GEMMs split over kvstrata's pool (gguf_pool.h) or torch's OpenMP team."},
+    {"pool_delays", pool_delays, METH_VARARGS,
+     "Test only: pause a worker after each chunk and the caller before a call's claim word "
+     "(microseconds; 0, 0 = off) -- the windows of a descheduled thread."},
+    {"pool_counts", pool_counts, METH_NOARGS,
+     "Test only: chunks the pool's calls asked for and chunks run, since start (equal when "
+     "no call is running)."},
     {"has_vnni", has_vnni, METH_VARARGS,
      "Whether matmul_q8 runs its AVX-512 VNNI body here (the AVX2 body's bits)."},
     {NULL, NULL, 0, NULL}};

@@ -60,6 +60,7 @@ typedef struct {
     _Atomic int threads;
     _Atomic int sleepers;
     _Atomic int workers; /* started: indices 1..workers */
+    _Atomic int64_t chunks_called, chunks_run; /* since start: every chunk runs exactly once */
     _Atomic pid_t pid;   /* the process that started them (a fork's child has none) */
     pthread_mutex_t lock;
     pthread_cond_t wake;
@@ -69,6 +70,18 @@ static pool_state pool_g = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_C
 static pthread_mutex_t pool_start_lock = PTHREAD_MUTEX_INITIALIZER;
 /* One call at a time (the calls release the GIL: a second Python thread waits its turn). */
 static pthread_mutex_t pool_call_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The stress test's windows (tests/correctness/test_gguf_pool_stress.py, _gguf_ops.pool_delays;
+ * 0 otherwise: one relaxed load per chunk): a worker pauses after each chunk it finishes, as
+ * a descheduled worker would, and the caller pauses between publishing a call's fields and
+ * its claim word. Together they open, on every call, the window in which a late worker of the
+ * last call could read this call's fields under the old claim (the race fixed in pool_run). */
+static _Atomic int pool_test_worker_us = 0, pool_test_caller_us = 0;
+
+static void pool_test_pause(_Atomic int *us) {
+    const int wait = atomic_load_explicit(us, memory_order_relaxed);
+    if (wait > 0) usleep((useconds_t)wait);
+}
 
 /* Claim and run chunks of generation gen until none is left (or a newer call replaced it).
  * The call's fields are read before the claim's compare-and-swap: a call replaced in between
@@ -87,7 +100,9 @@ static void pool_drain(const uint32_t gen, const int worker) {
                                                    memory_order_acq_rel, memory_order_relaxed))
             continue;
         fn(job, k, worker);
+        atomic_fetch_add_explicit(&pool_g.chunks_run, 1, memory_order_relaxed);
         atomic_fetch_add_explicit(&pool_g.done, 1, memory_order_release);
+        if (worker) pool_test_pause(&pool_test_worker_us);
     }
 }
 
@@ -209,6 +224,8 @@ static void pool_run(pool_fn fn, const void *job, int64_t chunks, int threads, i
     atomic_store_explicit(&pool_g.chunks, chunks, memory_order_relaxed);
     atomic_store_explicit(&pool_g.threads, threads, memory_order_relaxed);
     atomic_store_explicit(&pool_g.done, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool_g.chunks_called, chunks, memory_order_relaxed);
+    pool_test_pause(&pool_test_caller_us);
     const uint32_t gen = last + 2;
     atomic_store(&pool_g.claim, (uint64_t)gen << 32); /* seq_cst: publishes the fields */
     if (atomic_load(&pool_g.sleepers) > 0) {
