@@ -73,9 +73,9 @@ def _save(model, path: str) -> str:
 BUILDERS = {"v3": build_v3, "v2-lite": build_v2_lite}
 
 
-def parse_args(argv=None, builders=None, arms=None, description=__doc__):
-    """This script's flags; ab_hybrid_packed.py passes its own models and arms."""
-    builders, arms = builders or BUILDERS, arms or SETTINGS
+def parse_args(argv=None, builders: dict = BUILDERS, settings: dict = SETTINGS,
+               description: str = __doc__):
+    """The A/B's arguments; another model family's A/B passes its builders and arms."""
     p = argparse.ArgumentParser(description=description.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(builders), choices=list(builders))
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
@@ -84,8 +84,11 @@ def parse_args(argv=None, builders=None, arms=None, description=__doc__):
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--batch1-prompts", type=int, default=2)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU seconds (time.process_time), steadier than "
+                        "wall time on a shared box at --threads 1")
     p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
+    p.add_argument("--arms", nargs="+", default=list(settings), choices=list(settings))
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's own)")
     p.add_argument("--seed", type=int, default=0)
@@ -94,44 +97,53 @@ def parse_args(argv=None, builders=None, arms=None, description=__doc__):
     return p.parse_args(argv)
 
 
-def measure(args, path: str, dtype: str, setting: str) -> dict:
+def measure(args, path: str, dtype: str, env: dict, packed: bool,
+            info_key: str = "packed_absorbed_heads") -> dict:
+    """One engine under the environment `env` (its "--quantization" entry, if any, is the
+    flag: ab_hybrid_packed.py's w8a8 arm): its decode, batch-1 and prefill figures;
+    `info_key` in /server_info's quantization_info exactly when the arm is `packed`."""
     from kvstrata import LLM
 
-    os.environ["KVSTRATA_CPU_PACKED_LINEAR"], os.environ["KVSTRATA_CPU_BF16_GEMM"] = (
-        SETTINGS[setting])
-    llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
-              max_total_tokens=16384, disable_radix_cache=True)
-    try:
-        info = llm.server_info()["quantization_info"]
-        assert ("packed_absorbed_heads" in info) == (setting != "unpacked"), info
-        return timings(args, llm)
-    finally:
-        llm.shutdown()
-
-
-def timings(args, llm) -> dict:
-    """One engine's figures (module docstring): decode tok/s, batch-1 tok/s, prefill s."""
+    env = dict(env)
+    quantization = env.pop("--quantization", None)
+    os.environ.update(env)
     prompts = make_prompts(args.num_prompts, args.input_len, args.input_len, VOCAB, args.seed)
     long_prompts = make_prompts(3, args.prefill_len, args.prefill_len, VOCAB, args.seed + 1)
-    greedy = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
-    llm.generate(input_ids=prompts[:2], sampling_params={**greedy, "max_new_tokens": 4})
-    served = _output_tok_s(llm, prompts, greedy)
-    one = statistics.fmean(_output_tok_s(llm, [p], greedy)
-                           for p in prompts[:args.batch1_prompts])
-    prefill = min(_seconds(llm, [p], {**greedy, "max_new_tokens": 1})
-                  for p in long_prompts[:2])
-    llm.check_integrity()
-    return {"decode_tok_s": served, "batch1_tok_s": one, "prefill_s": prefill}
+    llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
+              max_total_tokens=16384, disable_radix_cache=True, quantization=quantization)
+    try:
+        info = llm.server_info()["quantization_info"]
+        assert (info_key in info) == packed, info
+        greedy = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
+        llm.generate(input_ids=prompts[:2], sampling_params={**greedy, "max_new_tokens": 4})
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        served = _output_tok_s(llm, prompts, greedy, clock)
+        one = statistics.fmean(_output_tok_s(llm, [p], greedy, clock)
+                               for p in prompts[:args.batch1_prompts])
+        # batch-1 time per output token: a request of output-len tokens less one of 1 token
+        tpot = statistics.median(
+            (_seconds(llm, [p], greedy, clock)
+             - _seconds(llm, [p], {**greedy, "max_new_tokens": 1}, clock))
+            / (args.output_len - 1) * 1e3 for p in prompts[:args.batch1_prompts])
+        prefill = min(_seconds(llm, [p], {**greedy, "max_new_tokens": 1}, clock)
+                      for p in long_prompts[:2])
+        llm.check_integrity()
+    finally:
+        llm.shutdown()
+        for var in env:
+            os.environ.pop(var, None)
+    return {"decode_tok_s": served, "batch1_tok_s": one, "batch1_tpot_ms": tpot,
+            "prefill_s": prefill}
 
 
-def _seconds(llm, prompts, params) -> float:
-    start = time.perf_counter()
+def _seconds(llm, prompts, params, clock=time.perf_counter) -> float:
+    start = clock()
     llm.generate(input_ids=prompts, sampling_params=params)
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def _output_tok_s(llm, prompts, params) -> float:
-    return len(prompts) * params["max_new_tokens"] / _seconds(llm, prompts, params)
+def _output_tok_s(llm, prompts, params, clock=time.perf_counter) -> float:
+    return len(prompts) * params["max_new_tokens"] / _seconds(llm, prompts, params, clock)
 
 
 def speedups(got: dict, arm: str) -> dict:
@@ -139,53 +151,56 @@ def speedups(got: dict, arm: str) -> dict:
     p, u = got[arm], got["unpacked"]
     return {"decode": p["decode_tok_s"] / u["decode_tok_s"],
             "batch1": p["batch1_tok_s"] / u["batch1_tok_s"],
+            "batch1_tpot": u["batch1_tpot_ms"] / p["batch1_tpot_ms"],
             "prefill": u["prefill_s"] / p["prefill_s"]}
 
 
-def main(argv=None) -> dict:
-    return run(parse_args(argv), BUILDERS, measure, "ab-ds-packed-",
-               ("KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_BF16_GEMM"))
-
-
-def run(args, builders: dict, measure_arm, prefix: str, env_vars: tuple) -> dict:
-    """Every model of `builders` x dtype: --rounds rounds of every arm (`measure_arm(args,
-    path, dtype, arm)`), the order reversed every other round, speed-ups over unpacked and
-    their medians; `env_vars` (what the arms set) cleared after."""
+def run_ab(args, paths: dict, settings: dict, info_key: str) -> dict:
+    """Every dtype x model: the arms of `settings` (name -> environment; "unpacked" the
+    baseline) alternated round by round, each arm's speed-ups over unpacked and their
+    medians. Returns the result JSON (also written to --output-json)."""
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     result = {"args": vars(args), "load": announce_load(args.require_quiet), "models": {},
               "threads": torch.get_num_threads()}
-    torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        paths = {name: builders[name](os.path.join(tmp, name)) for name in args.models}
-        for dtype in args.dtypes:
-            for name, path in paths.items():
-                rounds = []
-                arms = [a for a in args.arms if a != "unpacked"]
-                for r in range(args.rounds):
-                    order = ["unpacked", *arms]
-                    order = order if r % 2 == 0 else order[::-1]
-                    got = {s: measure_arm(args, path, dtype, s) for s in order}
-                    rounds.append({**got, "speedup": {a: speedups(got, a) for a in arms}})
-                    print(f"{name} {dtype} round {r + 1}: " + "; ".join(
-                        f"{s} " + ", ".join(f"{k} {v:.3f}" for k, v in got[s].items())
-                        for s in order), flush=True)
-                median = {a: {k: statistics.median(x["speedup"][a][k] for x in rounds)
-                              for k in rounds[0]["speedup"][a]} for a in arms}
-                for a in arms:
-                    print(f"{name} {dtype} median speed-up {a} / unpacked: "
-                          + ", ".join(f"{k} {v:.2f}x" for k, v in median[a].items()),
-                          flush=True)
-                result["models"].setdefault(name, {})[dtype] = {"rounds": rounds,
-                                                                "median_speedup": median}
+    for dtype in args.dtypes:
+        for name, path in paths.items():
+            rounds = []
+            arms = [a for a in args.arms if a != "unpacked"]
+            for r in range(args.rounds):
+                order = ["unpacked", *arms]
+                order = order if r % 2 == 0 else order[::-1]
+                got = {s: measure(args, path, dtype, settings[s], s != "unpacked", info_key)
+                       for s in order}
+                rounds.append({**got, "speedup": {a: speedups(got, a) for a in arms}})
+                print(f"{name} {dtype} round {r + 1}: " + "; ".join(
+                    f"{s} " + ", ".join(f"{k} {v:.3f}" for k, v in got[s].items())
+                    for s in order), flush=True)
+            median = {a: {k: statistics.median(x["speedup"][a][k] for x in rounds)
+                          for k in rounds[0]["speedup"][a]} for a in arms}
+            for a in arms:
+                print(f"{name} {dtype} median speed-up {a} / unpacked: "
+                      + ", ".join(f"{k} {v:.2f}x" for k, v in median[a].items()), flush=True)
+            result["models"].setdefault(name, {})[dtype] = {"rounds": rounds,
+                                                            "median_speedup": median}
     result["load_after"] = announce_load(False)
-    for var in env_vars:
-        os.environ.pop(var, None)
     if args.output_json:
         write_json(args.output_json, result)
     return result
+
+
+def main(argv=None) -> dict:
+    import torch
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    settings = {arm: {"KVSTRATA_CPU_PACKED_LINEAR": packed, "KVSTRATA_CPU_BF16_GEMM": gemm}
+                for arm, (packed, gemm) in SETTINGS.items()}
+    with tempfile.TemporaryDirectory(prefix="ab-ds-packed-") as tmp:
+        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
+        return run_ab(args, paths, settings, "packed_absorbed_heads")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ costs). The cache is flushed before every run, so every prompt is cold.
 
   python benchmarks/ab_deterministic_offline.py --quantization gguf        # SmolLM2 kept packed
   python benchmarks/ab_deterministic_offline.py --dtype bfloat16 --rounds 3 --output-json d.json
+  python benchmarks/ab_deterministic_offline.py --dtype bfloat16 --settings off on on-per-token
+
+--settings: the engines, the first the baseline of the ratios; on-per-token is the flag with
+KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0 (every query in the paged decode kernel's order, as before
+the prefill kernel's order).
 """
 from __future__ import annotations
 
@@ -34,12 +39,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvstrata.bench.box_load import add_quiet_arg, announce_load  # noqa: E402
 from kvstrata.bench.report import write_json  # noqa: E402
 
+# setting -> (the flag, environment while its engine is built)
+SETTINGS = {"off": (False, {}), "on": (True, {}),
+            "on-per-token": (True, {"KVSTRATA_CPU_DETERMINISTIC_BLOCKS": "0"})}
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quantization", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--settings", nargs="+", default=["off", "on"], choices=list(SETTINGS),
+                   help="engines, the first the baseline of every ratio")
     add_round_args(p)
     return p.parse_args(argv)
 
@@ -58,14 +69,24 @@ def add_round_args(p, num_prompts: int = 64, concurrency: int = 32, input_len: i
     add_quiet_arg(p)
 
 
-def engine(args, on: bool):
+def engine(args, on: bool, env: dict | None = None):
     from kvstrata import LLM
 
-    # token ids in, token ids out: no tokenizer (the tiny random hybrids have none)
-    return LLM(args.model, quantization=args.quantization, dtype=args.dtype,
-               skip_tokenizer_init=True,
-               enable_deterministic_inference=on, disable_deterministic_inference=not on,
-               max_running_requests=args.concurrency, max_total_tokens=65536)
+    env = env or {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read while the engine is built
+    try:
+        # token ids in, token ids out: no tokenizer (the tiny random hybrids have none)
+        return LLM(args.model, quantization=args.quantization, dtype=args.dtype,
+                   skip_tokenizer_init=True,
+                   enable_deterministic_inference=on, disable_deterministic_inference=not on,
+                   max_running_requests=args.concurrency, max_total_tokens=65536)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def cpu_seconds(llm, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
@@ -89,11 +110,10 @@ def measure(args, llm, served: list[list[int]], single: list[list[int]]) -> dict
 
 def alternate_rounds(args, llms: dict, served: list[list[int]], single: list[list[int]],
                      result: dict) -> None:
-    """`llms` = {baseline name: LLM, candidate name: LLM}: after a warm-up, args.rounds
+    """`llms` = {baseline name: LLM, candidate name: LLM, ...}: after a warm-up, args.rounds
     rounds of `measure` in alternating order, each round's candidate / baseline ratios and
     their medians into `result` ("rounds", "median_<candidate>_over_<baseline>")."""
-    base, cand = llms
-    key = f"{cand}_over_{base}"
+    base, *cands = llms
     for s in llms:  # warm-up: lazy init, decode plans
         cpu_seconds(llms[s], served[:2], 4)
     for r in range(args.rounds):
@@ -102,23 +122,29 @@ def alternate_rounds(args, llms: dict, served: list[list[int]], single: list[lis
             # each as it lands: a run cut short by its timeout keeps them
             got[s] = measure(args, llms[s], served, single)
             print(f"round {r + 1} {s}: {got[s]}", flush=True)
-        ratio = {k: got[cand][k] / got[base][k] for k in got[cand]}
-        result["rounds"].append({base: got[base], cand: got[cand], key: ratio})
-        print(f"round {r + 1}: " + ", ".join(
-            f"{k} {got[base][k]:.2f} -> {got[cand][k]:.2f} ({ratio[k]:.3f}x)" for k in ratio),
-            flush=True)
-    medians = {k: statistics.median(x[key][k] for x in result["rounds"])
-               for k in result["rounds"][0][key]}
-    result[f"median_{key}"] = medians
-    print(f"median {cand}/{base}: " + ", ".join(f"{k} {v:.3f}x" for k, v in medians.items()))
+        entry = dict(got)
+        for cand in cands:
+            ratio = {k: got[cand][k] / got[base][k] for k in got[cand]}
+            entry[f"{cand}_over_{base}"] = ratio
+            print(f"round {r + 1} {cand}: " + ", ".join(
+                f"{k} {got[base][k]:.2f} -> {got[cand][k]:.2f} ({ratio[k]:.3f}x)"
+                for k in ratio), flush=True)
+        result["rounds"].append(entry)
+    for cand in cands:
+        key = f"{cand}_over_{base}"
+        medians = {k: statistics.median(x[key][k] for x in result["rounds"])
+                   for k in result["rounds"][0][key]}
+        result[f"median_{key}"] = medians
+        print(f"median {cand}/{base}: " + ", ".join(f"{k} {v:.3f}x"
+                                                   for k, v in medians.items()))
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = {"args": vars(args), "load": announce_load(args.require_quiet), "rounds": []}
-    llms = {"off": engine(args, False), "on": engine(args, True)}
-    return run_and_report(args, llms, range(10, llms["off"].engine.runner.model.dims.vocab_size),
-                          result)
+    llms = {s: engine(args, *SETTINGS[s]) for s in args.settings}
+    vocab = next(iter(llms.values())).engine.runner.model.dims.vocab_size
+    return run_and_report(args, llms, range(10, vocab), result)
 
 
 def start_beside(args, prefix: str) -> tuple[dict, str]:

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from ab_deepseek_packed import parse_args, run, timings  # noqa: E402
+import ab_deepseek_packed as ab  # noqa: E402
 
-VOCAB = 32000  # ab_deepseek_packed's prompts draw from the same vocabulary
-ARMS = {"unpacked": ("0", None), "packed": ("1", None), "w8a8": ("1", "w8a8_int8")}
+VOCAB = ab.VOCAB  # the prompts draw from it
+# the arms' environments (ab_deepseek_packed.measure: "--quantization" is the flag)
+SETTINGS = {"unpacked": {"KVSTRATA_CPU_PACKED_LINEAR": "0"},
+            "packed": {"KVSTRATA_CPU_PACKED_LINEAR": "1"},
+            "w8a8": {"KVSTRATA_CPU_PACKED_LINEAR": "1", "--quantization": "w8a8_int8"}}
 COMMON = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408,
               num_attention_heads=8, num_key_value_heads=2, head_dim=64,
               max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
@@ -63,23 +67,17 @@ def _save(model, path: str) -> str:
 BUILDERS = {"qwen3_5": build_qwen3_5, "nemotron_h": build_nemotron_h}
 
 
-def measure(args, path: str, dtype: str, arm: str) -> dict:
-    from kvstrata import LLM
-
-    os.environ["KVSTRATA_CPU_PACKED_LINEAR"], quantization = ARMS[arm]
-    llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
-              max_total_tokens=16384, disable_radix_cache=True, quantization=quantization)
-    try:
-        info = llm.server_info()["quantization_info"]
-        assert ("kernel" in info) == (arm != "unpacked"), info
-        return timings(args, llm)
-    finally:
-        llm.shutdown()
-
-
 def main(argv=None) -> dict:
-    return run(parse_args(argv, BUILDERS, ARMS, __doc__), BUILDERS, measure,
-               "ab-hybrid-packed-", ("KVSTRATA_CPU_PACKED_LINEAR",))
+    import torch
+
+    args = ab.parse_args(argv, BUILDERS, SETTINGS, __doc__)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="ab-hybrid-packed-") as tmp:
+        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
+        # "kernel": in quantization_info for the packed and the int8 arms, not unpacked
+        return ab.run_ab(args, paths, SETTINGS, "kernel")
 
 
 if __name__ == "__main__":

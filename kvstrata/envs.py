@@ -111,6 +111,14 @@ KVSTRATA_CPU_PAGED_DECODE = _declare(
     "CPU decode attention reads the KV pool (fp32, bf16 or fp16) in place with the paged "
     "decode kernel (runner/attention/paged_decode.py); 0 = gather each request's K/V, then "
     "SDPA (ablation).")
+KVSTRATA_CPU_DETERMINISTIC_BLOCKS = _declare(
+    "KVSTRATA_CPU_DETERMINISTIC_BLOCKS", bool, True,
+    "Under --enable-deterministic-inference, with a bf16 pool on the prefill kernel's "
+    "AVX512-BF16 body (paged_decode.fixed_order_pays), every query of a full-attention layer "
+    "without sinks or soft-capping, prompt or decode, runs in the prefill kernel's order "
+    "(prompts in the prefill kernel, decode rows as one-row prompts of it: "
+    "csrc/decode_fixed.h); 0 = every query as a paged decode kernel query over its own keys "
+    "(ablation; also with KVSTRATA_CPU_PREFILL_ATTENTION=0).")
 KVSTRATA_CPU_RECURRENT_STEP = _declare(
     "KVSTRATA_CPU_RECURRENT_STEP", bool, True,
     "The decode step of recurrent layers (Gated DeltaNet, Mamba2) updates the fp32 or bf16 "
@@ -190,8 +198,15 @@ KVSTRATA_CPU_PACKED_LINEAR = _declare(
     "KVSTRATA_CPU_PACKED_LINEAR", bool, True,
     "Float32 / bf16 linear layers on the CPU run on packed weights (oneDNN's layout or "
     "kvstrata's bf16 GEMM, runner/cpu/packed_linear.py; a DeepSeek model's absorbed heads and "
-    "MoE experts too, runner/models/deepseek_packed.py); 0 = torch's F.linear on the plain "
-    "weights (ablation).")
+    "MoE experts too, runner/models/deepseek_packed.py; the llama-family MoEs' and gpt-oss' "
+    "experts: KVSTRATA_CPU_PACKED_EXPERTS); 0 = torch's F.linear on the plain weights "
+    "(ablation).")
+KVSTRATA_CPU_PACKED_EXPERTS = _declare(
+    "KVSTRATA_CPU_PACKED_EXPERTS", bool, True,
+    "Where the rest of the model is packed (KVSTRATA_CPU_PACKED_LINEAR), the llama-family "
+    "MoEs' (runner/models/moe_decoder.py) and gpt-oss' router, routed experts and shared "
+    "experts on packed linears too (runner/cpu/fixed_experts.py, pack_moe_layers); 0 = torch's "
+    "F.linear on the plain expert stacks, the path before (ablation).")
 KVSTRATA_CPU_INT8_MM = _declare(
     "KVSTRATA_CPU_INT8_MM", bool, True,
     "--quantization w8a8_int8 on a CPU with VNNI (or AVX2 + FMA + F16C without it) runs "
@@ -213,7 +228,8 @@ KVSTRATA_CPU_BF16_GEMM = _declare(
     "KVSTRATA_CPU_BF16_GEMM", str, "auto",
     "The GEMM of a bf16 model's linear layers on the CPU: auto = kvstrata's own "
     "(runner/cpu/csrc/bf16_gemm.c) where the CPU has AVX512-BF16, or AVX2 + FMA where oneDNN has "
-    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 on its AMX tiles "
+    "no bf16 kernels, and the shape fits (in % 2, out % 16) -- with AMX-BF16 (where Linux "
+    "grants the tile data: packed_linear.amx_bf16_ready, not the CPU's flags) on its AMX tiles "
     "(runner/cpu/csrc/bf16_gemm_amx.h) for up to 64 rows (decode batches), oneDNN's AMX tiles "
     "above (prefill), both layouts kept (twice the bf16 weights' memory) -- else oneDNN's "
     "prepacked one; onednn = always "

@@ -89,6 +89,27 @@ LONG_FILES_FIRST = (
     "correctness/test_gpt_oss_gguf.py", "correctness/test_paged_decode_softmax_extras.py")
 
 
+# Files whose tests share a session-scoped server (tests/e2e/conftest.py `tcp_prefill`): under
+# `make test` (--dist loadfile) each group is one work unit, its files run one after the
+# other on one worker in collection order, so the server starts once per run instead of
+# once per worker that happens to draw one of its files.
+SERVER_GROUPS = {f"tests/e2e/{name}": "tests/e2e/[tcp_prefill]" for name in (
+    "test_pd_disagg.py", "test_pd_retraction.py", "test_pd_decode_radix.py")}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SERVER_GROUPS.get(path, path)
+
+    return GroupedFileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {f"tests/{f}": i for i, f in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable

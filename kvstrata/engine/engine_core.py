@@ -219,6 +219,10 @@ class EngineCore:
             "hicache_failed_jobs": st.failed_jobs,
             "hicache_host_total_tokens": kv.host_allocator.num_pages * P,
             "hicache_host_used_tokens": kv.host_allocator.num_used() * P,
+            # host writes / loads / L3 backups still running: an async write locks its node's
+            # device pages until it ends, so a drained server's num_used_tokens is final
+            # only once this is False (tests wait for it: tests/e2e/pd_servers.py)
+            "hicache_busy": kv.has_transfers_in_flight(),
         }
         if kv.swa is not None:  # device tombstones whose window came back from the host
             out["hicache_swa_revived_pages"] = kv.tree.swa_revived_pages

@@ -168,6 +168,7 @@ class ModelRunner(ExecutorWiring):
                 dims.head_dim, scale=getattr(self.model, "attn_scale", None),
                 page_size=plan.page_size, deterministic=self.deterministic,
                 layer_windows=getattr(self.model, "layer_windows", None),
+                softmax_extras=getattr(self.model, "softmax_extras", False),
                 swa_pool=self.swa_pool, swa_req_to_token=self.swa_req_to_token)
         if self.draft is not None:
             self.draft.allocate(plan, self.req_to_token)

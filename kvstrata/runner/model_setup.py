@@ -171,6 +171,11 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)
+        # MoE blocks (moe_decoder.py, gpt-oss): the router and every expert too
+        moe_layers = (fixed_experts.pack_moe_layers(model)
+                      if envs.KVSTRATA_CPU_PACKED_EXPERTS.get() else 0)
+        if moe_layers:
+            info["packed_moe_layers"] = moe_layers
     elif (model.pool_kind == "mla" and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
           and packed_linear.available(model)):  # DeepSeek: projections, heads, FFNs
         info = deepseek_packed.pack_mla_model(model)

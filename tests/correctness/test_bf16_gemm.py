@@ -26,8 +26,8 @@ own_gemm = pytest.mark.skipif(not (BF16_512 or AVX2_OWN), reason="kvstrata's bf1
 
 def _layer(weight, bias, gemm, monkeypatch) -> PackedLinear:
     monkeypatch.setenv("KVSTRATA_CPU_BF16_GEMM", gemm)  # read when the weight is packed
-    flags = packed_linear.read_cpu_flags() - {"amx_bf16"}  # an AMX box: measure ours anyway
-    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags)
+    # an AMX box: measure ours anyway (no oneDNN layout for prefill rows beside it)
+    monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: False)
     return PackedLinear(weight, bias)
 
 
@@ -105,12 +105,11 @@ def test_choice_rules_and_fallbacks(monkeypatch):
     assert not _layer(torch.randn(20, 64).bfloat16(), None, "auto", monkeypatch).own  # 20 % 16
     assert not _layer(torch.randn(16, 31).bfloat16(), None, "auto", monkeypatch).own  # 31 % 2
     assert not _layer(weight.float(), None, "auto", monkeypatch).own  # fp32: oneDNN's
-    flags = packed_linear.read_cpu_flags()
     if BF16_512:
-        monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags | {"amx_bf16"})
+        monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: True)
         # AMX: ours for decode rows, oneDNN's tiles above OWN_DECODE_MAX_ROWS
         assert packed_linear.own_bf16_fits(weight) and packed_linear.split_layouts()
-        monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: flags)
+        monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: False)
     assert not packed_linear.split_layouts()  # without AMX: ours for every row count
     layer = _layer(weight, b, "auto", monkeypatch)
     assert packed_linear.kernel_name(layer) == {
@@ -141,7 +140,7 @@ def test_own_choice_takes_the_gemm_where_auto_steps_aside(monkeypatch):
     oneDNN (an AVX2 CPU whose oneDNN has bf16 kernels), for the A/B there; its values are
     its body's, one rounding from exact. onednn never takes it. With AVX512-BF16 auto takes
     it on AMX too (for decode rows: split_layouts)."""
-    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: True)
     monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: True)
     torch.manual_seed(3)
     weight, b = (torch.randn(48, 64) / 8).bfloat16(), torch.randn(48).bfloat16()
@@ -304,7 +303,7 @@ def test_own_decode_choice_splits_rows_between_the_two_gemms(monkeypatch):
     fused silu and fp32 head too), oneDNN's layout above (the caller's two steps), on a
     simulated AMX CPU. Where oneDNN has no bf16 kernels (AVX2) its two ops are stood in for
     by F.linear over the plain weight; on an AVX-512 CPU they are oneDNN's own."""
-    monkeypatch.setattr(packed_linear, "read_cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: True)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         monkeypatch.setattr(packed_linear, "_onednn_bf16", lambda: True)
         monkeypatch.setattr(packed_linear, "_onednn_pack", lambda w: w.detach().clone())

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.family_checks import random_prompts
+from helpers.family_checks import (assert_packed_as_close_as_unpacked,
+                                   bf16_runners_by_switch, random_prompts)
 from helpers.moe_ckpt import VOCAB, build_moe_checkpoint, hf_moe
-from helpers.runner import forward_logits, make_runner
 
 ARCHS = ("deepseek_v3", "deepseek_v2_lite")
 # bf16 logits against float32 transformers: the packed path's median token error at most
@@ -38,15 +38,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def runners(paths):
     """(arch, packed) -> a bf16 runner; packed False: KVSTRATA_CPU_PACKED_LINEAR=0."""
-    built = {}
-    for arch in ARCHS:
-        for packed in (True, False):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("KVSTRATA_CPU_PACKED_LINEAR", "1" if packed else "0")
-                built[arch, packed] = make_runner(paths[arch], dtype="bfloat16",
-                                                  max_total_tokens=512, context_length=128,
-                                                  max_running_requests=4)
-    return built
+    return bf16_runners_by_switch(paths, "KVSTRATA_CPU_PACKED_LINEAR")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -87,18 +79,7 @@ def test_every_matmul_is_packed(arch, runners):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_logits_as_close_to_transformers_as_unpacked(arch, paths, runners):
     """Per token, the largest logit error against transformers' float32: packed no worse than
-    unpacked, in the median over tokens (a bf16 model's worst tokens are those whose expert
-    choice bf16 flipped, 3-5 logits off either way: not the GEMM's to answer for)."""
-    hf = hf_moe(paths[arch])
-    errors: dict[bool, list[torch.Tensor]] = {True: [], False: []}
-    for prompt in random_prompts(11, (9, 40), VOCAB):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt])).logits[0]
-        for packed in (True, False):
-            logits = forward_logits(runners[arch, packed], prompt)
-            assert logits.dtype == torch.float32 and logits.shape == ref.shape
-            errors[packed].append((logits - ref).abs().amax(dim=-1))
-    packed, unpacked = (torch.cat(errors[k]).median().item() for k in (True, False))
-    print(f"{arch}: median token error bf16 vs float32 transformers: packed {packed:.4f}, "
-          f"unpacked {unpacked:.4f}")
-    assert packed <= unpacked * MEDIAN_ERROR_RATIO + 0.01
+    unpacked, in the median over tokens (helpers/family_checks.py)."""
+    assert_packed_as_close_as_unpacked(runners[arch, True], runners[arch, False],
+                                       hf_moe(paths[arch]), random_prompts(11, (9, 40), VOCAB),
+                                       arch, MEDIAN_ERROR_RATIO)

@@ -2,10 +2,12 @@
 runner/recurrent/fixed_scan.py): every request's tokens and logprobs equal, bit for bit, its
 run alone on a cold engine -- whatever shares its batch, however its prompt is chunked, and
 wherever its KV and state came from (a prefix hit at a state snapshot, HiCache L2, a restart
-on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qwen3.5 (Gated DeltaNet + gated
-attention) and Nemotron-H (Mamba2 + attention + MLP) at bf16, Mamba2 and Qwen3-Next (its MoE
-pinned) too where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals
-transformers.
+on a warm L3 file store, a PD prefill server, a retraction's recompute). Tiny Qwen3.5 (Gated
+DeltaNet + gated attention), Nemotron-H (Mamba2 + attention + MLP), Granite-4.0-H (Mamba2 +
+roped attention, top-k MoE + shared MLP, muP multipliers), Falcon-H1 (attention beside a
+Mamba2 mixer in every layer, multipliers) and Nemotron-H with MoE layers (relu^2 experts,
+grouped sigmoid router) at bf16, Mamba2, Qwen3-Next and Qwen3.5-MoE (their MoE pinned) too
+where cheap (tests/helpers/hybrid_ckpt.py); at float32 greedy equals transformers.
 
 Controls: without the flag the warm / chunked / batched workload moves (engine level); the
 chunked SSD scan continued from a mid-way state differs from its straight run, the pinned
@@ -24,7 +26,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.hybrid_ckpt import VOCAB, HFGreedy, hybrid_checkpoints
+from helpers.hybrid_ckpt import (VOCAB, HFGreedy, build_falcon_h1_checkpoint,
+                                  build_nemotron_h_moe_checkpoint, build_qwen3_5_moe_checkpoint,
+                                  hybrid_checkpoints)
 from kvstrata import LLM
 from kvstrata.runner.recurrent import pointwise
 from kvstrata.runner.recurrent.backend import RecurrentMeta
@@ -35,14 +39,23 @@ from tests.correctness.test_deterministic_inference import \
     prompts_with_prefix as shared_prefix_prompts
 
 FUZZ_EXAMPLES = max(int(os.environ.get("KVSTRATA_FUZZ_EXAMPLES", "400")) // 50, 4)
-ARCHS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2")
+ARCHS = ("qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite")
+# the families beside hybrid_checkpoints' (their own builders)
+ALL_ARCHS = (*ARCHS, "falcon_h1", "nemotron_h_moe", "qwen3_5_moe")
+MOE_LAYERS = {"qwen3_next": 2, "granite": 4, "nemotron_h_moe": 2,  # the tiny configs' MoE blocks
+              "qwen3_5_moe": 4}
 
 _llms: dict = {}
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
-    return hybrid_checkpoints(str(tmp_path_factory.mktemp("det_hybrid")), ARCHS)
+    root = str(tmp_path_factory.mktemp("det_hybrid"))
+    return {**hybrid_checkpoints(root, ARCHS),
+            "falcon_h1": build_falcon_h1_checkpoint(os.path.join(root, "falcon_h1")),
+            "nemotron_h_moe": build_nemotron_h_moe_checkpoint(
+                os.path.join(root, "nemotron_h_moe")),
+            "qwen3_5_moe": build_qwen3_5_moe_checkpoint(os.path.join(root, "qwen3_5_moe"))}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -155,8 +168,71 @@ def test_pinned_scan_is_chunk_invariant_where_the_chunked_scan_is_not():
     torch.testing.assert_close(runs[0][1], s_full[0], rtol=1e-5, atol=1e-5)
 
 
+def _random_model(arch: str):
+    """Our model of a tiny config (float32, weights drawn here), not loaded from a file."""
+    from helpers.hybrid_ckpt import (tiny_falcon_h1_config, tiny_hybrid_config,
+                                     tiny_nemotron_h_moe_config)
+    from kvstrata.runner.models.falcon_h1 import FalconH1ForCausalLM
+    from kvstrata.runner.models.granite_hybrid import GraniteMoeHybridForCausalLM
+    from kvstrata.runner.models.nemotron_h import NemotronHForCausalLM
+
+    cls, config = {"granite": (GraniteMoeHybridForCausalLM, tiny_hybrid_config("granite")),
+                   "falcon_h1": (FalconH1ForCausalLM, tiny_falcon_h1_config()),
+                   # its latent projections and biases too (the checkpoint has none)
+                   "nemotron_h_moe": (NemotronHForCausalLM, tiny_nemotron_h_moe_config(
+                       moe_latent_size=32, mlp_bias=True))}[arch]
+    model = cls(config, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(21)
+    for t in model.parameters():
+        t.data.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    return model
+
+
+# arch -> (layer, block) whose matmuls run on however many tokens reach them
+FEED_FORWARD_BLOCKS = {"granite": (0, "moe"), "nemotron_h_moe": (1, "mixer"),
+                       "falcon_h1": (0, "mlp")}
+
+
+@pytest.mark.parametrize("arch", sorted(FEED_FORWARD_BLOCKS))
+def test_pinned_feed_forward_gives_a_row_the_same_bits_in_any_batch(arch):
+    """float32 (torch's F.linear is batch-variant there on every CPU measured: MKL's GEMV /
+    GEMM bodies): Granite's top-k MoE, Nemotron-H's MoE block and Falcon-H1's MLP give a slice
+    of rows other bits than the same rows inside the whole batch (the control); pinned
+    (hybrid_fixed.pin_hybrid_model), every slice equals. Also the wiring that tiny engines
+    cannot tell apart: the position-free SiLU, the exact rotation and the blocked cos / sin."""
+    import copy
+
+    from kvstrata.runner.models.deepseek_fixed import BlockedCosSin
+    from kvstrata.runner.models.hybrid_fixed import exact_rope, pin_hybrid_model
+
+    model = _random_model(arch)
+    layer, part = FEED_FORWARD_BLOCKS[arch]
+    plain = copy.deepcopy(getattr(model.layers[layer], part))
+    info = pin_hybrid_model(model)
+    pinned = getattr(model.layers[layer], part)
+    x = torch.randn(80, model.dims.hidden_size, generator=torch.Generator().manual_seed(4))
+    slices = [(lo, n) for n in (1, 2, 5, 16, 17, 33, 64) for lo in (0, 7)]
+    with torch.inference_mode():
+        differ = {}
+        for name, block in (("plain", plain), ("pinned", pinned)):
+            whole = block(x)
+            differ[name] = sum(not torch.equal(block(x[lo:lo + n]), whole[lo:lo + n])
+                               for lo, n in slices)
+    assert differ["plain"] > 0, "the control did not move"
+    assert differ["pinned"] == 0
+    assert info["pinned_moe_layers"] == MOE_LAYERS.get(arch, 0)
+    for block in model.layers:
+        for sub in (getattr(block, name, None) for name in ("mixer", "attn", "mamba", "mlp")):
+            if hasattr(sub, "act"):
+                assert sub.act is pointwise.POSITION_FREE
+            if hasattr(sub, "rope"):
+                assert sub.rope is exact_rope
+    if getattr(model, "rotary", None) is not None:  # Falcon-H1's, the tiny Granite's (rope)
+        assert isinstance(model.rotary.plain_cos_sin, BlockedCosSin)
+
+
 # ------------------------------------------------------------------ engines
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_equals_transformers_with_the_flag(arch, paths):
     """float32, chunks of 7: greedy tokens are transformers'."""
     g = torch.Generator().manual_seed(11)
@@ -166,6 +242,7 @@ def test_greedy_equals_transformers_with_the_flag(arch, paths):
         info = llm.server_info()
         assert info["deterministic_recurrent_kernel"]
         assert info["quantization_info"]["recurrent_kernel"]
+        assert info["quantization_info"]["pinned_moe_layers"] == MOE_LAYERS.get(arch, 0)
         outs = llm.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     finally:
@@ -175,7 +252,9 @@ def test_greedy_equals_transformers_with_the_flag(arch, paths):
         assert o["output_ids"] == ref(p, 8), f"{arch}: {len(p)} tokens"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2"])
+# Falcon-H1: its parallel layers keep K/V and a state at one index (Granite's and
+# Nemotron-H MoE's Mamba2 layers are Nemotron-H's; the property test samples them)
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "mamba2", "falcon_h1"])
 def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     """Prompts sharing 40 tokens, chunked by 16 on pages of 16 (state snapshots at 16, 32),
     arriving at other steps beside each other's decodes, greedy and seeded: each equals its
@@ -194,17 +273,20 @@ def test_warm_chunked_and_batched_requests_keep_the_bits(arch, paths):
     assert again == refs
 
 
-def test_nemotron_h_moe_layers_are_refused_by_name_at_load():
-    """Resolution takes a Nemotron-H (transformers writes n_routed_experts into every
-    Nemotron-H config, MoE layers or not); pinning refuses its MoE block by name."""
-    from helpers.hybrid_ckpt import tiny_nemotron_h_moe_config
+def test_an_unpinned_hybrid_class_is_refused_by_name_at_load():
+    """Pinning refuses a hybrid class it was not built for by its name (a tensor-parallel
+    rank's class, say; resolution refuses those combinations first)."""
+    from helpers.hybrid_ckpt import tiny_hybrid_config
     from kvstrata.runner.models.hybrid_fixed import pin_hybrid_model
-    from kvstrata.runner.models.nemotron_h import NemotronHForCausalLM
+    from kvstrata.runner.models.qwen3_next import Qwen3_5ForCausalLM
 
-    model = NemotronHForCausalLM(tiny_nemotron_h_moe_config(), torch.float32,
-                                 torch.device("cpu"))
+    class SomeRankOfQwen3_5(Qwen3_5ForCausalLM):
+        pass
+
+    model = SomeRankOfQwen3_5(tiny_hybrid_config("qwen3_5"), torch.float32,
+                              torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="deterministic-inference on "
-                                                  "NemotronHForCausalLM with a NemotronHMoE"):
+                                                  "SomeRankOfQwen3_5 \\(built for"):
         pin_hybrid_model(model)
 
 
@@ -213,7 +295,8 @@ def test_without_the_flag_the_same_requests_move(paths):
     test_warm_chunked_and_batched_requests_keep_the_bits (prompts sharing 40 tokens, chunks
     of 16 on pages of 16, batched, resuming at cached snapshots) answers with other logprobs
     than each prompt's cold unchunked run (the chunked scans sum from where a chunk starts,
-    the kernels by row count): so that test is not vacuous here."""
+    the kernels by row count): so that test is not vacuous here (the MoE blocks' control:
+    test_pinned_feed_forward_gives_a_row_the_same_bits_in_any_batch)."""
     path = paths["qwen3_5"]
     prompts = prompts_with_prefix(9, 40, [5, 13, 21, 30])
     sp = params(8, None)
@@ -314,7 +397,8 @@ def test_a_pd_pair_answers_like_the_co_located_engine(paths, monkeypatch):
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(arch=st.sampled_from(["qwen3_5", "nemotron_h"]), page_size=st.sampled_from([1, 16]),
+@given(arch=st.sampled_from(["qwen3_5", "nemotron_h", "granite", "falcon_h1",
+                              "nemotron_h_moe", "qwen3_5_moe"]), page_size=st.sampled_from([1, 16]),
        pool=st.sampled_from(["small", "large"]), chunk=st.sampled_from([0, 1, 2]),
        hicache=st.booleans(), shared=st.integers(0, 40),
        requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12), st.integers(0, 5),

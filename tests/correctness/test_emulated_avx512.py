@@ -28,7 +28,7 @@ KERNEL_TEST_FILES = (
     C + "test_packed_linear.py", "tests/unit/test_shm_allreduce.py",
     C + "test_int8_gemm_amx.py", C + "test_prefill_attention_kernel.py",
     C + "test_gemm_side_rows.py", C + "test_batch_invariance.py",
-    C + "test_paged_decode_softmax_extras.py")
+    C + "test_paged_decode_softmax_extras.py", C + "test_deterministic_prefill.py")
 # The files whose paths AMX changes (its bodies, bf16 prefill attention up to its token limit)
 AMX_TEST_FILES = (
     C + "test_prefill_attention_kernel.py", C + "test_bf16_gemm.py", C + "test_int8_linear.py",
@@ -40,7 +40,8 @@ AMX_TEST_FILES = (
 PARTIAL_AVX512_FILES = (
     C + "test_bf16_gemm.py", C + "test_packed_linear.py", C + "test_decode_plan.py",
     C + "test_int8_linear.py", C + "test_int8_gemm_amx.py", C + "test_paged_decode_kernel.py",
-    C + "test_prefill_attention_kernel.py", C + "test_paged_decode_softmax_extras.py")
+    C + "test_prefill_attention_kernel.py", C + "test_paged_decode_softmax_extras.py",
+    C + "test_deterministic_prefill.py")
 # Cases that run no emulated code: the all-reduce benchmark's ranks are spawned processes,
 # which load the native build (the plugin installs the emulated one in this process only);
 # its run took ~13 s of each emulated CPU's run for nothing (the ordinary run has it).

@@ -131,8 +131,7 @@ def test_decode_plan_prefetches_the_next_layers_kv(tiny_llama_96, tiny_prompts, 
                                                    and gemm.kernel_isa(isa_cap()) != 2):
         pytest.skip("the plan asks for side rows on the AVX512-BF16 / VNNI bodies only")
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    monkeypatch.setattr(packed_linear, "read_cpu_flags",
-                        lambda flags=packed_linear.read_cpu_flags(): flags - {"amx_bf16"})
+    monkeypatch.setattr(packed_linear, "amx_bf16_ready", lambda: False)
     with LLM(model_path=tiny_llama_96, skip_tokenizer_init=True, dtype="bfloat16",
              quantization=quant, max_total_tokens=4096, disable_radix_cache=True) as llm:
         model = llm.engine.runner.model

@@ -144,7 +144,8 @@ def test_the_files_hold_every_packed_type(files):
 
 def _assert_experts_equal(packed, floats) -> None:
     """Every expert's packed gate|up and down (and a packed router) multiply as the same
-    file's dequantized matrices do, whichever experts a batch happens to reach."""
+    file's dequantized matrices do (packed for serving in their float layers, as a dequantized
+    model's experts are: fixed_experts.pack_moe_layers), whichever experts a batch reaches."""
     import torch.nn.functional as F
 
     x = torch.randn(5, DIMS["hidden"], generator=torch.Generator().manual_seed(1))
@@ -156,7 +157,8 @@ def _assert_experts_equal(packed, floats) -> None:
             pairs += [(ours.moe.gate_up[e], theirs.moe.gate_up[e], x),
                       (ours.moe.down[e], theirs.moe.down[e], x[:, :DIMS["expert_width"]])]
         for weight, matrix, inputs in pairs:
-            want = F.linear(inputs, matrix.float())
+            want = (matrix(inputs) if isinstance(matrix, torch.nn.Module)
+                    else F.linear(inputs, matrix.float()))
             got = weight(inputs) if isinstance(weight, torch.nn.Module) else F.linear(
                 inputs, weight)
             torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)

@@ -68,8 +68,14 @@ def test_windows_and_sinks_come_from_the_config(tiny):
     assert type(model).__name__ == "GptOssForCausalLM"
     assert model.layer_windows == [WINDOW, None, WINDOW, None]
     assert runner.max_context_len == 256  # the window no longer caps the context
-    # The CPU GEMMs take the 2-D projections only; the 3-D experts stay tensors.
-    assert all(isinstance(layer.gate_up, torch.nn.Parameter) for layer in model.layers)
+    # The CPU GEMMs take the projections, the router and each expert (fixed_experts.py
+    # pack_moe_layers; their biases inside the packed layers)
+    from kvstrata.runner.cpu.packed_linear import PackedLinear
+    assert runner.quantization_info["packed_moe_layers"] == len(model.layers)
+    for layer in model.layers:
+        assert isinstance(layer.router_weight, PackedLinear) and layer.router_bias is None
+        assert all(isinstance(e, PackedLinear) and e.bias is not None
+                   for e in [*layer.gate_up, *layer.down])
     hf = load_reference(tiny)
     for ours, theirs in zip(model.layers, hf.model.layers):
         assert torch.equal(ours.sinks, theirs.self_attn.sinks.detach())

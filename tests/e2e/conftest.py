@@ -71,3 +71,21 @@ def client(server):
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
                          timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tcp_prefill(tiny_model_path):
+    """One plain tcp prefill server (tests/e2e/pd_servers.py's flags) for every PD pair of
+    test_pd_disagg.py, test_pd_retraction.py and test_pd_decode_radix.py whose prefill has no
+    flags of its own: those files differ in their decode servers only. tests/conftest.py's
+    SERVER_GROUPS runs the three on one test worker, so it starts once per run. Pairs
+    built on it stop only their decode servers; a test that kills the prefill restarts it
+    on its ports through the pair, and each module's fixture revives it if a failed test
+    left it dead."""
+    from tests.e2e.pd_servers import PDServers
+
+    servers = PDServers(tiny_model_path, "tcp", with_decode=False)
+    try:
+        yield servers
+    finally:
+        servers.stop()

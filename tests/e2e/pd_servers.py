@@ -37,8 +37,11 @@ def backend_available(backend: str) -> None:
 
 class PDServers:
     """One prefill and one decode kvstrata server (the decode pool given by its flags).
-    `shared_prefill`: another PDServers whose prefill server this pair uses too (a module
-    fixture's, so that tests differing only in the decode server start one prefill)."""
+    `shared_prefill`: another PDServers whose prefill server this pair uses too (the
+    session's plain tcp prefill, tests/e2e/conftest.py `tcp_prefill`, or a module
+    fixture's, so that tests differing only in the decode server start one prefill). The
+    prefill then stays its owner's: a test that kills and restarts it through this pair
+    (`pd.prefill = pd.start_prefill(...)`) restarts the owner's, which later pairs use."""
 
     def __init__(self, model: str, backend: str, *decode_args: str,
                  shared_prefill: "PDServers | None" = None, with_decode: bool = True,
@@ -46,15 +49,19 @@ class PDServers:
         self.backend = backend
         self.model = model
         self.decode_args = decode_args
-        self.prefill_args = prefill_args
-        self.owns_prefill = shared_prefill is None
+        self.prefill_owner = self if shared_prefill is None else shared_prefill.prefill_owner
+        self.owns_prefill = self.prefill_owner is self
+        if not self.owns_prefill:
+            assert backend == self.prefill_owner.backend and not prefill_args, \
+                "a pair on a shared prefill takes its backend and flags"
+        self.prefill_args = self.prefill_owner.prefill_args if not self.owns_prefill \
+            else prefill_args
         # Both servers start side by side (each spends most of its start importing).
-        if shared_prefill is None:
+        if self.owns_prefill:
             self.bootstrap_port = free_port()
             self.prefill = self.start_prefill(wait=False)
         else:
-            self.bootstrap_port = shared_prefill.bootstrap_port
-            self.prefill = shared_prefill.prefill
+            self.bootstrap_port = self.prefill_owner.bootstrap_port
         self.decode = self.start_decode(wait=False) if with_decode else None
         try:
             for srv in (self.prefill if self.owns_prefill else None, self.decode):
@@ -70,7 +77,24 @@ class PDServers:
                              "--max-total-tokens", "2048", *self.decode_args, env=PD_ENV,
                              wait=wait, port=port)
 
+    @property
+    def prefill(self) -> ServerProcess:
+        return self.prefill_owner.prefill_server
+
+    @prefill.setter
+    def prefill(self, srv: ServerProcess) -> None:
+        self.prefill_owner.prefill_server = srv
+
+    def revive_prefill(self) -> None:
+        """A shared prefill that an earlier test killed and did not restart (it failed
+        midway) is started again on its ports, so that one failure does not fail every
+        later file that shares it."""
+        if self.prefill.proc.poll() is not None:
+            self.prefill = self.start_prefill(port=self.prefill.port)
+
     def start_prefill(self, wait: bool = True, port: int | None = None) -> ServerProcess:
+        if not self.owns_prefill:  # the owner's flags and bootstrap port
+            return self.prefill_owner.start_prefill(wait, port)
         return ServerProcess(self.model, *COMMON, "--disaggregation-mode", "prefill",
                              "--disaggregation-transfer-backend", self.backend,
                              "--disaggregation-bootstrap-port", str(self.bootstrap_port),
@@ -106,12 +130,16 @@ class PDServers:
 
 
 def wait_drained(srv, timeout: float = 30) -> dict:
+    """/debug/kv once nothing runs, waits, transfers or writes to the host tier (an async
+    HiCache write locks its node's device pages until it ends: checked too early, a drained
+    decode server showed 64 used tokens), or after `timeout` s."""
     deadline = time.monotonic() + timeout
     while True:
         st = kv_state(srv)
         if (st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
                 and not any(st.get(k) for k in ("num_prefill_bootstrap", "num_prefill_inflight",
-                                                "num_decode_prealloc", "num_decode_transfer"))):
+                                                "num_decode_prealloc", "num_decode_transfer",
+                                                "hicache_busy"))):
             return st
         if time.monotonic() > deadline:
             return st
@@ -180,10 +208,11 @@ def router_generate(pd: PDServers, ids: list[int], max_new_tokens: int,
 
 @contextlib.contextmanager
 def serving(servers: PDServers):
-    """Yield the servers; stop both afterwards and check that neither process survives."""
+    """Yield the servers; stop both afterwards (a shared prefill stays its owner's) and check
+    that no process it stopped survives."""
     try:
         yield servers
     finally:
         servers.stop()
-        for srv in (servers.prefill, servers.decode):
-            assert not pid_alive(srv.proc.pid)
+        for srv in (servers.prefill if servers.owns_prefill else None, servers.decode):
+            assert srv is None or not pid_alive(srv.proc.pid)

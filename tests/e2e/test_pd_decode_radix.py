@@ -43,8 +43,12 @@ def _turn(pd: PDServers, server, ids: list[int], label: str) -> tuple[list[int],
 
 
 @pytest.fixture(scope="module")
-def radix(tiny_model_path):
-    with serving(PDServers(tiny_model_path, "tcp", RADIX, "--max-total-tokens", "256")) as pd:
+def radix(tiny_model_path, tcp_prefill):
+    """On the session's plain tcp prefill (tests/e2e/conftest.py, shared with
+    test_pd_disagg.py and test_pd_retraction.py): only the decode server is this file's."""
+    tcp_prefill.revive_prefill()
+    with serving(PDServers(tiny_model_path, "tcp", RADIX, "--max-total-tokens", "256",
+                           shared_prefill=tcp_prefill)) as pd:
         yield pd
 
 

@@ -31,8 +31,14 @@ MSG = [{"role": "user", "content": "Say something."}]
 
 @pytest.fixture(scope="module", params=["tcp", "mooncake"])
 def pd(request, tiny_model_path):
+    """The tcp pair's prefill is the session's (tests/e2e/conftest.py `tcp_prefill`, shared
+    with test_pd_retraction.py and test_pd_decode_radix.py); mooncake's is the pair's own."""
     backend_available(request.param)
-    with serving(PDServers(tiny_model_path, request.param)) as servers:
+    shared = None
+    if request.param == "tcp":
+        shared = request.getfixturevalue("tcp_prefill")
+        shared.revive_prefill()
+    with serving(PDServers(tiny_model_path, request.param, shared_prefill=shared)) as servers:
         yield servers
 
 

@@ -98,13 +98,12 @@ DECODE_ARGS = ("--max-total-tokens", "448", "--num-reserved-decode-tokens", "8")
 
 
 @pytest.fixture(scope="module")
-def prefill(tiny_model_path):
-    """One prefill server for the whole file: its pairs differ in the decode server only."""
-    servers = PDServers(tiny_model_path, "tcp", with_decode=False)
-    try:
-        yield servers
-    finally:
-        servers.stop()
+def prefill(tcp_prefill):
+    """One prefill server for the whole file, its pairs differing in the decode server only:
+    the session's plain tcp prefill (tests/e2e/conftest.py, shared with test_pd_disagg.py
+    and test_pd_decode_radix.py)."""
+    tcp_prefill.revive_prefill()
+    return tcp_prefill
 
 
 @pytest.fixture(scope="module")

@@ -92,3 +92,38 @@ def assert_ngram_equals_plain(path: str) -> None:
         drained(llm)
     finally:
         llm.shutdown()
+
+
+def assert_packed_as_close_as_unpacked(packed, unpacked, hf, prompts: list[list[int]],
+                                       label: str, ratio: float = 1.25) -> None:
+    """Per token, the largest logit error of a bf16 runner against transformers' float32:
+    `packed` (kvstrata's packed linears) no worse than `unpacked` (F.linear), in the median
+    over tokens -- a bf16 model's worst tokens are those whose expert choice bf16 flipped,
+    3-5 logits off either way, not the GEMM's to answer for."""
+    errors: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0]
+        for is_packed, runner in ((True, packed), (False, unpacked)):
+            logits = forward_logits(runner, prompt)
+            assert logits.dtype == torch.float32 and logits.shape == ref.shape
+            errors[is_packed].append((logits - ref).abs().amax(dim=-1))
+    got, base = (torch.cat(errors[k]).median().item() for k in (True, False))
+    print(f"{label}: median token error bf16 vs float32 transformers: packed {got:.4f}, "
+          f"unpacked {base:.4f}")
+    assert got <= base * ratio + 0.01
+
+
+def bf16_runners_by_switch(paths: dict[str, str], switch: str) -> dict:
+    """(arch, on) -> a small bf16 runner of paths[arch] built with the KVSTRATA_* ablation
+    switch `switch` at 1 (on) or 0: a packed path and its control, side by side."""
+    import pytest
+
+    built = {}
+    for arch, path in paths.items():
+        for on in (True, False):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv(switch, "1" if on else "0")
+                built[arch, on] = make_runner(path, dtype="bfloat16", max_total_tokens=512,
+                                              context_length=128, max_running_requests=4)
+    return built

@@ -42,23 +42,25 @@ def tiny_moe_config(arch: str, **overrides):
                             moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
                             first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
                             qk_nope_head_dim=12, v_head_dim=12), **overrides}
+    llama = {**common, **overrides}  # a llama-family MoE: any field may be overridden
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=88,
-                                 moe_intermediate_size=40, num_experts=8, norm_topk_prob=True,
-                                 mlp_only_layers=[0])
+        return tf.Qwen3MoeConfig(**{**dict(head_dim=16, intermediate_size=88,
+                                           moe_intermediate_size=40, num_experts=8,
+                                           norm_topk_prob=True, mlp_only_layers=[0]), **llama})
     if arch == "qwen2_moe":
-        return tf.Qwen2MoeConfig(**common, intermediate_size=88, moe_intermediate_size=40,
-                                 shared_expert_intermediate_size=56, num_experts=8,
-                                 norm_topk_prob=False)
+        return tf.Qwen2MoeConfig(**{**dict(intermediate_size=88, moe_intermediate_size=40,
+                                           shared_expert_intermediate_size=56, num_experts=8,
+                                           norm_topk_prob=False), **llama})
     if arch == "mixtral":
-        return tf.MixtralConfig(**common, intermediate_size=40, num_local_experts=8,
-                                sliding_window=MIXTRAL_WINDOW)
+        return tf.MixtralConfig(**{**dict(intermediate_size=40, num_local_experts=8,
+                                          sliding_window=MIXTRAL_WINDOW), **llama})
     if arch == "glm4_moe":
-        return tf.Glm4MoeConfig(**common, intermediate_size=88, moe_intermediate_size=40,
-                                n_routed_experts=8, n_shared_experts=1, n_group=4, topk_group=2,
-                                first_k_dense_replace=1, routed_scaling_factor=2.5,
-                                norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
-                                partial_rotary_factor=0.5)
+        return tf.Glm4MoeConfig(**{**dict(intermediate_size=88, moe_intermediate_size=40,
+                                          n_routed_experts=8, n_shared_experts=1, n_group=4,
+                                          topk_group=2, first_k_dense_replace=1,
+                                          routed_scaling_factor=2.5, norm_topk_prob=True,
+                                          use_qk_norm=True, attention_bias=True,
+                                          partial_rotary_factor=0.5), **llama})
     if arch == "deepseek_v3":
         return tf.DeepseekV3Config(**{**dict(q_lora_rank=24, n_group=4, topk_group=2,
                                              routed_scaling_factor=2.5, norm_topk_prob=True,

@@ -254,10 +254,19 @@ def _hybrids() -> dict:
                                                     num_hidden_layers=2),
                            "GraniteMoeHybridForCausalLM"),
         "falcon_h1": _hybrid(T.FalconH1Config(num_hidden_layers=2), "FalconH1ForCausalLM"),
+        "nemotron_h_moe": _hybrid(T.NemotronHConfig(hybrid_override_pattern="ME*E",
+                                                    num_hidden_layers=4),
+                                  "NemotronHForCausalLM"),
+        "qwen3_5_moe": _hybrid(T.Qwen3_5MoeTextConfig(num_hidden_layers=4),
+                               "Qwen3_5MoeForCausalLM"),
+        # a name the pinned path does not know (the multimodal wrapper's)
+        "qwen3_5_moe_vl": _hybrid(T.Qwen3_5MoeTextConfig(num_hidden_layers=4),
+                                  "Qwen3_5MoeForConditionalGeneration"),
     }
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "nemotron_h", "mamba2"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "nemotron_h", "mamba2", "granite",
+                                  "falcon_h1", "nemotron_h_moe", "qwen3_5_moe"])
 def test_recurrent_hybrids_take_the_flag_and_keep_the_default_off(name):
     """hybrid_fixed.py's models: the flag records their recurrent kernel beside the GEMM and
     attention; the default stays off where it is on for a dense model (AVX2, bf16)."""
@@ -273,8 +282,8 @@ def test_recurrent_hybrids_take_the_flag_and_keep_the_default_off(name):
 
 
 @pytest.mark.parametrize("name,kwargs,env,message", [
-    ("granite", {}, {}, "(GraniteMoeHybridForCausalLM; built for"),
-    ("falcon_h1", {}, {}, "(FalconH1ForCausalLM; built for"),
+    ("qwen3_5_moe_vl", {}, {}, "(Qwen3_5MoeForConditionalGeneration; built for"),
+    ("granite", dict(tp_size=2), {}, "--tp-size 2 on a recurrent model"),
     ("qwen3_5", dict(speculative_algorithm="NGRAM"), {}, "--speculative-algorithm NGRAM"),
     ("nemotron_h", {}, {"KVSTRATA_CPU_RECURRENT_STEP": False},
      "KVSTRATA_CPU_RECURRENT_STEP=0 turns off"),

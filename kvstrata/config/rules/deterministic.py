@@ -10,11 +10,22 @@ retraction's recompute or backup. Two sources of difference are removed:
     linear layer runs one kvstrata GEMM at every row count (runner/cpu/packed_linear.py,
     PackedLinear._init_fixed);
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
-    key blocks, SDPA, the decode kernel): every query token, prompt or decode, runs the paged
-    decode kernel over its own keys (runner/attention/torch_native.py, `deterministic`).
-    Softmax extras run inside that kernel, per query row: Gemma 2's attention logit
-    soft-capping (scores = cap * tanh(scores / cap) before the softmax) and gpt-oss's attention
-    sinks (a learned logit per head in the denominator; runner/attention/window.py).
+    key blocks, SDPA, the decode kernel): with a bf16 pool on the prefill kernel's
+    AVX512-BF16 body (runner/attention/paged_decode.py fixed_order_pays: measured faster for
+    prompts there), every query token, prompt or decode, of a full-attention layer runs in
+    the prefill kernel's order -- key blocks of 64 anchored at
+    position 0, each score summed along the head in one order, one online-softmax merge per
+    block, one rounding of the output, whatever the other rows of its tile, its cached prefix
+    or the threads: prompts in the prefill kernel (its tiles share each key block's loads
+    across query rows), decode rows as one-row prompts of it (runner/attention/csrc/
+    decode_fixed.h; torch_native.py `fixed_order`). Elsewhere (fp32: decode rows lost 1.4-5x
+    there), windowed layers (a row's keys begin W before it, not at position 0) and layers
+    with softmax extras run every query through the paged decode kernel over its own keys
+    (`deterministic`), with the extras inside
+    it, per query row: Gemma 2's attention logit soft-capping (scores = cap * tanh(scores /
+    cap) before the softmax) and gpt-oss's attention sinks (a learned logit per head in the
+    denominator; runner/attention/window.py). KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0 (or
+    KVSTRATA_CPU_PREFILL_ATTENTION=0) puts every layer on that per-token path (ablation).
 MoE models (runner/models/moe_decoder.py's Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, and gpt-oss:
 PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
 so its router, every expert's gate|up and down and its shared experts run on the same fixed
@@ -39,28 +50,36 @@ order); the latent / query / output / indexer projections, kv_b_proj's absorbed 
 fixed GEMM per head) and every FFN (dense and MoE as above) on the fixed GEMM
 (runner/models/deepseek_fixed.py). Not with --tp-size > 1 nor a NEXTN draft (refused by name
 at load); the default stays off (cost not measured on a served workload).
-Recurrent hybrids (Qwen3.5 and Qwen3-Next's Gated DeltaNet, its MoE pinned as above;
-Nemotron-H (its MoE layers refused at load) and Mamba2's Mamba2 layers:
-PINNED_RECURRENT_ARCHITECTURES,
-runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD, Gated DeltaNet's chunk rule)
-sums in chunks that start where a prompt's chunk starts, and decode advances the state token by
-token, so a state snapshot continued (a prefix hit), another chunking or a retraction's
-recompute changed the bits. Under the flag every token, prompt or decode, advances its
-request's state through the decode step's C kernel, one token at a time and in order, in
-place on its state slot (rounded to the pool's dtype after every token, as decode does): the
-state is a function of the tokens alone, and a snapshot is a copy of it
-(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt
-and a decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's
-dt, the gated norm's gate, the conv's SiLU) and Qwen3.5's attention output gate run
-position-free (runner/recurrent/pointwise.py, one scalar libm path per element); Qwen3.5's
-rotary cos / sin from blocked tables and its rotation as separately rounded products. Every
-linear on the fixed GEMM, attention layers as the dense path. Refused by name beside them:
-Granite-4.0-H, Falcon-H1, Nemotron-H's MoE layers, speculative decoding (verify entries run
-torch's per-token loop), --tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
+Recurrent hybrids (Qwen3.5, Qwen3.5-MoE and Qwen3-Next's Gated DeltaNet; the Mamba2 layers of
+Nemotron-H, Mamba2, Granite-4.0-H and Falcon-H1 (its attention and Mamba2 mixer side by side);
+the MoE blocks of Qwen3-Next and Qwen3.5-MoE, Nemotron-H (relu^2 experts, latent projections,
+the grouped sigmoid router with its correction bias) and Granite-4.0-H pinned as above:
+PINNED_RECURRENT_ARCHITECTURES, runner/models/hybrid_fixed.py): a chunked scan (Mamba2's SSD,
+Gated DeltaNet's chunk rule) sums in chunks that start where a prompt's chunk starts, and
+decode advances the state token by token, so a state snapshot continued (a prefix hit), another
+chunking or a retraction's recompute changed the bits. Under the flag every token, prompt or
+decode, advances its request's state through the decode step's C kernel, one token at a time
+and in order, in place on its state slot (rounded to the pool's dtype after every token, as
+decode does): the state is a function of the tokens alone, and a snapshot is a copy of it
+(runner/recurrent/fixed_scan.py). The causal conv sums its taps in one order for a prompt and a
+decode row alike; the mixers' sigmoid, SiLU and softplus (beta, the decay, Mamba2's dt, the
+gated norm's gate, the conv's SiLU), Falcon-H1's MLP SiLU and Qwen3.5's attention output gate
+run position-free (runner/recurrent/pointwise.py, one scalar libm path per element); rotary cos
+/ sin (Qwen3.5, Falcon-H1, a Granite with rope) from blocked tables and the rotation as
+separately rounded products; the muP multipliers (Granite, Falcon-H1) are products by constants
+(rounded alike anywhere). Every linear on the fixed GEMM, attention layers as the dense path.
+Refused by name beside them: speculative decoding (verify entries run torch's per-token loop),
+--tp-size > 1, --quantization and KVSTRATA_CPU_RECURRENT_STEP=0.
 A random Qwen3.5 at hidden 512 (bf16, AMX CPU) measured prefill 0.64x and served 0.79x, its
 decode faster (the fixed GEMM replaces plain F.linear) and its prefill slower by the fixed
-GEMM off the AMX tiles, not by the per-token scan: the default stays off for them
-(docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
+GEMM off the AMX tiles, not by the per-token scan. On AVX-512 BF16 without AMX (2-vCPU EPYC,
+2026-12-07, a box at load 35-60; CPU time, one thread) the flag is faster, not a cost: served
+shape 1.29x (rounds 1.05-1.37x), batch-1 TPOT 0.72x, prefill of 384-token prompts 1.09x, and
+at the test size Granite-4.0-H 1.31x, Falcon-H1 1.16x, Nemotron-H with MoE layers 1.19x
+served -- the off arm runs torch's plain bf16 F.linear (oneDNN without AMX tiles), the flag
+kvstrata's bf16 GEMM. The default stays off for them all the same: the AMX figure is a cost,
+and off the flag no hybrid linear is packed yet, so the gain measures the packing rather than
+the flag (docs/benchmarks.md "Deterministic inference on the recurrent hybrids").
 Everything else in a forward runs per row on kvstrata's fused CPU ops (RMSNorm, rotary,
 silu(gate) * up: runner/cpu/fused_ops.py) or per row by construction (sampling draws from
 (seed, position)); torch's elementwise ops round an element by its place in the flattened
@@ -88,7 +107,12 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # fp32 keeps it opt-in. A long prompt's prefill pays 1.06x at 512 tokens and 1.15x at 2000
 # (each token re-reads its keys; docs/benchmarks.md). On AVX-512 BF16 without AMX (2-vCPU EPYC,
 # 2026-12-07) bf16 served 0.55x (TPOT 1.43x, batch 1 0.97x): opt-in there (the prefill
-# kernel ran 2.2-3.5x SDPA there, which the flag gives up). On AMX (2-vCPU Sapphire Rapids
+# kernel ran 2.2-3.5x SDPA there, which the flag gave up). Since then bf16 there runs every
+# full-attention query in the prefill kernel's order (paged_decode.fixed_order_pays:
+# attention alone, prompts 1.5-2.2x faster, decode rows 1.1-1.5x slower); the served shape
+# offline at one thread in CPU time (ab_deterministic_offline.py, load 23-124) measured the
+# flag within the box's +-10% noise in either order, and the served 2-thread figure could
+# not be re-measured on that box: still opt-in (docs/benchmarks.md). On AMX (2-vCPU Sapphire Rapids
 # VM, 2026-12-07, the fixed layers on the tiles at every row count): served 0.81-0.91x (median
 # 0.89x), TPOT 1.13x, batch 1 1.08x: opt-in there too.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
@@ -100,14 +124,16 @@ PINNED_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss
 PINNED_MLA_FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
 # KVSTRATA_* switches that turn off a kernel deterministic inference runs (kvstrata/envs.py)
 ABLATIONS = ("KVSTRATA_CPU_PAGED_DECODE", "KVSTRATA_CPU_PACKED_LINEAR", "KVSTRATA_CPU_FUSED_OPS")
-# config.json architectures of the recurrent hybrids it pins (runner/models/hybrid_fixed.py
-# PINNED_CLASSES): every token through the recurrent C step (runner/recurrent/fixed_scan.py);
-# the expert fields they may carry: Qwen3-Next's experts are pinned; transformers writes
-# Nemotron-H's n_routed_experts into configs without MoE layers too, so a Nemotron-H model
-# whose pattern has MoE layers is refused by name at load (hybrid_fixed.py)
+# config.json architectures of the recurrent hybrids it pins (the classes runner/models/
+# hybrid_fixed.py pins): every token through the recurrent C step (runner/recurrent/
+# fixed_scan.py); the model_types whose experts it pins (Qwen3-Next's and Qwen3.5-MoE's,
+# Nemotron-H's MoE blocks, Granite-4.0-H's top-k MoE: the router, each expert and the
+# shared MLP on the fixed GEMM, the combine in each token's top-k order)
 PINNED_RECURRENT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM",
-                                  "NemotronHForCausalLM", "Mamba2ForCausalLM")
-PINNED_RECURRENT_MOE = ("qwen3_next", "nemotron_h")
+                                  "NemotronHForCausalLM", "Mamba2ForCausalLM",
+                                  "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
+                                  "Qwen3_5MoeForCausalLM")
+PINNED_RECURRENT_MOE = ("qwen3_next", "qwen3_5_moe_text", "nemotron_h", "granitemoehybrid")
 # the ablation of the C step those models' pinned scan runs for every token
 RECURRENT_ABLATION = "KVSTRATA_CPU_RECURRENT_STEP"
 RECURRENT_KERNEL = ("the recurrent layers' one-token C step for every token, prompt or "
@@ -169,7 +195,11 @@ PACKED_LINEAR_KERNEL = ("kvstrata's GGUF GEMMs for the packed weights (runner/cp
                         "(runner/quant/gguf_pinned.py)")
 PACKED_QUANTIZATIONS = ("gguf", *(name for method in PACKED_METHODS
                                   for name in FLAG_ACCEPTS[method]))
-ATTENTION_KERNEL = "the paged decode kernel for every query token (runner/attention/paged_decode.py)"
+ATTENTION_KERNEL = ("bf16 on AVX512-BF16: the prefill kernel's order for every query token "
+                    "of a full-attention layer (prompts in the prefill kernel, decode rows as "
+                    "one-row prompts of it: runner/attention/csrc/decode_fixed.h); else, and "
+                    "for windowed layers and sinks / soft-capping: the paged decode kernel for "
+                    "every query token (runner/attention/paged_decode.py)")
 MLA_ATTENTION_KERNEL = ("the paged decode kernel for every query token over the MLA pool's "
                         "latent rows, one KV head of keys and values alike "
                         "(runner/attention/mla_fixed.py)")
@@ -187,9 +217,9 @@ MLA_ATTENTION_WHY = ("the dense MLA path scored a prompt with one matmul over it
                      "the indexer's sums in one order, ties in position order")
 ATTENTION_WHY = ("the prefill kernel (key blocks of a prompt), SDPA (fresh keys) and the decode "
                  "kernel (keys read from the pool) sum a query's keys in different orders, so a "
-                 "cached or transferred prefix changed the bits; the decode kernel scores, "
-                 "normalises and sums each query's own keys in position order, whatever the "
-                 "other queries")
+                 "cached or transferred prefix changed the bits; one order per query row -- "
+                 "key blocks anchored at position 0 -- makes a row's bits a function of its "
+                 "query, keys and values, whatever the other rows of its call")
 
 
 def deterministic_inference(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None,
@@ -296,7 +326,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
     and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
-    measured prefill 0.64x, served 0.79x on an AMX CPU)."""
+    measured prefill 0.64x, served 0.79x on an AMX CPU; faster with the flag without AMX,
+    1.29x served, where its off arm runs unpacked F.linear)."""
     if (args.enable_deterministic_inference or args.disable_deterministic_inference
             or (args.device or platform.device_type) != "cpu" or not _model_built(model_info)
             or (model_info is not None and (model_info.quant_method or model_info.softmax_extras

@@ -50,7 +50,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slots: torch.Tensor, starts: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None, num_threads: int | None = None,
                  ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, fixed: bool = False) -> torch.Tensor:
     """q [n, Hq, D] fp32 or bf16 (its rows may be strided, as a view of a fused qkv
     projection; each row's Hq x D values contiguous); k_cache / v_cache [num_slots, Hkv, D]
     (one layer of the pool: fp32, bf16 or fp16, both the same); request b attends to the
@@ -63,21 +63,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (Gemma 2); 0: none.
 
     A query's result depends only on its own row, keys and values: not on the other
-    queries of the call, their number or the threads (no split of a query's keys), so a
-    prompt's token attends bit-identically here as a decode step later would (deterministic
-    inference, runner/attention/torch_native.py)."""
+    queries of the call, their number or the threads (no split of a query's keys).
+    fixed: each query runs as a one-row prompt of prefill_attention (csrc/decode_fixed.h:
+    its key blocks, online softmax and rounding), so it comes out bit-identical to the same
+    row of a prompt there (deterministic inference, runner/attention/torch_native.py); q and
+    the caches of one dtype, fp32 or bf16, no sinks or softcap."""
     return _checked(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends, sinks,
-                    softcap)[0]
+                    softcap, fixed)[0]
 
 
 def _checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, starts: torch.Tensor, scale: float,
              out: torch.Tensor | None = None, num_threads: int | None = None,
              ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-             softcap: float = 0.0) -> tuple[torch.Tensor, list]:
+             softcap: float = 0.0, fixed: bool = False) -> tuple[torch.Tensor, list]:
     """paged_decode, also returning the kernel's arguments (DecodeCall keeps them)."""
     out, args = decode_args(q, k_cache, v_cache, slots, starts, scale, out, num_threads, ends,
-                            sinks, softcap)
+                            sinks, softcap, fixed)
     run_decode(args)
     return out, args
 
@@ -86,7 +88,7 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor, starts: torch.Tensor, scale: float,
                 out: torch.Tensor | None = None, num_threads: int | None = None,
                 ends: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                softcap: float = 0.0) -> tuple[torch.Tensor, list]:
+                softcap: float = 0.0, fixed: bool = False) -> tuple[torch.Tensor, list]:
     """paged_decode's checks and the kernel's arguments for these tensors, nothing run: (out,
     args) for `run_decode(args)`. Pointers sit at args[0] (q), [4] / [5] (k / v caches),
     [16] (out) and [21] (sinks, 0: none): a caller with other tensors of the same shapes may
@@ -124,7 +126,7 @@ def decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             _addr("out", out, (q.dtype,)), out.numel() * out.element_size(), threads, isa_cap(),
             0 if ends is None else _addr("ends", ends, (torch.int64,)),
             0 if sinks is None else _addr("sinks", sinks, (torch.float32,)),
-            0 if sinks is None else hq, float(softcap)]
+            0 if sinks is None else hq, float(softcap), int(fixed)]
     return out, args
 
 
@@ -150,8 +152,9 @@ class DecodeCall:
     one token (2-vCPU EPYC), ~0.4 ms of a 30-layer decode step."""
 
     def __init__(self, slots: torch.Tensor, starts: torch.Tensor, scale: float,
-                 ends: torch.Tensor | None = None):
+                 ends: torch.Tensor | None = None, fixed: bool = False):
         self.slots, self.starts, self.scale, self.ends = slots, starts, scale, ends
+        self.fixed = fixed  # paged_decode's `fixed`: the prefill kernel's order
         self.key: tuple | None = None
         self.args: list | None = None
 
@@ -164,7 +167,8 @@ class DecodeCall:
                                            sinks.is_contiguous()))
         if key != self.key:
             out, self.args = _checked(q, k_cache, v_cache, self.slots, self.starts, self.scale,
-                                      ends=self.ends, sinks=sinks, softcap=softcap)
+                                      ends=self.ends, sinks=sinks, softcap=softcap,
+                                      fixed=self.fixed)
             self.key = key
             return out
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -186,6 +190,7 @@ def row_stride(t: torch.Tensor) -> int | None:
     return t.stride(0) if n > 1 else h * d
 
 
+PREFILL_MAX_HEAD_DIM = 256  # csrc/prefill_attention.h PF_MAX_D
 PREFILL_MIN_TOKENS = 8  # below, SDPA's fixed cost is lower (1 token: 12 vs 26 us)
 
 
@@ -217,6 +222,19 @@ def prefill_max_tokens(dtype: torch.dtype) -> int | None:
     if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags():
         return AMX_BF16_PREFILL_MAX_TOKENS
     return None
+
+
+def fixed_order_pays(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether deterministic inference runs every full-attention query in the prefill kernel's
+    order here (torch_native.py `fixed_order`) rather than the decode kernel's: a bf16 pool on
+    the prefill kernel's AVX512-BF16 body. Attention alone, 1 thread, CPU time
+    (benchmarks/bench_deterministic_attention.py, AVX-512 BF16 EPYC, 2026-12-07): there a
+    prompt ran 1.5-2.2x faster (32 x 128 to 1 x 2000 tokens) and a decode row 1.1-1.5x
+    slower (it transposes every key block it reads once); at fp32 prompts gained 1.06-1.7x
+    and decode rows lost 1.4-5x, so fp32 (and the bodies not measured) keep the decode
+    kernel's order."""
+    return (kv_dtype == torch.bfloat16 and prefill_kernel_isa(head_dim) == "avx512"
+            and "avx512_bf16" in _cpu_flags())
 
 
 def prefill_kernel_isa(head_dim: int) -> str:

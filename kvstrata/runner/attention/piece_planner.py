@@ -51,15 +51,17 @@ class PiecePlanner:
     deterministic: bool
 
     def _prefill_plan(self, pieces: list[Piece], table: torch.Tensor | None,
-                      out_slots: torch.Tensor | None) -> tuple | None:
+                      out_slots: torch.Tensor | None, fixed: bool = False) -> tuple | None:
         """The prompts (fresh or after a cached prefix, 8+ tokens, causal) the prefill kernel
         serves this forward, with their key slots: it reads keys from the pool, so only in a
-        forward that writes the pool."""
-        if not self.use_prefill_kernel or out_slots is None or table is None:
+        forward that writes the pool. `fixed` (deterministic inference): every prompt piece,
+        whatever its length (a row's order must not depend on it)."""
+        if not (self.use_prefill_kernel or fixed) or out_slots is None or table is None:
             return None
-        top = self.prefill_max_tokens
-        chosen = [p for p in pieces if p.prefix >= 0
-                  and p.hi - p.lo >= paged_decode.PREFILL_MIN_TOKENS
+        top = None if fixed else self.prefill_max_tokens
+        least = 1 if fixed else paged_decode.PREFILL_MIN_TOKENS
+        chosen = [p for p in pieces if p.prefix >= 0 and p.kind in ("fresh", "paged")
+                  and p.hi - p.lo >= least
                   and (top is None or p.prefix + p.hi - p.lo <= top)]
         if not chosen:
             return None
@@ -116,10 +118,11 @@ class PiecePlanner:
                      tok_idx=None if contiguous else torch.tensor(toks).to(device))
 
     def _kernel_piece(self, decode: list[tuple], r2t: ReqToTokenTable,
-                      device: torch.device) -> Piece:
+                      device: torch.device, fixed: bool = False) -> Piece:
         """All one-token requests in one kernel call: their slots 0 .. len - 1, concatenated
         (req_to_token.slots_of: one C pass), and where each starts. Tree tokens bring their
-        own key slots (context + ancestors)."""
+        own key slots (context + ancestors). fixed: in the prefill kernel's order
+        (deterministic inference)."""
         rows, toks, lens = zip(*((e[2], e[1], e[0]) for e in decode))
         lens_t = torch.tensor(lens, dtype=torch.int64)
         if any(len(e) > 3 for e in decode):
@@ -132,7 +135,7 @@ class PiecePlanner:
         contiguous = list(toks) == list(range(toks[0], toks[0] + len(toks)))
         return Piece("kernel", toks[0], toks[0] + len(toks), n=len(toks),
                      tok_idx=None if contiguous else torch.tensor(toks, dtype=torch.int64),
-                     slots=slots.to(torch.int64).contiguous(), starts=starts)
+                     slots=slots.to(torch.int64).contiguous(), starts=starts, fixed=fixed)
 
     def _ranges_piece(self, ranged: list[tuple], decode: list[tuple],
                       table: torch.Tensor, window: int | None = None) -> Piece:

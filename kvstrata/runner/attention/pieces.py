@@ -29,6 +29,7 @@ class Piece:
     decode_call: Any = None             # kernel: paged_decode.DecodeCall, made at layer 0
     key_lo: int = -1                    # fresh: first flat key (-1: lo); a windowed block's
     math_keys: Any = None               # kernel, sinks / softcap: window._kernel_keys' cache
+    fixed: bool = False                 # kernel: the prefill kernel's order (deterministic)
 
 
 @dataclass

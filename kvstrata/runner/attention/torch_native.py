@@ -32,6 +32,13 @@ GQA: prefill passes enable_gqa (query head h uses KV head h // (Hq / Hkv), as in
 folds the Hq / Hkv query heads of each KV head into that many query rows of one head, the
 same arithmetic without SDPA's GQA path.
 
+Deterministic inference (`deterministic`): one summation order per query row, whatever shares
+its call. Full-attention layers without sinks / soft-capping over a bf16 pool on AVX512-BF16
+(`fixed_order`, paged_decode.fixed_order_pays) run the prefill kernel's order: every prompt, chunk or verify entry of any length in the prefill kernel, decode
+rows as a `fixed` kernel piece (one-row prompts of it, csrc/decode_fixed.h). Others (fp32,
+windowed layers, sinks / soft-capping) run every query as a paged decode kernel query over
+its own keys (the `ranged` list).
+
 Sliding windows (`layer_windows`), attention sinks and logit soft-capping: window.py.
 Hybrid SWA memory (`swa_pool`): the windowed layers keep their K/V in a second pool whose
 slots a second req_to_token table (`swa_req_to_token`) records; `kv_of(layer)` names each
@@ -60,11 +67,14 @@ class TorchNativeAttnBackend(PiecePlanner):
                  page_size: int = 1, deterministic: bool = False,
                  layer_windows: Sequence[int | None] | None = None,
                  swa_pool: MHATokenToKVPool | None = None,
-                 swa_req_to_token: ReqToTokenTable | None = None):
+                 swa_req_to_token: ReqToTokenTable | None = None,
+                 softmax_extras: bool = False):
         """layer_windows[i] = W: layer i's query at position p sees keys p - W + 1 .. p
         (transformers' sliding_window); None (or no list): full causal. swa_pool /
         swa_req_to_token: hybrid SWA memory, the windowed layers' pool and slots (kv_pool
-        then holds the full-attention layers only; None when there are none)."""
+        then holds the full-attention layers only; None when there are none). softmax_extras:
+        the model's layers pass sinks or a soft-cap (under deterministic inference they keep
+        the decode kernel's order)."""
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.req_to_token = req_to_token
@@ -102,6 +112,18 @@ class TorchNativeAttnBackend(PiecePlanner):
                                  f"attention kernel (a {kv_pool.kv.dtype} pool on the CPU); "
                                  f"this pool is {kv_pool.kv.dtype} on {kv_pool.kv.device}")
             self.use_kernel, self.use_prefill_kernel = kv_pool is not None, False
+        # ... or in one order that a tile of a prompt's rows computes as fast as the prefill
+        # kernel, where that pays (paged_decode.fixed_order_pays: bf16 on AVX512-BF16):
+        # full-attention layers without softmax extras run every query, prompt or decode, in
+        # the prefill kernel's order (prompts in it, decode rows as one-row prompts of it:
+        # paged_decode `fixed`). Windowed layers (their rows see key ranges that do not start
+        # at position 0) and sinks / soft-capping keep the decode kernel's order.
+        self.fixed_order = (deterministic and kv_pool is not None and not softmax_extras
+                            and kv_pool.kv.dtype in paged_decode.Q_DTYPES
+                            and head_dim <= paged_decode.PREFILL_MAX_HEAD_DIM
+                            and paged_decode.fixed_order_pays(kv_pool.kv.dtype, head_dim)
+                            and envs.KVSTRATA_CPU_DETERMINISTIC_BLOCKS.get()
+                            and envs.KVSTRATA_CPU_PREFILL_ATTENTION.get())
 
     # ------------------------------------------------------------------ per step
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -111,7 +133,8 @@ class TorchNativeAttnBackend(PiecePlanner):
             fb.attn_meta = self._meta(fb, None)
         else:  # one plan per distinct window (window.py)
             fb.attn_meta = win.plan_windows(fb, self.layer_windows, self._meta,
-                                            self.swa_pool is not None)
+                                            self.swa_pool is not None,
+                                            share_full=not self.fixed_order)
 
     def kv_of(self, layer: int) -> tuple[MHATokenToKVPool, int]:
         """The pool holding `layer`'s K/V and the layer's index in it."""
@@ -128,18 +151,23 @@ class TorchNativeAttnBackend(PiecePlanner):
         decode: list[tuple] = []   # (kv_len, flat token, row[, explicit key slots])
         off = 0
         trees = fb.trees or {}
+        fixed = self.fixed_order and window is None  # (the prefill kernel's order)
         if fb.query_keys is not None:  # explicit keys per token (a draft tree step)
             decode = [(len(k), j, 0, k) for j, k in enumerate(fb.query_keys)]
             if window is not None:
                 decode = [win.clip(e, table, window) for e in decode]
             if self.use_kernel:
-                return TorchNativeMeta([self._kernel_piece(decode, r2t, device)], False)
+                return TorchNativeMeta([self._kernel_piece(decode, r2t, device, fixed)], False)
             return TorchNativeMeta([self._explicit_piece(decode, table, device)], False)
         ranged: list[tuple] = []   # deterministic: (row, start, n, flat token), not decodes
         for i, (row, start, n) in enumerate(zip(fb.rows, fb.start_pos, fb.q_lens)):
             if i in trees:  # a draft tree: each token sees the context and its ancestors
                 pieces += self._tree(trees[i], table, row, start, off, decode, device,
                                      window)
+            elif fixed and (n > 1 or start == 0) and fb.out_slots is not None:
+                # a prompt (chunk, verify entry) of any length: the prefill kernel
+                pieces.append(Piece("fresh" if start == 0 else "paged", off, off + n, row=row,
+                                    prefix=start))
             elif self.deterministic and (n > 1 or start == 0) and fb.out_slots is not None:
                 ranged.append((row, start, n, off))  # (a one-token prompt too: not SDPA)
             elif window is not None and start + n > window and (
@@ -177,13 +205,14 @@ class TorchNativeAttnBackend(PiecePlanner):
         if ranged:  # deterministic: one kernel call over every token of the forward
             pieces.append(self._ranges_piece(ranged, decode, table, window))
         elif decode and self.use_kernel:
-            pieces.append(self._kernel_piece(decode, r2t, device))
+            pieces.append(self._kernel_piece(decode, r2t, device, fixed))
         elif decode and any(len(e) > 3 for e in decode):  # (windowed: explicit keys)
             pieces.append(self._explicit_piece(decode, table, device))
         elif decode:
             pieces.extend(self._decode_pieces(decode, table, device))
         single = len(pieces) == 1 and pieces[0].tok_idx is None
-        return TorchNativeMeta(pieces, single, self._prefill_plan(pieces, table, fb.out_slots))
+        return TorchNativeMeta(pieces, single,
+                               self._prefill_plan(pieces, table, fb.out_slots, fixed))
 
     # ------------------------------------------------------------------ per layer
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -201,6 +230,9 @@ class TorchNativeAttnBackend(PiecePlanner):
             pool, li = self.layer_kv[layer]
             pool.set_kv(li, fb.swa_out_slots if pool is self.swa_pool else fb.out_slots, k, v)
         if sinks is not None or softcap is not None:
+            if self.fixed_order:  # its plan holds prefill-kernel pieces, which have neither
+                raise ValueError("deterministic inference: a layer passed sinks / softcap to "
+                                 "a backend built without softmax_extras")
             return win.forward_math(self, layer, meta, q, k, v, sinks, softcap)
         out, done = self._prefill_by_kernel(layer, meta, q)
         if meta.single:
@@ -226,13 +258,19 @@ class TorchNativeAttnBackend(PiecePlanner):
         if meta.prefill is None:
             return None, []
         chosen, slots, seqs = meta.prefill
-        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         pool, li = self.layer_kv[layer]
-        if paged_decode.prefill_attention(q, pool.k(li), pool.v(li),
+        qk = q
+        if self.fixed_order and q.dtype != pool.kv.dtype:  # the order needs one dtype
+            qk = q.to(pool.kv.dtype)
+        out = qk.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if paged_decode.prefill_attention(qk, pool.k(li), pool.v(li),
                                           slots, seqs, self.scale,
                                           out=out.view(q.shape)) is None:
+            if self.fixed_order:  # no SDPA here: it would sum in another order
+                raise RuntimeError(f"deterministic inference: the prefill kernel refused q "
+                                   f"{q.dtype} {tuple(q.shape)} strides {q.stride()}")
             return None, []
-        return out, chosen
+        return out.to(q.dtype), chosen
 
     def gather_kv(self, layer: int, kv_idx: torch.Tensor, unit: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,12 +291,14 @@ class TorchNativeAttnBackend(PiecePlanner):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if p.kind == "kernel":
             qg = q[p.lo:p.hi] if p.tok_idx is None else q.index_select(0, p.tok_idx)
+            pool, li = self.layer_kv[layer]
+            if p.fixed and qg.dtype != pool.kv.dtype:  # the prefill kernel's order: one dtype
+                qg = qg.to(pool.kv.dtype)
             if qg.dtype not in paged_decode.Q_DTYPES or paged_decode.row_stride(qg) is None:
                 qg = qg.to(torch.float32).contiguous()  # fp16: the kernel reads fp32 or bf16
             if p.decode_call is None:  # the checks once a forward, not once a layer
                 p.decode_call = paged_decode.DecodeCall(p.slots, p.starts, self.scale,
-                                                        p.ends)
-            pool, li = self.layer_kv[layer]
+                                                        p.ends, p.fixed)
             out = p.decode_call(qg, pool.k(li), pool.v(li), sinks, softcap)
             return out.to(q.dtype).reshape(p.n, hq * d)
         if p.kind == "decode":

@@ -78,14 +78,16 @@ def layer_pools(layer_windows: tuple | None, pool: Any, swa_pool: Any) -> list |
     return out
 
 
-def plan_windows(fb, layer_windows: tuple, make: Callable, swa_pool: bool = False
-                 ) -> TorchNativeMeta:
+def plan_windows(fb, layer_windows: tuple, make: Callable, swa_pool: bool = False,
+                 share_full: bool = True) -> TorchNativeMeta:
     """The step's plans, once per distinct window (`make(fb, window, swa)`): a window at
     least as long as the step's longest key list changes nothing, so such layers share the
     full plan (its prefill kernel and decode plan included) -- except that with an SWA pool
     (`swa_pool`) a windowed layer's plan reads its key slots from the SWA table, so the full
-    plan is made again for them. Returns layer 0's plan, carrying every layer window's in
-    by_window."""
+    plan is made again for them, and without `share_full` (deterministic inference, whose
+    full plan sums in the prefill kernel's order and windowed layers in the decode kernel's:
+    a layer's order must not change from step to step). Returns layer 0's plan, carrying
+    every layer window's in by_window."""
     if fb.query_keys is not None:
         longest = max(len(k) for k in fb.query_keys)
     else:
@@ -94,7 +96,7 @@ def plan_windows(fb, layer_windows: tuple, make: Callable, swa_pool: bool = Fals
     plans: dict = {}
     for w in dict.fromkeys(layer_windows):
         swa = swa_pool and w is not None
-        key = (None if w is None or w >= longest else w, swa)
+        key = (None if w is None or (share_full and w >= longest) else w, swa)
         if key not in made:
             made[key] = make(fb, key[0], swa) if swa else make(fb, key[0])
         plans[w] = made[key]

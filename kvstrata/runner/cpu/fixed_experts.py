@@ -2,7 +2,8 @@
 the shared experts as PackedLinears -- on the fixed GEMM for deterministic inference
 (packed_linear.PackedLinear._init_fixed: pin_block, pin_moe_layers), or packed for serving
 (pack_block: kvstrata's bf16 GEMM / oneDNN's layout, as the dense layers; DeepSeek's MoE and
-dense MLPs through runner/models/deepseek_packed.py).
+dense MLPs through runner/models/deepseek_packed.py, the llama-family MoEs' and gpt-oss'
+blocks through pack_moe_layers).
 
 Why: an expert's matmul runs over however many tokens the router sends it this step, and
 torch's F.linear (oneDNN / MKL) picks its body -- and so a row's summation order -- by the
@@ -35,16 +36,31 @@ from torch import nn
 from kvstrata.runner.cpu.packed_linear import PackedLinear, packed_linear
 
 
+def moe_blocks(model: Any) -> list[nn.Module]:
+    """A loaded model's MoE blocks: each layer's `layer.moe`, or a layer that names its own
+    expert stacks (gpt-oss)."""
+    return [layer.moe if getattr(layer, "moe", None) is not None else layer
+            for layer in model.layers
+            if getattr(layer, "moe", None) is not None
+            or hasattr(layer, "pinned_expert_stacks")]
+
+
 def pin_moe_layers(model: Any) -> int:
-    """Pin every MoE block of a loaded model's layers (`layer.moe`, or a layer that names its
-    own expert stacks: gpt-oss) in place; returns how many blocks were pinned (0 for a dense
-    model)."""
-    blocks = [layer.moe if getattr(layer, "moe", None) is not None else layer
-              for layer in model.layers
-              if getattr(layer, "moe", None) is not None
-              or hasattr(layer, "pinned_expert_stacks")]
+    """Pin every MoE block of a loaded model (moe_blocks) in place; returns how many blocks
+    were pinned (0 for a dense model)."""
+    blocks = moe_blocks(model)
     for block in blocks:
         pin_block(block)
+    return len(blocks)
+
+
+def pack_moe_layers(model: Any) -> int:
+    """Every MoE block of a loaded model (moe_blocks) on the serving PackedLinears
+    (pack_block): the llama-family MoEs and gpt-oss unflagged, beside pack_model's attention
+    layers. Returns how many blocks were packed (0 for a dense model)."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        pack_block(block)
     return len(blocks)
 
 

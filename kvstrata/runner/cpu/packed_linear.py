@@ -51,11 +51,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvstrata import envs
-from kvstrata.platform import read_cpu_flags
 from kvstrata.runner.cpu import _bf16_ops, fused_ops as cpu_ops, f32_gemv
 from kvstrata.runner.cpu.fixed_linear import (DTYPES, FIXED_EVERY_ROW_COUNT, FIXED_F32_KERNEL,
                                               fixed_f32, fixed_unsupported)
-from kvstrata.runner.cpu.isa import isa_cap
+from kvstrata.runner.cpu.isa import ISA_CAPS, isa_cap
 
 KERNEL = "oneDNN prepacked fp32/bf16 (torch.ops.mkldnn._linear_pointwise)"
 OWN_BF16_KERNEL = "kvstrata bf16 GEMM (AVX512-BF16, runner/cpu/csrc/bf16_gemm.c)"
@@ -120,9 +119,21 @@ def split_layouts() -> bool:
     the own GEMM on AMX tiles (session 28) it ran 1.03x oneDNN's at 512 rows and 1.2-2.2x at
     1-128, yet served the split still led: 880 vs 812 tok/s (one round), 1025 / 623 vs 787 /
     742 (two), so auto keeps it. The two bf16 layouts take the memory of one fp32 copy
-    (layer nbytes count both)."""
+    (layer nbytes count both).
+
+    auto asks whether the AMX tiles run in this process (amx_bf16_ready), not whether the CPU
+    names them: a VM can list amx_bf16 while Linux does not grant the tile data (a Firecracker
+    guest, 2026-12-07), and there neither kvstrata's AMX body nor oneDNN's tiles run, so a
+    second layout doubled the bf16 weights for prefill rows oneDNN multiplies on AVX-512 too."""
     choice = _gemm_choice()
-    return choice == "own_decode" or (choice == "auto" and "amx_bf16" in read_cpu_flags())
+    return choice == "own_decode" or (choice == "auto" and amx_bf16_ready())
+
+
+def amx_bf16_ready() -> bool:
+    """kvstrata's bf16 GEMM would run its AMX-BF16 body in this process (bf16_gemm.c: the CPU
+    has AMX-BF16 and Linux granted the tile data, amx_tiles.h amx_ready), whatever
+    KVSTRATA_CPU_ISA caps: the permission that oneDNN's AMX tiles need too."""
+    return _bf16_ops.kernel_isa(ISA_CAPS["amx"]) == 3
 
 
 def _gemm_choice() -> str:
@@ -336,7 +347,7 @@ def replace_weight(owner: nn.Module, weight_name: str, bias_name: str | None,
 def _pack_layers(model: Any, fixed: bool = False) -> bool:
     """Returns whether the layers' fp32 weights also got f32_gemv's copies. A model whose
     layers hold other linears names its 2-D ones in `packed_linears` (gpt-oss: attention
-    only; its 3-D expert weights stay plain tensors)."""
+    only; its router and 3-D expert stacks: runner/cpu/fixed_experts.pack_moe_layers)."""
     linears = getattr(model, "packed_linears", LAYER_LINEARS)
     # A weight that is None is not in that layer (an MoE layer of moe_decoder.py has experts
     # in place of the dense MLP).

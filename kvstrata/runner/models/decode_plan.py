@@ -199,8 +199,10 @@ def build(model: Any, fb: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         return None
     backend = model.attn_backend
     kv = _pool(backend).kv  # a pool made again may reuse the address: its shape too
+    # fixed: deterministic inference's order (paged_decode `fixed`), the piece's
     key = (x.shape[0], x.dtype, torch.get_num_threads(), isa_cap(), kv.data_ptr(),
-           tuple(kv.shape), backend.scale, envs.KVSTRATA_CPU_DECODE_KV_PREFETCH.get())
+           tuple(kv.shape), backend.scale, fb.attn_meta.pieces[0].fixed,
+           envs.KVSTRATA_CPU_DECODE_KV_PREFETCH.get())
     plans = model.__dict__.setdefault("_decode_plans", OrderedDict())
     if key in plans:  # None: this model's layers do not fit (found once)
         plans.move_to_end(key)
@@ -220,6 +222,7 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
     if any(layer.q_norm is not None for layer in model.layers):
         return None
     t, dtype, threads, cap = key[:4]
+    fixed = key[-2]
     # the GEMMs whose gate|up calls prefetch side rows: the bodies measured, AVX512-BF16 (not
     # the AMX tiles, which a bf16 call at cap 3 takes) and VNNI (int8 calls cap at 2 unless
     # KVSTRATA_CPU_INT8_GEMM=amx: then the tiles take the job without prefetching)
@@ -248,7 +251,8 @@ def _make(model: Any, key: tuple, capacity: int) -> DecodePlan | None:
                                  qkv[:, k_end:].view(t, nkv, hd))
     _, decode0 = paged_decode.decode_args(qkv[:, :q_end].view(t, nq, hd), pool.k(0),
                                           pool.v(0), plan.slots, plan.starts, backend.scale,
-                                          out=attn.view(t, nq, hd), num_threads=threads)
+                                          out=attn.view(t, nq, hd), num_threads=threads,
+                                          fixed=fixed)
     if scatter0 is None:
         return None
     row_bytes = pool.k(0)[0].numel() * pool.k(0).element_size()  # one token, all KV heads

@@ -155,6 +155,9 @@ def copy_weight(param: torch.Tensor | None, tensor: "torch.Tensor | PackedRows",
 class DecoderForCausalLM(nn.Module):
     pool_kind = "mha"
     layer_class = DecoderLayer  # a subclass with more per-layer parameters sets its own
+    # attention sinks or logit soft-capping (gpt-oss, Gemma 2): under deterministic inference
+    # those layers keep the paged decode kernel's order (torch_native.py `fixed_order`)
+    softmax_extras = False
 
     def __init__(self, config: Any, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
                  dims: ModelDims | None = None):

@@ -40,6 +40,7 @@ from kvstrata.runner.models.hybrid_base import PARALLEL, HybridForCausalLM, para
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, time_step_limit
 from kvstrata.runner.models.nemotron_h import Attention
 from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters
+from kvstrata.runner.recurrent import pointwise
 
 
 def falcon_mamba_shape(config: Any) -> Mamba2Shape:
@@ -86,9 +87,10 @@ class FalconH1Mixer(Mamba2Mixer):
 class FalconMLP(nn.Module):
     """up * silu(gate * gate_multiplier), down projection times down_multiplier (gate|up
     fused into one weight: rows 0..I-1 gate, I..2I-1 up)."""
-    # F.linear, or kvstrata's packed / int8 linears once runner/models/hybrid_packed.py
-    # (runner/quant/hybrid_w8a8.py) replaced the weights
+    # the fixed GEMM and a position-free SiLU once deterministic inference pinned it
+    # (runner/models/hybrid_fixed.py)
     linear = staticmethod(F.linear)
+    act = pointwise.TORCH
     pinned_weights = ("gate_up", "down")
     pinned_expert_stacks = ()
 
@@ -110,7 +112,7 @@ class FalconMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.linear(up * F.silu(gate * self.gate_multiplier), self.down) \
+        return self.linear(up * self.act.silu(gate * self.gate_multiplier), self.down) \
             * self.down_multiplier
 
 
@@ -124,6 +126,7 @@ class FalconH1Layer(nn.Module):
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):
+    unsupported = ()  # deterministic inference: hybrid_fixed.py
     mamba_shape = staticmethod(falcon_mamba_shape)  # a tensor-parallel rank's: its share
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):

@@ -93,6 +93,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
         self.attn_scale = float(config.query_pre_attn_scalar) ** -0.5
         self.attn_softcap = (getattr(config, "attn_logit_softcapping", None)
                              if spec.attn_logit_softcapping else None)
+        self.softmax_extras = self.attn_softcap is not None
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         # One rotary table per layer type (the same parameters on Gemma 2).
         self.ropes = {t: RotaryEmbedding(d.head_dim, layer_rope_parameters(config, t), device)

@@ -11,8 +11,9 @@
   softmax weighs the chosen experts. An expert is a clamped SwiGLU with biases:
   gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate).
   Checkpoints interleave gate and up columns (gate even, up odd); we store them split
-  (rows 0..I-1 gate, I..2I-1 up) and transposed to [out, in], so each expert is two F.linear
-  calls over the tokens routed to it (moe.routed_sum: one call per chosen expert per step).
+  (rows 0..I-1 gate, I..2I-1 up) and transposed to [out, in], so each expert is two linear
+  calls over the tokens routed to it (moe.routed_sum: one call per chosen expert per step),
+  on the CPU each a PackedLinear with its bias inside (fixed_experts.pack_moe_layers).
 
 Released checkpoints hold the experts as MXFP4 (`*_blocks`, `*_scales`), dequantized here at
 load to the model dtype (quant/mxfp4.py). GGUF files (llama.cpp arch gpt-oss) hold them as
@@ -115,12 +116,14 @@ _EXPERT_KEYS = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down
 
 
 class GptOssForCausalLM(DecoderForCausalLM):
+    softmax_extras = True  # every layer's sinks (deterministic: the decode kernel's order)
     # KV per token like any MHA decoder; the sliding layers' extra pages are kept (the
     # window is applied by the attention, not by freeing pages yet).
     pool_kind = "mha"
     # The linear layers packed for the CPU GEMMs (runner/cpu/packed_linear.py): the 2-D
-    # projections. Router and experts stay F.linear (the experts are 3-D, one slice per call)
-    # but under deterministic inference (GptOssLayer.pinned_*).
+    # projections. Router and experts (GptOssLayer.pinned_*): fixed_experts.pack_moe_layers
+    # (one PackedLinear per expert, biases inside), or pin_moe_layers under deterministic
+    # inference.
     packed_linears = (("qkv_weight", "qkv_bias"), ("o_weight", "o_bias"))
     unsupported = UNSUPPORTED
 

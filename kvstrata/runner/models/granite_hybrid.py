@@ -24,7 +24,7 @@ from kvstrata.runner.models.decoder import rms_norm
 from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, RECURRENT, HybridForCausalLM,
                                                 param)
 from kvstrata.runner.models.mamba2_mixer import Mamba2Mixer, Mamba2Shape, time_step_limit
-from kvstrata.runner.models.moe import DenseMLP, routed_sum
+from kvstrata.runner.models.moe import DenseMLP, routed_sum, swiglu_of
 from kvstrata.runner.models.nemotron_h import Attention
 from kvstrata.runner.models.rope import RotaryEmbedding, rope_parameters
 
@@ -33,11 +33,13 @@ _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": F
 
 
 class TopKMoE(nn.Module):
-    # How its weights are applied: F.linear, or kvstrata's packed / int8 linears once
-    # runner/models/hybrid_packed.py (runner/quant/hybrid_w8a8.py) replaced them
+    # Deterministic inference (runner/models/hybrid_fixed.py through fixed_experts.pin_block):
+    # the router and every expert on the fixed GEMM; batch_invariant: silu(gate) * up per row
+    # (moe.swiglu_of) and each token's experts summed in its own top-k order
     linear = staticmethod(F.linear)
     pinned_weights = ("router",)
     pinned_expert_stacks = ("gate_up", "down")
+    batch_invariant = False
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -58,10 +60,13 @@ class TopKMoE(nn.Module):
         weights = torch.softmax(top, dim=-1).to(x.dtype)
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+            if self.batch_invariant:
+                return self.linear(swiglu_of(self.linear, xs, self.gate_up[e]), self.down[e])
             gate, up = self.linear(xs, self.gate_up[e]).chunk(2, dim=-1)
             return self.linear(F.silu(gate) * up, self.down[e])
 
-        return routed_sum(x, ids, weights, self.num_experts, expert)
+        return routed_sum(x, ids, weights, self.num_experts, expert,
+                          ordered=self.batch_invariant)
 
 
 class GraniteLayer(nn.Module):
@@ -74,6 +79,7 @@ class GraniteLayer(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    unsupported = ()  # deterministic inference: hybrid_fixed.py
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         types = list(config.layers_block_type)
         if set(types) - set(_KINDS):

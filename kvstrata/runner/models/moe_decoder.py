@@ -10,7 +10,11 @@ compute it:
   the k weights renormalised to sum 1 when `norm_topk_prob` (Mixtral: always). Qwen rounds
   the weights to the model dtype, Mixtral keeps them float32.
 - experts: SwiGLU each, run over the tokens routed to them, grouped by expert
-  (moe.routed_sum: one gate|up and one down matmul per chosen expert per step).
+  (moe.routed_sum: one gate|up and one down matmul per chosen expert per step). On the CPU
+  the router, every expert and the shared experts run on kvstrata's packed linears, as the
+  attention does (runner/cpu/fixed_experts.pack_moe_layers: an expert in kvstrata's bf16
+  GEMM's layout alone, oneDNN's prepacked one at fp32; gate|up writes silu(gate) * up from
+  its registers; KVSTRATA_CPU_PACKED_EXPERTS=0 keeps F.linear over the plain stacks).
 - Qwen2-MoE adds a shared SwiGLU expert on every token, scaled by sigmoid(x w_gate).
 - Qwen layers outside the sparse pattern (`mlp_only_layers`, `decoder_sparse_step`) keep a
   dense SwiGLU of `intermediate_size`; Mixtral's are all sparse.
@@ -103,8 +107,9 @@ class SparseMoeBlock(nn.Module):
     tensor-parallel rank holds a slice, routes over all of them and adds zeros for the
     others'); `shared_parts`: the shared expert's width is split that many ways (a rank's
     share; its sigmoid gate scales each rank's partial output, so the sum over ranks is the
-    whole). As moe.MoE does for DeepSeek. Deterministic inference pins its weights to the
-    fixed GEMM (runner/cpu/fixed_experts.py names the attributes below)."""
+    whole). As moe.MoE does for DeepSeek. Serving packs the weights the attributes below
+    name (runner/cpu/fixed_experts.pack_moe_layers), deterministic inference pins them to the
+    fixed GEMM (pin_moe_layers)."""
     linear = staticmethod(F.linear)
     pinned_weights = ("router", "shared_gate")
     pinned_expert_stacks = ("gate_up", "down")

@@ -39,6 +39,7 @@ _KINDS = {"linear_attention": RECURRENT, "mamba": RECURRENT, "full_attention": F
 class Attention(nn.Module):
     """q|k|v fused, no bias; rope only when the caller passes cos / sin (Granite's option)."""
     linear = staticmethod(F.linear)  # the fixed GEMM once pinned (hybrid_fixed.py)
+    rope = staticmethod(apply_rope)  # hybrid_fixed.exact_rope once pinned
     pinned_weights = ("qkv", "o_proj")
     pinned_expert_stacks = ()
 
@@ -63,7 +64,7 @@ class Attention(nn.Module):
         k = qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd)
         v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
         if rot is not None:
-            q, k = apply_rope(q, *rot), apply_rope(k, *rot)
+            q, k = self.rope(q, *rot), self.rope(k, *rot)
         out = backend.forward(index, q, k, v, fb)
         return self.linear(out.reshape(t, hq * hd), self.o_proj)
 
@@ -101,7 +102,7 @@ class Block(nn.Module):
 
 class NemotronHForCausalLM(HybridForCausalLM):
     residual_in_fp32 = False
-    unsupported = ()  # deterministic inference: hybrid_fixed.py (not with MoE layers)
+    unsupported = ()  # deterministic inference: hybrid_fixed.py
 
     def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
         types = list(self.block_types(config))

@@ -29,14 +29,15 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class NemotronHMoE(ExpertRouting, nn.Module):
-    # How its weights are applied: F.linear, or kvstrata's packed linears once
-    # runner/models/hybrid_packed.py packed them (fixed_experts.pack_block reads these names)
+    # Deterministic inference (runner/models/hybrid_fixed.py through fixed_experts.pin_block):
+    # the router, latent projections, every expert and the shared MLP on the fixed GEMM;
+    # batch_invariant: the router's sigmoid per row, each token's experts summed in its order
     linear = staticmethod(F.linear)
-    batch_invariant = False
     pinned_weights = ("router", ("latent_in", "latent_in_bias"),
                       ("latent_out", "latent_out_bias"))
     pinned_expert_stacks = ("up", "down")
     pinned_children = ("shared",)
+    batch_invariant = False
 
     def __init__(self, config: Any, shared: nn.Module, dtype: torch.dtype,
                  device: torch.device):
@@ -117,7 +118,8 @@ class NemotronHMoE(ExpertRouting, nn.Module):
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
             return self.linear(relu2(self.linear(xs, self.up[e])), self.down[e])
 
-        routed = routed_sum(h, ids, weights, self.d.n_routed_experts, expert)
+        routed = routed_sum(h, ids, weights, self.d.n_routed_experts, expert,
+                            ordered=self.batch_invariant)
         if self.latent_out is not None:
             routed = self.linear(routed, self.latent_out, self.latent_out_bias)
         return routed + self.shared(x)

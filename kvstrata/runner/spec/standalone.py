@@ -122,7 +122,8 @@ class DraftModel:
             self.pool, req_to_token, d.num_heads, d.num_kv_heads, d.head_dim,
             scale=getattr(self.model, "attn_scale", None), page_size=plan.page_size,
             deterministic=self.deterministic,
-            layer_windows=getattr(self.model, "layer_windows", None))
+            layer_windows=getattr(self.model, "layer_windows", None),
+            softmax_extras=getattr(self.model, "softmax_extras", False))
         self.req_to_token = req_to_token
         self.page_size = plan.page_size
         self.num_full_pages = plan.num_pages  # (PD receives name SWA pages past them)

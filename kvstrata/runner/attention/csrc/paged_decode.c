@@ -59,6 +59,8 @@
 #include "paged_decode_head64_bf16.h"
 #include "paged_decode_head64_avx2.h"
 #include "prefill_attention.h"
+#include "prefill_call.h"
+#include "decode_fixed.h"
 
 static inline void prefetch_bytes(const char *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
@@ -169,13 +171,20 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     long long q_nbytes, pool_nbytes, out_nbytes;
     Py_ssize_t q_stride, n_slots, n, hq, hkv, d, n_sinks = 0;
     double scale, softcap = 0.0;
-    int qo_dtype, kv_dtype, num_threads, isa_cap;
-    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii|KKnd", &q_addr, &q_nbytes, &q_stride,
+    int qo_dtype, kv_dtype, num_threads, isa_cap, fixed = 0;
+    if (!PyArg_ParseTuple(args, "KLniKKLiKnKnnnndKLii|KKndi", &q_addr, &q_nbytes, &q_stride,
                           &qo_dtype, &k_addr, &v_addr, &pool_nbytes, &kv_dtype, &slots_addr,
                           &n_slots, &starts_addr, &n, &hq, &hkv, &d, &scale, &out_addr,
                           &out_nbytes, &num_threads, &isa_cap, &ends_addr, &sinks_addr,
-                          &n_sinks, &softcap))
+                          &n_sinks, &softcap, &fixed))
         return NULL;
+    if (fixed && (sinks_addr || softcap != 0.0 || qo_dtype != kv_dtype || kv_dtype == KV_F16 ||
+                  d > PF_MAX_D)) {
+        PyErr_Format(PyExc_ValueError, "fixed (the prefill kernel's order) takes q and a pool "
+                     "of one dtype, fp32 or bf16, head_dim <= %d and no sinks or softcap",
+                     PF_MAX_D);
+        return NULL;
+    }
     if ((sinks_addr && n_sinks != hq) || !(softcap >= 0.0)) {
         PyErr_Format(PyExc_ValueError, "sinks must hold one logit per query head (%zd, got "
                      "%zd) and softcap must be >= 0 (0: none)", hq, n_sinks);
@@ -247,6 +256,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     threads = 1;
 #endif
     if (keys_read * row_bytes * 2 < PARALLEL_MIN_BYTES) threads = 1;
+    if (fixed) { /* deterministic inference: the prefill kernel's order (decode_fixed.h) */
+        int used = 0;
+        if (decode_fixed((const char *)q_addr, q_stride, (const char *)k_addr,
+                         (const char *)v_addr, slots, starts, ends, n, hq, hkv, d,
+                         kv_dtype == KV_BF16, (float)scale, (char *)out_addr, threads,
+                         isa_cap, &used))
+            return PyErr_NoMemory();
+        return PyUnicode_FromString(ISA_NAMES[used]);
+    }
     /* Few requests for the threads: one item per (request, KV head) so every thread works. */
     const int64_t split = n < 2 * (int64_t)threads ? hkv : 1;
     job j = {(const char *)q_addr, (const char *)k_addr, (const char *)v_addr, slots, starts,
@@ -282,8 +300,6 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (failed) return PyErr_NoMemory();
     return PyUnicode_FromString(ISA_NAMES[j.kn.isa]);
 }
-
-#include "prefill_call.h"
 
 static PyObject *isa(PyObject *self, PyObject *args) {
     Py_ssize_t d;

@@ -24,6 +24,31 @@ static int pf_pick_isa(int64_t d, int cap) {
     return ISA_SCALAR;
 }
 
+/* Every (block, KV head) item of j over the OpenMP team (dynamically scheduled: causal blocks
+ * differ in cost), the GIL released: 0, or -1 when a thread's scratch was out of memory. The
+ * prefill entry and decode_fixed.h's decode rows share it. */
+static int pf_run(const pf_job *j, const pf_block *blk, int64_t nblocks, int threads) {
+    const int64_t items = nblocks * j->hkv;
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    if (threads > items) threads = items > 0 ? (int)items : 1;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
+    {
+        pf_scratch sc;
+        int bad = pf_scratch_alloc(&sc, j);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++)
+            if (!bad) pf_item(j, &sc, blk + it / j->hkv, it % j->hkv);
+        pf_scratch_free(&sc);
+        failed |= bad != 0;
+    }
+    Py_END_ALLOW_THREADS
+    return failed ? -1 : 0;
+}
+
 static PyObject *prefill(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, slots_addr, seqs_addr, out_addr;
     Py_ssize_t q_stride, q_rows, pool_rows, n_slots, n_seqs, hq, hkv, d;
@@ -72,25 +97,9 @@ static PyObject *prefill(PyObject *self, PyObject *args) {
                 dtype == KV_BF16, 0, 0, (float)scale};
     j.vec = pf_pick_isa(d, isa_cap);
     j.dp = pfb_supported(j.vec, j.bf16);
-    const int64_t items = nblocks * hkv;
-    int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
-#ifndef _OPENMP
-    threads = 1;
-#endif
-    if (threads > items) threads = items > 0 ? (int)items : 1;
-    int failed = 0;
-    Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
-    {
-        pf_scratch sc;
-        int bad = pf_scratch_alloc(&sc, &j);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++)
-            if (!bad) pf_item(&j, &sc, blk + it / hkv, it % hkv);
-        pf_scratch_free(&sc);
-        failed |= bad != 0;
-    }
-    Py_END_ALLOW_THREADS
+    const int threads = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS
+                                                                          : num_threads);
+    const int failed = pf_run(&j, blk, nblocks, threads);
     free(blk);
     if (failed) return PyErr_NoMemory();
     return PyUnicode_FromString(ISA_NAMES[j.vec]);
