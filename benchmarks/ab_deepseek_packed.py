@@ -99,15 +99,18 @@ def parse_args(argv=None, builders: dict = BUILDERS, settings: dict = SETTINGS,
 
 def measure(args, path: str, dtype: str, env: dict, packed: bool,
             info_key: str = "packed_absorbed_heads") -> dict:
-    """One engine under the environment `env`: its decode, batch-1 and prefill figures;
+    """One engine under the environment `env` (its "--quantization" entry, if any, is the
+    flag: ab_hybrid_packed.py's w8a8 arm): its decode, batch-1 and prefill figures;
     `info_key` in /server_info's quantization_info exactly when the arm is `packed`."""
     from kvstrata import LLM
 
+    env = dict(env)
+    quantization = env.pop("--quantization", None)
     os.environ.update(env)
     prompts = make_prompts(args.num_prompts, args.input_len, args.input_len, VOCAB, args.seed)
     long_prompts = make_prompts(3, args.prefill_len, args.prefill_len, VOCAB, args.seed + 1)
     llm = LLM(model_path=path, skip_tokenizer_init=True, dtype=dtype, page_size=16,
-              max_total_tokens=16384, disable_radix_cache=True)
+              max_total_tokens=16384, disable_radix_cache=True, quantization=quantization)
     try:
         info = llm.server_info()["quantization_info"]
         assert (info_key in info) == packed, info

@@ -17,11 +17,12 @@ from kvstrata.config.hf_quant import checkpoint_scheme, reconcile_flag
 from kvstrata.config.model_source import (load_generation_eos, load_hf_config,
                                          resolve_model_path)
 from kvstrata.runner.cpu import fixed_experts, packed_linear
-from kvstrata.runner.models import deepseek_fixed, deepseek_packed, hybrid_fixed
+from kvstrata.runner.models import deepseek_fixed, deepseek_packed, hybrid_fixed, hybrid_packed
 from kvstrata.runner.models.decoder import is_llama_family
 from kvstrata.runner.models.loader import load_model, quant_scheme
 from kvstrata.runner.models.registry import architecture_name
 from kvstrata.runner.quant import gguf_pinned
+from kvstrata.runner.quant.hybrid_w8a8 import quantize_hybrid_model
 from kvstrata.runner.quant.smoothing import calibration_token_ids
 from kvstrata.config.rules.deterministic import PINNED_QUANTIZATIONS
 from kvstrata.runner.quant.w8a8 import check_batch_invariant, quantize_model
@@ -135,6 +136,12 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         if deterministic:  # their float parts on the fixed GEMM (the GGUF kernels are fixed)
             info = {**info, **gguf_pinned.pin_packed_model(model)}
         return model, source, hf_config, info
+    if quantization is not None and getattr(model, "num_recurrent_layers", 0):
+        if deterministic:  # (resolution refuses it first: rules/deterministic.py)
+            raise NotImplementedError(f"not implemented yet: --enable-deterministic-inference "
+                                      f"with {quantization_flag} {quantization} on {arch}")
+        info = quantize_hybrid_model(model, quantization, hybrid_packed.weight_blocks(model))
+        return model, source, hf_config, info
     if quantization is not None and not quantizable(model):
         # Gemma too: smoothing folds scales into norm weights that Gemma applies as 1 + w.
         raise ValueError(f"{quantization_flag} {quantization} supports the llama-family "
@@ -158,6 +165,9 @@ def load_serving_model(model_path: str, dtype: str, device: torch.device,
         info = packed_linear.pack_model(model, fixed=True)
         # MoE layers: the router, each expert and the shared experts too
         info["pinned_moe_layers"] = fixed_experts.pin_moe_layers(model)
+    elif (getattr(model, "num_recurrent_layers", 0) and envs.KVSTRATA_CPU_PACKED_LINEAR.get()
+          and hybrid_packed.available(model)):  # the hybrids: mixers, MLPs, experts, head
+        info = hybrid_packed.pack_hybrid_model(model)
     elif (model.pool_kind == "mha" and getattr(model, "packable", True)
           and envs.KVSTRATA_CPU_PACKED_LINEAR.get() and packed_linear.available(model)):
         info = packed_linear.pack_model(model)

@@ -20,8 +20,9 @@ matrices beside F32 / F16 tensors) are served from the file:
   page size 16; a prompt sharing 40 tokens of an earlier one resumes at the snapshot at 32;
   the pools and the state slots are whole after the drain;
 - a Qwen3.5 file's MTP block (block_count + 1) is not read;
-- weights kept in their blocks are refused by name (the recurrent archs whose tensors are not
-  mapped, and header fields not built: tests/unit/test_gguf_config.py).
+- weights kept in their blocks (--quantization gguf) are GgufLinear layers with the float
+  model's logits; the recurrent archs whose tensors are not mapped, and header fields not
+  built, are refused by name (tests/unit/test_gguf_config.py).
 """
 from __future__ import annotations
 
@@ -191,10 +192,14 @@ def test_every_converter_transform_is_undone(arch, files):
 
 # tp 2 (soak, ~10 s each): each rank cuts its share from the dequantized tensors
 # (runner/parallel/tp_hybrid_split.py), GVA value heads and Mamba2 groups included.
-@pytest.mark.parametrize("arch,tp", [(a, 1) for a in ARCHS] + [
-    pytest.param("qwen3_5", 2, marks=pytest.mark.soak),
-    pytest.param("nemotron_h", 2, marks=pytest.mark.soak)])
-def test_greedy_from_the_gguf_equals_transformers(arch, tp, files, prompts):
+# --quantization gguf (weights kept in their blocks) through the served path: Qwen3.5's
+# untiled value rows, Qwen3-Next's regrouped qkvz and experts, Granite's joined expert
+# halves, Nemotron-H MoE's expert stacks.
+@pytest.mark.parametrize("arch,tp,quantization", [(a, 1, None) for a in ARCHS] + [
+    (a, 1, "gguf") for a in ("qwen3_5", "qwen3_next", "granite", "nemotron_h_moe")] + [
+    pytest.param("qwen3_5", 2, None, marks=pytest.mark.soak),
+    pytest.param("nemotron_h", 2, None, marks=pytest.mark.soak)])
+def test_greedy_from_the_gguf_equals_transformers(arch, tp, quantization, files, prompts):
     from kvstrata import LLM
 
     _, gguf_path, ref_path = files[arch]
@@ -202,7 +207,9 @@ def test_greedy_from_the_gguf_equals_transformers(arch, tp, files, prompts):
     long = prompts[-1]
     branch = long[:40] + [7, 8, 9]
     with LLM(gguf_path, tp_size=tp, skip_tokenizer_init=True, dtype="float32", page_size=16,
-             chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24) as llm:
+             chunked_prefill_size=16, max_total_tokens=1024, max_mamba_cache_size=24,
+             quantization=quantization) as llm:
+        assert llm.server_info()["quantization_info"]["quantization"] == quantization
         assert llm.server_info()["kv_plan"]["pool_kind"] == ("none" if arch == "mamba2"
                                                              else "mha")
         outs = llm.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -266,13 +273,39 @@ def test_a_qwen3_5_mtp_block_is_not_read(files, tmp_path):
     assert all(torch.equal(p, theirs[name]) for name, p in ours.items())
 
 
-def test_weights_kept_in_their_blocks_are_refused(files):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weights_kept_in_their_blocks(arch, files, monkeypatch):
+    """--quantization gguf: every block's Q8_0 matrices stay in their blocks (GgufLinear,
+    through the converter's row transforms: q / k unpermuted, value heads untiled, halves
+    joined, experts apart), so the model holds a fraction of the float model's weight bytes
+    and no float copy; the logits equal the dequantized model's within float32 rounding (the
+    GGUF kernel dequantizes Q8_0 to the same values in registers)."""
+    from helpers.hybrid_ckpt import hybrid_runner
+    from helpers.runner import forward_logits
     from kvstrata.config.model_source import load_hf_config, resolve_model_path
+    from kvstrata.runner.models.hybrid_packed import weight_blocks
     from kvstrata.runner.models.loader import load_model
+    from kvstrata.runner.quant.gguf_linear import GgufLinear, weight_bytes
 
-    source = resolve_model_path(files["nemotron_h"][1])
-    with pytest.raises(ValueError, match="not built for the recurrent hybrids"):
-        load_model(source, load_hf_config(source), "float32", keep_quantized=True)
+    _, gguf_path, _ = files[arch]
+    packed = hybrid_runner(gguf_path, num_pages=256, state_slots=4, quantization="gguf")
+    model = packed.model
+    for block in weight_blocks(model):
+        kept = [n for n in (e if isinstance(e, str) else e[0] for e in
+                            (*block.pinned_weights, *block.pinned_expert_stacks))
+                if isinstance(getattr(block, n), GgufLinear)
+                or (isinstance(getattr(block, n), torch.nn.ModuleList)
+                    and all(type(x) is GgufLinear for x in getattr(block, n)))]
+        assert kept, f"{type(block).__name__} kept nothing in its blocks"
+    assert packed.quantization_info["packed_types"] == ["Q8_0"]
+    source = resolve_model_path(gguf_path)
+    dequantized = load_model(source, load_hf_config(source), "float32")
+    assert weight_bytes(model) < 0.6 * weight_bytes(dequantized)
+    monkeypatch.setenv("KVSTRATA_CPU_PACKED_LINEAR", "0")
+    plain = hybrid_runner(gguf_path, num_pages=256, state_slots=4)
+    prompt = list(range(3, 40))
+    got, want = forward_logits(packed, prompt), forward_logits(plain, prompt)
+    assert (got - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
 
 
 def test_tensor_names_of_each_family():

@@ -197,12 +197,17 @@ def draft_logits(draft, prompt: list[int], hidden: torch.Tensor,
 
 
 def test_draft_logits_match_transformers(path, prompts):
-    """The draft alone: its features are transformers' hidden states (the end-to-end test
-    below feeds it ours)."""
+    """The draft alone (its linears packed as the target's): its features are transformers'
+    hidden states (the end-to-end test below feeds it ours)."""
+    from kvstrata.runner.cpu.packed_linear import PackedLinear
+
     prompt = prompts[-1]
     hidden, want = hf_mtp_logits(path, prompt)
     draft = runner_with_draft(path, len(prompt)).draft
     assert [c.name for c in draft.kv_components()] == ["k", "v", "eagle_hidden"]
+    # packed as the target is (qwen3_next_mtp.load_qwen3_next_mtp): no float matrix left
+    head = draft.model
+    assert isinstance(head.fc, PackedLinear) and isinstance(head.layer.mixer.qkv, PackedLinear)
     torch.testing.assert_close(draft_logits(draft, prompt, hidden), want, atol=1e-4, rtol=0)
 
 

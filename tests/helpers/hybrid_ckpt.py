@@ -121,7 +121,7 @@ def hf_logits(model, prompt: list[int]):
 
 def hybrid_runner(path: str, page_size: int = 1, num_pages: int = 2048, rows: int = 16,
                   state_slots: int = 24, context_len: int = 512, dtype: str = "float32",
-                  ssm_dtype: str = "float32"):
+                  ssm_dtype: str = "float32", quantization: str | None = None):
     """A ModelRunner whose KV plan is sized here (the server's sizing of a state pool is the
     engine's): `num_pages` pages for the attention layers and `state_slots` state slots."""
     import dataclasses
@@ -129,7 +129,7 @@ def hybrid_runner(path: str, page_size: int = 1, num_pages: int = 2048, rows: in
     from kvstrata.config.kv_plan import KVPlan
     from kvstrata.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(path, dtype=dtype, device="cpu")
+    runner = ModelRunner(path, dtype=dtype, device="cpu", quantization=quantization)
     facts = runner.kv_facts()
     states = tuple(dataclasses.replace(c, dtype=ssm_dtype) if c.name == "ssm" else c
                    for c in facts.state_components)

@@ -116,13 +116,21 @@ def test_extra_buffer_tracks_every_page_end_unless_told():
     ({"tp_size": 2, "speculative_algorithm": "NEXTN"},
      "--tp-size 2 with --speculative-algorithm NEXTN on this model: the MTP layer is split "
      "across ranks for Qwen3_5ForCausalLM and Qwen3NextForCausalLM only"),
-    ({"quantization": "w8a8_int8"}, "--quantization w8a8_int8: the quantized linear layers"),
+    ({"quantization": "gptq"}, "--quantization gptq: the recurrent hybrids run w8a8_int8"),
+    ({"tp_size": 2, "quantization": "w8a8_int8"}, "--tp-size 2 with --quantization w8a8_int8"),
     ({"enable_deterministic_inference": True},
      "--enable-deterministic-inference: not implemented yet for a recurrent model"),
 ])
 def test_unbuilt_combinations_are_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         run(**kw)
+
+
+def test_w8a8_int8_resolves_on_a_recurrent_model():
+    """runner/quant/hybrid_w8a8.py: the hybrids' projections in int8 (the refusal above keeps
+    the schemes not built, by name)."""
+    resolved, _ = run(quantization="w8a8_int8")
+    assert resolved.quantization == "w8a8_int8"
 
 
 def test_tp_runs_the_built_hybrids_and_refuses_other_architectures():

@@ -4,8 +4,9 @@ as, and what is refused beside them (by name, with the reason) until it is built
 (EAGLE / EAGLE3, NEXTN beyond Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's MTP layers) and
 draft trees, the decode radix cache of PD, a decode server's HiCache, tensor parallelism
 beside NEXTN on other than Qwen3-Next and Qwen3.5,
---quantization (deterministic inference: rules/deterministic.py; GGUF files of the archs not
-built: config/gguf_config.py).
+--quantization other than QUANTIZATIONS (deterministic inference: rules/deterministic.py; GGUF files of the archs not
+built: config/gguf_config.py). Without --quantization the projections
+run on kvstrata's packed linears (runner/models/hybrid_packed.py).
 HiCache's host state slots are sized with the pools (config/kv_sizing_host_state.py); this step
 says how `--hicache-mamba-size-gb auto` will be solved (`state.host_split`), so that
 `config --explain` shows it, and refuses it without chunked prefill (its cadence).
@@ -49,6 +50,13 @@ SLOTS_PER_REQUEST = {"no_buffer": 3, "extra_buffer": 4}
 SPEC_ALGORITHMS = ("NGRAM", "STANDALONE")
 NEXTN_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 NO_BUFFER_PAGE_MESSAGE = "Page size must be 1 for MambaRadixCache v1"
+# --quantization on the hybrids' projections (attention, in_proj / out_proj, MLPs, experts,
+# the output head; the conv, scan and norms stay float): w8a8_int8 (runner/quant/hybrid_w8a8.py,
+# the dense path's per-channel int8 weights and per-token int8 activations, without
+# SmoothQuant) and gguf (a GGUF file's matrices kept in their blocks:
+# runner/models/gguf_hybrid_weights.py). Deterministic inference with either:
+# rules/deterministic.py refuses it.
+QUANTIZATIONS = ("w8a8_int8", "gguf")
 # Tensor parallelism (runner/parallel/tp_hybrid.py).
 TP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "NemotronHForCausalLM",
                     "Mamba2ForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM")
@@ -119,10 +127,11 @@ def unbuilt(args: ResolvedArgs, architecture: str = "") -> list[str]:
         out.append("--disaggregation-decode-enable-radix-cache: incompatible with Mamba/SSM "
                    "models (SGLang refuses it too)")
     out += unbuilt_under_tp(args, architecture)
-    if args.quantization is not None:
-        out.append(f"--quantization {args.quantization}: the quantized linear layers are "
-                   f"wired into the llama-family decoder only, not the recurrent layers' "
-                   f"projections")
+    if args.quantization is not None and args.quantization not in QUANTIZATIONS:
+        out.append(f"--quantization {args.quantization}: the recurrent hybrids run "
+                   f"{' and '.join(QUANTIZATIONS)} (their projections quantized, the "
+                   f"recurrent kernels float); other schemes are wired into the "
+                   f"llama-family decoder only")
     if args.disaggregation_decode_enable_hicache or \
             args.disaggregation_decode_enable_offload_kvcache:
         out.append("a PD decode server's HiCache / KV offload: a decode server keeps no "
@@ -157,6 +166,9 @@ def unbuilt_under_tp(args: ResolvedArgs, architecture: str = "") -> list[str]:
         out.append(f"{tp} with --speculative-algorithm NEXTN on {architecture or 'this model'}"
                    f": the MTP layer is split across ranks for "
                    f"{' and '.join(NEXTN_TP_ARCHITECTURES)} only (NGRAM and STANDALONE run)")
+    if args.quantization is not None:  # (gguf at any TP size: model_setup.py refuses it too)
+        out.append(f"{tp} with --quantization {args.quantization}: a rank's share of the "
+                   f"hybrids' int8 / GGUF layers is not built or checked yet")
     return out
 
 

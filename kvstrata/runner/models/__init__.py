@@ -19,6 +19,8 @@
                     kvstrata's packed linears (runner/cpu/packed_linear.py)
   deepseek_fixed.py deterministic inference: the same on the fixed GEMM, and its rotary table
   deepseek_w8a8.py  --quantization w8a8_int8 on MLA: int8 projections and experts, float router
+  hybrid_packed.py  the recurrent hybrids' linears (mixers, attention, MLPs, experts, head) on
+                    kvstrata's packed linears (the default on a CPU)
   hybrid_fixed.py   deterministic inference for the recurrent hybrids (Qwen3.5 / Qwen3-Next,
                     Nemotron-H, Mamba2): linears on the fixed GEMM, the pinned recurrent
                     backend, position-free activations, exact rope

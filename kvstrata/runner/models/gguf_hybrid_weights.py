@@ -49,8 +49,11 @@ Names are Mamba2 / Nemotron-H's `backbone.*` (NVIDIA's and state-spaces' spellin
 nemotron_h.py reads transformers' model.* too), Granite's and Qwen3.5's `model.*`. A_log comes
 back as log(-A): exp of it is A to within a float32 rounding, which the model applies as
 -exp(A_log) like an HF checkpoint (an A with a value >= 0 is no -exp(A_log) and is refused).
-Every tensor is dequantized to float32: the recurrent models take float weights only
-(--quantization gguf is refused for them by the loader).
+Every tensor is dequantized to float32, or with --quantization gguf a matrix in a block type
+the GGUF kernels take stays in its blocks (PackedRows: the transforms above that move rows --
+q / k unpermuted, value heads untiled, halves joined, in_proj_qkvz regrouped, experts apart
+-- move its block rows; Qwen3.5's ssm_out, whose columns move, and the token embedding are
+dequantized); the hybrids' weight tables stage them (hybrid_base.WeightTable).
 """
 from __future__ import annotations
 
@@ -270,39 +273,99 @@ def _undo_qwen(kind: str, w: np.ndarray, config: Any, gguf_name: str, tiled_v: b
     return w
 
 
-def iter_hybrid_gguf(gguf_path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hybrid_gguf(gguf_path: str, config: Any, keep_quantized: bool = False
+                     ) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) of every tensor of the file, in file order; a split tensor
-    once both halves are read (gate first, as the converter split it)."""
+    once both halves are read (gate first, as the converter split it). keep_quantized
+    (--quantization gguf): a matrix whose transforms only move rows comes as PackedRows (a
+    whole expert stack the model reads as one tensor: a list of them, one per expert;
+    `_packable`)."""
     from kvstrata.runner.models.gguf_index import read_gguf_tensors
 
     names = _FAMILIES[config.model_type]
     halves = {kind: (pair, join) for pair, (_, join) in names.fused.items() for kind in pair}
-    pending: dict[str, dict[str, np.ndarray]] = {}
+    pending: dict[str, dict[str, Any]] = {}
     for t in tqdm(read_gguf_tensors(gguf_path), desc="Loading GGUF", unit="tensor",
                   leave=False):
         block = _BLOCK_RE.match(t.name)
         if block and int(block.group(1)) >= config.num_hidden_layers:
             continue  # an MTP block after the model's layers (Qwen3.5's nextn): not read
         name, kind = hf_name(t.name, config.model_type)
-        w = undo_converter(kind, np.asarray(dequantize(t.data, t.tensor_type), np.float32),
-                           config, t.name)
-        if kind in names.per_expert:
-            for e, expert in enumerate(w):
-                yield name.format(e=e), torch.from_numpy(np.array(expert, copy=True))
-            continue
+        if keep_quantized and _packable(t, kind, config):
+            # the converter's row transforms on the blocks' rows: (raw rows, qtype)
+            w = (undo_converter(kind, np.array(t.data), config, t.name), int(t.tensor_type))
+        else:
+            w = undo_converter(kind, np.asarray(dequantize(t.data, t.tensor_type), np.float32),
+                               config, t.name)
         if kind in halves:
             (first, second), join = halves[kind]
             pending.setdefault(name, {})[kind] = w
             if len(pending[name]) < 2:
                 continue
             parts = pending.pop(name)
-            w = (join(config, parts[first], parts[second]) if callable(join)
-                 else np.concatenate([parts[first], parts[second]], axis=join))
-        # np.array copies: dequantize may return a read-only view of the memory-mapped file.
-        yield name, torch.from_numpy(np.array(w, copy=True))
+            w = _join(config, parts[first], parts[second], join)
+        if kind in names.per_expert:
+            for e in range(_rows(w).shape[0]):
+                yield name.format(e=e), _as_weight(w, e, t)
+            continue
+        yield name, _as_weight(w, None, t)
     if pending:
         raise ValueError(f"{gguf_path}: {sorted(pending)} have only one of the two tensors "
                          f"the converter split them into")
+
+
+def _packable(t: Any, kind: str, config: Any) -> bool:
+    """A block matrix (or expert stack) the GGUF kernels take, whose converter transforms
+    only move rows: not the token embedding (looked up as a float table), not Qwen3.5's
+    ssm_out when its value heads were tiled (a column reorder: dequantized)."""
+    import gguf
+
+    from kvstrata.runner.cpu import gguf_matmul
+
+    qtype = gguf.GGMLQuantizationType(t.tensor_type)
+    tiled_out = (kind == "ssm_out" and _FAMILIES[config.model_type] in (_QWEN35, _QWEN35MOE)
+                 and config.linear_num_key_heads != config.linear_num_value_heads)
+    return (t.data.ndim in (2, 3) and gguf.GGML_QUANT_SIZES[qtype][0] > 1
+            and gguf_matmul.supported(t.tensor_type) and kind != "token_embd"
+            and not tiled_out)
+
+
+def _rows(w: Any) -> np.ndarray:
+    return w[0] if isinstance(w, tuple) else w
+
+
+def _join(config: Any, first: Any, second: Any, join: Any) -> Any:
+    """Two halves as the fused tensor: raw rows joined where both kept one block type, else
+    both dequantized (a half the file stored in another type)."""
+    same = (isinstance(first, tuple) and isinstance(second, tuple) and first[1] == second[1])
+    a, b = (_rows(first), _rows(second)) if same else (_float(first), _float(second))
+    fused = join(config, a, b) if callable(join) else np.concatenate([a, b], axis=join)
+    return (fused, first[1]) if same else fused
+
+
+def _float(w: Any) -> np.ndarray:
+    if not isinstance(w, tuple):
+        return w
+    raw, qtype = w
+    flat = dequantize(raw.reshape(-1, raw.shape[-1]), qtype)
+    return np.asarray(flat, np.float32).reshape(*raw.shape[:-1], -1)
+
+
+def _as_weight(w: Any, expert: int | None, t: Any) -> Any:
+    """What the model's load_weight takes: a float tensor (np.array copies: dequantize may
+    return a read-only view of the memory-mapped file), PackedRows, or for a whole expert
+    stack one PackedRows per expert."""
+    from kvstrata.runner.quant.packed_rows import PackedRows
+
+    if not isinstance(w, tuple):
+        w = w if expert is None else w[expert]
+        return torch.from_numpy(np.array(w, copy=True))
+    raw, qtype = w
+    cols = int(t.shape[0])  # gguf's innermost dimension: the input width
+    rows = torch.from_numpy(np.array(raw if expert is None else raw[expert]))
+    if rows.dim() == 3:  # a stack the model reads whole (Granite's, Nemotron-H MoE's)
+        return [PackedRows(qtype, rows[e], cols) for e in range(rows.shape[0])]
+    return PackedRows(qtype, rows, cols)
 
 
 __all__ = ["MODEL_TYPES", "hf_name", "iter_hybrid_gguf", "undo_converter"]

@@ -24,6 +24,8 @@ from torch import nn
 
 from kvstrata.config.kv_plan import KVComponent, mha_components
 from kvstrata.config.state_plan import STATE_CONV, STATE_SSM, StateComponent
+from kvstrata.runner.quant import gguf_linear
+from kvstrata.runner.quant.packed_rows import PackedRows
 from kvstrata.runner.recurrent.backend import RecurrentBackend
 
 FULL_ATTENTION = "full_attention"
@@ -50,10 +52,12 @@ class WeightTable:
         self._weights: dict[str, tuple] = {}
 
     def expect(self, name: str, target: torch.Tensor, rows: tuple[int, int] | None = None,
-               transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+               transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               expert: tuple[torch.Tensor, int] | None = None) -> None:
         """Checkpoint tensor `name` fills `target` (its rows lo..hi when given), after
-        `transform` when given."""
-        self._weights[name] = (target, rows, transform)
+        `transform` when given. `expert`: target is expert e of a stack, (stack, e) -- where
+        block rows kept packed are staged (stage_packed)."""
+        self._weights[name] = (target, rows, transform, expert)
 
     def skip_weight(self, name: str) -> bool:
         """Checkpoint tensors this model does not use (an MTP head's, a vision tower's)."""
@@ -62,12 +66,15 @@ class WeightTable:
     def read_spec(self, name: str) -> Any:
         return None if self.skip_weight(name) else "all"
 
-    def load_weight(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_weight(self, name: str, tensor: "torch.Tensor | PackedRows | list") -> list[str]:
         if self.skip_weight(name):
             return []
         if name not in self._weights:
             raise KeyError(f"{type(self).__name__} has no parameter for it")
-        target, rows, transform = self._weights[name]
+        target, rows, transform, expert = self._weights[name]
+        if isinstance(tensor, (PackedRows, list)):  # a GGUF's blocks (--quantization gguf)
+            stage_packed(target, rows, transform, tensor, expert)
+            return [name]
         if transform is not None:
             tensor = transform(tensor)
         dst = target.data if rows is None else target.data[rows[0]:rows[1]]
@@ -81,6 +88,27 @@ class WeightTable:
         return set(self._weights)
 
 
+def stage_packed(target: torch.Tensor, rows: tuple[int, int] | None,
+                 transform: Callable | None, packed: "PackedRows | list",
+                 expert: tuple[torch.Tensor, int] | None = None) -> None:
+    """Block rows kept packed for `target` (its rows when given), staged to become a
+    GgufLinear after the load (gguf_linear.stage): `transform` moves the block rows as it
+    would a float tensor's (only row transforms meet packed weights: gguf_hybrid_weights.py
+    dequantizes the rest); a list is a whole expert stack, one PackedRows per expert; an
+    expert's rows (`expert`: its stack and index) stage on the stack."""
+    if isinstance(packed, list):
+        for e, expert in enumerate(packed):
+            gguf_linear.stage(target, expert, 0, target.shape[1], e)
+        return
+    if transform is not None:
+        packed = PackedRows(packed.qtype, transform(packed.raw), packed.cols)
+    lo, hi = rows or (0, target.shape[0])
+    if expert is not None:
+        gguf_linear.stage(expert[0], packed, lo, hi, expert[1])
+    else:
+        gguf_linear.stage(target, packed, lo, hi)
+
+
 class HybridForCausalLM(WeightTable, nn.Module):
     """Subclasses set `kinds` (one of FULL_ATTENTION / RECURRENT / FEED_FORWARD / PARALLEL
     per layer),
@@ -90,11 +118,13 @@ class HybridForCausalLM(WeightTable, nn.Module):
     # The runner's KV pool kind: "mha" with attention layers, "none" without (Mamba2).
     pool_kind = "mha"
     layer_windows = None       # no sliding windows (the runner caps nothing)
-    packable = False           # layers of several kinds: no CPU packing (packed_linear.py)
+    # not packed_linear.pack_model's decoder layout: hybrid_packed.py packs these models
+    packable = False
     # Not built for these models yet (model_setup refuses them by name); deterministic
     # inference is built for the classes hybrid_fixed.PINNED_CLASSES names.
     unsupported = ("--enable-deterministic-inference",)
-    linear = staticmethod(F.linear)  # the output head's (the fixed GEMM once pinned)
+    # the output head's: packed (hybrid_packed.py), int8 (hybrid_w8a8.py) or fixed once pinned
+    linear = staticmethod(F.linear)
 
     def __init__(self, kinds: list[str], dtype: torch.dtype, device: torch.device):
         super().__init__()

@@ -122,7 +122,8 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
     keep_quantized: a GGUF's quantized weights come as PackedRows (gguf_weights.py).
     scheme: a quantized HF checkpoint's (config/hf_quant.py) linears come assembled."""
     if source.kind == "gguf" and getattr(config, "model_type", None) in HYBRID_GGUF_TYPES:
-        it = iter_hybrid_gguf(source.gguf_path, config)  # float weights, transforms undone
+        # transforms undone; float weights, or PackedRows kept in their blocks
+        it = iter_hybrid_gguf(source.gguf_path, config, keep_quantized)
     elif source.kind == "gguf":
         it = iter_gguf(source.gguf_path, config, permute_qk, keep_quantized)
     else:
@@ -146,9 +147,7 @@ def iter_checkpoint(source: ModelSource, config: Any, permute_qk: bool = False,
 # files (the hybrids': gguf_hybrid_weights.py).
 # Families whose GGUF weights load dequantized only (no packed path for their layers)
 _NO_PACKED_GGUF = {"gpt_oss": ("gpt-oss", "no packed kernel for its MXFP4 experts"),
-                   "deepseek": (None, "no packed path for MLA and its expert stacks"),
-                   **{family: ("the recurrent hybrids", "their layers take float weights")
-                      for family in HYBRID_FAMILIES}}
+                   "deepseek": (None, "no packed path for MLA and its expert stacks")}
 
 
 def load_model(source: ModelSource, config: Any, dtype: str | torch.dtype = "auto",

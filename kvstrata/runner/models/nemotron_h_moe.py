@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvstrata.runner.models.hybrid_base import param
+from kvstrata.runner.models.hybrid_base import param, stage_packed
+from kvstrata.runner.quant.packed_rows import PackedRows
 from kvstrata.runner.models.moe import ExpertRouting, MoeDims, routed_sum
 
 
@@ -89,6 +90,11 @@ class NemotronHMoE(ExpertRouting, nn.Module):
             dst = self._stack(proj)[covered[0]]
         else:
             return None
+        if isinstance(tensor, (PackedRows, list)):  # kept in its blocks (a GGUF file): a
+            # stack's experts (a list), or one expert's rows staged on its stack
+            slot = None if isinstance(tensor, list) else (self._stack(proj), covered[0])
+            stage_packed(dst, None, None, tensor, slot)
+            return [f"{prefix}.experts.{e}.{proj}.weight" for e in covered]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected "
                              f"{tuple(dst.shape)}")

@@ -36,7 +36,7 @@ from kvstrata.runner.models.gemma import gemma_rms_norm
 from kvstrata.runner.models.hybrid_base import (FULL_ATTENTION, RECURRENT, HybridForCausalLM,
                                                 param)
 from kvstrata.runner.models.moe import DenseMLP, Targets
-from kvstrata.runner.models.moe_decoder import STYLES, SparseMoeBlock
+from kvstrata.runner.models.moe_decoder import STYLES, SparseMoeBlock, expert_slot
 from kvstrata.runner.models.rope import RotaryEmbedding, apply_rope, rope_parameters
 
 _KINDS = {"linear_attention": RECURRENT, "full_attention": FULL_ATTENTION}
@@ -68,10 +68,14 @@ class GatedAttention(nn.Module):
         model.expect(f"{prefix}.o_proj.weight", self.o_proj)
 
 
-def register_targets(model, targets: Targets) -> None:
-    """Checkpoint name -> (our tensor, its rows) as the model's expected weights."""
+def register_targets(model, targets: Targets, block: nn.Module | None = None,
+                     expert_names: tuple[str, str, str] = ()) -> None:
+    """Checkpoint name -> (our tensor, its rows) as the model's expected weights; an MoE
+    `block`'s experts also name their stack and index (where GGUF blocks are staged)."""
     for name, (target, lo, hi) in targets.items():
-        model.expect(name, target, None if lo is None else (lo, hi))
+        sub = ".".join(name.split(".")[3:])  # under model.layers.N (mtp.layers.N)
+        slot = expert_slot(block, sub, expert_names) if block is not None else None
+        model.expect(name, target, None if lo is None else (lo, hi), expert=slot)
 
 
 def zero_centred_scale(w: torch.Tensor) -> nn.Parameter:
@@ -108,7 +112,8 @@ def build_layer(owner, config: Any, dims: ModelDims, recurrent: bool, moe: bool,
     if moe:  # per expert, as released checkpoints store them
         style = STYLES["qwen3_next"]
         mlp = SparseMoeBlock(config, style, config.hidden_size, **kw)
-        register_targets(owner, mlp.checkpoint_targets(f"{pre}.mlp.", style.expert_names))
+        register_targets(owner, mlp.checkpoint_targets(f"{pre}.mlp.", style.expert_names), mlp,
+                         style.expert_names)
     else:
         mlp = DenseMLP(config.hidden_size, config.intermediate_size, **kw)
         register_targets(owner, mlp.checkpoint_targets(f"{pre}.mlp."))

@@ -12,7 +12,8 @@ it reads the target's final-normed hidden state h_i and the next token x_{i+1}:
     x = fc(cat(norm_e(embed(x_{i+1})), norm_h(h_i)))  ->  decoder layer
     logits = lm_head(norm(x))                            (predicts x_{i+2})
 
-The embedding and output head are the target's (`mtp_use_dedicated_embeddings` true, an
+On a CPU the layer's projections, MLP / experts and `fc` are packed as the target's
+(hybrid_packed.py) when the target's are. The embedding and output head are the target's (`mtp_use_dedicated_embeddings` true, an
 embedding of its own, is refused by name). The carry from one draft step to the next is the
 normed output, as for DeepSeek's MTP layer (deepseek_mtp.py).
 
@@ -26,14 +27,18 @@ target's vocabulary-parallel ones, and the attention's and MLP's partial sums ar
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvstrata.runner.cpu.fixed_experts import pack_block
+from kvstrata.runner.cpu.packed_linear import packed_linear, replace_weight
 from kvstrata.runner.forward_batch import ForwardBatch
 from kvstrata.runner.models.gemma import gemma_rms_norm
+from kvstrata.runner.models.hybrid_packed import weight_blocks
 from kvstrata.runner.models.hybrid_base import WeightTable, param
 from kvstrata.runner.models.qwen3_next import (Qwen3NextForCausalLM, build_layer,
                                                scale_layer_norms, zero_centred_scale)
@@ -42,6 +47,8 @@ PREFIX = "mtp."
 
 
 class Qwen3NextMTPHead(WeightTable, nn.Module):
+    linear = staticmethod(F.linear)  # fc's: packed_linear once packed (load_qwen3_next_mtp)
+
     def __init__(self, target: Qwen3NextForCausalLM, config: Any):
         super().__init__()
         layers = getattr(config, "mtp_num_hidden_layers", 1)
@@ -107,7 +114,7 @@ class Qwen3NextMTPHead(WeightTable, nn.Module):
         cos, sin = t.rotary.cos_sin(fb.positions, self.dtype)
         e = gemma_rms_norm(t.embed_tokens(fb.input_ids), self.norm_embed, eps)
         hid = gemma_rms_norm(features.to(self.dtype), self.norm_hidden, eps)
-        x = F.linear(torch.cat((e, hid), dim=-1), self.fc)
+        x = self.linear(torch.cat((e, hid), dim=-1), self.fc)
         layer = self.layer
         # t.reduce: under TP the rank's partial sums (its heads', its MLP width's) all-reduced
         x = x + t.reduce(t.attention(layer.mixer, 0, gemma_rms_norm(x, layer.input_norm, eps),
@@ -129,8 +136,14 @@ def load_qwen3_next_mtp(source: Any, config: Any, target: Qwen3NextForCausalLM
                          f"file is not read ({source.display_name}); serve the safetensors "
                          f"checkpoint for NEXTN, or use NGRAM / STANDALONE")
 
-    return fill_mtp_layer(lambda: Qwen3NextMTPHead(target, config), source, config, target,
+    head = fill_mtp_layer(lambda: Qwen3NextMTPHead(target, config), source, config, target,
                           PREFIX + "*")
+    if target.linear is packed_linear:  # the target's layers are packed: the draft's too
+        for block in weight_blocks(SimpleNamespace(layers=[head.layer])):
+            pack_block(block)
+        replace_weight(head, "fc", None)
+        head.linear = packed_linear
+    return head
 
 
 __all__ = ["Qwen3NextMTPHead", "load_qwen3_next_mtp"]

@@ -37,7 +37,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvstrata.config.hf_config import ModelDims
 from kvstrata.runner.models.falcon_h1 import FalconH1ForCausalLM
@@ -100,7 +99,7 @@ class TPHybrid:
         return self.group.all_reduce(partial)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.lm_head).float()
+        local = self.linear(x, self.lm_head).float()  # packed or int8 (hybrid_packed.py)
         return self.group.all_gather_last(local)[:, :self.full_dims.vocab_size]
 
 

@@ -1,6 +1,7 @@
 """--quantization on load, and the weights of quantized checkpoints.
 
   w8a8.py              w8a8_int8: int8 weights per channel, int8 activations per token
+  hybrid_w8a8.py       w8a8_int8 on the recurrent hybrids' projections (no smoothing)
   smoothing.py         SmoothQuant activation smoothing, calibrated at load
   calibration_text.py  the fixed calibration passage
   mxfp4.py             MXFP4 checkpoint weights (gpt-oss experts), dequantized at load

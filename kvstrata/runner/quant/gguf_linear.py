@@ -283,10 +283,12 @@ def weight_bytes(model: nn.Module) -> int:
 
 def gguf_linear(x: torch.Tensor, weight: "GgufLinear | torch.Tensor",
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Drop-in for F.linear(x, weight, bias) where `weight` may have become a GgufLinear (its
-    bias folded in, so `bias` is None there); a weight the file stored in float stays one."""
+    """Drop-in for F.linear(x, weight, bias) where `weight` may have become a GgufLinear (the
+    decoder's bias folded in, so `bias` is None there; a recurrent hybrid's block passes its
+    own); a weight the file stored in float stays one."""
     if type(weight) is GgufLinear:
-        return weight.forward(x)  # no module hooks here: skips nn.Module's call machinery
+        out = weight.forward(x)  # no module hooks here: skips nn.Module's call machinery
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)
 
 
