@@ -141,6 +141,7 @@ def test_backend_step_rows_equal_their_decode_steps(monkeypatch, dtype, page_siz
     equals itself run later as a one-token decode step over the pool, bit for bit (the order
     forced on where fixed_order_pays keeps it off)."""
     monkeypatch.setattr(pd, "fixed_order_pays", lambda *a: True)
+    monkeypatch.setenv("KVSTRATA_CPU_DETERMINISTIC_BLOCKS", "1")  # opt-in
     backend = _backend(dtype, page_size, [None, 24])
     assert backend.fixed_order
     rng = random.Random(page_size)

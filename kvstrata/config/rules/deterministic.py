@@ -10,22 +10,24 @@ retraction's recompute or backup. Two sources of difference are removed:
     linear layer runs one kvstrata GEMM at every row count (runner/cpu/packed_linear.py,
     PackedLinear._init_fixed);
   - attention that sums a cached prefix in another order than a fresh one (the prefill kernel's
-    key blocks, SDPA, the decode kernel): with a bf16 pool on the prefill kernel's
-    AVX512-BF16 body (runner/attention/paged_decode.py fixed_order_pays: measured faster for
-    prompts there), every query token, prompt or decode, of a full-attention layer runs in
+    key blocks, SDPA, the decode kernel): by default every query token through the paged
+    decode kernel (below); with KVSTRATA_CPU_DETERMINISTIC_BLOCKS=1 and a bf16 pool on the
+    prefill kernel's AVX512-BF16 body (runner/attention/paged_decode.py fixed_order_pays:
+    measured faster for prompts there, slower served: 0.962x of flag-off against 1.070x),
+    every query token, prompt or decode, of a full-attention layer runs in
     the prefill kernel's order -- key blocks of 64 anchored at
     position 0, each score summed along the head in one order, one online-softmax merge per
     block, one rounding of the output, whatever the other rows of its tile, its cached prefix
     or the threads: prompts in the prefill kernel (its tiles share each key block's loads
     across query rows), decode rows as one-row prompts of it (runner/attention/csrc/
-    decode_fixed.h; torch_native.py `fixed_order`). Elsewhere (fp32: decode rows lost 1.4-5x
-    there), windowed layers (a row's keys begin W before it, not at position 0) and layers
+    decode_fixed.h; torch_native.py `fixed_order`). Otherwise (the default; fp32: decode rows
+    lost 1.4-5x there), windowed layers (a row's keys begin W before it, not at position 0) and layers
     with softmax extras run every query through the paged decode kernel over its own keys
     (`deterministic`), with the extras inside
     it, per query row: Gemma 2's attention logit soft-capping (scores = cap * tanh(scores /
     cap) before the softmax) and gpt-oss's attention sinks (a learned logit per head in the
-    denominator; runner/attention/window.py). KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0 (or
-    KVSTRATA_CPU_PREFILL_ATTENTION=0) puts every layer on that per-token path (ablation).
+    denominator; runner/attention/window.py). KVSTRATA_CPU_PREFILL_ATTENTION=0 keeps every
+    layer on that per-token path even with KVSTRATA_CPU_DETERMINISTIC_BLOCKS=1.
 MoE models (runner/models/moe_decoder.py's Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5, and gpt-oss:
 PINNED_MOE_FAMILIES): an expert's matmul runs over however many tokens the router sends it,
 so its router, every expert's gate|up and down and its shared experts run on the same fixed
@@ -111,8 +113,14 @@ DEFAULT_RULE = "deterministic.cpu_default"
 # full-attention query in the prefill kernel's order (paged_decode.fixed_order_pays:
 # attention alone, prompts 1.5-2.2x faster, decode rows 1.1-1.5x slower); the served shape
 # offline at one thread in CPU time (ab_deterministic_offline.py, load 23-124) measured the
-# flag within the box's +-10% noise in either order, and the served 2-thread figure could
-# not be re-measured on that box: still opt-in (docs/benchmarks.md). On AMX (2-vCPU Sapphire Rapids
+# flag within the box's +-10% noise in either order. Served at 2 threads on a quiet box
+# (2-vCPU AMD EPYC, AVX-512 BF16, no AMX, load ~1, 2026-12-07, `ab_deterministic.py --dtypes
+# bfloat16 --rounds 6 --settings off on on-per-token`): the per-token decode-kernel order
+# served 1.070x of flag-off (1.007-1.097, faster in 6 of 6 rounds: the fixed bf16 GEMM
+# replaces oneDNN at large row counts), TPOT 0.826x, batch-1 TPOT 1.034x (0.953-1.178); the
+# prefill kernel's order 0.962x, TPOT 1.013x, batch-1 TPOT 1.078x. So the per-token order is
+# the default (KVSTRATA_CPU_DETERMINISTIC_BLOCKS=0) and the flag is on by default at bf16 on
+# AVX-512 BF16 without AMX (BF16_DEFAULT_*). On AMX (2-vCPU Sapphire Rapids
 # VM, 2026-12-07, the fixed layers on the tiles at every row count): served 0.81-0.91x (median
 # 0.89x), TPOT 1.13x, batch 1 1.08x: opt-in there too.
 # config.json model_types whose routed experts run on the fixed GEMM (runner/models/
@@ -151,6 +159,13 @@ DEFAULT_DTYPES = ("bfloat16",)
 DEFAULT_WHY = ("on by default on a CPU with AVX2 and without AVX-512 at bfloat16: measured "
                "free there (served 0.997x, batch-1 TPOT 0.997x, benchmarks/ab_deterministic.py, "
                "2026-12-06); --disable-deterministic-inference turns it off")
+# A float model at bf16 on AVX-512 BF16 without AMX (measured above, 2026-12-07)
+BF16_DEFAULT_NEEDS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"})
+BF16_DEFAULT_LACKS = frozenset({"amx_bf16"})
+BF16_DEFAULT_WHY = ("on by default on a CPU with AVX-512 BF16 and without AMX at bfloat16: "
+                    "measured within 5% there (served 1.070x of flag-off, TPOT 0.826x, "
+                    "batch-1 TPOT 1.034x, median of 6 rounds, benchmarks/ab_deterministic.py, "
+                    "2026-12-07); --disable-deterministic-inference turns it off")
 # GGUF weights kept packed (--quantization gguf) on a CPU with AVX-512: the flag leaves their
 # GGUF kernels as they are (one path for every row count already) and moves only the float
 # parts (none in SmolLM2 Q4_1's file) and the attention of prompt tokens (the paged decode
@@ -321,8 +336,8 @@ def _linear_kernel(args: ResolvedArgs, model_info: ModelInfo | None) -> str:
 def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo | None
                  ) -> str | None:
     """Why it is on by default here (None: off): neither flag given, and a CPU, dtype and
-    model where it was measured free (above) -- a float model (DEFAULT_*), or GGUF weights
-    kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
+    model where it was measured free (above) -- a float model (DEFAULT_*, BF16_DEFAULT_*), or
+    GGUF weights kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
     (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
     and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
@@ -342,9 +357,11 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
         return None
     flags = set(platform.cpu_flags)
     quantized = _quantizations(args)
-    if (not quantized and args.dtype in DEFAULT_DTYPES and DEFAULT_NEEDS <= flags
-            and not DEFAULT_LACKS & flags):
-        return DEFAULT_WHY
+    if not quantized and args.dtype in DEFAULT_DTYPES:
+        if DEFAULT_NEEDS <= flags and not DEFAULT_LACKS & flags:
+            return DEFAULT_WHY
+        if BF16_DEFAULT_NEEDS <= flags and not BF16_DEFAULT_LACKS & flags:
+            return BF16_DEFAULT_WHY
     if (quantized == [("--quantization", "gguf")] and args.dtype in PACKED_DEFAULT_DTYPES
             and PACKED_DEFAULT_NEEDS <= flags):
         return PACKED_DEFAULT_WHY
