@@ -10,8 +10,8 @@ fields and its claim word. Calls alternate between a weight of few chunks and on
 (the late worker's stale index must fall inside the new call). Under them, every call must
 give the bits of the pool-less split, and once the workers are idle every chunk must have
 run exactly once (the pool's running counts: chunks called == chunks run; a stale chunk runs
-twice). The protocol before the fix fails the count here and crashes now and then: the calls run in a child process, so a crash is a
-failed test, not a dead test worker."""
+twice). The protocol before the fix fails the count here and crashes now and then: the
+calls run in a child process, so a crash is a failed test, not a dead test worker."""
 from __future__ import annotations
 
 import subprocess

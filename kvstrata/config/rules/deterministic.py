@@ -21,8 +21,8 @@ retraction's recompute or backup. Two sources of difference are removed:
     or the threads: prompts in the prefill kernel (its tiles share each key block's loads
     across query rows), decode rows as one-row prompts of it (runner/attention/csrc/
     decode_fixed.h; torch_native.py `fixed_order`). Otherwise (the default; fp32: decode rows
-    lost 1.4-5x there), windowed layers (a row's keys begin W before it, not at position 0) and layers
-    with softmax extras run every query through the paged decode kernel over its own keys
+    lost 1.4-5x there), windowed layers (a row's keys begin W before it, not at position 0)
+    and layers with softmax extras run every query through the paged decode kernel over its own keys
     (`deterministic`), with the extras inside
     it, per query row: Gemma 2's attention logit soft-capping (scores = cap * tanh(scores /
     cap) before the softmax) and gpt-oss's attention sinks (a learned logit per head in the
@@ -337,8 +337,8 @@ def _default_why(args: ResolvedArgs, platform: Platform, model_info: ModelInfo |
                  ) -> str | None:
     """Why it is on by default here (None: off): neither flag given, and a CPU, dtype and
     model where it was measured free (above) -- a float model (DEFAULT_*, BF16_DEFAULT_*), or
-    GGUF weights kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models take the flag
-    (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
+    GGUF weights kept packed (PACKED_DEFAULT_*; no quantized draft). Other quantized models
+    take the flag (every built --quantization and checkpoint scheme) but their cost is not measured; nor a
     model with softmax extras (Gemma 2's soft-cap: its cost with the flag was not measured,
     and off it runs window.py's torch math), nor a recurrent hybrid (a Qwen3.5 at hidden 512
     measured prefill 0.64x, served 0.79x on an AMX CPU; faster with the flag without AMX,
