@@ -189,18 +189,24 @@ def run_ab(args, paths: dict, settings: dict, info_key: str) -> dict:
     return result
 
 
-def main(argv=None) -> dict:
+def build_and_run(args, builders: dict, settings: dict, prefix: str, info_key: str) -> dict:
+    """The A/B scripts' common main: threads and seed from the flags, each model's random
+    checkpoint built in a temporary folder, then run_ab over them."""
     import torch
 
-    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        paths = {name: builders[name](os.path.join(tmp, name)) for name in args.models}
+        return run_ab(args, paths, settings, info_key)
+
+
+def main(argv=None) -> dict:
     settings = {arm: {"KVSTRATA_CPU_PACKED_LINEAR": packed, "KVSTRATA_CPU_BF16_GEMM": gemm}
                 for arm, (packed, gemm) in SETTINGS.items()}
-    with tempfile.TemporaryDirectory(prefix="ab-ds-packed-") as tmp:
-        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
-        return run_ab(args, paths, settings, "packed_absorbed_heads")
+    return build_and_run(parse_args(argv), BUILDERS, settings, "ab-ds-packed-",
+                         "packed_absorbed_heads")
 
 
 if __name__ == "__main__":

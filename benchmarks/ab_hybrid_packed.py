@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -45,7 +44,7 @@ def build_qwen3_5(path: str) -> str:
     cfg = Qwen3_5TextConfig(**COMMON, num_hidden_layers=8, linear_num_key_heads=4,
                             linear_num_value_heads=8, linear_key_head_dim=64,
                             linear_value_head_dim=64, linear_conv_kernel_dim=4)
-    return _save(Qwen3_5ForCausalLM(cfg), path)
+    return ab._save(Qwen3_5ForCausalLM(cfg), path)
 
 
 def build_nemotron_h(path: str) -> str:
@@ -56,28 +55,16 @@ def build_nemotron_h(path: str) -> str:
     cfg = NemotronHConfig(**COMMON, num_hidden_layers=8, hybrid_override_pattern="M-M-M*M-",
                           mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64,
                           n_groups=2, chunk_size=64)
-    return _save(NemotronHForCausalLM(cfg), path)
-
-
-def _save(model, path: str) -> str:
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return ab._save(NemotronHForCausalLM(cfg), path)
 
 
 BUILDERS = {"qwen3_5": build_qwen3_5, "nemotron_h": build_nemotron_h}
 
 
 def main(argv=None) -> dict:
-    import torch
-
-    args = ab.parse_args(argv, BUILDERS, SETTINGS, __doc__)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="ab-hybrid-packed-") as tmp:
-        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
-        # "kernel": in quantization_info for the packed and the int8 arms, not unpacked
-        return ab.run_ab(args, paths, SETTINGS, "kernel")
+    # "kernel": in quantization_info for the packed and the int8 arms, not unpacked
+    return ab.build_and_run(ab.parse_args(argv, BUILDERS, SETTINGS, __doc__), BUILDERS,
+                            SETTINGS, "ab-hybrid-packed-", "kernel")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -53,15 +52,8 @@ BUILDERS = {"qwen3-moe": build_qwen3_moe, "mixtral": build_mixtral}
 
 
 def main(argv=None) -> dict:
-    import torch
-
-    args = ab.parse_args(argv, BUILDERS, SETTINGS, __doc__)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="ab-moe-packed-") as tmp:
-        paths = {name: BUILDERS[name](os.path.join(tmp, name)) for name in args.models}
-        return ab.run_ab(args, paths, SETTINGS, "packed_moe_layers")
+    return ab.build_and_run(ab.parse_args(argv, BUILDERS, SETTINGS, __doc__), BUILDERS,
+                            SETTINGS, "ab-moe-packed-", "packed_moe_layers")
 
 
 if __name__ == "__main__":
